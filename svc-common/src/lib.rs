@@ -1,0 +1,278 @@
+//! Map keys, values and constants shared by the kernel programs and the agent.
+//!
+//! One model of services and backends serves every datapath: addresses are always 16 bytes,
+//! IPv4 stored as an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`), so an IPv6 socket that
+//! connects to a mapped address finds the same entry as an IPv4 socket does.
+//!
+//! Byte order is stated per field: `_be` fields hold network byte order (the bytes as on the
+//! wire), everything else is host byte order. No `bool` or `Option`: every byte is explicit,
+//! padding included, so a key compares equal exactly when its fields do.
+#![no_std]
+
+/// Names of the maps, as pinned under the agent's bpffs directory.
+pub mod map_names {
+    pub const SERVICES: &str = "SVC_SERVICES";
+    pub const SLOTS: &str = "SVC_SLOTS";
+    pub const BACKENDS: &str = "SVC_BACKENDS";
+    pub const REV_NAT: &str = "SVC_REV_NAT";
+    pub const SOCK_REV: &str = "SVC_SOCK_REV";
+    pub const AFFINITY: &str = "SVC_AFFINITY";
+    pub const STATS: &str = "SVC_STATS";
+    pub const ALL: [&str; 7] = [SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS];
+}
+
+/// Default capacities. The agent may raise them at load time; these sizes hold 100,000 services.
+pub mod capacity {
+    pub const SERVICES: u32 = 262_144;
+    pub const SLOTS: u32 = 524_288;
+    pub const BACKENDS: u32 = 262_144;
+    pub const REV_NAT: u32 = 262_144;
+    pub const SOCK_REV: u32 = 262_144;
+    pub const AFFINITY: u32 = 262_144;
+}
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// `ServiceKey::proto` of the marker entry that says "this address is a ClusterIP": any port or
+/// protocol it does not define is refused rather than routed.
+pub const PROTO_ANY: u8 = 0;
+
+/// A service frontend: (VIP, port, protocol). With `port_be == 0` and `proto == PROTO_ANY` it is
+/// the address marker entry.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceKey {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Network byte order.
+    pub port_be: u16,
+    /// IPPROTO_TCP, IPPROTO_UDP, or PROTO_ANY for the address marker.
+    pub proto: u8,
+    /// Reserved for the scope of the packet datapath (external / internal); 0 today.
+    pub scope: u8,
+}
+
+/// `ServiceValue::flags` bits.
+pub mod svc_flags {
+    /// sessionAffinity: ClientIP.
+    pub const AFFINITY: u16 = 1 << 0;
+    /// The entry is the address marker (see `PROTO_ANY`), not a frontend.
+    pub const ADDR_MARKER: u16 = 1 << 1;
+    /// internalTrafficPolicy: Local was applied when the slots were chosen.
+    pub const INTERNAL_LOCAL: u16 = 1 << 2;
+}
+
+/// The master entry of a frontend. It is the last thing the agent writes for a service, so
+/// a reader that sees it also sees every slot it names.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceValue {
+    /// Frontend id: names this frontend's slots, its reverse NAT entry and its affinity entries.
+    pub id: u32,
+    /// Number of backend slots, 1..=count, under `(id, rev)`. 0 means "refuse".
+    pub count: u16,
+    /// Generation of the slots; a new backend set is written under `rev + 1` before this entry
+    /// switches to it, so a reader never mixes two sets.
+    pub rev: u16,
+    /// `svc_flags` bits.
+    pub flags: u16,
+    pub _pad0: u16,
+    /// sessionAffinity ClientIP timeout in seconds (when `flags & AFFINITY`).
+    pub affinity_timeout_s: u32,
+}
+
+/// One backend slot of a frontend generation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SlotKey {
+    /// `ServiceValue::id`.
+    pub id: u32,
+    /// `ServiceValue::rev`.
+    pub rev: u16,
+    /// 1-based slot index.
+    pub slot: u16,
+}
+
+/// The value of a slot is a backend id (u32, host order), the key of `BACKENDS`.
+pub type BackendId = u32;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Network byte order.
+    pub port_be: u16,
+    /// IPPROTO_TCP or IPPROTO_UDP.
+    pub proto: u8,
+    /// Reserved for backend state (active, terminating, maintenance); 0 today.
+    pub flags: u8,
+}
+
+/// Key of `REV_NAT` is the frontend id (u32, host order); the value is the frontend it names,
+/// which replies and getpeername() report instead of the backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RevNatValue {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Network byte order.
+    pub port_be: u16,
+    pub _pad0: u16,
+}
+
+/// Per-socket reverse translation: which frontend a socket meant when it reached a backend.
+/// Written at connect()/sendmsg(), read at recvmsg()/getpeername().
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevKey {
+    /// Socket cookie (host order).
+    pub cookie: u64,
+    /// Backend address, network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Backend port, network byte order.
+    pub port_be: u16,
+    pub _pad0: [u8; 6],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevValue {
+    /// Frontend address, network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Frontend port, network byte order.
+    pub port_be: u16,
+    pub _pad0: u16,
+    /// Frontend id; the entry is honoured only while `REV_NAT[id]` still names this frontend,
+    /// so a deleted service's VIP is never reported for a recycled backend.
+    pub id: u32,
+}
+
+/// sessionAffinity ClientIP: the client's backend for one frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityKey {
+    /// Who the client is, as `kind` says. `AFFINITY_CLIENT_NETNS`: the network namespace cookie
+    /// in bytes 0..8 (host order), rest zero; a pod is a network namespace, and at connect() its
+    /// source address is not chosen yet. `AFFINITY_CLIENT_IP`: the client address, network byte
+    /// order, IPv4 as `::ffff:a.b.c.d` (the packet datapath).
+    pub client: [u8; 16],
+    /// Frontend id.
+    pub id: u32,
+    pub kind: u8,
+    pub _pad0: [u8; 3],
+}
+
+pub const AFFINITY_CLIENT_IP: u8 = 0;
+pub const AFFINITY_CLIENT_NETNS: u8 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityValue {
+    /// bpf_ktime_get_ns() of the last connection that used this entry.
+    pub last_used_ns: u64,
+    pub backend: BackendId,
+    pub _pad0: u32,
+}
+
+/// Indexes of the per-CPU `STATS` array: what the socket programs decided, for metrics and for
+/// explaining a flow. Numbered once, never renumbered.
+pub mod stat {
+    /// connect()/sendmsg() to a frontend translated to a backend.
+    pub const TRANSLATED: u32 = 0;
+    /// Refused: the frontend has no usable backend.
+    pub const REFUSED_NO_BACKEND: u32 = 1;
+    /// Refused: a known ClusterIP, but no frontend for that port and protocol.
+    pub const REFUSED_NO_PORT: u32 = 2;
+    /// A slot or backend entry was missing (an update raced the lookup); the call was refused.
+    pub const ERR_MISSING_ENTRY: u32 = 3;
+    /// sessionAffinity reused a client's backend.
+    pub const AFFINITY_HIT: u32 = 4;
+    /// recvmsg()/getpeername() reported a frontend instead of a backend.
+    pub const REV_TRANSLATED: u32 = 5;
+    /// A per-socket reverse entry could not be stored.
+    pub const ERR_SOCK_REV_UPDATE: u32 = 6;
+    pub const COUNT: u32 = 8;
+    pub const NAMES: [&str; COUNT as usize] = [
+        "translated",
+        "refused_no_backend",
+        "refused_no_port",
+        "err_missing_entry",
+        "affinity_hit",
+        "rev_translated",
+        "err_sock_rev_update",
+        "reserved",
+    ];
+}
+
+/// `ECONNREFUSED`, which a refused connect()/sendmsg() returns, as kube-proxy's REJECT does.
+pub const ECONNREFUSED: i32 = 111;
+
+/// `addr` is an IPv4-mapped IPv6 address.
+#[inline(always)]
+pub fn is_v4_mapped(addr: &[u8; 16]) -> bool {
+    addr[..10] == [0u8; 10] && addr[10] == 0xff && addr[11] == 0xff
+}
+
+/// `::ffff:a.b.c.d` from an IPv4 address in network byte order.
+#[inline(always)]
+pub fn v4_mapped(v4: [u8; 4]) -> [u8; 16] {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, v4[0], v4[1], v4[2], v4[3],
+    ]
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: every type is repr(C), Copy, has no padding the compiler adds (all explicit) and
+    // is valid for any bit pattern, which bytemuck::Pod checks at compile time above.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for SlotKey {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for RevNatValue {}
+    unsafe impl aya::Pod for SockRevKey {}
+    unsafe impl aya::Pod for SockRevValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+}
+
+#[cfg(all(test, feature = "user"))]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn sizes_are_stable() {
+        // The kernel and the agent must agree byte for byte; a change here is a map format
+        // change and needs a migration.
+        assert_eq!(size_of::<ServiceKey>(), 20);
+        assert_eq!(size_of::<ServiceValue>(), 16);
+        assert_eq!(size_of::<SlotKey>(), 8);
+        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<RevNatValue>(), 20);
+        assert_eq!(size_of::<SockRevKey>(), 32);
+        assert_eq!(size_of::<SockRevValue>(), 24);
+        assert_eq!(size_of::<AffinityKey>(), 24);
+        assert_eq!(size_of::<AffinityValue>(), 16);
+    }
+
+    #[test]
+    fn v4_mapping_round_trips() {
+        let m = v4_mapped([10, 96, 0, 10]);
+        assert!(is_v4_mapped(&m));
+        assert_eq!(&m[12..], &[10, 96, 0, 10]);
+        assert!(!is_v4_mapped(&[0xfd; 16]));
+    }
+}

@@ -1,0 +1,82 @@
+//! svc kernel programs. Each entry is `fn hook(ctx)` calling the shared logic once and mapping
+//! its result to the verdict the kernel expects.
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock;
+
+use aya_ebpf::{helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, programs::SockAddrContext};
+use sock::Family;
+
+/// sock_addr verdicts: 1 lets the call proceed, 0 fails it (with the errno set by
+/// bpf_set_retval, EPERM otherwise).
+const ALLOW: i32 = 1;
+const DENY: i32 = 0;
+
+#[inline(always)]
+fn forward_verdict(ctx: &SockAddrContext, family: Family) -> i32 {
+    match sock::try_forward(ctx, family) {
+        Ok(()) => ALLOW,
+        Err(errno) => {
+            // SAFETY: a helper with no memory arguments.
+            unsafe { bpf_set_retval(-errno) };
+            DENY
+        }
+    }
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    forward_verdict(&ctx, Family::V4)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    forward_verdict(&ctx, Family::V6)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    forward_verdict(&ctx, Family::V4)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
+    forward_verdict(&ctx, Family::V6)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, Family::V4);
+    ALLOW
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, Family::V6);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, Family::V4);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, Family::V6);
+    ALLOW
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,48 @@
+//! Every map of the datapath, in one place. Types live in svc-common; names are pinned as is.
+
+use aya_ebpf::{
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use svc_common::{
+    capacity, stat, AffinityKey, AffinityValue, Backend, BackendId, RevNatValue, ServiceKey,
+    ServiceValue, SlotKey, SockRevKey, SockRevValue,
+};
+
+/// Frontends (slot-0 master entries) and ClusterIP address markers.
+#[btf_map]
+pub static SVC_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }> =
+    HashMap::new();
+
+/// Backend slots of each frontend generation.
+#[btf_map]
+pub static SVC_SLOTS: HashMap<SlotKey, BackendId, { capacity::SLOTS as usize }> = HashMap::new();
+
+#[btf_map]
+pub static SVC_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }> =
+    HashMap::new();
+
+/// Frontend id to frontend: what a reply or getpeername() reports.
+#[btf_map]
+pub static SVC_REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }> =
+    HashMap::new();
+
+/// Per-socket reverse translation; LRU because sockets come and go without telling us.
+#[btf_map]
+pub static SVC_SOCK_REV: LruHashMap<SockRevKey, SockRevValue, { capacity::SOCK_REV as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static SVC_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> =
+    LruHashMap::new();
+
+#[btf_map]
+pub static SVC_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();
+
+#[inline(always)]
+pub fn count(index: u32) {
+    if let Some(v) = SVC_STATS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, and a program runs to completion on one CPU.
+        unsafe { *v += 1 }
+    }
+}
