@@ -1,0 +1,56 @@
+use std::path::PathBuf;
+
+/// Errors of the agent. Each names what it was about, so a log line alone tells the operator
+/// which object or file to look at.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: document {doc}: {message}")]
+    Manifest {
+        path: PathBuf,
+        doc: usize,
+        message: String,
+    },
+
+    #[error("{object}: {message}")]
+    Invalid { object: String, message: String },
+
+    #[error("map {map}: {message}")]
+    Map { map: &'static str, message: String },
+
+    #[error("map {map} is full ({capacity} entries): {object} not programmed")]
+    MapFull {
+        map: &'static str,
+        capacity: u32,
+        object: String,
+    },
+
+    #[error("loading eBPF programs: {0}")]
+    Load(String),
+
+    #[error("{0}")]
+    Other(String),
+}
+
+impl Error {
+    /// A short stable name for metrics: errors counted by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Io { .. } => "io",
+            Error::Manifest { .. } => "manifest",
+            Error::Invalid { .. } => "invalid_object",
+            Error::Map { .. } => "map",
+            Error::MapFull { .. } => "map_full",
+            Error::Load(_) => "load",
+            Error::Other(_) => "other",
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,1 @@
+//! Services and EndpointSlices from YAML manifest files.

@@ -1,0 +1,3 @@
+//! Where Services and EndpointSlices come from.
+
+pub mod manifest;

@@ -1,0 +1,1 @@
+//! kube-proxy's rules: Services and EndpointSlices to the desired state.
