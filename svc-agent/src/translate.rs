@@ -1,1 +1,0 @@
-//! kube-proxy's rules: Services and EndpointSlices to the desired state.
