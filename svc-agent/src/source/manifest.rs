@@ -797,6 +797,60 @@ items:
     }
 
     #[test]
+    fn fixture_directory_translates_end_to_end() {
+        use crate::translate::{translate, NodeContext};
+
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/cluster");
+        let loaded = load(&dir);
+        let errors = messages(&loaded);
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors[0].ends_with(
+            "10-services.yaml: document 3: Service shop/broken: invalid: \
+             invalid type: string \"eighty\", expected i32"
+        ));
+        assert!(errors[1].contains("10-services.yaml: document 5: Deployment shop/web"));
+        assert_eq!(loaded.services.len(), 3);
+        assert_eq!(loaded.slices.len(), 3);
+
+        let services: Vec<Service> = loaded.services.into_iter().map(|n| n.object).collect();
+        let slices: Vec<EndpointSlice> = loaded.slices.into_iter().map(|n| n.object).collect();
+        let node = NodeContext {
+            node_name: Some("node-1".to_string()),
+            zone: None,
+        };
+        let t = translate(&services, &slices, &node);
+        let errors: Vec<String> = t.errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            errors,
+            ["EndpointSlice kube-system/dns-1: endpoint \"10.244.300.3\" is not an IP address; skipped"]
+        );
+        let table: Vec<String> = t
+            .state
+            .frontends
+            .values()
+            .map(|f| {
+                let backends: Vec<String> = f.backends.iter().map(ToString::to_string).collect();
+                format!(
+                    "{} {} {:?} [{}]",
+                    f.frontend,
+                    f.service,
+                    f.affinity_timeout_s,
+                    backends.join(" ")
+                )
+            })
+            .collect();
+        assert_eq!(
+            table,
+            [
+                "10.96.0.10:53/TCP kube-system/dns:dns-tcp Some(10800) [10.244.1.2:53]",
+                "10.96.0.10:53/UDP kube-system/dns:dns Some(10800) [10.244.1.2:53]",
+                "10.96.10.1:80/TCP shop/web:http None [10.244.1.5:8080 10.244.2.9:9090]",
+                "10.96.10.1:443/TCP shop/web:https None [10.244.1.5:8443 10.244.2.9:8443]",
+            ]
+        );
+    }
+
+    #[test]
     fn document_markers_are_recognised_only_at_line_start() {
         let chunks = split_documents("a: '---'\n  ---\n---x: 1\n--- \nb: 1\n---\r\nc: 1\n");
         let starts: Vec<usize> = chunks.iter().map(|c| c.first_line).collect();

@@ -797,8 +797,8 @@ fn nameless_objects_are_errors() {
     assert_eq!(
         errors(&t),
         [
-            "Service a/: metadata.name is required",
-            "EndpointSlice a/: metadata.name is required",
+            "Service a/(unnamed): metadata.name is required",
+            "EndpointSlice a/(unnamed): metadata.name is required",
         ]
     );
     assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
