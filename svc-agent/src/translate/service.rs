@@ -14,7 +14,7 @@ use crate::model::Protocol;
 const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Set by the EndpointSlice controller on slices of headless Services; kube-proxy filters
 /// Services and slices carrying it.
-pub(super) const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 
 /// The API server's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
