@@ -210,3 +210,21 @@ pub fn uninstall(dir: &Path) -> Result<Vec<PathBuf>> {
     })?;
     Ok(removed)
 }
+
+/// Totals of the socket programs' decision counters, by reason, from the pinned map.
+pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
+    let path = dir.join(map_names::STATS);
+    let data = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
+    let map = Map::from_map_data(data).map_err(|e| load_err(map_names::STATS, e))?;
+    let stats: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(map).map_err(|e| load_err(map_names::STATS, e))?;
+    (0..svc_common::stat::COUNT)
+        .filter(|i| svc_common::stat::NAMES[*i as usize] != "reserved")
+        .map(|i| {
+            stats
+                .get(&i, 0)
+                .map(|per_cpu| (svc_common::stat::NAMES[i as usize], per_cpu.iter().sum()))
+                .map_err(|e| load_err(map_names::STATS, e))
+        })
+        .collect()
+}

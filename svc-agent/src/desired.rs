@@ -78,7 +78,6 @@ impl Desired {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,7 +119,7 @@ mod tests {
 
         let a2 = d("ns/a", "10.96.0.1", 81);
         let owners = BTreeSet::from(["ns/a".to_string()]);
-        let (touched, errors) = desired.replace(&owners, state(&[a2.clone()]));
+        let (touched, errors) = desired.replace(&owners, state(std::slice::from_ref(&a2)));
         assert!(errors.is_empty());
         assert_eq!(touched, BTreeSet::from([a.0, a2.0]));
         assert!(desired.state.frontends.contains_key(&b.0));

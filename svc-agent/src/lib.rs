@@ -5,6 +5,7 @@ pub mod datapath;
 pub mod desired;
 pub mod error;
 pub mod list;
+pub mod metrics;
 pub mod model;
 pub mod source;
 pub mod store;

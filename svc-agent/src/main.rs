@@ -4,7 +4,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
-use svc_agent::{agent, datapath, list, sys, translate::NodeContext};
+use std::net::SocketAddr;
+
+use svc_agent::{agent, datapath, list, source::kube, sys, translate::NodeContext};
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
@@ -22,24 +24,49 @@ enum Output {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Attach the datapath to a cgroup and keep it in sync with manifest files.
+    /// Attach the datapath to a cgroup and keep it in sync with the Kubernetes API, or with
+    /// manifest files.
     Run {
-        /// A YAML file (several documents allowed) or a directory of them, holding v1 Service
-        /// and discovery.k8s.io/v1 EndpointSlice objects.
+        /// Serve the Services in these files instead of the Kubernetes API: a YAML file
+        /// (several documents allowed) or a directory of them, holding v1 Service and
+        /// discovery.k8s.io/v1 EndpointSlice objects.
+        #[arg(long, conflicts_with_all = ["kubeconfig", "service_proxy_name"])]
+        manifests: Option<PathBuf>,
+        /// Kubernetes client configuration; without it, in-cluster configuration, then
+        /// $KUBECONFIG and ~/.kube/config.
         #[arg(long)]
-        manifests: PathBuf,
-        /// The cgroup (v2) whose sockets are served, e.g. /sys/fs/cgroup/kubepods.
+        kubeconfig: Option<PathBuf>,
+        /// The cgroup (v2) whose sockets are served, e.g. the cgroup2 mount itself on a node.
         #[arg(long)]
         cgroup: PathBuf,
         /// Where maps and links are pinned.
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
         bpffs: PathBuf,
-        /// This node's name, for internalTrafficPolicy: Local.
-        #[arg(long)]
+        /// This node's name: its Node gives the zone for topology hints, and
+        /// internalTrafficPolicy: Local keeps endpoints on it. Required with the Kubernetes API.
+        #[arg(long, env = "NODE_NAME")]
         node_name: Option<String>,
-        /// How often the manifests are checked for changes, in milliseconds.
+        /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME.
+        #[arg(long)]
+        service_proxy_name: Option<String>,
+        /// kube-proxy compatible /healthz (and /metrics). Default with the Kubernetes API:
+        /// 0.0.0.0:10256; with manifests: off.
+        #[arg(long)]
+        healthz_bind_address: Option<SocketAddr>,
+        /// Prometheus /metrics (and /healthz). Default with the Kubernetes API:
+        /// 127.0.0.1:10249; with manifests: off.
+        #[arg(long)]
+        metrics_bind_address: Option<SocketAddr>,
+        /// /healthz fails when a change has waited longer than this to be programmed (seconds).
+        #[arg(long, default_value_t = 60)]
+        health_timeout_s: u64,
+        /// How often manifest files are checked for changes, in milliseconds.
         #[arg(long, default_value_t = 200)]
         poll_ms: u64,
+        /// With the Kubernetes API: how long a burst of events is gathered before a sync, in
+        /// milliseconds.
+        #[arg(long, default_value_t = 5)]
+        coalesce_ms: u64,
     },
     /// Print each service frontend with its backends, from the pinned maps.
     List {
@@ -70,26 +97,60 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Run {
             manifests,
+            kubeconfig,
             cgroup,
             bpffs,
             node_name,
+            service_proxy_name,
+            healthz_bind_address,
+            metrics_bind_address,
+            health_timeout_s,
             poll_ms,
+            coalesce_ms,
         } => {
+            let from_api = manifests.is_none();
+            let defaults = |given: Option<SocketAddr>, default: &str| {
+                given.or_else(|| from_api.then(|| default.parse().expect("valid literal")))
+            };
             let cfg = agent::RunConfig {
-                manifests,
                 cgroup,
                 bpffs,
                 node: NodeContext {
-                    node_name,
+                    node_name: node_name.clone(),
                     zone: None,
                 },
-                poll: Duration::from_millis(poll_ms.max(10)),
+                listen: [
+                    defaults(healthz_bind_address, "0.0.0.0:10256"),
+                    defaults(metrics_bind_address, "127.0.0.1:10249"),
+                ]
+                .into_iter()
+                .flatten()
+                .collect(),
+                health_timeout: Duration::from_secs(health_timeout_s),
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the runtime")?;
-            rt.block_on(agent::run(cfg))?;
+            match manifests {
+                Some(path) => rt.block_on(agent::run_manifests(
+                    cfg,
+                    path,
+                    Duration::from_millis(poll_ms.max(10)),
+                ))?,
+                None => {
+                    let Some(node_name) = node_name else {
+                        bail!("--node-name (or $NODE_NAME) is required with the Kubernetes API");
+                    };
+                    let opts = kube::KubeOptions {
+                        kubeconfig,
+                        node_name,
+                        service_proxy_name,
+                        coalesce: Duration::from_millis(coalesce_ms),
+                    };
+                    rt.block_on(kube::run(cfg, opts))?
+                }
+            }
         }
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;

@@ -62,6 +62,9 @@ pub struct SyncReport {
     pub frontends_removed: usize,
     pub ops: usize,
     pub affinity_purged: usize,
+    /// UDP backends no frontend uses any more: connected sockets to them must be closed, or
+    /// they would keep sending to a dead address.
+    pub udp_backends_deleted: Vec<SocketAddr>,
     pub errors: Vec<Error>,
 }
 
@@ -275,6 +278,24 @@ impl Programmed {
         p
     }
 
+    /// Entries the agent keeps in each map it writes, with the map's capacity.
+    pub fn map_usage(&self) -> Vec<(&'static str, usize, u32)> {
+        use svc_common::{capacity, map_names};
+        let slots = self.frontends.values().map(|f| f.backends.len()).sum();
+        let n = self.frontends.len();
+        vec![
+            (
+                map_names::SERVICES,
+                n + self.markers.len(),
+                capacity::SERVICES,
+            ),
+            (map_names::SLOTS, slots, capacity::SLOTS),
+            (map_names::BACKENDS, self.backends.len(), capacity::BACKENDS),
+            (map_names::REV_NAT, n, capacity::REV_NAT),
+            (map_names::NAMES, n, capacity::NAMES),
+        ]
+    }
+
     fn add_refs(&mut self, ids: &[BackendId]) {
         for id in ids {
             *self.backend_refs.entry(*id).or_insert(0) += 1;
@@ -323,7 +344,9 @@ impl Programmed {
                     .collect(),
             ),
             Scope::Only(set) => (
-                set.iter().filter_map(|fe| desired.frontends.get(fe)).collect(),
+                set.iter()
+                    .filter_map(|fe| desired.frontends.get(fe))
+                    .collect(),
                 set.iter()
                     .filter(|fe| {
                         !desired.frontends.contains_key(fe) && self.frontends.contains_key(fe)
@@ -344,11 +367,7 @@ impl Programmed {
         // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
         // about to be written.
         let marker_ips: BTreeSet<IpAddr> = match scope {
-            Scope::All => desired
-                .cluster_ips
-                .union(&self.markers)
-                .copied()
-                .collect(),
+            Scope::All => desired.cluster_ips.union(&self.markers).copied().collect(),
             Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
         };
         for ip in &marker_ips {
@@ -357,7 +376,9 @@ impl Programmed {
                     Ok(()) => {
                         self.markers.insert(*ip);
                     }
-                    Err(e) => report.errors.push(name_object(e, &format!("ClusterIP {ip}"))),
+                    Err(e) => report
+                        .errors
+                        .push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
             }
         }
@@ -377,12 +398,14 @@ impl Programmed {
                     Ok(()) => {
                         self.markers.remove(ip);
                     }
-                    Err(e) => report.errors.push(name_object(e, &format!("ClusterIP {ip}"))),
+                    Err(e) => report
+                        .errors
+                        .push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
             }
         }
 
-        if let Err(e) = self.collect_garbage(&mut w) {
+        if let Err(e) = self.collect_garbage(&mut w, &mut report.udp_backends_deleted) {
             report.errors.push(e);
         }
 
@@ -591,7 +614,11 @@ impl Programmed {
 
     /// Deletes what no master entry leads to any more: unreferenced backends, and entries a
     /// dead agent left behind.
-    fn collect_garbage<S: Store>(&mut self, w: &mut Writer<'_, S>) -> Result<()> {
+    fn collect_garbage<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        udp_deleted: &mut Vec<SocketAddr>,
+    ) -> Result<()> {
         for k in std::mem::take(&mut self.stray_slots) {
             w.op(Op::DelSlot(k))?;
         }
@@ -609,6 +636,9 @@ impl Programmed {
             }
             if let Some(k) = self.backends.remove(&id) {
                 self.backend_ids.remove(&k);
+                if k.1 == Protocol::Udp {
+                    udp_deleted.push(k.0);
+                }
             }
         }
         Ok(())
@@ -992,10 +1022,16 @@ mod tests {
         let scope: BTreeSet<Frontend> = [b, c].into_iter().collect();
         let r = p.apply_scoped(&mut store, &desired, Scope::Only(&scope));
         assert!(r.errors.is_empty());
-        assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
+        assert_eq!(
+            store.resolve(&a).unwrap(),
+            vec!["10.0.0.1:8080".parse().unwrap()]
+        );
         assert_eq!(store.resolve(&b), None);
         assert!(!store.services.contains_key(&marker_key(b.ip)));
-        assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.2:8080".parse().unwrap()]);
+        assert_eq!(
+            store.resolve(&c).unwrap(),
+            vec!["10.0.0.2:8080".parse().unwrap()]
+        );
         // 10.0.0.1 is still used by a, so it stays.
         assert_eq!(store.backends.len(), 2);
     }

@@ -1,3 +1,4 @@
 //! Where Services and EndpointSlices come from.
 
+pub mod kube;
 pub mod manifest;

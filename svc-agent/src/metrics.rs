@@ -1,0 +1,374 @@
+//! Prometheus metrics and a kube-proxy compatible `/healthz`, served over plain HTTP.
+//!
+//! Two endpoints do not justify a web framework: the server reads one request line, answers,
+//! and closes.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::jiff::Timestamp;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tracing::{debug, warn};
+
+use crate::error::Error;
+
+/// Seconds; from a fast incremental sync to a slow cold start.
+const SYNC_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Seconds; kube-proxy's network programming latency is measured on the same scale.
+const LAG_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+#[derive(Debug, Clone)]
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    fn observe(&mut self, v: f64) {
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    syncs: u64,
+    sync_seconds: Histogram,
+    event_lag_seconds: Histogram,
+    programming_seconds: Histogram,
+    errors: BTreeMap<&'static str, u64>,
+    frontends: usize,
+    backends: usize,
+    cluster_ips: usize,
+    /// Map name to (entries the agent wrote, capacity).
+    maps: BTreeMap<&'static str, (usize, u32)>,
+    last_synced: Option<Timestamp>,
+    /// Since when a change has waited to be programmed.
+    queued_since: Option<Instant>,
+}
+
+/// Shared between the sync loop, which records, and the HTTP server, which reads.
+#[derive(Debug)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+    /// Where the per-CPU decision counters are pinned.
+    bpffs: PathBuf,
+    /// A queued change older than this makes /healthz fail, as kube-proxy's healthTimeout.
+    health_timeout: Duration,
+}
+
+/// What the sync loop reports after a sync.
+#[derive(Debug, Default, Clone)]
+pub struct Programmed {
+    pub frontends: usize,
+    pub backends: usize,
+    pub cluster_ips: usize,
+    pub maps: Vec<(&'static str, usize, u32)>,
+}
+
+impl Metrics {
+    pub fn new(bpffs: PathBuf, health_timeout: Duration) -> Arc<Metrics> {
+        Arc::new(Metrics {
+            inner: Mutex::new(Inner {
+                syncs: 0,
+                sync_seconds: Histogram::new(SYNC_BUCKETS),
+                event_lag_seconds: Histogram::new(LAG_BUCKETS),
+                programming_seconds: Histogram::new(LAG_BUCKETS),
+                errors: BTreeMap::new(),
+                frontends: 0,
+                backends: 0,
+                cluster_ips: 0,
+                maps: BTreeMap::new(),
+                last_synced: None,
+                queued_since: None,
+            }),
+            bpffs,
+            health_timeout,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic elsewhere must not take the metrics down with it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn error(&self, e: &Error) {
+        *self.lock().errors.entry(e.kind()).or_default() += 1;
+    }
+
+    pub fn error_kind(&self, kind: &'static str) {
+        *self.lock().errors.entry(kind).or_default() += 1;
+    }
+
+    pub fn errors_total(&self) -> u64 {
+        self.lock().errors.values().sum()
+    }
+
+    /// A change arrived that is not programmed yet.
+    pub fn queued(&self) {
+        self.lock().queued_since.get_or_insert_with(Instant::now);
+    }
+
+    pub fn synced(&self, took: Duration, state: Programmed) {
+        let mut i = self.lock();
+        i.syncs += 1;
+        i.sync_seconds.observe(took.as_secs_f64());
+        i.frontends = state.frontends;
+        i.backends = state.backends;
+        i.cluster_ips = state.cluster_ips;
+        for (name, used, cap) in state.maps {
+            i.maps.insert(name, (used, cap));
+        }
+        i.last_synced = Some(Timestamp::now());
+        i.queued_since = None;
+    }
+
+    /// From the agent receiving an event to the datapath reflecting it.
+    pub fn event_lag(&self, d: Duration) {
+        self.lock().event_lag_seconds.observe(d.as_secs_f64());
+    }
+
+    /// From the change in the cluster (EndpointSlice's last-change-trigger-time) to the
+    /// datapath reflecting it: kube-proxy's network programming latency.
+    pub fn programming_latency(&self, d: Duration) {
+        self.lock().programming_seconds.observe(d.as_secs_f64());
+    }
+
+    /// kube-proxy's rule: healthy unless a change has waited longer than the timeout, and
+    /// never before the first sync.
+    pub fn healthy(&self) -> (bool, Option<Timestamp>) {
+        let i = self.lock();
+        let waiting_too_long = i
+            .queued_since
+            .is_some_and(|t| t.elapsed() > self.health_timeout);
+        (i.last_synced.is_some() && !waiting_too_long, i.last_synced)
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        {
+            let i = self.lock();
+            let gauge = |out: &mut String, name: &str, help: &str, v: usize| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+            };
+            gauge(
+                &mut out,
+                "svc_frontends_programmed",
+                "Service frontends (ClusterIP, port, protocol) in the datapath.",
+                i.frontends,
+            );
+            gauge(
+                &mut out,
+                "svc_backends_programmed",
+                "Distinct backends (IP, port, protocol) in the datapath.",
+                i.backends,
+            );
+            gauge(
+                &mut out,
+                "svc_cluster_ips_programmed",
+                "ClusterIPs known to the datapath.",
+                i.cluster_ips,
+            );
+            let _ = writeln!(out, "# HELP svc_syncs_total Syncs of the datapath maps.\n# TYPE svc_syncs_total counter\nsvc_syncs_total {}", i.syncs);
+            i.sync_seconds.render(
+                &mut out,
+                "svc_sync_duration_seconds",
+                "Time to translate and write one sync.",
+            );
+            i.event_lag_seconds.render(
+                &mut out,
+                "svc_event_to_datapath_seconds",
+                "From receiving an API event to the datapath reflecting it.",
+            );
+            i.programming_seconds.render(
+                &mut out,
+                "svc_network_programming_duration_seconds",
+                "From an EndpointSlice's last-change-trigger-time to the datapath reflecting it.",
+            );
+            let _ = writeln!(out, "# HELP svc_errors_total Objects skipped and operations failed, by kind.\n# TYPE svc_errors_total counter");
+            for (k, v) in &i.errors {
+                let _ = writeln!(out, "svc_errors_total{{kind=\"{k}\"}} {v}");
+            }
+            let _ = writeln!(out, "# HELP svc_map_entries Entries the agent keeps in each map.\n# TYPE svc_map_entries gauge");
+            for (m, (used, _)) in &i.maps {
+                let _ = writeln!(out, "svc_map_entries{{map=\"{m}\"}} {used}");
+            }
+            let _ = writeln!(
+                out,
+                "# HELP svc_map_capacity max_entries of each map.\n# TYPE svc_map_capacity gauge"
+            );
+            for (m, (_, cap)) in &i.maps {
+                let _ = writeln!(out, "svc_map_capacity{{map=\"{m}\"}} {cap}");
+            }
+        }
+        match crate::datapath::read_stats(&self.bpffs) {
+            Ok(stats) => {
+                let _ = writeln!(out, "# HELP svc_datapath_decisions_total Decisions of the socket programs, by reason.\n# TYPE svc_datapath_decisions_total counter");
+                for (name, v) in stats {
+                    let _ = writeln!(out, "svc_datapath_decisions_total{{reason=\"{name}\"}} {v}");
+                }
+            }
+            Err(e) => debug!("datapath counters unavailable: {e}"),
+        }
+        out
+    }
+}
+
+fn response(status: &str, content_type: &str, body: &str) -> String {
+    format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn answer(metrics: &Metrics, path: &str) -> String {
+    match path {
+        "/metrics" => response(
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            &metrics.render(),
+        ),
+        "/healthz" | "/livez" => {
+            let (ok, last) = metrics.healthy();
+            let last = last.map(|t| t.to_string()).unwrap_or_default();
+            let body = format!(
+                "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": true}}",
+                Timestamp::now()
+            );
+            let status = if ok {
+                "200 OK"
+            } else {
+                "503 Service Unavailable"
+            };
+            response(status, "application/json", &body)
+        }
+        _ => response("404 Not Found", "text/plain", "not found\n"),
+    }
+}
+
+/// Serves /metrics and /healthz until the task is dropped.
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let (mut conn, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!("accepting on the metrics port: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut len = 0;
+            // Only the request line matters; stop at the end of the headers or when full.
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                while len < buf.len() {
+                    let n = conn.read(&mut buf[len..]).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    len += n;
+                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                Ok::<_, std::io::Error>(())
+            })
+            .await;
+            if !matches!(read, Ok(Ok(()))) {
+                return;
+            }
+            let head = String::from_utf8_lossy(&buf[..len]);
+            let mut parts = head.split_whitespace();
+            let reply = match (parts.next(), parts.next()) {
+                (Some("GET"), Some(path)) => answer(&metrics, path.split('?').next().unwrap_or("")),
+                _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
+            };
+            if let Err(e) = conn.write_all(reply.as_bytes()).await {
+                debug!(%peer, "writing a metrics reply: {e}");
+            }
+        });
+    }
+}
+
+/// Binds an address for `serve`, naming it in the error.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Other(format!("binding {addr}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_millis(20));
+        assert!(!m.healthy().0);
+        m.synced(Duration::from_millis(1), Programmed::default());
+        assert!(m.healthy().0);
+        m.queued();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!m.healthy().0);
+        assert!(answer(&m, "/healthz").starts_with("HTTP/1.1 503"));
+        m.synced(Duration::from_millis(1), Programmed::default());
+        assert!(answer(&m, "/healthz").starts_with("HTTP/1.1 200"));
+    }
+
+    #[test]
+    fn metrics_render_histograms_and_errors() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(3),
+            Programmed {
+                frontends: 2,
+                backends: 3,
+                cluster_ips: 1,
+                maps: vec![("SVC_SERVICES", 3, 100)],
+            },
+        );
+        m.error_kind("manifest");
+        let text = m.render();
+        assert!(text.contains("svc_frontends_programmed 2"));
+        assert!(text.contains("svc_sync_duration_seconds_bucket{le=\"0.005\"} 1"));
+        assert!(text.contains("svc_sync_duration_seconds_bucket{le=\"0.001\"} 0"));
+        assert!(text.contains("svc_errors_total{kind=\"manifest\"} 1"));
+        assert!(text.contains("svc_map_capacity{map=\"SVC_SERVICES\"} 100"));
+    }
+}

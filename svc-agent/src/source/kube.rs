@@ -1,0 +1,488 @@
+//! Services, EndpointSlices and this node from the Kubernetes API.
+//!
+//! Three watchers feed one loop. Nothing is programmed until Services and EndpointSlices have
+//! both been listed completely; then one full sync against the pinned maps; then, per event,
+//! only the Services it touches, with bursts coalesced. A relist replaces a cache atomically
+//! (watcher `Init`/`InitDone`) and marks only what differs. Watch errors and API outages keep
+//! the last programmed state serving; the watchers retry with backoff.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, Resource, ResourceExt};
+use tracing::{debug, info, warn};
+
+use crate::agent::{self, Agent, RunConfig};
+use crate::error::{Error, Result};
+use crate::translate::{self, NodeContext};
+
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub const PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+/// Set by the EndpointSlice controller: when the change that produced this slice happened.
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+#[derive(Clone, Debug)]
+pub struct KubeOptions {
+    /// None: in-cluster configuration, then $KUBECONFIG and ~/.kube/config.
+    pub kubeconfig: Option<PathBuf>,
+    pub node_name: String,
+    /// Serve only Services labelled with this proxy name, as kube-proxy's --service-proxy-name
+    /// does; None: only Services without the label.
+    pub service_proxy_name: Option<String>,
+    /// How long a burst of events may keep arriving before the affected Services are synced.
+    pub coalesce: Duration,
+}
+
+/// kube-proxy's selection: Services (and their slices) that are not headless and belong to
+/// this proxy.
+pub fn label_selector(service_proxy_name: Option<&str>) -> String {
+    match service_proxy_name {
+        Some(name) => format!("{PROXY_NAME_LABEL}={name},!{HEADLESS_LABEL}"),
+        None => format!("!{PROXY_NAME_LABEL},!{HEADLESS_LABEL}"),
+    }
+}
+
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .map_err(|e| Error::Other(format!("kubeconfig {}: {e}", path.display())))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| Error::Other(format!("no Kubernetes configuration: {e}")))?,
+    };
+    Client::try_from(config).map_err(|e| Error::Other(format!("Kubernetes client: {e}")))
+}
+
+type Key = (String, String);
+
+fn key_of<K: Resource>(o: &K) -> Key {
+    (
+        o.meta().namespace.clone().unwrap_or_default(),
+        o.meta().name.clone().unwrap_or_default(),
+    )
+}
+
+fn owner(k: &Key) -> String {
+    format!("{}/{}", k.0, k.1)
+}
+
+/// The Service a slice belongs to, if it names one.
+fn slice_service(s: &EndpointSlice) -> Option<Key> {
+    let name = s.labels().get(SERVICE_NAME_LABEL)?;
+    Some((s.namespace().unwrap_or_default(), name.clone()))
+}
+
+fn same_version<K: Resource>(a: &K, b: &K) -> bool {
+    let (a, b) = (&a.meta().resource_version, &b.meta().resource_version);
+    a.is_some() && a == b
+}
+
+// Each update is moved once from its watcher into the cache, never stored as an Update, so
+// the size of the largest variant costs a copy, not memory.
+#[allow(clippy::large_enum_variant)]
+enum Update {
+    Service(Event<Service>),
+    Slice(Event<EndpointSlice>),
+    // Boxed: a Node is far larger than the rest, and node events are rare.
+    Node(Box<Event<Node>>),
+    WatchError(&'static str, String),
+}
+
+/// The API objects this node serves, and which Services changed since the last sync.
+#[derive(Default)]
+struct Cache {
+    services: BTreeMap<Key, Service>,
+    slices: BTreeMap<Key, EndpointSlice>,
+    slices_of: BTreeMap<Key, BTreeSet<Key>>,
+    service_relist: Option<BTreeMap<Key, Service>>,
+    slice_relist: Option<BTreeMap<Key, EndpointSlice>>,
+    services_listed: bool,
+    slices_listed: bool,
+    zone: Option<String>,
+    /// Services to translate again at the next sync.
+    dirty: BTreeSet<Key>,
+    /// Everything must be translated again (first sync, the node's zone changed).
+    all_dirty: bool,
+    /// When the oldest change not yet programmed arrived.
+    first_change: Option<Instant>,
+}
+
+impl Cache {
+    fn mark(&mut self, k: Key) {
+        self.dirty.insert(k);
+        self.first_change.get_or_insert_with(Instant::now);
+    }
+
+    fn index_slice(&mut self, k: &Key, s: &EndpointSlice, add: bool) {
+        if let Some(svc) = slice_service(s) {
+            if add {
+                self.slices_of
+                    .entry(svc.clone())
+                    .or_default()
+                    .insert(k.clone());
+            } else if let Some(set) = self.slices_of.get_mut(&svc) {
+                set.remove(k);
+                if set.is_empty() {
+                    self.slices_of.remove(&svc);
+                }
+            }
+            self.mark(svc);
+        }
+    }
+
+    fn put_slice(&mut self, s: EndpointSlice) {
+        let k = key_of(&s);
+        if let Some(old) = self.slices.remove(&k) {
+            self.index_slice(&k, &old, false);
+        }
+        self.index_slice(&k, &s, true);
+        self.slices.insert(k, s);
+    }
+
+    fn delete_slice(&mut self, k: &Key) {
+        if let Some(old) = self.slices.remove(k) {
+            self.index_slice(k, &old, false);
+        }
+    }
+
+    fn apply(&mut self, u: Update) {
+        match u {
+            Update::Service(e) => match e {
+                Event::Apply(s) => {
+                    let k = key_of(&s);
+                    self.services.insert(k.clone(), s);
+                    self.mark(k);
+                }
+                Event::Delete(s) => {
+                    let k = key_of(&s);
+                    self.services.remove(&k);
+                    self.mark(k);
+                }
+                Event::Init => self.service_relist = Some(BTreeMap::new()),
+                Event::InitApply(s) => {
+                    if let Some(buf) = self.service_relist.as_mut() {
+                        buf.insert(key_of(&s), s);
+                    }
+                }
+                Event::InitDone => {
+                    let fresh = self.service_relist.take().unwrap_or_default();
+                    let changed: Vec<Key> = self
+                        .services
+                        .keys()
+                        .chain(fresh.keys())
+                        .filter(|k| match (self.services.get(*k), fresh.get(*k)) {
+                            (Some(a), Some(b)) => !same_version(a, b),
+                            _ => true,
+                        })
+                        .cloned()
+                        .collect();
+                    self.services = fresh;
+                    changed.into_iter().for_each(|k| self.mark(k));
+                    self.services_listed = true;
+                }
+            },
+            Update::Slice(e) => match e {
+                Event::Apply(s) => self.put_slice(s),
+                Event::Delete(s) => self.delete_slice(&key_of(&s)),
+                Event::Init => self.slice_relist = Some(BTreeMap::new()),
+                Event::InitApply(s) => {
+                    if let Some(buf) = self.slice_relist.as_mut() {
+                        buf.insert(key_of(&s), s);
+                    }
+                }
+                Event::InitDone => {
+                    let fresh = self.slice_relist.take().unwrap_or_default();
+                    let gone: Vec<Key> = self
+                        .slices
+                        .keys()
+                        .filter(|k| !fresh.contains_key(*k))
+                        .cloned()
+                        .collect();
+                    for k in gone {
+                        self.delete_slice(&k);
+                    }
+                    for (k, s) in fresh {
+                        if self.slices.get(&k).is_some_and(|old| same_version(old, &s)) {
+                            continue;
+                        }
+                        self.put_slice(s);
+                    }
+                    self.slices_listed = true;
+                }
+            },
+            Update::Node(e) => {
+                let zone = match *e {
+                    Event::Apply(n) | Event::InitApply(n) => n.labels().get(ZONE_LABEL).cloned(),
+                    Event::Delete(_) => None,
+                    Event::Init | Event::InitDone => return,
+                };
+                if zone != self.zone {
+                    info!(?zone, "node zone changed; translating every Service again");
+                    self.zone = zone;
+                    self.all_dirty = true;
+                    self.first_change.get_or_insert_with(Instant::now);
+                }
+            }
+            Update::WatchError(..) => {}
+        }
+    }
+
+    fn ready(&self) -> bool {
+        self.services_listed && self.slices_listed
+    }
+
+    /// The Services in `keys` that exist, and every slice that belongs to them.
+    fn objects_for(&self, keys: &BTreeSet<Key>) -> (Vec<Service>, Vec<EndpointSlice>) {
+        let services = keys
+            .iter()
+            .filter_map(|k| self.services.get(k).cloned())
+            .collect();
+        let slices = keys
+            .iter()
+            .filter_map(|k| self.slices_of.get(k))
+            .flatten()
+            .filter_map(|sk| self.slices.get(sk).cloned())
+            .collect();
+        (services, slices)
+    }
+
+    /// The oldest trigger time of the slices of `keys`, for network programming latency.
+    fn trigger_times(&self, keys: &BTreeSet<Key>) -> Vec<Timestamp> {
+        keys.iter()
+            .filter_map(|k| self.slices_of.get(k))
+            .flatten()
+            .filter_map(|sk| self.slices.get(sk))
+            .filter_map(|s| s.annotations().get(TRIGGER_TIME_ANNOTATION))
+            .filter_map(|t| t.parse::<Timestamp>().ok())
+            .collect()
+    }
+}
+
+fn updates<K, F>(
+    api: Api<K>,
+    config: watcher::Config,
+    kind: &'static str,
+    wrap: F,
+) -> impl Stream<Item = Update> + Send
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    F: Fn(Event<K>) -> Update + Send + 'static,
+{
+    watcher::watcher(api, config)
+        .default_backoff()
+        .map(move |r| match r {
+            Ok(e) => wrap(e),
+            Err(e) => Update::WatchError(kind, e.to_string()),
+        })
+}
+
+/// Serves the Kubernetes API's Services until SIGTERM or SIGINT.
+pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
+    let client = client(opts.kubeconfig.as_deref()).await?;
+    let mut agent = agent::start(&cfg).await?;
+
+    let selector = label_selector(opts.service_proxy_name.as_deref());
+    let services = updates(
+        Api::<Service>::all(client.clone()),
+        watcher::Config::default().labels(&selector),
+        "watch_services",
+        Update::Service,
+    );
+    let slices = updates(
+        Api::<EndpointSlice>::all(client.clone()),
+        watcher::Config::default().labels(&selector),
+        "watch_endpointslices",
+        Update::Slice,
+    );
+    let nodes = updates(
+        Api::<Node>::all(client),
+        watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
+        "watch_node",
+        |e| Update::Node(Box::new(e)),
+    );
+    let mut events = futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
+
+    let mut cache = Cache {
+        all_dirty: true,
+        ..Default::default()
+    };
+    let mut synced_once = false;
+    let stop = agent::shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let deadline = cache
+            .first_change
+            .filter(|_| cache.ready())
+            .map(|t| tokio::time::Instant::from_std(t + opts.coalesce));
+        tokio::select! {
+            r = &mut stop => { r?; break; }
+            u = events.next() => {
+                let Some(u) = u else { break };
+                if let Update::WatchError(kind, e) = &u {
+                    // The watcher retries with backoff; what is programmed keeps serving.
+                    warn!("{kind}: {e}");
+                    agent.metrics.error_kind(kind);
+                }
+                cache.apply(u);
+                if cache.first_change.is_some() {
+                    agent.metrics.queued();
+                }
+            }
+            _ = sleep_until(deadline), if deadline.is_some() => {
+                sync(&mut agent, &mut cache, &opts);
+                if !synced_once {
+                    synced_once = true;
+                    eprintln!("svc-agent: ready");
+                }
+            }
+        }
+    }
+    info!("stopping; programs stay attached and maps pinned");
+    Ok(())
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => futures::future::pending().await,
+    }
+}
+
+fn sync(agent: &mut Agent, cache: &mut Cache, opts: &KubeOptions) {
+    let started = cache.first_change.take().unwrap_or_else(Instant::now);
+    agent.node = NodeContext {
+        node_name: Some(opts.node_name.clone()),
+        zone: cache.zone.clone(),
+    };
+    let dirty = std::mem::take(&mut cache.dirty);
+    let report = if std::mem::take(&mut cache.all_dirty) {
+        let services: Vec<Service> = cache.services.values().cloned().collect();
+        let slices: Vec<EndpointSlice> = cache.slices.values().cloned().collect();
+        let translated = translate::translate(&services, &slices, &agent.node);
+        agent.apply_full(translated)
+    } else {
+        let (services, slices) = cache.objects_for(&dirty);
+        let translated = translate::translate(&services, &slices, &agent.node);
+        let owners: BTreeSet<String> = dirty.iter().map(owner).collect();
+        agent.apply_services(&owners, translated)
+    };
+    let now = Timestamp::now();
+    for t in cache.trigger_times(&dirty) {
+        if let Ok(d) = now.duration_since(t).try_into() {
+            agent.metrics.programming_latency(d);
+        }
+    }
+    agent.metrics.event_lag(started.elapsed());
+    debug!(
+        services = dirty.len(),
+        written = report.frontends_written,
+        removed = report.frontends_removed,
+        ops = report.ops,
+        "sync"
+    );
+    agent::announce(&report, false);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(ns: &str, name: &str, rv: &str) -> Service {
+        let mut s = Service::default();
+        s.metadata.namespace = Some(ns.into());
+        s.metadata.name = Some(name.into());
+        s.metadata.resource_version = Some(rv.into());
+        s
+    }
+
+    fn slice(ns: &str, name: &str, service: &str, rv: &str) -> EndpointSlice {
+        let mut s = EndpointSlice::default();
+        s.metadata.namespace = Some(ns.into());
+        s.metadata.name = Some(name.into());
+        s.metadata.resource_version = Some(rv.into());
+        s.metadata.labels = Some([(SERVICE_NAME_LABEL.to_string(), service.to_string())].into());
+        s
+    }
+
+    fn k(ns: &str, n: &str) -> Key {
+        (ns.into(), n.into())
+    }
+
+    #[test]
+    fn selectors_follow_kube_proxy() {
+        assert_eq!(
+            label_selector(None),
+            "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+        );
+        assert_eq!(
+            label_selector(Some("svc")),
+            "service.kubernetes.io/service-proxy-name=svc,!service.kubernetes.io/headless"
+        );
+    }
+
+    #[test]
+    fn nothing_is_ready_until_both_lists_complete() {
+        let mut c = Cache::default();
+        c.apply(Update::Service(Event::Init));
+        c.apply(Update::Service(Event::InitApply(svc("a", "web", "1"))));
+        c.apply(Update::Service(Event::InitDone));
+        assert!(!c.ready());
+        c.apply(Update::Slice(Event::Init));
+        c.apply(Update::Slice(Event::InitDone));
+        assert!(c.ready());
+        assert_eq!(c.dirty, BTreeSet::from([k("a", "web")]));
+    }
+
+    #[test]
+    fn a_relist_marks_only_what_changed() {
+        let mut c = Cache::default();
+        for (ev, rv) in [("web", "1"), ("db", "1")] {
+            c.apply(Update::Service(Event::Apply(svc("a", ev, rv))));
+        }
+        c.apply(Update::Slice(Event::Apply(slice("a", "web-1", "web", "1"))));
+        c.apply(Update::Slice(Event::Apply(slice("a", "db-1", "db", "1"))));
+        c.dirty.clear();
+
+        // Relist after a 410: web unchanged, db's slice changed, a slice of web vanished.
+        c.apply(Update::Service(Event::Init));
+        c.apply(Update::Service(Event::InitApply(svc("a", "web", "1"))));
+        c.apply(Update::Service(Event::InitApply(svc("a", "db", "1"))));
+        c.apply(Update::Service(Event::InitDone));
+        assert!(c.dirty.is_empty());
+        c.apply(Update::Slice(Event::Init));
+        c.apply(Update::Slice(Event::InitApply(slice(
+            "a", "db-1", "db", "2",
+        ))));
+        c.apply(Update::Slice(Event::InitDone));
+        assert_eq!(c.dirty, BTreeSet::from([k("a", "db"), k("a", "web")]));
+        assert!(!c.slices_of.contains_key(&k("a", "web")));
+        let (services, slices) = c.objects_for(&BTreeSet::from([k("a", "db")]));
+        assert_eq!(services.len(), 1);
+        assert_eq!(slices.len(), 1);
+    }
+
+    #[test]
+    fn a_slice_that_moves_to_another_service_marks_both() {
+        let mut c = Cache::default();
+        c.apply(Update::Slice(Event::Apply(slice("a", "s1", "web", "1"))));
+        c.dirty.clear();
+        c.apply(Update::Slice(Event::Apply(slice("a", "s1", "api", "2"))));
+        assert_eq!(c.dirty, BTreeSet::from([k("a", "api"), k("a", "web")]));
+    }
+}
