@@ -1,8 +1,14 @@
 //! svc agent: turns Services and EndpointSlices into the BPF maps of the socket datapath.
 
+pub mod agent;
+pub mod datapath;
 pub mod error;
+pub mod list;
 pub mod model;
 pub mod source;
+pub mod store;
+pub mod sync;
+pub mod sys;
 pub mod translate;
 
 pub use error::{Error, Result};

@@ -18,7 +18,10 @@ pub mod map_names {
     pub const SOCK_REV: &str = "SVC_SOCK_REV";
     pub const AFFINITY: &str = "SVC_AFFINITY";
     pub const STATS: &str = "SVC_STATS";
-    pub const ALL: [&str; 7] = [SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS];
+    pub const NAMES: &str = "SVC_NAMES";
+    pub const ALL: [&str; 8] = [
+        SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS, NAMES,
+    ];
 }
 
 /// Default capacities. The agent may raise them at load time; these sizes hold 100,000 services.
@@ -29,6 +32,7 @@ pub mod capacity {
     pub const REV_NAT: u32 = 262_144;
     pub const SOCK_REV: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
+    pub const NAMES: u32 = 262_144;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -125,6 +129,15 @@ pub struct RevNatValue {
     /// Network byte order.
     pub port_be: u16,
     pub _pad0: u16,
+}
+
+/// The object a frontend came from ("namespace/name:port"), NUL-padded UTF-8, for listings
+/// and `bpftool map dump`. Written and read by userspace only; the programs never look at it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceName {
+    pub name: [u8; 160],
 }
 
 /// Per-socket reverse translation: which frontend a socket meant when it reached a backend.
@@ -242,6 +255,7 @@ mod pod {
     unsafe impl aya::Pod for SlotKey {}
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for RevNatValue {}
+    unsafe impl aya::Pod for ServiceName {}
     unsafe impl aya::Pod for SockRevKey {}
     unsafe impl aya::Pod for SockRevValue {}
     unsafe impl aya::Pod for AffinityKey {}

@@ -7,7 +7,9 @@ mod lb;
 mod maps;
 mod sock;
 
-use aya_ebpf::{helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, programs::SockAddrContext,
+};
 use sock::Family;
 
 /// sock_addr verdicts: 1 lets the call proceed, 0 fails it (with the errno set by

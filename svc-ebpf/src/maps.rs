@@ -1,30 +1,39 @@
 //! Every map of the datapath, in one place. Types live in svc-common; names are pinned as is.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use svc_common::{
     capacity, stat, AffinityKey, AffinityValue, Backend, BackendId, RevNatValue, ServiceKey,
-    ServiceValue, SlotKey, SockRevKey, SockRevValue,
+    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
 };
+
+/// Maps that only the agent writes allocate on demand: a node with few services pays for few.
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 /// Frontends (slot-0 master entries) and ClusterIP address markers.
 #[btf_map]
-pub static SVC_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }> =
-    HashMap::new();
+pub static SVC_SERVICES: HashMap<
+    ServiceKey,
+    ServiceValue,
+    { capacity::SERVICES as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 /// Backend slots of each frontend generation.
 #[btf_map]
-pub static SVC_SLOTS: HashMap<SlotKey, BackendId, { capacity::SLOTS as usize }> = HashMap::new();
+pub static SVC_SLOTS: HashMap<SlotKey, BackendId, { capacity::SLOTS as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 #[btf_map]
-pub static SVC_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }> =
+pub static SVC_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }, NO_PREALLOC> =
     HashMap::new();
 
 /// Frontend id to frontend: what a reply or getpeername() reports.
 #[btf_map]
-pub static SVC_REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }> =
+pub static SVC_REV_NAT: HashMap<u32, RevNatValue, { capacity::REV_NAT as usize }, NO_PREALLOC> =
     HashMap::new();
 
 /// Per-socket reverse translation; LRU because sockets come and go without telling us.
@@ -35,6 +44,11 @@ pub static SVC_SOCK_REV: LruHashMap<SockRevKey, SockRevValue, { capacity::SOCK_R
 #[btf_map]
 pub static SVC_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
+
+/// Frontend id to the object it came from; read by listings only.
+#[btf_map]
+pub static SVC_NAMES: HashMap<u32, ServiceName, { capacity::NAMES as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 #[btf_map]
 pub static SVC_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();

@@ -6,12 +6,12 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use svc_common::{
-    is_v4_mapped, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey, SockRevKey,
-    SockRevValue, AFFINITY_CLIENT_NETNS,
+    is_v4_mapped, stat, v4_mapped, AffinityKey, Backend, RevNatValue, ServiceKey, ServiceValue,
+    SockRevKey, SockRevValue, AFFINITY_CLIENT_NETNS, ECONNREFUSED,
 };
 
 use crate::{
-    lb::{self, Refused},
+    lb,
     maps::{count, SVC_REV_NAT, SVC_SOCK_REV},
 };
 
@@ -109,29 +109,35 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family) -> Result<(), i32> {
         proto: protocol(ctx),
         scope: 0,
     };
-    let result = lb::lookup(&key).and_then(|svc| match svc {
-        None => Ok(None),
-        Some(svc) => lb::choose(&svc, &netns_client(ctx, svc.id)).map(Some),
-    });
-    let choice = match result {
-        Ok(Some(choice)) => choice,
-        Ok(None) => return Ok(()),
-        Err(Refused { errno, stat }) => {
-            count(stat);
-            return Err(errno);
-        }
-    };
+    let mut svc = ServiceValue::default();
+    match lb::lookup(&key, &mut svc) {
+        lb::FOUND => {}
+        lb::NOT_SERVICE => return Ok(()),
+        refused => return Err(refuse(refused)),
+    }
+    let mut backend = Backend::default();
+    match lb::choose(&svc, &netns_client(ctx, svc.id), &mut backend) {
+        lb::FOUND => {}
+        refused => return Err(refuse(refused)),
+    }
     let to = SockAddr {
-        addr: choice.backend.addr,
-        port_be: choice.backend.port_be,
+        addr: backend.addr,
+        port_be: backend.port_be,
     };
     if write_addr(ctx, family, &to).is_none() {
-        count(stat::ERR_MISSING_ENTRY);
-        return Err(svc_common::ECONNREFUSED);
+        return Err(refuse(stat::ERR_MISSING_ENTRY));
     }
-    remember(ctx, &to, &dst, choice.svc_id);
+    remember(ctx, &to, &dst, svc.id);
     count(stat::TRANSLATED);
     Ok(())
+}
+
+/// Counts why a connection is refused; the caller sees ECONNREFUSED, as with kube-proxy's
+/// REJECT.
+#[inline(always)]
+fn refuse(stat: u32) -> i32 {
+    count(stat);
+    ECONNREFUSED
 }
 
 #[inline(always)]
