@@ -371,3 +371,64 @@ impl Manifests {
         self.remove(&s.file_name())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The YAML the agent reads carries the fields the builders were given.
+    #[test]
+    fn service_and_slice_yaml() {
+        let svc = Service::new("demo", "web", "10.96.0.10")
+            .also_ip("fd00:96::10")
+            .port(ServicePort::tcp(80).name("http").target_name("web"))
+            .affinity(30);
+        let v: Value =
+            serde_yaml::from_str(&serde_yaml::to_string(&svc.to_value()).unwrap()).unwrap();
+        assert_eq!(
+            v["spec"]["clusterIPs"],
+            json!(["10.96.0.10", "fd00:96::10"])
+        );
+        assert_eq!(v["spec"]["ipFamilies"], json!(["IPv4", "IPv6"]));
+        assert_eq!(v["spec"]["ipFamilyPolicy"], "RequireDualStack");
+        assert_eq!(v["spec"]["ports"][0]["targetPort"], "web");
+        assert_eq!(v["spec"]["sessionAffinity"], "ClientIP");
+        assert_eq!(
+            v["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"],
+            30
+        );
+
+        let slice = EndpointSlice::ipv6("demo", "web")
+            .port(SlicePort::udp(5353).name("dns"))
+            .endpoint(Endpoint::terminating("fd00::1", true));
+        let v: Value =
+            serde_yaml::from_str(&serde_yaml::to_string(&slice.to_value()).unwrap()).unwrap();
+        assert_eq!(v["metadata"]["labels"]["kubernetes.io/service-name"], "web");
+        assert_eq!(v["addressType"], "IPv6");
+        assert_eq!(
+            v["ports"][0],
+            json!({"name": "dns", "port": 5353, "protocol": "UDP"})
+        );
+        assert_eq!(
+            v["endpoints"][0]["conditions"],
+            json!({"ready": false, "serving": true, "terminating": true})
+        );
+    }
+
+    #[test]
+    fn writes_are_atomic_renames() {
+        let m = Manifests::new().unwrap();
+        m.write_raw("a.yaml", "x: 1\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(m.dir().join("a.yaml")).unwrap(),
+            "x: 1\n"
+        );
+        // Nothing is left in the staging directory, and nothing else appears in the
+        // watched one.
+        assert_eq!(std::fs::read_dir(&m.staging).unwrap().count(), 0);
+        assert_eq!(std::fs::read_dir(m.dir()).unwrap().count(), 1);
+        let root = m.scratch().to_owned();
+        drop(m);
+        assert!(!root.exists());
+    }
+}

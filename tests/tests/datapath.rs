@@ -282,3 +282,32 @@ fn session_affinity_client_ip() {
         "{list:?}"
     );
 }
+
+/// Terminating endpoints: ignored while a ready one exists; when none is ready, those still
+/// serving take the traffic (kube-proxy's fallback, so a rollout drains instead of refusing),
+/// and a terminating endpoint that no longer serves never does.
+#[test]
+fn terminating_endpoints_are_a_fallback_only() {
+    let slice = |sb: &svc_tests::Sandbox, with_ready: bool| {
+        let mut s = EndpointSlice::ipv4("demo", "web").port(SlicePort::tcp(8080).name("http"));
+        if with_ready {
+            s = s.endpoint(Endpoint::ready(&sb.backend_v4(1).to_string()));
+        }
+        s.endpoint(Endpoint::terminating(&sb.backend_v4(2).to_string(), true))
+            .endpoint(Endpoint::terminating(&sb.backend_v4(3).to_string(), false))
+    };
+    let w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&slice(sb, true)).unwrap();
+    });
+    let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert_eq!(names(&r), set(&["b1"]));
+
+    w.m.apply_slice(&slice(&w.sb, false)).unwrap();
+    common::poll(std::time::Duration::from_secs(1), || {
+        let r = w.sb.tcp(sa(VIP, 80), 10, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b2"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("no fallback to serving terminating endpoint: {e:#}"));
+}

@@ -96,6 +96,7 @@ fn agent_sigkill_and_restart_drops_nothing() {
          cover it"
     );
     let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    eprintln!("restart ready after {ready_at:?}; client loop: {report:?}");
     assert_eq!(report.failed, 0, "{report:?}");
     assert!(
         report.ok > 100,
