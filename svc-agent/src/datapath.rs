@@ -88,7 +88,7 @@ pub fn install(dir: &Path, cgroup: &Path) -> Result<BpfStore> {
         .map(|name| (*name, dir.join(name)))
         .collect();
     for (name, path) in &pins {
-        loader.map_pin_path(*name, path.as_path());
+        loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader
         .load(OBJECT)

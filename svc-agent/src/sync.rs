@@ -43,6 +43,11 @@ pub struct Programmed {
     pub markers: BTreeSet<IpAddr>,
     pub backend_ids: HashMap<(SocketAddr, Protocol), BackendId>,
     pub backends: HashMap<BackendId, (SocketAddr, Protocol)>,
+    /// How many frontend slots name each backend, kept as frontends change so a sync of a
+    /// few services never walks all of them.
+    backend_refs: HashMap<BackendId, u32>,
+    /// Backends whose count fell to zero (or never rose): deleted at the end of a sync.
+    unreferenced: HashSet<BackendId>,
     next_frontend_id: u32,
     next_backend_id: u32,
     /// Entries found in the maps that nothing leads to (a previous agent died mid-sync).
@@ -64,6 +69,16 @@ impl SyncReport {
     pub fn changed(&self) -> bool {
         self.ops > 0
     }
+}
+
+/// Which frontends a sync looks at.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Every frontend: whatever is programmed and not desired is removed.
+    All,
+    /// Only these; the rest of the programmed state is left as it is. `desired.cluster_ips`
+    /// must still be complete.
+    Only(&'a BTreeSet<Frontend>),
 }
 
 pub fn addr16(ip: IpAddr) -> [u8; 16] {
@@ -246,30 +261,80 @@ impl Programmed {
             .into_iter()
             .filter(|id| !used_ids.contains(id))
             .collect();
+        for f in p.frontends.values() {
+            for b in &f.backends {
+                *p.backend_refs.entry(*b).or_insert(0) += 1;
+            }
+        }
+        p.unreferenced = p
+            .backends
+            .keys()
+            .filter(|id| !p.backend_refs.contains_key(id))
+            .copied()
+            .collect();
         p
     }
 
-    fn backend_refs(&self) -> HashMap<BackendId, usize> {
-        let mut refs = HashMap::new();
-        for f in self.frontends.values() {
-            for b in &f.backends {
-                *refs.entry(*b).or_insert(0) += 1;
+    fn add_refs(&mut self, ids: &[BackendId]) {
+        for id in ids {
+            *self.backend_refs.entry(*id).or_insert(0) += 1;
+        }
+    }
+
+    fn drop_refs(&mut self, ids: &[BackendId]) {
+        for id in ids {
+            if let Some(n) = self.backend_refs.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.backend_refs.remove(id);
+                    self.unreferenced.insert(*id);
+                }
             }
         }
-        refs
     }
 
     /// Makes the maps serve `desired`. Errors are per object: the object is skipped, the rest
     /// is applied, and what was programmed for a failed object stays as it was.
     pub fn apply<S: Store>(&mut self, store: &mut S, desired: &DesiredState) -> SyncReport {
+        self.apply_scoped(store, desired, Scope::All)
+    }
+
+    /// As `apply`, limited to `scope`: the cost follows the number of frontends in scope,
+    /// not the number programmed.
+    pub fn apply_scoped<S: Store>(
+        &mut self,
+        store: &mut S,
+        desired: &DesiredState,
+        scope: Scope<'_>,
+    ) -> SyncReport {
         let mut report = SyncReport::default();
         let mut w = Writer { store, ops: 0 };
         // Per frontend id, the backends it no longer uses: their affinity entries must go.
         let mut dropped: HashMap<u32, HashSet<BackendId>> = HashMap::new();
         let mut removed_ids: HashSet<u32> = HashSet::new();
 
-        for (fe, d) in &desired.frontends {
-            match self.upsert(&mut w, fe, d, &mut dropped) {
+        let (upserts, gone): (Vec<&DesiredFrontend>, Vec<Frontend>) = match scope {
+            Scope::All => (
+                desired.frontends.values().collect(),
+                self.frontends
+                    .keys()
+                    .filter(|fe| !desired.frontends.contains_key(fe))
+                    .copied()
+                    .collect(),
+            ),
+            Scope::Only(set) => (
+                set.iter().filter_map(|fe| desired.frontends.get(fe)).collect(),
+                set.iter()
+                    .filter(|fe| {
+                        !desired.frontends.contains_key(fe) && self.frontends.contains_key(fe)
+                    })
+                    .copied()
+                    .collect(),
+            ),
+        };
+
+        for d in upserts {
+            match self.upsert(&mut w, &d.frontend, d, &mut dropped) {
                 Ok(true) => report.frontends_written += 1,
                 Ok(false) => {}
                 Err(e) => report.errors.push(name_object(e, &d.service)),
@@ -278,23 +343,25 @@ impl Programmed {
 
         // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
         // about to be written.
-        for ip in desired.cluster_ips.difference(&self.markers.clone()) {
-            match w.op(Op::PutService(marker_key(*ip), marker_value())) {
-                Ok(()) => {
-                    self.markers.insert(*ip);
+        let marker_ips: BTreeSet<IpAddr> = match scope {
+            Scope::All => desired
+                .cluster_ips
+                .union(&self.markers)
+                .copied()
+                .collect(),
+            Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
+        };
+        for ip in &marker_ips {
+            if desired.cluster_ips.contains(ip) && !self.markers.contains(ip) {
+                match w.op(Op::PutService(marker_key(*ip), marker_value())) {
+                    Ok(()) => {
+                        self.markers.insert(*ip);
+                    }
+                    Err(e) => report.errors.push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
-                Err(e) => report
-                    .errors
-                    .push(name_object(e, &format!("ClusterIP {ip}"))),
             }
         }
 
-        let gone: Vec<Frontend> = self
-            .frontends
-            .keys()
-            .filter(|fe| !desired.frontends.contains_key(fe))
-            .copied()
-            .collect();
         for fe in gone {
             match self.remove(&mut w, &fe) {
                 Ok(id) => {
@@ -304,20 +371,14 @@ impl Programmed {
                 Err(e) => report.errors.push(name_object(e, &fe.to_string())),
             }
         }
-        let stale_markers: Vec<IpAddr> = self
-            .markers
-            .iter()
-            .filter(|ip| !desired.cluster_ips.contains(ip))
-            .copied()
-            .collect();
-        for ip in stale_markers {
-            match w.op(Op::DelService(marker_key(ip))) {
-                Ok(()) => {
-                    self.markers.remove(&ip);
+        for ip in &marker_ips {
+            if !desired.cluster_ips.contains(ip) && self.markers.contains(ip) {
+                match w.op(Op::DelService(marker_key(*ip))) {
+                    Ok(()) => {
+                        self.markers.remove(ip);
+                    }
+                    Err(e) => report.errors.push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
-                Err(e) => report
-                    .errors
-                    .push(name_object(e, &format!("ClusterIP {ip}"))),
             }
         }
 
@@ -398,6 +459,7 @@ impl Programmed {
                 return Err(e);
             }
             debug!(frontend = %fe, id, backends = ids.len(), "frontend added");
+            self.add_refs(&ids);
             self.frontends.insert(
                 *fe,
                 ProgFrontend {
@@ -468,6 +530,8 @@ impl Programmed {
                 .extend(cur.backends.iter().copied());
         }
         debug!(frontend = %fe, id = cur.id, rev, backends = ids.len(), "frontend updated");
+        self.add_refs(&ids);
+        self.drop_refs(&cur.backends);
         self.frontends.insert(
             *fe,
             ProgFrontend {
@@ -502,6 +566,9 @@ impl Programmed {
             },
         ))?;
         self.next_backend_id += 1;
+        // Unreferenced until a master entry names it; removed at the end of the sync if the
+        // write that would have used it fails.
+        self.unreferenced.insert(id);
         self.backend_ids.insert((sa, protocol), id);
         self.backends.insert(id, (sa, protocol));
         Ok(id)
@@ -514,6 +581,7 @@ impl Programmed {
         // Master first: from then on nothing reaches the slots.
         w.op(Op::DelService(service_key(fe)))?;
         self.frontends.remove(fe);
+        self.drop_refs(&cur.backends);
         delete_slots(w, cur.id, cur.rev, cur.backends.len());
         let _ = w.op(Op::DelRevNat(cur.id));
         let _ = w.op(Op::DelName(cur.id));
@@ -531,15 +599,14 @@ impl Programmed {
             w.op(Op::DelRevNat(id))?;
             w.op(Op::DelName(id))?;
         }
-        let refs = self.backend_refs();
-        let unused: Vec<BackendId> = self
-            .backends
-            .keys()
-            .filter(|id| !refs.contains_key(id))
-            .copied()
-            .collect();
-        for id in unused {
-            w.op(Op::DelBackend(id))?;
+        for id in std::mem::take(&mut self.unreferenced) {
+            if self.backend_refs.contains_key(&id) {
+                continue;
+            }
+            if let Err(e) = w.op(Op::DelBackend(id)) {
+                self.unreferenced.insert(id);
+                return Err(e);
+            }
             if let Some(k) = self.backends.remove(&id) {
                 self.backend_ids.remove(&k);
             }
@@ -905,6 +972,31 @@ mod tests {
             .map(|v| v.id)
             .collect();
         assert_eq!(ids.len(), 2);
+    }
+
+    #[test]
+    fn scoped_sync_touches_only_its_frontends() {
+        let a = fe("10.96.0.10", 80);
+        let b = fe("10.96.0.11", 80);
+        let c = fe("10.96.0.12", 80);
+        let mut store = ModelStore::default();
+        let mut p = Programmed::recover(&Snapshot::default());
+        p.apply(
+            &mut store,
+            &state(&[(a, &["10.0.0.1:8080"]), (b, &["10.0.0.1:8080"])]),
+        );
+        // Desired changes for a and b, a removal of b and an addition of c; only b and c are in
+        // scope, so a keeps what it had.
+        let desired = state(&[(a, &["10.0.0.7:8080"]), (c, &["10.0.0.2:8080"])]);
+        let scope: BTreeSet<Frontend> = [b, c].into_iter().collect();
+        let r = p.apply_scoped(&mut store, &desired, Scope::Only(&scope));
+        assert!(r.errors.is_empty());
+        assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
+        assert_eq!(store.resolve(&b), None);
+        assert!(!store.services.contains_key(&marker_key(b.ip)));
+        assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.2:8080".parse().unwrap()]);
+        // 10.0.0.1 is still used by a, so it stays.
+        assert_eq!(store.backends.len(), 2);
     }
 
     #[test]

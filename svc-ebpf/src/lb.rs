@@ -41,7 +41,7 @@ pub fn lookup(key: &ServiceKey, out: &mut ServiceValue) -> Outcome {
         scope: key.scope,
     };
     // SAFETY: only the presence of the entry is used.
-    if unsafe { SVC_SERVICES.get(&marker) }.is_some() {
+    if unsafe { SVC_SERVICES.get(marker) }.is_some() {
         return stat::REFUSED_NO_PORT;
     }
     NOT_SERVICE
@@ -71,7 +71,7 @@ fn random_slot(svc: &ServiceValue) -> BackendId {
         slot,
     };
     // SAFETY: copied out at once.
-    match unsafe { SVC_SLOTS.get(&key) } {
+    match unsafe { SVC_SLOTS.get(key) } {
         Some(id) => *id,
         None => 0,
     }
@@ -116,5 +116,5 @@ fn refresh(client: &AffinityKey, backend: BackendId, now: u64) {
         _pad0: 0,
     };
     // A lost update only costs stickiness, never the connection.
-    let _ = SVC_AFFINITY.insert(client, &value, 0);
+    let _ = SVC_AFFINITY.insert(client, value, 0);
 }

@@ -154,7 +154,7 @@ fn remember(ctx: &SockAddrContext, backend: &SockAddr, frontend: &SockAddr, id: 
         _pad0: 0,
         id,
     };
-    if SVC_SOCK_REV.insert(&key, &value, 0).is_err() {
+    if SVC_SOCK_REV.insert(key, value, 0).is_err() {
         count(stat::ERR_SOCK_REV_UPDATE);
     }
 }
@@ -170,7 +170,7 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
         _pad0: [0; 6],
     };
     // SAFETY: copied out at once.
-    let Some(rev) = (unsafe { SVC_SOCK_REV.get(&key) }).copied() else {
+    let Some(rev) = (unsafe { SVC_SOCK_REV.get(key) }).copied() else {
         return;
     };
     // SAFETY: copied out at once.

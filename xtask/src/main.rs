@@ -1,1 +1,183 @@
-fn main() {}
+//! Project tasks: `cargo xtask <task>`. Each task installs what it needs first, idempotently.
+
+mod toolchain;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the eBPF toolchain where missing, then build the kernel programs with BTF.
+    BuildEbpf,
+    /// Build the kernel programs, the agent and the test binaries.
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// The demo: a sandbox of network namespaces, real backends, real traffic through a ClusterIP.
+    Demo,
+    /// Every test: unit tests and the privileged integration tests (needs root).
+    Test {
+        /// Extra arguments for `cargo test`, after `--` (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
+    Lint,
+    /// Benchmarks: direct vs ClusterIP, with 1 and 100,000 services; writes docs/benchmarks.md.
+    Bench {
+        #[arg(long)]
+        write: bool,
+    },
+}
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+pub fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("running {:?}", cmd.get_program()))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+/// The kernel crate through Debian's compiler, which ships the core source build-std needs.
+fn ebpf_cargo(subcommand: &str) -> Command {
+    let mut c = Command::new("cargo");
+    c.current_dir(root())
+        .arg(format!("+{}", toolchain::LINKED_TOOLCHAIN))
+        .args([
+            subcommand,
+            "-p",
+            "svc-ebpf",
+            "--release",
+            "-Z",
+            "build-std=core",
+            "--target",
+            "bpfel-unknown-none",
+            "--config",
+            r#"target.bpfel-unknown-none.rustflags=["-C","debuginfo=2","-C","link-arg=--btf"]"#,
+        ])
+        .env("RUSTC_BOOTSTRAP", "1")
+        // The userspace toolchain's variables must not leak into Debian's cargo.
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO");
+    c
+}
+
+pub fn build_ebpf() -> Result<PathBuf> {
+    toolchain::ensure()?;
+    run(&mut ebpf_cargo("build"))?;
+    let object = root().join("target/bpfel-unknown-none/release/svc");
+    if !object.exists() {
+        bail!("the build succeeded but {} is missing", object.display());
+    }
+    eprintln!("eBPF object: {}", object.display());
+    Ok(object)
+}
+
+fn build(release: bool) -> Result<()> {
+    build_ebpf()?;
+    let mut c = cargo();
+    c.args(["build", "-p", "svc-agent", "-p", "svc-tests", "--bins"]);
+    if release {
+        c.arg("--release");
+    }
+    run(&mut c)
+}
+
+fn require_root(task: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("`cargo xtask {task}` attaches eBPF programs and creates network namespaces: run it as root");
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::BuildEbpf => {
+            build_ebpf()?;
+        }
+        Task::Build { release } => build(release)?,
+        Task::Demo => {
+            require_root("demo")?;
+            build(false)?;
+            run(cargo()
+                .args(["run", "-q", "-p", "svc-tests", "--bin", "svc-demo"])
+                .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
+        }
+        Task::Test { args } => {
+            require_root("test")?;
+            build(false)?;
+            run(cargo()
+                .args(["test", "--workspace", "--exclude", "svc-ebpf", "--"])
+                .args(&args)
+                .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
+        }
+        Task::Lint => {
+            build_ebpf()?;
+            run(cargo().args(["fmt", "--all", "--check"]))?;
+            run(cargo().args([
+                "clippy",
+                "--workspace",
+                "--exclude",
+                "svc-ebpf",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]))?;
+            run(ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
+        }
+        Task::Bench { write } => {
+            require_root("bench")?;
+            build(true)?;
+            let mut c = cargo();
+            c.args([
+                "run",
+                "-q",
+                "--release",
+                "-p",
+                "svc-tests",
+                "--bin",
+                "svc-bench",
+                "--",
+            ])
+            .env("SVC_AGENT_BIN", root().join("target/release/svc-agent"));
+            if write {
+                c.args([
+                    "--write",
+                    &root().join("docs/benchmarks.md").display().to_string(),
+                ]);
+            }
+            run(&mut c)?;
+        }
+    }
+    Ok(())
+}

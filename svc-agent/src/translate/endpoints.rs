@@ -1,0 +1,364 @@
+//! EndpointSlices reduced to what the datapath needs, and kube-proxy's choice of which
+//! endpoints a Service port uses (pkg/proxy endpointslicecache.go and topology.go).
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use tracing::debug;
+
+use super::service::{is_foreign, parse_ip, parse_protocol};
+use super::{invalid, NodeContext, ObjectKey};
+use crate::error::Error;
+use crate::model::Protocol;
+
+/// Links a slice to its Service (same namespace).
+const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(ip: IpAddr) -> Family {
+        match ip {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+}
+
+pub(super) struct SliceInfo {
+    pub key: ObjectKey,
+    /// The Service this slice belongs to, in `key.namespace`.
+    pub service: String,
+    pub family: Family,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<EndpointInfo>,
+}
+
+pub(super) struct SlicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct EndpointInfo {
+    pub ip: IpAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone_hints: Vec<String>,
+    pub node_hints: Vec<String>,
+}
+
+impl EndpointInfo {
+    fn serving_terminating(&self) -> bool {
+        self.serving && self.terminating
+    }
+
+    /// Which copy of an endpoint listed twice (typically while it moves between slices) to
+    /// keep: the higher one. Non-terminating first, as kube-proxy prefers; then the more
+    /// usable; then the one on this node, as kube-proxy's dedup favours local copies.
+    fn rank(&self, node: &NodeContext) -> (bool, bool, bool, bool) {
+        (
+            !self.terminating,
+            self.ready,
+            self.serving,
+            self.is_local(node),
+        )
+    }
+
+    fn is_local(&self, node: &NodeContext) -> bool {
+        match (node.node_name(), self.node_name.as_deref()) {
+            (Some(here), Some(there)) => here == there,
+            _ => false,
+        }
+    }
+}
+
+/// Parses one slice. `None` when it is not ours (silently) or unusable (with errors pushed);
+/// a usable slice may still have pushed errors for skipped ports or endpoints.
+pub(super) fn parse(slice: &EndpointSlice, errors: &mut Vec<Error>) -> Option<SliceInfo> {
+    let meta = &slice.metadata;
+    let key = ObjectKey::of(meta);
+    if is_foreign(meta.labels.as_ref()) {
+        debug!(slice = %key, "skipped: labelled for another proxy or headless");
+        return None;
+    }
+    let object = key.describe("EndpointSlice");
+    if key.name.is_empty() {
+        errors.push(invalid(&object, "metadata.name is required"));
+        return None;
+    }
+    let family = match slice.address_type.as_str() {
+        "IPv4" => Family::V4,
+        "IPv6" => Family::V6,
+        "FQDN" => {
+            debug!(slice = %key, "skipped: FQDN slices cannot be proxied");
+            return None;
+        }
+        other => {
+            errors.push(invalid(
+                &object,
+                format!("unknown addressType {other:?}; slice ignored"),
+            ));
+            return None;
+        }
+    };
+    // Slices without the label belong to no Service; kube-proxy ignores them too.
+    let service = match meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) {
+        Some(service) if !service.is_empty() => service.clone(),
+        _ => {
+            debug!(slice = %key, "skipped: no {LABEL_SERVICE_NAME} label");
+            return None;
+        }
+    };
+    let ports = parse_ports(slice, &object, errors);
+    let endpoints = parse_endpoints(slice, family, &object, errors);
+    Some(SliceInfo {
+        key,
+        service,
+        family,
+        ports,
+        endpoints,
+    })
+}
+
+fn parse_ports(slice: &EndpointSlice, object: &str, errors: &mut Vec<Error>) -> Vec<SlicePort> {
+    let mut out: Vec<SlicePort> = Vec::new();
+    for port in slice.ports.as_deref().unwrap_or_default() {
+        let name = port.name.clone().unwrap_or_default();
+        let protocol = match parse_protocol(port.protocol.as_deref()) {
+            Ok(protocol) => protocol,
+            // No Service port can match it: the Service side already reported SCTP.
+            Err(_) if port.protocol.as_deref() == Some("SCTP") => continue,
+            Err(message) => {
+                errors.push(invalid(
+                    object,
+                    format!("port {name:?}: {message}; skipped"),
+                ));
+                continue;
+            }
+        };
+        let Some(number) = port.port else {
+            continue;
+        };
+        let number = match u16::try_from(number) {
+            Ok(n) if n != 0 => n,
+            _ => {
+                errors.push(invalid(
+                    object,
+                    format!("port {name:?} {number}/{protocol}: port must be 1-65535; skipped"),
+                ));
+                continue;
+            }
+        };
+        if out.iter().any(|p| p.name == name && p.protocol == protocol) {
+            errors.push(invalid(
+                object,
+                format!("port {name:?} {number}/{protocol}: duplicate port name; skipped"),
+            ));
+            continue;
+        }
+        out.push(SlicePort {
+            name,
+            protocol,
+            port: number,
+        });
+    }
+    out
+}
+
+fn parse_endpoints(
+    slice: &EndpointSlice,
+    family: Family,
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> Vec<EndpointInfo> {
+    let mut out = Vec::with_capacity(slice.endpoints.len());
+    for endpoint in &slice.endpoints {
+        // The API defines all addresses of an endpoint as fungible; kube-proxy uses the first.
+        let Some(text) = endpoint.addresses.first() else {
+            errors.push(invalid(object, "endpoint with no addresses; skipped"));
+            continue;
+        };
+        let Some(ip) = parse_ip(text) else {
+            errors.push(invalid(
+                object,
+                format!("endpoint {text:?} is not an IP address; skipped"),
+            ));
+            continue;
+        };
+        if Family::of(ip) != family {
+            errors.push(invalid(
+                object,
+                format!(
+                    "endpoint {text:?} does not match addressType {}; skipped",
+                    slice.address_type
+                ),
+            ));
+            continue;
+        }
+        if !is_usable_endpoint_ip(ip) {
+            errors.push(invalid(
+                object,
+                format!(
+                    "endpoint {text:?} is an unspecified, loopback, link-local or multicast \
+                     address; skipped"
+                ),
+            ));
+            continue;
+        }
+        let conditions = endpoint.conditions.as_ref();
+        let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+        let hints = endpoint.hints.as_ref();
+        out.push(EndpointInfo {
+            ip,
+            ready,
+            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+            node_name: endpoint.node_name.clone().filter(|n| !n.is_empty()),
+            zone_hints: hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|z| z.iter().map(|z| z.name.clone()).collect())
+                .unwrap_or_default(),
+            node_hints: hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|n| n.iter().map(|n| n.name.clone()).collect())
+                .unwrap_or_default(),
+        });
+    }
+    out
+}
+
+/// The API server refuses these as endpoint addresses (ValidateEndpointIP); a manifest can
+/// still contain them, and sending Service traffic there would misdirect it on every node.
+fn is_usable_endpoint_ip(ip: IpAddr) -> bool {
+    let link_local = match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
+    };
+    !(ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() || link_local)
+}
+
+/// The endpoints of one Service port for one address family, merged across slices (which
+/// must be in name order, for a stable choice between equal duplicates).
+pub(super) fn merge<'a>(
+    slices: &[&'a SliceInfo],
+    family: Family,
+    port_name: &str,
+    protocol: Protocol,
+    node: &NodeContext,
+) -> BTreeMap<SocketAddr, &'a EndpointInfo> {
+    let mut merged: BTreeMap<SocketAddr, &EndpointInfo> = BTreeMap::new();
+    for slice in slices.iter().filter(|s| s.family == family) {
+        let Some(port) = slice
+            .ports
+            .iter()
+            .find(|p| p.name == port_name && p.protocol == protocol)
+        else {
+            continue;
+        };
+        for endpoint in &slice.endpoints {
+            let addr = SocketAddr::new(endpoint.ip, port.port);
+            merged
+                .entry(addr)
+                .and_modify(|kept| {
+                    if endpoint.rank(node) > kept.rank(node) {
+                        *kept = endpoint;
+                    }
+                })
+                .or_insert(endpoint);
+        }
+    }
+    merged
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology {
+    /// No usable hints: every endpoint is a candidate.
+    Any,
+    SameNode,
+    SameZone,
+}
+
+/// kube-proxy's topologyModeFromHints: hints are honoured only when every ready endpoint
+/// carries them and at least one names this node (or zone), so a half-rolled-out hinting
+/// controller can never blackhole traffic. Node hints win over zone hints.
+fn topology(endpoints: &[&EndpointInfo], node: &NodeContext) -> Topology {
+    let ready: Vec<&&EndpointInfo> = endpoints.iter().filter(|e| e.ready).collect();
+    if ready.is_empty() {
+        return Topology::Any;
+    }
+    if let Some(here) = node.node_name() {
+        if ready.iter().all(|e| !e.node_hints.is_empty())
+            && ready.iter().any(|e| e.node_hints.iter().any(|n| n == here))
+        {
+            return Topology::SameNode;
+        }
+    }
+    if let Some(zone) = node.zone() {
+        if ready.iter().all(|e| !e.zone_hints.is_empty())
+            && ready.iter().any(|e| e.zone_hints.iter().any(|z| z == zone))
+        {
+            return Topology::SameZone;
+        }
+    }
+    Topology::Any
+}
+
+fn fits_topology(endpoint: &EndpointInfo, topology: Topology, node: &NodeContext) -> bool {
+    match topology {
+        Topology::Any => true,
+        Topology::SameNode => node
+            .node_name()
+            .is_some_and(|here| endpoint.node_hints.iter().any(|n| n == here)),
+        Topology::SameZone => node
+            .zone()
+            .is_some_and(|zone| endpoint.zone_hints.iter().any(|z| z == zone)),
+    }
+}
+
+/// kube-proxy's CategorizeEndpoints for ClusterIP traffic: the backends this node should
+/// use, sorted. Ready endpoints when there are any; otherwise those still serving while
+/// terminating, so connections drain instead of failing during a rollout.
+pub(super) fn select(
+    merged: &BTreeMap<SocketAddr, &EndpointInfo>,
+    internal_local: bool,
+    node: &NodeContext,
+) -> Vec<SocketAddr> {
+    let candidates: Vec<(SocketAddr, &EndpointInfo)> = if internal_local {
+        merged
+            .iter()
+            .filter(|(_, e)| e.is_local(node))
+            .map(|(a, e)| (*a, *e))
+            .collect()
+    } else {
+        merged.iter().map(|(a, e)| (*a, *e)).collect()
+    };
+    // Topology only applies to Cluster policy; Local is already as close as it gets.
+    let topology = if internal_local {
+        Topology::Any
+    } else {
+        let endpoints: Vec<&EndpointInfo> = candidates.iter().map(|(_, e)| *e).collect();
+        topology(&endpoints, node)
+    };
+    let ready: Vec<SocketAddr> = candidates
+        .iter()
+        .filter(|(_, e)| e.ready && fits_topology(e, topology, node))
+        .map(|(a, _)| *a)
+        .collect();
+    if !ready.is_empty() {
+        return ready;
+    }
+    candidates
+        .iter()
+        .filter(|(_, e)| e.serving_terminating())
+        .map(|(a, _)| *a)
+        .collect()
+}

@@ -1,0 +1,198 @@
+//! kube-proxy's rules: Services and EndpointSlices to the desired state.
+//!
+//! Pure and deterministic: the same objects, in any order, give the same state and the same
+//! errors. Anything wrong with an object costs that object (or just the offending port or
+//! endpoint) and is reported; it never costs other Services.
+
+mod endpoints;
+mod service;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::Metadata;
+use tracing::{debug, instrument};
+
+use crate::error::Error;
+use crate::model::{DesiredFrontend, DesiredState, Frontend};
+
+use endpoints::{Family, SliceInfo};
+use service::ServiceInfo;
+
+const DEFAULT_NAMESPACE: &str = "default";
+
+/// Facts about the node the agent runs on, for the node-dependent parts of kube-proxy's rules
+/// (internalTrafficPolicy: Local and topology hints).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeContext {
+    pub node_name: Option<String>,
+    /// The node's topology.kubernetes.io/zone label.
+    pub zone: Option<String>,
+}
+
+impl NodeContext {
+    /// An empty name is as good as none: it must never match an endpoint without one.
+    fn node_name(&self) -> Option<&str> {
+        self.node_name.as_deref().filter(|n| !n.is_empty())
+    }
+
+    fn zone(&self) -> Option<&str> {
+        self.zone.as_deref().filter(|z| !z.is_empty())
+    }
+}
+
+/// The desired state, and what was wrong with the input.
+#[derive(Debug, Default)]
+pub struct Translated {
+    pub state: DesiredState,
+    pub errors: Vec<Error>,
+}
+
+/// namespace/name of an object.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ObjectKey {
+    namespace: String,
+    name: String,
+}
+
+impl ObjectKey {
+    fn of(meta: &ObjectMeta) -> ObjectKey {
+        ObjectKey {
+            namespace: meta
+                .namespace
+                .clone()
+                .filter(|ns| !ns.is_empty())
+                .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
+            name: meta.name.clone().unwrap_or_default(),
+        }
+    }
+
+    /// "Service ns/name": how errors name objects.
+    fn describe(&self, kind: &str) -> String {
+        format!("{kind} {self}")
+    }
+}
+
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = if self.name.is_empty() {
+            "(unnamed)"
+        } else {
+            &self.name
+        };
+        write!(f, "{}/{name}", self.namespace)
+    }
+}
+
+/// The objects sorted by namespace/name, without repeated definitions (the first one in
+/// input order is kept; a manifest directory can easily define an object twice).
+fn in_name_order<'a, T>(objects: &'a [T], kind: &str, errors: &mut Vec<Error>) -> Vec<&'a T>
+where
+    T: Metadata<Ty = ObjectMeta>,
+{
+    let mut keyed: Vec<(ObjectKey, &T)> = objects
+        .iter()
+        .map(|o| (ObjectKey::of(o.metadata()), o))
+        .collect();
+    keyed.sort_by(|a, b| a.0.cmp(&b.0));
+    keyed.dedup_by(|later, first| {
+        // Nameless objects are not duplicates of each other; parsing reports each.
+        let duplicate = later.0 == first.0 && !later.0.name.is_empty();
+        if duplicate {
+            errors.push(invalid(
+                &later.0.describe(kind),
+                "defined more than once; later definition ignored",
+            ));
+        }
+        duplicate
+    });
+    keyed.into_iter().map(|(_, o)| o).collect()
+}
+
+fn invalid(object: &str, message: impl Into<String>) -> Error {
+    Error::Invalid {
+        object: object.to_string(),
+        message: message.into(),
+    }
+}
+
+/// Turns Services and their EndpointSlices into the frontends this node should serve,
+/// following kube-proxy's semantics for ClusterIP traffic.
+#[instrument(skip_all, fields(services = services.len(), slices = slices.len(), node = ?node.node_name))]
+pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translated {
+    let mut errors = Vec::new();
+
+    // Working in name order makes the result independent of input order: name order decides
+    // frontend conflicts, and errors come out in a stable order. Parsing everything up front
+    // reports each problem once, however many ports see it.
+    let parsed_services: Vec<ServiceInfo> = in_name_order(services, "Service", &mut errors)
+        .into_iter()
+        .filter_map(|s| service::parse(s, &mut errors))
+        .collect();
+    let parsed_slices: Vec<SliceInfo> = in_name_order(slices, "EndpointSlice", &mut errors)
+        .into_iter()
+        .filter_map(|s| endpoints::parse(s, &mut errors))
+        .collect();
+    let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
+    for slice in &parsed_slices {
+        slices_by_service
+            .entry((slice.key.namespace.as_str(), slice.service.as_str()))
+            .or_default()
+            .push(slice);
+    }
+
+    let mut state = DesiredState::default();
+    let mut owners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
+    for svc in &parsed_services {
+        let slices = slices_by_service
+            .get(&(svc.key.namespace.as_str(), svc.key.name.as_str()))
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        for port in &svc.ports {
+            let service_name = if port.name.is_empty() {
+                svc.key.to_string()
+            } else {
+                format!("{}:{}", svc.key, port.name)
+            };
+            for &ip in &svc.cluster_ips {
+                let frontend = Frontend {
+                    ip,
+                    port: port.port,
+                    protocol: port.protocol,
+                };
+                if let Some(owner) = owners.get(&frontend) {
+                    errors.push(invalid(
+                        &svc.key.describe("Service"),
+                        format!(
+                            "frontend {frontend} is already served by Service {owner}; skipped"
+                        ),
+                    ));
+                    continue;
+                }
+                let merged =
+                    endpoints::merge(slices, Family::of(ip), &port.name, port.protocol, node);
+                let backends = endpoints::select(&merged, svc.internal_local, node);
+                debug!(%frontend, service = %service_name, backends = backends.len(), "frontend");
+                owners.insert(frontend, &svc.key);
+                state.cluster_ips.insert(ip);
+                state.frontends.insert(
+                    frontend,
+                    DesiredFrontend {
+                        frontend,
+                        service: service_name.clone(),
+                        backends,
+                        affinity_timeout_s: svc.affinity_timeout_s,
+                        internal_local: svc.internal_local,
+                    },
+                );
+            }
+        }
+    }
+    Translated { state, errors }
+}
+
+#[cfg(test)]
+mod tests;

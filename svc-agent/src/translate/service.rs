@@ -1,0 +1,264 @@
+//! A Service reduced to what the datapath needs, validated the way the API server would have
+//! (manifests never went through the API server).
+
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::Service;
+use tracing::debug;
+
+use super::{invalid, ObjectKey};
+use crate::error::Error;
+use crate::model::Protocol;
+
+/// Services carrying this label belong to another proxy (kube-proxy's informers filter them).
+const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Set by the EndpointSlice controller on slices of headless Services; kube-proxy filters
+/// Services and slices carrying it.
+const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+
+/// The API server's default for sessionAffinityConfig.clientIP.timeoutSeconds.
+const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
+
+pub(super) struct ServiceInfo {
+    pub key: ObjectKey,
+    /// At most one address per family, in spec order.
+    pub cluster_ips: Vec<IpAddr>,
+    pub ports: Vec<ServicePortInfo>,
+    pub affinity_timeout_s: Option<u32>,
+    pub internal_local: bool,
+}
+
+pub(super) struct ServicePortInfo {
+    /// "" for an unnamed port, which is how EndpointSlices name it too.
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// True for labels that make kube-proxy ignore an object entirely.
+pub(super) fn is_foreign(labels: Option<&std::collections::BTreeMap<String, String>>) -> bool {
+    labels
+        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS))
+}
+
+/// Parses one Service. `None` when it is not ours to proxy (silently) or too broken to use
+/// (with errors pushed); a usable Service may still have pushed errors for parts of it.
+pub(super) fn parse(service: &Service, errors: &mut Vec<Error>) -> Option<ServiceInfo> {
+    let meta = &service.metadata;
+    let key = ObjectKey::of(meta);
+    if is_foreign(meta.labels.as_ref()) {
+        debug!(service = %key, "skipped: labelled for another proxy or headless");
+        return None;
+    }
+    let object = key.describe("Service");
+    if key.name.is_empty() {
+        errors.push(invalid(&object, "metadata.name is required"));
+        return None;
+    }
+    let Some(spec) = service.spec.as_ref() else {
+        debug!(service = %key, "skipped: no spec");
+        return None;
+    };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        debug!(service = %key, "skipped: ExternalName");
+        return None;
+    }
+    // clusterIPs is authoritative when set; clusterIP alone is what older manifests carry.
+    let raw_ips: Vec<&str> = match spec.cluster_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+        _ => spec.cluster_ip.as_deref().into_iter().collect(),
+    };
+    match raw_ips.first() {
+        None | Some(&"") => {
+            debug!(service = %key, "skipped: no clusterIP");
+            return None;
+        }
+        Some(&"None") => {
+            debug!(service = %key, "skipped: headless");
+            return None;
+        }
+        Some(_) => {}
+    }
+    let cluster_ips = parse_cluster_ips(&raw_ips, &object, errors);
+    if cluster_ips.is_empty() {
+        return None;
+    }
+    let ports = parse_ports(spec.ports.as_deref().unwrap_or_default(), &object, errors);
+    let affinity_timeout_s = parse_affinity(spec, &object, errors);
+    let internal_local = match spec.internal_traffic_policy.as_deref() {
+        None | Some("Cluster") => false,
+        Some("Local") => true,
+        Some(other) => {
+            errors.push(invalid(
+                &object,
+                format!("unknown internalTrafficPolicy {other:?}; using Cluster"),
+            ));
+            false
+        }
+    };
+    Some(ServiceInfo {
+        key,
+        cluster_ips,
+        ports,
+        affinity_timeout_s,
+        internal_local,
+    })
+}
+
+fn parse_cluster_ips(raw: &[&str], object: &str, errors: &mut Vec<Error>) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = Vec::with_capacity(raw.len());
+    for text in raw {
+        let ip = match parse_ip(text) {
+            Some(ip) if is_usable_cluster_ip(ip) => ip,
+            Some(_) => {
+                errors.push(invalid(
+                    object,
+                    format!("clusterIP {text:?} is not a unicast address; skipped"),
+                ));
+                continue;
+            }
+            None => {
+                errors.push(invalid(
+                    object,
+                    format!("clusterIP {text:?} is not an IP address; skipped"),
+                ));
+                continue;
+            }
+        };
+        // kube-proxy serves one clusterIP per family (GetClusterIPByFamily takes the first).
+        if let Some(first) = ips.iter().find(|have| have.is_ipv4() == ip.is_ipv4()) {
+            errors.push(invalid(
+                object,
+                format!(
+                    "clusterIP {ip} is a second address of the same family as {first}; skipped"
+                ),
+            ));
+            continue;
+        }
+        ips.push(ip);
+    }
+    ips
+}
+
+/// Parses an address as Kubernetes does: an IPv4-mapped IPv6 address counts as IPv4.
+pub(super) fn parse_ip(text: &str) -> Option<IpAddr> {
+    text.parse::<IpAddr>().ok().map(|ip| ip.to_canonical())
+}
+
+/// Capturing connections to these would break the node rather than balance a Service.
+fn is_usable_cluster_ip(ip: IpAddr) -> bool {
+    let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+    !(ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() || broadcast)
+}
+
+pub(super) fn parse_protocol(text: Option<&str>) -> Result<Protocol, String> {
+    match text.unwrap_or("TCP") {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Err("SCTP is not supported yet".to_string()),
+        other => Err(format!("unknown protocol {other:?}")),
+    }
+}
+
+/// "port \"http\" 80/TCP", or "port 80/TCP" for an unnamed one.
+fn describe_port(name: &str, port: i32, protocol: Option<&str>) -> String {
+    let protocol = protocol.unwrap_or("TCP");
+    if name.is_empty() {
+        format!("port {port}/{protocol}")
+    } else {
+        format!("port {name:?} {port}/{protocol}")
+    }
+}
+
+fn parse_ports(
+    ports: &[k8s_openapi::api::core::v1::ServicePort],
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> Vec<ServicePortInfo> {
+    let mut out: Vec<ServicePortInfo> = Vec::with_capacity(ports.len());
+    for port in ports {
+        let name = port.name.clone().unwrap_or_default();
+        let what = describe_port(&name, port.port, port.protocol.as_deref());
+        let protocol = match parse_protocol(port.protocol.as_deref()) {
+            Ok(protocol) => protocol,
+            Err(message) => {
+                errors.push(invalid(object, format!("{what}: {message}; skipped")));
+                continue;
+            }
+        };
+        let number = match u16::try_from(port.port) {
+            Ok(number) if number != 0 => number,
+            _ => {
+                errors.push(invalid(
+                    object,
+                    format!("{what}: port must be 1-65535; skipped"),
+                ));
+                continue;
+            }
+        };
+        if out
+            .iter()
+            .any(|p| p.port == number && p.protocol == protocol)
+        {
+            errors.push(invalid(
+                object,
+                format!("{what}: duplicate port and protocol; skipped"),
+            ));
+            continue;
+        }
+        // Endpoints are matched to a port by name and protocol, so a second port of the same
+        // name would silently receive the first one's endpoints.
+        if out.iter().any(|p| p.name == name && p.protocol == protocol) {
+            errors.push(invalid(
+                object,
+                format!("{what}: duplicate port name; skipped"),
+            ));
+            continue;
+        }
+        out.push(ServicePortInfo {
+            name,
+            port: number,
+            protocol,
+        });
+    }
+    out
+}
+
+fn parse_affinity(
+    spec: &k8s_openapi::api::core::v1::ServiceSpec,
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> Option<u32> {
+    match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            Some(match timeout {
+                None => DEFAULT_AFFINITY_TIMEOUT_S,
+                Some(t) if (1..=MAX_AFFINITY_TIMEOUT_S).contains(&t) => t.unsigned_abs(),
+                Some(t) => {
+                    errors.push(invalid(
+                        object,
+                        format!(
+                            "sessionAffinityConfig.clientIP.timeoutSeconds {t} is outside \
+                             1-{MAX_AFFINITY_TIMEOUT_S}; using {DEFAULT_AFFINITY_TIMEOUT_S}"
+                        ),
+                    ));
+                    DEFAULT_AFFINITY_TIMEOUT_S
+                }
+            })
+        }
+        Some(other) => {
+            errors.push(invalid(
+                object,
+                format!("unknown sessionAffinity {other:?}; using None"),
+            ));
+            None
+        }
+    }
+}

@@ -1,0 +1,915 @@
+//! Each test states a kube-proxy rule in terms of what a user would observe: which backends
+//! a frontend gets, and which errors name which objects.
+
+use super::*;
+use crate::model::Protocol;
+
+fn object<T: serde::de::DeserializeOwned>(header: &str, yaml: &str) -> T {
+    serde_yaml::from_str(&format!("{header}\n{yaml}")).expect("test object must parse")
+}
+
+/// A Service from YAML (apiVersion and kind are added).
+fn service(yaml: &str) -> Service {
+    object("apiVersion: v1\nkind: Service", yaml)
+}
+
+/// The common case: `ns/name` with one clusterIP and the given ports (YAML flow list).
+fn cluster_ip(key: &str, ip: &str, ports: &str) -> Service {
+    let (ns, name) = key.split_once('/').expect("ns/name");
+    service(&format!(
+        "metadata: {{namespace: {ns}, name: {name}}}\nspec: {{clusterIP: '{ip}', ports: {ports}}}"
+    ))
+}
+
+/// An EndpointSlice from YAML (apiVersion and kind are added).
+fn slice(yaml: &str) -> EndpointSlice {
+    object("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice", yaml)
+}
+
+/// Slice `ns/name` of Service `service`, with ports and endpoints as YAML flow lists.
+fn slice_of(
+    key: &str,
+    service: &str,
+    address_type: &str,
+    ports: &str,
+    endpoints: &str,
+) -> EndpointSlice {
+    let (ns, name) = key.split_once('/').expect("ns/name");
+    slice(&format!(
+        "metadata: {{namespace: {ns}, name: {name}, labels: {{kubernetes.io/service-name: {service}}}}}
+addressType: {address_type}
+ports: {ports}
+endpoints: {endpoints}"
+    ))
+}
+
+fn run(services: &[Service], slices: &[EndpointSlice]) -> Translated {
+    translate(services, slices, &NodeContext::default())
+}
+
+fn on_node(
+    services: &[Service],
+    slices: &[EndpointSlice],
+    node: &str,
+    zone: Option<&str>,
+) -> Translated {
+    let node = NodeContext {
+        node_name: Some(node.to_string()),
+        zone: zone.map(str::to_string),
+    };
+    translate(services, slices, &node)
+}
+
+/// The frontend written as it is displayed, e.g. "10.96.0.1:80/TCP".
+fn frontend<'a>(t: &'a Translated, which: &str) -> &'a DesiredFrontend {
+    t.state
+        .frontends
+        .values()
+        .find(|f| f.frontend.to_string() == which)
+        .unwrap_or_else(|| panic!("no frontend {which}; have {:?}", frontends(t)))
+}
+
+fn backends(t: &Translated, which: &str) -> Vec<String> {
+    frontend(t, which)
+        .backends
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
+fn frontends(t: &Translated) -> Vec<String> {
+    t.state.frontends.keys().map(ToString::to_string).collect()
+}
+
+fn errors(t: &Translated) -> Vec<String> {
+    t.errors.iter().map(ToString::to_string).collect()
+}
+
+fn assert_no_errors(t: &Translated) {
+    assert!(t.errors.is_empty(), "unexpected errors: {:?}", errors(t));
+}
+
+const NONE: &[String] = &[];
+
+#[test]
+fn multi_port_service_gets_one_frontend_per_port_named_after_it() {
+    let t = run(
+        &[cluster_ip(
+            "shop/web",
+            "10.96.0.10",
+            "[{name: http, port: 80}, {name: https, port: 443}]",
+        )],
+        &[slice_of(
+            "shop/web-1",
+            "web",
+            "IPv4",
+            "[{name: http, port: 8080}, {name: https, port: 8443}]",
+            "[{addresses: [10.0.0.2]}, {addresses: [10.0.0.1]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(frontends(&t), ["10.96.0.10:80/TCP", "10.96.0.10:443/TCP"]);
+    assert_eq!(
+        backends(&t, "10.96.0.10:80/TCP"),
+        ["10.0.0.1:8080", "10.0.0.2:8080"]
+    );
+    assert_eq!(
+        backends(&t, "10.96.0.10:443/TCP"),
+        ["10.0.0.1:8443", "10.0.0.2:8443"]
+    );
+    let http = frontend(&t, "10.96.0.10:80/TCP");
+    assert_eq!(http.service, "shop/web:http");
+    assert_eq!(http.affinity_timeout_s, None);
+    assert!(!http.internal_local);
+    assert_eq!(
+        t.state
+            .cluster_ips
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["10.96.0.10"]
+    );
+}
+
+#[test]
+fn unnamed_port_matches_unnamed_slice_port_and_is_named_after_the_service() {
+    let t = run(
+        &[cluster_ip("default/db", "10.96.0.5", "[{port: 5432}]")],
+        &[slice_of(
+            "default/db-x",
+            "db",
+            "IPv4",
+            "[{port: 5432, name: ''}]",
+            "[{addresses: [10.0.1.1]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(frontend(&t, "10.96.0.5:5432/TCP").service, "default/db");
+    assert_eq!(backends(&t, "10.96.0.5:5432/TCP"), ["10.0.1.1:5432"]);
+}
+
+#[test]
+fn same_port_number_with_two_protocols_are_separate_frontends() {
+    let t = run(
+        &[cluster_ip(
+            "kube-system/dns",
+            "10.96.0.53",
+            "[{name: dns, port: 53, protocol: UDP}, {name: dns-tcp, port: 53, protocol: TCP}]",
+        )],
+        &[slice_of(
+            "kube-system/dns-1",
+            "dns",
+            "IPv4",
+            "[{name: dns, port: 1053, protocol: UDP}, {name: dns-tcp, port: 2053}]",
+            "[{addresses: [10.0.0.7]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.53:53/UDP"), ["10.0.0.7:1053"]);
+    assert_eq!(backends(&t, "10.96.0.53:53/TCP"), ["10.0.0.7:2053"]);
+    assert_eq!(
+        frontend(&t, "10.96.0.53:53/UDP").frontend.protocol,
+        Protocol::Udp
+    );
+}
+
+#[test]
+fn port_matching_needs_both_name_and_protocol() {
+    let t = run(
+        &[cluster_ip("a/s", "10.96.0.1", "[{name: p, port: 80}]")],
+        &[slice_of(
+            "a/s-1",
+            "s",
+            "IPv4",
+            "[{name: p, port: 8080, protocol: UDP}, {name: other, port: 9090}, {name: p}]",
+            "[{addresses: [10.0.0.1]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), NONE);
+}
+
+#[test]
+fn named_target_port_may_differ_per_slice() {
+    // Pods of two versions mid-rollout expose "http" on different container ports.
+    let t = run(
+        &[cluster_ip(
+            "a/web",
+            "10.96.0.1",
+            "[{name: http, port: 80, targetPort: http}]",
+        )],
+        &[
+            slice_of(
+                "a/web-old",
+                "web",
+                "IPv4",
+                "[{name: http, port: 8080}]",
+                "[{addresses: [10.0.0.1]}]",
+            ),
+            slice_of(
+                "a/web-new",
+                "web",
+                "IPv4",
+                "[{name: http, port: 9090}]",
+                "[{addresses: [10.0.0.2]}]",
+            ),
+        ],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:8080", "10.0.0.2:9090"]
+    );
+}
+
+#[test]
+fn endpoint_in_two_slices_appears_once_and_the_non_terminating_copy_wins() {
+    let svc = cluster_ip("a/web", "10.96.0.1", "[{port: 80}]");
+    let terminating =
+        "[{addresses: [10.0.0.1], conditions: {ready: false, serving: true, terminating: true}},
+                        {addresses: [10.0.0.2]}]";
+    let ready = "[{addresses: [10.0.0.1], conditions: {ready: true}}, {addresses: [10.0.0.2]}]";
+    // Whichever slice sorts first, the ready copy of 10.0.0.1 is used; had the terminating
+    // copy won, 10.0.0.1 would be dropped in favour of the ready 10.0.0.2.
+    for (first, second) in [(terminating, ready), (ready, terminating)] {
+        let t = run(
+            std::slice::from_ref(&svc),
+            &[
+                slice_of("a/web-a", "web", "IPv4", "[{port: 80}]", first),
+                slice_of("a/web-b", "web", "IPv4", "[{port: 80}]", second),
+            ],
+        );
+        assert_no_errors(&t);
+        assert_eq!(
+            backends(&t, "10.96.0.1:80/TCP"),
+            ["10.0.0.1:80", "10.0.0.2:80"]
+        );
+    }
+}
+
+#[test]
+fn dual_stack_each_cluster_ip_gets_endpoints_of_its_own_family() {
+    let svc = service(
+        "metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, 'fd00::1'], ports: [{name: http, port: 80}]}",
+    );
+    let t = run(
+        &[svc],
+        &[
+            slice_of(
+                "a/web-v4",
+                "web",
+                "IPv4",
+                "[{name: http, port: 8080}]",
+                "[{addresses: [10.0.0.1]}]",
+            ),
+            slice_of(
+                "a/web-v6",
+                "web",
+                "IPv6",
+                "[{name: http, port: 8080}]",
+                "[{addresses: ['fd00:1::1']}]",
+            ),
+        ],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:8080"]);
+    assert_eq!(backends(&t, "[fd00::1]:80/TCP"), ["[fd00:1::1]:8080"]);
+    let ips: Vec<String> = t
+        .state
+        .cluster_ips
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(ips, ["10.96.0.1", "fd00::1"]);
+}
+
+#[test]
+fn single_stack_service_ignores_slices_of_the_other_family() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-v6",
+            "web",
+            "IPv6",
+            "[{port: 80}]",
+            "[{addresses: ['fd00::5']}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), NONE);
+}
+
+#[test]
+fn fqdn_slices_are_ignored_silently() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-dns",
+            "web",
+            "FQDN",
+            "[{port: 80}]",
+            "[{addresses: [example.com]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), NONE);
+}
+
+#[test]
+fn slices_join_only_their_own_service_in_their_own_namespace() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[
+            slice_of("b/web-1", "web", "IPv4", "[{port: 80}]", "[{addresses: [10.0.0.1]}]"),
+            slice_of("a/api-1", "api", "IPv4", "[{port: 80}]", "[{addresses: [10.0.0.2]}]"),
+            slice("metadata: {name: orphan, namespace: a}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: [10.0.0.3]}]"),
+        ],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), NONE);
+}
+
+#[test]
+fn conditions_default_to_ready_and_not_terminating() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.1]}, {addresses: [10.0.0.2], conditions: {}},
+              {addresses: [10.0.0.3], conditions: {ready: false}}]",
+        )],
+    );
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80"]
+    );
+}
+
+#[test]
+fn ready_endpoints_are_preferred_over_serving_terminating_ones() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.1], conditions: {ready: true}},
+              {addresses: [10.0.0.2], conditions: {ready: false, serving: true, terminating: true}}]",
+        )],
+    );
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+}
+
+#[test]
+fn without_ready_endpoints_serving_terminating_ones_are_used() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            // Only .2 is both serving and terminating. .4 has serving unset, which means
+            // "same as ready", so it is not serving.
+            "[{addresses: [10.0.0.1], conditions: {ready: false}},
+              {addresses: [10.0.0.2], conditions: {ready: false, serving: true, terminating: true}},
+              {addresses: [10.0.0.3], conditions: {ready: false, serving: false, terminating: true}},
+              {addresses: [10.0.0.4], conditions: {ready: false, terminating: true}},
+              {addresses: [10.0.0.5], conditions: {ready: false, serving: true}}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.2:80"]);
+}
+
+#[test]
+fn no_endpoints_means_a_frontend_with_empty_backends() {
+    let t = run(
+        &[
+            cluster_ip("a/lonely", "10.96.0.1", "[{port: 80}]"),
+            cluster_ip("a/down", "10.96.0.2", "[{port: 80}]"),
+        ],
+        &[slice_of(
+            "a/down-1",
+            "down",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.1], conditions: {ready: false}}]",
+        )],
+    );
+    assert_no_errors(&t);
+    // Still programmed, so the datapath refuses connections instead of letting them leak.
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), NONE);
+    assert_eq!(backends(&t, "10.96.0.2:80/TCP"), NONE);
+    assert_eq!(t.state.cluster_ips.len(), 2);
+}
+
+fn local_service() -> Service {
+    service(
+        "metadata: {name: agent, namespace: mon}
+spec: {clusterIP: 10.96.0.9, internalTrafficPolicy: Local, ports: [{port: 9100}]}",
+    )
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
+    let slices = [slice_of(
+        "mon/agent-1",
+        "agent",
+        "IPv4",
+        "[{port: 9100}]",
+        "[{addresses: [10.0.1.1], nodeName: n1}, {addresses: [10.0.2.1], nodeName: n2},
+          {addresses: [10.0.3.1]}]",
+    )];
+    let t = on_node(&[local_service()], &slices, "n1", None);
+    assert_no_errors(&t);
+    let fe = frontend(&t, "10.96.0.9:9100/TCP");
+    assert!(fe.internal_local);
+    assert_eq!(backends(&t, "10.96.0.9:9100/TCP"), ["10.0.1.1:9100"]);
+
+    // No local endpoint: traffic is dropped rather than sent to another node.
+    let t = on_node(&[local_service()], &slices, "n3", None);
+    assert_eq!(backends(&t, "10.96.0.9:9100/TCP"), NONE);
+    assert!(frontend(&t, "10.96.0.9:9100/TCP").internal_local);
+
+    // Without a node name nothing is local.
+    let t = run(&[local_service()], &slices);
+    assert_eq!(backends(&t, "10.96.0.9:9100/TCP"), NONE);
+}
+
+#[test]
+fn internal_traffic_policy_local_falls_back_to_local_terminating_endpoints() {
+    let slices = [slice_of(
+        "mon/agent-1",
+        "agent",
+        "IPv4",
+        "[{port: 9100}]",
+        "[{addresses: [10.0.1.1], nodeName: n1, conditions: {ready: false, serving: true, terminating: true}},
+          {addresses: [10.0.2.1], nodeName: n2}]",
+    )];
+    let t = on_node(&[local_service()], &slices, "n1", None);
+    assert_eq!(backends(&t, "10.96.0.9:9100/TCP"), ["10.0.1.1:9100"]);
+}
+
+fn hinted_slice(endpoints: &str) -> EndpointSlice {
+    slice_of("a/web-1", "web", "IPv4", "[{port: 80}]", endpoints)
+}
+
+fn web() -> Service {
+    cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")
+}
+
+#[test]
+fn zone_hints_restrict_to_endpoints_hinted_for_this_zone() {
+    let slices = [hinted_slice(
+        "[{addresses: [10.0.0.1], hints: {forZones: [{name: zone-a}]}},
+          {addresses: [10.0.0.2], hints: {forZones: [{name: zone-b}]}},
+          {addresses: [10.0.0.3], hints: {forZones: [{name: zone-a}, {name: zone-b}]}},
+          {addresses: [10.0.0.9], conditions: {ready: false}}]",
+    )];
+    let t = on_node(&[web()], &slices, "n1", Some("zone-a"));
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.3:80"]
+    );
+
+    // Node zone unknown (the manifest source): hints cannot be used.
+    let t = on_node(&[web()], &slices, "n1", None);
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    );
+
+    // No endpoint hinted for this zone: all of them rather than none.
+    let t = on_node(&[web()], &slices, "n1", Some("zone-c"));
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    );
+}
+
+#[test]
+fn hints_are_ignored_when_one_ready_endpoint_lacks_them() {
+    let slices = [hinted_slice(
+        "[{addresses: [10.0.0.1], hints: {forZones: [{name: zone-a}]}},
+          {addresses: [10.0.0.2], hints: {forZones: [{name: zone-b}]}},
+          {addresses: [10.0.0.3]}]",
+    )];
+    let t = on_node(&[web()], &slices, "n1", Some("zone-a"));
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]
+    );
+}
+
+#[test]
+fn node_hints_are_preferred_over_zone_hints() {
+    let slices = [hinted_slice(
+        "[{addresses: [10.0.0.1], hints: {forNodes: [{name: n1}], forZones: [{name: zone-a}]}},
+          {addresses: [10.0.0.2], hints: {forNodes: [{name: n2}], forZones: [{name: zone-a}]}},
+          {addresses: [10.0.0.3], hints: {forNodes: [{name: n3}], forZones: [{name: zone-b}]}}]",
+    )];
+    let t = on_node(&[web()], &slices, "n1", Some("zone-a"));
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+
+    // No endpoint for this node: zone hints decide.
+    let t = on_node(&[web()], &slices, "n4", Some("zone-a"));
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80"]
+    );
+}
+
+#[test]
+fn hints_do_not_apply_to_internal_traffic_policy_local() {
+    let svc = service(
+        "metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.1, internalTrafficPolicy: Local, ports: [{port: 80}]}",
+    );
+    let slices = [hinted_slice(
+        "[{addresses: [10.0.0.1], nodeName: n1, hints: {forZones: [{name: zone-b}]}},
+          {addresses: [10.0.0.2], nodeName: n2, hints: {forZones: [{name: zone-a}]}}]",
+    )];
+    let t = on_node(&[svc], &slices, "n1", Some("zone-a"));
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+}
+
+#[test]
+fn topology_does_not_block_the_terminating_fallback() {
+    let slices = [hinted_slice(
+        "[{addresses: [10.0.0.1], conditions: {ready: false, serving: true, terminating: true},
+           hints: {forZones: [{name: zone-b}]}}]",
+    )];
+    let t = on_node(&[web()], &slices, "n1", Some("zone-a"));
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+}
+
+fn with_affinity(affinity: &str) -> Service {
+    service(&format!(
+        "metadata: {{name: web, namespace: a}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}], {affinity}}}"
+    ))
+}
+
+#[test]
+fn session_affinity_client_ip_sets_the_timeout() {
+    let t = run(&[with_affinity("sessionAffinity: ClientIP")], &[]);
+    assert_no_errors(&t);
+    assert_eq!(
+        frontend(&t, "10.96.0.1:80/TCP").affinity_timeout_s,
+        Some(10_800)
+    );
+
+    let t = run(
+        &[with_affinity(
+            "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}",
+        )],
+        &[],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        frontend(&t, "10.96.0.1:80/TCP").affinity_timeout_s,
+        Some(60)
+    );
+
+    let t = run(&[with_affinity("sessionAffinity: None")], &[]);
+    assert_no_errors(&t);
+    assert_eq!(frontend(&t, "10.96.0.1:80/TCP").affinity_timeout_s, None);
+}
+
+#[test]
+fn session_affinity_timeout_out_of_range_is_an_error_and_the_default_is_used() {
+    for bad in [0, -5, 86_401] {
+        let t = run(
+            &[with_affinity(&format!(
+                "sessionAffinity: ClientIP, sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {bad}}}}}"
+            ))],
+            &[],
+        );
+        assert_eq!(
+            frontend(&t, "10.96.0.1:80/TCP").affinity_timeout_s,
+            Some(10_800)
+        );
+        let errors = errors(&t);
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0].starts_with("Service a/web: sessionAffinityConfig.clientIP.timeoutSeconds"),
+            "{errors:?}"
+        );
+    }
+    let t = run(
+        &[with_affinity(
+            "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 86400}}",
+        )],
+        &[],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        frontend(&t, "10.96.0.1:80/TCP").affinity_timeout_s,
+        Some(86_400)
+    );
+}
+
+#[test]
+fn services_not_proxied_are_skipped_without_errors() {
+    let skipped = [
+        service("metadata: {name: headless, namespace: a}\nspec: {clusterIP: None, ports: [{port: 80}]}"),
+        service(
+            "metadata: {name: headless2, namespace: a}\nspec: {clusterIPs: [None], ports: [{port: 80}]}",
+        ),
+        service(
+            "metadata: {name: ext, namespace: a}
+spec: {type: ExternalName, externalName: example.com, clusterIP: 10.96.0.7, ports: [{port: 80}]}",
+        ),
+        service("metadata: {name: pending, namespace: a}\nspec: {ports: [{port: 80}]}"),
+        service("metadata: {name: nospec, namespace: a}"),
+        service(
+            "metadata: {name: other, namespace: a, labels: {service.kubernetes.io/service-proxy-name: cilium}}
+spec: {clusterIP: 10.96.0.8, ports: [{port: 80}]}",
+        ),
+        service(
+            "metadata: {name: h, namespace: a, labels: {service.kubernetes.io/headless: ''}}
+spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}",
+        ),
+    ];
+    let t = run(&skipped, &[]);
+    assert_no_errors(&t);
+    assert!(t.state.frontends.is_empty() && t.state.cluster_ips.is_empty());
+}
+
+#[test]
+fn node_port_and_load_balancer_services_get_their_cluster_ip_frontends() {
+    let t = run(
+        &[
+            service(
+                "metadata: {name: np, namespace: a}
+spec: {type: NodePort, clusterIP: 10.96.0.1, ports: [{port: 80, nodePort: 30080}]}",
+            ),
+            service(
+                "metadata: {name: lb, namespace: a}
+spec: {type: LoadBalancer, clusterIP: 10.96.0.2, ports: [{port: 443, nodePort: 30443}]}",
+            ),
+        ],
+        &[],
+    );
+    assert_no_errors(&t);
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP", "10.96.0.2:443/TCP"]);
+}
+
+#[test]
+fn bad_ports_are_errors_for_that_port_only() {
+    let t = run(
+        &[cluster_ip(
+            "a/web",
+            "10.96.0.1",
+            "[{name: ok, port: 80}, {name: zero, port: 0}, {name: big, port: 70000},
+              {name: sctp, port: 90, protocol: SCTP}, {name: icmp, port: 91, protocol: ICMP},
+              {name: dup, port: 80}, {name: ok, port: 81}, {name: udp, port: 80, protocol: UDP}]",
+        )],
+        &[],
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP", "10.96.0.1:80/UDP"]);
+    assert_eq!(
+        errors(&t),
+        [
+            "Service a/web: port \"zero\" 0/TCP: port must be 1-65535; skipped",
+            "Service a/web: port \"big\" 70000/TCP: port must be 1-65535; skipped",
+            "Service a/web: port \"sctp\" 90/SCTP: SCTP is not supported yet; skipped",
+            "Service a/web: port \"icmp\" 91/ICMP: unknown protocol \"ICMP\"; skipped",
+            "Service a/web: port \"dup\" 80/TCP: duplicate port and protocol; skipped",
+            "Service a/web: port \"ok\" 81/TCP: duplicate port name; skipped",
+        ]
+    );
+}
+
+#[test]
+fn bad_cluster_ips_are_errors_naming_the_service_and_others_still_work() {
+    let t = run(
+        &[
+            cluster_ip("a/typo", "10.96.0.300", "[{port: 80}]"),
+            cluster_ip("a/zero", "0.0.0.0", "[{port: 80}]"),
+            service(
+                "metadata: {name: three, namespace: a}
+spec: {clusterIPs: [10.96.0.3, 10.96.0.4, 'nope', 'fd00::3'], ports: [{port: 80}]}",
+            ),
+            cluster_ip("a/good", "10.96.0.1", "[{port: 80}]"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        frontends(&t),
+        ["10.96.0.1:80/TCP", "10.96.0.3:80/TCP", "[fd00::3]:80/TCP"]
+    );
+    assert_eq!(
+        errors(&t),
+        [
+            "Service a/three: clusterIP 10.96.0.4 is a second address of the same family as 10.96.0.3; skipped",
+            "Service a/three: clusterIP \"nope\" is not an IP address; skipped",
+            "Service a/typo: clusterIP \"10.96.0.300\" is not an IP address; skipped",
+            "Service a/zero: clusterIP \"0.0.0.0\" is not a unicast address; skipped",
+        ]
+    );
+}
+
+#[test]
+fn bad_endpoints_are_errors_naming_the_slice_and_the_rest_are_used() {
+    let t = run(
+        &[web()],
+        &[
+            slice_of(
+                "a/web-1",
+                "web",
+                "IPv4",
+                "[{port: 80}, {name: x, port: 0}, {name: y}]",
+                "[{addresses: [10.0.0.1]}, {addresses: ['fd00::1']}, {addresses: [not-an-ip]},
+                  {addresses: []}, {addresses: [127.0.0.1]}, {addresses: ['::ffff:10.0.0.2']}]",
+            ),
+            slice_of(
+                "a/web-2",
+                "web",
+                "IPv6",
+                "[{port: 80}]",
+                "[{addresses: [10.0.0.3]}]",
+            ),
+            slice_of(
+                "a/web-3",
+                "web",
+                "Bogus",
+                "[{port: 80}]",
+                "[{addresses: [10.0.0.4]}]",
+            ),
+        ],
+    );
+    // An IPv4-mapped IPv6 address is IPv4, as Kubernetes parses it.
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.1:80", "10.0.0.2:80"]
+    );
+    assert_eq!(
+        errors(&t),
+        [
+            "EndpointSlice a/web-1: port \"x\" 0/TCP: port must be 1-65535; skipped",
+            "EndpointSlice a/web-1: endpoint \"fd00::1\" does not match addressType IPv4; skipped",
+            "EndpointSlice a/web-1: endpoint \"not-an-ip\" is not an IP address; skipped",
+            "EndpointSlice a/web-1: endpoint with no addresses; skipped",
+            "EndpointSlice a/web-1: endpoint \"127.0.0.1\" is an unspecified, loopback, link-local or multicast address; skipped",
+            "EndpointSlice a/web-2: endpoint \"10.0.0.3\" does not match addressType IPv6; skipped",
+            "EndpointSlice a/web-3: unknown addressType \"Bogus\"; slice ignored",
+        ]
+    );
+}
+
+#[test]
+fn slices_with_errors_are_reported_once_however_many_ports_use_them() {
+    let t = run(
+        &[cluster_ip(
+            "a/web",
+            "10.96.0.1",
+            "[{name: a, port: 80}, {name: b, port: 81}]",
+        )],
+        &[slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{name: a, port: 80}, {name: b, port: 81}]",
+            "[{addresses: [bad]}, {addresses: [10.0.0.1]}]",
+        )],
+    );
+    assert_eq!(errors(&t).len(), 1);
+    assert_eq!(backends(&t, "10.96.0.1:81/TCP"), ["10.0.0.1:81"]);
+}
+
+#[test]
+fn nameless_objects_are_errors() {
+    let t = run(
+        &[
+            service("metadata: {namespace: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}"),
+            web(),
+        ],
+        &[slice(
+            "metadata: {namespace: a}\naddressType: IPv4\nendpoints: []",
+        )],
+    );
+    assert_eq!(
+        errors(&t),
+        [
+            "Service a/(unnamed): metadata.name is required",
+            "EndpointSlice a/(unnamed): metadata.name is required",
+        ]
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+}
+
+#[test]
+fn two_services_claiming_one_frontend_first_by_name_wins() {
+    let ports = "[{name: http, port: 80}, {name: alt, port: 8080}]";
+    let services = [
+        cluster_ip("b/second", "10.96.0.1", "[{name: http, port: 80}]"),
+        cluster_ip("a/first", "10.96.0.1", ports),
+    ];
+    let t = run(&services, &[]);
+    assert_eq!(frontend(&t, "10.96.0.1:80/TCP").service, "a/first:http");
+    assert_eq!(frontend(&t, "10.96.0.1:8080/TCP").service, "a/first:alt");
+    assert_eq!(
+        errors(&t),
+        ["Service b/second: frontend 10.96.0.1:80/TCP is already served by Service a/first; skipped"]
+    );
+}
+
+#[test]
+fn an_object_defined_twice_keeps_its_first_definition() {
+    let t = run(
+        &[
+            cluster_ip("a/web", "10.96.0.1", "[{port: 80}]"),
+            cluster_ip("a/web", "10.96.0.2", "[{port: 80}]"),
+        ],
+        &[
+            slice_of(
+                "a/web-1",
+                "web",
+                "IPv4",
+                "[{port: 80}]",
+                "[{addresses: [10.0.0.1]}]",
+            ),
+            slice_of(
+                "a/web-1",
+                "web",
+                "IPv4",
+                "[{port: 80}]",
+                "[{addresses: [10.0.0.2]}]",
+            ),
+        ],
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+    assert_eq!(
+        errors(&t),
+        [
+            "Service a/web: defined more than once; later definition ignored",
+            "EndpointSlice a/web-1: defined more than once; later definition ignored",
+        ]
+    );
+}
+
+#[test]
+fn missing_namespace_means_default() {
+    let t = run(
+        &[service(
+            "metadata: {name: web}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}",
+        )],
+        &[slice(
+            "metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 80}]
+endpoints: [{addresses: [10.0.0.1]}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(frontend(&t, "10.96.0.1:80/TCP").service, "default/web");
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:80"]);
+}
+
+#[test]
+fn output_does_not_depend_on_input_order() {
+    let services = vec![
+        cluster_ip("b/x", "10.96.0.50", "[{port: 80}, {port: 0}]"),
+        cluster_ip("a/y", "10.96.0.50", "[{port: 80}]"),
+        web(),
+    ];
+    let slices = vec![
+        slice_of(
+            "a/web-2",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.9]}, {addresses: [x]}]",
+        ),
+        slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.1]}]",
+        ),
+        slice_of(
+            "a/y-1",
+            "y",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.5]}]",
+        ),
+    ];
+    let forward = run(&services, &slices);
+    let mut rev_services = services.clone();
+    rev_services.reverse();
+    let mut rev_slices = slices.clone();
+    rev_slices.reverse();
+    let backward = run(&rev_services, &rev_slices);
+    assert_eq!(forward.state, backward.state);
+    assert_eq!(errors(&forward), errors(&backward));
+    assert_eq!(errors(&forward).len(), 3);
+}
