@@ -11,7 +11,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::sys::{ensure_bpffs, run, signal, unique_name};
+use crate::sys::{die_with_parent, ensure_bpffs, run, signal, unique_name};
 
 /// The line the agent prints once after its first full sync.
 pub const READY_LINE: &str = "svc-agent: ready";
@@ -195,7 +195,9 @@ impl Agent {
     fn spawn(&mut self) -> Result<()> {
         self.starts += 1;
         let log = File::create(self.log_path())?;
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        die_with_parent(&mut cmd);
+        let child = cmd
             .args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

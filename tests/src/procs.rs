@@ -13,7 +13,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 
-use crate::{cgroup::TestCgroup, netns::NetNs};
+use crate::{cgroup::TestCgroup, netns::NetNs, sys::die_with_parent};
 
 /// How long a backend may take to bind and say `ready`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -37,6 +37,7 @@ impl Backend {
         for l in listens {
             cmd.arg("--listen").arg(l.to_string());
         }
+        die_with_parent(&mut cmd);
         // `ip netns exec` execs the probe, so the child's pid is the probe's own.
         let mut child = cmd
             .stdin(Stdio::null())
@@ -103,7 +104,9 @@ impl ClientRun {
     pub fn spawn(probe: &Path, cgroup: &TestCgroup, ns: &NetNs, args: &[String]) -> Result<Self> {
         let script =
             r#"cg="$1"; ns="$2"; shift 2; echo $$ > "$cg" && exec ip netns exec "$ns" "$@""#;
-        let mut child = Command::new("sh")
+        let mut cmd = Command::new("sh");
+        die_with_parent(&mut cmd);
+        let mut child = cmd
             .arg("-c")
             .arg(script)
             .arg("sh")

@@ -188,3 +188,111 @@ pub fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
         Err(std::io::Error::last_os_error())
     }
 }
+
+/// The pid in a harness name `PREFIX-PID-N`, if `name` is one with this prefix.
+fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
+    let rest = name.strip_prefix(prefix)?.strip_prefix('-')?;
+    let (pid, n) = rest.split_once('-')?;
+    n.parse::<u32>().ok()?;
+    pid.parse().ok()
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes what harness runs that were killed outright (SIGKILL, a CI timeout: no drop guard
+/// ran) left behind: namespaces, test cgroups, pin directories and manifest directories whose
+/// owning process no longer exists. Anything whose owner is alive (another run in progress, or
+/// a reused pid) is left alone, and so is a cgroup that still has processes. Returns what was
+/// removed.
+pub fn clean_stale(agent_bin: &Path) -> Result<Vec<String>> {
+    let mut removed = Vec::new();
+    let netns = run("ip", ["netns", "list"])?;
+    for name in netns.lines().filter_map(|l| l.split_whitespace().next()) {
+        let pid = owner_pid(name, "svc-c").or_else(|| owner_pid(name, "svc-b"));
+        if pid.is_some_and(|p| !alive(p)) && run("ip", ["netns", "del", name]).is_ok() {
+            removed.push(format!("netns {name}"));
+        }
+    }
+    let cg2 = cgroup2_mount()?;
+    let bpffs_mounted = mounts()?
+        .iter()
+        .any(|(_, dir, fstype)| dir == BPFFS_ROOT && fstype == "bpf");
+    if bpffs_mounted {
+        for e in std::fs::read_dir(BPFFS_ROOT)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if owner_pid(&name, "svc-test").is_some_and(|p| !alive(p)) {
+                let dir = e.path();
+                if agent_bin.is_file() {
+                    let _ = run(
+                        &agent_bin.to_string_lossy(),
+                        [
+                            OsStr::new("uninstall"),
+                            OsStr::new("--bpffs"),
+                            dir.as_os_str(),
+                        ],
+                    );
+                }
+                if !dir.exists() || std::fs::remove_dir_all(&dir).is_ok() {
+                    removed.push(format!("pins {}", dir.display()));
+                }
+            }
+        }
+    }
+    for e in std::fs::read_dir(&cg2)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if owner_pid(&name, "svc-test").is_some_and(|p| !alive(p))
+            && std::fs::remove_dir(e.path()).is_ok()
+        {
+            removed.push(format!("cgroup {}", e.path().display()));
+        }
+    }
+    for e in std::fs::read_dir(std::env::temp_dir())?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if owner_pid(&name, "svc-test-manifests").is_some_and(|p| !alive(p))
+            && std::fs::remove_dir_all(e.path()).is_ok()
+        {
+            removed.push(format!("dir {}", e.path().display()));
+        }
+    }
+    Ok(removed)
+}
+
+/// Makes the child get SIGKILL when the thread that spawned it dies, so a harness killed
+/// outright (no drop guard runs) leaves no backend, client or agent running. Kept across
+/// the `sh` → `ip netns exec` → probe execs. The spawning thread is the test's own, which
+/// outlives every guard it creates.
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+    // syscalls (prctl, getppid).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before prctl took effect.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owner_pid;
+
+    #[test]
+    fn owner_pid_parses_only_harness_names() {
+        assert_eq!(owner_pid("svc-c-123-4", "svc-c"), Some(123));
+        assert_eq!(owner_pid("svc-test-77-0", "svc-test"), Some(77));
+        assert_eq!(owner_pid("svc-test-manifests-5-1", "svc-test"), None);
+        assert_eq!(owner_pid("svc", "svc-test"), None);
+        assert_eq!(owner_pid("svc-test-x-1", "svc-test"), None);
+        assert_eq!(owner_pid("svc-c-1", "svc-c"), None);
+    }
+}

@@ -35,6 +35,10 @@ struct Args {
     /// TCP connections to send through the ClusterIP.
     #[arg(long, default_value_t = 30)]
     requests: u32,
+    /// Only remove what killed harness runs left behind (namespaces, cgroups, pins and
+    /// manifest dirs whose owning process is gone), then exit.
+    #[arg(long)]
+    clean_stale: bool,
 }
 
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -70,6 +74,12 @@ fn demo(args: Args) -> Result<bool> {
     }
     if let Some(p) = args.probe {
         tools.probe = p;
+    }
+    if args.clean_stale {
+        for r in svc_tests::sys::clean_stale(&tools.agent)? {
+            println!("removed {r}");
+        }
+        return Ok(true);
     }
 
     section("1. Sandbox");
