@@ -2,6 +2,7 @@
 
 pub mod agent;
 pub mod datapath;
+pub mod desired;
 pub mod error;
 pub mod list;
 pub mod model;

@@ -63,6 +63,9 @@ impl fmt::Display for Frontend {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DesiredFrontend {
     pub frontend: Frontend,
+    /// "namespace/name" of the Service this frontend belongs to: the unit of incremental
+    /// updates.
+    pub owner: String,
     /// "namespace/name:portname" (":portname" omitted for an unnamed port): names the object
     /// in listings and errors.
     pub service: String,

@@ -801,6 +801,7 @@ mod tests {
                 *f,
                 DesiredFrontend {
                     frontend: *f,
+                    owner: format!("default/svc-{}", f.port),
                     service: format!("default/svc-{}", f.port),
                     backends: b,
                     affinity_timeout_s: None,

@@ -182,6 +182,7 @@ pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeCont
                     frontend,
                     DesiredFrontend {
                         frontend,
+                        owner: svc.key.to_string(),
                         service: service_name.clone(),
                         backends,
                         affinity_timeout_s: svc.affinity_timeout_s,
