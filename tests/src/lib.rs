@@ -1,1 +1,28 @@
+//! Privileged test harness for svc: network namespaces, a test cgroup, probe processes that
+//! run inside both, the agent as a child process, a private bpffs directory and Kubernetes
+//! manifests on disk.
+//!
+//! Every resource is a guard that removes itself on drop, so a failing or panicking test
+//! leaves nothing behind. Names carry the process id and a counter, so tests in one binary
+//! (threads) and in several binaries (processes) never share a namespace, cgroup or pin
+//! directory. Declare guards in the order they depend on each other (sandbox first, then
+//! bpffs, then agent): locals drop in reverse order, so the agent stops before its pins are
+//! removed and those before the cgroup goes.
 
+pub mod agent;
+pub mod cgroup;
+pub mod manifest;
+pub mod netns;
+pub mod probe;
+pub mod procs;
+pub mod sandbox;
+pub mod sys;
+
+pub use agent::{Agent, Bpffs, ListOutput, ListService};
+pub use cgroup::TestCgroup;
+pub use manifest::{Endpoint, EndpointSlice, Manifests, Service, ServicePort, SlicePort};
+pub use netns::NetNs;
+pub use probe::{Attempt, LoopReport, Report};
+pub use procs::{Backend, ClientRun};
+pub use sandbox::Sandbox;
+pub use sys::{require_root, TempDir, Tools};

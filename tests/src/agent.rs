@@ -1,0 +1,341 @@
+//! The agent as a child process, its CLI (`list`, `uninstall`) and its bpffs directory.
+
+use std::{
+    ffi::OsString,
+    fs::File,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::sys::{die_with_parent, ensure_bpffs, run, signal, unique_name};
+
+/// The line the agent prints once after its first full sync.
+pub const READY_LINE: &str = "svc-agent: ready";
+/// The line the agent prints after each sync that changed the maps.
+pub const SYNCED_LINE: &str = "svc-agent: synced";
+
+fn check_bin(bin: &Path) -> Result<()> {
+    if !bin.is_file() {
+        bail!(
+            "svc-agent binary not found at {}: build it (`cargo build -p svc-agent`) or set \
+             SVC_AGENT_BIN",
+            bin.display()
+        );
+    }
+    Ok(())
+}
+
+/// `svc-agent list -o json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ListOutput {
+    pub services: Vec<ListService>,
+    #[serde(default)]
+    pub cluster_ips: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ListService {
+    /// "10.96.0.10:80/TCP".
+    pub frontend: String,
+    pub ip: String,
+    pub port: u16,
+    pub protocol: String,
+    #[serde(default)]
+    pub name: Option<String>,
+    pub backends: Vec<String>,
+    #[serde(default)]
+    pub affinity_timeout_s: Option<u32>,
+}
+
+impl ListOutput {
+    pub fn frontend(&self, frontend: &str) -> Option<&ListService> {
+        self.services.iter().find(|s| s.frontend == frontend)
+    }
+}
+
+/// Runs `svc-agent list --bpffs DIR -o json`.
+pub fn list(bin: &Path, bpffs: &Path) -> Result<ListOutput> {
+    check_bin(bin)?;
+    let out = run(
+        &bin.to_string_lossy(),
+        [
+            OsString::from("list"),
+            "--bpffs".into(),
+            bpffs.into(),
+            "-o".into(),
+            "json".into(),
+        ],
+    )?;
+    serde_json::from_str(&out).with_context(|| format!("parsing `svc-agent list`: {out:?}"))
+}
+
+/// Runs `svc-agent uninstall --bpffs DIR [--cgroup CG]`.
+pub fn uninstall(bin: &Path, bpffs: &Path, cgroup: Option<&Path>) -> Result<String> {
+    check_bin(bin)?;
+    let mut args = vec![OsString::from("uninstall"), "--bpffs".into(), bpffs.into()];
+    if let Some(cg) = cgroup {
+        args.push("--cgroup".into());
+        args.push(cg.into());
+    }
+    run(&bin.to_string_lossy(), args)
+}
+
+/// A private directory under /sys/fs/bpf for one agent's pins. Not created here: the agent
+/// creates it and `uninstall` removes it. On drop: `svc-agent uninstall`, then whatever is
+/// still there is removed by hand so no pin (and so no attached program) outlives the test.
+#[derive(Debug)]
+pub struct Bpffs {
+    dir: PathBuf,
+    agent_bin: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl Bpffs {
+    pub fn new(agent_bin: &Path, cgroup: &Path) -> Result<Self> {
+        let dir = ensure_bpffs()?.join(unique_name("svc-test"));
+        if dir.exists() {
+            bail!("{} already exists", dir.display());
+        }
+        Ok(Self {
+            dir,
+            agent_bin: agent_bin.to_owned(),
+            cgroup: cgroup.to_owned(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Names directly under the directory (empty when it does not exist).
+    pub fn entries(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        if !self.dir.exists() {
+            return;
+        }
+        if self.agent_bin.is_file() {
+            if let Err(e) = uninstall(&self.agent_bin, &self.dir, Some(&self.cgroup)) {
+                eprintln!("svc-tests: {e:#}");
+            }
+        }
+        if self.dir.exists() {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+                eprintln!("svc-tests: removing {}: {e}", self.dir.display());
+            }
+        }
+    }
+}
+
+/// A running `svc-agent run ...`. Its stderr goes to a file per start (`agent-N.log` in the
+/// log directory) so tests can assert on it. On drop the logs are printed to stderr, which the
+/// test runner captures and shows only for a failed test (`quiet` turns that off).
+#[derive(Debug)]
+pub struct Agent {
+    bin: PathBuf,
+    args: Vec<OsString>,
+    log_dir: PathBuf,
+    child: Option<Child>,
+    starts: usize,
+    bpffs: PathBuf,
+    print_logs: bool,
+}
+
+impl Agent {
+    /// Starts `svc-agent run --manifests M --cgroup CG --bpffs DIR EXTRA...` (does not wait
+    /// for it to be ready; see `wait_ready`).
+    pub fn start(
+        bin: &Path,
+        manifests: &Path,
+        cgroup: &Path,
+        bpffs: &Path,
+        extra: &[&str],
+        log_dir: &Path,
+    ) -> Result<Self> {
+        check_bin(bin)?;
+        let mut args: Vec<OsString> = vec![
+            "run".into(),
+            "--manifests".into(),
+            manifests.into(),
+            "--cgroup".into(),
+            cgroup.into(),
+            "--bpffs".into(),
+            bpffs.into(),
+        ];
+        args.extend(extra.iter().map(OsString::from));
+        let mut agent = Self {
+            bin: bin.to_owned(),
+            args,
+            log_dir: log_dir.to_owned(),
+            child: None,
+            starts: 0,
+            bpffs: bpffs.to_owned(),
+            print_logs: true,
+        };
+        agent.spawn()?;
+        Ok(agent)
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        self.starts += 1;
+        let log = File::create(self.log_path())?;
+        let mut cmd = Command::new(&self.bin);
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {}", self.bin.display()))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.log_dir.join(format!("agent-{}.log", self.starts))
+    }
+
+    /// The log (stdout and stderr) of the current or last run.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// The logs of every run so far, in order.
+    pub fn all_logs(&self) -> String {
+        (1..=self.starts)
+            .map(|i| {
+                let p = self.log_dir.join(format!("agent-{i}.log"));
+                format!(
+                    "--- agent run {i} ---\n{}",
+                    std::fs::read_to_string(p).unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// `None` while running, the exit status once it exited.
+    pub fn exited(&mut self) -> Result<Option<ExitStatus>> {
+        match &mut self.child {
+            Some(c) => Ok(c.try_wait()?),
+            None => bail!("agent not started"),
+        }
+    }
+
+    /// How many lines of the current run's log equal `line`.
+    pub fn count_lines(&self, line: &str) -> usize {
+        self.log().lines().filter(|l| l.trim() == line).count()
+    }
+
+    /// Waits until the current run has printed `svc-agent: ready`; fails at once if the agent
+    /// exits, and with the log if it is not ready by `timeout`.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        self.wait_for_lines(READY_LINE, 1, timeout)
+    }
+
+    /// Waits until the current run's log holds `n` lines equal to `line`.
+    pub fn wait_for_lines(&mut self, line: &str, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.count_lines(line) >= n {
+                return Ok(());
+            }
+            if let Some(status) = self.exited()? {
+                bail!(
+                    "svc-agent exited ({status}) before `{line}`:\n{}",
+                    self.log()
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "svc-agent: no {n}× `{line}` within {timeout:?}; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGTERM, then waits up to `timeout` for the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        let child = self.child.as_mut().context("agent not started")?;
+        signal(child.id(), libc::SIGTERM)?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                bail!("svc-agent did not exit within {timeout:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILL, and reaps it.
+    pub fn kill(&mut self) -> Result<()> {
+        let child = self.child.as_mut().context("agent not started")?;
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
+    /// Starts the agent again with the same arguments (after `kill` or `terminate`); its log
+    /// goes to a new file.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.exited()?.is_none() {
+            bail!("agent still running");
+        }
+        self.spawn()
+    }
+
+    /// Do not print the logs on drop.
+    pub fn quiet(&mut self) {
+        self.print_logs = false;
+    }
+
+    /// `svc-agent list` on this agent's bpffs directory.
+    pub fn list(&self) -> Result<ListOutput> {
+        list(&self.bin, &self.bpffs)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            if let Ok(None) = child.try_wait() {
+                let _ = signal(child.id(), libc::SIGTERM);
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if self.print_logs {
+            eprintln!("{}", self.all_logs());
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! svc-probe: the traffic end of the harness.
+//!
+//! `serve` is a backend: it answers every TCP line and every UDP datagram with its name.
+//! `tcp`, `udp` and `loop` are clients: they report, as JSON on stdout, which backend answered
+//! and what the socket API showed (getpeername, recvfrom source), so a test asserts exactly
+//! what an application in a pod would see.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use svc_tests::{Attempt, LoopReport, Report};
+
+#[derive(Parser)]
+#[command(about = "Backend server and client probe for svc tests")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Answer every TCP line and UDP datagram with NAME; prints `ready` once bound.
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long, required = true)]
+        listen: Vec<SocketAddr>,
+        #[arg(long)]
+        tcp: bool,
+        #[arg(long)]
+        udp: bool,
+    },
+    /// COUNT sequential new TCP connections, one request/reply each.
+    Tcp {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
+    },
+    /// COUNT UDP exchanges, each from a new socket.
+    Udp {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
+        /// connect() the socket and use send/recv instead of sendto/recvfrom.
+        #[arg(long)]
+        connected: bool,
+    },
+    /// New TCP connections back to back for DURATION_MS; totals only.
+    Loop {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        duration_ms: u64,
+        #[arg(long, default_value_t = 1)]
+        interval_ms: u64,
+    },
+}
+
+#[derive(clap::Args)]
+struct Target {
+    /// IP:PORT, IPv6 as [ADDR]:PORT.
+    #[arg(long)]
+    to: SocketAddr,
+    /// Per-attempt timeout (connect, and waiting for the reply).
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+    /// Use an AF_INET6 socket to the IPv4-mapped form (::ffff:a.b.c.d) of an IPv4 target.
+    #[arg(long)]
+    v6_mapped: bool,
+}
+
+impl Target {
+    fn addr(&self) -> SocketAddr {
+        match (self.v6_mapped, self.to) {
+            (true, SocketAddr::V4(a)) => {
+                SocketAddr::new(IpAddr::V6(a.ip().to_ipv6_mapped()), a.port())
+            }
+            _ => self.to,
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.max(1))
+    }
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Serve {
+            name,
+            listen,
+            tcp,
+            udp,
+        } => {
+            // Neither flag means both.
+            let (tcp, udp) = if tcp || udp { (tcp, udp) } else { (true, true) };
+            serve(&name, &listen, tcp, udp)
+        }
+        Cmd::Tcp {
+            target,
+            count,
+            interval_ms,
+        } => {
+            let results = repeat(count, interval_ms, || {
+                tcp_once(target.addr(), target.timeout())
+            });
+            print_json(&Report {
+                results,
+                cgroup: own_cgroup(),
+                netns_ino: own_netns(),
+            })
+        }
+        Cmd::Udp {
+            target,
+            count,
+            interval_ms,
+            connected,
+        } => {
+            let results = repeat(count, interval_ms, || {
+                udp_once(target.addr(), target.timeout(), connected)
+            });
+            print_json(&Report {
+                results,
+                cgroup: own_cgroup(),
+                netns_ino: own_netns(),
+            })
+        }
+        Cmd::Loop {
+            target,
+            duration_ms,
+            interval_ms,
+        } => print_json(&run_loop(&target, duration_ms, interval_ms)),
+    }
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, v)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn repeat(count: u32, interval_ms: u64, mut f: impl FnMut() -> Attempt) -> Vec<Attempt> {
+    (0..count)
+        .map(|i| {
+            if i > 0 && interval_ms > 0 {
+                std::thread::sleep(Duration::from_millis(interval_ms));
+            }
+            f()
+        })
+        .collect()
+}
+
+/// The "0::" line of /proc/self/cgroup: our cgroup v2 path.
+fn own_cgroup() -> String {
+    std::fs::read_to_string("/proc/self/cgroup")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("0::").map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn own_netns() -> u64 {
+    std::fs::metadata("/proc/self/ns/net")
+        .map(|m| m.ino())
+        .unwrap_or(0)
+}
+
+fn us(since: Instant) -> u64 {
+    since.elapsed().as_micros() as u64
+}
+
+fn failed(e: &std::io::Error, start: Instant) -> Attempt {
+    Attempt {
+        ok: false,
+        error: Some(e.to_string()),
+        errno: e.raw_os_error(),
+        elapsed_us: us(start),
+        ..Default::default()
+    }
+}
+
+fn tcp_once(to: SocketAddr, timeout: Duration) -> Attempt {
+    let start = Instant::now();
+    let stream = match TcpStream::connect_timeout(&to, timeout) {
+        Ok(s) => s,
+        Err(e) => return failed(&e, start),
+    };
+    let connect_us = us(start);
+    let peer = stream.peer_addr().ok().map(|p| p.to_string());
+    let reply = (|| -> std::io::Result<String> {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        (&stream).write_all(b"x\n")?;
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "connection closed without a reply",
+            ));
+        }
+        Ok(line.trim_end().to_owned())
+    })();
+    // Reset instead of FIN: no TIME_WAIT, so thousands of back-to-back connections never
+    // run out of ephemeral ports.
+    set_linger_zero(&stream);
+    match reply {
+        Ok(name) => Attempt {
+            ok: true,
+            backend: Some(name),
+            peer,
+            connect_us: Some(connect_us),
+            elapsed_us: us(start),
+            ..Default::default()
+        },
+        Err(e) => Attempt {
+            peer,
+            connect_us: Some(connect_us),
+            ..failed(&e, start)
+        },
+    }
+}
+
+fn set_linger_zero(s: &TcpStream) {
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid socket fd and a correctly sized linger struct.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
+}
+
+fn udp_once(to: SocketAddr, timeout: Duration, connected: bool) -> Attempt {
+    let start = Instant::now();
+    let run = || -> std::io::Result<Attempt> {
+        let local: SocketAddr = match to {
+            SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+            SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+        };
+        let sock = UdpSocket::bind(local)?;
+        sock.set_read_timeout(Some(timeout))?;
+        let mut buf = [0u8; 512];
+        if connected {
+            sock.connect(to)?;
+            let peer = sock.peer_addr()?.to_string();
+            sock.send(b"x")?;
+            let n = sock.recv(&mut buf)?;
+            Ok(Attempt {
+                ok: true,
+                backend: Some(String::from_utf8_lossy(&buf[..n]).trim_end().to_owned()),
+                peer: Some(peer),
+                elapsed_us: us(start),
+                ..Default::default()
+            })
+        } else {
+            sock.send_to(b"x", to)?;
+            let (n, from) = sock.recv_from(&mut buf)?;
+            Ok(Attempt {
+                ok: true,
+                backend: Some(String::from_utf8_lossy(&buf[..n]).trim_end().to_owned()),
+                from: Some(from.to_string()),
+                elapsed_us: us(start),
+                ..Default::default()
+            })
+        }
+    };
+    run().unwrap_or_else(|e| failed(&e, start))
+}
+
+fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
+    let start = Instant::now();
+    let duration = Duration::from_millis(duration_ms);
+    let mut report = LoopReport::default();
+    while start.elapsed() < duration {
+        let a = tcp_once(target.addr(), target.timeout());
+        report.max_us = report.max_us.max(a.elapsed_us);
+        if a.ok {
+            report.ok += 1;
+            *report
+                .backends
+                .entry(a.backend.unwrap_or_default())
+                .or_default() += 1;
+        } else {
+            report.failed += 1;
+            *report
+                .errors
+                .entry(a.error.unwrap_or_default())
+                .or_default() += 1;
+        }
+        if interval_ms > 0 {
+            std::thread::sleep(Duration::from_millis(interval_ms));
+        }
+    }
+    report.duration_ms = start.elapsed().as_millis() as u64;
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    report
+}
+
+fn serve(name: &str, listen: &[SocketAddr], tcp: bool, udp: bool) -> Result<()> {
+    let mut threads = Vec::new();
+    for &addr in listen {
+        if tcp {
+            let l = TcpListener::bind(addr).with_context(|| format!("binding tcp {addr}"))?;
+            let name = name.to_owned();
+            threads.push(std::thread::spawn(move || serve_tcp(l, name)));
+        }
+        if udp {
+            let s = UdpSocket::bind(addr).with_context(|| format!("binding udp {addr}"))?;
+            let name = name.to_owned();
+            threads.push(std::thread::spawn(move || serve_udp(s, name)));
+        }
+    }
+    // Every socket is bound (and TCP listening) before this line: the harness waits for it.
+    println!("ready");
+    std::io::stdout().flush()?;
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+fn serve_tcp(l: TcpListener, name: String) {
+    for conn in l.incoming() {
+        let Ok(conn) = conn else { continue };
+        let reply = format!("{name}\n");
+        std::thread::spawn(move || {
+            let mut reader = BufReader::new(&conn);
+            let mut line = String::new();
+            // One reply per line until EOF (or a reset from a client that lingers 0).
+            while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
+                if (&conn).write_all(reply.as_bytes()).is_err() {
+                    break;
+                }
+                line.clear();
+            }
+        });
+    }
+}
+
+fn serve_udp(s: UdpSocket, name: String) {
+    let mut buf = [0u8; 2048];
+    loop {
+        if let Ok((_, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(name.as_bytes(), from);
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Network namespaces made with `ip netns`, deleted on drop.
+
+use std::{os::unix::fs::MetadataExt, path::PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::sys::{run, unique_name};
+
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+}
+
+impl NetNs {
+    /// Creates `PREFIX-PID-N` and brings its loopback up.
+    pub fn new(prefix: &str) -> Result<Self> {
+        let name = unique_name(prefix);
+        run("ip", ["netns", "add", &name])?;
+        // The guard exists from here on, so a failure below still deletes the namespace.
+        let ns = Self { name };
+        ns.ip(["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `ip -n NAME ARGS...`: only ever configures this namespace.
+    pub fn ip<'a>(&self, args: impl IntoIterator<Item = &'a str>) -> Result<String> {
+        let mut all: Vec<&str> = vec!["-n", &self.name];
+        all.extend(args.into_iter().map(|a| -> &str { a }));
+        run("ip", all)
+    }
+
+    /// Adds an address: IPv6 ones with `nodad`, so they are usable (bindable) at once instead
+    /// of staying tentative for a second or two.
+    pub fn add_addr(&self, dev: &str, cidr: &str) -> Result<()> {
+        if cidr.contains(':') {
+            self.ip(["addr", "add", cidr, "dev", dev, "nodad"])?;
+        } else {
+            self.ip(["addr", "add", cidr, "dev", dev])?;
+        }
+        Ok(())
+    }
+
+    pub fn path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(&self.name)
+    }
+
+    /// Inode of the namespace, as `/proc/PID/ns/net` of a process inside it shows.
+    pub fn inode(&self) -> Result<u64> {
+        Ok(std::fs::metadata(self.path())
+            .with_context(|| format!("stat {}", self.path().display()))?
+            .ino())
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        if let Err(e) = run("ip", ["netns", "del", &self.name]) {
+            eprintln!("svc-tests: {e:#}");
+        }
+    }
+}
+
+/// A veth pair between two of our namespaces, created inside `a` with its peer placed in `b`
+/// directly, so no interface ever appears in the root namespace. Both ends are brought up.
+pub fn veth_pair(a: &NetNs, a_dev: &str, b: &NetNs, b_dev: &str) -> Result<()> {
+    a.ip([
+        "link",
+        "add",
+        a_dev,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        b_dev,
+        "netns",
+        b.name(),
+    ])?;
+    a.ip(["link", "set", a_dev, "up"])?;
+    b.ip(["link", "set", b_dev, "up"])?;
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! What `svc-probe` prints, shared by the probe (which writes it) and the tests (which read it).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One connection or datagram exchange.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Attempt {
+    pub ok: bool,
+    /// Name of the backend that answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// getpeername() of the socket (TCP, connected UDP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// Source address of the reply (unconnected UDP: recvfrom()).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// Time connect() took (TCP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connect_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub errno: Option<i32>,
+    /// Time from the start of the attempt to its end (success or failure).
+    pub elapsed_us: u64,
+}
+
+/// Output of `svc-probe tcp` and `svc-probe udp`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Report {
+    pub results: Vec<Attempt>,
+    /// The probe's cgroup v2 path ("0::" line of /proc/self/cgroup): proves it ran in the
+    /// test cgroup, without which the agent's programs never see it.
+    #[serde(default)]
+    pub cgroup: String,
+    /// Inode of the probe's network namespace: proves it ran in the client namespace.
+    #[serde(default)]
+    pub netns_ino: u64,
+}
+
+impl Report {
+    /// How many times each backend answered.
+    pub fn backends(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for r in &self.results {
+            if let Some(b) = &r.backend {
+                *m.entry(b.clone()).or_default() += 1;
+            }
+        }
+        m
+    }
+
+    pub fn failures(&self) -> Vec<&Attempt> {
+        self.results.iter().filter(|r| !r.ok).collect()
+    }
+
+    pub fn all_ok(&self) -> bool {
+        !self.results.is_empty() && self.results.iter().all(|r| r.ok)
+    }
+}
+
+/// Output of `svc-probe loop`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LoopReport {
+    pub ok: u64,
+    pub failed: u64,
+    /// Failure message → count.
+    pub errors: BTreeMap<String, u64>,
+    /// Backend name → successful connections.
+    pub backends: BTreeMap<String, u64>,
+    /// Longest single attempt, successful or not.
+    pub max_us: u64,
+    pub duration_ms: u64,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}

@@ -1,0 +1,233 @@
+//! A client namespace and a backend namespace joined by a veth pair, plus a test cgroup: the
+//! smallest world in which a ClusterIP can be exercised.
+//!
+//! ```text
+//!  client ns                         backend ns
+//!  vc: 10.201.X.1/24  <--veth-->  vb: 10.201.X.2/24, backend i: 10.201.X.(10+i)
+//!      fd00:201:X::1/64                fd00:201:X::2/64,        fd00:201:X::(10+i)
+//! ```
+//! The client namespace has no default route, so an address no backend owns (a ClusterIP the
+//! agent does not translate) is unreachable there and nothing ever leaves the sandbox.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
+
+use anyhow::{bail, Result};
+
+use crate::{
+    agent::{Agent, Bpffs},
+    cgroup::TestCgroup,
+    manifest::Manifests,
+    netns::{veth_pair, NetNs},
+    probe::{LoopReport, Report},
+    procs::{Backend, ClientRun},
+    sys::{next_id, Tools},
+};
+
+/// Backend addresses configured in every sandbox (indexes 1..=MAX_BACKENDS).
+pub const MAX_BACKENDS: u8 = 8;
+
+/// How long an agent may take from start to `svc-agent: ready` (loading and attaching
+/// programs on a 2-core machine while other tests run).
+pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub struct Sandbox {
+    pub tools: Tools,
+    x: u8,
+    // Fields drop in declaration order: the cgroup (and any straggler in it) goes before the
+    // namespaces.
+    cgroup: TestCgroup,
+    client: NetNs,
+    server: NetNs,
+}
+
+impl Sandbox {
+    pub fn new(tools: Tools) -> Result<Self> {
+        // The third octet only has to differ between sandboxes for readability of logs; the
+        // namespaces are isolated, so equal addresses in two sandboxes never meet.
+        let x = (next_id() % 250) as u8;
+        let cgroup = TestCgroup::new()?;
+        let client = NetNs::new("svc-c")?;
+        let server = NetNs::new("svc-b")?;
+        let sb = Self {
+            tools,
+            x,
+            cgroup,
+            client,
+            server,
+        };
+        veth_pair(&sb.client, "vc", &sb.server, "vb")?;
+        sb.client
+            .add_addr("vc", &format!("{}/24", sb.client_v4()))?;
+        sb.client
+            .add_addr("vc", &format!("{}/64", sb.client_v6()))?;
+        sb.server.add_addr("vb", &format!("10.201.{x}.2/24"))?;
+        sb.server.add_addr("vb", &format!("fd00:201:{x}::2/64"))?;
+        for i in 1..=MAX_BACKENDS {
+            sb.server
+                .add_addr("vb", &format!("{}/24", sb.backend_v4(i)))?;
+            sb.server
+                .add_addr("vb", &format!("{}/64", sb.backend_v6(i)))?;
+        }
+        Ok(sb)
+    }
+
+    pub fn x(&self) -> u8 {
+        self.x
+    }
+
+    pub fn client_ns(&self) -> &NetNs {
+        &self.client
+    }
+
+    pub fn server_ns(&self) -> &NetNs {
+        &self.server
+    }
+
+    pub fn cgroup(&self) -> &TestCgroup {
+        &self.cgroup
+    }
+
+    pub fn client_v4(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 201, self.x, 1)
+    }
+
+    pub fn client_v6(&self) -> Ipv6Addr {
+        format!("fd00:201:{}::1", self.x).parse().unwrap()
+    }
+
+    /// Address of backend `i` (1-based).
+    pub fn backend_v4(&self, i: u8) -> Ipv4Addr {
+        assert!((1..=MAX_BACKENDS).contains(&i), "backend index {i}");
+        Ipv4Addr::new(10, 201, self.x, 10 + i)
+    }
+
+    pub fn backend_v6(&self, i: u8) -> Ipv6Addr {
+        assert!((1..=MAX_BACKENDS).contains(&i), "backend index {i}");
+        format!("fd00:201:{}::{}", self.x, 10 + i).parse().unwrap()
+    }
+
+    /// Starts backend `i` named `name`, serving TCP and UDP on both of its addresses on every
+    /// port.
+    pub fn backend(&self, name: &str, i: u8, ports: &[u16]) -> Result<Backend> {
+        let mut listens = Vec::new();
+        for &p in ports {
+            listens.push(SocketAddr::new(IpAddr::V4(self.backend_v4(i)), p));
+            listens.push(SocketAddr::new(IpAddr::V6(self.backend_v6(i)), p));
+        }
+        Backend::start(&self.tools.probe, &self.server, name, &listens)
+    }
+
+    /// Backends `b1..=bn` at indexes 1..=n.
+    pub fn backends(&self, n: u8, ports: &[u16]) -> Result<Vec<Backend>> {
+        (1..=n)
+            .map(|i| self.backend(&format!("b{i}"), i, ports))
+            .collect()
+    }
+
+    /// Spawns `svc-probe ARGS` as a client (test cgroup + client namespace).
+    pub fn spawn_client(&self, args: &[String]) -> Result<ClientRun> {
+        ClientRun::spawn(&self.tools.probe, &self.cgroup, &self.client, args)
+    }
+
+    /// Fails unless the probe ran in the test cgroup and the client namespace: a client outside
+    /// the cgroup bypasses the agent entirely and would make every assertion meaningless.
+    fn check_placement(&self, cgroup: &str, netns_ino: u64) -> Result<()> {
+        if cgroup != self.cgroup.relative() {
+            bail!(
+                "probe ran in cgroup {cgroup:?}, not {:?}",
+                self.cgroup.relative()
+            );
+        }
+        if netns_ino != self.client.inode()? {
+            bail!("probe ran in the wrong network namespace");
+        }
+        Ok(())
+    }
+
+    /// Runs a `tcp` or `udp` probe to completion.
+    pub fn probe(&self, args: &[String], timeout: Duration) -> Result<Report> {
+        let report: Report = self.spawn_client(args)?.wait(timeout)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
+    /// `count` sequential TCP connections to `to`; `extra` are more probe flags.
+    pub fn tcp(&self, to: SocketAddr, count: u32, extra: &[&str]) -> Result<Report> {
+        let mut args = vec![
+            "tcp".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--count".into(),
+            count.to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        self.probe(&args, probe_timeout(count))
+    }
+
+    /// `count` UDP exchanges with `to`.
+    pub fn udp(&self, to: SocketAddr, count: u32, connected: bool) -> Result<Report> {
+        let mut args = vec![
+            "udp".to_string(),
+            "--to".into(),
+            to.to_string(),
+            "--count".into(),
+            count.to_string(),
+        ];
+        if connected {
+            args.push("--connected".into());
+        }
+        self.probe(&args, probe_timeout(count))
+    }
+
+    /// Starts `svc-probe loop` (new TCP connections back to back for `duration`); finish it
+    /// with `finish_loop`.
+    pub fn spawn_loop(&self, to: SocketAddr, duration: Duration) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "loop".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+        ])
+    }
+
+    pub fn finish_loop(&self, run: ClientRun, timeout: Duration) -> Result<LoopReport> {
+        let report: LoopReport = run.wait(timeout)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
+    /// A bpffs directory for an agent attached to this sandbox's cgroup.
+    pub fn bpffs(&self) -> Result<Bpffs> {
+        Bpffs::new(&self.tools.agent, self.cgroup.path())
+    }
+
+    /// Starts the agent on this sandbox's cgroup and waits for `svc-agent: ready`.
+    pub fn agent(&self, bpffs: &Bpffs, manifests: &Manifests) -> Result<Agent> {
+        let mut agent = self.agent_no_wait(bpffs, manifests)?;
+        agent.wait_ready(AGENT_READY_TIMEOUT)?;
+        Ok(agent)
+    }
+
+    /// Starts the agent without waiting for it.
+    pub fn agent_no_wait(&self, bpffs: &Bpffs, manifests: &Manifests) -> Result<Agent> {
+        Agent::start(
+            &self.tools.agent,
+            manifests.dir(),
+            self.cgroup.path(),
+            bpffs.path(),
+            &[],
+            manifests.scratch(),
+        )
+    }
+}
+
+/// Generous wall-clock bound for a probe run: the probe's own per-attempt timeout (default
+/// 2 s) for every attempt, plus process start-up.
+fn probe_timeout(count: u32) -> Duration {
+    Duration::from_secs(10) + Duration::from_secs(2) * count
+}

@@ -1,0 +1,224 @@
+//! The agent over time: manifest edits, restarts, SIGTERM, uninstall.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{names, poll, sa, set, web_service, web_slice, World, VIP};
+use svc_tests::{Service, ServicePort};
+
+/// The contract: a manifest change is in the datapath within 1 s.
+const SYNC_WITHIN: Duration = Duration::from_secs(1);
+
+/// Edits take effect within 1 s: a new backend set, a new service, and a deleted service
+/// (whose ClusterIP is then unknown, so the client's connect goes to the kernel, which has no
+/// route for it in the sandbox: not served by any backend).
+#[test]
+fn manifest_edits_apply_within_a_second() {
+    let w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert_eq!(names(&r), set(&["b1", "b2"]));
+
+    // Replace the backends with b3 alone.
+    w.m.apply_slice(&web_slice(&w.sb, &[3], &[])).unwrap();
+    let t0 = Instant::now();
+    poll(SYNC_WITHIN, || {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b3"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("new endpoints not in effect: {e:#}"));
+    eprintln!("endpoint change in effect after {:?}", t0.elapsed());
+
+    // A new service.
+    w.m.apply_service(
+        &Service::new("demo", "api", "10.96.0.30")
+            .port(ServicePort::tcp(80).name("http").target(8080)),
+    )
+    .unwrap();
+    let mut slice = web_slice(&w.sb, &[1], &[]);
+    slice.service = "api".into();
+    slice.name = "api-v4".into();
+    w.m.apply_slice(&slice).unwrap();
+    poll(SYNC_WITHIN, || {
+        let r = w.sb.tcp(sa([10, 96, 0, 30], 80), 3, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b1"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("new service not in effect: {e:#}"));
+
+    // Delete demo/web entirely.
+    w.m.delete_slice(&web_slice(&w.sb, &[], &[])).unwrap();
+    w.m.delete_service(&web_service()).unwrap();
+    let gone = poll(SYNC_WITHIN, || {
+        let r = w.sb.tcp(sa(VIP, 80), 3, &["--timeout-ms", "300"])?;
+        Ok(r.results.iter().all(|a| !a.ok).then_some(r))
+    })
+    .unwrap_or_else(|e| panic!("deleted service still answers: {e:#}"));
+    for a in &gone.results {
+        assert!(a.backend.is_none(), "{a:?}");
+    }
+    // The other service is untouched.
+    assert!(w.sb.tcp(sa([10, 96, 0, 30], 80), 3, &[]).unwrap().all_ok());
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.10:80/TCP").is_none(), "{list:?}");
+    assert!(
+        !list.cluster_ips.contains(&"10.96.0.10".to_string()),
+        "{list:?}"
+    );
+}
+
+/// SIGKILL the agent and start it again while a client opens new connections back to back:
+/// not one connection fails, because the programs and maps stay pinned in the kernel.
+#[test]
+fn agent_sigkill_and_restart_drops_nothing() {
+    let mut w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
+    });
+    // The loop must outlast kill + restart + ready; it is sized from how long the first start
+    // took and checked below, so a slow machine makes the test fail loudly, not pass vacuously.
+    let loop_for = Duration::from_secs(6);
+    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
+    let started = Instant::now();
+    // Let the loop get going before the kill, so traffic spans before/during/after.
+    wait_until(started + Duration::from_millis(500));
+    w.agent.kill().unwrap();
+    wait_until(started + Duration::from_millis(1500));
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let ready_at = started.elapsed();
+    assert!(
+        ready_at + Duration::from_millis(500) < loop_for,
+        "restarted agent ready only after {ready_at:?}: the {loop_for:?} client loop did not \
+         cover it"
+    );
+    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    eprintln!("restart ready after {ready_at:?}; client loop: {report:?}");
+    assert_eq!(report.failed, 0, "{report:?}");
+    assert!(
+        report.ok > 100,
+        "too few connections to mean anything: {report:?}"
+    );
+    assert_eq!(
+        report.backends.keys().cloned().collect::<Vec<_>>(),
+        ["b1", "b2", "b3"],
+        "{report:?}"
+    );
+    // The restarted agent still applies edits.
+    w.m.apply_slice(&web_slice(&w.sb, &[2], &[])).unwrap();
+    poll(SYNC_WITHIN, || {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b2"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("restarted agent does not apply edits: {e:#}"));
+}
+
+/// What changed while the agent was down is applied when it comes back.
+#[test]
+fn restart_applies_changes_made_while_down() {
+    let mut w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    w.agent.kill().unwrap();
+    w.m.apply_slice(&web_slice(&w.sb, &[3], &[])).unwrap();
+    // With the agent down the old state keeps serving.
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert!(
+        names(&r).is_subset(&set(&["b1", "b2"])),
+        "{:?}",
+        r.backends()
+    );
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert_eq!(names(&r), set(&["b3"]));
+}
+
+/// SIGTERM: the agent exits 0 and the datapath keeps serving from the pinned state.
+#[test]
+fn sigterm_exits_zero_and_leaves_datapath_serving() {
+    let mut w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
+    });
+    let status = w.agent.terminate(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "exit status {status}");
+    let r = w.sb.tcp(sa(VIP, 80), 30, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert_eq!(names(&r), set(&["b1", "b2", "b3"]));
+    assert!(r
+        .results
+        .iter()
+        .all(|a| a.peer.as_deref() == Some("10.96.0.10:80")));
+    // `list` reads the pinned maps without a running agent.
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.10:80/TCP").is_some(), "{list:?}");
+}
+
+/// `svc-agent uninstall` leaves nothing: no pins, no directory, no program on the cgroup, and
+/// the ClusterIP is no longer served.
+#[test]
+fn uninstall_removes_everything() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    assert!(w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
+    let status = w.agent.terminate(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "exit status {status}");
+    // Before: something is pinned and attached, so the checks below can fail.
+    assert!(!w.bpffs.entries().is_empty());
+    assert!(!cgroup_programs(w.sb.cgroup().path()).is_empty());
+
+    svc_tests::agent::uninstall(
+        &w.sb.tools.agent,
+        w.bpffs.path(),
+        Some(w.sb.cgroup().path()),
+    )
+    .unwrap();
+    assert!(
+        !w.bpffs.path().exists(),
+        "{} still has {:?}",
+        w.bpffs.path().display(),
+        w.bpffs.entries()
+    );
+    let progs = cgroup_programs(w.sb.cgroup().path());
+    assert!(progs.is_empty(), "still attached: {progs:?}");
+    let r = w.sb.tcp(sa(VIP, 80), 3, &["--timeout-ms", "300"]).unwrap();
+    assert!(
+        r.results.iter().all(|a| !a.ok && a.backend.is_none()),
+        "{r:?}"
+    );
+}
+
+/// Programs attached to a cgroup, per `bpftool -j cgroup show`.
+fn cgroup_programs(cg: &std::path::Path) -> Vec<serde_json::Value> {
+    let out = svc_tests::sys::run(
+        "bpftool",
+        [
+            "-j".as_ref(),
+            "cgroup".as_ref(),
+            "show".as_ref(),
+            cg.as_os_str(),
+        ],
+    )
+    .expect("bpftool (apt-get install bpftool)");
+    if out.trim().is_empty() {
+        return Vec::new();
+    }
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("bpftool output {out:?}: {e}"))
+}
+
+/// Sleeps until `t`: used only to place events inside a running client loop, never to wait
+/// for a condition.
+fn wait_until(t: Instant) {
+    if let Some(d) = t.checked_duration_since(Instant::now()) {
+        std::thread::sleep(d);
+    }
+}
