@@ -6,6 +6,7 @@ pub mod error;
 pub mod list;
 pub mod model;
 pub mod source;
+pub mod stale;
 pub mod store;
 pub mod sync;
 pub mod sys;

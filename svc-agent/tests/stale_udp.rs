@@ -1,0 +1,387 @@
+//! Privileged test of `stale::destroy_udp_sockets` on the real kernel: a client in a test cgroup
+//! and a test network namespace has UDP sockets connected to a "backend" that leaves; they must
+//! fail within 1 s, while a socket connected to another backend keeps working.
+//!
+//! Needs root. Everything it creates (network namespace, cgroups, processes) has a name with
+//! this process's pid and is removed by `Fixture`'s Drop, on failure too. It never touches the
+//! root cgroup or an interface outside its own namespace.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::mpsc::{self, Receiver, RecvTimeoutError},
+    thread,
+    time::{Duration, Instant},
+};
+
+use svc_agent::stale::destroy_udp_sockets;
+
+const SERVER_IP: &str = "10.250.0.2";
+/// The backend that leaves.
+const GONE_PORT: u16 = 5353;
+/// A backend that stays.
+const KEPT_PORT: u16 = 5354;
+
+/// UDP echo server: the backend. Its socket is bound, not connected, so destroying sockets
+/// connected *to* port 5353 must leave it alone (the reconnect below proves it is still there).
+const SERVER: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("READY", flush=True)
+while True:
+    d, a = s.recvfrom(64)
+    s.sendto(d, a)
+"#;
+
+/// The application. Sockets:
+///   a  AF_INET  connected to ip:gone   — must be destroyed
+///   m  AF_INET6 connected to ::ffff:ip:gone (v4-mapped) — must be destroyed
+///   b  AF_INET  connected to ip:kept   — must keep working
+///   w  AF_INET  connected to ip:gone, a thread blocked in recv() for 10 s — must wake up
+/// Each loop round sends on a, m, b and receives with a 200 ms timeout, printing one line per
+/// call ("NAME send|recv ok|timeout|err ERRNO NAME"). After its third error a socket connects
+/// again, as a resolver would.
+const CLIENT: &str = r#"
+import errno, socket, sys, threading, time
+ip, gone, kept = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def emit(*a):
+    print(*a, flush=True)
+def err(name, call, e):
+    emit(name, call, "err", e.errno, errno.errorcode.get(e.errno, "?"))
+def mk(fam, addr):
+    s = socket.socket(fam, socket.SOCK_DGRAM)
+    s.settimeout(0.2)
+    s.connect(addr)
+    return s
+addrs = {"a": (ip, gone), "m": ("::ffff:" + ip, gone), "b": (ip, kept)}
+socks = {"a": mk(socket.AF_INET, addrs["a"]),
+         "m": mk(socket.AF_INET6, addrs["m"]),
+         "b": mk(socket.AF_INET, addrs["b"])}
+w = mk(socket.AF_INET, (ip, gone))
+w.settimeout(10)
+def waiter():
+    t = time.monotonic()
+    try:
+        w.recv(64)
+        emit("w recv ok")
+    except socket.timeout:
+        emit("w recv timeout")
+    except OSError as e:
+        err("w", "recv", e)
+threading.Thread(target=waiter, daemon=True).start()
+errors = {n: 0 for n in socks}
+ready = False
+while True:
+    ok = 0
+    for n, s in socks.items():
+        try:
+            s.send(b"ping")
+            emit(n, "send ok")
+        except OSError as e:
+            err(n, "send", e)
+            errors[n] += 1
+        try:
+            s.recv(64)
+            emit(n, "recv ok")
+            ok += 1
+        except socket.timeout:
+            emit(n, "recv timeout")
+        except OSError as e:
+            err(n, "recv", e)
+            errors[n] += 1
+        if errors[n] >= 3:
+            s.connect(addrs[n])
+            errors[n] = 0
+            emit(n, "reconnected")
+    if not ready and ok == len(socks):
+        emit("READY")
+        ready = True
+    time.sleep(0.02)
+"#;
+
+/// Everything the test created; Drop removes it in dependency order: processes (by the pids
+/// we spawned), then cgroups (which must be empty), then the namespace.
+struct Fixture {
+    netns: String,
+    netns_created: bool,
+    /// Created cgroups, parents first.
+    cgroups: Vec<PathBuf>,
+    children: Vec<Child>,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            // Child::kill signals exactly the pid we spawned (the client `exec`s into python).
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        for cg in self.cgroups.iter().rev() {
+            // A killed process can take a moment to leave its cgroup.
+            for _ in 0..100 {
+                if fs::remove_dir(cg).is_ok() || !cg.exists() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(10));
+            }
+            if cg.exists() {
+                eprintln!("warning: could not remove test cgroup {}", cg.display());
+            }
+        }
+        if self.netns_created {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.netns])
+                .status();
+        }
+    }
+}
+
+fn run(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("running {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn cgroup2_mount() -> PathBuf {
+    let mounts = fs::read_to_string("/proc/mounts").expect("reading /proc/mounts");
+    mounts
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(f[1]))
+        })
+        .expect("no cgroup2 mount in /proc/mounts")
+}
+
+/// Lines of a child's stdout, each stamped with the time it arrived (the scripts flush per
+/// line, so that is when it happened, give or take scheduling).
+fn lines(child: &mut Child) -> Receiver<(Instant, String)> {
+    let out = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn wait_for(rx: &Receiver<(Instant, String)>, what: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((_, l)) if l == what => return,
+            Ok(_) => {}
+            Err(RecvTimeoutError::Timeout) => panic!("no {what:?} within {within:?}"),
+            Err(RecvTimeoutError::Disconnected) => panic!("process exited before {what:?}"),
+        }
+    }
+}
+
+fn spawn_server(fx: &mut Fixture, port: u16) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &fx.netns, "python3", "-c", SERVER])
+        .args([SERVER_IP, &port.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawning the server");
+    let rx = lines(&mut child);
+    fx.children.push(child);
+    wait_for(&rx, "READY", Duration::from_secs(10));
+}
+
+#[test]
+fn destroys_connected_udp_sockets_of_a_departed_backend() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test needs root (network namespaces, cgroups, SOCK_DESTROY); run it as root"
+    );
+
+    let pid = std::process::id();
+    let mut fx = Fixture {
+        netns: format!("svc-stale-{pid}"),
+        netns_created: false,
+        cgroups: Vec::new(),
+        children: Vec::new(),
+    };
+
+    run(&["ip", "netns", "add", &fx.netns]);
+    fx.netns_created = true;
+    run(&["ip", "-n", &fx.netns, "link", "set", "lo", "up"]);
+    run(&[
+        "ip",
+        "-n",
+        &fx.netns,
+        "addr",
+        "add",
+        &format!("{SERVER_IP}/32"),
+        "dev",
+        "lo",
+    ]);
+
+    // A cgroup with the client one level down, so the search must recurse.
+    let cg = cgroup2_mount().join(format!("svc-stale-test-{pid}"));
+    fs::create_dir(&cg).unwrap_or_else(|e| panic!("creating {}: {e}", cg.display()));
+    fx.cgroups.push(cg.clone());
+    let pod = cg.join("pod");
+    fs::create_dir(&pod).unwrap_or_else(|e| panic!("creating {}: {e}", pod.display()));
+    fx.cgroups.push(pod.clone());
+
+    spawn_server(&mut fx, GONE_PORT);
+    spawn_server(&mut fx, KEPT_PORT);
+
+    // Join the cgroup before the namespace: `ip netns exec` remounts /sys, which would hide
+    // the cgroup path.
+    let procs = pod.join("cgroup.procs");
+    let mut client = Command::new("sh")
+        .args([
+            "-c",
+            r#"echo $$ > "$1" && exec ip netns exec "$2" python3 -c "$3" "$4" "$5" "$6""#,
+            "sh",
+        ])
+        .arg(&procs)
+        .args([
+            fx.netns.as_str(),
+            CLIENT,
+            SERVER_IP,
+            &GONE_PORT.to_string(),
+            &KEPT_PORT.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawning the client");
+    let rx = lines(&mut client);
+    fx.children.push(client);
+    wait_for(&rx, "READY", Duration::from_secs(10));
+    // Let some steady traffic through so "b keeps working" is compared against a baseline.
+    thread::sleep(Duration::from_millis(200));
+    while rx.try_recv().is_ok() {}
+
+    let gone: SocketAddr = format!("{SERVER_IP}:{GONE_PORT}").parse().unwrap();
+    let t0 = Instant::now();
+    let report = destroy_udp_sockets(&cg, &[gone]).expect("destroy_udp_sockets");
+    let took = t0.elapsed();
+    println!("destroy_udp_sockets took {took:?}: {report:#?}");
+
+    assert!(report.errors.is_empty(), "errors: {:?}", report.errors);
+    assert_eq!(
+        report.namespaces, 1,
+        "only the client's namespace is in the cgroup"
+    );
+    // a, m and w; not b, not the servers.
+    assert_eq!(report.destroyed(), 3, "{report:#?}");
+    for s in &report.sockets {
+        assert_eq!(s.remote.port(), GONE_PORT);
+        assert_eq!(s.remote.ip().to_canonical(), gone.ip());
+    }
+    assert!(
+        report.sockets.iter().any(|s| s.remote.is_ipv6()),
+        "the v4-mapped IPv6 socket was not destroyed: {report:#?}"
+    );
+
+    // Watch the application for a while after the destroy.
+    let mut seen: Vec<(Duration, String)> = Vec::new();
+    let deadline = t0 + Duration::from_secs(3);
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok((at, l)) => seen.push((at.saturating_duration_since(t0), l)),
+            Err(RecvTimeoutError::Timeout) => break,
+            Err(RecvTimeoutError::Disconnected) => panic!("client exited: {seen:#?}"),
+        }
+    }
+    let of = |name: &str| -> Vec<(Duration, &str)> {
+        seen.iter()
+            .filter(|(_, l)| l.split_whitespace().next() == Some(name))
+            .map(|(t, l)| (*t, l.as_str()))
+            .collect()
+    };
+    for name in ["a", "m", "w", "b"] {
+        println!("--- {name}:");
+        let (mut oks, mut quiet) = (0, false);
+        for (t, l) in of(name) {
+            // Print everything but runs of successful calls, which are only counted.
+            let ok = l.ends_with(" ok");
+            if !(ok && quiet) {
+                println!("{t:>8.1?} {l}");
+            } else {
+                oks += 1;
+            }
+            quiet = ok;
+        }
+        println!("    (and {oks} more successful calls)");
+    }
+
+    let second = Duration::from_secs(1);
+    for name in ["a", "m"] {
+        let events = of(name);
+        let before_reconnect: Vec<_> = events
+            .iter()
+            .take_while(|(_, l)| !l.ends_with("reconnected"))
+            .collect();
+        // The first call after the destroy fails, well within the second.
+        let first = before_reconnect
+            .first()
+            .unwrap_or_else(|| panic!("{name}: no call after the destroy"));
+        assert!(
+            first.1.contains(" err ") && first.0 < second,
+            "{name}: first call after the destroy did not fail quickly: {first:?}"
+        );
+        // send() on the disconnected socket fails with EDESTADDRREQ; the abort error itself
+        // is reported once, by the next recv().
+        assert!(
+            before_reconnect
+                .iter()
+                .any(|(t, l)| l.ends_with("recv err 103 ECONNABORTED") && *t < second),
+            "{name}: no ECONNABORTED within 1 s: {before_reconnect:#?}"
+        );
+        for (_, l) in &before_reconnect {
+            assert!(
+                l.ends_with("send err 89 EDESTADDRREQ")
+                    || l.ends_with("recv err 103 ECONNABORTED")
+                    || l.ends_with("recv timeout"),
+                "{name}: unexpected {l:?} before reconnecting: {before_reconnect:#?}"
+            );
+        }
+    }
+    // The blocked recv() wakes up at once instead of sitting out its 10 s timeout.
+    let w = of("w");
+    assert!(
+        w.first()
+            .is_some_and(|(t, l)| l.ends_with("recv err 103 ECONNABORTED") && *t < second),
+        "{w:?}"
+    );
+    // The application reconnects (through the connect hook, in production) and talks again.
+    for name in ["a", "m"] {
+        let events = of(name);
+        let re = events
+            .iter()
+            .position(|(_, l)| l.ends_with("reconnected"))
+            .unwrap_or_else(|| panic!("{name} never reconnected: {events:#?}"));
+        assert!(
+            events[re..].iter().any(|(_, l)| l.ends_with("recv ok")),
+            "{name}: no reply after reconnecting: {events:#?}"
+        );
+    }
+    // The socket to the backend that stays never noticed anything.
+    let b = of("b");
+    assert!(b.len() > 20, "too little traffic on b: {b:?}");
+    assert!(
+        b.iter().all(|(_, l)| l.ends_with(" ok")),
+        "b was disturbed: {b:#?}"
+    );
+}
