@@ -804,10 +804,8 @@ mod tests {
         d.extend_from_slice(&header(20, libc::NLMSG_DONE as u16, 1));
         d.extend_from_slice(&0i32.to_ne_bytes());
         for cut in 0..=d.len() {
-            for msg in NlMessages::new(&d[..cut]) {
-                if let Ok(msg) = msg {
-                    let _ = parse_diag_msg(msg.payload);
-                }
+            for msg in NlMessages::new(&d[..cut]).flatten() {
+                let _ = parse_diag_msg(msg.payload);
             }
         }
         let all: Vec<_> = NlMessages::new(&d).collect::<io::Result<_>>().unwrap();
