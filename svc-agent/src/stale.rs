@@ -20,8 +20,8 @@
 //! The kernel's `udp_abort()` records `ECONNABORTED` as the socket's pending error, wakes its
 //! waiters and disconnects it (peer cleared; an auto-bound local port is released). So:
 //! - a `recv()` blocked on the socket returns at once with `ECONNABORTED` (errno 103), and so
-//!   does the next `recv()` — once, as with any pending socket error (`SO_ERROR`, and `poll()`
-//!   reports `POLLERR`);
+//!   does the next `recv()` — once, as with any pending socket error (by the kernel source,
+//!   `SO_ERROR` and `poll()`'s `POLLERR` show it too; the test does not exercise those);
 //! - `send()` fails with `EDESTADDRREQ` (89, "Destination address required") from the first call
 //!   on, every time, because the socket is no longer connected — note that it is *not*
 //!   `ECONNABORTED`: `udp_sendmsg` checks the connected state before the pending error;
@@ -44,10 +44,12 @@
 //!   cgroup tree is left there.
 //! - UDP-Lite and unconnected sockets (which are translated per `sendmsg()` anyway) are not
 //!   touched.
-//! - The kernel finds the socket to destroy by a 4-tuple lookup and then checks the cookie; with
-//!   several `SO_REUSEPORT` sockets connected to the same peer from the same local address the
-//!   lookup can return a sibling, the cookie check then fails and that socket is reported as
-//!   gone rather than destroyed.
+//! - The kernel finds the socket to destroy by a 4-tuple lookup and then checks the cookie. Should
+//!   the lookup return another socket with the same 4-tuple (only possible with `SO_REUSEADDR`
+//!   or `SO_REUSEPORT` on the client side), the kernel answers `ENOENT` and the socket is
+//!   counted as already gone, not destroyed.
+//! - Sockets are closed, not moved to a live backend: the application has to reconnect.
+//! - Namespaces are handled one after another (about a millisecond each in the test).
 
 use crate::{Error, Result};
 use std::{
