@@ -50,6 +50,12 @@ while True:
 const CLIENT: &str = r#"
 import errno, socket, sys, threading, time
 ip, gone, kept = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = threading.Lock()
+def emit(line):
+    # One write per line under a lock: print() from two threads can interleave its pieces.
+    with out:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 def call(name, what, f):
     t = time.monotonic()
     try:
@@ -59,7 +65,7 @@ def call(name, what, f):
         res = "timeout"
     except OSError as e:
         res = "err %d %s" % (e.errno, errno.errorcode.get(e.errno, "?"))
-    print("%.6f %.6f %s %s %s" % (t, time.monotonic(), name, what, res), flush=True)
+    emit("%.6f %.6f %s %s %s" % (t, time.monotonic(), name, what, res))
     return res
 def mk(fam, addr):
     s = socket.socket(fam, socket.SOCK_DGRAM)
@@ -88,9 +94,9 @@ while True:
             t = time.monotonic()
             s.connect(addrs[n])
             errors[n] = 0
-            print("%.6f %.6f %s reconnected" % (t, time.monotonic(), n), flush=True)
+            emit("%.6f %.6f %s reconnected" % (t, time.monotonic(), n))
     if not ready and ok == len(socks):
-        print("READY", flush=True)
+        emit("READY")
         ready = True
     time.sleep(0.02)
 "#;
