@@ -25,7 +25,10 @@
 //! - `send()` fails with `EDESTADDRREQ` (89, "Destination address required") from the first call
 //!   on, every time, because the socket is no longer connected — note that it is *not*
 //!   `ECONNABORTED`: `udp_sendmsg` checks the connected state before the pending error;
-//! - `recv()` after that only times out: nothing can reach the unhashed socket.
+//! - datagrams that were already queued on the socket stay readable (the abort does not purge
+//!   the receive queue: the test saw a reply that was in flight at the destroy returned by the
+//!   `recv()` after the `ECONNABORTED` one); after that `recv()` only times out, as nothing
+//!   can reach the unhashed socket any more.
 //!
 //! So an application cannot keep talking to the old backend: it has to `connect()` again
 //! (same socket or a new one), and that goes through the connect hook, which picks a live

@@ -357,15 +357,26 @@ fn destroys_connected_udp_sockets_of_a_departed_backend() {
                 .any(|c| c.what == "recv" && c.result == "err 103 ECONNABORTED" && c.end < within),
             "{name}: no ECONNABORTED from recv within 1 s: {before_reconnect:#?}"
         );
-        // No call made after the destroy returned reaches the old backend.
-        for c in before_reconnect.iter().filter(|c| c.start >= t1) {
+        // No send made after the destroy returned reaches the old backend. A recv may still
+        // return the one echo that was already queued on the socket when it was destroyed
+        // (the abort does not purge the receive queue; seen in about 1 of 25 runs).
+        let after: Vec<_> = before_reconnect.iter().filter(|c| c.start >= t1).collect();
+        for c in &after {
             assert!(
                 (c.what == "send" && c.result == "err 89 EDESTADDRREQ")
                     || (c.what == "recv"
-                        && (c.result == "err 103 ECONNABORTED" || c.result == "timeout")),
+                        && matches!(c.result.as_str(), "err 103 ECONNABORTED" | "timeout" | "ok")),
                 "{name}: unexpected {c:?} after the destroy: {before_reconnect:#?}"
             );
         }
+        assert!(
+            after
+                .iter()
+                .filter(|c| c.what == "recv" && c.result == "ok")
+                .count()
+                <= 1,
+            "{name}: more replies than echoes in flight: {before_reconnect:#?}"
+        );
         // The application reconnects (through the connect hook, in production) and talks again.
         let re = events
             .iter()
