@@ -60,7 +60,7 @@ use std::{
     fmt, fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::{
-        fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+        fd::{AsRawFd, FromRawFd, OwnedFd},
         unix::fs::MetadataExt,
     },
     path::{Path, PathBuf},
@@ -519,7 +519,7 @@ impl SockDiag {
             // SAFETY: buf is a live, writable buffer of buf.len() bytes.
             let n = unsafe {
                 libc::recv(
-                    self.fd.as_fd().as_raw_fd(),
+                    self.fd.as_raw_fd(),
                     self.buf.as_mut_ptr().cast(),
                     self.buf.len(),
                     libc::MSG_TRUNC,
