@@ -31,6 +31,11 @@ pub enum Error {
         object: String,
     },
 
+    /// Work inside one network namespace failed; `netns` names it and the process and cgroup
+    /// it was found through.
+    #[error("network namespace {netns}: {message}")]
+    Netns { netns: String, message: String },
+
     #[error("loading eBPF programs: {0}")]
     Load(String),
 
@@ -47,6 +52,7 @@ impl Error {
             Error::Invalid { .. } => "invalid_object",
             Error::Map { .. } => "map",
             Error::MapFull { .. } => "map_full",
+            Error::Netns { .. } => "netns",
             Error::Load(_) => "load",
             Error::Other(_) => "other",
         }

@@ -8,6 +8,7 @@ pub mod list;
 pub mod metrics;
 pub mod model;
 pub mod source;
+pub mod stale;
 pub mod store;
 pub mod sync;
 pub mod sys;

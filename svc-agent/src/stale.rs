@@ -1,0 +1,830 @@
+//! Closing connected UDP sockets whose backend left its Service.
+//!
+//! The cgroup `connect4/6` hooks translate a ClusterIP:port to one backend when the application
+//! calls `connect()`; from then on the kernel sends every datagram of that socket straight to
+//! the backend, and no hook runs again. A long-lived connected UDP socket (a resolver talking to
+//! CoreDNS, a statsd client, ...) therefore keeps sending to a backend that is gone, forever,
+//! because UDP has no connection that could fail on its own. This module closes such sockets
+//! from the outside so the application notices and reconnects — and the reconnect runs through
+//! the hook again, which picks a live backend.
+//!
+//! # Mechanism
+//! `SOCK_DESTROY` over `NETLINK_SOCK_DIAG` (what `ss -K` does; needs CONFIG_INET_DIAG_DESTROY).
+//! sock_diag only sees the network namespace the netlink socket was created in, so for every
+//! network namespace with a process in the given cgroup tree, a short-lived OS thread joins
+//! that namespace with `setns(2)`, dumps the UDP sockets of both families, and destroys those
+//! whose peer is one of the departed backends. The thread exists only so the agent's other
+//! threads stay in the host namespace; it exits afterwards, taking its namespace with it.
+//!
+//! # What the application sees (kernel 6.18, observed by `tests/stale_udp.rs`)
+//! The kernel's `udp_abort()` records `ECONNABORTED` as the socket's pending error, wakes its
+//! waiters and disconnects it (peer cleared; an auto-bound local port is released). So:
+//! - a `recv()` blocked on the socket returns at once with `ECONNABORTED` (errno 103), and so
+//!   does the next `recv()` — once, as with any pending socket error (by the kernel source,
+//!   `SO_ERROR` and `poll()`'s `POLLERR` show it too; the test does not exercise those);
+//! - `send()` fails with `EDESTADDRREQ` (89, "Destination address required") from the first call
+//!   on, every time, because the socket is no longer connected — note that it is *not*
+//!   `ECONNABORTED`: `udp_sendmsg` checks the connected state before the pending error;
+//! - datagrams that were already queued on the socket stay readable (the abort does not purge
+//!   the receive queue: the test saw a reply that was in flight at the destroy returned by the
+//!   `recv()` after the `ECONNABORTED` one); after that `recv()` only times out, as nothing
+//!   can reach the unhashed socket any more.
+//!
+//! So an application cannot keep talking to the old backend: it has to `connect()` again
+//! (same socket or a new one), and that goes through the connect hook, which picks a live
+//! backend. In the test every affected socket failed within a few tens of milliseconds of the
+//! call, which itself took under a millisecond.
+//!
+//! # Privileges
+//! The agent needs to see the pods' processes (host PID namespace), `CAP_SYS_PTRACE` to open
+//! other users' `/proc/<pid>/ns/net`, `CAP_SYS_ADMIN` for `setns`, and `CAP_NET_ADMIN` in each
+//! namespace for `SOCK_DESTROY`.
+//!
+//! # Limits
+//! - Only sockets of namespaces that currently have a process in the cgroup tree are found. A
+//!   socket created in one namespace and used by a process that moved to another (or received
+//!   over a Unix socket) lives in its creator's namespace and is missed when no process of the
+//!   cgroup tree is left there.
+//! - UDP-Lite and unconnected sockets (which are translated per `sendmsg()` anyway) are not
+//!   touched.
+//! - The kernel finds the socket to destroy by a 4-tuple lookup and then checks the cookie. Should
+//!   the lookup return another socket with the same 4-tuple (only possible with `SO_REUSEADDR`
+//!   or `SO_REUSEPORT` on the client side), the kernel answers `ENOENT` and the socket is
+//!   counted as already gone, not destroyed.
+//! - Sockets are closed, not moved to a live backend: the application has to reconnect.
+//! - Namespaces are handled one after another (about a millisecond each in the test).
+
+use crate::{Error, Result};
+use std::{
+    collections::{HashMap, HashSet},
+    fmt, fs, io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+/// `SOCK_DIAG_BY_FAMILY` and `SOCK_DESTROY` from linux/sock_diag.h (not in libc).
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+/// A connected UDP socket is in `TCP_ESTABLISHED`; unconnected ones are in `TCP_CLOSE`.
+const TCP_ESTABLISHED: u32 = 1;
+
+const NLMSG_HDRLEN: usize = 16;
+/// `struct inet_diag_sockid`: sport, dport (be16), src[4], dst[4] (be32), if (u32), cookie[2].
+const SOCKID_LEN: usize = 48;
+/// `struct inet_diag_req_v2`: family, protocol, ext, pad (u8), states (u32), sockid.
+const REQ_LEN: usize = 8 + SOCKID_LEN;
+/// `struct inet_diag_msg`: family, state, timer, retrans (u8), sockid, expires, rqueue, wqueue,
+/// uid, inode (u32).
+const DIAG_MSG_LEN: usize = 4 + SOCKID_LEN + 20;
+
+/// A receive that takes this long means the kernel is not answering; better an error than an
+/// agent thread stuck in a namespace.
+const RECV_TIMEOUT: Duration = Duration::from_secs(1);
+/// A dump part is at most 32 KiB (netlink caps its dump buffers there); twice that leaves room.
+const RECV_BUF: usize = 64 * 1024;
+
+/// A network namespace, as `ls -l /proc/PID/ns/net` identifies it (nsfs device and inode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NetnsId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+impl fmt::Display for NetnsId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "net:[{}]", self.ino)
+    }
+}
+
+/// One socket that was destroyed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DestroyedSocket {
+    pub netns: NetnsId,
+    pub local: SocketAddr,
+    /// The backend it was connected to (as the kernel reports it; a v6 socket connected to a
+    /// v4 backend shows `::ffff:a.b.c.d`).
+    pub remote: SocketAddr,
+    /// The kernel's socket cookie, as `bpf_get_socket_cookie` and `ss -e` show it.
+    pub cookie: u64,
+}
+
+/// What [`destroy_udp_sockets`] did. Failures confined to one namespace land in `errors` so the
+/// other namespaces are still handled.
+#[derive(Debug, Default)]
+pub struct DestroyReport {
+    /// Network namespaces searched.
+    pub namespaces: usize,
+    pub sockets: Vec<DestroyedSocket>,
+    pub errors: Vec<Error>,
+}
+
+impl DestroyReport {
+    /// How many sockets were destroyed.
+    pub fn destroyed(&self) -> usize {
+        self.sockets.len()
+    }
+}
+
+/// Closes UDP sockets connected to any of `backends` (IP:port), in every network namespace
+/// that has a process in `cgroup` (recursively, including child cgroups). Returns how many
+/// sockets were destroyed. Errors name the namespace/cgroup; one failing netns does not stop
+/// others.
+///
+/// The call is an `Err` only when `cgroup` itself cannot be read; everything after that is
+/// reported per namespace or per cgroup in [`DestroyReport::errors`].
+pub fn destroy_udp_sockets(cgroup: &Path, backends: &[SocketAddr]) -> Result<DestroyReport> {
+    let mut report = DestroyReport::default();
+    if backends.is_empty() {
+        return Ok(report);
+    }
+    // Compare as (address, port): a v6 backend's flow info and scope say nothing about which
+    // peer a socket has, and a v4-mapped backend is the v4 backend.
+    let wanted: HashSet<(IpAddr, u16)> = backends
+        .iter()
+        .map(|b| (b.ip().to_canonical(), b.port()))
+        .collect();
+
+    let namespaces = cgroup_namespaces(cgroup, &mut report.errors)?;
+    report.namespaces = namespaces.len();
+    for ns in &namespaces {
+        let outcome = in_netns(ns, |diag| diag.destroy_connected_to(&wanted));
+        let describe = |message: String| Error::Netns {
+            netns: format!("{} (pid {}, cgroup {})", ns.id, ns.pid, ns.cgroup.display()),
+            message,
+        };
+        match outcome {
+            Ok(out) => {
+                report
+                    .sockets
+                    .extend(out.destroyed.into_iter().map(|(local, remote, cookie)| {
+                        DestroyedSocket {
+                            netns: ns.id,
+                            local,
+                            remote,
+                            cookie,
+                        }
+                    }));
+                report.errors.extend(out.errors.into_iter().map(describe));
+            }
+            Err(message) => report.errors.push(describe(message)),
+        }
+    }
+    Ok(report)
+}
+
+/// A network namespace held open through its nsfs file, so it stays valid (and cannot be
+/// replaced by another namespace with a recycled pid) after the process that showed it exits.
+struct Netns {
+    id: NetnsId,
+    fd: OwnedFd,
+    /// The process and cgroup that showed it, for error messages.
+    pid: u32,
+    cgroup: PathBuf,
+}
+
+/// Network namespaces of all processes in `root` and its descendant cgroups, one per namespace.
+fn cgroup_namespaces(root: &Path, errors: &mut Vec<Error>) -> Result<Vec<Netns>> {
+    let mut found: HashMap<NetnsId, Netns> = HashMap::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let is_root = dir == root;
+        let procs = dir.join("cgroup.procs");
+        let text = match fs::read_to_string(&procs) {
+            Ok(t) => t,
+            Err(source) => {
+                let e = Error::Io {
+                    path: procs,
+                    source,
+                };
+                if is_root {
+                    return Err(e);
+                }
+                // A child cgroup removed while we walk (pod deleted) is not an error.
+                if !is_not_found(&e) {
+                    errors.push(e);
+                }
+                continue;
+            }
+        };
+        for line in text.lines() {
+            let Ok(pid) = line.trim().parse::<u32>() else {
+                errors.push(Error::Invalid {
+                    object: procs.display().to_string(),
+                    message: format!("not a pid: {line:?}"),
+                });
+                continue;
+            };
+            match open_netns(pid, &found) {
+                Ok(Some((id, fd))) => {
+                    found.insert(
+                        id,
+                        Netns {
+                            id,
+                            fd,
+                            pid,
+                            cgroup: dir.clone(),
+                        },
+                    );
+                }
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        match fs::read_dir(&dir) {
+            Ok(entries) => {
+                for entry in entries.flatten() {
+                    if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                        pending.push(entry.path());
+                    }
+                }
+            }
+            Err(source) => {
+                let e = Error::Io { path: dir, source };
+                if !is_not_found(&e) {
+                    errors.push(e);
+                }
+            }
+        }
+    }
+    Ok(found.into_values().collect())
+}
+
+fn is_not_found(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
+}
+
+/// Opens the network namespace of `pid` unless it is one of `known`. `None` when the process
+/// is gone (or a zombie, whose namespaces are no longer reachable) or its namespace is known.
+fn open_netns(pid: u32, known: &HashMap<NetnsId, Netns>) -> Result<Option<(NetnsId, OwnedFd)>> {
+    let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+    let gone = |e: &io::Error| {
+        e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH)
+    };
+    let io_err = |path: &Path, source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    // stat first: most pods have several processes in one namespace, and a stat is cheaper than
+    // an open plus a close.
+    match fs::metadata(&path) {
+        Ok(m)
+            if known.contains_key(&NetnsId {
+                dev: m.dev(),
+                ino: m.ino(),
+            }) =>
+        {
+            return Ok(None)
+        }
+        Ok(_) => {}
+        Err(e) if gone(&e) => return Ok(None),
+        Err(e) => return Err(io_err(&path, e)),
+    }
+    let file = match fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if gone(&e) => return Ok(None),
+        Err(e) => return Err(io_err(&path, e)),
+    };
+    // The pid may have been reused between stat and open: identify what we actually hold.
+    let m = file.metadata().map_err(|e| io_err(&path, e))?;
+    let id = NetnsId {
+        dev: m.dev(),
+        ino: m.ino(),
+    };
+    if known.contains_key(&id) {
+        return Ok(None);
+    }
+    Ok(Some((id, OwnedFd::from(file))))
+}
+
+/// Runs `f` with a sock_diag socket of namespace `ns`, on a thread of its own that joins the
+/// namespace and then exits, so no other thread of the agent changes namespace.
+fn in_netns<T: Send>(ns: &Netns, f: impl FnOnce(&mut SockDiag) -> T + Send) -> Result<T, String> {
+    std::thread::scope(|s| {
+        let handle = std::thread::Builder::new()
+            .name("svc-sockdestroy".into())
+            .spawn_scoped(s, || {
+                // SAFETY: setns only reads the descriptor, which `ns` keeps open for the whole
+                // scope. It changes the namespace of this thread alone (CLONE_NEWNET is allowed
+                // in a multithreaded process), and the thread ends when this closure returns.
+                if unsafe { libc::setns(ns.fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    // Never fall through to the dump: it would run in the host namespace.
+                    return Err(format!("setns: {}", io::Error::last_os_error()));
+                }
+                let mut diag = SockDiag::open().map_err(|e| format!("sock_diag socket: {e}"))?;
+                Ok(f(&mut diag))
+            })
+            .map_err(|e| format!("spawning a thread: {e}"))?;
+        handle
+            .join()
+            .map_err(|_| "the namespace thread panicked".to_string())?
+    })
+}
+
+/// Result of the work in one namespace: what was destroyed, and per-socket failures.
+#[derive(Debug, Default)]
+struct NsOutcome {
+    destroyed: Vec<(SocketAddr, SocketAddr, u64)>,
+    errors: Vec<String>,
+}
+
+/// A UDP socket as a sock_diag dump reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct UdpSock {
+    family: u8,
+    /// The raw `inet_diag_sockid`, echoed back unchanged in `SOCK_DESTROY` so the kernel finds
+    /// exactly this socket (its cookie included).
+    sockid: [u8; SOCKID_LEN],
+    local: SocketAddr,
+    remote: SocketAddr,
+    cookie: u64,
+}
+
+impl UdpSock {
+    /// The peer as the connect hook chose it: a v6 socket connected to `::ffff:a.b.c.d` talks
+    /// to the v4 backend a.b.c.d.
+    fn peer(&self) -> (IpAddr, u16) {
+        (self.remote.ip().to_canonical(), self.remote.port())
+    }
+}
+
+/// A `NETLINK_SOCK_DIAG` socket, in the namespace of the thread that opened it.
+struct SockDiag {
+    fd: OwnedFd,
+    seq: u32,
+    buf: Vec<u8>,
+}
+
+impl SockDiag {
+    fn open() -> io::Result<Self> {
+        // SAFETY: plain socket(2) call; the result is checked before use.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                libc::NETLINK_SOCK_DIAG,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: socket(2) just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let tv = libc::timeval {
+            tv_sec: RECV_TIMEOUT.as_secs() as libc::time_t,
+            tv_usec: RECV_TIMEOUT.subsec_micros() as libc::suseconds_t,
+        };
+        // SAFETY: tv is a valid timeval and we pass its exact size.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(SockDiag {
+            fd,
+            seq: 0,
+            buf: vec![0; RECV_BUF],
+        })
+    }
+
+    fn destroy_connected_to(&mut self, wanted: &HashSet<(IpAddr, u16)>) -> NsOutcome {
+        let mut out = NsOutcome::default();
+        let mut matches = Vec::new();
+        for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+            match self.dump_udp(family) {
+                Ok(socks) => {
+                    matches.extend(socks.into_iter().filter(|s| wanted.contains(&s.peer())))
+                }
+                Err(e) => out.errors.push(format!(
+                    "dumping UDP sockets ({}): {e}",
+                    family_name(family)
+                )),
+            }
+        }
+        for sock in matches {
+            match self.destroy(&sock) {
+                Ok(true) => out.destroyed.push((sock.local, sock.remote, sock.cookie)),
+                // Closed by its owner between dump and destroy: nothing left to do.
+                Ok(false) => {}
+                Err(e) => out.errors.push(format!(
+                    "SOCK_DESTROY {} -> {} (cookie {}): {e}",
+                    sock.local, sock.remote, sock.cookie
+                )),
+            }
+        }
+        out
+    }
+
+    /// All connected UDP sockets of one family.
+    fn dump_udp(&mut self, family: u8) -> io::Result<Vec<UdpSock>> {
+        let req = diag_req(family, 1 << TCP_ESTABLISHED, &[0; SOCKID_LEN]);
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+        let seq = self.send(SOCK_DIAG_BY_FAMILY, flags, &req)?;
+        let mut socks = Vec::new();
+        loop {
+            let n = self.recv()?;
+            for msg in NlMessages::new(&self.buf[..n]) {
+                let msg = msg?;
+                if msg.seq != seq {
+                    continue; // a late answer to an earlier request
+                }
+                match msg.kind {
+                    SOCK_DIAG_BY_FAMILY => {
+                        if let Some(s) = parse_diag_msg(msg.payload)? {
+                            socks.push(s);
+                        }
+                    }
+                    t if t == libc::NLMSG_DONE as u16 => {
+                        // The payload is the dump's status: 0 or a negative errno.
+                        return match msg.payload.get(..4) {
+                            Some(b) if read_i32(b) < 0 => {
+                                Err(io::Error::from_raw_os_error(-read_i32(b)))
+                            }
+                            _ => Ok(socks),
+                        };
+                    }
+                    t if t == libc::NLMSG_ERROR as u16 => {
+                        let code = parse_error(msg.payload)?;
+                        return Err(io::Error::from_raw_os_error(if code < 0 {
+                            -code
+                        } else {
+                            libc::EPROTO
+                        }));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Destroys one socket. `Ok(false)` when the kernel no longer has it.
+    fn destroy(&mut self, sock: &UdpSock) -> io::Result<bool> {
+        let req = diag_req(sock.family, u32::MAX, &sock.sockid);
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
+        let seq = self.send(SOCK_DESTROY, flags, &req)?;
+        loop {
+            let n = self.recv()?;
+            for msg in NlMessages::new(&self.buf[..n]) {
+                let msg = msg?;
+                if msg.seq != seq || msg.kind != libc::NLMSG_ERROR as u16 {
+                    continue;
+                }
+                return match parse_error(msg.payload)? {
+                    0 => Ok(true),
+                    e if e == -libc::ENOENT => Ok(false),
+                    e if e < 0 => Err(io::Error::from_raw_os_error(-e)),
+                    e => Err(io::Error::other(format!("positive netlink error {e}"))),
+                };
+            }
+        }
+    }
+
+    fn send(&mut self, kind: u16, flags: u16, payload: &[u8]) -> io::Result<u32> {
+        self.seq = self.seq.wrapping_add(1);
+        let len = NLMSG_HDRLEN + payload.len();
+        let mut msg = Vec::with_capacity(len);
+        msg.extend_from_slice(&(len as u32).to_ne_bytes());
+        msg.extend_from_slice(&kind.to_ne_bytes());
+        msg.extend_from_slice(&flags.to_ne_bytes());
+        msg.extend_from_slice(&self.seq.to_ne_bytes());
+        msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel fills in ours
+        msg.extend_from_slice(payload);
+        // An unconnected netlink socket sends to the kernel (port 0) without an address.
+        // SAFETY: msg is a live buffer of msg.len() bytes.
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != msg.len() {
+            return Err(io::Error::other("short netlink send"));
+        }
+        Ok(self.seq)
+    }
+
+    fn recv(&mut self) -> io::Result<usize> {
+        loop {
+            // MSG_TRUNC makes recv return the real length, so a datagram larger than the
+            // buffer is detected instead of parsed cut short.
+            // SAFETY: buf is a live, writable buffer of buf.len() bytes.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    self.buf.as_mut_ptr().cast(),
+                    self.buf.len(),
+                    libc::MSG_TRUNC,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("no netlink reply within {RECV_TIMEOUT:?}"),
+                    ));
+                }
+                return Err(e);
+            }
+            let n = n as usize;
+            if n > self.buf.len() {
+                return Err(io::Error::other(format!(
+                    "netlink datagram of {n} bytes does not fit the {} byte buffer",
+                    self.buf.len()
+                )));
+            }
+            return Ok(n);
+        }
+    }
+}
+
+/// A `struct inet_diag_req_v2` for UDP.
+fn diag_req(family: u8, states: u32, sockid: &[u8; SOCKID_LEN]) -> [u8; REQ_LEN] {
+    let mut req = [0u8; REQ_LEN];
+    req[0] = family;
+    req[1] = libc::IPPROTO_UDP as u8;
+    req[4..8].copy_from_slice(&states.to_ne_bytes());
+    req[8..].copy_from_slice(sockid);
+    req
+}
+
+fn family_name(family: u8) -> &'static str {
+    if family == libc::AF_INET as u8 {
+        "IPv4"
+    } else {
+        "IPv6"
+    }
+}
+
+/// One netlink message: header fields and payload.
+#[derive(Debug)]
+struct NlMessage<'a> {
+    kind: u16,
+    seq: u32,
+    payload: &'a [u8],
+}
+
+/// The messages of one netlink datagram; a malformed header ends the iteration with an error.
+struct NlMessages<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> NlMessages<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        NlMessages { rest: buf }
+    }
+}
+
+impl<'a> Iterator for NlMessages<'a> {
+    type Item = io::Result<NlMessage<'a>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let malformed = |what: String| {
+            Some(Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("malformed netlink reply: {what}"),
+            )))
+        };
+        if self.rest.len() < NLMSG_HDRLEN {
+            let n = self.rest.len();
+            self.rest = &[];
+            return malformed(format!("{n} trailing bytes, less than a header"));
+        }
+        let len = read_u32(&self.rest[0..4]) as usize;
+        if len < NLMSG_HDRLEN || len > self.rest.len() {
+            let have = self.rest.len();
+            self.rest = &[];
+            return malformed(format!("message length {len} with {have} bytes left"));
+        }
+        let msg = NlMessage {
+            kind: read_u16(&self.rest[4..6]),
+            seq: read_u32(&self.rest[8..12]),
+            payload: &self.rest[NLMSG_HDRLEN..len],
+        };
+        // Messages are 4-byte aligned; the last one may end without padding.
+        let next = (len + 3) & !3;
+        self.rest = self.rest.get(next..).unwrap_or(&[]);
+        Some(Ok(msg))
+    }
+}
+
+/// The error code of an `NLMSG_ERROR` message (0 is an ack).
+fn parse_error(payload: &[u8]) -> io::Result<i32> {
+    payload.get(..4).map(read_i32).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "malformed netlink reply: error message of {} bytes",
+                payload.len()
+            ),
+        )
+    })
+}
+
+/// A connected socket from an `inet_diag_msg`; `None` for an unconnected one (the state filter
+/// should leave none, but a zero peer can never be a backend).
+fn parse_diag_msg(p: &[u8]) -> io::Result<Option<UdpSock>> {
+    if p.len() < DIAG_MSG_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "malformed netlink reply: inet_diag_msg of {} bytes",
+                p.len()
+            ),
+        ));
+    }
+    let family = p[0];
+    let mut sockid = [0u8; SOCKID_LEN];
+    sockid.copy_from_slice(&p[4..4 + SOCKID_LEN]);
+    let id = &sockid;
+    let sport = u16::from_be_bytes([id[0], id[1]]);
+    let dport = u16::from_be_bytes([id[2], id[3]]);
+    let (src, dst): (IpAddr, IpAddr) = match i32::from(family) {
+        libc::AF_INET => (ipv4(&id[4..8]).into(), ipv4(&id[20..24]).into()),
+        libc::AF_INET6 => (ipv6(&id[4..20]).into(), ipv6(&id[20..36]).into()),
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("malformed netlink reply: address family {family}"),
+            ))
+        }
+    };
+    if dport == 0 || dst.is_unspecified() {
+        return Ok(None);
+    }
+    // The cookie is two host-order u32s, low word first (sock_diag_save_cookie).
+    let cookie = u64::from(read_u32(&id[40..44])) | (u64::from(read_u32(&id[44..48])) << 32);
+    Ok(Some(UdpSock {
+        family,
+        sockid,
+        local: SocketAddr::new(src, sport),
+        remote: SocketAddr::new(dst, dport),
+        cookie,
+    }))
+}
+
+// The readers take slices whose length the callers have checked; `try_into` cannot fail there,
+// and the fallback of zero keeps them panic-free regardless.
+fn read_u16(b: &[u8]) -> u16 {
+    u16::from_ne_bytes(b.try_into().unwrap_or_default())
+}
+fn read_u32(b: &[u8]) -> u32 {
+    u32::from_ne_bytes(b.try_into().unwrap_or_default())
+}
+fn read_i32(b: &[u8]) -> i32 {
+    i32::from_ne_bytes(
+        b.get(..4)
+            .and_then(|b| b.try_into().ok())
+            .unwrap_or_default(),
+    )
+}
+fn ipv4(b: &[u8]) -> Ipv4Addr {
+    Ipv4Addr::from(<[u8; 4]>::try_from(b).unwrap_or_default())
+}
+fn ipv6(b: &[u8]) -> Ipv6Addr {
+    Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(len: u32, kind: u16, seq: u32) -> Vec<u8> {
+        let mut h = Vec::new();
+        h.extend_from_slice(&len.to_ne_bytes());
+        h.extend_from_slice(&kind.to_ne_bytes());
+        h.extend_from_slice(&0u16.to_ne_bytes());
+        h.extend_from_slice(&seq.to_ne_bytes());
+        h.extend_from_slice(&0u32.to_ne_bytes());
+        h
+    }
+
+    fn diag_msg(
+        family: u8,
+        src: &[u8],
+        sport: u16,
+        dst: &[u8],
+        dport: u16,
+        cookie: u64,
+    ) -> Vec<u8> {
+        let mut m = vec![family, TCP_ESTABLISHED as u8, 0, 0];
+        m.extend_from_slice(&sport.to_be_bytes());
+        m.extend_from_slice(&dport.to_be_bytes());
+        let mut a = [0u8; 16];
+        a[..src.len()].copy_from_slice(src);
+        m.extend_from_slice(&a);
+        let mut a = [0u8; 16];
+        a[..dst.len()].copy_from_slice(dst);
+        m.extend_from_slice(&a);
+        m.extend_from_slice(&0u32.to_ne_bytes()); // if
+        m.extend_from_slice(&(cookie as u32).to_ne_bytes());
+        m.extend_from_slice(&((cookie >> 32) as u32).to_ne_bytes());
+        m.extend_from_slice(&[0; 20]);
+        m
+    }
+
+    #[test]
+    fn parses_v4_socket_and_keeps_sockid() {
+        let m = diag_msg(
+            libc::AF_INET as u8,
+            &[10, 0, 0, 1],
+            40000,
+            &[10, 250, 0, 2],
+            5353,
+            0x1_0000_0002,
+        );
+        let s = parse_diag_msg(&m).unwrap().unwrap();
+        assert_eq!(s.local, "10.0.0.1:40000".parse().unwrap());
+        assert_eq!(s.remote, "10.250.0.2:5353".parse().unwrap());
+        assert_eq!(s.cookie, 0x1_0000_0002);
+        assert_eq!(&s.sockid[..], &m[4..52]);
+        assert_eq!(s.peer(), ("10.250.0.2".parse().unwrap(), 5353));
+    }
+
+    #[test]
+    fn v4_mapped_peer_counts_as_v4_backend() {
+        let dst: Ipv6Addr = "::ffff:10.250.0.2".parse().unwrap();
+        let src: Ipv6Addr = "::ffff:10.0.0.1".parse().unwrap();
+        let m = diag_msg(
+            libc::AF_INET6 as u8,
+            &src.octets(),
+            1,
+            &dst.octets(),
+            5353,
+            7,
+        );
+        let s = parse_diag_msg(&m).unwrap().unwrap();
+        assert_eq!(s.peer(), ("10.250.0.2".parse().unwrap(), 5353));
+    }
+
+    #[test]
+    fn unconnected_socket_is_skipped() {
+        let m = diag_msg(
+            libc::AF_INET as u8,
+            &[0, 0, 0, 0],
+            5353,
+            &[0, 0, 0, 0],
+            0,
+            1,
+        );
+        assert_eq!(parse_diag_msg(&m).unwrap(), None);
+    }
+
+    #[test]
+    fn truncated_and_malformed_replies_are_errors() {
+        let m = diag_msg(libc::AF_INET as u8, &[1, 2, 3, 4], 1, &[5, 6, 7, 8], 2, 3);
+        for cut in 0..m.len() {
+            assert!(parse_diag_msg(&m[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad_family = m.clone();
+        bad_family[0] = 99;
+        assert!(parse_diag_msg(&bad_family).is_err());
+        assert!(parse_error(&[1, 2]).is_err());
+
+        // Header length beyond the datagram, below the header size, and a stub header.
+        let mut d = header(100, SOCK_DIAG_BY_FAMILY, 1);
+        d.extend_from_slice(&[0; 8]);
+        assert!(NlMessages::new(&d).next().unwrap().is_err());
+        let d = header(8, SOCK_DIAG_BY_FAMILY, 1);
+        assert!(NlMessages::new(&d).next().unwrap().is_err());
+        assert!(NlMessages::new(&[1, 2, 3]).next().unwrap().is_err());
+        // Every prefix of a valid two-message datagram parses or errors, never panics.
+        let mut d = header((NLMSG_HDRLEN + m.len()) as u32, SOCK_DIAG_BY_FAMILY, 1);
+        d.extend_from_slice(&m);
+        d.extend_from_slice(&header(20, libc::NLMSG_DONE as u16, 1));
+        d.extend_from_slice(&0i32.to_ne_bytes());
+        for cut in 0..=d.len() {
+            for msg in NlMessages::new(&d[..cut]).flatten() {
+                let _ = parse_diag_msg(msg.payload);
+            }
+        }
+        let all: Vec<_> = NlMessages::new(&d).collect::<io::Result<_>>().unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[1].kind, libc::NLMSG_DONE as u16);
+    }
+
+    #[test]
+    fn request_layout() {
+        let id = [7u8; SOCKID_LEN];
+        let r = diag_req(libc::AF_INET6 as u8, u32::MAX, &id);
+        assert_eq!(r.len(), 56);
+        assert_eq!(r[0], libc::AF_INET6 as u8);
+        assert_eq!(r[1], libc::IPPROTO_UDP as u8);
+        assert_eq!(&r[8..], &id[..]);
+    }
+}
