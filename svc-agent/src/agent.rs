@@ -101,11 +101,31 @@ impl Agent {
         report
     }
 
+    /// A connected UDP socket keeps its backend forever; once that backend is gone, close the
+    /// socket so the application reconnects, and its connect() picks a live backend.
     fn close_stale_udp(&self, report: &SyncReport) {
         if report.udp_backends_deleted.is_empty() {
             return;
         }
-        let _ = &self.cgroup;
+        match crate::stale::destroy_udp_sockets(&self.cgroup, &report.udp_backends_deleted) {
+            Ok(r) => {
+                for e in &r.errors {
+                    warn!("closing UDP sockets of removed backends: {e}");
+                    self.metrics.error(e);
+                }
+                if r.destroyed() > 0 {
+                    info!(
+                        sockets = r.destroyed(),
+                        namespaces = r.namespaces,
+                        "closed connected UDP sockets of removed backends"
+                    );
+                }
+            }
+            Err(e) => {
+                warn!("closing UDP sockets of removed backends: {e}");
+                self.metrics.error(&e);
+            }
+        }
     }
 
     /// Reads the manifests, translates them, and applies the result.
