@@ -25,16 +25,13 @@ struct Args {
     /// Write the results as markdown to this file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
-    /// Length of one connection-rate round, in milliseconds.
-    #[arg(long, default_value_t = 2000)]
-    rate_ms: u64,
-    /// Requests per latency round.
-    #[arg(long, default_value_t = 2000)]
-    requests: u32,
-    /// Rounds per target (direct and ClusterIP alternate).
-    #[arg(long, default_value_t = 3)]
+    /// Connections per round, alternating direct and ClusterIP.
+    #[arg(long, default_value_t = 4000)]
+    connections: u32,
+    /// Rounds per phase.
+    #[arg(long, default_value_t = 5)]
     rounds: u32,
-    /// Other services loaded for the second half.
+    /// Other services loaded for the second phase.
     #[arg(long, default_value_t = 100_000)]
     services: u32,
 }
@@ -44,9 +41,13 @@ const PORT: u16 = 8080;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Figures {
+    /// New connections per second, back to back (connect, request, reply, close).
     conn_per_s: f64,
+    /// Whole request, new connection included.
     p50_us: f64,
     p99_us: f64,
+    /// connect() alone: where the ClusterIP translation happens.
+    connect_p50_us: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -57,6 +58,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn percentile(sorted: &[u64], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i] as f64
+}
+
+fn figures(attempts: &[&svc_tests::Attempt]) -> Figures {
+    let mut us: Vec<u64> = attempts.iter().map(|a| a.elapsed_us).collect();
+    us.sort_unstable();
+    let mut connect: Vec<u64> = attempts.iter().filter_map(|a| a.connect_us).collect();
+    connect.sort_unstable();
+    let total: u64 = us.iter().sum();
+    Figures {
+        conn_per_s: us.len() as f64 * 1e6 / total.max(1) as f64,
+        p50_us: percentile(&us, 0.5),
+        p99_us: percentile(&us, 0.99),
+        connect_p50_us: percentile(&connect, 0.5),
+    }
 }
 
 fn frontend(ip: Ipv4Addr, port: u16, owner: &str, backends: Vec<SocketAddr>) -> DesiredFrontend {
@@ -96,40 +111,41 @@ fn with_others(bench: &DesiredFrontend, n: u32) -> DesiredState {
     state(all)
 }
 
-fn measure(sb: &Sandbox, to: SocketAddr, args: &Args) -> Result<Figures> {
-    let run = sb.spawn_loop(to, Duration::from_millis(args.rate_ms))?;
-    let rate = sb.finish_loop(run, Duration::from_millis(args.rate_ms + 30_000))?;
-    if rate.failed > 0 {
-        bail!("{to}: {} of {} connections failed: {:?}", rate.failed, rate.ok + rate.failed, rate.errors);
-    }
-    let report: Report = sb.tcp(to, args.requests, &[])?;
-    if !report.all_ok() {
-        bail!("{to}: failed requests: {:?}", report.failures().first());
-    }
-    let mut us: Vec<u64> = report.results.iter().map(|a| a.elapsed_us).collect();
-    us.sort_unstable();
-    Ok(Figures {
-        conn_per_s: rate.ok as f64 * 1000.0 / rate.duration_ms.max(1) as f64,
-        p50_us: percentile(&us, 0.5),
-        p99_us: percentile(&us, 0.99),
-    })
-}
-
-/// Alternates direct and ClusterIP rounds; returns the median of each.
+/// One round of connections alternating between `direct` and the ClusterIP within one probe,
+/// so both see the same machine at the same moment.
 fn compare(sb: &Sandbox, direct: SocketAddr, args: &Args) -> Result<(Figures, Figures)> {
     let vip = SocketAddr::new(IpAddr::V4(VIP), 80);
-    let (mut d, mut v) = (Vec::new(), Vec::new());
-    for round in 0..args.rounds {
-        eprintln!("  round {}/{}", round + 1, args.rounds);
-        d.push(measure(sb, direct, args)?);
-        v.push(measure(sb, vip, args)?);
+    let alt = vip.to_string();
+    {
+        let report: Report = sb.tcp(direct, args.connections, &["--alternate-with", &alt])?;
+        if !report.all_ok() {
+            bail!("failed connections: {:?}", report.failures().first());
+        }
+        let (even, odd): (Vec<_>, Vec<_>) = report
+            .results
+            .iter()
+            .enumerate()
+            .partition(|(i, _)| i.is_multiple_of(2));
+        let direct_attempts: Vec<_> = even.into_iter().map(|(_, a)| a).collect();
+        let vip_attempts: Vec<_> = odd.into_iter().map(|(_, a)| a).collect();
+        // The ClusterIP attempts must really have gone through the ClusterIP.
+        if let Some(a) = vip_attempts
+            .iter()
+            .find(|a| a.peer.as_deref() != Some(&alt))
+        {
+            bail!("a ClusterIP attempt reports peer {:?}, not {alt}", a.peer);
+        }
+        Ok((figures(&direct_attempts), figures(&vip_attempts)))
     }
-    let med = |f: &[Figures]| Figures {
+}
+
+fn med(f: &[Figures]) -> Figures {
+    Figures {
         conn_per_s: median(f.iter().map(|x| x.conn_per_s).collect()),
         p50_us: median(f.iter().map(|x| x.p50_us).collect()),
         p99_us: median(f.iter().map(|x| x.p99_us).collect()),
-    };
-    Ok((med(&d), med(&v)))
+        connect_p50_us: median(f.iter().map(|x| x.connect_p50_us).collect()),
+    }
 }
 
 fn apply(store: &mut BpfStore, p: &mut Programmed, desired: &DesiredState) -> Result<Duration> {
@@ -154,7 +170,9 @@ fn machine() -> String {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     format!(
         "{} cores ({cpu}), kernel {}",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
         kernel.trim()
     )
 }
@@ -171,31 +189,43 @@ fn main() -> Result<()> {
     let mut programmed = Programmed::recover(&store.snapshot()?);
     let bench = frontend(VIP, 80, "bench/target", vec![direct]);
 
-    apply(&mut store, &mut programmed, &state(vec![bench.clone()]))?;
-    eprintln!("1 service in the maps");
-    let (d1, v1) = compare(&sb, direct, &args)?;
-
-    eprintln!("loading {} more services", args.services);
+    let one = state(vec![bench.clone()]);
     let many = with_others(&bench, args.services);
-    let load_time = apply(&mut store, &mut programmed, &many)?;
+    // Phases alternate within every round (1 service, then all of them), so machine drift
+    // between phases does not pose as a cost of the map size.
+    let (mut d1, mut v1, mut dn, mut vn) = (vec![], vec![], vec![], vec![]);
+    let (mut load_time, mut resync_time) = (Duration::ZERO, Duration::ZERO);
+    for round in 0..args.rounds {
+        eprintln!("round {}/{}: 1 service", round + 1, args.rounds);
+        apply(&mut store, &mut programmed, &one)?;
+        let (d, v) = compare(&sb, direct, &args)?;
+        d1.push(d);
+        v1.push(v);
+        eprintln!(
+            "round {}/{}: {} more services",
+            round + 1,
+            args.rounds,
+            args.services
+        );
+        load_time = apply(&mut store, &mut programmed, &many)?;
+        // A second pass over the same state must write nothing: the cost of a resync.
+        resync_time = apply(&mut store, &mut programmed, &many)?;
+        let (d, v) = compare(&sb, direct, &args)?;
+        dn.push(d);
+        vn.push(v);
+    }
     let services_in_map = programmed.frontends.len();
-    // A second pass over the same state must write nothing: the cost of a resync.
-    let resync_time = apply(&mut store, &mut programmed, &many)?;
-    eprintln!("{services_in_map} services in the maps (loaded in {load_time:?})");
-    let (dn, vn) = compare(&sb, direct, &args)?;
+    let (d1, v1, dn, vn) = (med(&d1), med(&v1), med(&dn), med(&vn));
 
     // One service changing among 100,001: the cost of an incremental update.
     let scope: BTreeSet<Frontend> = [bench.frontend].into_iter().collect();
     let mut changed = many.clone();
     if let Some(f) = changed.frontends.get_mut(&bench.frontend) {
-        f.backends.push(SocketAddr::new(IpAddr::V4(sb.backend_v4(2)), PORT));
+        f.backends
+            .push(SocketAddr::new(IpAddr::V4(sb.backend_v4(2)), PORT));
     }
     let started = Instant::now();
-    let r = programmed.apply_scoped(
-        &mut store,
-        &changed,
-        svc_agent::sync::Scope::Only(&scope),
-    );
+    let r = programmed.apply_scoped(&mut store, &changed, svc_agent::sync::Scope::Only(&scope));
     let one_change = started.elapsed();
     if !r.errors.is_empty() {
         bail!("incremental update: {:?}", r.errors);
@@ -205,7 +235,7 @@ fn main() -> Result<()> {
     let ratio = |a: f64, b: f64| a / b;
     let row = |label: &str, d: Figures, v: Figures| {
         format!(
-            "| {label} | {:.0} | {:.0} | {:.3} | {:.0} | {:.0} | {:.3} | {:.0} | {:.0} | {:.3} |",
+            "| {label} | {:.0} | {:.0} | {:.3} | {:.0} | {:.0} | {:.3} | {:.0} | {:.0} | {:.3} | {:.0} | {:.0} | {:.3} |",
             d.conn_per_s,
             v.conn_per_s,
             ratio(v.conn_per_s, d.conn_per_s),
@@ -215,20 +245,24 @@ fn main() -> Result<()> {
             d.p99_us,
             v.p99_us,
             ratio(v.p99_us, d.p99_us),
+            d.connect_p50_us,
+            v.connect_p50_us,
+            ratio(v.connect_p50_us, d.connect_p50_us),
         )
     };
     let table = [
-        "| services in maps | direct conn/s | ClusterIP conn/s | ratio | direct p50 µs | ClusterIP p50 µs | ratio | direct p99 µs | ClusterIP p99 µs | ratio |".to_string(),
-        "|---|---|---|---|---|---|---|---|---|---|".to_string(),
+        "| services in maps | direct conn/s | ClusterIP conn/s | ratio | direct request p50 µs | ClusterIP request p50 µs | ratio | direct request p99 µs | ClusterIP request p99 µs | ratio | direct connect() p50 µs | ClusterIP connect() p50 µs | ratio |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
         row("1", d1, v1),
         row(&services_in_map.to_string(), dn, vn),
     ]
     .join("\n");
     let scale = format!(
-        "ClusterIP with {services_in_map} services vs with 1: connection rate x{:.3}, p50 latency x{:.3}, p99 latency x{:.3}.",
+        "ClusterIP with {services_in_map} services vs with 1: connection rate x{:.3}, request p50 x{:.3}, request p99 x{:.3}, connect() p50 x{:.3}.",
         ratio(vn.conn_per_s, v1.conn_per_s),
         ratio(vn.p50_us, v1.p50_us),
-        ratio(vn.p99_us, v1.p99_us)
+        ratio(vn.p99_us, v1.p99_us),
+        ratio(vn.connect_p50_us, v1.connect_p50_us)
     );
     let programming = format!(
         "Programming {} services into empty maps: {:.2} s; a full resync of all of them with nothing changed: {:.1} ms; one service's backend set changed among them (scoped sync): {:.3} ms.",
@@ -245,13 +279,16 @@ fn main() -> Result<()> {
              Measured with `cargo xtask bench --write` (release build, as root) on {machine}, {date}.\n\n\
              ## ClusterIP vs direct, socket-level datapath\n\n\
              One client network namespace in a test cgroup, one backend server in another \
-             namespace, joined by a veth pair. A round measures new TCP connections per second \
-             for {rate} ms (`svc-probe loop`: connect, request, reply, close, back to back) and \
-             the latency of {req} requests (each a new connection: connect, send a line, read \
-             the reply). Direct and ClusterIP rounds alternate, {rounds} of each; the table \
-             shows the medians. Ratios are ClusterIP / direct: 1.000 means no cost. The \
-             ClusterIP translation happens once per connect(), in the cgroup hook, so packets \
-             pay nothing after it.\n\n\
+             namespace, joined by a veth pair. A round is {conns} new TCP connections back to \
+             back from one probe process, alternating between the backend's own address and \
+             the ClusterIP, so both targets see the same machine at the same moment; each \
+             connection is connect(), send a line, read the reply, close. Connection rate is \
+             connections per second of time spent on that target; request latency is one whole \
+             connection; connect() is the system call alone, where the cgroup hook rewrites the \
+             ClusterIP. The table shows the medians over {rounds} rounds; every round measures both map sizes, one after the other. Ratios are ClusterIP / \
+             direct: 1.000 means no cost. Every ClusterIP connection is checked to report the \
+             ClusterIP from getpeername(). Packets pay nothing after connect(): the socket \
+             is connected to the backend itself.\n\n\
              {table}\n\n{scale}\n\n{programming}\n\n\
              The other services each have one backend of their own (addresses nothing listens \
              on); the maps are hash maps, so the lookup cost does not depend on how many \
@@ -262,8 +299,7 @@ fn main() -> Result<()> {
              (rewrites this file).\n",
             machine = machine(),
             date = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%d"),
-            rate = args.rate_ms,
-            req = args.requests,
+            conns = args.connections,
             rounds = args.rounds,
         );
         std::fs::write(&path, doc).with_context(|| format!("writing {}", path.display()))?;

@@ -44,6 +44,10 @@ enum Cmd {
         count: u32,
         #[arg(long, default_value_t = 0)]
         interval_ms: u64,
+        /// Alternate attempts between --to (even results) and this address (odd results), so
+        /// two targets are measured under the same conditions.
+        #[arg(long)]
+        alternate_with: Option<SocketAddr>,
     },
     /// COUNT UDP exchanges, each from a new socket.
     Udp {
@@ -112,9 +116,16 @@ fn main() -> Result<()> {
             target,
             count,
             interval_ms,
+            alternate_with,
         } => {
+            let mut n = 0u64;
             let results = repeat(count, interval_ms, || {
-                tcp_once(target.addr(), target.timeout())
+                n += 1;
+                let to = match alternate_with {
+                    Some(other) if n.is_multiple_of(2) => other,
+                    _ => target.addr(),
+                };
+                tcp_once(to, target.timeout())
             });
             print_json(&Report {
                 results,
