@@ -1,1 +1,1 @@
-
+pub mod control_plane;
