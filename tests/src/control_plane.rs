@@ -61,7 +61,7 @@ impl Binaries {
 
 fn binary(var: &str) -> Result<PathBuf> {
     let how = "the control-plane tests need kube-apiserver, kubectl and etcd built by \
-               `cargo xtask control-plane` (a cold build takes about 15 minutes, later ones \
+               `cargo xtask control-plane` (a cold build takes about 8 minutes on 2 cores, later ones \
                under a second): run the tests with `cargo xtask test`, or \
                `export $(cargo xtask control-plane)` in the shell first";
     let path = std::env::var_os(var).with_context(|| format!("{var} is not set: {how}"))?;
