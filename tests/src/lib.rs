@@ -11,6 +11,7 @@
 
 pub mod agent;
 pub mod cgroup;
+pub mod control_plane;
 pub mod manifest;
 pub mod netns;
 pub mod probe;

@@ -1,5 +1,6 @@
 //! Project tasks: `cargo xtask <task>`. Each task installs what it needs first, idempotently.
 
+mod control_plane;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +32,8 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Build (or find cached) kube-apiserver, kubectl and etcd for the tests; prints their paths.
+    ControlPlane,
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
     /// Benchmarks: direct vs ClusterIP, with 1 and 100,000 services; writes docs/benchmarks.md.
@@ -135,10 +138,17 @@ fn main() -> Result<()> {
         Task::Test { args } => {
             require_root("test")?;
             build(false)?;
+            let control_plane = control_plane::ensure()?;
             run(cargo()
                 .args(["test", "--workspace", "--exclude", "svc-ebpf", "--"])
                 .args(&args)
+                .envs(control_plane.env())
                 .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
+        }
+        Task::ControlPlane => {
+            for (var, path) in control_plane::ensure()?.env() {
+                println!("{var}={}", path.display());
+            }
         }
         Task::Lint => {
             build_ebpf()?;
