@@ -61,6 +61,39 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Runs `cargo test`, passing its output through, and ends with one total over every test
+/// binary: cargo's own last line is the (empty) doc-test run of the last crate.
+fn run_tests(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    eprintln!("+ {cmd:?}");
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    let stdout = child.stdout.take().context("cargo test stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo test output")?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |word: &str| {
+                rest.split(';')
+                    .find_map(|part| part.trim().strip_suffix(word))
+                    .and_then(|n| n.trim().rsplit(' ').next()?.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            passed += count(" passed");
+            failed += count(" failed");
+        }
+    }
+    let status = child.wait().context("waiting for cargo test")?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo test failed: {status}");
+    }
+    Ok(())
+}
+
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
@@ -139,11 +172,13 @@ fn main() -> Result<()> {
             require_root("test")?;
             build(false)?;
             let control_plane = control_plane::ensure()?;
-            run(cargo()
-                .args(["test", "--workspace", "--exclude", "svc-ebpf", "--"])
-                .args(&args)
-                .envs(control_plane.env())
-                .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
+            run_tests(
+                cargo()
+                    .args(["test", "--workspace", "--exclude", "svc-ebpf", "--"])
+                    .args(&args)
+                    .envs(control_plane.env())
+                    .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")),
+            )?;
         }
         Task::ControlPlane => {
             for (var, path) in control_plane::ensure()?.env() {
