@@ -617,7 +617,7 @@ fn temp_dir() -> Result<PathBuf> {
 }
 
 /// Removes the directories of test processes that were killed outright (their processes died
-/// with them, see `die_with_thread`; their directories stayed). Only directories whose owning
+/// with them, see `sys::die_with_parent`; their directories stayed). Only directories whose owning
 /// process is gone are touched.
 fn remove_stale_dirs() {
     let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
@@ -659,7 +659,7 @@ fn spawn(cmd: &mut Command, log: &Path) -> Result<Child> {
         // Only what we pass: no ETCD_* or proxy variables from the test's environment.
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default());
-    die_with_thread(cmd);
+    crate::sys::die_with_parent(cmd);
     cmd.spawn()
         .with_context(|| format!("spawning {}", cmd.get_program().to_string_lossy()))
 }
@@ -732,27 +732,6 @@ fn stop(mut child: Child, what: &str) -> Result<()> {
     child.kill()?;
     child.wait()?;
     Ok(())
-}
-
-/// SIGKILL for the child when the thread that spawned it dies, so a test binary killed outright
-/// (no Drop runs) leaves no etcd or kube-apiserver behind.
-fn die_with_thread(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    let parent = std::process::id();
-    // SAFETY: the closure runs between fork and exec and makes only async-signal-safe calls
-    // (prctl, getppid).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The parent may have died before prctl took effect.
-            if libc::getppid() as u32 != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
 }
 
 fn checked(cmd: &mut Command) -> Result<()> {
