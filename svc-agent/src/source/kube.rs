@@ -369,6 +369,7 @@ fn sync(agent: &mut Agent, cache: &mut Cache, opts: &KubeOptions) {
     agent.node = NodeContext {
         node_name: Some(opts.node_name.clone()),
         zone: cache.zone.clone(),
+        service_proxy_name: opts.service_proxy_name.clone(),
     };
     let dirty = std::mem::take(&mut cache.dirty);
     let report = if std::mem::take(&mut cache.all_dirty) {
