@@ -1019,10 +1019,11 @@ fn udp_socket_leaves_deleted_backend(cp: &mut ControlPlane, name: &str) -> Resul
 
     let stream = env
         .sb
-        .spawn_udp_stream(vip, Duration::from_millis(4500), 20, 300)?;
+        .spawn_udp_stream(vip, Duration::from_millis(5000), 20, 300)?;
     // The stream connects to b1 (the only endpoint); then b2 joins (the socket stays with b1),
     // then b1's endpoint is deleted.
-    std::thread::sleep(Duration::from_millis(700));
+    // (The sleeps only lay out the timeline; what is asserted comes from the timestamps.)
+    std::thread::sleep(Duration::from_millis(1000));
     apply(cp, &[slice(&env, &[1, 2])])?;
     std::thread::sleep(Duration::from_millis(500));
     let before = unix_ms(SystemTime::now());
@@ -1045,7 +1046,7 @@ fn udp_socket_leaves_deleted_backend(cp: &mut ControlPlane, name: &str) -> Resul
     };
     let early: Vec<_> = ex.iter().filter(|e| e.at_ms < before).collect();
     ensure!(
-        early.len() >= 10
+        early.len() >= 5
             && early
                 .iter()
                 .all(|e| e.ok && e.backend.as_deref() == Some("b1")),
