@@ -118,6 +118,7 @@ fn main() -> anyhow::Result<()> {
                 node: NodeContext {
                     node_name: node_name.clone(),
                     zone: None,
+                    service_proxy_name: service_proxy_name.clone(),
                 },
                 listen: [
                     defaults(healthz_bind_address, "0.0.0.0:10256"),

@@ -3,6 +3,7 @@
 use std::{
     ffi::OsString,
     fs::File,
+    net::{Ipv4Addr, SocketAddr, TcpListener},
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     time::{Duration, Instant},
@@ -11,7 +12,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::sys::{die_with_parent, ensure_bpffs, run, signal, unique_name};
+use crate::sys::{die_with_parent, ensure_bpffs, run, signal, unique_name, TempDir};
 
 /// The line the agent prints once after its first full sync.
 pub const READY_LINE: &str = "svc-agent: ready";
@@ -71,6 +72,33 @@ pub fn list(bin: &Path, bpffs: &Path) -> Result<ListOutput> {
         ],
     )?;
     serde_json::from_str(&out).with_context(|| format!("parsing `svc-agent list`: {out:?}"))
+}
+
+/// `GET PATH` over plain HTTP/1.1 (what the agent's `/healthz` and `/metrics` speak):
+/// the status code and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let timeout = Duration::from_secs(5);
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("connecting to {addr}"))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    s.read_to_string(&mut response)
+        .with_context(|| format!("reading the reply to GET {path}"))?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("no end of headers in {response:?}"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("no status code in {head:?}"))?;
+    Ok((status, body.to_owned()))
 }
 
 /// Runs `svc-agent uninstall --bpffs DIR [--cgroup CG]`.
@@ -155,6 +183,18 @@ pub struct Agent {
     starts: usize,
     bpffs: PathBuf,
     print_logs: bool,
+    /// `/healthz` (and `/metrics`) of an agent started with `start_kube`.
+    healthz: Option<SocketAddr>,
+    /// `/metrics` (and `/healthz`) of an agent started with `start_kube`.
+    metrics: Option<SocketAddr>,
+    /// The log directory when the agent owns it (`start_kube`); removed after the agent stops.
+    own_logs: Option<TempDir>,
+}
+
+/// A loopback port nothing listens on now (the agent binds it a moment later).
+fn free_loopback_port() -> Result<SocketAddr> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
+    Ok(l.local_addr()?)
 }
 
 impl Agent {
@@ -179,6 +219,18 @@ impl Agent {
             bpffs.into(),
         ];
         args.extend(extra.iter().map(OsString::from));
+        Self::start_with_args(bin, args, bpffs, log_dir)
+    }
+
+    /// Starts `svc-agent ARGS` exactly as given (`ARGS` begins with the subcommand); `bpffs`
+    /// is only where `list` looks.
+    pub fn start_with_args(
+        bin: &Path,
+        args: Vec<OsString>,
+        bpffs: &Path,
+        log_dir: &Path,
+    ) -> Result<Self> {
+        check_bin(bin)?;
         let mut agent = Self {
             bin: bin.to_owned(),
             args,
@@ -187,9 +239,68 @@ impl Agent {
             starts: 0,
             bpffs: bpffs.to_owned(),
             print_logs: true,
+            healthz: None,
+            metrics: None,
+            own_logs: None,
         };
         agent.spawn()?;
         Ok(agent)
+    }
+
+    /// Starts `svc-agent run --kubeconfig K --node-name N --cgroup CG --bpffs DIR EXTRA...`
+    /// against the Kubernetes API (does not wait for it to be ready). `/healthz` and
+    /// `/metrics` are put on free loopback ports (the defaults would bind 0.0.0.0:10256 and
+    /// collide between agents) unless `extra` names them; see `healthz_addr`/`metrics_addr`.
+    /// The logs go to a directory of the agent's own.
+    pub fn start_kube(
+        bin: &Path,
+        kubeconfig: &Path,
+        node_name: &str,
+        cgroup: &Path,
+        bpffs: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
+        let logs = TempDir::new("svc-agent-logs")?;
+        let mut args: Vec<OsString> = vec![
+            "run".into(),
+            "--kubeconfig".into(),
+            kubeconfig.into(),
+            "--node-name".into(),
+            node_name.into(),
+            "--cgroup".into(),
+            cgroup.into(),
+            "--bpffs".into(),
+            bpffs.into(),
+        ];
+        let mut healthz = None;
+        let mut metrics = None;
+        let given = |flag: &str| extra.iter().any(|a| a.starts_with(flag));
+        if !given("--healthz-bind-address") {
+            let a = free_loopback_port()?;
+            args.push(format!("--healthz-bind-address={a}").into());
+            healthz = Some(a);
+        }
+        if !given("--metrics-bind-address") {
+            let a = free_loopback_port()?;
+            args.push(format!("--metrics-bind-address={a}").into());
+            metrics = Some(a);
+        }
+        args.extend(extra.iter().map(OsString::from));
+        let mut agent = Self::start_with_args(bin, args, bpffs, logs.path())?;
+        agent.healthz = healthz;
+        agent.metrics = metrics;
+        agent.own_logs = Some(logs);
+        Ok(agent)
+    }
+
+    /// Where `/healthz` is served, when `start_kube` chose the address.
+    pub fn healthz_addr(&self) -> Option<SocketAddr> {
+        self.healthz
+    }
+
+    /// Where `/metrics` is served, when `start_kube` chose the address.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics
     }
 
     fn spawn(&mut self) -> Result<()> {

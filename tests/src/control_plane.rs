@@ -462,6 +462,10 @@ impl ControlPlane {
             // endpoint, which Endpoints validation rejects (loopback): it only logs errors.
             "--endpoint-reconciler-type=none".into(),
             "--profiling=false".into(),
+            // As on every real cluster (kubeadm, kind, managed ones set it): node agents such
+            // as kube-proxy and svc-agent's bpffs init container are privileged, and the
+            // default (false) rejects their DaemonSets.
+            "--allow-privileged=true".into(),
         ];
         for (flag, file) in [
             ("--client-ca-file", "ca.crt"),

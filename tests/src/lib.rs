@@ -23,7 +23,7 @@ pub use agent::{Agent, Bpffs, ListOutput, ListService};
 pub use cgroup::TestCgroup;
 pub use manifest::{Endpoint, EndpointSlice, Manifests, Service, ServicePort, SlicePort};
 pub use netns::NetNs;
-pub use probe::{Attempt, LoopReport, Report};
+pub use probe::{Attempt, LoopReport, Report, StreamExchange, StreamReport};
 pub use procs::{Backend, ClientRun};
 pub use sandbox::Sandbox;
 pub use sys::{require_root, TempDir, Tools};

@@ -79,3 +79,34 @@ pub struct LoopReport {
     #[serde(default)]
     pub netns_ino: u64,
 }
+
+/// One exchange of `svc-probe udp-stream`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StreamExchange {
+    /// When the exchange started: milliseconds since the Unix epoch (wall clock, so the test
+    /// can line it up with when it wrote to the API).
+    pub at_ms: u64,
+    /// Which socket (0 for the first; +1 after each reconnect).
+    pub socket: u32,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// getpeername() of the connected socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub errno: Option<i32>,
+}
+
+/// Output of `svc-probe udp-stream`: one connected UDP socket used for the whole run, replaced
+/// by a new one (connected again) after any error.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StreamReport {
+    pub exchanges: Vec<StreamExchange>,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}

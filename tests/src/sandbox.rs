@@ -19,9 +19,10 @@ use anyhow::{bail, Result};
 use crate::{
     agent::{Agent, Bpffs},
     cgroup::TestCgroup,
+    control_plane::ControlPlane,
     manifest::Manifests,
     netns::{veth_pair, NetNs},
-    probe::{LoopReport, Report},
+    probe::{LoopReport, Report, StreamReport},
     procs::{Backend, ClientRun},
     sys::{next_id, Tools},
 };
@@ -201,6 +202,35 @@ impl Sandbox {
         Ok(report)
     }
 
+    /// Starts `svc-probe udp-stream` (one connected UDP socket, an exchange every
+    /// `interval_ms`, reconnecting after errors, for `duration`); finish it with
+    /// `finish_udp_stream`.
+    pub fn spawn_udp_stream(
+        &self,
+        to: SocketAddr,
+        duration: Duration,
+        interval_ms: u64,
+        timeout_ms: u64,
+    ) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "udp-stream".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+            "--timeout-ms".into(),
+            timeout_ms.to_string(),
+        ])
+    }
+
+    pub fn finish_udp_stream(&self, run: ClientRun, timeout: Duration) -> Result<StreamReport> {
+        let report: StreamReport = run.wait(timeout)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
     /// A bpffs directory for an agent attached to this sandbox's cgroup.
     pub fn bpffs(&self) -> Result<Bpffs> {
         Bpffs::new(&self.tools.agent, self.cgroup.path())
@@ -209,6 +239,39 @@ impl Sandbox {
     /// Starts the agent on this sandbox's cgroup and waits for `svc-agent: ready`.
     pub fn agent(&self, bpffs: &Bpffs, manifests: &Manifests) -> Result<Agent> {
         let mut agent = self.agent_no_wait(bpffs, manifests)?;
+        agent.wait_ready(AGENT_READY_TIMEOUT)?;
+        Ok(agent)
+    }
+
+    /// Starts the agent against `control_plane`'s API server (admin credentials) as node
+    /// `node_name`, on this sandbox's cgroup, with `extra` flags (`--service-proxy-name X`,
+    /// ...), and waits for `svc-agent: ready`.
+    pub fn agent_kube(
+        &self,
+        bpffs: &Bpffs,
+        control_plane: &ControlPlane,
+        node_name: &str,
+        extra: &[&str],
+    ) -> Result<Agent> {
+        self.agent_kubeconfig(bpffs, control_plane.kubeconfig_path(), node_name, extra)
+    }
+
+    /// Like `agent_kube`, with any kubeconfig (a service account's, for instance).
+    pub fn agent_kubeconfig(
+        &self,
+        bpffs: &Bpffs,
+        kubeconfig: &std::path::Path,
+        node_name: &str,
+        extra: &[&str],
+    ) -> Result<Agent> {
+        let mut agent = Agent::start_kube(
+            &self.tools.agent,
+            kubeconfig,
+            node_name,
+            self.cgroup.path(),
+            bpffs.path(),
+            extra,
+        )?;
         agent.wait_ready(AGENT_READY_TIMEOUT)?;
         Ok(agent)
     }

@@ -162,6 +162,16 @@ impl Cache {
     }
 
     fn apply(&mut self, u: Update) {
+        self.apply_event(u);
+        // The first full sync is due once both lists are complete, even when they were empty
+        // (no event marked anything): an agent started before any Service exists must still
+        // sync, clear what a previous run left in the maps, and report ready.
+        if self.all_dirty && self.ready() {
+            self.first_change.get_or_insert_with(Instant::now);
+        }
+    }
+
+    fn apply_event(&mut self, u: Update) {
         match u {
             Update::Service(e) => match e {
                 Event::Apply(s) => {
@@ -373,6 +383,7 @@ fn sync(agent: &mut Agent, cache: &mut Cache, opts: &KubeOptions) {
     agent.node = NodeContext {
         node_name: Some(opts.node_name.clone()),
         zone: cache.zone.clone(),
+        service_proxy_name: opts.service_proxy_name.clone(),
     };
     let dirty = std::mem::take(&mut cache.dirty);
     let report = if std::mem::take(&mut cache.all_dirty) {
@@ -451,6 +462,21 @@ mod tests {
         c.apply(Update::Slice(Event::InitDone));
         assert!(c.ready());
         assert_eq!(c.dirty, BTreeSet::from([k("a", "web")]));
+    }
+
+    #[test]
+    fn empty_lists_still_make_the_first_sync_due() {
+        let mut c = Cache {
+            all_dirty: true,
+            ..Default::default()
+        };
+        c.apply(Update::Service(Event::Init));
+        c.apply(Update::Service(Event::InitDone));
+        assert!(c.first_change.is_none(), "not before the slices are listed");
+        c.apply(Update::Slice(Event::Init));
+        c.apply(Update::Slice(Event::InitDone));
+        assert!(c.ready());
+        assert!(c.first_change.is_some(), "nothing would ever sync");
     }
 
     #[test]

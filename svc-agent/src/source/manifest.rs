@@ -817,6 +817,7 @@ items:
         let node = NodeContext {
             node_name: Some("node-1".to_string()),
             zone: None,
+            service_proxy_name: None,
         };
         let t = translate(&services, &slices, &node);
         let errors: Vec<String> = t.errors.iter().map(ToString::to_string).collect();

@@ -83,10 +83,14 @@ impl EndpointInfo {
 
 /// Parses one slice. `None` when it is not ours (silently) or unusable (with errors pushed);
 /// a usable slice may still have pushed errors for skipped ports or endpoints.
-pub(super) fn parse(slice: &EndpointSlice, errors: &mut Vec<Error>) -> Option<SliceInfo> {
+pub(super) fn parse(
+    slice: &EndpointSlice,
+    proxy_name: Option<&str>,
+    errors: &mut Vec<Error>,
+) -> Option<SliceInfo> {
     let meta = &slice.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign(meta.labels.as_ref()) {
+    if is_foreign(meta.labels.as_ref(), proxy_name) {
         debug!(slice = %key, "skipped: labelled for another proxy or headless");
         return None;
     }

@@ -31,6 +31,10 @@ pub struct NodeContext {
     pub node_name: Option<String>,
     /// The node's topology.kubernetes.io/zone label.
     pub zone: Option<String>,
+    /// This proxy's `--service-proxy-name`: objects labelled
+    /// service.kubernetes.io/service-proxy-name with exactly this name are ours; None: only
+    /// unlabelled objects are (kube-proxy's default).
+    pub service_proxy_name: Option<String>,
 }
 
 impl NodeContext {
@@ -41,6 +45,10 @@ impl NodeContext {
 
     fn zone(&self) -> Option<&str> {
         self.zone.as_deref().filter(|z| !z.is_empty())
+    }
+
+    fn service_proxy_name(&self) -> Option<&str> {
+        self.service_proxy_name.as_deref()
     }
 }
 
@@ -130,11 +138,11 @@ pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeCont
     // reports each problem once, however many ports see it.
     let parsed_services: Vec<ServiceInfo> = in_name_order(services, "Service", &mut errors)
         .into_iter()
-        .filter_map(|s| service::parse(s, &mut errors))
+        .filter_map(|s| service::parse(s, node.service_proxy_name(), &mut errors))
         .collect();
     let parsed_slices: Vec<SliceInfo> = in_name_order(slices, "EndpointSlice", &mut errors)
         .into_iter()
-        .filter_map(|s| endpoints::parse(s, &mut errors))
+        .filter_map(|s| endpoints::parse(s, node.service_proxy_name(), &mut errors))
         .collect();
     let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
     for slice in &parsed_slices {

@@ -36,18 +36,30 @@ pub(super) struct ServicePortInfo {
     pub protocol: Protocol,
 }
 
-/// True for labels that make kube-proxy ignore an object entirely.
-pub(super) fn is_foreign(labels: Option<&std::collections::BTreeMap<String, String>>) -> bool {
-    labels
-        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME) || l.contains_key(LABEL_HEADLESS))
+/// True for labels that make kube-proxy ignore an object entirely: headless, or labelled with
+/// a service proxy name other than `ours` (kube-proxy's informers select
+/// `service-proxy-name=<its --service-proxy-name>`, or the label's absence without the flag).
+pub(super) fn is_foreign(
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+    ours: Option<&str>,
+) -> bool {
+    let Some(labels) = labels else {
+        return ours.is_some();
+    };
+    labels.contains_key(LABEL_HEADLESS)
+        || labels.get(LABEL_SERVICE_PROXY_NAME).map(String::as_str) != ours
 }
 
 /// Parses one Service. `None` when it is not ours to proxy (silently) or too broken to use
 /// (with errors pushed); a usable Service may still have pushed errors for parts of it.
-pub(super) fn parse(service: &Service, errors: &mut Vec<Error>) -> Option<ServiceInfo> {
+pub(super) fn parse(
+    service: &Service,
+    proxy_name: Option<&str>,
+    errors: &mut Vec<Error>,
+) -> Option<ServiceInfo> {
     let meta = &service.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign(meta.labels.as_ref()) {
+    if is_foreign(meta.labels.as_ref(), proxy_name) {
         debug!(service = %key, "skipped: labelled for another proxy or headless");
         return None;
     }

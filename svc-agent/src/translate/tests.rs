@@ -56,6 +56,7 @@ fn on_node(
     let node = NodeContext {
         node_name: Some(node.to_string()),
         zone: zone.map(str::to_string),
+        service_proxy_name: None,
     };
     translate(services, slices, &node)
 }
@@ -639,6 +640,49 @@ spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}",
     let t = run(&skipped, &[]);
     assert_no_errors(&t);
     assert!(t.state.frontends.is_empty() && t.state.cluster_ips.is_empty());
+}
+
+/// With --service-proxy-name, the objects labelled with that name are exactly the ones served
+/// (the watch selects them; translation must not then drop them as another proxy's).
+#[test]
+fn a_named_proxy_serves_its_labelled_objects_only() {
+    let labelled = |name: &str, ip: &str, proxy: Option<&str>| {
+        let labels = proxy
+            .map(|p| format!(", labels: {{service.kubernetes.io/service-proxy-name: {p}}}"))
+            .unwrap_or_default();
+        (
+            service(&format!(
+                "metadata: {{name: {name}, namespace: a{labels}}}
+spec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}"
+            )),
+            slice(&format!(
+                "metadata: {{name: {name}-1, namespace: a, labels: {{kubernetes.io/service-name: {name}{}}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{{addresses: [10.0.0.1]}}]",
+                proxy
+                    .map(|p| format!(", service.kubernetes.io/service-proxy-name: {p}"))
+                    .unwrap_or_default()
+            )),
+        )
+    };
+    let (ours, ours_slice) = labelled("ours", "10.96.0.1", Some("svc"));
+    let (other, other_slice) = labelled("other", "10.96.0.2", Some("cilium"));
+    let (plain, plain_slice) = labelled("plain", "10.96.0.3", None);
+    let services = [ours, other, plain];
+    let slices = [ours_slice, other_slice, plain_slice];
+    let node = NodeContext {
+        service_proxy_name: Some("svc".into()),
+        ..Default::default()
+    };
+    let t = translate(&services, &slices, &node);
+    assert_no_errors(&t);
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+    let fe = t.state.frontends.values().next().unwrap();
+    assert_eq!(fe.backends, ["10.0.0.1:8080".parse().unwrap()]);
+    // Without the flag, only the unlabelled one.
+    let t = run(&services, &slices);
+    assert_eq!(frontends(&t), ["10.96.0.3:80/TCP"]);
 }
 
 #[test]

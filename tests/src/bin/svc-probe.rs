@@ -14,7 +14,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use svc_tests::{Attempt, LoopReport, Report};
+use svc_tests::{Attempt, LoopReport, Report, StreamExchange, StreamReport};
 
 #[derive(Parser)]
 #[command(about = "Backend server and client probe for svc tests")]
@@ -60,6 +60,17 @@ enum Cmd {
         /// connect() the socket and use send/recv instead of sendto/recvfrom.
         #[arg(long)]
         connected: bool,
+    },
+    /// One connected UDP socket exchanging a datagram every INTERVAL_MS for DURATION_MS, as a
+    /// long-lived UDP client does; after an error the socket is closed and a new one connected.
+    /// Every exchange is reported with its wall-clock time.
+    UdpStream {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        duration_ms: u64,
+        #[arg(long, default_value_t = 20)]
+        interval_ms: u64,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
     Loop {
@@ -153,6 +164,11 @@ fn main() -> Result<()> {
             duration_ms,
             interval_ms,
         } => print_json(&run_loop(&target, duration_ms, interval_ms)),
+        Cmd::UdpStream {
+            target,
+            duration_ms,
+            interval_ms,
+        } => print_json(&udp_stream(&target, duration_ms, interval_ms)),
     }
 }
 
@@ -297,6 +313,78 @@ fn udp_once(to: SocketAddr, timeout: Duration, connected: bool) -> Attempt {
         }
     };
     run().unwrap_or_else(|e| failed(&e, start))
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamReport {
+    let to = target.addr();
+    let connect = || -> std::io::Result<UdpSocket> {
+        let local: SocketAddr = match to {
+            SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+            SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+        };
+        let sock = UdpSocket::bind(local)?;
+        sock.set_read_timeout(Some(target.timeout()))?;
+        sock.connect(to)?;
+        Ok(sock)
+    };
+    let start = Instant::now();
+    let duration = Duration::from_millis(duration_ms);
+    let mut report = StreamReport::default();
+    let mut sock: Option<UdpSocket> = None;
+    let mut socket = 0u32;
+    let mut buf = [0u8; 512];
+    while start.elapsed() < duration {
+        let at_ms = unix_ms();
+        let result = (|| -> std::io::Result<(String, String)> {
+            if sock.is_none() {
+                sock = Some(connect()?);
+            }
+            let s = sock.as_ref().expect("connected above");
+            let peer = s.peer_addr()?.to_string();
+            s.send(b"x")?;
+            let n = s.recv(&mut buf)?;
+            Ok((
+                String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(),
+                peer,
+            ))
+        })();
+        report.exchanges.push(match result {
+            Ok((backend, peer)) => StreamExchange {
+                at_ms,
+                socket,
+                ok: true,
+                backend: Some(backend),
+                peer: Some(peer),
+                ..Default::default()
+            },
+            Err(e) => {
+                let used = socket;
+                // Reconnect: a new socket, connected again, at the next exchange.
+                if sock.take().is_some() {
+                    socket += 1;
+                }
+                StreamExchange {
+                    at_ms,
+                    socket: used,
+                    ok: false,
+                    error: Some(e.to_string()),
+                    errno: e.raw_os_error(),
+                    ..Default::default()
+                }
+            }
+        });
+        std::thread::sleep(Duration::from_millis(interval_ms));
+    }
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    report
 }
 
 fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {

@@ -1,0 +1,1333 @@
+//! The agent against a real kube-apiserver: kube-proxy's Service semantics, end to end, as a
+//! client in the sandbox sees them.
+//!
+//! One control plane (etcd + kube-apiserver, ~6 s to start) serves every scenario; it must live
+//! in the test function that started it (its processes die with that thread), so the scenarios
+//! run one after the other in this one test. Each scenario has its own Kubernetes namespace,
+//! sandbox and agent; its Services and EndpointSlices carry
+//! `service.kubernetes.io/service-proxy-name: <scenario>` and its agent runs with
+//! `--service-proxy-name <scenario>`, so no agent sees another scenario's objects (the one
+//! scenario about that label runs a default agent on unlabelled objects). Every scenario runs
+//! even when one fails; the test then fails listing all failures.
+//!
+//! There is no controller-manager: the scenarios write EndpointSlices (and a Node) themselves.
+//! Changes the issue calls live must be visible to the client within 1 s of the API write
+//! (measured from `kubectl apply` returning); other waits have generous deadlines.
+//!
+//! `SVC_KUBE_SCENARIOS=s05,s11` runs only the scenarios whose names contain one of the words.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
+    panic::AssertUnwindSafe,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{bail, ensure, Context, Result};
+use common::{names, sa, set};
+use serde_json::{json, Value};
+use svc_tests::{
+    agent::http_get, control_plane::ControlPlane, require_root, Agent, Backend, Bpffs, Report,
+    Sandbox, Tools,
+};
+
+/// The issue's bound for a live change.
+const LIVE: Duration = Duration::from_secs(1);
+/// A generous bound where the issue sets none (first programming after a start, ...).
+const SETTLE: Duration = Duration::from_secs(10);
+/// After an apiserver restart the agent's watches come back with the client's backoff.
+const AFTER_APISERVER_RESTART: Duration = Duration::from_secs(40);
+
+const PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+const SERVICE_NAME: &str = "kubernetes.io/service-name";
+const ZONE: &str = "topology.kubernetes.io/zone";
+
+const ECONNREFUSED: i32 = 111;
+
+type Scenario = fn(&mut ControlPlane, &str) -> Result<()>;
+
+#[test]
+fn kubernetes_api_scenarios() {
+    require_root();
+    let started = Instant::now();
+    let mut cp = ControlPlane::start().expect("starting the control plane");
+    eprintln!("control plane ready after {:?}", started.elapsed());
+    let scenarios: &[(&str, Scenario)] = &[
+        ("s01-ports", multi_port_and_protocols),
+        ("s02-named-ports", named_target_ports_per_slice),
+        ("s03-merge", slices_merged_and_deduplicated),
+        ("s04-dual-stack", dual_stack_and_fqdn),
+        ("s05-conditions", ready_serving_terminating),
+        ("s06-local", internal_traffic_policy_local),
+        ("s07-topology", topology_hints),
+        ("s08-affinity", session_affinity_live),
+        ("s09-external-name", type_external_name_and_back),
+        ("s10-proxy-name", service_proxy_name_label),
+        ("s11-udp-stale", udp_socket_leaves_deleted_backend),
+        ("s12-lifecycle", lifecycle),
+        ("s13-health", healthz_and_metrics),
+        ("s14-deploy", deploy_manifests_and_rbac),
+    ];
+    let only: Option<Vec<String>> = std::env::var("SVC_KUBE_SCENARIOS")
+        .ok()
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for (name, scenario) in scenarios {
+        if let Some(only) = &only {
+            if !only.iter().any(|w| name.contains(w.as_str())) {
+                continue;
+            }
+        }
+        ran += 1;
+        let t = Instant::now();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| scenario(&mut cp, name)));
+        let result = match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(panic) => Err(panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panicked".into())),
+        };
+        match result {
+            Ok(()) => eprintln!("=== {name}: ok ({:.1?})", t.elapsed()),
+            Err(e) => {
+                eprintln!("=== {name}: FAILED ({:.1?}): {e}", t.elapsed());
+                failures.push(format!("{name}: {e}"));
+            }
+        }
+    }
+    eprintln!(
+        "{ran} scenarios, {} failed, {:.1?} in all",
+        failures.len(),
+        started.elapsed()
+    );
+    assert!(ran > 0, "SVC_KUBE_SCENARIOS selected no scenario");
+    assert!(
+        failures.is_empty(),
+        "{} of {ran} scenarios failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// One scenario's world.
+
+/// A scenario's sandbox, backends, pin directory and agent. Fields drop in declaration order:
+/// the agent stops (printing its log if the test fails) before its pins go, then the backends,
+/// then the sandbox.
+struct Env {
+    agent: Option<Agent>,
+    bpffs: Bpffs,
+    backends: Vec<Backend>,
+    sb: Sandbox,
+    /// Kubernetes namespace and service proxy name.
+    name: String,
+    /// The node the agent runs as.
+    node: String,
+}
+
+impl Env {
+    /// The scenario's namespace in the cluster and a fresh sandbox.
+    fn new(cp: &ControlPlane, name: &str) -> Result<Env> {
+        apply(
+            cp,
+            &[json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})],
+        )?;
+        let sb = Sandbox::new(Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe")))?;
+        let bpffs = sb.bpffs()?;
+        Ok(Env {
+            agent: None,
+            bpffs,
+            backends: Vec::new(),
+            sb,
+            name: name.into(),
+            node: format!("{name}-node"),
+        })
+    }
+
+    /// Starts backend `b<i>` (TCP and UDP, IPv4 and IPv6) on `ports`.
+    fn serve(&mut self, i: u8, ports: &[u16]) -> Result<()> {
+        let b = self.sb.backend(&format!("b{i}"), i, ports)?;
+        self.backends.push(b);
+        Ok(())
+    }
+
+    /// Starts the agent with `--service-proxy-name <scenario>` and waits for ready.
+    fn start_agent(&mut self, cp: &ControlPlane) -> Result<()> {
+        let name = self.name.clone();
+        self.start_agent_with(cp, &["--service-proxy-name", &name])
+    }
+
+    fn start_agent_with(&mut self, cp: &ControlPlane, extra: &[&str]) -> Result<()> {
+        let agent = self.sb.agent_kube(&self.bpffs, cp, &self.node, extra)?;
+        self.agent = Some(agent);
+        Ok(())
+    }
+
+    fn agent(&mut self) -> &mut Agent {
+        self.agent.as_mut().expect("agent started")
+    }
+
+    fn v4(&self, i: u8) -> String {
+        self.sb.backend_v4(i).to_string()
+    }
+
+    fn v6(&self, i: u8) -> String {
+        self.sb.backend_v6(i).to_string()
+    }
+
+    /// A Service of this scenario, labelled for its agent.
+    fn service(&self, name: &str, spec: Value) -> Value {
+        service(&self.name, name, Some(&self.name), spec)
+    }
+
+    /// An EndpointSlice of this scenario, labelled for its agent.
+    fn slice(&self, name: &str, service: &str, family: &str, ports: Value, eps: Value) -> Value {
+        slice(
+            &self.name,
+            name,
+            service,
+            Some(&self.name),
+            family,
+            ports,
+            eps,
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Objects, as JSON (which is YAML): exactly what a test writes is what the apiserver stores.
+
+fn service(ns: &str, name: &str, proxy: Option<&str>, spec: Value) -> Value {
+    let mut meta = json!({"name": name, "namespace": ns});
+    if let Some(p) = proxy {
+        meta["labels"] = json!({ PROXY_NAME: p });
+    }
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec})
+}
+
+fn slice(
+    ns: &str,
+    name: &str,
+    service: &str,
+    proxy: Option<&str>,
+    family: &str,
+    ports: Value,
+    endpoints: Value,
+) -> Value {
+    let mut labels = json!({ SERVICE_NAME: service });
+    if let Some(p) = proxy {
+        labels[PROXY_NAME] = p.into();
+    }
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "addressType": family,
+        "ports": ports,
+        "endpoints": endpoints,
+    })
+}
+
+fn port(name: &str, port: u16, protocol: &str) -> Value {
+    json!({"name": name, "port": port, "protocol": protocol})
+}
+
+/// An endpoint with explicit conditions.
+fn ep_cond(addr: &str, ready: bool, serving: bool, terminating: bool) -> Value {
+    json!({
+        "addresses": [addr],
+        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+    })
+}
+
+fn ep(addr: &str) -> Value {
+    ep_cond(addr, true, true, false)
+}
+
+/// `v` with `key` set (endpoint fields such as nodeName, zone, hints).
+fn with(mut v: Value, key: &str, value: Value) -> Value {
+    v[key] = value;
+    v
+}
+
+/// Server-side applies the objects; returns them as stored.
+fn apply(cp: &ControlPlane, objects: &[Value]) -> Result<Vec<Value>> {
+    let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
+    cp.apply_yaml(&yaml.join("\n---\n"))
+}
+
+/// Applies and returns the moment `kubectl apply` returned: the write is in the API by then.
+fn write(cp: &ControlPlane, objects: &[Value]) -> Result<Instant> {
+    apply(cp, objects)?;
+    Ok(Instant::now())
+}
+
+/// The clusterIPs of the (first) Service among stored objects, in spec order.
+fn cluster_ips(stored: &[Value]) -> Result<Vec<IpAddr>> {
+    let svc = stored
+        .iter()
+        .find(|o| o["kind"] == "Service")
+        .context("no Service among the applied objects")?;
+    svc["spec"]["clusterIPs"]
+        .as_array()
+        .context("Service has no clusterIPs")?
+        .iter()
+        .map(|ip| {
+            ip.as_str()
+                .context("clusterIP is not a string")?
+                .parse::<IpAddr>()
+                .context("clusterIP")
+        })
+        .collect()
+}
+
+fn cluster_ip(stored: &[Value]) -> Result<IpAddr> {
+    cluster_ips(stored)?
+        .first()
+        .copied()
+        .context("no clusterIP allocated")
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the client sees.
+
+/// Calls `check` until it succeeds or `within` has passed (measured from `since`); returns how
+/// long it took from `since`, or the last failure.
+fn eventually(
+    since: Instant,
+    within: Duration,
+    what: &str,
+    mut check: impl FnMut() -> Result<()>,
+) -> Result<Duration> {
+    loop {
+        let last = match check() {
+            Ok(()) => {
+                let took = since.elapsed();
+                eprintln!("    {what}: after {took:.0?}");
+                return Ok(took);
+            }
+            Err(e) => e,
+        };
+        if since.elapsed() >= within {
+            bail!("{what}: not within {within:?} (last check: {last:#})");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `n` new TCP connections to `to` all answered, by exactly the backends `want`, and
+/// getpeername() showed the ClusterIP every time.
+fn tcp_backends(sb: &Sandbox, to: SocketAddr, n: u32, want: &[&str]) -> Result<()> {
+    let r = sb.tcp(to, n, &["--timeout-ms", "1000"])?;
+    answered_by(&r, to, want, |a| a.peer.as_deref())
+}
+
+/// `n` UDP exchanges, each from a new socket (connected: peer; else: the reply's source).
+fn udp_backends(
+    sb: &Sandbox,
+    to: SocketAddr,
+    n: u32,
+    connected: bool,
+    want: &[&str],
+) -> Result<()> {
+    let r = sb.udp(to, n, connected)?;
+    if connected {
+        answered_by(&r, to, want, |a| a.peer.as_deref())
+    } else {
+        answered_by(&r, to, want, |a| a.from.as_deref())
+    }
+}
+
+fn answered_by(
+    r: &Report,
+    to: SocketAddr,
+    want: &[&str],
+    seen_address: impl Fn(&svc_tests::Attempt) -> Option<&str>,
+) -> Result<()> {
+    ensure!(r.all_ok(), "failures to {to}: {:?}", r.failures());
+    ensure!(
+        names(r) == set(want),
+        "{to} answered by {:?}, want {want:?}",
+        r.backends()
+    );
+    let to_s = to.to_string();
+    for a in &r.results {
+        ensure!(
+            seen_address(a) == Some(to_s.as_str()),
+            "the socket showed {:?}, not the ClusterIP {to}",
+            seen_address(a)
+        );
+    }
+    Ok(())
+}
+
+/// Connections to `to` fail at once with ECONNREFUSED (kube-proxy's REJECT): the agent knows
+/// the frontend and has no backend for it.
+fn tcp_refused(sb: &Sandbox, to: SocketAddr) -> Result<()> {
+    let r = sb.tcp(to, 3, &["--timeout-ms", "500"])?;
+    refused(&r, to)
+}
+
+fn udp_refused(sb: &Sandbox, to: SocketAddr) -> Result<()> {
+    let r = sb.udp(to, 3, false)?;
+    refused(&r, to)
+}
+
+fn refused(r: &Report, to: SocketAddr) -> Result<()> {
+    for a in &r.results {
+        ensure!(
+            !a.ok && a.errno == Some(ECONNREFUSED) && a.backend.is_none(),
+            "{to}: want ECONNREFUSED (111), got {a:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Nothing answers at `to` (the agent does not translate it: the sandbox has no route there).
+fn tcp_unanswered(sb: &Sandbox, to: SocketAddr) -> Result<()> {
+    let r = sb.tcp(to, 2, &["--timeout-ms", "300"])?;
+    for a in &r.results {
+        ensure!(!a.ok && a.backend.is_none(), "{to} still answers: {a:?}");
+    }
+    Ok(())
+}
+
+/// `n` connections answered by at least two different backends (no affinity).
+fn tcp_spread(sb: &Sandbox, to: SocketAddr, n: u32) -> Result<BTreeSet<String>> {
+    let r = sb.tcp(to, n, &["--timeout-ms", "1000"])?;
+    ensure!(r.all_ok(), "failures: {:?}", r.failures());
+    let seen = names(&r);
+    ensure!(seen.len() >= 2, "{n} connections all went to {seen:?}");
+    Ok(seen)
+}
+
+/// The backends `list` shows for a frontend.
+fn listed_backends(agent: &Agent, ip: IpAddr, port: u16, protocol: &str) -> Result<Vec<String>> {
+    let list = agent.list()?;
+    let fe = list
+        .services
+        .iter()
+        .find(|s| {
+            s.ip.parse::<IpAddr>().ok() == Some(ip) && s.port == port && s.protocol == protocol
+        })
+        .with_context(|| format!("no frontend {ip}:{port}/{protocol} in {list:?}"))?;
+    let mut b = fe.backends.clone();
+    b.sort();
+    Ok(b)
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios.
+
+/// Scenario 1: Several ports, and one port number with both TCP and UDP going to different endpoints.
+fn multi_port_and_protocols(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080, 9090, 5353])?;
+    env.serve(2, &[5353])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({"ports": [
+                    {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"},
+                    {"name": "metrics", "port": 9090, "targetPort": 9090, "protocol": "TCP"},
+                    {"name": "dns-tcp", "port": 53, "targetPort": 5353, "protocol": "TCP"},
+                    {"name": "dns-udp", "port": 53, "targetPort": 5353, "protocol": "UDP"},
+                ]}),
+            ),
+            // TCP ports on b1; the UDP port in a slice of its own, on b2.
+            env.slice(
+                "web-tcp",
+                "web",
+                "IPv4",
+                json!([
+                    port("http", 8080, "TCP"),
+                    port("metrics", 9090, "TCP"),
+                    port("dns-tcp", 5353, "TCP")
+                ]),
+                json!([ep(&env.v4(1))]),
+            ),
+            env.slice(
+                "web-udp",
+                "web",
+                "IPv4",
+                json!([port("dns-udp", 5353, "UDP")]),
+                json!([ep(&env.v4(2))]),
+            ),
+        ],
+    )?;
+    let vip = cluster_ip(&stored)?;
+    env.start_agent(cp)?;
+    let sb = &env.sb;
+    eventually(Instant::now(), SETTLE, "every port served", || {
+        tcp_backends(sb, sa(vip, 80), 5, &["b1"])?;
+        tcp_backends(sb, sa(vip, 9090), 5, &["b1"])?;
+        tcp_backends(sb, sa(vip, 53), 5, &["b1"])?;
+        udp_backends(sb, sa(vip, 53), 5, false, &["b2"])?;
+        udp_backends(sb, sa(vip, 53), 5, true, &["b2"])
+    })?;
+    // Ports the Service does not define are refused, whatever the protocol.
+    tcp_refused(sb, sa(vip, 8080))?;
+    udp_refused(sb, sa(vip, 80))?;
+    udp_refused(sb, sa(vip, 9090))?;
+    Ok(())
+}
+
+/// Scenario 2: A named targetPort: each slice gives the name its own number (pods of two versions).
+fn named_target_ports_per_slice(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    // Each backend listens on its own port only: a wrong number is a refused connection.
+    env.serve(1, &[8080])?;
+    env.serve(2, &[8081])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({"ports": [{"name": "http", "port": 80, "targetPort": "web"}]}),
+            ),
+            env.slice(
+                "web-v1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+            env.slice(
+                "web-v2",
+                "web",
+                "IPv4",
+                json!([port("http", 8081, "TCP")]),
+                json!([ep(&env.v4(2))]),
+            ),
+        ],
+    )?;
+    let vip = cluster_ip(&stored)?;
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "both numbers used", || {
+        tcp_backends(&env.sb, sa(vip, 80), 30, &["b1", "b2"])
+    })?;
+    let want = vec![format!("{}:8080", env.v4(1)), format!("{}:8081", env.v4(2))];
+    let listed = listed_backends(env.agent(), vip, 80, "TCP")?;
+    ensure!(listed == want, "listed {listed:?}, want {want:?}");
+    Ok(())
+}
+
+/// Scenario 3: Endpoints merged across slices; an endpoint listed twice (terminating in one slice,
+/// ready in the other, as while it moves) is served once, as the ready copy.
+fn slices_merged_and_deduplicated(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    let http = json!([port("http", 8080, "TCP")]);
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            // The terminating copy comes first in name order: first-wins would drop b2.
+            env.slice(
+                "web-a",
+                "web",
+                "IPv4",
+                http.clone(),
+                json!([ep(&env.v4(1)), ep_cond(&env.v4(2), false, true, true)]),
+            ),
+            env.slice(
+                "web-b",
+                "web",
+                "IPv4",
+                http,
+                json!([ep(&env.v4(2)), ep(&env.v4(3))]),
+            ),
+        ],
+    )?;
+    let vip = cluster_ip(&stored)?;
+    env.start_agent(cp)?;
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "three backends from two slices",
+        || tcp_backends(&env.sb, sa(vip, 80), 30, &["b1", "b2", "b3"]),
+    )?;
+    let want: Vec<String> = (1..=3).map(|i| format!("{}:8080", env.v4(i))).collect();
+    let listed = listed_backends(env.agent(), vip, 80, "TCP")?;
+    ensure!(
+        listed == want,
+        "listed {listed:?}, want {want:?} (each once)"
+    );
+    Ok(())
+}
+
+/// Scenario 4: Dual-stack by ipFamilies: each ClusterIP reaches its family's endpoints; an FQDN slice
+/// is ignored.
+fn dual_stack_and_fqdn(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    env.serve(2, &[8080])?;
+    let http = json!([port("http", 8080, "TCP")]);
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({
+                    "ipFamilyPolicy": "RequireDualStack",
+                    "ipFamilies": ["IPv6", "IPv4"],
+                    "ports": [{"name": "http", "port": 80}],
+                }),
+            ),
+            env.slice(
+                "web-v4",
+                "web",
+                "IPv4",
+                http.clone(),
+                json!([ep(&env.v4(1))]),
+            ),
+            env.slice(
+                "web-v6",
+                "web",
+                "IPv6",
+                http.clone(),
+                json!([ep(&env.v6(2))]),
+            ),
+            env.slice(
+                "web-fqdn",
+                "web",
+                "FQDN",
+                http,
+                json!([ep("backend.example.com")]),
+            ),
+        ],
+    )?;
+    let ips = cluster_ips(&stored)?;
+    ensure!(ips.len() == 2, "want two clusterIPs, got {ips:?}");
+    let v4 = *ips
+        .iter()
+        .find(|ip| ip.is_ipv4())
+        .context("no IPv4 clusterIP")?;
+    let v6 = *ips
+        .iter()
+        .find(|ip| ip.is_ipv6())
+        .context("no IPv6 clusterIP")?;
+    ensure!(
+        ips[0] == v6,
+        "ipFamilies [IPv6, IPv4]: primary should be IPv6: {ips:?}"
+    );
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "both families served", || {
+        tcp_backends(&env.sb, sa(v4, 80), 5, &["b1"])?;
+        tcp_backends(&env.sb, sa(v6, 80), 5, &["b2"])
+    })?;
+    let l4 = listed_backends(env.agent(), v4, 80, "TCP")?;
+    let l6 = listed_backends(env.agent(), v6, 80, "TCP")?;
+    ensure!(
+        l4 == vec![format!("{}:8080", env.v4(1))],
+        "IPv4 frontend lists {l4:?}"
+    );
+    ensure!(
+        l6 == vec![format!("[{}]:8080", env.v6(2))],
+        "IPv6 frontend lists {l6:?}"
+    );
+    Ok(())
+}
+
+/// Scenario 5: Ready endpoints only; with none ready, those serving while terminating; with neither,
+/// refused.
+fn ready_serving_terminating(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    let slice = |env: &Env, eps: Value| {
+        env.slice(
+            "web-1",
+            "web",
+            "IPv4",
+            json!([port("http", 8080, "TCP")]),
+            eps,
+        )
+    };
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            slice(
+                &env,
+                json!([
+                    ep(&env.v4(1)),
+                    ep_cond(&env.v4(2), false, true, true),
+                    ep_cond(&env.v4(3), false, false, false),
+                ]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "only the ready endpoint", || {
+        tcp_backends(&env.sb, vip, 20, &["b1"])
+    })?;
+
+    let t = write(
+        cp,
+        &[slice(
+            &env,
+            json!([
+                ep_cond(&env.v4(1), false, false, true),
+                ep_cond(&env.v4(2), false, true, true),
+                ep_cond(&env.v4(3), false, false, false),
+            ]),
+        )],
+    )?;
+    eventually(
+        t,
+        LIVE,
+        "none ready: the serving terminating endpoint",
+        || tcp_backends(&env.sb, vip, 20, &["b2"]),
+    )?;
+
+    let t = write(
+        cp,
+        &[slice(
+            &env,
+            json!([
+                ep_cond(&env.v4(1), false, false, true),
+                ep_cond(&env.v4(2), false, false, true),
+                ep_cond(&env.v4(3), false, false, false),
+            ]),
+        )],
+    )?;
+    eventually(t, LIVE, "neither: refused", || tcp_refused(&env.sb, vip))?;
+    Ok(())
+}
+
+/// Scenario 6: internalTrafficPolicy: Local uses only endpoints on the agent's node; none there is a
+/// refusal (no fallback to other nodes).
+fn internal_traffic_policy_local(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    let node = env.node.clone();
+    let slice = |env: &Env, first_node: &str| {
+        env.slice(
+            "web-1",
+            "web",
+            "IPv4",
+            json!([port("http", 8080, "TCP")]),
+            json!([
+                with(ep(&env.v4(1)), "nodeName", first_node.into()),
+                with(ep(&env.v4(2)), "nodeName", "elsewhere".into()),
+                ep(&env.v4(3)),
+            ]),
+        )
+    };
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({"internalTrafficPolicy": "Local", "ports": [{"name": "http", "port": 80}]}),
+            ),
+            slice(&env, &node),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "only the local endpoint", || {
+        tcp_backends(&env.sb, vip, 20, &["b1"])
+    })?;
+    let t = write(cp, &[slice(&env, "elsewhere")])?;
+    eventually(t, LIVE, "no local endpoint: refused", || {
+        tcp_refused(&env.sb, vip)
+    })?;
+    Ok(())
+}
+
+/// Scenario 7: Topology hints: every endpoint hinted, so only this node's zone is used; one endpoint
+/// without hints, so all are.
+fn topology_hints(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    apply(
+        cp,
+        &[json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": env.node, "labels": { ZONE: "zone-a" }},
+        })],
+    )?;
+    let hinted = |env: &Env, i: u8, zone: &str| {
+        let e = with(ep(&env.v4(i)), "zone", zone.into());
+        with(e, "hints", json!({"forZones": [{"name": zone}]}))
+    };
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({"trafficDistribution": "PreferClose", "ports": [{"name": "http", "port": 80}]}),
+            ),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([
+                    hinted(&env, 1, "zone-a"),
+                    hinted(&env, 2, "zone-b"),
+                    hinted(&env, 3, "zone-a")
+                ]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "only zone-a endpoints", || {
+        tcp_backends(&env.sb, vip, 30, &["b1", "b3"])
+    })?;
+    let t = write(
+        cp,
+        &[env.slice(
+            "web-1",
+            "web",
+            "IPv4",
+            json!([port("http", 8080, "TCP")]),
+            json!([
+                hinted(&env, 1, "zone-a"),
+                with(ep(&env.v4(2)), "zone", "zone-b".into()),
+                hinted(&env, 3, "zone-a")
+            ]),
+        )],
+    )?;
+    eventually(t, LIVE, "one endpoint without hints: all used", || {
+        tcp_backends(&env.sb, vip, 30, &["b1", "b2", "b3"])
+    })?;
+    cp.kubectl(&["delete", "node", &env.node])?;
+    Ok(())
+}
+
+/// Scenario 8: sessionAffinity: ClientIP switched on and off on a live Service.
+fn session_affinity_live(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    let ports = json!([{"name": "http", "port": 80}]);
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": ports})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1)), ep(&env.v4(2)), ep(&env.v4(3))]),
+            ),
+        ],
+    )?;
+    let ip = cluster_ip(&stored)?;
+    let vip = sa(ip, 80);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "spread without affinity", || {
+        tcp_spread(&env.sb, vip, 15).map(drop)
+    })?;
+
+    let t = write(
+        cp,
+        &[env.service(
+            "web",
+            json!({
+                "ports": ports,
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 30}},
+            }),
+        )],
+    )?;
+    eventually(t, LIVE, "affinity on: 15 connections, one backend", || {
+        let r = env.sb.tcp(vip, 15, &["--timeout-ms", "1000"])?;
+        ensure!(r.all_ok(), "failures: {:?}", r.failures());
+        ensure!(names(&r).len() == 1, "spread over {:?}", r.backends());
+        Ok(())
+    })?;
+    let list = env.agent().list()?;
+    let fe = list
+        .services
+        .iter()
+        .find(|s| s.ip.parse::<IpAddr>().ok() == Some(ip) && s.port == 80)
+        .context("frontend not listed")?;
+    ensure!(
+        fe.affinity_timeout_s == Some(30),
+        "affinity timeout {:?}, want 30",
+        fe.affinity_timeout_s
+    );
+
+    let t = write(
+        cp,
+        &[env.service("web", json!({"ports": ports, "sessionAffinity": "None"}))],
+    )?;
+    eventually(t, LIVE, "affinity off: spread again", || {
+        tcp_spread(&env.sb, vip, 15).map(drop)
+    })?;
+    Ok(())
+}
+
+/// Scenario 9: type: ClusterIP → ExternalName stops answering; back to ClusterIP answers again.
+fn type_external_name_and_back(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let ip: IpAddr = "10.96.90.9".parse()?;
+    let vip = sa(ip, 80);
+    let cluster = json!({"type": "ClusterIP", "clusterIP": ip.to_string(),
+                         "ports": [{"name": "http", "port": 80}]});
+    apply(
+        cp,
+        &[
+            env.service("web", cluster.clone()),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "ClusterIP served", || {
+        tcp_backends(&env.sb, vip, 5, &["b1"])
+    })?;
+
+    let stored = apply(
+        cp,
+        &[env.service(
+            "web",
+            json!({"type": "ExternalName", "externalName": "web.example.com",
+                   "ports": [{"name": "http", "port": 80}]}),
+        )],
+    )?;
+    let t = Instant::now();
+    let spec = &stored[0]["spec"];
+    ensure!(
+        spec["clusterIP"].as_str().unwrap_or("").is_empty(),
+        "ExternalName kept clusterIP: {spec}"
+    );
+    eventually(t, LIVE, "ExternalName: not answered", || {
+        tcp_unanswered(&env.sb, vip)
+    })?;
+
+    let t = write(cp, &[env.service("web", cluster)])?;
+    eventually(t, LIVE, "ClusterIP again: answered", || {
+        tcp_backends(&env.sb, vip, 5, &["b1"])
+    })?;
+    Ok(())
+}
+
+/// Scenario 10: The service-proxy-name label: a default agent serves an unlabelled Service; labelling it
+/// (Service and slice, as the EndpointSlice controller copies labels) for another proxy stops
+/// it live, removing the label brings it back.
+fn service_proxy_name_label(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let ip: IpAddr = "10.96.100.10".parse()?;
+    let vip = sa(ip, 80);
+    let objects = |env: &Env, proxy: Option<&str>| {
+        vec![
+            service(
+                &env.name,
+                "web",
+                proxy,
+                json!({"clusterIP": ip.to_string(), "ports": [{"name": "http", "port": 80}]}),
+            ),
+            slice(
+                &env.name,
+                "web-1",
+                "web",
+                proxy,
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ]
+    };
+    apply(cp, &objects(&env, None))?;
+    // The default selector: no --service-proxy-name.
+    env.start_agent_with(cp, &[])?;
+    eventually(Instant::now(), SETTLE, "unlabelled: served", || {
+        tcp_backends(&env.sb, vip, 5, &["b1"])
+    })?;
+    let t = write(cp, &objects(&env, Some("another-proxy")))?;
+    eventually(t, LIVE, "labelled for another proxy: not served", || {
+        tcp_unanswered(&env.sb, vip)
+    })?;
+    let t = write(cp, &objects(&env, None))?;
+    eventually(t, LIVE, "label removed: served again", || {
+        tcp_backends(&env.sb, vip, 5, &["b1"])
+    })?;
+    Ok(())
+}
+
+/// Scenario 11: A connected UDP socket does not stay with a backend whose endpoint was deleted: the
+/// agent closes it (sock_diag) within 1 s, and the reconnected socket reaches a live backend.
+/// The old backend keeps running, so only the agent can end the old flow.
+fn udp_socket_leaves_deleted_backend(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[5353])?;
+    env.serve(2, &[5353])?;
+    let slice = |env: &Env, eps: &[u8]| {
+        let eps: Vec<Value> = eps.iter().map(|&i| ep(&env.v4(i))).collect();
+        env.slice(
+            "dns-1",
+            "dns",
+            "IPv4",
+            json!([port("dns", 5353, "UDP")]),
+            json!(eps),
+        )
+    };
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "dns",
+                json!({"ports": [{"name": "dns", "port": 53, "protocol": "UDP"}]}),
+            ),
+            slice(&env, &[1]),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 53);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "UDP served by b1", || {
+        udp_backends(&env.sb, vip, 3, true, &["b1"])
+    })?;
+
+    let stream = env
+        .sb
+        .spawn_udp_stream(vip, Duration::from_millis(5000), 20, 300)?;
+    // The stream connects to b1 (the only endpoint); then b2 joins (the socket stays with b1),
+    // then b1's endpoint is deleted.
+    // (The sleeps only lay out the timeline; what is asserted comes from the timestamps.)
+    std::thread::sleep(Duration::from_millis(1000));
+    apply(cp, &[slice(&env, &[1, 2])])?;
+    std::thread::sleep(Duration::from_millis(500));
+    let before = unix_ms(SystemTime::now());
+    apply(cp, &[slice(&env, &[2])])?;
+    let deleted = unix_ms(SystemTime::now());
+    let report = env.sb.finish_udp_stream(stream, Duration::from_secs(15))?;
+    let ex = &report.exchanges;
+    let summary = || {
+        ex.iter()
+            .map(|e| {
+                format!(
+                    "{:+}ms s{} {}",
+                    e.at_ms as i64 - deleted as i64,
+                    e.socket,
+                    e.backend.clone().or(e.error.clone()).unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let early: Vec<_> = ex.iter().filter(|e| e.at_ms < before).collect();
+    ensure!(
+        early.len() >= 5
+            && early
+                .iter()
+                .all(|e| e.ok && e.backend.as_deref() == Some("b1")),
+        "before the deletion the socket should talk to b1 only: {}",
+        summary()
+    );
+    ensure!(
+        early.iter().all(|e| e.socket == 0),
+        "the socket was replaced before the deletion: {}",
+        summary()
+    );
+    let first_error = ex
+        .iter()
+        .find(|e| !e.ok)
+        .with_context(|| format!("the socket never errored out: {}", summary()))?;
+    ensure!(
+        first_error.at_ms >= before && first_error.at_ms <= deleted + LIVE.as_millis() as u64,
+        "the socket errored {}ms after the deletion (want ≤ {LIVE:?}): {}",
+        first_error.at_ms as i64 - deleted as i64,
+        summary()
+    );
+    eprintln!(
+        "    connected socket closed {}ms after the write ({:?}, errno {:?})",
+        first_error.at_ms as i64 - deleted as i64,
+        first_error.error,
+        first_error.errno
+    );
+    let after: Vec<_> = ex.iter().filter(|e| e.at_ms > first_error.at_ms).collect();
+    ensure!(
+        after.iter().filter(|e| e.ok).count() >= 10
+            && after
+                .iter()
+                .filter(|e| e.ok)
+                .all(|e| e.backend.as_deref() == Some("b2") && e.peer == Some(vip.to_string())),
+        "after reconnecting the socket should reach b2 (peer {vip}): {}",
+        summary()
+    );
+    let errors = ex.iter().filter(|e| !e.ok).count();
+    ensure!(errors <= 2, "{errors} failed exchanges: {}", summary());
+    Ok(())
+}
+
+/// Scenario 12: Lifecycle: an agent started on an empty cluster becomes ready and serves what comes
+/// later; what changed while it was down is applied after a restart; an apiserver restart
+/// costs no connection and later changes still arrive.
+fn lifecycle(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    for i in 1..=3 {
+        env.serve(i, &[8080])?;
+    }
+    let http = || json!([port("http", 8080, "TCP")]);
+    let web_slice =
+        |env: &Env, i: u8| env.slice("web-1", "web", "IPv4", http(), json!([ep(&env.v4(i))]));
+
+    // Nothing of this proxy exists yet.
+    env.start_agent(cp)?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            web_slice(&env, 1),
+        ],
+    )?;
+    let t = Instant::now();
+    let vip = sa(cluster_ip(&stored)?, 80);
+    eventually(t, LIVE, "a Service created after ready", || {
+        tcp_backends(&env.sb, vip, 5, &["b1"])
+    })?;
+
+    // Changes while the agent is down.
+    env.agent().kill()?;
+    apply(cp, &[web_slice(&env, 2)])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("api", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice("api-1", "api", "IPv4", http(), json!([ep(&env.v4(3))])),
+        ],
+    )?;
+    let api = sa(cluster_ip(&stored)?, 80);
+    // The datapath keeps serving what it had.
+    tcp_backends(&env.sb, vip, 5, &["b1"]).context("while the agent is down")?;
+    env.agent().restart()?;
+    env.agent()
+        .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)?;
+    let t = Instant::now();
+    eventually(t, SETTLE, "changes made while down", || {
+        tcp_backends(&env.sb, vip, 5, &["b2"])?;
+        tcp_backends(&env.sb, api, 5, &["b3"])
+    })?;
+
+    // An apiserver restart under a connection loop.
+    // The apiserver's graceful stop waits on the agent's watches until the harness's 15 s
+    // SIGKILL, and a start takes a few seconds more: the loop covers all of it.
+    let loop_for = Duration::from_secs(25);
+    let run = env.sb.spawn_loop(vip, loop_for)?;
+    let t = Instant::now();
+    cp.restart_apiserver()?;
+    let restart_took = t.elapsed();
+    eprintln!("    apiserver restarted in {restart_took:.1?}");
+    let t = write(cp, &[web_slice(&env, 3)])?;
+    let result = eventually(
+        t,
+        AFTER_APISERVER_RESTART,
+        "a change after the apiserver restart",
+        || tcp_backends(&env.sb, vip, 5, &["b3"]),
+    );
+    let report = env
+        .sb
+        .finish_loop(run, loop_for + Duration::from_secs(20))?;
+    result?;
+    eprintln!(
+        "    loop: {} connections, {} failed, over {}ms",
+        report.ok, report.failed, report.duration_ms
+    );
+    ensure!(
+        report.failed == 0 && report.ok > 0,
+        "connections failed around the apiserver restart: {report:?}"
+    );
+    ensure!(
+        restart_took < loop_for,
+        "the restart ({restart_took:?}) outlasted the loop ({loop_for:?})"
+    );
+    Ok(())
+}
+
+/// Scenario 13: kube-proxy's /healthz and the Prometheus metrics.
+fn healthz_and_metrics(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080, 9090])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service(
+                "web",
+                json!({"ports": [{"name": "http", "port": 80}, {"name": "m", "port": 9090}]}),
+            ),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP"), port("m", 9090, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    let vip = cluster_ip(&stored)?;
+    env.start_agent(cp)?;
+    let healthz = env.agent().healthz_addr().context("no healthz address")?;
+    let metrics = env.agent().metrics_addr().context("no metrics address")?;
+    ensure!(healthz.ip().is_loopback() && metrics.ip().is_loopback());
+    tcp_backends(&env.sb, sa(vip, 80), 3, &["b1"])?;
+
+    let (status, body) = http_get(healthz, "/healthz")?;
+    ensure!(status == 200, "/healthz: {status} {body}");
+    let health: Value =
+        serde_json::from_str(&body).with_context(|| format!("/healthz body {body:?}"))?;
+    for field in ["lastUpdated", "currentTime"] {
+        ensure!(
+            health[field].as_str().is_some_and(|s| !s.is_empty()),
+            "/healthz {field} missing or empty: {body}"
+        );
+    }
+    ensure!(
+        health["nodeEligible"] == true,
+        "/healthz nodeEligible: {body}"
+    );
+
+    let (status, body) = http_get(metrics, "/metrics")?;
+    ensure!(status == 200, "/metrics: {status}");
+    ensure!(
+        body.lines().any(|l| l == "svc_frontends_programmed 2"),
+        "/metrics lacks `svc_frontends_programmed 2`:\n{body}"
+    );
+    ensure!(
+        body.lines()
+            .any(|l| l.starts_with("svc_sync_duration_seconds_count ") && !l.ends_with(" 0")),
+        "/metrics lacks svc_sync_duration_seconds observations:\n{body}"
+    );
+    Ok(())
+}
+
+/// Scenario 14: deploy/: the apiserver validates rbac.yaml and daemonset.yaml; an agent authenticated
+/// as the ServiceAccount that rbac.yaml binds becomes ready and serves, so the ClusterRole
+/// grants enough (and not more than listed).
+fn deploy_manifests_and_rbac(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+    let rbac = std::fs::read_to_string(format!("{deploy}/rbac.yaml"))?;
+    let daemonset = std::fs::read_to_string(format!("{deploy}/daemonset.yaml"))?;
+    let checked = cp
+        .dry_run_server_side(&rbac)
+        .context("dry run of rbac.yaml")?;
+    let kinds: BTreeSet<String> = checked
+        .iter()
+        .map(|o| o["kind"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ensure!(
+        kinds == set(&["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]),
+        "rbac.yaml: {kinds:?}"
+    );
+    let checked = cp
+        .dry_run_server_side(&daemonset)
+        .context("dry run of daemonset.yaml")?;
+    ensure!(checked.len() == 1 && checked[0]["kind"] == "DaemonSet");
+    ensure!(
+        cp.kubectl(&["get", "clusterrole", "svc-agent"]).is_err(),
+        "a dry run stored the ClusterRole"
+    );
+
+    cp.apply_yaml(&rbac).context("applying rbac.yaml")?;
+    let sa_kubeconfig = cp.service_account_kubeconfig("kube-system", "svc-agent")?;
+    let can = |verb: &str, resource: &str| -> bool {
+        cp.kubectl_as(&sa_kubeconfig, &["auth", "can-i", verb, resource], None)
+            .is_ok_and(|out| out.trim() == "yes")
+    };
+    for resource in ["services", "endpointslices.discovery.k8s.io", "nodes"] {
+        for verb in ["list", "watch"] {
+            ensure!(
+                can(verb, resource),
+                "the ServiceAccount cannot {verb} {resource}"
+            );
+        }
+    }
+    for (verb, resource) in [
+        ("list", "secrets"),
+        ("update", "services"),
+        ("create", "pods"),
+    ] {
+        ensure!(
+            !can(verb, resource),
+            "the ServiceAccount can {verb} {resource}"
+        );
+    }
+
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    let agent = env
+        .sb
+        .agent_kubeconfig(
+            &env.bpffs,
+            &sa_kubeconfig,
+            &env.node,
+            &["--service-proxy-name", name],
+        )
+        .context("agent with the ServiceAccount's credentials")?;
+    env.agent = Some(agent);
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "served with the ServiceAccount",
+        || tcp_backends(&env.sb, vip, 5, &["b1"]),
+    )?;
+    // No watch of the three kinds was refused (the Node watch does not gate readiness).
+    let metrics = env.agent().metrics_addr().context("no metrics address")?;
+    let (_, body) = http_get(metrics, "/metrics")?;
+    let errors: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("svc_errors_total{kind=\"watch_"))
+        .collect();
+    ensure!(
+        errors.is_empty(),
+        "watch errors with the ServiceAccount: {errors:?}"
+    );
+    let log = env.agent().log();
+    ensure!(
+        !log.contains("403") && !log.contains("forbidden"),
+        "the agent was refused something:\n{log}"
+    );
+    Ok(())
+}
