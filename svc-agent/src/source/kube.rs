@@ -328,12 +328,8 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
     );
     let mut events = futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
 
-    // The first sync is due as soon as both lists are complete, even if they are empty: an
-    // agent started before any Service exists must still become ready (and clear what a
-    // previous agent left pinned).
     let mut cache = Cache {
         all_dirty: true,
-        first_change: Some(Instant::now()),
         ..Default::default()
     };
     let mut synced_once = false;
