@@ -192,6 +192,29 @@ impl Agent {
         Ok(agent)
     }
 
+    /// Starts `svc-agent ARGS` with exactly these arguments (for instance `run --kubeconfig
+    /// ...`, which takes no manifests); `bpffs` is the directory `list` reads. Does not wait
+    /// for it to be ready.
+    pub fn start_with_args(
+        bin: &Path,
+        args: Vec<OsString>,
+        bpffs: &Path,
+        log_dir: &Path,
+    ) -> Result<Self> {
+        check_bin(bin)?;
+        let mut agent = Self {
+            bin: bin.to_owned(),
+            args,
+            log_dir: log_dir.to_owned(),
+            child: None,
+            starts: 0,
+            bpffs: bpffs.to_owned(),
+            print_logs: true,
+        };
+        agent.spawn()?;
+        Ok(agent)
+    }
+
     fn spawn(&mut self) -> Result<()> {
         self.starts += 1;
         let log = File::create(self.log_path())?;
