@@ -16,6 +16,7 @@ pub mod manifest;
 pub mod netns;
 pub mod probe;
 pub mod procs;
+pub mod report;
 pub mod sandbox;
 pub mod sys;
 

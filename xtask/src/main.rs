@@ -36,10 +36,18 @@ enum Task {
     ControlPlane,
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
-    /// Benchmarks: direct vs ClusterIP, with 1 and 100,000 services; writes docs/benchmarks.md.
+    /// Benchmarks (both unless one is named): the socket datapath, direct vs ClusterIP with 1
+    /// and 100,000 services; the agent against a real API server with 10,000 Services.
     Bench {
+        /// Rewrite each benchmark's section of docs/benchmarks.md.
         #[arg(long)]
         write: bool,
+        /// Only the socket datapath benchmark (svc-bench).
+        #[arg(long)]
+        socket: bool,
+        /// Only the control-plane benchmark (svc-kube-bench).
+        #[arg(long)]
+        kube: bool,
     },
 }
 
@@ -200,28 +208,45 @@ fn main() -> Result<()> {
             ]))?;
             run(ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
         }
-        Task::Bench { write } => {
+        Task::Bench {
+            write,
+            socket,
+            kube,
+        } => {
             require_root("bench")?;
+            let both = !socket && !kube;
             build(true)?;
-            let mut c = cargo();
-            c.args([
-                "run",
-                "-q",
-                "--release",
-                "-p",
-                "svc-tests",
-                "--bin",
-                "svc-bench",
-                "--",
-            ])
-            .env("SVC_AGENT_BIN", root().join("target/release/svc-agent"));
-            if write {
+            // Built first, so a cold control-plane build does not fall between the two benches.
+            let control_plane = if both || kube {
+                Some(control_plane::ensure()?)
+            } else {
+                None
+            };
+            let doc = root().join("docs/benchmarks.md");
+            let bench = |bin: &str| {
+                let mut c = cargo();
                 c.args([
-                    "--write",
-                    &root().join("docs/benchmarks.md").display().to_string(),
-                ]);
+                    "run",
+                    "-q",
+                    "--release",
+                    "-p",
+                    "svc-tests",
+                    "--bin",
+                    bin,
+                    "--",
+                ])
+                .env("SVC_AGENT_BIN", root().join("target/release/svc-agent"));
+                if write {
+                    c.args(["--write", &doc.display().to_string()]);
+                }
+                c
+            };
+            if both || socket {
+                run(&mut bench("svc-bench"))?;
             }
-            run(&mut c)?;
+            if let Some(cp) = control_plane {
+                run(bench("svc-kube-bench").envs(cp.env()))?;
+            }
         }
     }
     Ok(())

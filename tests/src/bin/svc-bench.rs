@@ -22,7 +22,7 @@ use svc_tests::{require_root, Report, Sandbox, Tools};
 
 #[derive(Parser)]
 struct Args {
-    /// Write the results as markdown to this file (docs/benchmarks.md).
+    /// Replace this benchmark's section of this markdown file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
     /// Connections per round, alternating direct and ClusterIP.
@@ -157,26 +157,6 @@ fn apply(store: &mut BpfStore, p: &mut Programmed, desired: &DesiredState) -> Re
     Ok(started.elapsed())
 }
 
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!(
-        "{} cores ({cpu}), kernel {}",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        kernel.trim()
-    )
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     require_root();
@@ -274,10 +254,10 @@ fn main() -> Result<()> {
     println!("{table}\n\n{scale}\n{programming}");
 
     if let Some(path) = args.write {
-        let doc = format!(
-            "# Benchmarks\n\n\
-             Measured with `cargo xtask bench --write` (release build, as root) on {machine}, {date}.\n\n\
-             ## ClusterIP vs direct, socket-level datapath\n\n\
+        let body = format!(
+            "## ClusterIP vs direct, socket-level datapath\n\n\
+             Measured with `cargo xtask bench --write` (release build, as root) on {machine}, \
+             {date}; load average {load} (1, 5, 15 min) at the end.\n\n\
              One client network namespace in a test cgroup, one backend server in another \
              namespace, joined by a veth pair. A round is {conns} new TCP connections back to \
              back from one probe process, alternating between the backend's own address and \
@@ -295,15 +275,16 @@ fn main() -> Result<()> {
              entries they hold. Figures on a 2-core machine with both cores shared by client, \
              server and kernel move by a few percent between runs; compare ratios, not \
              absolute numbers.\n\n\
-             Reproduce: `cargo xtask bench` (prints the table), `cargo xtask bench --write` \
-             (rewrites this file).\n",
-            machine = machine(),
-            date = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%d"),
+             Reproduce: `cargo xtask bench --socket` (prints the table), `cargo xtask bench \
+             --socket --write` (rewrites this section).",
+            machine = svc_tests::report::machine(),
+            date = svc_tests::report::today(),
+            load = svc_tests::report::load_average(),
             conns = args.connections,
             rounds = args.rounds,
         );
-        std::fs::write(&path, doc).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
+        svc_tests::report::write_section(&path, "socket", &body)?;
+        eprintln!("wrote the socket section of {}", path.display());
     }
     Ok(())
 }

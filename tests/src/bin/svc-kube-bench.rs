@@ -1,0 +1,1051 @@
+//! svc-kube-bench: the agent against a real API server holding 10,000 Services.
+//!
+//! A real etcd and kube-apiserver on loopback (the harness's `ControlPlane`) get 10,000
+//! Services of one TCP port, each with one EndpointSlice of 10 ready endpoints on made-up
+//! addresses. Then, in one run:
+//!
+//! 1. cold start: `svc-agent run --kubeconfig ...` (the release binary, as a process, on a test
+//!    cgroup and a private bpffs directory) from spawn to `svc-agent: ready`, which the agent
+//!    prints after its first full sync; the pinned maps are then read back and every Service
+//!    must be there with exactly its 10 backends;
+//! 2. change latency: 1,000 sequential EndpointSlice updates, each replacing one endpoint
+//!    address of a random slice, timed from just before the API write until a lookup in the
+//!    pinned maps (services, then slots, then backends, as the socket hook does) finds the
+//!    new address;
+//! 3. the agent's RSS and CPU time, from /proc, after the cold start and at the end;
+//!
+//! and the agent's own latency histograms from its /metrics. A breakdown of the cold start
+//! (listing through kube-rs, translating, writing the maps) is measured afterwards in this
+//! process, with the same objects, so a missed target can be traced to its cause.
+//!
+//! Nothing leaves loopback: the API server, the agent's /metrics and /healthz listen on
+//! 127.0.0.1, and no traffic is sent to any Service.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{ListParams, ObjectList, PostParams};
+use kube::{Api, Client};
+use svc_agent::model::{Frontend, Protocol};
+use svc_agent::source::kube::{label_selector, SERVICE_NAME_LABEL, TRIGGER_TIME_ANNOTATION};
+use svc_agent::store::BpfStore;
+use svc_agent::sync::{addr16, service_key, Programmed};
+use svc_agent::translate::NodeContext;
+use svc_common::{ServiceKey, SlotKey};
+use svc_tests::control_plane::ControlPlane;
+use svc_tests::{report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
+
+#[derive(Parser)]
+struct Args {
+    /// Replace this benchmark's section of this markdown file (docs/benchmarks.md).
+    #[arg(long)]
+    write: Option<PathBuf>,
+    /// Services in the API server, one port and one EndpointSlice each.
+    #[arg(long, default_value_t = 10_000)]
+    services: u32,
+    /// Ready endpoints per EndpointSlice.
+    #[arg(long, default_value_t = 10)]
+    endpoints: u32,
+    /// Sequential EndpointSlice changes timed for the change latency.
+    #[arg(long, default_value_t = 1_000)]
+    changes: u32,
+    /// API requests in flight while the objects are created.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Cold starts, each on empty maps; the median is reported, the last agent stays for the
+    /// changes.
+    #[arg(long, default_value_t = 5)]
+    cold_starts: u32,
+    /// Seed of the choice of slices and endpoints to change.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+const NAMESPACE: &str = "svc-bench";
+const NODE: &str = "bench-node";
+const PORT: u16 = 80;
+const TARGET_PORT: u16 = 8080;
+/// How long one change may take to show in the maps before the run fails.
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the agent may take to its first full sync before the run fails.
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+const POLL: Duration = Duration::from_micros(100);
+
+/// The targets this benchmark checks.
+const TARGET_COLD_START: Duration = Duration::from_secs(2);
+const TARGET_CHANGE_P99: Duration = Duration::from_millis(50);
+const TARGET_RSS_KIB: u64 = 100 * 1024;
+
+/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, clear of 10.96.0.1 (the
+/// `kubernetes` Service) and inside the API server's 10.96.0.0/16.
+fn cluster_ip(i: u32) -> Ipv4Addr {
+    Ipv4Addr::new(10, 96, (1 + i / 250) as u8, (1 + i % 250) as u8)
+}
+
+/// Endpoint `k` of Service `i` at creation: 10.128.0.0 onwards. Nothing listens there.
+fn endpoint_ip(i: u32, k: u32, per_service: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0a80_0000 + i * per_service + k)
+}
+
+/// The address change `c` puts in: 10.224.0.0 onwards, never one of the initial ones.
+fn changed_ip(c: u32) -> Ipv4Addr {
+    Ipv4Addr::from(0x0ae0_0000 + c)
+}
+
+fn service_name(i: u32) -> String {
+    format!("svc-{i}")
+}
+
+fn service(i: u32) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(service_name(i)),
+            namespace: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".into()),
+            cluster_ip: Some(cluster_ip(i).to_string()),
+            ports: Some(vec![ServicePort {
+                port: PORT.into(),
+                target_port: Some(IntOrString::Int(TARGET_PORT.into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn endpoint(ip: Ipv4Addr) -> Endpoint {
+    Endpoint {
+        addresses: vec![ip.to_string()],
+        conditions: Some(EndpointConditions {
+            ready: Some(true),
+            serving: Some(true),
+            terminating: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
+fn slice(i: u32, per_service: u32) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("{}-0", service_name(i))),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some([(SERVICE_NAME_LABEL.to_string(), service_name(i))].into()),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: (0..per_service)
+            .map(|k| endpoint(endpoint_ip(i, k, per_service)))
+            .collect(),
+        ports: Some(vec![EndpointPort {
+            name: Some(String::new()),
+            port: Some(TARGET_PORT.into()),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+    }
+}
+
+fn frontend_key(i: u32) -> ServiceKey {
+    service_key(&Frontend {
+        ip: IpAddr::V4(cluster_ip(i)),
+        port: PORT,
+        protocol: Protocol::Tcp,
+    })
+}
+
+fn backend_addr(ip: Ipv4Addr) -> [u8; 16] {
+    addr16(IpAddr::V4(ip))
+}
+
+/// Creates, retrying what a loaded API server refuses for a moment; an object that already
+/// exists (a retried request that had succeeded) is read back instead.
+async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match api.create(&PostParams::default(), obj).await {
+            Ok(o) => return Ok(o),
+            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
+            Err(e) if attempt < 5 => {
+                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
+        }
+    }
+}
+
+/// Every Service and its slice, `concurrency` at a time; the slices as stored, by index.
+async fn populate(client: Client, args: &Args) -> Result<Vec<EndpointSlice>> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    create(&namespaces, &ns).await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(client, NAMESPACE);
+    let per_service = args.endpoints;
+    let mut created = futures::stream::iter(0..args.services)
+        .map(|i| {
+            let (services, slices) = (services.clone(), slices.clone());
+            async move {
+                create(&services, &service(i)).await?;
+                let s = create(&slices, &slice(i, per_service)).await?;
+                Ok::<_, anyhow::Error>((i, s))
+            }
+        })
+        .buffer_unordered(args.concurrency);
+    let mut out: Vec<Option<EndpointSlice>> = vec![None; args.services as usize];
+    let mut done = 0;
+    while let Some(r) = created.next().await {
+        let (i, s) = r?;
+        out[i as usize] = Some(s);
+        done += 1;
+        if done % 2000 == 0 {
+            eprintln!("  {done}/{} services and slices created", args.services);
+        }
+    }
+    Ok(out.into_iter().map(|s| s.expect("every index")).collect())
+}
+
+/// Resident set and its peak, KiB, from /proc/PID/status.
+#[derive(Debug, Clone, Copy, Default)]
+struct Memory {
+    rss_kib: u64,
+    hwm_kib: u64,
+}
+
+fn memory(pid: u32) -> Result<Memory> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> Result<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("{name} in /proc/{pid}/status"))
+    };
+    Ok(Memory {
+        rss_kib: field("VmRSS:")?,
+        hwm_kib: field("VmHWM:")?,
+    })
+}
+
+/// User plus system CPU time of every thread of `pid`, from /proc/PID/stat (clock ticks).
+fn cpu(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name may hold spaces and parentheses: fields count from the last ')'.
+    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at field 3.
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+/// Whether the pinned maps serve `want` as a backend of `key` now: the socket hook's own
+/// path, services → slots of the current generation → backends.
+fn serves(store: &BpfStore, key: &ServiceKey, want: &[u8; 16]) -> bool {
+    let Ok(v) = store.services.get(key, 0) else {
+        return false;
+    };
+    (1..=v.count).any(|slot| {
+        let sk = SlotKey {
+            id: v.id,
+            rev: v.rev,
+            slot,
+        };
+        store
+            .slots
+            .get(&sk, 0)
+            .and_then(|b| store.backends.get(&b, 0))
+            .is_ok_and(|b| b.addr == *want)
+    })
+}
+
+/// How many of the bench's Services the pinned maps serve with exactly their backends.
+fn verify(store: &BpfStore, args: &Args) -> Result<(usize, usize)> {
+    let snap = store.snapshot()?;
+    let services: HashMap<ServiceKey, _> = snap.services.iter().copied().collect();
+    let slots: HashMap<SlotKey, u32> = snap.slots.iter().copied().collect();
+    let backends: HashMap<u32, [u8; 16]> =
+        snap.backends.iter().map(|(id, b)| (*id, b.addr)).collect();
+    let mut complete = 0;
+    for i in 0..args.services {
+        let Some(v) = services.get(&frontend_key(i)) else {
+            continue;
+        };
+        let mut have: Vec<[u8; 16]> = (1..=v.count)
+            .filter_map(|slot| {
+                slots.get(&SlotKey {
+                    id: v.id,
+                    rev: v.rev,
+                    slot,
+                })
+            })
+            .filter_map(|b| backends.get(b).copied())
+            .collect();
+        have.sort_unstable();
+        let mut want: Vec<[u8; 16]> = (0..args.endpoints)
+            .map(|k| backend_addr(endpoint_ip(i, k, args.endpoints)))
+            .collect();
+        want.sort_unstable();
+        if have == want {
+            complete += 1;
+        }
+    }
+    Ok((complete, snap.services.len()))
+}
+
+/// xorshift64*: a fixed, seedable sequence, so two runs change the same slices.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u32) -> u32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32 % n
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "**not met**"
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
+        .local_addr()?
+        .port())
+}
+
+fn scrape(addr: SocketAddr) -> Result<String> {
+    let mut conn = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// A Prometheus histogram from the agent's /metrics: count, sum, and the bucket bounds that
+/// hold the median and the 99th percentile (an upper bound, as Prometheus estimates them).
+fn histogram(metrics: &str, name: &str) -> Option<String> {
+    let value = |line: &str| line.rsplit(' ').next()?.parse::<f64>().ok();
+    let count = metrics
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}_count ")))
+        .and_then(value)?;
+    let sum = metrics
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}_sum ")))
+        .and_then(value)?;
+    if count == 0.0 {
+        return Some("no observations".into());
+    }
+    let buckets: Vec<(String, f64)> = metrics
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&format!("{name}_bucket{{le=\""))?;
+            let (le, _) = rest.split_once('"')?;
+            Some((le.to_string(), value(l)?))
+        })
+        .collect();
+    let bound = |q: f64| {
+        buckets
+            .iter()
+            .find(|(_, c)| *c >= q * count)
+            .map(|(le, _)| format!("≤ {le} s"))
+            .unwrap_or_else(|| "> largest bucket".into())
+    };
+    Some(format!(
+        "{count:.0} observations, mean {:.1} ms, p50 {}, p99 {}",
+        sum / count * 1e3,
+        bound(0.5),
+        bound(0.99)
+    ))
+}
+
+/// Lists every object the way the agent's watcher does (label selector, pages of 500).
+async fn list_all<K>(api: &Api<K>, selector: &str) -> Result<Vec<K>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut out = Vec::new();
+    let mut lp = ListParams::default().labels(selector).limit(500);
+    loop {
+        let page: ObjectList<K> = api.list(&lp).await?;
+        out.extend(page.items);
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => lp = lp.continue_token(&c),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// Counts the heap this process holds, so the breakdown can say what each of the agent's data
+/// structures costs in bytes as well as in time.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(n: usize) {
+    let now = LIVE.fetch_add(n, Ordering::Relaxed) + n;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: every call is passed on to the system allocator unchanged; only sizes are counted.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            grew(new_size);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// One step of the breakdown: its time, the heap its result holds, and the heap's peak above
+/// the start while it ran.
+struct Step {
+    started: Instant,
+    live: usize,
+}
+
+impl Step {
+    fn start() -> Self {
+        PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+        Self {
+            started: Instant::now(),
+            live: LIVE.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The table row; also records (heap held after, heap peak above start) in MiB.
+    fn row(self, what: &str, mib: &mut Vec<(f64, f64)>) -> String {
+        let elapsed = self.started.elapsed();
+        let now = LIVE.load(Ordering::Relaxed) as f64;
+        let peak = PEAK.load(Ordering::Relaxed) as f64;
+        let held = (now - self.live as f64) / (1024.0 * 1024.0);
+        let transient = (peak - self.live as f64) / (1024.0 * 1024.0);
+        mib.push((held, transient));
+        format!(
+            "| {what} | {} | {held:+.1} MiB | {transient:.1} MiB |",
+            ms(elapsed)
+        )
+    }
+}
+
+/// The breakdown's table and, per row in order, (heap held after, heap peak) in MiB.
+struct Breakdown {
+    table: String,
+    mib: Vec<(f64, f64)>,
+}
+
+impl Breakdown {
+    /// Why the agent's memory is what it is, from the heap figures of the agent's own types.
+    fn memory_story(&self, rss: u64) -> String {
+        let m = &self.mib;
+        let (services, slices, copy, translate, desired, write, managed) =
+            (m[0].0, m[1].0, m[2].1, m[3].1, m[4].0, m[6].0, -m[7].0);
+        format!(
+            "Where the memory goes, from the heap figures of the breakdown below (the agent's \
+             own types, the same objects): the cached API objects hold {:.0} MiB (Services \
+             {services:.0}, EndpointSlices {slices:.0}), {managed:.0} MiB of it \
+             `metadata.managedFields`, which the agent never reads; the full sync's copy of \
+             every object adds {copy:.0} MiB at the peak and translation {translate:.0} MiB; \
+             the desired-state index and the mirror of the maps keep {:.0} MiB. That is about \
+             {:.0} MiB of heap at the peak of the first sync, against the agent's RSS of {}: \
+             glibc's brk heap keeps the peak, so VmRSS stays at VmHWM after the copy is freed.",
+            services + slices,
+            desired + write,
+            services + slices + copy + translate + desired + write,
+            mib(rss)
+        )
+    }
+}
+
+/// Where the cold start goes, measured here with the same objects and the agent's own code:
+/// listing them through kube-rs (including deserialization), the copy of every object a full
+/// sync makes, translating them, the agent's index of the desired state, loading the programs
+/// and writing the maps into a datapath of its own (on a cgroup of its own). Heap figures are
+/// this process's allocations (a counting allocator); glibc's own overhead comes on top.
+fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Result<Breakdown> {
+    let mut mib = Vec::new();
+    let selector = label_selector(None);
+    let mut rows = vec![
+        "| step | time | heap held after | heap peak during, above start |".to_string(),
+        "|---|---|---|---|".to_string(),
+    ];
+    let step = Step::start();
+    let mut services: Vec<Service> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    rows.push(step.row(&format!(
+        "list {} Services through kube-rs (pages of 500, deserialized; kept, as the agent's cache keeps them)",
+        services.len()
+    ), &mut mib));
+    let step = Step::start();
+    let mut slices: Vec<EndpointSlice> =
+        rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    rows.push(step.row(
+        &format!(
+            "list {} EndpointSlices through kube-rs (same)",
+            slices.len()
+        ),
+        &mut mib,
+    ));
+
+    let step = Step::start();
+    let copies = (services.clone(), slices.clone());
+    rows.push(step.row(
+        "copy every cached object, as the agent's full sync does before translating",
+        &mut mib,
+    ));
+    drop(copies);
+
+    let step = Step::start();
+    let node = NodeContext {
+        node_name: Some(NODE.into()),
+        zone: None,
+        service_proxy_name: None,
+    };
+    let translated = svc_agent::translate::translate(&services, &slices, &node);
+    let frontends = translated.state.frontends.len();
+    rows.push(step.row(&format!("translate them ({frontends} frontends)"), &mut mib));
+
+    let step = Step::start();
+    let desired = svc_agent::desired::Desired::from_full(translated.state);
+    rows.push(step.row(
+        "index the desired state by Service (`Desired::from_full`)",
+        &mut mib,
+    ));
+
+    let cgroup = TestCgroup::new()?;
+    let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
+    let step = Step::start();
+    let mut store = svc_agent::datapath::install(bpffs.path(), cgroup.path())?;
+    let mut programmed = Programmed::recover(&store.snapshot()?);
+    rows.push(step.row(
+        "load and attach the programs, read the (empty) pinned maps",
+        &mut mib,
+    ));
+    let step = Step::start();
+    let r = programmed.apply(&mut store, &desired.state);
+    if let Some(e) = r.errors.first() {
+        bail!("writing the maps: {e} ({} errors)", r.errors.len());
+    }
+    rows.push(step.row(
+        &format!(
+            "write the maps ({} map operations), keeping the mirror of what is programmed",
+            r.ops
+        ),
+        &mut mib,
+    ));
+
+    let step = Step::start();
+    for s in &mut services {
+        s.metadata.managed_fields = None;
+    }
+    for s in &mut slices {
+        s.metadata.managed_fields = None;
+    }
+    rows.push(step.row(
+        "drop `metadata.managedFields` from the cached objects (the agent never reads them)",
+        &mut mib,
+    ));
+    drop(store);
+    drop(bpffs);
+    drop(cgroup);
+    Ok(Breakdown {
+        table: rows.join("\n"),
+        mib,
+    })
+}
+
+/// The agent's resident memory by kind of mapping, from /proc/PID/smaps: the brk heap,
+/// anonymous mappings (large allocations, other threads' malloc arenas), files (the binary).
+fn rss_by_mapping(pid: u32) -> Result<String> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut by: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut kind = "anonymous";
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        let first = f.next().unwrap_or_default();
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            let path = line.split_whitespace().nth(5).unwrap_or("");
+            kind = match path {
+                "" => "anonymous",
+                "[heap]" => "heap (brk)",
+                p if p.starts_with('/') => "files",
+                _ => "other",
+            };
+        } else if first == "Rss:" {
+            *by.entry(kind).or_default() += f.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        }
+    }
+    Ok(by
+        .iter()
+        .map(|(k, kib)| format!("{k} {}", mib(*kib)))
+        .collect::<Vec<_>>()
+        .join(", "))
+}
+
+/// One cold start of the agent.
+struct ColdStart {
+    /// Spawn to `svc-agent: ready`.
+    time: Duration,
+    /// Spawn to the agent's log line saying it adopted the (empty) pinned maps: process start,
+    /// loading and attaching the programs. The rest is listing, translating and writing.
+    attached: Option<Duration>,
+    cpu: Duration,
+    mem: Memory,
+    smaps: String,
+    /// Services found in the maps with exactly their backends.
+    complete: usize,
+    service_entries: usize,
+    /// Where this agent serves /metrics.
+    metrics: SocketAddr,
+}
+
+/// When the agent said it adopted the pinned maps, from its log's timestamps.
+fn adopted_at(log: &str) -> Option<Timestamp> {
+    log.lines()
+        .find(|l| l.contains("adopted pinned state"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+}
+
+/// Starts the agent on a fresh bpffs directory, waits for `svc-agent: ready`, then checks that
+/// every Service is in the maps with exactly its backends.
+fn cold_start(
+    tools: &Tools,
+    cp: &ControlPlane,
+    cgroup: &TestCgroup,
+    logs: &TempDir,
+    args: &Args,
+) -> Result<(Agent, Bpffs, BpfStore, ColdStart)> {
+    let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
+    let metrics_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
+    let healthz_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
+    let agent_args: Vec<OsString> = vec![
+        "run".into(),
+        "--kubeconfig".into(),
+        cp.kubeconfig_path().into(),
+        "--node-name".into(),
+        NODE.into(),
+        "--cgroup".into(),
+        cgroup.path().into(),
+        "--bpffs".into(),
+        bpffs.path().into(),
+        "--metrics-bind-address".into(),
+        metrics_addr.to_string().into(),
+        "--healthz-bind-address".into(),
+        healthz_addr.to_string().into(),
+    ];
+    let spawned_at = Timestamp::now();
+    let started = Instant::now();
+    let mut agent = Agent::start_with_args(&tools.agent, agent_args, bpffs.path(), logs.path())?;
+    let pid = agent.pid().context("agent pid")?;
+    loop {
+        if agent.count_lines(svc_tests::agent::READY_LINE) > 0 {
+            break;
+        }
+        if let Some(status) = agent.exited()? {
+            bail!("svc-agent exited ({status}) before it was ready");
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            bail!("svc-agent not ready within {READY_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let time = started.elapsed();
+    let cpu = cpu(pid)?;
+    let mem = memory(pid)?;
+    let smaps = rss_by_mapping(pid)?;
+    let attached =
+        adopted_at(&agent.log()).and_then(|t| t.duration_since(spawned_at).try_into().ok());
+    let store = svc_agent::datapath::open_pinned(bpffs.path())?;
+    let (complete, service_entries) = verify(&store, args)?;
+    if complete != args.services as usize {
+        bail!(
+            "only {complete} of {} services are in the maps with their backends after ready",
+            args.services
+        );
+    }
+    Ok((
+        agent,
+        bpffs,
+        store,
+        ColdStart {
+            time,
+            attached,
+            cpu,
+            mem,
+            smaps,
+            complete,
+            service_entries,
+            metrics: metrics_addr,
+        },
+    ))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    require_root();
+    if args.services > 250 * 254 {
+        bail!("at most {} services fit the ClusterIP plan", 250 * 254);
+    }
+    let tools = Tools::locate();
+    let load_before = report::load_average();
+    // Guards in dependency order: they drop in reverse, the agent first, the control plane last.
+    let cp = ControlPlane::start().context("starting the control plane")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
+
+    eprintln!(
+        "creating {} Services with {} endpoints each",
+        args.services, args.endpoints
+    );
+    let started = Instant::now();
+    let mut slices = rt.block_on(populate(client.clone(), &args))?;
+    let populate_time = started.elapsed();
+    eprintln!(
+        "created {} objects in {:.1} s",
+        2 * args.services,
+        populate_time.as_secs_f64()
+    );
+
+    // 1. Cold start, several times (a fresh bpffs directory, so empty maps, each time); the
+    // last agent stays for the changes.
+    let cgroup = TestCgroup::new()?;
+    let logs = TempDir::new("svc-kube-bench")?;
+    let mut runs = Vec::new();
+    let (agent, bpffs, store) = loop {
+        let run = runs.len() + 1;
+        eprintln!(
+            "cold start {run}/{}: {}",
+            args.cold_starts,
+            tools.agent.display()
+        );
+        let (agent, bpffs, store, cold) = cold_start(&tools, &cp, &cgroup, &logs, &args)?;
+        eprintln!(
+            "ready after {} (programs attached after {}): {}/{} services programmed with all {} backends",
+            ms(cold.time),
+            cold.attached.map(ms).unwrap_or_else(|| "?".into()),
+            cold.complete,
+            args.services,
+            args.endpoints
+        );
+        runs.push(cold);
+        if runs.len() >= args.cold_starts.max(1) as usize {
+            break (agent, bpffs, store);
+        }
+        let mut agent = agent;
+        agent.terminate(Duration::from_secs(10))?;
+        agent.quiet();
+        drop(store);
+        drop(agent);
+        drop(bpffs);
+    };
+    let mut agent = agent;
+    let pid = agent.pid().context("agent pid")?;
+    let metrics_addr = runs.last().context("no cold start")?.metrics;
+    let median_of = |f: &dyn Fn(&ColdStart) -> Duration| {
+        let mut v: Vec<Duration> = runs.iter().map(f).collect();
+        v.sort_unstable();
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    let (cold_start, cold_min, cold_max) = median_of(&|c| c.time);
+    let (cold_cpu, cold_cpu_min, cold_cpu_max) = median_of(&|c| c.cpu);
+    let (attach, _, _) = median_of(&|c| c.attached.unwrap_or_default());
+    let last = runs.last().context("no cold start")?;
+    let (cold_mem, cold_smaps, complete, service_entries) = (
+        last.mem,
+        last.smaps.clone(),
+        last.complete,
+        last.service_entries,
+    );
+    let cold_list = runs
+        .iter()
+        .map(|c| format!("{:.2}", c.time.as_secs_f64()))
+        .collect::<Vec<_>>()
+        .join(", ");
+
+    // 2. Change latency.
+    eprintln!("{} sequential EndpointSlice changes", args.changes);
+    let slice_api: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
+    let mut rng = Rng(args.seed.max(1));
+    let mut latencies = Vec::with_capacity(args.changes as usize);
+    let mut writes = Vec::with_capacity(args.changes as usize);
+    let cpu_before_changes = cpu(pid)?;
+    for c in 0..args.changes {
+        let i = rng.below(args.services);
+        let k = rng.below(args.endpoints) as usize;
+        let new_ip = changed_ip(c);
+        let mut s = slices[i as usize].clone();
+        s.endpoints[k] = endpoint(new_ip);
+        let name = s.metadata.name.clone().unwrap_or_default();
+        let key = frontend_key(i);
+        let want = backend_addr(new_ip);
+        let t0 = Instant::now();
+        // The change as the EndpointSlice controller would stamp it, so the agent's
+        // network programming latency histogram sees it too.
+        s.metadata
+            .annotations
+            .get_or_insert_with(BTreeMap::new)
+            .insert(TRIGGER_TIME_ANNOTATION.into(), Timestamp::now().to_string());
+        slices[i as usize] = rt
+            .block_on(slice_api.replace(&name, &PostParams::default(), &s))
+            .with_context(|| format!("replacing {name}"))?;
+        writes.push(t0.elapsed());
+        while !serves(&store, &key, &want) {
+            if t0.elapsed() > CHANGE_TIMEOUT {
+                bail!("change {c} ({name}: {new_ip}) not in the maps after {CHANGE_TIMEOUT:?}");
+            }
+            std::thread::sleep(POLL);
+        }
+        latencies.push(t0.elapsed());
+    }
+    let change_cpu = cpu(pid)? - cpu_before_changes;
+    let end_mem = memory(pid)?;
+    let end_smaps = rss_by_mapping(pid)?;
+    let metrics = scrape(metrics_addr).unwrap_or_else(|e| {
+        eprintln!("scraping {metrics_addr}/metrics: {e}");
+        String::new()
+    });
+    let load_after = report::load_average();
+    agent.terminate(Duration::from_secs(10))?;
+    agent.quiet();
+    drop(store);
+    drop(agent);
+    drop(bpffs);
+    drop(cgroup);
+
+    eprintln!("breakdown of the cold start");
+    let breakdown = breakdown(&rt, &client, &tools)?;
+    drop(client);
+    drop(rt);
+    drop(cp);
+
+    latencies.sort_unstable();
+    writes.sort_unstable();
+    let (p50, p99, max) = (
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        *latencies.last().context("no changes")?,
+    );
+    let peak = cold_mem.hwm_kib.max(end_mem.hwm_kib);
+    let breakdown_table = &breakdown.table;
+    let memory_note = if peak >= TARGET_RSS_KIB {
+        format!("\n\n{}", breakdown.memory_story(peak))
+    } else {
+        String::new()
+    };
+    let n = args.services;
+    let table = [
+        "| measure | target | measured | |".to_string(),
+        "|---|---|---|---|".to_string(),
+        format!(
+            "| cold start: spawn to every Service programmed ({n} Services, {} backends), median of {} | < {} s | {:.2} s (min {:.2}, max {:.2}) | {} |",
+            n * args.endpoints,
+            runs.len(),
+            TARGET_COLD_START.as_secs(),
+            cold_start.as_secs_f64(),
+            cold_min.as_secs_f64(),
+            cold_max.as_secs_f64(),
+            verdict(cold_start < TARGET_COLD_START)
+        ),
+        format!(
+            "| of which spawn to programs attached (median) | | {} | |",
+            ms(attach)
+        ),
+        format!("| change latency p50: API write to new backend in the maps | | {} | |", ms(p50)),
+        format!(
+            "| change latency p99 | < {} ms | {} | {} |",
+            TARGET_CHANGE_P99.as_millis(),
+            ms(p99),
+            verdict(p99 < TARGET_CHANGE_P99)
+        ),
+        format!("| change latency max | | {} | |", ms(max)),
+        format!(
+            "| agent RSS after cold start (VmRSS; peak VmHWM) | < 100 MiB | {} (peak {}) | {} |",
+            mib(cold_mem.rss_kib),
+            mib(cold_mem.hwm_kib),
+            verdict(cold_mem.hwm_kib < TARGET_RSS_KIB)
+        ),
+        format!(
+            "| agent RSS at the end (VmRSS; peak VmHWM) | < 100 MiB | {} (peak {}) | {} |",
+            mib(end_mem.rss_kib),
+            mib(end_mem.hwm_kib),
+            verdict(peak < TARGET_RSS_KIB)
+        ),
+        format!(
+            "| agent CPU time, cold start (user + system), median | | {:.2} s (min {:.2}, max {:.2}) | |",
+            cold_cpu.as_secs_f64(),
+            cold_cpu_min.as_secs_f64(),
+            cold_cpu_max.as_secs_f64()
+        ),
+        format!(
+            "| agent CPU time, {} changes (user + system) | | {:.2} s ({:.2} ms per change) | |",
+            args.changes,
+            change_cpu.as_secs_f64(),
+            change_cpu.as_secs_f64() * 1e3 / args.changes.max(1) as f64
+        ),
+    ]
+    .join("\n");
+    let context = format!(
+        "Of the change latency, the API write alone (PUT of the EndpointSlice until the API \
+         server answered): p50 {}, p99 {}, max {}. Creating the {} Services and {} \
+         EndpointSlices ({} requests in flight) took {:.1} s. Cold starts, in order: \
+         {cold_list} s. After the last cold start the maps \
+         held {complete} of {n} Services with exactly their {} backends ({service_entries} \
+         entries in SVC_SERVICES, ClusterIP markers and the `kubernetes` Service included). \
+         The agent's resident memory by mapping (/proc/PID/smaps) after the cold start: \
+         {cold_smaps}; at the end: {end_smaps}.",
+        ms(percentile(&writes, 0.5)),
+        ms(percentile(&writes, 0.99)),
+        ms(*writes.last().context("no changes")?),
+        n,
+        n,
+        args.concurrency,
+        populate_time.as_secs_f64(),
+        args.endpoints,
+    );
+    let agent_view = [
+        ("svc_event_to_datapath_seconds", "from the agent receiving an event to the maps written; the cold start's full sync is one observation"),
+        ("svc_network_programming_duration_seconds", "from the slice's `endpoints.kubernetes.io/last-change-trigger-time`, stamped by the bench just before each write, to the maps written"),
+    ]
+    .iter()
+    .map(|(name, what)| {
+        format!(
+            "- `{name}` ({what}): {}",
+            histogram(&metrics, name).unwrap_or_else(|| "not scraped".into())
+        )
+    })
+    .collect::<Vec<_>>()
+    .join("\n");
+    println!(
+        "{table}\n\n{context}{memory_note}\n\nThe agent's own histograms:\n{agent_view}\n\n\
+         Cold start breakdown:\n\n{breakdown_table}\n\nLoad average before {load_before}, after \
+         the changes {load_after}."
+    );
+
+    if let Some(path) = args.write {
+        let body = format!(
+            "## The agent against a real API server: {n} Services\n\n\
+             Measured with `cargo xtask bench --write` (release build, as root) on {machine}, \
+             {date}; load average {load_before} (1, 5, 15 min) before, {load_after} after the \
+             changes (another engineer's integration tests may share the machine).\n\n\
+             A real etcd v3.6.16 and kube-apiserver v1.37.2 on loopback (no controller-manager, \
+             so nothing rewrites what the bench writes) hold {n} Services of one TCP port with \
+             explicit ClusterIPs in 10.96.0.0/16, each with one EndpointSlice of {e} ready \
+             endpoints on made-up addresses. `svc-agent run --kubeconfig ...` (the release \
+             binary, as a process, on a test cgroup) is timed from spawn to `svc-agent: \
+             ready`, which it prints after its first full sync, {runs} times, each on a fresh \
+             bpffs directory (empty maps); the median is reported. After each, the pinned maps \
+             are read back, and every Service must be there with exactly its {e} backends. The \
+             last agent stays: {changes} sequential EndpointSlice updates, each replacing one \
+             endpoint address of a random slice (a fixed seed), are timed from just before the \
+             API write until a lookup in the pinned maps (services, then slots, then backends, \
+             the socket hook's own path, every 100 µs) finds the new address. RSS is VmRSS and \
+             VmHWM of /proc/PID/status; CPU is utime + stime of /proc/PID/stat.\n\n\
+             {table}\n\n{context}{memory_note}\n\n\
+             The agent's own histograms (its /metrics at the end; bucket bounds):\n\n\
+             {agent_view}\n\n\
+             Where the cold start's time and the agent's memory go, measured afterwards in the \
+             bench process with the same objects and the agent's own code (listing like the \
+             agent's watchers, its translation, its desired-state index, a datapath of its \
+             own). The agent does these steps in this order (it lists Services and \
+             EndpointSlices concurrently, on one thread) and also starts the process and \
+             connects to the API server. Heap is what this process allocated (a counting \
+             allocator); glibc's own overhead and freed memory it does not return to the \
+             system come on top in the agent's RSS.\n\n\
+             {breakdown_table}\n\n\
+             Reproduce: `cargo xtask bench --kube` (prints the table), `cargo xtask bench \
+             --kube --write` (rewrites this section); the bench itself is `svc-kube-bench \
+             --help` (services, endpoints, changes, seed).",
+            machine = report::machine(),
+            date = report::today(),
+            e = args.endpoints,
+            changes = args.changes,
+            runs = runs.len(),
+        );
+        report::write_section(&path, "kube", &body)?;
+        eprintln!("wrote the kube section of {}", path.display());
+    }
+    Ok(())
+}

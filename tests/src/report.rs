@@ -1,0 +1,110 @@
+//! What the benchmarks share when they report: the machine they ran on, its load, and one
+//! section of `docs/benchmarks.md` each.
+//!
+//! `docs/benchmarks.md` is the entry point for every committed figure. Each benchmark owns one
+//! section of it, between `<!-- bench:NAME:begin -->` and `<!-- bench:NAME:end -->`, and
+//! `--write` replaces only that section, so one benchmark can be run again without touching
+//! the figures of the others.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// The title and introduction a new `docs/benchmarks.md` starts with.
+const HEADER: &str = "# Benchmarks\n\n\
+     Every section below is written by one benchmark, as measured on the machine it names; \
+     `cargo xtask bench` runs them all (release build, as root) and prints the tables, \
+     `cargo xtask bench --write` rewrites their sections of this file.\n";
+
+/// "2 cores (AMD EPYC ...), kernel 6.18.44".
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!(
+        "{} cores ({cpu}), kernel {}",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        kernel.trim()
+    )
+}
+
+/// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them ("0.91 2.41 3.43").
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Today's date (UTC), "2026-11-30".
+pub fn today() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%d")
+        .to_string()
+}
+
+fn markers(name: &str) -> (String, String) {
+    (
+        format!("<!-- bench:{name}:begin -->"),
+        format!("<!-- bench:{name}:end -->"),
+    )
+}
+
+/// `doc` with the section `name` replaced by `body`, or with the section appended when the
+/// document has none yet.
+pub fn replace_section(doc: &str, name: &str, body: &str) -> Result<String> {
+    let (begin, end) = markers(name);
+    let section = format!("{begin}\n{}\n{end}", body.trim());
+    match (doc.find(&begin), doc.find(&end)) {
+        (Some(b), Some(e)) if b < e => {
+            Ok(format!("{}{section}{}", &doc[..b], &doc[e + end.len()..]))
+        }
+        (None, None) => {
+            let doc = if doc.trim().is_empty() { HEADER } else { doc };
+            Ok(format!("{}\n\n{section}\n", doc.trim_end()))
+        }
+        _ => bail!("the markers of section {name:?} are broken: fix them by hand"),
+    }
+}
+
+/// Replaces the section `name` of the markdown file at `path` (created when missing).
+pub fn write_section(path: &Path, name: &str, body: &str) -> Result<()> {
+    let doc = match std::fs::read_to_string(path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let doc = replace_section(&doc, name, body)?;
+    std::fs::write(path, doc).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_section_is_replaced_in_place_and_others_stay() {
+        let doc = replace_section("", "a", "first").unwrap();
+        assert!(doc.starts_with("# Benchmarks"));
+        let doc = replace_section(&doc, "b", "second").unwrap();
+        let doc = replace_section(&doc, "a", "third").unwrap();
+        assert!(!doc.contains("first"));
+        let (a, b) = (doc.find("third").unwrap(), doc.find("second").unwrap());
+        assert!(a < b, "section a stays before b:\n{doc}");
+        assert_eq!(doc.matches("<!-- bench:a:begin -->").count(), 1);
+    }
+
+    #[test]
+    fn broken_markers_are_refused() {
+        let doc = "x\n<!-- bench:a:begin -->\nno end\n";
+        assert!(replace_section(doc, "a", "y").is_err());
+    }
+}
