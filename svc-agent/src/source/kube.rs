@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 
 use crate::agent::{self, Agent, RunConfig};
 use crate::error::{Error, Result};
-use crate::translate::{self, NodeContext};
+use crate::translate::{self, NodeContext, ParsedService, ParsedSlice};
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -88,8 +88,24 @@ fn slice_service(s: &EndpointSlice) -> Option<Key> {
     Some((s.namespace().unwrap_or_default(), name.clone()))
 }
 
-fn same_version<K: Resource>(a: &K, b: &K) -> bool {
-    let (a, b) = (&a.meta().resource_version, &b.meta().resource_version);
+/// A Service as the cache keeps it: parsed on arrival, so the cache holds what the rules read
+/// rather than the API object, which is many times larger (managedFields, status, ...).
+struct CachedService {
+    version: Option<String>,
+    /// None: not ours, or too broken to use (reported when it arrived).
+    parsed: Option<ParsedService>,
+}
+
+struct CachedSlice {
+    version: Option<String>,
+    /// The Service it belongs to (its `kubernetes.io/service-name` label).
+    service: Option<Key>,
+    /// Its last-change-trigger-time, for network programming latency.
+    trigger: Option<Timestamp>,
+    parsed: Option<ParsedSlice>,
+}
+
+fn same_version(a: &Option<String>, b: &Option<String>) -> bool {
     a.is_some() && a == b
 }
 
@@ -107,11 +123,14 @@ enum Update {
 /// The API objects this node serves, and which Services changed since the last sync.
 #[derive(Default)]
 struct Cache {
-    services: BTreeMap<Key, Service>,
-    slices: BTreeMap<Key, EndpointSlice>,
+    /// What parsing needs to know: this proxy's name.
+    node: NodeContext,
+    services: BTreeMap<Key, CachedService>,
+    slices: BTreeMap<Key, CachedSlice>,
     slices_of: BTreeMap<Key, BTreeSet<Key>>,
-    service_relist: Option<BTreeMap<Key, Service>>,
-    slice_relist: Option<BTreeMap<Key, EndpointSlice>>,
+    /// A relist in progress; None for an object whose version is what the cache has.
+    service_relist: Option<BTreeMap<Key, Option<CachedService>>>,
+    slice_relist: Option<BTreeMap<Key, Option<CachedSlice>>>,
     services_listed: bool,
     slices_listed: bool,
     zone: Option<String>,
@@ -121,6 +140,8 @@ struct Cache {
     all_dirty: bool,
     /// When the oldest change not yet programmed arrived.
     first_change: Option<Instant>,
+    /// Problems found while parsing, reported with the next sync.
+    errors: Vec<Error>,
 }
 
 impl Cache {
@@ -129,35 +150,53 @@ impl Cache {
         self.first_change.get_or_insert_with(Instant::now);
     }
 
-    fn index_slice(&mut self, k: &Key, s: &EndpointSlice, add: bool) {
-        if let Some(svc) = slice_service(s) {
+    fn cache_service(&mut self, s: &Service) -> CachedService {
+        CachedService {
+            version: s.meta().resource_version.clone(),
+            parsed: translate::parse_service(s, &self.node, &mut self.errors),
+        }
+    }
+
+    fn cache_slice(&mut self, s: &EndpointSlice) -> CachedSlice {
+        CachedSlice {
+            version: s.meta().resource_version.clone(),
+            service: slice_service(s),
+            trigger: s
+                .annotations()
+                .get(TRIGGER_TIME_ANNOTATION)
+                .and_then(|t| t.parse::<Timestamp>().ok()),
+            parsed: translate::parse_slice(s, &self.node, &mut self.errors),
+        }
+    }
+
+    fn index_slice(&mut self, k: &Key, service: Option<&Key>, add: bool) {
+        if let Some(svc) = service {
             if add {
                 self.slices_of
                     .entry(svc.clone())
                     .or_default()
                     .insert(k.clone());
-            } else if let Some(set) = self.slices_of.get_mut(&svc) {
+            } else if let Some(set) = self.slices_of.get_mut(svc) {
                 set.remove(k);
                 if set.is_empty() {
-                    self.slices_of.remove(&svc);
+                    self.slices_of.remove(svc);
                 }
             }
-            self.mark(svc);
+            self.mark(svc.clone());
         }
     }
 
-    fn put_slice(&mut self, s: EndpointSlice) {
-        let k = key_of(&s);
+    fn put_slice(&mut self, k: Key, s: CachedSlice) {
         if let Some(old) = self.slices.remove(&k) {
-            self.index_slice(&k, &old, false);
+            self.index_slice(&k, old.service.as_ref(), false);
         }
-        self.index_slice(&k, &s, true);
+        self.index_slice(&k, s.service.as_ref(), true);
         self.slices.insert(k, s);
     }
 
     fn delete_slice(&mut self, k: &Key) {
         if let Some(old) = self.slices.remove(k) {
-            self.index_slice(k, &old, false);
+            self.index_slice(k, old.service.as_ref(), false);
         }
     }
 
@@ -176,7 +215,8 @@ impl Cache {
             Update::Service(e) => match e {
                 Event::Apply(s) => {
                     let k = key_of(&s);
-                    self.services.insert(k.clone(), s);
+                    let cached = self.cache_service(&s);
+                    self.services.insert(k.clone(), cached);
                     self.mark(k);
                 }
                 Event::Delete(s) => {
@@ -186,34 +226,54 @@ impl Cache {
                 }
                 Event::Init => self.service_relist = Some(BTreeMap::new()),
                 Event::InitApply(s) => {
+                    let k = key_of(&s);
+                    let unchanged = self.services.get(&k).is_some_and(|old| {
+                        same_version(&old.version, &s.metadata.resource_version)
+                    });
+                    let entry = (!unchanged).then(|| self.cache_service(&s));
                     if let Some(buf) = self.service_relist.as_mut() {
-                        buf.insert(key_of(&s), s);
+                        buf.insert(k, entry);
                     }
                 }
                 Event::InitDone => {
                     let fresh = self.service_relist.take().unwrap_or_default();
-                    let changed: Vec<Key> = self
-                        .services
-                        .keys()
-                        .chain(fresh.keys())
-                        .filter(|k| match (self.services.get(*k), fresh.get(*k)) {
-                            (Some(a), Some(b)) => !same_version(a, b),
-                            _ => true,
-                        })
-                        .cloned()
-                        .collect();
-                    self.services = fresh;
+                    let mut services = BTreeMap::new();
+                    let mut changed = Vec::new();
+                    for (k, entry) in fresh {
+                        match entry {
+                            Some(new) => {
+                                changed.push(k.clone());
+                                services.insert(k, new);
+                            }
+                            None => {
+                                if let Some(old) = self.services.remove(&k) {
+                                    services.insert(k, old);
+                                }
+                            }
+                        }
+                    }
+                    // What is left was not listed again: deleted while we were not watching.
+                    changed.extend(std::mem::take(&mut self.services).into_keys());
+                    self.services = services;
                     changed.into_iter().for_each(|k| self.mark(k));
                     self.services_listed = true;
                 }
             },
             Update::Slice(e) => match e {
-                Event::Apply(s) => self.put_slice(s),
+                Event::Apply(s) => {
+                    let cached = self.cache_slice(&s);
+                    self.put_slice(key_of(&s), cached);
+                }
                 Event::Delete(s) => self.delete_slice(&key_of(&s)),
                 Event::Init => self.slice_relist = Some(BTreeMap::new()),
                 Event::InitApply(s) => {
+                    let k = key_of(&s);
+                    let unchanged = self.slices.get(&k).is_some_and(|old| {
+                        same_version(&old.version, &s.metadata.resource_version)
+                    });
+                    let entry = (!unchanged).then(|| self.cache_slice(&s));
                     if let Some(buf) = self.slice_relist.as_mut() {
-                        buf.insert(key_of(&s), s);
+                        buf.insert(k, entry);
                     }
                 }
                 Event::InitDone => {
@@ -227,11 +287,10 @@ impl Cache {
                     for k in gone {
                         self.delete_slice(&k);
                     }
-                    for (k, s) in fresh {
-                        if self.slices.get(&k).is_some_and(|old| same_version(old, &s)) {
-                            continue;
+                    for (k, entry) in fresh {
+                        if let Some(new) = entry {
+                            self.put_slice(k, new);
                         }
-                        self.put_slice(s);
                     }
                     self.slices_listed = true;
                 }
@@ -257,29 +316,30 @@ impl Cache {
         self.services_listed && self.slices_listed
     }
 
-    /// The Services in `keys` that exist, and every slice that belongs to them.
-    fn objects_for(&self, keys: &BTreeSet<Key>) -> (Vec<Service>, Vec<EndpointSlice>) {
+    /// The parsed Services in `keys`, and every parsed slice that belongs to them.
+    fn objects_for<'a>(
+        &'a self,
+        keys: &BTreeSet<Key>,
+    ) -> (Vec<&'a ParsedService>, Vec<&'a ParsedSlice>) {
         let services = keys
             .iter()
-            .filter_map(|k| self.services.get(k).cloned())
+            .filter_map(|k| self.services.get(k)?.parsed.as_ref())
             .collect();
         let slices = keys
             .iter()
             .filter_map(|k| self.slices_of.get(k))
             .flatten()
-            .filter_map(|sk| self.slices.get(sk).cloned())
+            .filter_map(|sk| self.slices.get(sk)?.parsed.as_ref())
             .collect();
         (services, slices)
     }
 
-    /// The oldest trigger time of the slices of `keys`, for network programming latency.
+    /// The trigger times of the slices of `keys`, for network programming latency.
     fn trigger_times(&self, keys: &BTreeSet<Key>) -> Vec<Timestamp> {
         keys.iter()
             .filter_map(|k| self.slices_of.get(k))
             .flatten()
-            .filter_map(|sk| self.slices.get(sk))
-            .filter_map(|s| s.annotations().get(TRIGGER_TIME_ANNOTATION))
-            .filter_map(|t| t.parse::<Timestamp>().ok())
+            .filter_map(|sk| self.slices.get(sk)?.trigger)
             .collect()
     }
 }
@@ -328,7 +388,13 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
     );
     let mut events = futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
 
+    let node = NodeContext {
+        node_name: Some(opts.node_name.clone()),
+        zone: None,
+        service_proxy_name: opts.service_proxy_name.clone(),
+    };
     let mut cache = Cache {
+        node,
         all_dirty: true,
         ..Default::default()
     };
@@ -382,14 +448,19 @@ fn sync(agent: &mut Agent, cache: &mut Cache, opts: &KubeOptions) {
         service_proxy_name: opts.service_proxy_name.clone(),
     };
     let dirty = std::mem::take(&mut cache.dirty);
+    let parse_errors = std::mem::take(&mut cache.errors);
     let report = if std::mem::take(&mut cache.all_dirty) {
-        let services: Vec<Service> = cache.services.values().cloned().collect();
-        let slices: Vec<EndpointSlice> = cache.slices.values().cloned().collect();
-        let translated = translate::translate(&services, &slices, &agent.node);
+        let mut translated = translate::assemble(
+            cache.services.values().filter_map(|s| s.parsed.as_ref()),
+            cache.slices.values().filter_map(|s| s.parsed.as_ref()),
+            &agent.node,
+        );
+        translated.errors.splice(0..0, parse_errors);
         agent.apply_full(translated)
     } else {
         let (services, slices) = cache.objects_for(&dirty);
-        let translated = translate::translate(&services, &slices, &agent.node);
+        let mut translated = translate::assemble(services, slices, &agent.node);
+        translated.errors.splice(0..0, parse_errors);
         let owners: BTreeSet<String> = dirty.iter().map(owner).collect();
         agent.apply_services(&owners, translated)
     };
@@ -415,7 +486,10 @@ mod tests {
     use super::*;
 
     fn svc(ns: &str, name: &str, rv: &str) -> Service {
-        let mut s = Service::default();
+        let mut s: Service = serde_json::from_value(serde_json::json!({
+            "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]}
+        }))
+        .unwrap();
         s.metadata.namespace = Some(ns.into());
         s.metadata.name = Some(name.into());
         s.metadata.resource_version = Some(rv.into());
@@ -423,7 +497,12 @@ mod tests {
     }
 
     fn slice(ns: &str, name: &str, service: &str, rv: &str) -> EndpointSlice {
-        let mut s = EndpointSlice::default();
+        let mut s: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["10.0.0.1"]}],
+            "ports": [{"port": 8080}]
+        }))
+        .unwrap();
         s.metadata.namespace = Some(ns.into());
         s.metadata.name = Some(name.into());
         s.metadata.resource_version = Some(rv.into());
@@ -433,6 +512,37 @@ mod tests {
 
     fn k(ns: &str, n: &str) -> Key {
         (ns.into(), n.into())
+    }
+
+    #[test]
+    fn objects_are_kept_parsed_and_their_problems_reported_once() {
+        let mut c = Cache::default();
+        let mut bad = svc("a", "bad", "1");
+        if let Some(spec) = bad.spec.as_mut() {
+            spec.cluster_ip = Some("not-an-ip".into());
+            spec.cluster_ips = None;
+        }
+        c.apply(Update::Service(Event::Apply(bad)));
+        c.apply(Update::Service(Event::Apply(svc("a", "web", "1"))));
+        assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
+        assert!(c.errors[0].to_string().contains("a/bad"), "{}", c.errors[0]);
+        assert!(c.services[&k("a", "bad")].parsed.is_none());
+        assert!(c.services[&k("a", "web")].parsed.is_some());
+        // A relist that finds the same versions parses nothing again.
+        c.errors.clear();
+        c.apply(Update::Service(Event::Init));
+        let mut bad = svc("a", "bad", "1");
+        if let Some(spec) = bad.spec.as_mut() {
+            spec.cluster_ip = Some("not-an-ip".into());
+        }
+        c.apply(Update::Service(Event::InitApply(bad)));
+        c.apply(Update::Service(Event::InitDone));
+        assert!(c.errors.is_empty());
+        assert!(c.services.contains_key(&k("a", "bad")));
+        assert!(
+            !c.services.contains_key(&k("a", "web")),
+            "web was not listed again"
+        );
     }
 
     #[test]

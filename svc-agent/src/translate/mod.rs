@@ -127,34 +127,81 @@ fn invalid(object: &str, message: impl Into<String>) -> Error {
     }
 }
 
+/// A Service reduced to what kube-proxy's rules read: what a long-lived cache keeps instead of
+/// the API object, which is many times larger.
+pub struct ParsedService(ServiceInfo);
+
+/// An EndpointSlice reduced to what kube-proxy's rules read.
+pub struct ParsedSlice(SliceInfo);
+
+/// `None` when the Service is not ours to proxy or too broken to use (with `errors` saying
+/// why); a usable one may still have reported errors for some of its ports.
+pub fn parse_service(
+    service: &Service,
+    node: &NodeContext,
+    errors: &mut Vec<Error>,
+) -> Option<ParsedService> {
+    service::parse(service, node.service_proxy_name(), errors).map(ParsedService)
+}
+
+/// As `parse_service`, for an EndpointSlice.
+pub fn parse_slice(
+    slice: &EndpointSlice,
+    node: &NodeContext,
+    errors: &mut Vec<Error>,
+) -> Option<ParsedSlice> {
+    endpoints::parse(slice, node.service_proxy_name(), errors).map(ParsedSlice)
+}
+
 /// Turns Services and their EndpointSlices into the frontends this node should serve,
 /// following kube-proxy's semantics for ClusterIP traffic.
 #[instrument(skip_all, fields(services = services.len(), slices = slices.len(), node = ?node.node_name))]
 pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translated {
     let mut errors = Vec::new();
 
-    // Working in name order makes the result independent of input order: name order decides
-    // frontend conflicts, and errors come out in a stable order. Parsing everything up front
-    // reports each problem once, however many ports see it.
-    let parsed_services: Vec<ServiceInfo> = in_name_order(services, "Service", &mut errors)
+    // Parsing everything up front reports each problem once, however many ports see it.
+    let parsed_services: Vec<ParsedService> = in_name_order(services, "Service", &mut errors)
         .into_iter()
-        .filter_map(|s| service::parse(s, node.service_proxy_name(), &mut errors))
+        .filter_map(|s| parse_service(s, node, &mut errors))
         .collect();
-    let parsed_slices: Vec<SliceInfo> = in_name_order(slices, "EndpointSlice", &mut errors)
+    let parsed_slices: Vec<ParsedSlice> = in_name_order(slices, "EndpointSlice", &mut errors)
         .into_iter()
-        .filter_map(|s| endpoints::parse(s, node.service_proxy_name(), &mut errors))
+        .filter_map(|s| parse_slice(s, node, &mut errors))
         .collect();
+    let mut translated = assemble(&parsed_services, &parsed_slices, node);
+    errors.append(&mut translated.errors);
+    translated.errors = errors;
+    translated
+}
+
+/// The frontends of parsed Services, from their parsed slices (slices of other Services are
+/// ignored). Node-dependent rules are applied here, so a change of the node's zone needs no
+/// parsing again.
+pub fn assemble<'a>(
+    services: impl IntoIterator<Item = &'a ParsedService>,
+    slices: impl IntoIterator<Item = &'a ParsedSlice>,
+    node: &NodeContext,
+) -> Translated {
+    let mut errors = Vec::new();
     let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
-    for slice in &parsed_slices {
+    for ParsedSlice(slice) in slices {
         slices_by_service
             .entry((slice.key.namespace.as_str(), slice.service.as_str()))
             .or_default()
             .push(slice);
     }
+    // Name order makes the result independent of input order: it decides frontend conflicts,
+    // and errors come out in a stable order. Slices of one Service are merged in name order
+    // for the same reason.
+    for list in slices_by_service.values_mut() {
+        list.sort_by(|a, b| a.key.cmp(&b.key));
+    }
+    let mut services: Vec<&ServiceInfo> = services.into_iter().map(|s| &s.0).collect();
+    services.sort_by(|a, b| a.key.cmp(&b.key));
 
     let mut state = DesiredState::default();
     let mut owners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
-    for svc in &parsed_services {
+    for svc in services {
         let slices = slices_by_service
             .get(&(svc.key.namespace.as_str(), svc.key.name.as_str()))
             .map(Vec::as_slice)
