@@ -518,30 +518,29 @@ impl Breakdown {
     /// Why the agent's memory is what it is, from the heap figures of the agent's own types.
     fn memory_story(&self, rss: u64) -> String {
         let m = &self.mib;
-        let (services, slices, copy, translate, desired, write, managed) =
-            (m[0].0, m[1].0, m[2].1, m[3].1, m[4].0, m[6].0, -m[7].0);
+        let (services, slices, parsed, assemble, desired, write) =
+            (m[0].0, m[1].0, m[0].0 + m[1].0 + m[2].0, m[3].1, m[4].0, m[6].0);
         format!(
             "Where the memory goes, from the heap figures of the breakdown below (the agent's \
-             own types, the same objects): the cached API objects hold {:.0} MiB (Services \
-             {services:.0}, EndpointSlices {slices:.0}), {managed:.0} MiB of it \
-             `metadata.managedFields`, which the agent never reads; the full sync's copy of \
-             every object adds {copy:.0} MiB at the peak and translation {translate:.0} MiB; \
-             the desired-state index and the mirror of the maps keep {:.0} MiB. That is about \
-             {:.0} MiB of heap at the peak of the first sync, against the agent's RSS of {}: \
-             glibc's brk heap keeps the peak, so VmRSS stays at VmHWM after the copy is freed.",
+             own code, the same objects): as API objects the Services and EndpointSlices take \
+             {:.0} MiB (Services {services:.0}, EndpointSlices {slices:.0}); the agent's cache \
+             keeps them parsed instead, in {parsed:.0} MiB, and parses each object as its page \
+             of the list arrives, so the API objects never pile up. Assembling the frontends \
+             peaks at {assemble:.0} MiB; the desired-state index and the mirror of the maps \
+             keep {:.0} MiB. Agent RSS: {}.",
             services + slices,
             desired + write,
-            services + slices + copy + translate + desired + write,
             mib(rss)
         )
     }
 }
 
 /// Where the cold start goes, measured here with the same objects and the agent's own code:
-/// listing them through kube-rs (including deserialization), the copy of every object a full
-/// sync makes, translating them, the agent's index of the desired state, loading the programs
-/// and writing the maps into a datapath of its own (on a cgroup of its own). Heap figures are
-/// this process's allocations (a counting allocator); glibc's own overhead comes on top.
+/// listing them through kube-rs (including deserialization; held here all at once, where the
+/// agent parses page by page), parsing them into what the agent's cache keeps, assembling the
+/// frontends, the agent's index of the desired state, loading the programs and writing the
+/// maps into a datapath of its own (on a cgroup of its own). Heap figures are this process's
+/// allocations (a counting allocator); glibc's own overhead comes on top.
 fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Result<Breakdown> {
     let mut mib = Vec::new();
     let selector = label_selector(None);
@@ -550,14 +549,16 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         "|---|---|---|---|".to_string(),
     ];
     let step = Step::start();
-    let mut services: Vec<Service> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
-    rows.push(step.row(&format!(
-        "list {} Services through kube-rs (pages of 500, deserialized; kept, as the agent's cache keeps them)",
-        services.len()
-    ), &mut mib));
+    let services: Vec<Service> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    rows.push(step.row(
+        &format!(
+            "list {} Services through kube-rs (pages of 500, deserialized)",
+            services.len()
+        ),
+        &mut mib,
+    ));
     let step = Step::start();
-    let mut slices: Vec<EndpointSlice> =
-        rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    let slices: Vec<EndpointSlice> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
     rows.push(step.row(
         &format!(
             "list {} EndpointSlices through kube-rs (same)",
@@ -566,23 +567,35 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         &mut mib,
     ));
 
-    let step = Step::start();
-    let copies = (services.clone(), slices.clone());
-    rows.push(step.row(
-        "copy every cached object, as the agent's full sync does before translating",
-        &mut mib,
-    ));
-    drop(copies);
-
-    let step = Step::start();
     let node = NodeContext {
         node_name: Some(NODE.into()),
         zone: None,
         service_proxy_name: None,
     };
-    let translated = svc_agent::translate::translate(&services, &slices, &node);
+    let step = Step::start();
+    let mut errors = Vec::new();
+    let parsed_services: Vec<_> = services
+        .iter()
+        .filter_map(|s| svc_agent::translate::parse_service(s, &node, &mut errors))
+        .collect();
+    let parsed_slices: Vec<_> = slices
+        .iter()
+        .filter_map(|s| svc_agent::translate::parse_slice(s, &node, &mut errors))
+        .collect();
+    drop(services);
+    drop(slices);
+    rows.push(step.row(
+        "parse them into what the agent's cache keeps, and drop the API objects",
+        &mut mib,
+    ));
+
+    let step = Step::start();
+    let translated = svc_agent::translate::assemble(&parsed_services, &parsed_slices, &node);
     let frontends = translated.state.frontends.len();
-    rows.push(step.row(&format!("translate them ({frontends} frontends)"), &mut mib));
+    rows.push(step.row(
+        &format!("assemble the frontends ({frontends})"),
+        &mut mib,
+    ));
 
     let step = Step::start();
     let desired = svc_agent::desired::Desired::from_full(translated.state);
@@ -613,17 +626,6 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         &mut mib,
     ));
 
-    let step = Step::start();
-    for s in &mut services {
-        s.metadata.managed_fields = None;
-    }
-    for s in &mut slices {
-        s.metadata.managed_fields = None;
-    }
-    rows.push(step.row(
-        "drop `metadata.managedFields` from the cached objects (the agent never reads them)",
-        &mut mib,
-    ));
     drop(store);
     drop(bpffs);
     drop(cgroup);
