@@ -518,8 +518,14 @@ impl Breakdown {
     /// Why the agent's memory is what it is, from the heap figures of the agent's own types.
     fn memory_story(&self, rss: u64) -> String {
         let m = &self.mib;
-        let (services, slices, parsed, assemble, desired, write) =
-            (m[0].0, m[1].0, m[0].0 + m[1].0 + m[2].0, m[3].1, m[4].0, m[6].0);
+        let (services, slices, parsed, assemble, desired, write) = (
+            m[0].0,
+            m[1].0,
+            m[0].0 + m[1].0 + m[2].0,
+            m[3].1,
+            m[4].0,
+            m[6].0,
+        );
         format!(
             "Where the memory goes, from the heap figures of the breakdown below (the agent's \
              own code, the same objects): as API objects the Services and EndpointSlices take \
@@ -592,10 +598,7 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
     let step = Step::start();
     let translated = svc_agent::translate::assemble(&parsed_services, &parsed_slices, &node);
     let frontends = translated.state.frontends.len();
-    rows.push(step.row(
-        &format!("assemble the frontends ({frontends})"),
-        &mut mib,
-    ));
+    rows.push(step.row(&format!("assemble the frontends ({frontends})"), &mut mib));
 
     let step = Step::start();
     let desired = svc_agent::desired::Desired::from_full(translated.state);
