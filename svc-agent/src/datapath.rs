@@ -28,17 +28,16 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/svc";
 /// The kernel object, built by `cargo xtask build-ebpf`.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/svc.bpf.o"));
 
-/// Program names as in svc-ebpf/src/main.rs.
-pub const PROGRAMS: [&str; 8] = [
-    "connect4",
-    "connect6",
-    "sendmsg4",
-    "sendmsg6",
-    "recvmsg4",
-    "recvmsg6",
-    "getpeername4",
-    "getpeername6",
-];
+/// Program names as in svc-ebpf/src/main.rs, one per cgroup attach point.
+pub const PROGRAMS: [&str; 8] = {
+    let mut names = [""; 8];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = sys::SOCK_ADDR_ATTACH_TYPES[i].1;
+        i += 1;
+    }
+    names
+};
 
 fn capacities() -> StdHashMap<&'static str, u32> {
     StdHashMap::from([
@@ -162,17 +161,18 @@ fn build_store(take: &mut dyn FnMut(&'static str) -> Result<Map>) -> Result<BpfS
 
 /// Opens the maps pinned under `dir`, for listing; loads and attaches nothing.
 pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
-    let mut take = |name: &'static str| -> Result<Map> {
-        let path = dir.join(name);
-        let data = MapData::from_pin(&path).map_err(|e| {
-            load_err(
-                path.display(),
-                format!("{e} (is svc-agent running with --bpffs {}?)", dir.display()),
-            )
-        })?;
-        Map::from_map_data(data).map_err(|e| load_err(name, e))
-    };
-    build_store(&mut take)
+    build_store(&mut |name| pinned(dir, name))
+}
+
+fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).map_err(|e| {
+        load_err(
+            path.display(),
+            format!("{e} (is svc-agent running with --bpffs {}?)", dir.display()),
+        )
+    })?;
+    Map::from_map_data(data).map_err(|e| load_err(name, e))
 }
 
 /// The cgroup v2 id of a cgroup directory is its inode number.
@@ -211,20 +211,9 @@ pub fn uninstall(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(removed)
 }
 
-/// Totals of the socket programs' decision counters, by reason, from the pinned map.
+/// Totals of the socket programs' decision counters, by reason, from the pinned map alone.
 pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
-    let path = dir.join(map_names::STATS);
-    let data = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
-    let map = Map::from_map_data(data).map_err(|e| load_err(map_names::STATS, e))?;
-    let stats: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(map).map_err(|e| load_err(map_names::STATS, e))?;
-    (0..svc_common::stat::COUNT)
-        .filter(|i| svc_common::stat::NAMES[*i as usize] != "reserved")
-        .map(|i| {
-            stats
-                .get(&i, 0)
-                .map(|per_cpu| (svc_common::stat::NAMES[i as usize], per_cpu.iter().sum()))
-                .map_err(|e| load_err(map_names::STATS, e))
-        })
-        .collect()
+    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(pinned(dir, map_names::STATS)?)
+        .map_err(|e| load_err(map_names::STATS, e))?;
+    crate::store::stat_totals(&stats)
 }

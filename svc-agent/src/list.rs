@@ -9,7 +9,7 @@ use svc_common::svc_flags;
 
 use crate::error::Result;
 use crate::store::BpfStore;
-use crate::sync::{decode_name, Programmed};
+use crate::sync::Programmed;
 
 #[derive(Debug, Serialize)]
 pub struct Listing {
@@ -36,11 +36,6 @@ pub struct ListedFrontend {
 pub fn read(store: &BpfStore) -> Result<Listing> {
     let snap = store.snapshot()?;
     let p = Programmed::recover(&snap);
-    let names: HashMap<u32, String> = snap
-        .names
-        .iter()
-        .map(|(id, n)| (*id, decode_name(n)))
-        .collect();
     let services = p
         .frontends
         .iter()
@@ -49,7 +44,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             ip: fe.ip,
             port: fe.port,
             protocol: fe.protocol.to_string(),
-            name: names.get(&f.id).filter(|n| !n.is_empty()).cloned(),
+            name: Some(f.name.clone()).filter(|n| !n.is_empty()),
             id: f.id,
             backends: f
                 .backends
@@ -61,13 +56,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             internal_traffic_local: f.flags & svc_flags::INTERNAL_LOCAL != 0,
         })
         .collect();
-    let stats = store
-        .stats()?
-        .into_iter()
-        .enumerate()
-        .map(|(i, v)| (svc_common::stat::NAMES[i], v))
-        .filter(|(n, _)| *n != "reserved")
-        .collect();
+    let stats = store.stats()?.into_iter().collect();
     Ok(Listing {
         services,
         cluster_ips: p.markers.iter().copied().collect(),

@@ -107,17 +107,24 @@ impl BpfStore {
         })
     }
 
-    /// Totals of the per-CPU decision counters, indexed as `svc_common::stat`.
-    pub fn stats(&self) -> Result<Vec<u64>> {
-        (0..svc_common::stat::COUNT)
-            .map(|i| {
-                self.stats
-                    .get(&i, 0)
-                    .map(|per_cpu| per_cpu.iter().sum())
-                    .map_err(|e| map_err(map_names::STATS, e))
-            })
-            .collect()
+    /// Totals of the socket programs' decision counters, by reason.
+    pub fn stats(&self) -> Result<Vec<(&'static str, u64)>> {
+        stat_totals(&self.stats)
     }
+}
+
+/// Sums each per-CPU decision counter over the CPUs, named as `svc_common::stat::NAMES`.
+pub fn stat_totals(stats: &PerCpuArray<MapData, u64>) -> Result<Vec<(&'static str, u64)>> {
+    (0..svc_common::stat::COUNT)
+        .map(|i| (i, svc_common::stat::NAMES[i as usize]))
+        .filter(|(_, name)| *name != "reserved")
+        .map(|(i, name)| {
+            stats
+                .get(&i, 0)
+                .map(|per_cpu| (name, per_cpu.iter().sum()))
+                .map_err(|e| map_err(map_names::STATS, e))
+        })
+        .collect()
 }
 
 impl Store for BpfStore {

@@ -77,9 +77,15 @@ fn random_slot(svc: &ServiceValue) -> BackendId {
     }
 }
 
-/// Picks a backend for `svc` into `out`, honouring sessionAffinity for `client`.
+/// Picks a backend for `svc` into `out`, honouring sessionAffinity for the client `client`
+/// names. `client` is called only for a Service with affinity, so connections to the others
+/// do not pay for identifying the client.
 #[inline(always)]
-pub fn choose(svc: &ServiceValue, client: &AffinityKey, out: &mut Backend) -> Outcome {
+pub fn choose(
+    svc: &ServiceValue,
+    client: impl FnOnce() -> AffinityKey,
+    out: &mut Backend,
+) -> Outcome {
     if svc.count == 0 {
         return stat::REFUSED_NO_BACKEND;
     }
@@ -87,6 +93,7 @@ pub fn choose(svc: &ServiceValue, client: &AffinityKey, out: &mut Backend) -> Ou
         return backend(random_slot(svc), out);
     }
 
+    let client = &client();
     let now = unsafe { bpf_ktime_get_ns() };
     let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
     // SAFETY: copied out at once.

@@ -116,7 +116,7 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family) -> Result<(), i32> {
         refused => return Err(refuse(refused)),
     }
     let mut backend = Backend::default();
-    match lb::choose(&svc, &netns_client(ctx, svc.id), &mut backend) {
+    match lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend) {
         lb::FOUND => {}
         refused => return Err(refuse(refused)),
     }

@@ -388,13 +388,13 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
     );
     let mut events = futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
 
-    let node = NodeContext {
+    agent.node = NodeContext {
         node_name: Some(opts.node_name.clone()),
         zone: None,
         service_proxy_name: opts.service_proxy_name.clone(),
     };
     let mut cache = Cache {
-        node,
+        node: agent.node.clone(),
         all_dirty: true,
         ..Default::default()
     };
@@ -421,7 +421,7 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
                 }
             }
             _ = sleep_until(deadline), if deadline.is_some() => {
-                sync(&mut agent, &mut cache, &opts);
+                sync(&mut agent, &mut cache);
                 if !synced_once {
                     synced_once = true;
                     eprintln!("svc-agent: ready");
@@ -440,13 +440,10 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-fn sync(agent: &mut Agent, cache: &mut Cache, opts: &KubeOptions) {
+fn sync(agent: &mut Agent, cache: &mut Cache) {
     let started = cache.first_change.take().unwrap_or_else(Instant::now);
-    agent.node = NodeContext {
-        node_name: Some(opts.node_name.clone()),
-        zone: cache.zone.clone(),
-        service_proxy_name: opts.service_proxy_name.clone(),
-    };
+    // Only the zone changes while the agent runs (the Node's label).
+    agent.node.zone = cache.zone.clone();
     let dirty = std::mem::take(&mut cache.dirty);
     let parse_errors = std::mem::take(&mut cache.errors);
     let report = if std::mem::take(&mut cache.all_dirty) {
