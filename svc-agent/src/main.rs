@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
 
-use svc_agent::{agent, datapath, list, source::kube, sys, translate::NodeContext};
+use svc_agent::{agent, datapath, list, metrics, source::kube, sys, translate::NodeContext};
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
@@ -49,11 +49,11 @@ enum Command {
         /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME.
         #[arg(long)]
         service_proxy_name: Option<String>,
-        /// kube-proxy compatible /healthz (and /metrics). Default with the Kubernetes API:
-        /// 0.0.0.0:10256; with manifests: off.
+        /// kube-proxy compatible /healthz and /livez (not /metrics). Default with the
+        /// Kubernetes API: 0.0.0.0:10256; with manifests: off.
         #[arg(long)]
         healthz_bind_address: Option<SocketAddr>,
-        /// Prometheus /metrics (and /healthz). Default with the Kubernetes API:
+        /// Prometheus /metrics (and /healthz, /livez). Default with the Kubernetes API:
         /// 127.0.0.1:10249; with manifests: off.
         #[arg(long)]
         metrics_bind_address: Option<SocketAddr>,
@@ -109,8 +109,10 @@ fn main() -> anyhow::Result<()> {
             coalesce_ms,
         } => {
             let from_api = manifests.is_none();
-            let defaults = |given: Option<SocketAddr>, default: &str| {
-                given.or_else(|| from_api.then(|| default.parse().expect("valid literal")))
+            let defaults = |given: Option<SocketAddr>, default: &str, port| {
+                given
+                    .or_else(|| from_api.then(|| default.parse().expect("valid literal")))
+                    .map(|addr| (addr, port))
             };
             let cfg = agent::RunConfig {
                 cgroup,
@@ -121,8 +123,12 @@ fn main() -> anyhow::Result<()> {
                     service_proxy_name: service_proxy_name.clone(),
                 },
                 listen: [
-                    defaults(healthz_bind_address, "0.0.0.0:10256"),
-                    defaults(metrics_bind_address, "127.0.0.1:10249"),
+                    defaults(healthz_bind_address, "0.0.0.0:10256", metrics::Port::Health),
+                    defaults(
+                        metrics_bind_address,
+                        "127.0.0.1:10249",
+                        metrics::Port::Metrics,
+                    ),
                 ]
                 .into_iter()
                 .flatten()

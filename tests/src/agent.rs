@@ -183,7 +183,7 @@ pub struct Agent {
     starts: usize,
     bpffs: PathBuf,
     print_logs: bool,
-    /// `/healthz` (and `/metrics`) of an agent started with `start_kube`.
+    /// `/healthz` and `/livez` (only) of an agent started with `start_kube`.
     healthz: Option<SocketAddr>,
     /// `/metrics` (and `/healthz`) of an agent started with `start_kube`.
     metrics: Option<SocketAddr>,
@@ -293,7 +293,7 @@ impl Agent {
         Ok(agent)
     }
 
-    /// Where `/healthz` is served, when `start_kube` chose the address.
+    /// Where `/healthz` is served (and `/metrics` is not), when `start_kube` chose the address.
     pub fn healthz_addr(&self) -> Option<SocketAddr> {
         self.healthz
     }

@@ -1379,7 +1379,7 @@ fn lifecycle(cp: &mut ControlPlane, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Scenario 13: kube-proxy's /healthz and the Prometheus metrics.
+/// Scenario 13: kube-proxy's /healthz and the Prometheus metrics, each on its own port.
 fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080, 9090])?;
@@ -1421,6 +1421,12 @@ fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
         "/healthz nodeEligible: {body}"
     );
 
+    // As kube-proxy: the health port (0.0.0.0 by default) does not give the metrics away.
+    let (status, _) = http_get(healthz, "/metrics")?;
+    ensure!(
+        status == 404,
+        "/metrics on the health port {healthz}: {status}, want 404"
+    );
     let (status, body) = http_get(metrics, "/metrics")?;
     ensure!(status == 200, "/metrics: {status}");
     ensure!(
