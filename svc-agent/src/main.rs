@@ -140,11 +140,13 @@ fn main() -> anyhow::Result<()> {
                 .build()
                 .context("starting the runtime")?;
             match manifests {
-                Some(path) => rt.block_on(agent::run_manifests(
-                    cfg,
-                    path,
-                    Duration::from_millis(poll_ms.max(10)),
-                ))?,
+                Some(path) => rt
+                    .block_on(agent::run_manifests(
+                        cfg,
+                        path,
+                        Duration::from_millis(poll_ms.max(10)),
+                    ))
+                    .map_err(privilege_hint)?,
                 None => {
                     let Some(node_name) = node_name else {
                         bail!("--node-name (or $NODE_NAME) is required with the Kubernetes API");
@@ -155,7 +157,7 @@ fn main() -> anyhow::Result<()> {
                         service_proxy_name,
                         coalesce: Duration::from_millis(coalesce_ms),
                     };
-                    rt.block_on(kube::run(cfg, opts))?
+                    rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
                 }
             }
         }
@@ -177,6 +179,22 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A datapath the kernel refused to load for want of privilege: say which capabilities the
+/// agent needs (measured by tests/tests/privileges.rs) above the kernel's answer, which may be a
+/// bare EPERM or a verifier message such as "pointer arithmetic ... prohibited for !root".
+fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
+    let refused = matches!(&e, svc_agent::Error::Load(m)
+        if m.contains("Operation not permitted") || m.contains("Permission denied"));
+    if !refused {
+        return e.into();
+    }
+    anyhow::Error::new(e).context(
+        "the kernel refused the eBPF datapath: svc-agent needs CAP_SYS_ADMIN, or CAP_BPF, \
+         CAP_PERFMON and CAP_NET_ADMIN (kernel 5.8 and later), to create the maps and load the \
+         cgroup socket programs",
+    )
 }
 
 /// Links detach once the last holder lets go; a running agent still holds them.
