@@ -85,14 +85,17 @@ pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
     }
     let c = |s: &str| CString::new(s).expect("no NUL in literal");
     let (src, target, fstype) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"));
-    // SAFETY: valid C strings; no data argument.
+    // As systemd mounts it: without `mode`, bpffs is 1777 and any user could create our pin
+    // directory first.
+    let data = c("mode=0700");
+    // SAFETY: valid C strings; bpffs takes its options as a C string.
     let ret = unsafe {
         libc::mount(
             src.as_ptr(),
             target.as_ptr(),
             fstype.as_ptr(),
-            0,
-            std::ptr::null(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            data.as_ptr().cast(),
         )
     };
     if ret != 0 {
