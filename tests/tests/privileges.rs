@@ -24,7 +24,8 @@
 //! - Without CAP_SYS_ADMIN, the datapath needs CAP_BPF (maps, BTF, program load), CAP_PERFMON
 //!   (the verifier rejects the programs' pointer arithmetic "for !root" without it) and
 //!   CAP_NET_ADMIN (loading cgroup sock_addr programs); attaching through links and pinning need
-//!   nothing more than owning the bpffs directory.
+//!   nothing more than owning the bpffs directory, and neither does a restart that adopts the
+//!   pinned maps and links (every run that serves is restarted and must serve again).
 
 mod common;
 
@@ -171,8 +172,8 @@ fn status_field(pid: u32, field: &str) -> Result<u64> {
 }
 
 /// Waits until the agent runs the agent binary (not setpriv or unshare any more) and checks that
-/// it has exactly `caps`, effective and permitted.
-fn check_capabilities(agent: &Agent, exe: &Path, caps: &[&str]) -> Result<()> {
+/// it has exactly `caps`, effective and permitted. Returns the agent's pid.
+fn check_capabilities(agent: &Agent, exe: &Path, caps: &[&str]) -> Result<u32> {
     let want: u64 = caps.iter().map(|c| bit(c)).fold(0, |a, b| a | b);
     let launched = agent.pid().context("agent not started")?;
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -194,10 +195,31 @@ fn check_capabilities(agent: &Agent, exe: &Path, caps: &[&str]) -> Result<()> {
             "the agent (pid {pid}) has {field} {have:#x}, want {want:#x} ({caps:?})"
         );
     }
+    Ok(pid)
+}
+
+/// Stops the agent (process `pid`) with SIGTERM and waits until it is gone. unshare blocks
+/// SIGTERM while it waits for its child, so an agent under unshare gets it through
+/// `--kill-child=SIGTERM` when unshare is killed.
+fn stop(agent: &mut Agent, pid: u32, setup: &Setup) -> Result<()> {
+    if setup.own_pid_namespace {
+        agent.kill()?;
+    } else {
+        agent.terminate(Duration::from_secs(10))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        ensure!(
+            Instant::now() < deadline,
+            "the agent (pid {pid}) did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     Ok(())
 }
 
-/// Runs the agent as `setup` says on a sandbox of its own and records what a client sees.
+/// Runs the agent as `setup` says on a sandbox of its own and records what a client sees; an
+/// agent that serves is then restarted with the same capabilities and must serve again.
 fn observe(setup: &Setup) -> Result<Seen> {
     let sb = sandbox();
     let m = Manifests::new()?;
@@ -238,7 +260,7 @@ fn observe(setup: &Setup) -> Result<Seen> {
         return Ok(Seen::Exited(agent.log()));
     }
     ready?;
-    check_capabilities(&agent, &exe, setup.caps)?;
+    let pid = check_capabilities(&agent, &exe, setup.caps)?;
 
     let r = sb.tcp(sa(VIP, 80), 3, &[])?;
     ensure!(
@@ -277,10 +299,30 @@ fn observe(setup: &Setup) -> Result<Seen> {
             false
         }
     };
-    Ok(Seen::Serving {
-        stale_closed,
-        log: agent.log(),
-    })
+    let log = agent.log();
+
+    // A restart (an upgrade, a crash) with the same capabilities adopts the pinned maps and
+    // swaps its programs into the pinned links (BPF_OBJ_GET, BPF_LINK_UPDATE).
+    stop(&mut agent, pid, setup)?;
+    agent.restart()?;
+    agent.wait_ready(AGENT_READY_TIMEOUT)?;
+    let pid = check_capabilities(&agent, &exe, setup.caps)?;
+    ensure!(
+        agent
+            .log()
+            .contains("replaced the program of the pinned link"),
+        "the restarted agent did not adopt the pinned links:\n{}",
+        agent.log()
+    );
+    let r = sb.tcp(sa(VIP, 80), 3, &[])?;
+    ensure!(
+        r.all_ok() && names(&r) == set(&["b2"]),
+        "ClusterIP not served by b2 after a restart: {:?}\n{}",
+        r.results,
+        agent.log()
+    );
+    stop(&mut agent, pid, setup)?;
+    Ok(Seen::Serving { stale_closed, log })
 }
 
 fn unix_ms() -> u64 {
