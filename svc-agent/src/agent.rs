@@ -1,68 +1,155 @@
-//! The agent: keeps the datapath in step with a source of Services and EndpointSlices.
+//! The agent: keeps the datapath in step with a source of Services and EndpointSlices, and
+//! keeps it whole: failed Services are retried with backoff, what was retired is deleted once
+//! its grace period has passed, the maps are compared with the mirror now and then and drift
+//! is repaired, and pins or links removed under the agent are put back.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tracing::{info, instrument, warn};
 
-use crate::datapath;
+use crate::datapath::Datapath;
 use crate::desired::Desired;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metrics::{self, Metrics};
-use crate::source::manifest;
-use crate::store::BpfStore;
-use crate::sync::{Programmed, Scope, SyncReport};
-use crate::translate::{self, NodeContext, Translated};
+use crate::model::Frontend;
+use crate::source::manifest::{self, Named};
+use crate::store::{Capacity, Store};
+use crate::sync::{Programmed, Retiring, Scope, SyncReport};
+use crate::translate::{self, Holders, NodeContext, Translated};
+
+/// How the agent keeps its state whole; every interval has a flag.
+#[derive(Clone, Debug)]
+pub struct Upkeep {
+    /// How long what a switch made unreachable stays in the maps.
+    pub grace: Duration,
+    /// First retry of a Service that could not be programmed; doubles up to `retry_max`.
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+    /// How often the maps are read back and compared with what should be there.
+    pub reconcile_every: Duration,
+    /// How often pins and links are checked.
+    pub check_every: Duration,
+}
+
+impl Default for Upkeep {
+    fn default() -> Self {
+        Upkeep {
+            grace: crate::sync::DEFAULT_GRACE,
+            retry_min: Duration::from_millis(500),
+            retry_max: Duration::from_secs(60),
+            reconcile_every: Duration::from_secs(60),
+            check_every: Duration::from_secs(2),
+        }
+    }
+}
+
+/// A Service that could not be programmed.
+#[derive(Debug)]
+struct Retry {
+    attempts: u32,
+    due: Instant,
+    /// The frontends its failed sync covered: a retry covers them again (a removal that failed
+    /// is no longer in the desired state).
+    frontends: BTreeSet<Frontend>,
+}
 
 pub struct Agent {
-    store: BpfStore,
+    dp: Datapath,
     programmed: Programmed,
     desired: Desired,
     cgroup: PathBuf,
     pub node: NodeContext,
     pub metrics: Arc<Metrics>,
+    upkeep: Upkeep,
+    retry: BTreeMap<String, Retry>,
+    next_reconcile: Instant,
+    next_check: Instant,
+    /// Which file each manifest object was served from, so a second definition elsewhere
+    /// does not take it over.
+    served_from: HashMap<(String, String, String), PathBuf>,
+    /// The source's state has been applied in full once: before that, the desired state is
+    /// not authoritative and no upkeep may act on it.
+    synced: bool,
 }
 
 impl Agent {
-    /// Attaches (or adopts) the datapath and mirrors what it already holds.
+    /// Takes ownership of the bpffs directory, loads the datapath and mirrors what it holds.
+    /// Nothing is attached until the first sync: see `apply_full`.
     pub fn start(
         bpffs: &Path,
         cgroup: &Path,
+        capacity: Capacity,
+        upkeep: Upkeep,
         node: NodeContext,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let store = datapath::install(bpffs, cgroup)?;
-        let programmed = Programmed::recover(&store.snapshot()?);
+        let dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let snap = dp.store.snapshot()?;
+        let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         info!(
             frontends = programmed.frontends.len(),
             backends = programmed.backends.len(),
+            leftovers = programmed.strays.len(),
             "adopted pinned state"
         );
+        let now = Instant::now();
         Ok(Agent {
-            store,
+            dp,
             programmed,
             desired: Desired::default(),
             cgroup: cgroup.to_path_buf(),
             node,
             metrics,
+            next_reconcile: now + upkeep.reconcile_every,
+            next_check: now + upkeep.check_every,
+            upkeep,
+            retry: BTreeMap::new(),
+            served_from: HashMap::new(),
+            synced: false,
         })
     }
 
-    fn record_input_errors(&self, errors: &[crate::Error]) {
+    /// Who serves each frontend now, for resolving conflicts.
+    pub fn holders(&self) -> &dyn Holders {
+        &self.programmed
+    }
+
+    pub fn programmed(&self) -> &Programmed {
+        &self.programmed
+    }
+
+    /// Whether links (ours or a previous agent's) are pinned: then the programs serve.
+    pub fn links_pinned(&self) -> bool {
+        self.dp.links_pinned()
+    }
+
+    fn record_input_errors(&self, errors: &[Error]) {
         for e in errors {
             warn!("skipped: {e}");
             self.metrics.error(e);
         }
     }
 
-    /// Makes the datapath serve exactly `translated`: what is not in it is removed.
+    /// Makes the datapath serve exactly `translated`: what is not in it is removed. The first
+    /// call attaches the programs, once the maps hold the whole state.
     pub fn apply_full(&mut self, translated: Translated) -> SyncReport {
         let started = Instant::now();
         self.record_input_errors(&translated.errors);
         self.desired = Desired::from_full(translated.state);
-        let report = self.programmed.apply(&mut self.store, &self.desired.state);
+        self.synced = true;
+        let report = self.programmed.apply_scoped(
+            &mut self.dp.store,
+            &self.desired.state,
+            Scope::All,
+            started,
+        );
+        // A full sync covers every Service: what did not fail now needs no retry.
+        self.retry.retain(|owner, _| report.failed.contains_key(owner));
         self.finish(report, started)
     }
 
@@ -75,11 +162,19 @@ impl Agent {
     ) -> SyncReport {
         let started = Instant::now();
         self.record_input_errors(&translated.errors);
-        let (scope, conflicts) = self.desired.replace(owners, translated.state);
+        let (mut scope, conflicts) = self.desired.replace(owners, translated.state);
         self.record_input_errors(&conflicts);
-        let report =
-            self.programmed
-                .apply_scoped(&mut self.store, &self.desired.state, Scope::Only(&scope));
+        for owner in owners {
+            if let Some(r) = self.retry.get(owner) {
+                scope.extend(r.frontends.iter().copied());
+            }
+        }
+        let report = self.programmed.apply_scoped(
+            &mut self.dp.store,
+            &self.desired.state,
+            Scope::Only(&scope),
+            started,
+        );
         self.finish(report, started)
     }
 
@@ -88,17 +183,55 @@ impl Agent {
             warn!("not programmed: {e}");
             self.metrics.error(e);
         }
+        for owner in &report.succeeded {
+            if self.retry.remove(owner).is_some() {
+                info!(service = %owner, "programmed after earlier failures");
+            }
+        }
+        for (owner, frontends) in &report.failed {
+            let attempts = self.retry.get(owner).map_or(0, |r| r.attempts) + 1;
+            let backoff = self
+                .upkeep
+                .retry_min
+                .saturating_mul(1 << (attempts - 1).min(16))
+                .min(self.upkeep.retry_max);
+            let mut covered = frontends.clone();
+            if let Some(old) = self.retry.remove(owner) {
+                covered.extend(old.frontends);
+            }
+            self.retry.insert(
+                owner.clone(),
+                Retry {
+                    attempts,
+                    due: started + backoff,
+                    frontends: covered,
+                },
+            );
+        }
+        if !self.dp.is_attached() {
+            match self.dp.attach() {
+                Ok(()) => info!("datapath attached"),
+                Err(e) => {
+                    warn!("attaching: {e}");
+                    self.metrics.error(&e);
+                }
+            }
+        }
         self.close_stale_udp(&report);
-        self.metrics.synced(
-            started.elapsed(),
-            metrics::Programmed {
-                frontends: self.programmed.frontends.len(),
-                backends: self.programmed.backends.len(),
-                cluster_ips: self.programmed.markers.len(),
-                maps: self.programmed.map_usage(),
-            },
-        );
+        self.metrics.synced(started.elapsed(), self.snapshot_metrics());
         report
+    }
+
+    fn snapshot_metrics(&self) -> metrics::Programmed {
+        metrics::Programmed {
+            frontends: self.programmed.frontends.len(),
+            backends: self.programmed.backends.len(),
+            cluster_ips: self.programmed.markers.len(),
+            maps: self.programmed.map_usage(),
+            failing: self.retry.keys().cloned().collect(),
+            retiring: self.programmed.retiring.len(),
+            attached: self.dp.is_attached(),
+        }
     }
 
     /// A connected UDP socket keeps its backend forever; once that backend is gone, close the
@@ -128,15 +261,202 @@ impl Agent {
         }
     }
 
+    /// When `tick` next has something to do.
+    pub fn next_deadline(&self) -> Instant {
+        let mut t = self.next_reconcile.min(self.next_check);
+        if let Some(due) = self.programmed.retiring.next_due() {
+            t = t.min(due);
+        }
+        if let Some(r) = self.retry.values().map(|r| r.due).min() {
+            t = t.min(r);
+        }
+        t
+    }
+
+    /// Whatever upkeep is due at `now`: retirements, retries, the drift check, the pin check.
+    pub fn tick(&mut self, now: Instant) {
+        self.metrics.alive();
+        if !self.synced {
+            return;
+        }
+        if self.programmed.retiring.next_due().is_some_and(|d| d <= now) {
+            let r = self.programmed.retire_due(&mut self.dp.store, now);
+            for e in &r.errors {
+                warn!("retiring: {e}");
+                self.metrics.error(e);
+            }
+        }
+        let due: Vec<String> = self
+            .retry
+            .iter()
+            .filter(|(_, r)| r.due <= now)
+            .map(|(o, _)| o.clone())
+            .collect();
+        if !due.is_empty() {
+            let mut scope = BTreeSet::new();
+            for owner in &due {
+                scope.extend(self.desired.frontends_of(owner).iter().copied());
+                if let Some(r) = self.retry.get(owner) {
+                    scope.extend(r.frontends.iter().copied());
+                }
+            }
+            info!(services = due.len(), "retrying Services that could not be programmed");
+            let report = self.programmed.apply_scoped(
+                &mut self.dp.store,
+                &self.desired.state,
+                Scope::Only(&scope),
+                now,
+            );
+            self.finish(report, now);
+        }
+        if self.dp.is_attached() && now >= self.next_check {
+            self.next_check = now + self.upkeep.check_every;
+            self.check_pins();
+        }
+        if now >= self.next_reconcile {
+            self.next_reconcile = now + self.upkeep.reconcile_every;
+            self.reconcile(now);
+        }
+        self.metrics.state(self.snapshot_metrics());
+    }
+
+    /// Puts back pins and links someone removed under us.
+    fn check_pins(&mut self) {
+        let (repaired, errors) = self.dp.repair();
+        for what in &repaired {
+            warn!("{what} had disappeared; put back");
+            self.metrics.repaired("pin");
+        }
+        for e in &errors {
+            warn!("repairing the datapath: {e}");
+            self.metrics.error(e);
+        }
+        self.metrics.datapath_broken(!errors.is_empty());
+    }
+
+    /// Reads the maps back, compares them with what should be there, and repairs the
+    /// difference. Returns how many entries were wrong.
+    #[instrument(skip(self))]
+    pub fn reconcile(&mut self, now: Instant) -> usize {
+        let snap = match self.dp.store.snapshot() {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("reading the maps back: {e}");
+                self.metrics.error(&e);
+                return 0;
+            }
+        };
+        let retiring = std::mem::take(&mut self.programmed.retiring);
+        let capacity = self.programmed.capacity;
+        let mut fresh = Programmed::recover(&snap, capacity, self.upkeep.grace, retiring);
+        // Ids already handed out stay spent even if nothing in the maps carries them.
+        fresh.ids.next_frontend = fresh.ids.next_frontend.max(self.programmed.ids.next_frontend);
+        fresh.ids.next_backend = fresh.ids.next_backend.max(self.programmed.ids.next_backend);
+        self.programmed = fresh;
+        let report = self.programmed.apply_scoped(
+            &mut self.dp.store,
+            &self.desired.state,
+            Scope::All,
+            now,
+        );
+        let drift = report.strays_deleted + report.frontends_written + report.frontends_removed;
+        if report.ops > 0 {
+            warn!(
+                strays = report.strays_deleted,
+                rewritten = report.frontends_written,
+                removed = report.frontends_removed,
+                ops = report.ops,
+                "the maps had drifted from what was programmed; repaired"
+            );
+            self.metrics.drift(report.ops);
+        }
+        self.retry.retain(|owner, _| report.failed.contains_key(owner));
+        self.finish(report, now);
+        drift
+    }
+
     /// Reads the manifests, translates them, and applies the result.
     #[instrument(skip(self), fields(path = %path.display()))]
     pub fn sync_manifests(&mut self, path: &Path) -> SyncReport {
         let loaded = manifest::load(path);
         self.record_input_errors(&loaded.errors);
-        let services: Vec<_> = loaded.services.into_iter().map(|n| n.object).collect();
-        let slices: Vec<_> = loaded.slices.into_iter().map(|n| n.object).collect();
-        let translated = translate::translate(&services, &slices, &self.node);
+        self.apply_manifest_objects(loaded.services, loaded.slices)
+    }
+
+    /// Translates manifest objects (keeping each object with the file that served it when a
+    /// second file defines it too) and applies the result.
+    pub fn apply_manifest_objects(
+        &mut self,
+        services: Vec<Named<Service>>,
+        slices: Vec<Named<EndpointSlice>>,
+    ) -> SyncReport {
+        let mut errors = Vec::new();
+        let services = self.one_definition_each("Service", services, &mut errors);
+        let slices = self.one_definition_each("EndpointSlice", slices, &mut errors);
+        let mut translated =
+            translate::translate_with(&services, &slices, &self.node, &self.programmed);
+        errors.append(&mut translated.errors);
+        translated.errors = errors;
         self.apply_full(translated)
+    }
+
+    /// Of several definitions of one object, the one from the file that served it before
+    /// (else the first file by name), so adding a file never takes an object over.
+    fn one_definition_each<T>(
+        &mut self,
+        kind: &str,
+        objects: Vec<Named<T>>,
+        errors: &mut Vec<Error>,
+    ) -> Vec<T>
+    where
+        T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+    {
+        let key = |o: &Named<T>| {
+            let m = o.object.metadata();
+            (
+                kind.to_string(),
+                m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into()),
+                m.name.clone().unwrap_or_default(),
+            )
+        };
+        let mut chosen: BTreeMap<(String, String, String), Named<T>> = BTreeMap::new();
+        let mut unnamed = Vec::new();
+        for o in objects {
+            let k = key(&o);
+            if k.2.is_empty() {
+                unnamed.push(o.object);
+                continue;
+            }
+            match chosen.remove(&k) {
+                None => {
+                    chosen.insert(k, o);
+                }
+                Some(first) => {
+                    let served = self.served_from.get(&k);
+                    let (keep, drop) = if served == Some(&o.path) && served != Some(&first.path) {
+                        (o, first)
+                    } else {
+                        (first, o)
+                    };
+                    errors.push(Error::Invalid {
+                        object: format!("{kind} {}/{}", k.1, k.2),
+                        message: format!(
+                            "defined again in {}; the definition in {} is served",
+                            drop.origin(),
+                            keep.origin()
+                        ),
+                    });
+                    chosen.insert(k, keep);
+                }
+            }
+        }
+        self.served_from.retain(|k, _| k.0 != kind);
+        let mut out = unnamed;
+        for (k, o) in chosen {
+            self.served_from.insert(k, o.path.clone());
+            out.push(o.object);
+        }
+        out
     }
 }
 
@@ -148,6 +468,8 @@ pub struct RunConfig {
     /// Where /healthz (and, on a metrics port, /metrics) is served.
     pub listen: Vec<(std::net::SocketAddr, metrics::Port)>,
     pub health_timeout: Duration,
+    pub capacity: Capacity,
+    pub upkeep: Upkeep,
 }
 
 /// Starts the agent and its metrics server.
@@ -158,7 +480,14 @@ pub async fn start(cfg: &RunConfig) -> Result<Agent> {
         info!(%addr, paths = port.paths(), "serving");
         tokio::spawn(metrics::serve(listener, metrics.clone(), port));
     }
-    Agent::start(&cfg.bpffs, &cfg.cgroup, cfg.node.clone(), metrics)
+    Agent::start(
+        &cfg.bpffs,
+        &cfg.cgroup,
+        cfg.capacity,
+        cfg.upkeep.clone(),
+        cfg.node.clone(),
+        metrics,
+    )
 }
 
 /// Completes when the agent should stop (SIGTERM or SIGINT).
@@ -210,12 +539,18 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
     let mut ticker = tokio::time::interval(poll);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let upkeep = tokio::time::Instant::from_std(agent.next_deadline());
         tokio::select! {
             _ = ticker.tick() => {}
+            _ = tokio::time::sleep_until(upkeep) => {
+                agent.tick(Instant::now());
+                continue;
+            }
             r = &mut stop => { r?; break; }
         }
         let fp = fingerprint(&manifests);
         if last.as_ref() == Some(&fp) {
+            agent.tick(Instant::now());
             continue;
         }
         let first = last.is_none();

@@ -1,26 +1,33 @@
-//! Loading, attaching, adopting and removing the kernel programs and their pinned maps.
+//! Loading, attaching, adopting, guarding and removing the kernel programs and their pinned
+//! maps.
 //!
-//! Layout under the bpffs directory (default /sys/fs/bpf/svc):
-//! - one pinned map per name in `svc_common::map_names`;
+//! Layout under the bpffs directory (default /sys/fs/bpf/svc), which the agent creates itself
+//! (0700, owned by the agent's user) and refuses when anyone else could write to it:
+//! - one pinned map per name in `svc_common::map_names`, as `NAME_v<layout>`;
 //! - `link_<program>`: one pinned bpf link per cgroup hook.
+//!
+//! One agent owns a directory at a time: it holds an exclusive flock on it for as long as it
+//! runs (the kernel drops it when the process dies, however it dies). A second agent, or an
+//! `uninstall`, refuses while the owner lives.
 //!
 //! Links are pinned so the datapath outlives the agent: a stopped agent leaves connections
 //! working, and a new one swaps its programs into the existing links (BPF_LINK_UPDATE), so a
-//! cgroup is never without its hooks.
+//! cgroup is never without its hooks. A new agent attaches only after its first sync, so the
+//! programs it swaps in never see maps that are still being filled.
 
-use std::collections::HashMap as StdHashMap;
 use std::fs::File;
 use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapType, PerCpuArray};
 use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
-use svc_common::{capacity, map_names};
-use tracing::info;
+use svc_common::{layout, map_names, stat};
+use tracing::{info, warn};
 
 use crate::error::{Error, Result};
-use crate::store::BpfStore;
+use crate::store::{BpfStore, Capacity};
 use crate::sys;
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/svc";
@@ -39,20 +46,61 @@ pub const PROGRAMS: [&str; 8] = {
     names
 };
 
-fn capacities() -> StdHashMap<&'static str, u32> {
-    StdHashMap::from([
-        (map_names::SERVICES, capacity::SERVICES),
-        (map_names::SLOTS, capacity::SLOTS),
-        (map_names::BACKENDS, capacity::BACKENDS),
-        (map_names::REV_NAT, capacity::REV_NAT),
-        (map_names::SOCK_REV, capacity::SOCK_REV),
-        (map_names::AFFINITY, capacity::AFFINITY),
-        (map_names::NAMES, capacity::NAMES),
-    ])
+const BPF_F_NO_PREALLOC: u32 = 1;
+const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+
+/// What a pinned map must be for this agent to use it: type, key and value sizes, flags.
+struct MapSpec {
+    name: &'static str,
+    kind: MapType,
+    key: u32,
+    value: u32,
+    flags: u32,
+}
+
+fn specs() -> [MapSpec; 9] {
+    use std::mem::size_of;
+    use svc_common::*;
+    let s = |name, kind, key: usize, value: usize, flags| MapSpec {
+        name,
+        kind,
+        key: key as u32,
+        value: value as u32,
+        flags,
+    };
+    [
+        s(map_names::SERVICES, MapType::Hash, size_of::<ServiceKey>(), size_of::<ServiceValue>(), BPF_F_NO_PREALLOC),
+        s(map_names::SLOTS, MapType::Hash, size_of::<SlotKey>(), size_of::<BackendId>(), BPF_F_NO_PREALLOC),
+        s(map_names::BACKENDS, MapType::Hash, 4, size_of::<Backend>(), BPF_F_NO_PREALLOC),
+        s(map_names::REV_NAT, MapType::Hash, 4, size_of::<RevNatValue>(), BPF_F_NO_PREALLOC),
+        s(map_names::SOCK_REV, MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockRevValue>(), 0),
+        s(map_names::AFFINITY, MapType::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>(), 0),
+        s(map_names::STATS, MapType::PerCpuArray, 4, 8, 0),
+        s(map_names::NAMES, MapType::Hash, 4, size_of::<ServiceName>(), BPF_F_NO_PREALLOC),
+        s(map_names::META, MapType::Array, 4, size_of::<MetaValue>(), 0),
+    ]
+}
+
+/// max_entries a map of this agent has: configured, or fixed by the object.
+fn max_entries(name: &str, capacity: &Capacity) -> u32 {
+    capacity.of(name).unwrap_or(match name {
+        map_names::STATS => stat::COUNT,
+        _ => 1,
+    })
+}
+
+/// Where `map` is pinned under `dir`: its name and layout version.
+pub fn map_pin(dir: &Path, map: &str) -> PathBuf {
+    dir.join(format!("{map}_v{}", layout::version(map)))
 }
 
 fn link_pin(dir: &Path, program: &str) -> PathBuf {
     dir.join(format!("link_{program}"))
+}
+
+/// A migrated map's new pin, until the programs that use it are attached.
+fn staged_pin(dir: &Path, map: &str) -> PathBuf {
+    dir.join(format!("{map}_v{}_new", layout::version(map)))
 }
 
 fn load_err(what: impl std::fmt::Display, e: impl Into<Box<dyn std::error::Error>>) -> Error {
@@ -67,79 +115,554 @@ fn load_err(what: impl std::fmt::Display, e: impl Into<Box<dyn std::error::Error
     Error::Load(msg)
 }
 
-/// Loads the programs (reusing pinned maps, with their entries), and attaches each to `cgroup`
-/// through a pinned link, or swaps it into the link a previous agent pinned.
-pub fn install(dir: &Path, cgroup: &Path) -> Result<BpfStore> {
-    sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.to_path_buf(),
+fn io_err(path: &Path, source: std::io::Error) -> Error {
+    Error::Io {
+        path: path.to_path_buf(),
         source,
-    })?;
-    let cgroup_file = File::open(cgroup).map_err(|source| Error::Io {
-        path: cgroup.to_path_buf(),
-        source,
-    })?;
-    let cgroup_id = cgroup_id(cgroup)?;
-
-    let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> = map_names::ALL
-        .iter()
-        .map(|name| (*name, dir.join(name)))
-        .collect();
-    for (name, path) in &pins {
-        loader.map_pin_path(name, path.as_path());
     }
-    let mut ebpf = loader
-        .load(OBJECT)
-        .map_err(|e| load_err("loading the eBPF object", e))?;
+}
 
-    for name in PROGRAMS {
-        let prog: &mut CgroupSockAddr = ebpf
+/// What to do with each map at load time.
+enum Pinned {
+    /// No pin: a new map, pinned at once.
+    Create,
+    /// A compatible pin: the object uses it as it is.
+    Adopt,
+    /// A pin of the same layout but another size: a new map is filled from it, and replaces
+    /// its pin once the new programs are attached.
+    Migrate(MapData),
+}
+
+/// The loaded programs and maps of one agent, and the directory it owns.
+pub struct Datapath {
+    dir: PathBuf,
+    /// The open directory; holding it holds the lock.
+    lock: File,
+    dir_ino: u64,
+    ebpf: Ebpf,
+    pub store: BpfStore,
+    cgroup: PathBuf,
+    cgroup_id: u64,
+    attached: bool,
+    /// Maps created beside a pin of another size, waiting for `attach`.
+    staged: Vec<&'static str>,
+    /// Pins of other layout versions, removed once our programs are attached.
+    obsolete: Vec<PathBuf>,
+}
+
+/// Checks that `cgroup` is a cgroup v2 directory, before anything is created.
+fn check_cgroup(cgroup: &Path) -> Result<u64> {
+    let meta = std::fs::metadata(cgroup).map_err(|e| io_err(cgroup, e))?;
+    if !meta.is_dir() {
+        return Err(Error::Load(format!(
+            "--cgroup {}: not a directory; give a cgroup v2 directory (the cgroup2 mount, or a \
+             cgroup under it)",
+            cgroup.display()
+        )));
+    }
+    if sys::fs_magic(cgroup).map_err(|e| io_err(cgroup, e))? != CGROUP2_SUPER_MAGIC {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        let cgroup2 = mounts
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.get(2) == Some(&"cgroup2")).then(|| f[1].to_string())
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(Error::Load(format!(
+            "--cgroup {}: not on a cgroup v2 filesystem (socket programs attach to cgroup v2 \
+             only); cgroup2 is mounted at: {}",
+            cgroup.display(),
+            if cgroup2.is_empty() { "nowhere" } else { &cgroup2 }
+        )));
+    }
+    Ok(meta.ino())
+}
+
+/// Creates `dir` (0700) or checks that an existing one is ours alone: a directory (not a
+/// link), owned by our user, writable by nobody else, on bpffs.
+fn own_dir(dir: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| io_err(dir, e))?;
+        }
+        Err(e) => return Err(io_err(dir, e)),
+        Ok(_) => {}
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| io_err(dir, e))?;
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    let mode = meta.permissions().mode();
+    let problem = if !meta.file_type().is_dir() {
+        Some("is not a directory".to_string())
+    } else if meta.uid() != euid {
+        Some(format!("is owned by uid {}, not by us (uid {euid})", meta.uid()))
+    } else if mode & 0o022 != 0 {
+        Some(format!("is writable by others (mode {:o})", mode & 0o7777))
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        return Err(Error::Load(format!(
+            "--bpffs {} {problem}: whoever can write there can unpin the datapath; remove it \
+             (or choose another directory) and let svc-agent create its own",
+            dir.display()
+        )));
+    }
+    if !sys::is_bpffs(dir).map_err(|e| io_err(dir, e))? {
+        return Err(Error::Load(format!(
+            "--bpffs {} is not on a bpf filesystem (mount -t bpf bpf DIR): pins elsewhere are \
+             impossible",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Locks `dir` for this process, naming the holder when another process has it.
+fn lock_dir(dir: &Path) -> Result<(File, u64)> {
+    let f = File::open(dir).map_err(|e| io_err(dir, e))?;
+    let meta = f.metadata().map_err(|e| io_err(dir, e))?;
+    if !sys::try_lock(f.as_fd()).map_err(|e| io_err(dir, e))? {
+        return Err(Error::Locked {
+            dir: dir.to_path_buf(),
+            holder: describe_holders(meta.dev(), meta.ino()),
+        });
+    }
+    Ok((f, meta.ino()))
+}
+
+fn describe_holders(dev: u64, ino: u64) -> String {
+    let holders: Vec<String> = sys::flock_holders(dev, ino)
+        .into_iter()
+        .map(|pid| format!("pid {pid} ({})", sys::process_name(pid)))
+        .collect();
+    if holders.is_empty() {
+        "another process".into()
+    } else {
+        holders.join(", ")
+    }
+}
+
+/// The previous release pinned maps without a version; their layout is version 1.
+fn adopt_unversioned(dir: &Path) {
+    for name in map_names::ALL {
+        let old = dir.join(name);
+        let new = map_pin(dir, name);
+        if layout::version(name) == 1 && old.exists() && !new.exists() {
+            match std::fs::rename(&old, &new) {
+                Ok(()) => info!(map = name, "adopted an unversioned pin as layout 1"),
+                Err(e) => warn!(map = name, "renaming {}: {e}", old.display()),
+            }
+        }
+    }
+}
+
+/// Pins in `dir` of our maps under another layout version, and staged pins a dead agent left.
+fn other_versions(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        for name in map_names::ALL {
+            let ours = format!("{name}_v{}", layout::version(name));
+            let Some(rest) = file.strip_prefix(name) else {
+                continue;
+            };
+            let versioned = rest
+                .strip_prefix("_v")
+                .is_some_and(|v| !v.is_empty() && v.trim_end_matches("_new").bytes().all(|b| b.is_ascii_digit()));
+            if file != ours && (rest.is_empty() || versioned) {
+                found.push(e.path());
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Checks the pin of `spec` at `path` against what this agent needs.
+fn inspect_pin(spec: &MapSpec, path: &Path, want_entries: u32) -> Result<Pinned> {
+    if !path.exists() {
+        return Ok(Pinned::Create);
+    }
+    let data = MapData::from_pin(path).map_err(|e| load_err(path.display(), e))?;
+    let info = data.info().map_err(|e| load_err(path.display(), e))?;
+    let kind = info.map_type().ok();
+    let mut wrong = Vec::new();
+    if kind != Some(spec.kind) {
+        wrong.push(format!("type {kind:?}, not {:?}", spec.kind));
+    }
+    if info.key_size() != spec.key {
+        wrong.push(format!("{}-byte keys, not {}", info.key_size(), spec.key));
+    }
+    if info.value_size() != spec.value {
+        wrong.push(format!("{}-byte values, not {}", info.value_size(), spec.value));
+    }
+    if info.map_flags() != spec.flags {
+        wrong.push(format!("flags {:#x}, not {:#x}", info.map_flags(), spec.flags));
+    }
+    if !wrong.is_empty() {
+        return Err(Error::Load(format!(
+            "map {} pinned at {} has {}: it was not made by this layout of svc. Nothing was \
+             changed; stop whatever made it, then `svc-agent uninstall --bpffs {}` (drops \
+             sessionAffinity state and reverse translation of open sockets) and start again",
+            spec.name,
+            path.display(),
+            wrong.join(", "),
+            path.parent().unwrap_or(path).display()
+        )));
+    }
+    if info.max_entries() != want_entries {
+        info!(
+            map = spec.name,
+            pinned = info.max_entries(),
+            wanted = want_entries,
+            "map capacity changed; migrating its entries to a new map"
+        );
+        return Ok(Pinned::Migrate(data));
+    }
+    Ok(Pinned::Adopt)
+}
+
+/// Copies every entry of `old` into `new`. `keep_newer`: entries `new` already has win
+/// (the kernel may have written them since the first copy).
+fn copy_hash<K, V>(
+    name: &'static str,
+    old: &MapData,
+    new: &mut HashMap<MapData, K, V>,
+    keep_newer: bool,
+) -> Result<usize>
+where
+    K: aya::Pod + bytemuck::Pod,
+    V: aya::Pod + bytemuck::Pod,
+{
+    let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd()).map_err(|e| Error::Map {
+        map: name,
+        message: format!("reading the old map: {e}"),
+    })?;
+    let flags = if keep_newer { 1 /* BPF_NOEXIST */ } else { 0 };
+    for (k, v) in &entries {
+        match new.insert(k, v, flags) {
+            Ok(()) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if keep_newer && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
+            {
+                return Err(Error::Load(format!(
+                    "map {name}: its {} entries do not fit in the capacity asked for; give a \
+                     larger one (see `svc-agent run --help`, the --max-* flags)",
+                    entries.len()
+                )))
+            }
+            Err(e) => return Err(crate::store::map_err(name, e)),
+        }
+    }
+    Ok(entries.len())
+}
+
+impl Datapath {
+    /// Takes ownership of `dir`, loads the programs and adopts (or creates, or migrates) the
+    /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
+    /// has changed but for a directory this call created.
+    pub fn open(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
+        let cgroup_id = check_cgroup(cgroup)?;
+        sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
+        own_dir(dir)?;
+        let (lock, dir_ino) = lock_dir(dir)?;
+        adopt_unversioned(dir);
+
+        let mut plans = Vec::new();
+        for spec in specs() {
+            let want = max_entries(spec.name, &capacity);
+            plans.push((spec.name, inspect_pin(&spec, &map_pin(dir, spec.name), want)?));
+        }
+        let mut loader = EbpfLoader::new();
+        let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
+            .iter()
+            .map(|name| (*name, map_pin(dir, name)))
+            .collect();
+        for (name, plan) in &plans {
+            if matches!(plan, Pinned::Adopt) {
+                let path = &pins.iter().find(|(n, _)| n == name).expect("every map").1;
+                loader.map_pin_path(name, path.as_path());
+            }
+            if let Some(n) = capacity.of(name) {
+                loader.map_max_entries(name, n);
+            }
+        }
+        let mut ebpf = loader
+            .load(OBJECT)
+            .map_err(|e| load_err("loading the eBPF object", e))?;
+        for name in PROGRAMS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or_else(|| load_err(name, "program missing from the object"))?
+                .try_into()
+                .map_err(|e| load_err(name, e))?;
+            prog.load().map_err(|e| load_err(name, e))?;
+        }
+        let mut store = store_from(&mut ebpf, capacity)?;
+
+        let mut staged = Vec::new();
+        for (name, plan) in plans {
+            match plan {
+                Pinned::Adopt => {}
+                Pinned::Create => {
+                    let path = map_pin(dir, name);
+                    store_map(&store, name)
+                        .pin(&path)
+                        .map_err(|e| load_err(path.display(), e))?;
+                }
+                Pinned::Migrate(old) => {
+                    let n = migrate(&mut store, name, &old, false)?;
+                    info!(map = name, entries = n, "copied into the resized map");
+                    let path = staged_pin(dir, name);
+                    let _ = std::fs::remove_file(&path);
+                    store_map(&store, name)
+                        .pin(&path)
+                        .map_err(|e| load_err(path.display(), e))?;
+                    staged.push(name);
+                }
+            }
+        }
+        Ok(Datapath {
+            dir: dir.to_path_buf(),
+            lock,
+            dir_ino,
+            ebpf,
+            store,
+            cgroup: cgroup.to_path_buf(),
+            cgroup_id,
+            attached: false,
+            staged,
+            obsolete: other_versions(dir),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `open` and `attach` at once, for tools that program the maps themselves.
+    pub fn open_attached(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
+        let mut dp = Datapath::open(dir, cgroup, capacity)?;
+        dp.attach()?;
+        Ok(dp)
+    }
+
+    pub fn is_attached(&self) -> bool {
+        self.attached
+    }
+
+    /// Whether every link is pinned (by us, or by a previous agent whose programs serve).
+    pub fn links_pinned(&self) -> bool {
+        PROGRAMS.iter().all(|p| link_pin(&self.dir, p).exists())
+    }
+
+    /// Attaches each program to the cgroup through a pinned link, or swaps it into the link
+    /// a previous agent pinned; then finishes migrations and removes pins of other layouts.
+    pub fn attach(&mut self) -> Result<()> {
+        let cgroup_file = File::open(&self.cgroup).map_err(|e| io_err(&self.cgroup, e))?;
+        for name in PROGRAMS {
+            self.attach_one(name, &cgroup_file, true)?;
+        }
+        self.attached = true;
+
+        // The new programs use the new maps now: entries the old programs wrote in the
+        // meantime are carried over, then the new maps take the pins.
+        for name in std::mem::take(&mut self.staged) {
+            let path = map_pin(&self.dir, name);
+            if let Ok(old) = MapData::from_pin(&path) {
+                if matches!(name, map_names::SOCK_REV | map_names::AFFINITY) {
+                    if let Err(e) = migrate(&mut self.store, name, &old, true) {
+                        warn!(map = name, "carrying over late entries: {e}");
+                    }
+                }
+            }
+            let staged = staged_pin(&self.dir, name);
+            std::fs::rename(&staged, &path).map_err(|e| io_err(&staged, e))?;
+            info!(map = name, "resized map in place");
+        }
+        for path in std::mem::take(&mut self.obsolete) {
+            match std::fs::remove_file(&path) {
+                Ok(()) => info!(pin = %path.display(), "removed a pin of another map layout"),
+                Err(e) => warn!("removing {}: {e}", path.display()),
+            }
+        }
+        Ok(())
+    }
+
+    fn attach_one(&mut self, name: &str, cgroup_file: &File, swap: bool) -> Result<()> {
+        let pin = link_pin(&self.dir, name);
+        let prog: &mut CgroupSockAddr = self
+            .ebpf
             .program_mut(name)
             .ok_or_else(|| load_err(name, "program missing from the object"))?
             .try_into()
             .map_err(|e| load_err(name, e))?;
-        prog.load().map_err(|e| load_err(name, e))?;
-        let pin = link_pin(dir, name);
         if pin.exists() {
             let link = sys::obj_get(&pin).map_err(|e| load_err(pin.display(), e))?;
-            let attached_to =
-                sys::link_cgroup_id(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
-            if attached_to != cgroup_id {
+            let (_, attached_to) =
+                sys::link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
+            if attached_to == self.cgroup_id {
+                if swap {
+                    let fd = prog.fd().map_err(|e| load_err(name, e))?;
+                    sys::link_update(link.as_fd(), fd.as_fd())
+                        .map_err(|e| load_err(pin.display(), e))?;
+                    info!(program = name, "replaced the program of the pinned link");
+                }
+                return Ok(());
+            }
+            if attached_to != 0 {
                 return Err(Error::Load(format!(
-                    "{} attaches to another cgroup (id {attached_to}, not {} with id {cgroup_id}); \
-                     run `svc-agent uninstall --bpffs {}` first",
+                    "{} attaches to another cgroup (id {attached_to}, not {} with id {}); run \
+                     `svc-agent uninstall --bpffs {}` first",
                     pin.display(),
-                    cgroup.display(),
-                    dir.display()
+                    self.cgroup.display(),
+                    self.cgroup_id,
+                    self.dir.display()
                 )));
             }
-            let fd = prog.fd().map_err(|e| load_err(name, e))?;
-            sys::link_update(link.as_fd(), fd.as_fd()).map_err(|e| load_err(pin.display(), e))?;
-            info!(program = name, "replaced the program of the pinned link");
-        } else {
-            // A bpf link takes no attach flags; links to one cgroup coexist with other links.
-            let id = prog
-                .attach(&cgroup_file, CgroupAttachMode::Single)
-                .map_err(|e| load_err(format!("attaching {name} to {}", cgroup.display()), e))?;
-            let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
-            let link = FdLink::try_from(link).map_err(|e| load_err(name, e))?;
-            link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
-            info!(program = name, cgroup = %cgroup.display(), "attached");
+            // Detached behind our back (its cgroup is gone, or someone detached it): replace.
+            std::fs::remove_file(&pin).map_err(|e| io_err(&pin, e))?;
         }
+        // A bpf link takes no attach flags; links to one cgroup coexist with other links.
+        let id = prog
+            .attach(cgroup_file, CgroupAttachMode::Single)
+            .map_err(|e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e))?;
+        let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
+        let link = FdLink::try_from(link).map_err(|e| load_err(name, e))?;
+        link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
+        info!(program = name, cgroup = %self.cgroup.display(), "attached");
+        Ok(())
     }
-    store_from(&mut ebpf)
+
+    /// Puts back what someone removed under the running agent: its directory, map pins,
+    /// links. Returns what was repaired, in words; errors are what could not be.
+    pub fn repair(&mut self) -> (Vec<String>, Vec<Error>) {
+        let mut repaired = Vec::new();
+        let mut errors = Vec::new();
+        let same_dir = std::fs::metadata(&self.dir).is_ok_and(|m| m.ino() == self.dir_ino);
+        if !same_dir {
+            match own_dir(&self.dir).and_then(|()| lock_dir(&self.dir)) {
+                Ok((lock, ino)) => {
+                    self.lock = lock;
+                    self.dir_ino = ino;
+                    repaired.push(format!("directory {}", self.dir.display()));
+                }
+                Err(e) => {
+                    errors.push(e);
+                    return (repaired, errors);
+                }
+            }
+        }
+        for name in map_names::ALL {
+            let path = map_pin(&self.dir, name);
+            if path.exists() || self.staged.contains(&name) {
+                continue;
+            }
+            match store_map(&self.store, name).pin(&path) {
+                Ok(()) => repaired.push(format!("map pin {}", path.display())),
+                Err(e) => errors.push(load_err(path.display(), e)),
+            }
+        }
+        if self.attached {
+            let cgroup_file = match File::open(&self.cgroup) {
+                Ok(f) => f,
+                Err(e) => {
+                    errors.push(io_err(&self.cgroup, e));
+                    return (repaired, errors);
+                }
+            };
+            for name in PROGRAMS {
+                let pin = link_pin(&self.dir, name);
+                let healthy = pin.exists()
+                    && sys::obj_get(&pin)
+                        .and_then(|l| sys::link_info(l.as_fd()))
+                        .is_ok_and(|(_, cg)| cg == self.cgroup_id);
+                if healthy {
+                    continue;
+                }
+                match self.attach_one(name, &cgroup_file, false) {
+                    Ok(()) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
+        }
+        (repaired, errors)
+    }
 }
 
-fn store_from(ebpf: &mut Ebpf) -> Result<BpfStore> {
+fn store_map<'a>(store: &'a BpfStore, name: &str) -> &'a MapData {
+    match name {
+        map_names::SERVICES => store.services.map(),
+        map_names::SLOTS => store.slots.map(),
+        map_names::BACKENDS => store.backends.map(),
+        map_names::REV_NAT => store.rev_nat.map(),
+        map_names::NAMES => store.names.map(),
+        map_names::AFFINITY => store.affinity.map(),
+        map_names::SOCK_REV => store.sock_rev.map(),
+        map_names::STATS => store.stats.map(),
+        _ => store.meta.map(),
+    }
+}
+
+/// Copies a migrated map's entries into the new one.
+fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) -> Result<usize> {
+    match name {
+        map_names::SERVICES => copy_hash(name, old, &mut store.services, late),
+        map_names::SLOTS => copy_hash(name, old, &mut store.slots, late),
+        map_names::BACKENDS => copy_hash(name, old, &mut store.backends, late),
+        map_names::REV_NAT => copy_hash(name, old, &mut store.rev_nat, late),
+        map_names::NAMES => copy_hash(name, old, &mut store.names, late),
+        map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
+        map_names::SOCK_REV => copy_hash(name, old, &mut store.sock_rev, late),
+        map_names::STATS => {
+            let old: PerCpuArray<MapData, u64> =
+                PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let n = old.len().min(store.stats.len());
+            for i in 0..n {
+                if let Ok(v) = old.get(&i, 0) {
+                    let _ = store.stats.set(i, v, 0);
+                }
+            }
+            Ok(n as usize)
+        }
+        _ => Ok(0),
+    }
+}
+
+fn clone_map(m: &MapData) -> Result<MapData> {
+    let fd = m
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::Load(format!("duplicating a map descriptor: {e}")))?;
+    MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
+}
+
+fn store_from(ebpf: &mut Ebpf, capacity: Capacity) -> Result<BpfStore> {
     let mut take = |name: &'static str| {
         ebpf.take_map(name)
             .ok_or_else(|| load_err(name, "map missing from the object"))
     };
-    build_store(&mut take)
+    build_store(&mut take, capacity)
 }
 
-fn build_store(take: &mut dyn FnMut(&'static str) -> Result<Map>) -> Result<BpfStore> {
+fn build_store(
+    take: &mut dyn FnMut(&'static str) -> Result<Map>,
+    capacity: Capacity,
+) -> Result<BpfStore> {
     fn hash<K: aya::Pod, V: aya::Pod>(
         take: &mut dyn FnMut(&'static str) -> Result<Map>,
         name: &'static str,
@@ -153,19 +676,36 @@ fn build_store(take: &mut dyn FnMut(&'static str) -> Result<Map>) -> Result<BpfS
         rev_nat: hash(take, map_names::REV_NAT)?,
         names: hash(take, map_names::NAMES)?,
         affinity: hash(take, map_names::AFFINITY)?,
+        sock_rev: hash(take, map_names::SOCK_REV)?,
+        meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
         stats: PerCpuArray::try_from(take(map_names::STATS)?)
             .map_err(|e| load_err(map_names::STATS, e))?,
-        capacity: capacities(),
+        capacity,
     })
 }
 
-/// Opens the maps pinned under `dir`, for listing; loads and attaches nothing.
+/// Opens the maps pinned under `dir`, for listing; loads and attaches nothing, takes no lock.
 pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
-    build_store(&mut |name| pinned(dir, name))
+    let mut capacity = Capacity::default();
+    for name in map_names::ALL {
+        if let Ok(info) = MapData::from_pin(map_pin(dir, name)).and_then(|m| m.info()) {
+            match name {
+                map_names::SERVICES => capacity.services = info.max_entries(),
+                map_names::SLOTS => capacity.slots = info.max_entries(),
+                map_names::BACKENDS => capacity.backends = info.max_entries(),
+                map_names::REV_NAT => capacity.rev_nat = info.max_entries(),
+                map_names::NAMES => capacity.names = info.max_entries(),
+                map_names::SOCK_REV => capacity.sock_rev = info.max_entries(),
+                map_names::AFFINITY => capacity.affinity = info.max_entries(),
+                _ => {}
+            }
+        }
+    }
+    build_store(&mut |name| pinned(dir, name), capacity)
 }
 
 fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
-    let path = dir.join(name);
+    let path = map_pin(dir, name);
     let data = MapData::from_pin(&path).map_err(|e| {
         load_err(
             path.display(),
@@ -175,28 +715,22 @@ fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
     Map::from_map_data(data).map_err(|e| load_err(name, e))
 }
 
-/// The cgroup v2 id of a cgroup directory is its inode number.
-fn cgroup_id(cgroup: &Path) -> Result<u64> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(cgroup)
-        .map(|m| m.ino())
-        .map_err(|source| Error::Io {
-            path: cgroup.to_path_buf(),
-            source,
-        })
-}
-
 /// Removes every link and map pin under `dir`, then `dir`. Unpinning a link that no process
-/// holds detaches its program; unpinning a map that no program uses frees it.
+/// holds detaches its program; unpinning a map that no program uses frees it. Refuses while
+/// an agent owns the directory.
 pub fn uninstall(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     if !dir.exists() {
         return Ok(removed);
     }
-    let names = PROGRAMS
+    let (_lock, _) = lock_dir(dir)?;
+    let mut names: Vec<PathBuf> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
-        .chain(map_names::ALL.iter().map(|m| dir.join(m)));
+        .chain(map_names::ALL.iter().map(|m| map_pin(dir, m)))
+        .chain(map_names::ALL.iter().map(|m| staged_pin(dir, m)))
+        .collect();
+    names.extend(other_versions(dir));
     for path in names {
         match std::fs::remove_file(&path) {
             Ok(()) => removed.push(path),

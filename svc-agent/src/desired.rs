@@ -35,6 +35,11 @@ impl Desired {
         Desired { state, by_owner }
     }
 
+    /// The frontends Service `owner` ("namespace/name") contributes.
+    pub fn frontends_of(&self, owner: &str) -> &[Frontend] {
+        self.by_owner.get(owner).map(Vec::as_slice).unwrap_or_default()
+    }
+
     /// Replaces everything `owners` contributed with `translated` (a translation of exactly
     /// those Services). Returns the frontends whose desired state may have changed, and an
     /// error for each frontend another Service already holds (the holder keeps it).

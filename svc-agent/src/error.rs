@@ -39,6 +39,14 @@ pub enum Error {
     #[error("loading eBPF programs: {0}")]
     Load(String),
 
+    /// Another process owns the bpffs directory.
+    #[error(
+        "{} is in use by {holder}: one svc-agent serves a directory at a time; stop it first \
+         (or give this one another --bpffs)",
+        dir.display()
+    )]
+    Locked { dir: PathBuf, holder: String },
+
     #[error("{0}")]
     Other(String),
 }
@@ -54,6 +62,7 @@ impl Error {
             Error::MapFull { .. } => "map_full",
             Error::Netns { .. } => "netns",
             Error::Load(_) => "load",
+            Error::Locked { .. } => "locked",
             Error::Other(_) => "other",
         }
     }

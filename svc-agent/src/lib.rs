@@ -13,5 +13,6 @@ pub mod store;
 pub mod sync;
 pub mod sys;
 pub mod translate;
+pub mod verify;
 
 pub use error::{Error, Result};

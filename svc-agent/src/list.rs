@@ -8,8 +8,8 @@ use serde::Serialize;
 use svc_common::svc_flags;
 
 use crate::error::Result;
-use crate::store::BpfStore;
-use crate::sync::Programmed;
+use crate::store::{BpfStore, Store};
+use crate::sync::{Programmed, Retiring, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
 pub struct Listing {
@@ -35,7 +35,7 @@ pub struct ListedFrontend {
 
 pub fn read(store: &BpfStore) -> Result<Listing> {
     let snap = store.snapshot()?;
-    let p = Programmed::recover(&snap);
+    let p = Programmed::recover(&snap, store.capacity, DEFAULT_GRACE, Retiring::default());
     let services = p
         .frontends
         .iter()

@@ -67,6 +67,31 @@ enum Command {
         /// milliseconds.
         #[arg(long, default_value_t = 5)]
         coalesce_ms: u64,
+        /// The API server's own address (https://HOST:PORT), replacing the configured one. In
+        /// a cluster without kube-proxy the in-cluster address is a ClusterIP that only svc
+        /// serves, so a node that boots with empty pins needs this (as Cilium's
+        /// k8sServiceHost/k8sServicePort).
+        #[arg(long, env = "SVC_K8S_API_SERVER")]
+        k8s_api_server: Option<String>,
+        /// The cluster's Service IP ranges (CIDRs, comma separated): an API server address in
+        /// them that nothing serves yet is reported at start instead of retried forever.
+        #[arg(long, value_delimiter = ',')]
+        service_cidr: Vec<kube::Cidr>,
+        #[command(flatten)]
+        capacity: CapacityArgs,
+        /// How long entries a change made unreachable (old backend sets, removed frontends'
+        /// entries) stay before deletion, for connect() calls that read them just before, in
+        /// milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        retire_grace_ms: u64,
+        /// How often the maps are read back and compared with what should be programmed
+        /// (drift is repaired), in seconds.
+        #[arg(long, default_value_t = 60)]
+        reconcile_interval_s: u64,
+        /// How often pinned maps and links are checked (and put back if removed), in
+        /// milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        check_interval_ms: u64,
     },
     /// Print each service frontend with its backends, from the pinned maps.
     List {
@@ -83,6 +108,54 @@ enum Command {
         #[arg(long)]
         cgroup: Option<PathBuf>,
     },
+}
+
+/// Map capacities (max_entries). Hash maps allocate entries as they are used; their bucket
+/// arrays (about 16 bytes per entry of capacity) and the LRU maps are allocated in full. A
+/// pinned map of another capacity is migrated into one of the new size at start.
+#[derive(clap::Args)]
+struct CapacityArgs {
+    /// Frontends plus ClusterIPs (also sizes the reverse-NAT and names maps).
+    #[arg(long, default_value_t = svc_common::capacity::SERVICES)]
+    max_services: u32,
+    /// Backend slots, over all frontends (a changed backend set needs room for the old and
+    /// the new set during the grace period).
+    #[arg(long, default_value_t = svc_common::capacity::SLOTS)]
+    max_slots: u32,
+    /// Distinct backends (address, port, protocol).
+    #[arg(long, default_value_t = svc_common::capacity::BACKENDS)]
+    max_backends: u32,
+    /// sessionAffinity entries (client, frontend); LRU.
+    #[arg(long, default_value_t = svc_common::capacity::AFFINITY)]
+    max_affinity: u32,
+    /// Per-socket reverse translations; LRU.
+    #[arg(long, default_value_t = svc_common::capacity::SOCK_REV)]
+    max_sock_rev: u32,
+}
+
+impl CapacityArgs {
+    fn capacity(&self) -> anyhow::Result<svc_agent::store::Capacity> {
+        for (flag, v) in [
+            ("--max-services", self.max_services),
+            ("--max-slots", self.max_slots),
+            ("--max-backends", self.max_backends),
+            ("--max-affinity", self.max_affinity),
+            ("--max-sock-rev", self.max_sock_rev),
+        ] {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        Ok(svc_agent::store::Capacity {
+            services: self.max_services,
+            slots: self.max_slots,
+            backends: self.max_backends,
+            rev_nat: self.max_services,
+            names: self.max_services,
+            sock_rev: self.max_sock_rev,
+            affinity: self.max_affinity,
+        })
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -107,6 +180,12 @@ fn main() -> anyhow::Result<()> {
             health_timeout_s,
             poll_ms,
             coalesce_ms,
+            k8s_api_server,
+            service_cidr,
+            capacity,
+            retire_grace_ms,
+            reconcile_interval_s,
+            check_interval_ms,
         } => {
             let from_api = manifests.is_none();
             let defaults = |given: Option<SocketAddr>, default: &str, port| {
@@ -134,6 +213,13 @@ fn main() -> anyhow::Result<()> {
                 .flatten()
                 .collect(),
                 health_timeout: Duration::from_secs(health_timeout_s),
+                capacity: capacity.capacity()?,
+                upkeep: agent::Upkeep {
+                    grace: Duration::from_millis(retire_grace_ms),
+                    reconcile_every: Duration::from_secs(reconcile_interval_s.max(1)),
+                    check_every: Duration::from_millis(check_interval_ms.max(10)),
+                    ..Default::default()
+                },
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -156,6 +242,8 @@ fn main() -> anyhow::Result<()> {
                         node_name,
                         service_proxy_name,
                         coalesce: Duration::from_millis(coalesce_ms),
+                        api_server: k8s_api_server,
+                        service_cidrs: service_cidr,
                     };
                     rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
                 }

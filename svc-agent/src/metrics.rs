@@ -85,6 +85,19 @@ struct Inner {
     last_synced: Option<Timestamp>,
     /// Since when a change has waited to be programmed.
     queued_since: Option<Instant>,
+    /// Services that could not be programmed (left as they were), retried with backoff.
+    failing: Vec<String>,
+    /// Entries waiting out their grace period before deletion.
+    retiring: usize,
+    attached: bool,
+    /// Pins or links put back after someone removed them, by what.
+    repairs: BTreeMap<&'static str, u64>,
+    /// The last repair attempt left the datapath incomplete.
+    datapath_broken: bool,
+    /// Map entries rewritten because the maps differed from what was programmed.
+    drift_ops: u64,
+    /// The sync loop's last turn.
+    alive: Option<Instant>,
 }
 
 /// Shared between the sync loop, which records, and the HTTP server, which reads.
@@ -97,6 +110,14 @@ pub struct Metrics {
     health_timeout: Duration,
 }
 
+/// What /healthz says.
+#[derive(Debug)]
+pub struct Health {
+    pub ok: bool,
+    pub last_synced: Option<Timestamp>,
+    pub problems: Vec<String>,
+}
+
 /// What the sync loop reports after a sync.
 #[derive(Debug, Default, Clone)]
 pub struct Programmed {
@@ -104,6 +125,10 @@ pub struct Programmed {
     pub backends: usize,
     pub cluster_ips: usize,
     pub maps: Vec<(&'static str, usize, u32)>,
+    /// Services that could not be programmed.
+    pub failing: Vec<String>,
+    pub retiring: usize,
+    pub attached: bool,
 }
 
 impl Metrics {
@@ -121,6 +146,13 @@ impl Metrics {
                 maps: BTreeMap::new(),
                 last_synced: None,
                 queued_since: None,
+                failing: Vec::new(),
+                retiring: 0,
+                attached: false,
+                repairs: BTreeMap::new(),
+                datapath_broken: false,
+                drift_ops: 0,
+                alive: None,
             }),
             bpffs,
             health_timeout,
@@ -153,14 +185,44 @@ impl Metrics {
         let mut i = self.lock();
         i.syncs += 1;
         i.sync_seconds.observe(took.as_secs_f64());
+        i.last_synced = Some(Timestamp::now());
+        // A change that failed has not landed: it keeps waiting.
+        if state.failing.is_empty() {
+            i.queued_since = None;
+        }
+        drop(i);
+        self.state(state);
+    }
+
+    /// What is programmed now (after a sync or upkeep).
+    pub fn state(&self, state: Programmed) {
+        let mut i = self.lock();
         i.frontends = state.frontends;
         i.backends = state.backends;
         i.cluster_ips = state.cluster_ips;
         for (name, used, cap) in state.maps {
             i.maps.insert(name, (used, cap));
         }
-        i.last_synced = Some(Timestamp::now());
-        i.queued_since = None;
+        i.failing = state.failing;
+        i.retiring = state.retiring;
+        i.attached = state.attached;
+    }
+
+    /// The sync loop took a turn.
+    pub fn alive(&self) {
+        self.lock().alive = Some(Instant::now());
+    }
+
+    pub fn repaired(&self, what: &'static str) {
+        *self.lock().repairs.entry(what).or_default() += 1;
+    }
+
+    pub fn datapath_broken(&self, broken: bool) {
+        self.lock().datapath_broken = broken;
+    }
+
+    pub fn drift(&self, ops: usize) {
+        self.lock().drift_ops += ops as u64;
     }
 
     /// From the agent receiving an event to the datapath reflecting it.
@@ -175,13 +237,57 @@ impl Metrics {
     }
 
     /// kube-proxy's rule: healthy unless a change has waited longer than the timeout, and
-    /// never before the first sync.
-    pub fn healthy(&self) -> (bool, Option<Timestamp>) {
+    /// never before the first sync; and healthy means the datapath matches the source, so
+    /// also not while a Service cannot be programmed or the datapath is not attached whole.
+    pub fn health(&self) -> Health {
         let i = self.lock();
         let waiting_too_long = i
             .queued_since
             .is_some_and(|t| t.elapsed() > self.health_timeout);
-        (i.last_synced.is_some() && !waiting_too_long, i.last_synced)
+        let mut problems = Vec::new();
+        if i.last_synced.is_none() {
+            problems.push("not synced yet".to_string());
+        }
+        if waiting_too_long {
+            problems.push(format!(
+                "a change has waited more than {}s",
+                self.health_timeout.as_secs()
+            ));
+        }
+        if !i.failing.is_empty() {
+            let mut names = i.failing.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+            if i.failing.len() > 5 {
+                names.push_str(", ...");
+            }
+            problems.push(format!(
+                "{} Services cannot be programmed: {names}",
+                i.failing.len()
+            ));
+        }
+        if i.last_synced.is_some() && !i.attached {
+            problems.push("programs not attached".into());
+        }
+        if i.datapath_broken {
+            problems.push("pins or links missing and not repaired".into());
+        }
+        Health {
+            ok: problems.is_empty(),
+            last_synced: i.last_synced,
+            problems,
+        }
+    }
+
+    /// Whether the agent's loop still turns (for /livez): a stuck loop is worth a restart, a
+    /// Service that does not fit is not.
+    pub fn live(&self) -> bool {
+        let i = self.lock();
+        i.alive
+            .is_none_or(|t| t.elapsed() <= self.health_timeout.max(Duration::from_secs(10)))
+    }
+
+    pub fn healthy(&self) -> (bool, Option<Timestamp>) {
+        let h = self.health();
+        (h.ok, h.last_synced)
     }
 
     pub fn render(&self) -> String {
@@ -240,6 +346,29 @@ impl Metrics {
             for (m, (_, cap)) in &i.maps {
                 let _ = writeln!(out, "svc_map_capacity{{map=\"{m}\"}} {cap}");
             }
+            gauge(
+                &mut out,
+                "svc_services_failing",
+                "Services that could not be programmed and are retried with backoff.",
+                i.failing.len(),
+            );
+            gauge(
+                &mut out,
+                "svc_entries_retiring",
+                "Entries made unreachable, deleted after their grace period.",
+                i.retiring,
+            );
+            gauge(
+                &mut out,
+                "svc_datapath_attached",
+                "1 when the programs are attached.",
+                usize::from(i.attached),
+            );
+            let _ = writeln!(out, "# HELP svc_datapath_repairs_total Pins or links found missing and put back.\n# TYPE svc_datapath_repairs_total counter");
+            for (k, v) in &i.repairs {
+                let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
+            }
+            let _ = writeln!(out, "# HELP svc_drift_repaired_ops_total Map writes that repaired a difference between the maps and what was programmed.\n# TYPE svc_drift_repaired_ops_total counter\nsvc_drift_repaired_ops_total {}", i.drift_ops);
         }
         match crate::datapath::read_stats(&self.bpffs) {
             Ok(stats) => {
@@ -288,11 +417,13 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
             &metrics.render(),
         ),
         "/healthz" | "/livez" => {
-            let (ok, last) = metrics.healthy();
-            let last = last.map(|t| t.to_string()).unwrap_or_default();
+            let h = metrics.health();
+            let ok = if path == "/livez" { metrics.live() } else { h.ok };
+            let last = h.last_synced.map(|t| t.to_string()).unwrap_or_default();
             let body = format!(
-                "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": true}}",
-                Timestamp::now()
+                "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": true,\"problems\": {}}}",
+                Timestamp::now(),
+                serde_json::to_string(&h.problems).unwrap_or_else(|_| "[]".into())
             );
             let status = if ok {
                 "200 OK"
@@ -305,7 +436,7 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
     }
 }
 
-/// Serves the paths of `port` until the task is dropped.
+/// Serves /metrics and /healthz until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
     loop {
         let (mut conn, peer) = match listener.accept().await {
@@ -368,20 +499,40 @@ mod tests {
     fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_millis(20));
         assert!(!m.healthy().0);
-        m.synced(Duration::from_millis(1), Programmed::default());
+        m.synced(Duration::from_millis(1), Programmed { attached: true, ..Default::default() });
         assert!(m.healthy().0);
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
         assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
-        m.synced(Duration::from_millis(1), Programmed::default());
+        m.synced(Duration::from_millis(1), Programmed { attached: true, ..Default::default() });
         assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        // A Service that cannot be programmed makes the node unhealthy at once, and says
+        // which; /livez stays up (a restart would not help).
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                failing: vec!["ns/big".into()],
+                ..Default::default()
+            },
+        );
+        let reply = answer(&m, Port::Health, "/healthz");
+        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.contains("ns/big"), "{reply}");
+        assert!(answer(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
     }
 
     #[test]
     fn the_health_port_answers_health_only_and_the_metrics_port_everything() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(Duration::from_millis(1), Programmed::default());
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
         let status = |port, path| answer(&m, port, path)[..12].to_string();
         for path in ["/healthz", "/livez"] {
             assert_eq!(status(Port::Health, path), "HTTP/1.1 200", "{path}");
@@ -399,7 +550,13 @@ mod tests {
     async fn serve_keeps_metrics_off_the_health_listener() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(Duration::from_millis(1), Programmed::default());
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
         let get = |addr: SocketAddr, path: &'static str| async move {
             let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
             c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
@@ -432,6 +589,7 @@ mod tests {
                 backends: 3,
                 cluster_ips: 1,
                 maps: vec![("SVC_SERVICES", 3, 100)],
+                ..Default::default()
             },
         );
         m.error_kind("manifest");

@@ -9,7 +9,7 @@
 //! padding included, so a key compares equal exactly when its fields do.
 #![no_std]
 
-/// Names of the maps, as pinned under the agent's bpffs directory.
+/// Names of the maps, as the object declares them (and `bpftool map show` prints them).
 pub mod map_names {
     pub const SERVICES: &str = "SVC_SERVICES";
     pub const SLOTS: &str = "SVC_SLOTS";
@@ -19,16 +19,46 @@ pub mod map_names {
     pub const AFFINITY: &str = "SVC_AFFINITY";
     pub const STATS: &str = "SVC_STATS";
     pub const NAMES: &str = "SVC_NAMES";
-    pub const ALL: [&str; 8] = [
-        SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS, NAMES,
+    pub const META: &str = "SVC_META";
+    pub const ALL: [&str; 9] = [
+        SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS, NAMES, META,
     ];
 }
 
-/// Default capacities. The agent may raise them at load time; these sizes hold 100,000 services.
+/// Layout version of each map: part of its pin name (`SVC_SERVICES_v1`), so an agent never
+/// adopts a pinned map whose keys or values it would misread. Bump a map's version whenever
+/// its key, value or type changes; the agent then builds the new map beside the old one and
+/// fills it before its programs switch over.
+pub mod layout {
+    use super::map_names::*;
+    pub const VERSIONS: [(&str, u32); 9] = [
+        (SERVICES, 1),
+        (SLOTS, 1),
+        (BACKENDS, 1),
+        (REV_NAT, 1),
+        (SOCK_REV, 1),
+        (AFFINITY, 1),
+        (STATS, 1),
+        (NAMES, 1),
+        (META, 1),
+    ];
+
+    /// The layout version of `map`; 0 for a name that is not one of ours.
+    pub fn version(map: &str) -> u32 {
+        VERSIONS
+            .iter()
+            .find(|(name, _)| *name == map)
+            .map_or(0, |(_, v)| *v)
+    }
+}
+
+/// Default capacities (max_entries); the agent sets its own from flags at load time. Sized for
+/// at least 50,000 Services of 10 endpoints each, with room for a changed backend set's new
+/// slots to coexist with the old ones until those are retired.
 pub mod capacity {
     pub const SERVICES: u32 = 262_144;
-    pub const SLOTS: u32 = 524_288;
-    pub const BACKENDS: u32 = 262_144;
+    pub const SLOTS: u32 = 1_048_576;
+    pub const BACKENDS: u32 = 1_048_576;
     pub const REV_NAT: u32 = 262_144;
     pub const SOCK_REV: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
@@ -198,6 +228,20 @@ pub struct AffinityValue {
     pub _pad0: u32,
 }
 
+/// The one entry of `META`: the agent's own bookkeeping, which must outlive the agent. The
+/// programs never read it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MetaValue {
+    /// Frontend ids below this may have been handed out (host order): a new agent starts
+    /// above it, so an id never names two frontends, even across crashes.
+    pub frontend_id_hwm: u32,
+    /// The same for backend ids.
+    pub backend_id_hwm: u32,
+    pub _reserved: [u32; 6],
+}
+
 /// Indexes of the per-CPU `STATS` array: what the socket programs decided, for metrics and for
 /// explaining a flow. Numbered once, never renumbered.
 pub mod stat {
@@ -215,7 +259,9 @@ pub mod stat {
     pub const REV_TRANSLATED: u32 = 5;
     /// A per-socket reverse entry could not be stored.
     pub const ERR_SOCK_REV_UPDATE: u32 = 6;
-    pub const COUNT: u32 = 8;
+    /// A slot or backend was missing on the first try and the frontend was read again.
+    pub const RETRIED_MISSING_ENTRY: u32 = 7;
+    pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_backend",
@@ -224,6 +270,14 @@ pub mod stat {
         "affinity_hit",
         "rev_translated",
         "err_sock_rev_update",
+        "retried_missing_entry",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
+        "reserved",
         "reserved",
     ];
 }
@@ -260,6 +314,7 @@ mod pod {
     unsafe impl aya::Pod for SockRevValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for MetaValue {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -280,6 +335,7 @@ mod tests {
         assert_eq!(size_of::<SockRevValue>(), 24);
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
+        assert_eq!(size_of::<MetaValue>(), 32);
     }
 
     #[test]

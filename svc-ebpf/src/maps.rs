@@ -2,12 +2,12 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use svc_common::{
-    capacity, stat, AffinityKey, AffinityValue, Backend, BackendId, RevNatValue, ServiceKey,
-    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
+    capacity, stat, AffinityKey, AffinityValue, Backend, BackendId, MetaValue, RevNatValue,
+    ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -49,6 +49,11 @@ pub static SVC_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFI
 #[btf_map]
 pub static SVC_NAMES: HashMap<u32, ServiceName, { capacity::NAMES as usize }, NO_PREALLOC> =
     HashMap::new();
+
+/// The agent's bookkeeping that must survive it (id high-water marks); never read here, but
+/// declared here so it is created, typed and pinned with the rest.
+#[btf_map]
+pub static SVC_META: Array<MetaValue, 1> = Array::new();
 
 #[btf_map]
 pub static SVC_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();

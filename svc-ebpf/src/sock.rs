@@ -116,9 +116,19 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family) -> Result<(), i32> {
         refused => return Err(refuse(refused)),
     }
     let mut backend = Backend::default();
-    match lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend) {
-        lb::FOUND => {}
-        refused => return Err(refuse(refused)),
+    let mut outcome = lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend);
+    if outcome == stat::ERR_MISSING_ENTRY {
+        // The agent switched this frontend to a new generation between our two lookups (it
+        // retires the old one only after a grace period, so this is rare): read it again once.
+        count(stat::RETRIED_MISSING_ENTRY);
+        outcome = match lb::lookup(&key, &mut svc) {
+            lb::FOUND => lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend),
+            lb::NOT_SERVICE => return Ok(()),
+            refused => refused,
+        };
+    }
+    if outcome != lb::FOUND {
+        return Err(refuse(outcome));
     }
     let to = SockAddr {
         addr: backend.addr,

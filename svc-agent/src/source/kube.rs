@@ -7,6 +7,7 @@
 //! the last programmed state serving; the watchers retry with backoff.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,53 @@ pub struct KubeOptions {
     pub service_proxy_name: Option<String>,
     /// How long a burst of events may keep arriving before the affected Services are synced.
     pub coalesce: Duration,
+    /// The API server's own address (https://HOST:PORT), instead of the configuration's:
+    /// in a cluster, the configured one is the `kubernetes` Service's ClusterIP, which only
+    /// svc itself serves once kube-proxy is gone.
+    pub api_server: Option<String>,
+    /// The cluster's Service ranges: an API server address in them needs svc to reach.
+    pub service_cidrs: Vec<Cidr>,
+}
+
+/// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
+        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= max)
+            .ok_or_else(|| format!("{s:?}: the prefix must be 0-{max}"))?;
+        Ok(Cidr { addr, prefix })
+    }
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let bits = |ip: IpAddr| -> u128 {
+            match ip {
+                IpAddr::V4(v4) => u32::from(v4) as u128,
+                IpAddr::V6(v6) => u128::from(v6),
+            }
+        };
+        if self.addr.is_ipv4() != ip.is_ipv4() {
+            return false;
+        }
+        let width = if ip.is_ipv4() { 32 } else { 128 };
+        let shift = width - self.prefix as u32;
+        shift >= width || (bits(ip) >> shift) == (bits(self.addr) >> shift)
+    }
 }
 
 /// kube-proxy's selection: Services (and their slices) that are not headless and belong to
@@ -52,7 +100,17 @@ pub fn label_selector(service_proxy_name: Option<&str>) -> String {
 }
 
 pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client> {
-    let config = match kubeconfig {
+    let config = config(kubeconfig, None).await?;
+    Client::try_from(config).map_err(|e| Error::Other(format!("Kubernetes client: {e}")))
+}
+
+/// The client configuration: `kubeconfig`, else in-cluster, else $KUBECONFIG and
+/// ~/.kube/config; with `api_server`, that address replaces the configured one.
+pub async fn config(
+    kubeconfig: Option<&std::path::Path>,
+    api_server: Option<&str>,
+) -> Result<kube::Config> {
+    let mut config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::Io {
                 path: path.to_path_buf(),
@@ -66,7 +124,56 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client> {
             .await
             .map_err(|e| Error::Other(format!("no Kubernetes configuration: {e}")))?,
     };
-    Client::try_from(config).map_err(|e| Error::Other(format!("Kubernetes client: {e}")))
+    if let Some(url) = api_server {
+        config.cluster_url = url
+            .parse()
+            .map_err(|e| Error::Other(format!("--k8s-api-server {url:?}: {e}")))?;
+    }
+    Ok(config)
+}
+
+/// Why the API server at `url` can only be reached through a Service address, if it can.
+fn service_address_reason(host: IpAddr, cidrs: &[Cidr]) -> Option<String> {
+    if std::env::var("KUBERNETES_SERVICE_HOST")
+        .ok()
+        .and_then(|h| h.parse::<IpAddr>().ok())
+        == Some(host)
+    {
+        return Some("the `kubernetes` Service's ClusterIP ($KUBERNETES_SERVICE_HOST)".into());
+    }
+    cidrs
+        .iter()
+        .find(|c| c.contains(host))
+        .map(|c| format!("in the Service range {}/{}", c.addr, c.prefix))
+}
+
+/// The agent is what serves ClusterIPs: an API server address that is one cannot be reached
+/// before the agent serves it, which after a reboot (empty pins) or on a new node it never
+/// does. Says so at once instead of retrying forever.
+fn check_api_server(url: &str, host: Option<&str>, port: u16, agent: &Agent, cidrs: &[Cidr]) -> Result<()> {
+    let Some(ip) = host
+        .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+        .and_then(|h| h.parse::<IpAddr>().ok())
+    else {
+        return Ok(());
+    };
+    let Some(reason) = service_address_reason(ip, cidrs) else {
+        return Ok(());
+    };
+    let fe = crate::model::Frontend {
+        ip,
+        port,
+        protocol: crate::model::Protocol::Tcp,
+    };
+    if agent.programmed().frontends.contains_key(&fe) && agent.links_pinned() {
+        warn!(
+            "the API server address {url} is {reason}; reachable only through the datapath a              previous svc-agent left pinned: set --k8s-api-server to the API server's own              address so a node with empty pins can start too"
+        );
+        return Ok(());
+    }
+    Err(Error::Other(format!(
+        "the API server address {url} is {reason}, which only svc serves on this node, and          nothing serves it yet (no pinned datapath: a reboot, or a new node). Give the API          server's own address with --k8s-api-server https://HOST:PORT (or $SVC_K8S_API_SERVER),          as for Cilium's k8sServiceHost/k8sServicePort"
+    )))
 }
 
 type Key = (String, String);
@@ -364,8 +471,15 @@ where
 
 /// Serves the Kubernetes API's Services until SIGTERM or SIGINT.
 pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
-    let client = client(opts.kubeconfig.as_deref()).await?;
+    let config = config(opts.kubeconfig.as_deref(), opts.api_server.as_deref()).await?;
+    let url = config.cluster_url.to_string();
+    let host = config.cluster_url.host().map(str::to_string);
+    let port = config.cluster_url.port_u16().unwrap_or(443);
+    let client =
+        Client::try_from(config).map_err(|e| Error::Other(format!("Kubernetes client: {e}")))?;
     let mut agent = agent::start(&cfg).await?;
+    check_api_server(&url, host.as_deref(), port, &agent, &opts.service_cidrs)?;
+    info!(api_server = %url, "watching the Kubernetes API");
 
     let selector = label_selector(opts.service_proxy_name.as_deref());
     let services = updates(
@@ -427,6 +541,9 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
                     eprintln!("svc-agent: ready");
                 }
             }
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(agent.next_deadline())) => {
+                agent.tick(Instant::now());
+            }
         }
     }
     info!("stopping; programs stay attached and maps pinned");
@@ -447,10 +564,11 @@ fn sync(agent: &mut Agent, cache: &mut Cache) {
     let dirty = std::mem::take(&mut cache.dirty);
     let parse_errors = std::mem::take(&mut cache.errors);
     let report = if std::mem::take(&mut cache.all_dirty) {
-        let mut translated = translate::assemble(
+        let mut translated = translate::assemble_with(
             cache.services.values().filter_map(|s| s.parsed.as_ref()),
             cache.slices.values().filter_map(|s| s.parsed.as_ref()),
             &agent.node,
+            agent.holders(),
         );
         translated.errors.splice(0..0, parse_errors);
         agent.apply_full(translated)
@@ -462,7 +580,13 @@ fn sync(agent: &mut Agent, cache: &mut Cache) {
         agent.apply_services(&owners, translated)
     };
     let now = Timestamp::now();
-    for t in cache.trigger_times(&dirty) {
+    // Only changes that landed have a programming latency; a failed one is retried.
+    let landed: BTreeSet<Key> = dirty
+        .iter()
+        .filter(|k| !report.failed.contains_key(&owner(k)))
+        .cloned()
+        .collect();
+    for t in cache.trigger_times(&landed) {
         if let Ok(d) = now.duration_since(t).try_into() {
             agent.metrics.programming_latency(d);
         }

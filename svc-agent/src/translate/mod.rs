@@ -153,10 +153,41 @@ pub fn parse_slice(
     endpoints::parse(slice, node.service_proxy_name(), errors).map(ParsedSlice)
 }
 
+/// Who serves each frontend now, so that a conflict leaves it with its current holder.
+pub trait Holders {
+    /// "namespace/name" of the Service programmed for `fe`, if any.
+    fn holder(&self, fe: &Frontend) -> Option<&str>;
+}
+
+/// No frontend is served yet.
+pub struct NoHolders;
+
+impl Holders for NoHolders {
+    fn holder(&self, _: &Frontend) -> Option<&str> {
+        None
+    }
+}
+
+impl Holders for crate::sync::Programmed {
+    fn holder(&self, fe: &Frontend) -> Option<&str> {
+        self.frontends.get(fe).map(|f| f.owner())
+    }
+}
+
 /// Turns Services and their EndpointSlices into the frontends this node should serve,
 /// following kube-proxy's semantics for ClusterIP traffic.
-#[instrument(skip_all, fields(services = services.len(), slices = slices.len(), node = ?node.node_name))]
 pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translated {
+    translate_with(services, slices, node, &NoHolders)
+}
+
+/// As `translate`, resolving frontend conflicts in favour of `holders`.
+#[instrument(skip_all, fields(services = services.len(), slices = slices.len(), node = ?node.node_name))]
+pub fn translate_with(
+    services: &[Service],
+    slices: &[EndpointSlice],
+    node: &NodeContext,
+    holders: &dyn Holders,
+) -> Translated {
     let mut errors = Vec::new();
 
     // Parsing everything up front reports each problem once, however many ports see it.
@@ -168,7 +199,7 @@ pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeCont
         .into_iter()
         .filter_map(|s| parse_slice(s, node, &mut errors))
         .collect();
-    let mut translated = assemble(&parsed_services, &parsed_slices, node);
+    let mut translated = assemble_with(&parsed_services, &parsed_slices, node, holders);
     errors.append(&mut translated.errors);
     translated.errors = errors;
     translated
@@ -182,6 +213,17 @@ pub fn assemble<'a>(
     slices: impl IntoIterator<Item = &'a ParsedSlice>,
     node: &NodeContext,
 ) -> Translated {
+    assemble_with(services, slices, node, &NoHolders)
+}
+
+/// As `assemble`, resolving frontend conflicts the way the API server would have: the Service
+/// that holds the frontend now keeps it, else the older Service, else the first by name.
+pub fn assemble_with<'a>(
+    services: impl IntoIterator<Item = &'a ParsedService>,
+    slices: impl IntoIterator<Item = &'a ParsedSlice>,
+    node: &NodeContext,
+    holders: &dyn Holders,
+) -> Translated {
     let mut errors = Vec::new();
     let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
     for ParsedSlice(slice) in slices {
@@ -190,17 +232,49 @@ pub fn assemble<'a>(
             .or_default()
             .push(slice);
     }
-    // Name order makes the result independent of input order: it decides frontend conflicts,
-    // and errors come out in a stable order. Slices of one Service are merged in name order
-    // for the same reason.
+    // Name order makes the result independent of input order: errors come out in a stable
+    // order, and slices of one Service are merged in name order.
     for list in slices_by_service.values_mut() {
         list.sort_by(|a, b| a.key.cmp(&b.key));
     }
     let mut services: Vec<&ServiceInfo> = services.into_iter().map(|s| &s.0).collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));
 
+    // Who gets each frontend claimed by more than one Service.
+    let mut claims: BTreeMap<Frontend, Vec<&ServiceInfo>> = BTreeMap::new();
+    for svc in &services {
+        for port in &svc.ports {
+            for &ip in &svc.cluster_ips {
+                let frontend = Frontend {
+                    ip,
+                    port: port.port,
+                    protocol: port.protocol,
+                };
+                claims.entry(frontend).or_default().push(svc);
+            }
+        }
+    }
+    let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
+    for (fe, claimants) in &claims {
+        if claimants.len() < 2 {
+            continue;
+        }
+        let holder = holders.holder(fe);
+        let winner = claimants
+            .iter()
+            .find(|s| holder.is_some_and(|h| h == s.key.to_string()))
+            .or_else(|| {
+                // Oldest first; a Service without a creation time (a manifest) counts as
+                // newest; name order (the order of `claimants`) breaks ties.
+                claimants
+                    .iter()
+                    .min_by_key(|s| (s.created.is_none(), s.created))
+            })
+            .expect("two claimants");
+        winners.insert(*fe, &winner.key);
+    }
+
     let mut state = DesiredState::default();
-    let mut owners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
     for svc in services {
         let slices = slices_by_service
             .get(&(svc.key.namespace.as_str(), svc.key.name.as_str()))
@@ -218,11 +292,11 @@ pub fn assemble<'a>(
                     port: port.port,
                     protocol: port.protocol,
                 };
-                if let Some(owner) = owners.get(&frontend) {
+                if let Some(winner) = winners.get(&frontend).filter(|w| **w != &svc.key) {
                     errors.push(invalid(
                         &svc.key.describe("Service"),
                         format!(
-                            "frontend {frontend} is already served by Service {owner}; skipped"
+                            "frontend {frontend} is already served by Service {winner}; skipped"
                         ),
                     ));
                     continue;
@@ -231,7 +305,6 @@ pub fn assemble<'a>(
                     endpoints::merge(slices, Family::of(ip), &port.name, port.protocol, node);
                 let backends = endpoints::select(&merged, svc.internal_local, node);
                 debug!(%frontend, service = %service_name, backends = backends.len(), "frontend");
-                owners.insert(frontend, &svc.key);
                 state.cluster_ips.insert(ip);
                 state.frontends.insert(
                     frontend,

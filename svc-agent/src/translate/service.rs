@@ -22,6 +22,9 @@ const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
 
 pub(super) struct ServiceInfo {
     pub key: ObjectKey,
+    /// metadata.creationTimestamp: of two Services claiming one frontend, the API server
+    /// would have refused the younger.
+    pub created: Option<k8s_openapi::jiff::Timestamp>,
     /// At most one address per family, in spec order.
     pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<ServicePortInfo>,
@@ -111,6 +114,7 @@ pub(super) fn parse(
     };
     Some(ServiceInfo {
         key,
+        created: meta.creation_timestamp.as_ref().map(|t| t.0),
         cluster_ips,
         ports,
         affinity_timeout_s,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
-use svc_agent::store::BpfStore;
+use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::Programmed;
 use svc_tests::{require_root, Report, Sandbox, Tools};
 
@@ -148,11 +148,17 @@ fn med(f: &[Figures]) -> Figures {
     }
 }
 
+/// A full sync, and the deletions it defers (as if the grace period had passed at once): what
+/// programming a state costs in all.
 fn apply(store: &mut BpfStore, p: &mut Programmed, desired: &DesiredState) -> Result<Duration> {
     let started = Instant::now();
     let report = p.apply(store, desired);
     if let Some(e) = report.errors.first() {
         bail!("programming the maps: {e} ({} errors)", report.errors.len());
+    }
+    let retired = p.retire_due(store, Instant::now() + Duration::from_secs(3600));
+    if let Some(e) = retired.errors.first() {
+        bail!("deleting retired entries: {e}");
     }
     Ok(started.elapsed())
 }
@@ -164,9 +170,19 @@ fn main() -> Result<()> {
     let backend = sb.backend("b1", 1, &[PORT])?;
     let direct = SocketAddr::new(IpAddr::V4(sb.backend_v4(1)), PORT);
     let bpffs = sb.bpffs()?;
-    let mut store = svc_agent::datapath::install(bpffs.path(), sb.cgroup().path())
-        .context("attaching the datapath")?;
-    let mut programmed = Programmed::recover(&store.snapshot()?);
+    let mut dp = svc_agent::datapath::Datapath::open_attached(
+        bpffs.path(),
+        sb.cgroup().path(),
+        Default::default(),
+    )
+    .context("attaching the datapath")?;
+    let store = &mut dp.store;
+    let mut programmed = Programmed::recover(
+        &store.snapshot()?,
+        store.capacity,
+        svc_agent::sync::DEFAULT_GRACE,
+        Default::default(),
+    );
     let bench = frontend(VIP, 80, "bench/target", vec![direct]);
 
     let one = state(vec![bench.clone()]);
@@ -177,7 +193,7 @@ fn main() -> Result<()> {
     let (mut load_time, mut resync_time) = (Duration::ZERO, Duration::ZERO);
     for round in 0..args.rounds {
         eprintln!("round {}/{}: 1 service", round + 1, args.rounds);
-        apply(&mut store, &mut programmed, &one)?;
+        apply(store, &mut programmed, &one)?;
         let (d, v) = compare(&sb, direct, &args)?;
         d1.push(d);
         v1.push(v);
@@ -187,9 +203,9 @@ fn main() -> Result<()> {
             args.rounds,
             args.services
         );
-        load_time = apply(&mut store, &mut programmed, &many)?;
+        load_time = apply(store, &mut programmed, &many)?;
         // A second pass over the same state must write nothing: the cost of a resync.
-        resync_time = apply(&mut store, &mut programmed, &many)?;
+        resync_time = apply(store, &mut programmed, &many)?;
         let (d, v) = compare(&sb, direct, &args)?;
         dn.push(d);
         vn.push(v);
@@ -205,7 +221,12 @@ fn main() -> Result<()> {
             .push(SocketAddr::new(IpAddr::V4(sb.backend_v4(2)), PORT));
     }
     let started = Instant::now();
-    let r = programmed.apply_scoped(&mut store, &changed, svc_agent::sync::Scope::Only(&scope));
+    let r = programmed.apply_scoped(
+        store,
+        &changed,
+        svc_agent::sync::Scope::Only(&scope),
+        Instant::now(),
+    );
     let one_change = started.elapsed();
     if !r.errors.is_empty() {
         bail!("incremental update: {:?}", r.errors);

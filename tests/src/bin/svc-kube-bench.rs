@@ -42,7 +42,7 @@ use kube::api::{ListParams, ObjectList, PostParams};
 use kube::{Api, Client};
 use svc_agent::model::{Frontend, Protocol};
 use svc_agent::source::kube::{label_selector, SERVICE_NAME_LABEL, TRIGGER_TIME_ANNOTATION};
-use svc_agent::store::BpfStore;
+use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
@@ -610,14 +610,21 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
     let cgroup = TestCgroup::new()?;
     let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
     let step = Step::start();
-    let mut store = svc_agent::datapath::install(bpffs.path(), cgroup.path())?;
-    let mut programmed = Programmed::recover(&store.snapshot()?);
+    let mut dp =
+        svc_agent::datapath::Datapath::open_attached(bpffs.path(), cgroup.path(), Default::default())?;
+    let store = &mut dp.store;
+    let mut programmed = Programmed::recover(
+        &store.snapshot()?,
+        store.capacity,
+        svc_agent::sync::DEFAULT_GRACE,
+        Default::default(),
+    );
     rows.push(step.row(
         "load and attach the programs, read the (empty) pinned maps",
         &mut mib,
     ));
     let step = Step::start();
-    let r = programmed.apply(&mut store, &desired.state);
+    let r = programmed.apply(store, &desired.state);
     if let Some(e) = r.errors.first() {
         bail!("writing the maps: {e} ({} errors)", r.errors.len());
     }
@@ -629,7 +636,7 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         &mut mib,
     ));
 
-    drop(store);
+    drop(dp);
     drop(bpffs);
     drop(cgroup);
     Ok(Breakdown {

@@ -1,0 +1,951 @@
+//! Brings the maps from what is programmed to what is desired, touching only what changed.
+//!
+//! A reader (a connect() in the kernel) starts at a frontend's master entry, follows it to the
+//! slots of one generation, then to backends. The sync keeps every step of that walk valid:
+//! - it is split into a pure planner ([`plan`]) that says, per Service, what to write before
+//!   the switch, the switch itself, and what to retire, and an executor (here) that writes it;
+//! - backends and slots are written before the master entry that makes them reachable; a new
+//!   backend set goes under a new generation, and one write of the master entry switches to it;
+//! - what the switch made unreachable (old generations, backends nothing names any more, the
+//!   reverse-NAT and name entries of removed frontends) is retired only after a grace period,
+//!   so a reader that read the old master entry just before the switch still finds it all;
+//! - a Service is programmed completely or left as it was: map space is checked before its
+//!   first write, and a failed write undoes what the Service's sync wrote;
+//! - ids are never handed out twice: a high-water mark is made durable in the META map before
+//!   any id under it is used, so neither a crash nor a second process can reuse an id that a
+//!   leftover entry still carries.
+
+pub mod plan;
+mod recover;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use svc_common::{
+    svc_flags, v4_mapped, BackendId, MetaValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
+    PROTO_ANY,
+};
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+use crate::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
+use crate::store::{Capacity, Op, Store};
+
+pub use plan::UnitPlan;
+
+/// The most backends one frontend can have: slots are numbered with a u16.
+pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize;
+
+/// How long what a switch made unreachable stays in the maps. A reader holds a master entry
+/// for microseconds; a second leaves room for preemption and a loaded machine.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(1);
+
+/// Ids are reserved in blocks, so making them durable costs one META write per block.
+const ID_BLOCK: u32 = 4096;
+
+/// The state of an entry keyed by a frontend id (reverse NAT, name) as found in the maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    Ok,
+    Missing,
+    /// Present with another value.
+    Wrong,
+}
+
+/// One frontend as it is in the maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgFrontend {
+    pub id: u32,
+    pub rev: u16,
+    /// Slots the master entry names: 1..=count under (id, rev).
+    pub count: u16,
+    pub flags: u16,
+    pub affinity_timeout_s: u32,
+    /// Backend of each slot, in slot order; shorter than `count` when the maps lost slots or
+    /// backends (then the next sync writes a new generation).
+    pub backends: Vec<BackendId>,
+    /// "namespace/name:port" as in the names map.
+    pub name: String,
+    pub name_entry: Entry,
+    pub rev_nat_entry: Entry,
+}
+
+impl ProgFrontend {
+    pub fn complete(&self) -> bool {
+        self.backends.len() == self.count as usize
+    }
+
+    /// The Service ("namespace/name") this frontend belongs to.
+    pub fn owner(&self) -> &str {
+        owner_of(&self.name)
+    }
+
+    fn value(&self) -> ServiceValue {
+        ServiceValue {
+            id: self.id,
+            count: self.count,
+            rev: self.rev,
+            flags: self.flags,
+            _pad0: 0,
+            affinity_timeout_s: self.affinity_timeout_s,
+        }
+    }
+}
+
+/// "namespace/name" of a frontend's "namespace/name:port" (names and namespaces hold no ':').
+pub fn owner_of(name: &str) -> &str {
+    name.split_once(':').map_or(name, |(owner, _)| owner)
+}
+
+/// Entries in the maps the agent writes, counted as they are written and deleted, so a
+/// Service that does not fit is refused before its first write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub services: u64,
+    pub slots: u64,
+    pub backends: u64,
+    pub rev_nat: u64,
+    pub names: u64,
+}
+
+impl Usage {
+    fn add(&mut self, o: &Usage) {
+        self.services += o.services;
+        self.slots += o.slots;
+        self.backends += o.backends;
+        self.rev_nat += o.rev_nat;
+        self.names += o.names;
+    }
+
+    fn dec(&mut self, map: &str) {
+        self.inc_by(map, -1);
+    }
+
+    fn inc_by(&mut self, map: &str, d: i64) {
+        use svc_common::map_names as m;
+        let c = match map {
+            m::SERVICES => &mut self.services,
+            m::SLOTS => &mut self.slots,
+            m::BACKENDS => &mut self.backends,
+            m::REV_NAT => &mut self.rev_nat,
+            m::NAMES => &mut self.names,
+            _ => return,
+        };
+        *c = c.saturating_add_signed(d);
+    }
+
+    fn sub(&mut self, o: &Usage) {
+        self.services = self.services.saturating_sub(o.services);
+        self.slots = self.slots.saturating_sub(o.slots);
+        self.backends = self.backends.saturating_sub(o.backends);
+        self.rev_nat = self.rev_nat.saturating_sub(o.rev_nat);
+        self.names = self.names.saturating_sub(o.names);
+    }
+
+    /// The first map `needs` does not fit in, with `reserved` services entries kept free.
+    fn overflow(&self, needs: &Usage, cap: &Capacity, reserved: u64) -> Option<(&'static str, u32)> {
+        use svc_common::map_names as m;
+        let checks = [
+            (m::SERVICES, self.services + reserved, needs.services, cap.services),
+            (m::SLOTS, self.slots, needs.slots, cap.slots),
+            (m::BACKENDS, self.backends, needs.backends, cap.backends),
+            (m::REV_NAT, self.rev_nat, needs.rev_nat, cap.rev_nat),
+            (m::NAMES, self.names, needs.names, cap.names),
+        ];
+        checks
+            .into_iter()
+            .find(|(_, used, need, cap)| *need > 0 && used + need > *cap as u64)
+            .map(|(map, _, _, cap)| (map, cap))
+    }
+}
+
+/// Something a switch made unreachable, deleted once the grace period has passed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Retire {
+    /// Slots 1..=count of generation `rev` of frontend `id`.
+    Slots { id: u32, rev: u16, count: u16 },
+    /// The reverse-NAT and name entries of a removed frontend.
+    Ids(u32),
+    /// A backend no slot names any more (deleted only if that is still true when due).
+    Backend(BackendId),
+    /// One entry: a leftover found in the maps, or what a failed Service's sync had written.
+    Del(Op),
+}
+
+#[derive(Debug, Default)]
+pub struct Retiring {
+    queue: VecDeque<(Instant, Retire)>,
+    /// Generations and ids with entries in the queue, with how many queue items name them:
+    /// no new generation or id may be written over them.
+    slot_gens: HashMap<(u32, u16), u32>,
+    ids: HashMap<u32, u32>,
+    backends: HashSet<BackendId>,
+}
+
+impl Retiring {
+    fn push(&mut self, due: Instant, r: Retire) {
+        match &r {
+            Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
+                *self.slot_gens.entry((*id, *rev)).or_default() += 1;
+            }
+            Retire::Ids(id) | Retire::Del(Op::DelRevNat(id) | Op::DelName(id)) => {
+                *self.ids.entry(*id).or_default() += 1;
+            }
+            Retire::Backend(id) => {
+                if !self.backends.insert(*id) {
+                    return;
+                }
+            }
+            Retire::Del(_) => {}
+        }
+        self.queue.push_back((due, r));
+    }
+
+    /// The bookkeeping of `r` once it has been carried out.
+    fn done(&mut self, r: &Retire) {
+        fn dec<K: std::hash::Hash + Eq>(m: &mut HashMap<K, u32>, k: K) {
+            if let Some(n) = m.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&k);
+                }
+            }
+        }
+        match r {
+            Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
+                dec(&mut self.slot_gens, (*id, *rev))
+            }
+            Retire::Ids(id) | Retire::Del(Op::DelRevNat(id) | Op::DelName(id)) => {
+                dec(&mut self.ids, *id)
+            }
+            Retire::Backend(id) => {
+                self.backends.remove(id);
+            }
+            Retire::Del(_) => {}
+        }
+    }
+
+    pub fn has_slot_gen(&self, id: u32, rev: u16) -> bool {
+        self.slot_gens.contains_key(&(id, rev))
+    }
+
+    pub fn has_id(&self, id: u32) -> bool {
+        self.ids.contains_key(&id)
+    }
+
+    pub fn has_backend(&self, id: BackendId) -> bool {
+        self.backends.contains(&id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub fn next_due(&self) -> Option<Instant> {
+        self.queue.front().map(|(t, _)| *t)
+    }
+}
+
+/// Ids handed out so far, and how far they are durable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ids {
+    pub next_frontend: u32,
+    pub next_backend: u32,
+    /// Every id below these may be in use somewhere (META holds them).
+    pub frontend_hwm: u32,
+    pub backend_hwm: u32,
+}
+
+impl Default for Ids {
+    fn default() -> Self {
+        // 0 is no id: markers carry frontend id 0 and the kernel reads backend 0 as "missing".
+        Ids {
+            next_frontend: 1,
+            next_backend: 1,
+            frontend_hwm: 0,
+            backend_hwm: 0,
+        }
+    }
+}
+
+/// Entries found in the maps that nothing leads to (a dead agent's half-written work, or
+/// entries someone else wrote): deleted before anything else is written.
+#[derive(Debug, Default)]
+pub struct Strays {
+    pub services: Vec<ServiceKey>,
+    pub slots: Vec<SlotKey>,
+    pub rev_nat: Vec<u32>,
+    pub names: Vec<u32>,
+    pub backends: Vec<BackendId>,
+}
+
+impl Strays {
+    pub fn len(&self) -> usize {
+        self.services.len()
+            + self.slots.len()
+            + self.rev_nat.len()
+            + self.names.len()
+            + self.backends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What the agent has written, mirrored in memory so a sync compares against it instead of
+/// reading the maps back.
+#[derive(Debug)]
+pub struct Programmed {
+    pub frontends: BTreeMap<Frontend, ProgFrontend>,
+    pub markers: BTreeSet<IpAddr>,
+    pub backend_ids: HashMap<(SocketAddr, Protocol), BackendId>,
+    pub backends: HashMap<BackendId, (SocketAddr, Protocol)>,
+    /// How many slots of current generations name each backend.
+    backend_refs: HashMap<BackendId, u32>,
+    pub ids: Ids,
+    pub usage: Usage,
+    pub capacity: Capacity,
+    pub grace: Duration,
+    pub retiring: Retiring,
+    pub strays: Strays,
+}
+
+impl Default for Programmed {
+    fn default() -> Self {
+        Programmed::empty(Capacity::default(), DEFAULT_GRACE)
+    }
+}
+
+/// What one sync did.
+#[derive(Debug, Default)]
+pub struct SyncReport {
+    pub frontends_written: usize,
+    pub frontends_removed: usize,
+    pub ops: usize,
+    pub affinity_purged: usize,
+    /// Leftovers found before the sync wrote anything (retired like everything unreachable).
+    pub strays_deleted: usize,
+    /// UDP backends no frontend uses any more: connected sockets to them must be closed, or
+    /// they would keep sending to a dead address.
+    pub udp_backends_deleted: Vec<SocketAddr>,
+    pub errors: Vec<Error>,
+    /// Services that could not be programmed (left as they were), with the frontends their
+    /// sync covered, so a retry covers the same.
+    pub failed: BTreeMap<String, BTreeSet<Frontend>>,
+    /// Services whose sync completed.
+    pub succeeded: BTreeSet<String>,
+}
+
+impl SyncReport {
+    pub fn changed(&self) -> bool {
+        self.ops > 0
+    }
+}
+
+/// What one pass over due retirements did.
+#[derive(Debug, Default)]
+pub struct RetireReport {
+    pub deleted: usize,
+    pub errors: Vec<Error>,
+}
+
+/// Which frontends a sync looks at.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Every frontend: whatever is programmed and not desired is removed.
+    All,
+    /// Only these; the rest of the programmed state is left as it is. `desired.cluster_ips`
+    /// must still be complete.
+    Only(&'a BTreeSet<Frontend>),
+}
+
+pub fn addr16(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(v4) => v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+pub fn ip_from16(a: [u8; 16]) -> IpAddr {
+    let v6 = Ipv6Addr::from(a);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}
+
+pub fn service_key(fe: &Frontend) -> ServiceKey {
+    ServiceKey {
+        addr: addr16(fe.ip),
+        port_be: fe.port.to_be(),
+        proto: fe.protocol.ipproto(),
+        scope: 0,
+    }
+}
+
+pub fn marker_key(ip: IpAddr) -> ServiceKey {
+    ServiceKey {
+        addr: addr16(ip),
+        port_be: 0,
+        proto: PROTO_ANY,
+        scope: 0,
+    }
+}
+
+pub fn marker_value() -> ServiceValue {
+    ServiceValue {
+        flags: svc_flags::ADDR_MARKER,
+        ..Default::default()
+    }
+}
+
+pub fn encode_name(name: &str) -> ServiceName {
+    let mut out = ServiceName { name: [0; 160] };
+    // Keep the last byte NUL; cut on a char boundary so the stored prefix is valid UTF-8.
+    let mut end = name.len().min(out.name.len() - 1);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.name[..end].copy_from_slice(&name.as_bytes()[..end]);
+    out
+}
+
+pub fn decode_name(n: &ServiceName) -> String {
+    let end = n.name.iter().position(|&b| b == 0).unwrap_or(n.name.len());
+    String::from_utf8_lossy(&n.name[..end]).into_owned()
+}
+
+/// The name as the names map would hold it (truncated like `encode_name`).
+pub fn stored_name(name: &str) -> String {
+    decode_name(&encode_name(name))
+}
+
+pub fn flags_of(d: &DesiredFrontend) -> (u16, u32) {
+    let mut flags = 0;
+    if d.affinity_timeout_s.is_some() {
+        flags |= svc_flags::AFFINITY;
+    }
+    if d.internal_local {
+        flags |= svc_flags::INTERNAL_LOCAL;
+    }
+    (flags, d.affinity_timeout_s.unwrap_or(0))
+}
+
+/// Applies ops, counting them.
+struct Writer<'a, S: Store> {
+    store: &'a mut S,
+    ops: usize,
+}
+
+impl<S: Store> Writer<'_, S> {
+    /// `Ok(true)` when the op changed something (a delete found its key).
+    fn op(&mut self, op: &Op) -> Result<bool> {
+        let r = self.store.apply(op)?;
+        self.ops += 1;
+        Ok(r)
+    }
+
+    /// Best effort, for undoing and retiring: a failure is logged, never fatal.
+    fn try_op(&mut self, op: &Op) -> bool {
+        match self.op(op) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("{op:?}: {e}");
+                false
+            }
+        }
+    }
+}
+
+fn name_object(e: Error, object: &str) -> Error {
+    match e {
+        Error::MapFull { map, capacity, .. } => Error::MapFull {
+            map,
+            capacity,
+            object: object.to_string(),
+        },
+        Error::Map { map, message } => Error::Map {
+            map,
+            message: format!("{object}: {message}"),
+        },
+        other => other,
+    }
+}
+
+/// The frontends of one sync, grouped by the Service they belong to: the unit that is
+/// programmed completely or not at all.
+type Units<'a> = BTreeMap<String, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
+
+impl Programmed {
+    pub fn empty(capacity: Capacity, grace: Duration) -> Programmed {
+        Programmed {
+            frontends: BTreeMap::new(),
+            markers: BTreeSet::new(),
+            backend_ids: HashMap::new(),
+            backends: HashMap::new(),
+            backend_refs: HashMap::new(),
+            ids: Ids::default(),
+            usage: Usage::default(),
+            capacity,
+            grace,
+            retiring: Retiring::default(),
+            strays: Strays::default(),
+        }
+    }
+
+    /// Entries the agent keeps in each map it writes, with the map's capacity.
+    pub fn map_usage(&self) -> Vec<(&'static str, usize, u32)> {
+        use svc_common::map_names as m;
+        let c = &self.capacity;
+        let u = &self.usage;
+        vec![
+            (m::SERVICES, u.services as usize, c.services),
+            (m::SLOTS, u.slots as usize, c.slots),
+            (m::BACKENDS, u.backends as usize, c.backends),
+            (m::REV_NAT, u.rev_nat as usize, c.rev_nat),
+            (m::NAMES, u.names as usize, c.names),
+        ]
+    }
+
+    pub fn backend_refs(&self, id: BackendId) -> u32 {
+        self.backend_refs.get(&id).copied().unwrap_or(0)
+    }
+
+    /// Makes the maps serve `desired`. Errors are per Service: the Service is left as it was,
+    /// the rest is applied.
+    pub fn apply<S: Store>(&mut self, store: &mut S, desired: &DesiredState) -> SyncReport {
+        self.apply_scoped(store, desired, Scope::All, Instant::now())
+    }
+
+    /// As `apply`, limited to `scope`: the cost follows the number of frontends in scope,
+    /// not the number programmed. `now` dates what this sync retires.
+    pub fn apply_scoped<S: Store>(
+        &mut self,
+        store: &mut S,
+        desired: &DesiredState,
+        scope: Scope<'_>,
+        now: Instant,
+    ) -> SyncReport {
+        let mut report = SyncReport::default();
+        let mut w = Writer { store, ops: 0 };
+        report.strays_deleted = self.retire_strays(&mut w, now, &mut report.errors);
+
+        let units = self.units(desired, scope);
+        let marker_ips: BTreeSet<IpAddr> = match scope {
+            Scope::All => desired.cluster_ips.union(&self.markers).copied().collect(),
+            Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
+        };
+        let new_markers: Vec<IpAddr> = marker_ips
+            .iter()
+            .filter(|ip| desired.cluster_ips.contains(ip) && !self.markers.contains(ip))
+            .copied()
+            .collect();
+        // A ClusterIP's marker is what refuses its undefined ports, and the ports of a
+        // Service that did not fit: its room is kept before any Service takes its own.
+        let mut reserved = new_markers.len() as u64;
+
+        // Per frontend id, the backends whose affinity entries must go.
+        let mut dropped: HashMap<u32, HashSet<BackendId>> = HashMap::new();
+        let mut unreferenced: Vec<BackendId> = Vec::new();
+        for (owner, (upserts, gone)) in units {
+            let covered: BTreeSet<Frontend> = upserts
+                .iter()
+                .map(|d| d.frontend)
+                .chain(gone.iter().copied())
+                .collect();
+            let result = plan::plan_unit(self, &owner, &upserts, &gone).and_then(|plan| {
+                self.execute(&mut w, plan, reserved, now, &mut dropped, &mut unreferenced)
+            });
+            match result {
+                Ok((written, removed)) => {
+                    report.frontends_written += written;
+                    report.frontends_removed += removed;
+                    report.succeeded.insert(owner);
+                }
+                Err(e) => {
+                    report
+                        .errors
+                        .push(name_object(e, &format!("Service {owner}")));
+                    report.failed.insert(owner, covered);
+                }
+            }
+        }
+
+        // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
+        // about to be written.
+        for ip in &new_markers {
+            match w.op(&Op::PutService(marker_key(*ip), marker_value())) {
+                Ok(_) => {
+                    self.markers.insert(*ip);
+                    self.usage.services += 1;
+                }
+                Err(e) => report
+                    .errors
+                    .push(name_object(e, &format!("ClusterIP {ip}"))),
+            }
+            reserved = reserved.saturating_sub(1);
+        }
+        debug_assert_eq!(reserved, 0);
+        for ip in &marker_ips {
+            if !desired.cluster_ips.contains(ip) && self.markers.contains(ip) {
+                match w.op(&Op::DelService(marker_key(*ip))) {
+                    Ok(found) => {
+                        self.markers.remove(ip);
+                        if found {
+                            self.usage.services -= 1;
+                        }
+                    }
+                    Err(e) => report
+                        .errors
+                        .push(name_object(e, &format!("ClusterIP {ip}"))),
+                }
+            }
+        }
+
+        // Backends no current generation names: retired (unless named again before due).
+        for id in unreferenced {
+            if self.backend_refs(id) == 0 && !self.retiring.backends.contains(&id) {
+                if let Some((sa, Protocol::Udp)) = self.backends.get(&id) {
+                    report.udp_backends_deleted.push(*sa);
+                }
+                self.retiring.push(now + self.grace, Retire::Backend(id));
+            }
+        }
+
+        if !dropped.is_empty() {
+            let stale = |k: &svc_common::AffinityKey, v: &svc_common::AffinityValue| {
+                dropped.get(&k.id).is_some_and(|s| s.contains(&v.backend))
+            };
+            match w.store.purge_affinity(&stale) {
+                Ok(n) => report.affinity_purged = n,
+                Err(e) => report.errors.push(e),
+            }
+        }
+        report.ops = w.ops;
+        report
+    }
+
+    /// The Services this sync covers, each with the frontends to write and to remove.
+    fn units<'a>(&self, desired: &'a DesiredState, scope: Scope<'_>) -> Units<'a> {
+        let mut units: Units<'a> = BTreeMap::new();
+        let upsert = |units: &mut Units<'a>, d: &'a DesiredFrontend| {
+            units.entry(d.owner.clone()).or_default().0.push(d);
+        };
+        match scope {
+            Scope::All => {
+                for d in desired.frontends.values() {
+                    upsert(&mut units, d);
+                }
+                for (fe, cur) in &self.frontends {
+                    if !desired.frontends.contains_key(fe) {
+                        units.entry(cur.owner().to_string()).or_default().1.push(*fe);
+                    }
+                }
+            }
+            Scope::Only(set) => {
+                for fe in set {
+                    if let Some(d) = desired.frontends.get(fe) {
+                        upsert(&mut units, d);
+                    } else if let Some(cur) = self.frontends.get(fe) {
+                        units.entry(cur.owner().to_string()).or_default().1.push(*fe);
+                    }
+                }
+            }
+        }
+        units
+    }
+
+    /// Makes ids up to `frontend` and `backend` durable before anything uses them.
+    fn persist_ids<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        frontend: u32,
+        backend: u32,
+    ) -> Result<()> {
+        if frontend < self.ids.frontend_hwm && backend < self.ids.backend_hwm {
+            return Ok(());
+        }
+        let block = |need: u32, hwm: u32| {
+            if need < hwm {
+                hwm
+            } else {
+                need.saturating_add(ID_BLOCK)
+            }
+        };
+        let f = block(frontend, self.ids.frontend_hwm);
+        let b = block(backend, self.ids.backend_hwm);
+        w.op(&Op::PutMeta(MetaValue {
+            frontend_id_hwm: f,
+            backend_id_hwm: b,
+            _reserved: [0; 6],
+        }))?;
+        self.ids.frontend_hwm = f;
+        self.ids.backend_hwm = b;
+        Ok(())
+    }
+
+    /// Writes one Service's plan: all of it, or (on failure) nothing that a reader could
+    /// reach. Returns the frontends written and removed.
+    fn execute<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        plan: UnitPlan,
+        reserved_services: u64,
+        now: Instant,
+        dropped: &mut HashMap<u32, HashSet<BackendId>>,
+        unreferenced: &mut Vec<BackendId>,
+    ) -> Result<(usize, usize)> {
+        if plan.is_empty() {
+            return Ok((0, 0));
+        }
+        // Spent whatever happens next: an id a failed write may have left somewhere is never
+        // handed out again.
+        self.ids.next_frontend = self
+            .ids
+            .next_frontend
+            .max(plan.max_frontend_id.saturating_add(1));
+        self.ids.next_backend = self
+            .ids
+            .next_backend
+            .max(plan.max_backend_id.saturating_add(1));
+        let mut needs = plan.needs;
+        needs.backends += plan.new_backends.len() as u64;
+        if let Some((map, capacity)) = self
+            .usage
+            .overflow(&needs, &self.capacity, reserved_services)
+        {
+            return Err(Error::MapFull {
+                map,
+                capacity,
+                object: String::new(),
+            });
+        }
+        self.persist_ids(w, plan.max_frontend_id, plan.max_backend_id)?;
+
+        for (id, sa, protocol) in &plan.new_backends {
+            w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
+            // Unreferenced until a master entry names it; retired at the end of the sync if
+            // what would have used it fails.
+            self.backend_ids.insert((*sa, *protocol), *id);
+            self.backends.insert(*id, (*sa, *protocol));
+            self.usage.backends += 1;
+            unreferenced.push(*id);
+        }
+
+        // Before any master entry names them, prepared entries can go at once; after, a
+        // reader may hold a master entry that names them, so they are retired.
+        let undo_prepare = |w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
+            for (_, undo) in done.iter().rev() {
+                if let Some(undo) = undo {
+                    w.try_op(undo);
+                }
+            }
+        };
+        let retire_prepared = |p: &mut Programmed| {
+            for (op, undo) in &plan.prepare {
+                if let Some(undo) = undo {
+                    p.usage.inc_by(op.map(), 1);
+                    p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
+                }
+            }
+        };
+        for (i, (op, _)) in plan.prepare.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                undo_prepare(w, &plan.prepare[..i]);
+                return Err(e);
+            }
+        }
+        for (i, op) in plan.add.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                for added in plan.add[..i].iter().rev() {
+                    if let Op::PutService(k, _) = added {
+                        w.try_op(&Op::DelService(*k));
+                    }
+                }
+                if i == 0 {
+                    undo_prepare(w, &plan.prepare);
+                } else {
+                    retire_prepared(self);
+                }
+                return Err(e);
+            }
+        }
+        for (i, (op, _)) in plan.switch.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                for (_, undo) in plan.switch[..i].iter().rev() {
+                    w.try_op(undo);
+                }
+                for added in plan.add.iter().rev() {
+                    if let Op::PutService(k, _) = added {
+                        w.try_op(&Op::DelService(*k));
+                    }
+                }
+                if i == 0 && plan.add.is_empty() {
+                    undo_prepare(w, &plan.prepare);
+                } else {
+                    retire_prepared(self);
+                }
+                return Err(e);
+            }
+        }
+
+        // Committed: the mirror follows the maps.
+        self.usage.add(&plan.needs);
+        self.usage.sub(&plan.frees);
+        let (mut written, mut removed) = (0, 0);
+        for (fe, after) in plan.commit {
+            let before = match after {
+                Some(pf) => {
+                    written += 1;
+                    for b in &pf.backends {
+                        *self.backend_refs.entry(*b).or_insert(0) += 1;
+                    }
+                    self.frontends.insert(fe, pf)
+                }
+                None => {
+                    removed += 1;
+                    self.frontends.remove(&fe)
+                }
+            };
+            if let Some(before) = before {
+                for b in &before.backends {
+                    if let Some(n) = self.backend_refs.get_mut(b) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.backend_refs.remove(b);
+                            unreferenced.push(*b);
+                        }
+                    }
+                }
+            }
+        }
+        for r in plan.retire {
+            self.retiring.push(now + self.grace, r);
+        }
+        for (id, backends) in plan.affinity_dropped {
+            dropped.entry(id).or_default().extend(backends);
+        }
+        debug!(owner = %plan.owner, written, removed, "service synced");
+        Ok((written, removed))
+    }
+
+    /// Retires what a dead agent (or anyone) left that nothing leads to. Done before any
+    /// write: ids and generations are never written over a leftover (they are never reused,
+    /// and new generations skip retiring ones), so a leftover is never mistaken for a new
+    /// entry; and a reader that read a master entry just before the dead agent switched it
+    /// still finds the old generation for the grace period.
+    fn retire_strays<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        now: Instant,
+        errors: &mut Vec<Error>,
+    ) -> usize {
+        if self.strays.is_empty() {
+            return 0;
+        }
+        let strays = std::mem::take(&mut self.strays);
+        let n = strays.len();
+        warn!(entries = n, "retiring leftover entries nothing leads to");
+        // A master entry that is not ours leads nowhere we know: it goes at once.
+        for k in strays.services {
+            match w.op(&Op::DelService(k)) {
+                Ok(true) => self.usage.services = self.usage.services.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        let due = now + self.grace;
+        for k in strays.slots {
+            self.retiring.push(due, Retire::Del(Op::DelSlot(k)));
+        }
+        for id in strays.rev_nat {
+            self.retiring.push(due, Retire::Del(Op::DelRevNat(id)));
+        }
+        for id in strays.names {
+            self.retiring.push(due, Retire::Del(Op::DelName(id)));
+        }
+        for id in strays.backends {
+            self.retiring.push(due, Retire::Backend(id));
+        }
+        n
+    }
+
+    /// Deletes what has been unreachable for the grace period.
+    pub fn retire_due<S: Store>(&mut self, store: &mut S, now: Instant) -> RetireReport {
+        let mut report = RetireReport::default();
+        let mut w = Writer { store, ops: 0 };
+        while let Some((due, _)) = self.retiring.queue.front() {
+            if *due > now {
+                break;
+            }
+            let (_, r) = self.retiring.queue.pop_front().expect("front exists");
+            self.retiring.done(&r);
+            match r {
+                Retire::Slots { id, rev, count } => {
+                    for slot in 1..=count {
+                        if w.try_op(&Op::DelSlot(SlotKey { id, rev, slot })) {
+                            self.usage.slots = self.usage.slots.saturating_sub(1);
+                            report.deleted += 1;
+                        }
+                    }
+                }
+                Retire::Ids(id) => {
+                    if w.try_op(&Op::DelRevNat(id)) {
+                        self.usage.rev_nat = self.usage.rev_nat.saturating_sub(1);
+                        report.deleted += 1;
+                    }
+                    if w.try_op(&Op::DelName(id)) {
+                        self.usage.names = self.usage.names.saturating_sub(1);
+                        report.deleted += 1;
+                    }
+                }
+                Retire::Del(op) => {
+                    if w.try_op(&op) {
+                        self.usage.dec(op.map());
+                        report.deleted += 1;
+                    }
+                }
+                Retire::Backend(id) => {
+                    if self.backend_refs(id) > 0 {
+                        continue;
+                    }
+                    match w.op(&Op::DelBackend(id)) {
+                        Ok(found) => {
+                            if found {
+                                self.usage.backends = self.usage.backends.saturating_sub(1);
+                                report.deleted += 1;
+                            }
+                            self.forget_backend(id);
+                        }
+                        Err(e) => {
+                            // Kept in the mirror: the next drift check finds and retires it.
+                            report.errors.push(e);
+                        }
+                    }
+                }
+            }
+        }
+        report
+    }
+
+    fn forget_backend(&mut self, id: BackendId) {
+        if let Some(k) = self.backends.remove(&id) {
+            if self.backend_ids.get(&k) == Some(&id) {
+                self.backend_ids.remove(&k);
+            }
+        }
+    }
+
+    /// Every id below these is spoken for.
+    pub fn id_marks(&self) -> (u32, u32) {
+        (self.ids.next_frontend, self.ids.next_backend)
+    }
+}

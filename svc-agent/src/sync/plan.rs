@@ -1,0 +1,286 @@
+//! The planner: what one Service's sync must write, switch and retire, computed from the
+//! mirror of the maps without touching them. The executor (`super`) writes a plan in its
+//! order, or undoes it.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+
+use svc_common::{svc_flags, Backend, BackendId, RevNatValue, ServiceValue, SlotKey};
+
+use super::{
+    encode_name, flags_of, service_key, stored_name, Entry, ProgFrontend, Programmed, Retire,
+    Usage, MAX_BACKENDS_PER_FRONTEND,
+};
+use crate::error::{Error, Result};
+use crate::model::{DesiredFrontend, Frontend, Protocol};
+use crate::store::Op;
+
+/// One Service's changes, in the order that keeps readers safe.
+#[derive(Debug, Default)]
+pub struct UnitPlan {
+    pub owner: String,
+    /// Backends no entry has yet: written first.
+    pub new_backends: Vec<(BackendId, SocketAddr, Protocol)>,
+    /// Entries no master entry leads to yet (new slots, reverse NAT, names), each with what
+    /// undoes it when the Service's sync fails.
+    pub prepare: Vec<(Op, Option<Op>)>,
+    /// Master entries of new frontends.
+    pub add: Vec<Op>,
+    /// Master entries replaced or deleted, each with the write that restores it.
+    pub switch: Vec<(Op, Op)>,
+    /// What the switch makes unreachable, deleted after the grace period.
+    pub retire: Vec<Retire>,
+    /// The mirror after the switch: a frontend's new state, or None once removed.
+    pub commit: Vec<(Frontend, Option<ProgFrontend>)>,
+    /// Entries the plan adds (new backends not included) and deletes at once.
+    pub needs: Usage,
+    pub frees: Usage,
+    /// Per frontend id, backends whose affinity entries must go.
+    pub affinity_dropped: Vec<(u32, Vec<BackendId>)>,
+    /// The highest ids the plan uses (0: none), to be made durable before the first write.
+    pub max_frontend_id: u32,
+    pub max_backend_id: u32,
+}
+
+impl UnitPlan {
+    pub fn is_empty(&self) -> bool {
+        self.new_backends.is_empty()
+            && self.prepare.is_empty()
+            && self.add.is_empty()
+            && self.switch.is_empty()
+            && self.commit.is_empty()
+    }
+
+    /// Every op in execution order (switch without its undo), for tests and explanations.
+    pub fn ops(&self) -> Vec<Op> {
+        self.new_backends
+            .iter()
+            .map(|(id, sa, p)| Op::PutBackend(*id, backend_value(*sa, *p)))
+            .chain(self.prepare.iter().map(|(op, _)| op.clone()))
+            .chain(self.add.iter().cloned())
+            .chain(self.switch.iter().map(|(op, _)| op.clone()))
+            .collect()
+    }
+}
+
+pub fn backend_value(sa: SocketAddr, protocol: Protocol) -> Backend {
+    Backend {
+        addr: super::addr16(sa.ip()),
+        port_be: sa.port().to_be(),
+        proto: protocol.ipproto(),
+        flags: 0,
+    }
+}
+
+pub fn rev_nat_value(fe: &Frontend) -> RevNatValue {
+    let key = service_key(fe);
+    RevNatValue {
+        addr: key.addr,
+        port_be: key.port_be,
+        _pad0: 0,
+    }
+}
+
+/// The next generation of frontend `id` after `rev` that no retiring generation uses.
+fn next_rev(p: &Programmed, id: u32, rev: u16) -> u16 {
+    let mut r = rev.wrapping_add(1);
+    while p.retiring.has_slot_gen(id, r) && r != rev {
+        r = r.wrapping_add(1);
+    }
+    r
+}
+
+/// Plans Service `owner`: write `upserts`, remove `gone`.
+pub fn plan_unit(
+    p: &Programmed,
+    owner: &str,
+    upserts: &[&DesiredFrontend],
+    gone: &[Frontend],
+) -> Result<UnitPlan> {
+    let mut plan = UnitPlan {
+        owner: owner.to_string(),
+        ..Default::default()
+    };
+    let mut next_frontend = p.ids.next_frontend;
+    let mut next_backend = p.ids.next_backend;
+    let mut planned: HashMap<(SocketAddr, Protocol), BackendId> = HashMap::new();
+
+    for d in upserts {
+        let fe = &d.frontend;
+        if d.backends.len() > MAX_BACKENDS_PER_FRONTEND {
+            return Err(Error::Invalid {
+                object: d.service.clone(),
+                message: format!(
+                    "{} backends for {fe}; a frontend holds at most {MAX_BACKENDS_PER_FRONTEND}",
+                    d.backends.len()
+                ),
+            });
+        }
+        let mut ids = Vec::with_capacity(d.backends.len());
+        for sa in &d.backends {
+            let k = (*sa, fe.protocol);
+            let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
+                Some(id) => *id,
+                None => {
+                    let id = next_backend;
+                    next_backend += 1;
+                    planned.insert(k, id);
+                    plan.new_backends.push((id, *sa, fe.protocol));
+                    plan.max_backend_id = plan.max_backend_id.max(id);
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        let (flags, timeout) = flags_of(d);
+        let key = service_key(fe);
+        let name = stored_name(&d.service);
+        let slots = |id: u32, rev: u16| {
+            ids.iter().enumerate().map(move |(i, b)| {
+                let k = SlotKey {
+                    id,
+                    rev,
+                    slot: i as u16 + 1,
+                };
+                (Op::PutSlot(k, *b), Some(Op::DelSlot(k)))
+            })
+        };
+
+        let Some(cur) = p.frontends.get(fe) else {
+            let id = next_frontend;
+            next_frontend += 1;
+            plan.max_frontend_id = plan.max_frontend_id.max(id);
+            let rev = 1;
+            plan.prepare.push((
+                Op::PutRevNat(id, rev_nat_value(fe)),
+                Some(Op::DelRevNat(id)),
+            ));
+            plan.prepare
+                .push((Op::PutName(id, encode_name(&name)), Some(Op::DelName(id))));
+            plan.prepare.extend(slots(id, rev));
+            plan.needs.rev_nat += 1;
+            plan.needs.names += 1;
+            plan.needs.slots += ids.len() as u64;
+            let pf = ProgFrontend {
+                id,
+                rev,
+                count: ids.len() as u16,
+                flags,
+                affinity_timeout_s: timeout,
+                backends: ids,
+                name,
+                name_entry: Entry::Ok,
+                rev_nat_entry: Entry::Ok,
+            };
+            plan.add.push(Op::PutService(key, pf.value()));
+            plan.needs.services += 1;
+            plan.commit.push((*fe, Some(pf)));
+            continue;
+        };
+
+        let same_set = cur.complete() && cur.backends == ids;
+        let same_settings = cur.flags == flags && cur.affinity_timeout_s == timeout;
+        let name_ok = cur.name_entry == Entry::Ok && cur.name == name;
+        let rev_nat_ok = cur.rev_nat_entry == Entry::Ok;
+        if same_set && same_settings && name_ok && rev_nat_ok {
+            continue;
+        }
+        if !name_ok {
+            plan.prepare
+                .push((Op::PutName(cur.id, encode_name(&name)), None));
+            if cur.name_entry == Entry::Missing {
+                plan.needs.names += 1;
+            }
+        }
+        if !rev_nat_ok {
+            plan.prepare
+                .push((Op::PutRevNat(cur.id, rev_nat_value(fe)), None));
+            if cur.rev_nat_entry == Entry::Missing {
+                plan.needs.rev_nat += 1;
+            }
+        }
+        let rev = if same_set {
+            cur.rev
+        } else {
+            let rev = next_rev(p, cur.id, cur.rev);
+            plan.prepare.extend(slots(cur.id, rev));
+            plan.needs.slots += ids.len() as u64;
+            rev
+        };
+        let pf = ProgFrontend {
+            id: cur.id,
+            rev,
+            count: ids.len() as u16,
+            flags,
+            affinity_timeout_s: timeout,
+            backends: ids,
+            name,
+            name_entry: Entry::Ok,
+            rev_nat_entry: Entry::Ok,
+        };
+        if !same_set || !same_settings {
+            plan.switch.push((
+                Op::PutService(key, pf.value()),
+                Op::PutService(key, cur.value()),
+            ));
+        }
+        if !same_set {
+            plan.retire.push(Retire::Slots {
+                id: cur.id,
+                rev: cur.rev,
+                count: cur.count,
+            });
+        }
+        if cur.flags & svc_flags::AFFINITY != 0 {
+            // A client must not stay on a backend that left, nor keep a choice made under
+            // another affinity setting.
+            let dropped: Vec<BackendId> = if same_settings {
+                let now: HashSet<&BackendId> = pf.backends.iter().collect();
+                cur.backends
+                    .iter()
+                    .filter(|b| !now.contains(b))
+                    .copied()
+                    .collect()
+            } else {
+                cur.backends.clone()
+            };
+            if !dropped.is_empty() {
+                plan.affinity_dropped.push((cur.id, dropped));
+            }
+        }
+        plan.commit.push((*fe, Some(pf)));
+    }
+
+    for fe in gone {
+        let Some(cur) = p.frontends.get(fe) else {
+            continue;
+        };
+        let key = service_key(fe);
+        // Master first: from then on nothing new reaches the slots; they and the id's
+        // entries go after the grace period.
+        plan.switch
+            .push((Op::DelService(key), Op::PutService(key, cur.value())));
+        plan.frees.services += 1;
+        plan.retire.push(Retire::Slots {
+            id: cur.id,
+            rev: cur.rev,
+            count: cur.count,
+        });
+        plan.retire.push(Retire::Ids(cur.id));
+        plan.commit.push((*fe, None));
+    }
+    Ok(plan)
+}
+
+/// A master entry value as the planner would write it for `d` under `id`/`rev` (for tests).
+pub fn master_value(d: &DesiredFrontend, id: u32, rev: u16) -> ServiceValue {
+    let (flags, timeout) = flags_of(d);
+    ServiceValue {
+        id,
+        count: d.backends.len() as u16,
+        rev,
+        flags,
+        _pad0: 0,
+        affinity_timeout_s: timeout,
+    }
+}

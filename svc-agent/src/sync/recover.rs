@@ -1,0 +1,189 @@
+//! Rebuilding the mirror from the maps: after a restart (whatever a previous agent left, in
+//! whatever state it died) and for drift checks.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
+use tracing::warn;
+
+use super::{
+    decode_name, ip_from16, plan::rev_nat_value, Entry, ProgFrontend, Programmed, Retiring, Usage,
+};
+use crate::model::{Frontend, Protocol};
+use crate::store::{Capacity, Snapshot};
+
+impl Programmed {
+    /// Rebuilds the mirror from `snap`. `retiring` is what this agent is itself retiring
+    /// (nothing after a restart): those entries are not leftovers. Everything else that no
+    /// master entry leads to becomes a stray, deleted before the next sync writes anything.
+    pub fn recover(
+        snap: &Snapshot,
+        capacity: Capacity,
+        grace: Duration,
+        retiring: Retiring,
+    ) -> Programmed {
+        let mut p = Programmed::empty(capacity, grace);
+        p.retiring = retiring;
+        p.usage = Usage {
+            services: snap.services.len() as u64,
+            slots: snap.slots.len() as u64,
+            backends: snap.backends.len() as u64,
+            rev_nat: snap.rev_nat.len() as u64,
+            names: snap.names.len() as u64,
+        };
+
+        // Ids: above anything any map still carries, and above what was made durable, so a
+        // leftover can never be mistaken for a new entry.
+        let frontend_max = snap
+            .services
+            .iter()
+            .map(|(_, v)| v.id)
+            .chain(snap.slots.iter().map(|(k, _)| k.id))
+            .chain(snap.rev_nat.iter().map(|(id, _)| *id))
+            .chain(snap.names.iter().map(|(id, _)| *id))
+            .chain(snap.affinity_ids.iter().map(|(id, _)| *id))
+            .max()
+            .unwrap_or(0);
+        let backend_max = snap
+            .backends
+            .iter()
+            .map(|(id, _)| *id)
+            .chain(snap.slots.iter().map(|(_, b)| *b))
+            .chain(snap.affinity_ids.iter().map(|(_, b)| *b))
+            .max()
+            .unwrap_or(0);
+        p.ids.frontend_hwm = snap.meta.frontend_id_hwm;
+        p.ids.backend_hwm = snap.meta.backend_id_hwm;
+        p.ids.next_frontend = snap
+            .meta
+            .frontend_id_hwm
+            .max(frontend_max.saturating_add(1))
+            .max(1);
+        p.ids.next_backend = snap
+            .meta
+            .backend_id_hwm
+            .max(backend_max.saturating_add(1))
+            .max(1);
+
+        for (id, b) in &snap.backends {
+            let Some(proto) = Protocol::from_ipproto(b.proto).filter(|_| *id != 0) else {
+                p.strays.backends.push(*id);
+                continue;
+            };
+            let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
+            p.backends.insert(*id, (sa, proto));
+        }
+        let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
+        let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
+        let names: HashMap<u32, String> = snap
+            .names
+            .iter()
+            .map(|(id, n)| (*id, decode_name(n)))
+            .collect();
+
+        let mut used_slots: HashSet<SlotKey> = HashSet::new();
+        let mut used_ids: HashSet<u32> = HashSet::new();
+        for (k, v) in &snap.services {
+            let marker_shaped = k.port_be == 0 && k.proto == PROTO_ANY;
+            let is_marker = v.flags & svc_flags::ADDR_MARKER != 0;
+            if marker_shaped && is_marker {
+                p.markers.insert(ip_from16(k.addr));
+                continue;
+            }
+            let protocol = Protocol::from_ipproto(k.proto);
+            let Some(protocol) = protocol.filter(|_| !is_marker && v.id != 0) else {
+                p.strays.services.push(*k);
+                continue;
+            };
+            if !used_ids.insert(v.id) {
+                // Two frontends under one id would share slots: the second is dropped and,
+                // if still desired, written again under an id of its own.
+                warn!(id = v.id, "two frontends share one id in the pinned maps");
+                p.strays.services.push(*k);
+                continue;
+            }
+            let fe = Frontend {
+                ip: ip_from16(k.addr),
+                port: u16::from_be(k.port_be),
+                protocol,
+            };
+            let mut backends = Vec::with_capacity(v.count as usize);
+            for slot in 1..=v.count {
+                let sk = SlotKey {
+                    id: v.id,
+                    rev: v.rev,
+                    slot,
+                };
+                if let Some(b) = slots.get(&sk) {
+                    used_slots.insert(sk);
+                    if p.backends.contains_key(b) {
+                        backends.push(*b);
+                    }
+                }
+            }
+            if backends.len() != v.count as usize {
+                warn!(frontend = %fe, "slots or backends missing in the pinned maps; will rewrite");
+            }
+            let rev_nat_entry = match rev_nat.get(&v.id) {
+                Some(r) if *r == rev_nat_value(&fe) => Entry::Ok,
+                Some(_) => Entry::Wrong,
+                None => Entry::Missing,
+            };
+            let (name, name_entry) = match names.get(&v.id) {
+                Some(n) => (n.clone(), Entry::Ok),
+                None => (String::new(), Entry::Missing),
+            };
+            for b in &backends {
+                *p.backend_refs.entry(*b).or_insert(0) += 1;
+            }
+            p.frontends.insert(
+                fe,
+                ProgFrontend {
+                    id: v.id,
+                    rev: v.rev,
+                    count: v.count,
+                    flags: v.flags,
+                    affinity_timeout_s: v.affinity_timeout_s,
+                    backends,
+                    name,
+                    name_entry,
+                    rev_nat_entry,
+                },
+            );
+        }
+
+        // Two ids for one address (a crash between writes): the one slots name is reused (the
+        // lower, if both or neither are); the other is retired once nothing names it.
+        for (id, k) in &p.backends {
+            let rank = |id: BackendId| (!p.backend_refs.contains_key(&id), id);
+            let chosen = p.backend_ids.entry(*k).or_insert(*id);
+            if rank(*id) < rank(*chosen) {
+                *chosen = *id;
+            }
+        }
+        p.strays.slots = slots
+            .keys()
+            .filter(|k| !used_slots.contains(*k) && !p.retiring.has_slot_gen(k.id, k.rev))
+            .copied()
+            .collect();
+        let loose = |id: &u32| !used_ids.contains(id) && !p.retiring.has_id(*id);
+        p.strays.rev_nat = rev_nat.keys().filter(|id| loose(id)).copied().collect();
+        p.strays.names = names.keys().filter(|id| loose(id)).copied().collect();
+        let stray_backends: Vec<BackendId> = p
+            .backends
+            .keys()
+            .filter(|id| !p.backend_refs.contains_key(id) && !p.retiring.has_backend(**id))
+            .copied()
+            .collect();
+        p.strays.backends.extend(stray_backends);
+        // Deterministic order for logs and tests.
+        p.strays.slots.sort();
+        p.strays.rev_nat.sort();
+        p.strays.names.sort();
+        p.strays.backends.sort();
+        p.strays.services.sort();
+        p
+    }
+}

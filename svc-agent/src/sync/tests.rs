@@ -1,0 +1,691 @@
+use super::*;
+use crate::store::Snapshot;
+use std::collections::HashMap as StdHashMap;
+use svc_common::{AffinityKey, AffinityValue, Backend, RevNatValue, ServiceName};
+
+/// The maps in memory, checked after every single write the way readers walk them: readers
+/// that read a master entry at any time since the last retirement pass (the grace period)
+/// must still find every slot and backend it names.
+#[derive(Default, Clone)]
+struct ModelStore {
+    services: StdHashMap<ServiceKey, ServiceValue>,
+    slots: StdHashMap<SlotKey, BackendId>,
+    backends: StdHashMap<BackendId, Backend>,
+    rev_nat: StdHashMap<u32, RevNatValue>,
+    names: StdHashMap<u32, ServiceName>,
+    meta: MetaValue,
+    /// max_entries of the services map (others unbounded), as E2BIG enforces it.
+    services_cap: Option<usize>,
+    /// Fail the n-th put (0-based), to exercise partial writes.
+    fail_put_at: Option<usize>,
+    /// After this many ops the "process" is dead: nothing more reaches the maps.
+    crash_after: Option<usize>,
+    puts: usize,
+    ops: usize,
+    log: Vec<Op>,
+    /// Master values readers may still hold (every one written since `forget_readers`).
+    held: Vec<(ServiceKey, ServiceValue)>,
+    /// The maps were damaged on purpose: readers are not checked.
+    unchecked: bool,
+}
+
+impl ModelStore {
+    fn check_reader_view(&self) {
+        if self.unchecked {
+            return;
+        }
+        let current = self.services.iter().map(|(k, v)| (*k, *v));
+        for (k, v) in current.chain(self.held.iter().copied()) {
+            if v.flags & svc_flags::ADDR_MARKER != 0 {
+                continue;
+            }
+            for slot in 1..=v.count {
+                let sk = SlotKey {
+                    id: v.id,
+                    rev: v.rev,
+                    slot,
+                };
+                let b = self
+                    .slots
+                    .get(&sk)
+                    .unwrap_or_else(|| panic!("{k:?} -> {v:?} leads to missing slot {sk:?}"));
+                assert!(
+                    self.backends.contains_key(b),
+                    "slot {sk:?} -> missing backend {b}"
+                );
+            }
+        }
+    }
+
+    /// The grace period has passed: no reader holds an old master entry any more.
+    fn forget_readers(&mut self) {
+        self.held.clear();
+    }
+
+    /// What a client would get for a frontend: its backends, in slot order.
+    fn resolve(&self, fe: &Frontend) -> Option<Vec<SocketAddr>> {
+        let v = self.services.get(&service_key(fe))?;
+        Some(
+            (1..=v.count)
+                .map(|slot| {
+                    let b = self.slots[&SlotKey {
+                        id: v.id,
+                        rev: v.rev,
+                        slot,
+                    }];
+                    let b = self.backends[&b];
+                    SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be))
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Store for ModelStore {
+    fn apply(&mut self, op: &Op) -> Result<bool> {
+        if self.crash_after.is_some_and(|n| self.ops >= n) {
+            return Err(Error::Other("crashed".into()));
+        }
+        let is_put = matches!(
+            op,
+            Op::PutService(..)
+                | Op::PutSlot(..)
+                | Op::PutBackend(..)
+                | Op::PutRevNat(..)
+                | Op::PutName(..)
+        );
+        if is_put {
+            let n = self.puts;
+            self.puts += 1;
+            if self.fail_put_at == Some(n) {
+                return Err(Error::Map {
+                    map: "test",
+                    message: "injected".into(),
+                });
+            }
+        }
+        if let (Op::PutService(k, _), Some(cap)) = (op, self.services_cap) {
+            if !self.services.contains_key(k) && self.services.len() >= cap {
+                return Err(Error::MapFull {
+                    map: svc_common::map_names::SERVICES,
+                    capacity: cap as u32,
+                    object: String::new(),
+                });
+            }
+        }
+        self.ops += 1;
+        self.log.push(op.clone());
+        let found = match op.clone() {
+            Op::PutService(k, v) => {
+                if let Some(old) = self.services.insert(k, v) {
+                    self.held.push((k, old));
+                }
+                true
+            }
+            Op::DelService(k) => {
+                let old = self.services.remove(&k);
+                if let Some(old) = old {
+                    self.held.push((k, old));
+                }
+                old.is_some()
+            }
+            Op::PutSlot(k, v) => self.slots.insert(k, v).is_none() || true,
+            Op::DelSlot(k) => self.slots.remove(&k).is_some(),
+            Op::PutBackend(k, v) => self.backends.insert(k, v).is_none() || true,
+            Op::DelBackend(k) => self.backends.remove(&k).is_some(),
+            Op::PutRevNat(k, v) => self.rev_nat.insert(k, v).is_none() || true,
+            Op::DelRevNat(k) => self.rev_nat.remove(&k).is_some(),
+            Op::PutName(k, v) => self.names.insert(k, v).is_none() || true,
+            Op::DelName(k) => self.names.remove(&k).is_some(),
+            Op::PutMeta(v) => {
+                self.meta = v;
+                true
+            }
+        };
+        self.check_reader_view();
+        Ok(found)
+    }
+
+    fn purge_affinity(
+        &mut self,
+        _: &dyn Fn(&AffinityKey, &AffinityValue) -> bool,
+    ) -> Result<usize> {
+        Ok(0)
+    }
+
+    fn snapshot(&self) -> Result<Snapshot> {
+        Ok(Snapshot {
+            services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
+            slots: self.slots.iter().map(|(k, v)| (*k, *v)).collect(),
+            backends: self.backends.iter().map(|(k, v)| (*k, *v)).collect(),
+            rev_nat: self.rev_nat.iter().map(|(k, v)| (*k, *v)).collect(),
+            names: self.names.iter().map(|(k, v)| (*k, *v)).collect(),
+            affinity_ids: vec![],
+            meta: self.meta,
+        })
+    }
+}
+
+fn fe(ip: &str, port: u16) -> Frontend {
+    Frontend {
+        ip: ip.parse().unwrap(),
+        port,
+        protocol: Protocol::Tcp,
+    }
+}
+
+/// Each test frontend is a Service of its own.
+fn owner_for(f: &Frontend) -> String {
+    format!("default/svc-{}-{}", f.ip.to_string().replace([':', '.'], "-"), f.port)
+}
+
+fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
+    let mut s = DesiredState::default();
+    for (f, backends) in entries {
+        let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+        b.sort();
+        s.frontends.insert(
+            *f,
+            DesiredFrontend {
+                frontend: *f,
+                owner: owner_for(f),
+                service: owner_for(f),
+                backends: b,
+                affinity_timeout_s: None,
+                internal_local: false,
+            },
+        );
+        s.cluster_ips.insert(f.ip);
+    }
+    s
+}
+
+fn fresh() -> Programmed {
+    Programmed::empty(Capacity::default(), Duration::from_secs(1))
+}
+
+/// Applies `desired` fully, then lets the grace period pass.
+fn settle(p: &mut Programmed, store: &mut ModelStore, desired: &DesiredState) -> SyncReport {
+    let now = Instant::now();
+    let r = p.apply_scoped(store, desired, Scope::All, now);
+    store.forget_readers();
+    p.retire_due(store, now + Duration::from_secs(3600));
+    r
+}
+
+fn exact(store: &ModelStore, desired: &DesiredState) {
+    let problems = crate::verify::check(&store.snapshot().unwrap(), desired);
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+#[test]
+fn adds_changes_and_removes_keeping_readers_safe() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let a = fe("10.96.0.10", 80);
+    let b = fe("fd00::10", 53);
+
+    let s1 = state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"]), (b, &[])]);
+    let r = settle(&mut p, &mut store, &s1);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &s1);
+    assert!(store.services.contains_key(&marker_key(a.ip)));
+
+    // Same desired state again: nothing is written.
+    let r = settle(&mut p, &mut store, &s1);
+    assert_eq!(r.ops, 0);
+
+    // Replace one backend: a new generation; the old one and the unused backend are retired.
+    let s2 = state(&[(a, &["10.0.0.1:8080", "10.0.0.3:8080"]), (b, &[])]);
+    let r = settle(&mut p, &mut store, &s2);
+    assert!(r.errors.is_empty());
+    exact(&store, &s2);
+    assert_eq!(p.usage.slots, 2);
+    assert_eq!(p.usage.backends, 2);
+
+    // Remove everything: maps end empty.
+    let r = settle(&mut p, &mut store, &DesiredState::default());
+    assert!(r.errors.is_empty());
+    assert!(store.services.is_empty() && store.slots.is_empty() && store.backends.is_empty());
+    assert!(store.rev_nat.is_empty() && store.names.is_empty());
+    assert_eq!(p.usage, Usage::default());
+}
+
+/// Item 9 of issue 6: a reader that read the master entry just before a switch still finds
+/// the old generation and its backends until the grace period has passed.
+#[test]
+fn readers_holding_an_old_master_entry_keep_working() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let a = fe("10.96.0.10", 80);
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    let t0 = Instant::now();
+    // Many changes within the grace period: every master value ever written stays valid
+    // (ModelStore checks that after each write).
+    for i in 2..40u8 {
+        let b = format!("10.0.0.{i}:8080");
+        let r = p.apply_scoped(&mut store, &state(&[(a, &[&b])]), Scope::All, t0);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+    }
+    assert!(store.slots.len() > 30, "old generations are retired too early");
+    // Not due yet: nothing is deleted.
+    assert_eq!(p.retire_due(&mut store, t0 + Duration::from_millis(999)).deleted, 0);
+    store.forget_readers();
+    p.retire_due(&mut store, t0 + Duration::from_secs(1));
+    exact(&store, &state(&[(a, &["10.0.0.39:8080"])]));
+}
+
+#[test]
+fn a_backend_named_again_within_the_grace_period_is_kept() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let a = fe("10.96.0.10", 80);
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    let t0 = Instant::now();
+    p.apply_scoped(&mut store, &state(&[(a, &["10.0.0.2:8080"])]), Scope::All, t0);
+    p.apply_scoped(&mut store, &state(&[(a, &["10.0.0.1:8080"])]), Scope::All, t0);
+    store.forget_readers();
+    p.retire_due(&mut store, t0 + Duration::from_secs(2));
+    exact(&store, &state(&[(a, &["10.0.0.1:8080"])]));
+}
+
+#[test]
+fn master_entry_is_the_last_write_of_a_change() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let a = fe("10.96.0.10", 80);
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    store.log.clear();
+    p.apply(
+        &mut store,
+        &state(&[(a, &["10.0.0.2:8080", "10.0.0.3:8080"])]),
+    );
+    let master = store
+        .log
+        .iter()
+        .position(|o| matches!(o, Op::PutService(k, _) if *k == service_key(&a)))
+        .expect("master written");
+    assert!(store.log[..master]
+        .iter()
+        .all(|o| matches!(o, Op::PutBackend(..) | Op::PutSlot(..) | Op::PutMeta(..))));
+    // Nothing is deleted in the sync itself: the old generation is retired later.
+    assert_eq!(master, store.log.len() - 1, "{:?}", store.log);
+}
+
+#[test]
+fn a_failed_write_keeps_the_old_state_and_other_services() {
+    let a = fe("10.96.0.10", 80);
+    let c = fe("10.96.0.11", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    // The next sync's first put fails (the new backend of `a`).
+    store.fail_put_at = Some(store.puts);
+    let want = state(&[(a, &["10.0.0.9:8080"]), (c, &["10.0.0.5:8080"])]);
+    let r = settle(&mut p, &mut store, &want);
+    assert_eq!(r.errors.len(), 1);
+    assert!(r.errors[0].to_string().contains(&owner_for(&a)), "{}", r.errors[0]);
+    assert_eq!(
+        r.failed.keys().collect::<Vec<_>>(),
+        vec![&owner_for(&a)],
+        "{:?}",
+        r.failed
+    );
+    assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
+    assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.5:8080".parse().unwrap()]);
+    // A later sync converges.
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty());
+    exact(&store, &want);
+}
+
+/// A failure in the middle of a Service's writes leaves nothing of the attempt reachable, for
+/// every position of the failure.
+#[test]
+fn a_service_is_written_completely_or_not_at_all() {
+    let a = fe("10.96.0.10", 80);
+    let a2 = fe("10.96.0.10", 81);
+    let before = state(&[(a, &["10.0.0.1:8080"])]);
+    let mut after = state(&[
+        (a, &["10.0.0.2:8080", "10.0.0.3:8080"]),
+        (a2, &["10.0.0.4:8080"]),
+    ]);
+    for d in after.frontends.values_mut() {
+        d.owner = "default/web".into();
+        d.service = format!("default/web:{}", d.frontend.port);
+    }
+    let mut before = before;
+    for d in before.frontends.values_mut() {
+        d.owner = "default/web".into();
+        d.service = "default/web:80".into();
+    }
+    for fail_at in 0..12 {
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        settle(&mut p, &mut store, &before);
+        store.fail_put_at = Some(store.puts + fail_at);
+        let r = p.apply(&mut store, &after);
+        if r.errors.is_empty() {
+            break;
+        }
+        assert_eq!(
+            store.resolve(&a).unwrap(),
+            vec!["10.0.0.1:8080".parse().unwrap()],
+            "fail at {fail_at}"
+        );
+        assert!(store.resolve(&a2).is_none(), "fail at {fail_at}");
+        store.fail_put_at = None;
+        settle(&mut p, &mut store, &after);
+        exact(&store, &after);
+    }
+}
+
+/// Item 6 of issue 6: a Service that does not fit is not programmed at all, the ClusterIP
+/// marker still goes in (its ports are refused, not routed), and the error names the Service
+/// and the map.
+#[test]
+fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
+    let mut store = ModelStore::default();
+    let cap = Capacity {
+        services: 20,
+        ..Capacity::default()
+    };
+    store.services_cap = Some(cap.services as usize);
+    let mut p = Programmed::empty(cap, Duration::from_secs(1));
+    let mut want = DesiredState::default();
+    // Three Services of 8 ports each on their own ClusterIPs: 24 frontends + 3 markers.
+    for (i, name) in ["a", "b", "c"].iter().enumerate() {
+        let ip: IpAddr = format!("10.96.0.{}", i + 1).parse().unwrap();
+        want.cluster_ips.insert(ip);
+        for port in 0..8u16 {
+            let f = Frontend {
+                ip,
+                port: 80 + port,
+                protocol: Protocol::Tcp,
+            };
+            want.frontends.insert(
+                f,
+                DesiredFrontend {
+                    frontend: f,
+                    owner: format!("default/{name}"),
+                    service: format!("default/{name}:p{port}"),
+                    backends: vec![format!("10.0.{i}.1:8080").parse().unwrap()],
+                    affinity_timeout_s: None,
+                    internal_local: false,
+                },
+            );
+        }
+    }
+    let r = settle(&mut p, &mut store, &want);
+    assert_eq!(
+        r.succeeded.iter().map(String::as_str).collect::<Vec<_>>(),
+        ["default/a", "default/b"]
+    );
+    assert_eq!(r.failed.keys().map(String::as_str).collect::<Vec<_>>(), ["default/c"]);
+    let msg = r.errors[0].to_string();
+    assert!(msg.contains("default/c") && msg.contains("SVC_SERVICES"), "{msg}");
+    // Nothing of c, but all three markers.
+    for port in 0..8 {
+        assert!(store.resolve(&fe("10.96.0.3", 80 + port)).is_none());
+    }
+    for i in 1..=3 {
+        let ip: IpAddr = format!("10.96.0.{i}").parse().unwrap();
+        assert!(store.services.contains_key(&marker_key(ip)), "marker {ip}");
+    }
+    assert_eq!(store.services.len(), 19);
+    assert!(store.slots.keys().all(|k| k.id <= 16), "no slot of c is left");
+}
+
+#[test]
+fn recovery_adopts_pinned_state_and_cleans_leftovers_first() {
+    let a = fe("10.96.0.10", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let desired = state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"])]);
+    settle(&mut p, &mut store, &desired);
+    // A dead agent left a half-written next generation behind.
+    let leftover = SlotKey {
+        id: 1,
+        rev: 2,
+        slot: 1,
+    };
+    store.slots.insert(leftover, 1);
+
+    let mut p2 = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    store.log.clear();
+    let t0 = Instant::now();
+    let r = p2.apply_scoped(&mut store, &desired, Scope::All, t0);
+    assert!(r.errors.is_empty());
+    assert_eq!(r.strays_deleted, 1);
+    // The live service is not rewritten, and the leftover waits out the grace period.
+    assert_eq!(store.log, vec![]);
+
+    // A change meanwhile writes a generation that is not the leftover's.
+    let changed = state(&[(a, &["10.0.0.3:8080"])]);
+    p2.apply_scoped(&mut store, &changed, Scope::All, t0);
+    assert_eq!(store.services[&service_key(&a)].rev, 3);
+    store.forget_readers();
+    p2.retire_due(&mut store, t0 + Duration::from_secs(2));
+    exact(&store, &changed);
+}
+
+/// Item 1 of issue 6, deterministic form: the agent dies after writing the slots and
+/// reverse-NAT entry of a new frontend id, before its master entry. The restarted agent must
+/// not hand that id out again, and its first sync must end exactly at the desired state.
+#[test]
+fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
+    let a = fe("10.96.0.10", 80);
+    let b = fe("10.96.0.11", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    let want = state(&[(a, &["10.0.0.1:8080"]), (b, &["10.0.0.2:8080", "10.0.0.3:8080"])]);
+    // A restarted agent dies right before the master entry of b.
+    let ops_before = store.ops;
+    let mut probe = store.clone();
+    fresh_apply_count(&mut probe, &want);
+    let master_at = probe.log[ops_before..]
+        .iter()
+        .position(|o| matches!(o, Op::PutService(k, _) if *k == service_key(&b)))
+        .unwrap();
+    store.crash_after = Some(ops_before + master_at);
+    fresh_apply_count(&mut store, &want);
+    store.crash_after = None;
+    assert!(store.rev_nat.len() == 2 && store.slots.len() == 3, "half-written b");
+    let dead_id = *store.rev_nat.keys().max().unwrap();
+
+    let mut p2 = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    settle(&mut p2, &mut store, &want);
+    exact(&store, &want);
+    let b_id = store.services[&service_key(&b)].id;
+    assert!(b_id > dead_id, "id {dead_id} handed out again");
+}
+
+fn fresh_apply_count(store: &mut ModelStore, want: &DesiredState) {
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    p.apply(store, want);
+}
+
+/// Item 1 of issue 6, every kill point: whatever op the agent dies after, the next agent's
+/// first sync ends exactly at the desired state, and no reader ever meets a dangling entry.
+#[test]
+fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
+    let mk = |spec: &[(&str, u16, &[&str])]| {
+        let mut s = DesiredState::default();
+        for (ip, port, backends) in spec {
+            let f = fe(ip, *port);
+            let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+            b.sort();
+            s.frontends.insert(
+                f,
+                DesiredFrontend {
+                    frontend: f,
+                    owner: format!("ns/{ip}"),
+                    service: format!("ns/{ip}:{port}"),
+                    backends: b,
+                    affinity_timeout_s: (*port == 443).then_some(60),
+                    internal_local: false,
+                },
+            );
+            s.cluster_ips.insert(f.ip);
+        }
+        s
+    };
+    let before = mk(&[
+        ("10.96.0.1", 80, &["10.0.0.1:80", "10.0.0.2:80"]),
+        ("10.96.0.1", 443, &["10.0.0.1:443"]),
+        ("10.96.0.2", 53, &["10.0.0.3:53"]),
+        ("fd00::3", 80, &[]),
+    ]);
+    let after = mk(&[
+        ("10.96.0.1", 80, &["10.0.0.2:80", "10.0.0.4:80", "10.0.0.5:80"]),
+        ("10.96.0.2", 53, &["10.0.0.3:53"]),
+        ("10.96.0.4", 8080, &["10.0.0.9:8080", "10.0.0.1:80"]),
+        ("fd00::3", 80, &["[fd00::9]:80"]),
+    ]);
+    let mut base = ModelStore::default();
+    settle(&mut fresh(), &mut base, &before);
+    let total = {
+        let mut s = base.clone();
+        let n0 = s.ops;
+        fresh_apply_count(&mut s, &after);
+        s.ops - n0
+    };
+    assert!(total > 10);
+    for kill_at in 0..=total {
+        // The first agent: adopted the maps, dies after `kill_at` ops of the change.
+        let mut store = base.clone();
+        store.crash_after = Some(store.ops + kill_at);
+        fresh_apply_count(&mut store, &after);
+        store.crash_after = None;
+        // The second agent: recovers, syncs once, waits out the grace period.
+        let mut p = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        let r = settle(&mut p, &mut store, &after);
+        assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
+        let problems = crate::verify::check(&store.snapshot().unwrap(), &after);
+        assert!(problems.is_empty(), "kill at {kill_at}: {problems:#?}");
+        // And a third agent finds nothing to do.
+        let mut p3 = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        let r = p3.apply(&mut store, &after);
+        assert_eq!(r.ops, 0, "kill at {kill_at}: {:?}", &store.log[store.log.len() - r.ops..]);
+    }
+}
+
+/// Item 8 of issue 6: drift (entries deleted or changed behind the agent's back) is found by
+/// comparing the maps with the mirror, and repaired.
+#[test]
+fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
+    let a = fe("10.96.0.10", 80);
+    let b = fe("10.96.0.11", 80);
+    let want = state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"]), (b, &["10.0.0.3:8080"])]);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &want);
+    // Someone deletes a slot, a reverse-NAT entry and a marker, and adds junk.
+    let id_a = store.services[&service_key(&a)].id;
+    store.slots.retain(|k, _| !(k.id == id_a && k.slot == 2));
+    let id_b = store.services[&service_key(&b)].id;
+    store.rev_nat.remove(&id_b);
+    store.services.remove(&marker_key(a.ip));
+    store.backends.insert(
+        999,
+        plan::backend_value("10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
+    );
+    store.unchecked = true;
+    let retiring = std::mem::take(&mut p.retiring);
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        retiring,
+    );
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert!(r.ops > 0);
+    exact(&store, &want);
+}
+
+#[test]
+fn ids_are_made_durable_before_use_and_never_reused() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let a = fe("10.96.0.10", 80);
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    assert!(store.meta.frontend_id_hwm > 1 && store.meta.backend_id_hwm > 1);
+    assert!(matches!(store.log[0], Op::PutMeta(_)), "{:?}", store.log);
+    // Everything deleted, then a restart: the next id is above the durable mark.
+    settle(&mut p, &mut store, &DesiredState::default());
+    let hwm = store.meta.frontend_id_hwm;
+    let mut p2 = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    settle(&mut p2, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    assert!(store.services[&service_key(&a)].id >= hwm);
+}
+
+#[test]
+fn scoped_sync_touches_only_its_frontends() {
+    let a = fe("10.96.0.10", 80);
+    let b = fe("10.96.0.11", 80);
+    let c = fe("10.96.0.12", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(
+        &mut p,
+        &mut store,
+        &state(&[(a, &["10.0.0.1:8080"]), (b, &["10.0.0.1:8080"])]),
+    );
+    // Desired changes for a and b, a removal of b and an addition of c; only b and c are in
+    // scope, so a keeps what it had.
+    let desired = state(&[(a, &["10.0.0.7:8080"]), (c, &["10.0.0.2:8080"])]);
+    let scope: BTreeSet<Frontend> = [b, c].into_iter().collect();
+    let now = Instant::now();
+    let r = p.apply_scoped(&mut store, &desired, Scope::Only(&scope), now);
+    assert!(r.errors.is_empty());
+    store.forget_readers();
+    p.retire_due(&mut store, now + Duration::from_secs(5));
+    assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
+    assert_eq!(store.resolve(&b), None);
+    assert!(!store.services.contains_key(&marker_key(b.ip)));
+    assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.2:8080".parse().unwrap()]);
+    // 10.0.0.1 is still used by a, so it stays.
+    assert_eq!(store.backends.len(), 2);
+}
+
+#[test]
+fn names_round_trip_and_truncate_on_char_boundary() {
+    assert_eq!(decode_name(&encode_name("ns/web:http")), "ns/web:http");
+    let long = "é".repeat(200);
+    let d = decode_name(&encode_name(&long));
+    assert!(d.len() <= 159 && long.starts_with(&d));
+    assert_eq!(owner_of("ns/web:http"), "ns/web");
+    assert_eq!(owner_of("ns/web"), "ns/web");
+}

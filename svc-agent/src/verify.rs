@@ -1,0 +1,147 @@
+//! An exact comparison of what the maps hold with what should be programmed: every master
+//! entry leads to all its slots, backends, reverse-NAT and name entries, the backends are the
+//! desired ones, and nothing else is there. The crash tests judge recovery by it, and it
+//! explains drift.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::SocketAddr;
+
+use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
+
+use crate::model::DesiredState;
+use crate::store::Snapshot;
+use crate::sync::{
+    decode_name, flags_of, ip_from16, plan::rev_nat_value, service_key, stored_name,
+};
+
+/// Every difference between `snap` and `desired`, in words; empty when they agree exactly.
+pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
+    let mut problems = Vec::new();
+    let services: HashMap<_, _> = snap.services.iter().copied().collect();
+    let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
+    let backends: HashMap<BackendId, _> = snap.backends.iter().copied().collect();
+    let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
+    let names: HashMap<u32, _> = snap.names.iter().copied().collect();
+
+    let mut used_slots = HashSet::new();
+    let mut used_ids = HashSet::new();
+    let mut used_backends = HashSet::new();
+    let mut expected_keys = HashSet::new();
+    for (fe, d) in &desired.frontends {
+        let key = service_key(fe);
+        expected_keys.insert(key);
+        let Some(v) = services.get(&key) else {
+            problems.push(format!("{fe} ({}): no master entry", d.service));
+            continue;
+        };
+        if v.flags & svc_flags::ADDR_MARKER != 0 {
+            problems.push(format!("{fe}: a marker where a frontend should be"));
+            continue;
+        }
+        if !used_ids.insert(v.id) {
+            problems.push(format!("{fe}: id {} shared with another frontend", v.id));
+        }
+        let (flags, timeout) = flags_of(d);
+        if v.flags != flags || v.affinity_timeout_s != timeout {
+            problems.push(format!(
+                "{fe}: flags {:#x}/{}s, want {flags:#x}/{timeout}s",
+                v.flags, v.affinity_timeout_s
+            ));
+        }
+        let mut got: Vec<SocketAddr> = Vec::new();
+        for slot in 1..=v.count {
+            let sk = SlotKey {
+                id: v.id,
+                rev: v.rev,
+                slot,
+            };
+            used_slots.insert(sk);
+            let Some(b) = slots.get(&sk) else {
+                problems.push(format!("{fe}: slot {slot} of id {} rev {} missing", v.id, v.rev));
+                continue;
+            };
+            used_backends.insert(*b);
+            match backends.get(b) {
+                Some(be) if be.proto == fe.protocol.ipproto() => got.push(SocketAddr::new(
+                    ip_from16(be.addr),
+                    u16::from_be(be.port_be),
+                )),
+                Some(_) => problems.push(format!("{fe}: backend {b} has another protocol")),
+                None => problems.push(format!("{fe}: slot {slot} names missing backend {b}")),
+            }
+        }
+        if got != d.backends {
+            problems.push(format!(
+                "{fe} ({}): backends {got:?}, want {:?}",
+                d.service, d.backends
+            ));
+        }
+        match rev_nat.get(&v.id) {
+            Some(r) if *r == rev_nat_value(fe) => {}
+            Some(_) => problems.push(format!("{fe}: reverse NAT of id {} names another frontend", v.id)),
+            None => problems.push(format!("{fe}: reverse NAT of id {} missing", v.id)),
+        }
+        match names.get(&v.id) {
+            Some(n) if decode_name(n) == stored_name(&d.service) => {}
+            Some(n) => problems.push(format!(
+                "{fe}: name {:?}, want {:?}",
+                decode_name(n),
+                d.service
+            )),
+            None => problems.push(format!("{fe}: name of id {} missing", v.id)),
+        }
+    }
+
+    let mut markers = BTreeSet::new();
+    for (k, v) in &snap.services {
+        if k.port_be == 0 && k.proto == PROTO_ANY && v.flags & svc_flags::ADDR_MARKER != 0 {
+            markers.insert(ip_from16(k.addr));
+        } else if !expected_keys.contains(k) {
+            problems.push(format!(
+                "stray master entry {}:{} proto {} (id {})",
+                ip_from16(k.addr),
+                u16::from_be(k.port_be),
+                k.proto,
+                v.id
+            ));
+        }
+    }
+    for ip in desired.cluster_ips.difference(&markers) {
+        problems.push(format!("ClusterIP {ip}: marker missing"));
+    }
+    for ip in markers.difference(&desired.cluster_ips) {
+        problems.push(format!("ClusterIP {ip}: stray marker"));
+    }
+    let strays = |what: &str, n: usize| (n > 0).then(|| format!("{n} stray {what} entries"));
+    problems.extend(strays(
+        "slot",
+        slots.keys().filter(|k| !used_slots.contains(*k)).count(),
+    ));
+    problems.extend(strays(
+        "reverse-NAT",
+        rev_nat.keys().filter(|id| !used_ids.contains(*id)).count(),
+    ));
+    problems.extend(strays(
+        "name",
+        names.keys().filter(|id| !used_ids.contains(*id)).count(),
+    ));
+    problems.extend(strays(
+        "backend",
+        backends.keys().filter(|id| !used_backends.contains(*id)).count(),
+    ));
+    let max_f = snap.services.iter().map(|(_, v)| v.id).max().unwrap_or(0);
+    let max_b = snap.backends.iter().map(|(id, _)| *id).max().unwrap_or(0);
+    if max_f >= snap.meta.frontend_id_hwm && max_f > 0 {
+        problems.push(format!(
+            "frontend id {max_f} is not below the durable mark {}",
+            snap.meta.frontend_id_hwm
+        ));
+    }
+    if max_b >= snap.meta.backend_id_hwm && max_b > 0 {
+        problems.push(format!(
+            "backend id {max_b} is not below the durable mark {}",
+            snap.meta.backend_id_hwm
+        ));
+    }
+    problems
+}
