@@ -465,8 +465,8 @@ pub struct RunConfig {
     pub cgroup: PathBuf,
     pub bpffs: PathBuf,
     pub node: NodeContext,
-    /// Where /metrics and /healthz are served.
-    pub listen: Vec<std::net::SocketAddr>,
+    /// Where /healthz (and, on a metrics port, /metrics) is served.
+    pub listen: Vec<(std::net::SocketAddr, metrics::Port)>,
     pub health_timeout: Duration,
     pub capacity: Capacity,
     pub upkeep: Upkeep,
@@ -475,10 +475,10 @@ pub struct RunConfig {
 /// Starts the agent and its metrics server.
 pub async fn start(cfg: &RunConfig) -> Result<Agent> {
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
-    for &addr in &cfg.listen {
+    for &(addr, port) in &cfg.listen {
         let listener = metrics::bind(addr).await?;
-        info!(%addr, "serving /metrics and /healthz");
-        tokio::spawn(metrics::serve(listener, metrics.clone()));
+        info!(%addr, paths = port.paths(), "serving");
+        tokio::spawn(metrics::serve(listener, metrics.clone(), port));
     }
     Agent::start(
         &cfg.bpffs,

@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
 
-use svc_agent::{agent, datapath, list, source::kube, sys, translate::NodeContext};
+use svc_agent::{agent, datapath, list, metrics, source::kube, sys, translate::NodeContext};
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
@@ -49,11 +49,11 @@ enum Command {
         /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME.
         #[arg(long)]
         service_proxy_name: Option<String>,
-        /// kube-proxy compatible /healthz (and /metrics). Default with the Kubernetes API:
-        /// 0.0.0.0:10256; with manifests: off.
+        /// kube-proxy compatible /healthz and /livez (not /metrics). Default with the
+        /// Kubernetes API: 0.0.0.0:10256; with manifests: off.
         #[arg(long)]
         healthz_bind_address: Option<SocketAddr>,
-        /// Prometheus /metrics (and /healthz). Default with the Kubernetes API:
+        /// Prometheus /metrics (and /healthz, /livez). Default with the Kubernetes API:
         /// 127.0.0.1:10249; with manifests: off.
         #[arg(long)]
         metrics_bind_address: Option<SocketAddr>,
@@ -188,8 +188,10 @@ fn main() -> anyhow::Result<()> {
             check_interval_ms,
         } => {
             let from_api = manifests.is_none();
-            let defaults = |given: Option<SocketAddr>, default: &str| {
-                given.or_else(|| from_api.then(|| default.parse().expect("valid literal")))
+            let defaults = |given: Option<SocketAddr>, default: &str, port| {
+                given
+                    .or_else(|| from_api.then(|| default.parse().expect("valid literal")))
+                    .map(|addr| (addr, port))
             };
             let cfg = agent::RunConfig {
                 cgroup,
@@ -200,8 +202,12 @@ fn main() -> anyhow::Result<()> {
                     service_proxy_name: service_proxy_name.clone(),
                 },
                 listen: [
-                    defaults(healthz_bind_address, "0.0.0.0:10256"),
-                    defaults(metrics_bind_address, "127.0.0.1:10249"),
+                    defaults(healthz_bind_address, "0.0.0.0:10256", metrics::Port::Health),
+                    defaults(
+                        metrics_bind_address,
+                        "127.0.0.1:10249",
+                        metrics::Port::Metrics,
+                    ),
                 ]
                 .into_iter()
                 .flatten()
@@ -220,11 +226,13 @@ fn main() -> anyhow::Result<()> {
                 .build()
                 .context("starting the runtime")?;
             match manifests {
-                Some(path) => rt.block_on(agent::run_manifests(
-                    cfg,
-                    path,
-                    Duration::from_millis(poll_ms.max(10)),
-                ))?,
+                Some(path) => rt
+                    .block_on(agent::run_manifests(
+                        cfg,
+                        path,
+                        Duration::from_millis(poll_ms.max(10)),
+                    ))
+                    .map_err(privilege_hint)?,
                 None => {
                     let Some(node_name) = node_name else {
                         bail!("--node-name (or $NODE_NAME) is required with the Kubernetes API");
@@ -237,7 +245,7 @@ fn main() -> anyhow::Result<()> {
                         api_server: k8s_api_server,
                         service_cidrs: service_cidr,
                     };
-                    rt.block_on(kube::run(cfg, opts))?
+                    rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
                 }
             }
         }
@@ -259,6 +267,22 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// A datapath the kernel refused to load for want of privilege: say which capabilities the
+/// agent needs (measured by tests/tests/privileges.rs) above the kernel's answer, which may be a
+/// bare EPERM or a verifier message such as "pointer arithmetic ... prohibited for !root".
+fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
+    let refused = matches!(&e, svc_agent::Error::Load(m)
+        if m.contains("Operation not permitted") || m.contains("Permission denied"));
+    if !refused {
+        return e.into();
+    }
+    anyhow::Error::new(e).context(
+        "the kernel refused the eBPF datapath: svc-agent needs CAP_SYS_ADMIN, or CAP_BPF, \
+         CAP_PERFMON and CAP_NET_ADMIN (kernel 5.8 and later), to create the maps and load the \
+         cgroup socket programs",
+    )
 }
 
 /// Links detach once the last holder lets go; a running agent still holds them.

@@ -2,6 +2,12 @@
 //!
 //! Two endpoints do not justify a web framework: the server reads one request line, answers,
 //! and closes.
+//!
+//! As kube-proxy, two listeners: the health port (`--healthz-bind-address`, 0.0.0.0:10256 by
+//! default, reachable by the kubelet and load balancers) answers only `/healthz` and `/livez`;
+//! `/metrics`, which tells how many Services and backends the node has and what failed, is
+//! only on the metrics port (`--metrics-bind-address`, 127.0.0.1:10249 by default), which
+//! answers the health paths too.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -384,9 +390,28 @@ fn response(status: &str, content_type: &str, body: &str) -> String {
     )
 }
 
-fn answer(metrics: &Metrics, path: &str) -> String {
+/// Which paths a listener answers; every other path is 404 there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Port {
+    /// `/healthz` and `/livez`.
+    Health,
+    /// `/metrics`, `/healthz` and `/livez`.
+    Metrics,
+}
+
+impl Port {
+    /// For the log line that says what is served where.
+    pub fn paths(self) -> &'static str {
+        match self {
+            Port::Health => "/healthz /livez",
+            Port::Metrics => "/metrics /healthz /livez",
+        }
+    }
+}
+
+fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
     match path {
-        "/metrics" => response(
+        "/metrics" if port == Port::Metrics => response(
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
             &metrics.render(),
@@ -412,12 +437,12 @@ fn answer(metrics: &Metrics, path: &str) -> String {
 }
 
 /// Serves /metrics and /healthz until the task is dropped.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
     loop {
         let (mut conn, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                warn!("accepting on the metrics port: {e}");
+                warn!("accepting on the {port:?} port: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
@@ -447,7 +472,9 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
             let head = String::from_utf8_lossy(&buf[..len]);
             let mut parts = head.split_whitespace();
             let reply = match (parts.next(), parts.next()) {
-                (Some("GET"), Some(path)) => answer(&metrics, path.split('?').next().unwrap_or("")),
+                (Some("GET"), Some(path)) => {
+                    answer(&metrics, port, path.split('?').next().unwrap_or(""))
+                }
                 _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
             };
             if let Err(e) = conn.write_all(reply.as_bytes()).await {
@@ -477,9 +504,9 @@ mod tests {
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
-        assert!(answer(&m, "/healthz").starts_with("HTTP/1.1 503"));
+        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
         m.synced(Duration::from_millis(1), Programmed { attached: true, ..Default::default() });
-        assert!(answer(&m, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         // A Service that cannot be programmed makes the node unhealthy at once, and says
         // which; /livez stays up (a restart would not help).
         m.synced(
@@ -490,10 +517,66 @@ mod tests {
                 ..Default::default()
             },
         );
-        let reply = answer(&m, "/healthz");
+        let reply = answer(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("ns/big"), "{reply}");
-        assert!(answer(&m, "/livez").starts_with("HTTP/1.1 200"));
+        assert!(answer(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
+    }
+
+    #[test]
+    fn the_health_port_answers_health_only_and_the_metrics_port_everything() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        let status = |port, path| answer(&m, port, path)[..12].to_string();
+        for path in ["/healthz", "/livez"] {
+            assert_eq!(status(Port::Health, path), "HTTP/1.1 200", "{path}");
+            assert_eq!(status(Port::Metrics, path), "HTTP/1.1 200", "{path}");
+        }
+        assert_eq!(status(Port::Health, "/metrics"), "HTTP/1.1 404");
+        let metrics = answer(&m, Port::Metrics, "/metrics");
+        assert!(metrics.starts_with("HTTP/1.1 200"));
+        assert!(metrics.contains("svc_frontends_programmed 0"));
+        assert_eq!(status(Port::Metrics, "/debug/pprof"), "HTTP/1.1 404");
+    }
+
+    /// Through a real socket: what a client of each listener gets.
+    #[tokio::test]
+    async fn serve_keeps_metrics_off_the_health_listener() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        let get = |addr: SocketAddr, path: &'static str| async move {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let mut reply = String::new();
+            c.read_to_string(&mut reply).await.unwrap();
+            reply[..12].to_string()
+        };
+        let mut addrs = Vec::new();
+        for port in [Port::Health, Port::Metrics] {
+            let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+            addrs.push(listener.local_addr().unwrap());
+            tokio::spawn(serve(listener, m.clone(), port));
+        }
+        let (health, metrics) = (addrs[0], addrs[1]);
+        assert_eq!(get(health, "/healthz").await, "HTTP/1.1 200");
+        assert_eq!(get(health, "/metrics").await, "HTTP/1.1 404");
+        assert_eq!(get(metrics, "/metrics").await, "HTTP/1.1 200");
+        assert_eq!(get(metrics, "/healthz").await, "HTTP/1.1 200");
     }
 
     #[test]

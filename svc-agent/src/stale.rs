@@ -35,10 +35,17 @@
 //! backend. In the test every affected socket failed within a few tens of milliseconds of the
 //! call, which itself took under a millisecond.
 //!
-//! # Privileges
-//! The agent needs to see the pods' processes (host PID namespace), `CAP_SYS_PTRACE` to open
-//! other users' `/proc/<pid>/ns/net`, `CAP_SYS_ADMIN` for `setns`, and `CAP_NET_ADMIN` in each
-//! namespace for `SOCK_DESTROY`.
+//! # Privileges (measured by `tests/tests/privileges.rs`)
+//! - the host PID namespace: `cgroup.procs` shows 0 for a process outside the reader's, so an
+//!   agent in a PID namespace of its own finds no pod (reported as an error, not silently);
+//! - `CAP_SYS_PTRACE` to open `/proc/<pid>/ns/net` of a process of another user or with
+//!   capabilities the agent lacks (any root container with the runtime's default set);
+//! - `CAP_SYS_ADMIN` for `setns`;
+//! - `CAP_NET_ADMIN` for `SOCK_DESTROY` (checked in the socket's namespace; `CAP_SYS_ADMIN`
+//!   does not stand in for it).
+//!
+//! Each missing one shows as a warning per sync that removes a UDP backend, and the socket
+//! stays.
 //!
 //! # Limits
 //! - Only sockets of namespaces that currently have a process in the cgroup tree are found. A
@@ -190,6 +197,8 @@ struct Netns {
 /// Network namespaces of all processes in `root` and its descendant cgroups, one per namespace.
 fn cgroup_namespaces(root: &Path, errors: &mut Vec<Error>) -> Result<Vec<Netns>> {
     let mut found: HashMap<NetnsId, Netns> = HashMap::new();
+    // cgroup.procs shows 0 for a process outside the reader's PID namespace.
+    let mut hidden = 0usize;
     let mut pending = vec![root.to_path_buf()];
     while let Some(dir) = pending.pop() {
         let is_root = dir == root;
@@ -219,6 +228,10 @@ fn cgroup_namespaces(root: &Path, errors: &mut Vec<Error>) -> Result<Vec<Netns>>
                 });
                 continue;
             };
+            if pid == 0 {
+                hidden += 1;
+                continue;
+            }
             match open_netns(pid, &found) {
                 Ok(Some((id, fd))) => {
                     found.insert(
@@ -250,6 +263,15 @@ fn cgroup_namespaces(root: &Path, errors: &mut Vec<Error>) -> Result<Vec<Netns>>
                 }
             }
         }
+    }
+    if hidden > 0 {
+        // Without this, an agent in a PID namespace of its own would find no socket, silently.
+        errors.push(Error::Netns {
+            netns: format!("of {hidden} processes in {}", root.display()),
+            message: "not found: the processes are outside the agent's PID namespace \
+                      (run the agent in the host's: hostPID)"
+                .into(),
+        });
     }
     Ok(found.into_values().collect())
 }
@@ -816,6 +838,25 @@ mod tests {
         let all: Vec<_> = NlMessages::new(&d).collect::<io::Result<_>>().unwrap();
         assert_eq!(all.len(), 2);
         assert_eq!(all[1].kind, libc::NLMSG_DONE as u16);
+    }
+
+    #[test]
+    fn processes_outside_our_pid_namespace_are_reported() {
+        let dir = std::env::temp_dir().join(format!("svc-stale-test-{}", std::process::id()));
+        fs::create_dir_all(dir.join("pod")).unwrap();
+        // As a reader in another PID namespace sees the host's processes.
+        fs::write(dir.join("cgroup.procs"), "0\n").unwrap();
+        fs::write(dir.join("pod/cgroup.procs"), "0\n0\n").unwrap();
+        let mut errors = Vec::new();
+        let found = cgroup_namespaces(&dir, &mut errors).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        assert!(found.is_empty());
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let message = errors[0].to_string();
+        assert!(
+            message.contains("of 3 processes") && message.contains("hostPID"),
+            "{message}"
+        );
     }
 
     #[test]

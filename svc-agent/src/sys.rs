@@ -85,15 +85,16 @@ pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
     }
     let c = |s: &str| CString::new(s).expect("no NUL in literal");
     // Without a mode the root of a fresh bpffs is world-writable and sticky: anyone could then
-    // create the agent's directory first.
-    let (src, target, fstype, data) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"), c("mode=0755"));
-    // SAFETY: valid C strings.
+    // create the agent's directory first. 0700 and no suid, devices or exec, as systemd mounts
+    // it (and deploy/daemonset.yaml's init container): only root needs to look inside.
+    let (src, target, fstype, data) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"), c("mode=0700"));
+    // SAFETY: valid C strings; bpffs takes its options as a C string.
     let ret = unsafe {
         libc::mount(
             src.as_ptr(),
             target.as_ptr(),
             fstype.as_ptr(),
-            0,
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             data.as_ptr().cast(),
         )
     };

@@ -176,6 +176,8 @@ impl Drop for Bpffs {
 /// test runner captures and shows only for a failed test (`quiet` turns that off).
 #[derive(Debug)]
 pub struct Agent {
+    /// A command that runs the agent (`setpriv ...`, `unshare ...`): `LAUNCHER... BIN ARGS...`.
+    launcher: Vec<OsString>,
     bin: PathBuf,
     args: Vec<OsString>,
     log_dir: PathBuf,
@@ -183,7 +185,7 @@ pub struct Agent {
     starts: usize,
     bpffs: PathBuf,
     print_logs: bool,
-    /// `/healthz` (and `/metrics`) of an agent started with `start_kube`.
+    /// `/healthz` and `/livez` (only) of an agent started with `start_kube`.
     healthz: Option<SocketAddr>,
     /// `/metrics` (and `/healthz`) of an agent started with `start_kube`.
     metrics: Option<SocketAddr>,
@@ -230,8 +232,23 @@ impl Agent {
         bpffs: &Path,
         log_dir: &Path,
     ) -> Result<Self> {
+        Self::start_launched(&[], bin, args, bpffs, log_dir)
+    }
+
+    /// Like `start_with_args`, through `launcher`: runs `LAUNCHER... BIN ARGS...`, for instance
+    /// `setpriv --bounding-set=... --inh-caps=...` to run the agent with fewer capabilities.
+    /// The launcher must end by exec'ing the agent (or keep running as long as it does, passing
+    /// SIGTERM on), as `pid`, `terminate` and `kill` act on the process it starts.
+    pub fn start_launched(
+        launcher: &[OsString],
+        bin: &Path,
+        args: Vec<OsString>,
+        bpffs: &Path,
+        log_dir: &Path,
+    ) -> Result<Self> {
         check_bin(bin)?;
         let mut agent = Self {
+            launcher: launcher.to_vec(),
             bin: bin.to_owned(),
             args,
             log_dir: log_dir.to_owned(),
@@ -293,7 +310,7 @@ impl Agent {
         Ok(agent)
     }
 
-    /// Where `/healthz` is served, when `start_kube` chose the address.
+    /// Where `/healthz` is served (and `/metrics` is not), when `start_kube` chose the address.
     pub fn healthz_addr(&self) -> Option<SocketAddr> {
         self.healthz
     }
@@ -306,7 +323,14 @@ impl Agent {
     fn spawn(&mut self) -> Result<()> {
         self.starts += 1;
         let log = File::create(self.log_path())?;
-        let mut cmd = Command::new(&self.bin);
+        let mut cmd = match self.launcher.split_first() {
+            None => Command::new(&self.bin),
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&self.bin);
+                c
+            }
+        };
         die_with_parent(&mut cmd);
         let child = cmd
             .args(&self.args)

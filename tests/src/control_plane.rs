@@ -9,7 +9,7 @@
 //!
 //! Everything listens on 127.0.0.1 only, on ports the kernel picked as free. The processes are
 //! stopped by pid (SIGTERM, then SIGKILL) and the directory removed on drop, also when a test
-//! panics; and they get SIGKILL if the test thread that started them dies without unwinding.
+//! panics; and they get SIGKILL if the test process dies without unwinding.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -75,8 +75,9 @@ fn binary(var: &str) -> Result<PathBuf> {
 /// A running etcd and kube-apiserver. Drop stops both and removes the directory. Set
 /// `SVC_CONTROL_PLANE_KEEP=1` to keep the directory (logs, certificates, kubeconfig).
 ///
-/// The processes die with the thread that started them (PR_SET_PDEATHSIG), so keep a
-/// `ControlPlane` within the test (thread) that created it.
+/// The processes die with the test process (PR_SET_PDEATHSIG, from a thread that lives as long
+/// as the process), not with the thread that started or restarted them: tests on several
+/// threads may share one `ControlPlane`.
 #[derive(Debug)]
 pub struct ControlPlane {
     bins: Binaries,
@@ -419,7 +420,7 @@ impl ControlPlane {
                 // apiserver's start (it writes a few hundred bootstrap objects).
                 .arg("--unsafe-no-fsync")
                 .arg("--log-level=warn");
-            let mut child = spawn(&mut cmd, &log)?;
+            let mut child = spawn(cmd, &log)?;
             let ready = wait_until(&mut child, "etcd", &log, ETCD_READY_TIMEOUT, || {
                 etcd_healthy(client)
             });
@@ -495,7 +496,7 @@ impl ControlPlane {
             }
             let mut cmd = Command::new(&self.bins.kube_apiserver);
             cmd.args(self.apiserver_args());
-            let mut child = spawn(&mut cmd, &log)?;
+            let mut child = spawn(cmd, &log)?;
             let ready = wait_until(
                 &mut child,
                 "kube-apiserver",
@@ -652,7 +653,7 @@ fn port_taken(log: &Path) -> bool {
     tail(log, 50).contains("address already in use")
 }
 
-fn spawn(cmd: &mut Command, log: &Path) -> Result<Child> {
+fn spawn(mut cmd: Command, log: &Path) -> Result<Child> {
     let mut file = OpenOptions::new().create(true).append(true).open(log)?;
     // Appended, so that a restart's log follows the first run's.
     writeln!(file, "=== svc-tests: starting {:?}", cmd.get_program())?;
@@ -663,9 +664,40 @@ fn spawn(cmd: &mut Command, log: &Path) -> Result<Child> {
         // Only what we pass: no ETCD_* or proxy variables from the test's environment.
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default());
-    crate::sys::die_with_parent(cmd);
-    cmd.spawn()
-        .with_context(|| format!("spawning {}", cmd.get_program().to_string_lossy()))
+    crate::sys::die_with_parent(&mut cmd);
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    spawn_from_lasting_thread(cmd).with_context(|| format!("spawning {program}"))
+}
+
+/// Spawns `cmd` from a thread that lives as long as this process. PR_SET_PDEATHSIG fires when
+/// the *thread* that forked the child exits: spawned from a test's thread, etcd and
+/// kube-apiserver would die when that thread ends, although the control plane may be shared
+/// with tests still running on other threads (a test harness's worker threads end one by one
+/// as the work runs out).
+fn spawn_from_lasting_thread(cmd: Command) -> std::io::Result<Child> {
+    use std::sync::{mpsc, OnceLock};
+    type Job = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static SPAWNER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (jobs, incoming) = mpsc::channel::<Job>();
+        // Never joined: the sender above is never dropped, so the loop never ends.
+        std::thread::Builder::new()
+            .name("svc-cp-spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in incoming {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("starting the control plane's spawner thread");
+        jobs
+    });
+    let (reply, answer) = mpsc::channel();
+    spawner
+        .send((cmd, reply))
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?;
+    answer
+        .recv()
+        .map_err(|_| std::io::Error::other("the spawner thread is gone"))?
 }
 
 /// Polls `ready` until it holds, failing early with the log's end if the process exits, or at

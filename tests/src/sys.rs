@@ -96,7 +96,18 @@ pub fn ensure_bpffs() -> Result<PathBuf> {
         .iter()
         .any(|(_, dir, fstype)| dir == BPFFS_ROOT && fstype == "bpf");
     if !mounted {
-        run("mount", ["-t", "bpf", "bpf", BPFFS_ROOT])?;
+        // As systemd and deploy/daemonset.yaml mount it (a bare mount is 1777).
+        run(
+            "mount",
+            [
+                "-t",
+                "bpf",
+                "-o",
+                "mode=0700,nosuid,nodev,noexec",
+                "bpf",
+                BPFFS_ROOT,
+            ],
+        )?;
     }
     Ok(PathBuf::from(BPFFS_ROOT))
 }

@@ -1,32 +1,47 @@
 //! The agent against a real kube-apiserver: kube-proxy's Service semantics, end to end, as a
 //! client in the sandbox sees them.
 //!
-//! One control plane (etcd + kube-apiserver, ~6 s to start) serves every scenario; it must live
-//! in the test function that started it (its processes die with that thread), so the scenarios
-//! run one after the other in this one test. Each scenario has its own Kubernetes namespace,
-//! sandbox and agent; its Services and EndpointSlices carry
-//! `service.kubernetes.io/service-proxy-name: <scenario>` and its agent runs with
-//! `--service-proxy-name <scenario>`, so no agent sees another scenario's objects (the one
-//! scenario about that label runs a default agent on unlabelled objects). Every scenario runs
-//! even when one fails; the test then fails listing all failures.
+//! Each scenario is a test of its own (this target has its own `main`, through libtest-mimic):
+//! `cargo test -p svc-tests --test kube -- s05` runs one, `-- --list` lists them, and the last
+//! line is libtest's `test result: ... N passed; M failed; ...`.
+//!
+//! One control plane (etcd + kube-apiserver, ~6 s to start) serves every scenario: the first
+//! scenario that runs starts it, and `main` stops it once every scenario has finished, passed
+//! or failed (its processes also get SIGKILL should this process die without cleaning up).
+//! Each scenario has its own Kubernetes namespace, sandbox and agent; its Services and
+//! EndpointSlices carry `service.kubernetes.io/service-proxy-name: <scenario>` and its agent
+//! runs with `--service-proxy-name <scenario>`, so no agent sees another scenario's objects
+//! (the one scenario about that label runs a default agent on unlabelled objects).
+//!
+//! The scenarios run one after the other unless `--test-threads N` (or `RUST_TEST_THREADS`)
+//! asks for more: each runs an agent, backends and clients, and the 1 s bounds below are
+//! measured on a 2-core machine. When they do run in parallel, the scenario that restarts the
+//! apiserver (`s12-lifecycle`) runs alone: it takes the control plane exclusively (`&mut`),
+//! the others share it (`&`). Sequential runs capture each scenario's stderr (its own lines, its
+//! agent's log, ...) and show it only when the scenario fails, as libtest does; `--nocapture`
+//! and parallel runs let it through as it comes.
 //!
 //! There is no controller-manager: the scenarios write EndpointSlices (and a Node) themselves.
 //! Changes the issue calls live must be visible to the client within 1 s of the API write
 //! (measured from `kubectl apply` returning); other waits have generous deadlines.
-//!
-//! `SVC_KUBE_SCENARIOS=s05,s11` runs only the scenarios whose names contain one of the words.
 
 mod common;
 
 use std::{
     collections::BTreeSet,
+    fs::File,
+    io::{Read, Seek},
     net::{IpAddr, SocketAddr},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     panic::AssertUnwindSafe,
+    process::ExitCode,
+    sync::{Arc, Mutex, PoisonError, RwLock},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{bail, ensure, Context, Result};
 use common::{names, sa, set};
+use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{json, Value};
 use svc_tests::{
     agent::http_get, control_plane::ControlPlane, require_root, Agent, Backend, Bpffs, Report,
@@ -46,44 +61,172 @@ const ZONE: &str = "topology.kubernetes.io/zone";
 
 const ECONNREFUSED: i32 = 111;
 
-type Scenario = fn(&mut ControlPlane, &str) -> Result<()>;
+/// A scenario and how it uses the control plane.
+#[derive(Clone, Copy)]
+enum Scenario {
+    /// Writes objects of its own namespace and proxy name: runs beside other scenarios.
+    Shared(fn(&ControlPlane, &str) -> Result<()>),
+    /// Restarts the apiserver: runs while no other scenario does.
+    Exclusive(fn(&mut ControlPlane, &str) -> Result<()>),
+}
 
-#[test]
-fn kubernetes_api_scenarios() {
-    require_root();
-    let started = Instant::now();
-    let mut cp = ControlPlane::start().expect("starting the control plane");
-    eprintln!("control plane ready after {:?}", started.elapsed());
-    let scenarios: &[(&str, Scenario)] = &[
-        ("s01-ports", multi_port_and_protocols),
-        ("s02-named-ports", named_target_ports_per_slice),
-        ("s03-merge", slices_merged_and_deduplicated),
-        ("s04-dual-stack", dual_stack_and_fqdn),
-        ("s05-conditions", ready_serving_terminating),
-        ("s06-local", internal_traffic_policy_local),
-        ("s07-topology", topology_hints),
-        ("s08-affinity", session_affinity_live),
-        ("s09-external-name", type_external_name_and_back),
-        ("s10-proxy-name", service_proxy_name_label),
-        ("s11-udp-stale", udp_socket_leaves_deleted_backend),
-        ("s12-lifecycle", lifecycle),
-        ("s13-health", healthz_and_metrics),
-        ("s14-deploy", deploy_manifests_and_rbac),
+/// Every scenario, by test name. The name is also the scenario's Kubernetes namespace and
+/// service proxy name, so it must be a DNS label.
+const SCENARIOS: &[(&str, Scenario)] = &[
+    ("s01-ports", Scenario::Shared(multi_port_and_protocols)),
+    (
+        "s02-named-ports",
+        Scenario::Shared(named_target_ports_per_slice),
+    ),
+    (
+        "s03-merge",
+        Scenario::Shared(slices_merged_and_deduplicated),
+    ),
+    ("s04-dual-stack", Scenario::Shared(dual_stack_and_fqdn)),
+    (
+        "s05-conditions",
+        Scenario::Shared(ready_serving_terminating),
+    ),
+    ("s06-local", Scenario::Shared(internal_traffic_policy_local)),
+    ("s07-topology", Scenario::Shared(topology_hints)),
+    ("s08-affinity", Scenario::Shared(session_affinity_live)),
+    (
+        "s09-external-name",
+        Scenario::Shared(type_external_name_and_back),
+    ),
+    ("s10-proxy-name", Scenario::Shared(service_proxy_name_label)),
+    (
+        "s11-udp-stale",
+        Scenario::Shared(udp_socket_leaves_deleted_backend),
+    ),
+    ("s12-lifecycle", Scenario::Exclusive(lifecycle)),
+    ("s13-health", Scenario::Shared(healthz_and_metrics)),
+    ("s14-deploy", Scenario::Shared(deploy_manifests_and_rbac)),
+];
+
+fn main() -> ExitCode {
+    let mut args = arguments();
+    // libtest-mimic would use every core; these scenarios are too heavy for that by default.
+    if args.test_threads.is_none() {
+        let from_env = std::env::var("RUST_TEST_THREADS").ok();
+        args.test_threads = Some(from_env.and_then(|v| v.parse().ok()).unwrap_or(1));
+    }
+    // Sequential runs happen on this thread, one scenario at a time: fd 2 is ours to redirect.
+    let capture = args.test_threads == Some(1) && !args.nocapture;
+    let cluster = Arc::new(Cluster::default());
+    let trials = SCENARIOS
+        .iter()
+        .map(|&(name, scenario)| {
+            let cluster = cluster.clone();
+            Trial::test(name, move || {
+                let run = || cluster.run(name, scenario);
+                if !capture {
+                    return run().map_err(Failed::from);
+                }
+                let (outcome, output) = capturing_stderr(run).map_err(|e| format!("{e:#}"))?;
+                // As libtest: the scenario's output first, then why it failed.
+                outcome.map_err(|e| match output.is_empty() {
+                    true => Failed::from(e),
+                    false => Failed::from(format!("{output}\nerror: {e}")),
+                })
+            })
+        })
+        .collect();
+    let conclusion = libtest_mimic::run(&args, trials);
+    if let Err(e) = cluster.stop() {
+        eprintln!("stopping the control plane: {e:#}");
+        return ExitCode::FAILURE;
+    }
+    conclusion.exit_code()
+}
+
+/// libtest's arguments. libtest takes several name filters (`-- s05 s11`, which `cargo xtask
+/// test -- ...` passes on to every test binary), libtest-mimic one: the filters (and `--skip`)
+/// are resolved here into the exact names to skip, which libtest-mimic counts as filtered out.
+fn arguments() -> Arguments {
+    const TAKES_VALUE: &[&str] = &[
+        "--test-threads",
+        "--logfile",
+        "--skip",
+        "--color",
+        "--format",
+        "-Z",
     ];
-    let only: Option<Vec<String>> = std::env::var("SVC_KUBE_SCENARIOS")
-        .ok()
-        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
-    let mut failures = Vec::new();
-    let mut ran = 0;
-    for (name, scenario) in scenarios {
-        if let Some(only) = &only {
-            if !only.iter().any(|w| name.contains(w.as_str())) {
-                continue;
-            }
+    let mut raw = std::env::args();
+    let mut rest: Vec<String> = raw.next().into_iter().collect();
+    let mut filters = Vec::new();
+    while let Some(arg) = raw.next() {
+        if TAKES_VALUE.contains(&arg.as_str()) {
+            rest.push(arg);
+            rest.extend(raw.next());
+        } else if arg.starts_with('-') {
+            rest.push(arg);
+        } else {
+            filters.push(arg);
         }
-        ran += 1;
-        let t = Instant::now();
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| scenario(&mut cp, name)));
+    }
+    let mut args = Arguments::from_iter(rest);
+    let exact = args.exact;
+    let matches = |name: &str, pattern: &String| {
+        if exact {
+            name == pattern
+        } else {
+            name.contains(pattern.as_str())
+        }
+    };
+    if !filters.is_empty() || !args.skip.is_empty() {
+        args.skip = SCENARIOS
+            .iter()
+            .map(|(name, _)| *name)
+            .filter(|name| {
+                (!filters.is_empty() && !filters.iter().any(|f| matches(name, f)))
+                    || args.skip.iter().any(|s| matches(name, s))
+            })
+            .map(String::from)
+            .collect();
+        args.exact = true;
+    }
+    args
+}
+
+/// The control plane every scenario shares, started by the first scenario that needs it.
+///
+/// `main` stops it after the last scenario. Its processes die with this process, not with the
+/// worker thread that started (or, in `s12-lifecycle`, restarted) them: libtest-mimic's worker
+/// threads end one by one as the scenarios run out.
+#[derive(Default)]
+struct Cluster {
+    control_plane: RwLock<Option<ControlPlane>>,
+    /// Set by the first start: `Err` (with the reason) makes every later scenario fail at once
+    /// instead of starting another control plane.
+    started: Mutex<Option<Result<(), String>>>,
+}
+
+impl Cluster {
+    /// Runs one scenario, turning a panic into an error.
+    fn run(&self, name: &str, scenario: Scenario) -> Result<(), String> {
+        require_root();
+        self.ensure_started()?;
+        // From the moment the scenario has the control plane (it may wait for s12-lifecycle).
+        let mut t = Instant::now();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| match scenario {
+            Scenario::Shared(f) => {
+                let guard = self
+                    .control_plane
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner);
+                t = Instant::now();
+                f(guard.as_ref().expect("started"), name)
+            }
+            Scenario::Exclusive(f) => {
+                let mut guard = self
+                    .control_plane
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner);
+                t = Instant::now();
+                f(guard.as_mut().expect("started"), name)
+            }
+        }));
         let result = match outcome {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(format!("{e:#}")),
@@ -91,28 +234,91 @@ fn kubernetes_api_scenarios() {
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .map(|s| format!("panicked: {s}"))
                 .unwrap_or_else(|| "panicked".into())),
         };
-        match result {
+        match &result {
             Ok(()) => eprintln!("=== {name}: ok ({:.1?})", t.elapsed()),
-            Err(e) => {
-                eprintln!("=== {name}: FAILED ({:.1?}): {e}", t.elapsed());
-                failures.push(format!("{name}: {e}"));
-            }
+            Err(_) => eprintln!("=== {name}: FAILED ({:.1?})", t.elapsed()),
+        }
+        result
+    }
+
+    fn ensure_started(&self) -> Result<(), String> {
+        let mut started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        if started.is_none() {
+            let t = Instant::now();
+            let result = match ControlPlane::start() {
+                Ok(cp) => {
+                    eprintln!("control plane ready after {:?}", t.elapsed());
+                    *self
+                        .control_plane
+                        .write()
+                        .unwrap_or_else(PoisonError::into_inner) = Some(cp);
+                    Ok(())
+                }
+                Err(e) => Err(format!("starting the control plane: {e:#}")),
+            };
+            *started = Some(result);
+        }
+        started.clone().expect("set above")
+    }
+
+    /// Stops the control plane if a scenario started it.
+    fn stop(&self) -> Result<()> {
+        let cp = self
+            .control_plane
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match cp {
+            Some(cp) => cp.stop(),
+            None => Ok(()),
         }
     }
-    eprintln!(
-        "{ran} scenarios, {} failed, {:.1?} in all",
-        failures.len(),
-        started.elapsed()
-    );
-    assert!(ran > 0, "SVC_KUBE_SCENARIOS selected no scenario");
-    assert!(
-        failures.is_empty(),
-        "{} of {ran} scenarios failed:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+}
+
+/// Runs `f` with file descriptor 2 (this process's stderr, and that of every child it starts
+/// meanwhile) redirected to an unlinked temporary file; returns `f`'s result and what was
+/// written. fd 2 is restored when `f` returns or panics. Only for one thread at a time.
+fn capturing_stderr<T>(f: impl FnOnce() -> T) -> Result<(T, String)> {
+    struct Restore(OwnedFd);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: dup2 onto fd 2 from a descriptor we own.
+            unsafe { libc::dup2(self.0.as_raw_fd(), 2) };
+        }
+    }
+    let path = std::env::temp_dir().join(format!(
+        "svc-kube-stderr-{}-{}",
+        std::process::id(),
+        svc_tests::sys::next_id()
+    ));
+    let mut file = File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    std::fs::remove_file(&path)?;
+    // SAFETY: dup of fd 2 returns a new descriptor (or -1, checked), which we then own.
+    let saved = unsafe { libc::dup(2) };
+    if saved < 0 {
+        bail!("dup(2): {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: `saved` is a fresh descriptor owned by nobody else.
+    let restore = Restore(unsafe { OwnedFd::from_raw_fd(saved) });
+    // SAFETY: both descriptors are open.
+    if unsafe { libc::dup2(file.as_raw_fd(), 2) } < 0 {
+        bail!("dup2 onto fd 2: {}", std::io::Error::last_os_error());
+    }
+    let value = f();
+    drop(restore);
+    let mut output = Vec::new();
+    file.rewind()?;
+    file.read_to_end(&mut output)
+        .context("reading the captured stderr")?;
+    Ok((value, String::from_utf8_lossy(&output).into_owned()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -433,7 +639,7 @@ fn unix_ms(t: SystemTime) -> u64 {
 // Scenarios.
 
 /// Scenario 1: Several ports, and one port number with both TCP and UDP going to different endpoints.
-fn multi_port_and_protocols(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn multi_port_and_protocols(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080, 9090, 5353])?;
     env.serve(2, &[5353])?;
@@ -488,7 +694,7 @@ fn multi_port_and_protocols(cp: &mut ControlPlane, name: &str) -> Result<()> {
 }
 
 /// Scenario 2: A named targetPort: each slice gives the name its own number (pods of two versions).
-fn named_target_ports_per_slice(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn named_target_ports_per_slice(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     // Each backend listens on its own port only: a wrong number is a refused connection.
     env.serve(1, &[8080])?;
@@ -529,7 +735,7 @@ fn named_target_ports_per_slice(cp: &mut ControlPlane, name: &str) -> Result<()>
 
 /// Scenario 3: Endpoints merged across slices; an endpoint listed twice (terminating in one slice,
 /// ready in the other, as while it moves) is served once, as the ready copy.
-fn slices_merged_and_deduplicated(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn slices_merged_and_deduplicated(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     for i in 1..=3 {
         env.serve(i, &[8080])?;
@@ -575,7 +781,7 @@ fn slices_merged_and_deduplicated(cp: &mut ControlPlane, name: &str) -> Result<(
 
 /// Scenario 4: Dual-stack by ipFamilies: each ClusterIP reaches its family's endpoints; an FQDN slice
 /// is ignored.
-fn dual_stack_and_fqdn(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn dual_stack_and_fqdn(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080])?;
     env.serve(2, &[8080])?;
@@ -648,7 +854,7 @@ fn dual_stack_and_fqdn(cp: &mut ControlPlane, name: &str) -> Result<()> {
 
 /// Scenario 5: Ready endpoints only; with none ready, those serving while terminating; with neither,
 /// refused.
-fn ready_serving_terminating(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn ready_serving_terminating(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     for i in 1..=3 {
         env.serve(i, &[8080])?;
@@ -717,7 +923,7 @@ fn ready_serving_terminating(cp: &mut ControlPlane, name: &str) -> Result<()> {
 
 /// Scenario 6: internalTrafficPolicy: Local uses only endpoints on the agent's node; none there is a
 /// refusal (no fallback to other nodes).
-fn internal_traffic_policy_local(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn internal_traffic_policy_local(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     for i in 1..=3 {
         env.serve(i, &[8080])?;
@@ -760,7 +966,7 @@ fn internal_traffic_policy_local(cp: &mut ControlPlane, name: &str) -> Result<()
 
 /// Scenario 7: Topology hints: every endpoint hinted, so only this node's zone is used; one endpoint
 /// without hints, so all are.
-fn topology_hints(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn topology_hints(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     for i in 1..=3 {
         env.serve(i, &[8080])?;
@@ -824,7 +1030,7 @@ fn topology_hints(cp: &mut ControlPlane, name: &str) -> Result<()> {
 }
 
 /// Scenario 8: sessionAffinity: ClientIP switched on and off on a live Service.
-fn session_affinity_live(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn session_affinity_live(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     for i in 1..=3 {
         env.serve(i, &[8080])?;
@@ -890,7 +1096,7 @@ fn session_affinity_live(cp: &mut ControlPlane, name: &str) -> Result<()> {
 }
 
 /// Scenario 9: type: ClusterIP → ExternalName stops answering; back to ClusterIP answers again.
-fn type_external_name_and_back(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn type_external_name_and_back(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080])?;
     let ip: IpAddr = "10.96.90.9".parse()?;
@@ -943,7 +1149,7 @@ fn type_external_name_and_back(cp: &mut ControlPlane, name: &str) -> Result<()> 
 /// Scenario 10: The service-proxy-name label: a default agent serves an unlabelled Service; labelling it
 /// (Service and slice, as the EndpointSlice controller copies labels) for another proxy stops
 /// it live, removing the label brings it back.
-fn service_proxy_name_label(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn service_proxy_name_label(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080])?;
     let ip: IpAddr = "10.96.100.10".parse()?;
@@ -987,7 +1193,7 @@ fn service_proxy_name_label(cp: &mut ControlPlane, name: &str) -> Result<()> {
 /// Scenario 11: A connected UDP socket does not stay with a backend whose endpoint was deleted: the
 /// agent closes it (sock_diag) within 1 s, and the reconnected socket reaches a live backend.
 /// The old backend keeps running, so only the agent can end the old flow.
-fn udp_socket_leaves_deleted_backend(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn udp_socket_leaves_deleted_backend(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[5353])?;
     env.serve(2, &[5353])?;
@@ -1173,8 +1379,8 @@ fn lifecycle(cp: &mut ControlPlane, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Scenario 13: kube-proxy's /healthz and the Prometheus metrics.
-fn healthz_and_metrics(cp: &mut ControlPlane, name: &str) -> Result<()> {
+/// Scenario 13: kube-proxy's /healthz and the Prometheus metrics, each on its own port.
+fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080, 9090])?;
     let stored = apply(
@@ -1215,6 +1421,12 @@ fn healthz_and_metrics(cp: &mut ControlPlane, name: &str) -> Result<()> {
         "/healthz nodeEligible: {body}"
     );
 
+    // As kube-proxy: the health port (0.0.0.0 by default) does not give the metrics away.
+    let (status, _) = http_get(healthz, "/metrics")?;
+    ensure!(
+        status == 404,
+        "/metrics on the health port {healthz}: {status}, want 404"
+    );
     let (status, body) = http_get(metrics, "/metrics")?;
     ensure!(status == 200, "/metrics: {status}");
     ensure!(
@@ -1232,7 +1444,7 @@ fn healthz_and_metrics(cp: &mut ControlPlane, name: &str) -> Result<()> {
 /// Scenario 14: deploy/: the apiserver validates rbac.yaml and daemonset.yaml; an agent authenticated
 /// as the ServiceAccount that rbac.yaml binds becomes ready and serves, so the ClusterRole
 /// grants enough (and not more than listed).
-fn deploy_manifests_and_rbac(cp: &mut ControlPlane, name: &str) -> Result<()> {
+fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
     let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
     let rbac = std::fs::read_to_string(format!("{deploy}/rbac.yaml"))?;
     let daemonset = std::fs::read_to_string(format!("{deploy}/daemonset.yaml"))?;

@@ -83,15 +83,9 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
     for line in BufReader::new(stdout).lines() {
         let line = line.context("reading cargo test output")?;
         println!("{line}");
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            let count = |word: &str| {
-                rest.split(';')
-                    .find_map(|part| part.trim().strip_suffix(word))
-                    .and_then(|n| n.trim().rsplit(' ').next()?.parse::<u64>().ok())
-                    .unwrap_or(0)
-            };
-            passed += count(" passed");
-            failed += count(" failed");
+        if let Some((p, f)) = result_counts(&line) {
+            passed += p;
+            failed += f;
         }
     }
     let status = child.wait().context("waiting for cargo test")?;
@@ -100,6 +94,19 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
         bail!("cargo test failed: {status}");
     }
     Ok(())
+}
+
+/// Passed and failed from a test binary's closing line, `test result: ok. 3 passed; 0 failed;
+/// ...`, as libtest and libtest-mimic (the kube test's harness) print it.
+fn result_counts(line: &str) -> Option<(u64, u64)> {
+    let rest = line.strip_prefix("test result: ")?;
+    let count = |word: &str| {
+        rest.split(';')
+            .find_map(|part| part.trim().strip_suffix(word))
+            .and_then(|n| n.trim().rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Some((count(" passed"), count(" failed")))
 }
 
 fn cargo() -> Command {
@@ -250,4 +257,31 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::result_counts;
+
+    #[test]
+    fn closing_lines_of_libtest_and_libtest_mimic_are_counted() {
+        // libtest
+        assert_eq!(
+            result_counts(
+                "test result: ok. 12 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; \
+                 finished in 0.20s"
+            ),
+            Some((12, 0))
+        );
+        // libtest-mimic (tests/tests/kube.rs), a failed run
+        assert_eq!(
+            result_counts(
+                "test result: FAILED. 13 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; \
+                 finished in 61.02s"
+            ),
+            Some((13, 1))
+        );
+        assert_eq!(result_counts("test s05-conditions ... ok"), None);
+        assert_eq!(result_counts("tests: 3 passed, 0 failed"), None);
+    }
 }
