@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
 
@@ -11,7 +11,7 @@ use crate::datapath;
 use crate::desired::Desired;
 use crate::error::Result;
 use crate::metrics::{self, Metrics};
-use crate::source::manifest;
+use crate::source::manifest::ManifestSource;
 use crate::store::BpfStore;
 use crate::sync::{Programmed, Scope, SyncReport};
 use crate::translate::{self, NodeContext, Translated};
@@ -129,9 +129,9 @@ impl Agent {
     }
 
     /// Reads the manifests, translates them, and applies the result.
-    #[instrument(skip(self), fields(path = %path.display()))]
-    pub fn sync_manifests(&mut self, path: &Path) -> SyncReport {
-        let loaded = manifest::load(path);
+    #[instrument(skip_all, fields(path = %source.path().display()))]
+    pub fn sync_manifests(&mut self, source: &mut ManifestSource) -> SyncReport {
+        let loaded = source.load();
         self.record_input_errors(&loaded.errors);
         let services: Vec<_> = loaded.services.into_iter().map(|n| n.object).collect();
         let slices: Vec<_> = loaded.slices.into_iter().map(|n| n.object).collect();
@@ -182,31 +182,16 @@ pub fn announce(report: &SyncReport, first: bool) {
     }
 }
 
-/// A cheap summary of the manifest files: names, sizes, inodes and modification times.
-/// Editors and `kubectl`-style tools replace files by rename, which changes the inode.
-fn fingerprint(path: &Path) -> Vec<(PathBuf, u64, u64, Option<SystemTime>)> {
-    use std::os::unix::fs::MetadataExt;
-    let mut files = Vec::new();
-    let mut add = |p: PathBuf| {
-        if let Ok(m) = std::fs::metadata(&p) {
-            files.push((p, m.len(), m.ino(), m.modified().ok()));
-        }
-    };
-    match std::fs::read_dir(path) {
-        Ok(entries) => entries.flatten().for_each(|e| add(e.path())),
-        Err(_) => add(path.to_path_buf()),
-    }
-    files.sort();
-    files
-}
-
 /// Serves manifest files until SIGTERM or SIGINT, re-reading them when they change. The
 /// datapath stays attached and pinned when it returns.
 pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -> Result<()> {
+    // A path that cannot be read at all is a mistake in the command line: say so before
+    // attaching anything, rather than serve no Services and look healthy.
+    let mut source = ManifestSource::open(&manifests)?;
     let mut agent = start(&cfg).await?;
     let stop = shutdown_signal();
     tokio::pin!(stop);
-    let mut last = None;
+    let mut first = true;
     let mut ticker = tokio::time::interval(poll);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -214,13 +199,10 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
             _ = ticker.tick() => {}
             r = &mut stop => { r?; break; }
         }
-        let fp = fingerprint(&manifests);
-        if last.as_ref() == Some(&fp) {
+        if !source.changed() {
             continue;
         }
-        let first = last.is_none();
-        last = Some(fp);
-        let report = agent.sync_manifests(&manifests);
+        let report = agent.sync_manifests(&mut source);
         info!(
             written = report.frontends_written,
             removed = report.frontends_removed,
@@ -229,6 +211,7 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
             "sync"
         );
         announce(&report, first);
+        first = false;
     }
     info!("stopping; programs stay attached and maps pinned");
     Ok(())
