@@ -951,7 +951,7 @@ endpoints: [{addresses: [10.0.0.1]}]
 
     #[test]
     fn an_undefined_alias_costs_only_its_own_document() {
-        // serde_yaml's own document iterator panics on the document after this one.
+        // The parser refuses it, and resumes at the next document.
         let text = format!("a: *nowhere\n---\n{SERVICE}");
         let loaded = load_text("alias.yaml", &text);
         assert_eq!(names(&loaded.services), ["shop/web@2"]);
