@@ -586,10 +586,14 @@ fn split_documents(text: &str, limits: &Limits) -> Vec<Document> {
 
 fn load_yaml(path: &Path, text: &str, limits: &Limits, out: &mut Loaded) {
     let options = serde_saphyr::options! {
+        // Text has at most about a node per byte, so for nodes and events the size limit
+        // binds (a long List must not fail on a count), and the alias limit beyond it.
         budget: serde_saphyr::budget! {
             max_depth: limits.depth,
             flow_nesting_limit: limits.depth,
             max_total_scalar_bytes: limits.document_bytes,
+            max_nodes: limits.document_bytes,
+            max_events: 2 * limits.document_bytes,
         },
         alias_limits: serde_saphyr::alias_limits! {
             max_total_replayed_events: limits.alias_replays,
