@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -17,7 +17,7 @@ use crate::desired::Desired;
 use crate::error::{Error, Result};
 use crate::metrics::{self, Metrics};
 use crate::model::Frontend;
-use crate::source::manifest::{self, Named};
+use crate::source::manifest::{ManifestSource, Named};
 use crate::store::{Capacity, Store};
 use crate::sync::{Programmed, Retiring, Scope, SyncReport};
 use crate::translate::{self, Holders, NodeContext, Translated};
@@ -149,7 +149,8 @@ impl Agent {
             started,
         );
         // A full sync covers every Service: what did not fail now needs no retry.
-        self.retry.retain(|owner, _| report.failed.contains_key(owner));
+        self.retry
+            .retain(|owner, _| report.failed.contains_key(owner));
         self.finish(report, started)
     }
 
@@ -218,7 +219,8 @@ impl Agent {
             }
         }
         self.close_stale_udp(&report);
-        self.metrics.synced(started.elapsed(), self.snapshot_metrics());
+        self.metrics
+            .synced(started.elapsed(), self.snapshot_metrics());
         report
     }
 
@@ -279,7 +281,12 @@ impl Agent {
         if !self.synced {
             return;
         }
-        if self.programmed.retiring.next_due().is_some_and(|d| d <= now) {
+        if self
+            .programmed
+            .retiring
+            .next_due()
+            .is_some_and(|d| d <= now)
+        {
             let r = self.programmed.retire_due(&mut self.dp.store, now);
             for e in &r.errors {
                 warn!("retiring: {e}");
@@ -300,7 +307,10 @@ impl Agent {
                     scope.extend(r.frontends.iter().copied());
                 }
             }
-            info!(services = due.len(), "retrying Services that could not be programmed");
+            info!(
+                services = due.len(),
+                "retrying Services that could not be programmed"
+            );
             let report = self.programmed.apply_scoped(
                 &mut self.dp.store,
                 &self.desired.state,
@@ -350,15 +360,15 @@ impl Agent {
         let capacity = self.programmed.capacity;
         let mut fresh = Programmed::recover(&snap, capacity, self.upkeep.grace, retiring);
         // Ids already handed out stay spent even if nothing in the maps carries them.
-        fresh.ids.next_frontend = fresh.ids.next_frontend.max(self.programmed.ids.next_frontend);
+        fresh.ids.next_frontend = fresh
+            .ids
+            .next_frontend
+            .max(self.programmed.ids.next_frontend);
         fresh.ids.next_backend = fresh.ids.next_backend.max(self.programmed.ids.next_backend);
         self.programmed = fresh;
-        let report = self.programmed.apply_scoped(
-            &mut self.dp.store,
-            &self.desired.state,
-            Scope::All,
-            now,
-        );
+        let report =
+            self.programmed
+                .apply_scoped(&mut self.dp.store, &self.desired.state, Scope::All, now);
         let drift = report.strays_deleted + report.frontends_written + report.frontends_removed;
         if report.ops > 0 {
             warn!(
@@ -370,15 +380,16 @@ impl Agent {
             );
             self.metrics.drift(report.ops);
         }
-        self.retry.retain(|owner, _| report.failed.contains_key(owner));
+        self.retry
+            .retain(|owner, _| report.failed.contains_key(owner));
         self.finish(report, now);
         drift
     }
 
     /// Reads the manifests, translates them, and applies the result.
-    #[instrument(skip(self), fields(path = %path.display()))]
-    pub fn sync_manifests(&mut self, path: &Path) -> SyncReport {
-        let loaded = manifest::load(path);
+    #[instrument(skip_all, fields(path = %source.path().display()))]
+    pub fn sync_manifests(&mut self, source: &mut ManifestSource) -> SyncReport {
+        let loaded = source.load();
         self.record_input_errors(&loaded.errors);
         self.apply_manifest_objects(loaded.services, loaded.slices)
     }
@@ -415,7 +426,10 @@ impl Agent {
             let m = o.object.metadata();
             (
                 kind.to_string(),
-                m.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".into()),
+                m.namespace
+                    .clone()
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| "default".into()),
                 m.name.clone().unwrap_or_default(),
             )
         };
@@ -511,31 +525,16 @@ pub fn announce(report: &SyncReport, first: bool) {
     }
 }
 
-/// A cheap summary of the manifest files: names, sizes, inodes and modification times.
-/// Editors and `kubectl`-style tools replace files by rename, which changes the inode.
-fn fingerprint(path: &Path) -> Vec<(PathBuf, u64, u64, Option<SystemTime>)> {
-    use std::os::unix::fs::MetadataExt;
-    let mut files = Vec::new();
-    let mut add = |p: PathBuf| {
-        if let Ok(m) = std::fs::metadata(&p) {
-            files.push((p, m.len(), m.ino(), m.modified().ok()));
-        }
-    };
-    match std::fs::read_dir(path) {
-        Ok(entries) => entries.flatten().for_each(|e| add(e.path())),
-        Err(_) => add(path.to_path_buf()),
-    }
-    files.sort();
-    files
-}
-
 /// Serves manifest files until SIGTERM or SIGINT, re-reading them when they change. The
 /// datapath stays attached and pinned when it returns.
 pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -> Result<()> {
+    // A path that cannot be read at all is a mistake in the command line: say so before
+    // attaching anything, rather than serve no Services and look healthy.
+    let mut source = ManifestSource::open(&manifests)?;
     let mut agent = start(&cfg).await?;
     let stop = shutdown_signal();
     tokio::pin!(stop);
-    let mut last = None;
+    let mut first = true;
     let mut ticker = tokio::time::interval(poll);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -548,14 +547,11 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
             }
             r = &mut stop => { r?; break; }
         }
-        let fp = fingerprint(&manifests);
-        if last.as_ref() == Some(&fp) {
+        if !source.changed() {
             agent.tick(Instant::now());
             continue;
         }
-        let first = last.is_none();
-        last = Some(fp);
-        let report = agent.sync_manifests(&manifests);
+        let report = agent.sync_manifests(&mut source);
         info!(
             written = report.frontends_written,
             removed = report.frontends_removed,
@@ -564,6 +560,7 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
             "sync"
         );
         announce(&report, first);
+        first = false;
     }
     info!("stopping; programs stay attached and maps pinned");
     Ok(())

@@ -69,15 +69,63 @@ fn specs() -> [MapSpec; 9] {
         flags,
     };
     [
-        s(map_names::SERVICES, MapType::Hash, size_of::<ServiceKey>(), size_of::<ServiceValue>(), BPF_F_NO_PREALLOC),
-        s(map_names::SLOTS, MapType::Hash, size_of::<SlotKey>(), size_of::<BackendId>(), BPF_F_NO_PREALLOC),
-        s(map_names::BACKENDS, MapType::Hash, 4, size_of::<Backend>(), BPF_F_NO_PREALLOC),
-        s(map_names::REV_NAT, MapType::Hash, 4, size_of::<RevNatValue>(), BPF_F_NO_PREALLOC),
-        s(map_names::SOCK_REV, MapType::LruHash, size_of::<SockRevKey>(), size_of::<SockRevValue>(), 0),
-        s(map_names::AFFINITY, MapType::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>(), 0),
+        s(
+            map_names::SERVICES,
+            MapType::Hash,
+            size_of::<ServiceKey>(),
+            size_of::<ServiceValue>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::SLOTS,
+            MapType::Hash,
+            size_of::<SlotKey>(),
+            size_of::<BackendId>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::BACKENDS,
+            MapType::Hash,
+            4,
+            size_of::<Backend>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::REV_NAT,
+            MapType::Hash,
+            4,
+            size_of::<RevNatValue>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::SOCK_REV,
+            MapType::LruHash,
+            size_of::<SockRevKey>(),
+            size_of::<SockRevValue>(),
+            0,
+        ),
+        s(
+            map_names::AFFINITY,
+            MapType::LruHash,
+            size_of::<AffinityKey>(),
+            size_of::<AffinityValue>(),
+            0,
+        ),
         s(map_names::STATS, MapType::PerCpuArray, 4, 8, 0),
-        s(map_names::NAMES, MapType::Hash, 4, size_of::<ServiceName>(), BPF_F_NO_PREALLOC),
-        s(map_names::META, MapType::Array, 4, size_of::<MetaValue>(), 0),
+        s(
+            map_names::NAMES,
+            MapType::Hash,
+            4,
+            size_of::<ServiceName>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::META,
+            MapType::Array,
+            4,
+            size_of::<MetaValue>(),
+            0,
+        ),
     ]
 }
 
@@ -174,7 +222,11 @@ fn check_cgroup(cgroup: &Path) -> Result<u64> {
             "--cgroup {}: not on a cgroup v2 filesystem (socket programs attach to cgroup v2 \
              only); cgroup2 is mounted at: {}",
             cgroup.display(),
-            if cgroup2.is_empty() { "nowhere" } else { &cgroup2 }
+            if cgroup2.is_empty() {
+                "nowhere"
+            } else {
+                &cgroup2
+            }
         )));
     }
     Ok(meta.ino())
@@ -201,7 +253,10 @@ fn own_dir(dir: &Path) -> Result<()> {
     let problem = if !meta.file_type().is_dir() {
         Some("is not a directory".to_string())
     } else if meta.uid() != euid {
-        Some(format!("is owned by uid {}, not by us (uid {euid})", meta.uid()))
+        Some(format!(
+            "is owned by uid {}, not by us (uid {euid})",
+            meta.uid()
+        ))
     } else if mode & 0o022 != 0 {
         Some(format!("is writable by others (mode {:o})", mode & 0o7777))
     } else {
@@ -276,9 +331,12 @@ fn other_versions(dir: &Path) -> Vec<PathBuf> {
             let Some(rest) = file.strip_prefix(name) else {
                 continue;
             };
-            let versioned = rest
-                .strip_prefix("_v")
-                .is_some_and(|v| !v.is_empty() && v.trim_end_matches("_new").bytes().all(|b| b.is_ascii_digit()));
+            let versioned = rest.strip_prefix("_v").is_some_and(|v| {
+                !v.is_empty()
+                    && v.trim_end_matches("_new")
+                        .bytes()
+                        .all(|b| b.is_ascii_digit())
+            });
             if file != ours && (rest.is_empty() || versioned) {
                 found.push(e.path());
             }
@@ -304,10 +362,18 @@ fn inspect_pin(spec: &MapSpec, path: &Path, want_entries: u32) -> Result<Pinned>
         wrong.push(format!("{}-byte keys, not {}", info.key_size(), spec.key));
     }
     if info.value_size() != spec.value {
-        wrong.push(format!("{}-byte values, not {}", info.value_size(), spec.value));
+        wrong.push(format!(
+            "{}-byte values, not {}",
+            info.value_size(),
+            spec.value
+        ));
     }
     if info.map_flags() != spec.flags {
-        wrong.push(format!("flags {:#x}, not {:#x}", info.map_flags(), spec.flags));
+        wrong.push(format!(
+            "flags {:#x}, not {:#x}",
+            info.map_flags(),
+            spec.flags
+        ));
     }
     if !wrong.is_empty() {
         return Err(Error::Load(format!(
@@ -348,7 +414,11 @@ where
         map: name,
         message: format!("reading the old map: {e}"),
     })?;
-    let flags = if keep_newer { 1 /* BPF_NOEXIST */ } else { 0 };
+    let flags = if keep_newer {
+        1 /* BPF_NOEXIST */
+    } else {
+        0
+    };
     for (k, v) in &entries {
         match new.insert(k, v, flags) {
             Ok(()) => {}
@@ -383,7 +453,10 @@ impl Datapath {
         let mut plans = Vec::new();
         for spec in specs() {
             let want = max_entries(spec.name, &capacity);
-            plans.push((spec.name, inspect_pin(&spec, &map_pin(dir, spec.name), want)?));
+            plans.push((
+                spec.name,
+                inspect_pin(&spec, &map_pin(dir, spec.name), want)?,
+            ));
         }
         let mut loader = EbpfLoader::new();
         let pins: Vec<(&'static str, PathBuf)> = map_names::ALL

@@ -37,7 +37,10 @@ impl Desired {
 
     /// The frontends Service `owner` ("namespace/name") contributes.
     pub fn frontends_of(&self, owner: &str) -> &[Frontend] {
-        self.by_owner.get(owner).map(Vec::as_slice).unwrap_or_default()
+        self.by_owner
+            .get(owner)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
     }
 
     /// Replaces everything `owners` contributed with `translated` (a translation of exactly

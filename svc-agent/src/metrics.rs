@@ -255,7 +255,13 @@ impl Metrics {
             ));
         }
         if !i.failing.is_empty() {
-            let mut names = i.failing.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+            let mut names = i
+                .failing
+                .iter()
+                .take(5)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ");
             if i.failing.len() > 5 {
                 names.push_str(", ...");
             }
@@ -418,7 +424,11 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
         ),
         "/healthz" | "/livez" => {
             let h = metrics.health();
-            let ok = if path == "/livez" { metrics.live() } else { h.ok };
+            let ok = if path == "/livez" {
+                metrics.live()
+            } else {
+                h.ok
+            };
             let last = h.last_synced.map(|t| t.to_string()).unwrap_or_default();
             let body = format!(
                 "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": true,\"problems\": {}}}",
@@ -499,13 +509,25 @@ mod tests {
     fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_millis(20));
         assert!(!m.healthy().0);
-        m.synced(Duration::from_millis(1), Programmed { attached: true, ..Default::default() });
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
         assert!(m.healthy().0);
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
         assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
-        m.synced(Duration::from_millis(1), Programmed { attached: true, ..Default::default() });
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
         assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         // A Service that cannot be programmed makes the node unhealthy at once, and says
         // which; /livez stays up (a restart would not help).

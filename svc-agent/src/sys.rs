@@ -163,7 +163,9 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// Every entry of a hash map, read in batches (BPF_MAP_LOOKUP_BATCH): a few syscalls per
 /// thousand entries instead of two per entry, which is what makes reading 100,000 Services'
 /// maps back (recovery, drift checks) take milliseconds rather than seconds.
-pub fn dump_hash<K: bytemuck::Pod, V: bytemuck::Pod>(map: BorrowedFd<'_>) -> io::Result<Vec<(K, V)>> {
+pub fn dump_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+) -> io::Result<Vec<(K, V)>> {
     let mut out = Vec::new();
     let mut chunk: u32 = 4096;
     // The kernel's cursor for hash maps is a bucket index (u32).

@@ -57,7 +57,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
             };
             used_slots.insert(sk);
             let Some(b) = slots.get(&sk) else {
-                problems.push(format!("{fe}: slot {slot} of id {} rev {} missing", v.id, v.rev));
+                problems.push(format!(
+                    "{fe}: slot {slot} of id {} rev {} missing",
+                    v.id, v.rev
+                ));
                 continue;
             };
             used_backends.insert(*b);
@@ -78,7 +81,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         }
         match rev_nat.get(&v.id) {
             Some(r) if *r == rev_nat_value(fe) => {}
-            Some(_) => problems.push(format!("{fe}: reverse NAT of id {} names another frontend", v.id)),
+            Some(_) => problems.push(format!(
+                "{fe}: reverse NAT of id {} names another frontend",
+                v.id
+            )),
             None => problems.push(format!("{fe}: reverse NAT of id {} missing", v.id)),
         }
         match names.get(&v.id) {
@@ -127,7 +133,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
     ));
     problems.extend(strays(
         "backend",
-        backends.keys().filter(|id| !used_backends.contains(*id)).count(),
+        backends
+            .keys()
+            .filter(|id| !used_backends.contains(*id))
+            .count(),
     ));
     let max_f = snap.services.iter().map(|(_, v)| v.id).max().unwrap_or(0);
     let max_b = snap.backends.iter().map(|(id, _)| *id).max().unwrap_or(0);

@@ -348,7 +348,7 @@ impl Manifests {
 
     /// Writes a JSON value as a YAML document.
     pub fn write_value(&self, file: &str, value: &Value) -> Result<()> {
-        self.write_raw(file, &serde_yaml::to_string(value)?)
+        self.write_raw(file, &serde_saphyr::to_string(value)?)
     }
 
     pub fn remove(&self, file: &str) -> Result<()> {
@@ -376,6 +376,13 @@ impl Manifests {
 mod tests {
     use super::*;
 
+    /// Written as YAML, read back as the agent reads it.
+    fn round_trip(value: &Value) -> Value {
+        let yaml = serde_saphyr::to_string(value).unwrap();
+        serde_saphyr::from_str_with_options(&yaml, serde_saphyr::options! { strict_booleans: true })
+            .unwrap()
+    }
+
     /// The YAML the agent reads carries the fields the builders were given.
     #[test]
     fn service_and_slice_yaml() {
@@ -383,8 +390,7 @@ mod tests {
             .also_ip("fd00:96::10")
             .port(ServicePort::tcp(80).name("http").target_name("web"))
             .affinity(30);
-        let v: Value =
-            serde_yaml::from_str(&serde_yaml::to_string(&svc.to_value()).unwrap()).unwrap();
+        let v = round_trip(&svc.to_value());
         assert_eq!(
             v["spec"]["clusterIPs"],
             json!(["10.96.0.10", "fd00:96::10"])
@@ -401,8 +407,7 @@ mod tests {
         let slice = EndpointSlice::ipv6("demo", "web")
             .port(SlicePort::udp(5353).name("dns"))
             .endpoint(Endpoint::terminating("fd00::1", true));
-        let v: Value =
-            serde_yaml::from_str(&serde_yaml::to_string(&slice.to_value()).unwrap()).unwrap();
+        let v = round_trip(&slice.to_value());
         assert_eq!(v["metadata"]["labels"]["kubernetes.io/service-name"], "web");
         assert_eq!(v["addressType"], "IPv6");
         assert_eq!(

@@ -37,7 +37,7 @@ use std::{
 
 use anyhow::{bail, ensure, Context, Result};
 use common::{names, sa, sandbox, set, VIP};
-use serde_yaml::Value;
+use serde_json::Value;
 use svc_tests::{
     sandbox::AGENT_READY_TIMEOUT, Agent, Endpoint, EndpointSlice, Manifests, Sandbox, Service,
     ServicePort, SlicePort,
@@ -70,15 +70,15 @@ struct DaemonSet {
 
 fn daemonset() -> DaemonSet {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/daemonset.yaml");
-    let ds: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ds: Value = serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let pod = &ds["spec"]["template"]["spec"];
     let agent = pod["containers"]
-        .as_sequence()
+        .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == "svc-agent"))
         .expect("the svc-agent container");
     let caps = &agent["securityContext"]["capabilities"];
     let list = |v: &Value| -> Vec<String> {
-        v.as_sequence()
+        v.as_array()
             .map(|s| {
                 s.iter()
                     .filter_map(|c| c.as_str().map(String::from))

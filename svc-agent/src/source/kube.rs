@@ -150,7 +150,13 @@ fn service_address_reason(host: IpAddr, cidrs: &[Cidr]) -> Option<String> {
 /// The agent is what serves ClusterIPs: an API server address that is one cannot be reached
 /// before the agent serves it, which after a reboot (empty pins) or on a new node it never
 /// does. Says so at once instead of retrying forever.
-fn check_api_server(url: &str, host: Option<&str>, port: u16, agent: &Agent, cidrs: &[Cidr]) -> Result<()> {
+fn check_api_server(
+    url: &str,
+    host: Option<&str>,
+    port: u16,
+    agent: &Agent,
+    cidrs: &[Cidr],
+) -> Result<()> {
     let Some(ip) = host
         .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
         .and_then(|h| h.parse::<IpAddr>().ok())

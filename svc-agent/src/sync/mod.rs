@@ -146,10 +146,20 @@ impl Usage {
     }
 
     /// The first map `needs` does not fit in, with `reserved` services entries kept free.
-    fn overflow(&self, needs: &Usage, cap: &Capacity, reserved: u64) -> Option<(&'static str, u32)> {
+    fn overflow(
+        &self,
+        needs: &Usage,
+        cap: &Capacity,
+        reserved: u64,
+    ) -> Option<(&'static str, u32)> {
         use svc_common::map_names as m;
         let checks = [
-            (m::SERVICES, self.services + reserved, needs.services, cap.services),
+            (
+                m::SERVICES,
+                self.services + reserved,
+                needs.services,
+                cap.services,
+            ),
             (m::SLOTS, self.slots, needs.slots, cap.slots),
             (m::BACKENDS, self.backends, needs.backends, cap.backends),
             (m::REV_NAT, self.rev_nat, needs.rev_nat, cap.rev_nat),
@@ -646,7 +656,11 @@ impl Programmed {
                 }
                 for (fe, cur) in &self.frontends {
                     if !desired.frontends.contains_key(fe) {
-                        units.entry(cur.owner().to_string()).or_default().1.push(*fe);
+                        units
+                            .entry(cur.owner().to_string())
+                            .or_default()
+                            .1
+                            .push(*fe);
                     }
                 }
             }
@@ -655,7 +669,11 @@ impl Programmed {
                     if let Some(d) = desired.frontends.get(fe) {
                         upsert(&mut units, d);
                     } else if let Some(cur) = self.frontends.get(fe) {
-                        units.entry(cur.owner().to_string()).or_default().1.push(*fe);
+                        units
+                            .entry(cur.owner().to_string())
+                            .or_default()
+                            .1
+                            .push(*fe);
                     }
                 }
             }
@@ -718,9 +736,9 @@ impl Programmed {
             .max(plan.max_backend_id.saturating_add(1));
         let mut needs = plan.needs;
         needs.backends += plan.new_backends.len() as u64;
-        if let Some((map, capacity)) = self
-            .usage
-            .overflow(&needs, &self.capacity, reserved_services)
+        if let Some((map, capacity)) =
+            self.usage
+                .overflow(&needs, &self.capacity, reserved_services)
         {
             return Err(Error::MapFull {
                 map,

@@ -176,7 +176,11 @@ fn fe(ip: &str, port: u16) -> Frontend {
 
 /// Each test frontend is a Service of its own.
 fn owner_for(f: &Frontend) -> String {
-    format!("default/svc-{}-{}", f.ip.to_string().replace([':', '.'], "-"), f.port)
+    format!(
+        "default/svc-{}-{}",
+        f.ip.to_string().replace([':', '.'], "-"),
+        f.port
+    )
 }
 
 fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
@@ -267,9 +271,16 @@ fn readers_holding_an_old_master_entry_keep_working() {
         let r = p.apply_scoped(&mut store, &state(&[(a, &[&b])]), Scope::All, t0);
         assert!(r.errors.is_empty(), "{:?}", r.errors);
     }
-    assert!(store.slots.len() > 30, "old generations are retired too early");
+    assert!(
+        store.slots.len() > 30,
+        "old generations are retired too early"
+    );
     // Not due yet: nothing is deleted.
-    assert_eq!(p.retire_due(&mut store, t0 + Duration::from_millis(999)).deleted, 0);
+    assert_eq!(
+        p.retire_due(&mut store, t0 + Duration::from_millis(999))
+            .deleted,
+        0
+    );
     store.forget_readers();
     p.retire_due(&mut store, t0 + Duration::from_secs(1));
     exact(&store, &state(&[(a, &["10.0.0.39:8080"])]));
@@ -282,8 +293,18 @@ fn a_backend_named_again_within_the_grace_period_is_kept() {
     let a = fe("10.96.0.10", 80);
     settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
     let t0 = Instant::now();
-    p.apply_scoped(&mut store, &state(&[(a, &["10.0.0.2:8080"])]), Scope::All, t0);
-    p.apply_scoped(&mut store, &state(&[(a, &["10.0.0.1:8080"])]), Scope::All, t0);
+    p.apply_scoped(
+        &mut store,
+        &state(&[(a, &["10.0.0.2:8080"])]),
+        Scope::All,
+        t0,
+    );
+    p.apply_scoped(
+        &mut store,
+        &state(&[(a, &["10.0.0.1:8080"])]),
+        Scope::All,
+        t0,
+    );
     store.forget_readers();
     p.retire_due(&mut store, t0 + Duration::from_secs(2));
     exact(&store, &state(&[(a, &["10.0.0.1:8080"])]));
@@ -324,15 +345,25 @@ fn a_failed_write_keeps_the_old_state_and_other_services() {
     let want = state(&[(a, &["10.0.0.9:8080"]), (c, &["10.0.0.5:8080"])]);
     let r = settle(&mut p, &mut store, &want);
     assert_eq!(r.errors.len(), 1);
-    assert!(r.errors[0].to_string().contains(&owner_for(&a)), "{}", r.errors[0]);
+    assert!(
+        r.errors[0].to_string().contains(&owner_for(&a)),
+        "{}",
+        r.errors[0]
+    );
     assert_eq!(
         r.failed.keys().collect::<Vec<_>>(),
         vec![&owner_for(&a)],
         "{:?}",
         r.failed
     );
-    assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
-    assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.5:8080".parse().unwrap()]);
+    assert_eq!(
+        store.resolve(&a).unwrap(),
+        vec!["10.0.0.1:8080".parse().unwrap()]
+    );
+    assert_eq!(
+        store.resolve(&c).unwrap(),
+        vec!["10.0.0.5:8080".parse().unwrap()]
+    );
     // A later sync converges.
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty());
@@ -421,9 +452,15 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
         r.succeeded.iter().map(String::as_str).collect::<Vec<_>>(),
         ["default/a", "default/b"]
     );
-    assert_eq!(r.failed.keys().map(String::as_str).collect::<Vec<_>>(), ["default/c"]);
+    assert_eq!(
+        r.failed.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["default/c"]
+    );
     let msg = r.errors[0].to_string();
-    assert!(msg.contains("default/c") && msg.contains("SVC_SERVICES"), "{msg}");
+    assert!(
+        msg.contains("default/c") && msg.contains("SVC_SERVICES"),
+        "{msg}"
+    );
     // Nothing of c, but all three markers.
     for port in 0..8 {
         assert!(store.resolve(&fe("10.96.0.3", 80 + port)).is_none());
@@ -433,7 +470,10 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
         assert!(store.services.contains_key(&marker_key(ip)), "marker {ip}");
     }
     assert_eq!(store.services.len(), 19);
-    assert!(store.slots.keys().all(|k| k.id <= 16), "no slot of c is left");
+    assert!(
+        store.slots.keys().all(|k| k.id <= 16),
+        "no slot of c is left"
+    );
 }
 
 #[test]
@@ -484,7 +524,10 @@ fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
     let mut store = ModelStore::default();
     let mut p = fresh();
     settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
-    let want = state(&[(a, &["10.0.0.1:8080"]), (b, &["10.0.0.2:8080", "10.0.0.3:8080"])]);
+    let want = state(&[
+        (a, &["10.0.0.1:8080"]),
+        (b, &["10.0.0.2:8080", "10.0.0.3:8080"]),
+    ]);
     // A restarted agent dies right before the master entry of b.
     let ops_before = store.ops;
     let mut probe = store.clone();
@@ -496,7 +539,10 @@ fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
     store.crash_after = Some(ops_before + master_at);
     fresh_apply_count(&mut store, &want);
     store.crash_after = None;
-    assert!(store.rev_nat.len() == 2 && store.slots.len() == 3, "half-written b");
+    assert!(
+        store.rev_nat.len() == 2 && store.slots.len() == 3,
+        "half-written b"
+    );
     let dead_id = *store.rev_nat.keys().max().unwrap();
 
     let mut p2 = Programmed::recover(
@@ -553,7 +599,11 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
         ("fd00::3", 80, &[]),
     ]);
     let after = mk(&[
-        ("10.96.0.1", 80, &["10.0.0.2:80", "10.0.0.4:80", "10.0.0.5:80"]),
+        (
+            "10.96.0.1",
+            80,
+            &["10.0.0.2:80", "10.0.0.4:80", "10.0.0.5:80"],
+        ),
         ("10.96.0.2", 53, &["10.0.0.3:53"]),
         ("10.96.0.4", 8080, &["10.0.0.9:8080", "10.0.0.1:80"]),
         ("fd00::3", 80, &["[fd00::9]:80"]),
@@ -592,7 +642,12 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
             Retiring::default(),
         );
         let r = p3.apply(&mut store, &after);
-        assert_eq!(r.ops, 0, "kill at {kill_at}: {:?}", &store.log[store.log.len() - r.ops..]);
+        assert_eq!(
+            r.ops,
+            0,
+            "kill at {kill_at}: {:?}",
+            &store.log[store.log.len() - r.ops..]
+        );
     }
 }
 
@@ -602,7 +657,10 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
 fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
     let a = fe("10.96.0.10", 80);
     let b = fe("10.96.0.11", 80);
-    let want = state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"]), (b, &["10.0.0.3:8080"])]);
+    let want = state(&[
+        (a, &["10.0.0.1:8080", "10.0.0.2:8080"]),
+        (b, &["10.0.0.3:8080"]),
+    ]);
     let mut store = ModelStore::default();
     let mut p = fresh();
     settle(&mut p, &mut store, &want);
@@ -672,10 +730,16 @@ fn scoped_sync_touches_only_its_frontends() {
     assert!(r.errors.is_empty());
     store.forget_readers();
     p.retire_due(&mut store, now + Duration::from_secs(5));
-    assert_eq!(store.resolve(&a).unwrap(), vec!["10.0.0.1:8080".parse().unwrap()]);
+    assert_eq!(
+        store.resolve(&a).unwrap(),
+        vec!["10.0.0.1:8080".parse().unwrap()]
+    );
     assert_eq!(store.resolve(&b), None);
     assert!(!store.services.contains_key(&marker_key(b.ip)));
-    assert_eq!(store.resolve(&c).unwrap(), vec!["10.0.0.2:8080".parse().unwrap()]);
+    assert_eq!(
+        store.resolve(&c).unwrap(),
+        vec!["10.0.0.2:8080".parse().unwrap()]
+    );
     // 10.0.0.1 is still used by a, so it stays.
     assert_eq!(store.backends.len(), 2);
 }

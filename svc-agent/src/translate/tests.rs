@@ -4,8 +4,15 @@
 use super::*;
 use crate::model::Protocol;
 
+/// Read as manifests are: YAML (1.2 booleans only, so a name `y` stays a string) to a JSON
+/// value, then the typed object.
 fn object<T: serde::de::DeserializeOwned>(header: &str, yaml: &str) -> T {
-    serde_yaml::from_str(&format!("{header}\n{yaml}")).expect("test object must parse")
+    let value: serde_json::Value = serde_saphyr::from_str_with_options(
+        &format!("{header}\n{yaml}"),
+        serde_saphyr::options! { strict_booleans: true },
+    )
+    .expect("test object must parse");
+    serde_json::from_value(value).expect("test object must be valid")
 }
 
 /// A Service from YAML (apiVersion and kind are added).

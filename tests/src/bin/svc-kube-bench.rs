@@ -610,8 +610,11 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
     let cgroup = TestCgroup::new()?;
     let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
     let step = Step::start();
-    let mut dp =
-        svc_agent::datapath::Datapath::open_attached(bpffs.path(), cgroup.path(), Default::default())?;
+    let mut dp = svc_agent::datapath::Datapath::open_attached(
+        bpffs.path(),
+        cgroup.path(),
+        Default::default(),
+    )?;
     let store = &mut dp.store;
     let mut programmed = Programmed::recover(
         &store.snapshot()?,
