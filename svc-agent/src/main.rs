@@ -22,6 +22,8 @@ enum Output {
     Json,
 }
 
+// Parsed once at start: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Attach the datapath to a cgroup and keep it in sync with the Kubernetes API, or with

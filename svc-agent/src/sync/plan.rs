@@ -148,7 +148,7 @@ pub fn plan_unit(
 
         let Some(cur) = p.frontends.get(fe) else {
             let id = next_frontend;
-            next_frontend += 1;
+            next_frontend = next_frontend.saturating_add(1);
             plan.max_frontend_id = plan.max_frontend_id.max(id);
             let rev = 1;
             plan.prepare.push((

@@ -129,13 +129,25 @@ impl Store for ModelStore {
                 }
                 old.is_some()
             }
-            Op::PutSlot(k, v) => self.slots.insert(k, v).is_none() || true,
+            Op::PutSlot(k, v) => {
+                self.slots.insert(k, v);
+                true
+            }
             Op::DelSlot(k) => self.slots.remove(&k).is_some(),
-            Op::PutBackend(k, v) => self.backends.insert(k, v).is_none() || true,
+            Op::PutBackend(k, v) => {
+                self.backends.insert(k, v);
+                true
+            }
             Op::DelBackend(k) => self.backends.remove(&k).is_some(),
-            Op::PutRevNat(k, v) => self.rev_nat.insert(k, v).is_none() || true,
+            Op::PutRevNat(k, v) => {
+                self.rev_nat.insert(k, v);
+                true
+            }
             Op::DelRevNat(k) => self.rev_nat.remove(&k).is_some(),
-            Op::PutName(k, v) => self.names.insert(k, v).is_none() || true,
+            Op::PutName(k, v) => {
+                self.names.insert(k, v);
+                true
+            }
             Op::DelName(k) => self.names.remove(&k).is_some(),
             Op::PutMeta(v) => {
                 self.meta = v;
