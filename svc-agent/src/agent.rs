@@ -402,76 +402,119 @@ impl Agent {
         slices: Vec<Named<EndpointSlice>>,
     ) -> SyncReport {
         let mut errors = Vec::new();
-        let services = self.one_definition_each("Service", services, &mut errors);
-        let slices = self.one_definition_each("EndpointSlice", slices, &mut errors);
+        let programmed = &self.programmed;
+        let serving = |s: &Service, owner: &str| serving_frontends(programmed, s, owner);
+        let mut served_from = std::mem::take(&mut self.served_from);
+        let services =
+            one_definition_each("Service", services, &mut served_from, &serving, &mut errors);
+        let slices = one_definition_each(
+            "EndpointSlice",
+            slices,
+            &mut served_from,
+            &|_, _| 0,
+            &mut errors,
+        );
+        self.served_from = served_from;
         let mut translated =
             translate::translate_with(&services, &slices, &self.node, &self.programmed);
         errors.append(&mut translated.errors);
         translated.errors = errors;
         self.apply_full(translated)
     }
+}
 
-    /// Of several definitions of one object, the one from the file that served it before
-    /// (else the first file by name), so adding a file never takes an object over.
-    fn one_definition_each<T>(
-        &mut self,
-        kind: &str,
-        objects: Vec<Named<T>>,
-        errors: &mut Vec<Error>,
-    ) -> Vec<T>
-    where
-        T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-    {
-        let key = |o: &Named<T>| {
-            let m = o.object.metadata();
-            (
-                kind.to_string(),
-                m.namespace
-                    .clone()
-                    .filter(|n| !n.is_empty())
-                    .unwrap_or_else(|| "default".into()),
-                m.name.clone().unwrap_or_default(),
-            )
-        };
-        let mut chosen: BTreeMap<(String, String, String), Named<T>> = BTreeMap::new();
-        let mut unnamed = Vec::new();
-        for o in objects {
-            let k = key(&o);
-            if k.2.is_empty() {
-                unnamed.push(o.object);
+/// How many of `s`'s frontends are programmed for `owner` now.
+fn serving_frontends(p: &Programmed, s: &Service, owner: &str) -> usize {
+    let Some(spec) = s.spec.as_ref() else {
+        return 0;
+    };
+    let ips = spec
+        .cluster_ips
+        .iter()
+        .flatten()
+        .chain(spec.cluster_ip.iter())
+        .filter_map(|ip| ip.parse::<std::net::IpAddr>().ok())
+        .map(|ip| ip.to_canonical());
+    let mut n = 0;
+    for ip in ips {
+        for port in spec.ports.iter().flatten() {
+            let protocol = match port.protocol.as_deref() {
+                None | Some("TCP") => crate::model::Protocol::Tcp,
+                Some("UDP") => crate::model::Protocol::Udp,
+                _ => continue,
+            };
+            let Ok(port) = u16::try_from(port.port) else {
                 continue;
-            }
-            match chosen.remove(&k) {
-                None => {
-                    chosen.insert(k, o);
-                }
-                Some(first) => {
-                    let served = self.served_from.get(&k);
-                    let (keep, drop) = if served == Some(&o.path) && served != Some(&first.path) {
-                        (o, first)
-                    } else {
-                        (first, o)
-                    };
-                    errors.push(Error::Invalid {
-                        object: format!("{kind} {}/{}", k.1, k.2),
-                        message: format!(
-                            "defined again in {}; the definition in {} is served",
-                            drop.origin(),
-                            keep.origin()
-                        ),
-                    });
-                    chosen.insert(k, keep);
-                }
+            };
+            let fe = Frontend { ip, port, protocol };
+            if p.holder(&fe) == Some(owner) {
+                n += 1;
             }
         }
-        self.served_from.retain(|k, _| k.0 != kind);
-        let mut out = unnamed;
-        for (k, o) in chosen {
-            self.served_from.insert(k, o.path.clone());
-            out.push(o.object);
-        }
-        out
     }
+    n
+}
+
+/// Of several definitions of one object, the one that serves now: from the file that served
+/// it before, else the one whose frontends are programmed for it (after a restart), else the
+/// first file by name. So adding a file never takes an object over.
+fn one_definition_each<T>(
+    kind: &str,
+    objects: Vec<Named<T>>,
+    served_from: &mut HashMap<(String, String, String), PathBuf>,
+    serving: &dyn Fn(&T, &str) -> usize,
+    errors: &mut Vec<Error>,
+) -> Vec<T>
+where
+    T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+{
+    let key = |o: &Named<T>| {
+        let m = o.object.metadata();
+        (
+            kind.to_string(),
+            m.namespace
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| "default".into()),
+            m.name.clone().unwrap_or_default(),
+        )
+    };
+    let mut chosen: BTreeMap<(String, String, String), Named<T>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for o in objects {
+        let k = key(&o);
+        if k.2.is_empty() {
+            out.push(o.object);
+            continue;
+        }
+        let Some(first) = chosen.remove(&k) else {
+            chosen.insert(k, o);
+            continue;
+        };
+        let owner = format!("{}/{}", k.1, k.2);
+        let served = served_from.get(&k);
+        let rank = |n: &Named<T>| (served == Some(&n.path), serving(&n.object, &owner));
+        let (keep, drop) = if rank(&o) > rank(&first) {
+            (o, first)
+        } else {
+            (first, o)
+        };
+        errors.push(Error::Invalid {
+            object: format!("{kind} {owner}"),
+            message: format!(
+                "defined again in {}; the definition in {} is served",
+                drop.origin(),
+                keep.origin()
+            ),
+        });
+        chosen.insert(k, keep);
+    }
+    served_from.retain(|k, _| k.0 != kind);
+    for (k, o) in chosen {
+        served_from.insert(k, o.path.clone());
+        out.push(o.object);
+    }
+    out
 }
 
 #[derive(Clone, Debug)]

@@ -18,6 +18,7 @@ pub mod probe;
 pub mod procs;
 pub mod report;
 pub mod sandbox;
+pub mod scale;
 pub mod sys;
 
 pub use agent::{Agent, Bpffs, ListOutput, ListService};

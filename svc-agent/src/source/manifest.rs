@@ -84,7 +84,9 @@ struct Limits {
 impl Limits {
     const DEFAULT: Limits = Limits {
         file_bytes: 8 << 20,
-        total_bytes: 64 << 20,
+        // A directory can hold a cluster's worth of objects (100,000 Services with their
+        // slices is about 60 MiB of JSON); the per-file limits bound what one bad file costs.
+        total_bytes: 512 << 20,
         document_bytes: 2 << 20,
         documents: 10_000,
         depth: 64,
@@ -111,6 +113,20 @@ pub struct ManifestSource {
 struct FileObjects {
     services: Vec<Named<Service>>,
     slices: Vec<Named<EndpointSlice>>,
+    /// The file as it was read (size, inode, change times): while it stays so, the objects
+    /// above are still what it says, and it is not parsed again.
+    read_as: Option<(u64, u64, i64, i64, i64, i64)>,
+}
+
+fn read_as(meta: &fs::Metadata) -> (u64, u64, i64, i64, i64, i64) {
+    (
+        meta.len(),
+        meta.ino(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+    )
 }
 
 impl FileObjects {
@@ -265,7 +281,15 @@ impl ManifestSource {
         errors: &mut Vec<Error>,
     ) {
         match meta {
-            Ok(meta) if meta.is_file() => self.read_file(path, budget, errors),
+            Ok(meta) if meta.is_file() => {
+                if let Some(f) = self.files.get(&path) {
+                    if f.read_as == Some(read_as(&meta)) {
+                        *budget = budget.saturating_sub(meta.len());
+                        return;
+                    }
+                }
+                self.read_file(path, budget, errors)
+            }
             // A directory or a device with a manifest's name is not a manifest, unless it
             // used to be one: then the file became unreadable, and that is worth saying.
             Ok(meta) => {
@@ -304,6 +328,9 @@ impl ManifestSource {
             }
         };
         *budget -= bytes.len() as u64;
+        // Taken before reading would be safer against a write in between, but a rewrite
+        // changes the change time again, so the next look reads it anyway.
+        let stamp = fs::metadata(&path).ok().map(|m| read_as(&m));
         let mut out = Loaded::default();
         parse_file(&path, &bytes, &self.limits, &mut out);
         debug!(
@@ -319,6 +346,7 @@ impl ManifestSource {
             FileObjects {
                 services: out.services,
                 slices: out.slices,
+                read_as: stamp,
             },
         );
     }

@@ -1,0 +1,170 @@
+//! Many Services at once: manifests of tens of thousands of Services written fast (JSON
+//! streams, split into files the agent's per-file limits accept), and an exact comparison of
+//! what an agent pinned with what those manifests should give.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+
+use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
+use svc_agent::source::manifest::ManifestSource;
+use svc_agent::store::Store;
+use svc_agent::translate::{self, NodeContext};
+
+/// Objects per file: well inside the agent's limits on documents and bytes per file.
+const PER_FILE: usize = 2_000;
+
+/// One generated Service: `namespace/name`, a ClusterIP, port 80/TCP → `target`, and its
+/// ready endpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenService {
+    /// Its number in the generated set; decides its file.
+    pub index: u32,
+    pub namespace: String,
+    pub name: String,
+    pub cluster_ip: Ipv4Addr,
+    pub target: u16,
+    pub endpoints: Vec<Ipv4Addr>,
+}
+
+impl GenService {
+    /// Service `i` of a generated set: ClusterIPs from 10.100.0.0/14 (never a sandbox's own
+    /// addresses), endpoints from 10.120.0.0/14, `n_endpoints` of them, shifted by `epoch` so a
+    /// new epoch changes every endpoint set.
+    pub fn nth(i: u32, n_endpoints: u32, epoch: u32) -> GenService {
+        let ip = |base: u32, n: u32| Ipv4Addr::from(base + (n % (1 << 18)));
+        GenService {
+            index: i,
+            namespace: "scale".into(),
+            name: format!("s{i}"),
+            cluster_ip: ip(u32::from(Ipv4Addr::new(10, 100, 0, 0)), i + 1),
+            target: 8080,
+            endpoints: (0..n_endpoints)
+                .map(|e| {
+                    ip(
+                        u32::from(Ipv4Addr::new(10, 120, 0, 0)),
+                        i.wrapping_mul(7) + e * 65_537 + epoch * 31 + 1,
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn service_json(&self) -> serde_json::Value {
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": self.namespace, "name": self.name},
+            "spec": {"clusterIP": self.cluster_ip.to_string(),
+                     "ports": [{"port": 80, "protocol": "TCP", "targetPort": self.target}]},
+        })
+    }
+
+    fn slice_json(&self) -> serde_json::Value {
+        let endpoints: Vec<_> = self
+            .endpoints
+            .iter()
+            .map(|e| json!({"addresses": [e.to_string()], "conditions": {"ready": true}}))
+            .collect();
+        json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": self.namespace, "name": format!("{}-1", self.name),
+                         "labels": {"kubernetes.io/service-name": self.name}},
+            "addressType": "IPv4",
+            "ports": [{"port": self.target, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        })
+    }
+}
+
+/// Writes `services` into `dir` as JSON streams, Service `i` into file `scale-(i / 2000)`:
+/// a change to a few Services rewrites a few files. Files are replaced atomically through
+/// `staging`, only when their contents change; files no Service lands in are removed.
+pub fn write_services(dir: &Path, staging: &Path, services: &[GenService]) -> Result<()> {
+    let mut files: std::collections::BTreeMap<String, String> = Default::default();
+    for s in services {
+        let file = format!("scale-{:04}.json", s.index / PER_FILE as u32);
+        let text = files.entry(file).or_default();
+        text.push_str(&s.service_json().to_string());
+        text.push('\n');
+        text.push_str(&s.slice_json().to_string());
+        text.push('\n');
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.starts_with("scale-") && !files.contains_key(&name) {
+            std::fs::remove_file(dir.join(&name))?;
+        }
+    }
+    for (file, text) in files {
+        let path = dir.join(&file);
+        if std::fs::read(&path).is_ok_and(|old| old == text.as_bytes()) {
+            continue;
+        }
+        let tmp = staging.join(&file);
+        std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(())
+}
+
+/// The frontends `services` should give, by kube-proxy's rules read independently of the
+/// agent: one frontend per Service (ClusterIP:80/TCP) with its endpoints on the target port.
+pub fn desired_of(services: &[GenService]) -> DesiredState {
+    let mut state = DesiredState::default();
+    for s in services {
+        let fe = Frontend {
+            ip: s.cluster_ip.into(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        };
+        let owner = format!("{}/{}", s.namespace, s.name);
+        let mut backends: Vec<SocketAddr> = s
+            .endpoints
+            .iter()
+            .map(|e| SocketAddr::new((*e).into(), s.target))
+            .collect();
+        backends.sort();
+        backends.dedup();
+        state.cluster_ips.insert(fe.ip);
+        state.frontends.insert(
+            fe,
+            DesiredFrontend {
+                frontend: fe,
+                owner: owner.clone(),
+                service: owner,
+                backends,
+                affinity_timeout_s: None,
+                internal_local: false,
+            },
+        );
+    }
+    state
+}
+
+/// Every difference between the maps pinned under `bpffs` and `desired`.
+pub fn pinned_vs(bpffs: &Path, desired: &DesiredState) -> Result<Vec<String>> {
+    let store = svc_agent::datapath::open_pinned(bpffs)?;
+    let snap = store.snapshot()?;
+    Ok(svc_agent::verify::check(&snap, desired))
+}
+
+/// Every difference between what the agent pinned under `bpffs` and what the manifests in
+/// `manifests` should give (the agent's own translation, run here): empty when they agree
+/// exactly, with nothing missing and nothing stray.
+pub fn pinned_vs_manifests(bpffs: &Path, manifests: &Path) -> Result<Vec<String>> {
+    let mut source = ManifestSource::open(manifests)?;
+    let loaded = source.load();
+    anyhow::ensure!(
+        loaded.errors.is_empty(),
+        "the test's own manifests do not load: {:?}",
+        loaded.errors.first()
+    );
+    let services: Vec<_> = loaded.services.into_iter().map(|n| n.object).collect();
+    let slices: Vec<_> = loaded.slices.into_iter().map(|n| n.object).collect();
+    let translated = translate::translate(&services, &slices, &NodeContext::default());
+    let store = svc_agent::datapath::open_pinned(bpffs)?;
+    let snap = store.snapshot()?;
+    Ok(svc_agent::verify::check(&snap, &translated.state))
+}

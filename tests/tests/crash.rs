@@ -1,0 +1,200 @@
+//! Issue 6, item 1: the agent SIGKILLed at random points while 100,000 Services appear,
+//! change and disappear, and restarted each time. After each restart's first sync (and the
+//! grace period it gives what it retires) the pinned maps equal the desired state exactly:
+//! every master entry has all its slots, backends, reverse-NAT and name entries, and nothing
+//! stray is left. A Service with real backends in the sandbox is probed after every restart.
+//!
+//! `SVC_CRASH_SERVICES`, `SVC_CRASH_KILLS` and `SVC_CRASH_SEED` change the size, the number of
+//! kills and the random kill points (the seed is printed, so a failure can be replayed).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use common::{names, sa, sandbox, web_service, web_slice, VIP};
+use svc_agent::model::{DesiredFrontend, Frontend, Protocol};
+use svc_tests::scale::{desired_of, pinned_vs, write_services, GenService};
+use svc_tests::{Agent, Manifests};
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// xorshift64*: reproducible kill points from a printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, d: Duration) -> Duration {
+        Duration::from_micros(self.next() % d.as_micros().max(1) as u64)
+    }
+}
+
+/// What `common::web_service` with one ready endpoint should give.
+fn web_desired(backend: Ipv4Addr) -> (Frontend, DesiredFrontend) {
+    let fe = Frontend {
+        ip: VIP.into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+    };
+    (
+        fe,
+        DesiredFrontend {
+            frontend: fe,
+            owner: "demo/web".into(),
+            service: "demo/web:http".into(),
+            backends: vec![SocketAddr::new(backend.into(), 8080)],
+            affinity_timeout_s: None,
+            internal_local: false,
+        },
+    )
+}
+
+/// Round `k`: Services [k·2000, k·2000 + n) (2,000 appear and 2,000 disappear per round), and
+/// every eighth block of 2,000 gets new endpoints.
+fn round(k: u32, n: u32) -> Vec<GenService> {
+    let first = k * 2000;
+    (first..first + n)
+        .map(|i| {
+            let block = (i / 2000) % 8;
+            let epoch = (k + 8 - block) / 8;
+            GenService::nth(i, 3, epoch)
+        })
+        .collect()
+}
+
+#[test]
+fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
+    let n = env_or("SVC_CRASH_SERVICES", 100_000) as u32;
+    let kills = env_or("SVC_CRASH_KILLS", 20) as u32;
+    let seed = env_or(
+        "SVC_CRASH_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+            | 1,
+    );
+    eprintln!("crash test: {n} services, {kills} kills, SVC_CRASH_SEED={seed}");
+    let mut rng = Rng(seed);
+
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(2, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    let canary = |k: u32| -> &'static [u8] {
+        if k % 2 == 0 {
+            &[1]
+        } else {
+            &[2]
+        }
+    };
+    let want = |k: u32| {
+        let mut d = desired_of(&round(k, n));
+        let (fe, df) = web_desired(sb.backend_v4(canary(k)[0]));
+        d.cluster_ips.insert(fe.ip);
+        d.frontends.insert(fe, df);
+        d
+    };
+    let write = |k: u32| {
+        write_services(m.dir(), m.scratch(), &round(k, n)).unwrap();
+        m.apply_slice(&web_slice(&sb, canary(k), &[])).unwrap();
+    };
+    write(0);
+    let bpffs = sb.bpffs().unwrap();
+    let mut agent = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs.path(),
+        &["--poll-ms", "20"],
+        m.scratch(),
+    )
+    .unwrap();
+    agent.quiet();
+    let t0 = Instant::now();
+    agent.wait_ready(Duration::from_secs(300)).unwrap();
+    let startup = t0.elapsed();
+
+    // One change without a kill, to time a sync.
+    write(1);
+    let t0 = Instant::now();
+    agent
+        .wait_for_lines(svc_tests::agent::SYNCED_LINE, 2, Duration::from_secs(120))
+        .unwrap();
+    let sync = t0.elapsed();
+    eprintln!("start-up to ready: {startup:?}; one change: {sync:?}");
+
+    let grace = Duration::from_millis(1500);
+    let mut damaged = 0;
+    let mut k = 1;
+    let mut killed = 0;
+    while killed < kills {
+        k += 1;
+        write(k);
+        // Kill while it notices the change, syncs it, retires what the sync made
+        // unreachable, or idles.
+        std::thread::sleep(rng.below(sync + grace));
+        agent.kill().unwrap();
+        killed += 1;
+        // Sometimes also kill the next agent during its own start and first sync.
+        if killed < kills && rng.next() % 3 == 0 {
+            agent.restart().unwrap();
+            std::thread::sleep(rng.below(startup));
+            agent.kill().unwrap();
+            killed += 1;
+        }
+        // Neither the old state nor the new one (nor either with its retirements done): the
+        // kill cut a change short, and the next agent has something to repair.
+        let cut_short = !pinned_vs(bpffs.path(), &want(k)).unwrap().is_empty()
+            && !pinned_vs(bpffs.path(), &want(k - 1)).unwrap().is_empty();
+        if cut_short {
+            damaged += 1;
+        }
+        agent.restart().unwrap();
+        agent
+            .wait_ready(Duration::from_secs(300))
+            .unwrap_or_else(|e| panic!("restart after kill {killed}: {e:#}"));
+        std::thread::sleep(grace);
+        let problems = pinned_vs(bpffs.path(), &want(k)).unwrap();
+        assert!(
+            problems.is_empty(),
+            "after kill {killed} (round {k}, SVC_CRASH_SEED={seed}), {} problems: {:#?}\n{}",
+            problems.len(),
+            &problems[..problems.len().min(20)],
+            agent.all_logs()
+        );
+        let r = sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+        assert!(r.all_ok(), "after kill {killed}: {r:?}");
+        assert_eq!(
+            names(&r),
+            [format!("b{}", canary(k)[0])].into_iter().collect(),
+            "after kill {killed}"
+        );
+        eprintln!(
+            "kill {killed}: the maps {} before the restart; exact after it",
+            if cut_short {
+                "were left mid-change"
+            } else {
+                "were whole"
+            }
+        );
+    }
+    eprintln!("{damaged} of {} restarts found a change cut short", k - 1);
+    // Kills that only ever hit an idle agent would prove nothing.
+    assert!(
+        damaged >= (k - 1) / 4,
+        "only {damaged} restarts found damage to repair"
+    );
+}

@@ -1,0 +1,562 @@
+//! The agent's state under an operator's mistakes and bad luck (issue 6): a second agent, an
+//! uninstall under a running agent, a directory someone else made, a full map, a resized or
+//! foreign pinned map, drift, pins removed, backend sets changing many times a second, an API
+//! server address only svc could serve, a file taking over a Service, and 30,000 Services of
+//! 10 endpoints each.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{names, poll, sa, sandbox, set, web_service, web_slice, World, VIP};
+use svc_tests::agent::http_get;
+use svc_tests::sandbox::AGENT_READY_TIMEOUT;
+use svc_tests::{Agent, Bpffs, Manifests, Sandbox, Service, ServicePort};
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// Starts an agent on the sandbox with extra flags and waits until it is ready.
+fn agent_with(sb: &Sandbox, bpffs: &Path, m: &Manifests, extra: &[&str]) -> Agent {
+    let mut a = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs,
+        extra,
+        m.scratch(),
+    )
+    .unwrap();
+    a.wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    a
+}
+
+/// Starts an agent that must refuse to run: waits for its exit and returns its log.
+fn refused(sb: &Sandbox, bpffs: &Path, m: &Manifests, extra: &[&str]) -> String {
+    let mut a = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs,
+        extra,
+        m.scratch(),
+    )
+    .unwrap();
+    a.quiet();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = a.exited().unwrap() {
+            assert!(
+                !status.success(),
+                "the agent should refuse; log:\n{}",
+                a.log()
+            );
+            return a.log();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not refuse within 30 s; log:\n{}",
+            a.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 6, items 2 and 3: one agent per directory. A second agent and an `uninstall` refuse
+/// while the first one runs, naming it, and the datapath keeps serving.
+#[test]
+fn a_second_agent_and_uninstall_refuse_while_an_agent_serves() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    let pid = w.agent.pid().unwrap();
+    let log = refused(&w.sb, w.bpffs.path(), &w.m, &[]);
+    assert!(
+        log.contains(&format!("pid {pid}")) && log.contains("in use by"),
+        "the refusal should name the running agent (pid {pid}):\n{log}"
+    );
+    let err = svc_tests::agent::uninstall(&w.sb.tools.agent, w.bpffs.path(), None)
+        .expect_err("uninstall must refuse while an agent serves");
+    assert!(
+        format!("{err:#}").contains(&format!("pid {pid}")),
+        "{err:#}"
+    );
+    // Nothing was taken away: the first agent still serves and still applies edits.
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    w.m.apply_slice(&web_slice(&w.sb, &[2], &[])).unwrap();
+    poll(Duration::from_secs(5), || {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b2"])).then_some(()))
+    })
+    .unwrap();
+    // Once it has stopped, uninstall works.
+    w.agent.terminate(Duration::from_secs(10)).unwrap();
+    svc_tests::agent::uninstall(&w.sb.tools.agent, w.bpffs.path(), None).unwrap();
+    assert!(!w.bpffs.path().exists());
+}
+
+/// Issue 6, item 4: a pin directory that someone else could write to is refused, and so is
+/// one outside bpffs; nothing is pinned in either.
+#[test]
+fn a_directory_others_could_write_to_is_refused() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    m.apply_service(&web_service()).unwrap();
+
+    // Made first by an unprivileged user.
+    let bpffs = Bpffs::new(&sb.tools.agent, sb.cgroup().path()).unwrap();
+    std::fs::create_dir(bpffs.path()).unwrap();
+    std::os::unix::fs::chown(bpffs.path(), Some(65534), Some(65534)).unwrap();
+    let log = refused(&sb, bpffs.path(), &m, &[]);
+    assert!(log.contains("owned by uid 65534"), "{log}");
+    assert!(bpffs.entries().is_empty(), "{:?}", bpffs.entries());
+
+    // Ours, but writable by everyone.
+    std::os::unix::fs::chown(bpffs.path(), Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(bpffs.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let log = refused(&sb, bpffs.path(), &m, &[]);
+    assert!(log.contains("writable by others"), "{log}");
+    assert!(bpffs.entries().is_empty(), "{:?}", bpffs.entries());
+
+    // Not on bpffs at all.
+    let log = refused(&sb, &m.scratch().join("pins"), &m, &[]);
+    assert!(log.contains("not on a bpf filesystem"), "{log}");
+}
+
+/// Issue 6, item 6: with a full services map, a Service that does not fit is not programmed
+/// at all (not 139 of its 1,000 ports), its ClusterIP's marker still goes in so its ports are
+/// refused at once, the error names the Service and the map, and /healthz says so.
+/// Item 7: restarting with a larger capacity migrates the pinned map without refusing a
+/// connection to the Services already served, and programs the one that did not fit.
+#[test]
+fn a_full_map_refuses_whole_services_and_a_larger_one_takes_them_without_a_drop() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(2, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
+    let big_ip = "10.96.0.20";
+    let mut big = Service::new("demo", "big", big_ip);
+    for p in 0..1000u16 {
+        big = big.port(
+            ServicePort::tcp(1000 + p)
+                .name(&format!("p{p}"))
+                .target(8080),
+        );
+    }
+    m.apply_service(&big).unwrap();
+    let mut big_slice = web_slice(&sb, &[1], &[]);
+    big_slice.service = "big".into();
+    big_slice.name = "big-1".into();
+    big_slice.ports.clear();
+    for p in 0..1000u16 {
+        big_slice = big_slice.port(svc_tests::SlicePort::tcp(8080).name(&format!("p{p}")));
+    }
+    m.apply_slice(&big_slice).unwrap();
+
+    let bpffs = sb.bpffs().unwrap();
+    let health = free_port();
+    let health_flag = format!("--healthz-bind-address={health}");
+    let mut agent = agent_with(
+        &sb,
+        bpffs.path(),
+        &m,
+        &["--max-services", "200", &health_flag],
+    );
+    let list = agent.list().unwrap();
+    let big_ports = list.services.iter().filter(|s| s.ip == big_ip).count();
+    assert_eq!(
+        big_ports, 0,
+        "demo/big must be all or nothing: {big_ports} ports programmed"
+    );
+    assert!(
+        list.cluster_ips.contains(&big_ip.to_string()),
+        "the marker of {big_ip} must be in place: {:?}",
+        list.cluster_ips
+    );
+    // Its ports are refused at once, like an undefined port, rather than routed to nowhere.
+    let big_addr: SocketAddr = format!("{big_ip}:1000").parse().unwrap();
+    let r = sb.tcp(big_addr, 2, &["--timeout-ms", "2000"]).unwrap();
+    assert!(
+        r.results
+            .iter()
+            .all(|a| a.errno == Some(libc::ECONNREFUSED)),
+        "{r:?}"
+    );
+    let log = agent.log();
+    assert!(
+        log.contains("Service demo/big") && log.contains("SVC_SERVICES") && log.contains("full"),
+        "{log}"
+    );
+    let (code, body) = http_get(health, "/healthz").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("demo/big"), "{body}");
+    // The other Service is served.
+    assert!(sb.tcp(sa(VIP, 80), 5, &[]).unwrap().all_ok());
+
+    // A larger map, under a connection loop to the Service that is served: nothing refused.
+    let client = sb.spawn_loop(sa(VIP, 80), Duration::from_secs(6)).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    agent.kill().unwrap();
+    let mut agent = agent_with(
+        &sb,
+        bpffs.path(),
+        &m,
+        &["--max-services", "4000", &health_flag],
+    );
+    let report = sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    assert_eq!(report.failed, 0, "{report:?}\n{}", agent.log());
+    assert!(report.ok > 50, "{report:?}");
+    let list = agent.list().unwrap();
+    assert_eq!(
+        list.services.iter().filter(|s| s.ip == big_ip).count(),
+        1000
+    );
+    assert!(
+        agent.log().contains("resized map in place"),
+        "{}",
+        agent.log()
+    );
+    let out = svc_tests::sys::run(
+        "bpftool",
+        [
+            "-j".as_ref(),
+            "map".as_ref(),
+            "show".as_ref(),
+            "pinned".as_ref(),
+            bpffs.path().join("SVC_SERVICES_v1").as_os_str(),
+        ],
+    )
+    .unwrap();
+    assert!(out.contains("\"max_entries\":4000"), "{out}");
+    poll(Duration::from_secs(5), || {
+        let (code, _) = http_get(health, "/healthz")?;
+        Ok((code == 200).then_some(()))
+    })
+    .unwrap();
+    let r = sb.tcp(big_addr, 3, &[]).unwrap();
+    assert!(r.all_ok(), "{r:?}");
+    agent.quiet();
+}
+
+/// Issue 6, item 7: a pinned map of another key or value size is refused with a message that
+/// names the map and says what to do, and nothing else is pinned or attached.
+#[test]
+fn a_pinned_map_of_another_layout_is_refused_naming_it() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    m.apply_service(&web_service()).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    std::fs::create_dir(bpffs.path()).unwrap();
+    std::fs::set_permissions(bpffs.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let pin = bpffs.path().join("SVC_SLOTS_v1");
+    svc_tests::sys::run(
+        "bpftool",
+        [
+            "map".as_ref(),
+            "create".as_ref(),
+            pin.as_os_str(),
+            "type".as_ref(),
+            "hash".as_ref(),
+            "key".as_ref(),
+            "4".as_ref(),
+            "value".as_ref(),
+            "4".as_ref(),
+            "entries".as_ref(),
+            "16".as_ref(),
+            "name".as_ref(),
+            "SVC_SLOTS".as_ref(),
+        ],
+    )
+    .unwrap();
+    let log = refused(&sb, bpffs.path(), &m, &[]);
+    assert!(
+        log.contains("map SVC_SLOTS")
+            && log.contains("4-byte keys, not 8")
+            && log.contains("uninstall"),
+        "{log}"
+    );
+    assert!(!log.contains("verifier"), "{log}");
+    assert_eq!(bpffs.entries(), vec!["SVC_SLOTS_v1".to_string()]);
+}
+
+/// Issue 6, item 8: entries deleted behind the agent's back are found by the periodic
+/// comparison and put back; the metrics say so.
+#[test]
+fn drift_in_the_maps_is_repaired() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(2, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let agent = agent_with(
+        &sb,
+        bpffs.path(),
+        &m,
+        &["--reconcile-interval-s", "1", &metrics_flag],
+    );
+    assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
+    // Someone deletes the master entry and the reverse-NAT entry of demo/web.
+    let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
+    let fe = svc_agent::model::Frontend {
+        ip: VIP.into(),
+        port: 80,
+        protocol: svc_agent::model::Protocol::Tcp,
+    };
+    let key = svc_agent::sync::service_key(&fe);
+    let id = store.services.get(&key, 0).unwrap().id;
+    store.services.remove(&key).unwrap();
+    store.rev_nat.remove(&id).unwrap();
+    let r = sb.tcp(sa(VIP, 80), 1, &["--timeout-ms", "300"]).unwrap();
+    assert!(!r.all_ok(), "the damage should show: {r:?}");
+    poll(Duration::from_secs(10), || {
+        let r = sb.tcp(sa(VIP, 80), 3, &[])?;
+        Ok((r.all_ok()
+            && r.results
+                .iter()
+                .all(|a| a.peer.as_deref() == Some("10.96.0.10:80")))
+        .then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("not repaired: {e:#}\n{}", agent.log()));
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    let drift: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix("svc_drift_repaired_ops_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(drift >= 2, "{body}");
+    assert!(agent.log().contains("drifted"), "{}", agent.log());
+}
+
+/// Issue 6 ("if its links or pins disappear under it anyway, it notices, re-attaches, and says
+/// so"): link and map pins removed under a running agent are put back, and the ClusterIP is
+/// served again.
+#[test]
+fn pins_and_links_removed_under_the_agent_are_put_back() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(1, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1], &[])).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let agent = agent_with(
+        &sb,
+        bpffs.path(),
+        &m,
+        &["--check-interval-ms", "100", &metrics_flag],
+    );
+    assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
+    // Unpinning the only reference to a link detaches it.
+    std::fs::remove_file(bpffs.path().join("link_connect4")).unwrap();
+    std::fs::remove_file(bpffs.path().join("SVC_BACKENDS_v1")).unwrap();
+    poll(Duration::from_secs(5), || {
+        let r = sb.tcp(sa(VIP, 80), 3, &["--timeout-ms", "300"])?;
+        let pinned = bpffs.path().join("link_connect4").exists()
+            && bpffs.path().join("SVC_BACKENDS_v1").exists();
+        Ok((r.all_ok() && pinned).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("not put back: {e:#}\n{}", agent.log()));
+    let log = agent.log();
+    assert!(
+        log.contains("link_connect4 had disappeared; put back"),
+        "{log}"
+    );
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    assert!(
+        body.contains("svc_datapath_repairs_total{what=\"pin\"} 2"),
+        "{body}"
+    );
+}
+
+/// Issue 6, item 9: a client opening connections back to back while the Service's backend set
+/// changes many times a second (always with one ready backend) is never refused: old backend
+/// sets stay readable for a grace period after the switch.
+#[test]
+fn backend_sets_changing_many_times_a_second_refuse_nothing() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(3, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1], &[])).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let agent = agent_with(&sb, bpffs.path(), &m, &["--poll-ms", "10"]);
+    let client = sb.spawn_loop(sa(VIP, 80), Duration::from_secs(5)).unwrap();
+    let sets: [&[u8]; 4] = [&[1], &[2], &[1, 2, 3], &[3]];
+    let started = Instant::now();
+    let mut changes = 0;
+    while started.elapsed() < Duration::from_millis(4500) {
+        m.apply_slice(&web_slice(&sb, sets[changes % sets.len()], &[]))
+            .unwrap();
+        changes += 1;
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let report = sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    let syncs = agent.count_lines(svc_tests::agent::SYNCED_LINE);
+    eprintln!("{changes} changes, {syncs} syncs: {report:?}");
+    assert!(
+        syncs > 40,
+        "the agent synced only {syncs} times: not a test of anything"
+    );
+    assert_eq!(report.failed, 0, "{report:?}");
+    assert!(report.ok > 200, "{report:?}");
+    assert_eq!(report.backends.len(), 3, "{report:?}");
+}
+
+/// Issue 6, item 10: in a cluster the configured API server address is the `kubernetes`
+/// Service's ClusterIP, which only svc serves once kube-proxy is gone. With nothing pinned
+/// (a reboot, a new node) the agent says so at once and names the flag that fixes it.
+#[test]
+fn an_api_server_only_svc_could_serve_is_a_clear_error() {
+    let sb = sandbox();
+    let scratch = svc_tests::TempDir::new("svc-kubeconfig").unwrap();
+    let kubeconfig = scratch.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://10.96.0.1:443\n    insecure-skip-tls-verify: true\nusers:\n- name: u\n  user:\n    token: t\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n",
+    )
+    .unwrap();
+    for (env, flags) in [
+        (Some("10.96.0.1"), vec![]),
+        (None, vec!["--service-cidr", "10.96.0.0/12"]),
+    ] {
+        let bpffs = sb.bpffs().unwrap();
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "run".into(),
+            "--kubeconfig".into(),
+            kubeconfig.clone().into(),
+            "--node-name".into(),
+            "n1".into(),
+            "--cgroup".into(),
+            sb.cgroup().path().into(),
+            "--bpffs".into(),
+            bpffs.path().into(),
+            format!("--healthz-bind-address={}", free_port()).into(),
+            format!("--metrics-bind-address={}", free_port()).into(),
+        ];
+        args.extend(flags.iter().map(Into::into));
+        let mut cmd = std::process::Command::new(&sb.tools.agent);
+        cmd.args(&args).env_remove("KUBERNETES_SERVICE_HOST");
+        if let Some(host) = env {
+            cmd.env("KUBERNETES_SERVICE_HOST", host);
+        }
+        let started = Instant::now();
+        let out = cmd.output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{log}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{log}");
+        assert!(
+            log.contains("https://10.96.0.1") && log.contains("--k8s-api-server"),
+            "{log}"
+        );
+    }
+}
+
+/// Issue 6, item 11: a file added later cannot take over what is serving, whether it claims
+/// the same frontend for another Service or defines the same Service again; not even when its
+/// name sorts first, and not after a restart.
+#[test]
+fn a_new_file_cannot_take_over_a_serving_service() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.write_value("50-web.yaml", &web_service().to_value())
+            .unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    assert_eq!(names(&w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap()), set(&["b1"]));
+    // Another Service on the same ClusterIP and port, and web defined again with another
+    // port, both in a file that sorts first.
+    let mut intruder = Service::new("demo", "aaa", &VIP.to_string())
+        .port(ServicePort::tcp(80).name("http").target(8080))
+        .to_value();
+    intruder["metadata"]["name"] = "aaa".into();
+    let web_again = Service::new("demo", "web", &VIP.to_string())
+        .port(ServicePort::tcp(81).name("http").target(8080))
+        .to_value();
+    let mut aaa_slice = web_slice(&w.sb, &[2], &[]);
+    aaa_slice.service = "aaa".into();
+    aaa_slice.name = "aaa-1".into();
+    w.m.apply_slice(&aaa_slice).unwrap();
+    w.m.write_raw(
+        "00-intruder.yaml",
+        &format!(
+            "{}---\n{}",
+            serde_saphyr::to_string(&intruder).unwrap(),
+            serde_saphyr::to_string(&web_again).unwrap()
+        ),
+    )
+    .unwrap();
+    w.agent
+        .wait_for_lines(svc_tests::agent::SYNCED_LINE, 1, Duration::from_secs(5))
+        .ok();
+    poll(Duration::from_secs(5), || {
+        Ok(w.agent
+            .log()
+            .contains("already served by Service demo/web")
+            .then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", w.agent.log()));
+    for _ in 0..2 {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap();
+        assert!(r.all_ok(), "{r:?}");
+        assert_eq!(names(&r), set(&["b1"]));
+        let list = w.agent.list().unwrap();
+        assert!(list.frontend("10.96.0.10:81/TCP").is_none(), "{list:?}");
+        assert_eq!(
+            list.frontend("10.96.0.10:80/TCP").unwrap().name.as_deref(),
+            Some("demo/web:http")
+        );
+        // The same after a restart: the pinned maps say who serves.
+        w.agent.kill().unwrap();
+        w.agent.restart().unwrap();
+        w.agent.wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    }
+}
+
+/// Issue 6, item 12: 30,000 Services of 10 endpoints each (300,000 backends) all fit the
+/// default capacities, and the agent is healthy.
+#[test]
+fn thirty_thousand_services_of_ten_endpoints_are_all_programmed() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let services: Vec<_> = (0..30_000)
+        .map(|i| svc_tests::scale::GenService::nth(i, 10, 0))
+        .collect();
+    svc_tests::scale::write_services(m.dir(), m.scratch(), &services).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let health = free_port();
+    let mut agent = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs.path(),
+        &[&format!("--healthz-bind-address={health}")],
+        m.scratch(),
+    )
+    .unwrap();
+    agent.wait_ready(Duration::from_secs(180)).unwrap();
+    let problems = svc_tests::scale::pinned_vs_manifests(bpffs.path(), m.dir()).unwrap();
+    assert!(
+        problems.is_empty(),
+        "{:#?}",
+        &problems[..problems.len().min(20)]
+    );
+    let list = agent.list().unwrap();
+    assert_eq!(list.services.len(), 30_000);
+    assert!(list.services.iter().all(|s| s.backends.len() == 10));
+    let (code, body) = http_get(health, "/healthz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    agent.quiet();
+}
