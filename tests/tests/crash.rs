@@ -94,7 +94,7 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     let _backends = sb.backends(2, &[8080]).unwrap();
     m.apply_service(&web_service()).unwrap();
     let canary = |k: u32| -> &'static [u8] {
-        if k % 2 == 0 {
+        if k.is_multiple_of(2) {
             &[1]
         } else {
             &[2]
@@ -149,7 +149,7 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
         agent.kill().unwrap();
         killed += 1;
         // Sometimes also kill the next agent during its own start and first sync.
-        if killed < kills && rng.next() % 3 == 0 {
+        if killed < kills && rng.next().is_multiple_of(3) {
             agent.restart().unwrap();
             std::thread::sleep(rng.below(startup));
             agent.kill().unwrap();
