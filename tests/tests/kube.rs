@@ -102,6 +102,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s12-lifecycle", Scenario::Exclusive(lifecycle)),
     ("s13-health", Scenario::Shared(healthz_and_metrics)),
     ("s14-deploy", Scenario::Shared(deploy_manifests_and_rbac)),
+    ("s15-api-server", Scenario::Shared(api_server_given_by_flag)),
 ];
 
 fn main() -> ExitCode {
@@ -1380,6 +1381,55 @@ fn lifecycle(cp: &mut ControlPlane, name: &str) -> Result<()> {
 }
 
 /// Scenario 13: kube-proxy's /healthz and the Prometheus metrics, each on its own port.
+/// Issue 6, item 10: the API server's own address given with --k8s-api-server replaces the
+/// configured one, which in a cluster is the `kubernetes` ClusterIP only svc serves (here, an
+/// address nothing answers on). With it the agent starts on empty pins and serves.
+fn api_server_given_by_flag(cp: &ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    let real = cp.server_url();
+    let kubeconfig = std::fs::read_to_string(cp.kubeconfig_path())?;
+    ensure!(kubeconfig.contains(&real), "{real} not in the kubeconfig");
+    let unreachable = kubeconfig.replace(&real, "https://10.96.0.1:443");
+    let dir = svc_tests::TempDir::new("svc-kubeconfig")?;
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(&path, unreachable)?;
+    let agent = env.sb.agent_kubeconfig(
+        &env.bpffs,
+        &path,
+        &env.node,
+        &[
+            "--service-proxy-name",
+            name,
+            "--service-cidr",
+            "10.96.0.0/12",
+            &format!("--k8s-api-server={real}"),
+        ],
+    )?;
+    env.agent = Some(agent);
+    tcp_backends(&env.sb, vip, 3, &["b1"])?;
+    ensure!(
+        env.agent().log().contains(&format!("watching the Kubernetes API api_server={real}")),
+        "{}",
+        env.agent().log()
+    );
+    Ok(())
+}
+
 fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
     env.serve(1, &[8080, 9090])?;
