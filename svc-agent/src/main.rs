@@ -77,8 +77,8 @@ enum Command {
         k8s_api_server: Option<String>,
         /// The cluster's Service IP ranges (CIDRs, comma separated): an API server address in
         /// them that nothing serves yet is reported at start instead of retried forever.
-        #[arg(long, value_delimiter = ',')]
-        service_cidr: Vec<kube::Cidr>,
+        #[arg(long, env = "SVC_SERVICE_CIDR", value_delimiter = ',')]
+        service_cidr: Vec<String>,
         #[command(flatten)]
         capacity: CapacityArgs,
         /// How long entries a change made unreachable (old backend sets, removed frontends'
@@ -244,8 +244,17 @@ fn main() -> anyhow::Result<()> {
                         node_name,
                         service_proxy_name,
                         coalesce: Duration::from_millis(coalesce_ms),
-                        api_server: k8s_api_server,
-                        service_cidrs: service_cidr,
+                        // An empty setting (a ConfigMap key left blank) is no setting.
+                        api_server: k8s_api_server.filter(|s| !s.trim().is_empty()),
+                        service_cidrs: service_cidr
+                            .iter()
+                            .map(|c| c.trim())
+                            .filter(|c| !c.is_empty())
+                            .map(|c| {
+                                c.parse::<kube::Cidr>()
+                                    .map_err(|e| anyhow::anyhow!("--service-cidr {e}"))
+                            })
+                            .collect::<anyhow::Result<_>>()?,
                     };
                     rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
                 }

@@ -1491,6 +1491,23 @@ fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The ConfigMap keys the DaemonSet's agent container reads.
+fn checked_env(daemonset: &str) -> Result<Vec<String>> {
+    let ds: Value = serde_saphyr::from_str(daemonset)?;
+    let containers = ds["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .context("no containers")?;
+    Ok(containers
+        .iter()
+        .flat_map(|c| c["env"].as_array().cloned().unwrap_or_default())
+        .filter_map(|e| {
+            e["valueFrom"]["configMapKeyRef"]["key"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect())
+}
+
 /// Scenario 14: deploy/: the apiserver validates rbac.yaml and daemonset.yaml; an agent authenticated
 /// as the ServiceAccount that rbac.yaml binds becomes ready and serves, so the ClusterRole
 /// grants enough (and not more than listed).
@@ -1513,6 +1530,19 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         .dry_run_server_side(&daemonset)
         .context("dry run of daemonset.yaml")?;
     ensure!(checked.len() == 1 && checked[0]["kind"] == "DaemonSet");
+    let config = std::fs::read_to_string(format!("{deploy}/config.yaml"))?;
+    let checked = cp
+        .dry_run_server_side(&config)
+        .context("dry run of config.yaml")?;
+    ensure!(checked.len() == 1 && checked[0]["kind"] == "ConfigMap");
+    // Every ConfigMap key the DaemonSet reads exists.
+    let env = checked_env(&daemonset)?;
+    for key in env {
+        ensure!(
+            !checked[0]["data"][&key].is_null(),
+            "daemonset.yaml reads {key} from the ConfigMap, which config.yaml does not set"
+        );
+    }
     ensure!(
         cp.kubectl(&["get", "clusterrole", "svc-agent"]).is_err(),
         "a dry run stored the ClusterRole"
