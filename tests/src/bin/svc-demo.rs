@@ -212,7 +212,7 @@ fn demo(args: Args) -> Result<bool> {
         &["netns", "list"],
         "the Service has no namespace of its own",
     );
-    let services_map = bpffs.path().join("SVC_SERVICES");
+    let services_map = bpffs.path().join("SVC_SERVICES_v1");
     show(
         "bpftool",
         &["map", "dump", "pinned", &services_map.to_string_lossy()],
