@@ -1423,7 +1423,9 @@ fn api_server_given_by_flag(cp: &ControlPlane, name: &str) -> Result<()> {
     env.agent = Some(agent);
     tcp_backends(&env.sb, vip, 3, &["b1"])?;
     ensure!(
-        env.agent().log().contains(&format!("watching the Kubernetes API api_server={real}")),
+        env.agent()
+            .log()
+            .contains(&format!("watching the Kubernetes API api_server={real}")),
         "{}",
         env.agent().log()
     );
