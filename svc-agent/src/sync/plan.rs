@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use svc_common::{svc_flags, Backend, BackendId, RevNatValue, ServiceValue, SlotKey};
 
 use super::{
-    encode_name, flags_of, service_key, stored_name, Entry, ProgFrontend, Programmed, Retire,
-    Usage, MAX_BACKENDS_PER_FRONTEND,
+    encode_name, flags_of, service_key, stored_name, BackendKey, Entry, ProgFrontend, Programmed,
+    Retire, Usage, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
 use crate::model::{DesiredFrontend, Frontend, Protocol};
@@ -103,7 +103,7 @@ pub fn plan_unit(
     };
     let mut next_frontend = p.ids.next_frontend;
     let mut next_backend = p.ids.next_backend;
-    let mut planned: HashMap<(SocketAddr, Protocol), BackendId> = HashMap::new();
+    let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
 
     for d in upserts {
         let fe = &d.frontend;
@@ -118,7 +118,7 @@ pub fn plan_unit(
         }
         let mut ids = Vec::with_capacity(d.backends.len());
         for sa in &d.backends {
-            let k = (*sa, fe.protocol);
+            let k = BackendKey::new(*sa, fe.protocol);
             let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
                 Some(id) => *id,
                 None => {

@@ -9,7 +9,8 @@ use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
 use tracing::warn;
 
 use super::{
-    decode_name, ip_from16, plan::rev_nat_value, Entry, ProgFrontend, Programmed, Retiring, Usage,
+    decode_name, ip_from16, plan::rev_nat_value, BackendKey, Entry, ProgFrontend, Programmed,
+    Retiring, Usage,
 };
 use crate::model::{Frontend, Protocol};
 use crate::store::{Capacity, Snapshot};
@@ -73,7 +74,7 @@ impl Programmed {
                 continue;
             };
             let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
-            p.backends.insert(*id, (sa, proto));
+            p.backends.insert(*id, BackendKey::new(sa, proto));
         }
         let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
         let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();

@@ -134,6 +134,43 @@ pub struct ParsedService(ServiceInfo);
 /// An EndpointSlice reduced to what kube-proxy's rules read.
 pub struct ParsedSlice(SliceInfo);
 
+/// "namespace/name" of a parsed object.
+pub trait Keyed {
+    fn namespace(&self) -> &str;
+    fn name(&self) -> &str;
+}
+
+impl Keyed for ParsedService {
+    fn namespace(&self) -> &str {
+        &self.0.key.namespace
+    }
+    fn name(&self) -> &str {
+        &self.0.key.name
+    }
+}
+
+impl Keyed for ParsedSlice {
+    fn namespace(&self) -> &str {
+        &self.0.key.namespace
+    }
+    fn name(&self) -> &str {
+        &self.0.key.name
+    }
+}
+
+impl ParsedService {
+    /// The frontends this Service claims, before conflicts with other Services are resolved.
+    pub fn frontends(&self) -> impl Iterator<Item = Frontend> + '_ {
+        self.0.cluster_ips.iter().flat_map(move |ip| {
+            self.0.ports.iter().map(move |p| Frontend {
+                ip: *ip,
+                port: p.port,
+                protocol: p.protocol,
+            })
+        })
+    }
+}
+
 /// `None` when the Service is not ours to proxy or too broken to use (with `errors` saying
 /// why); a usable one may still have reported errors for some of its ports.
 pub fn parse_service(
@@ -240,25 +277,37 @@ pub fn assemble_with<'a>(
     let mut services: Vec<&ServiceInfo> = services.into_iter().map(|s| &s.0).collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));
 
-    // Who gets each frontend claimed by more than one Service.
+    // Who gets each frontend claimed by more than one Service. Claims are collected for
+    // conflicts only: at 100,000 Services a list per frontend would cost megabytes.
     let mut claims: BTreeMap<Frontend, Vec<&ServiceInfo>> = BTreeMap::new();
-    for svc in &services {
-        for port in &svc.ports {
-            for &ip in &svc.cluster_ips {
-                let frontend = Frontend {
-                    ip,
-                    port: port.port,
-                    protocol: port.protocol,
-                };
-                claims.entry(frontend).or_default().push(svc);
+    {
+        let mut first: std::collections::HashMap<Frontend, &ServiceInfo> =
+            std::collections::HashMap::with_capacity(services.len());
+        for svc in &services {
+            for port in &svc.ports {
+                for &ip in &svc.cluster_ips {
+                    let frontend = Frontend {
+                        ip,
+                        port: port.port,
+                        protocol: port.protocol,
+                    };
+                    match first.entry(frontend) {
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(svc);
+                        }
+                        std::collections::hash_map::Entry::Occupied(e) => {
+                            claims
+                                .entry(frontend)
+                                .or_insert_with(|| vec![*e.get()])
+                                .push(svc);
+                        }
+                    }
+                }
             }
         }
     }
     let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
     for (fe, claimants) in &claims {
-        if claimants.len() < 2 {
-            continue;
-        }
         let holder = holders.holder(fe);
         let winner = claimants
             .iter()
