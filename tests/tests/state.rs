@@ -127,9 +127,35 @@ fn a_directory_others_could_write_to_is_refused() {
     assert!(log.contains("writable by others"), "{log}");
     assert!(bpffs.entries().is_empty(), "{:?}", bpffs.entries());
 
-    // Not on bpffs at all.
-    let log = refused(&sb, &m.scratch().join("pins"), &m, &[]);
+    // Not on bpffs at all: refused, and nothing is left behind there.
+    let elsewhere = m.scratch().join("pins");
+    let log = refused(&sb, &elsewhere, &m, &[]);
     assert!(log.contains("not on a bpf filesystem"), "{log}");
+    assert!(!elsewhere.exists(), "{} was created", elsewhere.display());
+
+    // A cgroup v1 or plain directory as --cgroup: refused before anything is pinned.
+    let fresh = Bpffs::new(&sb.tools.agent, sb.cgroup().path()).unwrap();
+    let mut a = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        m.scratch(),
+        fresh.path(),
+        &[],
+        m.scratch(),
+    )
+    .unwrap();
+    a.quiet();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.exited().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "not refused:\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        a.log().contains("not on a cgroup v2 filesystem"),
+        "{}",
+        a.log()
+    );
+    assert!(!fresh.path().exists(), "{:?}", fresh.entries());
 }
 
 /// Issue 6, item 6: with a full services map, a Service that does not fit is not programmed
