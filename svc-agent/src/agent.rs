@@ -89,6 +89,8 @@ impl Agent {
         let dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
+        drop(snap);
+        crate::sys::release_free_memory();
         info!(
             frontends = programmed.frontends.len(),
             backends = programmed.backends.len(),
@@ -110,6 +112,11 @@ impl Agent {
             served_from: HashMap::new(),
             synced: false,
         })
+    }
+
+    /// Drops the desired state before a full translation replaces it.
+    pub fn forget_desired(&mut self) {
+        self.desired = Desired::default();
     }
 
     /// Who serves each frontend now, for resolving conflicts.
@@ -414,6 +421,9 @@ impl Agent {
         services: Vec<&Named<ParsedService>>,
         slices: Vec<&Named<ParsedSlice>>,
     ) -> SyncReport {
+        // The old desired state is not needed to build the new one (the mirror says who holds
+        // what): dropping it first keeps one copy in memory, not two.
+        self.forget_desired();
         let mut errors = Vec::new();
         let programmed = &self.programmed;
         let serving = |s: &ParsedService, owner: &str| {

@@ -303,3 +303,12 @@ pub fn attached_program_ids(cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Res
     let cnt = u32::from_ne_bytes(attr.0[24..28].try_into().expect("4 bytes")) as usize;
     Ok(ids[..cnt.min(ids.len())].to_vec())
 }
+
+/// Returns freed heap pages to the system (glibc keeps them otherwise, and the agent's RSS
+/// would stay at its highest point forever).
+pub fn release_free_memory() {
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

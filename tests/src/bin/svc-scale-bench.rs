@@ -137,6 +137,8 @@ fn main() -> Result<()> {
     agent.restart()?;
     let (restart, restart_rss, restart_hwm) = ready(&mut agent)?;
     eprintln!("restart {restart:?}, RSS {restart_rss:.1} MiB, peak {restart_hwm:.1} MiB");
+    // What the killed agent retired is deleted once the new one's grace period has passed.
+    std::thread::sleep(Duration::from_millis(1500));
     let problems =
         svc_tests::scale::pinned_vs(bpffs.path(), &svc_tests::scale::desired_of(&changed))?;
     anyhow::ensure!(
