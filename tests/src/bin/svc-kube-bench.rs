@@ -789,8 +789,10 @@ fn cold_start(
 fn main() -> Result<()> {
     let args = Args::parse();
     require_root();
-    if args.services > 250 * 254 {
-        bail!("at most {} services fit the ClusterIP plan", 250 * 254);
+    // 250 per /24 of 10.96.0.0/12, the first /24 left to the API server's own Service.
+    let fit = 250 * (16 * 256 - 1);
+    if args.services > fit {
+        bail!("at most {fit} services fit the ClusterIP plan");
     }
     let tools = Tools::locate();
     let load_before = report::load_average();
