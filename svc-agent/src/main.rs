@@ -156,6 +156,7 @@ impl CapacityArgs {
             names: self.max_services,
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
+            affinity_match: self.max_slots,
         })
     }
 }
@@ -302,7 +303,7 @@ fn check_detached(cgroup: &std::path::Path) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let mut left = Vec::new();
-        for (t, name) in sys::SOCK_ADDR_ATTACH_TYPES {
+        for (t, name) in sys::ATTACH_POINTS {
             let n = sys::attached_programs(f.as_fd(), t)
                 .with_context(|| format!("querying {} at {name}", cgroup.display()))?;
             if n > 0 {

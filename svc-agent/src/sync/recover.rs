@@ -1,7 +1,7 @@
 //! Rebuilding the mirror from the maps: after a restart (whatever a previous agent left, in
 //! whatever state it died) and for drift checks.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -32,6 +32,7 @@ impl Programmed {
             backends: snap.backends.len() as u64,
             rev_nat: snap.rev_nat.len() as u64,
             names: snap.names.len() as u64,
+            matches: snap.matches.len() as u64,
         };
 
         // Ids: above anything any map still carries, and above what was made durable, so a
@@ -43,6 +44,7 @@ impl Programmed {
             .chain(snap.slots.iter().map(|(k, _)| k.id))
             .chain(snap.rev_nat.iter().map(|(id, _)| *id))
             .chain(snap.names.iter().map(|(id, _)| *id))
+            .chain(snap.matches.iter().map(|k| k.id))
             .chain(snap.affinity_ids.iter().map(|(id, _)| *id))
             .max()
             .unwrap_or(0);
@@ -51,6 +53,7 @@ impl Programmed {
             .iter()
             .map(|(id, _)| *id)
             .chain(snap.slots.iter().map(|(_, b)| *b))
+            .chain(snap.matches.iter().map(|k| k.backend))
             .chain(snap.affinity_ids.iter().map(|(_, b)| *b))
             .max()
             .unwrap_or(0);
@@ -150,8 +153,23 @@ impl Programmed {
                     name,
                     name_entry,
                     rev_nat_entry,
+                    matches: BTreeSet::new(),
                 },
             );
+        }
+
+        // Membership entries belong to the frontend of their id, whatever their backend: the
+        // next sync of that frontend deletes those of backends it does not have. Those of no
+        // frontend are strays (a frontend's ids are never reused).
+        let by_id: HashMap<u32, Frontend> =
+            p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
+        for k in &snap.matches {
+            match by_id.get(&k.id).and_then(|fe| p.frontends.get_mut(fe)) {
+                Some(pf) => {
+                    pf.matches.insert(k.backend);
+                }
+                None => p.strays.matches.push(*k),
+            }
         }
 
         // Two ids for one address (a crash between writes): the one slots name is reused (the
@@ -184,6 +202,7 @@ impl Programmed {
         p.strays.names.sort();
         p.strays.backends.sort();
         p.strays.services.sort();
+        p.strays.matches.sort();
         p
     }
 }
