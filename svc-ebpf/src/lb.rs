@@ -298,6 +298,7 @@ pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Out
                     flags: 0,
                 };
                 out.how = how::STICKY;
+                out.recorded = 1;
                 count(stat::SOCK_STICKY);
                 return FOUND;
             }
