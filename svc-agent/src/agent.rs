@@ -8,8 +8,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tracing::{info, instrument, warn};
 
 use crate::datapath::Datapath;
@@ -21,7 +19,7 @@ use crate::source::manifest::{ManifestSource, Named};
 use crate::stale::StaleWorker;
 use crate::store::{Capacity, Store};
 use crate::sync::{Departed, Programmed, Retiring, Scope, SyncReport};
-use crate::translate::{self, Holders, NodeContext, Translated};
+use crate::translate::{self, Holders, Keyed, NodeContext, ParsedService, ParsedSlice, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
 #[derive(Clone, Debug)]
@@ -71,7 +69,7 @@ pub struct Agent {
     next_check: Instant,
     /// Which file each manifest object was served from, so a second definition elsewhere
     /// does not take it over.
-    served_from: HashMap<(String, String, String), PathBuf>,
+    served_from: HashMap<(&'static str, String, String), std::sync::Arc<Path>>,
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
@@ -94,6 +92,8 @@ impl Agent {
         let dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
+        drop(snap);
+        crate::sys::release_free_memory();
         info!(
             frontends = programmed.frontends.len(),
             backends = programmed.backends.len(),
@@ -123,6 +123,11 @@ impl Agent {
             served_from: HashMap::new(),
             synced: false,
         })
+    }
+
+    /// Drops the desired state before a full translation replaces it.
+    pub fn forget_desired(&mut self) {
+        self.desired = Desired::default();
     }
 
     /// Who serves each frontend now, for resolving conflicts.
@@ -159,10 +164,7 @@ impl Agent {
             Scope::All,
             started,
         );
-        // A full sync covers every Service: what did not fail now needs no retry.
-        self.retry
-            .retain(|owner, _| report.failed.contains_key(owner));
-        self.finish(report, started)
+        self.finish(report, started, None)
     }
 
     /// Replaces what the Services `owners` ("namespace/name") contribute with `translated`, a
@@ -187,18 +189,37 @@ impl Agent {
             Scope::Only(&scope),
             started,
         );
-        self.finish(report, started)
+        self.finish(report, started, Some(owners))
     }
 
-    fn finish(&mut self, report: SyncReport, started: Instant) -> SyncReport {
+    /// Records what a sync did. `covered`: the Services it covered (None: every Service); those
+    /// that did not fail need no retry any more.
+    fn finish(
+        &mut self,
+        report: SyncReport,
+        started: Instant,
+        covered: Option<&BTreeSet<String>>,
+    ) -> SyncReport {
         for e in &report.errors {
             warn!("not programmed: {e}");
             self.metrics.error(e);
         }
-        for owner in &report.succeeded {
-            if self.retry.remove(owner).is_some() {
-                info!(service = %owner, "programmed after earlier failures");
-            }
+        let healed: Vec<String> = match covered {
+            None => self
+                .retry
+                .keys()
+                .filter(|o| !report.failed.contains_key(*o))
+                .cloned()
+                .collect(),
+            Some(owners) => owners
+                .iter()
+                .filter(|o| self.retry.contains_key(*o) && !report.failed.contains_key(*o))
+                .cloned()
+                .collect(),
+        };
+        for owner in healed {
+            self.retry.remove(&owner);
+            info!(service = %owner, "programmed after earlier failures");
         }
         for (owner, frontends) in &report.failed {
             let attempts = self.retry.get(owner).map_or(0, |r| r.attempts) + 1;
@@ -310,7 +331,8 @@ impl Agent {
                 Scope::Only(&scope),
                 now,
             );
-            self.finish(report, now);
+            let due: BTreeSet<String> = due.into_iter().collect();
+            self.finish(report, now, Some(&due));
         }
         if self.dp.is_attached() && now >= self.next_check {
             self.next_check = now + self.upkeep.check_every;
@@ -373,13 +395,11 @@ impl Agent {
             );
             self.metrics.drift(report.ops);
         }
-        self.retry
-            .retain(|owner, _| report.failed.contains_key(owner));
-        self.finish(report, now);
+        self.finish(report, now, None);
         drift
     }
 
-    /// Reads the manifests, translates them, and applies the result.
+    /// Reads the manifests that changed, translates them all, and applies the result.
     #[instrument(skip_all, fields(path = %source.path().display()))]
     pub fn sync_manifests(&mut self, source: &mut ManifestSource) -> SyncReport {
         let loaded = source.load();
@@ -391,12 +411,19 @@ impl Agent {
     /// second file defines it too) and applies the result.
     pub fn apply_manifest_objects(
         &mut self,
-        services: Vec<Named<Service>>,
-        slices: Vec<Named<EndpointSlice>>,
+        services: Vec<&Named<ParsedService>>,
+        slices: Vec<&Named<ParsedSlice>>,
     ) -> SyncReport {
+        // The old desired state is not needed to build the new one (the mirror says who holds
+        // what): dropping it first keeps one copy in memory, not two.
+        self.forget_desired();
         let mut errors = Vec::new();
         let programmed = &self.programmed;
-        let serving = |s: &Service, owner: &str| serving_frontends(programmed, s, owner);
+        let serving = |s: &ParsedService, owner: &str| {
+            s.frontends()
+                .filter(|fe| programmed.holder(fe) == Some(owner))
+                .count()
+        };
         let mut served_from = std::mem::take(&mut self.served_from);
         let services =
             one_definition_each("Service", services, &mut served_from, &serving, &mut errors);
@@ -409,7 +436,7 @@ impl Agent {
         );
         self.served_from = served_from;
         let mut translated =
-            translate::translate_with(&services, &slices, &self.node, &self.programmed);
+            translate::assemble_with(services, slices, &self.node, &self.programmed);
         errors.append(&mut translated.errors);
         translated.errors = errors;
         self.apply_full(translated)
@@ -498,78 +525,37 @@ fn stale_worker(
         .map_err(|e| Error::Other(format!("starting the stale-socket thread: {e}")))
 }
 
-/// How many of `s`'s frontends are programmed for `owner` now.
-fn serving_frontends(p: &Programmed, s: &Service, owner: &str) -> usize {
-    let Some(spec) = s.spec.as_ref() else {
-        return 0;
-    };
-    let ips = spec
-        .cluster_ips
-        .iter()
-        .flatten()
-        .chain(spec.cluster_ip.iter())
-        .filter_map(|ip| ip.parse::<std::net::IpAddr>().ok())
-        .map(|ip| ip.to_canonical());
-    let mut n = 0;
-    for ip in ips {
-        for port in spec.ports.iter().flatten() {
-            let protocol = match port.protocol.as_deref() {
-                None | Some("TCP") => crate::model::Protocol::Tcp,
-                Some("UDP") => crate::model::Protocol::Udp,
-                _ => continue,
-            };
-            let Ok(port) = u16::try_from(port.port) else {
-                continue;
-            };
-            let fe = Frontend { ip, port, protocol };
-            if p.holder(&fe) == Some(owner) {
-                n += 1;
-            }
-        }
-    }
-    n
-}
-
 /// Of several definitions of one object, the one that serves now: from the file that served
-/// it before, else the one whose frontends are programmed for it (after a restart), else the
-/// first file by name. So adding a file never takes an object over.
-fn one_definition_each<T>(
-    kind: &str,
-    objects: Vec<Named<T>>,
-    served_from: &mut HashMap<(String, String, String), PathBuf>,
+/// it when it was last defined twice, else the one whose frontends are programmed for it
+/// (after a restart too), else the first file by name. So adding a file never takes an object
+/// over. `served_from` remembers files for objects that have been defined twice only: the
+/// common case costs no memory.
+fn one_definition_each<'a, T: Keyed>(
+    kind: &'static str,
+    objects: Vec<&'a Named<T>>,
+    served_from: &mut HashMap<(&'static str, String, String), std::sync::Arc<Path>>,
     serving: &dyn Fn(&T, &str) -> usize,
     errors: &mut Vec<Error>,
-) -> Vec<T>
-where
-    T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-{
-    let key = |o: &Named<T>| {
-        let m = o.object.metadata();
-        (
-            kind.to_string(),
-            m.namespace
-                .clone()
-                .filter(|n| !n.is_empty())
-                .unwrap_or_else(|| "default".into()),
-            m.name.clone().unwrap_or_default(),
-        )
-    };
-    let mut chosen: BTreeMap<(String, String, String), Named<T>> = BTreeMap::new();
-    let mut out = Vec::new();
+) -> Vec<&'a T> {
+    let mut chosen: HashMap<(&'a str, &'a str), usize> = HashMap::with_capacity(objects.len());
+    let mut kept: Vec<&'a Named<T>> = Vec::with_capacity(objects.len());
+    let mut twice: Vec<(String, String)> = Vec::new();
     for o in objects {
-        let k = key(&o);
-        if k.2.is_empty() {
-            out.push(o.object);
+        let (ns, name) = (o.object.namespace(), o.object.name());
+        if name.is_empty() {
+            kept.push(o);
             continue;
         }
-        let Some(first) = chosen.remove(&k) else {
-            chosen.insert(k, o);
+        let Some(&at) = chosen.get(&(ns, name)) else {
+            chosen.insert((ns, name), kept.len());
+            kept.push(o);
             continue;
         };
-        let owner = format!("{}/{}", k.1, k.2);
-        let served = served_from.get(&k);
+        let first = kept[at];
+        let owner = format!("{ns}/{name}");
+        let served = served_from.get(&(kind, ns.to_string(), name.to_string()));
         let rank = |n: &Named<T>| (served == Some(&n.path), serving(&n.object, &owner));
-        let (keep, drop) = if rank(&o) > rank(&first) {
+        let (keep, drop) = if rank(o) > rank(first) {
             (o, first)
         } else {
             (first, o)
@@ -582,14 +568,15 @@ where
                 keep.origin()
             ),
         });
-        chosen.insert(k, keep);
+        kept[at] = keep;
+        twice.push((ns.to_string(), name.to_string()));
     }
     served_from.retain(|k, _| k.0 != kind);
-    for (k, o) in chosen {
-        served_from.insert(k, o.path.clone());
-        out.push(o.object);
+    for (ns, name) in twice {
+        let at = chosen[&(ns.as_str(), name.as_str())];
+        served_from.insert((kind, ns, name), kept[at].path.clone());
     }
-    out
+    kept.into_iter().map(|n| &n.object).collect()
 }
 
 #[derive(Clone, Debug)]

@@ -254,6 +254,17 @@ fn check_cgroup(cgroup: &Path) -> Result<u64> {
 fn own_dir(dir: &Path) -> Result<()> {
     match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Checked first, so a wrong --bpffs leaves no directory behind.
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+            if let Some(parent) = parent.filter(|p| p.exists()) {
+                if !sys::is_bpffs(parent).map_err(|e| io_err(parent, e))? {
+                    return Err(Error::Load(format!(
+                        "--bpffs {} is not on a bpf filesystem (mount -t bpf bpf DIR): pins \
+                         elsewhere are impossible",
+                        dir.display()
+                    )));
+                }
+            }
             std::fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
@@ -841,15 +852,36 @@ fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
     Map::from_map_data(data).map_err(|e| load_err(name, e))
 }
 
-/// Removes every link and map pin under `dir`, then `dir`. Unpinning a link that no process
-/// holds detaches its program; unpinning a map that no program uses frees it. Refuses while
-/// an agent owns the directory.
-pub fn uninstall(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut removed = Vec::new();
+/// What `uninstall` did.
+#[derive(Debug, Default)]
+pub struct Uninstalled {
+    pub removed: Vec<PathBuf>,
+    /// Programs of others found on the cgroup's hooks: left alone.
+    pub foreign: Vec<String>,
+}
+
+/// Removes every link and map pin under `dir`, then `dir`, and detaches svc's programs from
+/// `cgroup` even if some process still holds their links. Refuses while an agent owns the
+/// directory. Unpinning a map that no program uses frees it.
+pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
+    let mut done = Uninstalled::default();
     if !dir.exists() {
-        return Ok(removed);
+        if let Some(cg) = cgroup {
+            done.foreign = check_detached(cg, &[])?;
+        }
+        return Ok(done);
     }
     let (_lock, _) = lock_dir(dir)?;
+    // The links, opened before their pins go, so they can be detached whoever holds them.
+    let links: Vec<(PathBuf, std::os::fd::OwnedFd)> = PROGRAMS
+        .iter()
+        .map(|p| link_pin(dir, p))
+        .filter_map(|pin| sys::obj_get(&pin).ok().map(|fd| (pin, fd)))
+        .collect();
+    let ours: Vec<u32> = links
+        .iter()
+        .filter_map(|(_, fd)| sys::link_info(fd.as_fd()).ok().map(|(prog, _)| prog))
+        .collect();
     let mut names: Vec<PathBuf> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
@@ -859,16 +891,55 @@ pub fn uninstall(dir: &Path) -> Result<Vec<PathBuf>> {
     names.extend(other_versions(dir));
     for path in names {
         match std::fs::remove_file(&path) {
-            Ok(()) => removed.push(path),
+            Ok(()) => done.removed.push(path),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(source) => return Err(Error::Io { path, source }),
         }
     }
+    for (pin, fd) in &links {
+        match sys::link_detach(fd.as_fd()) {
+            Ok(()) => {}
+            // Already detached: its cgroup went away, or nothing held it once unpinned.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {}
+            Err(e) => return Err(load_err(format!("detaching {}", pin.display()), e)),
+        }
+    }
+    drop(links);
     std::fs::remove_dir(dir).map_err(|source| Error::Io {
         path: dir.to_path_buf(),
         source,
     })?;
-    Ok(removed)
+    if let Some(cg) = cgroup {
+        done.foreign = check_detached(cg, &ours)?;
+    }
+    Ok(done)
+}
+
+/// Fails if any of `ours` is still attached to `cgroup`; returns the other programs found on
+/// svc's hooks there (not ours to judge).
+fn check_detached(cgroup: &Path, ours: &[u32]) -> Result<Vec<String>> {
+    let f = File::open(cgroup).map_err(|e| io_err(cgroup, e))?;
+    let mut left = Vec::new();
+    let mut foreign = Vec::new();
+    for (t, name) in sys::ATTACH_POINTS {
+        let ids = sys::attached_program_ids(f.as_fd(), t)
+            .map_err(|e| load_err(format!("querying {} at {name}", cgroup.display()), e))?;
+        for id in ids {
+            if ours.contains(&id) {
+                left.push(format!("{name}: program {id}"));
+            } else {
+                foreign.push(format!("{name}: program {id}"));
+            }
+        }
+    }
+    if !left.is_empty() {
+        return Err(Error::Load(format!(
+            "svc's programs are still attached to {} ({})",
+            cgroup.display(),
+            left.join(", ")
+        )));
+    }
+    Ok(foreign)
 }
 
 /// Totals of the socket programs' decision counters, by reason, from the pinned map alone.

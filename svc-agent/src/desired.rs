@@ -10,8 +10,10 @@ use crate::model::{DesiredState, Frontend, Protocol};
 #[derive(Debug, Default)]
 pub struct Desired {
     pub state: DesiredState,
-    /// Which frontends each Service ("namespace/name") contributes.
-    by_owner: HashMap<String, Vec<Frontend>>,
+    /// Which frontends each Service ("namespace/name") contributes: built on the first
+    /// per-Service change, so a source that only ever replaces everything (manifest files)
+    /// never pays for it.
+    by_owner: Option<HashMap<String, Vec<Frontend>>>,
 }
 
 fn ip_range(ip: IpAddr) -> std::ops::RangeInclusive<Frontend> {
@@ -28,19 +30,35 @@ fn ip_range(ip: IpAddr) -> std::ops::RangeInclusive<Frontend> {
 
 impl Desired {
     pub fn from_full(state: DesiredState) -> Desired {
-        let mut by_owner: HashMap<String, Vec<Frontend>> = HashMap::new();
-        for (fe, d) in &state.frontends {
-            by_owner.entry(d.owner.clone()).or_default().push(*fe);
+        Desired {
+            state,
+            by_owner: None,
         }
-        Desired { state, by_owner }
+    }
+
+    fn index(&mut self) -> &mut HashMap<String, Vec<Frontend>> {
+        let state = &self.state;
+        self.by_owner.get_or_insert_with(|| {
+            let mut by_owner: HashMap<String, Vec<Frontend>> = HashMap::new();
+            for (fe, d) in &state.frontends {
+                by_owner.entry(d.owner.clone()).or_default().push(*fe);
+            }
+            by_owner
+        })
     }
 
     /// The frontends Service `owner` ("namespace/name") contributes.
-    pub fn frontends_of(&self, owner: &str) -> &[Frontend] {
-        self.by_owner
-            .get(owner)
-            .map(Vec::as_slice)
-            .unwrap_or_default()
+    pub fn frontends_of(&self, owner: &str) -> Vec<Frontend> {
+        match &self.by_owner {
+            Some(index) => index.get(owner).cloned().unwrap_or_default(),
+            None => self
+                .state
+                .frontends
+                .values()
+                .filter(|d| d.owner == owner)
+                .map(|d| d.frontend)
+                .collect(),
+        }
     }
 
     /// Replaces everything `owners` contributed with `translated` (a translation of exactly
@@ -54,7 +72,7 @@ impl Desired {
         let mut touched = BTreeSet::new();
         let mut errors = Vec::new();
         for owner in owners {
-            for fe in self.by_owner.remove(owner).unwrap_or_default() {
+            for fe in self.index().remove(owner).unwrap_or_default() {
                 self.state.frontends.remove(&fe);
                 touched.insert(fe);
             }
@@ -70,7 +88,7 @@ impl Desired {
                 });
                 continue;
             }
-            self.by_owner.entry(d.owner.clone()).or_default().push(fe);
+            self.index().entry(d.owner.clone()).or_default().push(fe);
             self.state.frontends.insert(fe, d);
             touched.insert(fe);
         }

@@ -49,7 +49,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             backends: f
                 .backends
                 .iter()
-                .filter_map(|b| p.backends.get(b).map(|(sa, _)| *sa))
+                .filter_map(|b| p.backends.get(b).map(|k| k.socket_addr()))
                 .collect(),
             affinity_timeout_s: (f.flags & svc_flags::AFFINITY != 0)
                 .then_some(f.affinity_timeout_s),

@@ -1,12 +1,11 @@
-use std::os::fd::AsFd;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
 
-use svc_agent::{agent, datapath, list, metrics, source::kube, sys, translate::NodeContext};
+use svc_agent::{agent, datapath, list, metrics, source::kube, translate::NodeContext};
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
@@ -106,7 +105,8 @@ enum Command {
     Uninstall {
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
         bpffs: PathBuf,
-        /// Also check that no socket program is left attached to this cgroup.
+        /// Also check that none of svc's programs is left attached to this cgroup (programs of
+        /// others there are left alone, and listed).
         #[arg(long)]
         cgroup: Option<PathBuf>,
     },
@@ -265,17 +265,28 @@ fn main() -> anyhow::Result<()> {
             let store = datapath::open_pinned(&bpffs)?;
             let listing = list::read(&store)?;
             match output {
-                Output::Json => println!("{}", serde_json::to_string_pretty(&listing)?),
-                Output::Text => print!("{}", list::render_text(&listing)),
+                Output::Json => {
+                    print_out(&format!("{}\n", serde_json::to_string_pretty(&listing)?))?
+                }
+                Output::Text => print_out(&list::render_text(&listing))?,
             }
         }
         Command::Uninstall { bpffs, cgroup } => {
-            for p in datapath::uninstall(&bpffs)? {
-                println!("removed {}", p.display());
+            let done = datapath::uninstall(&bpffs, cgroup.as_deref())?;
+            let mut text = String::new();
+            for p in &done.removed {
+                text.push_str(&format!("removed {}\n", p.display()));
             }
-            if let Some(cg) = cgroup {
-                check_detached(&cg)?;
+            if let Some(cg) = &cgroup {
+                text.push_str(&format!(
+                    "no svc socket program attached to {}\n",
+                    cg.display()
+                ));
+                for f in &done.foreign {
+                    text.push_str(&format!("left alone (not svc's): {f}\n"));
+                }
             }
+            print_out(&text)?;
         }
     }
     Ok(())
@@ -297,30 +308,12 @@ fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
     )
 }
 
-/// Links detach once the last holder lets go; a running agent still holds them.
-fn check_detached(cgroup: &std::path::Path) -> anyhow::Result<()> {
-    let f = std::fs::File::open(cgroup).with_context(|| format!("opening {}", cgroup.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        let mut left = Vec::new();
-        for (t, name) in sys::ATTACH_POINTS {
-            let n = sys::attached_programs(f.as_fd(), t)
-                .with_context(|| format!("querying {} at {name}", cgroup.display()))?;
-            if n > 0 {
-                left.push(format!("{name}: {n}"));
-            }
-        }
-        if left.is_empty() {
-            println!("no socket programs attached to {}", cgroup.display());
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "programs still attached to {} ({}); is an svc-agent still running?",
-                cgroup.display(),
-                left.join(", ")
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+/// Writes to stdout; a reader that went away (`svc-agent list | head`) is no error.
+fn print_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
 }

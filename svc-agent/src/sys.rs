@@ -284,3 +284,37 @@ pub fn process_name(pid: u32) -> String {
         })
         .unwrap_or_default()
 }
+
+const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// Detaches a link from its hook whoever else holds it (the link object lives on, defunct).
+pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 link_fd; } link_detach;
+    attr.put_u32(0, link.as_raw_fd() as u32);
+    bpf(BPF_LINK_DETACH, &mut attr).map(|_| ())
+}
+
+/// The ids of the programs attached to `cgroup` at `attach_type` (directly, not inherited).
+pub fn attached_program_ids(cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result<Vec<u32>> {
+    let mut ids = [0u32; 64];
+    let mut attr = Attr::zeroed();
+    // struct { __u32 target_fd; __u32 attach_type; __u32 query_flags; __u32 attach_flags;
+    //          __aligned_u64 prog_ids; __u32 prog_cnt; }
+    attr.put_u32(0, cgroup.as_raw_fd() as u32);
+    attr.put_u32(4, attach_type);
+    attr.put_u64(16, ids.as_mut_ptr() as u64);
+    attr.put_u32(24, ids.len() as u32);
+    bpf(BPF_PROG_QUERY, &mut attr)?;
+    let cnt = u32::from_ne_bytes(attr.0[24..28].try_into().expect("4 bytes")) as usize;
+    Ok(ids[..cnt.min(ids.len())].to_vec())
+}
+
+/// Returns freed heap pages to the system (glibc keeps them otherwise, and the agent's RSS
+/// would stay at its highest point forever).
+pub fn release_free_memory() {
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 /// IPv4 and IPv6 ClusterIP ranges: the apiserver allocates dual-stack ClusterIPs from these.
-pub const SERVICE_CIDRS: &str = "10.96.0.0/16,fd00:96::/112";
+pub const SERVICE_CIDRS: &str = "10.96.0.0/12,fd00:96::/112";
 /// The field manager of every server-side apply from the harness.
 pub const FIELD_MANAGER: &str = "svc-test";
 

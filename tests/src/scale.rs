@@ -192,9 +192,11 @@ pub fn pinned_vs_manifests(bpffs: &Path, manifests: &Path) -> Result<Vec<String>
         "the test's own manifests do not load: {:?}",
         loaded.errors.first()
     );
-    let services: Vec<_> = loaded.services.into_iter().map(|n| n.object).collect();
-    let slices: Vec<_> = loaded.slices.into_iter().map(|n| n.object).collect();
-    let translated = translate::translate(&services, &slices, &NodeContext::default());
+    let translated = translate::assemble(
+        loaded.services.iter().map(|n| &n.object),
+        loaded.slices.iter().map(|n| &n.object),
+        &NodeContext::default(),
+    );
     let store = svc_agent::datapath::open_pinned(bpffs)?;
     let snap = store.snapshot()?;
     Ok(svc_agent::verify::check(&snap, &translated.state))

@@ -162,3 +162,123 @@ fn a_missing_manifests_path_is_an_error_at_start() {
         bpffs.entries()
     );
 }
+
+/// Issue 7: `svc-agent list | head` ends quietly when the reader goes away, rather than
+/// panicking on the closed pipe.
+#[test]
+fn list_into_a_closed_pipe_does_not_panic() {
+    use std::io::{BufRead, BufReader};
+    let w = World::start(1, &[8080], |_, m| {
+        let services: Vec<_> = (0..3000)
+            .map(|i| svc_tests::scale::GenService::nth(i, 1, 0))
+            .collect();
+        svc_tests::scale::write_services(m.dir(), m.scratch(), &services).unwrap();
+    });
+    let mut child = std::process::Command::new(&w.sb.tools.agent)
+        .args(["list", "--bpffs"])
+        .arg(w.bpffs.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    // The reader is gone: the rest of the listing (far more than a pipe holds) has nowhere
+    // to go.
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(first.starts_with("FRONTEND"), "{first}");
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// A cgroup sock_addr program that allows everything: someone else's program on svc's hook.
+struct ForeignProgram {
+    prog: std::os::fd::OwnedFd,
+    cgroup: std::fs::File,
+}
+
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_ATTACH: libc::c_long = 8;
+const BPF_PROG_DETACH: libc::c_long = 9;
+const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+const BPF_F_ALLOW_MULTI: u32 = 2;
+
+fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> std::io::Result<i64> {
+    // SAFETY: a zero-padded bpf_attr of the size passed.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), 128u32) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+impl ForeignProgram {
+    fn attach(cgroup: &std::path::Path) -> ForeignProgram {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // r0 = 1; exit
+        let insns: [u64; 2] = [0x0000_0001_0000_00b7, 0x0000_0000_0000_0095];
+        let license = c"GPL";
+        let mut attr = [0u8; 128];
+        let put32 =
+            |a: &mut [u8; 128], at: usize, v: u32| a[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+        let put64 =
+            |a: &mut [u8; 128], at: usize, v: u64| a[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+        // prog_type, insn_cnt, insns, license, ..., expected_attach_type at 68
+        put32(&mut attr, 0, BPF_PROG_TYPE_CGROUP_SOCK_ADDR);
+        put32(&mut attr, 4, insns.len() as u32);
+        put64(&mut attr, 8, insns.as_ptr() as u64);
+        put64(&mut attr, 16, license.as_ptr() as u64);
+        put32(&mut attr, 68, BPF_CGROUP_INET4_CONNECT);
+        let fd = bpf(BPF_PROG_LOAD, &mut attr).expect("loading a foreign program");
+        // SAFETY: a new descriptor the kernel returned.
+        let prog = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+        let cg = std::fs::File::open(cgroup).unwrap();
+        let mut attr = [0u8; 128];
+        // target_fd, attach_bpf_fd, attach_type, attach_flags
+        put32(&mut attr, 0, cg.as_raw_fd() as u32);
+        put32(&mut attr, 4, prog.as_raw_fd() as u32);
+        put32(&mut attr, 8, BPF_CGROUP_INET4_CONNECT);
+        put32(&mut attr, 12, BPF_F_ALLOW_MULTI);
+        bpf(BPF_PROG_ATTACH, &mut attr).expect("attaching a foreign program");
+        ForeignProgram { prog, cgroup: cg }
+    }
+}
+
+impl Drop for ForeignProgram {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        let mut attr = [0u8; 128];
+        attr[0..4].copy_from_slice(&(self.cgroup.as_raw_fd() as u32).to_ne_bytes());
+        attr[4..8].copy_from_slice(&(self.prog.as_raw_fd() as u32).to_ne_bytes());
+        attr[8..12].copy_from_slice(&BPF_CGROUP_INET4_CONNECT.to_ne_bytes());
+        let _ = bpf(BPF_PROG_DETACH, &mut attr);
+    }
+}
+
+/// Issue 7: `uninstall --cgroup` judges only svc's own programs: a foreign program on the same
+/// hook is left alone, named, and is no failure; svc's are detached.
+#[test]
+fn uninstall_leaves_foreign_programs_alone() {
+    let mut w = World::start(1, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    let foreign = ForeignProgram::attach(w.sb.cgroup().path());
+    w.agent.terminate(Duration::from_secs(10)).unwrap();
+    let out = svc_tests::agent::uninstall(
+        &w.sb.tools.agent,
+        w.bpffs.path(),
+        Some(w.sb.cgroup().path()),
+    )
+    .unwrap();
+    assert!(out.contains("left alone (not svc's): connect4"), "{out}");
+    // svc's programs are gone: the ClusterIP is not translated any more.
+    let r = w.sb.tcp(sa(VIP, 80), 2, &["--timeout-ms", "300"]).unwrap();
+    assert!(r.results.iter().all(|a| a.backend.is_none()), "{r:?}");
+    drop(foreign);
+}

@@ -127,9 +127,35 @@ fn a_directory_others_could_write_to_is_refused() {
     assert!(log.contains("writable by others"), "{log}");
     assert!(bpffs.entries().is_empty(), "{:?}", bpffs.entries());
 
-    // Not on bpffs at all.
-    let log = refused(&sb, &m.scratch().join("pins"), &m, &[]);
+    // Not on bpffs at all: refused, and nothing is left behind there.
+    let elsewhere = m.scratch().join("pins");
+    let log = refused(&sb, &elsewhere, &m, &[]);
     assert!(log.contains("not on a bpf filesystem"), "{log}");
+    assert!(!elsewhere.exists(), "{} was created", elsewhere.display());
+
+    // A cgroup v1 or plain directory as --cgroup: refused before anything is pinned.
+    let fresh = Bpffs::new(&sb.tools.agent, sb.cgroup().path()).unwrap();
+    let mut a = Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        m.scratch(),
+        fresh.path(),
+        &[],
+        m.scratch(),
+    )
+    .unwrap();
+    a.quiet();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.exited().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "not refused:\n{}", a.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        a.log().contains("not on a cgroup v2 filesystem"),
+        "{}",
+        a.log()
+    );
+    assert!(!fresh.path().exists(), "{:?}", fresh.entries());
 }
 
 /// Issue 6, item 6: with a full services map, a Service that does not fit is not programmed
@@ -559,4 +585,66 @@ fn thirty_thousand_services_of_ten_endpoints_are_all_programmed() {
     let (code, body) = http_get(health, "/healthz").unwrap();
     assert_eq!(code, 200, "{body}");
     agent.quiet();
+}
+
+/// Issue 6, item 8: a change that cannot be written (here: the slots map full while the old
+/// backend set waits out its grace period) leaves the Service as it was, makes /healthz say
+/// so, and is retried with backoff until it lands, with no new event from the source.
+#[test]
+fn a_change_that_does_not_fit_is_retried_until_it_lands() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(6, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let health = free_port();
+    let health_flag = format!("--healthz-bind-address={health}");
+    let agent = agent_with(
+        &sb,
+        bpffs.path(),
+        &m,
+        // Room for two backend sets of two: the current one and one retiring.
+        &[
+            "--max-slots",
+            "4",
+            "--retire-grace-ms",
+            "3000",
+            &health_flag,
+        ],
+    );
+    // b3,b4 fits (b1,b2 retire for 3 s); b5,b6 right after does not.
+    m.apply_slice(&web_slice(&sb, &[3, 4], &[])).unwrap();
+    poll(Duration::from_secs(5), || {
+        let r = sb.tcp(sa(VIP, 80), 4, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b3", "b4"])).then_some(()))
+    })
+    .unwrap();
+    m.apply_slice(&web_slice(&sb, &[5, 6], &[])).unwrap();
+    poll(Duration::from_secs(5), || {
+        Ok(agent.log().contains("SVC_SLOTS is full").then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", agent.log()));
+    // Left as it was, and said so.
+    let r = sb.tcp(sa(VIP, 80), 4, &[]).unwrap();
+    assert!(r.all_ok() && names(&r) == set(&["b3", "b4"]), "{r:?}");
+    let (code, body) = http_get(health, "/healthz").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("demo/web"), "{body}");
+    // Once the old set is gone, the retry lands without another change to the manifests.
+    poll(Duration::from_secs(15), || {
+        let r = sb.tcp(sa(VIP, 80), 4, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b5", "b6"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("never retried: {e:#}\n{}", agent.log()));
+    assert!(
+        agent.log().contains("programmed after earlier failures"),
+        "{}",
+        agent.log()
+    );
+    poll(Duration::from_secs(5), || {
+        let (code, _) = http_get(health, "/healthz")?;
+        Ok((code == 200).then_some(()))
+    })
+    .unwrap();
 }

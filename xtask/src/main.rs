@@ -48,6 +48,10 @@ enum Task {
         /// Only the control-plane benchmark (svc-kube-bench).
         #[arg(long)]
         kube: bool,
+        /// Only the scale benchmarks: 100,000 Services of 3 endpoints from manifests
+        /// (svc-scale-bench) and from the API server (svc-kube-bench): time and memory.
+        #[arg(long)]
+        scale: bool,
     },
 }
 
@@ -219,12 +223,13 @@ fn main() -> Result<()> {
             write,
             socket,
             kube,
+            scale,
         } => {
             require_root("bench")?;
-            let both = !socket && !kube;
+            let both = !socket && !kube && !scale;
             build(true)?;
             // Built first, so a cold control-plane build does not fall between the two benches.
-            let control_plane = if both || kube {
+            let control_plane = if both || kube || scale {
                 Some(control_plane::ensure()?)
             } else {
                 None
@@ -251,8 +256,29 @@ fn main() -> Result<()> {
             if both || socket {
                 run(&mut bench("svc-bench"))?;
             }
-            if let Some(cp) = control_plane {
-                run(bench("svc-kube-bench").envs(cp.env()))?;
+            if let Some(cp) = &control_plane {
+                if both || kube {
+                    run(bench("svc-kube-bench").envs(cp.env()))?;
+                }
+            }
+            if both || scale {
+                run(&mut bench("svc-scale-bench"))?;
+                if let Some(cp) = &control_plane {
+                    run(bench("svc-kube-bench").envs(cp.env()).args([
+                        "--services",
+                        "100000",
+                        "--endpoints",
+                        "3",
+                        "--cold-starts",
+                        "1",
+                        "--changes",
+                        "200",
+                        "--rss-target-mib",
+                        "256",
+                        "--section",
+                        "kube-scale",
+                    ]))?;
+                }
             }
         }
     }

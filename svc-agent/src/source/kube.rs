@@ -570,6 +570,7 @@ fn sync(agent: &mut Agent, cache: &mut Cache) {
     let dirty = std::mem::take(&mut cache.dirty);
     let parse_errors = std::mem::take(&mut cache.errors);
     let report = if std::mem::take(&mut cache.all_dirty) {
+        agent.forget_desired();
         let mut translated = translate::assemble_with(
             cache.services.values().filter_map(|s| s.parsed.as_ref()),
             cache.slices.values().filter_map(|s| s.parsed.as_ref()),

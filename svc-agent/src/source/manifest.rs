@@ -14,6 +14,7 @@ use std::fs::{self, File};
 use std::io::{self, Read};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use k8s_openapi::api::core::v1::Service;
@@ -24,12 +25,14 @@ use serde_saphyr::granit_parser::{self, Event, Parser};
 use tracing::{debug, instrument};
 
 use crate::error::{Error, Result};
+use crate::translate::{parse_service, parse_slice, NodeContext, ParsedService, ParsedSlice};
 
 /// A loaded object and where it came from, so later errors can point back at the file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Named<T> {
     pub object: T,
-    pub path: PathBuf,
+    /// Shared by every object of a file.
+    pub path: Arc<Path>,
     /// Position of the document in its file, counting from 1.
     pub doc: usize,
     /// Position inside a `kind: List` document, counting from 1.
@@ -37,6 +40,16 @@ pub struct Named<T> {
 }
 
 impl<T> Named<T> {
+    /// The same origin for another reading of the object.
+    pub fn with<U>(&self, object: U) -> Named<U> {
+        Named {
+            object,
+            path: self.path.clone(),
+            doc: self.doc,
+            item: self.item,
+        }
+    }
+
     /// "path: document N" or "path: document N, item M", for log lines.
     pub fn origin(&self) -> String {
         match self.item {
@@ -48,6 +61,14 @@ impl<T> Named<T> {
             None => format!("{}: document {}", self.path.display(), self.doc),
         }
     }
+}
+
+/// What a [`ManifestSource`] serves now: every file's objects as of its last successful read,
+/// and what went wrong in this read.
+pub struct Parsed<'a> {
+    pub services: Vec<&'a Named<ParsedService>>,
+    pub slices: Vec<&'a Named<ParsedSlice>>,
+    pub errors: Vec<Error>,
 }
 
 /// Everything read from a manifest path, including what could not be read.
@@ -109,10 +130,13 @@ pub struct ManifestSource {
     limits: Limits,
 }
 
-#[derive(Clone, Debug, Default)]
+/// What one file contributed, kept parsed: the rules' compact reading of each object rather
+/// than the API object, which is many times larger (100,000 Services with their slices would
+/// otherwise hold gigabytes).
+#[derive(Default)]
 struct FileObjects {
-    services: Vec<Named<Service>>,
-    slices: Vec<Named<EndpointSlice>>,
+    services: Vec<Named<ParsedService>>,
+    slices: Vec<Named<ParsedSlice>>,
     /// The file as it was read (size, inode, change times): while it stays so, the objects
     /// above are still what it says, and it is not parsed again.
     read_as: Option<(u64, u64, i64, i64, i64, i64)>,
@@ -127,6 +151,16 @@ fn read_as(meta: &fs::Metadata) -> (u64, u64, i64, i64, i64, i64) {
         meta.ctime(),
         meta.ctime_nsec(),
     )
+}
+
+impl std::fmt::Debug for FileObjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileObjects")
+            .field("services", &self.services.len())
+            .field("slices", &self.slices.len())
+            .field("read_as", &self.read_as)
+            .finish()
+    }
 }
 
 impl FileObjects {
@@ -211,7 +245,7 @@ impl ManifestSource {
     /// at their last successful read; files no longer in the directory contribute nothing.
     /// Never fails as a whole; see [`Loaded::errors`].
     #[instrument(skip_all, fields(path = %self.path.display()))]
-    pub fn load(&mut self) -> Loaded {
+    pub fn load(&mut self) -> Parsed<'_> {
         let mut errors = Vec::new();
         let mut budget = self.limits.total_bytes;
         if self.dir {
@@ -229,13 +263,14 @@ impl ManifestSource {
             let path = self.path.clone();
             self.read_file(path, &mut budget, &mut errors);
         }
-        let mut out = Loaded {
+        let mut out = Parsed {
+            services: Vec::new(),
+            slices: Vec::new(),
             errors,
-            ..Loaded::default()
         };
         for objects in self.files.values() {
-            out.services.extend_from_slice(&objects.services);
-            out.slices.extend_from_slice(&objects.slices);
+            out.services.extend(objects.services.iter());
+            out.slices.extend(objects.slices.iter());
         }
         debug!(
             services = out.services.len(),
@@ -341,11 +376,40 @@ impl ManifestSource {
             "file read"
         );
         errors.append(&mut out.errors);
+        // Parsed here, one file at a time, so no more than one file's API objects are ever
+        // held at once. kube-proxy's own label selection applies as with the API.
+        let node = NodeContext::default();
+        let file: Arc<Path> = Arc::from(path.as_path());
+        let mut parse_errors = Vec::new();
+        // Collected into new vectors (not in place: that would keep the API objects'
+        // much larger allocation alive under the small parsed ones).
+        let mut services = Vec::with_capacity(out.services.len());
+        services.extend(out.services.into_iter().filter_map(|n| {
+            let parsed = parse_service(&n.object, &node, &mut parse_errors);
+            name_origin(&mut parse_errors, &n, errors);
+            parsed.map(|p| Named {
+                object: p,
+                path: file.clone(),
+                doc: n.doc,
+                item: n.item,
+            })
+        }));
+        let mut slices = Vec::with_capacity(out.slices.len());
+        slices.extend(out.slices.into_iter().filter_map(|n| {
+            let parsed = parse_slice(&n.object, &node, &mut parse_errors);
+            name_origin(&mut parse_errors, &n, errors);
+            parsed.map(|p| Named {
+                object: p,
+                path: file.clone(),
+                doc: n.doc,
+                item: n.item,
+            })
+        }));
         self.files.insert(
             path,
             FileObjects {
-                services: out.services,
-                slices: out.slices,
+                services,
+                slices,
                 read_as: stamp,
             },
         );
@@ -372,11 +436,63 @@ impl ManifestSource {
     }
 }
 
-/// Reads Services and EndpointSlices from `path` once: one file with any number of YAML
-/// documents (or a JSON file), or a directory whose `*.yaml`, `*.yml` and `*.json` files are
-/// read in name order. Never fails as a whole; see [`Loaded::errors`].
+/// Moves the errors parsing found in `n` to `errors`, each naming where `n` came from.
+fn name_origin<T>(found: &mut Vec<Error>, n: &Named<T>, errors: &mut Vec<Error>) {
+    for e in found.drain(..) {
+        errors.push(match e {
+            Error::Invalid { object, message } => Error::Invalid {
+                object: format!("{object} ({})", n.origin()),
+                message,
+            },
+            other => other,
+        });
+    }
+}
+
+/// Reads Services and EndpointSlices from `path` once, as API objects: one file with any
+/// number of YAML documents (or a JSON file), or a directory whose `*.yaml`, `*.yml` and
+/// `*.json` files are read in name order. Never fails as a whole; see [`Loaded::errors`].
 pub fn load(path: &Path) -> Loaded {
-    ManifestSource::new(path, fs::metadata(path).is_ok_and(|m| m.is_dir())).load()
+    let source = ManifestSource::new(path, fs::metadata(path).is_ok_and(|m| m.is_dir()));
+    let mut out = Loaded::default();
+    let files: Vec<PathBuf> = if source.dir {
+        match source.list() {
+            Ok(listed) => listed
+                .into_iter()
+                .filter_map(|(p, meta)| match meta {
+                    Ok(m) if m.is_file() => Some(p),
+                    Ok(_) => None,
+                    Err(e) => {
+                        out.errors.push(Error::Io { path: p, source: e });
+                        None
+                    }
+                })
+                .collect(),
+            Err(e) => {
+                out.errors.push(Error::Io {
+                    path: path.to_path_buf(),
+                    source: e,
+                });
+                Vec::new()
+            }
+        }
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut budget = source.limits.total_bytes;
+    for file in files {
+        match read_capped(&file, source.limits.file_bytes.min(budget)) {
+            Ok(bytes) => {
+                budget -= bytes.len() as u64;
+                parse_file(&file, &bytes, &source.limits, &mut out);
+            }
+            Err(e) => out.errors.push(Error::Io {
+                path: file,
+                source: e,
+            }),
+        }
+    }
+    out
 }
 
 fn is_not_found(e: io::Error) -> bool {
@@ -742,7 +858,7 @@ impl Location<'_> {
     fn named<T>(&self, object: T) -> Named<T> {
         Named {
             object,
-            path: self.path.to_path_buf(),
+            path: Arc::from(self.path),
             doc: self.doc,
             item: self.item,
         }
@@ -892,25 +1008,58 @@ mod tests {
         load(&dir.file(name, text))
     }
 
-    fn names<T: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
-        objects: &[Named<T>],
-    ) -> Vec<String> {
-        objects
-            .iter()
-            .map(|n| {
-                let m = n.object.metadata();
-                format!(
-                    "{}/{}@{}",
-                    m.namespace.as_deref().unwrap_or("?"),
-                    m.name.as_deref().unwrap_or("?"),
-                    n.doc
-                )
-            })
-            .collect()
+    /// "namespace/name@document" of a loaded object, API object or parsed.
+    trait ObjName {
+        fn obj_name(&self) -> String;
     }
 
-    fn messages(loaded: &Loaded) -> Vec<String> {
-        loaded.errors.iter().map(ToString::to_string).collect()
+    impl<T: Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>> ObjName
+        for Named<T>
+    {
+        fn obj_name(&self) -> String {
+            let m = self.object.metadata();
+            format!(
+                "{}/{}@{}",
+                m.namespace.as_deref().unwrap_or("?"),
+                m.name.as_deref().unwrap_or("?"),
+                self.doc
+            )
+        }
+    }
+
+    impl<T: crate::translate::Keyed> ObjName for &Named<T> {
+        fn obj_name(&self) -> String {
+            format!(
+                "{}/{}@{}",
+                self.object.namespace(),
+                self.object.name(),
+                self.doc
+            )
+        }
+    }
+
+    fn names<N: ObjName>(objects: &[N]) -> Vec<String> {
+        objects.iter().map(ObjName::obj_name).collect()
+    }
+
+    trait Errs {
+        fn errs(&self) -> &[Error];
+    }
+
+    impl Errs for Loaded {
+        fn errs(&self) -> &[Error] {
+            &self.errors
+        }
+    }
+
+    impl Errs for Parsed<'_> {
+        fn errs(&self) -> &[Error] {
+            &self.errors
+        }
+    }
+
+    fn messages(loaded: &impl Errs) -> Vec<String> {
+        loaded.errs().iter().map(ToString::to_string).collect()
     }
 
     const SERVICE: &str = "apiVersion: v1
@@ -1253,8 +1402,12 @@ items:
         assert!(messages(&loaded)[0].contains("document 1: object (unnamed): apiVersion"));
     }
 
+    /// A Service the agent would serve (a source keeps only those).
     fn service_named(name: &str) -> String {
-        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\n")
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\n\
+             spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}\n"
+        )
     }
 
     fn source(path: &Path) -> ManifestSource {
@@ -1350,7 +1503,7 @@ items:
             document_bytes: 1000,
             file_bytes: 4000,
             // a.yaml and c.yaml fit, d.json no longer does.
-            total_bytes: 1500,
+            total_bytes: 1900,
             documents: 3,
             ..Limits::DEFAULT
         };
@@ -1375,11 +1528,12 @@ items:
         dir.file("c.yaml", &docs);
         let json: String = (1..=5)
             .map(|i| {
-                format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"j{i}"}}}}"#)
+                format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"j{i}"}},"spec":{{"clusterIP":"10.96.0.1","ports":[{{"port":80}}]}}}}"#)
             })
             .collect();
         dir.file("d.json", &json);
-        let loaded = small(&dir.0, limits).load();
+        let mut source = small(&dir.0, limits);
+        let loaded = source.load();
         let errors = messages(&loaded);
         assert_eq!(
             names(&loaded.services),
@@ -1400,7 +1554,7 @@ items:
         assert!(errors[2].ends_with(
             "c.yaml: document 4: more than 3 documents in one file; the rest of the file is ignored"
         ));
-        assert!(errors[3].ends_with("d.json: the manifests exceed 1500 bytes in total"));
+        assert!(errors[3].ends_with("d.json: the manifests exceed 1900 bytes in total"));
         // Comments count towards a document's size too.
         let text = format!("a: 1\n#{}\n---\nb: 1\n", "x".repeat(2000));
         let docs = split_documents(&text, &limits);
@@ -1416,18 +1570,18 @@ items:
         let dir = Scratch::new();
         let json: String = (1..=5)
             .map(|i| {
-                format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"j{i}"}}}}"#)
+                format!(r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"j{i}"}},"spec":{{"clusterIP":"10.96.0.1","ports":[{{"port":80}}]}}}}"#)
             })
             .collect();
         let file = dir.file("d.json", &json);
-        let loaded = small(
+        let mut source = small(
             &file,
             Limits {
                 documents: 2,
                 ..Limits::DEFAULT
             },
-        )
-        .load();
+        );
+        let loaded = source.load();
         assert_eq!(names(&loaded.services), ["default/j1@1", "default/j2@2"]);
         let errors = messages(&loaded);
         assert_eq!(errors.len(), 1, "{errors:?}");

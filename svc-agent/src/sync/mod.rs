@@ -24,6 +24,7 @@ mod recover;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -75,8 +76,9 @@ pub struct ProgFrontend {
     pub name: String,
     pub name_entry: Entry,
     pub rev_nat_entry: Entry,
-    /// Backends with a membership entry (AFFINITY_MATCH) under this id, as in the map.
-    pub matches: BTreeSet<BackendId>,
+    /// Backends with a membership entry (AFFINITY_MATCH) under this id, as in the map:
+    /// sorted, no duplicates; empty (no allocation) for frontends that do not keep them.
+    pub matches: Vec<BackendId>,
 }
 
 impl ProgFrontend {
@@ -329,14 +331,38 @@ impl Strays {
     }
 }
 
+/// A backend as the mirror keys it: 20 bytes where `(SocketAddr, Protocol)` takes 36, which
+/// counts at hundreds of thousands of backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackendKey {
+    /// IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl BackendKey {
+    pub fn new(sa: SocketAddr, protocol: Protocol) -> BackendKey {
+        BackendKey {
+            addr: addr16(sa.ip()),
+            port: sa.port(),
+            protocol,
+        }
+    }
+
+    pub fn socket_addr(&self) -> SocketAddr {
+        SocketAddr::new(ip_from16(self.addr), self.port)
+    }
+}
+
 /// What the agent has written, mirrored in memory so a sync compares against it instead of
 /// reading the maps back.
 #[derive(Debug)]
 pub struct Programmed {
     pub frontends: BTreeMap<Frontend, ProgFrontend>,
     pub markers: BTreeSet<IpAddr>,
-    pub backend_ids: HashMap<(SocketAddr, Protocol), BackendId>,
-    pub backends: HashMap<BackendId, (SocketAddr, Protocol)>,
+    pub backend_ids: HashMap<BackendKey, BackendId>,
+    pub backends: HashMap<BackendId, BackendKey>,
     /// How many slots of current generations name each backend.
     backend_refs: HashMap<BackendId, u32>,
     pub ids: Ids,
@@ -369,8 +395,6 @@ pub struct SyncReport {
     /// Services that could not be programmed (left as they were), with the frontends their
     /// sync covered, so a retry covers the same.
     pub failed: BTreeMap<String, BTreeSet<Frontend>>,
-    /// Services whose sync completed.
-    pub succeeded: BTreeSet<String>,
 }
 
 impl SyncReport {
@@ -519,7 +543,7 @@ fn name_object(e: Error, object: &str) -> Error {
 
 /// The frontends of one sync, grouped by the Service they belong to: the unit that is
 /// programmed completely or not at all.
-type Units<'a> = BTreeMap<String, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
+type Units<'a> = BTreeMap<Cow<'a, str>, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
 
 impl Programmed {
     pub fn empty(capacity: Capacity, grace: Duration) -> Programmed {
@@ -592,11 +616,6 @@ impl Programmed {
 
         let mut unreferenced: Vec<BackendId> = Vec::new();
         for (owner, (upserts, gone)) in units {
-            let covered: BTreeSet<Frontend> = upserts
-                .iter()
-                .map(|d| d.frontend)
-                .chain(gone.iter().copied())
-                .collect();
             let result = plan::plan_unit(self, &owner, &upserts, &gone).and_then(|plan| {
                 self.execute(
                     &mut w,
@@ -611,13 +630,17 @@ impl Programmed {
                 Ok((written, removed)) => {
                     report.frontends_written += written;
                     report.frontends_removed += removed;
-                    report.succeeded.insert(owner);
                 }
                 Err(e) => {
                     report
                         .errors
                         .push(name_object(e, &format!("Service {owner}")));
-                    report.failed.insert(owner, covered);
+                    let covered = upserts
+                        .iter()
+                        .map(|d| d.frontend)
+                        .chain(gone.iter().copied())
+                        .collect();
+                    report.failed.insert(owner.into_owned(), covered);
                 }
             }
         }
@@ -667,7 +690,11 @@ impl Programmed {
     fn units<'a>(&self, desired: &'a DesiredState, scope: Scope<'_>) -> Units<'a> {
         let mut units: Units<'a> = BTreeMap::new();
         let upsert = |units: &mut Units<'a>, d: &'a DesiredFrontend| {
-            units.entry(d.owner.clone()).or_default().0.push(d);
+            units
+                .entry(Cow::Borrowed(d.owner.as_str()))
+                .or_default()
+                .0
+                .push(d);
         };
         match scope {
             Scope::All => {
@@ -677,7 +704,7 @@ impl Programmed {
                 for (fe, cur) in &self.frontends {
                     if !desired.frontends.contains_key(fe) {
                         units
-                            .entry(cur.owner().to_string())
+                            .entry(Cow::Owned(cur.owner().to_string()))
                             .or_default()
                             .1
                             .push(*fe);
@@ -690,7 +717,7 @@ impl Programmed {
                         upsert(&mut units, d);
                     } else if let Some(cur) = self.frontends.get(fe) {
                         units
-                            .entry(cur.owner().to_string())
+                            .entry(Cow::Owned(cur.owner().to_string()))
                             .or_default()
                             .1
                             .push(*fe);
@@ -772,8 +799,9 @@ impl Programmed {
             w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
             // Unreferenced until a master entry names it; retired at the end of the sync if
             // what would have used it fails.
-            self.backend_ids.insert((*sa, *protocol), *id);
-            self.backends.insert(*id, (*sa, *protocol));
+            let k = BackendKey::new(*sa, *protocol);
+            self.backend_ids.insert(k, *id);
+            self.backends.insert(*id, k);
             self.usage.backends += 1;
             unreferenced.push(*id);
         }
@@ -856,11 +884,11 @@ impl Programmed {
                     .flat_map(|pf| pf.backends.iter().copied())
                     .collect();
                 for b in before.iter().flat_map(|pf| pf.backends.iter()) {
-                    if let (false, Some((sa, _))) = (kept.contains(b), self.backends.get(b)) {
+                    if let (false, Some(k)) = (kept.contains(b), self.backends.get(b)) {
                         udp_departed.push(Departed {
                             frontend_id: before.map_or(0, |pf| pf.id),
                             backend_id: *b,
-                            backend: *sa,
+                            backend: k.socket_addr(),
                         });
                     }
                 }

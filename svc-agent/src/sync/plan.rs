@@ -2,7 +2,7 @@
 //! mirror of the maps without touching them. The executor (`super`) writes a plan in its
 //! order, or undoes it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 
 use svc_common::{
@@ -10,8 +10,8 @@ use svc_common::{
 };
 
 use super::{
-    encode_name, flags_of, service_key, stored_name, Entry, ProgFrontend, Programmed, Retire,
-    Usage, MAX_BACKENDS_PER_FRONTEND,
+    encode_name, flags_of, service_key, stored_name, BackendKey, Entry, ProgFrontend, Programmed,
+    Retire, Usage, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
 use crate::model::{DesiredFrontend, Frontend, Protocol};
@@ -87,13 +87,20 @@ pub fn rev_nat_value(fe: &Frontend) -> RevNatValue {
 }
 
 /// The backends of a frontend whose remembered choices the kernel checks (see
-/// `svc_common::checks_match`); none for the others.
-fn members(fe: &Frontend, flags: u16, backends: &[BackendId]) -> BTreeSet<BackendId> {
-    if checks_match(fe.protocol.ipproto(), flags) {
-        backends.iter().copied().collect()
-    } else {
-        BTreeSet::new()
+/// `svc_common::checks_match`), sorted; none for the others.
+fn members(fe: &Frontend, flags: u16, backends: &[BackendId]) -> Vec<BackendId> {
+    if !checks_match(fe.protocol.ipproto(), flags) {
+        return Vec::new();
     }
+    let mut m = backends.to_vec();
+    m.sort_unstable();
+    m.dedup();
+    m
+}
+
+/// What sorted `a` has that sorted `b` has not.
+fn minus<'a>(a: &'a [BackendId], b: &'a [BackendId]) -> impl Iterator<Item = &'a BackendId> {
+    a.iter().filter(|x| b.binary_search(x).is_err())
 }
 
 fn put_match(id: u32, backend: BackendId) -> (Op, Option<Op>) {
@@ -123,7 +130,7 @@ pub fn plan_unit(
     };
     let mut next_frontend = p.ids.next_frontend;
     let mut next_backend = p.ids.next_backend;
-    let mut planned: HashMap<(SocketAddr, Protocol), BackendId> = HashMap::new();
+    let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
 
     for d in upserts {
         let fe = &d.frontend;
@@ -138,7 +145,7 @@ pub fn plan_unit(
         }
         let mut ids = Vec::with_capacity(d.backends.len());
         for sa in &d.backends {
-            let k = (*sa, fe.protocol);
+            let k = BackendKey::new(*sa, fe.protocol);
             let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
                 Some(id) => *id,
                 None => {
@@ -233,11 +240,11 @@ pub fn plan_unit(
             plan.needs.slots += ids.len() as u64;
             rev
         };
-        for b in matches.difference(&cur.matches) {
+        for b in minus(&matches, &cur.matches) {
             plan.prepare.push(put_match(cur.id, *b));
             plan.needs.matches += 1;
         }
-        for b in cur.matches.difference(&matches) {
+        for b in minus(&cur.matches, &matches) {
             plan.after.push(Op::DelMatch(AffinityMatchKey {
                 id: cur.id,
                 backend: *b,

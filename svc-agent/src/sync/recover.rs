@@ -1,7 +1,7 @@
 //! Rebuilding the mirror from the maps: after a restart (whatever a previous agent left, in
 //! whatever state it died) and for drift checks.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -9,7 +9,8 @@ use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
 use tracing::warn;
 
 use super::{
-    decode_name, ip_from16, plan::rev_nat_value, Entry, ProgFrontend, Programmed, Retiring, Usage,
+    decode_name, ip_from16, plan::rev_nat_value, BackendKey, Entry, ProgFrontend, Programmed,
+    Retiring, Usage,
 };
 use crate::model::{Frontend, Protocol};
 use crate::store::{Capacity, Snapshot};
@@ -76,7 +77,7 @@ impl Programmed {
                 continue;
             };
             let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
-            p.backends.insert(*id, (sa, proto));
+            p.backends.insert(*id, BackendKey::new(sa, proto));
         }
         let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
         let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
@@ -153,7 +154,7 @@ impl Programmed {
                     name,
                     name_entry,
                     rev_nat_entry,
-                    matches: BTreeSet::new(),
+                    matches: Vec::new(),
                 },
             );
         }
@@ -161,14 +162,19 @@ impl Programmed {
         // Membership entries belong to the frontend of their id, whatever their backend: the
         // next sync of that frontend deletes those of backends it does not have. Those of no
         // frontend are strays (a frontend's ids are never reused).
-        let by_id: HashMap<u32, Frontend> =
-            p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
-        for k in &snap.matches {
-            match by_id.get(&k.id).and_then(|fe| p.frontends.get_mut(fe)) {
-                Some(pf) => {
-                    pf.matches.insert(k.backend);
+        if !snap.matches.is_empty() {
+            let by_id: HashMap<u32, Frontend> =
+                p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
+            for k in &snap.matches {
+                match by_id.get(&k.id).and_then(|fe| p.frontends.get_mut(fe)) {
+                    Some(pf) => pf.matches.push(k.backend),
+                    None => p.strays.matches.push(*k),
                 }
-                None => p.strays.matches.push(*k),
+            }
+            for pf in p.frontends.values_mut() {
+                pf.matches.sort_unstable();
+                pf.matches.dedup();
+                pf.matches.shrink_to_fit();
             }
         }
 

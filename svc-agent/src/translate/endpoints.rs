@@ -45,18 +45,33 @@ pub(super) struct SlicePort {
     pub port: u16,
 }
 
+/// 48 bytes: a cache of a cluster's endpoints holds hundreds of thousands.
 #[derive(Clone, Debug)]
 pub(super) struct EndpointInfo {
     pub ip: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone_hints: Vec<String>,
-    pub node_hints: Vec<String>,
+    pub node_name: Option<Box<str>>,
+    /// Topology hints; most endpoints have none.
+    pub hints: Option<Box<Hints>>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct Hints {
+    pub zones: Vec<String>,
+    pub nodes: Vec<String>,
 }
 
 impl EndpointInfo {
+    pub fn zone_hints(&self) -> &[String] {
+        self.hints.as_ref().map_or(&[], |h| &h.zones)
+    }
+
+    pub fn node_hints(&self) -> &[String] {
+        self.hints.as_ref().map_or(&[], |h| &h.nodes)
+    }
+
     fn serving_terminating(&self) -> bool {
         self.serving && self.terminating
     }
@@ -95,7 +110,7 @@ pub(super) fn parse(
         return None;
     }
     let object = key.describe("EndpointSlice");
-    if key.name.is_empty() {
+    if key.name().is_empty() {
         errors.push(invalid(&object, "metadata.name is required"));
         return None;
     }
@@ -226,15 +241,28 @@ fn parse_endpoints(
             ready,
             serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-            node_name: endpoint.node_name.clone().filter(|n| !n.is_empty()),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default(),
+            node_name: endpoint
+                .node_name
+                .as_deref()
+                .filter(|n| !n.is_empty())
+                .map(Box::from),
+            hints: hints
+                .map(|h| Hints {
+                    zones: h
+                        .for_zones
+                        .iter()
+                        .flatten()
+                        .map(|z| z.name.clone())
+                        .collect(),
+                    nodes: h
+                        .for_nodes
+                        .iter()
+                        .flatten()
+                        .map(|n| n.name.clone())
+                        .collect(),
+                })
+                .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                .map(Box::new),
         });
     }
     out
@@ -300,15 +328,19 @@ fn topology(endpoints: &[&EndpointInfo], node: &NodeContext) -> Topology {
         return Topology::Any;
     }
     if let Some(here) = node.node_name() {
-        if ready.iter().all(|e| !e.node_hints.is_empty())
-            && ready.iter().any(|e| e.node_hints.iter().any(|n| n == here))
+        if ready.iter().all(|e| !e.node_hints().is_empty())
+            && ready
+                .iter()
+                .any(|e| e.node_hints().iter().any(|n| n == here))
         {
             return Topology::SameNode;
         }
     }
     if let Some(zone) = node.zone() {
-        if ready.iter().all(|e| !e.zone_hints.is_empty())
-            && ready.iter().any(|e| e.zone_hints.iter().any(|z| z == zone))
+        if ready.iter().all(|e| !e.zone_hints().is_empty())
+            && ready
+                .iter()
+                .any(|e| e.zone_hints().iter().any(|z| z == zone))
         {
             return Topology::SameZone;
         }
@@ -321,10 +353,10 @@ fn fits_topology(endpoint: &EndpointInfo, topology: Topology, node: &NodeContext
         Topology::Any => true,
         Topology::SameNode => node
             .node_name()
-            .is_some_and(|here| endpoint.node_hints.iter().any(|n| n == here)),
+            .is_some_and(|here| endpoint.node_hints().iter().any(|n| n == here)),
         Topology::SameZone => node
             .zone()
-            .is_some_and(|zone| endpoint.zone_hints.iter().any(|z| z == zone)),
+            .is_some_and(|zone| endpoint.zone_hints().iter().any(|z| z == zone)),
     }
 }
 

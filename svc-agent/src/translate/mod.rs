@@ -59,23 +59,39 @@ pub struct Translated {
     pub errors: Vec<Error>,
 }
 
-/// namespace/name of an object.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// namespace/name of an object, in one allocation: a cache of 100,000 objects holds one per
+/// object.
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct ObjectKey {
-    namespace: String,
-    name: String,
+    /// "namespace/name"; namespaces hold no '/'.
+    full: Box<str>,
+    /// Where the '/' is.
+    slash: u32,
 }
 
 impl ObjectKey {
-    fn of(meta: &ObjectMeta) -> ObjectKey {
+    fn new(namespace: &str, name: &str) -> ObjectKey {
         ObjectKey {
-            namespace: meta
-                .namespace
-                .clone()
-                .filter(|ns| !ns.is_empty())
-                .unwrap_or_else(|| DEFAULT_NAMESPACE.to_string()),
-            name: meta.name.clone().unwrap_or_default(),
+            full: format!("{namespace}/{name}").into_boxed_str(),
+            slash: namespace.len() as u32,
         }
+    }
+
+    fn of(meta: &ObjectMeta) -> ObjectKey {
+        let namespace = meta
+            .namespace
+            .as_deref()
+            .filter(|ns| !ns.is_empty())
+            .unwrap_or(DEFAULT_NAMESPACE);
+        ObjectKey::new(namespace, meta.name.as_deref().unwrap_or_default())
+    }
+
+    fn namespace(&self) -> &str {
+        &self.full[..self.slash as usize]
+    }
+
+    fn name(&self) -> &str {
+        &self.full[self.slash as usize + 1..]
     }
 
     /// "Service ns/name": how errors name objects.
@@ -84,14 +100,25 @@ impl ObjectKey {
     }
 }
 
+impl Ord for ObjectKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.namespace(), self.name()).cmp(&(other.namespace(), other.name()))
+    }
+}
+
+impl PartialOrd for ObjectKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 impl fmt::Display for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = if self.name.is_empty() {
-            "(unnamed)"
+        if self.name().is_empty() {
+            write!(f, "{}/(unnamed)", self.namespace())
         } else {
-            &self.name
-        };
-        write!(f, "{}/{name}", self.namespace)
+            f.write_str(&self.full)
+        }
     }
 }
 
@@ -108,7 +135,7 @@ where
     keyed.sort_by(|a, b| a.0.cmp(&b.0));
     keyed.dedup_by(|later, first| {
         // Nameless objects are not duplicates of each other; parsing reports each.
-        let duplicate = later.0 == first.0 && !later.0.name.is_empty();
+        let duplicate = later.0 == first.0 && !later.0.name().is_empty();
         if duplicate {
             errors.push(invalid(
                 &later.0.describe(kind),
@@ -133,6 +160,43 @@ pub struct ParsedService(ServiceInfo);
 
 /// An EndpointSlice reduced to what kube-proxy's rules read.
 pub struct ParsedSlice(SliceInfo);
+
+/// "namespace/name" of a parsed object.
+pub trait Keyed {
+    fn namespace(&self) -> &str;
+    fn name(&self) -> &str;
+}
+
+impl Keyed for ParsedService {
+    fn namespace(&self) -> &str {
+        self.0.key.namespace()
+    }
+    fn name(&self) -> &str {
+        self.0.key.name()
+    }
+}
+
+impl Keyed for ParsedSlice {
+    fn namespace(&self) -> &str {
+        self.0.key.namespace()
+    }
+    fn name(&self) -> &str {
+        self.0.key.name()
+    }
+}
+
+impl ParsedService {
+    /// The frontends this Service claims, before conflicts with other Services are resolved.
+    pub fn frontends(&self) -> impl Iterator<Item = Frontend> + '_ {
+        self.0.cluster_ips.iter().flat_map(move |ip| {
+            self.0.ports.iter().map(move |p| Frontend {
+                ip: *ip,
+                port: p.port,
+                protocol: p.protocol,
+            })
+        })
+    }
+}
 
 /// `None` when the Service is not ours to proxy or too broken to use (with `errors` saying
 /// why); a usable one may still have reported errors for some of its ports.
@@ -228,7 +292,7 @@ pub fn assemble_with<'a>(
     let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
     for ParsedSlice(slice) in slices {
         slices_by_service
-            .entry((slice.key.namespace.as_str(), slice.service.as_str()))
+            .entry((slice.key.namespace(), slice.service.as_str()))
             .or_default()
             .push(slice);
     }
@@ -240,25 +304,37 @@ pub fn assemble_with<'a>(
     let mut services: Vec<&ServiceInfo> = services.into_iter().map(|s| &s.0).collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));
 
-    // Who gets each frontend claimed by more than one Service.
+    // Who gets each frontend claimed by more than one Service. Claims are collected for
+    // conflicts only: at 100,000 Services a list per frontend would cost megabytes.
     let mut claims: BTreeMap<Frontend, Vec<&ServiceInfo>> = BTreeMap::new();
-    for svc in &services {
-        for port in &svc.ports {
-            for &ip in &svc.cluster_ips {
-                let frontend = Frontend {
-                    ip,
-                    port: port.port,
-                    protocol: port.protocol,
-                };
-                claims.entry(frontend).or_default().push(svc);
+    {
+        let mut first: std::collections::HashMap<Frontend, &ServiceInfo> =
+            std::collections::HashMap::with_capacity(services.len());
+        for svc in &services {
+            for port in &svc.ports {
+                for &ip in &svc.cluster_ips {
+                    let frontend = Frontend {
+                        ip,
+                        port: port.port,
+                        protocol: port.protocol,
+                    };
+                    match first.entry(frontend) {
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(svc);
+                        }
+                        std::collections::hash_map::Entry::Occupied(e) => {
+                            claims
+                                .entry(frontend)
+                                .or_insert_with(|| vec![*e.get()])
+                                .push(svc);
+                        }
+                    }
+                }
             }
         }
     }
     let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
     for (fe, claimants) in &claims {
-        if claimants.len() < 2 {
-            continue;
-        }
         let holder = holders.holder(fe);
         let winner = claimants
             .iter()
@@ -277,7 +353,7 @@ pub fn assemble_with<'a>(
     let mut state = DesiredState::default();
     for svc in services {
         let slices = slices_by_service
-            .get(&(svc.key.namespace.as_str(), svc.key.name.as_str()))
+            .get(&(svc.key.namespace(), svc.key.name()))
             .map(Vec::as_slice)
             .unwrap_or_default();
         for port in &svc.ports {

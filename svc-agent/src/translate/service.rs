@@ -67,7 +67,7 @@ pub(super) fn parse(
         return None;
     }
     let object = key.describe("Service");
-    if key.name.is_empty() {
+    if key.name().is_empty() {
         errors.push(invalid(&object, "metadata.name is required"));
         return None;
     }

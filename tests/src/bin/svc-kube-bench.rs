@@ -73,6 +73,12 @@ struct Args {
     /// Seed of the choice of slices and endpoints to change.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The section of docs/benchmarks.md `--write` replaces.
+    #[arg(long, default_value = "kube")]
+    section: String,
+    /// The target for the agent's RSS, in MiB.
+    #[arg(long, default_value_t = 100)]
+    rss_target_mib: u64,
 }
 
 const NAMESPACE: &str = "svc-bench";
@@ -88,12 +94,17 @@ const POLL: Duration = Duration::from_micros(100);
 /// The targets this benchmark checks.
 const TARGET_COLD_START: Duration = Duration::from_secs(2);
 const TARGET_CHANGE_P99: Duration = Duration::from_millis(50);
-const TARGET_RSS_KIB: u64 = 100 * 1024;
 
 /// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, clear of 10.96.0.1 (the
-/// `kubernetes` Service) and inside the API server's 10.96.0.0/16.
+/// `kubernetes` Service) and inside the API server's 10.96.0.0/12.
 fn cluster_ip(i: u32) -> Ipv4Addr {
-    Ipv4Addr::new(10, 96, (1 + i / 250) as u8, (1 + i % 250) as u8)
+    let block = 1 + i / 250;
+    Ipv4Addr::new(
+        10,
+        96 + (block / 256) as u8,
+        (block % 256) as u8,
+        (1 + i % 250) as u8,
+    )
 }
 
 /// Endpoint `k` of Service `i` at creation: 10.128.0.0 onwards. Nothing listens there.
@@ -925,7 +936,8 @@ fn main() -> Result<()> {
     );
     let peak = cold_mem.hwm_kib.max(end_mem.hwm_kib);
     let breakdown_table = &breakdown.table;
-    let memory_note = if peak >= TARGET_RSS_KIB {
+    let target_rss_kib = args.rss_target_mib * 1024;
+    let memory_note = if peak >= target_rss_kib {
         format!("\n\n{}", breakdown.memory_story(peak))
     } else {
         String::new()
@@ -957,16 +969,18 @@ fn main() -> Result<()> {
         ),
         format!("| change latency max | | {} | |", ms(max)),
         format!(
-            "| agent RSS after cold start (VmRSS; peak VmHWM) | < 100 MiB | {} (peak {}) | {} |",
+            "| agent RSS after cold start (VmRSS; peak VmHWM) | < {} MiB | {} (peak {}) | {} |",
+            args.rss_target_mib,
             mib(cold_mem.rss_kib),
             mib(cold_mem.hwm_kib),
-            verdict(cold_mem.hwm_kib < TARGET_RSS_KIB)
+            verdict(cold_mem.hwm_kib < target_rss_kib)
         ),
         format!(
-            "| agent RSS at the end (VmRSS; peak VmHWM) | < 100 MiB | {} (peak {}) | {} |",
+            "| agent RSS at the end (VmRSS; peak VmHWM) | < {} MiB | {} (peak {}) | {} |",
+            args.rss_target_mib,
             mib(end_mem.rss_kib),
             mib(end_mem.hwm_kib),
-            verdict(peak < TARGET_RSS_KIB)
+            verdict(peak < target_rss_kib)
         ),
         format!(
             "| agent CPU time, cold start (user + system), median | | {:.2} s (min {:.2}, max {:.2}) | |",
@@ -1027,7 +1041,7 @@ fn main() -> Result<()> {
              changes (another engineer's integration tests may share the machine).\n\n\
              A real etcd v3.6.16 and kube-apiserver v1.37.2 on loopback (no controller-manager, \
              so nothing rewrites what the bench writes) hold {n} Services of one TCP port with \
-             explicit ClusterIPs in 10.96.0.0/16, each with one EndpointSlice of {e} ready \
+             explicit ClusterIPs in 10.96.0.0/12, each with one EndpointSlice of {e} ready \
              endpoints on made-up addresses. `svc-agent run --kubeconfig ...` (the release \
              binary, as a process, on a test cgroup) is timed from spawn to `svc-agent: \
              ready`, which it prints after its first full sync, {runs} times, each on a fresh \
@@ -1059,8 +1073,8 @@ fn main() -> Result<()> {
             changes = args.changes,
             runs = runs.len(),
         );
-        report::write_section(&path, "kube", &body)?;
-        eprintln!("wrote the kube section of {}", path.display());
+        report::write_section(&path, &args.section, &body)?;
+        eprintln!("wrote the {} section of {}", args.section, path.display());
     }
     Ok(())
 }
