@@ -20,8 +20,20 @@ pub mod map_names {
     pub const STATS: &str = "SVC_STATS";
     pub const NAMES: &str = "SVC_NAMES";
     pub const META: &str = "SVC_META";
-    pub const ALL: [&str; 9] = [
-        SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS, NAMES, META,
+    pub const AFFINITY_MATCH: &str = "SVC_AFFINITY_MATCH";
+    pub const SOCK_STATE: &str = "SVC_SOCK_STATE";
+    pub const ALL: [&str; 11] = [
+        SERVICES,
+        SLOTS,
+        BACKENDS,
+        REV_NAT,
+        SOCK_REV,
+        AFFINITY,
+        STATS,
+        NAMES,
+        META,
+        AFFINITY_MATCH,
+        SOCK_STATE,
     ];
 }
 
@@ -31,7 +43,7 @@ pub mod map_names {
 /// fills it before its programs switch over.
 pub mod layout {
     use super::map_names::*;
-    pub const VERSIONS: [(&str, u32); 9] = [
+    pub const VERSIONS: [(&str, u32); 11] = [
         (SERVICES, 1),
         (SLOTS, 1),
         (BACKENDS, 1),
@@ -41,6 +53,8 @@ pub mod layout {
         (STATS, 1),
         (NAMES, 1),
         (META, 1),
+        (AFFINITY_MATCH, 1),
+        (SOCK_STATE, 1),
     ];
 
     /// The layout version of `map`; 0 for a name that is not one of ours.
@@ -63,6 +77,9 @@ pub mod capacity {
     pub const SOCK_REV: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
     pub const NAMES: u32 = 262_144;
+    /// One entry per backend of a current generation (of the frontends that check choices),
+    /// so it never holds more than the slots map: sized with it.
+    pub const AFFINITY_MATCH: u32 = SLOTS;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -228,6 +245,111 @@ pub struct AffinityValue {
     pub _pad0: u32,
 }
 
+/// Key of `AFFINITY_MATCH`: backend `backend` is a backend of frontend `id` now. The agent
+/// writes a frontend's entries before the master entry that names a new backend, and deletes
+/// those of a departed backend right after the switch; a remembered choice (sessionAffinity,
+/// a UDP socket's backend) is honoured only while its entry is there, as Cilium's
+/// lb_affinity_match. The value is reserved (0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityMatchKey {
+    /// Frontend id (host order).
+    pub id: u32,
+    /// Backend id (host order).
+    pub backend: BackendId,
+}
+
+/// Whether the programs check remembered choices of a frontend against `AFFINITY_MATCH`, so
+/// the agent keeps its entries: with sessionAffinity, and for UDP (unconnected sockets keep
+/// their backend).
+#[inline(always)]
+pub fn checks_match(proto: u8, flags: u16) -> bool {
+    proto == IPPROTO_UDP || flags & svc_flags::AFFINITY != 0
+}
+
+/// How many frontends one socket remembers a backend for (`SockState`); beyond that its
+/// choice comes from its cookie.
+pub const SOCK_CHOICES: usize = 4;
+
+/// One remembered choice of a socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockChoice {
+    /// Frontend id; 0: a free slot.
+    pub id: u32,
+    pub backend: BackendId,
+    /// The backend's address (network byte order; IPv4 as `::ffff:a.b.c.d`) and port, kept so
+    /// the socket's reverse entry can be found at release, when the backend may be gone.
+    pub addr: [u8; 16],
+    pub port_be: u16,
+    pub _pad0: u16,
+}
+
+/// Per-socket state in `SOCK_STATE` (socket local storage, freed with the socket): the
+/// backend an unconnected UDP socket uses for each frontend it sends to, so every datagram of
+/// one socket reaches one backend (as conntrack keeps a 5-tuple on one backend).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockState {
+    pub choices: [SockChoice; SOCK_CHOICES],
+}
+
+/// How a decision was made (`LbTestIo::how`).
+pub mod how {
+    /// Uniformly random slot.
+    pub const RANDOM: u32 = 1;
+    /// sessionAffinity: the client's remembered backend.
+    pub const AFFINITY: u32 = 2;
+    /// The socket's remembered backend.
+    pub const STICKY: u32 = 3;
+    /// No room to remember a choice for the socket: the slot comes from its cookie.
+    pub const HASHED: u32 = 4;
+}
+
+/// The outcome of a decision that is not a refusal (the refusals are `stat` indexes).
+pub mod outcome {
+    pub const FOUND: u32 = 0x100;
+    pub const NOT_SERVICE: u32 = 0x101;
+}
+
+/// `LbTestIo::mode`: which hook the decision stands for.
+pub const LB_TEST_CONNECT: u32 = 0;
+/// sendmsg() on an unconnected UDP socket whose state is `LbTestIo::sock`.
+pub const LB_TEST_SENDMSG: u32 = 1;
+
+/// The packet the test-only `lb_test` program runs on through BPF_PROG_TEST_RUN (the socket
+/// hooks have no test run): a decision request, answered in place. Not part of the agent's
+/// object.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct LbTestIo {
+    /// Request: the frontend asked for.
+    pub key: ServiceKey,
+    /// Request: `LB_TEST_CONNECT` or `LB_TEST_SENDMSG`.
+    pub mode: u32,
+    /// Request: the clock (bpf_ktime_get_ns) the decision sees.
+    pub now_ns: u64,
+    /// Request: the socket cookie.
+    pub cookie: u64,
+    /// Request: the client's network namespace cookie (sessionAffinity).
+    pub netns_cookie: u64,
+    /// Answer: `outcome::FOUND`, `outcome::NOT_SERVICE` or the refusal's `stat` index.
+    pub outcome: u32,
+    /// Answer: a `how` constant.
+    pub how: u32,
+    /// Answer: the frontend id and backend chosen.
+    pub frontend_id: u32,
+    pub backend_id: BackendId,
+    pub backend: Backend,
+    pub _pad0: u32,
+    /// Request and answer: the socket's state (`LB_TEST_SENDMSG`).
+    pub sock: SockState,
+}
+
 /// The one entry of `META`: the agent's own bookkeeping, which must outlive the agent. The
 /// programs never read it.
 #[repr(C)]
@@ -261,6 +383,20 @@ pub mod stat {
     pub const ERR_SOCK_REV_UPDATE: u32 = 6;
     /// A slot or backend was missing on the first try and the frontend was read again.
     pub const RETRIED_MISSING_ENTRY: u32 = 7;
+    /// An unconnected UDP socket reached the backend it used before for that frontend.
+    pub const SOCK_STICKY: u32 = 8;
+    /// An unconnected UDP socket's backend had left the frontend: a live one was chosen.
+    pub const SOCK_MOVED: u32 = 9;
+    /// A socket sent to more frontends than it can remember (or its state could not be
+    /// created): the backend came from its cookie.
+    pub const SOCK_HASHED: u32 = 10;
+    /// A reverse entry was written that sock_release cannot find (the socket's state was full
+    /// or missing): only the LRU removes it.
+    pub const SOCK_REV_UNTRACKED: u32 = 11;
+    /// A remembered affinity choice was not used: expired, or its backend left the frontend.
+    pub const AFFINITY_STALE: u32 = 12;
+    /// Reverse entries deleted when their socket was released.
+    pub const SOCK_REV_RELEASED: u32 = 13;
     pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -271,12 +407,12 @@ pub mod stat {
         "rev_translated",
         "err_sock_rev_update",
         "retried_missing_entry",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
+        "sock_sticky",
+        "sock_moved",
+        "sock_hashed",
+        "sock_rev_untracked",
+        "affinity_stale",
+        "sock_rev_released",
         "reserved",
         "reserved",
     ];
@@ -315,6 +451,10 @@ mod pod {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MetaValue {}
+    unsafe impl aya::Pod for AffinityMatchKey {}
+    unsafe impl aya::Pod for SockChoice {}
+    unsafe impl aya::Pod for SockState {}
+    unsafe impl aya::Pod for LbTestIo {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -336,6 +476,10 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<MetaValue>(), 32);
+        assert_eq!(size_of::<AffinityMatchKey>(), 8);
+        assert_eq!(size_of::<SockChoice>(), 28);
+        assert_eq!(size_of::<SockState>(), 112);
+        assert_eq!(size_of::<LbTestIo>(), 200);
     }
 
     #[test]

@@ -71,6 +71,14 @@ enum Cmd {
         duration_ms: u64,
         #[arg(long, default_value_t = 20)]
         interval_ms: u64,
+        /// SOCKETS unconnected sockets (sendto/recvfrom) used in turn for the whole run, as
+        /// QUIC, DNS or WireGuard clients use one socket; never replaced.
+        #[arg(long, conflicts_with = "v6_mapped")]
+        unconnected: Option<u32>,
+        /// With --unconnected: each round sends on every socket before it reads any reply, so
+        /// other sockets' datagrams come between a socket's send and its reply.
+        #[arg(long, requires = "unconnected")]
+        pipelined: bool,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
     Loop {
@@ -168,7 +176,22 @@ fn main() -> Result<()> {
             target,
             duration_ms,
             interval_ms,
+            unconnected: None,
+            ..
         } => print_json(&udp_stream(&target, duration_ms, interval_ms)),
+        Cmd::UdpStream {
+            target,
+            duration_ms,
+            interval_ms,
+            unconnected: Some(sockets),
+            pipelined,
+        } => print_json(&udp_unconnected_stream(
+            &target,
+            duration_ms,
+            interval_ms,
+            sockets,
+            pipelined,
+        )),
     }
 }
 
@@ -380,6 +403,93 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
                 }
             }
         });
+        std::thread::sleep(Duration::from_millis(interval_ms));
+    }
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    report
+}
+
+fn udp_unconnected_stream(
+    target: &Target,
+    duration_ms: u64,
+    interval_ms: u64,
+    sockets: u32,
+    pipelined: bool,
+) -> StreamReport {
+    let to = target.addr();
+    let local: SocketAddr = match to {
+        SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+        SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+    };
+    let mut report = StreamReport::default();
+    let socks: Vec<std::io::Result<UdpSocket>> = (0..sockets.max(1))
+        .map(|_| {
+            let s = UdpSocket::bind(local)?;
+            s.set_read_timeout(Some(target.timeout()))?;
+            Ok(s)
+        })
+        .collect();
+    let start = Instant::now();
+    let duration = Duration::from_millis(duration_ms);
+    let mut buf = [0u8; 512];
+    let sock_of = |i: usize| {
+        socks[i]
+            .as_ref()
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()))
+    };
+    let exchange = |i: usize, at_ms: u64, result: std::io::Result<(String, String)>| match result {
+        Ok((backend, from)) => StreamExchange {
+            at_ms,
+            socket: i as u32,
+            ok: true,
+            backend: Some(backend),
+            from: Some(from),
+            ..Default::default()
+        },
+        Err(e) => StreamExchange {
+            at_ms,
+            socket: i as u32,
+            ok: false,
+            error: Some(e.to_string()),
+            errno: e.raw_os_error(),
+            ..Default::default()
+        },
+    };
+    'run: while start.elapsed() < duration {
+        // Pipelined: every socket sends, then every socket reads its reply.
+        let mut sent: Vec<(u64, std::io::Result<()>)> = Vec::new();
+        if pipelined {
+            for i in 0..socks.len() {
+                let at_ms = unix_ms();
+                sent.push((
+                    at_ms,
+                    sock_of(i).and_then(|s| s.send_to(b"x", to).map(drop)),
+                ));
+            }
+        }
+        for i in 0..socks.len() {
+            let (at_ms, sent_ok) = match sent.get_mut(i) {
+                Some((at, r)) => (*at, std::mem::replace(r, Ok(()))),
+                None => (unix_ms(), Ok(())),
+            };
+            let result = (|| -> std::io::Result<(String, String)> {
+                sent_ok?;
+                let s = sock_of(i)?;
+                if !pipelined {
+                    s.send_to(b"x", to)?;
+                }
+                let (n, from) = s.recv_from(&mut buf)?;
+                Ok((
+                    String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(),
+                    from.to_string(),
+                ))
+            })();
+            report.exchanges.push(exchange(i, at_ms, result));
+            if start.elapsed() >= duration {
+                break 'run;
+            }
+        }
         std::thread::sleep(Duration::from_millis(interval_ms));
     }
     report.cgroup = own_cgroup();
