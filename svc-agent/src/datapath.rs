@@ -526,7 +526,7 @@ impl Datapath {
                 Pinned::Adopt => {}
                 Pinned::Create => {
                     let path = map_pin(dir, name);
-                    store_map(&store, name)
+                    held(&store, name)?
                         .pin(&path)
                         .map_err(|e| load_err(path.display(), e))?;
                 }
@@ -535,7 +535,7 @@ impl Datapath {
                     info!(map = name, entries = n, "copied into the resized map");
                     let path = staged_pin(dir, name);
                     let _ = std::fs::remove_file(&path);
-                    store_map(&store, name)
+                    held(&store, name)?
                         .pin(&path)
                         .map_err(|e| load_err(path.display(), e))?;
                     staged.push(name);
@@ -562,7 +562,7 @@ impl Datapath {
 
     /// A second handle on one of the agent's maps, for a thread of its own.
     pub fn reopen(&self, name: &'static str) -> Result<Map> {
-        let data = clone_map(store_map(&self.store, name))?;
+        let data = clone_map(held(&self.store, name)?)?;
         Map::from_map_data(data).map_err(|e| load_err(name, e))
     }
 
@@ -688,12 +688,16 @@ impl Datapath {
                 }
             }
         }
-        for name in map_names::ALL {
+        for spec in specs() {
+            let name = spec.name;
             let path = map_pin(&self.dir, name);
             if path.exists() || self.staged.contains(&name) {
                 continue;
             }
-            match store_map(&self.store, name).pin(&path) {
+            let Some(map) = store_map(&self.store, name) else {
+                continue;
+            };
+            match map.pin(&path) {
                 Ok(()) => repaired.push(format!("map pin {}", path.display())),
                 Err(e) => errors.push(load_err(path.display(), e)),
             }
@@ -725,8 +729,9 @@ impl Datapath {
     }
 }
 
-fn store_map<'a>(store: &'a BpfStore, name: &str) -> &'a MapData {
-    match name {
+/// The store's map of that name; None for a name the store does not hold.
+fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
+    Some(match name {
         map_names::SERVICES => store.services.map(),
         map_names::SLOTS => store.slots.map(),
         map_names::BACKENDS => store.backends.map(),
@@ -737,8 +742,14 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> &'a MapData {
         map_names::STATS => store.stats.map(),
         map_names::AFFINITY_MATCH => store.affinity_match.map(),
         map_names::SOCK_STATE => &store.sock_state,
-        _ => store.meta.map(),
-    }
+        map_names::META => store.meta.map(),
+        _ => return None,
+    })
+}
+
+/// `store_map`, for a name that must be there.
+fn held<'a>(store: &'a BpfStore, name: &str) -> Result<&'a MapData> {
+    store_map(store, name).ok_or_else(|| load_err(name, "not a map the agent holds"))
 }
 
 /// Copies a migrated map's entries into the new one.
