@@ -177,12 +177,8 @@ fn main() -> Result<()> {
     )
     .context("attaching the datapath")?;
     let store = &mut dp.store;
-    let mut programmed = Programmed::recover(
-        &store.snapshot()?,
-        store.capacity,
-        svc_agent::sync::DEFAULT_GRACE,
-        Default::default(),
-    );
+    let mut programmed =
+        Programmed::adopt(&*store, store.capacity, svc_agent::sync::DEFAULT_GRACE)?;
     let bench = frontend(VIP, 80, "bench/target", vec![direct]);
 
     let one = state(vec![bench.clone()]);
