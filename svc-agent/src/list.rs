@@ -8,7 +8,7 @@ use serde::Serialize;
 use svc_common::svc_flags;
 
 use crate::error::Result;
-use crate::store::{BpfStore, Store};
+use crate::store::BpfStore;
 use crate::sync::{Programmed, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
