@@ -293,21 +293,6 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::owner_pid;
-
-    #[test]
-    fn owner_pid_parses_only_harness_names() {
-        assert_eq!(owner_pid("svc-c-123-4", "svc-c"), Some(123));
-        assert_eq!(owner_pid("svc-test-77-0", "svc-test"), Some(77));
-        assert_eq!(owner_pid("svc-test-manifests-5-1", "svc-test"), None);
-        assert_eq!(owner_pid("svc", "svc-test"), None);
-        assert_eq!(owner_pid("svc-test-x-1", "svc-test"), None);
-        assert_eq!(owner_pid("svc-c-1", "svc-c"), None);
-    }
-}
-
 /// `bpftool -j map show pinned PATH`: a pinned map's kernel view (max_entries, bytes_memlock).
 pub fn pinned_map_info(path: &Path) -> Result<serde_json::Value> {
     let out = run(
@@ -321,4 +306,19 @@ pub fn pinned_map_info(path: &Path) -> Result<serde_json::Value> {
         ],
     )?;
     serde_json::from_str(&out).with_context(|| format!("bpftool's answer {out:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::owner_pid;
+
+    #[test]
+    fn owner_pid_parses_only_harness_names() {
+        assert_eq!(owner_pid("svc-c-123-4", "svc-c"), Some(123));
+        assert_eq!(owner_pid("svc-test-77-0", "svc-test"), Some(77));
+        assert_eq!(owner_pid("svc-test-manifests-5-1", "svc-test"), None);
+        assert_eq!(owner_pid("svc", "svc-test"), None);
+        assert_eq!(owner_pid("svc-test-x-1", "svc-test"), None);
+        assert_eq!(owner_pid("svc-c-1", "svc-c"), None);
+    }
 }
