@@ -409,7 +409,7 @@ fn backend_sets_changing_many_times_a_second_refuse_nothing() {
     let started = Instant::now();
     let mut changes = 0;
     while started.elapsed() < Duration::from_millis(4500) {
-        m.apply_slice(&web_slice(&sb, sets[changes % sets.len()], &[]))
+        m.apply_slice(&web_slice(sb, sets[changes % sets.len()], &[]))
             .unwrap();
         changes += 1;
         std::thread::sleep(Duration::from_millis(40));
@@ -596,13 +596,13 @@ fn a_change_that_does_not_fit_is_retried_until_it_lands() {
     );
     let (sb, m, agent) = (&w.sb, &w.m, &w.agent);
     // b3,b4 fits (b1,b2 retire for 3 s); b5,b6 right after does not.
-    m.apply_slice(&web_slice(&sb, &[3, 4], &[])).unwrap();
+    m.apply_slice(&web_slice(sb, &[3, 4], &[])).unwrap();
     poll(Duration::from_secs(5), || {
         let r = sb.tcp(sa(VIP, 80), 4, &[])?;
         Ok((r.all_ok() && names(&r) == set(&["b3", "b4"])).then_some(()))
     })
     .unwrap();
-    m.apply_slice(&web_slice(&sb, &[5, 6], &[])).unwrap();
+    m.apply_slice(&web_slice(sb, &[5, 6], &[])).unwrap();
     poll(Duration::from_secs(5), || {
         Ok(agent.log().contains("SVC_SLOTS is full").then_some(()))
     })

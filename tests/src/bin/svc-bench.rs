@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
-use svc_agent::store::{BpfStore, Store};
+use svc_agent::store::BpfStore;
 use svc_agent::sync::Programmed;
 use svc_tests::{require_root, Report, Sandbox, Tools};
 
