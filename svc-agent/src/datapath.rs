@@ -20,7 +20,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapType, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapType, PerCpuArray};
 use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{layout, map_names, stat};
@@ -59,7 +59,7 @@ struct MapSpec {
     flags: u32,
 }
 
-fn specs() -> [MapSpec; 11] {
+fn specs() -> [MapSpec; 16] {
     use std::mem::size_of;
     use svc_common::*;
     let s = |name, kind, key: usize, value: usize, flags| MapSpec {
@@ -142,8 +142,53 @@ fn specs() -> [MapSpec; 11] {
             size_of::<SockState>(),
             BPF_F_NO_PREALLOC,
         ),
+        // The packet datapath's (docs/design/packet-datapath.md, "Map declarations").
+        s(
+            map_names::NODE_ADDRS,
+            MapType::Hash,
+            16,
+            size_of::<NodeAddrValue>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::SRC_RANGES,
+            MapType::LpmTrie,
+            size_of::<SrcRangeKey>(),
+            4,
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::CT,
+            MapType::LruHash,
+            size_of::<CtKey>(),
+            size_of::<CtValue>(),
+            0,
+        ),
+        s(
+            map_names::CONFIG,
+            MapType::Array,
+            4,
+            size_of::<DatapathConfig>(),
+            0,
+        ),
+        s(
+            map_names::DEV_STATS,
+            MapType::PerCpuHash,
+            size_of::<DevStatKey>(),
+            8,
+            0,
+        ),
     ]
 }
+
+/// The maps the agent writes for the packet datapath: created and pinned by the agent itself
+/// while the object does not declare them (the tc programs are not in every object), with the
+/// `bpf_map_type` to create them with.
+const OWN_MAPS: [(&str, u32); 3] = [
+    (map_names::NODE_ADDRS, sys::map_type::HASH),
+    (map_names::SRC_RANGES, sys::map_type::LPM_TRIE),
+    (map_names::CONFIG, sys::map_type::ARRAY),
+];
 
 /// max_entries a map of this agent has: configured, or fixed by the object.
 fn max_entries(name: &str, capacity: &Capacity) -> u32 {
@@ -152,6 +197,29 @@ fn max_entries(name: &str, capacity: &Capacity) -> u32 {
         map_names::SOCK_STATE => 0,
         _ => 1,
     })
+}
+
+/// Creates map `name` of `OWN_MAPS` as `specs()` describes it.
+fn create_own(name: &'static str, capacity: &Capacity) -> Result<MapData> {
+    let spec = specs()
+        .into_iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| load_err(name, "no spec"))?;
+    let kind = OWN_MAPS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, k)| *k)
+        .ok_or_else(|| load_err(name, "not a map the agent creates"))?;
+    let fd = sys::map_create(
+        kind,
+        spec.key,
+        spec.value,
+        max_entries(name, capacity),
+        spec.flags,
+        name,
+    )
+    .map_err(|e| load_err(format!("creating map {name}"), e))?;
+    MapData::from_fd(fd).map_err(|e| load_err(name, e))
 }
 
 /// Where `map` is pinned under `dir`: its name and layout version.
@@ -503,6 +571,38 @@ impl Datapath {
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|e| load_err("loading the eBPF object", e))?;
+        // Maps this object does not declare: those the agent writes are its own (created or
+        // adopted here, and filled by the first sync before any program could read them);
+        // the others (the packet datapath's, read only) wait for an object that has them.
+        let mut own: Vec<(&'static str, MapData)> = Vec::new();
+        for (name, plan) in plans.iter_mut() {
+            if ebpf.map(name).is_some() {
+                continue;
+            }
+            let plan = std::mem::replace(plan, Pinned::Adopt);
+            if !OWN_MAPS.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            let path = map_pin(dir, name);
+            let data = match plan {
+                Pinned::Adopt => {
+                    MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?
+                }
+                Pinned::Create | Pinned::Migrate(_) => {
+                    // A resized map of its own: no program reads it, so a new empty one takes
+                    // the pin at once; the first sync writes its entries.
+                    let data = create_own(name, &capacity)?;
+                    let _ = std::fs::remove_file(&path);
+                    data.pin(&path).map_err(|e| load_err(path.display(), e))?;
+                    info!(
+                        map = name,
+                        "created (the loaded object does not declare it)"
+                    );
+                    data
+                }
+            };
+            own.push((name, data));
+        }
         for name in PROGRAMS {
             let prog = ebpf
                 .program_mut(name)
@@ -518,7 +618,7 @@ impl Datapath {
             };
             loaded.map_err(|e| load_err(name, e))?;
         }
-        let mut store = store_from(&mut ebpf, capacity)?;
+        let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
         for (name, plan) in plans {
@@ -596,7 +696,10 @@ impl Datapath {
         for name in std::mem::take(&mut self.staged) {
             let path = map_pin(&self.dir, name);
             if let Ok(old) = MapData::from_pin(&path) {
-                if matches!(name, map_names::SOCK_REV | map_names::AFFINITY) {
+                if matches!(
+                    name,
+                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT
+                ) {
                     if let Err(e) = migrate(&mut self.store, name, &old, true) {
                         warn!(map = name, "carrying over late entries: {e}");
                     }
@@ -743,6 +846,11 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
         map_names::AFFINITY_MATCH => store.affinity_match.map(),
         map_names::SOCK_STATE => &store.sock_state,
         map_names::META => store.meta.map(),
+        map_names::SRC_RANGES => store.src_ranges.map(),
+        map_names::NODE_ADDRS => store.node_addrs.map(),
+        map_names::CONFIG => store.config.map(),
+        map_names::CT => store.ct.as_ref()?,
+        map_names::DEV_STATS => store.dev_stats.as_ref()?,
         _ => return None,
     })
 }
@@ -763,6 +871,30 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
         map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
         map_names::SOCK_REV => copy_hash(name, old, &mut store.sock_rev, late),
         map_names::AFFINITY_MATCH => copy_hash(name, old, &mut store.affinity_match, late),
+        map_names::NODE_ADDRS => copy_hash(name, old, &mut store.node_addrs, late),
+        map_names::SRC_RANGES => {
+            let old: LpmTrie<MapData, crate::store::RangeData, u32> =
+                LpmTrie::try_from(Map::LpmTrie(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let mut n = 0;
+            for k in old.keys().flatten() {
+                store
+                    .src_ranges
+                    .insert(&k, 0, 0)
+                    .map_err(|e| crate::store::map_err(name, e))?;
+                n += 1;
+            }
+            Ok(n)
+        }
+        map_names::CT => match &store.ct {
+            Some(ct) => {
+                let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+                    HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
+                        .map_err(|e| crate::store::map_err(name, e))?;
+                copy_hash(name, old, &mut new, late)
+            }
+            None => Ok(0),
+        },
         map_names::STATS => {
             let old: PerCpuArray<MapData, u64> =
                 PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
@@ -788,10 +920,17 @@ fn clone_map(m: &MapData) -> Result<MapData> {
     MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
 }
 
-fn store_from(ebpf: &mut Ebpf, capacity: Capacity) -> Result<BpfStore> {
-    let mut take = |name: &'static str| {
-        ebpf.take_map(name)
-            .ok_or_else(|| load_err(name, "map missing from the object"))
+fn store_from(
+    ebpf: &mut Ebpf,
+    mut own: Vec<(&'static str, MapData)>,
+    capacity: Capacity,
+) -> Result<BpfStore> {
+    let mut take = |name: &'static str| match ebpf.take_map(name) {
+        Some(m) => Ok(m),
+        None => match own.iter().position(|(n, _)| *n == name) {
+            Some(i) => Map::from_map_data(own.swap_remove(i).1).map_err(|e| load_err(name, e)),
+            None => Err(load_err(name, "map missing from the object")),
+        },
     };
     build_store(&mut take, capacity)
 }
@@ -827,8 +966,23 @@ fn build_store(
         meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
         stats: PerCpuArray::try_from(take(map_names::STATS)?)
             .map_err(|e| load_err(map_names::STATS, e))?,
+        src_ranges: LpmTrie::try_from(take(map_names::SRC_RANGES)?)
+            .map_err(|e| load_err(map_names::SRC_RANGES, e))?,
+        node_addrs: hash(take, map_names::NODE_ADDRS)?,
+        config: Array::try_from(take(map_names::CONFIG)?)
+            .map_err(|e| load_err(map_names::CONFIG, e))?,
+        ct: take(map_names::CT).ok().and_then(map_data),
+        dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
         capacity,
     })
+}
+
+/// The map behind the kinds of `Map` the agent keeps untyped.
+fn map_data(m: Map) -> Option<MapData> {
+    match m {
+        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) => Some(d),
+        _ => None,
+    }
 }
 
 /// Opens the maps pinned under `dir`, for listing; loads and attaches nothing, takes no lock.
@@ -845,11 +999,24 @@ pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
                 map_names::SOCK_REV => capacity.sock_rev = info.max_entries(),
                 map_names::AFFINITY => capacity.affinity = info.max_entries(),
                 map_names::AFFINITY_MATCH => capacity.affinity_match = info.max_entries(),
+                map_names::SRC_RANGES => capacity.src_ranges = info.max_entries(),
+                map_names::NODE_ADDRS => capacity.node_addrs = info.max_entries(),
+                map_names::CT => capacity.ct = info.max_entries(),
+                map_names::DEV_STATS => capacity.dev_stats = info.max_entries(),
                 _ => {}
             }
         }
     }
-    build_store(&mut |name| pinned(dir, name), capacity)
+    build_store(
+        &mut |name| match pinned(dir, name) {
+            // Pinned by an agent from before the packet datapath: nothing to list there.
+            Err(_) if OWN_MAPS.iter().any(|(n, _)| *n == name) => {
+                Map::from_map_data(create_own(name, &capacity)?).map_err(|e| load_err(name, e))
+            }
+            other => other,
+        },
+        capacity,
+    )
 }
 
 fn pinned(dir: &Path, name: &'static str) -> Result<Map> {

@@ -133,6 +133,13 @@ struct CapacityArgs {
     /// Per-socket reverse translations; LRU.
     #[arg(long, default_value_t = svc_common::capacity::SOCK_REV)]
     max_sock_rev: u32,
+    /// Connection tracking of the packet datapath: two entries per flow; LRU, allocated in
+    /// full (about 100 bytes an entry).
+    #[arg(long, default_value_t = svc_common::capacity::CT)]
+    max_ct: u32,
+    /// loadBalancerSourceRanges entries over all LoadBalancer frontends.
+    #[arg(long, default_value_t = svc_common::capacity::SRC_RANGES)]
+    max_source_ranges: u32,
 }
 
 impl CapacityArgs {
@@ -143,6 +150,8 @@ impl CapacityArgs {
             ("--max-backends", self.max_backends),
             ("--max-affinity", self.max_affinity),
             ("--max-sock-rev", self.max_sock_rev),
+            ("--max-ct", self.max_ct),
+            ("--max-source-ranges", self.max_source_ranges),
         ] {
             if v == 0 {
                 bail!("{flag} must be at least 1");
@@ -157,6 +166,10 @@ impl CapacityArgs {
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
             affinity_match: self.max_slots,
+            src_ranges: self.max_source_ranges,
+            node_addrs: svc_common::capacity::NODE_ADDRS,
+            ct: self.max_ct,
+            dev_stats: svc_common::capacity::DEV_STATS,
         })
     }
 }
@@ -203,6 +216,7 @@ fn main() -> anyhow::Result<()> {
                     node_name: node_name.clone(),
                     zone: None,
                     service_proxy_name: service_proxy_name.clone(),
+                    node_ips: Vec::new(),
                 },
                 listen: [
                     defaults(healthz_bind_address, "0.0.0.0:10256", metrics::Port::Health),

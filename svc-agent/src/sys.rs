@@ -318,3 +318,38 @@ pub fn release_free_memory() {
         libc::malloc_trim(0);
     }
 }
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+
+/// `enum bpf_map_type` values of the maps the agent may create itself.
+pub mod map_type {
+    pub const HASH: u32 = 1;
+    pub const ARRAY: u32 = 2;
+    pub const LPM_TRIE: u32 = 11;
+}
+
+/// Creates a map (BPF_MAP_CREATE) named `name` (the kernel keeps 15 bytes of it): for maps
+/// the agent writes that the loaded object does not declare yet.
+pub fn map_create(
+    kind: u32,
+    key: u32,
+    value: u32,
+    max_entries: u32,
+    flags: u32,
+    name: &str,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 map_type, key_size, value_size, max_entries, map_flags, inner_map_fd,
+    //          numa_node; char map_name[16]; ... }
+    attr.put_u32(0, kind);
+    attr.put_u32(4, key);
+    attr.put_u32(8, value);
+    attr.put_u32(12, max_entries);
+    attr.put_u32(16, flags);
+    let bytes = name.as_bytes();
+    let n = bytes.len().min(15);
+    attr.0[28..28 + n].copy_from_slice(&bytes[..n]);
+    let fd = bpf(BPF_MAP_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}

@@ -202,7 +202,7 @@ pub struct NodeAddrValue {
 /// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8). The value is a
 /// `u32`, reserved (0): a match is all that counts.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SrcRangeKey {
     /// Host order (the LPM trie's header).

@@ -50,45 +50,7 @@ pub struct KubeOptions {
 }
 
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix: u8,
-}
-
-impl std::str::FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let (a, p) = s
-            .split_once('/')
-            .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
-        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix: u8 = p
-            .parse()
-            .ok()
-            .filter(|p| *p <= max)
-            .ok_or_else(|| format!("{s:?}: the prefix must be 0-{max}"))?;
-        Ok(Cidr { addr, prefix })
-    }
-}
-
-impl Cidr {
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        let bits = |ip: IpAddr| -> u128 {
-            match ip {
-                IpAddr::V4(v4) => u32::from(v4) as u128,
-                IpAddr::V6(v6) => u128::from(v6),
-            }
-        };
-        if self.addr.is_ipv4() != ip.is_ipv4() {
-            return false;
-        }
-        let width = if ip.is_ipv4() { 32 } else { 128 };
-        let shift = width - self.prefix as u32;
-        shift >= width || (bits(ip) >> shift) == (bits(self.addr) >> shift)
-    }
-}
+pub use crate::model::Cidr;
 
 /// kube-proxy's selection: Services (and their slices) that are not headless and belong to
 /// this proxy.
@@ -166,11 +128,7 @@ fn check_api_server(
     let Some(reason) = service_address_reason(ip, cidrs) else {
         return Ok(());
     };
-    let fe = crate::model::Frontend {
-        ip,
-        port,
-        protocol: crate::model::Protocol::Tcp,
-    };
+    let fe = crate::model::Frontend::cluster(ip, port, crate::model::Protocol::Tcp);
     if agent.programmed().frontends.contains_key(&fe) && agent.links_pinned() {
         warn!(
             "the API server address {url} is {reason}; reachable only through the datapath a              previous svc-agent left pinned: set --k8s-api-server to the API server's own              address so a node with empty pins can start too"
@@ -512,6 +470,7 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
         node_name: Some(opts.node_name.clone()),
         zone: None,
         service_proxy_name: opts.service_proxy_name.clone(),
+        node_ips: Vec::new(),
     };
     let mut cache = Cache {
         node: agent.node.clone(),

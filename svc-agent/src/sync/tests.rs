@@ -2,7 +2,10 @@ use super::*;
 use crate::store::Snapshot;
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
-use svc_common::{checks_match, AffinityMatchKey, Backend, RevNatValue, ServiceName};
+use svc_common::{
+    checks_match, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue, RevNatValue,
+    ServiceName, SrcRangeKey,
+};
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
 /// that read a master entry at any time since the last retirement pass (the grace period)
@@ -16,6 +19,9 @@ struct ModelStore {
     rev_nat: StdHashMap<u32, RevNatValue>,
     names: StdHashMap<u32, ServiceName>,
     matches: StdHashSet<AffinityMatchKey>,
+    ranges: std::collections::BTreeSet<SrcRangeKey>,
+    node_addrs: StdHashMap<[u8; 16], NodeAddrValue>,
+    config: DatapathConfig,
     meta: MetaValue,
     /// max_entries of the services map (others unbounded), as E2BIG enforces it.
     services_cap: Option<usize>,
@@ -117,6 +123,7 @@ impl Store for ModelStore {
                 | Op::PutRevNat(..)
                 | Op::PutName(..)
                 | Op::PutMatch(..)
+                | Op::PutRange(..)
         );
         if is_put {
             let n = self.puts;
@@ -182,6 +189,20 @@ impl Store for ModelStore {
                 self.meta = v;
                 true
             }
+            Op::PutRange(k) => {
+                self.ranges.insert(k);
+                true
+            }
+            Op::DelRange(k) => self.ranges.remove(&k),
+            Op::PutNodeAddr(k, v) => {
+                self.node_addrs.insert(k, v);
+                true
+            }
+            Op::DelNodeAddr(k) => self.node_addrs.remove(&k).is_some(),
+            Op::PutConfig(v) => {
+                self.config = v;
+                true
+            }
         };
         self.check_reader_view();
         Ok(found)
@@ -197,16 +218,15 @@ impl Store for ModelStore {
             matches: self.matches.iter().copied().collect(),
             affinity_ids: vec![],
             meta: self.meta,
+            ranges: self.ranges.iter().copied().collect(),
+            node_addrs: self.node_addrs.iter().map(|(k, v)| (*k, *v)).collect(),
+            config: self.config,
         })
     }
 }
 
 fn fe(ip: &str, port: u16) -> Frontend {
-    Frontend {
-        ip: ip.parse().unwrap(),
-        port,
-        protocol: Protocol::Tcp,
-    }
+    Frontend::cluster(ip.parse().unwrap(), port, Protocol::Tcp)
 }
 
 /// Each test frontend is a Service of its own.
@@ -221,7 +241,8 @@ fn owner_for(f: &Frontend) -> String {
 fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
     let mut s = DesiredState::default();
     for (f, backends) in entries {
-        let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+        let mut b: Vec<crate::model::Backend> =
+            backends.iter().map(|b| b.parse().unwrap()).collect();
         b.sort();
         s.frontends.insert(
             *f,
@@ -232,6 +253,9 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
                 backends: b,
                 affinity_timeout_s: None,
                 internal_local: false,
+                kind: crate::model::Kind::ClusterIP,
+                external_local: false,
+                source_ranges: None,
             },
         );
         s.cluster_ips.insert(f.ip);
@@ -464,11 +488,7 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
         let ip: IpAddr = format!("10.96.0.{}", i + 1).parse().unwrap();
         want.cluster_ips.insert(ip);
         for port in 0..8u16 {
-            let f = Frontend {
-                ip,
-                port: 80 + port,
-                protocol: Protocol::Tcp,
-            };
+            let f = Frontend::cluster(ip, 80 + port, Protocol::Tcp);
             want.frontends.insert(
                 f,
                 DesiredFrontend {
@@ -478,6 +498,9 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                     backends: vec![format!("10.0.{i}.1:8080").parse().unwrap()],
                     affinity_timeout_s: None,
                     internal_local: false,
+                    kind: crate::model::Kind::ClusterIP,
+                    external_local: false,
+                    source_ranges: None,
                 },
             );
         }
@@ -614,7 +637,8 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                 },
                 ..fe(ip, *port)
             };
-            let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+            let mut b: Vec<crate::model::Backend> =
+                backends.iter().map(|b| b.parse().unwrap()).collect();
             b.sort();
             s.frontends.insert(
                 f,
@@ -625,6 +649,9 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                     backends: b,
                     affinity_timeout_s: (*port == 443).then_some(60),
                     internal_local: false,
+                    kind: crate::model::Kind::ClusterIP,
+                    external_local: false,
+                    source_ranges: None,
                 },
             );
             s.cluster_ips.insert(f.ip);
@@ -796,7 +823,7 @@ fn names_round_trip_and_truncate_on_char_boundary() {
 
 /// A frontend of `protocol` with `backends` and optional sessionAffinity, a Service of its own.
 fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeout_s: Option<u32>) {
-    let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+    let mut b: Vec<crate::model::Backend> = backends.iter().map(|b| b.parse().unwrap()).collect();
     b.sort();
     s.frontends.insert(
         f,
@@ -807,6 +834,9 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
             backends: b,
             affinity_timeout_s,
             internal_local: false,
+            kind: crate::model::Kind::ClusterIP,
+            external_local: false,
+            source_ranges: None,
         },
     );
     s.cluster_ips.insert(f.ip);
@@ -926,7 +956,7 @@ fn departed_udp_backends_are_reported_per_frontend() {
     let id_s = store.services[&service_key(&s_fe)].id;
     let id_t = store.services[&service_key(&t_fe)].id;
     let x: SocketAddr = "10.0.0.1:53".parse().unwrap();
-    let x_id = p.backend_ids[&BackendKey::new(x, Protocol::Udp)];
+    let x_id = p.backend_ids[&BackendKey::new(crate::model::Backend::remote(x), Protocol::Udp)];
 
     let mut s2 = DesiredState::default();
     frontend(&mut s2, s_fe, &["10.0.0.2:53"], None);
