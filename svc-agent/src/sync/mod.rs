@@ -816,8 +816,8 @@ impl Programmed {
         report
     }
 
-    /// Node addresses (new and changed before removed ones; no reader follows them anywhere,
-    /// so any order is safe) and the datapath settings.
+    /// Node addresses (removed ones first, so a full map makes room; no reader follows them
+    /// anywhere, so any order is safe) and the datapath settings.
     fn sync_node<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
@@ -826,6 +826,23 @@ impl Programmed {
     ) {
         let want: BTreeMap<[u8; 16], NodeAddrValue> =
             node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
+        let gone: Vec<[u8; 16]> = self
+            .node_addrs
+            .keys()
+            .filter(|k| !want.contains_key(*k))
+            .copied()
+            .collect();
+        for k in gone {
+            match w.op(&Op::DelNodeAddr(k)) {
+                Ok(found) => {
+                    self.node_addrs.remove(&k);
+                    if found {
+                        self.usage.node_addrs = self.usage.node_addrs.saturating_sub(1);
+                    }
+                }
+                Err(e) => errors.push(name_object(e, &format!("node address {}", ip_from16(k)))),
+            }
+        }
         for (k, v) in &want {
             if self.node_addrs.get(k) == Some(v) {
                 continue;
@@ -848,23 +865,6 @@ impl Programmed {
                     self.node_addrs.insert(*k, *v);
                 }
                 Err(e) => errors.push(name_object(e, &object)),
-            }
-        }
-        let gone: Vec<[u8; 16]> = self
-            .node_addrs
-            .keys()
-            .filter(|k| !want.contains_key(*k))
-            .copied()
-            .collect();
-        for k in gone {
-            match w.op(&Op::DelNodeAddr(k)) {
-                Ok(found) => {
-                    self.node_addrs.remove(&k);
-                    if found {
-                        self.usage.node_addrs = self.usage.node_addrs.saturating_sub(1);
-                    }
-                }
-                Err(e) => errors.push(name_object(e, &format!("node address {}", ip_from16(k)))),
             }
         }
         if let Some(c) = node.config.filter(|c| self.config != Some(*c)) {
