@@ -7,6 +7,7 @@ pub mod error;
 pub mod list;
 pub mod metrics;
 pub mod model;
+pub mod netdev;
 pub mod source;
 pub mod stale;
 pub mod store;
