@@ -21,12 +21,16 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapType, PerCpuArray};
-use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
+use aya::programs::{
+    links::FdLink, tc::TcAttachOptions, CgroupAttachMode, CgroupSock, CgroupSockAddr, LinkOrder,
+    SchedClassifier, TcAttachType,
+};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{layout, map_names, stat};
 use tracing::{info, warn};
 
 use crate::error::{Error, Result};
+use crate::netdev::Device;
 use crate::store::{BpfStore, Capacity};
 use crate::sys;
 
@@ -46,6 +50,38 @@ pub const PROGRAMS: [&str; 9] = {
     }
     names
 };
+
+/// The packet datapath's tc programs (svc-ebpf, docs/design/packet-datapath.md), each with
+/// where it attaches and whether it belongs on the external devices (else on pod devices).
+pub const TC_PROGRAMS: [(&str, TcAttachType, bool); 4] = [
+    ("tc_ext_ingress", TcAttachType::Ingress, true),
+    ("tc_ext_egress", TcAttachType::Egress, true),
+    ("tc_pod_ingress", TcAttachType::Ingress, false),
+    ("tc_pod_egress", TcAttachType::Egress, false),
+];
+
+/// Where the tc link of `program` on device `ifname` is pinned.
+pub fn tc_link_pin(dir: &Path, program: &str, ifname: &str) -> PathBuf {
+    dir.join(format!("link_tc_{program}_{ifname}"))
+}
+
+/// The tc link pins in `dir`, with the program and device their names say.
+fn tc_pins(dir: &Path) -> Vec<(PathBuf, &'static str, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        for (program, _, _) in TC_PROGRAMS {
+            if let Some(ifname) = file.strip_prefix(&format!("link_tc_{program}_")) {
+                out.push((e.path(), program, ifname.to_string()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
 
 const BPF_F_NO_PREALLOC: u32 = 1;
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
@@ -281,6 +317,12 @@ pub struct Datapath {
     staged: Vec<&'static str>,
     /// Pins of other layout versions, removed once our programs are attached.
     obsolete: Vec<PathBuf>,
+    /// The tc programs this object has (loaded); the others are skipped.
+    tc_loaded: Vec<&'static str>,
+    /// Where the tc programs should be: external devices and pod devices.
+    tc_devices: (Vec<Device>, Vec<Device>),
+    /// tc link pins this agent has attached or swapped its programs into.
+    tc_current: std::collections::BTreeSet<PathBuf>,
 }
 
 /// Checks that `cgroup` is a cgroup v2 directory, before anything is created.
@@ -618,6 +660,23 @@ impl Datapath {
             };
             loaded.map_err(|e| load_err(name, e))?;
         }
+        let mut tc_loaded = Vec::new();
+        for (name, _, _) in TC_PROGRAMS {
+            let Some(prog) = ebpf.program_mut(name) else {
+                info!(
+                    program = name,
+                    "not in the eBPF object: the packet datapath (NodePort, ExternalIP, \
+                     LoadBalancer, per-packet ClusterIP) is not attached; its maps are kept \
+                     up to date for an object that has it"
+                );
+                continue;
+            };
+            <&mut SchedClassifier>::try_from(prog)
+                .map_err(|e| load_err(name, e))?
+                .load()
+                .map_err(|e| load_err(name, e))?;
+            tc_loaded.push(name);
+        }
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -653,7 +712,137 @@ impl Datapath {
             attached: false,
             staged,
             obsolete: other_versions(dir),
+            tc_loaded,
+            tc_devices: (Vec::new(), Vec::new()),
+            tc_current: Default::default(),
         })
+    }
+
+    /// Whether this object has the packet datapath's programs.
+    pub fn has_tc_programs(&self) -> bool {
+        !self.tc_loaded.is_empty()
+    }
+
+    /// Sets the devices the tc programs belong on; once attached, attaches them there (and
+    /// detaches them from devices no longer chosen). Returns what changed, in words.
+    pub fn set_tc_devices(
+        &mut self,
+        external: Vec<Device>,
+        pods: Vec<Device>,
+    ) -> Result<Vec<String>> {
+        self.tc_devices = (external, pods);
+        if self.attached {
+            self.attach_tc()
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    /// The (program, device) pairs that should have a link.
+    fn tc_wanted(&self) -> Vec<(&'static str, TcAttachType, Device)> {
+        let mut out = Vec::new();
+        for (program, at, external) in TC_PROGRAMS {
+            if !self.tc_loaded.contains(&program) {
+                continue;
+            }
+            let devices = if external {
+                &self.tc_devices.0
+            } else {
+                &self.tc_devices.1
+            };
+            for d in devices {
+                out.push((program, at, d.clone()));
+            }
+        }
+        out
+    }
+
+    /// Attaches each tc program to its devices through a tcx link pinned as
+    /// `link_tc_<program>_<ifname>`, or swaps it into the link a previous agent pinned there
+    /// (BPF_LINK_UPDATE: the device is never without it); detaches svc's links from devices
+    /// no longer chosen. Other programs on those devices are never touched.
+    fn attach_tc(&mut self) -> Result<Vec<String>> {
+        let mut done = Vec::new();
+        let wanted = self.tc_wanted();
+        let mut errors = Vec::new();
+        let mut keep = std::collections::BTreeSet::new();
+        for (program, at, device) in &wanted {
+            let pin = tc_link_pin(&self.dir, program, &device.name);
+            keep.insert(pin.clone());
+            match self.attach_tc_one(program, *at, device, &pin) {
+                Ok(Some(what)) => done.push(what),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        for (pin, program, ifname) in tc_pins(&self.dir) {
+            if keep.contains(&pin) {
+                continue;
+            }
+            match detach_pinned(&pin) {
+                Ok(()) => {
+                    info!(program, device = %ifname, "detached from a device no longer chosen");
+                    done.push(format!("detached {program} from {ifname}"));
+                }
+                Err(e) => errors.push(e),
+            }
+            self.tc_current.remove(&pin);
+        }
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(done),
+        }
+    }
+
+    /// One tc link: kept, swapped, or made. Some(words) when something changed.
+    fn attach_tc_one(
+        &mut self,
+        program: &'static str,
+        at: TcAttachType,
+        device: &Device,
+        pin: &Path,
+    ) -> Result<Option<String>> {
+        if pin.exists() {
+            let link = sys::obj_get(pin).map_err(|e| load_err(pin.display(), e))?;
+            let (ifindex, _) =
+                sys::tcx_link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
+            if ifindex == device.index {
+                if self.tc_current.contains(pin) {
+                    return Ok(None);
+                }
+                let prog = self
+                    .ebpf
+                    .program(program)
+                    .ok_or_else(|| load_err(program, "program missing from the object"))?;
+                let fd = prog.fd().map_err(|e| load_err(program, e))?;
+                sys::link_update(link.as_fd(), fd.as_fd())
+                    .map_err(|e| load_err(pin.display(), e))?;
+                self.tc_current.insert(pin.to_path_buf());
+                info!(program, device = %device.name, "replaced the program of the pinned link");
+                return Ok(Some(format!("swapped {program} on {}", device.name)));
+            }
+            // The device went away (or was made again under the same name): the old link is
+            // dead or elsewhere; ours goes on the device that has the name now.
+            detach_pinned(pin)?;
+        }
+        let prog = self
+            .ebpf
+            .program_mut(program)
+            .ok_or_else(|| load_err(program, "program missing from the object"))?;
+        let prog = <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(program, e))?;
+        let id = prog
+            .attach_with_options(
+                &device.name,
+                at,
+                TcAttachOptions::TcxOrder(LinkOrder::first()),
+            )
+            .map_err(|e| load_err(format!("attaching {program} to {}", device.name), e))?;
+        let link = prog.take_link(id).map_err(|e| load_err(program, e))?;
+        let link = FdLink::try_from(link).map_err(|e| load_err(program, e))?;
+        link.pin(pin).map_err(|e| load_err(pin.display(), e))?;
+        self.tc_current.insert(pin.to_path_buf());
+        info!(program, device = %device.name, "attached");
+        Ok(Some(format!("attached {program} to {}", device.name)))
     }
 
     pub fn dir(&self) -> &Path {
@@ -690,6 +879,9 @@ impl Datapath {
             self.attach_one(name, &cgroup_file, true)?;
         }
         self.attached = true;
+        if let Err(e) = self.attach_tc() {
+            warn!("attaching the packet datapath: {e}");
+        }
 
         // The new programs use the new maps now: entries the old programs wrote in the
         // meantime are carried over, then the new maps take the pins.
@@ -824,6 +1016,21 @@ impl Datapath {
                 }
                 match self.attach_one(name, &cgroup_file, false) {
                     Ok(()) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
+            for (program, at, device) in self.tc_wanted() {
+                let pin = tc_link_pin(&self.dir, program, &device.name);
+                let healthy = pin.exists()
+                    && sys::obj_get(&pin)
+                        .and_then(|l| sys::tcx_link_info(l.as_fd()))
+                        .is_ok_and(|(ifindex, _)| ifindex == device.index);
+                if healthy {
+                    continue;
+                }
+                self.tc_current.remove(&pin);
+                match self.attach_tc_one(program, at, &device, &pin) {
+                    Ok(_) => repaired.push(format!("link {}", pin.display())),
                     Err(e) => errors.push(e),
                 }
             }
@@ -1051,9 +1258,11 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     }
     let (_lock, _) = lock_dir(dir)?;
     // The links, opened before their pins go, so they can be detached whoever holds them.
+    let tc_links: Vec<PathBuf> = tc_pins(dir).into_iter().map(|(p, _, _)| p).collect();
     let links: Vec<(PathBuf, std::os::fd::OwnedFd)> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
+        .chain(tc_links.iter().cloned())
         .filter_map(|pin| sys::obj_get(&pin).ok().map(|fd| (pin, fd)))
         .collect();
     let ours: Vec<u32> = links
@@ -1063,6 +1272,7 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     let mut names: Vec<PathBuf> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
+        .chain(tc_links)
         .chain(map_names::ALL.iter().map(|m| map_pin(dir, m)))
         .chain(map_names::ALL.iter().map(|m| staged_pin(dir, m)))
         .collect();
@@ -1118,6 +1328,22 @@ fn check_detached(cgroup: &Path, ours: &[u32]) -> Result<Vec<String>> {
         )));
     }
     Ok(foreign)
+}
+
+/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin.
+fn detach_pinned(pin: &Path) -> Result<()> {
+    if let Ok(fd) = sys::obj_get(pin) {
+        match sys::link_detach(fd.as_fd()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {}
+            Err(e) => return Err(load_err(format!("detaching {}", pin.display()), e)),
+        }
+    }
+    match std::fs::remove_file(pin) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(pin, e)),
+    }
 }
 
 /// Totals of the socket programs' decision counters, by reason, from the pinned map alone.

@@ -187,6 +187,12 @@ impl Backend {
     }
 }
 
+impl From<SocketAddr> for Backend {
+    fn from(addr: SocketAddr) -> Backend {
+        Backend::remote(addr)
+    }
+}
+
 /// "10.0.0.1:8080": a backend on another node.
 impl std::str::FromStr for Backend {
     type Err = std::net::AddrParseError;

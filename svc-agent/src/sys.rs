@@ -120,6 +120,22 @@ pub fn link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u64)> {
     Ok(((info[1] & 0xffff_ffff) as u32, info[2]))
 }
 
+/// The device a tcx link attaches to (0 once the device is gone) and the program it runs.
+pub fn tcx_link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    let mut info = [0u64; 32];
+    let mut attr = Attr::zeroed();
+    attr.put_u32(0, link.as_raw_fd() as u32);
+    attr.put_u32(4, std::mem::size_of_val(&info) as u32);
+    attr.put_u64(8, info.as_mut_ptr() as u64);
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    // struct bpf_link_info { u32 type; u32 id; u32 prog_id; u32 pad; union { struct {
+    // u32 ifindex; u32 attach_type; } tcx; ... } } (the union at offset 16).
+    Ok((
+        (info[2] & 0xffff_ffff) as u32,
+        (info[1] & 0xffff_ffff) as u32,
+    ))
+}
+
 /// The cgroup a cgroup link attaches to (0 once the cgroup is gone).
 pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
     // struct bpf_link_info { u32 type; u32 id; u32 prog_id; union { struct { u64 cgroup_id;

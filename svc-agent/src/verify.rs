@@ -170,31 +170,26 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         "source range",
         ranges.difference(&used_ranges).count(),
     ));
-    let node_addrs: HashMap<[u8; 16], _> = snap.node_addrs.iter().copied().collect();
-    for (ip, want) in &desired.node.addrs {
-        match node_addrs.get(&addr16(*ip)) {
-            Some(got) if got == want => {}
-            Some(got) => problems.push(format!("node address {ip}: {got:?}, want {want:?}")),
-            None => problems.push(format!("node address {ip} missing")),
-        }
-    }
-    for k in node_addrs.keys() {
-        if !desired.node.addrs.contains_key(&ip_from16(*k)) {
-            problems.push(format!("stray node address {}", ip_from16(*k)));
-        }
-    }
+    // The node's part is checked when the desired state has one (the agent's always does;
+    // a desired state built from Services alone does not).
     if let Some(c) = &desired.node.config {
         if *c != snap.config {
             problems.push(format!("datapath config {:?}, want {c:?}", snap.config));
         }
+        let node_addrs: HashMap<[u8; 16], _> = snap.node_addrs.iter().copied().collect();
+        for (ip, want) in &desired.node.addrs {
+            match node_addrs.get(&addr16(*ip)) {
+                Some(got) if got == want => {}
+                Some(got) => problems.push(format!("node address {ip}: {got:?}, want {want:?}")),
+                None => problems.push(format!("node address {ip} missing")),
+            }
+        }
+        for k in node_addrs.keys() {
+            if !desired.node.addrs.contains_key(&ip_from16(*k)) {
+                problems.push(format!("stray node address {}", ip_from16(*k)));
+            }
+        }
     }
-    problems.extend(strays(
-        "backend",
-        backends
-            .keys()
-            .filter(|id| !used_backends.contains(*id))
-            .count(),
-    ));
     let max_f = snap.services.iter().map(|(_, v)| v.id).max().unwrap_or(0);
     let max_b = snap.backends.iter().map(|(id, _)| *id).max().unwrap_or(0);
     if max_f >= snap.meta.frontend_id_hwm && max_f > 0 {

@@ -205,6 +205,8 @@ struct Cache {
     services_listed: bool,
     slices_listed: bool,
     zone: Option<String>,
+    /// The Node's addresses (kube-proxy's node IPs) when they changed, for the agent to take.
+    node_ips: Option<Vec<IpAddr>>,
     /// Services to translate again at the next sync.
     dirty: BTreeSet<Key>,
     /// Everything must be translated again (first sync, the node's zone changed).
@@ -367,11 +369,22 @@ impl Cache {
                 }
             },
             Update::Node(e) => {
-                let zone = match *e {
-                    Event::Apply(n) | Event::InitApply(n) => n.labels().get(ZONE_LABEL).cloned(),
-                    Event::Delete(_) => None,
+                let (zone, addresses) = match *e {
+                    Event::Apply(n) | Event::InitApply(n) => {
+                        let addresses: Vec<(String, String)> = n
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.addresses.as_ref())
+                            .into_iter()
+                            .flatten()
+                            .map(|a| (a.type_.clone(), a.address.clone()))
+                            .collect();
+                        (n.labels().get(ZONE_LABEL).cloned(), addresses)
+                    }
+                    Event::Delete(_) => (None, Vec::new()),
                     Event::Init | Event::InitDone => return,
                 };
+                self.node_ips = Some(crate::packet::node_host_ips(&addresses));
                 if zone != self.zone {
                     info!(?zone, "node zone changed; translating every Service again");
                     self.zone = zone;
@@ -385,6 +398,12 @@ impl Cache {
 
     fn ready(&self) -> bool {
         self.services_listed && self.slices_listed
+    }
+
+    /// The node changed in a way every Service's translation depends on.
+    fn retranslate_all(&mut self) {
+        self.all_dirty = true;
+        self.first_change.get_or_insert_with(Instant::now);
     }
 
     /// The parsed Services in `keys`, and every parsed slice that belongs to them.
@@ -470,7 +489,8 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
         node_name: Some(opts.node_name.clone()),
         zone: None,
         service_proxy_name: opts.service_proxy_name.clone(),
-        node_ips: Vec::new(),
+        // The devices' addresses until the Node says.
+        node_ips: agent.node.node_ips.clone(),
     };
     let mut cache = Cache {
         node: agent.node.clone(),
@@ -478,6 +498,7 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
         ..Default::default()
     };
     let mut synced_once = false;
+    let net_changed = agent.watch_node();
     let stop = agent::shutdown_signal();
     tokio::pin!(stop);
     loop {
@@ -495,6 +516,11 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
                     agent.metrics.error_kind(kind);
                 }
                 cache.apply(u);
+                if let Some(ips) = cache.node_ips.take() {
+                    if agent.set_api_node_ips(ips) {
+                        cache.retranslate_all();
+                    }
+                }
                 if cache.first_change.is_some() {
                     agent.metrics.queued();
                 }
@@ -508,6 +534,12 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
             }
             _ = tokio::time::sleep_until(tokio::time::Instant::from_std(agent.next_deadline())) => {
                 agent.tick(Instant::now());
+            }
+            _ = net_changed.notified() => {
+                tokio::time::sleep(agent::NODE_SETTLE).await;
+                if agent.refresh_node() {
+                    cache.retranslate_all();
+                }
             }
         }
     }
