@@ -145,6 +145,12 @@ pub mod svc_flags {
     /// A NodePort frontend: keyed by `NODEPORT_ADDR_V4`/`_V6`, it answers on every address in
     /// `NODE_ADDRS` that has `node_addr_flags::NODEPORT`.
     pub const NODEPORT: u16 = 1 << 5;
+    /// The frontend is an ExternalIP (either scope). Informational (listings, metrics): the
+    /// programs need not read it.
+    pub const EXTERNAL_IP: u16 = 1 << 6;
+    /// The frontend is a LoadBalancer ingress IP (either scope). Informational, as
+    /// `EXTERNAL_IP`.
+    pub const LOAD_BALANCER: u16 = 1 << 7;
 }
 
 /// `ServiceKey::scope`: who a frontend is for.
@@ -193,7 +199,8 @@ pub struct NodeAddrValue {
 
 /// Key of the `SRC_RANGES` LPM trie: a LoadBalancer frontend's loadBalancerSourceRanges.
 /// `prefixlen` counts the bits of `id` (always 32) plus the bits of the range's prefix
-/// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8).
+/// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8). The value is a
+/// `u32`, reserved (0): a match is all that counts.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
