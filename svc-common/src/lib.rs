@@ -325,7 +325,8 @@ pub mod pkt_stat {
     /// Passed untouched: a packet the parser could not read far enough (truncated, unknown
     /// extension headers); it is not ours to judge.
     pub const PASS_UNPARSED: u32 = 7;
-    /// A non-first IPv4/IPv6 fragment of a translated flow (it carries no ports).
+    /// A non-first IPv4/IPv6 fragment (it carries no ports, so it cannot be matched to a
+    /// flow): passed untouched.
     pub const FRAGMENT: u32 = 8;
     /// An ICMP error about a translated flow was translated too.
     pub const ICMP_ERROR: u32 = 9;
@@ -333,9 +334,13 @@ pub mod pkt_stat {
     pub const ERR_MISSING_ENTRY: u32 = 10;
     /// A connection-tracking entry could not be stored (the packet was dropped).
     pub const ERR_CT_UPDATE: u32 = 11;
-    /// The packet could not be rewritten or redirected (a helper failed).
+    /// The packet could not be rewritten or redirected (a helper failed, or no route or SNAT
+    /// address was found for a remote backend); it was dropped.
     pub const ERR_REWRITE: u32 = 12;
-    pub const COUNT: u32 = 13;
+    /// A packet the program forwards itself did not fit the route's MTU (and may not be
+    /// fragmented): an ICMP fragmentation needed / ICMPv6 packet too big was sent back.
+    pub const TOO_BIG: u32 = 13;
+    pub const COUNT: u32 = 14;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -350,6 +355,7 @@ pub mod pkt_stat {
         "err_missing_entry",
         "err_ct_update",
         "err_rewrite",
+        "too_big",
     ];
 }
 

@@ -11,8 +11,8 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, stat, v4_mapped, RevNatValue, ServiceKey, SockRevKey, SockRevValue, SockState,
-    ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
+    is_v4_mapped, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey, ServiceValue,
+    SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
@@ -111,9 +111,12 @@ impl lb::Caller for Hook<'_> {
     }
 
     #[inline(always)]
-    fn netns_cookie(&self) -> u64 {
+    fn affinity_client(&self, id: u32) -> AffinityKey {
         // SAFETY: as above.
-        unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) }
+        lb::netns_client(
+            unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) },
+            id,
+        )
     }
 
     #[inline(always)]
@@ -143,18 +146,26 @@ pub enum Call {
 pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<(), i32> {
     let dst = read_addr(ctx, family);
     let proto = protocol(ctx);
-    let key = ServiceKey {
+    let mut key = ServiceKey {
         addr: dst.addr,
         port_be: dst.port_be,
         proto,
-        scope: 0,
+        scope: scope::CLUSTER,
     };
+    // A NodePort reached through a node address (nodeIP:nodePort) is found under its
+    // wildcard key, as kube-proxy serves it to local clients.
+    let mut svc = ServiceValue::default();
+    match lb::resolve(&mut key, &mut svc) {
+        lb::FOUND => {}
+        lb::NOT_SERVICE => return Ok(()),
+        refused => return Err(refuse(refused)),
+    }
     let hook = Hook {
         ctx,
         sticky: call == Call::Sendmsg && proto == IPPROTO_UDP,
     };
     let mut decision = lb::Decision::default();
-    match lb::decide(&key, &hook, &mut decision) {
+    match lb::decide_with(&key, svc, &hook, &mut decision) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
         refused => return Err(refuse(refused)),
