@@ -9,8 +9,8 @@ use svc_common::{node_addr_flags, svc_flags};
 
 use crate::error::Result;
 use crate::model::{Kind, Scope};
-use crate::store::{BpfStore, Store};
-use crate::sync::{ip_from16, Programmed, Retiring, DEFAULT_GRACE};
+use crate::store::BpfStore;
+use crate::sync::{ip_from16, Programmed, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
 pub struct Listing {
@@ -62,8 +62,7 @@ pub struct ListedFrontend {
 }
 
 pub fn read(store: &BpfStore) -> Result<Listing> {
-    let snap = store.snapshot()?;
-    let p = Programmed::recover(&snap, store.capacity, DEFAULT_GRACE, Retiring::default());
+    let p = Programmed::adopt(store, store.capacity, DEFAULT_GRACE)?;
     let services = p
         .frontends
         .iter()

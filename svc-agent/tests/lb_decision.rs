@@ -548,6 +548,17 @@ fn a_udp_socket_moves_when_its_backend_leaves() {
     let other = lb.run(&sendmsg("10.96.0.60:53", 7, T0, NETNS_A, state));
     state = other.sock;
     assert_eq!(state.choices[1].id, 6);
+    // The backend leaves the frontend as the agent makes it leave: a new generation without
+    // it, and its match entry gone.
+    let remaining = if first.backend_id == 21 { 22 } else { 21 };
+    lb.frontend(Fe {
+        vip: "10.96.0.40:53",
+        proto: IPPROTO_UDP,
+        id: 4,
+        rev: 2,
+        backends: &[remaining],
+        affinity_s: None,
+    });
     lb.del_match(4, first.backend_id);
     let moved = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, state));
     assert_eq!(moved.outcome, outcome::FOUND);

@@ -16,6 +16,21 @@ use crate::model::{Backend, Cidr, Frontend, Protocol, Scope};
 use crate::store::{Capacity, Snapshot};
 
 impl Programmed {
+    /// The mirror of what `store` holds now, as a new agent finds it (nothing of its own
+    /// retiring yet).
+    pub fn adopt(
+        store: &impl crate::store::Store,
+        capacity: Capacity,
+        grace: Duration,
+    ) -> crate::error::Result<Programmed> {
+        Ok(Programmed::recover(
+            &store.snapshot()?,
+            capacity,
+            grace,
+            Retiring::default(),
+        ))
+    }
+
     /// Rebuilds the mirror from `snap`. `retiring` is what this agent is itself retiring
     /// (nothing after a restart): those entries are not leftovers. Everything else that no
     /// master entry leads to becomes a stray, deleted before the next sync writes anything.
