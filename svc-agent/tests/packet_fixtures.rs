@@ -24,8 +24,8 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{
-    backend_flags, ct_dir, ct_flags, map_names, node_addr_flags, pkt_stat, scope, stat,
-    svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
+    backend_flags, ct_dir, ct_flags, map_names, node_addr_flags, pkt_stat, scope, stat, svc_flags,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
     DatapathConfig, DevStatKey, NodeAddrValue, ServiceKey, ServiceValue, SlotKey,
     AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY,
 };
@@ -385,7 +385,11 @@ impl P {
         let mut b = Vec::new();
         b.extend_from_slice(&self.dmac);
         b.extend_from_slice(&self.smac);
-        b.extend_from_slice(if self.v6() { &[0x86, 0xdd] } else { &[0x08, 0x00] });
+        b.extend_from_slice(if self.v6() {
+            &[0x86, 0xdd]
+        } else {
+            &[0x08, 0x00]
+        });
         b.extend_from_slice(&self.ip_bytes());
         b
     }
@@ -518,10 +522,8 @@ fn verify_checksums(b: &[u8]) -> Result<(), String> {
                 }
             }
         }
-        58 => {
-            if finish(sum16(l4, pseudo(src, dst, 58, l4.len()))) != 0 {
-                return Err("ICMPv6 checksum".into());
-            }
+        58 if finish(sum16(l4, pseudo(src, dst, 58, l4.len()))) != 0 => {
+            return Err("ICMPv6 checksum".into());
         }
         _ => {}
     }
@@ -587,7 +589,12 @@ fn require_root() {
 fn private_network() {
     // SAFETY: affects the calling thread only; the test's own thread.
     let r = unsafe { libc::unshare(libc::CLONE_NEWNET) };
-    assert_eq!(r, 0, "unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+    assert_eq!(
+        r,
+        0,
+        "unshare(CLONE_NEWNET): {}",
+        std::io::Error::last_os_error()
+    );
     // Children inherit the namespace of the thread that spawns them.
     let out = Command::new("sh")
         .args(["-c", NETWORK])
@@ -889,12 +896,7 @@ impl Dp {
     /// Runs `input` through `prog` on device `ifindex` (`repeat` times); the verdict and the
     /// packet as it left.
     fn run_on(&self, prog: Prog, ifindex: u32, input: &[u8], repeat: u32) -> (u32, Vec<u8>, u64) {
-        let p: &SchedClassifier = self
-            .ebpf
-            .program(prog.name())
-            .unwrap()
-            .try_into()
-            .unwrap();
+        let p: &SchedClassifier = self.ebpf.program(prog.name()).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 512];
         // struct __sk_buff: ingress_ifindex at 36, ifindex at 40 (the device BPF_PROG_TEST_RUN
         // gives the packet, in this thread's network namespace).
@@ -964,7 +966,14 @@ struct Row {
     counted: Option<u32>,
 }
 
-fn row(what: &'static str, prog: Prog, input: P, verdict: u32, out: Out, counted: Option<u32>) -> Row {
+fn row(
+    what: &'static str,
+    prog: Prog,
+    input: P,
+    verdict: u32,
+    out: Out,
+    counted: Option<u32>,
+) -> Row {
     Row {
         what,
         prog,
@@ -1003,10 +1012,20 @@ fn run_rows(dp: &Dp, rows: Vec<Row>) {
         let before = dp.dev_stats_of(dev);
         let (verdict, out, _) = dp.run_on(r.prog, dev, input, 1);
         let after = dp.dev_stats_of(dev);
+        let mut moved: BTreeMap<u32, u64> = BTreeMap::new();
+        for (reason, n) in &after {
+            let d = n - before.get(reason).copied().unwrap_or(0);
+            if d != 0 {
+                moved.insert(*reason, d);
+            }
+        }
         assert_eq!(
-            verdict, r.verdict,
-            "{}: verdict (0 ok, 2 shot, 7 redirect)\nout: {out:02x?}",
-            r.what
+            verdict,
+            r.verdict,
+            "{}: verdict (0 ok, 2 shot, 7 redirect)\nout: {out:02x?}\ncounters moved: {moved:?} \
+             (reasons: {:?})",
+            r.what,
+            pkt_stat::NAMES
         );
         match &r.out {
             Out::Untouched => assert_eq!(&out, input, "{}: must pass untouched", r.what),
@@ -1024,13 +1043,6 @@ fn run_rows(dp: &Dp, rows: Vec<Row>) {
                 verify_checksums(&out).unwrap_or_else(|e| panic!("{}: {e} is wrong", r.what));
             }
             Out::Dropped => {}
-        }
-        let mut moved: BTreeMap<u32, u64> = BTreeMap::new();
-        for (reason, n) in &after {
-            let d = n - before.get(reason).copied().unwrap_or(0);
-            if d != 0 {
-                moved.insert(*reason, d);
-            }
         }
         let want: BTreeMap<u32, u64> = r.counted.into_iter().map(|c| (c, 1)).collect();
         assert_eq!(
@@ -1107,7 +1119,9 @@ fn world() -> Dp {
     }
     let lb = svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES;
     let etp = NP | svc_flags::EXTERNAL_LOCAL;
-    let fes: [(&str, u8, u8, u32, &[BackendId], u16, u32); 29] = [
+    // (frontend, protocol, scope, id, backends, flags, affinity timeout)
+    type FeRow<'a> = (&'a str, u8, u8, u32, &'a [BackendId], u16, u32);
+    let fes: [FeRow<'_>; 29] = [
         ("0.0.0.0:30080", t, EXT, 1, &[11], NP, 0),
         ("0.0.0.0:30081", t, EXT, 2, &[12], NP, 0),
         ("0.0.0.0:30053", u, EXT, 3, &[13], NP, 0),
@@ -1116,7 +1130,15 @@ fn world() -> Dp {
         ("[::]:30081", t, EXT, 6, &[16], NP, 0),
         ("[::]:30053", u, EXT, 7, &[17], NP, 0),
         ("[::]:30054", u, EXT, 29, &[42], NP, 0),
-        ("198.51.100.10:80", t, EXT, 8, &[18], svc_flags::EXTERNAL_IP, 0),
+        (
+            "198.51.100.10:80",
+            t,
+            EXT,
+            8,
+            &[18],
+            svc_flags::EXTERNAL_IP,
+            0,
+        ),
         ("198.51.100.20:80", t, EXT, 9, &[11], lb, 0),
         ("0.0.0.0:30082", t, EXT, 10, &[11], NP, 0),
         ("0.0.0.0:30090", t, EXT, 20, &[19], etp, 0),
@@ -1134,8 +1156,24 @@ fn world() -> Dp {
         // Not used by the rows below, but present as on a node: they must not disturb.
         ("10.96.0.12:53", u, scope::CLUSTER, 33, &[13], 0, 0),
         ("[fd00:96::10]:80", t, scope::CLUSTER, 34, &[16], 0, 0),
-        ("198.51.100.10:80", t, scope::CLUSTER, 35, &[18], svc_flags::EXTERNAL_IP, 0),
-        ("198.51.100.20:80", t, scope::CLUSTER, 36, &[11], svc_flags::LOAD_BALANCER, 0),
+        (
+            "198.51.100.10:80",
+            t,
+            scope::CLUSTER,
+            35,
+            &[18],
+            svc_flags::EXTERNAL_IP,
+            0,
+        ),
+        (
+            "198.51.100.20:80",
+            t,
+            scope::CLUSTER,
+            36,
+            &[11],
+            svc_flags::LOAD_BALANCER,
+            0,
+        ),
         ("0.0.0.0:30081", t, scope::CLUSTER, 37, &[12], NP, 0),
         ("[::]:30080", t, scope::CLUSTER, 38, &[15], NP, 0),
     ];
@@ -1165,8 +1203,8 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-use Prog::{ExtEgress, ExtIngress, PodEgress, PodIngress};
 use Out::{Dropped, Packet, Untouched};
+use Prog::{ExtEgress, ExtIngress, PodEgress, PodIngress};
 
 const OK: u32 = TC_ACT_OK;
 const SHOT: u32 = TC_ACT_SHOT;
@@ -1281,7 +1319,12 @@ fn nodeport_ipv4_tcp() {
     // Both entries of each flow; the SNATed one records the client and the SNAT address,
     // the reply and the FIN on both.
     let fwd = dp
-        .ct_entry(&ct_key(c1, "192.0.2.10:30081", IPPROTO_TCP, ct_dir::FORWARD))
+        .ct_entry(&ct_key(
+            c1,
+            "192.0.2.10:30081",
+            IPPROTO_TCP,
+            ct_dir::FORWARD,
+        ))
         .expect("FORWARD entry");
     assert_eq!(fwd.nat_addr, ip16("10.244.2.7"));
     assert_eq!(fwd.nat_port_be, 8080u16.to_be());
@@ -1306,8 +1349,16 @@ fn nodeport_ipv4_tcp() {
     let local_rep = dp
         .ct_entry(&ct_key("10.244.1.5:8080", c0, IPPROTO_TCP, ct_dir::REPLY))
         .expect("the local flow's REPLY entry");
-    assert_eq!(local_rep.flags, ct_flags::SEEN_REPLY, "no SNAT for a local backend");
-    assert_eq!(dp.stat(stat::TRANSLATED), 2, "two new flows, shared counter");
+    assert_eq!(
+        local_rep.flags,
+        ct_flags::SEEN_REPLY,
+        "no SNAT for a local backend"
+    );
+    assert_eq!(
+        dp.stat(stat::TRANSLATED),
+        2,
+        "two new flows, shared counter"
+    );
 }
 
 /// NodePort over IPv4 UDP, remote and local; a datagram without a checksum (0) keeps none.
@@ -1417,8 +1468,12 @@ fn nodeport_ipv6() {
             row(
                 "its reply, restored",
                 ExtIngress,
-                tcp("[fd00:244:2::7]:8080", "[2001:db8::10]:61000", TCP_SYN | TCP_ACK)
-                    .macs(EXT_MAC, NODE2_MAC),
+                tcp(
+                    "[fd00:244:2::7]:8080",
+                    "[2001:db8::10]:61000",
+                    TCP_SYN | TCP_ACK,
+                )
+                .macs(EXT_MAC, NODE2_MAC),
                 REDIRECT,
                 Packet(
                     tcp("[2001:db8::10]:30081", c1, TCP_SYN | TCP_ACK)
@@ -1586,9 +1641,12 @@ fn no_backend_rejects() {
                 ExtIngress,
                 syn.clone(),
                 REDIRECT,
-                Packet(back(
-                    tcp("192.0.2.10:30099", c, 0).seg(0, 1001, TCP_RST | TCP_ACK, 0),
-                )),
+                Packet(back(tcp("192.0.2.10:30099", c, 0).seg(
+                    0,
+                    1001,
+                    TCP_RST | TCP_ACK,
+                    0,
+                ))),
                 Some(pkt_stat::REJECT_NO_BACKEND),
             ),
             row(
@@ -1616,9 +1674,12 @@ fn no_backend_rejects() {
                 ExtIngress,
                 syn6,
                 REDIRECT,
-                Packet(back(
-                    tcp("[2001:db8::10]:30099", c6, 0).seg(0, 1001, TCP_RST | TCP_ACK, 0),
-                )),
+                Packet(back(tcp("[2001:db8::10]:30099", c6, 0).seg(
+                    0,
+                    1001,
+                    TCP_RST | TCP_ACK,
+                    0,
+                ))),
                 Some(pkt_stat::REJECT_NO_BACKEND),
             ),
             row(
@@ -1639,7 +1700,11 @@ fn no_backend_rejects() {
             ),
         ],
     );
-    assert_eq!(dp.stat(stat::REFUSED_NO_BACKEND), 6, "shared with the socket path");
+    assert_eq!(
+        dp.stat(stat::REFUSED_NO_BACKEND),
+        6,
+        "shared with the socket path"
+    );
 }
 
 /// sessionAffinity ClientIP for external traffic: keyed by the client's address; a fresh
@@ -1709,7 +1774,13 @@ fn affinity_by_client_ip() {
     let p = tcp("203.0.113.10:41000", "192.0.2.10:30070", TCP_SYN).bytes();
     dp.run_on(ExtIngress, dp.ext0, &p, 1);
     assert_eq!(dp.stat(stat::AFFINITY_STALE), stale + 1);
-    assert!(dp.affinity.get(&key("203.0.113.10"), 0).unwrap().last_used_ns > now);
+    assert!(
+        dp.affinity
+            .get(&key("203.0.113.10"), 0)
+            .unwrap()
+            .last_used_ns
+            > now
+    );
 }
 
 /// Per-packet ClusterIP on a pod device: DNAT only (the pod's address kept), replies from
@@ -1784,7 +1855,11 @@ fn per_packet_cluster_ip_on_pod_devices() {
             row(
                 "its own reply to that port: restored, back into its device",
                 PodIngress,
-                pod(tcp("10.244.1.5:8080", "10.96.0.11:61000", TCP_SYN | TCP_ACK)),
+                pod(tcp(
+                    "10.244.1.5:8080",
+                    "10.96.0.11:61000",
+                    TCP_SYN | TCP_ACK,
+                )),
                 REDIRECT,
                 Packet(to_pod(tcp(
                     "10.96.0.11:80",
@@ -1995,8 +2070,7 @@ fn icmp_errors_about_translated_flows() {
                 icmp_error("10.244.1.5", C, 3, 3, [0; 4], &dgram, 28).macs(GW_MAC, EXT_MAC),
                 OK,
                 Packet(
-                    icmp_error("192.0.2.10", C, 3, 3, [0; 4], &dgram_as, 28)
-                        .macs(GW_MAC, EXT_MAC),
+                    icmp_error("192.0.2.10", C, 3, 3, [0; 4], &dgram_as, 28).macs(GW_MAC, EXT_MAC),
                 ),
                 Some(pkt_stat::ICMP_ERROR),
             ),
@@ -2005,7 +2079,15 @@ fn icmp_errors_about_translated_flows() {
                 ExtIngress,
                 icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
                 OK,
-                Packet(icmp_error("192.0.2.1", "10.244.1.5", 3, 4, mtu, &reply_was, 40)),
+                Packet(icmp_error(
+                    "192.0.2.1",
+                    "10.244.1.5",
+                    3,
+                    4,
+                    mtu,
+                    &reply_was,
+                    40,
+                )),
                 Some(pkt_stat::ICMP_ERROR),
             ),
             row(
@@ -2156,10 +2238,17 @@ fn truncated_and_malformed_pass_counted() {
             raw_row(
                 "IPv6 payload length beyond the packet",
                 ExtIngress,
-                edit(&good6, &|b| b[18..20].copy_from_slice(&400u16.to_be_bytes())),
+                edit(&good6, &|b| {
+                    b[18..20].copy_from_slice(&400u16.to_be_bytes())
+                }),
                 u,
             ),
-            raw_row("truncated on the egress too", ExtEgress, good[..30].to_vec(), u),
+            raw_row(
+                "truncated on the egress too",
+                ExtEgress,
+                good[..30].to_vec(),
+                u,
+            ),
             raw_row("and on a pod device", PodIngress, good[..30].to_vec(), u),
         ],
     );

@@ -278,15 +278,25 @@ pub const SNAT_ERR: u32 = 2;
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
 /// may process for the whole external ingress program).
+///
+/// `f` is a raw pointer, and what the tries leave is read back with volatile loads: the tries
+/// write the flow through a pointer of their own (the scratch space, looked up again), which
+/// the compiler cannot see. Through a `&mut Flow` it may assume nothing else writes the flow
+/// during bpf_loop, and then it folds `claimed` to the 0 stored before the loop (every flow
+/// was dropped as exhausted).
 #[inline(never)]
-pub fn create_snat(f: &mut Flow) -> u32 {
+pub fn create_snat(f: *mut Flow) -> u32 {
     let (min, max) = snat_range();
-    f.port_min = min as u32;
-    f.port_span = (max - min) as u32 + 1;
-    f.try_key = partner_key(&f.key, &f.fwd);
-    f.claimed = 0;
+    // SAFETY: `f` is this CPU's scratch space (scratch.rs), valid while the program runs.
+    unsafe {
+        (*f).port_min = min as u32;
+        (*f).port_span = (max - min) as u32 + 1;
+        (*f).try_key = partner_key(&(*f).key, &(*f).fwd);
+        (*f).claimed = 0;
+    }
     // SAFETY: the callback is a function of this object with the signature bpf_loop wants;
-    // it finds its state in the scratch space, so its context is null.
+    // it finds its state in the scratch space, so its context is null (bpf_loop takes only a
+    // stack pointer as context, not a map value).
     unsafe {
         bpf_loop(
             SNAT_TRIES,
@@ -295,13 +305,16 @@ pub fn create_snat(f: &mut Flow) -> u32 {
             0,
         );
     }
-    if f.claimed == 0 {
-        return SNAT_EXHAUSTED;
-    }
-    f.fwd.snat_port_be = f.try_key.dport_be;
-    if SVC_CT.insert(f.key, f.fwd, 0).is_err() {
-        let _ = SVC_CT.remove(f.try_key);
-        return SNAT_ERR;
+    // SAFETY: as above; volatile, as said.
+    unsafe {
+        if core::ptr::read_volatile(&(*f).claimed) == 0 {
+            return SNAT_EXHAUSTED;
+        }
+        (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
+        if SVC_CT.insert(&(*f).key, &(*f).fwd, 0).is_err() {
+            let _ = SVC_CT.remove(&(*f).try_key);
+            return SNAT_ERR;
+        }
     }
     SNAT_OK
 }
