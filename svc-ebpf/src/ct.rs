@@ -311,8 +311,8 @@ pub fn create_snat(f: *mut Flow) -> u32 {
             return SNAT_EXHAUSTED;
         }
         (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
-        if SVC_CT.insert(&(*f).key, &(*f).fwd, 0).is_err() {
-            let _ = SVC_CT.remove(&(*f).try_key);
+        if SVC_CT.insert((*f).key, (*f).fwd, 0).is_err() {
+            let _ = SVC_CT.remove((*f).try_key);
             return SNAT_ERR;
         }
     }
