@@ -1,0 +1,914 @@
+//! The packet datapath (tc) as a user outside the cluster sees it, on a topology of network
+//! namespaces this test makes:
+//!
+//! ```text
+//!  client  10.77.0.100 fd77::100 ─┐
+//!  client2 10.77.0.101 fd77::101 ─┤  lan (a bridge: the node network)
+//!  node 1  10.77.0.1   fd77::1   ─┤  eth0, the agent's device (tc programs)
+//!  node 2  10.77.0.2   fd77::2   ─┘
+//!  node 1 ── pod1 10.244.1.2 fd00:244:1::2   (the local backend)
+//!  node 2 ── pod2 10.244.2.2 fd00:244:2::2   (the remote backend)
+//! ```
+//!
+//! The clients route the ExternalIP and LoadBalancer ranges (10.77.100.0/24) to node 1, as a
+//! router or a cloud load balancer would. The agent runs inside node 1's namespace (nsenter)
+//! with `--devices eth0`, so it only ever sees and attaches to that namespace's devices; no
+//! traffic leaves the namespaces. Clients and backends are threads of this process that
+//! entered a namespace (setns), and they sit outside the agent's cgroup, so the socket hooks
+//! never see them: what they get is the tc programs' work. Each backend answers with its name
+//! and the client address it saw.
+
+mod common;
+
+use std::{
+    fs::File,
+    io::{BufRead, BufReader, Read, Write},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use common::poll;
+use serde_json::{json, Value};
+use svc_tests::{
+    netns::veth_pair, require_root, sandbox::AGENT_READY_TIMEOUT, Agent, Bpffs, Manifests, NetNs,
+    TestCgroup, Tools,
+};
+
+const CLIENT: &str = "10.77.0.100";
+const CLIENT2: &str = "10.77.0.101";
+const CLIENT6: &str = "fd77::100";
+const NODE1: &str = "10.77.0.1";
+const NODE1_6: &str = "fd77::1";
+const NODE2: &str = "10.77.0.2";
+const POD1: &str = "10.244.1.2";
+const POD1_6: &str = "fd00:244:1::2";
+const POD2: &str = "10.244.2.2";
+const POD2_6: &str = "fd00:244:2::2";
+const EXTERNAL_IP: &str = "10.77.100.10";
+const LB_IP: &str = "10.77.100.20";
+const ETP_LB_IP: &str = "10.77.100.30";
+
+/// How long a client waits for an answer that should come (a 2-core machine shared with
+/// other tests), and how long it waits to conclude that a dropped packet got none.
+const ANSWER: Duration = Duration::from_secs(3);
+const SILENCE: Duration = Duration::from_millis(1500);
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("address literal")
+}
+
+fn sa(addr: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(addr), port)
+}
+
+// ---------------------------------------------------------------------------------------
+// Threads in a namespace.
+
+/// Moves the calling thread into network namespace `path` (only this thread: a network
+/// namespace is per task).
+fn enter(path: &std::path::Path) -> std::io::Result<()> {
+    let f = File::open(path)?;
+    // SAFETY: a valid fd of a namespace file; affects only the calling thread.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Starts `f` in a new thread inside `ns`.
+fn spawn_in<T: Send + 'static>(
+    ns: &NetNs,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> JoinHandle<T> {
+    let path = ns.path();
+    std::thread::spawn(move || {
+        enter(&path).unwrap_or_else(|e| panic!("entering {}: {e}", path.display()));
+        f()
+    })
+}
+
+/// Runs `f` in a thread inside `ns` and returns what it returned.
+fn in_ns<T: Send + 'static>(ns: &NetNs, f: impl FnOnce() -> T + Send + 'static) -> T {
+    spawn_in(ns, f)
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+// ---------------------------------------------------------------------------------------
+// Backends: TCP and UDP echo servers that answer `NAME SEEN-CLIENT-ADDRESS`.
+
+struct Echo {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Echo {
+    /// Serves TCP `tcp_port` and UDP `udp_port` on each of `addrs` inside `ns`, as `name`.
+    fn start(ns: &NetNs, name: &str, addrs: &[&str], tcp_port: u16, udp_port: u16) -> Echo {
+        let stop = Arc::new(AtomicBool::new(false));
+        let addrs: Vec<IpAddr> = addrs.iter().map(|a| ip(a)).collect();
+        let (name, stop2) = (name.to_string(), stop.clone());
+        let sockets = in_ns(ns, move || {
+            let mut out = Vec::new();
+            for a in addrs {
+                let t = TcpListener::bind(SocketAddr::new(a, tcp_port))
+                    .unwrap_or_else(|e| panic!("binding {a}:{tcp_port}: {e}"));
+                t.set_nonblocking(true).unwrap();
+                let u = UdpSocket::bind(SocketAddr::new(a, udp_port))
+                    .unwrap_or_else(|e| panic!("binding {a}:{udp_port}: {e}"));
+                u.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                out.push((t, u));
+            }
+            out
+        });
+        let mut threads = Vec::new();
+        for (t, u) in sockets {
+            let (n, s) = (name.clone(), stop2.clone());
+            threads.push(std::thread::spawn(move || serve_tcp(t, &n, &s)));
+            let (n, s) = (name.clone(), stop2.clone());
+            threads.push(std::thread::spawn(move || serve_udp(u, &n, &s)));
+        }
+        Echo { stop, threads }
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_tcp(l: TcpListener, name: &str, stop: &Arc<AtomicBool>) {
+    let mut conns = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        match l.accept() {
+            Ok((c, peer)) => {
+                let (name, stop) = (name.to_string(), stop.clone());
+                conns.push(std::thread::spawn(move || {
+                    let _ = c.set_nonblocking(false);
+                    let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
+                    let mut r = BufReader::new(&c);
+                    let mut line = String::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        match r.read_line(&mut line) {
+                            Ok(0) => break,
+                            Ok(_) => {
+                                let reply = format!("{name} {}\n", peer.ip());
+                                if (&c).write_all(reply.as_bytes()).is_err() {
+                                    break;
+                                }
+                                line.clear();
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            Err(_) => break,
+                        }
+                    }
+                }));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    for c in conns {
+        let _ = c.join();
+    }
+}
+
+fn serve_udp(s: UdpSocket, name: &str, stop: &Arc<AtomicBool>) {
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((_, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(format!("{name} {}", from.ip()).as_bytes(), from);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Clients.
+
+/// What a client got from a backend: who answered, and the client address the backend saw.
+#[derive(Debug, PartialEq, Eq)]
+struct Answer {
+    backend: String,
+    saw: IpAddr,
+}
+
+fn parse_answer(text: &str) -> std::io::Result<Answer> {
+    let (backend, saw) = text
+        .trim()
+        .split_once(' ')
+        .ok_or_else(|| std::io::Error::other(format!("odd answer {text:?}")))?;
+    Ok(Answer {
+        backend: backend.to_string(),
+        saw: saw
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("odd answer {text:?}")))?,
+    })
+}
+
+/// One TCP connection to `to` and one exchange; the connection's peer must be `to` itself.
+fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let c = TcpStream::connect_timeout(&to, timeout)?;
+    let peer = c.peer_addr()?;
+    if peer != to {
+        return Err(std::io::Error::other(format!("peer {peer}, not {to}")));
+    }
+    c.set_read_timeout(Some(timeout))?;
+    (&c).write_all(b"x\n")?;
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line)?;
+    let _ = c.shutdown(Shutdown::Both);
+    parse_answer(&line)
+}
+
+/// One UDP exchange with `to` from an unconnected socket; the reply must come from `to`.
+fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send_to(b"x", to)?;
+    let mut buf = [0u8; 512];
+    let (n, from) = s.recv_from(&mut buf)?;
+    if from != to {
+        return Err(std::io::Error::other(format!("reply from {from}, not {to}")));
+    }
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// A connected UDP socket's exchange: an ICMP port unreachable shows as ECONNREFUSED.
+fn udp_connected_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.connect(to)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send(b"x")?;
+    let mut buf = [0u8; 512];
+    let n = s.recv(&mut buf)?;
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// `GET /` over HTTP/1.1: status and body.
+fn http_get(to: SocketAddr) -> std::io::Result<(u16, String)> {
+    let mut c = TcpStream::connect_timeout(&to, ANSWER)?;
+    c.set_read_timeout(Some(ANSWER))?;
+    write!(c, "GET / HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    c.read_to_string(&mut text)?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no end of headers: {text:?}")))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no status: {head:?}")))?;
+    Ok((status, body.to_string()))
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
+}
+
+/// How many programs are attached to `dev` of `ns` through tcx, ingress and egress
+/// (BPF_PROG_QUERY; the Debian bpftool here predates tcx and does not list them).
+fn tcx_programs(ns: &NetNs, dev: &str) -> (u32, u32) {
+    let dev = std::ffi::CString::new(dev).expect("device name");
+    in_ns(ns, move || {
+        // SAFETY: a valid NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(dev.as_ptr()) };
+        assert_ne!(ifindex, 0, "no device {dev:?}");
+        let query = |attach_type: u32| {
+            // union bpf_attr, query: target_ifindex, attach_type, query_flags, attach_flags,
+            // prog_ids (u64, null: count only), prog_cnt (u32, at 24).
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[4..8].copy_from_slice(&attach_type.to_ne_bytes());
+            const BPF_PROG_QUERY: libc::c_long = 16;
+            // SAFETY: attr is a zeroed bpf_attr of the size given.
+            let r = unsafe {
+                libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len())
+            };
+            assert_eq!(r, 0, "BPF_PROG_QUERY: {}", std::io::Error::last_os_error());
+            u32::from_ne_bytes(attr[24..28].try_into().unwrap())
+        };
+        const BPF_TCX_INGRESS: u32 = 46;
+        const BPF_TCX_EGRESS: u32 = 47;
+        (query(BPF_TCX_INGRESS), query(BPF_TCX_EGRESS))
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The topology.
+
+/// Fields drop in declaration order: the agent stops first, then its pins go (uninstall),
+/// then the backends, and the namespaces and the cgroup last.
+struct Topo {
+    agent: Option<Agent>,
+    bpffs: Bpffs,
+    _echo: Vec<Echo>,
+    m: Manifests,
+    tools: Tools,
+    client: NetNs,
+    client2: NetNs,
+    node1: NetNs,
+    _node2: NetNs,
+    _pod1: NetNs,
+    _pod2: NetNs,
+    _lan: NetNs,
+    cgroup: TestCgroup,
+}
+
+fn sysctl(ns: &NetNs, setting: &str) {
+    svc_tests::sys::run("ip", ["netns", "exec", ns.name(), "sysctl", "-qw", setting])
+        .unwrap_or_else(|e| panic!("sysctl {setting} in {}: {e:#}", ns.name()));
+}
+
+/// A node: its uplink `eth0` on the lan bridge, a pod behind `podh`, forwarding on.
+fn node(
+    lan: &NetNs,
+    port: &str,
+    node_ns: &NetNs,
+    v4: &str,
+    v6: &str,
+    pod: &NetNs,
+    pod_net: u8,
+) -> anyhow::Result<()> {
+    veth_pair(lan, port, node_ns, "eth0")?;
+    lan.ip(["link", "set", port, "master", "br0"])?;
+    node_ns.add_addr("eth0", &format!("{v4}/24"))?;
+    node_ns.add_addr("eth0", &format!("{v6}/64"))?;
+    veth_pair(node_ns, "podh", pod, "eth0")?;
+    node_ns.add_addr("podh", &format!("10.244.{pod_net}.1/24"))?;
+    node_ns.add_addr("podh", &format!("fd00:244:{pod_net}::1/64"))?;
+    pod.add_addr("eth0", &format!("10.244.{pod_net}.2/24"))?;
+    pod.add_addr("eth0", &format!("fd00:244:{pod_net}::2/64"))?;
+    pod.ip(["route", "add", "default", "via", &format!("10.244.{pod_net}.1")])?;
+    pod.ip([
+        "-6",
+        "route",
+        "add",
+        "default",
+        "via",
+        &format!("fd00:244:{pod_net}::1"),
+    ])?;
+    for s in [
+        "net.ipv4.ip_forward=1",
+        "net.ipv6.conf.all.forwarding=1",
+        "net.ipv4.conf.all.rp_filter=0",
+        "net.ipv4.conf.default.rp_filter=0",
+    ] {
+        sysctl(node_ns, s);
+    }
+    Ok(())
+}
+
+fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> anyhow::Result<()> {
+    veth_pair(lan, port, ns, "eth0")?;
+    lan.ip(["link", "set", port, "master", "br0"])?;
+    ns.add_addr("eth0", &format!("{v4}/24"))?;
+    ns.add_addr("eth0", &format!("{v6}/64"))?;
+    // ExternalIPs and LoadBalancer IPs are routed to node 1 (a router's or a cloud load
+    // balancer's job); nothing else is routed anywhere.
+    ns.ip(["route", "add", "10.77.100.0/24", "via", NODE1])?;
+    Ok(())
+}
+
+impl Topo {
+    fn new() -> Topo {
+        require_root();
+        let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
+        let cgroup = TestCgroup::new().expect("cgroup");
+        let mk = |p: &str| NetNs::new(p).expect("netns");
+        let lan = mk("svc-b");
+        let client = mk("svc-c");
+        let client2 = mk("svc-c");
+        let node1 = mk("svc-b");
+        let node2 = mk("svc-b");
+        let pod1 = mk("svc-b");
+        let pod2 = mk("svc-b");
+        (|| -> anyhow::Result<()> {
+            lan.ip(["link", "add", "br0", "type", "bridge"])?;
+            lan.ip(["link", "set", "br0", "up"])?;
+            client_ns(&lan, "c1", &client, CLIENT, CLIENT6)?;
+            client_ns(&lan, "c2", &client2, CLIENT2, "fd77::101")?;
+            node(&lan, "n1", &node1, NODE1, NODE1_6, &pod1, 1)?;
+            node(&lan, "n2", &node2, NODE2, "fd77::2", &pod2, 2)?;
+            node1.ip(["route", "add", "10.244.2.0/24", "via", NODE2])?;
+            node1.ip(["-6", "route", "add", "fd00:244:2::/64", "via", "fd77::2"])?;
+            node2.ip(["route", "add", "10.244.1.0/24", "via", NODE1])?;
+            node2.ip(["-6", "route", "add", "fd00:244:1::/64", "via", NODE1_6])?;
+            Ok(())
+        })()
+        .expect("building the topology");
+        let echo = vec![
+            Echo::start(&pod1, "pod1", &[POD1, POD1_6], 8080, 5353),
+            Echo::start(&pod2, "pod2", &[POD2, POD2_6], 8080, 5353),
+        ];
+        let m = Manifests::new().expect("manifests");
+        let bpffs = Bpffs::new(&tools.agent, cgroup.path()).expect("bpffs");
+        Topo {
+            agent: None,
+            bpffs,
+            _echo: echo,
+            m,
+            tools,
+            client,
+            client2,
+            node1,
+            _node2: node2,
+            _pod1: pod1,
+            _pod2: pod2,
+            _lan: lan,
+            cgroup,
+        }
+    }
+
+    /// Starts the agent inside node 1 on its uplink, and waits until it is ready.
+    fn start_agent(&mut self) {
+        let args: Vec<std::ffi::OsString> = vec![
+            "run".into(),
+            "--manifests".into(),
+            self.m.dir().into(),
+            "--cgroup".into(),
+            self.cgroup.path().into(),
+            "--bpffs".into(),
+            self.bpffs.path().into(),
+            "--node-name".into(),
+            "node-1".into(),
+            // Always named: a test never lets the agent choose devices.
+            "--devices".into(),
+            "eth0".into(),
+        ];
+        let launcher = [
+            "nsenter".into(),
+            format!("--net={}", self.node1.path().display()).into(),
+        ];
+        let mut agent = Agent::start_launched(
+            &launcher,
+            &self.tools.agent,
+            args,
+            self.bpffs.path(),
+            self.m.scratch(),
+        )
+        .expect("starting the agent");
+        agent.wait_ready(AGENT_READY_TIMEOUT).expect("agent ready");
+        self.agent = Some(agent);
+    }
+
+    fn agent(&mut self) -> &mut Agent {
+        self.agent.as_mut().expect("agent started")
+    }
+
+    /// How many programs run on node 1's eth0 (tcx ingress, tcx egress).
+    fn node1_eth0_programs(&self) -> (u32, u32) {
+        tcx_programs(&self.node1, "eth0")
+    }
+
+    fn service(&self, name: &str, value: Value) {
+        self.m
+            .write_value(&format!("svc-demo-{name}.yaml"), &value)
+            .expect("writing a Service");
+    }
+
+    /// EndpointSlices (one per family) of `service`: TCP 8080 and UDP 5353 on the given pods.
+    fn endpoints(&self, service: &str, pods: &[(&str, &str, &str)]) {
+        for (family, v6) in [("IPv4", false), ("IPv6", true)] {
+            let endpoints: Vec<Value> = pods
+                .iter()
+                .map(|(v4a, v6a, node)| {
+                    json!({
+                        "addresses": [if v6 { v6a } else { v4a }],
+                        "conditions": {"ready": true, "serving": true, "terminating": false},
+                        "nodeName": node,
+                    })
+                })
+                .collect();
+            let name = format!("{service}-{}", family.to_lowercase());
+            let slice = json!({
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": name,
+                    "namespace": "demo",
+                    "labels": {"kubernetes.io/service-name": service},
+                },
+                "addressType": family,
+                "ports": [
+                    {"name": "http", "port": 8080, "protocol": "TCP"},
+                    {"name": "dns", "port": 5353, "protocol": "UDP"},
+                ],
+                "endpoints": endpoints,
+            });
+            self.m
+                .write_value(&format!("eps-demo-{name}.yaml"), &slice)
+                .expect("writing an EndpointSlice");
+        }
+    }
+}
+
+const LOCAL_POD: (&str, &str, &str) = (POD1, POD1_6, "node-1");
+const REMOTE_POD: (&str, &str, &str) = (POD2, POD2_6, "node-2");
+
+/// A dual-stack Service of `kind` with ports http 80/TCP -> 8080 and dns 53/UDP -> 5353, both
+/// on NodePort `node_port`; `extra` is merged into its spec, `status` is its status.
+fn service(name: &str, kind: &str, vip: u8, node_port: u16, extra: Value, status: Value) -> Value {
+    let mut spec = json!({
+        "type": kind,
+        "clusterIP": format!("10.96.0.{vip}"),
+        "clusterIPs": [format!("10.96.0.{vip}"), format!("fd00:96::{vip}")],
+        "ipFamilies": ["IPv4", "IPv6"],
+        "ipFamilyPolicy": "RequireDualStack",
+        "selector": {"app": name},
+        "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+        ],
+    });
+    if node_port != 0 {
+        for p in spec["ports"].as_array_mut().unwrap() {
+            p["nodePort"] = node_port.into();
+        }
+    }
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            spec.insert(k.clone(), v.clone());
+        }
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": spec,
+        "status": status,
+    })
+}
+
+fn nodeport(name: &str, vip: u8, node_port: u16) -> Value {
+    service(name, "NodePort", vip, node_port, json!({}), json!({}))
+}
+
+/// Asks `f` in the client's namespace until it answers (the agent writes its maps after it
+/// says ready in the same sync, but a first ARP/ND exchange may be slow), then once more,
+/// returning that answer.
+fn answered(
+    ns: &NetNs,
+    what: &str,
+    f: impl Fn() -> std::io::Result<Answer> + Send + Sync + Clone + 'static,
+) -> Answer {
+    let f2 = f.clone();
+    in_ns(ns, move || {
+        poll(Duration::from_secs(10), || Ok(f2().ok())).unwrap_or_else(|e| panic!("{e}"))
+    });
+    in_ns(ns, f).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// NodePort over TCP and UDP, IPv4 and IPv6: a backend on node 1 sees the client's own
+/// address; a backend on node 2 sees node 1's address (SNAT), and the reply still comes back
+/// from the address the client used. A NodePort without endpoints refuses at once (TCP RST,
+/// ICMP port unreachable), never a timeout. The programs sit on node 1's eth0 and nowhere
+/// else.
+#[test]
+fn nodeport_from_outside() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.service("empty", nodeport("empty", 13, 30083));
+    t.endpoints("empty", &[]);
+    t.start_agent();
+
+    // One program each way on node 1's uplink, none anywhere else.
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+    assert_eq!(tcx_programs(&t.node1, "podh"), (0, 0));
+    assert_eq!(tcx_programs(&t.client, "eth0"), (0, 0));
+
+    let cases = [
+        (NODE1, CLIENT, "pod1", CLIENT),
+        (NODE1, CLIENT, "pod2", NODE1),
+        (NODE1_6, CLIENT6, "pod1", CLIENT6),
+        (NODE1_6, CLIENT6, "pod2", NODE1_6),
+    ];
+    for (node, client, backend, seen) in cases {
+        let port = if backend == "pod1" { 30081 } else { 30082 };
+        let to = sa(node, port);
+        let want = Answer {
+            backend: backend.into(),
+            saw: ip(seen),
+        };
+        let got = answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+        assert_eq!(got, want, "TCP {client} -> {to}");
+        let got = answered(&t.client, "udp", move || udp_once(to, ANSWER));
+        assert_eq!(got, want, "UDP {client} -> {to}");
+    }
+
+    // Many connections in a row, to both: every one answered.
+    let failures = in_ns(&t.client, || {
+        let mut failures = Vec::new();
+        for i in 0..40 {
+            let to = sa(NODE1, if i % 2 == 0 { 30081 } else { 30082 });
+            if let Err(e) = tcp_once(to, ANSWER) {
+                failures.push(format!("{to}: {e}"));
+            }
+            if let Err(e) = udp_once(to, ANSWER) {
+                failures.push(format!("udp {to}: {e}"));
+            }
+        }
+        failures
+    });
+    assert!(failures.is_empty(), "{failures:?}");
+
+    // No endpoints: refused at once.
+    for node in [NODE1, NODE1_6] {
+        let to = sa(node, 30083);
+        let (tcp, udp) = in_ns(&t.client, move || {
+            let start = Instant::now();
+            let tcp = tcp_once(to, ANSWER).map(|_| ()).map_err(|e| e.kind());
+            let udp = udp_connected_once(to, ANSWER)
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            assert!(start.elapsed() < ANSWER, "a reject took {:?}", start.elapsed());
+            (tcp, udp)
+        });
+        assert_eq!(
+            tcp,
+            Err(std::io::ErrorKind::ConnectionRefused),
+            "TCP {to}"
+        );
+        assert_eq!(
+            udp,
+            Err(std::io::ErrorKind::ConnectionRefused),
+            "UDP {to}"
+        );
+    }
+}
+
+/// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
+/// address; the health check node port says 200 with one local endpoint. A Service whose only
+/// endpoint is on node 2 is dropped here (no answer, not a reject) and its health check says
+/// 503. An ExternalIP reaches its (remote) backend, SNATed. A LoadBalancer IP with
+/// loadBalancerSourceRanges answers a client inside the range and drops one outside it, while
+/// the same Service's NodePort answers both.
+#[test]
+fn traffic_policy_health_checks_external_ips_and_source_ranges() {
+    let mut t = Topo::new();
+    let etp = |hc: u16| {
+        json!({
+            "externalTrafficPolicy": "Local",
+            "healthCheckNodePort": hc,
+        })
+    };
+    let lb_status = |ip: &str| json!({"loadBalancer": {"ingress": [{"ip": ip}]}});
+    t.service(
+        "etp",
+        service("etp", "LoadBalancer", 21, 30091, etp(30301), lb_status(ETP_LB_IP)),
+    );
+    t.endpoints("etp", &[LOCAL_POD, REMOTE_POD]);
+    t.service(
+        "etp-remote",
+        service("etp-remote", "LoadBalancer", 22, 30092, etp(30302), json!({})),
+    );
+    t.endpoints("etp-remote", &[REMOTE_POD]);
+    t.service(
+        "ext",
+        service(
+            "ext",
+            "ClusterIP",
+            23,
+            0,
+            json!({"externalIPs": [EXTERNAL_IP]}),
+            json!({}),
+        ),
+    );
+    t.endpoints("ext", &[REMOTE_POD]);
+    t.service(
+        "lb",
+        service(
+            "lb",
+            "LoadBalancer",
+            24,
+            30094,
+            json!({"loadBalancerSourceRanges": [format!("{CLIENT}/32")]}),
+            lb_status(LB_IP),
+        ),
+    );
+    t.endpoints("lb", &[LOCAL_POD]);
+    t.start_agent();
+
+    // eTP Local: always pod1, with the client's address, over the NodePort and the LB IP.
+    for to in [sa(NODE1, 30091), sa(NODE1_6, 30091), sa(ETP_LB_IP, 80)] {
+        let client = if to.is_ipv4() { CLIENT } else { CLIENT6 };
+        let want = Answer {
+            backend: "pod1".into(),
+            saw: ip(client),
+        };
+        answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+        let got = in_ns(&t.client, move || {
+            (0..10)
+                .map(|_| tcp_once(to, ANSWER).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        assert!(got.iter().all(|a| a.as_ref() == Ok(&want)), "{to}: {got:?}");
+        let got = answered(&t.client, "udp", move || udp_once(to, ANSWER));
+        assert_eq!(got, want, "UDP {to}");
+    }
+    // No local endpoint: dropped, so the client hears nothing.
+    let to = sa(NODE1, 30092);
+    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "eTP Local without a local endpoint: {r:?}"
+    );
+
+    // Health checks, as a cloud load balancer asks them.
+    let (status, body) = in_ns(&t.client, || {
+        poll(Duration::from_secs(10), || Ok(http_get(sa(NODE1, 30301)).ok()))
+    })
+    .expect("health check of etp");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("health check JSON");
+    assert_eq!(v["service"], json!({"namespace": "demo", "name": "etp"}));
+    assert_eq!(v["localEndpoints"], 1, "{body}");
+    let (status, body) = in_ns(&t.client, || {
+        poll(Duration::from_secs(10), || Ok(http_get(sa(NODE1, 30302)).ok()))
+    })
+    .expect("health check of etp-remote");
+    assert_eq!(status, 503, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("health check JSON");
+    assert_eq!(v["localEndpoints"], 0, "{body}");
+
+    // ExternalIP to a backend on node 2: SNATed to node 1.
+    let to = sa(EXTERNAL_IP, 80);
+    let want = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    assert_eq!(answered(&t.client, "tcp", move || tcp_once(to, ANSWER)), want);
+    assert_eq!(answered(&t.client, "udp", move || udp_once(to, ANSWER)), want);
+    // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
+    let to = sa(EXTERNAL_IP, 81);
+    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
+    assert!(r.is_err(), "{to} answered: {r:?}");
+
+    // Source ranges: the LB IP for a client inside, not for one outside; the NodePort for
+    // both.
+    let to = sa(LB_IP, 80);
+    let want = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    assert_eq!(answered(&t.client, "tcp", move || tcp_once(to, ANSWER)), want);
+    assert_eq!(answered(&t.client, "udp", move || udp_once(to, ANSWER)), want);
+    let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "a client outside loadBalancerSourceRanges: {r:?}"
+    );
+    let r = in_ns(&t.client2, move || udp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "UDP from outside loadBalancerSourceRanges: {r:?}"
+    );
+    let to = sa(NODE1, 30094);
+    let got = answered(&t.client2, "tcp", move || tcp_once(to, ANSWER));
+    assert_eq!(
+        got,
+        Answer {
+            backend: "pod1".into(),
+            saw: ip(CLIENT2)
+        }
+    );
+}
+
+/// The agent SIGKILLed and started again while a client holds a NodePort connection to a
+/// backend on node 2 (SNATed, so every reply needs the connection-tracking entry) and while
+/// another opens new connections back to back: not one exchange fails. Then `uninstall`
+/// removes the programs from node 1's eth0 and leaves the device as it was: the NodePort is
+/// an ordinary closed port of node 1 again.
+#[test]
+fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.service("local", nodeport("local", 32, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let to = sa(NODE1, 30082);
+    answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+    let addrs_before = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let exchanges = Arc::new(AtomicU64::new(0));
+    let connections = Arc::new(AtomicU64::new(0));
+    let long_lived = {
+        let (stop, exchanges) = (stop.clone(), exchanges.clone());
+        spawn_in(&t.client, move || -> Result<(), String> {
+            let c = TcpStream::connect_timeout(&to, ANSWER).map_err(|e| e.to_string())?;
+            c.set_read_timeout(Some(ANSWER)).map_err(|e| e.to_string())?;
+            let mut r = BufReader::new(&c);
+            while !stop.load(Ordering::Relaxed) {
+                (&c)
+                    .write_all(b"x\n")
+                    .map_err(|e| format!("after {exchanges:?}: {e}"))?;
+                let mut line = String::new();
+                r.read_line(&mut line)
+                    .map_err(|e| format!("after {exchanges:?}: {e}"))?;
+                let a = parse_answer(&line).map_err(|e| e.to_string())?;
+                if a.backend != "pod2" || a.saw != ip(NODE1) {
+                    return Err(format!("{a:?}"));
+                }
+                exchanges.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        })
+    };
+    let new_connections = {
+        let (stop, connections) = (stop.clone(), connections.clone());
+        spawn_in(&t.client, move || {
+            let mut failures = Vec::new();
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let to = sa(NODE1, if i % 2 == 0 { 30081 } else { 30082 });
+                i += 1;
+                match tcp_once(to, ANSWER) {
+                    Ok(_) => {
+                        connections.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => failures.push(format!("{to}: {e}")),
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            failures
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    t.agent().kill().expect("SIGKILL");
+    // The programs stay (their links are pinned) while no agent runs.
+    std::thread::sleep(Duration::from_millis(1000));
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Ordering::Relaxed);
+    let long_lived = long_lived.join().expect("long-lived client");
+    let failures = new_connections.join().expect("connection loop");
+    assert_eq!(long_lived, Ok(()), "the long-lived NodePort connection");
+    assert!(
+        failures.is_empty(),
+        "new connections failed across the restart: {failures:?}"
+    );
+    assert!(exchanges.load(Ordering::Relaxed) > 50, "{exchanges:?}");
+    assert!(connections.load(Ordering::Relaxed) > 20, "{connections:?}");
+    let log = t.agent().log();
+    assert!(
+        log.contains("replaced the program of the pinned link"),
+        "the restarted agent swapped its programs into the pinned links:\n{log}"
+    );
+
+    // Uninstall: no program of ours on the device, the device and its addresses untouched,
+    // and the NodePort is a closed port of node 1 again (its own stack answers RST).
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
+        .expect("uninstall");
+    assert_eq!(t.node1_eth0_programs(), (0, 0), "programs left on eth0");
+    let addrs_after = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
+    assert_eq!(addrs_after, addrs_before);
+    let to = sa(NODE1, 30082);
+    let r = in_ns(&t.client, move || tcp_once(to, ANSWER).map_err(|e| e.kind()));
+    assert_eq!(r, Err(std::io::ErrorKind::ConnectionRefused));
+    let pins: Vec<PathBuf> = std::fs::read_dir(t.bpffs.path())
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(pins.is_empty(), "pins left: {pins:?}");
+}
