@@ -583,8 +583,10 @@ fn answered(
     f: impl Fn() -> std::io::Result<Answer> + Send + Sync + Clone + 'static,
 ) -> Answer {
     let f2 = f.clone();
+    let what2 = what.to_string();
     in_ns(ns, move || {
-        poll(Duration::from_secs(10), || Ok(f2().ok())).unwrap_or_else(|e| panic!("{e}"))
+        poll(Duration::from_secs(10), || Ok(Some(f2()?)))
+            .unwrap_or_else(|e| panic!("{what2}: {e:#}"))
     });
     in_ns(ns, f).unwrap_or_else(|e| panic!("{what}: {e}"))
 }
@@ -625,9 +627,9 @@ fn nodeport_from_outside() {
             backend: backend.into(),
             saw: ip(seen),
         };
-        let got = answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+        let got = answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
         assert_eq!(got, want, "TCP {client} -> {to}");
-        let got = answered(&t.client, "udp", move || udp_once(to, ANSWER));
+        let got = answered(&t.client, &format!("UDP to {to}"), move || udp_once(to, ANSWER));
         assert_eq!(got, want, "UDP {client} -> {to}");
     }
 
@@ -725,21 +727,28 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
     t.start_agent();
 
     // eTP Local: always pod1, with the client's address, over the NodePort and the LB IP.
-    for to in [sa(NODE1, 30091), sa(NODE1_6, 30091), sa(ETP_LB_IP, 80)] {
+    // A NodePort has one port number for both protocols; the LB IP has the Service's ports.
+    for (to, udp_to) in [
+        (sa(NODE1, 30091), sa(NODE1, 30091)),
+        (sa(NODE1_6, 30091), sa(NODE1_6, 30091)),
+        (sa(ETP_LB_IP, 80), sa(ETP_LB_IP, 53)),
+    ] {
         let client = if to.is_ipv4() { CLIENT } else { CLIENT6 };
         let want = Answer {
             backend: "pod1".into(),
             saw: ip(client),
         };
-        answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
         let got = in_ns(&t.client, move || {
             (0..10)
                 .map(|_| tcp_once(to, ANSWER).map_err(|e| e.to_string()))
                 .collect::<Vec<_>>()
         });
         assert!(got.iter().all(|a| a.as_ref() == Ok(&want)), "{to}: {got:?}");
-        let got = answered(&t.client, "udp", move || udp_once(to, ANSWER));
-        assert_eq!(got, want, "UDP {to}");
+        let got = answered(&t.client, &format!("UDP to {udp_to}"), move || {
+            udp_once(udp_to, ANSWER)
+        });
+        assert_eq!(got, want, "UDP {udp_to}");
     }
     // No local endpoint: dropped, so the client hears nothing.
     let to = sa(NODE1, 30092);
@@ -767,13 +776,16 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
     assert_eq!(v["localEndpoints"], 0, "{body}");
 
     // ExternalIP to a backend on node 2: SNATed to node 1.
-    let to = sa(EXTERNAL_IP, 80);
+    let (to, udp_to) = (sa(EXTERNAL_IP, 80), sa(EXTERNAL_IP, 53));
     let want = Answer {
         backend: "pod2".into(),
         saw: ip(NODE1),
     };
-    assert_eq!(answered(&t.client, "tcp", move || tcp_once(to, ANSWER)), want);
-    assert_eq!(answered(&t.client, "udp", move || udp_once(to, ANSWER)), want);
+    assert_eq!(answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER)), want);
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(udp_to, ANSWER)),
+        want
+    );
     // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
     let to = sa(EXTERNAL_IP, 81);
     let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
@@ -781,25 +793,28 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
 
     // Source ranges: the LB IP for a client inside, not for one outside; the NodePort for
     // both.
-    let to = sa(LB_IP, 80);
+    let (to, udp_to) = (sa(LB_IP, 80), sa(LB_IP, 53));
     let want = Answer {
         backend: "pod1".into(),
         saw: ip(CLIENT),
     };
-    assert_eq!(answered(&t.client, "tcp", move || tcp_once(to, ANSWER)), want);
-    assert_eq!(answered(&t.client, "udp", move || udp_once(to, ANSWER)), want);
+    assert_eq!(answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER)), want);
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(udp_to, ANSWER)),
+        want
+    );
     let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
     assert!(
         matches!(&r, Err(e) if is_timeout(e)),
         "a client outside loadBalancerSourceRanges: {r:?}"
     );
-    let r = in_ns(&t.client2, move || udp_once(to, SILENCE));
+    let r = in_ns(&t.client2, move || udp_once(udp_to, SILENCE));
     assert!(
         matches!(&r, Err(e) if is_timeout(e)),
         "UDP from outside loadBalancerSourceRanges: {r:?}"
     );
     let to = sa(NODE1, 30094);
-    let got = answered(&t.client2, "tcp", move || tcp_once(to, ANSWER));
+    let got = answered(&t.client2, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
     assert_eq!(
         got,
         Answer {
@@ -823,7 +838,7 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     t.endpoints("local", &[LOCAL_POD]);
     t.start_agent();
     let to = sa(NODE1, 30082);
-    answered(&t.client, "tcp", move || tcp_once(to, ANSWER));
+    answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
     let addrs_before = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
