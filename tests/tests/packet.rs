@@ -250,7 +250,9 @@ fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
     let mut buf = [0u8; 512];
     let (n, from) = s.recv_from(&mut buf)?;
     if from != to {
-        return Err(std::io::Error::other(format!("reply from {from}, not {to}")));
+        return Err(std::io::Error::other(format!(
+            "reply from {from}, not {to}"
+        )));
     }
     parse_answer(&String::from_utf8_lossy(&buf[..n]))
 }
@@ -275,7 +277,10 @@ fn udp_connected_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answ
 fn http_get(to: SocketAddr) -> std::io::Result<(u16, String)> {
     let mut c = TcpStream::connect_timeout(&to, ANSWER)?;
     c.set_read_timeout(Some(ANSWER))?;
-    write!(c, "GET / HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n")?;
+    write!(
+        c,
+        "GET / HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+    )?;
     let mut text = String::new();
     c.read_to_string(&mut text)?;
     let (head, body) = text
@@ -369,7 +374,13 @@ fn node(
     node_ns.add_addr("podh", &format!("fd00:244:{pod_net}::1/64"))?;
     pod.add_addr("eth0", &format!("10.244.{pod_net}.2/24"))?;
     pod.add_addr("eth0", &format!("fd00:244:{pod_net}::2/64"))?;
-    pod.ip(["route", "add", "default", "via", &format!("10.244.{pod_net}.1")])?;
+    pod.ip([
+        "route",
+        "add",
+        "default",
+        "via",
+        &format!("10.244.{pod_net}.1"),
+    ])?;
     pod.ip([
         "-6",
         "route",
@@ -627,17 +638,21 @@ fn nodeport_from_outside() {
             backend: backend.into(),
             saw: ip(seen),
         };
-        let got = answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
+        let got = answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
         assert_eq!(got, want, "TCP {client} -> {to}");
-        let got = answered(&t.client, &format!("UDP to {to}"), move || udp_once(to, ANSWER));
+        let got = answered(&t.client, &format!("UDP to {to}"), move || {
+            udp_once(to, ANSWER)
+        });
         assert_eq!(got, want, "UDP {client} -> {to}");
     }
 
     // Many connections in a row, to both: every one answered.
     let failures = in_ns(&t.client, || {
         let mut failures = Vec::new();
-        for i in 0..40 {
-            let to = sa(NODE1, if i % 2 == 0 { 30081 } else { 30082 });
+        for i in 0..40u32 {
+            let to = sa(NODE1, if i.is_multiple_of(2) { 30081 } else { 30082 });
             if let Err(e) = tcp_once(to, ANSWER) {
                 failures.push(format!("{to}: {e}"));
             }
@@ -658,19 +673,15 @@ fn nodeport_from_outside() {
             let udp = udp_connected_once(to, ANSWER)
                 .map(|_| ())
                 .map_err(|e| e.kind());
-            assert!(start.elapsed() < ANSWER, "a reject took {:?}", start.elapsed());
+            assert!(
+                start.elapsed() < ANSWER,
+                "a reject took {:?}",
+                start.elapsed()
+            );
             (tcp, udp)
         });
-        assert_eq!(
-            tcp,
-            Err(std::io::ErrorKind::ConnectionRefused),
-            "TCP {to}"
-        );
-        assert_eq!(
-            udp,
-            Err(std::io::ErrorKind::ConnectionRefused),
-            "UDP {to}"
-        );
+        assert_eq!(tcp, Err(std::io::ErrorKind::ConnectionRefused), "TCP {to}");
+        assert_eq!(udp, Err(std::io::ErrorKind::ConnectionRefused), "UDP {to}");
     }
 }
 
@@ -692,12 +703,26 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
     let lb_status = |ip: &str| json!({"loadBalancer": {"ingress": [{"ip": ip}]}});
     t.service(
         "etp",
-        service("etp", "LoadBalancer", 21, 30091, etp(30301), lb_status(ETP_LB_IP)),
+        service(
+            "etp",
+            "LoadBalancer",
+            21,
+            30091,
+            etp(30301),
+            lb_status(ETP_LB_IP),
+        ),
     );
     t.endpoints("etp", &[LOCAL_POD, REMOTE_POD]);
     t.service(
         "etp-remote",
-        service("etp-remote", "LoadBalancer", 22, 30092, etp(30302), json!({})),
+        service(
+            "etp-remote",
+            "LoadBalancer",
+            22,
+            30092,
+            etp(30302),
+            json!({}),
+        ),
     );
     t.endpoints("etp-remote", &[REMOTE_POD]);
     t.service(
@@ -738,7 +763,9 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
             backend: "pod1".into(),
             saw: ip(client),
         };
-        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
+        answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
         let got = in_ns(&t.client, move || {
             (0..10)
                 .map(|_| tcp_once(to, ANSWER).map_err(|e| e.to_string()))
@@ -760,7 +787,9 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
 
     // Health checks, as a cloud load balancer asks them.
     let (status, body) = in_ns(&t.client, || {
-        poll(Duration::from_secs(10), || Ok(http_get(sa(NODE1, 30301)).ok()))
+        poll(Duration::from_secs(10), || {
+            Ok(http_get(sa(NODE1, 30301)).ok())
+        })
     })
     .expect("health check of etp");
     assert_eq!(status, 200, "{body}");
@@ -768,7 +797,9 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
     assert_eq!(v["service"], json!({"namespace": "demo", "name": "etp"}));
     assert_eq!(v["localEndpoints"], 1, "{body}");
     let (status, body) = in_ns(&t.client, || {
-        poll(Duration::from_secs(10), || Ok(http_get(sa(NODE1, 30302)).ok()))
+        poll(Duration::from_secs(10), || {
+            Ok(http_get(sa(NODE1, 30302)).ok())
+        })
     })
     .expect("health check of etp-remote");
     assert_eq!(status, 503, "{body}");
@@ -781,9 +812,16 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
         backend: "pod2".into(),
         saw: ip(NODE1),
     };
-    assert_eq!(answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER)), want);
     assert_eq!(
-        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(udp_to, ANSWER)),
+        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+            to, ANSWER
+        )),
+        want
+    );
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+            udp_to, ANSWER
+        )),
         want
     );
     // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
@@ -798,9 +836,16 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
         backend: "pod1".into(),
         saw: ip(CLIENT),
     };
-    assert_eq!(answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER)), want);
     assert_eq!(
-        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(udp_to, ANSWER)),
+        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+            to, ANSWER
+        )),
+        want
+    );
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+            udp_to, ANSWER
+        )),
         want
     );
     let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
@@ -814,7 +859,9 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
         "UDP from outside loadBalancerSourceRanges: {r:?}"
     );
     let to = sa(NODE1, 30094);
-    let got = answered(&t.client2, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
+    let got = answered(&t.client2, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
     assert_eq!(
         got,
         Answer {
@@ -838,7 +885,9 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     t.endpoints("local", &[LOCAL_POD]);
     t.start_agent();
     let to = sa(NODE1, 30082);
-    answered(&t.client, &format!("TCP to {to}"), move || tcp_once(to, ANSWER));
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
     let addrs_before = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -848,11 +897,11 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
         let (stop, exchanges) = (stop.clone(), exchanges.clone());
         spawn_in(&t.client, move || -> Result<(), String> {
             let c = TcpStream::connect_timeout(&to, ANSWER).map_err(|e| e.to_string())?;
-            c.set_read_timeout(Some(ANSWER)).map_err(|e| e.to_string())?;
+            c.set_read_timeout(Some(ANSWER))
+                .map_err(|e| e.to_string())?;
             let mut r = BufReader::new(&c);
             while !stop.load(Ordering::Relaxed) {
-                (&c)
-                    .write_all(b"x\n")
+                (&c).write_all(b"x\n")
                     .map_err(|e| format!("after {exchanges:?}: {e}"))?;
                 let mut line = String::new();
                 r.read_line(&mut line)
@@ -873,7 +922,7 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
             let mut failures = Vec::new();
             let mut i = 0u32;
             while !stop.load(Ordering::Relaxed) {
-                let to = sa(NODE1, if i % 2 == 0 { 30081 } else { 30082 });
+                let to = sa(NODE1, if i.is_multiple_of(2) { 30081 } else { 30082 });
                 i += 1;
                 match tcp_once(to, ANSWER) {
                     Ok(_) => {
@@ -920,7 +969,9 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     let addrs_after = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
     assert_eq!(addrs_after, addrs_before);
     let to = sa(NODE1, 30082);
-    let r = in_ns(&t.client, move || tcp_once(to, ANSWER).map_err(|e| e.kind()));
+    let r = in_ns(&t.client, move || {
+        tcp_once(to, ANSWER).map_err(|e| e.kind())
+    });
     assert_eq!(r, Err(std::io::ErrorKind::ConnectionRefused));
     let pins: Vec<PathBuf> = std::fs::read_dir(t.bpffs.path())
         .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
