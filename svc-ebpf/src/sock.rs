@@ -12,7 +12,8 @@ use aya_ebpf::{
 };
 use svc_common::{
     is_v4_mapped, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey, ServiceValue,
-    SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
+    SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP, NODEPORT_ADDR_V4,
+    NODEPORT_ADDR_V6,
 };
 
 use crate::{
@@ -254,7 +255,13 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
             if !same_frontend(&current, &rev) {
                 return;
             }
-            current
+            // What the socket asked for: for a NodePort, the node address it used (the
+            // frontend's own entry holds only the wildcard).
+            RevNatValue {
+                addr: rev.addr,
+                port_be: rev.port_be,
+                ..current
+            }
         }
         // Not there (evicted, or its write failed): an unconnected socket's own state still
         // says which frontend it reached this backend through, so the reply never shows an
@@ -266,6 +273,8 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
             }
             // SAFETY: copied out at once.
             match unsafe { SVC_REV_NAT.get(id) } {
+                // A NodePort's entry does not say which node address the socket used.
+                Some(frontend) if is_nodeport_wildcard(&frontend.addr) => return,
                 Some(frontend) => *frontend,
                 None => return,
             }
@@ -297,9 +306,22 @@ fn chosen_for(ctx: &SockAddrContext, src: &SockAddr) -> u32 {
     0
 }
 
+/// Whether the frontend `rev` remembers is still the one its id names (ids are reused). A
+/// NodePort's entry holds its wildcard key address, while `rev` holds the node address the
+/// socket connected to: any address of the same family matches it.
 #[inline(always)]
 fn same_frontend(current: &RevNatValue, rev: &SockRevValue) -> bool {
-    current.addr == rev.addr && current.port_be == rev.port_be
+    if current.port_be != rev.port_be {
+        return false;
+    }
+    current.addr == rev.addr
+        || (current.addr == NODEPORT_ADDR_V4 && is_v4_mapped(&rev.addr))
+        || (current.addr == NODEPORT_ADDR_V6 && !is_v4_mapped(&rev.addr))
+}
+
+#[inline(always)]
+fn is_nodeport_wildcard(a: &[u8; 16]) -> bool {
+    *a == NODEPORT_ADDR_V4 || *a == NODEPORT_ADDR_V6
 }
 
 const AF_INET: u32 = 2;

@@ -344,7 +344,7 @@ struct Topo {
     client2: NetNs,
     node1: NetNs,
     _node2: NetNs,
-    _pod1: NetNs,
+    pod1: NetNs,
     _pod2: NetNs,
     _lan: NetNs,
     cgroup: TestCgroup,
@@ -454,7 +454,7 @@ impl Topo {
             client2,
             node1,
             _node2: node2,
-            _pod1: pod1,
+            pod1,
             _pod2: pod2,
             _lan: lan,
             cgroup,
@@ -463,7 +463,12 @@ impl Topo {
 
     /// Starts the agent inside node 1 on its uplink, and waits until it is ready.
     fn start_agent(&mut self) {
-        let args: Vec<std::ffi::OsString> = vec![
+        self.start_agent_with(&[]);
+    }
+
+    /// `start_agent` with more flags.
+    fn start_agent_with(&mut self, extra: &[&str]) {
+        let args: Vec<std::ffi::OsString> = [
             "run".into(),
             "--manifests".into(),
             self.m.dir().into(),
@@ -476,7 +481,10 @@ impl Topo {
             // Always named: a test never lets the agent choose devices.
             "--devices".into(),
             "eth0".into(),
-        ];
+        ]
+        .into_iter()
+        .chain(extra.iter().map(Into::into))
+        .collect();
         let launcher = [
             "nsenter".into(),
             format!("--net={}", self.node1.path().display()).into(),
@@ -977,4 +985,78 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
         .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(pins.is_empty(), "pins left: {pins:?}");
+}
+
+/// Traffic that starts on node 1 rather than outside it:
+/// - a pod outside the agent's cgroup (its sockets unseen by the socket hooks, as a service
+///   mesh's pods) behind a device named by `--packet-lb-devices`: its ClusterIP traffic is
+///   translated per packet, its own address kept, and the answer comes from the ClusterIP;
+/// - the same pod reaching a NodePort whose only endpoint is itself (hairpin): it answers
+///   itself, seeing the connection come from the node;
+/// - a process of node 1 inside the cgroup reaching a NodePort on the node's own address: the
+///   socket hooks translate it, and it sees the NodePort as its peer.
+#[test]
+fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
+    let mut t = Topo::new();
+    t.service(
+        "cip",
+        service("cip", "ClusterIP", 41, 0, json!({}), json!({})),
+    );
+    t.endpoints("cip", &[REMOTE_POD]);
+    t.service("self", nodeport("self", 42, 30085));
+    t.endpoints("self", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 43, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&["--packet-lb-devices", "podh"]);
+    assert_eq!(tcx_programs(&t.node1, "podh"), (1, 1));
+
+    for (to, udp_to) in [
+        (sa("10.96.0.41", 80), sa("10.96.0.41", 53)),
+        (sa("fd00:96::41", 80), sa("fd00:96::41", 53)),
+    ] {
+        let want = Answer {
+            backend: "pod2".into(),
+            saw: if to.is_ipv4() { ip(POD1) } else { ip(POD1_6) },
+        };
+        let got = answered(&t.pod1, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        assert_eq!(got, want, "pod1 -> {to}");
+        let got = answered(&t.pod1, &format!("UDP to {udp_to}"), move || {
+            udp_once(udp_to, ANSWER)
+        });
+        assert_eq!(got, want, "pod1 -> {udp_to}");
+    }
+
+    let to = sa(NODE1, 30085);
+    let got = answered(&t.pod1, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got.backend, "pod1", "hairpin: {got:?}");
+    assert_ne!(
+        got.saw,
+        ip(POD1),
+        "hairpin: the pod must not see itself as the client"
+    );
+
+    let report: svc_tests::Report = svc_tests::ClientRun::spawn(
+        &t.tools.probe,
+        &t.cgroup,
+        &t.node1,
+        &["tcp".into(), "--to".into(), sa(NODE1, 30082).to_string()],
+    )
+    .expect("probe on node 1")
+    .wait(Duration::from_secs(20))
+    .expect("probe report");
+    assert!(report.all_ok(), "{report:?}");
+    let a = &report.results[0];
+    assert_eq!(a.peer.as_deref(), Some("10.77.0.1:30082"), "{a:?}");
+    assert_eq!(
+        a.backend
+            .as_deref()
+            .and_then(|b| b.split_once(' '))
+            .map(|b| b.0),
+        Some("pod2"),
+        "{a:?}"
+    );
 }
