@@ -880,8 +880,9 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
 }
 
 /// The agent SIGKILLed and started again while a client holds a NodePort connection to a
-/// backend on node 2 (SNATed, so every reply needs the connection-tracking entry) and while
-/// another opens new connections back to back: not one exchange fails. Then `uninstall`
+/// backend on node 2 (SNATed, so every reply needs the connection-tracking entry), while a
+/// UDP client keeps one socket talking to it, and while another opens new connections back to
+/// back: not one exchange fails. Then `uninstall`
 /// removes the programs from node 1's eth0 and leaves the device as it was: the NodePort is
 /// an ordinary closed port of node 1 again.
 #[test]
@@ -924,6 +925,31 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
             Ok(())
         })
     };
+    // One UDP socket, as a long-lived UDP client (its flow SNATed too).
+    let datagrams = Arc::new(AtomicU64::new(0));
+    let udp_stream = {
+        let (stop, datagrams) = (stop.clone(), datagrams.clone());
+        spawn_in(&t.client, move || -> Result<(), String> {
+            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(ANSWER))
+                .map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 512];
+            while !stop.load(Ordering::Relaxed) {
+                s.send_to(b"x", to).map_err(|e| e.to_string())?;
+                let (n, from) = s
+                    .recv_from(&mut buf)
+                    .map_err(|e| format!("after {datagrams:?}: {e}"))?;
+                let a =
+                    parse_answer(&String::from_utf8_lossy(&buf[..n])).map_err(|e| e.to_string())?;
+                if from != to || a.backend != "pod2" || a.saw != ip(NODE1) {
+                    return Err(format!("{a:?} from {from}"));
+                }
+                datagrams.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        })
+    };
     let new_connections = {
         let (stop, connections) = (stop.clone(), connections.clone());
         spawn_in(&t.client, move || {
@@ -955,7 +981,10 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     stop.store(true, Ordering::Relaxed);
     let long_lived = long_lived.join().expect("long-lived client");
     let failures = new_connections.join().expect("connection loop");
+    let udp_stream = udp_stream.join().expect("UDP stream");
     assert_eq!(long_lived, Ok(()), "the long-lived NodePort connection");
+    assert_eq!(udp_stream, Ok(()), "the UDP stream through the NodePort");
+    assert!(datagrams.load(Ordering::Relaxed) > 50, "{datagrams:?}");
     assert!(
         failures.is_empty(),
         "new connections failed across the restart: {failures:?}"
