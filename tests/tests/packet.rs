@@ -468,10 +468,17 @@ impl Topo {
 
     /// `start_agent` with more flags.
     fn start_agent_with(&mut self, extra: &[&str]) {
+        let source = ["--manifests".into(), self.m.dir().into()];
+        self.start_agent_from(source, extra);
+    }
+
+    /// Starts the agent with `source` (`--manifests DIR` or `--kubeconfig FILE`) and `extra`.
+    fn start_agent_from(&mut self, source: [std::ffi::OsString; 2], extra: &[&str]) {
+        let [flag, value] = source;
         let args: Vec<std::ffi::OsString> = [
             "run".into(),
-            "--manifests".into(),
-            self.m.dir().into(),
+            flag,
+            value,
             "--cgroup".into(),
             self.cgroup.path().into(),
             "--bpffs".into(),
@@ -1088,4 +1095,210 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
         Some("pod2"),
         "{a:?}"
     );
+}
+
+/// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address
+/// in this process's own namespace: how an agent inside node 1 reaches the test's
+/// kube-apiserver on the host's loopback (the kubeconfig stays as it is, TLS passes through).
+struct LoopbackForward {
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl LoopbackForward {
+    fn start(ns: &NetNs, at: SocketAddr) -> LoopbackForward {
+        let listener = in_ns(ns, move || {
+            let l = TcpListener::bind(at).unwrap_or_else(|e| panic!("binding {at}: {e}"));
+            l.set_nonblocking(true).unwrap();
+            l
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        // This thread, and those it starts, stay in the test's own namespace: they connect
+        // to the real apiserver.
+        let accept = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok((inside, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let _ = inside.set_nonblocking(false);
+                let Ok(outside) = TcpStream::connect(at) else {
+                    continue;
+                };
+                let (Ok(a), Ok(b)) = (inside.try_clone(), outside.try_clone()) else {
+                    continue;
+                };
+                // Each direction copies until its source closes, then closes its sink: the
+                // threads end with the agent's or the apiserver's connection.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &inside, &mut &outside);
+                    let _ = outside.shutdown(Shutdown::Both);
+                });
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &b, &mut &a);
+                    let _ = a.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        LoopbackForward {
+            stop,
+            accept: Some(accept),
+        }
+    }
+}
+
+impl Drop for LoopbackForward {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Against a real kube-apiserver (`SVC_KUBE_APISERVER`, `SVC_KUBECTL`, `SVC_ETCD`, as `cargo
+/// xtask test` sets them): a NodePort Service on the ports the API server allocated and a
+/// LoadBalancer Service whose status.loadBalancer the test writes (as a cloud controller
+/// would) are reachable from the external client; node 1's addresses come from its Node.
+#[test]
+fn kube_api_nodeport_and_load_balancer() {
+    let mut t = Topo::new();
+    let cp = svc_tests::control_plane::ControlPlane::start().expect("control plane");
+    let apiserver: SocketAddr = cp
+        .server_url()
+        .trim_start_matches("https://")
+        .parse()
+        .expect("apiserver address");
+    let _forward = LoopbackForward::start(&t.node1, apiserver);
+
+    let apply = |objects: &[Value]| {
+        let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
+        cp.apply_yaml(&yaml.join("\n---\n")).expect("kubectl apply")
+    };
+    apply(&[
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}}),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}}),
+    ]);
+    cp.kubectl(&[
+        "patch",
+        "node",
+        "node-1",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": NODE1},
+            {"type": "InternalIP", "address": NODE1_6},
+        ]}})
+        .to_string(),
+    ])
+    .expect("Node addresses");
+    let svc = |name: &str, kind: &str| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": {
+                "type": kind,
+                "selector": {"app": name},
+                "ports": [
+                    {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+                ],
+            },
+        })
+    };
+    let slice = |service: &str, pod: &str, node: &str| {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": format!("{service}-1"),
+                "namespace": "demo",
+                "labels": {"kubernetes.io/service-name": service},
+            },
+            "addressType": "IPv4",
+            "ports": [
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "dns", "port": 5353, "protocol": "UDP"},
+            ],
+            "endpoints": [{
+                "addresses": [pod],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "nodeName": node,
+            }],
+        })
+    };
+    let stored = apply(&[
+        svc("np", "NodePort"),
+        slice("np", POD2, "node-2"),
+        svc("lb", "LoadBalancer"),
+        slice("lb", POD1, "node-1"),
+    ]);
+    let node_ports = |name: &str| -> (u16, u16) {
+        let s = stored
+            .iter()
+            .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
+            .expect("stored Service");
+        let port = |i: usize| {
+            s["spec"]["ports"][i]["nodePort"]
+                .as_u64()
+                .expect("nodePort") as u16
+        };
+        (port(0), port(1))
+    };
+    let (np_tcp, np_udp) = node_ports("np");
+    let (lb_tcp, _) = node_ports("lb");
+    cp.kubectl(&[
+        "patch",
+        "service",
+        "lb",
+        "-n",
+        "demo",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &json!({"status": {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}}).to_string(),
+    ])
+    .expect("LoadBalancer status");
+
+    let kubeconfig = cp.kubeconfig_path().to_path_buf();
+    t.start_agent_from(["--kubeconfig".into(), kubeconfig.into()], &[]);
+
+    let remote = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    let local = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    let to = sa(NODE1, np_tcp);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, remote, "NodePort {to}");
+    let to = sa(NODE1, np_udp);
+    let got = answered(&t.client, &format!("UDP to {to}"), move || {
+        udp_once(to, ANSWER)
+    });
+    assert_eq!(got, remote, "NodePort {to}");
+    let to = sa(LB_IP, 80);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "LoadBalancer IP {to}");
+    let to = sa(LB_IP, 53);
+    let got = answered(&t.client, &format!("UDP to {to}"), move || {
+        udp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "LoadBalancer IP {to}");
+    let to = sa(NODE1, lb_tcp);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "the LoadBalancer's NodePort {to}");
+    // The agent stops before the control plane does (locals drop in reverse order).
+    t.agent = None;
 }
