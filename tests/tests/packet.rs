@@ -343,7 +343,7 @@ struct Topo {
     client: NetNs,
     client2: NetNs,
     node1: NetNs,
-    _node2: NetNs,
+    node2: NetNs,
     pod1: NetNs,
     _pod2: NetNs,
     _lan: NetNs,
@@ -453,7 +453,7 @@ impl Topo {
             client,
             client2,
             node1,
-            _node2: node2,
+            node2,
             pod1,
             _pod2: pod2,
             _lan: lan,
@@ -1301,4 +1301,42 @@ fn kube_api_nodeport_and_load_balancer() {
     assert_eq!(got, local, "the LoadBalancer's NodePort {to}");
     // The agent stops before the control plane does (locals drop in reverse order).
     t.agent = None;
+}
+
+/// Path MTU discovery through a NodePort: the link from node 2 to its pod is narrower (1280)
+/// than the rest, so node 2 answers the client's full-size segments, which reach it SNATed,
+/// with ICMP fragmentation needed / ICMPv6 packet too big addressed to node 1. Node 1 must
+/// translate those back to the client (from the NodePort's address, about the client's own
+/// flow) or the client never shrinks its segments and a large request stalls.
+#[test]
+fn path_mtu_discovery_through_a_nodeport() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 51, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.node2
+        .ip(["link", "set", "podh", "mtu", "1280"])
+        .expect("narrowing node 2's pod link");
+    t.start_agent();
+    for node in [NODE1, NODE1_6] {
+        let to = sa(node, 30082);
+        answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        let got = in_ns(&t.client, move || -> std::io::Result<Answer> {
+            let c = TcpStream::connect_timeout(&to, ANSWER)?;
+            c.set_read_timeout(Some(Duration::from_secs(10)))?;
+            // Far more than one segment: most of them full-size.
+            let mut request = vec![b'a'; 64 * 1024];
+            request.push(b'\n');
+            (&c).write_all(&request)?;
+            let mut line = String::new();
+            BufReader::new(&c).read_line(&mut line)?;
+            parse_answer(&line)
+        });
+        let got = got.unwrap_or_else(|e| panic!("a 64 KiB request to {to}: {e}"));
+        assert_eq!(got.backend, "pod2", "{to}");
+        // The client learned the narrower path to the NodePort's address.
+        let route = t.client.ip(["route", "get", node]).expect("ip route get");
+        assert!(route.contains("mtu 1280"), "{node}: {route}");
+    }
 }
