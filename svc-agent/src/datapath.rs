@@ -1347,6 +1347,66 @@ fn detach_pinned(pin: &Path) -> Result<()> {
 }
 
 /// Totals of the socket programs' decision counters, by reason, from the pinned map alone.
+/// What the packet datapath's maps say, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PacketStats {
+    /// (ifindex, `pkt_stat` name, total over the CPUs), from `DEV_STATS`.
+    pub devices: Vec<(u32, &'static str, u64)>,
+    /// Entries of `CT` (two per flow, expired ones included until the LRU reuses them).
+    pub ct_entries: u64,
+    pub ct_capacity: u32,
+    /// FORWARD entries: flows, SNATed or not.
+    pub flows: u64,
+    pub snat_flows: u64,
+    /// The most SNAT ports one (SNAT address, backend) pair holds: a flow to that backend is
+    /// dropped once this reaches the size of the SNAT port range.
+    pub snat_ports_max: u64,
+}
+
+/// Reads `DEV_STATS` and `CT` from the pins in `dir` (the whole CT map, in batches: a scrape
+/// of a full 262,144-entry map reads about 25 MB).
+pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
+    use svc_common::{ct_dir, ct_flags, pkt_stat, CtKey, CtValue, DevStatKey};
+    let mut out = PacketStats::default();
+    let dev: aya::maps::PerCpuHashMap<MapData, DevStatKey, u64> =
+        aya::maps::PerCpuHashMap::try_from(pinned(dir, map_names::DEV_STATS)?)
+            .map_err(|e| load_err(map_names::DEV_STATS, e))?;
+    for entry in dev.iter() {
+        let (k, per_cpu) = entry.map_err(|e| load_err(map_names::DEV_STATS, e))?;
+        let name = pkt_stat::NAMES
+            .get(k.reason as usize)
+            .copied()
+            .unwrap_or("unknown");
+        out.devices.push((k.ifindex, name, per_cpu.iter().sum()));
+    }
+    out.devices.sort();
+    let ct =
+        MapData::from_pin(map_pin(dir, map_names::CT)).map_err(|e| load_err(map_names::CT, e))?;
+    out.ct_capacity = ct
+        .info()
+        .map_err(|e| load_err(map_names::CT, e))?
+        .max_entries();
+    let entries = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())
+        .map_err(|e| load_err(map_names::CT, e))?;
+    out.ct_entries = entries.len() as u64;
+    let mut ports: std::collections::HashMap<([u8; 16], [u8; 16], u16, u8), u64> =
+        std::collections::HashMap::new();
+    for (k, v) in &entries {
+        if k.dir != ct_dir::FORWARD {
+            continue;
+        }
+        out.flows += 1;
+        if v.flags & ct_flags::SNAT != 0 {
+            out.snat_flows += 1;
+            *ports
+                .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
+                .or_default() += 1;
+        }
+    }
+    out.snat_ports_max = ports.values().copied().max().unwrap_or(0);
+    Ok(out)
+}
+
 pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(pinned(dir, map_names::STATS)?)
         .map_err(|e| load_err(map_names::STATS, e))?;

@@ -272,6 +272,18 @@ pub fn node_addrs(
     out
 }
 
+/// The name of device `ifindex` in this network namespace, if it exists.
+pub fn ifname(ifindex: u32) -> Option<String> {
+    let mut buf = [0u8; libc::IF_NAMESIZE];
+    // SAFETY: buf has the IF_NAMESIZE bytes if_indextoname writes at most.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr().cast()) };
+    if p.is_null() {
+        return None;
+    }
+    let len = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..len]).into_owned())
+}
+
 fn netlink_err(what: &str, e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("netlink {what}: {e}"))
 }

@@ -275,11 +275,15 @@ fn udp_connected_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answ
 
 /// `GET /` over HTTP/1.1: status and body.
 fn http_get(to: SocketAddr) -> std::io::Result<(u16, String)> {
+    http_get_path(to, "/")
+}
+
+fn http_get_path(to: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut c = TcpStream::connect_timeout(&to, ANSWER)?;
     c.set_read_timeout(Some(ANSWER))?;
     write!(
         c,
-        "GET / HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
     )?;
     let mut text = String::new();
     c.read_to_string(&mut text)?;
@@ -633,7 +637,8 @@ fn nodeport_from_outside() {
     t.endpoints("remote", &[REMOTE_POD]);
     t.service("empty", nodeport("empty", 13, 30083));
     t.endpoints("empty", &[]);
-    t.start_agent();
+    // /metrics on node 1's own loopback.
+    t.start_agent_with(&["--metrics-bind-address", "127.0.0.1:10249"]);
 
     // One program each way on node 1's uplink, none anywhere else.
     assert_eq!(t.node1_eth0_programs(), (1, 1));
@@ -698,6 +703,29 @@ fn nodeport_from_outside() {
         assert_eq!(tcp, Err(std::io::ErrorKind::ConnectionRefused), "TCP {to}");
         assert_eq!(udp, Err(std::io::ErrorKind::ConnectionRefused), "UDP {to}");
     }
+
+    // What an operator sees in /metrics: the decisions on eth0, and the flows tracked.
+    let (status, metrics) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+    });
+    assert_eq!(status, 200);
+    let value = |line: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
+    };
+    // 4 rejects (TCP and UDP, both families); at least the 8 + 80 flows above.
+    assert_eq!(
+        value("svc_packet_decisions_total{device=\"eth0\",reason=\"reject_no_backend\"}"),
+        4
+    );
+    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"new\"}") >= 88);
+    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"reply\"}") > 0);
+    assert!(value("svc_conntrack_flows{snat=\"true\"}") >= 40);
+    assert!(value("svc_conntrack_flows{snat=\"false\"}") >= 40);
+    assert!(value("svc_conntrack_entries") >= 2 * 88);
+    assert!(value("svc_snat_ports_in_use_max") >= 1);
 }
 
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
