@@ -54,6 +54,8 @@ const POD2_6: &str = "fd00:244:2::2";
 const EXTERNAL_IP: &str = "10.77.100.10";
 const LB_IP: &str = "10.77.100.20";
 const ETP_LB_IP: &str = "10.77.100.30";
+const EXTERNAL_IP6: &str = "fd77:100::10";
+const LB_IP6: &str = "fd77:100::20";
 
 /// How long a client waits for an answer that should come (a 2-core machine shared with
 /// other tests), and how long it waits to conclude that a dropped packet got none.
@@ -412,6 +414,7 @@ fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> anyhow:
     // ExternalIPs and LoadBalancer IPs are routed to node 1 (a router's or a cloud load
     // balancer's job); nothing else is routed anywhere.
     ns.ip(["route", "add", "10.77.100.0/24", "via", NODE1])?;
+    ns.ip(["-6", "route", "add", "fd77:100::/64", "via", NODE1_6])?;
     Ok(())
 }
 
@@ -731,11 +734,12 @@ fn nodeport_from_outside() {
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
 /// address; the health check node port says 200 with one local endpoint. A Service whose only
 /// endpoint is on node 2 is dropped here (no answer, not a reject) and its health check says
-/// 503. An ExternalIP reaches its (remote) backend, SNATed. A LoadBalancer IP with
-/// loadBalancerSourceRanges answers a client inside the range and drops one outside it, while
-/// the same Service's NodePort answers both.
+/// 503. An ExternalIP reaches its (remote) backend, SNATed, over IPv4 and IPv6. A
+/// LoadBalancer IP with loadBalancerSourceRanges answers a client inside the range and drops
+/// one outside it (both families), while the same Service's NodePort answers both. A NodePort
+/// with sessionAffinity ClientIP sends every connection of a client to one backend.
 #[test]
-fn traffic_policy_health_checks_external_ips_and_source_ranges() {
+fn traffic_policy_health_checks_external_ips_source_ranges_affinity() {
     let mut t = Topo::new();
     let etp = |hc: u16| {
         json!({
@@ -775,7 +779,7 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
             "ClusterIP",
             23,
             0,
-            json!({"externalIPs": [EXTERNAL_IP]}),
+            json!({"externalIPs": [EXTERNAL_IP, EXTERNAL_IP6]}),
             json!({}),
         ),
     );
@@ -787,12 +791,43 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
             "LoadBalancer",
             24,
             30094,
-            json!({"loadBalancerSourceRanges": [format!("{CLIENT}/32")]}),
-            lb_status(LB_IP),
+            json!({"loadBalancerSourceRanges": [format!("{CLIENT}/32"), format!("{CLIENT6}/128")]}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_IP}, {"ip": LB_IP6}]}}),
         ),
     );
     t.endpoints("lb", &[LOCAL_POD]);
+    t.service(
+        "sticky",
+        service(
+            "sticky",
+            "NodePort",
+            25,
+            30095,
+            json!({
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+            }),
+            json!({}),
+        ),
+    );
+    t.endpoints("sticky", &[LOCAL_POD, REMOTE_POD]);
     t.start_agent();
+
+    // sessionAffinity ClientIP: every connection of a client reaches the same backend.
+    let to = sa(NODE1, 30095);
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    let seen: std::collections::BTreeSet<String> = in_ns(&t.client, move || {
+        (0..20)
+            .map(|_| {
+                tcp_once(to, ANSWER)
+                    .map(|a| a.backend)
+                    .unwrap_or_else(|e| e.to_string())
+            })
+            .collect()
+    });
+    assert_eq!(seen.len(), 1, "sessionAffinity ClientIP: {seen:?}");
 
     // eTP Local: always pod1, with the client's address, over the NodePort and the LB IP.
     // A NodePort has one port number for both protocols; the LB IP has the Service's ports.
@@ -850,10 +885,36 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
     assert_eq!(v["localEndpoints"], 0, "{body}");
 
     // ExternalIP to a backend on node 2: SNATed to node 1.
-    let (to, udp_to) = (sa(EXTERNAL_IP, 80), sa(EXTERNAL_IP, 53));
+    for (external, node) in [(EXTERNAL_IP6, NODE1_6), (EXTERNAL_IP, NODE1)] {
+        let (to, udp_to) = (sa(external, 80), sa(external, 53));
+        let want = Answer {
+            backend: "pod2".into(),
+            saw: ip(node),
+        };
+        assert_eq!(
+            answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+                to, ANSWER
+            )),
+            want
+        );
+        assert_eq!(
+            answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+                udp_to, ANSWER
+            )),
+            want
+        );
+    }
+    // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
+    let to = sa(EXTERNAL_IP, 81);
+    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
+    assert!(r.is_err(), "{to} answered: {r:?}");
+
+    // Source ranges: the LB IP for a client inside, not for one outside; the NodePort for
+    // both.
+    let (to, udp_to) = (sa(LB_IP6, 80), sa(LB_IP6, 53));
     let want = Answer {
-        backend: "pod2".into(),
-        saw: ip(NODE1),
+        backend: "pod1".into(),
+        saw: ip(CLIENT6),
     };
     assert_eq!(
         answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
@@ -867,13 +928,11 @@ fn traffic_policy_health_checks_external_ips_and_source_ranges() {
         )),
         want
     );
-    // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
-    let to = sa(EXTERNAL_IP, 81);
-    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
-    assert!(r.is_err(), "{to} answered: {r:?}");
-
-    // Source ranges: the LB IP for a client inside, not for one outside; the NodePort for
-    // both.
+    let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "an IPv6 client outside loadBalancerSourceRanges: {r:?}"
+    );
     let (to, udp_to) = (sa(LB_IP, 80), sa(LB_IP, 53));
     let want = Answer {
         backend: "pod1".into(),
