@@ -1427,3 +1427,55 @@ fn path_mtu_discovery_through_a_nodeport() {
         assert!(route.contains("mtu 1280"), "{node}: {route}");
     }
 }
+
+/// The agent follows devices as they come and go: a second uplink named by `--devices` that
+/// appears after the agent started gets the programs (and serves NodePorts on its own
+/// address, which `--nodeport-addresses` covers), and when it goes, the agent's link for it
+/// goes too.
+#[test]
+fn devices_that_appear_and_disappear_are_followed() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 61, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    // NodePorts on every node address in these ranges (kube-proxy's CIDR form), so also on
+    // the new uplink's address; `primary` would be node 1's primary address only.
+    t.start_agent_with(&[
+        "--devices",
+        "eth0,up*",
+        "--nodeport-addresses",
+        "10.77.0.0/16,10.78.0.0/16",
+    ]);
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+
+    // A second uplink towards the client, on a network of its own.
+    veth_pair(&t.client, "eth1", &t.node1, "up1").expect("second uplink");
+    t.client.add_addr("eth1", "10.78.0.100/24").unwrap();
+    t.node1.add_addr("up1", "10.78.0.1/24").unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok((tcx_programs(&t.node1, "up1") == (1, 1)).then_some(()))
+    })
+    .expect("the programs on the new device");
+    let to = sa("10.78.0.1", 30081);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(
+        got,
+        Answer {
+            backend: "pod1".into(),
+            saw: ip("10.78.0.100")
+        }
+    );
+
+    t.node1
+        .ip(["link", "del", "up1"])
+        .expect("removing the uplink");
+    let pin = t.bpffs.path().join("link_tc_tc_ext_ingress_up1");
+    poll(
+        Duration::from_secs(10),
+        || Ok((!pin.exists()).then_some(())),
+    )
+    .expect("the link of the removed device unpinned");
+    assert!(t.bpffs.path().join("link_tc_tc_ext_ingress_eth0").exists());
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+}
