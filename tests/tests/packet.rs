@@ -1,22 +1,12 @@
-//! The packet datapath (tc) as a user outside the cluster sees it, on a topology of network
-//! namespaces this test makes:
+//! The packet datapath (tc) as a user outside the cluster sees it, on the topology of
+//! network namespaces `svc_tests::topology` makes (an external client and a second one, node
+//! 1 whose uplink `eth0` carries the programs, node 2, a pod on each).
 //!
-//! ```text
-//!  client  10.77.0.100 fd77::100 ─┐
-//!  client2 10.77.0.101 fd77::101 ─┤  lan (a bridge: the node network)
-//!  node 1  10.77.0.1   fd77::1   ─┤  eth0, the agent's device (tc programs)
-//!  node 2  10.77.0.2   fd77::2   ─┘
-//!  node 1 ── pod1 10.244.1.2 fd00:244:1::2   (the local backend)
-//!  node 2 ── pod2 10.244.2.2 fd00:244:2::2   (the remote backend)
-//! ```
-//!
-//! The clients route the ExternalIP and LoadBalancer ranges (10.77.100.0/24) to node 1, as a
-//! router or a cloud load balancer would. The agent runs inside node 1's namespace (nsenter)
-//! with `--devices eth0`, so it only ever sees and attaches to that namespace's devices; no
-//! traffic leaves the namespaces. Clients and backends are threads of this process that
-//! entered a namespace (setns), and they sit outside the agent's cgroup, so the socket hooks
-//! never see them: what they get is the tc programs' work. Each backend answers with its name
-//! and the client address it saw.
+//! The agent runs inside node 1's namespace (nsenter) with `--devices eth0`, so it only ever
+//! sees and attaches to that namespace's devices; no traffic leaves the namespaces. Clients and
+//! backends are threads of this process that entered a namespace (setns), and they sit outside
+//! the agent's cgroup, so the socket hooks never see them: what they get is the tc programs'
+//! work. Each backend answers with its name and the client address it saw.
 
 mod common;
 
@@ -37,20 +27,13 @@ use std::{
 use common::poll;
 use serde_json::{json, Value};
 use svc_tests::{
-    netns::veth_pair, require_root, sandbox::AGENT_READY_TIMEOUT, Agent, Bpffs, Manifests, NetNs,
-    TestCgroup, Tools,
+    netns::veth_pair,
+    require_root,
+    sandbox::AGENT_READY_TIMEOUT,
+    topology::{Nodes, CLIENT, CLIENT2, CLIENT6, NODE1, NODE1_6, POD1, POD1_6, POD2, POD2_6},
+    Agent, Bpffs, Manifests, NetNs, TestCgroup, Tools,
 };
 
-const CLIENT: &str = "10.77.0.100";
-const CLIENT2: &str = "10.77.0.101";
-const CLIENT6: &str = "fd77::100";
-const NODE1: &str = "10.77.0.1";
-const NODE1_6: &str = "fd77::1";
-const NODE2: &str = "10.77.0.2";
-const POD1: &str = "10.244.1.2";
-const POD1_6: &str = "fd00:244:1::2";
-const POD2: &str = "10.244.2.2";
-const POD2_6: &str = "fd00:244:2::2";
 const EXTERNAL_IP: &str = "10.77.100.10";
 const LB_IP: &str = "10.77.100.20";
 const ETP_LB_IP: &str = "10.77.100.30";
@@ -356,95 +339,20 @@ struct Topo {
     cgroup: TestCgroup,
 }
 
-fn sysctl(ns: &NetNs, setting: &str) {
-    svc_tests::sys::run("ip", ["netns", "exec", ns.name(), "sysctl", "-qw", setting])
-        .unwrap_or_else(|e| panic!("sysctl {setting} in {}: {e:#}", ns.name()));
-}
-
-/// A node: its uplink `eth0` on the lan bridge, a pod behind `podh`, forwarding on.
-fn node(
-    lan: &NetNs,
-    port: &str,
-    node_ns: &NetNs,
-    v4: &str,
-    v6: &str,
-    pod: &NetNs,
-    pod_net: u8,
-) -> anyhow::Result<()> {
-    veth_pair(lan, port, node_ns, "eth0")?;
-    lan.ip(["link", "set", port, "master", "br0"])?;
-    node_ns.add_addr("eth0", &format!("{v4}/24"))?;
-    node_ns.add_addr("eth0", &format!("{v6}/64"))?;
-    veth_pair(node_ns, "podh", pod, "eth0")?;
-    node_ns.add_addr("podh", &format!("10.244.{pod_net}.1/24"))?;
-    node_ns.add_addr("podh", &format!("fd00:244:{pod_net}::1/64"))?;
-    pod.add_addr("eth0", &format!("10.244.{pod_net}.2/24"))?;
-    pod.add_addr("eth0", &format!("fd00:244:{pod_net}::2/64"))?;
-    pod.ip([
-        "route",
-        "add",
-        "default",
-        "via",
-        &format!("10.244.{pod_net}.1"),
-    ])?;
-    pod.ip([
-        "-6",
-        "route",
-        "add",
-        "default",
-        "via",
-        &format!("fd00:244:{pod_net}::1"),
-    ])?;
-    for s in [
-        "net.ipv4.ip_forward=1",
-        "net.ipv6.conf.all.forwarding=1",
-        "net.ipv4.conf.all.rp_filter=0",
-        "net.ipv4.conf.default.rp_filter=0",
-    ] {
-        sysctl(node_ns, s);
-    }
-    Ok(())
-}
-
-fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> anyhow::Result<()> {
-    veth_pair(lan, port, ns, "eth0")?;
-    lan.ip(["link", "set", port, "master", "br0"])?;
-    ns.add_addr("eth0", &format!("{v4}/24"))?;
-    ns.add_addr("eth0", &format!("{v6}/64"))?;
-    // ExternalIPs and LoadBalancer IPs are routed to node 1 (a router's or a cloud load
-    // balancer's job); nothing else is routed anywhere.
-    ns.ip(["route", "add", "10.77.100.0/24", "via", NODE1])?;
-    ns.ip(["-6", "route", "add", "fd77:100::/64", "via", NODE1_6])?;
-    Ok(())
-}
-
 impl Topo {
     fn new() -> Topo {
         require_root();
         let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
         let cgroup = TestCgroup::new().expect("cgroup");
-        let mk = |p: &str| NetNs::new(p).expect("netns");
-        let lan = mk("svc-b");
-        let client = mk("svc-c");
-        let client2 = mk("svc-c");
-        let node1 = mk("svc-b");
-        let node2 = mk("svc-b");
-        let pod1 = mk("svc-b");
-        let pod2 = mk("svc-b");
-        (|| -> anyhow::Result<()> {
-            lan.ip(["link", "add", "br0", "type", "bridge"])?;
-            lan.ip(["link", "set", "br0", "up"])?;
-            client_ns(&lan, "c1", &client, CLIENT, CLIENT6)?;
-            client_ns(&lan, "c2", &client2, CLIENT2, "fd77::101")?;
-            node(&lan, "n1", &node1, NODE1, NODE1_6, &pod1, 1)?;
-            node(&lan, "n2", &node2, NODE2, "fd77::2", &pod2, 2)?;
-            node1.ip(["route", "add", "10.244.2.0/24", "via", NODE2])?;
-            node1.ip(["-6", "route", "add", "fd00:244:2::/64", "via", "fd77::2"])?;
-            node2.ip(["route", "add", "10.244.1.0/24", "via", NODE1])?;
-            node2.ip(["-6", "route", "add", "fd00:244:1::/64", "via", NODE1_6])?;
-            Ok(())
-        })()
-        .expect("building the topology");
+        let Nodes {
+            lan,
+            client,
+            client2,
+            node1,
+            node2,
+            pod1,
+            pod2,
+        } = Nodes::new().expect("building the topology");
         let echo = vec![
             Echo::start(&pod1, "pod1", &[POD1, POD1_6], 8080, 5353),
             Echo::start(&pod2, "pod2", &[POD2, POD2_6], 8080, 5353),
