@@ -1369,6 +1369,78 @@ fn nodeport_ipv4_tcp() {
     );
 }
 
+/// Two flows from one client address and port to one local backend through two frontends
+/// (NodePorts 30080 and 30082 both select 10.244.1.5:8080): their reply tuples would be the
+/// same, so the second keeps the client's address but gets another source port from the SNAT
+/// range (conntrack's clash resolution), and each flow's replies come from its own frontend.
+#[test]
+fn reply_tuple_clash_remaps_the_client_port() {
+    let dp = world();
+    let c = "203.0.113.7:40030";
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the first flow: DNAT only",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the same client port to the other frontend: the client's port is remapped",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30082", TCP_SYN),
+                OK,
+                Packet(tcp("203.0.113.7:61000", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the first flow's reply still comes from its own frontend",
+                ExtEgress,
+                egress(tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp("192.0.2.10:30080", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's reply: from its frontend, to the client's own port",
+                ExtEgress,
+                egress(tcp(
+                    "10.244.1.5:8080",
+                    "203.0.113.7:61000",
+                    TCP_SYN | TCP_ACK,
+                )),
+                OK,
+                Packet(egress(tcp("192.0.2.10:30082", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's next segment: remapped from its entry, to the stack",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30082", TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(
+                    "203.0.113.7:61000",
+                    "10.244.1.5:8080",
+                    TCP_ACK | TCP_PSH,
+                )),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "the first flow's next segment: its own entry",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_ACK | TCP_PSH)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+}
+
 /// NodePort over IPv4 UDP, remote and local; a datagram without a checksum (0) keeps none.
 #[test]
 fn nodeport_ipv4_udp_and_zero_checksum() {

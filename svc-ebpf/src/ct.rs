@@ -248,19 +248,39 @@ pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut E
     }
 }
 
+/// Outcome of `create`.
+pub const CREATED: u32 = 0;
+/// The map refused.
+pub const CREATE_ERR: u32 = 1;
+/// The reply tuple belongs to another live flow: the same client address and port reaching
+/// the same backend through another frontend. Storing this flow's entry over it would give
+/// that flow's replies this flow's frontend.
+pub const CLASH: u32 = 2;
+
 /// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
-/// and its reply (backend to client). false: the map refused; nothing is left behind.
+/// and its reply (backend to client). Nothing is left behind when it fails.
 #[inline(always)]
-pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> bool {
+pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
     let rep_key = partner_key(fwd_key, fwd);
-    if SVC_CT.insert(rep_key, rep, 0).is_err() {
-        return false;
+    if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
+        // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
+        // dead one: replaced. By another live flow: a clash.
+        if let Some(e) = SVC_CT.get_ptr(rep_key) {
+            // SAFETY: a map value, read in place.
+            let e = unsafe { &*e };
+            if partner_key(&rep_key, e) != *fwd_key && alive(&rep_key, e, rep.last_seen_ns) {
+                return CLASH;
+            }
+        }
+        if SVC_CT.insert(rep_key, rep, 0).is_err() {
+            return CREATE_ERR;
+        }
     }
     if SVC_CT.insert(fwd_key, fwd, 0).is_err() {
         let _ = SVC_CT.remove(rep_key);
-        return false;
+        return CREATE_ERR;
     }
-    true
+    CREATED
 }
 
 /// Outcome of `create_snat`.

@@ -277,8 +277,9 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, false, now) {
-        if s.v.flags & ct_flags::SNAT == 0 {
-            // To a local backend, from the client itself: the stack delivers it.
+        if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
+            // To a local backend, from the client itself (its port remapped, perhaps: see
+            // `ext_new_remapped`): the stack delivers it.
             return to_stack(ctx, s, pkt_stat::CT_HIT);
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
@@ -294,7 +295,10 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return send_routed(ctx, s, pkt_stat::REPLY);
     }
     match ext_frontend(s, node, now) {
-        NEW_LOCAL => ext_new_local(ctx, s),
+        NEW_LOCAL => match ext_new_local(ctx, s) {
+            REMAP => ext_new_remapped(ctx, s),
+            verdict => verdict,
+        },
         NEW_SNAT => ext_new_snat(ctx, s),
         REJECT => reject::reject(ctx, s),
         verdict => verdict as i32,
@@ -406,19 +410,42 @@ fn snat_flow(f: &mut Flow, p: &Pkt, addr: &[u8; 16]) {
     f.rep.snat_port_be = p.sport_be;
 }
 
+/// `ext_new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc
+/// verdict; `ext_new_remapped` takes the packet instead (a sibling call, not a callee, so the
+/// SNAT port search does not stack on this frame).
+const REMAP: i32 = 0x100;
+
 /// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
 /// client to `s.dst`.
 #[inline(never)]
 fn ext_new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    if !ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
-        dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
-        return SHOT;
+    match ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
+        ct::CREATED => {}
+        ct::CLASH => return REMAP,
+        _ => {
+            dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+            return SHOT;
+        }
     }
     count(stat::TRANSLATED);
     s.src = Endpoint {
         addr: s.p.saddr,
         port_be: s.p.sport_be,
     };
+    to_stack(ctx, s, pkt_stat::NEW)
+}
+
+/// A new flow to a local backend whose reply tuple another live flow holds (the same client
+/// address and port, through another frontend of the backend): the client keeps its address
+/// and gets another source port from the SNAT range, as conntrack's clash resolution does,
+/// so neither flow's replies are taken for the other's.
+#[inline(never)]
+fn ext_new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    let client = s.p.saddr;
+    snat_flow(&mut s.new, &s.p, &client);
+    if !store_snat(s) {
+        return SHOT;
+    }
     to_stack(ctx, s, pkt_stat::NEW)
 }
 
@@ -595,7 +622,10 @@ fn pod_frontend(s: &mut Scratch, now: u64) -> u32 {
 
 #[inline(never)]
 fn pod_new(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    if !ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
+    // A clash (the pod's port already reaching this backend through another frontend) is
+    // dropped, counted, rather than taking the other flow's replies: the per-packet path has
+    // no port remapping (its SNATed flows are the pod reaching itself).
+    if ct::create(&s.new.key, &s.new.fwd, &s.new.rep) != ct::CREATED {
         dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
         return SHOT;
     }

@@ -721,6 +721,35 @@ fn traffic_policy_health_checks_external_ips_source_ranges_affinity() {
     t.endpoints("sticky", &[LOCAL_POD, REMOTE_POD]);
     t.start_agent();
 
+    // One UDP socket (one client port) talking to two frontends of the same local backend, in
+    // turn: each answer comes from the frontend it was sent to.
+    let (a, b) = (sa(LB_IP, 53), sa(NODE1, 30094));
+    answered(&t.client, &format!("UDP to {a}"), move || {
+        udp_once(a, ANSWER)
+    });
+    let froms = in_ns(
+        &t.client,
+        move || -> std::io::Result<Vec<(SocketAddr, SocketAddr)>> {
+            let s = UdpSocket::bind("0.0.0.0:0")?;
+            s.set_read_timeout(Some(ANSWER))?;
+            let mut buf = [0u8; 512];
+            let mut out = Vec::new();
+            for to in [a, b, a, b, a] {
+                s.send_to(b"x", to)?;
+                let (n, from) = s.recv_from(&mut buf)?;
+                let answer = parse_answer(&String::from_utf8_lossy(&buf[..n]))?;
+                assert_eq!(answer.backend, "pod1");
+                assert_eq!(answer.saw, ip(CLIENT));
+                out.push((to, from));
+            }
+            Ok(out)
+        },
+    )
+    .expect("one socket, two frontends");
+    for (to, from) in froms {
+        assert_eq!(from, to, "the answer to {to} came from {from}");
+    }
+
     // sessionAffinity ClientIP: every connection of a client reaches the same backend.
     let to = sa(NODE1, 30095);
     answered(&t.client, &format!("TCP to {to}"), move || {
