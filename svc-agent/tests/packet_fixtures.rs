@@ -901,8 +901,8 @@ impl Dp {
         }
     }
 
-    /// Runs `input` through `prog` on device `ifindex` (`repeat` times); the verdict and the
-    /// packet as it left.
+    /// Runs `input` through `prog` on device `ifindex` (`repeat` times); the verdict, the
+    /// packet as it left, and the mean time of one run (ns).
     fn run_on(&self, prog: Prog, ifindex: u32, input: &[u8], repeat: u32) -> (u32, Vec<u8>, u64) {
         let p: &SchedClassifier = self.ebpf.program(prog.name()).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 512];
@@ -924,7 +924,8 @@ impl Dp {
         (
             r.return_value,
             out,
-            r.duration.as_nanos() as u64 / repeat.max(1) as u64,
+            // The kernel reports the mean time of one run already.
+            r.duration.as_nanos() as u64,
         )
     }
 
@@ -2550,4 +2551,89 @@ fn connection_tracking_lifetime() {
         dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
         "a hit refreshes its entry"
     );
+}
+
+/// Not a test: the per-packet cost of each tc path, measured with BPF_PROG_TEST_RUN (repeat
+/// where the packet can be repeated; one run per new flow otherwise, as a repeated packet is
+/// a connection-tracking hit from its second run on). Prints a table; docs/benchmarks.md
+/// keeps the figures.
+#[test]
+#[ignore = "a measurement: cargo test -p svc-agent --test packet_fixtures per_packet_cost -- --ignored --nocapture"]
+fn per_packet_cost() {
+    let mut dp = world();
+    dp.set_config(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    });
+    const REPEAT: u32 = 200_000;
+    const FLOWS: u16 = 2_000;
+    let c = "203.0.113.7:40070";
+    let ingress = dp.ifindex_of(ExtIngress);
+    let egress = dp.ifindex_of(ExtEgress);
+    let repeated = |prog: Prog, dev: u32, p: P| -> u64 {
+        let (_, _, ns) = dp.run_on(prog, dev, &p.bytes(), REPEAT);
+        ns
+    };
+    let new_flows = |dst: &str, base: u16| -> u64 {
+        let total: u64 = (0..FLOWS)
+            .map(|i| {
+                let p = tcp(&format!("203.0.113.9:{}", base + i), dst, TCP_SYN);
+                dp.run_on(ExtIngress, ingress, &p.bytes(), 1).2
+            })
+            .sum();
+        total / FLOWS as u64
+    };
+    let mut rows = vec![
+        (
+            "non-service TCP to a node address (not a NodePort)",
+            repeated(ExtIngress, ingress, tcp(c, "192.0.2.10:22", TCP_ACK)),
+        ),
+        (
+            "non-service TCP through the node (not a node address)",
+            repeated(ExtIngress, ingress, tcp(c, "10.244.1.5:22", TCP_ACK)),
+        ),
+        (
+            "non-service, leaving by the egress",
+            repeated(ExtEgress, egress, tcp("192.0.2.10:22", c, TCP_ACK)),
+        ),
+    ];
+    rows.push((
+        "new flow, NodePort to a local backend (DNAT)",
+        new_flows("192.0.2.10:30080", 20_000),
+    ));
+    rows.push((
+        "new flow, NodePort to a remote backend (DNAT+SNAT, routed)",
+        new_flows("192.0.2.10:30081", 30_000),
+    ));
+    // A flow exists from here on: every packet of it is a connection-tracking hit.
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c, "192.0.2.10:30080", TCP_SYN).bytes(),
+        1,
+    );
+    rows.push((
+        "known flow, client to local backend",
+        repeated(ExtIngress, ingress, tcp(c, "192.0.2.10:30080", TCP_ACK)),
+    ));
+    rows.push((
+        "known flow, local backend's reply (egress)",
+        repeated(ExtEgress, egress, tcp("10.244.1.5:8080", c, TCP_ACK)),
+    ));
+    let c2 = "203.0.113.7:40071";
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c2, "192.0.2.10:30081", TCP_SYN).bytes(),
+        1,
+    );
+    rows.push((
+        "known flow, client to remote backend (SNAT, routed)",
+        repeated(ExtIngress, ingress, tcp(c2, "192.0.2.10:30081", TCP_ACK)),
+    ));
+    println!("\n| path | ns per packet |\n|---|---|");
+    for (what, ns) in rows {
+        println!("| {what} | {ns} |");
+    }
 }
