@@ -1054,7 +1054,9 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
 /// - the same pod reaching a NodePort whose only endpoint is itself (hairpin): it answers
 ///   itself, seeing the connection come from the node;
 /// - a process of node 1 inside the cgroup reaching a NodePort on the node's own address: the
-///   socket hooks translate it, and it sees the NodePort as its peer.
+///   socket hooks translate it, and it sees the NodePort as its peer;
+/// - a pod inside the cgroup reaching a NodePort that selects itself (hairpin through the
+///   socket hooks).
 #[test]
 fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
     let mut t = Topo::new();
@@ -1119,6 +1121,22 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
         Some("pod2"),
         "{a:?}"
     );
+
+    // A pod inside the cgroup reaching a NodePort that selects itself (hairpin): the socket
+    // hooks send it to its own address, and it answers itself.
+    let report: svc_tests::Report = svc_tests::ClientRun::spawn(
+        &t.tools.probe,
+        &t.cgroup,
+        &t.pod1,
+        &["tcp".into(), "--to".into(), sa(NODE1, 30085).to_string()],
+    )
+    .expect("probe in pod1")
+    .wait(Duration::from_secs(20))
+    .expect("probe report");
+    assert!(report.all_ok(), "{report:?}");
+    let a = &report.results[0];
+    assert_eq!(a.peer.as_deref(), Some("10.77.0.1:30085"), "{a:?}");
+    assert_eq!(a.backend.as_deref(), Some("pod1 10.244.1.2"), "{a:?}");
 }
 
 /// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address
