@@ -13,8 +13,10 @@ use tracing::{info, instrument, warn};
 use crate::datapath::Datapath;
 use crate::desired::Desired;
 use crate::error::{Error, Result};
+use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
-use crate::model::Frontend;
+use crate::model::{Frontend, NodeDesired};
+use crate::packet::{NodeView, PacketConfig};
 use crate::source::manifest::{ManifestSource, Named};
 use crate::stale::StaleWorker;
 use crate::store::{Capacity, Store};
@@ -76,6 +78,14 @@ pub struct Agent {
     /// Closes connected UDP sockets of departed backends, off the sync path. None when its
     /// maps could not be opened a second time (logged at start).
     stale: Option<StaleWorker<Departed>>,
+    /// The packet datapath's settings, and the node as it last saw it.
+    packet: PacketConfig,
+    view: NodeView,
+    /// The Node's addresses (kube-proxy's node IPs), with the Kubernetes API; None with
+    /// manifests (the devices say).
+    api_node_ips: Option<Vec<std::net::IpAddr>>,
+    node_desired: NodeDesired,
+    health: HealthServers,
 }
 
 impl Agent {
@@ -87,6 +97,7 @@ impl Agent {
         capacity: Capacity,
         upkeep: Upkeep,
         node: NodeContext,
+        packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
         let dp = Datapath::open(bpffs, cgroup, capacity)?;
@@ -109,20 +120,118 @@ impl Agent {
             }
         };
         let now = Instant::now();
-        Ok(Agent {
+        let node_desired = NodeDesired {
+            addrs: Default::default(),
+            config: Some(packet.datapath_config()),
+        };
+        let mut agent = Agent {
             dp,
             stale,
             programmed,
             desired: Desired::default(),
             node,
+            health: HealthServers::new(metrics.clone()),
             metrics,
+            packet,
+            view: NodeView::default(),
+            api_node_ips: None,
+            node_desired,
             next_reconcile: now + upkeep.reconcile_every,
             next_check: now + upkeep.check_every,
             upkeep,
             retry: BTreeMap::new(),
             served_from: HashMap::new(),
             synced: false,
-        })
+        };
+        agent.refresh_node();
+        Ok(agent)
+    }
+
+    /// Reads the node's devices and addresses again and brings the packet datapath's node
+    /// state (SVC_NODE_ADDRS, SVC_CONFIG, the devices the tc programs are on) in line.
+    /// Returns true when the node's primary addresses changed: the Services must be
+    /// translated again (loadBalancerSourceRanges admit the node by them).
+    pub fn refresh_node(&mut self) -> bool {
+        let state = match crate::netdev::read() {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("reading the node's devices and addresses: {e}");
+                self.metrics.error_kind("netlink");
+                return false;
+            }
+        };
+        let view = crate::packet::view(&self.packet, &state, self.api_node_ips.as_deref());
+        if view == self.view {
+            return false;
+        }
+        if view.external != self.view.external || view.pods != self.view.pods {
+            let names = |d: &[crate::netdev::Device]| {
+                d.iter()
+                    .map(|d| d.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            info!(
+                external = %names(&view.external),
+                pods = %names(&view.pods),
+                primary = ?view.primary,
+                "packet datapath devices"
+            );
+            match self
+                .dp
+                .set_tc_devices(view.external.clone(), view.pods.clone())
+            {
+                Ok(done) => done.iter().for_each(|d| info!("{d}")),
+                Err(e) => {
+                    warn!("attaching the packet datapath: {e}");
+                    self.metrics.error(&e);
+                }
+            }
+        }
+        self.node_desired.addrs = view.addrs.clone();
+        self.desired.state.node = self.node_desired.clone();
+        let report = self
+            .programmed
+            .apply_node(&mut self.dp.store, &self.node_desired);
+        for e in &report.errors {
+            warn!("node addresses: {e}");
+            self.metrics.error(e);
+        }
+        let primary_changed = view.primary != self.node.node_ips;
+        self.node.node_ips = view.primary.clone();
+        self.view = view;
+        primary_changed
+    }
+
+    /// The Node's addresses changed (Kubernetes API): kube-proxy's node IPs. Returns true
+    /// when the Services must be translated again.
+    pub fn set_api_node_ips(&mut self, ips: Vec<std::net::IpAddr>) -> bool {
+        if self.api_node_ips.as_ref() == Some(&ips) {
+            return false;
+        }
+        info!(node_ips = ?ips, "the Node's addresses");
+        self.api_node_ips = Some(ips);
+        self.refresh_node()
+    }
+
+    /// Starts following the node's devices and addresses: the returned notifier fires (a
+    /// moment after a burst of changes) when the kernel reports a link, address or route
+    /// change; call `refresh_node` then.
+    pub fn watch_node(&self) -> Arc<tokio::sync::Notify> {
+        let notify = Arc::new(tokio::sync::Notify::new());
+        let weak = Arc::downgrade(&notify);
+        if let Err(e) =
+            crate::netdev::watch(move || weak.upgrade().map(|n| n.notify_one()).is_some())
+        {
+            warn!("devices and addresses will not be followed: {e}");
+            self.metrics.error_kind("netlink");
+        }
+        notify
+    }
+
+    /// Where the health check server of Service `owner` listens (tests, tools).
+    pub fn health_check_addr(&self, owner: &str) -> Option<std::net::SocketAddr> {
+        self.health.addr(owner)
     }
 
     /// Drops the desired state before a full translation replaces it.
@@ -156,7 +265,9 @@ impl Agent {
     pub fn apply_full(&mut self, translated: Translated) -> SyncReport {
         let started = Instant::now();
         self.record_input_errors(&translated.errors);
-        self.desired = Desired::from_full(translated.state);
+        let mut state = translated.state;
+        state.node = self.node_desired.clone();
+        self.desired = Desired::from_full(state);
         self.synced = true;
         let report = self.programmed.apply_scoped(
             &mut self.dp.store,
@@ -251,9 +362,18 @@ impl Agent {
             }
         }
         self.close_stale_udp(&report);
+        self.sync_health_checks();
         self.metrics
             .synced(started.elapsed(), self.snapshot_metrics());
         report
+    }
+
+    /// Starts and stops health check node port servers as the Services say.
+    fn sync_health_checks(&mut self) {
+        for e in self.health.sync(&self.desired.state.health_checks) {
+            warn!("{e}");
+            self.metrics.error(&e);
+        }
     }
 
     fn snapshot_metrics(&self) -> metrics::Programmed {
@@ -337,6 +457,8 @@ impl Agent {
         if self.dp.is_attached() && now >= self.next_check {
             self.next_check = now + self.upkeep.check_every;
             self.check_pins();
+            // A health check port that could not be bound (in use) is tried again.
+            self.sync_health_checks();
         }
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
@@ -589,6 +711,7 @@ pub struct RunConfig {
     pub health_timeout: Duration,
     pub capacity: Capacity,
     pub upkeep: Upkeep,
+    pub packet: PacketConfig,
 }
 
 /// Starts the agent and its metrics server.
@@ -605,6 +728,7 @@ pub async fn start(cfg: &RunConfig) -> Result<Agent> {
         cfg.capacity,
         cfg.upkeep.clone(),
         cfg.node.clone(),
+        cfg.packet.clone(),
         metrics,
     )
 }
@@ -630,6 +754,9 @@ pub fn announce(report: &SyncReport, first: bool) {
     }
 }
 
+/// How long a burst of device and address changes may go on before the node is read again.
+pub const NODE_SETTLE: Duration = Duration::from_millis(100);
+
 /// Serves manifest files until SIGTERM or SIGINT, re-reading them when they change. The
 /// datapath stays attached and pinned when it returns.
 pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -> Result<()> {
@@ -637,9 +764,11 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
     // attaching anything, rather than serve no Services and look healthy.
     let mut source = ManifestSource::open(&manifests)?;
     let mut agent = start(&cfg).await?;
+    let net_changed = agent.watch_node();
     let stop = shutdown_signal();
     tokio::pin!(stop);
     let mut first = true;
+    let mut force = false;
     let mut ticker = tokio::time::interval(poll);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -650,9 +779,17 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
                 agent.tick(Instant::now());
                 continue;
             }
+            _ = net_changed.notified() => {
+                // A burst of changes (a device coming up brings several) is read once.
+                tokio::time::sleep(NODE_SETTLE).await;
+                force |= agent.refresh_node();
+                if first || !force {
+                    continue;
+                }
+            }
             r = &mut stop => { r?; break; }
         }
-        if !source.changed() {
+        if !std::mem::take(&mut force) && !source.changed() {
             agent.tick(Instant::now());
             continue;
         }

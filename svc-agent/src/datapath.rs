@@ -20,13 +20,17 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapType, PerCpuArray};
-use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, MapType, PerCpuArray};
+use aya::programs::{
+    links::FdLink, tc::TcAttachOptions, CgroupAttachMode, CgroupSock, CgroupSockAddr, LinkOrder,
+    SchedClassifier, TcAttachType,
+};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{layout, map_names, stat};
 use tracing::{info, warn};
 
 use crate::error::{Error, Result};
+use crate::netdev::Device;
 use crate::store::{BpfStore, Capacity};
 use crate::sys;
 
@@ -47,6 +51,38 @@ pub const PROGRAMS: [&str; 9] = {
     names
 };
 
+/// The packet datapath's tc programs (svc-ebpf, docs/design/packet-datapath.md), each with
+/// where it attaches and whether it belongs on the external devices (else on pod devices).
+pub const TC_PROGRAMS: [(&str, TcAttachType, bool); 4] = [
+    ("tc_ext_ingress", TcAttachType::Ingress, true),
+    ("tc_ext_egress", TcAttachType::Egress, true),
+    ("tc_pod_ingress", TcAttachType::Ingress, false),
+    ("tc_pod_egress", TcAttachType::Egress, false),
+];
+
+/// Where the tc link of `program` on device `ifname` is pinned.
+pub fn tc_link_pin(dir: &Path, program: &str, ifname: &str) -> PathBuf {
+    dir.join(format!("link_tc_{program}_{ifname}"))
+}
+
+/// The tc link pins in `dir`, with the program and device their names say.
+fn tc_pins(dir: &Path) -> Vec<(PathBuf, &'static str, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        for (program, _, _) in TC_PROGRAMS {
+            if let Some(ifname) = file.strip_prefix(&format!("link_tc_{program}_")) {
+                out.push((e.path(), program, ifname.to_string()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 const BPF_F_NO_PREALLOC: u32 = 1;
 const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 
@@ -59,7 +95,7 @@ struct MapSpec {
     flags: u32,
 }
 
-fn specs() -> [MapSpec; 11] {
+fn specs() -> [MapSpec; 16] {
     use std::mem::size_of;
     use svc_common::*;
     let s = |name, kind, key: usize, value: usize, flags| MapSpec {
@@ -142,8 +178,53 @@ fn specs() -> [MapSpec; 11] {
             size_of::<SockState>(),
             BPF_F_NO_PREALLOC,
         ),
+        // The packet datapath's (docs/design/packet-datapath.md, "Map declarations").
+        s(
+            map_names::NODE_ADDRS,
+            MapType::Hash,
+            16,
+            size_of::<NodeAddrValue>(),
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::SRC_RANGES,
+            MapType::LpmTrie,
+            size_of::<SrcRangeKey>(),
+            4,
+            BPF_F_NO_PREALLOC,
+        ),
+        s(
+            map_names::CT,
+            MapType::LruHash,
+            size_of::<CtKey>(),
+            size_of::<CtValue>(),
+            0,
+        ),
+        s(
+            map_names::CONFIG,
+            MapType::Array,
+            4,
+            size_of::<DatapathConfig>(),
+            0,
+        ),
+        s(
+            map_names::DEV_STATS,
+            MapType::PerCpuHash,
+            size_of::<DevStatKey>(),
+            8,
+            0,
+        ),
     ]
 }
+
+/// The maps the agent writes for the packet datapath: created and pinned by the agent itself
+/// while the object does not declare them (the tc programs are not in every object), with the
+/// `bpf_map_type` to create them with.
+const OWN_MAPS: [(&str, u32); 3] = [
+    (map_names::NODE_ADDRS, sys::map_type::HASH),
+    (map_names::SRC_RANGES, sys::map_type::LPM_TRIE),
+    (map_names::CONFIG, sys::map_type::ARRAY),
+];
 
 /// max_entries a map of this agent has: configured, or fixed by the object.
 fn max_entries(name: &str, capacity: &Capacity) -> u32 {
@@ -152,6 +233,29 @@ fn max_entries(name: &str, capacity: &Capacity) -> u32 {
         map_names::SOCK_STATE => 0,
         _ => 1,
     })
+}
+
+/// Creates map `name` of `OWN_MAPS` as `specs()` describes it.
+fn create_own(name: &'static str, capacity: &Capacity) -> Result<MapData> {
+    let spec = specs()
+        .into_iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| load_err(name, "no spec"))?;
+    let kind = OWN_MAPS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, k)| *k)
+        .ok_or_else(|| load_err(name, "not a map the agent creates"))?;
+    let fd = sys::map_create(
+        kind,
+        spec.key,
+        spec.value,
+        max_entries(name, capacity),
+        spec.flags,
+        name,
+    )
+    .map_err(|e| load_err(format!("creating map {name}"), e))?;
+    MapData::from_fd(fd).map_err(|e| load_err(name, e))
 }
 
 /// Where `map` is pinned under `dir`: its name and layout version.
@@ -213,6 +317,12 @@ pub struct Datapath {
     staged: Vec<&'static str>,
     /// Pins of other layout versions, removed once our programs are attached.
     obsolete: Vec<PathBuf>,
+    /// The tc programs this object has (loaded); the others are skipped.
+    tc_loaded: Vec<&'static str>,
+    /// Where the tc programs should be: external devices and pod devices.
+    tc_devices: (Vec<Device>, Vec<Device>),
+    /// tc link pins this agent has attached or swapped its programs into.
+    tc_current: std::collections::BTreeSet<PathBuf>,
 }
 
 /// Checks that `cgroup` is a cgroup v2 directory, before anything is created.
@@ -503,6 +613,38 @@ impl Datapath {
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|e| load_err("loading the eBPF object", e))?;
+        // Maps this object does not declare: those the agent writes are its own (created or
+        // adopted here, and filled by the first sync before any program could read them);
+        // the others (the packet datapath's, read only) wait for an object that has them.
+        let mut own: Vec<(&'static str, MapData)> = Vec::new();
+        for (name, plan) in plans.iter_mut() {
+            if ebpf.map(name).is_some() {
+                continue;
+            }
+            let plan = std::mem::replace(plan, Pinned::Adopt);
+            if !OWN_MAPS.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            let path = map_pin(dir, name);
+            let data = match plan {
+                Pinned::Adopt => {
+                    MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?
+                }
+                Pinned::Create | Pinned::Migrate(_) => {
+                    // A resized map of its own: no program reads it, so a new empty one takes
+                    // the pin at once; the first sync writes its entries.
+                    let data = create_own(name, &capacity)?;
+                    let _ = std::fs::remove_file(&path);
+                    data.pin(&path).map_err(|e| load_err(path.display(), e))?;
+                    info!(
+                        map = name,
+                        "created (the loaded object does not declare it)"
+                    );
+                    data
+                }
+            };
+            own.push((name, data));
+        }
         for name in PROGRAMS {
             let prog = ebpf
                 .program_mut(name)
@@ -518,7 +660,24 @@ impl Datapath {
             };
             loaded.map_err(|e| load_err(name, e))?;
         }
-        let mut store = store_from(&mut ebpf, capacity)?;
+        let mut tc_loaded = Vec::new();
+        for (name, _, _) in TC_PROGRAMS {
+            let Some(prog) = ebpf.program_mut(name) else {
+                info!(
+                    program = name,
+                    "not in the eBPF object: the packet datapath (NodePort, ExternalIP, \
+                     LoadBalancer, per-packet ClusterIP) is not attached; its maps are kept \
+                     up to date for an object that has it"
+                );
+                continue;
+            };
+            <&mut SchedClassifier>::try_from(prog)
+                .map_err(|e| load_err(name, e))?
+                .load()
+                .map_err(|e| load_err(name, e))?;
+            tc_loaded.push(name);
+        }
+        let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
         for (name, plan) in plans {
@@ -553,7 +712,137 @@ impl Datapath {
             attached: false,
             staged,
             obsolete: other_versions(dir),
+            tc_loaded,
+            tc_devices: (Vec::new(), Vec::new()),
+            tc_current: Default::default(),
         })
+    }
+
+    /// Whether this object has the packet datapath's programs.
+    pub fn has_tc_programs(&self) -> bool {
+        !self.tc_loaded.is_empty()
+    }
+
+    /// Sets the devices the tc programs belong on; once attached, attaches them there (and
+    /// detaches them from devices no longer chosen). Returns what changed, in words.
+    pub fn set_tc_devices(
+        &mut self,
+        external: Vec<Device>,
+        pods: Vec<Device>,
+    ) -> Result<Vec<String>> {
+        self.tc_devices = (external, pods);
+        if self.attached {
+            self.attach_tc()
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    /// The (program, device) pairs that should have a link.
+    fn tc_wanted(&self) -> Vec<(&'static str, TcAttachType, Device)> {
+        let mut out = Vec::new();
+        for (program, at, external) in TC_PROGRAMS {
+            if !self.tc_loaded.contains(&program) {
+                continue;
+            }
+            let devices = if external {
+                &self.tc_devices.0
+            } else {
+                &self.tc_devices.1
+            };
+            for d in devices {
+                out.push((program, at, d.clone()));
+            }
+        }
+        out
+    }
+
+    /// Attaches each tc program to its devices through a tcx link pinned as
+    /// `link_tc_<program>_<ifname>`, or swaps it into the link a previous agent pinned there
+    /// (BPF_LINK_UPDATE: the device is never without it); detaches svc's links from devices
+    /// no longer chosen. Other programs on those devices are never touched.
+    fn attach_tc(&mut self) -> Result<Vec<String>> {
+        let mut done = Vec::new();
+        let wanted = self.tc_wanted();
+        let mut errors = Vec::new();
+        let mut keep = std::collections::BTreeSet::new();
+        for (program, at, device) in &wanted {
+            let pin = tc_link_pin(&self.dir, program, &device.name);
+            keep.insert(pin.clone());
+            match self.attach_tc_one(program, *at, device, &pin) {
+                Ok(Some(what)) => done.push(what),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        for (pin, program, ifname) in tc_pins(&self.dir) {
+            if keep.contains(&pin) {
+                continue;
+            }
+            match detach_pinned(&pin) {
+                Ok(()) => {
+                    info!(program, device = %ifname, "detached from a device no longer chosen");
+                    done.push(format!("detached {program} from {ifname}"));
+                }
+                Err(e) => errors.push(e),
+            }
+            self.tc_current.remove(&pin);
+        }
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(done),
+        }
+    }
+
+    /// One tc link: kept, swapped, or made. Some(words) when something changed.
+    fn attach_tc_one(
+        &mut self,
+        program: &'static str,
+        at: TcAttachType,
+        device: &Device,
+        pin: &Path,
+    ) -> Result<Option<String>> {
+        if pin.exists() {
+            let link = sys::obj_get(pin).map_err(|e| load_err(pin.display(), e))?;
+            let (ifindex, _) =
+                sys::tcx_link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
+            if ifindex == device.index {
+                if self.tc_current.contains(pin) {
+                    return Ok(None);
+                }
+                let prog = self
+                    .ebpf
+                    .program(program)
+                    .ok_or_else(|| load_err(program, "program missing from the object"))?;
+                let fd = prog.fd().map_err(|e| load_err(program, e))?;
+                sys::link_update(link.as_fd(), fd.as_fd())
+                    .map_err(|e| load_err(pin.display(), e))?;
+                self.tc_current.insert(pin.to_path_buf());
+                info!(program, device = %device.name, "replaced the program of the pinned link");
+                return Ok(Some(format!("swapped {program} on {}", device.name)));
+            }
+            // The device went away (or was made again under the same name): the old link is
+            // dead or elsewhere; ours goes on the device that has the name now.
+            detach_pinned(pin)?;
+        }
+        let prog = self
+            .ebpf
+            .program_mut(program)
+            .ok_or_else(|| load_err(program, "program missing from the object"))?;
+        let prog = <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(program, e))?;
+        let id = prog
+            .attach_with_options(
+                &device.name,
+                at,
+                TcAttachOptions::TcxOrder(LinkOrder::first()),
+            )
+            .map_err(|e| load_err(format!("attaching {program} to {}", device.name), e))?;
+        let link = prog.take_link(id).map_err(|e| load_err(program, e))?;
+        let link = FdLink::try_from(link).map_err(|e| load_err(program, e))?;
+        link.pin(pin).map_err(|e| load_err(pin.display(), e))?;
+        self.tc_current.insert(pin.to_path_buf());
+        info!(program, device = %device.name, "attached");
+        Ok(Some(format!("attached {program} to {}", device.name)))
     }
 
     pub fn dir(&self) -> &Path {
@@ -590,13 +879,19 @@ impl Datapath {
             self.attach_one(name, &cgroup_file, true)?;
         }
         self.attached = true;
+        if let Err(e) = self.attach_tc() {
+            warn!("attaching the packet datapath: {e}");
+        }
 
         // The new programs use the new maps now: entries the old programs wrote in the
         // meantime are carried over, then the new maps take the pins.
         for name in std::mem::take(&mut self.staged) {
             let path = map_pin(&self.dir, name);
             if let Ok(old) = MapData::from_pin(&path) {
-                if matches!(name, map_names::SOCK_REV | map_names::AFFINITY) {
+                if matches!(
+                    name,
+                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT
+                ) {
                     if let Err(e) = migrate(&mut self.store, name, &old, true) {
                         warn!(map = name, "carrying over late entries: {e}");
                     }
@@ -724,6 +1019,21 @@ impl Datapath {
                     Err(e) => errors.push(e),
                 }
             }
+            for (program, at, device) in self.tc_wanted() {
+                let pin = tc_link_pin(&self.dir, program, &device.name);
+                let healthy = pin.exists()
+                    && sys::obj_get(&pin)
+                        .and_then(|l| sys::tcx_link_info(l.as_fd()))
+                        .is_ok_and(|(ifindex, _)| ifindex == device.index);
+                if healthy {
+                    continue;
+                }
+                self.tc_current.remove(&pin);
+                match self.attach_tc_one(program, at, &device, &pin) {
+                    Ok(_) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
         }
         (repaired, errors)
     }
@@ -743,6 +1053,11 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
         map_names::AFFINITY_MATCH => store.affinity_match.map(),
         map_names::SOCK_STATE => &store.sock_state,
         map_names::META => store.meta.map(),
+        map_names::SRC_RANGES => store.src_ranges.map(),
+        map_names::NODE_ADDRS => store.node_addrs.map(),
+        map_names::CONFIG => store.config.map(),
+        map_names::CT => store.ct.as_ref()?,
+        map_names::DEV_STATS => store.dev_stats.as_ref()?,
         _ => return None,
     })
 }
@@ -763,6 +1078,30 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
         map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
         map_names::SOCK_REV => copy_hash(name, old, &mut store.sock_rev, late),
         map_names::AFFINITY_MATCH => copy_hash(name, old, &mut store.affinity_match, late),
+        map_names::NODE_ADDRS => copy_hash(name, old, &mut store.node_addrs, late),
+        map_names::SRC_RANGES => {
+            let old: LpmTrie<MapData, crate::store::RangeData, u32> =
+                LpmTrie::try_from(Map::LpmTrie(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let mut n = 0;
+            for k in old.keys().flatten() {
+                store
+                    .src_ranges
+                    .insert(&k, 0, 0)
+                    .map_err(|e| crate::store::map_err(name, e))?;
+                n += 1;
+            }
+            Ok(n)
+        }
+        map_names::CT => match &store.ct {
+            Some(ct) => {
+                let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+                    HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
+                        .map_err(|e| crate::store::map_err(name, e))?;
+                copy_hash(name, old, &mut new, late)
+            }
+            None => Ok(0),
+        },
         map_names::STATS => {
             let old: PerCpuArray<MapData, u64> =
                 PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
@@ -788,10 +1127,17 @@ fn clone_map(m: &MapData) -> Result<MapData> {
     MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
 }
 
-fn store_from(ebpf: &mut Ebpf, capacity: Capacity) -> Result<BpfStore> {
-    let mut take = |name: &'static str| {
-        ebpf.take_map(name)
-            .ok_or_else(|| load_err(name, "map missing from the object"))
+fn store_from(
+    ebpf: &mut Ebpf,
+    mut own: Vec<(&'static str, MapData)>,
+    capacity: Capacity,
+) -> Result<BpfStore> {
+    let mut take = |name: &'static str| match ebpf.take_map(name) {
+        Some(m) => Ok(m),
+        None => match own.iter().position(|(n, _)| *n == name) {
+            Some(i) => Map::from_map_data(own.swap_remove(i).1).map_err(|e| load_err(name, e)),
+            None => Err(load_err(name, "map missing from the object")),
+        },
     };
     build_store(&mut take, capacity)
 }
@@ -827,8 +1173,23 @@ fn build_store(
         meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
         stats: PerCpuArray::try_from(take(map_names::STATS)?)
             .map_err(|e| load_err(map_names::STATS, e))?,
+        src_ranges: LpmTrie::try_from(take(map_names::SRC_RANGES)?)
+            .map_err(|e| load_err(map_names::SRC_RANGES, e))?,
+        node_addrs: hash(take, map_names::NODE_ADDRS)?,
+        config: Array::try_from(take(map_names::CONFIG)?)
+            .map_err(|e| load_err(map_names::CONFIG, e))?,
+        ct: take(map_names::CT).ok().and_then(map_data),
+        dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
         capacity,
     })
+}
+
+/// The map behind the kinds of `Map` the agent keeps untyped.
+fn map_data(m: Map) -> Option<MapData> {
+    match m {
+        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) => Some(d),
+        _ => None,
+    }
 }
 
 /// Opens the maps pinned under `dir`, for listing; loads and attaches nothing, takes no lock.
@@ -845,11 +1206,24 @@ pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
                 map_names::SOCK_REV => capacity.sock_rev = info.max_entries(),
                 map_names::AFFINITY => capacity.affinity = info.max_entries(),
                 map_names::AFFINITY_MATCH => capacity.affinity_match = info.max_entries(),
+                map_names::SRC_RANGES => capacity.src_ranges = info.max_entries(),
+                map_names::NODE_ADDRS => capacity.node_addrs = info.max_entries(),
+                map_names::CT => capacity.ct = info.max_entries(),
+                map_names::DEV_STATS => capacity.dev_stats = info.max_entries(),
                 _ => {}
             }
         }
     }
-    build_store(&mut |name| pinned(dir, name), capacity)
+    build_store(
+        &mut |name| match pinned(dir, name) {
+            // Pinned by an agent from before the packet datapath: nothing to list there.
+            Err(_) if OWN_MAPS.iter().any(|(n, _)| *n == name) => {
+                Map::from_map_data(create_own(name, &capacity)?).map_err(|e| load_err(name, e))
+            }
+            other => other,
+        },
+        capacity,
+    )
 }
 
 fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
@@ -884,9 +1258,11 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     }
     let (_lock, _) = lock_dir(dir)?;
     // The links, opened before their pins go, so they can be detached whoever holds them.
+    let tc_links: Vec<PathBuf> = tc_pins(dir).into_iter().map(|(p, _, _)| p).collect();
     let links: Vec<(PathBuf, std::os::fd::OwnedFd)> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
+        .chain(tc_links.iter().cloned())
         .filter_map(|pin| sys::obj_get(&pin).ok().map(|fd| (pin, fd)))
         .collect();
     let ours: Vec<u32> = links
@@ -896,6 +1272,7 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     let mut names: Vec<PathBuf> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
+        .chain(tc_links)
         .chain(map_names::ALL.iter().map(|m| map_pin(dir, m)))
         .chain(map_names::ALL.iter().map(|m| staged_pin(dir, m)))
         .collect();
@@ -953,7 +1330,83 @@ fn check_detached(cgroup: &Path, ours: &[u32]) -> Result<Vec<String>> {
     Ok(foreign)
 }
 
+/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin.
+fn detach_pinned(pin: &Path) -> Result<()> {
+    if let Ok(fd) = sys::obj_get(pin) {
+        match sys::link_detach(fd.as_fd()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {}
+            Err(e) => return Err(load_err(format!("detaching {}", pin.display()), e)),
+        }
+    }
+    match std::fs::remove_file(pin) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(pin, e)),
+    }
+}
+
 /// Totals of the socket programs' decision counters, by reason, from the pinned map alone.
+/// What the packet datapath's maps say, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PacketStats {
+    /// (ifindex, `pkt_stat` name, total over the CPUs), from `DEV_STATS`.
+    pub devices: Vec<(u32, &'static str, u64)>,
+    /// Entries of `CT` (two per flow, expired ones included until the LRU reuses them).
+    pub ct_entries: u64,
+    pub ct_capacity: u32,
+    /// FORWARD entries: flows, SNATed or not.
+    pub flows: u64,
+    pub snat_flows: u64,
+    /// The most SNAT ports one (SNAT address, backend) pair holds: a flow to that backend is
+    /// dropped once this reaches the size of the SNAT port range.
+    pub snat_ports_max: u64,
+}
+
+/// Reads `DEV_STATS` and `CT` from the pins in `dir` (the whole CT map, in batches: a scrape
+/// of a full 262,144-entry map reads about 25 MB).
+pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
+    use svc_common::{ct_dir, ct_flags, pkt_stat, CtKey, CtValue, DevStatKey};
+    let mut out = PacketStats::default();
+    let dev: aya::maps::PerCpuHashMap<MapData, DevStatKey, u64> =
+        aya::maps::PerCpuHashMap::try_from(pinned(dir, map_names::DEV_STATS)?)
+            .map_err(|e| load_err(map_names::DEV_STATS, e))?;
+    for entry in dev.iter() {
+        let (k, per_cpu) = entry.map_err(|e| load_err(map_names::DEV_STATS, e))?;
+        let name = pkt_stat::NAMES
+            .get(k.reason as usize)
+            .copied()
+            .unwrap_or("unknown");
+        out.devices.push((k.ifindex, name, per_cpu.iter().sum()));
+    }
+    out.devices.sort();
+    let ct =
+        MapData::from_pin(map_pin(dir, map_names::CT)).map_err(|e| load_err(map_names::CT, e))?;
+    out.ct_capacity = ct
+        .info()
+        .map_err(|e| load_err(map_names::CT, e))?
+        .max_entries();
+    let entries = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())
+        .map_err(|e| load_err(map_names::CT, e))?;
+    out.ct_entries = entries.len() as u64;
+    let mut ports: std::collections::HashMap<([u8; 16], [u8; 16], u16, u8), u64> =
+        std::collections::HashMap::new();
+    for (k, v) in &entries {
+        if k.dir != ct_dir::FORWARD {
+            continue;
+        }
+        out.flows += 1;
+        if v.flags & ct_flags::SNAT != 0 {
+            out.snat_flows += 1;
+            *ports
+                .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
+                .or_default() += 1;
+        }
+    }
+    out.snat_ports_max = ports.values().copied().max().unwrap_or(0);
+    Ok(out)
+}
+
 pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(pinned(dir, map_names::STATS)?)
         .map_err(|e| load_err(map_names::STATS, e))?;

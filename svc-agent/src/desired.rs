@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 
 use crate::error::Error;
-use crate::model::{DesiredState, Frontend, Protocol};
+use crate::model::{DesiredState, Frontend, Kind, Protocol, Scope};
 
 #[derive(Debug, Default)]
 pub struct Desired {
@@ -21,10 +21,12 @@ fn ip_range(ip: IpAddr) -> std::ops::RangeInclusive<Frontend> {
         ip,
         port: 0,
         protocol: Protocol::Tcp,
+        scope: Scope::Cluster,
     }..=Frontend {
         ip,
         port: u16::MAX,
         protocol: Protocol::Udp,
+        scope: Scope::External,
     }
 }
 
@@ -76,7 +78,9 @@ impl Desired {
                 self.state.frontends.remove(&fe);
                 touched.insert(fe);
             }
+            self.state.health_checks.remove(owner);
         }
+        self.state.health_checks.extend(translated.health_checks);
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
                 errors.push(Error::Invalid {
@@ -94,7 +98,13 @@ impl Desired {
         }
         let ips: BTreeSet<IpAddr> = touched.iter().map(|fe| fe.ip).collect();
         for ip in ips {
-            if self.state.frontends.range(ip_range(ip)).next().is_some() {
+            // Only ClusterIPs get a marker, not ExternalIPs or LoadBalancer IPs.
+            let cluster_ip = self
+                .state
+                .frontends
+                .range(ip_range(ip))
+                .any(|(_, d)| d.kind == Kind::ClusterIP);
+            if cluster_ip {
                 self.state.cluster_ips.insert(ip);
             } else {
                 self.state.cluster_ips.remove(&ip);
@@ -110,21 +120,10 @@ mod tests {
     use crate::model::DesiredFrontend;
 
     fn d(owner: &str, ip: &str, port: u16) -> (Frontend, DesiredFrontend) {
-        let frontend = Frontend {
-            ip: ip.parse().unwrap(),
-            port,
-            protocol: Protocol::Tcp,
-        };
+        let frontend = Frontend::cluster(ip.parse().unwrap(), port, Protocol::Tcp);
         (
             frontend,
-            DesiredFrontend {
-                frontend,
-                owner: owner.into(),
-                service: owner.into(),
-                backends: vec![],
-                affinity_timeout_s: None,
-                internal_local: false,
-            },
+            DesiredFrontend::cluster_ip(frontend, owner, owner, vec![]),
         )
     }
 

@@ -5,11 +5,12 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
-use svc_common::svc_flags;
+use svc_common::{node_addr_flags, svc_flags};
 
 use crate::error::Result;
+use crate::model::{Kind, Scope};
 use crate::store::BpfStore;
-use crate::sync::{Programmed, DEFAULT_GRACE};
+use crate::sync::{ip_from16, Programmed, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
 pub struct Listing {
@@ -18,6 +19,20 @@ pub struct Listing {
     pub cluster_ips: Vec<IpAddr>,
     /// Decisions of the socket programs since they were loaded, by reason.
     pub stats: HashMap<&'static str, u64>,
+    /// The node's addresses as the packet datapath knows them (SVC_NODE_ADDRS).
+    pub node_addresses: Vec<ListedNodeAddr>,
+    /// SNAT source ports of the packet datapath (SVC_CONFIG); 0-0 when not configured.
+    pub snat_ports: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ListedNodeAddr {
+    pub address: IpAddr,
+    /// NodePorts answer on it.
+    pub nodeport: bool,
+    /// Usable as the source of SNATed flows.
+    pub snat: bool,
+    pub ifindex: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -31,6 +46,19 @@ pub struct ListedFrontend {
     pub backends: Vec<SocketAddr>,
     pub affinity_timeout_s: Option<u32>,
     pub internal_traffic_local: bool,
+    /// ClusterIP, NodePort (keyed by the unspecified address: any node address), ExternalIP,
+    /// LoadBalancer.
+    pub kind: Kind,
+    /// "cluster" (socket hooks: traffic from the node and its pods) or "external" (packets
+    /// on the external devices).
+    pub scope: Scope,
+    pub external_traffic_local: bool,
+    /// loadBalancerSourceRanges enforced (with the node's own admission); absent when any
+    /// client is admitted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_ranges: Option<Vec<String>>,
+    /// Backends on this node (DNAT only; others are also SNATed by the packet datapath).
+    pub local_backends: Vec<SocketAddr>,
 }
 
 pub fn read(store: &BpfStore) -> Result<Listing> {
@@ -53,13 +81,40 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             affinity_timeout_s: (f.flags & svc_flags::AFFINITY != 0)
                 .then_some(f.affinity_timeout_s),
             internal_traffic_local: f.flags & svc_flags::INTERNAL_LOCAL != 0,
+            kind: Kind::from_flags(f.flags),
+            scope: fe.scope,
+            external_traffic_local: f.flags & svc_flags::EXTERNAL_LOCAL != 0,
+            source_ranges: (f.flags & svc_flags::SOURCE_RANGES != 0)
+                .then(|| f.ranges.iter().map(ToString::to_string).collect()),
+            local_backends: f
+                .backends
+                .iter()
+                .filter_map(|b| {
+                    p.backends
+                        .get(b)
+                        .filter(|k| k.local)
+                        .map(|k| k.socket_addr())
+                })
+                .collect(),
         })
         .collect();
     let stats = store.stats()?.into_iter().collect();
+    let config = p.config.unwrap_or_default();
     Ok(Listing {
         services,
         cluster_ips: p.markers.iter().copied().collect(),
         stats,
+        node_addresses: p
+            .node_addrs
+            .iter()
+            .map(|(a, v)| ListedNodeAddr {
+                address: ip_from16(*a),
+                nodeport: v.flags & node_addr_flags::NODEPORT != 0,
+                snat: v.flags & node_addr_flags::SNAT != 0,
+                ifindex: v.ifindex,
+            })
+            .collect(),
+        snat_ports: format!("{}-{}", config.snat_port_min, config.snat_port_max),
     })
 }
 
@@ -81,27 +136,55 @@ pub fn render_text(l: &Listing) -> String {
         .max("SERVICE".len());
     let _ = writeln!(
         out,
-        "{:w$}  {:nw$}  {:9}  BACKENDS",
-        "FRONTEND", "SERVICE", "AFFINITY"
+        "{:w$}  {:12}  {:nw$}  {:9}  BACKENDS",
+        "FRONTEND", "KIND", "SERVICE", "AFFINITY"
     );
     for s in &l.services {
         let affinity = s
             .affinity_timeout_s
             .map(|t| format!("{t}s"))
             .unwrap_or_else(|| "-".into());
-        let backends = if s.backends.is_empty() {
+        let backends = if s.backends.is_empty() && s.external_traffic_local {
+            "(none on this node: packets dropped)".to_string()
+        } else if s.backends.is_empty() {
             "(none: connections refused)".to_string()
         } else {
             s.backends
                 .iter()
-                .map(|b| b.to_string())
+                .map(|b| {
+                    if s.local_backends.contains(b) {
+                        format!("{b} (local)")
+                    } else {
+                        b.to_string()
+                    }
+                })
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let mut notes = Vec::new();
+        if s.external_traffic_local {
+            notes.push("externalTrafficPolicy: Local".to_string());
+        }
+        if let Some(r) = &s.source_ranges {
+            notes.push(format!(
+                "sources: {}",
+                if r.is_empty() {
+                    "none".to_string()
+                } else {
+                    r.join(", ")
+                }
+            ));
+        }
+        let notes = if notes.is_empty() {
+            String::new()
+        } else {
+            format!("  [{}]", notes.join("; "))
+        };
         let _ = writeln!(
             out,
-            "{:w$}  {:nw$}  {:9}  {}",
+            "{:w$}  {:12}  {:nw$}  {:9}  {}{notes}",
             s.frontend,
+            s.kind.to_string(),
             s.name.as_deref().unwrap_or("-"),
             affinity,
             backends
@@ -121,5 +204,29 @@ pub fn render_text(l: &Listing) -> String {
     stats.sort();
     let stats: Vec<String> = stats.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(out, "Socket decisions: {}", stats.join(" "));
+    let addrs: Vec<String> = l
+        .node_addresses
+        .iter()
+        .map(|a| {
+            let mut what = Vec::new();
+            if a.nodeport {
+                what.push("nodeport");
+            }
+            if a.snat {
+                what.push("snat");
+            }
+            format!("{} ({}, ifindex {})", a.address, what.join("+"), a.ifindex)
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "Node addresses: {}\nSNAT ports: {}",
+        if addrs.is_empty() {
+            "-".to_string()
+        } else {
+            addrs.join(", ")
+        },
+        l.snat_ports
+    );
     out
 }

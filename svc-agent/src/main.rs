@@ -93,6 +93,17 @@ enum Command {
         /// milliseconds.
         #[arg(long, default_value_t = 2000)]
         check_interval_ms: u64,
+        #[command(flatten)]
+        packet: PacketArgs,
+    },
+    /// Print the devices and node addresses the packet datapath would use here, as `run`
+    /// chooses them with the same flags (and, with --node-ip, a Node's addresses).
+    Devices {
+        #[command(flatten)]
+        packet: PacketArgs,
+        /// The Node's addresses (InternalIP first), as the Kubernetes API would give them.
+        #[arg(long, value_delimiter = ',')]
+        node_ip: Vec<std::net::IpAddr>,
     },
     /// Print each service frontend with its backends, from the pinned maps.
     List {
@@ -110,6 +121,53 @@ enum Command {
         #[arg(long)]
         cgroup: Option<PathBuf>,
     },
+}
+
+/// The packet datapath: NodePorts, ExternalIPs and LoadBalancer IPs on the node's devices.
+#[derive(clap::Args)]
+struct PacketArgs {
+    /// External devices the tc programs attach to: names or patterns (`eth*`, Cilium's
+    /// `eth+`), comma separated; `none` turns the packet datapath off. Default: the devices
+    /// that carry the node's addresses or the default route, as Cilium picks them. Followed
+    /// as devices appear and disappear.
+    #[arg(long, env = "SVC_DEVICES", value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Host sides of pod devices (patterns) whose pods' ClusterIP traffic is translated per
+    /// packet (pods outside the served cgroup, as service meshes need). Default: none.
+    #[arg(long, value_delimiter = ',')]
+    packet_lb_devices: Vec<String>,
+    /// The node addresses NodePorts answer on: CIDRs (comma separated), or `primary` (the
+    /// node's primary address per family: the Node's InternalIP with the Kubernetes API, the
+    /// devices' with manifests). Never loopback, as kube-proxy.
+    #[arg(long, value_delimiter = ',', default_value = "primary")]
+    nodeport_addresses: Vec<String>,
+    /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
+    /// node's ephemeral ports (net.ipv4.ip_local_port_range); an overlap with them is refused.
+    #[arg(long)]
+    snat_port_range: Option<String>,
+}
+
+impl PacketArgs {
+    fn config(&self) -> anyhow::Result<svc_agent::packet::PacketConfig> {
+        use svc_agent::{netdev, packet};
+        let nodeport_addresses = netdev::NodePortAddresses::parse(&self.nodeport_addresses)
+            .map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))?;
+        let ephemeral =
+            packet::ephemeral_ports().context("reading net.ipv4.ip_local_port_range")?;
+        let snat_ports = packet::snat_ports(self.snat_port_range.as_deref(), ephemeral)
+            .map_err(anyhow::Error::msg)?;
+        Ok(packet::PacketConfig {
+            devices: netdev::DeviceSpec::parse(&self.devices),
+            pod_devices: self
+                .packet_lb_devices
+                .iter()
+                .map(|p| p.trim().to_string())
+                .filter(|p| !p.is_empty())
+                .collect(),
+            nodeport_addresses,
+            snat_ports,
+        })
+    }
 }
 
 /// Map capacities (max_entries). Hash maps allocate entries as they are used; their bucket
@@ -133,6 +191,13 @@ struct CapacityArgs {
     /// Per-socket reverse translations; LRU.
     #[arg(long, default_value_t = svc_common::capacity::SOCK_REV)]
     max_sock_rev: u32,
+    /// Connection tracking of the packet datapath: two entries per flow; LRU, allocated in
+    /// full (about 100 bytes an entry).
+    #[arg(long, default_value_t = svc_common::capacity::CT)]
+    max_ct: u32,
+    /// loadBalancerSourceRanges entries over all LoadBalancer frontends.
+    #[arg(long, default_value_t = svc_common::capacity::SRC_RANGES)]
+    max_source_ranges: u32,
 }
 
 impl CapacityArgs {
@@ -143,6 +208,8 @@ impl CapacityArgs {
             ("--max-backends", self.max_backends),
             ("--max-affinity", self.max_affinity),
             ("--max-sock-rev", self.max_sock_rev),
+            ("--max-ct", self.max_ct),
+            ("--max-source-ranges", self.max_source_ranges),
         ] {
             if v == 0 {
                 bail!("{flag} must be at least 1");
@@ -157,6 +224,10 @@ impl CapacityArgs {
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
             affinity_match: self.max_slots,
+            src_ranges: self.max_source_ranges,
+            node_addrs: svc_common::capacity::NODE_ADDRS,
+            ct: self.max_ct,
+            dev_stats: svc_common::capacity::DEV_STATS,
         })
     }
 }
@@ -189,6 +260,7 @@ fn main() -> anyhow::Result<()> {
             retire_grace_ms,
             reconcile_interval_s,
             check_interval_ms,
+            packet,
         } => {
             let from_api = manifests.is_none();
             let defaults = |given: Option<SocketAddr>, default: &str, port| {
@@ -203,6 +275,7 @@ fn main() -> anyhow::Result<()> {
                     node_name: node_name.clone(),
                     zone: None,
                     service_proxy_name: service_proxy_name.clone(),
+                    node_ips: Vec::new(),
                 },
                 listen: [
                     defaults(healthz_bind_address, "0.0.0.0:10256", metrics::Port::Health),
@@ -223,6 +296,7 @@ fn main() -> anyhow::Result<()> {
                     check_every: Duration::from_millis(check_interval_ms.max(10)),
                     ..Default::default()
                 },
+                packet: packet.config()?,
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -260,6 +334,32 @@ fn main() -> anyhow::Result<()> {
                     rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
                 }
             }
+        }
+        Command::Devices { packet, node_ip } => {
+            let cfg = packet.config()?;
+            let state = svc_agent::netdev::read().context("reading devices over rtnetlink")?;
+            let api = (!node_ip.is_empty()).then_some(node_ip.as_slice());
+            let view = svc_agent::packet::view(&cfg, &state, api);
+            let addrs: Vec<serde_json::Value> = view
+                .addrs
+                .iter()
+                .map(|(ip, v)| {
+                    serde_json::json!({
+                        "address": ip,
+                        "nodeport": v.flags & svc_common::node_addr_flags::NODEPORT != 0,
+                        "snat": v.flags & svc_common::node_addr_flags::SNAT != 0,
+                        "ifindex": v.ifindex,
+                    })
+                })
+                .collect();
+            let out = serde_json::json!({
+                "external_devices": view.external,
+                "pod_devices": view.pods,
+                "primary_addresses": view.primary,
+                "node_addresses": addrs,
+                "snat_ports": format!("{}-{}", cfg.snat_ports.0, cfg.snat_ports.1),
+            });
+            print_out(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
         }
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;

@@ -385,8 +385,29 @@ impl Metrics {
             }
             Err(e) => debug!("datapath counters unavailable: {e}"),
         }
+        match crate::datapath::read_packet_stats(&self.bpffs) {
+            Ok(p) => render_packet(&mut out, &p),
+            Err(e) => debug!("packet datapath counters unavailable: {e}"),
+        }
         out
     }
+}
+
+/// The packet datapath's counters per device (by name in the agent's network namespace,
+/// the ifindex when the device is gone) and its connection tracking.
+fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
+    let _ = writeln!(out, "# HELP svc_packet_decisions_total Decisions of the tc programs, by device and reason (drops and rejects included).\n# TYPE svc_packet_decisions_total counter");
+    for (ifindex, reason, v) in &p.devices {
+        let device = crate::netdev::ifname(*ifindex).unwrap_or_else(|| ifindex.to_string());
+        let _ = writeln!(
+            out,
+            "svc_packet_decisions_total{{device=\"{device}\",reason=\"{reason}\"}} {v}"
+        );
+    }
+    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the connection-tracking map (two per flow; expired ones until reused).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the connection-tracking map.\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
+    let _ = writeln!(out, "# HELP svc_conntrack_flows Flows tracked, by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
+    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend; new flows to it are dropped (drop_snat_exhausted) once it reaches the SNAT port range.\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
 }
 
 fn response(status: &str, content_type: &str, body: &str) -> String {

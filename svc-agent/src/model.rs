@@ -40,12 +40,122 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// A service frontend: what a client connects to.
+/// `ServiceKey::scope`: who a frontend is for (see docs/design/packet-datapath.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// Traffic that starts on this node: ClusterIPs, and the node-local view of NodePorts,
+    /// ExternalIPs and LoadBalancer IPs (socket hooks, per-packet ClusterIP).
+    Cluster,
+    /// Packets from outside on the external devices: NodePorts, ExternalIPs, LoadBalancer IPs,
+    /// with externalTrafficPolicy and loadBalancerSourceRanges applied.
+    External,
+}
+
+impl Scope {
+    pub fn value(self) -> u8 {
+        match self {
+            Scope::Cluster => svc_common::scope::CLUSTER,
+            Scope::External => svc_common::scope::EXTERNAL,
+        }
+    }
+
+    pub fn from_value(v: u8) -> Option<Scope> {
+        match v {
+            svc_common::scope::CLUSTER => Some(Scope::Cluster),
+            svc_common::scope::EXTERNAL => Some(Scope::External),
+            _ => None,
+        }
+    }
+}
+
+/// What kind of Service address a frontend is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum Kind {
+    ClusterIP,
+    NodePort,
+    ExternalIP,
+    LoadBalancer,
+}
+
+impl Kind {
+    /// The `svc_flags` bits that say so in the maps.
+    pub fn flags(self) -> u16 {
+        use svc_common::svc_flags;
+        match self {
+            Kind::ClusterIP => 0,
+            Kind::NodePort => svc_flags::NODEPORT,
+            Kind::ExternalIP => svc_flags::EXTERNAL_IP,
+            Kind::LoadBalancer => svc_flags::LOAD_BALANCER,
+        }
+    }
+
+    /// The kind a master entry's flags say.
+    pub fn from_flags(flags: u16) -> Kind {
+        use svc_common::svc_flags;
+        if flags & svc_flags::NODEPORT != 0 {
+            Kind::NodePort
+        } else if flags & svc_flags::LOAD_BALANCER != 0 {
+            Kind::LoadBalancer
+        } else if flags & svc_flags::EXTERNAL_IP != 0 {
+            Kind::ExternalIP
+        } else {
+            Kind::ClusterIP
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Kind::ClusterIP => "ClusterIP",
+            Kind::NodePort => "NodePort",
+            Kind::ExternalIP => "ExternalIP",
+            Kind::LoadBalancer => "LoadBalancer",
+        })
+    }
+}
+
+/// A service frontend: what a client connects to. A NodePort's address is the unspecified
+/// address of its family (`NODEPORT_ADDR_V4`/`_V6`): it answers on every node address with
+/// `node_addr_flags::NODEPORT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct Frontend {
     pub ip: IpAddr,
     pub port: u16,
     pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+impl Frontend {
+    /// A ClusterIP-scope frontend (what every frontend was before the packet datapath).
+    pub fn cluster(ip: IpAddr, port: u16, protocol: Protocol) -> Frontend {
+        Frontend {
+            ip,
+            port,
+            protocol,
+            scope: Scope::Cluster,
+        }
+    }
+
+    /// The NodePort frontend of `family_of`'s family.
+    pub fn node_port(family_of: IpAddr, port: u16, protocol: Protocol, scope: Scope) -> Frontend {
+        let ip = match family_of {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        Frontend {
+            ip,
+            port,
+            protocol,
+            scope,
+        }
+    }
+
+    /// Keyed by the NodePort wildcard address.
+    pub fn is_node_port(&self) -> bool {
+        self.ip.is_unspecified()
+    }
 }
 
 impl fmt::Display for Frontend {
@@ -55,7 +165,122 @@ impl fmt::Display for Frontend {
             "{}/{}",
             SocketAddr::new(self.ip, self.port),
             self.protocol
-        )
+        )?;
+        if self.scope == Scope::External {
+            f.write_str(" (external)")?;
+        }
+        Ok(())
+    }
+}
+
+/// One backend of a frontend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    /// The endpoint runs on this node (its nodeName): `backend_flags::LOCAL`.
+    pub local: bool,
+}
+
+impl Backend {
+    pub fn remote(addr: SocketAddr) -> Backend {
+        Backend { addr, local: false }
+    }
+}
+
+impl From<SocketAddr> for Backend {
+    fn from(addr: SocketAddr) -> Backend {
+        Backend::remote(addr)
+    }
+}
+
+/// "10.0.0.1:8080": a backend on another node.
+impl std::str::FromStr for Backend {
+    type Err = std::net::AddrParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.parse().map(Backend::remote)
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.addr.fmt(f)
+    }
+}
+
+/// An address range: "10.0.0.0/8", "fd00::/64".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Cidr {
+    /// With the bits past the prefix cleared.
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
+        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= max)
+            .ok_or_else(|| format!("{s:?}: the prefix must be 0-{max}"))?;
+        Ok(Cidr::new(addr, prefix))
+    }
+}
+
+fn bits(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u32::from(v4) as u128,
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+impl Cidr {
+    /// `addr/prefix` with the host bits cleared (as Go's net.ParseCIDR returns the network).
+    pub fn new(addr: IpAddr, prefix: u8) -> Cidr {
+        let width: u32 = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = (prefix as u32).min(width);
+        let keep = if prefix == 0 {
+            0
+        } else {
+            (u128::MAX << (width - prefix)) & (u128::MAX >> (128 - width))
+        };
+        let masked = bits(addr) & keep;
+        let addr = match addr {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::from(masked as u32)),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::from(masked)),
+        };
+        Cidr {
+            addr,
+            prefix: prefix as u8,
+        }
+    }
+
+    /// One address.
+    pub fn host(addr: IpAddr) -> Cidr {
+        Cidr::new(addr, if addr.is_ipv4() { 32 } else { 128 })
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        if self.addr.is_ipv4() != ip.is_ipv4() {
+            return false;
+        }
+        Cidr::new(ip, self.prefix).addr == self.addr
+    }
+
+    /// 0.0.0.0/0 or ::/0: every address of the family.
+    pub fn is_zero(&self) -> bool {
+        self.prefix == 0
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
     }
 }
 
@@ -69,12 +294,64 @@ pub struct DesiredFrontend {
     /// "namespace/name:portname" (":portname" omitted for an unnamed port): names the object
     /// in listings and errors.
     pub service: String,
-    /// Usable backends, sorted and deduplicated. Empty means connections are refused.
-    pub backends: Vec<SocketAddr>,
+    /// Usable backends, sorted and deduplicated. Empty means connections are refused (or, with
+    /// `external_local`, dropped).
+    pub backends: Vec<Backend>,
     /// sessionAffinity ClientIP timeout, when affinity is on.
     pub affinity_timeout_s: Option<u32>,
     /// internalTrafficPolicy: Local was applied to `backends`.
     pub internal_local: bool,
+    pub kind: Kind,
+    /// externalTrafficPolicy: Local was applied to `backends` (external scope only; only
+    /// while the Service has usable endpoints somewhere, see the datapath contract).
+    pub external_local: bool,
+    /// loadBalancerSourceRanges of a LoadBalancer frontend (external scope), with the
+    /// addresses kube-proxy admits for the node itself: clients outside them are dropped.
+    /// None: no restriction.
+    pub source_ranges: Option<Box<[Cidr]>>,
+}
+
+impl DesiredFrontend {
+    /// A ClusterIP frontend with nothing but backends (tests, tools).
+    pub fn cluster_ip(
+        frontend: Frontend,
+        owner: &str,
+        service: &str,
+        backends: Vec<Backend>,
+    ) -> Self {
+        DesiredFrontend {
+            frontend,
+            owner: owner.to_string(),
+            service: service.to_string(),
+            backends,
+            affinity_timeout_s: None,
+            internal_local: false,
+            kind: Kind::ClusterIP,
+            external_local: false,
+            source_ranges: None,
+        }
+    }
+}
+
+/// What the node itself contributes to the packet datapath: its addresses and the datapath's
+/// settings. Not per Service: written by a sync of its own.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeDesired {
+    /// The node's addresses (`SVC_NODE_ADDRS`), by address.
+    pub addrs: BTreeMap<IpAddr, svc_common::NodeAddrValue>,
+    /// `SVC_CONFIG`; None: not written (no packet datapath configured, e.g. in tests of the
+    /// socket path alone).
+    pub config: Option<svc_common::DatapathConfig>,
+}
+
+/// The healthCheckNodePort server kube-proxy runs for a LoadBalancer Service with
+/// externalTrafficPolicy Local.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct HealthCheck {
+    pub port: u16,
+    /// Distinct addresses of this node's ready endpoints, per family (IPv4, IPv6); None for a
+    /// family the Service has no clusterIP of.
+    pub local_endpoints: [Option<u32>; 2],
 }
 
 /// Everything the datapath should serve.
@@ -82,6 +359,9 @@ pub struct DesiredFrontend {
 pub struct DesiredState {
     pub frontends: BTreeMap<Frontend, DesiredFrontend>,
     /// Every ClusterIP with at least one frontend: ports and protocols it does not define are
-    /// refused.
+    /// refused. (ExternalIPs and LoadBalancer IPs get no marker.)
     pub cluster_ips: BTreeSet<IpAddr>,
+    pub node: NodeDesired,
+    /// Health check servers, by Service ("namespace/name").
+    pub health_checks: BTreeMap<String, HealthCheck>,
 }

@@ -5,10 +5,12 @@
 
 use std::os::fd::AsFd;
 
+use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
 use svc_common::{
-    map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, MetaValue,
-    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
+    map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, DatapathConfig,
+    MetaValue, NodeAddrValue, RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
+    SrcRangeKey,
 };
 
 use crate::error::{Error, Result};
@@ -29,6 +31,14 @@ pub enum Op {
     PutMatch(AffinityMatchKey),
     DelMatch(AffinityMatchKey),
     PutMeta(MetaValue),
+    /// A loadBalancerSourceRanges entry of a frontend (`SRC_RANGES`).
+    PutRange(SrcRangeKey),
+    DelRange(SrcRangeKey),
+    /// An address of this node (`NODE_ADDRS`, keyed as `ServiceKey::addr`).
+    PutNodeAddr([u8; 16], NodeAddrValue),
+    DelNodeAddr([u8; 16]),
+    /// The one entry of `CONFIG`.
+    PutConfig(DatapathConfig),
 }
 
 impl Op {
@@ -41,6 +51,9 @@ impl Op {
             Op::PutName(..) | Op::DelName(_) => map_names::NAMES,
             Op::PutMatch(_) | Op::DelMatch(_) => map_names::AFFINITY_MATCH,
             Op::PutMeta(_) => map_names::META,
+            Op::PutRange(_) | Op::DelRange(_) => map_names::SRC_RANGES,
+            Op::PutNodeAddr(..) | Op::DelNodeAddr(_) => map_names::NODE_ADDRS,
+            Op::PutConfig(_) => map_names::CONFIG,
         }
     }
 }
@@ -56,6 +69,12 @@ pub struct Capacity {
     pub sock_rev: u32,
     pub affinity: u32,
     pub affinity_match: u32,
+    pub src_ranges: u32,
+    pub node_addrs: u32,
+    /// Connection tracking (two entries per flow), for the packet datapath.
+    pub ct: u32,
+    /// (device, reason) counters of the packet datapath.
+    pub dev_stats: u32,
 }
 
 impl Default for Capacity {
@@ -70,6 +89,10 @@ impl Default for Capacity {
             sock_rev: c::SOCK_REV,
             affinity: c::AFFINITY,
             affinity_match: c::AFFINITY_MATCH,
+            src_ranges: c::SRC_RANGES,
+            node_addrs: c::NODE_ADDRS,
+            ct: c::CT,
+            dev_stats: c::DEV_STATS,
         }
     }
 }
@@ -86,6 +109,10 @@ impl Capacity {
             map_names::SOCK_REV => self.sock_rev,
             map_names::AFFINITY => self.affinity,
             map_names::AFFINITY_MATCH => self.affinity_match,
+            map_names::SRC_RANGES => self.src_ranges,
+            map_names::NODE_ADDRS => self.node_addrs,
+            map_names::CT => self.ct,
+            map_names::DEV_STATS => self.dev_stats,
             _ => return None,
         })
     }
@@ -103,6 +130,9 @@ pub struct Snapshot {
     /// Frontend and backend ids the kernel keeps in affinity entries: they count as used.
     pub affinity_ids: Vec<(u32, BackendId)>,
     pub meta: MetaValue,
+    pub ranges: Vec<SrcRangeKey>,
+    pub node_addrs: Vec<([u8; 16], NodeAddrValue)>,
+    pub config: DatapathConfig,
 }
 
 pub trait Store {
@@ -127,7 +157,34 @@ pub struct BpfStore {
     pub sock_state: MapData,
     pub meta: Array<MapData, MetaValue>,
     pub stats: PerCpuArray<MapData, u64>,
+    /// The packet datapath's maps the agent writes.
+    pub src_ranges: LpmTrie<MapData, RangeData, u32>,
+    pub node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
+    pub config: Array<MapData, DatapathConfig>,
+    /// Connection tracking and per-device counters: written by the tc programs, read for
+    /// metrics; None while the object does not declare them.
+    pub ct: Option<MapData>,
+    pub dev_stats: Option<MapData>,
     pub capacity: Capacity,
+}
+
+/// `SrcRangeKey` after its prefix length: what aya's LPM trie key wraps.
+pub type RangeData = [u8; 20];
+
+fn lpm_key(k: &SrcRangeKey) -> LpmKey<RangeData> {
+    let mut data = [0u8; 20];
+    data[..4].copy_from_slice(&k.id_be.to_ne_bytes());
+    data[4..].copy_from_slice(&k.addr);
+    LpmKey::new(k.prefixlen, data)
+}
+
+fn range_key(k: &LpmKey<RangeData>) -> SrcRangeKey {
+    let data = k.data();
+    SrcRangeKey {
+        prefixlen: k.prefix_len(),
+        id_be: u32::from_ne_bytes(data[..4].try_into().expect("4 bytes")),
+        addr: data[4..].try_into().expect("16 bytes"),
+    }
 }
 
 pub fn map_err(map: &'static str, e: MapError) -> Error {
@@ -169,6 +226,15 @@ impl BpfStore {
             .get(&0, 0)
             .map_err(|e| map_err(map_names::META, e))
     }
+
+    /// Every entry of the source ranges trie (LPM tries have no batch lookup; it is small).
+    pub fn read_ranges(&self) -> Result<Vec<SrcRangeKey>> {
+        self.src_ranges
+            .keys()
+            .map(|k| k.map(|k| range_key(&k)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| map_err(map_names::SRC_RANGES, e))
+    }
 }
 
 /// Sums each per-CPU decision counter over the CPUs, named as `svc_common::stat::NAMES`.
@@ -196,6 +262,11 @@ impl Store for BpfStore {
             Op::PutName(k, v) => self.names.insert(k, v, 0),
             Op::PutMatch(k) => self.affinity_match.insert(k, 0, 0),
             Op::PutMeta(v) => self.meta.set(0, v, 0),
+            Op::PutRange(k) => self.src_ranges.insert(&lpm_key(k), 0, 0),
+            Op::PutNodeAddr(k, v) => self.node_addrs.insert(k, v, 0),
+            Op::PutConfig(v) => self.config.set(0, v, 0),
+            Op::DelRange(k) => self.src_ranges.remove(&lpm_key(k)),
+            Op::DelNodeAddr(k) => self.node_addrs.remove(k),
             Op::DelService(k) => self.services.remove(k),
             Op::DelSlot(k) => self.slots.remove(k),
             Op::DelBackend(k) => self.backends.remove(k),
@@ -231,6 +302,12 @@ impl Store for BpfStore {
                 .map(|(k, v)| (k.id, v.backend))
                 .collect(),
             meta: self.read_meta()?,
+            ranges: self.read_ranges()?,
+            node_addrs: dump(map_names::NODE_ADDRS, &self.node_addrs)?,
+            config: self
+                .config
+                .get(&0, 0)
+                .map_err(|e| map_err(map_names::CONFIG, e))?,
         })
     }
 }

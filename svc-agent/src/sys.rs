@@ -120,6 +120,22 @@ pub fn link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u64)> {
     Ok(((info[1] & 0xffff_ffff) as u32, info[2]))
 }
 
+/// The device a tcx link attaches to (0 once the device is gone) and the program it runs.
+pub fn tcx_link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    let mut info = [0u64; 32];
+    let mut attr = Attr::zeroed();
+    attr.put_u32(0, link.as_raw_fd() as u32);
+    attr.put_u32(4, std::mem::size_of_val(&info) as u32);
+    attr.put_u64(8, info.as_mut_ptr() as u64);
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    // struct bpf_link_info { u32 type; u32 id; u32 prog_id; u32 pad; union { struct {
+    // u32 ifindex; u32 attach_type; } tcx; ... } } (the union at offset 16).
+    Ok((
+        (info[2] & 0xffff_ffff) as u32,
+        (info[1] & 0xffff_ffff) as u32,
+    ))
+}
+
 /// The cgroup a cgroup link attaches to (0 once the cgroup is gone).
 pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
     // struct bpf_link_info { u32 type; u32 id; u32 prog_id; union { struct { u64 cgroup_id;
@@ -317,4 +333,39 @@ pub fn release_free_memory() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+
+/// `enum bpf_map_type` values of the maps the agent may create itself.
+pub mod map_type {
+    pub const HASH: u32 = 1;
+    pub const ARRAY: u32 = 2;
+    pub const LPM_TRIE: u32 = 11;
+}
+
+/// Creates a map (BPF_MAP_CREATE) named `name` (the kernel keeps 15 bytes of it): for maps
+/// the agent writes that the loaded object does not declare yet.
+pub fn map_create(
+    kind: u32,
+    key: u32,
+    value: u32,
+    max_entries: u32,
+    flags: u32,
+    name: &str,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 map_type, key_size, value_size, max_entries, map_flags, inner_map_fd,
+    //          numa_node; char map_name[16]; ... }
+    attr.put_u32(0, kind);
+    attr.put_u32(4, key);
+    attr.put_u32(8, value);
+    attr.put_u32(12, max_entries);
+    attr.put_u32(16, flags);
+    let bytes = name.as_bytes();
+    let n = bytes.len().min(15);
+    attr.0[28..28 + n].copy_from_slice(&bytes[..n]);
+    let fd = bpf(BPF_MAP_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

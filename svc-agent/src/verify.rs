@@ -7,12 +7,16 @@
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 
-use svc_common::{checks_match, svc_flags, AffinityMatchKey, BackendId, SlotKey, PROTO_ANY};
+use svc_common::{
+    backend_flags, checks_match, svc_flags, AffinityMatchKey, BackendId, SlotKey, SrcRangeKey,
+    PROTO_ANY,
+};
 
-use crate::model::DesiredState;
+use crate::model::{Backend, DesiredState};
 use crate::store::Snapshot;
 use crate::sync::{
-    decode_name, flags_of, ip_from16, plan::rev_nat_value, service_key, stored_name,
+    addr16, decode_name, flags_of, ip_from16, plan::rev_nat_value, range_key, ranges_of,
+    service_key, stored_name,
 };
 
 /// Every difference between `snap` and `desired`, in words; empty when they agree exactly.
@@ -25,6 +29,8 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
     let names: HashMap<u32, _> = snap.names.iter().copied().collect();
     let matches: HashSet<AffinityMatchKey> = snap.matches.iter().copied().collect();
     let mut used_matches = HashSet::new();
+    let ranges: HashSet<SrcRangeKey> = snap.ranges.iter().copied().collect();
+    let mut used_ranges = HashSet::new();
 
     let mut used_slots = HashSet::new();
     let mut used_ids = HashSet::new();
@@ -51,7 +57,7 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
                 v.flags, v.affinity_timeout_s
             ));
         }
-        let mut got: Vec<SocketAddr> = Vec::new();
+        let mut got: Vec<Backend> = Vec::new();
         let check_members = checks_match(fe.protocol.ipproto(), v.flags);
         for slot in 1..=v.count {
             let sk = SlotKey {
@@ -82,10 +88,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
                 }
             }
             match backends.get(b) {
-                Some(be) if be.proto == fe.protocol.ipproto() => got.push(SocketAddr::new(
-                    ip_from16(be.addr),
-                    u16::from_be(be.port_be),
-                )),
+                Some(be) if be.proto == fe.protocol.ipproto() => got.push(Backend {
+                    addr: SocketAddr::new(ip_from16(be.addr), u16::from_be(be.port_be)),
+                    local: be.flags & backend_flags::LOCAL != 0,
+                }),
                 Some(_) => problems.push(format!("{fe}: backend {b} has another protocol")),
                 None => problems.push(format!("{fe}: slot {slot} names missing backend {b}")),
             }
@@ -95,6 +101,13 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
                 "{fe} ({}): backends {got:?}, want {:?}",
                 d.service, d.backends
             ));
+        }
+        for c in ranges_of(d).iter() {
+            let k = range_key(v.id, c);
+            used_ranges.insert(k);
+            if !ranges.contains(&k) {
+                problems.push(format!("{fe}: source range {c} (id {}) missing", v.id));
+            }
         }
         match rev_nat.get(&v.id) {
             Some(r) if *r == rev_nat_value(fe) => {}
@@ -117,7 +130,8 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
 
     let mut markers = BTreeSet::new();
     for (k, v) in &snap.services {
-        if k.port_be == 0 && k.proto == PROTO_ANY && v.flags & svc_flags::ADDR_MARKER != 0 {
+        let marker = k.port_be == 0 && k.proto == PROTO_ANY && k.scope == 0;
+        if marker && v.flags & svc_flags::ADDR_MARKER != 0 {
             markers.insert(ip_from16(k.addr));
         } else if !expected_keys.contains(k) {
             problems.push(format!(
@@ -153,12 +167,29 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         matches.difference(&used_matches).count(),
     ));
     problems.extend(strays(
-        "backend",
-        backends
-            .keys()
-            .filter(|id| !used_backends.contains(*id))
-            .count(),
+        "source range",
+        ranges.difference(&used_ranges).count(),
     ));
+    // The node's part is checked when the desired state has one (the agent's always does;
+    // a desired state built from Services alone does not).
+    if let Some(c) = &desired.node.config {
+        if *c != snap.config {
+            problems.push(format!("datapath config {:?}, want {c:?}", snap.config));
+        }
+        let node_addrs: HashMap<[u8; 16], _> = snap.node_addrs.iter().copied().collect();
+        for (ip, want) in &desired.node.addrs {
+            match node_addrs.get(&addr16(*ip)) {
+                Some(got) if got == want => {}
+                Some(got) => problems.push(format!("node address {ip}: {got:?}, want {want:?}")),
+                None => problems.push(format!("node address {ip} missing")),
+            }
+        }
+        for k in node_addrs.keys() {
+            if !desired.node.addrs.contains_key(&ip_from16(*k)) {
+                problems.push(format!("stray node address {}", ip_from16(*k)));
+            }
+        }
+    }
     let max_f = snap.services.iter().map(|(_, v)| v.id).max().unwrap_or(0);
     let max_b = snap.backends.iter().map(|(id, _)| *id).max().unwrap_or(0);
     if max_f >= snap.meta.frontend_id_hwm && max_f > 0 {

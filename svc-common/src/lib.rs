@@ -145,6 +145,12 @@ pub mod svc_flags {
     /// A NodePort frontend: keyed by `NODEPORT_ADDR_V4`/`_V6`, it answers on every address in
     /// `NODE_ADDRS` that has `node_addr_flags::NODEPORT`.
     pub const NODEPORT: u16 = 1 << 5;
+    /// The frontend is an ExternalIP (either scope). Informational (listings, metrics): the
+    /// programs need not read it.
+    pub const EXTERNAL_IP: u16 = 1 << 6;
+    /// The frontend is a LoadBalancer ingress IP (either scope). Informational, as
+    /// `EXTERNAL_IP`.
+    pub const LOAD_BALANCER: u16 = 1 << 7;
 }
 
 /// `ServiceKey::scope`: who a frontend is for.
@@ -193,9 +199,10 @@ pub struct NodeAddrValue {
 
 /// Key of the `SRC_RANGES` LPM trie: a LoadBalancer frontend's loadBalancerSourceRanges.
 /// `prefixlen` counts the bits of `id` (always 32) plus the bits of the range's prefix
-/// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8).
+/// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8). The value is a
+/// `u32`, reserved (0): a match is all that counts.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SrcRangeKey {
     /// Host order (the LPM trie's header).
@@ -318,7 +325,8 @@ pub mod pkt_stat {
     /// Passed untouched: a packet the parser could not read far enough (truncated, unknown
     /// extension headers); it is not ours to judge.
     pub const PASS_UNPARSED: u32 = 7;
-    /// A non-first IPv4/IPv6 fragment of a translated flow (it carries no ports).
+    /// A non-first IPv4/IPv6 fragment (it carries no ports, so it cannot be matched to a
+    /// flow): passed untouched.
     pub const FRAGMENT: u32 = 8;
     /// An ICMP error about a translated flow was translated too.
     pub const ICMP_ERROR: u32 = 9;
@@ -326,9 +334,13 @@ pub mod pkt_stat {
     pub const ERR_MISSING_ENTRY: u32 = 10;
     /// A connection-tracking entry could not be stored (the packet was dropped).
     pub const ERR_CT_UPDATE: u32 = 11;
-    /// The packet could not be rewritten or redirected (a helper failed).
+    /// The packet could not be rewritten or redirected (a helper failed, or no route or SNAT
+    /// address was found for a remote backend); it was dropped.
     pub const ERR_REWRITE: u32 = 12;
-    pub const COUNT: u32 = 13;
+    /// A packet the program forwards itself did not fit the route's MTU (and may not be
+    /// fragmented): an ICMP fragmentation needed / ICMPv6 packet too big was sent back.
+    pub const TOO_BIG: u32 = 13;
+    pub const COUNT: u32 = 14;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -343,6 +355,7 @@ pub mod pkt_stat {
         "err_missing_entry",
         "err_ct_update",
         "err_rewrite",
+        "too_big",
     ];
 }
 

@@ -3,11 +3,14 @@
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use svc_common::{
-    how, outcome, stat, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
-    BackendId, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, PROTO_ANY, SOCK_CHOICES,
+    how, node_addr_flags, outcome, scope, stat, svc_flags, AffinityKey, AffinityMatchKey,
+    AffinityValue, Backend, BackendId, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
+    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
 };
 
-use crate::maps::{count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_SERVICES, SVC_SLOTS};
+use crate::maps::{
+    count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_NODE_ADDRS, SVC_SERVICES, SVC_SLOTS,
+};
 
 /// Outcome of a lookup or a choice: `FOUND`, `NOT_SERVICE`, or the `svc_common::stat` index
 /// that says why the connection is refused.
@@ -26,9 +29,10 @@ pub trait Caller {
     fn now(&self) -> u64;
     /// The socket cookie.
     fn cookie(&self) -> u64;
-    /// The client's network namespace cookie (sessionAffinity: a pod is a network namespace,
-    /// and at connect() its source address is not chosen yet).
-    fn netns_cookie(&self) -> u64;
+    /// Who the client is for sessionAffinity: the `AffinityKey` of frontend `id`. A socket's
+    /// client is its network namespace (a pod is a network namespace, and at connect() its
+    /// source address is not chosen yet); a packet's is its source address.
+    fn affinity_client(&self, id: u32) -> AffinityKey;
     /// Whether the socket keeps its backend per frontend: an unconnected UDP send.
     fn sticky(&self) -> bool;
     /// The socket's state (created if need be); null when it cannot be had.
@@ -64,6 +68,11 @@ pub fn lookup(key: &ServiceKey, out: &mut ServiceValue) -> Outcome {
             *out = *svc;
             return FOUND;
         }
+    }
+    // Markers exist for ClusterIPs only, which are frontends of the cluster scope: an
+    // external lookup that missed costs no second lookup.
+    if key.scope != scope::CLUSTER {
+        return NOT_SERVICE;
     }
     let marker = ServiceKey {
         addr: key.addr,
@@ -143,14 +152,26 @@ fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId 
     }
 }
 
+/// The affinity key of a socket's client: its network namespace cookie.
 #[inline(always)]
-fn client(caller: &impl Caller, id: u32) -> AffinityKey {
+pub fn netns_client(netns_cookie: u64, id: u32) -> AffinityKey {
     let mut client = [0u8; 16];
-    client[0..8].copy_from_slice(&caller.netns_cookie().to_ne_bytes());
+    client[0..8].copy_from_slice(&netns_cookie.to_ne_bytes());
     AffinityKey {
         client,
         id,
         kind: svc_common::AFFINITY_CLIENT_NETNS,
+        _pad0: [0; 3],
+    }
+}
+
+/// The affinity key of a packet's client: its source address.
+#[inline(always)]
+pub fn ip_client(addr: &[u8; 16], id: u32) -> AffinityKey {
+    AffinityKey {
+        client: *addr,
+        id,
+        kind: svc_common::AFFINITY_CLIENT_IP,
         _pad0: [0; 3],
     }
 }
@@ -172,7 +193,7 @@ fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decisi
         return backend(id, &mut out.backend);
     }
 
-    let client = &client(caller, svc.id);
+    let client = &caller.affinity_client(svc.id);
     let now = caller.now();
     let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
     if let Some(prev) = SVC_AFFINITY.get_ptr_mut(client) {
@@ -254,12 +275,69 @@ fn opaque(i: usize) -> usize {
 /// its datagrams do not refresh the affinity entry. A socket that sends to more frontends than
 /// it can remember, or whose state cannot be created, takes its slot from its cookie.
 #[inline(always)]
+#[allow(
+    dead_code,
+    reason = "the test object decides by key; the programs resolve first"
+)]
 pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Outcome {
     let mut svc = ServiceValue::default();
     match lookup(key, &mut svc) {
         FOUND => {}
         other => return other,
     }
+    decide_with(key, svc, caller, out)
+}
+
+/// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address of this node.
+#[inline(always)]
+pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
+    // SAFETY: copied out at once.
+    match unsafe { SVC_NODE_ADDRS.get(addr) } {
+        Some(v) => v.flags,
+        None => 0,
+    }
+}
+
+/// The NodePort frontend `key` reaches when its address is a node address that answers
+/// NodePorts (`node_flags`, from `node_addr_flags`): the same port and protocol under the
+/// family's wildcard address. `false`: it is no NodePort address.
+#[inline(always)]
+pub fn nodeport_key(key: &mut ServiceKey, node_flags: u32) -> bool {
+    if node_flags & node_addr_flags::NODEPORT == 0 {
+        return false;
+    }
+    key.addr = if svc_common::is_v4_mapped(&key.addr) {
+        NODEPORT_ADDR_V4
+    } else {
+        NODEPORT_ADDR_V6
+    };
+    true
+}
+
+/// The frontend `key` names, trying the NodePort wildcard when `key` is no frontend but its
+/// address is a NodePort address of this node; `key` becomes the key that was found.
+#[inline(always)]
+pub fn resolve(key: &mut ServiceKey, out: &mut ServiceValue) -> Outcome {
+    let outcome = lookup(key, out);
+    if outcome != NOT_SERVICE {
+        return outcome;
+    }
+    if !nodeport_key(key, node_addr_flags(&key.addr)) {
+        return NOT_SERVICE;
+    }
+    lookup(key, out)
+}
+
+/// `decide` for a frontend its caller has looked up already (`key` names `svc`, and is read
+/// again if an update races the choice).
+#[inline(always)]
+pub fn decide_with(
+    key: &ServiceKey,
+    svc: ServiceValue,
+    caller: &impl Caller,
+    out: &mut Decision,
+) -> Outcome {
+    let mut svc = svc;
     out.svc = svc;
     if svc.count == 0 {
         return stat::REFUSED_NO_BACKEND;

@@ -6,6 +6,8 @@
 #![no_std]
 #![no_main]
 
+// The packet datapath's helpers of the decision are unused here.
+#[allow(dead_code)]
 mod lb;
 // The socket-only maps are declared there too; this object leaves them unused.
 #[allow(dead_code)]
@@ -44,9 +46,9 @@ impl lb::Caller for Given {
     }
 
     #[inline(always)]
-    fn netns_cookie(&self) -> u64 {
+    fn affinity_client(&self, id: u32) -> svc_common::AffinityKey {
         // SAFETY: as above.
-        unsafe { (*self.0).netns_cookie }
+        lb::netns_client(unsafe { (*self.0).netns_cookie }, id)
     }
 
     #[inline(always)]

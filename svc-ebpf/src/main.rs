@@ -3,14 +3,23 @@
 #![no_std]
 #![no_main]
 
+mod csum;
+mod ct;
+mod fwd;
+mod icmp;
 mod lb;
 mod maps;
+mod nat;
+mod pkt;
+mod reject;
+mod scratch;
 mod sock;
+mod tc;
 
 use aya_ebpf::{
     helpers::generated::bpf_set_retval,
-    macros::{cgroup_sock, cgroup_sock_addr},
-    programs::{SockAddrContext, SockContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, SockContext, TcContext},
 };
 use sock::{Call, Family};
 
@@ -80,6 +89,31 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 pub fn sock_release(ctx: SockContext) -> i32 {
     sock::release(&ctx);
     ALLOW
+}
+
+/// tc, ingress of an external device: NodePorts, ExternalIPs, LoadBalancer IPs; replies of
+/// remote backends. Verdicts are TC_ACT_* codes (OK, SHOT, REDIRECT).
+#[classifier]
+pub fn tc_ext_ingress(ctx: TcContext) -> i32 {
+    tc::ext_ingress(&ctx)
+}
+
+/// tc, egress of an external device: replies of local backends.
+#[classifier]
+pub fn tc_ext_egress(ctx: TcContext) -> i32 {
+    tc::ext_egress(&ctx)
+}
+
+/// tc, ingress of the host side of a pod device: per-packet ClusterIP.
+#[classifier]
+pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
+    tc::pod_ingress(&ctx)
+}
+
+/// tc, egress of the host side of a pod device: replies to the pod.
+#[classifier]
+pub fn tc_pod_egress(ctx: TcContext) -> i32 {
+    tc::pod_egress(&ctx)
 }
 
 #[cfg(not(test))]

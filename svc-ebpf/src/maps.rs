@@ -2,13 +2,15 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
+    btf_maps::{
+        lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, SkStorage,
+    },
     macros::btf_map,
 };
 use svc_common::{
-    capacity, stat, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, MetaValue,
-    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
-    SockState,
+    capacity, stat, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey,
+    CtValue, DatapathConfig, DevStatKey, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
+    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue, SockState,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -80,4 +82,58 @@ pub fn count(index: u32) {
         // SAFETY: per-CPU slot, and a program runs to completion on one CPU.
         unsafe { *v += 1 }
     }
+}
+
+// The packet datapath's maps (docs/design/packet-datapath.md, "Map declarations").
+
+/// This node's addresses: which answer NodePorts, which may source SNATed packets.
+#[btf_map]
+pub static SVC_NODE_ADDRS: HashMap<
+    [u8; 16],
+    NodeAddrValue,
+    { capacity::NODE_ADDRS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+/// loadBalancerSourceRanges: (frontend id, client prefix). The data of a key is
+/// `SrcRangeKey` without its prefix length: the id (network order) and the address.
+#[btf_map]
+pub static SVC_SRC_RANGES: LpmTrie<[u8; 20], u32, { capacity::SRC_RANGES as usize }> =
+    LpmTrie::new();
+
+/// Connection tracking of the packet datapath: two entries per flow. LRU, so a full table
+/// forgets the least recently used flows instead of refusing new ones.
+#[btf_map]
+pub static SVC_CT: LruHashMap<CtKey, CtValue, { capacity::CT as usize }> = LruHashMap::new();
+
+#[btf_map]
+pub static SVC_CONFIG: Array<DatapathConfig, 1> = Array::new();
+
+/// What the packet datapath decided, per device and reason, per CPU.
+#[btf_map]
+pub static SVC_DEV_STATS: PerCpuHashMap<DevStatKey, u64, { capacity::DEV_STATS as usize }> =
+    PerCpuHashMap::new();
+
+/// Counts one packet of device `ifindex` under `pkt_stat` index `reason`.
+#[inline(always)]
+pub fn dev_count(ifindex: u32, reason: u32) {
+    let key = DevStatKey { ifindex, reason };
+    match SVC_DEV_STATS.get_ptr_mut(key) {
+        // SAFETY: per-CPU value, and a program runs to completion on one CPU.
+        Some(v) => unsafe { *v += 1 },
+        None => {
+            // Another CPU may create the entry first; each CPU's first count then lands in
+            // its own slot either way (a per-CPU entry is created zeroed for the others).
+            let _ = SVC_DEV_STATS.insert(key, 1, 0);
+        }
+    }
+}
+
+/// The `SRC_RANGES` key for client `addr` of frontend `id`, with a full-length prefix.
+#[inline(always)]
+pub fn src_range_key(id: u32, addr: &[u8; 16]) -> Key<[u8; 20]> {
+    let mut data = [0u8; 20];
+    data[..4].copy_from_slice(&id.to_be_bytes());
+    data[4..].copy_from_slice(addr);
+    Key::new(160, data)
 }

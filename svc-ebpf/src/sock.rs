@@ -11,8 +11,9 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, stat, v4_mapped, RevNatValue, ServiceKey, SockRevKey, SockRevValue, SockState,
-    ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
+    is_v4_mapped, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey, ServiceValue,
+    SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP, NODEPORT_ADDR_V4,
+    NODEPORT_ADDR_V6,
 };
 
 use crate::{
@@ -111,9 +112,12 @@ impl lb::Caller for Hook<'_> {
     }
 
     #[inline(always)]
-    fn netns_cookie(&self) -> u64 {
+    fn affinity_client(&self, id: u32) -> AffinityKey {
         // SAFETY: as above.
-        unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) }
+        lb::netns_client(
+            unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) },
+            id,
+        )
     }
 
     #[inline(always)]
@@ -143,18 +147,26 @@ pub enum Call {
 pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<(), i32> {
     let dst = read_addr(ctx, family);
     let proto = protocol(ctx);
-    let key = ServiceKey {
+    let mut key = ServiceKey {
         addr: dst.addr,
         port_be: dst.port_be,
         proto,
-        scope: 0,
+        scope: scope::CLUSTER,
     };
+    // A NodePort reached through a node address (nodeIP:nodePort) is found under its
+    // wildcard key, as kube-proxy serves it to local clients.
+    let mut svc = ServiceValue::default();
+    match lb::resolve(&mut key, &mut svc) {
+        lb::FOUND => {}
+        lb::NOT_SERVICE => return Ok(()),
+        refused => return Err(refuse(refused)),
+    }
     let hook = Hook {
         ctx,
         sticky: call == Call::Sendmsg && proto == IPPROTO_UDP,
     };
     let mut decision = lb::Decision::default();
-    match lb::decide(&key, &hook, &mut decision) {
+    match lb::decide_with(&key, svc, &hook, &mut decision) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
         refused => return Err(refuse(refused)),
@@ -243,7 +255,13 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
             if !same_frontend(&current, &rev) {
                 return;
             }
-            current
+            // What the socket asked for: for a NodePort, the node address it used (the
+            // frontend's own entry holds only the wildcard).
+            RevNatValue {
+                addr: rev.addr,
+                port_be: rev.port_be,
+                ..current
+            }
         }
         // Not there (evicted, or its write failed): an unconnected socket's own state still
         // says which frontend it reached this backend through, so the reply never shows an
@@ -255,6 +273,8 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
             }
             // SAFETY: copied out at once.
             match unsafe { SVC_REV_NAT.get(id) } {
+                // A NodePort's entry does not say which node address the socket used.
+                Some(frontend) if is_nodeport_wildcard(&frontend.addr) => return,
                 Some(frontend) => *frontend,
                 None => return,
             }
@@ -286,9 +306,22 @@ fn chosen_for(ctx: &SockAddrContext, src: &SockAddr) -> u32 {
     0
 }
 
+/// Whether the frontend `rev` remembers is still the one its id names (ids are reused). A
+/// NodePort's entry holds its wildcard key address, while `rev` holds the node address the
+/// socket connected to: any address of the same family matches it.
 #[inline(always)]
 fn same_frontend(current: &RevNatValue, rev: &SockRevValue) -> bool {
-    current.addr == rev.addr && current.port_be == rev.port_be
+    if current.port_be != rev.port_be {
+        return false;
+    }
+    current.addr == rev.addr
+        || (current.addr == NODEPORT_ADDR_V4 && is_v4_mapped(&rev.addr))
+        || (current.addr == NODEPORT_ADDR_V6 && !is_v4_mapped(&rev.addr))
+}
+
+#[inline(always)]
+fn is_nodeport_wildcard(a: &[u8; 16]) -> bool {
+    *a == NODEPORT_ADDR_V4 || *a == NODEPORT_ADDR_V6
 }
 
 const AF_INET: u32 = 2;

@@ -332,6 +332,11 @@ impl Agent {
             }
         };
         die_with_parent(&mut cmd);
+        // An agent of the tests never picks the machine's own devices for the packet
+        // datapath: a test that wants it names its own devices (`--devices`, which wins).
+        if std::env::var_os("SVC_DEVICES").is_none() {
+            cmd.env("SVC_DEVICES", "none");
+        }
         let child = cmd
             .args(&self.args)
             .stdin(Stdio::null())

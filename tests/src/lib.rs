@@ -20,6 +20,7 @@ pub mod report;
 pub mod sandbox;
 pub mod scale;
 pub mod sys;
+pub mod topology;
 
 pub use agent::{Agent, Bpffs, ListOutput, ListService};
 pub use cgroup::TestCgroup;

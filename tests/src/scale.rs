@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::json;
 
-use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
+use svc_agent::model::{Backend, DesiredFrontend, DesiredState, Frontend, Protocol};
 use svc_agent::source::manifest::ManifestSource;
 use svc_agent::store::Store;
 use svc_agent::translate::{self, NodeContext};
@@ -145,16 +145,16 @@ pub fn write_services(dir: &Path, staging: &Path, services: &[GenService]) -> Re
 pub fn desired_of(services: &[GenService]) -> DesiredState {
     let mut state = DesiredState::default();
     for s in services {
-        let fe = Frontend {
-            ip: s.cluster_ip.into(),
-            port: s.port().0,
-            protocol: if s.udp { Protocol::Udp } else { Protocol::Tcp },
-        };
+        let fe = Frontend::cluster(
+            s.cluster_ip.into(),
+            s.port().0,
+            if s.udp { Protocol::Udp } else { Protocol::Tcp },
+        );
         let owner = format!("{}/{}", s.namespace, s.name);
-        let mut backends: Vec<SocketAddr> = s
+        let mut backends: Vec<Backend> = s
             .endpoints
             .iter()
-            .map(|e| SocketAddr::new((*e).into(), s.target))
+            .map(|e| Backend::remote(SocketAddr::new((*e).into(), s.target)))
             .collect();
         backends.sort();
         backends.dedup();
@@ -162,12 +162,8 @@ pub fn desired_of(services: &[GenService]) -> DesiredState {
         state.frontends.insert(
             fe,
             DesiredFrontend {
-                frontend: fe,
-                owner: owner.clone(),
-                service: owner,
-                backends,
                 affinity_timeout_s: s.affinity_s,
-                internal_local: false,
+                ..DesiredFrontend::cluster_ip(fe, &owner, &owner, backends)
             },
         );
     }

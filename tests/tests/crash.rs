@@ -44,21 +44,15 @@ impl Rng {
 
 /// What `common::web_service` with one ready endpoint should give.
 fn web_desired(backend: Ipv4Addr) -> (Frontend, DesiredFrontend) {
-    let fe = Frontend {
-        ip: VIP.into(),
-        port: 80,
-        protocol: Protocol::Tcp,
-    };
+    let fe = Frontend::cluster(VIP.into(), 80, Protocol::Tcp);
     (
         fe,
-        DesiredFrontend {
-            frontend: fe,
-            owner: "demo/web".into(),
-            service: "demo/web:http".into(),
-            backends: vec![SocketAddr::new(backend.into(), 8080)],
-            affinity_timeout_s: None,
-            internal_local: false,
-        },
+        DesiredFrontend::cluster_ip(
+            fe,
+            "demo/web",
+            "demo/web:http",
+            vec![SocketAddr::new(backend.into(), 8080).into()],
+        ),
     )
 }
 

@@ -324,11 +324,7 @@ fn drift_in_the_maps_is_repaired() {
     assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
     // Someone deletes the master entry and the reverse-NAT entry of demo/web.
     let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
-    let fe = svc_agent::model::Frontend {
-        ip: VIP.into(),
-        port: 80,
-        protocol: svc_agent::model::Protocol::Tcp,
-    };
+    let fe = svc_agent::model::Frontend::cluster(VIP.into(), 80, svc_agent::model::Protocol::Tcp);
     let key = svc_agent::sync::service_key(&fe);
     let id = store.services.get(&key, 0).unwrap().id;
     store.services.remove(&key).unwrap();

@@ -50,45 +50,7 @@ pub struct KubeOptions {
 }
 
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix: u8,
-}
-
-impl std::str::FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let (a, p) = s
-            .split_once('/')
-            .ok_or_else(|| format!("{s:?}: expected ADDRESS/PREFIX"))?;
-        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix: u8 = p
-            .parse()
-            .ok()
-            .filter(|p| *p <= max)
-            .ok_or_else(|| format!("{s:?}: the prefix must be 0-{max}"))?;
-        Ok(Cidr { addr, prefix })
-    }
-}
-
-impl Cidr {
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        let bits = |ip: IpAddr| -> u128 {
-            match ip {
-                IpAddr::V4(v4) => u32::from(v4) as u128,
-                IpAddr::V6(v6) => u128::from(v6),
-            }
-        };
-        if self.addr.is_ipv4() != ip.is_ipv4() {
-            return false;
-        }
-        let width = if ip.is_ipv4() { 32 } else { 128 };
-        let shift = width - self.prefix as u32;
-        shift >= width || (bits(ip) >> shift) == (bits(self.addr) >> shift)
-    }
-}
+pub use crate::model::Cidr;
 
 /// kube-proxy's selection: Services (and their slices) that are not headless and belong to
 /// this proxy.
@@ -166,11 +128,7 @@ fn check_api_server(
     let Some(reason) = service_address_reason(ip, cidrs) else {
         return Ok(());
     };
-    let fe = crate::model::Frontend {
-        ip,
-        port,
-        protocol: crate::model::Protocol::Tcp,
-    };
+    let fe = crate::model::Frontend::cluster(ip, port, crate::model::Protocol::Tcp);
     if agent.programmed().frontends.contains_key(&fe) && agent.links_pinned() {
         warn!(
             "the API server address {url} is {reason}; reachable only through the datapath a              previous svc-agent left pinned: set --k8s-api-server to the API server's own              address so a node with empty pins can start too"
@@ -247,6 +205,8 @@ struct Cache {
     services_listed: bool,
     slices_listed: bool,
     zone: Option<String>,
+    /// The Node's addresses (kube-proxy's node IPs) when they changed, for the agent to take.
+    node_ips: Option<Vec<IpAddr>>,
     /// Services to translate again at the next sync.
     dirty: BTreeSet<Key>,
     /// Everything must be translated again (first sync, the node's zone changed).
@@ -409,11 +369,22 @@ impl Cache {
                 }
             },
             Update::Node(e) => {
-                let zone = match *e {
-                    Event::Apply(n) | Event::InitApply(n) => n.labels().get(ZONE_LABEL).cloned(),
-                    Event::Delete(_) => None,
+                let (zone, addresses) = match *e {
+                    Event::Apply(n) | Event::InitApply(n) => {
+                        let addresses: Vec<(String, String)> = n
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.addresses.as_ref())
+                            .into_iter()
+                            .flatten()
+                            .map(|a| (a.type_.clone(), a.address.clone()))
+                            .collect();
+                        (n.labels().get(ZONE_LABEL).cloned(), addresses)
+                    }
+                    Event::Delete(_) => (None, Vec::new()),
                     Event::Init | Event::InitDone => return,
                 };
+                self.node_ips = Some(crate::packet::node_host_ips(&addresses));
                 if zone != self.zone {
                     info!(?zone, "node zone changed; translating every Service again");
                     self.zone = zone;
@@ -427,6 +398,12 @@ impl Cache {
 
     fn ready(&self) -> bool {
         self.services_listed && self.slices_listed
+    }
+
+    /// The node changed in a way every Service's translation depends on.
+    fn retranslate_all(&mut self) {
+        self.all_dirty = true;
+        self.first_change.get_or_insert_with(Instant::now);
     }
 
     /// The parsed Services in `keys`, and every parsed slice that belongs to them.
@@ -512,6 +489,8 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
         node_name: Some(opts.node_name.clone()),
         zone: None,
         service_proxy_name: opts.service_proxy_name.clone(),
+        // The devices' addresses until the Node says.
+        node_ips: agent.node.node_ips.clone(),
     };
     let mut cache = Cache {
         node: agent.node.clone(),
@@ -519,6 +498,7 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
         ..Default::default()
     };
     let mut synced_once = false;
+    let net_changed = agent.watch_node();
     let stop = agent::shutdown_signal();
     tokio::pin!(stop);
     loop {
@@ -536,6 +516,11 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
                     agent.metrics.error_kind(kind);
                 }
                 cache.apply(u);
+                if let Some(ips) = cache.node_ips.take() {
+                    if agent.set_api_node_ips(ips) {
+                        cache.retranslate_all();
+                    }
+                }
                 if cache.first_change.is_some() {
                     agent.metrics.queued();
                 }
@@ -549,6 +534,12 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
             }
             _ = tokio::time::sleep_until(tokio::time::Instant::from_std(agent.next_deadline())) => {
                 agent.tick(Instant::now());
+            }
+            _ = net_changed.notified() => {
+                tokio::time::sleep(agent::NODE_SETTLE).await;
+                if agent.refresh_node() {
+                    cache.retranslate_all();
+                }
             }
         }
     }

@@ -1351,6 +1351,7 @@ items:
             node_name: Some("node-1".to_string()),
             zone: None,
             service_proxy_name: None,
+            node_ips: Vec::new(),
         };
         let t = translate(&services, &slices, &node);
         let errors: Vec<String> = t.errors.iter().map(ToString::to_string).collect();

@@ -30,13 +30,13 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use svc_common::{
-    svc_flags, v4_mapped, AffinityMatchKey, BackendId, MetaValue, ServiceKey, ServiceName,
-    ServiceValue, SlotKey, PROTO_ANY,
+    is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, MetaValue,
+    NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
-use crate::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
+use crate::model::{Backend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired, Protocol};
 use crate::store::{Capacity, Op, Store};
 
 pub use plan::UnitPlan;
@@ -79,6 +79,9 @@ pub struct ProgFrontend {
     /// Backends with a membership entry (AFFINITY_MATCH) under this id, as in the map:
     /// sorted, no duplicates; empty (no allocation) for frontends that do not keep them.
     pub matches: Vec<BackendId>,
+    /// Source ranges (SRC_RANGES) under this id, as in the map: sorted; empty (no
+    /// allocation) for all but LoadBalancer frontends with loadBalancerSourceRanges.
+    pub ranges: Box<[Cidr]>,
 }
 
 impl ProgFrontend {
@@ -118,6 +121,8 @@ pub struct Usage {
     pub rev_nat: u64,
     pub names: u64,
     pub matches: u64,
+    pub ranges: u64,
+    pub node_addrs: u64,
 }
 
 impl Usage {
@@ -128,6 +133,8 @@ impl Usage {
         self.rev_nat += o.rev_nat;
         self.names += o.names;
         self.matches += o.matches;
+        self.ranges += o.ranges;
+        self.node_addrs += o.node_addrs;
     }
 
     fn dec(&mut self, map: &str) {
@@ -143,6 +150,8 @@ impl Usage {
             m::REV_NAT => &mut self.rev_nat,
             m::NAMES => &mut self.names,
             m::AFFINITY_MATCH => &mut self.matches,
+            m::SRC_RANGES => &mut self.ranges,
+            m::NODE_ADDRS => &mut self.node_addrs,
             _ => return,
         };
         *c = c.saturating_add_signed(d);
@@ -155,6 +164,8 @@ impl Usage {
         self.rev_nat = self.rev_nat.saturating_sub(o.rev_nat);
         self.names = self.names.saturating_sub(o.names);
         self.matches = self.matches.saturating_sub(o.matches);
+        self.ranges = self.ranges.saturating_sub(o.ranges);
+        self.node_addrs = self.node_addrs.saturating_sub(o.node_addrs);
     }
 
     /// The first map `needs` does not fit in, with `reserved` services entries kept free.
@@ -182,6 +193,7 @@ impl Usage {
                 needs.matches,
                 cap.affinity_match,
             ),
+            (m::SRC_RANGES, self.ranges, needs.ranges, cap.src_ranges),
         ];
         checks
             .into_iter()
@@ -314,6 +326,8 @@ pub struct Strays {
     pub backends: Vec<BackendId>,
     /// Membership entries of no frontend, or left by a delete that failed.
     pub matches: Vec<AffinityMatchKey>,
+    /// Source ranges of no frontend, or left by a delete that failed.
+    pub ranges: Vec<SrcRangeKey>,
 }
 
 impl Strays {
@@ -324,6 +338,7 @@ impl Strays {
             + self.names.len()
             + self.backends.len()
             + self.matches.len()
+            + self.ranges.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -332,26 +347,38 @@ impl Strays {
 }
 
 /// A backend as the mirror keys it: 20 bytes where `(SocketAddr, Protocol)` takes 36, which
-/// counts at hundreds of thousands of backends.
+/// counts at hundreds of thousands of backends. Its flags are part of it: a backend entry is
+/// never changed in place, so an endpoint that moves to this node (or away) gets a new id,
+/// written before the slots that name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackendKey {
     /// IPv4 as `::ffff:a.b.c.d`.
     pub addr: [u8; 16],
     pub port: u16,
     pub protocol: Protocol,
+    /// `backend_flags::LOCAL`.
+    pub local: bool,
 }
 
 impl BackendKey {
-    pub fn new(sa: SocketAddr, protocol: Protocol) -> BackendKey {
+    pub fn new(b: Backend, protocol: Protocol) -> BackendKey {
         BackendKey {
-            addr: addr16(sa.ip()),
-            port: sa.port(),
+            addr: addr16(b.addr.ip()),
+            port: b.addr.port(),
             protocol,
+            local: b.local,
         }
     }
 
     pub fn socket_addr(&self) -> SocketAddr {
         SocketAddr::new(ip_from16(self.addr), self.port)
+    }
+
+    pub fn backend(&self) -> Backend {
+        Backend {
+            addr: self.socket_addr(),
+            local: self.local,
+        }
     }
 }
 
@@ -371,6 +398,10 @@ pub struct Programmed {
     pub grace: Duration,
     pub retiring: Retiring,
     pub strays: Strays,
+    /// SVC_NODE_ADDRS as written.
+    pub node_addrs: BTreeMap<[u8; 16], NodeAddrValue>,
+    /// SVC_CONFIG as written (None: not known to hold anything the agent wrote).
+    pub config: Option<DatapathConfig>,
 }
 
 impl Default for Programmed {
@@ -448,8 +479,34 @@ pub fn service_key(fe: &Frontend) -> ServiceKey {
         addr: addr16(fe.ip),
         port_be: fe.port.to_be(),
         proto: fe.protocol.ipproto(),
-        scope: 0,
+        scope: fe.scope.value(),
     }
+}
+
+/// The SRC_RANGES key of range `c` of frontend `id`.
+pub fn range_key(id: u32, c: &Cidr) -> SrcRangeKey {
+    let bits = match c.addr {
+        IpAddr::V4(_) => 96 + u32::from(c.prefix),
+        IpAddr::V6(_) => u32::from(c.prefix),
+    };
+    SrcRangeKey {
+        prefixlen: 32 + bits,
+        id_be: id.to_be(),
+        addr: addr16(c.addr),
+    }
+}
+
+/// The frontend id and range of an SRC_RANGES key; None for a key no agent writes.
+pub fn range_of(k: &SrcRangeKey) -> Option<(u32, Cidr)> {
+    let bits = k.prefixlen.checked_sub(32).filter(|b| *b <= 128)?;
+    let ip = ip_from16(k.addr);
+    let prefix = match ip {
+        IpAddr::V4(_) if is_v4_mapped(&k.addr) => bits.checked_sub(96)?,
+        _ => bits,
+    };
+    let c = Cidr::new(ip, prefix as u8);
+    // Only what `range_key` writes: host bits clear.
+    (range_key(u32::from_be(k.id_be), &c) == *k).then_some((u32::from_be(k.id_be), c))
 }
 
 pub fn marker_key(ip: IpAddr) -> ServiceKey {
@@ -490,14 +547,28 @@ pub fn stored_name(name: &str) -> String {
 }
 
 pub fn flags_of(d: &DesiredFrontend) -> (u16, u32) {
-    let mut flags = 0;
+    let mut flags = d.kind.flags();
     if d.affinity_timeout_s.is_some() {
         flags |= svc_flags::AFFINITY;
     }
     if d.internal_local {
         flags |= svc_flags::INTERNAL_LOCAL;
     }
+    if d.external_local {
+        flags |= svc_flags::EXTERNAL_LOCAL;
+    }
+    if d.source_ranges.is_some() {
+        flags |= svc_flags::SOURCE_RANGES;
+    }
     (flags, d.affinity_timeout_s.unwrap_or(0))
+}
+
+/// The SRC_RANGES entries `d` wants, sorted.
+pub fn ranges_of(d: &DesiredFrontend) -> Box<[Cidr]> {
+    let mut r: Vec<Cidr> = d.source_ranges.as_deref().unwrap_or_default().to_vec();
+    r.sort();
+    r.dedup();
+    r.into_boxed_slice()
 }
 
 /// Applies ops, counting them.
@@ -559,6 +630,8 @@ impl Programmed {
             grace,
             retiring: Retiring::default(),
             strays: Strays::default(),
+            node_addrs: BTreeMap::new(),
+            config: None,
         }
     }
 
@@ -574,6 +647,8 @@ impl Programmed {
             (m::REV_NAT, u.rev_nat as usize, c.rev_nat),
             (m::NAMES, u.names as usize, c.names),
             (m::AFFINITY_MATCH, u.matches as usize, c.affinity_match),
+            (m::SRC_RANGES, u.ranges as usize, c.src_ranges),
+            (m::NODE_ADDRS, u.node_addrs as usize, c.node_addrs),
         ]
     }
 
@@ -599,6 +674,9 @@ impl Programmed {
         let mut report = SyncReport::default();
         let mut w = Writer { store, ops: 0 };
         report.strays_deleted = self.retire_strays(&mut w, now, &mut report.errors);
+        if matches!(scope, Scope::All) {
+            self.sync_node(&mut w, &desired.node, &mut report.errors);
+        }
 
         let units = self.units(desired, scope);
         let marker_ips: BTreeSet<IpAddr> = match scope {
@@ -728,6 +806,75 @@ impl Programmed {
         units
     }
 
+    /// Brings SVC_NODE_ADDRS and SVC_CONFIG to `node` alone (after the node's addresses or
+    /// the datapath settings changed): no Service is looked at.
+    pub fn apply_node<S: Store>(&mut self, store: &mut S, node: &NodeDesired) -> SyncReport {
+        let mut report = SyncReport::default();
+        let mut w = Writer { store, ops: 0 };
+        self.sync_node(&mut w, node, &mut report.errors);
+        report.ops = w.ops;
+        report
+    }
+
+    /// Node addresses (removed ones first, so a full map makes room; no reader follows them
+    /// anywhere, so any order is safe) and the datapath settings.
+    fn sync_node<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        node: &NodeDesired,
+        errors: &mut Vec<Error>,
+    ) {
+        let want: BTreeMap<[u8; 16], NodeAddrValue> =
+            node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
+        let gone: Vec<[u8; 16]> = self
+            .node_addrs
+            .keys()
+            .filter(|k| !want.contains_key(*k))
+            .copied()
+            .collect();
+        for k in gone {
+            match w.op(&Op::DelNodeAddr(k)) {
+                Ok(found) => {
+                    self.node_addrs.remove(&k);
+                    if found {
+                        self.usage.node_addrs = self.usage.node_addrs.saturating_sub(1);
+                    }
+                }
+                Err(e) => errors.push(name_object(e, &format!("node address {}", ip_from16(k)))),
+            }
+        }
+        for (k, v) in &want {
+            if self.node_addrs.get(k) == Some(v) {
+                continue;
+            }
+            let object = format!("node address {}", ip_from16(*k));
+            let new = !self.node_addrs.contains_key(k);
+            if new && self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
+                errors.push(Error::MapFull {
+                    map: svc_common::map_names::NODE_ADDRS,
+                    capacity: self.capacity.node_addrs,
+                    object,
+                });
+                continue;
+            }
+            match w.op(&Op::PutNodeAddr(*k, *v)) {
+                Ok(_) => {
+                    if new {
+                        self.usage.node_addrs += 1;
+                    }
+                    self.node_addrs.insert(*k, *v);
+                }
+                Err(e) => errors.push(name_object(e, &object)),
+            }
+        }
+        if let Some(c) = node.config.filter(|c| self.config != Some(*c)) {
+            match w.op(&Op::PutConfig(c)) {
+                Ok(_) => self.config = Some(c),
+                Err(e) => errors.push(e),
+            }
+        }
+    }
+
     /// Makes ids up to `frontend` and `backend` durable before anything uses them.
     fn persist_ids<S: Store>(
         &mut self,
@@ -824,6 +971,11 @@ impl Programmed {
                         p.strays.matches.push(*k);
                     }
                     Some(Op::DelMatch(_)) => {}
+                    Some(undo @ Op::DelRange(k)) if !w.try_op(undo) => {
+                        p.usage.ranges += 1;
+                        p.strays.ranges.push(*k);
+                    }
+                    Some(Op::DelRange(_)) => {}
                     Some(undo) => {
                         p.usage.inc_by(op.map(), 1);
                         p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
@@ -925,8 +1077,8 @@ impl Programmed {
         // more (a reader still holding the old master entry just chooses again). A delete
         // that fails leaves a stray, deleted before the next sync writes anything.
         for op in &plan.after {
-            if let Op::DelMatch(k) = op {
-                if w.op(op).is_err() {
+            match op {
+                Op::DelMatch(k) if w.op(op).is_err() => {
                     warn!(
                         id = k.id,
                         backend = k.backend,
@@ -935,6 +1087,14 @@ impl Programmed {
                     self.usage.matches += 1;
                     self.strays.matches.push(*k);
                 }
+                // A range no longer wanted: the frontend admits a client too many until the
+                // stray is deleted, before the next sync writes anything.
+                Op::DelRange(k) if w.op(op).is_err() => {
+                    warn!(id = u32::from_be(k.id_be), "source range not deleted");
+                    self.usage.ranges += 1;
+                    self.strays.ranges.push(*k);
+                }
+                _ => {}
             }
         }
         debug!(owner = %plan.owner, written, removed, "service synced");
@@ -978,6 +1138,17 @@ impl Programmed {
         }
         for id in strays.backends {
             self.retiring.push(due, Retire::Backend(id));
+        }
+        // A range of no frontend admits nobody anything: it goes at once.
+        for k in strays.ranges {
+            match w.op(&Op::DelRange(k)) {
+                Ok(true) => self.usage.ranges = self.usage.ranges.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => {
+                    self.strays.ranges.push(k);
+                    errors.push(e);
+                }
+            }
         }
         // A membership entry only confirms a remembered choice: it goes at once.
         for k in strays.matches {

@@ -3,18 +3,18 @@
 //! order, or undoes it.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 
 use svc_common::{
-    checks_match, AffinityMatchKey, Backend, BackendId, RevNatValue, ServiceValue, SlotKey,
+    backend_flags, checks_match, AffinityMatchKey, Backend, BackendId, RevNatValue, ServiceValue,
+    SlotKey,
 };
 
 use super::{
-    encode_name, flags_of, service_key, stored_name, BackendKey, Entry, ProgFrontend, Programmed,
-    Retire, Usage, MAX_BACKENDS_PER_FRONTEND,
+    encode_name, flags_of, range_key, ranges_of, service_key, stored_name, BackendKey, Entry,
+    ProgFrontend, Programmed, Retire, Usage, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
-use crate::model::{DesiredFrontend, Frontend, Protocol};
+use crate::model::{Backend as DesiredBackend, Cidr, DesiredFrontend, Frontend, Protocol};
 use crate::store::Op;
 
 /// One Service's changes, in the order that keeps readers safe.
@@ -22,7 +22,7 @@ use crate::store::Op;
 pub struct UnitPlan {
     pub owner: String,
     /// Backends no entry has yet: written first.
-    pub new_backends: Vec<(BackendId, SocketAddr, Protocol)>,
+    pub new_backends: Vec<(BackendId, DesiredBackend, Protocol)>,
     /// Entries no master entry leads to yet (new slots, reverse NAT, names, membership of new
     /// backends), each with what undoes it when the Service's sync fails.
     pub prepare: Vec<(Op, Option<Op>)>,
@@ -33,7 +33,7 @@ pub struct UnitPlan {
     /// What the switch makes unreachable, deleted after the grace period.
     pub retire: Vec<Retire>,
     /// Deleted right after the switch: the membership of backends that left, so no
-    /// remembered choice of them is honoured again.
+    /// remembered choice of them is honoured again; source ranges no longer wanted.
     pub after: Vec<Op>,
     /// The mirror after the switch: a frontend's new state, or None once removed.
     pub commit: Vec<(Frontend, Option<ProgFrontend>)>,
@@ -59,7 +59,7 @@ impl UnitPlan {
     pub fn ops(&self) -> Vec<Op> {
         self.new_backends
             .iter()
-            .map(|(id, sa, p)| Op::PutBackend(*id, backend_value(*sa, *p)))
+            .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p)))
             .chain(self.prepare.iter().map(|(op, _)| op.clone()))
             .chain(self.add.iter().cloned())
             .chain(self.switch.iter().map(|(op, _)| op.clone()))
@@ -68,13 +68,23 @@ impl UnitPlan {
     }
 }
 
-pub fn backend_value(sa: SocketAddr, protocol: Protocol) -> Backend {
+pub fn backend_value(b: DesiredBackend, protocol: Protocol) -> Backend {
     Backend {
-        addr: super::addr16(sa.ip()),
-        port_be: sa.port().to_be(),
+        addr: super::addr16(b.addr.ip()),
+        port_be: b.addr.port().to_be(),
         proto: protocol.ipproto(),
-        flags: 0,
+        flags: if b.local { backend_flags::LOCAL } else { 0 },
     }
+}
+
+/// What sorted `a` has that sorted `b` has not.
+fn ranges_minus<'a>(a: &'a [Cidr], b: &'a [Cidr]) -> impl Iterator<Item = &'a Cidr> {
+    a.iter().filter(|x| b.binary_search(x).is_err())
+}
+
+fn put_range(id: u32, c: &Cidr) -> (Op, Option<Op>) {
+    let k = range_key(id, c);
+    (Op::PutRange(k), Some(Op::DelRange(k)))
 }
 
 pub fn rev_nat_value(fe: &Frontend) -> RevNatValue {
@@ -144,15 +154,15 @@ pub fn plan_unit(
             });
         }
         let mut ids = Vec::with_capacity(d.backends.len());
-        for sa in &d.backends {
-            let k = BackendKey::new(*sa, fe.protocol);
+        for b in &d.backends {
+            let k = BackendKey::new(*b, fe.protocol);
             let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
                 Some(id) => *id,
                 None => {
                     let id = next_backend;
                     next_backend += 1;
                     planned.insert(k, id);
-                    plan.new_backends.push((id, *sa, fe.protocol));
+                    plan.new_backends.push((id, *b, fe.protocol));
                     plan.max_backend_id = plan.max_backend_id.max(id);
                     id
                 }
@@ -162,6 +172,7 @@ pub fn plan_unit(
         let (flags, timeout) = flags_of(d);
         let key = service_key(fe);
         let name = stored_name(&d.service);
+        let ranges = ranges_of(d);
         let slots = |id: u32, rev: u16| {
             ids.iter().enumerate().map(move |(i, b)| {
                 let k = SlotKey {
@@ -188,6 +199,9 @@ pub fn plan_unit(
             let matches = members(fe, flags, &ids);
             plan.prepare
                 .extend(matches.iter().map(|b| put_match(id, *b)));
+            // Before the master entry: a reader that sees its SOURCE_RANGES flag finds them.
+            plan.prepare.extend(ranges.iter().map(|c| put_range(id, c)));
+            plan.needs.ranges += ranges.len() as u64;
             plan.needs.rev_nat += 1;
             plan.needs.names += 1;
             plan.needs.slots += ids.len() as u64;
@@ -203,6 +217,7 @@ pub fn plan_unit(
                 name_entry: Entry::Ok,
                 rev_nat_entry: Entry::Ok,
                 matches,
+                ranges,
             };
             plan.add.push(Op::PutService(key, pf.value()));
             plan.needs.services += 1;
@@ -215,7 +230,14 @@ pub fn plan_unit(
         let name_ok = cur.name_entry == Entry::Ok && cur.name == name;
         let rev_nat_ok = cur.rev_nat_entry == Entry::Ok;
         let matches = members(fe, flags, &ids);
-        if same_set && same_settings && name_ok && rev_nat_ok && matches == cur.matches {
+        let same_ranges = ranges == cur.ranges;
+        if same_set
+            && same_settings
+            && name_ok
+            && rev_nat_ok
+            && matches == cur.matches
+            && same_ranges
+        {
             continue;
         }
         if !name_ok {
@@ -251,6 +273,16 @@ pub fn plan_unit(
             }));
             plan.frees.matches += 1;
         }
+        // Ranges are not versioned: new ones go in before the switch, those no longer wanted
+        // right after it (for a moment the frontend admits both, never neither).
+        for c in ranges_minus(&ranges, &cur.ranges) {
+            plan.prepare.push(put_range(cur.id, c));
+            plan.needs.ranges += 1;
+        }
+        for c in ranges_minus(&cur.ranges, &ranges) {
+            plan.after.push(Op::DelRange(range_key(cur.id, c)));
+            plan.frees.ranges += 1;
+        }
         let pf = ProgFrontend {
             id: cur.id,
             rev,
@@ -262,6 +294,7 @@ pub fn plan_unit(
             name_entry: Entry::Ok,
             rev_nat_entry: Entry::Ok,
             matches,
+            ranges,
         };
         if !same_set || !same_settings {
             plan.switch.push((
@@ -302,6 +335,12 @@ pub fn plan_unit(
             }));
         }
         plan.frees.matches += cur.matches.len() as u64;
+        // Retired with the id's other entries: a reader holding the master entry still finds
+        // them.
+        for c in cur.ranges.iter() {
+            plan.retire
+                .push(Retire::Del(Op::DelRange(range_key(cur.id, c))));
+        }
         plan.commit.push((*fe, None));
     }
     Ok(plan)

@@ -9,10 +9,10 @@ use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
 use tracing::warn;
 
 use super::{
-    decode_name, ip_from16, plan::rev_nat_value, BackendKey, Entry, ProgFrontend, Programmed,
-    Retiring, Usage,
+    decode_name, ip_from16, plan::rev_nat_value, range_of, BackendKey, Entry, ProgFrontend,
+    Programmed, Retiring, Usage,
 };
-use crate::model::{Frontend, Protocol};
+use crate::model::{Backend, Cidr, Frontend, Protocol, Scope};
 use crate::store::{Capacity, Snapshot};
 
 impl Programmed {
@@ -49,7 +49,11 @@ impl Programmed {
             rev_nat: snap.rev_nat.len() as u64,
             names: snap.names.len() as u64,
             matches: snap.matches.len() as u64,
+            ranges: snap.ranges.len() as u64,
+            node_addrs: snap.node_addrs.len() as u64,
         };
+        p.node_addrs = snap.node_addrs.iter().copied().collect();
+        p.config = Some(snap.config);
 
         // Ids: above anything any map still carries, and above what was made durable, so a
         // leftover can never be mistaken for a new entry.
@@ -61,6 +65,7 @@ impl Programmed {
             .chain(snap.rev_nat.iter().map(|(id, _)| *id))
             .chain(snap.names.iter().map(|(id, _)| *id))
             .chain(snap.matches.iter().map(|k| k.id))
+            .chain(snap.ranges.iter().map(|k| u32::from_be(k.id_be)))
             .chain(snap.affinity_ids.iter().map(|(id, _)| *id))
             .max()
             .unwrap_or(0);
@@ -92,7 +97,9 @@ impl Programmed {
                 continue;
             };
             let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
-            p.backends.insert(*id, BackendKey::new(sa, proto));
+            let local = b.flags & svc_common::backend_flags::LOCAL != 0;
+            p.backends
+                .insert(*id, BackendKey::new(Backend { addr: sa, local }, proto));
         }
         let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
         let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
@@ -112,10 +119,15 @@ impl Programmed {
                 continue;
             }
             let protocol = Protocol::from_ipproto(k.proto);
-            let Some(protocol) = protocol.filter(|_| !is_marker && v.id != 0) else {
+            let scope = Scope::from_value(k.scope);
+            let (Some(protocol), Some(scope)) = (protocol, scope) else {
                 p.strays.services.push(*k);
                 continue;
             };
+            if is_marker || v.id == 0 || (marker_shaped && k.scope != 0) {
+                p.strays.services.push(*k);
+                continue;
+            }
             if !used_ids.insert(v.id) {
                 // Two frontends under one id would share slots: the second is dropped and,
                 // if still desired, written again under an id of its own.
@@ -127,6 +139,7 @@ impl Programmed {
                 ip: ip_from16(k.addr),
                 port: u16::from_be(k.port_be),
                 protocol,
+                scope,
             };
             let mut backends = Vec::with_capacity(v.count as usize);
             for slot in 1..=v.count {
@@ -170,6 +183,7 @@ impl Programmed {
                     name_entry,
                     rev_nat_entry,
                     matches: Vec::new(),
+                    ranges: Box::new([]),
                 },
             );
         }
@@ -190,6 +204,26 @@ impl Programmed {
                 pf.matches.sort_unstable();
                 pf.matches.dedup();
                 pf.matches.shrink_to_fit();
+            }
+        }
+
+        // Source ranges belong to the frontend of their id, as membership entries do.
+        if !snap.ranges.is_empty() {
+            let by_id: HashMap<u32, Frontend> =
+                p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
+            let mut found: HashMap<Frontend, Vec<Cidr>> = HashMap::new();
+            for k in &snap.ranges {
+                match range_of(k).and_then(|(id, c)| Some((by_id.get(&id)?, c))) {
+                    Some((fe, c)) => found.entry(*fe).or_default().push(c),
+                    None => p.strays.ranges.push(*k),
+                }
+            }
+            for (fe, mut ranges) in found {
+                ranges.sort();
+                ranges.dedup();
+                if let Some(pf) = p.frontends.get_mut(&fe) {
+                    pf.ranges = ranges.into_boxed_slice();
+                }
             }
         }
 
@@ -224,6 +258,7 @@ impl Programmed {
         p.strays.backends.sort();
         p.strays.services.sort();
         p.strays.matches.sort();
+        p.strays.ranges.sort();
         p
     }
 }

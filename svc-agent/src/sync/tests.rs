@@ -1,8 +1,12 @@
 use super::*;
+use crate::model::{Backend as DesiredBackend, Cidr, Kind, Scope as FeScope};
 use crate::store::Snapshot;
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
-use svc_common::{checks_match, AffinityMatchKey, Backend, RevNatValue, ServiceName};
+use svc_common::{
+    checks_match, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue, RevNatValue,
+    ServiceName, SrcRangeKey,
+};
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
 /// that read a master entry at any time since the last retirement pass (the grace period)
@@ -16,6 +20,9 @@ struct ModelStore {
     rev_nat: StdHashMap<u32, RevNatValue>,
     names: StdHashMap<u32, ServiceName>,
     matches: StdHashSet<AffinityMatchKey>,
+    ranges: std::collections::BTreeSet<SrcRangeKey>,
+    node_addrs: StdHashMap<[u8; 16], NodeAddrValue>,
+    config: DatapathConfig,
     meta: MetaValue,
     /// max_entries of the services map (others unbounded), as E2BIG enforces it.
     services_cap: Option<usize>,
@@ -30,12 +37,27 @@ struct ModelStore {
     held: Vec<(ServiceKey, ServiceValue)>,
     /// The maps were damaged on purpose: readers are not checked.
     unchecked: bool,
+    /// Clients that must be admitted by a frontend whose master entry has SOURCE_RANGES, at
+    /// every moment (a change of ranges may widen for a moment, never narrow what both the
+    /// old and the new set admit).
+    must_admit: Vec<(ServiceKey, Cidr)>,
 }
 
 impl ModelStore {
     fn check_reader_view(&self) {
         if self.unchecked {
             return;
+        }
+        for (k, c) in &self.must_admit {
+            let Some(v) = self.services.get(k) else {
+                continue;
+            };
+            if v.flags & svc_flags::SOURCE_RANGES != 0 {
+                assert!(
+                    self.ranges.contains(&range_key(v.id, c)),
+                    "{k:?} -> {v:?} does not admit {c}"
+                );
+            }
         }
         let current = self.services.iter().map(|(k, v)| (*k, *v));
         for (k, v) in current.chain(self.held.iter().copied()) {
@@ -117,6 +139,7 @@ impl Store for ModelStore {
                 | Op::PutRevNat(..)
                 | Op::PutName(..)
                 | Op::PutMatch(..)
+                | Op::PutRange(..)
         );
         if is_put {
             let n = self.puts;
@@ -182,6 +205,20 @@ impl Store for ModelStore {
                 self.meta = v;
                 true
             }
+            Op::PutRange(k) => {
+                self.ranges.insert(k);
+                true
+            }
+            Op::DelRange(k) => self.ranges.remove(&k),
+            Op::PutNodeAddr(k, v) => {
+                self.node_addrs.insert(k, v);
+                true
+            }
+            Op::DelNodeAddr(k) => self.node_addrs.remove(&k).is_some(),
+            Op::PutConfig(v) => {
+                self.config = v;
+                true
+            }
         };
         self.check_reader_view();
         Ok(found)
@@ -197,16 +234,15 @@ impl Store for ModelStore {
             matches: self.matches.iter().copied().collect(),
             affinity_ids: vec![],
             meta: self.meta,
+            ranges: self.ranges.iter().copied().collect(),
+            node_addrs: self.node_addrs.iter().map(|(k, v)| (*k, *v)).collect(),
+            config: self.config,
         })
     }
 }
 
 fn fe(ip: &str, port: u16) -> Frontend {
-    Frontend {
-        ip: ip.parse().unwrap(),
-        port,
-        protocol: Protocol::Tcp,
-    }
+    Frontend::cluster(ip.parse().unwrap(), port, Protocol::Tcp)
 }
 
 /// Each test frontend is a Service of its own.
@@ -221,7 +257,8 @@ fn owner_for(f: &Frontend) -> String {
 fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
     let mut s = DesiredState::default();
     for (f, backends) in entries {
-        let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+        let mut b: Vec<crate::model::Backend> =
+            backends.iter().map(|b| b.parse().unwrap()).collect();
         b.sort();
         s.frontends.insert(
             *f,
@@ -232,6 +269,9 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
                 backends: b,
                 affinity_timeout_s: None,
                 internal_local: false,
+                kind: crate::model::Kind::ClusterIP,
+                external_local: false,
+                source_ranges: None,
             },
         );
         s.cluster_ips.insert(f.ip);
@@ -464,11 +504,7 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
         let ip: IpAddr = format!("10.96.0.{}", i + 1).parse().unwrap();
         want.cluster_ips.insert(ip);
         for port in 0..8u16 {
-            let f = Frontend {
-                ip,
-                port: 80 + port,
-                protocol: Protocol::Tcp,
-            };
+            let f = Frontend::cluster(ip, 80 + port, Protocol::Tcp);
             want.frontends.insert(
                 f,
                 DesiredFrontend {
@@ -478,6 +514,9 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                     backends: vec![format!("10.0.{i}.1:8080").parse().unwrap()],
                     affinity_timeout_s: None,
                     internal_local: false,
+                    kind: crate::model::Kind::ClusterIP,
+                    external_local: false,
+                    source_ranges: None,
                 },
             );
         }
@@ -614,7 +653,8 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                 },
                 ..fe(ip, *port)
             };
-            let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+            let mut b: Vec<crate::model::Backend> =
+                backends.iter().map(|b| b.parse().unwrap()).collect();
             b.sort();
             s.frontends.insert(
                 f,
@@ -625,6 +665,9 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                     backends: b,
                     affinity_timeout_s: (*port == 443).then_some(60),
                     internal_local: false,
+                    kind: crate::model::Kind::ClusterIP,
+                    external_local: false,
+                    source_ranges: None,
                 },
             );
             s.cluster_ips.insert(f.ip);
@@ -796,7 +839,7 @@ fn names_round_trip_and_truncate_on_char_boundary() {
 
 /// A frontend of `protocol` with `backends` and optional sessionAffinity, a Service of its own.
 fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeout_s: Option<u32>) {
-    let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+    let mut b: Vec<crate::model::Backend> = backends.iter().map(|b| b.parse().unwrap()).collect();
     b.sort();
     s.frontends.insert(
         f,
@@ -807,6 +850,9 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
             backends: b,
             affinity_timeout_s,
             internal_local: false,
+            kind: crate::model::Kind::ClusterIP,
+            external_local: false,
+            source_ranges: None,
         },
     );
     s.cluster_ips.insert(f.ip);
@@ -926,7 +972,7 @@ fn departed_udp_backends_are_reported_per_frontend() {
     let id_s = store.services[&service_key(&s_fe)].id;
     let id_t = store.services[&service_key(&t_fe)].id;
     let x: SocketAddr = "10.0.0.1:53".parse().unwrap();
-    let x_id = p.backend_ids[&BackendKey::new(x, Protocol::Udp)];
+    let x_id = p.backend_ids[&BackendKey::new(crate::model::Backend::remote(x), Protocol::Udp)];
 
     let mut s2 = DesiredState::default();
     frontend(&mut s2, s_fe, &["10.0.0.2:53"], None);
@@ -1022,4 +1068,444 @@ fn a_full_membership_map_refuses_the_service() {
     );
     assert_eq!(store.matches.len(), 3);
     assert_eq!(p.usage.matches, 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The packet datapath's state: scopes, backend flags, source ranges, node addresses, config.
+
+/// A LoadBalancer frontend (external scope) of Service "ns/lb", with source ranges.
+fn lb_frontend(
+    s: &mut DesiredState,
+    ip: &str,
+    port: u16,
+    ranges: Option<&[&str]>,
+    backends: &[DesiredBackend],
+) -> Frontend {
+    let f = Frontend {
+        scope: FeScope::External,
+        ..fe(ip, port)
+    };
+    let mut d =
+        DesiredFrontend::cluster_ip(f, "ns/lb", &format!("ns/lb:{port}"), backends.to_vec());
+    d.kind = Kind::LoadBalancer;
+    d.source_ranges = ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect());
+    s.frontends.insert(f, d);
+    f
+}
+
+fn cidr(c: &str) -> Cidr {
+    c.parse().unwrap()
+}
+
+fn local(addr: &str) -> DesiredBackend {
+    DesiredBackend {
+        addr: addr.parse().unwrap(),
+        local: true,
+    }
+}
+
+#[test]
+fn scopes_are_separate_frontends_and_node_ports_use_the_wildcard_key() {
+    let mut want = DesiredState::default();
+    let np_ext = Frontend::node_port(
+        "0.0.0.0".parse().unwrap(),
+        30080,
+        Protocol::Tcp,
+        FeScope::External,
+    );
+    let np_local = Frontend::node_port(
+        "0.0.0.0".parse().unwrap(),
+        30080,
+        Protocol::Tcp,
+        FeScope::Cluster,
+    );
+    for (f, backends) in [
+        (np_ext, vec![local("10.0.1.1:8080")]),
+        (
+            np_local,
+            vec![local("10.0.1.1:8080"), "10.0.2.1:8080".parse().unwrap()],
+        ),
+    ] {
+        let mut d = DesiredFrontend::cluster_ip(f, "ns/np", "ns/np", backends);
+        d.kind = Kind::NodePort;
+        d.external_local = f.scope == FeScope::External;
+        want.frontends.insert(f, d);
+    }
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
+    let ext = store.services[&service_key(&np_ext)];
+    let cl = store.services[&service_key(&np_local)];
+    assert_eq!(service_key(&np_ext).addr, svc_common::NODEPORT_ADDR_V4);
+    assert_eq!(service_key(&np_ext).scope, svc_common::scope::EXTERNAL);
+    assert_eq!(
+        ext.flags,
+        svc_flags::NODEPORT | svc_flags::EXTERNAL_LOCAL,
+        "{ext:?}"
+    );
+    assert_eq!(cl.flags, svc_flags::NODEPORT);
+    assert_ne!(ext.id, cl.id);
+    // No marker for a wildcard; the local backend carries its flag, once for both frontends.
+    assert!(store.services.keys().all(|k| k.proto != PROTO_ANY));
+    let flagged: Vec<_> = store
+        .backends
+        .values()
+        .filter(|b| b.flags & svc_common::backend_flags::LOCAL != 0)
+        .collect();
+    assert_eq!(flagged.len(), 1);
+    // A restarted agent reads scopes and flags back and has nothing to do.
+    let mut p2 = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    assert_eq!(p2.apply(&mut store, &want).ops, 0);
+}
+
+/// A backend that moves to this node (or away) is a new backend entry, written before the
+/// generation that names it: a reader never sees a backend's flags change under it.
+#[test]
+fn a_backend_changing_locality_gets_a_new_entry_and_generation() {
+    let a = fe("10.96.0.10", 80);
+    let mk = |b: DesiredBackend| {
+        let mut s = DesiredState::default();
+        s.frontends
+            .insert(a, DesiredFrontend::cluster_ip(a, "ns/a", "ns/a", vec![b]));
+        s.cluster_ips.insert(a.ip);
+        s
+    };
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &mk("10.0.1.1:8080".parse().unwrap()));
+    let before = store.services[&service_key(&a)];
+    store.log.clear();
+    let want = mk(local("10.0.1.1:8080"));
+    settle(&mut p, &mut store, &want);
+    exact(&store, &want);
+    let after = store.services[&service_key(&a)];
+    assert_ne!(before.rev, after.rev);
+    assert!(!store.log.iter().any(
+        |o| matches!(o, Op::PutBackend(id, _) if p.backends.get(id).is_some_and(|k| !k.local))
+    ));
+    assert_eq!(store.backends.len(), 1, "the old entry is retired");
+}
+
+#[test]
+fn source_ranges_go_in_before_the_master_and_narrowing_never_drops_what_both_admit() {
+    let b: DesiredBackend = "10.0.0.1:80".parse().unwrap();
+    let mut s1 = DesiredState::default();
+    let f = lb_frontend(
+        &mut s1,
+        "198.51.100.1",
+        80,
+        Some(&["10.0.0.0/8", "203.0.113.0/24"]),
+        &[b],
+    );
+    let key = service_key(&f);
+    let mut store = ModelStore {
+        must_admit: vec![(key, cidr("10.0.0.0/8")), (key, cidr("203.0.113.0/24"))],
+        ..Default::default()
+    };
+    let mut p = fresh();
+    store.log.clear();
+    let r = settle(&mut p, &mut store, &s1);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &s1);
+    let master = store
+        .log
+        .iter()
+        .position(|o| matches!(o, Op::PutService(k, _) if *k == key))
+        .unwrap();
+    assert_eq!(
+        store.log[..master]
+            .iter()
+            .filter(|o| matches!(o, Op::PutRange(_)))
+            .count(),
+        2
+    );
+    assert!(store.services[&key].flags & svc_flags::SOURCE_RANGES != 0);
+
+    // A range replaced: the one both sets have is admitted throughout; the new one goes in
+    // before, the old one out right after (not after the grace period).
+    let mut s2 = DesiredState::default();
+    lb_frontend(
+        &mut s2,
+        "198.51.100.1",
+        80,
+        Some(&["10.0.0.0/8", "192.0.2.0/24"]),
+        &[b],
+    );
+    store.must_admit = vec![(key, cidr("10.0.0.0/8"))];
+    let r = p.apply_scoped(&mut store, &s2, Scope::All, Instant::now());
+    assert!(r.errors.is_empty());
+    let id = store.services[&key].id;
+    assert!(!store
+        .ranges
+        .contains(&range_key(id, &cidr("203.0.113.0/24"))));
+    store.forget_readers();
+    exact(&store, &s2);
+    store.must_admit.clear();
+
+    // Ranges off: the flag goes with the switch, the entries right after.
+    let mut s3 = DesiredState::default();
+    lb_frontend(&mut s3, "198.51.100.1", 80, None, &[b]);
+    settle(&mut p, &mut store, &s3);
+    exact(&store, &s3);
+    assert!(store.ranges.is_empty());
+    assert_eq!(store.services[&key].flags & svc_flags::SOURCE_RANGES, 0);
+
+    // Given but none valid: the flag with no entry admits nobody.
+    let mut s4 = DesiredState::default();
+    lb_frontend(&mut s4, "198.51.100.1", 80, Some(&[]), &[b]);
+    settle(&mut p, &mut store, &s4);
+    exact(&store, &s4);
+    assert!(store.services[&key].flags & svc_flags::SOURCE_RANGES != 0);
+
+    // A removed frontend's ranges are retired with its other entries.
+    let t0 = Instant::now();
+    settle(&mut p, &mut store, &s1);
+    p.apply_scoped(&mut store, &DesiredState::default(), Scope::All, t0);
+    assert_eq!(
+        store.ranges.len(),
+        2,
+        "kept for readers holding the master entry"
+    );
+    store.forget_readers();
+    p.retire_due(&mut store, t0 + Duration::from_secs(2));
+    assert!(store.ranges.is_empty());
+    assert_eq!(p.usage, Usage::default());
+}
+
+#[test]
+fn a_full_source_ranges_map_refuses_the_service() {
+    let cap = Capacity {
+        src_ranges: 1,
+        ..Capacity::default()
+    };
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(cap, Duration::from_secs(1));
+    let mut want = DesiredState::default();
+    lb_frontend(
+        &mut want,
+        "198.51.100.1",
+        80,
+        Some(&["10.0.0.0/8", "192.0.2.0/24"]),
+        &[],
+    );
+    let r = settle(&mut p, &mut store, &want);
+    assert_eq!(r.failed.len(), 1);
+    assert!(
+        r.errors[0].to_string().contains("SVC_SRC_RANGES"),
+        "{}",
+        r.errors[0]
+    );
+    assert!(store.services.is_empty() && store.ranges.is_empty());
+}
+
+#[test]
+fn range_keys_round_trip_and_count_the_mapped_prefix() {
+    for c in [
+        "10.0.0.0/8",
+        "198.51.100.1/32",
+        "0.0.0.0/0",
+        "2001:db8::/32",
+        "::/0",
+    ] {
+        let c = cidr(c);
+        let k = range_key(7, &c);
+        assert_eq!(range_of(&k), Some((7, c)), "{c}");
+    }
+    assert_eq!(range_key(1, &cidr("10.0.0.0/8")).prefixlen, 32 + 96 + 8);
+    assert_eq!(range_key(1, &cidr("2001:db8::/32")).prefixlen, 32 + 32);
+    assert_eq!(
+        range_key(0x01020304, &cidr("10.0.0.0/8")).id_be,
+        0x01020304u32.to_be()
+    );
+}
+
+/// Drift in the new maps is found and repaired like any other: a range deleted, one added
+/// under a live frontend, a node address changed, the config overwritten.
+#[test]
+fn drift_in_ranges_node_addresses_and_config_is_repaired() {
+    let b: DesiredBackend = "10.0.0.1:80".parse().unwrap();
+    let mut want = DesiredState::default();
+    let f = lb_frontend(&mut want, "198.51.100.1", 80, Some(&["10.0.0.0/8"]), &[b]);
+    let node_ip: IpAddr = "192.168.1.10".parse().unwrap();
+    want.node.addrs.insert(
+        node_ip,
+        NodeAddrValue {
+            flags: svc_common::node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    want.node.config = Some(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    });
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
+
+    let id = store.services[&service_key(&f)].id;
+    store.unchecked = true;
+    store.ranges.clear();
+    store.ranges.insert(range_key(id, &cidr("0.0.0.0/0")));
+    store.ranges.insert(range_key(999, &cidr("10.0.0.0/8")));
+    store
+        .node_addrs
+        .insert(addr16(node_ip), NodeAddrValue::default());
+    store.node_addrs.insert(
+        addr16("192.168.1.11".parse().unwrap()),
+        NodeAddrValue::default(),
+    );
+    store.config = DatapathConfig::default();
+    assert!(!crate::verify::check(&store.snapshot().unwrap(), &want).is_empty());
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        std::mem::take(&mut p.retiring),
+    );
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
+}
+
+#[test]
+fn node_addresses_follow_the_node_alone_and_respect_their_capacity() {
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(
+        Capacity {
+            node_addrs: 2,
+            ..Capacity::default()
+        },
+        Duration::from_secs(1),
+    );
+    let mut node = NodeDesired::default();
+    for i in 1..=3u8 {
+        node.addrs.insert(
+            IpAddr::from([192, 168, 1, i]),
+            NodeAddrValue {
+                flags: svc_common::node_addr_flags::SNAT,
+                ifindex: 3,
+            },
+        );
+    }
+    let r = p.apply_node(&mut store, &node);
+    assert_eq!(r.errors.len(), 1);
+    assert!(r.errors[0].to_string().contains("SVC_NODE_ADDRS"));
+    assert_eq!(store.node_addrs.len(), 2);
+    node.addrs.remove(&IpAddr::from([192, 168, 1, 1]));
+    let r = p.apply_node(&mut store, &node);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.node_addrs.len(), 2);
+    assert!(store
+        .node_addrs
+        .contains_key(&addr16(IpAddr::from([192, 168, 1, 3]))));
+    assert_eq!(p.apply_node(&mut store, &node).ops, 0);
+}
+
+/// The crash test again with the packet datapath's entries: source ranges of LoadBalancer
+/// frontends, both scopes, local backends, node addresses and config.
+#[test]
+fn a_crash_after_any_op_among_packet_datapath_entries_is_repaired() {
+    let b1 = local("10.0.1.1:80");
+    let b2: DesiredBackend = "10.0.2.1:80".parse().unwrap();
+    let mut before = DesiredState::default();
+    lb_frontend(
+        &mut before,
+        "198.51.100.1",
+        80,
+        Some(&["10.0.0.0/8", "192.0.2.0/24"]),
+        &[b1, b2],
+    );
+    lb_frontend(
+        &mut before,
+        "198.51.100.2",
+        80,
+        Some(&["203.0.113.0/24"]),
+        &[b2],
+    );
+    before.node.addrs.insert(
+        "192.168.1.10".parse().unwrap(),
+        NodeAddrValue {
+            flags: 3,
+            ifindex: 2,
+        },
+    );
+    let mut after = DesiredState::default();
+    lb_frontend(
+        &mut after,
+        "198.51.100.1",
+        80,
+        Some(&["10.0.0.0/8", "172.16.0.0/12"]),
+        &[b1],
+    );
+    lb_frontend(
+        &mut after,
+        "198.51.100.3",
+        80,
+        Some(&["203.0.113.0/24"]),
+        &[b2, local("10.0.1.2:80")],
+    );
+    let np = Frontend::node_port(
+        "0.0.0.0".parse().unwrap(),
+        30080,
+        Protocol::Udp,
+        FeScope::External,
+    );
+    let mut d = DesiredFrontend::cluster_ip(np, "ns/np", "ns/np", vec![b1]);
+    d.kind = Kind::NodePort;
+    d.external_local = true;
+    after.frontends.insert(np, d);
+    after.node.addrs.insert(
+        "192.168.1.11".parse().unwrap(),
+        NodeAddrValue {
+            flags: 1,
+            ifindex: 3,
+        },
+    );
+    after.node.config = Some(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    });
+    let mut base = ModelStore::default();
+    settle(&mut fresh(), &mut base, &before);
+    let total = {
+        let mut s = base.clone();
+        let n0 = s.ops;
+        fresh_apply_count(&mut s, &after);
+        s.ops - n0
+    };
+    assert!(total > 10);
+    for kill_at in 0..=total {
+        let mut store = base.clone();
+        store.crash_after = Some(store.ops + kill_at);
+        fresh_apply_count(&mut store, &after);
+        store.crash_after = None;
+        let mut p = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        let r = settle(&mut p, &mut store, &after);
+        assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
+        let problems = crate::verify::check(&store.snapshot().unwrap(), &after);
+        assert!(problems.is_empty(), "kill at {kill_at}: {problems:#?}");
+        let mut p3 = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        assert_eq!(p3.apply(&mut store, &after).ops, 0, "kill at {kill_at}");
+    }
 }

@@ -10,7 +10,7 @@ use tracing::debug;
 use super::service::{is_foreign, parse_ip, parse_protocol};
 use super::{invalid, NodeContext, ObjectKey};
 use crate::error::Error;
-use crate::model::Protocol;
+use crate::model::{Backend, Protocol};
 
 /// Links a slice to its Service (same namespace).
 const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -88,7 +88,7 @@ impl EndpointInfo {
         )
     }
 
-    fn is_local(&self, node: &NodeContext) -> bool {
+    pub fn is_local(&self, node: &NodeContext) -> bool {
         match (node.node_name(), self.node_name.as_deref()) {
             (Some(here), Some(there)) => here == there,
             _ => false,
@@ -360,15 +360,17 @@ fn fits_topology(endpoint: &EndpointInfo, topology: Topology, node: &NodeContext
     }
 }
 
-/// kube-proxy's CategorizeEndpoints for ClusterIP traffic: the backends this node should
-/// use, sorted. Ready endpoints when there are any; otherwise those still serving while
-/// terminating, so connections drain instead of failing during a rollout.
+/// kube-proxy's CategorizeEndpoints (pkg/proxy/topology.go): with `local`, its
+/// localEndpoints (this node's ready endpoints, else this node's serving-terminating ones);
+/// without, its clusterEndpoints (ready endpoints fitting the topology hints, else every
+/// serving-terminating one, so connections drain instead of failing during a rollout).
+/// Sorted by address; each backend says whether it runs on this node.
 pub(super) fn select(
     merged: &BTreeMap<SocketAddr, &EndpointInfo>,
-    internal_local: bool,
+    local: bool,
     node: &NodeContext,
-) -> Vec<SocketAddr> {
-    let candidates: Vec<(SocketAddr, &EndpointInfo)> = if internal_local {
+) -> Vec<Backend> {
+    let candidates: Vec<(SocketAddr, &EndpointInfo)> = if local {
         merged
             .iter()
             .filter(|(_, e)| e.is_local(node))
@@ -378,16 +380,20 @@ pub(super) fn select(
         merged.iter().map(|(a, e)| (*a, *e)).collect()
     };
     // Topology only applies to Cluster policy; Local is already as close as it gets.
-    let topology = if internal_local {
+    let topology = if local {
         Topology::Any
     } else {
         let endpoints: Vec<&EndpointInfo> = candidates.iter().map(|(_, e)| *e).collect();
         topology(&endpoints, node)
     };
-    let ready: Vec<SocketAddr> = candidates
+    let backend = |(a, e): &(SocketAddr, &EndpointInfo)| Backend {
+        addr: *a,
+        local: e.is_local(node),
+    };
+    let ready: Vec<Backend> = candidates
         .iter()
         .filter(|(_, e)| e.ready && fits_topology(e, topology, node))
-        .map(|(a, _)| *a)
+        .map(backend)
         .collect();
     if !ready.is_empty() {
         return ready;
@@ -395,6 +401,23 @@ pub(super) fn select(
     candidates
         .iter()
         .filter(|(_, e)| e.serving_terminating())
-        .map(|(a, _)| *a)
+        .map(backend)
         .collect()
+}
+
+/// kube-proxy's LocalReadyEndpoints (pkg/proxy/endpointschangetracker.go), what its health
+/// check node port reports: the distinct addresses of this node's ready endpoints among the
+/// slices of one family (terminating ones do not count, so a node draining its last pod
+/// fails the check).
+pub(super) fn local_ready_ips(slices: &[&SliceInfo], family: Family, node: &NodeContext) -> u32 {
+    let mut ips: Vec<IpAddr> = slices
+        .iter()
+        .filter(|s| s.family == family && !s.ports.is_empty())
+        .flat_map(|s| s.endpoints.iter())
+        .filter(|e| e.ready && e.is_local(node))
+        .map(|e| e.ip)
+        .collect();
+    ips.sort_unstable();
+    ips.dedup();
+    ips.len() as u32
 }

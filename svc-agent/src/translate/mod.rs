@@ -17,15 +17,17 @@ use k8s_openapi::Metadata;
 use tracing::{debug, instrument};
 
 use crate::error::Error;
-use crate::model::{DesiredFrontend, DesiredState, Frontend};
+use crate::model::{
+    Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, Scope,
+};
 
 use endpoints::{Family, SliceInfo};
-use service::ServiceInfo;
+use service::{ServiceInfo, ServicePortInfo};
 
 const DEFAULT_NAMESPACE: &str = "default";
 
 /// Facts about the node the agent runs on, for the node-dependent parts of kube-proxy's rules
-/// (internalTrafficPolicy: Local and topology hints).
+/// (traffic policies, topology hints, which endpoints are local, source ranges).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     pub node_name: Option<String>,
@@ -35,6 +37,11 @@ pub struct NodeContext {
     /// service.kubernetes.io/service-proxy-name with exactly this name are ours; None: only
     /// unlabelled objects are (kube-proxy's default).
     pub service_proxy_name: Option<String>,
+    /// The node's primary address per family (kube-proxy's node IPs: the Node's first
+    /// InternalIP of each family, or with manifests the chosen devices' first addresses).
+    /// A loadBalancerSourceRanges entry that contains one admits the LoadBalancer IPs
+    /// themselves as clients, as kube-proxy does.
+    pub node_ips: Vec<std::net::IpAddr>,
 }
 
 impl NodeContext {
@@ -49,6 +56,13 @@ impl NodeContext {
 
     fn service_proxy_name(&self) -> Option<&str> {
         self.service_proxy_name.as_deref()
+    }
+
+    fn node_ip(&self, family: Family) -> Option<std::net::IpAddr> {
+        self.node_ips
+            .iter()
+            .copied()
+            .find(|ip| Family::of(*ip) == family)
     }
 }
 
@@ -188,14 +202,126 @@ impl Keyed for ParsedSlice {
 impl ParsedService {
     /// The frontends this Service claims, before conflicts with other Services are resolved.
     pub fn frontends(&self) -> impl Iterator<Item = Frontend> + '_ {
-        self.0.cluster_ips.iter().flat_map(move |ip| {
-            self.0.ports.iter().map(move |p| Frontend {
-                ip: *ip,
-                port: p.port,
-                protocol: p.protocol,
-            })
-        })
+        claims(&self.0).into_iter().map(|c| c.frontend)
     }
+
+    /// The Service's healthCheckNodePort, if kube-proxy would serve one (0: none).
+    pub fn health_check_node_port(&self) -> u16 {
+        self.0.health_check_node_port
+    }
+}
+
+/// One frontend a Service claims: what it is, and for which clusterIP (family) and port.
+struct Claim {
+    frontend: Frontend,
+    kind: Kind,
+    cluster_ip: usize,
+    port: usize,
+}
+
+/// Every frontend of a Service, in a stable order: per clusterIP (one per family) and port,
+/// the ClusterIP, then the NodePort, the ExternalIPs and the LoadBalancer IPs of that family,
+/// each at external scope and as the node-local view (cluster scope). kube-proxy's per-family
+/// proxiers serve a family only where the Service has a clusterIP of it.
+fn claims(svc: &ServiceInfo) -> Vec<Claim> {
+    let mut out = Vec::with_capacity(svc.cluster_ips.len() * svc.ports.len());
+    for (ci, &cip) in svc.cluster_ips.iter().enumerate() {
+        let family = Family::of(cip);
+        for (pi, port) in svc.ports.iter().enumerate() {
+            let mut push = |frontend: Frontend, kind: Kind| {
+                out.push(Claim {
+                    frontend,
+                    kind,
+                    cluster_ip: ci,
+                    port: pi,
+                })
+            };
+            push(
+                Frontend::cluster(cip, port.port, port.protocol),
+                Kind::ClusterIP,
+            );
+            let both = [Scope::External, Scope::Cluster];
+            if port.node_port != 0 {
+                for scope in both {
+                    push(
+                        Frontend::node_port(cip, port.node_port, port.protocol, scope),
+                        Kind::NodePort,
+                    );
+                }
+            }
+            let Some(ext) = svc.external.as_deref() else {
+                continue;
+            };
+            let of_family = |ips: &[std::net::IpAddr]| -> Vec<std::net::IpAddr> {
+                ips.iter()
+                    .copied()
+                    .filter(|ip| Family::of(*ip) == family)
+                    .collect()
+            };
+            for (ips, kind) in [
+                (of_family(&ext.external_ips), Kind::ExternalIP),
+                (of_family(&ext.lb_ips), Kind::LoadBalancer),
+            ] {
+                for ip in ips {
+                    for scope in both {
+                        push(
+                            Frontend {
+                                ip,
+                                port: port.port,
+                                protocol: port.protocol,
+                                scope,
+                            },
+                            kind,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // An address listed twice (an ExternalIP that is also a LoadBalancer IP) is one frontend:
+    // the first claim keeps it.
+    let mut seen = std::collections::HashSet::with_capacity(out.len());
+    out.retain(|c| seen.insert(c.frontend));
+    out
+}
+
+/// The loadBalancerSourceRanges a LoadBalancer frontend of `family` enforces (kube-proxy's
+/// serviceport.go and nftables proxier): the ranges of that family; none when one of them is
+/// 0.0.0.0/0 (or ::/0) or the family has none; plus the Service's LoadBalancer IPs of the
+/// family when a range contains the node's own address, since a node reaching its own
+/// LoadBalancer IP may loop back with that IP as source. Given ranges of which none was valid
+/// restrict to nothing (the errors say why) rather than open the Service to everyone.
+fn source_ranges(svc: &ServiceInfo, family: Family, node: &NodeContext) -> Option<Box<[Cidr]>> {
+    let ext = svc.external.as_deref()?;
+    if !ext.source_ranges_given {
+        return None;
+    }
+    if ext.source_ranges.is_empty() {
+        return Some(Box::new([]));
+    }
+    let ranges: Vec<Cidr> = ext
+        .source_ranges
+        .iter()
+        .copied()
+        .filter(|c| Family::of(c.addr) == family)
+        .collect();
+    if ranges.is_empty() || ranges.iter().any(Cidr::is_zero) {
+        return None;
+    }
+    let allow_node = node
+        .node_ip(family)
+        .is_some_and(|ip| ranges.iter().any(|c| c.contains(ip)));
+    let mut out = ranges;
+    if allow_node {
+        for ip in ext.lb_ips.iter().filter(|ip| Family::of(**ip) == family) {
+            let host = Cidr::host(*ip);
+            if !out.contains(&host) {
+                out.push(host);
+            }
+        }
+    }
+    out.sort();
+    Some(out.into_boxed_slice())
 }
 
 /// `None` when the Service is not ours to proxy or too broken to use (with `errors` saying
@@ -306,35 +432,28 @@ pub fn assemble_with<'a>(
 
     // Who gets each frontend claimed by more than one Service. Claims are collected for
     // conflicts only: at 100,000 Services a list per frontend would cost megabytes.
-    let mut claims: BTreeMap<Frontend, Vec<&ServiceInfo>> = BTreeMap::new();
+    let mut claimed: BTreeMap<Frontend, Vec<&ServiceInfo>> = BTreeMap::new();
     {
         let mut first: std::collections::HashMap<Frontend, &ServiceInfo> =
             std::collections::HashMap::with_capacity(services.len());
         for svc in &services {
-            for port in &svc.ports {
-                for &ip in &svc.cluster_ips {
-                    let frontend = Frontend {
-                        ip,
-                        port: port.port,
-                        protocol: port.protocol,
-                    };
-                    match first.entry(frontend) {
-                        std::collections::hash_map::Entry::Vacant(e) => {
-                            e.insert(svc);
-                        }
-                        std::collections::hash_map::Entry::Occupied(e) => {
-                            claims
-                                .entry(frontend)
-                                .or_insert_with(|| vec![*e.get()])
-                                .push(svc);
-                        }
+            for claim in claims(svc) {
+                match first.entry(claim.frontend) {
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(svc);
+                    }
+                    std::collections::hash_map::Entry::Occupied(e) => {
+                        claimed
+                            .entry(claim.frontend)
+                            .or_insert_with(|| vec![*e.get()])
+                            .push(svc);
                     }
                 }
             }
         }
     }
     let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
-    for (fe, claimants) in &claims {
+    for (fe, claimants) in &claimed {
         let holder = holders.holder(fe);
         let winner = claimants
             .iter()
@@ -356,18 +475,21 @@ pub fn assemble_with<'a>(
             .get(&(svc.key.namespace(), svc.key.name()))
             .map(Vec::as_slice)
             .unwrap_or_default();
-        for port in &svc.ports {
-            let service_name = if port.name.is_empty() {
-                svc.key.to_string()
-            } else {
-                format!("{}:{}", svc.key, port.name)
-            };
-            for &ip in &svc.cluster_ips {
-                let frontend = Frontend {
-                    ip,
-                    port: port.port,
-                    protocol: port.protocol,
-                };
+        let claims = claims(svc);
+        let mut at = 0;
+        while at < claims.len() {
+            // The claims of one (clusterIP, port) are adjacent: their endpoints are merged
+            // once.
+            let (ci, pi) = (claims[at].cluster_ip, claims[at].port);
+            let end = claims[at..]
+                .iter()
+                .position(|c| (c.cluster_ip, c.port) != (ci, pi))
+                .map_or(claims.len(), |n| at + n);
+            let family = Family::of(svc.cluster_ips[ci]);
+            let port = &svc.ports[pi];
+            let sets = BackendSets::new(svc, port, family, slices, node);
+            for claim in &claims[at..end] {
+                let frontend = claim.frontend;
                 if let Some(winner) = winners.get(&frontend).filter(|w| **w != &svc.key) {
                     errors.push(invalid(
                         &svc.key.describe("Service"),
@@ -377,26 +499,121 @@ pub fn assemble_with<'a>(
                     ));
                     continue;
                 }
-                let merged =
-                    endpoints::merge(slices, Family::of(ip), &port.name, port.protocol, node);
-                let backends = endpoints::select(&merged, svc.internal_local, node);
-                debug!(%frontend, service = %service_name, backends = backends.len(), "frontend");
-                state.cluster_ips.insert(ip);
-                state.frontends.insert(
-                    frontend,
-                    DesiredFrontend {
-                        frontend,
-                        owner: svc.key.to_string(),
-                        service: service_name.clone(),
-                        backends,
-                        affinity_timeout_s: svc.affinity_timeout_s,
-                        internal_local: svc.internal_local,
-                    },
-                );
+                let d = sets.frontend(svc, port, claim, family, node);
+                debug!(%frontend, service = %d.service, backends = d.backends.len(), "frontend");
+                if claim.kind == Kind::ClusterIP {
+                    state.cluster_ips.insert(frontend.ip);
+                }
+                state.frontends.insert(frontend, d);
             }
+            at = end;
+        }
+        if svc.health_check_node_port != 0 {
+            let mut local_endpoints = [None; 2];
+            for ip in &svc.cluster_ips {
+                let family = Family::of(*ip);
+                let i = usize::from(family == Family::V6);
+                local_endpoints[i] = Some(endpoints::local_ready_ips(slices, family, node));
+            }
+            state.health_checks.insert(
+                svc.key.to_string(),
+                HealthCheck {
+                    port: svc.health_check_node_port,
+                    local_endpoints,
+                },
+            );
         }
     }
     Translated { state, errors }
+}
+
+/// The backend sets of one Service port in one family, as kube-proxy's CategorizeEndpoints
+/// makes them: the cluster set (topology applied) and this node's set, each computed only
+/// if some frontend uses it.
+struct BackendSets {
+    cluster: Option<Vec<Backend>>,
+    local: Option<Vec<Backend>>,
+}
+
+impl BackendSets {
+    fn new(
+        svc: &ServiceInfo,
+        port: &ServicePortInfo,
+        family: Family,
+        slices: &[&SliceInfo],
+        node: &NodeContext,
+    ) -> BackendSets {
+        let merged = endpoints::merge(slices, family, &port.name, port.protocol, node);
+        let reachable = port.node_port != 0 || svc.external.is_some();
+        let cluster =
+            (!svc.internal_local || reachable).then(|| endpoints::select(&merged, false, node));
+        let local = (svc.internal_local || (reachable && svc.external_local))
+            .then(|| endpoints::select(&merged, true, node));
+        BackendSets { cluster, local }
+    }
+
+    fn cluster(&self) -> &[Backend] {
+        self.cluster.as_deref().unwrap_or_default()
+    }
+
+    fn local(&self) -> &[Backend] {
+        self.local.as_deref().unwrap_or_default()
+    }
+
+    /// The desired state of one claimed frontend.
+    fn frontend(
+        &self,
+        svc: &ServiceInfo,
+        port: &ServicePortInfo,
+        claim: &Claim,
+        family: Family,
+        node: &NodeContext,
+    ) -> DesiredFrontend {
+        let service = if port.name.is_empty() {
+            svc.key.to_string()
+        } else {
+            format!("{}:{}", svc.key, port.name)
+        };
+        let mut d = DesiredFrontend {
+            frontend: claim.frontend,
+            owner: svc.key.to_string(),
+            service,
+            backends: Vec::new(),
+            affinity_timeout_s: svc.affinity_timeout_s,
+            internal_local: false,
+            kind: claim.kind,
+            external_local: false,
+            source_ranges: None,
+        };
+        match (claim.kind, claim.frontend.scope) {
+            (Kind::ClusterIP, _) => {
+                d.internal_local = svc.internal_local;
+                d.backends = if svc.internal_local {
+                    self.local().to_vec()
+                } else {
+                    self.cluster().to_vec()
+                };
+            }
+            // The node-local view: kube-proxy sends traffic from the node and its pods to the
+            // cluster set whatever externalTrafficPolicy says ("short-circuit").
+            (_, Scope::Cluster) => d.backends = self.cluster().to_vec(),
+            (kind, Scope::External) => {
+                // No usable endpoint anywhere: a reject (count 0 without EXTERNAL_LOCAL), as
+                // kube-proxy rejects rather than drops.
+                let has_endpoints = !self.cluster().is_empty();
+                d.external_local = svc.external_local && has_endpoints;
+                d.backends = if svc.external_local {
+                    self.local().to_vec()
+                } else {
+                    self.cluster().to_vec()
+                };
+                if kind == Kind::LoadBalancer {
+                    d.source_ranges = source_ranges(svc, family, node);
+                }
+            }
+        }
+        d
+    }
 }
 
 #[cfg(test)]

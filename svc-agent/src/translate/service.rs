@@ -8,7 +8,7 @@ use tracing::debug;
 
 use super::{invalid, ObjectKey};
 use crate::error::Error;
-use crate::model::Protocol;
+use crate::model::{Cidr, Protocol};
 
 /// Services carrying this label belong to another proxy (kube-proxy's informers filter them).
 const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -30,6 +30,28 @@ pub(super) struct ServiceInfo {
     pub ports: Vec<ServicePortInfo>,
     pub affinity_timeout_s: Option<u32>,
     pub internal_local: bool,
+    /// externalTrafficPolicy: Local, for a Service reachable from outside (kube-proxy's
+    /// ExternalPolicyLocal: type NodePort or LoadBalancer, or ClusterIP with externalIPs).
+    pub external_local: bool,
+    /// spec.healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local
+    /// (kube-proxy's NeedsHealthCheck); 0: none.
+    pub health_check_node_port: u16,
+    /// What makes the Service reachable from outside the cluster network (besides NodePorts,
+    /// which are per port): most Services have none, so it costs one pointer.
+    pub external: Option<Box<ExternalInfo>>,
+}
+
+/// ExternalIPs, LoadBalancer ingress IPs and their policies (kube-proxy's serviceport.go).
+#[derive(Debug, Default)]
+pub(super) struct ExternalInfo {
+    /// spec.externalIPs, valid and unique, in spec order.
+    pub external_ips: Vec<IpAddr>,
+    /// status.loadBalancer.ingress[].ip whose ipMode is unset or VIP, unique, in order.
+    pub lb_ips: Vec<IpAddr>,
+    /// spec.loadBalancerSourceRanges, valid, both families (filtered per family later).
+    pub source_ranges: Vec<Cidr>,
+    /// Some entry of loadBalancerSourceRanges was given (even if none was valid).
+    pub source_ranges_given: bool,
 }
 
 pub(super) struct ServicePortInfo {
@@ -37,6 +59,8 @@ pub(super) struct ServicePortInfo {
     pub name: String,
     pub port: u16,
     pub protocol: Protocol,
+    /// spec.ports[].nodePort; 0: none.
+    pub node_port: u16,
 }
 
 /// True for labels that make kube-proxy ignore an object entirely: headless, or labelled with
@@ -99,7 +123,24 @@ pub(super) fn parse(
     if cluster_ips.is_empty() {
         return None;
     }
-    let ports = parse_ports(spec.ports.as_deref().unwrap_or_default(), &object, errors);
+    let kind = match spec.type_.as_deref() {
+        None | Some("ClusterIP") => ServiceType::ClusterIP,
+        Some("NodePort") => ServiceType::NodePort,
+        Some("LoadBalancer") => ServiceType::LoadBalancer,
+        Some(other) => {
+            errors.push(invalid(
+                &object,
+                format!("unknown type {other:?}; served as ClusterIP"),
+            ));
+            ServiceType::ClusterIP
+        }
+    };
+    let ports = parse_ports(
+        spec.ports.as_deref().unwrap_or_default(),
+        kind,
+        &object,
+        errors,
+    );
     let affinity_timeout_s = parse_affinity(spec, &object, errors);
     let internal_local = match spec.internal_traffic_policy.as_deref() {
         None | Some("Cluster") => false,
@@ -112,6 +153,43 @@ pub(super) fn parse(
             false
         }
     };
+    let external = parse_external(service, &object, errors);
+    // kube-proxy's ExternallyAccessible: what externalTrafficPolicy applies to.
+    let externally_accessible = kind != ServiceType::ClusterIP
+        || external
+            .as_ref()
+            .is_some_and(|e| !e.external_ips.is_empty());
+    let external_local = match spec.external_traffic_policy.as_deref() {
+        None | Some("Cluster") => false,
+        Some("Local") => externally_accessible,
+        Some(other) => {
+            errors.push(invalid(
+                &object,
+                format!("unknown externalTrafficPolicy {other:?}; using Cluster"),
+            ));
+            false
+        }
+    };
+    // kube-proxy's NeedsHealthCheck: a LoadBalancer with externalTrafficPolicy Local.
+    let needs_health_check = kind == ServiceType::LoadBalancer && external_local;
+    let health_check_node_port = match spec.health_check_node_port.filter(|p| *p != 0) {
+        _ if !needs_health_check => 0,
+        None => {
+            errors.push(invalid(
+                &object,
+                "type LoadBalancer with externalTrafficPolicy Local has no healthCheckNodePort \
+                 (the API server allocates one); no health check",
+            ));
+            0
+        }
+        Some(p) => u16::try_from(p).unwrap_or_else(|_| {
+            errors.push(invalid(
+                &object,
+                format!("healthCheckNodePort {p} is not 1-65535; no health check"),
+            ));
+            0
+        }),
+    };
     Some(ServiceInfo {
         key,
         created: meta.creation_timestamp.as_ref().map(|t| t.0),
@@ -119,7 +197,98 @@ pub(super) fn parse(
         ports,
         affinity_timeout_s,
         internal_local,
+        external_local,
+        health_check_node_port,
+        external: external.map(Box::new),
     })
+}
+
+/// spec.type, as far as the datapath cares (ExternalName is skipped before).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ServiceType {
+    ClusterIP,
+    NodePort,
+    LoadBalancer,
+}
+
+/// externalIPs, LoadBalancer ingress IPs and loadBalancerSourceRanges; None when the Service
+/// has none of them.
+fn parse_external(
+    service: &Service,
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> Option<ExternalInfo> {
+    let spec = service.spec.as_ref()?;
+    let mut out = ExternalInfo::default();
+    for text in spec.external_ips.iter().flatten() {
+        match parse_ip(text) {
+            Some(ip) if is_usable_cluster_ip(ip) => {
+                if !out.external_ips.contains(&ip) {
+                    out.external_ips.push(ip);
+                }
+            }
+            Some(_) => errors.push(invalid(
+                object,
+                format!("externalIP {text:?} is not a unicast address; skipped"),
+            )),
+            None => errors.push(invalid(
+                object,
+                format!("externalIP {text:?} is not an IP address; skipped"),
+            )),
+        }
+    }
+    let ingress = service
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    for ing in ingress.into_iter().flatten() {
+        let Some(text) = ing.ip.as_deref().filter(|t| !t.is_empty()) else {
+            continue;
+        };
+        // kube-proxy's IsVIPMode: ipMode Proxy means the load balancer proxies to the node,
+        // which must not capture the address.
+        match ing.ip_mode.as_deref() {
+            None | Some("VIP") => {}
+            Some("Proxy") => continue,
+            Some(other) => {
+                errors.push(invalid(
+                    object,
+                    format!("load balancer ingress {text}: unknown ipMode {other:?}; not captured"),
+                ));
+                continue;
+            }
+        }
+        match parse_ip(text) {
+            Some(ip) if is_usable_cluster_ip(ip) => {
+                if !out.lb_ips.contains(&ip) {
+                    out.lb_ips.push(ip);
+                }
+            }
+            _ => errors.push(invalid(
+                object,
+                format!("load balancer ingress ip {text:?} is not a unicast address; skipped"),
+            )),
+        }
+    }
+    for text in spec.load_balancer_source_ranges.iter().flatten() {
+        out.source_ranges_given = true;
+        // The API server's validation lets whitespace through; kube-proxy trims it.
+        match text.trim().parse::<Cidr>() {
+            Ok(cidr) => {
+                let cidr = Cidr::new(cidr.addr.to_canonical(), cidr.prefix);
+                if !out.source_ranges.contains(&cidr) {
+                    out.source_ranges.push(cidr);
+                }
+            }
+            Err(e) => errors.push(invalid(
+                object,
+                format!("loadBalancerSourceRanges: {e}; skipped"),
+            )),
+        }
+    }
+    let empty = out.external_ips.is_empty() && out.lb_ips.is_empty() && !out.source_ranges_given;
+    (!empty).then_some(out)
 }
 
 fn parse_cluster_ips(raw: &[&str], object: &str, errors: &mut Vec<Error>) -> Vec<IpAddr> {
@@ -189,6 +358,7 @@ fn describe_port(name: &str, port: i32, protocol: Option<&str>) -> String {
 
 fn parse_ports(
     ports: &[k8s_openapi::api::core::v1::ServicePort],
+    kind: ServiceType,
     object: &str,
     errors: &mut Vec<Error>,
 ) -> Vec<ServicePortInfo> {
@@ -232,13 +402,70 @@ fn parse_ports(
             ));
             continue;
         }
+        let node_port =
+            parse_node_port(port.node_port, kind, &what, &out, protocol, object, errors);
         out.push(ServicePortInfo {
             name,
             port: number,
             protocol,
+            node_port,
         });
     }
     out
+}
+
+/// A port's nodePort as the API server would have allowed it; 0 for none.
+fn parse_node_port(
+    node_port: Option<i32>,
+    kind: ServiceType,
+    what: &str,
+    earlier: &[ServicePortInfo],
+    protocol: Protocol,
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> u16 {
+    let given = node_port.filter(|p| *p != 0);
+    match (kind, given) {
+        (ServiceType::ClusterIP, None) => 0,
+        (ServiceType::ClusterIP, Some(p)) => {
+            errors.push(invalid(
+                object,
+                format!("{what}: nodePort {p} on a Service of type ClusterIP; ignored"),
+            ));
+            0
+        }
+        (ServiceType::NodePort, None) => {
+            // The API server allocates one; a manifest must say which.
+            errors.push(invalid(
+                object,
+                format!("{what}: type NodePort without a nodePort; no NodePort frontend"),
+            ));
+            0
+        }
+        // allocateLoadBalancerNodePorts: false.
+        (ServiceType::LoadBalancer, None) => 0,
+        (_, Some(p)) => match u16::try_from(p) {
+            Ok(p)
+                if earlier
+                    .iter()
+                    .any(|e| e.node_port == p && e.protocol == protocol) =>
+            {
+                errors.push(invalid(
+                    object,
+                    format!("{what}: nodePort {p} is used by another port; ignored"),
+                ));
+                0
+            }
+            Ok(p) => p,
+            Err(_) => {
+                errors.push(invalid(
+                    object,
+                    format!("{what}: nodePort {p} is not 1-65535; ignored"),
+                ));
+                0
+            }
+        },
+    }
 }
 
 fn parse_affinity(

@@ -2,7 +2,7 @@
 //! a frontend gets, and which errors name which objects.
 
 use super::*;
-use crate::model::Protocol;
+use crate::model::{Kind, Protocol};
 
 /// Read as manifests are: YAML (1.2 booleans only, so a name `y` stays a string) to a JSON
 /// value, then the typed object.
@@ -64,6 +64,7 @@ fn on_node(
         node_name: Some(node.to_string()),
         zone: zone.map(str::to_string),
         service_proxy_name: None,
+        node_ips: Vec::new(),
     };
     translate(services, slices, &node)
 }
@@ -708,7 +709,26 @@ spec: {type: LoadBalancer, clusterIP: 10.96.0.2, ports: [{port: 443, nodePort: 3
         &[],
     );
     assert_no_errors(&t);
-    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP", "10.96.0.2:443/TCP"]);
+    assert_eq!(
+        frontends(&t),
+        [
+            "0.0.0.0:30080/TCP",
+            "0.0.0.0:30080/TCP (external)",
+            "0.0.0.0:30443/TCP",
+            "0.0.0.0:30443/TCP (external)",
+            "10.96.0.1:80/TCP",
+            "10.96.0.2:443/TCP"
+        ]
+    );
+    // NodePorts answer on node addresses: no ClusterIP marker for them.
+    assert_eq!(
+        t.state
+            .cluster_ips
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["10.96.0.1", "10.96.0.2"]
+    );
 }
 
 #[test]
@@ -963,4 +983,492 @@ fn output_does_not_depend_on_input_order() {
     assert_eq!(forward.state, backward.state);
     assert_eq!(errors(&forward), errors(&backward));
     assert_eq!(errors(&forward).len(), 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The packet datapath's frontends: NodePorts, ExternalIPs, LoadBalancer IPs. The reference is
+// kube-proxy v1.37: pkg/proxy/serviceport.go (what a Service port exposes, per family),
+// pkg/proxy/topology.go (CategorizeEndpoints: cluster and local endpoint sets),
+// pkg/proxy/nftables/proxier.go (how each address kind is served, the firewall of
+// loadBalancerSourceRanges, the short-circuit of node-local traffic) and
+// pkg/proxy/healthcheck/service_health.go with endpointschangetracker.go (health checks).
+
+/// On "node-1" (10.0.0.100, fd00::100) in zone "z1".
+fn on_node_1(services: &[Service], slices: &[EndpointSlice]) -> Translated {
+    let node = NodeContext {
+        node_name: Some("node-1".into()),
+        zone: Some("z1".into()),
+        service_proxy_name: None,
+        node_ips: vec!["10.0.0.100".parse().unwrap(), "fd00::100".parse().unwrap()],
+    };
+    translate(services, slices, &node)
+}
+
+/// Backends with their locality: "10.0.1.1:8080 local".
+fn backends_local(t: &Translated, which: &str) -> Vec<String> {
+    frontend(t, which)
+        .backends
+        .iter()
+        .map(|b| format!("{}{}", b, if b.local { " local" } else { "" }))
+        .collect()
+}
+
+/// Endpoints 10.0.1.1 on node-1 and 10.0.2.1 on node-2, both ready, port 8080.
+fn two_nodes_slice(service: &str) -> EndpointSlice {
+    slice_of(
+        &format!("a/{service}-1"),
+        service,
+        "IPv4",
+        "[{port: 8080}]",
+        "[{addresses: [10.0.1.1], nodeName: node-1}, {addresses: [10.0.2.1], nodeName: node-2}]",
+    )
+}
+
+#[test]
+fn node_port_frontends_at_both_scopes_share_the_cluster_set_under_cluster_policy() {
+    // serviceport.go: nodePort is taken as given (the API server allocated it);
+    // nftables/proxier.go sends it to the external chain, and node-local traffic to the same
+    // cluster endpoints.
+    let t = on_node_1(
+        &[service(
+            "metadata: {name: np, namespace: a}
+spec: {type: NodePort, clusterIP: 10.96.0.1, ports: [{port: 80, nodePort: 30080}]}",
+        )],
+        &[two_nodes_slice("np")],
+    );
+    assert_no_errors(&t);
+    for which in [
+        "0.0.0.0:30080/TCP (external)",
+        "0.0.0.0:30080/TCP",
+        "10.96.0.1:80/TCP",
+    ] {
+        assert_eq!(
+            backends_local(&t, which),
+            ["10.0.1.1:8080 local", "10.0.2.1:8080"],
+            "{which}"
+        );
+    }
+    let ext = frontend(&t, "0.0.0.0:30080/TCP (external)");
+    assert_eq!(ext.kind, Kind::NodePort);
+    assert!(!ext.external_local && ext.source_ranges.is_none());
+    assert_eq!(frontend(&t, "0.0.0.0:30080/TCP").kind, Kind::NodePort);
+    assert_eq!(frontend(&t, "10.96.0.1:80/TCP").kind, Kind::ClusterIP);
+}
+
+#[test]
+fn dual_stack_node_ports_get_one_frontend_per_family() {
+    let t = run(
+        &[service(
+            "metadata: {name: np, namespace: a}
+spec: {type: NodePort, clusterIPs: [10.96.0.1, 'fd00:96::1'], ports: [{port: 80, nodePort: 30080}]}",
+        )],
+        &[],
+    );
+    assert_no_errors(&t);
+    assert!(frontends(&t).contains(&"0.0.0.0:30080/TCP (external)".to_string()));
+    assert!(frontends(&t).contains(&"[::]:30080/TCP (external)".to_string()));
+}
+
+#[test]
+fn external_ips_of_the_services_families_get_frontends_but_no_marker() {
+    // serviceport.go filters externalIPs to the proxier's family; a family the Service has
+    // no clusterIP of is not served at all.
+    let t = on_node_1(
+        &[service(
+            "metadata: {name: e, namespace: a}
+spec: {clusterIP: 10.96.0.1, externalIPs: [192.0.2.10, '2001:db8::10'], ports: [{port: 80}]}",
+        )],
+        &[two_nodes_slice("e")],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        frontends(&t),
+        [
+            "10.96.0.1:80/TCP",
+            "192.0.2.10:80/TCP",
+            "192.0.2.10:80/TCP (external)"
+        ]
+    );
+    assert_eq!(
+        frontend(&t, "192.0.2.10:80/TCP (external)").kind,
+        Kind::ExternalIP
+    );
+    assert_eq!(frontend(&t, "192.0.2.10:80/TCP").kind, Kind::ExternalIP);
+    // nftables/proxier.go: only ClusterIPs go into the "cluster-ips" set whose other ports
+    // are dropped; an ExternalIP may be a real address with other ports in use.
+    assert_eq!(
+        t.state
+            .cluster_ips
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["10.96.0.1"]
+    );
+}
+
+#[test]
+fn load_balancer_ingress_ips_are_captured_unless_ip_mode_is_proxy() {
+    // serviceport.go: IsVIPMode (ipMode unset or VIP); hostname-only ingress has no IP.
+    let t = run(
+        &[service(
+            "metadata: {name: lb, namespace: a}
+spec: {type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{port: 443, nodePort: 30443}]}
+status: {loadBalancer: {ingress: [{ip: 198.51.100.1}, {ip: 198.51.100.2, ipMode: VIP},
+  {ip: 198.51.100.3, ipMode: Proxy}, {hostname: lb.example.com}, {ip: '2001:db8::1'}]}}",
+        )],
+        &[],
+    );
+    assert_no_errors(&t);
+    let lb: Vec<String> = t
+        .state
+        .frontends
+        .values()
+        .filter(|d| d.kind == Kind::LoadBalancer)
+        .map(|d| d.frontend.to_string())
+        .collect();
+    assert_eq!(
+        lb,
+        [
+            "198.51.100.1:443/TCP",
+            "198.51.100.1:443/TCP (external)",
+            "198.51.100.2:443/TCP",
+            "198.51.100.2:443/TCP (external)"
+        ]
+    );
+}
+
+fn local_policy_lb(extra: &str) -> Service {
+    service(&format!(
+        "metadata: {{name: web, namespace: a}}
+spec: {{type: LoadBalancer, externalTrafficPolicy: Local, healthCheckNodePort: 32000,
+  clusterIP: 10.96.0.1, ports: [{{port: 80, nodePort: 30080}}]{extra}}}
+status: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}"
+    ))
+}
+
+#[test]
+fn external_traffic_policy_local_keeps_external_traffic_on_this_nodes_endpoints() {
+    // topology.go: localEndpoints for the external policy; nftables/proxier.go: pods and the
+    // node itself "short-circuit" to the cluster endpoints.
+    let t = on_node_1(&[local_policy_lb("")], &[two_nodes_slice("web")]);
+    assert_no_errors(&t);
+    for which in [
+        "0.0.0.0:30080/TCP (external)",
+        "198.51.100.1:80/TCP (external)",
+    ] {
+        let d = frontend(&t, which);
+        assert!(d.external_local, "{which}");
+        assert_eq!(
+            backends_local(&t, which),
+            ["10.0.1.1:8080 local"],
+            "{which}"
+        );
+    }
+    for which in [
+        "0.0.0.0:30080/TCP",
+        "198.51.100.1:80/TCP",
+        "10.96.0.1:80/TCP",
+    ] {
+        let d = frontend(&t, which);
+        assert!(!d.external_local, "{which}");
+        assert_eq!(
+            backends_local(&t, which),
+            ["10.0.1.1:8080 local", "10.0.2.1:8080"],
+            "{which}"
+        );
+    }
+}
+
+#[test]
+fn external_policy_local_without_a_local_endpoint_drops_and_without_any_rejects() {
+    // nftables/proxier.go: no local endpoints but some elsewhere: "drop" for external
+    // traffic; no endpoints at all: "reject".
+    let remote_only = slice_of(
+        "a/web-1",
+        "web",
+        "IPv4",
+        "[{port: 8080}]",
+        "[{addresses: [10.0.2.1], nodeName: node-2}]",
+    );
+    let t = on_node_1(&[local_policy_lb("")], &[remote_only]);
+    let d = frontend(&t, "0.0.0.0:30080/TCP (external)");
+    assert!(d.external_local && d.backends.is_empty());
+    assert_eq!(backends(&t, "0.0.0.0:30080/TCP"), ["10.0.2.1:8080"]);
+
+    let t = on_node_1(&[local_policy_lb("")], &[]);
+    let d = frontend(&t, "0.0.0.0:30080/TCP (external)");
+    assert!(
+        !d.external_local && d.backends.is_empty(),
+        "a reject, not a drop"
+    );
+}
+
+#[test]
+fn external_policy_local_falls_back_to_this_nodes_terminating_endpoints() {
+    // topology.go: hasLocalServingTerminatingEndpoints when no local endpoint is ready.
+    let slices = [slice_of(
+        "a/web-1",
+        "web",
+        "IPv4",
+        "[{port: 8080}]",
+        "[{addresses: [10.0.1.1], nodeName: node-1,
+           conditions: {ready: false, serving: true, terminating: true}},
+          {addresses: [10.0.1.2], nodeName: node-1,
+           conditions: {ready: false, serving: false, terminating: true}},
+          {addresses: [10.0.2.1], nodeName: node-2}]",
+    )];
+    let t = on_node_1(&[local_policy_lb("")], &slices);
+    assert_eq!(
+        backends_local(&t, "0.0.0.0:30080/TCP (external)"),
+        ["10.0.1.1:8080 local"]
+    );
+    // The cluster set has a ready endpoint, so terminating ones stay out of it.
+    assert_eq!(backends(&t, "0.0.0.0:30080/TCP"), ["10.0.2.1:8080"]);
+}
+
+#[test]
+fn external_policy_local_needs_an_externally_accessible_service() {
+    // api/v1/service/util.go ExternalPolicyLocal: type NodePort or LoadBalancer, or
+    // ClusterIP with externalIPs.
+    let t = on_node_1(
+        &[service(
+            "metadata: {name: web, namespace: a}
+spec: {externalTrafficPolicy: Local, clusterIP: 10.96.0.1, externalIPs: [192.0.2.1],
+  ports: [{port: 80}]}",
+        )],
+        &[two_nodes_slice("web")],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        backends(&t, "192.0.2.1:80/TCP (external)"),
+        ["10.0.1.1:8080"]
+    );
+    assert!(
+        t.state.health_checks.is_empty(),
+        "only LoadBalancers get one"
+    );
+}
+
+#[test]
+fn session_affinity_applies_to_every_frontend_kind() {
+    let t = on_node_1(
+        &[local_policy_lb(
+            ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}",
+        )],
+        &[two_nodes_slice("web")],
+    );
+    assert_no_errors(&t);
+    assert!(t
+        .state
+        .frontends
+        .values()
+        .all(|d| d.affinity_timeout_s == Some(60)));
+}
+
+fn ranges(t: &Translated, which: &str) -> Option<Vec<String>> {
+    frontend(t, which)
+        .source_ranges
+        .as_ref()
+        .map(|r| r.iter().map(ToString::to_string).collect())
+}
+
+#[test]
+fn source_ranges_restrict_load_balancer_ips_only() {
+    // nftables/proxier.go: the firewall chain holds the LoadBalancer IPs alone; "nodeports
+    // are not subject to loadBalancerSourceRanges".
+    let t = on_node_1(
+        &[local_policy_lb(
+            ", externalIPs: [192.0.2.1], loadBalancerSourceRanges: [' 203.0.113.0/24 ', 172.17.2.3/12]",
+        )],
+        &[two_nodes_slice("web")],
+    );
+    assert_no_errors(&t);
+    assert_eq!(
+        ranges(&t, "198.51.100.1:80/TCP (external)").unwrap(),
+        ["172.16.0.0/12", "203.0.113.0/24"]
+    );
+    for which in [
+        "198.51.100.1:80/TCP",
+        "0.0.0.0:30080/TCP (external)",
+        "192.0.2.1:80/TCP (external)",
+        "10.96.0.1:80/TCP",
+    ] {
+        assert_eq!(ranges(&t, which), None, "{which}");
+    }
+}
+
+#[test]
+fn source_ranges_admit_the_load_balancer_ips_when_they_contain_the_node() {
+    // nftables/proxier.go allowFromNode: a range containing the node's IP also admits the
+    // LoadBalancer IPs as sources (a node reaching its own LB IP loops back from it).
+    let with = |ranges: &str| {
+        on_node_1(
+            &[local_policy_lb(&format!(
+                ", loadBalancerSourceRanges: [{ranges}]"
+            ))],
+            &[two_nodes_slice("web")],
+        )
+    };
+    let t = with("10.0.0.0/24");
+    assert_eq!(
+        ranges(&t, "198.51.100.1:80/TCP (external)").unwrap(),
+        ["10.0.0.0/24", "198.51.100.1/32"]
+    );
+    let t = with("10.9.0.0/24");
+    assert_eq!(
+        ranges(&t, "198.51.100.1:80/TCP (external)").unwrap(),
+        ["10.9.0.0/24"]
+    );
+}
+
+#[test]
+fn source_ranges_are_per_family_and_a_zero_range_means_anyone() {
+    // serviceport.go: MapCIDRsByIPFamily, and IsZeroCIDR clears the list.
+    let t = run(
+        &[local_policy_lb(
+            ", loadBalancerSourceRanges: ['2001:db8::/32']",
+        )],
+        &[],
+    );
+    assert_eq!(ranges(&t, "198.51.100.1:80/TCP (external)"), None);
+    let t = run(
+        &[local_policy_lb(
+            ", loadBalancerSourceRanges: [10.0.0.0/8, 0.0.0.0/0]",
+        )],
+        &[],
+    );
+    assert_eq!(ranges(&t, "198.51.100.1:80/TCP (external)"), None);
+}
+
+#[test]
+fn invalid_source_ranges_are_errors_and_never_open_the_service() {
+    let t = run(
+        &[local_policy_lb(
+            ", loadBalancerSourceRanges: [nonsense, 10.0.0.0/8]",
+        )],
+        &[],
+    );
+    assert_eq!(errors(&t).len(), 1);
+    assert!(errors(&t)[0].contains("Service a/web") && errors(&t)[0].contains("nonsense"));
+    assert_eq!(
+        ranges(&t, "198.51.100.1:80/TCP (external)").unwrap(),
+        ["10.0.0.0/8"]
+    );
+    // None valid: the LoadBalancer IP admits nobody rather than everybody.
+    let t = run(
+        &[local_policy_lb(", loadBalancerSourceRanges: [nonsense]")],
+        &[],
+    );
+    assert_eq!(
+        ranges(&t, "198.51.100.1:80/TCP (external)").unwrap(),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn node_ports_are_validated_as_the_api_server_would() {
+    let t = run(
+        &[
+            service(
+                "metadata: {name: c, namespace: a}
+spec: {clusterIP: 10.96.0.1, ports: [{port: 80, nodePort: 30080}]}",
+            ),
+            service(
+                "metadata: {name: n, namespace: a}
+spec: {type: NodePort, clusterIP: 10.96.0.2, ports: [{name: a, port: 80},
+  {name: b, port: 81, nodePort: 30081}, {name: c, port: 82, nodePort: 30081}]}",
+            ),
+        ],
+        &[],
+    );
+    let errs = errors(&t);
+    assert_eq!(errs.len(), 3, "{errs:?}");
+    assert!(errs[0].contains("Service a/c") && errs[0].contains("type ClusterIP"));
+    assert!(errs[1].contains("Service a/n") && errs[1].contains("without a nodePort"));
+    assert!(errs[2].contains("Service a/n") && errs[2].contains("used by another port"));
+    let node_ports: Vec<String> = t
+        .state
+        .frontends
+        .values()
+        .filter(|d| d.kind == Kind::NodePort)
+        .map(|d| d.frontend.to_string())
+        .collect();
+    assert_eq!(
+        node_ports,
+        ["0.0.0.0:30081/TCP", "0.0.0.0:30081/TCP (external)"]
+    );
+}
+
+#[test]
+fn two_services_claiming_one_node_port_keep_it_with_the_older() {
+    let svc = |name: &str, created: &str| {
+        service(&format!(
+            "metadata: {{name: {name}, namespace: a, creationTimestamp: '{created}'}}
+spec: {{type: NodePort, clusterIP: 10.96.0.{}, ports: [{{port: 80, nodePort: 30080}}]}}",
+            name.len()
+        ))
+    };
+    let t = run(
+        &[
+            svc("young", "2024-02-01T00:00:00Z"),
+            svc("old", "2024-01-01T00:00:00Z"),
+        ],
+        &[],
+    );
+    assert_eq!(frontend(&t, "0.0.0.0:30080/TCP (external)").owner, "a/old");
+    assert!(errors(&t)
+        .iter()
+        .all(|e| e.contains("a/young") && e.contains("a/old")));
+    assert_eq!(errors(&t).len(), 2, "both scopes: {:?}", errors(&t));
+}
+
+#[test]
+fn backends_on_this_node_are_flagged_local_for_every_frontend() {
+    let t = on_node_1(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[two_nodes_slice("web")],
+    );
+    assert_eq!(
+        backends_local(&t, "10.96.0.1:80/TCP"),
+        ["10.0.1.1:8080 local", "10.0.2.1:8080"]
+    );
+    // Without a node name nothing is local.
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[two_nodes_slice("web")],
+    );
+    assert_eq!(
+        backends_local(&t, "10.96.0.1:80/TCP"),
+        ["10.0.1.1:8080", "10.0.2.1:8080"]
+    );
+}
+
+#[test]
+fn health_check_counts_this_nodes_ready_endpoint_addresses() {
+    // endpointschangetracker.go LocalReadyEndpoints: distinct IPs of local ready endpoints
+    // over the Service's ports; terminating ones do not count.
+    let slices = [slice_of(
+        "a/web-1",
+        "web",
+        "IPv4",
+        "[{name: http, port: 8080}, {name: admin, port: 9090}]",
+        "[{addresses: [10.0.1.1], nodeName: node-1},
+          {addresses: [10.0.1.2], nodeName: node-1,
+           conditions: {ready: false, serving: true, terminating: true}},
+          {addresses: [10.0.2.1], nodeName: node-2}]",
+    )];
+    let t = on_node_1(&[local_policy_lb("")], &slices);
+    let hc = t.state.health_checks["a/web"];
+    assert_eq!(hc.port, 32000);
+    assert_eq!(hc.local_endpoints, [Some(1), None]);
+    // A NodePort Service gets none, nor a LoadBalancer with externalTrafficPolicy Cluster.
+    let t = on_node_1(
+        &[service(
+            "metadata: {name: web, namespace: a}
+spec: {type: LoadBalancer, healthCheckNodePort: 32000, clusterIP: 10.96.0.1,
+  ports: [{port: 80, nodePort: 30080}]}",
+        )],
+        &slices,
+    );
+    assert!(t.state.health_checks.is_empty());
 }

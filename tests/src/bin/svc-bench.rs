@@ -75,18 +75,12 @@ fn figures(attempts: &[&svc_tests::Attempt]) -> Figures {
 }
 
 fn frontend(ip: Ipv4Addr, port: u16, owner: &str, backends: Vec<SocketAddr>) -> DesiredFrontend {
-    DesiredFrontend {
-        frontend: Frontend {
-            ip: IpAddr::V4(ip),
-            port,
-            protocol: Protocol::Tcp,
-        },
-        owner: owner.into(),
-        service: owner.into(),
-        backends,
-        affinity_timeout_s: None,
-        internal_local: false,
-    }
+    DesiredFrontend::cluster_ip(
+        Frontend::cluster(IpAddr::V4(ip), port, Protocol::Tcp),
+        owner,
+        owner,
+        backends.into_iter().map(Into::into).collect(),
+    )
 }
 
 fn state(frontends: Vec<DesiredFrontend>) -> DesiredState {
@@ -214,7 +208,7 @@ fn main() -> Result<()> {
     let mut changed = many.clone();
     if let Some(f) = changed.frontends.get_mut(&bench.frontend) {
         f.backends
-            .push(SocketAddr::new(IpAddr::V4(sb.backend_v4(2)), PORT));
+            .push(SocketAddr::new(IpAddr::V4(sb.backend_v4(2)), PORT).into());
     }
     let started = Instant::now();
     let r = programmed.apply_scoped(

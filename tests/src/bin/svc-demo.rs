@@ -4,7 +4,11 @@
 //! backends, writes a Service `demo/web` (10.96.0.10, TCP 80 → 8080 and UDP 53 → 5353) and its
 //! EndpointSlice (three ready endpoints, one not ready), runs `svc-agent run` on that cgroup,
 //! sends requests through the ClusterIP and shows who answered, then shows what a Service is
-//! made of: no interface, no namespace, no route, just map entries and cgroup hooks. Every
+//! made of: no interface, no namespace, no route, just map entries and cgroup hooks. Then
+//! the packet datapath: a second agent inside node 1 of `svc_tests::topology` (its uplink
+//! `eth0` named with `--devices`), a NodePort and a LoadBalancer IP with a backend on each
+//! node, requests from an external client namespace, and what the tc programs and the
+//! connection-tracking map hold. Every
 //! resource is a guard, so the sandbox is gone when the demo exits, also on error or Ctrl-C
 //! during a step (the process then dies; guards run on the error paths).
 
@@ -224,14 +228,18 @@ fn demo(args: Args) -> Result<bool> {
         "and socket hooks on the client's cgroup that rewrite connect()/sendmsg() to a backend",
     );
 
-    section("7. Teardown");
     let status = agent.terminate(std::time::Duration::from_secs(10))?;
-    println!("svc-agent stopped ({status}); removing pins, cgroup, namespaces, backends");
+    println!("\nsvc-agent stopped ({status}); removing pins, cgroup, namespaces, backends");
     drop(agent);
     drop(bpffs);
     drop(backends);
     drop(m);
+    let tools = sb.tools.clone();
     drop(sb);
+
+    ok &= packet_demo(&tools)?;
+
+    section("12. Teardown");
     println!("done");
     println!("\nRESULT: {}", if ok { "OK" } else { "FAILED" });
     Ok(ok)
@@ -243,4 +251,241 @@ fn show(cmd: &str, args: &[&str], what: &str) {
         Ok(out) => print!("{out}"),
         Err(e) => println!("({e:#})"),
     }
+}
+
+/// JSON of a dual-port Service `demo/NAME` of `kind` (NodePort 30080 for both protocols).
+fn packet_service(
+    name: &str,
+    kind: &str,
+    vip: &str,
+    status: serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": {
+            "type": kind,
+            "clusterIP": vip,
+            "selector": {"app": name},
+            "externalTrafficPolicy": "Cluster",
+            "ports": [
+                {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+            ],
+        },
+        "status": status,
+    })
+}
+
+/// Its EndpointSlice: pod1 on node-1, pod2 on node-2.
+fn packet_slice(service: &str) -> serde_json::Value {
+    use svc_tests::topology::{POD1, POD2};
+    let ep = |ip: &str, node: &str| {
+        serde_json::json!({
+            "addresses": [ip],
+            "conditions": {"ready": true, "serving": true, "terminating": false},
+            "nodeName": node,
+        })
+    };
+    serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("{service}-1"),
+            "namespace": "demo",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [
+            {"name": "http", "port": 8080, "protocol": "TCP"},
+            {"name": "dns", "port": 5353, "protocol": "UDP"},
+        ],
+        "endpoints": [ep(POD1, "node-1"), ep(POD2, "node-2")],
+    })
+}
+
+/// The packet datapath: NodePort and LoadBalancer IP from outside the node.
+fn packet_demo(tools: &Tools) -> Result<bool> {
+    use svc_tests::topology::{Nodes, CLIENT, NODE1, POD1, POD2};
+    use svc_tests::{Agent, Backend, Bpffs, ClientRun, TestCgroup};
+    const LB_IP: &str = "10.77.100.20";
+
+    section("7. From outside the node: a second topology");
+    let nodes = Nodes::new().context("building the topology")?;
+    // The agent's cgroup (its socket hooks go there; nothing runs in it) and the client's,
+    // which no agent serves: the client's packets meet only the tc programs.
+    let served = TestCgroup::new()?;
+    let outside = TestCgroup::new()?;
+    println!("external client : {} ({CLIENT})", nodes.client.name());
+    println!("node 1          : {} ({NODE1} on eth0)", nodes.node1.name());
+    println!("node 2          : {} (10.77.0.2)", nodes.node2.name());
+    let mut backends = Vec::new();
+    for (ns, name, ip) in [(&nodes.pod1, "pod1", POD1), (&nodes.pod2, "pod2", POD2)] {
+        let listens = [format!("{ip}:8080").parse()?, format!("{ip}:5353").parse()?];
+        backends.push(Backend::start(&tools.probe, ns, name, &listens)?);
+    }
+    println!("backend pod1    : {POD1} on node 1   backend pod2: {POD2} on node 2");
+
+    let m = Manifests::new()?;
+    m.write_value("eps-web-np.yaml", &packet_slice("web-np"))?;
+    let mut lb = packet_service(
+        "web-lb",
+        "LoadBalancer",
+        "10.96.0.21",
+        serde_json::json!({"loadBalancer": {"ingress": [{"ip": LB_IP}]}}),
+    );
+    for p in lb["spec"]["ports"].as_array_mut().into_iter().flatten() {
+        p["nodePort"] = 30081.into();
+    }
+    let mut np = packet_service("web-np", "NodePort", "10.96.0.20", serde_json::json!({}));
+    for p in np["spec"]["ports"].as_array_mut().into_iter().flatten() {
+        p["nodePort"] = 30080.into();
+    }
+    m.write_value("svc-web-np.yaml", &np)?;
+    m.write_value("svc-web-lb.yaml", &lb)?;
+    m.write_value("eps-web-lb.yaml", &packet_slice("web-lb"))?;
+    println!(
+        "Services: demo/web-np NodePort 30080 (TCP and UDP), demo/web-lb LoadBalancer {LB_IP}"
+    );
+
+    section("8. An agent on node 1");
+    let bpffs = Bpffs::new(&tools.agent, served.path())?;
+    let args: Vec<std::ffi::OsString> = vec![
+        "run".into(),
+        "--manifests".into(),
+        m.dir().into(),
+        "--cgroup".into(),
+        served.path().into(),
+        "--bpffs".into(),
+        bpffs.path().into(),
+        "--node-name".into(),
+        "node-1".into(),
+        "--devices".into(),
+        "eth0".into(),
+    ];
+    let launcher = [
+        "nsenter".into(),
+        format!("--net={}", nodes.node1.path().display()).into(),
+    ];
+    println!(
+        "$ nsenter --net={} {} {}",
+        nodes.node1.path().display(),
+        tools.agent.display(),
+        args.iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mut agent =
+        Agent::start_launched(&launcher, &tools.agent, args, bpffs.path(), m.scratch())?;
+    agent.quiet();
+    if let Err(e) = agent.wait_ready(AGENT_READY_TIMEOUT) {
+        println!("{}", agent.log());
+        return Err(e);
+    }
+    for line in agent.log().lines().filter(|l| l.contains("device=")) {
+        println!(
+            "{}",
+            line.split_once("svc_agent::").map_or(line, |(_, l)| l)
+        );
+    }
+
+    section("9. Traffic from the external client");
+    let mut ok = true;
+    let probe = |args: &[&str]| -> Result<svc_tests::Report> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        ClientRun::spawn(&tools.probe, &outside, &nodes.client, &args)?
+            .wait(std::time::Duration::from_secs(60))
+    };
+    for (what, args) in [
+        (
+            "TCP to the NodePort",
+            ["tcp", "--to", "10.77.0.1:30080", "--count", "20"],
+        ),
+        (
+            "UDP to the NodePort",
+            ["udp", "--to", "10.77.0.1:30080", "--count", "20"],
+        ),
+        (
+            "TCP to the LB IP",
+            ["tcp", "--to", "10.77.100.20:80", "--count", "20"],
+        ),
+        (
+            "UDP to the LB IP",
+            ["udp", "--to", "10.77.100.20:53", "--count", "20"],
+        ),
+    ] {
+        let r = probe(&args)?;
+        let seen: BTreeMap<String, usize> = r.results.iter().fold(BTreeMap::new(), |mut m, a| {
+            let from = a.peer.clone().or(a.from.clone()).unwrap_or_default();
+            *m.entry(from).or_default() += 1;
+            m
+        });
+        println!(
+            "{what:22}: answered by {:?}, failed {}, reply from {seen:?}",
+            r.backends(),
+            r.failures().len()
+        );
+        ok &= r.all_ok() && r.backends().len() == 2;
+    }
+
+    section("10. What node 1 holds");
+    println!(
+        "{}",
+        run(
+            &tools.agent.to_string_lossy(),
+            [
+                "list".as_ref(),
+                "--bpffs".as_ref(),
+                bpffs.path().as_os_str()
+            ]
+        )?
+    );
+    let ct = svc_agent::datapath::map_pin(bpffs.path(), svc_common::map_names::CT);
+    let ct_path = ct.to_string_lossy().into_owned();
+    println!(
+        "\n$ bpftool -j map dump pinned {ct_path}    # connection tracking: two entries per \
+         flow; flows to pod2 (node 2) are SNATed to 10.77.0.1 on ports above the node's \
+         ephemeral range, flows to pod1 keep the client's address (the first two shown)"
+    );
+    match run("bpftool", ["-j", "map", "dump", "pinned", &ct_path]) {
+        Ok(out) => {
+            let entries: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap_or_default();
+            let first: Vec<_> = entries.iter().take(2).collect();
+            println!("{}", serde_json::to_string_pretty(&first)?);
+            println!("... {} entries in all", entries.len());
+        }
+        Err(e) => println!("({e:#})"),
+    }
+    if let Ok(p) = svc_agent::datapath::read_packet_stats(bpffs.path()) {
+        println!(
+            "flows: {} ({} SNATed to a node address); eth0 decisions: {:?}",
+            p.flows,
+            p.snat_flows,
+            p.devices
+                .iter()
+                .map(|(_, reason, n)| format!("{reason}={n}"))
+                .collect::<Vec<_>>()
+        );
+    }
+    show(
+        "ls",
+        &[&bpffs.path().to_string_lossy()],
+        "the tc programs hang on pinned tcx links (link_tc_*), next to the cgroup links",
+    );
+
+    section("11. Uninstall");
+    let status = agent.terminate(std::time::Duration::from_secs(10))?;
+    println!("svc-agent stopped ({status})");
+    drop(agent);
+    println!(
+        "{}",
+        svc_tests::agent::uninstall(&tools.agent, bpffs.path(), Some(served.path()))?
+    );
+    drop(bpffs);
+    drop(backends);
+    drop(m);
+    drop(nodes);
+    Ok(ok)
 }

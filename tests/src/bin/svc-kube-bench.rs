@@ -177,11 +177,11 @@ fn slice(i: u32, per_service: u32) -> EndpointSlice {
 }
 
 fn frontend_key(i: u32) -> ServiceKey {
-    service_key(&Frontend {
-        ip: IpAddr::V4(cluster_ip(i)),
-        port: PORT,
-        protocol: Protocol::Tcp,
-    })
+    service_key(&Frontend::cluster(
+        IpAddr::V4(cluster_ip(i)),
+        PORT,
+        Protocol::Tcp,
+    ))
 }
 
 fn backend_addr(ip: Ipv4Addr) -> [u8; 16] {
@@ -588,6 +588,7 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         node_name: Some(NODE.into()),
         zone: None,
         service_proxy_name: None,
+        node_ips: Vec::new(),
     };
     let step = Step::start();
     let mut errors = Vec::new();

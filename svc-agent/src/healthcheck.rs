@@ -1,0 +1,292 @@
+//! kube-proxy's health check node ports: for each LoadBalancer Service with
+//! externalTrafficPolicy Local, an HTTP server on the Service's healthCheckNodePort, on every
+//! node address, that tells the cloud load balancer whether to send traffic to this node
+//! (pkg/proxy/healthcheck/service_health.go): 200 while the node has a ready endpoint of the
+//! Service and the proxy is healthy, else 503; its JSON names the Service and the count.
+//! Terminating endpoints do not count, so a node draining its last pod is taken out first.
+//!
+//! Servers start and stop as Services come and go; the counts change without a restart.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::{debug, info, warn};
+
+use crate::error::Error;
+use crate::metrics::Metrics;
+use crate::model::HealthCheck;
+
+/// The counts each server answers with, by Service.
+type Counts = Arc<Mutex<HashMap<String, [Option<u32>; 2]>>>;
+
+struct Running {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+    /// Where it listens, for tests and logs.
+    addr: SocketAddr,
+}
+
+pub struct HealthServers {
+    counts: Counts,
+    running: HashMap<String, Running>,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for HealthServers {
+    fn drop(&mut self) {
+        for r in self.running.values() {
+            r.task.abort();
+        }
+    }
+}
+
+impl HealthServers {
+    pub fn new(metrics: Arc<Metrics>) -> HealthServers {
+        HealthServers {
+            counts: Arc::default(),
+            running: HashMap::new(),
+            metrics,
+        }
+    }
+
+    /// Where the server of `owner` listens, if it runs.
+    pub fn addr(&self, owner: &str) -> Option<SocketAddr> {
+        self.running.get(owner).map(|r| r.addr)
+    }
+
+    /// Makes the servers match `wanted`: new ones are started, gone ones (or moved to another
+    /// port) stopped, counts updated. A port that cannot be bound is an error naming the
+    /// Service; the next call tries again.
+    pub fn sync(&mut self, wanted: &BTreeMap<String, HealthCheck>) -> Vec<Error> {
+        {
+            let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+            counts.clear();
+            for (owner, hc) in wanted {
+                counts.insert(owner.clone(), hc.local_endpoints);
+            }
+        }
+        let gone: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(o, r)| wanted.get(*o).is_none_or(|hc| hc.port != r.port))
+            .map(|(o, _)| o.clone())
+            .collect();
+        for owner in gone {
+            if let Some(r) = self.running.remove(&owner) {
+                r.task.abort();
+                info!(service = %owner, port = r.port, "health check node port closed");
+            }
+        }
+        let mut errors = Vec::new();
+        for (owner, hc) in wanted {
+            if self.running.contains_key(owner) {
+                continue;
+            }
+            match bind(hc.port) {
+                Ok(listener) => {
+                    let addr = listener
+                        .local_addr()
+                        .unwrap_or(SocketAddr::from(([0; 4], hc.port)));
+                    let task = tokio::spawn(serve(
+                        listener,
+                        owner.clone(),
+                        self.counts.clone(),
+                        self.metrics.clone(),
+                    ));
+                    info!(service = %owner, port = hc.port, "health check node port open");
+                    self.running.insert(
+                        owner.clone(),
+                        Running {
+                            port: hc.port,
+                            task,
+                            addr,
+                        },
+                    );
+                }
+                Err(e) => errors.push(Error::Other(format!(
+                    "Service {owner}: healthCheckNodePort {}: {e}",
+                    hc.port
+                ))),
+            }
+        }
+        errors
+    }
+}
+
+/// All node addresses: `[::]` (which takes IPv4 too), or 0.0.0.0 on a node without IPv6.
+fn bind(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let listener =
+        std::net::TcpListener::bind(SocketAddr::from(([0u16; 8], port))).or_else(|e| {
+            match e.raw_os_error() {
+                Some(libc::EAFNOSUPPORT) | Some(libc::EADDRNOTAVAIL) => {
+                    std::net::TcpListener::bind(SocketAddr::from(([0u8; 4], port)))
+                }
+                _ => Err(e),
+            }
+        })?;
+    listener.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(listener)
+}
+
+/// kube-proxy's answer (hcHandler.ServeHTTP), byte for byte in the body.
+pub fn answer(owner: &str, count: u32, healthy: bool) -> String {
+    let (namespace, name) = owner.split_once('/').unwrap_or(("", owner));
+    let body = format!(
+        "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
+        serde_json::Value::from(namespace),
+        serde_json::Value::from(name),
+    );
+    let status = if count != 0 && healthy {
+        "200 OK"
+    } else {
+        "503 Service Unavailable"
+    };
+    format!(
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nX-Load-Balancing-Endpoint-Weight: {count}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+async fn serve(
+    listener: tokio::net::TcpListener,
+    owner: String,
+    counts: Counts,
+    metrics: Arc<Metrics>,
+) {
+    loop {
+        let (mut conn, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(service = %owner, "health check node port: accepting: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        // The family of the address asked: kube-proxy runs one server per family, each
+        // counting that family's endpoints.
+        let v6 = conn
+            .local_addr()
+            .map(|a| a.ip().to_canonical().is_ipv6())
+            .unwrap_or(false);
+        let count = counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&owner)
+            .and_then(|c| c[usize::from(v6)])
+            .unwrap_or(0);
+        let healthy = metrics.health().ok;
+        let owner = owner.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut len = 0;
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                while len < buf.len() {
+                    let n = conn.read(&mut buf[len..]).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    len += n;
+                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+                Ok::<_, std::io::Error>(())
+            })
+            .await;
+            if !matches!(read, Ok(Ok(()))) {
+                return;
+            }
+            if let Err(e) = conn
+                .write_all(answer(&owner, count, healthy).as_bytes())
+                .await
+            {
+                debug!(%peer, "writing a health check reply: {e}");
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_is_kube_proxys() {
+        let ok = answer("shop/web", 2, true);
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("X-Load-Balancing-Endpoint-Weight: 2\r\n"));
+        let body = ok.split_once("\r\n\r\n").unwrap().1;
+        assert_eq!(
+            body,
+            "{\n\t\"service\": {\n\t\t\"namespace\": \"shop\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 2,\n\t\"serviceProxyHealthy\": true\n}"
+        );
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["service"]["name"], "web");
+        assert!(answer("shop/web", 0, true).starts_with("HTTP/1.1 503"));
+        assert!(answer("shop/web", 3, false).starts_with("HTTP/1.1 503"));
+    }
+
+    async fn get(addr: SocketAddr) -> String {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut reply = String::new();
+        c.read_to_string(&mut reply).await.unwrap();
+        reply
+    }
+
+    /// Through real sockets on loopback: started, counts followed live, stopped.
+    #[tokio::test]
+    async fn servers_follow_the_services() {
+        let metrics = Metrics::new(
+            std::path::PathBuf::from("/nonexistent"),
+            Duration::from_secs(60),
+        );
+        metrics.synced(
+            Duration::from_millis(1),
+            crate::metrics::Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        let mut servers = HealthServers::new(metrics);
+        // A free port, released for the server to take.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut wanted = BTreeMap::new();
+        wanted.insert(
+            "ns/web".to_string(),
+            HealthCheck {
+                port,
+                local_endpoints: [Some(1), None],
+            },
+        );
+        assert!(servers.sync(&wanted).is_empty());
+        let at = SocketAddr::from(([127, 0, 0, 1], port));
+        assert!(get(at).await.starts_with("HTTP/1.1 200"));
+        wanted.get_mut("ns/web").unwrap().local_endpoints = [Some(0), None];
+        assert!(servers.sync(&wanted).is_empty());
+        let reply = get(at).await;
+        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.contains("\"localEndpoints\": 0"));
+        // Over IPv6 the IPv6 count (none: the Service has no IPv6 clusterIP) answers.
+        if let Ok(mut c) =
+            tokio::net::TcpStream::connect(SocketAddr::from(([0, 0, 0, 0, 0, 0, 0, 1], port))).await
+        {
+            c.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut reply = String::new();
+            c.read_to_string(&mut reply).await.unwrap();
+            assert!(reply.starts_with("HTTP/1.1 503"));
+        }
+        assert!(servers.sync(&BTreeMap::new()).is_empty());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(tokio::net::TcpStream::connect(at).await.is_err(), "closed");
+    }
+}

@@ -1,0 +1,209 @@
+//! Settings of the packet datapath (tc programs on the node's devices): which devices, which
+//! node addresses answer NodePorts, which ports SNATed flows use.
+
+use std::net::IpAddr;
+
+use svc_common::DatapathConfig;
+
+use crate::netdev::{self, Device, DeviceSpec, NetState, NodePortAddresses};
+
+/// What the operator chose (flags).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PacketConfig {
+    /// `--devices`.
+    pub devices: DeviceSpec,
+    /// `--packet-lb-devices`: host sides of pod devices whose pods get per-packet ClusterIP
+    /// translation.
+    pub pod_devices: Vec<String>,
+    /// `--nodeport-addresses`.
+    pub nodeport_addresses: NodePortAddresses,
+    /// `--snat-port-range`, checked against the node's ephemeral ports.
+    pub snat_ports: (u16, u16),
+}
+
+impl Default for PacketConfig {
+    /// No devices at all: the socket path alone (tools and tests of it).
+    fn default() -> Self {
+        PacketConfig {
+            devices: DeviceSpec::None,
+            pod_devices: Vec::new(),
+            nodeport_addresses: NodePortAddresses::Primary,
+            snat_ports: (61000, 65535),
+        }
+    }
+}
+
+impl PacketConfig {
+    /// The one entry of SVC_CONFIG: SNAT ports; connection-tracking timeouts left at the
+    /// programs' built-in defaults (0).
+    pub fn datapath_config(&self) -> DatapathConfig {
+        DatapathConfig {
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
+            ..Default::default()
+        }
+    }
+}
+
+/// The node as the packet datapath sees it, computed from the kernel's view and the Node
+/// object (with the Kubernetes API).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeView {
+    pub external: Vec<Device>,
+    pub pods: Vec<Device>,
+    /// The primary address per family: the Node's (InternalIP first, as kube-proxy's
+    /// GetNodeHostIPs), else the devices'.
+    pub primary: Vec<IpAddr>,
+    pub addrs: std::collections::BTreeMap<IpAddr, svc_common::NodeAddrValue>,
+}
+
+/// Everything the packet datapath needs to know about the node.
+pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]>) -> NodeView {
+    let external = netdev::select(&cfg.devices, state, api_node_ips.unwrap_or_default());
+    let pods = netdev::select_pod_devices(&cfg.pod_devices, state);
+    let primary = match api_node_ips {
+        Some(ips) => ips.to_vec(),
+        None => {
+            // Without a Node object, the devices say; with `--devices none`, the ones Cilium
+            // would pick.
+            let candidates = match cfg.devices {
+                DeviceSpec::None => netdev::select(&DeviceSpec::Auto, state, &[]),
+                _ => external.clone(),
+            };
+            netdev::primary_ips(state, &candidates)
+        }
+    };
+    let addrs = netdev::node_addrs(state, &external, &cfg.nodeport_addresses, &primary);
+    NodeView {
+        external,
+        pods,
+        primary,
+        addrs,
+    }
+}
+
+/// kube-proxy's node IPs from a Node's status.addresses (pkg/util/node GetNodeHostIPs): the
+/// first InternalIP (else ExternalIP), then the first address of the other family.
+pub fn node_host_ips(addresses: &[(String, String)]) -> Vec<IpAddr> {
+    let parse = |t: &str| {
+        addresses
+            .iter()
+            .filter(|(ty, _)| ty == t)
+            .filter_map(|(_, a)| a.trim().parse::<IpAddr>().ok())
+            .map(|ip| ip.to_canonical())
+            .collect::<Vec<_>>()
+    };
+    let all: Vec<IpAddr> = parse("InternalIP")
+        .into_iter()
+        .chain(parse("ExternalIP"))
+        .collect();
+    let Some(first) = all.first().copied() else {
+        return Vec::new();
+    };
+    let mut out = vec![first];
+    if let Some(other) = all.iter().find(|ip| ip.is_ipv4() != first.is_ipv4()) {
+        out.push(*other);
+    }
+    out
+}
+
+/// net.ipv4.ip_local_port_range of the agent's network namespace.
+pub fn ephemeral_ports() -> std::io::Result<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    parse_range(&text.split_whitespace().collect::<Vec<_>>().join("-"))
+        .map_err(std::io::Error::other)
+}
+
+fn parse_range(text: &str) -> Result<(u16, u16), String> {
+    let (a, b) = text
+        .split_once('-')
+        .ok_or_else(|| format!("{text:?}: expected MIN-MAX"))?;
+    let a: u16 = a
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?}: {a:?} is not a port"))?;
+    let b: u16 = b
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?}: {b:?} is not a port"))?;
+    if a == 0 || a > b {
+        return Err(format!("{text:?}: expected 1 <= MIN <= MAX <= 65535"));
+    }
+    Ok((a, b))
+}
+
+/// The SNAT port range: `given` (`--snat-port-range MIN-MAX`), which must not overlap the
+/// node's ephemeral ports (the node's own connections would collide with SNATed flows), or by
+/// default the ports above the ephemeral range (at least 1,024 of them), else those below it
+/// down to 1024.
+pub fn snat_ports(given: Option<&str>, ephemeral: (u16, u16)) -> Result<(u16, u16), String> {
+    let (lo, hi) = ephemeral;
+    if let Some(text) = given {
+        let (a, b) = parse_range(text).map_err(|e| format!("--snat-port-range {e}"))?;
+        if a <= hi && lo <= b {
+            return Err(format!(
+                "--snat-port-range {a}-{b} overlaps the node's ephemeral ports {lo}-{hi} \
+                 (net.ipv4.ip_local_port_range): the node's own connections would collide with \
+                 SNATed flows; choose a range outside it, or narrow ip_local_port_range"
+            ));
+        }
+        return Ok((a, b));
+    }
+    const ENOUGH: u32 = 1024;
+    if u32::from(u16::MAX - hi) >= ENOUGH {
+        return Ok((hi + 1, u16::MAX));
+    }
+    if lo > 1024 && u32::from(lo - 1024) >= ENOUGH {
+        return Ok((1024, lo - 1));
+    }
+    Err(format!(
+        "the node's ephemeral ports {lo}-{hi} (net.ipv4.ip_local_port_range) leave no room for \
+         SNAT ports: give --snat-port-range, or narrow ip_local_port_range"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snat_ports_default_above_the_ephemeral_range_and_overlaps_are_refused() {
+        assert_eq!(snat_ports(None, (32768, 60999)), Ok((61000, 65535)));
+        assert_eq!(snat_ports(None, (32768, 65000)), Ok((1024, 32767)));
+        assert!(snat_ports(None, (1024, 65535)).is_err());
+        assert_eq!(
+            snat_ports(Some("20000-29999"), (32768, 60999)),
+            Ok((20000, 29999))
+        );
+        let e = snat_ports(Some("60000-62000"), (32768, 60999)).unwrap_err();
+        assert!(e.contains("overlaps") && e.contains("32768-60999"), "{e}");
+        assert!(snat_ports(Some("9-1"), (32768, 60999)).is_err());
+        assert!(snat_ports(Some("x"), (32768, 60999)).is_err());
+    }
+
+    #[test]
+    fn node_host_ips_follow_kube_proxy() {
+        let a = |t: &str, ip: &str| (t.to_string(), ip.to_string());
+        let ips = node_host_ips(&[
+            a("Hostname", "n1"),
+            a("ExternalIP", "203.0.113.1"),
+            a("InternalIP", "10.0.0.1"),
+            a("InternalIP", "10.0.0.2"),
+            a("ExternalIP", "2001:db8::1"),
+        ]);
+        assert_eq!(
+            ips,
+            [
+                "10.0.0.1".parse::<IpAddr>().unwrap(),
+                "2001:db8::1".parse().unwrap()
+            ]
+        );
+        assert!(node_host_ips(&[a("Hostname", "n1")]).is_empty());
+    }
+
+    #[test]
+    fn the_ephemeral_range_of_this_namespace_is_readable() {
+        let (lo, hi) = ephemeral_ports().unwrap();
+        assert!(lo <= hi);
+    }
+}

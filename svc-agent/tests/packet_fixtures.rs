@@ -1,0 +1,2639 @@
+//! Packet fixture tables for the tc programs of the packet datapath (svc-ebpf/src/tc.rs)
+//! through BPF_PROG_TEST_RUN: each row is an input packet (built here, checksums computed
+//! independently of the kernel code), run through one program against the map state the
+//! test programmed (and the flows earlier rows created); the verdict, the output packet
+//! (byte for byte, and its checksums verified on their own) and the per-device counter the
+//! row should move are checked.
+//!
+//! The programs are the agent's own (the `svc` object), loaded but never attached. Route
+//! lookups (bpf_fib_lookup) must answer the same on every machine, so each test first moves
+//! its thread into a network namespace of its own (unshare(CLONE_NEWNET)) with a few veth
+//! devices, addresses, routes and permanent neighbours: no traffic is sent, and nothing of
+//! the machine's own network is seen or touched. The namespace goes with the thread.
+//!
+//! Needs root (bpf(2), CAP_NET_ADMIN in the namespace) and the object built by
+//! `cargo xtask build-ebpf` (or `$SVC_EBPF_OBJECT`).
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::Command;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::{Ebpf, EbpfLoader};
+use svc_common::{
+    backend_flags, ct_dir, ct_flags, map_names, node_addr_flags, pkt_stat, scope, stat, svc_flags,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
+    DatapathConfig, DevStatKey, NodeAddrValue, ServiceKey, ServiceValue, SlotKey,
+    AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY,
+};
+
+// ---------------------------------------------------------------------------------------
+// Packets.
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_PSH: u8 = 0x08;
+const TCP_ACK: u8 = 0x10;
+
+/// Checksums from scratch (RFC 1071), big-endian words.
+fn sum16(data: &[u8], mut sum: u64) -> u64 {
+    for c in data.chunks(2) {
+        let w = if c.len() == 2 {
+            u16::from_be_bytes([c[0], c[1]])
+        } else {
+            u16::from_be_bytes([c[0], 0])
+        };
+        sum += w as u64;
+    }
+    sum
+}
+
+fn finish(mut sum: u64) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+fn pseudo(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> u64 {
+    let mut b = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            b.extend_from_slice(&s.octets());
+            b.extend_from_slice(&d.octets());
+            b.extend_from_slice(&[0, proto]);
+            b.extend_from_slice(&(len as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            b.extend_from_slice(&s.octets());
+            b.extend_from_slice(&d.octets());
+            b.extend_from_slice(&(len as u32).to_be_bytes());
+            b.extend_from_slice(&[0, 0, 0, proto]);
+        }
+        _ => panic!("mixed families"),
+    }
+    sum16(&b, 0)
+}
+
+#[derive(Clone, Debug)]
+enum L4 {
+    Tcp {
+        sport: u16,
+        dport: u16,
+        seq: u32,
+        ack: u32,
+        flags: u8,
+        win: u16,
+        payload: Vec<u8>,
+    },
+    /// `no_csum`: an IPv4 datagram sent without a checksum (0).
+    Udp {
+        sport: u16,
+        dport: u16,
+        payload: Vec<u8>,
+        no_csum: bool,
+    },
+    /// ICMP (IPv4) or ICMPv6, by the packet's family.
+    Icmp {
+        typ: u8,
+        code: u8,
+        rest: [u8; 4],
+        body: Vec<u8>,
+    },
+    /// Bytes after the IP header as they are (a later fragment, a protocol we do not parse).
+    Raw { proto: u8, bytes: Vec<u8> },
+}
+
+/// IPv6 extension headers.
+#[derive(Clone, Debug)]
+enum Ext {
+    /// Hop-by-hop (0) or destination options (60) of `len` bytes (a multiple of 8), PadN.
+    Opts(u8, usize),
+    /// A fragment header.
+    Frag { offset: u16, more: bool },
+}
+
+#[derive(Clone, Debug)]
+struct P {
+    dmac: [u8; 6],
+    smac: [u8; 6],
+    src: IpAddr,
+    dst: IpAddr,
+    ttl: u8,
+    id: u16,
+    df: bool,
+    /// IPv4 fragment: offset (8-byte units) and more-fragments.
+    frag: Option<(u16, bool)>,
+    /// A fragment carries only the first `cut` bytes of its transport data.
+    cut: Option<usize>,
+    /// IPv4 options (a multiple of 4 bytes).
+    options: Vec<u8>,
+    ext: Vec<Ext>,
+    l4: L4,
+}
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+impl P {
+    fn new(src: &str, dst: &str, l4: L4) -> P {
+        let (s, d) = (sa(src), sa(dst));
+        let mut l4 = l4;
+        match &mut l4 {
+            L4::Tcp { sport, dport, .. } | L4::Udp { sport, dport, .. } => {
+                *sport = s.port();
+                *dport = d.port();
+            }
+            _ => {}
+        }
+        P {
+            dmac: EXT_MAC,
+            smac: GW_MAC,
+            src: s.ip(),
+            dst: d.ip(),
+            ttl: 64,
+            id: 0x1234,
+            df: true,
+            frag: None,
+            cut: None,
+            options: vec![],
+            ext: vec![],
+            l4,
+        }
+    }
+
+    fn v6(&self) -> bool {
+        self.src.is_ipv6()
+    }
+
+    fn macs(mut self, dmac: [u8; 6], smac: [u8; 6]) -> P {
+        self.dmac = dmac;
+        self.smac = smac;
+        self
+    }
+
+    fn ttl(mut self, ttl: u8) -> P {
+        self.ttl = ttl;
+        self
+    }
+
+    /// IPv4 identification and DF, as an answer the programs build has them (0, no DF).
+    fn fresh_ip(mut self) -> P {
+        self.id = 0;
+        self.df = false;
+        self
+    }
+
+    fn options(mut self, o: &[u8]) -> P {
+        self.options = o.to_vec();
+        self
+    }
+
+    fn ext(mut self, e: Vec<Ext>) -> P {
+        self.ext = e;
+        self
+    }
+
+    fn frag(mut self, offset: u16, more: bool) -> P {
+        self.frag = Some((offset, more));
+        self
+    }
+
+    fn cut(mut self, n: usize) -> P {
+        self.cut = Some(n);
+        self
+    }
+
+    fn no_csum(mut self) -> P {
+        if let L4::Udp { no_csum, .. } = &mut self.l4 {
+            *no_csum = true;
+        }
+        self
+    }
+
+    fn payload(mut self, data: Vec<u8>) -> P {
+        match &mut self.l4 {
+            L4::Tcp { payload, .. } | L4::Udp { payload, .. } => *payload = data,
+            _ => panic!("no payload"),
+        }
+        self
+    }
+
+    /// TCP sequence and acknowledgment numbers, flags and window.
+    fn seg(mut self, s: u32, a: u32, f: u8, w: u16) -> P {
+        if let L4::Tcp {
+            seq,
+            ack,
+            flags,
+            win,
+            ..
+        } = &mut self.l4
+        {
+            (*seq, *ack, *flags, *win) = (s, a, f, w);
+        }
+        self
+    }
+
+    fn proto(&self) -> u8 {
+        match &self.l4 {
+            L4::Tcp { .. } => 6,
+            L4::Udp { .. } => 17,
+            L4::Icmp { .. } => {
+                if self.v6() {
+                    58
+                } else {
+                    1
+                }
+            }
+            L4::Raw { proto, .. } => *proto,
+        }
+    }
+
+    fn l4_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        match &self.l4 {
+            L4::Tcp {
+                sport,
+                dport,
+                seq,
+                ack,
+                flags,
+                win,
+                payload,
+            } => {
+                b.extend_from_slice(&sport.to_be_bytes());
+                b.extend_from_slice(&dport.to_be_bytes());
+                b.extend_from_slice(&seq.to_be_bytes());
+                b.extend_from_slice(&ack.to_be_bytes());
+                b.extend_from_slice(&[5 << 4, *flags]);
+                b.extend_from_slice(&win.to_be_bytes());
+                b.extend_from_slice(&[0, 0, 0, 0]);
+                b.extend_from_slice(payload);
+                let c = finish(sum16(&b, pseudo(self.src, self.dst, 6, b.len())));
+                b[16..18].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Udp {
+                sport,
+                dport,
+                payload,
+                no_csum,
+            } => {
+                b.extend_from_slice(&sport.to_be_bytes());
+                b.extend_from_slice(&dport.to_be_bytes());
+                b.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+                b.extend_from_slice(&[0, 0]);
+                b.extend_from_slice(payload);
+                if !no_csum {
+                    let mut c = finish(sum16(&b, pseudo(self.src, self.dst, 17, b.len())));
+                    if c == 0 {
+                        c = 0xffff;
+                    }
+                    b[6..8].copy_from_slice(&c.to_be_bytes());
+                }
+            }
+            L4::Icmp {
+                typ,
+                code,
+                rest,
+                body,
+            } => {
+                b.extend_from_slice(&[*typ, *code, 0, 0]);
+                b.extend_from_slice(rest);
+                b.extend_from_slice(body);
+                let seed = if self.v6() {
+                    pseudo(self.src, self.dst, 58, b.len())
+                } else {
+                    0
+                };
+                let c = finish(sum16(&b, seed));
+                b[2..4].copy_from_slice(&c.to_be_bytes());
+            }
+            L4::Raw { bytes, .. } => b.extend_from_slice(bytes),
+        }
+        if let Some(n) = self.cut {
+            b.truncate(n);
+        }
+        b
+    }
+
+    /// The IP packet (no Ethernet header).
+    fn ip_bytes(&self) -> Vec<u8> {
+        let l4 = self.l4_bytes();
+        match (self.src, self.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let ihl = 20 + self.options.len();
+                let mut h = vec![(4 << 4) | (ihl / 4) as u8, 0];
+                h.extend_from_slice(&((ihl + l4.len()) as u16).to_be_bytes());
+                h.extend_from_slice(&self.id.to_be_bytes());
+                let (off, more) = self.frag.unwrap_or((0, false));
+                let flags = off | if self.df { 0x4000 } else { 0 } | if more { 0x2000 } else { 0 };
+                h.extend_from_slice(&flags.to_be_bytes());
+                h.extend_from_slice(&[self.ttl, self.proto(), 0, 0]);
+                h.extend_from_slice(&s.octets());
+                h.extend_from_slice(&d.octets());
+                h.extend_from_slice(&self.options);
+                let c = finish(sum16(&h, 0));
+                h[10..12].copy_from_slice(&c.to_be_bytes());
+                h.extend_from_slice(&l4);
+                h
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let mut ext = Vec::new();
+                for (i, e) in self.ext.iter().enumerate() {
+                    let next = match self.ext.get(i + 1) {
+                        Some(Ext::Opts(t, _)) => *t,
+                        Some(Ext::Frag { .. }) => 44,
+                        None => self.proto(),
+                    };
+                    match e {
+                        Ext::Opts(_, len) => {
+                            let mut b = vec![next, (len / 8 - 1) as u8, 1, (len - 4) as u8];
+                            b.resize(*len, 0);
+                            ext.extend_from_slice(&b);
+                        }
+                        Ext::Frag { offset, more } => {
+                            ext.extend_from_slice(&[next, 0]);
+                            ext.extend_from_slice(&((offset << 3) | *more as u16).to_be_bytes());
+                            ext.extend_from_slice(&0x0bad_cafeu32.to_be_bytes());
+                        }
+                    }
+                }
+                let first = match self.ext.first() {
+                    Some(Ext::Opts(t, _)) => *t,
+                    Some(Ext::Frag { .. }) => 44,
+                    None => self.proto(),
+                };
+                let mut h = vec![0x60, 0, 0, 0];
+                h.extend_from_slice(&((ext.len() + l4.len()) as u16).to_be_bytes());
+                h.extend_from_slice(&[first, self.ttl]);
+                h.extend_from_slice(&s.octets());
+                h.extend_from_slice(&d.octets());
+                h.extend_from_slice(&ext);
+                h.extend_from_slice(&l4);
+                h
+            }
+            _ => panic!("mixed families"),
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&self.dmac);
+        b.extend_from_slice(&self.smac);
+        b.extend_from_slice(if self.v6() {
+            &[0x86, 0xdd]
+        } else {
+            &[0x08, 0x00]
+        });
+        b.extend_from_slice(&self.ip_bytes());
+        b
+    }
+}
+
+fn tcp(src: &str, dst: &str, flags: u8) -> P {
+    P::new(
+        src,
+        dst,
+        L4::Tcp {
+            sport: 0,
+            dport: 0,
+            seq: 1000,
+            ack: if flags & TCP_ACK != 0 { 5000 } else { 0 },
+            flags,
+            win: 64240,
+            payload: if flags & TCP_SYN != 0 {
+                vec![]
+            } else {
+                b"GET / HTTP/1.1\r\n".to_vec()
+            },
+        },
+    )
+}
+
+fn udp(src: &str, dst: &str) -> P {
+    P::new(
+        src,
+        dst,
+        L4::Udp {
+            sport: 0,
+            dport: 0,
+            payload: b"a datagram".to_vec(),
+            no_csum: false,
+        },
+    )
+}
+
+/// An ICMP (or ICMPv6) error from `src` to `dst` quoting `quoted` (its first `n` bytes).
+fn icmp_error(src: &str, dst: &str, typ: u8, code: u8, rest: [u8; 4], quoted: &P, n: usize) -> P {
+    let mut body = quoted.ip_bytes();
+    body.truncate(n);
+    // Port 0: ICMP has none; IPv6 addresses need brackets to be read as socket addresses.
+    let at = |a: &str| {
+        if a.contains(':') {
+            format!("[{a}]:0")
+        } else {
+            format!("{a}:0")
+        }
+    };
+    P::new(
+        &at(src),
+        &at(dst),
+        L4::Icmp {
+            typ,
+            code,
+            rest,
+            body,
+        },
+    )
+}
+
+/// Verifies every checksum of a packet on its own: IPv4 header, TCP/UDP/ICMP(v6) (unless a
+/// fragment), and inside an ICMP error the quoted IPv4 header.
+fn verify_checksums(b: &[u8]) -> Result<(), String> {
+    if b.len() < 14 {
+        return Ok(());
+    }
+    let ethertype = u16::from_be_bytes([b[12], b[13]]);
+    let ip = &b[14..];
+    let (src, dst, proto, l4, fragment): (IpAddr, IpAddr, u8, &[u8], bool) = match ethertype {
+        0x0800 => {
+            let ihl = (ip[0] & 0xf) as usize * 4;
+            if finish(sum16(&ip[..ihl], 0)) != 0 {
+                return Err("IPv4 header checksum".into());
+            }
+            let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+            let frag = u16::from_be_bytes([ip[6], ip[7]]);
+            let s: [u8; 4] = ip[12..16].try_into().unwrap();
+            let d: [u8; 4] = ip[16..20].try_into().unwrap();
+            (
+                IpAddr::from(s),
+                IpAddr::from(d),
+                ip[9],
+                &ip[ihl..tot],
+                frag & 0x3fff != 0,
+            )
+        }
+        0x86dd => {
+            let plen = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+            let s: [u8; 16] = ip[8..24].try_into().unwrap();
+            let d: [u8; 16] = ip[24..40].try_into().unwrap();
+            let mut next = ip[6];
+            let mut off = 40;
+            let mut fragment = false;
+            while matches!(next, 0 | 43 | 44 | 60) {
+                if next == 44 {
+                    fragment = true;
+                    next = ip[off];
+                    off += 8;
+                } else {
+                    let len = (ip[off + 1] as usize + 1) * 8;
+                    next = ip[off];
+                    off += len;
+                }
+            }
+            (
+                IpAddr::from(s),
+                IpAddr::from(d),
+                next,
+                &ip[off..40 + plen],
+                fragment,
+            )
+        }
+        _ => return Ok(()),
+    };
+    if fragment {
+        return Ok(());
+    }
+    match proto {
+        6 | 17 => {
+            if proto == 17 && src.is_ipv4() && l4[6..8] == [0, 0] {
+                return Ok(());
+            }
+            if finish(sum16(l4, pseudo(src, dst, proto, l4.len()))) != 0 {
+                return Err(format!("L4 checksum (proto {proto})"));
+            }
+        }
+        1 => {
+            if finish(sum16(l4, 0)) != 0 {
+                return Err("ICMP checksum".into());
+            }
+            if matches!(l4[0], 3 | 11) && l4.len() >= 28 {
+                let inner = &l4[8..];
+                let ihl = (inner[0] & 0xf) as usize * 4;
+                if inner.len() >= ihl && finish(sum16(&inner[..ihl], 0)) != 0 {
+                    return Err("quoted IPv4 header checksum".into());
+                }
+            }
+        }
+        58 if finish(sum16(l4, pseudo(src, dst, 58, l4.len()))) != 0 => {
+            return Err("ICMPv6 checksum".into());
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The network the programs see (in the test thread's own namespace).
+
+/// ext0: the node's uplink. The node is 192.0.2.10 / 2001:db8::10; the gateway to clients
+/// (203.0.113.0/24, 2001:db8:c::/64 and the rest) is 192.0.2.1 / 2001:db8::1; node 2
+/// (192.0.2.20 / 2001:db8::20) routes the remote pods 10.244.2.0/24 / fd00:244:2::/64.
+const EXT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x0a];
+const GW_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x01];
+const NODE2_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x14];
+/// ext1: a small-MTU link (1280) to 10.244.3.0/24 / fd00:244:3::/64 via 192.0.2.30-like
+/// neighbours 198.18.0.1 / 2001:db8:1::1.
+const EXT1_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x0b];
+const SMALL_GW_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0x21];
+/// pod0: the host side of a local pod's veth (the pod: 10.244.1.5 / fd00:244:1::5).
+const POD_HOST_MAC: [u8; 6] = [2, 0, 0, 0, 1, 0];
+const POD_MAC: [u8; 6] = [2, 0, 0, 0, 1, 5];
+
+const NETWORK: &str = "
+set -e
+ip link set lo up
+ip link add ext0 address 02:00:00:00:00:0a type veth peer name ext0p address 02:00:00:00:00:fe
+ip link add ext1 address 02:00:00:00:00:0b mtu 1280 type veth peer name ext1p mtu 1280
+ip link add pod0 address 02:00:00:00:01:00 type veth peer name pod0p address 02:00:00:00:01:05
+for d in ext0 ext0p ext1 ext1p pod0 pod0p; do ip link set $d up; done
+ip addr add 192.0.2.10/24 dev ext0
+ip -6 addr add 2001:db8::10/64 dev ext0 nodad
+ip addr add 198.18.0.10/24 dev ext1
+ip -6 addr add 2001:db8:1::10/64 dev ext1 nodad
+ip neigh add 192.0.2.1 lladdr 02:00:00:00:00:01 dev ext0 nud permanent
+ip neigh add 192.0.2.20 lladdr 02:00:00:00:00:14 dev ext0 nud permanent
+ip -6 neigh add 2001:db8::1 lladdr 02:00:00:00:00:01 dev ext0 nud permanent
+ip -6 neigh add 2001:db8::20 lladdr 02:00:00:00:00:14 dev ext0 nud permanent
+ip neigh add 198.18.0.1 lladdr 02:00:00:00:00:21 dev ext1 nud permanent
+ip -6 neigh add 2001:db8:1::1 lladdr 02:00:00:00:00:21 dev ext1 nud permanent
+ip route add default via 192.0.2.1
+ip -6 route add default via 2001:db8::1
+ip route add 10.244.2.0/24 via 192.0.2.20
+ip -6 route add fd00:244:2::/64 via 2001:db8::20
+ip route add 10.244.3.0/24 via 198.18.0.1
+ip -6 route add fd00:244:3::/64 via 2001:db8:1::1
+ip route add 10.244.1.0/24 dev pod0
+ip -6 route add fd00:244:1::/64 dev pod0
+echo 1 > /proc/sys/net/ipv4/ip_forward
+echo 1 > /proc/sys/net/ipv6/conf/all/forwarding
+";
+
+fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "BPF_PROG_TEST_RUN and network namespaces need root: run as root"
+    );
+}
+
+/// Moves this thread into a new network namespace holding `NETWORK`.
+fn private_network() {
+    // SAFETY: affects the calling thread only; the test's own thread.
+    let r = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+    assert_eq!(
+        r,
+        0,
+        "unshare(CLONE_NEWNET): {}",
+        std::io::Error::last_os_error()
+    );
+    // Children inherit the namespace of the thread that spawns them.
+    let out = Command::new("sh")
+        .args(["-c", NETWORK])
+        .output()
+        .expect("sh");
+    assert!(
+        out.status.success(),
+        "setting up the test network: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn ifindex(name: &str) -> u32 {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a NUL-terminated name.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    assert_ne!(i, 0, "{name}");
+    i
+}
+
+fn object() -> Vec<u8> {
+    let path = std::env::var_os("SVC_EBPF_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/bpfel-unknown-none/release/svc")
+        });
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "the eBPF object {} is missing ({e}): run `cargo xtask build-ebpf`",
+            path.display()
+        )
+    })
+}
+
+fn addr16(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(v4) => svc_common::v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+fn ip16(s: &str) -> [u8; 16] {
+    addr16(s.parse().unwrap_or_else(|e| panic!("{s}: {e}")))
+}
+
+// ---------------------------------------------------------------------------------------
+// The programs under test, and their maps.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Prog {
+    ExtIngress,
+    ExtEgress,
+    PodIngress,
+    PodEgress,
+}
+
+impl Prog {
+    fn name(self) -> &'static str {
+        match self {
+            Prog::ExtIngress => "tc_ext_ingress",
+            Prog::ExtEgress => "tc_ext_egress",
+            Prog::PodIngress => "tc_pod_ingress",
+            Prog::PodEgress => "tc_pod_egress",
+        }
+    }
+}
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+struct Dp {
+    ebpf: Ebpf,
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, SlotKey, BackendId>,
+    backends: HashMap<MapData, BackendId, Backend>,
+    matches: HashMap<MapData, AffinityMatchKey, u32>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
+    src_ranges: LpmTrie<MapData, [u8; 20], u32>,
+    ct: HashMap<MapData, CtKey, CtValue>,
+    config: Array<MapData, DatapathConfig>,
+    dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
+    stats: PerCpuArray<MapData, u64>,
+    ext0: u32,
+    ext1: u32,
+    pod0: u32,
+}
+
+/// A frontend as a test programs it.
+struct Fe<'a> {
+    /// "addr:port"; a NodePort as "0.0.0.0:port" or "[::]:port" (its wildcard key).
+    at: &'a str,
+    proto: u8,
+    scope: u8,
+    id: u32,
+    backends: &'a [BackendId],
+    flags: u16,
+    affinity_s: u32,
+}
+
+impl Dp {
+    fn new() -> Dp {
+        require_root();
+        private_network();
+        let mut loader = EbpfLoader::new();
+        // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
+        for name in map_names::ALL {
+            if ![
+                map_names::STATS,
+                map_names::META,
+                map_names::SOCK_STATE,
+                map_names::CONFIG,
+            ]
+            .contains(&name)
+            {
+                loader.map_max_entries(name, 1024);
+            }
+        }
+        let mut ebpf = loader.load(&object()).expect("loading the object");
+        for prog in [
+            Prog::ExtIngress,
+            Prog::ExtEgress,
+            Prog::PodIngress,
+            Prog::PodEgress,
+        ] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog.name())
+                .unwrap_or_else(|| panic!("{} in the object", prog.name()))
+                .try_into()
+                .expect("a classifier");
+            p.load()
+                .unwrap_or_else(|e| panic!("the verifier refuses {}: {e}", prog.name()));
+        }
+        let mut take = |name: &str| ebpf.take_map(name).unwrap_or_else(|| panic!("map {name}"));
+        let services = take(map_names::SERVICES).try_into().unwrap();
+        let slots = take(map_names::SLOTS).try_into().unwrap();
+        let backends = take(map_names::BACKENDS).try_into().unwrap();
+        let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
+        let affinity = take(map_names::AFFINITY).try_into().unwrap();
+        let node_addrs = take(map_names::NODE_ADDRS).try_into().unwrap();
+        let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
+        let ct = take(map_names::CT).try_into().unwrap();
+        let config = take(map_names::CONFIG).try_into().unwrap();
+        let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
+        let stats = take(map_names::STATS).try_into().unwrap();
+        let mut dp = Dp {
+            ebpf,
+            services,
+            slots,
+            backends,
+            matches,
+            affinity,
+            node_addrs,
+            src_ranges,
+            ct,
+            config,
+            dev_stats,
+            stats,
+            ext0: ifindex("ext0"),
+            ext1: ifindex("ext1"),
+            pod0: ifindex("pod0"),
+        };
+        let both = node_addr_flags::NODEPORT | node_addr_flags::SNAT;
+        let ext0 = dp.ext0;
+        let ext1 = dp.ext1;
+        dp.node_addr("192.0.2.10", both, ext0);
+        dp.node_addr("2001:db8::10", both, ext0);
+        dp.node_addr("198.18.0.10", both, ext1);
+        dp.node_addr("2001:db8:1::10", both, ext1);
+        // One SNAT port: the port a new SNATed flow gets is known.
+        dp.set_config(DatapathConfig {
+            snat_port_min: 61000,
+            snat_port_max: 61000,
+            ..Default::default()
+        });
+        dp
+    }
+
+    fn set_config(&mut self, c: DatapathConfig) {
+        self.config.set(0, c, 0).unwrap();
+    }
+
+    fn node_addr(&mut self, a: &str, flags: u32, ifindex: u32) {
+        self.node_addrs
+            .insert(ip16(a), NodeAddrValue { flags, ifindex }, 0)
+            .unwrap();
+    }
+
+    fn backend(&mut self, id: BackendId, at: &str, proto: u8, flags: u8) {
+        let s = sa(at);
+        let b = Backend {
+            addr: addr16(s.ip()),
+            port_be: s.port().to_be(),
+            proto,
+            flags,
+        };
+        self.backends.insert(id, b, 0).unwrap();
+    }
+
+    /// A frontend's generation `rev` with its slots and match entries; for a cluster-scope
+    /// frontend that is no NodePort, its ClusterIP marker too.
+    fn frontend_rev(&mut self, f: &Fe<'_>, rev: u16) {
+        let s = sa(f.at);
+        let key = ServiceKey {
+            addr: addr16(s.ip()),
+            port_be: s.port().to_be(),
+            proto: f.proto,
+            scope: f.scope,
+        };
+        for (i, b) in f.backends.iter().enumerate() {
+            let sk = SlotKey {
+                id: f.id,
+                rev,
+                slot: i as u16 + 1,
+            };
+            self.slots.insert(sk, b, 0).unwrap();
+            self.matches
+                .insert(
+                    AffinityMatchKey {
+                        id: f.id,
+                        backend: *b,
+                    },
+                    0,
+                    0,
+                )
+                .unwrap();
+        }
+        let mut flags = f.flags;
+        if f.affinity_s != 0 {
+            flags |= svc_flags::AFFINITY;
+        }
+        let v = ServiceValue {
+            id: f.id,
+            count: f.backends.len() as u16,
+            rev,
+            flags,
+            _pad0: 0,
+            affinity_timeout_s: f.affinity_s,
+        };
+        self.services.insert(key, v, 0).unwrap();
+        if f.scope == scope::CLUSTER && flags & svc_flags::NODEPORT == 0 {
+            let marker = ServiceKey {
+                port_be: 0,
+                proto: PROTO_ANY,
+                ..key
+            };
+            let mv = ServiceValue {
+                flags: svc_flags::ADDR_MARKER,
+                ..Default::default()
+            };
+            self.services.insert(marker, mv, 0).unwrap();
+        }
+    }
+
+    fn frontend(&mut self, f: Fe<'_>) {
+        self.frontend_rev(&f, 1);
+    }
+
+    fn src_range(&mut self, id: u32, cidr: &str) {
+        let (a, len) = cidr.split_once('/').unwrap();
+        let ip: IpAddr = a.parse().unwrap();
+        let bits: u32 = len.parse().unwrap();
+        let bits = if ip.is_ipv4() { 96 + bits } else { bits };
+        let mut data = [0u8; 20];
+        data[..4].copy_from_slice(&id.to_be_bytes());
+        data[4..].copy_from_slice(&addr16(ip));
+        self.src_ranges
+            .insert(&Key::new(32 + bits, data), 0, 0)
+            .unwrap();
+    }
+
+    fn dev_stat(&self, ifindex: u32, reason: u32) -> u64 {
+        self.dev_stats
+            .get(&DevStatKey { ifindex, reason }, 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+
+    fn dev_stats_of(&self, ifindex: u32) -> BTreeMap<u32, u64> {
+        (0..pkt_stat::COUNT)
+            .map(|r| (r, self.dev_stat(ifindex, r)))
+            .filter(|(_, n)| *n != 0)
+            .collect()
+    }
+
+    fn stat(&self, index: u32) -> u64 {
+        self.stats.get(&index, 0).unwrap().iter().sum()
+    }
+
+    fn ifindex_of(&self, prog: Prog) -> u32 {
+        match prog {
+            Prog::ExtIngress | Prog::ExtEgress => self.ext0,
+            Prog::PodIngress | Prog::PodEgress => self.pod0,
+        }
+    }
+
+    /// Runs `input` through `prog` on device `ifindex` (`repeat` times); the verdict, the
+    /// packet as it left, and the mean time of one run (ns).
+    fn run_on(&self, prog: Prog, ifindex: u32, input: &[u8], repeat: u32) -> (u32, Vec<u8>, u64) {
+        let p: &SchedClassifier = self.ebpf.program(prog.name()).unwrap().try_into().unwrap();
+        let mut out = vec![0u8; input.len() + 512];
+        // struct __sk_buff: ingress_ifindex at 36, ifindex at 40 (the device BPF_PROG_TEST_RUN
+        // gives the packet, in this thread's network namespace).
+        let mut ctx = [0u8; 192];
+        ctx[36..40].copy_from_slice(&ifindex.to_ne_bytes());
+        ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+        let r = p
+            .test_run(TestRunOptions {
+                data_in: Some(input),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat,
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {}: {e}", prog.name()));
+        out.truncate(r.data_size_out as usize);
+        (
+            r.return_value,
+            out,
+            // The kernel reports the mean time of one run already.
+            r.duration.as_nanos() as u64,
+        )
+    }
+
+    fn ct_entry(&self, key: &CtKey) -> Option<CtValue> {
+        self.ct.get(key, 0).ok()
+    }
+}
+
+/// The key of a flow's entry, from "addr:port" strings.
+fn ct_key(src: &str, dst: &str, proto: u8, dir: u8) -> CtKey {
+    let (s, d) = (sa(src), sa(dst));
+    CtKey {
+        saddr: addr16(s.ip()),
+        daddr: addr16(d.ip()),
+        sport_be: s.port().to_be(),
+        dport_be: d.port().to_be(),
+        proto,
+        dir,
+        _pad0: [0; 2],
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fixture rows.
+
+/// What must come out.
+enum Out {
+    /// The packet exactly as it went in.
+    Untouched,
+    /// This packet, byte for byte.
+    Packet(P),
+    /// Nothing (the verdict drops it); the output is not looked at.
+    Dropped,
+}
+
+struct Row {
+    what: &'static str,
+    prog: Prog,
+    /// The device: `None` for the program's usual one (ext0 or pod0).
+    dev: Option<u32>,
+    input: Vec<u8>,
+    /// The input is well-formed: its checksums are verified first.
+    well_formed: bool,
+    verdict: u32,
+    out: Out,
+    /// The per-device counter this row moves by one (`None`: it moves none).
+    counted: Option<u32>,
+}
+
+fn row(
+    what: &'static str,
+    prog: Prog,
+    input: P,
+    verdict: u32,
+    out: Out,
+    counted: Option<u32>,
+) -> Row {
+    Row {
+        what,
+        prog,
+        dev: None,
+        input: input.bytes(),
+        well_formed: true,
+        verdict,
+        out,
+        counted,
+    }
+}
+
+/// A row whose input is raw bytes (malformed on purpose, or not IP).
+fn raw_row(what: &'static str, prog: Prog, input: Vec<u8>, counted: Option<u32>) -> Row {
+    Row {
+        what,
+        prog,
+        dev: None,
+        input,
+        well_formed: false,
+        verdict: TC_ACT_OK,
+        out: Out::Untouched,
+        counted,
+    }
+}
+
+/// Runs the rows in order against `dp`, checking each.
+fn run_rows(dp: &Dp, rows: Vec<Row>) {
+    for r in rows {
+        let dev = r.dev.unwrap_or_else(|| dp.ifindex_of(r.prog));
+        let input = &r.input;
+        if r.well_formed {
+            verify_checksums(input)
+                .unwrap_or_else(|e| panic!("{}: the input's {e} is wrong", r.what));
+        }
+        let before = dp.dev_stats_of(dev);
+        let (verdict, out, _) = dp.run_on(r.prog, dev, input, 1);
+        let after = dp.dev_stats_of(dev);
+        let mut moved: BTreeMap<u32, u64> = BTreeMap::new();
+        for (reason, n) in &after {
+            let d = n - before.get(reason).copied().unwrap_or(0);
+            if d != 0 {
+                moved.insert(*reason, d);
+            }
+        }
+        assert_eq!(
+            verdict,
+            r.verdict,
+            "{}: verdict (0 ok, 2 shot, 7 redirect)\nout: {out:02x?}\ncounters moved: {moved:?} \
+             (reasons: {:?})",
+            r.what,
+            pkt_stat::NAMES
+        );
+        match &r.out {
+            Out::Untouched => assert_eq!(&out, input, "{}: must pass untouched", r.what),
+            Out::Packet(want) => {
+                let want = want.bytes();
+                if out != want {
+                    panic!(
+                        "{}: output differs\n got: {}\nwant: {}\n{}",
+                        r.what,
+                        hex(&out),
+                        hex(&want),
+                        diff(&out, &want)
+                    );
+                }
+                verify_checksums(&out).unwrap_or_else(|e| panic!("{}: {e} is wrong", r.what));
+            }
+            Out::Dropped => {}
+        }
+        let want: BTreeMap<u32, u64> = r.counted.into_iter().map(|c| (c, 1)).collect();
+        assert_eq!(
+            moved,
+            want,
+            "{}: per-device counters moved (reasons: {:?})",
+            r.what,
+            pkt_stat::NAMES
+        );
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn diff(got: &[u8], want: &[u8]) -> String {
+    let mut s = String::new();
+    for i in 0..got.len().max(want.len()) {
+        let (g, w) = (got.get(i), want.get(i));
+        if g != w {
+            s += &format!("  byte {i}: got {g:02x?} want {w:02x?}\n");
+        }
+    }
+    s
+}
+
+// ---------------------------------------------------------------------------------------
+// The services every test sees.
+
+const EXT: u8 = scope::EXTERNAL;
+const NP: u16 = svc_flags::NODEPORT;
+const LOCAL: u8 = backend_flags::LOCAL;
+
+/// Backends (L: on this node):
+/// - 11 10.244.1.5:8080 L, 12 10.244.2.7:8080, 13 10.244.2.7:5353/UDP, 14 10.244.1.5:5353/UDP L
+/// - 15 [fd00:244:1::5]:8080 L, 16 [fd00:244:2::7]:8080, 17 [fd00:244:2::7]:5353/UDP,
+///   42 [fd00:244:1::5]:5353/UDP L
+/// - 18 10.244.2.8:8080, 19 10.244.2.9:8080 (not marked local)
+/// - 40 10.244.3.9:8080 and 41 [fd00:244:3::9]:8080, behind the 1280-byte link ext1
+///
+/// Frontends (external scope unless said; NodePorts on every node address):
+/// - NodePort 30080/TCP (1) -> 11; 30081/TCP (2) -> 12; 30053/UDP (3) -> 13; 30054/UDP (4) -> 14
+/// - IPv6 NodePort 30080/TCP (5) -> 15; 30081/TCP (6) -> 16; 30053/UDP (7) -> 17;
+///   30054/UDP (29) -> 42
+/// - ExternalIP 198.51.100.10:80 (8) -> 18
+/// - LoadBalancer 198.51.100.20:80 (9) -> 11, loadBalancerSourceRanges 203.0.113.0/24; its
+///   NodePort 30082 (10) -> 11
+/// - eTP Local: NodePort 30090 (20) -> 19; NodePort 30091 (21): no local endpoint
+/// - no endpoints: NodePort 30099 TCP (22), UDP (23), IPv6 TCP (24), UDP (25)
+/// - sessionAffinity: NodePort 30070 (26) -> 12, 18
+/// - behind ext1: NodePort 30083 (27) -> 40, IPv6 (28) -> 41
+/// - cluster scope: ClusterIP 10.96.0.10:80 (30) -> 12; ClusterIP 10.96.0.11:80 (31) -> 11
+///   (the pod 10.244.1.5 reaching itself); NodePort 30080 seen from the node (32) -> 11
+fn world() -> Dp {
+    let mut dp = Dp::new();
+    let t = IPPROTO_TCP;
+    let u = IPPROTO_UDP;
+    for (id, at, proto, flags) in [
+        (11, "10.244.1.5:8080", t, LOCAL),
+        (12, "10.244.2.7:8080", t, 0),
+        (13, "10.244.2.7:5353", u, 0),
+        (14, "10.244.1.5:5353", u, LOCAL),
+        (15, "[fd00:244:1::5]:8080", t, LOCAL),
+        (16, "[fd00:244:2::7]:8080", t, 0),
+        (17, "[fd00:244:2::7]:5353", u, 0),
+        (42, "[fd00:244:1::5]:5353", u, LOCAL),
+        (18, "10.244.2.8:8080", t, 0),
+        (19, "10.244.2.9:8080", t, 0),
+        (40, "10.244.3.9:8080", t, 0),
+        (41, "[fd00:244:3::9]:8080", t, 0),
+    ] {
+        dp.backend(id, at, proto, flags);
+    }
+    let lb = svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES;
+    let etp = NP | svc_flags::EXTERNAL_LOCAL;
+    // (frontend, protocol, scope, id, backends, flags, affinity timeout)
+    type FeRow<'a> = (&'a str, u8, u8, u32, &'a [BackendId], u16, u32);
+    let fes: [FeRow<'_>; 29] = [
+        ("0.0.0.0:30080", t, EXT, 1, &[11], NP, 0),
+        ("0.0.0.0:30081", t, EXT, 2, &[12], NP, 0),
+        ("0.0.0.0:30053", u, EXT, 3, &[13], NP, 0),
+        ("0.0.0.0:30054", u, EXT, 4, &[14], NP, 0),
+        ("[::]:30080", t, EXT, 5, &[15], NP, 0),
+        ("[::]:30081", t, EXT, 6, &[16], NP, 0),
+        ("[::]:30053", u, EXT, 7, &[17], NP, 0),
+        ("[::]:30054", u, EXT, 29, &[42], NP, 0),
+        (
+            "198.51.100.10:80",
+            t,
+            EXT,
+            8,
+            &[18],
+            svc_flags::EXTERNAL_IP,
+            0,
+        ),
+        ("198.51.100.20:80", t, EXT, 9, &[11], lb, 0),
+        ("0.0.0.0:30082", t, EXT, 10, &[11], NP, 0),
+        ("0.0.0.0:30090", t, EXT, 20, &[19], etp, 0),
+        ("0.0.0.0:30091", t, EXT, 21, &[], etp, 0),
+        ("0.0.0.0:30099", t, EXT, 22, &[], NP, 0),
+        ("0.0.0.0:30099", u, EXT, 23, &[], NP, 0),
+        ("[::]:30099", t, EXT, 24, &[], NP, 0),
+        ("[::]:30099", u, EXT, 25, &[], NP, 0),
+        ("0.0.0.0:30070", t, EXT, 26, &[12, 18], NP, 10800),
+        ("0.0.0.0:30083", t, EXT, 27, &[40], NP, 0),
+        ("[::]:30083", t, EXT, 28, &[41], NP, 0),
+        ("10.96.0.10:80", t, scope::CLUSTER, 30, &[12], 0, 0),
+        ("10.96.0.11:80", t, scope::CLUSTER, 31, &[11], 0, 0),
+        ("0.0.0.0:30080", t, scope::CLUSTER, 32, &[11], NP, 0),
+        // Not used by the rows below, but present as on a node: they must not disturb.
+        ("10.96.0.12:53", u, scope::CLUSTER, 33, &[13], 0, 0),
+        ("[fd00:96::10]:80", t, scope::CLUSTER, 34, &[16], 0, 0),
+        (
+            "198.51.100.10:80",
+            t,
+            scope::CLUSTER,
+            35,
+            &[18],
+            svc_flags::EXTERNAL_IP,
+            0,
+        ),
+        (
+            "198.51.100.20:80",
+            t,
+            scope::CLUSTER,
+            36,
+            &[11],
+            svc_flags::LOAD_BALANCER,
+            0,
+        ),
+        ("0.0.0.0:30081", t, scope::CLUSTER, 37, &[12], NP, 0),
+        ("[::]:30080", t, scope::CLUSTER, 38, &[15], NP, 0),
+    ];
+    for (at, proto, sc, id, backends, flags, affinity_s) in fes {
+        dp.frontend(Fe {
+            at,
+            proto,
+            scope: sc,
+            id,
+            backends,
+            flags,
+            affinity_s,
+        });
+    }
+    dp.src_range(9, "203.0.113.0/24");
+    dp
+}
+
+/// bpf_ktime_get_ns()'s clock.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+use Out::{Dropped, Packet, Untouched};
+use Prog::{ExtEgress, ExtIngress, PodEgress, PodIngress};
+
+const OK: u32 = TC_ACT_OK;
+const SHOT: u32 = TC_ACT_SHOT;
+const REDIRECT: u32 = TC_ACT_REDIRECT;
+
+const C: &str = "203.0.113.7";
+
+/// A client's packet as the gateway hands it to the node.
+fn from_client(p: P) -> P {
+    p.macs(EXT_MAC, GW_MAC)
+}
+
+// ---------------------------------------------------------------------------------------
+// The tables.
+
+/// NodePort over IPv4 TCP: a local backend gets DNAT only (the client's address kept), a
+/// remote one DNAT and SNAT to the node address, forwarded to node 2 by the route; every
+/// later packet either way comes from its connection-tracking entry; the only SNAT port,
+/// taken for that backend, makes the next flow to it fail, counted.
+#[test]
+fn nodeport_ipv4_tcp() {
+    let dp = world();
+    let c0 = "203.0.113.7:40000";
+    let c1 = "203.0.113.7:40001";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "local backend: DNAT only, the client's address kept",
+                ExtIngress,
+                tcp(c0, "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp(c0, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply leaves from the NodePort",
+                ExtEgress,
+                tcp("10.244.1.5:8080", c0, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC),
+                OK,
+                Packet(tcp("192.0.2.10:30080", c0, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC)),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client's next segment: from its entry",
+                ExtIngress,
+                tcp(c0, "192.0.2.10:30080", TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(c0, "10.244.1.5:8080", TCP_ACK | TCP_PSH)),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "remote backend: DNAT and SNAT to the node address, routed to node 2",
+                ExtIngress,
+                tcp(c1, "192.0.2.10:30081", TCP_SYN),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:61000", "10.244.2.7:8080", TCP_SYN)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "node 2's reply: from the NodePort to the client, routed to the gateway",
+                ExtIngress,
+                tcp("10.244.2.7:8080", "192.0.2.10:61000", TCP_SYN | TCP_ACK)
+                    .macs(EXT_MAC, NODE2_MAC)
+                    .ttl(63),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:30081", c1, TCP_SYN | TCP_ACK)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(62),
+                ),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client's next segment: from its entry, SNATed",
+                ExtIngress,
+                tcp(c1, "192.0.2.10:30081", TCP_ACK | TCP_PSH),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:61000", "10.244.2.7:8080", TCP_ACK | TCP_PSH)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "another client to the same backend: the only SNAT port is taken, dropped",
+                ExtIngress,
+                tcp("203.0.113.8:40001", "192.0.2.10:30081", TCP_SYN),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+            ),
+            row(
+                "the client closes: FIN, still translated",
+                ExtIngress,
+                tcp(c1, "192.0.2.10:30081", TCP_FIN | TCP_ACK),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:61000", "10.244.2.7:8080", TCP_FIN | TCP_ACK)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    // Both entries of each flow; the SNATed one records the client and the SNAT address,
+    // the reply and the FIN on both.
+    let fwd = dp
+        .ct_entry(&ct_key(
+            c1,
+            "192.0.2.10:30081",
+            IPPROTO_TCP,
+            ct_dir::FORWARD,
+        ))
+        .expect("FORWARD entry");
+    assert_eq!(fwd.nat_addr, ip16("10.244.2.7"));
+    assert_eq!(fwd.nat_port_be, 8080u16.to_be());
+    assert_eq!(fwd.snat_addr, ip16("192.0.2.10"));
+    assert_eq!(fwd.snat_port_be, 61000u16.to_be());
+    assert_eq!((fwd.id, fwd.ifindex), (2, dp.ext0));
+    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN;
+    assert_eq!(fwd.flags, closing);
+    let rep = dp
+        .ct_entry(&ct_key(
+            "10.244.2.7:8080",
+            "192.0.2.10:61000",
+            IPPROTO_TCP,
+            ct_dir::REPLY,
+        ))
+        .expect("REPLY entry");
+    assert_eq!(rep.nat_addr, ip16("192.0.2.10"));
+    assert_eq!(rep.nat_port_be, 30081u16.to_be());
+    assert_eq!(rep.snat_addr, ip16(C));
+    assert_eq!(rep.snat_port_be, 40001u16.to_be());
+    assert_eq!(rep.flags, closing);
+    let local_rep = dp
+        .ct_entry(&ct_key("10.244.1.5:8080", c0, IPPROTO_TCP, ct_dir::REPLY))
+        .expect("the local flow's REPLY entry");
+    assert_eq!(
+        local_rep.flags,
+        ct_flags::SEEN_REPLY,
+        "no SNAT for a local backend"
+    );
+    assert_eq!(
+        dp.stat(stat::TRANSLATED),
+        2,
+        "two new flows, shared counter"
+    );
+}
+
+/// Two flows from one client address and port to one local backend through two frontends
+/// (NodePorts 30080 and 30082 both select 10.244.1.5:8080): their reply tuples would be the
+/// same, so the second keeps the client's address but gets another source port from the SNAT
+/// range (conntrack's clash resolution), and each flow's replies come from its own frontend.
+#[test]
+fn reply_tuple_clash_remaps_the_client_port() {
+    let dp = world();
+    let c = "203.0.113.7:40030";
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the first flow: DNAT only",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the same client port to the other frontend: the client's port is remapped",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30082", TCP_SYN),
+                OK,
+                Packet(tcp("203.0.113.7:61000", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the first flow's reply still comes from its own frontend",
+                ExtEgress,
+                egress(tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp("192.0.2.10:30080", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's reply: from its frontend, to the client's own port",
+                ExtEgress,
+                egress(tcp(
+                    "10.244.1.5:8080",
+                    "203.0.113.7:61000",
+                    TCP_SYN | TCP_ACK,
+                )),
+                OK,
+                Packet(egress(tcp("192.0.2.10:30082", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's next segment: remapped from its entry, to the stack",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30082", TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(
+                    "203.0.113.7:61000",
+                    "10.244.1.5:8080",
+                    TCP_ACK | TCP_PSH,
+                )),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "the first flow's next segment: its own entry",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_ACK | TCP_PSH)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+}
+
+/// NodePort over IPv4 UDP, remote and local; a datagram without a checksum (0) keeps none.
+#[test]
+fn nodeport_ipv4_udp_and_zero_checksum() {
+    let dp = world();
+    let c = "203.0.113.7:40002";
+    let c3 = "203.0.113.7:40003";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "remote backend: DNAT and SNAT",
+                ExtIngress,
+                udp(c, "192.0.2.10:30053"),
+                REDIRECT,
+                Packet(
+                    udp("192.0.2.10:61000", "10.244.2.7:5353")
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply, restored",
+                ExtIngress,
+                udp("10.244.2.7:5353", "192.0.2.10:61000").macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(udp("192.0.2.10:30053", c).macs(GW_MAC, EXT_MAC).ttl(63)),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "local backend, no UDP checksum: it stays 0",
+                ExtIngress,
+                udp(c3, "192.0.2.10:30054").no_csum(),
+                OK,
+                Packet(udp(c3, "10.244.1.5:5353").no_csum()),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply, no checksum either",
+                ExtEgress,
+                udp("10.244.1.5:5353", c3).macs(GW_MAC, EXT_MAC).no_csum(),
+                OK,
+                Packet(udp("192.0.2.10:30054", c3).macs(GW_MAC, EXT_MAC).no_csum()),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "with a checksum it is updated",
+                ExtIngress,
+                udp("203.0.113.7:40004", "192.0.2.10:30054"),
+                OK,
+                Packet(udp("203.0.113.7:40004", "10.244.1.5:5353")),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+    let rep = dp
+        .ct_entry(&ct_key(
+            "10.244.2.7:5353",
+            "192.0.2.10:61000",
+            IPPROTO_UDP,
+            ct_dir::REPLY,
+        ))
+        .unwrap();
+    assert_eq!(rep.flags, ct_flags::SNAT | ct_flags::SEEN_REPLY);
+}
+
+/// The same over IPv6.
+#[test]
+fn nodeport_ipv6() {
+    let dp = world();
+    let c0 = "[2001:db8:c::7]:40000";
+    let c1 = "[2001:db8:c::7]:40001";
+    let c2 = "[2001:db8:c::7]:40002";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "TCP, local backend: DNAT only",
+                ExtIngress,
+                tcp(c0, "[2001:db8::10]:30080", TCP_SYN),
+                OK,
+                Packet(tcp(c0, "[fd00:244:1::5]:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply",
+                ExtEgress,
+                tcp("[fd00:244:1::5]:8080", c0, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC),
+                OK,
+                Packet(tcp("[2001:db8::10]:30080", c0, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC)),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "TCP, remote backend: DNAT and SNAT, routed",
+                ExtIngress,
+                tcp(c1, "[2001:db8::10]:30081", TCP_SYN),
+                REDIRECT,
+                Packet(
+                    tcp("[2001:db8::10]:61000", "[fd00:244:2::7]:8080", TCP_SYN)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply, restored",
+                ExtIngress,
+                tcp(
+                    "[fd00:244:2::7]:8080",
+                    "[2001:db8::10]:61000",
+                    TCP_SYN | TCP_ACK,
+                )
+                .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    tcp("[2001:db8::10]:30081", c1, TCP_SYN | TCP_ACK)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "UDP, remote backend",
+                ExtIngress,
+                udp(c2, "[2001:db8::10]:30053"),
+                REDIRECT,
+                Packet(
+                    udp("[2001:db8::10]:61000", "[fd00:244:2::7]:5353")
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "UDP, local backend",
+                ExtIngress,
+                udp(c2, "[2001:db8::10]:30054"),
+                OK,
+                Packet(udp(c2, "[fd00:244:1::5]:5353")),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+}
+
+/// ExternalIPs and LoadBalancer IPs: found by their own key; loadBalancerSourceRanges
+/// restrict the LoadBalancer IP, not the Service's NodePort; a port the frontend does not
+/// define is not ours.
+#[test]
+fn external_ips_and_load_balancer_source_ranges() {
+    let dp = world();
+    let c = "203.0.113.7:40010";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "ExternalIP, remote backend: SNATed to the address the route prefers",
+                ExtIngress,
+                tcp(c, "198.51.100.10:80", TCP_SYN),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:61000", "10.244.2.8:8080", TCP_SYN)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its reply comes from the ExternalIP",
+                ExtIngress,
+                tcp("10.244.2.8:8080", "192.0.2.10:61000", TCP_SYN | TCP_ACK)
+                    .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    tcp("198.51.100.10:80", c, TCP_SYN | TCP_ACK)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "LoadBalancer IP, client within the source ranges",
+                ExtIngress,
+                tcp("203.0.113.7:40011", "198.51.100.20:80", TCP_SYN),
+                OK,
+                Packet(tcp("203.0.113.7:40011", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "LoadBalancer IP, client outside the source ranges: dropped",
+                ExtIngress,
+                tcp("198.51.100.99:40012", "198.51.100.20:80", TCP_SYN),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::DROP_SOURCE_RANGE),
+            ),
+            row(
+                "the same client to the Service's NodePort: not restricted",
+                ExtIngress,
+                tcp("198.51.100.99:40012", "192.0.2.10:30082", TCP_SYN),
+                OK,
+                Packet(tcp("198.51.100.99:40012", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "an ExternalIP's port the Service does not define: not ours",
+                ExtIngress,
+                tcp(c, "198.51.100.10:81", TCP_SYN),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "a node address's port no NodePort uses: not ours",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30085", TCP_SYN),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+}
+
+/// externalTrafficPolicy Local: DNAT only, even to a backend not marked local; no local
+/// endpoint: dropped, not rejected.
+#[test]
+fn external_traffic_policy_local() {
+    let dp = world();
+    let c = "203.0.113.7:40015";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the client's address is kept: no SNAT",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30090", TCP_SYN),
+                OK,
+                Packet(tcp(c, "10.244.2.9:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "no local endpoint: dropped",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30091", TCP_SYN),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::DROP_NO_LOCAL_BACKEND),
+            ),
+        ],
+    );
+    assert_eq!(dp.stat(stat::REFUSED_NO_BACKEND), 0);
+}
+
+/// No usable backend (and not eTP Local): the client gets a reject built from its packet,
+/// from the address it sent to, out of the device it came in on: a TCP RST (acknowledging
+/// what the segment carried, or with the sequence number it acknowledged) or an ICMP/ICMPv6
+/// port unreachable quoting it. An RST gets nothing.
+#[test]
+fn no_backend_rejects() {
+    let dp = world();
+    let c = "203.0.113.7:40020";
+    let c6 = "[2001:db8:c::7]:40020";
+    let syn = from_client(tcp(c, "192.0.2.10:30099", TCP_SYN));
+    let data = from_client(tcp(c, "192.0.2.10:30099", TCP_ACK | TCP_PSH));
+    let dgram = from_client(udp(c, "192.0.2.10:30099"));
+    let syn6 = from_client(tcp(c6, "[2001:db8::10]:30099", TCP_SYN));
+    let dgram6 = from_client(udp(c6, "[2001:db8::10]:30099"));
+    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
+    let unreach = |src: &str, dst: &str, typ, code, quoted: &P, n| {
+        back(icmp_error(src, dst, typ, code, [0; 4], quoted, n))
+    };
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "SYN: RST+ACK acknowledging it",
+                ExtIngress,
+                syn.clone(),
+                REDIRECT,
+                Packet(back(
+                    tcp("192.0.2.10:30099", c, 0)
+                        .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+                        .payload(vec![]),
+                )),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "a segment with ACK: RST with its acknowledgment number",
+                ExtIngress,
+                data,
+                REDIRECT,
+                Packet(back(
+                    tcp("192.0.2.10:30099", c, 0)
+                        .seg(5000, 0, TCP_RST, 0)
+                        .payload(vec![]),
+                )),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "UDP: ICMP port unreachable quoting header and 8 bytes",
+                ExtIngress,
+                dgram.clone(),
+                REDIRECT,
+                Packet(unreach("192.0.2.10", C, 3, 3, &dgram, 28)),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "IPv6 SYN: RST+ACK",
+                ExtIngress,
+                syn6,
+                REDIRECT,
+                Packet(back(
+                    tcp("[2001:db8::10]:30099", c6, 0)
+                        .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+                        .payload(vec![]),
+                )),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "IPv6 UDP: ICMPv6 port unreachable",
+                ExtIngress,
+                dgram6.clone(),
+                REDIRECT,
+                Packet(unreach("2001:db8::10", "2001:db8:c::7", 1, 4, &dgram6, 48)),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "an RST is not answered",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30099", TCP_RST),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+        ],
+    );
+    assert_eq!(
+        dp.stat(stat::REFUSED_NO_BACKEND),
+        6,
+        "shared with the socket path"
+    );
+}
+
+/// sessionAffinity ClientIP for external traffic: keyed by the client's address; a fresh
+/// remembered backend is used, an expired one is not.
+#[test]
+fn affinity_by_client_ip() {
+    let mut dp = world();
+    // Many flows per backend: SNAT ports from a range (the port is then not known; the
+    // backend is read from the output).
+    dp.set_config(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 61999,
+        ..Default::default()
+    });
+    let key = |client: &str| AffinityKey {
+        client: ip16(client),
+        id: 26,
+        kind: AFFINITY_CLIENT_IP,
+        _pad0: [0; 3],
+    };
+    let backend_of = |out: &[u8]| -> [u8; 4] { out[30..34].try_into().unwrap() };
+    let now = monotonic_ns();
+    dp.affinity
+        .insert(
+            key(C),
+            AffinityValue {
+                last_used_ns: now,
+                backend: 18,
+                _pad0: 0,
+            },
+            0,
+        )
+        .unwrap();
+    for port in 41000..41010 {
+        let p = tcp(&format!("{C}:{port}"), "192.0.2.10:30070", TCP_SYN).bytes();
+        let (v, out, _) = dp.run_on(ExtIngress, dp.ext0, &p, 1);
+        assert_eq!(v, REDIRECT);
+        assert_eq!(backend_of(&out), [10, 244, 2, 8], "the remembered backend");
+        verify_checksums(&out).unwrap();
+    }
+    assert_eq!(dp.stat(stat::AFFINITY_HIT), 10);
+    // A new client: its first choice is remembered under its address and kept.
+    let first = tcp("203.0.113.9:41000", "192.0.2.10:30070", TCP_SYN).bytes();
+    let (_, out, _) = dp.run_on(ExtIngress, dp.ext0, &first, 1);
+    let chosen = backend_of(&out);
+    let remembered = dp.affinity.get(&key("203.0.113.9"), 0).expect("remembered");
+    let id = if chosen == [10, 244, 2, 7] { 12 } else { 18 };
+    assert_eq!(remembered.backend, id);
+    for port in 41001..41011 {
+        let p = tcp(&format!("203.0.113.9:{port}"), "192.0.2.10:30070", TCP_SYN).bytes();
+        let (_, out, _) = dp.run_on(ExtIngress, dp.ext0, &p, 1);
+        assert_eq!(backend_of(&out), chosen);
+    }
+    // An expired choice is not used (counted), and is replaced.
+    dp.affinity
+        .insert(
+            key("203.0.113.10"),
+            AffinityValue {
+                last_used_ns: now - 10_801 * 1_000_000_000,
+                backend: 18,
+                _pad0: 0,
+            },
+            0,
+        )
+        .unwrap();
+    let stale = dp.stat(stat::AFFINITY_STALE);
+    let p = tcp("203.0.113.10:41000", "192.0.2.10:30070", TCP_SYN).bytes();
+    dp.run_on(ExtIngress, dp.ext0, &p, 1);
+    assert_eq!(dp.stat(stat::AFFINITY_STALE), stale + 1);
+    assert!(
+        dp.affinity
+            .get(&key("203.0.113.10"), 0)
+            .unwrap()
+            .last_used_ns
+            > now
+    );
+}
+
+/// Per-packet ClusterIP on a pod device: DNAT only (the pod's address kept), replies from
+/// the ClusterIP; a ClusterIP's undefined port is refused with an RST into the pod; a pod
+/// reaching itself is SNATed to the ClusterIP and sent straight back; a NodePort reached
+/// through a node address uses its cluster-scope frontend; the external programs leave the
+/// pod path's flows alone.
+#[test]
+fn per_packet_cluster_ip_on_pod_devices() {
+    let dp = world();
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let p0 = "10.244.1.5:50000";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "ClusterIP: DNAT to the backend, the pod's address kept",
+                PodIngress,
+                pod(tcp(p0, "10.96.0.10:80", TCP_SYN)),
+                OK,
+                Packet(pod(tcp(p0, "10.244.2.7:8080", TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the reply reaches the pod from the ClusterIP",
+                PodEgress,
+                to_pod(tcp("10.244.2.7:8080", p0, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp("10.96.0.10:80", p0, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the next segment: from its entry",
+                PodIngress,
+                pod(tcp(p0, "10.96.0.10:80", TCP_ACK)),
+                OK,
+                Packet(pod(tcp(p0, "10.244.2.7:8080", TCP_ACK))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            Row {
+                dev: Some(dp.ext0),
+                ..row(
+                    "the external egress leaves a pod flow's reply alone",
+                    ExtEgress,
+                    tcp("10.244.2.7:8080", p0, TCP_ACK),
+                    OK,
+                    Untouched,
+                    None,
+                )
+            },
+            row(
+                "a ClusterIP's undefined port: an RST back into the pod",
+                PodIngress,
+                pod(tcp("10.244.1.5:50001", "10.96.0.10:81", TCP_SYN)),
+                REDIRECT,
+                Packet(
+                    to_pod(tcp("10.96.0.10:81", "10.244.1.5:50001", 0))
+                        .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+                        .payload(vec![])
+                        .fresh_ip(),
+                ),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "the pod reaches itself: from the ClusterIP on a SNAT port, back into its device",
+                PodIngress,
+                pod(tcp("10.244.1.5:50002", "10.96.0.11:80", TCP_SYN)),
+                REDIRECT,
+                Packet(to_pod(tcp("10.96.0.11:61000", "10.244.1.5:8080", TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its own reply to that port: restored, back into its device",
+                PodIngress,
+                pod(tcp(
+                    "10.244.1.5:8080",
+                    "10.96.0.11:61000",
+                    TCP_SYN | TCP_ACK,
+                )),
+                REDIRECT,
+                Packet(to_pod(tcp(
+                    "10.96.0.11:80",
+                    "10.244.1.5:50002",
+                    TCP_SYN | TCP_ACK,
+                ))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "a NodePort through a node address: its cluster-scope frontend",
+                PodIngress,
+                pod(tcp("10.244.1.6:50003", "192.0.2.10:30080", TCP_SYN)),
+                OK,
+                Packet(pod(tcp("10.244.1.6:50003", "10.244.1.5:8080", TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "a pod's traffic to a pod: not ours",
+                PodIngress,
+                pod(tcp("10.244.1.5:50004", "10.244.2.7:8080", TCP_SYN)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+    let fwd = dp
+        .ct_entry(&ct_key(p0, "10.96.0.10:80", IPPROTO_TCP, ct_dir::FORWARD))
+        .unwrap();
+    assert_eq!(fwd.flags, ct_flags::POD | ct_flags::SEEN_REPLY);
+    assert_eq!(dp.stat(stat::REFUSED_NO_PORT), 1);
+}
+
+/// IPv4 options and IPv6 extension headers are walked over, not dropped or mangled; more
+/// extension headers than the walk reads: passed untouched, counted.
+#[test]
+fn ipv4_options_and_ipv6_extension_headers() {
+    let dp = world();
+    let opts = [1, 1, 1, 1, 1, 1, 1, 0];
+    let c = "203.0.113.7:40030";
+    let c6 = "[2001:db8:c::7]:40030";
+    let ext = || vec![Ext::Opts(0, 8), Ext::Opts(60, 16)];
+    let many: Vec<Ext> = (0..7).map(|_| Ext::Opts(60, 8)).collect();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "IPv4 with 8 bytes of options",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_SYN).options(&opts),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_SYN).options(&opts)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "IPv6 with hop-by-hop and destination options",
+                ExtIngress,
+                tcp(c6, "[2001:db8::10]:30080", TCP_SYN).ext(ext()),
+                OK,
+                Packet(tcp(c6, "[fd00:244:1::5]:8080", TCP_SYN).ext(ext())),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "IPv6 with seven extension headers: passed untouched",
+                ExtIngress,
+                tcp("[2001:db8:c::7]:40031", "[2001:db8::10]:30080", TCP_SYN).ext(many),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_UNPARSED),
+            ),
+        ],
+    );
+}
+
+/// A first fragment carries the ports: translated (its checksum covers the whole datagram,
+/// updated incrementally); a later one cannot be matched: passed, counted.
+#[test]
+fn fragments() {
+    let dp = world();
+    let c = "203.0.113.7:40040";
+    let c6 = "[2001:db8:c::7]:40040";
+    let big = vec![0x5a; 100];
+    let first = |p: P| p.payload(big.clone()).frag(0, true).cut(56);
+    let first6 = |p: P| {
+        p.payload(big.clone())
+            .ext(vec![Ext::Frag {
+                offset: 0,
+                more: true,
+            }])
+            .cut(56)
+    };
+    let later = |src: &str, dst: &str| {
+        P::new(
+            src,
+            dst,
+            L4::Raw {
+                proto: 17,
+                bytes: big[48..].to_vec(),
+            },
+        )
+    };
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "IPv4 first fragment: translated",
+                ExtIngress,
+                first(udp(c, "192.0.2.10:30054")),
+                OK,
+                Packet(first(udp(c, "10.244.1.5:5353"))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "IPv4 later fragment: passed",
+                ExtIngress,
+                later("203.0.113.7:0", "192.0.2.10:0").frag(7, false),
+                OK,
+                Untouched,
+                Some(pkt_stat::FRAGMENT),
+            ),
+            row(
+                "IPv6 first fragment: translated",
+                ExtIngress,
+                first6(udp(c6, "[2001:db8::10]:30054")),
+                OK,
+                Packet(first6(udp(c6, "[fd00:244:1::5]:5353"))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "IPv6 later fragment: passed",
+                ExtIngress,
+                later("[2001:db8:c::7]:0", "[2001:db8::10]:0").ext(vec![Ext::Frag {
+                    offset: 7,
+                    more: false,
+                }]),
+                OK,
+                Untouched,
+                Some(pkt_stat::FRAGMENT),
+            ),
+        ],
+    );
+}
+
+/// ICMP errors about translated flows are translated: outer addresses, the quoted packet's
+/// addresses and ports, its IPv4 header checksum, its TCP/UDP checksum, and the ICMP
+/// checksum; so fragmentation needed / packet too big reach the client about its own packet
+/// (PMTU discovery through a NodePort), and a backend learns about its replies.
+#[test]
+fn icmp_errors_about_translated_flows() {
+    let dp = world();
+    let c1 = "203.0.113.7:40001";
+    let c6 = "[2001:db8:c::7]:40001";
+    let c0 = "203.0.113.7:40000";
+    let cu = "203.0.113.7:40020";
+    // The flows the errors are about.
+    for p in [
+        tcp(c1, "192.0.2.10:30081", TCP_SYN),
+        tcp(c6, "[2001:db8::10]:30081", TCP_SYN),
+        tcp(c0, "192.0.2.10:30080", TCP_SYN),
+        udp(cu, "192.0.2.10:30054"),
+    ] {
+        let (v, _, _) = dp.run_on(ExtIngress, dp.ext0, &p.bytes(), 1);
+        assert_ne!(v, SHOT);
+    }
+    let mtu = 1400u32.to_be_bytes();
+    // As the SNATed segment left towards node 2.
+    let sent = tcp("192.0.2.10:61000", "10.244.2.7:8080", TCP_ACK).ttl(63);
+    let sent_as = tcp(c1, "192.0.2.10:30081", TCP_ACK).ttl(63);
+    let sent6 = tcp("[2001:db8::10]:61000", "[fd00:244:2::7]:8080", TCP_ACK).ttl(63);
+    let sent6_as = tcp(c6, "[2001:db8::10]:30081", TCP_ACK).ttl(63);
+    let dgram = udp(cu, "10.244.1.5:5353");
+    let dgram_as = udp(cu, "192.0.2.10:30054");
+    let reply = tcp("192.0.2.10:30080", c0, TCP_ACK).ttl(63);
+    let reply_was = tcp("10.244.1.5:8080", c0, TCP_ACK).ttl(63);
+    let unrelated = udp("192.0.2.10:5000", "203.0.113.50:53");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "fragmentation needed about a SNATed segment: to the client, about its own",
+                ExtIngress,
+                icmp_error("192.0.2.20", "192.0.2.10", 3, 4, mtu, &sent, 40)
+                    .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    icmp_error("192.0.2.10", C, 3, 4, mtu, &sent_as, 40)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "IPv6 packet too big about a SNATed segment",
+                ExtIngress,
+                icmp_error("2001:db8::20", "2001:db8::10", 2, 0, mtu, &sent6, 60)
+                    .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    icmp_error("2001:db8::10", "2001:db8:c::7", 2, 0, mtu, &sent6_as, 60)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "port unreachable from a local backend: from the NodePort, about the NodePort",
+                ExtEgress,
+                icmp_error("10.244.1.5", C, 3, 3, [0; 4], &dgram, 28).macs(GW_MAC, EXT_MAC),
+                OK,
+                Packet(
+                    icmp_error("192.0.2.10", C, 3, 3, [0; 4], &dgram_as, 28).macs(GW_MAC, EXT_MAC),
+                ),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "fragmentation needed about a local backend's reply: to the backend",
+                ExtIngress,
+                icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
+                OK,
+                Packet(icmp_error(
+                    "192.0.2.1",
+                    "10.244.1.5",
+                    3,
+                    4,
+                    mtu,
+                    &reply_was,
+                    40,
+                )),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "an error about no flow of ours: untouched",
+                ExtIngress,
+                icmp_error("192.0.2.1", "192.0.2.10", 3, 3, [0; 4], &unrelated, 28),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "an error whose quote ends before the ports: passed, counted",
+                ExtIngress,
+                icmp_error("192.0.2.20", "192.0.2.10", 3, 4, mtu, &sent, 22),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_UNPARSED),
+            ),
+        ],
+    );
+}
+
+/// A packet the program would forward itself that does not fit the route's MTU (ext1 is a
+/// 1280-byte link) and may not be fragmented: its sender gets fragmentation needed / packet
+/// too big with that MTU, from the address it sent to, instead of a silent drop.
+#[test]
+fn path_mtu_too_big_answered() {
+    let dp = world();
+    let c = "203.0.113.7:40050";
+    let c6 = "[2001:db8:c::7]:40050";
+    let big = |p: P| p.payload(vec![0x42; 1300]);
+    let data = big(tcp(c, "192.0.2.10:30083", TCP_ACK));
+    let data6 = big(tcp(c6, "[2001:db8::10]:30083", TCP_ACK));
+    let mtu = 1280u32.to_be_bytes();
+    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a new flow's first packet, too big: fragmentation needed, MTU 1280",
+                ExtIngress,
+                data.clone(),
+                REDIRECT,
+                Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &data, 28))),
+                Some(pkt_stat::TOO_BIG),
+            ),
+            row(
+                "a SYN fits: SNATed to ext1's address, routed over ext1",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30083", TCP_SYN),
+                REDIRECT,
+                Packet(
+                    tcp("198.18.0.10:61000", "10.244.3.9:8080", TCP_SYN)
+                        .macs(SMALL_GW_MAC, EXT1_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "a known flow's segment, too big: fragmentation needed",
+                ExtIngress,
+                data.clone(),
+                REDIRECT,
+                Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &data, 28))),
+                Some(pkt_stat::TOO_BIG),
+            ),
+            row(
+                "IPv6: packet too big",
+                ExtIngress,
+                data6.clone(),
+                REDIRECT,
+                Packet(back(icmp_error(
+                    "2001:db8::10",
+                    "2001:db8:c::7",
+                    2,
+                    0,
+                    mtu,
+                    &data6,
+                    48,
+                ))),
+                Some(pkt_stat::TOO_BIG),
+            ),
+        ],
+    );
+}
+
+/// Truncated and malformed packets pass untouched, counted, even when their destination is
+/// a frontend: never dropped for being unreadable.
+#[test]
+fn truncated_and_malformed_pass_counted() {
+    let dp = world();
+    let good = tcp("203.0.113.7:40060", "192.0.2.10:30080", TCP_SYN).bytes();
+    let good_udp = udp("203.0.113.7:40060", "192.0.2.10:30054").bytes();
+    let good6 = tcp("[2001:db8:c::7]:40060", "[2001:db8::10]:30080", TCP_SYN).bytes();
+    let edit = |b: &[u8], f: &dyn Fn(&mut Vec<u8>)| {
+        let mut b = b.to_vec();
+        f(&mut b);
+        b
+    };
+    let u = Some(pkt_stat::PASS_UNPARSED);
+    let cut = edit(&good, &|b| {
+        b.truncate(14 + 20 + 4);
+        b[16..18].copy_from_slice(&24u16.to_be_bytes());
+    });
+    run_rows(
+        &dp,
+        vec![
+            // BPF_PROG_TEST_RUN refuses a frame shorter than Ethernet plus the fixed network
+            // header (EINVAL), so the shortest truncations are tested just past it: the
+            // header's options, and the transport header, cut off.
+            raw_row(
+                "IPv4 options cut short",
+                ExtIngress,
+                edit(&good, &|b| {
+                    b.truncate(14 + 20);
+                    b[14] = 0x4f;
+                    b[16..18].copy_from_slice(&20u16.to_be_bytes());
+                }),
+                u,
+            ),
+            raw_row(
+                "IPv4 header and no TCP header",
+                ExtIngress,
+                edit(&good, &|b| {
+                    b.truncate(14 + 20);
+                    b[16..18].copy_from_slice(&20u16.to_be_bytes());
+                }),
+                u,
+            ),
+            raw_row(
+                "IPv4 header length 16",
+                ExtIngress,
+                edit(&good, &|b| b[14] = 0x44),
+                u,
+            ),
+            raw_row(
+                "IPv4 total length beyond the packet",
+                ExtIngress,
+                edit(&good, &|b| b[16..18].copy_from_slice(&200u16.to_be_bytes())),
+                u,
+            ),
+            raw_row(
+                "TCP header cut short",
+                ExtIngress,
+                edit(&good, &|b| {
+                    b.truncate(14 + 20 + 10);
+                    b[16..18].copy_from_slice(&30u16.to_be_bytes());
+                }),
+                u,
+            ),
+            raw_row(
+                "TCP data offset below 5",
+                ExtIngress,
+                edit(&good, &|b| b[14 + 20 + 12] = 0x30),
+                u,
+            ),
+            raw_row(
+                "UDP header cut short",
+                ExtIngress,
+                edit(&good_udp, &|b| {
+                    b.truncate(14 + 20 + 4);
+                    b[16..18].copy_from_slice(&24u16.to_be_bytes());
+                }),
+                u,
+            ),
+            raw_row(
+                "IPv6 header and a TCP header cut short",
+                ExtIngress,
+                edit(&good6, &|b| {
+                    b.truncate(14 + 40 + 6);
+                    b[18..20].copy_from_slice(&6u16.to_be_bytes());
+                }),
+                u,
+            ),
+            raw_row(
+                "IP version 5 in an IPv4 frame",
+                ExtIngress,
+                edit(&good, &|b| b[14] = 0x55),
+                u,
+            ),
+            raw_row(
+                "IPv6 payload length beyond the packet",
+                ExtIngress,
+                edit(&good6, &|b| {
+                    b[18..20].copy_from_slice(&400u16.to_be_bytes())
+                }),
+                u,
+            ),
+            raw_row("truncated on the egress too", ExtEgress, cut.clone(), u),
+            raw_row("and on a pod device", PodIngress, cut, u),
+        ],
+    );
+}
+
+/// Traffic that is no service's passes every program untouched, uncounted. The table also
+/// measures what each program costs it (BPF_PROG_TEST_RUN repeat; printed, not asserted),
+/// next to a service packet's cost.
+#[test]
+fn non_service_traffic_passes_untouched() {
+    let dp = world();
+    let mut arp = vec![0xff; 6];
+    arp.extend_from_slice(&GW_MAC);
+    arp.extend_from_slice(&[0x08, 0x06]);
+    arp.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+    arp.extend_from_slice(&GW_MAC);
+    arp.extend_from_slice(&[192, 0, 2, 1, 0, 0, 0, 0, 0, 0, 192, 0, 2, 10]);
+    let mut vlan = tcp("203.0.113.7:40070", "192.0.2.10:30080", TCP_SYN).bytes();
+    vlan.splice(12..12, [0x81, 0x00, 0x00, 0x64]);
+    let echo = P::new(
+        "203.0.113.7:0",
+        "192.0.2.10:0",
+        L4::Icmp {
+            typ: 8,
+            code: 0,
+            rest: [0, 1, 0, 1],
+            body: b"ping".to_vec(),
+        },
+    );
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let pass = |what, prog, p: P| row(what, prog, p, OK, Untouched, None);
+    let rows = vec![
+        raw_row("ARP", ExtIngress, arp, None),
+        raw_row("a VLAN-tagged frame", ExtIngress, vlan, None),
+        pass(
+            "TCP to the node's own port",
+            ExtIngress,
+            tcp("203.0.113.7:40071", "192.0.2.10:22", TCP_SYN),
+        ),
+        pass(
+            "UDP routed through the node",
+            ExtIngress,
+            udp("203.0.113.7:40072", "198.51.100.77:53"),
+        ),
+        pass(
+            "IPv6 TCP to the node",
+            ExtIngress,
+            tcp("[2001:db8:c::7]:40073", "[2001:db8::10]:22", TCP_SYN),
+        ),
+        pass("an ICMP echo request to the node", ExtIngress, echo),
+        pass(
+            "to the node in the SNAT range, no flow",
+            ExtIngress,
+            tcp("203.0.113.7:40074", "192.0.2.10:61000", TCP_SYN),
+        ),
+        pass(
+            "the node's own reply leaving",
+            ExtEgress,
+            tcp("192.0.2.10:22", "203.0.113.7:40071", TCP_SYN | TCP_ACK),
+        ),
+        pass(
+            "a pod to another pod",
+            PodIngress,
+            pod(tcp("10.244.1.5:50010", "10.244.2.7:9090", TCP_SYN)),
+        ),
+        pass(
+            "a pod to the internet",
+            PodIngress,
+            pod(udp("10.244.1.5:50011", "8.8.8.8:53")),
+        ),
+        pass(
+            "traffic to a pod",
+            PodEgress,
+            tcp("10.244.2.7:9090", "10.244.1.5:50010", TCP_SYN | TCP_ACK),
+        ),
+    ];
+    // The cost of each, before run_rows consumes them.
+    let mut costs: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            let dev = dp.ifindex_of(r.prog);
+            let (_, _, ns) = dp.run_on(r.prog, dev, &r.input, 20_000);
+            (format!("{:<14} {}", r.prog.name(), r.what), ns)
+        })
+        .collect();
+    run_rows(&dp, rows);
+    // Service packets for comparison: a known flow's segment (CT hit, to the stack) and a
+    // local backend's reply (egress).
+    let c = "203.0.113.7:40080";
+    let syn = tcp(c, "192.0.2.10:30080", TCP_SYN).bytes();
+    dp.run_on(ExtIngress, dp.ext0, &syn, 1);
+    let ack = tcp(c, "192.0.2.10:30080", TCP_ACK).bytes();
+    let (_, _, ns) = dp.run_on(ExtIngress, dp.ext0, &ack, 20_000);
+    costs.push(("tc_ext_ingress service: known flow (CT hit)".into(), ns));
+    let rep = tcp("10.244.1.5:8080", c, TCP_ACK).bytes();
+    let (_, _, ns) = dp.run_on(ExtEgress, dp.ext0, &rep, 20_000);
+    costs.push(("tc_ext_egress  service: local backend's reply".into(), ns));
+    eprintln!("per-packet cost (BPF_PROG_TEST_RUN, 20,000 repeats; includes the test run's own overhead):");
+    for (what, ns) in costs {
+        eprintln!("  {ns:>6} ns  {what}");
+    }
+}
+
+/// Flow lifetime: a stale entry is no flow (the packet chooses anew); an entry whose other
+/// direction is fresh is alive; an established flow keeps its backend when the frontend's
+/// backends change, while new flows take the new ones.
+#[test]
+fn connection_tracking_lifetime() {
+    let mut dp = world();
+    // A stale entry naming a backend that is gone.
+    let c = "203.0.113.7:40090";
+    dp.ct
+        .insert(
+            ct_key(c, "192.0.2.10:30054", IPPROTO_UDP, ct_dir::FORWARD),
+            CtValue {
+                nat_addr: ip16("10.9.9.9"),
+                nat_port_be: 9u16.to_be(),
+                id: 4,
+                last_seen_ns: 1,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    let c2 = "203.0.113.7:40091";
+    let c3 = "203.0.113.7:40092";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a stale entry: the packet is a new flow",
+                ExtIngress,
+                udp(c, "192.0.2.10:30054"),
+                OK,
+                Packet(udp(c, "10.244.1.5:5353")),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "a flow to the current backend",
+                ExtIngress,
+                tcp(c2, "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp(c2, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+    // The client-side entry goes stale; the reply side is fresh: the flow is alive.
+    let fkey = ct_key(c2, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
+    let mut e = dp.ct_entry(&fkey).unwrap();
+    e.last_seen_ns = 1;
+    dp.ct.insert(fkey, e, 0).unwrap();
+    // The frontend moves to another backend (a new generation).
+    dp.frontend_rev(
+        &Fe {
+            at: "0.0.0.0:30080",
+            proto: IPPROTO_TCP,
+            scope: EXT,
+            id: 1,
+            backends: &[19],
+            flags: NP,
+            affinity_s: 0,
+        },
+        2,
+    );
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the established flow keeps its backend (alive through its reply entry)",
+                ExtIngress,
+                tcp(c2, "192.0.2.10:30080", TCP_ACK),
+                OK,
+                Packet(tcp(c2, "10.244.1.5:8080", TCP_ACK)),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "a new flow takes the new backend (remote: SNATed)",
+                ExtIngress,
+                tcp(c3, "192.0.2.10:30080", TCP_SYN),
+                REDIRECT,
+                Packet(
+                    tcp("192.0.2.10:61000", "10.244.2.9:8080", TCP_SYN)
+                        .macs(NODE2_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+    assert!(
+        dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
+        "a hit refreshes its entry"
+    );
+}
+
+/// Not a test: the per-packet cost of each tc path, measured with BPF_PROG_TEST_RUN (repeat
+/// where the packet can be repeated; one run per new flow otherwise, as a repeated packet is
+/// a connection-tracking hit from its second run on). Prints a table; docs/benchmarks.md
+/// keeps the figures.
+#[test]
+#[ignore = "a measurement: cargo test -p svc-agent --test packet_fixtures per_packet_cost -- --ignored --nocapture"]
+fn per_packet_cost() {
+    let mut dp = world();
+    dp.set_config(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    });
+    const REPEAT: u32 = 200_000;
+    const FLOWS: u16 = 2_000;
+    let c = "203.0.113.7:40070";
+    let ingress = dp.ifindex_of(ExtIngress);
+    let egress = dp.ifindex_of(ExtEgress);
+    let repeated = |prog: Prog, dev: u32, p: P| -> u64 {
+        let (_, _, ns) = dp.run_on(prog, dev, &p.bytes(), REPEAT);
+        ns
+    };
+    let new_flows = |dst: &str, base: u16| -> u64 {
+        let total: u64 = (0..FLOWS)
+            .map(|i| {
+                let p = tcp(&format!("203.0.113.9:{}", base + i), dst, TCP_SYN);
+                dp.run_on(ExtIngress, ingress, &p.bytes(), 1).2
+            })
+            .sum();
+        total / FLOWS as u64
+    };
+    let mut rows = vec![
+        (
+            "non-service TCP to a node address (not a NodePort)",
+            repeated(ExtIngress, ingress, tcp(c, "192.0.2.10:22", TCP_ACK)),
+        ),
+        (
+            "non-service TCP through the node (not a node address)",
+            repeated(ExtIngress, ingress, tcp(c, "10.244.1.5:22", TCP_ACK)),
+        ),
+        (
+            "non-service, leaving by the egress",
+            repeated(ExtEgress, egress, tcp("192.0.2.10:22", c, TCP_ACK)),
+        ),
+    ];
+    rows.push((
+        "new flow, NodePort to a local backend (DNAT)",
+        new_flows("192.0.2.10:30080", 20_000),
+    ));
+    rows.push((
+        "new flow, NodePort to a remote backend (DNAT+SNAT, routed)",
+        new_flows("192.0.2.10:30081", 30_000),
+    ));
+    // A flow exists from here on: every packet of it is a connection-tracking hit.
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c, "192.0.2.10:30080", TCP_SYN).bytes(),
+        1,
+    );
+    rows.push((
+        "known flow, client to local backend",
+        repeated(ExtIngress, ingress, tcp(c, "192.0.2.10:30080", TCP_ACK)),
+    ));
+    rows.push((
+        "known flow, local backend's reply (egress)",
+        repeated(ExtEgress, egress, tcp("10.244.1.5:8080", c, TCP_ACK)),
+    ));
+    let c2 = "203.0.113.7:40071";
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c2, "192.0.2.10:30081", TCP_SYN).bytes(),
+        1,
+    );
+    rows.push((
+        "known flow, client to remote backend (SNAT, routed)",
+        repeated(ExtIngress, ingress, tcp(c2, "192.0.2.10:30081", TCP_ACK)),
+    ));
+    println!("\n| path | ns per packet |\n|---|---|");
+    for (what, ns) in rows {
+        println!("| {what} | {ns} |");
+    }
+}

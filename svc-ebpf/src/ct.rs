@@ -1,0 +1,365 @@
+//! Connection tracking of the packet datapath: two entries per flow in `SVC_CT`, one per
+//! direction (see svc-common's `CtKey`/`CtValue`). Each direction's packets find their own
+//! entry with one lookup of their own tuple, and carry its translation.
+//!
+//! An entry older than its timeout is treated as absent, unless its partner (the other
+//! direction's entry) is fresh: a flow whose packets go one way only (a UDP stream, a long
+//! download's ACK-less tail) stays alive as long as either direction speaks.
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_prandom_u32, generated::bpf_loop},
+};
+use svc_common::{ct_dir, ct_flags, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
+
+use crate::{
+    maps::{SVC_CONFIG, SVC_CT},
+    nat::Endpoint,
+    pkt::{Pkt, TCP_FIN, TCP_RST},
+    scratch::Flow,
+};
+
+const SEC: u64 = 1_000_000_000;
+
+/// Built-in timeouts (seconds), as svc-common's `DatapathConfig` documents them.
+const TCP_ESTABLISHED_S: u32 = 7200;
+const TCP_CLOSING_S: u32 = 10;
+const TCP_SYN_S: u32 = 60;
+const UDP_S: u32 = 30;
+const UDP_STREAM_S: u32 = 120;
+
+/// SNAT ports when the agent wrote no range: above Linux's default ephemeral range
+/// (32768-60999) and kube-proxy's NodePort range.
+const SNAT_PORT_MIN: u16 = 61001;
+const SNAT_PORT_MAX: u16 = 65535;
+
+/// How many ports a new SNATed flow tries before it is dropped as exhausted. Each try is a
+/// random port of the range; with a range a few thousand wide, 32 failures in a row means it
+/// is nearly full for that backend.
+pub const SNAT_TRIES: u32 = 32;
+
+/// A last-seen time is refreshed at most this often: a write per packet would make every
+/// CPU that serves a flow fight over its entry's cache line.
+const REFRESH_NS: u64 = SEC;
+
+/// A setting of the agent's (`DatapathConfig`), 0 when it wrote none. Read field by field
+/// from the map value: a copy of the whole entry would sit on the stack.
+#[inline(always)]
+fn setting(f: fn(&DatapathConfig) -> u32) -> u32 {
+    match SVC_CONFIG.get(0) {
+        Some(c) => f(c),
+        None => 0,
+    }
+}
+
+#[inline(always)]
+fn secs(v: u32, default: u32) -> u64 {
+    (if v == 0 { default } else { v }) as u64 * SEC
+}
+
+/// How long an entry with `flags` of protocol `proto` lives without a packet.
+#[inline(always)]
+pub fn timeout_ns(proto: u8, flags: u16) -> u64 {
+    if proto == IPPROTO_TCP {
+        if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
+            secs(setting(|c| c.ct_tcp_closing_s), TCP_CLOSING_S)
+        } else if flags & ct_flags::SEEN_REPLY != 0 {
+            secs(setting(|c| c.ct_tcp_established_s), TCP_ESTABLISHED_S)
+        } else {
+            secs(setting(|c| c.ct_tcp_syn_s), TCP_SYN_S)
+        }
+    } else if flags & ct_flags::SEEN_REPLY != 0 {
+        secs(setting(|c| c.ct_udp_stream_s), UDP_STREAM_S)
+    } else {
+        secs(setting(|c| c.ct_udp_s), UDP_S)
+    }
+}
+
+/// SNAT port range (host order), inclusive.
+#[inline(always)]
+pub fn snat_range() -> (u16, u16) {
+    let min = setting(|c| c.snat_port_min as u32) as u16;
+    let max = setting(|c| c.snat_port_max as u32) as u16;
+    if min == 0 || max < min {
+        (SNAT_PORT_MIN, SNAT_PORT_MAX)
+    } else {
+        (min, max)
+    }
+}
+
+/// The key of the packet's own tuple in direction `dir`.
+#[inline(always)]
+pub fn key_of(p: &Pkt, dir: u8) -> CtKey {
+    CtKey {
+        saddr: p.saddr,
+        daddr: p.daddr,
+        sport_be: p.sport_be,
+        dport_be: p.dport_be,
+        proto: p.proto,
+        dir,
+        _pad0: [0; 2],
+    }
+}
+
+/// The key of the other direction's entry of the flow `key`/`v` belongs to.
+#[inline(always)]
+pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
+    let snat = v.flags & ct_flags::SNAT != 0;
+    if key.dir == ct_dir::FORWARD {
+        // Client to frontend; the reply comes from the backend to the client, or to the
+        // address the flow was SNATed to.
+        let (daddr, dport_be) = if snat {
+            (v.snat_addr, v.snat_port_be)
+        } else {
+            (key.saddr, key.sport_be)
+        };
+        CtKey {
+            saddr: v.nat_addr,
+            daddr,
+            sport_be: v.nat_port_be,
+            dport_be,
+            proto: key.proto,
+            dir: ct_dir::REPLY,
+            _pad0: [0; 2],
+        }
+    } else {
+        let (saddr, sport_be) = if snat {
+            (v.snat_addr, v.snat_port_be)
+        } else {
+            (key.daddr, key.dport_be)
+        };
+        CtKey {
+            saddr,
+            daddr: v.nat_addr,
+            sport_be,
+            dport_be: v.nat_port_be,
+            proto: key.proto,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        }
+    }
+}
+
+/// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN/RST as TCP says.
+#[inline(always)]
+pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
+    let mut f: u16 = 0;
+    if dir == ct_dir::REPLY {
+        f |= ct_flags::SEEN_REPLY;
+    }
+    if p.proto == IPPROTO_TCP {
+        if p.tcp_flags & TCP_FIN != 0 {
+            f |= ct_flags::FIN;
+        }
+        if p.tcp_flags & TCP_RST != 0 {
+            f |= ct_flags::RST;
+        }
+    }
+    f as u32
+}
+
+/// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
+#[inline(always)]
+fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
+    if now.wrapping_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
+        return true;
+    }
+    let pk = partner_key(key, v);
+    match SVC_CT.get_ptr(pk) {
+        // SAFETY: a map value, read once.
+        Some(pe) => unsafe {
+            now.wrapping_sub((*pe).last_seen_ns) <= timeout_ns(pk.proto, (*pe).flags)
+        },
+        None => false,
+    }
+}
+
+/// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
+/// is no packet of it.
+pub const PEEK: u32 = 1 << 31;
+
+/// Looks up the live entry of `key` and copies it into `out`. `pod`: the entry must belong
+/// to the per-packet ClusterIP path (flag POD), else it must not; the two paths never act on
+/// each other's flows. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
+/// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
+/// the first reply, a FIN, an RST). A function of its
+/// own (BPF-to-BPF call), so its copies of keys and values do not sit in its callers' frames.
+#[inline(never)]
+pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> bool {
+    let Some(e) = SVC_CT.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: a map value; copied out at once. Concurrent writers only store times and
+    // flags, which a racing reader may see old or new.
+    *out = unsafe { *e };
+    if (out.flags & ct_flags::POD != 0) != pod || !alive(key, out, now) {
+        return false;
+    }
+    if add == PEEK {
+        return true;
+    }
+    let add = add as u16 & !out.flags;
+    if add != 0 {
+        out.flags |= add;
+        // SAFETY: as above; a lost race loses a flag another packet will set again.
+        unsafe {
+            (*e).flags = out.flags;
+            (*e).last_seen_ns = now;
+        }
+        if let Some(pe) = SVC_CT.get_ptr_mut(partner_key(key, out)) {
+            // SAFETY: as above.
+            unsafe { (*pe).flags |= add };
+        }
+    } else if now.wrapping_sub(out.last_seen_ns) > REFRESH_NS {
+        // SAFETY: as above.
+        unsafe { (*e).last_seen_ns = now };
+    }
+    true
+}
+
+/// Where the packet goes, and where it comes from, after the translation of entry `v` of
+/// direction `dir`: a FORWARD entry sends it to the backend (from the SNAT address when
+/// SNATed), a REPLY entry makes it come from the frontend (to the client when SNATed).
+#[inline(always)]
+pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut Endpoint) {
+    let snat = v.flags & ct_flags::SNAT != 0;
+    let nat = Endpoint {
+        addr: v.nat_addr,
+        port_be: v.nat_port_be,
+    };
+    let snat_end = Endpoint {
+        addr: v.snat_addr,
+        port_be: v.snat_port_be,
+    };
+    let own_src = Endpoint {
+        addr: p.saddr,
+        port_be: p.sport_be,
+    };
+    let own_dst = Endpoint {
+        addr: p.daddr,
+        port_be: p.dport_be,
+    };
+    if dir == ct_dir::FORWARD {
+        *dst = nat;
+        *src = if snat { snat_end } else { own_src };
+    } else {
+        *src = nat;
+        *dst = if snat { snat_end } else { own_dst };
+    }
+}
+
+/// Outcome of `create`.
+pub const CREATED: u32 = 0;
+/// The map refused.
+pub const CREATE_ERR: u32 = 1;
+/// The reply tuple belongs to another live flow: the same client address and port reaching
+/// the same backend through another frontend. Storing this flow's entry over it would give
+/// that flow's replies this flow's frontend.
+pub const CLASH: u32 = 2;
+
+/// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
+/// and its reply (backend to client). Nothing is left behind when it fails.
+#[inline(always)]
+pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
+    let rep_key = partner_key(fwd_key, fwd);
+    if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
+        // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
+        // dead one: replaced. By another live flow: a clash.
+        if let Some(e) = SVC_CT.get_ptr(rep_key) {
+            // SAFETY: a map value, read in place.
+            let e = unsafe { &*e };
+            if partner_key(&rep_key, e) != *fwd_key && alive(&rep_key, e, rep.last_seen_ns) {
+                return CLASH;
+            }
+        }
+        if SVC_CT.insert(rep_key, rep, 0).is_err() {
+            return CREATE_ERR;
+        }
+    }
+    if SVC_CT.insert(fwd_key, fwd, 0).is_err() {
+        let _ = SVC_CT.remove(rep_key);
+        return CREATE_ERR;
+    }
+    CREATED
+}
+
+/// Outcome of `create_snat`.
+pub const SNAT_OK: u32 = 0;
+pub const SNAT_EXHAUSTED: u32 = 1;
+pub const SNAT_ERR: u32 = 2;
+
+/// Stores the new SNATed flow of the scratch space (`Flow`): picks a port for
+/// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no live
+/// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
+/// filled in). A port is taken only when its REPLY entry is absent or its flow is dead; the
+/// claim of an absent one is a BPF_NOEXIST insert, so two CPUs cannot claim one port for one
+/// backend.
+///
+/// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
+/// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
+/// may process for the whole external ingress program).
+///
+/// `f` is a raw pointer, and what the tries leave is read back with volatile loads: the tries
+/// write the flow through a pointer of their own (the scratch space, looked up again), which
+/// the compiler cannot see. Through a `&mut Flow` it may assume nothing else writes the flow
+/// during bpf_loop, and then it folds `claimed` to the 0 stored before the loop (every flow
+/// was dropped as exhausted).
+#[inline(never)]
+pub fn create_snat(f: *mut Flow) -> u32 {
+    let (min, max) = snat_range();
+    // SAFETY: `f` is this CPU's scratch space (scratch.rs), valid while the program runs.
+    unsafe {
+        (*f).port_min = min as u32;
+        (*f).port_span = (max - min) as u32 + 1;
+        (*f).try_key = partner_key(&(*f).key, &(*f).fwd);
+        (*f).claimed = 0;
+    }
+    // SAFETY: the callback is a function of this object with the signature bpf_loop wants;
+    // it finds its state in the scratch space, so its context is null (bpf_loop takes only a
+    // stack pointer as context, not a map value).
+    unsafe {
+        bpf_loop(
+            SNAT_TRIES,
+            snat_try as *mut core::ffi::c_void,
+            core::ptr::null_mut(),
+            0,
+        );
+    }
+    // SAFETY: as above; volatile, as said.
+    unsafe {
+        if core::ptr::read_volatile(&(*f).claimed) == 0 {
+            return SNAT_EXHAUSTED;
+        }
+        (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
+        if SVC_CT.insert((*f).key, (*f).fwd, 0).is_err() {
+            let _ = SVC_CT.remove((*f).try_key);
+            return SNAT_ERR;
+        }
+    }
+    SNAT_OK
+}
+
+/// One try of `create_snat`: 1 stops the loop (a port was claimed, or there is no scratch
+/// space), 0 tries again.
+extern "C" fn snat_try(_index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
+    let Some(s) = crate::scratch::get() else {
+        return 1;
+    };
+    let f = &mut s.new;
+    // SAFETY: a helper without arguments. (`checked_rem`: a `%` by a value read from memory
+    // would carry a panic path, which the verifier refuses as a function that does not end.)
+    let r = unsafe { bpf_get_prandom_u32() }.checked_rem(f.port_span);
+    let port = f.port_min + r.unwrap_or(0);
+    f.try_key.dport_be = (port as u16).to_be();
+    let flags = match SVC_CT.get_ptr(f.try_key) {
+        None => BPF_NOEXIST as u64,
+        // SAFETY: a map value, read in place.
+        Some(e) if alive(&f.try_key, unsafe { &*e }, f.now) => return 0,
+        Some(_) => 0,
+    };
+    if SVC_CT.insert(f.try_key, f.rep, flags).is_err() {
+        return 0;
+    }
+    f.claimed = 1;
+    1
+}

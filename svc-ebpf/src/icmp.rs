@@ -1,0 +1,214 @@
+//! ICMP and ICMPv6 errors about translated flows (destination unreachable, fragmentation
+//! needed / packet too big, time exceeded), translated as netfilter's NAT translates
+//! "related" packets: the quoted packet is one of the flow's, so the flow's entry says how
+//! the error must look on the other side of the translation.
+//!
+//! The error travels opposite to the packet it quotes: reversed, the quoted tuple is the
+//! tuple of the flow's packets that travel the error's way, and that direction's entry
+//! translates it. The outer header changes as such a packet would (its source where the
+//! translation changes sources, its destination where it changes destinations), and the
+//! quoted packet the other way round, with its IPv4 header checksum, its TCP/UDP checksum
+//! when the quote holds it, and the ICMP checksum over all of it. So a client behind a
+//! NodePort learns the path MTU to a remote backend, and a backend learns the client's.
+
+use aya_ebpf::programs::TcContext;
+use svc_common::{ct_dir, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::{
+    csum, ct,
+    nat::{self, store, End, Endpoint},
+    pkt::{self, load, parsed, Pkt, Upper, IPV4_HLEN, IPV6_HLEN, L3},
+    scratch::Scratch,
+};
+
+/// Outcome of `translate`.
+pub const NOT_OURS: u32 = 0;
+/// Translated; the outer destination changed only (the stack can deliver it).
+pub const TRANSLATED: u32 = 1;
+/// Translated and its outer source changed: it leaves from a frontend or SNAT address, so the
+/// caller forwards it itself.
+pub const TRANSLATED_SRC: u32 = 2;
+/// The quoted packet could not be read.
+pub const UNPARSED: u32 = 3;
+/// A helper failed half way: drop it.
+pub const FAILED: u32 = 4;
+
+/// Directions `translate` looks the flow up in (bits).
+pub const FORWARD: u32 = 1;
+pub const REPLY: u32 = 2;
+
+/// The packet an ICMP error quotes.
+#[derive(Default)]
+struct Inner {
+    l3: u32,
+    l4: u32,
+    saddr: [u8; 16],
+    daddr: [u8; 16],
+    sport_be: u16,
+    dport_be: u16,
+    proto: u8,
+}
+
+#[inline(never)]
+fn parse_inner(ctx: &TcContext, p: &Pkt, inner: &mut Inner) -> u32 {
+    inner.l3 = p.l4_off + 8;
+    if p.v6 != 0 {
+        let mut h = [0u8; IPV6_HLEN as usize];
+        if !load(ctx, inner.l3, &mut h) {
+            return UNPARSED;
+        }
+        inner.saddr.copy_from_slice(&h[8..24]);
+        inner.daddr.copy_from_slice(&h[24..40]);
+        let mut up = Upper::default();
+        if pkt::ipv6_upper(ctx, inner.l3 + IPV6_HLEN, h[6], &mut up) != parsed::L4 {
+            return UNPARSED;
+        }
+        inner.l4 = up.off;
+        inner.proto = up.proto;
+    } else {
+        let mut h = [0u8; IPV4_HLEN as usize];
+        if !load(ctx, inner.l3, &mut h) {
+            return UNPARSED;
+        }
+        let ihl = (h[0] & 0x0f) as u32 * 4;
+        // A quoted later fragment has no ports.
+        if ihl < IPV4_HLEN || pkt::be16([h[6], h[7]]) & 0x1fff != 0 {
+            return UNPARSED;
+        }
+        inner.saddr = svc_common::v4_mapped([h[12], h[13], h[14], h[15]]);
+        inner.daddr = svc_common::v4_mapped([h[16], h[17], h[18], h[19]]);
+        inner.l4 = inner.l3 + ihl;
+        inner.proto = h[9];
+    }
+    if inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP {
+        return NOT_OURS;
+    }
+    let mut ports = [0u8; 4];
+    if !load(ctx, inner.l4, &mut ports) {
+        return UNPARSED;
+    }
+    inner.sport_be = u16::from_ne_bytes([ports[0], ports[1]]);
+    inner.dport_be = u16::from_ne_bytes([ports[2], ports[3]]);
+    TRANSLATED
+}
+
+/// Translates the ICMP error `s.p` if it quotes a packet of a flow this path (`pod`) tracks,
+/// in one of the directions `dirs`.
+#[inline(always)]
+pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u64) -> u32 {
+    let p = &s.p;
+    let mut inner = Inner::default();
+    let outcome = parse_inner(ctx, p, &mut inner);
+    if outcome != TRANSLATED {
+        return outcome;
+    }
+    // The flow's packets that travel the way the error does: the quoted tuple reversed.
+    let flow = &mut s.flow;
+    *flow = *p;
+    flow.saddr = inner.daddr;
+    flow.daddr = inner.saddr;
+    flow.sport_be = inner.dport_be;
+    flow.dport_be = inner.sport_be;
+    flow.proto = inner.proto;
+    let mut dir = ct_dir::FORWARD;
+    let mut found =
+        dirs & FORWARD != 0 && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
+    if !found && dirs & REPLY != 0 {
+        dir = ct_dir::REPLY;
+        found = ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
+    }
+    if !found {
+        return NOT_OURS;
+    }
+    let (src, dst) = (&mut s.src, &mut s.dst);
+    ct::translated(flow, dir, &s.v, src, dst);
+    let src_changed = src.addr != flow.saddr || src.port_be != flow.sport_be;
+    let dst_changed = dst.addr != flow.daddr || dst.port_be != flow.dport_be;
+
+    // The quoted packet: its source becomes the flow's new destination and the other way
+    // round.
+    if !rewrite_inner(ctx, p, &inner, dst, src) {
+        return FAILED;
+    }
+    // The outer header.
+    let icmp_csum = p.l4_off + 2;
+    if src_changed && !nat::set_addr(ctx, p, End::Src, &p.saddr, &src.addr, icmp_csum) {
+        return FAILED;
+    }
+    if dst_changed && !nat::set_addr(ctx, p, End::Dst, &p.daddr, &dst.addr, icmp_csum) {
+        return FAILED;
+    }
+    if src_changed {
+        TRANSLATED_SRC
+    } else {
+        TRANSLATED
+    }
+}
+
+/// Rewrites the quoted packet's tuple to `src` -> `dst`, with its checksums and the ICMP
+/// checksum that covers them. A function of its own: the checksum arithmetic keeps many values
+/// alive, which LLVM spills to the stack.
+#[inline(never)]
+fn rewrite_inner(ctx: &TcContext, p: &Pkt, inner: &Inner, src: &Endpoint, dst: &Endpoint) -> bool {
+    let v6 = p.v6 != 0;
+    let d_addrs = csum::add(
+        csum::diff_addr(&inner.saddr, &src.addr),
+        csum::diff_addr(&inner.daddr, &dst.addr),
+    );
+    let d_ports = csum::add(
+        csum::diff16(inner.sport_be, src.port_be),
+        csum::diff16(inner.dport_be, dst.port_be),
+    );
+    // Everything the ICMP checksum must absorb.
+    let mut d_icmp = csum::add(d_addrs, d_ports);
+
+    let stored = if v6 {
+        store(ctx, inner.l3 + 8, src.addr.as_ptr(), 16, 0)
+            && store(ctx, inner.l3 + 24, dst.addr.as_ptr(), 16, 0)
+    } else {
+        store(ctx, inner.l3 + 12, src.addr[12..].as_ptr(), 4, 0)
+            && store(ctx, inner.l3 + 16, dst.addr[12..].as_ptr(), 4, 0)
+    };
+    if !stored {
+        return false;
+    }
+    let ports = [src.port_be, dst.port_be];
+    if !store(ctx, inner.l4, ports.as_ptr().cast(), 4, 0) {
+        return false;
+    }
+    if !v6 {
+        let mut c = [0u8; 2];
+        if !load(ctx, inner.l3 + 10, &mut c) {
+            return false;
+        }
+        let old = u16::from_ne_bytes(c);
+        let new = csum::apply(old, d_addrs);
+        if !store(ctx, inner.l3 + 10, (&new as *const u16).cast(), 2, 0) {
+            return false;
+        }
+        d_icmp = csum::add(d_icmp, csum::diff16(old, new));
+    }
+    // The quoted TCP/UDP checksum, when the quote reaches it (UDP's always, TCP's when more
+    // than the 8 bytes IPv4 requires were quoted).
+    let l4_csum = if inner.proto == IPPROTO_TCP {
+        inner.l4 + 16
+    } else {
+        inner.l4 + 6
+    };
+    let mut c = [0u8; 2];
+    if l4_csum + 2 <= L3 + p.ip_len && load(ctx, l4_csum, &mut c) {
+        let old = u16::from_ne_bytes(c);
+        // An IPv4 UDP checksum of 0 means none: it stays 0.
+        if !(old == 0 && inner.proto == IPPROTO_UDP && !v6) {
+            let mut new = csum::apply(old, csum::add(d_addrs, d_ports));
+            if new == 0 && inner.proto == IPPROTO_UDP {
+                new = 0xffff;
+            }
+            if !store(ctx, l4_csum, (&new as *const u16).cast(), 2, 0) {
+                return false;
+            }
+            d_icmp = csum::add(d_icmp, csum::diff16(old, new));
+        }
+    }
+    csum::l4_diff(ctx, p.l4_off + 2, d_icmp, 0)
+}

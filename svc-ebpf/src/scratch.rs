@@ -1,0 +1,64 @@
+//! Per-packet working state of the tc programs, in a per-CPU map value instead of the stack.
+//!
+//! Why: the BPF stack is 512 bytes for a whole chain of BPF-to-BPF calls, and LLVM's BPF
+//! backend shares few stack slots between the locals of inlined code, so a program that keeps
+//! a parsed packet, a connection-tracking value, a new flow's two entries and a route lookup
+//! on its stack runs out (the verifier's "combined stack size of N calls"). A per-CPU map
+//! value is private to the program while it runs: a tc program runs to completion on one CPU,
+//! and nothing here runs another tc program of ours before it returns (a redirect happens after
+//! the program has returned; bpf_clone_redirect, which would transmit at once, is not used).
+
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
+use svc_common::{CtKey, CtValue};
+
+use crate::{fwd::Route, nat::Endpoint, pkt::Pkt};
+
+/// How much of the offending packet an ICMP error the programs send quotes at most: IPv4's
+/// whole header with options and 8 bytes of what follows (RFC 792) always fit; IPv6's header,
+/// its extension headers and the ports do unless the extension headers are unusually long.
+pub const QUOTE_MAX: u32 = 128;
+
+/// The two entries of a new flow, before they are stored, and the state of the search for
+/// its SNAT port (`ct::create_snat`).
+#[derive(Clone, Copy)]
+pub struct Flow {
+    pub key: CtKey,
+    pub fwd: CtValue,
+    pub rep: CtValue,
+    pub now: u64,
+    /// The REPLY key being tried.
+    pub try_key: CtKey,
+    pub port_min: u32,
+    pub port_span: u32,
+    /// 1: `try_key` is claimed.
+    pub claimed: u32,
+}
+
+pub struct Scratch {
+    /// The packet as parsed.
+    pub p: Pkt,
+    /// ICMP errors: the tuple of the flow the quoted packet belongs to.
+    pub flow: Pkt,
+    /// The connection-tracking entry the packet found.
+    pub v: CtValue,
+    /// A new flow's entries.
+    pub new: Flow,
+    pub route: Route,
+    /// The packet's tuple after translation.
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    /// What an ICMP error the program sends quotes.
+    pub quote: [u8; QUOTE_MAX as usize],
+}
+
+#[btf_map]
+static SVC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// This CPU's scratch space; `None` never happens for a one-entry array, but the verifier
+/// wants the check.
+#[inline(always)]
+pub fn get() -> Option<&'static mut Scratch> {
+    let s = SVC_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: per CPU, and only this program runs on this CPU until it returns.
+    Some(unsafe { &mut *s })
+}

@@ -1,0 +1,670 @@
+//! The tc programs' logic (entries in main.rs): per-packet translation of traffic that does
+//! not start at a local socket.
+//!
+//! - `ext_ingress` (external devices, ingress): known flows from their FORWARD entry; replies
+//!   of remote backends to a SNAT address from their REPLY entry; new flows to EXTERNAL
+//!   frontends (ExternalIPs and LoadBalancer IPs by their own key, NodePorts by the wildcard
+//!   key when the destination is a NodePort address); ICMP errors about all of these.
+//! - `ext_egress` (external devices, egress): replies of local backends leaving towards the
+//!   client, and their ICMP errors.
+//! - `pod_ingress` / `pod_egress` (host side of pod devices): per-packet ClusterIP for pods
+//!   the socket hooks do not see, CLUSTER frontends, DNAT only (a pod reaching itself through
+//!   a frontend is SNATed to that frontend, or its own replies would never leave it).
+//!
+//! Non-service traffic pays a parse and two or three hash lookups: the FORWARD entry of its
+//! tuple, the frontend key of its destination, and `NODE_ADDRS` on the external ingress (plus
+//! the NodePort wildcard key for traffic to a NodePort address); the REPLY lookup of the
+//! external ingress runs only for packets to a SNAT address within the SNAT port range.
+//!
+//! Working state lives in the per-CPU scratch space (scratch.rs), and each decision is a
+//! function of its own (a BPF-to-BPF call), so no chain of frames exceeds the 512-byte stack.
+
+use aya_ebpf::{
+    bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT},
+    helpers::bpf_ktime_get_ns,
+    programs::TcContext,
+};
+use svc_common::{
+    backend_flags, ct_dir, ct_flags, node_addr_flags, pkt_stat, scope, stat, svc_flags,
+    AffinityKey, CtValue, ServiceKey, ServiceValue, SockState,
+};
+
+use crate::{
+    ct, fwd, icmp, lb,
+    maps::{count, dev_count, src_range_key, SVC_SRC_RANGES},
+    nat::{self, Endpoint},
+    pkt::{self, parsed, Pkt},
+    reject,
+    scratch::{self, Flow, Scratch},
+};
+
+const OK: i32 = TC_ACT_OK;
+const SHOT: i32 = TC_ACT_SHOT;
+
+/// A packet as the decision's caller: its client is its source address.
+struct Packet {
+    client: [u8; 16],
+    now: u64,
+}
+
+impl lb::Caller for Packet {
+    #[inline(always)]
+    fn now(&self) -> u64 {
+        self.now
+    }
+
+    /// Only asked for by sticky callers.
+    #[inline(always)]
+    fn cookie(&self) -> u64 {
+        0
+    }
+
+    #[inline(always)]
+    fn affinity_client(&self, id: u32) -> AffinityKey {
+        lb::ip_client(&self.client, id)
+    }
+
+    /// A flow keeps its backend through its connection-tracking entries, not a socket.
+    #[inline(always)]
+    fn sticky(&self) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn sock_state(&self) -> *mut SockState {
+        core::ptr::null_mut()
+    }
+}
+
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// Which program parses: what its ICMP errors are looked up as, and whether it forwards
+/// them itself.
+#[derive(Clone, Copy)]
+struct Hook {
+    /// `icmp::FORWARD` and/or `icmp::REPLY`.
+    icmp_dirs: u32,
+    pod: bool,
+    /// The external ingress forwards an error whose source became a frontend or SNAT
+    /// address itself, as it does the flow's packets.
+    routes: bool,
+}
+
+const EXT_INGRESS: Hook = Hook {
+    icmp_dirs: icmp::FORWARD | icmp::REPLY,
+    pod: false,
+    routes: true,
+};
+const EXT_EGRESS: Hook = Hook {
+    icmp_dirs: icmp::REPLY,
+    pod: false,
+    routes: false,
+};
+const POD_INGRESS: Hook = Hook {
+    icmp_dirs: icmp::FORWARD,
+    pod: true,
+    routes: false,
+};
+const POD_EGRESS: Hook = Hook {
+    icmp_dirs: icmp::REPLY,
+    pod: true,
+    routes: false,
+};
+
+/// Parses the packet into `s.p`; `None` when it is a TCP or UDP packet to consider,
+/// otherwise the verdict: ICMP errors are translated when they are about our flows; what
+/// cannot be parsed, and later fragments, pass and are counted.
+#[inline(always)]
+fn parse_or_pass(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
+    match pkt::parse(ctx, &mut s.p) {
+        parsed::L4 => None,
+        parsed::ICMP_ERROR => Some(icmp_error(ctx, s, hook)),
+        parsed::UNPARSED => {
+            dev_count(s.p.ifindex, pkt_stat::PASS_UNPARSED);
+            Some(OK)
+        }
+        parsed::FRAGMENT => {
+            dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
+            Some(OK)
+        }
+        _ => Some(OK),
+    }
+}
+
+/// An ICMP error: translated when it is about one of our flows. Only the external ingress
+/// forwards one itself (when its source became a frontend or SNAT address); elsewhere the
+/// stack, or the device it is leaving by, takes it.
+#[inline(never)]
+fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
+    let ifindex = s.p.ifindex;
+    match icmp::translate(ctx, s, hook.icmp_dirs, hook.pod, now()) {
+        icmp::TRANSLATED => {
+            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            OK
+        }
+        icmp::TRANSLATED_SRC => {
+            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            if !hook.routes {
+                return OK;
+            }
+            route_icmp(ctx, s)
+        }
+        icmp::UNPARSED => {
+            dev_count(ifindex, pkt_stat::PASS_UNPARSED);
+            OK
+        }
+        icmp::FAILED => {
+            dev_count(ifindex, pkt_stat::ERR_REWRITE);
+            SHOT
+        }
+        _ => OK,
+    }
+}
+
+/// Forwards a translated ICMP error whose source became a frontend or SNAT address.
+#[inline(never)]
+fn route_icmp(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    // The outer header as translated: read again rather than carried back.
+    if pkt::parse(ctx, &mut s.p) != parsed::ICMP_ERROR {
+        return OK;
+    }
+    let p = &s.p;
+    let v6 = p.v6 != 0;
+    fwd::lookup(ctx, v6, &p.saddr, &p.daddr, p.ifindex, 0, &mut s.route);
+    if !fwd::usable(&s.route) || !nat::dec_ttl(ctx, v6) {
+        return OK;
+    }
+    fwd::redirect(ctx, v6, &s.route)
+}
+
+/// Rewrites the packet to `s.src` -> `s.dst` and hands it to the stack. `reason` is counted
+/// on success.
+#[inline(always)]
+fn to_stack(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+    if !nat::rewrite(ctx, &s.p, &s.src, &s.dst) {
+        dev_count(s.p.ifindex, pkt_stat::ERR_REWRITE);
+        return SHOT;
+    }
+    dev_count(s.p.ifindex, reason);
+    OK
+}
+
+/// Rewrites the packet to `s.src` -> `s.dst` and sends it where `s.route` says, as a
+/// forwarding router would (TTL counted). A route that cannot be followed leaves it to the
+/// stack.
+#[inline(always)]
+fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+    let verdict = to_stack(ctx, s, reason);
+    if verdict != OK || !fwd::usable(&s.route) {
+        return verdict;
+    }
+    let v6 = s.p.v6 != 0;
+    if !nat::dec_ttl(ctx, v6) {
+        return SHOT;
+    }
+    fwd::redirect(ctx, v6, &s.route)
+}
+
+/// Whether the route lookup found the packet too large for the route, and it may not be
+/// fragmented: then its sender gets an ICMP fragmentation needed / packet too big instead
+/// (from the address it sent to), so PMTU discovery works through the translation.
+#[inline(always)]
+fn too_big(s: &Scratch) -> bool {
+    s.route.ret == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64 && s.p.df != 0
+}
+
+#[inline(always)]
+fn send_too_big(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    dev_count(s.p.ifindex, pkt_stat::TOO_BIG);
+    // SAFETY: the lookup wrote the MTU into the union's output member.
+    let mtu = unsafe { s.route.params.__bindgen_anon_1.mtu_result } as u32;
+    reject::icmp_error(ctx, s, reject::Kind::TooBig(mtu))
+}
+
+/// A packet that must leave from a node address or a frontend: routed to `s.dst` here (the
+/// stack's forwarding would drop it as a martian).
+#[inline(never)]
+fn send_routed(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
+    let p = &s.p;
+    fwd::lookup(
+        ctx,
+        p.v6 != 0,
+        &s.src.addr,
+        &s.dst.addr,
+        p.ifindex,
+        0,
+        &mut s.route,
+    );
+    if too_big(s) {
+        return send_too_big(ctx, s);
+    }
+    to_route(ctx, s, reason)
+}
+
+#[inline(always)]
+fn in_snat_range(port_be: u16) -> bool {
+    let (min, max) = ct::snat_range();
+    let port = u16::from_be(port_be);
+    port >= min && port <= max
+}
+
+/// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
+/// translation it gives into `s.src`/`s.dst`.
+#[inline(always)]
+fn known(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> bool {
+    let key = ct::key_of(&s.p, dir);
+    if !ct::lookup(&key, pod, ct::packet_flags(&s.p, dir), now, &mut s.v) {
+        return false;
+    }
+    ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
+    true
+}
+
+// ---------------------------------------------------------------------------------------
+// External devices.
+
+#[inline(always)]
+pub fn ext_ingress(ctx: &TcContext) -> i32 {
+    let Some(s) = scratch::get() else {
+        return OK;
+    };
+    if let Some(verdict) = parse_or_pass(ctx, s, EXT_INGRESS) {
+        return verdict;
+    }
+    let now = now();
+    if known(s, ct_dir::FORWARD, false, now) {
+        if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
+            // To a local backend, from the client itself (its port remapped, perhaps: see
+            // `ext_new_remapped`): the stack delivers it.
+            return to_stack(ctx, s, pkt_stat::CT_HIT);
+        }
+        return send_routed(ctx, s, pkt_stat::CT_HIT);
+    }
+    let node = lb::node_addr_flags(&s.p.daddr);
+    if node & node_addr_flags::SNAT != 0
+        && in_snat_range(s.p.dport_be)
+        && known(s, ct_dir::REPLY, false, now)
+    {
+        // A remote backend's reply, to the address and port its flow was SNATed to: from
+        // the frontend to the client, forwarded here (its new source is a node address or
+        // a frontend).
+        return send_routed(ctx, s, pkt_stat::REPLY);
+    }
+    match ext_frontend(s, node, now) {
+        NEW_LOCAL => match ext_new_local(ctx, s) {
+            REMAP => ext_new_remapped(ctx, s),
+            verdict => verdict,
+        },
+        NEW_SNAT => ext_new_snat(ctx, s),
+        REJECT => reject::reject(ctx, s),
+        verdict => verdict as i32,
+    }
+}
+
+/// What a frontend lookup leaves to do besides a verdict: store the new flow in `s.new` and
+/// send its first packet (to `s.dst`), SNATed or not. Siblings of the lookup rather than its
+/// callees, so their stack frames do not add up.
+const NEW_LOCAL: u32 = 0x100;
+const NEW_SNAT: u32 = 0x101;
+/// Reject the packet (`reject::reject`).
+const REJECT: u32 = 0x102;
+
+/// A packet that is no known flow: the first of a new one if its destination is an external
+/// frontend. Returns a verdict, `NEW_LOCAL`, `NEW_SNAT` or `REJECT`.
+#[inline(never)]
+fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
+    let p = &s.p;
+    let mut key = ServiceKey {
+        addr: p.daddr,
+        port_be: p.dport_be,
+        proto: p.proto,
+        scope: scope::EXTERNAL,
+    };
+    let mut svc = ServiceValue::default();
+    let mut found = lb::lookup(&key, &mut svc);
+    if found == lb::NOT_SERVICE && lb::nodeport_key(&mut key, node) {
+        found = lb::lookup(&key, &mut svc);
+    }
+    if found != lb::FOUND {
+        return OK as u32;
+    }
+    if svc.flags & svc_flags::SOURCE_RANGES != 0
+        && SVC_SRC_RANGES
+            .get(&src_range_key(svc.id, &p.saddr))
+            .is_none()
+    {
+        dev_count(p.ifindex, pkt_stat::DROP_SOURCE_RANGE);
+        return SHOT as u32;
+    }
+    let caller = Packet {
+        client: p.saddr,
+        now,
+    };
+    let mut d = lb::Decision::default();
+    match lb::decide_with(&key, svc, &caller, &mut d) {
+        lb::FOUND => {}
+        stat::REFUSED_NO_BACKEND => {
+            if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
+                dev_count(p.ifindex, pkt_stat::DROP_NO_LOCAL_BACKEND);
+                return SHOT as u32;
+            }
+            count(stat::REFUSED_NO_BACKEND);
+            dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
+            return REJECT;
+        }
+        other => {
+            count(other);
+            dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
+            return SHOT as u32;
+        }
+    }
+    s.dst = Endpoint {
+        addr: d.backend.addr,
+        port_be: d.backend.port_be,
+    };
+    new_flow(&mut s.new, p, &s.dst, svc.id, 0, now);
+    // Under externalTrafficPolicy Local every backend is local and the client is kept.
+    if d.backend.flags & backend_flags::LOCAL != 0 || svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
+        return NEW_LOCAL;
+    }
+    NEW_SNAT
+}
+
+/// The two entries of a new flow from `p` to `backend` for frontend `id`, `flags` on both.
+#[inline(always)]
+fn new_flow(f: &mut Flow, p: &Pkt, backend: &Endpoint, id: u32, flags: u16, now: u64) {
+    f.key = ct::key_of(p, ct_dir::FORWARD);
+    f.fwd = CtValue {
+        nat_addr: backend.addr,
+        nat_port_be: backend.port_be,
+        flags,
+        id,
+        ifindex: p.ifindex,
+        last_seen_ns: now,
+        ..Default::default()
+    };
+    f.rep = CtValue {
+        nat_addr: p.daddr,
+        nat_port_be: p.dport_be,
+        flags,
+        id,
+        ifindex: p.ifindex,
+        last_seen_ns: now,
+        ..Default::default()
+    };
+    f.now = now;
+}
+
+/// The new flow is SNATed to `addr` (its port is chosen when it is stored): the reply goes
+/// back to the client.
+#[inline(always)]
+fn snat_flow(f: &mut Flow, p: &Pkt, addr: &[u8; 16]) {
+    f.fwd.flags |= ct_flags::SNAT;
+    f.fwd.snat_addr = *addr;
+    f.rep.flags |= ct_flags::SNAT;
+    f.rep.snat_addr = p.saddr;
+    f.rep.snat_port_be = p.sport_be;
+}
+
+/// `ext_new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc
+/// verdict; `ext_new_remapped` takes the packet instead (a sibling call, not a callee, so the
+/// SNAT port search does not stack on this frame).
+const REMAP: i32 = 0x100;
+
+/// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
+/// client to `s.dst`.
+#[inline(never)]
+fn ext_new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    match ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
+        ct::CREATED => {}
+        ct::CLASH => return REMAP,
+        _ => {
+            dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+            return SHOT;
+        }
+    }
+    count(stat::TRANSLATED);
+    s.src = Endpoint {
+        addr: s.p.saddr,
+        port_be: s.p.sport_be,
+    };
+    to_stack(ctx, s, pkt_stat::NEW)
+}
+
+/// A new flow to a local backend whose reply tuple another live flow holds (the same client
+/// address and port, through another frontend of the backend): the client keeps its address
+/// and gets another source port from the SNAT range, as conntrack's clash resolution does,
+/// so neither flow's replies are taken for the other's.
+#[inline(never)]
+fn ext_new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    let client = s.p.saddr;
+    snat_flow(&mut s.new, &s.p, &client);
+    if !store_snat(s) {
+        return SHOT;
+    }
+    to_stack(ctx, s, pkt_stat::NEW)
+}
+
+/// Stores a SNATed flow (its port chosen); false when it cannot be (counted: the packet is
+/// dropped).
+#[inline(always)]
+fn store_snat(s: &mut Scratch) -> bool {
+    match ct::create_snat(&mut s.new) {
+        ct::SNAT_OK => {
+            count(stat::TRANSLATED);
+            s.src = Endpoint {
+                addr: s.new.fwd.snat_addr,
+                port_be: s.new.fwd.snat_port_be,
+            };
+            true
+        }
+        ct::SNAT_EXHAUSTED => {
+            dev_count(s.p.ifindex, pkt_stat::DROP_SNAT_EXHAUSTED);
+            false
+        }
+        _ => {
+            dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+            false
+        }
+    }
+}
+
+/// A new flow to a backend on another node (`s.dst`): SNATed to a node address, so the reply
+/// comes back through this node. The address is the source the route to the backend prefers
+/// (as MASQUERADE picks it), if `NODE_ADDRS` allows it for SNAT; else the node address the
+/// client sent to, if allowed; else the packet is dropped (counted `ERR_REWRITE`).
+#[inline(never)]
+fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    let v6 = s.p.v6 != 0;
+    let ifindex = s.p.ifindex;
+    let zero = [0u8; 16];
+    fwd::lookup(
+        ctx,
+        v6,
+        &zero,
+        &s.dst.addr,
+        ifindex,
+        fwd::LOOKUP_SRC,
+        &mut s.route,
+    );
+    if too_big(s) {
+        return send_too_big(ctx, s);
+    }
+    let mut snat = [0u8; 16];
+    fwd::route_src(&s.route, v6, &mut snat);
+    let routed = fwd::usable(&s.route);
+    if !routed || lb::node_addr_flags(&snat) & node_addr_flags::SNAT == 0 {
+        if lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT == 0 {
+            dev_count(ifindex, pkt_stat::ERR_REWRITE);
+            return SHOT;
+        }
+        snat = s.p.daddr;
+    }
+    snat_flow(&mut s.new, &s.p, &snat);
+    if !store_snat(s) {
+        return SHOT;
+    }
+    if !routed {
+        // The lookup with the source named no usable route: ask again, from the address the
+        // packet now leaves with.
+        fwd::lookup(ctx, v6, &s.src.addr, &s.dst.addr, ifindex, 0, &mut s.route);
+    }
+    to_route(ctx, s, pkt_stat::NEW)
+}
+
+#[inline(always)]
+pub fn ext_egress(ctx: &TcContext) -> i32 {
+    let Some(s) = scratch::get() else {
+        return OK;
+    };
+    if let Some(verdict) = parse_or_pass(ctx, s, EXT_EGRESS) {
+        return verdict;
+    }
+    if !known(s, ct_dir::REPLY, false, now()) {
+        return OK;
+    }
+    // A local backend's reply, leaving: it comes from the frontend.
+    to_stack(ctx, s, pkt_stat::REPLY)
+}
+
+// ---------------------------------------------------------------------------------------
+// Pod devices: per-packet ClusterIP.
+
+#[inline(always)]
+pub fn pod_ingress(ctx: &TcContext) -> i32 {
+    let Some(s) = scratch::get() else {
+        return OK;
+    };
+    if let Some(verdict) = parse_or_pass(ctx, s, POD_INGRESS) {
+        return verdict;
+    }
+    let now = now();
+    if known(s, ct_dir::FORWARD, true, now) {
+        return pod_send(ctx, s, pkt_stat::CT_HIT);
+    }
+    // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
+    // SNAT port.
+    if in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
+        return pod_send(ctx, s, pkt_stat::REPLY);
+    }
+    match pod_frontend(s, now) {
+        NEW_LOCAL => pod_new(ctx, s),
+        NEW_SNAT => pod_new_hairpin(ctx, s),
+        REJECT => reject::reject(ctx, s),
+        verdict => verdict as i32,
+    }
+}
+
+/// Sends a pod flow's packet on: to the stack, or straight back into the pod's device when
+/// the flow is a pod reaching itself (SNAT: the stack would take the frontend as a martian
+/// source).
+#[inline(always)]
+fn pod_send(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+    let verdict = to_stack(ctx, s, reason);
+    if verdict != OK || s.v.flags & ct_flags::SNAT == 0 {
+        return verdict;
+    }
+    fwd::bounce(ctx, s.p.ifindex)
+}
+
+/// A packet that is no known flow: the first of a new one if its destination is a
+/// cluster frontend. Returns a verdict, `NEW_LOCAL` (DNAT only), `NEW_SNAT` (hairpin) or
+/// `REJECT`.
+#[inline(never)]
+fn pod_frontend(s: &mut Scratch, now: u64) -> u32 {
+    let p = &s.p;
+    let mut key = ServiceKey {
+        addr: p.daddr,
+        port_be: p.dport_be,
+        proto: p.proto,
+        scope: scope::CLUSTER,
+    };
+    let mut svc = ServiceValue::default();
+    let caller = Packet {
+        client: p.saddr,
+        now,
+    };
+    let mut d = lb::Decision::default();
+    let mut outcome = lb::resolve(&mut key, &mut svc);
+    if outcome == lb::FOUND {
+        outcome = lb::decide_with(&key, svc, &caller, &mut d);
+    }
+    match outcome {
+        lb::FOUND => {}
+        lb::NOT_SERVICE => return OK as u32,
+        stat::REFUSED_NO_BACKEND | stat::REFUSED_NO_PORT => {
+            // A ClusterIP's undefined port, or a frontend without backends: refused, as a
+            // socket's connect() would be.
+            count(outcome);
+            dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
+            return REJECT;
+        }
+        other => {
+            count(other);
+            dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
+            return SHOT as u32;
+        }
+    }
+    s.dst = Endpoint {
+        addr: d.backend.addr,
+        port_be: d.backend.port_be,
+    };
+    new_flow(&mut s.new, p, &s.dst, svc.id, ct_flags::POD, now);
+    if d.backend.addr != p.saddr {
+        return NEW_LOCAL;
+    }
+    NEW_SNAT
+}
+
+#[inline(never)]
+fn pod_new(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    // A clash (the pod's port already reaching this backend through another frontend) is
+    // dropped, counted, rather than taking the other flow's replies: the per-packet path has
+    // no port remapping (its SNATed flows are the pod reaching itself).
+    if ct::create(&s.new.key, &s.new.fwd, &s.new.rep) != ct::CREATED {
+        dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+        return SHOT;
+    }
+    count(stat::TRANSLATED);
+    s.src = Endpoint {
+        addr: s.p.saddr,
+        port_be: s.p.sport_be,
+    };
+    to_stack(ctx, s, pkt_stat::NEW)
+}
+
+/// The pod is its own backend: it must see the packet come from elsewhere, or it would
+/// answer itself inside its own namespace. From the frontend, on a SNAT port; straight back
+/// into its device.
+#[inline(never)]
+fn pod_new_hairpin(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    let frontend = s.p.daddr;
+    snat_flow(&mut s.new, &s.p, &frontend);
+    if !store_snat(s) {
+        return SHOT;
+    }
+    let verdict = to_stack(ctx, s, pkt_stat::NEW);
+    if verdict != OK {
+        return verdict;
+    }
+    fwd::bounce(ctx, s.p.ifindex)
+}
+
+#[inline(always)]
+pub fn pod_egress(ctx: &TcContext) -> i32 {
+    let Some(s) = scratch::get() else {
+        return OK;
+    };
+    if let Some(verdict) = parse_or_pass(ctx, s, POD_EGRESS) {
+        return verdict;
+    }
+    if !known(s, ct_dir::REPLY, true, now()) {
+        return OK;
+    }
+    // A reply to a pod: it comes from the ClusterIP the pod sent to.
+    to_stack(ctx, s, pkt_stat::REPLY)
+}

@@ -1,0 +1,136 @@
+//! The packet datapath's topology, in network namespaces made here:
+//!
+//! ```text
+//!  client  10.77.0.100 fd77::100 ─┐
+//!  client2 10.77.0.101 fd77::101 ─┤  lan (a bridge: the node network)
+//!  node 1  10.77.0.1   fd77::1   ─┤  eth0 (the agent's device in the tests and the demo)
+//!  node 2  10.77.0.2   fd77::2   ─┘
+//!  node 1 ── podh ── pod1 10.244.1.2 fd00:244:1::2   (a backend on node 1)
+//!  node 2 ── podh ── pod2 10.244.2.2 fd00:244:2::2   (a backend on node 2)
+//! ```
+//!
+//! The clients route 10.77.100.0/24 and fd77:100::/64 (ExternalIPs, LoadBalancer IPs) to node
+//! 1, as a router or a cloud load balancer would; nothing else is routed anywhere, so no
+//! packet leaves the namespaces. The nodes forward, and each routes the other's pod network
+//! through it. Every namespace is deleted on drop.
+
+use anyhow::{Context, Result};
+
+use crate::netns::{veth_pair, NetNs};
+use crate::sys::run;
+
+pub const CLIENT: &str = "10.77.0.100";
+pub const CLIENT2: &str = "10.77.0.101";
+pub const CLIENT6: &str = "fd77::100";
+pub const NODE1: &str = "10.77.0.1";
+pub const NODE1_6: &str = "fd77::1";
+pub const NODE2: &str = "10.77.0.2";
+pub const POD1: &str = "10.244.1.2";
+pub const POD1_6: &str = "fd00:244:1::2";
+pub const POD2: &str = "10.244.2.2";
+pub const POD2_6: &str = "fd00:244:2::2";
+
+/// The namespaces, as fields so that a test can reach each; all are deleted on drop.
+pub struct Nodes {
+    pub lan: NetNs,
+    pub client: NetNs,
+    pub client2: NetNs,
+    pub node1: NetNs,
+    pub node2: NetNs,
+    pub pod1: NetNs,
+    pub pod2: NetNs,
+}
+
+impl Nodes {
+    pub fn new() -> Result<Nodes> {
+        // Prefixes `svc-c`/`svc-b` are the ones `sys::clean_stale` removes after a killed run.
+        let nodes = Nodes {
+            lan: NetNs::new("svc-b")?,
+            client: NetNs::new("svc-c")?,
+            client2: NetNs::new("svc-c")?,
+            node1: NetNs::new("svc-b")?,
+            node2: NetNs::new("svc-b")?,
+            pod1: NetNs::new("svc-b")?,
+            pod2: NetNs::new("svc-b")?,
+        };
+        let n = &nodes;
+        n.lan.ip(["link", "add", "br0", "type", "bridge"])?;
+        n.lan.ip(["link", "set", "br0", "up"])?;
+        client_ns(&n.lan, "c1", &n.client, CLIENT, CLIENT6)?;
+        client_ns(&n.lan, "c2", &n.client2, CLIENT2, "fd77::101")?;
+        node(&n.lan, "n1", &n.node1, NODE1, NODE1_6, &n.pod1, 1)?;
+        node(&n.lan, "n2", &n.node2, NODE2, "fd77::2", &n.pod2, 2)?;
+        n.node1
+            .ip(["route", "add", "10.244.2.0/24", "via", NODE2])?;
+        n.node1
+            .ip(["-6", "route", "add", "fd00:244:2::/64", "via", "fd77::2"])?;
+        n.node2
+            .ip(["route", "add", "10.244.1.0/24", "via", NODE1])?;
+        n.node2
+            .ip(["-6", "route", "add", "fd00:244:1::/64", "via", NODE1_6])?;
+        Ok(nodes)
+    }
+}
+
+fn sysctl(ns: &NetNs, setting: &str) -> Result<()> {
+    run("ip", ["netns", "exec", ns.name(), "sysctl", "-qw", setting])
+        .with_context(|| format!("sysctl {setting} in {}", ns.name()))?;
+    Ok(())
+}
+
+/// A node: its uplink `eth0` on the lan bridge, a pod behind `podh`, forwarding on.
+fn node(
+    lan: &NetNs,
+    port: &str,
+    node_ns: &NetNs,
+    v4: &str,
+    v6: &str,
+    pod: &NetNs,
+    pod_net: u8,
+) -> Result<()> {
+    veth_pair(lan, port, node_ns, "eth0")?;
+    lan.ip(["link", "set", port, "master", "br0"])?;
+    node_ns.add_addr("eth0", &format!("{v4}/24"))?;
+    node_ns.add_addr("eth0", &format!("{v6}/64"))?;
+    veth_pair(node_ns, "podh", pod, "eth0")?;
+    node_ns.add_addr("podh", &format!("10.244.{pod_net}.1/24"))?;
+    node_ns.add_addr("podh", &format!("fd00:244:{pod_net}::1/64"))?;
+    pod.add_addr("eth0", &format!("10.244.{pod_net}.2/24"))?;
+    pod.add_addr("eth0", &format!("fd00:244:{pod_net}::2/64"))?;
+    pod.ip([
+        "route",
+        "add",
+        "default",
+        "via",
+        &format!("10.244.{pod_net}.1"),
+    ])?;
+    pod.ip([
+        "-6",
+        "route",
+        "add",
+        "default",
+        "via",
+        &format!("fd00:244:{pod_net}::1"),
+    ])?;
+    for s in [
+        "net.ipv4.ip_forward=1",
+        "net.ipv6.conf.all.forwarding=1",
+        "net.ipv4.conf.all.rp_filter=0",
+        "net.ipv4.conf.default.rp_filter=0",
+    ] {
+        sysctl(node_ns, s)?;
+    }
+    Ok(())
+}
+
+fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> Result<()> {
+    veth_pair(lan, port, ns, "eth0")?;
+    lan.ip(["link", "set", port, "master", "br0"])?;
+    ns.add_addr("eth0", &format!("{v4}/24"))?;
+    ns.add_addr("eth0", &format!("{v6}/64"))?;
+    // ExternalIPs and LoadBalancer IPs are routed to node 1 (a router's or a cloud load
+    // balancer's job); nothing else is routed anywhere.
+    ns.ip(["route", "add", "10.77.100.0/24", "via", NODE1])?;
+    ns.ip(["-6", "route", "add", "fd77:100::/64", "via", NODE1_6])?;
+    Ok(())
+}

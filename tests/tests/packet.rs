@@ -1,0 +1,1436 @@
+//! The packet datapath (tc) as a user outside the cluster sees it, on the topology of
+//! network namespaces `svc_tests::topology` makes (an external client and a second one, node
+//! 1 whose uplink `eth0` carries the programs, node 2, a pod on each).
+//!
+//! The agent runs inside node 1's namespace (nsenter) with `--devices eth0`, so it only ever
+//! sees and attaches to that namespace's devices; no traffic leaves the namespaces. Clients and
+//! backends are threads of this process that entered a namespace (setns), and they sit outside
+//! the agent's cgroup, so the socket hooks never see them: what they get is the tc programs'
+//! work. Each backend answers with its name and the client address it saw.
+
+mod common;
+
+use std::{
+    fs::File,
+    io::{BufRead, BufReader, Read, Write},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use common::poll;
+use serde_json::{json, Value};
+use svc_tests::{
+    netns::veth_pair,
+    require_root,
+    sandbox::AGENT_READY_TIMEOUT,
+    topology::{Nodes, CLIENT, CLIENT2, CLIENT6, NODE1, NODE1_6, POD1, POD1_6, POD2, POD2_6},
+    Agent, Bpffs, Manifests, NetNs, TestCgroup, Tools,
+};
+
+const EXTERNAL_IP: &str = "10.77.100.10";
+const LB_IP: &str = "10.77.100.20";
+const ETP_LB_IP: &str = "10.77.100.30";
+const EXTERNAL_IP6: &str = "fd77:100::10";
+const LB_IP6: &str = "fd77:100::20";
+
+/// How long a client waits for an answer that should come (a 2-core machine shared with
+/// other tests), and how long it waits to conclude that a dropped packet got none.
+const ANSWER: Duration = Duration::from_secs(3);
+const SILENCE: Duration = Duration::from_millis(1500);
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("address literal")
+}
+
+fn sa(addr: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip(addr), port)
+}
+
+// ---------------------------------------------------------------------------------------
+// Threads in a namespace.
+
+/// Moves the calling thread into network namespace `path` (only this thread: a network
+/// namespace is per task).
+fn enter(path: &std::path::Path) -> std::io::Result<()> {
+    let f = File::open(path)?;
+    // SAFETY: a valid fd of a namespace file; affects only the calling thread.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Starts `f` in a new thread inside `ns`.
+fn spawn_in<T: Send + 'static>(
+    ns: &NetNs,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> JoinHandle<T> {
+    let path = ns.path();
+    std::thread::spawn(move || {
+        enter(&path).unwrap_or_else(|e| panic!("entering {}: {e}", path.display()));
+        f()
+    })
+}
+
+/// Runs `f` in a thread inside `ns` and returns what it returned.
+fn in_ns<T: Send + 'static>(ns: &NetNs, f: impl FnOnce() -> T + Send + 'static) -> T {
+    spawn_in(ns, f)
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+// ---------------------------------------------------------------------------------------
+// Backends: TCP and UDP echo servers that answer `NAME SEEN-CLIENT-ADDRESS`.
+
+struct Echo {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Echo {
+    /// Serves TCP `tcp_port` and UDP `udp_port` on each of `addrs` inside `ns`, as `name`.
+    fn start(ns: &NetNs, name: &str, addrs: &[&str], tcp_port: u16, udp_port: u16) -> Echo {
+        let stop = Arc::new(AtomicBool::new(false));
+        let addrs: Vec<IpAddr> = addrs.iter().map(|a| ip(a)).collect();
+        let (name, stop2) = (name.to_string(), stop.clone());
+        let sockets = in_ns(ns, move || {
+            let mut out = Vec::new();
+            for a in addrs {
+                let t = TcpListener::bind(SocketAddr::new(a, tcp_port))
+                    .unwrap_or_else(|e| panic!("binding {a}:{tcp_port}: {e}"));
+                t.set_nonblocking(true).unwrap();
+                let u = UdpSocket::bind(SocketAddr::new(a, udp_port))
+                    .unwrap_or_else(|e| panic!("binding {a}:{udp_port}: {e}"));
+                u.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                out.push((t, u));
+            }
+            out
+        });
+        let mut threads = Vec::new();
+        for (t, u) in sockets {
+            let (n, s) = (name.clone(), stop2.clone());
+            threads.push(std::thread::spawn(move || serve_tcp(t, &n, &s)));
+            let (n, s) = (name.clone(), stop2.clone());
+            threads.push(std::thread::spawn(move || serve_udp(u, &n, &s)));
+        }
+        Echo { stop, threads }
+    }
+}
+
+impl Drop for Echo {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve_tcp(l: TcpListener, name: &str, stop: &Arc<AtomicBool>) {
+    let mut conns = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        match l.accept() {
+            Ok((c, peer)) => {
+                let (name, stop) = (name.to_string(), stop.clone());
+                conns.push(std::thread::spawn(move || {
+                    let _ = c.set_nonblocking(false);
+                    let _ = c.set_read_timeout(Some(Duration::from_millis(100)));
+                    let mut r = BufReader::new(&c);
+                    let mut line = String::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        match r.read_line(&mut line) {
+                            Ok(0) => break,
+                            Ok(_) => {
+                                let reply = format!("{name} {}\n", peer.ip());
+                                if (&c).write_all(reply.as_bytes()).is_err() {
+                                    break;
+                                }
+                                line.clear();
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) => {}
+                            Err(_) => break,
+                        }
+                    }
+                }));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    for c in conns {
+        let _ = c.join();
+    }
+}
+
+fn serve_udp(s: UdpSocket, name: &str, stop: &Arc<AtomicBool>) {
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((_, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(format!("{name} {}", from.ip()).as_bytes(), from);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Clients.
+
+/// What a client got from a backend: who answered, and the client address the backend saw.
+#[derive(Debug, PartialEq, Eq)]
+struct Answer {
+    backend: String,
+    saw: IpAddr,
+}
+
+fn parse_answer(text: &str) -> std::io::Result<Answer> {
+    let (backend, saw) = text
+        .trim()
+        .split_once(' ')
+        .ok_or_else(|| std::io::Error::other(format!("odd answer {text:?}")))?;
+    Ok(Answer {
+        backend: backend.to_string(),
+        saw: saw
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("odd answer {text:?}")))?,
+    })
+}
+
+/// One TCP connection to `to` and one exchange; the connection's peer must be `to` itself.
+fn tcp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let c = TcpStream::connect_timeout(&to, timeout)?;
+    let peer = c.peer_addr()?;
+    if peer != to {
+        return Err(std::io::Error::other(format!("peer {peer}, not {to}")));
+    }
+    c.set_read_timeout(Some(timeout))?;
+    (&c).write_all(b"x\n")?;
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line)?;
+    let _ = c.shutdown(Shutdown::Both);
+    parse_answer(&line)
+}
+
+/// One UDP exchange with `to` from an unconnected socket; the reply must come from `to`.
+fn udp_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send_to(b"x", to)?;
+    let mut buf = [0u8; 512];
+    let (n, from) = s.recv_from(&mut buf)?;
+    if from != to {
+        return Err(std::io::Error::other(format!(
+            "reply from {from}, not {to}"
+        )));
+    }
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// A connected UDP socket's exchange: an ICMP port unreachable shows as ECONNREFUSED.
+fn udp_connected_once(to: SocketAddr, timeout: Duration) -> std::io::Result<Answer> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.connect(to)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.send(b"x")?;
+    let mut buf = [0u8; 512];
+    let n = s.recv(&mut buf)?;
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// `GET /` over HTTP/1.1: status and body.
+fn http_get(to: SocketAddr) -> std::io::Result<(u16, String)> {
+    http_get_path(to, "/")
+}
+
+fn http_get_path(to: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut c = TcpStream::connect_timeout(&to, ANSWER)?;
+    c.set_read_timeout(Some(ANSWER))?;
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    c.read_to_string(&mut text)?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no end of headers: {text:?}")))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no status: {head:?}")))?;
+    Ok((status, body.to_string()))
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
+}
+
+/// How many programs are attached to `dev` of `ns` through tcx, ingress and egress
+/// (BPF_PROG_QUERY; the Debian bpftool here predates tcx and does not list them).
+fn tcx_programs(ns: &NetNs, dev: &str) -> (u32, u32) {
+    let dev = std::ffi::CString::new(dev).expect("device name");
+    in_ns(ns, move || {
+        // SAFETY: a valid NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(dev.as_ptr()) };
+        assert_ne!(ifindex, 0, "no device {dev:?}");
+        let query = |attach_type: u32| {
+            // union bpf_attr, query: target_ifindex, attach_type, query_flags, attach_flags,
+            // prog_ids (u64, null: count only), prog_cnt (u32, at 24).
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[4..8].copy_from_slice(&attach_type.to_ne_bytes());
+            const BPF_PROG_QUERY: libc::c_long = 16;
+            // SAFETY: attr is a zeroed bpf_attr of the size given.
+            let r = unsafe {
+                libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, attr.as_mut_ptr(), attr.len())
+            };
+            assert_eq!(r, 0, "BPF_PROG_QUERY: {}", std::io::Error::last_os_error());
+            u32::from_ne_bytes(attr[24..28].try_into().unwrap())
+        };
+        const BPF_TCX_INGRESS: u32 = 46;
+        const BPF_TCX_EGRESS: u32 = 47;
+        (query(BPF_TCX_INGRESS), query(BPF_TCX_EGRESS))
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The topology.
+
+/// Fields drop in declaration order: the agent stops first, then its pins go (uninstall),
+/// then the backends, and the namespaces and the cgroup last.
+struct Topo {
+    agent: Option<Agent>,
+    bpffs: Bpffs,
+    _echo: Vec<Echo>,
+    m: Manifests,
+    tools: Tools,
+    client: NetNs,
+    client2: NetNs,
+    node1: NetNs,
+    node2: NetNs,
+    pod1: NetNs,
+    _pod2: NetNs,
+    _lan: NetNs,
+    cgroup: TestCgroup,
+}
+
+impl Topo {
+    fn new() -> Topo {
+        require_root();
+        let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
+        let cgroup = TestCgroup::new().expect("cgroup");
+        let Nodes {
+            lan,
+            client,
+            client2,
+            node1,
+            node2,
+            pod1,
+            pod2,
+        } = Nodes::new().expect("building the topology");
+        let echo = vec![
+            Echo::start(&pod1, "pod1", &[POD1, POD1_6], 8080, 5353),
+            Echo::start(&pod2, "pod2", &[POD2, POD2_6], 8080, 5353),
+        ];
+        let m = Manifests::new().expect("manifests");
+        let bpffs = Bpffs::new(&tools.agent, cgroup.path()).expect("bpffs");
+        Topo {
+            agent: None,
+            bpffs,
+            _echo: echo,
+            m,
+            tools,
+            client,
+            client2,
+            node1,
+            node2,
+            pod1,
+            _pod2: pod2,
+            _lan: lan,
+            cgroup,
+        }
+    }
+
+    /// Starts the agent inside node 1 on its uplink, and waits until it is ready.
+    fn start_agent(&mut self) {
+        self.start_agent_with(&[]);
+    }
+
+    /// `start_agent` with more flags.
+    fn start_agent_with(&mut self, extra: &[&str]) {
+        let source = ["--manifests".into(), self.m.dir().into()];
+        self.start_agent_from(source, extra);
+    }
+
+    /// Starts the agent with `source` (`--manifests DIR` or `--kubeconfig FILE`) and `extra`.
+    fn start_agent_from(&mut self, source: [std::ffi::OsString; 2], extra: &[&str]) {
+        let [flag, value] = source;
+        let args: Vec<std::ffi::OsString> = [
+            "run".into(),
+            flag,
+            value,
+            "--cgroup".into(),
+            self.cgroup.path().into(),
+            "--bpffs".into(),
+            self.bpffs.path().into(),
+            "--node-name".into(),
+            "node-1".into(),
+            // Always named: a test never lets the agent choose devices.
+            "--devices".into(),
+            "eth0".into(),
+        ]
+        .into_iter()
+        .chain(extra.iter().map(Into::into))
+        .collect();
+        let launcher = [
+            "nsenter".into(),
+            format!("--net={}", self.node1.path().display()).into(),
+        ];
+        let mut agent = Agent::start_launched(
+            &launcher,
+            &self.tools.agent,
+            args,
+            self.bpffs.path(),
+            self.m.scratch(),
+        )
+        .expect("starting the agent");
+        agent.wait_ready(AGENT_READY_TIMEOUT).expect("agent ready");
+        self.agent = Some(agent);
+    }
+
+    fn agent(&mut self) -> &mut Agent {
+        self.agent.as_mut().expect("agent started")
+    }
+
+    /// How many programs run on node 1's eth0 (tcx ingress, tcx egress).
+    fn node1_eth0_programs(&self) -> (u32, u32) {
+        tcx_programs(&self.node1, "eth0")
+    }
+
+    fn service(&self, name: &str, value: Value) {
+        self.m
+            .write_value(&format!("svc-demo-{name}.yaml"), &value)
+            .expect("writing a Service");
+    }
+
+    /// EndpointSlices (one per family) of `service`: TCP 8080 and UDP 5353 on the given pods.
+    fn endpoints(&self, service: &str, pods: &[(&str, &str, &str)]) {
+        for (family, v6) in [("IPv4", false), ("IPv6", true)] {
+            let endpoints: Vec<Value> = pods
+                .iter()
+                .map(|(v4a, v6a, node)| {
+                    json!({
+                        "addresses": [if v6 { v6a } else { v4a }],
+                        "conditions": {"ready": true, "serving": true, "terminating": false},
+                        "nodeName": node,
+                    })
+                })
+                .collect();
+            let name = format!("{service}-{}", family.to_lowercase());
+            let slice = json!({
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": name,
+                    "namespace": "demo",
+                    "labels": {"kubernetes.io/service-name": service},
+                },
+                "addressType": family,
+                "ports": [
+                    {"name": "http", "port": 8080, "protocol": "TCP"},
+                    {"name": "dns", "port": 5353, "protocol": "UDP"},
+                ],
+                "endpoints": endpoints,
+            });
+            self.m
+                .write_value(&format!("eps-demo-{name}.yaml"), &slice)
+                .expect("writing an EndpointSlice");
+        }
+    }
+}
+
+const LOCAL_POD: (&str, &str, &str) = (POD1, POD1_6, "node-1");
+const REMOTE_POD: (&str, &str, &str) = (POD2, POD2_6, "node-2");
+
+/// A dual-stack Service of `kind` with ports http 80/TCP -> 8080 and dns 53/UDP -> 5353, both
+/// on NodePort `node_port`; `extra` is merged into its spec, `status` is its status.
+fn service(name: &str, kind: &str, vip: u8, node_port: u16, extra: Value, status: Value) -> Value {
+    let mut spec = json!({
+        "type": kind,
+        "clusterIP": format!("10.96.0.{vip}"),
+        "clusterIPs": [format!("10.96.0.{vip}"), format!("fd00:96::{vip}")],
+        "ipFamilies": ["IPv4", "IPv6"],
+        "ipFamilyPolicy": "RequireDualStack",
+        "selector": {"app": name},
+        "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+        ],
+    });
+    if node_port != 0 {
+        for p in spec["ports"].as_array_mut().unwrap() {
+            p["nodePort"] = node_port.into();
+        }
+    }
+    if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            spec.insert(k.clone(), v.clone());
+        }
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": spec,
+        "status": status,
+    })
+}
+
+fn nodeport(name: &str, vip: u8, node_port: u16) -> Value {
+    service(name, "NodePort", vip, node_port, json!({}), json!({}))
+}
+
+/// Asks `f` in the client's namespace until it answers (the agent writes its maps after it
+/// says ready in the same sync, but a first ARP/ND exchange may be slow), then once more,
+/// returning that answer.
+fn answered(
+    ns: &NetNs,
+    what: &str,
+    f: impl Fn() -> std::io::Result<Answer> + Send + Sync + Clone + 'static,
+) -> Answer {
+    let f2 = f.clone();
+    let what2 = what.to_string();
+    in_ns(ns, move || {
+        poll(Duration::from_secs(10), || Ok(Some(f2()?)))
+            .unwrap_or_else(|e| panic!("{what2}: {e:#}"))
+    });
+    in_ns(ns, f).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// NodePort over TCP and UDP, IPv4 and IPv6: a backend on node 1 sees the client's own
+/// address; a backend on node 2 sees node 1's address (SNAT), and the reply still comes back
+/// from the address the client used. A NodePort without endpoints refuses at once (TCP RST,
+/// ICMP port unreachable), never a timeout. The programs sit on node 1's eth0 and nowhere
+/// else.
+#[test]
+fn nodeport_from_outside() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.service("empty", nodeport("empty", 13, 30083));
+    t.endpoints("empty", &[]);
+    // /metrics on node 1's own loopback.
+    t.start_agent_with(&["--metrics-bind-address", "127.0.0.1:10249"]);
+
+    // One program each way on node 1's uplink, none anywhere else.
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+    assert_eq!(tcx_programs(&t.node1, "podh"), (0, 0));
+    assert_eq!(tcx_programs(&t.client, "eth0"), (0, 0));
+
+    let cases = [
+        (NODE1, CLIENT, "pod1", CLIENT),
+        (NODE1, CLIENT, "pod2", NODE1),
+        (NODE1_6, CLIENT6, "pod1", CLIENT6),
+        (NODE1_6, CLIENT6, "pod2", NODE1_6),
+    ];
+    for (node, client, backend, seen) in cases {
+        let port = if backend == "pod1" { 30081 } else { 30082 };
+        let to = sa(node, port);
+        let want = Answer {
+            backend: backend.into(),
+            saw: ip(seen),
+        };
+        let got = answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        assert_eq!(got, want, "TCP {client} -> {to}");
+        let got = answered(&t.client, &format!("UDP to {to}"), move || {
+            udp_once(to, ANSWER)
+        });
+        assert_eq!(got, want, "UDP {client} -> {to}");
+    }
+
+    // Many connections in a row, to both: every one answered.
+    let failures = in_ns(&t.client, || {
+        let mut failures = Vec::new();
+        for i in 0..40u32 {
+            let to = sa(NODE1, if i.is_multiple_of(2) { 30081 } else { 30082 });
+            if let Err(e) = tcp_once(to, ANSWER) {
+                failures.push(format!("{to}: {e}"));
+            }
+            if let Err(e) = udp_once(to, ANSWER) {
+                failures.push(format!("udp {to}: {e}"));
+            }
+        }
+        failures
+    });
+    assert!(failures.is_empty(), "{failures:?}");
+
+    // No endpoints: refused at once.
+    for node in [NODE1, NODE1_6] {
+        let to = sa(node, 30083);
+        let (tcp, udp) = in_ns(&t.client, move || {
+            let start = Instant::now();
+            let tcp = tcp_once(to, ANSWER).map(|_| ()).map_err(|e| e.kind());
+            let udp = udp_connected_once(to, ANSWER)
+                .map(|_| ())
+                .map_err(|e| e.kind());
+            assert!(
+                start.elapsed() < ANSWER,
+                "a reject took {:?}",
+                start.elapsed()
+            );
+            (tcp, udp)
+        });
+        assert_eq!(tcp, Err(std::io::ErrorKind::ConnectionRefused), "TCP {to}");
+        assert_eq!(udp, Err(std::io::ErrorKind::ConnectionRefused), "UDP {to}");
+    }
+
+    // What an operator sees in /metrics: the decisions on eth0, and the flows tracked.
+    let (status, metrics) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+    });
+    assert_eq!(status, 200);
+    let value = |line: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
+    };
+    // 4 rejects (TCP and UDP, both families); at least the 8 + 80 flows above.
+    assert_eq!(
+        value("svc_packet_decisions_total{device=\"eth0\",reason=\"reject_no_backend\"}"),
+        4
+    );
+    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"new\"}") >= 88);
+    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"reply\"}") > 0);
+    assert!(value("svc_conntrack_flows{snat=\"true\"}") >= 40);
+    assert!(value("svc_conntrack_flows{snat=\"false\"}") >= 40);
+    assert!(value("svc_conntrack_entries") >= 2 * 88);
+    assert!(value("svc_snat_ports_in_use_max") >= 1);
+}
+
+/// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
+/// address; the health check node port says 200 with one local endpoint. A Service whose only
+/// endpoint is on node 2 is dropped here (no answer, not a reject) and its health check says
+/// 503. An ExternalIP reaches its (remote) backend, SNATed, over IPv4 and IPv6. A
+/// LoadBalancer IP with loadBalancerSourceRanges answers a client inside the range and drops
+/// one outside it (both families), while the same Service's NodePort answers both. A NodePort
+/// with sessionAffinity ClientIP sends every connection of a client to one backend.
+#[test]
+fn traffic_policy_health_checks_external_ips_source_ranges_affinity() {
+    let mut t = Topo::new();
+    let etp = |hc: u16| {
+        json!({
+            "externalTrafficPolicy": "Local",
+            "healthCheckNodePort": hc,
+        })
+    };
+    let lb_status = |ip: &str| json!({"loadBalancer": {"ingress": [{"ip": ip}]}});
+    t.service(
+        "etp",
+        service(
+            "etp",
+            "LoadBalancer",
+            21,
+            30091,
+            etp(30301),
+            lb_status(ETP_LB_IP),
+        ),
+    );
+    t.endpoints("etp", &[LOCAL_POD, REMOTE_POD]);
+    t.service(
+        "etp-remote",
+        service(
+            "etp-remote",
+            "LoadBalancer",
+            22,
+            30092,
+            etp(30302),
+            json!({}),
+        ),
+    );
+    t.endpoints("etp-remote", &[REMOTE_POD]);
+    t.service(
+        "ext",
+        service(
+            "ext",
+            "ClusterIP",
+            23,
+            0,
+            json!({"externalIPs": [EXTERNAL_IP, EXTERNAL_IP6]}),
+            json!({}),
+        ),
+    );
+    t.endpoints("ext", &[REMOTE_POD]);
+    t.service(
+        "lb",
+        service(
+            "lb",
+            "LoadBalancer",
+            24,
+            30094,
+            json!({"loadBalancerSourceRanges": [format!("{CLIENT}/32"), format!("{CLIENT6}/128")]}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_IP}, {"ip": LB_IP6}]}}),
+        ),
+    );
+    t.endpoints("lb", &[LOCAL_POD]);
+    t.service(
+        "sticky",
+        service(
+            "sticky",
+            "NodePort",
+            25,
+            30095,
+            json!({
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+            }),
+            json!({}),
+        ),
+    );
+    t.endpoints("sticky", &[LOCAL_POD, REMOTE_POD]);
+    t.start_agent();
+
+    // One UDP socket (one client port) talking to two frontends of the same local backend, in
+    // turn: each answer comes from the frontend it was sent to.
+    let (a, b) = (sa(LB_IP, 53), sa(NODE1, 30094));
+    answered(&t.client, &format!("UDP to {a}"), move || {
+        udp_once(a, ANSWER)
+    });
+    let froms = in_ns(
+        &t.client,
+        move || -> std::io::Result<Vec<(SocketAddr, SocketAddr)>> {
+            let s = UdpSocket::bind("0.0.0.0:0")?;
+            s.set_read_timeout(Some(ANSWER))?;
+            let mut buf = [0u8; 512];
+            let mut out = Vec::new();
+            for to in [a, b, a, b, a] {
+                s.send_to(b"x", to)?;
+                let (n, from) = s.recv_from(&mut buf)?;
+                let answer = parse_answer(&String::from_utf8_lossy(&buf[..n]))?;
+                assert_eq!(answer.backend, "pod1");
+                assert_eq!(answer.saw, ip(CLIENT));
+                out.push((to, from));
+            }
+            Ok(out)
+        },
+    )
+    .expect("one socket, two frontends");
+    for (to, from) in froms {
+        assert_eq!(from, to, "the answer to {to} came from {from}");
+    }
+
+    // sessionAffinity ClientIP: every connection of a client reaches the same backend.
+    let to = sa(NODE1, 30095);
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    let seen: std::collections::BTreeSet<String> = in_ns(&t.client, move || {
+        (0..20)
+            .map(|_| {
+                tcp_once(to, ANSWER)
+                    .map(|a| a.backend)
+                    .unwrap_or_else(|e| e.to_string())
+            })
+            .collect()
+    });
+    assert_eq!(seen.len(), 1, "sessionAffinity ClientIP: {seen:?}");
+
+    // eTP Local: always pod1, with the client's address, over the NodePort and the LB IP.
+    // A NodePort has one port number for both protocols; the LB IP has the Service's ports.
+    for (to, udp_to) in [
+        (sa(NODE1, 30091), sa(NODE1, 30091)),
+        (sa(NODE1_6, 30091), sa(NODE1_6, 30091)),
+        (sa(ETP_LB_IP, 80), sa(ETP_LB_IP, 53)),
+    ] {
+        let client = if to.is_ipv4() { CLIENT } else { CLIENT6 };
+        let want = Answer {
+            backend: "pod1".into(),
+            saw: ip(client),
+        };
+        answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        let got = in_ns(&t.client, move || {
+            (0..10)
+                .map(|_| tcp_once(to, ANSWER).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        assert!(got.iter().all(|a| a.as_ref() == Ok(&want)), "{to}: {got:?}");
+        let got = answered(&t.client, &format!("UDP to {udp_to}"), move || {
+            udp_once(udp_to, ANSWER)
+        });
+        assert_eq!(got, want, "UDP {udp_to}");
+    }
+    // No local endpoint: dropped, so the client hears nothing.
+    let to = sa(NODE1, 30092);
+    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "eTP Local without a local endpoint: {r:?}"
+    );
+
+    // Health checks, as a cloud load balancer asks them.
+    let (status, body) = in_ns(&t.client, || {
+        poll(Duration::from_secs(10), || {
+            Ok(http_get(sa(NODE1, 30301)).ok())
+        })
+    })
+    .expect("health check of etp");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("health check JSON");
+    assert_eq!(v["service"], json!({"namespace": "demo", "name": "etp"}));
+    assert_eq!(v["localEndpoints"], 1, "{body}");
+    let (status, body) = in_ns(&t.client, || {
+        poll(Duration::from_secs(10), || {
+            Ok(http_get(sa(NODE1, 30302)).ok())
+        })
+    })
+    .expect("health check of etp-remote");
+    assert_eq!(status, 503, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("health check JSON");
+    assert_eq!(v["localEndpoints"], 0, "{body}");
+
+    // ExternalIP to a backend on node 2: SNATed to node 1.
+    for (external, node) in [(EXTERNAL_IP6, NODE1_6), (EXTERNAL_IP, NODE1)] {
+        let (to, udp_to) = (sa(external, 80), sa(external, 53));
+        let want = Answer {
+            backend: "pod2".into(),
+            saw: ip(node),
+        };
+        assert_eq!(
+            answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+                to, ANSWER
+            )),
+            want
+        );
+        assert_eq!(
+            answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+                udp_to, ANSWER
+            )),
+            want
+        );
+    }
+    // A port the ExternalIP does not define is not ours: nothing listens on node 1 there.
+    let to = sa(EXTERNAL_IP, 81);
+    let r = in_ns(&t.client, move || tcp_once(to, SILENCE));
+    assert!(r.is_err(), "{to} answered: {r:?}");
+
+    // Source ranges: the LB IP for a client inside, not for one outside; the NodePort for
+    // both.
+    let (to, udp_to) = (sa(LB_IP6, 80), sa(LB_IP6, 53));
+    let want = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT6),
+    };
+    assert_eq!(
+        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+            to, ANSWER
+        )),
+        want
+    );
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+            udp_to, ANSWER
+        )),
+        want
+    );
+    let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "an IPv6 client outside loadBalancerSourceRanges: {r:?}"
+    );
+    let (to, udp_to) = (sa(LB_IP, 80), sa(LB_IP, 53));
+    let want = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    assert_eq!(
+        answered(&t.client, &format!("TCP to {to}"), move || tcp_once(
+            to, ANSWER
+        )),
+        want
+    );
+    assert_eq!(
+        answered(&t.client, &format!("UDP to {udp_to}"), move || udp_once(
+            udp_to, ANSWER
+        )),
+        want
+    );
+    let r = in_ns(&t.client2, move || tcp_once(to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "a client outside loadBalancerSourceRanges: {r:?}"
+    );
+    let r = in_ns(&t.client2, move || udp_once(udp_to, SILENCE));
+    assert!(
+        matches!(&r, Err(e) if is_timeout(e)),
+        "UDP from outside loadBalancerSourceRanges: {r:?}"
+    );
+    let to = sa(NODE1, 30094);
+    let got = answered(&t.client2, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(
+        got,
+        Answer {
+            backend: "pod1".into(),
+            saw: ip(CLIENT2)
+        }
+    );
+}
+
+/// The agent SIGKILLed and started again while a client holds a NodePort connection to a
+/// backend on node 2 (SNATed, so every reply needs the connection-tracking entry), while a
+/// UDP client keeps one socket talking to it, and while another opens new connections back to
+/// back: not one exchange fails. Then `uninstall`
+/// removes the programs from node 1's eth0 and leaves the device as it was: the NodePort is
+/// an ordinary closed port of node 1 again.
+#[test]
+fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.service("local", nodeport("local", 32, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let to = sa(NODE1, 30082);
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    let addrs_before = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let exchanges = Arc::new(AtomicU64::new(0));
+    let connections = Arc::new(AtomicU64::new(0));
+    let long_lived = {
+        let (stop, exchanges) = (stop.clone(), exchanges.clone());
+        spawn_in(&t.client, move || -> Result<(), String> {
+            let c = TcpStream::connect_timeout(&to, ANSWER).map_err(|e| e.to_string())?;
+            c.set_read_timeout(Some(ANSWER))
+                .map_err(|e| e.to_string())?;
+            let mut r = BufReader::new(&c);
+            while !stop.load(Ordering::Relaxed) {
+                (&c).write_all(b"x\n")
+                    .map_err(|e| format!("after {exchanges:?}: {e}"))?;
+                let mut line = String::new();
+                r.read_line(&mut line)
+                    .map_err(|e| format!("after {exchanges:?}: {e}"))?;
+                let a = parse_answer(&line).map_err(|e| e.to_string())?;
+                if a.backend != "pod2" || a.saw != ip(NODE1) {
+                    return Err(format!("{a:?}"));
+                }
+                exchanges.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        })
+    };
+    // One UDP socket, as a long-lived UDP client (its flow SNATed too).
+    let datagrams = Arc::new(AtomicU64::new(0));
+    let udp_stream = {
+        let (stop, datagrams) = (stop.clone(), datagrams.clone());
+        spawn_in(&t.client, move || -> Result<(), String> {
+            let s = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(ANSWER))
+                .map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 512];
+            while !stop.load(Ordering::Relaxed) {
+                s.send_to(b"x", to).map_err(|e| e.to_string())?;
+                let (n, from) = s
+                    .recv_from(&mut buf)
+                    .map_err(|e| format!("after {datagrams:?}: {e}"))?;
+                let a =
+                    parse_answer(&String::from_utf8_lossy(&buf[..n])).map_err(|e| e.to_string())?;
+                if from != to || a.backend != "pod2" || a.saw != ip(NODE1) {
+                    return Err(format!("{a:?} from {from}"));
+                }
+                datagrams.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        })
+    };
+    let new_connections = {
+        let (stop, connections) = (stop.clone(), connections.clone());
+        spawn_in(&t.client, move || {
+            let mut failures = Vec::new();
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let to = sa(NODE1, if i.is_multiple_of(2) { 30081 } else { 30082 });
+                i += 1;
+                match tcp_once(to, ANSWER) {
+                    Ok(_) => {
+                        connections.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => failures.push(format!("{to}: {e}")),
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            failures
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    t.agent().kill().expect("SIGKILL");
+    // The programs stay (their links are pinned) while no agent runs.
+    std::thread::sleep(Duration::from_millis(1000));
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Ordering::Relaxed);
+    let long_lived = long_lived.join().expect("long-lived client");
+    let failures = new_connections.join().expect("connection loop");
+    let udp_stream = udp_stream.join().expect("UDP stream");
+    assert_eq!(long_lived, Ok(()), "the long-lived NodePort connection");
+    assert_eq!(udp_stream, Ok(()), "the UDP stream through the NodePort");
+    assert!(datagrams.load(Ordering::Relaxed) > 50, "{datagrams:?}");
+    assert!(
+        failures.is_empty(),
+        "new connections failed across the restart: {failures:?}"
+    );
+    assert!(exchanges.load(Ordering::Relaxed) > 50, "{exchanges:?}");
+    assert!(connections.load(Ordering::Relaxed) > 20, "{connections:?}");
+    let log = t.agent().log();
+    assert!(
+        log.contains("replaced the program of the pinned link"),
+        "the restarted agent swapped its programs into the pinned links:\n{log}"
+    );
+
+    // Uninstall: no program of ours on the device, the device and its addresses untouched,
+    // and the NodePort is a closed port of node 1 again (its own stack answers RST).
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
+        .expect("uninstall");
+    assert_eq!(t.node1_eth0_programs(), (0, 0), "programs left on eth0");
+    let addrs_after = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
+    assert_eq!(addrs_after, addrs_before);
+    let to = sa(NODE1, 30082);
+    let r = in_ns(&t.client, move || {
+        tcp_once(to, ANSWER).map_err(|e| e.kind())
+    });
+    assert_eq!(r, Err(std::io::ErrorKind::ConnectionRefused));
+    let pins: Vec<PathBuf> = std::fs::read_dir(t.bpffs.path())
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(pins.is_empty(), "pins left: {pins:?}");
+}
+
+/// Traffic that starts on node 1 rather than outside it:
+/// - a pod outside the agent's cgroup (its sockets unseen by the socket hooks, as a service
+///   mesh's pods) behind a device named by `--packet-lb-devices`: its ClusterIP traffic is
+///   translated per packet, its own address kept, and the answer comes from the ClusterIP;
+/// - the same pod reaching a NodePort whose only endpoint is itself (hairpin): it answers
+///   itself, seeing the connection come from the node;
+/// - a process of node 1 inside the cgroup reaching a NodePort on the node's own address: the
+///   socket hooks translate it, and it sees the NodePort as its peer;
+/// - a pod inside the cgroup reaching a NodePort that selects itself (hairpin through the
+///   socket hooks).
+#[test]
+fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
+    let mut t = Topo::new();
+    t.service(
+        "cip",
+        service("cip", "ClusterIP", 41, 0, json!({}), json!({})),
+    );
+    t.endpoints("cip", &[REMOTE_POD]);
+    t.service("self", nodeport("self", 42, 30085));
+    t.endpoints("self", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 43, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&["--packet-lb-devices", "podh"]);
+    assert_eq!(tcx_programs(&t.node1, "podh"), (1, 1));
+
+    for (to, udp_to) in [
+        (sa("10.96.0.41", 80), sa("10.96.0.41", 53)),
+        (sa("fd00:96::41", 80), sa("fd00:96::41", 53)),
+    ] {
+        let want = Answer {
+            backend: "pod2".into(),
+            saw: if to.is_ipv4() { ip(POD1) } else { ip(POD1_6) },
+        };
+        let got = answered(&t.pod1, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        assert_eq!(got, want, "pod1 -> {to}");
+        let got = answered(&t.pod1, &format!("UDP to {udp_to}"), move || {
+            udp_once(udp_to, ANSWER)
+        });
+        assert_eq!(got, want, "pod1 -> {udp_to}");
+    }
+
+    let to = sa(NODE1, 30085);
+    let got = answered(&t.pod1, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got.backend, "pod1", "hairpin: {got:?}");
+    assert_ne!(
+        got.saw,
+        ip(POD1),
+        "hairpin: the pod must not see itself as the client"
+    );
+
+    let report: svc_tests::Report = svc_tests::ClientRun::spawn(
+        &t.tools.probe,
+        &t.cgroup,
+        &t.node1,
+        &["tcp".into(), "--to".into(), sa(NODE1, 30082).to_string()],
+    )
+    .expect("probe on node 1")
+    .wait(Duration::from_secs(20))
+    .expect("probe report");
+    assert!(report.all_ok(), "{report:?}");
+    let a = &report.results[0];
+    assert_eq!(a.peer.as_deref(), Some("10.77.0.1:30082"), "{a:?}");
+    assert_eq!(
+        a.backend
+            .as_deref()
+            .and_then(|b| b.split_once(' '))
+            .map(|b| b.0),
+        Some("pod2"),
+        "{a:?}"
+    );
+
+    // A pod inside the cgroup reaching a NodePort that selects itself (hairpin): the socket
+    // hooks send it to its own address, and it answers itself.
+    let report: svc_tests::Report = svc_tests::ClientRun::spawn(
+        &t.tools.probe,
+        &t.cgroup,
+        &t.pod1,
+        &["tcp".into(), "--to".into(), sa(NODE1, 30085).to_string()],
+    )
+    .expect("probe in pod1")
+    .wait(Duration::from_secs(20))
+    .expect("probe report");
+    assert!(report.all_ok(), "{report:?}");
+    let a = &report.results[0];
+    assert_eq!(a.peer.as_deref(), Some("10.77.0.1:30085"), "{a:?}");
+    assert_eq!(a.backend.as_deref(), Some("pod1 10.244.1.2"), "{a:?}");
+}
+
+/// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address
+/// in this process's own namespace: how an agent inside node 1 reaches the test's
+/// kube-apiserver on the host's loopback (the kubeconfig stays as it is, TLS passes through).
+struct LoopbackForward {
+    stop: Arc<AtomicBool>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl LoopbackForward {
+    fn start(ns: &NetNs, at: SocketAddr) -> LoopbackForward {
+        let listener = in_ns(ns, move || {
+            let l = TcpListener::bind(at).unwrap_or_else(|e| panic!("binding {at}: {e}"));
+            l.set_nonblocking(true).unwrap();
+            l
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        // This thread, and those it starts, stay in the test's own namespace: they connect
+        // to the real apiserver.
+        let accept = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok((inside, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let _ = inside.set_nonblocking(false);
+                let Ok(outside) = TcpStream::connect(at) else {
+                    continue;
+                };
+                let (Ok(a), Ok(b)) = (inside.try_clone(), outside.try_clone()) else {
+                    continue;
+                };
+                // Each direction copies until its source closes, then closes its sink: the
+                // threads end with the agent's or the apiserver's connection.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &inside, &mut &outside);
+                    let _ = outside.shutdown(Shutdown::Both);
+                });
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &b, &mut &a);
+                    let _ = a.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        LoopbackForward {
+            stop,
+            accept: Some(accept),
+        }
+    }
+}
+
+impl Drop for LoopbackForward {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Against a real kube-apiserver (`SVC_KUBE_APISERVER`, `SVC_KUBECTL`, `SVC_ETCD`, as `cargo
+/// xtask test` sets them): a NodePort Service on the ports the API server allocated and a
+/// LoadBalancer Service whose status.loadBalancer the test writes (as a cloud controller
+/// would) are reachable from the external client; node 1's addresses come from its Node.
+#[test]
+fn kube_api_nodeport_and_load_balancer() {
+    let mut t = Topo::new();
+    let cp = svc_tests::control_plane::ControlPlane::start().expect("control plane");
+    let apiserver: SocketAddr = cp
+        .server_url()
+        .trim_start_matches("https://")
+        .parse()
+        .expect("apiserver address");
+    let _forward = LoopbackForward::start(&t.node1, apiserver);
+
+    let apply = |objects: &[Value]| {
+        let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
+        cp.apply_yaml(&yaml.join("\n---\n")).expect("kubectl apply")
+    };
+    apply(&[
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}}),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"}}),
+    ]);
+    cp.kubectl(&[
+        "patch",
+        "node",
+        "node-1",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &json!({"status": {"addresses": [
+            {"type": "InternalIP", "address": NODE1},
+            {"type": "InternalIP", "address": NODE1_6},
+        ]}})
+        .to_string(),
+    ])
+    .expect("Node addresses");
+    let svc = |name: &str, kind: &str| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": {
+                "type": kind,
+                "selector": {"app": name},
+                "ports": [
+                    {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+                ],
+            },
+        })
+    };
+    let slice = |service: &str, pod: &str, node: &str| {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": format!("{service}-1"),
+                "namespace": "demo",
+                "labels": {"kubernetes.io/service-name": service},
+            },
+            "addressType": "IPv4",
+            "ports": [
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "dns", "port": 5353, "protocol": "UDP"},
+            ],
+            "endpoints": [{
+                "addresses": [pod],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "nodeName": node,
+            }],
+        })
+    };
+    let stored = apply(&[
+        svc("np", "NodePort"),
+        slice("np", POD2, "node-2"),
+        svc("lb", "LoadBalancer"),
+        slice("lb", POD1, "node-1"),
+    ]);
+    let node_ports = |name: &str| -> (u16, u16) {
+        let s = stored
+            .iter()
+            .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
+            .expect("stored Service");
+        let port = |i: usize| {
+            s["spec"]["ports"][i]["nodePort"]
+                .as_u64()
+                .expect("nodePort") as u16
+        };
+        (port(0), port(1))
+    };
+    let (np_tcp, np_udp) = node_ports("np");
+    let (lb_tcp, _) = node_ports("lb");
+    cp.kubectl(&[
+        "patch",
+        "service",
+        "lb",
+        "-n",
+        "demo",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &json!({"status": {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}}).to_string(),
+    ])
+    .expect("LoadBalancer status");
+
+    let kubeconfig = cp.kubeconfig_path().to_path_buf();
+    t.start_agent_from(["--kubeconfig".into(), kubeconfig.into()], &[]);
+
+    let remote = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    let local = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    let to = sa(NODE1, np_tcp);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, remote, "NodePort {to}");
+    let to = sa(NODE1, np_udp);
+    let got = answered(&t.client, &format!("UDP to {to}"), move || {
+        udp_once(to, ANSWER)
+    });
+    assert_eq!(got, remote, "NodePort {to}");
+    let to = sa(LB_IP, 80);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "LoadBalancer IP {to}");
+    let to = sa(LB_IP, 53);
+    let got = answered(&t.client, &format!("UDP to {to}"), move || {
+        udp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "LoadBalancer IP {to}");
+    let to = sa(NODE1, lb_tcp);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(got, local, "the LoadBalancer's NodePort {to}");
+    // The agent stops before the control plane does (locals drop in reverse order).
+    t.agent = None;
+}
+
+/// Path MTU discovery through a NodePort: the link from node 2 to its pod is narrower (1280)
+/// than the rest, so node 2 answers the client's full-size segments, which reach it SNATed,
+/// with ICMP fragmentation needed / ICMPv6 packet too big addressed to node 1. Node 1 must
+/// translate those back to the client (from the NodePort's address, about the client's own
+/// flow) or the client never shrinks its segments and a large request stalls.
+#[test]
+fn path_mtu_discovery_through_a_nodeport() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 51, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.node2
+        .ip(["link", "set", "podh", "mtu", "1280"])
+        .expect("narrowing node 2's pod link");
+    t.start_agent();
+    for node in [NODE1, NODE1_6] {
+        let to = sa(node, 30082);
+        answered(&t.client, &format!("TCP to {to}"), move || {
+            tcp_once(to, ANSWER)
+        });
+        let got = in_ns(&t.client, move || -> std::io::Result<Answer> {
+            let c = TcpStream::connect_timeout(&to, ANSWER)?;
+            c.set_read_timeout(Some(Duration::from_secs(10)))?;
+            // Far more than one segment: most of them full-size.
+            let mut request = vec![b'a'; 64 * 1024];
+            request.push(b'\n');
+            (&c).write_all(&request)?;
+            let mut line = String::new();
+            BufReader::new(&c).read_line(&mut line)?;
+            parse_answer(&line)
+        });
+        let got = got.unwrap_or_else(|e| panic!("a 64 KiB request to {to}: {e}"));
+        assert_eq!(got.backend, "pod2", "{to}");
+        // The client learned the narrower path to the NodePort's address.
+        let route = t.client.ip(["route", "get", node]).expect("ip route get");
+        assert!(route.contains("mtu 1280"), "{node}: {route}");
+    }
+}
+
+/// The agent follows devices as they come and go: a second uplink named by `--devices` that
+/// appears after the agent started gets the programs (and serves NodePorts on its own
+/// address, which `--nodeport-addresses` covers), and when it goes, the agent's link for it
+/// goes too.
+#[test]
+fn devices_that_appear_and_disappear_are_followed() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 61, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    // NodePorts on every node address in these ranges (kube-proxy's CIDR form), so also on
+    // the new uplink's address; `primary` would be node 1's primary address only.
+    t.start_agent_with(&[
+        "--devices",
+        "eth0,up*",
+        "--nodeport-addresses",
+        "10.77.0.0/16,10.78.0.0/16",
+    ]);
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+
+    // A second uplink towards the client, on a network of its own.
+    veth_pair(&t.client, "eth1", &t.node1, "up1").expect("second uplink");
+    t.client.add_addr("eth1", "10.78.0.100/24").unwrap();
+    t.node1.add_addr("up1", "10.78.0.1/24").unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok((tcx_programs(&t.node1, "up1") == (1, 1)).then_some(()))
+    })
+    .expect("the programs on the new device");
+    let to = sa("10.78.0.1", 30081);
+    let got = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!(
+        got,
+        Answer {
+            backend: "pod1".into(),
+            saw: ip("10.78.0.100")
+        }
+    );
+
+    t.node1
+        .ip(["link", "del", "up1"])
+        .expect("removing the uplink");
+    let pin = t.bpffs.path().join("link_tc_tc_ext_ingress_up1");
+    poll(
+        Duration::from_secs(10),
+        || Ok((!pin.exists()).then_some(())),
+    )
+    .expect("the link of the removed device unpinned");
+    assert!(t.bpffs.path().join("link_tc_tc_ext_ingress_eth0").exists());
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+}
