@@ -32,7 +32,8 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Build (or find cached) kube-apiserver, kubectl and etcd for the tests; prints their paths.
+    /// Build (or find cached) kube-apiserver, kubectl, etcd and kube-proxy for the tests; prints
+    /// their paths.
     ControlPlane,
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
