@@ -26,6 +26,13 @@ pub struct Attempt {
     pub errno: Option<i32>,
     /// Time from the start of the attempt to its end (success or failure).
     pub elapsed_us: u64,
+    /// With `--who`: the client's address as the backend saw it (the connection's or
+    /// datagram's source at the backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// With `--who`: the backend's own address the connection or datagram arrived at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<String>,
 }
 
 /// Output of `svc-probe tcp` and `svc-probe udp`.

@@ -49,17 +49,12 @@ impl Sandbox {
     pub fn new(tools: Tools) -> Result<Self> {
         // The third octet only has to differ between sandboxes for readability of logs; the
         // namespaces are isolated, so equal addresses in two sandboxes never meet.
-        let x = (next_id() % 250) as u8;
-        let cgroup = TestCgroup::new()?;
-        let client = NetNs::new("svc-c")?;
-        let server = NetNs::new("svc-b")?;
-        let sb = Self {
-            tools,
-            x,
-            cgroup,
-            client,
-            server,
-        };
+        Self::with_x(tools, (next_id() % 250) as u8)
+    }
+
+    /// The veth pair and the addresses.
+    fn configure(&self) -> Result<()> {
+        let (sb, x) = (self, self.x);
         veth_pair(&sb.client, "vc", &sb.server, "vb")?;
         sb.client
             .add_addr("vc", &format!("{}/24", sb.client_v4()))?;
@@ -73,7 +68,47 @@ impl Sandbox {
             sb.server
                 .add_addr("vb", &format!("{}/64", sb.backend_v6(i)))?;
         }
+        Ok(())
+    }
+
+    /// Like `new`, with the third octet given: sandboxes with the same `x` have the same
+    /// addresses (each in namespaces of its own, so they never meet), and one set of
+    /// EndpointSlices describes the backends of every one of them.
+    pub fn with_x(tools: Tools, x: u8) -> Result<Self> {
+        let cgroup = TestCgroup::new()?;
+        let client = NetNs::new("svc-c")?;
+        let server = NetNs::new("svc-b")?;
+        let sb = Self {
+            tools,
+            x,
+            cgroup,
+            client,
+            server,
+        };
+        sb.configure()?;
         Ok(sb)
+    }
+
+    /// A default route in the client namespace, IPv4 and IPv6, to the backend namespace, as a
+    /// node has one to its gateway. The backend namespace does not forward (a new namespace's
+    /// default), so a packet to an address no backend owns is dropped there: the client's
+    /// connection times out, as it would in a cluster, instead of failing at once with
+    /// ENETUNREACH; and still nothing leaves the sandbox. kube-proxy needs the route: the route
+    /// lookup of connect() comes before netfilter's OUTPUT hook, where its rules rewrite the
+    /// ClusterIP.
+    pub fn add_default_route(&self) -> Result<()> {
+        let x = self.x;
+        self.client
+            .ip(["route", "add", "default", "via", &format!("10.201.{x}.2")])?;
+        self.client.ip([
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("fd00:201:{x}::2"),
+        ])?;
+        Ok(())
     }
 
     pub fn x(&self) -> u8 {
