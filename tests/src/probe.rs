@@ -117,3 +117,38 @@ pub struct StreamReport {
     #[serde(default)]
     pub netns_ino: u64,
 }
+
+/// One connection of `svc-probe hold`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct HeldConnection {
+    /// When it was established (Unix milliseconds); 0 if it never was.
+    pub connected_at_ms: u64,
+    /// getpeername().
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// The backend that answered (the last one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Whether another backend answered than before (a TCP connection cannot move: this
+    /// would mean its packets were sent elsewhere).
+    #[serde(default)]
+    pub switched: bool,
+    pub exchanges: u64,
+    pub failures: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_ok_at_ms: Option<u64>,
+}
+
+/// Output of `svc-probe hold`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct HoldReport {
+    pub connections: Vec<HeldConnection>,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}

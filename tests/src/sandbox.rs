@@ -22,7 +22,7 @@ use crate::{
     control_plane::ControlPlane,
     manifest::Manifests,
     netns::{veth_pair, NetNs},
-    probe::{LoopReport, Report, StreamReport},
+    probe::{HoldReport, LoopReport, Report, StreamReport},
     procs::{Backend, ClientRun},
     sys::{next_id, Tools},
 };
@@ -258,6 +258,57 @@ impl Sandbox {
             "--timeout-ms".into(),
             timeout_ms.to_string(),
         ])
+    }
+
+    /// Like `spawn_udp_stream`, with one unconnected socket for the whole run (sendto and
+    /// recvfrom from one source port, kept after errors).
+    pub fn spawn_udp_stream_unconnected(
+        &self,
+        to: SocketAddr,
+        duration: Duration,
+        interval_ms: u64,
+        timeout_ms: u64,
+    ) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "udp-stream".into(),
+            "--unconnected".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+            "--timeout-ms".into(),
+            timeout_ms.to_string(),
+        ])
+    }
+
+    /// Starts `svc-probe hold`: `connections` TCP connections kept for `duration`, a line
+    /// exchanged on each every `interval_ms`; finish it with `finish_hold`.
+    pub fn spawn_hold(
+        &self,
+        to: SocketAddr,
+        connections: u32,
+        duration: Duration,
+        interval_ms: u64,
+    ) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "hold".into(),
+            "--to".into(),
+            to.to_string(),
+            "--connections".into(),
+            connections.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+        ])
+    }
+
+    pub fn finish_hold(&self, run: ClientRun, timeout: Duration) -> Result<HoldReport> {
+        let report: HoldReport = run.wait(timeout)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
     }
 
     pub fn finish_udp_stream(&self, run: ClientRun, timeout: Duration) -> Result<StreamReport> {

@@ -16,7 +16,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use svc_tests::{Attempt, LoopReport, Report, StreamExchange, StreamReport};
+use svc_tests::{
+    probe::{HeldConnection, HoldReport},
+    Attempt, LoopReport, Report, StreamExchange, StreamReport,
+};
 
 #[derive(Parser)]
 #[command(about = "Backend server and client probe for svc tests")]
@@ -76,6 +79,24 @@ enum Cmd {
         #[arg(long)]
         duration_ms: u64,
         #[arg(long, default_value_t = 20)]
+        interval_ms: u64,
+        /// One unconnected socket for the whole run (sendto/recvfrom, the same source port
+        /// throughout, kept after errors), as a resolver's long-lived socket; `peer` is then the
+        /// reply's source.
+        #[arg(long)]
+        unconnected: bool,
+    },
+    /// CONNECTIONS TCP connections opened at once and kept for DURATION_MS, each exchanging a
+    /// line every INTERVAL_MS: long-lived connections, as a client pool keeps them. Reports
+    /// every connection's exchanges and first failure.
+    Hold {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value_t = 4)]
+        connections: u32,
+        #[arg(long)]
+        duration_ms: u64,
+        #[arg(long, default_value_t = 50)]
         interval_ms: u64,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
@@ -178,7 +199,14 @@ fn main() -> Result<()> {
             target,
             duration_ms,
             interval_ms,
-        } => print_json(&udp_stream(&target, duration_ms, interval_ms)),
+            unconnected,
+        } => print_json(&udp_stream(&target, duration_ms, interval_ms, unconnected)),
+        Cmd::Hold {
+            target,
+            connections,
+            duration_ms,
+            interval_ms,
+        } => print_json(&hold(&target, connections, duration_ms, interval_ms)),
     }
 }
 
@@ -429,7 +457,12 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamReport {
+fn udp_stream(
+    target: &Target,
+    duration_ms: u64,
+    interval_ms: u64,
+    unconnected: bool,
+) -> StreamReport {
     let to = target.addr();
     let connect = || -> std::io::Result<UdpSocket> {
         let local: SocketAddr = match to {
@@ -438,7 +471,9 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
         };
         let sock = UdpSocket::bind(local)?;
         sock.set_read_timeout(Some(target.timeout()))?;
-        sock.connect(to)?;
+        if !unconnected {
+            sock.connect(to)?;
+        }
         Ok(sock)
     };
     let start = Instant::now();
@@ -454,6 +489,14 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
                 sock = Some(connect()?);
             }
             let s = sock.as_ref().expect("connected above");
+            if unconnected {
+                s.send_to(b"x", to)?;
+                let (n, from) = s.recv_from(&mut buf)?;
+                return Ok((
+                    String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(),
+                    from.to_string(),
+                ));
+            }
             let peer = s.peer_addr()?.to_string();
             s.send(b"x")?;
             let n = s.recv(&mut buf)?;
@@ -473,8 +516,9 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
             },
             Err(e) => {
                 let used = socket;
-                // Reconnect: a new socket, connected again, at the next exchange.
-                if sock.take().is_some() {
+                // Reconnect: a new socket, connected again, at the next exchange. An
+                // unconnected socket is kept (its source port with it).
+                if !unconnected && sock.take().is_some() {
                     socket += 1;
                 }
                 StreamExchange {
@@ -492,6 +536,70 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
     report.cgroup = own_cgroup();
     report.netns_ino = own_netns();
     report
+}
+
+fn hold(target: &Target, connections: u32, duration_ms: u64, interval_ms: u64) -> HoldReport {
+    let to = target.addr();
+    let timeout = target.timeout();
+    let end = Instant::now() + Duration::from_millis(duration_ms);
+    let threads: Vec<_> = (0..connections)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut held = HeldConnection::default();
+                let stream = match TcpStream::connect_timeout(&to, timeout) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        held.failures = 1;
+                        held.first_error = Some(e.to_string());
+                        held.first_error_at_ms = Some(unix_ms());
+                        return held;
+                    }
+                };
+                held.connected_at_ms = unix_ms();
+                held.peer = stream.peer_addr().ok().map(|p| p.to_string());
+                let _ = stream.set_read_timeout(Some(timeout));
+                let _ = stream.set_write_timeout(Some(timeout));
+                let mut reader = BufReader::new(&stream);
+                while Instant::now() < end {
+                    let mut line = String::new();
+                    let r = (&stream)
+                        .write_all(b"x\n")
+                        .and_then(|()| reader.read_line(&mut line));
+                    match r {
+                        Ok(n) if n > 0 => {
+                            let name = line.trim_end().to_owned();
+                            if held.backend.as_ref().is_some_and(|b| *b != name) {
+                                held.switched = true;
+                            }
+                            held.backend = Some(name);
+                            held.exchanges += 1;
+                            held.last_ok_at_ms = Some(unix_ms());
+                        }
+                        other => {
+                            held.failures += 1;
+                            held.first_error_at_ms = Some(unix_ms());
+                            held.first_error = Some(match other {
+                                Err(e) => e.to_string(),
+                                _ => "connection closed".into(),
+                            });
+                            // A TCP connection that failed once is gone.
+                            break;
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(interval_ms));
+                }
+                held
+            })
+        })
+        .collect();
+    HoldReport {
+        connections: threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_default())
+            .collect(),
+        cgroup: own_cgroup(),
+        netns_ino: own_netns(),
+    }
 }
 
 fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
