@@ -16,8 +16,9 @@ use crate::error::{Error, Result};
 use crate::metrics::{self, Metrics};
 use crate::model::Frontend;
 use crate::source::manifest::{ManifestSource, Named};
+use crate::stale::StaleWorker;
 use crate::store::{Capacity, Store};
-use crate::sync::{Programmed, Retiring, Scope, SyncReport};
+use crate::sync::{Departed, Programmed, Retiring, Scope, SyncReport};
 use crate::translate::{self, Holders, Keyed, NodeContext, ParsedService, ParsedSlice, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
@@ -60,7 +61,6 @@ pub struct Agent {
     dp: Datapath,
     programmed: Programmed,
     desired: Desired,
-    cgroup: PathBuf,
     pub node: NodeContext,
     pub metrics: Arc<Metrics>,
     upkeep: Upkeep,
@@ -73,6 +73,9 @@ pub struct Agent {
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
+    /// Closes connected UDP sockets of departed backends, off the sync path. None when its
+    /// maps could not be opened a second time (logged at start).
+    stale: Option<StaleWorker<Departed>>,
 }
 
 impl Agent {
@@ -97,12 +100,20 @@ impl Agent {
             leftovers = programmed.strays.len(),
             "adopted pinned state"
         );
+        let stale = match stale_worker(&dp, cgroup, metrics.clone()) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                warn!("stale UDP sockets will not be closed: {e}");
+                metrics.error(&e);
+                None
+            }
+        };
         let now = Instant::now();
         Ok(Agent {
             dp,
+            stale,
             programmed,
             desired: Desired::default(),
-            cgroup: cgroup.to_path_buf(),
             node,
             metrics,
             next_reconcile: now + upkeep.reconcile_every,
@@ -257,30 +268,12 @@ impl Agent {
         }
     }
 
-    /// A connected UDP socket keeps its backend forever; once that backend is gone, close the
-    /// socket so the application reconnects, and its connect() picks a live backend.
+    /// A connected UDP socket keeps its backend forever; once that backend has left the
+    /// Service the socket was translated for, close the socket so the application reconnects,
+    /// and its connect() picks a live backend. Handed to the worker: the sync does not wait.
     fn close_stale_udp(&self, report: &SyncReport) {
-        if report.udp_backends_deleted.is_empty() {
-            return;
-        }
-        match crate::stale::destroy_udp_sockets(&self.cgroup, &report.udp_backends_deleted) {
-            Ok(r) => {
-                for e in &r.errors {
-                    warn!("closing UDP sockets of removed backends: {e}");
-                    self.metrics.error(e);
-                }
-                if r.destroyed() > 0 {
-                    info!(
-                        sockets = r.destroyed(),
-                        namespaces = r.namespaces,
-                        "closed connected UDP sockets of removed backends"
-                    );
-                }
-            }
-            Err(e) => {
-                warn!("closing UDP sockets of removed backends: {e}");
-                self.metrics.error(&e);
-            }
+        if let Some(w) = &self.stale {
+            w.submit(report.udp_departed.clone());
         }
     }
 
@@ -448,6 +441,88 @@ impl Agent {
         translated.errors = errors;
         self.apply_full(translated)
     }
+}
+
+/// The thread that closes stale connected UDP sockets, with its own handles on the maps that
+/// say which frontend each socket was translated for (SVC_SOCK_REV) and whether a backend is
+/// a backend of a frontend again (SVC_AFFINITY_MATCH, kept for every UDP frontend).
+fn stale_worker(
+    dp: &Datapath,
+    cgroup: &Path,
+    metrics: Arc<Metrics>,
+) -> Result<StaleWorker<Departed>> {
+    use aya::maps::{HashMap as BpfHashMap, MapData};
+    use svc_common::{map_names, AffinityMatchKey, SockRevKey, SockRevValue};
+    let map_err = |name, e| crate::store::map_err(name, e);
+    let sock_rev: BpfHashMap<MapData, SockRevKey, SockRevValue> =
+        BpfHashMap::try_from(dp.reopen(map_names::SOCK_REV)?)
+            .map_err(|e| map_err(map_names::SOCK_REV, e))?;
+    let members: BpfHashMap<MapData, AffinityMatchKey, u32> =
+        BpfHashMap::try_from(dp.reopen(map_names::AFFINITY_MATCH)?)
+            .map_err(|e| map_err(map_names::AFFINITY_MATCH, e))?;
+    let cgroup = cgroup.to_path_buf();
+    let run = move |departed: Vec<Departed>| {
+        let mut backends: Vec<std::net::SocketAddr> = departed.iter().map(|d| d.backend).collect();
+        backends.sort();
+        backends.dedup();
+        let gone: HashMap<(u32, std::net::IpAddr, u16), svc_common::BackendId> = departed
+            .iter()
+            .map(|d| {
+                let key = (
+                    d.frontend_id,
+                    d.backend.ip().to_canonical(),
+                    d.backend.port(),
+                );
+                (key, d.backend_id)
+            })
+            .collect();
+        let doomed = |cookie: u64, peer: std::net::SocketAddr| {
+            let key = SockRevKey {
+                cookie,
+                addr: crate::sync::addr16(peer.ip()),
+                port_be: peer.port().to_be(),
+                _pad0: [0; 6],
+            };
+            // Not translated by svc (a direct connection), or its entry is gone: left alone.
+            let Ok(rev) = sock_rev.get(&key, 0) else {
+                return false;
+            };
+            let Some(backend) = gone.get(&(rev.id, peer.ip().to_canonical(), peer.port())) else {
+                return false;
+            };
+            // Back in the frontend since (a flapping endpoint): not stale.
+            members
+                .get(
+                    &AffinityMatchKey {
+                        id: rev.id,
+                        backend: *backend,
+                    },
+                    0,
+                )
+                .is_err()
+        };
+        match crate::stale::destroy_udp_sockets(&cgroup, &backends, &doomed) {
+            Ok(r) => {
+                for e in &r.errors {
+                    warn!("closing UDP sockets of departed backends: {e}");
+                    metrics.error(e);
+                }
+                if r.destroyed() > 0 {
+                    info!(
+                        sockets = r.destroyed(),
+                        namespaces = r.namespaces,
+                        "closed connected UDP sockets of departed backends"
+                    );
+                }
+            }
+            Err(e) => {
+                warn!("closing UDP sockets of departed backends: {e}");
+                metrics.error(&e);
+            }
+        }
+    };
+    StaleWorker::spawn(run)
+        .map_err(|e| Error::Other(format!("starting the stale-socket thread: {e}")))
 }
 
 /// Of several definitions of one object, the one that serves now: from the file that served

@@ -21,7 +21,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapType, PerCpuArray};
-use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSockAddr};
+use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{layout, map_names, stat};
 use tracing::{info, warn};
@@ -35,12 +35,13 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/svc";
 /// The kernel object, built by `cargo xtask build-ebpf`.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/svc.bpf.o"));
 
-/// Program names as in svc-ebpf/src/main.rs, one per cgroup attach point.
-pub const PROGRAMS: [&str; 8] = {
-    let mut names = [""; 8];
+/// Program names as in svc-ebpf/src/main.rs, one per cgroup attach point. The object holds
+/// nothing else the agent loads (the decision's test program is in an object of its own).
+pub const PROGRAMS: [&str; 9] = {
+    let mut names = [""; 9];
     let mut i = 0;
     while i < names.len() {
-        names[i] = sys::SOCK_ADDR_ATTACH_TYPES[i].1;
+        names[i] = sys::ATTACH_POINTS[i].1;
         i += 1;
     }
     names
@@ -58,7 +59,7 @@ struct MapSpec {
     flags: u32,
 }
 
-fn specs() -> [MapSpec; 9] {
+fn specs() -> [MapSpec; 11] {
     use std::mem::size_of;
     use svc_common::*;
     let s = |name, kind, key: usize, value: usize, flags| MapSpec {
@@ -126,6 +127,21 @@ fn specs() -> [MapSpec; 9] {
             size_of::<MetaValue>(),
             0,
         ),
+        s(
+            map_names::AFFINITY_MATCH,
+            MapType::Hash,
+            size_of::<AffinityMatchKey>(),
+            4,
+            BPF_F_NO_PREALLOC,
+        ),
+        // Socket local storage: keyed by socket, sized by the sockets (max_entries 0).
+        s(
+            map_names::SOCK_STATE,
+            MapType::SkStorage,
+            4,
+            size_of::<SockState>(),
+            BPF_F_NO_PREALLOC,
+        ),
     ]
 }
 
@@ -133,6 +149,7 @@ fn specs() -> [MapSpec; 9] {
 fn max_entries(name: &str, capacity: &Capacity) -> u32 {
     capacity.of(name).unwrap_or(match name {
         map_names::STATS => stat::COUNT,
+        map_names::SOCK_STATE => 0,
         _ => 1,
     })
 }
@@ -487,12 +504,19 @@ impl Datapath {
             .load(OBJECT)
             .map_err(|e| load_err("loading the eBPF object", e))?;
         for name in PROGRAMS {
-            let prog: &mut CgroupSockAddr = ebpf
+            let prog = ebpf
                 .program_mut(name)
-                .ok_or_else(|| load_err(name, "program missing from the object"))?
-                .try_into()
-                .map_err(|e| load_err(name, e))?;
-            prog.load().map_err(|e| load_err(name, e))?;
+                .ok_or_else(|| load_err(name, "program missing from the object"))?;
+            let loaded = if name == sys::SOCK_RELEASE {
+                <&mut CgroupSock>::try_from(prog)
+                    .map_err(|e| load_err(name, e))?
+                    .load()
+            } else {
+                <&mut CgroupSockAddr>::try_from(prog)
+                    .map_err(|e| load_err(name, e))?
+                    .load()
+            };
+            loaded.map_err(|e| load_err(name, e))?;
         }
         let mut store = store_from(&mut ebpf, capacity)?;
 
@@ -502,7 +526,7 @@ impl Datapath {
                 Pinned::Adopt => {}
                 Pinned::Create => {
                     let path = map_pin(dir, name);
-                    store_map(&store, name)
+                    held(&store, name)?
                         .pin(&path)
                         .map_err(|e| load_err(path.display(), e))?;
                 }
@@ -511,7 +535,7 @@ impl Datapath {
                     info!(map = name, entries = n, "copied into the resized map");
                     let path = staged_pin(dir, name);
                     let _ = std::fs::remove_file(&path);
-                    store_map(&store, name)
+                    held(&store, name)?
                         .pin(&path)
                         .map_err(|e| load_err(path.display(), e))?;
                     staged.push(name);
@@ -534,6 +558,12 @@ impl Datapath {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// A second handle on one of the agent's maps, for a thread of its own.
+    pub fn reopen(&self, name: &'static str) -> Result<Map> {
+        let data = clone_map(held(&self.store, name)?)?;
+        Map::from_map_data(data).map_err(|e| load_err(name, e))
     }
 
     /// `open` and `attach` at once, for tools that program the maps themselves.
@@ -587,12 +617,10 @@ impl Datapath {
 
     fn attach_one(&mut self, name: &str, cgroup_file: &File, swap: bool) -> Result<()> {
         let pin = link_pin(&self.dir, name);
-        let prog: &mut CgroupSockAddr = self
+        let prog = self
             .ebpf
             .program_mut(name)
-            .ok_or_else(|| load_err(name, "program missing from the object"))?
-            .try_into()
-            .map_err(|e| load_err(name, e))?;
+            .ok_or_else(|| load_err(name, "program missing from the object"))?;
         if pin.exists() {
             let link = sys::obj_get(&pin).map_err(|e| load_err(pin.display(), e))?;
             let (_, attached_to) =
@@ -620,11 +648,22 @@ impl Datapath {
             std::fs::remove_file(&pin).map_err(|e| io_err(&pin, e))?;
         }
         // A bpf link takes no attach flags; links to one cgroup coexist with other links.
-        let id = prog
-            .attach(cgroup_file, CgroupAttachMode::Single)
-            .map_err(|e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e))?;
-        let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
-        let link = FdLink::try_from(link).map_err(|e| load_err(name, e))?;
+        let attaching = |e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e);
+        let link = if name == sys::SOCK_RELEASE {
+            let prog = <&mut CgroupSock>::try_from(prog).map_err(|e| load_err(name, e))?;
+            let id = prog
+                .attach(cgroup_file, CgroupAttachMode::Single)
+                .map_err(attaching)?;
+            let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
+            FdLink::try_from(link).map_err(|e| load_err(name, e))?
+        } else {
+            let prog = <&mut CgroupSockAddr>::try_from(prog).map_err(|e| load_err(name, e))?;
+            let id = prog
+                .attach(cgroup_file, CgroupAttachMode::Single)
+                .map_err(attaching)?;
+            let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
+            FdLink::try_from(link).map_err(|e| load_err(name, e))?
+        };
         link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
         info!(program = name, cgroup = %self.cgroup.display(), "attached");
         Ok(())
@@ -649,12 +688,16 @@ impl Datapath {
                 }
             }
         }
-        for name in map_names::ALL {
+        for spec in specs() {
+            let name = spec.name;
             let path = map_pin(&self.dir, name);
             if path.exists() || self.staged.contains(&name) {
                 continue;
             }
-            match store_map(&self.store, name).pin(&path) {
+            let Some(map) = store_map(&self.store, name) else {
+                continue;
+            };
+            match map.pin(&path) {
                 Ok(()) => repaired.push(format!("map pin {}", path.display())),
                 Err(e) => errors.push(load_err(path.display(), e)),
             }
@@ -686,8 +729,9 @@ impl Datapath {
     }
 }
 
-fn store_map<'a>(store: &'a BpfStore, name: &str) -> &'a MapData {
-    match name {
+/// The store's map of that name; None for a name the store does not hold.
+fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
+    Some(match name {
         map_names::SERVICES => store.services.map(),
         map_names::SLOTS => store.slots.map(),
         map_names::BACKENDS => store.backends.map(),
@@ -696,8 +740,16 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> &'a MapData {
         map_names::AFFINITY => store.affinity.map(),
         map_names::SOCK_REV => store.sock_rev.map(),
         map_names::STATS => store.stats.map(),
-        _ => store.meta.map(),
-    }
+        map_names::AFFINITY_MATCH => store.affinity_match.map(),
+        map_names::SOCK_STATE => &store.sock_state,
+        map_names::META => store.meta.map(),
+        _ => return None,
+    })
+}
+
+/// `store_map`, for a name that must be there.
+fn held<'a>(store: &'a BpfStore, name: &str) -> Result<&'a MapData> {
+    store_map(store, name).ok_or_else(|| load_err(name, "not a map the agent holds"))
 }
 
 /// Copies a migrated map's entries into the new one.
@@ -710,6 +762,7 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
         map_names::NAMES => copy_hash(name, old, &mut store.names, late),
         map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
         map_names::SOCK_REV => copy_hash(name, old, &mut store.sock_rev, late),
+        map_names::AFFINITY_MATCH => copy_hash(name, old, &mut store.affinity_match, late),
         map_names::STATS => {
             let old: PerCpuArray<MapData, u64> =
                 PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
@@ -760,7 +813,17 @@ fn build_store(
         rev_nat: hash(take, map_names::REV_NAT)?,
         names: hash(take, map_names::NAMES)?,
         affinity: hash(take, map_names::AFFINITY)?,
+        affinity_match: hash(take, map_names::AFFINITY_MATCH)?,
         sock_rev: hash(take, map_names::SOCK_REV)?,
+        sock_state: match take(map_names::SOCK_STATE)? {
+            Map::SkStorage(data) => data,
+            other => {
+                return Err(load_err(
+                    map_names::SOCK_STATE,
+                    format!("not socket storage: {other:?}"),
+                ))
+            }
+        },
         meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
         stats: PerCpuArray::try_from(take(map_names::STATS)?)
             .map_err(|e| load_err(map_names::STATS, e))?,
@@ -781,6 +844,7 @@ pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
                 map_names::NAMES => capacity.names = info.max_entries(),
                 map_names::SOCK_REV => capacity.sock_rev = info.max_entries(),
                 map_names::AFFINITY => capacity.affinity = info.max_entries(),
+                map_names::AFFINITY_MATCH => capacity.affinity_match = info.max_entries(),
                 _ => {}
             }
         }
@@ -868,7 +932,7 @@ fn check_detached(cgroup: &Path, ours: &[u32]) -> Result<Vec<String>> {
     let f = File::open(cgroup).map_err(|e| io_err(cgroup, e))?;
     let mut left = Vec::new();
     let mut foreign = Vec::new();
-    for (t, name) in sys::SOCK_ADDR_ATTACH_TYPES {
+    for (t, name) in sys::ATTACH_POINTS {
         let ids = sys::attached_program_ids(f.as_fd(), t)
             .map_err(|e| load_err(format!("querying {} at {name}", cgroup.display()), e))?;
         for id in ids {

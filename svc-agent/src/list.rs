@@ -8,8 +8,8 @@ use serde::Serialize;
 use svc_common::svc_flags;
 
 use crate::error::Result;
-use crate::store::{BpfStore, Store};
-use crate::sync::{Programmed, Retiring, DEFAULT_GRACE};
+use crate::store::BpfStore;
+use crate::sync::{Programmed, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
 pub struct Listing {
@@ -34,8 +34,7 @@ pub struct ListedFrontend {
 }
 
 pub fn read(store: &BpfStore) -> Result<Listing> {
-    let snap = store.snapshot()?;
-    let p = Programmed::recover(&snap, store.capacity, DEFAULT_GRACE, Retiring::default());
+    let p = Programmed::adopt(store, store.capacity, DEFAULT_GRACE)?;
     let services = p
         .frontends
         .iter()

@@ -156,6 +156,7 @@ impl CapacityArgs {
             names: self.max_services,
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
+            affinity_match: self.max_slots,
         })
     }
 }

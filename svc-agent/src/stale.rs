@@ -1,5 +1,19 @@
 //! Closing connected UDP sockets whose backend left its Service.
 //!
+//! # Which sockets
+//! Only sockets svc translated, and only for the Service the backend left: the connect hook
+//! records every translation in `SVC_SOCK_REV` (socket cookie + backend → frontend id), so a
+//! socket found connected to a departed backend is closed only when that entry names the
+//! frontend the backend left (and the backend has not come back to it meanwhile). A socket
+//! connected to the pod's address directly has no entry and is never touched; a socket
+//! translated for Service T survives when its backend leaves only Service S. A socket whose
+//! entry is gone (evicted from the LRU map) is left alone rather than guessed about.
+//!
+//! # Off the sync path
+//! The namespace walk takes a millisecond or more per namespace: it runs on a thread of its
+//! own ([`StaleWorker`]), fed through a channel, so a sync never waits for it; work queued
+//! while a walk runs is merged into the next one.
+//!
 //! The cgroup `connect4/6` hooks translate a ClusterIP:port to one backend when the application
 //! calls `connect()`; from then on the kernel sends every datagram of that socket straight to
 //! the backend, and no hook runs again. A long-lived connected UDP socket (a resolver talking to
@@ -137,14 +151,18 @@ impl DestroyReport {
     }
 }
 
-/// Closes UDP sockets connected to any of `backends` (IP:port), in every network namespace
-/// that has a process in `cgroup` (recursively, including child cgroups). Returns how many
-/// sockets were destroyed. Errors name the namespace/cgroup; one failing netns does not stop
-/// others.
+/// Closes connected UDP sockets whose peer is one of `backends` (IP:port) and that `doomed`
+/// picks (given the socket's cookie and peer), in every network namespace that has a process
+/// in `cgroup` (recursively, including child cgroups). Errors name the namespace/cgroup; one
+/// failing netns does not stop others.
 ///
 /// The call is an `Err` only when `cgroup` itself cannot be read; everything after that is
 /// reported per namespace or per cgroup in [`DestroyReport::errors`].
-pub fn destroy_udp_sockets(cgroup: &Path, backends: &[SocketAddr]) -> Result<DestroyReport> {
+pub fn destroy_udp_sockets(
+    cgroup: &Path,
+    backends: &[SocketAddr],
+    doomed: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
+) -> Result<DestroyReport> {
     let mut report = DestroyReport::default();
     if backends.is_empty() {
         return Ok(report);
@@ -159,7 +177,7 @@ pub fn destroy_udp_sockets(cgroup: &Path, backends: &[SocketAddr]) -> Result<Des
     let namespaces = cgroup_namespaces(cgroup, &mut report.errors)?;
     report.namespaces = namespaces.len();
     for ns in &namespaces {
-        let outcome = in_netns(ns, |diag| diag.destroy_connected_to(&wanted));
+        let outcome = in_netns(ns, |diag| diag.destroy_connected_to(&wanted, doomed));
         let describe = |message: String| Error::Netns {
             netns: format!("{} (pid {}, cgroup {})", ns.id, ns.pid, ns.cgroup.display()),
             message,
@@ -182,6 +200,56 @@ pub fn destroy_udp_sockets(cgroup: &Path, backends: &[SocketAddr]) -> Result<Des
         }
     }
     Ok(report)
+}
+
+/// Runs stale-socket work on a thread of its own: [`StaleWorker::submit`] never blocks, and
+/// what is submitted while a run is under way is merged into the next run.
+pub struct StaleWorker<J: Send + 'static> {
+    tx: Option<std::sync::mpsc::Sender<Vec<J>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<J: Send + 'static> StaleWorker<J> {
+    /// Starts the thread; `run` gets each batch of work.
+    pub fn spawn(mut run: impl FnMut(Vec<J>) + Send + 'static) -> io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<Vec<J>>();
+        let thread = std::thread::Builder::new()
+            .name("svc-stale-udp".into())
+            .spawn(move || {
+                while let Ok(mut batch) = rx.recv() {
+                    while let Ok(more) = rx.try_recv() {
+                        batch.extend(more);
+                    }
+                    run(batch);
+                }
+            })?;
+        Ok(StaleWorker {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues `work`; returns at once.
+    pub fn submit(&self, work: Vec<J>) {
+        if work.is_empty() {
+            return;
+        }
+        if let Some(tx) = &self.tx {
+            // The thread only ends when we drop the sender, so this cannot fail but in a
+            // panic of `run`, after which nothing is closed any more.
+            let _ = tx.send(work);
+        }
+    }
+}
+
+impl<J: Send + 'static> Drop for StaleWorker<J> {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread once it has finished what it has.
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// A network namespace held open through its nsfs file, so it stays valid (and cannot be
@@ -420,14 +488,20 @@ impl SockDiag {
         })
     }
 
-    fn destroy_connected_to(&mut self, wanted: &HashSet<(IpAddr, u16)>) -> NsOutcome {
+    fn destroy_connected_to(
+        &mut self,
+        wanted: &HashSet<(IpAddr, u16)>,
+        doomed: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
+    ) -> NsOutcome {
         let mut out = NsOutcome::default();
         let mut matches = Vec::new();
         for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
             match self.dump_udp(family) {
-                Ok(socks) => {
-                    matches.extend(socks.into_iter().filter(|s| wanted.contains(&s.peer())))
-                }
+                Ok(socks) => matches.extend(
+                    socks
+                        .into_iter()
+                        .filter(|s| wanted.contains(&s.peer()) && doomed(s.cookie, s.remote)),
+                ),
                 Err(e) => out.errors.push(format!(
                     "dumping UDP sockets ({}): {e}",
                     family_name(family)
@@ -857,6 +931,49 @@ mod tests {
             message.contains("of 3 processes") && message.contains("hostPID"),
             "{message}"
         );
+    }
+
+    /// The sync hands work over and goes on: submitting never waits for a run under way, and
+    /// what piles up meanwhile is done in one run.
+    #[test]
+    fn the_worker_never_blocks_the_submitter() {
+        use std::sync::mpsc;
+        use std::time::Instant;
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel();
+        let worker = StaleWorker::spawn(move |batch: Vec<u32>| {
+            started_tx.send(()).unwrap();
+            // A namespace walk that takes as long as the test wants.
+            release_rx.recv().unwrap();
+            done_tx.send(batch).unwrap();
+        })
+        .unwrap();
+        worker.submit(vec![1]);
+        started_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        let t = Instant::now();
+        for i in 2..=50 {
+            worker.submit(vec![i]);
+        }
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "submitting waited for the run: {:?}",
+            t.elapsed()
+        );
+        release_tx.send(()).unwrap();
+        assert_eq!(
+            done_rx.recv_timeout(Duration::from_secs(5)).unwrap(),
+            vec![1]
+        );
+        started_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        release_tx.send(()).unwrap();
+        let merged = done_rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            merged,
+            (2..=50).collect::<Vec<_>>(),
+            "queued work is merged"
+        );
+        drop(worker);
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::os::fd::AsFd;
 
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
 use svc_common::{
-    map_names, AffinityKey, AffinityValue, Backend, BackendId, MetaValue, RevNatValue, ServiceKey,
-    ServiceName, ServiceValue, SlotKey,
+    map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, MetaValue,
+    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
 };
 
 use crate::error::{Error, Result};
@@ -25,6 +25,9 @@ pub enum Op {
     DelRevNat(u32),
     PutName(u32, ServiceName),
     DelName(u32),
+    /// Backend `backend` is a backend of frontend `id` (see `AffinityMatchKey`).
+    PutMatch(AffinityMatchKey),
+    DelMatch(AffinityMatchKey),
     PutMeta(MetaValue),
 }
 
@@ -36,6 +39,7 @@ impl Op {
             Op::PutBackend(..) | Op::DelBackend(_) => map_names::BACKENDS,
             Op::PutRevNat(..) | Op::DelRevNat(_) => map_names::REV_NAT,
             Op::PutName(..) | Op::DelName(_) => map_names::NAMES,
+            Op::PutMatch(_) | Op::DelMatch(_) => map_names::AFFINITY_MATCH,
             Op::PutMeta(_) => map_names::META,
         }
     }
@@ -51,6 +55,7 @@ pub struct Capacity {
     pub names: u32,
     pub sock_rev: u32,
     pub affinity: u32,
+    pub affinity_match: u32,
 }
 
 impl Default for Capacity {
@@ -64,6 +69,7 @@ impl Default for Capacity {
             names: c::NAMES,
             sock_rev: c::SOCK_REV,
             affinity: c::AFFINITY,
+            affinity_match: c::AFFINITY_MATCH,
         }
     }
 }
@@ -79,6 +85,7 @@ impl Capacity {
             map_names::NAMES => self.names,
             map_names::SOCK_REV => self.sock_rev,
             map_names::AFFINITY => self.affinity,
+            map_names::AFFINITY_MATCH => self.affinity_match,
             _ => return None,
         })
     }
@@ -92,6 +99,7 @@ pub struct Snapshot {
     pub backends: Vec<(BackendId, Backend)>,
     pub rev_nat: Vec<(u32, RevNatValue)>,
     pub names: Vec<(u32, ServiceName)>,
+    pub matches: Vec<AffinityMatchKey>,
     /// Frontend and backend ids the kernel keeps in affinity entries: they count as used.
     pub affinity_ids: Vec<(u32, BackendId)>,
     pub meta: MetaValue,
@@ -100,11 +108,6 @@ pub struct Snapshot {
 pub trait Store {
     /// Writes one op. `Ok(false)`: a delete found nothing to delete, which is what it wanted.
     fn apply(&mut self, op: &Op) -> Result<bool>;
-    /// Deletes the affinity entries `stale` picks; returns how many.
-    fn purge_affinity(
-        &mut self,
-        stale: &dyn Fn(&AffinityKey, &AffinityValue) -> bool,
-    ) -> Result<usize>;
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
 }
@@ -117,7 +120,11 @@ pub struct BpfStore {
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    pub affinity_match: HashMap<MapData, AffinityMatchKey, u32>,
     pub sock_rev: HashMap<MapData, svc_common::SockRevKey, svc_common::SockRevValue>,
+    /// Socket local storage: only pinned (so sockets keep their state across restarts), never
+    /// read here.
+    pub sock_state: MapData,
     pub meta: Array<MapData, MetaValue>,
     pub stats: PerCpuArray<MapData, u64>,
     pub capacity: Capacity,
@@ -187,12 +194,14 @@ impl Store for BpfStore {
             Op::PutBackend(k, v) => self.backends.insert(k, v, 0),
             Op::PutRevNat(k, v) => self.rev_nat.insert(k, v, 0),
             Op::PutName(k, v) => self.names.insert(k, v, 0),
+            Op::PutMatch(k) => self.affinity_match.insert(k, 0, 0),
             Op::PutMeta(v) => self.meta.set(0, v, 0),
             Op::DelService(k) => self.services.remove(k),
             Op::DelSlot(k) => self.slots.remove(k),
             Op::DelBackend(k) => self.backends.remove(k),
             Op::DelRevNat(k) => self.rev_nat.remove(k),
             Op::DelName(k) => self.names.remove(k),
+            Op::DelMatch(k) => self.affinity_match.remove(k),
         };
         match r {
             Ok(()) => Ok(true),
@@ -206,25 +215,6 @@ impl Store for BpfStore {
         }
     }
 
-    fn purge_affinity(
-        &mut self,
-        stale: &dyn Fn(&AffinityKey, &AffinityValue) -> bool,
-    ) -> Result<usize> {
-        let doomed: Vec<AffinityKey> = dump(map_names::AFFINITY, &self.affinity)?
-            .into_iter()
-            .filter(|(k, v)| stale(k, v))
-            .map(|(k, _)| k)
-            .collect();
-        for k in &doomed {
-            match self.affinity.remove(k) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(map_err(map_names::AFFINITY, e)),
-            }
-        }
-        Ok(doomed.len())
-    }
-
     fn snapshot(&self) -> Result<Snapshot> {
         Ok(Snapshot {
             services: dump(map_names::SERVICES, &self.services)?,
@@ -232,6 +222,10 @@ impl Store for BpfStore {
             backends: dump(map_names::BACKENDS, &self.backends)?,
             rev_nat: dump(map_names::REV_NAT, &self.rev_nat)?,
             names: dump(map_names::NAMES, &self.names)?,
+            matches: dump(map_names::AFFINITY_MATCH, &self.affinity_match)?
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect(),
             affinity_ids: dump(map_names::AFFINITY, &self.affinity)?
                 .into_iter()
                 .map(|(k, v)| (k.id, v.backend))

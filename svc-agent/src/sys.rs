@@ -134,8 +134,10 @@ pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
     Ok(info[2])
 }
 
-/// The cgroup sock_addr attach points svc uses (enum bpf_attach_type).
-pub const SOCK_ADDR_ATTACH_TYPES: [(u32, &str); 8] = [
+/// The cgroup attach points svc uses (enum bpf_attach_type), each with the program of
+/// svc-ebpf/src/main.rs attached there: the sock_addr hooks, then sock_release
+/// (BPF_CGROUP_INET_SOCK_RELEASE, a BPF_PROG_TYPE_CGROUP_SOCK program).
+pub const ATTACH_POINTS: [(u32, &str); 9] = [
     (10, "connect4"),
     (11, "connect6"),
     (14, "sendmsg4"),
@@ -144,7 +146,11 @@ pub const SOCK_ADDR_ATTACH_TYPES: [(u32, &str); 8] = [
     (20, "recvmsg6"),
     (29, "getpeername4"),
     (30, "getpeername6"),
+    (34, SOCK_RELEASE),
 ];
+
+/// The one program of ATTACH_POINTS that is not a sock_addr program.
+pub const SOCK_RELEASE: &str = "sock_release";
 
 /// How many programs are attached to `cgroup` at `attach_type` (directly, not inherited).
 pub fn attached_programs(cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result<u32> {

@@ -1,12 +1,13 @@
 //! An exact comparison of what the maps hold with what should be programmed: every master
 //! entry leads to all its slots, backends, reverse-NAT and name entries, the backends are the
-//! desired ones, and nothing else is there. The crash tests judge recovery by it, and it
+//! desired ones, the frontends that check remembered choices have a membership entry for
+//! each of their backends and for nothing else, and nothing else is there. The crash tests judge recovery by it, and it
 //! explains drift.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 
-use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
+use svc_common::{checks_match, svc_flags, AffinityMatchKey, BackendId, SlotKey, PROTO_ANY};
 
 use crate::model::DesiredState;
 use crate::store::Snapshot;
@@ -22,6 +23,8 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
     let backends: HashMap<BackendId, _> = snap.backends.iter().copied().collect();
     let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
     let names: HashMap<u32, _> = snap.names.iter().copied().collect();
+    let matches: HashSet<AffinityMatchKey> = snap.matches.iter().copied().collect();
+    let mut used_matches = HashSet::new();
 
     let mut used_slots = HashSet::new();
     let mut used_ids = HashSet::new();
@@ -49,6 +52,7 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
             ));
         }
         let mut got: Vec<SocketAddr> = Vec::new();
+        let check_members = checks_match(fe.protocol.ipproto(), v.flags);
         for slot in 1..=v.count {
             let sk = SlotKey {
                 id: v.id,
@@ -64,6 +68,19 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
                 continue;
             };
             used_backends.insert(*b);
+            if check_members {
+                let k = AffinityMatchKey {
+                    id: v.id,
+                    backend: *b,
+                };
+                used_matches.insert(k);
+                if !matches.contains(&k) {
+                    problems.push(format!(
+                        "{fe}: membership entry of backend {b} (id {}) missing",
+                        v.id
+                    ));
+                }
+            }
             match backends.get(b) {
                 Some(be) if be.proto == fe.protocol.ipproto() => got.push(SocketAddr::new(
                     ip_from16(be.addr),
@@ -130,6 +147,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
     problems.extend(strays(
         "name",
         names.keys().filter(|id| !used_ids.contains(*id)).count(),
+    ));
+    problems.extend(strays(
+        "membership",
+        matches.difference(&used_matches).count(),
     ));
     problems.extend(strays(
         "backend",

@@ -20,8 +20,30 @@ pub mod map_names {
     pub const STATS: &str = "SVC_STATS";
     pub const NAMES: &str = "SVC_NAMES";
     pub const META: &str = "SVC_META";
-    pub const ALL: [&str; 9] = [
-        SERVICES, SLOTS, BACKENDS, REV_NAT, SOCK_REV, AFFINITY, STATS, NAMES, META,
+    pub const AFFINITY_MATCH: &str = "SVC_AFFINITY_MATCH";
+    pub const SOCK_STATE: &str = "SVC_SOCK_STATE";
+    pub const NODE_ADDRS: &str = "SVC_NODE_ADDRS";
+    pub const SRC_RANGES: &str = "SVC_SRC_RANGES";
+    pub const CT: &str = "SVC_CT";
+    pub const CONFIG: &str = "SVC_CONFIG";
+    pub const DEV_STATS: &str = "SVC_DEV_STATS";
+    pub const ALL: [&str; 16] = [
+        SERVICES,
+        SLOTS,
+        BACKENDS,
+        REV_NAT,
+        SOCK_REV,
+        AFFINITY,
+        STATS,
+        NAMES,
+        META,
+        AFFINITY_MATCH,
+        SOCK_STATE,
+        NODE_ADDRS,
+        SRC_RANGES,
+        CT,
+        CONFIG,
+        DEV_STATS,
     ];
 }
 
@@ -31,7 +53,7 @@ pub mod map_names {
 /// fills it before its programs switch over.
 pub mod layout {
     use super::map_names::*;
-    pub const VERSIONS: [(&str, u32); 9] = [
+    pub const VERSIONS: [(&str, u32); 16] = [
         (SERVICES, 1),
         (SLOTS, 1),
         (BACKENDS, 1),
@@ -41,6 +63,13 @@ pub mod layout {
         (STATS, 1),
         (NAMES, 1),
         (META, 1),
+        (AFFINITY_MATCH, 1),
+        (SOCK_STATE, 1),
+        (NODE_ADDRS, 1),
+        (SRC_RANGES, 1),
+        (CT, 1),
+        (CONFIG, 1),
+        (DEV_STATS, 1),
     ];
 
     /// The layout version of `map`; 0 for a name that is not one of ours.
@@ -63,6 +92,16 @@ pub mod capacity {
     pub const SOCK_REV: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
     pub const NAMES: u32 = 262_144;
+    /// One entry per backend of a current generation (of the frontends that check choices),
+    /// so it never holds more than the slots map: sized with it.
+    pub const AFFINITY_MATCH: u32 = SLOTS;
+    /// Connection tracking of the packet datapath: two entries per flow (LRU, allocated in
+    /// full).
+    pub const CT: u32 = 262_144;
+    pub const NODE_ADDRS: u32 = 256;
+    pub const SRC_RANGES: u32 = 16_384;
+    /// (device, reason) pairs counted per CPU.
+    pub const DEV_STATS: u32 = 4_096;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -96,6 +135,215 @@ pub mod svc_flags {
     pub const ADDR_MARKER: u16 = 1 << 1;
     /// internalTrafficPolicy: Local was applied when the slots were chosen.
     pub const INTERNAL_LOCAL: u16 = 1 << 2;
+    /// externalTrafficPolicy: Local was applied when the slots were chosen (external scope
+    /// only): every backend is on this node, the client's address is kept (no SNAT), and no
+    /// backend means the packet is dropped, as kube-proxy does.
+    pub const EXTERNAL_LOCAL: u16 = 1 << 3;
+    /// A LoadBalancer frontend with loadBalancerSourceRanges: a client must match an entry of
+    /// `SRC_RANGES` for this frontend id.
+    pub const SOURCE_RANGES: u16 = 1 << 4;
+    /// A NodePort frontend: keyed by `NODEPORT_ADDR_V4`/`_V6`, it answers on every address in
+    /// `NODE_ADDRS` that has `node_addr_flags::NODEPORT`.
+    pub const NODEPORT: u16 = 1 << 5;
+}
+
+/// `ServiceKey::scope`: who a frontend is for.
+pub mod scope {
+    /// Traffic that starts on this node (pods' and the node's sockets, and pods whose packets
+    /// the per-packet ClusterIP path translates): ClusterIPs, and the node-local view of
+    /// NodePorts, ExternalIPs and LoadBalancer IPs (kube-proxy sends such traffic to every
+    /// endpoint, whatever externalTrafficPolicy says).
+    pub const CLUSTER: u8 = 0;
+    /// Packets that arrive from outside the node on its external devices: NodePorts,
+    /// ExternalIPs, LoadBalancer IPs, with externalTrafficPolicy applied.
+    pub const EXTERNAL: u8 = 1;
+}
+
+/// The address of a NodePort frontend's key (IPv4 family): any node address.
+pub const NODEPORT_ADDR_V4: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0, 0, 0, 0];
+/// The address of a NodePort frontend's key (IPv6 family): any node address.
+pub const NODEPORT_ADDR_V6: [u8; 16] = [0; 16];
+
+/// `Backend::flags` bits.
+pub mod backend_flags {
+    /// The endpoint runs on this node: packets to it are DNATed only (the client's address is
+    /// kept); packets to other nodes' endpoints are DNATed and SNATed to a node address.
+    pub const LOCAL: u8 = 1 << 0;
+}
+
+/// `NodeAddrValue::flags` bits.
+pub mod node_addr_flags {
+    /// NodePorts answer on this address (kube-proxy's --nodeport-addresses).
+    pub const NODEPORT: u32 = 1 << 0;
+    /// Usable as the source of SNATed packets to other nodes' endpoints.
+    pub const SNAT: u32 = 1 << 1;
+}
+
+/// An address of this node (key of `NODE_ADDRS`: the address, network byte order, IPv4 as
+/// `::ffff:a.b.c.d`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct NodeAddrValue {
+    /// `node_addr_flags` bits.
+    pub flags: u32,
+    /// The device that carries it (host order); 0 if unknown.
+    pub ifindex: u32,
+}
+
+/// Key of the `SRC_RANGES` LPM trie: a LoadBalancer frontend's loadBalancerSourceRanges.
+/// `prefixlen` counts the bits of `id` (always 32) plus the bits of the range's prefix
+/// (IPv4 ranges count from bit 96 of the mapped address: a /8 is 32 + 96 + 8).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SrcRangeKey {
+    /// Host order (the LPM trie's header).
+    pub prefixlen: u32,
+    /// Frontend id, network byte order (so it is the leading, always-matched part).
+    pub id_be: u32,
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+}
+
+/// A connection-tracking entry's key: a packet's tuple as it travels, in one direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtKey {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Network byte order (for ICMP echo: the identifier in both).
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    /// `ct_dir`.
+    pub dir: u8,
+    pub _pad0: [u8; 2],
+}
+
+/// `CtKey::dir`.
+pub mod ct_dir {
+    /// Client to frontend, as the client sent it.
+    pub const FORWARD: u8 = 0;
+    /// Backend to client (or to the SNAT address), as the backend sends its reply.
+    pub const REPLY: u8 = 1;
+}
+
+/// `CtValue::flags` bits.
+pub mod ct_flags {
+    /// The flow is SNATed to `CtValue::snat_addr`:`snat_port_be` (a backend on another node).
+    pub const SNAT: u16 = 1 << 0;
+    /// A reply has been seen.
+    pub const SEEN_REPLY: u16 = 1 << 1;
+    /// TCP: a FIN was seen (closing: the short timeout applies).
+    pub const FIN: u16 = 1 << 2;
+    /// TCP: an RST was seen.
+    pub const RST: u16 = 1 << 3;
+    /// Translated by the per-packet ClusterIP path (pod devices), not the external one.
+    pub const POD: u16 = 1 << 4;
+}
+
+/// A connection-tracking entry. In a `FORWARD` entry `nat_*` is the backend and `snat_*` the
+/// source the packet leaves with (if `SNAT`); in a `REPLY` entry `nat_*` is the frontend the
+/// reply must come from and `snat_*` the client it must go to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtValue {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub nat_addr: [u8; 16],
+    pub snat_addr: [u8; 16],
+    /// Network byte order.
+    pub nat_port_be: u16,
+    pub snat_port_be: u16,
+    /// `ct_flags` bits.
+    pub flags: u16,
+    pub _pad0: u16,
+    /// Frontend id (host order), for metrics and explaining a flow.
+    pub id: u32,
+    /// Where replies leave: the device the flow came in on (host order).
+    pub ifindex: u32,
+    /// bpf_ktime_get_ns() of the last packet in either direction.
+    pub last_seen_ns: u64,
+}
+
+/// Settings of the packet datapath the agent writes (the one entry of `CONFIG`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct DatapathConfig {
+    /// SNAT source ports, inclusive (host order); outside the node's ephemeral range.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    /// Connection-tracking timeouts, seconds (host order). 0: the built-in default.
+    pub ct_tcp_established_s: u32,
+    pub ct_tcp_closing_s: u32,
+    pub ct_tcp_syn_s: u32,
+    pub ct_udp_s: u32,
+    pub ct_udp_stream_s: u32,
+    pub _reserved: [u32; 8],
+}
+
+/// A per-device counter's key (`DEV_STATS`): what the packet datapath decided on which
+/// device.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct DevStatKey {
+    /// Host order.
+    pub ifindex: u32,
+    /// A `pkt_stat` index.
+    pub reason: u32,
+}
+
+/// Reasons counted per device by the packet datapath (`DEV_STATS`). Numbered once, never
+/// renumbered.
+pub mod pkt_stat {
+    /// A new flow to a frontend was translated to a backend.
+    pub const NEW: u32 = 0;
+    /// A packet of a known flow was translated (either direction).
+    pub const CT_HIT: u32 = 1;
+    /// A reply was translated back to its frontend.
+    pub const REPLY: u32 = 2;
+    /// Rejected: the frontend has no usable backend (TCP RST or ICMP unreachable sent back).
+    pub const REJECT_NO_BACKEND: u32 = 3;
+    /// Dropped: externalTrafficPolicy Local and no endpoint on this node.
+    pub const DROP_NO_LOCAL_BACKEND: u32 = 4;
+    /// Dropped: the client is outside the frontend's loadBalancerSourceRanges.
+    pub const DROP_SOURCE_RANGE: u32 = 5;
+    /// Dropped: no SNAT port was free for the flow.
+    pub const DROP_SNAT_EXHAUSTED: u32 = 6;
+    /// Passed untouched: a packet the parser could not read far enough (truncated, unknown
+    /// extension headers); it is not ours to judge.
+    pub const PASS_UNPARSED: u32 = 7;
+    /// A non-first IPv4/IPv6 fragment of a translated flow (it carries no ports).
+    pub const FRAGMENT: u32 = 8;
+    /// An ICMP error about a translated flow was translated too.
+    pub const ICMP_ERROR: u32 = 9;
+    /// A slot or backend entry was missing (an update raced the lookup).
+    pub const ERR_MISSING_ENTRY: u32 = 10;
+    /// A connection-tracking entry could not be stored (the packet was dropped).
+    pub const ERR_CT_UPDATE: u32 = 11;
+    /// The packet could not be rewritten or redirected (a helper failed).
+    pub const ERR_REWRITE: u32 = 12;
+    pub const COUNT: u32 = 13;
+    pub const NAMES: [&str; COUNT as usize] = [
+        "new",
+        "ct_hit",
+        "reply",
+        "reject_no_backend",
+        "drop_no_local_backend",
+        "drop_source_range",
+        "drop_snat_exhausted",
+        "pass_unparsed",
+        "fragment",
+        "icmp_error",
+        "err_missing_entry",
+        "err_ct_update",
+        "err_rewrite",
+    ];
 }
 
 /// The master entry of a frontend. It is the last thing the agent writes for a service, so
@@ -228,6 +476,111 @@ pub struct AffinityValue {
     pub _pad0: u32,
 }
 
+/// Key of `AFFINITY_MATCH`: backend `backend` is a backend of frontend `id` now. The agent
+/// writes a frontend's entries before the master entry that names a new backend, and deletes
+/// those of a departed backend right after the switch; a remembered choice (sessionAffinity,
+/// a UDP socket's backend) is honoured only while its entry is there, as Cilium's
+/// lb_affinity_match. The value is reserved (0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityMatchKey {
+    /// Frontend id (host order).
+    pub id: u32,
+    /// Backend id (host order).
+    pub backend: BackendId,
+}
+
+/// Whether the programs check remembered choices of a frontend against `AFFINITY_MATCH`, so
+/// the agent keeps its entries: with sessionAffinity, and for UDP (unconnected sockets keep
+/// their backend).
+#[inline(always)]
+pub fn checks_match(proto: u8, flags: u16) -> bool {
+    proto == IPPROTO_UDP || flags & svc_flags::AFFINITY != 0
+}
+
+/// How many frontends one socket remembers a backend for (`SockState`); beyond that its
+/// choice comes from its cookie.
+pub const SOCK_CHOICES: usize = 4;
+
+/// One remembered choice of a socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockChoice {
+    /// Frontend id; 0: a free slot.
+    pub id: u32,
+    pub backend: BackendId,
+    /// The backend's address (network byte order; IPv4 as `::ffff:a.b.c.d`) and port, kept so
+    /// the socket's reverse entry can be found at release, when the backend may be gone.
+    pub addr: [u8; 16],
+    pub port_be: u16,
+    pub _pad0: u16,
+}
+
+/// Per-socket state in `SOCK_STATE` (socket local storage, freed with the socket): the
+/// backend an unconnected UDP socket uses for each frontend it sends to, so every datagram of
+/// one socket reaches one backend (as conntrack keeps a 5-tuple on one backend).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockState {
+    pub choices: [SockChoice; SOCK_CHOICES],
+}
+
+/// How a decision was made (`LbTestIo::how`).
+pub mod how {
+    /// Uniformly random slot.
+    pub const RANDOM: u32 = 1;
+    /// sessionAffinity: the client's remembered backend.
+    pub const AFFINITY: u32 = 2;
+    /// The socket's remembered backend.
+    pub const STICKY: u32 = 3;
+    /// No room to remember a choice for the socket: the slot comes from its cookie.
+    pub const HASHED: u32 = 4;
+}
+
+/// The outcome of a decision that is not a refusal (the refusals are `stat` indexes).
+pub mod outcome {
+    pub const FOUND: u32 = 0x100;
+    pub const NOT_SERVICE: u32 = 0x101;
+}
+
+/// `LbTestIo::mode`: which hook the decision stands for.
+pub const LB_TEST_CONNECT: u32 = 0;
+/// sendmsg() on an unconnected UDP socket whose state is `LbTestIo::sock`.
+pub const LB_TEST_SENDMSG: u32 = 1;
+
+/// The packet the test-only `lb_test` program runs on through BPF_PROG_TEST_RUN (the socket
+/// hooks have no test run): a decision request, answered in place. Not part of the agent's
+/// object.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct LbTestIo {
+    /// Request: the frontend asked for.
+    pub key: ServiceKey,
+    /// Request: `LB_TEST_CONNECT` or `LB_TEST_SENDMSG`.
+    pub mode: u32,
+    /// Request: the clock (bpf_ktime_get_ns) the decision sees.
+    pub now_ns: u64,
+    /// Request: the socket cookie.
+    pub cookie: u64,
+    /// Request: the client's network namespace cookie (sessionAffinity).
+    pub netns_cookie: u64,
+    /// Answer: `outcome::FOUND`, `outcome::NOT_SERVICE` or the refusal's `stat` index.
+    pub outcome: u32,
+    /// Answer: a `how` constant.
+    pub how: u32,
+    /// Answer: the frontend id and backend chosen.
+    pub frontend_id: u32,
+    pub backend_id: BackendId,
+    pub backend: Backend,
+    pub _pad0: u32,
+    /// Request and answer: the socket's state (`LB_TEST_SENDMSG`).
+    pub sock: SockState,
+}
+
 /// The one entry of `META`: the agent's own bookkeeping, which must outlive the agent. The
 /// programs never read it.
 #[repr(C)]
@@ -261,6 +614,20 @@ pub mod stat {
     pub const ERR_SOCK_REV_UPDATE: u32 = 6;
     /// A slot or backend was missing on the first try and the frontend was read again.
     pub const RETRIED_MISSING_ENTRY: u32 = 7;
+    /// An unconnected UDP socket reached the backend it used before for that frontend.
+    pub const SOCK_STICKY: u32 = 8;
+    /// An unconnected UDP socket's backend had left the frontend: a live one was chosen.
+    pub const SOCK_MOVED: u32 = 9;
+    /// A socket sent to more frontends than it can remember (or its state could not be
+    /// created): the backend came from its cookie.
+    pub const SOCK_HASHED: u32 = 10;
+    /// A reverse entry was written that sock_release cannot find (the socket's state was full
+    /// or missing): only the LRU removes it.
+    pub const SOCK_REV_UNTRACKED: u32 = 11;
+    /// A remembered affinity choice was not used: expired, or its backend left the frontend.
+    pub const AFFINITY_STALE: u32 = 12;
+    /// Reverse entries deleted when their socket was released.
+    pub const SOCK_REV_RELEASED: u32 = 13;
     pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -271,12 +638,12 @@ pub mod stat {
         "rev_translated",
         "err_sock_rev_update",
         "retried_missing_entry",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
-        "reserved",
+        "sock_sticky",
+        "sock_moved",
+        "sock_hashed",
+        "sock_rev_untracked",
+        "affinity_stale",
+        "sock_rev_released",
         "reserved",
         "reserved",
     ];
@@ -315,6 +682,16 @@ mod pod {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MetaValue {}
+    unsafe impl aya::Pod for NodeAddrValue {}
+    unsafe impl aya::Pod for SrcRangeKey {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for DatapathConfig {}
+    unsafe impl aya::Pod for DevStatKey {}
+    unsafe impl aya::Pod for AffinityMatchKey {}
+    unsafe impl aya::Pod for SockChoice {}
+    unsafe impl aya::Pod for SockState {}
+    unsafe impl aya::Pod for LbTestIo {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -336,6 +713,16 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<MetaValue>(), 32);
+        assert_eq!(size_of::<NodeAddrValue>(), 8);
+        assert_eq!(size_of::<SrcRangeKey>(), 24);
+        assert_eq!(size_of::<CtKey>(), 40);
+        assert_eq!(size_of::<CtValue>(), 56);
+        assert_eq!(size_of::<DatapathConfig>(), 56);
+        assert_eq!(size_of::<DevStatKey>(), 8);
+        assert_eq!(size_of::<AffinityMatchKey>(), 8);
+        assert_eq!(size_of::<SockChoice>(), 28);
+        assert_eq!(size_of::<SockState>(), 112);
+        assert_eq!(size_of::<LbTestIo>(), 200);
     }
 
     #[test]

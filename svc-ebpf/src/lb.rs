@@ -1,13 +1,13 @@
 //! Service lookup and backend choice: the load-balancing decision, independent of the hook
-//! that asks for it, so the packet datapath can share it.
+//! that asks for it, so the packet datapath and the test program share it.
 
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use aya_ebpf::helpers::bpf_get_prandom_u32;
 use svc_common::{
-    stat, svc_flags, AffinityKey, AffinityValue, Backend, BackendId, ServiceKey, ServiceValue,
-    SlotKey, PROTO_ANY,
+    how, outcome, stat, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
+    BackendId, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, PROTO_ANY, SOCK_CHOICES,
 };
 
-use crate::maps::{count, SVC_AFFINITY, SVC_BACKENDS, SVC_SERVICES, SVC_SLOTS};
+use crate::maps::{count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_SERVICES, SVC_SLOTS};
 
 /// Outcome of a lookup or a choice: `FOUND`, `NOT_SERVICE`, or the `svc_common::stat` index
 /// that says why the connection is refused.
@@ -16,8 +16,39 @@ use crate::maps::{count, SVC_AFFINITY, SVC_BACKENDS, SVC_SERVICES, SVC_SLOTS};
 /// payloads of such enums into stores of registers that are undefined on some paths, and the
 /// verifier rejects reading them.
 pub type Outcome = u32;
-pub const FOUND: Outcome = 0x100;
-pub const NOT_SERVICE: Outcome = 0x101;
+pub const FOUND: Outcome = outcome::FOUND;
+pub const NOT_SERVICE: Outcome = outcome::NOT_SERVICE;
+
+/// Who asks for a decision, and when. Each is asked for only when the decision needs it, so
+/// a connection to a Service without affinity does not pay for identifying its client.
+pub trait Caller {
+    /// bpf_ktime_get_ns() of the decision.
+    fn now(&self) -> u64;
+    /// The socket cookie.
+    fn cookie(&self) -> u64;
+    /// The client's network namespace cookie (sessionAffinity: a pod is a network namespace,
+    /// and at connect() its source address is not chosen yet).
+    fn netns_cookie(&self) -> u64;
+    /// Whether the socket keeps its backend per frontend: an unconnected UDP send.
+    fn sticky(&self) -> bool;
+    /// The socket's state (created if need be); null when it cannot be had.
+    fn sock_state(&self) -> *mut SockState;
+}
+
+/// What a decision answers (valid when the outcome is `FOUND`).
+#[derive(Default)]
+pub struct Decision {
+    pub svc: ServiceValue,
+    pub backend_id: BackendId,
+    pub backend: Backend,
+    /// A `svc_common::how` constant.
+    pub how: u32,
+    /// 1: the choice is recorded in the socket's state (sock_release finds its reverse
+    /// entry there).
+    pub recorded: u32,
+    /// 1: the socket's previous backend for this frontend had left it.
+    pub moved: u32,
+}
 
 #[inline(always)]
 fn has_flag(svc: &ServiceValue, flag: u16) -> bool {
@@ -60,15 +91,50 @@ fn backend(id: BackendId, out: &mut Backend) -> Outcome {
     }
 }
 
-/// A uniformly random slot of the frontend's current generation, as a backend id; 0 if the
-/// slot is missing (an update raced this lookup).
+/// Whether `backend` is still a backend of frontend `id`: a remembered choice is honoured
+/// only then. The agent writes the entry before a master entry names the backend and deletes
+/// it right after the switch that drops it, so a departed backend is never chosen again (even
+/// while it serves another Service), and a reader that raced the switch only chooses anew.
 #[inline(always)]
-fn random_slot(svc: &ServiceValue) -> BackendId {
-    let slot = (unsafe { bpf_get_prandom_u32() } % svc.count as u32) as u16 + 1;
+fn is_member(id: u32, backend: BackendId) -> bool {
+    SVC_AFFINITY_MATCH
+        .get_ptr(AffinityMatchKey { id, backend })
+        .is_some()
+}
+
+/// How a slot is picked when nothing remembered applies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pick {
+    /// Uniformly at random: each connection on its own.
+    Random,
+    /// From the socket cookie: the same slot for every datagram of a socket that cannot
+    /// remember its choice.
+    Hashed,
+}
+
+/// A 64-bit finalizer (MurmurHash3's): a cookie and a frontend id spread over the slots.
+#[inline(always)]
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// A slot of the frontend's current generation, as a backend id; 0 if the slot is missing
+/// (an update raced this lookup).
+#[inline(always)]
+fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId {
+    let r = match pick {
+        // SAFETY: a helper with no arguments.
+        Pick::Random => unsafe { bpf_get_prandom_u32() },
+        Pick::Hashed => mix(caller.cookie() ^ ((svc.id as u64) << 32)) as u32,
+    };
     let key = SlotKey {
         id: svc.id,
         rev: svc.rev,
-        slot,
+        slot: (r % svc.count as u32) as u16 + 1,
     };
     // SAFETY: copied out at once.
     match unsafe { SVC_SLOTS.get(key) } {
@@ -77,51 +143,194 @@ fn random_slot(svc: &ServiceValue) -> BackendId {
     }
 }
 
-/// Picks a backend for `svc` into `out`, honouring sessionAffinity for the client `client`
-/// names. `client` is called only for a Service with affinity, so connections to the others
-/// do not pay for identifying the client.
 #[inline(always)]
-pub fn choose(
-    svc: &ServiceValue,
-    client: impl FnOnce() -> AffinityKey,
-    out: &mut Backend,
-) -> Outcome {
+fn client(caller: &impl Caller, id: u32) -> AffinityKey {
+    let mut client = [0u8; 16];
+    client[0..8].copy_from_slice(&caller.netns_cookie().to_ne_bytes());
+    AffinityKey {
+        client,
+        id,
+        kind: svc_common::AFFINITY_CLIENT_NETNS,
+        _pad0: [0; 3],
+    }
+}
+
+/// Picks a backend for `svc` into `out`: the client's remembered one (sessionAffinity) while
+/// it is fresh and still a backend of the frontend, else a slot as `pick` says.
+#[inline(always)]
+fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decision) -> Outcome {
     if svc.count == 0 {
         return stat::REFUSED_NO_BACKEND;
     }
+    out.how = match pick {
+        Pick::Random => how::RANDOM,
+        Pick::Hashed => how::HASHED,
+    };
     if !has_flag(svc, svc_flags::AFFINITY) {
-        return backend(random_slot(svc), out);
+        let id = pick_slot(svc, pick, caller);
+        out.backend_id = id;
+        return backend(id, &mut out.backend);
     }
 
-    let client = &client();
-    let now = unsafe { bpf_ktime_get_ns() };
+    let client = &client(caller, svc.id);
+    let now = caller.now();
     let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
-    // SAFETY: copied out at once.
-    if let Some(prev) = unsafe { SVC_AFFINITY.get(client) } {
-        let (last_used_ns, prev_backend) = (prev.last_used_ns, prev.backend);
-        // The agent purges entries whose backend left the service; a backend that is gone
-        // altogether is caught by the lookup.
-        if now.wrapping_sub(last_used_ns) <= timeout_ns && backend(prev_backend, out) == FOUND {
-            refresh(client, prev_backend, now);
+    if let Some(prev) = SVC_AFFINITY.get_ptr_mut(client) {
+        // SAFETY: a map value; the fields are read once each (the agent never writes them).
+        let (last_used_ns, prev_backend) = unsafe { ((*prev).last_used_ns, (*prev).backend) };
+        if now.wrapping_sub(last_used_ns) <= timeout_ns
+            && is_member(svc.id, prev_backend)
+            && backend(prev_backend, &mut out.backend) == FOUND
+        {
+            // In place, never re-inserted: an entry deleted meanwhile (LRU) stays deleted
+            // instead of coming back with a backend that may have left.
+            // SAFETY: as above; a concurrent writer can only store another time.
+            unsafe { (*prev).last_used_ns = now };
             count(stat::AFFINITY_HIT);
+            out.backend_id = prev_backend;
+            out.how = how::AFFINITY;
             return FOUND;
         }
+        count(stat::AFFINITY_STALE);
     }
-    let id = random_slot(svc);
-    let outcome = backend(id, out);
+    let id = pick_slot(svc, pick, caller);
+    let outcome = backend(id, &mut out.backend);
     if outcome == FOUND {
-        refresh(client, id, now);
+        let value = AffinityValue {
+            last_used_ns: now,
+            backend: id,
+            _pad0: 0,
+        };
+        // A lost update only costs stickiness, never the connection.
+        let _ = SVC_AFFINITY.insert(client, value, 0);
     }
+    out.backend_id = id;
     outcome
 }
 
+/// The frontend, then a backend, reading the frontend again once if an update raced the
+/// first try.
 #[inline(always)]
-fn refresh(client: &AffinityKey, backend: BackendId, now: u64) {
-    let value = AffinityValue {
-        last_used_ns: now,
-        backend,
-        _pad0: 0,
+fn choose_with_retry(
+    key: &ServiceKey,
+    svc: &mut ServiceValue,
+    caller: &impl Caller,
+    pick: Pick,
+    out: &mut Decision,
+) -> Outcome {
+    let outcome = choose(svc, caller, pick, out);
+    if outcome != stat::ERR_MISSING_ENTRY {
+        return outcome;
+    }
+    // The agent switched this frontend to a new generation between our two lookups (it
+    // retires the old one only after a grace period, so this is rare): read it again once.
+    count(stat::RETRIED_MISSING_ENTRY);
+    match lookup(key, svc) {
+        FOUND => {
+            out.svc = *svc;
+            choose(svc, caller, pick, out)
+        }
+        other => other,
+    }
+}
+
+/// `i`, hidden from the optimizer: LLVM proves the index in range from the loop that found it
+/// and drops the bounds check, in a form the verifier cannot follow; a value it cannot see
+/// through keeps the check next to the access.
+#[inline(always)]
+fn opaque(i: usize) -> usize {
+    // SAFETY: reads a local.
+    unsafe { core::ptr::read_volatile(&i) }
+}
+
+/// The whole decision for a connect() or sendmsg() to `key`.
+///
+/// An unconnected UDP socket (`caller.sticky()`) keeps the backend it chose for a frontend
+/// for as long as that backend stays a backend of the frontend, as conntrack keeps a 5-tuple
+/// on one backend: every datagram of one socket reaches one backend. The choice is made once
+/// per socket and frontend, honouring sessionAffinity (so a pod's new sockets land on its
+/// remembered backend); a socket that already uses a backend keeps it even when the client's
+/// affinity later points elsewhere (kube-proxy too applies affinity to new flows only), and
+/// its datagrams do not refresh the affinity entry. A socket that sends to more frontends than
+/// it can remember, or whose state cannot be created, takes its slot from its cookie.
+#[inline(always)]
+pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Outcome {
+    let mut svc = ServiceValue::default();
+    match lookup(key, &mut svc) {
+        FOUND => {}
+        other => return other,
+    }
+    out.svc = svc;
+    if svc.count == 0 {
+        return stat::REFUSED_NO_BACKEND;
+    }
+    if !caller.sticky() {
+        return choose_with_retry(key, &mut svc, caller, Pick::Random, out);
+    }
+
+    let state = caller.sock_state();
+    // Indexes into the state's choices (SOCK_CHOICES: none), not pointers: the verifier loses
+    // track of a pointer that may be null by way of a loop.
+    let mut slot = SOCK_CHOICES;
+    let mut moved = false;
+    if !state.is_null() {
+        let mut free = SOCK_CHOICES;
+        for i in 0..SOCK_CHOICES {
+            // SAFETY: a socket storage value, owned by this socket; a concurrent sender on
+            // the same socket can at worst make it choose again (a choice is checked against
+            // the membership map before use).
+            let id = unsafe { (*state).choices[i].id };
+            if id == svc.id && slot == SOCK_CHOICES {
+                slot = i;
+            } else if id == 0 && free == SOCK_CHOICES {
+                free = i;
+            }
+        }
+        // SAFETY: as above.
+        if let Some(c) = unsafe { (*state).choices.get(opaque(slot)) } {
+            let c = *c;
+            if is_member(svc.id, c.backend) {
+                out.backend_id = c.backend;
+                out.backend = Backend {
+                    addr: c.addr,
+                    port_be: c.port_be,
+                    proto: key.proto,
+                    flags: 0,
+                };
+                out.how = how::STICKY;
+                out.recorded = 1;
+                count(stat::SOCK_STICKY);
+                return FOUND;
+            }
+            moved = true;
+        } else {
+            slot = free;
+        }
+    }
+    let pick = if slot == SOCK_CHOICES {
+        count(stat::SOCK_HASHED);
+        Pick::Hashed
+    } else {
+        Pick::Random
     };
-    // A lost update only costs stickiness, never the connection.
-    let _ = SVC_AFFINITY.insert(client, value, 0);
+    let outcome = choose_with_retry(key, &mut svc, caller, pick, out);
+    if outcome != FOUND || state.is_null() {
+        return outcome;
+    }
+    // SAFETY: as above.
+    if let Some(c) = unsafe { (*state).choices.get_mut(opaque(slot)) } {
+        *c = SockChoice {
+            id: out.svc.id,
+            backend: out.backend_id,
+            addr: out.backend.addr,
+            port_be: out.backend.port_be,
+            _pad0: 0,
+        };
+        out.recorded = 1;
+        if moved {
+            out.moved = 1;
+            count(stat::SOCK_MOVED);
+        }
+    }
+    outcome
 }

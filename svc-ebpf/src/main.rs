@@ -8,9 +8,11 @@ mod maps;
 mod sock;
 
 use aya_ebpf::{
-    helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, programs::SockAddrContext,
+    helpers::generated::bpf_set_retval,
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
-use sock::Family;
+use sock::{Call, Family};
 
 /// sock_addr verdicts: 1 lets the call proceed, 0 fails it (with the errno set by
 /// bpf_set_retval, EPERM otherwise).
@@ -18,8 +20,8 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 
 #[inline(always)]
-fn forward_verdict(ctx: &SockAddrContext, family: Family) -> i32 {
-    match sock::try_forward(ctx, family) {
+fn forward_verdict(ctx: &SockAddrContext, family: Family, call: Call) -> i32 {
+    match sock::try_forward(ctx, family, call) {
         Ok(()) => ALLOW,
         Err(errno) => {
             // SAFETY: a helper with no memory arguments.
@@ -31,22 +33,22 @@ fn forward_verdict(ctx: &SockAddrContext, family: Family) -> i32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    forward_verdict(&ctx, Family::V4)
+    forward_verdict(&ctx, Family::V4, Call::Connect)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    forward_verdict(&ctx, Family::V6)
+    forward_verdict(&ctx, Family::V6, Call::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    forward_verdict(&ctx, Family::V4)
+    forward_verdict(&ctx, Family::V4, Call::Sendmsg)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
-    forward_verdict(&ctx, Family::V6)
+    forward_verdict(&ctx, Family::V6, Call::Sendmsg)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
@@ -70,6 +72,13 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx, Family::V6);
+    ALLOW
+}
+
+/// A socket is closed: its reverse entries go. Never refuses (a release cannot fail).
+#[cgroup_sock(sock_release)]
+pub fn sock_release(ctx: SockContext) -> i32 {
+    sock::release(&ctx);
     ALLOW
 }
 

@@ -2,12 +2,13 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use svc_common::{
-    capacity, stat, AffinityKey, AffinityValue, Backend, BackendId, MetaValue, RevNatValue,
-    ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
+    capacity, stat, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, MetaValue,
+    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
+    SockState,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -44,6 +45,21 @@ pub static SVC_SOCK_REV: LruHashMap<SockRevKey, SockRevValue, { capacity::SOCK_R
 #[btf_map]
 pub static SVC_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
+
+/// (frontend id, backend id) for every current backend of the frontends that remember
+/// choices: a remembered backend is used only while it is still one of the frontend's.
+#[btf_map]
+pub static SVC_AFFINITY_MATCH: HashMap<
+    AffinityMatchKey,
+    u32,
+    { capacity::AFFINITY_MATCH as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+
+/// Each unconnected UDP socket's backends, one per frontend it sends to; freed with the
+/// socket.
+#[btf_map]
+pub static SVC_SOCK_STATE: SkStorage<SockState> = SkStorage::new();
 
 /// Frontend id to the object it came from; read by listings only.
 #[btf_map]

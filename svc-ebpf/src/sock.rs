@@ -1,18 +1,23 @@
 //! The cgroup socket hooks: connect()/sendmsg() translate a frontend into a backend,
-//! recvmsg()/getpeername() report the frontend again.
+//! recvmsg()/getpeername() report the frontend again, sock_release forgets the socket.
+
+use core::ptr::read_volatile;
 
 use aya_ebpf::{
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
-    programs::SockAddrContext,
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns,
+        generated::bpf_sk_storage_get,
+    },
+    programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, stat, v4_mapped, AffinityKey, Backend, RevNatValue, ServiceKey, ServiceValue,
-    SockRevKey, SockRevValue, AFFINITY_CLIENT_NETNS, ECONNREFUSED,
+    is_v4_mapped, stat, v4_mapped, RevNatValue, ServiceKey, SockRevKey, SockRevValue, SockState,
+    ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
 };
 
 use crate::{
     lb,
-    maps::{count, SVC_REV_NAT, SVC_SOCK_REV},
+    maps::{count, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
 };
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -85,59 +90,91 @@ fn protocol(ctx: &SockAddrContext) -> u8 {
     unsafe { (*ctx.sock_addr).protocol as u8 }
 }
 
-#[inline(always)]
-fn netns_client(ctx: &SockAddrContext, id: u32) -> AffinityKey {
-    let cookie = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
-    let mut client = [0u8; 16];
-    client[0..8].copy_from_slice(&cookie.to_ne_bytes());
-    AffinityKey {
-        client,
-        id,
-        kind: AFFINITY_CLIENT_NETNS,
-        _pad0: [0; 3],
+/// The socket hook as the decision's caller.
+struct Hook<'a> {
+    ctx: &'a SockAddrContext,
+    /// sendmsg() on an unconnected UDP socket.
+    sticky: bool,
+}
+
+impl lb::Caller for Hook<'_> {
+    #[inline(always)]
+    fn now(&self) -> u64 {
+        // SAFETY: a helper with no arguments.
+        unsafe { bpf_ktime_get_ns() }
     }
+
+    #[inline(always)]
+    fn cookie(&self) -> u64 {
+        // SAFETY: the context is the kernel's bpf_sock_addr.
+        unsafe { bpf_get_socket_cookie(self.ctx.sock_addr.cast()) }
+    }
+
+    #[inline(always)]
+    fn netns_cookie(&self) -> u64 {
+        // SAFETY: as above.
+        unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) }
+    }
+
+    #[inline(always)]
+    fn sticky(&self) -> bool {
+        self.sticky
+    }
+
+    #[inline(always)]
+    fn sock_state(&self) -> *mut SockState {
+        // Zeroed on creation: no choice yet. Created only for a socket that sends to a
+        // frontend, and freed with it.
+        // SAFETY: the context's socket is the kernel's.
+        unsafe { SVC_SOCK_STATE.get_or_insert_ptr_mut(self.ctx, None) }
+    }
+}
+
+/// Which call asks for a translation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    Connect,
+    Sendmsg,
 }
 
 /// connect() and sendmsg(): rewrite a frontend into a backend. `Err` carries the errno that
 /// fails the call.
 #[inline(always)]
-pub fn try_forward(ctx: &SockAddrContext, family: Family) -> Result<(), i32> {
+pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<(), i32> {
     let dst = read_addr(ctx, family);
+    let proto = protocol(ctx);
     let key = ServiceKey {
         addr: dst.addr,
         port_be: dst.port_be,
-        proto: protocol(ctx),
+        proto,
         scope: 0,
     };
-    let mut svc = ServiceValue::default();
-    match lb::lookup(&key, &mut svc) {
+    let hook = Hook {
+        ctx,
+        sticky: call == Call::Sendmsg && proto == IPPROTO_UDP,
+    };
+    let mut decision = lb::Decision::default();
+    match lb::decide(&key, &hook, &mut decision) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
         refused => return Err(refuse(refused)),
     }
-    let mut backend = Backend::default();
-    let mut outcome = lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend);
-    if outcome == stat::ERR_MISSING_ENTRY {
-        // The agent switched this frontend to a new generation between our two lookups (it
-        // retires the old one only after a grace period, so this is rare): read it again once.
-        count(stat::RETRIED_MISSING_ENTRY);
-        outcome = match lb::lookup(&key, &mut svc) {
-            lb::FOUND => lb::choose(&svc, || netns_client(ctx, svc.id), &mut backend),
-            lb::NOT_SERVICE => return Ok(()),
-            refused => refused,
-        };
-    }
-    if outcome != lb::FOUND {
-        return Err(refuse(outcome));
-    }
     let to = SockAddr {
-        addr: backend.addr,
-        port_be: backend.port_be,
+        addr: decision.backend.addr,
+        port_be: decision.backend.port_be,
     };
     if write_addr(ctx, family, &to).is_none() {
         return Err(refuse(stat::ERR_MISSING_ENTRY));
     }
-    remember(ctx, &to, &dst, svc.id);
+    // A connected socket's reverse entry is found at release through its peer; an
+    // unconnected one's through the choices in its state.
+    let tracked = call == Call::Connect || decision.recorded != 0;
+    remember(ctx, &to, &dst, decision.svc.id, tracked);
+    if decision.moved != 0 {
+        // The entry for the backend the socket left stays, so a late reply from it still
+        // reads as the ClusterIP; no choice names it any more.
+        count(stat::SOCK_REV_UNTRACKED);
+    }
     count(stat::TRANSLATED);
     Ok(())
 }
@@ -150,9 +187,19 @@ fn refuse(stat: u32) -> i32 {
     ECONNREFUSED
 }
 
+/// Records which frontend the socket meant when it reached `backend`. Looked up first: an
+/// unconnected socket sends many datagrams through one entry, and a write per datagram would
+/// cost more than the lookup.
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, backend: &SockAddr, frontend: &SockAddr, id: u32) {
+fn remember(
+    ctx: &SockAddrContext,
+    backend: &SockAddr,
+    frontend: &SockAddr,
+    id: u32,
+    tracked: bool,
+) {
     let key = SockRevKey {
+        // SAFETY: the context is the kernel's bpf_sock_addr.
         cookie: unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) },
         addr: backend.addr,
         port_be: backend.port_be,
@@ -164,8 +211,14 @@ fn remember(ctx: &SockAddrContext, backend: &SockAddr, frontend: &SockAddr, id: 
         _pad0: 0,
         id,
     };
+    // SAFETY: compared at once.
+    if unsafe { SVC_SOCK_REV.get(key) }.is_some_and(|v| *v == value) {
+        return;
+    }
     if SVC_SOCK_REV.insert(key, value, 0).is_err() {
         count(stat::ERR_SOCK_REV_UPDATE);
+    } else if !tracked {
+        count(stat::SOCK_REV_UNTRACKED);
     }
 }
 
@@ -174,32 +227,142 @@ fn remember(ctx: &SockAddrContext, backend: &SockAddr, frontend: &SockAddr, id: 
 pub fn reverse(ctx: &SockAddrContext, family: Family) {
     let src = read_addr(ctx, family);
     let key = SockRevKey {
+        // SAFETY: the context is the kernel's bpf_sock_addr.
         cookie: unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) },
         addr: src.addr,
         port_be: src.port_be,
         _pad0: [0; 6],
     };
     // SAFETY: copied out at once.
-    let Some(rev) = (unsafe { SVC_SOCK_REV.get(key) }).copied() else {
-        return;
+    let to = match unsafe { SVC_SOCK_REV.get(key) }.copied() {
+        Some(rev) => {
+            // SAFETY: copied out at once.
+            let Some(current) = (unsafe { SVC_REV_NAT.get(rev.id) }).copied() else {
+                return;
+            };
+            if !same_frontend(&current, &rev) {
+                return;
+            }
+            current
+        }
+        // Not there (evicted, or its write failed): an unconnected socket's own state still
+        // says which frontend it reached this backend through, so the reply never shows an
+        // address the application did not send to.
+        None => {
+            let id = chosen_for(ctx, &src);
+            if id == 0 {
+                return;
+            }
+            // SAFETY: copied out at once.
+            match unsafe { SVC_REV_NAT.get(id) } {
+                Some(frontend) => *frontend,
+                None => return,
+            }
+        }
     };
-    // SAFETY: copied out at once.
-    let Some(current) = (unsafe { SVC_REV_NAT.get(rev.id) }).copied() else {
-        return;
-    };
-    if !same_frontend(&current, &rev) {
-        return;
-    }
     let to = SockAddr {
-        addr: rev.addr,
-        port_be: rev.port_be,
+        addr: to.addr,
+        port_be: to.port_be,
     };
     if write_addr(ctx, family, &to).is_some() {
         count(stat::REV_TRANSLATED);
     }
 }
 
+/// The frontend id of the socket's remembered choice for backend `src`; 0 if none.
+#[inline(always)]
+fn chosen_for(ctx: &SockAddrContext, src: &SockAddr) -> u32 {
+    // SAFETY: the context's socket is the kernel's; no state is created here.
+    let state = unsafe { SVC_SOCK_STATE.get_ptr_mut(ctx) };
+    if state.is_null() {
+        return 0;
+    }
+    // SAFETY: checked non-null; read only.
+    for c in unsafe { (*state).choices.iter() } {
+        if c.id != 0 && c.addr == src.addr && c.port_be == src.port_be {
+            return c.id;
+        }
+    }
+    0
+}
+
 #[inline(always)]
 fn same_frontend(current: &RevNatValue, rev: &SockRevValue) -> bool {
     current.addr == rev.addr && current.port_be == rev.port_be
+}
+
+const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
+
+/// sock_release: delete the socket's reverse entries, so the LRU map holds live sockets only
+/// (and never evicts one of theirs for a closed socket's). A connected socket's entry is
+/// keyed by its peer; an unconnected UDP socket's by the choices in its state.
+#[inline(always)]
+pub fn release(ctx: &SockContext) {
+    let sk = ctx.sock;
+    // SAFETY: the kernel's bpf_sock; each field is a single load.
+    let (family, proto) = unsafe { ((*sk).family, (*sk).protocol) };
+    if proto != IPPROTO_TCP as u32 && proto != IPPROTO_UDP as u32 {
+        return;
+    }
+    // SAFETY: as above.
+    let cookie = unsafe { bpf_get_socket_cookie(sk.cast()) };
+    // SAFETY: as above.
+    let dst_port = unsafe { (*sk).dst_port };
+    if dst_port != 0 {
+        // Both families' fields are read (volatile: unconditionally, each at its own constant
+        // offset), then one is picked: LLVM otherwise moves the loads into the branches and
+        // shares one at a computed offset, which the verifier refuses for a context.
+        // SAFETY: fields of the kernel's bpf_sock, each a 4-byte load.
+        let (ip4, ip6) = unsafe {
+            (
+                read_volatile(&(*sk).dst_ip4),
+                [
+                    read_volatile(&(*sk).dst_ip6[0]),
+                    read_volatile(&(*sk).dst_ip6[1]),
+                    read_volatile(&(*sk).dst_ip6[2]),
+                    read_volatile(&(*sk).dst_ip6[3]),
+                ],
+            )
+        };
+        let addr = match family {
+            AF_INET => v4_mapped(ip4.to_ne_bytes()),
+            AF_INET6 => {
+                let mut a = [0u8; 16];
+                a[0..4].copy_from_slice(&ip6[0].to_ne_bytes());
+                a[4..8].copy_from_slice(&ip6[1].to_ne_bytes());
+                a[8..12].copy_from_slice(&ip6[2].to_ne_bytes());
+                a[12..16].copy_from_slice(&ip6[3].to_ne_bytes());
+                a
+            }
+            _ => return,
+        };
+        forget(cookie, addr, dst_port);
+    }
+    let map = core::ptr::from_ref(&SVC_SOCK_STATE).cast_mut().cast();
+    // SAFETY: the helper takes the program's context as the socket; no state is created.
+    let state: *mut SockState =
+        unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }.cast();
+    if state.is_null() {
+        return;
+    }
+    // SAFETY: checked non-null; the socket is being released, nobody else writes it.
+    for c in unsafe { (*state).choices.iter() } {
+        if c.id != 0 {
+            forget(cookie, c.addr, c.port_be);
+        }
+    }
+}
+
+#[inline(always)]
+fn forget(cookie: u64, addr: [u8; 16], port_be: u16) {
+    let key = SockRevKey {
+        cookie,
+        addr,
+        port_be,
+        _pad0: [0; 6],
+    };
+    if SVC_SOCK_REV.remove(key).is_ok() {
+        count(stat::SOCK_REV_RELEASED);
+    }
 }

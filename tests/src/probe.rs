@@ -101,6 +101,9 @@ pub struct StreamExchange {
     /// getpeername() of the connected socket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<String>,
+    /// Source address of the reply (recvfrom() of an unconnected socket).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -108,7 +111,8 @@ pub struct StreamExchange {
 }
 
 /// Output of `svc-probe udp-stream`: one connected UDP socket used for the whole run, replaced
-/// by a new one (connected again) after any error.
+/// by a new one (connected again) after any error; or, with `--unconnected N`, N unconnected
+/// sockets used in turn (`socket` is then the socket's index).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StreamReport {
     pub exchanges: Vec<StreamExchange>,

@@ -260,27 +260,45 @@ impl Sandbox {
         ])
     }
 
-    /// Like `spawn_udp_stream`, with one unconnected socket for the whole run (sendto and
-    /// recvfrom from one source port, kept after errors).
-    pub fn spawn_udp_stream_unconnected(
+    /// Starts `svc-probe udp-stream --unconnected SOCKETS`: that many unconnected sockets,
+    /// each sending to `to` in turn with sendto()/recvfrom(), an exchange every `interval_ms`
+    /// for `duration`; finish it with `finish_udp_stream`.
+    pub fn spawn_udp_unconnected(
         &self,
         to: SocketAddr,
+        sockets: u32,
         duration: Duration,
         interval_ms: u64,
         timeout_ms: u64,
     ) -> Result<ClientRun> {
-        self.spawn_client(&[
+        self.spawn_udp_unconnected_with(to, sockets, duration, interval_ms, timeout_ms, &[])
+    }
+
+    /// `spawn_udp_unconnected` with more probe flags (`--pipelined`).
+    pub fn spawn_udp_unconnected_with(
+        &self,
+        to: SocketAddr,
+        sockets: u32,
+        duration: Duration,
+        interval_ms: u64,
+        timeout_ms: u64,
+        extra: &[&str],
+    ) -> Result<ClientRun> {
+        let mut args: Vec<String> = vec![
             "udp-stream".into(),
-            "--unconnected".into(),
             "--to".into(),
             to.to_string(),
+            "--unconnected".into(),
+            sockets.to_string(),
             "--duration-ms".into(),
             duration.as_millis().to_string(),
             "--interval-ms".into(),
             interval_ms.to_string(),
             "--timeout-ms".into(),
             timeout_ms.to_string(),
-        ])
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        self.spawn_client(&args)
     }
 
     /// Starts `svc-probe hold`: `connections` TCP connections kept for `duration`, a line

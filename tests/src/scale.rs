@@ -16,8 +16,8 @@ use svc_agent::translate::{self, NodeContext};
 /// Objects per file: well inside the agent's limits on documents and bytes per file.
 const PER_FILE: usize = 2_000;
 
-/// One generated Service: `namespace/name`, a ClusterIP, port 80/TCP → `target`, and its
-/// ready endpoints.
+/// One generated Service: `namespace/name`, a ClusterIP, port 80/TCP (or 53/UDP) →
+/// `target`, optional sessionAffinity, and its ready endpoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenService {
     /// Its number in the generated set; decides its file.
@@ -27,6 +27,10 @@ pub struct GenService {
     pub cluster_ip: Ipv4Addr,
     pub target: u16,
     pub endpoints: Vec<Ipv4Addr>,
+    /// 53/UDP instead of 80/TCP.
+    pub udp: bool,
+    /// sessionAffinity: ClientIP with this timeout.
+    pub affinity_s: Option<u32>,
 }
 
 impl GenService {
@@ -49,16 +53,42 @@ impl GenService {
                     )
                 })
                 .collect(),
+            udp: false,
+            affinity_s: None,
+        }
+    }
+
+    /// `nth`, with every fourth Service (from 1) on 53/UDP and every fourth (from 2) with
+    /// sessionAffinity: the frontends whose membership entries the agent keeps.
+    pub fn varied(i: u32, n_endpoints: u32, epoch: u32) -> GenService {
+        GenService {
+            udp: i % 4 == 1,
+            affinity_s: (i % 4 == 2).then_some(10_800),
+            ..GenService::nth(i, n_endpoints, epoch)
+        }
+    }
+
+    fn port(&self) -> (u16, &'static str) {
+        if self.udp {
+            (53, "UDP")
+        } else {
+            (80, "TCP")
         }
     }
 
     fn service_json(&self) -> serde_json::Value {
-        json!({
+        let (port, protocol) = self.port();
+        let mut v = json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"namespace": self.namespace, "name": self.name},
             "spec": {"clusterIP": self.cluster_ip.to_string(),
-                     "ports": [{"port": 80, "protocol": "TCP", "targetPort": self.target}]},
-        })
+                     "ports": [{"port": port, "protocol": protocol, "targetPort": self.target}]},
+        });
+        if let Some(t) = self.affinity_s {
+            v["spec"]["sessionAffinity"] = "ClientIP".into();
+            v["spec"]["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": t}});
+        }
+        v
     }
 
     fn slice_json(&self) -> serde_json::Value {
@@ -72,7 +102,7 @@ impl GenService {
             "metadata": {"namespace": self.namespace, "name": format!("{}-1", self.name),
                          "labels": {"kubernetes.io/service-name": self.name}},
             "addressType": "IPv4",
-            "ports": [{"port": self.target, "protocol": "TCP"}],
+            "ports": [{"port": self.target, "protocol": self.port().1}],
             "endpoints": endpoints,
         })
     }
@@ -110,14 +140,15 @@ pub fn write_services(dir: &Path, staging: &Path, services: &[GenService]) -> Re
 }
 
 /// The frontends `services` should give, by kube-proxy's rules read independently of the
-/// agent: one frontend per Service (ClusterIP:80/TCP) with its endpoints on the target port.
+/// agent: one frontend per Service (ClusterIP:80/TCP or 53/UDP) with its endpoints on the
+/// target port.
 pub fn desired_of(services: &[GenService]) -> DesiredState {
     let mut state = DesiredState::default();
     for s in services {
         let fe = Frontend {
             ip: s.cluster_ip.into(),
-            port: 80,
-            protocol: Protocol::Tcp,
+            port: s.port().0,
+            protocol: if s.udp { Protocol::Udp } else { Protocol::Tcp },
         };
         let owner = format!("{}/{}", s.namespace, s.name);
         let mut backends: Vec<SocketAddr> = s
@@ -135,7 +166,7 @@ pub fn desired_of(services: &[GenService]) -> DesiredState {
                 owner: owner.clone(),
                 service: owner,
                 backends,
-                affinity_timeout_s: None,
+                affinity_timeout_s: s.affinity_s,
                 internal_local: false,
             },
         );

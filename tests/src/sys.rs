@@ -293,6 +293,21 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
     }
 }
 
+/// `bpftool -j map show pinned PATH`: a pinned map's kernel view (max_entries, bytes_memlock).
+pub fn pinned_map_info(path: &Path) -> Result<serde_json::Value> {
+    let out = run(
+        "bpftool",
+        [
+            "-j".as_ref(),
+            "map".as_ref(),
+            "show".as_ref(),
+            "pinned".as_ref(),
+            path.as_os_str(),
+        ],
+    )?;
+    serde_json::from_str(&out).with_context(|| format!("bpftool's answer {out:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::owner_pid;

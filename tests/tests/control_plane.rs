@@ -117,7 +117,8 @@ fn objects_round_trip_and_survive_an_apiserver_restart() -> Result<()> {
     ensure!(ips.len() == 2, "dual-stack Service got {ips:?}");
     match (ips[0], ips[1]) {
         (IpAddr::V4(v4), IpAddr::V6(v6)) => {
-            ensure!(v4.octets()[..2] == [10, 96], "{v4} outside 10.96.0.0/16");
+            let o = v4.octets();
+            ensure!(o[0] == 10 && o[1] & 0xf0 == 96, "{v4} outside 10.96.0.0/12");
             ensure!(
                 v6.segments()[..7] == [0xfd00, 0x96, 0, 0, 0, 0, 0],
                 "{v6} outside fd00:96::/112"

@@ -1,7 +1,8 @@
 //! Issue 6, item 1: the agent SIGKILLed at random points while 100,000 Services appear,
 //! change and disappear, and restarted each time. After each restart's first sync (and the
 //! grace period it gives what it retires) the pinned maps equal the desired state exactly:
-//! every master entry has all its slots, backends, reverse-NAT and name entries, and nothing
+//! every master entry has all its slots, backends, reverse-NAT and name entries, the UDP and
+//! sessionAffinity frontends (one Service in four each) their membership entries, and nothing
 //! stray is left. A Service with real backends in the sandbox is probed after every restart.
 //!
 //! `SVC_CRASH_SERVICES`, `SVC_CRASH_KILLS` and `SVC_CRASH_SEED` change the size, the number of
@@ -62,14 +63,14 @@ fn web_desired(backend: Ipv4Addr) -> (Frontend, DesiredFrontend) {
 }
 
 /// Round `k`: Services [k·2000, k·2000 + n) (2,000 appear and 2,000 disappear per round), and
-/// every eighth block of 2,000 gets new endpoints.
+/// every eighth block of 2,000 gets new endpoints; TCP, UDP and sessionAffinity mixed.
 fn round(k: u32, n: u32) -> Vec<GenService> {
     let first = k * 2000;
     (first..first + n)
         .map(|i| {
             let block = (i / 2000) % 8;
             let epoch = (k + 8 - block) / 8;
-            GenService::nth(i, 3, epoch)
+            GenService::varied(i, 3, epoch)
         })
         .collect()
 }

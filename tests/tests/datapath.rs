@@ -3,9 +3,11 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::net::Ipv6Addr;
+use std::time::Duration;
 
-use common::{names, sa, set, web_service, web_slice, World, VIP};
+use common::{names, poll, sa, set, web_service, web_slice, World, VIP};
 use svc_tests::{Endpoint, EndpointSlice, Service, ServicePort, SlicePort};
 
 /// 60 connections over 3 ready endpoints and 1 not-ready one (whose server runs and would
@@ -305,9 +307,392 @@ fn terminating_endpoints_are_a_fallback_only() {
     assert_eq!(names(&r), set(&["b1"]));
 
     w.m.apply_slice(&slice(&w.sb, false)).unwrap();
-    common::poll(std::time::Duration::from_secs(1), || {
+    poll(Duration::from_secs(1), || {
         let r = w.sb.tcp(sa(VIP, 80), 10, &[])?;
         Ok((r.all_ok() && names(&r) == set(&["b2"])).then_some(()))
     })
     .unwrap_or_else(|e| panic!("no fallback to serving terminating endpoint: {e:#}"));
+}
+
+/// A UDP Service `demo/dns` on `vip`:53 → 5353, with sessionAffinity when `affinity_s` says.
+fn dns_service(name: &str, vip: &str, affinity_s: Option<u32>) -> Service {
+    let s = Service::new("demo", name, vip).port(ServicePort::udp(53).name("dns").target(5353));
+    match affinity_s {
+        Some(t) => s.affinity(t),
+        None => s,
+    }
+}
+
+/// The slice of UDP Service `name` with ready endpoints `ready`.
+fn dns_slice(sb: &svc_tests::Sandbox, name: &str, ready: &[u8]) -> EndpointSlice {
+    let mut s = EndpointSlice::ipv4("demo", name).port(SlicePort::udp(5353).name("dns"));
+    for &i in ready {
+        s = s.endpoint(Endpoint::ready(&sb.backend_v4(i).to_string()));
+    }
+    s
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Issue 7, items 1 and 2: unconnected UDP sockets (QUIC, DNS clients, WireGuard) each stay on
+/// one backend, datagram after datagram, and every reply comes from the ClusterIP; when a
+/// socket's backend leaves the Service (its server still answering), the socket moves to a
+/// live backend and stays there, while sockets on a backend that stayed never move.
+#[test]
+fn unconnected_udp_sockets_keep_one_backend_and_move_when_it_leaves() {
+    let w = World::start(3, &[5353], |sb, m| {
+        m.apply_service(&dns_service("dns", &VIP.to_string(), None))
+            .unwrap();
+        m.apply_slice(&dns_slice(sb, "dns", &[1, 2])).unwrap();
+    });
+    let sockets = 12;
+    let run =
+        w.sb.spawn_udp_unconnected(sa(VIP, 53), sockets, Duration::from_millis(3500), 20, 500)
+            .unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    let changed = unix_ms();
+    w.m.apply_slice(&dns_slice(&w.sb, "dns", &[2, 3])).unwrap();
+    let report =
+        w.sb.finish_udp_stream(run, Duration::from_secs(20))
+            .unwrap();
+    let ex = &report.exchanges;
+    assert!(ex.len() > 100, "too few exchanges: {}", ex.len());
+    for e in ex {
+        assert!(e.ok, "failed exchange: {e:?}");
+        assert_eq!(e.from.as_deref(), Some("10.96.0.10:53"), "{e:?}");
+    }
+    let mut moved = 0;
+    for s in 0..sockets {
+        let seq: Vec<(u64, &str)> = ex
+            .iter()
+            .filter(|e| e.socket == s)
+            .map(|e| (e.at_ms, e.backend.as_deref().unwrap()))
+            .collect();
+        let before: BTreeSet<&str> = seq
+            .iter()
+            .filter(|(t, _)| *t < changed)
+            .map(|(_, b)| *b)
+            .collect();
+        // The sync takes effect within a second.
+        let after: BTreeSet<&str> = seq
+            .iter()
+            .filter(|(t, _)| *t > changed + 1000)
+            .map(|(_, b)| *b)
+            .collect();
+        assert_eq!(
+            before.len(),
+            1,
+            "socket {s} spread before the change: {seq:?}"
+        );
+        assert_eq!(
+            after.len(),
+            1,
+            "socket {s} spread after the change: {seq:?}"
+        );
+        let (b, a) = (*before.first().unwrap(), *after.first().unwrap());
+        match b {
+            "b2" => assert_eq!(a, "b2", "socket {s} left a backend that stayed: {seq:?}"),
+            "b1" => {
+                assert!(a == "b2" || a == "b3", "socket {s}: {seq:?}");
+                moved += 1;
+            }
+            other => panic!("socket {s} reached {other} before the change: {seq:?}"),
+        }
+        // At most one switch: the backend sequence is X..X Y..Y.
+        let switches = seq.windows(2).filter(|w| w[0].1 != w[1].1).count();
+        assert!(
+            switches <= 1,
+            "socket {s} switched {switches} times: {seq:?}"
+        );
+    }
+    eprintln!("{moved} of {sockets} sockets were on b1 and moved");
+    let stats: std::collections::BTreeMap<_, _> = svc_agent::datapath::read_stats(w.bpffs.path())
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert!(stats["sock_sticky"] > 100, "{stats:?}");
+    assert_eq!(stats["sock_moved"], moved, "{stats:?}");
+}
+
+/// The per-socket reverse entries of SVC_SOCK_REV: read back for the tests.
+fn sock_rev_entries(
+    bpffs: &std::path::Path,
+) -> Vec<(svc_common::SockRevKey, svc_common::SockRevValue)> {
+    let store = svc_agent::datapath::open_pinned(bpffs).unwrap();
+    svc_agent::store::dump(svc_common::map_names::SOCK_REV, &store.sock_rev).unwrap()
+}
+
+/// Issue 7, item 2: the reverse entries of a socket go when the socket is closed (TCP,
+/// connected UDP, unconnected UDP), instead of filling the LRU map until it evicts the entries
+/// of live sockets.
+#[test]
+fn reverse_entries_go_with_their_sockets() {
+    let w = World::start(2, &[8080, 5353], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        m.apply_service(&dns_service("dns", "10.96.0.11", None))
+            .unwrap();
+        m.apply_slice(&dns_slice(sb, "dns", &[1, 2])).unwrap();
+    });
+    let dns = sa([10, 96, 0, 11], 53);
+    assert!(w.sb.udp(dns, 10, false).unwrap().all_ok());
+    assert!(w.sb.udp(dns, 10, true).unwrap().all_ok());
+    assert!(w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap().all_ok());
+    // The probes have exited: every socket is closed.
+    let left = sock_rev_entries(w.bpffs.path());
+    assert!(
+        left.is_empty(),
+        "{} entries outlived their sockets: {left:?}",
+        left.len()
+    );
+    let stats: std::collections::BTreeMap<_, _> = svc_agent::datapath::read_stats(w.bpffs.path())
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(stats["sock_rev_released"], 30, "{stats:?}");
+    assert_eq!(stats["sock_rev_untracked"], 0, "{stats:?}");
+}
+
+/// Issue 7, item 3: a client's remembered backend leaves its Service while it is still a
+/// backend of another Service (so it still exists): the client moves at once, and stays on
+/// its new backend; the other Service still reaches the backend.
+#[test]
+fn affinity_moves_a_client_whose_backend_left_the_service() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(
+            &Service::new("demo", "sticky", &VIP.to_string())
+                .port(ServicePort::tcp(80).name("http").target(8080))
+                .affinity(3600),
+        )
+        .unwrap();
+        let mut s = web_slice(sb, &[1, 2], &[]);
+        s.service = "sticky".into();
+        s.name = "sticky-v4".into();
+        m.apply_slice(&s).unwrap();
+        m.apply_service(
+            &Service::new("demo", "web", "10.96.0.12")
+                .port(ServicePort::tcp(80).name("http").target(8080)),
+        )
+        .unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    let chosen = names(&r);
+    assert_eq!(chosen.len(), 1, "{:?}", r.backends());
+    let (gone, stays) = if chosen.contains("b1") {
+        (1, 2)
+    } else {
+        (2, 1)
+    };
+    let mut s = web_slice(&w.sb, &[stays], &[]);
+    s.service = "sticky".into();
+    s.name = "sticky-v4".into();
+    w.m.apply_slice(&s).unwrap();
+    let want = set(&[&format!("b{stays}")]);
+    poll(Duration::from_secs(1), || {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[])?;
+        Ok((r.all_ok() && names(&r) == want).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("the client did not move off b{gone}: {e:#}"));
+    let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
+    assert_eq!(names(&r), want, "{:?}", r.backends());
+    let r = w.sb.tcp(sa([10, 96, 0, 12], 80), 20, &[]).unwrap();
+    assert!(
+        names(&r).contains(&format!("b{gone}")),
+        "the backend should still serve the other Service: {:?}",
+        r.backends()
+    );
+}
+
+/// Issue 7, item 3: with timeoutSeconds: 1, connections in quick succession stay on one
+/// backend, and a client idle for longer than the timeout chooses again.
+#[test]
+fn affinity_expires_after_timeout_seconds() {
+    let w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service().affinity(1)).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
+    });
+    let mut firsts = BTreeSet::new();
+    for _ in 0..8 {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap();
+        assert!(r.all_ok(), "{:?}", r.failures());
+        assert_eq!(names(&r).len(), 1, "within the timeout: {:?}", r.backends());
+        firsts.extend(names(&r));
+        std::thread::sleep(Duration::from_millis(1300));
+    }
+    // Eight independent choices over three backends: all equal with probability 3^-7.
+    assert!(firsts.len() > 1, "the choice never expired: {firsts:?}");
+}
+
+/// Issue 7, item 3: sessionAffinity for an unconnected UDP client: new sockets of the pod
+/// (one per exchange) and long-lived ones all reach one backend.
+#[test]
+fn affinity_applies_to_unconnected_udp() {
+    let w = World::start(3, &[5353], |sb, m| {
+        m.apply_service(&dns_service("dns", &VIP.to_string(), Some(600)))
+            .unwrap();
+        m.apply_slice(&dns_slice(sb, "dns", &[1, 2, 3])).unwrap();
+    });
+    let r = w.sb.udp(sa(VIP, 53), 15, false).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    let chosen = names(&r);
+    assert_eq!(chosen.len(), 1, "{:?}", r.backends());
+    let run =
+        w.sb.spawn_udp_unconnected(sa(VIP, 53), 6, Duration::from_millis(600), 20, 500)
+            .unwrap();
+    let report =
+        w.sb.finish_udp_stream(run, Duration::from_secs(10))
+            .unwrap();
+    let seen: BTreeSet<String> = report
+        .exchanges
+        .iter()
+        .map(|e| {
+            assert!(e.ok, "{e:?}");
+            assert_eq!(e.from.as_deref(), Some("10.96.0.10:53"), "{e:?}");
+            e.backend.clone().unwrap()
+        })
+        .collect();
+    assert_eq!(seen, chosen);
+}
+
+/// Issue 7, item 4: when a backend leaves Service S but still serves Service T, connected UDP
+/// sockets that svc translated for S are closed (their client reconnects to a live backend of
+/// S), those translated for T are not; when it leaves T too, T's sockets are closed. A socket
+/// connected to the pod's address directly is never touched.
+#[test]
+fn stale_udp_sockets_are_closed_per_service_and_only_if_translated() {
+    let w = World::start(2, &[5353], |sb, m| {
+        m.apply_service(&dns_service("s", &VIP.to_string(), None))
+            .unwrap();
+        m.apply_slice(&dns_slice(sb, "s", &[1])).unwrap();
+        m.apply_service(&dns_service("t", "10.96.0.12", None))
+            .unwrap();
+        m.apply_slice(&dns_slice(sb, "t", &[1])).unwrap();
+    });
+    let (vip_s, vip_t) = (sa(VIP, 53), sa([10, 96, 0, 12], 53));
+    let direct = sa(w.sb.backend_v4(1), 5353);
+    let run = Duration::from_millis(5500);
+    let via_s = w.sb.spawn_udp_stream(vip_s, run, 20, 300).unwrap();
+    let via_t = w.sb.spawn_udp_stream(vip_t, run, 20, 300).unwrap();
+    let to_pod = w.sb.spawn_udp_stream(direct, run, 20, 300).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    let left_s = unix_ms();
+    w.m.apply_slice(&dns_slice(&w.sb, "s", &[2])).unwrap();
+    std::thread::sleep(Duration::from_millis(1800));
+    let left_t = unix_ms();
+    w.m.apply_slice(&dns_slice(&w.sb, "t", &[2])).unwrap();
+    let via_s =
+        w.sb.finish_udp_stream(via_s, Duration::from_secs(20))
+            .unwrap();
+    let via_t =
+        w.sb.finish_udp_stream(via_t, Duration::from_secs(20))
+            .unwrap();
+    let to_pod =
+        w.sb.finish_udp_stream(to_pod, Duration::from_secs(20))
+            .unwrap();
+
+    let summary = |r: &svc_tests::StreamReport| {
+        r.exchanges
+            .iter()
+            .map(|e| {
+                format!(
+                    "{:+}ms s{} {}",
+                    e.at_ms as i64 - left_s as i64,
+                    e.socket,
+                    e.backend.clone().or(e.error.clone()).unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    // Each translated socket: b1 until its Service lost b1, closed within a second of that,
+    // then b2 through a new socket.
+    for (what, r, left, vip) in [("S", &via_s, left_s, vip_s), ("T", &via_t, left_t, vip_t)] {
+        let first_error = r
+            .exchanges
+            .iter()
+            .find(|e| !e.ok)
+            .unwrap_or_else(|| panic!("{what}: the socket was never closed: {}", summary(r)));
+        assert!(
+            first_error.at_ms >= left && first_error.at_ms <= left + 1000,
+            "{what}: closed {}ms after the change: {}",
+            first_error.at_ms as i64 - left as i64,
+            summary(r)
+        );
+        for e in &r.exchanges {
+            if e.at_ms < left {
+                assert!(e.ok && e.socket == 0, "{what}: {}", summary(r));
+                assert_eq!(e.backend.as_deref(), Some("b1"), "{what}: {}", summary(r));
+            }
+            if e.at_ms > first_error.at_ms && e.ok {
+                assert_eq!(e.backend.as_deref(), Some("b2"), "{what}: {}", summary(r));
+                assert_eq!(e.peer, Some(vip.to_string()), "{what}: {}", summary(r));
+            }
+        }
+        assert!(
+            r.exchanges.iter().filter(|e| !e.ok).count() <= 2,
+            "{what}: {}",
+            summary(r)
+        );
+    }
+    // The socket connected to the pod itself: untouched throughout.
+    for e in &to_pod.exchanges {
+        assert!(
+            e.ok && e.socket == 0 && e.backend.as_deref() == Some("b1"),
+            "the direct socket was disturbed: {}",
+            summary(&to_pod)
+        );
+    }
+    assert!(to_pod.exchanges.last().unwrap().at_ms > left_t + 1000);
+}
+
+/// Issue 7, item 2: a client never gets a reply from an address it did not send to, even when
+/// the reverse map is too small for its sockets (here 2 entries for 8 sockets): an unconnected
+/// socket's own state says which frontend its backend answers for.
+#[test]
+fn replies_read_as_the_cluster_ip_when_reverse_entries_are_evicted() {
+    let sb = common::sandbox();
+    let m = svc_tests::Manifests::new().unwrap();
+    m.apply_service(&dns_service("dns", &VIP.to_string(), None))
+        .unwrap();
+    m.apply_slice(&dns_slice(&sb, "dns", &[1, 2])).unwrap();
+    let _backends = sb.backends(2, &[5353]).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let mut agent = svc_tests::Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs.path(),
+        &["--max-sock-rev", "2"],
+        m.scratch(),
+    )
+    .unwrap();
+    agent
+        .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
+        .unwrap();
+    // Every socket sends before any reads: the other sockets' entries push a socket's out of
+    // the map between its datagram and the reply.
+    let run = sb
+        .spawn_udp_unconnected_with(
+            sa(VIP, 53),
+            8,
+            Duration::from_millis(800),
+            10,
+            500,
+            &["--pipelined"],
+        )
+        .unwrap();
+    let report = sb.finish_udp_stream(run, Duration::from_secs(10)).unwrap();
+    assert!(report.exchanges.len() > 40);
+    for e in &report.exchanges {
+        assert!(e.ok, "{e:?}");
+        assert_eq!(e.from.as_deref(), Some("10.96.0.10:53"), "{e:?}");
+    }
+    assert!(sock_rev_entries(bpffs.path()).len() <= 2);
 }

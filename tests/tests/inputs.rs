@@ -70,7 +70,7 @@ fn bad_input_is_reported_and_isolated() {
 
 /// `demo/web` answers from both backends.
 fn web_answers(w: &World) -> Result<()> {
-    let r = w.sb.tcp(sa(VIP, 80), 10, &[])?;
+    let r = w.sb.tcp(sa(VIP, 80), 24, &[])?;
     ensure!(r.all_ok(), "failures: {:?}", r.failures());
     ensure!(names(&r) == set(&["b1", "b2"]), "answered: {:?}", names(&r));
     Ok(())

@@ -222,3 +222,60 @@ fn wait_until(t: Instant) {
         std::thread::sleep(d);
     }
 }
+
+/// Issue 7, item 3 (and 1): SIGKILL and restart keep clients where they were: a client with
+/// sessionAffinity reaches the same backend after the restart, and unconnected UDP sockets
+/// that live across the restart keep their backends.
+#[test]
+fn affinity_and_udp_sockets_survive_an_agent_restart() {
+    let mut w = World::start(3, &[8080, 5353], |sb, m| {
+        m.apply_service(&web_service().affinity(3600)).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
+        m.apply_service(
+            &Service::new("demo", "dns", "10.96.0.11")
+                .port(ServicePort::udp(53).name("dns").target(5353)),
+        )
+        .unwrap();
+        let mut s = svc_tests::EndpointSlice::ipv4("demo", "dns")
+            .port(svc_tests::SlicePort::udp(5353).name("dns"));
+        for i in 1..=3 {
+            s = s.endpoint(svc_tests::Endpoint::ready(&sb.backend_v4(i).to_string()));
+        }
+        m.apply_slice(&s).unwrap();
+    });
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    let chosen = names(&r);
+    assert_eq!(chosen.len(), 1, "{:?}", r.backends());
+    let udp =
+        w.sb.spawn_udp_unconnected(
+            sa([10, 96, 0, 11], 53),
+            8,
+            Duration::from_millis(5000),
+            20,
+            500,
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    w.agent.kill().unwrap();
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(names(&r), chosen, "affinity lost in the restart");
+    let report =
+        w.sb.finish_udp_stream(udp, Duration::from_secs(20))
+            .unwrap();
+    for s in 0..8 {
+        let seen: std::collections::BTreeSet<_> = report
+            .exchanges
+            .iter()
+            .filter(|e| e.socket == s)
+            .map(|e| {
+                assert!(e.ok, "{e:?}");
+                e.backend.clone().unwrap()
+            })
+            .collect();
+        assert_eq!(seen.len(), 1, "socket {s} changed backend: {seen:?}");
+    }
+}

@@ -252,18 +252,8 @@ fn a_full_map_refuses_whole_services_and_a_larger_one_takes_them_without_a_drop(
         "{}",
         agent.log()
     );
-    let out = svc_tests::sys::run(
-        "bpftool",
-        [
-            "-j".as_ref(),
-            "map".as_ref(),
-            "show".as_ref(),
-            "pinned".as_ref(),
-            bpffs.path().join("SVC_SERVICES_v1").as_os_str(),
-        ],
-    )
-    .unwrap();
-    assert!(out.contains("\"max_entries\":4000"), "{out}");
+    let info = svc_tests::sys::pinned_map_info(&bpffs.path().join("SVC_SERVICES_v1")).unwrap();
+    assert_eq!(info["max_entries"], 4000, "{info}");
     poll(Duration::from_secs(5), || {
         let (code, _) = http_get(health, "/healthz")?;
         Ok((code == 200).then_some(()))
@@ -319,20 +309,18 @@ fn a_pinned_map_of_another_layout_is_refused_naming_it() {
 /// comparison and put back; the metrics say so.
 #[test]
 fn drift_in_the_maps_is_repaired() {
-    let sb = sandbox();
-    let m = Manifests::new().unwrap();
-    let _backends = sb.backends(2, &[8080]).unwrap();
-    m.apply_service(&web_service()).unwrap();
-    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
-    let bpffs = sb.bpffs().unwrap();
     let metrics = free_port();
     let metrics_flag = format!("--metrics-bind-address={metrics}");
-    let agent = agent_with(
-        &sb,
-        bpffs.path(),
-        &m,
+    let w = World::start_with(
+        2,
+        &[8080],
         &["--reconcile-interval-s", "1", &metrics_flag],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        },
     );
+    let (sb, bpffs, agent) = (&w.sb, &w.bpffs, &w.agent);
     assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
     // Someone deletes the master entry and the reverse-NAT entry of demo/web.
     let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
@@ -371,20 +359,18 @@ fn drift_in_the_maps_is_repaired() {
 /// served again.
 #[test]
 fn pins_and_links_removed_under_the_agent_are_put_back() {
-    let sb = sandbox();
-    let m = Manifests::new().unwrap();
-    let _backends = sb.backends(1, &[8080]).unwrap();
-    m.apply_service(&web_service()).unwrap();
-    m.apply_slice(&web_slice(&sb, &[1], &[])).unwrap();
-    let bpffs = sb.bpffs().unwrap();
     let metrics = free_port();
     let metrics_flag = format!("--metrics-bind-address={metrics}");
-    let agent = agent_with(
-        &sb,
-        bpffs.path(),
-        &m,
+    let w = World::start_with(
+        1,
+        &[8080],
         &["--check-interval-ms", "100", &metrics_flag],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+        },
     );
+    let (sb, bpffs, agent) = (&w.sb, &w.bpffs, &w.agent);
     assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
     // Unpinning the only reference to a link detaches it.
     std::fs::remove_file(bpffs.path().join("link_connect4")).unwrap();
@@ -413,19 +399,17 @@ fn pins_and_links_removed_under_the_agent_are_put_back() {
 /// sets stay readable for a grace period after the switch.
 #[test]
 fn backend_sets_changing_many_times_a_second_refuse_nothing() {
-    let sb = sandbox();
-    let m = Manifests::new().unwrap();
-    let _backends = sb.backends(3, &[8080]).unwrap();
-    m.apply_service(&web_service()).unwrap();
-    m.apply_slice(&web_slice(&sb, &[1], &[])).unwrap();
-    let bpffs = sb.bpffs().unwrap();
-    let agent = agent_with(&sb, bpffs.path(), &m, &["--poll-ms", "10"]);
+    let w = World::start_with(3, &[8080], &["--poll-ms", "10"], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    let (sb, m, agent) = (&w.sb, &w.m, &w.agent);
     let client = sb.spawn_loop(sa(VIP, 80), Duration::from_secs(5)).unwrap();
     let sets: [&[u8]; 4] = [&[1], &[2], &[1, 2, 3], &[3]];
     let started = Instant::now();
     let mut changes = 0;
     while started.elapsed() < Duration::from_millis(4500) {
-        m.apply_slice(&web_slice(&sb, sets[changes % sets.len()], &[]))
+        m.apply_slice(&web_slice(sb, sets[changes % sets.len()], &[]))
             .unwrap();
         changes += 1;
         std::thread::sleep(Duration::from_millis(40));
@@ -592,19 +576,12 @@ fn thirty_thousand_services_of_ten_endpoints_are_all_programmed() {
 /// so, and is retried with backoff until it lands, with no new event from the source.
 #[test]
 fn a_change_that_does_not_fit_is_retried_until_it_lands() {
-    let sb = sandbox();
-    let m = Manifests::new().unwrap();
-    let _backends = sb.backends(6, &[8080]).unwrap();
-    m.apply_service(&web_service()).unwrap();
-    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
-    let bpffs = sb.bpffs().unwrap();
     let health = free_port();
     let health_flag = format!("--healthz-bind-address={health}");
-    let agent = agent_with(
-        &sb,
-        bpffs.path(),
-        &m,
-        // Room for two backend sets of two: the current one and one retiring.
+    // Room for two backend sets of two: the current one and one retiring.
+    let w = World::start_with(
+        6,
+        &[8080],
         &[
             "--max-slots",
             "4",
@@ -612,22 +589,31 @@ fn a_change_that_does_not_fit_is_retried_until_it_lands() {
             "3000",
             &health_flag,
         ],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        },
     );
+    let (sb, m, agent) = (&w.sb, &w.m, &w.agent);
     // b3,b4 fits (b1,b2 retire for 3 s); b5,b6 right after does not.
-    m.apply_slice(&web_slice(&sb, &[3, 4], &[])).unwrap();
+    m.apply_slice(&web_slice(sb, &[3, 4], &[])).unwrap();
     poll(Duration::from_secs(5), || {
         let r = sb.tcp(sa(VIP, 80), 4, &[])?;
         Ok((r.all_ok() && names(&r) == set(&["b3", "b4"])).then_some(()))
     })
     .unwrap();
-    m.apply_slice(&web_slice(&sb, &[5, 6], &[])).unwrap();
+    m.apply_slice(&web_slice(sb, &[5, 6], &[])).unwrap();
     poll(Duration::from_secs(5), || {
         Ok(agent.log().contains("SVC_SLOTS is full").then_some(()))
     })
     .unwrap_or_else(|e| panic!("{e:#}\n{}", agent.log()));
     // Left as it was, and said so.
-    let r = sb.tcp(sa(VIP, 80), 4, &[]).unwrap();
-    assert!(r.all_ok() && names(&r) == set(&["b3", "b4"]), "{r:?}");
+    // Only the set of names is asserted: four picks of two backends miss one of them 1 in 8.
+    let r = sb.tcp(sa(VIP, 80), 8, &[]).unwrap();
+    assert!(
+        r.all_ok() && names(&r).is_subset(&set(&["b3", "b4"])),
+        "{r:?}"
+    );
     let (code, body) = http_get(health, "/healthz").unwrap();
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("demo/web"), "{body}");

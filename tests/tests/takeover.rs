@@ -315,7 +315,7 @@ fn run(mode: Mode) -> Result<()> {
     let whole = Duration::from_secs(30);
     let hold_a = sb.spawn_hold(web, 4, whole, 50)?;
     let udp_a = sb.spawn_udp_stream(dns, whole, 50, 1000)?;
-    let udp_unconnected_a = sb.spawn_udp_stream_unconnected(dns, whole, 50, 1000)?;
+    let udp_unconnected_a = sb.spawn_udp_unconnected(dns, 1, whole, 50, 1000)?;
     let new_all_along = sb.spawn_loop(web, whole)?;
     let clients_started = Instant::now();
     std::thread::sleep(Duration::from_secs(2));

@@ -9,6 +9,10 @@
 //! - what the switch made unreachable (old generations, backends nothing names any more, the
 //!   reverse-NAT and name entries of removed frontends) is retired only after a grace period,
 //!   so a reader that read the old master entry just before the switch still finds it all;
+//! - membership entries (AFFINITY_MATCH: which backends a frontend has, against which the
+//!   kernel checks a remembered choice) are written before the switch for the new backends
+//!   and deleted right after it for the departed ones: a missing entry only makes a reader
+//!   choose again, a stale one would keep a client on a backend that left;
 //! - a Service is programmed completely or left as it was: map space is checked before its
 //!   first write, and a failed write undoes what the Service's sync wrote;
 //! - ids are never handed out twice: a high-water mark is made durable in the META map before
@@ -26,8 +30,8 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use svc_common::{
-    svc_flags, v4_mapped, BackendId, MetaValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
-    PROTO_ANY,
+    svc_flags, v4_mapped, AffinityMatchKey, BackendId, MetaValue, ServiceKey, ServiceName,
+    ServiceValue, SlotKey, PROTO_ANY,
 };
 use tracing::{debug, warn};
 
@@ -72,6 +76,9 @@ pub struct ProgFrontend {
     pub name: String,
     pub name_entry: Entry,
     pub rev_nat_entry: Entry,
+    /// Backends with a membership entry (AFFINITY_MATCH) under this id, as in the map:
+    /// sorted, no duplicates; empty (no allocation) for frontends that do not keep them.
+    pub matches: Vec<BackendId>,
 }
 
 impl ProgFrontend {
@@ -110,6 +117,7 @@ pub struct Usage {
     pub backends: u64,
     pub rev_nat: u64,
     pub names: u64,
+    pub matches: u64,
 }
 
 impl Usage {
@@ -119,6 +127,7 @@ impl Usage {
         self.backends += o.backends;
         self.rev_nat += o.rev_nat;
         self.names += o.names;
+        self.matches += o.matches;
     }
 
     fn dec(&mut self, map: &str) {
@@ -133,6 +142,7 @@ impl Usage {
             m::BACKENDS => &mut self.backends,
             m::REV_NAT => &mut self.rev_nat,
             m::NAMES => &mut self.names,
+            m::AFFINITY_MATCH => &mut self.matches,
             _ => return,
         };
         *c = c.saturating_add_signed(d);
@@ -144,6 +154,7 @@ impl Usage {
         self.backends = self.backends.saturating_sub(o.backends);
         self.rev_nat = self.rev_nat.saturating_sub(o.rev_nat);
         self.names = self.names.saturating_sub(o.names);
+        self.matches = self.matches.saturating_sub(o.matches);
     }
 
     /// The first map `needs` does not fit in, with `reserved` services entries kept free.
@@ -165,6 +176,12 @@ impl Usage {
             (m::BACKENDS, self.backends, needs.backends, cap.backends),
             (m::REV_NAT, self.rev_nat, needs.rev_nat, cap.rev_nat),
             (m::NAMES, self.names, needs.names, cap.names),
+            (
+                m::AFFINITY_MATCH,
+                self.matches,
+                needs.matches,
+                cap.affinity_match,
+            ),
         ];
         checks
             .into_iter()
@@ -295,6 +312,8 @@ pub struct Strays {
     pub rev_nat: Vec<u32>,
     pub names: Vec<u32>,
     pub backends: Vec<BackendId>,
+    /// Membership entries of no frontend, or left by a delete that failed.
+    pub matches: Vec<AffinityMatchKey>,
 }
 
 impl Strays {
@@ -304,6 +323,7 @@ impl Strays {
             + self.rev_nat.len()
             + self.names.len()
             + self.backends.len()
+            + self.matches.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -365,12 +385,12 @@ pub struct SyncReport {
     pub frontends_written: usize,
     pub frontends_removed: usize,
     pub ops: usize,
-    pub affinity_purged: usize,
     /// Leftovers found before the sync wrote anything (retired like everything unreachable).
     pub strays_deleted: usize,
-    /// UDP backends no frontend uses any more: connected sockets to them must be closed, or
-    /// they would keep sending to a dead address.
-    pub udp_backends_deleted: Vec<SocketAddr>,
+    /// Backends that left UDP frontends: the connected sockets svc translated for those
+    /// frontends to those backends must be closed, or they would keep sending to an address
+    /// that no longer serves them.
+    pub udp_departed: Vec<Departed>,
     pub errors: Vec<Error>,
     /// Services that could not be programmed (left as they were), with the frontends their
     /// sync covered, so a retry covers the same.
@@ -381,6 +401,14 @@ impl SyncReport {
     pub fn changed(&self) -> bool {
         self.ops > 0
     }
+}
+
+/// A backend that left a UDP frontend (or whose frontend was removed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Departed {
+    pub frontend_id: u32,
+    pub backend_id: BackendId,
+    pub backend: SocketAddr,
 }
 
 /// What one pass over due retirements did.
@@ -545,6 +573,7 @@ impl Programmed {
             (m::BACKENDS, u.backends as usize, c.backends),
             (m::REV_NAT, u.rev_nat as usize, c.rev_nat),
             (m::NAMES, u.names as usize, c.names),
+            (m::AFFINITY_MATCH, u.matches as usize, c.affinity_match),
         ]
     }
 
@@ -585,12 +614,17 @@ impl Programmed {
         // Service that did not fit: its room is kept before any Service takes its own.
         let mut reserved = new_markers.len() as u64;
 
-        // Per frontend id, the backends whose affinity entries must go.
-        let mut dropped: HashMap<u32, HashSet<BackendId>> = HashMap::new();
         let mut unreferenced: Vec<BackendId> = Vec::new();
         for (owner, (upserts, gone)) in units {
             let result = plan::plan_unit(self, &owner, &upserts, &gone).and_then(|plan| {
-                self.execute(&mut w, plan, reserved, now, &mut dropped, &mut unreferenced)
+                self.execute(
+                    &mut w,
+                    plan,
+                    reserved,
+                    now,
+                    &mut unreferenced,
+                    &mut report.udp_departed,
+                )
             });
             match result {
                 Ok((written, removed)) => {
@@ -645,24 +679,7 @@ impl Programmed {
         // Backends no current generation names: retired (unless named again before due).
         for id in unreferenced {
             if self.backend_refs(id) == 0 && !self.retiring.backends.contains(&id) {
-                if let Some(k) = self
-                    .backends
-                    .get(&id)
-                    .filter(|k| k.protocol == Protocol::Udp)
-                {
-                    report.udp_backends_deleted.push(k.socket_addr());
-                }
                 self.retiring.push(now + self.grace, Retire::Backend(id));
-            }
-        }
-
-        if !dropped.is_empty() {
-            let stale = |k: &svc_common::AffinityKey, v: &svc_common::AffinityValue| {
-                dropped.get(&k.id).is_some_and(|s| s.contains(&v.backend))
-            };
-            match w.store.purge_affinity(&stale) {
-                Ok(n) => report.affinity_purged = n,
-                Err(e) => report.errors.push(e),
             }
         }
         report.ops = w.ops;
@@ -748,8 +765,8 @@ impl Programmed {
         plan: UnitPlan,
         reserved_services: u64,
         now: Instant,
-        dropped: &mut HashMap<u32, HashSet<BackendId>>,
         unreferenced: &mut Vec<BackendId>,
+        udp_departed: &mut Vec<Departed>,
     ) -> Result<(usize, usize)> {
         if plan.is_empty() {
             return Ok((0, 0));
@@ -790,7 +807,8 @@ impl Programmed {
         }
 
         // Before any master entry names them, prepared entries can go at once; after, a
-        // reader may hold a master entry that names them, so they are retired.
+        // reader may hold a master entry that names them, so they are retired. Membership
+        // entries go at once either way: without one a reader only chooses again.
         let undo_prepare = |w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
             for (_, undo) in done.iter().rev() {
                 if let Some(undo) = undo {
@@ -798,11 +816,19 @@ impl Programmed {
                 }
             }
         };
-        let retire_prepared = |p: &mut Programmed| {
+        let retire_prepared = |p: &mut Programmed, w: &mut Writer<'_, S>| {
             for (op, undo) in &plan.prepare {
-                if let Some(undo) = undo {
-                    p.usage.inc_by(op.map(), 1);
-                    p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
+                match undo {
+                    Some(undo @ Op::DelMatch(k)) if !w.try_op(undo) => {
+                        p.usage.matches += 1;
+                        p.strays.matches.push(*k);
+                    }
+                    Some(Op::DelMatch(_)) => {}
+                    Some(undo) => {
+                        p.usage.inc_by(op.map(), 1);
+                        p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
+                    }
+                    None => {}
                 }
             }
         };
@@ -822,7 +848,7 @@ impl Programmed {
                 if i == 0 {
                     undo_prepare(w, &plan.prepare);
                 } else {
-                    retire_prepared(self);
+                    retire_prepared(self, w);
                 }
                 return Err(e);
             }
@@ -840,7 +866,7 @@ impl Programmed {
                 if i == 0 && plan.add.is_empty() {
                     undo_prepare(w, &plan.prepare);
                 } else {
-                    retire_prepared(self);
+                    retire_prepared(self, w);
                 }
                 return Err(e);
             }
@@ -851,6 +877,22 @@ impl Programmed {
         self.usage.sub(&plan.frees);
         let (mut written, mut removed) = (0, 0);
         for (fe, after) in plan.commit {
+            if fe.protocol == Protocol::Udp {
+                let before = self.frontends.get(&fe);
+                let kept: HashSet<BackendId> = after
+                    .iter()
+                    .flat_map(|pf| pf.backends.iter().copied())
+                    .collect();
+                for b in before.iter().flat_map(|pf| pf.backends.iter()) {
+                    if let (false, Some(k)) = (kept.contains(b), self.backends.get(b)) {
+                        udp_departed.push(Departed {
+                            frontend_id: before.map_or(0, |pf| pf.id),
+                            backend_id: *b,
+                            backend: k.socket_addr(),
+                        });
+                    }
+                }
+            }
             let before = match after {
                 Some(pf) => {
                     written += 1;
@@ -879,8 +921,21 @@ impl Programmed {
         for r in plan.retire {
             self.retiring.push(now + self.grace, r);
         }
-        for (id, backends) in plan.affinity_dropped {
-            dropped.entry(id).or_default().extend(backends);
+        // Right after the switch: a choice remembered for a departed backend is honoured no
+        // more (a reader still holding the old master entry just chooses again). A delete
+        // that fails leaves a stray, deleted before the next sync writes anything.
+        for op in &plan.after {
+            if let Op::DelMatch(k) = op {
+                if w.op(op).is_err() {
+                    warn!(
+                        id = k.id,
+                        backend = k.backend,
+                        "membership entry not deleted"
+                    );
+                    self.usage.matches += 1;
+                    self.strays.matches.push(*k);
+                }
+            }
         }
         debug!(owner = %plan.owner, written, removed, "service synced");
         Ok((written, removed))
@@ -923,6 +978,17 @@ impl Programmed {
         }
         for id in strays.backends {
             self.retiring.push(due, Retire::Backend(id));
+        }
+        // A membership entry only confirms a remembered choice: it goes at once.
+        for k in strays.matches {
+            match w.op(&Op::DelMatch(k)) {
+                Ok(true) => self.usage.matches = self.usage.matches.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => {
+                    self.strays.matches.push(k);
+                    errors.push(e);
+                }
+            }
         }
         n
     }

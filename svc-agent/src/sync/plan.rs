@@ -2,10 +2,12 @@
 //! mirror of the maps without touching them. The executor (`super`) writes a plan in its
 //! order, or undoes it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use svc_common::{svc_flags, Backend, BackendId, RevNatValue, ServiceValue, SlotKey};
+use svc_common::{
+    checks_match, AffinityMatchKey, Backend, BackendId, RevNatValue, ServiceValue, SlotKey,
+};
 
 use super::{
     encode_name, flags_of, service_key, stored_name, BackendKey, Entry, ProgFrontend, Programmed,
@@ -21,8 +23,8 @@ pub struct UnitPlan {
     pub owner: String,
     /// Backends no entry has yet: written first.
     pub new_backends: Vec<(BackendId, SocketAddr, Protocol)>,
-    /// Entries no master entry leads to yet (new slots, reverse NAT, names), each with what
-    /// undoes it when the Service's sync fails.
+    /// Entries no master entry leads to yet (new slots, reverse NAT, names, membership of new
+    /// backends), each with what undoes it when the Service's sync fails.
     pub prepare: Vec<(Op, Option<Op>)>,
     /// Master entries of new frontends.
     pub add: Vec<Op>,
@@ -30,13 +32,14 @@ pub struct UnitPlan {
     pub switch: Vec<(Op, Op)>,
     /// What the switch makes unreachable, deleted after the grace period.
     pub retire: Vec<Retire>,
+    /// Deleted right after the switch: the membership of backends that left, so no
+    /// remembered choice of them is honoured again.
+    pub after: Vec<Op>,
     /// The mirror after the switch: a frontend's new state, or None once removed.
     pub commit: Vec<(Frontend, Option<ProgFrontend>)>,
     /// Entries the plan adds (new backends not included) and deletes at once.
     pub needs: Usage,
     pub frees: Usage,
-    /// Per frontend id, backends whose affinity entries must go.
-    pub affinity_dropped: Vec<(u32, Vec<BackendId>)>,
     /// The highest ids the plan uses (0: none), to be made durable before the first write.
     pub max_frontend_id: u32,
     pub max_backend_id: u32,
@@ -48,6 +51,7 @@ impl UnitPlan {
             && self.prepare.is_empty()
             && self.add.is_empty()
             && self.switch.is_empty()
+            && self.after.is_empty()
             && self.commit.is_empty()
     }
 
@@ -59,6 +63,7 @@ impl UnitPlan {
             .chain(self.prepare.iter().map(|(op, _)| op.clone()))
             .chain(self.add.iter().cloned())
             .chain(self.switch.iter().map(|(op, _)| op.clone()))
+            .chain(self.after.iter().cloned())
             .collect()
     }
 }
@@ -79,6 +84,28 @@ pub fn rev_nat_value(fe: &Frontend) -> RevNatValue {
         port_be: key.port_be,
         _pad0: 0,
     }
+}
+
+/// The backends of a frontend whose remembered choices the kernel checks (see
+/// `svc_common::checks_match`), sorted; none for the others.
+fn members(fe: &Frontend, flags: u16, backends: &[BackendId]) -> Vec<BackendId> {
+    if !checks_match(fe.protocol.ipproto(), flags) {
+        return Vec::new();
+    }
+    let mut m = backends.to_vec();
+    m.sort_unstable();
+    m.dedup();
+    m
+}
+
+/// What sorted `a` has that sorted `b` has not.
+fn minus<'a>(a: &'a [BackendId], b: &'a [BackendId]) -> impl Iterator<Item = &'a BackendId> {
+    a.iter().filter(|x| b.binary_search(x).is_err())
+}
+
+fn put_match(id: u32, backend: BackendId) -> (Op, Option<Op>) {
+    let k = AffinityMatchKey { id, backend };
+    (Op::PutMatch(k), Some(Op::DelMatch(k)))
 }
 
 /// The next generation of frontend `id` after `rev` that no retiring generation uses.
@@ -158,9 +185,13 @@ pub fn plan_unit(
             plan.prepare
                 .push((Op::PutName(id, encode_name(&name)), Some(Op::DelName(id))));
             plan.prepare.extend(slots(id, rev));
+            let matches = members(fe, flags, &ids);
+            plan.prepare
+                .extend(matches.iter().map(|b| put_match(id, *b)));
             plan.needs.rev_nat += 1;
             plan.needs.names += 1;
             plan.needs.slots += ids.len() as u64;
+            plan.needs.matches += matches.len() as u64;
             let pf = ProgFrontend {
                 id,
                 rev,
@@ -171,6 +202,7 @@ pub fn plan_unit(
                 name,
                 name_entry: Entry::Ok,
                 rev_nat_entry: Entry::Ok,
+                matches,
             };
             plan.add.push(Op::PutService(key, pf.value()));
             plan.needs.services += 1;
@@ -182,7 +214,8 @@ pub fn plan_unit(
         let same_settings = cur.flags == flags && cur.affinity_timeout_s == timeout;
         let name_ok = cur.name_entry == Entry::Ok && cur.name == name;
         let rev_nat_ok = cur.rev_nat_entry == Entry::Ok;
-        if same_set && same_settings && name_ok && rev_nat_ok {
+        let matches = members(fe, flags, &ids);
+        if same_set && same_settings && name_ok && rev_nat_ok && matches == cur.matches {
             continue;
         }
         if !name_ok {
@@ -207,6 +240,17 @@ pub fn plan_unit(
             plan.needs.slots += ids.len() as u64;
             rev
         };
+        for b in minus(&matches, &cur.matches) {
+            plan.prepare.push(put_match(cur.id, *b));
+            plan.needs.matches += 1;
+        }
+        for b in minus(&cur.matches, &matches) {
+            plan.after.push(Op::DelMatch(AffinityMatchKey {
+                id: cur.id,
+                backend: *b,
+            }));
+            plan.frees.matches += 1;
+        }
         let pf = ProgFrontend {
             id: cur.id,
             rev,
@@ -217,6 +261,7 @@ pub fn plan_unit(
             name,
             name_entry: Entry::Ok,
             rev_nat_entry: Entry::Ok,
+            matches,
         };
         if !same_set || !same_settings {
             plan.switch.push((
@@ -230,23 +275,6 @@ pub fn plan_unit(
                 rev: cur.rev,
                 count: cur.count,
             });
-        }
-        if cur.flags & svc_flags::AFFINITY != 0 {
-            // A client must not stay on a backend that left, nor keep a choice made under
-            // another affinity setting.
-            let dropped: Vec<BackendId> = if same_settings {
-                let now: HashSet<&BackendId> = pf.backends.iter().collect();
-                cur.backends
-                    .iter()
-                    .filter(|b| !now.contains(b))
-                    .copied()
-                    .collect()
-            } else {
-                cur.backends.clone()
-            };
-            if !dropped.is_empty() {
-                plan.affinity_dropped.push((cur.id, dropped));
-            }
         }
         plan.commit.push((*fe, Some(pf)));
     }
@@ -267,6 +295,13 @@ pub fn plan_unit(
             count: cur.count,
         });
         plan.retire.push(Retire::Ids(cur.id));
+        for b in &cur.matches {
+            plan.after.push(Op::DelMatch(AffinityMatchKey {
+                id: cur.id,
+                backend: *b,
+            }));
+        }
+        plan.frees.matches += cur.matches.len() as u64;
         plan.commit.push((*fe, None));
     }
     Ok(plan)

@@ -16,6 +16,21 @@ use crate::model::{Frontend, Protocol};
 use crate::store::{Capacity, Snapshot};
 
 impl Programmed {
+    /// The mirror of what `store` holds now, as a new agent finds it (nothing of its own
+    /// retiring yet).
+    pub fn adopt(
+        store: &impl crate::store::Store,
+        capacity: Capacity,
+        grace: Duration,
+    ) -> crate::error::Result<Programmed> {
+        Ok(Programmed::recover(
+            &store.snapshot()?,
+            capacity,
+            grace,
+            Retiring::default(),
+        ))
+    }
+
     /// Rebuilds the mirror from `snap`. `retiring` is what this agent is itself retiring
     /// (nothing after a restart): those entries are not leftovers. Everything else that no
     /// master entry leads to becomes a stray, deleted before the next sync writes anything.
@@ -33,6 +48,7 @@ impl Programmed {
             backends: snap.backends.len() as u64,
             rev_nat: snap.rev_nat.len() as u64,
             names: snap.names.len() as u64,
+            matches: snap.matches.len() as u64,
         };
 
         // Ids: above anything any map still carries, and above what was made durable, so a
@@ -44,6 +60,7 @@ impl Programmed {
             .chain(snap.slots.iter().map(|(k, _)| k.id))
             .chain(snap.rev_nat.iter().map(|(id, _)| *id))
             .chain(snap.names.iter().map(|(id, _)| *id))
+            .chain(snap.matches.iter().map(|k| k.id))
             .chain(snap.affinity_ids.iter().map(|(id, _)| *id))
             .max()
             .unwrap_or(0);
@@ -52,6 +69,7 @@ impl Programmed {
             .iter()
             .map(|(id, _)| *id)
             .chain(snap.slots.iter().map(|(_, b)| *b))
+            .chain(snap.matches.iter().map(|k| k.backend))
             .chain(snap.affinity_ids.iter().map(|(_, b)| *b))
             .max()
             .unwrap_or(0);
@@ -151,8 +169,28 @@ impl Programmed {
                     name,
                     name_entry,
                     rev_nat_entry,
+                    matches: Vec::new(),
                 },
             );
+        }
+
+        // Membership entries belong to the frontend of their id, whatever their backend: the
+        // next sync of that frontend deletes those of backends it does not have. Those of no
+        // frontend are strays (a frontend's ids are never reused).
+        if !snap.matches.is_empty() {
+            let by_id: HashMap<u32, Frontend> =
+                p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
+            for k in &snap.matches {
+                match by_id.get(&k.id).and_then(|fe| p.frontends.get_mut(fe)) {
+                    Some(pf) => pf.matches.push(k.backend),
+                    None => p.strays.matches.push(*k),
+                }
+            }
+            for pf in p.frontends.values_mut() {
+                pf.matches.sort_unstable();
+                pf.matches.dedup();
+                pf.matches.shrink_to_fit();
+            }
         }
 
         // Two ids for one address (a crash between writes): the one slots name is reused (the
@@ -185,6 +223,7 @@ impl Programmed {
         p.strays.names.sort();
         p.strays.backends.sort();
         p.strays.services.sort();
+        p.strays.matches.sort();
         p
     }
 }

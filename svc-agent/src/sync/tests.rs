@@ -1,11 +1,13 @@
 use super::*;
 use crate::store::Snapshot;
 use std::collections::HashMap as StdHashMap;
-use svc_common::{AffinityKey, AffinityValue, Backend, RevNatValue, ServiceName};
+use std::collections::HashSet as StdHashSet;
+use svc_common::{checks_match, AffinityMatchKey, Backend, RevNatValue, ServiceName};
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
 /// that read a master entry at any time since the last retirement pass (the grace period)
-/// must still find every slot and backend it names.
+/// must still find every slot and backend it names, and every backend a current master entry
+/// names has its membership entry (else a remembered choice of it would be dropped).
 #[derive(Default, Clone)]
 struct ModelStore {
     services: StdHashMap<ServiceKey, ServiceValue>,
@@ -13,6 +15,7 @@ struct ModelStore {
     backends: StdHashMap<BackendId, Backend>,
     rev_nat: StdHashMap<u32, RevNatValue>,
     names: StdHashMap<u32, ServiceName>,
+    matches: StdHashSet<AffinityMatchKey>,
     meta: MetaValue,
     /// max_entries of the services map (others unbounded), as E2BIG enforces it.
     services_cap: Option<usize>,
@@ -55,6 +58,26 @@ impl ModelStore {
                 );
             }
         }
+        for (k, v) in &self.services {
+            if v.flags & svc_flags::ADDR_MARKER != 0 || !checks_match(k.proto, v.flags) {
+                continue;
+            }
+            for slot in 1..=v.count {
+                let b = self.slots[&SlotKey {
+                    id: v.id,
+                    rev: v.rev,
+                    slot,
+                }];
+                let m = AffinityMatchKey {
+                    id: v.id,
+                    backend: b,
+                };
+                assert!(
+                    self.matches.contains(&m),
+                    "{k:?} -> {v:?} names backend {b} without its membership entry"
+                );
+            }
+        }
     }
 
     /// The grace period has passed: no reader holds an old master entry any more.
@@ -93,6 +116,7 @@ impl Store for ModelStore {
                 | Op::PutBackend(..)
                 | Op::PutRevNat(..)
                 | Op::PutName(..)
+                | Op::PutMatch(..)
         );
         if is_put {
             let n = self.puts;
@@ -149,6 +173,11 @@ impl Store for ModelStore {
                 true
             }
             Op::DelName(k) => self.names.remove(&k).is_some(),
+            Op::PutMatch(k) => {
+                self.matches.insert(k);
+                true
+            }
+            Op::DelMatch(k) => self.matches.remove(&k),
             Op::PutMeta(v) => {
                 self.meta = v;
                 true
@@ -158,13 +187,6 @@ impl Store for ModelStore {
         Ok(found)
     }
 
-    fn purge_affinity(
-        &mut self,
-        _: &dyn Fn(&AffinityKey, &AffinityValue) -> bool,
-    ) -> Result<usize> {
-        Ok(0)
-    }
-
     fn snapshot(&self) -> Result<Snapshot> {
         Ok(Snapshot {
             services: self.services.iter().map(|(k, v)| (*k, *v)).collect(),
@@ -172,6 +194,7 @@ impl Store for ModelStore {
             backends: self.backends.iter().map(|(k, v)| (*k, *v)).collect(),
             rev_nat: self.rev_nat.iter().map(|(k, v)| (*k, *v)).collect(),
             names: self.names.iter().map(|(k, v)| (*k, *v)).collect(),
+            matches: self.matches.iter().copied().collect(),
             affinity_ids: vec![],
             meta: self.meta,
         })
@@ -263,7 +286,7 @@ fn adds_changes_and_removes_keeping_readers_safe() {
     let r = settle(&mut p, &mut store, &DesiredState::default());
     assert!(r.errors.is_empty());
     assert!(store.services.is_empty() && store.slots.is_empty() && store.backends.is_empty());
-    assert!(store.rev_nat.is_empty() && store.names.is_empty());
+    assert!(store.rev_nat.is_empty() && store.names.is_empty() && store.matches.is_empty());
     assert_eq!(p.usage, Usage::default());
 }
 
@@ -582,7 +605,15 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
     let mk = |spec: &[(&str, u16, &[&str])]| {
         let mut s = DesiredState::default();
         for (ip, port, backends) in spec {
-            let f = fe(ip, *port);
+            // Port 53 is UDP: its frontends keep membership entries, as 443's (affinity) do.
+            let f = Frontend {
+                protocol: if *port == 53 {
+                    Protocol::Udp
+                } else {
+                    Protocol::Tcp
+                },
+                ..fe(ip, *port)
+            };
             let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
             b.sort();
             s.frontends.insert(
@@ -612,7 +643,8 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
             80,
             &["10.0.0.2:80", "10.0.0.4:80", "10.0.0.5:80"],
         ),
-        ("10.96.0.2", 53, &["10.0.0.3:53"]),
+        ("10.96.0.2", 53, &["10.0.0.3:53", "10.0.0.7:53"]),
+        ("10.96.0.5", 53, &["10.0.0.3:53"]),
         ("10.96.0.4", 8080, &["10.0.0.9:8080", "10.0.0.1:80"]),
         ("fd00::3", 80, &["[fd00::9]:80"]),
     ]);
@@ -760,4 +792,234 @@ fn names_round_trip_and_truncate_on_char_boundary() {
     assert!(d.len() <= 159 && long.starts_with(&d));
     assert_eq!(owner_of("ns/web:http"), "ns/web");
     assert_eq!(owner_of("ns/web"), "ns/web");
+}
+
+/// A frontend of `protocol` with `backends` and optional sessionAffinity, a Service of its own.
+fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeout_s: Option<u32>) {
+    let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+    b.sort();
+    s.frontends.insert(
+        f,
+        DesiredFrontend {
+            frontend: f,
+            owner: owner_for(&f),
+            service: owner_for(&f),
+            backends: b,
+            affinity_timeout_s,
+            internal_local: false,
+        },
+    );
+    s.cluster_ips.insert(f.ip);
+}
+
+fn udp(ip: &str, port: u16) -> Frontend {
+    Frontend {
+        protocol: Protocol::Udp,
+        ..fe(ip, port)
+    }
+}
+
+fn matches_of(store: &ModelStore, f: &Frontend) -> Vec<BackendId> {
+    let id = store.services[&service_key(f)].id;
+    let mut v: Vec<BackendId> = store
+        .matches
+        .iter()
+        .filter(|k| k.id == id)
+        .map(|k| k.backend)
+        .collect();
+    v.sort();
+    v
+}
+
+/// Issue 7, item 3: membership entries of a frontend's new backends are written before the
+/// master entry switches to them, those of departed backends deleted right after the switch
+/// (not after the grace period); frontends that never check a remembered choice (TCP without
+/// affinity) have none; turning affinity off deletes them after the switch.
+#[test]
+fn membership_goes_in_before_the_switch_and_departed_backends_leave_right_after() {
+    let a = udp("10.96.0.10", 53);
+    let t = fe("10.96.0.11", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let mut s1 = DesiredState::default();
+    frontend(&mut s1, a, &["10.0.0.1:53", "10.0.0.2:53"], None);
+    frontend(&mut s1, t, &["10.0.0.1:80"], None);
+    settle(&mut p, &mut store, &s1);
+    exact(&store, &s1);
+    assert_eq!(matches_of(&store, &a).len(), 2);
+    assert!(matches_of(&store, &t).is_empty());
+
+    let mut s2 = DesiredState::default();
+    frontend(&mut s2, a, &["10.0.0.2:53", "10.0.0.3:53"], None);
+    frontend(&mut s2, t, &["10.0.0.1:80"], Some(30));
+    store.log.clear();
+    let now = Instant::now();
+    let r = p.apply_scoped(&mut store, &s2, Scope::All, now);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let at = |log: &[Op], pred: &dyn Fn(&Op) -> bool| log.iter().position(pred).unwrap();
+    let master_a = at(
+        &store.log,
+        &|o| matches!(o, Op::PutService(k, _) if *k == service_key(&a)),
+    );
+    let put_a = at(&store.log, &|o| matches!(o, Op::PutMatch(_)));
+    let del_a = at(&store.log, &|o| matches!(o, Op::DelMatch(_)));
+    assert!(put_a < master_a && master_a < del_a, "{:?}", store.log);
+    // Gone at once, before any retirement.
+    let departed = p.backend_ids[&BackendKey::new("10.0.0.1:53".parse().unwrap(), Protocol::Udp)];
+    let id_a = store.services[&service_key(&a)].id;
+    assert!(!store.matches.contains(&AffinityMatchKey {
+        id: id_a,
+        backend: departed
+    }));
+    // t gained affinity: its entries went in before its master entry.
+    let master_t = at(
+        &store.log,
+        &|o| matches!(o, Op::PutService(k, _) if *k == service_key(&t)),
+    );
+    let id_t = store.services[&service_key(&t)].id;
+    let put_t = at(
+        &store.log,
+        &|o| matches!(o, Op::PutMatch(k) if k.id == id_t),
+    );
+    assert!(put_t < master_t, "{:?}", store.log);
+    store.forget_readers();
+    p.retire_due(&mut store, now + Duration::from_secs(5));
+    exact(&store, &s2);
+
+    // Affinity off again: deleted right after the switch.
+    store.log.clear();
+    let r = settle(&mut p, &mut store, &s1);
+    assert!(r.errors.is_empty());
+    let master_t = at(
+        &store.log,
+        &|o| matches!(o, Op::PutService(k, _) if *k == service_key(&t)),
+    );
+    let del_t = at(
+        &store.log,
+        &|o| matches!(o, Op::DelMatch(k) if k.id == id_t),
+    );
+    assert!(master_t < del_t, "{:?}", store.log);
+    exact(&store, &s1);
+
+    // A removed frontend's entries go with its master entry.
+    let r = settle(&mut p, &mut store, &DesiredState::default());
+    assert!(r.errors.is_empty());
+    assert!(store.matches.is_empty());
+    assert_eq!(p.usage, Usage::default());
+}
+
+/// Issue 7, item 4: a backend that leaves one UDP frontend is reported with that frontend
+/// alone, even while another frontend keeps it; a removed frontend reports all its backends;
+/// TCP frontends report nothing.
+#[test]
+fn departed_udp_backends_are_reported_per_frontend() {
+    let s_fe = udp("10.96.0.10", 53);
+    let t_fe = udp("10.96.0.11", 53);
+    let tcp = fe("10.96.0.12", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let mut s1 = DesiredState::default();
+    frontend(&mut s1, s_fe, &["10.0.0.1:53", "10.0.0.2:53"], None);
+    frontend(&mut s1, t_fe, &["10.0.0.1:53"], None);
+    frontend(&mut s1, tcp, &["10.0.0.1:80"], None);
+    settle(&mut p, &mut store, &s1);
+    let id_s = store.services[&service_key(&s_fe)].id;
+    let id_t = store.services[&service_key(&t_fe)].id;
+    let x: SocketAddr = "10.0.0.1:53".parse().unwrap();
+    let x_id = p.backend_ids[&BackendKey::new(x, Protocol::Udp)];
+
+    let mut s2 = DesiredState::default();
+    frontend(&mut s2, s_fe, &["10.0.0.2:53"], None);
+    frontend(&mut s2, t_fe, &["10.0.0.1:53"], None);
+    let r = settle(&mut p, &mut store, &s2);
+    assert_eq!(
+        r.udp_departed,
+        vec![Departed {
+            frontend_id: id_s,
+            backend_id: x_id,
+            backend: x
+        }]
+    );
+    let r = settle(&mut p, &mut store, &DesiredState::default());
+    let mut got = r.udp_departed.clone();
+    got.sort();
+    let y: SocketAddr = "10.0.0.2:53".parse().unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(got.contains(&Departed {
+        frontend_id: id_t,
+        backend_id: x_id,
+        backend: x
+    }));
+    assert!(got.iter().any(|d| d.frontend_id == id_s && d.backend == y));
+}
+
+/// Issue 7, item 3: recovery reads membership entries back and repairs them: a missing one is
+/// written, one of a backend the frontend does not have and one of no frontend are deleted.
+#[test]
+fn recovery_repairs_membership_entries() {
+    let a = udp("10.96.0.10", 53);
+    let b = fe("10.96.0.11", 443);
+    let mut want = DesiredState::default();
+    frontend(&mut want, a, &["10.0.0.1:53", "10.0.0.2:53"], None);
+    frontend(&mut want, b, &["10.0.0.1:443"], Some(60));
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &want);
+    let id_a = store.services[&service_key(&a)].id;
+    let lost = *store.matches.iter().find(|k| k.id == id_a).unwrap();
+    store.matches.remove(&lost);
+    store.matches.insert(AffinityMatchKey {
+        id: id_a,
+        backend: 777,
+    });
+    store.matches.insert(AffinityMatchKey {
+        id: 4242,
+        backend: 1,
+    });
+    store.unchecked = true;
+    let problems = crate::verify::check(&store.snapshot().unwrap(), &want);
+    assert_eq!(problems.len(), 2, "{problems:#?}");
+    let mut p2 = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    assert_eq!(p2.strays.matches.len(), 1);
+    assert!(p2.ids.next_frontend > 4242, "a stray's id is spent");
+    let r = settle(&mut p2, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
+    assert_eq!(p2.usage.matches, 3);
+}
+
+/// Membership entries count against their map's capacity: a Service that does not fit is
+/// refused whole, naming the map.
+#[test]
+fn a_full_membership_map_refuses_the_service() {
+    let cap = Capacity {
+        affinity_match: 3,
+        ..Capacity::default()
+    };
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(cap, Duration::from_secs(1));
+    let mut want = DesiredState::default();
+    let big = udp("10.96.0.10", 53);
+    let small = udp("10.96.0.11", 53);
+    frontend(
+        &mut want,
+        big,
+        &["10.0.0.1:53", "10.0.0.2:53", "10.0.0.3:53"],
+        None,
+    );
+    frontend(&mut want, small, &["10.0.0.4:53"], None);
+    let r = settle(&mut p, &mut store, &want);
+    assert_eq!(r.failed.len(), 1, "{:?}", r.errors);
+    assert!(
+        r.errors[0].to_string().contains("SVC_AFFINITY_MATCH"),
+        "{}",
+        r.errors[0]
+    );
+    assert_eq!(store.matches.len(), 3);
+    assert_eq!(p.usage.matches, 3);
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
-use svc_agent::store::{BpfStore, Store};
+use svc_agent::store::BpfStore;
 use svc_agent::sync::Programmed;
 use svc_tests::{require_root, Report, Sandbox, Tools};
 
@@ -177,12 +177,8 @@ fn main() -> Result<()> {
     )
     .context("attaching the datapath")?;
     let store = &mut dp.store;
-    let mut programmed = Programmed::recover(
-        &store.snapshot()?,
-        store.capacity,
-        svc_agent::sync::DEFAULT_GRACE,
-        Default::default(),
-    );
+    let mut programmed =
+        Programmed::adopt(&*store, store.capacity, svc_agent::sync::DEFAULT_GRACE)?;
     let bench = frontend(VIP, 80, "bench/target", vec![direct]);
 
     let one = state(vec![bench.clone()]);

@@ -627,12 +627,8 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         Default::default(),
     )?;
     let store = &mut dp.store;
-    let mut programmed = Programmed::recover(
-        &store.snapshot()?,
-        store.capacity,
-        svc_agent::sync::DEFAULT_GRACE,
-        Default::default(),
-    );
+    let mut programmed =
+        Programmed::adopt(&*store, store.capacity, svc_agent::sync::DEFAULT_GRACE)?;
     rows.push(step.row(
         "load and attach the programs, read the (empty) pinned maps",
         &mut mib,

@@ -80,11 +80,14 @@ enum Cmd {
         duration_ms: u64,
         #[arg(long, default_value_t = 20)]
         interval_ms: u64,
-        /// One unconnected socket for the whole run (sendto/recvfrom, the same source port
-        /// throughout, kept after errors), as a resolver's long-lived socket; `peer` is then the
-        /// reply's source.
-        #[arg(long)]
-        unconnected: bool,
+        /// SOCKETS unconnected sockets (sendto/recvfrom) used in turn for the whole run, as
+        /// QUIC, DNS or WireGuard clients use one socket; never replaced.
+        #[arg(long, conflicts_with = "v6_mapped")]
+        unconnected: Option<u32>,
+        /// With --unconnected: each round sends on every socket before it reads any reply, so
+        /// other sockets' datagrams come between a socket's send and its reply.
+        #[arg(long, requires = "unconnected")]
+        pipelined: bool,
     },
     /// CONNECTIONS TCP connections opened at once and kept for DURATION_MS, each exchanging a
     /// line every INTERVAL_MS: long-lived connections, as a client pool keeps them. Reports
@@ -199,8 +202,22 @@ fn main() -> Result<()> {
             target,
             duration_ms,
             interval_ms,
-            unconnected,
-        } => print_json(&udp_stream(&target, duration_ms, interval_ms, unconnected)),
+            unconnected: None,
+            ..
+        } => print_json(&udp_stream(&target, duration_ms, interval_ms)),
+        Cmd::UdpStream {
+            target,
+            duration_ms,
+            interval_ms,
+            unconnected: Some(sockets),
+            pipelined,
+        } => print_json(&udp_unconnected_stream(
+            &target,
+            duration_ms,
+            interval_ms,
+            sockets,
+            pipelined,
+        )),
         Cmd::Hold {
             target,
             connections,
@@ -457,12 +474,7 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-fn udp_stream(
-    target: &Target,
-    duration_ms: u64,
-    interval_ms: u64,
-    unconnected: bool,
-) -> StreamReport {
+fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamReport {
     let to = target.addr();
     let connect = || -> std::io::Result<UdpSocket> {
         let local: SocketAddr = match to {
@@ -471,9 +483,7 @@ fn udp_stream(
         };
         let sock = UdpSocket::bind(local)?;
         sock.set_read_timeout(Some(target.timeout()))?;
-        if !unconnected {
-            sock.connect(to)?;
-        }
+        sock.connect(to)?;
         Ok(sock)
     };
     let start = Instant::now();
@@ -489,14 +499,6 @@ fn udp_stream(
                 sock = Some(connect()?);
             }
             let s = sock.as_ref().expect("connected above");
-            if unconnected {
-                s.send_to(b"x", to)?;
-                let (n, from) = s.recv_from(&mut buf)?;
-                return Ok((
-                    String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(),
-                    from.to_string(),
-                ));
-            }
             let peer = s.peer_addr()?.to_string();
             s.send(b"x")?;
             let n = s.recv(&mut buf)?;
@@ -516,9 +518,8 @@ fn udp_stream(
             },
             Err(e) => {
                 let used = socket;
-                // Reconnect: a new socket, connected again, at the next exchange. An
-                // unconnected socket is kept (its source port with it).
-                if !unconnected && sock.take().is_some() {
+                // Reconnect: a new socket, connected again, at the next exchange.
+                if sock.take().is_some() {
                     socket += 1;
                 }
                 StreamExchange {
@@ -600,6 +601,93 @@ fn hold(target: &Target, connections: u32, duration_ms: u64, interval_ms: u64) -
         cgroup: own_cgroup(),
         netns_ino: own_netns(),
     }
+}
+
+fn udp_unconnected_stream(
+    target: &Target,
+    duration_ms: u64,
+    interval_ms: u64,
+    sockets: u32,
+    pipelined: bool,
+) -> StreamReport {
+    let to = target.addr();
+    let local: SocketAddr = match to {
+        SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+        SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+    };
+    let mut report = StreamReport::default();
+    let socks: Vec<std::io::Result<UdpSocket>> = (0..sockets.max(1))
+        .map(|_| {
+            let s = UdpSocket::bind(local)?;
+            s.set_read_timeout(Some(target.timeout()))?;
+            Ok(s)
+        })
+        .collect();
+    let start = Instant::now();
+    let duration = Duration::from_millis(duration_ms);
+    let mut buf = [0u8; 512];
+    let sock_of = |i: usize| {
+        socks[i]
+            .as_ref()
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()))
+    };
+    let exchange = |i: usize, at_ms: u64, result: std::io::Result<(String, String)>| match result {
+        Ok((backend, from)) => StreamExchange {
+            at_ms,
+            socket: i as u32,
+            ok: true,
+            backend: Some(backend),
+            from: Some(from),
+            ..Default::default()
+        },
+        Err(e) => StreamExchange {
+            at_ms,
+            socket: i as u32,
+            ok: false,
+            error: Some(e.to_string()),
+            errno: e.raw_os_error(),
+            ..Default::default()
+        },
+    };
+    'run: while start.elapsed() < duration {
+        // Pipelined: every socket sends, then every socket reads its reply.
+        let mut sent: Vec<(u64, std::io::Result<()>)> = Vec::new();
+        if pipelined {
+            for i in 0..socks.len() {
+                let at_ms = unix_ms();
+                sent.push((
+                    at_ms,
+                    sock_of(i).and_then(|s| s.send_to(b"x", to).map(drop)),
+                ));
+            }
+        }
+        for i in 0..socks.len() {
+            let (at_ms, sent_ok) = match sent.get_mut(i) {
+                Some((at, r)) => (*at, std::mem::replace(r, Ok(()))),
+                None => (unix_ms(), Ok(())),
+            };
+            let result = (|| -> std::io::Result<(String, String)> {
+                sent_ok?;
+                let s = sock_of(i)?;
+                if !pipelined {
+                    s.send_to(b"x", to)?;
+                }
+                let (n, from) = s.recv_from(&mut buf)?;
+                Ok((
+                    String::from_utf8_lossy(&buf[..n]).trim_end().to_owned(),
+                    from.to_string(),
+                ))
+            })();
+            report.exchanges.push(exchange(i, at_ms, result));
+            if start.elapsed() >= duration {
+                break 'run;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(interval_ms));
+    }
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    report
 }
 
 fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {

@@ -49,17 +49,7 @@ fn maps_mib(dir: &Path) -> Result<f64> {
         {
             continue;
         }
-        let out = svc_tests::sys::run(
-            "bpftool",
-            [
-                "-j".as_ref(),
-                "map".as_ref(),
-                "show".as_ref(),
-                "pinned".as_ref(),
-                path.as_os_str(),
-            ],
-        )?;
-        let v: serde_json::Value = serde_json::from_str(&out)?;
+        let v = svc_tests::sys::pinned_map_info(&path)?;
         total += v["bytes_memlock"].as_u64().unwrap_or(0);
     }
     Ok(total as f64 / (1 << 20) as f64)

@@ -58,12 +58,33 @@ impl World {
     /// A sandbox with backends `b1..=bn` serving `ports`, manifests written by `setup`, and an
     /// agent that has reported ready (so its first full sync includes those manifests).
     pub fn start(n: u8, ports: &[u16], setup: impl FnOnce(&Sandbox, &Manifests)) -> World {
+        World::start_with(n, ports, &[], setup)
+    }
+
+    /// As `start`, the agent run with `extra` flags.
+    pub fn start_with(
+        n: u8,
+        ports: &[u16],
+        extra: &[&str],
+        setup: impl FnOnce(&Sandbox, &Manifests),
+    ) -> World {
         let sb = sandbox();
         let m = Manifests::new().expect("manifests dir");
         setup(&sb, &m);
         let backends = sb.backends(n, ports).expect("backends");
         let bpffs = sb.bpffs().expect("bpffs");
-        let agent = sb.agent(&bpffs, &m).expect("agent ready");
+        let mut agent = svc_tests::Agent::start(
+            &sb.tools.agent,
+            m.dir(),
+            sb.cgroup().path(),
+            bpffs.path(),
+            extra,
+            m.scratch(),
+        )
+        .expect("agent");
+        agent
+            .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
+            .expect("agent ready");
         World {
             agent,
             bpffs,

@@ -1,0 +1,724 @@
+//! The load-balancing decision of the kernel programs (svc-ebpf/src/lb.rs), table-driven,
+//! through BPF_PROG_TEST_RUN: each case programs a few map entries, hands a decision request
+//! to the test-only `lb_test` classifier and reads its answer back. No namespace, cgroup or
+//! socket is involved, and the whole file runs in milliseconds.
+//!
+//! Why a classifier: the cgroup sock_addr programs the agent attaches have no test run
+//! (BPF_PROG_TEST_RUN answers ENOTSUPP for them on kernel 6.18; `sock_addr_has_no_test_run`
+//! below keeps that finding honest). `lb_test` lives in an object of its own
+//! (target/bpfel-unknown-none/release/svc-lb-test, built by `cargo xtask build-ebpf`; or
+//! `$SVC_EBPF_TEST_OBJECT`), so the agent never loads it.
+//!
+//! Needs root (bpf(2)). Every case loads the object afresh: its maps are its own and are freed
+//! when the case ends; nothing is pinned or attached.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use aya::maps::{HashMap, MapData, PerCpuArray};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::{Ebpf, EbpfLoader};
+use svc_common::{
+    how, map_names, outcome, stat, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue,
+    Backend, BackendId, LbTestIo, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
+    AFFINITY_CLIENT_NETNS, IPPROTO_TCP, IPPROTO_UDP, LB_TEST_CONNECT, LB_TEST_SENDMSG, PROTO_ANY,
+    SOCK_CHOICES,
+};
+
+const SEC: u64 = 1_000_000_000;
+
+fn object() -> Vec<u8> {
+    let path = std::env::var_os("SVC_EBPF_TEST_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/bpfel-unknown-none/release/svc-lb-test")
+        });
+    std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "the test object {} is missing ({e}): run `cargo xtask build-ebpf`",
+            path.display()
+        )
+    })
+}
+
+fn addr16(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(v4) => svc_common::v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+fn key(sa: &str, proto: u8) -> ServiceKey {
+    let sa: SocketAddr = sa.parse().unwrap();
+    ServiceKey {
+        addr: addr16(sa.ip()),
+        port_be: sa.port().to_be(),
+        proto,
+        scope: 0,
+    }
+}
+
+fn backend_value(sa: &str, proto: u8) -> Backend {
+    let sa: SocketAddr = sa.parse().unwrap();
+    Backend {
+        addr: addr16(sa.ip()),
+        port_be: sa.port().to_be(),
+        proto,
+        flags: 0,
+    }
+}
+
+/// The test program and its own maps, programmed as the agent would.
+struct Lb {
+    ebpf: Ebpf,
+    services: HashMap<MapData, ServiceKey, ServiceValue>,
+    slots: HashMap<MapData, SlotKey, BackendId>,
+    backends: HashMap<MapData, BackendId, Backend>,
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    matches: HashMap<MapData, AffinityMatchKey, u32>,
+    stats: PerCpuArray<MapData, u64>,
+}
+
+/// A frontend as a test programs it.
+struct Fe<'a> {
+    vip: &'a str,
+    proto: u8,
+    id: u32,
+    rev: u16,
+    backends: &'a [BackendId],
+    affinity_s: Option<u32>,
+}
+
+impl Lb {
+    fn new() -> Lb {
+        svc_agent_tests_require_root();
+        let mut loader = EbpfLoader::new();
+        // Small maps: a case needs a handful of entries, and LRU maps are allocated in full.
+        for name in map_names::ALL {
+            if name != map_names::STATS && name != map_names::META && name != map_names::SOCK_STATE
+            {
+                loader.map_max_entries(name, 64);
+            }
+        }
+        let mut ebpf = loader.load(&object()).expect("loading the test object");
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut("lb_test")
+            .expect("lb_test in the test object")
+            .try_into()
+            .expect("a classifier");
+        prog.load().expect("the verifier accepts lb_test");
+        let mut take = |name: &str| ebpf.take_map(name).unwrap_or_else(|| panic!("map {name}"));
+        let services = take(map_names::SERVICES).try_into().unwrap();
+        let slots = take(map_names::SLOTS).try_into().unwrap();
+        let backends = take(map_names::BACKENDS).try_into().unwrap();
+        let affinity = take(map_names::AFFINITY).try_into().unwrap();
+        let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
+        let stats = take(map_names::STATS).try_into().unwrap();
+        Lb {
+            ebpf,
+            services,
+            slots,
+            backends,
+            affinity,
+            matches,
+            stats,
+        }
+    }
+
+    fn backend(&mut self, id: BackendId, sa: &str, proto: u8) {
+        self.backends
+            .insert(id, backend_value(sa, proto), 0)
+            .unwrap();
+    }
+
+    /// A frontend with its slots and, for those that check remembered choices, its match
+    /// entries; plus the ClusterIP's marker.
+    fn frontend(&mut self, f: Fe<'_>) {
+        let k = key(f.vip, f.proto);
+        let (flags, timeout) = match f.affinity_s {
+            Some(t) => (svc_flags::AFFINITY, t),
+            None => (0, 0),
+        };
+        for (i, b) in f.backends.iter().enumerate() {
+            let sk = SlotKey {
+                id: f.id,
+                rev: f.rev,
+                slot: i as u16 + 1,
+            };
+            self.slots.insert(sk, b, 0).unwrap();
+            if svc_common::checks_match(f.proto, flags) {
+                self.add_match(f.id, *b);
+            }
+        }
+        let v = ServiceValue {
+            id: f.id,
+            count: f.backends.len() as u16,
+            rev: f.rev,
+            flags,
+            _pad0: 0,
+            affinity_timeout_s: timeout,
+        };
+        self.services.insert(k, v, 0).unwrap();
+        let marker = ServiceKey {
+            port_be: 0,
+            proto: PROTO_ANY,
+            ..k
+        };
+        let mv = ServiceValue {
+            flags: svc_flags::ADDR_MARKER,
+            ..Default::default()
+        };
+        self.services.insert(marker, mv, 0).unwrap();
+    }
+
+    fn add_match(&mut self, id: u32, backend: BackendId) {
+        self.matches
+            .insert(AffinityMatchKey { id, backend }, 0, 0)
+            .unwrap();
+    }
+
+    fn del_match(&mut self, id: u32, backend: BackendId) {
+        self.matches
+            .remove(&AffinityMatchKey { id, backend })
+            .unwrap();
+    }
+
+    fn affinity_key(netns: u64, id: u32) -> AffinityKey {
+        let mut client = [0u8; 16];
+        client[..8].copy_from_slice(&netns.to_ne_bytes());
+        AffinityKey {
+            client,
+            id,
+            kind: AFFINITY_CLIENT_NETNS,
+            _pad0: [0; 3],
+        }
+    }
+
+    fn remember(&mut self, netns: u64, id: u32, backend: BackendId, last_used_ns: u64) {
+        let v = AffinityValue {
+            last_used_ns,
+            backend,
+            _pad0: 0,
+        };
+        self.affinity
+            .insert(Lb::affinity_key(netns, id), v, 0)
+            .unwrap();
+    }
+
+    fn remembered(&self, netns: u64, id: u32) -> Option<AffinityValue> {
+        self.affinity.get(&Lb::affinity_key(netns, id), 0).ok()
+    }
+
+    fn stat(&self, index: u32) -> u64 {
+        self.stats.get(&index, 0).unwrap().iter().sum()
+    }
+
+    /// One decision, answered by the kernel.
+    fn run(&self, req: &LbTestIo) -> LbTestIo {
+        let data_in = bytemuck::bytes_of(req);
+        let mut data_out = vec![0u8; data_in.len() + 64];
+        let prog: &SchedClassifier = self.ebpf.program("lb_test").unwrap().try_into().unwrap();
+        let r = prog
+            .test_run(TestRunOptions {
+                data_in: Some(data_in),
+                data_out: Some(&mut data_out),
+                ..Default::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        assert_eq!(
+            r.return_value, 0,
+            "lb_test failed to read or write the packet"
+        );
+        assert_eq!(r.data_size_out as usize, data_in.len());
+        bytemuck::pod_read_unaligned(&data_out[..data_in.len()])
+    }
+}
+
+fn svc_agent_tests_require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "BPF_PROG_TEST_RUN needs root (CAP_BPF, CAP_NET_ADMIN): run as root"
+    );
+}
+
+fn connect(to: &str, proto: u8, now_ns: u64, netns: u64) -> LbTestIo {
+    LbTestIo {
+        key: key(to, proto),
+        mode: LB_TEST_CONNECT,
+        now_ns,
+        cookie: 1,
+        netns_cookie: netns,
+        ..Default::default()
+    }
+}
+
+fn sendmsg(to: &str, cookie: u64, now_ns: u64, netns: u64, sock: SockState) -> LbTestIo {
+    LbTestIo {
+        key: key(to, IPPROTO_UDP),
+        mode: LB_TEST_SENDMSG,
+        now_ns,
+        cookie,
+        netns_cookie: netns,
+        sock,
+        ..Default::default()
+    }
+}
+
+/// The world most cases share: backends 11, 12, 13 (TCP) and 21, 22, 23 (UDP).
+/// - 10.96.0.10:80/TCP, id 1: backends 11, 12
+/// - 10.96.0.20:80/TCP, id 2: no backend
+/// - 10.96.0.30:80/TCP, id 3: backends 11, 12, sessionAffinity 10 s
+/// - 10.96.0.40:53/UDP, id 4: backends 21, 22
+/// - 10.96.0.50:80/TCP, id 5: two slots named, none written (an update racing the lookup)
+/// - 10.96.0.60:53/UDP, id 6: backends 21, 22, sessionAffinity 10 s
+/// - 10.96.0.70:80/TCP, id 7: backend 13 (so 13 exists, as a backend of another Service)
+fn world() -> Lb {
+    let mut lb = Lb::new();
+    for (id, ip) in [(11, "10.0.0.11"), (12, "10.0.0.12"), (13, "10.0.0.13")] {
+        lb.backend(id, &format!("{ip}:8080"), IPPROTO_TCP);
+    }
+    for (id, ip) in [(21, "10.0.0.21"), (22, "10.0.0.22"), (23, "10.0.0.23")] {
+        lb.backend(id, &format!("{ip}:5353"), IPPROTO_UDP);
+    }
+    let fes = [
+        ("10.96.0.10:80", IPPROTO_TCP, 1, &[11, 12][..], None),
+        ("10.96.0.20:80", IPPROTO_TCP, 2, &[][..], None),
+        ("10.96.0.30:80", IPPROTO_TCP, 3, &[11, 12][..], Some(10)),
+        ("10.96.0.40:53", IPPROTO_UDP, 4, &[21, 22][..], None),
+        ("10.96.0.60:53", IPPROTO_UDP, 6, &[21, 22][..], Some(10)),
+        ("10.96.0.70:80", IPPROTO_TCP, 7, &[13][..], None),
+    ];
+    for (vip, proto, id, backends, affinity_s) in fes {
+        lb.frontend(Fe {
+            vip,
+            proto,
+            id,
+            rev: 1,
+            backends,
+            affinity_s,
+        });
+    }
+    // id 5: the master entry names two slots that are not there.
+    lb.services
+        .insert(
+            key("10.96.0.50:80", IPPROTO_TCP),
+            ServiceValue {
+                id: 5,
+                count: 2,
+                rev: 1,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    lb
+}
+
+const NETNS_A: u64 = 0xa;
+const NETNS_B: u64 = 0xb;
+const T0: u64 = 1_000 * SEC;
+
+fn seen(lb: &Lb, req: &LbTestIo, n: usize) -> std::collections::BTreeSet<BackendId> {
+    (0..n)
+        .map(|_| {
+            let a = lb.run(req);
+            assert_eq!(a.outcome, outcome::FOUND, "{a:?}");
+            a.backend_id
+        })
+        .collect()
+}
+
+/// What is not a frontend is left alone; a known ClusterIP refuses the ports and protocols
+/// it does not define; a frontend without backends refuses; a frontend's backends are all
+/// chosen.
+#[test]
+fn lookups_and_refusals() {
+    let lb = world();
+    struct Case {
+        what: &'static str,
+        to: &'static str,
+        proto: u8,
+        want: u32,
+    }
+    let cases = [
+        Case {
+            what: "not a service",
+            to: "10.1.2.3:80",
+            proto: IPPROTO_TCP,
+            want: outcome::NOT_SERVICE,
+        },
+        Case {
+            what: "ClusterIP, undefined port",
+            to: "10.96.0.10:81",
+            proto: IPPROTO_TCP,
+            want: stat::REFUSED_NO_PORT,
+        },
+        Case {
+            what: "ClusterIP, defined port, other protocol",
+            to: "10.96.0.10:80",
+            proto: IPPROTO_UDP,
+            want: stat::REFUSED_NO_PORT,
+        },
+        Case {
+            what: "no backend (count 0)",
+            to: "10.96.0.20:80",
+            proto: IPPROTO_TCP,
+            want: stat::REFUSED_NO_BACKEND,
+        },
+        Case {
+            what: "a frontend",
+            to: "10.96.0.10:80",
+            proto: IPPROTO_TCP,
+            want: outcome::FOUND,
+        },
+    ];
+    for c in cases {
+        let a = lb.run(&connect(c.to, c.proto, T0, NETNS_A));
+        assert_eq!(a.outcome, c.want, "{}: {a:?}", c.what);
+    }
+    let all = seen(&lb, &connect("10.96.0.10:80", IPPROTO_TCP, T0, NETNS_A), 64);
+    assert_eq!(all, [11, 12].into(), "uniform choice should reach both");
+    let a = lb.run(&connect("10.96.0.10:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(a.frontend_id, 1);
+    assert_eq!(a.how, how::RANDOM);
+    let want = format!("10.0.0.{}:8080", a.backend_id);
+    assert_eq!(a.backend, backend_value(&want, IPPROTO_TCP));
+}
+
+/// A master entry whose slots are missing (an update raced the lookup): read again once,
+/// counted, then refused as a missing entry.
+#[test]
+fn a_missing_slot_is_retried_once_then_refused() {
+    let lb = world();
+    let a = lb.run(&connect("10.96.0.50:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(a.outcome, stat::ERR_MISSING_ENTRY, "{a:?}");
+    assert_eq!(lb.stat(stat::RETRIED_MISSING_ENTRY), 1);
+    // A healthy frontend is not retried.
+    lb.run(&connect("10.96.0.10:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(lb.stat(stat::RETRIED_MISSING_ENTRY), 1);
+}
+
+/// sessionAffinity: the first connection chooses and remembers; later ones within the timeout
+/// reuse the backend and update its last use in place; a client of another network namespace
+/// chooses for itself.
+#[test]
+fn affinity_hit_reuses_and_refreshes() {
+    let lb = world();
+    let first = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(first.outcome, outcome::FOUND);
+    assert_eq!(first.how, how::RANDOM);
+    let remembered = lb.remembered(NETNS_A, 3).expect("choice remembered");
+    assert_eq!(
+        (remembered.backend, remembered.last_used_ns),
+        (first.backend_id, T0)
+    );
+    for i in 1..=20 {
+        let now = T0 + i * SEC / 2;
+        let a = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, now, NETNS_A));
+        assert_eq!(a.outcome, outcome::FOUND);
+        assert_eq!(
+            (a.how, a.backend_id),
+            (how::AFFINITY, first.backend_id),
+            "{a:?}"
+        );
+        assert_eq!(lb.remembered(NETNS_A, 3).unwrap().last_used_ns, now);
+    }
+    assert_eq!(lb.stat(stat::AFFINITY_HIT), 20);
+    let other = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_B));
+    assert_eq!(other.how, how::RANDOM);
+    // Without affinity nothing is remembered.
+    lb.run(&connect("10.96.0.10:80", IPPROTO_TCP, T0, NETNS_A));
+    assert!(lb.remembered(NETNS_A, 1).is_none());
+}
+
+/// A remembered backend is used up to the timeout, not after it.
+#[test]
+fn affinity_expires_after_the_timeout() {
+    for (age, reused) in [(10 * SEC, true), (10 * SEC + 1, false), (3600 * SEC, false)] {
+        let mut lb = world();
+        lb.remember(NETNS_A, 3, 12, T0);
+        let a = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0 + age, NETNS_A));
+        assert_eq!(a.outcome, outcome::FOUND);
+        assert_eq!(a.how == how::AFFINITY, reused, "age {age} ns: {a:?}");
+        // Either way the entry now says this connection.
+        assert_eq!(lb.remembered(NETNS_A, 3).unwrap().last_used_ns, T0 + age);
+    }
+}
+
+/// A remembered backend that left the frontend is never used again, even while it is still a
+/// backend of another Service (so it still exists) and the entry has not expired; a backend
+/// that left and came back is used again.
+#[test]
+fn affinity_to_a_departed_backend_is_dropped() {
+    let mut lb = world();
+    // 13 was a backend of id 3 when the client chose it; it left id 3 but serves id 7.
+    lb.remember(NETNS_A, 3, 13, T0);
+    for i in 0..20 {
+        let a = lb.run(&connect(
+            "10.96.0.30:80",
+            IPPROTO_TCP,
+            T0 + SEC + i,
+            NETNS_A,
+        ));
+        assert_eq!(a.outcome, outcome::FOUND);
+        assert_ne!(
+            a.backend_id, 13,
+            "the client stayed on a departed backend: {a:?}"
+        );
+    }
+    // The new choice is remembered and sticks.
+    let now = lb.remembered(NETNS_A, 3).unwrap();
+    assert_ne!(now.backend, 13);
+    let a = lb.run(&connect(
+        "10.96.0.30:80",
+        IPPROTO_TCP,
+        T0 + 2 * SEC,
+        NETNS_A,
+    ));
+    assert_eq!((a.how, a.backend_id), (how::AFFINITY, now.backend));
+
+    // It leaves too, as the agent does it: a new generation without it, then its match
+    // entry goes; the next connection moves.
+    let left = now.backend;
+    let stays = if left == 11 { 12 } else { 11 };
+    lb.frontend(Fe {
+        vip: "10.96.0.30:80",
+        proto: IPPROTO_TCP,
+        id: 3,
+        rev: 2,
+        backends: &[stays],
+        affinity_s: Some(10),
+    });
+    lb.del_match(3, left);
+    let a = lb.run(&connect(
+        "10.96.0.30:80",
+        IPPROTO_TCP,
+        T0 + 3 * SEC,
+        NETNS_A,
+    ));
+    assert_eq!((a.how, a.backend_id), (how::RANDOM, stays), "{a:?}");
+    assert!(lb.stat(stat::AFFINITY_STALE) >= 2);
+}
+
+/// An unconnected UDP socket keeps one backend for a frontend, datagram after datagram;
+/// another socket chooses for itself.
+#[test]
+fn an_unconnected_udp_socket_keeps_its_backend() {
+    let lb = world();
+    let mut spread = std::collections::BTreeSet::new();
+    for cookie in 1..=16u64 {
+        let mut state = SockState::default();
+        let first = lb.run(&sendmsg("10.96.0.40:53", cookie, T0, NETNS_A, state));
+        assert_eq!(first.outcome, outcome::FOUND);
+        state = first.sock;
+        assert_eq!(state.choices[0].id, 4, "choice not remembered: {first:?}");
+        assert_eq!(state.choices[0].backend, first.backend_id);
+        assert_eq!(state.choices[0].addr, first.backend.addr);
+        assert_eq!(state.choices[0].port_be, first.backend.port_be);
+        for _ in 0..20 {
+            let a = lb.run(&sendmsg("10.96.0.40:53", cookie, T0, NETNS_A, state));
+            assert_eq!(
+                (a.how, a.backend_id),
+                (how::STICKY, first.backend_id),
+                "{a:?}"
+            );
+            assert_eq!(a.sock, state, "a reuse writes nothing");
+        }
+        spread.insert(first.backend_id);
+    }
+    assert_eq!(
+        spread,
+        [21, 22].into(),
+        "sockets should spread over backends"
+    );
+    assert_eq!(lb.stat(stat::SOCK_STICKY), 16 * 20);
+}
+
+/// A socket whose backend left the frontend moves to a live one (and stays there); its
+/// choices for other frontends are kept.
+#[test]
+fn a_udp_socket_moves_when_its_backend_leaves() {
+    let mut lb = world();
+    let mut state = SockState::default();
+    let first = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, state));
+    state = first.sock;
+    let other = lb.run(&sendmsg("10.96.0.60:53", 7, T0, NETNS_A, state));
+    state = other.sock;
+    assert_eq!(state.choices[1].id, 6);
+    // The backend leaves the frontend as the agent makes it leave: a new generation without
+    // it, and its match entry gone.
+    let remaining = if first.backend_id == 21 { 22 } else { 21 };
+    lb.frontend(Fe {
+        vip: "10.96.0.40:53",
+        proto: IPPROTO_UDP,
+        id: 4,
+        rev: 2,
+        backends: &[remaining],
+        affinity_s: None,
+    });
+    lb.del_match(4, first.backend_id);
+    let moved = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, state));
+    assert_eq!(moved.outcome, outcome::FOUND);
+    assert_ne!(moved.backend_id, first.backend_id, "{moved:?}");
+    assert_eq!(moved.how, how::RANDOM);
+    assert_eq!(moved.sock.choices[0].id, 4);
+    assert_eq!(moved.sock.choices[0].backend, moved.backend_id);
+    assert_eq!(moved.sock.choices[1], state.choices[1]);
+    assert_eq!(lb.stat(stat::SOCK_MOVED), 1);
+    let again = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, moved.sock));
+    assert_eq!(
+        (again.how, again.backend_id),
+        (how::STICKY, moved.backend_id)
+    );
+}
+
+/// A socket that already remembers as many frontends as it can takes its backend from its
+/// cookie: the same one every time, and different sockets spread.
+#[test]
+fn a_socket_with_no_room_hashes_its_cookie() {
+    let lb = world();
+    let mut full = SockState::default();
+    for i in 0..SOCK_CHOICES {
+        full.choices[i] = SockChoice {
+            id: 100 + i as u32,
+            backend: 23,
+            ..Default::default()
+        };
+    }
+    let mut spread = std::collections::BTreeSet::new();
+    for cookie in 1..=32u64 {
+        let req = sendmsg("10.96.0.40:53", cookie, T0, NETNS_A, full);
+        let first = lb.run(&req);
+        assert_eq!((first.outcome, first.how), (outcome::FOUND, how::HASHED));
+        assert_eq!(first.sock, full, "nothing to remember it in");
+        assert_eq!(seen(&lb, &req, 8), [first.backend_id].into());
+        spread.insert(first.backend_id);
+    }
+    assert_eq!(spread, [21, 22].into());
+    assert!(lb.stat(stat::SOCK_HASHED) >= 32 * 9);
+}
+
+/// sessionAffinity and a UDP socket: a socket's first datagram to a frontend takes the
+/// client's remembered backend, so every new socket of a pod lands where its affinity says;
+/// after that the socket keeps its backend for its lifetime (as conntrack keeps a flow on
+/// its backend in kube-proxy, where affinity only places new flows), even if the client's
+/// affinity moves; its datagrams do not refresh the affinity entry (new flows do).
+#[test]
+fn udp_socket_and_affinity() {
+    let mut lb = world();
+    lb.remember(NETNS_A, 6, 22, T0);
+    let first = lb.run(&sendmsg(
+        "10.96.0.60:53",
+        9,
+        T0 + SEC,
+        NETNS_A,
+        SockState::default(),
+    ));
+    assert_eq!(
+        (first.how, first.backend_id),
+        (how::AFFINITY, 22),
+        "{first:?}"
+    );
+    assert_eq!(first.sock.choices[0].backend, 22);
+    assert_eq!(lb.remembered(NETNS_A, 6).unwrap().last_used_ns, T0 + SEC);
+    // A second new socket of the pod: same backend.
+    let second = lb.run(&sendmsg(
+        "10.96.0.60:53",
+        10,
+        T0 + 2 * SEC,
+        NETNS_A,
+        SockState::default(),
+    ));
+    assert_eq!(second.backend_id, 22);
+    // The client's affinity moves (another flow chose 21 after an expiry): the first socket
+    // keeps 22, and its datagrams leave the entry alone.
+    lb.remember(NETNS_A, 6, 21, T0 + 3 * SEC);
+    for i in 0..5 {
+        let a = lb.run(&sendmsg(
+            "10.96.0.60:53",
+            9,
+            T0 + 4 * SEC + i,
+            NETNS_A,
+            first.sock,
+        ));
+        assert_eq!((a.how, a.backend_id), (how::STICKY, 22), "{a:?}");
+    }
+    assert_eq!(
+        lb.remembered(NETNS_A, 6).unwrap(),
+        AffinityValue {
+            last_used_ns: T0 + 3 * SEC,
+            backend: 21,
+            _pad0: 0
+        }
+    );
+    // Its backend leaves: it moves, through affinity (now 21), and remembers both.
+    lb.del_match(6, 22);
+    let moved = lb.run(&sendmsg(
+        "10.96.0.60:53",
+        9,
+        T0 + 5 * SEC,
+        NETNS_A,
+        first.sock,
+    ));
+    assert_eq!(
+        (moved.how, moved.backend_id),
+        (how::AFFINITY, 21),
+        "{moved:?}"
+    );
+    assert_eq!(moved.sock.choices[0].backend, 21);
+}
+
+/// What this file works around: the hooks the agent attaches cannot be test-run.
+#[test]
+fn sock_addr_has_no_test_run() {
+    svc_agent_tests_require_root();
+    let obj = svc_agent_object();
+    let mut ebpf = EbpfLoader::new()
+        .map_max_entries(map_names::SOCK_REV, 64)
+        .map_max_entries(map_names::AFFINITY, 64)
+        .load(&obj)
+        .expect("loading the agent's object");
+    let prog: &mut aya::programs::CgroupSockAddr =
+        ebpf.program_mut("connect4").unwrap().try_into().unwrap();
+    prog.load().unwrap();
+    let fd = prog.fd().unwrap();
+    let err = raw_test_run(fd.as_fd()).expect_err("TEST_RUN of a sock_addr program");
+    // ENOTSUPP (524), the kernel's "no test_run for this program type".
+    assert_eq!(err.raw_os_error(), Some(524), "{err}");
+}
+
+fn svc_agent_object() -> Vec<u8> {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bpfel-unknown-none/release/svc");
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+/// BPF_PROG_TEST_RUN with 64 bytes of packet, for a program aya offers no test run for.
+fn raw_test_run(prog: BorrowedFd<'_>) -> std::io::Result<()> {
+    let data = [0u8; 64];
+    let mut attr = [0u64; 16];
+    // struct { u32 prog_fd; u32 retval; u32 data_size_in; u32 data_size_out;
+    //          u64 data_in; u64 data_out; u32 repeat; u32 duration; ... } test;
+    attr[0] = prog.as_raw_fd() as u64;
+    attr[1] = data.len() as u64;
+    attr[2] = data.as_ptr() as u64;
+    // SAFETY: attr is a zeroed bpf_attr prefix of the size we pass; data outlives the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            10, // BPF_PROG_TEST_RUN
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr) as u32,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
