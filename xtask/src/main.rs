@@ -32,6 +32,16 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Only the differential parity suite against the real kube-proxy (needs root; `cargo xtask
+    /// test` runs it too): prints the scenario x proxy table.
+    Parity {
+        /// Also write the table to docs/parity.md.
+        #[arg(long)]
+        write: bool,
+        /// Extra arguments for the suite, after `--` (e.g. a scenario name).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Build (or find cached) kube-apiserver, kubectl, etcd and kube-proxy for the tests; prints
     /// their paths.
     ControlPlane,
@@ -199,6 +209,20 @@ fn main() -> Result<()> {
                     .envs(control_plane.env())
                     .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")),
             )?;
+        }
+        Task::Parity { write, args } => {
+            require_root("parity")?;
+            build(false)?;
+            let control_plane = control_plane::ensure()?;
+            let mut c = cargo();
+            c.args(["test", "-p", "svc-tests", "--test", "parity", "--"])
+                .args(&args)
+                .envs(control_plane.env())
+                .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent"));
+            if write {
+                c.env("SVC_PARITY_TABLE", root().join("docs/parity.md"));
+            }
+            run_tests(&mut c)?;
         }
         Task::ControlPlane => {
             for (var, path) in control_plane::ensure()?.env() {
