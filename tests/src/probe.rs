@@ -156,3 +156,17 @@ pub struct HoldReport {
     #[serde(default)]
     pub netns_ino: u64,
 }
+
+/// Output of `svc-probe sweep`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub ok: u64,
+    pub failed: u64,
+    /// `ADDR: error` of the first few failures.
+    pub first_failures: Vec<String>,
+    pub elapsed_us: u64,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}

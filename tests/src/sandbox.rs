@@ -22,13 +22,13 @@ use crate::{
     control_plane::ControlPlane,
     manifest::Manifests,
     netns::{veth_pair, NetNs},
-    probe::{HoldReport, LoopReport, Report, StreamReport},
+    probe::{HoldReport, LoopReport, Report, StreamReport, SweepReport},
     procs::{Backend, ClientRun},
     sys::{next_id, Tools},
 };
 
 /// Backend addresses configured in every sandbox (indexes 1..=MAX_BACKENDS).
-pub const MAX_BACKENDS: u8 = 8;
+pub const MAX_BACKENDS: u8 = 11;
 
 /// How long an agent may take from start to `svc-agent: ready` (loading and attaching
 /// programs on a 2-core machine while other tests run).
@@ -327,6 +327,39 @@ impl Sandbox {
         let report: HoldReport = run.wait(timeout)?;
         self.check_placement(&report.cgroup, report.netns_ino)?;
         Ok(report)
+    }
+
+    /// One TCP connection to each address listed in `targets` (one IP:PORT a line).
+    pub fn sweep(
+        &self,
+        targets: &std::path::Path,
+        timeout_ms: u64,
+        within: Duration,
+    ) -> Result<SweepReport> {
+        let report: SweepReport = self
+            .spawn_client(&[
+                "sweep".into(),
+                "--targets".into(),
+                targets.display().to_string(),
+                "--timeout-ms".into(),
+                timeout_ms.to_string(),
+            ])?
+            .wait(within)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
+    /// `svc-probe loop` with no pause between connections: the new-connection rate.
+    pub fn spawn_loop_flat_out(&self, to: SocketAddr, duration: Duration) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "loop".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            "0".into(),
+        ])
     }
 
     pub fn finish_udp_stream(&self, run: ClientRun, timeout: Duration) -> Result<StreamReport> {

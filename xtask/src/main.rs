@@ -63,6 +63,14 @@ enum Task {
         /// (svc-scale-bench) and from the API server (svc-kube-bench): time and memory.
         #[arg(long)]
         scale: bool,
+        /// Only svc beside the real kube-proxy (iptables mode on iptables-nft and on
+        /// iptables-legacy, nftables mode) with 1,000, 10,000 and 30,000 Services
+        /// (svc-vs-kube-proxy-bench); JSON in target/bench/vs-kube-proxy.json.
+        #[arg(long)]
+        vs_kube_proxy: bool,
+        /// With --vs-kube-proxy: 1,000 Services only, 2 rounds, 10 changes.
+        #[arg(long, requires = "vs_kube_proxy")]
+        quick: bool,
     },
 }
 
@@ -249,12 +257,16 @@ fn main() -> Result<()> {
             socket,
             kube,
             scale,
+            vs_kube_proxy,
+            quick,
         } => {
             require_root("bench")?;
-            let both = !socket && !kube && !scale;
+            // The kube-proxy comparison takes long (three Service counts, four proxies, rounds):
+            // only when asked for.
+            let both = !socket && !kube && !scale && !vs_kube_proxy;
             build(true)?;
             // Built first, so a cold control-plane build does not fall between the two benches.
-            let control_plane = if both || kube || scale {
+            let control_plane = if both || kube || scale || vs_kube_proxy {
                 Some(control_plane::ensure()?)
             } else {
                 None
@@ -304,6 +316,18 @@ fn main() -> Result<()> {
                         "kube-scale",
                     ]))?;
                 }
+            }
+            if let (true, Some(cp)) = (vs_kube_proxy, &control_plane) {
+                let out = root().join("target/bench");
+                std::fs::create_dir_all(&out)?;
+                let mut c = bench("svc-vs-kube-proxy-bench");
+                c.envs(cp.env())
+                    .arg("--json")
+                    .arg(out.join("vs-kube-proxy.json"));
+                if quick {
+                    c.arg("--quick");
+                }
+                run(&mut c)?;
             }
         }
     }

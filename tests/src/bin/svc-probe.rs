@@ -17,7 +17,7 @@ use std::{
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use svc_tests::{
-    probe::{HeldConnection, HoldReport},
+    probe::{HeldConnection, HoldReport, SweepReport},
     Attempt, LoopReport, Report, StreamExchange, StreamReport,
 };
 
@@ -101,6 +101,14 @@ enum Cmd {
         duration_ms: u64,
         #[arg(long, default_value_t = 50)]
         interval_ms: u64,
+    },
+    /// One TCP connection (and line) to each address of TARGETS (a file, one IP:PORT a line),
+    /// in turn: whether every Service of a large set answers. Totals and the first failures.
+    Sweep {
+        #[arg(long)]
+        targets: std::path::PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
     Loop {
@@ -193,6 +201,10 @@ fn main() -> Result<()> {
                 netns_ino: own_netns(),
             })
         }
+        Cmd::Sweep {
+            targets,
+            timeout_ms,
+        } => print_json(&sweep(&targets, Duration::from_millis(timeout_ms.max(1)))?),
         Cmd::Loop {
             target,
             duration_ms,
@@ -688,6 +700,31 @@ fn udp_unconnected_stream(
     report.cgroup = own_cgroup();
     report.netns_ino = own_netns();
     report
+}
+
+fn sweep(targets: &std::path::Path, timeout: Duration) -> Result<SweepReport> {
+    let text = std::fs::read_to_string(targets)
+        .with_context(|| format!("reading {}", targets.display()))?;
+    let start = Instant::now();
+    let mut report = SweepReport::default();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let to: SocketAddr = line.trim().parse().with_context(|| format!("{line:?}"))?;
+        let a = tcp_once(to, timeout, false);
+        if a.ok {
+            report.ok += 1;
+        } else {
+            report.failed += 1;
+            if report.first_failures.len() < 10 {
+                report
+                    .first_failures
+                    .push(format!("{to}: {}", a.error.unwrap_or_default()));
+            }
+        }
+    }
+    report.elapsed_us = us(start);
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    Ok(report)
 }
 
 fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
