@@ -68,7 +68,7 @@ enum Task {
         /// (svc-vs-kube-proxy-bench); JSON in target/bench/vs-kube-proxy.json.
         #[arg(long)]
         vs_kube_proxy: bool,
-        /// With --vs-kube-proxy: 1,000 Services only, 2 rounds, 10 changes.
+        /// With --vs-kube-proxy: 1,000 Services only, 3 rounds, 10 changes.
         #[arg(long, requires = "vs_kube_proxy")]
         quick: bool,
     },

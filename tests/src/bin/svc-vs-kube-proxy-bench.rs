@@ -77,7 +77,7 @@ struct Args {
     /// kube-proxy-nftables), comma-separated; all by default.
     #[arg(long, value_delimiter = ',')]
     proxies: Vec<String>,
-    /// Quick: 1,000 Services, 2 rounds, 10 changes.
+    /// Quick: 1,000 Services, 3 rounds, 10 changes.
     #[arg(long)]
     quick: bool,
     /// Write the results as JSON here.
@@ -424,7 +424,17 @@ fn spread(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) -
         return None;
     }
     v.sort_by(f64::total_cmp);
-    Some([v[v.len() / 2], v[0], v[v.len() - 1]])
+    Some([median(&v), v[0], v[v.len() - 1]])
+}
+
+/// Of sorted, non-empty `v`; the mean of the middle two for an even count.
+fn median(v: &[f64]) -> f64 {
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 /// Median over rounds of `f(kube-proxy) / f(svc)`, pairing the two of each round.
@@ -444,7 +454,7 @@ fn ratio(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) ->
         return None;
     }
     v.sort_by(f64::total_cmp);
-    Some(v[v.len() / 2])
+    Some(median(&v))
 }
 
 fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
@@ -538,12 +548,15 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
         let _ = writeln!(
             out,
             "With no proxy at all, new connections/s to a backend directly: {:.0} ({:.0}–{:.0}).\n",
-            b[b.len() / 2],
+            median(&b),
             b[0],
             b[b.len() - 1]
         );
     }
     let mut losses = Vec::new();
+    // Where svc loses but the rounds of either side spread by more than half their median:
+    // on a shared machine that says more about the neighbours than about the proxies.
+    let mut unsure = Vec::new();
     for &n in &args.services {
         let _ = writeln!(out, "### {n} Services of {ENDPOINTS} endpoints\n");
         out += "| measure |";
@@ -573,6 +586,10 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
                     out += &format!(" {} |", r.map_or("—".into(), |r| format!("{r:.2}")));
                     if let (Some([s, ..]), Some([o, ..])) = (svc, v) {
                         let svc_loses = if m.higher_better { s < o } else { s > o };
+                        if svc_loses && (noisy(svc) || noisy(v)) {
+                            unsure.push(format!("{n} Services, {}: {}", m.name, k.label()));
+                            continue;
+                        }
                         if svc_loses {
                             losses.push(format!(
                                 "{n} Services, {}: svc {s:.d$}, {} {o:.d$}",
@@ -599,15 +616,30 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
         }
         out += "\n";
     }
-    if losses.is_empty() {
+    if losses.is_empty() && unsure.is_empty() {
         out += "svc is ahead of every kube-proxy on every measure above.\n";
+    } else if losses.is_empty() {
+        out += "svc is not behind any kube-proxy on any measure whose rounds agree.\n";
     } else {
         out += "**Where svc loses** (medians):\n\n";
         for l in &losses {
             let _ = writeln!(out, "- {l}");
         }
     }
+    if !unsure.is_empty() {
+        out += "\nsvc's median is behind, but the rounds of one side spread by more than half \
+                their median, so this run does not say which is faster (the machine was shared; \
+                more rounds, `--rounds`, narrow it):\n\n";
+        for u in &unsure {
+            let _ = writeln!(out, "- {u}");
+        }
+    }
     out
+}
+
+/// Whether a measure's rounds spread by more than half its median.
+fn noisy(v: Option<[f64; 3]>) -> bool {
+    v.is_some_and(|[m, lo, hi]| m > 0.0 && (hi - lo) / m > 0.5)
 }
 
 fn main() -> Result<()> {
@@ -615,7 +647,7 @@ fn main() -> Result<()> {
     require_root();
     if args.quick {
         args.services = vec![1000];
-        args.rounds = 2;
+        args.rounds = 3;
         args.changes = 10;
     }
     let kinds: Vec<ProxyKind> = if args.proxies.is_empty() {
