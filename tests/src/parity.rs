@@ -120,6 +120,26 @@ impl Proxy {
         x: u8,
         kube_proxy: Option<&Path>,
     ) -> Result<Proxy> {
+        Self::start_within(
+            kind,
+            cp,
+            tools,
+            x,
+            kube_proxy,
+            crate::kube_proxy::READY_TIMEOUT,
+        )
+    }
+
+    /// `start`, giving kube-proxy `ready_timeout` for its first sync (tens of thousands of
+    /// Services take iptables mode minutes).
+    pub fn start_within(
+        kind: ProxyKind,
+        cp: &ControlPlane,
+        tools: &Tools,
+        x: u8,
+        kube_proxy: Option<&Path>,
+        ready_timeout: Duration,
+    ) -> Result<Proxy> {
         let sb = Sandbox::with_x(tools.clone(), x)?;
         sb.add_default_route()?;
         let runner = match kind {
@@ -137,7 +157,7 @@ impl Proxy {
                 let bin = kube_proxy.context("no kube-proxy binary")?;
                 let mut kp =
                     KubeProxy::start(KubeProxyConfig::new(bin, mode, NODE), cp, sb.client_ns())?;
-                kp.wait_ready(crate::kube_proxy::READY_TIMEOUT)?;
+                kp.wait_ready(ready_timeout)?;
                 kp.quiet();
                 Runner::KubeProxy(kp)
             }

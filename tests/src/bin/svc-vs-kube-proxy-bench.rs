@@ -300,7 +300,14 @@ struct Turn<'a> {
 fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     eprintln!("  {} ({} Services), round {}", kind.label(), t.n, round + 1);
     let started = Instant::now();
-    let proxy = Proxy::start(kind, t.cp, t.tools, X, Some(t.kube_proxy))?;
+    let proxy = Proxy::start_within(
+        kind,
+        t.cp,
+        t.tools,
+        X,
+        Some(t.kube_proxy),
+        Duration::from_secs(1200),
+    )?;
     let ready = started.elapsed();
     let _backends: Vec<_> = (1..=OTHER)
         .map(|k| proxy.serve(k, &[TARGET_PORT]))
