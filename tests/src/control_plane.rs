@@ -291,6 +291,43 @@ impl ControlPlane {
         Ok(path)
     }
 
+    /// A kubeconfig authenticating with a client certificate (issued by the cluster's CA, valid
+    /// two days) as user `user` in `groups`, as kubeadm gives kube-proxy (`system:kube-proxy`,
+    /// which the bootstrap ClusterRoleBinding `system:node-proxier` binds to its role).
+    pub fn client_cert_kubeconfig(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
+        let file: String = user
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        // Numbered: kube-proxies started at once each get their own files.
+        let name = format!("client-{file}-{}", crate::sys::next_id());
+        // Numbered, as openssl wants repeated fields of a name.
+        let mut subject: String = groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| format!("{i}.O = {g}\n"))
+            .collect();
+        subject += &format!("CN = {user}");
+        make_cert(
+            &self.dir,
+            &name,
+            &subject,
+            "basicConstraints = critical,CA:FALSE\n\
+             keyUsage = critical,digitalSignature\n\
+             extendedKeyUsage = clientAuth\n\
+             authorityKeyIdentifier = keyid",
+            true,
+        )?;
+        let user_entry = format!(
+            "    client-certificate-data: {}\n    client-key-data: {}\n",
+            base64(&fs::read(self.dir.join(format!("{name}.crt")))?),
+            base64(&fs::read(self.dir.join(format!("{name}.key")))?),
+        );
+        let path = self.dir.join(format!("{name}.kubeconfig"));
+        fs::write(&path, self.kubeconfig_text(&file, &user_entry)?)?;
+        Ok(path)
+    }
+
     fn kubeconfig_text(&self, user_name: &str, user: &str) -> Result<String> {
         let ca = base64(&fs::read(self.ca_cert_path())?);
         Ok(format!(
@@ -330,31 +367,8 @@ impl ControlPlane {
     /// accepted everywhere Kubernetes takes a key.
     fn make_pki(&self) -> Result<()> {
         let d = &self.dir;
-        let cert = |name: &str, subject: &str, extensions: &str, signed: bool| -> Result<()> {
-            // A complete configuration of our own, so that the machine's openssl.cnf (which
-            // adds CA extensions to every `req -x509`) plays no part.
-            let config = d.join(format!("{name}.cnf"));
-            fs::write(
-                &config,
-                format!(
-                    "[req]\ndistinguished_name = dn\nx509_extensions = ext\nprompt = no\n\
-                     [dn]\n{subject}\n[ext]\n{extensions}\n"
-                ),
-            )?;
-            let mut cmd = Command::new("openssl");
-            cmd.current_dir(d)
-                .args(["req", "-x509", "-config"])
-                .arg(&config)
-                .args(["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"])
-                .args(["-nodes", "-days", "2", "-keyout"])
-                .arg(format!("{name}.key"))
-                .arg("-out")
-                .arg(format!("{name}.crt"));
-            if signed {
-                // `req -x509 -CA` (OpenSSL 3) issues from the CA in one step.
-                cmd.args(["-CA", "ca.crt", "-CAkey", "ca.key"]);
-            }
-            checked(&mut cmd)
+        let cert = |name: &str, subject: &str, extensions: &str, signed: bool| {
+            make_cert(d, name, subject, extensions, signed)
         };
         cert(
             "ca",
@@ -600,6 +614,35 @@ fn condition_true(object: &Value, kind: &str) -> bool {
         .into_iter()
         .flatten()
         .any(|c| c["type"] == kind && c["status"] == "True")
+}
+
+/// A certificate `NAME.crt` and its key `NAME.key` in `dir`, with `subject` and `extensions`
+/// (openssl config syntax), self-signed or issued by `ca.crt`/`ca.key` there.
+fn make_cert(dir: &Path, name: &str, subject: &str, extensions: &str, signed: bool) -> Result<()> {
+    // A complete configuration of our own, so that the machine's openssl.cnf (which adds CA
+    // extensions to every `req -x509`) plays no part.
+    let config = dir.join(format!("{name}.cnf"));
+    fs::write(
+        &config,
+        format!(
+            "[req]\ndistinguished_name = dn\nx509_extensions = ext\nprompt = no\n\
+             [dn]\n{subject}\n[ext]\n{extensions}\n"
+        ),
+    )?;
+    let mut cmd = Command::new("openssl");
+    cmd.current_dir(dir)
+        .args(["req", "-x509", "-config"])
+        .arg(&config)
+        .args(["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"])
+        .args(["-nodes", "-days", "2", "-keyout"])
+        .arg(format!("{name}.key"))
+        .arg("-out")
+        .arg(format!("{name}.crt"));
+    if signed {
+        // `req -x509 -CA` (OpenSSL 3) issues from the CA in one step.
+        cmd.args(["-CA", "ca.crt", "-CAkey", "ca.key"]);
+    }
+    checked(&mut cmd)
 }
 
 const DIR_PREFIX: &str = "svc-control-plane-";

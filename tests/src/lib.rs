@@ -12,8 +12,10 @@
 pub mod agent;
 pub mod cgroup;
 pub mod control_plane;
+pub mod kube_proxy;
 pub mod manifest;
 pub mod netns;
+pub mod parity;
 pub mod probe;
 pub mod procs;
 pub mod report;

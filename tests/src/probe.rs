@@ -26,6 +26,13 @@ pub struct Attempt {
     pub errno: Option<i32>,
     /// Time from the start of the attempt to its end (success or failure).
     pub elapsed_us: u64,
+    /// With `--who`: the client's address as the backend saw it (the connection's or
+    /// datagram's source at the backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    /// With `--who`: the backend's own address the connection or datagram arrived at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<String>,
 }
 
 /// Output of `svc-probe tcp` and `svc-probe udp`.
@@ -109,6 +116,55 @@ pub struct StreamExchange {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StreamReport {
     pub exchanges: Vec<StreamExchange>,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}
+
+/// One connection of `svc-probe hold`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct HeldConnection {
+    /// When it was established (Unix milliseconds); 0 if it never was.
+    pub connected_at_ms: u64,
+    /// getpeername().
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// The backend that answered (the last one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Whether another backend answered than before (a TCP connection cannot move: this
+    /// would mean its packets were sent elsewhere).
+    #[serde(default)]
+    pub switched: bool,
+    pub exchanges: u64,
+    pub failures: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_ok_at_ms: Option<u64>,
+}
+
+/// Output of `svc-probe hold`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct HoldReport {
+    pub connections: Vec<HeldConnection>,
+    #[serde(default)]
+    pub cgroup: String,
+    #[serde(default)]
+    pub netns_ino: u64,
+}
+
+/// Output of `svc-probe sweep`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SweepReport {
+    pub ok: u64,
+    pub failed: u64,
+    /// `ADDR: error` of the first few failures.
+    pub first_failures: Vec<String>,
+    pub elapsed_us: u64,
     #[serde(default)]
     pub cgroup: String,
     #[serde(default)]

@@ -22,13 +22,13 @@ use crate::{
     control_plane::ControlPlane,
     manifest::Manifests,
     netns::{veth_pair, NetNs},
-    probe::{LoopReport, Report, StreamReport},
+    probe::{HoldReport, LoopReport, Report, StreamReport, SweepReport},
     procs::{Backend, ClientRun},
     sys::{next_id, Tools},
 };
 
 /// Backend addresses configured in every sandbox (indexes 1..=MAX_BACKENDS).
-pub const MAX_BACKENDS: u8 = 8;
+pub const MAX_BACKENDS: u8 = 11;
 
 /// How long an agent may take from start to `svc-agent: ready` (loading and attaching
 /// programs on a 2-core machine while other tests run).
@@ -49,17 +49,12 @@ impl Sandbox {
     pub fn new(tools: Tools) -> Result<Self> {
         // The third octet only has to differ between sandboxes for readability of logs; the
         // namespaces are isolated, so equal addresses in two sandboxes never meet.
-        let x = (next_id() % 250) as u8;
-        let cgroup = TestCgroup::new()?;
-        let client = NetNs::new("svc-c")?;
-        let server = NetNs::new("svc-b")?;
-        let sb = Self {
-            tools,
-            x,
-            cgroup,
-            client,
-            server,
-        };
+        Self::with_x(tools, (next_id() % 250) as u8)
+    }
+
+    /// The veth pair and the addresses.
+    fn configure(&self) -> Result<()> {
+        let (sb, x) = (self, self.x);
         veth_pair(&sb.client, "vc", &sb.server, "vb")?;
         sb.client
             .add_addr("vc", &format!("{}/24", sb.client_v4()))?;
@@ -73,7 +68,47 @@ impl Sandbox {
             sb.server
                 .add_addr("vb", &format!("{}/64", sb.backend_v6(i)))?;
         }
+        Ok(())
+    }
+
+    /// Like `new`, with the third octet given: sandboxes with the same `x` have the same
+    /// addresses (each in namespaces of its own, so they never meet), and one set of
+    /// EndpointSlices describes the backends of every one of them.
+    pub fn with_x(tools: Tools, x: u8) -> Result<Self> {
+        let cgroup = TestCgroup::new()?;
+        let client = NetNs::new("svc-c")?;
+        let server = NetNs::new("svc-b")?;
+        let sb = Self {
+            tools,
+            x,
+            cgroup,
+            client,
+            server,
+        };
+        sb.configure()?;
         Ok(sb)
+    }
+
+    /// A default route in the client namespace, IPv4 and IPv6, to the backend namespace, as a
+    /// node has one to its gateway. The backend namespace does not forward (a new namespace's
+    /// default), so a packet to an address no backend owns is dropped there: the client's
+    /// connection times out, as it would in a cluster, instead of failing at once with
+    /// ENETUNREACH; and still nothing leaves the sandbox. kube-proxy needs the route: the route
+    /// lookup of connect() comes before netfilter's OUTPUT hook, where its rules rewrite the
+    /// ClusterIP.
+    pub fn add_default_route(&self) -> Result<()> {
+        let x = self.x;
+        self.client
+            .ip(["route", "add", "default", "via", &format!("10.201.{x}.2")])?;
+        self.client.ip([
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("fd00:201:{x}::2"),
+        ])?;
+        Ok(())
     }
 
     pub fn x(&self) -> u8 {
@@ -264,6 +299,67 @@ impl Sandbox {
         ];
         args.extend(extra.iter().map(|a| a.to_string()));
         self.spawn_client(&args)
+    }
+
+    /// Starts `svc-probe hold`: `connections` TCP connections kept for `duration`, a line
+    /// exchanged on each every `interval_ms`; finish it with `finish_hold`.
+    pub fn spawn_hold(
+        &self,
+        to: SocketAddr,
+        connections: u32,
+        duration: Duration,
+        interval_ms: u64,
+    ) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "hold".into(),
+            "--to".into(),
+            to.to_string(),
+            "--connections".into(),
+            connections.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+        ])
+    }
+
+    pub fn finish_hold(&self, run: ClientRun, timeout: Duration) -> Result<HoldReport> {
+        let report: HoldReport = run.wait(timeout)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
+    /// One TCP connection to each address listed in `targets` (one IP:PORT a line).
+    pub fn sweep(
+        &self,
+        targets: &std::path::Path,
+        timeout_ms: u64,
+        within: Duration,
+    ) -> Result<SweepReport> {
+        let report: SweepReport = self
+            .spawn_client(&[
+                "sweep".into(),
+                "--targets".into(),
+                targets.display().to_string(),
+                "--timeout-ms".into(),
+                timeout_ms.to_string(),
+            ])?
+            .wait(within)?;
+        self.check_placement(&report.cgroup, report.netns_ino)?;
+        Ok(report)
+    }
+
+    /// `svc-probe loop` with no pause between connections: the new-connection rate.
+    pub fn spawn_loop_flat_out(&self, to: SocketAddr, duration: Duration) -> Result<ClientRun> {
+        self.spawn_client(&[
+            "loop".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            "0".into(),
+        ])
     }
 
     pub fn finish_udp_stream(&self, run: ClientRun, timeout: Duration) -> Result<StreamReport> {

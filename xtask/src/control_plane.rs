@@ -1,5 +1,6 @@
-//! Builds the real control plane the tests run against, kube-apiserver and etcd, from pinned
-//! module versions with `go build`, and caches the binaries.
+//! Builds the real control plane the tests run against, kube-apiserver and etcd, and the real
+//! kube-proxy the parity tests and benchmarks put beside svc, from pinned module versions with
+//! `go build`, and caches the binaries.
 //!
 //! Nothing of Kubernetes or etcd is committed here: the build module's go.mod is generated from
 //! the pinned upstream go.mod at build time. Upstream's go.mod files point their sibling modules
@@ -71,6 +72,22 @@ const KUBERNETES: Component = Component {
     ],
 };
 
+/// kube-proxy, from the same module at the same version as kube-apiserver, in a directory of
+/// its own: adding it to [`KUBERNETES`] would change that component's recipe and rebuild
+/// kube-apiserver and kubectl in every existing cache. With Go's build cache warm from them it
+/// builds in a minute or two.
+const KUBE_PROXY: Component = Component {
+    name: "kube-proxy",
+    module: "k8s.io/kubernetes",
+    version: KUBERNETES_VERSION,
+    sibling_version: KUBERNETES_STAGING_VERSION,
+    binaries: &[("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy")],
+    version_packages: &[
+        "k8s.io/client-go/pkg/version",
+        "k8s.io/component-base/version",
+    ],
+};
+
 const ETCD: Component = Component {
     name: "etcd",
     module: "go.etcd.io/etcd/server/v3",
@@ -86,15 +103,18 @@ pub struct Binaries {
     pub kube_apiserver: PathBuf,
     pub kubectl: PathBuf,
     pub etcd: PathBuf,
+    pub kube_proxy: PathBuf,
 }
 
 impl Binaries {
-    /// The variables the test harness (`svc_tests::control_plane`) reads.
-    pub fn env(&self) -> [(&'static str, &Path); 3] {
+    /// The variables the test harness (`svc_tests::control_plane`, `svc_tests::kube_proxy`)
+    /// reads.
+    pub fn env(&self) -> [(&'static str, &Path); 4] {
         [
             ("SVC_KUBE_APISERVER", &self.kube_apiserver),
             ("SVC_KUBECTL", &self.kubectl),
             ("SVC_ETCD", &self.etcd),
+            ("SVC_KUBE_PROXY", &self.kube_proxy),
         ]
     }
 }
@@ -117,10 +137,14 @@ pub fn ensure() -> Result<Binaries> {
     let [etcd] = build_cached(&ETCD, &cache, &mut go)?
         .try_into()
         .expect("ETCD lists one binary");
+    let [kube_proxy] = build_cached(&KUBE_PROXY, &cache, &mut go)?
+        .try_into()
+        .expect("KUBE_PROXY lists one binary");
     Ok(Binaries {
         kube_apiserver,
         kubectl,
         etcd,
+        kube_proxy,
     })
 }
 
@@ -177,7 +201,12 @@ fn build_cached(c: &Component, cache: &Path, go: &mut Option<PathBuf>) -> Result
     };
     let started = Instant::now();
     eprintln!(
-        "building {}@{} (cold: about 8 minutes on 2 cores; later runs reuse {})",
+        "building {} from {}@{} (cold: about 8 minutes on 2 cores; later runs reuse {})",
+        c.binaries
+            .iter()
+            .map(|(b, _)| *b)
+            .collect::<Vec<_>>()
+            .join(", "),
         c.module,
         c.version,
         dir.display()
@@ -447,24 +476,57 @@ fn install_debian_go() -> Result<PathBuf> {
     Ok(PathBuf::from("/usr/bin/go"))
 }
 
-/// The harness makes its certificates with the `openssl` command.
+/// Commands the harness runs, and the Debian package of each: the certificates are made with
+/// `openssl`; kube-proxy runs `iptables`/`ip6tables` (both backends: Debian's default
+/// iptables-nft and iptables-legacy, from the one `iptables` package), `nft` and `conntrack`
+/// inside the test's network namespaces.
+const HARNESS_TOOLS: &[(&str, &str)] = &[
+    ("openssl", "openssl"),
+    ("iptables-legacy", "iptables"),
+    ("iptables-nft", "iptables"),
+    ("nft", "nftables"),
+    ("conntrack", "conntrack"),
+];
+
+/// Whether `command` is on PATH (or in /usr/sbin, which a non-root PATH may lack).
+fn have_command(command: &str) -> bool {
+    let in_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    in_path
+        .into_iter()
+        .chain(["/usr/sbin".into(), "/sbin".into()])
+        .any(|dir| dir.join(command).is_file())
+}
+
+/// Installs the Debian packages of whatever harness command is missing, idempotently: with
+/// everything present this runs nothing.
 fn ensure_harness_tools() -> Result<()> {
-    let have = Command::new("openssl")
-        .arg("version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if have {
+    let mut missing: Vec<&str> = HARNESS_TOOLS
+        .iter()
+        .filter(|(command, _)| !have_command(command))
+        .map(|(_, package)| *package)
+        .collect();
+    missing.dedup();
+    if missing.is_empty() {
         return Ok(());
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("the control-plane tests need the openssl command: apt-get install openssl");
+        if missing.contains(&"openssl") {
+            bail!("the control-plane tests need the openssl command: apt-get install openssl");
+        }
+        // Only the parity tests need these, and they run as root, which installs them.
+        eprintln!(
+            "note: the kube-proxy parity tests need `apt-get install {}` (run as root to install)",
+            missing.join(" ")
+        );
+        return Ok(());
     }
     run(Command::new("apt-get").args(["update", "-q"]))?;
     run(Command::new("apt-get")
-        .args(["install", "-y", "-q", "--no-install-recommends", "openssl"])
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(&missing)
         .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 

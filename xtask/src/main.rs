@@ -32,7 +32,18 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Build (or find cached) kube-apiserver, kubectl and etcd for the tests; prints their paths.
+    /// Only the differential parity suite against the real kube-proxy (needs root; `cargo xtask
+    /// test` runs it too): prints the scenario x proxy table.
+    Parity {
+        /// Also write the table to docs/parity.md.
+        #[arg(long)]
+        write: bool,
+        /// Extra arguments for the suite, after `--` (e.g. a scenario name).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Build (or find cached) kube-apiserver, kubectl, etcd and kube-proxy for the tests; prints
+    /// their paths.
     ControlPlane,
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
@@ -52,6 +63,14 @@ enum Task {
         /// (svc-scale-bench) and from the API server (svc-kube-bench): time and memory.
         #[arg(long)]
         scale: bool,
+        /// Only svc beside the real kube-proxy (iptables mode on iptables-nft and on
+        /// iptables-legacy, nftables mode) with 1,000, 10,000 and 30,000 Services
+        /// (svc-vs-kube-proxy-bench); JSON in target/bench/vs-kube-proxy.json.
+        #[arg(long)]
+        vs_kube_proxy: bool,
+        /// With --vs-kube-proxy: 1,000 Services only, 3 rounds, 10 changes.
+        #[arg(long, requires = "vs_kube_proxy")]
+        quick: bool,
     },
 }
 
@@ -199,6 +218,20 @@ fn main() -> Result<()> {
                     .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")),
             )?;
         }
+        Task::Parity { write, args } => {
+            require_root("parity")?;
+            build(false)?;
+            let control_plane = control_plane::ensure()?;
+            let mut c = cargo();
+            c.args(["test", "-p", "svc-tests", "--test", "parity", "--"])
+                .args(&args)
+                .envs(control_plane.env())
+                .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent"));
+            if write {
+                c.env("SVC_PARITY_TABLE", root().join("docs/parity.md"));
+            }
+            run_tests(&mut c)?;
+        }
         Task::ControlPlane => {
             for (var, path) in control_plane::ensure()?.env() {
                 println!("{var}={}", path.display());
@@ -224,12 +257,16 @@ fn main() -> Result<()> {
             socket,
             kube,
             scale,
+            vs_kube_proxy,
+            quick,
         } => {
             require_root("bench")?;
-            let both = !socket && !kube && !scale;
+            // The kube-proxy comparison takes long (three Service counts, four proxies, rounds):
+            // only when asked for.
+            let both = !socket && !kube && !scale && !vs_kube_proxy;
             build(true)?;
             // Built first, so a cold control-plane build does not fall between the two benches.
-            let control_plane = if both || kube || scale {
+            let control_plane = if both || kube || scale || vs_kube_proxy {
                 Some(control_plane::ensure()?)
             } else {
                 None
@@ -279,6 +316,18 @@ fn main() -> Result<()> {
                         "kube-scale",
                     ]))?;
                 }
+            }
+            if let (true, Some(cp)) = (vs_kube_proxy, &control_plane) {
+                let out = root().join("target/bench");
+                std::fs::create_dir_all(&out)?;
+                let mut c = bench("svc-vs-kube-proxy-bench");
+                c.envs(cp.env())
+                    .arg("--json")
+                    .arg(out.join("vs-kube-proxy.json"));
+                if quick {
+                    c.arg("--quick");
+                }
+                run(&mut c)?;
             }
         }
     }

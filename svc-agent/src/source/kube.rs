@@ -52,12 +52,23 @@ pub struct KubeOptions {
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
 pub use crate::model::Cidr;
 
-/// kube-proxy's selection: Services (and their slices) that are not headless and belong to
-/// this proxy.
-pub fn label_selector(service_proxy_name: Option<&str>) -> String {
+/// kube-proxy's selection of Services (cmd/kube-proxy/app/server.go): those without a service
+/// proxy name, or with svc's --service-proxy-name, those labelled with it. Headless Services
+/// are dropped by their `clusterIP: None` (translate), not by the headless label.
+pub fn service_selector(service_proxy_name: Option<&str>) -> String {
+    match service_proxy_name {
+        Some(name) => format!("{PROXY_NAME_LABEL}={name}"),
+        None => format!("!{PROXY_NAME_LABEL}"),
+    }
+}
+
+/// kube-proxy's selection of EndpointSlices: those not labelled headless, whatever their
+/// service proxy name (their Service's decides). With --service-proxy-name, also labelled with
+/// it (translate::service::is_foreign_slice says why).
+pub fn slice_selector(service_proxy_name: Option<&str>) -> String {
     match service_proxy_name {
         Some(name) => format!("{PROXY_NAME_LABEL}={name},!{HEADLESS_LABEL}"),
-        None => format!("!{PROXY_NAME_LABEL},!{HEADLESS_LABEL}"),
+        None => format!("!{HEADLESS_LABEL}"),
     }
 }
 
@@ -464,16 +475,16 @@ pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
     check_api_server(&url, host.as_deref(), port, &agent, &opts.service_cidrs)?;
     info!(api_server = %url, "watching the Kubernetes API");
 
-    let selector = label_selector(opts.service_proxy_name.as_deref());
+    let proxy_name = opts.service_proxy_name.as_deref();
     let services = updates(
         Api::<Service>::all(client.clone()),
-        watcher::Config::default().labels(&selector),
+        watcher::Config::default().labels(&service_selector(proxy_name)),
         "watch_services",
         Update::Service,
     );
     let slices = updates(
         Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default().labels(&selector),
+        watcher::Config::default().labels(&slice_selector(proxy_name)),
         "watch_endpointslices",
         Update::Slice,
     );
@@ -667,11 +678,16 @@ mod tests {
     #[test]
     fn selectors_follow_kube_proxy() {
         assert_eq!(
-            label_selector(None),
-            "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
+            service_selector(None),
+            "!service.kubernetes.io/service-proxy-name"
+        );
+        assert_eq!(slice_selector(None), "!service.kubernetes.io/headless");
+        assert_eq!(
+            service_selector(Some("svc")),
+            "service.kubernetes.io/service-proxy-name=svc"
         );
         assert_eq!(
-            label_selector(Some("svc")),
+            slice_selector(Some("svc")),
             "service.kubernetes.io/service-proxy-name=svc,!service.kubernetes.io/headless"
         );
     }

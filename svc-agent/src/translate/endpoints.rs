@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tracing::debug;
 
-use super::service::{is_foreign, parse_ip, parse_protocol};
+use super::service::{is_foreign_slice, parse_ip, parse_protocol};
 use super::{invalid, NodeContext, ObjectKey};
 use crate::error::Error;
 use crate::model::{Backend, Protocol};
@@ -105,8 +105,8 @@ pub(super) fn parse(
 ) -> Option<SliceInfo> {
     let meta = &slice.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign(meta.labels.as_ref(), proxy_name) {
-        debug!(slice = %key, "skipped: labelled for another proxy or headless");
+    if is_foreign_slice(meta.labels.as_ref(), proxy_name) {
+        debug!(slice = %key, "skipped: headless, or labelled for another proxy");
         return None;
     }
     let object = key.describe("EndpointSlice");

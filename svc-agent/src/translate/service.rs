@@ -13,7 +13,7 @@ use crate::model::{Cidr, Protocol};
 /// Services carrying this label belong to another proxy (kube-proxy's informers filter them).
 const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Set by the EndpointSlice controller on slices of headless Services; kube-proxy filters
-/// Services and slices carrying it.
+/// slices carrying it (not Services).
 const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 
 /// The API server's default for sessionAffinityConfig.clientIP.timeoutSeconds.
@@ -63,18 +63,31 @@ pub(super) struct ServicePortInfo {
     pub node_port: u16,
 }
 
-/// True for labels that make kube-proxy ignore an object entirely: headless, or labelled with
-/// a service proxy name other than `ours` (kube-proxy's informers select
-/// `service-proxy-name=<its --service-proxy-name>`, or the label's absence without the flag).
-pub(super) fn is_foreign(
+/// True for a Service labelled for another proxy: kube-proxy selects Services without
+/// `service-proxy-name` (svc's --service-proxy-name selects that name instead). The headless
+/// label does not count here: kube-proxy drops headless Services by `clusterIP: None` and
+/// filters the label on EndpointSlices only, so a labelled Service with a ClusterIP is served.
+pub(super) fn is_foreign_service(
     labels: Option<&std::collections::BTreeMap<String, String>>,
     ours: Option<&str>,
 ) -> bool {
-    let Some(labels) = labels else {
-        return ours.is_some();
-    };
-    labels.contains_key(LABEL_HEADLESS)
-        || labels.get(LABEL_SERVICE_PROXY_NAME).map(String::as_str) != ours
+    labels
+        .and_then(|l| l.get(LABEL_SERVICE_PROXY_NAME))
+        .map(String::as_str)
+        != ours
+}
+
+/// True for an EndpointSlice kube-proxy ignores: labelled headless. kube-proxy does not look
+/// at a slice's `service-proxy-name` (its Service's decides), so neither does svc by default;
+/// with --service-proxy-name the slices must carry that name too, as the EndpointSlice
+/// controller copies it from their Service, so that agents of different names do not each
+/// hold every slice of the cluster.
+pub(super) fn is_foreign_slice(
+    labels: Option<&std::collections::BTreeMap<String, String>>,
+    ours: Option<&str>,
+) -> bool {
+    labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS))
+        || (ours.is_some() && is_foreign_service(labels, ours))
 }
 
 /// Parses one Service. `None` when it is not ours to proxy (silently) or too broken to use
@@ -86,8 +99,8 @@ pub(super) fn parse(
 ) -> Option<ServiceInfo> {
     let meta = &service.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign(meta.labels.as_ref(), proxy_name) {
-        debug!(service = %key, "skipped: labelled for another proxy or headless");
+    if is_foreign_service(meta.labels.as_ref(), proxy_name) {
+        debug!(service = %key, "skipped: labelled for another proxy");
         return None;
     }
     let object = key.describe("Service");

@@ -640,14 +640,55 @@ spec: {type: ExternalName, externalName: example.com, clusterIP: 10.96.0.7, port
             "metadata: {name: other, namespace: a, labels: {service.kubernetes.io/service-proxy-name: cilium}}
 spec: {clusterIP: 10.96.0.8, ports: [{port: 80}]}",
         ),
-        service(
-            "metadata: {name: h, namespace: a, labels: {service.kubernetes.io/headless: ''}}
-spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}",
-        ),
     ];
     let t = run(&skipped, &[]);
     assert_no_errors(&t);
     assert!(t.state.frontends.is_empty() && t.state.cluster_ips.is_empty());
+}
+
+/// kube-proxy filters the headless label on EndpointSlices only, and the service proxy name on
+/// Services only (cmd/kube-proxy/app/server.go): a labelled-headless Service with a ClusterIP is
+/// served, a slice labelled for another proxy still gives its Service endpoints, and a slice
+/// labelled headless gives none.
+#[test]
+fn labels_count_where_kube_proxy_reads_them() {
+    let services = [
+        service(
+            "metadata: {name: h, namespace: a, labels: {service.kubernetes.io/headless: ''}}
+spec: {clusterIP: 10.96.0.9, ports: [{port: 80}]}",
+        ),
+        service(
+            "metadata: {name: p, namespace: a}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}",
+        ),
+        service(
+            "metadata: {name: s, namespace: a}\nspec: {clusterIP: 10.96.0.11, ports: [{port: 80}]}",
+        ),
+    ];
+    let slices = [
+        slice(
+            "metadata: {name: h-1, namespace: a, labels: {kubernetes.io/service-name: h}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.0.1]}]",
+        ),
+        slice(
+            "metadata: {name: p-1, namespace: a, labels: {kubernetes.io/service-name: p, service.kubernetes.io/service-proxy-name: cilium}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.0.2]}]",
+        ),
+        slice(
+            "metadata: {name: s-1, namespace: a, labels: {kubernetes.io/service-name: s, service.kubernetes.io/headless: ''}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.0.3]}]",
+        ),
+    ];
+    let t = run(&services, &slices);
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.9:80/TCP"), ["10.0.0.1:8080"]);
+    assert_eq!(backends(&t, "10.96.0.10:80/TCP"), ["10.0.0.2:8080"]);
+    assert_eq!(backends(&t, "10.96.0.11:80/TCP"), NONE);
 }
 
 /// With --service-proxy-name, the objects labelled with that name are exactly the ones served

@@ -41,7 +41,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, ObjectList, PostParams};
 use kube::{Api, Client};
 use svc_agent::model::{Frontend, Protocol};
-use svc_agent::source::kube::{label_selector, SERVICE_NAME_LABEL, TRIGGER_TIME_ANNOTATION};
+use svc_agent::source::kube::{
+    service_selector, slice_selector, SERVICE_NAME_LABEL, TRIGGER_TIME_ANNOTATION,
+};
 use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
@@ -560,13 +562,13 @@ impl Breakdown {
 /// allocations (a counting allocator); glibc's own overhead comes on top.
 fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Result<Breakdown> {
     let mut mib = Vec::new();
-    let selector = label_selector(None);
     let mut rows = vec![
         "| step | time | heap held after | heap peak during, above start |".to_string(),
         "|---|---|---|---|".to_string(),
     ];
     let step = Step::start();
-    let services: Vec<Service> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    let services: Vec<Service> =
+        rt.block_on(list_all(&Api::all(client.clone()), &service_selector(None)))?;
     rows.push(step.row(
         &format!(
             "list {} Services through kube-rs (pages of 500, deserialized)",
@@ -575,7 +577,8 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         &mut mib,
     ));
     let step = Step::start();
-    let slices: Vec<EndpointSlice> = rt.block_on(list_all(&Api::all(client.clone()), &selector))?;
+    let slices: Vec<EndpointSlice> =
+        rt.block_on(list_all(&Api::all(client.clone()), &slice_selector(None)))?;
     rows.push(step.row(
         &format!(
             "list {} EndpointSlices through kube-rs (same)",

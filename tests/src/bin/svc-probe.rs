@@ -1,6 +1,8 @@
 //! svc-probe: the traffic end of the harness.
 //!
-//! `serve` is a backend: it answers every TCP line and every UDP datagram with its name.
+//! `serve` is a backend: it answers every TCP line and every UDP datagram with its name; a
+//! line or datagram `who` is answered with `NAME SOURCE LOCAL`, the client's address as the
+//! backend sees it and the backend's own address it arrived at (clients ask with `--who`).
 //! `tcp`, `udp` and `loop` are clients: they report, as JSON on stdout, which backend answered
 //! and what the socket API showed (getpeername, recvfrom source), so a test asserts exactly
 //! what an application in a pod would see.
@@ -14,7 +16,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use svc_tests::{Attempt, LoopReport, Report, StreamExchange, StreamReport};
+use svc_tests::{
+    probe::{HeldConnection, HoldReport, SweepReport},
+    Attempt, LoopReport, Report, StreamExchange, StreamReport,
+};
 
 #[derive(Parser)]
 #[command(about = "Backend server and client probe for svc tests")]
@@ -60,6 +65,10 @@ enum Cmd {
         /// connect() the socket and use send/recv instead of sendto/recvfrom.
         #[arg(long)]
         connected: bool,
+        /// Bind every socket to this source port (SO_REUSEADDR), so that every exchange is
+        /// the same flow (5-tuple) as far as conntrack is concerned.
+        #[arg(long)]
+        source_port: Option<u16>,
     },
     /// One connected UDP socket exchanging a datagram every INTERVAL_MS for DURATION_MS, as a
     /// long-lived UDP client does; after an error the socket is closed and a new one connected.
@@ -79,6 +88,27 @@ enum Cmd {
         /// other sockets' datagrams come between a socket's send and its reply.
         #[arg(long, requires = "unconnected")]
         pipelined: bool,
+    },
+    /// CONNECTIONS TCP connections opened at once and kept for DURATION_MS, each exchanging a
+    /// line every INTERVAL_MS: long-lived connections, as a client pool keeps them. Reports
+    /// every connection's exchanges and first failure.
+    Hold {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value_t = 4)]
+        connections: u32,
+        #[arg(long)]
+        duration_ms: u64,
+        #[arg(long, default_value_t = 50)]
+        interval_ms: u64,
+    },
+    /// One TCP connection (and line) to each address of TARGETS (a file, one IP:PORT a line),
+    /// in turn: whether every Service of a large set answers. Totals and the first failures.
+    Sweep {
+        #[arg(long)]
+        targets: std::path::PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
     Loop {
@@ -102,6 +132,9 @@ struct Target {
     /// Use an AF_INET6 socket to the IPv4-mapped form (::ffff:a.b.c.d) of an IPv4 target.
     #[arg(long)]
     v6_mapped: bool,
+    /// Ask the backend which source address it saw (and at which of its addresses).
+    #[arg(long)]
+    who: bool,
 }
 
 impl Target {
@@ -144,7 +177,7 @@ fn main() -> Result<()> {
                     Some(other) if n.is_multiple_of(2) => other,
                     _ => target.addr(),
                 };
-                tcp_once(to, target.timeout())
+                tcp_once(to, target.timeout(), target.who)
             });
             print_json(&Report {
                 results,
@@ -157,9 +190,10 @@ fn main() -> Result<()> {
             count,
             interval_ms,
             connected,
+            source_port,
         } => {
             let results = repeat(count, interval_ms, || {
-                udp_once(target.addr(), target.timeout(), connected)
+                udp_once(&target, connected, source_port)
             });
             print_json(&Report {
                 results,
@@ -167,6 +201,10 @@ fn main() -> Result<()> {
                 netns_ino: own_netns(),
             })
         }
+        Cmd::Sweep {
+            targets,
+            timeout_ms,
+        } => print_json(&sweep(&targets, Duration::from_millis(timeout_ms.max(1)))?),
         Cmd::Loop {
             target,
             duration_ms,
@@ -192,6 +230,12 @@ fn main() -> Result<()> {
             sockets,
             pipelined,
         )),
+        Cmd::Hold {
+            target,
+            connections,
+            duration_ms,
+            interval_ms,
+        } => print_json(&hold(&target, connections, duration_ms, interval_ms)),
     }
 }
 
@@ -242,7 +286,18 @@ fn failed(e: &std::io::Error, start: Instant) -> Attempt {
     }
 }
 
-fn tcp_once(to: SocketAddr, timeout: Duration) -> Attempt {
+/// What a backend answered: its name, and with `who` the source it saw and its own address.
+fn parse_reply(reply: &str) -> (String, Option<String>, Option<String>) {
+    let mut words = reply.split_whitespace();
+    let name = words.next().unwrap_or_default().to_owned();
+    (
+        name,
+        words.next().map(str::to_owned),
+        words.next().map(str::to_owned),
+    )
+}
+
+fn tcp_once(to: SocketAddr, timeout: Duration, who: bool) -> Attempt {
     let start = Instant::now();
     let stream = match TcpStream::connect_timeout(&to, timeout) {
         Ok(s) => s,
@@ -253,7 +308,7 @@ fn tcp_once(to: SocketAddr, timeout: Duration) -> Attempt {
     let reply = (|| -> std::io::Result<String> {
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
-        (&stream).write_all(b"x\n")?;
+        (&stream).write_all(if who { b"who\n" } else { b"x\n" })?;
         let mut line = String::new();
         BufReader::new(&stream).read_line(&mut line)?;
         if line.is_empty() {
@@ -268,14 +323,19 @@ fn tcp_once(to: SocketAddr, timeout: Duration) -> Attempt {
     // run out of ephemeral ports.
     set_linger_zero(&stream);
     match reply {
-        Ok(name) => Attempt {
-            ok: true,
-            backend: Some(name),
-            peer,
-            connect_us: Some(connect_us),
-            elapsed_us: us(start),
-            ..Default::default()
-        },
+        Ok(reply) => {
+            let (name, source, local) = parse_reply(&reply);
+            Attempt {
+                ok: true,
+                backend: Some(name),
+                peer,
+                connect_us: Some(connect_us),
+                elapsed_us: us(start),
+                source,
+                local,
+                ..Default::default()
+            }
+        }
         Err(e) => Attempt {
             peer,
             connect_us: Some(connect_us),
@@ -301,41 +361,122 @@ fn set_linger_zero(s: &TcpStream) {
     }
 }
 
-fn udp_once(to: SocketAddr, timeout: Duration, connected: bool) -> Attempt {
+fn udp_once(target: &Target, connected: bool, source_port: Option<u16>) -> Attempt {
+    let (to, timeout) = (target.addr(), target.timeout());
     let start = Instant::now();
+    let message: &[u8] = if target.who { b"who" } else { b"x" };
     let run = || -> std::io::Result<Attempt> {
         let local: SocketAddr = match to {
-            SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
-            SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+            SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, source_port.unwrap_or(0)).into(),
+            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, source_port.unwrap_or(0)).into(),
         };
-        let sock = UdpSocket::bind(local)?;
+        let sock = match source_port {
+            Some(_) => bind_reusable(local)?,
+            None => UdpSocket::bind(local)?,
+        };
         sock.set_read_timeout(Some(timeout))?;
         let mut buf = [0u8; 512];
+        let answered = |buf: &[u8]| parse_reply(&String::from_utf8_lossy(buf));
         if connected {
             sock.connect(to)?;
             let peer = sock.peer_addr()?.to_string();
-            sock.send(b"x")?;
+            sock.send(message)?;
             let n = sock.recv(&mut buf)?;
+            let (name, source, local) = answered(&buf[..n]);
             Ok(Attempt {
                 ok: true,
-                backend: Some(String::from_utf8_lossy(&buf[..n]).trim_end().to_owned()),
+                backend: Some(name),
                 peer: Some(peer),
                 elapsed_us: us(start),
+                source,
+                local,
                 ..Default::default()
             })
         } else {
-            sock.send_to(b"x", to)?;
+            sock.send_to(message, to)?;
             let (n, from) = sock.recv_from(&mut buf)?;
+            let (name, source, local) = answered(&buf[..n]);
             Ok(Attempt {
                 ok: true,
-                backend: Some(String::from_utf8_lossy(&buf[..n]).trim_end().to_owned()),
+                backend: Some(name),
                 from: Some(from.to_string()),
                 elapsed_us: us(start),
+                source,
+                local,
                 ..Default::default()
             })
         }
     };
     run().unwrap_or_else(|e| failed(&e, start))
+}
+
+/// A UDP socket bound to `addr` with SO_REUSEADDR, so that back-to-back sockets can take the
+/// same source port.
+fn bind_reusable(addr: SocketAddr) -> std::io::Result<UdpSocket> {
+    use std::os::fd::FromRawFd;
+    let family = match addr {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    };
+    // SAFETY: plain socket(2); the descriptor is owned by the UdpSocket below.
+    let fd = unsafe { libc::socket(family, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket that nothing else owns.
+    let sock = unsafe { UdpSocket::from_raw_fd(fd) };
+    let one: libc::c_int = 1;
+    // SAFETY: a valid socket and a correctly sized int option.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    let (storage, len) = sockaddr(addr);
+    // SAFETY: storage holds a sockaddr of `len` bytes for this family.
+    if unsafe { libc::bind(fd, (&storage as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
+fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain data, valid when zeroed.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(*a.ip()).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: 0,
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&mut storage as *mut libc::sockaddr_storage).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
 }
 
 fn unix_ms() -> u64 {
@@ -408,6 +549,70 @@ fn udp_stream(target: &Target, duration_ms: u64, interval_ms: u64) -> StreamRepo
     report.cgroup = own_cgroup();
     report.netns_ino = own_netns();
     report
+}
+
+fn hold(target: &Target, connections: u32, duration_ms: u64, interval_ms: u64) -> HoldReport {
+    let to = target.addr();
+    let timeout = target.timeout();
+    let end = Instant::now() + Duration::from_millis(duration_ms);
+    let threads: Vec<_> = (0..connections)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut held = HeldConnection::default();
+                let stream = match TcpStream::connect_timeout(&to, timeout) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        held.failures = 1;
+                        held.first_error = Some(e.to_string());
+                        held.first_error_at_ms = Some(unix_ms());
+                        return held;
+                    }
+                };
+                held.connected_at_ms = unix_ms();
+                held.peer = stream.peer_addr().ok().map(|p| p.to_string());
+                let _ = stream.set_read_timeout(Some(timeout));
+                let _ = stream.set_write_timeout(Some(timeout));
+                let mut reader = BufReader::new(&stream);
+                while Instant::now() < end {
+                    let mut line = String::new();
+                    let r = (&stream)
+                        .write_all(b"x\n")
+                        .and_then(|()| reader.read_line(&mut line));
+                    match r {
+                        Ok(n) if n > 0 => {
+                            let name = line.trim_end().to_owned();
+                            if held.backend.as_ref().is_some_and(|b| *b != name) {
+                                held.switched = true;
+                            }
+                            held.backend = Some(name);
+                            held.exchanges += 1;
+                            held.last_ok_at_ms = Some(unix_ms());
+                        }
+                        other => {
+                            held.failures += 1;
+                            held.first_error_at_ms = Some(unix_ms());
+                            held.first_error = Some(match other {
+                                Err(e) => e.to_string(),
+                                _ => "connection closed".into(),
+                            });
+                            // A TCP connection that failed once is gone.
+                            break;
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(interval_ms));
+                }
+                held
+            })
+        })
+        .collect();
+    HoldReport {
+        connections: threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_default())
+            .collect(),
+        cgroup: own_cgroup(),
+        netns_ino: own_netns(),
+    }
 }
 
 fn udp_unconnected_stream(
@@ -497,12 +702,37 @@ fn udp_unconnected_stream(
     report
 }
 
+fn sweep(targets: &std::path::Path, timeout: Duration) -> Result<SweepReport> {
+    let text = std::fs::read_to_string(targets)
+        .with_context(|| format!("reading {}", targets.display()))?;
+    let start = Instant::now();
+    let mut report = SweepReport::default();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let to: SocketAddr = line.trim().parse().with_context(|| format!("{line:?}"))?;
+        let a = tcp_once(to, timeout, false);
+        if a.ok {
+            report.ok += 1;
+        } else {
+            report.failed += 1;
+            if report.first_failures.len() < 10 {
+                report
+                    .first_failures
+                    .push(format!("{to}: {}", a.error.unwrap_or_default()));
+            }
+        }
+    }
+    report.elapsed_us = us(start);
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    Ok(report)
+}
+
 fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
     let start = Instant::now();
     let duration = Duration::from_millis(duration_ms);
     let mut report = LoopReport::default();
     while start.elapsed() < duration {
-        let a = tcp_once(target.addr(), target.timeout());
+        let a = tcp_once(target.addr(), target.timeout(), target.who);
         report.max_us = report.max_us.max(a.elapsed_us);
         if a.ok {
             report.ok += 1;
@@ -553,13 +783,24 @@ fn serve(name: &str, listen: &[SocketAddr], tcp: bool, udp: bool) -> Result<()> 
 fn serve_tcp(l: TcpListener, name: String) {
     for conn in l.incoming() {
         let Ok(conn) = conn else { continue };
-        let reply = format!("{name}\n");
+        let name = name.clone();
         std::thread::spawn(move || {
+            let reply = format!("{name}\n");
+            let who = format!(
+                "{name} {} {}\n",
+                conn.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+                conn.local_addr().map(|a| a.to_string()).unwrap_or_default()
+            );
             let mut reader = BufReader::new(&conn);
             let mut line = String::new();
             // One reply per line until EOF (or a reset from a client that lingers 0).
             while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
-                if (&conn).write_all(reply.as_bytes()).is_err() {
+                let answer = if line.trim_end() == "who" {
+                    &who
+                } else {
+                    &reply
+                };
+                if (&conn).write_all(answer.as_bytes()).is_err() {
                     break;
                 }
                 line.clear();
@@ -570,9 +811,17 @@ fn serve_tcp(l: TcpListener, name: String) {
 
 fn serve_udp(s: UdpSocket, name: String) {
     let mut buf = [0u8; 2048];
+    // The address the socket is bound to: with a wildcard bind, the datagram's own destination
+    // is not known without IP_PKTINFO, and the bound address is reported as it is.
+    let local = s.local_addr().map(|a| a.to_string()).unwrap_or_default();
     loop {
-        if let Ok((_, from)) = s.recv_from(&mut buf) {
-            let _ = s.send_to(name.as_bytes(), from);
+        if let Ok((n, from)) = s.recv_from(&mut buf) {
+            let answer = if &buf[..n] == b"who" {
+                format!("{name} {from} {local}")
+            } else {
+                name.clone()
+            };
+            let _ = s.send_to(answer.as_bytes(), from);
         }
     }
 }

@@ -1,0 +1,779 @@
+//! svc-vs-kube-proxy-bench: svc beside the real kube-proxy (iptables mode on iptables-nft and on
+//! iptables-legacy, nftables mode), in one run on one machine, with N Services of 10 endpoints.
+//!
+//! One control plane holds N Services (one TCP port each) with one EndpointSlice of 10 ready
+//! endpoints each: the same 10 real backends, `b1..b10`, for every Service, so every ClusterIP
+//! answers. Each proxy in turn gets a sandbox of its own (`svc_tests::parity::Proxy`: the same
+//! addresses every time, kube-proxy in the client namespace, svc on the sandbox's cgroup), and
+//! only one proxy runs at a time, so CPU and memory are its own. Per proxy:
+//!
+//! 1. start: from spawning the proxy to its ready signal (svc: `svc-agent: ready`; kube-proxy:
+//!    its first rules sync), then to the end of the first sweep in which every one of the N
+//!    ClusterIPs answered a TCP connection (`svc-probe sweep`, one connection each, in turn);
+//! 2. change latency: sequential EndpointSlice writes, each moving one Service between its 10
+//!    endpoints and an 11th backend, `b11`, timed from just before the API write to the end of
+//!    the first client probe answered by the new side (a probe is a process: it adds a few
+//!    milliseconds to every sample, for every proxy alike);
+//! 3. CPU seconds (the proxy's own and its reaped children's: kube-proxy's iptables-restore
+//!    runs) and peak RSS (VmHWM, the proxy's process alone) at the end of its turn;
+//! 4. new TCP connections, back to back for a few seconds, through a ClusterIP and straight to
+//!    a backend: the direct rate is the cost the proxy puts on connections to no Service, next
+//!    to a sandbox with no proxy at all.
+//!
+//! Rounds interleave the proxies (the order rotates each round); every figure is the median
+//! over rounds with min and max; ratios are taken round by round against svc. Results go to
+//! JSON (`--json`) and, with `--write`, to the `vs-kube-proxy` section of docs/benchmarks.md.
+//!
+//! Nothing leaves the sandboxes: kube-proxy's rules live in the client namespace it runs in,
+//! and the machine's own firewall is checked before and after.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use serde::Serialize;
+use serde_json::json;
+use svc_agent::source::kube::SERVICE_NAME_LABEL;
+use svc_tests::control_plane::ControlPlane;
+use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
+use svc_tests::parity::{Proxy, ProxyKind, NODE};
+use svc_tests::{report, require_root, Sandbox, TempDir, Tools};
+
+const NAMESPACE: &str = "bench";
+const PORT: u16 = 80;
+const TARGET_PORT: u16 = 8080;
+const ENDPOINTS: u8 = 10;
+/// The backend a change moves a Service to, and back from.
+const OTHER: u8 = 11;
+/// Third octet of every sandbox: the same backend addresses behind every proxy.
+const X: u8 = 78;
+
+#[derive(Parser)]
+struct Args {
+    /// Service counts, each measured on its own control plane.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000,30000")]
+    services: Vec<u32>,
+    /// Rounds; each runs every proxy once, in an order that rotates.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// EndpointSlice changes timed per proxy and round.
+    #[arg(long, default_value_t = 50)]
+    changes: u32,
+    /// Seconds of back-to-back connections per rate measure.
+    #[arg(long, default_value_t = 3)]
+    rate_seconds: u64,
+    /// Which proxies (svc, kube-proxy-iptables-nft, kube-proxy-iptables-legacy,
+    /// kube-proxy-nftables), comma-separated; all by default.
+    #[arg(long, value_delimiter = ',')]
+    proxies: Vec<String>,
+    /// Quick: 1,000 Services, 3 rounds, 10 changes.
+    #[arg(long)]
+    quick: bool,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Replace the `vs-kube-proxy` section of this markdown file (docs/benchmarks.md).
+    #[arg(long)]
+    write: Option<PathBuf>,
+}
+
+/// One proxy's turn in one round.
+#[derive(Clone, Debug, Default, Serialize)]
+struct Sample {
+    services: u32,
+    round: u32,
+    proxy: String,
+    ready_s: f64,
+    all_answering_s: f64,
+    /// How long the sweep that found every Service answering took: the resolution of
+    /// `all_answering_s`.
+    last_sweep_s: f64,
+    change_p50_ms: f64,
+    change_p99_ms: f64,
+    changes_not_followed: u32,
+    cpu_s: f64,
+    peak_rss_mib: f64,
+    cluster_ip_conn_per_s: f64,
+    direct_conn_per_s: f64,
+}
+
+/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, inside the API server's
+/// 10.96.0.0/12 and clear of the `kubernetes` Service.
+fn cluster_ip(i: u32) -> Ipv4Addr {
+    let block = 1 + i / 250;
+    Ipv4Addr::new(
+        10,
+        96 + (block / 256) as u8,
+        (block % 256) as u8,
+        (1 + i % 250) as u8,
+    )
+}
+
+fn service_name(i: u32) -> String {
+    format!("svc-{i}")
+}
+
+fn service(i: u32) -> Service {
+    Service {
+        metadata: ObjectMeta {
+            name: Some(service_name(i)),
+            namespace: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            cluster_ip: Some(cluster_ip(i).to_string()),
+            ports: Some(vec![ServicePort {
+                port: PORT.into(),
+                target_port: Some(IntOrString::Int(TARGET_PORT.into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Backend `b<k>`'s address: the sandbox plan's, the same in every sandbox with `X`.
+fn backend_ip(k: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 201, X, 10 + k)
+}
+
+/// Service `i`'s slice: `b1..b10`, or `b11` alone when `moved`.
+fn slice(i: u32, moved: bool) -> EndpointSlice {
+    let ks: Vec<u8> = if moved {
+        vec![OTHER]
+    } else {
+        (1..=ENDPOINTS).collect()
+    };
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(format!("{}-0", service_name(i))),
+            namespace: Some(NAMESPACE.into()),
+            labels: Some([(SERVICE_NAME_LABEL.to_string(), service_name(i))].into()),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: ks
+            .iter()
+            .map(|&k| Endpoint {
+                addresses: vec![backend_ip(k).to_string()],
+                conditions: Some(EndpointConditions {
+                    ready: Some(true),
+                    serving: Some(true),
+                    terminating: Some(false),
+                }),
+                ..Default::default()
+            })
+            .collect(),
+        ports: Some(vec![EndpointPort {
+            name: Some(String::new()),
+            port: Some(TARGET_PORT.into()),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+    }
+}
+
+async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match api.create(&PostParams::default(), obj).await {
+            Ok(o) => return Ok(o),
+            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
+            Err(e) if attempt < 5 => {
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
+            }
+            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
+        }
+    }
+}
+
+async fn populate(client: Client, n: u32) -> Result<()> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(NAMESPACE.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    create(&namespaces, &ns).await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
+    let slices: Api<EndpointSlice> = Api::namespaced(client, NAMESPACE);
+    let mut created = futures::stream::iter(0..n)
+        .map(|i| {
+            let (services, slices) = (services.clone(), slices.clone());
+            async move {
+                create(&services, &service(i)).await?;
+                create(&slices, &slice(i, false)).await?;
+                Ok::<_, anyhow::Error>(())
+            }
+        })
+        .buffer_unordered(32);
+    while let Some(r) = created.next().await {
+        r?;
+    }
+    Ok(())
+}
+
+/// CPU time of `pid` and of its children it has reaped, from /proc/PID/stat.
+fn cpu_with_children(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime, stime, cutime, cstime: fields 14 to 17 of stat(5); `rest` starts at field 3.
+    let ticks: u64 = f[11..15]
+        .iter()
+        .map(|v| v.parse::<i64>().unwrap_or(0).max(0) as u64)
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+fn peak_rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("VmHWM")
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Connections per second, back to back for `secs`, from the sandbox's client.
+fn rate(sb: &Sandbox, to: SocketAddr, secs: u64) -> Result<f64> {
+    let d = Duration::from_secs(secs);
+    let r = sb.finish_loop(sb.spawn_loop_flat_out(to, d)?, d + Duration::from_secs(30))?;
+    if r.failed > 0 {
+        bail!(
+            "{} of {} connections to {to} failed: {:?}",
+            r.failed,
+            r.ok + r.failed,
+            r.errors
+        );
+    }
+    Ok(r.ok as f64 / (r.duration_ms.max(1) as f64 / 1e3))
+}
+
+struct Turn<'a> {
+    cp: &'a ControlPlane,
+    client: &'a Client,
+    rt: &'a tokio::runtime::Runtime,
+    tools: &'a Tools,
+    kube_proxy: &'a Path,
+    targets: &'a Path,
+    args: &'a Args,
+    n: u32,
+    /// Which Services a change has moved to b11, kept across turns.
+    moved: &'a mut Vec<bool>,
+    /// The next Service to change.
+    next: &'a mut u32,
+}
+
+fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
+    eprintln!("  {} ({} Services), round {}", kind.label(), t.n, round + 1);
+    let started = Instant::now();
+    let proxy = Proxy::start_within(
+        kind,
+        t.cp,
+        t.tools,
+        X,
+        Some(t.kube_proxy),
+        Duration::from_secs(1200),
+    )?;
+    let ready = started.elapsed();
+    let _backends: Vec<_> = (1..=OTHER)
+        .map(|k| proxy.serve(k, &[TARGET_PORT]))
+        .collect::<Result<_>>()?;
+    let pid = match (proxy.agent(), proxy.kube_proxy()) {
+        (Some(a), _) => a.pid(),
+        (_, Some(kp)) => kp.pid(),
+        _ => None,
+    }
+    .context("no proxy pid")?;
+    // The Services a change moved to b11 answer from b11; a sweep only needs an answer.
+    let (all_answering, last_sweep) = loop {
+        let r = proxy.sb.sweep(
+            t.targets,
+            1000,
+            Duration::from_secs(30 + u64::from(t.n) / 10),
+        )?;
+        if r.failed == 0 {
+            break (started.elapsed(), Duration::from_micros(r.elapsed_us));
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!(
+                "{}: {} of {} Services still not answering after 10 minutes: {:?}",
+                kind.label(),
+                r.failed,
+                t.n,
+                r.first_failures
+            );
+        }
+    };
+    eprintln!(
+        "    ready {:.2} s, every Service answering {:.2} s (last sweep {:.2} s)",
+        ready.as_secs_f64(),
+        all_answering.as_secs_f64(),
+        last_sweep.as_secs_f64()
+    );
+
+    let api: Api<EndpointSlice> = Api::namespaced(t.client.clone(), NAMESPACE);
+    let mut latencies = Vec::new();
+    let mut not_followed = 0;
+    for _ in 0..t.args.changes {
+        let i = *t.next % t.n;
+        *t.next += 1;
+        let moved = !t.moved[i as usize];
+        t.moved[i as usize] = moved;
+        let vip = SocketAddr::new(IpAddr::V4(cluster_ip(i)), PORT);
+        let name = format!("{}-0", service_name(i));
+        let t0 = Instant::now();
+        t.rt.block_on(api.replace(&name, &PostParams::default(), &{
+            let mut s = slice(i, moved);
+            s.metadata.resource_version = t.rt.block_on(api.get(&name))?.metadata.resource_version;
+            s
+        }))
+        .with_context(|| format!("replacing {name}"))?;
+        let followed = loop {
+            let r = proxy.sb.tcp(vip, 1, &["--timeout-ms", "500"])?;
+            let answered = r.results.first().and_then(|a| a.backend.clone());
+            let on_new_side = match answered.as_deref() {
+                Some(b) => (b == format!("b{OTHER}")) == moved,
+                None => false,
+            };
+            if on_new_side {
+                break Some(t0.elapsed());
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                break None;
+            }
+        };
+        match followed {
+            Some(d) => latencies.push(d),
+            None => not_followed += 1,
+        }
+    }
+    latencies.sort_unstable();
+
+    let vip = SocketAddr::new(IpAddr::V4(cluster_ip(0)), PORT);
+    let direct = SocketAddr::new(IpAddr::V4(backend_ip(1)), TARGET_PORT);
+    let cluster_ip_rate = rate(&proxy.sb, vip, t.args.rate_seconds)?;
+    let direct_rate = rate(&proxy.sb, direct, t.args.rate_seconds)?;
+    let cpu = cpu_with_children(pid)?;
+    let rss = peak_rss_kib(pid)?;
+    drop(proxy);
+    Ok(Sample {
+        services: t.n,
+        round,
+        proxy: kind.id().into(),
+        ready_s: ready.as_secs_f64(),
+        all_answering_s: all_answering.as_secs_f64(),
+        last_sweep_s: last_sweep.as_secs_f64(),
+        change_p50_ms: percentile(&latencies, 0.5).as_secs_f64() * 1e3,
+        change_p99_ms: percentile(&latencies, 0.99).as_secs_f64() * 1e3,
+        changes_not_followed: not_followed,
+        cpu_s: cpu.as_secs_f64(),
+        peak_rss_mib: rss as f64 / 1024.0,
+        cluster_ip_conn_per_s: cluster_ip_rate,
+        direct_conn_per_s: direct_rate,
+    })
+}
+
+/// The direct connection rate with no proxy at all: the baseline for the cost on connections
+/// to no Service.
+fn bare_rate(tools: &Tools, secs: u64) -> Result<f64> {
+    let sb = Sandbox::with_x(tools.clone(), X)?;
+    sb.add_default_route()?;
+    let _b = sb.backend("b1", 1, &[TARGET_PORT])?;
+    rate(
+        &sb,
+        SocketAddr::new(IpAddr::V4(backend_ip(1)), TARGET_PORT),
+        secs,
+    )
+}
+
+/// `median (min–max)` of `f` over the samples of `proxy` at `n`.
+fn spread(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) -> Option<[f64; 3]> {
+    let mut v: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.services == n && s.proxy == proxy)
+        .map(f)
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some([median(&v), v[0], v[v.len() - 1]])
+}
+
+/// Of sorted, non-empty `v`; the mean of the middle two for an even count.
+fn median(v: &[f64]) -> f64 {
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Median over rounds of `f(kube-proxy) / f(svc)`, pairing the two of each round.
+fn ratio(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) -> Option<f64> {
+    let mut v: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.services == n && s.proxy == proxy)
+        .filter_map(|s| {
+            let svc = samples
+                .iter()
+                .find(|o| o.services == n && o.round == s.round && o.proxy == "svc")?;
+            let d = f(svc);
+            (d > 0.0).then(|| f(s) / d)
+        })
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(median(&v))
+}
+
+fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
+    match v {
+        Some([m, lo, hi]) => format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})"),
+        None => "—".into(),
+    }
+}
+
+struct Measure {
+    name: &'static str,
+    digits: usize,
+    /// Whether more is better.
+    higher_better: bool,
+    get: fn(&Sample) -> f64,
+}
+
+const MEASURES: &[Measure] = &[
+    Measure {
+        name: "start → every Service answering (s)",
+        digits: 2,
+        higher_better: false,
+        get: |s| s.all_answering_s,
+    },
+    Measure {
+        name: "start → ready signal (s)",
+        digits: 2,
+        higher_better: false,
+        get: |s| s.ready_s,
+    },
+    Measure {
+        name: "endpoint change followed, p50 (ms)",
+        digits: 0,
+        higher_better: false,
+        get: |s| s.change_p50_ms,
+    },
+    Measure {
+        name: "endpoint change followed, p99 (ms)",
+        digits: 0,
+        higher_better: false,
+        get: |s| s.change_p99_ms,
+    },
+    Measure {
+        name: "CPU (s), start to end of the turn",
+        digits: 2,
+        higher_better: false,
+        get: |s| s.cpu_s,
+    },
+    Measure {
+        name: "peak RSS (MiB)",
+        digits: 1,
+        higher_better: false,
+        get: |s| s.peak_rss_mib,
+    },
+    Measure {
+        name: "new connections/s through a ClusterIP",
+        digits: 0,
+        higher_better: true,
+        get: |s| s.cluster_ip_conn_per_s,
+    },
+    Measure {
+        name: "new connections/s to a backend directly (no Service)",
+        digits: 0,
+        higher_better: true,
+        get: |s| s.direct_conn_per_s,
+    },
+];
+
+fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) -> String {
+    let mut out = String::from("## svc beside the real kube-proxy\n\n");
+    let _ = writeln!(
+        out,
+        "Measured with `cargo xtask bench --vs-kube-proxy{}` on {}, {}; load average before: {}. \
+         kube-proxy v1.37.2 (built from the pinned modules) with its default configuration \
+         (minSyncPeriod 1 s), svc-agent release build. {} round(s), proxies interleaved; each \
+         cell is the median over rounds with (min–max); `×svc` is that kube-proxy's figure \
+         divided by svc's, round by round, median over rounds. {} EndpointSlice changes per turn, each timed from the \
+         API write to the first client probe (a process spawn, a few ms) that the new endpoint \
+         answered. CPU counts kube-proxy's reaped iptables-restore/nft children, RSS does not. \
+         How it is measured: `tests/src/bin/svc-vs-kube-proxy-bench.rs`.\n",
+        if args.quick { " --quick" } else { "" },
+        report::machine(),
+        report::today(),
+        report::load_average(),
+        args.rounds,
+        args.changes,
+    );
+    if !bare.is_empty() {
+        let mut b = bare.to_vec();
+        b.sort_by(f64::total_cmp);
+        let _ = writeln!(
+            out,
+            "With no proxy at all, new connections/s to a backend directly: {:.0} ({:.0}–{:.0}).\n",
+            median(&b),
+            b[0],
+            b[b.len() - 1]
+        );
+    }
+    let mut losses = Vec::new();
+    // Where svc loses but the rounds of either side spread by more than half their median:
+    // on a shared machine that says more about the neighbours than about the proxies.
+    let mut unsure = Vec::new();
+    for &n in &args.services {
+        let _ = writeln!(out, "### {n} Services of {ENDPOINTS} endpoints\n");
+        out += "| measure |";
+        for k in kinds {
+            out += &format!(" {} |", k.label());
+            if *k != ProxyKind::Svc {
+                out += " ×svc |";
+            }
+        }
+        out += "\n|---|";
+        for k in kinds {
+            out += if *k == ProxyKind::Svc {
+                "---|"
+            } else {
+                "---|---|"
+            };
+        }
+        out += "\n";
+        for m in MEASURES {
+            out += &format!("| {} |", m.name);
+            let svc = spread(samples, n, "svc", m.get);
+            for k in kinds {
+                let v = spread(samples, n, k.id(), m.get);
+                out += &format!(" {} |", fmt3(v, m.digits));
+                if *k != ProxyKind::Svc {
+                    let r = ratio(samples, n, k.id(), m.get);
+                    out += &format!(" {} |", r.map_or("—".into(), |r| format!("{r:.2}")));
+                    if let (Some([s, ..]), Some([o, ..])) = (svc, v) {
+                        let svc_loses = if m.higher_better { s < o } else { s > o };
+                        if svc_loses && (noisy(svc) || noisy(v)) {
+                            unsure.push(format!("{n} Services, {}: {}", m.name, k.label()));
+                            continue;
+                        }
+                        if svc_loses {
+                            losses.push(format!(
+                                "{n} Services, {}: svc {s:.d$}, {} {o:.d$}",
+                                m.name,
+                                k.label(),
+                                d = m.digits
+                            ));
+                        }
+                    }
+                }
+            }
+            out += "\n";
+        }
+        let failed: u32 = samples
+            .iter()
+            .filter(|s| s.services == n)
+            .map(|s| s.changes_not_followed)
+            .sum();
+        if failed > 0 {
+            let _ = writeln!(
+                out,
+                "\n{failed} change(s) were not followed within 30 s (left out of the percentiles)."
+            );
+        }
+        out += "\n";
+    }
+    let every_kube_proxy_measured = kinds
+        .iter()
+        .filter(|k| **k != ProxyKind::Svc)
+        .all(|k| samples.iter().any(|s| s.proxy == k.id()));
+    if losses.is_empty() && unsure.is_empty() && !every_kube_proxy_measured {
+        out += "svc is ahead on every measure above where a kube-proxy gave figures.\n";
+    } else if losses.is_empty() && unsure.is_empty() {
+        out += "svc is ahead of every kube-proxy on every measure above.\n";
+    } else if losses.is_empty() {
+        out += "svc is not behind any kube-proxy on any measure whose rounds agree.\n";
+    } else {
+        out += "**Where svc loses** (medians):\n\n";
+        for l in &losses {
+            let _ = writeln!(out, "- {l}");
+        }
+    }
+    if !unsure.is_empty() {
+        out += "\nsvc's median is behind, but the rounds of one side spread by more than half \
+                their median, so this run does not say which is faster (the machine was shared; \
+                more rounds, `--rounds`, narrow it):\n\n";
+        for u in &unsure {
+            let _ = writeln!(out, "- {u}");
+        }
+    }
+    out
+}
+
+/// Whether a measure's rounds spread by more than half its median.
+fn noisy(v: Option<[f64; 3]>) -> bool {
+    v.is_some_and(|[m, lo, hi]| m > 0.0 && (hi - lo) / m > 0.5)
+}
+
+fn main() -> Result<()> {
+    let mut args = Args::parse();
+    require_root();
+    if args.quick {
+        args.services = vec![1000];
+        args.rounds = 3;
+        args.changes = 10;
+    }
+    let kinds: Vec<ProxyKind> = if args.proxies.is_empty() {
+        vec![
+            ProxyKind::Svc,
+            ProxyKind::KubeProxy(Mode::Iptables(IptablesBackend::Nft)),
+            ProxyKind::KubeProxy(Mode::Iptables(IptablesBackend::Legacy)),
+            ProxyKind::KubeProxy(Mode::Nftables),
+        ]
+    } else {
+        args.proxies
+            .iter()
+            .map(|p| ProxyKind::parse(p).with_context(|| format!("unknown proxy {p:?}")))
+            .collect::<Result<_>>()?
+    };
+    let tools = Tools::locate();
+    let kube_proxy_bin = kube_proxy::binary_from_env()?;
+    let mut firewall = HostFirewallGuard::new()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let scratch = TempDir::new("svc-vs-kube-proxy")?;
+    let mut samples = Vec::new();
+    let mut bare = Vec::new();
+    let mut failures = Vec::new();
+    for &n in &args.services {
+        if n == 0 || n > 250 * 4000 {
+            bail!("--services {n}: between 1 and 1,000,000");
+        }
+        let cp = ControlPlane::start().context("starting the control plane")?;
+        cp.kubectl_stdin(
+            &["create", "-f", "-"],
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                    "status": {"addresses": [{"type": "InternalIP",
+                                              "address": format!("10.201.{X}.1")}]}})
+            .to_string(),
+        )?;
+        let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
+        let t = Instant::now();
+        rt.block_on(populate(client.clone(), n))?;
+        eprintln!(
+            "{n} Services and slices created in {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        let targets = scratch.path().join(format!("targets-{n}"));
+        let mut list = String::new();
+        for i in 0..n {
+            let _ = writeln!(list, "{}:{PORT}", cluster_ip(i));
+        }
+        std::fs::write(&targets, list)?;
+        let mut moved = vec![false; n as usize];
+        let mut next = 0;
+        for round in 0..args.rounds {
+            bare.push(bare_rate(&tools, args.rate_seconds)?);
+            let k = kinds.len();
+            for j in 0..k {
+                let kind = kinds[(j + round as usize) % k];
+                let mut t = Turn {
+                    cp: &cp,
+                    client: &client,
+                    rt: &rt,
+                    tools: &tools,
+                    kube_proxy: &kube_proxy_bin,
+                    targets: &targets,
+                    args: &args,
+                    n,
+                    moved: &mut moved,
+                    next: &mut next,
+                };
+                // One proxy that cannot keep up (iptables-nft's first sync at 10,000
+                // Services took longer than 13 minutes here) must not void the others' results.
+                match turn(&mut t, kind, round) {
+                    Ok(s) => {
+                        eprintln!("    {s:?}");
+                        samples.push(s);
+                    }
+                    Err(e) => {
+                        eprintln!("    failed: {e:#}");
+                        let text = format!("{e:#}");
+                        // The reason, without the log that follows it.
+                        let first = text.split("; log:").next().unwrap_or_default().trim();
+                        failures.push(format!(
+                            "{}, {n} Services, round {}: {first}",
+                            kind.label(),
+                            round + 1
+                        ));
+                    }
+                }
+            }
+        }
+        drop(cp);
+    }
+    firewall.check()?;
+    let mut md = markdown(&args, &kinds, &samples, &bare);
+    if !failures.is_empty() {
+        md += "\nTurns that gave no figures (left out above):\n\n";
+        for f in &failures {
+            let _ = writeln!(md, "- {f}");
+        }
+    }
+    println!("{md}");
+    if let Some(path) = &args.json {
+        let out: BTreeMap<&str, serde_json::Value> = [
+            ("samples", serde_json::to_value(&samples)?),
+            ("bare_direct_conn_per_s", serde_json::to_value(&bare)?),
+            ("failed_turns", serde_json::to_value(&failures)?),
+        ]
+        .into();
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
+    }
+    if let Some(path) = &args.write {
+        report::write_section(path, "vs-kube-proxy", &md)?;
+    }
+    Ok(())
+}

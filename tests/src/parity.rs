@@ -1,0 +1,670 @@
+//! Differential parity: the same Services and EndpointSlices, the same client probes, against
+//! svc and against the real kube-proxy, side by side, and what each client saw.
+//!
+//! # Topology
+//!
+//! kube-proxy's rules act on packets in the network namespace it runs in; svc acts on the
+//! sockets of processes in the cgroup its programs are attached to. So every proxy gets a
+//! sandbox of its own ([`Sandbox`]: a client namespace, a backend namespace, a test cgroup),
+//! all with the *same addresses* (the same third octet: namespaces never meet, so equal
+//! addresses never clash), and one set of EndpointSlices describes the backends of all of them:
+//!
+//! ```text
+//!   svc:             client ns (client in svc's cgroup) ──veth── backend ns (b1..b8)
+//!   kube-proxy X:    client ns (kube-proxy runs here)   ──veth── backend ns (b1..b8)
+//! ```
+//!
+//! The client probe (`svc-probe`) is the same program with the same arguments for every proxy;
+//! it always runs in the sandbox's client namespace and test cgroup. For svc the cgroup is
+//! where the programs are attached; for kube-proxy the namespace is where its rules are. Each
+//! client namespace has a default route into its backend namespace, as a node has one to its
+//! gateway (kube-proxy needs it: the route lookup of connect() comes before netfilter's
+//! OUTPUT hook); the backend namespace does not forward, so an address nothing serves times
+//! out, as in a cluster, and nothing leaves the sandbox.
+//!
+//! Every proxy plays the same node (`NODE`): one Node object, whose InternalIPs are the client
+//! addresses and whose zone label the topology scenarios set. All proxies watch one API server
+//! at once, so a change is written once and each proxy's time to follow it is measured from the
+//! same write. svc-agent runs with kube-proxy's default selection (no `--service-proxy-name`),
+//! so both serve exactly the unlabelled, non-headless Services.
+//!
+//! # Outcomes
+//!
+//! An observation runs one probe (a few TCP connections or UDP exchanges) per proxy, in
+//! parallel, again and again until what it saw is one of the outcomes the scenario expects or
+//! the deadline passes, and records what it saw last as an [`Outcome`]: which backends answered
+//! and how the others failed (refused, rejected with EPERM, timed out, unreachable), plus any
+//! address that was not what a client of kube-proxy would see (`getpeername()`/the reply's
+//! source not the ClusterIP; the backend seeing another source address than the client's).
+//! Outcomes are compared as text across proxies; a difference between svc and a kube-proxy
+//! column fails unless `tests/intended-differences.yaml` lists it, with its reason.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    agent::{Agent, Bpffs},
+    control_plane::ControlPlane,
+    kube_proxy::{KubeProxy, KubeProxyConfig, Mode},
+    probe::{Attempt, Report},
+    procs::Backend,
+    sandbox::Sandbox,
+    sys::Tools,
+};
+
+/// The node every proxy plays.
+pub const NODE: &str = "parity-node";
+
+/// A proxy under comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProxyKind {
+    Svc,
+    KubeProxy(Mode),
+}
+
+impl ProxyKind {
+    /// `svc`, `kube-proxy-iptables-nft`, `kube-proxy-iptables-legacy`, `kube-proxy-nftables`.
+    pub fn id(self) -> &'static str {
+        match self {
+            ProxyKind::Svc => "svc",
+            ProxyKind::KubeProxy(m) => m.id(),
+        }
+    }
+
+    pub fn label(self) -> String {
+        match self {
+            ProxyKind::Svc => "svc".into(),
+            ProxyKind::KubeProxy(m) => m.label(),
+        }
+    }
+
+    pub fn parse(id: &str) -> Option<ProxyKind> {
+        if id == "svc" {
+            return Some(ProxyKind::Svc);
+        }
+        Mode::parse(id).map(ProxyKind::KubeProxy)
+    }
+}
+
+/// What runs the proxy.
+#[derive(Debug)]
+enum Runner {
+    // Fields drop in order: the agent stops before its pins are removed.
+    Svc { agent: Agent, _bpffs: Bpffs },
+    KubeProxy(KubeProxy),
+}
+
+/// One proxy and its sandbox. Fields drop in declaration order: the proxy stops, then the
+/// sandbox (namespaces, with kube-proxy's rules in them, and the cgroup) goes.
+#[derive(Debug)]
+pub struct Proxy {
+    pub kind: ProxyKind,
+    runner: Runner,
+    pub sb: Sandbox,
+}
+
+impl Proxy {
+    /// A sandbox with addresses `10.201.x.*` and a default route, and the proxy on it, ready
+    /// (svc: `svc-agent: ready`; kube-proxy: its rules synced once).
+    pub fn start(
+        kind: ProxyKind,
+        cp: &ControlPlane,
+        tools: &Tools,
+        x: u8,
+        kube_proxy: Option<&Path>,
+    ) -> Result<Proxy> {
+        Self::start_within(
+            kind,
+            cp,
+            tools,
+            x,
+            kube_proxy,
+            crate::kube_proxy::READY_TIMEOUT,
+        )
+    }
+
+    /// `start`, giving kube-proxy `ready_timeout` for its first sync (tens of thousands of
+    /// Services take iptables mode minutes).
+    pub fn start_within(
+        kind: ProxyKind,
+        cp: &ControlPlane,
+        tools: &Tools,
+        x: u8,
+        kube_proxy: Option<&Path>,
+        ready_timeout: Duration,
+    ) -> Result<Proxy> {
+        let sb = Sandbox::with_x(tools.clone(), x)?;
+        sb.add_default_route()?;
+        let runner = match kind {
+            ProxyKind::Svc => {
+                let bpffs = sb.bpffs()?;
+                let mut agent = sb.agent_kube(&bpffs, cp, NODE, &[])?;
+                // A failed scenario shows the end of the log itself.
+                agent.quiet();
+                Runner::Svc {
+                    agent,
+                    _bpffs: bpffs,
+                }
+            }
+            ProxyKind::KubeProxy(mode) => {
+                let bin = kube_proxy.context("no kube-proxy binary")?;
+                let mut kp =
+                    KubeProxy::start(KubeProxyConfig::new(bin, mode, NODE), cp, sb.client_ns())?;
+                kp.wait_ready(ready_timeout)?;
+                kp.quiet();
+                Runner::KubeProxy(kp)
+            }
+        };
+        Ok(Proxy { kind, runner, sb })
+    }
+
+    /// The agent's or kube-proxy's log, for a failed scenario.
+    pub fn log(&self) -> String {
+        match &self.runner {
+            Runner::Svc { agent, .. } => agent.log(),
+            Runner::KubeProxy(kp) => kp.log(),
+        }
+    }
+
+    pub fn agent(&self) -> Option<&Agent> {
+        match &self.runner {
+            Runner::Svc { agent, .. } => Some(agent),
+            Runner::KubeProxy(_) => None,
+        }
+    }
+
+    pub fn kube_proxy(&self) -> Option<&KubeProxy> {
+        match &self.runner {
+            Runner::KubeProxy(kp) => Some(kp),
+            Runner::Svc { .. } => None,
+        }
+    }
+
+    /// Backend `b<i>` serving TCP and UDP on `ports`, in this proxy's backend namespace.
+    pub fn serve(&self, i: u8, ports: &[u16]) -> Result<Backend> {
+        self.sb.backend(&format!("b{i}"), i, ports)
+    }
+}
+
+/// What a probe does: the same arguments for every proxy.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub to: SocketAddr,
+    pub kind: ProbeKind,
+    pub count: u32,
+    /// Per attempt (connect, reply).
+    pub timeout_ms: u64,
+    /// An AF_INET6 socket to the IPv4-mapped form of an IPv4 `to`.
+    pub v6_mapped: bool,
+    /// UDP: every socket bound to this source port (one flow for conntrack).
+    pub source_port: Option<u16>,
+    pub view: View,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeKind {
+    Tcp,
+    /// sendto/recvfrom on a new socket per exchange.
+    Udp,
+    /// connect, send, recv on a new socket per exchange.
+    UdpConnected,
+}
+
+/// How a probe's attempts are summed up into an outcome.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum View {
+    /// Which backends answered (`b1,b3`) and how the rest failed.
+    Backends,
+    /// Whether one backend answered every time (`1 backend`) or `several backends` did: session
+    /// affinity, where which backend is chance.
+    Distinct,
+}
+
+impl Probe {
+    pub fn tcp(to: SocketAddr, count: u32) -> Probe {
+        Probe {
+            to,
+            kind: ProbeKind::Tcp,
+            count,
+            timeout_ms: 1000,
+            v6_mapped: false,
+            source_port: None,
+            view: View::Backends,
+        }
+    }
+
+    pub fn udp(to: SocketAddr, count: u32) -> Probe {
+        Probe {
+            kind: ProbeKind::Udp,
+            ..Probe::tcp(to, count)
+        }
+    }
+
+    pub fn udp_connected(to: SocketAddr, count: u32) -> Probe {
+        Probe {
+            kind: ProbeKind::UdpConnected,
+            ..Probe::tcp(to, count)
+        }
+    }
+
+    /// Attempts expected to fail end sooner: a timeout is a timeout after 300 ms too.
+    pub fn short(mut self) -> Probe {
+        self.timeout_ms = 300;
+        self
+    }
+
+    pub fn v6_mapped(mut self) -> Probe {
+        self.v6_mapped = true;
+        self
+    }
+
+    pub fn source_port(mut self, port: u16) -> Probe {
+        self.source_port = Some(port);
+        self
+    }
+
+    pub fn distinct(mut self) -> Probe {
+        self.view = View::Distinct;
+        self
+    }
+
+    /// The probe's command line.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            match self.kind {
+                ProbeKind::Tcp => "tcp",
+                ProbeKind::Udp | ProbeKind::UdpConnected => "udp",
+            }
+            .to_string(),
+            "--to".into(),
+            self.to.to_string(),
+            "--count".into(),
+            self.count.to_string(),
+            "--timeout-ms".into(),
+            self.timeout_ms.to_string(),
+            "--who".into(),
+        ];
+        if self.kind == ProbeKind::UdpConnected {
+            a.push("--connected".into());
+        }
+        if self.v6_mapped {
+            a.push("--v6-mapped".into());
+        }
+        if let Some(p) = self.source_port {
+            a.push("--source-port".into());
+            a.push(p.to_string());
+        }
+        a
+    }
+
+    /// Wall-clock bound for one run of the probe.
+    pub fn run_timeout(&self) -> Duration {
+        Duration::from_secs(10) + Duration::from_millis(self.timeout_ms * 2 * self.count as u64)
+    }
+
+    /// Runs the probe in `proxy`'s sandbox and sums it up.
+    pub fn run(&self, proxy: &Proxy) -> Result<Outcome> {
+        let report = proxy.sb.probe(&self.args(), self.run_timeout())?;
+        Ok(Outcome::of(&report, self, &proxy.sb))
+    }
+}
+
+/// How an attempt failed, in kube-proxy's terms.
+pub fn failure_kind(a: &Attempt) -> String {
+    match a.errno {
+        Some(111) => "refused".into(),
+        Some(1) => "EPERM".into(),
+        // A reply that never came (EAGAIN from a receive timeout) or a connect that timed out.
+        Some(11) | Some(110) => "timeout".into(),
+        Some(101) | Some(113) => "unreachable".into(),
+        Some(n) => format!("errno {n}"),
+        None if a.error.as_deref().is_some_and(|e| e.contains("timed out")) => "timeout".into(),
+        None => a.error.clone().unwrap_or_else(|| "failed".into()),
+    }
+}
+
+/// What a client saw, summed up so that two proxies that behave alike give the same text.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// `b1,b2`, `refused`, `b1 + timeout`, `1 backend`; with notes such as
+    /// `peer=10.201.77.11:8080` (the socket showed the backend, not the ClusterIP) or
+    /// `src=10.201.77.2` (the backend saw another source than the client's own address).
+    pub text: String,
+}
+
+impl Outcome {
+    pub fn of(r: &Report, probe: &Probe, sb: &Sandbox) -> Outcome {
+        let answered: BTreeSet<String> = r
+            .results
+            .iter()
+            .filter(|a| a.ok)
+            .filter_map(|a| a.backend.clone())
+            .collect();
+        let failures: BTreeSet<String> = r
+            .results
+            .iter()
+            .filter(|a| !a.ok)
+            .map(failure_kind)
+            .collect();
+        let mut parts = Vec::new();
+        if !answered.is_empty() {
+            parts.push(match probe.view {
+                View::Backends => answered.iter().cloned().collect::<Vec<_>>().join(","),
+                View::Distinct if answered.len() == 1 => "1 backend".into(),
+                View::Distinct => "several backends".into(),
+            });
+        }
+        parts.extend(failures);
+        let mut text = parts.join(" + ");
+        // The address the application sees: getpeername() (TCP, connected UDP) or the reply's
+        // source (unconnected UDP) must be the ClusterIP the client addressed.
+        let addressed = match (probe.v6_mapped, probe.to) {
+            (true, SocketAddr::V4(a)) => {
+                SocketAddr::new(IpAddr::V6(a.ip().to_ipv6_mapped()), a.port())
+            }
+            _ => probe.to,
+        };
+        let shown: BTreeSet<String> = r
+            .results
+            .iter()
+            .filter(|a| a.ok)
+            .filter_map(|a| a.peer.clone().or_else(|| a.from.clone()))
+            .filter(|s| s.parse::<SocketAddr>().ok() != Some(addressed))
+            .collect();
+        for s in shown {
+            text += &format!(" peer={s}");
+        }
+        // The source the backend saw: the client's own address, unless something rewrote it.
+        let client: [IpAddr; 2] = [IpAddr::V4(sb.client_v4()), IpAddr::V6(sb.client_v6())];
+        let sources: BTreeSet<String> = r
+            .results
+            .iter()
+            .filter(|a| a.ok)
+            .filter_map(|a| a.source.as_deref())
+            .filter_map(|s| s.parse::<SocketAddr>().ok())
+            .map(|s| match s.ip() {
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(s.ip()),
+                ip => ip,
+            })
+            .filter(|ip| !client.contains(ip))
+            .map(|ip| ip.to_string())
+            .collect();
+        for s in sources {
+            text += &format!(" src={s}");
+        }
+        if text.is_empty() {
+            text = "nothing".into();
+        }
+        Outcome { text }
+    }
+}
+
+/// One proxy's cell of the table.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Cell {
+    pub outcome: Outcome,
+    /// From the write the observation follows (or the start of the observation) to the first
+    /// expected outcome; None when it never came.
+    pub after: Option<Duration>,
+    /// Whether the outcome is one the scenario expected.
+    pub expected: bool,
+}
+
+impl Cell {
+    fn render(&self, timed: bool) -> String {
+        let mut s = self.outcome.text.clone();
+        match (timed, self.after) {
+            (true, Some(d)) => s += &format!(" ({})", seconds(d)),
+            (_, None) => s += " (not as expected)",
+            _ => {}
+        }
+        s
+    }
+}
+
+fn seconds(d: Duration) -> String {
+    if d < Duration::from_millis(10) {
+        format!("{:.1} ms", d.as_secs_f64() * 1e3)
+    } else if d < Duration::from_secs(1) {
+        format!("{:.0} ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
+/// One row: a check of a scenario, and each proxy's outcome.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Row {
+    /// `scenario/check`.
+    pub check: String,
+    pub what: String,
+    /// Whether the check follows a live change (its time is shown).
+    pub timed: bool,
+    /// By proxy id.
+    pub cells: BTreeMap<String, Cell>,
+}
+
+/// A difference between svc and a kube-proxy that is meant, and why: an entry of
+/// `tests/intended-differences.yaml`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct IntendedDifference {
+    /// `scenario/check`.
+    pub check: String,
+    /// The kube-proxy column(s) it applies to: a proxy id or a prefix of ids
+    /// (`kube-proxy-iptables` covers both iptables backends, `kube-proxy` every mode).
+    pub proxy: String,
+    /// svc's outcome, exactly.
+    pub svc: String,
+    /// kube-proxy's outcome, exactly.
+    pub kube_proxy: String,
+    pub reason: String,
+    /// `intended` (the default): svc means it. `svc-bug`: svc is wrong here; listed (with the
+    /// report) so that the suite stays green until it is fixed, and shown as a bug.
+    #[serde(default)]
+    pub kind: DifferenceKind,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum DifferenceKind {
+    #[default]
+    Intended,
+    SvcBug,
+}
+
+impl IntendedDifference {
+    fn covers(&self, check: &str, proxy: &str, svc: &str, kp: &str) -> bool {
+        self.check == check
+            && proxy.starts_with(&self.proxy)
+            && self.svc == svc
+            && self.kube_proxy == kp
+    }
+}
+
+pub fn load_intended(path: &Path) -> Result<Vec<IntendedDifference>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let list: Option<Vec<IntendedDifference>> =
+        serde_saphyr::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let list = list.unwrap_or_default();
+    for d in &list {
+        if d.reason.trim().is_empty() {
+            bail!(
+                "{}: the entry for {} gives no reason",
+                path.display(),
+                d.check
+            );
+        }
+    }
+    Ok(list)
+}
+
+/// The verdict on one row: the differences between svc and kube-proxy that no entry covers,
+/// and the entries that covered one.
+pub fn judge(row: &Row, intended: &[IntendedDifference]) -> (Vec<String>, Vec<usize>) {
+    let mut unexplained = Vec::new();
+    let mut used = Vec::new();
+    let Some(svc) = row.cells.get("svc") else {
+        return (unexplained, used);
+    };
+    for (proxy, cell) in &row.cells {
+        if proxy == "svc" || cell.outcome == svc.outcome {
+            continue;
+        }
+        match intended
+            .iter()
+            .position(|d| d.covers(&row.check, proxy, &svc.outcome.text, &cell.outcome.text))
+        {
+            Some(i) => used.push(i),
+            None => unexplained.push(format!(
+                "{}: svc saw `{}`, {proxy} saw `{}`",
+                row.check, svc.outcome.text, cell.outcome.text
+            )),
+        }
+    }
+    (unexplained, used)
+}
+
+/// The table, as Markdown: one row per check, one column per proxy, and a last column saying
+/// whether they agree.
+pub fn markdown(rows: &[Row], proxies: &[ProxyKind], intended: &[IntendedDifference]) -> String {
+    let mut out = String::new();
+    out += "| check | what the client does |";
+    for p in proxies {
+        out += &format!(" {} |", p.label());
+    }
+    out += " |\n|---|---|";
+    for _ in proxies {
+        out += "---|";
+    }
+    out += "---|\n";
+    let mut notes: Vec<(String, String)> = Vec::new();
+    for row in rows {
+        out += &format!("| `{}` | {} |", row.check, row.what);
+        for p in proxies {
+            let cell = row
+                .cells
+                .get(p.id())
+                .map(|c| c.render(row.timed))
+                .unwrap_or_else(|| "—".into());
+            out += &format!(" {} |", cell.replace('|', "\\|"));
+        }
+        let (unexplained, used) = judge(row, intended);
+        let kp: BTreeSet<&str> = row
+            .cells
+            .iter()
+            .filter(|(p, _)| p.as_str() != "svc")
+            .map(|(_, c)| c.outcome.text.as_str())
+            .collect();
+        let verdict = if !unexplained.is_empty() {
+            "**differs**".to_string()
+        } else if !used.is_empty() {
+            let mut refs = Vec::new();
+            let mut bug = false;
+            for i in used {
+                let d = &intended[i];
+                bug |= d.kind == DifferenceKind::SvcBug;
+                let key = format!("{} vs {}", d.check, d.proxy);
+                if !notes.iter().any(|(k, _)| *k == key) {
+                    let tag = match d.kind {
+                        DifferenceKind::Intended => "",
+                        DifferenceKind::SvcBug => "**svc bug.** ",
+                    };
+                    notes.push((key.clone(), format!("{tag}{}", d.reason.trim())));
+                }
+                let n = notes.iter().position(|(k, _)| *k == key).unwrap_or(0) + 1;
+                refs.push(format!("[{n}](#intended-{n})"));
+            }
+            refs.dedup();
+            let word = if bug { "**known svc bug**" } else { "intended" };
+            format!("{word} {}", refs.join(" "))
+        } else if kp.len() > 1 {
+            "= (kube-proxy's modes differ)".into()
+        } else {
+            "=".into()
+        };
+        out += &format!(" {verdict} |\n");
+    }
+    if !notes.is_empty() {
+        out += "\nDifferences listed in `tests/intended-differences.yaml`, and why:\n\n";
+        for (i, (key, reason)) in notes.iter().enumerate() {
+            let reason = reason.split_whitespace().collect::<Vec<_>>().join(" ");
+            out += &format!(
+                "{}. <a id=\"intended-{}\"></a>`{key}`: {reason}\n",
+                i + 1,
+                i + 1
+            );
+        }
+    }
+    out
+}
+
+/// Calls `f` for every proxy at once, each on a thread of its own; results in proxy order.
+pub fn each<T: Send>(proxies: &[Proxy], f: impl Fn(&Proxy) -> Result<T> + Sync) -> Vec<Result<T>> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = proxies
+            .iter()
+            .map(|p| {
+                let f = &f;
+                scope.spawn(move || f(p))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a probe thread panicked")))
+            })
+            .collect()
+    })
+}
+
+/// Runs `probe` for every proxy, again and again, until each saw one of `expect` or `within`
+/// has passed since `since`; returns every proxy's cell.
+pub fn observe(
+    proxies: &[Proxy],
+    probe: &Probe,
+    expect: &[&str],
+    since: Instant,
+    within: Duration,
+) -> Result<BTreeMap<String, Cell>> {
+    let cells = each(proxies, |p| {
+        let mut last;
+        loop {
+            let outcome = probe.run(p)?;
+            let expected = expect.contains(&outcome.text.as_str());
+            if expected {
+                return Ok(Cell {
+                    outcome,
+                    after: Some(since.elapsed()),
+                    expected: true,
+                });
+            }
+            last = outcome;
+            if since.elapsed() >= within {
+                return Ok(Cell {
+                    outcome: last,
+                    after: None,
+                    expected: false,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let mut out = BTreeMap::new();
+    for (p, cell) in proxies.iter().zip(cells) {
+        out.insert(
+            p.kind.id().to_string(),
+            cell.with_context(|| format!("probing through {}", p.kind.label()))?,
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,461 @@
+//! Taking over from a running kube-proxy, and handing back, without breaking a connection.
+//!
+//! A node (a sandbox's client namespace) runs kube-proxy; clients there hold long-lived TCP
+//! connections and UDP streams (one connected socket, one unconnected socket with a fixed source
+//! port) through ClusterIPs, while another client opens new connections back to back the whole
+//! time. Then the README's steps for replacing kube-proxy, exactly as written there:
+//!
+//! 1. svc-agent starts beside kube-proxy and becomes ready; new connections go through svc
+//!    from then on (its hook rewrites connect() before kube-proxy's rules see the packet);
+//! 2. kube-proxy stops (its DaemonSet deleted) and `kube-proxy --cleanup` removes its rules;
+//!
+//! and the way back:
+//!
+//! 3. kube-proxy starts again and syncs its rules (while svc still serves every new socket);
+//! 4. svc-agent stops (its DaemonSet deleted) and `svc-agent uninstall` detaches its programs
+//!    and removes its maps; new connections go through kube-proxy again.
+//!
+//! Every connection made before or between the steps must survive all of them, every new
+//! connection must succeed, and new connections must be shown to go through svc (its
+//! `translated` counter) after step 1 and through kube-proxy (conntrack entries NATed from the
+//! ClusterIP) after step 4. The machine's own firewall is checked before and after.
+//!
+//! One test per kube-proxy mode: iptables (on Debian's default iptables-nft) and nftables.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::{json, Value};
+use svc_tests::{
+    agent::{http_get, uninstall},
+    control_plane::ControlPlane,
+    kube_proxy::{self, HostFirewallGuard, IptablesBackend, KubeProxy, KubeProxyConfig, Mode},
+    probe::{HoldReport, StreamReport},
+    require_root, Agent, Sandbox, Tools,
+};
+
+const NODE: &str = "takeover-node";
+
+#[test]
+fn takeover_from_kube_proxy_iptables_and_back() {
+    run(Mode::Iptables(IptablesBackend::Nft)).unwrap();
+}
+
+#[test]
+fn takeover_from_kube_proxy_nftables_and_back() {
+    run(Mode::Nftables).unwrap();
+}
+
+fn log(t0: Instant, what: &str) -> u64 {
+    let now = unix_ms();
+    eprintln!("[{:>6.2} s] {what}", t0.elapsed().as_secs_f64());
+    now
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn objects(sb: &Sandbox) -> Vec<Value> {
+    let ns = "takeover";
+    let b =
+        |i: u8| json!({"addresses": [sb.backend_v4(i).to_string()], "conditions": {"ready": true}});
+    vec![
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": ns},
+               "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "web-1", "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": "web"}},
+               "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+               "endpoints": [b(1), b(2)]}),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "dns", "namespace": ns},
+               "spec": {"ports": [{"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "dns-1", "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": "dns"}},
+               "addressType": "IPv4", "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"}],
+               "endpoints": [b(1), b(2)]}),
+    ]
+}
+
+fn cluster_ip(stored: &[Value], name: &str) -> Result<IpAddr> {
+    let svc = stored
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
+        .with_context(|| format!("no Service {name}"))?;
+    Ok(svc["spec"]["clusterIP"]
+        .as_str()
+        .context("clusterIP")?
+        .parse()?)
+}
+
+/// New connections (TCP, connected UDP, unconnected UDP) all answered.
+fn new_connections_work(sb: &Sandbox, web: SocketAddr, dns: SocketAddr) -> Result<()> {
+    let r = sb.tcp(web, 5, &["--timeout-ms", "1000"])?;
+    ensure!(
+        r.all_ok(),
+        "new TCP connections to {web} failed: {:?}",
+        r.failures()
+    );
+    let r = sb.udp(dns, 3, true)?;
+    ensure!(
+        r.all_ok(),
+        "new connected UDP sockets to {dns} failed: {:?}",
+        r.failures()
+    );
+    let r = sb.udp(dns, 3, false)?;
+    ensure!(
+        r.all_ok(),
+        "new unconnected UDP exchanges with {dns} failed: {:?}",
+        r.failures()
+    );
+    Ok(())
+}
+
+fn eventually(within: Duration, mut f: impl FnMut() -> Result<()>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        match f() {
+            Ok(()) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// svc's count of connect()/sendmsg() calls it translated.
+fn translated(agent: &Agent) -> Result<u64> {
+    let (_, body) = http_get(agent.metrics_addr().context("metrics address")?, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("svc_datapath_decisions_total{reason=\"translated\"} "))
+        .and_then(|v| v.trim().parse().ok())
+        .context("no translated counter in /metrics")
+}
+
+/// conntrack entries in the node's namespace whose original destination is `vip`: flows
+/// kube-proxy NATed (svc's sockets are connected to the backend itself).
+fn natted_flows(sb: &Sandbox, vip: IpAddr) -> Result<usize> {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", sb.client_ns().path().display()))
+        .args(["--", "conntrack", "-L", "-d", &vip.to_string()])
+        .stdin(Stdio::null())
+        .output()
+        .context("running conntrack")?;
+    ensure!(
+        out.status.success(),
+        "conntrack -L: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+}
+
+/// The README's section on replacing kube-proxy: the steps this test performs. Fails if it
+/// no longer names a command the test runs.
+fn readme_steps() -> Result<String> {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))?;
+    let start = readme
+        .find("To replace kube-proxy:")
+        .context("README.md: no \"To replace kube-proxy:\" section")?;
+    let end = readme[start..]
+        .find("\n## ")
+        .map_or(readme.len(), |e| start + e);
+    let section = readme[start..end].to_string();
+    for command in [
+        "kubectl -n kube-system delete daemonset kube-proxy",
+        "kube-proxy --cleanup",
+        "nft delete table ip svc-keep-nat; nft delete table ip6 svc-keep-nat",
+        "kubectl -n kube-system delete daemonset svc-agent",
+        "svc-agent uninstall",
+    ] {
+        ensure!(
+            section.contains(command),
+            "README.md's steps for replacing kube-proxy no longer say `{command}`, which this \
+             test performs: update one or the other"
+        );
+    }
+    Ok(section)
+}
+
+/// The nftables script the README runs before `kube-proxy --cleanup` in nftables mode (the
+/// lines of its `nft -f - <<'EOF'` block): one NAT base chain and one conntrack match, IPv4
+/// and IPv6 (see step 2 in `run`).
+fn readme_keep_nat(section: &str) -> Result<String> {
+    let lines: Vec<&str> = section.lines().map(str::trim).collect();
+    let from = lines
+        .iter()
+        .position(|l| *l == "nft -f - <<'EOF'")
+        .context("README.md: no `nft -f - <<'EOF'` block in the steps")?;
+    let to = lines[from..]
+        .iter()
+        .position(|l| *l == "EOF")
+        .context("README.md: the nft block has no EOF")?;
+    Ok(lines[from + 1..from + to].join("\n") + "\n")
+}
+
+/// `nft -f -` in the node's namespace.
+fn nft(sb: &Sandbox, script: &str) -> Result<()> {
+    use std::io::Write;
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net={}", sb.client_ns().path().display()))
+        .args(["--", "nft", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running nft")?;
+    child
+        .stdin
+        .take()
+        .context("nft stdin")?
+        .write_all(script.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "nft -f: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+fn check_hold(what: &str, r: &HoldReport, n: u32) -> Result<()> {
+    ensure!(
+        r.connections.len() == n as usize,
+        "{what}: {} connections",
+        r.connections.len()
+    );
+    for (i, c) in r.connections.iter().enumerate() {
+        ensure!(
+            c.failures == 0 && c.exchanges > 0 && !c.switched,
+            "{what}: connection {i} broke: {c:?}"
+        );
+    }
+    eprintln!(
+        "    {what}: {} connections, {} exchanges, none failed",
+        n,
+        r.connections.iter().map(|c| c.exchanges).sum::<u64>()
+    );
+    Ok(())
+}
+
+fn check_stream(what: &str, r: &StreamReport, t0_ms: u64) -> Result<()> {
+    let failed: Vec<_> = r.exchanges.iter().filter(|e| !e.ok).collect();
+    let sockets = r.exchanges.iter().map(|e| e.socket).max().unwrap_or(0) + 1;
+    if !failed.is_empty() || sockets != 1 {
+        let summary: Vec<String> = failed
+            .iter()
+            .take(8)
+            .map(|e| {
+                format!(
+                    "{:+.2} s {}",
+                    (e.at_ms as f64 - t0_ms as f64) / 1e3,
+                    e.error.clone().unwrap_or_default()
+                )
+            })
+            .collect();
+        bail!(
+            "{what}: {} of {} exchanges failed, {sockets} sockets; first failures (since the \
+             start): {summary:?}",
+            failed.len(),
+            r.exchanges.len()
+        );
+    }
+    eprintln!(
+        "    {what}: {} exchanges on one socket, none failed",
+        r.exchanges.len()
+    );
+    Ok(())
+}
+
+fn run(mode: Mode) -> Result<()> {
+    require_root();
+    let steps = readme_steps()?;
+    let keep_nat = readme_keep_nat(&steps)?;
+    ensure!(
+        keep_nat.contains("svc-keep-nat"),
+        "README.md's nft block: {keep_nat}"
+    );
+    let mut firewall = HostFirewallGuard::new()?;
+    let t0 = Instant::now();
+    let t0_ms = unix_ms();
+    let cp = ControlPlane::start()?;
+    let sb = Sandbox::new(Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe")))?;
+    sb.add_default_route()?;
+    let _backends = sb.backends(2, &[8080, 5353])?;
+    let node = json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+        "status": {"addresses": [{"type": "InternalIP", "address": sb.client_v4().to_string()}]},
+    });
+    cp.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
+    cp.apply_yaml(
+        &json!({"apiVersion": "v1", "kind": "Namespace",
+                          "metadata": {"name": "takeover"}})
+        .to_string(),
+    )?;
+    let yaml: Vec<String> = objects(&sb).iter().map(Value::to_string).collect();
+    let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
+    let web = SocketAddr::new(cluster_ip(&stored, "web")?, 80);
+    let dns = SocketAddr::new(cluster_ip(&stored, "dns")?, 53);
+
+    // The node as it is before: kube-proxy serves it.
+    let bin = kube_proxy::binary_from_env()?;
+    let mut kp = KubeProxy::start(KubeProxyConfig::new(&bin, mode, NODE), &cp, sb.client_ns())?;
+    kp.wait_ready(kube_proxy::READY_TIMEOUT)?;
+    eventually(Duration::from_secs(20), || {
+        new_connections_work(&sb, web, dns)
+    })?;
+    log(t0, &format!("{} serves the node", mode.label()));
+
+    // Clients that live through everything; and new connections back to back all along.
+    let whole = Duration::from_secs(30);
+    let hold_a = sb.spawn_hold(web, 4, whole, 50)?;
+    let udp_a = sb.spawn_udp_stream(dns, whole, 50, 1000)?;
+    let udp_unconnected_a = sb.spawn_udp_unconnected(dns, 1, whole, 50, 1000)?;
+    let new_all_along = sb.spawn_loop(web, whole)?;
+    let clients_started = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    log(
+        t0,
+        "long-lived TCP connections and UDP streams through kube-proxy",
+    );
+
+    // Step 1: svc-agent starts beside kube-proxy.
+    let bpffs = sb.bpffs()?;
+    let mut agent = sb.agent_kube(&bpffs, &cp, NODE, &[])?;
+    log(t0, "step 1: svc-agent ready beside kube-proxy");
+    let before = translated(&agent)?;
+    new_connections_work(&sb, web, dns)?;
+    let after = translated(&agent)?;
+    ensure!(
+        after >= before + 11,
+        "new connections did not go through svc (translated {before} -> {after})"
+    );
+
+    // Step 2: kube-proxy stops, its rules are cleaned away. In nftables mode kube-proxy's table
+    // holds the namespace's only NAT chains and its only conntrack expressions: deleting it
+    // unregisters the NAT hooks and conntrack's own, and every flow kube-proxy NATed (an
+    // established TCP connection or a connected UDP socket to a ClusterIP) breaks: its
+    // packets leave with the ClusterIP as destination. A table with one NAT chain and one
+    // conntrack match keeps both registered until those flows are gone (measured: without the
+    // NAT chain, or without the conntrack match, they break). iptables mode leaves its base
+    // chains behind, which keeps both.
+    if mode == Mode::Nftables {
+        nft(&sb, &keep_nat)?;
+    }
+    kp.stop(Duration::from_secs(10))?;
+    kp.cleanup()?;
+    let rules = kp.rules()?;
+    // iptables mode leaves an empty KUBE-FIREWALL chain (shared with the kubelet) behind.
+    let left: Vec<&str> = rules
+        .lines()
+        .filter(|l| {
+            l.contains("kube-proxy") || (l.contains("KUBE-") && !l.contains("KUBE-FIREWALL"))
+        })
+        .collect();
+    ensure!(
+        left.is_empty(),
+        "kube-proxy --cleanup left rules behind: {left:?}\n{rules}"
+    );
+    log(
+        t0,
+        "step 2: kube-proxy stopped, `kube-proxy --cleanup` removed its rules",
+    );
+    new_connections_work(&sb, web, dns)?;
+    ensure!(
+        translated(&agent)? >= after + 11,
+        "new connections did not go through svc"
+    );
+
+    // Clients made under svc, which must survive the way back.
+    // Ending a few seconds before the first clients, so that they see all of the way back.
+    let rest = whole
+        .saturating_sub(clients_started.elapsed())
+        .saturating_sub(Duration::from_secs(5));
+    ensure!(
+        rest > Duration::from_secs(10),
+        "steps 1 and 2 took too long: {:?}",
+        t0.elapsed()
+    );
+    let hold_b = sb.spawn_hold(web, 4, rest, 50)?;
+    let udp_b = sb.spawn_udp_stream(dns, rest, 50, 1000)?;
+    std::thread::sleep(Duration::from_secs(3));
+    log(
+        t0,
+        "long-lived TCP connections and a UDP stream through svc",
+    );
+
+    // Step 3: kube-proxy back.
+    kp.restart()?;
+    kp.wait_ready(kube_proxy::READY_TIMEOUT)?;
+    log(t0, "step 3: kube-proxy started again and synced");
+
+    // Step 4: svc-agent stops and is uninstalled.
+    let status = agent.terminate(Duration::from_secs(10))?;
+    ensure!(status.success(), "svc-agent exited with {status}");
+    uninstall(&sb.tools.agent, bpffs.path(), Some(sb.cgroup().path()))?;
+    ensure!(
+        !bpffs.path().exists(),
+        "uninstall left {}",
+        bpffs.path().display()
+    );
+    log(t0, "step 4: svc-agent stopped and uninstalled");
+    if mode == Mode::Nftables {
+        // kube-proxy's own NAT chains are back: the keeper goes.
+        nft(
+            &sb,
+            "delete table ip svc-keep-nat\ndelete table ip6 svc-keep-nat\n",
+        )?;
+    }
+    let natted = natted_flows(&sb, web.ip())?;
+    new_connections_work(&sb, web, dns)?;
+    ensure!(
+        natted_flows(&sb, web.ip())? > natted,
+        "new connections were not NATed by kube-proxy"
+    );
+
+    let loop_report = sb.finish_loop(new_all_along, whole + Duration::from_secs(20))?;
+    let hold_a = sb.finish_hold(hold_a, whole + Duration::from_secs(20))?;
+    let hold_b = sb.finish_hold(hold_b, whole)?;
+    let udp_a = sb.finish_udp_stream(udp_a, whole + Duration::from_secs(20))?;
+    let udp_unconnected_a =
+        sb.finish_udp_stream(udp_unconnected_a, whole + Duration::from_secs(20))?;
+    let udp_b = sb.finish_udp_stream(udp_b, whole)?;
+    log(t0, "clients done");
+    let mut failures = Vec::new();
+    eprintln!(
+        "    new connections all along: {} ok, {} failed {:?}",
+        loop_report.ok, loop_report.failed, loop_report.errors
+    );
+    if loop_report.failed != 0 || loop_report.ok == 0 {
+        failures.push(format!("new connections failed: {loop_report:?}"));
+    }
+    for r in [
+        check_hold("TCP connections made under kube-proxy", &hold_a, 4),
+        check_hold("TCP connections made under svc", &hold_b, 4),
+        check_stream("connected UDP socket made under kube-proxy", &udp_a, t0_ms),
+        check_stream(
+            "unconnected UDP socket (one source port) made under kube-proxy",
+            &udp_unconnected_a,
+            t0_ms,
+        ),
+        check_stream("connected UDP socket made under svc", &udp_b, t0_ms),
+    ] {
+        if let Err(e) = r {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    drop(kp);
+    drop(bpffs);
+    drop(sb);
+    drop(cp);
+    firewall.check()?;
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(())
+}
