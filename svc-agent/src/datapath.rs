@@ -1363,8 +1363,8 @@ pub struct PacketStats {
     pub snat_ports_max: u64,
 }
 
-/// Reads `DEV_STATS` and `CT` from the pins in `dir` (the whole CT map, in batches: a scrape
-/// of a full 262,144-entry map reads about 25 MB).
+/// Reads `DEV_STATS` and `CT` from the pins in `dir`: the whole CT map, in batches of a few
+/// hundred KB (a full 262,144-entry map is about 25 MB to read, never held at once).
 pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
     use svc_common::{ct_dir, ct_flags, pkt_stat, CtKey, CtValue, DevStatKey};
     let mut out = PacketStats::default();
@@ -1386,14 +1386,13 @@ pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
         .info()
         .map_err(|e| load_err(map_names::CT, e))?
         .max_entries();
-    let entries = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())
-        .map_err(|e| load_err(map_names::CT, e))?;
-    out.ct_entries = entries.len() as u64;
+    // Per (SNAT address, backend): as many entries as there are such pairs, not flows.
     let mut ports: std::collections::HashMap<([u8; 16], [u8; 16], u16, u8), u64> =
         std::collections::HashMap::new();
-    for (k, v) in &entries {
+    sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
+        out.ct_entries += 1;
         if k.dir != ct_dir::FORWARD {
-            continue;
+            return;
         }
         out.flows += 1;
         if v.flags & ct_flags::SNAT != 0 {
@@ -1402,7 +1401,8 @@ pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
                 .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
                 .or_default() += 1;
         }
-    }
+    })
+    .map_err(|e| load_err(map_names::CT, e))?;
     out.snat_ports_max = ports.values().copied().max().unwrap_or(0);
     Ok(out)
 }

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tracing::{debug, info, warn};
 
 use crate::error::Error;
@@ -180,23 +180,8 @@ async fn serve(
         let healthy = metrics.health().ok;
         let owner = owner.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while len < buf.len() {
-                    let n = conn.read(&mut buf[len..]).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    len += n;
-                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                Ok::<_, std::io::Error>(())
-            })
-            .await;
-            if !matches!(read, Ok(Ok(()))) {
+            // kube-proxy answers any request the same: only that one arrived matters.
+            if crate::metrics::read_head(&mut conn).await.is_none() {
                 return;
             }
             if let Err(e) = conn

@@ -480,31 +480,24 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            // Only the request line matters; stop at the end of the headers or when full.
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while len < buf.len() {
-                    let n = conn.read(&mut buf[len..]).await?;
-                    if n == 0 {
-                        break;
-                    }
-                    len += n;
-                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                Ok::<_, std::io::Error>(())
-            })
-            .await;
-            if !matches!(read, Ok(Ok(()))) {
+            let Some(head) = read_head(&mut conn).await else {
                 return;
-            }
-            let head = String::from_utf8_lossy(&buf[..len]);
+            };
+            let head = String::from_utf8_lossy(&head);
             let mut parts = head.split_whitespace();
             let reply = match (parts.next(), parts.next()) {
                 (Some("GET"), Some(path)) => {
-                    answer(&metrics, port, path.split('?').next().unwrap_or(""))
+                    // Off the runtime's one thread: a scrape walks the connection-tracking
+                    // map (tens of ms when full), which must not hold up the sync.
+                    let (metrics, path) = (
+                        metrics.clone(),
+                        path.split('?').next().unwrap_or("").to_owned(),
+                    );
+                    tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
+                        .await
+                        .unwrap_or_else(|e| {
+                            response("500 Internal Server Error", "text/plain", &format!("{e}\n"))
+                        })
                 }
                 _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
             };
@@ -513,6 +506,32 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
             }
         });
     }
+}
+
+/// The start of an HTTP request, up to the end of its headers or 4 KiB, whichever comes first
+/// (only the request line matters to these servers); `None` when the client stalls for 5 s or
+/// the read fails.
+pub(crate) async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; 4096];
+    let mut len = 0;
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while len < buf.len() {
+            let n = conn.read(&mut buf[len..]).await?;
+            if n == 0 {
+                break;
+            }
+            len += n;
+            if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+    matches!(read, Ok(Ok(()))).then(|| {
+        buf.truncate(len);
+        buf
+    })
 }
 
 /// Binds an address for `serve`, naming it in the error.

@@ -189,14 +189,26 @@ pub fn dump_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
     map: BorrowedFd<'_>,
 ) -> io::Result<Vec<(K, V)>> {
     let mut out = Vec::new();
+    for_each_hash(map, |k: &K, v: &V| out.push((*k, *v)))?;
+    Ok(out)
+}
+
+/// Calls `f` on every entry of a hash map, read in batches as [`dump_hash`] does, in memory of
+/// one batch: a walk of a full connection-tracking map does not hold the map.
+pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    mut f: impl FnMut(&K, &V),
+) -> io::Result<()> {
     let mut chunk: u32 = 4096;
+    let mut keys: Vec<K> = Vec::new();
+    let mut values: Vec<V> = Vec::new();
     // The kernel's cursor for hash maps is a bucket index (u32).
     let mut in_batch: u32 = 0;
     let mut out_batch: u32 = 0;
     let mut first = true;
     loop {
-        let mut keys: Vec<K> = vec![K::zeroed(); chunk as usize];
-        let mut values: Vec<V> = vec![V::zeroed(); chunk as usize];
+        keys.resize(chunk as usize, K::zeroed());
+        values.resize(chunk as usize, V::zeroed());
         let mut attr = Attr::zeroed();
         // struct { __aligned_u64 in_batch, out_batch, keys, values; __u32 count, map_fd;
         //          __u64 elem_flags, flags; } batch;
@@ -210,21 +222,23 @@ pub fn dump_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
         attr.put_u32(36, map.as_raw_fd() as u32);
         let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
         let count = u32::from_ne_bytes(attr.0[32..36].try_into().expect("4 bytes")) as usize;
-        match r {
-            Ok(_) => {}
+        let last = match r {
+            Ok(_) => false,
             // The last batch: what it holds is valid.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                out.extend(keys.into_iter().zip(values).take(count));
-                return Ok(out);
-            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             // One bucket holds more entries than the buffer: retry it with a larger one.
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && chunk < (1 << 20) => {
                 chunk *= 4;
                 continue;
             }
             Err(e) => return Err(e),
+        };
+        for (k, v) in keys.iter().zip(&values).take(count) {
+            f(k, v);
         }
-        out.extend(keys.into_iter().zip(values).take(count));
+        if last {
+            return Ok(());
+        }
         in_batch = out_batch;
         first = false;
     }

@@ -1973,6 +1973,73 @@ fn per_packet_cluster_ip_on_pod_devices() {
     assert_eq!(dp.stat(stat::REFUSED_NO_PORT), 1);
 }
 
+/// Two flows from one pod address and port to one backend through two frontends (ClusterIP
+/// 10.96.0.11:80 and NodePort 30080 through a node address both select 10.244.1.5:8080) on a
+/// pod device: as on the external devices, the second keeps the pod's address and gets a port
+/// from the SNAT range, goes to the stack (the backend is another pod: no bounce), and each
+/// flow's replies come from its own frontend to the pod's own port.
+#[test]
+fn pod_reply_tuple_clash_remaps_the_pod_port() {
+    let dp = world();
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let c = "10.244.1.6:50010";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the first flow: DNAT only",
+                PodIngress,
+                pod(tcp(c, "10.96.0.11:80", TCP_SYN)),
+                OK,
+                Packet(pod(tcp(c, "10.244.1.5:8080", TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the same pod port to the other frontend: the port is remapped, to the stack",
+                PodIngress,
+                pod(tcp(c, "192.0.2.10:30080", TCP_SYN)),
+                OK,
+                Packet(pod(tcp("10.244.1.6:61000", "10.244.1.5:8080", TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the first flow's reply still comes from its ClusterIP",
+                PodEgress,
+                to_pod(tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp("10.96.0.11:80", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's reply: from its frontend, to the pod's own port",
+                PodEgress,
+                to_pod(tcp(
+                    "10.244.1.5:8080",
+                    "10.244.1.6:61000",
+                    TCP_SYN | TCP_ACK,
+                )),
+                OK,
+                Packet(to_pod(tcp("192.0.2.10:30080", c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the second flow's next segment: remapped from its entry, to the stack",
+                PodIngress,
+                pod(tcp(c, "192.0.2.10:30080", TCP_ACK)),
+                OK,
+                Packet(pod(tcp("10.244.1.6:61000", "10.244.1.5:8080", TCP_ACK))),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    assert_eq!(
+        dp.dev_stat(dp.pod0, pkt_stat::ERR_CT_UPDATE),
+        0,
+        "nothing dropped"
+    );
+}
+
 /// IPv4 options and IPv6 extension headers are walked over, not dropped or mangled; more
 /// extension headers than the walk reads: passed untouched, counted.
 #[test]

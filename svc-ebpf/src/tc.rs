@@ -295,8 +295,8 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return send_routed(ctx, s, pkt_stat::REPLY);
     }
     match ext_frontend(s, node, now) {
-        NEW_LOCAL => match ext_new_local(ctx, s) {
-            REMAP => ext_new_remapped(ctx, s),
+        NEW_LOCAL => match new_local(ctx, s) {
+            REMAP => new_remapped(ctx, s),
             verdict => verdict,
         },
         NEW_SNAT => ext_new_snat(ctx, s),
@@ -410,15 +410,15 @@ fn snat_flow(f: &mut Flow, p: &Pkt, addr: &[u8; 16]) {
     f.rep.snat_port_be = p.sport_be;
 }
 
-/// `ext_new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc
-/// verdict; `ext_new_remapped` takes the packet instead (a sibling call, not a callee, so the
-/// SNAT port search does not stack on this frame).
+/// `new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc verdict;
+/// `new_remapped` takes the packet instead (a sibling call, not a callee, so the SNAT port
+/// search does not stack on this frame).
 const REMAP: i32 = 0x100;
 
 /// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
-/// client to `s.dst`.
+/// client to `s.dst`; `REMAP` when its reply tuple clashes. Both device kinds.
 #[inline(never)]
-fn ext_new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
+fn new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
     match ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
         ct::CREATED => {}
         ct::CLASH => return REMAP,
@@ -435,24 +435,24 @@ fn ext_new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
     to_stack(ctx, s, pkt_stat::NEW)
 }
 
-/// A new flow to a local backend whose reply tuple another live flow holds (the same client
-/// address and port, through another frontend of the backend): the client keeps its address
-/// and gets another source port from the SNAT range, as conntrack's clash resolution does,
-/// so neither flow's replies are taken for the other's.
+/// A new flow whose reply tuple another live flow holds (the same client address and port to
+/// the same backend, through another frontend): the client keeps its address and gets
+/// another source port from the SNAT range, as conntrack's clash resolution does, so neither
+/// flow's replies are taken for the other's.
 #[inline(never)]
-fn ext_new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
+fn new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
     let client = s.p.saddr;
-    snat_flow(&mut s.new, &s.p, &client);
-    if !store_snat(s) {
+    if !commit_snat(s, &client) {
         return SHOT;
     }
     to_stack(ctx, s, pkt_stat::NEW)
 }
 
-/// Stores a SNATed flow (its port chosen); false when it cannot be (counted: the packet is
-/// dropped).
+/// Stores the new flow SNATed to `addr` (its port chosen); false when it cannot be (counted:
+/// the packet is dropped).
 #[inline(always)]
-fn store_snat(s: &mut Scratch) -> bool {
+fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
+    snat_flow(&mut s.new, &s.p, addr);
     match ct::create_snat(&mut s.new) {
         ct::SNAT_OK => {
             count(stat::TRANSLATED);
@@ -504,8 +504,7 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
         }
         snat = s.p.daddr;
     }
-    snat_flow(&mut s.new, &s.p, &snat);
-    if !store_snat(s) {
+    if !commit_snat(s, &snat) {
         return SHOT;
     }
     if !routed {
@@ -552,7 +551,10 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
         return pod_send(ctx, s, pkt_stat::REPLY);
     }
     match pod_frontend(s, now) {
-        NEW_LOCAL => pod_new(ctx, s),
+        NEW_LOCAL => match new_local(ctx, s) {
+            REMAP => new_remapped(ctx, s),
+            verdict => verdict,
+        },
         NEW_SNAT => pod_new_hairpin(ctx, s),
         REJECT => reject::reject(ctx, s),
         verdict => verdict as i32,
@@ -560,12 +562,13 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
 }
 
 /// Sends a pod flow's packet on: to the stack, or straight back into the pod's device when
-/// the flow is a pod reaching itself (SNAT: the stack would take the frontend as a martian
-/// source).
+/// the flow is a pod reaching itself, either way (its source is then the frontend, which the
+/// stack would take as a martian). A flow whose port was remapped (`new_remapped`) is SNATed
+/// too, but goes to another pod: to the stack.
 #[inline(always)]
 fn pod_send(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
     let verdict = to_stack(ctx, s, reason);
-    if verdict != OK || s.v.flags & ct_flags::SNAT == 0 {
+    if verdict != OK || s.dst.addr != s.p.saddr {
         return verdict;
     }
     fwd::bounce(ctx, s.p.ifindex)
@@ -620,31 +623,13 @@ fn pod_frontend(s: &mut Scratch, now: u64) -> u32 {
     NEW_SNAT
 }
 
-#[inline(never)]
-fn pod_new(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    // A clash (the pod's port already reaching this backend through another frontend) is
-    // dropped, counted, rather than taking the other flow's replies: the per-packet path has
-    // no port remapping (its SNATed flows are the pod reaching itself).
-    if ct::create(&s.new.key, &s.new.fwd, &s.new.rep) != ct::CREATED {
-        dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
-        return SHOT;
-    }
-    count(stat::TRANSLATED);
-    s.src = Endpoint {
-        addr: s.p.saddr,
-        port_be: s.p.sport_be,
-    };
-    to_stack(ctx, s, pkt_stat::NEW)
-}
-
 /// The pod is its own backend: it must see the packet come from elsewhere, or it would
 /// answer itself inside its own namespace. From the frontend, on a SNAT port; straight back
 /// into its device.
 #[inline(never)]
 fn pod_new_hairpin(ctx: &TcContext, s: &mut Scratch) -> i32 {
     let frontend = s.p.daddr;
-    snat_flow(&mut s.new, &s.p, &frontend);
-    if !store_snat(s) {
+    if !commit_snat(s, &frontend) {
         return SHOT;
     }
     let verdict = to_stack(ctx, s, pkt_stat::NEW);

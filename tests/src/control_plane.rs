@@ -87,6 +87,8 @@ pub struct ControlPlane {
     etcd_url: String,
     port: u16,
     kubeconfig: PathBuf,
+    /// Flags added to kube-apiserver's own, after them.
+    extra_args: Vec<String>,
     /// Set by the first shutdown (`stop`, then Drop, would run it twice).
     stopped: bool,
 }
@@ -101,6 +103,12 @@ impl ControlPlane {
     /// Starts etcd, waits for its health, starts kube-apiserver and waits until `/readyz` says ok,
     /// the `default` namespace exists and Service IPs can be allocated.
     pub fn start_with(bins: Binaries) -> Result<Self> {
+        Self::start_with_args(bins, &[])
+    }
+
+    /// As [`ControlPlane::start_with`], with `extra` flags for kube-apiserver (after its own:
+    /// a flag given twice takes the later value).
+    pub fn start_with_args(bins: Binaries, extra: &[&str]) -> Result<Self> {
         let dir = temp_dir()?;
         // Built before anything starts, so that Drop cleans up whatever fails part way.
         let mut cp = Self {
@@ -111,6 +119,7 @@ impl ControlPlane {
             apiserver: None,
             etcd_url: String::new(),
             port: 0,
+            extra_args: extra.iter().map(|a| a.to_string()).collect(),
             stopped: false,
         };
         cp.make_pki().context("making certificates")?;
@@ -138,6 +147,48 @@ impl ControlPlane {
     /// `http://127.0.0.1:<port>`, etcd's client URL.
     pub fn etcd_url(&self) -> &str {
         &self.etcd_url
+    }
+
+    /// Writes `entries` (key, value) straight into etcd, 128 to a transaction (etcd's default
+    /// limit), through its JSON gateway. For objects kube-apiserver cannot create fast enough
+    /// (see `bulk::populate_via_etcd`); the apiserver's watch sees them as any other write.
+    pub fn etcd_put(&self, entries: &[(String, Vec<u8>)]) -> Result<()> {
+        use base64::Engine as _;
+        let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        let port: u16 = self
+            .etcd_url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("etcd's port")?;
+        for chunk in entries.chunks(128) {
+            let ops: Vec<serde_json::Value> = chunk
+                .iter()
+                .map(|(k, v)| {
+                    serde_json::json!({"requestPut": {"key": b64(k.as_bytes()), "value": b64(v)}})
+                })
+                .collect();
+            let body = serde_json::json!({ "success": ops }).to_string();
+            let mut conn = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+            conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+            write!(
+                conn,
+                "POST /v3/kv/txn HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )?;
+            let mut response = String::new();
+            conn.read_to_string(&mut response)?;
+            if !response.starts_with("HTTP/1.1 200") || !response.contains(r#""succeeded":true"#) {
+                bail!(
+                    "etcd refused a write of {} keys from {}: {}",
+                    chunk.len(),
+                    chunk[0].0,
+                    response.lines().last().unwrap_or_default()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The temporary directory: logs (`etcd.log`, `kube-apiserver.log`), certificates,
@@ -495,6 +546,7 @@ impl ControlPlane {
             arg.push(path(file));
             args.push(arg);
         }
+        args.extend(self.extra_args.iter().map(OsString::from));
         args
     }
 

@@ -10,12 +10,14 @@
 //! removed and those before the cgroup goes.
 
 pub mod agent;
+pub mod bulk;
 pub mod cgroup;
 pub mod control_plane;
 pub mod kube_proxy;
 pub mod manifest;
 pub mod netns;
 pub mod parity;
+pub mod plot;
 pub mod probe;
 pub mod procs;
 pub mod report;

@@ -65,7 +65,8 @@ enum Task {
         scale: bool,
         /// Only svc beside the real kube-proxy (iptables mode on iptables-nft and on
         /// iptables-legacy, nftables mode) with 1,000, 10,000 and 30,000 Services
-        /// (svc-vs-kube-proxy-bench); JSON in target/bench/vs-kube-proxy.json.
+        /// (svc-vs-kube-proxy-bench); JSON and PNG charts in target/bench/, or with --write
+        /// in docs/bench/ next to the table.
         #[arg(long)]
         vs_kube_proxy: bool,
         /// With --vs-kube-proxy: 1,000 Services only, 3 rounds, 10 changes.
@@ -314,16 +315,20 @@ fn main() -> Result<()> {
                         "256",
                         "--section",
                         "kube-scale",
+                        // Through the API, creating 100,000 Services takes hours here.
+                        "--via-etcd",
                     ]))?;
                 }
             }
             if let (true, Some(cp)) = (vs_kube_proxy, &control_plane) {
-                let out = root().join("target/bench");
+                let out = root().join(if write { "docs/bench" } else { "target/bench" });
                 std::fs::create_dir_all(&out)?;
                 let mut c = bench("svc-vs-kube-proxy-bench");
                 c.envs(cp.env())
                     .arg("--json")
-                    .arg(out.join("vs-kube-proxy.json"));
+                    .arg(out.join("vs-kube-proxy.json"))
+                    .arg("--plots")
+                    .arg(&out);
                 if quick {
                     c.arg("--quick");
                 }

@@ -32,24 +32,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, ObjectList, PostParams};
 use kube::{Api, Client};
 use svc_agent::model::{Frontend, Protocol};
-use svc_agent::source::kube::{
-    service_selector, slice_selector, SERVICE_NAME_LABEL, TRIGGER_TIME_ANNOTATION,
-};
+use svc_agent::source::kube::{service_selector, slice_selector, TRIGGER_TIME_ANNOTATION};
 use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
 use svc_tests::control_plane::ControlPlane;
-use svc_tests::{report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
+use svc_tests::{bulk, report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
 
 #[derive(Parser)]
 struct Args {
@@ -68,6 +63,11 @@ struct Args {
     /// API requests in flight while the objects are created.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Write the Services and slices straight into etcd instead of creating them through the
+    /// API (`svc_tests::bulk::populate_via_etcd`: kube-apiserver's ClusterIP allocation is
+    /// quadratic in the Service count); the agent still reads them through the API server.
+    #[arg(long)]
+    via_etcd: bool,
     /// Cold starts, each on empty maps; the median is reported, the last agent stays for the
     /// changes.
     #[arg(long, default_value_t = 5)]
@@ -97,18 +97,6 @@ const POLL: Duration = Duration::from_micros(100);
 const TARGET_COLD_START: Duration = Duration::from_secs(2);
 const TARGET_CHANGE_P99: Duration = Duration::from_millis(50);
 
-/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, clear of 10.96.0.1 (the
-/// `kubernetes` Service) and inside the API server's 10.96.0.0/12.
-fn cluster_ip(i: u32) -> Ipv4Addr {
-    let block = 1 + i / 250;
-    Ipv4Addr::new(
-        10,
-        96 + (block / 256) as u8,
-        (block % 256) as u8,
-        (1 + i % 250) as u8,
-    )
-}
-
 /// Endpoint `k` of Service `i` at creation: 10.128.0.0 onwards. Nothing listens there.
 fn endpoint_ip(i: u32, k: u32, per_service: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0a80_0000 + i * per_service + k)
@@ -119,68 +107,22 @@ fn changed_ip(c: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0ae0_0000 + c)
 }
 
-fn service_name(i: u32) -> String {
-    format!("svc-{i}")
-}
-
-fn service(i: u32) -> Service {
-    Service {
-        metadata: ObjectMeta {
-            name: Some(service_name(i)),
-            namespace: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        spec: Some(ServiceSpec {
-            type_: Some("ClusterIP".into()),
-            cluster_ip: Some(cluster_ip(i).to_string()),
-            ports: Some(vec![ServicePort {
-                port: PORT.into(),
-                target_port: Some(IntOrString::Int(TARGET_PORT.into())),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn endpoint(ip: Ipv4Addr) -> Endpoint {
-    Endpoint {
-        addresses: vec![ip.to_string()],
-        conditions: Some(EndpointConditions {
-            ready: Some(true),
-            serving: Some(true),
-            terminating: Some(false),
-        }),
-        ..Default::default()
-    }
-}
-
-fn slice(i: u32, per_service: u32) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(format!("{}-0", service_name(i))),
-            namespace: Some(NAMESPACE.into()),
-            labels: Some([(SERVICE_NAME_LABEL.to_string(), service_name(i))].into()),
-            ..Default::default()
-        },
-        address_type: "IPv4".into(),
-        endpoints: (0..per_service)
-            .map(|k| endpoint(endpoint_ip(i, k, per_service)))
-            .collect(),
-        ports: Some(vec![EndpointPort {
-            name: Some(String::new()),
-            port: Some(TARGET_PORT.into()),
-            protocol: Some("TCP".into()),
-            ..Default::default()
-        }]),
-    }
+/// Service `i` and its slice as created.
+fn objects(i: u32, per_service: u32) -> (Service, EndpointSlice) {
+    (
+        bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
+        bulk::slice(
+            NAMESPACE,
+            i,
+            (0..per_service).map(|k| endpoint_ip(i, k, per_service)),
+            TARGET_PORT,
+        ),
+    )
 }
 
 fn frontend_key(i: u32) -> ServiceKey {
     service_key(&Frontend::cluster(
-        IpAddr::V4(cluster_ip(i)),
+        IpAddr::V4(bulk::cluster_ip(i)),
         PORT,
         Protocol::Tcp,
     ))
@@ -188,65 +130,6 @@ fn frontend_key(i: u32) -> ServiceKey {
 
 fn backend_addr(ip: Ipv4Addr) -> [u8; 16] {
     addr16(IpAddr::V4(ip))
-}
-
-/// Creates, retrying what a loaded API server refuses for a moment; an object that already
-/// exists (a retried request that had succeeded) is read back instead.
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
-where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match api.create(&PostParams::default(), obj).await {
-            Ok(o) => return Ok(o),
-            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
-            Err(e) if attempt < 5 => {
-                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
-            }
-            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
-        }
-    }
-}
-
-/// Every Service and its slice, `concurrency` at a time; the slices as stored, by index.
-async fn populate(client: Client, args: &Args) -> Result<Vec<EndpointSlice>> {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    create(&namespaces, &ns).await?;
-    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
-    let slices: Api<EndpointSlice> = Api::namespaced(client, NAMESPACE);
-    let per_service = args.endpoints;
-    let mut created = futures::stream::iter(0..args.services)
-        .map(|i| {
-            let (services, slices) = (services.clone(), slices.clone());
-            async move {
-                create(&services, &service(i)).await?;
-                let s = create(&slices, &slice(i, per_service)).await?;
-                Ok::<_, anyhow::Error>((i, s))
-            }
-        })
-        .buffer_unordered(args.concurrency);
-    let mut out: Vec<Option<EndpointSlice>> = vec![None; args.services as usize];
-    let mut done = 0;
-    while let Some(r) = created.next().await {
-        let (i, s) = r?;
-        out[i as usize] = Some(s);
-        done += 1;
-        if done % 2000 == 0 {
-            eprintln!("  {done}/{} services and slices created", args.services);
-        }
-    }
-    Ok(out.into_iter().map(|s| s.expect("every index")).collect())
 }
 
 /// Resident set and its peak, KiB, from /proc/PID/status.
@@ -797,7 +680,16 @@ fn main() -> Result<()> {
     let tools = Tools::locate();
     let load_before = report::load_average();
     // Guards in dependency order: they drop in reverse, the agent first, the control plane last.
-    let cp = ControlPlane::start().context("starting the control plane")?;
+    let cp = if args.via_etcd {
+        // Objects written into etcd are JSON; the API server must store (and read) JSON.
+        ControlPlane::start_with_args(
+            svc_tests::control_plane::Binaries::from_env()?,
+            &["--storage-media-type=application/json"],
+        )
+    } else {
+        ControlPlane::start()
+    }
+    .context("starting the control plane")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -809,7 +701,23 @@ fn main() -> Result<()> {
         args.services, args.endpoints
     );
     let started = Instant::now();
-    let mut slices = rt.block_on(populate(client.clone(), &args))?;
+    let mut slices = if args.via_etcd {
+        rt.block_on(bulk::populate_via_etcd(
+            &cp,
+            client.clone(),
+            NAMESPACE,
+            args.services,
+            |i| objects(i, args.endpoints),
+        ))?
+    } else {
+        rt.block_on(bulk::populate(
+            client.clone(),
+            NAMESPACE,
+            args.services,
+            args.concurrency,
+            |i| objects(i, args.endpoints),
+        ))?
+    };
     let populate_time = started.elapsed();
     eprintln!(
         "created {} objects in {:.1} s",
@@ -885,7 +793,7 @@ fn main() -> Result<()> {
         let k = rng.below(args.endpoints) as usize;
         let new_ip = changed_ip(c);
         let mut s = slices[i as usize].clone();
-        s.endpoints[k] = endpoint(new_ip);
+        s.endpoints[k] = bulk::ready_endpoint(new_ip);
         let name = s.metadata.name.clone().unwrap_or_default();
         let key = frontend_key(i);
         let want = backend_addr(new_ip);
@@ -1000,8 +908,8 @@ fn main() -> Result<()> {
     .join("\n");
     let context = format!(
         "Of the change latency, the API write alone (PUT of the EndpointSlice until the API \
-         server answered): p50 {}, p99 {}, max {}. Creating the {} Services and {} \
-         EndpointSlices ({} requests in flight) took {:.1} s. Cold starts, in order: \
+         server answered): p50 {}, p99 {}, max {}. {} the {} Services and {} \
+         EndpointSlices ({}) took {:.1} s. Cold starts, in order: \
          {cold_list} s. After the last cold start the maps \
          held {complete} of {n} Services with exactly their {} backends ({service_entries} \
          entries in SVC_SERVICES, ClusterIP markers and the `kubernetes` Service included). \
@@ -1010,9 +918,19 @@ fn main() -> Result<()> {
         ms(percentile(&writes, 0.5)),
         ms(percentile(&writes, 0.99)),
         ms(*writes.last().context("no changes")?),
+        if args.via_etcd { "Writing" } else { "Creating" },
         n,
         n,
-        args.concurrency,
+        if args.via_etcd {
+            "straight into etcd, with their IPAddress objects, because kube-apiserver v1.37's \
+             ClusterIP allocator lists every IPAddress on each allocation, which makes \
+             creating them through the API quadratic: 30,000 took 8 min here and the next \
+             10,000 another 12; the agent reads them through the API server all the same, \
+             which stores JSON for this run"
+                .to_string()
+        } else {
+            format!("{} requests in flight", args.concurrency)
+        },
         populate_time.as_secs_f64(),
         args.endpoints,
     );

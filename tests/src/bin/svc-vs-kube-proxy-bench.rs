@@ -22,12 +22,13 @@
 //!
 //! Rounds interleave the proxies (the order rotates each round); every figure is the median
 //! over rounds with min and max; ratios are taken round by round against svc. Results go to
-//! JSON (`--json`) and, with `--write`, to the `vs-kube-proxy` section of docs/benchmarks.md.
+//! JSON (`--json`), PNG charts (`--plots`: each measure against N, a line per proxy) and, with
+//! `--write`, to the `vs-kube-proxy` section of docs/benchmarks.md. `--from-json` draws the
+//! table and the charts again from a saved run, without measuring.
 //!
 //! Nothing leaves the sandboxes: kube-proxy's rules live in the client namespace it runs in,
 //! and the machine's own firewall is checked before and after.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -35,20 +36,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::PostParams;
 use kube::{Api, Client};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
-use svc_agent::source::kube::SERVICE_NAME_LABEL;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
-use svc_tests::{report, require_root, Sandbox, TempDir, Tools};
+use svc_tests::{bulk, plot, report, require_root, Sandbox, TempDir, Tools};
 
 const NAMESPACE: &str = "bench";
 const PORT: u16 = 80;
@@ -83,13 +79,37 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Draw a PNG chart per measure into this directory (`vs-kube-proxy-<measure>.png`).
+    #[arg(long)]
+    plots: Option<PathBuf>,
+    /// Measure nothing: the table and the charts from the results a run saved with `--json`.
+    #[arg(long)]
+    from_json: Option<PathBuf>,
     /// Replace the `vs-kube-proxy` section of this markdown file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
 }
 
+/// A whole run, as `--json` saves it and `--from-json` reads it back.
+#[derive(Debug, Serialize, Deserialize)]
+struct Results {
+    machine: String,
+    date: String,
+    load_before: String,
+    quick: bool,
+    services: Vec<u32>,
+    rounds: u32,
+    changes: u32,
+    /// Proxy ids (`ProxyKind::id`), in table order.
+    proxies: Vec<String>,
+    samples: Vec<Sample>,
+    /// New connections/s straight to a backend with no proxy at all, one per round.
+    bare_direct_conn_per_s: Vec<f64>,
+    failed_turns: Vec<String>,
+}
+
 /// One proxy's turn in one round.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct Sample {
     services: u32,
     round: u32,
@@ -108,43 +128,6 @@ struct Sample {
     direct_conn_per_s: f64,
 }
 
-/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, inside the API server's
-/// 10.96.0.0/12 and clear of the `kubernetes` Service.
-fn cluster_ip(i: u32) -> Ipv4Addr {
-    let block = 1 + i / 250;
-    Ipv4Addr::new(
-        10,
-        96 + (block / 256) as u8,
-        (block % 256) as u8,
-        (1 + i % 250) as u8,
-    )
-}
-
-fn service_name(i: u32) -> String {
-    format!("svc-{i}")
-}
-
-fn service(i: u32) -> Service {
-    Service {
-        metadata: ObjectMeta {
-            name: Some(service_name(i)),
-            namespace: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        spec: Some(ServiceSpec {
-            cluster_ip: Some(cluster_ip(i).to_string()),
-            ports: Some(vec![ServicePort {
-                port: PORT.into(),
-                target_port: Some(IntOrString::Int(TARGET_PORT.into())),
-                protocol: Some("TCP".into()),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
 /// Backend `b<k>`'s address: the sandbox plan's, the same in every sandbox with `X`.
 fn backend_ip(k: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 201, X, 10 + k)
@@ -152,86 +135,8 @@ fn backend_ip(k: u8) -> Ipv4Addr {
 
 /// Service `i`'s slice: `b1..b10`, or `b11` alone when `moved`.
 fn slice(i: u32, moved: bool) -> EndpointSlice {
-    let ks: Vec<u8> = if moved {
-        vec![OTHER]
-    } else {
-        (1..=ENDPOINTS).collect()
-    };
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(format!("{}-0", service_name(i))),
-            namespace: Some(NAMESPACE.into()),
-            labels: Some([(SERVICE_NAME_LABEL.to_string(), service_name(i))].into()),
-            ..Default::default()
-        },
-        address_type: "IPv4".into(),
-        endpoints: ks
-            .iter()
-            .map(|&k| Endpoint {
-                addresses: vec![backend_ip(k).to_string()],
-                conditions: Some(EndpointConditions {
-                    ready: Some(true),
-                    serving: Some(true),
-                    terminating: Some(false),
-                }),
-                ..Default::default()
-            })
-            .collect(),
-        ports: Some(vec![EndpointPort {
-            name: Some(String::new()),
-            port: Some(TARGET_PORT.into()),
-            protocol: Some("TCP".into()),
-            ..Default::default()
-        }]),
-    }
-}
-
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
-where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match api.create(&PostParams::default(), obj).await {
-            Ok(o) => return Ok(o),
-            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
-            Err(e) if attempt < 5 => {
-                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
-                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
-            }
-            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
-        }
-    }
-}
-
-async fn populate(client: Client, n: u32) -> Result<()> {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    create(&namespaces, &ns).await?;
-    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
-    let slices: Api<EndpointSlice> = Api::namespaced(client, NAMESPACE);
-    let mut created = futures::stream::iter(0..n)
-        .map(|i| {
-            let (services, slices) = (services.clone(), slices.clone());
-            async move {
-                create(&services, &service(i)).await?;
-                create(&slices, &slice(i, false)).await?;
-                Ok::<_, anyhow::Error>(())
-            }
-        })
-        .buffer_unordered(32);
-    while let Some(r) = created.next().await {
-        r?;
-    }
-    Ok(())
+    let ks = if moved { OTHER..=OTHER } else { 1..=ENDPOINTS };
+    bulk::slice(NAMESPACE, i, ks.map(backend_ip), TARGET_PORT)
 }
 
 /// CPU time of `pid` and of its children it has reaped, from /proc/PID/stat.
@@ -353,8 +258,8 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         *t.next += 1;
         let moved = !t.moved[i as usize];
         t.moved[i as usize] = moved;
-        let vip = SocketAddr::new(IpAddr::V4(cluster_ip(i)), PORT);
-        let name = format!("{}-0", service_name(i));
+        let vip = SocketAddr::new(IpAddr::V4(bulk::cluster_ip(i)), PORT);
+        let name = format!("{}-0", bulk::service_name(i));
         let t0 = Instant::now();
         t.rt.block_on(api.replace(&name, &PostParams::default(), &{
             let mut s = slice(i, moved);
@@ -383,7 +288,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     }
     latencies.sort_unstable();
 
-    let vip = SocketAddr::new(IpAddr::V4(cluster_ip(0)), PORT);
+    let vip = SocketAddr::new(IpAddr::V4(bulk::cluster_ip(0)), PORT);
     let direct = SocketAddr::new(IpAddr::V4(backend_ip(1)), TARGET_PORT);
     let cluster_ip_rate = rate(&proxy.sb, vip, t.args.rate_seconds)?;
     let direct_rate = rate(&proxy.sb, direct, t.args.rate_seconds)?;
@@ -473,6 +378,10 @@ fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
 
 struct Measure {
     name: &'static str,
+    /// The chart's file: `vs-kube-proxy-<file>.png`.
+    file: &'static str,
+    /// The chart's value axis.
+    unit: &'static str,
     digits: usize,
     /// Whether more is better.
     higher_better: bool,
@@ -482,55 +391,74 @@ struct Measure {
 const MEASURES: &[Measure] = &[
     Measure {
         name: "start → every Service answering (s)",
+        file: "all-answering",
+        unit: "seconds",
         digits: 2,
         higher_better: false,
         get: |s| s.all_answering_s,
     },
     Measure {
         name: "start → ready signal (s)",
+        file: "ready",
+        unit: "seconds",
         digits: 2,
         higher_better: false,
         get: |s| s.ready_s,
     },
     Measure {
         name: "endpoint change followed, p50 (ms)",
+        file: "change-p50",
+        unit: "milliseconds",
         digits: 0,
         higher_better: false,
         get: |s| s.change_p50_ms,
     },
     Measure {
         name: "endpoint change followed, p99 (ms)",
+        file: "change-p99",
+        unit: "milliseconds",
         digits: 0,
         higher_better: false,
         get: |s| s.change_p99_ms,
     },
     Measure {
         name: "CPU (s), start to end of the turn",
+        file: "cpu",
+        unit: "CPU seconds",
         digits: 2,
         higher_better: false,
         get: |s| s.cpu_s,
     },
     Measure {
         name: "peak RSS (MiB)",
+        file: "peak-rss",
+        unit: "MiB",
         digits: 1,
         higher_better: false,
         get: |s| s.peak_rss_mib,
     },
     Measure {
         name: "new connections/s through a ClusterIP",
+        file: "cluster-ip-conn-rate",
+        unit: "connections/s",
         digits: 0,
         higher_better: true,
         get: |s| s.cluster_ip_conn_per_s,
     },
     Measure {
         name: "new connections/s to a backend directly (no Service)",
+        file: "direct-conn-rate",
+        unit: "connections/s",
         digits: 0,
         higher_better: true,
         get: |s| s.direct_conn_per_s,
     },
 ];
 
-fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) -> String {
+/// The table; `plots`, where the charts are as seen from the markdown file, adds their links.
+fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
+    let samples = &r.samples[..];
+    let bare = &r.bare_direct_conn_per_s[..];
     let mut out = String::from("## svc beside the real kube-proxy\n\n");
     let _ = writeln!(
         out,
@@ -542,12 +470,12 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
          API write to the first client probe (a process spawn, a few ms) that the new endpoint \
          answered. CPU counts kube-proxy's reaped iptables-restore/nft children, RSS does not. \
          How it is measured: `tests/src/bin/svc-vs-kube-proxy-bench.rs`.\n",
-        if args.quick { " --quick" } else { "" },
-        report::machine(),
-        report::today(),
-        report::load_average(),
-        args.rounds,
-        args.changes,
+        if r.quick { " --quick" } else { "" },
+        r.machine,
+        r.date,
+        r.load_before,
+        r.rounds,
+        r.changes,
     );
     if !bare.is_empty() {
         let mut b = bare.to_vec();
@@ -564,7 +492,7 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
     // Where svc loses but the rounds of either side spread by more than half their median:
     // on a shared machine that says more about the neighbours than about the proxies.
     let mut unsure = Vec::new();
-    for &n in &args.services {
+    for &n in &r.services {
         let _ = writeln!(out, "### {n} Services of {ENDPOINTS} endpoints\n");
         out += "| measure |";
         for k in kinds {
@@ -647,7 +575,71 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
             let _ = writeln!(out, "- {u}");
         }
     }
+    if !r.failed_turns.is_empty() {
+        out += "\nTurns that gave no figures (left out above):\n\n";
+        for f in &r.failed_turns {
+            let _ = writeln!(out, "- {f}");
+        }
+    }
+    if let Some(dir) = plots {
+        out += "\nEach measure against the Service count (median, bar from min to max):\n\n";
+        for m in MEASURES {
+            let _ = writeln!(out, "![{}]({dir}/vs-kube-proxy-{}.png)", m.name, m.file);
+        }
+    }
     out
+}
+
+/// A PNG per measure in `dir`: the measure against N, a line per proxy.
+fn charts(r: &Results, kinds: &[ProxyKind], dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for m in MEASURES {
+        let lines: Vec<plot::Line> = kinds
+            .iter()
+            .map(|k| plot::Line {
+                label: k.label(),
+                points: r
+                    .services
+                    .iter()
+                    .filter_map(|&n| {
+                        let [median, min, max] = spread(&r.samples, n, k.id(), m.get)?;
+                        Some(plot::Point {
+                            x: n.into(),
+                            median,
+                            min,
+                            max,
+                        })
+                    })
+                    .collect(),
+            })
+            .filter(|l| !l.points.is_empty())
+            .collect();
+        if lines.is_empty() {
+            continue;
+        }
+        let title = format!("{}, Services of {ENDPOINTS} endpoints", m.name);
+        plot::write_png(
+            &dir.join(format!("vs-kube-proxy-{}.png", m.file)),
+            &plot::Chart {
+                title: &title,
+                x_label: "Services",
+                y_label: m.unit,
+                lines: &lines,
+            },
+        )?;
+    }
+    eprintln!("wrote the charts to {}", dir.display());
+    Ok(())
+}
+
+/// `to` as a link from a file in `from_dir`: relative when below it.
+fn link(from_dir: &Path, to: &Path) -> String {
+    let (from, to) = (
+        std::path::absolute(from_dir).unwrap_or_else(|_| from_dir.into()),
+        std::path::absolute(to).unwrap_or_else(|_| to.into()),
+    );
+    to.strip_prefix(&from)
+        .map_or_else(|_| to.display().to_string(), |p| p.display().to_string())
 }
 
 /// Whether a measure's rounds spread by more than half its median.
@@ -657,7 +649,40 @@ fn noisy(v: Option<[f64; 3]>) -> bool {
 
 fn main() -> Result<()> {
     let mut args = Args::parse();
+    let results = match &args.from_json {
+        Some(path) => serde_json::from_slice(
+            &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+        )
+        .with_context(|| format!("{}: not the JSON of a run", path.display()))?,
+        None => measure(&mut args)?,
+    };
+    let kinds: Vec<ProxyKind> = results
+        .proxies
+        .iter()
+        .map(|p| ProxyKind::parse(p).with_context(|| format!("unknown proxy {p:?}")))
+        .collect::<Result<_>>()?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(dir) = &args.plots {
+        charts(&results, &kinds, dir)?;
+    }
+    let links = match (&args.plots, &args.write) {
+        (Some(dir), Some(doc)) => Some(link(doc.parent().unwrap_or(Path::new(".")), dir)),
+        _ => None,
+    };
+    let md = markdown(&results, &kinds, links.as_deref());
+    println!("{md}");
+    if let Some(path) = &args.write {
+        report::write_section(path, "vs-kube-proxy", &md)?;
+    }
+    Ok(())
+}
+
+fn measure(args: &mut Args) -> Result<Results> {
     require_root();
+    let load_before = report::load_average();
     if args.quick {
         args.services = vec![1000];
         args.rounds = 3;
@@ -701,7 +726,12 @@ fn main() -> Result<()> {
         )?;
         let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
         let t = Instant::now();
-        rt.block_on(populate(client.clone(), n))?;
+        rt.block_on(bulk::populate(client.clone(), NAMESPACE, n, 32, |i| {
+            (
+                bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
+                slice(i, false),
+            )
+        }))?;
         eprintln!(
             "{n} Services and slices created in {:.1} s",
             t.elapsed().as_secs_f64()
@@ -709,7 +739,7 @@ fn main() -> Result<()> {
         let targets = scratch.path().join(format!("targets-{n}"));
         let mut list = String::new();
         for i in 0..n {
-            let _ = writeln!(list, "{}:{PORT}", cluster_ip(i));
+            let _ = writeln!(list, "{}:{PORT}", bulk::cluster_ip(i));
         }
         std::fs::write(&targets, list)?;
         let mut moved = vec![false; n as usize];
@@ -726,7 +756,7 @@ fn main() -> Result<()> {
                     tools: &tools,
                     kube_proxy: &kube_proxy_bin,
                     targets: &targets,
-                    args: &args,
+                    args: &*args,
                     n,
                     moved: &mut moved,
                     next: &mut next,
@@ -755,25 +785,17 @@ fn main() -> Result<()> {
         drop(cp);
     }
     firewall.check()?;
-    let mut md = markdown(&args, &kinds, &samples, &bare);
-    if !failures.is_empty() {
-        md += "\nTurns that gave no figures (left out above):\n\n";
-        for f in &failures {
-            let _ = writeln!(md, "- {f}");
-        }
-    }
-    println!("{md}");
-    if let Some(path) = &args.json {
-        let out: BTreeMap<&str, serde_json::Value> = [
-            ("samples", serde_json::to_value(&samples)?),
-            ("bare_direct_conn_per_s", serde_json::to_value(&bare)?),
-            ("failed_turns", serde_json::to_value(&failures)?),
-        ]
-        .into();
-        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
-    }
-    if let Some(path) = &args.write {
-        report::write_section(path, "vs-kube-proxy", &md)?;
-    }
-    Ok(())
+    Ok(Results {
+        machine: report::machine(),
+        date: report::today(),
+        load_before,
+        quick: args.quick,
+        services: args.services.clone(),
+        rounds: args.rounds,
+        changes: args.changes,
+        proxies: kinds.iter().map(|k| k.id().to_string()).collect(),
+        samples,
+        bare_direct_conn_per_s: bare,
+        failed_turns: failures,
+    })
 }
