@@ -44,6 +44,17 @@ impl NetNs {
         Ok(())
     }
 
+    /// `sysctl -w SETTING` (`net.ipv4.ip_forward=1`) inside this namespace: the namespace's
+    /// own network sysctls, never the machine's.
+    pub fn sysctl(&self, setting: &str) -> Result<()> {
+        run(
+            "ip",
+            ["netns", "exec", &self.name, "sysctl", "-qw", setting],
+        )
+        .with_context(|| format!("sysctl {setting} in {}", self.name))?;
+        Ok(())
+    }
+
     pub fn path(&self) -> PathBuf {
         PathBuf::from("/run/netns").join(&self.name)
     }
