@@ -138,7 +138,7 @@ impl Proxy {
         x: u8,
         kube_proxy: Option<&Path>,
     ) -> Result<Proxy> {
-        Self::start_in(
+        Self::start_within(
             kind,
             cp,
             tools,
@@ -150,19 +150,9 @@ impl Proxy {
     }
 
     /// `start`, giving kube-proxy `ready_timeout` for its first sync (tens of thousands of
-    /// Services take iptables mode minutes).
+    /// Services take iptables mode minutes); the uplink only when `uplink` (without it svc's
+    /// agent runs in the host namespace, with the socket hooks alone).
     pub fn start_within(
-        kind: ProxyKind,
-        cp: &ControlPlane,
-        tools: &Tools,
-        x: u8,
-        kube_proxy: Option<&Path>,
-        ready_timeout: Duration,
-    ) -> Result<Proxy> {
-        Self::start_in(kind, cp, tools, x, kube_proxy, ready_timeout, false)
-    }
-
-    fn start_in(
         kind: ProxyKind,
         cp: &ControlPlane,
         tools: &Tools,

@@ -189,17 +189,11 @@ impl Sandbox {
             "via",
             &self.client_v6().to_string(),
         ])?;
-        // A node forwards; reverse-path filtering (inherited from the machine's defaults) must
-        // not drop what a proxy forwards between its two devices.
-        for s in [
-            "net.ipv4.ip_forward=1",
-            "net.ipv6.conf.all.forwarding=1",
-            "net.ipv4.conf.all.rp_filter=0",
-            "net.ipv4.conf.default.rp_filter=0",
-            "net.ipv4.conf.vc.rp_filter=0",
-            &format!("net.ipv4.conf.{UPLINK}.rp_filter=0"),
-        ] {
-            self.client.sysctl(s)?;
+        // A device's own rp_filter was copied from the default when it was made.
+        self.client.forward()?;
+        for dev in ["vc", UPLINK] {
+            self.client
+                .sysctl(&format!("net.ipv4.conf.{dev}.rp_filter=0"))?;
         }
         self.external = Some(external);
         Ok(())

@@ -105,15 +105,7 @@ fn node(
         "via",
         &format!("fd00:244:{pod_net}::1"),
     ])?;
-    for s in [
-        "net.ipv4.ip_forward=1",
-        "net.ipv6.conf.all.forwarding=1",
-        "net.ipv4.conf.all.rp_filter=0",
-        "net.ipv4.conf.default.rp_filter=0",
-    ] {
-        node_ns.sysctl(s)?;
-    }
-    Ok(())
+    node_ns.forward()
 }
 
 fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> Result<()> {

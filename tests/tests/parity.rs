@@ -1775,6 +1775,37 @@ fn via_node(backend: &str, node: IpAddr) -> String {
     format!("{backend} src={node}")
 }
 
+/// TCP (to `tcp`) and UDP with sendto (to `udp`), IPv4 (`v4`) and IPv6 (`v6`), from the
+/// external client to a frontend (`what`, with `{}` for the family's number) of a Service
+/// whose endpoint b1 has no nodeName (another node's): answered by b1, through the node.
+fn four_ways(
+    ctx: &mut Ctx,
+    what: &str,
+    (v4, v6): (IpAddr, IpAddr),
+    (tcp, udp): (u16, u16),
+) -> Result<()> {
+    let (n4, n6) = ctx.node_ips();
+    for (family, ip, node) in [("4", v4, n4), ("6", v6, n6)] {
+        let to = what.replace("{}", family);
+        let expect = via_node("b1", node);
+        ctx.check(
+            &format!("tcp-v{family}"),
+            &format!("TCP from outside to {to}"),
+            Probe::tcp(sa(ip, tcp), 3).external(),
+            &[&expect],
+            None,
+        )?;
+        ctx.check(
+            &format!("udp-v{family}"),
+            &format!("UDP (sendto) from outside to {to}"),
+            Probe::udp(sa(ip, udp), 3).external(),
+            &[&expect],
+            None,
+        )?;
+    }
+    Ok(())
+}
+
 /// NodePort, externalTrafficPolicy Cluster: TCP and UDP, IPv4 and IPv6, from outside; an
 /// endpoint on this node; the node itself as the client; the node's other address; no
 /// endpoints.
@@ -1797,15 +1828,12 @@ fn nodeport(ctx: &mut Ctx) -> Result<()> {
         node_port(&stored, "web", "http")?,
         node_port(&stored, "web", "dns")?,
     );
-    let checks = [
-        ("tcp-v4", "TCP from outside to the node's IPv4 address:nodePort (endpoint b1: no nodeName, another node's)", Probe::tcp(sa(n4, http), 3), via_node("b1", n4)),
-        ("udp-v4", "UDP (sendto) from outside to the node's IPv4 address:nodePort", Probe::udp(sa(n4, dns), 3), via_node("b1", n4)),
-        ("tcp-v6", "TCP from outside to the node's IPv6 address:nodePort", Probe::tcp(sa(n6, http), 3), via_node("b1", n6)),
-        ("udp-v6", "UDP (sendto) from outside to the node's IPv6 address:nodePort", Probe::udp(sa(n6, dns), 3), via_node("b1", n6)),
-    ];
-    for (check, what, probe, expect) in checks {
-        ctx.check(check, what, probe.external(), &[&expect], None)?;
-    }
+    four_ways(
+        ctx,
+        "the node's IPv{} address:nodePort",
+        (n4, n6),
+        (http, dns),
+    )?;
     let local = node_port(&stored, "local", "http")?;
     ctx.check(
         "local-endpoint",
@@ -1864,36 +1892,7 @@ fn external_ips(ctx: &mut Ctx) -> Result<()> {
         s4,
         s6,
     ])?;
-    let (n4, n6) = ctx.node_ips();
-    let checks = [
-        (
-            "tcp-v4",
-            "TCP from outside to the IPv4 ExternalIP:80",
-            Probe::tcp(sa(e4, 80), 3),
-            via_node("b1", n4),
-        ),
-        (
-            "udp-v4",
-            "UDP (sendto) from outside to the IPv4 ExternalIP:53",
-            Probe::udp(sa(e4, 53), 3),
-            via_node("b1", n4),
-        ),
-        (
-            "tcp-v6",
-            "TCP from outside to the IPv6 ExternalIP:80",
-            Probe::tcp(sa(e6, 80), 3),
-            via_node("b1", n6),
-        ),
-        (
-            "udp-v6",
-            "UDP (sendto) from outside to the IPv6 ExternalIP:53",
-            Probe::udp(sa(e6, 53), 3),
-            via_node("b1", n6),
-        ),
-    ];
-    for (check, what, probe, expect) in checks {
-        ctx.check(check, what, probe.external(), &[&expect], None)?;
-    }
+    four_ways(ctx, "the IPv{} ExternalIP", (e4, e6), (80, 53))?;
     ctx.check(
         "from-node",
         "TCP from the node itself to the ExternalIP",
@@ -1935,36 +1934,12 @@ fn loadbalancer_ips(ctx: &mut Ctx) -> Result<()> {
         "proxied",
         json!([{"ip": p4.to_string(), "ipMode": "Proxy"}]),
     )?;
-    let (n4, n6) = ctx.node_ips();
-    let checks = [
-        (
-            "tcp-v4",
-            "TCP from outside to the IPv4 LoadBalancer IP:80 (ipMode VIP)",
-            Probe::tcp(sa(l4, 80), 3),
-            via_node("b1", n4),
-        ),
-        (
-            "udp-v4",
-            "UDP (sendto) from outside to the IPv4 LoadBalancer IP:53",
-            Probe::udp(sa(l4, 53), 3),
-            via_node("b1", n4),
-        ),
-        (
-            "tcp-v6",
-            "TCP from outside to the IPv6 LoadBalancer IP:80",
-            Probe::tcp(sa(l6, 80), 3),
-            via_node("b1", n6),
-        ),
-        (
-            "udp-v6",
-            "UDP (sendto) from outside to the IPv6 LoadBalancer IP:53",
-            Probe::udp(sa(l6, 53), 3),
-            via_node("b1", n6),
-        ),
-    ];
-    for (check, what, probe, expect) in checks {
-        ctx.check(check, what, probe.external(), &[&expect], None)?;
-    }
+    four_ways(
+        ctx,
+        "the IPv{} LoadBalancer IP (ipMode VIP)",
+        (l4, l6),
+        (80, 53),
+    )?;
     ctx.check(
         "from-node",
         "TCP from the node itself to the LoadBalancer IP",
