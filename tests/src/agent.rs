@@ -277,6 +277,19 @@ impl Agent {
         bpffs: &Path,
         extra: &[&str],
     ) -> Result<Self> {
+        Self::start_kube_launched(&[], bin, kubeconfig, node_name, cgroup, bpffs, extra)
+    }
+
+    /// `start_kube` through `launcher` (`nsenter --net=NS`: the agent of a node namespace).
+    pub fn start_kube_launched(
+        launcher: &[OsString],
+        bin: &Path,
+        kubeconfig: &Path,
+        node_name: &str,
+        cgroup: &Path,
+        bpffs: &Path,
+        extra: &[&str],
+    ) -> Result<Self> {
         let logs = TempDir::new("svc-agent-logs")?;
         let mut args: Vec<OsString> = vec![
             "run".into(),
@@ -303,7 +316,7 @@ impl Agent {
             metrics = Some(a);
         }
         args.extend(extra.iter().map(OsString::from));
-        let mut agent = Self::start_with_args(bin, args, bpffs, logs.path())?;
+        let mut agent = Self::start_launched(launcher, bin, args, bpffs, logs.path())?;
         agent.healthz = healthz;
         agent.metrics = metrics;
         agent.own_logs = Some(logs);

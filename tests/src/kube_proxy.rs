@@ -219,9 +219,33 @@ impl ApiRelay {
         })
     }
 
+    /// A relay to `cp`'s API server.
+    pub fn to_api_server(ns: &NetNs, cp: &ControlPlane) -> Result<Self> {
+        let upstream: SocketAddr = cp
+            .server_url()
+            .trim_start_matches("https://")
+            .parse()
+            .context("the API server's address")?;
+        Self::start(ns, upstream)
+    }
+
     /// The relay's address inside the namespace.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `kubeconfig` (one of `cp`'s) with the API server reached through this relay, written
+    /// to `dir/kubeconfig`: for a process inside the relay's namespace.
+    pub fn kubeconfig(&self, cp: &ControlPlane, kubeconfig: &Path, dir: &Path) -> Result<PathBuf> {
+        let text = std::fs::read_to_string(kubeconfig)
+            .with_context(|| format!("reading {}", kubeconfig.display()))?;
+        if !text.contains(&cp.server_url()) {
+            bail!("{} does not name {}", kubeconfig.display(), cp.server_url());
+        }
+        let text = text.replace(&cp.server_url(), &format!("https://{}", self.addr));
+        let path = dir.join("kubeconfig");
+        std::fs::write(&path, text)?;
+        Ok(path)
     }
 }
 
@@ -352,17 +376,9 @@ impl KubeProxy {
     /// Starts kube-proxy in `ns` (does not wait for its first sync; see `wait_ready`).
     pub fn start(config: KubeProxyConfig, cp: &ControlPlane, ns: &NetNs) -> Result<Self> {
         let dir = TempDir::new("svc-kube-proxy")?;
-        let upstream: SocketAddr = cp
-            .server_url()
-            .trim_start_matches("https://")
-            .parse()
-            .context("the API server's address")?;
-        let relay = ApiRelay::start(ns, upstream)?;
+        let relay = ApiRelay::to_api_server(ns, cp)?;
         let cert_kubeconfig = cp.client_cert_kubeconfig(KUBE_PROXY_USER, &[KUBE_PROXY_USER])?;
-        let text = std::fs::read_to_string(&cert_kubeconfig)?
-            .replace(&cp.server_url(), &format!("https://{}", relay.addr()));
-        let kubeconfig = dir.path().join("kubeconfig");
-        std::fs::write(&kubeconfig, text)?;
+        let kubeconfig = relay.kubeconfig(cp, &cert_kubeconfig, dir.path())?;
         let backend = match config.mode {
             Mode::Iptables(b) => b,
             Mode::Nftables => IptablesBackend::Nft,

@@ -44,6 +44,32 @@ impl NetNs {
         Ok(())
     }
 
+    /// `sysctl -w SETTING` (`net.ipv4.ip_forward=1`) inside this namespace: the namespace's
+    /// own network sysctls, never the machine's.
+    pub fn sysctl(&self, setting: &str) -> Result<()> {
+        run(
+            "ip",
+            ["netns", "exec", &self.name, "sysctl", "-qw", setting],
+        )
+        .with_context(|| format!("sysctl {setting} in {}", self.name))?;
+        Ok(())
+    }
+
+    /// Makes this namespace a router, as a node is: IPv4 and IPv6 forwarding on, and no
+    /// reverse-path filtering (inherited from the machine's defaults) to drop what it forwards
+    /// between its devices.
+    pub fn forward(&self) -> Result<()> {
+        for s in [
+            "net.ipv4.ip_forward=1",
+            "net.ipv6.conf.all.forwarding=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+        ] {
+            self.sysctl(s)?;
+        }
+        Ok(())
+    }
+
     pub fn path(&self) -> PathBuf {
         PathBuf::from("/run/netns").join(&self.name)
     }

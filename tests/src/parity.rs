@@ -10,8 +10,8 @@
 //! addresses never clash), and one set of EndpointSlices describes the backends of all of them:
 //!
 //! ```text
-//!   svc:             client ns (client in svc's cgroup) ──veth── backend ns (b1..b8)
-//!   kube-proxy X:    client ns (kube-proxy runs here)   ──veth── backend ns (b1..b8)
+//!   svc:           external ns ──up0── client ns (svc-agent, client in svc's cgroup) ──vc── backend ns (b1..b8)
+//!   kube-proxy X:  external ns ──up0── client ns (kube-proxy runs here)              ──vc── backend ns (b1..b8)
 //! ```
 //!
 //! The client probe (`svc-probe`) is the same program with the same arguments for every proxy;
@@ -21,6 +21,14 @@
 //! gateway (kube-proxy needs it: the route lookup of connect() comes before netfilter's
 //! OUTPUT hook); the backend namespace does not forward, so an address nothing serves times
 //! out, as in a cluster, and nothing leaves the sandbox.
+//!
+//! The client namespace is also the node that traffic from outside reaches: an external client
+//! ([`Origin::External`], in a namespace and a cgroup of its own, outside svc's) sits behind the
+//! node's uplink `up0` ([`Sandbox::add_uplink`]) and reaches NodePorts on the node's
+//! InternalIPs, ExternalIPs and LoadBalancer IPs through it; the node forwards to the backends.
+//! svc's agent runs inside the node namespace (through an [`ApiRelay`], as kube-proxy does) with
+//! its tc programs on `up0` and `vc`, so the packet datapath serves that traffic; kube-proxy's
+//! PREROUTING rules serve it in its namespace.
 //!
 //! Every proxy plays the same node (`NODE`): one Node object, whose InternalIPs are the client
 //! addresses and whose zone label the topology scenarios set. All proxies watch one API server
@@ -52,11 +60,11 @@ use serde::{Deserialize, Serialize};
 use crate::{
     agent::{Agent, Bpffs},
     control_plane::ControlPlane,
-    kube_proxy::{KubeProxy, KubeProxyConfig, Mode},
+    kube_proxy::{ApiRelay, KubeProxy, KubeProxyConfig, Mode},
     probe::{Attempt, Report},
     procs::Backend,
-    sandbox::Sandbox,
-    sys::Tools,
+    sandbox::{Sandbox, AGENT_READY_TIMEOUT, UPLINK},
+    sys::{TempDir, Tools},
 };
 
 /// The node every proxy plays.
@@ -96,8 +104,13 @@ impl ProxyKind {
 /// What runs the proxy.
 #[derive(Debug)]
 enum Runner {
-    // Fields drop in order: the agent stops before its pins are removed.
-    Svc { agent: Agent, _bpffs: Bpffs },
+    // Fields drop in order: the agent stops before its pins are removed, and before the API
+    // relay and the kubeconfig it uses go.
+    Svc {
+        agent: Agent,
+        _bpffs: Bpffs,
+        _api: Option<(ApiRelay, TempDir)>,
+    },
     KubeProxy(KubeProxy),
 }
 
@@ -111,8 +124,13 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// A sandbox with addresses `10.201.x.*` and a default route, and the proxy on it, ready
-    /// (svc: `svc-agent: ready`; kube-proxy: its rules synced once).
+    /// A sandbox with addresses `10.201.x.*`, a default route and an uplink with an external
+    /// client ([`Sandbox::add_uplink`]), and the proxy on it, ready (svc: `svc-agent: ready`;
+    /// kube-proxy: its rules synced once). svc's agent runs inside the node namespace (as
+    /// kube-proxy does), with its tc programs on the uplink and on `vc`, the device towards
+    /// the backends: the backends of an endpoint without this node's name are another
+    /// node's, reached through `vc`, so that is where svc's SNATed flows leave and their
+    /// replies come back, as on a node's single network device.
     pub fn start(
         kind: ProxyKind,
         cp: &ControlPlane,
@@ -127,11 +145,13 @@ impl Proxy {
             x,
             kube_proxy,
             crate::kube_proxy::READY_TIMEOUT,
+            true,
         )
     }
 
     /// `start`, giving kube-proxy `ready_timeout` for its first sync (tens of thousands of
-    /// Services take iptables mode minutes).
+    /// Services take iptables mode minutes); the uplink only when `uplink` (without it svc's
+    /// agent runs in the host namespace, with the socket hooks alone).
     pub fn start_within(
         kind: ProxyKind,
         cp: &ControlPlane,
@@ -139,10 +159,41 @@ impl Proxy {
         x: u8,
         kube_proxy: Option<&Path>,
         ready_timeout: Duration,
+        uplink: bool,
     ) -> Result<Proxy> {
-        let sb = Sandbox::with_x(tools.clone(), x)?;
+        let mut sb = Sandbox::with_x(tools.clone(), x)?;
         sb.add_default_route()?;
+        if uplink {
+            sb.add_uplink()?;
+        }
         let runner = match kind {
+            ProxyKind::Svc if uplink => {
+                let bpffs = sb.bpffs()?;
+                let relay = ApiRelay::to_api_server(sb.client_ns(), cp)?;
+                let dir = TempDir::new("svc-parity-agent")?;
+                let kubeconfig = relay.kubeconfig(cp, cp.kubeconfig_path(), dir.path())?;
+                let launcher: [std::ffi::OsString; 2] = [
+                    "nsenter".into(),
+                    format!("--net={}", sb.client_ns().path().display()).into(),
+                ];
+                let devices = format!("{UPLINK},vc");
+                let mut agent = Agent::start_kube_launched(
+                    &launcher,
+                    &tools.agent,
+                    &kubeconfig,
+                    NODE,
+                    sb.cgroup().path(),
+                    bpffs.path(),
+                    &["--devices", &devices],
+                )?;
+                agent.wait_ready(AGENT_READY_TIMEOUT)?;
+                agent.quiet();
+                Runner::Svc {
+                    agent,
+                    _bpffs: bpffs,
+                    _api: Some((relay, dir)),
+                }
+            }
             ProxyKind::Svc => {
                 let bpffs = sb.bpffs()?;
                 let mut agent = sb.agent_kube(&bpffs, cp, NODE, &[])?;
@@ -151,6 +202,7 @@ impl Proxy {
                 Runner::Svc {
                     agent,
                     _bpffs: bpffs,
+                    _api: None,
                 }
             }
             ProxyKind::KubeProxy(mode) => {
@@ -206,6 +258,17 @@ pub struct Probe {
     /// UDP: every socket bound to this source port (one flow for conntrack).
     pub source_port: Option<u16>,
     pub view: View,
+    pub from: Origin,
+}
+
+/// Where a probe runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// On the node: the client namespace, in svc's cgroup (a pod or a process of the node).
+    Node,
+    /// The external client in front of the node's uplink, outside svc's cgroup: traffic that
+    /// arrives from outside the node, as a NodePort's or a LoadBalancer's does.
+    External,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,6 +300,7 @@ impl Probe {
             v6_mapped: false,
             source_port: None,
             view: View::Backends,
+            from: Origin::Node,
         }
     }
 
@@ -272,6 +336,12 @@ impl Probe {
 
     pub fn distinct(mut self) -> Probe {
         self.view = View::Distinct;
+        self
+    }
+
+    /// From the external client (the sandbox needs an uplink).
+    pub fn external(mut self) -> Probe {
+        self.from = Origin::External;
         self
     }
 
@@ -311,7 +381,10 @@ impl Probe {
 
     /// Runs the probe in `proxy`'s sandbox and sums it up.
     pub fn run(&self, proxy: &Proxy) -> Result<Outcome> {
-        let report = proxy.sb.probe(&self.args(), self.run_timeout())?;
+        let report = match self.from {
+            Origin::Node => proxy.sb.probe(&self.args(), self.run_timeout())?,
+            Origin::External => proxy.sb.probe_external(&self.args(), self.run_timeout())?,
+        };
         Ok(Outcome::of(&report, self, &proxy.sb))
     }
 }
@@ -382,7 +455,10 @@ impl Outcome {
             text += &format!(" peer={s}");
         }
         // The source the backend saw: the client's own address, unless something rewrote it.
-        let client: [IpAddr; 2] = [IpAddr::V4(sb.client_v4()), IpAddr::V6(sb.client_v6())];
+        let client: [IpAddr; 2] = match probe.from {
+            Origin::Node => [IpAddr::V4(sb.client_v4()), IpAddr::V6(sb.client_v6())],
+            Origin::External => [IpAddr::V4(sb.external_v4()), IpAddr::V6(sb.external_v6())],
+        };
         let sources: BTreeSet<String> = r
             .results
             .iter()
@@ -636,10 +712,21 @@ pub fn observe(
     since: Instant,
     within: Duration,
 ) -> Result<BTreeMap<String, Cell>> {
+    observe_with(proxies, |p| probe.run(p), expect, since, within)
+}
+
+/// `observe` with any way of getting an outcome (`look`, run for each proxy).
+pub fn observe_with(
+    proxies: &[Proxy],
+    look: impl Fn(&Proxy) -> Result<Outcome> + Sync,
+    expect: &[&str],
+    since: Instant,
+    within: Duration,
+) -> Result<BTreeMap<String, Cell>> {
     let cells = each(proxies, |p| {
         let mut last;
         loop {
-            let outcome = probe.run(p)?;
+            let outcome = look(p)?;
             let expected = expect.contains(&outcome.text.as_str());
             if expected {
                 return Ok(Cell {

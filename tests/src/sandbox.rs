@@ -8,13 +8,25 @@
 //! ```
 //! The client namespace has no default route, so an address no backend owns (a ClusterIP the
 //! agent does not translate) is unreachable there and nothing ever leaves the sandbox.
+//!
+//! [`Sandbox::add_uplink`] puts an external client in front (for NodePorts, ExternalIPs and
+//! LoadBalancer IPs, whose traffic does not start on the node): the client namespace then plays
+//! the node, forwarding between its uplink and the backends.
+//!
+//! ```text
+//!  external ns                       client ns (the node)
+//!  ext0: 10.202.X.100/24 <--veth--> up0: 10.202.X.1/24        vc ... backend ns
+//!        fd00:202:X::100/64              fd00:202:X::1/64
+//!  routes: the node's addresses 10.201.X.1, fd00:201:X::1 and the external frontends
+//!          10.203.X.0/24, fd00:203:X::/64 via the node
+//! ```
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Duration,
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::{
     agent::{Agent, Bpffs},
@@ -34,10 +46,22 @@ pub const MAX_BACKENDS: u8 = 11;
 /// programs on a 2-core machine while other tests run).
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The node's device towards the external client (see [`Sandbox::add_uplink`]).
+pub const UPLINK: &str = "up0";
+
+/// An external client's namespace and a cgroup of its own: outside the agent's cgroup, so no
+/// socket hook ever sees its traffic.
+#[derive(Debug)]
+struct External {
+    cgroup: TestCgroup,
+    ns: NetNs,
+}
+
 #[derive(Debug)]
 pub struct Sandbox {
     pub tools: Tools,
     x: u8,
+    external: Option<External>,
     // Fields drop in declaration order: the cgroup (and any straggler in it) goes before the
     // namespaces.
     cgroup: TestCgroup,
@@ -81,6 +105,7 @@ impl Sandbox {
         let sb = Self {
             tools,
             x,
+            external: None,
             cgroup,
             client,
             server,
@@ -109,6 +134,114 @@ impl Sandbox {
             &format!("fd00:201:{x}::2"),
         ])?;
         Ok(())
+    }
+
+    /// An external client in front of the client namespace, which becomes a node: forwarding
+    /// on, its uplink `up0` towards the external namespace, and routes so that the node's own
+    /// addresses and the external frontends (`10.203.X.0/24`, `fd00:203:X::/64`, where tests put
+    /// ExternalIPs and LoadBalancer IPs) are reached through it, as a router in front of a
+    /// node would. The backend namespace routes the external client's network back through
+    /// the node (a backend that sees the client's own address answers it there). Still
+    /// nothing leaves the sandbox: the backend namespace forwards nothing, and the external
+    /// namespace routes nothing else.
+    pub fn add_uplink(&mut self) -> Result<()> {
+        if self.external.is_some() {
+            return Ok(());
+        }
+        let x = self.x;
+        // Prefix `svc-c`: the one `sys::clean_stale` removes after a killed run.
+        let external = External {
+            cgroup: TestCgroup::new()?,
+            ns: NetNs::new("svc-c")?,
+        };
+        let ext = &external.ns;
+        veth_pair(&self.client, UPLINK, ext, "ext0")?;
+        self.client.add_addr(UPLINK, &format!("10.202.{x}.1/24"))?;
+        self.client
+            .add_addr(UPLINK, &format!("fd00:202:{x}::1/64"))?;
+        ext.add_addr("ext0", &format!("{}/24", self.external_v4()))?;
+        ext.add_addr("ext0", &format!("{}/64", self.external_v6()))?;
+        let (via4, via6) = (format!("10.202.{x}.1"), format!("fd00:202:{x}::1"));
+        for to in [
+            format!("{}/32", self.client_v4()),
+            format!("10.203.{x}.0/24"),
+        ] {
+            ext.ip(["route", "add", &to, "via", &via4])?;
+        }
+        for to in [
+            format!("{}/128", self.client_v6()),
+            format!("fd00:203:{x}::/64"),
+        ] {
+            ext.ip(["-6", "route", "add", &to, "via", &via6])?;
+        }
+        self.server.ip([
+            "route",
+            "add",
+            &format!("10.202.{x}.0/24"),
+            "via",
+            &self.client_v4().to_string(),
+        ])?;
+        self.server.ip([
+            "-6",
+            "route",
+            "add",
+            &format!("fd00:202:{x}::/64"),
+            "via",
+            &self.client_v6().to_string(),
+        ])?;
+        // A device's own rp_filter was copied from the default when it was made.
+        self.client.forward()?;
+        for dev in ["vc", UPLINK] {
+            self.client
+                .sysctl(&format!("net.ipv4.conf.{dev}.rp_filter=0"))?;
+        }
+        self.external = Some(external);
+        Ok(())
+    }
+
+    /// The external client's addresses (after `add_uplink`).
+    pub fn external_v4(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 202, self.x, 100)
+    }
+
+    pub fn external_v6(&self) -> Ipv6Addr {
+        format!("fd00:202:{}::100", self.x).parse().unwrap()
+    }
+
+    /// The node's address on its uplink.
+    pub fn uplink_v4(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 202, self.x, 1)
+    }
+
+    /// An address of the external frontends' range (`10.203.X.i`), routed to the node.
+    pub fn frontend_v4(&self, i: u8) -> Ipv4Addr {
+        Ipv4Addr::new(10, 203, self.x, i)
+    }
+
+    pub fn frontend_v6(&self, i: u8) -> Ipv6Addr {
+        format!("fd00:203:{}::{i}", self.x).parse().unwrap()
+    }
+
+    fn external(&self) -> Result<&External> {
+        self.external
+            .as_ref()
+            .context("this sandbox has no uplink (Sandbox::add_uplink)")
+    }
+
+    /// The external client's namespace.
+    pub fn external_ns(&self) -> Result<&NetNs> {
+        Ok(&self.external()?.ns)
+    }
+
+    /// Runs a `tcp` or `udp` probe as the external client (its namespace and cgroup).
+    pub fn probe_external(&self, args: &[String], timeout: Duration) -> Result<Report> {
+        let e = self.external()?;
+        let report: Report =
+            ClientRun::spawn(&self.tools.probe, &e.cgroup, &e.ns, args)?.wait(timeout)?;
+        if report.cgroup != e.cgroup.relative() || report.netns_ino != e.ns.inode()? {
+            bail!("the external probe ran in the wrong cgroup or network namespace");
+        }
+        Ok(report)
     }
 
     pub fn x(&self) -> u8 {

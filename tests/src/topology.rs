@@ -14,10 +14,9 @@
 //! packet leaves the namespaces. The nodes forward, and each routes the other's pod network
 //! through it. Every namespace is deleted on drop.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::netns::{veth_pair, NetNs};
-use crate::sys::run;
 
 pub const CLIENT: &str = "10.77.0.100";
 pub const CLIENT2: &str = "10.77.0.101";
@@ -72,12 +71,6 @@ impl Nodes {
     }
 }
 
-fn sysctl(ns: &NetNs, setting: &str) -> Result<()> {
-    run("ip", ["netns", "exec", ns.name(), "sysctl", "-qw", setting])
-        .with_context(|| format!("sysctl {setting} in {}", ns.name()))?;
-    Ok(())
-}
-
 /// A node: its uplink `eth0` on the lan bridge, a pod behind `podh`, forwarding on.
 fn node(
     lan: &NetNs,
@@ -112,15 +105,7 @@ fn node(
         "via",
         &format!("fd00:244:{pod_net}::1"),
     ])?;
-    for s in [
-        "net.ipv4.ip_forward=1",
-        "net.ipv6.conf.all.forwarding=1",
-        "net.ipv4.conf.all.rp_filter=0",
-        "net.ipv4.conf.default.rp_filter=0",
-    ] {
-        sysctl(node_ns, s)?;
-    }
-    Ok(())
+    node_ns.forward()
 }
 
 fn client_ns(lan: &NetNs, port: &str, ns: &NetNs, v4: &str, v6: &str) -> Result<()> {

@@ -14,8 +14,9 @@
 //! change to the machine's own firewall (checked before and after).
 //!
 //! NodePort, ExternalIPs, LoadBalancer IPs, externalTrafficPolicy: Local, source ranges and the
-//! health check node port need svc's packet datapath (issue 8), which is not built yet: they
-//! are listed below as ignored scenarios, the hooks where they go.
+//! health check node port are probed from an external client in front of the node's uplink
+//! (`Sandbox::add_uplink`), outside svc's cgroup: for svc that traffic meets its tc programs
+//! (the packet datapath), for kube-proxy its PREROUTING rules, as in a cluster.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -31,8 +32,8 @@ use svc_tests::{
     control_plane::ControlPlane,
     kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode},
     parity::{
-        self, each, judge, observe, Cell, IntendedDifference, Outcome, Probe, Proxy, ProxyKind,
-        Row, NODE,
+        self, each, judge, observe, observe_with, Cell, IntendedDifference, Outcome, Probe, Proxy,
+        ProxyKind, Row, NODE,
     },
     require_root, Backend, Tools,
 };
@@ -55,32 +56,34 @@ const NOT_SERVED: &[&str] = &["refused", "timeout", "EPERM", "unreachable"];
 
 type ScenarioFn = fn(&mut Ctx) -> Result<()>;
 
-/// Every scenario, by name (also its Kubernetes namespace). `None`: waits for the packet
-/// datapath; listed, ignored.
-const SCENARIOS: &[(&str, Option<ScenarioFn>)] = &[
-    ("ports", Some(ports)),
-    ("named-ports", Some(named_ports)),
-    ("merge", Some(merge)),
-    ("dual-stack", Some(dual_stack)),
-    ("no-endpoints", Some(no_endpoints)),
-    ("undefined-port", Some(undefined_port)),
-    ("conditions", Some(conditions)),
-    ("local", Some(internal_traffic_local)),
-    ("publish-not-ready", Some(publish_not_ready)),
-    ("topology", Some(topology)),
-    ("affinity", Some(affinity)),
-    ("headless", Some(headless)),
-    ("external-name", Some(external_name)),
-    ("proxy-name", Some(proxy_name)),
-    ("udp-replacement", Some(udp_replacement)),
-    ("udp-stream", Some(udp_stream)),
-    // Hooks for the packet datapath (issue 8).
-    ("nodeport", None),
-    ("external-ips", None),
-    ("loadbalancer-ips", None),
-    ("external-traffic-policy-local", None),
-    ("source-ranges", None),
-    ("health-check-node-port", None),
+/// Every scenario, by name (also its Kubernetes namespace).
+const SCENARIOS: &[(&str, ScenarioFn)] = &[
+    ("ports", ports),
+    ("named-ports", named_ports),
+    ("merge", merge),
+    ("dual-stack", dual_stack),
+    ("no-endpoints", no_endpoints),
+    ("undefined-port", undefined_port),
+    ("conditions", conditions),
+    ("local", internal_traffic_local),
+    ("publish-not-ready", publish_not_ready),
+    ("topology", topology),
+    ("affinity", affinity),
+    ("headless", headless),
+    ("external-name", external_name),
+    ("proxy-name", proxy_name),
+    ("udp-replacement", udp_replacement),
+    ("udp-stream", udp_stream),
+    // The packet datapath: traffic from the external client, through the node's uplink.
+    ("nodeport", nodeport),
+    ("external-ips", external_ips),
+    ("loadbalancer-ips", loadbalancer_ips),
+    (
+        "external-traffic-policy-local",
+        external_traffic_policy_local,
+    ),
+    ("source-ranges", source_ranges),
+    ("health-check-node-port", health_check_node_port),
 ];
 
 fn proxies_wanted() -> Result<Vec<ProxyKind>> {
@@ -280,18 +283,9 @@ fn main() -> ExitCode {
     });
     let trials = SCENARIOS
         .iter()
-        .map(|&(name, f)| match f {
-            Some(f) => {
-                let run = run.clone();
-                Trial::test(name, move || run.scenario(name, f).map_err(Failed::from))
-            }
-            None => Trial::test(name, || {
-                Err(Failed::from(
-                    "waits for svc's packet datapath (issue 8): NodePort, ExternalIPs, \
-                     LoadBalancer IPs and their policies are not served by socket hooks",
-                ))
-            })
-            .with_ignored_flag(true),
+        .map(|&(name, f)| {
+            let run = run.clone();
+            Trial::test(name, move || run.scenario(name, f).map_err(Failed::from))
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);
@@ -366,9 +360,13 @@ fn write_table(path: &std::path::Path, table: &str, kinds: &[ProxyKind]) -> Resu
          kube-proxy as `tests/intended-differences.yaml` says, for the reason given below; \
          **differs** would fail the test.\n\n\
          NodePort, ExternalIPs, LoadBalancer IPs, externalTrafficPolicy: Local, \
-         loadBalancerSourceRanges and the health check node port need svc's packet datapath \
-         (issue 8), which is not built yet; their scenarios are listed in the test as ignored \
-         hooks.\n\n{table}",
+         loadBalancerSourceRanges and the health check node port are probed \
+         (\"from outside\") by an external client in front of the node's uplink, outside svc's \
+         cgroup, so svc serves them with its tc programs (on the uplink and on the device \
+         towards the backends) and kube-proxy with its PREROUTING rules; there `src=` shows \
+         the address a backend saw instead of the external client's (masquerade, SNAT), and \
+         an endpoint without this node's name is another node's. A health check cell is the \
+         HTTP status and the fields of the JSON answer.\n\n{table}",
         machine = svc_tests::report::machine(),
         date = svc_tests::report::today(),
         proxies = proxies.join(", "),
@@ -495,6 +493,83 @@ impl Ctx<'_> {
         })
     }
 
+    /// The node's own addresses (its InternalIPs, where NodePorts answer), the same in every
+    /// sandbox.
+    fn node_ips(&self) -> (IpAddr, IpAddr) {
+        let sb = &self.world.proxies[0].sb;
+        (sb.client_v4().into(), sb.client_v6().into())
+    }
+
+    /// External frontend address `i` (ExternalIPs, LoadBalancer IPs), IPv4 and IPv6, routed
+    /// to the node by the external client.
+    fn frontend(&self, i: u8) -> (IpAddr, IpAddr) {
+        let sb = &self.world.proxies[0].sb;
+        (sb.frontend_v4(i).into(), sb.frontend_v6(i).into())
+    }
+
+    /// A dual-stack Service of `kind` with http 80 → 8080/TCP and dns 53 → 5353/UDP; `extra`
+    /// is merged into its spec.
+    fn packet_service(&self, name: &str, kind: &str, extra: Value) -> Value {
+        let mut spec = json!({
+            "type": kind, "ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv4", "IPv6"],
+            "ports": [
+                {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"},
+                {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"},
+            ],
+        });
+        if let (Some(spec), Some(extra)) = (spec.as_object_mut(), extra.as_object()) {
+            spec.extend(extra.clone());
+        }
+        self.service(name, spec)
+    }
+
+    /// The IPv4 and IPv6 slices of a `packet_service`: backends `(i, node)` (node: the
+    /// endpoint's nodeName), each with `conditions`.
+    fn packet_slices(
+        &self,
+        service: &str,
+        eps: &[(u8, Option<&str>)],
+        conditions: Value,
+    ) -> [Value; 2] {
+        let ports = json!([port("http", 8080, "TCP"), port("dns", 5353, "UDP")]);
+        let slice = |family: &str, addr: &dyn Fn(u8) -> String| {
+            let eps: Vec<Value> = eps
+                .iter()
+                .map(|&(i, node)| {
+                    let mut e = json!({"addresses": [addr(i)], "conditions": conditions});
+                    if let Some(n) = node {
+                        e["nodeName"] = n.into();
+                    }
+                    e
+                })
+                .collect();
+            let name = format!("{service}-{}", family.to_lowercase());
+            self.slice(&name, service, family, ports.clone(), json!(eps))
+        };
+        [
+            slice("IPv4", &|i| self.v4(i)),
+            slice("IPv6", &|i| self.v6(i)),
+        ]
+    }
+
+    /// Writes `status.loadBalancer.ingress` of Service `name`, as a cloud's controller would.
+    fn lb_status(&self, name: &str, ingress: Value) -> Result<Instant> {
+        self.dirty.set(true);
+        let patch = json!({"status": {"loadBalancer": {"ingress": ingress}}});
+        self.cp().kubectl(&[
+            "patch",
+            "service",
+            name,
+            "-n",
+            &self.name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch.to_string(),
+        ])?;
+        Ok(Instant::now())
+    }
+
     /// Probes through every proxy until each saw one of `expect` (or the deadline: `SETTLE`
     /// for a first look, `LIVE` after a change written at `since`), and records the row.
     fn check(
@@ -502,6 +577,18 @@ impl Ctx<'_> {
         check: &str,
         what: &str,
         probe: Probe,
+        expect: &[&str],
+        since: Option<Instant>,
+    ) -> Result<()> {
+        self.check_with(check, what, |p| probe.run(p), expect, since)
+    }
+
+    /// `check` with any way of looking (`look`, for each proxy) instead of a probe.
+    fn check_with(
+        &mut self,
+        check: &str,
+        what: &str,
+        look: impl Fn(&Proxy) -> Result<Outcome> + Sync,
         expect: &[&str],
         since: Option<Instant>,
     ) -> Result<()> {
@@ -514,7 +601,7 @@ impl Ctx<'_> {
                 (Instant::now(), SETTLE)
             }
         };
-        let cells = observe(&self.world.proxies, &probe, expect, start, within)?;
+        let cells = observe_with(&self.world.proxies, look, expect, start, within)?;
         self.record(check, what, since.is_some(), cells);
         Ok(())
     }
@@ -597,6 +684,33 @@ fn port(name: &str, port: u16, protocol: &str) -> Value {
 fn ep_cond(addr: &str, ready: bool, serving: bool, terminating: bool) -> Value {
     json!({"addresses": [addr],
            "conditions": {"ready": ready, "serving": serving, "terminating": terminating}})
+}
+
+/// The nodePort the API server gave port `port` of Service `service` among `stored`.
+fn node_port(stored: &[Value], service: &str, port: &str) -> Result<u16> {
+    node_port_field(stored, service, port, "nodePort")
+}
+
+/// A port number of Service `service` among `stored`: `field` of its port named `port`, or of
+/// its spec when `port` is empty (`healthCheckNodePort`).
+fn node_port_field(stored: &[Value], service: &str, port: &str, field: &str) -> Result<u16> {
+    let svc = stored
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == service)
+        .with_context(|| format!("no Service {service} among the applied objects"))?;
+    let value = if port.is_empty() {
+        &svc["spec"][field]
+    } else {
+        svc["spec"]["ports"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == port))
+            .map(|p| &p[field])
+            .with_context(|| format!("Service {service} has no port {port}"))?
+    };
+    value
+        .as_u64()
+        .and_then(|n| u16::try_from(n).ok())
+        .with_context(|| format!("Service {service}: no {field} for {port:?}"))
 }
 
 fn ep(addr: &str) -> Value {
@@ -758,36 +872,39 @@ fn merge(ctx: &mut Ctx) -> Result<()> {
 /// A dual-stack Service (IPv6 first): each ClusterIP reaches its own family's endpoints; an
 /// FQDN slice is ignored.
 fn dual_stack(ctx: &mut Ctx) -> Result<()> {
-    ctx.serve(1, &[8080])?;
-    ctx.serve(2, &[8080])?;
-    let http = json!([port("http", 8080, "TCP")]);
+    ctx.serve(1, &[8080, 5353])?;
+    ctx.serve(2, &[8080, 5353])?;
+    let ports = json!([port("http", 8080, "TCP"), port("dns", 5353, "UDP")]);
     let stored = ctx.apply(&[
         ctx.service(
             "web",
             json!({
                 "ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv6", "IPv4"],
-                "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                "ports": [
+                    {"name": "http", "port": 80, "targetPort": 8080},
+                    {"name": "dns", "port": 53, "targetPort": 5353, "protocol": "UDP"},
+                ],
             }),
         ),
         ctx.slice(
             "web-v4",
             "web",
             "IPv4",
-            http.clone(),
+            ports.clone(),
             json!([ep(&ctx.v4(1))]),
         ),
         ctx.slice(
             "web-v6",
             "web",
             "IPv6",
-            http.clone(),
+            ports.clone(),
             json!([ep(&ctx.v6(2))]),
         ),
         ctx.slice(
             "web-fqdn",
             "web",
             "FQDN",
-            http,
+            ports,
             json!([ep("backend.example.com")]),
         ),
     ])?;
@@ -818,6 +935,27 @@ fn dual_stack(ctx: &mut Ctx) -> Result<()> {
         "tcp-v4-mapped",
         "TCP from an IPv6 socket to ::ffff:(IPv4 ClusterIP)",
         Probe::tcp(sa(v4, 80), 5).v6_mapped(),
+        &["b1"],
+        None,
+    )?;
+    ctx.check(
+        "udp-v6",
+        "UDP (sendto) to the IPv6 ClusterIP",
+        Probe::udp(sa(v6, 53), 5),
+        &["b2"],
+        None,
+    )?;
+    ctx.check(
+        "udp-connected-v6",
+        "UDP from a connected socket to the IPv6 ClusterIP",
+        Probe::udp_connected(sa(v6, 53), 5),
+        &["b2"],
+        None,
+    )?;
+    ctx.check(
+        "udp-v4-mapped",
+        "UDP (sendto) from an IPv6 socket to ::ffff:(IPv4 ClusterIP)",
+        Probe::udp(sa(v4, 53), 5).v6_mapped(),
         &["b1"],
         None,
     )?;
@@ -1621,5 +1759,451 @@ fn udp_stream(ctx: &mut Ctx) -> Result<()> {
         true,
         cells,
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The packet datapath: probes from the external client, through the node's uplink.
+
+/// The conditions of a ready endpoint.
+fn ready() -> Value {
+    json!({"ready": true, "serving": true, "terminating": false})
+}
+
+/// What a backend that saw the node's address (masquerade, SNAT) is shown as.
+fn via_node(backend: &str, node: IpAddr) -> String {
+    format!("{backend} src={node}")
+}
+
+/// TCP (to `tcp`) and UDP with sendto (to `udp`), IPv4 (`v4`) and IPv6 (`v6`), from the
+/// external client to a frontend (`what`, with `{}` for the family's number) of a Service
+/// whose endpoint b1 has no nodeName (another node's): answered by b1, through the node.
+fn four_ways(
+    ctx: &mut Ctx,
+    what: &str,
+    (v4, v6): (IpAddr, IpAddr),
+    (tcp, udp): (u16, u16),
+) -> Result<()> {
+    let (n4, n6) = ctx.node_ips();
+    for (family, ip, node) in [("4", v4, n4), ("6", v6, n6)] {
+        let to = what.replace("{}", family);
+        let expect = via_node("b1", node);
+        ctx.check(
+            &format!("tcp-v{family}"),
+            &format!("TCP from outside to {to}"),
+            Probe::tcp(sa(ip, tcp), 3).external(),
+            &[&expect],
+            None,
+        )?;
+        ctx.check(
+            &format!("udp-v{family}"),
+            &format!("UDP (sendto) from outside to {to}"),
+            Probe::udp(sa(ip, udp), 3).external(),
+            &[&expect],
+            None,
+        )?;
+    }
+    Ok(())
+}
+
+/// NodePort, externalTrafficPolicy Cluster: TCP and UDP, IPv4 and IPv6, from outside; an
+/// endpoint on this node; the node itself as the client; the node's other address; no
+/// endpoints.
+fn nodeport(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    ctx.serve(2, &[8080, 5353])?;
+    let [web4, web6] = ctx.packet_slices("web", &[(1, None)], ready());
+    let [local4, local6] = ctx.packet_slices("local", &[(2, Some(NODE))], ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service("web", "NodePort", json!({})),
+        web4,
+        web6,
+        ctx.packet_service("local", "NodePort", json!({})),
+        local4,
+        local6,
+        ctx.packet_service("empty", "NodePort", json!({})),
+    ])?;
+    let (n4, n6) = ctx.node_ips();
+    let (http, dns) = (
+        node_port(&stored, "web", "http")?,
+        node_port(&stored, "web", "dns")?,
+    );
+    four_ways(
+        ctx,
+        "the node's IPv{} address:nodePort",
+        (n4, n6),
+        (http, dns),
+    )?;
+    let local = node_port(&stored, "local", "http")?;
+    ctx.check(
+        "local-endpoint",
+        "TCP from outside to a nodePort whose endpoint (b2) runs on this node",
+        Probe::tcp(sa(n4, local), 3).external(),
+        &["b2", &via_node("b2", n4)],
+        None,
+    )?;
+    ctx.check(
+        "from-node",
+        "TCP from the node itself to its own address:nodePort",
+        Probe::tcp(sa(n4, http), 3),
+        &["b1"],
+        None,
+    )?;
+    let uplink: IpAddr = ctx.world.proxies[0].sb.uplink_v4().into();
+    ctx.check(
+        "other-address",
+        "TCP from outside to nodePort on the node's uplink address, which is not a Node InternalIP",
+        Probe::tcp(sa(uplink, http), 3).external().short(),
+        &[&via_node("b1", n4), "refused", "timeout"],
+        None,
+    )?;
+    let (http, dns) = (
+        node_port(&stored, "empty", "http")?,
+        node_port(&stored, "empty", "dns")?,
+    );
+    ctx.check(
+        "no-endpoints-tcp",
+        "TCP from outside to the nodePort of a Service without endpoints",
+        Probe::tcp(sa(n4, http), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    ctx.check(
+        "no-endpoints-udp",
+        "UDP (connected) from outside to the nodePort of a Service without endpoints",
+        Probe::udp_connected(sa(n4, dns), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    Ok(())
+}
+
+/// ExternalIPs: an address routed to the node, on no device of it.
+fn external_ips(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    let (e4, e6) = ctx.frontend(10);
+    let [s4, s6] = ctx.packet_slices("web", &[(1, None)], ready());
+    ctx.apply(&[
+        ctx.packet_service(
+            "web",
+            "ClusterIP",
+            json!({"externalIPs": [e4.to_string(), e6.to_string()]}),
+        ),
+        s4,
+        s6,
+    ])?;
+    four_ways(ctx, "the IPv{} ExternalIP", (e4, e6), (80, 53))?;
+    ctx.check(
+        "from-node",
+        "TCP from the node itself to the ExternalIP",
+        Probe::tcp(sa(e4, 80), 3),
+        &["b1"],
+        None,
+    )?;
+    ctx.check(
+        "undefined-port",
+        "TCP from outside to a port the Service does not define on the ExternalIP",
+        Probe::tcp(sa(e4, 81), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    Ok(())
+}
+
+/// LoadBalancer IPs from `status.loadBalancer.ingress` (written here, as a cloud controller
+/// would), ipMode VIP and Proxy, and the ingress removed live.
+fn loadbalancer_ips(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    let (l4, l6) = ctx.frontend(20);
+    let (p4, _) = ctx.frontend(21);
+    let [w4, w6] = ctx.packet_slices("web", &[(1, None)], ready());
+    let [p4s, p6s] = ctx.packet_slices("proxied", &[(1, None)], ready());
+    ctx.apply(&[
+        ctx.packet_service("web", "LoadBalancer", json!({})),
+        w4,
+        w6,
+        ctx.packet_service("proxied", "LoadBalancer", json!({})),
+        p4s,
+        p6s,
+    ])?;
+    ctx.lb_status(
+        "web",
+        json!([{"ip": l4.to_string(), "ipMode": "VIP"}, {"ip": l6.to_string(), "ipMode": "VIP"}]),
+    )?;
+    ctx.lb_status(
+        "proxied",
+        json!([{"ip": p4.to_string(), "ipMode": "Proxy"}]),
+    )?;
+    four_ways(
+        ctx,
+        "the IPv{} LoadBalancer IP (ipMode VIP)",
+        (l4, l6),
+        (80, 53),
+    )?;
+    ctx.check(
+        "from-node",
+        "TCP from the node itself to the LoadBalancer IP",
+        Probe::tcp(sa(l4, 80), 3),
+        &["b1"],
+        None,
+    )?;
+    ctx.check(
+        "ip-mode-proxy",
+        "TCP from outside to a LoadBalancer IP with ipMode Proxy (the load balancer proxies; the node must not capture it)",
+        Probe::tcp(sa(p4, 80), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    ctx.check(
+        "ip-mode-proxy-from-node",
+        "TCP from the node itself to that ipMode Proxy address",
+        Probe::tcp(sa(p4, 80), 3).short(),
+        NOT_SERVED,
+        None,
+    )?;
+    let t = ctx.lb_status("web", json!([]))?;
+    ctx.check(
+        "ingress-removed",
+        "the load balancer's ingress removed from the status: TCP from outside to the old IPv4 address",
+        Probe::tcp(sa(l4, 80), 3).external().short(),
+        NOT_SERVED,
+        Some(t),
+    )?;
+    Ok(())
+}
+
+/// externalTrafficPolicy Local: only this node's endpoints, the client's address kept; what
+/// happens with none here but some elsewhere, and with none at all.
+fn external_traffic_policy_local(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    ctx.serve(2, &[8080, 5353])?;
+    let (l4, l6) = ctx.frontend(30);
+    let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE)), (2, Some("other-node"))], ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service(
+            "web",
+            "LoadBalancer",
+            json!({"externalTrafficPolicy": "Local"}),
+        ),
+        s4,
+        s6,
+    ])?;
+    ctx.lb_status(
+        "web",
+        json!([{"ip": l4.to_string(), "ipMode": "VIP"}, {"ip": l6.to_string(), "ipMode": "VIP"}]),
+    )?;
+    let (n4, _) = ctx.node_ips();
+    let http = node_port(&stored, "web", "http")?;
+    let checks = [
+        (
+            "lb-tcp-v4",
+            "TCP from outside to the IPv4 LoadBalancer IP (b1 on this node, b2 on another)",
+            Probe::tcp(sa(l4, 80), 6),
+        ),
+        (
+            "lb-udp-v4",
+            "UDP (sendto) from outside to the IPv4 LoadBalancer IP",
+            Probe::udp(sa(l4, 53), 6),
+        ),
+        (
+            "lb-tcp-v6",
+            "TCP from outside to the IPv6 LoadBalancer IP",
+            Probe::tcp(sa(l6, 80), 6),
+        ),
+        (
+            "nodeport",
+            "TCP from outside to the node's address:nodePort",
+            Probe::tcp(sa(n4, http), 6),
+        ),
+    ];
+    for (check, what, probe) in checks {
+        ctx.check(check, what, probe.external(), &["b1"], None)?;
+    }
+    ctx.check(
+        "from-node",
+        "TCP from the node itself to the LoadBalancer IP (12 connections)",
+        Probe::tcp(sa(l4, 80), 12),
+        &["b1,b2"],
+        None,
+    )?;
+    let [s4, s6] = ctx.packet_slices("web", &[(2, Some("other-node"))], ready());
+    let t = ctx.write(&[s4, s6])?;
+    ctx.check(
+        "no-local-endpoint",
+        "b1 gone: the only endpoint (b2) is on another node; TCP from outside to the LoadBalancer IP",
+        Probe::tcp(sa(l4, 80), 3).external().short(),
+        NOT_SERVED,
+        Some(t),
+    )?;
+    let [s4, s6] = ctx.packet_slices("web", &[], ready());
+    let t = ctx.write(&[s4, s6])?;
+    ctx.check(
+        "no-endpoints",
+        "no endpoint anywhere: TCP from outside to the LoadBalancer IP",
+        Probe::tcp(sa(l4, 80), 3).external().short(),
+        NOT_SERVED,
+        Some(t),
+    )?;
+    Ok(())
+}
+
+/// loadBalancerSourceRanges: a client inside the ranges, one outside (the same client, two
+/// Services), the Service's nodePort (not restricted), and the ranges changed live.
+fn source_ranges(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    let (a4, _) = ctx.frontend(40);
+    let (d4, _) = ctx.frontend(41);
+    let client = format!("{}/32", ctx.world.proxies[0].sb.external_v4());
+    let ranges = |r: &str| json!({"loadBalancerSourceRanges": [r]});
+    let [s4, s6] = ctx.packet_slices("allowed", &[(1, None)], ready());
+    let [t4, t6] = ctx.packet_slices("denied", &[(1, None)], ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service("allowed", "LoadBalancer", ranges(&client)),
+        s4,
+        s6,
+        ctx.packet_service("denied", "LoadBalancer", ranges("192.0.2.0/24")),
+        t4,
+        t6,
+    ])?;
+    ctx.lb_status("allowed", json!([{"ip": a4.to_string(), "ipMode": "VIP"}]))?;
+    ctx.lb_status("denied", json!([{"ip": d4.to_string(), "ipMode": "VIP"}]))?;
+    let (n4, _) = ctx.node_ips();
+    let masq = via_node("b1", n4);
+    ctx.check(
+        "allowed",
+        "TCP from outside to a LoadBalancer IP whose loadBalancerSourceRanges hold the client",
+        Probe::tcp(sa(a4, 80), 3).external(),
+        &[&masq],
+        None,
+    )?;
+    ctx.check(
+        "denied",
+        "TCP from outside to a LoadBalancer IP whose ranges (192.0.2.0/24) leave the client out",
+        Probe::tcp(sa(d4, 80), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    let np = node_port(&stored, "denied", "http")?;
+    ctx.check(
+        "denied-nodeport",
+        "TCP from that client to the same Service's nodePort",
+        Probe::tcp(sa(n4, np), 3).external(),
+        &[&masq],
+        None,
+    )?;
+    let t = ctx.write(&[ctx.packet_service(
+        "denied",
+        "LoadBalancer",
+        json!({"loadBalancerSourceRanges": ["192.0.2.0/24", client]}),
+    )])?;
+    ctx.check(
+        "range-added",
+        "the client's address added to the ranges",
+        Probe::tcp(sa(d4, 80), 3).external(),
+        &[&masq],
+        Some(t),
+    )?;
+    Ok(())
+}
+
+/// What the external client gets from `GET /` at `to`: the status and the fields of
+/// kube-proxy's health check answer, or how the request failed.
+fn health(p: &Proxy, to: SocketAddr, service: &str) -> Result<Outcome> {
+    let got =
+        p.sb.external_ns()?
+            .run_in(|| svc_tests::agent::http_get(to, "/"))?;
+    let text = match got {
+        Ok((status, body)) => match serde_json::from_str::<Value>(&body) {
+            Ok(v) => {
+                let mut text = format!(
+                    "{status} localEndpoints={} serviceProxyHealthy={}",
+                    v["localEndpoints"], v["serviceProxyHealthy"]
+                );
+                let named = format!(
+                    "{}/{}",
+                    v["service"]["namespace"].as_str().unwrap_or("?"),
+                    v["service"]["name"].as_str().unwrap_or("?")
+                );
+                if named != service {
+                    text += &format!(" service={named}");
+                }
+                text
+            }
+            Err(_) => format!("{status} body={body:?}"),
+        },
+        Err(e) => {
+            let io = e.chain().find_map(|c| c.downcast_ref::<std::io::Error>());
+            match io.map(std::io::Error::kind) {
+                Some(std::io::ErrorKind::ConnectionRefused) => "refused".into(),
+                Some(std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+                    "timeout".into()
+                }
+                _ => format!("failed: {e:#}"),
+            }
+        }
+    };
+    Ok(Outcome { text })
+}
+
+/// The health check node port of a LoadBalancer Service with externalTrafficPolicy Local, as
+/// a cloud load balancer asks it: with a ready endpoint on this node, with none here, with a
+/// terminating one here, and ready again.
+fn health_check_node_port(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE))], ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service(
+            "web",
+            "LoadBalancer",
+            json!({"externalTrafficPolicy": "Local"}),
+        ),
+        s4,
+        s6,
+    ])?;
+    let hc = node_port_field(&stored, "web", "", "healthCheckNodePort")?;
+    let (n4, n6) = ctx.node_ips();
+    let service = format!("{}/web", ctx.name);
+    let ok = "200 localEndpoints=1 serviceProxyHealthy=true";
+    let none = "503 localEndpoints=0 serviceProxyHealthy=true";
+    let look = |to: IpAddr| {
+        let service = service.clone();
+        move |p: &Proxy| health(p, sa(to, hc), &service)
+    };
+    ctx.check_with(
+        "ready-v4",
+        "GET / from outside at the node's IPv4 address:healthCheckNodePort; b1 ready on this node",
+        look(n4),
+        &[ok],
+        None,
+    )?;
+    ctx.check_with(
+        "ready-v6",
+        "the same at the node's IPv6 address",
+        look(n6),
+        &[ok],
+        None,
+    )?;
+    let [s4, s6] = ctx.packet_slices("web", &[(1, Some("other-node"))], ready());
+    let t = ctx.write(&[s4, s6])?;
+    ctx.check_with(
+        "no-local-endpoint",
+        "b1 moved to another node",
+        look(n4),
+        &[none],
+        Some(t),
+    )?;
+    let terminating = json!({"ready": false, "serving": true, "terminating": true});
+    let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE))], terminating);
+    let t = ctx.write(&[s4, s6])?;
+    ctx.check_with(
+        "terminating",
+        "b1 on this node again, terminating (still serving)",
+        look(n4),
+        &[none],
+        Some(t),
+    )?;
+    let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE))], ready());
+    let t = ctx.write(&[s4, s6])?;
+    ctx.check_with("ready-again", "b1 ready again", look(n4), &[ok], Some(t))?;
     Ok(())
 }

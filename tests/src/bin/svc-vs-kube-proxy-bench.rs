@@ -212,6 +212,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         X,
         Some(t.kube_proxy),
         Duration::from_secs(1200),
+        false,
     )?;
     let ready = started.elapsed();
     let _backends: Vec<_> = (1..=OTHER)
