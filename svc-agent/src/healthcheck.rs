@@ -197,6 +197,7 @@ async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     #[test]
     fn the_answer_is_kube_proxys() {
