@@ -91,6 +91,17 @@ pub fn ready_endpoint(ip: Ipv4Addr) -> Endpoint {
     }
 }
 
+async fn create_namespace(client: Client, namespace: &str) -> Result<Namespace> {
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(namespace.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    create(&Api::all(client), &ns).await
+}
+
 /// Creates, retrying what a loaded API server refuses for a moment; an object that already
 /// exists (a retried request that had succeeded) is read back instead.
 pub async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
@@ -130,15 +141,7 @@ pub async fn populate_via_etcd(
     n: u32,
     objects: impl Fn(u32) -> (Service, EndpointSlice),
 ) -> Result<Vec<EndpointSlice>> {
-    let namespaces: Api<Namespace> = Api::all(client);
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(namespace.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    create(&namespaces, &ns).await?;
+    create_namespace(client, namespace).await?;
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let mut out = Vec::with_capacity(n as usize);
     let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
@@ -216,15 +219,7 @@ pub async fn populate(
     concurrency: usize,
     objects: impl Fn(u32) -> (Service, EndpointSlice),
 ) -> Result<Vec<EndpointSlice>> {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(namespace.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    create(&namespaces, &ns).await?;
+    create_namespace(client.clone(), namespace).await?;
     let services: Api<Service> = Api::namespaced(client.clone(), namespace);
     let slices: Api<EndpointSlice> = Api::namespaced(client, namespace);
     let mut created = futures::stream::iter(0..n)
