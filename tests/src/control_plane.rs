@@ -87,6 +87,8 @@ pub struct ControlPlane {
     etcd_url: String,
     port: u16,
     kubeconfig: PathBuf,
+    /// `--service-node-port-range`, when not the API server's default (30000-32767).
+    node_port_range: Option<String>,
     /// Set by the first shutdown (`stop`, then Drop, would run it twice).
     stopped: bool,
 }
@@ -101,6 +103,17 @@ impl ControlPlane {
     /// Starts etcd, waits for its health, starts kube-apiserver and waits until `/readyz` says ok,
     /// the `default` namespace exists and Service IPs can be allocated.
     pub fn start_with(bins: Binaries) -> Result<Self> {
+        Self::start_with_node_ports(bins, None)
+    }
+
+    /// `start`, with the API server's `--service-node-port-range` set to `range`
+    /// (`"20000-32767"`): the default range holds 2,768 NodePorts, too few for a benchmark
+    /// of tens of thousands of NodePort Services.
+    pub fn start_with_node_port_range(range: &str) -> Result<Self> {
+        Self::start_with_node_ports(Binaries::from_env()?, Some(range.to_owned()))
+    }
+
+    fn start_with_node_ports(bins: Binaries, node_port_range: Option<String>) -> Result<Self> {
         let dir = temp_dir()?;
         // Built before anything starts, so that Drop cleans up whatever fails part way.
         let mut cp = Self {
@@ -111,6 +124,7 @@ impl ControlPlane {
             apiserver: None,
             etcd_url: String::new(),
             port: 0,
+            node_port_range,
             stopped: false,
         };
         cp.make_pki().context("making certificates")?;
@@ -482,6 +496,9 @@ impl ControlPlane {
             // default (false) rejects their DaemonSets.
             "--allow-privileged=true".into(),
         ];
+        if let Some(range) = &self.node_port_range {
+            args.push(format!("--service-node-port-range={range}").into());
+        }
         for (flag, file) in [
             ("--client-ca-file", "ca.crt"),
             ("--tls-cert-file", "apiserver.crt"),

@@ -10,6 +10,7 @@
 //! removed and those before the cgroup goes.
 
 pub mod agent;
+pub mod api;
 pub mod cgroup;
 pub mod control_plane;
 pub mod kube_proxy;

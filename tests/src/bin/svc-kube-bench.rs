@@ -48,6 +48,8 @@ use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
+use svc_tests::agent::kube_run_args;
+use svc_tests::api::{cluster_ip, create};
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::{report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
 
@@ -96,18 +98,6 @@ const POLL: Duration = Duration::from_micros(100);
 /// The targets this benchmark checks.
 const TARGET_COLD_START: Duration = Duration::from_secs(2);
 const TARGET_CHANGE_P99: Duration = Duration::from_millis(50);
-
-/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, clear of 10.96.0.1 (the
-/// `kubernetes` Service) and inside the API server's 10.96.0.0/12.
-fn cluster_ip(i: u32) -> Ipv4Addr {
-    let block = 1 + i / 250;
-    Ipv4Addr::new(
-        10,
-        96 + (block / 256) as u8,
-        (block % 256) as u8,
-        (1 + i % 250) as u8,
-    )
-}
 
 /// Endpoint `k` of Service `i` at creation: 10.128.0.0 onwards. Nothing listens there.
 fn endpoint_ip(i: u32, k: u32, per_service: u32) -> Ipv4Addr {
@@ -188,28 +178,6 @@ fn frontend_key(i: u32) -> ServiceKey {
 
 fn backend_addr(ip: Ipv4Addr) -> [u8; 16] {
     addr16(IpAddr::V4(ip))
-}
-
-/// Creates, retrying what a loaded API server refuses for a moment; an object that already
-/// exists (a retried request that had succeeded) is read back instead.
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
-where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match api.create(&PostParams::default(), obj).await {
-            Ok(o) => return Ok(o),
-            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
-            Err(e) if attempt < 5 => {
-                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
-                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
-            }
-            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
-        }
-    }
 }
 
 /// Every Service and its slice, `concurrency` at a time; the slices as stored, by index.
@@ -724,21 +692,13 @@ fn cold_start(
     let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
     let metrics_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
     let healthz_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
-    let agent_args: Vec<OsString> = vec![
-        "run".into(),
-        "--kubeconfig".into(),
-        cp.kubeconfig_path().into(),
-        "--node-name".into(),
-        NODE.into(),
-        "--cgroup".into(),
-        cgroup.path().into(),
-        "--bpffs".into(),
-        bpffs.path().into(),
-        "--metrics-bind-address".into(),
+    let mut agent_args = kube_run_args(cp.kubeconfig_path(), NODE, cgroup.path(), bpffs.path());
+    agent_args.extend([
+        OsString::from("--metrics-bind-address"),
         metrics_addr.to_string().into(),
         "--healthz-bind-address".into(),
         healthz_addr.to_string().into(),
-    ];
+    ]);
     let spawned_at = Timestamp::now();
     let started = Instant::now();
     let mut agent = Agent::start_with_args(&tools.agent, agent_args, bpffs.path(), logs.path())?;

@@ -27,7 +27,6 @@
 //! Nothing leaves the sandboxes: kube-proxy's rules live in the client namespace it runs in,
 //! and the machine's own firewall is checked before and after.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -35,8 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Service, ServicePort, ServiceSpec};
+use k8s_openapi::api::core::v1::{Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -45,9 +43,11 @@ use kube::{Api, Client};
 use serde::Serialize;
 use serde_json::json;
 use svc_agent::source::kube::SERVICE_NAME_LABEL;
+use svc_tests::api::{self, cluster_ip};
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
+use svc_tests::report::{fmt3, median};
 use svc_tests::{report, require_root, Sandbox, TempDir, Tools};
 
 const NAMESPACE: &str = "bench";
@@ -106,18 +106,6 @@ struct Sample {
     peak_rss_mib: f64,
     cluster_ip_conn_per_s: f64,
     direct_conn_per_s: f64,
-}
-
-/// ClusterIP of Service `i`: 10.96.1.1 onwards, 250 per /24, inside the API server's
-/// 10.96.0.0/12 and clear of the `kubernetes` Service.
-fn cluster_ip(i: u32) -> Ipv4Addr {
-    let block = 1 + i / 250;
-    Ipv4Addr::new(
-        10,
-        96 + (block / 256) as u8,
-        (block % 256) as u8,
-        (1 + i % 250) as u8,
-    )
 }
 
 fn service_name(i: u32) -> String {
@@ -186,52 +174,8 @@ fn slice(i: u32, moved: bool) -> EndpointSlice {
     }
 }
 
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<K>
-where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let name = obj.meta().name.clone().unwrap_or_default();
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
-        match api.create(&PostParams::default(), obj).await {
-            Ok(o) => return Ok(o),
-            Err(kube::Error::Api(s)) if s.is_already_exists() => return Ok(api.get(&name).await?),
-            Err(e) if attempt < 5 => {
-                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
-                eprintln!("creating {name} (attempt {attempt}): {e}; retrying");
-            }
-            Err(e) => return Err(e).with_context(|| format!("creating {name}")),
-        }
-    }
-}
-
 async fn populate(client: Client, n: u32) -> Result<()> {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = Namespace {
-        metadata: ObjectMeta {
-            name: Some(NAMESPACE.into()),
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    create(&namespaces, &ns).await?;
-    let services: Api<Service> = Api::namespaced(client.clone(), NAMESPACE);
-    let slices: Api<EndpointSlice> = Api::namespaced(client, NAMESPACE);
-    let mut created = futures::stream::iter(0..n)
-        .map(|i| {
-            let (services, slices) = (services.clone(), slices.clone());
-            async move {
-                create(&services, &service(i)).await?;
-                create(&slices, &slice(i, false)).await?;
-                Ok::<_, anyhow::Error>(())
-            }
-        })
-        .buffer_unordered(32);
-    while let Some(r) = created.next().await {
-        r?;
-    }
-    Ok(())
+    api::create_services(client, NAMESPACE, 0..n, |i| (service(i), slice(i, false))).await
 }
 
 /// CPU time of `pid` and of its children it has reaped, from /proc/PID/stat.
@@ -279,7 +223,7 @@ fn rate(sb: &Sandbox, to: SocketAddr, secs: u64) -> Result<f64> {
             r.errors
         );
     }
-    Ok(r.ok as f64 / (r.duration_ms.max(1) as f64 / 1e3))
+    Ok(r.per_second())
 }
 
 struct Turn<'a> {
@@ -422,26 +366,13 @@ fn bare_rate(tools: &Tools, secs: u64) -> Result<f64> {
 
 /// `median (min–max)` of `f` over the samples of `proxy` at `n`.
 fn spread(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) -> Option<[f64; 3]> {
-    let mut v: Vec<f64> = samples
-        .iter()
-        .filter(|s| s.services == n && s.proxy == proxy)
-        .map(f)
-        .collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some([median(&v), v[0], v[v.len() - 1]])
-}
-
-/// Of sorted, non-empty `v`; the mean of the middle two for an even count.
-fn median(v: &[f64]) -> f64 {
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    report::spread(
+        samples
+            .iter()
+            .filter(|s| s.services == n && s.proxy == proxy)
+            .map(f)
+            .collect(),
+    )
 }
 
 /// Median over rounds of `f(kube-proxy) / f(svc)`, pairing the two of each round.
@@ -462,13 +393,6 @@ fn ratio(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) ->
     }
     v.sort_by(f64::total_cmp);
     Some(median(&v))
-}
-
-fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
-    match v {
-        Some([m, lo, hi]) => format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})"),
-        None => "—".into(),
-    }
 }
 
 struct Measure {
@@ -762,18 +686,14 @@ fn main() -> Result<()> {
             let _ = writeln!(md, "- {f}");
         }
     }
-    println!("{md}");
-    if let Some(path) = &args.json {
-        let out: BTreeMap<&str, serde_json::Value> = [
-            ("samples", serde_json::to_value(&samples)?),
-            ("bare_direct_conn_per_s", serde_json::to_value(&bare)?),
-            ("failed_turns", serde_json::to_value(&failures)?),
-        ]
-        .into();
-        std::fs::write(path, serde_json::to_string_pretty(&out)?)?;
-    }
-    if let Some(path) = &args.write {
-        report::write_section(path, "vs-kube-proxy", &md)?;
-    }
+    report::publish(
+        &md,
+        "vs-kube-proxy",
+        (
+            args.json.as_deref(),
+            json!({"samples": samples, "bare_direct_conn_per_s": bare, "failed_turns": failures}),
+        ),
+        args.write.as_deref(),
+    )?;
     Ok(())
 }
