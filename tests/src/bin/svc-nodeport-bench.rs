@@ -849,7 +849,7 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
                     "- {n} Services, {}: svc at {r:.3} of no translation (target ≥ 0.90{}): {}",
                     m.name,
                     if m.remote {
-                        "; its baseline has no SNAT and a shorter return path"
+                        "; its baseline has no SNAT"
                     } else {
                         ""
                     },
