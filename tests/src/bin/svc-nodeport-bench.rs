@@ -318,15 +318,17 @@ async fn populate(client: Client, n: u32) -> Result<()> {
 /// agent's pins (its tc links) or kube-proxy's guard (rules go with the namespace).
 enum Runner {
     None,
-    // Fields drop in order: the agent (stopped already) before its pins.
-    Svc {
-        agent: Agent,
-        _bpffs: Bpffs,
-        _relay: ApiRelay,
-        _logs: TempDir,
-        _cgroup: TestCgroup,
-    },
+    Svc(Box<SvcRunner>),
     KubeProxy(Box<KubeProxy>),
+}
+
+/// Fields drop in order: the agent (stopped already) before its pins.
+struct SvcRunner {
+    agent: Agent,
+    _bpffs: Bpffs,
+    _relay: ApiRelay,
+    _logs: TempDir,
+    _cgroup: TestCgroup,
 }
 
 /// One setup's namespaces, backends and proxy. Fields drop in declaration order: the proxy's
@@ -407,8 +409,8 @@ impl World {
         };
         // Stopped once it has programmed everything: the datapath alone is measured.
         match &mut world._runner {
-            Runner::Svc { agent, .. } => {
-                agent.terminate(Duration::from_secs(10))?;
+            Runner::Svc(svc) => {
+                svc.agent.terminate(Duration::from_secs(10))?;
             }
             Runner::KubeProxy(kp) => kp.stop(Duration::from_secs(10))?,
             Runner::None => {}
@@ -531,13 +533,13 @@ fn start_svc(cp: &ControlPlane, tools: &Tools, nodes: &Nodes) -> Result<Runner> 
     if let Err(e) = agent.wait_ready(AGENT_READY_TIMEOUT) {
         bail!("svc-agent not ready: {e:#}; log:\n{}", agent.log());
     }
-    Ok(Runner::Svc {
+    Ok(Runner::Svc(Box::new(SvcRunner {
         agent,
         _bpffs: bpffs,
         _relay: relay,
         _logs: logs,
         _cgroup: cgroup,
-    })
+    })))
 }
 
 fn sample(r: &LoopReport, m: Measure, setup: Setup, n: u32, round: u32) -> Sample {
