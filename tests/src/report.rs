@@ -97,6 +97,21 @@ pub fn publish(
     Ok(())
 }
 
+/// The first two lines of a comparison table: `measure`, then each column's label, followed
+/// by a ratio column where one is named (`× none`).
+pub fn table_header(columns: impl IntoIterator<Item = (String, Option<&'static str>)>) -> String {
+    let (mut names, mut rule) = (String::from("| measure |"), String::from("|---|"));
+    for (label, ratio) in columns {
+        names += &format!(" {label} |");
+        rule += "---|";
+        if let Some(r) = ratio {
+            names += &format!(" {r} |");
+            rule += "---|";
+        }
+    }
+    format!("{names}\n{rule}\n")
+}
+
 fn markers(name: &str) -> (String, String) {
     (
         format!("<!-- bench:{name}:begin -->"),
@@ -146,6 +161,15 @@ mod tests {
         let (a, b) = (doc.find("third").unwrap(), doc.find("second").unwrap());
         assert!(a < b, "section a stays before b:\n{doc}");
         assert_eq!(doc.matches("<!-- bench:a:begin -->").count(), 1);
+    }
+
+    #[test]
+    fn a_table_header_has_a_rule_for_every_column_and_ratio() {
+        let h = table_header([
+            ("none".to_string(), None),
+            ("svc".to_string(), Some("× none")),
+        ]);
+        assert_eq!(h, "| measure | none | svc | × none |\n|---|---|---|---|\n");
     }
 
     #[test]

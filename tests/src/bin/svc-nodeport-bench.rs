@@ -687,22 +687,11 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
             "### {n} NodePort Service{} (+1 remote)\n",
             if n == 1 { "" } else { "s" }
         );
-        out += "| measure |";
-        for st in s.setups {
-            out += &format!(" {} |", st.label());
-            if *st != Setup::None {
-                out += " × none |";
-            }
-        }
-        out += "\n|---|";
-        for st in s.setups {
-            out += if *st == Setup::None {
-                "---|"
-            } else {
-                "---|---|"
-            };
-        }
-        out += "\n";
+        out += &report::table_header(
+            s.setups
+                .iter()
+                .map(|st| (st.label(), (*st != Setup::None).then_some("× none"))),
+        );
         for m in MEASURES {
             out += &format!("| {} |", m.name);
             for st in s.setups {

@@ -490,22 +490,11 @@ fn markdown(args: &Args, kinds: &[ProxyKind], samples: &[Sample], bare: &[f64]) 
     let mut unsure = Vec::new();
     for &n in &args.services {
         let _ = writeln!(out, "### {n} Services of {ENDPOINTS} endpoints\n");
-        out += "| measure |";
-        for k in kinds {
-            out += &format!(" {} |", k.label());
-            if *k != ProxyKind::Svc {
-                out += " ×svc |";
-            }
-        }
-        out += "\n|---|";
-        for k in kinds {
-            out += if *k == ProxyKind::Svc {
-                "---|"
-            } else {
-                "---|---|"
-            };
-        }
-        out += "\n";
+        out += &report::table_header(
+            kinds
+                .iter()
+                .map(|k| (k.label(), (*k != ProxyKind::Svc).then_some("×svc"))),
+        );
         for m in MEASURES {
             out += &format!("| {} |", m.name);
             let svc = spread(samples, n, "svc", m.get);
