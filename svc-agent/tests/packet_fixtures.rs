@@ -2699,8 +2699,13 @@ fn per_packet_cost() {
         "known flow, client to remote backend (SNAT, routed)",
         repeated(ExtIngress, ingress, tcp(c2, "192.0.2.10:30081", TCP_ACK)),
     ));
-    println!("\n| path | ns per packet |\n|---|---|");
+    let mut table = String::from("| path | ns per packet |\n|---|---|\n");
     for (what, ns) in rows {
-        println!("| {what} | {ns} |");
+        table += &format!("| {what} | {ns} |\n");
+    }
+    println!("\n{table}");
+    // `cargo xtask bench --nodeport` puts the table in docs/benchmarks.md beside the rates.
+    if let Some(path) = std::env::var_os("SVC_PACKET_COST_TABLE") {
+        std::fs::write(&path, table).expect("writing SVC_PACKET_COST_TABLE");
     }
 }

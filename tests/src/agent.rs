@@ -193,6 +193,27 @@ pub struct Agent {
     own_logs: Option<TempDir>,
 }
 
+/// `run --kubeconfig K --node-name N --cgroup CG --bpffs DIR`: the agent against the
+/// Kubernetes API; more flags go after these.
+pub fn kube_run_args(
+    kubeconfig: &Path,
+    node_name: &str,
+    cgroup: &Path,
+    bpffs: &Path,
+) -> Vec<OsString> {
+    vec![
+        "run".into(),
+        "--kubeconfig".into(),
+        kubeconfig.into(),
+        "--node-name".into(),
+        node_name.into(),
+        "--cgroup".into(),
+        cgroup.into(),
+        "--bpffs".into(),
+        bpffs.into(),
+    ]
+}
+
 /// A loopback port nothing listens on now (the agent binds it a moment later).
 fn free_loopback_port() -> Result<SocketAddr> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
@@ -291,17 +312,7 @@ impl Agent {
         extra: &[&str],
     ) -> Result<Self> {
         let logs = TempDir::new("svc-agent-logs")?;
-        let mut args: Vec<OsString> = vec![
-            "run".into(),
-            "--kubeconfig".into(),
-            kubeconfig.into(),
-            "--node-name".into(),
-            node_name.into(),
-            "--cgroup".into(),
-            cgroup.into(),
-            "--bpffs".into(),
-            bpffs.into(),
-        ];
+        let mut args = kube_run_args(kubeconfig, node_name, cgroup, bpffs);
         let mut healthz = None;
         let mut metrics = None;
         let given = |flag: &str| extra.iter().any(|a| a.starts_with(flag));

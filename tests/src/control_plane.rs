@@ -106,6 +106,14 @@ impl ControlPlane {
         Self::start_with_args(bins, &[])
     }
 
+    /// `start`, with the API server's `--service-node-port-range` set to `range`
+    /// (`"20000-32767"`): the default range holds 2,768 NodePorts, too few for a benchmark
+    /// of tens of thousands of NodePort Services.
+    pub fn start_with_node_port_range(range: &str) -> Result<Self> {
+        let flag = format!("--service-node-port-range={range}");
+        Self::start_with_args(Binaries::from_env()?, &[&flag])
+    }
+
     /// As [`ControlPlane::start_with`], with `extra` flags for kube-apiserver (after its own:
     /// a flag given twice takes the later value).
     pub fn start_with_args(bins: Binaries, extra: &[&str]) -> Result<Self> {

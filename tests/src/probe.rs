@@ -87,6 +87,13 @@ pub struct LoopReport {
     pub netns_ino: u64,
 }
 
+impl LoopReport {
+    /// Successful connections (or exchanges) per second of the run.
+    pub fn per_second(&self) -> f64 {
+        self.ok as f64 / (self.duration_ms.max(1) as f64 / 1e3)
+    }
+}
+
 /// One exchange of `svc-probe udp-stream`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct StreamExchange {

@@ -30,10 +30,22 @@ impl Backend {
     /// Starts `svc-probe serve` in `ns` listening (TCP and UDP) on every address, and returns
     /// once it printed `ready`, that is once every socket is bound.
     pub fn start(probe: &Path, ns: &NetNs, name: &str, listens: &[SocketAddr]) -> Result<Self> {
+        Self::start_with(probe, ns, name, listens, &[])
+    }
+
+    /// `start` with more `svc-probe serve` flags (`--threads N`).
+    pub fn start_with(
+        probe: &Path,
+        ns: &NetNs,
+        name: &str,
+        listens: &[SocketAddr],
+        extra: &[&str],
+    ) -> Result<Self> {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", ns.name()])
             .arg(probe)
-            .args(["serve", "--name", name, "--tcp", "--udp"]);
+            .args(["serve", "--name", name, "--tcp", "--udp"])
+            .args(extra);
         for l in listens {
             cmd.arg("--listen").arg(l.to_string());
         }

@@ -51,6 +51,67 @@ pub fn today() -> String {
         .to_string()
 }
 
+/// Of sorted, non-empty `v`; the mean of the middle two for an even count.
+pub fn median(v: &[f64]) -> f64 {
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// `[median, min, max]` of `values`, or None when there are none.
+pub fn spread(mut values: Vec<f64>) -> Option<[f64; 3]> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some([median(&values), values[0], values[values.len() - 1]])
+}
+
+/// `median (min–max)` with `digits` decimals, `—` for none.
+pub fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
+    match v {
+        Some([m, lo, hi]) => format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})"),
+        None => "—".into(),
+    }
+}
+
+/// What a benchmark prints, and where `--json` and `--write` asked it to go: the markdown to
+/// stdout, `json` (pretty) to its file, the markdown to section `section` of its file.
+pub fn publish(
+    md: &str,
+    section: &str,
+    json: (Option<&Path>, serde_json::Value),
+    write: Option<&Path>,
+) -> Result<()> {
+    println!("{md}");
+    if let (Some(path), value) = json {
+        std::fs::write(path, serde_json::to_string_pretty(&value)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = write {
+        write_section(path, section, md)?;
+    }
+    Ok(())
+}
+
+/// The first two lines of a comparison table: `measure`, then each column's label, followed
+/// by a ratio column where one is named (`× none`).
+pub fn table_header(columns: impl IntoIterator<Item = (String, Option<&'static str>)>) -> String {
+    let (mut names, mut rule) = (String::from("| measure |"), String::from("|---|"));
+    for (label, ratio) in columns {
+        names += &format!(" {label} |");
+        rule += "---|";
+        if let Some(r) = ratio {
+            names += &format!(" {r} |");
+            rule += "---|";
+        }
+    }
+    format!("{names}\n{rule}\n")
+}
+
 fn markers(name: &str) -> (String, String) {
     (
         format!("<!-- bench:{name}:begin -->"),
@@ -100,6 +161,15 @@ mod tests {
         let (a, b) = (doc.find("third").unwrap(), doc.find("second").unwrap());
         assert!(a < b, "section a stays before b:\n{doc}");
         assert_eq!(doc.matches("<!-- bench:a:begin -->").count(), 1);
+    }
+
+    #[test]
+    fn a_table_header_has_a_rule_for_every_column_and_ratio() {
+        let h = table_header([
+            ("none".to_string(), None),
+            ("svc".to_string(), Some("× none")),
+        ]);
+        assert_eq!(h, "| measure | none | svc | × none |\n|---|---|---|---|\n");
     }
 
     #[test]

@@ -69,8 +69,16 @@ enum Task {
         /// in docs/bench/ next to the table.
         #[arg(long)]
         vs_kube_proxy: bool,
-        /// With --vs-kube-proxy: 1,000 Services only, 3 rounds, 10 changes.
-        #[arg(long, requires = "vs_kube_proxy")]
+        /// Only the packet datapath through a NodePort: connections and packets per second
+        /// with svc's tc programs, kube-proxy's rules (iptables-nft, iptables-legacy,
+        /// nftables) and no translation, at 1 and 10,000 Services (svc-nodeport-bench), and
+        /// the per-packet cost of each tc path (BPF_PROG_TEST_RUN); JSON in
+        /// target/bench/nodeport.json.
+        #[arg(long)]
+        nodeport: bool,
+        /// With --vs-kube-proxy: 1,000 Services only, 3 rounds, 10 changes. With --nodeport: 1
+        /// and 1,000 Services, 3 rounds of 1 s measures.
+        #[arg(long)]
         quick: bool,
     },
 }
@@ -259,15 +267,19 @@ fn main() -> Result<()> {
             kube,
             scale,
             vs_kube_proxy,
+            nodeport,
             quick,
         } => {
             require_root("bench")?;
-            // The kube-proxy comparison takes long (three Service counts, four proxies, rounds):
+            if quick && !vs_kube_proxy && !nodeport {
+                bail!("--quick goes with --vs-kube-proxy or --nodeport");
+            }
+            // The kube-proxy comparisons take long (Service counts, four proxies, rounds):
             // only when asked for.
-            let both = !socket && !kube && !scale && !vs_kube_proxy;
+            let both = !socket && !kube && !scale && !vs_kube_proxy && !nodeport;
             build(true)?;
             // Built first, so a cold control-plane build does not fall between the two benches.
-            let control_plane = if both || kube || scale || vs_kube_proxy {
+            let control_plane = if both || kube || scale || vs_kube_proxy || nodeport {
                 Some(control_plane::ensure()?)
             } else {
                 None
@@ -329,6 +341,38 @@ fn main() -> Result<()> {
                     .arg(out.join("vs-kube-proxy.json"))
                     .arg("--plots")
                     .arg(&out);
+                if quick {
+                    c.arg("--quick");
+                }
+                run(&mut c)?;
+            }
+            if let (true, Some(cp)) = (nodeport, &control_plane) {
+                let out = root().join("target/bench");
+                std::fs::create_dir_all(&out)?;
+                // The per-packet table first, on a machine the traffic has not warmed yet; the
+                // bench puts it in its section.
+                let table = out.join("per-packet.md");
+                run(cargo()
+                    .args([
+                        "test",
+                        "-q",
+                        "--release",
+                        "-p",
+                        "svc-agent",
+                        "--test",
+                        "packet_fixtures",
+                        "per_packet_cost",
+                        "--",
+                        "--ignored",
+                        "--nocapture",
+                    ])
+                    .env("SVC_PACKET_COST_TABLE", &table))?;
+                let mut c = bench("svc-nodeport-bench");
+                c.envs(cp.env())
+                    .arg("--json")
+                    .arg(out.join("nodeport.json"))
+                    .arg("--per-packet")
+                    .arg(&table);
                 if quick {
                     c.arg("--quick");
                 }

@@ -43,6 +43,7 @@ use svc_agent::store::{BpfStore, Store};
 use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
+use svc_tests::agent::kube_run_args;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::{bulk, report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
 
@@ -607,21 +608,13 @@ fn cold_start(
     let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
     let metrics_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
     let healthz_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port()?);
-    let agent_args: Vec<OsString> = vec![
-        "run".into(),
-        "--kubeconfig".into(),
-        cp.kubeconfig_path().into(),
-        "--node-name".into(),
-        NODE.into(),
-        "--cgroup".into(),
-        cgroup.path().into(),
-        "--bpffs".into(),
-        bpffs.path().into(),
-        "--metrics-bind-address".into(),
+    let mut agent_args = kube_run_args(cp.kubeconfig_path(), NODE, cgroup.path(), bpffs.path());
+    agent_args.extend([
+        OsString::from("--metrics-bind-address"),
         metrics_addr.to_string().into(),
         "--healthz-bind-address".into(),
         healthz_addr.to_string().into(),
-    ];
+    ]);
     let spawned_at = Timestamp::now();
     let started = Instant::now();
     let mut agent = Agent::start_with_args(&tools.agent, agent_args, bpffs.path(), logs.path())?;

@@ -40,6 +40,12 @@ enum Cmd {
         tcp: bool,
         #[arg(long)]
         udp: bool,
+        /// Threads per socket: each TCP listener is served by this many threads that accept
+        /// and answer a connection each, in turn, and each UDP socket by this many receivers.
+        /// Without it a TCP connection gets a new thread of its own, which costs more than the
+        /// connection itself once many arrive back to back.
+        #[arg(long)]
+        threads: Option<u32>,
     },
     /// COUNT sequential new TCP connections, one request/reply each.
     Tcp {
@@ -118,6 +124,13 @@ enum Cmd {
         duration_ms: u64,
         #[arg(long, default_value_t = 1)]
         interval_ms: u64,
+        /// Threads, each running the loop on its own; the report sums them.
+        #[arg(long, default_value_t = 1)]
+        workers: u32,
+        /// UDP exchanges instead of TCP connections: each worker keeps one unconnected socket
+        /// (one flow) for the whole run and sends a datagram once the last one was answered.
+        #[arg(long)]
+        udp: bool,
     },
 }
 
@@ -159,10 +172,11 @@ fn main() -> Result<()> {
             listen,
             tcp,
             udp,
+            threads,
         } => {
             // Neither flag means both.
             let (tcp, udp) = if tcp || udp { (tcp, udp) } else { (true, true) };
-            serve(&name, &listen, tcp, udp)
+            serve(&name, &listen, tcp, udp, threads)
         }
         Cmd::Tcp {
             target,
@@ -209,7 +223,9 @@ fn main() -> Result<()> {
             target,
             duration_ms,
             interval_ms,
-        } => print_json(&run_loop(&target, duration_ms, interval_ms)),
+            workers,
+            udp,
+        } => print_json(&run_loops(&target, duration_ms, interval_ms, workers, udp)),
         Cmd::UdpStream {
             target,
             duration_ms,
@@ -727,12 +743,54 @@ fn sweep(targets: &std::path::Path, timeout: Duration) -> Result<SweepReport> {
     Ok(report)
 }
 
-fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
+/// `workers` loops at once, each on a thread of its own; their counts are summed and the
+/// duration is the whole run's.
+fn run_loops(
+    target: &Target,
+    duration_ms: u64,
+    interval_ms: u64,
+    workers: u32,
+    udp: bool,
+) -> LoopReport {
+    let start = Instant::now();
+    let parts: Vec<LoopReport> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers.max(1))
+            .map(|_| scope.spawn(|| run_loop(target, duration_ms, interval_ms, udp)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_default())
+            .collect()
+    });
+    let mut report = LoopReport::default();
+    for p in parts {
+        report.ok += p.ok;
+        report.failed += p.failed;
+        report.max_us = report.max_us.max(p.max_us);
+        for (k, v) in p.errors {
+            *report.errors.entry(k).or_default() += v;
+        }
+        for (k, v) in p.backends {
+            *report.backends.entry(k).or_default() += v;
+        }
+    }
+    report.duration_ms = start.elapsed().as_millis() as u64;
+    report.cgroup = own_cgroup();
+    report.netns_ino = own_netns();
+    report
+}
+
+fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64, udp: bool) -> LoopReport {
     let start = Instant::now();
     let duration = Duration::from_millis(duration_ms);
     let mut report = LoopReport::default();
+    let mut udp_socket = None;
     while start.elapsed() < duration {
-        let a = tcp_once(target.addr(), target.timeout(), target.who);
+        let a = if udp {
+            udp_exchange(target, &mut udp_socket)
+        } else {
+            tcp_once(target.addr(), target.timeout(), target.who)
+        };
         report.max_us = report.max_us.max(a.elapsed_us);
         if a.ok {
             report.ok += 1;
@@ -757,18 +815,79 @@ fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64) -> LoopReport {
     report
 }
 
-fn serve(name: &str, listen: &[SocketAddr], tcp: bool, udp: bool) -> Result<()> {
+/// One exchange on a socket kept across calls (made at the first): the same flow every time.
+/// A reply that never came is a failure; the socket stays, and a late reply to an earlier
+/// request is told apart by its sequence number and skipped.
+fn udp_exchange(target: &Target, socket: &mut Option<(UdpSocket, u64)>) -> Attempt {
+    let (to, timeout) = (target.addr(), target.timeout());
+    let start = Instant::now();
+    let run = |socket: &mut Option<(UdpSocket, u64)>| -> std::io::Result<Attempt> {
+        if socket.is_none() {
+            let local: SocketAddr = match to {
+                SocketAddr::V4(_) => "0.0.0.0:0".parse().unwrap(),
+                SocketAddr::V6(_) => "[::]:0".parse().unwrap(),
+            };
+            let s = UdpSocket::bind(local)?;
+            s.set_read_timeout(Some(timeout))?;
+            *socket = Some((s, 0));
+        }
+        let (s, seq) = socket.as_mut().expect("made above");
+        *seq += 1;
+        let request = format!("{seq}");
+        s.send_to(request.as_bytes(), to)?;
+        let mut buf = [0u8; 512];
+        loop {
+            let (n, from) = s.recv_from(&mut buf)?;
+            let reply = String::from_utf8_lossy(&buf[..n]);
+            // `NAME SEQ`: the backend echoes what it got after its name.
+            let (name, echoed, _) = parse_reply(&reply);
+            if echoed.as_deref() == Some(request.as_str()) {
+                return Ok(Attempt {
+                    ok: true,
+                    backend: Some(name),
+                    from: Some(from.to_string()),
+                    elapsed_us: us(start),
+                    ..Default::default()
+                });
+            }
+        }
+    };
+    run(socket).unwrap_or_else(|e| failed(&e, start))
+}
+
+fn serve(
+    name: &str,
+    listen: &[SocketAddr],
+    tcp: bool,
+    udp: bool,
+    threads_per_socket: Option<u32>,
+) -> Result<()> {
     let mut threads = Vec::new();
     for &addr in listen {
         if tcp {
             let l = TcpListener::bind(addr).with_context(|| format!("binding tcp {addr}"))?;
             let name = name.to_owned();
-            threads.push(std::thread::spawn(move || serve_tcp(l, name)));
+            match threads_per_socket {
+                None => threads.push(std::thread::spawn(move || serve_tcp(l, name))),
+                Some(n) => {
+                    for _ in 0..n.max(1) {
+                        let (l, name) = (l.try_clone()?, name.clone());
+                        threads.push(std::thread::spawn(move || {
+                            for conn in l.incoming() {
+                                let Ok(conn) = conn else { continue };
+                                answer_tcp(conn, &name);
+                            }
+                        }));
+                    }
+                }
+            }
         }
         if udp {
             let s = UdpSocket::bind(addr).with_context(|| format!("binding udp {addr}"))?;
-            let name = name.to_owned();
-            threads.push(std::thread::spawn(move || serve_udp(s, name)));
+            for _ in 0..threads_per_socket.unwrap_or(1).max(1) {
+                let (s, name) = (s.try_clone()?, name.to_owned());
+                threads.push(std::thread::spawn(move || serve_udp(s, name)));
+            }
         }
     }
     // Every socket is bound (and TCP listening) before this line: the harness waits for it.
@@ -784,28 +903,31 @@ fn serve_tcp(l: TcpListener, name: String) {
     for conn in l.incoming() {
         let Ok(conn) = conn else { continue };
         let name = name.clone();
-        std::thread::spawn(move || {
-            let reply = format!("{name}\n");
-            let who = format!(
-                "{name} {} {}\n",
-                conn.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
-                conn.local_addr().map(|a| a.to_string()).unwrap_or_default()
-            );
-            let mut reader = BufReader::new(&conn);
-            let mut line = String::new();
-            // One reply per line until EOF (or a reset from a client that lingers 0).
-            while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
-                let answer = if line.trim_end() == "who" {
-                    &who
-                } else {
-                    &reply
-                };
-                if (&conn).write_all(answer.as_bytes()).is_err() {
-                    break;
-                }
-                line.clear();
-            }
-        });
+        std::thread::spawn(move || answer_tcp(conn, &name));
+    }
+}
+
+/// Answers every line of one connection until the client closes it.
+fn answer_tcp(conn: TcpStream, name: &str) {
+    let reply = format!("{name}\n");
+    let who = format!(
+        "{name} {} {}\n",
+        conn.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
+        conn.local_addr().map(|a| a.to_string()).unwrap_or_default()
+    );
+    let mut reader = BufReader::new(&conn);
+    let mut line = String::new();
+    // One reply per line until EOF (or a reset from a client that lingers 0).
+    while matches!(reader.read_line(&mut line), Ok(n) if n > 0) {
+        let answer = if line.trim_end() == "who" {
+            &who
+        } else {
+            &reply
+        };
+        if (&conn).write_all(answer.as_bytes()).is_err() {
+            break;
+        }
+        line.clear();
     }
 }
 
@@ -816,8 +938,13 @@ fn serve_udp(s: UdpSocket, name: String) {
     let local = s.local_addr().map(|a| a.to_string()).unwrap_or_default();
     loop {
         if let Ok((n, from)) = s.recv_from(&mut buf) {
-            let answer = if &buf[..n] == b"who" {
+            let got = &buf[..n];
+            let answer = if got == b"who" {
                 format!("{name} {from} {local}")
+            } else if !got.is_empty() && got.iter().all(u8::is_ascii_digit) {
+                // A sequence number (`loop --udp`): echoed, so the client can tell a late
+                // reply from the one it waits for.
+                format!("{name} {}", String::from_utf8_lossy(got))
             } else {
                 name.clone()
             };

@@ -44,6 +44,7 @@ use serde_json::json;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
+use svc_tests::report::{fmt3, median};
 use svc_tests::{bulk, plot, report, require_root, Sandbox, TempDir, Tools};
 
 const NAMESPACE: &str = "bench";
@@ -184,7 +185,7 @@ fn rate(sb: &Sandbox, to: SocketAddr, secs: u64) -> Result<f64> {
             r.errors
         );
     }
-    Ok(r.ok as f64 / (r.duration_ms.max(1) as f64 / 1e3))
+    Ok(r.per_second())
 }
 
 struct Turn<'a> {
@@ -328,26 +329,13 @@ fn bare_rate(tools: &Tools, secs: u64) -> Result<f64> {
 
 /// `median (min–max)` of `f` over the samples of `proxy` at `n`.
 fn spread(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) -> Option<[f64; 3]> {
-    let mut v: Vec<f64> = samples
-        .iter()
-        .filter(|s| s.services == n && s.proxy == proxy)
-        .map(f)
-        .collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    Some([median(&v), v[0], v[v.len() - 1]])
-}
-
-/// Of sorted, non-empty `v`; the mean of the middle two for an even count.
-fn median(v: &[f64]) -> f64 {
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    report::spread(
+        samples
+            .iter()
+            .filter(|s| s.services == n && s.proxy == proxy)
+            .map(f)
+            .collect(),
+    )
 }
 
 /// Median over rounds of `f(kube-proxy) / f(svc)`, pairing the two of each round.
@@ -368,13 +356,6 @@ fn ratio(samples: &[Sample], n: u32, proxy: &str, f: impl Fn(&Sample) -> f64) ->
     }
     v.sort_by(f64::total_cmp);
     Some(median(&v))
-}
-
-fn fmt3(v: Option<[f64; 3]>, digits: usize) -> String {
-    match v {
-        Some([m, lo, hi]) => format!("{m:.digits$} ({lo:.digits$}–{hi:.digits$})"),
-        None => "—".into(),
-    }
 }
 
 struct Measure {
@@ -495,22 +476,11 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
     let mut unsure = Vec::new();
     for &n in &r.services {
         let _ = writeln!(out, "### {n} Services of {ENDPOINTS} endpoints\n");
-        out += "| measure |";
-        for k in kinds {
-            out += &format!(" {} |", k.label());
-            if *k != ProxyKind::Svc {
-                out += " ×svc |";
-            }
-        }
-        out += "\n|---|";
-        for k in kinds {
-            out += if *k == ProxyKind::Svc {
-                "---|"
-            } else {
-                "---|---|"
-            };
-        }
-        out += "\n";
+        out += &report::table_header(
+            kinds
+                .iter()
+                .map(|k| (k.label(), (*k != ProxyKind::Svc).then_some("×svc"))),
+        );
         for m in MEASURES {
             out += &format!("| {} |", m.name);
             let svc = spread(samples, n, "svc", m.get);
