@@ -275,6 +275,9 @@ impl Agent {
             Scope::All,
             started,
         );
+        self.programmed.compact();
+        // A full sync's transient memory (the plan, the assembly) is the agent's largest.
+        crate::sys::release_free_memory();
         self.finish(report, started, None)
     }
 

@@ -187,11 +187,13 @@ fn range_key(k: &LpmKey<RangeData>) -> SrcRangeKey {
     }
 }
 
+/// aya's syscall errors name the call and keep the errno as their source: both are said.
 pub fn map_err(map: &'static str, e: MapError) -> Error {
-    Error::Map {
-        map,
-        message: e.to_string(),
-    }
+    let message = match &e {
+        MapError::SyscallError(s) => format!("{e}: {}", s.io_error),
+        _ => e.to_string(),
+    };
+    Error::Map { map, message }
 }
 
 /// ENOENT on delete: already gone, which is what we wanted.
