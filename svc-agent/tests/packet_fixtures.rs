@@ -1340,7 +1340,7 @@ fn nodeport_ipv4_tcp() {
     assert_eq!(fwd.snat_addr, ip16("192.0.2.10"));
     assert_eq!(fwd.snat_port_be, 61000u16.to_be());
     assert_eq!((fwd.id, fwd.ifindex), (2, dp.ext0));
-    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN;
+    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN | ct_flags::FIN_FORWARD;
     assert_eq!(fwd.flags, closing);
     let rep = dp
         .ct_entry(&ct_key(
@@ -2617,6 +2617,246 @@ fn connection_tracking_lifetime() {
     assert!(
         dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
         "a hit refreshes its entry"
+    );
+}
+
+/// A SYN that meets a closed flow's entries (RST, or a FIN each way) starts a new connection,
+/// as conntrack does: the closed flow's entries go. A NodePort flow to a local backend keeps
+/// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple
+/// of a direct connection from the same client port to that backend: the direct connection's
+/// SYN-ACK must leave untranslated (it came from the NodePort before, and the client reset
+/// it). A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
+/// The client reusing its port for the same NodePort gets a new flow with fresh flags (the
+/// closed flow's RST would give it the closing timeout), and for another frontend of the same
+/// backend no remapped port (the closed flow's reply tuple is no clash). On pod devices too.
+#[test]
+fn syn_after_a_closed_flow_starts_a_new_connection() {
+    let dp = world();
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    let np = "192.0.2.10:30080";
+    let pod_ip = "10.244.1.5:8080";
+    // Opens client port `c`'s flow to NodePort 30080 (local backend): SYN, SYN-ACK.
+    let open = |c: &'static str| {
+        vec![
+            row(
+                "SYN to the NodePort: DNAT only",
+                ExtIngress,
+                tcp(c, np, TCP_SYN),
+                OK,
+                Packet(tcp(c, pod_ip, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "SYN-ACK from the NodePort",
+                ExtEgress,
+                egress(tcp(pod_ip, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+        ]
+    };
+    // The client connects to the pod itself from the same port: not translated either way.
+    let direct = |c: &'static str| {
+        vec![
+            row(
+                "a direct SYN from the same client port to the pod: not ours",
+                ExtIngress,
+                tcp(c, pod_ip, TCP_SYN),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "the pod's SYN-ACK to it leaves untranslated",
+                ExtEgress,
+                egress(tcp(pod_ip, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ]
+    };
+    let rst = "203.0.113.7:40100";
+    let fin = "203.0.113.7:40101";
+    let half = "203.0.113.7:40102";
+    let again = "203.0.113.7:40103";
+    let other = "203.0.113.7:40104";
+    let mut rows = open(rst);
+    rows.push(row(
+        "the client resets the NodePort flow",
+        ExtIngress,
+        tcp(rst, np, TCP_RST),
+        OK,
+        Packet(tcp(rst, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.extend(direct(rst));
+    rows.extend(open(fin));
+    rows.push(row(
+        "the client's FIN",
+        ExtIngress,
+        tcp(fin, np, TCP_FIN | TCP_ACK),
+        OK,
+        Packet(tcp(fin, pod_ip, TCP_FIN | TCP_ACK)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "the pod's FIN",
+        ExtEgress,
+        egress(tcp(pod_ip, fin, TCP_FIN | TCP_ACK)),
+        OK,
+        Packet(egress(tcp(np, fin, TCP_FIN | TCP_ACK))),
+        Some(pkt_stat::REPLY),
+    ));
+    rows.extend(direct(fin));
+    rows.extend(open(half));
+    rows.push(row(
+        "half-closed: the client's FIN only",
+        ExtIngress,
+        tcp(half, np, TCP_FIN | TCP_ACK),
+        OK,
+        Packet(tcp(half, pod_ip, TCP_FIN | TCP_ACK)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "a direct SYN from the half-closed flow's client port: not ours",
+        ExtIngress,
+        tcp(half, pod_ip, TCP_SYN),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.push(row(
+        "the half-closed flow's data still comes from the NodePort",
+        ExtEgress,
+        egress(tcp(pod_ip, half, TCP_ACK | TCP_PSH)),
+        OK,
+        Packet(egress(tcp(np, half, TCP_ACK | TCP_PSH))),
+        Some(pkt_stat::REPLY),
+    ));
+    rows.extend(open(again));
+    rows.push(row(
+        "the client resets it",
+        ExtIngress,
+        tcp(again, np, TCP_RST),
+        OK,
+        Packet(tcp(again, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.extend(open(again));
+    rows.extend(open(other));
+    rows.push(row(
+        "the client resets it",
+        ExtIngress,
+        tcp(other, np, TCP_RST),
+        OK,
+        Packet(tcp(other, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "the same port to another frontend of the pod: no clash, the port kept",
+        ExtIngress,
+        tcp(other, "192.0.2.10:30082", TCP_SYN),
+        OK,
+        Packet(tcp(other, pod_ip, TCP_SYN)),
+        Some(pkt_stat::NEW),
+    ));
+    rows.push(row(
+        "its SYN-ACK comes from its own frontend",
+        ExtEgress,
+        egress(tcp(pod_ip, other, TCP_SYN | TCP_ACK)),
+        OK,
+        Packet(egress(tcp("192.0.2.10:30082", other, TCP_SYN | TCP_ACK))),
+        Some(pkt_stat::REPLY),
+    ));
+    run_rows(&dp, rows);
+    let t = IPPROTO_TCP;
+    for c in [rst, fin] {
+        assert_eq!(
+            dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
+            None,
+            "{c}: the closed flow's FORWARD entry is gone"
+        );
+        assert_eq!(
+            dp.ct_entry(&ct_key(pod_ip, c, t, ct_dir::REPLY)),
+            None,
+            "{c}: the closed flow's REPLY entry is gone"
+        );
+    }
+    let kept = dp
+        .ct_entry(&ct_key(pod_ip, half, t, ct_dir::REPLY))
+        .expect("the half-closed flow's REPLY entry is kept");
+    assert_eq!(kept.nat_port_be, 30080u16.to_be());
+    let renewed = dp
+        .ct_entry(&ct_key(again, np, t, ct_dir::FORWARD))
+        .expect("the new flow on the reused port");
+    assert_eq!(
+        renewed.flags,
+        ct_flags::SEEN_REPLY,
+        "the new flow's flags are its own: no RST of the closed one"
+    );
+    assert_eq!(
+        dp.ct_entry(&ct_key(other, np, t, ct_dir::FORWARD)),
+        None,
+        "the replaced flow's FORWARD entry is gone"
+    );
+    let rep = dp
+        .ct_entry(&ct_key(pod_ip, other, t, ct_dir::REPLY))
+        .expect("the new flow's REPLY entry");
+    assert_eq!(
+        (rep.nat_port_be, rep.flags),
+        (30082u16.to_be(), ct_flags::SEEN_REPLY)
+    );
+
+    // The same on a pod device: a pod's ClusterIP flow closed, then a direct connection.
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let pc = "10.244.1.6:50020";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a pod's SYN to a ClusterIP: DNAT",
+                PodIngress,
+                pod(tcp(pc, "10.96.0.11:80", TCP_SYN)),
+                OK,
+                Packet(pod(tcp(pc, pod_ip, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its SYN-ACK from the ClusterIP",
+                PodEgress,
+                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp("10.96.0.11:80", pc, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the pod resets it",
+                PodIngress,
+                pod(tcp(pc, "10.96.0.11:80", TCP_RST)),
+                OK,
+                Packet(pod(tcp(pc, pod_ip, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "a direct SYN from the same pod port to the backend: not ours",
+                PodIngress,
+                pod(tcp(pc, pod_ip, TCP_SYN)),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "the backend's SYN-ACK reaches the pod untranslated",
+                PodEgress,
+                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
     );
 }
 

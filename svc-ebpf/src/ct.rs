@@ -5,6 +5,11 @@
 //! An entry older than its timeout is treated as absent, unless its partner (the other
 //! direction's entry) is fresh: a flow whose packets go one way only (a UDP stream, a long
 //! download's ACK-less tail) stays alive as long as either direction speaks.
+//!
+//! A closed TCP flow (an RST, or a FIN each way: `closed`) keeps its entries for the closing
+//! timeout, but gives them up to a new connection on its tuples, as conntrack does for a SYN
+//! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), and a new
+//! flow whose reply tuple they hold (`create`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -15,7 +20,7 @@ use svc_common::{ct_dir, ct_flags, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 use crate::{
     maps::{SVC_CONFIG, SVC_CT},
     nat::Endpoint,
-    pkt::{Pkt, TCP_FIN, TCP_RST},
+    pkt::{Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     scratch::Flow,
 };
 
@@ -140,22 +145,60 @@ pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
     }
 }
 
-/// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN/RST as TCP says.
+/// `packet_flags`' mark of a TCP SYN without ACK (a connection's first segment); above the
+/// 16 bits of `CtValue::flags`, never stored.
+pub const SYN: u32 = 1 << 30;
+
+/// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN (and its direction's
+/// FIN_FORWARD or FIN_REPLY) and RST as TCP says; plus `SYN` for a SYN without ACK.
 #[inline(always)]
 pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
     let mut f: u16 = 0;
     if dir == ct_dir::REPLY {
         f |= ct_flags::SEEN_REPLY;
     }
-    if p.proto == IPPROTO_TCP {
-        if p.tcp_flags & TCP_FIN != 0 {
-            f |= ct_flags::FIN;
-        }
-        if p.tcp_flags & TCP_RST != 0 {
-            f |= ct_flags::RST;
-        }
+    if p.proto != IPPROTO_TCP {
+        return f as u32;
+    }
+    if p.tcp_flags & TCP_FIN != 0 {
+        f |= ct_flags::FIN;
+        f |= if dir == ct_dir::REPLY {
+            ct_flags::FIN_REPLY
+        } else {
+            ct_flags::FIN_FORWARD
+        };
+    }
+    if p.tcp_flags & TCP_RST != 0 {
+        f |= ct_flags::RST;
+    }
+    if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        return f as u32 | SYN;
     }
     f as u32
+}
+
+/// Whether a flow with `flags` is closed: an RST, or a FIN each way. Only such a flow gives
+/// its tuples up to a new connection: after one FIN the other side may still send data (a
+/// half-close), and its socket still owns the tuple, so a new SYN on it could not start
+/// anything but would cut the live half.
+#[inline(always)]
+pub fn closed(flags: u16) -> bool {
+    const BOTH: u16 = ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
+    flags & ct_flags::RST != 0 || flags & BOTH == BOTH
+}
+
+/// Removes the entries of the flow of `key`/`v`: its partner if it is still this flow's (a
+/// partner key may already belong to a newer flow), then `key`'s.
+#[inline(always)]
+fn forget(key: &CtKey, v: &CtValue) {
+    let pk = partner_key(key, v);
+    if let Some(pe) = SVC_CT.get_ptr(pk) {
+        // SAFETY: a map value, read in place.
+        if partner_key(&pk, unsafe { &*pe }) == *key {
+            let _ = SVC_CT.remove(pk);
+        }
+    }
+    let _ = SVC_CT.remove(key);
 }
 
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
@@ -182,7 +225,8 @@ pub const PEEK: u32 = 1 << 31;
 /// to the per-packet ClusterIP path (flag POD), else it must not; the two paths never act on
 /// each other's flows. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
 /// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
-/// the first reply, a FIN, an RST). A function of its
+/// the first reply, a FIN, an RST). A SYN (`add` has `SYN`) on a closed flow's entry starts
+/// a new connection: the flow's entries are removed, and it is a miss. A function of its
 /// own (BPF-to-BPF call), so its copies of keys and values do not sit in its callers' frames.
 #[inline(never)]
 pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> bool {
@@ -197,6 +241,10 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     }
     if add == PEEK {
         return true;
+    }
+    if add & SYN != 0 && closed(out.flags) {
+        forget(key, out);
+        return false;
     }
     let add = add as u16 & !out.flags;
     if add != 0 {
@@ -215,6 +263,36 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         unsafe { (*e).last_seen_ns = now };
     }
     true
+}
+
+/// A TCP SYN without ACK that no flow's FORWARD entry took (it goes on untranslated, or
+/// starts a new flow): if its own reply tuple is a closed flow's REPLY entry of this path
+/// (`pod`), that flow's entries are removed, or the new connection's replies would be
+/// translated as the closed flow's. The case: a NodePort flow to a local backend keeps the
+/// client's address, so its REPLY entry (backend -> client:port) is also the reply tuple of
+/// a direct connection from that client port to the backend.
+#[inline(never)]
+pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
+    if p.proto != IPPROTO_TCP || p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+        return;
+    }
+    let key = CtKey {
+        saddr: p.daddr,
+        daddr: p.saddr,
+        sport_be: p.dport_be,
+        dport_be: p.sport_be,
+        proto: p.proto,
+        dir: ct_dir::REPLY,
+        _pad0: [0; 2],
+    };
+    let Some(e) = SVC_CT.get_ptr(key) else {
+        return;
+    };
+    // SAFETY: a map value, copied out.
+    let v = unsafe { *e };
+    if (v.flags & ct_flags::POD != 0) == pod && closed(v.flags) {
+        forget(&key, &v);
+    }
 }
 
 /// Where the packet goes, and where it comes from, after the translation of entry `v` of
@@ -252,9 +330,9 @@ pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut E
 pub const CREATED: u32 = 0;
 /// The map refused.
 pub const CREATE_ERR: u32 = 1;
-/// The reply tuple belongs to another live flow: the same client address and port reaching
-/// the same backend through another frontend. Storing this flow's entry over it would give
-/// that flow's replies this flow's frontend.
+/// The reply tuple belongs to another live flow that is not closed: the same client address
+/// and port reaching the same backend through another frontend. Storing this flow's entry
+/// over it would give that flow's replies this flow's frontend.
 pub const CLASH: u32 = 2;
 
 /// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
@@ -264,12 +342,17 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
     let rep_key = partner_key(fwd_key, fwd);
     if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
         // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
-        // dead one: replaced. By another live flow: a clash.
+        // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
+        // another live flow: a clash.
         if let Some(e) = SVC_CT.get_ptr(rep_key) {
-            // SAFETY: a map value, read in place.
-            let e = unsafe { &*e };
-            if partner_key(&rep_key, e) != *fwd_key && alive(&rep_key, e, rep.last_seen_ns) {
-                return CLASH;
+            // SAFETY: a map value, copied out.
+            let e = unsafe { *e };
+            if partner_key(&rep_key, &e) != *fwd_key {
+                if closed(e.flags) {
+                    forget(&rep_key, &e);
+                } else if alive(&rep_key, &e, rep.last_seen_ns) {
+                    return CLASH;
+                }
             }
         }
         if SVC_CT.insert(rep_key, rep, 0).is_err() {
