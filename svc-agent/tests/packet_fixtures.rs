@@ -2860,6 +2860,236 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     );
 }
 
+/// A remote backend's SNAT port held by a closed flow (an RST, or a FIN each way) is taken by
+/// the next new flow, the closed flow's entries removed (conntrack reuses a tuple in
+/// TIME_WAIT or CLOSE); one held by an open or half-closed flow is not, and a flow that finds
+/// every port of the range open is still dropped, counted. With the one port of the test
+/// range first, then with 8 ports held by flows written into the map.
+#[test]
+fn snat_port_of_a_closed_flow_is_reclaimed() {
+    let mut dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let snat = "192.0.2.10:61000";
+    let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC).ttl(63);
+    let from_node2 = |p: P| p.macs(EXT_MAC, NODE2_MAC).ttl(63);
+    let to_client = |p: P| p.macs(GW_MAC, EXT_MAC).ttl(62);
+    let c1 = "203.0.113.7:40110";
+    let c2 = "203.0.113.8:40111";
+    let c3 = "203.0.113.9:40112";
+    let syn = |what, c: &str| {
+        row(
+            what,
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            REDIRECT,
+            Packet(to_node2(tcp(snat, backend, TCP_SYN))),
+            Some(pkt_stat::NEW),
+        )
+    };
+    let exhausted = |what, c: &str| {
+        row(
+            what,
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+        )
+    };
+    let reply = |what, c: &str, flags: u8| {
+        row(
+            what,
+            ExtIngress,
+            from_node2(tcp(backend, snat, flags)),
+            REDIRECT,
+            Packet(to_client(tcp(np, c, flags))),
+            Some(pkt_stat::REPLY),
+        )
+    };
+    run_rows(
+        &dp,
+        vec![
+            syn("a flow to the remote backend takes the only SNAT port", c1),
+            reply("its SYN-ACK", c1, TCP_SYN | TCP_ACK),
+            row(
+                "the client resets it: the flow is closed",
+                ExtIngress,
+                tcp(c1, np, TCP_RST),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            syn("another client: the closed flow's port is reclaimed", c2),
+            reply(
+                "the backend's SYN-ACK on it goes to the new client",
+                c2,
+                TCP_SYN | TCP_ACK,
+            ),
+            exhausted("a third client: the port's flow is open, dropped", c3),
+            row(
+                "the second client's FIN: half-closed",
+                ExtIngress,
+                tcp(c2, np, TCP_FIN | TCP_ACK),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_FIN | TCP_ACK))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            exhausted(
+                "the third client again: a half-closed flow keeps its port",
+                c3,
+            ),
+            reply("the backend's FIN: closed both ways", c2, TCP_FIN | TCP_ACK),
+            syn("the third client again: the port is reclaimed", c3),
+        ],
+    );
+    let t = IPPROTO_TCP;
+    for c in [c1, c2] {
+        assert_eq!(
+            dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
+            None,
+            "{c}: the reclaimed flow's FORWARD entry is gone"
+        );
+    }
+    let rep = dp
+        .ct_entry(&ct_key(backend, snat, t, ct_dir::REPLY))
+        .expect("the port's REPLY entry");
+    assert_eq!(
+        (rep.snat_addr, rep.snat_port_be, rep.flags),
+        (ip16("203.0.113.9"), 40112u16.to_be(), ct_flags::SNAT),
+        "the port's REPLY entry is the new flow's, with its own flags"
+    );
+
+    // 8 ports, each held by a flow towards each of two remote backends: towards
+    // 10.244.2.7:8080 closed ones (RST, or a FIN each way), towards 10.244.2.8:8080
+    // (ExternalIP 198.51.100.10:80) open ones.
+    dp.set_config(DatapathConfig {
+        snat_port_min: 62000,
+        snat_port_max: 62007,
+        ..Default::default()
+    });
+    let now = monotonic_ns();
+    let fin_both = ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
+    let held = [
+        (np, backend, 2u32, ct_flags::RST),
+        (np, backend, 2, fin_both),
+        ("198.51.100.10:80", "10.244.2.8:8080", 8, 0),
+    ];
+    for (i, (frontend, be, id, closing)) in held.into_iter().enumerate() {
+        let flags = ct_flags::SNAT | ct_flags::SEEN_REPLY | closing;
+        for port in 62000u16..=62007 {
+            // The two closed kinds share the ports: one of the two below each port.
+            if closing != 0 && (port % 2 == 0) != (i == 0) {
+                continue;
+            }
+            let client = format!(
+                "198.18.{}.{}:{}",
+                100 + i,
+                port - 61990,
+                41000 + (port - 62000)
+            );
+            let fe = sa(frontend);
+            let b = sa(be);
+            let c = sa(&client);
+            let fwd = CtValue {
+                nat_addr: addr16(b.ip()),
+                nat_port_be: b.port().to_be(),
+                snat_addr: ip16("192.0.2.10"),
+                snat_port_be: port.to_be(),
+                flags,
+                id,
+                ifindex: dp.ext0,
+                last_seen_ns: now,
+                ..Default::default()
+            };
+            let rep = CtValue {
+                nat_addr: addr16(fe.ip()),
+                nat_port_be: fe.port().to_be(),
+                snat_addr: addr16(c.ip()),
+                snat_port_be: c.port().to_be(),
+                ..fwd
+            };
+            dp.ct
+                .insert(ct_key(&client, frontend, t, ct_dir::FORWARD), fwd, 0)
+                .unwrap();
+            dp.ct
+                .insert(
+                    ct_key(be, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
+                    rep,
+                    0,
+                )
+                .unwrap();
+        }
+    }
+    let clients: Vec<String> = (0..4)
+        .map(|i| format!("203.0.113.20:{}", 40120 + i))
+        .collect();
+    for c in &clients {
+        let (verdict, _, _) = dp.run_on(ExtIngress, dp.ext0, &tcp(c, np, TCP_SYN).bytes(), 1);
+        assert_eq!(
+            verdict, REDIRECT,
+            "{c}: a new flow takes a closed flow's port"
+        );
+    }
+    let mut ports: Vec<u16> = clients
+        .iter()
+        .map(|c| {
+            let fwd = dp
+                .ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
+                .unwrap_or_else(|| panic!("{c}: its FORWARD entry"));
+            let port = u16::from_be(fwd.snat_port_be);
+            let rep = dp
+                .ct_entry(&ct_key(
+                    backend,
+                    &format!("192.0.2.10:{port}"),
+                    t,
+                    ct_dir::REPLY,
+                ))
+                .unwrap_or_else(|| panic!("{c}: its REPLY entry"));
+            assert_eq!(
+                rep.snat_addr,
+                ip16("203.0.113.20"),
+                "{c}: port {port} is its own"
+            );
+            port
+        })
+        .collect();
+    ports.sort();
+    ports.dedup();
+    assert_eq!(ports.len(), 4, "four flows, four ports: {ports:?}");
+    // The closed flows whose ports were taken are gone, both entries; the others are kept.
+    let (mut old_fwd, mut old_rep) = (0, 0);
+    for (k, v) in dp.ct.iter().filter_map(Result::ok) {
+        if v.flags & (ct_flags::RST | ct_flags::FIN) != 0 && v.id == 2 {
+            match k.dir {
+                ct_dir::FORWARD => old_fwd += 1,
+                _ => old_rep += 1,
+            }
+        }
+    }
+    assert_eq!(
+        (old_fwd, old_rep),
+        (4, 4),
+        "of the 8 closed flows, 4 are left (entries each way)"
+    );
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    run_rows(
+        &dp,
+        vec![row(
+            "every port open towards the ExternalIP's backend: dropped, counted",
+            ExtIngress,
+            tcp("203.0.113.21:40130", "198.51.100.10:80", TCP_SYN),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+        )],
+    );
+    assert_eq!(
+        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
+        before + 1
+    );
+}
+
 /// Not a test: the per-packet cost of each tc path, measured with BPF_PROG_TEST_RUN (repeat
 /// where the packet can be repeated; one run per new flow otherwise, as a repeated packet is
 /// a connection-tracking hit from its second run on). Prints a table; docs/benchmarks.md

@@ -8,8 +8,8 @@
 //!
 //! A closed TCP flow (an RST, or a FIN each way: `closed`) keeps its entries for the closing
 //! timeout, but gives them up to a new connection on its tuples, as conntrack does for a SYN
-//! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), and a new
-//! flow whose reply tuple they hold (`create`).
+//! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a new flow
+//! whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -40,8 +40,15 @@ const SNAT_PORT_MAX: u16 = 65535;
 
 /// How many ports a new SNATed flow tries before it is dropped as exhausted. Each try is a
 /// random port of the range; with a range a few thousand wide, 32 failures in a row means it
-/// is nearly full for that backend.
+/// is nearly full of open flows for that backend.
 pub const SNAT_TRIES: u32 = 32;
+
+/// The first tries take only a free port (or a dead flow's); from then on a closed flow's
+/// port is taken too (its entries removed). A range held by closed flows (a high rate of short
+/// connections to one backend) then costs at most 5 tries per new flow, not 32 and a drop; a
+/// free port is preferred while one is found within 4 tries, so a closed flow's tuple, which
+/// the backend may still hold in TIME_WAIT, is reused only when the range is busy.
+pub const SNAT_FREE_TRIES: u32 = 4;
 
 /// A last-seen time is refreshed at most this often: a write per packet would make every
 /// CPU that serves a flow fight over its entry's cache line.
@@ -372,11 +379,16 @@ pub const SNAT_EXHAUSTED: u32 = 1;
 pub const SNAT_ERR: u32 = 2;
 
 /// Stores the new SNATed flow of the scratch space (`Flow`): picks a port for
-/// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no live
+/// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
-/// filled in). A port is taken only when its REPLY entry is absent or its flow is dead; the
-/// claim of an absent one is a BPF_NOEXIST insert, so two CPUs cannot claim one port for one
-/// backend.
+/// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
+/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`closed`: that flow's
+/// entries are removed first; conntrack lets a new connection reuse a tuple in TIME_WAIT or
+/// CLOSE too). The claim of an absent (or removed) one is a BPF_NOEXIST insert, so two CPUs
+/// cannot claim one free port for one backend; a dead flow's port is overwritten, and two
+/// CPUs that remove one closed flow at the same moment may in rare interleavings both claim
+/// its port (the later write wins), as with a dead one. All `SNAT_TRIES` meeting open flows:
+/// exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
@@ -424,7 +436,7 @@ pub fn create_snat(f: *mut Flow) -> u32 {
 
 /// One try of `create_snat`: 1 stops the loop (a port was claimed, or there is no scratch
 /// space), 0 tries again.
-extern "C" fn snat_try(_index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
+extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(s) = crate::scratch::get() else {
         return 1;
     };
@@ -436,9 +448,18 @@ extern "C" fn snat_try(_index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     f.try_key.dport_be = (port as u16).to_be();
     let flags = match SVC_CT.get_ptr(f.try_key) {
         None => BPF_NOEXIST as u64,
-        // SAFETY: a map value, read in place.
-        Some(e) if alive(&f.try_key, unsafe { &*e }, f.now) => return 0,
-        Some(_) => 0,
+        Some(e) => {
+            // SAFETY: a map value, read in place (removed only after its last read).
+            let e = unsafe { &*e };
+            if !alive(&f.try_key, e, f.now) {
+                0
+            } else if index >= SNAT_FREE_TRIES && closed(e.flags) {
+                forget(&f.try_key, e);
+                BPF_NOEXIST as u64
+            } else {
+                return 0;
+            }
+        }
     };
     if SVC_CT.insert(f.try_key, f.rep, flags).is_err() {
         return 0;
