@@ -256,6 +256,13 @@ pub mod ct_flags {
     pub const FIN_FORWARD: u16 = 1 << 5;
     /// TCP: a FIN was seen from the backend (`REPLY` direction); set with `FIN`.
     pub const FIN_REPLY: u16 = 1 << 6;
+
+    /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
+    /// SNAT port, go to the next new connection that needs them.
+    #[inline(always)]
+    pub const fn closed(flags: u16) -> bool {
+        flags & RST != 0 || flags & (FIN_FORWARD | FIN_REPLY) == FIN_FORWARD | FIN_REPLY
+    }
 }
 
 /// A connection-tracking entry. In a `FORWARD` entry `nat_*` is the backend and `snat_*` the

@@ -190,8 +190,7 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
 /// anything but would cut the live half.
 #[inline(always)]
 pub fn closed(flags: u16) -> bool {
-    const BOTH: u16 = ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
-    flags & ct_flags::RST != 0 || flags & BOTH == BOTH
+    ct_flags::closed(flags)
 }
 
 /// Removes the entries of the flow of `key`/`v`: its partner if it is still this flow's (a

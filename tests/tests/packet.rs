@@ -732,7 +732,8 @@ fn exchange_and_reset(c: TcpStream, timeout: Duration) -> std::io::Result<Answer
 /// that reset its NodePort connection to pod 1 connects to pod 1 directly from the same port
 /// (its SYN-ACK must not come back from the NodePort), and back to the NodePort again from
 /// it; with 4 SNAT ports, 24 connections in a row to pod 2 through the NodePort, each closed
-/// as soon as answered (RST, or FIN each way), are all answered.
+/// as soon as answered (RST, or FIN each way), are all answered, and /metrics counts no SNAT
+/// port in use once they are closed.
 #[test]
 fn closed_flows_give_their_tuples_up() {
     let mut t = Topo::new();
@@ -740,7 +741,12 @@ fn closed_flows_give_their_tuples_up() {
     t.endpoints("local", &[LOCAL_POD]);
     t.service("remote", nodeport("remote", 42, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
-    t.start_agent_with(&["--snat-port-range", "61000-61003"]);
+    t.start_agent_with(&[
+        "--snat-port-range",
+        "61000-61003",
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+    ]);
     // The client reaches pod 1 through node 1 (as the NodePort benchmark's client does).
     t.client
         .ip(["route", "add", "10.244.1.0/24", "via", NODE1])
@@ -793,6 +799,27 @@ fn closed_flows_give_their_tuples_up() {
         failures
     });
     assert!(failures.is_empty(), "{failures:?}");
+    // The last one's FIN from pod 2 may still be on its way: closed soon.
+    let in_use = in_ns(&t.node1, || {
+        poll(Duration::from_secs(5), || {
+            let (status, metrics) = http_get_path(sa("127.0.0.1", 10249), "/metrics")?;
+            anyhow::ensure!(status == 200, "/metrics: {status}");
+            let n: u64 = metrics
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("svc_snat_ports_in_use_max")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .ok_or_else(|| anyhow::anyhow!("no svc_snat_ports_in_use_max"))?;
+            Ok((n == 0).then_some(n))
+        })
+    });
+    assert!(
+        in_use.is_ok(),
+        "SNAT ports still counted in use: {in_use:?}"
+    );
 }
 
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
