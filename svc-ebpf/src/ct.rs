@@ -384,10 +384,10 @@ pub const SNAT_ERR: u32 = 2;
 /// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`closed`: that flow's
 /// entries are removed first; conntrack lets a new connection reuse a tuple in TIME_WAIT or
 /// CLOSE too). The claim of an absent (or removed) one is a BPF_NOEXIST insert, so two CPUs
-/// cannot claim one free port for one backend; a dead flow's port is overwritten, and two
-/// CPUs that remove one closed flow at the same moment may in rare interleavings both claim
-/// its port (the later write wins), as with a dead one. All `SNAT_TRIES` meeting open flows:
-/// exhausted.
+/// cannot claim one free port for one backend. A dead flow's port is overwritten, so two
+/// CPUs may both take it; two CPUs reclaiming one closed flow's port at the same moment may
+/// too, in a rarer interleaving (one removes the entry the other has just claimed). All
+/// `SNAT_TRIES` meeting open flows: exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
