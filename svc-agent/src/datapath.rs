@@ -1358,8 +1358,9 @@ pub struct PacketStats {
     /// FORWARD entries: flows, SNATed or not.
     pub flows: u64,
     pub snat_flows: u64,
-    /// The most SNAT ports one (SNAT address, backend) pair holds: a flow to that backend is
-    /// dropped once this reaches the size of the SNAT port range.
+    /// The most SNAT ports one (SNAT address, backend) pair holds for flows that are not
+    /// closed (a closed flow's port goes to the next new flow that needs it): a new flow to
+    /// that backend is dropped once this reaches the size of the SNAT port range.
     pub snat_ports_max: u64,
 }
 
@@ -1397,6 +1398,9 @@ pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
         out.flows += 1;
         if v.flags & ct_flags::SNAT != 0 {
             out.snat_flows += 1;
+            if ct_flags::closed(v.flags) {
+                return;
+            }
             *ports
                 .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
                 .or_default() += 1;

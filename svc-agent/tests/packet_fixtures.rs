@@ -1340,7 +1340,7 @@ fn nodeport_ipv4_tcp() {
     assert_eq!(fwd.snat_addr, ip16("192.0.2.10"));
     assert_eq!(fwd.snat_port_be, 61000u16.to_be());
     assert_eq!((fwd.id, fwd.ifindex), (2, dp.ext0));
-    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN;
+    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN | ct_flags::FIN_FORWARD;
     assert_eq!(fwd.flags, closing);
     let rep = dp
         .ct_entry(&ct_key(
@@ -2617,6 +2617,476 @@ fn connection_tracking_lifetime() {
     assert!(
         dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
         "a hit refreshes its entry"
+    );
+}
+
+/// A SYN that meets a closed flow's entries (RST, or a FIN each way) starts a new connection,
+/// as conntrack does: the closed flow's entries go. A NodePort flow to a local backend keeps
+/// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple
+/// of a direct connection from the same client port to that backend: the direct connection's
+/// SYN-ACK must leave untranslated (it came from the NodePort before, and the client reset
+/// it). A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
+/// The client reusing its port for the same NodePort gets a new flow with fresh flags (the
+/// closed flow's RST would give it the closing timeout), and for another frontend of the same
+/// backend no remapped port (the closed flow's reply tuple is no clash). On pod devices too.
+#[test]
+fn syn_after_a_closed_flow_starts_a_new_connection() {
+    let dp = world();
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    let np = "192.0.2.10:30080";
+    let pod_ip = "10.244.1.5:8080";
+    // Opens client port `c`'s flow to NodePort 30080 (local backend): SYN, SYN-ACK.
+    let open = |c: &'static str| {
+        vec![
+            row(
+                "SYN to the NodePort: DNAT only",
+                ExtIngress,
+                tcp(c, np, TCP_SYN),
+                OK,
+                Packet(tcp(c, pod_ip, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "SYN-ACK from the NodePort",
+                ExtEgress,
+                egress(tcp(pod_ip, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+        ]
+    };
+    // The client connects to the pod itself from the same port: not translated either way.
+    let direct = |c: &'static str| {
+        vec![
+            row(
+                "a direct SYN from the same client port to the pod: not ours",
+                ExtIngress,
+                tcp(c, pod_ip, TCP_SYN),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "the pod's SYN-ACK to it leaves untranslated",
+                ExtEgress,
+                egress(tcp(pod_ip, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ]
+    };
+    let rst = "203.0.113.7:40100";
+    let fin = "203.0.113.7:40101";
+    let half = "203.0.113.7:40102";
+    let again = "203.0.113.7:40103";
+    let other = "203.0.113.7:40104";
+    let mut rows = open(rst);
+    rows.push(row(
+        "the client resets the NodePort flow",
+        ExtIngress,
+        tcp(rst, np, TCP_RST),
+        OK,
+        Packet(tcp(rst, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.extend(direct(rst));
+    rows.extend(open(fin));
+    rows.push(row(
+        "the client's FIN",
+        ExtIngress,
+        tcp(fin, np, TCP_FIN | TCP_ACK),
+        OK,
+        Packet(tcp(fin, pod_ip, TCP_FIN | TCP_ACK)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "the pod's FIN",
+        ExtEgress,
+        egress(tcp(pod_ip, fin, TCP_FIN | TCP_ACK)),
+        OK,
+        Packet(egress(tcp(np, fin, TCP_FIN | TCP_ACK))),
+        Some(pkt_stat::REPLY),
+    ));
+    rows.extend(direct(fin));
+    rows.extend(open(half));
+    rows.push(row(
+        "half-closed: the client's FIN only",
+        ExtIngress,
+        tcp(half, np, TCP_FIN | TCP_ACK),
+        OK,
+        Packet(tcp(half, pod_ip, TCP_FIN | TCP_ACK)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "a direct SYN from the half-closed flow's client port: not ours",
+        ExtIngress,
+        tcp(half, pod_ip, TCP_SYN),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.push(row(
+        "the half-closed flow's data still comes from the NodePort",
+        ExtEgress,
+        egress(tcp(pod_ip, half, TCP_ACK | TCP_PSH)),
+        OK,
+        Packet(egress(tcp(np, half, TCP_ACK | TCP_PSH))),
+        Some(pkt_stat::REPLY),
+    ));
+    rows.extend(open(again));
+    rows.push(row(
+        "the client resets it",
+        ExtIngress,
+        tcp(again, np, TCP_RST),
+        OK,
+        Packet(tcp(again, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.extend(open(again));
+    rows.extend(open(other));
+    rows.push(row(
+        "the client resets it",
+        ExtIngress,
+        tcp(other, np, TCP_RST),
+        OK,
+        Packet(tcp(other, pod_ip, TCP_RST)),
+        Some(pkt_stat::CT_HIT),
+    ));
+    rows.push(row(
+        "the same port to another frontend of the pod: no clash, the port kept",
+        ExtIngress,
+        tcp(other, "192.0.2.10:30082", TCP_SYN),
+        OK,
+        Packet(tcp(other, pod_ip, TCP_SYN)),
+        Some(pkt_stat::NEW),
+    ));
+    rows.push(row(
+        "its SYN-ACK comes from its own frontend",
+        ExtEgress,
+        egress(tcp(pod_ip, other, TCP_SYN | TCP_ACK)),
+        OK,
+        Packet(egress(tcp("192.0.2.10:30082", other, TCP_SYN | TCP_ACK))),
+        Some(pkt_stat::REPLY),
+    ));
+    run_rows(&dp, rows);
+    let t = IPPROTO_TCP;
+    for c in [rst, fin] {
+        assert_eq!(
+            dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
+            None,
+            "{c}: the closed flow's FORWARD entry is gone"
+        );
+        assert_eq!(
+            dp.ct_entry(&ct_key(pod_ip, c, t, ct_dir::REPLY)),
+            None,
+            "{c}: the closed flow's REPLY entry is gone"
+        );
+    }
+    let kept = dp
+        .ct_entry(&ct_key(pod_ip, half, t, ct_dir::REPLY))
+        .expect("the half-closed flow's REPLY entry is kept");
+    assert_eq!(kept.nat_port_be, 30080u16.to_be());
+    let renewed = dp
+        .ct_entry(&ct_key(again, np, t, ct_dir::FORWARD))
+        .expect("the new flow on the reused port");
+    assert_eq!(
+        renewed.flags,
+        ct_flags::SEEN_REPLY,
+        "the new flow's flags are its own: no RST of the closed one"
+    );
+    assert_eq!(
+        dp.ct_entry(&ct_key(other, np, t, ct_dir::FORWARD)),
+        None,
+        "the replaced flow's FORWARD entry is gone"
+    );
+    let rep = dp
+        .ct_entry(&ct_key(pod_ip, other, t, ct_dir::REPLY))
+        .expect("the new flow's REPLY entry");
+    assert_eq!(
+        (rep.nat_port_be, rep.flags),
+        (30082u16.to_be(), ct_flags::SEEN_REPLY)
+    );
+
+    // The same on a pod device: a pod's ClusterIP flow closed, then a direct connection.
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let pc = "10.244.1.6:50020";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a pod's SYN to a ClusterIP: DNAT",
+                PodIngress,
+                pod(tcp(pc, "10.96.0.11:80", TCP_SYN)),
+                OK,
+                Packet(pod(tcp(pc, pod_ip, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its SYN-ACK from the ClusterIP",
+                PodEgress,
+                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp("10.96.0.11:80", pc, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the pod resets it",
+                PodIngress,
+                pod(tcp(pc, "10.96.0.11:80", TCP_RST)),
+                OK,
+                Packet(pod(tcp(pc, pod_ip, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "a direct SYN from the same pod port to the backend: not ours",
+                PodIngress,
+                pod(tcp(pc, pod_ip, TCP_SYN)),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "the backend's SYN-ACK reaches the pod untranslated",
+                PodEgress,
+                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+}
+
+/// A remote backend's SNAT port held by a closed flow (an RST, or a FIN each way) is taken by
+/// the next new flow, the closed flow's entries removed (conntrack reuses a tuple in
+/// TIME_WAIT or CLOSE); one held by an open or half-closed flow is not, and a flow that finds
+/// every port of the range open is still dropped, counted. With the one port of the test
+/// range first, then with 8 ports held by flows written into the map.
+#[test]
+fn snat_port_of_a_closed_flow_is_reclaimed() {
+    let mut dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let snat = "192.0.2.10:61000";
+    let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC).ttl(63);
+    let from_node2 = |p: P| p.macs(EXT_MAC, NODE2_MAC).ttl(63);
+    let to_client = |p: P| p.macs(GW_MAC, EXT_MAC).ttl(62);
+    let c1 = "203.0.113.7:40110";
+    let c2 = "203.0.113.8:40111";
+    let c3 = "203.0.113.9:40112";
+    let syn = |what, c: &str| {
+        row(
+            what,
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            REDIRECT,
+            Packet(to_node2(tcp(snat, backend, TCP_SYN))),
+            Some(pkt_stat::NEW),
+        )
+    };
+    let exhausted = |what, c: &str| {
+        row(
+            what,
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+        )
+    };
+    let reply = |what, c: &str, flags: u8| {
+        row(
+            what,
+            ExtIngress,
+            from_node2(tcp(backend, snat, flags)),
+            REDIRECT,
+            Packet(to_client(tcp(np, c, flags))),
+            Some(pkt_stat::REPLY),
+        )
+    };
+    run_rows(
+        &dp,
+        vec![
+            syn("a flow to the remote backend takes the only SNAT port", c1),
+            reply("its SYN-ACK", c1, TCP_SYN | TCP_ACK),
+            row(
+                "the client resets it: the flow is closed",
+                ExtIngress,
+                tcp(c1, np, TCP_RST),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            syn("another client: the closed flow's port is reclaimed", c2),
+            reply(
+                "the backend's SYN-ACK on it goes to the new client",
+                c2,
+                TCP_SYN | TCP_ACK,
+            ),
+            exhausted("a third client: the port's flow is open, dropped", c3),
+            row(
+                "the second client's FIN: half-closed",
+                ExtIngress,
+                tcp(c2, np, TCP_FIN | TCP_ACK),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_FIN | TCP_ACK))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            exhausted(
+                "the third client again: a half-closed flow keeps its port",
+                c3,
+            ),
+            reply("the backend's FIN: closed both ways", c2, TCP_FIN | TCP_ACK),
+            syn("the third client again: the port is reclaimed", c3),
+        ],
+    );
+    let t = IPPROTO_TCP;
+    for c in [c1, c2] {
+        assert_eq!(
+            dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
+            None,
+            "{c}: the reclaimed flow's FORWARD entry is gone"
+        );
+    }
+    let rep = dp
+        .ct_entry(&ct_key(backend, snat, t, ct_dir::REPLY))
+        .expect("the port's REPLY entry");
+    assert_eq!(
+        (rep.snat_addr, rep.snat_port_be, rep.flags),
+        (ip16("203.0.113.9"), 40112u16.to_be(), ct_flags::SNAT),
+        "the port's REPLY entry is the new flow's, with its own flags"
+    );
+
+    // 8 ports, each held by a flow towards each of two remote backends: towards
+    // 10.244.2.7:8080 closed ones (RST, or a FIN each way), towards 10.244.2.8:8080
+    // (ExternalIP 198.51.100.10:80) open ones.
+    dp.set_config(DatapathConfig {
+        snat_port_min: 62000,
+        snat_port_max: 62007,
+        ..Default::default()
+    });
+    let now = monotonic_ns();
+    let fin_both = ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
+    let held = [
+        (np, backend, 2u32, ct_flags::RST),
+        (np, backend, 2, fin_both),
+        ("198.51.100.10:80", "10.244.2.8:8080", 8, 0),
+    ];
+    for (i, (frontend, be, id, closing)) in held.into_iter().enumerate() {
+        let flags = ct_flags::SNAT | ct_flags::SEEN_REPLY | closing;
+        for port in 62000u16..=62007 {
+            // The two closed kinds share the ports: one of the two below each port.
+            if closing != 0 && (port % 2 == 0) != (i == 0) {
+                continue;
+            }
+            let client = format!(
+                "198.18.{}.{}:{}",
+                100 + i,
+                port - 61990,
+                41000 + (port - 62000)
+            );
+            let fe = sa(frontend);
+            let b = sa(be);
+            let c = sa(&client);
+            let fwd = CtValue {
+                nat_addr: addr16(b.ip()),
+                nat_port_be: b.port().to_be(),
+                snat_addr: ip16("192.0.2.10"),
+                snat_port_be: port.to_be(),
+                flags,
+                id,
+                ifindex: dp.ext0,
+                last_seen_ns: now,
+                ..Default::default()
+            };
+            let rep = CtValue {
+                nat_addr: addr16(fe.ip()),
+                nat_port_be: fe.port().to_be(),
+                snat_addr: addr16(c.ip()),
+                snat_port_be: c.port().to_be(),
+                ..fwd
+            };
+            dp.ct
+                .insert(ct_key(&client, frontend, t, ct_dir::FORWARD), fwd, 0)
+                .unwrap();
+            dp.ct
+                .insert(
+                    ct_key(be, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
+                    rep,
+                    0,
+                )
+                .unwrap();
+        }
+    }
+    let clients: Vec<String> = (0..4)
+        .map(|i| format!("203.0.113.20:{}", 40120 + i))
+        .collect();
+    for c in &clients {
+        let (verdict, _, _) = dp.run_on(ExtIngress, dp.ext0, &tcp(c, np, TCP_SYN).bytes(), 1);
+        assert_eq!(
+            verdict, REDIRECT,
+            "{c}: a new flow takes a closed flow's port"
+        );
+    }
+    let mut ports: Vec<u16> = clients
+        .iter()
+        .map(|c| {
+            let fwd = dp
+                .ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
+                .unwrap_or_else(|| panic!("{c}: its FORWARD entry"));
+            let port = u16::from_be(fwd.snat_port_be);
+            let rep = dp
+                .ct_entry(&ct_key(
+                    backend,
+                    &format!("192.0.2.10:{port}"),
+                    t,
+                    ct_dir::REPLY,
+                ))
+                .unwrap_or_else(|| panic!("{c}: its REPLY entry"));
+            assert_eq!(
+                rep.snat_addr,
+                ip16("203.0.113.20"),
+                "{c}: port {port} is its own"
+            );
+            port
+        })
+        .collect();
+    ports.sort();
+    ports.dedup();
+    assert_eq!(ports.len(), 4, "four flows, four ports: {ports:?}");
+    // The closed flows whose ports were taken are gone, both entries; the others are kept.
+    let (mut old_fwd, mut old_rep) = (0, 0);
+    for (k, v) in dp.ct.iter().filter_map(Result::ok) {
+        if v.flags & (ct_flags::RST | ct_flags::FIN) != 0 && v.id == 2 {
+            match k.dir {
+                ct_dir::FORWARD => old_fwd += 1,
+                _ => old_rep += 1,
+            }
+        }
+    }
+    assert_eq!(
+        (old_fwd, old_rep),
+        (4, 4),
+        "of the 8 closed flows, 4 are left (entries each way)"
+    );
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    run_rows(
+        &dp,
+        vec![row(
+            "every port open towards the ExternalIP's backend: dropped, counted",
+            ExtIngress,
+            tcp("203.0.113.21:40130", "198.51.100.10:80", TCP_SYN),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+        )],
+    );
+    assert_eq!(
+        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
+        before + 1
     );
 }
 

@@ -244,12 +244,25 @@ pub mod ct_flags {
     pub const SNAT: u16 = 1 << 0;
     /// A reply has been seen.
     pub const SEEN_REPLY: u16 = 1 << 1;
-    /// TCP: a FIN was seen (closing: the short timeout applies).
+    /// TCP: a FIN was seen, either way (closing: the short timeout applies). With an RST, or
+    /// a FIN each way (`FIN_FORWARD` and `FIN_REPLY`), the flow is closed: a new connection may
+    /// take its tuples (a SYN on them, a SNAT port search).
     pub const FIN: u16 = 1 << 2;
     /// TCP: an RST was seen.
     pub const RST: u16 = 1 << 3;
     /// Translated by the per-packet ClusterIP path (pod devices), not the external one.
     pub const POD: u16 = 1 << 4;
+    /// TCP: a FIN was seen from the client (`FORWARD` direction); set with `FIN`.
+    pub const FIN_FORWARD: u16 = 1 << 5;
+    /// TCP: a FIN was seen from the backend (`REPLY` direction); set with `FIN`.
+    pub const FIN_REPLY: u16 = 1 << 6;
+
+    /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
+    /// SNAT port, go to the next new connection that needs them.
+    #[inline(always)]
+    pub const fn closed(flags: u16) -> bool {
+        flags & RST != 0 || flags & (FIN_FORWARD | FIN_REPLY) == FIN_FORWARD | FIN_REPLY
+    }
 }
 
 /// A connection-tracking entry. In a `FORWARD` entry `nat_*` is the backend and `snat_*` the

@@ -5,6 +5,11 @@
 //! An entry older than its timeout is treated as absent, unless its partner (the other
 //! direction's entry) is fresh: a flow whose packets go one way only (a UDP stream, a long
 //! download's ACK-less tail) stays alive as long as either direction speaks.
+//!
+//! A closed TCP flow (an RST, or a FIN each way: `closed`) keeps its entries for the closing
+//! timeout, but gives them up to a new connection on its tuples, as conntrack does for a SYN
+//! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a new flow
+//! whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -15,7 +20,7 @@ use svc_common::{ct_dir, ct_flags, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 use crate::{
     maps::{SVC_CONFIG, SVC_CT},
     nat::Endpoint,
-    pkt::{Pkt, TCP_FIN, TCP_RST},
+    pkt::{Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     scratch::Flow,
 };
 
@@ -35,8 +40,15 @@ const SNAT_PORT_MAX: u16 = 65535;
 
 /// How many ports a new SNATed flow tries before it is dropped as exhausted. Each try is a
 /// random port of the range; with a range a few thousand wide, 32 failures in a row means it
-/// is nearly full for that backend.
+/// is nearly full of open flows for that backend.
 pub const SNAT_TRIES: u32 = 32;
+
+/// The first tries take only a free port (or a dead flow's); from then on a closed flow's
+/// port is taken too (its entries removed). A range held by closed flows (a high rate of short
+/// connections to one backend) then costs at most 5 tries per new flow, not 32 and a drop; a
+/// free port is preferred while one is found within 4 tries, so a closed flow's tuple, which
+/// the backend may still hold in TIME_WAIT, is reused only when the range is busy.
+pub const SNAT_FREE_TRIES: u32 = 4;
 
 /// A last-seen time is refreshed at most this often: a write per packet would make every
 /// CPU that serves a flow fight over its entry's cache line.
@@ -140,22 +152,59 @@ pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
     }
 }
 
-/// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN/RST as TCP says.
+/// `packet_flags`' mark of a TCP SYN without ACK (a connection's first segment); above the
+/// 16 bits of `CtValue::flags`, never stored.
+pub const SYN: u32 = 1 << 30;
+
+/// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN (and its direction's
+/// FIN_FORWARD or FIN_REPLY) and RST as TCP says; plus `SYN` for a SYN without ACK.
 #[inline(always)]
 pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
     let mut f: u16 = 0;
     if dir == ct_dir::REPLY {
         f |= ct_flags::SEEN_REPLY;
     }
-    if p.proto == IPPROTO_TCP {
-        if p.tcp_flags & TCP_FIN != 0 {
-            f |= ct_flags::FIN;
-        }
-        if p.tcp_flags & TCP_RST != 0 {
-            f |= ct_flags::RST;
-        }
+    if p.proto != IPPROTO_TCP {
+        return f as u32;
+    }
+    if p.tcp_flags & TCP_FIN != 0 {
+        f |= ct_flags::FIN;
+        f |= if dir == ct_dir::REPLY {
+            ct_flags::FIN_REPLY
+        } else {
+            ct_flags::FIN_FORWARD
+        };
+    }
+    if p.tcp_flags & TCP_RST != 0 {
+        f |= ct_flags::RST;
+    }
+    if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        return f as u32 | SYN;
     }
     f as u32
+}
+
+/// Whether a flow with `flags` is closed: an RST, or a FIN each way. Only such a flow gives
+/// its tuples up to a new connection: after one FIN the other side may still send data (a
+/// half-close), and its socket still owns the tuple, so a new SYN on it could not start
+/// anything but would cut the live half.
+#[inline(always)]
+pub fn closed(flags: u16) -> bool {
+    ct_flags::closed(flags)
+}
+
+/// Removes the entries of the flow of `key`/`v`: its partner if it is still this flow's (a
+/// partner key may already belong to a newer flow), then `key`'s.
+#[inline(always)]
+fn forget(key: &CtKey, v: &CtValue) {
+    let pk = partner_key(key, v);
+    if let Some(pe) = SVC_CT.get_ptr(pk) {
+        // SAFETY: a map value, read in place.
+        if partner_key(&pk, unsafe { &*pe }) == *key {
+            let _ = SVC_CT.remove(pk);
+        }
+    }
+    let _ = SVC_CT.remove(key);
 }
 
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
@@ -182,7 +231,8 @@ pub const PEEK: u32 = 1 << 31;
 /// to the per-packet ClusterIP path (flag POD), else it must not; the two paths never act on
 /// each other's flows. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
 /// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
-/// the first reply, a FIN, an RST). A function of its
+/// the first reply, a FIN, an RST). A SYN (`add` has `SYN`) on a closed flow's entry starts
+/// a new connection: the flow's entries are removed, and it is a miss. A function of its
 /// own (BPF-to-BPF call), so its copies of keys and values do not sit in its callers' frames.
 #[inline(never)]
 pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> bool {
@@ -197,6 +247,10 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     }
     if add == PEEK {
         return true;
+    }
+    if add & SYN != 0 && closed(out.flags) {
+        forget(key, out);
+        return false;
     }
     let add = add as u16 & !out.flags;
     if add != 0 {
@@ -215,6 +269,36 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         unsafe { (*e).last_seen_ns = now };
     }
     true
+}
+
+/// A TCP SYN without ACK that no flow's FORWARD entry took (it goes on untranslated, or
+/// starts a new flow): if its own reply tuple is a closed flow's REPLY entry of this path
+/// (`pod`), that flow's entries are removed, or the new connection's replies would be
+/// translated as the closed flow's. The case: a NodePort flow to a local backend keeps the
+/// client's address, so its REPLY entry (backend -> client:port) is also the reply tuple of
+/// a direct connection from that client port to the backend.
+#[inline(never)]
+pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
+    if p.proto != IPPROTO_TCP || p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+        return;
+    }
+    let key = CtKey {
+        saddr: p.daddr,
+        daddr: p.saddr,
+        sport_be: p.dport_be,
+        dport_be: p.sport_be,
+        proto: p.proto,
+        dir: ct_dir::REPLY,
+        _pad0: [0; 2],
+    };
+    let Some(e) = SVC_CT.get_ptr(key) else {
+        return;
+    };
+    // SAFETY: a map value, copied out.
+    let v = unsafe { *e };
+    if (v.flags & ct_flags::POD != 0) == pod && closed(v.flags) {
+        forget(&key, &v);
+    }
 }
 
 /// Where the packet goes, and where it comes from, after the translation of entry `v` of
@@ -252,9 +336,9 @@ pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut E
 pub const CREATED: u32 = 0;
 /// The map refused.
 pub const CREATE_ERR: u32 = 1;
-/// The reply tuple belongs to another live flow: the same client address and port reaching
-/// the same backend through another frontend. Storing this flow's entry over it would give
-/// that flow's replies this flow's frontend.
+/// The reply tuple belongs to another live flow that is not closed: the same client address
+/// and port reaching the same backend through another frontend. Storing this flow's entry
+/// over it would give that flow's replies this flow's frontend.
 pub const CLASH: u32 = 2;
 
 /// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
@@ -264,12 +348,17 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
     let rep_key = partner_key(fwd_key, fwd);
     if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
         // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
-        // dead one: replaced. By another live flow: a clash.
+        // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
+        // another live flow: a clash.
         if let Some(e) = SVC_CT.get_ptr(rep_key) {
-            // SAFETY: a map value, read in place.
-            let e = unsafe { &*e };
-            if partner_key(&rep_key, e) != *fwd_key && alive(&rep_key, e, rep.last_seen_ns) {
-                return CLASH;
+            // SAFETY: a map value, copied out.
+            let e = unsafe { *e };
+            if partner_key(&rep_key, &e) != *fwd_key {
+                if closed(e.flags) {
+                    forget(&rep_key, &e);
+                } else if alive(&rep_key, &e, rep.last_seen_ns) {
+                    return CLASH;
+                }
             }
         }
         if SVC_CT.insert(rep_key, rep, 0).is_err() {
@@ -289,11 +378,16 @@ pub const SNAT_EXHAUSTED: u32 = 1;
 pub const SNAT_ERR: u32 = 2;
 
 /// Stores the new SNATed flow of the scratch space (`Flow`): picks a port for
-/// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no live
+/// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
-/// filled in). A port is taken only when its REPLY entry is absent or its flow is dead; the
-/// claim of an absent one is a BPF_NOEXIST insert, so two CPUs cannot claim one port for one
-/// backend.
+/// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
+/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`closed`: that flow's
+/// entries are removed first; conntrack lets a new connection reuse a tuple in TIME_WAIT or
+/// CLOSE too). The claim of an absent (or removed) one is a BPF_NOEXIST insert, so two CPUs
+/// cannot claim one free port for one backend. A dead flow's port is overwritten, so two
+/// CPUs may both take it; two CPUs reclaiming one closed flow's port at the same moment may
+/// too, in a rarer interleaving (one removes the entry the other has just claimed). All
+/// `SNAT_TRIES` meeting open flows: exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
@@ -341,7 +435,7 @@ pub fn create_snat(f: *mut Flow) -> u32 {
 
 /// One try of `create_snat`: 1 stops the loop (a port was claimed, or there is no scratch
 /// space), 0 tries again.
-extern "C" fn snat_try(_index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
+extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     let Some(s) = crate::scratch::get() else {
         return 1;
     };
@@ -353,9 +447,18 @@ extern "C" fn snat_try(_index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     f.try_key.dport_be = (port as u16).to_be();
     let flags = match SVC_CT.get_ptr(f.try_key) {
         None => BPF_NOEXIST as u64,
-        // SAFETY: a map value, read in place.
-        Some(e) if alive(&f.try_key, unsafe { &*e }, f.now) => return 0,
-        Some(_) => 0,
+        Some(e) => {
+            // SAFETY: a map value, read in place (removed only after its last read).
+            let e = unsafe { &*e };
+            if !alive(&f.try_key, e, f.now) {
+                0
+            } else if index >= SNAT_FREE_TRIES && closed(e.flags) {
+                forget(&f.try_key, e);
+                BPF_NOEXIST as u64
+            } else {
+                return 0;
+            }
+        }
     };
     if SVC_CT.insert(f.try_key, f.rep, flags).is_err() {
         return 0;

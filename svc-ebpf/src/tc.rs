@@ -14,7 +14,8 @@
 //! Non-service traffic pays a parse and two or three hash lookups: the FORWARD entry of its
 //! tuple, the frontend key of its destination, and `NODE_ADDRS` on the external ingress (plus
 //! the NodePort wildcard key for traffic to a NodePort address); the REPLY lookup of the
-//! external ingress runs only for packets to a SNAT address within the SNAT port range.
+//! external ingress runs only for packets to a SNAT address within the SNAT port range. A
+//! SYN without ACK adds one: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`).
 //!
 //! Working state lives in the per-CPU scratch space (scratch.rs), and each decision is a
 //! function of its own (a BPF-to-BPF call), so no chain of frames exceeds the 512-byte stack.
@@ -294,6 +295,9 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         // a frontend).
         return send_routed(ctx, s, pkt_stat::REPLY);
     }
+    // A SYN on a closed flow's reply tuple (a direct connection from a NodePort client's
+    // port to its backend) takes the tuple over, whether it starts a flow here or passes.
+    ct::syn_on_reply_tuple(&s.p, false);
     match ext_frontend(s, node, now) {
         NEW_LOCAL => match new_local(ctx, s) {
             REMAP => new_remapped(ctx, s),
@@ -550,6 +554,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     if in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
         return pod_send(ctx, s, pkt_stat::REPLY);
     }
+    ct::syn_on_reply_tuple(&s.p, true);
     match pod_frontend(s, now) {
         NEW_LOCAL => match new_local(ctx, s) {
             REMAP => new_remapped(ctx, s),

@@ -639,6 +639,189 @@ fn nodeport_from_outside() {
     assert!(value("svc_snat_ports_in_use_max") >= 1);
 }
 
+/// A TCP connection from local port `port` (SO_REUSEADDR, so a port whose last connection
+/// was reset can be bound again at once) to `to`, within `timeout`.
+fn tcp_from(port: u16, to: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to4) = to else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    // SAFETY: plain socket calls on a descriptor owned here (given to the TcpStream, or
+    // closed on error); the addresses are valid sockaddr_in of the size given.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let stream = TcpStream::from_raw_fd(fd);
+        let one: libc::c_int = 1;
+        let tv = libc::timeval {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        };
+        let sin = |port: u16, ip: std::net::Ipv4Addr| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(ip.octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let local = sin(port, std::net::Ipv4Addr::UNSPECIFIED);
+        let remote = sin(to4.port(), *to4.ip());
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let ok = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ) == 0
+            // A blocking connect() gives up after SO_SNDTIMEO.
+            && libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            ) == 0
+            && libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len) == 0
+            && libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) == 0;
+        if !ok {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINPROGRESS) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connect timed out",
+                ));
+            }
+            return Err(e);
+        }
+        Ok(stream)
+    }
+}
+
+/// One exchange on `c`, then an RST (SO_LINGER 0) rather than a FIN: no TIME_WAIT anywhere.
+fn exchange_and_reset(c: TcpStream, timeout: Duration) -> std::io::Result<Answer> {
+    c.set_read_timeout(Some(timeout))?;
+    (&c).write_all(b"x\n")?;
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line)?;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid socket and a linger of the size given.
+    let r = unsafe {
+        libc::setsockopt(
+            c.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    drop(c);
+    parse_answer(&line)
+}
+
+/// Closed flows give their tuples up at once, not after the closing timeout (10 s): a client
+/// that reset its NodePort connection to pod 1 connects to pod 1 directly from the same port
+/// (its SYN-ACK must not come back from the NodePort), and back to the NodePort again from
+/// it; with 4 SNAT ports, 24 connections in a row to pod 2 through the NodePort, each closed
+/// as soon as answered (RST, or FIN each way), are all answered, and /metrics counts no SNAT
+/// port in use once they are closed.
+#[test]
+fn closed_flows_give_their_tuples_up() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 41, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 42, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&[
+        "--snat-port-range",
+        "61000-61003",
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+    ]);
+    // The client reaches pod 1 through node 1 (as the NodePort benchmark's client does).
+    t.client
+        .ip(["route", "add", "10.244.1.0/24", "via", NODE1])
+        .expect("route to pod 1");
+    let nodeport = sa(NODE1, 30081);
+    answered(&t.client, "TCP to the local NodePort", move || {
+        tcp_once(nodeport, ANSWER)
+    });
+    let pod = sa(POD1, 8080);
+    let got = in_ns(&t.client, move || {
+        let port = 45000;
+        let mut got = Vec::new();
+        for to in [nodeport, pod, nodeport, pod] {
+            let start = Instant::now();
+            let a = tcp_from(port, to, ANSWER)
+                .and_then(|c| exchange_and_reset(c, ANSWER))
+                .map_err(|e| format!("from port {port} to {to}: {e}"));
+            got.push((to, a, start.elapsed() < Duration::from_secs(1)));
+        }
+        got
+    });
+    for (to, a, quick) in got {
+        let a = a.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            a,
+            Answer {
+                backend: "pod1".into(),
+                saw: ip(CLIENT)
+            },
+            "to {to}"
+        );
+        assert!(quick, "to {to}: answered, but only after a retried SYN");
+    }
+
+    let remote = sa(NODE1, 30082);
+    let failures = in_ns(&t.client, move || {
+        let mut failures = Vec::new();
+        for i in 0..24u32 {
+            let a = if i.is_multiple_of(2) {
+                TcpStream::connect_timeout(&remote, ANSWER)
+                    .and_then(|c| exchange_and_reset(c, ANSWER))
+            } else {
+                tcp_once(remote, ANSWER)
+            };
+            match a {
+                Ok(a) if a.backend == "pod2" && a.saw == ip(NODE1) => {}
+                other => failures.push(format!("connection {i}: {other:?}")),
+            }
+        }
+        failures
+    });
+    assert!(failures.is_empty(), "{failures:?}");
+    // The last one's FIN from pod 2 may still be on its way: closed soon.
+    let in_use = in_ns(&t.node1, || {
+        poll(Duration::from_secs(5), || {
+            let (status, metrics) = http_get_path(sa("127.0.0.1", 10249), "/metrics")?;
+            anyhow::ensure!(status == 200, "/metrics: {status}");
+            let n: u64 = metrics
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("svc_snat_ports_in_use_max")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .ok_or_else(|| anyhow::anyhow!("no svc_snat_ports_in_use_max"))?;
+            Ok((n == 0).then_some(n))
+        })
+    });
+    assert!(
+        in_use.is_ok(),
+        "SNAT ports still counted in use: {in_use:?}"
+    );
+}
+
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
 /// address; the health check node port says 200 with one local endpoint. A Service whose only
 /// endpoint is on node 2 is dropped here (no answer, not a reject) and its health check says
