@@ -15,6 +15,7 @@ pub mod cgroup;
 pub mod control_plane;
 pub mod kube_proxy;
 pub mod manifest;
+pub mod memcg;
 pub mod netns;
 pub mod parity;
 pub mod plot;

@@ -791,39 +791,26 @@ fn findings(samples: &[Sample]) -> String {
     if f > 0 {
         let _ = writeln!(
             out,
-            "\n**svc breaks non-service connections that reuse a client port of a NodePort \
-             flow closed less than 10 s before** ({f} of {all} attempts failed in this run). \
-             A NodePort flow to a local backend is DNATed only, so its REPLY entry in svc's \
-             connection tracking is keyed by (pod 1:8080 → client:port), exactly the reply \
-             tuple of a later direct connection from the same client port to pod 1. The entry \
-             outlives the flow by the closing timeout (10 s after a FIN or RST, \
-             `TCP_CLOSING_S` in svc-ebpf/src/ct.rs), and `ext_egress` (svc-ebpf/src/tc.rs) \
-             rewrites the direct connection's SYN-ACK to come from the NodePort: the client \
-             resets it and the connection times out. A client that opens thousands of \
-             connections per second to a NodePort reuses ports within 10 s (the ephemeral \
-             range holds 28,232); kube-proxy masquerades NodePort flows, so their reply tuple \
-             is another, and Linux conntrack would in any case start a new flow on a SYN. Not \
-             fixed here: a SYN that meets a closed flow's entries should remove them and start \
-             a new flow, on both the FORWARD (NodePort port reuse) and the REPLY side (this \
-             case), which needs its own fixtures."
+            "\n**svc failed non-service connections that reuse a client port of a NodePort \
+             flow closed a moment before** ({f} of {all} attempts failed in this run). A \
+             NodePort flow to a local backend is DNATed only, so its REPLY entry is the reply \
+             tuple of a later direct connection from the same client port to pod 1; a SYN \
+             that meets a closed flow's entries removes them (`ct::syn_on_reply_tuple`, \
+             svc-ebpf/src/ct.rs), and a failure here means that did not happen."
         );
     }
     let (f, all) = failed("tcp-remote");
     if f > 0 {
         let _ = writeln!(
             out,
-            "\n**svc runs out of SNAT ports for a remote backend at a few hundred new \
-             connections per second** ({f} of {all} attempts failed in this run). A flow to a \
-             backend on another node takes a source port of its own from the SNAT range \
-             (default 61001-65535, above the ephemeral ports: 4,535 ports) for as long as its \
-             entries live, 10 s after an RST or FIN: 4,535 / 10 s ≈ 450 new connections per \
-             second to one backend, sustained. Beyond, `create_snat` (svc-ebpf/src/ct.rs) \
-             finds no free port in its 32 random tries and the SYN is dropped (the client \
-             retries after 1 s). kube-proxy's masquerade keeps the client's own port where \
-             the tuple is free, from all 64,511 ports otherwise, and conntrack reuses a closed \
-             flow's tuple for a new SYN. A wider `--snat-port-range` (with a narrower \
-             ephemeral range) moves the limit; a closed flow's port being claimable at once \
-             would remove it."
+            "\n**svc failed new connections to the remote backend** ({f} of {all} attempts \
+             failed in this run; the error counts are in the list above). Such a flow takes a \
+             source port of its own from the SNAT range (default 61001-65535: 4,535 ports); \
+             a closed flow's port is reclaimed for a new flow when 4 random tries find no \
+             free one (`create_snat`, svc-ebpf/src/ct.rs), so ports run out only with 4,535 \
+             flows to one backend open at once, and a drop for that is counted \
+             (`svc_packet_decisions_total`, reason `drop_snat_exhausted`). This run does not say which \
+             of its packets were lost."
         );
     }
     out
