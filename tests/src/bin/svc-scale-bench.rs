@@ -178,7 +178,8 @@ fn main() -> Result<()> {
              one Service's endpoints are changed (one file written) and the sync timed; then the \
              agent is SIGKILLed and started again on its own pinned maps, after which the maps \
              are compared entry by entry with what the manifests say. RSS is VmRSS and VmHWM of \
-             /proc/PID/status. The DaemonSet's memory limit is set from the peak.\n\n\
+             /proc/PID/status. The DaemonSet's memory limit is set from the agent's memory \
+             cgroup, which also counts the maps' kernel memory (\"kube-scale\" below).\n\n\
              {table}\n\n\
              Reproduce: `cargo xtask bench --scale`; the bench itself is `svc-scale-bench \
              --help` (services, endpoints).",
