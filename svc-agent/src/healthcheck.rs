@@ -131,8 +131,14 @@ fn bind(port: u16) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::from_std(listener)
 }
 
-/// kube-proxy's answer (hcHandler.ServeHTTP), byte for byte in the body.
+/// kube-proxy's answer (hcHandler.ServeHTTP), byte for byte in the body, with the headers Go's
+/// HTTP server sends (Date too), dated now.
 pub fn answer(owner: &str, count: u32, healthy: bool) -> String {
+    answer_at(owner, count, healthy, std::time::SystemTime::now())
+}
+
+/// `answer`, dated `now`.
+fn answer_at(owner: &str, count: u32, healthy: bool, now: std::time::SystemTime) -> String {
     let (namespace, name) = owner.split_once('/').unwrap_or(("", owner));
     let body = format!(
         "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
@@ -145,8 +151,40 @@ pub fn answer(owner: &str, count: u32, healthy: bool) -> String {
         "503 Service Unavailable"
     };
     format!(
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nX-Load-Balancing-Endpoint-Weight: {count}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nX-Load-Balancing-Endpoint-Weight: {count}\r\nDate: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        http_date(now),
         body.len()
+    )
+}
+
+/// An HTTP Date header's value (RFC 9110 IMF-fixdate): `Tue, 01 Dec 2026 04:03:09 GMT`.
+fn http_date(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // 1970-01-01 was a Thursday.
+    let weekday = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"][(days % 7) as usize];
+    // Days to a civil date (Howard Hinnant's days_from_civil, inverted), in the proleptic
+    // Gregorian calendar, for dates after 1970.
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    let month = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ][(month - 1) as usize];
+    format!(
+        "{weekday}, {day:02} {month} {year} {:02}:{:02}:{:02} GMT",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
     )
 }
 
@@ -198,6 +236,27 @@ async fn serve(
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
+
+    #[test]
+    fn dates_are_imf_fixdate() {
+        let at = |s: u64| http_date(std::time::UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "Thu, 01 Jan 1970 00:00:00 GMT");
+        // RFC 9110's own example.
+        assert_eq!(at(784_111_777), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(at(951_782_400), "Tue, 29 Feb 2000 00:00:00 GMT");
+        assert_eq!(at(1_796_097_789), "Tue, 01 Dec 2026 04:03:09 GMT");
+        assert_eq!(at(4_102_444_799), "Thu, 31 Dec 2099 23:59:59 GMT");
+        let reply = answer_at(
+            "shop/web",
+            1,
+            true,
+            std::time::UNIX_EPOCH + Duration::from_secs(784_111_777),
+        );
+        assert!(
+            reply.contains("\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\n"),
+            "{reply}"
+        );
+    }
 
     #[test]
     fn the_answer_is_kube_proxys() {

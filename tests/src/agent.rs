@@ -77,6 +77,33 @@ pub fn list(bin: &Path, bpffs: &Path) -> Result<ListOutput> {
 /// `GET PATH` over plain HTTP/1.1 (what the agent's `/healthz` and `/metrics` speak):
 /// the status code and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let reply = http_get_reply(addr, path)?;
+    Ok((reply.status, reply.body))
+}
+
+/// An HTTP reply as it came: status line, headers in their order, body.
+#[derive(Clone, Debug)]
+pub struct HttpReply {
+    /// `HTTP/1.1 200 OK`.
+    pub status_line: String,
+    pub status: u16,
+    /// Names as sent, values trimmed.
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpReply {
+    /// The value of header `name` (case-insensitive), the first if it came twice.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// `GET PATH` with `Connection: close`: the whole reply, headers too.
+pub fn http_get_reply(addr: SocketAddr, path: &str) -> Result<HttpReply> {
     use std::io::{Read, Write};
     let timeout = Duration::from_secs(5);
     let mut s = std::net::TcpStream::connect_timeout(&addr, timeout)
@@ -93,12 +120,23 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let (head, body) = response
         .split_once("\r\n\r\n")
         .with_context(|| format!("no end of headers in {response:?}"))?;
-    let status = head
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default().to_string();
+    let status = status_line
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
         .with_context(|| format!("no status code in {head:?}"))?;
-    Ok((status, body.to_owned()))
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.to_string(), v.trim().to_string()))
+        .collect();
+    Ok(HttpReply {
+        status_line,
+        status,
+        headers,
+        body: body.to_owned(),
+    })
 }
 
 /// Runs `svc-agent uninstall --bpffs DIR [--cgroup CG]`.

@@ -244,6 +244,39 @@ impl Sandbox {
         Ok(report)
     }
 
+    /// Starts `svc-probe hold` (see `spawn_hold`) as the external client; finish it with
+    /// `finish_hold_external`.
+    pub fn spawn_hold_external(
+        &self,
+        to: SocketAddr,
+        connections: u32,
+        duration: Duration,
+        interval_ms: u64,
+    ) -> Result<ClientRun> {
+        let e = self.external()?;
+        let args: Vec<String> = vec![
+            "hold".into(),
+            "--to".into(),
+            to.to_string(),
+            "--connections".into(),
+            connections.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+        ];
+        ClientRun::spawn(&self.tools.probe, &e.cgroup, &e.ns, &args)
+    }
+
+    pub fn finish_hold_external(&self, run: ClientRun, timeout: Duration) -> Result<HoldReport> {
+        let e = self.external()?;
+        let report: HoldReport = run.wait(timeout)?;
+        if report.cgroup != e.cgroup.relative() || report.netns_ino != e.ns.inode()? {
+            bail!("the external hold ran in the wrong cgroup or network namespace");
+        }
+        Ok(report)
+    }
+
     pub fn x(&self) -> u8 {
         self.x
     }

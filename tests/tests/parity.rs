@@ -13,8 +13,9 @@
 //! entry of the file that no longer matches what was seen fails the run, and so does any
 //! change to the machine's own firewall (checked before and after).
 //!
-//! NodePort, ExternalIPs, LoadBalancer IPs, externalTrafficPolicy: Local, source ranges and the
-//! health check node port are probed from an external client in front of the node's uplink
+//! NodePort, ExternalIPs, LoadBalancer IPs, externalTrafficPolicy: Local, source ranges (IPv4
+//! and IPv6), the health check node port (its status, headers and body) and sessionAffinity
+//! for external traffic are probed from an external client in front of the node's uplink
 //! (`Sandbox::add_uplink`), outside svc's cgroup: for svc that traffic meets its tc programs
 //! (the packet datapath), for kube-proxy its PREROUTING rules, as in a cluster.
 
@@ -83,7 +84,9 @@ const SCENARIOS: &[(&str, ScenarioFn)] = &[
         external_traffic_policy_local,
     ),
     ("source-ranges", source_ranges),
+    ("source-ranges-v6", source_ranges_v6),
     ("health-check-node-port", health_check_node_port),
+    ("external-affinity", external_affinity),
 ];
 
 fn proxies_wanted() -> Result<Vec<ProxyKind>> {
@@ -360,13 +363,17 @@ fn write_table(path: &std::path::Path, table: &str, kinds: &[ProxyKind]) -> Resu
          kube-proxy as `tests/intended-differences.yaml` says, for the reason given below; \
          **differs** would fail the test.\n\n\
          NodePort, ExternalIPs, LoadBalancer IPs, externalTrafficPolicy: Local, \
-         loadBalancerSourceRanges and the health check node port are probed \
+         loadBalancerSourceRanges (IPv4 and IPv6), sessionAffinity for external traffic and \
+         the health check node port are probed \
          (\"from outside\") by an external client in front of the node's uplink, outside svc's \
          cgroup, so svc serves them with its tc programs (on the uplink and on the device \
          towards the backends) and kube-proxy with its PREROUTING rules; there `src=` shows \
          the address a backend saw instead of the external client's (masquerade, SNAT), and \
          an endpoint without this node's name is another node's. A health check cell is the \
-         HTTP status and the fields of the JSON answer.\n\n{table}",
+         HTTP status and the fields of the JSON answer; a `-head` row shows the status line, \
+         the values of the headers kube-proxy sets and the names of the others, a `-body` row \
+         every field of the JSON body and whether the body is, byte for byte, kube-proxy's \
+         template for those fields.\n\n{table}",
         machine = svc_tests::report::machine(),
         date = svc_tests::report::today(),
         proxies = proxies.join(", "),
@@ -2106,6 +2113,105 @@ fn source_ranges(ctx: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// loadBalancerSourceRanges over IPv6: the external client's IPv6 address inside the ranges and
+/// outside them (two Services), over TCP and UDP; the Service's nodePort (not restricted); its
+/// IPv4 LoadBalancer IP, of a family the ranges name no network of; and the ranges changed
+/// live both ways.
+fn source_ranges_v6(ctx: &mut Ctx) -> Result<()> {
+    ctx.serve(1, &[8080, 5353])?;
+    let (a4, a6) = ctx.frontend(60);
+    let (d4, d6) = ctx.frontend(61);
+    let client = format!("{}/128", ctx.world.proxies[0].sb.external_v6());
+    let doc = "2001:db8::/32";
+    let ranges = |r: &[&str]| json!({"loadBalancerSourceRanges": r});
+    let [s4, s6] = ctx.packet_slices("allowed", &[(1, None)], ready());
+    let [t4, t6] = ctx.packet_slices("denied", &[(1, None)], ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service("allowed", "LoadBalancer", ranges(&[client.as_str()])),
+        s4,
+        s6,
+        ctx.packet_service("denied", "LoadBalancer", ranges(&[doc])),
+        t4,
+        t6,
+    ])?;
+    let both = |v4: IpAddr, v6: IpAddr| json!([{"ip": v4.to_string(), "ipMode": "VIP"}, {"ip": v6.to_string(), "ipMode": "VIP"}]);
+    ctx.lb_status("allowed", both(a4, a6))?;
+    ctx.lb_status("denied", both(d4, d6))?;
+    let (n4, n6) = ctx.node_ips();
+    let masq = via_node("b1", n6);
+    ctx.check(
+        "allowed",
+        "TCP from outside to an IPv6 LoadBalancer IP whose loadBalancerSourceRanges hold the client's IPv6 address (/128)",
+        Probe::tcp(sa(a6, 80), 3).external(),
+        &[&masq],
+        None,
+    )?;
+    ctx.check(
+        "allowed-udp",
+        "UDP (sendto) from outside to that address",
+        Probe::udp(sa(a6, 53), 3).external(),
+        &[&masq],
+        None,
+    )?;
+    ctx.check(
+        "denied",
+        "TCP from outside to an IPv6 LoadBalancer IP whose ranges (2001:db8::/32) leave the client out",
+        Probe::tcp(sa(d6, 80), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    ctx.check(
+        "denied-udp",
+        "UDP (sendto) from outside to that address",
+        Probe::udp(sa(d6, 53), 3).external().short(),
+        NOT_SERVED,
+        None,
+    )?;
+    let np = node_port(&stored, "denied", "http")?;
+    ctx.check(
+        "denied-nodeport",
+        "TCP from that client to the same Service's nodePort on the node's IPv6 address",
+        Probe::tcp(sa(n6, np), 3).external(),
+        &[&masq],
+        None,
+    )?;
+    let mut v4_either = vec![via_node("b1", n4)];
+    v4_either.extend(NOT_SERVED.iter().map(|s| s.to_string()));
+    let v4_either: Vec<&str> = v4_either.iter().map(String::as_str).collect();
+    ctx.check(
+        "denied-v4",
+        "TCP from outside to the same Service's IPv4 LoadBalancer IP: its ranges name no IPv4 network",
+        Probe::tcp(sa(d4, 80), 3).external().short(),
+        &v4_either,
+        None,
+    )?;
+    let t = ctx.write(&[ctx.packet_service(
+        "denied",
+        "LoadBalancer",
+        ranges(&[doc, client.as_str()]),
+    )])?;
+    ctx.check(
+        "range-added",
+        "the client's IPv6 address added to the ranges",
+        Probe::tcp(sa(d6, 80), 3).external(),
+        &[&masq],
+        Some(t),
+    )?;
+    let t = ctx.write(&[ctx.packet_service(
+        "allowed",
+        "LoadBalancer",
+        ranges(&[doc, "192.0.2.0/24"]),
+    )])?;
+    ctx.check(
+        "range-removed",
+        "the client's address removed from the first Service's ranges (2001:db8::/32 and 192.0.2.0/24 left)",
+        Probe::tcp(sa(a6, 80), 3).external().short(),
+        NOT_SERVED,
+        Some(t),
+    )?;
+    Ok(())
+}
+
 /// What the external client gets from `GET /` at `to`: the status and the fields of
 /// kube-proxy's health check answer, or how the request failed.
 fn health(p: &Proxy, to: SocketAddr, service: &str) -> Result<Outcome> {
@@ -2143,6 +2249,125 @@ fn health(p: &Proxy, to: SocketAddr, service: &str) -> Result<Outcome> {
         }
     };
     Ok(Outcome { text })
+}
+
+/// Which part of the health check's answer a look sums up.
+#[derive(Clone, Copy)]
+enum Answer {
+    /// The status line, the headers kube-proxy sets with their values, and the names of the
+    /// others (values that change, such as Date, are left out).
+    Head,
+    /// Every field of the JSON body (`path=value`, sorted), and whether the body is, byte for
+    /// byte, what kube-proxy's template (hcHandler.ServeHTTP) makes of those fields.
+    Body,
+}
+
+/// The headers whose values are compared; any other header is compared by name only.
+const HEALTH_HEADERS: &[&str] = &[
+    "content-type",
+    "x-content-type-options",
+    "x-load-balancing-endpoint-weight",
+    "content-length",
+    "connection",
+];
+
+/// kube-proxy's health check body for these fields (hcHandler.ServeHTTP: a dedented, tab
+/// indented template, trimmed of newlines).
+fn kube_proxy_health_body(namespace: &str, name: &str, count: u64, healthy: bool) -> String {
+    format!(
+        "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
+        Value::from(namespace),
+        Value::from(name),
+    )
+}
+
+/// `path=value` for every leaf of `v`, sorted by path.
+fn json_fields(v: &Value, path: &str, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                json_fields(v, &p, out);
+            }
+        }
+        _ => out.push(format!("{path}={v}")),
+    }
+    out.sort();
+}
+
+/// What the external client gets from `GET /` at `to`, in detail: the `part` of kube-proxy's
+/// health check answer, or how the request failed.
+fn health_answer(p: &Proxy, to: SocketAddr, part: Answer) -> Result<Outcome> {
+    let got =
+        p.sb.external_ns()?
+            .run_in(|| svc_tests::agent::http_get_reply(to, "/"))?;
+    let reply = match got {
+        Ok(r) => r,
+        Err(e) => {
+            return Ok(Outcome {
+                text: format!("failed: {e:#}"),
+            })
+        }
+    };
+    let text = match part {
+        Answer::Head => {
+            let mut parts = vec![reply.status_line.clone()];
+            for h in HEALTH_HEADERS {
+                parts.push(match reply.header(h) {
+                    Some(v) => format!("{h}: {v}"),
+                    None => format!("no {h}"),
+                });
+            }
+            let mut others: Vec<String> = reply
+                .headers
+                .iter()
+                .map(|(n, _)| n.to_ascii_lowercase())
+                .filter(|n| !HEALTH_HEADERS.contains(&n.as_str()))
+                .collect();
+            others.sort();
+            parts.push(format!("also: {}", others.join(" ")));
+            parts.join("; ")
+        }
+        Answer::Body => match serde_json::from_str::<Value>(&reply.body) {
+            Ok(v) => {
+                let mut fields = Vec::new();
+                json_fields(&v, "", &mut fields);
+                let template = kube_proxy_health_body(
+                    v["service"]["namespace"].as_str().unwrap_or_default(),
+                    v["service"]["name"].as_str().unwrap_or_default(),
+                    v["localEndpoints"].as_u64().unwrap_or_default(),
+                    v["serviceProxyHealthy"].as_bool().unwrap_or_default(),
+                );
+                let layout = if reply.body == template {
+                    "kube-proxy's template".to_string()
+                } else {
+                    format!("other layout {:?}", reply.body)
+                };
+                format!("{}; {layout}", fields.join(" "))
+            }
+            Err(_) => format!("not JSON: {:?}", reply.body),
+        },
+    };
+    Ok(Outcome { text })
+}
+
+/// What kube-proxy answers (`Answer::Head`) for `count` local endpoints, healthy.
+fn kube_proxy_health_head(body: &str, count: u64) -> String {
+    let status = if count > 0 {
+        "HTTP/1.1 200 OK"
+    } else {
+        "HTTP/1.1 503 Service Unavailable"
+    };
+    format!(
+        "{status}; content-type: application/json; x-content-type-options: nosniff; \
+         x-load-balancing-endpoint-weight: {count}; content-length: {}; connection: close; \
+         also: date",
+        body.len()
+    )
 }
 
 /// The health check node port of a LoadBalancer Service with externalTrafficPolicy Local, as
@@ -2183,6 +2408,7 @@ fn health_check_node_port(ctx: &mut Ctx) -> Result<()> {
         &[ok],
         None,
     )?;
+    answer_checks(ctx, "ready", "b1 ready on this node", n4, hc, 1)?;
     let [s4, s6] = ctx.packet_slices("web", &[(1, Some("other-node"))], ready());
     let t = ctx.write(&[s4, s6])?;
     ctx.check_with(
@@ -2192,6 +2418,7 @@ fn health_check_node_port(ctx: &mut Ctx) -> Result<()> {
         &[none],
         Some(t),
     )?;
+    answer_checks(ctx, "no-local-endpoint", "no local endpoint", n4, hc, 0)?;
     let terminating = json!({"ready": false, "serving": true, "terminating": true});
     let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE))], terminating);
     let t = ctx.write(&[s4, s6])?;
@@ -2205,5 +2432,207 @@ fn health_check_node_port(ctx: &mut Ctx) -> Result<()> {
     let [s4, s6] = ctx.packet_slices("web", &[(1, Some(NODE))], ready());
     let t = ctx.write(&[s4, s6])?;
     ctx.check_with("ready-again", "b1 ready again", look(n4), &[ok], Some(t))?;
+    Ok(())
+}
+
+/// The head and the body of the health check's answer at `node:hc`, `count` local endpoints
+/// expected (`when` says so in the table).
+fn answer_checks(
+    ctx: &mut Ctx,
+    state: &str,
+    when: &str,
+    node: IpAddr,
+    hc: u16,
+    count: u64,
+) -> Result<()> {
+    let body = kube_proxy_health_body(&ctx.name, "web", count, true);
+    let mut fields = Vec::new();
+    json_fields(&serde_json::from_str(&body)?, "", &mut fields);
+    let expect_body = format!("{}; kube-proxy's template", fields.join(" "));
+    let expect_head = kube_proxy_health_head(&body, count);
+    ctx.check_with(
+        &format!("{state}-head"),
+        &format!("{when}: the reply's status line and headers (values of the ones kube-proxy sets; others by name)"),
+        |p: &Proxy| health_answer(p, sa(node, hc), Answer::Head),
+        &[&expect_head],
+        None,
+    )?;
+    ctx.check_with(
+        &format!("{state}-body"),
+        &format!(
+            "{when}: the JSON body's fields, and whether it is kube-proxy's template byte for byte"
+        ),
+        |p: &Proxy| health_answer(p, sa(node, hc), Answer::Body),
+        &[&expect_body],
+        None,
+    )?;
+    Ok(())
+}
+
+/// sessionAffinity ClientIP for traffic from outside the node: eight backends on another node;
+/// the external client's new connections to a NodePort and to a LoadBalancer IP (IPv4 and
+/// IPv6, TCP and UDP) all land on one backend, where a Service without affinity spreads them;
+/// and whether the NodePort and the LoadBalancer IP of one Service port give the client the
+/// same backend.
+fn external_affinity(ctx: &mut Ctx) -> Result<()> {
+    for i in 1..=8 {
+        ctx.serve(i, &[8080, 5353])?;
+    }
+    let eps: Vec<(u8, Option<&str>)> = (1..=8).map(|i| (i, None)).collect();
+    let (l4, l6) = ctx.frontend(50);
+    let (s4, _) = ctx.frontend(51);
+    let (o4, _) = ctx.frontend(52);
+    let timeout_s = 2;
+    let [a4, a6] = ctx.packet_slices("sticky", &eps, ready());
+    let [b4, b6] = ctx.packet_slices("short", &eps, ready());
+    let [c4, c6] = ctx.packet_slices("spread", &eps, ready());
+    let stored = ctx.apply(&[
+        ctx.packet_service(
+            "sticky",
+            "LoadBalancer",
+            json!({"sessionAffinity": "ClientIP"}),
+        ),
+        a4,
+        a6,
+        ctx.packet_service(
+            "short",
+            "LoadBalancer",
+            json!({"sessionAffinity": "ClientIP",
+                   "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": timeout_s}}}),
+        ),
+        b4,
+        b6,
+        ctx.packet_service("spread", "LoadBalancer", json!({})),
+        c4,
+        c6,
+    ])?;
+    ctx.lb_status(
+        "sticky",
+        json!([{"ip": l4.to_string(), "ipMode": "VIP"}, {"ip": l6.to_string(), "ipMode": "VIP"}]),
+    )?;
+    ctx.lb_status("short", json!([{"ip": s4.to_string(), "ipMode": "VIP"}]))?;
+    ctx.lb_status("spread", json!([{"ip": o4.to_string(), "ipMode": "VIP"}]))?;
+    let (n4, n6) = ctx.node_ips();
+    let one = |node: IpAddr| format!("1 backend src={node}");
+    let several = format!("several backends src={n4}");
+    let spread = node_port(&stored, "spread", "http")?;
+    ctx.check(
+        "off-nodeport",
+        "no affinity: 20 TCP connections from outside to the node's IPv4 address:nodePort (8 backends on another node)",
+        Probe::tcp(sa(n4, spread), 20).distinct().external(),
+        &[&several],
+        None,
+    )?;
+    ctx.check(
+        "off-lb",
+        "no affinity: 20 TCP connections from outside to the IPv4 LoadBalancer IP",
+        Probe::tcp(sa(o4, 80), 20).distinct().external(),
+        &[&several],
+        None,
+    )?;
+    let (http, dns) = (
+        node_port(&stored, "sticky", "http")?,
+        node_port(&stored, "sticky", "dns")?,
+    );
+    let checks = [
+        (
+            "nodeport-tcp-v4",
+            "ClientIP affinity: 20 TCP connections from outside to the node's IPv4 address:nodePort",
+            Probe::tcp(sa(n4, http), 20),
+            n4,
+        ),
+        (
+            "nodeport-udp-v4",
+            "20 UDP exchanges (sendto, a new socket each) from outside to the node's IPv4 address:nodePort",
+            Probe::udp(sa(n4, dns), 20),
+            n4,
+        ),
+        (
+            "nodeport-tcp-v6",
+            "20 TCP connections from outside to the node's IPv6 address:nodePort",
+            Probe::tcp(sa(n6, http), 20),
+            n6,
+        ),
+        (
+            "lb-tcp-v4",
+            "20 TCP connections from outside to the IPv4 LoadBalancer IP",
+            Probe::tcp(sa(l4, 80), 20),
+            n4,
+        ),
+        (
+            "lb-udp-v4",
+            "20 UDP exchanges (sendto, a new socket each) from outside to the IPv4 LoadBalancer IP",
+            Probe::udp(sa(l4, 53), 20),
+            n4,
+        ),
+        (
+            "lb-tcp-v6",
+            "20 TCP connections from outside to the IPv6 LoadBalancer IP",
+            Probe::tcp(sa(l6, 80), 20),
+            n6,
+        ),
+    ];
+    for (check, what, probe, node) in checks {
+        ctx.check(
+            check,
+            what,
+            probe.distinct().external(),
+            &[&one(node)],
+            None,
+        )?;
+    }
+    // The client's backend at the nodePort, then at the LoadBalancer IP of the same Service
+    // port; three rounds, each after the affinity (timeoutSeconds 2) has expired, so that a
+    // proxy that keeps the two apart shows another backend with probability 1 - (1/8)^3.
+    let np = node_port(&stored, "short", "http")?;
+    let backend_of = |p: &Proxy, to: SocketAddr| -> Result<String> {
+        let probe = Probe::tcp(to, 2).external();
+        let r = p.sb.probe_external(&probe.args(), probe.run_timeout())?;
+        ensure!(r.all_ok(), "{to}: failures: {:?}", r.failures());
+        let names: std::collections::BTreeSet<String> =
+            r.results.iter().filter_map(|a| a.backend.clone()).collect();
+        ensure!(names.len() == 1, "{to}: affinity did not hold: {names:?}");
+        Ok(names.into_iter().next().unwrap_or_default())
+    };
+    if ctx.dirty.get() {
+        ctx.settle()?;
+    }
+    let start = Instant::now();
+    let shared = each(&ctx.world.proxies, |p| {
+        let mut same = true;
+        for round in 0..3 {
+            if round > 0 {
+                std::thread::sleep(Duration::from_millis(timeout_s * 1000 + 1000));
+            }
+            let at_np = backend_of(p, sa(n4, np))?;
+            let at_lb = backend_of(p, sa(s4, 80))?;
+            same &= at_np == at_lb;
+        }
+        let text = if same {
+            "same backend"
+        } else {
+            "another backend"
+        };
+        Ok((text.to_string(), start.elapsed()))
+    });
+    let mut cells = std::collections::BTreeMap::new();
+    for (p, r) in ctx.world.proxies.iter().zip(shared) {
+        let (text, after) = r.with_context(|| format!("affinity through {}", p.kind.label()))?;
+        let expected = text == "same backend";
+        cells.insert(
+            p.kind.id().to_string(),
+            Cell {
+                outcome: Outcome { text },
+                after: Some(after),
+                expected,
+            },
+        );
+    }
+    ctx.record(
+        "nodeport-then-lb",
+        "a connection to the IPv4 nodePort, then one to the IPv4 LoadBalancer IP of the same Service port (affinity expired between 3 rounds): the same backend each time?",
+        false,
+        cells,
+    );
     Ok(())
 }
