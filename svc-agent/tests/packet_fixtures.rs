@@ -2257,6 +2257,45 @@ fn icmp_errors_about_translated_flows() {
     );
 }
 
+/// A TCP segment other than a SYN that no flow of svc's knows, to a frontend with backends:
+/// the middle of a connection the node's own conntrack carries (made under kube-proxy before
+/// svc took over). Left to the stack untouched, not taken for a new flow a backend would
+/// reset; a frontend without backends still rejects it.
+#[test]
+fn midstream_tcp_without_a_flow_is_left_to_the_stack() {
+    let dp = world();
+    let c = "203.0.113.7:40070";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "an ACK to a NodePort, no flow: untouched, to the stack",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_ACK),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_MIDSTREAM),
+            ),
+            row(
+                "a FIN to a NodePort whose backend is remote, no flow: untouched",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30083", TCP_FIN | TCP_ACK),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_MIDSTREAM),
+            ),
+            row(
+                "IPv6: the same",
+                ExtIngress,
+                tcp("[2001:db8:c::7]:40070", "[2001:db8::10]:30080", TCP_ACK),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_MIDSTREAM),
+            ),
+        ],
+    );
+}
+
 /// A packet the program would forward itself that does not fit the route's MTU (ext1 is a
 /// 1280-byte link) and may not be fragmented: its sender gets fragmentation needed / packet
 /// too big with that MTU, from the address it sent to, instead of a silent drop.
@@ -2267,7 +2306,9 @@ fn path_mtu_too_big_answered() {
     let c6 = "[2001:db8:c::7]:40050";
     let big = |p: P| p.payload(vec![0x42; 1300]);
     let data = big(tcp(c, "192.0.2.10:30083", TCP_ACK));
-    let data6 = big(tcp(c6, "[2001:db8::10]:30083", TCP_ACK));
+    // A new flow's first packet is a SYN; one with data (TCP Fast Open) can be too big.
+    let syn_data = big(tcp(c, "192.0.2.10:30083", TCP_SYN));
+    let syn_data6 = big(tcp(c6, "[2001:db8::10]:30083", TCP_SYN));
     let mtu = 1280u32.to_be_bytes();
     let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
     run_rows(
@@ -2276,9 +2317,9 @@ fn path_mtu_too_big_answered() {
             row(
                 "a new flow's first packet, too big: fragmentation needed, MTU 1280",
                 ExtIngress,
-                data.clone(),
+                syn_data.clone(),
                 REDIRECT,
-                Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &data, 28))),
+                Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &syn_data, 28))),
                 Some(pkt_stat::TOO_BIG),
             ),
             row(
@@ -2304,7 +2345,7 @@ fn path_mtu_too_big_answered() {
             row(
                 "IPv6: packet too big",
                 ExtIngress,
-                data6.clone(),
+                syn_data6.clone(),
                 REDIRECT,
                 Packet(back(icmp_error(
                     "2001:db8::10",
@@ -2312,7 +2353,7 @@ fn path_mtu_too_big_answered() {
                     2,
                     0,
                     mtu,
-                    &data6,
+                    &syn_data6,
                     48,
                 ))),
                 Some(pkt_stat::TOO_BIG),

@@ -353,7 +353,10 @@ pub mod pkt_stat {
     /// A packet the program forwards itself did not fit the route's MTU (and may not be
     /// fragmented): an ICMP fragmentation needed / ICMPv6 packet too big was sent back.
     pub const TOO_BIG: u32 = 13;
-    pub const COUNT: u32 = 14;
+    /// A TCP packet other than a SYN that is no flow of svc's: left to the stack, whose
+    /// conntrack may carry it (a connection made before svc took over).
+    pub const PASS_MIDSTREAM: u32 = 14;
+    pub const COUNT: u32 = 15;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -369,6 +372,7 @@ pub mod pkt_stat {
         "err_ct_update",
         "err_rewrite",
         "too_big",
+        "pass_midstream",
     ];
 }
 

@@ -27,14 +27,14 @@ use aya_ebpf::{
 };
 use svc_common::{
     backend_flags, ct_dir, ct_flags, node_addr_flags, pkt_stat, scope, stat, svc_flags,
-    AffinityKey, CtValue, ServiceKey, ServiceValue, SockState,
+    AffinityKey, CtValue, ServiceKey, ServiceValue, SockState, IPPROTO_TCP,
 };
 
 use crate::{
     ct, fwd, icmp, lb,
     maps::{count, dev_count, src_range_key, SVC_SRC_RANGES},
     nat::{self, Endpoint},
-    pkt::{self, parsed, Pkt},
+    pkt::{self, parsed, Pkt, TCP_SYN},
     reject,
     scratch::{self, Flow, Scratch},
 };
@@ -299,6 +299,13 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     // port to its backend) takes the tuple over, whether it starts a flow here or passes.
     ct::syn_on_reply_tuple(&s.p, false);
     match ext_frontend(s, node, now) {
+        NEW_LOCAL | NEW_SNAT if s.p.proto == IPPROTO_TCP && s.p.tcp_flags & TCP_SYN == 0 => {
+            // The middle of a TCP connection svc has no flow for: one the node's own
+            // conntrack carries (made under kube-proxy before svc took over) and goes on
+            // translating. Taken for a new flow here it would reach a backend that resets it.
+            dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
+            OK
+        }
         NEW_LOCAL => match new_local(ctx, s) {
             REMAP => new_remapped(ctx, s),
             verdict => verdict,

@@ -462,18 +462,15 @@ fn run(mode: Mode) -> Result<()> {
 
 /// Step 1 alone, for a NodePort: an external client holds TCP connections through a NodePort
 /// served by kube-proxy (nftables mode), and svc-agent starts beside it with its tc programs on
-/// the node's devices (the uplink and the device towards the backends).
+/// the node's devices (the uplink and the device towards the backends); the connections live on.
 ///
-/// Fails today, and is ignored until svc handles it: the connections are reset right after
-/// the agent is ready (measured: `Connection reset by peer` as it became ready). svc's tc
-/// program on the uplink has no flow for the connection's next packet, takes it for a new
-/// one to the NodePort, and translates it to a backend with a SNAT port of its own; the
-/// backend knows no such connection and resets it. kube-proxy's conntrack entry never sees
-/// the packet. Passing TCP packets that are not a SYN and match no flow of svc's to the stack
-/// (where conntrack carries the existing flow on) would be one way; the way back (flows made
-/// under svc after svc is uninstalled) would still need one.
+/// Before svc passed them on, they were reset as the agent became ready: its tc program on the
+/// uplink had no flow for a connection's next packet, took it for a new one to the NodePort and
+/// sent it to a backend with a SNAT port of its own, which reset it. Now a TCP packet other than
+/// a SYN that no flow of svc's knows goes to the stack, whose conntrack carries the connection
+/// on (`pass_midstream`). The way back (flows made under svc after svc is uninstalled) is not
+/// covered.
 #[test]
-#[ignore = "fails: NodePort connections made under kube-proxy are reset when svc's tc programs start"]
 fn nodeport_flows_across_svc_start() {
     nodeport_step1(Mode::Nftables).unwrap();
 }
