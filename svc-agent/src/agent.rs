@@ -275,9 +275,13 @@ impl Agent {
             Scope::All,
             started,
         );
-        self.programmed.compact();
-        // A full sync's transient memory (the plan, the assembly) is the agent's largest.
-        crate::sys::release_free_memory();
+        // A sync that wrote a large share of the frontends (the first, on empty maps) filled
+        // the tree in key order and left its largest transient memory behind (the plan, the
+        // assembly); one that changed little (a manifest edit) need not pay for either.
+        if report.frontends_written * 4 >= self.programmed.frontends.len().max(1) {
+            self.programmed.compact();
+            crate::sys::release_free_memory();
+        }
         self.finish(report, started, None)
     }
 

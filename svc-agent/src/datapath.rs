@@ -1181,6 +1181,7 @@ fn build_store(
         ct: take(map_names::CT).ok().and_then(map_data),
         dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
         capacity,
+        enomem_until: None,
     })
 }
 

@@ -167,6 +167,10 @@ pub struct BpfStore {
     pub ct: Option<MapData>,
     pub dev_stats: Option<MapData>,
     pub capacity: Capacity,
+    /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
+    /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
+    /// once instead of pausing each of them.
+    pub enomem_until: Option<std::time::Instant>,
 }
 
 /// `SrcRangeKey` after its prefix length: what aya's LPM trie key wraps.
@@ -201,6 +205,10 @@ pub fn map_err(map: &'static str, e: MapError) -> Error {
 fn is_not_found(e: &MapError) -> bool {
     matches!(e, MapError::KeyNotFound)
         || matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOENT))
+}
+
+fn is_enomem(e: &MapError) -> bool {
+    matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM))
 }
 
 fn is_full(e: &MapError) -> bool {
@@ -281,15 +289,22 @@ pub fn stat_totals(stats: &PerCpuArray<MapData, u64>) -> Result<Vec<(&'static st
 const ENOMEM_TRIES: u32 = 12;
 const ENOMEM_PAUSE: Duration = Duration::from_micros(100);
 
-/// Runs `write` again while it fails with ENOMEM, pausing longer each time (about 0.2 s in all).
+/// How long writes fail at once after one failed all its ENOMEM tries.
+const ENOMEM_FAIL_FAST: Duration = Duration::from_secs(1);
+
+/// Runs `write` (at most `tries` times) again while it fails with ENOMEM, pausing longer each
+/// time (about 0.2 s for `ENOMEM_TRIES`).
 /// A hash map that is not preallocated takes its elements from per-CPU caches the kernel
 /// refills asynchronously (bpf_mem_alloc); a burst of writes on a busy machine finds them empty
 /// for a moment (seen on 2 cores: 104 of 10,000 Services' first writes), which a pause cures.
-fn retry_enomem(mut write: impl FnMut() -> Result<(), MapError>) -> Result<(), MapError> {
+fn retry_enomem(
+    tries: u32,
+    mut write: impl FnMut() -> Result<(), MapError>,
+) -> Result<(), MapError> {
     let mut pause = ENOMEM_PAUSE;
-    for _ in 1..ENOMEM_TRIES {
+    for _ in 1..tries {
         match write() {
-            Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOMEM) => {
+            Err(e) if is_enomem(&e) => {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(100));
             }
@@ -302,7 +317,15 @@ fn retry_enomem(mut write: impl FnMut() -> Result<(), MapError>) -> Result<(), M
 impl Store for BpfStore {
     fn apply(&mut self, op: &Op) -> Result<bool> {
         let map = op.map();
-        let r = retry_enomem(|| self.write(op));
+        let now = std::time::Instant::now();
+        let tries = match self.enomem_until {
+            Some(t) if now < t => 1,
+            _ => ENOMEM_TRIES,
+        };
+        let r = retry_enomem(tries, || self.write(op));
+        if matches!(&r, Err(e) if is_enomem(e)) {
+            self.enomem_until = Some(std::time::Instant::now() + ENOMEM_FAIL_FAST);
+        }
         match r {
             Ok(()) => Ok(true),
             Err(e) if is_not_found(&e) => Ok(false),
@@ -355,7 +378,7 @@ mod tests {
     #[test]
     fn a_write_short_of_memory_for_a_moment_is_tried_again() {
         let mut calls = 0;
-        let r = retry_enomem(|| {
+        let r = retry_enomem(ENOMEM_TRIES, || {
             calls += 1;
             if calls < 3 {
                 Err(failed(libc::ENOMEM))
@@ -370,7 +393,7 @@ mod tests {
     #[test]
     fn other_errors_and_lasting_enomem_are_returned() {
         let mut calls = 0;
-        let r = retry_enomem(|| {
+        let r = retry_enomem(ENOMEM_TRIES, || {
             calls += 1;
             Err(failed(libc::E2BIG))
         });
@@ -378,12 +401,21 @@ mod tests {
         assert_eq!(calls, 1, "a full map is not tried again");
 
         let mut calls = 0;
-        let r = retry_enomem(|| {
+        let r = retry_enomem(ENOMEM_TRIES, || {
             calls += 1;
             Err(failed(libc::ENOMEM))
         });
         let e = map_err("SVC_SLOTS", r.unwrap_err()).to_string();
         assert_eq!(calls, ENOMEM_TRIES);
         assert!(e.contains("Cannot allocate memory"), "{e}");
+
+        // While memory stays short, a write is tried once: no pause.
+        let mut calls = 0;
+        let r = retry_enomem(1, || {
+            calls += 1;
+            Err(failed(libc::ENOMEM))
+        });
+        assert!(is_enomem(&r.unwrap_err()));
+        assert_eq!(calls, 1);
     }
 }

@@ -258,7 +258,9 @@ pub mod ct_flags {
     pub const FIN_REPLY: u16 = 1 << 6;
 
     /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
-    /// SNAT port, go to the next new connection that needs them.
+    /// SNAT port, go to the next new connection that needs them. Not after one FIN: the other
+    /// side may still send data (a half-close) and its socket still owns the tuple, so a new
+    /// SYN on it could start nothing but would cut the live half.
     #[inline(always)]
     pub const fn closed(flags: u16) -> bool {
         flags & RST != 0 || flags & (FIN_FORWARD | FIN_REPLY) == FIN_FORWARD | FIN_REPLY

@@ -6,7 +6,7 @@
 //! direction's entry) is fresh: a flow whose packets go one way only (a UDP stream, a long
 //! download's ACK-less tail) stays alive as long as either direction speaks.
 //!
-//! A closed TCP flow (an RST, or a FIN each way: `closed`) keeps its entries for the closing
+//! A closed TCP flow (an RST, or a FIN each way: `ct_flags::closed`) keeps its entries for the closing
 //! timeout, but gives them up to a new connection on its tuples, as conntrack does for a SYN
 //! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a new flow
 //! whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
@@ -184,15 +184,6 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
     f as u32
 }
 
-/// Whether a flow with `flags` is closed: an RST, or a FIN each way. Only such a flow gives
-/// its tuples up to a new connection: after one FIN the other side may still send data (a
-/// half-close), and its socket still owns the tuple, so a new SYN on it could not start
-/// anything but would cut the live half.
-#[inline(always)]
-pub fn closed(flags: u16) -> bool {
-    ct_flags::closed(flags)
-}
-
 /// Removes the entries of the flow of `key`/`v`: its partner if it is still this flow's (a
 /// partner key may already belong to a newer flow), then `key`'s.
 #[inline(always)]
@@ -248,7 +239,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     if add == PEEK {
         return true;
     }
-    if add & SYN != 0 && closed(out.flags) {
+    if add & SYN != 0 && ct_flags::closed(out.flags) {
         forget(key, out);
         return false;
     }
@@ -296,7 +287,7 @@ pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
     };
     // SAFETY: a map value, copied out.
     let v = unsafe { *e };
-    if (v.flags & ct_flags::POD != 0) == pod && closed(v.flags) {
+    if (v.flags & ct_flags::POD != 0) == pod && ct_flags::closed(v.flags) {
         forget(&key, &v);
     }
 }
@@ -354,7 +345,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
             // SAFETY: a map value, copied out.
             let e = unsafe { *e };
             if partner_key(&rep_key, &e) != *fwd_key {
-                if closed(e.flags) {
+                if ct_flags::closed(e.flags) {
                     forget(&rep_key, &e);
                 } else if alive(&rep_key, &e, rep.last_seen_ns) {
                     return CLASH;
@@ -381,7 +372,7 @@ pub const SNAT_ERR: u32 = 2;
 /// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
 /// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
-/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`closed`: that flow's
+/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`: that flow's
 /// entries are removed first; conntrack lets a new connection reuse a tuple in TIME_WAIT or
 /// CLOSE too). The claim of an absent (or removed) one is a BPF_NOEXIST insert, so two CPUs
 /// cannot claim one free port for one backend. A dead flow's port is overwritten, so two
@@ -452,7 +443,7 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
             let e = unsafe { &*e };
             if !alive(&f.try_key, e, f.now) {
                 0
-            } else if index >= SNAT_FREE_TRIES && closed(e.flags) {
+            } else if index >= SNAT_FREE_TRIES && ct_flags::closed(e.flags) {
                 forget(&f.try_key, e);
                 BPF_NOEXIST as u64
             } else {
