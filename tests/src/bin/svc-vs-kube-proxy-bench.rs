@@ -83,6 +83,13 @@ struct Args {
     /// one such turn says what it has to say, and its repeats would take the run's hours.
     #[arg(long, default_value_t = 300)]
     slow_s: u64,
+    /// A turn gives up, with no figures, when its proxy has not had every Service answering
+    /// this many seconds after its start.
+    #[arg(long, default_value_t = 1200)]
+    give_up_s: u64,
+    /// No turn starts after this many minutes of the run; those left are listed as not run.
+    #[arg(long)]
+    stop_after_min: Option<u64>,
     /// Quick: 1,000 Services, 3 rounds, 10 changes.
     #[arg(long)]
     quick: bool,
@@ -227,7 +234,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         t.tools,
         X,
         Some(t.kube_proxy),
-        Duration::from_secs(1200),
+        Duration::from_secs(t.args.give_up_s),
         false,
     )?;
     let ready = started.elapsed();
@@ -250,12 +257,13 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         if r.failed == 0 {
             break (started.elapsed(), Duration::from_micros(r.elapsed_us));
         }
-        if started.elapsed() > Duration::from_secs(600) {
+        if started.elapsed() > Duration::from_secs(t.args.give_up_s) {
             bail!(
-                "{}: {} of {} Services still not answering after 10 minutes: {:?}",
+                "{}: {} of {} Services still not answering {} s after its start: {:?}",
                 kind.label(),
                 r.failed,
                 t.n,
+                t.args.give_up_s,
                 r.first_failures
             );
         }
@@ -733,6 +741,7 @@ fn measure(args: &mut Args) -> Result<Results> {
     let mut skipped = Vec::new();
     // Proxies too slow at a Service count, with what they took: not run at a larger one.
     let mut too_slow: Vec<(ProxyKind, String)> = Vec::new();
+    let run_started = Instant::now();
     for &n in &args.services {
         if n == 0 || n > 250 * 4000 {
             bail!("--services {n}: between 1 and 1,000,000");
@@ -755,12 +764,18 @@ fn measure(args: &mut Args) -> Result<Results> {
         // Straight into etcd, at every N alike: through the API, creating 30,000 Services takes
         // 8 minutes here (`bulk::populate_via_etcd` says why). Every proxy still reads them
         // through the API server.
-        rt.block_on(bulk::populate_via_etcd(&cp, client.clone(), NAMESPACE, n, |i| {
-            (
-                bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
-                slice(i, false),
-            )
-        }))?;
+        rt.block_on(bulk::populate_via_etcd(
+            &cp,
+            client.clone(),
+            NAMESPACE,
+            n,
+            |i| {
+                (
+                    bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
+                    slice(i, false),
+                )
+            },
+        ))?;
         eprintln!(
             "{n} Services and slices created in {:.1} s",
             t.elapsed().as_secs_f64()
@@ -778,6 +793,18 @@ fn measure(args: &mut Args) -> Result<Results> {
             let k = kinds.len();
             for j in 0..k {
                 let kind = kinds[(j + round as usize) % k];
+                let out_of_time = args
+                    .stop_after_min
+                    .is_some_and(|m| run_started.elapsed() > Duration::from_secs(m * 60));
+                if out_of_time {
+                    skipped.push(format!(
+                        "{}, {n} Services, round {}: not run, the run's time limit \
+                         (--stop-after-min) had passed",
+                        kind.label(),
+                        round + 1
+                    ));
+                    continue;
+                }
                 if let Some((_, why)) = too_slow.iter().find(|(s, _)| *s == kind) {
                     skipped.push(format!(
                         "{}, {n} Services, round {}: {why}",
