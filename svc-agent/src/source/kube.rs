@@ -315,7 +315,9 @@ impl Cache {
 
     /// The keys of the slices of Service `svc`.
     fn slices_of<'a>(&'a self, svc: &'a Key) -> impl Iterator<Item = &'a Key> + 'a {
-        let from = (svc.clone(), Key::from(""));
+        // One shared empty key as the range's lower bound: `Key::from("")` allocates each time.
+        static LEAST: std::sync::LazyLock<Key> = std::sync::LazyLock::new(|| Key::from(""));
+        let from = (svc.clone(), LEAST.clone());
         self.slices_of
             .range(from..)
             .take_while(move |(s, _)| s == svc)
