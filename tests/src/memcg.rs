@@ -90,6 +90,35 @@ impl MemCgroup {
     }
 }
 
+impl MemCgroup {
+    /// Caps the cgroup's memory, as a container's limit does (`None`: no limit).
+    pub fn set_limit(&self, bytes: Option<u64>) -> Result<()> {
+        let (file, value) = match (self.v1, bytes) {
+            (true, Some(b)) => ("memory.limit_in_bytes", b.to_string()),
+            (true, None) => ("memory.limit_in_bytes", "-1".to_string()),
+            (false, Some(b)) => ("memory.max", b.to_string()),
+            (false, None) => ("memory.max", "max".to_string()),
+        };
+        let p = self.path.join(file);
+        std::fs::write(&p, &value).with_context(|| format!("writing {value} to {}", p.display()))
+    }
+
+    /// How many processes the cgroup's OOM killer has killed.
+    pub fn oom_kills(&self) -> Result<u64> {
+        let file = if self.v1 {
+            "memory.oom_control"
+        } else {
+            "memory.events"
+        };
+        let p = self.path.join(file);
+        let s = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        // Kernels before 4.19 (v1) have no such line: no kill was counted.
+        Ok(s.lines()
+            .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            .unwrap_or(0))
+    }
+}
+
 impl Drop for MemCgroup {
     fn drop(&mut self) {
         // Its one process is the agent, whose own guard ends it; removal waits for that.

@@ -630,3 +630,119 @@ fn a_change_that_does_not_fit_is_retried_until_it_lands() {
     })
     .unwrap();
 }
+
+/// A pod at its memory limit: the limit (which counts the kernel memory of the maps the agent
+/// creates) is set just above what the agent holds while serving one Service, then 3,000
+/// Services of 10 endpoints arrive. Whether the agent's own heap meets the limit first (the
+/// cgroup's OOM killer ends it, as a container's) or a map write does (ENOMEM), the Service
+/// it served keeps answering throughout, no Service is ever in the maps with part of its
+/// backends, and once the limit is raised (and the agent started again, as its DaemonSet
+/// would, if it was killed) every Service is programmed.
+#[test]
+fn a_memory_limit_reached_keeps_what_is_served_and_heals_once_raised() {
+    let sb = sandbox();
+    let m = Manifests::new().unwrap();
+    let _backends = sb.backends(2, &[8080]).unwrap();
+    m.apply_service(&web_service()).unwrap();
+    m.apply_slice(&web_slice(&sb, &[1, 2], &[])).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let health = free_port();
+    // Declared before the agent: dropped after it, once its one process is gone.
+    let memcg = svc_tests::memcg::MemCgroup::new().unwrap();
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "run".into(),
+        "--manifests".into(),
+        m.dir().into(),
+        "--cgroup".into(),
+        sb.cgroup().path().into(),
+        "--bpffs".into(),
+        bpffs.path().into(),
+    ];
+    args.push(format!("--healthz-bind-address={health}").into());
+    let mut agent = Agent::start_launched(
+        &memcg.launcher(),
+        &sb.tools.agent,
+        args,
+        bpffs.path(),
+        m.scratch(),
+    )
+    .unwrap();
+    agent.wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    let serving = memcg.usage().unwrap();
+    memcg.set_limit(Some(serving.usage + (3 << 20))).unwrap();
+
+    let client = sb.spawn_loop(sa(VIP, 80), Duration::from_secs(12)).unwrap();
+    let services: Vec<_> = (0..3_000)
+        .map(|i| svc_tests::scale::GenService::nth(i, 10, 0))
+        .collect();
+    svc_tests::scale::write_services(m.dir(), m.scratch(), &services).unwrap();
+    // Until the agent is killed or says a write failed for memory, and a little longer.
+    let hit = poll(Duration::from_secs(30), || {
+        if agent.exited()?.is_some() {
+            return Ok(Some("killed"));
+        }
+        Ok(agent
+            .log()
+            .contains("Cannot allocate memory")
+            .then_some("ENOMEM"))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "the limit was never met: {e:#}; usage {:?}\n{}",
+            memcg.usage(),
+            agent.log()
+        )
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    eprintln!(
+        "limit met ({hit}); OOM kills {}; usage {:?}",
+        memcg.oom_kills().unwrap(),
+        memcg.usage().unwrap()
+    );
+    // Whole Services or none: every one programmed has its 10 backends.
+    let list = agent.list().unwrap();
+    let partial: Vec<_> = list
+        .services
+        .iter()
+        .filter(|s| s.ip != VIP.to_string() && s.backends.len() != 10)
+        .collect();
+    assert!(
+        partial.is_empty(),
+        "half-written: {:?}",
+        &partial[..partial.len().min(5)]
+    );
+    let programmed = list.services.len();
+    if hit == "killed" {
+        assert!(memcg.oom_kills().unwrap() >= 1, "{}", agent.log());
+    } else {
+        // Still running, and not claiming to be healthy with Services missing.
+        assert!(agent.exited().unwrap().is_none(), "{}", agent.log());
+        assert!(
+            programmed < 3_001,
+            "every Service fit under the limit: raise the load"
+        );
+        let (code, body) = http_get(health, "/healthz").unwrap();
+        assert_eq!(code, 503, "{body}");
+    }
+
+    memcg.set_limit(None).unwrap();
+    if agent.exited().unwrap().is_some() {
+        agent.restart().unwrap();
+    }
+    poll(Duration::from_secs(60), || {
+        let (code, _) = http_get(health, "/healthz")?;
+        Ok((code == 200).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("never healed: {e:#}\n{}", agent.all_logs()));
+    let report = sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    assert_eq!(report.failed, 0, "{report:?}\n{}", agent.all_logs());
+    assert!(report.ok > 50, "{report:?}");
+    let problems = svc_tests::scale::pinned_vs_manifests(bpffs.path(), m.dir()).unwrap();
+    assert!(
+        problems.is_empty(),
+        "{:#?}",
+        &problems[..problems.len().min(20)]
+    );
+    eprintln!("{programmed} frontends were programmed at the limit; all 3,001 after");
+    agent.quiet();
+}
