@@ -62,7 +62,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         }
         if flags & svc_flags::AFFINITY == 0 {
             if v.affinity_id != 0 {
-                problems.push(format!("{fe}: affinity id {} without affinity", v.affinity_id));
+                problems.push(format!(
+                    "{fe}: affinity id {} without affinity",
+                    v.affinity_id
+                ));
             }
         } else if v.affinity_id == 0 {
             problems.push(format!("{fe}: sessionAffinity without an affinity id"));

@@ -1891,8 +1891,14 @@ fn affinity_is_kept_per_service_port() {
     remember(&mut dp, b, 91, 18);
     for port in 42100..42105 {
         assert_eq!(connect(&dp, b, port, "198.51.100.30:80"), [10, 244, 2, 7]);
-        assert_eq!(connect(&dp, b, port + 10, "192.0.2.10:30073"), [10, 244, 2, 8]);
-        assert_eq!(connect(&dp, b, port + 20, "192.0.2.10:30071"), [10, 244, 2, 7]);
+        assert_eq!(
+            connect(&dp, b, port + 10, "192.0.2.10:30073"),
+            [10, 244, 2, 8]
+        );
+        assert_eq!(
+            connect(&dp, b, port + 20, "192.0.2.10:30071"),
+            [10, 244, 2, 7]
+        );
     }
     assert_eq!(dp.affinity.get(&key(b, 90), 0).unwrap().backend, 12);
     assert_eq!(dp.affinity.get(&key(b, 91), 0).unwrap().backend, 18);

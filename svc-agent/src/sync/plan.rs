@@ -176,10 +176,11 @@ pub fn plan_unit(
         let ranges = ranges_of(d);
         let affinity_id = if flags & svc_flags::AFFINITY == 0 {
             0
-        } else if let Some(id) = p
-            .port_affinity(&name, fe.protocol)
-            .or_else(|| planned_ports.get(&(d.service.as_str(), fe.protocol)).copied())
-        {
+        } else if let Some(id) = p.port_affinity(&name, fe.protocol).or_else(|| {
+            planned_ports
+                .get(&(d.service.as_str(), fe.protocol))
+                .copied()
+        }) {
             id
         } else {
             // An id of its own from the frontend ids, not one of the port's frontend ids: those

@@ -1546,7 +1546,12 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
     let plain = fe("10.96.0.30", 80);
     let mut s = DesiredState::default();
     for f in [web4, web6, web_lb] {
-        affinity_frontend(&mut s, f, "ns/web:http", &["10.0.0.1:8080", "10.0.0.2:8080"]);
+        affinity_frontend(
+            &mut s,
+            f,
+            "ns/web:http",
+            &["10.0.0.1:8080", "10.0.0.2:8080"],
+        );
     }
     affinity_frontend(&mut s, api, "ns/api", &["10.0.0.1:8080", "10.0.0.2:8080"]);
     frontend(&mut s, plain, &["10.0.0.1:8080"], None);
@@ -1568,7 +1573,12 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
 
     // A LoadBalancer IP added later, by a sync of that frontend alone, joins the port.
     let web_lb2 = ext("198.51.100.21", 80);
-    affinity_frontend(&mut s, web_lb2, "ns/web:http", &["10.0.0.1:8080", "10.0.0.2:8080"]);
+    affinity_frontend(
+        &mut s,
+        web_lb2,
+        "ns/web:http",
+        &["10.0.0.1:8080", "10.0.0.2:8080"],
+    );
     let only: BTreeSet<Frontend> = [web_lb2].into();
     p.apply_scoped(&mut store, &s, Scope::Only(&only), Instant::now());
     assert_eq!(affinity_id_of(&store, &web_lb2), web);
