@@ -351,7 +351,7 @@ impl Store for BpfStore {
                 .collect(),
             affinity_ids: dump(map_names::AFFINITY, &self.affinity)?
                 .into_iter()
-                .map(|(k, v)| (k.id, v.backend))
+                .map(|(k, v)| (k.affinity_id, v.backend))
                 .collect(),
             meta: self.read_meta()?,
             ranges: self.read_ranges()?,

@@ -36,6 +36,9 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
     let mut used_ids = HashSet::new();
     let mut used_backends = HashSet::new();
     let mut expected_keys = HashSet::new();
+    // Affinity ids: one per Service port (name and protocol), never another port's.
+    let mut port_of_affinity: HashMap<u32, (String, crate::model::Protocol)> = HashMap::new();
+    let mut affinity_of_port: HashMap<(String, crate::model::Protocol), u32> = HashMap::new();
     for (fe, d) in &desired.frontends {
         let key = service_key(fe);
         expected_keys.insert(key);
@@ -56,6 +59,37 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
                 "{fe}: flags {:#x}/{}s, want {flags:#x}/{timeout}s",
                 v.flags, v.affinity_timeout_s
             ));
+        }
+        if flags & svc_flags::AFFINITY == 0 {
+            if v.affinity_id != 0 {
+                problems.push(format!(
+                    "{fe}: affinity id {} without affinity",
+                    v.affinity_id
+                ));
+            }
+        } else if v.affinity_id == 0 {
+            problems.push(format!("{fe}: sessionAffinity without an affinity id"));
+        } else {
+            let port = (stored_name(&d.service), fe.protocol);
+            let id = *affinity_of_port
+                .entry(port.clone())
+                .or_insert(v.affinity_id);
+            if id != v.affinity_id {
+                problems.push(format!(
+                    "{fe}: affinity id {}, another frontend of {} has {id}",
+                    v.affinity_id, port.0
+                ));
+            }
+            match port_of_affinity.get(&v.affinity_id) {
+                Some(other) if *other != port => problems.push(format!(
+                    "{fe}: affinity id {} shared by {}/{} and {}/{}",
+                    v.affinity_id, other.0, other.1, port.0, port.1
+                )),
+                Some(_) => {}
+                None => {
+                    port_of_affinity.insert(v.affinity_id, port);
+                }
+            }
         }
         let mut got: Vec<Backend> = Vec::new();
         let check_members = checks_match(fe.protocol.ipproto(), v.flags);

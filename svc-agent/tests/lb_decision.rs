@@ -88,6 +88,8 @@ struct Fe<'a> {
     rev: u16,
     backends: &'a [BackendId],
     affinity_s: Option<u32>,
+    /// The Service port's affinity id (with `affinity_s`); 0: the frontend's own id.
+    affinity_id: u32,
 }
 
 impl Lb {
@@ -158,6 +160,11 @@ impl Lb {
             flags,
             _pad0: 0,
             affinity_timeout_s: timeout,
+            affinity_id: match (flags, f.affinity_id) {
+                (0, _) => 0,
+                (_, 0) => f.id,
+                (_, a) => a,
+            },
         };
         self.services.insert(k, v, 0).unwrap();
         let marker = ServiceKey {
@@ -189,7 +196,7 @@ impl Lb {
         client[..8].copy_from_slice(&netns.to_ne_bytes());
         AffinityKey {
             client,
-            id,
+            affinity_id: id,
             kind: AFFINITY_CLIENT_NETNS,
             _pad0: [0; 3],
         }
@@ -299,6 +306,7 @@ fn world() -> Lb {
             rev: 1,
             backends,
             affinity_s,
+            affinity_id: 0,
         });
     }
     // id 5: the master entry names two slots that are not there.
@@ -491,6 +499,7 @@ fn affinity_to_a_departed_backend_is_dropped() {
         rev: 2,
         backends: &[stays],
         affinity_s: Some(10),
+        affinity_id: 0,
     });
     lb.del_match(3, left);
     let a = lb.run(&connect(
@@ -558,6 +567,7 @@ fn a_udp_socket_moves_when_its_backend_leaves() {
         rev: 2,
         backends: &[remaining],
         affinity_s: None,
+        affinity_id: 0,
     });
     lb.del_match(4, first.backend_id);
     let moved = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, state));
@@ -721,4 +731,67 @@ fn raw_test_run(prog: BorrowedFd<'_>) -> std::io::Result<()> {
     } else {
         Ok(())
     }
+}
+
+/// sessionAffinity is kept per Service port (its affinity id), not per frontend: a pod's
+/// choice at the IPv4 ClusterIP holds at the same port's IPv6 ClusterIP; another port over the
+/// same backends keeps its own; a remembered backend that the frontend at hand does not have
+/// is not used, and the new choice replaces it.
+#[test]
+fn affinity_is_shared_by_the_frontends_of_a_service_port() {
+    let mut lb = world();
+    let fes = [
+        // Port 90, both families.
+        ("10.96.1.10:80", 40, &[11, 12][..], 90),
+        ("[fd00:96::1:10]:80", 41, &[11, 12][..], 90),
+        // Port 91, another Service over the same backends.
+        ("10.96.1.20:80", 42, &[11, 12][..], 91),
+        // Port 92: a frontend with backend 12 only.
+        ("10.96.1.30:80", 43, &[12][..], 92),
+    ];
+    for (vip, id, backends, affinity_id) in fes {
+        lb.frontend(Fe {
+            vip,
+            proto: IPPROTO_TCP,
+            id,
+            rev: 1,
+            backends,
+            affinity_s: Some(10),
+            affinity_id,
+        });
+    }
+    let first = lb.run(&connect("10.96.1.10:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(first.outcome, outcome::FOUND);
+    assert_eq!(
+        lb.remembered(NETNS_A, 90).map(|v| v.backend),
+        Some(first.backend_id)
+    );
+    assert!(lb.remembered(NETNS_A, 40).is_none());
+    for i in 1..=10 {
+        let a = lb.run(&connect("[fd00:96::1:10]:80", IPPROTO_TCP, T0 + i, NETNS_A));
+        assert_eq!(
+            (a.how, a.backend_id),
+            (how::AFFINITY, first.backend_id),
+            "{a:?}"
+        );
+    }
+    assert!(lb.remembered(NETNS_A, 41).is_none());
+
+    // Two ports never share a choice.
+    lb.remember(NETNS_B, 90, 11, T0);
+    lb.remember(NETNS_B, 91, 12, T0);
+    for i in 0..5 {
+        let a = lb.run(&connect("10.96.1.10:80", IPPROTO_TCP, T0 + i, NETNS_B));
+        let b = lb.run(&connect("10.96.1.20:80", IPPROTO_TCP, T0 + i, NETNS_B));
+        assert_eq!((a.how, a.backend_id), (how::AFFINITY, 11));
+        assert_eq!((b.how, b.backend_id), (how::AFFINITY, 12));
+    }
+
+    // Not a backend of this frontend: chosen afresh, and remembered for the port.
+    lb.remember(NETNS_B, 92, 11, T0);
+    let stale = lb.stat(stat::AFFINITY_STALE);
+    let a = lb.run(&connect("10.96.1.30:80", IPPROTO_TCP, T0, NETNS_B));
+    assert_eq!((a.how, a.backend_id), (how::RANDOM, 12));
+    assert_eq!(lb.stat(stat::AFFINITY_STALE), stale + 1);
+    assert_eq!(lb.remembered(NETNS_B, 92).map(|v| v.backend), Some(12));
 }

@@ -703,6 +703,8 @@ struct Fe<'a> {
     backends: &'a [BackendId],
     flags: u16,
     affinity_s: u32,
+    /// The Service port's affinity id (with `affinity_s`); 0: the frontend's own id.
+    affinity_id: u32,
 }
 
 impl Dp {
@@ -843,6 +845,11 @@ impl Dp {
             flags,
             _pad0: 0,
             affinity_timeout_s: f.affinity_s,
+            affinity_id: match (f.affinity_s, f.affinity_id) {
+                (0, _) => 0,
+                (_, 0) => f.id,
+                (_, a) => a,
+            },
         };
         self.services.insert(key, v, 0).unwrap();
         if f.scope == scope::CLUSTER && flags & svc_flags::NODEPORT == 0 {
@@ -1195,6 +1202,7 @@ fn world() -> Dp {
             backends,
             flags,
             affinity_s,
+            affinity_id: 0,
         });
     }
     dp.src_range(9, "203.0.113.0/24");
@@ -1786,6 +1794,133 @@ fn no_backend_rejects() {
     );
 }
 
+/// sessionAffinity is kept per Service port, as kube-proxy keeps it behind the Service port's
+/// chain: a client's choice at the NodePort holds at the port's LoadBalancer IP (both carry
+/// the port's affinity id); another port over the same backends keeps choices of its own; an
+/// externalTrafficPolicy Local frontend does not use a remembered backend it does not have
+/// (another node's, chosen at the ClusterIP) and records the local one it picks instead.
+#[test]
+fn affinity_is_kept_per_service_port() {
+    let mut dp = world();
+    dp.set_config(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 61999,
+        ..Default::default()
+    });
+    let fe = |at, id, backends, flags, affinity_id| Fe {
+        at,
+        proto: IPPROTO_TCP,
+        scope: EXT,
+        id,
+        backends,
+        flags,
+        affinity_s: 10800,
+        affinity_id,
+    };
+    // Port 90: NodePort 30071 (43) and LoadBalancer IP 198.51.100.30:80 (44), -> 12, 18.
+    dp.frontend(fe("0.0.0.0:30071", 43, &[12, 18], NP, 90));
+    dp.frontend(fe(
+        "198.51.100.30:80",
+        44,
+        &[12, 18],
+        svc_flags::LOAD_BALANCER,
+        90,
+    ));
+    // Port 91, another Service over the same backends: NodePort 30073 (46).
+    dp.frontend(fe("0.0.0.0:30073", 46, &[12, 18], NP, 91));
+    // Port 92 with externalTrafficPolicy Local: NodePort 30072 (45) -> 11, the local endpoint
+    // (its ClusterIP would have 11 and 12).
+    dp.frontend(fe(
+        "0.0.0.0:30072",
+        45,
+        &[11],
+        NP | svc_flags::EXTERNAL_LOCAL,
+        92,
+    ));
+    let key = |client: &str, affinity_id| AffinityKey {
+        client: ip16(client),
+        affinity_id,
+        kind: AFFINITY_CLIENT_IP,
+        _pad0: [0; 3],
+    };
+    let remember = |dp: &mut Dp, client: &str, affinity_id, backend| {
+        dp.affinity
+            .insert(
+                key(client, affinity_id),
+                AffinityValue {
+                    last_used_ns: monotonic_ns(),
+                    backend,
+                    _pad0: 0,
+                },
+                0,
+            )
+            .unwrap();
+    };
+    let backend_of = |out: &[u8]| -> [u8; 4] { out[30..34].try_into().unwrap() };
+    let connect = |dp: &Dp, client: &str, port: u16, to: &str| {
+        let p = tcp(&format!("{client}:{port}"), to, TCP_SYN).bytes();
+        let (v, out, _) = dp.run_on(ExtIngress, dp.ext0, &p, 1);
+        assert_eq!(v, REDIRECT, "{client}:{port} -> {to}");
+        verify_checksums(&out).unwrap();
+        backend_of(&out)
+    };
+
+    // NodePort first, then the LoadBalancer IP: the backend chosen at the first is kept at
+    // the second (ten connections: a per-frontend choice would match all ten once in 1024).
+    let a = "203.0.113.21";
+    let chosen = connect(&dp, a, 42000, "192.0.2.10:30071");
+    let id = if chosen == [10, 244, 2, 7] { 12 } else { 18 };
+    assert_eq!(dp.affinity.get(&key(a, 90), 0).unwrap().backend, id);
+    for (what, id) in [("NodePort", 43), ("LoadBalancer IP", 44)] {
+        assert!(
+            dp.affinity.get(&key(a, id), 0).is_err(),
+            "nothing remembered under the {what}'s frontend id"
+        );
+    }
+    let hits = dp.stat(stat::AFFINITY_HIT);
+    for port in 42001..42011 {
+        assert_eq!(connect(&dp, a, port, "198.51.100.30:80"), chosen);
+    }
+    assert_eq!(connect(&dp, a, 42011, "192.0.2.10:30071"), chosen);
+    assert_eq!(dp.stat(stat::AFFINITY_HIT), hits + 11);
+
+    // Two ports never share: the same client remembers 12 for port 90 and 18 for port 91,
+    // and each port keeps its own.
+    let b = "203.0.113.22";
+    remember(&mut dp, b, 90, 12);
+    remember(&mut dp, b, 91, 18);
+    for port in 42100..42105 {
+        assert_eq!(connect(&dp, b, port, "198.51.100.30:80"), [10, 244, 2, 7]);
+        assert_eq!(
+            connect(&dp, b, port + 10, "192.0.2.10:30073"),
+            [10, 244, 2, 8]
+        );
+        assert_eq!(
+            connect(&dp, b, port + 20, "192.0.2.10:30071"),
+            [10, 244, 2, 7]
+        );
+    }
+    assert_eq!(dp.affinity.get(&key(b, 90), 0).unwrap().backend, 12);
+    assert_eq!(dp.affinity.get(&key(b, 91), 0).unwrap().backend, 18);
+
+    // externalTrafficPolicy Local: the port's remembered backend (12, another node's, as a
+    // connection to the ClusterIP would have chosen) is no backend of this frontend: not used
+    // (counted stale), and the local endpoint it picks replaces it.
+    let c = "203.0.113.23";
+    remember(&mut dp, c, 92, 12);
+    let stale = dp.stat(stat::AFFINITY_STALE);
+    let p = tcp(&format!("{c}:42200"), "192.0.2.10:30072", TCP_SYN).bytes();
+    let (v, out, _) = dp.run_on(ExtIngress, dp.ext0, &p, 1);
+    assert_eq!(v, OK);
+    assert_eq!(backend_of(&out), [10, 244, 1, 5], "the local endpoint");
+    assert_eq!(dp.stat(stat::AFFINITY_STALE), stale + 1);
+    assert_eq!(
+        dp.affinity.get(&key(c, 92), 0).unwrap().backend,
+        11,
+        "the local choice is remembered for the port"
+    );
+}
+
 /// sessionAffinity ClientIP for external traffic: keyed by the client's address; a fresh
 /// remembered backend is used, an expired one is not.
 #[test]
@@ -1800,7 +1935,7 @@ fn affinity_by_client_ip() {
     });
     let key = |client: &str| AffinityKey {
         client: ip16(client),
-        id: 26,
+        affinity_id: 26,
         kind: AFFINITY_CLIENT_IP,
         _pad0: [0; 3],
     };
@@ -2627,6 +2762,7 @@ fn connection_tracking_lifetime() {
             backends: &[19],
             flags: NP,
             affinity_s: 0,
+            affinity_id: 0,
         },
         2,
     );

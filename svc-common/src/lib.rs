@@ -54,12 +54,12 @@ pub mod map_names {
 pub mod layout {
     use super::map_names::*;
     pub const VERSIONS: [(&str, u32); 16] = [
-        (SERVICES, 1),
+        (SERVICES, 2),
         (SLOTS, 1),
         (BACKENDS, 1),
         (REV_NAT, 1),
         (SOCK_REV, 1),
-        (AFFINITY, 1),
+        (AFFINITY, 2),
         (STATS, 1),
         (NAMES, 1),
         (META, 1),
@@ -396,6 +396,12 @@ pub struct ServiceValue {
     pub _pad0: u16,
     /// sessionAffinity ClientIP timeout in seconds (when `flags & AFFINITY`).
     pub affinity_timeout_s: u32,
+    /// Host order. With `flags & AFFINITY`: the id `AffinityKey`s of this frontend carry, one
+    /// per Service port and the same in all its frontends (ClusterIPs, NodePort, ExternalIPs,
+    /// LoadBalancer IPs), because kube-proxy keeps one affinity per Service port: a client
+    /// keeps its backend whichever address of the port it uses. Drawn from the frontend ids,
+    /// which are never reused, so it never names two Service ports. 0 without affinity.
+    pub affinity_id: u32,
 }
 
 /// One backend slot of a frontend generation.
@@ -479,7 +485,7 @@ pub struct SockRevValue {
     pub id: u32,
 }
 
-/// sessionAffinity ClientIP: the client's backend for one frontend.
+/// sessionAffinity ClientIP: the client's backend for one Service port (all its frontends).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -489,8 +495,13 @@ pub struct AffinityKey {
     /// source address is not chosen yet. `AFFINITY_CLIENT_IP`: the client address, network byte
     /// order, IPv4 as `::ffff:a.b.c.d` (the packet datapath).
     pub client: [u8; 16],
-    /// Frontend id.
-    pub id: u32,
+    /// `ServiceValue::affinity_id` (host order): the Service port's, not the frontend's, so
+    /// the choice made at one of the port's frontends is found at the others. Whether the
+    /// remembered backend serves the frontend at hand is still asked per frontend
+    /// (`AFFINITY_MATCH`, by frontend id): with externalTrafficPolicy Local the external
+    /// frontends have fewer backends than the ClusterIP.
+    pub affinity_id: u32,
+    /// `AFFINITY_CLIENT_IP` or `AFFINITY_CLIENT_NETNS`.
     pub kind: u8,
     pub _pad0: [u8; 3],
 }
@@ -736,7 +747,7 @@ mod tests {
         // The kernel and the agent must agree byte for byte; a change here is a map format
         // change and needs a migration.
         assert_eq!(size_of::<ServiceKey>(), 20);
-        assert_eq!(size_of::<ServiceValue>(), 16);
+        assert_eq!(size_of::<ServiceValue>(), 20);
         assert_eq!(size_of::<SlotKey>(), 8);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<RevNatValue>(), 20);

@@ -29,7 +29,8 @@ pub trait Caller {
     fn now(&self) -> u64;
     /// The socket cookie.
     fn cookie(&self) -> u64;
-    /// Who the client is for sessionAffinity: the `AffinityKey` of frontend `id`. A socket's
+    /// Who the client is for sessionAffinity: its `AffinityKey` under affinity id `id` (the
+    /// Service port's, `ServiceValue::affinity_id`). A socket's
     /// client is its network namespace (a pod is a network namespace, and at connect() its
     /// source address is not chosen yet); a packet's is its source address.
     fn affinity_client(&self, id: u32) -> AffinityKey;
@@ -154,12 +155,12 @@ fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId 
 
 /// The affinity key of a socket's client: its network namespace cookie.
 #[inline(always)]
-pub fn netns_client(netns_cookie: u64, id: u32) -> AffinityKey {
+pub fn netns_client(netns_cookie: u64, affinity_id: u32) -> AffinityKey {
     let mut client = [0u8; 16];
     client[0..8].copy_from_slice(&netns_cookie.to_ne_bytes());
     AffinityKey {
         client,
-        id,
+        affinity_id,
         kind: svc_common::AFFINITY_CLIENT_NETNS,
         _pad0: [0; 3],
     }
@@ -167,10 +168,10 @@ pub fn netns_client(netns_cookie: u64, id: u32) -> AffinityKey {
 
 /// The affinity key of a packet's client: its source address.
 #[inline(always)]
-pub fn ip_client(addr: &[u8; 16], id: u32) -> AffinityKey {
+pub fn ip_client(addr: &[u8; 16], affinity_id: u32) -> AffinityKey {
     AffinityKey {
         client: *addr,
-        id,
+        affinity_id,
         kind: svc_common::AFFINITY_CLIENT_IP,
         _pad0: [0; 3],
     }
@@ -178,6 +179,12 @@ pub fn ip_client(addr: &[u8; 16], id: u32) -> AffinityKey {
 
 /// Picks a backend for `svc` into `out`: the client's remembered one (sessionAffinity) while
 /// it is fresh and still a backend of the frontend, else a slot as `pick` says.
+///
+/// The choice is remembered per Service port (`affinity_id`, shared by all its frontends, as
+/// kube-proxy's affinity sits behind the Service port's chain), but checked per frontend
+/// (`svc.id`): a backend remembered at the ClusterIP that this frontend does not have
+/// (externalTrafficPolicy Local) is not used, and the one chosen here replaces it, as
+/// kube-proxy's local-endpoints chain records the endpoint it picks.
 #[inline(always)]
 fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decision) -> Outcome {
     if svc.count == 0 {
@@ -193,7 +200,7 @@ fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decisi
         return backend(id, &mut out.backend);
     }
 
-    let client = &caller.affinity_client(svc.id);
+    let client = &caller.affinity_client(svc.affinity_id);
     let now = caller.now();
     let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
     if let Some(prev) = SVC_AFFINITY.get_ptr_mut(client) {

@@ -512,6 +512,11 @@ impl Agent {
         self.spawn()
     }
 
+    /// Runs `bin` from the next `restart` on (an upgrade).
+    pub fn set_bin(&mut self, bin: &Path) {
+        self.bin = bin.to_owned();
+    }
+
     /// Do not print the logs on drop.
     pub fn quiet(&mut self) {
         self.print_logs = false;

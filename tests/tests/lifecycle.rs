@@ -279,3 +279,47 @@ fn affinity_and_udp_sockets_survive_an_agent_restart() {
         assert_eq!(seen.len(), 1, "socket {s} changed backend: {seen:?}");
     }
 }
+
+/// An upgrade over the previous map layout (SVC_SERVICES and SVC_AFFINITY v1, before the
+/// affinity id per Service port): the new agent builds the v2 maps beside the pinned v1 ones,
+/// fills them from the source, swaps its programs in and removes the v1 pins; the Service
+/// keeps answering, with affinity. Needs a svc-agent of the previous layout in
+/// `SVC_PREVIOUS_AGENT_BIN` (skipped without it).
+#[test]
+fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
+    let Some(old) = std::env::var_os("SVC_PREVIOUS_AGENT_BIN") else {
+        eprintln!("skipped: set SVC_PREVIOUS_AGENT_BIN to a svc-agent of the previous layout");
+        return;
+    };
+    let old = std::path::PathBuf::from(old);
+    let mut w = World::start_bin(Some(&old), 3, &[8080], &[], |sb, m| {
+        m.apply_service(&web_service().affinity(3600)).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
+    });
+    let pins = w.bpffs.entries();
+    assert!(pins.contains(&"SVC_SERVICES_v1".to_string()), "{pins:?}");
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
+
+    w.agent.kill().unwrap();
+    w.agent.set_bin(&w.sb.tools.agent.clone());
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    // The choices of the v1 map are not carried over (keyed by frontend, not by port).
+    assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
+    let pins = w.bpffs.entries();
+    for map in ["SVC_SERVICES", "SVC_AFFINITY"] {
+        assert!(pins.contains(&format!("{map}_v2")), "{pins:?}");
+        assert!(!pins.contains(&format!("{map}_v1")), "{pins:?}");
+    }
+    assert!(
+        w.agent
+            .log()
+            .contains("removed a pin of another map layout"),
+        "{}",
+        w.agent.log()
+    );
+}

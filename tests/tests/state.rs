@@ -252,7 +252,11 @@ fn a_full_map_refuses_whole_services_and_a_larger_one_takes_them_without_a_drop(
         "{}",
         agent.log()
     );
-    let info = svc_tests::sys::pinned_map_info(&bpffs.path().join("SVC_SERVICES_v1")).unwrap();
+    let info = svc_tests::sys::pinned_map_info(&svc_agent::datapath::map_pin(
+        bpffs.path(),
+        svc_common::map_names::SERVICES,
+    ))
+    .unwrap();
     assert_eq!(info["max_entries"], 4000, "{info}");
     poll(Duration::from_secs(5), || {
         let (code, _) = http_get(health, "/healthz")?;

@@ -69,6 +69,9 @@ pub struct ProgFrontend {
     pub count: u16,
     pub flags: u16,
     pub affinity_timeout_s: u32,
+    /// `ServiceValue::affinity_id`: the Service port's (see `Programmed::affinity_ports`); 0
+    /// without affinity.
+    pub affinity_id: u32,
     /// Backend of each slot, in slot order; shorter than `count` when the maps lost slots or
     /// backends (then the next sync writes a new generation).
     pub backends: Vec<BackendId>,
@@ -102,6 +105,7 @@ impl ProgFrontend {
             flags: self.flags,
             _pad0: 0,
             affinity_timeout_s: self.affinity_timeout_s,
+            affinity_id: self.affinity_id,
         }
     }
 }
@@ -402,6 +406,19 @@ pub struct Programmed {
     pub node_addrs: BTreeMap<[u8; 16], NodeAddrValue>,
     /// SVC_CONFIG as written (None: not known to hold anything the agent wrote).
     pub config: Option<DatapathConfig>,
+    /// The affinity id of each Service port with sessionAffinity ("namespace/name:port" as
+    /// the names map holds it, and protocol), with how many programmed frontends carry it:
+    /// a frontend added to the port later (a new LoadBalancer IP) joins its clients'
+    /// choices. Rebuilt from the master entries after a restart, so choices remembered before
+    /// it keep matching; forgotten with the port's last frontend.
+    pub affinity_ports: HashMap<(Box<str>, Protocol), PortAffinity>,
+}
+
+/// One Service port's affinity id and how many programmed frontends carry it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortAffinity {
+    pub id: u32,
+    pub frontends: u32,
 }
 
 impl Default for Programmed {
@@ -638,6 +655,45 @@ impl Programmed {
             strays: Strays::default(),
             node_addrs: BTreeMap::new(),
             config: None,
+            affinity_ports: HashMap::new(),
+        }
+    }
+
+    /// The affinity id programmed for `name`'s port over `protocol`, if any frontend of it
+    /// has one.
+    pub fn port_affinity(&self, name: &str, protocol: Protocol) -> Option<u32> {
+        // A lookup by (&str, Protocol) would need a borrowed key type; ports with affinity
+        // are few and this runs once per frontend written.
+        self.affinity_ports
+            .get(&(Box::from(name), protocol))
+            .map(|a| a.id)
+    }
+
+    /// Counts `pf` (a frontend of `protocol`) under its port's affinity id.
+    fn port_ref(&mut self, protocol: Protocol, pf: &ProgFrontend) {
+        if pf.flags & svc_flags::AFFINITY == 0 || pf.affinity_id == 0 {
+            return;
+        }
+        self.affinity_ports
+            .entry((Box::from(pf.name.as_str()), protocol))
+            .or_insert(PortAffinity {
+                id: pf.affinity_id,
+                frontends: 0,
+            })
+            .frontends += 1;
+    }
+
+    /// Undoes `port_ref`.
+    fn port_unref(&mut self, protocol: Protocol, pf: &ProgFrontend) {
+        if pf.flags & svc_flags::AFFINITY == 0 || pf.affinity_id == 0 {
+            return;
+        }
+        let key = (Box::from(pf.name.as_str()), protocol);
+        if let Some(a) = self.affinity_ports.get_mut(&key) {
+            a.frontends = a.frontends.saturating_sub(1);
+            if a.frontends == 0 {
+                self.affinity_ports.remove(&key);
+            }
         }
     }
 
@@ -1057,6 +1113,7 @@ impl Programmed {
                     for b in &pf.backends {
                         *self.backend_refs.entry(*b).or_insert(0) += 1;
                     }
+                    self.port_ref(fe.protocol, &pf);
                     self.frontends.insert(fe, pf)
                 }
                 None => {
@@ -1065,6 +1122,7 @@ impl Programmed {
                 }
             };
             if let Some(before) = before {
+                self.port_unref(fe.protocol, &before);
                 for b in &before.backends {
                     if let Some(n) = self.backend_refs.get_mut(b) {
                         *n -= 1;

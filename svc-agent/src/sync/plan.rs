@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use svc_common::{
-    backend_flags, checks_match, AffinityMatchKey, Backend, BackendId, RevNatValue, ServiceValue,
-    SlotKey,
+    backend_flags, checks_match, svc_flags, AffinityMatchKey, Backend, BackendId, RevNatValue,
+    ServiceValue, SlotKey,
 };
 
 use super::{
@@ -141,6 +141,7 @@ pub fn plan_unit(
     let mut next_frontend = p.ids.next_frontend;
     let mut next_backend = p.ids.next_backend;
     let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
+    let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::new();
 
     for d in upserts {
         let fe = &d.frontend;
@@ -173,6 +174,24 @@ pub fn plan_unit(
         let key = service_key(fe);
         let name = stored_name(&d.service);
         let ranges = ranges_of(d);
+        let affinity_id = if flags & svc_flags::AFFINITY == 0 {
+            0
+        } else if let Some(id) = p.port_affinity(&name, fe.protocol).or_else(|| {
+            planned_ports
+                .get(&(d.service.as_str(), fe.protocol))
+                .copied()
+        }) {
+            id
+        } else {
+            // An id of its own from the frontend ids, not one of the port's frontend ids: those
+            // are never reused, so it names this port alone for ever, even when a frontend
+            // later passes to another Service or leaves while the port stays.
+            let id = next_frontend;
+            next_frontend = next_frontend.saturating_add(1);
+            plan.max_frontend_id = plan.max_frontend_id.max(id);
+            planned_ports.insert((d.service.as_str(), fe.protocol), id);
+            id
+        };
         let slots = |id: u32, rev: u16| {
             ids.iter().enumerate().map(move |(i, b)| {
                 let k = SlotKey {
@@ -212,6 +231,7 @@ pub fn plan_unit(
                 count: ids.len() as u16,
                 flags,
                 affinity_timeout_s: timeout,
+                affinity_id,
                 backends: ids,
                 name,
                 name_entry: Entry::Ok,
@@ -226,7 +246,9 @@ pub fn plan_unit(
         };
 
         let same_set = cur.complete() && cur.backends == ids;
-        let same_settings = cur.flags == flags && cur.affinity_timeout_s == timeout;
+        let same_settings = cur.flags == flags
+            && cur.affinity_timeout_s == timeout
+            && cur.affinity_id == affinity_id;
         let name_ok = cur.name_entry == Entry::Ok && cur.name == name;
         let rev_nat_ok = cur.rev_nat_entry == Entry::Ok;
         let matches = members(fe, flags, &ids);
@@ -289,6 +311,7 @@ pub fn plan_unit(
             count: ids.len() as u16,
             flags,
             affinity_timeout_s: timeout,
+            affinity_id,
             backends: ids,
             name,
             name_entry: Entry::Ok,
@@ -346,8 +369,9 @@ pub fn plan_unit(
     Ok(plan)
 }
 
-/// A master entry value as the planner would write it for `d` under `id`/`rev` (for tests).
-pub fn master_value(d: &DesiredFrontend, id: u32, rev: u16) -> ServiceValue {
+/// A master entry value as the planner would write it for `d` under `id`/`rev` and
+/// `affinity_id` (for tests).
+pub fn master_value(d: &DesiredFrontend, id: u32, rev: u16, affinity_id: u32) -> ServiceValue {
     let (flags, timeout) = flags_of(d);
     ServiceValue {
         id,
@@ -356,5 +380,6 @@ pub fn master_value(d: &DesiredFrontend, id: u32, rev: u16) -> ServiceValue {
         flags,
         _pad0: 0,
         affinity_timeout_s: timeout,
+        affinity_id,
     }
 }

@@ -60,7 +60,7 @@ impl Programmed {
         let frontend_max = snap
             .services
             .iter()
-            .map(|(_, v)| v.id)
+            .flat_map(|(_, v)| [v.id, v.affinity_id])
             .chain(snap.slots.iter().map(|(k, _)| k.id))
             .chain(snap.rev_nat.iter().map(|(id, _)| *id))
             .chain(snap.names.iter().map(|(id, _)| *id))
@@ -178,6 +178,7 @@ impl Programmed {
                     count: v.count,
                     flags: v.flags,
                     affinity_timeout_s: v.affinity_timeout_s,
+                    affinity_id: v.affinity_id,
                     backends,
                     name,
                     name_entry,
@@ -186,6 +187,19 @@ impl Programmed {
                     ranges: Box::new([]),
                 },
             );
+        }
+
+        // Each Service port's affinity id, as its master entries carry it. Only frontends whose
+        // name is known: a port is its name. Should two of a port's frontends disagree (no
+        // sync writes that), the first is kept and the next sync of the other rewrites it.
+        let named: Vec<(Protocol, ProgFrontend)> = p
+            .frontends
+            .iter()
+            .filter(|(_, pf)| pf.flags & svc_flags::AFFINITY != 0 && pf.name_entry == Entry::Ok)
+            .map(|(fe, pf)| (fe.protocol, pf.clone()))
+            .collect();
+        for (protocol, pf) in &named {
+            p.port_ref(*protocol, pf);
         }
 
         // Membership entries belong to the frontend of their id, whatever their backend: the

@@ -1509,3 +1509,127 @@ fn a_crash_after_any_op_among_packet_datapath_entries_is_repaired() {
         assert_eq!(p3.apply(&mut store, &after).ops, 0, "kill at {kill_at}");
     }
 }
+
+/// A frontend of Service port `service` ("namespace/name:port") with sessionAffinity.
+fn affinity_frontend(s: &mut DesiredState, f: Frontend, service: &str, backends: &[&str]) {
+    let mut b: Vec<DesiredBackend> = backends.iter().map(|b| b.parse().unwrap()).collect();
+    b.sort();
+    let owner = owner_of(service).to_string();
+    let mut d = DesiredFrontend::cluster_ip(f, &owner, service, b);
+    d.affinity_timeout_s = Some(60);
+    if f.scope == FeScope::External {
+        d.kind = Kind::LoadBalancer;
+    } else {
+        s.cluster_ips.insert(f.ip);
+    }
+    s.frontends.insert(f, d);
+}
+
+fn affinity_id_of(store: &ModelStore, f: &Frontend) -> u32 {
+    store.services[&service_key(f)].affinity_id
+}
+
+/// sessionAffinity is one per Service port: every frontend of the port carries one affinity
+/// id (a frontend added later joins it), no other port's; it survives a restart (choices
+/// remembered before it keep matching); a port that goes and another that comes, or a
+/// frontend that passes to another Service, never get an id that named another port.
+#[test]
+fn affinity_ids_are_per_service_port_stable_and_never_shared() {
+    let ext = |ip: &str, port| Frontend {
+        scope: FeScope::External,
+        ..fe(ip, port)
+    };
+    let web4 = fe("10.96.0.10", 80);
+    let web6 = fe("fd00:96::10", 80);
+    let web_lb = ext("198.51.100.20", 80);
+    let api = fe("10.96.0.20", 80);
+    let plain = fe("10.96.0.30", 80);
+    let mut s = DesiredState::default();
+    for f in [web4, web6, web_lb] {
+        affinity_frontend(
+            &mut s,
+            f,
+            "ns/web:http",
+            &["10.0.0.1:8080", "10.0.0.2:8080"],
+        );
+    }
+    affinity_frontend(&mut s, api, "ns/api", &["10.0.0.1:8080", "10.0.0.2:8080"]);
+    frontend(&mut s, plain, &["10.0.0.1:8080"], None);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &s);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &s);
+    let web = affinity_id_of(&store, &web4);
+    assert_ne!(web, 0);
+    assert_eq!(affinity_id_of(&store, &web6), web);
+    assert_eq!(affinity_id_of(&store, &web_lb), web);
+    let api_id = affinity_id_of(&store, &api);
+    assert_ne!(api_id, 0);
+    assert_ne!(api_id, web);
+    assert_eq!(affinity_id_of(&store, &plain), 0);
+    let frontend_ids: Vec<u32> = store.services.values().map(|v| v.id).collect();
+    assert!(!frontend_ids.contains(&web) && !frontend_ids.contains(&api_id));
+
+    // A LoadBalancer IP added later, by a sync of that frontend alone, joins the port.
+    let web_lb2 = ext("198.51.100.21", 80);
+    affinity_frontend(
+        &mut s,
+        web_lb2,
+        "ns/web:http",
+        &["10.0.0.1:8080", "10.0.0.2:8080"],
+    );
+    let only: BTreeSet<Frontend> = [web_lb2].into();
+    p.apply_scoped(&mut store, &s, Scope::Only(&only), Instant::now());
+    assert_eq!(affinity_id_of(&store, &web_lb2), web);
+
+    // A restart: the recovered agent keeps every id and rewrites nothing; a frontend it adds
+    // joins the port's id as before.
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    store.log.clear();
+    let r = settle(&mut p, &mut store, &s);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.log, vec![], "nothing rewritten after a restart");
+    let web_ext_ip = ext("198.51.100.22", 80);
+    affinity_frontend(&mut s, web_ext_ip, "ns/web:http", &["10.0.0.1:8080"]);
+    settle(&mut p, &mut store, &s);
+    assert_eq!(affinity_id_of(&store, &web_ext_ip), web);
+    exact(&store, &s);
+
+    // The ClusterIP passes to another Service while web's other frontends stay: not web's id.
+    let mut moved = s.clone();
+    moved.frontends.remove(&web4);
+    affinity_frontend(&mut moved, web4, "ns/moved", &["10.0.0.1:8080"]);
+    settle(&mut p, &mut store, &moved);
+    exact(&store, &moved);
+    let moved_id = affinity_id_of(&store, &web4);
+    assert!(![0, web, api_id].contains(&moved_id));
+    assert_eq!(affinity_id_of(&store, &web6), web);
+
+    // web goes; another Service comes (after a restart, too): ids never seen before.
+    let mut next = moved.clone();
+    next.frontends.retain(|_, d| d.owner != "ns/web");
+    let other = fe("10.96.0.40", 80);
+    affinity_frontend(&mut next, other, "ns/other", &["10.0.0.2:8080"]);
+    settle(&mut p, &mut store, &next);
+    exact(&store, &next);
+    let other_id = affinity_id_of(&store, &other);
+    assert!(![0, web, api_id, moved_id].contains(&other_id));
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    let again = fe("10.96.0.50", 80);
+    affinity_frontend(&mut next, again, "ns/again", &["10.0.0.2:8080"]);
+    settle(&mut p, &mut store, &next);
+    exact(&store, &next);
+    let again_id = affinity_id_of(&store, &again);
+    assert!(![0, web, api_id, moved_id, other_id].contains(&again_id));
+}

@@ -216,7 +216,7 @@ fn demo(args: Args) -> Result<bool> {
         &["netns", "list"],
         "the Service has no namespace of its own",
     );
-    let services_map = bpffs.path().join("SVC_SERVICES_v1");
+    let services_map = svc_agent::datapath::map_pin(bpffs.path(), svc_common::map_names::SERVICES);
     show(
         "bpftool",
         &["map", "dump", "pinned", &services_map.to_string_lossy()],

@@ -68,13 +68,24 @@ impl World {
         extra: &[&str],
         setup: impl FnOnce(&Sandbox, &Manifests),
     ) -> World {
+        World::start_bin(None, n, ports, extra, setup)
+    }
+
+    /// As `start_with`, with agent binary `bin` (None: the one under test).
+    pub fn start_bin(
+        bin: Option<&std::path::Path>,
+        n: u8,
+        ports: &[u16],
+        extra: &[&str],
+        setup: impl FnOnce(&Sandbox, &Manifests),
+    ) -> World {
         let sb = sandbox();
         let m = Manifests::new().expect("manifests dir");
         setup(&sb, &m);
         let backends = sb.backends(n, ports).expect("backends");
         let bpffs = sb.bpffs().expect("bpffs");
         let mut agent = svc_tests::Agent::start(
-            &sb.tools.agent,
+            bin.unwrap_or(&sb.tools.agent),
             m.dir(),
             sb.cgroup().path(),
             bpffs.path(),
