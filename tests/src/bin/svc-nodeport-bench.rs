@@ -63,6 +63,7 @@ use svc_tests::kube_proxy::{
     self, ApiRelay, HostFirewallGuard, IptablesBackend, KubeProxy, KubeProxyConfig, Mode,
 };
 use svc_tests::parity::ProxyKind;
+use svc_tests::profile::{BpfStats, Profile};
 use svc_tests::report::{self, fmt3};
 use svc_tests::sandbox::AGENT_READY_TIMEOUT;
 use svc_tests::sys::run;
@@ -119,6 +120,11 @@ struct Args {
     /// Replace the `nodeport` section of this markdown file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
+    /// Where each measure's CPU time goes, into this directory: the run time of the tc
+    /// programs in node 1 (bpf_stats), the machine's CPU time, and a `perf record -a -g`
+    /// profile per measure (nodeport_profile.rs).
+    #[arg(long)]
+    profile: Option<PathBuf>,
 }
 
 /// What runs on node 1.
@@ -473,6 +479,14 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// svc's pins (its links among them), if svc runs here.
+    fn bpffs(&self) -> Option<PathBuf> {
+        match &self._runner {
+            Runner::Svc(r) => Some(r._bpffs.path().to_path_buf()),
+            _ => None,
+        }
     }
 
     fn client(&self, args: &[String]) -> Result<ClientRun> {
@@ -923,6 +937,10 @@ fn main() -> Result<()> {
     let mut failures = Vec::new();
     let mut ready = BTreeMap::new();
     let load_before = report::load_average();
+    let _bpf_stats = match args.profile {
+        Some(_) => Some(BpfStats::enable()?),
+        None => None,
+    };
     for &n in &args.services {
         let cp = ControlPlane::start_with_node_port_range(NODE_PORT_RANGE)
             .context("starting the control plane")?;
@@ -971,7 +989,20 @@ fn main() -> Result<()> {
             for j in 0..k {
                 let w = &worlds[(j + round as usize) % k];
                 for m in MEASURES.iter().filter(|m| m.applies_to(w.setup)) {
+                    let profile = match &args.profile {
+                        Some(dir) => Some(Profile::start(
+                            dir,
+                            format!("{n}-{}-{}-r{}", w.setup.id(), m.id, round + 1),
+                            w.bpffs(),
+                            args.seconds,
+                        )?),
+                        None => None,
+                    };
                     let r = w.measure(*m, n, &args)?;
+                    let profiled = match profile {
+                        Some(p) => format!("\n      {}", p.finish(r.ok)?),
+                        None => String::new(),
+                    };
                     let s = sample(&r, *m, w.setup, n, round);
                     eprintln!(
                         "    {:<28} {:<11} {:>9.0}/s{}",
@@ -982,8 +1013,9 @@ fn main() -> Result<()> {
                             format!(" ({} failed)", s.failed)
                         } else {
                             String::new()
-                        }
+                        },
                     );
+                    eprint!("{profiled}\n");
                     samples.push(s);
                 }
             }
