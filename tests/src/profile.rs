@@ -108,7 +108,12 @@ pub struct Profile {
 }
 
 impl Profile {
-    pub fn start(dir: &Path, label: String, pins: Option<PathBuf>, seconds: u64) -> Result<Profile> {
+    pub fn start(
+        dir: &Path,
+        label: String,
+        pins: Option<PathBuf>,
+        seconds: u64,
+    ) -> Result<Profile> {
         std::fs::create_dir_all(dir)?;
         let (c, n, _) = prog_stats(pins.as_deref())?;
         let perf = Command::new("perf")
