@@ -127,7 +127,8 @@ fn clear(p: &mut Pkt) {
     }
 }
 
-const _: () = assert!(core::mem::size_of::<Pkt>() % 4 == 0 && core::mem::align_of::<Pkt>() >= 4);
+const _: () =
+    assert!(core::mem::size_of::<Pkt>().is_multiple_of(4) && core::mem::align_of::<Pkt>() >= 4);
 
 /// `N` bytes at `off`, read into a buffer that is not zeroed first (zeroing it was a byte
 /// loop too); `None` when the packet is shorter.

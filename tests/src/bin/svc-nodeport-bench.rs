@@ -1003,8 +1003,8 @@ fn main() -> Result<()> {
                     };
                     let r = w.measure(*m, n, &args)?;
                     let profiled = match profile {
-                        Some(p) => format!("\n      {}", p.finish(r.ok)?),
-                        None => String::new(),
+                        Some(p) => Some(p.finish(r.ok)?),
+                        None => None,
                     };
                     let s = sample(&r, *m, w.setup, n, round);
                     eprintln!(
@@ -1018,7 +1018,9 @@ fn main() -> Result<()> {
                             String::new()
                         },
                     );
-                    eprint!("{profiled}\n");
+                    if let Some(line) = profiled {
+                        eprintln!("      {line}");
+                    }
                     samples.push(s);
                 }
             }
