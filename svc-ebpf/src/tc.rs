@@ -534,7 +534,7 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = parse_or_pass(ctx, s, EXT_EGRESS) {
         return verdict;
     }
-    if !known(s, ct_dir::REPLY, false, now()) {
+    if !known(s, ct_dir::REPLY, false, ct::NOW_ON_HIT) {
         return OK;
     }
     // A local backend's reply, leaving: it comes from the frontend.
@@ -659,7 +659,7 @@ pub fn pod_egress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = parse_or_pass(ctx, s, POD_EGRESS) {
         return verdict;
     }
-    if !known(s, ct_dir::REPLY, true, now()) {
+    if !known(s, ct_dir::REPLY, true, ct::NOW_ON_HIT) {
         return OK;
     }
     // A reply to a pod: it comes from the ClusterIP the pod sent to.

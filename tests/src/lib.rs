@@ -21,6 +21,7 @@ pub mod parity;
 pub mod plot;
 pub mod probe;
 pub mod procs;
+pub mod profile;
 pub mod report;
 pub mod sandbox;
 pub mod scale;

@@ -63,6 +63,7 @@ use svc_tests::kube_proxy::{
     self, ApiRelay, HostFirewallGuard, IptablesBackend, KubeProxy, KubeProxyConfig, Mode,
 };
 use svc_tests::parity::ProxyKind;
+use svc_tests::profile::{BpfStats, Profile};
 use svc_tests::report::{self, fmt3};
 use svc_tests::sandbox::AGENT_READY_TIMEOUT;
 use svc_tests::sys::run;
@@ -119,6 +120,11 @@ struct Args {
     /// Replace the `nodeport` section of this markdown file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
+    /// Where each measure's CPU time goes, into this directory: the run time of the tc
+    /// programs in node 1 (bpf_stats), the machine's CPU time, and a `perf record -a -g`
+    /// profile per measure (nodeport_profile.rs).
+    #[arg(long)]
+    profile: Option<PathBuf>,
 }
 
 /// What runs on node 1.
@@ -475,6 +481,14 @@ impl World {
         Ok(())
     }
 
+    /// svc's pins (its links among them), if svc runs here.
+    fn bpffs(&self) -> Option<PathBuf> {
+        match &self._runner {
+            Runner::Svc(r) => Some(r._bpffs.path().to_path_buf()),
+            _ => None,
+        }
+    }
+
     fn client(&self, args: &[String]) -> Result<ClientRun> {
         ClientRun::spawn(&self.probe, &self.client_cgroup, &self.nodes.client, args)
     }
@@ -767,8 +781,11 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
                 fixture tables' network namespace and maps (about 30 frontends). Repeatable \
                 packets are run 200,000 times (`repeat`) and the kernel's mean per run is \
                 shown; a new flow cannot be repeated (from its second run on it is a known \
-                flow), so those rows are the mean of 2,000 single runs with distinct client \
-                ports, which includes each run's own overhead.\n\n";
+                flow), so each of 2,000 flows with distinct client ports is run once, and the \
+                row is the program's own mean run time by bpf_stats (the test run's duration of a \
+                single run adds about 50-70 ns of clock read and cold start). The fixture's maps \
+                have 1,024 entries and stay in cache: the programs cost more per packet in real \
+                traffic (see where the time goes).\n\n";
         out += table.trim();
         out += "\n";
     }
@@ -923,6 +940,10 @@ fn main() -> Result<()> {
     let mut failures = Vec::new();
     let mut ready = BTreeMap::new();
     let load_before = report::load_average();
+    let _bpf_stats = match args.profile {
+        Some(_) => Some(BpfStats::enable()?),
+        None => None,
+    };
     for &n in &args.services {
         let cp = ControlPlane::start_with_node_port_range(NODE_PORT_RANGE)
             .context("starting the control plane")?;
@@ -971,7 +992,20 @@ fn main() -> Result<()> {
             for j in 0..k {
                 let w = &worlds[(j + round as usize) % k];
                 for m in MEASURES.iter().filter(|m| m.applies_to(w.setup)) {
+                    let profile = match &args.profile {
+                        Some(dir) => Some(Profile::start(
+                            dir,
+                            format!("{n}-{}-{}-r{}", w.setup.id(), m.id, round + 1),
+                            w.bpffs(),
+                            args.seconds,
+                        )?),
+                        None => None,
+                    };
                     let r = w.measure(*m, n, &args)?;
+                    let profiled = match profile {
+                        Some(p) => Some(p.finish(r.ok)?),
+                        None => None,
+                    };
                     let s = sample(&r, *m, w.setup, n, round);
                     eprintln!(
                         "    {:<28} {:<11} {:>9.0}/s{}",
@@ -982,8 +1016,11 @@ fn main() -> Result<()> {
                             format!(" ({} failed)", s.failed)
                         } else {
                             String::new()
-                        }
+                        },
                     );
+                    if let Some(line) = profiled {
+                        eprintln!("      {line}");
+                    }
                     samples.push(s);
                 }
             }

@@ -1,0 +1,178 @@
+//! `svc-nodeport-bench --profile DIR`: where the CPU time of a measure goes. Around each measure
+//! it reads the run count and run time (bpf_stats) of svc's attached programs (none in the
+//! other setups), the machine's CPU time from /proc/stat, and records a
+//! `perf record -a -g` profile (software cpu-clock: this machine has no hardware counters).
+
+use std::fs::File;
+use std::io::Write as _;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+/// Run-time statistics of every BPF program while this lives. BPF_ENABLE_STATS rather than the
+/// sysctl: the kernel counts holders, and the fd closes with the process however it ends, so
+/// nothing is left to restore and another holder is never switched off.
+pub struct BpfStats {
+    _fd: OwnedFd,
+}
+
+impl BpfStats {
+    pub fn enable() -> Result<BpfStats> {
+        const BPF_ENABLE_STATS: libc::c_long = 32;
+        // union bpf_attr { struct { __u32 type; } enable_stats; }, BPF_STATS_RUN_TIME = 0.
+        let attr = [0u8; 8];
+        // SAFETY: a bpf(2) call with a zeroed attribute buffer of the size given.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_ENABLE_STATS,
+                attr.as_ptr(),
+                attr.len() as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            bail!("BPF_ENABLE_STATS: {}", std::io::Error::last_os_error());
+        }
+        // SAFETY: the kernel just returned this descriptor to us alone.
+        Ok(BpfStats {
+            _fd: unsafe { OwnedFd::from_raw_fd(fd as i32) },
+        })
+    }
+}
+
+/// (run_cnt, run_time_ns) summed over the programs of the links pinned under `pins` (svc's
+/// bpffs directory), and their names. bpftool 7.1 lists no tcx attachments in `net show`, so
+/// the programs are found through svc's own link pins.
+fn prog_stats(pins: Option<&Path>) -> Result<(u64, u64, Vec<String>)> {
+    let mut files = Vec::new();
+    let mut dirs: Vec<PathBuf> = pins.into_iter().map(Path::to_path_buf).collect();
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d)?.flatten() {
+            if e.file_type()?.is_dir() {
+                dirs.push(e.path());
+            } else {
+                files.push(e.path());
+            }
+        }
+    }
+    let (mut cnt, mut ns, mut names) = (0, 0, Vec::new());
+    for f in files {
+        let out = Command::new("bpftool")
+            .args(["-j", "link", "show", "pinned"])
+            .arg(&f)
+            .output()?;
+        let Ok(link) = serde_json::from_slice::<Value>(&out.stdout) else {
+            continue; // a map pin, not a link
+        };
+        let Some(id) = link["prog_id"].as_u64() else {
+            continue;
+        };
+        let out = Command::new("bpftool")
+            .args(["-j", "prog", "show", "id", &id.to_string()])
+            .output()?;
+        let p: Value = serde_json::from_slice(&out.stdout).context("bpftool prog show output")?;
+        cnt += p["run_cnt"].as_u64().unwrap_or(0);
+        ns += p["run_time_ns"].as_u64().unwrap_or(0);
+        names.push(p["name"].as_str().unwrap_or("?").to_string());
+    }
+    Ok((cnt, ns, names))
+}
+
+/// (busy, total) jiffies of all CPUs, and softirq jiffies.
+fn cpu_jiffies() -> Result<(u64, u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat.lines().next().context("empty /proc/stat")?;
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    let total: u64 = f.iter().take(8).sum();
+    let idle = f[3] + f[4];
+    Ok((total - idle, total, f[6]))
+}
+
+pub struct Profile {
+    dir: PathBuf,
+    label: String,
+    pins: Option<PathBuf>,
+    stats: (u64, u64),
+    cpu: (u64, u64, u64),
+    perf: Option<Child>,
+    started: Instant,
+}
+
+impl Profile {
+    pub fn start(
+        dir: &Path,
+        label: String,
+        pins: Option<PathBuf>,
+        seconds: u64,
+    ) -> Result<Profile> {
+        std::fs::create_dir_all(dir)?;
+        let (c, n, _) = prog_stats(pins.as_deref())?;
+        let perf = Command::new("perf")
+            .args(["record", "-q", "-a", "-g", "-F", "499", "-o"])
+            .arg(dir.join(format!("{label}.perf.data")))
+            .args(["--", "sleep", &seconds.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok();
+        Ok(Profile {
+            dir: dir.to_path_buf(),
+            label,
+            pins,
+            stats: (c, n),
+            cpu: cpu_jiffies()?,
+            perf,
+            started: Instant::now(),
+        })
+    }
+
+    /// Ends the profile of a measure that made `ok` exchanges; one line to print.
+    pub fn finish(mut self, ok: u64) -> Result<String> {
+        let wall = self.started.elapsed().as_secs_f64();
+        let cpu = cpu_jiffies()?;
+        let (c, n, names) = prog_stats(self.pins.as_deref())?;
+        if let Some(p) = self.perf.as_mut() {
+            p.wait()?;
+        }
+        let hz = 100.0; // USER_HZ
+        let busy_s = (cpu.0 - self.cpu.0) as f64 / hz;
+        let total_s = (cpu.1 - self.cpu.1) as f64 / hz;
+        let softirq_s = (cpu.2 - self.cpu.2) as f64 / hz;
+        let (runs, ns) = (c - self.stats.0, n - self.stats.1);
+        let row = json!({
+            "label": self.label,
+            "ok": ok,
+            "wall_s": wall,
+            "cpu_total_s": total_s,
+            "cpu_busy_s": busy_s,
+            "cpu_softirq_s": softirq_s,
+            "bpf_runs": runs,
+            "bpf_ns": ns,
+            "bpf_programs": names,
+        });
+        let mut f = File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("profile.jsonl"))?;
+        writeln!(f, "{row}")?;
+        let per = |x: f64| if ok > 0 { x / ok as f64 } else { 0.0 };
+        Ok(format!(
+            "bpf {runs} runs {:.0} ns/run, {:.0} ns/exchange, {:.2}% of CPU; machine busy {:.1}% ({:.1} µs/exchange, softirq {:.1} µs/exchange)",
+            if runs > 0 { ns as f64 / runs as f64 } else { 0.0 },
+            per(ns as f64),
+            100.0 * ns as f64 / 1e9 / total_s.max(1e-9),
+            100.0 * busy_s / total_s.max(1e-9),
+            per(busy_s * 1e6),
+            per(softirq_s * 1e6),
+        ))
+    }
+}
