@@ -468,8 +468,7 @@ fn run(mode: Mode) -> Result<()> {
 /// uplink had no flow for a connection's next packet, took it for a new one to the NodePort and
 /// sent it to a backend with a SNAT port of its own, which reset it. Now a TCP packet other than
 /// a SYN that no flow of svc's knows goes to the stack, whose conntrack carries the connection
-/// on (`pass_midstream`). The way back (flows made under svc after svc is uninstalled) is not
-/// covered.
+/// on (`pass_midstream`). The way back: `nodeport_flows_across_svc_uninstall`.
 #[test]
 fn nodeport_flows_across_svc_start() {
     nodeport_step1(Mode::Nftables).unwrap();
