@@ -1244,6 +1244,11 @@ pub struct Uninstalled {
     pub removed: Vec<PathBuf>,
     /// Programs of others found on the cgroup's hooks: left alone.
     pub foreign: Vec<String>,
+    /// svc's NodePort-type flows handed over to the node's conntrack; `None` when svc had no
+    /// tc program on a device of this network namespace (nothing to hand over here).
+    pub handover: Option<crate::handover::Handover>,
+    /// Why the handover could not run at all.
+    pub handover_error: Option<String>,
 }
 
 /// Removes every link and map pin under `dir`, then `dir`, and detaches svc's programs from
@@ -1270,6 +1275,17 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         .iter()
         .filter_map(|(_, fd)| sys::link_info(fd.as_fd()).ok().map(|(prog, _)| prog))
         .collect();
+    // While svc's tc programs still translate: once they are gone, a flow the node's conntrack
+    // does not carry would meet kube-proxy's rules as a new connection.
+    if tc_links_here(dir) {
+        match MapData::from_pin(map_pin(dir, map_names::CT)) {
+            Ok(ct) => match crate::handover::hand_over(ct.fd().as_fd()) {
+                Ok(h) => done.handover = Some(h),
+                Err(e) => done.handover_error = Some(format!("ctnetlink: {e}")),
+            },
+            Err(e) => done.handover_error = Some(format!("map {}: {e}", map_names::CT)),
+        }
+    }
     let mut names: Vec<PathBuf> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))
@@ -1302,6 +1318,27 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         done.foreign = check_detached(cg, &ours)?;
     }
     Ok(done)
+}
+
+/// Whether svc has tc links under `dir` and every one is on a device of the calling thread's
+/// network namespace (the same name at the same index): the flows of its CT map are this
+/// namespace's to hand over, and no other's conntrack gets them.
+fn tc_links_here(dir: &Path) -> bool {
+    let pins = tc_pins(dir);
+    !pins.is_empty()
+        && pins.iter().all(|(pin, _, ifname)| {
+            let Ok(fd) = sys::obj_get(pin) else {
+                return false;
+            };
+            let Ok((ifindex, _)) = sys::tcx_link_info(fd.as_fd()) else {
+                return false;
+            };
+            let Ok(name) = std::ffi::CString::new(ifname.as_str()) else {
+                return false;
+            };
+            // SAFETY: a NUL-terminated name.
+            ifindex != 0 && unsafe { libc::if_nametoindex(name.as_ptr()) } == ifindex
+        })
 }
 
 /// Fails if any of `ours` is still attached to `cgroup`; returns the other programs found on

@@ -377,6 +377,22 @@ fn main() -> anyhow::Result<()> {
             for p in &done.removed {
                 text.push_str(&format!("removed {}\n", p.display()));
             }
+            if let Some(h) = &done.handover {
+                text.push_str(&format!(
+                    "handed over to the node's conntrack: {} flows, {} failed\n",
+                    h.handed,
+                    h.failed_total()
+                ));
+                for (why, n) in &h.failed {
+                    text.push_str(&format!("  {n} not handed over: {why}\n"));
+                }
+                tracing::info!(handed = h.handed, failed = h.failed_total(), "handover");
+            }
+            if let Some(e) = &done.handover_error {
+                text.push_str(&format!(
+                    "no flow handed over to the node's conntrack: {e}\n"
+                ));
+            }
             if let Some(cg) = &cgroup {
                 text.push_str(&format!(
                     "no svc socket program attached to {}\n",

@@ -256,6 +256,10 @@ pub mod ct_flags {
     pub const FIN_FORWARD: u16 = 1 << 5;
     /// TCP: a FIN was seen from the backend (`REPLY` direction); set with `FIN`.
     pub const FIN_REPLY: u16 = 1 << 6;
+    /// On a FORWARD entry: the node's conntrack carries the flow (a NATed entry `svc-agent
+    /// uninstall` made); the client's packets go to the stack untranslated, for netfilter to
+    /// translate.
+    pub const HANDED: u16 = 1 << 7;
 
     /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
     /// SNAT port, go to the next new connection that needs them. Not after one FIN: the other

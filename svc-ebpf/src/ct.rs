@@ -271,6 +271,15 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         // SAFETY: as above.
         unsafe { (*e).last_seen_ns = now };
     }
+    if out.flags & ct_flags::HANDED != 0 && key.dir == ct_dir::FORWARD {
+        // The node's conntrack carries the flow now (`svc-agent uninstall` made its entry):
+        // its packets go on untranslated, for netfilter to translate. As a translation to
+        // the packet's own destination, so the tc programs need no branch (and no stack) of
+        // their own for it.
+        out.nat_addr = key.daddr;
+        out.nat_port_be = key.dport_be;
+        out.flags &= !ct_flags::SNAT;
+    }
     true
 }
 

@@ -268,6 +268,43 @@ impl Sandbox {
         ClientRun::spawn(&self.tools.probe, &e.cgroup, &e.ns, &args)
     }
 
+    /// Starts `svc-probe udp-stream` (see `spawn_udp_stream`) as the external client; finish
+    /// it with `finish_udp_stream_external`.
+    pub fn spawn_udp_stream_external(
+        &self,
+        to: SocketAddr,
+        duration: Duration,
+        interval_ms: u64,
+        timeout_ms: u64,
+    ) -> Result<ClientRun> {
+        let e = self.external()?;
+        let args: Vec<String> = vec![
+            "udp-stream".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            duration.as_millis().to_string(),
+            "--interval-ms".into(),
+            interval_ms.to_string(),
+            "--timeout-ms".into(),
+            timeout_ms.to_string(),
+        ];
+        ClientRun::spawn(&self.tools.probe, &e.cgroup, &e.ns, &args)
+    }
+
+    pub fn finish_udp_stream_external(
+        &self,
+        run: ClientRun,
+        timeout: Duration,
+    ) -> Result<StreamReport> {
+        let e = self.external()?;
+        let report: StreamReport = run.wait(timeout)?;
+        if report.cgroup != e.cgroup.relative() || report.netns_ino != e.ns.inode()? {
+            bail!("the external UDP stream ran in the wrong cgroup or network namespace");
+        }
+        Ok(report)
+    }
+
     pub fn finish_hold_external(&self, run: ClientRun, timeout: Duration) -> Result<HoldReport> {
         let e = self.external()?;
         let report: HoldReport = run.wait(timeout)?;

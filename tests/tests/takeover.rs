@@ -468,8 +468,7 @@ fn run(mode: Mode) -> Result<()> {
 /// uplink had no flow for a connection's next packet, took it for a new one to the NodePort and
 /// sent it to a backend with a SNAT port of its own, which reset it. Now a TCP packet other than
 /// a SYN that no flow of svc's knows goes to the stack, whose conntrack carries the connection
-/// on (`pass_midstream`). The way back (flows made under svc after svc is uninstalled) is not
-/// covered.
+/// on (`pass_midstream`). The way back: `nodeport_flows_across_svc_uninstall`.
 #[test]
 fn nodeport_flows_across_svc_start() {
     nodeport_step1(Mode::Nftables).unwrap();
@@ -565,4 +564,231 @@ fn nodeport_step1(mode: Mode) -> Result<()> {
     drop(cp);
     firewall.check()?;
     result
+}
+
+/// The way back, for NodePorts: an external client holds TCP connections and a UDP stream
+/// through NodePorts served by svc's tc programs (kube-proxy not running), to a backend svc
+/// takes for local (DNAT only, through the stack) and one it takes for remote (SNATed to the
+/// node, redirected past netfilter); kube-proxy (nftables mode) starts in the node's
+/// namespace; svc-agent stops and `svc-agent uninstall` runs there. Every held connection and
+/// stream must live on (svc hands its flows over to the node's conntrack), and new connections
+/// must go through kube-proxy.
+#[test]
+fn nodeport_flows_across_svc_uninstall() {
+    nodeport_way_back(Mode::Nftables).unwrap();
+}
+
+fn nodeport_way_back(mode: Mode) -> Result<()> {
+    require_root();
+    let mut firewall = HostFirewallGuard::new()?;
+    let t0 = Instant::now();
+    let t0_ms = unix_ms();
+    let cp = ControlPlane::start()?;
+    let mut sb = Sandbox::new(Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe")))?;
+    sb.add_default_route()?;
+    sb.add_uplink()?;
+    let _backends = sb.backends(2, &[8080])?;
+    let node = json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+        "status": {"addresses": [{"type": "InternalIP", "address": sb.client_v4().to_string()}]},
+    });
+    cp.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
+    let ns = "takeover";
+    // Backend 1 on this node (svc: DNAT only), backend 2 on another (svc: SNAT).
+    let ep = |i: u8, node: &str| {
+        json!({"addresses": [sb.backend_v4(i).to_string()], "conditions": {"ready": true},
+               "nodeName": node})
+    };
+    let service = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+               "spec": {"type": "NodePort",
+                        "ports": [{"name": "http", "port": 80, "targetPort": 8080},
+                                  {"name": "dns", "port": 53, "targetPort": 8080,
+                                   "protocol": "UDP"}]}})
+    };
+    let slice = |name: &str, e: Value| {
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": format!("{name}-1"), "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": name}},
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                         {"name": "dns", "port": 8080, "protocol": "UDP"}],
+               "endpoints": [e]})
+    };
+    let objects = [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+        service("np-local"),
+        slice("np-local", ep(1, NODE)),
+        service("np-remote"),
+        slice("np-remote", ep(2, "elsewhere")),
+    ];
+    let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
+    let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
+    let node_port = |name: &str, port: usize| -> Result<SocketAddr> {
+        let np = stored
+            .iter()
+            .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
+            .and_then(|s| s["spec"]["ports"][port]["nodePort"].as_u64())
+            .with_context(|| format!("no nodePort for {name}"))?;
+        Ok(SocketAddr::new(IpAddr::V4(sb.client_v4()), np as u16))
+    };
+    let (tcp_local, udp_local) = (node_port("np-local", 0)?, node_port("np-local", 1)?);
+    let (tcp_remote, udp_remote) = (node_port("np-remote", 0)?, node_port("np-remote", 1)?);
+    let probe_ok = |to: SocketAddr| -> Result<()> {
+        let r = sb.probe_external(
+            &[
+                "tcp",
+                "--to",
+                &to.to_string(),
+                "--count",
+                "3",
+                "--timeout-ms",
+                "1000",
+                "--who",
+            ]
+            .map(String::from),
+            Duration::from_secs(10),
+        )?;
+        ensure!(r.all_ok(), "{to}: {:?}", r.failures());
+        Ok(())
+    };
+
+    // svc alone serves the NodePorts.
+    let bpffs = sb.bpffs()?;
+    let relay = kube_proxy::ApiRelay::to_api_server(sb.client_ns(), &cp)?;
+    let dir = svc_tests::TempDir::new("svc-wayback-agent")?;
+    let kubeconfig = relay.kubeconfig(&cp, cp.kubeconfig_path(), dir.path())?;
+    let launcher: [std::ffi::OsString; 2] = [
+        "nsenter".into(),
+        format!("--net={}", sb.client_ns().path().display()).into(),
+    ];
+    let mut agent = Agent::start_kube_launched(
+        &launcher,
+        &sb.tools.agent,
+        &kubeconfig,
+        NODE,
+        sb.cgroup().path(),
+        bpffs.path(),
+        &["--devices", &format!("{},vc", svc_tests::sandbox::UPLINK)],
+    )?;
+    agent.wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)?;
+    eventually(Duration::from_secs(20), || {
+        probe_ok(tcp_local)?;
+        probe_ok(tcp_remote)
+    })?;
+    log(t0, "svc serves the NodePorts (no kube-proxy)");
+
+    let whole = Duration::from_secs(30);
+    let held_since = Instant::now();
+    let hold_local = sb.spawn_hold_external(tcp_local, 4, whole, 50)?;
+    let hold_remote = sb.spawn_hold_external(tcp_remote, 4, whole, 50)?;
+    let stream_local = sb.spawn_udp_stream_external(udp_local, whole, 50, 1000)?;
+    let stream_remote = sb.spawn_udp_stream_external(udp_remote, whole, 50, 1000)?;
+    std::thread::sleep(Duration::from_secs(2));
+    log(t0, "external TCP connections and UDP streams through svc");
+
+    // The way back: kube-proxy starts and syncs, then svc goes.
+    let bin = kube_proxy::binary_from_env()?;
+    let mut kp = KubeProxy::start(KubeProxyConfig::new(&bin, mode, NODE), &cp, sb.client_ns())?;
+    kp.wait_ready(kube_proxy::READY_TIMEOUT)?;
+    std::thread::sleep(Duration::from_secs(1));
+    log(t0, "kube-proxy started beside svc and synced");
+    let status = agent.terminate(Duration::from_secs(10))?;
+    ensure!(status.success(), "svc-agent exited with {status}");
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", sb.client_ns().path().display()))
+        .arg("--")
+        .arg(&sb.tools.agent)
+        .args(["uninstall", "--bpffs"])
+        .arg(bpffs.path())
+        .stdin(Stdio::null())
+        .output()
+        .context("running svc-agent uninstall")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!(
+        "    svc-agent uninstall: {}{}",
+        text.lines()
+            .filter(|l| !l.starts_with("removed "))
+            .collect::<Vec<_>>()
+            .join("\n    "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(out.status.success(), "svc-agent uninstall failed");
+    ensure!(
+        !bpffs.path().exists(),
+        "uninstall left {}",
+        bpffs.path().display()
+    );
+    log(t0, "svc-agent stopped and uninstalled");
+    ensure!(
+        held_since.elapsed() + Duration::from_secs(5) < whole,
+        "the way back took too long: the clients ended before it was over"
+    );
+
+    let mut failures = Vec::new();
+    // New connections go through kube-proxy: its conntrack entries, NATed from the NodePort.
+    let natted = |to: SocketAddr| -> Result<usize> {
+        let out = Command::new("nsenter")
+            .arg(format!("--net={}", sb.client_ns().path().display()))
+            .args(["--", "conntrack", "-L", "-p", "tcp", "--orig-port-dst"])
+            .arg(to.port().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .context("running conntrack")?;
+        Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+    };
+    for to in [tcp_local, tcp_remote] {
+        let before = natted(to)?;
+        if let Err(e) = probe_ok(to) {
+            failures.push(format!("new connections after uninstall: {e:#}"));
+        }
+        let after = natted(to)?;
+        if after < before + 3 {
+            failures.push(format!(
+                "new connections to {to} after uninstall: {before} -> {after} conntrack entries"
+            ));
+        }
+    }
+    let t = whole + Duration::from_secs(20);
+    let hold_local = sb.finish_hold_external(hold_local, t)?;
+    let hold_remote = sb.finish_hold_external(hold_remote, t)?;
+    let stream_local = sb.finish_udp_stream_external(stream_local, t)?;
+    let stream_remote = sb.finish_udp_stream_external(stream_remote, t)?;
+    log(t0, "clients done");
+    for r in [
+        check_hold(
+            "NodePort connections made under svc (local backend)",
+            &hold_local,
+            4,
+        ),
+        check_hold(
+            "NodePort connections made under svc (remote backend, SNAT)",
+            &hold_remote,
+            4,
+        ),
+        check_stream(
+            "NodePort UDP stream made under svc (local backend)",
+            &stream_local,
+            t0_ms,
+        ),
+        check_stream(
+            "NodePort UDP stream made under svc (remote backend, SNAT)",
+            &stream_remote,
+            t0_ms,
+        ),
+    ] {
+        if let Err(e) = r {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    drop(kp);
+    drop(bpffs);
+    drop(relay);
+    drop(sb);
+    drop(cp);
+    firewall.check()?;
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(())
 }

@@ -1,0 +1,489 @@
+//! The way back to kube-proxy for NodePort-type flows: `svc-agent uninstall` hands each live
+//! flow of svc's external path over to the node's conntrack, as conntrackd does on failover,
+//! so that once svc's tc programs are gone netfilter (kube-proxy's NAT hooks) translates the
+//! flow's next packet as svc did instead of taking it for a new connection.
+//!
+//! Per flow, while svc's programs still translate:
+//! 1. (nothing to do first: see the window below)
+//! 2. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
+//!    brought conntrack into the namespace) is deleted: it holds the reply tuple;
+//! 3. a kernel entry is made: client -> frontend as the client sent it, its reply the plain
+//!    inverse, NAT to the backend (and from the SNAT address and port svc chose), TCP
+//!    established (or closing) with window tracking off (a pickup in the middle of a stream);
+//!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits;
+//! 4. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
+//!    packets untranslated.
+//!
+//! The window between 3 and 4 (one map write) is not closed: a client packet of a flow to a
+//! local backend that svc translates in it meets netfilter beside the new kernel entry, is
+//! taken for a new connection whose reply tuple is taken, and gets its source port remapped
+//! (the backend resets it). Flows to a remote backend are redirected past netfilter and have
+//! no such window. Closing it would take a drop state in the tc programs, which did not fit
+//! the external ingress program's stack.
+//!
+//! Hand-written ctnetlink (one message kind each way, a few attributes): no maintained Rust
+//! crate builds conntrack entries with NAT (netlink-packet-netfilter covers nflog only).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
+
+use svc_common::{ct_dir, ct_flags, CtKey, CtValue, IPPROTO_TCP};
+
+use crate::sys;
+
+const NETLINK_NETFILTER: i32 = 12;
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_NEW: u16 = 0;
+const IPCTNL_MSG_CT_DELETE: u16 = 2;
+const NLM_F_REQUEST: u16 = 1;
+const NLM_F_ACK: u16 = 4;
+const NLM_F_EXCL: u16 = 0x200;
+const NLM_F_CREATE: u16 = 0x400;
+const NLA_F_NESTED: u16 = 0x8000;
+const NLMSG_ERROR: u16 = 2;
+
+// linux/netfilter/nfnetlink_conntrack.h
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_NAT_SRC: u16 = 6;
+const CTA_TIMEOUT: u16 = 7;
+const CTA_NAT_DST: u16 = 13;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
+const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
+const CTA_NAT_V4_MINIP: u16 = 1;
+const CTA_NAT_V4_MAXIP: u16 = 2;
+const CTA_NAT_PROTO: u16 = 3;
+const CTA_NAT_V6_MINIP: u16 = 4;
+const CTA_NAT_V6_MAXIP: u16 = 5;
+const CTA_PROTONAT_PORT_MIN: u16 = 1;
+const CTA_PROTONAT_PORT_MAX: u16 = 2;
+// nf_conntrack_common.h, nf_conntrack_tcp.h
+const IPS_SEEN_REPLY: u32 = 1 << 1;
+const IPS_ASSURED: u32 = 1 << 2;
+const IPS_CONFIRMED: u32 = 1 << 3;
+const TCP_CONNTRACK_SYN_SENT: u8 = 1;
+const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+const TCP_CONNTRACK_FIN_WAIT: u8 = 4;
+const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
+
+/// Built-in timeouts of the datapath (ct.rs), seconds: the lifetime left to a flow when the
+/// agent wrote no other.
+const TCP_ESTABLISHED_S: u64 = 7200;
+const TCP_CLOSING_S: u64 = 10;
+const TCP_SYN_S: u64 = 60;
+const UDP_S: u64 = 30;
+const UDP_STREAM_S: u64 = 120;
+
+/// What the handover did.
+#[derive(Debug, Default)]
+pub struct Handover {
+    /// Flows the node's conntrack now carries.
+    pub handed: u64,
+    /// Flows it refused, by reason.
+    pub failed: BTreeMap<String, u64>,
+}
+
+impl Handover {
+    pub fn failed_total(&self) -> u64 {
+        self.failed.values().sum()
+    }
+}
+
+fn timeout_s(proto: u8, flags: u16) -> u64 {
+    if proto == IPPROTO_TCP {
+        if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
+            TCP_CLOSING_S
+        } else if flags & ct_flags::SEEN_REPLY != 0 {
+            TCP_ESTABLISHED_S
+        } else {
+            TCP_SYN_S
+        }
+    } else if flags & ct_flags::SEEN_REPLY != 0 {
+        UDP_STREAM_S
+    } else {
+        UDP_S
+    }
+}
+
+/// The REPLY entry's key of the flow of FORWARD entry `key`/`v` (ct.rs `partner_key`).
+fn reply_key(key: &CtKey, v: &CtValue) -> CtKey {
+    let (daddr, dport_be) = if v.flags & ct_flags::SNAT != 0 {
+        (v.snat_addr, v.snat_port_be)
+    } else {
+        (key.saddr, key.sport_be)
+    };
+    CtKey {
+        saddr: v.nat_addr,
+        daddr,
+        sport_be: v.nat_port_be,
+        dport_be,
+        proto: key.proto,
+        dir: ct_dir::REPLY,
+        _pad0: [0; 2],
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Hands every live flow of svc's external path in the CT map `ct` over to the conntrack of
+/// the calling thread's network namespace. A flow the kernel refuses stays svc's (and dies
+/// with svc's programs); nothing here fails the caller but a socket it cannot open.
+pub fn hand_over(ct: BorrowedFd<'_>) -> io::Result<Handover> {
+    let entries: HashMap<CtKey, CtValue> =
+        sys::dump_hash::<CtKey, CtValue>(ct)?.into_iter().collect();
+    let nl = Ctnetlink::open()?;
+    let now = monotonic_ns();
+    let mut done = Handover::default();
+    for (key, fwd) in &entries {
+        if key.dir != ct_dir::FORWARD
+            || fwd.flags & ct_flags::POD != 0
+            || ct_flags::closed(fwd.flags)
+            || fwd.flags & ct_flags::HANDED != 0
+        {
+            continue;
+        }
+        let rkey = reply_key(key, fwd);
+        let rep = entries.get(&rkey).filter(|r| {
+            // A reply key may already belong to a newer flow.
+            r.nat_addr == key.daddr && r.nat_port_be == key.dport_be
+        });
+        let flags = fwd.flags | rep.map_or(0, |r| r.flags);
+        let last = fwd.last_seen_ns.max(rep.map_or(0, |r| r.last_seen_ns));
+        let idle_s = now.saturating_sub(last) / 1_000_000_000;
+        let life = timeout_s(key.proto, flags);
+        if idle_s > life {
+            continue;
+        }
+        let flow = Flow::of(key, fwd, flags, (life - idle_s).max(1));
+        match hand_over_one(&nl, ct, key, fwd, &flow) {
+            Ok(()) => done.handed += 1,
+            Err(e) => *done.failed.entry(reason(&e)).or_default() += 1,
+        }
+    }
+    Ok(done)
+}
+
+fn reason(e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EEXIST) => "the node's conntrack holds another entry on its tuples".into(),
+        Some(libc::EOPNOTSUPP) => "no NAT in the node's netfilter".into(),
+        _ => e.to_string(),
+    }
+}
+
+fn set_flags(ct: BorrowedFd<'_>, key: &CtKey, v: &CtValue, set: u16) {
+    let mut v = *v;
+    v.flags |= set;
+    // The LRU may have evicted it meanwhile: then there is nothing to mark.
+    let _ = sys::map_update(ct, key, &v, sys::BPF_EXIST);
+}
+
+fn hand_over_one(
+    nl: &Ctnetlink,
+    ct: BorrowedFd<'_>,
+    key: &CtKey,
+    fwd: &CtValue,
+    flow: &Flow,
+) -> io::Result<()> {
+    let via_stack = fwd.flags & ct_flags::SNAT == 0 || fwd.snat_addr == key.saddr;
+    let mut result = Err(io::Error::from_raw_os_error(libc::EEXIST));
+    for _ in 0..3 {
+        if via_stack {
+            // What netfilter saw of the flow: the packets svc translated (either orientation:
+            // conntrack finds an entry by either of its tuples).
+            let seen = flow.translated();
+            match nl.request(IPCTNL_MSG_CT_DELETE, 0, flow.family(), &seen.delete_attrs()) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        result = nl.request(
+            IPCTNL_MSG_CT_NEW,
+            NLM_F_CREATE | NLM_F_EXCL,
+            flow.family(),
+            &flow.new_attrs(),
+        );
+        // A reply in flight may have made the un-NATed entry again: once more.
+        if !matches!(&result, Err(e) if e.raw_os_error() == Some(libc::EEXIST)) {
+            break;
+        }
+    }
+    match result {
+        Ok(()) => {
+            set_flags(ct, key, fwd, ct_flags::HANDED);
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// An address, v4 when mapped.
+fn v4(a: &[u8; 16]) -> Option<[u8; 4]> {
+    (a[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]).then(|| [a[12], a[13], a[14], a[15]])
+}
+
+/// A flow as the kernel entry describes it.
+struct Flow {
+    proto: u8,
+    client: ([u8; 16], u16),
+    frontend: ([u8; 16], u16),
+    backend: ([u8; 16], u16),
+    snat: Option<([u8; 16], u16)>,
+    flags: u16,
+    timeout_s: u32,
+}
+
+/// A bare tuple.
+struct Tuple {
+    family: u8,
+    proto: u8,
+    src: ([u8; 16], u16),
+    dst: ([u8; 16], u16),
+}
+
+impl Flow {
+    fn of(key: &CtKey, fwd: &CtValue, flags: u16, timeout_s: u64) -> Flow {
+        Flow {
+            proto: key.proto,
+            client: (key.saddr, key.sport_be),
+            frontend: (key.daddr, key.dport_be),
+            backend: (fwd.nat_addr, fwd.nat_port_be),
+            snat: (fwd.flags & ct_flags::SNAT != 0).then_some((fwd.snat_addr, fwd.snat_port_be)),
+            flags,
+            timeout_s: timeout_s.min(u32::MAX as u64) as u32,
+        }
+    }
+
+    fn family(&self) -> u8 {
+        if v4(&self.client.0).is_some() {
+            libc::AF_INET as u8
+        } else {
+            libc::AF_INET6 as u8
+        }
+    }
+
+    fn translated(&self) -> Tuple {
+        Tuple {
+            family: self.family(),
+            proto: self.proto,
+            src: self.snat.unwrap_or(self.client),
+            dst: self.backend,
+        }
+    }
+
+    fn new_attrs(&self) -> Vec<u8> {
+        let family = self.family();
+        let orig = Tuple {
+            family,
+            proto: self.proto,
+            src: self.client,
+            dst: self.frontend,
+        };
+        let reply = Tuple {
+            family,
+            proto: self.proto,
+            src: self.frontend,
+            dst: self.client,
+        };
+        let mut a = Vec::new();
+        nest(&mut a, CTA_TUPLE_ORIG, &orig.attrs());
+        nest(&mut a, CTA_TUPLE_REPLY, &reply.attrs());
+        nest(&mut a, CTA_NAT_DST, &nat(family, self.backend));
+        if let Some(s) = self.snat {
+            nest(&mut a, CTA_NAT_SRC, &nat(family, s));
+        }
+        attr(&mut a, CTA_TIMEOUT, &self.timeout_s.to_be_bytes());
+        let seen = self.flags & ct_flags::SEEN_REPLY != 0;
+        // The kernel marks a new entry confirmed before it applies CTA_STATUS, and refuses a
+        // status that would clear that bit (EBUSY).
+        let status = IPS_CONFIRMED
+            | if seen {
+                IPS_SEEN_REPLY | IPS_ASSURED
+            } else {
+                0
+            };
+        attr(&mut a, CTA_STATUS, &status.to_be_bytes());
+        if self.proto == IPPROTO_TCP {
+            let state = if !seen {
+                TCP_CONNTRACK_SYN_SENT
+            } else if self.flags & ct_flags::FIN != 0 {
+                TCP_CONNTRACK_FIN_WAIT
+            } else {
+                TCP_CONNTRACK_ESTABLISHED
+            };
+            let liberal = [IP_CT_TCP_FLAG_BE_LIBERAL, IP_CT_TCP_FLAG_BE_LIBERAL];
+            let mut tcp = Vec::new();
+            attr(&mut tcp, CTA_PROTOINFO_TCP_STATE, &[state]);
+            attr(&mut tcp, CTA_PROTOINFO_TCP_FLAGS_ORIGINAL, &liberal);
+            attr(&mut tcp, CTA_PROTOINFO_TCP_FLAGS_REPLY, &liberal);
+            let mut info = Vec::new();
+            nest(&mut info, CTA_PROTOINFO_TCP, &tcp);
+            nest(&mut a, CTA_PROTOINFO, &info);
+        }
+        a
+    }
+}
+
+impl Tuple {
+    fn attrs(&self) -> Vec<u8> {
+        let mut ip = Vec::new();
+        if self.family == libc::AF_INET as u8 {
+            attr(&mut ip, CTA_IP_V4_SRC, &v4(&self.src.0).unwrap_or_default());
+            attr(&mut ip, CTA_IP_V4_DST, &v4(&self.dst.0).unwrap_or_default());
+        } else {
+            attr(&mut ip, CTA_IP_V6_SRC, &self.src.0);
+            attr(&mut ip, CTA_IP_V6_DST, &self.dst.0);
+        }
+        let mut proto = Vec::new();
+        attr(&mut proto, CTA_PROTO_NUM, &[self.proto]);
+        // Ports are kept in network order already.
+        attr(&mut proto, CTA_PROTO_SRC_PORT, &self.src.1.to_ne_bytes());
+        attr(&mut proto, CTA_PROTO_DST_PORT, &self.dst.1.to_ne_bytes());
+        let mut t = Vec::new();
+        nest(&mut t, CTA_TUPLE_IP, &ip);
+        nest(&mut t, CTA_TUPLE_PROTO, &proto);
+        t
+    }
+
+    fn delete_attrs(&self) -> Vec<u8> {
+        let mut a = Vec::new();
+        nest(&mut a, CTA_TUPLE_ORIG, &self.attrs());
+        a
+    }
+}
+
+/// A NAT range of one address and one port.
+fn nat(family: u8, to: ([u8; 16], u16)) -> Vec<u8> {
+    let mut a = Vec::new();
+    if family == libc::AF_INET as u8 {
+        let ip = v4(&to.0).unwrap_or_default();
+        attr(&mut a, CTA_NAT_V4_MINIP, &ip);
+        attr(&mut a, CTA_NAT_V4_MAXIP, &ip);
+    } else {
+        attr(&mut a, CTA_NAT_V6_MINIP, &to.0);
+        attr(&mut a, CTA_NAT_V6_MAXIP, &to.0);
+    }
+    let mut p = Vec::new();
+    attr(&mut p, CTA_PROTONAT_PORT_MIN, &to.1.to_ne_bytes());
+    attr(&mut p, CTA_PROTONAT_PORT_MAX, &to.1.to_ne_bytes());
+    nest(&mut a, CTA_NAT_PROTO, &p);
+    a
+}
+
+fn attr(buf: &mut Vec<u8>, kind: u16, payload: &[u8]) {
+    let len = 4 + payload.len();
+    buf.extend_from_slice(&(len as u16).to_ne_bytes());
+    buf.extend_from_slice(&kind.to_ne_bytes());
+    buf.extend_from_slice(payload);
+    buf.resize(buf.len() + (4 - len % 4) % 4, 0);
+}
+
+fn nest(buf: &mut Vec<u8>, kind: u16, inner: &[u8]) {
+    attr(buf, kind | NLA_F_NESTED, inner);
+}
+
+/// A NETLINK_NETFILTER socket, in the calling thread's network namespace.
+struct Ctnetlink {
+    fd: OwnedFd,
+}
+
+impl Ctnetlink {
+    fn open() -> io::Result<Ctnetlink> {
+        // SAFETY: plain socket(2); the fd is owned at once.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+                NETLINK_NETFILTER,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new fd of ours.
+        Ok(Ctnetlink {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Sends one ctnetlink request and waits for its acknowledgement.
+    fn request(&self, msg: u16, flags: u16, family: u8, attrs: &[u8]) -> io::Result<()> {
+        let len = 16 + 4 + attrs.len();
+        let mut m = Vec::with_capacity(len);
+        m.extend_from_slice(&(len as u32).to_ne_bytes());
+        m.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | msg).to_ne_bytes());
+        m.extend_from_slice(&(NLM_F_REQUEST | NLM_F_ACK | flags).to_ne_bytes());
+        m.extend_from_slice(&1u32.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        // struct nfgenmsg { u8 family; u8 version; be16 res_id; }
+        m.extend_from_slice(&[family, 0, 0, 0]);
+        m.extend_from_slice(attrs);
+        // SAFETY: m is a buffer of len bytes; the kernel is the destination (zeroed address).
+        let mut addr: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        addr.nl_family = libc::AF_NETLINK as u16;
+        let sent = unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                m.as_ptr().cast(),
+                m.len(),
+                0,
+                (&addr as *const libc::sockaddr_nl).cast(),
+                std::mem::size_of::<libc::sockaddr_nl>() as u32,
+            )
+        };
+        if sent < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: buf is writable for its length.
+            let n =
+                unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let n = n as usize;
+            if n < 20 {
+                return Err(io::Error::other("short netlink answer"));
+            }
+            let kind = u16::from_ne_bytes([buf[4], buf[5]]);
+            if kind != NLMSG_ERROR {
+                continue;
+            }
+            let errno = i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
+            return if errno == 0 {
+                Ok(())
+            } else {
+                Err(io::Error::from_raw_os_error(-errno))
+            };
+        }
+    }
+}
