@@ -1278,8 +1278,16 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     // While svc's tc programs still translate: once they are gone, a flow the node's conntrack
     // does not carry would meet kube-proxy's rules as a new connection.
     if tc_links_here(dir) {
+        // The timeouts the agent wrote, if any: a flow's lifetime left, as svc would count it.
+        let config = MapData::from_pin(map_pin(dir, map_names::CONFIG))
+            .ok()
+            .and_then(|m| {
+                Array::<MapData, svc_common::DatapathConfig>::try_from(Map::Array(m)).ok()
+            })
+            .and_then(|a| a.get(&0, 0).ok())
+            .unwrap_or_default();
         match MapData::from_pin(map_pin(dir, map_names::CT)) {
-            Ok(ct) => match crate::handover::hand_over(ct.fd().as_fd()) {
+            Ok(ct) => match crate::handover::hand_over(ct, &config) {
                 Ok(h) => done.handover = Some(h),
                 Err(e) => done.handover_error = Some(format!("ctnetlink: {e}")),
             },

@@ -4,33 +4,34 @@
 //! flow's next packet as svc did instead of taking it for a new connection.
 //!
 //! Per flow, while svc's programs still translate:
-//! 1. (nothing to do first: see the window below)
-//! 2. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
+//! 1. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
 //!    brought conntrack into the namespace) is deleted: it holds the reply tuple;
-//! 3. a kernel entry is made: client -> frontend as the client sent it, its reply the plain
+//! 2. a kernel entry is made: client -> frontend as the client sent it, its reply the plain
 //!    inverse, NAT to the backend (and from the SNAT address and port svc chose), TCP
 //!    established (or closing) with window tracking off (a pickup in the middle of a stream);
 //!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits;
-//! 4. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
+//! 3. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
 //!    packets untranslated.
 //!
-//! The window between 3 and 4 (one map write) is not closed: a client packet of a flow to a
+//! The window between 2 and 3 (a map read and write) is not closed: a client packet of a flow to a
 //! local backend that svc translates in it meets netfilter beside the new kernel entry, is
 //! taken for a new connection whose reply tuple is taken, and gets its source port remapped
 //! (the backend resets it). Flows to a remote backend are redirected past netfilter and have
 //! no such window. Closing it would take a drop state in the tc programs, which did not fit
 //! the external ingress program's stack.
 //!
-//! Hand-written ctnetlink (one message kind each way, a few attributes): no maintained Rust
-//! crate builds conntrack entries with NAT (netlink-packet-netfilter covers nflog only).
+//! Hand-written ctnetlink (two message kinds, a few attributes): no crate in this workspace's
+//! dependencies builds conntrack entries with NAT, and netlink-packet-netfilter, the one
+//! candidate, was taken to cover nflog only (not checked against its latest release).
 
 use std::{
     collections::{BTreeMap, HashMap},
     io,
-    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
 };
 
-use svc_common::{ct_dir, ct_flags, CtKey, CtValue, IPPROTO_TCP};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use svc_common::{ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 
 use crate::sys;
 
@@ -82,14 +83,6 @@ const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
 const TCP_CONNTRACK_FIN_WAIT: u8 = 4;
 const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
 
-/// Built-in timeouts of the datapath (ct.rs), seconds: the lifetime left to a flow when the
-/// agent wrote no other.
-const TCP_ESTABLISHED_S: u64 = 7200;
-const TCP_CLOSING_S: u64 = 10;
-const TCP_SYN_S: u64 = 60;
-const UDP_S: u64 = 30;
-const UDP_STREAM_S: u64 = 120;
-
 /// What the handover did.
 #[derive(Debug, Default)]
 pub struct Handover {
@@ -105,40 +98,6 @@ impl Handover {
     }
 }
 
-fn timeout_s(proto: u8, flags: u16) -> u64 {
-    if proto == IPPROTO_TCP {
-        if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
-            TCP_CLOSING_S
-        } else if flags & ct_flags::SEEN_REPLY != 0 {
-            TCP_ESTABLISHED_S
-        } else {
-            TCP_SYN_S
-        }
-    } else if flags & ct_flags::SEEN_REPLY != 0 {
-        UDP_STREAM_S
-    } else {
-        UDP_S
-    }
-}
-
-/// The REPLY entry's key of the flow of FORWARD entry `key`/`v` (ct.rs `partner_key`).
-fn reply_key(key: &CtKey, v: &CtValue) -> CtKey {
-    let (daddr, dport_be) = if v.flags & ct_flags::SNAT != 0 {
-        (v.snat_addr, v.snat_port_be)
-    } else {
-        (key.saddr, key.sport_be)
-    };
-    CtKey {
-        saddr: v.nat_addr,
-        daddr,
-        sport_be: v.nat_port_be,
-        dport_be,
-        proto: key.proto,
-        dir: ct_dir::REPLY,
-        _pad0: [0; 2],
-    }
-}
-
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -150,11 +109,15 @@ fn monotonic_ns() -> u64 {
 }
 
 /// Hands every live flow of svc's external path in the CT map `ct` over to the conntrack of
-/// the calling thread's network namespace. A flow the kernel refuses stays svc's (and dies
-/// with svc's programs); nothing here fails the caller but a socket it cannot open.
-pub fn hand_over(ct: BorrowedFd<'_>) -> io::Result<Handover> {
-    let entries: HashMap<CtKey, CtValue> =
-        sys::dump_hash::<CtKey, CtValue>(ct)?.into_iter().collect();
+/// the calling thread's network namespace; `config` is the datapath's (its timeouts). A flow
+/// the kernel refuses stays svc's (and dies with svc's programs); nothing here fails the
+/// caller but a map or socket it cannot use.
+pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
+    let entries: HashMap<CtKey, CtValue> = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())?
+        .into_iter()
+        .collect();
+    let mut ct: BpfHashMap<MapData, CtKey, CtValue> =
+        BpfHashMap::try_from(Map::LruHashMap(ct)).map_err(io::Error::other)?;
     let nl = Ctnetlink::open()?;
     let now = monotonic_ns();
     let mut done = Handover::default();
@@ -166,7 +129,7 @@ pub fn hand_over(ct: BorrowedFd<'_>) -> io::Result<Handover> {
         {
             continue;
         }
-        let rkey = reply_key(key, fwd);
+        let rkey = key.partner(fwd);
         let rep = entries.get(&rkey).filter(|r| {
             // A reply key may already belong to a newer flow.
             r.nat_addr == key.daddr && r.nat_port_be == key.dport_be
@@ -174,12 +137,12 @@ pub fn hand_over(ct: BorrowedFd<'_>) -> io::Result<Handover> {
         let flags = fwd.flags | rep.map_or(0, |r| r.flags);
         let last = fwd.last_seen_ns.max(rep.map_or(0, |r| r.last_seen_ns));
         let idle_s = now.saturating_sub(last) / 1_000_000_000;
-        let life = timeout_s(key.proto, flags);
+        let life = u64::from(ct_timeout::seconds(config, key.proto, flags));
         if idle_s > life {
             continue;
         }
         let flow = Flow::of(key, fwd, flags, (life - idle_s).max(1));
-        match hand_over_one(&nl, ct, key, fwd, &flow) {
+        match hand_over_one(&nl, &mut ct, key, fwd, &flow) {
             Ok(()) => done.handed += 1,
             Err(e) => *done.failed.entry(reason(&e)).or_default() += 1,
         }
@@ -195,16 +158,22 @@ fn reason(e: &io::Error) -> String {
     }
 }
 
-fn set_flags(ct: BorrowedFd<'_>, key: &CtKey, v: &CtValue, set: u16) {
-    let mut v = *v;
-    v.flags |= set;
+/// BPF_EXIST: only an entry that is there is written (one the LRU evicted stays gone).
+const BPF_EXIST: u64 = 2;
+
+/// Adds `set` to the flags of `key`'s entry as it is now, not as the dump saw it: the kernel
+/// may have recorded a FIN or a newer time since.
+fn set_flags(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, set: u16) {
     // The LRU may have evicted it meanwhile: then there is nothing to mark.
-    let _ = sys::map_update(ct, key, &v, sys::BPF_EXIST);
+    if let Ok(mut v) = ct.get(key, 0) {
+        v.flags |= set;
+        let _ = ct.insert(key, v, BPF_EXIST);
+    }
 }
 
 fn hand_over_one(
     nl: &Ctnetlink,
-    ct: BorrowedFd<'_>,
+    ct: &mut BpfHashMap<MapData, CtKey, CtValue>,
     key: &CtKey,
     fwd: &CtValue,
     flow: &Flow,
@@ -238,7 +207,7 @@ fn hand_over_one(
     }
     match result {
         Ok(()) => {
-            set_flags(ct, key, fwd, ct_flags::HANDED);
+            set_flags(ct, key, ct_flags::HANDED);
             Ok(())
         }
         Err(e) => Err(e),
@@ -417,20 +386,8 @@ struct Ctnetlink {
 
 impl Ctnetlink {
     fn open() -> io::Result<Ctnetlink> {
-        // SAFETY: plain socket(2); the fd is owned at once.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                NETLINK_NETFILTER,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a new fd of ours.
         Ok(Ctnetlink {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            fd: sys::netlink_socket(NETLINK_NETFILTER)?,
         })
     }
 

@@ -81,7 +81,7 @@ use std::{
     fmt, fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
+        fd::{AsRawFd, OwnedFd},
         unix::fs::MetadataExt,
     },
     path::{Path, PathBuf},
@@ -451,19 +451,7 @@ struct SockDiag {
 
 impl SockDiag {
     fn open() -> io::Result<Self> {
-        // SAFETY: plain socket(2) call; the result is checked before use.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_SOCK_DIAG,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: socket(2) just returned this descriptor and nothing else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = crate::sys::netlink_socket(libc::NETLINK_SOCK_DIAG)?;
         let tv = libc::timeval {
             tv_sec: RECV_TIMEOUT.as_secs() as libc::time_t,
             tv_usec: RECV_TIMEOUT.subsec_micros() as libc::suseconds_t,

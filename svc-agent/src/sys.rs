@@ -384,22 +384,20 @@ pub fn map_create(
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-/// BPF_EXIST: only an entry that is there is written (one the LRU evicted stays gone).
-pub const BPF_EXIST: u64 = 2;
-
-/// Writes `value` under `key` in a map.
-pub fn map_update<K: bytemuck::Pod, V: bytemuck::Pod>(
-    map: BorrowedFd<'_>,
-    key: &K,
-    value: &V,
-    flags: u64,
-) -> io::Result<()> {
-    let mut attr = Attr::zeroed();
-    // struct { u32 map_fd; __aligned_u64 key; __aligned_u64 value; u64 flags; }
-    attr.put_u32(0, map.as_raw_fd() as u32);
-    attr.put_u64(8, key as *const K as u64);
-    attr.put_u64(16, value as *const V as u64);
-    attr.put_u64(24, flags);
-    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map(|_| ())
+/// A netlink socket of `protocol` (NETLINK_SOCK_DIAG, NETLINK_NETFILTER), in the network
+/// namespace of the calling thread.
+pub fn netlink_socket(protocol: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            protocol,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socket(2) just returned this descriptor and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

@@ -312,6 +312,123 @@ pub struct DatapathConfig {
     pub _reserved: [u32; 8],
 }
 
+impl CtKey {
+    /// The key of the other direction's entry of the flow this key and `v` belong to. Shared
+    /// by the kernel (ct.rs) and the agent (its handover reads both entries of a flow).
+    #[inline(always)]
+    pub fn partner(&self, v: &CtValue) -> CtKey {
+        let snat = v.flags & ct_flags::SNAT != 0;
+        if self.dir == ct_dir::FORWARD {
+            // Client to frontend; the reply comes from the backend to the client, or to the
+            // address the flow was SNATed to.
+            let (daddr, dport_be) = if snat {
+                (v.snat_addr, v.snat_port_be)
+            } else {
+                (self.saddr, self.sport_be)
+            };
+            CtKey {
+                saddr: v.nat_addr,
+                daddr,
+                sport_be: v.nat_port_be,
+                dport_be,
+                proto: self.proto,
+                dir: ct_dir::REPLY,
+                _pad0: [0; 2],
+            }
+        } else {
+            let (saddr, sport_be) = if snat {
+                (v.snat_addr, v.snat_port_be)
+            } else {
+                (self.daddr, self.dport_be)
+            };
+            CtKey {
+                saddr,
+                daddr: v.nat_addr,
+                sport_be,
+                dport_be: v.nat_port_be,
+                proto: self.proto,
+                dir: ct_dir::FORWARD,
+                _pad0: [0; 2],
+            }
+        }
+    }
+}
+
+/// Connection-tracking timeouts: the built-in defaults (seconds) and which applies to an entry.
+pub mod ct_timeout {
+    use super::{ct_flags, DatapathConfig, IPPROTO_TCP};
+
+    pub const TCP_ESTABLISHED_S: u32 = 7200;
+    pub const TCP_CLOSING_S: u32 = 10;
+    pub const TCP_SYN_S: u32 = 60;
+    pub const UDP_S: u32 = 30;
+    pub const UDP_STREAM_S: u32 = 120;
+
+    /// Which timeout applies to an entry.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        TcpEstablished,
+        TcpClosing,
+        TcpSyn,
+        Udp,
+        UdpStream,
+    }
+
+    /// The timeout of an entry with `flags` of protocol `proto`.
+    #[inline(always)]
+    pub fn of(proto: u8, flags: u16) -> Kind {
+        if proto == IPPROTO_TCP {
+            if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
+                Kind::TcpClosing
+            } else if flags & ct_flags::SEEN_REPLY != 0 {
+                Kind::TcpEstablished
+            } else {
+                Kind::TcpSyn
+            }
+        } else if flags & ct_flags::SEEN_REPLY != 0 {
+            Kind::UdpStream
+        } else {
+            Kind::Udp
+        }
+    }
+
+    impl Kind {
+        /// The agent's setting for it, 0 when it wrote none. A match rather than a function
+        /// pointer: BPF has no indirect calls.
+        #[inline(always)]
+        pub fn setting(self, c: &DatapathConfig) -> u32 {
+            match self {
+                Kind::TcpEstablished => c.ct_tcp_established_s,
+                Kind::TcpClosing => c.ct_tcp_closing_s,
+                Kind::TcpSyn => c.ct_tcp_syn_s,
+                Kind::Udp => c.ct_udp_s,
+                Kind::UdpStream => c.ct_udp_stream_s,
+            }
+        }
+
+        /// The built-in default, seconds.
+        #[inline(always)]
+        pub fn default_s(self) -> u32 {
+            match self {
+                Kind::TcpEstablished => TCP_ESTABLISHED_S,
+                Kind::TcpClosing => TCP_CLOSING_S,
+                Kind::TcpSyn => TCP_SYN_S,
+                Kind::Udp => UDP_S,
+                Kind::UdpStream => UDP_STREAM_S,
+            }
+        }
+    }
+
+    /// The timeout in seconds under `config`.
+    pub fn seconds(config: &DatapathConfig, proto: u8, flags: u16) -> u32 {
+        let k = of(proto, flags);
+        match k.setting(config) {
+            0 => k.default_s(),
+            v => v,
+        }
+    }
+}
+
 /// A per-device counter's key (`DEV_STATS`): what the packet datapath decided on which
 /// device.
 #[repr(C)]
@@ -745,6 +862,25 @@ mod pod {
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[test]
+    fn ct_timeouts_default_unless_the_agent_set_one() {
+        let mut c = DatapathConfig::default();
+        let est = ct_flags::SEEN_REPLY;
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est), 7200);
+        assert_eq!(
+            ct_timeout::seconds(&c, IPPROTO_TCP, est | ct_flags::FIN),
+            10
+        );
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, 0), 60);
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_UDP, 0), 30);
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_UDP, est), 120);
+        c.ct_tcp_established_s = 300;
+        c.ct_udp_s = 5;
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est), 300);
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_UDP, 0), 5);
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_UDP, est), 120);
+    }
 
     #[test]
     fn sizes_are_stable() {

@@ -15,7 +15,7 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, generated::bpf_loop},
 };
-use svc_common::{ct_dir, ct_flags, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
+use svc_common::{ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 
 use crate::{
     maps::{SVC_CONFIG, SVC_CT},
@@ -25,13 +25,6 @@ use crate::{
 };
 
 const SEC: u64 = 1_000_000_000;
-
-/// Built-in timeouts (seconds), as svc-common's `DatapathConfig` documents them.
-const TCP_ESTABLISHED_S: u32 = 7200;
-const TCP_CLOSING_S: u32 = 10;
-const TCP_SYN_S: u32 = 60;
-const UDP_S: u32 = 30;
-const UDP_STREAM_S: u32 = 120;
 
 /// SNAT ports when the agent wrote no range: above Linux's default ephemeral range
 /// (32768-60999) and kube-proxy's NodePort range.
@@ -72,19 +65,13 @@ fn secs(v: u32, default: u32) -> u64 {
 /// How long an entry with `flags` of protocol `proto` lives without a packet.
 #[inline(always)]
 pub fn timeout_ns(proto: u8, flags: u16) -> u64 {
-    if proto == IPPROTO_TCP {
-        if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
-            secs(setting(|c| c.ct_tcp_closing_s), TCP_CLOSING_S)
-        } else if flags & ct_flags::SEEN_REPLY != 0 {
-            secs(setting(|c| c.ct_tcp_established_s), TCP_ESTABLISHED_S)
-        } else {
-            secs(setting(|c| c.ct_tcp_syn_s), TCP_SYN_S)
-        }
-    } else if flags & ct_flags::SEEN_REPLY != 0 {
-        secs(setting(|c| c.ct_udp_stream_s), UDP_STREAM_S)
-    } else {
-        secs(setting(|c| c.ct_udp_s), UDP_S)
-    }
+    let k = ct_timeout::of(proto, flags);
+    // Read in place from the map value, as `setting` does: a copy would sit on the stack.
+    let v = match SVC_CONFIG.get(0) {
+        Some(c) => k.setting(c),
+        None => 0,
+    };
+    secs(v, k.default_s())
 }
 
 /// SNAT port range (host order), inclusive.
@@ -116,40 +103,7 @@ pub fn key_of(p: &Pkt, dir: u8) -> CtKey {
 /// The key of the other direction's entry of the flow `key`/`v` belongs to.
 #[inline(always)]
 pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
-    let snat = v.flags & ct_flags::SNAT != 0;
-    if key.dir == ct_dir::FORWARD {
-        // Client to frontend; the reply comes from the backend to the client, or to the
-        // address the flow was SNATed to.
-        let (daddr, dport_be) = if snat {
-            (v.snat_addr, v.snat_port_be)
-        } else {
-            (key.saddr, key.sport_be)
-        };
-        CtKey {
-            saddr: v.nat_addr,
-            daddr,
-            sport_be: v.nat_port_be,
-            dport_be,
-            proto: key.proto,
-            dir: ct_dir::REPLY,
-            _pad0: [0; 2],
-        }
-    } else {
-        let (saddr, sport_be) = if snat {
-            (v.snat_addr, v.snat_port_be)
-        } else {
-            (key.daddr, key.dport_be)
-        };
-        CtKey {
-            saddr,
-            daddr: v.nat_addr,
-            sport_be,
-            dport_be: v.nat_port_be,
-            proto: key.proto,
-            dir: ct_dir::FORWARD,
-            _pad0: [0; 2],
-        }
-    }
+    key.partner(v)
 }
 
 /// `packet_flags`' mark of a TCP SYN without ACK (a connection's first segment); above the
