@@ -126,6 +126,27 @@ struct Results {
     /// Turns not run, and why (a proxy too slow at this Service count or a smaller one).
     #[serde(default)]
     skipped: Vec<String>,
+    /// The bench's own arguments that shape the measures (not where it writes), when the run
+    /// was not plain `cargo xtask bench --vs-kube-proxy [--quick]`.
+    #[serde(default)]
+    arguments: Vec<String>,
+}
+
+/// The arguments of this process that shape the measures: all but the output paths.
+fn shaping_arguments() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if ["--json", "--plots", "--write", "--from-json"].contains(&a.as_str()) {
+            args.next();
+        } else if !["--json=", "--plots=", "--write=", "--from-json="]
+            .iter()
+            .any(|p| a.starts_with(p))
+        {
+            out.push(a);
+        }
+    }
+    out
 }
 
 /// One proxy's turn in one round.
@@ -474,7 +495,7 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
     let mut out = String::from("## svc beside the real kube-proxy\n\n");
     let _ = writeln!(
         out,
-        "Measured with `cargo xtask bench --vs-kube-proxy{}` on {}, {}; load average before: {}. \
+        "Measured with `{}` on {}, {}; load average before: {}. \
          kube-proxy v1.37.2 (built from the pinned modules) with its default configuration \
          (minSyncPeriod 1 s), svc-agent release build. {} round(s), proxies interleaved; each \
          cell is the median over rounds with (min–max); `×svc` is that kube-proxy's figure \
@@ -482,7 +503,14 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
          API write to the first client probe (a process spawn, a few ms) that the new endpoint \
          answered. CPU counts kube-proxy's reaped iptables-restore/nft children, RSS does not. \
          How it is measured: `tests/src/bin/svc-vs-kube-proxy-bench.rs`.\n",
-        if r.quick { " --quick" } else { "" },
+        if r.arguments.is_empty() || r.arguments == ["--quick"] {
+            format!("cargo xtask bench --vs-kube-proxy{}", if r.quick { " --quick" } else { "" })
+        } else {
+            format!(
+                "cargo run --release -p svc-tests --bin svc-vs-kube-proxy-bench -- {}",
+                r.arguments.join(" ")
+            )
+        },
         r.machine,
         r.date,
         r.load_before,
@@ -521,16 +549,22 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
                     let r = ratio(samples, n, k.id(), m.get);
                     out += &format!(" {} |", r.map_or("—".into(), |r| format!("{r:.2}")));
                     if let (Some([s, ..]), Some([o, ..])) = (svc, v) {
-                        let svc_loses = if m.higher_better { s < o } else { s > o };
+                        // Behind by the medians or by the round-by-round ratio the table
+                        // shows: either one is a loss to report.
+                        let by_ratio =
+                            r.is_some_and(|r| if m.higher_better { r > 1.0 } else { r < 1.0 });
+                        let by_median = if m.higher_better { s < o } else { s > o };
+                        let svc_loses = by_median || by_ratio;
                         if svc_loses && (noisy(svc) || noisy(v)) {
                             unsure.push(format!("{n} Services, {}: {}", m.name, k.label()));
                             continue;
                         }
                         if svc_loses {
                             losses.push(format!(
-                                "{n} Services, {}: svc {s:.d$}, {} {o:.d$}",
+                                "{n} Services, {}: svc {s:.d$}, {} {o:.d$} (×svc {})",
                                 m.name,
                                 k.label(),
+                                r.map_or("—".into(), |r| format!("{r:.2}")),
                                 d = m.digits
                             ));
                         }
@@ -539,16 +573,20 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
             }
             out += "\n";
         }
-        let failed: u32 = samples
-            .iter()
-            .filter(|s| s.services == n)
-            .map(|s| s.changes_not_followed)
-            .sum();
-        if failed > 0 {
-            let _ = writeln!(
-                out,
-                "\n{failed} change(s) were not followed within 30 s (left out of the percentiles)."
-            );
+        for k in kinds {
+            let failed: u32 = samples
+                .iter()
+                .filter(|s| s.services == n && s.proxy == k.id())
+                .map(|s| s.changes_not_followed)
+                .sum();
+            if failed > 0 {
+                let _ = writeln!(
+                    out,
+                    "\n{}: {failed} change(s) were not followed within 30 s (left out of the \
+                     percentiles).",
+                    k.label()
+                );
+            }
         }
         for k in kinds {
             // Runs saved before the budget existed record 0: every change was made.
@@ -570,10 +608,12 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
         }
         out += "\n";
     }
-    let every_kube_proxy_measured = kinds
-        .iter()
-        .filter(|k| **k != ProxyKind::Svc)
-        .all(|k| samples.iter().any(|s| s.proxy == k.id()));
+    let every_kube_proxy_measured = r.services.iter().all(|&n| {
+        kinds
+            .iter()
+            .filter(|k| **k != ProxyKind::Svc)
+            .all(|k| samples.iter().any(|s| s.services == n && s.proxy == k.id()))
+    });
     if losses.is_empty() && unsure.is_empty() && !every_kube_proxy_measured {
         out += "svc is ahead on every measure above where a kube-proxy gave figures.\n";
     } else if losses.is_empty() && unsure.is_empty() {
@@ -876,5 +916,6 @@ fn measure(args: &mut Args) -> Result<Results> {
         bare_direct_conn_per_s: bare,
         failed_turns: failures,
         skipped,
+        arguments: shaping_arguments(),
     })
 }
