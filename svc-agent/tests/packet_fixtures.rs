@@ -2402,7 +2402,8 @@ fn icmp_errors_about_translated_flows() {
 /// A TCP segment other than a SYN that no flow of svc's knows, to a frontend with backends:
 /// the middle of a connection the node's own conntrack carries (made under kube-proxy before
 /// svc took over). Left to the stack untouched, not taken for a new flow a backend would
-/// reset; a frontend without backends still rejects it.
+/// reset; a frontend without backends still rejects it. No backend is chosen for it, so a
+/// sessionAffinity frontend remembers nothing for a client that made no new connection.
 #[test]
 fn midstream_tcp_without_a_flow_is_left_to_the_stack() {
     let dp = world();
@@ -2434,7 +2435,25 @@ fn midstream_tcp_without_a_flow_is_left_to_the_stack() {
                 Untouched,
                 Some(pkt_stat::PASS_MIDSTREAM),
             ),
+            row(
+                "an ACK to a NodePort with sessionAffinity, no flow: untouched",
+                ExtIngress,
+                tcp("203.0.113.8:40070", "192.0.2.10:30070", TCP_ACK),
+                OK,
+                Untouched,
+                Some(pkt_stat::PASS_MIDSTREAM),
+            ),
         ],
+    );
+    let client = AffinityKey {
+        client: ip16("203.0.113.8"),
+        affinity_id: 26,
+        kind: AFFINITY_CLIENT_IP,
+        _pad0: [0; 3],
+    };
+    assert!(
+        dp.affinity.get(&client, 0).is_err(),
+        "a mid-stream segment must not record an affinity choice"
     );
 }
 

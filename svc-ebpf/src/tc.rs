@@ -299,10 +299,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     // port to its backend) takes the tuple over, whether it starts a flow here or passes.
     ct::syn_on_reply_tuple(&s.p, false);
     match ext_frontend(s, node, now) {
-        NEW_LOCAL | NEW_SNAT if s.p.proto == IPPROTO_TCP && s.p.tcp_flags & TCP_SYN == 0 => {
-            // The middle of a TCP connection svc has no flow for: one the node's own
-            // conntrack carries (made under kube-proxy before svc took over) and goes on
-            // translating. Taken for a new flow here it would reach a backend that resets it.
+        MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
             OK
         }
@@ -323,9 +320,15 @@ const NEW_LOCAL: u32 = 0x100;
 const NEW_SNAT: u32 = 0x101;
 /// Reject the packet (`reject::reject`).
 const REJECT: u32 = 0x102;
+/// The middle of a TCP connection svc has no flow for, to a frontend with backends: one the
+/// node's own conntrack carries (made under kube-proxy before svc took over) and goes on
+/// translating. Taken for a new flow it would reach a backend that resets it; the stack
+/// gets it untouched, and no backend is chosen for it (a choice would be remembered for
+/// sessionAffinity, for a client that made no new connection).
+const MIDSTREAM: u32 = 0x103;
 
 /// A packet that is no known flow: the first of a new one if its destination is an external
-/// frontend. Returns a verdict, `NEW_LOCAL`, `NEW_SNAT` or `REJECT`.
+/// frontend. Returns a verdict, `NEW_LOCAL`, `NEW_SNAT`, `REJECT` or `MIDSTREAM`.
 #[inline(never)]
 fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
     let p = &s.p;
@@ -350,6 +353,10 @@ fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
     {
         dev_count(p.ifindex, pkt_stat::DROP_SOURCE_RANGE);
         return SHOT as u32;
+    }
+    // A frontend without backends rejects it below, as it rejects a SYN.
+    if p.proto == IPPROTO_TCP && p.tcp_flags & TCP_SYN == 0 && svc.count != 0 {
+        return MIDSTREAM;
     }
     let caller = Packet {
         client: p.saddr,

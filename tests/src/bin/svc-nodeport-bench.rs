@@ -125,6 +125,10 @@ struct Args {
     /// profile per measure (nodeport_profile.rs).
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// One more svc-agent argument (repeatable), for an experiment such as
+    /// `--agent-arg=--max-ct=1048576`; the section's method names them.
+    #[arg(long, allow_hyphen_values = true)]
+    agent_arg: Vec<String>,
 }
 
 /// What runs on node 1.
@@ -397,7 +401,7 @@ impl World {
         let started = Instant::now();
         let runner = match setup {
             Setup::None => Runner::None,
-            Setup::Proxy(ProxyKind::Svc) => start_svc(cp, tools, &nodes)?,
+            Setup::Proxy(ProxyKind::Svc) => start_svc(cp, tools, &nodes, &args.agent_arg)?,
             Setup::Proxy(ProxyKind::KubeProxy(mode)) => {
                 let bin = kube_proxy::binary_from_env()?;
                 let mut kp =
@@ -523,7 +527,7 @@ impl World {
 
 /// svc-agent inside node 1 on its `eth0`, reading the bench's API server through a relay on
 /// node 1's loopback; returns once it is ready.
-fn start_svc(cp: &ControlPlane, tools: &Tools, nodes: &Nodes) -> Result<Runner> {
+fn start_svc(cp: &ControlPlane, tools: &Tools, nodes: &Nodes, extra: &[String]) -> Result<Runner> {
     let upstream: SocketAddr = cp
         .server_url()
         .trim_start_matches("https://")
@@ -541,6 +545,7 @@ fn start_svc(cp: &ControlPlane, tools: &Tools, nodes: &Nodes) -> Result<Runner> 
     let mut args = kube_run_args(&kubeconfig, NODE, cgroup.path(), bpffs.path());
     // Always named: the programs attach to this namespace's eth0 and nowhere else.
     args.extend(["--devices".into(), "eth0".into()]);
+    args.extend(extra.iter().map(Into::into));
     let launcher: [OsString; 2] = [
         "nsenter".into(),
         format!("--net={}", nodes.node1.path().display()).into(),
@@ -646,7 +651,14 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
         "Measured with `cargo xtask bench --nodeport{}` on {}, {}; load average {} before the \
          measures, {} after. Versions: {}; kube-proxy with its default configuration. How it \
          is measured: `tests/src/bin/svc-nodeport-bench.rs`.\n",
-        if args.quick { " --quick" } else { "" },
+        format!(
+            "{}{}",
+            if args.quick { " --quick" } else { "" },
+            args.agent_arg
+                .iter()
+                .map(|a| format!(" --agent-arg={a}"))
+                .collect::<String>()
+        ),
         report::machine(),
         report::today(),
         s.load.0,
