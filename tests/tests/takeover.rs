@@ -578,6 +578,13 @@ fn nodeport_flows_across_svc_uninstall() {
     nodeport_way_back(Mode::Nftables).unwrap();
 }
 
+/// The same way back to kube-proxy in iptables mode (Debian's default iptables-nft): its NAT
+/// rules, not nftables mode's, must take the handed-over flows as established.
+#[test]
+fn nodeport_flows_across_svc_uninstall_to_iptables_mode() {
+    nodeport_way_back(Mode::Iptables(IptablesBackend::Nft)).unwrap();
+}
+
 fn nodeport_way_back(mode: Mode) -> Result<()> {
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
