@@ -646,19 +646,27 @@ struct Setups<'a> {
 fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str>) -> String {
     let mut out =
         String::from("## Packet datapath: NodePort traffic per second, and per-packet cost\n\n");
-    let _ = writeln!(
-        out,
-        "Measured with `cargo xtask bench --nodeport{}` on {}, {}; load average {} before the \
-         measures, {} after. Versions: {}; kube-proxy with its default configuration. How it \
-         is measured: `tests/src/bin/svc-nodeport-bench.rs`.\n",
+    // `cargo xtask bench` passes no agent arguments: a run with some names the bench itself.
+    let command = if args.agent_arg.is_empty() {
         format!(
-            "{}{}",
+            "cargo xtask bench --nodeport{}",
+            if args.quick { " --quick" } else { "" }
+        )
+    } else {
+        format!(
+            "svc-nodeport-bench{}{}",
             if args.quick { " --quick" } else { "" },
             args.agent_arg
                 .iter()
                 .map(|a| format!(" --agent-arg={a}"))
                 .collect::<String>()
-        ),
+        )
+    };
+    let _ = writeln!(
+        out,
+        "Measured with `{command}` on {}, {}; load average {} before the \
+         measures, {} after. Versions: {}; kube-proxy with its default configuration. How it \
+         is measured: `tests/src/bin/svc-nodeport-bench.rs`.\n",
         report::machine(),
         report::today(),
         s.load.0,
