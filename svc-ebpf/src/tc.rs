@@ -354,7 +354,8 @@ fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
         dev_count(p.ifindex, pkt_stat::DROP_SOURCE_RANGE);
         return SHOT as u32;
     }
-    // A frontend without backends rejects it below, as it rejects a SYN.
+    // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
+    // under externalTrafficPolicy Local.
     if p.proto == IPPROTO_TCP && p.tcp_flags & TCP_SYN == 0 && svc.count != 0 {
         return MIDSTREAM;
     }

@@ -38,6 +38,24 @@ pub fn machine() -> String {
 }
 
 /// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them ("0.91 2.41 3.43").
+/// This process's arguments that shape a bench's measures: all but `outputs` (flags naming
+/// where it writes) and their values, in either `--flag value` or `--flag=value` form.
+pub fn shaping_arguments(outputs: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if outputs.contains(&a.as_str()) {
+            args.next();
+        } else if !outputs
+            .iter()
+            .any(|o| a.strip_prefix(o).is_some_and(|rest| rest.starts_with('=')))
+        {
+            out.push(a);
+        }
+    }
+    out
+}
+
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))

@@ -646,21 +646,16 @@ struct Setups<'a> {
 fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str>) -> String {
     let mut out =
         String::from("## Packet datapath: NodePort traffic per second, and per-packet cost\n\n");
-    // `cargo xtask bench` passes no agent arguments: a run with some names the bench itself.
-    let command = if args.agent_arg.is_empty() {
+    // What `cargo xtask bench --nodeport [--quick]` passes besides output paths is `--quick`;
+    // any other run names the bench itself with the arguments that shaped it.
+    let shaping = report::shaping_arguments(&["--json", "--write", "--per-packet", "--profile"]);
+    let command = if shaping.is_empty() || shaping == ["--quick"] {
         format!(
             "cargo xtask bench --nodeport{}",
             if args.quick { " --quick" } else { "" }
         )
     } else {
-        format!(
-            "svc-nodeport-bench{}{}",
-            if args.quick { " --quick" } else { "" },
-            args.agent_arg
-                .iter()
-                .map(|a| format!(" --agent-arg={a}"))
-                .collect::<String>()
-        )
+        format!("svc-nodeport-bench {}", shaping.join(" "))
     };
     let _ = writeln!(
         out,

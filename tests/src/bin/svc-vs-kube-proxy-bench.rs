@@ -132,23 +132,6 @@ struct Results {
     arguments: Vec<String>,
 }
 
-/// The arguments of this process that shape the measures: all but the output paths.
-fn shaping_arguments() -> Vec<String> {
-    let mut out = Vec::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        if ["--json", "--plots", "--write", "--from-json"].contains(&a.as_str()) {
-            args.next();
-        } else if !["--json=", "--plots=", "--write=", "--from-json="]
-            .iter()
-            .any(|p| a.starts_with(p))
-        {
-            out.push(a);
-        }
-    }
-    out
-}
-
 /// One proxy's turn in one round.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 struct Sample {
@@ -551,8 +534,14 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
                     if let (Some([s, ..]), Some([o, ..])) = (svc, v) {
                         // Behind by the medians or by the round-by-round ratio the table
                         // shows: either one is a loss to report.
-                        let by_ratio =
-                            r.is_some_and(|r| if m.higher_better { r > 1.0 } else { r < 1.0 });
+                        // As the table prints it: 0.996 shows as 1.00, no loss.
+                        let by_ratio = r.map(|r| (r * 100.0).round() / 100.0).is_some_and(|r| {
+                            if m.higher_better {
+                                r > 1.0
+                            } else {
+                                r < 1.0
+                            }
+                        });
                         let by_median = if m.higher_better { s < o } else { s > o };
                         let svc_loses = by_median || by_ratio;
                         if svc_loses && (noisy(svc) || noisy(v)) {
@@ -621,14 +610,14 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
     } else if losses.is_empty() {
         out += "svc is not behind any kube-proxy on any measure whose rounds agree.\n";
     } else {
-        out += "**Where svc loses** (medians):\n\n";
+        out += "**Where svc loses** (by the medians or by the round-by-round ×svc):\n\n";
         for l in &losses {
             let _ = writeln!(out, "- {l}");
         }
     }
     if !unsure.is_empty() {
-        out += "\nsvc's median is behind, but the rounds of one side spread by more than half \
-                their median, so this run does not say which is faster (the machine was shared; \
+        out += "\nsvc is behind by the median or by ×svc, but the rounds of one side spread by \
+                more than half their median, so this run does not say which is faster (the machine was shared; \
                 more rounds, `--rounds`, narrow it):\n\n";
         for u in &unsure {
             let _ = writeln!(out, "- {u}");
@@ -916,6 +905,6 @@ fn measure(args: &mut Args) -> Result<Results> {
         bare_direct_conn_per_s: bare,
         failed_turns: failures,
         skipped,
-        arguments: shaping_arguments(),
+        arguments: report::shaping_arguments(&["--json", "--plots", "--write", "--from-json"]),
     })
 }
