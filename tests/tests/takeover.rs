@@ -575,17 +575,24 @@ fn nodeport_step1(mode: Mode) -> Result<()> {
 /// must go through kube-proxy.
 #[test]
 fn nodeport_flows_across_svc_uninstall() {
-    nodeport_way_back(Mode::Nftables).unwrap();
+    nodeport_way_back(Mode::Nftables, false).unwrap();
 }
 
 /// The same way back to kube-proxy in iptables mode (Debian's default iptables-nft): its NAT
 /// rules, not nftables mode's, must take the handed-over flows as established.
 #[test]
 fn nodeport_flows_across_svc_uninstall_to_iptables_mode() {
-    nodeport_way_back(Mode::Iptables(IptablesBackend::Nft)).unwrap();
+    nodeport_way_back(Mode::Iptables(IptablesBackend::Nft), false).unwrap();
 }
 
-fn nodeport_way_back(mode: Mode) -> Result<()> {
+/// The way back for IPv6 NodePort flows (the node dual-stack, the Services IPv6 only),
+/// kube-proxy in nftables mode.
+#[test]
+fn nodeport_flows_across_svc_uninstall_ipv6() {
+    nodeport_way_back(Mode::Nftables, true).unwrap();
+}
+
+fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
     let t0 = Instant::now();
@@ -597,18 +604,30 @@ fn nodeport_way_back(mode: Mode) -> Result<()> {
     let _backends = sb.backends(2, &[8080])?;
     let node = json!({
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-        "status": {"addresses": [{"type": "InternalIP", "address": sb.client_v4().to_string()}]},
+        "status": {"addresses": [{"type": "InternalIP", "address": sb.client_v4().to_string()},
+                                 {"type": "InternalIP", "address": sb.client_v6().to_string()}]},
     });
     cp.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
     let ns = "takeover";
+    let (family, node_ip): (&str, IpAddr) = if v6 {
+        ("IPv6", sb.client_v6().into())
+    } else {
+        ("IPv4", sb.client_v4().into())
+    };
     // Backend 1 on this node (svc: DNAT only), backend 2 on another (svc: SNAT).
     let ep = |i: u8, node: &str| {
-        json!({"addresses": [sb.backend_v4(i).to_string()], "conditions": {"ready": true},
+        let addr: IpAddr = if v6 {
+            sb.backend_v6(i).into()
+        } else {
+            sb.backend_v4(i).into()
+        };
+        json!({"addresses": [addr.to_string()], "conditions": {"ready": true},
                "nodeName": node})
     };
     let service = |name: &str| {
         json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
-               "spec": {"type": "NodePort",
+               "spec": {"type": "NodePort", "ipFamilyPolicy": "SingleStack",
+                        "ipFamilies": [family],
                         "ports": [{"name": "http", "port": 80, "targetPort": 8080},
                                   {"name": "dns", "port": 53, "targetPort": 8080,
                                    "protocol": "UDP"}]}})
@@ -617,7 +636,7 @@ fn nodeport_way_back(mode: Mode) -> Result<()> {
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                "metadata": {"name": format!("{name}-1"), "namespace": ns,
                             "labels": {"kubernetes.io/service-name": name}},
-               "addressType": "IPv4",
+               "addressType": family,
                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
                          {"name": "dns", "port": 8080, "protocol": "UDP"}],
                "endpoints": [e]})
@@ -637,7 +656,7 @@ fn nodeport_way_back(mode: Mode) -> Result<()> {
             .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
             .and_then(|s| s["spec"]["ports"][port]["nodePort"].as_u64())
             .with_context(|| format!("no nodePort for {name}"))?;
-        Ok(SocketAddr::new(IpAddr::V4(sb.client_v4()), np as u16))
+        Ok(SocketAddr::new(node_ip, np as u16))
     };
     let (tcp_local, udp_local) = (node_port("np-local", 0)?, node_port("np-local", 1)?);
     let (tcp_remote, udp_remote) = (node_port("np-remote", 0)?, node_port("np-remote", 1)?);
@@ -737,7 +756,14 @@ fn nodeport_way_back(mode: Mode) -> Result<()> {
     let natted = |to: SocketAddr| -> Result<usize> {
         let out = Command::new("nsenter")
             .arg(format!("--net={}", sb.client_ns().path().display()))
-            .args(["--", "conntrack", "-L", "-p", "tcp", "--orig-port-dst"])
+            .args([
+                "--",
+                "conntrack",
+                "-L",
+                "-f",
+                if v6 { "ipv6" } else { "ipv4" },
+            ])
+            .args(["-p", "tcp", "--orig-port-dst"])
             .arg(to.port().to_string())
             .stdin(Stdio::null())
             .output()
