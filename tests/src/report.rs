@@ -37,7 +37,6 @@ pub fn machine() -> String {
     )
 }
 
-/// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them ("0.91 2.41 3.43").
 /// This process's arguments that shape a bench's measures: all but `outputs` (flags naming
 /// where it writes) and their values, in either `--flag value` or `--flag=value` form.
 pub fn shaping_arguments(outputs: &[&str]) -> Vec<String> {
@@ -56,6 +55,7 @@ pub fn shaping_arguments(outputs: &[&str]) -> Vec<String> {
     out
 }
 
+/// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them ("0.91 2.41 3.43").
 pub fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
