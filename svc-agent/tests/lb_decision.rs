@@ -456,6 +456,23 @@ fn affinity_expires_after_the_timeout() {
     }
 }
 
+/// A choice stamped a moment after the decision read the clock (by another CPU, or by a finer
+/// clock than the datapath's coarse one) is fresh: its age is 0, not a wrapped difference of
+/// centuries.
+#[test]
+fn affinity_stamped_after_the_decision_time_is_fresh() {
+    for ahead in [1, 4_000_000, 10 * SEC] {
+        let mut lb = world();
+        lb.remember(NETNS_A, 3, 12, T0 + ahead);
+        let a = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_A));
+        assert_eq!(
+            (a.how, a.backend_id),
+            (how::AFFINITY, 12),
+            "stamped {ahead} ns ahead: {a:?}"
+        );
+    }
+}
+
 /// A remembered backend that left the frontend is never used again, even while it is still a
 /// backend of another Service (so it still exists) and the entry has not expired; a backend
 /// that left and came back is used again.

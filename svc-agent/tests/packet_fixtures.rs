@@ -1216,7 +1216,8 @@ fn world() -> Dp {
     dp
 }
 
-/// bpf_ktime_get_ns()'s clock.
+/// CLOCK_MONOTONIC: the datapath's clock (the coarse one) runs behind it by up to a tick, so
+/// a time read here and written to a map is one a little ahead of the programs' own.
 fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -2000,7 +2001,8 @@ fn affinity_by_client_ip() {
             .get(&key("203.0.113.10"), 0)
             .unwrap()
             .last_used_ns
-            > now
+            > now - 10 * 1_000_000_000,
+        "the expired choice is replaced by a new one"
     );
 }
 
@@ -2820,6 +2822,45 @@ fn connection_tracking_lifetime() {
     assert!(
         dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
         "a hit refreshes its entry"
+    );
+}
+
+/// An entry stamped a moment after a packet read the clock (by another CPU's packet of the
+/// flow) is fresh: its age is 0, not a wrapped difference of centuries that would make the
+/// flow's next packet a mid-stream stranger.
+#[test]
+fn connection_tracking_entry_stamped_ahead_is_alive() {
+    let mut dp = world();
+    let c = "203.0.113.7:40094";
+    run_rows(
+        &dp,
+        vec![row(
+            "a new flow to the local backend",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_SYN),
+            OK,
+            Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+            Some(pkt_stat::NEW),
+        )],
+    );
+    let fkey = ct_key(c, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).unwrap();
+    let ahead = monotonic_ns() + 10 * 1_000_000_000;
+    for key in [fkey, fkey.partner(&fwd)] {
+        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
+        e.last_seen_ns = ahead;
+        dp.ct.insert(key, e, 0).unwrap();
+    }
+    run_rows(
+        &dp,
+        vec![row(
+            "the flow's next packet is a known flow's",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_ACK),
+            OK,
+            Packet(tcp(c, "10.244.1.5:8080", TCP_ACK)),
+            Some(pkt_stat::CT_HIT),
+        )],
     );
 }
 

@@ -13,7 +13,7 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, generated::bpf_loop},
+    helpers::{bpf_get_prandom_u32, generated::bpf_loop},
 };
 use svc_common::{ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 
@@ -155,14 +155,14 @@ fn forget(key: &CtKey, v: &CtValue) {
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
 #[inline(always)]
 fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
-    if now.wrapping_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
+    if now.saturating_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
         return true;
     }
     let pk = partner_key(key, v);
     match SVC_CT.get_ptr(pk) {
         // SAFETY: a map value, read once.
         Some(pe) => unsafe {
-            now.wrapping_sub((*pe).last_seen_ns) <= timeout_ns(pk.proto, (*pe).flags)
+            now.saturating_sub((*pe).last_seen_ns) <= timeout_ns(pk.proto, (*pe).flags)
         },
         None => false,
     }
@@ -173,9 +173,8 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
 pub const PEEK: u32 = 1 << 31;
 
 /// `lookup`'s `now` for a caller that needs the time only if the entry exists: the clock is
-/// read on a hit. Most packets leaving by an egress are no flow of svc's, and the read (a
-/// paravirtual clock here) cost them about 20 ns each (per_packet_cost). The monotonic clock
-/// is never 0 once the machine runs.
+/// read on a hit. Most packets leaving by an egress are no flow of svc's, and they need no
+/// time. The monotonic clock is never 0 once the machine runs.
 pub const NOW_ON_HIT: u64 = 0;
 
 /// Looks up the live entry of `key` and copies it into `out`. `pod`: the entry must belong
@@ -191,8 +190,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         return false;
     };
     let now = if now == NOW_ON_HIT {
-        // SAFETY: a helper without arguments.
-        unsafe { bpf_ktime_get_ns() }
+        crate::lb::clock_ns()
     } else {
         now
     };
@@ -221,7 +219,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
             // SAFETY: as above.
             unsafe { (*pe).flags |= add };
         }
-    } else if now.wrapping_sub(out.last_seen_ns) > REFRESH_NS {
+    } else if now.saturating_sub(out.last_seen_ns) > REFRESH_NS {
         // SAFETY: as above.
         unsafe { (*e).last_seen_ns = now };
     }

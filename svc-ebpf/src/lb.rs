@@ -1,7 +1,7 @@
 //! Service lookup and backend choice: the load-balancing decision, independent of the hook
 //! that asks for it, so the packet datapath and the test program share it.
 
-use aya_ebpf::helpers::bpf_get_prandom_u32;
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use svc_common::{
     how, node_addr_flags, outcome, scope, stat, svc_flags, AffinityKey, AffinityMatchKey,
     AffinityValue, Backend, BackendId, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
@@ -22,10 +22,21 @@ pub type Outcome = u32;
 pub const FOUND: Outcome = outcome::FOUND;
 pub const NOT_SERVICE: Outcome = outcome::NOT_SERVICE;
 
+/// The datapath's clock, for affinity and connection-tracking times alike: CLOCK_MONOTONIC_COARSE.
+/// Their timeouts are seconds, and the coarse clock is a load of the last tick's time where
+/// the fine one reads the clocksource on every packet. A time another CPU stored after this
+/// one read the clock can be ahead of it by up to a tick, so ages saturate at 0
+/// (`saturating_sub`): a wrapped difference would make a fresh entry look centuries old.
+#[inline(always)]
+pub fn clock_ns() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
+
 /// Who asks for a decision, and when. Each is asked for only when the decision needs it, so
 /// a connection to a Service without affinity does not pay for identifying its client.
 pub trait Caller {
-    /// bpf_ktime_get_ns() of the decision.
+    /// `clock_ns()` of the decision.
     fn now(&self) -> u64;
     /// The socket cookie.
     fn cookie(&self) -> u64;
@@ -206,7 +217,7 @@ fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decisi
     if let Some(prev) = SVC_AFFINITY.get_ptr_mut(client) {
         // SAFETY: a map value; the fields are read once each (the agent never writes them).
         let (last_used_ns, prev_backend) = unsafe { ((*prev).last_used_ns, (*prev).backend) };
-        if now.wrapping_sub(last_used_ns) <= timeout_ns
+        if now.saturating_sub(last_used_ns) <= timeout_ns
             && is_member(svc.id, prev_backend)
             && backend(prev_backend, &mut out.backend) == FOUND
         {

@@ -4,10 +4,7 @@
 use core::ptr::read_volatile;
 
 use aya_ebpf::{
-    helpers::{
-        bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns,
-        generated::bpf_sk_storage_get,
-    },
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_sk_storage_get},
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
@@ -101,8 +98,7 @@ struct Hook<'a> {
 impl lb::Caller for Hook<'_> {
     #[inline(always)]
     fn now(&self) -> u64 {
-        // SAFETY: a helper with no arguments.
-        unsafe { bpf_ktime_get_ns() }
+        lb::clock_ns()
     }
 
     #[inline(always)]

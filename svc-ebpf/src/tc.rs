@@ -22,7 +22,6 @@
 
 use aya_ebpf::{
     bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT},
-    helpers::bpf_ktime_get_ns,
     programs::TcContext,
 };
 use svc_common::{
@@ -79,8 +78,7 @@ impl lb::Caller for Packet {
 
 #[inline(always)]
 fn now() -> u64 {
-    // SAFETY: a helper without arguments.
-    unsafe { bpf_ktime_get_ns() }
+    lb::clock_ns()
 }
 
 /// Which program parses: what its ICMP errors are looked up as, and whether it forwards
