@@ -575,24 +575,46 @@ fn nodeport_step1(mode: Mode) -> Result<()> {
 /// must go through kube-proxy.
 #[test]
 fn nodeport_flows_across_svc_uninstall() {
-    nodeport_way_back(Mode::Nftables, false).unwrap();
+    way_back(Via::NodePort, Mode::Nftables, false).unwrap();
 }
 
 /// The same way back to kube-proxy in iptables mode (Debian's default iptables-nft): its NAT
 /// rules, not nftables mode's, must take the handed-over flows as established.
 #[test]
 fn nodeport_flows_across_svc_uninstall_to_iptables_mode() {
-    nodeport_way_back(Mode::Iptables(IptablesBackend::Nft), false).unwrap();
+    way_back(Via::NodePort, Mode::Iptables(IptablesBackend::Nft), false).unwrap();
 }
 
 /// The way back for IPv6 NodePort flows (the node dual-stack, the Services IPv6 only),
 /// kube-proxy in nftables mode.
 #[test]
 fn nodeport_flows_across_svc_uninstall_ipv6() {
-    nodeport_way_back(Mode::Nftables, true).unwrap();
+    way_back(Via::NodePort, Mode::Nftables, true).unwrap();
 }
 
-fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
+/// The same way back for flows to ExternalIPs (one per Service, routed to the node), to
+/// kube-proxy in iptables mode.
+#[test]
+fn externalip_flows_across_svc_uninstall() {
+    way_back(Via::ExternalIp, Mode::Iptables(IptablesBackend::Nft), false).unwrap();
+}
+
+/// The same way back for flows to LoadBalancer IPs (status.loadBalancer written by the test,
+/// as a cloud's controller would), to kube-proxy in nftables mode.
+#[test]
+fn loadbalancer_flows_across_svc_uninstall() {
+    way_back(Via::LoadBalancer, Mode::Nftables, false).unwrap();
+}
+
+/// The frontend the external client's flows go to.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Via {
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
+}
+
+fn way_back(via: Via, mode: Mode, v6: bool) -> Result<()> {
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
     let t0 = Instant::now();
@@ -624,13 +646,31 @@ fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
         json!({"addresses": [addr.to_string()], "conditions": {"ready": true},
                "nodeName": node})
     };
-    let service = |name: &str| {
+    // The frontend address of Service `i` (0: local backend, 1: remote) for ExternalIPs and
+    // LoadBalancer IPs: one of the addresses the external client routes to the node.
+    let frontend = |i: u8| -> IpAddr {
+        if v6 {
+            sb.frontend_v6(10 + i).into()
+        } else {
+            sb.frontend_v4(10 + i).into()
+        }
+    };
+    let service = |name: &str, i: u8| {
+        let mut spec = json!({"type": "NodePort", "ipFamilyPolicy": "SingleStack",
+                              "ipFamilies": [family],
+                              "ports": [{"name": "http", "port": 80, "targetPort": 8080},
+                                        {"name": "dns", "port": 53, "targetPort": 8080,
+                                         "protocol": "UDP"}]});
+        match via {
+            Via::NodePort => {}
+            Via::ExternalIp => {
+                spec["type"] = json!("ClusterIP");
+                spec["externalIPs"] = json!([frontend(i).to_string()]);
+            }
+            Via::LoadBalancer => spec["type"] = json!("LoadBalancer"),
+        }
         json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
-               "spec": {"type": "NodePort", "ipFamilyPolicy": "SingleStack",
-                        "ipFamilies": [family],
-                        "ports": [{"name": "http", "port": 80, "targetPort": 8080},
-                                  {"name": "dns", "port": 53, "targetPort": 8080,
-                                   "protocol": "UDP"}]}})
+               "spec": spec})
     };
     let slice = |name: &str, e: Value| {
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -643,14 +683,34 @@ fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
     };
     let objects = [
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-        service("np-local"),
+        service("np-local", 0),
         slice("np-local", ep(1, NODE)),
-        service("np-remote"),
+        service("np-remote", 1),
         slice("np-remote", ep(2, "elsewhere")),
     ];
     let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
     let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
-    let node_port = |name: &str, port: usize| -> Result<SocketAddr> {
+    if via == Via::LoadBalancer {
+        for (name, i) in [("np-local", 0), ("np-remote", 1)] {
+            let status = json!({"status": {"loadBalancer": {"ingress": [
+                {"ip": frontend(i).to_string(), "ipMode": "VIP"}]}}});
+            cp.kubectl(&[
+                "patch",
+                "service",
+                name,
+                "-n",
+                ns,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &status.to_string(),
+            ])?;
+        }
+    }
+    let address = |name: &str, i: u8, port: usize| -> Result<SocketAddr> {
+        if via != Via::NodePort {
+            return Ok(SocketAddr::new(frontend(i), [80, 53][port]));
+        }
         let np = stored
             .iter()
             .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
@@ -658,8 +718,8 @@ fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
             .with_context(|| format!("no nodePort for {name}"))?;
         Ok(SocketAddr::new(node_ip, np as u16))
     };
-    let (tcp_local, udp_local) = (node_port("np-local", 0)?, node_port("np-local", 1)?);
-    let (tcp_remote, udp_remote) = (node_port("np-remote", 0)?, node_port("np-remote", 1)?);
+    let (tcp_local, udp_local) = (address("np-local", 0, 0)?, address("np-local", 0, 1)?);
+    let (tcp_remote, udp_remote) = (address("np-remote", 1, 0)?, address("np-remote", 1, 1)?);
     let probe_ok = |to: SocketAddr| -> Result<()> {
         let r = sb.probe_external(
             &[
@@ -702,7 +762,10 @@ fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
         probe_ok(tcp_local)?;
         probe_ok(tcp_remote)
     })?;
-    log(t0, "svc serves the NodePorts (no kube-proxy)");
+    log(
+        t0,
+        &format!("svc serves the {via:?} frontends (no kube-proxy)"),
+    );
 
     let whole = Duration::from_secs(30);
     let held_since = Instant::now();
@@ -790,22 +853,22 @@ fn nodeport_way_back(mode: Mode, v6: bool) -> Result<()> {
     log(t0, "clients done");
     for r in [
         check_hold(
-            "NodePort connections made under svc (local backend)",
+            &format!("{via:?} connections made under svc (local backend)"),
             &hold_local,
             4,
         ),
         check_hold(
-            "NodePort connections made under svc (remote backend, SNAT)",
+            &format!("{via:?} connections made under svc (remote backend, SNAT)"),
             &hold_remote,
             4,
         ),
         check_stream(
-            "NodePort UDP stream made under svc (local backend)",
+            &format!("{via:?} UDP stream made under svc (local backend)"),
             &stream_local,
             t0_ms,
         ),
         check_stream(
-            "NodePort UDP stream made under svc (remote backend, SNAT)",
+            &format!("{via:?} UDP stream made under svc (remote backend, SNAT)"),
             &stream_remote,
             t0_ms,
         ),
