@@ -572,7 +572,8 @@ fn nodeport_step1(mode: Mode) -> Result<()> {
 /// node, redirected past netfilter); kube-proxy (nftables mode) starts in the node's
 /// namespace; svc-agent stops and `svc-agent uninstall` runs there. Every held connection and
 /// stream must live on (svc hands its flows over to the node's conntrack), and new connections
-/// must go through kube-proxy.
+/// must go through kube-proxy. The same for ExternalIPs and LoadBalancer IPs:
+/// `externalip_flows_across_svc_uninstall`, `loadbalancer_flows_across_svc_uninstall`.
 #[test]
 fn nodeport_flows_across_svc_uninstall() {
     way_back(Via::NodePort, Mode::Nftables, false).unwrap();
@@ -795,7 +796,7 @@ fn way_back(via: Via, mode: Mode, v6: bool) -> Result<()> {
         .context("running svc-agent uninstall")?;
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!(
-        "    svc-agent uninstall: {}{}",
+        "    svc-agent uninstall: {}\n    {}",
         text.lines()
             .filter(|l| !l.starts_with("removed "))
             .collect::<Vec<_>>()
