@@ -1244,7 +1244,7 @@ pub struct Uninstalled {
     pub removed: Vec<PathBuf>,
     /// Programs of others found on the cgroup's hooks: left alone.
     pub foreign: Vec<String>,
-    /// svc's NodePort-type flows handed over to the node's conntrack; `None` when svc had no
+    /// svc's tc flows handed over to the node's conntrack; `None` when svc had no
     /// tc program on a device of this network namespace (nothing to hand over here).
     pub handover: Option<crate::handover::Handover>,
     /// Why the handover could not run at all.

@@ -1,7 +1,10 @@
-//! The way back to kube-proxy for NodePort-type flows: `svc-agent uninstall` hands each live
-//! flow of svc's external path over to the node's conntrack, as conntrackd does on failover,
-//! so that once svc's tc programs are gone netfilter (kube-proxy's NAT hooks) translates the
-//! flow's next packet as svc did instead of taking it for a new connection.
+//! The way back to kube-proxy for the packet datapath's flows: `svc-agent uninstall` hands
+//! each live flow of svc's tc programs (NodePort-type flows of the external path, and
+//! per-packet ClusterIP flows of pod devices) over to the node's conntrack, as conntrackd does
+//! on failover, so that once svc's tc programs are gone netfilter (kube-proxy's NAT hooks)
+//! translates the flow's next packet as svc did instead of taking it for a new connection.
+//! A pod device's hairpin flows (a pod reaching itself, SNATed to the frontend and sent
+//! straight back) are not handed over: untested, they end as they did before.
 //!
 //! Per flow, while svc's programs still translate:
 //! 1. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
@@ -109,10 +112,10 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Hands every live flow of svc's external path in the CT map `ct` over to the conntrack of
-/// the calling thread's network namespace; `config` is the datapath's (its timeouts). A flow
-/// the kernel refuses stays svc's (and dies with svc's programs); nothing here fails the
-/// caller but a map or socket it cannot use.
+/// Hands every live flow of svc's tc programs in the CT map `ct` (but a pod device's hairpin
+/// flows) over to the conntrack of the calling thread's network namespace; `config` is the
+/// datapath's (its timeouts). A flow the kernel refuses stays svc's (and dies with svc's
+/// programs); nothing here fails the caller but a map or socket it cannot use.
 pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let entries: HashMap<CtKey, CtValue> = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())?
         .into_iter()
@@ -124,7 +127,7 @@ pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let mut done = Handover::default();
     for (key, fwd) in &entries {
         if key.dir != ct_dir::FORWARD
-            || fwd.flags & ct_flags::POD != 0
+            || fwd.flags & (ct_flags::POD | ct_flags::SNAT) == ct_flags::POD | ct_flags::SNAT
             || ct_flags::closed(fwd.flags)
             || fwd.flags & ct_flags::HANDED != 0
         {

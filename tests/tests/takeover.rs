@@ -889,3 +889,227 @@ fn way_back(via: Via, mode: Mode, v6: bool) -> Result<()> {
     }
     Ok(())
 }
+
+/// The way back for per-packet ClusterIP flows: a pod outside the served cgroup (its sockets
+/// unseen by the socket hooks, as a service mesh's pods), behind a device of
+/// `--packet-lb-devices`, holds TCP connections and a UDP stream through a ClusterIP whose
+/// backend is a pod on another node (svc: DNAT per packet on the pod's device, the pod's
+/// address kept); kube-proxy (nftables mode) starts in the node's namespace; svc-agent stops
+/// and `svc-agent uninstall` runs there. Every held connection and the stream must live on
+/// (their flows handed over to the node's conntrack), and the pod's new connections must go
+/// through kube-proxy.
+#[test]
+fn pod_device_flows_across_svc_uninstall() {
+    pod_device_way_back().unwrap();
+}
+
+fn pod_device_way_back() -> Result<()> {
+    use svc_tests::topology::{Nodes, NODE1, NODE1_6, POD2};
+    use svc_tests::{Backend, Bpffs, ClientRun, Report, TempDir, TestCgroup};
+    require_root();
+    let mut firewall = HostFirewallGuard::new()?;
+    let t0 = Instant::now();
+    let t0_ms = unix_ms();
+    let cp = ControlPlane::start()?;
+    let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
+    let nodes = Nodes::new()?;
+    // The agent's cgroup, and the pod's: outside it.
+    let served = TestCgroup::new()?;
+    let outside = TestCgroup::new()?;
+    let backend_at: SocketAddr = format!("{POD2}:8080").parse()?;
+    let _backend = Backend::start(&tools.probe, &nodes.pod2, "pod2", &[backend_at])?;
+    let node = json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
+        "status": {"addresses": [{"type": "InternalIP", "address": NODE1},
+                                 {"type": "InternalIP", "address": NODE1_6}]},
+    });
+    cp.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
+    let ns = "takeover";
+    let objects = [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "mesh", "namespace": ns},
+               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4"],
+                        "ports": [{"name": "http", "port": 80, "targetPort": 8080},
+                                  {"name": "dns", "port": 53, "targetPort": 8080,
+                                   "protocol": "UDP"}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "mesh-1", "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": "mesh"}},
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                         {"name": "dns", "port": 8080, "protocol": "UDP"}],
+               "endpoints": [{"addresses": [POD2], "conditions": {"ready": true},
+                              "nodeName": "node-2"}]}),
+    ];
+    let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
+    let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
+    let cluster_ip: IpAddr = stored
+        .iter()
+        .find(|o| o["kind"] == "Service")
+        .and_then(|s| s["spec"]["clusterIP"].as_str())
+        .context("no clusterIP")?
+        .parse()?;
+    let (tcp_to, udp_to) = (
+        SocketAddr::new(cluster_ip, 80),
+        SocketAddr::new(cluster_ip, 53),
+    );
+    // The pod's clients: outside the served cgroup, in the pod's namespace.
+    let pod_client = |args: &[String]| ClientRun::spawn(&tools.probe, &outside, &nodes.pod1, args);
+    let probe_ok = || -> Result<()> {
+        let r: Report = pod_client(
+            &[
+                "tcp",
+                "--to",
+                &tcp_to.to_string(),
+                "--count",
+                "3",
+                "--timeout-ms",
+                "1000",
+                "--who",
+            ]
+            .map(String::from),
+        )?
+        .wait(Duration::from_secs(10))?;
+        ensure!(r.all_ok(), "{tcp_to} from the pod: {:?}", r.failures());
+        Ok(())
+    };
+
+    // svc alone serves the ClusterIP, per packet on the pod's device.
+    let bpffs = Bpffs::new(&tools.agent, served.path())?;
+    let relay = kube_proxy::ApiRelay::to_api_server(&nodes.node1, &cp)?;
+    let dir = TempDir::new("svc-wayback-agent")?;
+    let kubeconfig = relay.kubeconfig(&cp, cp.kubeconfig_path(), dir.path())?;
+    let launcher: [std::ffi::OsString; 2] = [
+        "nsenter".into(),
+        format!("--net={}", nodes.node1.path().display()).into(),
+    ];
+    let mut agent = Agent::start_kube_launched(
+        &launcher,
+        &tools.agent,
+        &kubeconfig,
+        "node-1",
+        served.path(),
+        bpffs.path(),
+        &["--devices", "eth0", "--packet-lb-devices", "podh"],
+    )?;
+    agent.wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)?;
+    eventually(Duration::from_secs(20), probe_ok)?;
+    log(
+        t0,
+        "svc serves the ClusterIP on the pod's device (no kube-proxy)",
+    );
+
+    let whole = Duration::from_secs(30);
+    let held_since = Instant::now();
+    let hold = pod_client(&[
+        "hold".into(),
+        "--to".into(),
+        tcp_to.to_string(),
+        "--connections".into(),
+        "4".into(),
+        "--duration-ms".into(),
+        whole.as_millis().to_string(),
+        "--interval-ms".into(),
+        "50".into(),
+    ])?;
+    let stream = pod_client(&[
+        "udp-stream".into(),
+        "--to".into(),
+        udp_to.to_string(),
+        "--duration-ms".into(),
+        whole.as_millis().to_string(),
+        "--interval-ms".into(),
+        "50".into(),
+        "--timeout-ms".into(),
+        "1000".into(),
+    ])?;
+    std::thread::sleep(Duration::from_secs(2));
+    log(t0, "the pod's TCP connections and UDP stream through svc");
+
+    let bin = kube_proxy::binary_from_env()?;
+    let mut kp = KubeProxy::start(
+        KubeProxyConfig::new(&bin, Mode::Nftables, "node-1"),
+        &cp,
+        &nodes.node1,
+    )?;
+    kp.wait_ready(kube_proxy::READY_TIMEOUT)?;
+    std::thread::sleep(Duration::from_secs(1));
+    log(t0, "kube-proxy started beside svc and synced");
+    let status = agent.terminate(Duration::from_secs(10))?;
+    ensure!(status.success(), "svc-agent exited with {status}");
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", nodes.node1.path().display()))
+        .arg("--")
+        .arg(&tools.agent)
+        .args(["uninstall", "--bpffs"])
+        .arg(bpffs.path())
+        .stdin(Stdio::null())
+        .output()
+        .context("running svc-agent uninstall")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!(
+        "    svc-agent uninstall: {}\n    {}",
+        text.lines()
+            .filter(|l| !l.starts_with("removed "))
+            .collect::<Vec<_>>()
+            .join("\n    "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(out.status.success(), "svc-agent uninstall failed");
+    log(t0, "svc-agent stopped and uninstalled");
+    ensure!(
+        held_since.elapsed() + Duration::from_secs(5) < whole,
+        "the way back took too long: the clients ended before it was over"
+    );
+
+    let mut failures = Vec::new();
+    // The pod's new connections go through kube-proxy: conntrack entries NATed from the
+    // ClusterIP.
+    let natted = || -> Result<usize> {
+        let out = Command::new("nsenter")
+            .arg(format!("--net={}", nodes.node1.path().display()))
+            .args(["--", "conntrack", "-L", "-p", "tcp", "--orig-dst"])
+            .arg(cluster_ip.to_string())
+            .args(["--reply-src", POD2])
+            .stdin(Stdio::null())
+            .output()
+            .context("running conntrack")?;
+        Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+    };
+    let before = natted()?;
+    if let Err(e) = probe_ok() {
+        failures.push(format!("the pod's new connections after uninstall: {e:#}"));
+    }
+    let after = natted()?;
+    if after < before + 3 {
+        failures.push(format!(
+            "the pod's new connections after uninstall: {before} -> {after} conntrack entries"
+        ));
+    }
+    let t = whole + Duration::from_secs(20);
+    let hold: HoldReport = hold.wait(t)?;
+    let stream: StreamReport = stream.wait(t)?;
+    log(t0, "clients done");
+    for r in [
+        check_hold("the pod's ClusterIP connections made under svc", &hold, 4),
+        check_stream(
+            "the pod's ClusterIP UDP stream made under svc",
+            &stream,
+            t0_ms,
+        ),
+    ] {
+        if let Err(e) = r {
+            failures.push(format!("{e:#}"));
+        }
+    }
+    drop(kp);
+    drop(bpffs);
+    drop(relay);
+    drop(nodes);
+    drop(cp);
+    firewall.check()?;
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(())
+}
