@@ -291,7 +291,7 @@ pub struct CtValue {
     pub id: u32,
     /// Where replies leave: the device the flow came in on (host order).
     pub ifindex: u32,
-    /// bpf_ktime_get_ns() of the last packet in either direction.
+    /// The datapath clock (CLOCK_MONOTONIC_COARSE) at the last packet in either direction.
     pub last_seen_ns: u64,
 }
 
@@ -634,7 +634,7 @@ pub const AFFINITY_CLIENT_NETNS: u8 = 1;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AffinityValue {
-    /// bpf_ktime_get_ns() of the last connection that used this entry.
+    /// The datapath clock (CLOCK_MONOTONIC_COARSE) at the last connection that used this entry.
     pub last_used_ns: u64,
     pub backend: BackendId,
     pub _pad0: u32,
@@ -726,7 +726,7 @@ pub struct LbTestIo {
     pub key: ServiceKey,
     /// Request: `LB_TEST_CONNECT` or `LB_TEST_SENDMSG`.
     pub mode: u32,
-    /// Request: the clock (bpf_ktime_get_ns) the decision sees.
+    /// Request: the datapath clock the decision sees.
     pub now_ns: u64,
     /// Request: the socket cookie.
     pub cookie: u64,
