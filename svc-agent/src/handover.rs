@@ -16,12 +16,12 @@
 //! 3. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
 //!    packets untranslated.
 //!
-//! The window between 2 and 3 (a map read and write) is not closed: a client packet of a flow to a
-//! local backend that svc translates in it meets netfilter beside the new kernel entry, is
-//! taken for a new connection whose reply tuple is taken, and gets its source port remapped
-//! (the backend resets it). Flows to a remote backend are redirected past netfilter and have
-//! no such window. Closing it would take a drop state in the tc programs, which did not fit
-//! the external ingress program's stack.
+//! A flow to a local backend (through the stack) is marked `HANDING` before 1 and until 3:
+//! svc's programs drop the client's packets meanwhile, and the client sends them again. One
+//! that svc translated between 2 and 3 would meet netfilter beside the new kernel entry, be
+//! taken for a new connection whose reply tuple is taken, get its source port remapped, and
+//! the backend would reset the connection (`nodeport_flows_across_a_widened_handover_window`).
+//! Flows to a remote backend are redirected past netfilter and have no such window.
 //!
 //! Hand-written ctnetlink (two message kinds, a few attributes): no crate in this workspace's
 //! dependencies builds conntrack entries with NAT, and netlink-packet-netfilter, the one
@@ -165,12 +165,18 @@ fn reason(e: &io::Error) -> String {
 /// BPF_EXIST: only an entry that is there is written (one the LRU evicted stays gone).
 const BPF_EXIST: u64 = 2;
 
-/// Adds `set` to the flags of `key`'s entry as it is now, not as the dump saw it: the kernel
-/// may have recorded a FIN or a newer time since.
-fn set_flags(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, set: u16) {
+/// Adds `set` to the flags of `key`'s entry as it is now, not as the dump saw it (the kernel
+/// may have recorded a FIN or a newer time since), and takes `HANDING` off unless it is in
+/// `set`, stamped with the clock's seconds then.
+fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, set: u16) {
     // The LRU may have evicted it meanwhile: then there is nothing to mark.
     if let Ok(mut v) = ct.get(key, 0) {
-        v.flags |= set;
+        v.flags = (v.flags & !ct_flags::HANDING) | set;
+        v.handing_s = if set & ct_flags::HANDING != 0 {
+            (monotonic_ns() / 1_000_000_000) as u16
+        } else {
+            0
+        };
         let _ = ct.insert(key, v, BPF_EXIST);
     }
 }
@@ -183,6 +189,11 @@ fn hand_over_one(
     flow: &Flow,
 ) -> io::Result<()> {
     let via_stack = fwd.flags & ct_flags::SNAT == 0 || fwd.snat_addr == key.saddr;
+    if via_stack {
+        // From here until the mark HANDED the client's packets are dropped: none meets
+        // netfilter translated beside the kernel entry.
+        mark(ct, key, ct_flags::HANDING);
+    }
     let mut result = Err(io::Error::from_raw_os_error(libc::EEXIST));
     for _ in 0..3 {
         if via_stack {
@@ -211,11 +222,31 @@ fn hand_over_one(
     }
     match result {
         Ok(()) => {
-            set_flags(ct, key, ct_flags::HANDED);
+            if let Some(pause) = window_pause() {
+                std::thread::sleep(pause);
+            }
+            mark(ct, key, ct_flags::HANDED);
             Ok(())
         }
-        Err(e) => Err(e),
+        Err(e) => {
+            // svc keeps the flow.
+            if via_stack {
+                mark(ct, key, 0);
+            }
+            Err(e)
+        }
     }
+}
+
+/// Fault injection for the tests (`SVC_TEST_HANDOVER_PAUSE_MS`): a pause between a flow's
+/// kernel entry and svc's mark on it, which makes the window between them as wide as a test
+/// needs to send a packet into it.
+fn window_pause() -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var("SVC_TEST_HANDOVER_PAUSE_MS")
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(std::time::Duration::from_millis(ms))
 }
 
 /// An address, v4 when mapped.

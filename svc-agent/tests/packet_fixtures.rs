@@ -1216,6 +1216,17 @@ fn world() -> Dp {
     dp
 }
 
+/// CLOCK_MONOTONIC_COARSE: the datapath's clock itself.
+fn coarse_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// CLOCK_MONOTONIC: the datapath's clock (the coarse one) runs behind it by up to a tick, so
 /// a time read here and written to a map is one a little ahead of the programs' own.
 fn monotonic_ns() -> u64 {
@@ -2859,6 +2870,77 @@ fn connection_tracking_entry_stamped_ahead_is_alive() {
             tcp(c, "192.0.2.10:30080", TCP_ACK),
             OK,
             Packet(tcp(c, "10.244.1.5:8080", TCP_ACK)),
+            Some(pkt_stat::CT_HIT),
+        )],
+    );
+}
+
+/// The way back (`svc-agent uninstall`): while a flow's kernel entry is being made
+/// (`HANDING`), the client's packets are dropped and counted; a mark older than
+/// `HANDING_HOLD_S` (an uninstall killed in between) lapses and the flow is svc's again; once
+/// `HANDED`, they go to the stack untranslated, for netfilter to translate.
+#[test]
+fn connection_tracking_handover_marks() {
+    let mut dp = world();
+    let c = "203.0.113.7:40095";
+    run_rows(
+        &dp,
+        vec![row(
+            "a new flow to the local backend",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_SYN),
+            OK,
+            Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+            Some(pkt_stat::NEW),
+        )],
+    );
+    let fkey = ct_key(c, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
+    let mark = |dp: &mut Dp, flags: u16, handing_s: u16| {
+        let mut e = dp.ct_entry(&fkey).unwrap();
+        e.flags = (e.flags & !(ct_flags::HANDING | ct_flags::HANDED)) | flags;
+        e.handing_s = handing_s;
+        dp.ct.insert(fkey, e, 0).unwrap();
+    };
+    let now_s = (coarse_ns() / 1_000_000_000) as u16;
+    mark(&mut dp, ct_flags::HANDING, now_s);
+    let drops = dp.dev_stat(dp.ext0, pkt_stat::DROP_HANDING);
+    run_rows(
+        &dp,
+        vec![row(
+            "being handed over: dropped, the client sends it again",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_ACK),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_HANDING),
+        )],
+    );
+    assert_eq!(dp.dev_stat(dp.ext0, pkt_stat::DROP_HANDING), drops + 1);
+    mark(
+        &mut dp,
+        ct_flags::HANDING,
+        now_s.wrapping_sub(ct_flags::HANDING_HOLD_S),
+    );
+    run_rows(
+        &dp,
+        vec![row(
+            "a lapsed mark: svc translates the flow again",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_ACK),
+            OK,
+            Packet(tcp(c, "10.244.1.5:8080", TCP_ACK)),
+            Some(pkt_stat::CT_HIT),
+        )],
+    );
+    mark(&mut dp, ct_flags::HANDED, 0);
+    run_rows(
+        &dp,
+        vec![row(
+            "handed over: to the stack untranslated",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_ACK),
+            OK,
+            Untouched,
             Some(pkt_stat::CT_HIT),
         )],
     );

@@ -260,6 +260,14 @@ pub mod ct_flags {
     /// uninstall` made); the client's packets go to the stack untranslated, for netfilter to
     /// translate.
     pub const HANDED: u16 = 1 << 7;
+    /// On a FORWARD entry: `svc-agent uninstall` is making the node's conntrack entry for
+    /// the flow, and will mark it `HANDED` next. Until then the client's packets are dropped
+    /// (the client retransmits): translated beside the new kernel entry, one would be taken
+    /// for a new connection and reset. It holds for `HANDING_HOLD_S` seconds from
+    /// `CtValue::handing_s`, so a mark left by an uninstall killed in between lapses.
+    pub const HANDING: u16 = 1 << 8;
+    /// How long a `HANDING` mark holds, seconds: making one kernel entry takes milliseconds.
+    pub const HANDING_HOLD_S: u16 = 2;
 
     /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
     /// SNAT port, go to the next new connection that needs them. Not after one FIN: the other
@@ -286,7 +294,9 @@ pub struct CtValue {
     pub snat_port_be: u16,
     /// `ct_flags` bits.
     pub flags: u16,
-    pub _pad0: u16,
+    /// With `ct_flags::HANDING`: the datapath clock's whole seconds, modulo 65,536, when it
+    /// was set (host order); else 0.
+    pub handing_s: u16,
     /// Frontend id (host order), for metrics and explaining a flow.
     pub id: u32,
     /// Where replies leave: the device the flow came in on (host order).
@@ -479,7 +489,10 @@ pub mod pkt_stat {
     /// A TCP packet other than a SYN that is no flow of svc's: left to the stack, whose
     /// conntrack may carry it (a connection made before svc took over).
     pub const PASS_MIDSTREAM: u32 = 14;
-    pub const COUNT: u32 = 15;
+    /// Dropped: a client's packet of a flow `svc-agent uninstall` is handing over to the
+    /// node's conntrack (`ct_flags::HANDING`); the client sends it again.
+    pub const DROP_HANDING: u32 = 15;
+    pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -496,6 +509,7 @@ pub mod pkt_stat {
         "err_rewrite",
         "too_big",
         "pass_midstream",
+        "drop_handing",
     ];
 }
 

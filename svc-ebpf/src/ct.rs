@@ -168,6 +168,14 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     }
 }
 
+/// Whether the FORWARD entry `v` is being handed over to the node's conntrack
+/// (`ct_flags::HANDING`, not lapsed): the client's packet at `now` is to be dropped.
+#[inline(always)]
+pub fn handing(v: &CtValue, now: u64) -> bool {
+    v.flags & ct_flags::HANDING != 0
+        && ((now / SEC) as u16).wrapping_sub(v.handing_s) < ct_flags::HANDING_HOLD_S
+}
+
 /// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
 /// is no packet of it.
 pub const PEEK: u32 = 1 << 31;

@@ -276,6 +276,10 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, false, now) {
+        if ct::handing(&s.v, now) {
+            dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+            return SHOT;
+        }
         if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
             // To a local backend, from the client itself (its port remapped, perhaps: see
             // `ext_new_remapped`): the stack delivers it.
@@ -560,6 +564,10 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, true, now) {
+        if ct::handing(&s.v, now) {
+            dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+            return SHOT;
+        }
         return pod_send(ctx, s, pkt_stat::CT_HIT);
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
