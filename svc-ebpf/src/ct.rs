@@ -152,6 +152,23 @@ fn forget(key: &CtKey, v: &CtValue) {
     let _ = SVC_CT.remove(key);
 }
 
+/// `forget` for a flow whose entry at `key` was read as `seen` a moment ago, unless that entry
+/// is no longer `seen`: another CPU reclaimed its tuple meanwhile (removed it and stored a
+/// new flow's entry there, possibly in the same element), and that new entry must stay. Only
+/// a reclaim that lands between this check and the removal a few instructions later still
+/// goes unseen.
+#[inline(always)]
+fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
+    if let Some(e) = SVC_CT.get_ptr(key) {
+        // SAFETY: a map value, compared in place.
+        if unsafe { &*e } != seen {
+            return false;
+        }
+    }
+    forget(key, seen);
+    true
+}
+
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
 #[inline(always)]
 fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
@@ -353,13 +370,15 @@ pub const SNAT_ERR: u32 = 2;
 /// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
 /// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
-/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`: that flow's
-/// entries are removed first; conntrack lets a new connection reuse a tuple in TIME_WAIT or
-/// CLOSE too). The claim of an absent (or removed) one is a BPF_NOEXIST insert, so two CPUs
-/// cannot claim one free port for one backend. A dead flow's port is overwritten, so two
-/// CPUs may both take it; two CPUs reclaiming one closed flow's port at the same moment may
-/// too, in a rarer interleaving (one removes the entry the other has just claimed). All
-/// `SNAT_TRIES` meeting open flows: exhausted.
+/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`; conntrack
+/// lets a new connection reuse a tuple in TIME_WAIT or CLOSE too). A dead or closed flow's
+/// entries are removed first (`reclaim`: not if another CPU has reclaimed the port since they
+/// were read). The claim is a BPF_NOEXIST insert, so of two CPUs that find one port free, or
+/// reclaim it at the same moment, one stores; the other tries on. Two claims of one port
+/// need another CPU's reclaim to land in the few instructions between `reclaim`'s check and
+/// its removal (before, a dead flow's port was overwritten, so two CPUs could both take it,
+/// and a closed one's was removed without that check). All `SNAT_TRIES` meeting open flows:
+/// exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
@@ -417,22 +436,18 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     let r = unsafe { bpf_get_prandom_u32() }.checked_rem(f.port_span);
     let port = f.port_min + r.unwrap_or(0);
     f.try_key.dport_be = (port as u16).to_be();
-    let flags = match SVC_CT.get_ptr(f.try_key) {
-        None => BPF_NOEXIST as u64,
-        Some(e) => {
-            // SAFETY: a map value, read in place (removed only after its last read).
-            let e = unsafe { &*e };
-            if !alive(&f.try_key, e, f.now) {
-                0
-            } else if index >= SNAT_FREE_TRIES && ct_flags::closed(e.flags) {
-                forget(&f.try_key, e);
-                BPF_NOEXIST as u64
-            } else {
-                return 0;
-            }
+    if let Some(e) = SVC_CT.get_ptr(f.try_key) {
+        // SAFETY: a map value, copied out (into the scratch space, not the stack): another
+        // CPU may reclaim the port and store its own flow in this very element meanwhile.
+        f.seen = unsafe { *e };
+        let reclaimable = !alive(&f.try_key, &f.seen, f.now)
+            || index >= SNAT_FREE_TRIES && ct_flags::closed(f.seen.flags);
+        if !reclaimable || !reclaim(&f.try_key, &f.seen) {
+            return 0;
         }
-    };
-    if SVC_CT.insert(f.try_key, f.rep, flags).is_err() {
+    }
+    // The claim: of two CPUs that found the port free (or reclaimed it), one stores.
+    if SVC_CT.insert(f.try_key, f.rep, BPF_NOEXIST as u64).is_err() {
         return 0;
     }
     f.claimed = 1;
