@@ -4,7 +4,8 @@
 //! on failover, so that once svc's tc programs are gone netfilter (kube-proxy's NAT hooks)
 //! translates the flow's next packet as svc did instead of taking it for a new connection.
 //! A pod device's hairpin flows (a pod reaching itself, SNATed to the frontend and sent
-//! straight back) are not handed over: untested, they end as they did before.
+//! straight back into its device) are not handed over: untested, they end as they did
+//! before.
 //!
 //! Per flow, while svc's programs still translate:
 //! 1. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
@@ -16,12 +17,14 @@
 //! 3. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
 //!    packets untranslated.
 //!
-//! A flow to a local backend (through the stack) is marked `HANDING` before 1 and until 3:
-//! svc's programs drop the client's packets meanwhile, and the client sends them again. One
-//! that svc translated between 2 and 3 would meet netfilter beside the new kernel entry, be
-//! taken for a new connection whose reply tuple is taken, get its source port remapped, and
-//! the backend would reset the connection (`nodeport_flows_across_a_widened_handover_window`).
-//! Flows to a remote backend are redirected past netfilter and have no such window.
+//! A flow whose packets go through the node's stack (to a local backend, and every pod
+//! device's flow) is marked `HANDING` before 1 and until 3: svc's programs drop the
+//! client's packets meanwhile (TCP sends them again; a UDP datagram is lost). One that svc
+//! translated between 2 and 3 would meet netfilter beside the new kernel entry, be taken for
+//! a new connection whose reply tuple is taken, get its source port remapped, and the
+//! backend would reset the connection (`nodeport_flows_across_a_widened_handover_window`).
+//! External flows to a remote backend are redirected past netfilter and have no such
+//! window.
 //!
 //! Hand-written ctnetlink (two message kinds, a few attributes): no crate in this workspace's
 //! dependencies builds conntrack entries with NAT, and netlink-packet-netfilter, the one
@@ -127,7 +130,8 @@ pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let mut done = Handover::default();
     for (key, fwd) in &entries {
         if key.dir != ct_dir::FORWARD
-            || fwd.flags & (ct_flags::POD | ct_flags::SNAT) == ct_flags::POD | ct_flags::SNAT
+            || (fwd.flags & (ct_flags::POD | ct_flags::SNAT) == ct_flags::POD | ct_flags::SNAT
+                && fwd.snat_addr != key.saddr)
             || ct_flags::closed(fwd.flags)
             || fwd.flags & ct_flags::HANDED != 0
         {
@@ -167,10 +171,22 @@ const BPF_EXIST: u64 = 2;
 
 /// Adds `set` to the flags of `key`'s entry as it is now, not as the dump saw it (the kernel
 /// may have recorded a FIN or a newer time since), and takes `HANDING` off unless it is in
-/// `set`, stamped with the clock's seconds then.
-fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, set: u16) {
+/// `set`, stamped with the clock's seconds then. Only while the entry is still the flow the
+/// dump saw as `fwd` (the same backend and source): a new flow on the same tuples is not
+/// the one handed over.
+fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, fwd: &CtValue, set: u16) {
     // The LRU may have evicted it meanwhile: then there is nothing to mark.
     if let Ok(mut v) = ct.get(key, 0) {
+        let same = (v.nat_addr, v.nat_port_be, v.snat_addr, v.snat_port_be)
+            == (
+                fwd.nat_addr,
+                fwd.nat_port_be,
+                fwd.snat_addr,
+                fwd.snat_port_be,
+            );
+        if !same {
+            return;
+        }
         v.flags = (v.flags & !ct_flags::HANDING) | set;
         v.handing_s = if set & ct_flags::HANDING != 0 {
             (monotonic_ns() / 1_000_000_000) as u16
@@ -192,7 +208,7 @@ fn hand_over_one(
     if via_stack {
         // From here until the mark HANDED the client's packets are dropped: none meets
         // netfilter translated beside the kernel entry.
-        mark(ct, key, ct_flags::HANDING);
+        mark(ct, key, fwd, ct_flags::HANDING);
     }
     let mut result = Err(io::Error::from_raw_os_error(libc::EEXIST));
     for _ in 0..3 {
@@ -225,13 +241,13 @@ fn hand_over_one(
             if let Some(pause) = window_pause() {
                 std::thread::sleep(pause);
             }
-            mark(ct, key, ct_flags::HANDED);
+            mark(ct, key, fwd, ct_flags::HANDED);
             Ok(())
         }
         Err(e) => {
             // svc keeps the flow.
             if via_stack {
-                mark(ct, key, 0);
+                mark(ct, key, fwd, 0);
             }
             Err(e)
         }
@@ -240,7 +256,8 @@ fn hand_over_one(
 
 /// Fault injection for the tests (`SVC_TEST_HANDOVER_PAUSE_MS`): a pause between a flow's
 /// kernel entry and svc's mark on it, which makes the window between them as wide as a test
-/// needs to send a packet into it.
+/// needs to send a packet into it. Past `HANDING_HOLD_S` the mark lapses and svc translates
+/// the flow again, so a pause of a second or more tests nothing.
 fn window_pause() -> Option<std::time::Duration> {
     let ms: u64 = std::env::var("SVC_TEST_HANDOVER_PAUSE_MS")
         .ok()?

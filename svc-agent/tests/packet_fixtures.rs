@@ -2907,7 +2907,26 @@ fn connection_tracking_handover_marks() {
     run_rows(
         &dp,
         vec![row(
-            "being handed over: dropped, the client sends it again",
+            "being handed over: dropped (a FIN too), the client sends it again",
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", TCP_FIN | TCP_ACK),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_HANDING),
+        )],
+    );
+    assert_eq!(dp.dev_stat(dp.ext0, pkt_stat::DROP_HANDING), drops + 1);
+    assert_eq!(
+        dp.ct_entry(&fkey).unwrap().flags & ct_flags::FIN,
+        0,
+        "a dropped FIN records nothing"
+    );
+    // Stamped a moment ahead of the programs' own clock reading: it holds too.
+    mark(&mut dp, ct_flags::HANDING, now_s.wrapping_add(1));
+    run_rows(
+        &dp,
+        vec![row(
+            "being handed over, the mark stamped ahead: dropped",
             ExtIngress,
             tcp(c, "192.0.2.10:30080", TCP_ACK),
             SHOT,
@@ -2915,7 +2934,6 @@ fn connection_tracking_handover_marks() {
             Some(pkt_stat::DROP_HANDING),
         )],
     );
-    assert_eq!(dp.dev_stat(dp.ext0, pkt_stat::DROP_HANDING), drops + 1);
     mark(
         &mut dp,
         ct_flags::HANDING,
@@ -2931,6 +2949,11 @@ fn connection_tracking_handover_marks() {
             Packet(tcp(c, "10.244.1.5:8080", TCP_ACK)),
             Some(pkt_stat::CT_HIT),
         )],
+    );
+    assert_eq!(
+        dp.ct_entry(&fkey).unwrap().flags & ct_flags::HANDING,
+        0,
+        "a lapsed mark is cleared"
     );
     mark(&mut dp, ct_flags::HANDED, 0);
     run_rows(

@@ -260,14 +260,16 @@ pub mod ct_flags {
     /// uninstall` made); the client's packets go to the stack untranslated, for netfilter to
     /// translate.
     pub const HANDED: u16 = 1 << 7;
-    /// On a FORWARD entry: `svc-agent uninstall` is making the node's conntrack entry for
-    /// the flow, and will mark it `HANDED` next. Until then the client's packets are dropped
-    /// (the client retransmits): translated beside the new kernel entry, one would be taken
-    /// for a new connection and reset. It holds for `HANDING_HOLD_S` seconds from
-    /// `CtValue::handing_s`, so a mark left by an uninstall killed in between lapses.
+    /// On a FORWARD entry of a flow that goes through the node's stack: `svc-agent
+    /// uninstall` is making the node's conntrack entry for it, and will mark it `HANDED`
+    /// next. Until then the client's packets are dropped and change nothing in the entry (TCP
+    /// sends a segment again; a UDP datagram is lost): translated beside the new kernel
+    /// entry, one would be taken for a new connection and reset. The mark holds while fewer
+    /// than `HANDING_HOLD_S` whole seconds have passed since `CtValue::handing_s` (2 to 3 s),
+    /// so one left by an uninstall killed in between lapses.
     pub const HANDING: u16 = 1 << 8;
-    /// How long a `HANDING` mark holds, seconds: making one kernel entry takes milliseconds.
-    pub const HANDING_HOLD_S: u16 = 2;
+    /// See `HANDING`: making one kernel entry takes milliseconds.
+    pub const HANDING_HOLD_S: u16 = 3;
 
     /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
     /// SNAT port, go to the next new connection that needs them. Not after one FIN: the other
@@ -490,7 +492,7 @@ pub mod pkt_stat {
     /// conntrack may carry it (a connection made before svc took over).
     pub const PASS_MIDSTREAM: u32 = 14;
     /// Dropped: a client's packet of a flow `svc-agent uninstall` is handing over to the
-    /// node's conntrack (`ct_flags::HANDING`); the client sends it again.
+    /// node's conntrack (`ct_flags::HANDING`), for the milliseconds that takes.
     pub const DROP_HANDING: u32 = 15;
     pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [

@@ -154,8 +154,8 @@ fn forget(key: &CtKey, v: &CtValue) {
 
 /// `forget` for a flow whose entry at `key` was read as `seen` a moment ago, unless that entry
 /// is no longer `seen`: another CPU reclaimed its tuple meanwhile (removed it and stored a
-/// new flow's entry there, possibly in the same element), and that new entry must stay. Only
-/// a reclaim that lands between this check and the removal a few instructions later still
+/// new flow's entry there, possibly in the same element), and that new entry must stay. A
+/// reclaim that lands between this check and the removal a few instructions later still
 /// goes unseen.
 #[inline(always)]
 fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
@@ -165,6 +165,10 @@ fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
             return false;
         }
     }
+    // Gone, the removal goes ahead all the same: another CPU that removed it a moment ago
+    // and claims the port meanwhile loses its claim, and both may then hold the port. Leaving
+    // the removal out in that case does not fit the 512-byte stack of the external ingress
+    // program's deepest call chain.
     forget(key, seen);
     true
 }
@@ -185,12 +189,23 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     }
 }
 
-/// Whether the FORWARD entry `v` is being handed over to the node's conntrack
-/// (`ct_flags::HANDING`, not lapsed): the client's packet at `now` is to be dropped.
+/// Whether the `HANDING` mark of `v` still holds at `now`. Signed: a stamp a moment ahead of
+/// this packet's clock reading holds too. A lapsed mark is cleared by the next packet
+/// (`lapse_handing`), so the 16-bit seconds never come round to holding again.
 #[inline(always)]
-pub fn handing(v: &CtValue, now: u64) -> bool {
-    v.flags & ct_flags::HANDING != 0
-        && ((now / SEC) as u16).wrapping_sub(v.handing_s) < ct_flags::HANDING_HOLD_S
+pub fn handing_holds(v: &CtValue, now: u64) -> bool {
+    (((now / SEC) as u16).wrapping_sub(v.handing_s) as i16) < ct_flags::HANDING_HOLD_S as i16
+}
+
+/// Clears a lapsed `HANDING` mark of the packet's FORWARD entry: one left by an uninstall
+/// that did not finish; the flow is svc's again. Rare, so a lookup of its own.
+#[inline(never)]
+pub fn lapse_handing(p: &Pkt) {
+    let key = key_of(p, ct_dir::FORWARD);
+    if let Some(e) = SVC_CT.get_ptr_mut(key) {
+        // SAFETY: a map value; a racing writer stores only times and flags.
+        unsafe { (*e).flags &= !ct_flags::HANDING };
+    }
 }
 
 /// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
@@ -225,7 +240,10 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     if (out.flags & ct_flags::POD != 0) != pod || !alive(key, out, now) {
         return false;
     }
-    if add == PEEK {
+    // A flow being handed over (`HANDING`): the caller drops the packet while the mark
+    // holds (`handing_holds`), so it records nothing (a FIN or RST dropped here must not mark
+    // closed a flow the backend never saw closing).
+    if add == PEEK || out.flags & ct_flags::HANDING != 0 {
         return true;
     }
     if add & SYN != 0 && ct_flags::closed(out.flags) {

@@ -276,9 +276,12 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, false, now) {
-        if ct::handing(&s.v, now) {
-            dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
-            return SHOT;
+        if s.v.flags & ct_flags::HANDING != 0 {
+            if ct::handing_holds(&s.v, now) {
+                dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+                return SHOT;
+            }
+            ct::lapse_handing(&s.p);
         }
         if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
             // To a local backend, from the client itself (its port remapped, perhaps: see
@@ -564,9 +567,12 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, true, now) {
-        if ct::handing(&s.v, now) {
-            dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
-            return SHOT;
+        if s.v.flags & ct_flags::HANDING != 0 {
+            if ct::handing_holds(&s.v, now) {
+                dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+                return SHOT;
+            }
+            ct::lapse_handing(&s.p);
         }
         return pod_send(ctx, s, pkt_stat::CT_HIT);
     }
