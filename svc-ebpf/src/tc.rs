@@ -285,7 +285,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         }
         if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
             // To a local backend, from the client itself (its port remapped, perhaps: see
-            // `ext_new_remapped`): the stack delivers it.
+            // `new_remapped`): the stack delivers it.
             return to_stack(ctx, s, pkt_stat::CT_HIT);
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
