@@ -632,6 +632,18 @@ fn loadbalancer_flows_across_svc_uninstall() {
     way_back(Via::LoadBalancer, Mode::Nftables, false, 0).unwrap();
 }
 
+/// Checks `svc-agent uninstall`'s report (`text`, its stdout): `flows` flows handed over to
+/// the node's conntrack, none failed.
+fn ensure_handed(text: &str, flows: u64) -> Result<()> {
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("handed over to the node's conntrack: "))
+        .with_context(|| format!("uninstall reported no handover: {text:?}"))?;
+    let want = format!("{flows} flows, 0 failed");
+    ensure!(line == want, "uninstall handed over {line:?}, not {want:?}");
+    Ok(())
+}
+
 /// The frontend the external client's flows go to.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Via {
@@ -833,6 +845,8 @@ fn way_back(via: Via, mode: Mode, v6: bool, pause_ms: u64) -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(out.status.success(), "svc-agent uninstall failed");
+    // Every held connection and stream is a live flow: 4 + 4 TCP connections, 2 UDP streams.
+    ensure_handed(&text, 10)?;
     ensure!(
         !bpffs.path().exists(),
         "uninstall left {}",
@@ -1095,6 +1109,8 @@ fn pod_device_way_back() -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(out.status.success(), "svc-agent uninstall failed");
+    // 4 TCP connections and a UDP stream.
+    ensure_handed(&text, 5)?;
     log(t0, "svc-agent stopped and uninstalled");
     ensure!(
         held_since.elapsed() + Duration::from_secs(5) < whole,
