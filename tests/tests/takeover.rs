@@ -632,6 +632,38 @@ fn loadbalancer_flows_across_svc_uninstall() {
     way_back(Via::LoadBalancer, Mode::Nftables, false, 0).unwrap();
 }
 
+/// Runs `svc-agent uninstall --bpffs BPFFS` in network namespace `ns` (where svc's tc
+/// devices are), with `SVC_TEST_HANDOVER_PAUSE_MS` = `pause_ms`; prints its report and
+/// returns it (stdout). Fails if it fails.
+fn uninstall_in(
+    ns: &svc_tests::NetNs,
+    agent: &std::path::Path,
+    bpffs: &std::path::Path,
+    pause_ms: u64,
+) -> Result<String> {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", ns.path().display()))
+        .arg("--")
+        .arg(agent)
+        .args(["uninstall", "--bpffs"])
+        .arg(bpffs)
+        .env("SVC_TEST_HANDOVER_PAUSE_MS", pause_ms.to_string())
+        .stdin(Stdio::null())
+        .output()
+        .context("running svc-agent uninstall")?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!(
+        "    svc-agent uninstall: {}\n    {}",
+        text.lines()
+            .filter(|l| !l.starts_with("removed "))
+            .collect::<Vec<_>>()
+            .join("\n    "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(out.status.success(), "svc-agent uninstall failed");
+    Ok(text)
+}
+
 /// Checks `svc-agent uninstall`'s report (`text`, its stdout): `flows` flows handed over to
 /// the node's conntrack, none failed.
 fn ensure_handed(text: &str, flows: u64) -> Result<()> {
@@ -825,26 +857,7 @@ fn way_back(via: Via, mode: Mode, v6: bool, pause_ms: u64) -> Result<()> {
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
     let uninstall_began = Instant::now();
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", sb.client_ns().path().display()))
-        .arg("--")
-        .arg(&sb.tools.agent)
-        .args(["uninstall", "--bpffs"])
-        .arg(bpffs.path())
-        .env("SVC_TEST_HANDOVER_PAUSE_MS", pause_ms.to_string())
-        .stdin(Stdio::null())
-        .output()
-        .context("running svc-agent uninstall")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!(
-        "    svc-agent uninstall: {}\n    {}",
-        text.lines()
-            .filter(|l| !l.starts_with("removed "))
-            .collect::<Vec<_>>()
-            .join("\n    "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(out.status.success(), "svc-agent uninstall failed");
+    let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), pause_ms)?;
     // Every held connection and stream is a live flow: 4 + 4 TCP connections, 2 UDP streams.
     ensure_handed(&text, 10)?;
     ensure!(
@@ -1090,25 +1103,7 @@ fn pod_device_way_back() -> Result<()> {
     log(t0, "kube-proxy started beside svc and synced");
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", nodes.node1.path().display()))
-        .arg("--")
-        .arg(&tools.agent)
-        .args(["uninstall", "--bpffs"])
-        .arg(bpffs.path())
-        .stdin(Stdio::null())
-        .output()
-        .context("running svc-agent uninstall")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!(
-        "    svc-agent uninstall: {}\n    {}",
-        text.lines()
-            .filter(|l| !l.starts_with("removed "))
-            .collect::<Vec<_>>()
-            .join("\n    "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(out.status.success(), "svc-agent uninstall failed");
+    let text = uninstall_in(&nodes.node1, &tools.agent, bpffs.path(), 0)?;
     // 4 TCP connections and a UDP stream.
     ensure_handed(&text, 5)?;
     log(t0, "svc-agent stopped and uninstalled");
