@@ -1116,7 +1116,7 @@ const LOCAL: u8 = backend_flags::LOCAL;
 ///   NodePort 30082 (10) -> 11
 /// - eTP Local: NodePort 30090 (20) -> 19; NodePort 30091 (21): no local endpoint
 /// - no endpoints: NodePort 30099 TCP (22), UDP (23), IPv6 TCP (24), UDP (25)
-/// - sessionAffinity: NodePort 30070 (26) -> 12, 18
+/// - sessionAffinity (60 s): NodePort 30070 (26) -> 12, 18
 /// - behind ext1: NodePort 30083 (27) -> 40, IPv6 (28) -> 41
 /// - cluster scope: ClusterIP 10.96.0.10:80 (30) -> 12; ClusterIP 10.96.0.11:80 (31) -> 11
 ///   (the pod 10.244.1.5 reaching itself); NodePort 30080 seen from the node (32) -> 11
@@ -1170,7 +1170,9 @@ fn world() -> Dp {
         ("0.0.0.0:30099", u, EXT, 23, &[], NP, 0),
         ("[::]:30099", t, EXT, 24, &[], NP, 0),
         ("[::]:30099", u, EXT, 25, &[], NP, 0),
-        ("0.0.0.0:30070", t, EXT, 26, &[12, 18], NP, 10800),
+        // A minute, not the default 3 hours: the monotonic clock starts at boot, so a
+        // choice older than the timeout can be stamped only on a machine up for longer.
+        ("0.0.0.0:30070", t, EXT, 26, &[12, 18], NP, 60),
         ("0.0.0.0:30083", t, EXT, 27, &[40], NP, 0),
         ("[::]:30083", t, EXT, 28, &[41], NP, 0),
         ("10.96.0.10:80", t, scope::CLUSTER, 30, &[12], 0, 0),
@@ -1994,7 +1996,9 @@ fn affinity_by_client_ip() {
         .insert(
             key("203.0.113.10"),
             AffinityValue {
-                last_used_ns: now - 10_801 * 1_000_000_000,
+                last_used_ns: now
+                    .checked_sub(61 * 1_000_000_000)
+                    .expect("a machine up for over a minute"),
                 backend: 18,
                 _pad0: 0,
             },
