@@ -3206,6 +3206,108 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     );
 }
 
+/// Keeps the calling thread on the CPU it runs on: per-CPU state that one program run leaves
+/// for the next is then the same CPU's.
+fn stay_on_this_cpu() {
+    // SAFETY: plain libc calls on a zeroed cpu_set_t, for the calling thread.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(
+            cpu >= 0,
+            "sched_getcpu: {}",
+            std::io::Error::last_os_error()
+        );
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        let r = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        assert_eq!(
+            r,
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// A packet the external ingress translated and redirected to a device's egress is not
+/// looked up again by that egress (`scratch::Sent`): it is translated already. Shown with an
+/// entry that would translate it a second time (its tuple as some flow's REPLY entry, which
+/// real flows do not make): the egress leaves the packet alone right after the ingress sent
+/// it, and translates it from that entry when it comes again unsent, or on another device.
+#[test]
+fn egress_leaves_a_packet_the_ingress_routed() {
+    let mut dp = world();
+    stay_on_this_cpu();
+    let c = "203.0.113.7:40300";
+    let routed = |dp: &Dp, flags: u8| -> Vec<u8> {
+        let (v, out, _) = dp.run_on(
+            ExtIngress,
+            dp.ext0,
+            &tcp(c, "192.0.2.10:30081", flags).bytes(),
+            1,
+        );
+        assert_eq!(v, REDIRECT, "routed to node 2");
+        assert_eq!(
+            out,
+            tcp("192.0.2.10:61000", "10.244.2.7:8080", flags)
+                .macs(NODE2_MAC, EXT_MAC)
+                .ttl(63)
+                .bytes()
+        );
+        out
+    };
+    let sent = routed(&dp, TCP_SYN);
+    dp.ct
+        .insert(
+            ct_key(
+                "192.0.2.10:61000",
+                "10.244.2.7:8080",
+                IPPROTO_TCP,
+                ct_dir::REPLY,
+            ),
+            CtValue {
+                nat_addr: ip16("192.0.2.10"),
+                nat_port_be: 30099u16.to_be(),
+                id: 22,
+                ifindex: dp.ext0,
+                last_seen_ns: coarse_ns(),
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    let twice = tcp("192.0.2.10:30099", "10.244.2.7:8080", TCP_SYN)
+        .macs(NODE2_MAC, EXT_MAC)
+        .ttl(63)
+        .bytes();
+    let egress = |dp: &Dp, dev: u32, p: &[u8]| -> Vec<u8> {
+        let (v, out, _) = dp.run_on(ExtEgress, dev, p, 1);
+        assert_eq!(v, OK);
+        out
+    };
+    assert_eq!(egress(&dp, dp.ext0, &sent), sent, "just sent: left alone");
+    assert_eq!(
+        egress(&dp, dp.ext0, &sent),
+        twice,
+        "the same packet again, not sent by the ingress: looked up"
+    );
+    let sent = routed(&dp, TCP_ACK);
+    let twice_ack = tcp("192.0.2.10:30099", "10.244.2.7:8080", TCP_ACK)
+        .macs(NODE2_MAC, EXT_MAC)
+        .ttl(63)
+        .bytes();
+    assert_eq!(
+        egress(&dp, dp.ext1, &sent),
+        twice_ack,
+        "sent to ext0, seen leaving by ext1: looked up"
+    );
+    assert_eq!(
+        egress(&dp, dp.ext0, &sent),
+        sent,
+        "the egress it was sent to still leaves it alone"
+    );
+}
+
 /// A remote backend's SNAT port held by a closed flow (an RST, or a FIN each way) is taken by
 /// the next new flow, the closed flow's entries removed (conntrack reuses a tuple in
 /// TIME_WAIT or CLOSE); one held by an open or half-closed flow is not, and a flow that finds
@@ -3564,6 +3666,28 @@ fn per_packet_cost() {
             ExtIngress,
             ingress,
             tcp(c2, "192.0.2.10:30081", TCP_ACK),
+            true,
+        ),
+    ));
+    let snat_port = dp
+        .ct_entry(&ct_key(
+            c2,
+            "192.0.2.10:30081",
+            IPPROTO_TCP,
+            ct_dir::FORWARD,
+        ))
+        .map(|v| u16::from_be(v.snat_port_be))
+        .expect("the remote flow's entry");
+    rows.push((
+        "known flow, remote backend's reply (routed)",
+        repeated(
+            ExtIngress,
+            ingress,
+            tcp(
+                "10.244.2.7:8080",
+                &format!("192.0.2.10:{snat_port}"),
+                TCP_ACK,
+            ),
             true,
         ),
     ));

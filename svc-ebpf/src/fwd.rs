@@ -62,8 +62,10 @@ pub fn lookup(
     flags: u32,
     route: &mut Route,
 ) {
-    // SAFETY: a plain C struct; all-zero is its neutral value.
-    let mut params: FibParams = unsafe { core::mem::zeroed() };
+    let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
+    crate::mem::zero(&mut params);
+    // SAFETY: a plain C struct, zeroed: its neutral value.
+    let params = unsafe { params.assume_init_mut() };
     params.ifindex = ifindex;
     if v6 {
         params.family = AF_INET6;
@@ -78,12 +80,12 @@ pub fn lookup(
     route.ret = unsafe {
         bpf_fib_lookup(
             ctx.skb.skb.cast(),
-            &mut params,
+            params,
             core::mem::size_of::<FibParams>() as i32,
             flags,
         )
     };
-    route.params = params;
+    route.params = *params;
 }
 
 /// The preferred source the lookup named (mapped), for `LOOKUP_SRC`.
@@ -116,10 +118,11 @@ pub fn usable(route: &Route) -> bool {
 pub fn redirect(ctx: &TcContext, v6: bool, route: &Route) -> i32 {
     let params = &route.params;
     if route.ret == BPF_FIB_LKUP_RET_SUCCESS as i64 {
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&params.dmac);
-        macs[6..].copy_from_slice(&params.smac);
-        if !store(ctx, 0, macs.as_ptr(), 12, 0) {
+        let macs = MacPair {
+            dst: params.dmac,
+            src: params.smac,
+        };
+        if !store(ctx, 0, (&macs as *const MacPair).cast(), 12, 0) {
             return TC_ACT_OK;
         }
         // SAFETY: a helper without memory arguments.
@@ -128,8 +131,10 @@ pub fn redirect(ctx: &TcContext, v6: bool, route: &Route) -> i32 {
     if route.ret == BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
         // The lookup left the next hop (the gateway, or the destination itself when on
         // link) in the destination fields.
-        // SAFETY: a plain C struct; the union member of the family is written.
-        let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
+        let mut nh = core::mem::MaybeUninit::<bpf_redir_neigh>::uninit();
+        crate::mem::zero(&mut nh);
+        // SAFETY: a plain C struct, zeroed; the union member of the family is written below.
+        let nh = unsafe { nh.assume_init_mut() };
         // SAFETY: union members of the family that was looked up.
         unsafe {
             if v6 {
@@ -144,13 +149,22 @@ pub fn redirect(ctx: &TcContext, v6: bool, route: &Route) -> i32 {
         return unsafe {
             bpf_redirect_neigh(
                 params.ifindex,
-                &mut nh,
+                nh,
                 core::mem::size_of::<bpf_redir_neigh>() as i32,
                 0,
             )
         } as i32;
     }
     TC_ACT_OK
+}
+
+/// An Ethernet header's two addresses, as they lie in the packet. A struct of two arrays, not
+/// one 12-byte array filled in two halves: LLVM zeroes such an array first with a call to the
+/// object's `memset`, a byte loop (`mem`).
+#[repr(C)]
+struct MacPair {
+    dst: [u8; 6],
+    src: [u8; 6],
 }
 
 /// Sends the packet back out of the device it came in on, MAC addresses swapped.

@@ -9,6 +9,7 @@ mod fwd;
 mod icmp;
 mod lb;
 mod maps;
+mod mem;
 mod nat;
 mod pkt;
 mod reject;

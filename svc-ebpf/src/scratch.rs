@@ -64,3 +64,30 @@ pub fn get() -> Option<&'static mut Scratch> {
     // SAFETY: per CPU, and only this program runs on this CPU until it returns.
     Some(unsafe { &mut *s })
 }
+
+/// The last packet this CPU's external ingress redirected to a device's egress, as it left
+/// (its tuple after translation). A redirect to an egress runs that device's egress programs
+/// at once, on this CPU, before the ingress program's next packet (or later, from another
+/// context, when the neighbour is being resolved; then the tuple still names only that
+/// packet's own flow). So the external egress knows the packet it sees is one svc has
+/// translated already. Not in `Scratch`: it outlives a program's run, and a field there moves
+/// the scratch space's layout, which grew a frame of the external ingress past its stack.
+#[derive(Clone, Copy)]
+pub struct Sent {
+    /// The device it was redirected to; 0: none pending.
+    pub ifindex: u32,
+    pub proto: u32,
+    pub src: Endpoint,
+    pub dst: Endpoint,
+}
+
+#[btf_map]
+static SVC_SENT: PerCpuArray<Sent, 1> = PerCpuArray::new();
+
+/// This CPU's `Sent`; `None` never happens, as for `get`.
+#[inline(always)]
+pub fn sent() -> Option<&'static mut Sent> {
+    let t = SVC_SENT.get_ptr_mut(0)?;
+    // SAFETY: per CPU, as for `get`.
+    Some(unsafe { &mut *t })
+}

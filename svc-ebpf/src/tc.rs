@@ -14,14 +14,17 @@
 //! Non-service traffic pays a parse and two or three hash lookups: the FORWARD entry of its
 //! tuple, the frontend key of its destination, and `NODE_ADDRS` on the external ingress (plus
 //! the NodePort wildcard key for traffic to a NodePort address); the REPLY lookup of the
-//! external ingress runs only for packets to a SNAT address within the SNAT port range. A
-//! SYN without ACK adds one: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`).
+//! external ingress runs only for packets to a SNAT address within the SNAT port range
+//! (before the FORWARD one: they are mostly remote backends' replies). A SYN without ACK adds
+//! one: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
+//! external ingress redirected to an external egress is not looked up there again
+//! (`scratch::Sent`).
 //!
 //! Working state lives in the per-CPU scratch space (scratch.rs), and each decision is a
 //! function of its own (a BPF-to-BPF call), so no chain of frames exceeds the 512-byte stack.
 
 use aya_ebpf::{
-    bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT},
     programs::TcContext,
 };
 use svc_common::{
@@ -35,7 +38,7 @@ use crate::{
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_SYN},
     reject,
-    scratch::{self, Flow, Scratch},
+    scratch::{self, Flow, Scratch, Sent},
 };
 
 const OK: i32 = TC_ACT_OK;
@@ -205,7 +208,24 @@ fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
     if !nat::dec_ttl(ctx, v6) {
         return SHOT;
     }
-    fwd::redirect(ctx, v6, &s.route)
+    let verdict = fwd::redirect(ctx, v6, &s.route);
+    if verdict == TC_ACT_REDIRECT {
+        note_sent(s);
+    }
+    verdict
+}
+
+/// Records the packet `to_route` redirected as `scratch::Sent`. A function of its own: inlined,
+/// its copies grow the frames of `to_route`'s callers, one of which is on the external
+/// ingress's deepest call chain.
+#[inline(never)]
+fn note_sent(s: &Scratch) {
+    if let Some(t) = scratch::sent() {
+        t.ifindex = s.route.params.ifindex;
+        t.proto = s.p.proto as u32;
+        t.src = s.src;
+        t.dst = s.dst;
+    }
 }
 
 /// Whether the route lookup found the packet too large for the route, and it may not be
@@ -275,6 +295,19 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     let now = now();
+    // Looked up before the FORWARD entry: a packet to a SNAT address and port is a remote
+    // backend's reply far more often than a client's packet to a frontend there (a NodePort
+    // is outside the SNAT range unless both ranges are set to overlap), and each lookup of
+    // the connection-tracking table is a cache miss in busy traffic.
+    if in_snat_range(s.p.dport_be)
+        && lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT != 0
+        && known(s, ct_dir::REPLY, false, now)
+    {
+        // A remote backend's reply, to the address and port its flow was SNATed to: from
+        // the frontend to the client, forwarded here (its new source is a node address or
+        // a frontend).
+        return send_routed(ctx, s, pkt_stat::REPLY);
+    }
     if known(s, ct_dir::FORWARD, false, now) {
         if s.v.flags & ct_flags::HANDING != 0 {
             if ct::handing_holds(&s.v, now) {
@@ -290,20 +323,10 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
     }
-    let node = lb::node_addr_flags(&s.p.daddr);
-    if node & node_addr_flags::SNAT != 0
-        && in_snat_range(s.p.dport_be)
-        && known(s, ct_dir::REPLY, false, now)
-    {
-        // A remote backend's reply, to the address and port its flow was SNATed to: from
-        // the frontend to the client, forwarded here (its new source is a node address or
-        // a frontend).
-        return send_routed(ctx, s, pkt_stat::REPLY);
-    }
     // A SYN on a closed flow's reply tuple (a direct connection from a NodePort client's
     // port to its backend) takes the tuple over, whether it starts a flow here or passes.
     ct::syn_on_reply_tuple(&s.p, false);
-    match ext_frontend(s, node, now) {
+    match ext_frontend(s, lb::node_addr_flags(&s.p.daddr), now) {
         MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
             OK
@@ -547,11 +570,30 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = parse_or_pass(ctx, s, EXT_EGRESS) {
         return verdict;
     }
+    if let Some(t) = scratch::sent() {
+        if t.ifindex == s.p.ifindex && is_sent(t, &s.p) {
+            // Translated already, by the ingress that redirected it here a moment ago: a
+            // connection-tracking lookup would only miss (or, for a tuple that is also some
+            // flow's reply, translate it twice).
+            t.ifindex = 0;
+            return OK;
+        }
+    }
     if !known(s, ct_dir::REPLY, false, ct::NOW_ON_HIT) {
         return OK;
     }
     // A local backend's reply, leaving: it comes from the frontend.
     to_stack(ctx, s, pkt_stat::REPLY)
+}
+
+/// Whether `p` is the packet `t` names.
+#[inline(always)]
+fn is_sent(t: &Sent, p: &Pkt) -> bool {
+    t.proto == p.proto as u32
+        && t.src.port_be == p.sport_be
+        && t.dst.port_be == p.dport_be
+        && t.src.addr == p.saddr
+        && t.dst.addr == p.daddr
 }
 
 // ---------------------------------------------------------------------------------------
