@@ -13,7 +13,8 @@
 //! 2. a kernel entry is made: client -> frontend as the client sent it, its reply the plain
 //!    inverse, NAT to the backend (and from the SNAT address and port svc chose), TCP
 //!    established (or closing) with window tracking off (a pickup in the middle of a stream);
-//!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits;
+//!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits (an entry
+//!    already on the client's tuples, left by an uninstall killed before 3, is replaced);
 //! 3. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
 //!    packets untranslated.
 //!
@@ -211,19 +212,23 @@ fn hand_over_one(
         mark(ct, key, fwd, ct_flags::HANDING);
     }
     let mut result = Err(io::Error::from_raw_os_error(libc::EEXIST));
-    for _ in 0..3 {
-        if via_stack {
-            // What netfilter saw of the flow: the packets svc translated (either orientation:
-            // conntrack finds an entry by either of its tuples).
-            let seen = flow.translated();
-            match nl.request(IPCTNL_MSG_CT_DELETE, 0, flow.family(), &seen.delete_attrs()) {
-                Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
+    for attempt in 0..3 {
+        // What netfilter saw of the flow (the packets svc translated; either orientation:
+        // conntrack finds an entry by either of its tuples); and, once the new entry was
+        // refused, an entry on the flow's own tuples as the client sends them: one an earlier
+        // uninstall made before it was killed, before it could mark the flow HANDED. Either
+        // way svc's entry is the flow as its packets have been translated, and replaces it.
+        let stale = [
+            via_stack.then(|| flow.translated()),
+            (attempt > 0).then(|| flow.own()),
+        ];
+        if let Err(e) = stale
+            .iter()
+            .flatten()
+            .try_for_each(|t| nl.delete(flow.family(), t))
+        {
+            result = Err(e);
+            break;
         }
         result = nl.request(
             IPCTNL_MSG_CT_NEW,
@@ -311,6 +316,16 @@ impl Flow {
         }
     }
 
+    /// The tuple the client sends on (the new entry's original one).
+    fn own(&self) -> Tuple {
+        Tuple {
+            family: self.family(),
+            proto: self.proto,
+            src: self.client,
+            dst: self.frontend,
+        }
+    }
+
     fn translated(&self) -> Tuple {
         Tuple {
             family: self.family(),
@@ -322,12 +337,7 @@ impl Flow {
 
     fn new_attrs(&self) -> Vec<u8> {
         let family = self.family();
-        let orig = Tuple {
-            family,
-            proto: self.proto,
-            src: self.client,
-            dst: self.frontend,
-        };
+        let orig = self.own();
         let reply = Tuple {
             family,
             proto: self.proto,
@@ -441,6 +451,14 @@ impl Ctnetlink {
         Ok(Ctnetlink {
             fd: sys::netlink_socket(NETLINK_NETFILTER)?,
         })
+    }
+
+    /// Deletes the entry conntrack finds by tuple `t`, if there is one.
+    fn delete(&self, family: u8, t: &Tuple) -> io::Result<()> {
+        match self.request(IPCTNL_MSG_CT_DELETE, 0, family, &t.delete_attrs()) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            r => r,
+        }
     }
 
     /// Sends one ctnetlink request and waits for its acknowledgement.

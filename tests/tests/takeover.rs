@@ -576,7 +576,7 @@ fn nodeport_step1(mode: Mode) -> Result<()> {
 /// `externalip_flows_across_svc_uninstall`, `loadbalancer_flows_across_svc_uninstall`.
 #[test]
 fn nodeport_flows_across_svc_uninstall() {
-    way_back(Via::NodePort, Mode::Nftables, false, 0).unwrap();
+    way_back(Via::NodePort, Mode::Nftables, false, 0, None).unwrap();
 }
 
 /// The same way back to kube-proxy in iptables mode (Debian's default iptables-nft): its NAT
@@ -588,6 +588,7 @@ fn nodeport_flows_across_svc_uninstall_to_iptables_mode() {
         Mode::Iptables(IptablesBackend::Nft),
         false,
         0,
+        None,
     )
     .unwrap();
 }
@@ -596,7 +597,7 @@ fn nodeport_flows_across_svc_uninstall_to_iptables_mode() {
 /// kube-proxy in nftables mode.
 #[test]
 fn nodeport_flows_across_svc_uninstall_ipv6() {
-    way_back(Via::NodePort, Mode::Nftables, true, 0).unwrap();
+    way_back(Via::NodePort, Mode::Nftables, true, 0, None).unwrap();
 }
 
 /// The window between a flow's kernel entry and svc's mark on it, widened to 300 ms per flow
@@ -609,7 +610,25 @@ fn nodeport_flows_across_svc_uninstall_ipv6() {
 /// netfilter, never marked) is.
 #[test]
 fn nodeport_flows_across_a_widened_handover_window() {
-    way_back(Via::NodePort, Mode::Nftables, false, 300).unwrap();
+    way_back(Via::NodePort, Mode::Nftables, false, 300, None).unwrap();
+}
+
+/// `svc-agent uninstall` killed (SIGKILL) in the middle of its handover, 1.2 s into it, with
+/// the handover slowed to 400 ms per flow (`SVC_TEST_HANDOVER_PAUSE_MS`): a few flows handed
+/// over, one with its kernel entry made but not yet marked HANDED, the rest not begun. The
+/// operator runs it again at once: it hands over every flow the first run did not finish (the
+/// one in the middle included: the kernel entry the first run made on its tuples is replaced),
+/// none fails, and every held connection and the remote UDP stream live on.
+#[test]
+fn nodeport_flows_across_an_uninstall_killed_mid_handover() {
+    way_back(
+        Via::NodePort,
+        Mode::Nftables,
+        false,
+        400,
+        Some(Duration::from_millis(1200)),
+    )
+    .unwrap();
 }
 
 /// The same way back for flows to ExternalIPs (one per Service, routed to the node), to
@@ -621,6 +640,7 @@ fn externalip_flows_across_svc_uninstall() {
         Mode::Iptables(IptablesBackend::Nft),
         false,
         0,
+        None,
     )
     .unwrap();
 }
@@ -629,26 +649,63 @@ fn externalip_flows_across_svc_uninstall() {
 /// as a cloud's controller would), to kube-proxy in nftables mode.
 #[test]
 fn loadbalancer_flows_across_svc_uninstall() {
-    way_back(Via::LoadBalancer, Mode::Nftables, false, 0).unwrap();
+    way_back(Via::LoadBalancer, Mode::Nftables, false, 0, None).unwrap();
 }
 
-/// Runs `svc-agent uninstall --bpffs BPFFS` in network namespace `ns` (where svc's tc
-/// devices are), with `SVC_TEST_HANDOVER_PAUSE_MS` = `pause_ms`; prints its report and
-/// returns it (stdout). Fails if it fails.
+/// `svc-agent uninstall --bpffs BPFFS` in network namespace `ns` (where svc's tc devices
+/// are), with `SVC_TEST_HANDOVER_PAUSE_MS` = `pause_ms`. nsenter execs it in place: the
+/// command's process is the agent's.
+fn uninstall_command(
+    ns: &svc_tests::NetNs,
+    agent: &std::path::Path,
+    bpffs: &std::path::Path,
+    pause_ms: u64,
+) -> Command {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net={}", ns.path().display()))
+        .arg("--")
+        .arg(agent)
+        .args(["uninstall", "--bpffs"])
+        .arg(bpffs)
+        .env("SVC_TEST_HANDOVER_PAUSE_MS", pause_ms.to_string())
+        .stdin(Stdio::null());
+    c
+}
+
+/// Starts `svc-agent uninstall` (`uninstall_command`) and SIGKILLs it `after` its start;
+/// fails if it ended before.
+fn uninstall_killed_in(
+    ns: &svc_tests::NetNs,
+    agent: &std::path::Path,
+    bpffs: &std::path::Path,
+    pause_ms: u64,
+    after: Duration,
+) -> Result<()> {
+    let mut child = uninstall_command(ns, agent, bpffs, pause_ms)
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting svc-agent uninstall")?;
+    std::thread::sleep(after);
+    let early = child.try_wait()?;
+    // Killed and reaped either way: our own child, by its handle.
+    let _ = child.kill();
+    let _ = child.wait();
+    ensure!(
+        early.is_none(),
+        "svc-agent uninstall ended ({early:?}) before it could be killed"
+    );
+    Ok(())
+}
+
+/// Runs `svc-agent uninstall` (`uninstall_command`); prints its report and returns it
+/// (stdout). Fails if it fails.
 fn uninstall_in(
     ns: &svc_tests::NetNs,
     agent: &std::path::Path,
     bpffs: &std::path::Path,
     pause_ms: u64,
 ) -> Result<String> {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", ns.path().display()))
-        .arg("--")
-        .arg(agent)
-        .args(["uninstall", "--bpffs"])
-        .arg(bpffs)
-        .env("SVC_TEST_HANDOVER_PAUSE_MS", pause_ms.to_string())
-        .stdin(Stdio::null())
+    let out = uninstall_command(ns, agent, bpffs, pause_ms)
         .output()
         .context("running svc-agent uninstall")?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -667,13 +724,24 @@ fn uninstall_in(
 /// Checks `svc-agent uninstall`'s report (`text`, its stdout): `flows` flows handed over to
 /// the node's conntrack, none failed.
 fn ensure_handed(text: &str, flows: u64) -> Result<()> {
+    let handed = handed_of(text)?;
+    ensure!(
+        handed == flows,
+        "uninstall handed over {handed} flows, not {flows}"
+    );
+    Ok(())
+}
+
+/// The number of flows `svc-agent uninstall`'s report (`text`) says it handed over; fails
+/// unless it says none failed.
+fn handed_of(text: &str) -> Result<u64> {
     let line = text
         .lines()
         .find_map(|l| l.strip_prefix("handed over to the node's conntrack: "))
         .with_context(|| format!("uninstall reported no handover: {text:?}"))?;
-    let want = format!("{flows} flows, 0 failed");
-    ensure!(line == want, "uninstall handed over {line:?}, not {want:?}");
-    Ok(())
+    line.strip_suffix(" flows, 0 failed")
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("uninstall handed over {line:?}: not every flow"))
 }
 
 /// The frontend the external client's flows go to.
@@ -685,8 +753,15 @@ enum Via {
 }
 
 /// `pause_ms`: `SVC_TEST_HANDOVER_PAUSE_MS` for the uninstall (0: none); with a pause, the
-/// local UDP stream is not checked.
-fn way_back(via: Via, mode: Mode, v6: bool, pause_ms: u64) -> Result<()> {
+/// local UDP stream is not checked. `kill_after`: a first uninstall is killed this long
+/// after its start, and a second one, without a pause, finishes the way back.
+fn way_back(
+    via: Via,
+    mode: Mode,
+    v6: bool,
+    pause_ms: u64,
+    kill_after: Option<Duration>,
+) -> Result<()> {
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
     let t0 = Instant::now();
@@ -857,19 +932,40 @@ fn way_back(via: Via, mode: Mode, v6: bool, pause_ms: u64) -> Result<()> {
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
     let uninstall_began = Instant::now();
-    let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), pause_ms)?;
     // Every held connection and stream is a live flow: 4 + 4 TCP connections, 2 UDP streams.
-    ensure_handed(&text, 10)?;
+    if let Some(after) = kill_after {
+        uninstall_killed_in(
+            sb.client_ns(),
+            &sb.tools.agent,
+            bpffs.path(),
+            pause_ms,
+            after,
+        )?;
+        log(
+            t0,
+            "svc-agent uninstall killed in the middle of its handover",
+        );
+        let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), 0)?;
+        // The first run finished some flows (the rerun skips them), not all.
+        let rest = handed_of(&text)?;
+        ensure!(
+            (1..10).contains(&rest),
+            "the rerun handed over {rest} of the 10 flows: the kill did not land in the middle"
+        );
+    } else {
+        let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), pause_ms)?;
+        ensure_handed(&text, 10)?;
+        // The pause comes once per flow handed over: 10 of them.
+        ensure!(
+            uninstall_began.elapsed() >= Duration::from_millis(10 * pause_ms),
+            "the handover pause did not take effect: uninstall took {:?}",
+            uninstall_began.elapsed()
+        );
+    }
     ensure!(
         !bpffs.path().exists(),
         "uninstall left {}",
         bpffs.path().display()
-    );
-    // The pause comes once per flow handed over: 10 of them.
-    ensure!(
-        uninstall_began.elapsed() >= Duration::from_millis(10 * pause_ms),
-        "the handover pause did not take effect: uninstall took {:?}",
-        uninstall_began.elapsed()
     );
     log(t0, "svc-agent stopped and uninstalled");
     ensure!(
@@ -889,7 +985,9 @@ fn way_back(via: Via, mode: Mode, v6: bool, pause_ms: u64) -> Result<()> {
                 "-f",
                 if v6 { "ipv6" } else { "ipv4" },
             ])
-            .args(["-p", "tcp", "--orig-port-dst"])
+            .args(["-p", "tcp", "--orig-dst"])
+            .arg(to.ip().to_string())
+            .arg("--orig-port-dst")
             .arg(to.port().to_string())
             .stdin(Stdio::null())
             .output()
