@@ -153,22 +153,21 @@ fn forget(key: &CtKey, v: &CtValue) {
 }
 
 /// `forget` for a flow whose entry at `key` was read as `seen` a moment ago, unless that entry
-/// is no longer `seen`: another CPU reclaimed its tuple meanwhile (removed it and stored a
-/// new flow's entry there, possibly in the same element), and that new entry must stay. A
-/// reclaim that lands between this check and the removal a few instructions later still
-/// goes unseen.
+/// is no longer `seen` (another CPU reclaimed its tuple meanwhile: removed it and stored a
+/// new flow's entry there, possibly in the same element, and that new entry must stay) or is
+/// gone (another CPU is reclaiming it). True when the tuple may be claimed. A reclaim that
+/// lands between this check and the removal a few instructions later still goes unseen.
 #[inline(always)]
 fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
-    if let Some(e) = SVC_CT.get_ptr(key) {
-        // SAFETY: a map value, compared in place.
-        if unsafe { &*e } != seen {
-            return false;
-        }
+    let Some(e) = SVC_CT.get_ptr(key) else {
+        // Gone: another CPU removed the flow a moment ago (it is reclaiming the port too);
+        // the port is free for whichever claims it first.
+        return true;
+    };
+    // SAFETY: a map value, compared in place.
+    if unsafe { &*e } != seen {
+        return false;
     }
-    // Gone, the removal goes ahead all the same: another CPU that removed it a moment ago
-    // and claims the port meanwhile loses its claim, and both may then hold the port. Leaving
-    // the removal out in that case does not fit the 512-byte stack of the external ingress
-    // program's deepest call chain.
     forget(key, seen);
     true
 }
@@ -394,8 +393,10 @@ pub const SNAT_ERR: u32 = 2;
 /// were read). The claim is a BPF_NOEXIST insert, so of two CPUs that find one port free, or
 /// reclaim it at the same moment, one stores; the other tries on. Two claims of one port
 /// need another CPU's reclaim to land in the few instructions between `reclaim`'s check and
-/// its removal (before, a dead flow's port was overwritten, so two CPUs could both take it,
-/// and a closed one's was removed without that check). All `SNAT_TRIES` meeting open flows:
+/// its removal (before, a dead flow's port was overwritten, so two CPUs could both take it;
+/// a closed one's was removed without that check; and one found gone, because another CPU
+/// was reclaiming it, was removed all the same, which could remove that CPU's claim). All
+/// `SNAT_TRIES` meeting open flows:
 /// exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the

@@ -62,10 +62,16 @@ pub fn lookup(
     flags: u32,
     route: &mut Route,
 ) {
-    let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
-    crate::mem::zero(&mut params);
-    // SAFETY: a plain C struct, zeroed: its neutral value.
-    let params = unsafe { params.assume_init_mut() };
+    // Built in place in `route` (the scratch space), not on the stack: a 64-byte local here
+    // sat in the frame of every caller, one of which is on the external ingress's deepest
+    // call chain.
+    // SAFETY: `FibParams` is a plain C struct: `MaybeUninit` of it has its layout, and zeroed
+    // it is its neutral value.
+    let raw = unsafe {
+        &mut *(&mut route.params as *mut FibParams).cast::<core::mem::MaybeUninit<FibParams>>()
+    };
+    crate::mem::zero(raw);
+    let params = &mut route.params;
     params.ifindex = ifindex;
     if v6 {
         params.family = AF_INET6;
@@ -76,7 +82,7 @@ pub fn lookup(
         params.__bindgen_anon_3.ipv4_src = words(src)[3];
         params.__bindgen_anon_4.ipv4_dst = words(dst)[3];
     }
-    // SAFETY: params is a local of the size given.
+    // SAFETY: params is memory of the size given (a map value).
     route.ret = unsafe {
         bpf_fib_lookup(
             ctx.skb.skb.cast(),
@@ -85,7 +91,6 @@ pub fn lookup(
             flags,
         )
     };
-    route.params = *params;
 }
 
 /// The preferred source the lookup named (mapped), for `LOOKUP_SRC`.
