@@ -13,8 +13,10 @@
 //! 2. a kernel entry is made: client -> frontend as the client sent it, its reply the plain
 //!    inverse, NAT to the backend (and from the SNAT address and port svc chose), TCP
 //!    established (or closing) with window tracking off (a pickup in the middle of a stream);
-//!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits (an entry
-//!    already on the client's tuples, left by an uninstall killed before 3, is replaced);
+//!    nf_nat_setup_info derives the NATed reply tuple and sets the NAT status bits. An entry
+//!    already on the client's tuples (either of its own: the one an uninstall killed before
+//!    3 made, or one netfilter made before svc's programs ran) refuses it: it is deleted and
+//!    the new one made again, as svc's entry is the flow as svc translated it;
 //! 3. the flow's FORWARD entry is marked `HANDED` at once: svc's programs pass the client's
 //!    packets untranslated.
 //!
@@ -97,6 +99,9 @@ pub struct Handover {
     pub handed: u64,
     /// Flows it refused, by reason.
     pub failed: BTreeMap<String, u64>,
+    /// Of `handed`, flows whose new entry replaced one already on the client's tuples (one
+    /// an uninstall killed in the middle leaves).
+    pub replaced: u64,
 }
 
 impl Handover {
@@ -152,7 +157,10 @@ pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
         }
         let flow = Flow::of(key, fwd, flags, (life - idle_s).max(1));
         match hand_over_one(&nl, &mut ct, key, fwd, &flow) {
-            Ok(()) => done.handed += 1,
+            Ok(replaced) => {
+                done.handed += 1;
+                done.replaced += u64::from(replaced);
+            }
             Err(e) => *done.failed.entry(reason(&e)).or_default() += 1,
         }
     }
@@ -204,7 +212,7 @@ fn hand_over_one(
     key: &CtKey,
     fwd: &CtValue,
     flow: &Flow,
-) -> io::Result<()> {
+) -> io::Result<bool> {
     let via_stack = fwd.flags & ct_flags::SNAT == 0 || fwd.snat_addr == key.saddr;
     if via_stack {
         // From here until the mark HANDED the client's packets are dropped: none meets
@@ -212,23 +220,28 @@ fn hand_over_one(
         mark(ct, key, fwd, ct_flags::HANDING);
     }
     let mut result = Err(io::Error::from_raw_os_error(libc::EEXIST));
+    let mut replaced = false;
     for attempt in 0..3 {
-        // What netfilter saw of the flow (the packets svc translated; either orientation:
-        // conntrack finds an entry by either of its tuples); and, once the new entry was
-        // refused, an entry on the flow's own tuples as the client sends them: one an earlier
-        // uninstall made before it was killed, before it could mark the flow HANDED. Either
-        // way svc's entry is the flow as its packets have been translated, and replaces it.
-        let stale = [
-            via_stack.then(|| flow.translated()),
-            (attempt > 0).then(|| flow.own()),
-        ];
-        if let Err(e) = stale
-            .iter()
-            .flatten()
-            .try_for_each(|t| nl.delete(flow.family(), t))
-        {
-            result = Err(e);
-            break;
+        // What netfilter saw of the flow: the packets svc translated (either orientation:
+        // conntrack finds an entry by either of its tuples).
+        if via_stack {
+            if let Err(e) = nl.delete(flow.family(), &flow.translated()) {
+                result = Err(e);
+                break;
+            }
+        }
+        // Once the new entry was refused: an entry on the flow's own tuples as the client
+        // sends them (by either of its tuples), such as the one an earlier uninstall made
+        // before it was killed, before it could mark the flow HANDED. svc's entry is the flow
+        // as its packets have been translated, and replaces it.
+        if attempt > 0 {
+            match nl.delete(flow.family(), &flow.own()) {
+                Ok(deleted) => replaced |= deleted,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
         }
         result = nl.request(
             IPCTNL_MSG_CT_NEW,
@@ -247,7 +260,7 @@ fn hand_over_one(
                 std::thread::sleep(pause);
             }
             mark(ct, key, fwd, ct_flags::HANDED);
-            Ok(())
+            Ok(replaced)
         }
         Err(e) => {
             // svc keeps the flow.
@@ -453,11 +466,12 @@ impl Ctnetlink {
         })
     }
 
-    /// Deletes the entry conntrack finds by tuple `t`, if there is one.
-    fn delete(&self, family: u8, t: &Tuple) -> io::Result<()> {
+    /// Deletes the entry conntrack finds by tuple `t`, if there is one: whether there was.
+    fn delete(&self, family: u8, t: &Tuple) -> io::Result<bool> {
         match self.request(IPCTNL_MSG_CT_DELETE, 0, family, &t.delete_attrs()) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-            r => r,
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

@@ -383,10 +383,22 @@ fn main() -> anyhow::Result<()> {
                     h.handed,
                     h.failed_total()
                 ));
+                if h.replaced > 0 {
+                    text.push_str(&format!(
+                        "  {} of them in place of a kernel entry already on their tuples (as an \
+                         uninstall killed in the middle leaves)\n",
+                        h.replaced
+                    ));
+                }
                 for (why, n) in &h.failed {
                     text.push_str(&format!("  {n} not handed over: {why}\n"));
                 }
-                tracing::info!(handed = h.handed, failed = h.failed_total(), "handover");
+                tracing::info!(
+                    handed = h.handed,
+                    replaced = h.replaced,
+                    failed = h.failed_total(),
+                    "handover"
+                );
             }
             if let Some(e) = &done.handover_error {
                 text.push_str(&format!(

@@ -3206,26 +3206,37 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     );
 }
 
-/// Keeps the calling thread on the CPU it runs on: per-CPU state that one program run leaves
-/// for the next is then the same CPU's.
-fn stay_on_this_cpu() {
-    // SAFETY: plain libc calls on a zeroed cpu_set_t, for the calling thread.
+/// Keeps the calling thread on the CPU it runs on until dropped: per-CPU state that one
+/// program run leaves for the next is then the same CPU's.
+struct OnThisCpu {
+    before: libc::cpu_set_t,
+}
+
+fn stay_on_this_cpu() -> OnThisCpu {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    let err = std::io::Error::last_os_error;
+    // SAFETY: plain libc calls on cpu_set_t values of the size given, for the calling thread.
     unsafe {
-        let cpu = libc::sched_getcpu();
-        assert!(
-            cpu >= 0,
-            "sched_getcpu: {}",
-            std::io::Error::last_os_error()
+        let mut before: libc::cpu_set_t = std::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, size, &mut before),
+            0,
+            "{}",
+            err()
         );
+        let cpu = libc::sched_getcpu();
+        assert!(cpu >= 0, "sched_getcpu: {}", err());
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu as usize, &mut set);
-        let r = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        assert_eq!(
-            r,
-            0,
-            "sched_setaffinity: {}",
-            std::io::Error::last_os_error()
-        );
+        assert_eq!(libc::sched_setaffinity(0, size, &set), 0, "{}", err());
+        OnThisCpu { before }
+    }
+}
+
+impl Drop for OnThisCpu {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.before) };
     }
 }
 
@@ -3237,7 +3248,7 @@ fn stay_on_this_cpu() {
 #[test]
 fn egress_leaves_a_packet_the_ingress_routed() {
     let mut dp = world();
-    stay_on_this_cpu();
+    let _cpu = stay_on_this_cpu();
     let c = "203.0.113.7:40300";
     let routed = |dp: &Dp, flags: u8| -> Vec<u8> {
         let (v, out, _) = dp.run_on(

@@ -396,8 +396,7 @@ pub const SNAT_ERR: u32 = 2;
 /// its removal (before, a dead flow's port was overwritten, so two CPUs could both take it;
 /// a closed one's was removed without that check; and one found gone, because another CPU
 /// was reclaiming it, was removed all the same, which could remove that CPU's claim). All
-/// `SNAT_TRIES` meeting open flows:
-/// exhausted.
+/// `SNAT_TRIES` meeting open flows: exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
 /// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it

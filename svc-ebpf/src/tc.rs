@@ -295,10 +295,12 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     let now = now();
-    // Looked up before the FORWARD entry: a packet to a SNAT address and port is a remote
-    // backend's reply far more often than a client's packet to a frontend there (a NodePort
-    // is outside the SNAT range unless both ranges are set to overlap), and each lookup of
-    // the connection-tracking table is a cache miss in busy traffic.
+    // Looked up before the FORWARD entry: with the default ranges a packet to a SNAT address
+    // and port is a remote backend's reply, not a client's packet to a frontend (NodePorts
+    // lie below the SNAT range), and each lookup of the connection-tracking table is a cache
+    // miss in busy traffic. A SNAT range that covers frontend ports on node addresses (the
+    // agent's default when the node's ephemeral ports reach 65535 is 1024 up to them) makes
+    // those frontends' packets pay a REPLY lookup that misses first.
     if in_snat_range(s.p.dport_be)
         && lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT != 0
         && known(s, ct_dir::REPLY, false, now)

@@ -614,11 +614,13 @@ fn nodeport_flows_across_a_widened_handover_window() {
 }
 
 /// `svc-agent uninstall` killed (SIGKILL) in the middle of its handover, 1.2 s into it, with
-/// the handover slowed to 400 ms per flow (`SVC_TEST_HANDOVER_PAUSE_MS`): a few flows handed
-/// over, one with its kernel entry made but not yet marked HANDED, the rest not begun. The
-/// operator runs it again at once: it hands over every flow the first run did not finish (the
-/// one in the middle included: the kernel entry the first run made on its tuples is replaced),
-/// none fails, and every held connection and the remote UDP stream live on.
+/// the handover slowed to 400 ms per flow (`SVC_TEST_HANDOVER_PAUSE_MS`, a pause after each
+/// flow's kernel entry is made): a few flows handed over, one with its kernel entry made but
+/// not yet marked HANDED, the rest not begun. The operator runs it again at once: it hands
+/// over every flow the first run did not finish (the one in the middle included: it reports
+/// the kernel entry the first run made on its tuples replaced), none fails, and every held
+/// connection and the remote UDP stream live on. Before, the rerun reported that flow failed
+/// (the kernel entry existed).
 #[test]
 fn nodeport_flows_across_an_uninstall_killed_mid_handover() {
     way_back(
@@ -946,11 +948,18 @@ fn way_back(
             "svc-agent uninstall killed in the middle of its handover",
         );
         let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), 0)?;
-        // The first run finished some flows (the rerun skips them), not all.
+        // The first run finished some flows (the rerun skips them), not all, and was killed
+        // in the pause after a flow's kernel entry: the rerun replaced that entry.
         let rest = handed_of(&text)?;
         ensure!(
             (1..10).contains(&rest),
             "the rerun handed over {rest} of the 10 flows: the kill did not land in the middle"
+        );
+        ensure!(
+            text.contains(&format!(
+                "handed over to the node's conntrack: {rest} flows, 0 failed\n  1 of them in place of a kernel entry"
+            )),
+            "the rerun replaced no kernel entry of the killed run's: the kill did not land in a flow's handover"
         );
     } else {
         let text = uninstall_in(sb.client_ns(), &sb.tools.agent, bpffs.path(), pause_ms)?;
