@@ -1,4 +1,5 @@
-//! Every map of the datapath, in one place. Types live in svc-common; names are pinned as is.
+//! Every pinned map of the datapath, in one place (the per-CPU working state, never pinned,
+//! is in scratch.rs). Types live in svc-common; names are pinned as is.
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
