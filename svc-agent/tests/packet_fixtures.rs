@@ -3250,6 +3250,13 @@ fn egress_leaves_a_packet_the_ingress_routed() {
     let mut dp = world();
     let _cpu = stay_on_this_cpu();
     let c = "203.0.113.7:40300";
+    // From `src` to the remote backend, as the ingress routes it to node 2.
+    let to_node2 = |src: &str, flags: u8| -> Vec<u8> {
+        tcp(src, "10.244.2.7:8080", flags)
+            .macs(NODE2_MAC, EXT_MAC)
+            .ttl(63)
+            .bytes()
+    };
     let routed = |dp: &Dp, flags: u8| -> Vec<u8> {
         let (v, out, _) = dp.run_on(
             ExtIngress,
@@ -3258,13 +3265,7 @@ fn egress_leaves_a_packet_the_ingress_routed() {
             1,
         );
         assert_eq!(v, REDIRECT, "routed to node 2");
-        assert_eq!(
-            out,
-            tcp("192.0.2.10:61000", "10.244.2.7:8080", flags)
-                .macs(NODE2_MAC, EXT_MAC)
-                .ttl(63)
-                .bytes()
-        );
+        assert_eq!(out, to_node2("192.0.2.10:61000", flags));
         out
     };
     let sent = routed(&dp, TCP_SYN);
@@ -3287,10 +3288,8 @@ fn egress_leaves_a_packet_the_ingress_routed() {
             0,
         )
         .unwrap();
-    let twice = tcp("192.0.2.10:30099", "10.244.2.7:8080", TCP_SYN)
-        .macs(NODE2_MAC, EXT_MAC)
-        .ttl(63)
-        .bytes();
+    // What that entry makes of it.
+    let twice = |flags: u8| to_node2("192.0.2.10:30099", flags);
     let egress = |dp: &Dp, dev: u32, p: &[u8]| -> Vec<u8> {
         let (v, out, _) = dp.run_on(ExtEgress, dev, p, 1);
         assert_eq!(v, OK);
@@ -3299,17 +3298,13 @@ fn egress_leaves_a_packet_the_ingress_routed() {
     assert_eq!(egress(&dp, dp.ext0, &sent), sent, "just sent: left alone");
     assert_eq!(
         egress(&dp, dp.ext0, &sent),
-        twice,
+        twice(TCP_SYN),
         "the same packet again, not sent by the ingress: looked up"
     );
     let sent = routed(&dp, TCP_ACK);
-    let twice_ack = tcp("192.0.2.10:30099", "10.244.2.7:8080", TCP_ACK)
-        .macs(NODE2_MAC, EXT_MAC)
-        .ttl(63)
-        .bytes();
     assert_eq!(
         egress(&dp, dp.ext1, &sent),
-        twice_ack,
+        twice(TCP_ACK),
         "sent to ext0, seen leaving by ext1: looked up"
     );
     assert_eq!(

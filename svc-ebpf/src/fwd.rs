@@ -65,12 +65,8 @@ pub fn lookup(
     // Built in place in `route` (the scratch space), not on the stack: a 64-byte local here
     // sat in the frame of every caller, one of which is on the external ingress's deepest
     // call chain.
-    // SAFETY: `FibParams` is a plain C struct: `MaybeUninit` of it has its layout, and zeroed
-    // it is its neutral value.
-    let raw = unsafe {
-        &mut *(&mut route.params as *mut FibParams).cast::<core::mem::MaybeUninit<FibParams>>()
-    };
-    crate::mem::zero(raw);
+    // SAFETY: a plain C struct; all-zero is its neutral value.
+    unsafe { crate::mem::clear(&mut route.params) };
     let params = &mut route.params;
     params.ifindex = ifindex;
     if v6 {

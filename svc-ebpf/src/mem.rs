@@ -22,3 +22,13 @@ pub fn zero<T>(v: &mut MaybeUninit<T>) {
         unsafe { core::ptr::write_volatile(w.add(i), 0) };
     }
 }
+
+/// Zeroes `*v` in 4-byte stores, as `zero`.
+///
+/// # Safety
+/// All-zero must be a valid `T` (a plain C struct or plain bytes).
+#[inline(always)]
+pub unsafe fn clear<T>(v: &mut T) {
+    // SAFETY: `MaybeUninit<T>` has `T`'s layout; the caller vouches for the zeroed value.
+    zero(unsafe { &mut *(v as *mut T).cast::<MaybeUninit<T>>() });
+}

@@ -118,7 +118,7 @@ pub fn be16(b: [u8; 2]) -> u16 {
 #[inline(always)]
 fn clear(p: &mut Pkt) {
     // SAFETY: a `Pkt` is plain bytes; every bit pattern, all zero included, is one.
-    crate::mem::zero(unsafe { &mut *(p as *mut Pkt).cast::<core::mem::MaybeUninit<Pkt>>() });
+    unsafe { crate::mem::clear(p) };
 }
 
 /// `N` bytes at `off`, read into a buffer that is not zeroed first (zeroing it was a byte

@@ -56,13 +56,19 @@ pub struct Scratch {
 #[btf_map]
 static SVC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
-/// This CPU's scratch space; `None` never happens for a one-entry array, but the verifier
-/// wants the check.
+/// This CPU's scratch space.
 #[inline(always)]
 pub fn get() -> Option<&'static mut Scratch> {
-    let s = SVC_SCRATCH.get_ptr_mut(0)?;
+    this_cpu(&SVC_SCRATCH)
+}
+
+/// This CPU's entry of a one-entry per-CPU array; `None` never happens, but the verifier
+/// wants the check.
+#[inline(always)]
+fn this_cpu<T>(m: &'static PerCpuArray<T, 1>) -> Option<&'static mut T> {
+    let p = m.get_ptr_mut(0)?;
     // SAFETY: per CPU, and only this program runs on this CPU until it returns.
-    Some(unsafe { &mut *s })
+    Some(unsafe { &mut *p })
 }
 
 /// The last packet this CPU's external ingress redirected to a device's egress, as it left
@@ -84,10 +90,8 @@ pub struct Sent {
 #[btf_map]
 static SVC_SENT: PerCpuArray<Sent, 1> = PerCpuArray::new();
 
-/// This CPU's `Sent`; `None` never happens, as for `get`.
+/// This CPU's `Sent`.
 #[inline(always)]
 pub fn sent() -> Option<&'static mut Sent> {
-    let t = SVC_SENT.get_ptr_mut(0)?;
-    // SAFETY: per CPU, as for `get`.
-    Some(unsafe { &mut *t })
+    this_cpu(&SVC_SENT)
 }

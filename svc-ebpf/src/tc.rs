@@ -271,6 +271,22 @@ fn in_snat_range(port_be: u16) -> bool {
     port >= min && port <= max
 }
 
+/// Whether the packet's flow, its FORWARD entry in `s.v`, is being handed over to the node's
+/// conntrack (`ct_flags::HANDING`, the mark still holding): the packet is to be dropped
+/// (counted). A lapsed mark is cleared: the flow is svc's again.
+#[inline(always)]
+fn held_for_handover(s: &Scratch, now: u64) -> bool {
+    if s.v.flags & ct_flags::HANDING == 0 {
+        return false;
+    }
+    if ct::handing_holds(&s.v, now) {
+        dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+        return true;
+    }
+    ct::lapse_handing(&s.p);
+    false
+}
+
 /// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
 /// translation it gives into `s.src`/`s.dst`.
 #[inline(always)]
@@ -311,12 +327,8 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return send_routed(ctx, s, pkt_stat::REPLY);
     }
     if known(s, ct_dir::FORWARD, false, now) {
-        if s.v.flags & ct_flags::HANDING != 0 {
-            if ct::handing_holds(&s.v, now) {
-                dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
-                return SHOT;
-            }
-            ct::lapse_handing(&s.p);
+        if held_for_handover(s, now) {
+            return SHOT;
         }
         if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
             // To a local backend, from the client itself (its port remapped, perhaps: see
@@ -611,12 +623,8 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     if known(s, ct_dir::FORWARD, true, now) {
-        if s.v.flags & ct_flags::HANDING != 0 {
-            if ct::handing_holds(&s.v, now) {
-                dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
-                return SHOT;
-            }
-            ct::lapse_handing(&s.p);
+        if held_for_handover(s, now) {
+            return SHOT;
         }
         return pod_send(ctx, s, pkt_stat::CT_HIT);
     }

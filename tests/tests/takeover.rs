@@ -688,10 +688,11 @@ fn uninstall_killed_in(
         .spawn()
         .context("starting svc-agent uninstall")?;
     std::thread::sleep(after);
-    let early = child.try_wait()?;
-    // Killed and reaped either way: our own child, by its handle.
+    let early = child.try_wait();
+    // Killed and reaped whatever `try_wait` said: our own child, by its handle.
     let _ = child.kill();
     let _ = child.wait();
+    let early = early.context("polling svc-agent uninstall")?;
     ensure!(
         early.is_none(),
         "svc-agent uninstall ended ({early:?}) before it could be killed"
@@ -956,9 +957,7 @@ fn way_back(
             "the rerun handed over {rest} of the 10 flows: the kill did not land in the middle"
         );
         ensure!(
-            text.contains(&format!(
-                "handed over to the node's conntrack: {rest} flows, 0 failed\n  1 of them in place of a kernel entry"
-            )),
+            text.contains("\n  1 of them in place of a kernel entry"),
             "the rerun replaced no kernel entry of the killed run's: the kill did not land in a flow's handover"
         );
     } else {
