@@ -65,6 +65,10 @@ pub fn get() -> Option<&'static mut Scratch> {
 /// This CPU's entry of a one-entry per-CPU array; `None` never happens, but the verifier
 /// wants the check.
 #[inline(always)]
+#[allow(
+    clippy::mut_from_ref,
+    reason = "the map's per-CPU value, not the map, is lent"
+)]
 fn this_cpu<T>(m: &'static PerCpuArray<T, 1>) -> Option<&'static mut T> {
     let p = m.get_ptr_mut(0)?;
     // SAFETY: per CPU, and only this program runs on this CPU until it returns.
