@@ -528,6 +528,32 @@ impl Agent {
     }
 }
 
+/// The lines of an agent log that tell of a request the API server refused: "forbidden" in any
+/// case, or the status 403 as a number of its own. The timestamp each line starts with is left
+/// out: its fraction of a second holds any three digits, "403" too.
+pub fn refusals(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|line| {
+            let message = match line.split_once(' ') {
+                Some((first, rest)) if is_timestamp(first) => rest,
+                _ => line,
+            };
+            message.to_ascii_lowercase().contains("forbidden")
+                || message
+                    .split(|c: char| !c.is_ascii_digit())
+                    .any(|number| number == "403")
+        })
+        .collect()
+}
+
+/// RFC 3339 in UTC as tracing writes it: 2026-12-01T20:18:13.854403Z.
+fn is_timestamp(word: &str) -> bool {
+    word.len() > 20
+        && word.ends_with('Z')
+        && word.as_bytes()[10] == b'T'
+        && word[..4].bytes().all(|b| b.is_ascii_digit())
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         if let Some(child) = &mut self.child {
@@ -544,5 +570,33 @@ impl Drop for Agent {
         if self.print_logs {
             eprintln!("{}", self.all_logs());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refusals;
+
+    #[test]
+    fn a_timestamp_is_no_refusal() {
+        // Seen in CI: the scenario took this line for a 403.
+        let log = "2026-12-01T20:18:13.854403Z  INFO svc_agent::datapath: attached \
+                   program=\"getpeername6\" cgroup=/sys/fs/cgroup/unified/svc-test-14588-93\n\
+                   svc-agent: ready\n";
+        assert!(refusals(log).is_empty(), "{:?}", refusals(log));
+    }
+
+    #[test]
+    fn a_refused_watch_is_found() {
+        let forbidden = "2026-12-01T20:18:13.854403Z  WARN svc_agent::source::kube: Service: \
+                         failed to perform initial object list: ApiError: services is \
+                         forbidden: User \"system:serviceaccount:kube-system:svc-agent\" \
+                         cannot list resource \"services\"";
+        let code = "2026-12-01T20:18:14.000001Z  WARN svc_agent::source::kube: Node: \
+                    ErrorResponse { code: 403 }";
+        let log = format!("svc-agent: synced\n{forbidden}\n{code}\nsvc-agent: ready\n");
+        assert_eq!(refusals(&log), vec![forbidden, code]);
+        assert_eq!(refusals("HTTP 403\n"), vec!["HTTP 403"]);
+        assert!(refusals("port 34031\n").is_empty());
     }
 }

@@ -44,8 +44,9 @@ use common::{names, sa, set};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::{json, Value};
 use svc_tests::{
-    agent::http_get, control_plane::ControlPlane, require_root, Agent, Backend, Bpffs, Report,
-    Sandbox, Tools,
+    agent::{http_get, refusals},
+    control_plane::ControlPlane,
+    require_root, Agent, Backend, Bpffs, Report, Sandbox, Tools,
 };
 
 /// The bound for a live change.
@@ -1619,9 +1620,10 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         "watch errors with the ServiceAccount: {errors:?}"
     );
     let log = env.agent().log();
+    let refused = refusals(&log);
     ensure!(
-        !log.contains("403") && !log.contains("forbidden"),
-        "the agent was refused something:\n{log}"
+        refused.is_empty(),
+        "the agent was refused something: {refused:#?}\n{log}"
     );
     Ok(())
 }
