@@ -838,8 +838,9 @@ fn findings(samples: &[Sample]) -> String {
             "\n**svc failed new connections to the remote backend** ({f} of {all} attempts \
              failed in this run; the error counts are in the list above). Such a flow takes a \
              source port of its own from the SNAT range (default 61001-65535: 4,535 ports); \
-             a closed flow's port is reclaimed for a new flow when 4 random tries find no \
-             free one (`create_snat`, svc-ebpf/src/ct.rs), so ports run out only with 4,535 \
+             a reset flow's port is taken like a free one, and a flow closed by FINs has \
+             its port reclaimed when 4 random tries find no free one (`create_snat`, \
+             svc-ebpf/src/ct.rs), so ports run out only with 4,535 \
              flows to one backend open at once, and a drop for that is counted \
              (`svc_packet_decisions_total`, reason `drop_snat_exhausted`). This run does not say which \
              of its packets were lost."
