@@ -3,9 +3,9 @@
 //! per-packet ClusterIP flows of pod devices) over to the node's conntrack, as conntrackd does
 //! on failover, so that once svc's tc programs are gone netfilter (kube-proxy's NAT hooks)
 //! translates the flow's next packet as svc did instead of taking it for a new connection.
-//! A pod device's hairpin flows (a pod reaching itself, SNATed to the frontend and sent
-//! straight back into its device) are not handed over: untested, they end as they did
-//! before.
+//! A pod device's hairpin flows (a pod reaching itself, SNATed from the frontend and sent
+//! straight back into its device) are handed over too: their entry NATs both ways, as svc
+//! translated them (to the pod itself, and from the frontend on svc's SNAT port).
 //!
 //! Per flow, while svc's programs still translate:
 //! 1. the un-NATed entry netfilter made for it (client -> backend, once kube-proxy's rules
@@ -21,13 +21,14 @@
 //!    packets untranslated.
 //!
 //! A flow whose packets go through the node's stack (to a local backend, and every pod
-//! device's flow) is marked `HANDING` before 1 and until 3: svc's programs drop the
-//! client's packets meanwhile (TCP sends them again; a UDP datagram is lost). One that svc
-//! translated between 2 and 3 would meet netfilter beside the new kernel entry, be taken for
-//! a new connection whose reply tuple is taken, get its source port remapped, and the
-//! backend would reset the connection (`nodeport_flows_across_a_widened_handover_window`).
-//! External flows to a remote backend are redirected past netfilter and have no such
-//! window.
+//! device's flow but a hairpin one) is marked `HANDING` before 1 and until 3: svc's
+//! programs drop the client's packets meanwhile (TCP sends them again; a UDP datagram is
+//! lost). One that svc translated between 2 and 3 would meet netfilter beside the new
+//! kernel entry, be taken for a new connection whose reply tuple is taken, get its source
+//! port remapped, and the backend would reset the connection
+//! (`nodeport_flows_across_a_widened_handover_window`).
+//! External flows to a remote backend are redirected past netfilter, and a pod's hairpin
+//! flows are sent back into its device past it: they have no such window.
 //!
 //! Hand-written ctnetlink (two message kinds, a few attributes): no crate in this workspace's
 //! dependencies builds conntrack entries with NAT, and netlink-packet-netfilter, the one
@@ -121,9 +122,8 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Hands every live flow of svc's tc programs in the CT map `ct` (but a pod device's hairpin
-/// flows) over to the conntrack of the calling thread's network namespace; `config` is the
-/// datapath's (its timeouts). A flow the kernel refuses stays svc's (and dies with svc's
+/// Hands every live flow of svc's tc programs in the CT map `ct` over to the conntrack of the
+/// calling thread's network namespace; `config` is the datapath's (its timeouts). A flow the kernel refuses stays svc's (and dies with svc's
 /// programs); nothing here fails the caller but a map or socket it cannot use.
 pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let entries: HashMap<CtKey, CtValue> = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())?
@@ -136,8 +136,6 @@ pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let mut done = Handover::default();
     for (key, fwd) in &entries {
         if key.dir != ct_dir::FORWARD
-            || (fwd.flags & (ct_flags::POD | ct_flags::SNAT) == ct_flags::POD | ct_flags::SNAT
-                && fwd.snat_addr != key.saddr)
             || ct_flags::closed(fwd.flags)
             || fwd.flags & ct_flags::HANDED != 0
         {

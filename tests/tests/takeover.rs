@@ -1066,17 +1066,18 @@ fn way_back(
 /// unseen by the socket hooks, as a service mesh's pods), behind a device of
 /// `--packet-lb-devices`, holds TCP connections and a UDP stream through a ClusterIP whose
 /// backend is a pod on another node (svc: DNAT per packet on the pod's device, the pod's
-/// address kept); kube-proxy (nftables mode) starts in the node's namespace; svc-agent stops
-/// and `svc-agent uninstall` runs there. Every held connection and the stream must live on
-/// (their flows handed over to the node's conntrack), and the pod's new connections must go
-/// through kube-proxy.
+/// address kept), and TCP connections to itself through another ClusterIP (hairpin: svc
+/// DNATs to the pod and SNATs from the ClusterIP on a port of its SNAT range); kube-proxy
+/// (nftables mode) starts in the node's namespace; svc-agent stops and `svc-agent uninstall`
+/// runs there. Every held connection and the stream must live on (their flows handed over to
+/// the node's conntrack), and the pod's new connections must go through kube-proxy.
 #[test]
 fn pod_device_flows_across_svc_uninstall() {
     pod_device_way_back().unwrap();
 }
 
 fn pod_device_way_back() -> Result<()> {
-    use svc_tests::topology::{Nodes, NODE1, NODE1_6, POD2};
+    use svc_tests::topology::{Nodes, NODE1, NODE1_6, POD1, POD2};
     use svc_tests::{Backend, Bpffs, ClientRun, Report, TempDir, TestCgroup};
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
@@ -1090,6 +1091,8 @@ fn pod_device_way_back() -> Result<()> {
     let outside = TestCgroup::new()?;
     let backend_at: SocketAddr = format!("{POD2}:8080").parse()?;
     let _backend = Backend::start(&tools.probe, &nodes.pod2, "pod2", &[backend_at])?;
+    let own_at: SocketAddr = format!("{POD1}:8081").parse()?;
+    let _own = Backend::start(&tools.probe, &nodes.pod1, "pod1", &[own_at])?;
     let node = json!({
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
         "status": {"addresses": [{"type": "InternalIP", "address": NODE1},
@@ -1112,27 +1115,41 @@ fn pod_device_way_back() -> Result<()> {
                          {"name": "dns", "port": 8080, "protocol": "UDP"}],
                "endpoints": [{"addresses": [POD2], "conditions": {"ready": true},
                               "nodeName": "node-2"}]}),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "own", "namespace": ns},
+               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4"],
+                        "ports": [{"name": "http", "port": 81, "targetPort": 8081}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "own-1", "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": "own"}},
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"}],
+               "endpoints": [{"addresses": [POD1], "conditions": {"ready": true},
+                              "nodeName": "node-1"}]}),
     ];
     let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
     let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
-    let cluster_ip: IpAddr = stored
-        .iter()
-        .find(|o| o["kind"] == "Service")
-        .and_then(|s| s["spec"]["clusterIP"].as_str())
-        .context("no clusterIP")?
-        .parse()?;
+    let cluster_ip_of = |name: &str| -> Result<IpAddr> {
+        Ok(stored
+            .iter()
+            .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == name)
+            .and_then(|s| s["spec"]["clusterIP"].as_str())
+            .with_context(|| format!("{name}: no clusterIP"))?
+            .parse()?)
+    };
+    let cluster_ip = cluster_ip_of("mesh")?;
     let (tcp_to, udp_to) = (
         SocketAddr::new(cluster_ip, 80),
         SocketAddr::new(cluster_ip, 53),
     );
+    let own_to = SocketAddr::new(cluster_ip_of("own")?, 81);
     // The pod's clients: outside the served cgroup, in the pod's namespace.
     let pod_client = |args: &[String]| ClientRun::spawn(&tools.probe, &outside, &nodes.pod1, args);
-    let probe_ok = || -> Result<()> {
+    let probe = |to: SocketAddr| -> Result<()> {
         let r: Report = pod_client(
             &[
                 "tcp",
                 "--to",
-                &tcp_to.to_string(),
+                &to.to_string(),
                 "--count",
                 "3",
                 "--timeout-ms",
@@ -1142,8 +1159,12 @@ fn pod_device_way_back() -> Result<()> {
             .map(String::from),
         )?
         .wait(Duration::from_secs(10))?;
-        ensure!(r.all_ok(), "{tcp_to} from the pod: {:?}", r.failures());
+        ensure!(r.all_ok(), "{to} from the pod: {:?}", r.failures());
         Ok(())
+    };
+    let probe_ok = || -> Result<()> {
+        probe(tcp_to)?;
+        probe(own_to)
     };
 
     // svc alone serves the ClusterIP, per packet on the pod's device.
@@ -1184,6 +1205,17 @@ fn pod_device_way_back() -> Result<()> {
         "--interval-ms".into(),
         "50".into(),
     ])?;
+    let hairpin = pod_client(&[
+        "hold".into(),
+        "--to".into(),
+        own_to.to_string(),
+        "--connections".into(),
+        "2".into(),
+        "--duration-ms".into(),
+        whole.as_millis().to_string(),
+        "--interval-ms".into(),
+        "50".into(),
+    ])?;
     let stream = pod_client(&[
         "udp-stream".into(),
         "--to".into(),
@@ -1196,7 +1228,10 @@ fn pod_device_way_back() -> Result<()> {
         "1000".into(),
     ])?;
     std::thread::sleep(Duration::from_secs(2));
-    log(t0, "the pod's TCP connections and UDP stream through svc");
+    log(
+        t0,
+        "the pod's TCP connections (2 of them to itself) and UDP stream through svc",
+    );
 
     let bin = kube_proxy::binary_from_env()?;
     let mut kp = KubeProxy::start(
@@ -1210,8 +1245,8 @@ fn pod_device_way_back() -> Result<()> {
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
     let text = uninstall_in(&nodes.node1, &tools.agent, bpffs.path(), 0)?;
-    // 4 TCP connections and a UDP stream.
-    ensure_handed(&text, 5)?;
+    // 4 TCP connections to the other node's pod, 2 to the pod itself, and a UDP stream.
+    ensure_handed(&text, 7)?;
     log(t0, "svc-agent stopped and uninstalled");
     ensure!(
         held_since.elapsed() + Duration::from_secs(5) < whole,
@@ -1244,10 +1279,16 @@ fn pod_device_way_back() -> Result<()> {
     }
     let t = whole + Duration::from_secs(20);
     let hold: HoldReport = hold.wait(t)?;
+    let hairpin: HoldReport = hairpin.wait(t)?;
     let stream: StreamReport = stream.wait(t)?;
     log(t0, "clients done");
     for r in [
         check_hold("the pod's ClusterIP connections made under svc", &hold, 4),
+        check_hold(
+            "the pod's connections to itself through a ClusterIP made under svc",
+            &hairpin,
+            2,
+        ),
         check_stream(
             "the pod's ClusterIP UDP stream made under svc",
             &stream,
