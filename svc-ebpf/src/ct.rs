@@ -36,13 +36,14 @@ const SNAT_PORT_MAX: u16 = 65535;
 /// is nearly full of open flows for that backend.
 pub const SNAT_TRIES: u32 = 32;
 
-/// The first tries take only a free port, a dead flow's, or a reset one's; from then on a
-/// closed flow's port is taken too (its entries removed). A range held by closed flows (a high
-/// rate of short connections to one backend) then costs at most 5 tries per new flow, not 32
-/// and a drop; a free port is preferred while one is found within 4 tries, so a tuple closed
-/// by FINs, which the backend may still hold in TIME_WAIT (or LAST_ACK, its last ACK in
-/// flight), is reused only when the range is busy. After an RST neither end holds the tuple:
-/// such a port is as good as free, and a range full of reset flows costs one try.
+/// The first tries take only a free port (or a dead flow's); from then on a closed flow's
+/// port is taken too (its entries removed). A range held by closed flows (a high rate of short
+/// connections to one backend) then costs at most 5 tries per new flow, not 32 and a drop; a
+/// free port is preferred while one is found within 4 tries, so a closed flow's tuple, which
+/// the backend may still hold in TIME_WAIT, is reused only when the range is busy. A flow
+/// closed by an RST waits the same: the RST is not checked against the TCP window, so a
+/// stale or forged one marks a live flow closed, and taking such ports at the first try
+/// would hand a live flow's port to whichever new flow draws it.
 pub const SNAT_FREE_TRIES: u32 = 4;
 
 /// A last-seen time is refreshed at most this often: a write per packet would make every
@@ -388,8 +389,8 @@ pub const SNAT_ERR: u32 = 2;
 /// Stores the new SNATed flow of the scratch space (`Flow`): picks a port for
 /// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
-/// filled in). A port is taken when its REPLY entry is absent or its flow is dead or reset,
-/// and after the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`; conntrack
+/// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
+/// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`; conntrack
 /// lets a new connection reuse a tuple in TIME_WAIT or CLOSE too). A dead or closed flow's
 /// entries are removed first (`reclaim`: not if another CPU has reclaimed the port since they
 /// were read). The claim is a BPF_NOEXIST insert, so of two CPUs that find one port free, or
@@ -461,7 +462,6 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         // CPU may reclaim the port and store its own flow in this very element meanwhile.
         f.seen = unsafe { *e };
         let reclaimable = !alive(&f.try_key, &f.seen, f.now)
-            || f.seen.flags & ct_flags::RST != 0
             || index >= SNAT_FREE_TRIES && ct_flags::closed(f.seen.flags);
         if !reclaimable || !reclaim(&f.try_key, &f.seen) {
             return 0;
