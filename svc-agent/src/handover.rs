@@ -123,8 +123,9 @@ fn monotonic_ns() -> u64 {
 }
 
 /// Hands every live flow of svc's tc programs in the CT map `ct` over to the conntrack of the
-/// calling thread's network namespace; `config` is the datapath's (its timeouts). A flow the kernel refuses stays svc's (and dies with svc's
-/// programs); nothing here fails the caller but a map or socket it cannot use.
+/// calling thread's network namespace; `config` is the datapath's (its timeouts). A flow the
+/// kernel refuses stays svc's (and dies with svc's programs); nothing here fails the caller
+/// but a map or socket it cannot use.
 pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let entries: HashMap<CtKey, CtValue> = sys::dump_hash::<CtKey, CtValue>(ct.fd().as_fd())?
         .into_iter()

@@ -529,8 +529,9 @@ impl Agent {
 }
 
 /// The lines of an agent log that tell of a request the API server refused: "forbidden" in any
-/// case, or the status 403 as a number of its own. The timestamp each line starts with is left
-/// out: its fraction of a second holds any three digits, "403" too.
+/// case, or the status 403 as a number of its own (a substring would find it in
+/// `13.854403Z`, as it did in CI). The timestamp each line starts with is left out: its
+/// fields are numbers of their own, and one of them may be 403 (`20:18:13.403Z`).
 pub fn refusals(log: &str) -> Vec<&str> {
     log.lines()
         .filter(|line| {
@@ -548,10 +549,8 @@ pub fn refusals(log: &str) -> Vec<&str> {
 
 /// RFC 3339 in UTC as tracing writes it: 2026-12-01T20:18:13.854403Z.
 fn is_timestamp(word: &str) -> bool {
-    word.len() > 20
-        && word.ends_with('Z')
-        && word.as_bytes()[10] == b'T'
-        && word[..4].bytes().all(|b| b.is_ascii_digit())
+    let b = word.as_bytes();
+    b.len() >= 20 && b[10] == b'T' && word.ends_with('Z') && b[..4].iter().all(u8::is_ascii_digit)
 }
 
 impl Drop for Agent {
@@ -584,6 +583,15 @@ mod tests {
                    program=\"getpeername6\" cgroup=/sys/fs/cgroup/unified/svc-test-14588-93\n\
                    svc-agent: ready\n";
         assert!(refusals(log).is_empty(), "{:?}", refusals(log));
+        // A timestamp field that is 403 by itself.
+        let log = "2026-12-01T20:18:13.403Z  INFO svc_agent::agent: datapath attached\n\
+                   2026-04-03T00:00:00.000403Z  INFO svc_agent::agent: ready\n";
+        assert!(refusals(log).is_empty(), "{:?}", refusals(log));
+        // A first word shaped like a timestamp, with a character across its 4th byte.
+        assert_eq!(
+            refusals("a\u{e9}\u{e9}\u{e9}\u{e9}bT\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}\u{e9}Z 403").len(),
+            1
+        );
     }
 
     #[test]

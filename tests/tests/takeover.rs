@@ -1066,11 +1066,12 @@ fn way_back(
 /// unseen by the socket hooks, as a service mesh's pods), behind a device of
 /// `--packet-lb-devices`, holds TCP connections and a UDP stream through a ClusterIP whose
 /// backend is a pod on another node (svc: DNAT per packet on the pod's device, the pod's
-/// address kept), and TCP connections to itself through another ClusterIP (hairpin: svc
-/// DNATs to the pod and SNATs from the ClusterIP on a port of its SNAT range); kube-proxy
-/// (nftables mode) starts in the node's namespace; svc-agent stops and `svc-agent uninstall`
-/// runs there. Every held connection and the stream must live on (their flows handed over to
-/// the node's conntrack), and the pod's new connections must go through kube-proxy.
+/// address kept), and TCP connections and a UDP stream to itself through another ClusterIP
+/// (hairpin: svc DNATs to the pod and SNATs from the ClusterIP on a port of its SNAT range);
+/// kube-proxy (nftables mode) starts in the node's namespace; svc-agent stops and `svc-agent
+/// uninstall` runs there. Every held connection and both streams must live on (their flows
+/// handed over to the node's conntrack), and the pod's new connections must go through
+/// kube-proxy.
 #[test]
 fn pod_device_flows_across_svc_uninstall() {
     pod_device_way_back().unwrap();
@@ -1117,12 +1118,15 @@ fn pod_device_way_back() -> Result<()> {
                               "nodeName": "node-2"}]}),
         json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "own", "namespace": ns},
                "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4"],
-                        "ports": [{"name": "http", "port": 81, "targetPort": 8081}]}}),
+                        "ports": [{"name": "http", "port": 81, "targetPort": 8081},
+                                  {"name": "dns", "port": 54, "targetPort": 8081,
+                                   "protocol": "UDP"}]}}),
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                "metadata": {"name": "own-1", "namespace": ns,
                             "labels": {"kubernetes.io/service-name": "own"}},
                "addressType": "IPv4",
-               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"}],
+               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"},
+                         {"name": "dns", "port": 8081, "protocol": "UDP"}],
                "endpoints": [{"addresses": [POD1], "conditions": {"ready": true},
                               "nodeName": "node-1"}]}),
     ];
@@ -1141,7 +1145,8 @@ fn pod_device_way_back() -> Result<()> {
         SocketAddr::new(cluster_ip, 80),
         SocketAddr::new(cluster_ip, 53),
     );
-    let own_to = SocketAddr::new(cluster_ip_of("own")?, 81);
+    let own_ip = cluster_ip_of("own")?;
+    let (own_to, own_udp_to) = (SocketAddr::new(own_ip, 81), SocketAddr::new(own_ip, 54));
     // The pod's clients: outside the served cgroup, in the pod's namespace.
     let pod_client = |args: &[String]| ClientRun::spawn(&tools.probe, &outside, &nodes.pod1, args);
     let probe = |to: SocketAddr| -> Result<()> {
@@ -1216,21 +1221,25 @@ fn pod_device_way_back() -> Result<()> {
         "--interval-ms".into(),
         "50".into(),
     ])?;
-    let stream = pod_client(&[
-        "udp-stream".into(),
-        "--to".into(),
-        udp_to.to_string(),
-        "--duration-ms".into(),
-        whole.as_millis().to_string(),
-        "--interval-ms".into(),
-        "50".into(),
-        "--timeout-ms".into(),
-        "1000".into(),
-    ])?;
+    let udp_stream = |to: SocketAddr| {
+        pod_client(&[
+            "udp-stream".into(),
+            "--to".into(),
+            to.to_string(),
+            "--duration-ms".into(),
+            whole.as_millis().to_string(),
+            "--interval-ms".into(),
+            "50".into(),
+            "--timeout-ms".into(),
+            "1000".into(),
+        ])
+    };
+    let own_stream = udp_stream(own_udp_to)?;
+    let stream = udp_stream(udp_to)?;
     std::thread::sleep(Duration::from_secs(2));
     log(
         t0,
-        "the pod's TCP connections (2 of them to itself) and UDP stream through svc",
+        "the pod's TCP connections (2 of them to itself) and UDP streams (1 to itself) through svc",
     );
 
     let bin = kube_proxy::binary_from_env()?;
@@ -1245,8 +1254,9 @@ fn pod_device_way_back() -> Result<()> {
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
     let text = uninstall_in(&nodes.node1, &tools.agent, bpffs.path(), 0)?;
-    // 4 TCP connections to the other node's pod, 2 to the pod itself, and a UDP stream.
-    ensure_handed(&text, 7)?;
+    // 4 TCP connections to the other node's pod, 2 to the pod itself, and a UDP stream to
+    // each.
+    ensure_handed(&text, 8)?;
     log(t0, "svc-agent stopped and uninstalled");
     ensure!(
         held_since.elapsed() + Duration::from_secs(5) < whole,
@@ -1281,6 +1291,7 @@ fn pod_device_way_back() -> Result<()> {
     let hold: HoldReport = hold.wait(t)?;
     let hairpin: HoldReport = hairpin.wait(t)?;
     let stream: StreamReport = stream.wait(t)?;
+    let own_stream: StreamReport = own_stream.wait(t)?;
     log(t0, "clients done");
     for r in [
         check_hold("the pod's ClusterIP connections made under svc", &hold, 4),
@@ -1292,6 +1303,11 @@ fn pod_device_way_back() -> Result<()> {
         check_stream(
             "the pod's ClusterIP UDP stream made under svc",
             &stream,
+            t0_ms,
+        ),
+        check_stream(
+            "the pod's UDP stream to itself through a ClusterIP made under svc",
+            &own_stream,
             t0_ms,
         ),
     ] {
