@@ -1066,8 +1066,9 @@ fn way_back(
 /// unseen by the socket hooks, as a service mesh's pods), behind a device of
 /// `--packet-lb-devices`, holds TCP connections and a UDP stream through a ClusterIP whose
 /// backend is a pod on another node (svc: DNAT per packet on the pod's device, the pod's
-/// address kept), and TCP connections and a UDP stream to itself through another ClusterIP
-/// (hairpin: svc DNATs to the pod and SNATs from the ClusterIP on a port of its SNAT range);
+/// address kept), and TCP connections and a UDP stream to itself through other ClusterIPs,
+/// IPv4 and IPv6 (hairpin: svc DNATs to the pod and SNATs from the ClusterIP on a port of its
+/// SNAT range);
 /// kube-proxy (nftables mode) starts in the node's namespace; svc-agent stops and `svc-agent
 /// uninstall` runs there. Every held connection and both streams must live on (their flows
 /// handed over to the node's conntrack), and the pod's new connections must go through
@@ -1078,7 +1079,7 @@ fn pod_device_flows_across_svc_uninstall() {
 }
 
 fn pod_device_way_back() -> Result<()> {
-    use svc_tests::topology::{Nodes, NODE1, NODE1_6, POD1, POD2};
+    use svc_tests::topology::{Nodes, NODE1, NODE1_6, POD1, POD1_6, POD2};
     use svc_tests::{Backend, Bpffs, ClientRun, Report, TempDir, TestCgroup};
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
@@ -1093,7 +1094,8 @@ fn pod_device_way_back() -> Result<()> {
     let backend_at: SocketAddr = format!("{POD2}:8080").parse()?;
     let _backend = Backend::start(&tools.probe, &nodes.pod2, "pod2", &[backend_at])?;
     let own_at: SocketAddr = format!("{POD1}:8081").parse()?;
-    let _own = Backend::start(&tools.probe, &nodes.pod1, "pod1", &[own_at])?;
+    let own6_at: SocketAddr = format!("[{POD1_6}]:8081").parse()?;
+    let _own = Backend::start(&tools.probe, &nodes.pod1, "pod1", &[own_at, own6_at])?;
     let node = json!({
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1"},
         "status": {"addresses": [{"type": "InternalIP", "address": NODE1},
@@ -1129,6 +1131,16 @@ fn pod_device_way_back() -> Result<()> {
                          {"name": "dns", "port": 8081, "protocol": "UDP"}],
                "endpoints": [{"addresses": [POD1], "conditions": {"ready": true},
                               "nodeName": "node-1"}]}),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "own6", "namespace": ns},
+               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
+                        "ports": [{"name": "http", "port": 81, "targetPort": 8081}]}}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "own6-1", "namespace": ns,
+                            "labels": {"kubernetes.io/service-name": "own6"}},
+               "addressType": "IPv6",
+               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"}],
+               "endpoints": [{"addresses": [POD1_6], "conditions": {"ready": true},
+                              "nodeName": "node-1"}]}),
     ];
     let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
     let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
@@ -1147,6 +1159,7 @@ fn pod_device_way_back() -> Result<()> {
     );
     let own_ip = cluster_ip_of("own")?;
     let (own_to, own_udp_to) = (SocketAddr::new(own_ip, 81), SocketAddr::new(own_ip, 54));
+    let own6_to = SocketAddr::new(cluster_ip_of("own6")?, 81);
     // The pod's clients: outside the served cgroup, in the pod's namespace.
     let pod_client = |args: &[String]| ClientRun::spawn(&tools.probe, &outside, &nodes.pod1, args);
     let probe = |to: SocketAddr| -> Result<()> {
@@ -1169,7 +1182,8 @@ fn pod_device_way_back() -> Result<()> {
     };
     let probe_ok = || -> Result<()> {
         probe(tcp_to)?;
-        probe(own_to)
+        probe(own_to)?;
+        probe(own6_to)
     };
 
     // svc alone serves the ClusterIP, per packet on the pod's device.
@@ -1199,28 +1213,22 @@ fn pod_device_way_back() -> Result<()> {
 
     let whole = Duration::from_secs(30);
     let held_since = Instant::now();
-    let hold = pod_client(&[
-        "hold".into(),
-        "--to".into(),
-        tcp_to.to_string(),
-        "--connections".into(),
-        "4".into(),
-        "--duration-ms".into(),
-        whole.as_millis().to_string(),
-        "--interval-ms".into(),
-        "50".into(),
-    ])?;
-    let hairpin = pod_client(&[
-        "hold".into(),
-        "--to".into(),
-        own_to.to_string(),
-        "--connections".into(),
-        "2".into(),
-        "--duration-ms".into(),
-        whole.as_millis().to_string(),
-        "--interval-ms".into(),
-        "50".into(),
-    ])?;
+    let hold_to = |to: SocketAddr, n: u32| {
+        pod_client(&[
+            "hold".into(),
+            "--to".into(),
+            to.to_string(),
+            "--connections".into(),
+            n.to_string(),
+            "--duration-ms".into(),
+            whole.as_millis().to_string(),
+            "--interval-ms".into(),
+            "50".into(),
+        ])
+    };
+    let hold = hold_to(tcp_to, 4)?;
+    let hairpin = hold_to(own_to, 2)?;
+    let hairpin6 = hold_to(own6_to, 2)?;
     let udp_stream = |to: SocketAddr| {
         pod_client(&[
             "udp-stream".into(),
@@ -1239,7 +1247,8 @@ fn pod_device_way_back() -> Result<()> {
     std::thread::sleep(Duration::from_secs(2));
     log(
         t0,
-        "the pod's TCP connections (2 of them to itself) and UDP streams (1 to itself) through svc",
+        "the pod's TCP connections (4 to itself, over IPv4 and IPv6) and UDP streams (1 to \
+         itself) through svc",
     );
 
     let bin = kube_proxy::binary_from_env()?;
@@ -1254,9 +1263,9 @@ fn pod_device_way_back() -> Result<()> {
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
     let text = uninstall_in(&nodes.node1, &tools.agent, bpffs.path(), 0)?;
-    // 4 TCP connections to the other node's pod, 2 to the pod itself, and a UDP stream to
-    // each.
-    ensure_handed(&text, 8)?;
+    // 4 TCP connections to the other node's pod, 2 to the pod itself over each family, and
+    // a UDP stream to each pod.
+    ensure_handed(&text, 10)?;
     log(t0, "svc-agent stopped and uninstalled");
     ensure!(
         held_since.elapsed() + Duration::from_secs(5) < whole,
@@ -1290,6 +1299,7 @@ fn pod_device_way_back() -> Result<()> {
     let t = whole + Duration::from_secs(20);
     let hold: HoldReport = hold.wait(t)?;
     let hairpin: HoldReport = hairpin.wait(t)?;
+    let hairpin6: HoldReport = hairpin6.wait(t)?;
     let stream: StreamReport = stream.wait(t)?;
     let own_stream: StreamReport = own_stream.wait(t)?;
     log(t0, "clients done");
@@ -1298,6 +1308,11 @@ fn pod_device_way_back() -> Result<()> {
         check_hold(
             "the pod's connections to itself through a ClusterIP made under svc",
             &hairpin,
+            2,
+        ),
+        check_hold(
+            "the pod's connections to itself through an IPv6 ClusterIP made under svc",
+            &hairpin6,
             2,
         ),
         check_stream(
