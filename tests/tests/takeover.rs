@@ -1103,45 +1103,44 @@ fn pod_device_way_back() -> Result<()> {
     });
     cp.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
     let ns = "takeover";
-    let objects = [
-        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "mesh", "namespace": ns},
-               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4"],
-                        "ports": [{"name": "http", "port": 80, "targetPort": 8080},
-                                  {"name": "dns", "port": 53, "targetPort": 8080,
-                                   "protocol": "UDP"}]}}),
-        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": "mesh-1", "namespace": ns,
-                            "labels": {"kubernetes.io/service-name": "mesh"}},
-               "addressType": "IPv4",
-               "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
-                         {"name": "dns", "port": 8080, "protocol": "UDP"}],
-               "endpoints": [{"addresses": [POD2], "conditions": {"ready": true},
-                              "nodeName": "node-2"}]}),
-        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "own", "namespace": ns},
-               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv4"],
-                        "ports": [{"name": "http", "port": 81, "targetPort": 8081},
-                                  {"name": "dns", "port": 54, "targetPort": 8081,
-                                   "protocol": "UDP"}]}}),
-        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": "own-1", "namespace": ns,
-                            "labels": {"kubernetes.io/service-name": "own"}},
-               "addressType": "IPv4",
-               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"},
-                         {"name": "dns", "port": 8081, "protocol": "UDP"}],
-               "endpoints": [{"addresses": [POD1], "conditions": {"ready": true},
-                              "nodeName": "node-1"}]}),
-        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "own6", "namespace": ns},
-               "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": ["IPv6"],
-                        "ports": [{"name": "http", "port": 81, "targetPort": 8081}]}}),
-        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": "own6-1", "namespace": ns,
-                            "labels": {"kubernetes.io/service-name": "own6"}},
-               "addressType": "IPv6",
-               "ports": [{"name": "http", "port": 8081, "protocol": "TCP"}],
-               "endpoints": [{"addresses": [POD1_6], "conditions": {"ready": true},
-                              "nodeName": "node-1"}]}),
-    ];
+    // A Service of one endpoint and its EndpointSlice; ports as (name, port, target port,
+    // protocol).
+    let service = |name: &str,
+                   family: &str,
+                   at: &str,
+                   node: &str,
+                   ports: &[(&str, u16, u16, &str)]| {
+        let spec: Vec<Value> = ports
+            .iter()
+            .map(|(n, port, target, proto)| {
+                json!({"name": n, "port": port, "targetPort": target, "protocol": proto})
+            })
+            .collect();
+        let slice: Vec<Value> = ports
+            .iter()
+            .map(|(n, _, target, proto)| json!({"name": n, "port": target, "protocol": proto}))
+            .collect();
+        [
+            json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+                   "spec": {"ipFamilyPolicy": "SingleStack", "ipFamilies": [family],
+                            "ports": spec}}),
+            json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                   "metadata": {"name": format!("{name}-1"), "namespace": ns,
+                                "labels": {"kubernetes.io/service-name": name}},
+                   "addressType": family,
+                   "ports": slice,
+                   "endpoints": [{"addresses": [at], "conditions": {"ready": true},
+                                  "nodeName": node}]}),
+        ]
+    };
+    let mesh_ports = [("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
+    let own = [("http", 81, 8081, "TCP"), ("dns", 54, 8081, "UDP")];
+    let objects: Vec<Value> =
+        std::iter::once(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+            .chain(service("mesh", "IPv4", POD2, "node-2", &mesh_ports))
+            .chain(service("own", "IPv4", POD1, "node-1", &own))
+            .chain(service("own6", "IPv6", POD1_6, "node-1", &own[..1]))
+            .collect();
     let yaml: Vec<String> = objects.iter().map(Value::to_string).collect();
     let stored = cp.apply_yaml(&yaml.join("\n---\n"))?;
     let cluster_ip_of = |name: &str| -> Result<IpAddr> {
