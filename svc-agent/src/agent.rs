@@ -100,10 +100,24 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
-        let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
+        let mut programmed =
+            Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
+        // Before `refresh_node` attaches the tc programs, which pass untouched any packet to
+        // an address NODE_ADDRS lacks.
+        match programmed.seed_lingering(&mut dp.store) {
+            Ok(0) => {}
+            Ok(n) => info!(
+                addresses = n,
+                "addresses that pinned flows go to, kept in NODE_ADDRS"
+            ),
+            Err(e) => {
+                warn!("reading pinned flows' addresses: {e}");
+                metrics.error(&e);
+            }
+        }
         crate::sys::release_free_memory();
         info!(
             frontends = programmed.frontends.len(),
@@ -470,8 +484,25 @@ impl Agent {
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
             self.reconcile(now);
+            self.prune_lingering();
         }
         self.metrics.state(self.snapshot_metrics());
+    }
+
+    /// Lets go of the lingering addresses no flow goes to any more (sync/addrs.rs).
+    fn prune_lingering(&mut self) {
+        let r = self.programmed.prune_lingering(&mut self.dp.store);
+        if r.deleted > 0 {
+            info!(
+                deleted = r.deleted,
+                kept = r.kept,
+                "lingering addresses no flow goes to any more, removed from NODE_ADDRS"
+            );
+        }
+        for e in &r.errors {
+            warn!("lingering addresses: {e}");
+            self.metrics.error(e);
+        }
     }
 
     /// Puts back pins and links someone removed under us.

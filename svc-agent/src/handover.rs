@@ -111,17 +111,6 @@ impl Handover {
     }
 }
 
-/// The datapath's clock (bpf_ktime_get_coarse_ns), which stamps the flows.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Hands every live flow of svc's tc programs in the CT map `ct` over to the conntrack of the
 /// calling thread's network namespace; `config` is the datapath's (its timeouts). A flow the
 /// kernel refuses stays svc's (and dies with svc's programs); nothing here fails the caller
@@ -133,7 +122,7 @@ pub fn hand_over(ct: MapData, config: &DatapathConfig) -> io::Result<Handover> {
     let mut ct: BpfHashMap<MapData, CtKey, CtValue> =
         BpfHashMap::try_from(Map::LruHashMap(ct)).map_err(io::Error::other)?;
     let nl = Ctnetlink::open()?;
-    let now = monotonic_ns();
+    let now = sys::coarse_now_ns();
     let mut done = Handover::default();
     for (key, fwd) in &entries {
         if key.dir != ct_dir::FORWARD
@@ -197,7 +186,7 @@ fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, fwd: &CtValue
         }
         v.flags = (v.flags & !ct_flags::HANDING) | set;
         v.handing_s = if set & ct_flags::HANDING != 0 {
-            (monotonic_ns() / 1_000_000_000) as u16
+            (sys::coarse_now_ns() / 1_000_000_000) as u16
         } else {
             0
         };

@@ -21,6 +21,9 @@ pub struct Listing {
     pub stats: HashMap<&'static str, u64>,
     /// The node's addresses as the packet datapath knows them (SVC_NODE_ADDRS).
     pub node_addresses: Vec<ListedNodeAddr>,
+    /// Addresses that are no node's or frontend's any more, kept in SVC_NODE_ADDRS while
+    /// flows svc translates may go to them (a deleted Service's established connections).
+    pub lingering_addresses: Vec<IpAddr>,
     /// SNAT source ports of the packet datapath (SVC_CONFIG); 0-0 when not configured.
     pub snat_ports: String,
 }
@@ -107,6 +110,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
         node_addresses: p
             .node_addrs
             .iter()
+            .filter(|(_, v)| v.flags & (node_addr_flags::NODEPORT | node_addr_flags::SNAT) != 0)
             .map(|(a, v)| ListedNodeAddr {
                 address: ip_from16(*a),
                 nodeport: v.flags & node_addr_flags::NODEPORT != 0,
@@ -114,6 +118,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
                 ifindex: v.ifindex,
             })
             .collect(),
+        lingering_addresses: p.lingering().into_iter().map(ip_from16).collect(),
         snat_ports: format!("{}-{}", config.snat_port_min, config.snat_port_max),
     })
 }
@@ -228,5 +233,17 @@ pub fn render_text(l: &Listing) -> String {
         },
         l.snat_ports
     );
+    if !l.lingering_addresses.is_empty() {
+        let lingering: Vec<String> = l
+            .lingering_addresses
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        let _ = writeln!(
+            out,
+            "Lingering addresses (flows of removed frontends may still go to them): {}",
+            lingering.join(", ")
+        );
+    }
     out
 }

@@ -3,15 +3,16 @@
 //! Every change is an [`Op`], so the order that keeps readers safe is visible in one place and
 //! can be checked against a model of the maps in tests.
 
+use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
 use svc_common::{
-    map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, DatapathConfig,
-    MetaValue, NodeAddrValue, RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
-    SrcRangeKey,
+    ct_dir, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
+    BackendId, CtKey, CtValue, DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
+    ServiceName, ServiceValue, SlotKey, SrcRangeKey,
 };
 
 use crate::error::{Error, Result};
@@ -141,6 +142,34 @@ pub trait Store {
     fn apply(&mut self, op: &Op) -> Result<bool>;
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
+    /// The addresses live flows of the packet datapath are addressed to (the destination of
+    /// their FORWARD entry), of those in `among` (all when `None`); `config` gives the
+    /// timeouts. Empty when there is no connection-tracking map.
+    fn flow_destinations(
+        &self,
+        among: Option<&BTreeSet<[u8; 16]>>,
+        config: &DatapathConfig,
+    ) -> Result<BTreeSet<[u8; 16]>>;
+}
+
+/// The FORWARD destination of the flow entry `k`/`v` belongs to, if the entry has not timed
+/// out at `now_ns` (the datapath's clock, CLOCK_MONOTONIC_COARSE) by `config`'s timeouts.
+/// An entry the datapath would still find alive through its partner is alive through that
+/// partner's own entry, which the same walk meets.
+pub fn flow_destination(
+    k: &CtKey,
+    v: &CtValue,
+    now_ns: u64,
+    config: &DatapathConfig,
+) -> Option<[u8; 16]> {
+    let timeout_ns = u64::from(ct_timeout::seconds(config, k.proto, v.flags)) * 1_000_000_000;
+    if now_ns.saturating_sub(v.last_seen_ns) > timeout_ns {
+        return None;
+    }
+    if k.dir == ct_dir::FORWARD {
+        return Some(k.daddr);
+    }
+    Some(k.partner(v).daddr)
 }
 
 /// The pinned maps of a running datapath.
@@ -336,6 +365,30 @@ impl Store for BpfStore {
             }),
             Err(e) => Err(map_err(map, e)),
         }
+    }
+
+    fn flow_destinations(
+        &self,
+        among: Option<&BTreeSet<[u8; 16]>>,
+        config: &DatapathConfig,
+    ) -> Result<BTreeSet<[u8; 16]>> {
+        let mut out = BTreeSet::new();
+        let Some(ct) = &self.ct else {
+            return Ok(out);
+        };
+        let now = crate::sys::coarse_now_ns();
+        crate::sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
+            if let Some(d) = flow_destination(k, v, now, config) {
+                if among.is_none_or(|a| a.contains(&d)) {
+                    out.insert(d);
+                }
+            }
+        })
+        .map_err(|e| Error::Map {
+            map: map_names::CT,
+            message: e.to_string(),
+        })?;
+        Ok(out)
     }
 
     fn snapshot(&self) -> Result<Snapshot> {

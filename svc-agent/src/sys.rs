@@ -180,6 +180,17 @@ pub fn attached_programs(cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result
     Ok(cnt)
 }
 
+/// The datapath's clock (bpf_ktime_get_coarse_ns), which stamps the flows.
+pub fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 /// Every entry of a hash map, read in batches (BPF_MAP_LOOKUP_BATCH): a few syscalls per

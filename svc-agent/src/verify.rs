@@ -8,15 +8,15 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 
 use svc_common::{
-    backend_flags, checks_match, svc_flags, AffinityMatchKey, BackendId, SlotKey, SrcRangeKey,
-    PROTO_ANY,
+    backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, BackendId,
+    NodeAddrValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 
 use crate::model::{Backend, DesiredState};
 use crate::store::Snapshot;
 use crate::sync::{
-    addr16, decode_name, flags_of, ip_from16, plan::rev_nat_value, range_key, ranges_of,
-    service_key, stored_name,
+    addr16, decode_name, external_addr, flags_of, ip_from16, plan::rev_nat_value, range_key,
+    ranges_of, service_key, stored_name,
 };
 
 /// Every difference between `snap` and `desired`, in words; empty when they agree exactly.
@@ -204,23 +204,50 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         "source range",
         ranges.difference(&used_ranges).count(),
     ));
-    // The node's part is checked when the desired state has one (the agent's always does;
-    // a desired state built from Services alone does not).
+    // NODE_ADDRS (sync/addrs.rs): every external frontend's address, flagged EXTERNAL; the
+    // node's part is checked when the desired state has one (the agent's always does; a
+    // desired state built from Services alone does not). An entry that only lingers is for
+    // flows this check cannot see, never a stray.
+    let node_addrs: HashMap<[u8; 16], NodeAddrValue> = snap.node_addrs.iter().copied().collect();
+    let external: BTreeSet<[u8; 16]> = desired.frontends.keys().filter_map(external_addr).collect();
+    for k in &external {
+        if node_addrs
+            .get(k)
+            .is_none_or(|v| v.flags & node_addr_flags::EXTERNAL == 0)
+        {
+            problems.push(format!(
+                "external frontend address {} missing from NODE_ADDRS",
+                ip_from16(*k)
+            ));
+        }
+    }
     if let Some(c) = &desired.node.config {
         if *c != snap.config {
             problems.push(format!("datapath config {:?}, want {c:?}", snap.config));
         }
-        let node_addrs: HashMap<[u8; 16], _> = snap.node_addrs.iter().copied().collect();
         for (ip, want) in &desired.node.addrs {
+            let mut want = *want;
+            if external.contains(&addr16(*ip)) {
+                want.flags |= node_addr_flags::EXTERNAL;
+            }
             match node_addrs.get(&addr16(*ip)) {
-                Some(got) if got == want => {}
+                Some(got) if *got == want => {}
                 Some(got) => problems.push(format!("node address {ip}: {got:?}, want {want:?}")),
                 None => problems.push(format!("node address {ip} missing")),
             }
         }
-        for k in node_addrs.keys() {
-            if !desired.node.addrs.contains_key(&ip_from16(*k)) {
-                problems.push(format!("stray node address {}", ip_from16(*k)));
+        for (k, v) in &node_addrs {
+            let ip = ip_from16(*k);
+            if desired.node.addrs.contains_key(&ip) {
+                continue;
+            }
+            let want = if external.contains(k) {
+                node_addr_flags::EXTERNAL
+            } else {
+                node_addr_flags::LINGER
+            };
+            if v.flags != want {
+                problems.push(format!("stray node address {ip}: {v:?}"));
             }
         }
     }

@@ -852,6 +852,13 @@ impl Dp {
             },
         };
         self.services.insert(key, v, 0).unwrap();
+        if f.scope == scope::EXTERNAL && !s.ip().is_unspecified() {
+            // As the agent writes it: the external ingress looks only at packets to addresses
+            // NODE_ADDRS holds.
+            let mut a = self.node_addrs.get(&key.addr, 0).unwrap_or_default();
+            a.flags |= node_addr_flags::EXTERNAL;
+            self.node_addrs.insert(key.addr, a, 0).unwrap();
+        }
         if f.scope == scope::CLUSTER && flags & svc_flags::NODEPORT == 0 {
             let marker = ServiceKey {
                 port_be: 0,
@@ -1690,6 +1697,81 @@ fn external_ips_and_load_balancer_source_ranges() {
                 None,
             ),
         ],
+    );
+}
+
+/// An ExternalIP whose Service is gone: its established flow goes on while the agent keeps the
+/// address in NODE_ADDRS (`node_addr_flags::LINGER`), as conntrack's would; a packet to an
+/// address NODE_ADDRS does not hold passes without a lookup, even one that has a flow.
+#[test]
+fn a_deleted_external_frontends_flow_goes_on_while_its_address_lingers() {
+    let mut dp = world();
+    let c = "203.0.113.7:40020";
+    let fe = "198.51.100.10:80";
+    let to_backend = |flags| {
+        Packet(
+            tcp("192.0.2.10:61000", "10.244.2.8:8080", flags)
+                .macs(NODE2_MAC, EXT_MAC)
+                .ttl(63),
+        )
+    };
+    run_rows(
+        &dp,
+        vec![row(
+            "ExternalIP, remote backend",
+            ExtIngress,
+            tcp(c, fe, TCP_SYN),
+            REDIRECT,
+            to_backend(TCP_SYN),
+            Some(pkt_stat::NEW),
+        )],
+    );
+    // The Service is deleted: its frontend goes, its address lingers.
+    let key = ServiceKey {
+        addr: ip16("198.51.100.10"),
+        port_be: 80u16.to_be(),
+        proto: IPPROTO_TCP,
+        scope: EXT,
+    };
+    dp.services.remove(&key).unwrap();
+    let linger = NodeAddrValue {
+        flags: node_addr_flags::LINGER,
+        ifindex: 0,
+    };
+    dp.node_addrs.insert(key.addr, linger, 0).unwrap();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the established flow: still translated",
+                ExtIngress,
+                tcp(c, fe, TCP_ACK),
+                REDIRECT,
+                to_backend(TCP_ACK),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "a new connection: no frontend, untouched",
+                ExtIngress,
+                tcp("203.0.113.7:40021", fe, TCP_SYN),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+    // The agent found no flow to it (here: wrongly) and removed it.
+    dp.node_addrs.remove(&key.addr).unwrap();
+    run_rows(
+        &dp,
+        vec![row(
+            "the flow's packet to an address NODE_ADDRS no longer holds: untouched",
+            ExtIngress,
+            tcp(c, fe, TCP_ACK),
+            OK,
+            Untouched,
+            None,
+        )],
     );
 }
 

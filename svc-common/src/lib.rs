@@ -98,7 +98,8 @@ pub mod capacity {
     /// Connection tracking of the packet datapath: two entries per flow (LRU, allocated in
     /// full).
     pub const CT: u32 = 262_144;
-    pub const NODE_ADDRS: u32 = 256;
+    /// Node addresses, external frontend addresses and lingering ones (allocated as used).
+    pub const NODE_ADDRS: u32 = 65_536;
     pub const SRC_RANGES: u32 = 16_384;
     /// (device, reason) pairs counted per CPU.
     pub const DEV_STATS: u32 = 4_096;
@@ -183,10 +184,18 @@ pub mod node_addr_flags {
     pub const NODEPORT: u32 = 1 << 0;
     /// Usable as the source of SNATed packets to other nodes' endpoints.
     pub const SNAT: u32 = 1 << 1;
+    /// An ExternalIP or LoadBalancer IP of a programmed EXTERNAL frontend. Not a node address.
+    pub const EXTERNAL: u32 = 1 << 2;
+    /// Neither a node address nor an external frontend's any more, but svc's FORWARD entries
+    /// may still be addressed to it (an established flow of a deleted Service goes on, as
+    /// under conntrack): kept until the agent finds none.
+    pub const LINGER: u32 = 1 << 3;
 }
 
-/// An address of this node (key of `NODE_ADDRS`: the address, network byte order, IPv4 as
-/// `::ffff:a.b.c.d`).
+/// An address the external ingress looks at (key of `NODE_ADDRS`: the address, network byte
+/// order, IPv4 as `::ffff:a.b.c.d`): one of this node's, an external frontend's, or one svc
+/// may still have flows to. A packet to any other address is neither a known flow nor a new
+/// one, and skips the connection-tracking and frontend lookups.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]

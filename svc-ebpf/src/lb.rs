@@ -306,7 +306,7 @@ pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Out
     decide_with(key, svc, caller, out)
 }
 
-/// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address of this node.
+/// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address there.
 #[inline(always)]
 pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
     // SAFETY: copied out at once.

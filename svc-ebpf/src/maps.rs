@@ -87,7 +87,8 @@ pub fn count(index: u32) {
 
 // The packet datapath's maps (docs/design/packet-datapath.md, "Map declarations").
 
-/// This node's addresses: which answer NodePorts, which may source SNATed packets.
+/// The addresses the external ingress looks at (`NodeAddrValue`): this node's (which answer
+/// NodePorts, which may source SNATed packets), external frontends', lingering ones.
 #[btf_map]
 pub static SVC_NODE_ADDRS: HashMap<
     [u8; 16],

@@ -11,12 +11,15 @@
 //!   the socket hooks do not see, CLUSTER frontends, DNAT only (a pod reaching itself through
 //!   a frontend is SNATed to that frontend, or its own replies would never leave it).
 //!
-//! Non-service traffic pays a parse and two or three hash lookups: the FORWARD entry of its
-//! tuple, the frontend key of its destination, and `NODE_ADDRS` on the external ingress (plus
-//! the NodePort wildcard key for traffic to a NodePort address); the REPLY lookup of the
-//! external ingress runs only for packets to a SNAT address within the SNAT port range
-//! (before the FORWARD one: they are mostly remote backends' replies). A SYN without ACK adds
-//! one: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
+//! Non-service traffic pays a parse and one to three hash lookups. On the external ingress,
+//! `NODE_ADDRS` of its destination first: traffic through the node to an address that is
+//! neither the node's nor an external frontend's (nor one svc may still have flows to) stops
+//! there. Traffic to such an address pays the FORWARD entry of its tuple and the frontend key
+//! of its destination (plus the NodePort wildcard key for a NodePort address); the REPLY
+//! lookup runs only for packets to a SNAT address within the SNAT port range (before the
+//! FORWARD one: they are mostly remote backends' replies). The other programs pay the FORWARD
+//! or REPLY entry and, on pod devices, the frontend key. A SYN without ACK adds one lookup:
+//! the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
 //!
@@ -311,6 +314,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     let now = now();
+    let node = lb::node_addr_flags(&s.p.daddr);
     // Looked up before the FORWARD entry: with the default ranges a packet to a SNAT address
     // and port is a remote backend's reply, not a client's packet to a frontend (NodePorts
     // lie below the SNAT range), and each lookup of the connection-tracking table is a cache
@@ -318,13 +322,19 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     // agent's default when the node's ephemeral ports reach 65535 is 1024 up to them) makes
     // those frontends' packets pay a REPLY lookup that misses first.
     if in_snat_range(s.p.dport_be)
-        && lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT != 0
+        && node & node_addr_flags::SNAT != 0
         && known(s, ct_dir::REPLY, false, now)
     {
         // A remote backend's reply, to the address and port its flow was SNATed to: from
         // the frontend to the client, forwarded here (its new source is a node address or
         // a frontend).
         return send_routed(ctx, s, pkt_stat::REPLY);
+    }
+    if node == 0 {
+        // Every FORWARD entry and every frontend is addressed to one of `NODE_ADDRS`: traffic
+        // through the node to anywhere else pays none of the big lookups.
+        ct::syn_on_reply_tuple(&s.p, false);
+        return OK;
     }
     if known(s, ct_dir::FORWARD, false, now) {
         if held_for_handover(s, now) {
@@ -340,7 +350,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     // A SYN on a closed flow's reply tuple (a direct connection from a NodePort client's
     // port to its backend) takes the tuple over, whether it starts a flow here or passes.
     ct::syn_on_reply_tuple(&s.p, false);
-    match ext_frontend(s, lb::node_addr_flags(&s.p.daddr), now) {
+    match ext_frontend(s, node, now) {
         MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
             OK

@@ -36,6 +36,9 @@ pub struct ListOutput {
     pub services: Vec<ListService>,
     #[serde(default)]
     pub cluster_ips: Vec<String>,
+    /// Addresses kept for flows of removed frontends (SVC_NODE_ADDRS, LINGER).
+    #[serde(default)]
+    pub lingering_addresses: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -1230,6 +1230,119 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     assert!(pins.is_empty(), "pins left: {pins:?}");
 }
 
+/// One line and its answer on an open connection.
+fn exchange(c: &TcpStream) -> std::io::Result<Answer> {
+    c.set_read_timeout(Some(ANSWER))?;
+    let mut w = c;
+    w.write_all(b"x\n")?;
+    let mut line = String::new();
+    BufReader::new(c).read_line(&mut line)?;
+    parse_answer(&line)
+}
+
+/// A Service deleted under open connections: they go on (as conntrack keeps them under
+/// kube-proxy), through an ExternalIP to the remote backend (SNAT) and through a LoadBalancer
+/// IP to the local one, across an agent SIGKILL and restart, although the tc ingress passes
+/// untouched every packet to an address SVC_NODE_ADDRS lacks: both addresses linger there
+/// while the flows live, new connections to them are no longer translated, and once the
+/// connections close the agent lets the addresses go.
+#[test]
+fn a_deleted_services_connections_go_on_while_its_addresses_linger() {
+    let mut t = Topo::new();
+    t.service(
+        "ext",
+        service(
+            "ext",
+            "ClusterIP",
+            51,
+            0,
+            json!({"externalIPs": [EXTERNAL_IP]}),
+            json!({}),
+        ),
+    );
+    t.endpoints("ext", &[REMOTE_POD]);
+    t.service(
+        "lb",
+        service(
+            "lb",
+            "LoadBalancer",
+            52,
+            30052,
+            json!({}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_IP}]}}),
+        ),
+    );
+    t.endpoints("lb", &[LOCAL_POD]);
+    t.start_agent_with(&["--reconcile-interval-s", "1"]);
+    let ext = sa(EXTERNAL_IP, 80);
+    let lb = sa(LB_IP, 80);
+    let via_ext = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    let via_lb = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    assert_eq!(
+        answered(&t.client, "ExternalIP", move || tcp_once(ext, ANSWER)),
+        via_ext
+    );
+    assert_eq!(
+        answered(&t.client, "LoadBalancer IP", move || tcp_once(lb, ANSWER)),
+        via_lb
+    );
+    let conns = in_ns(&t.client, move || {
+        [ext, lb].map(|to| TcpStream::connect_timeout(&to, ANSWER).expect("connecting"))
+    });
+    let check = |when: &str| {
+        for (c, want) in conns.iter().zip([&via_ext, &via_lb]) {
+            let got = exchange(c).unwrap_or_else(|e| panic!("{when}: {e}"));
+            assert_eq!(&got, want, "{when}");
+        }
+    };
+    check("before the Services are deleted");
+
+    t.m.remove("svc-demo-ext.yaml").unwrap();
+    t.m.remove("svc-demo-lb.yaml").unwrap();
+    let gone = in_ns(&t.client, move || {
+        poll(Duration::from_secs(10), || {
+            let refused = [ext, lb].map(|to| tcp_once(to, Duration::from_millis(300)).is_err());
+            Ok((refused == [true, true]).then_some(()))
+        })
+    });
+    gone.expect("new connections to the deleted Services' addresses are no longer translated");
+    let (bin, bpffs) = (t.tools.agent.clone(), t.bpffs.path().to_path_buf());
+    let lingering = || {
+        let mut l = svc_tests::agent::list(&bin, &bpffs)
+            .expect("svc-agent list")
+            .lingering_addresses;
+        l.sort();
+        l
+    };
+    let both = vec![EXTERNAL_IP.to_string(), LB_IP.to_string()];
+    // Several drift checks and lingering-address passes (every second) go by.
+    std::thread::sleep(Duration::from_secs(3));
+    check("after the Services are deleted");
+    assert_eq!(lingering(), both);
+
+    t.agent().kill().expect("SIGKILL");
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    std::thread::sleep(Duration::from_secs(3));
+    check("after an agent restart");
+    assert_eq!(lingering(), both);
+
+    drop(conns);
+    // Closed flows keep their entries for the closing timeout (10 s), then go.
+    let released = poll(Duration::from_secs(30), || {
+        Ok(lingering().is_empty().then_some(()))
+    });
+    released.expect("the addresses are let go once their connections closed");
+}
+
 /// Traffic that starts on node 1 rather than outside it:
 /// - a pod outside the agent's cgroup (its sockets unseen by the socket hooks, as a service
 ///   mesh's pods) behind a device named by `--packet-lb-devices`: its ClusterIP traffic is

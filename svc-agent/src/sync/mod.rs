@@ -19,6 +19,7 @@
 //!   any id under it is used, so neither a crash nor a second process can reuse an id that a
 //!   leftover entry still carries.
 
+mod addrs;
 pub mod plan;
 mod recover;
 #[cfg(test)]
@@ -38,6 +39,8 @@ use tracing::{debug, warn};
 use crate::error::{Error, Result};
 use crate::model::{Backend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired, Protocol};
 use crate::store::{Capacity, Op, Store};
+
+pub use addrs::{external_addr, PruneReport};
 
 pub use plan::UnitPlan;
 
@@ -402,8 +405,12 @@ pub struct Programmed {
     pub grace: Duration,
     pub retiring: Retiring,
     pub strays: Strays,
-    /// SVC_NODE_ADDRS as written.
+    /// SVC_NODE_ADDRS as written (see addrs.rs).
     pub node_addrs: BTreeMap<[u8; 16], NodeAddrValue>,
+    /// The node's addresses as the last node sync wanted them.
+    node_want: BTreeMap<[u8; 16], NodeAddrValue>,
+    /// How many programmed frontends have each external frontend address.
+    external_refs: BTreeMap<[u8; 16], u32>,
     /// SVC_CONFIG as written (None: not known to hold anything the agent wrote).
     pub config: Option<DatapathConfig>,
     /// The affinity id of each Service port with sessionAffinity ("namespace/name:port" as
@@ -654,6 +661,8 @@ impl Programmed {
             retiring: Retiring::default(),
             strays: Strays::default(),
             node_addrs: BTreeMap::new(),
+            node_want: BTreeMap::new(),
+            external_refs: BTreeMap::new(),
             config: None,
             affinity_ports: HashMap::new(),
         }
@@ -754,6 +763,20 @@ impl Programmed {
         // Service that did not fit: its room is kept before any Service takes its own.
         let mut reserved = new_markers.len() as u64;
 
+        // External frontend addresses before the frontends: the external ingress looks only
+        // at packets to addresses NODE_ADDRS holds. A frontend that leaves its address for
+        // good is seen to after them.
+        let mut addrs_touched = BTreeSet::new();
+        for (upserts, gone) in units.values() {
+            for d in upserts {
+                if let Some(a) = addrs::external_addr(&d.frontend) {
+                    addrs_touched.insert(a);
+                    self.write_addr(&mut w, a, true, &mut report.errors);
+                }
+            }
+            addrs_touched.extend(gone.iter().filter_map(addrs::external_addr));
+        }
+
         let mut unreferenced: Vec<BackendId> = Vec::new();
         for (owner, (upserts, gone)) in units {
             let result = plan::plan_unit(self, &owner, &upserts, &gone).and_then(|plan| {
@@ -783,6 +806,10 @@ impl Programmed {
                     report.failed.insert(owner.into_owned(), covered);
                 }
             }
+        }
+
+        for a in addrs_touched {
+            self.write_addr(&mut w, a, false, &mut report.errors);
         }
 
         // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
@@ -878,57 +905,15 @@ impl Programmed {
         report
     }
 
-    /// Node addresses (removed ones first, so a full map makes room; no reader follows them
-    /// anywhere, so any order is safe) and the datapath settings.
+    /// Node addresses (see addrs.rs) and the datapath settings.
     fn sync_node<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
         node: &NodeDesired,
         errors: &mut Vec<Error>,
     ) {
-        let want: BTreeMap<[u8; 16], NodeAddrValue> =
-            node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
-        let gone: Vec<[u8; 16]> = self
-            .node_addrs
-            .keys()
-            .filter(|k| !want.contains_key(*k))
-            .copied()
-            .collect();
-        for k in gone {
-            match w.op(&Op::DelNodeAddr(k)) {
-                Ok(found) => {
-                    self.node_addrs.remove(&k);
-                    if found {
-                        self.usage.node_addrs = self.usage.node_addrs.saturating_sub(1);
-                    }
-                }
-                Err(e) => errors.push(name_object(e, &format!("node address {}", ip_from16(k)))),
-            }
-        }
-        for (k, v) in &want {
-            if self.node_addrs.get(k) == Some(v) {
-                continue;
-            }
-            let object = format!("node address {}", ip_from16(*k));
-            let new = !self.node_addrs.contains_key(k);
-            if new && self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
-                errors.push(Error::MapFull {
-                    map: svc_common::map_names::NODE_ADDRS,
-                    capacity: self.capacity.node_addrs,
-                    object,
-                });
-                continue;
-            }
-            match w.op(&Op::PutNodeAddr(*k, *v)) {
-                Ok(_) => {
-                    if new {
-                        self.usage.node_addrs += 1;
-                    }
-                    self.node_addrs.insert(*k, *v);
-                }
-                Err(e) => errors.push(name_object(e, &object)),
-            }
-        }
+        self.node_want = node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
+        self.write_addrs(w, errors);
         if let Some(c) = node.config.filter(|c| self.config != Some(*c)) {
             match w.op(&Op::PutConfig(c)) {
                 Ok(_) => self.config = Some(c),
@@ -1107,6 +1092,7 @@ impl Programmed {
                     }
                 }
             }
+            let added = after.is_some();
             let before = match after {
                 Some(pf) => {
                     written += 1;
@@ -1121,6 +1107,9 @@ impl Programmed {
                     self.frontends.remove(&fe)
                 }
             };
+            if before.is_some() != added {
+                self.external_ref(&fe, added);
+            }
             if let Some(before) = before {
                 self.port_unref(fe.protocol, &before);
                 for b in &before.backends {

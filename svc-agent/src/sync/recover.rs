@@ -170,6 +170,9 @@ impl Programmed {
             for b in &backends {
                 *p.backend_refs.entry(*b).or_insert(0) += 1;
             }
+            if !p.frontends.contains_key(&fe) {
+                p.external_ref(&fe, true);
+            }
             p.frontends.insert(
                 fe,
                 ProgFrontend {

@@ -4,8 +4,8 @@ use crate::store::Snapshot;
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
 use svc_common::{
-    checks_match, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue, RevNatValue,
-    ServiceName, SrcRangeKey,
+    checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue,
+    RevNatValue, ServiceName, SrcRangeKey,
 };
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
@@ -41,6 +41,9 @@ struct ModelStore {
     /// every moment (a change of ranges may widen for a moment, never narrow what both the
     /// old and the new set admit).
     must_admit: Vec<(ServiceKey, Cidr)>,
+    /// Addresses live packet-datapath flows are addressed to (what a walk of the
+    /// connection-tracking map finds): NODE_ADDRS must keep them.
+    flows_to: std::collections::BTreeSet<[u8; 16]>,
 }
 
 impl ModelStore {
@@ -58,6 +61,23 @@ impl ModelStore {
                     "{k:?} -> {v:?} does not admit {c}"
                 );
             }
+        }
+        // The external ingress looks only at packets to NODE_ADDRS: an external frontend's
+        // address is there before the frontend is, and one flows go to stays.
+        for k in self.services.keys() {
+            if k.scope == svc_common::scope::EXTERNAL && !is_wildcard(&k.addr) {
+                assert!(
+                    self.node_addrs.contains_key(&k.addr),
+                    "{k:?} is written before its address is in NODE_ADDRS"
+                );
+            }
+        }
+        for a in &self.flows_to {
+            assert!(
+                self.node_addrs.contains_key(a),
+                "{} has flows but left NODE_ADDRS",
+                ip_from16(*a)
+            );
         }
         let current = self.services.iter().map(|(k, v)| (*k, *v));
         for (k, v) in current.chain(self.held.iter().copied()) {
@@ -239,6 +259,24 @@ impl Store for ModelStore {
             config: self.config,
         })
     }
+
+    fn flow_destinations(
+        &self,
+        among: Option<&BTreeSet<[u8; 16]>>,
+        _config: &DatapathConfig,
+    ) -> Result<BTreeSet<[u8; 16]>> {
+        Ok(self
+            .flows_to
+            .iter()
+            .filter(|a| among.is_none_or(|s| s.contains(*a)))
+            .copied()
+            .collect())
+    }
+}
+
+/// The NodePort key's address (either family's unspecified address).
+fn is_wildcard(a: &[u8; 16]) -> bool {
+    ip_from16(*a).is_unspecified()
 }
 
 fn fe(ip: &str, port: u16) -> Frontend {
@@ -1276,6 +1314,8 @@ fn source_ranges_go_in_before_the_master_and_narrowing_never_drops_what_both_adm
     store.forget_readers();
     p.retire_due(&mut store, t0 + Duration::from_secs(2));
     assert!(store.ranges.is_empty());
+    // The LoadBalancer IP lingers in NODE_ADDRS until no flow goes to it.
+    assert_eq!(p.prune_lingering(&mut store).deleted, 1);
     assert_eq!(p.usage, Usage::default());
 }
 
@@ -1401,7 +1441,19 @@ fn node_addresses_follow_the_node_alone_and_respect_their_capacity() {
     assert_eq!(r.errors.len(), 1);
     assert!(r.errors[0].to_string().contains("SVC_NODE_ADDRS"));
     assert_eq!(store.node_addrs.len(), 2);
+    // A removed address lingers (svc may still translate flows to it) and keeps its room
+    // while a flow goes to it.
+    let first = addr16(IpAddr::from([192, 168, 1, 1]));
     node.addrs.remove(&IpAddr::from([192, 168, 1, 1]));
+    let r = p.apply_node(&mut store, &node);
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(store.node_addrs[&first].flags, node_addr_flags::LINGER);
+    store.flows_to.insert(first);
+    let pruned = p.prune_lingering(&mut store);
+    assert_eq!((pruned.kept, pruned.deleted), (1, 0));
+    store.flows_to.clear();
+    let pruned = p.prune_lingering(&mut store);
+    assert_eq!((pruned.kept, pruned.deleted), (0, 1));
     let r = p.apply_node(&mut store, &node);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(store.node_addrs.len(), 2);
@@ -1632,4 +1684,91 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
     exact(&store, &next);
     let again_id = affinity_id_of(&store, &again);
     assert!(![0, web, api_id, moved_id, other_id].contains(&again_id));
+}
+
+/// NODE_ADDRS holds an external frontend's address before its master entry (the store checks
+/// that at every write), keeps it as LINGER after the frontend is gone while a flow goes to
+/// it, and lets it go when none does; across a restart too.
+#[test]
+fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let b = DesiredBackend {
+        addr: "10.0.0.1:8080".parse().unwrap(),
+        local: false,
+    };
+    let mut want = DesiredState::default();
+    let f = lb_frontend(&mut want, "198.51.100.1", 80, None, &[b]);
+    // Two frontends on one address: it goes only with the last.
+    let g = lb_frontend(&mut want, "198.51.100.1", 443, None, &[b]);
+    let lb = addr16(f.ip);
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
+    assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::EXTERNAL);
+
+    let mut one = want.clone();
+    one.frontends.remove(&g);
+    settle(&mut p, &mut store, &one);
+    assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::EXTERNAL);
+
+    // The Service is deleted while a connection through its LoadBalancer IP is open.
+    store.flows_to.insert(lb);
+    let empty = DesiredState::default();
+    settle(&mut p, &mut store, &empty);
+    assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::LINGER);
+    exact(&store, &empty);
+    assert_eq!(p.prune_lingering(&mut store).kept, 1);
+
+    // A restart meanwhile: the lingering address is adopted as it is.
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    settle(&mut p, &mut store, &empty);
+    assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::LINGER);
+    assert_eq!(p.prune_lingering(&mut store).kept, 1);
+
+    // The Service comes back: its address is an external frontend's again.
+    settle(&mut p, &mut store, &want);
+    assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::EXTERNAL);
+    exact(&store, &want);
+    settle(&mut p, &mut store, &empty);
+
+    // The connection closed: the address goes.
+    store.flows_to.clear();
+    let pruned = p.prune_lingering(&mut store);
+    assert_eq!((pruned.kept, pruned.deleted), (0, 1));
+    assert!(store.node_addrs.is_empty());
+    assert_eq!(p.usage, Usage::default());
+}
+
+/// A flow to an address NODE_ADDRS lacks (state of an agent from before the gate) gets a
+/// LINGER entry at start, before any program that looks at NODE_ADDRS is attached.
+#[test]
+fn flows_to_addresses_node_addrs_lacks_are_seeded_at_start() {
+    let mut store = ModelStore::default();
+    let old_lb = addr16("198.51.100.9".parse().unwrap());
+    let node_ip = addr16("192.168.1.10".parse().unwrap());
+    store.node_addrs.insert(
+        node_ip,
+        NodeAddrValue {
+            flags: node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    store.flows_to.extend([old_lb, node_ip]);
+    store.unchecked = true;
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    assert_eq!(p.seed_lingering(&mut store).unwrap(), 1);
+    assert_eq!(store.node_addrs[&old_lb].flags, node_addr_flags::LINGER);
+    assert_eq!(store.node_addrs[&node_ip].flags, node_addr_flags::NODEPORT);
+    assert_eq!(p.seed_lingering(&mut store).unwrap(), 0);
 }

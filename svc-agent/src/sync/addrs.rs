@@ -1,0 +1,211 @@
+//! SVC_NODE_ADDRS: the addresses the external ingress looks at. A packet to any other
+//! address passes it after one small lookup, without the connection-tracking and frontend
+//! lookups, so the map must hold every address a flow or a frontend of svc is addressed to:
+//! - the node's addresses (`node_addr_flags::NODEPORT`, `SNAT`), as the node sync reads them;
+//! - the address of every programmed EXTERNAL frontend but the NodePort wildcard (ExternalIPs,
+//!   LoadBalancer IPs: `EXTERNAL`), written before the frontend's master entry, so its first
+//!   packet is looked at;
+//! - an address that was one of those and is no more (`LINGER`): svc goes on translating an
+//!   established flow after its Service or node address is gone, as conntrack does under
+//!   kube-proxy, so the address stays until a walk of the connection-tracking map finds no
+//!   live flow to it (`prune_lingering`). Nothing else deletes an entry; an address written
+//!   by a crashed agent is found by the next one's walk at start (`seed_lingering`).
+
+use std::collections::BTreeSet;
+
+use svc_common::{node_addr_flags, NodeAddrValue};
+
+use super::{addr16, ip_from16, name_object, Programmed, Writer};
+use crate::error::{Error, Result};
+use crate::model::{Frontend, Scope};
+use crate::store::{Op, Store};
+
+/// The address `fe` puts in NODE_ADDRS by itself: an external frontend's own address.
+pub fn external_addr(fe: &Frontend) -> Option<[u8; 16]> {
+    (fe.scope == Scope::External && !fe.ip.is_unspecified()).then(|| addr16(fe.ip))
+}
+
+/// What one pass over the lingering addresses did.
+#[derive(Debug, Default)]
+pub struct PruneReport {
+    /// Lingering addresses no live flow was addressed to, deleted.
+    pub deleted: usize,
+    /// Lingering addresses kept for the live flows addressed to them.
+    pub kept: usize,
+    pub errors: Vec<Error>,
+}
+
+impl Programmed {
+    /// Counts (`up`) or uncounts a programmed frontend under its external address.
+    pub(super) fn external_ref(&mut self, fe: &Frontend, up: bool) {
+        let Some(a) = external_addr(fe) else {
+            return;
+        };
+        if up {
+            *self.external_refs.entry(a).or_insert(0) += 1;
+        } else if let Some(n) = self.external_refs.get_mut(&a) {
+            *n -= 1;
+            if *n == 0 {
+                self.external_refs.remove(&a);
+            }
+        }
+    }
+
+    /// The entry address `k` should have: the node's flags for it, `EXTERNAL` while a
+    /// programmed frontend (or, with `external`, one about to be written) has it, else
+    /// `LINGER` if it is there at all.
+    fn addr_target(&self, k: &[u8; 16], external: bool) -> Option<NodeAddrValue> {
+        let mut v = self.node_want.get(k).copied().unwrap_or_default();
+        if external || self.external_refs.contains_key(k) {
+            v.flags |= node_addr_flags::EXTERNAL;
+        }
+        if v.flags != 0 {
+            return Some(v);
+        }
+        self.node_addrs.contains_key(k).then_some(NodeAddrValue {
+            flags: node_addr_flags::LINGER,
+            ifindex: 0,
+        })
+    }
+
+    /// Brings address `k`'s entry to `addr_target`.
+    pub(super) fn write_addr<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        k: [u8; 16],
+        external: bool,
+        errors: &mut Vec<Error>,
+    ) {
+        let Some(v) = self.addr_target(&k, external) else {
+            return;
+        };
+        if self.node_addrs.get(&k) == Some(&v) {
+            return;
+        }
+        let object = describe(k, v.flags);
+        let new = !self.node_addrs.contains_key(&k);
+        if new && self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
+            errors.push(Error::MapFull {
+                map: svc_common::map_names::NODE_ADDRS,
+                capacity: self.capacity.node_addrs,
+                object,
+            });
+            return;
+        }
+        match w.op(&Op::PutNodeAddr(k, v)) {
+            Ok(_) => {
+                if new {
+                    self.usage.node_addrs += 1;
+                }
+                self.node_addrs.insert(k, v);
+            }
+            Err(e) => errors.push(name_object(e, &object)),
+        }
+    }
+
+    /// Every address: the node's, the external frontends', and those that linger.
+    pub(super) fn write_addrs<S: Store>(&mut self, w: &mut Writer<'_, S>, errors: &mut Vec<Error>) {
+        let keys: BTreeSet<[u8; 16]> = self
+            .node_addrs
+            .keys()
+            .chain(self.node_want.keys())
+            .chain(self.external_refs.keys())
+            .copied()
+            .collect();
+        for k in keys {
+            self.write_addr(w, k, false, errors);
+        }
+    }
+
+    /// The addresses that are in NODE_ADDRS only for flows that may still go to them.
+    pub fn lingering(&self) -> BTreeSet<[u8; 16]> {
+        self.node_addrs
+            .iter()
+            .filter(|(_, v)| v.flags == node_addr_flags::LINGER)
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Deletes the lingering addresses no live flow is addressed to any more. Nothing can make
+    /// a new flow to a lingering address (no frontend has it, it answers no NodePort), so one
+    /// the walk does not find stays unused.
+    pub fn prune_lingering<S: Store>(&mut self, store: &mut S) -> PruneReport {
+        let mut report = PruneReport::default();
+        let lingering = self.lingering();
+        if lingering.is_empty() {
+            return report;
+        }
+        let config = self.config.unwrap_or_default();
+        let used = match store.flow_destinations(Some(&lingering), &config) {
+            Ok(u) => u,
+            Err(e) => {
+                report.errors.push(e);
+                return report;
+            }
+        };
+        let mut w = Writer { store, ops: 0 };
+        for k in lingering {
+            if used.contains(&k) {
+                report.kept += 1;
+                continue;
+            }
+            match w.op(&Op::DelNodeAddr(k)) {
+                Ok(found) => {
+                    self.node_addrs.remove(&k);
+                    if found {
+                        self.usage.node_addrs = self.usage.node_addrs.saturating_sub(1);
+                    }
+                    report.deleted += 1;
+                }
+                Err(e) => report.errors.push(name_object(
+                    e,
+                    &format!("lingering address {}", ip_from16(k)),
+                )),
+            }
+        }
+        report
+    }
+
+    /// Puts a `LINGER` entry for every address a live flow goes to that NODE_ADDRS lacks
+    /// (pinned state of an agent that predates the gate, or an entry someone deleted), before
+    /// any program that looks at NODE_ADDRS first is attached. Returns how many it added.
+    pub fn seed_lingering<S: Store>(&mut self, store: &mut S) -> Result<usize> {
+        let config = self.config.unwrap_or_default();
+        let missing: Vec<[u8; 16]> = store
+            .flow_destinations(None, &config)?
+            .into_iter()
+            .filter(|k| !self.node_addrs.contains_key(k))
+            .collect();
+        let mut w = Writer { store, ops: 0 };
+        for k in &missing {
+            let linger = NodeAddrValue {
+                flags: node_addr_flags::LINGER,
+                ifindex: 0,
+            };
+            if self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
+                return Err(Error::MapFull {
+                    map: svc_common::map_names::NODE_ADDRS,
+                    capacity: self.capacity.node_addrs,
+                    object: describe(*k, linger.flags),
+                });
+            }
+            w.op(&Op::PutNodeAddr(*k, linger))
+                .map_err(|e| name_object(e, &describe(*k, linger.flags)))?;
+            self.usage.node_addrs += 1;
+            self.node_addrs.insert(*k, linger);
+        }
+        Ok(missing.len())
+    }
+}
+
+/// How an error names address `k` with `flags`.
+fn describe(k: [u8; 16], flags: u32) -> String {
+    let ip = ip_from16(k);
+    if flags & (node_addr_flags::NODEPORT | node_addr_flags::SNAT) != 0 {
+        format!("node address {ip}")
+    } else if flags & node_addr_flags::EXTERNAL != 0 {
+        format!("external frontend address {ip}")
+    } else {
+        format!("lingering address {ip}")
+    }
+}
