@@ -107,24 +107,17 @@ impl Agent {
         drop(snap);
         // Before `refresh_node` attaches the tc programs, which pass untouched any packet to
         // an address NODE_ADDRS lacks.
-        match programmed.seed_lingering(&mut dp.store) {
-            Ok(0) => {}
-            Ok(n) => info!(
-                addresses = n,
-                "addresses that pinned flows go to, kept in NODE_ADDRS"
-            ),
-            Err(e) => {
-                warn!("reading pinned flows' addresses: {e}");
-                metrics.error(&e);
-            }
+        let r = programmed.check_flow_addrs(&mut dp.store);
+        if r.added > 0 {
+            info!(
+                addresses = r.added,
+                "addresses that pinned flows go to, put in NODE_ADDRS"
+            );
         }
-        crate::sys::release_free_memory();
-        info!(
-            frontends = programmed.frontends.len(),
-            backends = programmed.backends.len(),
-            leftovers = programmed.strays.len(),
-            "adopted pinned state"
-        );
+        for e in &r.errors {
+            warn!("NODE_ADDRS against the pinned flows: {e}");
+            metrics.error(e);
+        }
         let stale = match stale_worker(&dp, cgroup, metrics.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -484,14 +477,21 @@ impl Agent {
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
             self.reconcile(now);
-            self.prune_lingering();
+            self.check_flow_addrs();
         }
         self.metrics.state(self.snapshot_metrics());
     }
 
-    /// Lets go of the lingering addresses no flow goes to any more (sync/addrs.rs).
-    fn prune_lingering(&mut self) {
-        let r = self.programmed.prune_lingering(&mut self.dp.store);
+    /// Brings the lingering addresses of NODE_ADDRS to the live flows (sync/addrs.rs).
+    fn check_flow_addrs(&mut self) {
+        let r = self.programmed.check_flow_addrs(&mut self.dp.store);
+        if r.added > 0 {
+            warn!(
+                addresses = r.added,
+                "addresses live flows go to were missing from NODE_ADDRS; put back"
+            );
+            self.metrics.drift(r.added);
+        }
         if r.deleted > 0 {
             info!(
                 deleted = r.deleted,

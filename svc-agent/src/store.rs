@@ -10,7 +10,7 @@ use std::time::Duration;
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
 use svc_common::{
-    ct_dir, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
+    ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
     BackendId, CtKey, CtValue, DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
     ServiceName, ServiceValue, SlotKey, SrcRangeKey,
 };
@@ -142,26 +142,26 @@ pub trait Store {
     fn apply(&mut self, op: &Op) -> Result<bool>;
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
-    /// The addresses live flows of the packet datapath are addressed to (the destination of
-    /// their FORWARD entry), of those in `among` (all when `None`); `config` gives the
-    /// timeouts. Empty when there is no connection-tracking map.
-    fn flow_destinations(
-        &self,
-        among: Option<&BTreeSet<[u8; 16]>>,
-        config: &DatapathConfig,
-    ) -> Result<BTreeSet<[u8; 16]>>;
+    /// The addresses live flows of the external packet datapath are addressed to (the
+    /// destination of their FORWARD entry); `config` gives the timeouts. Empty when there is
+    /// no connection-tracking map.
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>>;
 }
 
-/// The FORWARD destination of the flow entry `k`/`v` belongs to, if the entry has not timed
-/// out at `now_ns` (the datapath's clock, CLOCK_MONOTONIC_COARSE) by `config`'s timeouts.
-/// An entry the datapath would still find alive through its partner is alive through that
-/// partner's own entry, which the same walk meets.
+/// The FORWARD destination of the external flow entry `k`/`v` belongs to, if the entry has
+/// not timed out at `now_ns` (the datapath's clock, CLOCK_MONOTONIC_COARSE) by `config`'s
+/// timeouts. An entry the datapath would still find alive through its partner is alive
+/// through that partner's own entry, which the same walk meets. Per-packet ClusterIP flows
+/// (`ct_flags::POD`) are no external flows.
 pub fn flow_destination(
     k: &CtKey,
     v: &CtValue,
     now_ns: u64,
     config: &DatapathConfig,
 ) -> Option<[u8; 16]> {
+    if v.flags & ct_flags::POD != 0 {
+        return None;
+    }
     let timeout_ns = u64::from(ct_timeout::seconds(config, k.proto, v.flags)) * 1_000_000_000;
     if now_ns.saturating_sub(v.last_seen_ns) > timeout_ns {
         return None;
@@ -367,11 +367,7 @@ impl Store for BpfStore {
         }
     }
 
-    fn flow_destinations(
-        &self,
-        among: Option<&BTreeSet<[u8; 16]>>,
-        config: &DatapathConfig,
-    ) -> Result<BTreeSet<[u8; 16]>> {
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>> {
         let mut out = BTreeSet::new();
         let Some(ct) = &self.ct else {
             return Ok(out);
@@ -379,9 +375,7 @@ impl Store for BpfStore {
         let now = crate::sys::coarse_now_ns();
         crate::sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
             if let Some(d) = flow_destination(k, v, now, config) {
-                if among.is_none_or(|a| a.contains(&d)) {
-                    out.insert(d);
-                }
+                out.insert(d);
             }
         })
         .map_err(|e| Error::Map {
@@ -420,6 +414,54 @@ impl Store for BpfStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A flow's FORWARD entry names its frontend address; its REPLY entry leads there through
+    /// the partner key; a timed-out entry and a per-packet ClusterIP flow name none.
+    #[test]
+    fn flow_destination_is_the_frontend_of_a_live_external_flow() {
+        let a = |last: u8| {
+            let mut x = [0u8; 16];
+            x[10] = 0xff;
+            x[11] = 0xff;
+            x[12..].copy_from_slice(&[198, 51, 100, last]);
+            x
+        };
+        let (client, frontend, backend) = (a(7), a(10), a(20));
+        let forward = CtKey {
+            saddr: client,
+            daddr: frontend,
+            sport_be: 40000u16.to_be(),
+            dport_be: 80u16.to_be(),
+            proto: svc_common::IPPROTO_TCP,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        };
+        let v = CtValue {
+            nat_addr: backend,
+            nat_port_be: 8080u16.to_be(),
+            flags: ct_flags::SEEN_REPLY,
+            last_seen_ns: 1_000_000_000_000,
+            ..Default::default()
+        };
+        let reply = forward.partner(&v);
+        let rv = CtValue {
+            nat_addr: frontend,
+            nat_port_be: 80u16.to_be(),
+            ..v
+        };
+        let c = DatapathConfig::default();
+        let now = v.last_seen_ns + 60 * 1_000_000_000;
+        assert_eq!(flow_destination(&forward, &v, now, &c), Some(frontend));
+        assert_eq!(flow_destination(&reply, &rv, now, &c), Some(frontend));
+        // Established TCP lives 7,200 s without a packet.
+        let later = v.last_seen_ns + 7_201 * 1_000_000_000;
+        assert_eq!(flow_destination(&forward, &v, later, &c), None);
+        let pod = CtValue {
+            flags: v.flags | ct_flags::POD,
+            ..v
+        };
+        assert_eq!(flow_destination(&forward, &pod, now, &c), None);
+    }
 
     fn failed(errno: i32) -> MapError {
         MapError::SyscallError(aya::sys::SyscallError {

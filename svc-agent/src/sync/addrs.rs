@@ -8,15 +8,15 @@
 //! - an address that was one of those and is no more (`LINGER`): svc goes on translating an
 //!   established flow after its Service or node address is gone, as conntrack does under
 //!   kube-proxy, so the address stays until a walk of the connection-tracking map finds no
-//!   live flow to it (`prune_lingering`). Nothing else deletes an entry; an address written
-//!   by a crashed agent is found by the next one's walk at start (`seed_lingering`).
+//!   live flow to it (`check_flow_addrs`, which also puts back an address a flow goes to that
+//!   the map lacks). Nothing else deletes an entry.
 
 use std::collections::BTreeSet;
 
 use svc_common::{node_addr_flags, NodeAddrValue};
 
 use super::{addr16, ip_from16, name_object, Programmed, Writer};
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::model::{Frontend, Scope};
 use crate::store::{Op, Store};
 
@@ -25,9 +25,11 @@ pub fn external_addr(fe: &Frontend) -> Option<[u8; 16]> {
     (fe.scope == Scope::External && !fe.ip.is_unspecified()).then(|| addr16(fe.ip))
 }
 
-/// What one pass over the lingering addresses did.
+/// What one check of NODE_ADDRS against the live flows did.
 #[derive(Debug, Default)]
-pub struct PruneReport {
+pub struct FlowAddrsReport {
+    /// Addresses live flows go to that NODE_ADDRS lacked, put back as lingering.
+    pub added: usize,
     /// Lingering addresses no live flow was addressed to, deleted.
     pub deleted: usize,
     /// Lingering addresses kept for the live flows addressed to them.
@@ -126,17 +128,17 @@ impl Programmed {
             .collect()
     }
 
-    /// Deletes the lingering addresses no live flow is addressed to any more. Nothing can make
-    /// a new flow to a lingering address (no frontend has it, it answers no NodePort), so one
-    /// the walk does not find stays unused.
-    pub fn prune_lingering<S: Store>(&mut self, store: &mut S) -> PruneReport {
-        let mut report = PruneReport::default();
-        let lingering = self.lingering();
-        if lingering.is_empty() {
-            return report;
-        }
+    /// Walks the connection-tracking map once and brings the lingering addresses to the live
+    /// flows: an address a flow goes to that NODE_ADDRS lacks (the state of an agent from
+    /// before this rule, or an entry someone deleted) is put back as `LINGER`; a lingering
+    /// address no live flow goes to any more is deleted. Nothing can make a new flow to a
+    /// lingering address (no frontend has it, it answers no NodePort), so one the walk does not
+    /// find stays unused. Run at start, before the programs are attached, and at every drift
+    /// check.
+    pub fn check_flow_addrs<S: Store>(&mut self, store: &mut S) -> FlowAddrsReport {
+        let mut report = FlowAddrsReport::default();
         let config = self.config.unwrap_or_default();
-        let used = match store.flow_destinations(Some(&lingering), &config) {
+        let used = match store.flow_destinations(&config) {
             Ok(u) => u,
             Err(e) => {
                 report.errors.push(e);
@@ -144,7 +146,35 @@ impl Programmed {
             }
         };
         let mut w = Writer { store, ops: 0 };
-        for k in lingering {
+        let linger = NodeAddrValue {
+            flags: node_addr_flags::LINGER,
+            ifindex: 0,
+        };
+        let missing: Vec<[u8; 16]> = used
+            .iter()
+            .filter(|k| !self.node_addrs.contains_key(*k))
+            .copied()
+            .collect();
+        for k in &missing {
+            let object = describe(*k, linger.flags);
+            if self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
+                report.errors.push(Error::MapFull {
+                    map: svc_common::map_names::NODE_ADDRS,
+                    capacity: self.capacity.node_addrs,
+                    object,
+                });
+                continue;
+            }
+            match w.op(&Op::PutNodeAddr(*k, linger)) {
+                Ok(_) => {
+                    self.usage.node_addrs += 1;
+                    self.node_addrs.insert(*k, linger);
+                    report.added += 1;
+                }
+                Err(e) => report.errors.push(name_object(e, &object)),
+            }
+        }
+        for k in self.lingering() {
             if used.contains(&k) {
                 report.kept += 1;
                 continue;
@@ -157,44 +187,12 @@ impl Programmed {
                     }
                     report.deleted += 1;
                 }
-                Err(e) => report.errors.push(name_object(
-                    e,
-                    &format!("lingering address {}", ip_from16(k)),
-                )),
+                Err(e) => report
+                    .errors
+                    .push(name_object(e, &describe(k, linger.flags))),
             }
         }
         report
-    }
-
-    /// Puts a `LINGER` entry for every address a live flow goes to that NODE_ADDRS lacks
-    /// (pinned state of an agent that predates the gate, or an entry someone deleted), before
-    /// any program that looks at NODE_ADDRS first is attached. Returns how many it added.
-    pub fn seed_lingering<S: Store>(&mut self, store: &mut S) -> Result<usize> {
-        let config = self.config.unwrap_or_default();
-        let missing: Vec<[u8; 16]> = store
-            .flow_destinations(None, &config)?
-            .into_iter()
-            .filter(|k| !self.node_addrs.contains_key(k))
-            .collect();
-        let mut w = Writer { store, ops: 0 };
-        for k in &missing {
-            let linger = NodeAddrValue {
-                flags: node_addr_flags::LINGER,
-                ifindex: 0,
-            };
-            if self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
-                return Err(Error::MapFull {
-                    map: svc_common::map_names::NODE_ADDRS,
-                    capacity: self.capacity.node_addrs,
-                    object: describe(*k, linger.flags),
-                });
-            }
-            w.op(&Op::PutNodeAddr(*k, linger))
-                .map_err(|e| name_object(e, &describe(*k, linger.flags)))?;
-            self.usage.node_addrs += 1;
-            self.node_addrs.insert(*k, linger);
-        }
-        Ok(missing.len())
     }
 }
 

@@ -40,7 +40,7 @@ use crate::error::{Error, Result};
 use crate::model::{Backend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired, Protocol};
 use crate::store::{Capacity, Op, Store};
 
-pub use addrs::{external_addr, PruneReport};
+pub use addrs::{external_addr, FlowAddrsReport};
 
 pub use plan::UnitPlan;
 

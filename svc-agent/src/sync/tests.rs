@@ -260,17 +260,8 @@ impl Store for ModelStore {
         })
     }
 
-    fn flow_destinations(
-        &self,
-        among: Option<&BTreeSet<[u8; 16]>>,
-        _config: &DatapathConfig,
-    ) -> Result<BTreeSet<[u8; 16]>> {
-        Ok(self
-            .flows_to
-            .iter()
-            .filter(|a| among.is_none_or(|s| s.contains(*a)))
-            .copied()
-            .collect())
+    fn flow_destinations(&self, _config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>> {
+        Ok(self.flows_to.clone())
     }
 }
 
@@ -1315,7 +1306,7 @@ fn source_ranges_go_in_before_the_master_and_narrowing_never_drops_what_both_adm
     p.retire_due(&mut store, t0 + Duration::from_secs(2));
     assert!(store.ranges.is_empty());
     // The LoadBalancer IP lingers in NODE_ADDRS until no flow goes to it.
-    assert_eq!(p.prune_lingering(&mut store).deleted, 1);
+    assert_eq!(p.check_flow_addrs(&mut store).deleted, 1);
     assert_eq!(p.usage, Usage::default());
 }
 
@@ -1449,10 +1440,10 @@ fn node_addresses_follow_the_node_alone_and_respect_their_capacity() {
     assert_eq!(r.errors.len(), 1);
     assert_eq!(store.node_addrs[&first].flags, node_addr_flags::LINGER);
     store.flows_to.insert(first);
-    let pruned = p.prune_lingering(&mut store);
+    let pruned = p.check_flow_addrs(&mut store);
     assert_eq!((pruned.kept, pruned.deleted), (1, 0));
     store.flows_to.clear();
-    let pruned = p.prune_lingering(&mut store);
+    let pruned = p.check_flow_addrs(&mut store);
     assert_eq!((pruned.kept, pruned.deleted), (0, 1));
     let r = p.apply_node(&mut store, &node);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -1718,7 +1709,7 @@ fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
     settle(&mut p, &mut store, &empty);
     assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::LINGER);
     exact(&store, &empty);
-    assert_eq!(p.prune_lingering(&mut store).kept, 1);
+    assert_eq!(p.check_flow_addrs(&mut store).kept, 1);
 
     // A restart meanwhile: the lingering address is adopted as it is.
     let mut p = Programmed::recover(
@@ -1729,7 +1720,7 @@ fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
     );
     settle(&mut p, &mut store, &empty);
     assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::LINGER);
-    assert_eq!(p.prune_lingering(&mut store).kept, 1);
+    assert_eq!(p.check_flow_addrs(&mut store).kept, 1);
 
     // The Service comes back: its address is an external frontend's again.
     settle(&mut p, &mut store, &want);
@@ -1739,16 +1730,17 @@ fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
 
     // The connection closed: the address goes.
     store.flows_to.clear();
-    let pruned = p.prune_lingering(&mut store);
+    let pruned = p.check_flow_addrs(&mut store);
     assert_eq!((pruned.kept, pruned.deleted), (0, 1));
     assert!(store.node_addrs.is_empty());
     assert_eq!(p.usage, Usage::default());
 }
 
-/// A flow to an address NODE_ADDRS lacks (state of an agent from before the gate) gets a
-/// LINGER entry at start, before any program that looks at NODE_ADDRS is attached.
+/// A flow to an address NODE_ADDRS lacks (state of an agent from before the gate, or an
+/// entry someone deleted) gets a LINGER entry back (at start, before any program that looks
+/// at NODE_ADDRS is attached, and at every drift check).
 #[test]
-fn flows_to_addresses_node_addrs_lacks_are_seeded_at_start() {
+fn flows_to_addresses_node_addrs_lacks_are_put_back() {
     let mut store = ModelStore::default();
     let old_lb = addr16("198.51.100.9".parse().unwrap());
     let node_ip = addr16("192.168.1.10".parse().unwrap());
@@ -1767,8 +1759,11 @@ fn flows_to_addresses_node_addrs_lacks_are_seeded_at_start() {
         Duration::from_secs(1),
         Retiring::default(),
     );
-    assert_eq!(p.seed_lingering(&mut store).unwrap(), 1);
+    let r = p.check_flow_addrs(&mut store);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(r.added, 1);
     assert_eq!(store.node_addrs[&old_lb].flags, node_addr_flags::LINGER);
     assert_eq!(store.node_addrs[&node_ip].flags, node_addr_flags::NODEPORT);
-    assert_eq!(p.seed_lingering(&mut store).unwrap(), 0);
+    let r = p.check_flow_addrs(&mut store);
+    assert_eq!((r.added, r.kept, r.deleted), (0, 1, 0));
 }
