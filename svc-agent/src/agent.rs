@@ -100,24 +100,10 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
-        let mut programmed =
-            Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
+        let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
-        // Before `refresh_node` attaches the tc programs, which pass untouched any packet to
-        // an address NODE_ADDRS lacks.
-        let r = programmed.check_flow_addrs(&mut dp.store);
-        if r.added > 0 {
-            info!(
-                addresses = r.added,
-                "addresses that pinned flows go to, put in NODE_ADDRS"
-            );
-        }
-        for e in &r.errors {
-            warn!("NODE_ADDRS against the pinned flows: {e}");
-            metrics.error(e);
-        }
         let stale = match stale_worker(&dp, cgroup, metrics.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
@@ -367,6 +353,10 @@ impl Agent {
             );
         }
         if !self.dp.is_attached() {
+            // The programs about to replace the pinned ones pass untouched any packet to an
+            // address NODE_ADDRS lacks; the pinned flows' addresses go in first (with the
+            // timeouts this agent has written).
+            self.check_flow_addrs(false);
             match self.dp.attach() {
                 Ok(()) => info!("datapath attached"),
                 Err(e) => {
@@ -477,20 +467,27 @@ impl Agent {
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
             self.reconcile(now);
-            self.check_flow_addrs();
+            self.check_flow_addrs(true);
         }
         self.metrics.state(self.snapshot_metrics());
     }
 
     /// Brings the lingering addresses of NODE_ADDRS to the live flows (sync/addrs.rs).
-    fn check_flow_addrs(&mut self) {
+    /// `drift`: an address found missing was deleted by someone else (else it predates this
+    /// agent's programs).
+    fn check_flow_addrs(&mut self, drift: bool) {
         let r = self.programmed.check_flow_addrs(&mut self.dp.store);
-        if r.added > 0 {
+        if r.added > 0 && drift {
             warn!(
                 addresses = r.added,
                 "addresses live flows go to were missing from NODE_ADDRS; put back"
             );
             self.metrics.drift(r.added);
+        } else if r.added > 0 {
+            info!(
+                addresses = r.added,
+                "addresses that pinned flows go to, put in NODE_ADDRS"
+            );
         }
         if r.deleted > 0 {
             info!(

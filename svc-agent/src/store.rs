@@ -150,9 +150,11 @@ pub trait Store {
 
 /// The FORWARD destination of the external flow entry `k`/`v` belongs to, if the entry has
 /// not timed out at `now_ns` (the datapath's clock, CLOCK_MONOTONIC_COARSE) by `config`'s
-/// timeouts. An entry the datapath would still find alive through its partner is alive
-/// through that partner's own entry, which the same walk meets. Per-packet ClusterIP flows
-/// (`ct_flags::POD`) are no external flows.
+/// timeouts. The datapath also takes an entry for alive while the entry at its partner key
+/// is: that entry is met by the same walk and counted for its own flow's destination, which
+/// is this one's unless the key was taken over by another flow (whose replies this flow's
+/// would then be translated as anyway). Per-packet ClusterIP flows (`ct_flags::POD`) are no
+/// external flows.
 pub fn flow_destination(
     k: &CtKey,
     v: &CtValue,

@@ -11,15 +11,16 @@
 //!   the socket hooks do not see, CLUSTER frontends, DNAT only (a pod reaching itself through
 //!   a frontend is SNATed to that frontend, or its own replies would never leave it).
 //!
-//! Non-service traffic pays a parse and one to three hash lookups. On the external ingress,
-//! `NODE_ADDRS` of its destination first: traffic through the node to an address that is
-//! neither the node's nor an external frontend's (nor one svc may still have flows to) stops
-//! there. Traffic to such an address pays the FORWARD entry of its tuple and the frontend key
-//! of its destination (plus the NodePort wildcard key for a NodePort address); the REPLY
-//! lookup runs only for packets to a SNAT address within the SNAT port range (before the
-//! FORWARD one: they are mostly remote backends' replies). The other programs pay the FORWARD
-//! or REPLY entry and, on pod devices, the frontend key. A SYN without ACK adds one lookup:
-//! the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
+//! Non-service traffic pays a parse and hash lookups. On the external ingress, `NODE_ADDRS`
+//! of its destination first: traffic through the node to an address that is neither the
+//! node's nor an external frontend's (nor one svc may still have flows to) stops there. A
+//! packet to an address `NODE_ADDRS` holds pays the FORWARD entry of its tuple and the
+//! frontend key of its destination (plus the NodePort wildcard key for a NodePort address);
+//! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
+//! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
+//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK adds one
+//! lookup wherever it goes: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`).
+//! A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
 //!

@@ -133,7 +133,7 @@ impl Programmed {
     /// before this rule, or an entry someone deleted) is put back as `LINGER`; a lingering
     /// address no live flow goes to any more is deleted. Nothing can make a new flow to a
     /// lingering address (no frontend has it, it answers no NodePort), so one the walk does not
-    /// find stays unused. Run at start, before the programs are attached, and at every drift
+    /// find stays unused. Run before the agent first attaches its programs, and at every drift
     /// check.
     pub fn check_flow_addrs<S: Store>(&mut self, store: &mut S) -> FlowAddrsReport {
         let mut report = FlowAddrsReport::default();
@@ -175,7 +175,9 @@ impl Programmed {
             }
         }
         for k in self.lingering() {
-            if used.contains(&k) {
+            // A write that would have taken it out of LINGER may have failed: it is wanted.
+            let wanted = self.node_want.contains_key(&k) || self.external_refs.contains_key(&k);
+            if used.contains(&k) || wanted {
                 report.kept += 1;
                 continue;
             }

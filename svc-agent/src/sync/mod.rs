@@ -767,11 +767,21 @@ impl Programmed {
         // at packets to addresses NODE_ADDRS holds. A frontend that leaves its address for
         // good is seen to after them.
         let mut addrs_touched = BTreeSet::new();
+        // Addresses that are not in NODE_ADDRS at all after a failed write, with why: their
+        // frontends would be written where no packet looks them up.
+        let mut unwritten: BTreeMap<[u8; 16], String> = BTreeMap::new();
         for (upserts, gone) in units.values() {
             for d in upserts {
                 if let Some(a) = addrs::external_addr(&d.frontend) {
-                    addrs_touched.insert(a);
-                    self.write_addr(&mut w, a, true, &mut report.errors);
+                    if !addrs_touched.insert(a) {
+                        continue;
+                    }
+                    let mut errors = Vec::new();
+                    self.write_addr(&mut w, a, true, &mut errors);
+                    if let (Some(e), false) = (errors.first(), self.node_addrs.contains_key(&a)) {
+                        unwritten.insert(a, e.to_string());
+                    }
+                    report.errors.extend(errors);
                 }
             }
             addrs_touched.extend(gone.iter().filter_map(addrs::external_addr));
@@ -779,16 +789,32 @@ impl Programmed {
 
         let mut unreferenced: Vec<BackendId> = Vec::new();
         for (owner, (upserts, gone)) in units {
-            let result = plan::plan_unit(self, &owner, &upserts, &gone).and_then(|plan| {
-                self.execute(
-                    &mut w,
-                    plan,
-                    reserved,
-                    now,
-                    &mut unreferenced,
-                    &mut report.udp_departed,
-                )
+            let blocked = upserts.iter().find_map(|d| {
+                let a = addrs::external_addr(&d.frontend)?;
+                Some((a, unwritten.get(&a)?))
             });
+            let result = match blocked {
+                Some((a, why)) => Err(Error::Map {
+                    map: svc_common::map_names::NODE_ADDRS,
+                    message: format!(
+                        "its external address {} is not there ({why}); left as it was",
+                        ip_from16(a)
+                    ),
+                }),
+                None => Ok(()),
+            };
+            let result = result
+                .and_then(|()| plan::plan_unit(self, &owner, &upserts, &gone))
+                .and_then(|plan| {
+                    self.execute(
+                        &mut w,
+                        plan,
+                        reserved,
+                        now,
+                        &mut unreferenced,
+                        &mut report.udp_departed,
+                    )
+                });
             match result {
                 Ok((written, removed)) => {
                     report.frontends_written += written;

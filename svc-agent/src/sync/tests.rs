@@ -160,6 +160,7 @@ impl Store for ModelStore {
                 | Op::PutName(..)
                 | Op::PutMatch(..)
                 | Op::PutRange(..)
+                | Op::PutNodeAddr(..)
         );
         if is_put {
             let n = self.puts;
@@ -1766,4 +1767,54 @@ fn flows_to_addresses_node_addrs_lacks_are_put_back() {
     assert_eq!(store.node_addrs[&node_ip].flags, node_addr_flags::NODEPORT);
     let r = p.check_flow_addrs(&mut store);
     assert_eq!((r.added, r.kept, r.deleted), (0, 1, 0));
+}
+
+/// An external frontend whose address cannot go into NODE_ADDRS (full here) is not written
+/// (no packet would reach it): its Service is left as it was and retried, the error names the
+/// Service, the map and the address; the rest is programmed. Once there is room it goes in.
+#[test]
+fn a_frontend_whose_address_cannot_enter_node_addrs_is_not_written() {
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(
+        Capacity {
+            node_addrs: 1,
+            ..Capacity::default()
+        },
+        Duration::from_secs(1),
+    );
+    let b = DesiredBackend {
+        addr: "10.0.0.1:8080".parse().unwrap(),
+        local: false,
+    };
+    let mut want = state(&[(fe("10.96.0.10", 80), &["10.0.0.1:8080"])]);
+    want.node.addrs.insert(
+        "192.168.1.10".parse().unwrap(),
+        NodeAddrValue {
+            flags: node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    let f = lb_frontend(&mut want, "198.51.100.1", 80, None, &[b]);
+    let r = settle(&mut p, &mut store, &want);
+    assert!(!store.services.contains_key(&service_key(&f)));
+    assert!(store
+        .services
+        .contains_key(&service_key(&fe("10.96.0.10", 80))));
+    assert!(r.failed.contains_key("ns/lb"), "{:?}", r.failed);
+    let text: Vec<String> = r.errors.iter().map(|e| e.to_string()).collect();
+    assert!(
+        text.iter().any(|t| t.contains("Service ns/lb")
+            && t.contains("SVC_NODE_ADDRS")
+            && t.contains("198.51.100.1")),
+        "{text:?}"
+    );
+
+    // The node address goes: it lingers until no flow needs it, then there is room.
+    want.node.addrs.clear();
+    settle(&mut p, &mut store, &want);
+    assert!(!store.services.contains_key(&service_key(&f)));
+    assert_eq!(p.check_flow_addrs(&mut store).deleted, 1);
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &want);
 }
