@@ -78,6 +78,8 @@ pub struct Agent {
     /// Closes connected UDP sockets of departed backends, off the sync path. None when its
     /// maps could not be opened a second time (logged at start).
     stale: Option<StaleWorker<Departed>>,
+    /// When NODE_ADDRS was last brought to the pinned flows before an attach.
+    flow_addrs_walked: Option<Instant>,
     /// The packet datapath's settings, and the node as it last saw it.
     packet: PacketConfig,
     view: NodeView,
@@ -135,6 +137,7 @@ impl Agent {
             retry: BTreeMap::new(),
             served_from: HashMap::new(),
             synced: false,
+            flow_addrs_walked: None,
         };
         agent.refresh_node();
         Ok(agent)
@@ -355,8 +358,16 @@ impl Agent {
         if !self.dp.is_attached() {
             // The programs about to replace the pinned ones pass untouched any packet to an
             // address NODE_ADDRS lacks; the pinned flows' addresses go in first (with the
-            // timeouts this agent has written).
-            self.check_flow_addrs(false);
+            // timeouts this agent has written). Not again at every sync while attaching
+            // keeps failing.
+            let now = Instant::now();
+            if self
+                .flow_addrs_walked
+                .is_none_or(|t| now.duration_since(t) >= self.upkeep.check_every)
+            {
+                self.flow_addrs_walked = Some(now);
+                self.check_flow_addrs(false);
+            }
             match self.dp.attach() {
                 Ok(()) => info!("datapath attached"),
                 Err(e) => {

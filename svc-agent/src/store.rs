@@ -143,9 +143,9 @@ pub trait Store {
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
     /// The addresses live flows of the external packet datapath are addressed to (the
-    /// destination of their FORWARD entry); `config` gives the timeouts. Empty when there is
-    /// no connection-tracking map.
-    fn flow_destinations(&self, config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>>;
+    /// destination of their FORWARD entry); `config` gives the timeouts. None when this
+    /// object has no connection-tracking map (a predecessor's programs may still have one).
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>>;
 }
 
 /// The FORWARD destination of the external flow entry `k`/`v` belongs to, if the entry has
@@ -369,10 +369,10 @@ impl Store for BpfStore {
         }
     }
 
-    fn flow_destinations(&self, config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>> {
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>> {
         let mut out = BTreeSet::new();
         let Some(ct) = &self.ct else {
-            return Ok(out);
+            return Ok(None);
         };
         let now = crate::sys::coarse_now_ns();
         crate::sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
@@ -384,7 +384,7 @@ impl Store for BpfStore {
             map: map_names::CT,
             message: e.to_string(),
         })?;
-        Ok(out)
+        Ok(Some(out))
     }
 
     fn snapshot(&self) -> Result<Snapshot> {

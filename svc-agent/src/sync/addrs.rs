@@ -131,15 +131,16 @@ impl Programmed {
     /// Walks the connection-tracking map once and brings the lingering addresses to the live
     /// flows: an address a flow goes to that NODE_ADDRS lacks (the state of an agent from
     /// before this rule, or an entry someone deleted) is put back as `LINGER`; a lingering
-    /// address no live flow goes to any more is deleted. Nothing can make a new flow to a
-    /// lingering address (no frontend has it, it answers no NodePort), so one the walk does not
-    /// find stays unused. Run before the agent first attaches its programs, and at every drift
+    /// address no live flow goes to any more is deleted. A lingering address has no programmed
+    /// frontend and answers no NodePort, so no new flow is made to one the walk does not find
+    /// (one still wanted, whose flag update failed, is kept). Run before the agent first attaches its programs, and at every drift
     /// check.
     pub fn check_flow_addrs<S: Store>(&mut self, store: &mut S) -> FlowAddrsReport {
         let mut report = FlowAddrsReport::default();
         let config = self.config.unwrap_or_default();
         let used = match store.flow_destinations(&config) {
-            Ok(u) => u,
+            Ok(Some(u)) => u,
+            Ok(None) => return report,
             Err(e) => {
                 report.errors.push(e);
                 return report;

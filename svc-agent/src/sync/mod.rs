@@ -767,13 +767,15 @@ impl Programmed {
         // at packets to addresses NODE_ADDRS holds. A frontend that leaves its address for
         // good is seen to after them.
         let mut addrs_touched = BTreeSet::new();
-        // Addresses that are not in NODE_ADDRS at all after a failed write, with why: their
-        // frontends would be written where no packet looks them up.
+        let mut addrs_written = BTreeSet::new();
+        // Addresses that are not in NODE_ADDRS at all after a failed write, with why: new
+        // frontends there would be written where no packet looks them up.
         let mut unwritten: BTreeMap<[u8; 16], String> = BTreeMap::new();
         for (upserts, gone) in units.values() {
             for d in upserts {
                 if let Some(a) = addrs::external_addr(&d.frontend) {
-                    if !addrs_touched.insert(a) {
+                    addrs_touched.insert(a);
+                    if !addrs_written.insert(a) {
                         continue;
                     }
                     let mut errors = Vec::new();
@@ -789,8 +791,14 @@ impl Programmed {
 
         let mut unreferenced: Vec<BackendId> = Vec::new();
         for (owner, (upserts, gone)) in units {
+            // Only a frontend not yet programmed is held back (with its whole Service): one
+            // already programmed is unreachable from outside either way, and its Service's
+            // other changes go on.
             let blocked = upserts.iter().find_map(|d| {
                 let a = addrs::external_addr(&d.frontend)?;
+                if self.frontends.contains_key(&d.frontend) {
+                    return None;
+                }
                 Some((a, unwritten.get(&a)?))
             });
             let result = match blocked {

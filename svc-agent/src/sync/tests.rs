@@ -261,8 +261,8 @@ impl Store for ModelStore {
         })
     }
 
-    fn flow_destinations(&self, _config: &DatapathConfig) -> Result<BTreeSet<[u8; 16]>> {
-        Ok(self.flows_to.clone())
+    fn flow_destinations(&self, _config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>> {
+        Ok(Some(self.flows_to.clone()))
     }
 }
 
@@ -1817,4 +1817,65 @@ fn a_frontend_whose_address_cannot_enter_node_addrs_is_not_written() {
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     exact(&store, &want);
+}
+
+/// One Service leaves an external address as another takes it, in one sync, while the address
+/// is missing from a full NODE_ADDRS (drift): the newcomer is held back, not written where no
+/// packet would look it up.
+#[test]
+fn an_unwritable_address_one_service_leaves_as_another_takes_it_holds_the_newcomer_back() {
+    let mut store = ModelStore::default();
+    let cap = Capacity {
+        node_addrs: 2,
+        ..Capacity::default()
+    };
+    let mut p = Programmed::empty(cap, Duration::from_secs(1));
+    let b = DesiredBackend {
+        addr: "10.0.0.1:8080".parse().unwrap(),
+        local: false,
+    };
+    let lb = |s: &mut DesiredState, owner: &str, port: u16| {
+        let f = Frontend {
+            scope: FeScope::External,
+            ..fe("198.51.100.1", port)
+        };
+        let mut d = DesiredFrontend::cluster_ip(f, owner, &format!("{owner}:{port}"), vec![b]);
+        d.kind = Kind::LoadBalancer;
+        s.frontends.insert(f, d);
+        f
+    };
+    let node = |s: &mut DesiredState, ip: &str| {
+        s.node.addrs.insert(
+            ip.parse().unwrap(),
+            NodeAddrValue {
+                flags: node_addr_flags::SNAT,
+                ifindex: 2,
+            },
+        );
+    };
+    let mut before = DesiredState::default();
+    node(&mut before, "192.168.1.10");
+    lb(&mut before, "ns/a", 80);
+    let r = settle(&mut p, &mut store, &before);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+
+    // Someone deletes the address; a second node address fills the map; a restart adopts that.
+    store.unchecked = true;
+    store
+        .node_addrs
+        .remove(&addr16("198.51.100.1".parse().unwrap()));
+    let mut after = DesiredState::default();
+    node(&mut after, "192.168.1.10");
+    node(&mut after, "192.168.1.11");
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        cap,
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    let f = lb(&mut after, "ns/b", 443);
+    let r = settle(&mut p, &mut store, &after);
+    assert!(!store.services.contains_key(&service_key(&f)));
+    assert!(r.failed.contains_key("ns/b"), "{:?}", r.failed);
+    assert!(!r.failed.contains_key("ns/a"), "{:?}", r.failed);
 }
