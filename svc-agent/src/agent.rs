@@ -106,6 +106,13 @@ impl Agent {
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
+        crate::sys::release_free_memory();
+        info!(
+            frontends = programmed.frontends.len(),
+            backends = programmed.backends.len(),
+            leftovers = programmed.strays.len(),
+            "adopted pinned state"
+        );
         let stale = match stale_worker(&dp, cgroup, metrics.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
