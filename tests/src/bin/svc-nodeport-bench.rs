@@ -793,14 +793,14 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
         out += "Measured by the same command, before the traffic above, with \
                 `cargo test --release -p svc-agent --test packet_fixtures per_packet_cost -- \
                 --ignored` (the release-built kernel object, as root). The programs run in the \
-                fixture tables' network namespace and maps (about 30 frontends). Repeatable \
-                packets are run 200,000 times (`repeat`) and the kernel's mean per run is \
-                shown; a new flow cannot be repeated (from its second run on it is a known \
-                flow), so each of 2,000 flows with distinct client ports is run once, and the \
-                row is the program's own mean run time by bpf_stats (the test run's duration of a \
-                single run adds about 50-70 ns of clock read and cold start). The fixture's maps \
-                have 1,024 entries and stay in cache: the programs cost more per packet in real \
-                traffic (see where the time goes).\n\n";
+                fixture tables' network namespace and maps (about 30 frontends). Each row is \
+                the program's own mean run time by bpf_stats over 2,000 single runs, each on a \
+                fresh copy of its packet (new flows: distinct client ports). Not the test run's \
+                `repeat`: it runs the program again on the packet the run before rewrote, so a \
+                translated row would measure the translated packet's path. A single run finds \
+                the caches partly cold after the syscall that started it, and bpf_stats add \
+                their own clock read. The fixture's maps have 1,024 entries: the programs cost \
+                more per packet in real traffic (see where the time goes).\n\n";
         out += table.trim();
         out += "\n";
     }
