@@ -445,6 +445,17 @@ pub fn create_snat(f: *mut Flow) -> u32 {
     SNAT_OK
 }
 
+/// `mem::copy` of an entry, a function of its own: inlined, it grew `snat_try`'s frame past
+/// the verifier's stack limit on the external ingress's deepest call chain.
+///
+/// # Safety
+/// As `mem::copy`.
+#[inline(never)]
+unsafe fn copy_value(dst: &mut CtValue, src: *const CtValue) {
+    // SAFETY: as the caller promises.
+    unsafe { crate::mem::copy(dst, src) }
+}
+
 /// One try of `create_snat`: 1 stops the loop (a port was claimed, or there is no scratch
 /// space), 0 tries again.
 extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
@@ -460,7 +471,7 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     if let Some(e) = SVC_CT.get_ptr(f.try_key) {
         // SAFETY: a map value, copied out (into the scratch space, not the stack): another
         // CPU may reclaim the port and store its own flow in this very element meanwhile.
-        f.seen = unsafe { *e };
+        unsafe { copy_value(&mut f.seen, e) };
         let reclaimable = !alive(&f.try_key, &f.seen, f.now)
             || index >= SNAT_FREE_TRIES && ct_flags::closed(f.seen.flags);
         if !reclaimable || !reclaim(&f.try_key, &f.seen) {
