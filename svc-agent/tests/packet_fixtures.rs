@@ -1542,6 +1542,55 @@ fn nodeport_ipv4_udp_and_zero_checksum() {
     assert_eq!(rep.flags, ct_flags::SNAT | ct_flags::SEEN_REPLY);
 }
 
+/// A packet svc would forward itself (to a remote backend) with a TTL or hop limit of 1 is
+/// dropped, as a router drops it, and is not counted as translated; with 2 it leaves with 1.
+#[test]
+fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
+    let dp = world();
+    let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC);
+    let mut rows = Vec::new();
+    for (c, np, snat, backend) in [
+        (
+            "203.0.113.7:40020",
+            "192.0.2.10:30081",
+            "192.0.2.10:61000",
+            "10.244.2.7:8080",
+        ),
+        (
+            "[2001:db8:c::7]:40020",
+            "[2001:db8::10]:30081",
+            "[2001:db8::10]:61000",
+            "[fd00:244:2::7]:8080",
+        ),
+    ] {
+        rows.push(row(
+            "a new flow to the remote backend",
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            REDIRECT,
+            Packet(to_node2(tcp(snat, backend, TCP_SYN)).ttl(63)),
+            Some(pkt_stat::NEW),
+        ));
+        rows.push(row(
+            "its packet with TTL 1",
+            ExtIngress,
+            tcp(c, np, TCP_ACK).ttl(1),
+            SHOT,
+            Dropped,
+            None,
+        ));
+        rows.push(row(
+            "its packet with TTL 2",
+            ExtIngress,
+            tcp(c, np, TCP_ACK).ttl(2),
+            REDIRECT,
+            Packet(to_node2(tcp(snat, backend, TCP_ACK)).ttl(1)),
+            Some(pkt_stat::CT_HIT),
+        ));
+    }
+    run_rows(&dp, rows);
+}
+
 /// The same over IPv6.
 #[test]
 fn nodeport_ipv6() {

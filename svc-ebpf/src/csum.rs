@@ -118,13 +118,6 @@ pub fn l4_replace(ctx: &TcContext, off: u32, from: u32, to: u32, size: u64, flag
     }
 }
 
-/// Applies a change of `diff` to the IPv4 header checksum at `off`.
-#[inline(always)]
-pub fn l3_diff(ctx: &TcContext, off: u32, diff: u32) -> bool {
-    // SAFETY: the helper checks the offset; size 0 means `to` is a diff.
-    unsafe { bpf_l3_csum_replace(ctx.skb.skb.cast(), off, 0, diff as u64, 0) == 0 }
-}
-
 /// Applies a change of a 2- or 4-byte field of the IPv4 header to its checksum at `off`.
 #[inline(always)]
 pub fn l3_replace(ctx: &TcContext, off: u32, from: u32, to: u32, size: u64) -> bool {

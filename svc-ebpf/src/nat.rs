@@ -69,20 +69,30 @@ pub fn set_addr(
 }
 
 /// Rewrites the packet's tuple: `saddr`/`sport` to `src`, `daddr`/`dport` to `dst` where
-/// they differ. Helper calls are most of a translated packet's cost, so fields that lie side
-/// by side are changed together: both ports (TCP, UDP), both IPv4 addresses; each checksum is
-/// updated once per pair. A SNATed IPv4 packet changes all four fields: five calls, where one
-/// field at a time took ten. The L4 checksum takes the addresses' change and the ports' apart:
-/// only a pseudo-header change also updates skb->csum for CHECKSUM_COMPLETE, and only it is
-/// applied to a CHECKSUM_PARTIAL packet's field.
+/// they differ, and with `hop` counts a hop (TTL or hop limit one less: the caller forwards
+/// the packet itself, as a router; it checked that the TTL allows). Helper calls are most of
+/// a translated packet's cost, so fields that lie side by side are changed together: both
+/// ports (TCP, UDP), and in IPv4 the TTL, the header checksum and both addresses. A SNATed
+/// IPv4 packet forwarded so takes 4 calls where one field at a time took 13. The L4 checksum
+/// takes the addresses' change and the ports' apart: only a pseudo-header change also
+/// updates skb->csum for CHECKSUM_COMPLETE, and only it is applied to a CHECKSUM_PARTIAL
+/// packet's field.
 #[inline(never)]
-pub fn rewrite(ctx: &TcContext, p: &Pkt, src: &Endpoint, dst: &Endpoint) -> bool {
+pub fn rewrite(ctx: &TcContext, p: &Pkt, src: &Endpoint, dst: &Endpoint, hop: bool) -> bool {
     let csum_off = p.csum_off();
     let addrs = if p.v6 != 0 {
         (src.addr == p.saddr || set_addr(ctx, p, End::Src, &p.saddr, &src.addr, csum_off))
             && (dst.addr == p.daddr || set_addr(ctx, p, End::Dst, &p.daddr, &dst.addr, csum_off))
+            && (!hop || store(ctx, L3 + 7, &p.ttl.wrapping_sub(1), 1, 0))
     } else {
-        set_addrs_v4(ctx, p, v4_word(&src.addr), v4_word(&dst.addr), csum_off)
+        set_addrs_v4(
+            ctx,
+            p,
+            v4_word(&src.addr),
+            v4_word(&dst.addr),
+            csum_off,
+            hop,
+        )
     };
     if !addrs {
         return false;
@@ -99,22 +109,49 @@ pub fn rewrite(ctx: &TcContext, p: &Pkt, src: &Endpoint, dst: &Endpoint) -> bool
         && store(ctx, p.l4_off, ports.as_ptr().cast(), 4, 0)
 }
 
-/// Both IPv4 addresses at once. IPv6 keeps one address at a time: both families done so, as
-/// first written, grew `rewrite`'s frame from 104 to 176 bytes, past the verifier's stack
-/// limit on the external ingress's deepest call chain.
+/// The IPv4 header from the TTL to the destination address, as it lies in the packet.
+#[repr(C)]
+struct V4Tail {
+    ttl: u8,
+    proto: u8,
+    check: u16,
+    saddr: u32,
+    daddr: u32,
+}
+
+/// Both IPv4 addresses and the TTL at once, the header checksum computed here (the helper
+/// only applies the same difference to the field). IPv6 keeps one address at a time: both
+/// families done so, as first written, grew `rewrite`'s frame from 104 to 176 bytes, past
+/// the verifier's stack limit on the external ingress's deepest call chain.
 #[inline(always)]
-fn set_addrs_v4(ctx: &TcContext, p: &Pkt, s: u32, d: u32, csum_off: u32) -> bool {
+fn set_addrs_v4(ctx: &TcContext, p: &Pkt, s: u32, d: u32, csum_off: u32, hop: bool) -> bool {
     let (old_s, old_d) = (v4_word(&p.saddr), v4_word(&p.daddr));
-    if s == old_s && d == old_d {
+    let moved = s != old_s || d != old_d;
+    if !moved && !hop {
         return true;
     }
     let diff = csum::add(csum::diff32(old_s, s), csum::diff32(old_d, d));
-    let new = [s, d];
     // ICMPv4's checksum covers no pseudo-header.
-    (p.proto == IPPROTO_ICMP
-        || csum::l4_diff(ctx, csum_off, diff, csum::l4_flags(p.proto, false, true)))
-        && csum::l3_diff(ctx, L3 + 10, diff)
-        && store(ctx, L3 + 12, new.as_ptr().cast(), 8, 0)
+    if moved
+        && p.proto != IPPROTO_ICMP
+        && !csum::l4_diff(ctx, csum_off, diff, csum::l4_flags(p.proto, false, true))
+    {
+        return false;
+    }
+    // TTL and protocol share a 16-bit word of the header checksum.
+    let ttl = p.ttl.wrapping_sub(hop as u8);
+    let ttl_diff = csum::diff16(
+        u16::from_ne_bytes([p.ttl, p.proto]),
+        u16::from_ne_bytes([ttl, p.proto]),
+    );
+    let tail = V4Tail {
+        ttl,
+        proto: p.proto,
+        check: csum::apply(p.ip_check, csum::add(diff, ttl_diff)),
+        saddr: s,
+        daddr: d,
+    };
+    store(ctx, L3 + 8, (&tail as *const V4Tail).cast(), 12, 0)
 }
 
 /// The IPv4 address of a mapped address, as it lies in memory.

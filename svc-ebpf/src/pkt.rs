@@ -87,6 +87,10 @@ pub struct Pkt {
     pub df: u8,
     /// The device the program runs on.
     pub ifindex: u32,
+    /// IPv4 TTL or IPv6 hop limit.
+    pub ttl: u8,
+    /// The IPv4 header checksum, as it lies in the packet.
+    pub ip_check: u16,
 }
 
 impl Pkt {
@@ -182,6 +186,8 @@ fn parse_v4(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
     p.df = (frag & 0x4000 != 0) as u8;
     p.v6 = 0;
     p.proto = h[9];
+    p.ttl = h[8];
+    p.ip_check = u16::from_ne_bytes([h[10], h[11]]);
     // `v4_mapped` into the cleared `p`: only its last six bytes need writing (the whole
     // address built apart is another memset call).
     p.saddr[10] = 0xff;
@@ -218,6 +224,7 @@ fn parse_v6(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
     }
     p.v6 = 1;
     p.df = 1;
+    p.ttl = h[7];
     p.saddr.copy_from_slice(&h[8..24]);
     p.daddr.copy_from_slice(&h[24..40]);
     p.ip_len = ip_len;

@@ -191,7 +191,13 @@ fn route_icmp(ctx: &TcContext, s: &mut Scratch) -> i32 {
 /// on success.
 #[inline(always)]
 fn to_stack(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
-    if !nat::rewrite(ctx, &s.p, &s.src, &s.dst) {
+    rewritten(ctx, s, reason, false)
+}
+
+/// `to_stack`, with `hop` a hop counted too (`nat::rewrite`).
+#[inline(always)]
+fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
+    if !nat::rewrite(ctx, &s.p, &s.src, &s.dst, hop) {
         dev_count(s.p.ifindex, pkt_stat::ERR_REWRITE);
         return SHOT;
     }
@@ -204,15 +210,16 @@ fn to_stack(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
 /// stack.
 #[inline(always)]
 fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
-    let verdict = to_stack(ctx, s, reason);
-    if verdict != OK || !fwd::usable(&s.route) {
-        return verdict;
-    }
-    let v6 = s.p.v6 != 0;
-    if !nat::dec_ttl(ctx, v6) {
+    let routed = fwd::usable(&s.route);
+    // A router drops what its hop would leave with no TTL.
+    if routed && s.p.ttl <= 1 {
         return SHOT;
     }
-    let verdict = fwd::redirect(ctx, v6, &s.route);
+    let verdict = rewritten(ctx, s, reason, routed);
+    if verdict != OK || !routed {
+        return verdict;
+    }
+    let verdict = fwd::redirect(ctx, s.p.v6 != 0, &s.route);
     if verdict == TC_ACT_REDIRECT {
         note_sent(s);
     }
