@@ -1,9 +1,11 @@
 //! Parsing: Ethernet (no VLAN), IPv4 with options, IPv6 with a bounded walk over its
 //! extension headers, then TCP, UDP, ICMP and ICMPv6.
 //!
-//! Everything is read with bpf_skb_load_bytes rather than direct packet access: offsets vary
-//! (options, extension headers), the packet may be non-linear, and the helper checks bounds at
-//! run time, so the verifier has no variable packet offsets to follow.
+//! The parser's headers are read in place (direct packet access) when they lie in the
+//! packet's linear part, as they nearly always do, else with bpf_skb_load_bytes (a helper
+//! call per header was a large part of a non-service packet's cost). Offsets vary (options,
+//! extension headers), so an in-place read is bounded first (`DIRECT_MAX`) and checked
+//! against the end of the linear data; the rest of the programs read through the helper.
 //!
 //! What the parser cannot read (truncated, inconsistent lengths, too many extension headers)
 //! is `UNPARSED`: the packet passes untouched and is counted, never dropped: it is not ours to
@@ -125,10 +127,22 @@ fn clear(p: &mut Pkt) {
     unsafe { crate::mem::clear(p) };
 }
 
-/// `N` bytes at `off`, read into a buffer that is not zeroed first (zeroing it was a byte
-/// loop too); `None` when the packet is shorter.
+/// Headers further into the packet than this are read through the helper: a bound the
+/// verifier needs on an in-place read's offset (no header the parser reads lies beyond).
+const DIRECT_MAX: u32 = 1024;
+
+/// `N` bytes at `off`: in place when they lie in the linear data, else read by the helper into
+/// a buffer that is not zeroed first (zeroing it was a byte loop too); `None` when the packet
+/// is shorter.
 #[inline(always)]
 fn header<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
+    if off < DIRECT_MAX {
+        let at = ctx.data() + off as usize;
+        if at + N <= ctx.data_end() {
+            // SAFETY: `at..at + N` lies within the packet's linear data, checked just above.
+            return Some(unsafe { core::ptr::read_unaligned(at as *const [u8; N]) });
+        }
+    }
     let mut buf = core::mem::MaybeUninit::<[u8; N]>::uninit();
     // SAFETY: the helper writes at most N bytes into buf and checks the packet bounds.
     let r =
@@ -146,10 +160,9 @@ pub fn parse(ctx: &TcContext, p: &mut Pkt) -> u32 {
     // `p` may hold the previous packet's fields.
     clear(p);
     p.ifindex = ifindex;
-    let mut eth_proto = [0u8; 2];
-    if !load(ctx, 12, &mut eth_proto) {
+    let Some(eth_proto) = header::<2>(ctx, 12) else {
         return parsed::NOT_IP;
-    }
+    };
     let outcome = match be16(eth_proto) {
         ETH_P_IP => parse_v4(ctx, len, p),
         ETH_P_IPV6 => parse_v6(ctx, len, p),
