@@ -321,8 +321,15 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = parse_or_pass(ctx, s, EXT_INGRESS) {
         return verdict;
     }
-    let now = now();
     let node = lb::node_addr_flags(&s.p.daddr);
+    if node == 0 {
+        // Every FORWARD entry and every frontend, and every SNAT address a reply comes back
+        // to, is one of `NODE_ADDRS`: traffic through the node to anywhere else pays none of
+        // the big lookups (nor the clock).
+        ct::syn_on_reply_tuple(&s.p, false);
+        return OK;
+    }
+    let now = now();
     // Looked up before the FORWARD entry: with the default ranges a packet to a SNAT address
     // and port is a remote backend's reply, not a client's packet to a frontend (NodePorts
     // lie below the SNAT range), and each lookup of the connection-tracking table is a cache
@@ -337,12 +344,6 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         // the frontend to the client, forwarded here (its new source is a node address or
         // a frontend).
         return send_routed(ctx, s, pkt_stat::REPLY);
-    }
-    if node == 0 {
-        // Every FORWARD entry and every frontend is addressed to one of `NODE_ADDRS`: traffic
-        // through the node to anywhere else pays none of the big lookups.
-        ct::syn_on_reply_tuple(&s.p, false);
-        return OK;
     }
     if known(s, ct_dir::FORWARD, false, now) {
         if held_for_handover(s, now) {
