@@ -127,8 +127,9 @@ fn clear(p: &mut Pkt) {
     unsafe { crate::mem::clear(p) };
 }
 
-/// Headers further into the packet than this are read through the helper: a bound the
-/// verifier needs on an in-place read's offset (no header the parser reads lies beyond).
+/// Headers that start this far into the packet or further are read through the helper: the
+/// verifier needs a bound on an in-place read's offset. Only a long chain of IPv6 extension
+/// headers puts one there.
 const DIRECT_MAX: u32 = 1024;
 
 /// `N` bytes at `off`: in place when they lie in the linear data, else read by the helper into
