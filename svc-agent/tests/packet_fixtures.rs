@@ -1543,20 +1543,24 @@ fn nodeport_ipv4_udp_and_zero_checksum() {
 }
 
 /// A packet svc would forward itself (to a remote backend) with a TTL or hop limit of 1 is
-/// dropped, as a router drops it, and is not counted as translated; with 2 it leaves with 1.
+/// dropped, as a router drops it, counted `drop_ttl`, not as translated; with 2 it leaves
+/// with 1. A new flow's first packet with TTL 1 takes no SNAT port: the world's range is one
+/// port, and the flow after it gets it.
 #[test]
 fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
     let dp = world();
     let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC);
     let mut rows = Vec::new();
-    for (c, np, snat, backend) in [
+    for (early, c, np, snat, backend) in [
         (
+            "203.0.113.7:40019",
             "203.0.113.7:40020",
             "192.0.2.10:30081",
             "192.0.2.10:61000",
             "10.244.2.7:8080",
         ),
         (
+            "[2001:db8:c::7]:40019",
             "[2001:db8:c::7]:40020",
             "[2001:db8::10]:30081",
             "[2001:db8::10]:61000",
@@ -1564,7 +1568,15 @@ fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
         ),
     ] {
         rows.push(row(
-            "a new flow to the remote backend",
+            "a new flow's first packet with TTL 1",
+            ExtIngress,
+            tcp(early, np, TCP_SYN).ttl(1),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_TTL),
+        ));
+        rows.push(row(
+            "a new flow to the remote backend, on the range's one port",
             ExtIngress,
             tcp(c, np, TCP_SYN),
             REDIRECT,
@@ -1577,7 +1589,7 @@ fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
             tcp(c, np, TCP_ACK).ttl(1),
             SHOT,
             Dropped,
-            None,
+            Some(pkt_stat::DROP_TTL),
         ));
         rows.push(row(
             "its packet with TTL 2",

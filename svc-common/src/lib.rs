@@ -503,7 +503,11 @@ pub mod pkt_stat {
     /// Dropped: a client's packet of a flow `svc-agent uninstall` is handing over to the
     /// node's conntrack (`ct_flags::HANDING`), for the milliseconds that takes.
     pub const DROP_HANDING: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// Dropped: a packet svc forwards itself (to a remote backend, or a reply back to the
+    /// client) whose TTL or hop limit its hop would spend, as a router drops it (svc sends no
+    /// ICMP time exceeded). A new flow's is dropped before it takes a SNAT port.
+    pub const DROP_TTL: u32 = 16;
+    pub const COUNT: u32 = 17;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -521,6 +525,7 @@ pub mod pkt_stat {
         "too_big",
         "pass_midstream",
         "drop_handing",
+        "drop_ttl",
     ];
 }
 

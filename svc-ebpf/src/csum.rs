@@ -1,7 +1,9 @@
 //! Internet checksums: incremental updates of the checksums in the packet (through the
 //! kernel's helpers, which also keep skb->csum right for CHECKSUM_COMPLETE packets and leave
 //! CHECKSUM_PARTIAL ones to the device), and the arithmetic for checksums the helpers cannot
-//! reach (those inside the packet an ICMP error quotes) or that are built from scratch.
+//! reach (those inside the packet an ICMP error quotes), that are built from scratch, or that
+//! are written together with the fields they cover (a translated IPv4 header's, `nat`: no
+//! skb->csum to keep, as the header's own sum does not change).
 //!
 //! Values are ones'-complement sums of 16-bit words as they lie in memory, read in the
 //! machine's order: the sum is independent of byte order as long as it is stored back the way

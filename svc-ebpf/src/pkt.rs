@@ -1,11 +1,12 @@
 //! Parsing: Ethernet (no VLAN), IPv4 with options, IPv6 with a bounded walk over its
 //! extension headers, then TCP, UDP, ICMP and ICMPv6.
 //!
-//! The parser's headers are read in place (direct packet access) when they lie in the
-//! packet's linear part, as they nearly always do, else with bpf_skb_load_bytes (a helper
-//! call per header was a large part of a non-service packet's cost). Offsets vary (options,
-//! extension headers), so an in-place read is bounded first (`DIRECT_MAX`) and checked
-//! against the end of the linear data; the rest of the programs read through the helper.
+//! The EtherType, the IP header and the TCP or UDP header are read in place (direct packet
+//! access) when they lie in the packet's linear part, as they nearly always do, else with
+//! bpf_skb_load_bytes (a helper call per header was a large part of a non-service packet's
+//! cost). Offsets vary (options, extension headers), so an in-place read is bounded first
+//! (`DIRECT_MAX`) and checked against the end of the linear data. IPv6 extension headers, the
+//! ICMP header and everything the other modules read go through the helper.
 //!
 //! What the parser cannot read (truncated, inconsistent lengths, too many extension headers)
 //! is `UNPARSED`: the packet passes untouched and is counted, never dropped: it is not ours to
@@ -128,8 +129,8 @@ fn clear(p: &mut Pkt) {
 }
 
 /// Headers that start this far into the packet or further are read through the helper: the
-/// verifier needs a bound on an in-place read's offset. Only a long chain of IPv6 extension
-/// headers puts one there.
+/// verifier needs a bound on an in-place read's offset. Only a TCP or UDP header after a long
+/// chain of IPv6 extension headers starts there.
 const DIRECT_MAX: u32 = 1024;
 
 /// `N` bytes at `off`: in place when they lie in the linear data, else read by the helper into

@@ -211,9 +211,8 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
 #[inline(always)]
 fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
     let routed = fwd::usable(&s.route);
-    // A router drops what its hop would leave with no TTL.
-    if routed && s.p.ttl <= 1 {
-        return SHOT;
+    if spent(s) {
+        return drop_ttl(s);
     }
     let verdict = rewritten(ctx, s, reason, routed);
     if verdict != OK || !routed {
@@ -224,6 +223,19 @@ fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
         note_sent(s);
     }
     verdict
+}
+
+/// Whether the packet is to be forwarded here (`s.route` usable) and its hop would leave it
+/// no TTL: a router drops it.
+#[inline(always)]
+fn spent(s: &Scratch) -> bool {
+    fwd::usable(&s.route) && s.p.ttl <= 1
+}
+
+#[inline(always)]
+fn drop_ttl(s: &Scratch) -> i32 {
+    dev_count(s.p.ifindex, pkt_stat::DROP_TTL);
+    SHOT
 }
 
 /// Records the packet `to_route` redirected as `scratch::Sent`. A function of its own: inlined,
@@ -573,6 +585,10 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
     );
     if too_big(s) {
         return send_too_big(ctx, s);
+    }
+    // Before the flow is stored: a packet that cannot leave takes no SNAT port.
+    if spent(s) {
+        return drop_ttl(s);
     }
     let mut snat = [0u8; 16];
     fwd::route_src(&s.route, v6, &mut snat);
