@@ -52,8 +52,7 @@ pub fn set_addr(
         csum::l4_diff(ctx, csum_off, d, csum::l4_flags(p.proto, true, true))
             && store(ctx, off, new.as_ptr(), 16, 0)
     } else {
-        let from = u32::from_ne_bytes([old[12], old[13], old[14], old[15]]);
-        let to = u32::from_ne_bytes([new[12], new[13], new[14], new[15]]);
+        let (from, to) = (v4_word(old), v4_word(new));
         (!pseudo
             || csum::l4_replace(
                 ctx,
@@ -165,28 +164,4 @@ fn v4_word(a: &[u8; 16]) -> u32 {
 pub struct Endpoint {
     pub addr: [u8; 16],
     pub port_be: u16,
-}
-
-/// Counts a hop for a packet the program forwards itself (the stack would have): false when
-/// its TTL or hop limit is spent.
-#[inline(always)]
-pub fn dec_ttl(ctx: &TcContext, v6: bool) -> bool {
-    if v6 {
-        let mut hl = [0u8; 1];
-        if !crate::pkt::load(ctx, L3 + 7, &mut hl) || hl[0] <= 1 {
-            return false;
-        }
-        hl[0] -= 1;
-        return store(ctx, L3 + 7, hl.as_ptr(), 1, 0);
-    }
-    // TTL and protocol share a 16-bit word of the header checksum.
-    let mut w = [0u8; 2];
-    if !crate::pkt::load(ctx, L3 + 8, &mut w) || w[0] <= 1 {
-        return false;
-    }
-    let from = u16::from_ne_bytes(w);
-    w[0] -= 1;
-    let to = u16::from_ne_bytes(w);
-    csum::l3_replace(ctx, L3 + 10, from as u32, to as u32, 2)
-        && store(ctx, L3 + 8, w.as_ptr(), 2, 0)
 }

@@ -181,7 +181,16 @@ fn route_icmp(ctx: &TcContext, s: &mut Scratch) -> i32 {
     let p = &s.p;
     let v6 = p.v6 != 0;
     fwd::lookup(ctx, v6, &p.saddr, &p.daddr, p.ifindex, 0, &mut s.route);
-    if !fwd::usable(&s.route) || !nat::dec_ttl(ctx, v6) {
+    // Its hop counted by the rewrite every routed packet takes, its tuple kept.
+    s.src = Endpoint {
+        addr: s.p.saddr,
+        port_be: s.p.sport_be,
+    };
+    s.dst = Endpoint {
+        addr: s.p.daddr,
+        port_be: s.p.dport_be,
+    };
+    if !fwd::usable(&s.route) || s.p.ttl <= 1 || !nat::rewrite(ctx, &s.p, &s.src, &s.dst, true) {
         return OK;
     }
     fwd::redirect(ctx, v6, &s.route)
