@@ -85,12 +85,29 @@ pub struct LoopReport {
     pub cgroup: String,
     #[serde(default)]
     pub netns_ino: u64,
+    /// Time the workers spent in this target's attempts, summed over them.
+    #[serde(default)]
+    pub busy_us: u64,
+    /// Workers that ran the loop.
+    #[serde(default)]
+    pub workers: u32,
+    /// `loop --alternate-with`: the other target's counts (this report's own are `--to`'s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alternate: Option<Box<LoopReport>>,
 }
 
 impl LoopReport {
     /// Successful connections (or exchanges) per second of the run.
     pub fn per_second(&self) -> f64 {
         self.ok as f64 / (self.duration_ms.max(1) as f64 / 1e3)
+    }
+
+    /// Successful attempts per second of the time spent on this target, as if every worker
+    /// had spent the whole run on it. With `--alternate-with`, where the run is split between
+    /// two targets attempt by attempt, the two targets' figures compare their cost at the
+    /// same moments.
+    pub fn per_busy_second(&self) -> f64 {
+        self.ok as f64 * f64::from(self.workers.max(1)) / (self.busy_us.max(1) as f64 / 1e6)
     }
 }
 

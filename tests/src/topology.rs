@@ -29,6 +29,14 @@ pub const POD1_6: &str = "fd00:244:1::2";
 pub const POD2: &str = "10.244.2.2";
 pub const POD2_6: &str = "fd00:244:2::2";
 
+/// The second node network of [`Nodes::add_second_network`]: the client's, node 1's and node
+/// 2's addresses on it, and the pods' second addresses, which the client reaches through it.
+pub const CLIENT_B: &str = "10.78.0.100";
+pub const NODE1_B: &str = "10.78.0.1";
+pub const NODE2_B: &str = "10.78.0.2";
+pub const POD1_B: &str = "10.245.1.2";
+pub const POD2_B: &str = "10.245.2.2";
+
 /// The namespaces, as fields so that a test can reach each; all are deleted on drop.
 pub struct Nodes {
     pub lan: NetNs,
@@ -68,6 +76,41 @@ impl Nodes {
         n.node2
             .ip(["-6", "route", "add", "fd00:244:1::/64", "via", NODE1_6])?;
         Ok(nodes)
+    }
+
+    /// A second node network beside the lan, built like it (bridge `br1`; `eth1` in the
+    /// client and both nodes, on 10.78.0.0/24), and a second address on each pod (10.245.1.2,
+    /// 10.245.2.2) that the client reaches through node 1's `eth1` and that node 1 routes to
+    /// node 2 over it; node 2 sends its pod's replies to the client back through node 1, on
+    /// this network too. Traffic between the client's 10.78.0.100 and these addresses takes
+    /// the hops the lan's takes, through devices no program is attached to (the agent is given
+    /// `eth0` only): a baseline without svc, at the same moments as traffic through it. IPv4
+    /// only.
+    pub fn add_second_network(&self) -> Result<()> {
+        self.lan.ip(["link", "add", "br1", "type", "bridge"])?;
+        self.lan.ip(["link", "set", "br1", "up"])?;
+        for (port, ns, addr) in [
+            ("c1b", &self.client, CLIENT_B),
+            ("n1b", &self.node1, NODE1_B),
+            ("n2b", &self.node2, NODE2_B),
+        ] {
+            veth_pair(&self.lan, port, ns, "eth1")?;
+            self.lan.ip(["link", "set", port, "master", "br1"])?;
+            ns.add_addr("eth1", &format!("{addr}/24"))?;
+        }
+        for (node, pod, net) in [(&self.node1, &self.pod1, 1), (&self.node2, &self.pod2, 2)] {
+            node.add_addr("podh", &format!("10.245.{net}.1/24"))?;
+            pod.add_addr("eth0", &format!("10.245.{net}.2/24"))?;
+        }
+        self.client
+            .ip(["route", "add", "10.245.0.0/16", "via", NODE1_B])?;
+        self.node1
+            .ip(["route", "add", "10.245.2.0/24", "via", NODE2_B])?;
+        self.node2
+            .ip(["route", "add", &format!("{CLIENT_B}/32"), "via", NODE1_B])?;
+        // Node 1 forwards out of the device it received on: an ICMP redirect would teach node
+        // 2 to skip it.
+        self.node1.sysctl("net.ipv4.conf.eth1.send_redirects=0")
     }
 }
 

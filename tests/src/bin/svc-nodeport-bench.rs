@@ -32,7 +32,10 @@
 //!   (for svc: through its programs, as traffic to no Service).
 //!
 //! Rounds interleave the setups (the order rotates each round); ratios are taken round by round
-//! against `none`. Results go to JSON (`--json`) and, with `--write`, to the `nodeport` section
+//! against `none`. In `none` and `svc` each round also takes the paired measures (`PAIRS`):
+//! the same traffic alternating, attempt by attempt, with the pod reached through a second node
+//! network that no program sees, so that svc and no svc are compared at the same moments; the
+//! targets' verdicts are theirs. Results go to JSON (`--json`) and, with `--write`, to the `nodeport` section
 //! of docs/benchmarks.md, together with the per-packet table of `--per-packet`.
 //!
 //! Nothing leaves the namespaces: programs attach only to node 1's `eth0` of the bench's own
@@ -67,7 +70,7 @@ use svc_tests::profile::{BpfStats, Profile};
 use svc_tests::report::{self, fmt3};
 use svc_tests::sandbox::AGENT_READY_TIMEOUT;
 use svc_tests::sys::run;
-use svc_tests::topology::{Nodes, CLIENT, NODE1, NODE2, POD1, POD2};
+use svc_tests::topology::{Nodes, CLIENT, NODE1, NODE2, POD1, POD1_B, POD2, POD2_B};
 use svc_tests::{
     require_root, Agent, Backend, Bpffs, ClientRun, LoopReport, Report, TempDir, TestCgroup, Tools,
 };
@@ -104,6 +107,12 @@ struct Args {
     /// kube-proxy-nftables), comma-separated; all by default.
     #[arg(long, value_delimiter = ',')]
     setups: Vec<String>,
+    /// Measures by id (tcp-direct, tcp-local, tcp-direct-after, udp-local, tcp-remote,
+    /// udp-remote, and the paired pair-tcp-direct, pair-tcp-local, pair-udp-local,
+    /// pair-tcp-remote, pair-udp-remote), comma-separated; all by default. A run of paired
+    /// measures only needs no `none` setup: their baseline is in the same measure.
+    #[arg(long, value_delimiter = ',')]
+    measures: Vec<String>,
     /// How long a kube-proxy may take for its first sync before its setup is given up.
     #[arg(long, default_value_t = 600)]
     sync_timeout_s: u64,
@@ -212,6 +221,41 @@ const MEASURES: &[Measure] = &[
     ),
 ];
 
+/// The same traffic again, alternating attempt by attempt (`svc-probe loop --alternate-with`)
+/// between the measure's target through node 1's `eth0` and the same pod's second address
+/// through the second network (`Nodes::add_second_network`), where no program runs: svc and
+/// no svc at the same moments, so a change of the machine's speed during a measure (another
+/// process, the other core's load) falls on both. Taken in `none` (both paths without
+/// programs: the control, which should be 1) and `svc`. Not in kube-proxy's setups: its rules
+/// act on every device of node 1, the second network's too.
+const PAIRS: &[Measure] = &[
+    Measure::new(
+        "pair-tcp-direct",
+        "non-service traffic: new TCP connections/s to pod 1 itself, through node 1",
+        [false, false, true],
+    ),
+    Measure::new(
+        "pair-tcp-local",
+        "new TCP connections/s, NodePort → pod 1 on node 1 (DNAT)",
+        [false, false, false],
+    ),
+    Measure::new(
+        "pair-udp-local",
+        "UDP packets/s, NodePort → pod 1 on node 1 (DNAT)",
+        [true, false, false],
+    ),
+    Measure::new(
+        "pair-tcp-remote",
+        "new TCP connections/s, NodePort → pod 2 on node 2 (DNAT+SNAT)",
+        [false, true, false],
+    ),
+    Measure::new(
+        "pair-udp-remote",
+        "UDP packets/s, NodePort → pod 2 on node 2 (DNAT+SNAT)",
+        [true, true, false],
+    ),
+];
+
 impl Measure {
     const fn new(id: &'static str, name: &'static str, [udp, remote, direct]: [bool; 3]) -> Self {
         Measure {
@@ -238,6 +282,17 @@ impl Measure {
     fn applies_to(self, setup: Setup) -> bool {
         !(setup == Setup::None && self.direct)
     }
+
+    /// A paired measure's setups: the control and svc.
+    fn pair_applies_to(self, setup: Setup) -> bool {
+        self.applies_to(setup) && matches!(setup, Setup::None | Setup::Proxy(ProxyKind::Svc))
+    }
+
+    /// The pod's second address, on the second network: a paired measure's other target.
+    fn second_network_target(self) -> SocketAddr {
+        let pod = if self.remote { POD2_B } else { POD1_B };
+        SocketAddr::new(pod.parse().expect("address literal"), TARGET_PORT)
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -247,6 +302,10 @@ struct Sample {
     setup: String,
     measure: String,
     per_s: f64,
+    /// A paired measure's other target (the pod through the second network), per second of
+    /// the time spent on it; `per_s` is then the first target's, likewise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    base_per_s: Option<f64>,
     ok: u64,
     failed: u64,
     errors: BTreeMap<String, u64>,
@@ -361,6 +420,7 @@ struct World {
 impl World {
     fn build(setup: Setup, cp: &ControlPlane, tools: &Tools, args: &Args, n: u32) -> Result<World> {
         let nodes = Nodes::new()?;
+        nodes.add_second_network()?;
         // The pods' network is routed through node 1, so that the client can reach them
         // directly, as it does in `none` and for non-service traffic; and node 2 sends pod
         // 2's replies to the client back through node 1, so that without translation too they
@@ -391,13 +451,17 @@ impl World {
         }
         let client_cgroup = TestCgroup::new()?;
         let threads = SERVER_THREADS.to_string();
-        let backends = [(&nodes.pod1, "pod1", POD1), (&nodes.pod2, "pod2", POD2)]
-            .into_iter()
-            .map(|(ns, name, ip)| {
-                let at = SocketAddr::new(ip.parse().expect("address literal"), TARGET_PORT);
-                Backend::start_with(&tools.probe, ns, name, &[at], &["--threads", &threads])
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let backends = [
+            (&nodes.pod1, "pod1", [POD1, POD1_B]),
+            (&nodes.pod2, "pod2", [POD2, POD2_B]),
+        ]
+        .into_iter()
+        .map(|(ns, name, ips)| {
+            let at =
+                ips.map(|ip| SocketAddr::new(ip.parse().expect("address literal"), TARGET_PORT));
+            Backend::start_with(&tools.probe, ns, name, &at, &["--threads", &threads])
+        })
+        .collect::<Result<Vec<_>>>()?;
         let started = Instant::now();
         let runner = match setup {
             Setup::None => Runner::None,
@@ -453,8 +517,15 @@ impl World {
     /// Every measure's target answers, by the backend it should, within a minute (the first
     /// packets also resolve the neighbours).
     fn check(&self, n: u32) -> Result<()> {
-        for m in MEASURES.iter().filter(|m| m.applies_to(self.setup)) {
-            let to = self.target(*m, n);
+        let main = MEASURES
+            .iter()
+            .filter(|m| m.applies_to(self.setup))
+            .map(|m| (*m, self.target(*m, n)));
+        let second = PAIRS
+            .iter()
+            .filter(|m| m.pair_applies_to(self.setup))
+            .map(|m| (*m, m.second_network_target()));
+        for (m, to) in main.chain(second) {
             let want = if m.remote { "pod2" } else { "pod1" };
             let deadline = Instant::now() + Duration::from_secs(60);
             loop {
@@ -497,7 +568,8 @@ impl World {
         ClientRun::spawn(&self.probe, &self.client_cgroup, &self.nodes.client, args)
     }
 
-    fn measure(&self, m: Measure, n: u32, args: &Args) -> Result<LoopReport> {
+    /// `m` for a few seconds; a paired measure alternates with its second-network target.
+    fn measure(&self, m: Measure, n: u32, args: &Args, paired: bool) -> Result<LoopReport> {
         let to = self.target(m, n);
         let mut a: Vec<String> = vec![
             "loop".into(),
@@ -515,11 +587,18 @@ impl World {
         if m.udp {
             a.push("--udp".into());
         }
+        if paired {
+            a.push("--alternate-with".into());
+            a.push(m.second_network_target().to_string());
+        }
         let r: LoopReport = self
             .client(&a)?
             .wait(Duration::from_secs(args.seconds + 30))?;
         if r.netns_ino != self.nodes.client.inode()? {
             bail!("the client ran in the wrong network namespace");
+        }
+        if paired && r.alternate.is_none() {
+            bail!("svc-probe loop --alternate-with reported one target only");
         }
         Ok(r)
     }
@@ -568,16 +647,48 @@ fn start_svc(cp: &ControlPlane, tools: &Tools, nodes: &Nodes, extra: &[String]) 
 fn sample(r: &LoopReport, m: Measure, setup: Setup, n: u32, round: u32) -> Sample {
     // Each exchange is two packets through node 1, the request and the reply.
     let per_exchange = if m.udp { 2.0 } else { 1.0 };
+    let (per_s, base_per_s) = match &r.alternate {
+        Some(other) => (
+            r.per_busy_second() * per_exchange,
+            Some(other.per_busy_second() * per_exchange),
+        ),
+        None => (r.per_second() * per_exchange, None),
+    };
+    let mut errors = r.errors.clone();
+    let mut failed = r.failed;
+    let mut ok = r.ok;
+    if let Some(other) = &r.alternate {
+        ok += other.ok;
+        failed += other.failed;
+        for (k, v) in &other.errors {
+            *errors.entry(format!("second network: {k}")).or_default() += v;
+        }
+    }
     Sample {
         services: n,
         round,
         setup: setup.id().into(),
         measure: m.id.into(),
-        per_s: r.per_second() * per_exchange,
-        ok: r.ok,
-        failed: r.failed,
-        errors: r.errors.clone(),
+        per_s,
+        base_per_s,
+        ok,
+        failed,
+        errors,
     }
+}
+
+/// A paired measure's ratios (through eth0 ÷ through the second network), median over rounds
+/// with (min, max).
+fn pair_ratio(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Option<[f64; 3]> {
+    let v: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.services == n && s.setup == setup && s.measure == m.id)
+        .filter_map(|s| {
+            let base = s.base_per_s?;
+            (base > 0.0).then(|| s.per_s / base)
+        })
+        .collect();
+    report::spread(v)
 }
 
 fn values(samples: &[Sample], n: u32, setup: &str, measure: &str) -> Vec<f64> {
@@ -714,6 +825,22 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
          connections, when the client reuses source ports of flows closed a moment ago.\n",
         args.rounds, args.seconds, args.workers
     );
+    out += "**Paired measures.** A 2-core VM's speed drifts by more than the targets between \
+            measures taken seconds apart: the rounds above spread over a fifth of their median. \
+            So each round also measures no translation and svc side by side, as the socket \
+            bench does. Each topology has a second node network beside the lan (bridge `br1`, \
+            `eth1` in the client and both nodes, 10.78.0.0/24), and each pod a second address \
+            (10.245.1.2, 10.245.2.2) that the client reaches through node 1's `eth1`, node 1 \
+            routing pod 2's over it to node 2 and node 2 sending the replies back through node \
+            1: the hops of the lan's traffic, through devices no program is attached to. Every \
+            worker of one `svc-probe loop --alternate-with` alternates attempt by attempt \
+            between the measure's target through `eth0` and the same pod's second address (for \
+            UDP, one socket for each), so both see the machine at the same moments; a \
+            target's rate is its answered attempts per second of the time the workers spent on \
+            it. The ratio is svc's path over the second network's, per round. The same is \
+            measured without translation (both paths without programs): the control, which \
+            shows how far the two networks differ by themselves. Not for kube-proxy: its rules \
+            act on every device of node 1, the second network's too.\n\n";
     for &n in &args.services {
         let _ = writeln!(
             out,
@@ -740,6 +867,7 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
             }
             out += "\n";
         }
+        out += &paired_table(s.setups, samples, n);
         let ready: Vec<String> = s
             .setups
             .iter()
@@ -807,6 +935,49 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
     out
 }
 
+/// The paired measures of `n` Services: each target's rate per second spent on it, and their
+/// ratio, for the control (`none`) and svc.
+fn paired_table(setups: &[Setup], samples: &[Sample], n: u32) -> String {
+    let svc = Setup::Proxy(ProxyKind::Svc);
+    if !setups.contains(&svc) {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nThe same traffic, alternating attempt by attempt between the path through node 1's \
+         `eth0` and the same pod through the second network, which no program sees (paired):\n\n\
+         | measure | no translation: through eth0 /s | second network /s | ratio (control) | \
+         svc: through eth0 /s | second network /s | svc × no svc |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    let rates = |setup: Setup, id: &str, base: bool| -> Option<[f64; 3]> {
+        report::spread(
+            samples
+                .iter()
+                .filter(|x| x.services == n && x.setup == setup.id() && x.measure == id)
+                .filter_map(|x| if base { x.base_per_s } else { Some(x.per_s) })
+                .collect(),
+        )
+    };
+    for m in PAIRS {
+        let _ = write!(out, "| {} |", m.name);
+        for setup in [Setup::None, svc] {
+            if m.pair_applies_to(setup) {
+                let _ = write!(
+                    out,
+                    " {} | {} | {} |",
+                    fmt3(rates(setup, m.id, false), 0),
+                    fmt3(rates(setup, m.id, true), 0),
+                    fmt3(pair_ratio(samples, n, setup.id(), *m), 3)
+                );
+            } else {
+                out += " (= the DNAT row) | | |";
+            }
+        }
+        out += "\n";
+    }
+    out
+}
+
 /// Why svc's figures fall short where they do, when they do: what was found out in this
 /// benchmark's making (the reasons are in svc-ebpf's code; the run shows whether they still
 /// apply).
@@ -850,39 +1021,64 @@ fn findings(samples: &[Sample]) -> String {
     out
 }
 
-/// The issue's targets, each met or missed with its figure.
+/// The issue's targets, each met or missed with its figure: by the paired measure (svc and no
+/// svc at the same moments), with the rounds' ratio beside it.
 fn targets(args: &Args, samples: &[Sample]) -> String {
-    let mut out = String::from("**Targets** (medians over rounds):\n\n");
+    let mut out = String::from(
+        "**Targets** (medians over rounds; the verdict is the paired measure's, svc and no svc \
+         at the same moments; the sequential rounds' `× none` is beside it):\n\n",
+    );
     let measure = |id: &str| *MEASURES.iter().find(|m| m.id == id).expect("a measure");
+    let pair = |id: &str| {
+        *PAIRS
+            .iter()
+            .find(|m| m.id == format!("pair-{id}"))
+            .expect("a paired measure")
+    };
     let svc = ProxyKind::Svc.id();
     let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
+    let sequential = |n: u32, id: &str| match ratio(samples, n, svc, measure(id)) {
+        Some([r, ..]) => format!("{r:.3}"),
+        None => "—".into(),
+    };
     for &n in &args.services {
-        for id in ["tcp-local", "udp-local", "tcp-remote", "udp-remote"] {
-            let m = measure(id);
-            if let Some([r, ..]) = ratio(samples, n, svc, m) {
-                let _ = writeln!(
-                    out,
-                    "- {n} Services, {}: svc at {r:.3} of no translation (target ≥ 0.90{}): {}",
-                    m.name,
-                    if m.remote {
-                        "; its baseline has no SNAT"
-                    } else {
-                        ""
-                    },
-                    verdict(r >= 0.90)
-                );
-            }
-        }
-        for id in ["tcp-direct", "tcp-direct-after"] {
-            if let Some([r, ..]) = ratio(samples, n, svc, measure(id)) {
-                let _ = writeln!(
-                    out,
-                    "- {n} Services, {} through svc's programs: {r:.3} of no svc at all \
-                     (target ≥ 0.98): {}",
-                    measure(id).name,
-                    verdict(r >= 0.98)
-                );
-            }
+        for id in [
+            "tcp-local",
+            "udp-local",
+            "tcp-remote",
+            "udp-remote",
+            "tcp-direct",
+        ] {
+            let m = pair(id);
+            let Some([r, lo, hi]) = pair_ratio(samples, n, svc, m) else {
+                continue;
+            };
+            let control = match pair_ratio(samples, n, "none", m) {
+                Some([c, ..]) => format!("; control {c:.3}"),
+                None => String::new(),
+            };
+            let target = if m.direct { 0.98 } else { 0.90 };
+            let seq = if m.direct {
+                format!(
+                    "{}, right after the NodePort's {}",
+                    sequential(n, "tcp-direct"),
+                    sequential(n, "tcp-direct-after")
+                )
+            } else {
+                sequential(n, id)
+            };
+            let _ = writeln!(
+                out,
+                "- {n} Services, {}: svc at {r:.3} ({lo:.3}–{hi:.3}) of {} (target ≥ {target:.2}{}{control}; sequential rounds {seq}): {}",
+                m.name,
+                if m.direct { "no svc at all" } else { "no translation" },
+                if m.remote {
+                    "; the baseline has no SNAT"
+                } else {
+                    ""
+                },
+                verdict(r >= target)
+            );
         }
         for kp in [
             Mode::Iptables(IptablesBackend::Nft),
@@ -933,8 +1129,15 @@ fn main() -> Result<()> {
             .map(|p| Setup::parse(p).with_context(|| format!("unknown setup {p:?}")))
             .collect::<Result<_>>()?
     };
-    if !setups.contains(&Setup::None) {
-        bail!("--setups must include none: every ratio is against it");
+    for id in &args.measures {
+        if !MEASURES.iter().chain(PAIRS).any(|m| m.id == id) {
+            bail!("unknown measure {id:?}");
+        }
+    }
+    let chosen =
+        |m: &Measure| args.measures.is_empty() || args.measures.iter().any(|id| id == m.id);
+    if !setups.contains(&Setup::None) && MEASURES.iter().any(chosen) {
+        bail!("--setups must include none: every ratio but the paired measures' is against it");
     }
     for &n in &args.services {
         if n == 0 || n + 1 > 32767 - u32::from(NODE_PORT_BASE) {
@@ -1008,7 +1211,15 @@ fn main() -> Result<()> {
             let k = worlds.len();
             for j in 0..k {
                 let w = &worlds[(j + round as usize) % k];
-                for m in MEASURES.iter().filter(|m| m.applies_to(w.setup)) {
+                let main = MEASURES
+                    .iter()
+                    .filter(|m| m.applies_to(w.setup) && chosen(m))
+                    .map(|m| (*m, false));
+                let paired = PAIRS
+                    .iter()
+                    .filter(|m| m.pair_applies_to(w.setup) && chosen(m))
+                    .map(|m| (*m, true));
+                for (m, paired) in main.chain(paired) {
                     let profile = match &args.profile {
                         Some(dir) => Some(Profile::start(
                             dir,
@@ -1018,17 +1229,21 @@ fn main() -> Result<()> {
                         )?),
                         None => None,
                     };
-                    let r = w.measure(*m, n, &args)?;
+                    let r = w.measure(m, n, &args, paired)?;
                     let profiled = match profile {
                         Some(p) => Some(p.finish(r.ok)?),
                         None => None,
                     };
-                    let s = sample(&r, *m, w.setup, n, round);
+                    let s = sample(&r, m, w.setup, n, round);
                     eprintln!(
-                        "    {:<28} {:<11} {:>9.0}/s{}",
+                        "    {:<28} {:<16} {:>9.0}/s{}{}",
                         w.setup.id(),
                         m.id,
                         s.per_s,
+                        match s.base_per_s {
+                            Some(b) => format!(", second network {b:.0}/s: {:.3}", s.per_s / b),
+                            None => String::new(),
+                        },
                         if s.failed > 0 {
                             format!(" ({} failed)", s.failed)
                         } else {

@@ -131,6 +131,11 @@ enum Cmd {
         /// (one flow) for the whole run and sends a datagram once the last one was answered.
         #[arg(long)]
         udp: bool,
+        /// Alternate attempts between --to and this address, each worker starting on a
+        /// different one (with --udp: a socket, one flow, for each): two targets measured at
+        /// the same moments. The report's `alternate` holds this target's counts.
+        #[arg(long)]
+        alternate_with: Option<SocketAddr>,
     },
 }
 
@@ -225,7 +230,21 @@ fn main() -> Result<()> {
             interval_ms,
             workers,
             udp,
-        } => print_json(&run_loops(&target, duration_ms, interval_ms, workers, udp)),
+            alternate_with,
+        } => {
+            let other = alternate_with.map(|to| Target {
+                to,
+                timeout_ms: target.timeout_ms,
+                v6_mapped: target.v6_mapped,
+                who: target.who,
+            });
+            let run = Run {
+                duration_ms,
+                interval_ms,
+                udp,
+            };
+            print_json(&run_loops(&target, other.as_ref(), &run, workers))
+        }
         Cmd::UdpStream {
             target,
             duration_ms,
@@ -743,55 +762,85 @@ fn sweep(targets: &std::path::Path, timeout: Duration) -> Result<SweepReport> {
     Ok(report)
 }
 
-/// `workers` loops at once, each on a thread of its own; their counts are summed and the
-/// duration is the whole run's.
-fn run_loops(
-    target: &Target,
+/// How each worker of `loop` runs.
+struct Run {
     duration_ms: u64,
     interval_ms: u64,
-    workers: u32,
     udp: bool,
-) -> LoopReport {
+}
+
+/// `workers` loops at once, each on a thread of its own; their counts are summed and the
+/// duration is the whole run's.
+fn run_loops(target: &Target, other: Option<&Target>, run: &Run, workers: u32) -> LoopReport {
     let start = Instant::now();
-    let parts: Vec<LoopReport> = std::thread::scope(|scope| {
-        let threads: Vec<_> = (0..workers.max(1))
-            .map(|_| scope.spawn(|| run_loop(target, duration_ms, interval_ms, udp)))
+    let workers = workers.max(1);
+    let parts: Vec<[LoopReport; 2]> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers)
+            .map(|w| scope.spawn(move || run_loop(target, other, run, w % 2 == 1)))
             .collect();
         threads
             .into_iter()
             .map(|t| t.join().unwrap_or_default())
             .collect()
     });
-    let mut report = LoopReport::default();
-    for p in parts {
-        report.ok += p.ok;
-        report.failed += p.failed;
-        report.max_us = report.max_us.max(p.max_us);
-        for (k, v) in p.errors {
-            *report.errors.entry(k).or_default() += v;
-        }
-        for (k, v) in p.backends {
-            *report.backends.entry(k).or_default() += v;
+    let mut lanes = [LoopReport::default(), LoopReport::default()];
+    for part in parts {
+        for (sum, p) in lanes.iter_mut().zip(part) {
+            sum.ok += p.ok;
+            sum.failed += p.failed;
+            sum.busy_us += p.busy_us;
+            sum.max_us = sum.max_us.max(p.max_us);
+            for (k, v) in p.errors {
+                *sum.errors.entry(k).or_default() += v;
+            }
+            for (k, v) in p.backends {
+                *sum.backends.entry(k).or_default() += v;
+            }
         }
     }
-    report.duration_ms = start.elapsed().as_millis() as u64;
-    report.cgroup = own_cgroup();
-    report.netns_ino = own_netns();
+    let duration_ms = start.elapsed().as_millis() as u64;
+    for lane in &mut lanes {
+        lane.duration_ms = duration_ms;
+        lane.workers = workers;
+        lane.cgroup = own_cgroup();
+        lane.netns_ino = own_netns();
+    }
+    let [mut report, alternate] = lanes;
+    if other.is_some() {
+        report.alternate = Some(Box::new(alternate));
+    }
     report
 }
 
-fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64, udp: bool) -> LoopReport {
+/// One worker: attempts back to back, alternating between `target` and `other` if there is
+/// one (starting on `other` if `other_first`); the counts of each.
+fn run_loop(
+    target: &Target,
+    other: Option<&Target>,
+    run: &Run,
+    other_first: bool,
+) -> [LoopReport; 2] {
     let start = Instant::now();
-    let duration = Duration::from_millis(duration_ms);
-    let mut report = LoopReport::default();
-    let mut udp_socket = None;
+    let duration = Duration::from_millis(run.duration_ms);
+    let mut lanes = [LoopReport::default(), LoopReport::default()];
+    let mut udp_sockets = [None, None];
+    let mut lane = usize::from(other.is_some() && other_first);
     while start.elapsed() < duration {
-        let a = if udp {
-            udp_exchange(target, &mut udp_socket)
+        let to = if lane == 0 {
+            target
         } else {
-            tcp_once(target.addr(), target.timeout(), target.who)
+            other.unwrap_or(target)
         };
+        // Around the whole attempt, the close (and its RST) included.
+        let began = Instant::now();
+        let a = if run.udp {
+            udp_exchange(to, &mut udp_sockets[lane])
+        } else {
+            tcp_once(to.addr(), to.timeout(), to.who)
+        };
+        let report = &mut lanes[lane];
         report.max_us = report.max_us.max(a.elapsed_us);
+        report.busy_us += us(began);
         if a.ok {
             report.ok += 1;
             *report
@@ -805,14 +854,14 @@ fn run_loop(target: &Target, duration_ms: u64, interval_ms: u64, udp: bool) -> L
                 .entry(a.error.unwrap_or_default())
                 .or_default() += 1;
         }
-        if interval_ms > 0 {
-            std::thread::sleep(Duration::from_millis(interval_ms));
+        if other.is_some() {
+            lane ^= 1;
+        }
+        if run.interval_ms > 0 {
+            std::thread::sleep(Duration::from_millis(run.interval_ms));
         }
     }
-    report.duration_ms = start.elapsed().as_millis() as u64;
-    report.cgroup = own_cgroup();
-    report.netns_ino = own_netns();
-    report
+    lanes
 }
 
 /// One exchange on a socket kept across calls (made at the first): the same flow every time.
