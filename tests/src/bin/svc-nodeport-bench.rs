@@ -140,6 +140,13 @@ struct Args {
     agent_arg: Vec<String>,
 }
 
+impl Args {
+    /// Whether `--measures` takes `m`.
+    fn chosen(&self, m: &Measure) -> bool {
+        self.measures.is_empty() || self.measures.iter().any(|id| id == m.id)
+    }
+}
+
 /// What runs on node 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Setup {
@@ -493,7 +500,7 @@ impl World {
             Runner::KubeProxy(kp) => kp.stop(Duration::from_secs(10))?,
             Runner::None => {}
         }
-        world.check(n)?;
+        world.check(n, args)?;
         Ok(world)
     }
 
@@ -514,16 +521,16 @@ impl World {
         }
     }
 
-    /// Every measure's target answers, by the backend it should, within a minute (the first
+    /// Every chosen measure's target answers, by the backend it should, within a minute (the first
     /// packets also resolve the neighbours).
-    fn check(&self, n: u32) -> Result<()> {
+    fn check(&self, n: u32, args: &Args) -> Result<()> {
         let main = MEASURES
             .iter()
-            .filter(|m| m.applies_to(self.setup))
+            .filter(|m| m.applies_to(self.setup) && args.chosen(m))
             .map(|m| (*m, self.target(*m, n)));
         let second = PAIRS
             .iter()
-            .filter(|m| m.pair_applies_to(self.setup))
+            .filter(|m| m.pair_applies_to(self.setup) && args.chosen(m))
             .map(|m| (*m, m.second_network_target()));
         for (m, to) in main.chain(second) {
             let want = if m.remote { "pod2" } else { "pod1" };
