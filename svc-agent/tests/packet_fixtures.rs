@@ -1543,21 +1543,25 @@ fn nodeport_ipv4_udp_and_zero_checksum() {
 }
 
 /// A packet svc would forward itself (to a remote backend) with a TTL or hop limit of 1 is
-/// dropped, as a router drops it, counted `drop_ttl`, not as translated; with 2 it leaves
-/// with 1. A new flow's first packet with TTL 1 takes no SNAT port: the world's range is one
-/// port, and the flow after it gets it.
+/// dropped, as a router drops it, counted `drop_ttl`, not as translated, and answered with an
+/// ICMP time exceeded (ICMPv6 type 3) from the address it was sent to, quoting it as it came;
+/// with 2 it leaves with 1. A new flow's first packet with TTL 1 takes no SNAT port: the
+/// world's range is one port, and the flow after it gets it.
 #[test]
-fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
+fn a_routed_packet_whose_ttl_its_hop_would_spend_is_answered_time_exceeded() {
     let dp = world();
     let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC);
+    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
     let mut rows = Vec::new();
-    for (early, c, np, snat, backend) in [
+    for (early, c, np, snat, backend, [node, client], (typ, quote)) in [
         (
             "203.0.113.7:40019",
             "203.0.113.7:40020",
             "192.0.2.10:30081",
             "192.0.2.10:61000",
             "10.244.2.7:8080",
+            ["192.0.2.10", C],
+            (11, 28),
         ),
         (
             "[2001:db8:c::7]:40019",
@@ -1565,14 +1569,18 @@ fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
             "[2001:db8::10]:30081",
             "[2001:db8::10]:61000",
             "[fd00:244:2::7]:8080",
+            ["2001:db8::10", "2001:db8:c::7"],
+            (3, 48),
         ),
     ] {
+        let time_exceeded = |p: &P| back(icmp_error(node, client, typ, 0, [0; 4], p, quote));
+        let first = tcp(early, np, TCP_SYN).ttl(1);
         rows.push(row(
             "a new flow's first packet with TTL 1",
             ExtIngress,
-            tcp(early, np, TCP_SYN).ttl(1),
-            SHOT,
-            Dropped,
+            first.clone(),
+            REDIRECT,
+            Packet(time_exceeded(&first)),
             Some(pkt_stat::DROP_TTL),
         ));
         rows.push(row(
@@ -1583,12 +1591,13 @@ fn a_routed_packet_whose_ttl_its_hop_would_spend_is_dropped() {
             Packet(to_node2(tcp(snat, backend, TCP_SYN)).ttl(63)),
             Some(pkt_stat::NEW),
         ));
+        let known = tcp(c, np, TCP_ACK).ttl(1);
         rows.push(row(
             "its packet with TTL 1",
             ExtIngress,
-            tcp(c, np, TCP_ACK).ttl(1),
-            SHOT,
-            Dropped,
+            known.clone(),
+            REDIRECT,
+            Packet(time_exceeded(&known)),
             Some(pkt_stat::DROP_TTL),
         ));
         rows.push(row(

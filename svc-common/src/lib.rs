@@ -504,8 +504,8 @@ pub mod pkt_stat {
     /// node's conntrack (`ct_flags::HANDING`), for the milliseconds that takes.
     pub const DROP_HANDING: u32 = 15;
     /// Dropped: a packet svc forwards itself (to a remote backend, or a reply back to the
-    /// client) whose TTL or hop limit its hop would spend, as a router drops it (svc sends no
-    /// ICMP time exceeded). A new flow's is dropped before it takes a SNAT port.
+    /// client) whose TTL or hop limit its hop would spend, as a router drops it, and answered
+    /// with an ICMP time exceeded. A new flow's is dropped before it takes a SNAT port.
     pub const DROP_TTL: u32 = 16;
     pub const COUNT: u32 = 17;
     pub const NAMES: [&str; COUNT as usize] = [

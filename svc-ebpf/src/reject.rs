@@ -1,7 +1,8 @@
 //! Answers built from the packet itself and sent back out of the device it came in on: a TCP
 //! RST or an ICMP/ICMPv6 port unreachable when a frontend has no usable backend (as
-//! kube-proxy's REJECT), and ICMP fragmentation needed / ICMPv6 packet too big when a packet
-//! the program would forward does not fit the route's MTU.
+//! kube-proxy's REJECT), ICMP fragmentation needed / ICMPv6 packet too big when a packet the
+//! program would forward does not fit the route's MTU, and ICMP time exceeded when its hop
+//! would spend its TTL (as the kernel's forwarding answers, so traceroute shows the node).
 //!
 //! The packet is turned into the answer in place: cut or grown to the answer's length
 //! (bpf_skb_change_tail), headers written afresh, checksums computed from scratch. The answer
@@ -18,9 +19,9 @@ use crate::{
     csum, fwd,
     nat::store,
     pkt::{
-        load, Pkt, ICMPV6_PKT_TOOBIG, ICMPV6_PORT_UNREACH, ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED,
-        ICMP_PORT_UNREACH, IPPROTO_ICMP, IPPROTO_ICMPV6, IPV4_HLEN, IPV6_HLEN, L3, TCP_ACK,
-        TCP_FIN, TCP_RST, TCP_SYN,
+        load, Pkt, ICMPV6_PKT_TOOBIG, ICMPV6_PORT_UNREACH, ICMPV6_TIME_EXCEED, ICMP_DEST_UNREACH,
+        ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, ICMP_TIME_EXCEEDED, IPPROTO_ICMP, IPPROTO_ICMPV6,
+        IPV4_HLEN, IPV6_HLEN, L3, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
     },
     scratch::{Scratch, QUOTE_MAX},
 };
@@ -33,6 +34,8 @@ pub enum Kind {
     PortUnreachable,
     /// Fragmentation needed / packet too big, with the MTU that fits.
     TooBig(u32),
+    /// Time exceeded in transit (TTL or hop limit).
+    TimeExceeded,
 }
 
 /// Rejects the packet `s.p`: an RST for TCP (none for an RST), an ICMP port unreachable for
@@ -203,6 +206,8 @@ pub fn icmp_error(ctx: &TcContext, s: &mut Scratch, kind: Kind) -> i32 {
         (false, Kind::TooBig(mtu)) => (IPPROTO_ICMP, ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, mtu),
         (true, Kind::PortUnreachable) => (IPPROTO_ICMPV6, 1, ICMPV6_PORT_UNREACH, 0),
         (true, Kind::TooBig(mtu)) => (IPPROTO_ICMPV6, ICMPV6_PKT_TOOBIG, 0, mtu),
+        (false, Kind::TimeExceeded) => (IPPROTO_ICMP, ICMP_TIME_EXCEEDED, 0, 0),
+        (true, Kind::TimeExceeded) => (IPPROTO_ICMPV6, ICMPV6_TIME_EXCEED, 0, 0),
     };
     let len = 8 + quote;
     let mut h = [0u8; 8];

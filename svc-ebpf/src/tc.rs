@@ -218,10 +218,10 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
 /// forwarding router would (TTL counted). A route that cannot be followed leaves it to the
 /// stack.
 #[inline(always)]
-fn to_route(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+fn to_route(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
     let routed = fwd::usable(&s.route);
     if spent(s) {
-        return drop_ttl(s);
+        return drop_ttl(ctx, s);
     }
     let verdict = rewritten(ctx, s, reason, routed);
     if verdict != OK || !routed {
@@ -241,10 +241,14 @@ fn spent(s: &Scratch) -> bool {
     fwd::usable(&s.route) && s.p.ttl <= 1
 }
 
-#[inline(always)]
-fn drop_ttl(s: &Scratch) -> i32 {
+/// Drops a packet whose hop would spend its TTL, as a router does: counted, and answered with
+/// an ICMP time exceeded from the address it was sent to (the node's, for a NodePort), so
+/// traceroute shows the node. A function of its own: the answer's code is not copied into
+/// every caller.
+#[inline(never)]
+fn drop_ttl(ctx: &TcContext, s: &mut Scratch) -> i32 {
     dev_count(s.p.ifindex, pkt_stat::DROP_TTL);
-    SHOT
+    reject::icmp_error(ctx, s, reject::Kind::TimeExceeded)
 }
 
 /// Records the packet `to_route` redirected as `scratch::Sent`. A function of its own: inlined,
@@ -597,7 +601,7 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
     }
     // Before the flow is stored: a packet that cannot leave takes no SNAT port.
     if spent(s) {
-        return drop_ttl(s);
+        return drop_ttl(ctx, s);
     }
     let mut snat = [0u8; 16];
     fwd::route_src(&s.route, v6, &mut snat);

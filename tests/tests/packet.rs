@@ -1673,6 +1673,149 @@ fn path_mtu_discovery_through_a_nodeport() {
     }
 }
 
+/// What came back for a datagram sent with a given TTL: the backend's answer, or an ICMP
+/// error (type, code, and the address that sent it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Hop {
+    Answered(String),
+    Icmp(u8, u8, IpAddr),
+}
+
+/// One datagram to `to` from a connected socket with a TTL (IPv6: hop limit) of `hops` and
+/// IP_RECVERR, as traceroute sends it: the answer, or the ICMP error the socket was given
+/// about its own datagram (which the kernel matches to it by the tuple the error quotes).
+fn udp_with_hops(to: SocketAddr, hops: u32, timeout: Duration) -> std::io::Result<Hop> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.connect(to)?;
+    let fd = s.as_raw_fd();
+    let (level, ttl_opt, recverr) = if to.is_ipv4() {
+        (libc::SOL_IP, libc::IP_TTL, libc::IP_RECVERR)
+    } else {
+        (libc::SOL_IPV6, libc::IPV6_UNICAST_HOPS, libc::IPV6_RECVERR)
+    };
+    for (opt, value) in [(ttl_opt, hops as libc::c_int), (recverr, 1)] {
+        // SAFETY: an int option of this socket.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    s.set_read_timeout(Some(timeout))?;
+    s.send(b"x")?;
+    let mut buf = [0u8; 512];
+    match s.recv(&mut buf) {
+        Ok(n) => {
+            return Ok(Hop::Answered(
+                parse_answer(&String::from_utf8_lossy(&buf[..n]))?.backend,
+            ))
+        }
+        Err(e) if is_timeout(&e) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("neither an answer nor an ICMP error within {timeout:?}"),
+            ))
+        }
+        // The error the ICMP message set; its details wait in the error queue.
+        Err(_) => {}
+    }
+    let mut control = [0u64; 64];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: a zeroed msghdr is valid; the buffers outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: msg points at valid buffers.
+    if unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: walking the control messages recvmsg wrote, within msg_controllen.
+    let mut c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+    while !c.is_null() {
+        // SAFETY: c is a control message header within the buffer.
+        let (cl, ct) = unsafe { ((*c).cmsg_level, (*c).cmsg_type) };
+        if cl == level && ct == recverr {
+            // SAFETY: IP(V6)_RECVERR data: a sock_extended_err, then the offender's sockaddr
+            // (SO_EE_OFFENDER).
+            let (ee, offender) = unsafe {
+                let data = libc::CMSG_DATA(c);
+                let ee = std::ptr::read_unaligned(data.cast::<libc::sock_extended_err>());
+                let at = data.add(std::mem::size_of::<libc::sock_extended_err>());
+                let from = if to.is_ipv4() {
+                    let sin = std::ptr::read_unaligned(at.cast::<libc::sockaddr_in>());
+                    IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes())
+                } else {
+                    let sin6 = std::ptr::read_unaligned(at.cast::<libc::sockaddr_in6>());
+                    IpAddr::from(sin6.sin6_addr.s6_addr)
+                };
+                (ee, from)
+            };
+            return Ok(Hop::Icmp(ee.ee_type, ee.ee_code, offender));
+        }
+        // SAFETY: the next header within msg_controllen, or null.
+        c = unsafe { libc::CMSG_NXTHDR(&msg, c) };
+    }
+    Err(std::io::Error::other(
+        "an error without an extended error message",
+    ))
+}
+
+/// traceroute through a NodePort shows the node: a datagram that reaches node 1 with a TTL
+/// (IPv6: hop limit) of 1 is answered with an ICMP time exceeded (ICMPv6 type 3) from node
+/// 1's address, about the client's own datagram, as a router answers. To the remote backend
+/// svc forwards the datagram itself and answers it; to the local one it hands the datagram to
+/// node 1's stack, whose forwarding answers, and the answer's quote is translated back to the
+/// NodePort on its way out. With a TTL of 2 the local backend answers; the remote one is a hop
+/// further, and node 2's time exceeded comes back translated from the NodePort's address, as
+/// conntrack's NAT translates it behind kube-proxy; with 3 it answers.
+#[test]
+fn traceroute_through_a_nodeport_shows_the_node() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent();
+    for (node, time_exceeded) in [(NODE1, 11), (NODE1_6, 3)] {
+        let from_node = Hop::Icmp(time_exceeded, 0, ip(node));
+        let answer = |backend: &str| Hop::Answered(backend.into());
+        for (port, hops) in [
+            (30081, vec![from_node.clone(), answer("pod1")]),
+            (
+                30082,
+                vec![from_node.clone(), from_node.clone(), answer("pod2")],
+            ),
+        ] {
+            let to = sa(node, port);
+            answered(&t.client, &format!("UDP to {to}"), move || {
+                udp_once(to, ANSWER)
+            });
+            for (ttl, want) in (1..).zip(hops) {
+                let got = in_ns(&t.client, move || udp_with_hops(to, ttl, ANSWER))
+                    .unwrap_or_else(|e| panic!("UDP with TTL {ttl} to {to}: {e}"));
+                assert_eq!(got, want, "UDP with TTL {ttl} to {to}");
+            }
+        }
+    }
+}
+
 /// The agent follows devices as they come and go: a second uplink named by `--devices` that
 /// appears after the agent started gets the programs (and serves NodePorts on its own
 /// address, which `--nodeport-addresses` covers), and when it goes, the agent's link for it
