@@ -84,6 +84,18 @@ impl Programmed {
         if self.node_addrs.get(&k) == Some(&v) {
             return;
         }
+        self.put_addr(w, k, v, errors);
+    }
+
+    /// Puts `k` with `v` in NODE_ADDRS and the mirror, a new address only while the map has
+    /// room; false, with the error, when it did not.
+    fn put_addr<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        k: [u8; 16],
+        v: NodeAddrValue,
+        errors: &mut Vec<Error>,
+    ) -> bool {
         let object = describe(k, v.flags);
         let new = !self.node_addrs.contains_key(&k);
         if new && self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
@@ -92,7 +104,7 @@ impl Programmed {
                 capacity: self.capacity.node_addrs,
                 object,
             });
-            return;
+            return false;
         }
         match w.op(&Op::PutNodeAddr(k, v)) {
             Ok(_) => {
@@ -100,8 +112,12 @@ impl Programmed {
                     self.usage.node_addrs += 1;
                 }
                 self.node_addrs.insert(k, v);
+                true
             }
-            Err(e) => errors.push(name_object(e, &object)),
+            Err(e) => {
+                errors.push(name_object(e, &object));
+                false
+            }
         }
     }
 
@@ -156,23 +172,9 @@ impl Programmed {
             .filter(|k| !self.node_addrs.contains_key(*k))
             .copied()
             .collect();
-        for k in &missing {
-            let object = describe(*k, linger.flags);
-            if self.usage.node_addrs >= u64::from(self.capacity.node_addrs) {
-                report.errors.push(Error::MapFull {
-                    map: svc_common::map_names::NODE_ADDRS,
-                    capacity: self.capacity.node_addrs,
-                    object,
-                });
-                continue;
-            }
-            match w.op(&Op::PutNodeAddr(*k, linger)) {
-                Ok(_) => {
-                    self.usage.node_addrs += 1;
-                    self.node_addrs.insert(*k, linger);
-                    report.added += 1;
-                }
-                Err(e) => report.errors.push(name_object(e, &object)),
+        for k in missing {
+            if self.put_addr(&mut w, k, linger, &mut report.errors) {
+                report.added += 1;
             }
         }
         for k in self.lingering() {
