@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
@@ -2687,6 +2688,87 @@ fn path_mtu_too_big_answered() {
                 Some(pkt_stat::TOO_BIG),
             ),
         ],
+    );
+}
+
+/// ICMP errors are sent at most at the kernel's own rate for its errors: 50 at once, then
+/// 1,000 a second, per CPU. A flood of datagrams to a frontend without backends gets 50
+/// port unreachables, then one a millisecond; the others are dropped and counted
+/// `icmp_rate_limited` (each still counted `reject_no_backend`). With the bucket empty, a SYN
+/// still gets its RST and a packet too big its fragmentation needed (PMTU discovery needs
+/// every one); a moment later a datagram is answered again.
+#[test]
+fn icmp_errors_are_rate_limited_as_the_kernel_limits_its_own() {
+    let dp = world();
+    // One CPU's bucket.
+    let _cpu = stay_on_this_cpu();
+    let dev = dp.ifindex_of(ExtIngress);
+    let c = "203.0.113.7:40021";
+    let dgram = from_client(udp(c, "192.0.2.10:30099")).bytes();
+    let before = dp.dev_stats_of(dev);
+    let count = |stats: &BTreeMap<u32, u64>, r: u32| stats.get(&r).copied().unwrap_or(0);
+    let flood = 300u64;
+    let started = Instant::now();
+    let mut answered = 0u64;
+    for _ in 0..flood {
+        match dp.run_on(ExtIngress, dev, &dgram, 1).0 {
+            REDIRECT => answered += 1,
+            SHOT => {}
+            v => panic!("verdict {v} for a datagram to a frontend without backends"),
+        }
+    }
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    let after = dp.dev_stats_of(dev);
+    // The coarse clock moves a tick (up to 4 ms) at a time.
+    assert!(
+        (50..=50 + elapsed_ms + 8).contains(&answered),
+        "{answered} of {flood} answered in {elapsed_ms} ms"
+    );
+    assert!(answered < flood, "every one of {flood} answered");
+    assert_eq!(
+        count(&after, pkt_stat::ICMP_RATE_LIMITED) - count(&before, pkt_stat::ICMP_RATE_LIMITED),
+        flood - answered
+    );
+    assert_eq!(
+        count(&after, pkt_stat::REJECT_NO_BACKEND) - count(&before, pkt_stat::REJECT_NO_BACKEND),
+        flood
+    );
+    // Drain what the flood's last milliseconds earned: the bucket is empty once one is
+    // refused.
+    while dp.run_on(ExtIngress, dev, &dgram, 1).0 == REDIRECT {}
+    let big = from_client(tcp(c, "192.0.2.10:30083", TCP_SYN)).payload(vec![0x42; 1300]);
+    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
+    let mtu = 1280u32.to_be_bytes();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "with the bucket empty, a SYN to no backend still gets its RST",
+                ExtIngress,
+                from_client(tcp(c, "192.0.2.10:30099", TCP_SYN)),
+                REDIRECT,
+                Packet(back(
+                    tcp("192.0.2.10:30099", c, 0)
+                        .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+                        .payload(vec![]),
+                )),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "and a packet too big its fragmentation needed",
+                ExtIngress,
+                big.clone(),
+                REDIRECT,
+                Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &big, 28))),
+                Some(pkt_stat::TOO_BIG),
+            ),
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    let (verdict, _, _) = dp.run_on(ExtIngress, dev, &dgram, 1);
+    assert_eq!(
+        verdict, REDIRECT,
+        "a datagram 20 ms after the bucket ran dry"
     );
 }
 

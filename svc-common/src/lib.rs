@@ -507,7 +507,13 @@ pub mod pkt_stat {
     /// client) whose TTL or hop limit its hop would spend, as a router drops it, and answered
     /// with an ICMP time exceeded. A new flow's is dropped before it takes a SNAT port.
     pub const DROP_TTL: u32 = 16;
-    pub const COUNT: u32 = 17;
+    /// Dropped without its answer: an ICMP error svc would have sent about the packet (port
+    /// unreachable for a frontend without backends, time exceeded) was over the rate svc
+    /// sends them at, the kernel's own default for the errors it sends: 1,000 a second per
+    /// CPU, 50 at once. Fragmentation needed / packet too big is never limited (PMTU discovery
+    /// needs it), nor a TCP RST. Counted besides the packet's own reason.
+    pub const ICMP_RATE_LIMITED: u32 = 17;
+    pub const COUNT: u32 = 18;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -526,6 +532,7 @@ pub mod pkt_stat {
         "pass_midstream",
         "drop_handing",
         "drop_ttl",
+        "icmp_rate_limited",
     ];
 }
 

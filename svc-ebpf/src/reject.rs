@@ -6,27 +6,55 @@
 //!
 //! The packet is turned into the answer in place: cut or grown to the answer's length
 //! (bpf_skb_change_tail), headers written afresh, checksums computed from scratch. The answer
-//! comes from the address the client sent to.
+//! comes from the address the client sent to. ICMP errors other than fragmentation needed are
+//! rate-limited per CPU, as the kernel limits its own (`icmp_allowed`); a TCP RST is not.
 
 use aya_ebpf::{
     bindings::{BPF_F_RECOMPUTE_CSUM, TC_ACT_SHOT},
     helpers::generated::{bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
 };
-use svc_common::IPPROTO_TCP;
+use svc_common::{pkt_stat, IPPROTO_TCP};
 
 use crate::{
     csum, fwd,
+    maps::dev_count,
     nat::store,
     pkt::{
         load, Pkt, ICMPV6_PKT_TOOBIG, ICMPV6_PORT_UNREACH, ICMPV6_TIME_EXCEED, ICMP_DEST_UNREACH,
         ICMP_FRAG_NEEDED, ICMP_PORT_UNREACH, ICMP_TIME_EXCEEDED, IPPROTO_ICMP, IPPROTO_ICMPV6,
         IPV4_HLEN, IPV6_HLEN, L3, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
     },
-    scratch::{Scratch, QUOTE_MAX},
+    scratch::{IcmpBucket, Scratch, QUOTE_MAX},
 };
 
 const TTL: u8 = 64;
+
+/// ICMP errors a CPU sends per second at most, and at once after a quiet spell: the kernel's
+/// defaults for the errors it sends itself (`net.ipv4.icmp_msgs_per_sec`, `icmp_msgs_burst`;
+/// the kernel counts them for the whole node). A flood of packets svc must answer does not
+/// become a flood of answers. Fragmentation needed / packet too big is not limited, as in the
+/// kernel: PMTU discovery needs every one.
+const ICMP_RATE_PER_S: u64 = 1000;
+const ICMP_BURST: u64 = 50;
+
+/// Whether this CPU may send an ICMP error at `now` (coarse clock, ns): a token bucket,
+/// `ICMP_RATE_PER_S` tokens a second up to `ICMP_BURST`. It starts full: the first call
+/// finds a long time since `at_ns` (0).
+#[inline(always)]
+fn icmp_allowed(b: &mut IcmpBucket, now: u64) -> bool {
+    const NS_PER_TOKEN: u64 = 1_000_000_000 / ICMP_RATE_PER_S;
+    let earned = now.saturating_sub(b.at_ns) / NS_PER_TOKEN;
+    if earned > 0 {
+        b.tokens = b.tokens.saturating_add(earned).min(ICMP_BURST);
+        b.at_ns = now;
+    }
+    if b.tokens == 0 {
+        return false;
+    }
+    b.tokens -= 1;
+    true
+}
 
 /// What the ICMP error says.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -188,6 +216,10 @@ pub fn rst(ctx: &TcContext, p: &Pkt) -> i32 {
 /// the first 8 bytes of its transport header.
 #[inline(always)]
 pub fn icmp_error(ctx: &TcContext, s: &mut Scratch, kind: Kind) -> i32 {
+    if !matches!(kind, Kind::TooBig(_)) && !icmp_allowed(&mut s.icmp, crate::lb::clock_ns()) {
+        dev_count(s.p.ifindex, pkt_stat::ICMP_RATE_LIMITED);
+        return TC_ACT_SHOT;
+    }
     let p = &s.p;
     let buf = s.quote.as_mut_ptr();
     // IP header, extension headers and 8 bytes of L4: at least 28 bytes, a multiple of 4

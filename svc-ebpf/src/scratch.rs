@@ -36,6 +36,16 @@ pub struct Flow {
     pub seen: CtValue,
 }
 
+/// The ICMP errors this CPU may still send at once, and when it last earned one
+/// (`reject::icmp_allowed`). Kept across packets: the one field of the scratch space that is
+/// not per packet.
+#[derive(Clone, Copy)]
+pub struct IcmpBucket {
+    pub tokens: u64,
+    /// The coarse clock, ns.
+    pub at_ns: u64,
+}
+
 pub struct Scratch {
     /// The packet as parsed.
     pub p: Pkt,
@@ -51,6 +61,7 @@ pub struct Scratch {
     pub dst: Endpoint,
     /// What an ICMP error the program sends quotes.
     pub quote: [u8; QUOTE_MAX as usize],
+    pub icmp: IcmpBucket,
 }
 
 #[btf_map]
