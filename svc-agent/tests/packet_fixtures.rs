@@ -1545,8 +1545,9 @@ fn nodeport_ipv4_udp_and_zero_checksum() {
 
 /// A packet svc would forward itself (to a remote backend) with a TTL or hop limit of 1 is
 /// dropped, as a router drops it, counted `drop_ttl`, not as translated, and answered with an
-/// ICMP time exceeded (ICMPv6 type 3) from the address it was sent to, quoting it as it came;
-/// with 2 it leaves with 1. A new flow's first packet with TTL 1 takes no SNAT port: the
+/// ICMP time exceeded (ICMPv6 type 3) from the address it was sent to, quoting it as it came
+/// (a remote backend's reply too: from the SNAT address, to the backend); with 2 it leaves
+/// with 1. A new flow's first packet with TTL 1 takes no SNAT port: the
 /// world's range is one port, and the flow after it gets it.
 #[test]
 fn a_routed_packet_whose_ttl_its_hop_would_spend_is_answered_time_exceeded() {
@@ -1608,6 +1609,27 @@ fn a_routed_packet_whose_ttl_its_hop_would_spend_is_answered_time_exceeded() {
             REDIRECT,
             Packet(to_node2(tcp(snat, backend, TCP_ACK)).ttl(1)),
             Some(pkt_stat::CT_HIT),
+        ));
+        // The backend's reply reaches node 1 with TTL 1: answered from the SNAT address it
+        // was sent to, back to the backend.
+        let reply = tcp(backend, snat, TCP_SYN | TCP_ACK)
+            .macs(EXT_MAC, NODE2_MAC)
+            .ttl(1);
+        let snat_ip = snat.rsplit_once(':').expect("ip:port").0;
+        let snat_ip = snat_ip.trim_matches(|c| c == '[' || c == ']');
+        let backend_ip = backend.rsplit_once(':').expect("ip:port").0;
+        let backend_ip = backend_ip.trim_matches(|c| c == '[' || c == ']');
+        rows.push(row(
+            "its reply with TTL 1",
+            ExtIngress,
+            reply.clone(),
+            REDIRECT,
+            Packet(
+                icmp_error(snat_ip, backend_ip, typ, 0, [0; 4], &reply, quote)
+                    .macs(NODE2_MAC, EXT_MAC)
+                    .fresh_ip(),
+            ),
+            Some(pkt_stat::DROP_TTL),
         ));
     }
     run_rows(&dp, rows);
@@ -2650,6 +2672,23 @@ fn path_mtu_too_big_answered() {
                 REDIRECT,
                 Packet(back(icmp_error("192.0.2.10", C, 3, 4, mtu, &syn_data, 28))),
                 Some(pkt_stat::TOO_BIG),
+            ),
+            row(
+                "a new flow's first packet, too big and with TTL 1: time exceeded (a router \
+                 counts the hop before it measures the packet)",
+                ExtIngress,
+                big(tcp("203.0.113.7:40051", "192.0.2.10:30083", TCP_SYN)).ttl(1),
+                REDIRECT,
+                Packet(back(icmp_error(
+                    "192.0.2.10",
+                    C,
+                    11,
+                    0,
+                    [0; 4],
+                    &big(tcp("203.0.113.7:40051", "192.0.2.10:30083", TCP_SYN)).ttl(1),
+                    28,
+                ))),
+                Some(pkt_stat::DROP_TTL),
             ),
             row(
                 "a SYN fits: SNATed to ext1's address, routed over ext1",

@@ -234,11 +234,12 @@ fn to_route(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
     verdict
 }
 
-/// Whether the packet is to be forwarded here (`s.route` usable) and its hop would leave it
-/// no TTL: a router drops it.
+/// Whether the packet is to be forwarded here (`s.route` usable, or the packet too big for
+/// it) and its hop would leave it no TTL: a router drops it, and counts the hop before it
+/// measures the packet against the route's MTU.
 #[inline(always)]
 fn spent(s: &Scratch) -> bool {
-    fwd::usable(&s.route) && s.p.ttl <= 1
+    s.p.ttl <= 1 && (fwd::usable(&s.route) || too_big(s))
 }
 
 /// Drops a packet whose hop would spend its TTL, as a router does: counted, and answered with
@@ -294,6 +295,9 @@ fn send_routed(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
         0,
         &mut s.route,
     );
+    if spent(s) {
+        return drop_ttl(ctx, s);
+    }
     if too_big(s) {
         return send_too_big(ctx, s);
     }
@@ -596,12 +600,14 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
         fwd::LOOKUP_SRC,
         &mut s.route,
     );
+    // Before the flow is stored: a packet that cannot leave takes no SNAT port. Whatever the
+    // lookup said: a packet to a remote backend is forwarded, by svc or, when the route
+    // cannot be followed here, by the stack, and either counts the hop first.
+    if s.p.ttl <= 1 {
+        return drop_ttl(ctx, s);
+    }
     if too_big(s) {
         return send_too_big(ctx, s);
-    }
-    // Before the flow is stored: a packet that cannot leave takes no SNAT port.
-    if spent(s) {
-        return drop_ttl(ctx, s);
     }
     let mut snat = [0u8; 16];
     fwd::route_src(&s.route, v6, &mut snat);
