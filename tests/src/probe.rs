@@ -85,7 +85,7 @@ pub struct LoopReport {
     pub cgroup: String,
     #[serde(default)]
     pub netns_ino: u64,
-    /// Time the workers spent in this target's attempts, summed over them.
+    /// Time the workers spent in this target's successful attempts, summed over them.
     #[serde(default)]
     pub busy_us: u64,
     /// Workers that ran the loop.
@@ -104,8 +104,7 @@ impl LoopReport {
 
     /// Successful attempts per second of the time spent on this target, as if every worker
     /// had spent the whole run on it. With `--alternate-with`, where the run is split between
-    /// two targets attempt by attempt, the two targets' figures compare their cost at the
-    /// same moments.
+    /// two targets in short blocks, the two targets' figures compare them moments apart.
     pub fn per_busy_second(&self) -> f64 {
         self.ok as f64 * f64::from(self.workers.max(1)) / (self.busy_us.max(1) as f64 / 1e6)
     }

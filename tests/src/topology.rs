@@ -108,9 +108,16 @@ impl Nodes {
             .ip(["route", "add", "10.245.2.0/24", "via", NODE2_B])?;
         self.node2
             .ip(["route", "add", &format!("{CLIENT_B}/32"), "via", NODE1_B])?;
-        // Node 1 forwards out of the device it received on: an ICMP redirect would teach node
-        // 2 to skip it.
-        self.node1.sysctl("net.ipv4.conf.eth1.send_redirects=0")
+        // Node 1 forwards the client's packets to pod 2, and pod 2's replies, out of the
+        // device they came in on: an ICMP redirect would teach the client and node 2 to skip
+        // it. The kernel sends one unless both `all` and the device say no.
+        for setting in [
+            "net.ipv4.conf.all.send_redirects=0",
+            "net.ipv4.conf.eth1.send_redirects=0",
+        ] {
+            self.node1.sysctl(setting)?;
+        }
+        Ok(())
     }
 }
 

@@ -1716,7 +1716,7 @@ fn udp_with_hops(to: SocketAddr, hops: u32, timeout: Duration) -> std::io::Resul
     s.set_read_timeout(Some(timeout))?;
     s.send(b"x")?;
     let mut buf = [0u8; 512];
-    match s.recv(&mut buf) {
+    let first = match s.recv(&mut buf) {
         Ok(n) => {
             return Ok(Hop::Answered(
                 parse_answer(&String::from_utf8_lossy(&buf[..n]))?.backend,
@@ -1729,8 +1729,8 @@ fn udp_with_hops(to: SocketAddr, hops: u32, timeout: Duration) -> std::io::Resul
             ))
         }
         // The error the ICMP message set; its details wait in the error queue.
-        Err(_) => {}
-    }
+        Err(e) => e,
+    };
     let mut control = [0u64; 64];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -1744,7 +1744,10 @@ fn udp_with_hops(to: SocketAddr, hops: u32, timeout: Duration) -> std::io::Resul
     msg.msg_controllen = std::mem::size_of_val(&control);
     // SAFETY: msg points at valid buffers.
     if unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) } < 0 {
-        return Err(std::io::Error::last_os_error());
+        return Err(std::io::Error::other(format!(
+            "recv: {first}, and nothing in the error queue: {}",
+            std::io::Error::last_os_error()
+        )));
     }
     // SAFETY: walking the control messages recvmsg wrote, within msg_controllen.
     let mut c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
@@ -1767,6 +1770,17 @@ fn udp_with_hops(to: SocketAddr, hops: u32, timeout: Duration) -> std::io::Resul
                 };
                 (ee, from)
             };
+            let icmp = if to.is_ipv4() {
+                libc::SO_EE_ORIGIN_ICMP
+            } else {
+                libc::SO_EE_ORIGIN_ICMP6
+            };
+            if ee.ee_origin != icmp {
+                return Err(std::io::Error::other(format!(
+                    "a local error, not an ICMP message: errno {}",
+                    ee.ee_errno
+                )));
+            }
             return Ok(Hop::Icmp(ee.ee_type, ee.ee_code, offender));
         }
         // SAFETY: the next header within msg_controllen, or null.

@@ -131,11 +131,16 @@ enum Cmd {
         /// (one flow) for the whole run and sends a datagram once the last one was answered.
         #[arg(long)]
         udp: bool,
-        /// Alternate attempts between --to and this address, each worker starting on a
-        /// different one (with --udp: a socket, one flow, for each): two targets measured at
-        /// the same moments. The report's `alternate` holds this target's counts.
+        /// Alternate between --to and this address (with --udp: a socket, one flow, for
+        /// each): attempt by attempt, each worker starting on a different one, or with
+        /// --block-ms in blocks, every worker on the same one at a time. The report's
+        /// `alternate` holds this target's counts.
         #[arg(long)]
         alternate_with: Option<SocketAddr>,
+        /// With --alternate-with: blocks of this many milliseconds instead of attempt by
+        /// attempt (0).
+        #[arg(long, default_value_t = 0)]
+        block_ms: u64,
     },
 }
 
@@ -231,6 +236,7 @@ fn main() -> Result<()> {
             workers,
             udp,
             alternate_with,
+            block_ms,
         } => {
             let other = alternate_with.map(|to| Target {
                 to,
@@ -242,6 +248,7 @@ fn main() -> Result<()> {
                 duration_ms,
                 interval_ms,
                 udp,
+                block: Duration::from_millis(block_ms),
             };
             print_json(&run_loops(&target, other.as_ref(), &run, workers))
         }
@@ -767,6 +774,8 @@ struct Run {
     duration_ms: u64,
     interval_ms: u64,
     udp: bool,
+    /// With two targets: each one's turn; zero: one attempt.
+    block: Duration,
 }
 
 /// `workers` loops at once, each on a thread of its own; their counts are summed and the
@@ -776,7 +785,7 @@ fn run_loops(target: &Target, other: Option<&Target>, run: &Run, workers: u32) -
     let workers = workers.max(1);
     let parts: Vec<[LoopReport; 2]> = std::thread::scope(|scope| {
         let threads: Vec<_> = (0..workers)
-            .map(|w| scope.spawn(move || run_loop(target, other, run, w % 2 == 1)))
+            .map(|w| scope.spawn(move || run_loop(target, other, run, start, (w % 2) as usize)))
             .collect();
         threads
             .into_iter()
@@ -812,20 +821,31 @@ fn run_loops(target: &Target, other: Option<&Target>, run: &Run, workers: u32) -
     report
 }
 
-/// One worker: attempts back to back, alternating between `target` and `other` if there is
-/// one (starting on `other` if `other_first`); the counts of each.
+/// One worker: attempts back to back until the run's `duration_ms` from `start` (the same
+/// for every worker), to `target`, or with `other` alternating between the two: attempt by
+/// attempt starting on lane `first` (then the two targets share each other's waits for the
+/// CPU, which pulls their ratio towards 1), or, with `run.block`, to whichever has this
+/// block since `start`, every worker on the same target at a time. The counts of each; a
+/// failed attempt's time is left out of `busy_us` (one timeout is seconds, far more than the
+/// difference measured), and the failure is reported.
 fn run_loop(
     target: &Target,
     other: Option<&Target>,
     run: &Run,
-    other_first: bool,
+    start: Instant,
+    first: usize,
 ) -> [LoopReport; 2] {
-    let start = Instant::now();
     let duration = Duration::from_millis(run.duration_ms);
     let mut lanes = [LoopReport::default(), LoopReport::default()];
     let mut udp_sockets = [None, None];
-    let mut lane = usize::from(other.is_some() && other_first);
+    let mut attempt = first;
     while start.elapsed() < duration {
+        let lane = match other {
+            None => 0,
+            Some(_) if run.block.is_zero() => attempt % 2,
+            Some(_) => (start.elapsed().as_nanos() / run.block.as_nanos() % 2) as usize,
+        };
+        attempt += 1;
         let to = if lane == 0 {
             target
         } else {
@@ -840,8 +860,8 @@ fn run_loop(
         };
         let report = &mut lanes[lane];
         report.max_us = report.max_us.max(a.elapsed_us);
-        report.busy_us += us(began);
         if a.ok {
+            report.busy_us += us(began);
             report.ok += 1;
             *report
                 .backends
@@ -853,9 +873,6 @@ fn run_loop(
                 .errors
                 .entry(a.error.unwrap_or_default())
                 .or_default() += 1;
-        }
-        if other.is_some() {
-            lane ^= 1;
         }
         if run.interval_ms > 0 {
             std::thread::sleep(Duration::from_millis(run.interval_ms));
