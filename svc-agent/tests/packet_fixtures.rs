@@ -2730,6 +2730,71 @@ fn path_mtu_too_big_answered() {
     );
 }
 
+/// A packet svc would reject is dropped unanswered when no answer may go back (RFC 1812
+/// 4.3.2.7, RFC 4443 2.4 e): from a multicast, broadcast, loopback or unspecified address, or
+/// in a frame that came as a link-layer broadcast. Still counted `reject_no_backend`.
+#[test]
+fn unanswerable_packets_are_dropped_unanswered() {
+    let dp = world();
+    let np = "192.0.2.10:30099";
+    let np6 = "[2001:db8::10]:30099";
+    let broadcast = [0xff; 6];
+    let mut rows = Vec::new();
+    for (what, input) in [
+        ("UDP from a multicast address", udp("224.0.0.5:5000", np)),
+        (
+            "a SYN from the IPv4 broadcast address",
+            tcp("255.255.255.255:5000", np, TCP_SYN),
+        ),
+        ("UDP from loopback", udp("127.0.0.1:5000", np)),
+        ("UDP from 0.0.0.0", udp("0.0.0.0:5000", np)),
+        (
+            "UDP from an IPv6 multicast address",
+            udp("[ff02::1]:5000", np6),
+        ),
+        ("a SYN from ::", tcp("[::]:5000", np6, TCP_SYN)),
+        ("UDP from ::1", udp("[::1]:5000", np6)),
+    ] {
+        rows.push(row(
+            what,
+            ExtIngress,
+            from_client(input),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::REJECT_NO_BACKEND),
+        ));
+    }
+    rows.push(row(
+        "UDP in a link-layer broadcast frame",
+        ExtIngress,
+        udp("203.0.113.7:40022", np).macs(broadcast, GW_MAC),
+        SHOT,
+        Dropped,
+        Some(pkt_stat::REJECT_NO_BACKEND),
+    ));
+    rows.push(row(
+        "the same datagram to this host's address is answered",
+        ExtIngress,
+        from_client(udp("203.0.113.7:40022", np)),
+        REDIRECT,
+        Packet(
+            icmp_error(
+                "192.0.2.10",
+                C,
+                3,
+                3,
+                [0; 4],
+                &from_client(udp("203.0.113.7:40022", np)),
+                28,
+            )
+            .macs(GW_MAC, EXT_MAC)
+            .fresh_ip(),
+        ),
+        Some(pkt_stat::REJECT_NO_BACKEND),
+    ));
+    run_rows(&dp, rows);
+}
+
 /// ICMP errors are sent at most at the kernel's own rate for its errors: 50 at once, then
 /// 1,000 a second, per CPU. A flood of datagrams to a frontend without backends gets 50
 /// port unreachables, then one a millisecond; the others are dropped and counted

@@ -70,11 +70,36 @@ pub enum Kind {
 /// UDP.
 #[inline(never)]
 pub fn reject(ctx: &TcContext, s: &mut Scratch) -> i32 {
+    if !answerable(ctx, &s.p) {
+        return TC_ACT_SHOT;
+    }
     if s.p.proto == IPPROTO_TCP {
         rst(ctx, &s.p)
     } else {
         icmp_error(ctx, s, Kind::PortUnreachable)
     }
+}
+
+/// Whether `p` may be answered at all: it came to this host's own link-layer address (not as
+/// a broadcast or multicast frame), from an address an answer can go to (not unspecified,
+/// loopback, multicast or IPv4's broadcast and reserved range), as RFC 1812 (4.3.2.7) and RFC
+/// 4443 (2.4 e) require of ICMP errors and the kernel checks before it sends one or an RST.
+/// Otherwise the packet is dropped unanswered.
+#[inline(always)]
+fn answerable(ctx: &TcContext, p: &Pkt) -> bool {
+    const PACKET_HOST: u32 = 0;
+    // SAFETY: the kernel's __sk_buff; a single field load.
+    if unsafe { (*ctx.skb.skb).pkt_type } != PACKET_HOST {
+        return false;
+    }
+    let a = &p.saddr;
+    if p.v6 == 0 {
+        // ::ffff:a.b.c.d: 0.0.0.0/8, 127.0.0.0/8, and 224.0.0.0 upwards (multicast, reserved,
+        // the broadcast address).
+        return !matches!(a[12], 0 | 127 | 224..=255);
+    }
+    let unspecified_or_loopback = a[..15].iter().all(|b| *b == 0) && a[15] <= 1;
+    !(unspecified_or_loopback || a[0] == 0xff)
 }
 
 #[inline(always)]
@@ -216,6 +241,9 @@ pub fn rst(ctx: &TcContext, p: &Pkt) -> i32 {
 /// the first 8 bytes of its transport header.
 #[inline(always)]
 pub fn icmp_error(ctx: &TcContext, s: &mut Scratch, kind: Kind) -> i32 {
+    if !answerable(ctx, &s.p) {
+        return TC_ACT_SHOT;
+    }
     if !matches!(kind, Kind::TooBig(_)) && !icmp_allowed(&mut s.icmp, crate::lb::clock_ns()) {
         dev_count(s.p.ifindex, pkt_stat::ICMP_RATE_LIMITED);
         return TC_ACT_SHOT;
