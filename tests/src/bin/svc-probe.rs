@@ -141,6 +141,12 @@ enum Cmd {
         /// attempt (0).
         #[arg(long, default_value_t = 0)]
         block_ms: u64,
+        /// Attempts per second over all workers (0: back to back): each worker starts its
+        /// attempts on a schedule of its own, staggered from the others', and catches up
+        /// without pause when it falls behind. A load below the machine's capacity, for
+        /// measuring CPU time per attempt.
+        #[arg(long, default_value_t = 0)]
+        rate: u64,
     },
 }
 
@@ -237,6 +243,7 @@ fn main() -> Result<()> {
             udp,
             alternate_with,
             block_ms,
+            rate,
         } => {
             let other = alternate_with.map(|to| Target {
                 to,
@@ -249,6 +256,8 @@ fn main() -> Result<()> {
                 interval_ms,
                 udp,
                 block: Duration::from_millis(block_ms),
+                period: (rate > 0)
+                    .then(|| Duration::from_secs_f64(f64::from(workers.max(1)) / rate as f64)),
             };
             print_json(&run_loops(&target, other.as_ref(), &run, workers))
         }
@@ -776,6 +785,8 @@ struct Run {
     udp: bool,
     /// With two targets: each one's turn; zero: one attempt.
     block: Duration,
+    /// `--rate`: the time between one worker's attempts.
+    period: Option<Duration>,
 }
 
 /// `workers` loops at once, each on a thread of its own; their counts are summed and the
@@ -785,7 +796,7 @@ fn run_loops(target: &Target, other: Option<&Target>, run: &Run, workers: u32) -
     let workers = workers.max(1);
     let parts: Vec<[LoopReport; 2]> = std::thread::scope(|scope| {
         let threads: Vec<_> = (0..workers)
-            .map(|w| scope.spawn(move || run_loop(target, other, run, start, (w % 2) as usize)))
+            .map(|w| scope.spawn(move || run_loop(target, other, run, start, w, workers)))
             .collect();
         threads
             .into_iter()
@@ -827,19 +838,32 @@ fn run_loops(target: &Target, other: Option<&Target>, run: &Run, workers: u32) -
 /// CPU, which pulls their ratio towards 1), or, with `run.block`, to whichever has this
 /// block since `start`, every worker on the same target at a time. The counts of each; a
 /// failed attempt's time is left out of `busy_us` (one timeout is seconds, far more than the
-/// difference measured), and the failure is reported.
+/// difference measured), and the failure is reported. With `run.period`, worker `w` of
+/// `workers` starts its attempts at `start` + `w` × period / `workers` + k × period.
 fn run_loop(
     target: &Target,
     other: Option<&Target>,
     run: &Run,
     start: Instant,
-    first: usize,
+    w: u32,
+    workers: u32,
 ) -> [LoopReport; 2] {
     let duration = Duration::from_millis(run.duration_ms);
     let mut lanes = [LoopReport::default(), LoopReport::default()];
     let mut udp_sockets = [None, None];
-    let mut attempt = first;
+    let mut attempt = (w % 2) as usize;
+    let mut next = run.period.map(|p| start + p * w / workers);
     while start.elapsed() < duration {
+        if let (Some(at), Some(period)) = (next, run.period) {
+            let now = Instant::now();
+            if at > now {
+                std::thread::sleep(at - now);
+            }
+            next = Some(at + period);
+            if start.elapsed() >= duration {
+                break;
+            }
+        }
         let lane = match other {
             None => 0,
             Some(_) if run.block.is_zero() => attempt % 2,
