@@ -44,6 +44,13 @@ pub const SNAT_TRIES: u32 = 32;
 /// closed by an RST waits the same: the RST is not checked against the TCP window, so a
 /// stale or forged one marks a live flow closed, and taking such ports at the first try
 /// would hand a live flow's port to whichever new flow draws it.
+///
+/// While the range is busy (this CPU's last search took a closed flow's port, or found
+/// none: `Scratch::snat_busy`), a search takes a closed flow's port from its first try: the
+/// free tries would in all likelihood find none, and each is a cache miss (a third of the
+/// external ingress's time per new remote TCP connection went to the search in a loop of
+/// short connections). A stale or forged RST is then as exposed as it is to the fifth try
+/// of a search in a busy range anyway. A free port drawn ends the busy spell.
 pub const SNAT_FREE_TRIES: u32 = 4;
 
 /// A last-seen time is refreshed at most this often: a write per packet would make every
@@ -434,6 +441,9 @@ pub fn create_snat(f: *mut Flow) -> u32 {
     // SAFETY: as above; volatile, as said.
     unsafe {
         if core::ptr::read_volatile(&(*f).claimed) == 0 {
+            if let Some(s) = crate::scratch::get() {
+                s.snat_busy = 1;
+            }
             return SNAT_EXHAUSTED;
         }
         (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
@@ -472,11 +482,20 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         // SAFETY: a map value, copied out (into the scratch space, not the stack): another
         // CPU may reclaim the port and store its own flow in this very element meanwhile.
         unsafe { copy_value(&mut f.seen, e) };
-        let reclaimable = !alive(&f.try_key, &f.seen, f.now)
-            || index >= SNAT_FREE_TRIES && ct_flags::closed(f.seen.flags);
-        if !reclaimable || !reclaim(&f.try_key, &f.seen) {
+        let dead = !alive(&f.try_key, &f.seen, f.now);
+        let free_tries = if s.snat_busy != 0 { 0 } else { SNAT_FREE_TRIES };
+        if !(dead || index >= free_tries && ct_flags::closed(f.seen.flags)) {
             return 0;
         }
+        // Written before the claim, which writes nothing if it fails (the next try's
+        // outcome, or exhaustion, then sets it): no local lives across the calls below,
+        // whose frames are on the external ingress's deepest chain.
+        s.snat_busy = !dead as u64;
+        if !reclaim(&f.try_key, &f.seen) {
+            return 0;
+        }
+    } else {
+        s.snat_busy = 0;
     }
     // The claim: of two CPUs that found the port free (or reclaimed it), one stores.
     if SVC_CT.insert(f.try_key, f.rep, BPF_NOEXIST as u64).is_err() {

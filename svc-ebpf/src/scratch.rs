@@ -62,6 +62,11 @@ pub struct Scratch {
     /// What an ICMP error the program sends quotes.
     pub quote: [u8; QUOTE_MAX as usize],
     pub icmp: IcmpBucket,
+    /// 1 while this CPU's last SNAT port search took a closed flow's port (`ct::create_snat`)
+    /// or found none: the range is busy. Kept across packets, and last: a field before the
+    /// others would move their offsets, which has grown a frame of the external ingress past
+    /// its stack before.
+    pub snat_busy: u64,
 }
 
 #[btf_map]

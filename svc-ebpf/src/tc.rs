@@ -216,13 +216,10 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
 
 /// Rewrites the packet to `s.src` -> `s.dst` and sends it where `s.route` says, as a
 /// forwarding router would (TTL counted). A route that cannot be followed leaves it to the
-/// stack.
+/// stack. Its callers have dropped a packet whose hop would spend its TTL.
 #[inline(always)]
 fn to_route(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
     let routed = fwd::usable(&s.route);
-    if spent(s) {
-        return drop_ttl(ctx, s);
-    }
     let verdict = rewritten(ctx, s, reason, routed);
     if verdict != OK || !routed {
         return verdict;
