@@ -57,7 +57,7 @@ use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Client;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use svc_agent::source::kube::SERVICE_NAME_LABEL;
 use svc_tests::agent::kube_run_args;
@@ -136,6 +136,10 @@ struct Args {
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Measure nothing: the tables of the run `--json` saved in this file, by this build's
+    /// reading of them (with `--write`, into docs/benchmarks.md).
+    #[arg(long)]
+    from_json: Option<PathBuf>,
     /// Replace the `nodeport` section of this markdown file (docs/benchmarks.md).
     #[arg(long)]
     write: Option<PathBuf>,
@@ -325,7 +329,7 @@ impl Measure {
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Sample {
     services: u32,
     round: u32,
@@ -339,8 +343,8 @@ struct Sample {
     ok: u64,
     failed: u64,
     errors: BTreeMap<String, u64>,
-    /// A fixed-rate measure's CPU time of the whole machine per answered attempt, µs; `per_s`
-    /// is then the rate achieved.
+    /// The CPU time of the whole machine per answered attempt, µs (not for a paired measure);
+    /// in a fixed-rate measure `per_s` is the rate achieved.
     #[serde(skip_serializing_if = "Option::is_none")]
     cpu_us: Option<f64>,
 }
@@ -606,8 +610,8 @@ impl World {
         ClientRun::spawn(&self.probe, &self.client_cgroup, &self.nodes.client, args)
     }
 
-    /// `m` for a few seconds, taken `way`; a fixed-rate measure also returns the seconds all
-    /// CPUs spent busy meanwhile.
+    /// `m` for a few seconds, taken `way`, and, but for a paired measure (two targets), the
+    /// seconds all CPUs spent busy meanwhile.
     fn measure(
         &self,
         m: Measure,
@@ -654,7 +658,7 @@ impl World {
         if way == Way::Paired && r.alternate.is_none() {
             bail!("svc-probe loop --alternate-with reported one target only");
         }
-        Ok((r, (way == Way::Cpu).then_some(busy)))
+        Ok((r, (way != Way::Paired).then_some(busy)))
     }
 }
 
@@ -800,6 +804,44 @@ fn cpu_ratio(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Option<[f64
     report::spread(v)
 }
 
+/// The fixed-rate measure carried to a saturated machine: svc's CPU time per exchange beyond
+/// no translation's at the fixed rate (the same round), X, beside no translation's CPU time
+/// per exchange in its saturated sequential loop, C (median over rounds): C / (C + X), median
+/// over rounds with (min, max). The fixed-rate ratio itself
+/// understates the cost: below capacity both paths also pay for waking up between exchanges,
+/// which a saturated loop does not. It assumes X does not depend on the rate.
+fn projected_ratio(r: &Recorded, n: u32, setup: &str, m: Measure) -> Option<[f64; 3]> {
+    let samples = &r.samples[..];
+    let per_exchange = if m.udp { 2.0 } else { 1.0 };
+    let saturated: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.services == n && s.setup == "none" && s.measure == m.baseline())
+        .filter_map(|s| s.cpu_us)
+        .collect();
+    let saturated_us = match report::spread(saturated) {
+        Some([c, ..]) => c,
+        // A run from before the sequential measures read the CPU time: all CPUs busy.
+        None => {
+            let [rate, ..] = report::spread(values(samples, n, "none", m.baseline()))?;
+            f64::from(r.cpus.max(1)) * 1e6 / (rate / per_exchange)
+        }
+    };
+    let id = Way::Cpu.id(m);
+    let base_id = format!("cpu-{}", m.baseline());
+    let v: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.services == n && s.setup == setup && s.measure == id)
+        .filter_map(|s| {
+            let base = samples.iter().find(|o| {
+                o.services == n && o.round == s.round && o.setup == "none" && o.measure == base_id
+            })?;
+            let extra = s.cpu_us? - base.cpu_us?;
+            Some(saturated_us / (saturated_us + extra))
+        })
+        .collect();
+    report::spread(v)
+}
+
 /// The first line `program args` prints, or why there is none.
 fn version(program: &str, args: &[&str]) -> String {
     match std::process::Command::new(program).args(args).output() {
@@ -828,39 +870,75 @@ fn versions() -> String {
     )
 }
 
-struct Setups<'a> {
-    setups: &'a [Setup],
-    /// Spawn to ready of each setup, by size.
-    ready: &'a BTreeMap<(u32, &'static str), f64>,
-    failures: &'a [String],
+/// A run as `--json` saves it, with what its section says besides the samples, so that
+/// `--from-json` writes the section of a run again as it was measured.
+#[derive(Serialize, Deserialize)]
+struct Recorded {
+    samples: Vec<Sample>,
+    failed_setups: Vec<String>,
+    setups: Vec<String>,
+    services: Vec<u32>,
+    rounds: u32,
+    seconds: u64,
+    workers: u32,
+    cpu_rate_tcp: u64,
+    cpu_rate_udp: u64,
+    /// The machine's CPUs (for the CPU time of an exchange at saturation).
+    cpus: u32,
+    /// (Services, setup id, seconds from start to programmed).
+    ready: Vec<(u32, String, f64)>,
     /// Load averages before and after the measures.
     load: (String, String),
+    command: String,
+    machine: String,
+    date: String,
+    versions: String,
+    per_packet: Option<String>,
 }
 
-fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str>) -> String {
-    let mut out =
-        String::from("## Packet datapath: NodePort traffic per second, and per-packet cost\n\n");
+impl Recorded {
+    fn setups(&self) -> Result<Vec<Setup>> {
+        self.setups
+            .iter()
+            .map(|p| Setup::parse(p).with_context(|| format!("unknown setup {p:?}")))
+            .collect()
+    }
+
+    /// Seconds from start to programmed of `setup` at `n` Services.
+    fn ready(&self, n: u32, setup: Setup) -> Option<f64> {
+        self.ready
+            .iter()
+            .find(|(m, id, _)| *m == n && id == setup.id())
+            .map(|r| r.2)
+    }
+}
+
+/// The command that made this run, as its section names it.
+fn command(args: &Args) -> String {
     // What `cargo xtask bench --nodeport [--quick]` passes besides output paths is `--quick`;
     // any other run names the bench itself with the arguments that shaped it.
     let shaping = report::shaping_arguments(&["--json", "--write", "--per-packet", "--profile"]);
-    let command = if shaping.is_empty() || shaping == ["--quick"] {
+    if shaping.is_empty() || shaping == ["--quick"] {
         format!(
             "cargo xtask bench --nodeport{}",
             if args.quick { " --quick" } else { "" }
         )
     } else {
         format!("svc-nodeport-bench {}", shaping.join(" "))
-    };
+    }
+}
+
+fn markdown(r: &Recorded) -> Result<String> {
+    let setups = r.setups()?;
+    let samples = &r.samples[..];
+    let mut out =
+        String::from("## Packet datapath: NodePort traffic per second, and per-packet cost\n\n");
     let _ = writeln!(
         out,
-        "Measured with `{command}` on {}, {}; load average {} before the \
+        "Measured with `{}` on {}, {}; load average {} before the \
          measures, {} after. Versions: {}; kube-proxy with its default configuration. How it \
          is measured: `tests/src/bin/svc-nodeport-bench.rs`.\n",
-        report::machine(),
-        report::today(),
-        s.load.0,
-        s.load.1,
-        versions(),
+        r.command, r.machine, r.date, r.load.0, r.load.1, r.versions,
     );
     out += "**Topology.** Every setup has network namespaces of its own with the same \
             addresses (`tests/src/topology.rs`): an external client on a bridge (the node \
@@ -906,7 +984,7 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
          NodePort's take. In each setup's turn non-service traffic is measured first (its own \
          NodePort flows are then tens of seconds old) and again right after the NodePort's \
          connections, when the client reuses source ports of flows closed a moment ago.\n",
-        args.rounds, args.seconds, args.workers
+        r.rounds, r.seconds, r.workers
     );
     out += "**Paired measures.** A 2-core VM's speed drifts by more than the targets between \
             measures taken seconds apart: the rounds above spread over a fifth of their median. \
@@ -935,33 +1013,37 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
         "**Fixed-rate measures (CPU time).** Each round also sends the same traffic without \
          translation and through svc at a fixed rate, below what either path sustains \
          ({} new TCP connections or {} UDP exchanges a second, `svc-probe loop --rate`, each \
-         worker on a schedule of its own), and reads the CPU time all CPUs spent meanwhile \
-         (the wall-clock time times the CPUs, less the idle, iowait and steal time of \
-         /proc/stat, which are measured at each entry to and exit from idle; its busy counts \
-         are sampled at the timer tick, which a load paced by timers aliases with). Its CPU \
-         time per \
-         connection or exchange is the whole machine's (client, nodes, pods) as in the rates \
-         above, but without the saturated loop's scheduling: nobody waits long for a CPU, so \
-         neither path's cost falls on the other's measure (the paired measure's bias). Where \
-         CPU is what \
-         limits the rate, no translation's CPU time per exchange divided by svc's is the rate \
-         svc reaches relative to no translation.\n",
-        args.cpu_rate_tcp, args.cpu_rate_udp
+         worker on a schedule of its own), and reads the CPU time all CPUs spent meanwhile: \
+         the wall-clock time times the CPUs, less the idle, iowait and steal time of \
+         /proc/stat, which the kernel measures at each entry to and exit from idle (its busy \
+         counts are sampled at the timer tick, which a load paced by timers aliases with: one \
+         path measured 28-175 µs a connection by them). The CPU time per connection or \
+         exchange is the whole machine's (client, nodes, pods), as in the rates above, but \
+         nobody waits long for a CPU, so neither path's cost falls on the other's measure (the \
+         paired measure's bias). Below capacity, though, both paths also pay for waking up \
+         between exchanges, which a saturated loop does not; that pulls the ratio of the two \
+         towards 1 as well. So svc's extra CPU time per exchange (X, svc's less no \
+         translation's in the same round) is carried to saturation: C / (C + X), where C is no \
+         translation's CPU time per exchange in its saturated sequential loop (median over \
+         rounds). That is the \
+         rate svc reaches relative to no translation where CPU limits both, if X does not \
+         depend on the rate.\n",
+        r.cpu_rate_tcp, r.cpu_rate_udp
     );
-    for &n in &args.services {
+    for &n in &r.services {
         let _ = writeln!(
             out,
             "### {n} NodePort Service{} (+1 remote)\n",
             if n == 1 { "" } else { "s" }
         );
         out += &report::table_header(
-            s.setups
+            setups
                 .iter()
                 .map(|st| (st.label(), (*st != Setup::None).then_some("× none"))),
         );
         for m in MEASURES {
             out += &format!("| {} |", m.name);
-            for st in s.setups {
+            for st in &setups {
                 let cell = if m.applies_to(*st) {
                     fmt3(report::spread(values(samples, n, st.id(), m.id)), 0)
                 } else {
@@ -974,17 +1056,12 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
             }
             out += "\n";
         }
-        out += &paired_table(s.setups, samples, n);
-        out += &cpu_table(args, s.setups, samples, n);
-        let ready: Vec<String> = s
-            .setups
+        out += &paired_table(&setups, samples, n);
+        out += &cpu_table(r, &setups, n);
+        let ready: Vec<String> = setups
             .iter()
             .filter(|st| **st != Setup::None)
-            .filter_map(|st| {
-                s.ready
-                    .get(&(n, st.id()))
-                    .map(|t| format!("{} {t:.1} s", st.label()))
-            })
+            .filter_map(|st| r.ready(n, *st).map(|t| format!("{} {t:.1} s", st.label())))
             .collect();
         if !ready.is_empty() {
             let _ = writeln!(
@@ -1016,15 +1093,15 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
         }
         out += "\n";
     }
-    out += &targets(args, samples);
+    out += &targets(r);
     out += &findings(samples);
-    if !s.failures.is_empty() {
+    if !r.failed_setups.is_empty() {
         out += "\nSetups that gave no figures (left out above):\n\n";
-        for f in s.failures {
+        for f in &r.failed_setups {
             let _ = writeln!(out, "- {f}");
         }
     }
-    if let Some(table) = per_packet {
+    if let Some(table) = &r.per_packet {
         out += "\n### Per-packet cost of each tc path (BPF_PROG_TEST_RUN)\n\n";
         out += "Measured by the same command, before the traffic above, with \
                 `cargo test --release -p svc-agent --test packet_fixtures per_packet_cost -- \
@@ -1040,7 +1117,7 @@ fn markdown(args: &Args, s: &Setups, samples: &[Sample], per_packet: Option<&str
         out += table.trim();
         out += "\n";
     }
-    out
+    Ok(out)
 }
 
 /// The paired measures of `n` Services: each target's rate per second spent on it, and their
@@ -1090,7 +1167,8 @@ fn paired_table(setups: &[Setup], samples: &[Sample], n: u32) -> String {
 
 /// The fixed-rate measures of `n` Services: the machine's CPU time per exchange without
 /// translation and through svc, and their ratio.
-fn cpu_table(args: &Args, setups: &[Setup], samples: &[Sample], n: u32) -> String {
+fn cpu_table(r: &Recorded, setups: &[Setup], n: u32) -> String {
+    let samples = &r.samples[..];
     let svc = Setup::Proxy(ProxyKind::Svc);
     if !setups.contains(&svc) || !setups.contains(&Setup::None) {
         return String::new();
@@ -1099,11 +1177,11 @@ fn cpu_table(args: &Args, setups: &[Setup], samples: &[Sample], n: u32) -> Strin
         "\nThe same traffic at a fixed rate below what either path sustains; the machine's \
          CPU time (all of it: client, nodes, pods) per connection or UDP exchange, and the \
          rate achieved. `none ÷ svc` is no translation's CPU time per exchange divided by \
-         svc's, round by round: the rate svc would reach, relative to no translation, where \
-         CPU is what limits it.\n\n\
+         svc's, round by round. Carried to saturation: svc's extra CPU time per exchange \
+         added to what no translation's costs when its loop saturates the CPUs (see above).\n\n\
          | measure | offered /s | no translation: µs of CPU each | achieved /s | svc: µs of CPU \
-         each | achieved /s | none ÷ svc |\n\
-         |---|---|---|---|---|---|---|\n",
+         each | achieved /s | none ÷ svc | carried to saturation |\n\
+         |---|---|---|---|---|---|---|---|\n",
     );
     let of = |setup: Setup, id: &str, f: fn(&Sample) -> Option<f64>, digits: usize| {
         fmt3(
@@ -1124,14 +1202,19 @@ fn cpu_table(args: &Args, setups: &[Setup], samples: &[Sample], n: u32) -> Strin
         let per = if m.udp { 2 } else { 1 };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             m.name,
-            args.cpu_rate(*m) * per,
+            if m.udp {
+                r.cpu_rate_udp
+            } else {
+                r.cpu_rate_tcp
+            } * per,
             of(Setup::None, &base, |x| x.cpu_us, 1),
             of(Setup::None, &base, |x| Some(x.per_s), 0),
             of(svc, &id, |x| x.cpu_us, 1),
             of(svc, &id, |x| Some(x.per_s), 0),
             fmt3(cpu_ratio(samples, n, svc.id(), *m), 3),
+            fmt3(projected_ratio(r, n, svc.id(), *m), 3),
         );
     }
     out
@@ -1169,7 +1252,8 @@ fn findings(samples: &[Sample]) -> String {
              failed in this run; the error counts are in the list above). Such a flow takes a \
              source port of its own from the SNAT range (default 61001-65535: 4,535 ports); \
              a closed flow's port is reclaimed for a new flow when 4 random tries find no \
-             free one (`create_snat`, svc-ebpf/src/ct.rs), so new flows are dropped only \
+             free one, or at once while the range is busy (`create_snat`, \
+             svc-ebpf/src/ct.rs), so new flows are dropped only \
              when most of the range is held by open flows to one backend (with 90 % open, \
              about 3 % of new flows meet open ones in all their 32 tries), and such a drop is \
              counted \
@@ -1184,13 +1268,15 @@ fn findings(samples: &[Sample]) -> String {
 /// time (unbiased), the paired measure divided by its control (biased towards 1: it can show
 /// a target missed, not met by itself), and the sequential rounds' ratio (shown, not judged:
 /// it drifts by more than the targets).
-fn targets(args: &Args, samples: &[Sample]) -> String {
+fn targets(r: &Recorded) -> String {
+    let samples = &r.samples[..];
     let mut out = String::from(
-        "**Targets** (medians over rounds; met when the fixed-rate measure's `none ÷ svc` and \
-         the paired ratio divided by its control both reach the target; missed when the \
-         fixed-rate measure does not; not shown when only the paired ratio falls short. The \
-         sequential rounds' `× none` is shown beside them; it does not judge, as its rounds \
-         spread wider than the targets' margins):\n\n",
+        "**Targets** (medians over rounds; met when the fixed-rate measure carried to \
+         saturation and the paired ratio divided by its control both reach the target; missed \
+         when the fixed-rate measure carried to saturation does not; not shown when only the \
+         paired ratio falls short. The fixed-rate ratio as measured, and the sequential \
+         rounds' `× none`, are shown beside them; they do not judge: the first understates the \
+         cost, the second spreads wider than the targets' margins):\n\n",
     );
     let measure = |id: &str| *MEASURES.iter().find(|m| m.id == id).expect("a measure");
     let svc = ProxyKind::Svc.id();
@@ -1198,7 +1284,7 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
         Some([r, ..]) => format!("{r:.3}"),
         None => "—".into(),
     };
-    for &n in &args.services {
+    for &n in &r.services {
         for id in [
             "tcp-local",
             "udp-local",
@@ -1208,8 +1294,9 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
         ] {
             let m = measure(id);
             let cpu = cpu_ratio(samples, n, svc, m);
+            let carried = projected_ratio(r, n, svc, m);
             let pair = pair_ratio(samples, n, svc, m);
-            if cpu.is_none() && pair.is_none() {
+            if carried.is_none() && pair.is_none() {
                 continue;
             }
             // Direct connections to pod 1 in `none` are the control's local TCP row.
@@ -1220,7 +1307,7 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
                 _ => None,
             };
             let target = if m.direct { 0.98 } else { 0.90 };
-            let verdict = match (cpu, corrected) {
+            let verdict = match (carried, corrected) {
                 (Some([c, ..]), _) if c < target => "**missed**",
                 (Some(_), Some(k)) if k >= target => "met",
                 (Some(_), _) | (None, _) => "**not shown**",
@@ -1236,10 +1323,11 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
             };
             let _ = writeln!(
                 out,
-                "- {n} Services, {}: svc at {} of {}{} by CPU time at a fixed rate; paired \
-                 {}{} (target ≥ {target:.2}; sequential rounds {seq}): {verdict}",
+                "- {n} Services, {}: svc at {} of {}{} by CPU time at a fixed rate carried to \
+                 saturation ({} as measured); paired {}{} (target ≥ {target:.2}; sequential \
+                 rounds {seq}): {verdict}",
                 m.name,
-                fmt3(cpu, 3),
+                fmt3(carried, 3),
                 if m.direct {
                     "no svc at all"
                 } else {
@@ -1250,6 +1338,7 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
                 } else {
                     ""
                 },
+                fmt3(cpu, 3),
                 fmt3(pair, 3),
                 match (control, corrected) {
                     (Some(c), Some(k)) => format!(", {k:.3} divided by its control ({c:.3})"),
@@ -1284,6 +1373,14 @@ fn targets(args: &Args, samples: &[Sample]) -> String {
 
 fn main() -> Result<()> {
     let mut args = Args::parse();
+    if let Some(path) = &args.from_json {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let recorded: Recorded = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a run `--json` saved", path.display()))?;
+        args.json = None;
+        return publish(&recorded, &args);
+    }
     require_root();
     if args.quick {
         args.services = vec![1, 1000];
@@ -1339,7 +1436,7 @@ fn main() -> Result<()> {
         .build()?;
     let mut samples = Vec::new();
     let mut failures = Vec::new();
-    let mut ready = BTreeMap::new();
+    let mut ready = Vec::new();
     let load_before = report::load_average();
     let _bpf_stats = match args.profile {
         Some(_) => Some(BpfStats::enable()?),
@@ -1371,7 +1468,7 @@ fn main() -> Result<()> {
             match World::build(setup, &cp, &tools, &args, n) {
                 Ok(w) => {
                     eprintln!("    programmed in {:.1} s", w.ready.as_secs_f64());
-                    ready.insert((n, setup.id()), w.ready.as_secs_f64());
+                    ready.push((n, setup.id().to_owned(), w.ready.as_secs_f64()));
                     worlds.push(w);
                 }
                 Err(e) => {
@@ -1443,25 +1540,34 @@ fn main() -> Result<()> {
     }
     let load_after = report::load_average();
     firewall.check()?;
-    let md = markdown(
-        &args,
-        &Setups {
-            setups: &setups,
-            ready: &ready,
-            failures: &failures,
-            load: (load_before, load_after),
-        },
-        &samples,
-        per_packet.as_deref(),
-    );
+    let recorded = Recorded {
+        samples,
+        failed_setups: failures,
+        setups: setups.iter().map(|s| s.id().to_owned()).collect(),
+        services: args.services.clone(),
+        rounds: args.rounds,
+        seconds: args.seconds,
+        workers: args.workers,
+        cpu_rate_tcp: args.cpu_rate_tcp,
+        cpu_rate_udp: args.cpu_rate_udp,
+        cpus: std::thread::available_parallelism().map_or(1, |c| c.get() as u32),
+        ready,
+        load: (load_before, load_after),
+        command: command(&args),
+        machine: report::machine(),
+        date: report::today(),
+        versions: versions(),
+        per_packet,
+    };
+    publish(&recorded, &args)
+}
+
+/// The section of `recorded` to stdout and where `--json` and `--write` say.
+fn publish(recorded: &Recorded, args: &Args) -> Result<()> {
     report::publish(
-        &md,
+        &markdown(recorded)?,
         "nodeport",
-        (
-            args.json.as_deref(),
-            json!({"samples": samples, "failed_setups": failures}),
-        ),
+        (args.json.as_deref(), serde_json::to_value(recorded)?),
         args.write.as_deref(),
-    )?;
-    Ok(())
+    )
 }
