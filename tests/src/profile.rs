@@ -82,8 +82,9 @@ fn prog_stats(pins: Option<&Path>) -> Result<(u64, u64, Vec<String>)> {
     Ok((cnt, ns, names))
 }
 
-/// (busy, total) jiffies of all CPUs, and softirq jiffies.
-fn cpu_jiffies() -> Result<(u64, u64, u64)> {
+/// /proc/stat: the jiffies of all CPUs (user nice system idle iowait irq softirq steal ...),
+/// and the number of CPUs.
+fn cpu_stat() -> Result<(Vec<u64>, u64)> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let line = stat.lines().next().context("empty /proc/stat")?;
     let f: Vec<u64> = line
@@ -91,10 +92,19 @@ fn cpu_jiffies() -> Result<(u64, u64, u64)> {
         .skip(1)
         .map(|x| x.parse().unwrap_or(0))
         .collect();
-    // user nice system idle iowait irq softirq steal
-    let total: u64 = f.iter().take(8).sum();
-    let idle = f[3] + f[4];
-    Ok((total - idle, total, f[6]))
+    if f.len() < 8 {
+        bail!("/proc/stat: a cpu line of {} fields", f.len());
+    }
+    let cpus = stat
+        .lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count() as u64;
+    Ok((f, cpus.max(1)))
+}
+
+/// Softirq jiffies of all CPUs (sampled at the tick: a share, not an exact time).
+fn softirq_jiffies() -> Result<u64> {
+    Ok(cpu_stat()?.0[6])
 }
 
 /// CPU time all CPUs spend busy between `CpuClock::start` and `CpuClock::busy_s`: the
@@ -119,6 +129,11 @@ impl CpuClock {
         })
     }
 
+    /// CPU seconds since `start`, busy or not: the wall-clock time times the CPUs.
+    pub fn total_s(&self) -> f64 {
+        self.wall.elapsed().as_secs_f64() * self.cpus as f64
+    }
+
     /// Busy CPU seconds since `start`.
     pub fn busy_s(&self) -> Result<f64> {
         let wall = self.wall.elapsed().as_secs_f64();
@@ -130,21 +145,8 @@ impl CpuClock {
 
 /// Idle, iowait and steal jiffies of all CPUs since boot, and the number of CPUs.
 fn idle_jiffies() -> Result<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
-    let line = stat.lines().next().context("empty /proc/stat")?;
-    let f: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    if f.len() < 8 {
-        bail!("/proc/stat: a cpu line of {} fields", f.len());
-    }
-    let cpus = stat
-        .lines()
-        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
-        .count() as u64;
-    Ok((f[3] + f[4] + f[7], cpus.max(1)))
+    let (f, cpus) = cpu_stat()?;
+    Ok((f[3] + f[4] + f[7], cpus))
 }
 
 pub struct Profile {
@@ -152,7 +154,8 @@ pub struct Profile {
     label: String,
     pins: Option<PathBuf>,
     stats: (u64, u64),
-    cpu: (u64, u64, u64),
+    clock: CpuClock,
+    softirq: u64,
     perf: Option<Child>,
     started: Instant,
 }
@@ -179,7 +182,8 @@ impl Profile {
             label,
             pins,
             stats: (c, n),
-            cpu: cpu_jiffies()?,
+            clock: CpuClock::start()?,
+            softirq: softirq_jiffies()?,
             perf,
             started: Instant::now(),
         })
@@ -188,15 +192,15 @@ impl Profile {
     /// Ends the profile of a measure that made `ok` exchanges; one line to print.
     pub fn finish(mut self, ok: u64) -> Result<String> {
         let wall = self.started.elapsed().as_secs_f64();
-        let cpu = cpu_jiffies()?;
+        let busy_s = self.clock.busy_s()?;
+        let total_s = self.clock.total_s();
+        let softirq = softirq_jiffies()?;
         let (c, n, names) = prog_stats(self.pins.as_deref())?;
         if let Some(p) = self.perf.as_mut() {
             p.wait()?;
         }
         let hz = 100.0; // USER_HZ
-        let busy_s = (cpu.0 - self.cpu.0) as f64 / hz;
-        let total_s = (cpu.1 - self.cpu.1) as f64 / hz;
-        let softirq_s = (cpu.2 - self.cpu.2) as f64 / hz;
+        let softirq_s = (softirq - self.softirq) as f64 / hz;
         let (runs, ns) = (c - self.stats.0, n - self.stats.1);
         let row = json!({
             "label": self.label,

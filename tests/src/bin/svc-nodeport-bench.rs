@@ -159,15 +159,6 @@ impl Args {
     fn chosen(&self, m: &Measure, way: Way) -> bool {
         self.measures.is_empty() || self.measures.iter().any(|id| *id == way.id(*m))
     }
-
-    /// The offered rate of `m`'s fixed-rate measure, attempts per second.
-    fn cpu_rate(&self, m: Measure) -> u64 {
-        if m.udp {
-            self.cpu_rate_udp
-        } else {
-            self.cpu_rate_tcp
-        }
-    }
 }
 
 /// What runs on node 1.
@@ -292,6 +283,20 @@ impl Way {
             && (self == Way::Sequential
                 || (m.id != "tcp-direct-after"
                     && matches!(setup, Setup::None | Setup::Proxy(ProxyKind::Svc))))
+    }
+}
+
+/// The measure of `MEASURES` with this id.
+fn measure(id: &str) -> Measure {
+    *MEASURES.iter().find(|m| m.id == id).expect("a measure")
+}
+
+/// Attempts per second of `m`'s fixed-rate measure, given the rates for TCP and for UDP.
+fn cpu_rate(m: Measure, (tcp, udp): (u64, u64)) -> u64 {
+    if m.udp {
+        udp
+    } else {
+        tcp
     }
 }
 
@@ -644,7 +649,7 @@ impl World {
             }
             Way::Cpu => {
                 a.push("--rate".into());
-                a.push(args.cpu_rate(m).to_string());
+                a.push(cpu_rate(m, (args.cpu_rate_tcp, args.cpu_rate_udp)).to_string());
             }
         }
         let clock = CpuClock::start()?;
@@ -784,35 +789,42 @@ fn ratio(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Option<[f64; 3]
     report::spread(v)
 }
 
-/// A fixed-rate measure's ratios: `none`'s CPU time per exchange of the same traffic without
-/// translation (`Measure::baseline`) in the same round ÷ `setup`'s, median over rounds with
-/// (min, max). Below 1 where `setup` costs more: the rate a CPU-bound machine would reach,
-/// relative to no translation.
-fn cpu_ratio(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Option<[f64; 3]> {
+/// `setup`'s fixed-rate measure of `m`, round by round: (its CPU time per exchange, `none`'s
+/// of the same traffic without translation (`Measure::baseline`) in the same round), µs.
+fn cpu_rounds(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Vec<(f64, f64)> {
     let id = Way::Cpu.id(m);
-    let base_id = format!("cpu-{}", m.baseline());
-    let v: Vec<f64> = samples
+    let base_id = Way::Cpu.id(measure(m.baseline()));
+    samples
         .iter()
         .filter(|s| s.services == n && s.setup == setup && s.measure == id)
         .filter_map(|s| {
             let base = samples.iter().find(|o| {
                 o.services == n && o.round == s.round && o.setup == "none" && o.measure == base_id
             })?;
-            Some(base.cpu_us? / s.cpu_us?)
+            Some((s.cpu_us?, base.cpu_us?))
         })
-        .collect();
-    report::spread(v)
+        .collect()
+}
+
+/// A fixed-rate measure's ratios: `none`'s CPU time per exchange ÷ `setup`'s, round by round
+/// (`cpu_rounds`), median over rounds with (min, max). Below 1 where `setup` costs more.
+fn cpu_ratio(samples: &[Sample], n: u32, setup: &str, m: Measure) -> Option<[f64; 3]> {
+    report::spread(
+        cpu_rounds(samples, n, setup, m)
+            .into_iter()
+            .map(|(cpu, base)| base / cpu)
+            .collect(),
+    )
 }
 
 /// The fixed-rate measure carried to a saturated machine: svc's CPU time per exchange beyond
 /// no translation's at the fixed rate (the same round), X, beside no translation's CPU time
 /// per exchange in its saturated sequential loop, C (median over rounds): C / (C + X), median
-/// over rounds with (min, max). The fixed-rate ratio itself
-/// understates the cost: below capacity both paths also pay for waking up between exchanges,
-/// which a saturated loop does not. It assumes X does not depend on the rate.
+/// over rounds with (min, max). The fixed-rate ratio itself understates the cost: below
+/// capacity both paths also pay for waking up between exchanges, which a saturated loop does
+/// not. It assumes X does not depend on the rate.
 fn projected_ratio(r: &Recorded, n: u32, setup: &str, m: Measure) -> Option<[f64; 3]> {
     let samples = &r.samples[..];
-    let per_exchange = if m.udp { 2.0 } else { 1.0 };
     let saturated: Vec<f64> = samples
         .iter()
         .filter(|s| s.services == n && s.setup == "none" && s.measure == m.baseline())
@@ -822,24 +834,17 @@ fn projected_ratio(r: &Recorded, n: u32, setup: &str, m: Measure) -> Option<[f64
         Some([c, ..]) => c,
         // A run from before the sequential measures read the CPU time: all CPUs busy.
         None => {
+            let per_exchange = if m.udp { 2.0 } else { 1.0 };
             let [rate, ..] = report::spread(values(samples, n, "none", m.baseline()))?;
             f64::from(r.cpus.max(1)) * 1e6 / (rate / per_exchange)
         }
     };
-    let id = Way::Cpu.id(m);
-    let base_id = format!("cpu-{}", m.baseline());
-    let v: Vec<f64> = samples
-        .iter()
-        .filter(|s| s.services == n && s.setup == setup && s.measure == id)
-        .filter_map(|s| {
-            let base = samples.iter().find(|o| {
-                o.services == n && o.round == s.round && o.setup == "none" && o.measure == base_id
-            })?;
-            let extra = s.cpu_us? - base.cpu_us?;
-            Some(saturated_us / (saturated_us + extra))
-        })
-        .collect();
-    report::spread(v)
+    report::spread(
+        cpu_rounds(samples, n, setup, m)
+            .into_iter()
+            .map(|(cpu, base)| saturated_us / (saturated_us + cpu - base))
+            .collect(),
+    )
 }
 
 /// The first line `program args` prints, or why there is none.
@@ -1197,18 +1202,14 @@ fn cpu_table(r: &Recorded, setups: &[Setup], n: u32) -> String {
     };
     for m in MEASURES.iter().filter(|m| Way::Cpu.applies(**m, svc)) {
         let id = Way::Cpu.id(*m);
-        let base = format!("cpu-{}", m.baseline());
+        let base = Way::Cpu.id(measure(m.baseline()));
         // A UDP measure's rate counts packets (two an exchange); the offer counts exchanges.
         let per = if m.udp { 2 } else { 1 };
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             m.name,
-            if m.udp {
-                r.cpu_rate_udp
-            } else {
-                r.cpu_rate_tcp
-            } * per,
+            cpu_rate(*m, (r.cpu_rate_tcp, r.cpu_rate_udp)) * per,
             of(Setup::None, &base, |x| x.cpu_us, 1),
             of(Setup::None, &base, |x| Some(x.per_s), 0),
             of(svc, &id, |x| x.cpu_us, 1),
@@ -1278,7 +1279,6 @@ fn targets(r: &Recorded) -> String {
          rounds' `× none`, are shown beside them; they do not judge: the first understates the \
          cost, the second spreads wider than the targets' margins):\n\n",
     );
-    let measure = |id: &str| *MEASURES.iter().find(|m| m.id == id).expect("a measure");
     let svc = ProxyKind::Svc.id();
     let sequential = |n: u32, id: &str| match ratio(samples, n, svc, measure(id)) {
         Some([r, ..]) => format!("{r:.3}"),

@@ -852,14 +852,15 @@ fn run_loop(
     let mut lanes = [LoopReport::default(), LoopReport::default()];
     let mut udp_sockets = [None, None];
     let mut attempt = (w % 2) as usize;
-    let mut next = run.period.map(|p| start + p * w / workers);
+    // (When this worker's next attempt is due, the period.)
+    let mut pace = run.period.map(|p| (start + p * w / workers, p));
     while start.elapsed() < duration {
-        if let (Some(at), Some(period)) = (next, run.period) {
+        if let Some((at, period)) = &mut pace {
             let now = Instant::now();
-            if at > now {
-                std::thread::sleep(at - now);
+            if *at > now {
+                std::thread::sleep(*at - now);
             }
-            next = Some(at + period);
+            *at += *period;
             if start.elapsed() >= duration {
                 break;
             }
