@@ -160,6 +160,9 @@ struct Run {
     started: OnceLock<Result<(), String>>,
     rows: Mutex<Vec<Row>>,
     intended: Vec<IntendedDifference>,
+    /// Each failed scenario and why, without the proxies' logs: repeated as the run's last
+    /// lines, where a CI log cut to its end still shows them.
+    failures: Mutex<Vec<(String, String)>>,
 }
 
 impl Run {
@@ -211,12 +214,16 @@ impl Run {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .extend(rows);
-        let outcome = match (result, unexplained.is_empty()) {
-            (Ok(()), true) => Ok(()),
-            (Ok(()), false) => Err(format!(
-                "svc differs from kube-proxy, and tests/intended-differences.yaml does not say \
-                 why:\n  {}",
-                unexplained.join("\n  ")
+        // Why it failed, and what only the full report shows: the proxies' logs.
+        let failure = match (result, unexplained.is_empty()) {
+            (Ok(()), true) => None,
+            (Ok(()), false) => Some((
+                format!(
+                    "svc differs from kube-proxy, and tests/intended-differences.yaml does not \
+                     say why:\n  {}",
+                    unexplained.join("\n  ")
+                ),
+                String::new(),
             )),
             (Err(e), _) => {
                 let logs: Vec<String> = world
@@ -224,13 +231,23 @@ impl Run {
                     .iter()
                     .map(|p| {
                         format!(
-                            "--- {} (end of log) ---\n{}",
+                            "\n--- {} (end of log) ---\n{}",
                             p.kind.label(),
                             tail(&p.log(), 25)
                         )
                     })
                     .collect();
-                Err(format!("{e}\n{}", logs.join("\n")))
+                Some((e, logs.concat()))
+            }
+        };
+        let outcome = match failure {
+            None => Ok(()),
+            Some((why, logs)) => {
+                self.failures
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((name.to_string(), why.clone()));
+                Err(format!("{why}{logs}"))
             }
         };
         eprintln!(
@@ -337,6 +354,11 @@ fn main() -> ExitCode {
             eprintln!("{e:#}");
             failed = true;
         }
+    }
+    let failures =
+        std::mem::take(&mut *run.failures.lock().unwrap_or_else(PoisonError::into_inner));
+    for (name, why) in &failures {
+        eprintln!("parity: scenario {name} failed: {why}");
     }
     if failed {
         return ExitCode::FAILURE;

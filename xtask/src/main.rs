@@ -202,8 +202,20 @@ fn require_root(task: &str) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().task {
+/// Errors end the run with their chain of causes, without a backtrace: a CI log shows only its
+/// last lines, and those should be the tests' own report.
+fn main() -> std::process::ExitCode {
+    match run_task(Cli::parse().task) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_task(task: Task) -> Result<()> {
+    match task {
         Task::BuildEbpf => {
             build_ebpf()?;
         }
