@@ -710,6 +710,11 @@ struct Fe<'a> {
 
 impl Dp {
     fn new() -> Dp {
+        Dp::with_ct(1024)
+    }
+
+    /// `new` with `ct` entries of connection tracking.
+    fn with_ct(ct: u32) -> Dp {
         require_root();
         private_network();
         let mut loader = EbpfLoader::new();
@@ -723,7 +728,7 @@ impl Dp {
             ]
             .contains(&name)
             {
-                loader.map_max_entries(name, 1024);
+                loader.map_max_entries(name, if name == map_names::CT { ct } else { 1024 });
             }
         }
         let mut ebpf = loader.load(&object()).expect("loading the object");
@@ -954,6 +959,40 @@ impl Dp {
     fn ct_entry(&self, key: &CtKey) -> Option<CtValue> {
         self.ct.get(key, 0).ok()
     }
+
+    /// Fills connection tracking with `n` entries, as busy traffic leaves it: established
+    /// flows of other clients (100.64.0.0/10) to the NodePort of frontend 1, both entries of
+    /// each, fresh.
+    fn fill_ct(&mut self, n: u32) {
+        let now = coarse_ns();
+        let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
+        let ext0 = self.ext0;
+        for i in 0..n / 2 {
+            let client = format!(
+                "{}:{}",
+                std::net::Ipv4Addr::from(0x6440_0000 | (i >> 6)),
+                10_000 + (i & 63)
+            );
+            let fwd_key = ct_key(&client, frontend, IPPROTO_TCP, ct_dir::FORWARD);
+            let (b, f) = (sa(backend), sa(frontend));
+            let entry = |to: SocketAddr| CtValue {
+                nat_addr: addr16(to.ip()),
+                nat_port_be: to.port().to_be(),
+                flags: ct_flags::SEEN_REPLY,
+                id: 1,
+                ifindex: ext0,
+                last_seen_ns: now,
+                ..Default::default()
+            };
+            let fwd = entry(b);
+            self.ct
+                .insert(fwd_key, fwd, 0)
+                .expect("a connection-tracking entry");
+            self.ct
+                .insert(fwd_key.partner(&fwd), entry(f), 0)
+                .expect("a connection-tracking entry");
+        }
+    }
 }
 
 /// The key of a flow's entry, from "addr:port" strings.
@@ -1129,7 +1168,10 @@ const LOCAL: u8 = backend_flags::LOCAL;
 /// - cluster scope: ClusterIP 10.96.0.10:80 (30) -> 12; ClusterIP 10.96.0.11:80 (31) -> 11
 ///   (the pod 10.244.1.5 reaching itself); NodePort 30080 seen from the node (32) -> 11
 fn world() -> Dp {
-    let mut dp = Dp::new();
+    world_with(Dp::new())
+}
+
+fn world_with(mut dp: Dp) -> Dp {
     let t = IPPROTO_TCP;
     let u = IPPROTO_UDP;
     for (id, at, proto, flags) in [
@@ -4039,10 +4081,6 @@ fn a_busy_snat_range_takes_closed_flows_ports_at_once_until_a_free_one_is_drawn(
     );
 }
 
-/// Not a test: the per-packet cost of each tc path, measured with BPF_PROG_TEST_RUN (repeat
-/// where the packet can be repeated; one run per new flow otherwise, as a repeated packet is
-/// a connection-tracking hit from its second run on). Prints a table; docs/benchmarks.md
-/// keeps the figures.
 /// Run-time statistics of every BPF program while this lives (BPF_ENABLE_STATS: the kernel
 /// counts holders and drops this one when the fd closes, however the test ends).
 struct BpfStats(#[allow(dead_code)] std::os::fd::OwnedFd);
@@ -4065,36 +4103,98 @@ impl BpfStats {
     }
 }
 
+/// Not a test: the per-packet cost of each tc path, measured with BPF_PROG_TEST_RUN and
+/// bpf_stats, twice: with the fixtures' small maps in cache (what the code costs), and with
+/// the connection-tracking table at the agent's default size and full, as busy traffic leaves
+/// it (each new flow evicts), and this CPU's own caches evicted before each run (`Eviction`):
+/// what cache misses add, which busy traffic pays. Prints a table; docs/benchmarks.md keeps the figures.
 #[test]
 #[ignore = "a measurement: cargo test -p svc-agent --test packet_fixtures per_packet_cost -- --ignored --nocapture"]
 fn per_packet_cost() {
-    let mut dp = world();
+    // The eviction acts on this CPU's caches: the runs must stay on it.
+    let _cpu = stay_on_this_cpu();
+    let _stats = BpfStats::enable();
+    let warm = cost_rows(&mut world(), 2_000, &|| {});
+    let evict = Eviction::new();
+    let mut dp = world_with(Dp::with_ct(svc_common::capacity::CT));
+    dp.fill_ct(svc_common::capacity::CT);
+    let cold = cost_rows(&mut dp, 1_000, &|| evict.run());
+    let mut table = String::from(
+        "| path | ns per packet, in cache | CPU's own caches evicted, full table |\n|---|---|---|\n",
+    );
+    for ((what, w), (_, c)) in warm.iter().zip(&cold) {
+        table += &format!("| {what} | {w} | {c} |\n");
+    }
+    println!("\n{table}");
+    // `cargo xtask bench --nodeport` puts the table in docs/benchmarks.md beside the rates.
+    if let Some(path) = std::env::var_os("SVC_PACKET_COST_TABLE") {
+        std::fs::write(&path, table).expect("writing SVC_PACKET_COST_TABLE");
+    }
+}
+
+/// Evicts the caches private to this CPU (and TLB entries): reads a byte of every cache line
+/// of a buffer four times the size of the largest of them (sysfs: a cache no other CPU shares;
+/// 1 MiB when it says nothing), a page after another. The shared last-level cache keeps part
+/// of what it held, as when other connections' work runs between two packets of a flow.
+struct Eviction(Vec<u8>);
+
+impl Eviction {
+    fn new() -> Eviction {
+        // SAFETY: no arguments.
+        let cpu = unsafe { libc::sched_getcpu() }.max(0);
+        let private = (0..8)
+            .filter_map(|i| {
+                let dir = format!("/sys/devices/system/cpu/cpu{cpu}/cache/index{i}");
+                let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).ok();
+                if read("shared_cpu_list")?.trim() != cpu.to_string() {
+                    return None;
+                }
+                let kib: usize = read("size")?.trim().strip_suffix('K')?.parse().ok()?;
+                Some(kib << 10)
+            })
+            .max()
+            .unwrap_or(1 << 20);
+        // Written, so every page is memory of its own (not the shared zero page).
+        Eviction(vec![1; 4 * private])
+    }
+
+    fn run(&self) {
+        let mut x = 0u8;
+        for i in (0..self.0.len()).step_by(64) {
+            x ^= std::hint::black_box(self.0[i]);
+        }
+        std::hint::black_box(x);
+    }
+}
+
+/// Each path's mean program time (bpf_stats) over `runs` single runs, each on a fresh copy
+/// of its packet, `before_each` called before each run (outside the time measured).
+fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static str, u64)> {
+    // Every row is the program's own mean time over single runs (bpf_stats), each on a fresh
+    // copy of its packet. Not BPF_PROG_TEST_RUN's `repeat`: it runs the program again on the
+    // same packet, which the run before has rewritten, so a translated row measured so is the
+    // translated packet's path (a non-service pass), not the hit it names.
     dp.set_config(DatapathConfig {
         snat_port_min: 61000,
         snat_port_max: 65535,
         ..Default::default()
     });
-    // Every row is the program's own mean time over single runs (bpf_stats), each on a fresh
-    // copy of its packet. Not BPF_PROG_TEST_RUN's `repeat`: it runs the program again on the
-    // same packet, which the run before has rewritten, so a translated row measured so is the
-    // translated packet's path (a non-service pass), not the hit it names.
-    const RUNS: u16 = 2_000;
     let c = "203.0.113.7:40070";
     let ingress = dp.ifindex_of(ExtIngress);
     let egress = dp.ifindex_of(ExtEgress);
-    let _stats = BpfStats::enable();
     // `packet(i)` is run i's packet; whether each run takes the path its row names: a known or
     // new flow's packet leaves translated, a non-service packet as it came.
     let single = |prog: Prog, dev: u32, packet: &dyn Fn(u16) -> P, translated: bool| -> u64 {
         let (runs0, ns0) = dp.prog_stats(prog);
-        for i in 0..RUNS {
+        for i in 0..runs {
             let p = packet(i).bytes();
+            before_each();
             let (_, out, _) = dp.run_on(prog, dev, &p, 1);
             assert_eq!(out != p, translated, "a row that takes another path");
         }
         let (runs1, ns1) = dp.prog_stats(prog);
-        assert_eq!(runs1 - runs0, RUNS as u64, "bpf_stats counted every run");
-        (ns1 - ns0) / RUNS as u64
+        assert_eq!(runs1 - runs0, runs as u64, "bpf_stats counted every run");
+        (ns1 - ns0) / runs as u64
     };
     let mut rows = vec![
         (
@@ -4230,9 +4330,10 @@ fn per_packet_cost() {
             1,
         );
     }
-    let (mut runs, mut ns) = (0, 0);
-    for i in 8..8 + RUNS {
+    let (mut counted, mut ns) = (0, 0);
+    for i in 8..8 + runs {
         let p = tcp(&closing(i), "192.0.2.10:30081", TCP_SYN).bytes();
+        before_each();
         let (runs0, ns0) = dp.prog_stats(ExtIngress);
         let (verdict, out, _) = dp.run_on(ExtIngress, ingress, &p, 1);
         let (runs1, ns1) = dp.prog_stats(ExtIngress);
@@ -4240,7 +4341,7 @@ fn per_packet_cost() {
             verdict == REDIRECT && out != p,
             "a new flow that took no port"
         );
-        (runs, ns) = (runs + runs1 - runs0, ns + ns1 - ns0);
+        (counted, ns) = (counted + runs1 - runs0, ns + ns1 - ns0);
         dp.run_on(
             ExtIngress,
             ingress,
@@ -4248,18 +4349,10 @@ fn per_packet_cost() {
             1,
         );
     }
-    assert_eq!(runs, RUNS as u64, "bpf_stats counted every run");
+    assert_eq!(counted, runs as u64, "bpf_stats counted every run");
     rows.push((
         "new flow, NodePort to a remote backend, every SNAT port held by a closed flow",
-        ns / runs,
+        ns / counted,
     ));
-    let mut table = String::from("| path | ns per packet |\n|---|---|\n");
-    for (what, ns) in rows {
-        table += &format!("| {what} | {ns} |\n");
-    }
-    println!("\n{table}");
-    // `cargo xtask bench --nodeport` puts the table in docs/benchmarks.md beside the rates.
-    if let Some(path) = std::env::var_os("SVC_PACKET_COST_TABLE") {
-        std::fs::write(&path, table).expect("writing SVC_PACKET_COST_TABLE");
-    }
+    rows
 }

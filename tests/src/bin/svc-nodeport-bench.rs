@@ -1111,14 +1111,20 @@ fn markdown(r: &Recorded) -> Result<String> {
         out += "Measured by the same command, before the traffic above, with \
                 `cargo test --release -p svc-agent --test packet_fixtures per_packet_cost -- \
                 --ignored` (the release-built kernel object, as root). The programs run in the \
-                fixture tables' network namespace and maps (about 30 frontends). Each row is \
-                the program's own mean run time by bpf_stats over 2,000 single runs, each on a \
-                fresh copy of its packet (new flows: distinct client ports). Not the test run's \
+                fixture tables' network namespace and maps (about 30 frontends). Each cell is \
+                the program's own mean run time by bpf_stats over single runs, each on a fresh \
+                copy of its packet (new flows: distinct client ports). Not the test run's \
                 `repeat`: it runs the program again on the packet the run before rewrote, so a \
-                translated row would measure the translated packet's path. A single run finds \
-                the caches partly cold after the syscall that started it, and bpf_stats add \
-                their own clock read. The fixture's maps have 1,024 entries: the programs cost \
-                more per packet in real traffic (see where the time goes).\n\n";
+                translated row would measure the translated packet's path. bpf_stats add their \
+                own clock read. Two columns: **in cache**, 2,000 runs with the fixture's maps \
+                of 1,024 entries, what the code costs; **CPU's own caches evicted, full table**, \
+                1,000 runs with the connection-tracking table at the agent's default size \
+                (262,144 entries), filled with other clients' flows before the runs (so each \
+                new flow evicts, as in busy traffic), and before each run the caches private \
+                to the CPU (L1, L2) emptied by reading four times their size: what cache and \
+                TLB misses add, as when other connections' work runs between two packets of a \
+                flow (the shared L3 keeps part of what it held). Real traffic pays about the \
+                second (see where the time goes).\n\n";
         out += table.trim();
         out += "\n";
     }
