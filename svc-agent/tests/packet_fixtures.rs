@@ -1835,6 +1835,47 @@ fn external_ips_and_load_balancer_source_ranges() {
     );
 }
 
+/// An ExternalIP that is one of the node's own addresses: its port reaches its frontend, ahead
+/// of a NodePort of the same number (kube-proxy's KUBE-SERVICES chain comes before
+/// KUBE-NODEPORTS); the address's other ports are NodePorts still. (The external ingress
+/// looks a node address up by its own key only when NODE_ADDRS marks it `EXTERNAL`.)
+#[test]
+fn an_external_ip_on_a_node_address_comes_before_a_nodeport_of_its_port() {
+    let mut dp = world();
+    dp.frontend(Fe {
+        at: "192.0.2.10:30081",
+        proto: IPPROTO_TCP,
+        scope: scope::EXTERNAL,
+        id: 50,
+        backends: &[11],
+        flags: svc_flags::EXTERNAL_IP,
+        affinity_s: 0,
+        affinity_id: 0,
+    });
+    let c = "203.0.113.7:40015";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the ExternalIP's port: its local backend, not NodePort 30081's remote one",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30081", TCP_SYN),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "another port of the address: NodePort 30080",
+                ExtIngress,
+                tcp("203.0.113.7:40016", "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp("203.0.113.7:40016", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+}
+
 /// An ExternalIP whose Service is gone: its established flow goes on while the agent keeps the
 /// address in NODE_ADDRS (`node_addr_flags::LINGER`), as conntrack's would; a packet to an
 /// address NODE_ADDRS does not hold passes without a lookup, even one that has a flow.

@@ -14,8 +14,9 @@
 //! Non-service traffic pays a parse and hash lookups. On the external ingress, `NODE_ADDRS`
 //! of its destination first: traffic through the node to an address that is neither the
 //! node's nor an external frontend's (nor one svc may still have flows to) stops there. A
-//! packet to an address `NODE_ADDRS` holds pays the FORWARD entry of its tuple and the
-//! frontend key of its destination (plus the NodePort wildcard key for a NodePort address);
+//! packet to an address `NODE_ADDRS` holds pays the FORWARD entry of its tuple, the frontend
+//! key of its destination if the address is marked `EXTERNAL` (an ExternalIP or LoadBalancer
+//! IP is there), and the NodePort wildcard key for a NodePort address;
 //! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
 //! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
 //! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK that passes
@@ -428,7 +429,14 @@ fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
         scope: scope::EXTERNAL,
     };
     let mut svc = ServiceValue::default();
-    let mut found = lb::lookup(&key, &mut svc);
+    // Only an `EXTERNAL` address has frontends of its own key (the agent marks it before it
+    // writes them): a node address without one is looked up as a NodePort alone, one hash
+    // lookup less for each new NodePort flow.
+    let mut found = if node & node_addr_flags::EXTERNAL != 0 {
+        lb::lookup(&key, &mut svc)
+    } else {
+        lb::NOT_SERVICE
+    };
     if found == lb::NOT_SERVICE && lb::nodeport_key(&mut key, node) {
         found = lb::lookup(&key, &mut svc);
     }

@@ -31,8 +31,9 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use svc_common::{
-    is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, MetaValue,
-    NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
+    is_v4_mapped, node_addr_flags, svc_flags, v4_mapped, AffinityMatchKey, BackendId,
+    DatapathConfig, MetaValue, NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
+    SrcRangeKey, PROTO_ANY,
 };
 use tracing::{debug, warn};
 
@@ -768,8 +769,9 @@ impl Programmed {
         // good is seen to after them.
         let mut addrs_touched = BTreeSet::new();
         let mut addrs_written = BTreeSet::new();
-        // Addresses that are not in NODE_ADDRS at all after a failed write, with why: new
-        // frontends there would be written where no packet looks them up.
+        // Addresses that NODE_ADDRS does not mark `EXTERNAL` after a failed write (absent, or
+        // a node address without the mark), with why: new frontends there would be written
+        // where no packet looks them up by their own key.
         let mut unwritten: BTreeMap<[u8; 16], String> = BTreeMap::new();
         for (upserts, gone) in units.values() {
             for d in upserts {
@@ -780,7 +782,11 @@ impl Programmed {
                     }
                     let mut errors = Vec::new();
                     self.write_addr(&mut w, a, true, &mut errors);
-                    if let (Some(e), false) = (errors.first(), self.node_addrs.contains_key(&a)) {
+                    let marked = self
+                        .node_addrs
+                        .get(&a)
+                        .is_some_and(|v| v.flags & node_addr_flags::EXTERNAL != 0);
+                    if let (Some(e), false) = (errors.first(), marked) {
                         unwritten.insert(a, e.to_string());
                     }
                     report.errors.extend(errors);
@@ -805,7 +811,7 @@ impl Programmed {
                 Some((a, why)) => Err(Error::Map {
                     map: svc_common::map_names::NODE_ADDRS,
                     message: format!(
-                        "its external address {} is not there ({why}); left as it was",
+                        "its external address {} is not marked there ({why}); left as it was",
                         ip_from16(a)
                     ),
                 }),

@@ -1819,6 +1819,56 @@ fn a_frontend_whose_address_cannot_enter_node_addrs_is_not_written() {
     exact(&store, &want);
 }
 
+/// An external frontend on one of the node's own addresses needs that address marked
+/// `EXTERNAL` in NODE_ADDRS (the external ingress looks a node address up by a frontend's own
+/// key only then): when the mark cannot be written, the frontend is held back like one whose
+/// address is missing, and goes in once the mark does.
+#[test]
+fn a_frontend_on_a_node_address_waits_for_its_external_mark() {
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(Capacity::default(), Duration::from_secs(1));
+    let mut want = state(&[(fe("10.96.0.10", 80), &["10.0.0.1:8080"])]);
+    let node_ip = "192.168.1.10";
+    want.node.addrs.insert(
+        node_ip.parse().unwrap(),
+        NodeAddrValue {
+            flags: node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let b = DesiredBackend {
+        addr: "10.0.0.1:8080".parse().unwrap(),
+        local: false,
+    };
+    let f = lb_frontend(&mut want, node_ip, 443, None, &[b]);
+    // The next put is the address's mark: it comes before the frontend's entries.
+    store.fail_put_at = Some(store.puts);
+    let r = settle(&mut p, &mut store, &want);
+    assert!(!store.services.contains_key(&service_key(&f)));
+    assert!(r.failed.contains_key("ns/lb"), "{:?}", r.failed);
+    let text: Vec<String> = r.errors.iter().map(|e| e.to_string()).collect();
+    assert!(
+        text.iter()
+            .any(|t| t.contains("Service ns/lb") && t.contains(node_ip)),
+        "{text:?}"
+    );
+    assert_eq!(
+        store.node_addrs[&addr16(node_ip.parse().unwrap())].flags,
+        node_addr_flags::NODEPORT
+    );
+
+    store.fail_put_at = None;
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(
+        store.node_addrs[&addr16(node_ip.parse().unwrap())].flags,
+        node_addr_flags::NODEPORT | node_addr_flags::EXTERNAL
+    );
+    exact(&store, &want);
+}
+
 /// One Service leaves an external address as another takes it, in one sync, while the address
 /// is missing from a full NODE_ADDRS (drift): the newcomer is held back, not written where no
 /// packet would look it up.
