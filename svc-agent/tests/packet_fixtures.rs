@@ -3387,6 +3387,79 @@ fn connection_tracking_handover_marks() {
     );
 }
 
+/// A SYN to a frontend whose address and port were the backend of a closed flow from the same
+/// client port (a hostNetwork endpoint on a node address, reached through a NodePort before;
+/// the address and port are then an ExternalIP of a Service without endpoints) removes that
+/// flow: its REPLY entry is the SYN's reply tuple, which the reject RST carries out through
+/// the egress. Left in place, it would turn the RST into one from the NodePort, which the
+/// client does not take as its refusal.
+#[test]
+fn a_syn_to_a_frontend_on_a_closed_flows_backend_takes_its_reply_tuple() {
+    let mut dp = world();
+    let c = "203.0.113.7:40030";
+    let np = "192.0.2.10:30080";
+    let pod_ip = "10.244.1.5:8080";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "SYN to the NodePort: DNAT to its local backend",
+                ExtIngress,
+                tcp(c, np, TCP_SYN),
+                OK,
+                Packet(tcp(c, pod_ip, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the client resets it",
+                ExtIngress,
+                tcp(c, np, TCP_RST),
+                OK,
+                Packet(tcp(c, pod_ip, TCP_RST)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    dp.frontend(Fe {
+        at: pod_ip,
+        proto: IPPROTO_TCP,
+        scope: scope::EXTERNAL,
+        id: 51,
+        backends: &[],
+        flags: svc_flags::EXTERNAL_IP,
+        affinity_s: 0,
+        affinity_id: 0,
+    });
+    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
+    let refusal = back(
+        tcp(pod_ip, c, 0)
+            .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+            .payload(vec![]),
+    );
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "SYN from the same client port to that address and port, now an ExternalIP \
+                 without endpoints: refused",
+                ExtIngress,
+                tcp(c, pod_ip, TCP_SYN).macs(EXT_MAC, GW_MAC),
+                REDIRECT,
+                Packet(refusal.clone()),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "the refusal leaves by the egress as it is",
+                ExtEgress,
+                refusal,
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+}
+
 /// A SYN that meets a closed flow's entries (RST, or a FIN each way) starts a new connection,
 /// as conntrack does: the closed flow's entries go. A NodePort flow to a local backend keeps
 /// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple

@@ -287,14 +287,12 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     true
 }
 
-/// A TCP SYN without ACK that no flow's FORWARD entry took and that goes on untranslated: if
-/// its own reply tuple is a closed flow's REPLY entry of this path (`pod`), that flow's
-/// entries are removed, or the new connection's replies would be translated as the closed
-/// flow's. The case: a NodePort flow to a local backend keeps the client's address, so its
-/// REPLY entry (backend -> client:port) is also the reply tuple of a direct connection from
-/// that client port to the backend. A SYN that starts a flow at a frontend needs no such
-/// lookup (one cache miss less per new flow): its reply tuple comes from the frontend, a
-/// REPLY entry's from a backend, and its own replies meet its own entries.
+/// A TCP SYN without ACK that no flow's FORWARD entry took (it goes on untranslated, or
+/// starts a new flow): if its own reply tuple is a closed flow's REPLY entry of this path
+/// (`pod`), that flow's entries are removed, or the new connection's replies would be
+/// translated as the closed flow's. The case: a NodePort flow to a local backend keeps the
+/// client's address, so its REPLY entry (backend -> client:port) is also the reply tuple of
+/// a direct connection from that client port to the backend.
 #[inline(never)]
 pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
     if p.proto != IPPROTO_TCP || p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {

@@ -19,9 +19,9 @@
 //! IP is there), and the NodePort wildcard key for a NodePort address;
 //! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
 //! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
-//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK that passes
-//! untranslated adds one lookup: the REPLY entry of its reversed tuple
-//! (`ct::syn_on_reply_tuple`). A packet the
+//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK adds one
+//! lookup wherever it goes: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`).
+//! A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
 //!
@@ -383,6 +383,9 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
     }
+    // A SYN on a closed flow's reply tuple (a direct connection from a NodePort client's
+    // port to its backend) takes the tuple over, whether it starts a flow here or passes.
+    ct::syn_on_reply_tuple(&s.p, false);
     match ext_frontend(s, node, now) {
         MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
@@ -394,12 +397,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         },
         NEW_SNAT => ext_new_snat(ctx, s),
         REJECT => reject::reject(ctx, s),
-        verdict => {
-            // A SYN that passes on a closed flow's reply tuple (a direct connection from a
-            // NodePort client's port to its backend) takes the tuple over.
-            ct::syn_on_reply_tuple(&s.p, false);
-            verdict as i32
-        }
+        verdict => verdict as i32,
     }
 }
 
@@ -694,6 +692,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     if in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
         return pod_send(ctx, s, pkt_stat::REPLY);
     }
+    ct::syn_on_reply_tuple(&s.p, true);
     match pod_frontend(s, now) {
         NEW_LOCAL => match new_local(ctx, s) {
             REMAP => new_remapped(ctx, s),
@@ -701,10 +700,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
         },
         NEW_SNAT => pod_new_hairpin(ctx, s),
         REJECT => reject::reject(ctx, s),
-        verdict => {
-            ct::syn_on_reply_tuple(&s.p, true);
-            verdict as i32
-        }
+        verdict => verdict as i32,
     }
 }
 
