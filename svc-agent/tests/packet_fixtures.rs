@@ -966,6 +966,7 @@ impl Dp {
     fn fill_ct(&mut self, n: u32) {
         let now = coarse_ns();
         let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
+        let (b, f) = (sa(backend), sa(frontend));
         let ext0 = self.ext0;
         for i in 0..n / 2 {
             let client = format!(
@@ -974,7 +975,6 @@ impl Dp {
                 10_000 + (i & 63)
             );
             let fwd_key = ct_key(&client, frontend, IPPROTO_TCP, ct_dir::FORWARD);
-            let (b, f) = (sa(backend), sa(frontend));
             let entry = |to: SocketAddr| CtValue {
                 nat_addr: addr16(to.ip()),
                 nat_port_be: to.port().to_be(),
@@ -3387,79 +3387,6 @@ fn connection_tracking_handover_marks() {
     );
 }
 
-/// A SYN to a frontend whose address and port were the backend of a closed flow from the same
-/// client port (a hostNetwork endpoint on a node address, reached through a NodePort before;
-/// the address and port are then an ExternalIP of a Service without endpoints) removes that
-/// flow: its REPLY entry is the SYN's reply tuple, which the reject RST carries out through
-/// the egress. Left in place, it would turn the RST into one from the NodePort, which the
-/// client does not take as its refusal.
-#[test]
-fn a_syn_to_a_frontend_on_a_closed_flows_backend_takes_its_reply_tuple() {
-    let mut dp = world();
-    let c = "203.0.113.7:40030";
-    let np = "192.0.2.10:30080";
-    let pod_ip = "10.244.1.5:8080";
-    run_rows(
-        &dp,
-        vec![
-            row(
-                "SYN to the NodePort: DNAT to its local backend",
-                ExtIngress,
-                tcp(c, np, TCP_SYN),
-                OK,
-                Packet(tcp(c, pod_ip, TCP_SYN)),
-                Some(pkt_stat::NEW),
-            ),
-            row(
-                "the client resets it",
-                ExtIngress,
-                tcp(c, np, TCP_RST),
-                OK,
-                Packet(tcp(c, pod_ip, TCP_RST)),
-                Some(pkt_stat::CT_HIT),
-            ),
-        ],
-    );
-    dp.frontend(Fe {
-        at: pod_ip,
-        proto: IPPROTO_TCP,
-        scope: scope::EXTERNAL,
-        id: 51,
-        backends: &[],
-        flags: svc_flags::EXTERNAL_IP,
-        affinity_s: 0,
-        affinity_id: 0,
-    });
-    let back = |p: P| p.macs(GW_MAC, EXT_MAC).fresh_ip();
-    let refusal = back(
-        tcp(pod_ip, c, 0)
-            .seg(0, 1001, TCP_RST | TCP_ACK, 0)
-            .payload(vec![]),
-    );
-    run_rows(
-        &dp,
-        vec![
-            row(
-                "SYN from the same client port to that address and port, now an ExternalIP \
-                 without endpoints: refused",
-                ExtIngress,
-                tcp(c, pod_ip, TCP_SYN).macs(EXT_MAC, GW_MAC),
-                REDIRECT,
-                Packet(refusal.clone()),
-                Some(pkt_stat::REJECT_NO_BACKEND),
-            ),
-            row(
-                "the refusal leaves by the egress as it is",
-                ExtEgress,
-                refusal,
-                OK,
-                Untouched,
-                None,
-            ),
-        ],
-    );
-}
-
 /// A SYN that meets a closed flow's entries (RST, or a FIN each way) starts a new connection,
 /// as conntrack does: the closed flow's entries go. A NodePort flow to a local backend keeps
 /// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple
@@ -3468,10 +3395,15 @@ fn a_syn_to_a_frontend_on_a_closed_flows_backend_takes_its_reply_tuple() {
 /// it). A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
 /// The client reusing its port for the same NodePort gets a new flow with fresh flags (the
 /// closed flow's RST would give it the closing timeout), and for another frontend of the same
-/// backend no remapped port (the closed flow's reply tuple is no clash). On pod devices too.
+/// backend no remapped port (the closed flow's reply tuple is no clash). A SYN to a frontend
+/// on the closed flow's backend address and port (a hostNetwork endpoint on a node address,
+/// then an ExternalIP there of a Service without endpoints) removes the flow too, though it
+/// starts none: the reject's RST leaves by the egress with that reply tuple, and left in
+/// place the flow would make it an RST from the NodePort, which the client does not take as
+/// its refusal. On pod devices too.
 #[test]
 fn syn_after_a_closed_flow_starts_a_new_connection() {
-    let dp = world();
+    let mut dp = world();
     let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
     let np = "192.0.2.10:30080";
     let pod_ip = "10.244.1.5:8080";
@@ -3495,6 +3427,16 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
                 Some(pkt_stat::REPLY),
             ),
         ]
+    };
+    let reset = |c: &'static str| {
+        row(
+            "the client resets the NodePort flow",
+            ExtIngress,
+            tcp(c, np, TCP_RST),
+            OK,
+            Packet(tcp(c, pod_ip, TCP_RST)),
+            Some(pkt_stat::CT_HIT),
+        )
     };
     // The client connects to the pod itself from the same port: not translated either way.
     let direct = |c: &'static str| {
@@ -3523,14 +3465,7 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     let again = "203.0.113.7:40103";
     let other = "203.0.113.7:40104";
     let mut rows = open(rst);
-    rows.push(row(
-        "the client resets the NodePort flow",
-        ExtIngress,
-        tcp(rst, np, TCP_RST),
-        OK,
-        Packet(tcp(rst, pod_ip, TCP_RST)),
-        Some(pkt_stat::CT_HIT),
-    ));
+    rows.push(reset(rst));
     rows.extend(direct(rst));
     rows.extend(open(fin));
     rows.push(row(
@@ -3576,24 +3511,10 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
         Some(pkt_stat::REPLY),
     ));
     rows.extend(open(again));
-    rows.push(row(
-        "the client resets it",
-        ExtIngress,
-        tcp(again, np, TCP_RST),
-        OK,
-        Packet(tcp(again, pod_ip, TCP_RST)),
-        Some(pkt_stat::CT_HIT),
-    ));
+    rows.push(reset(again));
     rows.extend(open(again));
     rows.extend(open(other));
-    rows.push(row(
-        "the client resets it",
-        ExtIngress,
-        tcp(other, np, TCP_RST),
-        OK,
-        Packet(tcp(other, pod_ip, TCP_RST)),
-        Some(pkt_stat::CT_HIT),
-    ));
+    rows.push(reset(other));
     rows.push(row(
         "the same port to another frontend of the pod: no clash, the port kept",
         ExtIngress,
@@ -3647,6 +3568,49 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     assert_eq!(
         (rep.nat_port_be, rep.flags),
         (30082u16.to_be(), ct_flags::SEEN_REPLY)
+    );
+
+    // The closed flow's backend address and port become an ExternalIP without endpoints.
+    let refused = "203.0.113.7:40105";
+    let mut rows = open(refused);
+    rows.push(reset(refused));
+    run_rows(&dp, rows);
+    dp.frontend(Fe {
+        at: pod_ip,
+        proto: IPPROTO_TCP,
+        scope: scope::EXTERNAL,
+        id: 51,
+        backends: &[],
+        flags: svc_flags::EXTERNAL_IP,
+        affinity_s: 0,
+        affinity_id: 0,
+    });
+    let refusal = egress(
+        tcp(pod_ip, refused, 0)
+            .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+            .payload(vec![]),
+    )
+    .fresh_ip();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a SYN from that client port to the ExternalIP on the pod's address: refused",
+                ExtIngress,
+                tcp(refused, pod_ip, TCP_SYN).macs(EXT_MAC, GW_MAC),
+                REDIRECT,
+                Packet(refusal.clone()),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "the refusal leaves by the egress as it is",
+                ExtEgress,
+                refusal,
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
     );
 
     // The same on a pod device: a pod's ClusterIP flow closed, then a direct connection.
@@ -4221,7 +4185,8 @@ impl BpfStats {
 /// bpf_stats, twice: with the fixtures' small maps in cache (what the code costs), and with
 /// the connection-tracking table at the agent's default size and full, as busy traffic leaves
 /// it (each new flow evicts), and this CPU's own caches evicted before each run (`Eviction`):
-/// what cache misses add, which busy traffic pays. Prints a table; docs/benchmarks.md keeps the figures.
+/// what cache misses add, which busy traffic pays. Prints a table; docs/benchmarks.md keeps
+/// the figures.
 #[test]
 #[ignore = "a measurement: cargo test -p svc-agent --test packet_fixtures per_packet_cost -- --ignored --nocapture"]
 fn per_packet_cost() {
@@ -4284,10 +4249,9 @@ impl Eviction {
 /// Each path's mean program time (bpf_stats) over `runs` single runs, each on a fresh copy
 /// of its packet, `before_each` called before each run (outside the time measured).
 fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static str, u64)> {
-    // Every row is the program's own mean time over single runs (bpf_stats), each on a fresh
-    // copy of its packet. Not BPF_PROG_TEST_RUN's `repeat`: it runs the program again on the
-    // same packet, which the run before has rewritten, so a translated row measured so is the
-    // translated packet's path (a non-service pass), not the hit it names.
+    // Not BPF_PROG_TEST_RUN's `repeat`: it runs the program again on the same packet, which
+    // the run before has rewritten, so a translated row measured so is the translated
+    // packet's path (a non-service pass), not the hit it names.
     dp.set_config(DatapathConfig {
         snat_port_min: 61000,
         snat_port_max: 65535,
