@@ -799,22 +799,24 @@ impl Programmed {
         for (owner, (upserts, gone)) in units {
             // Only a frontend not yet programmed is held back (with its whole Service): one
             // already programmed is unreachable from outside either way, and its Service's
-            // other changes go on.
-            let blocked = upserts.iter().find_map(|d| {
-                let a = addrs::external_addr(&d.frontend)?;
-                if self.frontends.contains_key(&d.frontend) {
-                    return None;
-                }
-                Some((a, unwritten.get(&a)?))
-            });
-            let result = match blocked {
-                Some((a, why)) => Err(Error::Map {
-                    map: svc_common::map_names::NODE_ADDRS,
-                    message: format!(
-                        "its external address {} is not marked there ({why}); left as it was",
-                        ip_from16(a)
-                    ),
-                }),
+            // other changes go on; the Service still fails, so the mark is retried.
+            let unmarked = |programmed: bool| {
+                upserts.iter().find_map(|d| {
+                    let a = addrs::external_addr(&d.frontend)?;
+                    (self.frontends.contains_key(&d.frontend) == programmed)
+                        .then(|| Some((a, unwritten.get(&a)?)))?
+                })
+            };
+            let (held, retried) = (unmarked(false), unmarked(true));
+            let not_marked = |a: [u8; 16], why: &str, left: &str| Error::Map {
+                map: svc_common::map_names::NODE_ADDRS,
+                message: format!(
+                    "its external address {} is not marked there ({why}); {left}",
+                    ip_from16(a)
+                ),
+            };
+            let result = match held {
+                Some((a, why)) => Err(not_marked(a, why, "left as it was")),
                 None => Ok(()),
             };
             let result = result
@@ -829,11 +831,18 @@ impl Programmed {
                         &mut report.udp_departed,
                     )
                 });
-            match result {
-                Ok((written, removed)) => {
-                    report.frontends_written += written;
-                    report.frontends_removed += removed;
+            let result = result.and_then(|(written, removed)| {
+                report.frontends_written += written;
+                report.frontends_removed += removed;
+                match retried {
+                    Some((a, why)) => {
+                        Err(not_marked(a, why, "unreachable by its own key until it is"))
+                    }
+                    None => Ok(()),
                 }
+            });
+            match result {
+                Ok(()) => {}
                 Err(e) => {
                     report
                         .errors

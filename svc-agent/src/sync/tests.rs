@@ -28,6 +28,8 @@ struct ModelStore {
     services_cap: Option<usize>,
     /// Fail the n-th put (0-based), to exercise partial writes.
     fail_put_at: Option<usize>,
+    /// Fail every put to NODE_ADDRS (an address the map keeps refusing).
+    fail_node_addr_puts: bool,
     /// After this many ops the "process" is dead: nothing more reaches the maps.
     crash_after: Option<usize>,
     puts: usize,
@@ -165,7 +167,9 @@ impl Store for ModelStore {
         if is_put {
             let n = self.puts;
             self.puts += 1;
-            if self.fail_put_at == Some(n) {
+            if self.fail_put_at == Some(n)
+                || self.fail_node_addr_puts && matches!(op, Op::PutNodeAddr(..))
+            {
                 return Err(Error::Map {
                     map: "test",
                     message: "injected".into(),
@@ -1864,6 +1868,63 @@ fn a_frontend_on_a_node_address_waits_for_its_external_mark() {
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(
         store.node_addrs[&addr16(node_ip.parse().unwrap())].flags,
+        node_addr_flags::NODEPORT | node_addr_flags::EXTERNAL
+    );
+    exact(&store, &want);
+}
+
+/// A frontend already programmed on a node address that lacks its `EXTERNAL` mark (pins of
+/// an agent older than the mark, adopted at restart) is unreachable by its own key until the
+/// mark is written. When that write fails, its Service is retried (with backoff), not left
+/// for the periodic reconcile.
+#[test]
+fn a_programmed_frontend_whose_external_mark_fails_is_retried() {
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(Capacity::default(), Duration::from_secs(1));
+    let node_ip = "192.168.1.10";
+    let mut want = DesiredState::default();
+    want.node.addrs.insert(
+        node_ip.parse().unwrap(),
+        NodeAddrValue {
+            flags: node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    let b = DesiredBackend {
+        addr: "10.0.0.1:8080".parse().unwrap(),
+        local: false,
+    };
+    let f = lb_frontend(&mut want, node_ip, 443, None, &[b]);
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+
+    // The pins as an agent older than the mark left them: the frontend, its address unmarked.
+    store.unchecked = true;
+    let key = addr16(node_ip.parse().unwrap());
+    store.node_addrs.get_mut(&key).unwrap().flags = node_addr_flags::NODEPORT;
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    store.fail_node_addr_puts = true;
+    let r = settle(&mut p, &mut store, &want);
+    assert!(store.services.contains_key(&service_key(&f)));
+    assert_eq!(store.node_addrs[&key].flags, node_addr_flags::NODEPORT);
+    assert!(r.failed.contains_key("ns/lb"), "{:?}", r.failed);
+    let text: Vec<String> = r.errors.iter().map(|e| e.to_string()).collect();
+    assert!(
+        text.iter()
+            .any(|t| t.contains("Service ns/lb") && t.contains(node_ip)),
+        "{text:?}"
+    );
+
+    store.fail_node_addr_puts = false;
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(
+        store.node_addrs[&key].flags,
         node_addr_flags::NODEPORT | node_addr_flags::EXTERNAL
     );
     exact(&store, &want);
