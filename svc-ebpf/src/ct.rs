@@ -152,6 +152,13 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
 /// partner key may already belong to a newer flow), then `key`'s.
 #[inline(always)]
 fn forget(key: &CtKey, v: &CtValue) {
+    forget_partner(key, v);
+    let _ = SVC_CT.remove(key);
+}
+
+/// Removes the entry at the partner key of `key`/`v` if it is still this flow's.
+#[inline(always)]
+fn forget_partner(key: &CtKey, v: &CtValue) {
     let pk = partner_key(key, v);
     if let Some(pe) = SVC_CT.get_ptr(pk) {
         // SAFETY: a map value, read in place.
@@ -159,14 +166,16 @@ fn forget(key: &CtKey, v: &CtValue) {
             let _ = SVC_CT.remove(pk);
         }
     }
-    let _ = SVC_CT.remove(key);
 }
 
 /// `forget` for a flow whose entry at `key` was read as `seen` a moment ago, unless that entry
 /// is no longer `seen` (another CPU reclaimed its tuple meanwhile: removed it and stored a
 /// new flow's entry there, possibly in the same element, and that new entry must stay) or is
-/// gone (another CPU is reclaiming it). True when the tuple may be claimed. A reclaim that
-/// lands between this check and the removal a few instructions later still goes unseen.
+/// gone (another CPU is reclaiming it). True when the tuple may be claimed. `key`'s entry goes
+/// right after the check, its partner after it: another CPU's reclaim and claim of the same
+/// tuple that lands between the check and that removal still goes unseen (its claim removed,
+/// the port taken twice), so the window is kept to the check and one removal, not a partner
+/// lookup and removal besides. Closing it needs a compare-and-swap on the entry.
 #[inline(always)]
 fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
     let Some(e) = SVC_CT.get_ptr(key) else {
@@ -178,7 +187,8 @@ fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
     if unsafe { &*e } != seen {
         return false;
     }
-    forget(key, seen);
+    let _ = SVC_CT.remove(key);
+    forget_partner(key, seen);
     true
 }
 
