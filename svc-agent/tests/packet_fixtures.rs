@@ -3303,6 +3303,105 @@ fn connection_tracking_entry_stamped_ahead_is_alive() {
     );
 }
 
+/// A dead flow's entry lives on through its partner only while that partner is still its
+/// own: once a newer flow has taken the partner's tuple, the dead entry is absent, as
+/// conntrack's expired entry is. Two ways a newer flow takes it:
+/// - the client reuses its port towards another frontend of the same backend after its first
+///   flow died: the new flow's reply tuple is the dead one's. A new connection to the first
+///   frontend from that port is then a new flow (remapped: the reply tuple is taken), not the
+///   dead flow revived, which would send it to the backend on the live flow's very tuple;
+/// - a client's flow dies and the same client tuple starts a new one, which draws another
+///   SNAT port: the dead flow's port is free again, not held for as long as the new flow
+///   lives.
+#[test]
+fn a_dead_flow_is_not_revived_by_a_newer_flow_on_its_partners_tuple() {
+    let mut dp = world();
+    let c = "203.0.113.7:40110";
+    new_local_flow(&dp, c);
+    let fkey = ct_key(c, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).unwrap();
+    for key in [fkey, fkey.partner(&fwd)] {
+        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
+        e.last_seen_ns = 1;
+        dp.ct.insert(key, e, 0).unwrap();
+    }
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the client's port to the other frontend of the backend: the dead flow's reply \
+                 tuple is free, DNAT only",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30082", TCP_SYN),
+                OK,
+                Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "a new connection to the first frontend: a new flow, its reply tuple the live \
+                 flow's, so remapped",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30080", TCP_SYN),
+                OK,
+                Packet(tcp("203.0.113.7:61000", "10.244.1.5:8080", TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+        ],
+    );
+
+    // A UDP flow to the remote backend held SNAT port 61000 and died; its client tuple's new
+    // flow drew another port (61001, out of the range here: the outcome of a draw from a
+    // wider one). A new client's flow to the backend may take 61000.
+    let mut dp = world();
+    let cu = "203.0.113.7:40111";
+    let np = "192.0.2.10:30053";
+    let backend = "10.244.2.7:5353";
+    let u = IPPROTO_UDP;
+    let now = monotonic_ns();
+    for (port, seen) in [(61000u16, 1), (61001, now)] {
+        let fwd = CtValue {
+            nat_addr: ip16("10.244.2.7"),
+            nat_port_be: 5353u16.to_be(),
+            snat_addr: ip16("192.0.2.10"),
+            snat_port_be: port.to_be(),
+            flags: ct_flags::SNAT | ct_flags::SEEN_REPLY,
+            id: 3,
+            ifindex: dp.ext0,
+            last_seen_ns: seen,
+            ..Default::default()
+        };
+        let rep = CtValue {
+            nat_addr: ip16("192.0.2.10"),
+            nat_port_be: 30053u16.to_be(),
+            snat_addr: ip16(C),
+            snat_port_be: 40111u16.to_be(),
+            ..fwd
+        };
+        // The newer flow's FORWARD entry replaced the dead one's under the same key.
+        dp.ct
+            .insert(ct_key(cu, np, u, ct_dir::FORWARD), fwd, 0)
+            .unwrap();
+        let rep_key = ct_key(backend, &format!("192.0.2.10:{port}"), u, ct_dir::REPLY);
+        dp.ct.insert(rep_key, rep, 0).unwrap();
+    }
+    let other = "203.0.113.8:40112";
+    run_rows(
+        &dp,
+        vec![row(
+            "another client's flow to the backend takes the dead flow's SNAT port",
+            ExtIngress,
+            udp(other, np),
+            REDIRECT,
+            Packet(
+                udp("192.0.2.10:61000", backend)
+                    .macs(NODE2_MAC, EXT_MAC)
+                    .ttl(63),
+            ),
+            Some(pkt_stat::NEW),
+        )],
+    );
+}
+
 /// The way back (`svc-agent uninstall`): while a flow's kernel entry is being made
 /// (`HANDING`), the client's packets are dropped and counted; a mark older than
 /// `HANDING_HOLD_S` (an uninstall killed in between) lapses and the flow is svc's again; once
