@@ -3,7 +3,7 @@
 //! entry with one lookup of their own tuple, and carry its translation.
 //!
 //! An entry older than its timeout is treated as absent, unless its partner (the other
-//! direction's entry) is fresh: a flow whose packets go one way only (a UDP stream, a long
+//! direction's entry, while it is still this flow's) is fresh: a flow whose packets go one way only (a UDP stream, a long
 //! download's ACK-less tail) stays alive as long as either direction speaks.
 //!
 //! A closed TCP flow (an RST, or a FIN each way: `ct_flags::closed`) keeps its entries for the closing
@@ -193,6 +193,11 @@ fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
 }
 
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
+/// The other only while it is still this flow's: a dead flow's tuple may have gone to a newer
+/// flow (its reply tuple to a flow from the client's port to another frontend of the
+/// backend, its client tuple to the client's next flow there), whose freshness would
+/// otherwise revive the dead entry (a stale FORWARD entry sends a new connection onto the
+/// live flow's tuple; a stale REPLY entry holds its SNAT port while the newer flow lives).
 #[inline(always)]
 fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     if now.saturating_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
@@ -200,9 +205,10 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     }
     let pk = partner_key(key, v);
     match SVC_CT.get_ptr(pk) {
-        // SAFETY: a map value, read once.
+        // SAFETY: a map value, read in place.
         Some(pe) => unsafe {
-            now.saturating_sub((*pe).last_seen_ns) <= timeout_ns(pk.proto, (*pe).flags)
+            partner_key(&pk, &*pe) == *key
+                && now.saturating_sub((*pe).last_seen_ns) <= timeout_ns(pk.proto, (*pe).flags)
         },
         None => false,
     }
