@@ -3402,6 +3402,79 @@ fn a_dead_flow_is_not_revived_by_a_newer_flow_on_its_partners_tuple() {
     );
 }
 
+/// A half-closed TCP flow (a FIN one way: the client's `shutdown(SHUT_WR)`, a request sent
+/// with its end) goes on the other way, and its backend may take its time to answer, as
+/// conntrack allows: FIN_WAIT 120 s, CLOSE_WAIT 60 s once the FIN is acknowledged. Only a
+/// closed flow (a FIN each way, or an RST) has the closing timeout's few seconds.
+#[test]
+fn a_half_closed_flow_outlives_the_closing_timeout() {
+    let mut dp = world();
+    let c = "203.0.113.7:40120";
+    let np = "192.0.2.10:30080";
+    let backend = "10.244.1.5:8080";
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    new_local_flow(&dp, c);
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the backend's SYN-ACK",
+                ExtEgress,
+                egress(tcp(backend, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client sends its request and its end",
+                ExtIngress,
+                tcp(c, np, TCP_FIN | TCP_ACK | TCP_PSH),
+                OK,
+                Packet(tcp(c, backend, TCP_FIN | TCP_ACK | TCP_PSH)),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "the backend acknowledges it",
+                ExtEgress,
+                egress(tcp(backend, c, TCP_ACK)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+        ],
+    );
+    // The backend works on the request for 20 s: nothing either way.
+    let fkey = ct_key(c, np, IPPROTO_TCP, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).unwrap();
+    let then = coarse_ns() - 20 * 1_000_000_000;
+    for key in [fkey, fkey.partner(&fwd)] {
+        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
+        e.last_seen_ns = then;
+        dp.ct.insert(key, e, 0).unwrap();
+    }
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the backend's answer: still from the NodePort",
+                ExtEgress,
+                egress(tcp(backend, c, TCP_ACK | TCP_PSH)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_ACK | TCP_PSH))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client acknowledges it: still to the backend",
+                ExtIngress,
+                tcp(c, np, TCP_ACK),
+                OK,
+                Packet(tcp(c, backend, TCP_ACK)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+}
+
 /// The way back (`svc-agent uninstall`): while a flow's kernel entry is being made
 /// (`HANDING`), the client's packets are dropped and counted; a mark older than
 /// `HANDING_HOLD_S` (an uninstall killed in between) lapses and the flow is svc's again; once
