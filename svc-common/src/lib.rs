@@ -253,9 +253,10 @@ pub mod ct_flags {
     pub const SNAT: u16 = 1 << 0;
     /// A reply has been seen.
     pub const SEEN_REPLY: u16 = 1 << 1;
-    /// TCP: a FIN was seen, either way (closing: the short timeout applies). With an RST, or
-    /// a FIN each way (`FIN_FORWARD` and `FIN_REPLY`), the flow is closed: a new connection may
-    /// take its tuples (a SYN on them, a SNAT port search).
+    /// TCP: a FIN was seen, either way (half-closed: the other way may still send, so the
+    /// flow lives on for `ct_timeout::TCP_HALF_CLOSED_S`). With an RST, or a FIN each way
+    /// (`FIN_FORWARD` and `FIN_REPLY`), the flow is closed (the short closing timeout
+    /// applies): a new connection may take its tuples (a SYN on them, a SNAT port search).
     pub const FIN: u16 = 1 << 2;
     /// TCP: an RST was seen.
     pub const RST: u16 = 1 << 3;
@@ -330,7 +331,8 @@ pub struct DatapathConfig {
     pub ct_tcp_syn_s: u32,
     pub ct_udp_s: u32,
     pub ct_udp_stream_s: u32,
-    pub _reserved: [u32; 8],
+    pub ct_tcp_half_closed_s: u32,
+    pub _reserved: [u32; 7],
 }
 
 impl CtKey {
@@ -381,6 +383,9 @@ pub mod ct_timeout {
 
     pub const TCP_ESTABLISHED_S: u32 = 7200;
     pub const TCP_CLOSING_S: u32 = 10;
+    /// A FIN one way only: the other may still send, and its peer wait for it (conntrack's
+    /// CLOSE_WAIT, where a connection is once its FIN is acknowledged).
+    pub const TCP_HALF_CLOSED_S: u32 = 60;
     pub const TCP_SYN_S: u32 = 60;
     pub const UDP_S: u32 = 30;
     pub const UDP_STREAM_S: u32 = 120;
@@ -389,6 +394,7 @@ pub mod ct_timeout {
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub enum Kind {
         TcpEstablished,
+        TcpHalfClosed,
         TcpClosing,
         TcpSyn,
         Udp,
@@ -399,8 +405,10 @@ pub mod ct_timeout {
     #[inline(always)]
     pub fn of(proto: u8, flags: u16) -> Kind {
         if proto == IPPROTO_TCP {
-            if flags & (ct_flags::FIN | ct_flags::RST) != 0 {
+            if ct_flags::closed(flags) {
                 Kind::TcpClosing
+            } else if flags & ct_flags::FIN != 0 {
+                Kind::TcpHalfClosed
             } else if flags & ct_flags::SEEN_REPLY != 0 {
                 Kind::TcpEstablished
             } else {
@@ -420,6 +428,7 @@ pub mod ct_timeout {
         pub fn setting(self, c: &DatapathConfig) -> u32 {
             match self {
                 Kind::TcpEstablished => c.ct_tcp_established_s,
+                Kind::TcpHalfClosed => c.ct_tcp_half_closed_s,
                 Kind::TcpClosing => c.ct_tcp_closing_s,
                 Kind::TcpSyn => c.ct_tcp_syn_s,
                 Kind::Udp => c.ct_udp_s,
@@ -432,6 +441,7 @@ pub mod ct_timeout {
         pub fn default_s(self) -> u32 {
             match self {
                 Kind::TcpEstablished => TCP_ESTABLISHED_S,
+                Kind::TcpHalfClosed => TCP_HALF_CLOSED_S,
                 Kind::TcpClosing => TCP_CLOSING_S,
                 Kind::TcpSyn => TCP_SYN_S,
                 Kind::Udp => UDP_S,
@@ -905,8 +915,14 @@ mod tests {
         let mut c = DatapathConfig::default();
         let est = ct_flags::SEEN_REPLY;
         assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est), 7200);
+        let fin_forward = ct_flags::FIN | ct_flags::FIN_FORWARD;
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward), 60);
         assert_eq!(
-            ct_timeout::seconds(&c, IPPROTO_TCP, est | ct_flags::FIN),
+            ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward | ct_flags::FIN_REPLY),
+            10
+        );
+        assert_eq!(
+            ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward | ct_flags::RST),
             10
         );
         assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, 0), 60);
