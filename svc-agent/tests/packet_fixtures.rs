@@ -2388,6 +2388,68 @@ fn per_packet_cluster_ip_on_pod_devices() {
     assert_eq!(dp.stat(stat::REFUSED_NO_PORT), 1);
 }
 
+/// A pod that reaches itself through a Service (hairpin) and has no socket on the backend
+/// port answers its own datagram with a port unreachable: about the datagram as it got it
+/// (from the ClusterIP, on a SNAT port), to the ClusterIP. It goes back into the pod as the
+/// error about the datagram the pod sent (to the ClusterIP, from its own port), from the
+/// ClusterIP, so the pod's socket learns of it (ECONNREFUSED), as under kube-proxy, whose
+/// hairpin masquerade makes the error conntrack's related packet.
+#[test]
+fn icmp_error_about_a_pods_hairpin_flow_goes_back_to_the_pod() {
+    let mut dp = world();
+    dp.frontend(Fe {
+        at: "10.96.0.13:53",
+        proto: IPPROTO_UDP,
+        scope: scope::CLUSTER,
+        id: 50,
+        backends: &[14],
+        flags: 0,
+        affinity_s: 0,
+        affinity_id: 0,
+    });
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let sent = udp("10.244.1.5:50010", "10.96.0.13:53");
+    let got = udp("10.96.0.13:61000", "10.244.1.5:5353");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the pod reaches itself: from the ClusterIP on a SNAT port, back into its device",
+                PodIngress,
+                pod(sent.clone()),
+                REDIRECT,
+                Packet(to_pod(got.clone())),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its port unreachable about that datagram: back to it, about its own",
+                PodIngress,
+                pod(icmp_error(
+                    "10.244.1.5",
+                    "10.96.0.13",
+                    3,
+                    3,
+                    [0; 4],
+                    &got,
+                    28,
+                )),
+                REDIRECT,
+                Packet(to_pod(icmp_error(
+                    "10.96.0.13",
+                    "10.244.1.5",
+                    3,
+                    3,
+                    [0; 4],
+                    &sent,
+                    28,
+                ))),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+        ],
+    );
+}
+
 /// Two flows from one pod address and port to one backend through two frontends (ClusterIP
 /// 10.96.0.11:80 and NodePort 30080 through a node address both select 10.244.1.5:8080) on a
 /// pod device: as on the external devices, the second keeps the pod's address and gets a port
