@@ -32,10 +32,18 @@ pub const TRANSLATED_SRC: u32 = 2;
 pub const UNPARSED: u32 = 3;
 /// A helper failed half way: drop it.
 pub const FAILED: u32 = 4;
+/// Translated, about a pod's hairpin flow (`HAIRPIN`): it goes back to the pod that sent it,
+/// into its device.
+pub const TRANSLATED_BACK: u32 = 5;
 
 /// Directions `translate` looks the flow up in (bits).
 pub const FORWARD: u32 = 1;
 pub const REPLY: u32 = 2;
+/// The REPLY direction, for an error whose sender is the flow's client too: a pod that
+/// reached itself through a frontend (hairpin) answers its own packet, which came from the
+/// frontend on a SNAT port, and the error goes back to it as the error about the packet it
+/// sent.
+pub const HAIRPIN: u32 = 4;
 
 /// The packet an ICMP error quotes.
 #[derive(Default)]
@@ -113,7 +121,7 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     let mut dir = ct_dir::FORWARD;
     let mut found =
         dirs & FORWARD != 0 && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
-    if !found && dirs & REPLY != 0 {
+    if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
         found = ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
     }
@@ -122,6 +130,12 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     }
     let (src, dst) = (&mut s.src, &mut s.dst);
     ct::translated(flow, dir, &s.v, src, dst);
+    // Any other reply's error is translated where the flow's replies are, on the way to
+    // its client.
+    let back = dir == ct_dir::REPLY && dirs & REPLY == 0;
+    if back && dst.addr != p.saddr {
+        return NOT_OURS;
+    }
     let src_changed = src.addr != flow.saddr || src.port_be != flow.sport_be;
     let dst_changed = dst.addr != flow.daddr || dst.port_be != flow.dport_be;
 
@@ -138,7 +152,9 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     if dst_changed && !nat::set_addr(ctx, p, End::Dst, &p.daddr, &dst.addr, icmp_csum) {
         return FAILED;
     }
-    if src_changed {
+    if back {
+        TRANSLATED_BACK
+    } else if src_changed {
         TRANSLATED_SRC
     } else {
         TRANSLATED

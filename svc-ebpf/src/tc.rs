@@ -93,7 +93,7 @@ fn now() -> u64 {
 /// them itself.
 #[derive(Clone, Copy)]
 struct Hook {
-    /// `icmp::FORWARD` and/or `icmp::REPLY`.
+    /// `icmp::FORWARD`, `icmp::REPLY`, `icmp::HAIRPIN`.
     icmp_dirs: u32,
     pod: bool,
     /// The external ingress forwards an error whose source became a frontend or SNAT
@@ -112,7 +112,7 @@ const EXT_EGRESS: Hook = Hook {
     routes: false,
 };
 const POD_INGRESS: Hook = Hook {
-    icmp_dirs: icmp::FORWARD,
+    icmp_dirs: icmp::FORWARD | icmp::HAIRPIN,
     pod: true,
     routes: false,
 };
@@ -143,8 +143,9 @@ fn parse_or_pass(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
 }
 
 /// An ICMP error: translated when it is about one of our flows. Only the external ingress
-/// forwards one itself (when its source became a frontend or SNAT address); elsewhere the
-/// stack, or the device it is leaving by, takes it.
+/// forwards one itself (when its source became a frontend or SNAT address), and a pod device
+/// sends one about the pod's hairpin flow back into it; elsewhere the stack, or the device it
+/// is leaving by, takes it.
 #[inline(never)]
 fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
     let ifindex = s.p.ifindex;
@@ -159,6 +160,11 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
                 return OK;
             }
             route_icmp(ctx, s)
+        }
+        icmp::TRANSLATED_BACK => {
+            // From the frontend: straight back, as the hairpin flow's own packets go.
+            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            fwd::bounce(ctx, ifindex)
         }
         icmp::UNPARSED => {
             dev_count(ifindex, pkt_stat::PASS_UNPARSED);
