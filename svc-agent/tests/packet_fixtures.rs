@@ -2450,6 +2450,51 @@ fn icmp_error_about_a_pods_hairpin_flow_goes_back_to_the_pod() {
     );
 }
 
+/// A pod's reply to another pod that reached it through a ClusterIP leaves its device as it
+/// is, even when the client's port lies in the SNAT range (a pod may widen its own ephemeral
+/// range, a safe sysctl): the client's device restores the ClusterIP, after the node's
+/// netfilter has seen the reply as the reply of the connection it forwarded. Translated on
+/// the backend's device instead, it would enter the stack from the ClusterIP (a martian
+/// under strict reverse-path filtering, and no connection netfilter knows). Only a pod's
+/// reply to itself (hairpin) is translated there.
+#[test]
+fn a_pod_backends_reply_to_a_client_port_in_the_snat_range_is_left_to_the_clients_device() {
+    let dp = world();
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let q = "10.244.1.6:61000";
+    let backend = "10.244.1.5:8080";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a pod to a ClusterIP whose backend is another pod here: DNAT only",
+                PodIngress,
+                pod(tcp(q, "10.96.0.11:80", TCP_SYN)),
+                OK,
+                Packet(pod(tcp(q, backend, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the backend pod's reply, leaving its device: untouched",
+                PodIngress,
+                pod(tcp(backend, q, TCP_SYN | TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+            row(
+                "the reply, into the client's device: from the ClusterIP",
+                PodEgress,
+                to_pod(tcp(backend, q, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp("10.96.0.11:80", q, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+        ],
+    );
+}
+
 /// Two flows from one pod address and port to one backend through two frontends (ClusterIP
 /// 10.96.0.11:80 and NodePort 30080 through a node address both select 10.244.1.5:8080) on a
 /// pod device: as on the external devices, the second keeps the pod's address and gets a port
