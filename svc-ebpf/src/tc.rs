@@ -696,6 +696,13 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
     // SNAT port.
     if in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
+        if s.dst.addr != s.p.saddr {
+            // A backend pod's reply to another pod whose own port lies in the SNAT range: the
+            // client's device restores the frontend, after the stack has forwarded the reply
+            // as the reply of the connection it saw. Made to come from the frontend here, it
+            // would enter the stack as a martian, and as no connection netfilter knows.
+            return OK;
+        }
         return pod_send(ctx, s, pkt_stat::REPLY);
     }
     ct::syn_on_reply_tuple(&s.p, true);
