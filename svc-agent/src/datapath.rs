@@ -1412,7 +1412,7 @@ pub struct PacketStats {
 
 /// Counts the live flows of a walk of `CT`, as the datapath judges them: a flow is alive while
 /// a packet of either direction came within its entry's timeout (the FORWARD entry, or the
-/// entry at its partner key). Nothing removes a dead flow's entries but the need for room, so
+/// entry at its partner key while that is still this flow's). Nothing removes a dead flow's entries but the need for room, so
 /// a full table is the steady state; counting its entries would report a node that has been
 /// busy once as busy for good, and its SNAT ports as nearly exhausted.
 pub struct FlowCount {
@@ -1423,9 +1423,11 @@ pub struct FlowCount {
     /// Per (SNAT address, backend address, backend port, protocol): as many entries as there
     /// are such pairs, not flows.
     ports: std::collections::HashMap<([u8; 16], [u8; 16], u16, u8), u64>,
-    /// FORWARD entries past their timeout, by their partner key: alive if that entry is not.
-    stale: std::collections::HashMap<svc_common::CtKey, svc_common::CtValue>,
-    fresh_replies: std::collections::HashSet<svc_common::CtKey>,
+    /// FORWARD entries past their timeout, with their partner key: alive if that entry is
+    /// not, and leads back to them.
+    stale: Vec<(svc_common::CtKey, svc_common::CtKey, svc_common::CtValue)>,
+    /// REPLY entries within their timeout, to the FORWARD key they lead to.
+    fresh_replies: std::collections::HashMap<svc_common::CtKey, svc_common::CtKey>,
 }
 
 impl FlowCount {
@@ -1450,11 +1452,9 @@ impl FlowCount {
         let fresh = self.now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns;
         match (k.dir == svc_common::ct_dir::FORWARD, fresh) {
             (true, true) => self.live(k, v),
-            (true, false) => {
-                self.stale.insert(k.partner(v), *v);
-            }
+            (true, false) => self.stale.push((*k, k.partner(v), *v)),
             (false, true) => {
-                self.fresh_replies.insert(*k);
+                self.fresh_replies.insert(*k, k.partner(v));
             }
             (false, false) => {}
         }
@@ -1478,10 +1478,9 @@ impl FlowCount {
     /// (flows, SNATed flows, the most SNAT ports in use towards one backend).
     pub fn finish(mut self) -> (u64, u64, u64) {
         let stale = std::mem::take(&mut self.stale);
-        for (partner, v) in &stale {
-            if self.fresh_replies.contains(partner) {
-                // The FORWARD key, for the protocol: the partner's own is the same.
-                self.live(partner, v);
+        for (k, partner, v) in &stale {
+            if self.fresh_replies.get(partner) == Some(k) {
+                self.live(k, v);
             }
         }
         let most = self.ports.values().copied().max().unwrap_or(0);
@@ -1628,8 +1627,18 @@ mod tests {
                 now - 7_300,
             ),
         ];
+        // Dead, its reply tuple taken by the first flow (the same SNAT port): that flow's
+        // freshness is not its own.
+        let [old, _] = flow(
+            IPPROTO_TCP,
+            40006,
+            61001,
+            ct_flags::SEEN_REPLY,
+            now - 7_300,
+            0,
+        );
         let mut count = FlowCount::new(now * S, DatapathConfig::default());
-        for (k, v) in entries.iter().flatten() {
+        for (k, v) in entries.iter().flatten().chain([old].iter()) {
             count.add(k, v);
         }
         assert_eq!(count.finish(), (3, 3, 2));
