@@ -270,4 +270,49 @@ mod tests {
         );
         assert_eq!(desired.state.frontends[&a2.0].owner, "ns/a");
     }
+
+    /// A Service as the Kubernetes source caches it.
+    fn parsed(name: &str, cluster_ip: &str, created: &str) -> crate::translate::ParsedService {
+        let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": name, "creationTimestamp": created},
+            "spec": {"clusterIP": cluster_ip, "externalIPs": ["203.0.113.10"],
+                     "ports": [{"port": 80}]}
+        }))
+        .unwrap();
+        let mut errors = Vec::new();
+        crate::translate::parse_service(&svc, &Default::default(), &mut errors).unwrap()
+    }
+
+    /// Two Services may list one ExternalIP and port (the API server allows it); one serves
+    /// it. Once that one is deleted, the other serves it, as under kube-proxy, even though
+    /// the Kubernetes source translates only the Service that changed.
+    #[test]
+    fn a_frontend_its_holder_gives_up_goes_to_the_service_that_also_claims_it() {
+        use crate::translate::assemble;
+        let node = Default::default();
+        let old = parsed("old", "10.96.0.1", "2020-01-01T00:00:00Z");
+        let new = parsed("new", "10.96.0.2", "2024-01-01T00:00:00Z");
+        let full = assemble([&old, &new], [], &node);
+        let ext = Frontend {
+            ip: "203.0.113.10".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::External,
+        };
+        assert_eq!(full.state.frontends[&ext].owner, "ns/old");
+        let mut desired = Desired::from_full(full.state);
+
+        // ns/old is deleted: only it is translated again.
+        let owners = BTreeSet::from(["ns/old".to_string()]);
+        let (touched, _) = desired.replace(&owners, assemble([], [], &node).state);
+        assert!(touched.contains(&ext));
+        let holder = desired.state.frontends.get(&ext).map(|d| d.owner.as_str());
+        assert_eq!(holder, Some("ns/new"), "203.0.113.10:80 served by nobody");
+        let local = Frontend {
+            scope: Scope::Cluster,
+            ..ext
+        };
+        assert_eq!(desired.state.frontends[&local].owner, "ns/new");
+        assert!(touched.contains(&local));
+    }
 }
