@@ -5,6 +5,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::net::IpAddr;
 
+use tracing::info;
+
 use crate::error::Error;
 use crate::model::{DesiredState, Frontend, Kind, Protocol, Scope};
 
@@ -163,6 +165,13 @@ impl Desired {
             }
             self.state.health_checks.remove(owner);
         }
+        self.state.contested.retain(|_, claims| {
+            claims.retain(|d| !owners.contains(&d.owner));
+            !claims.is_empty()
+        });
+        for (fe, claims) in translated.contested {
+            self.state.contested.entry(fe).or_default().extend(claims);
+        }
         self.state.health_checks.extend(translated.health_checks);
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
@@ -173,11 +182,33 @@ impl Desired {
                         holder.owner
                     ),
                 });
+                self.state.contested.entry(fe).or_default().push(d);
                 continue;
             }
             self.index().add(&d.owner, fe);
             self.state.frontends.insert(fe, d);
             touched.insert(fe);
+        }
+        // A frontend its holder gave up goes to the next Service that claims it: that Service
+        // did not change, so nothing else would translate it again.
+        let freed: Vec<Frontend> = touched
+            .iter()
+            .filter(|fe| {
+                !self.state.frontends.contains_key(fe) && self.state.contested.contains_key(fe)
+            })
+            .copied()
+            .collect();
+        for fe in freed {
+            let Some(mut claims) = self.state.contested.remove(&fe) else {
+                continue;
+            };
+            let d = claims.remove(0);
+            if !claims.is_empty() {
+                self.state.contested.insert(fe, claims);
+            }
+            info!(frontend = %fe, service = %d.owner, "frontend given up by its holder; served by the Service that also claims it");
+            self.index().add(&d.owner, fe);
+            self.state.frontends.insert(fe, d);
         }
         let ips: BTreeSet<IpAddr> = touched.iter().map(|fe| fe.ip).collect();
         for ip in ips {

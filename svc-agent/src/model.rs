@@ -364,4 +364,8 @@ pub struct DesiredState {
     pub node: NodeDesired,
     /// Health check servers, by Service ("namespace/name").
     pub health_checks: BTreeMap<String, HealthCheck>,
+    /// Claims of frontends another Service holds (two Services may list one ExternalIP and
+    /// port), first in line first: when the holder gives its frontend up, the next claimant
+    /// serves it, as under kube-proxy, without waiting for that Service to change.
+    pub contested: BTreeMap<Frontend, Vec<DesiredFrontend>>,
 }

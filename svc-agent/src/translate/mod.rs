@@ -490,6 +490,7 @@ pub fn assemble_with<'a>(
             let sets = BackendSets::new(svc, port, family, slices, node);
             for claim in &claims[at..end] {
                 let frontend = claim.frontend;
+                let d = sets.frontend(svc, port, claim, family, node);
                 if let Some(winner) = winners.get(&frontend).filter(|w| **w != &svc.key) {
                     errors.push(invalid(
                         &svc.key.describe("Service"),
@@ -497,9 +498,9 @@ pub fn assemble_with<'a>(
                             "frontend {frontend} is already served by Service {winner}; skipped"
                         ),
                     ));
+                    state.contested.entry(frontend).or_default().push(d);
                     continue;
                 }
-                let d = sets.frontend(svc, port, claim, family, node);
                 debug!(%frontend, service = %d.service, backends = d.backends.len(), "frontend");
                 if claim.kind == Kind::ClusterIP {
                     state.cluster_ips.insert(frontend.ip);
