@@ -638,8 +638,7 @@ fn sync(agent: &mut Agent, cache: &mut Cache) {
         translated.errors.splice(0..0, parse_errors);
         agent.apply_full(translated)
     } else {
-        let (services, slices) = cache.objects_for(&dirty);
-        let mut translated = translate::assemble(services, slices, &agent.node);
+        let mut translated = translate_dirty(cache, &dirty, &agent.node, agent.holders());
         translated.errors.splice(0..0, parse_errors);
         let owners: BTreeSet<String> = dirty.iter().map(owner).collect();
         agent.apply_services(&owners, translated)
@@ -665,6 +664,18 @@ fn sync(agent: &mut Agent, cache: &mut Cache) {
         "sync"
     );
     agent::announce(&report, false);
+}
+
+/// The Services `dirty` (with their slices) translated again; `holders` says who serves each
+/// frontend now.
+fn translate_dirty(
+    cache: &Cache,
+    dirty: &BTreeSet<Key>,
+    node: &NodeContext,
+    _holders: &dyn translate::Holders,
+) -> translate::Translated {
+    let (services, slices) = cache.objects_for(dirty);
+    translate::assemble(services, slices, node)
 }
 
 #[cfg(test)]
@@ -698,6 +709,56 @@ mod tests {
 
     fn k(ns: &str, n: &str) -> Key {
         key(ns, n)
+    }
+
+    /// Two Services that list ExternalIP 203.0.113.10 port 80; the younger serves it (it
+    /// listed it first). An edit of the older one that lands in the same sync as any change of
+    /// the younger one (a pod restarting) must not move the address: what serves keeps
+    /// serving, as when either changes alone and as after a restart.
+    #[test]
+    fn a_frontend_stays_with_its_holder_when_both_claimants_change_together() {
+        struct Holder;
+        impl translate::Holders for Holder {
+            fn holder(&self, fe: &crate::model::Frontend) -> Option<&str> {
+                (fe.ip.to_string() == "203.0.113.10").then_some("ns/young")
+            }
+        }
+        let claimant = |name: &str, ip: &str, created: &str| -> Service {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"namespace": "ns", "name": name, "resourceVersion": "2",
+                             "creationTimestamp": created},
+                "spec": {"clusterIP": ip, "externalIPs": ["203.0.113.10"],
+                         "ports": [{"port": 80}]}
+            }))
+            .unwrap()
+        };
+        let mut c = Cache::default();
+        c.apply(Update::Service(Event::Apply(claimant(
+            "old",
+            "10.96.0.1",
+            "2020-01-01T00:00:00Z",
+        ))));
+        c.apply(Update::Service(Event::Apply(claimant(
+            "young",
+            "10.96.0.2",
+            "2024-01-01T00:00:00Z",
+        ))));
+        let dirty = BTreeSet::from([k("ns", "old"), k("ns", "young")]);
+        let t = translate_dirty(&c, &dirty, &NodeContext::default(), &Holder);
+        let owners: Vec<(String, String)> = t
+            .state
+            .frontends
+            .values()
+            .filter(|d| d.frontend.ip.to_string() == "203.0.113.10")
+            .map(|d| (d.frontend.to_string(), d.owner.clone()))
+            .collect();
+        assert_eq!(owners.len(), 2, "{owners:?}");
+        for (fe, owner) in &owners {
+            assert_eq!(
+                owner, "ns/young",
+                "{fe} moved away from the Service serving it"
+            );
+        }
     }
 
     #[test]
