@@ -672,10 +672,12 @@ fn translate_dirty(
     cache: &Cache,
     dirty: &BTreeSet<Key>,
     node: &NodeContext,
-    _holders: &dyn translate::Holders,
+    holders: &dyn translate::Holders,
 ) -> translate::Translated {
     let (services, slices) = cache.objects_for(dirty);
-    translate::assemble(services, slices, node)
+    // Conflicts among the Services of one batch are resolved as a full sync resolves them:
+    // the holder keeps its frontend, so whether two changes land together does not decide.
+    translate::assemble_with(services, slices, node, holders)
 }
 
 #[cfg(test)]
