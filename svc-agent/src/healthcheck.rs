@@ -334,4 +334,46 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(tokio::net::TcpStream::connect(at).await.is_err(), "closed");
     }
+
+    /// One sync stops a Service's server and starts another Service's on the same port (a
+    /// Service renamed in a manifest, healthCheckNodePorts swapped): the port must answer for
+    /// the new Service at once, as kube-proxy's (which closes before it listens), not be
+    /// refused until the next retry.
+    #[tokio::test]
+    async fn a_port_handed_from_one_service_to_another_in_one_sync_answers_at_once() {
+        let metrics = Metrics::new(
+            std::path::PathBuf::from("/nonexistent"),
+            Duration::from_secs(60),
+        );
+        metrics.synced(
+            Duration::from_millis(1),
+            crate::metrics::Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        let mut servers = HealthServers::new(metrics);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hc = HealthCheck {
+            port,
+            local_endpoints: [Some(1), None],
+        };
+        let wanted = BTreeMap::from([("ns/old".to_string(), hc)]);
+        assert!(servers.sync(&wanted).is_empty());
+        let wanted = BTreeMap::from([("ns/new".to_string(), hc)]);
+        let errors: Vec<String> = servers
+            .sync(&wanted)
+            .iter()
+            .map(|e| e.to_string())
+            .collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(servers.addr("ns/new").is_some());
+        let reply = get(SocketAddr::from(([127, 0, 0, 1], port))).await;
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(reply.contains("\"name\": \"new\""), "{reply}");
+    }
 }
