@@ -27,6 +27,10 @@ struct Running {
     task: tokio::task::JoinHandle<()>,
     /// Where it listens, for tests and logs.
     addr: SocketAddr,
+    /// Shared with the task: an aborted task closes its listener only when the runtime gets
+    /// to it, so a port passed to another Service in the same sync is handed over instead of
+    /// bound again.
+    listener: Arc<tokio::net::TcpListener>,
 }
 
 pub struct HealthServers {
@@ -74,10 +78,12 @@ impl HealthServers {
             .filter(|(o, r)| wanted.get(*o).is_none_or(|hc| hc.port != r.port))
             .map(|(o, _)| o.clone())
             .collect();
+        let mut released = HashMap::new();
         for owner in gone {
             if let Some(r) = self.running.remove(&owner) {
                 r.task.abort();
                 info!(service = %owner, port = r.port, "health check node port closed");
+                released.insert(r.port, r.listener);
             }
         }
         let mut errors = Vec::new();
@@ -85,13 +91,17 @@ impl HealthServers {
             if self.running.contains_key(owner) {
                 continue;
             }
-            match bind(hc.port) {
+            let listener = match released.remove(&hc.port) {
+                Some(l) => Ok(l),
+                None => bind(hc.port).map(Arc::new),
+            };
+            match listener {
                 Ok(listener) => {
                     let addr = listener
                         .local_addr()
                         .unwrap_or(SocketAddr::from(([0; 4], hc.port)));
                     let task = tokio::spawn(serve(
-                        listener,
+                        listener.clone(),
                         owner.clone(),
                         self.counts.clone(),
                         self.metrics.clone(),
@@ -103,6 +113,7 @@ impl HealthServers {
                             port: hc.port,
                             task,
                             addr,
+                            listener,
                         },
                     );
                 }
@@ -189,7 +200,7 @@ fn http_date(t: std::time::SystemTime) -> String {
 }
 
 async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: Arc<tokio::net::TcpListener>,
     owner: String,
     counts: Counts,
     metrics: Arc<Metrics>,
