@@ -387,4 +387,40 @@ mod tests {
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(reply.contains("\"name\": \"new\""), "{reply}");
     }
+
+    /// One Service that cannot be programmed (more endpoints than a frontend holds, a map
+    /// full) must not take every other LoadBalancer's health check down with it: each node
+    /// fails the same way, so every cloud load balancer would drain every node. kube-proxy's
+    /// serviceProxyHealthy says whether the proxy keeps up, not whether all of the cluster's
+    /// Services fit.
+    #[tokio::test]
+    async fn another_service_that_cannot_be_programmed_leaves_this_one_healthy() {
+        let metrics = Metrics::new(
+            std::path::PathBuf::from("/nonexistent"),
+            Duration::from_secs(60),
+        );
+        metrics.synced(
+            Duration::from_millis(1),
+            crate::metrics::Programmed {
+                attached: true,
+                failing: vec!["tenant/huge".to_string()],
+                ..Default::default()
+            },
+        );
+        let mut servers = HealthServers::new(metrics);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hc = HealthCheck {
+            port,
+            local_endpoints: [Some(1), None],
+        };
+        let wanted = BTreeMap::from([("shop/web".to_string(), hc)]);
+        assert!(servers.sync(&wanted).is_empty());
+        let reply = get(SocketAddr::from(([127, 0, 0, 1], port))).await;
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(reply.contains("\"serviceProxyHealthy\": true"), "{reply}");
+    }
 }
