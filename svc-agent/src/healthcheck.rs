@@ -226,7 +226,7 @@ async fn serve(
             .get(&owner)
             .and_then(|c| c[usize::from(v6)])
             .unwrap_or(0);
-        let healthy = metrics.health().ok;
+        let healthy = metrics.service_healthy(&owner);
         let owner = owner.clone();
         tokio::spawn(async move {
             // kube-proxy answers any request the same: only that one arrived matters.

@@ -85,6 +85,9 @@ struct Inner {
     last_synced: Option<Timestamp>,
     /// Since when a change has waited to be programmed.
     queued_since: Option<Instant>,
+    /// Since when a change has waited for a sync at all (one that failed included): whether
+    /// the loop keeps up, for the health check node ports.
+    unsynced_since: Option<Instant>,
     /// Services that could not be programmed (left as they were), retried with backoff.
     failing: Vec<String>,
     /// Entries waiting out their grace period before deletion.
@@ -146,6 +149,7 @@ impl Metrics {
                 maps: BTreeMap::new(),
                 last_synced: None,
                 queued_since: None,
+                unsynced_since: None,
                 failing: Vec::new(),
                 retiring: 0,
                 attached: false,
@@ -178,7 +182,9 @@ impl Metrics {
 
     /// A change arrived that is not programmed yet.
     pub fn queued(&self) {
-        self.lock().queued_since.get_or_insert_with(Instant::now);
+        let mut i = self.lock();
+        i.queued_since.get_or_insert_with(Instant::now);
+        i.unsynced_since.get_or_insert_with(Instant::now);
     }
 
     pub fn synced(&self, took: Duration, state: Programmed) {
@@ -186,6 +192,7 @@ impl Metrics {
         i.syncs += 1;
         i.sync_seconds.observe(took.as_secs_f64());
         i.last_synced = Some(Timestamp::now());
+        i.unsynced_since = None;
         // A change that failed has not landed: it keeps waiting.
         if state.failing.is_empty() {
             i.queued_since = None;
@@ -281,6 +288,22 @@ impl Metrics {
             last_synced: i.last_synced,
             problems,
         }
+    }
+
+    /// serviceProxyHealthy of Service `owner`'s health check node port: the proxy keeps up and
+    /// its datapath is attached whole, and this Service is programmed. Another Service that
+    /// cannot be programmed does not count: every node fails it alike, and /healthz's rule
+    /// would have every load balancer drain every node of every Service.
+    pub fn service_healthy(&self, owner: &str) -> bool {
+        let i = self.lock();
+        let keeps_up = i
+            .unsynced_since
+            .is_none_or(|t| t.elapsed() <= self.health_timeout);
+        i.last_synced.is_some()
+            && keeps_up
+            && i.attached
+            && !i.datapath_broken
+            && !i.failing.iter().any(|f| f == owner)
     }
 
     /// Whether the agent's loop still turns (for /livez): a stuck loop is worth a restart, a
