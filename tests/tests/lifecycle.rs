@@ -323,3 +323,58 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
         w.agent.log()
     );
 }
+
+/// CPU time (user + system) of process `pid` so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // After the command name in parentheses: field 3 on; utime and stime are 14 and 15.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let ticks = f[11] + f[12];
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+/// An agent whose API server cannot be reached yet (an outage as the node boots) waits for
+/// its first lists with the watcher's backoff: it must not spin a core meanwhile, on a node
+/// whose workloads need it. (The pin check is due every 2 s and waits for an attach that
+/// only the first sync brings.)
+#[test]
+fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
+    let sb = common::sandbox();
+    let bpffs = sb.bpffs().unwrap();
+    let dir = svc_tests::TempDir::new("svc-unreachable").unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \
+         'https://127.0.0.1:1', insecure-skip-tls-verify: true}\nusers:\n- name: u\n  user: \
+         {token: x}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\n\
+         current-context: c\n",
+    )
+    .unwrap();
+    let agent = svc_tests::Agent::start_kube(
+        &sb.tools.agent,
+        &kubeconfig,
+        "node-1",
+        sb.cgroup().path(),
+        bpffs.path(),
+        &[],
+    )
+    .unwrap();
+    let pid = agent.pid().unwrap();
+    // Past the first pin check (2 s) and the first failed lists.
+    std::thread::sleep(Duration::from_secs(3));
+    let (t0, c0) = (Instant::now(), cpu_time(pid));
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_time(pid) - c0;
+    let wall = t0.elapsed();
+    assert!(
+        used < wall / 4,
+        "the waiting agent used {used:?} of CPU in {wall:?}"
+    );
+}
