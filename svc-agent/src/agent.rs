@@ -435,6 +435,14 @@ impl Agent {
     pub fn tick(&mut self, now: Instant) {
         self.metrics.alive();
         if !self.synced {
+            // No upkeep before the first sync, but its deadlines move on: the loop sleeps
+            // until the next of them, and one left in the past would have it spin.
+            if now >= self.next_check {
+                self.next_check = now + self.upkeep.check_every;
+            }
+            if now >= self.next_reconcile {
+                self.next_reconcile = now + self.upkeep.reconcile_every;
+            }
             return;
         }
         if self
@@ -476,11 +484,15 @@ impl Agent {
             let due: BTreeSet<String> = due.into_iter().collect();
             self.finish(report, now, Some(&due));
         }
-        if self.dp.is_attached() && now >= self.next_check {
+        if now >= self.next_check {
+            // Due again whether or not the programs are attached (a failed attach is tried
+            // at the next sync): a deadline left in the past would have the loop spin.
             self.next_check = now + self.upkeep.check_every;
-            self.check_pins();
-            // A health check port that could not be bound (in use) is tried again.
-            self.sync_health_checks();
+            if self.dp.is_attached() {
+                self.check_pins();
+                // A health check port that could not be bound (in use) is tried again.
+                self.sync_health_checks();
+            }
         }
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
