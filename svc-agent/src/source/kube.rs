@@ -713,6 +713,31 @@ mod tests {
         key(ns, n)
     }
 
+    /// The Node object is deleted (and made again by its kubelet, whose new object has no
+    /// addresses until the cloud controller sets them) while the node runs: NodePorts must go
+    /// on answering on its addresses, as under kube-proxy (which keeps its node IPs), not stop
+    /// until the addresses are back.
+    #[test]
+    fn a_deleted_or_addressless_node_object_keeps_the_node_ips() {
+        let node = |addresses: serde_json::Value| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "node-1"},
+                "status": {"addresses": addresses}
+            }))
+            .unwrap()
+        };
+        let mut c = Cache::default();
+        let n = node(serde_json::json!([{"type": "InternalIP", "address": "10.0.0.1"}]));
+        c.apply(Update::Node(Box::new(Event::Apply(n.clone()))));
+        assert_eq!(c.node_ips.take(), Some(vec!["10.0.0.1".parse().unwrap()]));
+        c.apply(Update::Node(Box::new(Event::Delete(n))));
+        assert_eq!(c.node_ips.take(), None, "the node IPs were dropped");
+        c.apply(Update::Node(Box::new(Event::Apply(node(
+            serde_json::json!([]),
+        )))));
+        assert_eq!(c.node_ips.take(), None, "the node IPs were dropped");
+    }
+
     /// Two Services that list ExternalIP 203.0.113.10 port 80; the younger serves it (it
     /// listed it first). An edit of the older one that lands in the same sync as any change of
     /// the younger one (a pod restarting) must not move the address: what serves keeps
