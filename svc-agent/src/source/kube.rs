@@ -448,10 +448,19 @@ impl Cache {
                             .collect();
                         (n.labels().get(ZONE_LABEL).cloned(), addresses)
                     }
+                    // The node goes on running (its kubelet makes the object again): its
+                    // labels are forgotten, as kube-proxy's proxier forgets them, but not its
+                    // addresses, which kube-proxy's node IPs keep too.
                     Event::Delete(_) => (None, Vec::new()),
                     Event::Init | Event::InitDone => return,
                 };
-                self.node_ips = Some(crate::packet::node_host_ips(&addresses));
+                // A Node without addresses (made again by its kubelet, before the cloud
+                // controller sets them) says nothing about them: NodePorts keep answering on
+                // the last known ones, or on the devices' until there are any.
+                let ips = crate::packet::node_host_ips(&addresses);
+                if !ips.is_empty() {
+                    self.node_ips = Some(ips);
+                }
                 if zone != self.zone {
                     info!(?zone, "node zone changed; translating every Service again");
                     self.zone = zone;
