@@ -822,6 +822,57 @@ fn closed_flows_give_their_tuples_up() {
     );
 }
 
+/// A UDP flow through a NodePort whose backend leaves the Service moves to a live backend, as
+/// under kube-proxy (which deletes the conntrack entries of UDP flows to a departed endpoint):
+/// a client that keeps sending on one socket would otherwise keep its flow, and its old
+/// backend, for as long as it sends. From a local backend to a remote one (SNATed) and back.
+#[test]
+fn a_udp_flow_leaves_a_backend_that_left_its_service() {
+    let mut t = Topo::new();
+    t.service("moving", nodeport("moving", 31, 30095));
+    t.endpoints("moving", &[LOCAL_POD]);
+    t.start_agent();
+    let to = sa(NODE1, 30095);
+    let s = in_ns(&t.client, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        s.connect(to).expect("connect");
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        s
+    });
+    // The socket stays in the client's namespace; sends need no namespace of their own.
+    let s = Arc::new(s);
+    let ask = move |s: &UdpSocket| -> std::io::Result<Answer> {
+        s.send(b"x")?;
+        let mut buf = [0u8; 512];
+        let n = s.recv(&mut buf)?;
+        parse_answer(&String::from_utf8_lossy(&buf[..n]))
+    };
+    let until = |s: &Arc<UdpSocket>, backend: &'static str| -> Result<(), String> {
+        let start = Instant::now();
+        let mut last = None;
+        while start.elapsed() < Duration::from_secs(5) {
+            match ask(s) {
+                Ok(a) if a.backend == backend => return Ok(()),
+                other => last = Some(format!("{other:?}")),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err(format!("not {backend} after 5 s of one socket sending: last {last:?}"))
+    };
+    in_ns(&t.client, {
+        let s = s.clone();
+        move || poll(Duration::from_secs(10), || Ok(ask(&s).ok()))
+    })
+    .expect("a first answer");
+    until(&s, "pod1").expect("the local backend first");
+
+    t.endpoints("moving", &[REMOTE_POD]);
+    until(&s, "pod2").expect("the remote backend, once the local one left");
+    t.endpoints("moving", &[LOCAL_POD]);
+    until(&s, "pod1").expect("the local backend, once the remote one left");
+}
+
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
 /// address; the health check node port says 200 with one local endpoint. A Service whose only
 /// endpoint is on node 2 is dropped here (no answer, not a reject) and its health check says
