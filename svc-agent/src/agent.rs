@@ -647,6 +647,11 @@ fn stale_worker(
     let members: BpfHashMap<MapData, AffinityMatchKey, u32> =
         BpfHashMap::try_from(dp.reopen(map_names::AFFINITY_MATCH)?)
             .map_err(|e| map_err(map_names::AFFINITY_MATCH, e))?;
+    // The packet datapath's flows; absent from an object without it.
+    let mut ct: Option<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> = dp
+        .reopen(map_names::CT)
+        .ok()
+        .and_then(|m| BpfHashMap::try_from(m).ok());
     let cgroup = cgroup.to_path_buf();
     let run = move |departed: Vec<Departed>| {
         let mut backends: Vec<std::net::SocketAddr> = departed.iter().map(|d| d.backend).collect();
@@ -688,6 +693,25 @@ fn stale_worker(
                 )
                 .is_err()
         };
+        if let Some(ct) = &mut ct {
+            // A backend back in the frontend since (a flapping endpoint) keeps its flows.
+            let left = |id: u32, backend: std::net::SocketAddr| {
+                gone.get(&(id, backend.ip(), backend.port()))
+                    .is_some_and(|b| {
+                        members
+                            .get(&AffinityMatchKey { id, backend: *b }, 0)
+                            .is_err()
+                    })
+            };
+            match crate::stale::forget_udp_flows(ct, left) {
+                Ok(0) => {}
+                Ok(n) => info!(flows = n, "forgot UDP flows of departed backends"),
+                Err(e) => {
+                    warn!("{e}");
+                    metrics.error(&e);
+                }
+            }
+        }
         match crate::stale::destroy_udp_sockets(&cgroup, &backends, &doomed) {
             Ok(r) => {
                 for e in &r.errors {

@@ -784,6 +784,49 @@ fn ipv6(b: &[u8]) -> Ipv6Addr {
     Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap_or_default())
 }
 
+/// The packet datapath's UDP flows (`SVC_CT`: NodePorts, ExternalIPs, LoadBalancer IPs, and
+/// per-packet ClusterIP on pod devices) to a backend that left the frontend they were
+/// translated for: their entries are removed, so the client's next datagram starts a new
+/// flow to a live backend, as kube-proxy deletes the conntrack entries of UDP flows to a
+/// departed endpoint. A client that keeps sending on one socket would otherwise keep its
+/// flow, and the old backend, for as long as it sends. `doomed(frontend id, backend)` says
+/// whether that backend left that frontend (and has not come back). Returns how many flows
+/// were removed.
+pub fn forget_udp_flows(
+    ct: &mut aya::maps::HashMap<aya::maps::MapData, svc_common::CtKey, svc_common::CtValue>,
+    doomed: impl Fn(u32, std::net::SocketAddr) -> bool,
+) -> Result<usize> {
+    use aya::maps::IterableMap;
+    use std::os::fd::AsFd;
+    use svc_common::{ct_dir, map_names, CtKey, CtValue, IPPROTO_UDP};
+    let mut flows: Vec<(CtKey, CtKey)> = Vec::new();
+    crate::sys::for_each_hash::<CtKey, CtValue>(ct.map().fd().as_fd(), |k, v| {
+        if k.dir != ct_dir::FORWARD || k.proto != IPPROTO_UDP {
+            return;
+        }
+        let backend = std::net::SocketAddr::new(
+            crate::sync::ip_from16(v.nat_addr).to_canonical(),
+            u16::from_be(v.nat_port_be),
+        );
+        if doomed(v.id, backend) {
+            flows.push((*k, k.partner(v)));
+        }
+    })
+    .map_err(|e| Error::Map {
+        map: map_names::CT,
+        message: format!("reading the UDP flows of departed backends: {e}"),
+    })?;
+    for (k, pk) in &flows {
+        // The reply entry first, and only while it is still this flow's (its tuple may have
+        // gone to a newer flow): the datapath forgets a flow in the same order.
+        if ct.get(pk, 0).is_ok_and(|pv| pk.partner(&pv) == *k) {
+            let _ = ct.remove(pk);
+        }
+        let _ = ct.remove(k);
+    }
+    Ok(flows.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
