@@ -129,17 +129,27 @@ impl HealthServers {
 
 /// All node addresses: `[::]` (which takes IPv4 too), or 0.0.0.0 on a node without IPv6.
 fn bind(port: u16) -> std::io::Result<tokio::net::TcpListener> {
-    let listener =
-        std::net::TcpListener::bind(SocketAddr::from(([0u16; 8], port))).or_else(|e| {
-            match e.raw_os_error() {
-                Some(libc::EAFNOSUPPORT) | Some(libc::EADDRNOTAVAIL) => {
-                    std::net::TcpListener::bind(SocketAddr::from(([0u8; 4], port)))
-                }
-                _ => Err(e),
-            }
-        })?;
+    let listener = bind_dual_stack(port).or_else(|e| match e.raw_os_error() {
+        Some(libc::EAFNOSUPPORT) | Some(libc::EADDRNOTAVAIL) => {
+            std::net::TcpListener::bind(SocketAddr::from(([0u8; 4], port)))
+        }
+        _ => Err(e),
+    })?;
     listener.set_nonblocking(true)?;
     tokio::net::TcpListener::from_std(listener)
+}
+
+/// `[::]:port` taking IPv4 too whatever `net.ipv6.bindv6only` says, as Go's listener on
+/// ":port" (kube-proxy's) does: a load balancer probes the node's IPv4 address.
+fn bind_dual_stack(port: u16) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::IPV6, Type::STREAM, None)?;
+    s.set_only_v6(false)?;
+    // As std's bind does: a port a closed server left in TIME_WAIT is bound again at once.
+    s.set_reuse_address(true)?;
+    s.bind(&SocketAddr::from(([0u16; 8], port)).into())?;
+    s.listen(1024)?;
+    Ok(s.into())
 }
 
 /// kube-proxy's answer (hcHandler.ServeHTTP), byte for byte in the body, with the headers Go's
@@ -247,6 +257,51 @@ async fn serve(
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
+
+    /// On a node with `net.ipv6.bindv6only=1` the port must still answer IPv4 health checks
+    /// (a cloud load balancer probes the node's IPv4 address): kube-proxy's Go listener on
+    /// ":port" is dual-stack whatever the sysctl says. In a network namespace of the test's
+    /// own (a thread that unshares it), where the sysctl is set; needs root.
+    #[test]
+    fn the_port_answers_ipv4_where_ipv6_sockets_default_to_ipv6_only() {
+        let outcome = std::thread::spawn(|| -> Result<(), String> {
+            // SAFETY: moves this thread alone into a new network namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(format!("unshare: {}", std::io::Error::last_os_error()));
+            }
+            // Per network namespace: the writer's, this thread's new one.
+            std::fs::write("/proc/sys/net/ipv6/bindv6only", "1")
+                .map_err(|e| format!("bindv6only: {e}"))?;
+            let lo = std::process::Command::new("ip")
+                .args(["link", "set", "lo", "up"])
+                .status()
+                .map_err(|e| format!("ip: {e}"))?;
+            if !lo.success() {
+                return Err("ip link set lo up failed".into());
+            }
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let listener = bind(0).map_err(|e| format!("bind: {e}"))?;
+                let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+                let accept = tokio::spawn(async move { listener.accept().await.is_ok() });
+                tokio::time::timeout(
+                    Duration::from_secs(2),
+                    tokio::net::TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port))),
+                )
+                .await
+                .map_err(|_| "IPv4 connect timed out".to_string())?
+                .map_err(|e| format!("IPv4 connect to port {port}: {e}"))?;
+                accept.await.map_err(|e| e.to_string())?;
+                Ok(())
+            })
+        })
+        .join()
+        .expect("the test thread");
+        outcome.unwrap();
+    }
 
     #[test]
     fn dates_are_imf_fixdate() {
