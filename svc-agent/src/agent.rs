@@ -68,6 +68,8 @@ pub struct Agent {
     upkeep: Upkeep,
     retry: BTreeMap<String, Retry>,
     next_reconcile: Instant,
+    /// The node's state could not all be written: (attempts, when to try again).
+    node_retry: Option<(u32, Instant)>,
     next_check: Instant,
     /// Which file each manifest object was served from, so a second definition elsewhere
     /// does not take it over.
@@ -139,6 +141,7 @@ impl Agent {
             api_node_ips: None,
             node_desired,
             next_reconcile: now + upkeep.reconcile_every,
+            node_retry: None,
             next_check: now + upkeep.check_every,
             upkeep,
             retry: BTreeMap::new(),
@@ -200,6 +203,7 @@ impl Agent {
             warn!("node addresses: {e}");
             self.metrics.error(e);
         }
+        self.note_node(report.node_failed, Instant::now());
         let primary_changed = view.primary != self.node.node_ips;
         self.node.node_ips = view.primary.clone();
         self.view = view;
@@ -325,6 +329,9 @@ impl Agent {
             warn!("not programmed: {e}");
             self.metrics.error(e);
         }
+        if covered.is_none() {
+            self.note_node(report.node_failed, started);
+        }
         let healed: Vec<String> = match covered {
             None => self
                 .retry
@@ -398,6 +405,24 @@ impl Agent {
         }
     }
 
+    /// Schedules the next try at the node's state after a sync of it failed (as a Service's,
+    /// with backoff), or forgets the tries after one that did not.
+    fn note_node(&mut self, failed: bool, started: Instant) {
+        if !failed {
+            if self.node_retry.take().is_some() {
+                info!("node addresses programmed after earlier failures");
+            }
+            return;
+        }
+        let attempts = self.node_retry.map_or(0, |(n, _)| n) + 1;
+        let backoff = self
+            .upkeep
+            .retry_min
+            .saturating_mul(1 << (attempts - 1).min(16))
+            .min(self.upkeep.retry_max);
+        self.node_retry = Some((attempts, started + backoff));
+    }
+
     fn snapshot_metrics(&self) -> metrics::Programmed {
         metrics::Programmed {
             frontends: self.programmed.frontends.len(),
@@ -407,6 +432,7 @@ impl Agent {
             failing: self.retry.keys().cloned().collect(),
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
+            node_failing: self.node_retry.is_some(),
         }
     }
 
@@ -427,6 +453,9 @@ impl Agent {
         }
         if let Some(r) = self.retry.values().map(|r| r.due).min() {
             t = t.min(r);
+        }
+        if let Some((_, due)) = self.node_retry {
+            t = t.min(due);
         }
         t
     }
@@ -493,6 +522,16 @@ impl Agent {
                 // A health check port that could not be bound (in use) is tried again.
                 self.sync_health_checks();
             }
+        }
+        if self.node_retry.is_some_and(|(_, due)| now >= due) {
+            let report = self
+                .programmed
+                .apply_node(&mut self.dp.store, &self.node_desired);
+            for e in &report.errors {
+                warn!("node addresses: {e}");
+                self.metrics.error(e);
+            }
+            self.note_node(report.node_failed, now);
         }
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;

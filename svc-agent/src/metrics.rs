@@ -90,6 +90,7 @@ struct Inner {
     unsynced_since: Option<Instant>,
     /// Services that could not be programmed (left as they were), retried with backoff.
     failing: Vec<String>,
+    node_failing: bool,
     /// Entries waiting out their grace period before deletion.
     retiring: usize,
     attached: bool,
@@ -132,6 +133,9 @@ pub struct Programmed {
     pub failing: Vec<String>,
     pub retiring: usize,
     pub attached: bool,
+    /// The node's addresses (SVC_NODE_ADDRS) or datapath settings could not all be written;
+    /// retried with backoff.
+    pub node_failing: bool,
 }
 
 impl Metrics {
@@ -151,6 +155,7 @@ impl Metrics {
                 queued_since: None,
                 unsynced_since: None,
                 failing: Vec::new(),
+                node_failing: false,
                 retiring: 0,
                 attached: false,
                 repairs: BTreeMap::new(),
@@ -211,6 +216,7 @@ impl Metrics {
             i.maps.insert(name, (used, cap));
         }
         i.failing = state.failing;
+        i.node_failing = state.node_failing;
         i.retiring = state.retiring;
         i.attached = state.attached;
     }
@@ -277,6 +283,9 @@ impl Metrics {
                 i.failing.len()
             ));
         }
+        if i.node_failing {
+            problems.push("the node's addresses cannot all be programmed (SVC_NODE_ADDRS)".into());
+        }
         if i.last_synced.is_some() && !i.attached {
             problems.push("programs not attached".into());
         }
@@ -291,7 +300,8 @@ impl Metrics {
     }
 
     /// serviceProxyHealthy of Service `owner`'s health check node port: the proxy keeps up and
-    /// its datapath is attached whole, and this Service is programmed. Another Service that
+    /// its datapath is attached whole, the node's addresses are programmed, and this Service
+    /// is. Another Service that
     /// cannot be programmed does not count: every node fails it alike, and /healthz's rule
     /// would have every load balancer drain every node of every Service.
     pub fn service_healthy(&self, owner: &str) -> bool {
@@ -303,6 +313,7 @@ impl Metrics {
             && keeps_up
             && i.attached
             && !i.datapath_broken
+            && !i.node_failing
             && !i.failing.iter().any(|f| f == owner)
     }
 
@@ -606,6 +617,27 @@ mod tests {
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("ns/big"), "{reply}");
         assert!(answer(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
+    }
+
+    /// Node addresses that cannot be written leave NodePorts unanswered on this node: /healthz
+    /// says so, and every health check node port says unhealthy (a load balancer should send
+    /// its traffic elsewhere), until a retry writes them.
+    #[test]
+    fn node_addresses_that_cannot_be_programmed_are_a_health_problem() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        let state = |node_failing| Programmed {
+            attached: true,
+            node_failing,
+            ..Default::default()
+        };
+        m.synced(Duration::from_millis(1), state(true));
+        let reply = answer(&m, Port::Health, "/healthz");
+        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.contains("SVC_NODE_ADDRS"), "{reply}");
+        assert!(!m.service_healthy("shop/web"));
+        m.synced(Duration::from_millis(1), state(false));
+        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(m.service_healthy("shop/web"));
     }
 
     #[test]

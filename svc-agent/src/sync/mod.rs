@@ -451,6 +451,9 @@ pub struct SyncReport {
     /// Services that could not be programmed (left as they were), with the frontends their
     /// sync covered, so a retry covers the same.
     pub failed: BTreeMap<String, BTreeSet<Frontend>>,
+    /// The node's addresses or datapath settings could not all be written (a sync of the
+    /// node's state that failed): to be retried.
+    pub node_failed: bool,
 }
 
 impl SyncReport {
@@ -747,7 +750,9 @@ impl Programmed {
         let mut w = Writer { store, ops: 0 };
         report.strays_deleted = self.retire_strays(&mut w, now, &mut report.errors);
         if matches!(scope, Scope::All) {
+            let before = report.errors.len();
             self.sync_node(&mut w, &desired.node, &mut report.errors);
+            report.node_failed = report.errors.len() > before;
         }
 
         let units = self.units(desired, scope);
@@ -950,6 +955,7 @@ impl Programmed {
         let mut report = SyncReport::default();
         let mut w = Writer { store, ops: 0 };
         self.sync_node(&mut w, node, &mut report.errors);
+        report.node_failed = !report.errors.is_empty();
         report.ops = w.ops;
         report
     }

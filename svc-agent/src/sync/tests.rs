@@ -1930,6 +1930,30 @@ fn a_programmed_frontend_whose_external_mark_fails_is_retried() {
     exact(&store, &want);
 }
 
+/// A node address the map refuses fails the sync of the node's state (`node_failed`), so the
+/// agent retries it with backoff and reports it, rather than waiting for the next drift check;
+/// the next sync that writes it clears the flag.
+#[test]
+fn a_node_address_the_map_refuses_fails_the_node_sync() {
+    let mut store = ModelStore::default();
+    let mut p = Programmed::empty(Capacity::default(), Duration::from_secs(1));
+    let mut want = DesiredState::default();
+    want.node.addrs.insert(
+        "192.168.1.10".parse().unwrap(),
+        NodeAddrValue {
+            flags: node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    store.fail_node_addr_puts = true;
+    assert!(settle(&mut p, &mut store, &want).node_failed);
+    assert!(p.apply_node(&mut store, &want.node).node_failed);
+    store.fail_node_addr_puts = false;
+    assert!(!p.apply_node(&mut store, &want.node).node_failed);
+    assert!(!settle(&mut p, &mut store, &want).node_failed);
+    exact(&store, &want);
+}
+
 /// One Service leaves an external address as another takes it, in one sync, while the address
 /// is missing from a full NODE_ADDRS (drift): the newcomer is held back, not written where no
 /// packet would look it up.
