@@ -285,6 +285,47 @@ fn session_affinity_client_ip() {
     );
 }
 
+/// A dual-stack Service with sessionAffinity, reached by one pod over both families in turn:
+/// each family keeps its own backend, as kube-proxy's (one proxier per family, each with its
+/// own affinity). An IPv4 choice is no backend of the IPv6 ClusterIP, and the other way
+/// round, so a choice shared by both would be replaced at every change of family.
+#[test]
+fn dual_stack_affinity_is_kept_per_family() {
+    let vip6: Ipv6Addr = "fd00:96::10".parse().unwrap();
+    let w = World::start(3, &[8080], |sb, m| {
+        let svc = Service::new("demo", "ds", "10.96.0.11")
+            .also_ip("fd00:96::10")
+            .port(ServicePort::tcp(80).name("http").target(8080))
+            .affinity(10800);
+        m.apply_service(&svc).unwrap();
+        for (family, v6) in [("IPv4", false), ("IPv6", true)] {
+            let mut s = EndpointSlice::new("demo", "ds", &family.to_lowercase(), family)
+                .port(SlicePort::tcp(8080).name("http"));
+            for i in 1..=3 {
+                let ip = if v6 {
+                    sb.backend_v6(i).to_string()
+                } else {
+                    sb.backend_v4(i).to_string()
+                };
+                s = s.endpoint(Endpoint::ready(&ip));
+            }
+            m.apply_slice(&s).unwrap();
+        }
+    });
+    let (mut v4, mut v6) = (BTreeSet::new(), BTreeSet::new());
+    for _ in 0..8 {
+        let r = w.sb.tcp(sa([10, 96, 0, 11], 80), 1, &[]).unwrap();
+        assert!(r.all_ok(), "failures: {:?}", r.failures());
+        v4.extend(names(&r));
+        let r = w.sb.tcp(sa(vip6, 80), 1, &[]).unwrap();
+        assert!(r.all_ok(), "failures: {:?}", r.failures());
+        v6.extend(names(&r));
+    }
+    // Eight IPv4 connections on one backend by chance: 3^-7.
+    assert_eq!(v4.len(), 1, "IPv4 affinity broken: {v4:?}");
+    assert_eq!(v6.len(), 1, "IPv6 affinity broken: {v6:?}");
+}
+
 /// Terminating endpoints: ignored while a ready one exists; when none is ready, those still
 /// serving take the traffic (kube-proxy's fallback, so a rollout drains instead of refusing),
 /// and a terminating endpoint that no longer serves never does.
