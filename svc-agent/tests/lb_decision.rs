@@ -757,10 +757,15 @@ fn raw_test_run(prog: BorrowedFd<'_>) -> std::io::Result<()> {
 #[test]
 fn affinity_is_shared_by_the_frontends_of_a_service_port() {
     let mut lb = world();
+    for (id, ip) in [(31, "fd00::31"), (32, "fd00::32")] {
+        lb.backend(id, &format!("[{ip}]:8080"), IPPROTO_TCP);
+    }
     let fes = [
-        // Port 90, both families.
+        // Port 90: two IPv4 frontends (a ClusterIP and an ExternalIP's view from the node),
+        // and an IPv6 ClusterIP with IPv6 backends.
         ("10.96.1.10:80", 40, &[11, 12][..], 90),
-        ("[fd00:96::1:10]:80", 41, &[11, 12][..], 90),
+        ("[fd00:96::1:10]:80", 41, &[31, 32][..], 90),
+        ("192.0.2.10:80", 44, &[11, 12][..], 90),
         // Port 91, another Service over the same backends.
         ("10.96.1.20:80", 42, &[11, 12][..], 91),
         // Port 92: a frontend with backend 12 only.
@@ -784,15 +789,30 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
         Some(first.backend_id)
     );
     assert!(lb.remembered(NETNS_A, 40).is_none());
+    let first6 = lb.run(&connect("[fd00:96::1:10]:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!(first6.outcome, outcome::FOUND);
+    // The pod alternates families: each keeps its own choice (kube-proxy has one proxier,
+    // and one affinity, per family), and IPv4 frontends of the port share theirs.
     for i in 1..=10 {
-        let a = lb.run(&connect("[fd00:96::1:10]:80", IPPROTO_TCP, T0 + i, NETNS_A));
+        let a = lb.run(&connect("192.0.2.10:80", IPPROTO_TCP, T0 + i, NETNS_A));
         assert_eq!(
             (a.how, a.backend_id),
             (how::AFFINITY, first.backend_id),
             "{a:?}"
         );
+        let a = lb.run(&connect("[fd00:96::1:10]:80", IPPROTO_TCP, T0 + i, NETNS_A));
+        assert_eq!(
+            (a.how, a.backend_id),
+            (how::AFFINITY, first6.backend_id),
+            "{a:?}"
+        );
     }
+    assert_eq!(
+        lb.remembered(NETNS_A, 90).map(|v| v.backend),
+        Some(first.backend_id)
+    );
     assert!(lb.remembered(NETNS_A, 41).is_none());
+    assert!(lb.remembered(NETNS_A, 44).is_none());
 
     // Two ports never share a choice.
     lb.remember(NETNS_B, 90, 11, T0);

@@ -659,8 +659,9 @@ pub struct SockRevValue {
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct AffinityKey {
     /// Who the client is, as `kind` says. `AFFINITY_CLIENT_NETNS`: the network namespace cookie
-    /// in bytes 0..8 (host order), rest zero; a pod is a network namespace, and at connect() its
-    /// source address is not chosen yet. `AFFINITY_CLIENT_IP`: the client address, network byte
+    /// in bytes 0..8 (host order), byte 8 1 at an IPv6 frontend (0 at an IPv4 one: one choice
+    /// per family, as kube-proxy keeps), rest zero; a pod is a network namespace, and at
+    /// connect() its source address is not chosen yet. `AFFINITY_CLIENT_IP`: the client address, network byte
     /// order, IPv4 as `::ffff:a.b.c.d` (the packet datapath).
     pub client: [u8; 16],
     /// `ServiceValue::affinity_id` (host order): the Service port's, not the frontend's, so

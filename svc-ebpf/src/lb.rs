@@ -41,10 +41,11 @@ pub trait Caller {
     /// The socket cookie.
     fn cookie(&self) -> u64;
     /// Who the client is for sessionAffinity: its `AffinityKey` under affinity id `id` (the
-    /// Service port's, `ServiceValue::affinity_id`). A socket's
+    /// Service port's, `ServiceValue::affinity_id`) at a frontend of family `v6`. A socket's
     /// client is its network namespace (a pod is a network namespace, and at connect() its
-    /// source address is not chosen yet); a packet's is its source address.
-    fn affinity_client(&self, id: u32) -> AffinityKey;
+    /// source address is not chosen yet), once per family; a packet's is its source address,
+    /// of one family already.
+    fn affinity_client(&self, id: u32, v6: bool) -> AffinityKey;
     /// Whether the socket keeps its backend per frontend: an unconnected UDP send.
     fn sticky(&self) -> bool;
     /// The socket's state (created if need be); null when it cannot be had.
@@ -164,11 +165,15 @@ fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId 
     }
 }
 
-/// The affinity key of a socket's client: its network namespace cookie.
+/// The affinity key of a socket's client: its network namespace cookie, and the family of
+/// the frontend (`v6`). One choice per family, as kube-proxy runs one proxier per family:
+/// the IPv4 and IPv6 ClusterIPs of a Service port have no backend in common, so a choice
+/// shared by both would be replaced whenever the pod changed family.
 #[inline(always)]
-pub fn netns_client(netns_cookie: u64, affinity_id: u32) -> AffinityKey {
+pub fn netns_client(netns_cookie: u64, affinity_id: u32, v6: bool) -> AffinityKey {
     let mut client = [0u8; 16];
     client[0..8].copy_from_slice(&netns_cookie.to_ne_bytes());
+    client[8] = v6 as u8;
     AffinityKey {
         client,
         affinity_id,
@@ -191,13 +196,20 @@ pub fn ip_client(addr: &[u8; 16], affinity_id: u32) -> AffinityKey {
 /// Picks a backend for `svc` into `out`: the client's remembered one (sessionAffinity) while
 /// it is fresh and still a backend of the frontend, else a slot as `pick` says.
 ///
-/// The choice is remembered per Service port (`affinity_id`, shared by all its frontends, as
-/// kube-proxy's affinity sits behind the Service port's chain), but checked per frontend
+/// The choice is remembered per Service port and family (`affinity_id`, shared by all its
+/// frontends, as kube-proxy's affinity sits behind the Service port's chain, one per
+/// family's proxier; `key`'s address gives the family), but checked per frontend
 /// (`svc.id`): a backend remembered at the ClusterIP that this frontend does not have
 /// (externalTrafficPolicy Local) is not used, and the one chosen here replaces it, as
 /// kube-proxy's local-endpoints chain records the endpoint it picks.
 #[inline(always)]
-fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decision) -> Outcome {
+fn choose(
+    key: &ServiceKey,
+    svc: &ServiceValue,
+    caller: &impl Caller,
+    pick: Pick,
+    out: &mut Decision,
+) -> Outcome {
     if svc.count == 0 {
         return stat::REFUSED_NO_BACKEND;
     }
@@ -211,7 +223,8 @@ fn choose(svc: &ServiceValue, caller: &impl Caller, pick: Pick, out: &mut Decisi
         return backend(id, &mut out.backend);
     }
 
-    let client = &caller.affinity_client(svc.affinity_id);
+    let v6 = !svc_common::is_v4_mapped(&key.addr);
+    let client = &caller.affinity_client(svc.affinity_id, v6);
     let now = caller.now();
     let timeout_ns = svc.affinity_timeout_s as u64 * 1_000_000_000;
     if let Some(prev) = SVC_AFFINITY.get_ptr_mut(client) {
@@ -257,7 +270,7 @@ fn choose_with_retry(
     pick: Pick,
     out: &mut Decision,
 ) -> Outcome {
-    let outcome = choose(svc, caller, pick, out);
+    let outcome = choose(key, svc, caller, pick, out);
     if outcome != stat::ERR_MISSING_ENTRY {
         return outcome;
     }
@@ -267,7 +280,7 @@ fn choose_with_retry(
     match lookup(key, svc) {
         FOUND => {
             out.svc = *svc;
-            choose(svc, caller, pick, out)
+            choose(key, svc, caller, pick, out)
         }
         other => other,
     }

@@ -46,9 +46,9 @@ impl lb::Caller for Given {
     }
 
     #[inline(always)]
-    fn affinity_client(&self, id: u32) -> svc_common::AffinityKey {
+    fn affinity_client(&self, id: u32, v6: bool) -> svc_common::AffinityKey {
         // SAFETY: as above.
-        lb::netns_client(unsafe { (*self.0).netns_cookie }, id)
+        lb::netns_client(unsafe { (*self.0).netns_cookie }, id, v6)
     }
 
     #[inline(always)]

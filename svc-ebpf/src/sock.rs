@@ -108,11 +108,12 @@ impl lb::Caller for Hook<'_> {
     }
 
     #[inline(always)]
-    fn affinity_client(&self, id: u32) -> AffinityKey {
+    fn affinity_client(&self, id: u32, v6: bool) -> AffinityKey {
         // SAFETY: as above.
         lb::netns_client(
             unsafe { bpf_get_netns_cookie(self.ctx.sock_addr.cast()) },
             id,
+            v6,
         )
     }
 

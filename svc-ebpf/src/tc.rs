@@ -67,8 +67,9 @@ impl lb::Caller for Packet {
         0
     }
 
+    /// The source address is of the frontend's family already.
     #[inline(always)]
-    fn affinity_client(&self, id: u32) -> AffinityKey {
+    fn affinity_client(&self, id: u32, _v6: bool) -> AffinityKey {
         lb::ip_client(&self.client, id)
     }
 
