@@ -396,6 +396,27 @@ fn without_ready_endpoints_serving_terminating_ones_are_used() {
     assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.2:80"]);
 }
 
+/// `serving` unset means serving, as the API says ("A nil value should be interpreted as
+/// true") and kube-proxy reads it (endpointslicecache.go): a terminating endpoint whose
+/// controller sets only `ready` and `terminating` still takes the traffic when nothing is
+/// ready, instead of every connection being refused.
+#[test]
+fn serving_unset_counts_as_serving() {
+    let t = run(
+        &[cluster_ip("a/web", "10.96.0.1", "[{port: 80}]")],
+        &[slice_of(
+            "a/web-1",
+            "web",
+            "IPv4",
+            "[{port: 80}]",
+            "[{addresses: [10.0.0.1], conditions: {ready: false}},
+              {addresses: [10.0.0.4], conditions: {ready: false, terminating: true}}]",
+        )],
+    );
+    assert_no_errors(&t);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.4:80"]);
+}
+
 #[test]
 fn no_endpoints_means_a_frontend_with_empty_backends() {
     let t = run(
