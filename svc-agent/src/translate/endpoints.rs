@@ -239,7 +239,9 @@ fn parse_endpoints(
         out.push(EndpointInfo {
             ip,
             ready,
-            serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
+            // Unset is serving, as the API defines it and kube-proxy reads it, not "as ready":
+            // a terminating endpoint then still drains traffic when nothing is ready.
+            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
             terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
             node_name: endpoint
                 .node_name

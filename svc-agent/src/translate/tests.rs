@@ -383,8 +383,8 @@ fn without_ready_endpoints_serving_terminating_ones_are_used() {
             "web",
             "IPv4",
             "[{port: 80}]",
-            // Only .2 is both serving and terminating. .4 has serving unset, which means
-            // "same as ready", so it is not serving.
+            // Only .2 and .4 are both serving and terminating: .4 has serving unset, which
+            // means serving (see serving_unset_counts_as_serving).
             "[{addresses: [10.0.0.1], conditions: {ready: false}},
               {addresses: [10.0.0.2], conditions: {ready: false, serving: true, terminating: true}},
               {addresses: [10.0.0.3], conditions: {ready: false, serving: false, terminating: true}},
@@ -393,7 +393,10 @@ fn without_ready_endpoints_serving_terminating_ones_are_used() {
         )],
     );
     assert_no_errors(&t);
-    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.2:80"]);
+    assert_eq!(
+        backends(&t, "10.96.0.1:80/TCP"),
+        ["10.0.0.2:80", "10.0.0.4:80"]
+    );
 }
 
 /// `serving` unset means serving, as the API says ("A nil value should be interpreted as
