@@ -858,7 +858,9 @@ fn a_udp_flow_leaves_a_backend_that_left_its_service() {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Err(format!("not {backend} after 5 s of one socket sending: last {last:?}"))
+        Err(format!(
+            "not {backend} after 5 s of one socket sending: last {last:?}"
+        ))
     };
     in_ns(&t.client, {
         let s = s.clone();
