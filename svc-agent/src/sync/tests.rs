@@ -2014,3 +2014,46 @@ fn an_unwritable_address_one_service_leaves_as_another_takes_it_holds_the_newcom
     assert!(r.failed.contains_key("ns/b"), "{:?}", r.failed);
     assert!(!r.failed.contains_key("ns/a"), "{:?}", r.failed);
 }
+
+/// A manifest Service "ns/name" on 10.96.0.10:80 (the API server never saw it, so nothing
+/// bounded its name).
+fn manifest_service(ns: &str, name: &str) -> k8s_openapi::api::core::v1::Service {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]},
+    }))
+    .unwrap()
+}
+
+/// What serves a frontend keeps serving it when another Service claims it too (README:
+/// "what serves now keeps serving"), whatever the holder's name: owners are read back from
+/// the names map, which keeps 159 bytes of "namespace/name:port" and splits at the first ':'.
+/// A name the API server would refuse may be refused with an error naming the Service, but a
+/// Service that is served must keep its frontend.
+#[test]
+fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
+    let node = crate::translate::NodeContext::default();
+    for name in ["web:v2".to_string(), "x".repeat(200)] {
+        let holder = manifest_service("default", &name);
+        let t = crate::translate::translate(std::slice::from_ref(&holder), &[], &node);
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        let r = settle(&mut p, &mut store, &t.state);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        if t.state.frontends.is_empty() {
+            let named = format!("Service default/{name}");
+            assert!(
+                t.errors.iter().any(|e| e.to_string().contains(&named)),
+                "refused without an error naming it: {:?}",
+                t.errors
+            );
+            continue;
+        }
+
+        // "default/a" comes later and sorts first: it must not take the frontend over.
+        let newcomer = manifest_service("default", "a");
+        let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p);
+        let owner = &t.state.frontends[&fe("10.96.0.10", 80)].owner;
+        assert_eq!(owner, &format!("default/{name}"), "{:?}", t.errors);
+    }
+}
