@@ -19,6 +19,8 @@ const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// The API server's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
+/// The API server's limit for a namespace and a Service name (DNS labels).
+const MAX_NAME_LEN: usize = 63;
 
 pub(super) struct ServiceInfo {
     pub key: ObjectKey,
@@ -107,6 +109,24 @@ pub(super) fn parse(
     if key.name().is_empty() {
         errors.push(invalid(&object, "metadata.name is required"));
         return None;
+    }
+    // Who serves a frontend is read back from the names map ("namespace/name:port", 159
+    // bytes kept): a longer name, or one with ':' or '/', would be taken for another
+    // Service's. The API server refuses them all (DNS labels of at most 63 characters).
+    for (field, text) in [
+        ("metadata.namespace", key.namespace()),
+        ("metadata.name", key.name()),
+    ] {
+        if text.len() > MAX_NAME_LEN || text.contains([':', '/']) {
+            errors.push(invalid(
+                &object,
+                format!(
+                    "{field} must be at most {MAX_NAME_LEN} characters without ':' or '/'; \
+                     Service ignored"
+                ),
+            ));
+            return None;
+        }
     }
     let Some(spec) = service.spec.as_ref() else {
         debug!(service = %key, "skipped: no spec");
