@@ -2057,3 +2057,53 @@ fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
         assert_eq!(owner, &format!("default/{name}"), "{:?}", t.errors);
     }
 }
+
+/// Two ports of one Service keep affinity ids of their own across a restart, whatever their
+/// names: kube-proxy keeps one affinity per Service port, and the names map holds only 159
+/// bytes of "namespace/name:port".
+#[test]
+fn long_port_names_never_share_an_affinity_id() {
+    let node = crate::translate::NodeContext::default();
+    let (ns, name) = ("n".repeat(63), "s".repeat(63));
+    let port_a = format!("{}-a", "p".repeat(40));
+    let port_b = format!("{}-b", "p".repeat(40));
+    let svc: k8s_openapi::api::core::v1::Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {
+            "clusterIP": "10.96.0.10",
+            "sessionAffinity": "ClientIP",
+            "ports": [{"name": port_a, "port": 80}, {"name": port_b, "port": 81}],
+        },
+    }))
+    .unwrap();
+    let t = crate::translate::translate(&[svc], &[], &node);
+    let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.10", 81));
+    if !t.state.frontends.contains_key(&a) || !t.state.frontends.contains_key(&b) {
+        // Refusing a port name the API server refuses is fine, if the error says so.
+        assert!(
+            t.errors.iter().any(|e| e.to_string().contains("port")),
+            "{:?}",
+            t.errors
+        );
+        return;
+    }
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &t.state);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_ne!(affinity_id_of(&store, &a), affinity_id_of(&store, &b));
+
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    let r = settle(&mut p, &mut store, &t.state);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_ne!(
+        affinity_id_of(&store, &a),
+        affinity_id_of(&store, &b),
+        "after a restart"
+    );
+}
