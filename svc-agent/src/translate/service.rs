@@ -21,6 +21,8 @@ const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
 /// The API server's limit for a namespace and a Service name (DNS labels).
 const MAX_NAME_LEN: usize = 63;
+/// The API server's limit for a port name (IANA_SVC_NAME).
+const MAX_PORT_NAME_LEN: usize = 15;
 
 pub(super) struct ServiceInfo {
     pub key: ObjectKey,
@@ -406,6 +408,15 @@ fn parse_ports(
                 continue;
             }
         };
+        // A port's affinity is filed under "namespace/name:port" as the names map keeps it
+        // (159 bytes): two longer names could be cut to one and share it.
+        if name.len() > MAX_PORT_NAME_LEN {
+            errors.push(invalid(
+                object,
+                format!("{what}: name longer than {MAX_PORT_NAME_LEN} characters; skipped"),
+            ));
+            continue;
+        }
         let number = match u16::try_from(port.port) {
             Ok(number) if number != 0 => number,
             _ => {
