@@ -2107,3 +2107,50 @@ fn long_port_names_never_share_an_affinity_id() {
         "after a restart"
     );
 }
+
+/// A restart after the pinned state was damaged: one stray entry whose id is the highest
+/// there is (a bit flip, a hand-written entry) is deleted as a stray, and must not leave the
+/// agent unable to give new frontends ids of their own, nor make it panic.
+#[test]
+fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
+    let a = fe("10.96.0.10", 80);
+    let b = fe("10.96.0.11", 80);
+    let c = fe("10.96.0.12", 80);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+    store.unchecked = true;
+    store.rev_nat.insert(u32::MAX, RevNatValue::default());
+    store.backends.insert(u32::MAX, Backend::default());
+
+    let want = state(&[
+        (a, &["10.0.0.1:8080"]),
+        (b, &["10.0.0.2:8080"]),
+        (c, &["10.0.0.3:8080"]),
+    ]);
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    );
+    let r = settle(&mut p, &mut store, &want);
+    // Refusing a Service for want of ids is fine, with an error naming it; sharing is not.
+    let id = |f: &Frontend| store.services.get(&service_key(f)).map(|v| v.id);
+    for f in [a, b, c] {
+        if id(&f).is_none() {
+            let named = format!("Service {}", owner_for(&f));
+            assert!(
+                r.errors.iter().any(|e| e.to_string().contains(&named)),
+                "{f} neither programmed nor reported: {:?}",
+                r.errors
+            );
+        }
+    }
+    let ids: Vec<u32> = [a, b, c].iter().filter_map(id).collect();
+    let mut distinct = ids.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), ids.len(), "frontend ids {ids:?}");
+    assert_eq!(id(&a), Some(1), "the programmed frontend is kept");
+}
