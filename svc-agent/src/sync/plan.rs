@@ -127,6 +127,25 @@ fn next_rev(p: &Programmed, id: u32, rev: u16) -> u16 {
     r
 }
 
+/// The next id of a kind, never one handed out before. The last id is never handed out, so
+/// a counter that reached it (damaged pins carried an id that high) refuses rather than give
+/// one id to two frontends or backends, which would then share slots.
+fn take_id(next: &mut u32, kind: &str) -> Result<u32> {
+    if *next == u32::MAX {
+        return Err(Error::Map {
+            map: svc_common::map_names::META,
+            message: format!(
+                "no {kind} id left (the pinned maps carry ids up to {}); not programmed. \
+                 `svc-agent uninstall` and a restart start the ids again",
+                u32::MAX
+            ),
+        });
+    }
+    let id = *next;
+    *next += 1;
+    Ok(id)
+}
+
 /// Plans Service `owner`: write `upserts`, remove `gone`.
 pub fn plan_unit(
     p: &Programmed,
@@ -160,8 +179,7 @@ pub fn plan_unit(
             let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
                 Some(id) => *id,
                 None => {
-                    let id = next_backend;
-                    next_backend += 1;
+                    let id = take_id(&mut next_backend, "backend")?;
                     planned.insert(k, id);
                     plan.new_backends.push((id, *b, fe.protocol));
                     plan.max_backend_id = plan.max_backend_id.max(id);
@@ -186,8 +204,7 @@ pub fn plan_unit(
             // An id of its own from the frontend ids, not one of the port's frontend ids: those
             // are never reused, so it names this port alone for ever, even when a frontend
             // later passes to another Service or leaves while the port stays.
-            let id = next_frontend;
-            next_frontend = next_frontend.saturating_add(1);
+            let id = take_id(&mut next_frontend, "frontend")?;
             plan.max_frontend_id = plan.max_frontend_id.max(id);
             planned_ports.insert((d.service.as_str(), fe.protocol), id);
             id
@@ -204,8 +221,7 @@ pub fn plan_unit(
         };
 
         let Some(cur) = p.frontends.get(fe) else {
-            let id = next_frontend;
-            next_frontend = next_frontend.saturating_add(1);
+            let id = take_id(&mut next_frontend, "frontend")?;
             plan.max_frontend_id = plan.max_frontend_id.max(id);
             let rev = 1;
             plan.prepare.push((
