@@ -346,4 +346,35 @@ mod tests {
         assert_eq!(desired.state.frontends[&local].owner, "ns/new");
         assert!(touched.contains(&local));
     }
+
+    /// When the holder of a contested frontend leaves, the claimants left meet as a new
+    /// conflict, which goes to the older Service (README), as a full sync (a restart, a
+    /// relist) would give it, not to whichever the contested list happens to hold first.
+    #[test]
+    fn a_frontend_its_holder_gives_up_goes_to_the_older_claimant() {
+        use crate::translate::assemble;
+        let node = Default::default();
+        let holder = parsed("holder", "10.96.0.1", "2020-01-01T00:00:00Z");
+        let young = parsed("a-young", "10.96.0.2", "2024-01-01T00:00:00Z");
+        let old = parsed("z-old", "10.96.0.3", "2022-01-01T00:00:00Z");
+        let ext = Frontend {
+            ip: "203.0.113.10".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::External,
+        };
+        let full = assemble([&holder, &young, &old], [], &node);
+        assert_eq!(full.state.frontends[&ext].owner, "ns/holder");
+        let mut desired = Desired::from_full(full.state);
+
+        // ns/holder is deleted: only it is translated again.
+        let owners = BTreeSet::from(["ns/holder".to_string()]);
+        desired.replace(&owners, assemble([], [], &node).state);
+        let full_sync = assemble([&young, &old], [], &node);
+        assert_eq!(full_sync.state.frontends[&ext].owner, "ns/z-old");
+        assert_eq!(
+            desired.state.frontends[&ext].owner, "ns/z-old",
+            "an incremental sync must give the frontend where a full sync would"
+        );
+    }
 }
