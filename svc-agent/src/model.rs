@@ -309,6 +309,10 @@ pub struct DesiredFrontend {
     /// addresses kube-proxy admits for the node itself: clients outside them are dropped.
     /// None: no restriction.
     pub source_ranges: Option<Box<[Cidr]>>,
+    /// The Service's creationTimestamp: a frontend its holder gives up goes to the older of
+    /// the Services that also claim it, as a full translation would give it.
+    #[serde(skip)]
+    pub created: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 impl DesiredFrontend {
@@ -329,6 +333,7 @@ impl DesiredFrontend {
             kind: Kind::ClusterIP,
             external_local: false,
             source_ranges: None,
+            created: None,
         }
     }
 }

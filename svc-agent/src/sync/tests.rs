@@ -306,6 +306,7 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
                 kind: crate::model::Kind::ClusterIP,
                 external_local: false,
                 source_ranges: None,
+                created: None,
             },
         );
         s.cluster_ips.insert(f.ip);
@@ -551,6 +552,7 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                     kind: crate::model::Kind::ClusterIP,
                     external_local: false,
                     source_ranges: None,
+                    created: None,
                 },
             );
         }
@@ -702,6 +704,7 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                     kind: crate::model::Kind::ClusterIP,
                     external_local: false,
                     source_ranges: None,
+                    created: None,
                 },
             );
             s.cluster_ips.insert(f.ip);
@@ -887,6 +890,7 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
             kind: crate::model::Kind::ClusterIP,
             external_local: false,
             source_ranges: None,
+            created: None,
         },
     );
     s.cluster_ips.insert(f.ip);

@@ -585,6 +585,7 @@ impl BackendSets {
             kind: claim.kind,
             external_local: false,
             source_ranges: None,
+            created: svc.created,
         };
         match (claim.kind, claim.frontend.scope) {
             (Kind::ClusterIP, _) => {
