@@ -204,13 +204,13 @@ impl Desired {
             };
             // A new conflict, as a full translation resolves it: the older Service (one
             // without a creation time counts as newest), then the first by name.
-            let first = (0..claims.len())
-                .min_by_key(|&i| {
-                    let d = &claims[i];
-                    let name = d.owner.split_once('/').unwrap_or((&d.owner, ""));
-                    (d.created.is_none(), d.created, name)
-                })
-                .expect("contested frontends have claims");
+            let Some(first) = (0..claims.len()).min_by_key(|&i| {
+                let d = &claims[i];
+                let name = d.owner.split_once('/').unwrap_or((&d.owner, ""));
+                (d.created.is_none(), d.created, name)
+            }) else {
+                continue;
+            };
             let d = claims.remove(first);
             if !claims.is_empty() {
                 self.state.contested.insert(fe, claims);
