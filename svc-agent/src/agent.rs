@@ -196,14 +196,7 @@ impl Agent {
         }
         self.node_desired.addrs = view.addrs.clone();
         self.desired.state.node = self.node_desired.clone();
-        let report = self
-            .programmed
-            .apply_node(&mut self.dp.store, &self.node_desired);
-        for e in &report.errors {
-            warn!("node addresses: {e}");
-            self.metrics.error(e);
-        }
-        self.note_node(report.node_failed, Instant::now());
+        self.apply_node(Instant::now());
         let primary_changed = view.primary != self.node.node_ips;
         self.node.node_ips = view.primary.clone();
         self.view = view;
@@ -405,6 +398,18 @@ impl Agent {
         }
     }
 
+    /// Writes the node's state (addresses, datapath settings) as `node_desired` has it.
+    fn apply_node(&mut self, now: Instant) {
+        let report = self
+            .programmed
+            .apply_node(&mut self.dp.store, &self.node_desired);
+        for e in &report.errors {
+            warn!("node addresses: {e}");
+            self.metrics.error(e);
+        }
+        self.note_node(report.node_failed, now);
+    }
+
     /// Schedules the next try at the node's state after a sync of it failed (as a Service's,
     /// with backoff), or forgets the tries after one that did not.
     fn note_node(&mut self, failed: bool, started: Instant) {
@@ -524,14 +529,7 @@ impl Agent {
             }
         }
         if self.node_retry.is_some_and(|(_, due)| now >= due) {
-            let report = self
-                .programmed
-                .apply_node(&mut self.dp.store, &self.node_desired);
-            for e in &report.errors {
-                warn!("node addresses: {e}");
-                self.metrics.error(e);
-            }
-            self.note_node(report.node_failed, now);
+            self.apply_node(now);
         }
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;

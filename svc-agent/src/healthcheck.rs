@@ -350,9 +350,9 @@ mod tests {
         reply
     }
 
-    /// Through real sockets on loopback: started, counts followed live, stopped.
-    #[tokio::test]
-    async fn servers_follow_the_services() {
+    /// Metrics of an agent that has synced with its programs attached, `failing` the Services
+    /// it could not program.
+    fn synced_metrics(failing: Vec<String>) -> Arc<Metrics> {
         let metrics = Metrics::new(
             std::path::PathBuf::from("/nonexistent"),
             Duration::from_secs(60),
@@ -361,16 +361,27 @@ mod tests {
             Duration::from_millis(1),
             crate::metrics::Programmed {
                 attached: true,
+                failing,
                 ..Default::default()
             },
         );
-        let mut servers = HealthServers::new(metrics);
-        // A free port, released for the server to take.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+        metrics
+    }
+
+    /// A free port, released for a server to take.
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
-            .port();
+            .port()
+    }
+
+    /// Through real sockets on loopback: started, counts followed live, stopped.
+    #[tokio::test]
+    async fn servers_follow_the_services() {
+        let mut servers = HealthServers::new(synced_metrics(Vec::new()));
+        let port = free_port();
         let mut wanted = BTreeMap::new();
         wanted.insert(
             "ns/web".to_string(),
@@ -407,23 +418,8 @@ mod tests {
     /// refused until the next retry.
     #[tokio::test]
     async fn a_port_handed_from_one_service_to_another_in_one_sync_answers_at_once() {
-        let metrics = Metrics::new(
-            std::path::PathBuf::from("/nonexistent"),
-            Duration::from_secs(60),
-        );
-        metrics.synced(
-            Duration::from_millis(1),
-            crate::metrics::Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
-        let mut servers = HealthServers::new(metrics);
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let mut servers = HealthServers::new(synced_metrics(Vec::new()));
+        let port = free_port();
         let hc = HealthCheck {
             port,
             local_endpoints: [Some(1), None],
@@ -450,24 +446,8 @@ mod tests {
     /// Services fit.
     #[tokio::test]
     async fn another_service_that_cannot_be_programmed_leaves_this_one_healthy() {
-        let metrics = Metrics::new(
-            std::path::PathBuf::from("/nonexistent"),
-            Duration::from_secs(60),
-        );
-        metrics.synced(
-            Duration::from_millis(1),
-            crate::metrics::Programmed {
-                attached: true,
-                failing: vec!["tenant/huge".to_string()],
-                ..Default::default()
-            },
-        );
-        let mut servers = HealthServers::new(metrics);
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let mut servers = HealthServers::new(synced_metrics(vec!["tenant/huge".to_string()]));
+        let port = free_port();
         let hc = HealthCheck {
             port,
             local_endpoints: [Some(1), None],
