@@ -4281,6 +4281,110 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
     );
 }
 
+/// A SNAT port that another CPU is reclaiming (its claim in `SVC_SNAT_CLAIMS`: it has checked the
+/// closed flow there and is about to remove it and store its own) is not reclaimed again: two
+/// CPUs that both found the closed flow would otherwise both remove and claim the port, the
+/// second removing the first one's new flow, and one client's replies would go to the other.
+/// The claim is gone once its CPU is done, and the port is reclaimed as before.
+#[test]
+fn a_snat_port_another_cpu_is_reclaiming_is_left_to_it() {
+    let mut dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let snat = "192.0.2.10:61000";
+    let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC).ttl(63);
+    let from_node2 = |p: P| p.macs(EXT_MAC, NODE2_MAC).ttl(63);
+    let to_client = |p: P| p.macs(GW_MAC, EXT_MAC).ttl(62);
+    let (c1, c2) = ("203.0.113.7:40110", "203.0.113.8:40111");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a flow to the remote backend takes the only SNAT port",
+                ExtIngress,
+                tcp(c1, np, TCP_SYN),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its SYN-ACK",
+                ExtIngress,
+                from_node2(tcp(backend, snat, TCP_SYN | TCP_ACK)),
+                REDIRECT,
+                Packet(to_client(tcp(np, c1, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client resets it: the flow is closed",
+                ExtIngress,
+                tcp(c1, np, TCP_RST),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    let rep_key = ct_key(backend, snat, IPPROTO_TCP, ct_dir::REPLY);
+    let held = dp
+        .ct_entry(&rep_key)
+        .expect("the closed flow's REPLY entry");
+    let mut claims: HashMap<MapData, CtKey, u32> = dp
+        .ebpf
+        .take_map(map_names::SNAT_CLAIMS)
+        .expect("map SVC_SNAT_CLAIMS")
+        .try_into()
+        .unwrap();
+    claims.insert(rep_key, 0, 0).unwrap();
+    run_rows(
+        &dp,
+        vec![row(
+            "another client while another CPU reclaims the port: not taken twice, dropped",
+            ExtIngress,
+            tcp(c2, np, TCP_SYN),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_SNAT_EXHAUSTED),
+        )],
+    );
+    assert_eq!(
+        dp.ct_entry(&rep_key),
+        Some(held),
+        "the port's entry is left to the CPU that claims it"
+    );
+    assert!(
+        dp.ct_entry(&ct_key(c1, np, IPPROTO_TCP, ct_dir::FORWARD))
+            .is_some(),
+        "the closed flow's FORWARD entry is left too"
+    );
+    claims.remove(&rep_key).unwrap();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "once that claim is done, the port is reclaimed",
+                ExtIngress,
+                tcp(c2, np, TCP_SYN),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the backend's SYN-ACK goes to the new client",
+                ExtIngress,
+                from_node2(tcp(backend, snat, TCP_SYN | TCP_ACK)),
+                REDIRECT,
+                Packet(to_client(tcp(np, c2, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+        ],
+    );
+    assert!(
+        claims.keys().next().is_none(),
+        "a claim is given up once its port is claimed"
+    );
+}
+
 /// The SNAT range of `snat_port_tests`' remote frontend: two ports.
 const SNAT_TEST_PORTS: (u16, u16) = (62000, 62001);
 

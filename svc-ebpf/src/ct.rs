@@ -13,7 +13,9 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
+    btf_maps::HashMap,
     helpers::{bpf_get_prandom_u32, generated::bpf_loop},
+    macros::btf_map,
 };
 use svc_common::{ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 
@@ -25,6 +27,15 @@ use crate::{
 };
 
 const SEC: u64 = 1_000_000_000;
+
+/// The REPLY keys of the SNAT ports being reclaimed from a dead or closed flow right now, one
+/// per CPU at most (`reclaim`): a claim is stored with BPF_NOEXIST, so of two CPUs that both
+/// found a port's old flow, one goes on to remove it and store its own flow there, and the
+/// other tries another port. Held from before the check of the old entry until the new one is
+/// stored. Not pinned: a claim never outlives the program's run. Its room is far beyond the
+/// CPUs a node has; a claim that finds it full gives the port up.
+#[btf_map]
+static SVC_SNAT_CLAIMS: HashMap<CtKey, u32, 4096> = HashMap::new();
 
 /// SNAT ports when the agent wrote no range: above Linux's default ephemeral range
 /// (32768-60999) and kube-proxy's NodePort range.
