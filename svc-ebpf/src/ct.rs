@@ -179,28 +179,32 @@ fn forget_partner(key: &CtKey, v: &CtValue) {
     }
 }
 
-/// `forget` for a flow whose entry at `key` was read as `seen` a moment ago, unless that entry
-/// is no longer `seen` (another CPU reclaimed its tuple meanwhile: removed it and stored a
-/// new flow's entry there, possibly in the same element, and that new entry must stay) or is
-/// gone (another CPU is reclaiming it). True when the tuple may be claimed. `key`'s entry goes
-/// right after the check, its partner after it: another CPU's reclaim and claim of the same
-/// tuple that lands between the check and that removal still goes unseen (its claim removed,
-/// the port taken twice), so the window is kept to the check and one removal, not a partner
-/// lookup and removal besides. Closing it needs a compare-and-swap on the entry.
+/// Claims the port of the REPLY entry `key`, read as `seen` a moment ago by a dead or closed
+/// flow: removes that flow's entries and stores `rep` in its place. Nothing is done if
+/// another CPU is reclaiming the port (its claim in `SVC_SNAT_CLAIMS`), or if the entry is no
+/// longer `seen` (another CPU reclaimed the port since it was read, and its new flow must
+/// stay). The claim is held from before the check until `rep` is stored, so no other
+/// reclaim of the port runs between them; a CPU that finds the port free (the old entry
+/// removed) and stores its own flow first makes this store, a BPF_NOEXIST one, fail. True
+/// when `rep` was stored.
 #[inline(always)]
-fn reclaim(key: &CtKey, seen: &CtValue) -> bool {
-    let Some(e) = SVC_CT.get_ptr(key) else {
-        // Gone: another CPU removed the flow a moment ago (it is reclaiming the port too);
-        // the port is free for whichever claims it first.
-        return true;
-    };
-    // SAFETY: a map value, compared in place.
-    if unsafe { &*e } != seen {
+fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
+    if SVC_SNAT_CLAIMS.insert(key, 0, BPF_NOEXIST as u64).is_err() {
         return false;
     }
-    let _ = SVC_CT.remove(key);
-    forget_partner(key, seen);
-    true
+    let stored = match SVC_CT.get_ptr(key) {
+        // SAFETY: a map value, compared in place.
+        Some(e) if unsafe { &*e } != seen => false,
+        found => {
+            if found.is_some() {
+                let _ = SVC_CT.remove(key);
+                forget_partner(key, seen);
+            }
+            SVC_CT.insert(key, rep, BPF_NOEXIST as u64).is_ok()
+        }
+    };
+    let _ = SVC_SNAT_CLAIMS.remove(key);
+    stored
 }
 
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
@@ -426,13 +430,11 @@ pub const SNAT_ERR: u32 = 2;
 /// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
 /// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`; conntrack
 /// lets a new connection reuse a tuple in TIME_WAIT or CLOSE too). A dead or closed flow's
-/// entries are removed first (`reclaim`: not if another CPU has reclaimed the port since they
-/// were read). The claim is a BPF_NOEXIST insert, so of two CPUs that find one port free, or
-/// reclaim it at the same moment, one stores; the other tries on. Two claims of one port
-/// need another CPU's reclaim to land in the few instructions between `reclaim`'s check and
-/// its removal (before, a dead flow's port was overwritten, so two CPUs could both take it;
-/// a closed one's was removed without that check; and one found gone, because another CPU
-/// was reclaiming it, was removed all the same, which could remove that CPU's claim). All
+/// entries are removed first, under a claim of the port that no other CPU's reclaim can hold
+/// at the same time (`reclaim`: nothing is removed if another CPU has reclaimed the port since
+/// they were read). Every store of a REPLY entry is a BPF_NOEXIST insert, so of two CPUs that
+/// find one port free, or one finds it free while the other reclaims it, one stores; the
+/// other tries on. All
 /// `SNAT_TRIES` meeting open flows: exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
@@ -518,15 +520,15 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         // outcome, or exhaustion, then sets it): no local lives across the calls below,
         // whose frames are on the external ingress's deepest chain.
         s.snat_busy = !dead as u64;
-        if !reclaim(&f.try_key, &f.seen) {
+        if !reclaim(&f.try_key, &f.seen, &f.rep) {
             return 0;
         }
     } else {
         s.snat_busy = 0;
-    }
-    // The claim: of two CPUs that found the port free (or reclaimed it), one stores.
-    if SVC_CT.insert(f.try_key, f.rep, BPF_NOEXIST as u64).is_err() {
-        return 0;
+        // The claim: of two CPUs that found the port free, one stores.
+        if SVC_CT.insert(f.try_key, f.rep, BPF_NOEXIST as u64).is_err() {
+            return 0;
+        }
     }
     f.claimed = 1;
     1
