@@ -1146,6 +1146,132 @@ fn traffic_policy_health_checks_external_ips_source_ranges_affinity() {
     );
 }
 
+/// The TCP sockets listening on `port` inside `ns`, as `ss -ltn` there lists them (the
+/// namespace's /proc/net/tcp and tcp6, read by a thread inside it).
+fn listening(ns: &NetNs, port: u16) -> std::collections::BTreeSet<SocketAddr> {
+    in_ns(ns, move || {
+        let mut out = std::collections::BTreeSet::new();
+        for file in ["tcp", "tcp6"] {
+            let path = format!("/proc/thread-self/net/{file}");
+            let text =
+                std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+            for line in text.lines().skip(1) {
+                // sl, local_address, rem_address, st (0A: LISTEN), ...
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let (Some(local), Some(&"0A")) = (f.get(1), f.get(3)) else {
+                    continue;
+                };
+                let Some((hex, p)) = local.split_once(':') else {
+                    continue;
+                };
+                if u16::from_str_radix(p, 16) != Ok(port) {
+                    continue;
+                }
+                // The address's bytes as the kernel holds them, printed one native-endian
+                // 32-bit word at a time.
+                let bytes: Vec<u8> = (0..hex.len())
+                    .step_by(8)
+                    .flat_map(|i| {
+                        u32::from_str_radix(&hex[i..i + 8], 16)
+                            .unwrap_or_else(|e| panic!("{path}: {line:?}: {e}"))
+                            .to_ne_bytes()
+                    })
+                    .collect();
+                let ip = match <[u8; 4]>::try_from(bytes.as_slice()) {
+                    Ok(v4) => IpAddr::from(v4),
+                    Err(_) => IpAddr::from(<[u8; 16]>::try_from(bytes.as_slice()).unwrap()),
+                };
+                out.insert(SocketAddr::new(ip, port));
+            }
+        }
+        out
+    })
+}
+
+/// healthCheckNodePort servers listen where kube-proxy's do: on the node addresses
+/// `--nodeport-addresses` selects (here node 1's uplink addresses, by CIDR), each its own
+/// listener, not on every address of the node: a probe of loopback or of node 1's address on
+/// the pod network is refused. An address that comes into the range later answers too (an
+/// IPv6 one once its duplicate address detection is over, without a failed bind on the way),
+/// and one that goes is given up.
+#[test]
+fn health_check_ports_listen_on_the_node_port_addresses() {
+    const HC: u16 = 30311;
+    let mut t = Topo::new();
+    t.service(
+        "etp",
+        service(
+            "etp",
+            "LoadBalancer",
+            31,
+            30111,
+            json!({"externalTrafficPolicy": "Local", "healthCheckNodePort": HC}),
+            json!({}),
+        ),
+    );
+    t.endpoints("etp", &[LOCAL_POD]);
+    t.start_agent_with(&["--nodeport-addresses", "10.77.0.0/16,fd77::/64"]);
+
+    let healthy = |t: &Topo, at: &str| {
+        let to = sa(at, HC);
+        let (status, body) = in_ns(&t.client, move || {
+            poll(Duration::from_secs(10), || Ok(http_get(to).ok()))
+        })
+        .unwrap_or_else(|e| panic!("health check at {to}: {e:#}"));
+        assert_eq!(status, 200, "{to}: {body}");
+        let v: Value = serde_json::from_str(&body).expect("health check JSON");
+        assert_eq!(v["service"], json!({"namespace": "demo", "name": "etp"}));
+    };
+    healthy(&t, NODE1);
+    healthy(&t, NODE1_6);
+    let refused = |ns: &NetNs, at: &str| {
+        let to = sa(at, HC);
+        let r = in_ns(ns, move || {
+            TcpStream::connect_timeout(&to, ANSWER).map(|_| ())
+        });
+        assert!(
+            matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused),
+            "{to} from {}: {r:?}",
+            ns.name()
+        );
+    };
+    refused(&t.node1, "127.0.0.1");
+    refused(&t.node1, "::1");
+    refused(&t.pod1, "10.244.1.1");
+    refused(&t.pod1, "fd00:244:1::1");
+    let uplink = [sa(NODE1, HC), sa(NODE1_6, HC)].into_iter().collect();
+    assert_eq!(listening(&t.node1, HC), uplink);
+
+    // Addresses that come into the range: at once, and after DAD (no `nodad`).
+    t.node1.add_addr("eth0", "10.77.0.9/24").unwrap();
+    t.node1
+        .ip(["addr", "add", "fd77::9/64", "dev", "eth0"])
+        .unwrap();
+    healthy(&t, "10.77.0.9");
+    healthy(&t, "fd77::9");
+    let log = t.agent().log();
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("WARN") && l.contains("healthCheckNodePort")),
+        "a health check port failed to listen:\n{log}"
+    );
+    t.node1
+        .ip(["addr", "del", "10.77.0.9/24", "dev", "eth0"])
+        .unwrap();
+    t.node1
+        .ip(["addr", "del", "fd77::9/64", "dev", "eth0"])
+        .unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok((listening(&t.node1, HC) == uplink).then_some(()))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "listening on {:?} after the addresses went: {e:#}",
+            listening(&t.node1, HC)
+        )
+    });
+}
+
 /// The agent SIGKILLed and started again while a client holds a NodePort connection to a
 /// backend on node 2 (SNATed, so every reply needs the connection-tracking entry), while a
 /// UDP client keeps one socket talking to it, and while another opens new connections back to
