@@ -128,16 +128,19 @@ impl Agent {
             addrs: Default::default(),
             config: Some(packet.datapath_config()),
         };
+        // A node with no address yet: health check ports listen only on the wildcard address
+        // of a family `--nodeport-addresses` chooses whole, until the addresses are read.
+        let view = crate::packet::view(&packet, &crate::netdev::NetState::default(), None);
         let mut agent = Agent {
             dp,
             stale,
             programmed,
             desired: Desired::default(),
             node,
-            health: HealthServers::new(metrics.clone()),
+            health: HealthServers::new(metrics.clone(), view.health_checks.clone()),
             metrics,
             packet,
-            view: NodeView::default(),
+            view,
             api_node_ips: None,
             node_desired,
             next_reconcile: now + upkeep.reconcile_every,
@@ -197,6 +200,16 @@ impl Agent {
         self.node_desired.addrs = view.addrs.clone();
         self.desired.state.node = self.node_desired.clone();
         self.apply_node(Instant::now());
+        if view.health_checks != self.view.health_checks {
+            let binds: Vec<String> = view.health_checks.iter().map(|b| b.to_string()).collect();
+            info!(addresses = %binds.join(","), "health check node ports listen");
+            self.health.set_binds(view.health_checks.clone());
+            // Before the first sync the desired state names no Service yet: that sync starts
+            // the servers.
+            if self.synced {
+                self.sync_health_checks();
+            }
+        }
         let primary_changed = view.primary != self.node.node_ips;
         self.node.node_ips = view.primary.clone();
         self.view = view;
@@ -230,8 +243,8 @@ impl Agent {
     }
 
     /// Where the health check server of Service `owner` listens (tests, tools).
-    pub fn health_check_addr(&self, owner: &str) -> Option<std::net::SocketAddr> {
-        self.health.addr(owner)
+    pub fn health_check_addrs(&self, owner: &str) -> Vec<std::net::SocketAddr> {
+        self.health.addrs(owner)
     }
 
     /// Drops the desired state before a full translation replaces it.

@@ -36,6 +36,16 @@ pub enum Error {
     #[error("network namespace {netns}: {message}")]
     Netns { netns: String, message: String },
 
+    /// A healthCheckNodePort server could not listen on one address.
+    #[error("Service {service}: healthCheckNodePort {port} on {addr}: {source}")]
+    HealthCheck {
+        service: String,
+        port: u16,
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("loading eBPF programs: {0}")]
     Load(String),
 
@@ -61,6 +71,7 @@ impl Error {
             Error::Map { .. } => "map",
             Error::MapFull { .. } => "map_full",
             Error::Netns { .. } => "netns",
+            Error::HealthCheck { .. } => "health_check",
             Error::Load(_) => "load",
             Error::Locked { .. } => "locked",
             Error::Other(_) => "other",

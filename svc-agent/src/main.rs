@@ -136,9 +136,11 @@ struct PacketArgs {
     /// packet (pods outside the served cgroup, as service meshes need). Default: none.
     #[arg(long, value_delimiter = ',')]
     packet_lb_devices: Vec<String>,
-    /// The node addresses NodePorts answer on: CIDRs (comma separated), or `primary` (the
-    /// node's primary address per family: the Node's InternalIP with the Kubernetes API, the
-    /// devices' with manifests). Never loopback, as kube-proxy.
+    /// The node addresses NodePorts answer on (never loopback, as kube-proxy) and
+    /// healthCheckNodePort servers listen on: CIDRs (comma separated), or `primary` (the node's
+    /// primary address per family: the Node's InternalIP with the Kubernetes API, the devices'
+    /// with manifests). A family 0.0.0.0/0 or ::/0 covers has those servers on its wildcard
+    /// address.
     #[arg(long, value_delimiter = ',', default_value = "primary")]
     nodeport_addresses: Vec<String>,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the

@@ -17,7 +17,9 @@ use std::net::IpAddr;
 use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
 };
-use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressScope};
+use netlink_packet_route::address::{
+    AddressAttribute, AddressHeaderFlags, AddressMessage, AddressScope,
+};
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use netlink_packet_route::route::{RouteAttribute, RouteMessage};
 use netlink_packet_route::RouteNetlinkMessage;
@@ -48,6 +50,8 @@ pub struct Addr {
     pub prefix: u8,
     /// Scope universe (not link-local, not host).
     pub global: bool,
+    /// IPv6 duplicate address detection is not over (or failed): nothing can bind it yet.
+    pub tentative: bool,
 }
 
 /// What the kernel says about the agent's network namespace.
@@ -115,6 +119,18 @@ impl NodePortAddresses {
             })
             .collect::<Result<Vec<_>, _>>()
             .map(NodePortAddresses::Cidrs)
+    }
+
+    /// Whether every address of the family is chosen (a `0.0.0.0/0` or `::/0` among the
+    /// CIDRs): kube-proxy's MatchAll, where its health check servers listen on the wildcard
+    /// address.
+    pub fn matches_all(&self, v6: bool) -> bool {
+        match self {
+            NodePortAddresses::Primary => false,
+            NodePortAddresses::Cidrs(cidrs) => cidrs
+                .iter()
+                .any(|c| c.prefix == 0 && c.addr.is_ipv6() == v6),
+        }
     }
 }
 
@@ -423,6 +439,7 @@ fn addr(a: &AddressMessage) -> Option<Addr> {
         ip: ip.to_canonical(),
         prefix: a.header.prefix_len,
         global: a.header.scope == AddressScope::Universe,
+        tentative: a.header.flags.contains(AddressHeaderFlags::Tentative),
     })
 }
 
@@ -472,6 +489,7 @@ mod tests {
             ip,
             prefix: 24,
             global: !ip.is_loopback() && !is_link_local(ip),
+            tentative: false,
         }
     }
 

@@ -55,6 +55,8 @@ pub struct NodeView {
     /// GetNodeHostIPs), else the devices'.
     pub primary: Vec<IpAddr>,
     pub addrs: std::collections::BTreeMap<IpAddr, svc_common::NodeAddrValue>,
+    /// Where the healthCheckNodePort servers listen.
+    pub health_checks: std::collections::BTreeSet<crate::healthcheck::Bind>,
 }
 
 /// Everything the packet datapath needs to know about the node.
@@ -74,11 +76,13 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
         }
     };
     let addrs = netdev::node_addrs(state, &external, &cfg.nodeport_addresses, &primary);
+    let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &addrs, state);
     NodeView {
         external,
         pods,
         primary,
         addrs,
+        health_checks,
     }
 }
 
