@@ -59,10 +59,14 @@ impl std::fmt::Display for Bind {
 /// those addresses once, at start; the agent asks again whenever they change.
 pub fn binds(
     nodeport: &NodePortAddresses,
+    primary: &[IpAddr],
     addrs: &BTreeMap<IpAddr, NodeAddrValue>,
     state: &NetState,
 ) -> BTreeSet<Bind> {
-    let all = [nodeport.matches_all(false), nodeport.matches_all(true)];
+    let all = [
+        nodeport.matches_all(false, primary),
+        nodeport.matches_all(true, primary),
+    ];
     if all == [true, true] {
         return BTreeSet::from([Bind::Any]);
     }
@@ -620,7 +624,7 @@ mod tests {
             let cfg = NodePortAddresses::parse(&flag).unwrap();
             let primary: Vec<IpAddr> = primary.iter().map(|p| p.parse().unwrap()).collect();
             let addrs = crate::netdev::node_addrs(&state, &[], &cfg, &primary);
-            binds(&cfg, &addrs, &state)
+            binds(&cfg, &primary, &addrs, &state)
                 .iter()
                 .map(|b| b.to_string())
                 .collect()
@@ -629,13 +633,16 @@ mod tests {
             at(&["primary"], &["10.0.0.5", "2001:db8::5"]),
             ["10.0.0.5", "2001:db8::5"]
         );
-        // A Node's address this node does not hold (kube-proxy matches the interfaces').
-        assert!(at(&["primary"], &["192.0.2.1"]).is_empty());
+        // A Node's address this node does not hold (kube-proxy matches the interfaces'); the
+        // family without a node IP is chosen whole, as kube-proxy's zero CIDR.
+        assert_eq!(at(&["primary"], &["192.0.2.1"]), ["[::]"]);
+        assert_eq!(at(&["primary"], &["10.0.0.5"]), ["[::]", "10.0.0.5"]);
         assert_eq!(
             at(&["10.0.0.0/8", "2001:db8::/64", "fe80::/10"], &[]),
             ["10.0.0.5", "10.244.0.1", "2001:db8::5", "fe80::5%2"]
         );
-        assert_eq!(at(&["10.0.0.0/24"], &[]), ["10.0.0.5"]);
+        assert_eq!(at(&["10.0.0.0/24"], &[]), ["[::]", "10.0.0.5"]);
+        assert_eq!(at(&["all"], &[]), ["[::] (IPv4 too)"]);
         assert_eq!(at(&["0.0.0.0/0", "::/0"], &[]), ["[::] (IPv4 too)"]);
         assert_eq!(
             at(&["0.0.0.0/0", "2001:db8::/64"], &[]),

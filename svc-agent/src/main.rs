@@ -136,11 +136,12 @@ struct PacketArgs {
     /// packet (pods outside the served cgroup, as service meshes need). Default: none.
     #[arg(long, value_delimiter = ',')]
     packet_lb_devices: Vec<String>,
-    /// The node addresses NodePorts answer on (never loopback, as kube-proxy) and
-    /// healthCheckNodePort servers listen on: CIDRs (comma separated), or `primary` (the node's
-    /// primary address per family: the Node's InternalIP with the Kubernetes API, the devices'
-    /// with manifests). A family 0.0.0.0/0 or ::/0 covers has those servers on its wildcard
-    /// address.
+    /// The node addresses NodePorts answer on (never loopback) and healthCheckNodePort servers
+    /// listen on, as kube-proxy's flag: CIDRs and the keywords `primary` (the node's primary
+    /// address per family: the Node's InternalIP with the Kubernetes API, the devices' with
+    /// manifests), `all` and `localhost`, comma separated. A family none of them covers has
+    /// every address chosen (health check servers on its wildcard address), as under
+    /// 0.0.0.0/0 or ::/0.
     #[arg(long, value_delimiter = ',', default_value = "primary")]
     nodeport_addresses: Vec<String>,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the

@@ -92,45 +92,77 @@ impl DeviceSpec {
     }
 }
 
-/// `--nodeport-addresses`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NodePortAddresses {
-    /// kube-proxy's `primary`: the node's primary address of each family, never loopback.
-    Primary,
-    /// Every address of the node in these ranges, except loopback.
-    Cidrs(Vec<Cidr>),
+/// `--nodeport-addresses`, as kube-proxy reads it: CIDRs and the keywords `primary` (the node's
+/// primary address of each family, unless it is loopback), `all` (0.0.0.0/0 and ::/0) and
+/// `localhost` (127.0.0.0/8 and ::1/128, which svc never answers NodePorts on), in any mix. A
+/// family that ends up with no CIDR at all has every address chosen, as kube-proxy's
+/// NewNodePortAddresses gives it the zero CIDR: `10.0.0.0/8` alone leaves IPv6 NodePorts on
+/// every IPv6 address, and `primary` on a node without an IPv6 node IP does the same.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodePortAddresses {
+    pub primary: bool,
+    pub cidrs: Vec<Cidr>,
 }
 
 impl NodePortAddresses {
-    pub fn parse(values: &[String]) -> Result<NodePortAddresses, String> {
-        let values: Vec<&str> = values
-            .iter()
-            .map(|v| v.trim())
-            .filter(|v| !v.is_empty())
-            .collect();
-        if values.is_empty() || values == ["primary"] {
-            return Ok(NodePortAddresses::Primary);
+    /// kube-proxy's default in nftables mode, and svc's.
+    pub fn primary() -> NodePortAddresses {
+        NodePortAddresses {
+            primary: true,
+            cidrs: Vec::new(),
         }
-        values
-            .iter()
-            .map(|v| match *v {
-                "primary" => Err("primary cannot be combined with CIDRs".to_string()),
-                v => v.parse::<Cidr>(),
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(NodePortAddresses::Cidrs)
     }
 
-    /// Whether every address of the family is chosen (a `0.0.0.0/0` or `::/0` among the
-    /// CIDRs): kube-proxy's MatchAll, where its health check servers listen on the wildcard
-    /// address.
-    pub fn matches_all(&self, v6: bool) -> bool {
-        match self {
-            NodePortAddresses::Primary => false,
-            NodePortAddresses::Cidrs(cidrs) => cidrs
-                .iter()
-                .any(|c| c.prefix == 0 && c.addr.is_ipv6() == v6),
+    pub fn parse(values: &[String]) -> Result<NodePortAddresses, String> {
+        let mut out = NodePortAddresses::default();
+        let mut cidrs = |list: &[&str]| -> Result<(), String> {
+            for c in list {
+                out.cidrs.push(c.parse::<Cidr>()?);
+            }
+            Ok(())
+        };
+        let mut primary = false;
+        for v in values.iter().map(|v| v.trim()).filter(|v| !v.is_empty()) {
+            match v {
+                "primary" => primary = true,
+                "all" => cidrs(&["0.0.0.0/0", "::/0"])?,
+                "localhost" => cidrs(&["127.0.0.0/8", "::1/128"])?,
+                v => cidrs(&[v])?,
+            }
         }
+        out.primary = primary || out.cidrs.is_empty();
+        Ok(out)
+    }
+
+    /// The CIDRs of family `v6`, `primary` (the node's primary addresses) resolved; `None`:
+    /// every address of the family.
+    fn of_family(&self, v6: bool, primary: &[IpAddr]) -> Option<Vec<Cidr>> {
+        let mut out: Vec<Cidr> = self
+            .cidrs
+            .iter()
+            .filter(|c| c.addr.is_ipv6() == v6)
+            .copied()
+            .collect();
+        if self.primary {
+            for ip in primary.iter().map(|ip| ip.to_canonical()) {
+                if ip.is_ipv6() == v6 && !ip.is_loopback() {
+                    out.push(Cidr {
+                        addr: ip,
+                        prefix: if v6 { 128 } else { 32 },
+                    });
+                }
+            }
+        }
+        if out.is_empty() || out.iter().any(|c| c.prefix == 0) {
+            return None;
+        }
+        Some(out)
+    }
+
+    /// Whether every address of the family is chosen: kube-proxy's MatchAll, where its health
+    /// check servers listen on the wildcard address.
+    pub fn matches_all(&self, v6: bool, primary: &[IpAddr]) -> bool {
+        self.of_family(v6, primary).is_none()
     }
 }
 
@@ -265,18 +297,23 @@ pub fn node_addrs(
             e.ifindex = index;
         }
     };
-    match nodeport {
-        NodePortAddresses::Primary => {
-            for ip in primary.iter().filter(|ip| !ip.is_loopback()) {
-                add(*ip, node_addr_flags::NODEPORT, device_of(*ip));
-            }
+    let families = [
+        nodeport.of_family(false, primary),
+        nodeport.of_family(true, primary),
+    ];
+    if nodeport.primary {
+        // A primary address from the Node object need not be on a device this node shows.
+        for ip in primary.iter().filter(|ip| !ip.is_loopback()) {
+            add(*ip, node_addr_flags::NODEPORT, device_of(*ip));
         }
-        NodePortAddresses::Cidrs(cidrs) => {
-            for a in &state.addrs {
-                if !a.ip.is_loopback() && cidrs.iter().any(|c| c.contains(a.ip)) {
-                    add(a.ip, node_addr_flags::NODEPORT, a.index);
-                }
-            }
+    }
+    for a in &state.addrs {
+        let chosen = match &families[usize::from(a.ip.is_ipv6())] {
+            None => true,
+            Some(cidrs) => cidrs.iter().any(|c| c.contains(a.ip)),
+        };
+        if chosen && !a.ip.is_loopback() {
+            add(a.ip, node_addr_flags::NODEPORT, a.index);
         }
     }
     for a in &state.addrs {
@@ -589,7 +626,7 @@ mod tests {
         let s = node();
         let d = select(&DeviceSpec::Auto, &s, &[]);
         let p = primary_ips(&s, &d);
-        let got = node_addrs(&s, &d, &NodePortAddresses::Primary, &p);
+        let got = node_addrs(&s, &d, &NodePortAddresses::primary(), &p);
         let np = |m: &BTreeMap<IpAddr, NodeAddrValue>| -> Vec<String> {
             m.iter()
                 .filter(|(_, v)| v.flags & node_addr_flags::NODEPORT != 0)
@@ -608,19 +645,53 @@ mod tests {
         let got = node_addrs(&s, &d, &all, &p);
         assert!(!np(&got).iter().any(|ip| ip == "127.0.0.1" || ip == "::1"));
         assert!(np(&got).contains(&"172.17.0.1".to_string()));
-        let some = NodePortAddresses::parse(&["10.0.0.0/8".into()]).unwrap();
+        let parse = |v: &[&str]| {
+            NodePortAddresses::parse(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+        };
+        let v6: Vec<String> = s
+            .addrs
+            .iter()
+            .filter(|a| a.ip.is_ipv6() && !a.ip.is_loopback())
+            .map(|a| a.ip.to_string())
+            .collect();
+        assert!(!v6.is_empty());
+        // A family no CIDR names has all its addresses chosen, as kube-proxy's zero CIDR.
+        let some = np(&node_addrs(&s, &d, &parse(&["10.0.0.0/8"]), &p));
+        let v4: Vec<&String> = some.iter().filter(|ip| !ip.contains(':')).collect();
+        assert_eq!(v4, ["10.10.0.5", "10.20.0.5", "10.30.0.5"]);
+        assert!(v6.iter().all(|ip| some.contains(ip)), "{some:?}");
+        let some = np(&node_addrs(&s, &d, &parse(&["10.0.0.0/8", "fd00::/8"]), &p));
+        assert_eq!(some, ["10.10.0.5", "10.20.0.5", "10.30.0.5"]);
+        // Keywords, and keywords with CIDRs, as kube-proxy takes them.
+        assert_eq!(parse(&["primary"]), NodePortAddresses::primary());
+        assert_eq!(parse(&[]), NodePortAddresses::primary());
+        let mixed = np(&node_addrs(
+            &s,
+            &d,
+            &parse(&["primary", "10.20.0.0/16"]),
+            &p,
+        ));
+        assert_eq!(mixed, ["10.20.0.5", "192.168.1.10", "2001:db8::10"]);
         assert_eq!(
-            np(&node_addrs(&s, &d, &some, &p)),
-            ["10.10.0.5", "10.20.0.5", "10.30.0.5"]
+            np(&node_addrs(&s, &d, &parse(&["all"]), &p)),
+            np(&node_addrs(&s, &d, &all, &p))
         );
-        assert!(NodePortAddresses::parse(&["primary".into(), "10.0.0.0/8".into()]).is_err());
+        // Loopback never answers, named or not: `localhost` chooses nothing.
+        assert!(np(&node_addrs(&s, &d, &parse(&["localhost"]), &p)).is_empty());
+        assert!(NodePortAddresses::parse(&["10.0.0.0/33".into()]).is_err());
+        // "primary" with a loopback node IP (kube-proxy's fallback): that family has no
+        // CIDR, so all of it is chosen, loopback still not.
+        let lo = [
+            "127.0.0.1".parse().unwrap(),
+            "2001:db8::10".parse().unwrap(),
+        ];
+        let got = np(&node_addrs(&s, &d, &NodePortAddresses::primary(), &lo));
+        assert!(got.contains(&"172.17.0.1".to_string()) && !got.contains(&"127.0.0.1".to_string()));
         assert_eq!(
-            NodePortAddresses::parse(&["primary".into()]).unwrap(),
-            NodePortAddresses::Primary
+            got.iter().filter(|ip| ip.contains(':')).count(),
+            1,
+            "{got:?}"
         );
-        // "primary" with a loopback node IP (kube-proxy's fallback) answers nowhere.
-        let lo = ["127.0.0.1".parse().unwrap()];
-        assert!(np(&node_addrs(&s, &d, &NodePortAddresses::Primary, &lo)).is_empty());
     }
 
     /// The real thing, in this process's network namespace: whatever it holds, reading it

@@ -27,7 +27,7 @@ impl Default for PacketConfig {
         PacketConfig {
             devices: DeviceSpec::None,
             pod_devices: Vec::new(),
-            nodeport_addresses: NodePortAddresses::Primary,
+            nodeport_addresses: NodePortAddresses::primary(),
             snat_ports: (61000, 65535),
         }
     }
@@ -76,7 +76,7 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
         }
     };
     let addrs = netdev::node_addrs(state, &external, &cfg.nodeport_addresses, &primary);
-    let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &addrs, state);
+    let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &primary, &addrs, state);
     NodeView {
         external,
         pods,
