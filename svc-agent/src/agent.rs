@@ -703,7 +703,11 @@ fn stale_worker(
         .ok()
         .and_then(|m| BpfHashMap::try_from(m).ok());
     let cgroup = cgroup.to_path_buf();
+    let pause = test_pause();
     let run = move |departed: Vec<Departed>| {
+        if let Some(pause) = pause {
+            std::thread::sleep(pause);
+        }
         let mut backends: Vec<std::net::SocketAddr> = departed.iter().map(|d| d.backend).collect();
         backends.sort();
         backends.dedup();
@@ -784,6 +788,17 @@ fn stale_worker(
     };
     StaleWorker::spawn(run)
         .map_err(|e| Error::Other(format!("starting the stale-socket thread: {e}")))
+}
+
+/// Fault injection for the tests (`SVC_TEST_STALE_UDP_PAUSE_MS`): a pause before each run of
+/// the stale-UDP thread, which widens the window between a sync and its cleanup so that a
+/// test can kill the agent in it.
+fn test_pause() -> Option<Duration> {
+    let ms: u64 = std::env::var("SVC_TEST_STALE_UDP_PAUSE_MS")
+        .ok()?
+        .parse()
+        .ok()?;
+    Some(Duration::from_millis(ms))
 }
 
 /// Of several definitions of one object, the one that serves now: from the file that served

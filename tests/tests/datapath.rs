@@ -693,6 +693,179 @@ fn stale_udp_sockets_are_closed_per_service_and_only_if_translated() {
     assert!(to_pod.exchanges.last().unwrap().at_ms > left_t + 1000);
 }
 
+/// The same across a crash, whoever saw the backend leave: a backend that left Service S while
+/// no agent ran, and one whose departure an agent synced but was SIGKILLed before it closed
+/// the sockets (that window widened by fault injection), no longer keep the connected UDP
+/// sockets svc translated for S once the agent is back; the socket translated for T, which
+/// kept the backend, and the one connected to the pod directly are left alone.
+#[test]
+fn stale_udp_sockets_are_closed_across_a_crash() {
+    let pause = Duration::from_millis(1500);
+    let sb = common::sandbox();
+    let m = svc_tests::Manifests::new().unwrap();
+    m.apply_service(&dns_service("s", &VIP.to_string(), None))
+        .unwrap();
+    m.apply_slice(&dns_slice(&sb, "s", &[1])).unwrap();
+    m.apply_service(&dns_service("t", "10.96.0.12", None))
+        .unwrap();
+    m.apply_slice(&dns_slice(&sb, "t", &[1])).unwrap();
+    let _backends = sb.backends(2, &[5353]).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    let env: Vec<std::ffi::OsString> = vec![
+        "env".into(),
+        format!("SVC_TEST_STALE_UDP_PAUSE_MS={}", pause.as_millis()).into(),
+    ];
+    let args: Vec<std::ffi::OsString> = vec![
+        "run".into(),
+        "--manifests".into(),
+        m.dir().into(),
+        "--cgroup".into(),
+        sb.cgroup().path().into(),
+        "--bpffs".into(),
+        bpffs.path().into(),
+    ];
+    let mut agent =
+        svc_tests::Agent::start_launched(&env, &sb.tools.agent, args, bpffs.path(), m.scratch())
+            .unwrap();
+    let ready_within = svc_tests::sandbox::AGENT_READY_TIMEOUT;
+    agent.wait_ready(ready_within).unwrap();
+
+    let (vip_s, vip_t) = (sa(VIP, 53), sa([10, 96, 0, 12], 53));
+    let direct = sa(sb.backend_v4(1), 5353);
+    let run = Duration::from_millis(16_000);
+    let via_s = sb.spawn_udp_stream(vip_s, run, 20, 300).unwrap();
+    let via_t = sb.spawn_udp_stream(vip_t, run, 20, 300).unwrap();
+    let to_pod = sb.spawn_udp_stream(direct, run, 20, 300).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+
+    // S loses b1 while no agent runs.
+    agent.kill().unwrap();
+    m.apply_slice(&dns_slice(&sb, "s", &[2])).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let restarted1 = unix_ms();
+    agent.restart().unwrap();
+    agent.wait_ready(ready_within).unwrap();
+    let ready1 = unix_ms();
+    std::thread::sleep(pause + Duration::from_millis(1500));
+
+    // S gets b1 back and loses b2 in a sync whose cleanup a SIGKILL cuts short.
+    let synced = agent.count_lines("svc-agent: synced");
+    let changed2 = unix_ms();
+    m.apply_slice(&dns_slice(&sb, "s", &[1])).unwrap();
+    agent
+        .wait_for_lines("svc-agent: synced", synced + 1, Duration::from_secs(10))
+        .unwrap();
+    agent.kill().unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let restarted2 = unix_ms();
+    agent.restart().unwrap();
+    agent.wait_ready(ready_within).unwrap();
+    let ready2 = unix_ms();
+
+    let via_s = sb
+        .finish_udp_stream(via_s, Duration::from_secs(30))
+        .unwrap();
+    let via_t = sb
+        .finish_udp_stream(via_t, Duration::from_secs(30))
+        .unwrap();
+    let to_pod = sb
+        .finish_udp_stream(to_pod, Duration::from_secs(30))
+        .unwrap();
+
+    let at = |t: u64| t as i64 - restarted1 as i64;
+    // Runs of one socket and one outcome, as "+FROM..+TOms sN OUTCOME ×COUNT".
+    let summary = |r: &svc_tests::StreamReport| {
+        let mut runs: Vec<(u64, u64, u32, String, usize)> = Vec::new();
+        for e in &r.exchanges {
+            let what = e.backend.clone().or(e.error.clone()).unwrap_or_default();
+            match runs.last_mut() {
+                Some(run) if run.2 == e.socket && run.3 == what => {
+                    run.1 = e.at_ms;
+                    run.4 += 1;
+                }
+                _ => runs.push((e.at_ms, e.at_ms, e.socket, what, 1)),
+            }
+        }
+        runs.iter()
+            .map(|(from, to, socket, what, n)| {
+                format!("{:+}..{:+}ms s{socket} {what} ×{n}", at(*from), at(*to))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let times = format!(
+        "restarts at +0ms and +{}ms, ready at +{}ms and +{}ms, b1 back at +{}ms",
+        at(restarted2),
+        at(ready1),
+        at(ready2),
+        at(changed2)
+    );
+    // S's socket: closed after each restart, within a moment of the agent being ready (and
+    // its fault-injected pause), each time followed by a new socket to the backend S has.
+    let first_error_after = |t: u64| {
+        via_s
+            .exchanges
+            .iter()
+            .find(|e| !e.ok && e.at_ms >= t)
+            .map(|e| e.at_ms)
+    };
+    let window = pause.as_millis() as u64 + 1000;
+    let closed1 = first_error_after(restarted1)
+        .filter(|&t| t <= ready1 + window)
+        .unwrap_or_else(|| {
+            panic!(
+                "S: not closed after the first restart ({times}): {}",
+                summary(&via_s)
+            )
+        });
+    let closed2 = first_error_after(restarted2)
+        .filter(|&t| t <= ready2 + window)
+        .unwrap_or_else(|| {
+            panic!(
+                "S: not closed after the second restart ({times}): {}",
+                summary(&via_s)
+            )
+        });
+    for e in &via_s.exchanges {
+        let want = if e.at_ms < closed1 || e.at_ms > closed2 {
+            "b1"
+        } else {
+            "b2"
+        };
+        if e.ok {
+            assert_eq!(
+                e.backend.as_deref(),
+                Some(want),
+                "S ({times}): {}",
+                summary(&via_s)
+            );
+            assert_eq!(e.peer, Some(vip_s.to_string()), "S: {}", summary(&via_s));
+        } else {
+            assert!(
+                (restarted1..closed1 + 1000).contains(&e.at_ms)
+                    || (restarted2..closed2 + 1000).contains(&e.at_ms),
+                "S: an error out of place ({times}): {}",
+                summary(&via_s)
+            );
+        }
+    }
+    // T kept b1, and the direct socket is no Service's: both untouched throughout.
+    for (what, r) in [("T", &via_t), ("the direct socket", &to_pod)] {
+        for e in &r.exchanges {
+            assert!(
+                e.ok && e.socket == 0 && e.backend.as_deref() == Some("b1"),
+                "{what} was disturbed ({times}): {}",
+                summary(r)
+            );
+        }
+        assert!(
+            r.exchanges.last().unwrap().at_ms > ready2 + window,
+            "{what} ended too early ({times}): {}",
+            summary(r)
+        );
+    }
+}
+
 /// Issue 7, item 2: a client never gets a reply from an address it did not send to, even when
 /// the reverse map is too small for its sockets (here 2 entries for 8 sockets): an unconnected
 /// socket's own state says which frontend its backend answers for.

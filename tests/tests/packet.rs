@@ -325,6 +325,8 @@ fn tcx_programs(ns: &NetNs, dev: &str) -> (u32, u32) {
 /// then the backends, and the namespaces and the cgroup last.
 struct Topo {
     agent: Option<Agent>,
+    /// `NAME=VALUE` settings of the agent's environment (fault injection).
+    agent_env: Vec<String>,
     bpffs: Bpffs,
     _echo: Vec<Echo>,
     m: Manifests,
@@ -361,6 +363,7 @@ impl Topo {
         let bpffs = Bpffs::new(&tools.agent, cgroup.path()).expect("bpffs");
         Topo {
             agent: None,
+            agent_env: Vec::new(),
             bpffs,
             _echo: echo,
             m,
@@ -407,10 +410,16 @@ impl Topo {
         .into_iter()
         .chain(extra.iter().map(Into::into))
         .collect();
-        let launcher = [
-            "nsenter".into(),
-            format!("--net={}", self.node1.path().display()).into(),
-        ];
+        let launcher: Vec<std::ffi::OsString> = (!self.agent_env.is_empty())
+            .then(|| "env".to_string())
+            .into_iter()
+            .chain(self.agent_env.iter().cloned())
+            .chain([
+                "nsenter".into(),
+                format!("--net={}", self.node1.path().display()),
+            ])
+            .map(Into::into)
+            .collect();
         let mut agent = Agent::start_launched(
             &launcher,
             &self.tools.agent,
@@ -440,13 +449,19 @@ impl Topo {
 
     /// EndpointSlices (one per family) of `service`: TCP 8080 and UDP 5353 on the given pods.
     fn endpoints(&self, service: &str, pods: &[(&str, &str, &str)]) {
+        let ready: Vec<_> = pods.iter().map(|p| (*p, READY)).collect();
+        self.endpoints_as(service, &ready);
+    }
+
+    /// `endpoints`, each pod with its own conditions.
+    fn endpoints_as(&self, service: &str, pods: &[((&str, &str, &str), Conditions)]) {
         for (family, v6) in [("IPv4", false), ("IPv6", true)] {
             let endpoints: Vec<Value> = pods
                 .iter()
-                .map(|(v4a, v6a, node)| {
+                .map(|((v4a, v6a, node), (ready, serving, terminating))| {
                     json!({
                         "addresses": [if v6 { v6a } else { v4a }],
-                        "conditions": {"ready": true, "serving": true, "terminating": false},
+                        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
                         "nodeName": node,
                     })
                 })
@@ -474,6 +489,11 @@ impl Topo {
     }
 }
 
+/// An endpoint's (ready, serving, terminating).
+type Conditions = (bool, bool, bool);
+const READY: Conditions = (true, true, false);
+const TERMINATING_SERVING: Conditions = (false, true, true);
+const TERMINATING: Conditions = (false, false, true);
 const LOCAL_POD: (&str, &str, &str) = (POD1, POD1_6, "node-1");
 const REMOTE_POD: (&str, &str, &str) = (POD2, POD2_6, "node-2");
 
@@ -822,6 +842,61 @@ fn closed_flows_give_their_tuples_up() {
     );
 }
 
+/// A UDP socket of the client's, connected to `to` (a long-lived UDP client: every datagram
+/// after the first takes the flow the first one made).
+fn udp_client(ns: &NetNs, to: SocketAddr) -> UdpSocket {
+    in_ns(ns, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        s.connect(to).expect("connect");
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        s
+    })
+}
+
+/// One datagram on `s` and its answer. The socket stays in the client's namespace; sends need
+/// no namespace of their own.
+fn ask_udp(s: &UdpSocket) -> std::io::Result<Answer> {
+    s.send(b"x")?;
+    let mut buf = [0u8; 512];
+    let n = s.recv(&mut buf)?;
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// Sends on `s` until `backend` answers, for at most 5 s.
+fn udp_until(s: &UdpSocket, backend: &str) -> Result<(), String> {
+    udp_until_within(s, backend, Duration::from_secs(5))
+}
+
+/// Sends on `s` until `backend` answers, for at most `within`.
+fn udp_until_within(s: &UdpSocket, backend: &str, within: Duration) -> Result<(), String> {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < within {
+        match ask_udp(s) {
+            Ok(a) if a.backend == backend => return Ok(()),
+            other => last = Some(format!("{other:?}")),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!(
+        "not {backend} after {within:?} of one socket sending: last {last:?}"
+    ))
+}
+
+/// Sends on `s` for `d` and says who answered each datagram that was answered.
+fn udp_answers_for(s: &UdpSocket, d: Duration) -> Vec<String> {
+    let start = Instant::now();
+    let mut seen = Vec::new();
+    while start.elapsed() < d {
+        if let Ok(a) = ask_udp(s) {
+            seen.push(a.backend);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    seen
+}
+
 /// A UDP flow through a NodePort whose backend leaves the Service moves to a live backend, as
 /// under kube-proxy (which deletes the conntrack entries of UDP flows to a departed endpoint):
 /// a client that keeps sending on one socket would otherwise keep its flow, and its old
@@ -832,47 +907,99 @@ fn a_udp_flow_leaves_a_backend_that_left_its_service() {
     t.service("moving", nodeport("moving", 31, 30095));
     t.endpoints("moving", &[LOCAL_POD]);
     t.start_agent();
-    let to = sa(NODE1, 30095);
-    let s = in_ns(&t.client, move || {
-        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
-        s.connect(to).expect("connect");
-        s.set_read_timeout(Some(Duration::from_millis(200)))
-            .expect("timeout");
-        s
-    });
-    // The socket stays in the client's namespace; sends need no namespace of their own.
-    let s = Arc::new(s);
-    let ask = move |s: &UdpSocket| -> std::io::Result<Answer> {
-        s.send(b"x")?;
-        let mut buf = [0u8; 512];
-        let n = s.recv(&mut buf)?;
-        parse_answer(&String::from_utf8_lossy(&buf[..n]))
-    };
-    let until = |s: &Arc<UdpSocket>, backend: &'static str| -> Result<(), String> {
-        let start = Instant::now();
-        let mut last = None;
-        while start.elapsed() < Duration::from_secs(5) {
-            match ask(s) {
-                Ok(a) if a.backend == backend => return Ok(()),
-                other => last = Some(format!("{other:?}")),
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Err(format!(
-            "not {backend} after 5 s of one socket sending: last {last:?}"
-        ))
-    };
-    in_ns(&t.client, {
-        let s = s.clone();
-        move || poll(Duration::from_secs(10), || Ok(ask(&s).ok()))
-    })
-    .expect("a first answer");
-    until(&s, "pod1").expect("the local backend first");
+    let s = udp_client(&t.client, sa(NODE1, 30095));
+    poll(Duration::from_secs(10), || Ok(ask_udp(&s).ok())).expect("a first answer");
+    udp_until(&s, "pod1").expect("the local backend first");
 
     t.endpoints("moving", &[REMOTE_POD]);
-    until(&s, "pod2").expect("the remote backend, once the local one left");
+    udp_until(&s, "pod2").expect("the remote backend, once the local one left");
     t.endpoints("moving", &[LOCAL_POD]);
-    until(&s, "pod1").expect("the local backend, once the remote one left");
+    udp_until(&s, "pod1").expect("the local backend, once the remote one left");
+}
+
+/// The same across a crash, whoever saw the backend leave: a backend that left its Service
+/// while no agent ran, and one whose departure an agent synced but was SIGKILLed before it
+/// ended the flows (that window widened by fault injection), lose their UDP flows once the
+/// agent is back, as kube-proxy's stateless cleanup after every sync ends them.
+#[test]
+fn a_udp_flow_leaves_a_backend_that_left_across_a_crash() {
+    let pause = Duration::from_millis(1500);
+    let mut t = Topo::new();
+    t.agent_env = vec![format!("SVC_TEST_STALE_UDP_PAUSE_MS={}", pause.as_millis())];
+    t.service("moving", nodeport("moving", 33, 30096));
+    t.endpoints("moving", &[LOCAL_POD]);
+    t.start_agent();
+    let s = udp_client(&t.client, sa(NODE1, 30096));
+    poll(Duration::from_secs(10), || Ok(ask_udp(&s).ok())).expect("a first answer");
+    udp_until(&s, "pod1").expect("the local backend first");
+    let within = pause + Duration::from_secs(5);
+    let only =
+        |seen: &[String], backend: &str| !seen.is_empty() && seen.iter().all(|b| b == backend);
+
+    // Gone while no agent ran.
+    t.agent().kill().expect("SIGKILL");
+    t.endpoints("moving", &[REMOTE_POD]);
+    let seen = udp_answers_for(&s, Duration::from_millis(500));
+    assert!(only(&seen, "pod1"), "with no agent: {seen:?}");
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    udp_until_within(&s, "pod2", within).expect("the remote backend, once the agent is back");
+
+    // Gone in a sync whose cleanup a SIGKILL cut short.
+    let synced = t.agent().count_lines("svc-agent: synced");
+    t.endpoints("moving", &[LOCAL_POD]);
+    t.agent()
+        .wait_for_lines("svc-agent: synced", synced + 1, Duration::from_secs(10))
+        .expect("the change synced");
+    t.agent().kill().expect("SIGKILL");
+    let seen = udp_answers_for(&s, Duration::from_millis(500));
+    assert!(
+        only(&seen, "pod2"),
+        "the sync removed pod2, the flow's cleanup did not run: {seen:?}"
+    );
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    udp_until_within(&s, "pod1", within).expect("the local backend, once the agent is back");
+}
+
+/// kube-proxy's notion of a stale UDP flow: one to an endpoint that no longer *serves* the
+/// Service. A terminating endpoint that still serves keeps its flows (new ones go to the
+/// ready endpoint), as kube-proxy keeps their conntrack entries; once it stops serving, its
+/// flows move.
+#[test]
+fn a_udp_flow_stays_with_a_terminating_backend_while_it_serves() {
+    let mut t = Topo::new();
+    t.service("draining", nodeport("draining", 34, 30097));
+    t.endpoints("draining", &[LOCAL_POD]);
+    t.start_agent();
+    let s = udp_client(&t.client, sa(NODE1, 30097));
+    poll(Duration::from_secs(10), || Ok(ask_udp(&s).ok())).expect("a first answer");
+    udp_until(&s, "pod1").expect("the local backend first");
+
+    t.endpoints_as(
+        "draining",
+        &[(LOCAL_POD, TERMINATING_SERVING), (REMOTE_POD, READY)],
+    );
+    // New flows (a new socket each) go to the ready endpoint once the agent has synced.
+    let to = sa(NODE1, 30097);
+    in_ns(&t.client2, move || {
+        poll(Duration::from_secs(10), || {
+            Ok(udp_once(to, ANSWER).ok().filter(|a| a.backend == "pod2"))
+        })
+    })
+    .expect("new flows go to the ready endpoint");
+    let seen = udp_answers_for(&s, Duration::from_millis(1500));
+    assert!(
+        !seen.is_empty() && seen.iter().all(|b| b == "pod1"),
+        "the flow to the terminating, serving endpoint: {seen:?}"
+    );
+
+    t.endpoints_as("draining", &[(LOCAL_POD, TERMINATING), (REMOTE_POD, READY)]);
+    udp_until(&s, "pod2").expect("the ready endpoint, once the terminating one stopped serving");
 }
 
 /// externalTrafficPolicy Local: only node 1's endpoint answers, and it sees the client's
