@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
@@ -15,12 +15,12 @@ use crate::desired::Desired;
 use crate::error::{Error, Result};
 use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
-use crate::model::{Frontend, NodeDesired};
+use crate::model::{Frontend, NodeDesired, Protocol};
 use crate::packet::{NodeView, PacketConfig};
 use crate::source::manifest::{ManifestSource, Named};
-use crate::stale::StaleWorker;
+use crate::stale::{Keep, StaleWorker, UdpServing};
 use crate::store::{Capacity, Store};
-use crate::sync::{Departed, Programmed, Retiring, Scope, SyncReport};
+use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
 use crate::translate::{self, Holders, Keyed, NodeContext, ParsedService, ParsedSlice, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
@@ -77,9 +77,15 @@ pub struct Agent {
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
-    /// Closes connected UDP sockets of departed backends, off the sync path. None when its
-    /// maps could not be opened a second time (logged at start).
-    stale: Option<StaleWorker<Departed>>,
+    /// Ends the UDP flows and closes the connected UDP sockets whose backend no longer serves
+    /// their frontend, off the sync path. None when its maps could not be opened a second
+    /// time (logged at start).
+    stale: Option<StaleWorker<()>>,
+    /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
+    udp_serving: Arc<Mutex<UdpServing>>,
+    /// The stale-UDP thread has been asked to look once in this run: the flows and sockets
+    /// of an earlier run (or of a crash between a sync and its cleanup) are judged too.
+    udp_looked: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
     /// The packet datapath's settings, and the node as it last saw it.
@@ -115,10 +121,11 @@ impl Agent {
             leftovers = programmed.strays.len(),
             "adopted pinned state"
         );
-        let stale = match stale_worker(&dp, cgroup, metrics.clone()) {
+        let udp_serving = Arc::new(Mutex::new(UdpServing::default()));
+        let stale = match stale_worker(&dp, cgroup, metrics.clone(), udp_serving.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
-                warn!("stale UDP sockets will not be closed: {e}");
+                warn!("stale UDP flows will not be ended, nor stale UDP sockets closed: {e}");
                 metrics.error(&e);
                 None
             }
@@ -134,6 +141,8 @@ impl Agent {
         let mut agent = Agent {
             dp,
             stale,
+            udp_serving,
+            udp_looked: false,
             programmed,
             desired: Desired::default(),
             node,
@@ -295,7 +304,7 @@ impl Agent {
             self.programmed.compact();
             crate::sys::release_free_memory();
         }
-        self.finish(report, started, None)
+        self.finish(report, started, None, Scope::All)
     }
 
     /// Replaces what the Services `owners` ("namespace/name") contribute with `translated`, a
@@ -320,16 +329,17 @@ impl Agent {
             Scope::Only(&scope),
             started,
         );
-        self.finish(report, started, Some(owners))
+        self.finish(report, started, Some(owners), Scope::Only(&scope))
     }
 
     /// Records what a sync did. `covered`: the Services it covered (None: every Service); those
-    /// that did not fail need no retry any more.
+    /// that did not fail need no retry any more. `scope`: the frontends it covered.
     fn finish(
         &mut self,
         report: SyncReport,
         started: Instant,
         covered: Option<&BTreeSet<String>>,
+        scope: Scope<'_>,
     ) -> SyncReport {
         for e in &report.errors {
             warn!("not programmed: {e}");
@@ -396,7 +406,7 @@ impl Agent {
                 }
             }
         }
-        self.close_stale_udp(&report);
+        self.end_stale_udp(scope);
         self.sync_health_checks();
         self.metrics
             .synced(started.elapsed(), self.snapshot_metrics());
@@ -454,12 +464,69 @@ impl Agent {
         }
     }
 
-    /// A connected UDP socket keeps its backend forever; once that backend has left the
-    /// Service the socket was translated for, close the socket so the application reconnects,
-    /// and its connect() picks a live backend. Handed to the worker: the sync does not wait.
-    fn close_stale_udp(&self, report: &SyncReport) {
-        if let Some(w) = &self.stale {
-            w.submit(report.udp_departed.clone());
+    /// A UDP flow of the packet datapath, and a connected UDP socket, keep their backend for
+    /// as long as the client sends; once that backend no longer serves the frontend they were
+    /// translated for, the flow is ended and the socket closed, so the next datagram (or the
+    /// application's new connect()) picks a live backend. Stateless, as kube-proxy's
+    /// CleanStaleEntries: the stale-UDP thread judges every flow and socket by what serves
+    /// now (`udp_serving`, brought to the frontends `scope` covered), once the first full
+    /// sync of a run has made the desired state whole, and again after every sync that may
+    /// have left some stale. The walk is the thread's: the sync does not wait.
+    fn end_stale_udp(&mut self, scope: Scope<'_>) {
+        if !self.synced || self.stale.is_none() {
+            return;
+        }
+        let keep = |fe: &Frontend, pf: &ProgFrontend| -> Keep {
+            let failing = |owner: &str| self.retry.contains_key(owner);
+            let d = self.desired.state.frontends.get(fe);
+            if failing(pf.owner()) || d.is_some_and(|d| failing(&d.owner)) {
+                return Keep::Any;
+            }
+            match d {
+                Some(d) => Keep::Only(match &d.serving {
+                    Some(serving) => serving.clone(),
+                    None => {
+                        let mut b: Vec<std::net::SocketAddr> = d
+                            .backends
+                            .iter()
+                            .map(|b| {
+                                std::net::SocketAddr::new(b.addr.ip().to_canonical(), b.addr.port())
+                            })
+                            .collect();
+                        b.sort();
+                        Arc::new(b)
+                    }
+                }),
+                // Programmed, not desired, and not failing: only a sync that did not cover
+                // it; nothing is known against it.
+                None => Keep::Any,
+            }
+        };
+        let udp = |fe: &&Frontend| fe.protocol == Protocol::Udp;
+        let lost = {
+            let mut serving = self
+                .udp_serving
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match scope {
+                Scope::All => serving.replace(
+                    self.programmed
+                        .frontends
+                        .iter()
+                        .filter(|(fe, _)| udp(fe))
+                        .map(|(fe, pf)| (*fe, pf.id, keep(fe, pf))),
+                ),
+                Scope::Only(frontends) => frontends.iter().filter(udp).fold(false, |lost, fe| {
+                    let now = self.programmed.frontends.get(fe);
+                    serving.set(*fe, now.map(|pf| (pf.id, keep(fe, pf)))) || lost
+                }),
+            }
+        };
+        if lost || !self.udp_looked {
+            self.udp_looked = true;
+            if let Some(w) = &self.stale {
+                w.submit(vec![()]);
+            }
         }
     }
 
@@ -529,7 +596,7 @@ impl Agent {
                 now,
             );
             let due: BTreeSet<String> = due.into_iter().collect();
-            self.finish(report, now, Some(&due));
+            self.finish(report, now, Some(&due), Scope::Only(&scope));
         }
         if now >= self.next_check {
             // Due again whether or not the programs are attached (a failed attach is tried
@@ -632,7 +699,7 @@ impl Agent {
             );
             self.metrics.drift(report.ops);
         }
-        self.finish(report, now, None);
+        self.finish(report, now, None, Scope::All);
         drift
     }
 
@@ -680,48 +747,39 @@ impl Agent {
     }
 }
 
-/// The thread that closes stale connected UDP sockets, with its own handles on the maps that
-/// say which frontend each socket was translated for (SVC_SOCK_REV) and whether a backend is
-/// a backend of a frontend again (SVC_AFFINITY_MATCH, kept for every UDP frontend).
+/// The thread that ends stale UDP flows and closes stale connected UDP sockets, with its own
+/// handles on the maps that hold them (SVC_CT) and say which frontend each socket was
+/// translated for (SVC_SOCK_REV); `serving` says what is stale.
 fn stale_worker(
     dp: &Datapath,
     cgroup: &Path,
     metrics: Arc<Metrics>,
-) -> Result<StaleWorker<Departed>> {
+    serving: Arc<Mutex<UdpServing>>,
+) -> Result<StaleWorker<()>> {
     use aya::maps::{HashMap as BpfHashMap, MapData};
-    use svc_common::{map_names, AffinityMatchKey, SockRevKey, SockRevValue};
+    use svc_common::{map_names, SockRevKey, SockRevValue};
     let map_err = |name, e| crate::store::map_err(name, e);
     let sock_rev: BpfHashMap<MapData, SockRevKey, SockRevValue> =
         BpfHashMap::try_from(dp.reopen(map_names::SOCK_REV)?)
             .map_err(|e| map_err(map_names::SOCK_REV, e))?;
-    let members: BpfHashMap<MapData, AffinityMatchKey, u32> =
-        BpfHashMap::try_from(dp.reopen(map_names::AFFINITY_MATCH)?)
-            .map_err(|e| map_err(map_names::AFFINITY_MATCH, e))?;
     // The packet datapath's flows; absent from an object without it.
     let mut ct: Option<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> = dp
         .reopen(map_names::CT)
         .ok()
         .and_then(|m| BpfHashMap::try_from(m).ok());
     let cgroup = cgroup.to_path_buf();
+    // Locked per question, so a sync never waits for a walk.
+    let stale = move |id: u32, backend: std::net::SocketAddr| {
+        serving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .stale(id, backend)
+    };
     let pause = test_pause();
-    let run = move |departed: Vec<Departed>| {
+    let run = move |_: Vec<()>| {
         if let Some(pause) = pause {
             std::thread::sleep(pause);
         }
-        let mut backends: Vec<std::net::SocketAddr> = departed.iter().map(|d| d.backend).collect();
-        backends.sort();
-        backends.dedup();
-        let gone: HashMap<(u32, std::net::IpAddr, u16), svc_common::BackendId> = departed
-            .iter()
-            .map(|d| {
-                let key = (
-                    d.frontend_id,
-                    d.backend.ip().to_canonical(),
-                    d.backend.port(),
-                );
-                (key, d.backend_id)
-            })
-            .collect();
         let doomed = |cookie: u64, peer: std::net::SocketAddr| {
             let key = SockRevKey {
                 cookie,
@@ -733,61 +791,42 @@ fn stale_worker(
             let Ok(rev) = sock_rev.get(&key, 0) else {
                 return false;
             };
-            let Some(backend) = gone.get(&(rev.id, peer.ip().to_canonical(), peer.port())) else {
-                return false;
-            };
-            // Back in the frontend since (a flapping endpoint): not stale.
-            members
-                .get(
-                    &AffinityMatchKey {
-                        id: rev.id,
-                        backend: *backend,
-                    },
-                    0,
-                )
-                .is_err()
+            stale(rev.id, peer)
         };
         if let Some(ct) = &mut ct {
-            // A backend back in the frontend since (a flapping endpoint) keeps its flows.
-            let left = |id: u32, backend: std::net::SocketAddr| {
-                gone.get(&(id, backend.ip(), backend.port()))
-                    .is_some_and(|b| {
-                        members
-                            .get(&AffinityMatchKey { id, backend: *b }, 0)
-                            .is_err()
-                    })
-            };
-            match crate::stale::forget_udp_flows(ct, left) {
+            match crate::stale::forget_udp_flows(ct, &stale) {
                 Ok(0) => {}
-                Ok(n) => info!(flows = n, "forgot UDP flows of departed backends"),
+                Ok(n) => info!(
+                    flows = n,
+                    "forgot UDP flows of backends that no longer serve"
+                ),
                 Err(e) => {
                     warn!("{e}");
                     metrics.error(&e);
                 }
             }
         }
-        match crate::stale::destroy_udp_sockets(&cgroup, &backends, &doomed) {
+        match crate::stale::destroy_udp_sockets(&cgroup, &doomed) {
             Ok(r) => {
                 for e in &r.errors {
-                    warn!("closing UDP sockets of departed backends: {e}");
+                    warn!("closing stale UDP sockets: {e}");
                     metrics.error(e);
                 }
                 if r.destroyed() > 0 {
                     info!(
                         sockets = r.destroyed(),
                         namespaces = r.namespaces,
-                        "closed connected UDP sockets of departed backends"
+                        "closed connected UDP sockets of backends that no longer serve"
                     );
                 }
             }
             Err(e) => {
-                warn!("closing UDP sockets of departed backends: {e}");
+                warn!("closing stale UDP sockets: {e}");
                 metrics.error(&e);
             }
         }
     };
-    StaleWorker::spawn(run)
-        .map_err(|e| Error::Other(format!("starting the stale-socket thread: {e}")))
+    StaleWorker::spawn(run).map_err(|e| Error::Other(format!("starting the stale-UDP thread: {e}")))
 }
 
 /// Fault injection for the tests (`SVC_TEST_STALE_UDP_PAUSE_MS`): a pause before each run of

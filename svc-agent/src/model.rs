@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -313,6 +314,14 @@ pub struct DesiredFrontend {
     /// the Services that also claim it, as a full translation would give it.
     #[serde(skip)]
     pub created: Option<k8s_openapi::jiff::Timestamp>,
+    /// UDP: the endpoints that serve its Service port (of its family), sorted, whatever the
+    /// traffic policies, topology hints and terminating states leave in `backends`, and
+    /// shared by the port's frontends. A UDP flow or connected socket translated for this
+    /// frontend to any other address is stale (kube-proxy's CleanStaleEntries). None: only
+    /// `backends` serve (TCP, and frontends built by hand). A vector behind the `Arc` keeps
+    /// the field one pointer wide: it is in every frontend, TCP or not.
+    #[serde(skip)]
+    pub serving: Option<Arc<Vec<SocketAddr>>>,
 }
 
 impl DesiredFrontend {
@@ -334,6 +343,7 @@ impl DesiredFrontend {
             external_local: false,
             source_ranges: None,
             created: None,
+            serving: None,
         }
     }
 }

@@ -1,18 +1,26 @@
-//! Closing connected UDP sockets whose backend left its Service.
+//! Ending UDP flows and closing connected UDP sockets whose backend no longer serves the
+//! frontend they were translated for.
 //!
-//! # Which sockets
+//! # Which ones
+//! Stateless, as kube-proxy's CleanStaleEntries: [`UdpServing`] says, per UDP frontend id,
+//! which backends serve it now (kube-proxy's serving endpoints), and every flow of the packet
+//! datapath and every connected UDP socket svc translated is judged by it, whoever saw the
+//! backend leave: after the first full sync of a run, what left while no agent ran (or after a
+//! sync whose cleanup a crash cut short) goes too.
+//!
 //! Only sockets svc translated, and only for the Service the backend left: the connect hook
 //! records every translation in `SVC_SOCK_REV` (socket cookie + backend → frontend id), so a
-//! socket found connected to a departed backend is closed only when that entry names the
-//! frontend the backend left (and the backend has not come back to it meanwhile). A socket
-//! connected to the pod's address directly has no entry and is never touched; a socket
-//! translated for Service T survives when its backend leaves only Service S. A socket whose
-//! entry is gone (evicted from the LRU map) is left alone rather than guessed about.
+//! connected socket is closed only when the frontend that entry names is gone or no longer
+//! served by the socket's peer. A socket connected to the pod's address directly has no entry
+//! and is never touched; a socket translated for Service T survives when its backend leaves
+//! only Service S. A socket whose entry is gone (evicted from the LRU map) is left alone
+//! rather than guessed about.
 //!
 //! # Off the sync path
-//! The namespace walk takes a millisecond or more per namespace: it runs on a thread of its
-//! own ([`StaleWorker`]), fed through a channel, so a sync never waits for it; work queued
-//! while a walk runs is merged into the next one.
+//! The namespace walk takes a millisecond or more per namespace, the connection-tracking walk
+//! reads the whole map: they run on a thread of their own ([`StaleWorker`]), woken through a
+//! channel, so a sync never waits for them; requests that come while they run are merged
+//! into the next run.
 //!
 //! The cgroup `connect4/6` hooks translate a ClusterIP:port to one backend when the application
 //! calls `connect()`; from then on the kernel sends every datagram of that socket straight to
@@ -26,9 +34,9 @@
 //! `SOCK_DESTROY` over `NETLINK_SOCK_DIAG` (what `ss -K` does; needs CONFIG_INET_DIAG_DESTROY).
 //! sock_diag only sees the network namespace the netlink socket was created in, so for every
 //! network namespace with a process in the given cgroup tree, a short-lived OS thread joins
-//! that namespace with `setns(2)`, dumps the UDP sockets of both families, and destroys those
-//! whose peer is one of the departed backends. The thread exists only so the agent's other
-//! threads stay in the host namespace; it exits afterwards, taking its namespace with it.
+//! that namespace with `setns(2)`, dumps the connected UDP sockets of both families, and
+//! destroys the stale ones. The thread exists only so the agent's other threads stay in the
+//! host namespace; it exits afterwards, taking its namespace with it.
 //!
 //! # What the application sees (kernel 6.18, observed by `tests/stale_udp.rs`)
 //! The kernel's `udp_abort()` records `ECONNABORTED` as the socket's pending error, wakes its
@@ -58,8 +66,8 @@
 //! - `CAP_NET_ADMIN` for `SOCK_DESTROY` (checked in the socket's namespace; `CAP_SYS_ADMIN`
 //!   does not stand in for it).
 //!
-//! Each missing one shows as a warning per sync that removes a UDP backend, and the socket
-//! stays.
+//! Each missing one shows as a warning per walk (the first sync of a run, and every sync that
+//! may have left a UDP flow or socket stale), and the socket stays.
 //!
 //! # Limits
 //! - Only sockets of namespaces that currently have a process in the cgroup tree are found. A
@@ -77,7 +85,7 @@
 
 use crate::{Error, Result};
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     fmt, fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::{
@@ -151,8 +159,8 @@ impl DestroyReport {
     }
 }
 
-/// Closes connected UDP sockets whose peer is one of `backends` (IP:port) and that `doomed`
-/// picks (given the socket's cookie and peer), in every network namespace that has a process
+/// Closes the connected UDP sockets that `doomed` picks (given the socket's cookie and its peer,
+/// a v4-mapped peer as the IPv4 address it is), in every network namespace that has a process
 /// in `cgroup` (recursively, including child cgroups). Errors name the namespace/cgroup; one
 /// failing netns does not stop others.
 ///
@@ -160,24 +168,13 @@ impl DestroyReport {
 /// reported per namespace or per cgroup in [`DestroyReport::errors`].
 pub fn destroy_udp_sockets(
     cgroup: &Path,
-    backends: &[SocketAddr],
     doomed: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
 ) -> Result<DestroyReport> {
     let mut report = DestroyReport::default();
-    if backends.is_empty() {
-        return Ok(report);
-    }
-    // Compare as (address, port): a v6 backend's flow info and scope say nothing about which
-    // peer a socket has, and a v4-mapped backend is the v4 backend.
-    let wanted: HashSet<(IpAddr, u16)> = backends
-        .iter()
-        .map(|b| (b.ip().to_canonical(), b.port()))
-        .collect();
-
     let namespaces = cgroup_namespaces(cgroup, &mut report.errors)?;
     report.namespaces = namespaces.len();
     for ns in &namespaces {
-        let outcome = in_netns(ns, |diag| diag.destroy_connected_to(&wanted, doomed));
+        let outcome = in_netns(ns, |diag| diag.destroy_connected(doomed));
         let describe = |message: String| Error::Netns {
             netns: format!("{} (pid {}, cgroup {})", ns.id, ns.pid, ns.cgroup.display()),
             message,
@@ -476,20 +473,18 @@ impl SockDiag {
         })
     }
 
-    fn destroy_connected_to(
+    fn destroy_connected(
         &mut self,
-        wanted: &HashSet<(IpAddr, u16)>,
         doomed: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
     ) -> NsOutcome {
         let mut out = NsOutcome::default();
         let mut matches = Vec::new();
         for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
             match self.dump_udp(family) {
-                Ok(socks) => matches.extend(
-                    socks
-                        .into_iter()
-                        .filter(|s| wanted.contains(&s.peer()) && doomed(s.cookie, s.remote)),
-                ),
+                Ok(socks) => matches.extend(socks.into_iter().filter(|s| {
+                    let (ip, port) = s.peer();
+                    doomed(s.cookie, SocketAddr::new(ip, port))
+                })),
                 Err(e) => out.errors.push(format!(
                     "dumping UDP sockets ({}): {e}",
                     family_name(family)
@@ -785,13 +780,13 @@ fn ipv6(b: &[u8]) -> Ipv6Addr {
 }
 
 /// The packet datapath's UDP flows (`SVC_CT`: NodePorts, ExternalIPs, LoadBalancer IPs, and
-/// per-packet ClusterIP on pod devices) to a backend that left the frontend they were
-/// translated for: their entries are removed, so the client's next datagram starts a new
-/// flow to a live backend, as kube-proxy deletes the conntrack entries of UDP flows to a
-/// departed endpoint. A client that keeps sending on one socket would otherwise keep its
-/// flow, and the old backend, for as long as it sends. `doomed(frontend id, backend)` says
-/// whether that backend left that frontend (and has not come back). Returns how many flows
-/// were removed.
+/// per-packet ClusterIP on pod devices) that `doomed(frontend id, backend)` picks: their
+/// entries are removed, so the client's next datagram starts a new flow to a live backend, as
+/// kube-proxy deletes the conntrack entries of UDP flows to an endpoint that no longer serves.
+/// A client that keeps sending on one socket would otherwise keep its flow, and its old
+/// backend, for as long as it sends. `doomed` is asked again right before a flow goes, so a
+/// backend that came back during the walk keeps its flows. Returns how many flows were
+/// removed.
 pub fn forget_udp_flows(
     ct: &mut aya::maps::HashMap<aya::maps::MapData, svc_common::CtKey, svc_common::CtValue>,
     doomed: impl Fn(u32, std::net::SocketAddr) -> bool,
@@ -799,32 +794,128 @@ pub fn forget_udp_flows(
     use aya::maps::IterableMap;
     use std::os::fd::AsFd;
     use svc_common::{ct_dir, map_names, CtKey, CtValue, IPPROTO_UDP};
-    let mut flows: Vec<(CtKey, CtKey)> = Vec::new();
+    let mut flows: Vec<(CtKey, CtKey, u32, SocketAddr)> = Vec::new();
     crate::sys::for_each_hash::<CtKey, CtValue>(ct.map().fd().as_fd(), |k, v| {
+        // A FORWARD entry whose REPLY entry is gone (an agent killed between the two removals)
+        // is found here like any other.
         if k.dir != ct_dir::FORWARD || k.proto != IPPROTO_UDP {
             return;
         }
-        let backend = std::net::SocketAddr::new(
+        let backend = SocketAddr::new(
             crate::sync::ip_from16(v.nat_addr).to_canonical(),
             u16::from_be(v.nat_port_be),
         );
         if doomed(v.id, backend) {
-            flows.push((*k, k.partner(v)));
+            flows.push((*k, k.partner(v), v.id, backend));
         }
     })
     .map_err(|e| Error::Map {
         map: map_names::CT,
-        message: format!("reading the UDP flows of departed backends: {e}"),
+        message: format!("reading the UDP flows: {e}"),
     })?;
-    for (k, pk) in &flows {
+    let mut removed = 0;
+    for (k, pk, id, backend) in &flows {
+        if !doomed(*id, *backend) {
+            continue;
+        }
         // The reply entry first, and only while it is still this flow's (its tuple may have
         // gone to a newer flow): the datapath forgets a flow in the same order.
         if ct.get(pk, 0).is_ok_and(|pv| pk.partner(&pv) == *k) {
             let _ = ct.remove(pk);
         }
         let _ = ct.remove(k);
+        removed += 1;
     }
-    Ok(flows.len())
+    Ok(removed)
+}
+
+/// What the UDP flows and connected UDP sockets svc translated may go on with: per UDP
+/// frontend id, the backends that serve it. kube-proxy's rule (CleanStaleEntries): a UDP flow
+/// to a Service address is stale when it is not DNATed to one of the serving endpoints of that
+/// Service port; traffic policies, topology and terminating states do not count, so a
+/// terminating endpoint that still serves keeps its flows. A flow of a frontend that is gone
+/// is stale too. It is the agent's state as it is, not a list of what left: a restarted agent
+/// judges the flows and sockets of its predecessor's time by it as well.
+///
+/// Kept up to date by the sync, read by the stale-UDP thread.
+#[derive(Debug, Default)]
+pub struct UdpServing {
+    by_id: HashMap<u32, Keep>,
+    /// The id each frontend in `by_id` has, to find the entry of a frontend that was removed.
+    ids: HashMap<crate::model::Frontend, u32>,
+}
+
+/// What one UDP frontend's flows and sockets may keep.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Its Service is not programmed as desired (its sync failed, and is retried): the
+    /// datapath may still choose any backend it had, so none is judged.
+    Any,
+    /// The addresses that serve it, sorted.
+    Only(std::sync::Arc<Vec<SocketAddr>>),
+}
+
+impl Keep {
+    /// Whether what `self` keeps includes all that `old` kept.
+    fn covers(&self, old: &Keep) -> bool {
+        match (self, old) {
+            (Keep::Any, _) => true,
+            (Keep::Only(_), Keep::Any) => false,
+            (Keep::Only(new), Keep::Only(old)) => {
+                std::sync::Arc::ptr_eq(new, old) || old.iter().all(|b| new.binary_search(b).is_ok())
+            }
+        }
+    }
+}
+
+impl UdpServing {
+    /// Whether a flow or socket that frontend `id` translated to `backend` must end.
+    pub fn stale(&self, id: u32, backend: SocketAddr) -> bool {
+        let backend = SocketAddr::new(backend.ip().to_canonical(), backend.port());
+        match self.by_id.get(&id) {
+            None => true,
+            Some(Keep::Any) => false,
+            Some(Keep::Only(serving)) => serving.binary_search(&backend).is_err(),
+        }
+    }
+
+    /// Sets what UDP frontend `fe` keeps: `now` is its id and what it keeps, None once it is
+    /// not programmed. Returns whether something it kept before may be stale now.
+    pub fn set(&mut self, fe: crate::model::Frontend, now: Option<(u32, Keep)>) -> bool {
+        let old = match self.ids.remove(&fe) {
+            Some(id) => self.by_id.remove(&id).map(|keep| (id, keep)),
+            None => None,
+        };
+        let lost = match (&old, &now) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some((old_id, old)), Some((id, new))) => old_id != id || !new.covers(old),
+        };
+        if let Some((id, keep)) = now {
+            self.ids.insert(fe, id);
+            self.by_id.insert(id, keep);
+        }
+        lost
+    }
+
+    /// Replaces everything with `all` (every programmed UDP frontend: frontend, id, what it
+    /// keeps). Returns whether something kept before may be stale now.
+    pub fn replace(
+        &mut self,
+        all: impl IntoIterator<Item = (crate::model::Frontend, u32, Keep)>,
+    ) -> bool {
+        let mut next = UdpServing::default();
+        for (fe, id, keep) in all {
+            next.ids.insert(fe, id);
+            next.by_id.insert(id, keep);
+        }
+        let lost = self
+            .by_id
+            .iter()
+            .any(|(id, old)| next.by_id.get(id).is_none_or(|new| !new.covers(old)));
+        *self = next;
+        lost
+    }
 }
 
 #[cfg(test)]
@@ -1005,6 +1096,70 @@ mod tests {
             "queued work is merged"
         );
         drop(worker);
+    }
+
+    fn udp(ip: &str) -> crate::model::Frontend {
+        crate::model::Frontend::cluster(ip.parse().unwrap(), 53, crate::model::Protocol::Udp)
+    }
+
+    fn only(backends: &[&str]) -> Keep {
+        let mut b: Vec<SocketAddr> = backends.iter().map(|b| b.parse().unwrap()).collect();
+        b.sort();
+        Keep::Only(std::sync::Arc::new(b))
+    }
+
+    /// A backend that leaves Service S but still serves T: S's flows and sockets to it are
+    /// stale, T's are not; once T is removed, T's are stale too. What a frontend of unknown id
+    /// translated is stale; nothing of a frontend kept `Any` (its Service failed) is.
+    #[test]
+    fn stale_is_per_frontend_and_follows_what_serves_now() {
+        let (s_fe, t_fe, u_fe) = (udp("10.96.0.10"), udp("10.96.0.11"), udp("10.96.0.12"));
+        let x: SocketAddr = "10.0.0.1:5353".parse().unwrap();
+        let y: SocketAddr = "10.0.0.2:5353".parse().unwrap();
+        let mut serving = UdpServing::default();
+        let lost = serving.replace([
+            (s_fe, 1, only(&["10.0.0.1:5353", "10.0.0.2:5353"])),
+            (t_fe, 2, only(&["10.0.0.1:5353"])),
+            (u_fe, 3, Keep::Any),
+        ]);
+        assert!(!lost, "nothing was kept before");
+        assert!(!serving.stale(1, x) && !serving.stale(1, y) && !serving.stale(2, x));
+        assert!(serving.stale(2, y), "y never served T");
+        assert!(
+            !serving.stale(3, y),
+            "a failing Service's frontend judges nothing"
+        );
+        assert!(serving.stale(9, x), "a frontend that is gone");
+        // The kernel reports a v4 peer of a v6 socket as v4-mapped.
+        assert!(!serving.stale(1, "[::ffff:10.0.0.1]:5353".parse().unwrap()));
+
+        assert!(serving.set(s_fe, Some((1, only(&["10.0.0.2:5353"])))));
+        assert!(serving.stale(1, x));
+        assert!(!serving.stale(2, x), "T keeps x");
+        assert!(
+            !serving.set(s_fe, Some((1, only(&["10.0.0.1:5353", "10.0.0.2:5353"])))),
+            "a backend that comes back leaves nothing stale"
+        );
+        assert!(!serving.stale(1, x));
+        assert!(serving.set(t_fe, None), "T removed");
+        assert!(serving.stale(2, x));
+        assert!(!serving.set(t_fe, None), "nothing left to lose");
+        assert!(
+            serving.set(u_fe, Some((3, only(&["10.0.0.1:5353"])))),
+            "a failing Service programmed at last: its flows are judged again"
+        );
+        assert!(serving.stale(3, y));
+
+        // A full sync: a frontend that kept a backend drops it, or goes.
+        let s_keeps = only(&["10.0.0.1:5353", "10.0.0.2:5353"]);
+        assert!(!serving.replace([(s_fe, 1, s_keeps.clone()), (u_fe, 3, Keep::Any)]));
+        assert!(serving.replace([(s_fe, 1, s_keeps.clone())]), "U is gone");
+        assert!(serving.stale(3, x));
+        assert!(
+            serving.replace([(s_fe, 4, s_keeps)]),
+            "S under a new id: the old id's flows are the old frontend's"
+        );
+        assert!(serving.stale(1, x) && !serving.stale(4, x));
     }
 
     #[test]

@@ -271,7 +271,7 @@ fn destroys_connected_udp_sockets_of_a_departed_backend() {
 
     let gone: SocketAddr = format!("{SERVER_IP}:{GONE_PORT}").parse().unwrap();
     let t0 = monotonic();
-    let report = destroy_udp_sockets(&cg, &[gone], &|_, _| true).expect("destroy_udp_sockets");
+    let report = destroy_udp_sockets(&cg, &|_, peer| peer == gone).expect("destroy_udp_sockets");
     let t1 = monotonic();
     println!(
         "destroy_udp_sockets took {:.3} ms: {report:#?}",

@@ -359,7 +359,7 @@ fn check(setup: &Setup, want: Want) -> Result<()> {
         }
         (Want::ServesWithoutClosing(words), Seen::Serving { stale_closed, .. }) => {
             ensure!(!*stale_closed, "the stale UDP socket was closed:\n{log}");
-            words_in_log(&["closing UDP sockets of departed backends"])?;
+            words_in_log(&["closing stale UDP sockets"])?;
             words_in_log(words)?;
         }
         (Want::Exits(words), Seen::Exited(_)) => words_in_log(words)?,

@@ -443,10 +443,6 @@ pub struct SyncReport {
     pub ops: usize,
     /// Leftovers found before the sync wrote anything (retired like everything unreachable).
     pub strays_deleted: usize,
-    /// Backends that left UDP frontends: the connected sockets svc translated for those
-    /// frontends to those backends must be closed, or they would keep sending to an address
-    /// that no longer serves them.
-    pub udp_departed: Vec<Departed>,
     pub errors: Vec<Error>,
     /// Services that could not be programmed (left as they were), with the frontends their
     /// sync covered, so a retry covers the same.
@@ -460,14 +456,6 @@ impl SyncReport {
     pub fn changed(&self) -> bool {
         self.ops > 0
     }
-}
-
-/// A backend that left a UDP frontend (or whose frontend was removed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Departed {
-    pub frontend_id: u32,
-    pub backend_id: BackendId,
-    pub backend: SocketAddr,
 }
 
 /// What one pass over due retirements did.
@@ -826,16 +814,7 @@ impl Programmed {
             };
             let result = result
                 .and_then(|()| plan::plan_unit(self, &owner, &upserts, &gone))
-                .and_then(|plan| {
-                    self.execute(
-                        &mut w,
-                        plan,
-                        reserved,
-                        now,
-                        &mut unreferenced,
-                        &mut report.udp_departed,
-                    )
-                });
+                .and_then(|plan| self.execute(&mut w, plan, reserved, now, &mut unreferenced));
             let result = result.and_then(|(written, removed)| {
                 report.frontends_written += written;
                 report.frontends_removed += removed;
@@ -1015,7 +994,6 @@ impl Programmed {
         reserved_services: u64,
         now: Instant,
         unreferenced: &mut Vec<BackendId>,
-        udp_departed: &mut Vec<Departed>,
     ) -> Result<(usize, usize)> {
         if plan.is_empty() {
             return Ok((0, 0));
@@ -1131,22 +1109,6 @@ impl Programmed {
         self.usage.sub(&plan.frees);
         let (mut written, mut removed) = (0, 0);
         for (fe, after) in plan.commit {
-            if fe.protocol == Protocol::Udp {
-                let before = self.frontends.get(&fe);
-                let kept: HashSet<BackendId> = after
-                    .iter()
-                    .flat_map(|pf| pf.backends.iter().copied())
-                    .collect();
-                for b in before.iter().flat_map(|pf| pf.backends.iter()) {
-                    if let (false, Some(k)) = (kept.contains(b), self.backends.get(b)) {
-                        udp_departed.push(Departed {
-                            frontend_id: before.map_or(0, |pf| pf.id),
-                            backend_id: *b,
-                            backend: k.socket_addr(),
-                        });
-                    }
-                }
-            }
             let added = after.is_some();
             let before = match after {
                 Some(pf) => {

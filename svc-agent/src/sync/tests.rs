@@ -307,6 +307,7 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
                 external_local: false,
                 source_ranges: None,
                 created: None,
+                serving: None,
             },
         );
         s.cluster_ips.insert(f.ip);
@@ -553,6 +554,7 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                     external_local: false,
                     source_ranges: None,
                     created: None,
+                    serving: None,
                 },
             );
         }
@@ -705,6 +707,7 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                     external_local: false,
                     source_ranges: None,
                     created: None,
+                    serving: None,
                 },
             );
             s.cluster_ips.insert(f.ip);
@@ -891,6 +894,7 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
             external_local: false,
             source_ranges: None,
             created: None,
+            serving: None,
         },
     );
     s.cluster_ips.insert(f.ip);
@@ -990,51 +994,6 @@ fn membership_goes_in_before_the_switch_and_departed_backends_leave_right_after(
     assert!(r.errors.is_empty());
     assert!(store.matches.is_empty());
     assert_eq!(p.usage, Usage::default());
-}
-
-/// Issue 7, item 4: a backend that leaves one UDP frontend is reported with that frontend
-/// alone, even while another frontend keeps it; a removed frontend reports all its backends;
-/// TCP frontends report nothing.
-#[test]
-fn departed_udp_backends_are_reported_per_frontend() {
-    let s_fe = udp("10.96.0.10", 53);
-    let t_fe = udp("10.96.0.11", 53);
-    let tcp = fe("10.96.0.12", 80);
-    let mut store = ModelStore::default();
-    let mut p = fresh();
-    let mut s1 = DesiredState::default();
-    frontend(&mut s1, s_fe, &["10.0.0.1:53", "10.0.0.2:53"], None);
-    frontend(&mut s1, t_fe, &["10.0.0.1:53"], None);
-    frontend(&mut s1, tcp, &["10.0.0.1:80"], None);
-    settle(&mut p, &mut store, &s1);
-    let id_s = store.services[&service_key(&s_fe)].id;
-    let id_t = store.services[&service_key(&t_fe)].id;
-    let x: SocketAddr = "10.0.0.1:53".parse().unwrap();
-    let x_id = p.backend_ids[&BackendKey::new(crate::model::Backend::remote(x), Protocol::Udp)];
-
-    let mut s2 = DesiredState::default();
-    frontend(&mut s2, s_fe, &["10.0.0.2:53"], None);
-    frontend(&mut s2, t_fe, &["10.0.0.1:53"], None);
-    let r = settle(&mut p, &mut store, &s2);
-    assert_eq!(
-        r.udp_departed,
-        vec![Departed {
-            frontend_id: id_s,
-            backend_id: x_id,
-            backend: x
-        }]
-    );
-    let r = settle(&mut p, &mut store, &DesiredState::default());
-    let mut got = r.udp_departed.clone();
-    got.sort();
-    let y: SocketAddr = "10.0.0.2:53".parse().unwrap();
-    assert_eq!(got.len(), 2, "{got:?}");
-    assert!(got.contains(&Departed {
-        frontend_id: id_t,
-        backend_id: x_id,
-        backend: x
-    }));
-    assert!(got.iter().any(|d| d.frontend_id == id_s && d.backend == y));
 }
 
 /// Issue 7, item 3: recovery reads membership entries back and repairs them: a missing one is

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use tracing::debug;
@@ -405,6 +406,21 @@ pub(super) fn select(
         .filter(|(_, e)| e.serving_terminating())
         .map(backend)
         .collect()
+}
+
+/// The addresses of the endpoints that serve, sorted: kube-proxy's `IsServing()` endpoints,
+/// those whose UDP flows CleanStaleEntries keeps, whatever traffic policy, topology and
+/// terminating state say. A ready endpoint counts too: the API makes ready imply serving, a
+/// manifest need not, and an endpoint the datapath may choose is never stale. A v4-mapped
+/// address is the IPv4 address it is, as the datapath reports its flows' backends.
+pub(super) fn serving(merged: &BTreeMap<SocketAddr, &EndpointInfo>) -> Arc<Vec<SocketAddr>> {
+    let mut serving: Vec<SocketAddr> = merged
+        .iter()
+        .filter(|(_, e)| e.serving || e.ready)
+        .map(|(a, _)| SocketAddr::new(a.ip().to_canonical(), a.port()))
+        .collect();
+    serving.sort();
+    Arc::new(serving)
 }
 
 /// kube-proxy's LocalReadyEndpoints (pkg/proxy/endpointschangetracker.go), what its health

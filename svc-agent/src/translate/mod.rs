@@ -18,7 +18,7 @@ use tracing::{debug, instrument};
 
 use crate::error::Error;
 use crate::model::{
-    Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, Scope,
+    Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, Protocol, Scope,
 };
 
 use endpoints::{Family, SliceInfo};
@@ -534,6 +534,8 @@ pub fn assemble_with<'a>(
 struct BackendSets {
     cluster: Option<Vec<Backend>>,
     local: Option<Vec<Backend>>,
+    /// UDP: what serves the port (see `DesiredFrontend::serving`).
+    serving: Option<std::sync::Arc<Vec<std::net::SocketAddr>>>,
 }
 
 impl BackendSets {
@@ -550,7 +552,12 @@ impl BackendSets {
             (!svc.internal_local || reachable).then(|| endpoints::select(&merged, false, node));
         let local = (svc.internal_local || (reachable && svc.external_local))
             .then(|| endpoints::select(&merged, true, node));
-        BackendSets { cluster, local }
+        let serving = (port.protocol == Protocol::Udp).then(|| endpoints::serving(&merged));
+        BackendSets {
+            cluster,
+            local,
+            serving,
+        }
     }
 
     fn cluster(&self) -> &[Backend] {
@@ -586,6 +593,7 @@ impl BackendSets {
             external_local: false,
             source_ranges: None,
             created: svc.created,
+            serving: self.serving.clone(),
         };
         match (claim.kind, claim.frontend.scope) {
             (Kind::ClusterIP, _) => {

@@ -1291,6 +1291,62 @@ fn external_policy_local_falls_back_to_this_nodes_terminating_endpoints() {
     assert_eq!(backends(&t, "0.0.0.0:30080/TCP"), ["10.0.2.1:8080"]);
 }
 
+/// cleanup.go (CleanStaleEntries): the UDP flows a Service port keeps are those to its serving
+/// endpoints, whatever the traffic policy, topology or terminating state make of its
+/// backends: every frontend of the port (both scopes, NodePort and LoadBalancer IP) names the
+/// same set; one that no longer serves is not in it, nor is one of another family.
+#[test]
+fn udp_frontends_know_their_ports_serving_endpoints_whatever_the_policy() {
+    let lb = service(
+        "metadata: {name: dns, namespace: a}
+spec: {type: LoadBalancer, externalTrafficPolicy: Local, healthCheckNodePort: 32000,
+  clusterIP: 10.96.0.1, ports: [{name: dns, port: 53, protocol: UDP, nodePort: 30053},
+                                {name: tcp, port: 53, protocol: TCP, nodePort: 30054}]}
+status: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}",
+    );
+    let slices = [slice_of(
+        "a/dns-1",
+        "dns",
+        "IPv4",
+        "[{name: dns, port: 5353, protocol: UDP}, {name: tcp, port: 5353, protocol: TCP}]",
+        "[{addresses: [10.0.1.1], nodeName: node-1},
+          {addresses: [10.0.2.1], nodeName: node-2},
+          {addresses: [10.0.2.2], nodeName: node-2,
+           conditions: {ready: false, serving: true, terminating: true}},
+          {addresses: [10.0.2.3], nodeName: node-2,
+           conditions: {ready: false, serving: false, terminating: true}},
+          {addresses: [10.0.2.4], nodeName: node-2, conditions: {ready: false, serving: false}}]",
+    )];
+    let t = on_node_1(&[lb], &slices);
+    assert_no_errors(&t);
+    let serving = |which: &str| -> Option<Vec<String>> {
+        let d = frontend(&t, which);
+        d.serving
+            .as_ref()
+            .map(|s| s.iter().map(ToString::to_string).collect())
+    };
+    let want = ["10.0.1.1:5353", "10.0.2.1:5353", "10.0.2.2:5353"];
+    for which in [
+        "10.96.0.1:53/UDP",
+        "0.0.0.0:30053/UDP (external)",
+        "0.0.0.0:30053/UDP",
+        "198.51.100.1:53/UDP (external)",
+        "198.51.100.1:53/UDP",
+    ] {
+        assert_eq!(
+            serving(which),
+            Some(want.map(String::from).to_vec()),
+            "{which}"
+        );
+    }
+    // What the external frontend sends new flows to is narrower: Local policy.
+    assert_eq!(
+        backends(&t, "0.0.0.0:30053/UDP (external)"),
+        ["10.0.1.1:5353"]
+    );
+    assert_eq!(serving("10.96.0.1:53/TCP"), None, "TCP keeps no such set");
+}
+
 #[test]
 fn external_policy_local_needs_an_externally_accessible_service() {
     // api/v1/service/util.go ExternalPolicyLocal: type NodePort or LoadBalancer, or
