@@ -623,7 +623,7 @@ mod tests {
             let flag: Vec<String> = flag.iter().map(|s| s.to_string()).collect();
             let cfg = NodePortAddresses::parse(&flag).unwrap();
             let primary: Vec<IpAddr> = primary.iter().map(|p| p.parse().unwrap()).collect();
-            let addrs = crate::netdev::node_addrs(&state, &[], &cfg, &primary);
+            let addrs = crate::netdev::node_addrs(&state, &[], &cfg, &primary, true);
             binds(&cfg, &primary, &addrs, &state)
                 .iter()
                 .map(|b| b.to_string())

@@ -33,6 +33,8 @@ pub struct ListedNodeAddr {
     pub address: IpAddr,
     /// NodePorts answer on it.
     pub nodeport: bool,
+    /// NodePorts answer on it (loopback) for the node's own sockets only.
+    pub localhost_nodeport: bool,
     /// Usable as the source of SNATed flows.
     pub snat: bool,
     pub ifindex: u32,
@@ -110,10 +112,11 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
         node_addresses: p
             .node_addrs
             .iter()
-            .filter(|(_, v)| v.flags & (node_addr_flags::NODEPORT | node_addr_flags::SNAT) != 0)
+            .filter(|(_, v)| v.flags & node_addr_flags::OF_NODE != 0)
             .map(|(a, v)| ListedNodeAddr {
                 address: ip_from16(*a),
                 nodeport: v.flags & node_addr_flags::NODEPORT != 0,
+                localhost_nodeport: v.flags & node_addr_flags::LOCALHOST != 0,
                 snat: v.flags & node_addr_flags::SNAT != 0,
                 ifindex: v.ifindex,
             })
@@ -216,6 +219,9 @@ pub fn render_text(l: &Listing) -> String {
             let mut what = Vec::new();
             if a.nodeport {
                 what.push("nodeport");
+            }
+            if a.localhost_nodeport {
+                what.push("nodeport from the node only");
             }
             if a.snat {
                 what.push("snat");

@@ -136,7 +136,8 @@ struct PacketArgs {
     /// packet (pods outside the served cgroup, as service meshes need). Default: none.
     #[arg(long, value_delimiter = ',')]
     packet_lb_devices: Vec<String>,
-    /// The node addresses NodePorts answer on (never loopback) and healthCheckNodePort servers
+    /// The node addresses NodePorts answer on (loopback only as `--localhost-nodeports` says)
+    /// and healthCheckNodePort servers
     /// listen on, as kube-proxy's flag: CIDRs and the keywords `primary` (the node's primary
     /// address per family: the Node's InternalIP with the Kubernetes API, the devices' with
     /// manifests), `all` and `localhost`, comma separated. A family none of them covers has
@@ -144,6 +145,12 @@ struct PacketArgs {
     /// 0.0.0.0/0 or ::/0.
     #[arg(long, value_delimiter = ',', default_value = "primary")]
     nodeport_addresses: Vec<String>,
+    /// Whether the IPv4 loopback addresses `--nodeport-addresses` covers (`localhost`, `all`,
+    /// 127.0.0.0/8) answer NodePorts for processes of the node's own network namespace, as
+    /// kube-proxy's --iptables-localhost-nodeports. IPv6 loopback never does; nor does a
+    /// pod's loopback, nor loopback from outside the node.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    localhost_nodeports: bool,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
     /// node's ephemeral ports (net.ipv4.ip_local_port_range); an overlap with them is refused.
     #[arg(long)]
@@ -169,6 +176,13 @@ impl PacketArgs {
                 .collect(),
             nodeport_addresses,
             snat_ports,
+            localhost_nodeports: self.localhost_nodeports,
+            host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
+                tracing::warn!(
+                    "no localhost NodePorts: reading this network namespace's cookie: {e}"
+                );
+                0
+            }),
         })
     }
 }
@@ -350,6 +364,8 @@ fn main() -> anyhow::Result<()> {
                     serde_json::json!({
                         "address": ip,
                         "nodeport": v.flags & svc_common::node_addr_flags::NODEPORT != 0,
+                        "localhost_nodeport":
+                            v.flags & svc_common::node_addr_flags::LOCALHOST != 0,
                         "snat": v.flags & svc_common::node_addr_flags::SNAT != 0,
                         "ifindex": v.ifindex,
                     })

@@ -94,7 +94,8 @@ impl DeviceSpec {
 
 /// `--nodeport-addresses`, as kube-proxy reads it: CIDRs and the keywords `primary` (the node's
 /// primary address of each family, unless it is loopback), `all` (0.0.0.0/0 and ::/0) and
-/// `localhost` (127.0.0.0/8 and ::1/128, which svc never answers NodePorts on), in any mix. A
+/// `localhost` (127.0.0.0/8 and ::1/128; only IPv4 loopback answers, and only the node's own
+/// sockets, see `node_addrs`), in any mix. A
 /// family that ends up with no CIDR at all has every address chosen, as kube-proxy's
 /// NewNodePortAddresses gives it the zero CIDR: `10.0.0.0/8` alone leaves IPv6 NodePorts on
 /// every IPv6 address, and `primary` on a node without an IPv6 node IP does the same.
@@ -275,12 +276,16 @@ pub fn primary_ips(state: &NetState, devices: &[Device]) -> Vec<IpAddr> {
 
 /// SVC_NODE_ADDRS: the addresses NodePorts answer on (`nodeport`), and those of the external
 /// devices, usable as the source of SNATed flows. `primary`: the node's primary addresses
-/// (for `--nodeport-addresses primary`). Loopback never answers NodePorts (kube-proxy's rule).
+/// (for `--nodeport-addresses primary`). Loopback never answers NodePorts from a device; with
+/// `localhost` (kube-proxy's --iptables-localhost-nodeports) the IPv4 loopback addresses
+/// `nodeport` covers answer them for the node's own sockets (`LOCALHOST`), as in kube-proxy's
+/// iptables mode. IPv6 loopback never does, as in kube-proxy.
 pub fn node_addrs(
     state: &NetState,
     devices: &[Device],
     nodeport: &NodePortAddresses,
     primary: &[IpAddr],
+    localhost: bool,
 ) -> BTreeMap<IpAddr, NodeAddrValue> {
     let mut out: BTreeMap<IpAddr, NodeAddrValue> = BTreeMap::new();
     let device_of = |ip: IpAddr| {
@@ -314,6 +319,8 @@ pub fn node_addrs(
         };
         if chosen && !a.ip.is_loopback() {
             add(a.ip, node_addr_flags::NODEPORT, a.index);
+        } else if chosen && localhost && a.ip.is_ipv4() {
+            add(a.ip, node_addr_flags::LOCALHOST, a.index);
         }
     }
     for a in &state.addrs {
@@ -622,11 +629,11 @@ mod tests {
     }
 
     #[test]
-    fn node_port_addresses_follow_kube_proxys_flag_and_never_loopback() {
+    fn node_port_addresses_follow_kube_proxys_flag_and_loopback_only_for_the_nodes_sockets() {
         let s = node();
         let d = select(&DeviceSpec::Auto, &s, &[]);
         let p = primary_ips(&s, &d);
-        let got = node_addrs(&s, &d, &NodePortAddresses::primary(), &p);
+        let got = node_addrs(&s, &d, &NodePortAddresses::primary(), &p, true);
         let np = |m: &BTreeMap<IpAddr, NodeAddrValue>| -> Vec<String> {
             m.iter()
                 .filter(|(_, v)| v.flags & node_addr_flags::NODEPORT != 0)
@@ -642,7 +649,7 @@ mod tests {
         assert_eq!(snat, ["10.10.0.5@3", "192.168.1.10@2", "2001:db8::10@2"]);
 
         let all = NodePortAddresses::parse(&["0.0.0.0/0".into(), "::/0".into()]).unwrap();
-        let got = node_addrs(&s, &d, &all, &p);
+        let got = node_addrs(&s, &d, &all, &p, true);
         assert!(!np(&got).iter().any(|ip| ip == "127.0.0.1" || ip == "::1"));
         assert!(np(&got).contains(&"172.17.0.1".to_string()));
         let parse = |v: &[&str]| {
@@ -656,11 +663,17 @@ mod tests {
             .collect();
         assert!(!v6.is_empty());
         // A family no CIDR names has all its addresses chosen, as kube-proxy's zero CIDR.
-        let some = np(&node_addrs(&s, &d, &parse(&["10.0.0.0/8"]), &p));
+        let some = np(&node_addrs(&s, &d, &parse(&["10.0.0.0/8"]), &p, true));
         let v4: Vec<&String> = some.iter().filter(|ip| !ip.contains(':')).collect();
         assert_eq!(v4, ["10.10.0.5", "10.20.0.5", "10.30.0.5"]);
         assert!(v6.iter().all(|ip| some.contains(ip)), "{some:?}");
-        let some = np(&node_addrs(&s, &d, &parse(&["10.0.0.0/8", "fd00::/8"]), &p));
+        let some = np(&node_addrs(
+            &s,
+            &d,
+            &parse(&["10.0.0.0/8", "fd00::/8"]),
+            &p,
+            true,
+        ));
         assert_eq!(some, ["10.10.0.5", "10.20.0.5", "10.30.0.5"]);
         // Keywords, and keywords with CIDRs, as kube-proxy takes them.
         assert_eq!(parse(&["primary"]), NodePortAddresses::primary());
@@ -670,14 +683,37 @@ mod tests {
             &d,
             &parse(&["primary", "10.20.0.0/16"]),
             &p,
+            true,
         ));
         assert_eq!(mixed, ["10.20.0.5", "192.168.1.10", "2001:db8::10"]);
         assert_eq!(
-            np(&node_addrs(&s, &d, &parse(&["all"]), &p)),
-            np(&node_addrs(&s, &d, &all, &p))
+            np(&node_addrs(&s, &d, &parse(&["all"]), &p, true)),
+            np(&node_addrs(&s, &d, &all, &p, true))
         );
-        // Loopback never answers, named or not: `localhost` chooses nothing.
-        assert!(np(&node_addrs(&s, &d, &parse(&["localhost"]), &p)).is_empty());
+        // Loopback never answers from a device, named or not; IPv4 loopback answers the
+        // node's own sockets when chosen (kube-proxy's iptables localhost NodePorts), IPv6
+        // loopback never, and not with `--localhost-nodeports=false`.
+        let lh = |m: &BTreeMap<IpAddr, NodeAddrValue>| -> Vec<String> {
+            m.iter()
+                .filter(|(_, v)| v.flags & node_addr_flags::LOCALHOST != 0)
+                .map(|(ip, v)| {
+                    assert_eq!(v.flags, node_addr_flags::LOCALHOST, "{ip}");
+                    ip.to_string()
+                })
+                .collect()
+        };
+        let got = node_addrs(&s, &d, &parse(&["localhost"]), &p, true);
+        assert!(np(&got).is_empty());
+        assert_eq!(lh(&got), ["127.0.0.1"]);
+        assert_eq!(lh(&node_addrs(&s, &d, &all, &p, true)), ["127.0.0.1"]);
+        assert_eq!(
+            lh(&node_addrs(&s, &d, &parse(&["fd00::/8"]), &p, true)),
+            ["127.0.0.1"]
+        );
+        assert!(lh(&node_addrs(&s, &d, &all, &p, false)).is_empty());
+        assert!(lh(&node_addrs(&s, &d, &parse(&["localhost"]), &p, false)).is_empty());
+        assert!(lh(&node_addrs(&s, &d, &NodePortAddresses::primary(), &p, true)).is_empty());
+        assert!(lh(&node_addrs(&s, &d, &parse(&["10.0.0.0/8"]), &p, true)).is_empty());
         assert!(NodePortAddresses::parse(&["10.0.0.0/33".into()]).is_err());
         // "primary" with a loopback node IP (kube-proxy's fallback): that family has no
         // CIDR, so all of it is chosen, loopback still not.
@@ -685,7 +721,13 @@ mod tests {
             "127.0.0.1".parse().unwrap(),
             "2001:db8::10".parse().unwrap(),
         ];
-        let got = np(&node_addrs(&s, &d, &NodePortAddresses::primary(), &lo));
+        let got = np(&node_addrs(
+            &s,
+            &d,
+            &NodePortAddresses::primary(),
+            &lo,
+            true,
+        ));
         assert!(got.contains(&"172.17.0.1".to_string()) && !got.contains(&"127.0.0.1".to_string()));
         assert_eq!(
             got.iter().filter(|ip| ip.contains(':')).count(),

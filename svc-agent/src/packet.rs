@@ -19,6 +19,11 @@ pub struct PacketConfig {
     pub nodeport_addresses: NodePortAddresses,
     /// `--snat-port-range`, checked against the node's ephemeral ports.
     pub snat_ports: (u16, u16),
+    /// `--localhost-nodeports`: the IPv4 loopback addresses `--nodeport-addresses` covers
+    /// answer NodePorts for the node's own sockets.
+    pub localhost_nodeports: bool,
+    /// The node's network namespace cookie (the agent's); 0 when unknown.
+    pub host_netns: u64,
 }
 
 impl Default for PacketConfig {
@@ -29,19 +34,23 @@ impl Default for PacketConfig {
             pod_devices: Vec::new(),
             nodeport_addresses: NodePortAddresses::primary(),
             snat_ports: (61000, 65535),
+            localhost_nodeports: true,
+            host_netns: 0,
         }
     }
 }
 
 impl PacketConfig {
-    /// The one entry of SVC_CONFIG: SNAT ports; connection-tracking timeouts left at the
-    /// programs' built-in defaults (0).
+    /// The one entry of SVC_CONFIG: SNAT ports and the node's network namespace;
+    /// connection-tracking timeouts left at the programs' built-in defaults (0).
     pub fn datapath_config(&self) -> DatapathConfig {
-        DatapathConfig {
+        let mut c = DatapathConfig {
             snat_port_min: self.snat_ports.0,
             snat_port_max: self.snat_ports.1,
             ..Default::default()
-        }
+        };
+        c.set_host_netns_cookie(self.host_netns);
+        c
     }
 }
 
@@ -75,7 +84,13 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
             netdev::primary_ips(state, &candidates)
         }
     };
-    let addrs = netdev::node_addrs(state, &external, &cfg.nodeport_addresses, &primary);
+    let addrs = netdev::node_addrs(
+        state,
+        &external,
+        &cfg.nodeport_addresses,
+        &primary,
+        cfg.localhost_nodeports,
+    );
     let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &primary, &addrs, state);
     NodeView {
         external,

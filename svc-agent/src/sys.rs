@@ -191,6 +191,34 @@ pub fn coarse_now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// The cookie of this thread's network namespace (SO_NETNS_COOKIE, what
+/// bpf_get_netns_cookie gives the programs for a socket there).
+pub fn netns_cookie() -> io::Result<u64> {
+    // SAFETY: a new socket, owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a socket this function just opened.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: cookie and len describe a valid u64 buffer.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 
 /// Every entry of a hash map, read in batches (BPF_MAP_LOOKUP_BATCH): a few syscalls per

@@ -192,6 +192,14 @@ pub mod node_addr_flags {
     /// may still be addressed to it (an established flow of a deleted Service goes on, as
     /// under conntrack): kept until the agent finds none.
     pub const LINGER: u32 = 1 << 3;
+    /// A loopback address NodePorts answer on for the node's own sockets (kube-proxy's
+    /// localhost NodePorts: iptables mode, IPv4). Only the socket hooks honour it, and only
+    /// for a socket in the node's network namespace (`DatapathConfig::host_netns`): a pod's
+    /// loopback is its own, and a packet to loopback arriving on a device is a martian
+    /// (CVE-2020-8558), which the tc programs leave to the kernel.
+    pub const LOCALHOST: u32 = 1 << 4;
+    /// The bits that make it one of the node's own addresses.
+    pub const OF_NODE: u32 = NODEPORT | SNAT | LOCALHOST;
 }
 
 /// An address the external ingress looks at (key of `NODE_ADDRS`: the address, network byte
@@ -334,7 +342,24 @@ pub struct DatapathConfig {
     pub ct_udp_s: u32,
     pub ct_udp_stream_s: u32,
     pub ct_tcp_half_closed_s: u32,
-    pub _reserved: [u32; 7],
+    /// The node's network namespace cookie (the agent's own), as two host-order halves, low
+    /// first: a u64 would move the pinned entry's layout to 8-byte alignment. 0: unknown, and
+    /// no socket is taken as the node's (`node_addr_flags::LOCALHOST` answers none).
+    pub host_netns: [u32; 2],
+    pub _reserved: [u32; 5],
+}
+
+impl DatapathConfig {
+    /// `host_netns` as one cookie.
+    #[inline(always)]
+    pub fn host_netns_cookie(&self) -> u64 {
+        u64::from(self.host_netns[0]) | (u64::from(self.host_netns[1]) << 32)
+    }
+
+    /// `host_netns` from one cookie.
+    pub fn set_host_netns_cookie(&mut self, cookie: u64) {
+        self.host_netns = [cookie as u32, (cookie >> 32) as u32];
+    }
 }
 
 impl CtKey {

@@ -8,14 +8,14 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey, ServiceValue,
-    SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP, NODEPORT_ADDR_V4,
-    NODEPORT_ADDR_V6,
+    is_v4_mapped, node_addr_flags, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey,
+    ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
+    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
 };
 
 use crate::{
     lb,
-    maps::{count, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
+    maps::{count, SVC_CONFIG, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
 };
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -150,10 +150,8 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
         proto,
         scope: scope::CLUSTER,
     };
-    // A NodePort reached through a node address (nodeIP:nodePort) is found under its
-    // wildcard key, as kube-proxy serves it to local clients.
     let mut svc = ServiceValue::default();
-    match lb::resolve(&mut key, &mut svc) {
+    match resolve(ctx, &mut key, &mut svc) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
         refused => return Err(refuse(refused)),
@@ -186,6 +184,36 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     }
     count(stat::TRANSLATED);
     Ok(())
+}
+
+/// `lb::resolve` for a socket: a NodePort reached through a node address (nodeIP:nodePort)
+/// is found under its wildcard key, as kube-proxy serves it to local clients; through a
+/// loopback address (localhost NodePorts) only for a socket of the node's own network
+/// namespace.
+#[inline(always)]
+fn resolve(ctx: &SockAddrContext, key: &mut ServiceKey, out: &mut ServiceValue) -> lb::Outcome {
+    let outcome = lb::lookup(key, out);
+    if outcome != lb::NOT_SERVICE {
+        return outcome;
+    }
+    let mut node = lb::node_addr_flags(&key.addr);
+    if node & node_addr_flags::LOCALHOST != 0 && in_node_netns(ctx) {
+        node |= node_addr_flags::NODEPORT;
+    }
+    if !lb::nodeport_key(key, node) {
+        return lb::NOT_SERVICE;
+    }
+    lb::lookup(key, out)
+}
+
+/// Whether the socket lives in the node's network namespace, as the agent wrote it.
+#[inline(always)]
+fn in_node_netns(ctx: &SockAddrContext) -> bool {
+    let Some(node) = SVC_CONFIG.get(0).map(|c| c.host_netns_cookie()) else {
+        return false;
+    };
+    // SAFETY: the context is the kernel's bpf_sock_addr.
+    node != 0 && node == unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) }
 }
 
 /// Counts why a connection is refused; the caller sees ECONNREFUSED, as with kube-proxy's

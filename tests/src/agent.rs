@@ -39,6 +39,18 @@ pub struct ListOutput {
     /// Addresses kept for flows of removed frontends (SVC_NODE_ADDRS, LINGER).
     #[serde(default)]
     pub lingering_addresses: Vec<String>,
+    #[serde(default)]
+    pub node_addresses: Vec<ListNodeAddr>,
+}
+
+/// A node address of `svc-agent list -o json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ListNodeAddr {
+    pub address: String,
+    pub nodeport: bool,
+    #[serde(default)]
+    pub localhost_nodeport: bool,
+    pub snat: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

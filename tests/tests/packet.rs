@@ -1735,6 +1735,90 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
     assert_eq!(a.source.as_deref(), Some("10.244.1.2"), "{a:?}");
 }
 
+/// Localhost NodePorts, as kube-proxy's iptables mode serves them (`--nodeport-addresses`
+/// covering 127.0.0.0/8, `--iptables-localhost-nodeports`): a process of node 1 reaches a
+/// NodePort on 127.0.0.1 over TCP and UDP, and sees 127.0.0.1:NodePort as its peer; IPv6
+/// loopback never answers; a pod's loopback stays its own (pod 1 reaches what listens on its
+/// own 127.0.0.1 at that port); the default (`primary`) and `--localhost-nodeports=false`
+/// leave loopback alone.
+#[test]
+fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 43, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    // What pod 1 runs on its own loopback at the NodePort's number.
+    let _own = Echo::start(&t.pod1, "pod1-loopback", &["127.0.0.1"], 30082, 30082);
+    let probe = |t: &Topo, ns: &NetNs, args: &[&str]| -> svc_tests::Report {
+        svc_tests::ClientRun::spawn(
+            &t.tools.probe,
+            &t.cgroup,
+            ns,
+            &args.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+        )
+        .expect("probe")
+        .wait(Duration::from_secs(20))
+        .expect("probe report")
+    };
+    let refused = |r: &svc_tests::Report, what: &str| {
+        assert!(
+            !r.results.is_empty() && r.results.iter().all(|a| !a.ok),
+            "{what}: nothing listens there, the agent must not answer: {r:?}"
+        );
+    };
+
+    t.start_agent();
+    let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.1:30082"]);
+    refused(&r, "default --nodeport-addresses (primary)");
+    t.agent = None;
+
+    t.start_agent_with(&["--nodeport-addresses", "primary,localhost"]);
+    let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.1:30082"]);
+    assert!(r.all_ok(), "{r:?}");
+    let a = &r.results[0];
+    assert_eq!(a.backend.as_deref(), Some("pod2"), "{a:?}");
+    assert_eq!(a.peer.as_deref(), Some("127.0.0.1:30082"), "{a:?}");
+    let r = probe(&t, &t.node1, &["udp", "--to", "127.0.0.1:30082"]);
+    assert!(r.all_ok(), "{r:?}");
+    let a = &r.results[0];
+    assert_eq!(a.backend.as_deref(), Some("pod2"), "{a:?}");
+    assert_eq!(a.from.as_deref(), Some("127.0.0.1:30082"), "{a:?}");
+    let r = probe(&t, &t.pod1, &["tcp", "--to", "127.0.0.1:30082"]);
+    assert!(r.all_ok(), "{r:?}");
+    assert_eq!(
+        r.results[0].backend.as_deref(),
+        Some("pod1-loopback"),
+        "a pod's loopback is its own: {r:?}"
+    );
+    let r = probe(&t, &t.node1, &["tcp", "--to", "[::1]:30082"]);
+    refused(&r, "IPv6 loopback");
+    // The node address itself answers as before, from the node and from pods.
+    let r = probe(
+        &t,
+        &t.node1,
+        &["tcp", "--to", &sa(NODE1, 30082).to_string()],
+    );
+    assert!(r.all_ok(), "{r:?}");
+    let listing = t.agent().list().expect("svc-agent list");
+    let lo: Vec<_> = listing
+        .node_addresses
+        .iter()
+        .filter(|a| a.address.starts_with("127.") || a.address == "::1")
+        .collect();
+    assert!(
+        matches!(lo[..], [a] if a.address == "127.0.0.1" && a.localhost_nodeport && !a.nodeport),
+        "{listing:?}"
+    );
+    t.agent = None;
+
+    t.start_agent_with(&[
+        "--nodeport-addresses",
+        "primary,localhost",
+        "--localhost-nodeports=false",
+    ]);
+    let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.1:30082"]);
+    refused(&r, "--localhost-nodeports=false");
+}
+
 /// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address
 /// in this process's own namespace: how an agent inside node 1 reaches the test's
 /// kube-apiserver on the host's loopback (the kubeconfig stays as it is, TLS passes through).

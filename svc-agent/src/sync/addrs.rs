@@ -1,7 +1,7 @@
 //! SVC_NODE_ADDRS: the addresses the external ingress looks at. A packet to any other
 //! address passes it after one small lookup, without the connection-tracking and frontend
 //! lookups, so the map must hold every address a flow or a frontend of svc is addressed to:
-//! - the node's addresses (`node_addr_flags::NODEPORT`, `SNAT`), as the node sync reads them;
+//! - the node's addresses (`node_addr_flags::OF_NODE`), as the node sync reads them;
 //! - the address of every programmed EXTERNAL frontend but the NodePort wildcard (ExternalIPs,
 //!   LoadBalancer IPs: `EXTERNAL`), written before the frontend's master entry, so its first
 //!   packet is looked at;
@@ -204,7 +204,7 @@ impl Programmed {
 /// How an error names address `k` with `flags`.
 fn describe(k: [u8; 16], flags: u32) -> String {
     let ip = ip_from16(k);
-    if flags & (node_addr_flags::NODEPORT | node_addr_flags::SNAT) != 0 {
+    if flags & node_addr_flags::OF_NODE != 0 {
         format!("node address {ip}")
     } else if flags & node_addr_flags::EXTERNAL != 0 {
         format!("external frontend address {ip}")
