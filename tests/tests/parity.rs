@@ -1878,6 +1878,13 @@ fn nodeport(ctx: &mut Ctx) -> Result<()> {
         &["b1"],
         None,
     )?;
+    ctx.check(
+        "localhost",
+        "TCP from the node itself to 127.0.0.1:nodePort (localhost NodePorts)",
+        Probe::tcp(sa("127.0.0.1".parse()?, http), 3).short(),
+        &["b1", &via_node("b1", n4), "refused", "timeout"],
+        None,
+    )?;
     let uplink: IpAddr = ctx.world.proxies[0].sb.uplink_v4().into();
     ctx.check(
         "other-address",
