@@ -41,6 +41,17 @@ pub struct ListOutput {
     pub lingering_addresses: Vec<String>,
     #[serde(default)]
     pub node_addresses: Vec<ListNodeAddr>,
+    #[serde(default)]
+    pub ct_timeouts: ListCtTimeouts,
+}
+
+/// The idle timeouts in effect, seconds, of `svc-agent list -o json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct ListCtTimeouts {
+    pub tcp_established_s: u32,
+    pub tcp_close_wait_s: u32,
+    pub udp_s: u32,
+    pub udp_stream_s: u32,
 }
 
 /// A node address of `svc-agent list -o json`.

@@ -1735,6 +1735,92 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
     assert_eq!(a.source.as_deref(), Some("10.244.1.2"), "{a:?}");
 }
 
+/// kube-proxy's conntrack timeout flags set the idle timeouts of svc's flows. With
+/// `--conntrack-tcp-timeout-established=2s`, an established NodePort connection (to the remote
+/// backend: DNAT and SNAT) idle for longer is forgotten, and its next segment, which no flow
+/// knows, is the node's own: reset, as under kube-proxy once conntrack forgets it. By default
+/// (kube-proxy's 24h) one idle as long carries on. A value kube-proxy would refuse is refused,
+/// naming the flag.
+#[test]
+fn conntrack_timeouts_follow_kube_proxys_flags() {
+    let mut t = Topo::new();
+    t.service("web", nodeport("web", 44, 30086));
+    t.endpoints("web", &[REMOTE_POD]);
+    let to = sa(NODE1, 30086);
+    let idle = Duration::from_millis(4500);
+    let connect = |t: &Topo| {
+        in_ns(&t.client, move || {
+            TcpStream::connect_timeout(&to, ANSWER).expect("connecting")
+        })
+    };
+    let via_node = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+
+    t.start_agent_with(&[
+        "--conntrack-tcp-timeout-established",
+        "2s",
+        "--conntrack-udp-timeout-stream=1m30s",
+    ]);
+    let shown = t.agent().list().expect("svc-agent list").ct_timeouts;
+    assert_eq!(
+        (
+            shown.tcp_established_s,
+            shown.tcp_close_wait_s,
+            shown.udp_s,
+            shown.udp_stream_s
+        ),
+        (2, 3_600, 30, 90)
+    );
+    let c = connect(&t);
+    assert_eq!(exchange(&c).expect("first exchange"), via_node);
+    std::thread::sleep(idle);
+    let after = exchange(&c);
+    let reset = matches!(&after, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
+    assert!(
+        reset,
+        "idle past --conntrack-tcp-timeout-established, the flow is forgotten and the node \
+         resets its next segment: {after:?}"
+    );
+    t.agent = None;
+
+    t.start_agent();
+    let shown = t.agent().list().expect("svc-agent list").ct_timeouts;
+    assert_eq!(
+        (
+            shown.tcp_established_s,
+            shown.tcp_close_wait_s,
+            shown.udp_s,
+            shown.udp_stream_s
+        ),
+        (86_400, 3_600, 30, 120)
+    );
+    let c = connect(&t);
+    assert_eq!(exchange(&c).expect("first exchange"), via_node);
+    std::thread::sleep(idle);
+    assert_eq!(
+        exchange(&c).expect("idle for less than the default 24h: the flow carries on"),
+        via_node
+    );
+
+    for (flag, value) in [
+        ("--conntrack-tcp-timeout-established", "5"),
+        ("--conntrack-udp-timeout", "-30s"),
+        ("--conntrack-tcp-timeout-close-wait", "1d"),
+    ] {
+        let out = std::process::Command::new(&t.tools.agent)
+            .args(["devices".to_string(), format!("{flag}={value}")])
+            .output()
+            .expect("running svc-agent devices");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(flag),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
 /// Localhost NodePorts, as kube-proxy's iptables mode serves them (`--nodeport-addresses`
 /// covering 127.0.0.0/8, `--iptables-localhost-nodeports`): a process of node 1 reaches a
 /// NodePort on 127.0.0.1 over TCP and UDP, and sees 127.0.0.1:NodePort as its peer; IPv6
