@@ -1594,6 +1594,8 @@ mod tests {
     #[test]
     fn flows_and_snat_ports_count_only_live_flows() {
         let now = 100_000;
+        // Older than established TCP's timeout.
+        let stale = u64::from(svc_common::ct_timeout::TCP_ESTABLISHED_S) + 100;
         let closed = ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
         let entries = [
             // Established TCP, both fresh.
@@ -1611,20 +1613,20 @@ mod tests {
                 40002,
                 61002,
                 ct_flags::SEEN_REPLY,
-                now - 7_300,
+                now - stale,
                 now - 1,
             ),
             // Closed a moment ago: alive for its closing timeout, its port reclaimable.
             flow(IPPROTO_TCP, 40003, 61003, closed, now - 1, now - 1),
-            // Dead: UDP silent for longer than its timeout, TCP for longer than 7,200 s.
+            // Dead: UDP silent for longer than its timeout, TCP for longer than its established timeout.
             flow(IPPROTO_UDP, 40004, 61004, 0, now - 3_600, now - 3_600),
             flow(
                 IPPROTO_TCP,
                 40005,
                 61005,
                 ct_flags::SEEN_REPLY,
-                now - 7_300,
-                now - 7_300,
+                now - stale,
+                now - stale,
             ),
         ];
         // Dead, its reply tuple taken by the first flow (the same SNAT port): that flow's
@@ -1634,7 +1636,7 @@ mod tests {
             40006,
             61001,
             ct_flags::SEEN_REPLY,
-            now - 7_300,
+            now - stale,
             0,
         );
         let mut count = FlowCount::new(now * S, DatapathConfig::default());

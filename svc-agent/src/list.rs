@@ -26,6 +26,17 @@ pub struct Listing {
     pub lingering_addresses: Vec<IpAddr>,
     /// SNAT source ports of the packet datapath (SVC_CONFIG); 0-0 when not configured.
     pub snat_ports: String,
+    /// Idle timeouts of the packet datapath's flows in effect (SVC_CONFIG, or the built-in
+    /// defaults), seconds.
+    pub ct_timeouts: ListedCtTimeouts,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ListedCtTimeouts {
+    pub tcp_established_s: u32,
+    pub tcp_close_wait_s: u32,
+    pub udp_s: u32,
+    pub udp_stream_s: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -123,6 +134,15 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             .collect(),
         lingering_addresses: p.lingering().into_iter().map(ip_from16).collect(),
         snat_ports: format!("{}-{}", config.snat_port_min, config.snat_port_max),
+        ct_timeouts: {
+            use svc_common::{ct_flags as f, ct_timeout::seconds, IPPROTO_TCP, IPPROTO_UDP};
+            ListedCtTimeouts {
+                tcp_established_s: seconds(&config, IPPROTO_TCP, f::SEEN_REPLY),
+                tcp_close_wait_s: seconds(&config, IPPROTO_TCP, f::SEEN_REPLY | f::FIN),
+                udp_s: seconds(&config, IPPROTO_UDP, 0),
+                udp_stream_s: seconds(&config, IPPROTO_UDP, f::SEEN_REPLY),
+            }
+        },
     })
 }
 
@@ -231,13 +251,18 @@ pub fn render_text(l: &Listing) -> String {
         .collect();
     let _ = writeln!(
         out,
-        "Node addresses: {}\nSNAT ports: {}",
+        "Node addresses: {}\nSNAT ports: {}\nIdle timeouts: TCP established {}s, close-wait {}s; \
+         UDP {}s, with replies {}s",
         if addrs.is_empty() {
             "-".to_string()
         } else {
             addrs.join(", ")
         },
-        l.snat_ports
+        l.snat_ports,
+        l.ct_timeouts.tcp_established_s,
+        l.ct_timeouts.tcp_close_wait_s,
+        l.ct_timeouts.udp_s,
+        l.ct_timeouts.udp_stream_s,
     );
     if !l.lingering_addresses.is_empty() {
         let lingering: Vec<String> = l

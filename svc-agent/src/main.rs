@@ -151,6 +151,23 @@ struct PacketArgs {
     /// pod's loopback, nor loopback from outside the node.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     localhost_nodeports: bool,
+    /// Idle timeout of established TCP flows through NodePorts, ExternalIPs and LoadBalancer
+    /// IPs (and per-packet ClusterIP flows), as kube-proxy's flag of that name sets it for
+    /// conntrack: a Go duration; 0 for the built-in 24h.
+    #[arg(long, default_value = "24h0m0s")]
+    conntrack_tcp_timeout_established: String,
+    /// Idle timeout of a TCP flow closed one way (a FIN from one side only: conntrack's
+    /// CLOSE_WAIT), as kube-proxy's flag; 0 for the built-in 1h.
+    #[arg(long, default_value = "1h0m0s")]
+    conntrack_tcp_timeout_close_wait: String,
+    /// Idle timeout of a UDP flow that has had no reply, as kube-proxy's flag; 0 for the
+    /// built-in 30s, the kernel's.
+    #[arg(long, default_value = "0")]
+    conntrack_udp_timeout: String,
+    /// Idle timeout of a UDP flow with replies, as kube-proxy's flag; 0 for the built-in
+    /// 120s, the kernel's.
+    #[arg(long, default_value = "0")]
+    conntrack_udp_timeout_stream: String,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
     /// node's ephemeral ports (net.ipv4.ip_local_port_range); an overlap with them is refused.
     #[arg(long)]
@@ -177,6 +194,28 @@ impl PacketArgs {
             nodeport_addresses,
             snat_ports,
             localhost_nodeports: self.localhost_nodeports,
+            ct_timeouts: packet::CtTimeouts {
+                tcp_established_s: packet::parse_timeout(
+                    "--conntrack-tcp-timeout-established",
+                    &self.conntrack_tcp_timeout_established,
+                )
+                .map_err(anyhow::Error::msg)?,
+                tcp_close_wait_s: packet::parse_timeout(
+                    "--conntrack-tcp-timeout-close-wait",
+                    &self.conntrack_tcp_timeout_close_wait,
+                )
+                .map_err(anyhow::Error::msg)?,
+                udp_s: packet::parse_timeout(
+                    "--conntrack-udp-timeout",
+                    &self.conntrack_udp_timeout,
+                )
+                .map_err(anyhow::Error::msg)?,
+                udp_stream_s: packet::parse_timeout(
+                    "--conntrack-udp-timeout-stream",
+                    &self.conntrack_udp_timeout_stream,
+                )
+                .map_err(anyhow::Error::msg)?,
+            },
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(
                     "no localhost NodePorts: reading this network namespace's cookie: {e}"

@@ -24,6 +24,31 @@ pub struct PacketConfig {
     pub localhost_nodeports: bool,
     /// The node's network namespace cookie (the agent's); 0 when unknown.
     pub host_netns: u64,
+    /// Connection-tracking idle timeouts (kube-proxy's --conntrack-* flags).
+    pub ct_timeouts: CtTimeouts,
+}
+
+/// Idle timeouts of the packet datapath's flows, seconds; 0 leaves the programs' built-in
+/// default (`svc_common::ct_timeout`, the kernel's for UDP).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtTimeouts {
+    pub tcp_established_s: u32,
+    /// A TCP flow with a FIN one way (conntrack's CLOSE_WAIT).
+    pub tcp_close_wait_s: u32,
+    pub udp_s: u32,
+    pub udp_stream_s: u32,
+}
+
+impl Default for CtTimeouts {
+    /// kube-proxy's defaults: 24 h established, 1 h close-wait, UDP left to the built-in.
+    fn default() -> Self {
+        CtTimeouts {
+            tcp_established_s: svc_common::ct_timeout::TCP_ESTABLISHED_S,
+            tcp_close_wait_s: svc_common::ct_timeout::TCP_HALF_CLOSED_S,
+            udp_s: 0,
+            udp_stream_s: 0,
+        }
+    }
 }
 
 impl Default for PacketConfig {
@@ -36,17 +61,23 @@ impl Default for PacketConfig {
             snat_ports: (61000, 65535),
             localhost_nodeports: true,
             host_netns: 0,
+            ct_timeouts: CtTimeouts::default(),
         }
     }
 }
 
 impl PacketConfig {
-    /// The one entry of SVC_CONFIG: SNAT ports and the node's network namespace;
-    /// connection-tracking timeouts left at the programs' built-in defaults (0).
+    /// The one entry of SVC_CONFIG: SNAT ports, connection-tracking timeouts and the node's
+    /// network namespace.
     pub fn datapath_config(&self) -> DatapathConfig {
+        let t = self.ct_timeouts;
         let mut c = DatapathConfig {
             snat_port_min: self.snat_ports.0,
             snat_port_max: self.snat_ports.1,
+            ct_tcp_established_s: t.tcp_established_s,
+            ct_tcp_half_closed_s: t.tcp_close_wait_s,
+            ct_udp_s: t.udp_s,
+            ct_udp_stream_s: t.udp_stream_s,
             ..Default::default()
         };
         c.set_host_netns_cookie(self.host_netns);
@@ -181,9 +212,86 @@ pub fn snat_ports(given: Option<&str>, ephemeral: (u16, u16)) -> Result<(u16, u1
     ))
 }
 
+/// A timeout flag's value as kube-proxy takes it: a Go duration (`24h0m0s`, `1h`, `90s`,
+/// `1.5h`), `0` for the built-in default; whole seconds, as conntrack keeps them. Hand-written:
+/// no crate reads Go's duration syntax (signed, fractional, `µs`, units run together).
+pub fn parse_timeout(flag: &str, text: &str) -> Result<u32, String> {
+    let bad = |why: &str| format!("{flag} {text:?}: {why} (a duration such as 24h0m0s, 1h or 30s)");
+    let t = text.trim();
+    if t == "0" {
+        return Ok(0);
+    }
+    if t.is_empty() {
+        return Err(bad("empty"));
+    }
+    let mut rest = t.strip_prefix('+').unwrap_or(t);
+    if rest.starts_with('-') {
+        return Err(bad("negative"));
+    }
+    let mut nanos: f64 = 0.0;
+    while !rest.is_empty() {
+        let n = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| bad("a number without a unit"))?;
+        let number: f64 = rest[..n]
+            .parse()
+            .map_err(|_| bad("not a number before a unit"))?;
+        rest = &rest[n..];
+        let u = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..u] {
+            "ns" => 1.0,
+            "us" | "µs" | "μs" => 1e3,
+            "ms" => 1e6,
+            "s" => 1e9,
+            "m" => 60e9,
+            "h" => 3600e9,
+            _ => return Err(bad("unknown unit")),
+        };
+        rest = &rest[u..];
+        nanos += number * scale;
+    }
+    let secs = (nanos / 1e9).floor();
+    if secs > f64::from(u32::MAX) {
+        return Err(bad("too long"));
+    }
+    if secs < 1.0 && nanos > 0.0 {
+        return Err(bad(
+            "shorter than the one-second resolution of connection tracking",
+        ));
+    }
+    Ok(secs as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_read_as_kube_proxy_reads_its_conntrack_flags() {
+        let p = |t: &str| parse_timeout("--t", t);
+        assert_eq!(p("24h0m0s"), Ok(86_400));
+        assert_eq!(p("1h"), Ok(3_600));
+        assert_eq!(p("1h30m"), Ok(5_400));
+        assert_eq!(p("1.5h"), Ok(5_400));
+        assert_eq!(p("90s"), Ok(90));
+        assert_eq!(p("1500ms"), Ok(1));
+        assert_eq!(p("0"), Ok(0));
+        assert_eq!(p("0s"), Ok(0));
+        for bad in [
+            "", "-1h", "5", "1d", "h", "1h-2m", "500ms", "1.2.3s", "2000000h",
+        ] {
+            let e = p(bad).unwrap_err();
+            assert!(e.starts_with("--t "), "{bad}: {e}");
+        }
+        let c = PacketConfig::default().datapath_config();
+        assert_eq!(
+            (c.ct_tcp_established_s, c.ct_tcp_half_closed_s),
+            (86_400, 3_600)
+        );
+        assert_eq!((c.ct_udp_s, c.ct_udp_stream_s), (0, 0));
+    }
 
     #[test]
     fn snat_ports_default_above_the_ephemeral_range_and_overlaps_are_refused() {

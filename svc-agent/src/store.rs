@@ -455,8 +455,9 @@ mod tests {
         let now = v.last_seen_ns + 60 * 1_000_000_000;
         assert_eq!(flow_destination(&forward, &v, now, &c), Some(frontend));
         assert_eq!(flow_destination(&reply, &rv, now, &c), Some(frontend));
-        // Established TCP lives 7,200 s without a packet.
-        let later = v.last_seen_ns + 7_201 * 1_000_000_000;
+        // Established TCP lives its timeout without a packet, not a second more.
+        let later = v.last_seen_ns
+            + (u64::from(svc_common::ct_timeout::TCP_ESTABLISHED_S) + 1) * 1_000_000_000;
         assert_eq!(flow_destination(&forward, &v, later, &c), None);
         let pod = CtValue {
             flags: v.flags | ct_flags::POD,

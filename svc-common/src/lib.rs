@@ -408,11 +408,15 @@ impl CtKey {
 pub mod ct_timeout {
     use super::{ct_flags, DatapathConfig, IPPROTO_TCP};
 
-    pub const TCP_ESTABLISHED_S: u32 = 7200;
+    /// kube-proxy's --conntrack-tcp-timeout-established default, which it sets for the
+    /// node's conntrack: an idle connection through a NodePort lives as long as under it.
+    pub const TCP_ESTABLISHED_S: u32 = 86_400;
     pub const TCP_CLOSING_S: u32 = 10;
     /// A FIN one way only: the other may still send, and its peer wait for it (conntrack's
-    /// CLOSE_WAIT, where a connection is once its FIN is acknowledged).
-    pub const TCP_HALF_CLOSED_S: u32 = 60;
+    /// CLOSE_WAIT, where a connection is once its FIN is acknowledged). kube-proxy's
+    /// --conntrack-tcp-timeout-close-wait default: the side that has not closed may keep its
+    /// socket open long (kubernetes#32551), and its late FIN must still be translated.
+    pub const TCP_HALF_CLOSED_S: u32 = 3_600;
     pub const TCP_SYN_S: u32 = 60;
     pub const UDP_S: u32 = 30;
     pub const UDP_STREAM_S: u32 = 120;
@@ -942,9 +946,12 @@ mod tests {
     fn ct_timeouts_default_unless_the_agent_set_one() {
         let mut c = DatapathConfig::default();
         let est = ct_flags::SEEN_REPLY;
-        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est), 7200);
+        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est), 86_400);
         let fin_forward = ct_flags::FIN | ct_flags::FIN_FORWARD;
-        assert_eq!(ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward), 60);
+        assert_eq!(
+            ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward),
+            3_600
+        );
         assert_eq!(
             ct_timeout::seconds(&c, IPPROTO_TCP, est | fin_forward | ct_flags::FIN_REPLY),
             10
