@@ -1405,8 +1405,9 @@ pub struct PacketStats {
     pub flows: u64,
     pub snat_flows: u64,
     /// The most SNAT ports one (SNAT address, backend) pair holds for live flows that are
-    /// not closed (a closed or dead flow's port goes to the next new flow that needs it): a
-    /// new flow to that backend is dropped once this reaches the size of the SNAT port range.
+    /// not closed nor idle both ways for the reclaim bound (a closed, dead or long-idle
+    /// flow's port goes to the next new flow that needs it): a new flow to that backend is
+    /// dropped once this reaches the size of the SNAT port range.
     pub snat_ports_max: u64,
 }
 
@@ -1428,6 +1429,11 @@ pub struct FlowCount {
     stale: Vec<(svc_common::CtKey, svc_common::CtKey, svc_common::CtValue)>,
     /// REPLY entries within their timeout, to the FORWARD key they lead to.
     fresh_replies: std::collections::HashMap<svc_common::CtKey, svc_common::CtKey>,
+    /// Live SNATed flows not closed (FORWARD key and entry): their ports are counted at the
+    /// end, when both directions' last packets are known.
+    snat_open: Vec<(svc_common::CtKey, svc_common::CtValue)>,
+    /// SNATed REPLY entries: the FORWARD key they lead to and their last packet.
+    snat_replies: std::collections::HashMap<svc_common::CtKey, (svc_common::CtKey, u64)>,
 }
 
 impl FlowCount {
@@ -1440,6 +1446,8 @@ impl FlowCount {
             ports: Default::default(),
             stale: Default::default(),
             fresh_replies: Default::default(),
+            snat_open: Default::default(),
+            snat_replies: Default::default(),
         }
     }
 
@@ -1450,6 +1458,9 @@ impl FlowCount {
             v.flags,
         )) * 1_000_000_000;
         let fresh = self.now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns;
+        if k.dir == svc_common::ct_dir::REPLY && v.flags & svc_common::ct_flags::SNAT != 0 {
+            self.snat_replies.insert(*k, (k.partner(v), v.last_seen_ns));
+        }
         match (k.dir == svc_common::ct_dir::FORWARD, fresh) {
             (true, true) => self.live(k, v),
             (true, false) => self.stale.push((*k, k.partner(v), *v)),
@@ -1468,10 +1479,7 @@ impl FlowCount {
         }
         self.snat_flows += 1;
         if !ct_flags::closed(v.flags) {
-            *self
-                .ports
-                .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
-                .or_default() += 1;
+            self.snat_open.push((*k, *v));
         }
     }
 
@@ -1482,6 +1490,26 @@ impl FlowCount {
             if self.fresh_replies.get(partner) == Some(k) {
                 self.live(k, v);
             }
+        }
+        // A flow idle both ways for the reclaim bound gives its port to a new flow that needs
+        // it, as the datapath's SNAT search does.
+        let bound = u64::from(match self.config.snat_reclaim_idle_s {
+            0 => svc_common::ct_timeout::SNAT_RECLAIM_IDLE_S,
+            s => s,
+        }) * 1_000_000_000;
+        for (k, v) in std::mem::take(&mut self.snat_open) {
+            let reply = self
+                .snat_replies
+                .get(&k.partner(&v))
+                .filter(|(to, _)| *to == k)
+                .map_or(0, |(_, seen)| *seen);
+            if self.now_ns.saturating_sub(v.last_seen_ns.max(reply)) > bound {
+                continue;
+            }
+            *self
+                .ports
+                .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
+                .or_default() += 1;
         }
         let most = self.ports.values().copied().max().unwrap_or(0);
         (self.flows, self.snat_flows, most)
@@ -1629,6 +1657,17 @@ mod tests {
                 now - stale,
             ),
         ];
+        // Alive (established TCP lives 24 h idle), but idle both ways past the SNAT reclaim
+        // bound: its port is not counted in use.
+        let idle = u64::from(svc_common::ct_timeout::SNAT_RECLAIM_IDLE_S) + 60;
+        let long_idle = flow(
+            IPPROTO_TCP,
+            40007,
+            61007,
+            ct_flags::SEEN_REPLY,
+            now - idle,
+            now - idle,
+        );
         // Dead, its reply tuple taken by the first flow (the same SNAT port): that flow's
         // freshness is not its own.
         let [old, _] = flow(
@@ -1640,9 +1679,14 @@ mod tests {
             0,
         );
         let mut count = FlowCount::new(now * S, DatapathConfig::default());
-        for (k, v) in entries.iter().flatten().chain([old].iter()) {
+        for (k, v) in entries
+            .iter()
+            .flatten()
+            .chain([old].iter())
+            .chain(&long_idle)
+        {
             count.add(k, v);
         }
-        assert_eq!(count.finish(), (3, 3, 2));
+        assert_eq!(count.finish(), (4, 4, 2));
     }
 }

@@ -4281,6 +4281,138 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
     );
 }
 
+/// A SNAT port held by an open flow idle both ways for `snat_reclaim_idle_s` (default 2 h)
+/// goes to a new flow that finds the range full: established flows live 24 h idle, as under
+/// kube-proxy, and clients that vanish without a FIN would otherwise hold a backend's few
+/// thousand SNAT ports for a day. A flow idle one way only, or for less than the bound, keeps
+/// its port.
+#[test]
+fn a_snat_port_held_by_a_long_idle_flow_goes_to_a_new_flow_when_the_range_is_full() {
+    let mut dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let t = IPPROTO_TCP;
+    let now = monotonic_ns();
+    let ago = |s: u64| now.saturating_sub(s * 1_000_000_000);
+    assert!(now > 300 * 1_000_000_000, "the clock must reach 300 s back");
+    // Port -> (the client's side last seen, the backend's side last seen).
+    let idle_both = (ago(120), ago(120));
+    let held: Vec<(u16, (u64, u64))> = vec![
+        (62000, idle_both),
+        (62001, idle_both),
+        (62002, idle_both),
+        (62003, idle_both),
+        (62004, idle_both),
+        (62005, (ago(30), ago(30))),
+        (62006, (ago(120), ago(5))),
+        (62007, (ago(5), ago(120))),
+    ];
+    let put = |dp: &mut Dp, port: u16, (fwd_seen, rep_seen): (u64, u64)| {
+        let client = format!("198.18.7.{}:{}", port - 61990, 41000 + (port - 62000));
+        let (fe, b, c) = (sa(np), sa(backend), sa(&client));
+        let fwd = CtValue {
+            nat_addr: addr16(b.ip()),
+            nat_port_be: b.port().to_be(),
+            snat_addr: ip16("192.0.2.10"),
+            snat_port_be: port.to_be(),
+            flags: ct_flags::SNAT | ct_flags::SEEN_REPLY,
+            id: 2,
+            ifindex: dp.ext0,
+            last_seen_ns: fwd_seen,
+            ..Default::default()
+        };
+        let rep = CtValue {
+            nat_addr: addr16(fe.ip()),
+            nat_port_be: fe.port().to_be(),
+            snat_addr: addr16(c.ip()),
+            snat_port_be: c.port().to_be(),
+            last_seen_ns: rep_seen,
+            ..fwd
+        };
+        dp.ct
+            .insert(ct_key(&client, np, t, ct_dir::FORWARD), fwd, 0)
+            .unwrap();
+        dp.ct
+            .insert(
+                ct_key(backend, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
+                rep,
+                0,
+            )
+            .unwrap();
+        client
+    };
+    let mut olds = Vec::new();
+    for (port, seen) in &held {
+        olds.push((*port, put(&mut dp, *port, *seen)));
+    }
+    let syn = |dp: &Dp, c: &str| {
+        dp.run_on(ExtIngress, dp.ext0, &tcp(c, np, TCP_SYN).bytes(), 1)
+            .0
+    };
+
+    // The default bound (2 h): none of them is idle for that long.
+    dp.set_config(DatapathConfig {
+        snat_port_min: 62000,
+        snat_port_max: 62007,
+        ..Default::default()
+    });
+    assert_eq!(
+        syn(&dp, "203.0.113.30:40200"),
+        SHOT,
+        "no flow idle for 2 h: exhausted"
+    );
+
+    dp.set_config(DatapathConfig {
+        snat_port_min: 62000,
+        snat_port_max: 62007,
+        snat_reclaim_idle_s: 60,
+        ..Default::default()
+    });
+    let mut taken = Vec::new();
+    for c in ["203.0.113.31:40201", "203.0.113.32:40202"] {
+        assert_eq!(
+            syn(&dp, c),
+            REDIRECT,
+            "{c}: a flow idle both ways gives its port up"
+        );
+        let fwd = dp
+            .ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
+            .unwrap_or_else(|| panic!("{c}: its FORWARD entry"));
+        taken.push(u16::from_be(fwd.snat_port_be));
+    }
+    taken.sort();
+    taken.dedup();
+    assert!(
+        taken.len() == 2 && taken.iter().all(|p| (62000..=62004).contains(p)),
+        "two new flows on two ports of flows idle both ways: {taken:?}"
+    );
+    for (port, client) in &olds {
+        let gone = dp
+            .ct_entry(&ct_key(client, np, t, ct_dir::FORWARD))
+            .is_none();
+        assert_eq!(gone, taken.contains(port), "port {port}'s old flow");
+    }
+    // The other idle flows come back to life: every port is held by a flow that is not idle
+    // both ways for the bound, and the next flow is dropped.
+    for (port, seen) in &held {
+        if (62000..=62004).contains(port) && !taken.contains(port) {
+            put(&mut dp, *port, (ago(1), ago(1)));
+        } else if !taken.contains(port) {
+            put(&mut dp, *port, *seen);
+        }
+    }
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    assert_eq!(
+        syn(&dp, "203.0.113.33:40203"),
+        SHOT,
+        "idle one way only, or not long enough"
+    );
+    assert_eq!(
+        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
+        before + 1
+    );
+}
+
 /// A SNAT port that another CPU is reclaiming (its claim in `SVC_SNAT_CLAIMS`: it has checked the
 /// closed flow there and is about to remove it and store its own) is not reclaimed again: two
 /// CPUs that both found the closed flow would otherwise both remove and claim the port, the

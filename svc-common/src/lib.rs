@@ -346,7 +346,10 @@ pub struct DatapathConfig {
     /// first: a u64 would move the pinned entry's layout to 8-byte alignment. 0: unknown, and
     /// no socket is taken as the node's (`node_addr_flags::LOCALHOST` answers none).
     pub host_netns: [u32; 2],
-    pub _reserved: [u32; 5],
+    /// Seconds a SNATed flow must have been idle (both ways) before a new flow may take its
+    /// port when the range is full; 0: `ct_timeout::SNAT_RECLAIM_IDLE_S`.
+    pub snat_reclaim_idle_s: u32,
+    pub _reserved: [u32; 4],
 }
 
 impl DatapathConfig {
@@ -419,6 +422,13 @@ pub mod ct_timeout {
     pub const TCP_HALF_CLOSED_S: u32 = 3_600;
     pub const TCP_SYN_S: u32 = 60;
     pub const UDP_S: u32 = 30;
+    /// A SNAT port held by an open flow idle this long both ways goes to a new flow that finds
+    /// the range full (`DatapathConfig::snat_reclaim_idle_s`): established flows live 24 h
+    /// idle as under kube-proxy, but a SNAT range holds a few thousand ports per backend
+    /// (kube-proxy's masquerade about 64,000), which clients that vanished without a FIN or
+    /// RST would otherwise keep for a day. The table's own LRU forgets idle flows the same way
+    /// when it is full.
+    pub const SNAT_RECLAIM_IDLE_S: u32 = 7_200;
     pub const UDP_STREAM_S: u32 = 120;
 
     /// Which timeout applies to an entry.

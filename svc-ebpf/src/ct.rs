@@ -229,6 +229,29 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     }
 }
 
+/// Whether the flow of entry `key`/`v` has been idle both ways for the SNAT reclaim bound
+/// (`DatapathConfig::snat_reclaim_idle_s`): its port may go to a new flow that finds the range
+/// full. The other direction counts only while it is still this flow's, as in `alive`.
+/// Inlined: a frame of its own put `snat_try`'s chain past the verifier's stack limit.
+#[inline(always)]
+fn idle(key: &CtKey, v: &CtValue, now: u64) -> bool {
+    let bound = secs(
+        setting(|c| c.snat_reclaim_idle_s),
+        ct_timeout::SNAT_RECLAIM_IDLE_S,
+    );
+    if now.saturating_sub(v.last_seen_ns) <= bound {
+        return false;
+    }
+    let pk = partner_key(key, v);
+    match SVC_CT.get_ptr(pk) {
+        // SAFETY: a map value, read in place.
+        Some(pe) => unsafe {
+            partner_key(&pk, &*pe) != *key || now.saturating_sub((*pe).last_seen_ns) > bound
+        },
+        None => true,
+    }
+}
+
 /// Whether the `HANDING` mark of `v` still holds at `now`. Signed: a stamp a moment ahead of
 /// this packet's clock reading holds too. A lapsed mark is cleared by the next packet
 /// (`lapse_handing`), so the 16-bit seconds never come round to holding again.
@@ -429,7 +452,8 @@ pub const SNAT_ERR: u32 = 2;
 /// flow holds, claims it by storing the REPLY entry, then stores `fwd` (its `snat_port_be`
 /// filled in). A port is taken when its REPLY entry is absent or its flow is dead, and after
 /// the first `SNAT_FREE_TRIES` tries also when its flow is closed (`ct_flags::closed`; conntrack
-/// lets a new connection reuse a tuple in TIME_WAIT or CLOSE too). A dead or closed flow's
+/// lets a new connection reuse a tuple in TIME_WAIT or CLOSE too) or open but idle both ways
+/// for `ct_timeout::SNAT_RECLAIM_IDLE_S` (`idle`). A dead or closed flow's
 /// entries are removed first, under a claim of the port that no other CPU's reclaim can hold
 /// at the same time (`reclaim`: nothing is removed if another CPU has reclaimed the port since
 /// they were read). Every store of a REPLY entry is a BPF_NOEXIST insert, so of two CPUs that
@@ -513,7 +537,10 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         unsafe { copy_value(&mut f.seen, e) };
         let dead = !alive(&f.try_key, &f.seen, f.now);
         let free_tries = if s.snat_busy != 0 { 0 } else { SNAT_FREE_TRIES };
-        if !(dead || index >= free_tries && ct_flags::closed(f.seen.flags)) {
+        if !(dead
+            || index >= free_tries
+                && (ct_flags::closed(f.seen.flags) || idle(&f.try_key, &f.seen, f.now)))
+        {
             return 0;
         }
         // Written before the claim, which writes nothing if it fails (the next try's
