@@ -149,23 +149,31 @@ struct PacketArgs {
     /// 127.0.0.0/8) answer NodePorts for processes of the node's own network namespace, as
     /// kube-proxy's --iptables-localhost-nodeports. IPv6 loopback never does; nor does a
     /// pod's loopback, nor loopback from outside the node.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(
+        long,
+        alias = "iptables-localhost-nodeports",
+        default_value_t = true,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
     localhost_nodeports: bool,
     /// Idle timeout of established TCP flows through NodePorts, ExternalIPs and LoadBalancer
     /// IPs (and per-packet ClusterIP flows), as kube-proxy's flag of that name sets it for
-    /// conntrack: a Go duration; 0 for the built-in 24h.
+    /// conntrack: a Go duration. 0 leaves it as the node's conntrack has it (kube-proxy's
+    /// "leave as-is"), or the built-in 24h where conntrack is not loaded.
     #[arg(long, default_value = "24h0m0s")]
     conntrack_tcp_timeout_established: String,
     /// Idle timeout of a TCP flow closed one way (a FIN from one side only: conntrack's
-    /// CLOSE_WAIT), as kube-proxy's flag; 0 for the built-in 1h.
+    /// CLOSE_WAIT), as kube-proxy's flag; 0 as the node's conntrack has it, else 1h.
     #[arg(long, default_value = "1h0m0s")]
     conntrack_tcp_timeout_close_wait: String,
-    /// Idle timeout of a UDP flow that has had no reply, as kube-proxy's flag; 0 for the
-    /// built-in 30s, the kernel's.
+    /// Idle timeout of a UDP flow that has had no reply, as kube-proxy's flag; 0 (its
+    /// default) as the node's conntrack has it, else the kernel's 30s.
     #[arg(long, default_value = "0")]
     conntrack_udp_timeout: String,
-    /// Idle timeout of a UDP flow with replies, as kube-proxy's flag; 0 for the built-in
-    /// 120s, the kernel's.
+    /// Idle timeout of a UDP flow with replies, as kube-proxy's flag; 0 (its default) as
+    /// the node's conntrack has it, else the kernel's 120s.
     #[arg(long, default_value = "0")]
     conntrack_udp_timeout_stream: String,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
@@ -194,27 +202,40 @@ impl PacketArgs {
             nodeport_addresses,
             snat_ports,
             localhost_nodeports: self.localhost_nodeports,
-            ct_timeouts: packet::CtTimeouts {
-                tcp_established_s: packet::parse_timeout(
-                    "--conntrack-tcp-timeout-established",
-                    &self.conntrack_tcp_timeout_established,
-                )
-                .map_err(anyhow::Error::msg)?,
-                tcp_close_wait_s: packet::parse_timeout(
-                    "--conntrack-tcp-timeout-close-wait",
-                    &self.conntrack_tcp_timeout_close_wait,
-                )
-                .map_err(anyhow::Error::msg)?,
-                udp_s: packet::parse_timeout(
-                    "--conntrack-udp-timeout",
-                    &self.conntrack_udp_timeout,
-                )
-                .map_err(anyhow::Error::msg)?,
-                udp_stream_s: packet::parse_timeout(
-                    "--conntrack-udp-timeout-stream",
-                    &self.conntrack_udp_timeout_stream,
-                )
-                .map_err(anyhow::Error::msg)?,
+            ct_timeouts: {
+                let t = |flag: &str, value: &str, sysctl: &str| {
+                    packet::parse_timeout(flag, value)
+                        .map(|v| {
+                            if v == 0 {
+                                packet::node_conntrack_timeout(sysctl)
+                            } else {
+                                v
+                            }
+                        })
+                        .map_err(anyhow::Error::msg)
+                };
+                packet::CtTimeouts {
+                    tcp_established_s: t(
+                        "--conntrack-tcp-timeout-established",
+                        &self.conntrack_tcp_timeout_established,
+                        "tcp_timeout_established",
+                    )?,
+                    tcp_close_wait_s: t(
+                        "--conntrack-tcp-timeout-close-wait",
+                        &self.conntrack_tcp_timeout_close_wait,
+                        "tcp_timeout_close_wait",
+                    )?,
+                    udp_s: t(
+                        "--conntrack-udp-timeout",
+                        &self.conntrack_udp_timeout,
+                        "udp_timeout",
+                    )?,
+                    udp_stream_s: t(
+                        "--conntrack-udp-timeout-stream",
+                        &self.conntrack_udp_timeout_stream,
+                        "udp_timeout_stream",
+                    )?,
+                }
             },
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(

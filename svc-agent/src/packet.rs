@@ -217,51 +217,81 @@ pub fn snat_ports(given: Option<&str>, ephemeral: (u16, u16)) -> Result<(u16, u1
 /// no crate reads Go's duration syntax (signed, fractional, `µs`, units run together).
 pub fn parse_timeout(flag: &str, text: &str) -> Result<u32, String> {
     let bad = |why: &str| format!("{flag} {text:?}: {why} (a duration such as 24h0m0s, 1h or 30s)");
-    let t = text.trim();
-    if t == "0" {
+    let (negative, mut rest) = match text.as_bytes().first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
+    };
+    if rest == "0" {
         return Ok(0);
     }
-    if t.is_empty() {
+    if rest.is_empty() {
         return Err(bad("empty"));
     }
-    let mut rest = t.strip_prefix('+').unwrap_or(t);
-    if rest.starts_with('-') {
-        return Err(bad("negative"));
-    }
-    let mut nanos: f64 = 0.0;
+    // Integer nanoseconds, as Go computes them (a fraction's digits truncated, not rounded).
+    let mut nanos: u128 = 0;
     while !rest.is_empty() {
         let n = rest
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .ok_or_else(|| bad("a number without a unit"))?;
-        let number: f64 = rest[..n]
-            .parse()
-            .map_err(|_| bad("not a number before a unit"))?;
+        let (int, frac) = rest[..n].split_once('.').unwrap_or((&rest[..n], ""));
+        if (int.is_empty() && frac.is_empty()) || frac.contains('.') {
+            return Err(bad("not a number before a unit"));
+        }
         rest = &rest[n..];
         let u = rest
             .find(|c: char| c.is_ascii_digit() || c == '.')
             .unwrap_or(rest.len());
-        let scale = match &rest[..u] {
-            "ns" => 1.0,
-            "us" | "µs" | "μs" => 1e3,
-            "ms" => 1e6,
-            "s" => 1e9,
-            "m" => 60e9,
-            "h" => 3600e9,
+        let scale: u128 = match &rest[..u] {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
             _ => return Err(bad("unknown unit")),
         };
         rest = &rest[u..];
-        nanos += number * scale;
+        let digits = |d: &str| -> Result<u128, String> {
+            d.chars().try_fold(0u128, |acc, c| {
+                acc.checked_mul(10)
+                    .and_then(|a| a.checked_add(u128::from(c.to_digit(10).unwrap_or(0))))
+                    .ok_or_else(|| bad("too long"))
+            })
+        };
+        let whole = digits(int)?
+            .checked_mul(scale)
+            .ok_or_else(|| bad("too long"))?;
+        // At most 30 fraction digits count; more cannot change whole nanoseconds here.
+        let frac = &frac[..frac.len().min(30)];
+        let part = digits(frac)?.saturating_mul(scale) / 10u128.pow(frac.len() as u32);
+        nanos = nanos
+            .checked_add(whole + part)
+            .ok_or_else(|| bad("too long"))?;
     }
-    let secs = (nanos / 1e9).floor();
-    if secs > f64::from(u32::MAX) {
+    if negative && nanos > 0 {
+        return Err(bad("negative"));
+    }
+    let secs = nanos / 1_000_000_000;
+    if secs > u128::from(u32::MAX) {
         return Err(bad("too long"));
     }
-    if secs < 1.0 && nanos > 0.0 {
+    if secs == 0 && nanos > 0 {
         return Err(bad(
             "shorter than the one-second resolution of connection tracking",
         ));
     }
     Ok(secs as u32)
+}
+
+/// A timeout flag of 0: kube-proxy then leaves the node's conntrack setting as it is, so the
+/// node's `net.netfilter.nf_conntrack_NAME` (seconds) is taken when conntrack is loaded; else
+/// 0, the built-in default.
+pub fn node_conntrack_timeout(name: &str) -> u32 {
+    std::fs::read_to_string(format!("/proc/sys/net/netfilter/nf_conntrack_{name}"))
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
