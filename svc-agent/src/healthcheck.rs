@@ -89,6 +89,17 @@ pub fn binds(
         };
         out.insert(Bind::Addr { ip: *ip, scope });
     }
+    // Loopback answers no NodePort from outside, but kube-proxy's health check servers
+    // listen on every address the flag names, 127.0.0.1 and ::1 included (`localhost`).
+    for a in state
+        .addrs
+        .iter()
+        .filter(|a| a.ip.is_loopback() && !a.tentative)
+    {
+        if !all[usize::from(a.ip.is_ipv6())] && nodeport.covers(a.ip, primary) {
+            out.insert(Bind::Addr { ip: a.ip, scope: 0 });
+        }
+    }
     out
 }
 
@@ -649,6 +660,15 @@ mod tests {
             ["0.0.0.0", "2001:db8::5"]
         );
         assert_eq!(at(&["10.0.0.0/24", "::/0"], &[]), ["[::]", "10.0.0.5"]);
+        // Loopback named: listened on, as kube-proxy's servers do, IPv6 too.
+        assert_eq!(
+            at(&["primary", "localhost"], &["10.0.0.5", "2001:db8::5"]),
+            ["10.0.0.5", "127.0.0.1", "::1", "2001:db8::5"]
+        );
+        assert_eq!(
+            at(&["10.0.0.0/8", "127.0.0.1/32"], &[]),
+            ["[::]", "10.0.0.5", "10.244.0.1", "127.0.0.1"]
+        );
     }
 
     fn addr_binds(ips: &[&str]) -> BTreeSet<Bind> {

@@ -160,6 +160,16 @@ impl NodePortAddresses {
         Some(out)
     }
 
+    /// Whether `ip` is one the flag names (loopback included: what kube-proxy's GetNodeIPs
+    /// returns for its health check servers), `primary` resolved.
+    pub fn covers(&self, ip: IpAddr, primary: &[IpAddr]) -> bool {
+        let ip = ip.to_canonical();
+        match self.of_family(ip.is_ipv6(), primary) {
+            None => true,
+            Some(cidrs) => cidrs.iter().any(|c| c.contains(ip)),
+        }
+    }
+
     /// Whether every address of the family is chosen: kube-proxy's MatchAll, where its health
     /// check servers listen on the wildcard address.
     pub fn matches_all(&self, v6: bool, primary: &[IpAddr]) -> bool {
