@@ -1903,6 +1903,16 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
     ]);
     let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.1:30082"]);
     refused(&r, "--localhost-nodeports=false");
+    // The address the previous run wrote lingers only while a flow might go to it (none
+    // does), then leaves SVC_NODE_ADDRS.
+    let gone = poll(Duration::from_secs(15), || {
+        let l = t.agent().list()?;
+        let lo = |a: &str| a.starts_with("127.");
+        let left = l.node_addresses.iter().any(|a| lo(&a.address))
+            || l.lingering_addresses.iter().any(|a| lo(a));
+        Ok((!left).then_some(()))
+    });
+    gone.expect("127.0.0.1 leaves SVC_NODE_ADDRS once localhost NodePorts are off");
 }
 
 /// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address
