@@ -693,6 +693,84 @@ fn stale_udp_sockets_are_closed_per_service_and_only_if_translated() {
     assert!(to_pod.exchanges.last().unwrap().at_ms > left_t + 1000);
 }
 
+/// A Service whose change cannot be programmed (here the backends map is full) keeps what it
+/// had, and the stale-UDP cleanup judges its sockets by nothing it cannot know: a connected UDP
+/// socket svc translated to its old backend goes on there, undisturbed, while the agent
+/// reports the Service by name and retries. Once there is room, the change lands and the
+/// socket, whose backend left, is closed and its successor reaches the new backend.
+#[test]
+fn a_failing_services_udp_sockets_are_left_alone_until_its_change_lands() {
+    let sb = common::sandbox();
+    let m = svc_tests::Manifests::new().unwrap();
+    m.apply_service(&dns_service("s", &VIP.to_string(), None))
+        .unwrap();
+    m.apply_slice(&dns_slice(&sb, "s", &[1])).unwrap();
+    let _backends = sb.backends(3, &[5353]).unwrap();
+    let bpffs = sb.bpffs().unwrap();
+    // Room for two backends: b1, and one more during a change, not two.
+    let mut agent = svc_tests::Agent::start(
+        &sb.tools.agent,
+        m.dir(),
+        sb.cgroup().path(),
+        bpffs.path(),
+        &["--max-backends", "2"],
+        m.scratch(),
+    )
+    .unwrap();
+    agent
+        .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
+        .unwrap();
+
+    let vip = sa(VIP, 53);
+    let run = Duration::from_millis(9_000);
+    let stream = sb.spawn_udp_stream(vip, run, 20, 300).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let changed = unix_ms();
+    m.apply_slice(&dns_slice(&sb, "s", &[2, 3])).unwrap();
+    let refusal = common::poll(Duration::from_secs(10), || {
+        Ok(agent
+            .log()
+            .lines()
+            .find(|l| l.contains("SVC_BACKENDS is full"))
+            .map(str::to_string))
+    })
+    .expect("the change is refused for want of room");
+    assert!(
+        refusal.contains("Service demo/s not programmed"),
+        "the error names the Service: {refusal}"
+    );
+    // Several retries and stale-UDP passes go by; then the room is made.
+    std::thread::sleep(Duration::from_millis(3000));
+    let roomy = unix_ms();
+    m.apply_slice(&dns_slice(&sb, "s", &[2])).unwrap();
+    let r = sb
+        .finish_udp_stream(stream, Duration::from_secs(30))
+        .unwrap();
+    let at = |t: u64| t as i64 - changed as i64;
+    let summary = r
+        .exchanges
+        .iter()
+        .map(|e| {
+            let what = e.backend.clone().or(e.error.clone()).unwrap_or_default();
+            format!("{:+}ms s{} {what}", at(e.at_ms), e.socket)
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    for e in r.exchanges.iter().filter(|e| e.at_ms < roomy) {
+        assert!(
+            e.ok && e.socket == 0 && e.backend.as_deref() == Some("b1"),
+            "while the change failed, the socket must stay on b1 (change at +0ms, room at \
+             +{}ms): {summary}",
+            at(roomy)
+        );
+    }
+    let last = r.exchanges.last().expect("exchanges");
+    assert!(
+        last.ok && last.socket > 0 && last.backend.as_deref() == Some("b2"),
+        "once the change lands, a new socket reaches b2: {summary}"
+    );
+}
+
 /// The same across a crash, whoever saw the backend leave: a backend that left Service S while
 /// no agent ran, and one whose departure an agent synced but was SIGKILLed before it closed
 /// the sockets (that window widened by fault injection), no longer keep the connected UDP
