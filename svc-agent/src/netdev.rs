@@ -170,6 +170,14 @@ impl NodePortAddresses {
         }
     }
 
+    /// Whether every IPv4 address is chosen whatever the node's primary addresses: a /0, or
+    /// no IPv4 CIDR and no `primary`. (`primary` on a node without an IPv4 primary address
+    /// chooses every IPv4 address too, which only the node's addresses tell.)
+    pub fn covers_all_v4_statically(&self) -> bool {
+        let v4: Vec<&Cidr> = self.cidrs.iter().filter(|c| c.addr.is_ipv4()).collect();
+        v4.iter().any(|c| c.prefix == 0) || (v4.is_empty() && !self.primary)
+    }
+
     /// Whether every address of the family is chosen: kube-proxy's MatchAll, where its health
     /// check servers listen on the wildcard address.
     pub fn matches_all(&self, v6: bool, primary: &[IpAddr]) -> bool {

@@ -81,6 +81,9 @@ impl PacketConfig {
             ..Default::default()
         };
         c.set_host_netns_cookie(self.host_netns);
+        c.localhost_net = u32::from(
+            self.localhost_nodeports && self.nodeport_addresses.covers_all_v4_statically(),
+        );
         c
     }
 }
@@ -297,6 +300,28 @@ pub fn node_conntrack_timeout(name: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_of_127_answers_localhost_node_ports_when_every_ipv4_address_is_chosen() {
+        let net = |flag: &[&str], localhost: bool| {
+            let flag: Vec<String> = flag.iter().map(|s| s.to_string()).collect();
+            PacketConfig {
+                nodeport_addresses: NodePortAddresses::parse(&flag).unwrap(),
+                localhost_nodeports: localhost,
+                ..PacketConfig::default()
+            }
+            .datapath_config()
+            .localhost_net
+        };
+        assert_eq!(net(&["all"], true), 1);
+        assert_eq!(net(&["0.0.0.0/0"], true), 1);
+        assert_eq!(net(&["fd00::/8"], true), 1);
+        assert_eq!(net(&["all"], false), 0);
+        // Only the loopback addresses lo carries, as kube-proxy's `-d` per node IP.
+        assert_eq!(net(&["primary", "localhost"], true), 0);
+        assert_eq!(net(&["127.0.0.0/8"], true), 0);
+        assert_eq!(net(&["primary"], true), 0);
+    }
 
     #[test]
     fn timeouts_read_as_kube_proxy_reads_its_conntrack_flags() {

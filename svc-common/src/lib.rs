@@ -349,7 +349,12 @@ pub struct DatapathConfig {
     /// Seconds a SNATed flow must have been idle (both ways) before a new flow may take its
     /// port when the range is full; 0: `ct_timeout::SNAT_RECLAIM_IDLE_S`.
     pub snat_reclaim_idle_s: u32,
-    pub _reserved: [u32; 4],
+    /// Nonzero: every IPv4 loopback address (127.0.0.0/8), not only those of
+    /// `node_addr_flags::LOCALHOST`, answers NodePorts for the node's own sockets, as
+    /// kube-proxy's iptables mode does when its --nodeport-addresses covers all IPv4
+    /// addresses (its rule then matches any local destination).
+    pub localhost_net: u32,
+    pub _reserved: [u32; 3],
 }
 
 impl DatapathConfig {

@@ -197,6 +197,9 @@ fn resolve(ctx: &SockAddrContext, key: &mut ServiceKey, out: &mut ServiceValue) 
         return outcome;
     }
     let mut node = lb::node_addr_flags(&key.addr);
+    if node == 0 && is_v4_loopback(&key.addr) && localhost_net() {
+        node = node_addr_flags::LOCALHOST;
+    }
     if node & node_addr_flags::LOCALHOST != 0 && in_node_netns(ctx) {
         node |= node_addr_flags::NODEPORT;
     }
@@ -204,6 +207,18 @@ fn resolve(ctx: &SockAddrContext, key: &mut ServiceKey, out: &mut ServiceValue) 
         return lb::NOT_SERVICE;
     }
     lb::lookup(key, out)
+}
+
+/// Whether `a` is in 127.0.0.0/8 (IPv4, mapped).
+#[inline(always)]
+fn is_v4_loopback(a: &[u8; 16]) -> bool {
+    is_v4_mapped(a) && a[12] == 127
+}
+
+/// Whether all of 127.0.0.0/8 answers localhost NodePorts (`DatapathConfig::localhost_net`).
+#[inline(always)]
+fn localhost_net() -> bool {
+    SVC_CONFIG.get(0).is_some_and(|c| c.localhost_net != 0)
 }
 
 /// Whether the socket lives in the node's network namespace, as the agent wrote it.

@@ -1877,6 +1877,13 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
     );
     let r = probe(&t, &t.node1, &["tcp", "--to", "[::1]:30082"]);
     refused(&r, "IPv6 loopback");
+    // `localhost` names lo's addresses, as kube-proxy's rule per node IP: 127.0.0.2 is local
+    // but none of them.
+    let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.2:30082"]);
+    refused(
+        &r,
+        "a loopback address lo does not carry, under `localhost`",
+    );
     // The node address itself answers as before, from the node and from pods.
     let r = probe(
         &t,
@@ -1893,6 +1900,25 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
     assert!(
         matches!(lo[..], [a] if a.address == "127.0.0.1" && a.localhost_nodeport && !a.nodeport),
         "{listing:?}"
+    );
+    t.agent = None;
+
+    // Every IPv4 address chosen (`all`): kube-proxy's rule matches any local destination,
+    // all of 127.0.0.0/8.
+    t.start_agent_with(&["--nodeport-addresses", "all"]);
+    let r = probe(&t, &t.node1, &["tcp", "--to", "127.0.0.2:30082"]);
+    assert!(r.all_ok(), "{r:?}");
+    assert_eq!(r.results[0].backend.as_deref(), Some("pod2"), "{r:?}");
+    assert_eq!(
+        r.results[0].peer.as_deref(),
+        Some("127.0.0.2:30082"),
+        "{r:?}"
+    );
+    let r = probe(&t, &t.pod1, &["tcp", "--to", "127.0.0.1:30082"]);
+    assert_eq!(
+        r.results[0].backend.as_deref(),
+        Some("pod1-loopback"),
+        "{r:?}"
     );
     t.agent = None;
 
