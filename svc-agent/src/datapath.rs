@@ -1493,10 +1493,8 @@ impl FlowCount {
         }
         // A flow idle both ways for the reclaim bound gives its port to a new flow that needs
         // it, as the datapath's SNAT search does.
-        let bound = u64::from(match self.config.snat_reclaim_idle_s {
-            0 => svc_common::ct_timeout::SNAT_RECLAIM_IDLE_S,
-            s => s,
-        }) * 1_000_000_000;
+        let bound =
+            u64::from(svc_common::ct_timeout::snat_reclaim_idle_s(&self.config)) * 1_000_000_000;
         for (k, v) in std::mem::take(&mut self.snat_open) {
             let reply = self
                 .snat_replies

@@ -320,10 +320,6 @@ pub fn node_addrs(
             e.ifindex = index;
         }
     };
-    let families = [
-        nodeport.of_family(false, primary),
-        nodeport.of_family(true, primary),
-    ];
     if nodeport.primary {
         // A primary address from the Node object need not be on a device this node shows.
         for ip in primary.iter().filter(|ip| !ip.is_loopback()) {
@@ -331,10 +327,7 @@ pub fn node_addrs(
         }
     }
     for a in &state.addrs {
-        let chosen = match &families[usize::from(a.ip.is_ipv6())] {
-            None => true,
-            Some(cidrs) => cidrs.iter().any(|c| c.contains(a.ip)),
-        };
+        let chosen = nodeport.covers(a.ip, primary);
         if chosen && !a.ip.is_loopback() {
             add(a.ip, node_addr_flags::NODEPORT, a.index);
         } else if chosen && localhost && a.ip.is_ipv4() {
@@ -652,12 +645,13 @@ mod tests {
         let d = select(&DeviceSpec::Auto, &s, &[]);
         let p = primary_ips(&s, &d);
         let got = node_addrs(&s, &d, &NodePortAddresses::primary(), &p, true);
-        let np = |m: &BTreeMap<IpAddr, NodeAddrValue>| -> Vec<String> {
+        let flagged = |m: &BTreeMap<IpAddr, NodeAddrValue>, flag: u32| -> Vec<String> {
             m.iter()
-                .filter(|(_, v)| v.flags & node_addr_flags::NODEPORT != 0)
+                .filter(|(_, v)| v.flags & flag != 0)
                 .map(|(ip, _)| ip.to_string())
                 .collect()
         };
+        let np = |m: &BTreeMap<IpAddr, NodeAddrValue>| flagged(m, node_addr_flags::NODEPORT);
         assert_eq!(np(&got), ["192.168.1.10", "2001:db8::10"]);
         let snat: Vec<String> = got
             .iter()
@@ -712,13 +706,11 @@ mod tests {
         // node's own sockets when chosen (kube-proxy's iptables localhost NodePorts), IPv6
         // loopback never, and not with `--localhost-nodeports=false`.
         let lh = |m: &BTreeMap<IpAddr, NodeAddrValue>| -> Vec<String> {
-            m.iter()
-                .filter(|(_, v)| v.flags & node_addr_flags::LOCALHOST != 0)
-                .map(|(ip, v)| {
-                    assert_eq!(v.flags, node_addr_flags::LOCALHOST, "{ip}");
-                    ip.to_string()
-                })
-                .collect()
+            // Loopback is never a NodePort or SNAT address: LOCALHOST alone.
+            assert!(m
+                .iter()
+                .all(|(ip, v)| !ip.is_loopback() || v.flags == node_addr_flags::LOCALHOST));
+            flagged(m, node_addr_flags::LOCALHOST)
         };
         let got = node_addrs(&s, &d, &parse(&["localhost"]), &p, true);
         assert!(np(&got).is_empty());

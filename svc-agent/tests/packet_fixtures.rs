@@ -4056,6 +4056,51 @@ fn egress_leaves_a_packet_the_ingress_routed() {
 /// TIME_WAIT or CLOSE); one held by an open or half-closed flow is not, and a flow that finds
 /// every port of the range open is still dropped, counted. With the one port of the test
 /// range first, then with 8 ports held by flows written into the map.
+/// A SNATed flow from `client` through `frontend` to `backend` on SNAT port `port` of
+/// 192.0.2.10, put straight into `SVC_CT` (both entries), each entry last seen at its time.
+#[allow(clippy::too_many_arguments)]
+fn plant_snat_flow(
+    dp: &mut Dp,
+    client: &str,
+    frontend: &str,
+    backend: &str,
+    port: u16,
+    (flags, id): (u16, u32),
+    (fwd_seen, rep_seen): (u64, u64),
+) {
+    let t = IPPROTO_TCP;
+    let (fe, b, c) = (sa(frontend), sa(backend), sa(client));
+    let fwd = CtValue {
+        nat_addr: addr16(b.ip()),
+        nat_port_be: b.port().to_be(),
+        snat_addr: ip16("192.0.2.10"),
+        snat_port_be: port.to_be(),
+        flags,
+        id,
+        ifindex: dp.ext0,
+        last_seen_ns: fwd_seen,
+        ..Default::default()
+    };
+    let rep = CtValue {
+        nat_addr: addr16(fe.ip()),
+        nat_port_be: fe.port().to_be(),
+        snat_addr: addr16(c.ip()),
+        snat_port_be: c.port().to_be(),
+        last_seen_ns: rep_seen,
+        ..fwd
+    };
+    dp.ct
+        .insert(ct_key(client, frontend, t, ct_dir::FORWARD), fwd, 0)
+        .unwrap();
+    dp.ct
+        .insert(
+            ct_key(backend, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
+            rep,
+            0,
+        )
+        .unwrap();
+}
+
 #[test]
 fn snat_port_of_a_closed_flow_is_reclaimed() {
     let mut dp = world();
@@ -4179,37 +4224,15 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
                 port - 61990,
                 41000 + (port - 62000)
             );
-            let fe = sa(frontend);
-            let b = sa(be);
-            let c = sa(&client);
-            let fwd = CtValue {
-                nat_addr: addr16(b.ip()),
-                nat_port_be: b.port().to_be(),
-                snat_addr: ip16("192.0.2.10"),
-                snat_port_be: port.to_be(),
-                flags,
-                id,
-                ifindex: dp.ext0,
-                last_seen_ns: now,
-                ..Default::default()
-            };
-            let rep = CtValue {
-                nat_addr: addr16(fe.ip()),
-                nat_port_be: fe.port().to_be(),
-                snat_addr: addr16(c.ip()),
-                snat_port_be: c.port().to_be(),
-                ..fwd
-            };
-            dp.ct
-                .insert(ct_key(&client, frontend, t, ct_dir::FORWARD), fwd, 0)
-                .unwrap();
-            dp.ct
-                .insert(
-                    ct_key(be, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
-                    rep,
-                    0,
-                )
-                .unwrap();
+            plant_snat_flow(
+                &mut dp,
+                &client,
+                frontend,
+                be,
+                port,
+                (flags, id),
+                (now, now),
+            );
         }
     }
     let clients: Vec<String> = (0..4)
@@ -4307,38 +4330,10 @@ fn a_snat_port_held_by_a_long_idle_flow_goes_to_a_new_flow_when_the_range_is_ful
         (62006, (ago(120), ago(5))),
         (62007, (ago(5), ago(120))),
     ];
-    let put = |dp: &mut Dp, port: u16, (fwd_seen, rep_seen): (u64, u64)| {
+    let put = |dp: &mut Dp, port: u16, seen: (u64, u64)| {
         let client = format!("198.18.7.{}:{}", port - 61990, 41000 + (port - 62000));
-        let (fe, b, c) = (sa(np), sa(backend), sa(&client));
-        let fwd = CtValue {
-            nat_addr: addr16(b.ip()),
-            nat_port_be: b.port().to_be(),
-            snat_addr: ip16("192.0.2.10"),
-            snat_port_be: port.to_be(),
-            flags: ct_flags::SNAT | ct_flags::SEEN_REPLY,
-            id: 2,
-            ifindex: dp.ext0,
-            last_seen_ns: fwd_seen,
-            ..Default::default()
-        };
-        let rep = CtValue {
-            nat_addr: addr16(fe.ip()),
-            nat_port_be: fe.port().to_be(),
-            snat_addr: addr16(c.ip()),
-            snat_port_be: c.port().to_be(),
-            last_seen_ns: rep_seen,
-            ..fwd
-        };
-        dp.ct
-            .insert(ct_key(&client, np, t, ct_dir::FORWARD), fwd, 0)
-            .unwrap();
-        dp.ct
-            .insert(
-                ct_key(backend, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
-                rep,
-                0,
-            )
-            .unwrap();
+        let flags = ct_flags::SNAT | ct_flags::SEEN_REPLY;
+        plant_snat_flow(dp, &client, np, backend, port, (flags, 2), seen);
         client
     };
     let mut olds = Vec::new();

@@ -496,6 +496,15 @@ pub mod ct_timeout {
         }
     }
 
+    /// The SNAT reclaim bound in seconds under `config` (`SNAT_RECLAIM_IDLE_S` unless set).
+    #[inline(always)]
+    pub fn snat_reclaim_idle_s(config: &DatapathConfig) -> u32 {
+        match config.snat_reclaim_idle_s {
+            0 => SNAT_RECLAIM_IDLE_S,
+            v => v,
+        }
+    }
+
     /// The timeout in seconds under `config`.
     pub fn seconds(config: &DatapathConfig, proto: u8, flags: u16) -> u32 {
         let k = of(proto, flags);

@@ -235,10 +235,11 @@ fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
 /// Inlined: a frame of its own put `snat_try`'s chain past the verifier's stack limit.
 #[inline(always)]
 fn idle(key: &CtKey, v: &CtValue, now: u64) -> bool {
-    let bound = secs(
-        setting(|c| c.snat_reclaim_idle_s),
-        ct_timeout::SNAT_RECLAIM_IDLE_S,
-    );
+    let bound = match SVC_CONFIG.get(0) {
+        Some(c) => ct_timeout::snat_reclaim_idle_s(c),
+        None => ct_timeout::SNAT_RECLAIM_IDLE_S,
+    } as u64
+        * SEC;
     if now.saturating_sub(v.last_seen_ns) <= bound {
         return false;
     }

@@ -197,10 +197,7 @@ fn resolve(ctx: &SockAddrContext, key: &mut ServiceKey, out: &mut ServiceValue) 
         return outcome;
     }
     let mut node = lb::node_addr_flags(&key.addr);
-    if node == 0 && is_v4_loopback(&key.addr) && localhost_net() {
-        node = node_addr_flags::LOCALHOST;
-    }
-    if node & node_addr_flags::LOCALHOST != 0 && in_node_netns(ctx) {
+    if is_v4_loopback(&key.addr) && localhost_answers(ctx, node) {
         node |= node_addr_flags::NODEPORT;
     }
     if !lb::nodeport_key(key, node) {
@@ -215,20 +212,19 @@ fn is_v4_loopback(a: &[u8; 16]) -> bool {
     is_v4_mapped(a) && a[12] == 127
 }
 
-/// Whether all of 127.0.0.0/8 answers localhost NodePorts (`DatapathConfig::localhost_net`).
+/// Whether a loopback destination with `NODE_ADDRS` flags `node` answers NodePorts for this
+/// socket: the address is `LOCALHOST` (or all of 127.0.0.0/8 does,
+/// `DatapathConfig::localhost_net`), and the socket lives in the node's network namespace,
+/// as the agent wrote it.
 #[inline(always)]
-fn localhost_net() -> bool {
-    SVC_CONFIG.get(0).is_some_and(|c| c.localhost_net != 0)
-}
-
-/// Whether the socket lives in the node's network namespace, as the agent wrote it.
-#[inline(always)]
-fn in_node_netns(ctx: &SockAddrContext) -> bool {
-    let Some(node) = SVC_CONFIG.get(0).map(|c| c.host_netns_cookie()) else {
+fn localhost_answers(ctx: &SockAddrContext, node: u32) -> bool {
+    let Some(c) = SVC_CONFIG.get(0) else {
         return false;
     };
+    let named = node & node_addr_flags::LOCALHOST != 0 || (node == 0 && c.localhost_net != 0);
+    let host = c.host_netns_cookie();
     // SAFETY: the context is the kernel's bpf_sock_addr.
-    node != 0 && node == unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) }
+    named && host != 0 && host == unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) }
 }
 
 /// Counts why a connection is refused; the caller sees ECONNREFUSED, as with kube-proxy's

@@ -627,6 +627,25 @@ impl Sandbox {
             manifests.scratch(),
         )
     }
+
+    /// `agent` with `extra` flags (`--max-backends 2`, ...).
+    pub fn agent_with(
+        &self,
+        bpffs: &Bpffs,
+        manifests: &Manifests,
+        extra: &[&str],
+    ) -> Result<Agent> {
+        let mut agent = Agent::start(
+            &self.tools.agent,
+            manifests.dir(),
+            self.cgroup.path(),
+            bpffs.path(),
+            extra,
+            manifests.scratch(),
+        )?;
+        agent.wait_ready(AGENT_READY_TIMEOUT)?;
+        Ok(agent)
+    }
 }
 
 /// Generous wall-clock bound for a probe run: the probe's own per-attempt timeout (default

@@ -708,18 +708,7 @@ fn a_failing_services_udp_sockets_are_left_alone_until_its_change_lands() {
     let _backends = sb.backends(3, &[5353]).unwrap();
     let bpffs = sb.bpffs().unwrap();
     // Room for two backends: b1, and one more during a change, not two.
-    let mut agent = svc_tests::Agent::start(
-        &sb.tools.agent,
-        m.dir(),
-        sb.cgroup().path(),
-        bpffs.path(),
-        &["--max-backends", "2"],
-        m.scratch(),
-    )
-    .unwrap();
-    agent
-        .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
-        .unwrap();
+    let agent = sb.agent_with(&bpffs, &m, &["--max-backends", "2"]).unwrap();
 
     let vip = sa(VIP, 53);
     let run = Duration::from_millis(9_000);
@@ -956,18 +945,7 @@ fn replies_read_as_the_cluster_ip_when_reverse_entries_are_evicted() {
     m.apply_slice(&dns_slice(&sb, "dns", &[1, 2])).unwrap();
     let _backends = sb.backends(2, &[5353]).unwrap();
     let bpffs = sb.bpffs().unwrap();
-    let mut agent = svc_tests::Agent::start(
-        &sb.tools.agent,
-        m.dir(),
-        sb.cgroup().path(),
-        bpffs.path(),
-        &["--max-sock-rev", "2"],
-        m.scratch(),
-    )
-    .unwrap();
-    agent
-        .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
-        .unwrap();
+    let _agent = sb.agent_with(&bpffs, &m, &["--max-sock-rev", "2"]).unwrap();
     // Every socket sends before any reads: the other sockets' entries push a socket's out of
     // the map between its datagram and the reply.
     let run = sb

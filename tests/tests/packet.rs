@@ -1741,6 +1741,21 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
 /// knows, is the node's own: reset, as under kube-proxy once conntrack forgets it. By default
 /// (kube-proxy's 24h) one idle as long carries on. A value kube-proxy would refuse is refused,
 /// naming the flag.
+/// Idle timeouts as `svc-agent list` shows them, seconds.
+fn timeouts(
+    tcp: u32,
+    close_wait: u32,
+    udp: u32,
+    udp_stream: u32,
+) -> svc_tests::agent::ListCtTimeouts {
+    svc_tests::agent::ListCtTimeouts {
+        tcp_established_s: tcp,
+        tcp_close_wait_s: close_wait,
+        udp_s: udp,
+        udp_stream_s: udp_stream,
+    }
+}
+
 #[test]
 fn conntrack_timeouts_follow_kube_proxys_flags() {
     let mut t = Topo::new();
@@ -1763,15 +1778,9 @@ fn conntrack_timeouts_follow_kube_proxys_flags() {
         "2s",
         "--conntrack-udp-timeout-stream=1m30s",
     ]);
-    let shown = t.agent().list().expect("svc-agent list").ct_timeouts;
     assert_eq!(
-        (
-            shown.tcp_established_s,
-            shown.tcp_close_wait_s,
-            shown.udp_s,
-            shown.udp_stream_s
-        ),
-        (2, 3_600, 30, 90)
+        t.agent().list().expect("svc-agent list").ct_timeouts,
+        timeouts(2, 3_600, 30, 90)
     );
     let c = connect(&t);
     assert_eq!(exchange(&c).expect("first exchange"), via_node);
@@ -1786,15 +1795,9 @@ fn conntrack_timeouts_follow_kube_proxys_flags() {
     t.agent = None;
 
     t.start_agent();
-    let shown = t.agent().list().expect("svc-agent list").ct_timeouts;
     assert_eq!(
-        (
-            shown.tcp_established_s,
-            shown.tcp_close_wait_s,
-            shown.udp_s,
-            shown.udp_stream_s
-        ),
-        (86_400, 3_600, 30, 120)
+        t.agent().list().expect("svc-agent list").ct_timeouts,
+        timeouts(86_400, 3_600, 30, 120)
     );
     let c = connect(&t);
     assert_eq!(exchange(&c).expect("first exchange"), via_node);
