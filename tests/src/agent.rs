@@ -43,6 +43,9 @@ pub struct ListOutput {
     pub node_addresses: Vec<ListNodeAddr>,
     #[serde(default)]
     pub ct_timeouts: ListCtTimeouts,
+    /// "MIN-MAX" of SVC_CONFIG.
+    #[serde(default)]
+    pub snat_ports: String,
 }
 
 /// The idle timeouts in effect, seconds, of `svc-agent list -o json`.

@@ -23,6 +23,7 @@ pub mod probe;
 pub mod procs;
 pub mod profile;
 pub mod report;
+pub mod rng;
 pub mod sandbox;
 pub mod scale;
 pub mod sys;

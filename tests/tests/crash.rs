@@ -16,6 +16,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 
 use common::{names, sa, sandbox, web_service, web_slice, VIP};
 use svc_agent::model::{DesiredFrontend, Frontend, Protocol};
+use svc_tests::rng::Rng;
 use svc_tests::scale::{desired_of, pinned_vs, write_services, GenService};
 use svc_tests::{Agent, Manifests};
 
@@ -24,22 +25,6 @@ fn env_or(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// xorshift64*: reproducible kill points from a printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, d: Duration) -> Duration {
-        Duration::from_micros(self.next() % d.as_micros().max(1) as u64)
-    }
 }
 
 /// What `common::web_service` with one ready endpoint should give.
@@ -73,16 +58,9 @@ fn round(k: u32, n: u32) -> Vec<GenService> {
 fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     let n = env_or("SVC_CRASH_SERVICES", 100_000) as u32;
     let kills = env_or("SVC_CRASH_KILLS", 20) as u32;
-    let seed = env_or(
-        "SVC_CRASH_SEED",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1,
-    );
+    let mut rng = Rng::from_env("SVC_CRASH_SEED");
+    let seed = rng.0;
     eprintln!("crash test: {n} services, {kills} kills, SVC_CRASH_SEED={seed}");
-    let mut rng = Rng(seed);
 
     let sb = sandbox();
     let m = Manifests::new().unwrap();
@@ -144,7 +122,7 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
         agent.kill().unwrap();
         killed += 1;
         // Sometimes also kill the next agent during its own start and first sync.
-        if killed < kills && rng.next().is_multiple_of(3) {
+        if killed < kills && rng.next_u64().is_multiple_of(3) {
             agent.restart().unwrap();
             std::thread::sleep(rng.below(startup));
             agent.kill().unwrap();

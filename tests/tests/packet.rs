@@ -11,6 +11,7 @@
 mod common;
 
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     io::{BufRead, BufReader, Read, Write},
     net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -26,6 +27,7 @@ use std::{
 
 use common::poll;
 use serde_json::{json, Value};
+use svc_common::node_addr_flags;
 use svc_tests::{
     netns::veth_pair,
     require_root,
@@ -392,6 +394,14 @@ impl Topo {
 
     /// Starts the agent with `source` (`--manifests DIR` or `--kubeconfig FILE`) and `extra`.
     fn start_agent_from(&mut self, source: [std::ffi::OsString; 2], extra: &[&str]) {
+        self.launch_agent_from(source, extra);
+        self.agent()
+            .wait_ready(AGENT_READY_TIMEOUT)
+            .expect("agent ready");
+    }
+
+    /// `start_agent_from`, not waiting for the agent to be ready.
+    fn launch_agent_from(&mut self, source: [std::ffi::OsString; 2], extra: &[&str]) {
         let [flag, value] = source;
         let args: Vec<std::ffi::OsString> = [
             "run".into(),
@@ -420,7 +430,7 @@ impl Topo {
             ])
             .map(Into::into)
             .collect();
-        let mut agent = Agent::start_launched(
+        let agent = Agent::start_launched(
             &launcher,
             &self.tools.agent,
             args,
@@ -428,8 +438,13 @@ impl Topo {
             self.m.scratch(),
         )
         .expect("starting the agent");
-        agent.wait_ready(AGENT_READY_TIMEOUT).expect("agent ready");
         self.agent = Some(agent);
+    }
+
+    /// `start_agent_with`, not waiting for the agent to be ready.
+    fn launch_agent(&mut self, extra: &[&str]) {
+        let source = ["--manifests".into(), self.m.dir().into()];
+        self.launch_agent_from(source, extra);
     }
 
     fn agent(&mut self) -> &mut Agent {
@@ -1942,6 +1957,209 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
         Ok((!left).then_some(()))
     });
     gone.expect("127.0.0.1 leaves SVC_NODE_ADDRS once localhost NodePorts are off");
+}
+
+/// The node's part of the packet datapath's state (SVC_NODE_ADDRS: the node's addresses,
+/// the ExternalIPs', and those that linger for flows; SVC_CONFIG: the settings) is written as
+/// it changes, a handful of entries one after the other. An agent SIGKILLed between two of
+/// them (a pause after each write, `SVC_TEST_NODE_WRITE_PAUSE_MS`, widens the window) while
+/// a node address comes or goes and an ExternalIP moves, and sometimes killed again during its
+/// successor's first sync, leaves the next agent something to repair: after each restart, with
+/// settings of its own, the maps hold exactly the node addresses `svc-agent devices` names
+/// with their flags, the ExternalIP where it is now, its settings, and nothing else but
+/// lingering entries for addresses flows went to; and NodePorts and the ExternalIP answer
+/// where they should. `SVC_NODE_CRASH_SEED` replays the kill points.
+#[test]
+fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
+    const KILLS: u32 = 8;
+    const PAUSE_MS: u64 = 150;
+    const SECONDARY: &str = "10.77.0.50";
+    const EXT: [&str; 2] = ["10.77.100.61", "10.77.100.62"];
+    let mut rng = svc_tests::rng::Rng::from_env("SVC_NODE_CRASH_SEED");
+    eprintln!("SVC_NODE_CRASH_SEED={}", rng.0);
+    let mut t = Topo::new();
+    t.service("np", nodeport("np", 53, 30093));
+    t.endpoints("np", &[LOCAL_POD]);
+    let ext = |k: u32| {
+        service(
+            "ext",
+            "ClusterIP",
+            54,
+            0,
+            json!({"externalIPs": [EXT[(k % 2) as usize]]}),
+            json!({}),
+        )
+    };
+    t.service("ext", ext(0));
+    t.endpoints("ext", &[LOCAL_POD]);
+    // Each run's own settings, so a run that kept its predecessor's would show.
+    let flags = |k: u32| -> Vec<String> {
+        vec![
+            "--nodeport-addresses".into(),
+            "10.77.0.0/24".into(),
+            format!("--conntrack-tcp-timeout-established={}s", 3600 + k),
+            "--snat-port-range".into(),
+            format!("61000-{}", 62000 + k),
+        ]
+    };
+    // What `svc-agent devices` says of node 1 with these flags, as SVC_NODE_ADDRS flags.
+    let node_addrs = |t: &Topo, k: u32| -> BTreeMap<IpAddr, u32> {
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", t.node1.path().display()))
+            .arg(&t.tools.agent)
+            .args(["devices", "--devices", "eth0"])
+            .args(flags(k))
+            .output()
+            .expect("svc-agent devices");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).expect("devices JSON");
+        let listed: Vec<svc_tests::agent::ListNodeAddr> =
+            serde_json::from_value(v["node_addresses"].clone()).expect("node_addresses");
+        listed
+            .iter()
+            .map(|a| (ip(&a.address), listed_flags(a)))
+            .collect()
+    };
+    let want = |t: &Topo, k: u32| {
+        let mut w = node_addrs(t, k);
+        *w.entry(ip(EXT[(k % 2) as usize])).or_default() |= node_addr_flags::EXTERNAL;
+        w
+    };
+    // SVC_NODE_ADDRS as pinned, by address; lingering entries apart.
+    let pinned = |t: &Topo| -> (BTreeMap<IpAddr, u32>, BTreeSet<IpAddr>) {
+        use svc_agent::store::Store as _;
+        let snap = svc_agent::datapath::open_pinned(t.bpffs.path())
+            .and_then(|s| s.snapshot())
+            .expect("reading the pinned maps");
+        let mut live = BTreeMap::new();
+        let mut lingering = BTreeSet::new();
+        for (k, v) in &snap.node_addrs {
+            let a = IpAddr::from(*k).to_canonical();
+            if v.flags == node_addr_flags::LINGER {
+                lingering.insert(a);
+            } else {
+                live.insert(a, v.flags);
+            }
+        }
+        (live, lingering)
+    };
+    let pause = vec![format!("SVC_TEST_NODE_WRITE_PAUSE_MS={PAUSE_MS}")];
+    let f0 = flags(0);
+    t.start_agent_with(&args(&f0));
+    assert_eq!(pinned(&t).0, want(&t, 0), "the first agent's state");
+
+    let mut damaged = 0;
+    for k in 1..=KILLS {
+        // The agent that will be killed pauses after each write of the node's state.
+        let fk = flags(k - 1);
+        t.agent = None;
+        t.agent_env = pause.clone();
+        t.start_agent_with(&args(&fk));
+        t.agent().quiet();
+        let before = want(&t, k - 1);
+        if k % 2 == 1 {
+            t.node1
+                .add_addr("eth0", &format!("{SECONDARY}/24"))
+                .unwrap();
+        } else {
+            t.node1
+                .ip(["addr", "del", &format!("{SECONDARY}/24"), "dev", "eth0"])
+                .unwrap();
+        }
+        t.service("ext", ext(k));
+        // Its writes: the address, the new ExternalIP, the old one lingering; a kill among
+        // them, or after.
+        std::thread::sleep(rng.below(Duration::from_millis(4 * PAUSE_MS + 400)));
+        t.agent().kill().expect("SIGKILL");
+        if rng.next_u64().is_multiple_of(3) {
+            // Its successor killed during its own first sync, the pause slowing it too.
+            t.launch_agent(&args(&flags(k)));
+            t.agent().quiet();
+            std::thread::sleep(rng.below(Duration::from_millis(1500)));
+            t.agent().kill().expect("SIGKILL");
+        }
+        t.agent_env.clear();
+        let after = want(&t, k);
+        let (left, _) = pinned(&t);
+        if left != before && left != after {
+            damaged += 1;
+        }
+        let fk = flags(k);
+        t.agent = None;
+        t.start_agent_with(&args(&fk));
+        let exact = poll(Duration::from_secs(10), || {
+            let (live, lingering) = pinned(&t);
+            let l = t.agent().list()?;
+            let stray: Vec<_> = lingering
+                .iter()
+                .filter(|a| **a != ip(SECONDARY) && !EXT.iter().any(|e| ip(e) == **a))
+                .collect();
+            if live == after
+                && stray.is_empty()
+                && l.ct_timeouts.tcp_established_s == 3600 + k
+                && l.snat_ports == format!("61000-{}", 62000 + k)
+            {
+                return Ok(Some(()));
+            }
+            anyhow::bail!(
+                "SVC_NODE_ADDRS {live:?} (lingering {lingering:?}), want {after:?}; \
+                 timeouts {:?}, SNAT ports {}",
+                l.ct_timeouts,
+                l.snat_ports
+            )
+        });
+        if let Err(e) = exact {
+            panic!(
+                "after kill {k} (SVC_NODE_CRASH_SEED replays it): {e:#}\n{}",
+                t.agent().all_logs()
+            );
+        }
+        let mut at = vec![
+            (sa(NODE1, 30093), "NodePort"),
+            (sa(EXT[(k % 2) as usize], 80), "ExternalIP"),
+        ];
+        if k % 2 == 1 {
+            at.push((sa(SECONDARY, 30093), "NodePort on the added address"));
+        }
+        for (to, what) in at {
+            let a = answered(
+                &t.client,
+                &format!("{what} {to} after kill {k}"),
+                move || tcp_once(to, ANSWER),
+            );
+            assert_eq!(a.backend, "pod1", "{what} after kill {k}: {a:?}");
+        }
+    }
+    eprintln!("{damaged} of {KILLS} kills left the node's state mid-change");
+    // Kills that only ever hit an agent at rest would prove nothing.
+    assert!(
+        damaged >= KILLS / 4,
+        "only {damaged} kills left damage to repair"
+    );
+}
+
+/// Owned arguments as `Topo::start_agent_with` takes them.
+fn args(f: &[String]) -> Vec<&str> {
+    f.iter().map(String::as_str).collect()
+}
+
+/// `svc-agent list`'s view of a node address as SVC_NODE_ADDRS flags.
+fn listed_flags(a: &svc_tests::agent::ListNodeAddr) -> u32 {
+    let mut f = 0;
+    if a.nodeport {
+        f |= node_addr_flags::NODEPORT;
+    }
+    if a.snat {
+        f |= node_addr_flags::SNAT;
+    }
+    if a.localhost_nodeport {
+        f |= node_addr_flags::LOCALHOST;
+    }
+    f
 }
 
 /// Forwards TCP connections made in `ns` to `at` (127.0.0.1:port there) to the same address

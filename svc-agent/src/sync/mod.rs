@@ -598,6 +598,11 @@ impl<S: Store> Writer<'_, S> {
     fn op(&mut self, op: &Op) -> Result<bool> {
         let r = self.store.apply(op)?;
         self.ops += 1;
+        if let (Op::PutNodeAddr(..) | Op::DelNodeAddr(_) | Op::PutConfig(_), Some(pause)) =
+            (op, node_write_pause())
+        {
+            std::thread::sleep(pause);
+        }
         Ok(r)
     }
 
@@ -611,6 +616,20 @@ impl<S: Store> Writer<'_, S> {
             }
         }
     }
+}
+
+/// Fault injection for the tests (`SVC_TEST_NODE_WRITE_PAUSE_MS`): a pause after each write
+/// of SVC_NODE_ADDRS or SVC_CONFIG, which are a handful of entries written in microseconds,
+/// so that a test can kill the agent between two of them.
+fn node_write_pause() -> Option<Duration> {
+    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *PAUSE.get_or_init(|| {
+        let ms: u64 = std::env::var("SVC_TEST_NODE_WRITE_PAUSE_MS")
+            .ok()?
+            .parse()
+            .ok()?;
+        Some(Duration::from_millis(ms))
+    })
 }
 
 fn name_object(e: Error, object: &str) -> Error {
