@@ -1960,15 +1960,17 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
 }
 
 /// The node's part of the packet datapath's state (SVC_NODE_ADDRS: the node's addresses,
-/// the ExternalIPs', and those that linger for flows; SVC_CONFIG: the settings) is written as
-/// it changes, a handful of entries one after the other. An agent SIGKILLed between two of
-/// them (a pause after each write, `SVC_TEST_NODE_WRITE_PAUSE_MS`, widens the window) while
-/// a node address comes or goes and an ExternalIP moves, and sometimes killed again during its
-/// successor's first sync, leaves the next agent something to repair: after each restart, with
-/// settings of its own, the maps hold exactly the node addresses `svc-agent devices` names
-/// with their flags, the ExternalIP where it is now, its settings, and nothing else but
-/// lingering entries for addresses flows went to; and NodePorts and the ExternalIP answer
-/// where they should. `SVC_NODE_CRASH_SEED` replays the kill points.
+/// the ExternalIPs', and those that linger for flows) is written as it changes, a handful of
+/// entries one after the other. An agent SIGKILLed between two of them (a pause after each
+/// write, `SVC_TEST_NODE_WRITE_PAUSE_MS`, widens the window; the kill comes once the first
+/// write of a change has landed) while a node address comes or goes and an ExternalIP moves,
+/// and sometimes killed again during its successor's first sync, leaves the next agent
+/// something to repair: after each restart the map holds exactly the node addresses
+/// `svc-agent devices` names, with their flags, and the ExternalIP where it is now, and
+/// nothing else but lingering entries for the addresses this test used. SVC_CONFIG is one
+/// entry, written whole; each run has settings of its own, and after its restart they are
+/// the ones in effect. NodePorts, on the added address too, and the ExternalIP answer.
+/// `SVC_NODE_CRASH_SEED` replays the kill delays.
 #[test]
 fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
     const KILLS: u32 = 8;
@@ -2059,7 +2061,6 @@ fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
         t.agent = None;
         t.agent_env = pause.clone();
         t.start_agent_with(&args(&fk));
-        t.agent().quiet();
         let before = want(&t, k - 1);
         if k % 2 == 1 {
             t.node1
@@ -2071,14 +2072,18 @@ fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
                 .unwrap();
         }
         t.service("ext", ext(k));
-        // Its writes: the address, the new ExternalIP, the old one lingering; a kill among
-        // them, or after.
-        std::thread::sleep(rng.below(Duration::from_millis(4 * PAUSE_MS + 400)));
+        // Its writes, each followed by the pause: the address (once the node settles), the
+        // new ExternalIP, the old one lingering (once the manifest poll sees the change). The
+        // kill comes among them, timed from the first.
+        poll(Duration::from_secs(10), || {
+            Ok((pinned(&t).0 != before).then_some(()))
+        })
+        .expect("the change reaches SVC_NODE_ADDRS");
+        std::thread::sleep(rng.below(Duration::from_millis(2 * PAUSE_MS)));
         t.agent().kill().expect("SIGKILL");
         if rng.next_u64().is_multiple_of(3) {
             // Its successor killed during its own first sync, the pause slowing it too.
             t.launch_agent(&args(&flags(k)));
-            t.agent().quiet();
             std::thread::sleep(rng.below(Duration::from_millis(1500)));
             t.agent().kill().expect("SIGKILL");
         }
@@ -2137,7 +2142,7 @@ fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
     eprintln!("{damaged} of {KILLS} kills left the node's state mid-change");
     // Kills that only ever hit an agent at rest would prove nothing.
     assert!(
-        damaged >= KILLS / 4,
+        damaged >= KILLS / 2,
         "only {damaged} kills left damage to repair"
     );
 }

@@ -598,10 +598,13 @@ impl<S: Store> Writer<'_, S> {
     fn op(&mut self, op: &Op) -> Result<bool> {
         let r = self.store.apply(op)?;
         self.ops += 1;
-        if let (Op::PutNodeAddr(..) | Op::DelNodeAddr(_) | Op::PutConfig(_), Some(pause)) =
-            (op, node_write_pause())
-        {
-            std::thread::sleep(pause);
+        if matches!(
+            op,
+            Op::PutNodeAddr(..) | Op::DelNodeAddr(_) | Op::PutConfig(_)
+        ) {
+            if let Some(pause) = node_write_pause() {
+                std::thread::sleep(pause);
+            }
         }
         Ok(r)
     }
