@@ -3943,6 +3943,233 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     );
 }
 
+/// A SYN on the tuple of a flow closed a moment ago (a client reusing its port: a load
+/// generator, or a load balancer SNATing to a few addresses) starts a new connection on it in
+/// every case: to the same backend (the closed flow's entries are taken over in place), to
+/// another backend, refused by a frontend left without backends, or SNATed to a remote
+/// backend. Nothing of the closed flow is left: no packet of its backend to the client's port
+/// is translated any more, and the new flow's entries carry none of its flags.
+#[test]
+fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
+    let mut dp = world();
+    dp.backend(43, "10.244.1.7:8080", IPPROTO_TCP, LOCAL);
+    let np = "192.0.2.10:30080";
+    let pod5 = "10.244.1.5:8080";
+    let pod7 = "10.244.1.7:8080";
+    let t = IPPROTO_TCP;
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    let c = "203.0.113.7:40200";
+    // 30080's backends from now on (frontend id 1, a new revision each time).
+    let point = |dp: &mut Dp, backends: &[BackendId], rev: u16| {
+        dp.frontend_rev(
+            &Fe {
+                at: "0.0.0.0:30080",
+                proto: t,
+                scope: EXT,
+                id: 1,
+                backends,
+                flags: NP,
+                affinity_s: 0,
+                affinity_id: 0,
+            },
+            rev,
+        );
+    };
+    let syn_to = |c: &'static str, backend: &'static str| {
+        row(
+            "SYN to the NodePort: DNAT only",
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            OK,
+            Packet(tcp(c, backend, TCP_SYN)),
+            Some(pkt_stat::NEW),
+        )
+    };
+    let answered_and_reset = |c: &'static str, backend: &'static str| {
+        vec![
+            row(
+                "SYN-ACK from the NodePort",
+                ExtEgress,
+                egress(tcp(backend, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(egress(tcp(np, c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the client resets it",
+                ExtIngress,
+                tcp(c, np, TCP_RST),
+                OK,
+                Packet(tcp(c, backend, TCP_RST)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ]
+    };
+    let entries = |dp: &Dp, c: &str, backend: &str| {
+        (
+            dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
+            dp.ct_entry(&ct_key(backend, c, t, ct_dir::REPLY)),
+        )
+    };
+
+    // The same backend: the new flow's entries are fresh.
+    let mut rows = vec![syn_to(c, pod5)];
+    rows.extend(answered_and_reset(c, pod5));
+    rows.push(syn_to(c, pod5));
+    run_rows(&dp, rows);
+    let (fwd, rep) = entries(&dp, c, pod5);
+    let (fwd, rep) = (fwd.expect("FORWARD entry"), rep.expect("REPLY entry"));
+    assert_eq!((fwd.flags, rep.flags), (0, 0), "no flag of the closed flow");
+    assert_eq!(
+        (fwd.nat_addr, fwd.nat_port_be),
+        (ip16("10.244.1.5"), 8080u16.to_be())
+    );
+    assert_eq!(
+        (rep.nat_addr, rep.nat_port_be),
+        (ip16("192.0.2.10"), 30080u16.to_be())
+    );
+    assert!(
+        coarse_ns().saturating_sub(fwd.last_seen_ns) < 2_000_000_000
+            && fwd.last_seen_ns == rep.last_seen_ns,
+        "stamped by the new SYN"
+    );
+
+    // Another backend: the closed flow's REPLY entry goes.
+    let mut rows = answered_and_reset(c, pod5);
+    run_rows(&dp, rows.split_off(0));
+    point(&mut dp, &[43], 2);
+    rows.push(syn_to(c, pod7));
+    rows.push(row(
+        "a late segment of the old backend to the client's port: no flow of svc's",
+        ExtEgress,
+        egress(tcp(pod5, c, TCP_ACK)),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.extend(answered_and_reset(c, pod7));
+    run_rows(&dp, rows);
+    assert_eq!(
+        entries(&dp, c, pod5).1,
+        None,
+        "the old backend's REPLY entry"
+    );
+    assert!(
+        entries(&dp, c, pod7).1.is_some(),
+        "the new backend's REPLY entry"
+    );
+
+    // Refused by the frontend, now without backends: the closed flow goes.
+    point(&mut dp, &[], 3);
+    let refusal = egress(
+        tcp(np, c, 0)
+            .seg(0, 1001, TCP_RST | TCP_ACK, 0)
+            .payload(vec![]),
+    )
+    .fresh_ip();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a SYN to the NodePort without backends: refused",
+                ExtIngress,
+                tcp(c, np, TCP_SYN).macs(EXT_MAC, GW_MAC),
+                REDIRECT,
+                Packet(refusal),
+                Some(pkt_stat::REJECT_NO_BACKEND),
+            ),
+            row(
+                "a late segment of the closed flow's backend: no flow of svc's",
+                ExtEgress,
+                egress(tcp(pod7, c, TCP_ACK)),
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
+    );
+    assert_eq!(
+        entries(&dp, c, pod7),
+        (None, None),
+        "the refused SYN's closed flow"
+    );
+
+    // SNATed to a remote backend: the closed local flow's REPLY entry goes.
+    point(&mut dp, &[43], 4);
+    let mut rows = vec![syn_to(c, pod7)];
+    rows.extend(answered_and_reset(c, pod7));
+    run_rows(&dp, rows);
+    point(&mut dp, &[12], 5);
+    run_rows(
+        &dp,
+        vec![row(
+            "a SYN to the NodePort, now to node 2: DNAT+SNAT, routed",
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            REDIRECT,
+            Packet(
+                tcp("192.0.2.10:61000", "10.244.2.7:8080", TCP_SYN)
+                    .macs(NODE2_MAC, EXT_MAC)
+                    .ttl(63),
+            ),
+            Some(pkt_stat::NEW),
+        )],
+    );
+    let (fwd, rep) = entries(&dp, c, pod7);
+    assert_eq!(rep, None, "the closed local flow's REPLY entry");
+    assert_eq!(
+        fwd.map(|f| f.flags),
+        Some(ct_flags::SNAT),
+        "the new flow's own"
+    );
+
+    // A pod's ClusterIP flow on a pod device, reset and opened again from the same port.
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let pc = "10.244.1.6:50030";
+    let cip = "10.96.0.11:80";
+    let syn = || {
+        row(
+            "a pod's SYN to a ClusterIP: DNAT",
+            PodIngress,
+            pod(tcp(pc, cip, TCP_SYN)),
+            OK,
+            Packet(pod(tcp(pc, pod5, TCP_SYN))),
+            Some(pkt_stat::NEW),
+        )
+    };
+    run_rows(
+        &dp,
+        vec![
+            syn(),
+            row(
+                "its SYN-ACK from the ClusterIP",
+                PodEgress,
+                to_pod(tcp(pod5, pc, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(to_pod(tcp(cip, pc, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "the pod resets it",
+                PodIngress,
+                pod(tcp(pc, cip, TCP_RST)),
+                OK,
+                Packet(pod(tcp(pc, pod5, TCP_RST))),
+                Some(pkt_stat::CT_HIT),
+            ),
+            syn(),
+        ],
+    );
+    let fwd = dp
+        .ct_entry(&ct_key(pc, cip, t, ct_dir::FORWARD))
+        .expect("the pod's new flow");
+    let rep = dp
+        .ct_entry(&ct_key(pod5, pc, t, ct_dir::REPLY))
+        .expect("its REPLY entry");
+    assert_eq!((fwd.flags, rep.flags), (ct_flags::POD, ct_flags::POD));
+}
+
 /// Keeps the calling thread on the CPU it runs on until dropped: per-CPU state that one
 /// program run leaves for the next is then the same CPU's.
 struct OnThisCpu {
@@ -4894,6 +5121,33 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             &|_| tcp("10.244.2.7:8080", &snat_dst, TCP_ACK),
             true,
         ),
+    ));
+    // A client that reuses its ports (the connection loop's, or a load balancer's SNAT): a new
+    // flow to the local backend on the tuple of a flow it reset a moment ago (not timed).
+    let reused = |i: u16| format!("203.0.113.11:{}", 40_000 + i);
+    let (mut counted, mut ns) = (0, 0);
+    for i in 0..runs {
+        let at = reused(i);
+        for flags in [TCP_SYN, TCP_RST] {
+            dp.run_on(
+                ExtIngress,
+                ingress,
+                &tcp(&at, "192.0.2.10:30080", flags).bytes(),
+                1,
+            );
+        }
+        let p = tcp(&at, "192.0.2.10:30080", TCP_SYN).bytes();
+        before_each();
+        let (runs0, ns0) = dp.prog_stats(ExtIngress);
+        let (verdict, out, _) = dp.run_on(ExtIngress, ingress, &p, 1);
+        let (runs1, ns1) = dp.prog_stats(ExtIngress);
+        assert!(verdict == OK && out != p, "a new flow not translated");
+        (counted, ns) = (counted + runs1 - runs0, ns + ns1 - ns0);
+    }
+    assert_eq!(counted, runs as u64, "bpf_stats counted every run");
+    rows.push((
+        "new flow, NodePort to a local backend, on the tuple of a flow reset a moment ago",
+        ns / counted,
     ));
     // The connection loop's case: a new flow to the remote backend while every port of the
     // range is held by a flow closed a moment ago (RST), so it tries `SNAT_FREE_TRIES` ports

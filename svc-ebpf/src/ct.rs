@@ -276,6 +276,18 @@ pub fn lapse_handing(p: &Pkt) {
 /// is no packet of it.
 pub const PEEK: u32 = 1 << 31;
 
+/// `lookup`'s answers.
+pub const MISS: u32 = 0;
+pub const HIT: u32 = 1;
+/// A SYN on the FORWARD entry of a closed flow that is not SNATed (a client reusing its port
+/// for a new connection to the same frontend): a miss, but the flow's entries are left in
+/// place, copied in `out`. The new flow takes them over in place when it goes to the same
+/// backend (`create`); the caller removes them (`forget_closed`) whatever else the SYN
+/// becomes. A removal and an insert of each entry cost an LRU table far more than a rewrite
+/// in place, and a client that reuses ports fast (a load generator, a load balancer SNATing
+/// to a few addresses) does so for nearly every connection.
+pub const CLOSED: u32 = 2;
+
 /// `lookup`'s `now` for a caller that needs the time only if the entry exists: the clock is
 /// read on a hit. Most packets leaving by an egress are no flow of svc's, and they need no
 /// time. The monotonic clock is never 0 once the machine runs.
@@ -286,12 +298,13 @@ pub const NOW_ON_HIT: u64 = 0;
 /// each other's flows. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
 /// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
 /// the first reply, a FIN, an RST). A SYN (`add` has `SYN`) on a closed flow's entry starts
-/// a new connection: the flow's entries are removed, and it is a miss. A function of its
-/// own (BPF-to-BPF call), so its copies of keys and values do not sit in its callers' frames.
+/// a new connection: a miss, and the flow's entries are removed, except `CLOSED`'s case. A
+/// function of its own (BPF-to-BPF call), so its copies of keys and values do not sit in its
+/// callers' frames. Returns `HIT`, `MISS` or `CLOSED`.
 #[inline(never)]
-pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> bool {
+pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> u32 {
     let Some(e) = SVC_CT.get_ptr_mut(key) else {
-        return false;
+        return MISS;
     };
     let now = if now == NOW_ON_HIT {
         crate::lb::clock_ns()
@@ -302,17 +315,20 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     // flags, which a racing reader may see old or new.
     *out = unsafe { *e };
     if (out.flags & ct_flags::POD != 0) != pod || !alive(key, out, now) {
-        return false;
+        return MISS;
     }
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
     // holds (`handing_holds`), so it records nothing (a FIN or RST dropped here must not mark
     // closed a flow the backend never saw closing).
     if add == PEEK || out.flags & ct_flags::HANDING != 0 {
-        return true;
+        return HIT;
     }
     if add & SYN != 0 && ct_flags::closed(out.flags) {
+        if key.dir == ct_dir::FORWARD && out.flags & (ct_flags::SNAT | ct_flags::HANDED) == 0 {
+            return CLOSED;
+        }
         forget(key, out);
-        return false;
+        return MISS;
     }
     let add = add as u16 & !out.flags;
     if add != 0 {
@@ -339,7 +355,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         out.nat_port_be = key.dport_be;
         out.flags &= !ct_flags::SNAT;
     }
-    true
+    HIT
 }
 
 /// A TCP SYN without ACK that no flow's FORWARD entry took (it goes on untranslated, or
@@ -412,11 +428,29 @@ pub const CREATE_ERR: u32 = 1;
 /// over it would give that flow's replies this flow's frontend.
 pub const CLASH: u32 = 2;
 
+/// Removes the closed flow whose FORWARD entry `v` the packet's SYN found (`CLOSED`), when
+/// the SYN starts no flow that takes it over.
+#[inline(never)]
+pub fn forget_closed(p: &Pkt, v: &CtValue) {
+    forget(&key_of(p, ct_dir::FORWARD), v);
+}
+
 /// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
-/// and its reply (backend to client). Nothing is left behind when it fails.
+/// and its reply (backend to client). `closed`: the closed flow the packet's SYN found on the
+/// tuple (`CLOSED`), taken over in place when it went to the same backend, else removed
+/// first. Nothing is left behind when it fails.
 #[inline(always)]
-pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
+pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtValue>) -> u32 {
     let rep_key = partner_key(fwd_key, fwd);
+    if let Some(old) = closed {
+        if old.nat_addr == fwd.nat_addr
+            && old.nat_port_be == fwd.nat_port_be
+            && take_over(fwd_key, &rep_key, fwd, rep)
+        {
+            return CREATED;
+        }
+        forget(fwd_key, old);
+    }
     if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
         // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
         // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
@@ -441,6 +475,31 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> u32 {
         return CREATE_ERR;
     }
     CREATED
+}
+
+/// Rewrites the entries of a closed flow in place with the new flow's `fwd` and `rep`, which
+/// translate alike (same backend, neither SNATed: only flags, times and ids change, fields a
+/// racing reader may see old or new as it may any refresh). The REPLY entry first: the
+/// FORWARD entry, written last, is what makes the flow open to the client's packets. False,
+/// with nothing written, when either entry is gone or no longer this closed flow's.
+#[inline(always)]
+fn take_over(fwd_key: &CtKey, rep_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> bool {
+    let (Some(fe), Some(re)) = (SVC_CT.get_ptr_mut(fwd_key), SVC_CT.get_ptr_mut(rep_key)) else {
+        return false;
+    };
+    // SAFETY: map values, checked and written in place.
+    unsafe {
+        if !ct_flags::closed((*fe).flags)
+            || (*fe).flags & (ct_flags::SNAT | ct_flags::HANDED | ct_flags::HANDING) != 0
+            || !ct_flags::closed((*re).flags)
+            || partner_key(rep_key, &*re) != *fwd_key
+        {
+            return false;
+        }
+        *re = *rep;
+        *fe = *fwd;
+    }
+    true
 }
 
 /// Outcome of `create_snat`.

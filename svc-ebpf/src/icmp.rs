@@ -119,11 +119,11 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     flow.dport_be = inner.sport_be;
     flow.proto = inner.proto;
     let mut dir = ct_dir::FORWARD;
-    let mut found =
-        dirs & FORWARD != 0 && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
+    let mut found = dirs & FORWARD != 0
+        && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v) == ct::HIT;
     if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
-        found = ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v);
+        found = ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v) == ct::HIT;
     }
     if !found {
         return NOT_OURS;

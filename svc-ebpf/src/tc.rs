@@ -19,9 +19,9 @@
 //! IP is there), and the NodePort wildcard key for a NodePort address;
 //! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
 //! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
-//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK adds one
-//! lookup wherever it goes: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`).
-//! A packet the
+//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK that is no
+//! known flow and starts none (it passes, or is refused) adds one lookup: the REPLY entry of
+//! its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
 //!
@@ -336,12 +336,29 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
 /// translation it gives into `s.src`/`s.dst`.
 #[inline(always)]
 fn known(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> bool {
+    found(s, dir, pod, now) == ct::HIT
+}
+
+/// `known`, with `ct::lookup`'s answer: `ct::CLOSED` leaves the closed flow in `s.v` for the
+/// caller to take over or remove.
+#[inline(always)]
+fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
     let key = ct::key_of(&s.p, dir);
-    if !ct::lookup(&key, pod, ct::packet_flags(&s.p, dir), now, &mut s.v) {
-        return false;
+    let found = ct::lookup(&key, pod, ct::packet_flags(&s.p, dir), now, &mut s.v);
+    if found == ct::HIT {
+        ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
     }
-    ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
-    true
+    found
+}
+
+/// What a SYN that found a closed flow on its tuple (`ct::CLOSED`, in `s.v`) became: a new
+/// flow without SNAT (`new_local`) takes the closed flow over or removes it; anything else
+/// removes it here.
+#[inline(always)]
+fn new_or_forget(s: &Scratch, closed: bool, next: u32) {
+    if closed && next != NEW_LOCAL {
+        ct::forget_closed(&s.p, &s.v);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -379,7 +396,8 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         // a frontend).
         return send_routed(ctx, s, pkt_stat::REPLY);
     }
-    if known(s, ct_dir::FORWARD, false, now) {
+    let fwd = found(s, ct_dir::FORWARD, false, now);
+    if fwd == ct::HIT {
         if held_for_handover(s, now) {
             return SHOT;
         }
@@ -390,15 +408,23 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
     }
-    // A SYN on a closed flow's reply tuple (a direct connection from a NodePort client's
-    // port to its backend) takes the tuple over, whether it starts a flow here or passes.
-    ct::syn_on_reply_tuple(&s.p, false);
-    match ext_frontend(s, node, now) {
+    let closed = fwd == ct::CLOSED;
+    let next = ext_frontend(s, node, now);
+    new_or_forget(s, closed, next);
+    if next != NEW_LOCAL && next != NEW_SNAT {
+        // A SYN on a closed flow's reply tuple takes the tuple over: a direct connection from
+        // a NodePort client's port to a backend on a node address, or a frontend now on a
+        // closed flow's backend address that refuses it (the refusal comes from there). Not
+        // a SYN that becomes a flow: its replies come from its backend, translated by its own
+        // entry, and nothing comes from the frontend's address itself.
+        ct::syn_on_reply_tuple(&s.p, false);
+    }
+    match next {
         MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
             OK
         }
-        NEW_LOCAL => match new_local(ctx, s) {
+        NEW_LOCAL => match new_local(ctx, s, closed) {
             REMAP => new_remapped(ctx, s),
             verdict => verdict,
         },
@@ -539,8 +565,8 @@ const REMAP: i32 = 0x100;
 /// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
 /// client to `s.dst`; `REMAP` when its reply tuple clashes. Both device kinds.
 #[inline(never)]
-fn new_local(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    match ct::create(&s.new.key, &s.new.fwd, &s.new.rep) {
+fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> i32 {
+    match ct::create(&s.new.key, &s.new.fwd, &s.new.rep, closed.then_some(&s.v)) {
         ct::CREATED => {}
         ct::CLASH => return REMAP,
         _ => {
@@ -688,15 +714,16 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     let now = now();
-    if known(s, ct_dir::FORWARD, true, now) {
+    let fwd = found(s, ct_dir::FORWARD, true, now);
+    if fwd == ct::HIT {
         if held_for_handover(s, now) {
             return SHOT;
         }
         return pod_send(ctx, s, pkt_stat::CT_HIT);
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
-    // SNAT port.
-    if in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
+    // SNAT port. Not a SYN that found a closed flow (no reply), whose entry `s.v` holds.
+    if fwd != ct::CLOSED && in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
         if s.dst.addr != s.p.saddr {
             // A backend pod's reply to another pod whose own port lies in the SNAT range: the
             // client's device restores the frontend, after the stack has forwarded the reply
@@ -706,9 +733,16 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
         }
         return pod_send(ctx, s, pkt_stat::REPLY);
     }
-    ct::syn_on_reply_tuple(&s.p, true);
-    match pod_frontend(s, now) {
-        NEW_LOCAL => match new_local(ctx, s) {
+    let closed = fwd == ct::CLOSED;
+    let next = pod_frontend(s, now);
+    new_or_forget(s, closed, next);
+    if next != NEW_LOCAL && next != NEW_SNAT {
+        // As on the external ingress: a direct connection from a pod's port to the backend
+        // of its closed ClusterIP flow.
+        ct::syn_on_reply_tuple(&s.p, true);
+    }
+    match next {
+        NEW_LOCAL => match new_local(ctx, s, closed) {
             REMAP => new_remapped(ctx, s),
             verdict => verdict,
         },
