@@ -833,11 +833,7 @@ fn stale_worker(
 /// the stale-UDP thread, which widens the window between a sync and its cleanup so that a
 /// test can kill the agent in it.
 fn test_pause() -> Option<Duration> {
-    let ms: u64 = std::env::var("SVC_TEST_STALE_UDP_PAUSE_MS")
-        .ok()?
-        .parse()
-        .ok()?;
-    Some(Duration::from_millis(ms))
+    crate::fault::pause("SVC_TEST_STALE_UDP_PAUSE_MS")
 }
 
 /// Of several definitions of one object, the one that serves now: from the file that served

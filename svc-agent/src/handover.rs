@@ -265,11 +265,7 @@ fn hand_over_one(
 /// needs to send a packet into it. Past `HANDING_HOLD_S` the mark lapses and svc translates
 /// the flow again, so a pause of a second or more tests nothing.
 fn window_pause() -> Option<std::time::Duration> {
-    let ms: u64 = std::env::var("SVC_TEST_HANDOVER_PAUSE_MS")
-        .ok()?
-        .parse()
-        .ok()?;
-    Some(std::time::Duration::from_millis(ms))
+    crate::fault::pause("SVC_TEST_HANDOVER_PAUSE_MS")
 }
 
 /// An address, v4 when mapped.

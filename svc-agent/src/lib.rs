@@ -4,6 +4,7 @@ pub mod agent;
 pub mod datapath;
 pub mod desired;
 pub mod error;
+pub mod fault;
 pub mod handover;
 pub mod healthcheck;
 pub mod list;

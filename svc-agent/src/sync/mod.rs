@@ -626,13 +626,7 @@ impl<S: Store> Writer<'_, S> {
 /// so that a test can kill the agent between two of them.
 fn node_write_pause() -> Option<Duration> {
     static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *PAUSE.get_or_init(|| {
-        let ms: u64 = std::env::var("SVC_TEST_NODE_WRITE_PAUSE_MS")
-            .ok()?
-            .parse()
-            .ok()?;
-        Some(Duration::from_millis(ms))
-    })
+    *PAUSE.get_or_init(|| crate::fault::pause("SVC_TEST_NODE_WRITE_PAUSE_MS"))
 }
 
 fn name_object(e: Error, object: &str) -> Error {
