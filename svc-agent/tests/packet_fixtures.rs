@@ -3948,7 +3948,9 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
 /// every case: to the same backend (the closed flow's entries are taken over in place), to
 /// another backend, refused by a frontend left without backends, or SNATed to a remote
 /// backend. Nothing of the closed flow is left: no packet of its backend to the client's port
-/// is translated any more, and the new flow's entries carry none of its flags.
+/// is translated any more, and the new flow's entries carry none of its flags. Nor is an ICMP
+/// error svc answers a new remote flow's SYN with, from a frontend on a closed flow's backend
+/// address and port, taken for that flow's reply.
 #[test]
 fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     let mut dp = world();
@@ -4027,11 +4029,6 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     assert_eq!(
         (rep.nat_addr, rep.nat_port_be),
         (ip16("192.0.2.10"), 30080u16.to_be())
-    );
-    assert!(
-        coarse_ns().saturating_sub(fwd.last_seen_ns) < 2_000_000_000
-            && fwd.last_seen_ns == rep.last_seen_ns,
-        "stamped by the new SYN"
     );
 
     // Another backend: the closed flow's REPLY entry goes.
@@ -4121,6 +4118,70 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
         fwd.map(|f| f.flags),
         Some(ct_flags::SNAT),
         "the new flow's own"
+    );
+
+    // Answered instead of translated: a closed flow's backend was a hostNetwork pod on the
+    // node address, on the port a NodePort to node 2 now has; a SYN from the same client port
+    // to that NodePort with TTL 1 is answered time exceeded from the node address, and the
+    // answer leaves by the egress as it is (not as the closed flow's reply).
+    dp.backend(45, "192.0.2.10:30086", t, LOCAL);
+    let host_fe = |port: &'static str, backends: &'static [BackendId], id: u32| Fe {
+        at: port,
+        proto: t,
+        scope: EXT,
+        id,
+        backends,
+        flags: NP,
+        affinity_s: 0,
+        affinity_id: 0,
+    };
+    dp.frontend(host_fe("0.0.0.0:30087", &[45], 60));
+    let c = "203.0.113.7:40201";
+    let host = "192.0.2.10:30086";
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a SYN to a NodePort whose backend is on the node address",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30087", TCP_SYN),
+                OK,
+                Packet(tcp(c, host, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the client resets it",
+                ExtIngress,
+                tcp(c, "192.0.2.10:30087", TCP_RST),
+                OK,
+                Packet(tcp(c, host, TCP_RST)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    dp.frontend(host_fe("0.0.0.0:30086", &[12], 61));
+    let first = tcp(c, host, TCP_SYN).ttl(1);
+    let time_exceeded = egress(icmp_error("192.0.2.10", C, 11, 0, [0; 4], &first, 28)).fresh_ip();
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "a SYN with TTL 1 to the NodePort now on that port, to node 2",
+                ExtIngress,
+                first,
+                REDIRECT,
+                Packet(time_exceeded.clone()),
+                Some(pkt_stat::DROP_TTL),
+            ),
+            row(
+                "the time exceeded leaves by the egress as it is",
+                ExtEgress,
+                time_exceeded,
+                OK,
+                Untouched,
+                None,
+            ),
+        ],
     );
 
     // A pod's ClusterIP flow on a pod device, reset and opened again from the same port.

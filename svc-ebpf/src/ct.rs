@@ -279,9 +279,9 @@ pub const PEEK: u32 = 1 << 31;
 /// `lookup`'s answers.
 pub const MISS: u32 = 0;
 pub const HIT: u32 = 1;
-/// A SYN on the FORWARD entry of a closed flow that is not SNATed (a client reusing its port
-/// for a new connection to the same frontend): a miss, but the flow's entries are left in
-/// place, copied in `out`. The new flow takes them over in place when it goes to the same
+/// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to the
+/// node's conntrack (a client reusing its port for a new connection to the same frontend): a
+/// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them over in place when it goes to the same
 /// backend (`create`); the caller removes them (`forget_closed`) whatever else the SYN
 /// becomes. A removal and an insert of each entry cost an LRU table far more than a rewrite
 /// in place, and a client that reuses ports fast (a load generator, a load balancer SNATing
@@ -333,9 +333,11 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     let add = add as u16 & !out.flags;
     if add != 0 {
         out.flags |= add;
-        // SAFETY: as above; a lost race loses a flag another packet will set again.
+        // SAFETY: as above. ORed in, not stored from the copy: a packet of a closed flow
+        // racing a new flow's take-over (`take_over`) must not store the closed flow's flags
+        // over the new flow's.
         unsafe {
-            (*e).flags = out.flags;
+            (*e).flags |= add;
             (*e).last_seen_ns = now;
         }
         if let Some(pe) = SVC_CT.get_ptr_mut(partner_key(key, out)) {
@@ -358,10 +360,11 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     HIT
 }
 
-/// A TCP SYN without ACK that no flow's FORWARD entry took (it goes on untranslated, or
-/// starts a new flow): if its own reply tuple is a closed flow's REPLY entry of this path
-/// (`pod`), that flow's entries are removed, or the new connection's replies would be
-/// translated as the closed flow's. The case: a NodePort flow to a local backend keeps the
+/// A TCP SYN without ACK that no flow's FORWARD entry took and that starts no flow to a local
+/// backend (it goes on untranslated, is answered by svc, or starts a remote or hairpin flow):
+/// if its own reply tuple is a closed flow's REPLY entry of this path (`pod`), that flow's
+/// entries are removed, or what comes back on that tuple would be translated as the closed
+/// flow's. The case: a NodePort flow to a local backend keeps the
 /// client's address, so its REPLY entry (backend -> client:port) is also the reply tuple of
 /// a direct connection from that client port to the backend.
 #[inline(never)]
@@ -478,10 +481,11 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
 }
 
 /// Rewrites the entries of a closed flow in place with the new flow's `fwd` and `rep`, which
-/// translate alike (same backend, neither SNATed: only flags, times and ids change, fields a
-/// racing reader may see old or new as it may any refresh). The REPLY entry first: the
-/// FORWARD entry, written last, is what makes the flow open to the client's packets. False,
-/// with nothing written, when either entry is gone or no longer this closed flow's.
+/// translate alike (same backend, neither SNATed nor handed over: only flags, times, ids and
+/// the device change, fields a racing reader may see old or new as it may any refresh, and
+/// a racing refresh only ORs flags in). The REPLY entry first: the FORWARD entry, written
+/// last, is what makes the flow open to the client's packets. False, with nothing written,
+/// when either entry is gone or no longer this closed flow's.
 #[inline(always)]
 fn take_over(fwd_key: &CtKey, rep_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> bool {
     let (Some(fe), Some(re)) = (SVC_CT.get_ptr_mut(fwd_key), SVC_CT.get_ptr_mut(rep_key)) else {
@@ -496,10 +500,28 @@ fn take_over(fwd_key: &CtKey, rep_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> 
         {
             return false;
         }
-        *re = *rep;
-        *fe = *fwd;
+        renew(re, rep);
+        renew(fe, fwd);
     }
     true
+}
+
+/// Writes the fields of `v` that differ between a closed flow's entry and the new flow's that
+/// takes it over: never the addresses and ports, so an element another CPU removed and
+/// reused for another key meanwhile (as any refresh through a pointer may meet) keeps its own.
+///
+/// # Safety
+/// `e` is a map value pointer.
+#[inline(always)]
+unsafe fn renew(e: *mut CtValue, v: &CtValue) {
+    // SAFETY: the caller's.
+    unsafe {
+        (*e).flags = v.flags;
+        (*e).handing_s = v.handing_s;
+        (*e).id = v.id;
+        (*e).ifindex = v.ifindex;
+        (*e).last_seen_ns = v.last_seen_ns;
+    }
 }
 
 /// Outcome of `create_snat`.

@@ -20,7 +20,7 @@
 //! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
 //! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
 //! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK that is no
-//! known flow and starts none (it passes, or is refused) adds one lookup: the REPLY entry of
+//! known flow and does not start one to a local backend adds one lookup: the REPLY entry of
 //! its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
@@ -411,12 +411,14 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     let closed = fwd == ct::CLOSED;
     let next = ext_frontend(s, node, now);
     new_or_forget(s, closed, next);
-    if next != NEW_LOCAL && next != NEW_SNAT {
+    if next != NEW_LOCAL {
         // A SYN on a closed flow's reply tuple takes the tuple over: a direct connection from
-        // a NodePort client's port to a backend on a node address, or a frontend now on a
-        // closed flow's backend address that refuses it (the refusal comes from there). Not
-        // a SYN that becomes a flow: its replies come from its backend, translated by its own
-        // entry, and nothing comes from the frontend's address itself.
+        // a NodePort client's port to a backend on a node address; a frontend now on a closed
+        // flow's backend address and port, which refuses it or answers it with an ICMP error
+        // (the answer leaves by the egress, which looks that tuple up); a new remote flow,
+        // ICMP errors about which are translated here and looked up again there. Not a new
+        // flow to a local backend: its replies are translated once, at the egress, by its
+        // own REPLY entry, and nothing of it leaves from the frontend's address untranslated.
         ct::syn_on_reply_tuple(&s.p, false);
     }
     match next {
@@ -736,9 +738,10 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     let closed = fwd == ct::CLOSED;
     let next = pod_frontend(s, now);
     new_or_forget(s, closed, next);
-    if next != NEW_LOCAL && next != NEW_SNAT {
+    if next != NEW_LOCAL {
         // As on the external ingress: a direct connection from a pod's port to the backend
-        // of its closed ClusterIP flow.
+        // of its closed ClusterIP flow; a hairpin flow (`NEW_SNAT`), whose replies come back
+        // into this device translated and are looked up again by its egress.
         ct::syn_on_reply_tuple(&s.p, true);
     }
     match next {
