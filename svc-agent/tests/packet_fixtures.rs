@@ -3896,51 +3896,26 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
     let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
     let pc = "10.244.1.6:50020";
-    run_rows(
-        &dp,
-        vec![
-            row(
-                "a pod's SYN to a ClusterIP: DNAT",
-                PodIngress,
-                pod(tcp(pc, "10.96.0.11:80", TCP_SYN)),
-                OK,
-                Packet(pod(tcp(pc, pod_ip, TCP_SYN))),
-                Some(pkt_stat::NEW),
-            ),
-            row(
-                "its SYN-ACK from the ClusterIP",
-                PodEgress,
-                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
-                OK,
-                Packet(to_pod(tcp("10.96.0.11:80", pc, TCP_SYN | TCP_ACK))),
-                Some(pkt_stat::REPLY),
-            ),
-            row(
-                "the pod resets it",
-                PodIngress,
-                pod(tcp(pc, "10.96.0.11:80", TCP_RST)),
-                OK,
-                Packet(pod(tcp(pc, pod_ip, TCP_RST))),
-                Some(pkt_stat::CT_HIT),
-            ),
-            row(
-                "a direct SYN from the same pod port to the backend: not ours",
-                PodIngress,
-                pod(tcp(pc, pod_ip, TCP_SYN)),
-                OK,
-                Untouched,
-                None,
-            ),
-            row(
-                "the backend's SYN-ACK reaches the pod untranslated",
-                PodEgress,
-                to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
-                OK,
-                Untouched,
-                None,
-            ),
-        ],
-    );
+    let mut rows = pod_flow_reset(pc, "10.96.0.11:80", pod_ip);
+    rows.extend([
+        row(
+            "a direct SYN from the same pod port to the backend: not ours",
+            PodIngress,
+            pod(tcp(pc, pod_ip, TCP_SYN)),
+            OK,
+            Untouched,
+            None,
+        ),
+        row(
+            "the backend's SYN-ACK reaches the pod untranslated",
+            PodEgress,
+            to_pod(tcp(pod_ip, pc, TCP_SYN | TCP_ACK)),
+            OK,
+            Untouched,
+            None,
+        ),
+    ]);
+    run_rows(&dp, rows);
 }
 
 /// A SYN on the tuple of a flow closed a moment ago (a client reusing its port: a load
@@ -4185,42 +4160,16 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     );
 
     // A pod's ClusterIP flow on a pod device, reset and opened again from the same port.
-    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
-    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
     let pc = "10.244.1.6:50030";
     let cip = "10.96.0.11:80";
-    let syn = || {
-        row(
-            "a pod's SYN to a ClusterIP: DNAT",
-            PodIngress,
-            pod(tcp(pc, cip, TCP_SYN)),
-            OK,
-            Packet(pod(tcp(pc, pod5, TCP_SYN))),
-            Some(pkt_stat::NEW),
-        )
-    };
+    // The flow, reset, then its SYN again.
+    let again = pod_flow_reset(pc, cip, pod5).into_iter().take(1);
     run_rows(
         &dp,
-        vec![
-            syn(),
-            row(
-                "its SYN-ACK from the ClusterIP",
-                PodEgress,
-                to_pod(tcp(pod5, pc, TCP_SYN | TCP_ACK)),
-                OK,
-                Packet(to_pod(tcp(cip, pc, TCP_SYN | TCP_ACK))),
-                Some(pkt_stat::REPLY),
-            ),
-            row(
-                "the pod resets it",
-                PodIngress,
-                pod(tcp(pc, cip, TCP_RST)),
-                OK,
-                Packet(pod(tcp(pc, pod5, TCP_RST))),
-                Some(pkt_stat::CT_HIT),
-            ),
-            syn(),
-        ],
+        pod_flow_reset(pc, cip, pod5)
+            .into_iter()
+            .chain(again)
+            .collect(),
     );
     let fwd = dp
         .ct_entry(&ct_key(pc, cip, t, ct_dir::FORWARD))
@@ -4229,6 +4178,39 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
         .ct_entry(&ct_key(pod5, pc, t, ct_dir::REPLY))
         .expect("its REPLY entry");
     assert_eq!((fwd.flags, rep.flags), (ct_flags::POD, ct_flags::POD));
+}
+
+/// A pod's ClusterIP flow on a pod device from `pc` to `cip`, DNATed to `backend`: its SYN,
+/// the SYN-ACK from the ClusterIP, and the pod's RST, which closes it.
+fn pod_flow_reset(pc: &'static str, cip: &'static str, backend: &'static str) -> Vec<Row> {
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    vec![
+        row(
+            "a pod's SYN to a ClusterIP: DNAT",
+            PodIngress,
+            pod(tcp(pc, cip, TCP_SYN)),
+            OK,
+            Packet(pod(tcp(pc, backend, TCP_SYN))),
+            Some(pkt_stat::NEW),
+        ),
+        row(
+            "its SYN-ACK from the ClusterIP",
+            PodEgress,
+            to_pod(tcp(backend, pc, TCP_SYN | TCP_ACK)),
+            OK,
+            Packet(to_pod(tcp(cip, pc, TCP_SYN | TCP_ACK))),
+            Some(pkt_stat::REPLY),
+        ),
+        row(
+            "the pod resets it",
+            PodIngress,
+            pod(tcp(pc, cip, TCP_RST)),
+            OK,
+            Packet(pod(tcp(pc, backend, TCP_RST))),
+            Some(pkt_stat::CT_HIT),
+        ),
+    ]
 }
 
 /// Keeps the calling thread on the CPU it runs on until dropped: per-CPU state that one

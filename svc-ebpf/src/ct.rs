@@ -281,9 +281,9 @@ pub const MISS: u32 = 0;
 pub const HIT: u32 = 1;
 /// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to the
 /// node's conntrack (a client reusing its port for a new connection to the same frontend): a
-/// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them over in place when it goes to the same
-/// backend (`create`); the caller removes them (`forget_closed`) whatever else the SYN
-/// becomes. A removal and an insert of each entry cost an LRU table far more than a rewrite
+/// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them
+/// over in place when it goes to the same backend (`create`); the caller removes them
+/// (`forget_closed`) whatever else the SYN becomes. A removal and an insert of each entry cost an LRU table far more than a rewrite
 /// in place, and a client that reuses ports fast (a load generator, a load balancer SNATing
 /// to a few addresses) does so for nearly every connection.
 pub const CLOSED: u32 = 2;
@@ -364,9 +364,9 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
 /// backend (it goes on untranslated, is answered by svc, or starts a remote or hairpin flow):
 /// if its own reply tuple is a closed flow's REPLY entry of this path (`pod`), that flow's
 /// entries are removed, or what comes back on that tuple would be translated as the closed
-/// flow's. The case: a NodePort flow to a local backend keeps the
-/// client's address, so its REPLY entry (backend -> client:port) is also the reply tuple of
-/// a direct connection from that client port to the backend.
+/// flow's. The case: a NodePort flow to a local backend keeps the client's address, so its
+/// REPLY entry (backend -> client:port) is also the reply tuple of a direct connection from
+/// that client port to the backend.
 #[inline(never)]
 pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
     if p.proto != IPPROTO_TCP || p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {

@@ -351,14 +351,25 @@ fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
     found
 }
 
-/// What a SYN that found a closed flow on its tuple (`ct::CLOSED`, in `s.v`) became: a new
-/// flow without SNAT (`new_local`) takes the closed flow over or removes it; anything else
-/// removes it here.
+/// What is left of closed flows on the packet's tuples once the frontend lookup said what it
+/// becomes (`next`). A new flow to a local backend (`new_local`) takes the closed flow its SYN
+/// found (`closed`: `ct::CLOSED`, in `s.v`) over or removes it, and skips the reversed
+/// tuple: its replies are translated once, at the egress, by its own REPLY entry. Anything
+/// else removes that closed flow here, and a closed flow on the reversed tuple
+/// (`ct::syn_on_reply_tuple`): a direct connection from a client's port to the backend of its
+/// closed flow (a backend on a node address, or a pod's ClusterIP backend); a frontend now on a
+/// closed flow's backend address and port, which refuses the SYN or answers it with an ICMP
+/// error that leaves by the egress; a remote or hairpin flow, whose ICMP errors or bounced
+/// replies are looked up again by that tuple.
 #[inline(always)]
-fn new_or_forget(s: &Scratch, closed: bool, next: u32) {
-    if closed && next != NEW_LOCAL {
+fn settle_closed(s: &Scratch, closed: bool, next: u32, pod: bool) {
+    if next == NEW_LOCAL {
+        return;
+    }
+    if closed {
         ct::forget_closed(&s.p, &s.v);
     }
+    ct::syn_on_reply_tuple(&s.p, pod);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -410,17 +421,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     }
     let closed = fwd == ct::CLOSED;
     let next = ext_frontend(s, node, now);
-    new_or_forget(s, closed, next);
-    if next != NEW_LOCAL {
-        // A SYN on a closed flow's reply tuple takes the tuple over: a direct connection from
-        // a NodePort client's port to a backend on a node address; a frontend now on a closed
-        // flow's backend address and port, which refuses it or answers it with an ICMP error
-        // (the answer leaves by the egress, which looks that tuple up); a new remote flow,
-        // ICMP errors about which are translated here and looked up again there. Not a new
-        // flow to a local backend: its replies are translated once, at the egress, by its
-        // own REPLY entry, and nothing of it leaves from the frontend's address untranslated.
-        ct::syn_on_reply_tuple(&s.p, false);
-    }
+    settle_closed(s, closed, next, false);
     match next {
         MIDSTREAM => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
@@ -737,13 +738,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let closed = fwd == ct::CLOSED;
     let next = pod_frontend(s, now);
-    new_or_forget(s, closed, next);
-    if next != NEW_LOCAL {
-        // As on the external ingress: a direct connection from a pod's port to the backend
-        // of its closed ClusterIP flow; a hairpin flow (`NEW_SNAT`), whose replies come back
-        // into this device translated and are looked up again by its egress.
-        ct::syn_on_reply_tuple(&s.p, true);
-    }
+    settle_closed(s, closed, next, true);
     match next {
         NEW_LOCAL => match new_local(ctx, s, closed) {
             REMAP => new_remapped(ctx, s),
