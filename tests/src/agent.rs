@@ -498,6 +498,7 @@ impl Agent {
                     self.log()
                 );
             }
+            crate::interrupt::check()?;
             if Instant::now() >= deadline {
                 bail!(
                     "svc-agent: no {n}× `{line}` within {timeout:?}; log:\n{}",

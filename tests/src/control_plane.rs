@@ -824,6 +824,7 @@ fn wait_until(
         if ready() {
             return Ok(());
         }
+        crate::interrupt::check()?;
         if Instant::now() >= deadline {
             bail!(
                 "{what} not ready within {timeout:?}; end of {}:\n{}",

@@ -514,6 +514,7 @@ impl KubeProxy {
                 Ok(syncs) => last = format!("last syncs {syncs:?}"),
                 Err(e) => last = format!("{e:#}"),
             }
+            crate::interrupt::check()?;
             if started.elapsed() > timeout {
                 bail!(
                     "{} did not sync its rules within {timeout:?} ({last}); log:\n{}",

@@ -13,6 +13,7 @@ pub mod agent;
 pub mod bulk;
 pub mod cgroup;
 pub mod control_plane;
+pub mod interrupt;
 pub mod kube_proxy;
 pub mod manifest;
 pub mod memcg;

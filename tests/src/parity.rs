@@ -736,6 +736,7 @@ pub fn observe_with(
                 });
             }
             last = outcome;
+            crate::interrupt::check()?;
             if since.elapsed() >= within {
                 return Ok(Cell {
                     outcome: last,

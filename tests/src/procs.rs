@@ -13,7 +13,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde::de::DeserializeOwned;
 
-use crate::{cgroup::TestCgroup, netns::NetNs, sys::die_with_parent};
+use crate::{cgroup::TestCgroup, interrupt, netns::NetNs, sys::die_with_parent};
 
 /// How long a backend may take to bind and say `ready`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,14 +69,21 @@ impl Backend {
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        match rx.recv_timeout(READY_TIMEOUT) {
-            Ok(line) if line.trim() == "ready" => Ok(backend),
-            Ok(line) => {
-                let status = backend.child.try_wait().ok().flatten();
-                bail!("backend {name} did not start: said {line:?}, exit {status:?}")
+        let deadline = Instant::now() + READY_TIMEOUT;
+        // In slices, so that a stop requested meanwhile ends the wait.
+        let line = loop {
+            interrupt::check()?;
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(line) => break line,
+                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {}
+                Err(_) => bail!("backend {name} not ready within {READY_TIMEOUT:?}"),
             }
-            Err(_) => bail!("backend {name} not ready within {READY_TIMEOUT:?}"),
+        };
+        if line.trim() == "ready" {
+            return Ok(backend);
         }
+        let status = backend.child.try_wait().ok().flatten();
+        bail!("backend {name} did not start: said {line:?}, exit {status:?}")
     }
 
     pub fn name(&self) -> &str {
@@ -153,6 +160,11 @@ impl ClientRun {
         let status = loop {
             if let Some(s) = child.try_wait()? {
                 break s;
+            }
+            if let Err(e) = interrupt::check() {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
             }
             if Instant::now() >= deadline {
                 let _ = child.kill();

@@ -169,7 +169,9 @@ impl Profile {
     ) -> Result<Profile> {
         std::fs::create_dir_all(dir)?;
         let (c, n, _) = prog_stats(pins.as_deref())?;
-        let perf = Command::new("perf")
+        let mut perf = Command::new("perf");
+        crate::sys::die_with_parent(&mut perf);
+        let perf = perf
             .args(["record", "-q", "-a", "-g", "-F", "499", "-o"])
             .arg(dir.join(format!("{label}.perf.data")))
             .args(["--", "sleep", &seconds.to_string()])
@@ -228,5 +230,24 @@ impl Profile {
             per(busy_s * 1e6),
             per(softirq_s * 1e6),
         ))
+    }
+}
+
+impl Drop for Profile {
+    /// A measure that failed or was interrupted: perf is stopped now rather than at the end of
+    /// its `sleep`. SIGINT, as to a perf in a terminal: it ends its workload and closes the file.
+    fn drop(&mut self) {
+        let Some(p) = self.perf.as_mut() else {
+            return;
+        };
+        if let Ok(None) = p.try_wait() {
+            let _ = crate::sys::signal(p.id(), libc::SIGINT);
+            let deadline = Instant::now() + std::time::Duration::from_secs(5);
+            while matches!(p.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = p.kill();
+            let _ = p.wait();
+        }
     }
 }

@@ -11,6 +11,7 @@
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -18,7 +19,7 @@ use clap::Parser;
 use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
 use svc_agent::store::BpfStore;
 use svc_agent::sync::Programmed;
-use svc_tests::{require_root, Report, Sandbox, Tools};
+use svc_tests::{interrupt, require_root, Report, Sandbox, Tools};
 
 #[derive(Parser)]
 struct Args {
@@ -157,7 +158,11 @@ fn apply(store: &mut BpfStore, p: &mut Programmed, desired: &DesiredState) -> Re
     Ok(started.elapsed())
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    interrupt::run(bench)
+}
+
+fn bench() -> Result<()> {
     let args = Args::parse();
     require_root();
     let sb = Sandbox::new(Tools::locate())?;
@@ -182,6 +187,7 @@ fn main() -> Result<()> {
     let (mut d1, mut v1, mut dn, mut vn) = (vec![], vec![], vec![], vec![]);
     let (mut load_time, mut resync_time) = (Duration::ZERO, Duration::ZERO);
     for round in 0..args.rounds {
+        interrupt::check()?;
         eprintln!("round {}/{}: 1 service", round + 1, args.rounds);
         apply(store, &mut programmed, &one)?;
         let (d, v) = compare(&sb, direct, &args)?;
@@ -193,6 +199,7 @@ fn main() -> Result<()> {
             args.rounds,
             args.services
         );
+        interrupt::check()?;
         load_time = apply(store, &mut programmed, &many)?;
         // A second pass over the same state must write nothing: the cost of a resync.
         resync_time = apply(store, &mut programmed, &many)?;

@@ -9,8 +9,9 @@
 //! `eth0` named with `--devices`), a NodePort and a LoadBalancer IP with a backend on each
 //! node, requests from an external client namespace, and what the tc programs and the
 //! connection-tracking map hold. Every
-//! resource is a guard, so the sandbox is gone when the demo exits, also on error or Ctrl-C
-//! during a step (the process then dies; guards run on the error paths).
+//! resource is a guard, so the sandbox is gone when the demo exits, also on error, and on
+//! Ctrl-C, SIGTERM or SIGHUP during a step (`svc_tests::interrupt`: the step fails, the guards
+//! drop, and the status is 128 + the signal's number).
 
 use std::{
     collections::BTreeMap,
@@ -57,7 +58,11 @@ fn section(title: &str) {
 }
 
 fn main() -> ExitCode {
-    match demo(Args::parse()) {
+    if let Err(e) = svc_tests::interrupt::install() {
+        eprintln!("svc-demo: {e:#}");
+        return ExitCode::FAILURE;
+    }
+    let code = match demo(Args::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
             println!("\nRESULT: FAILED (see above)");
@@ -67,7 +72,8 @@ fn main() -> ExitCode {
             eprintln!("svc-demo: {e:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    svc_tests::interrupt::stopped().unwrap_or(code)
 }
 
 fn demo(args: Args) -> Result<bool> {
@@ -237,6 +243,7 @@ fn demo(args: Args) -> Result<bool> {
     let tools = sb.tools.clone();
     drop(sb);
 
+    svc_tests::interrupt::check()?;
     ok &= packet_demo(&tools)?;
 
     section("12. Teardown");

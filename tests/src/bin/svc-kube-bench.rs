@@ -27,6 +27,7 @@ use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -46,7 +47,7 @@ use svc_common::{ServiceKey, SlotKey};
 use svc_tests::agent::kube_run_args;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::memcg::{MemCgroup, MemUsage};
-use svc_tests::{bulk, report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
+use svc_tests::{bulk, interrupt, report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
 
 #[derive(Parser)]
 struct Args {
@@ -645,6 +646,7 @@ fn cold_start(
         if started.elapsed() > READY_TIMEOUT {
             bail!("svc-agent not ready within {READY_TIMEOUT:?}");
         }
+        interrupt::check()?;
         std::thread::sleep(Duration::from_millis(1));
     }
     let time = started.elapsed();
@@ -681,7 +683,11 @@ fn cold_start(
     ))
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    interrupt::run(bench)
+}
+
+fn bench() -> Result<()> {
     let args = Args::parse();
     require_root();
     // 250 per /24 of 10.96.0.0/12, the first /24 left to the API server's own Service.
@@ -714,21 +720,23 @@ fn main() -> Result<()> {
     );
     let started = Instant::now();
     let mut slices = if args.via_etcd {
-        rt.block_on(bulk::populate_via_etcd(
-            &cp,
-            client.clone(),
-            NAMESPACE,
-            args.services,
-            |i| objects(i, args.endpoints),
-        ))?
+        interrupt::block_on(
+            &rt,
+            bulk::populate_via_etcd(&cp, client.clone(), NAMESPACE, args.services, |i| {
+                objects(i, args.endpoints)
+            }),
+        )?
     } else {
-        rt.block_on(bulk::populate(
-            client.clone(),
-            NAMESPACE,
-            args.services,
-            args.concurrency,
-            |i| objects(i, args.endpoints),
-        ))?
+        interrupt::block_on(
+            &rt,
+            bulk::populate(
+                client.clone(),
+                NAMESPACE,
+                args.services,
+                args.concurrency,
+                |i| objects(i, args.endpoints),
+            ),
+        )?
     };
     let populate_time = started.elapsed();
     eprintln!(
@@ -743,6 +751,7 @@ fn main() -> Result<()> {
     let logs = TempDir::new("svc-kube-bench")?;
     let mut runs = Vec::new();
     let (agent, bpffs, store, memcg) = loop {
+        interrupt::check()?;
         let run = runs.len() + 1;
         eprintln!(
             "cold start {run}/{}: {}",
@@ -826,6 +835,7 @@ fn main() -> Result<()> {
             if t0.elapsed() > CHANGE_TIMEOUT {
                 bail!("change {c} ({name}: {new_ip}) not in the maps after {CHANGE_TIMEOUT:?}");
             }
+            interrupt::check()?;
             std::thread::sleep(POLL);
         }
         latencies.push(t0.elapsed());
@@ -847,6 +857,7 @@ fn main() -> Result<()> {
     drop(memcg);
     drop(cgroup);
 
+    interrupt::check()?;
     eprintln!("breakdown of the cold start");
     let breakdown = breakdown(&rt, &client, &tools)?;
     drop(client);

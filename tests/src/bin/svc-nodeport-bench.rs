@@ -41,13 +41,15 @@
 //!
 //! Nothing leaves the namespaces: programs attach only to node 1's `eth0` of the bench's own
 //! namespaces, kube-proxy's rules live in node 1's namespace, and the machine's own firewall is
-//! checked before and after.
+//! checked before and after. SIGTERM, SIGINT and SIGHUP end the run through the same teardown
+//! as an error (`svc_tests::interrupt`), with status 128 + the signal's number.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -63,6 +65,7 @@ use svc_agent::source::kube::SERVICE_NAME_LABEL;
 use svc_tests::agent::kube_run_args;
 use svc_tests::bulk::{self, cluster_ip};
 use svc_tests::control_plane::ControlPlane;
+use svc_tests::interrupt;
 use svc_tests::kube_proxy::{
     self, ApiRelay, HostFirewallGuard, IptablesBackend, KubeProxy, KubeProxyConfig, Mode,
 };
@@ -597,7 +600,7 @@ impl World {
                         r.results
                     );
                 }
-                std::thread::sleep(Duration::from_millis(200));
+                interrupt::sleep(Duration::from_millis(200))?;
             }
         }
         Ok(())
@@ -1377,7 +1380,11 @@ fn targets(r: &Recorded) -> String {
     out
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    interrupt::run(bench)
+}
+
+fn bench() -> Result<()> {
     let mut args = Args::parse();
     if let Some(path) = &args.from_json {
         let text =
@@ -1449,6 +1456,7 @@ fn main() -> Result<()> {
         None => None,
     };
     for &n in &args.services {
+        interrupt::check()?;
         let cp = ControlPlane::start_with_node_port_range(NODE_PORT_RANGE)
             .context("starting the control plane")?;
         for (name, ip) in [(NODE, NODE1), (REMOTE_NODE, NODE2)] {
@@ -1461,7 +1469,7 @@ fn main() -> Result<()> {
         }
         let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
         let t = Instant::now();
-        rt.block_on(populate(client, n))?;
+        interrupt::block_on(&rt, populate(client, n))?;
         eprintln!(
             "{} Services and slices created in {:.1} s",
             n + 1,
@@ -1470,6 +1478,7 @@ fn main() -> Result<()> {
         // One setup at a time, so a kube-proxy's first sync has the machine to itself.
         let mut worlds = Vec::new();
         for &setup in &setups {
+            interrupt::check()?;
             eprintln!("  {} ({n} Services): setting up", setup.label());
             match World::build(setup, &cp, &tools, &args, n) {
                 Ok(w) => {
@@ -1477,6 +1486,8 @@ fn main() -> Result<()> {
                     ready.push((n, setup.id().to_owned(), w.ready.as_secs_f64()));
                     worlds.push(w);
                 }
+                // A setup failed by a stop is no result: the run ends.
+                Err(e) if interrupt::requested().is_some() => return Err(e),
                 Err(e) => {
                     eprintln!("    failed: {e:#}");
                     let text = format!("{e:#}");
@@ -1502,6 +1513,7 @@ fn main() -> Result<()> {
                         .map(|m| (*m, *way))
                 });
                 for (m, way) in taken {
+                    interrupt::check()?;
                     let profile = match &args.profile {
                         Some(dir) => Some(Profile::start(
                             dir,

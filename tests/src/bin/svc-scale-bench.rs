@@ -5,12 +5,13 @@
 //! Runs the release agent (`SVC_AGENT_BIN`) as a process on a test cgroup, as root.
 
 use std::path::Path;
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use svc_tests::scale::{write_services, GenService};
-use svc_tests::{report, require_root, Agent, Bpffs, Manifests, TestCgroup, Tools};
+use svc_tests::{interrupt, report, require_root, Agent, Bpffs, Manifests, TestCgroup, Tools};
 
 #[derive(Parser)]
 struct Args {
@@ -63,7 +64,11 @@ fn ready(agent: &mut Agent) -> Result<(Duration, f64, f64)> {
     Ok((took, status(pid, "VmRSS:")?, status(pid, "VmHWM:")?))
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    interrupt::run(bench)
+}
+
+fn bench() -> Result<()> {
     let args = Args::parse();
     require_root();
     let tools = Tools::locate();
@@ -74,6 +79,7 @@ fn main() -> Result<()> {
         .map(|i| GenService::nth(i, args.endpoints, 0))
         .collect();
     write_services(m.dir(), m.scratch(), &services)?;
+    interrupt::check()?;
     let bytes: u64 = std::fs::read_dir(m.dir())?
         .flatten()
         .filter_map(|e| e.metadata().ok())
@@ -128,7 +134,7 @@ fn main() -> Result<()> {
     let (restart, restart_rss, restart_hwm) = ready(&mut agent)?;
     eprintln!("restart {restart:?}, RSS {restart_rss:.1} MiB, peak {restart_hwm:.1} MiB");
     // What the killed agent retired is deleted once the new one's grace period has passed.
-    std::thread::sleep(Duration::from_millis(1500));
+    interrupt::sleep(Duration::from_millis(1500))?;
     let problems =
         svc_tests::scale::pinned_vs(bpffs.path(), &svc_tests::scale::desired_of(&changed))?;
     anyhow::ensure!(

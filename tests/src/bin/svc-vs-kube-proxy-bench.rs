@@ -32,6 +32,7 @@
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -45,7 +46,7 @@ use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
 use svc_tests::report::{fmt3, median};
-use svc_tests::{bulk, plot, report, require_root, Sandbox, TempDir, Tools};
+use svc_tests::{bulk, interrupt, plot, report, require_root, Sandbox, TempDir, Tools};
 
 const NAMESPACE: &str = "bench";
 const PORT: u16 = 80;
@@ -253,6 +254,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     .context("no proxy pid")?;
     // The Services a change moved to b11 answer from b11; a sweep only needs an answer.
     let (all_answering, last_sweep) = loop {
+        interrupt::check()?;
         let r = proxy.sb.sweep(
             t.targets,
             1000,
@@ -285,6 +287,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     let mut made = 0;
     let changes_started = Instant::now();
     for _ in 0..t.args.changes {
+        interrupt::check()?;
         if changes_started.elapsed() > Duration::from_secs(t.args.changes_budget_s) {
             break;
         }
@@ -702,7 +705,11 @@ fn noisy(v: Option<[f64; 3]>) -> bool {
     v.is_some_and(|[m, lo, hi]| m > 0.0 && (hi - lo) / m > 0.5)
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    interrupt::run(bench)
+}
+
+fn bench() -> Result<()> {
     let mut args = Args::parse();
     let results = match &args.from_json {
         Some(path) => serde_json::from_slice(
@@ -772,6 +779,7 @@ fn measure(args: &mut Args) -> Result<Results> {
     let mut too_slow: Vec<(ProxyKind, String)> = Vec::new();
     let run_started = Instant::now();
     for &n in &args.services {
+        interrupt::check()?;
         if n == 0 || n > 250 * 4000 {
             bail!("--services {n}: between 1 and 1,000,000");
         }
@@ -793,18 +801,15 @@ fn measure(args: &mut Args) -> Result<Results> {
         // Straight into etcd, at every N alike: through the API, creating 30,000 Services takes
         // 8 minutes here (`bulk::populate_via_etcd` says why). Every proxy still reads them
         // through the API server.
-        rt.block_on(bulk::populate_via_etcd(
-            &cp,
-            client.clone(),
-            NAMESPACE,
-            n,
-            |i| {
+        interrupt::block_on(
+            &rt,
+            bulk::populate_via_etcd(&cp, client.clone(), NAMESPACE, n, |i| {
                 (
                     bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
                     slice(i, false),
                 )
-            },
-        ))?;
+            }),
+        )?;
         eprintln!(
             "{n} Services and slices created in {:.1} s",
             t.elapsed().as_secs_f64()
@@ -821,6 +826,7 @@ fn measure(args: &mut Args) -> Result<Results> {
             bare.push(bare_rate(&tools, args.rate_seconds)?);
             let k = kinds.len();
             for j in 0..k {
+                interrupt::check()?;
                 let kind = kinds[(j + round as usize) % k];
                 let out_of_time = args
                     .stop_after_min
@@ -871,6 +877,8 @@ fn measure(args: &mut Args) -> Result<Results> {
                         }
                         samples.push(s);
                     }
+                    // A turn failed by a stop is no result: the run ends.
+                    Err(e) if interrupt::requested().is_some() => return Err(e),
                     Err(e) => {
                         eprintln!("    failed: {e:#}");
                         let text = format!("{e:#}");
