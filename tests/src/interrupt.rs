@@ -74,6 +74,9 @@ pub fn install() -> Result<()> {
         .name("svc-signals".into())
         .spawn(move || {
             for signal in signals.forever() {
+                if signal == SIGHUP {
+                    quiet_closed_terminal();
+                }
                 match SIGNAL.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst) {
                     Ok(_) => eprintln!(
                         "svc-tests: {}: stopping, tearing everything down first",
@@ -90,6 +93,25 @@ pub fn install() -> Result<()> {
         .context("starting the signal thread")?;
     *installed = true;
     Ok(())
+}
+
+/// After SIGHUP the terminal is likely gone, and `eprintln!` panics when a write fails: a
+/// second panic in a guard's Drop while the first unwinds would abort the teardown. So output
+/// to a terminal goes to /dev/null from then on; a file or pipe keeps it.
+fn quiet_closed_terminal() {
+    // SAFETY: plain fd calls on this process's own descriptors; no memory is shared.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if null < 0 {
+            return;
+        }
+        for fd in [libc::STDOUT_FILENO, libc::STDERR_FILENO] {
+            if libc::isatty(fd) == 1 || *libc::__errno_location() == libc::EIO {
+                libc::dup2(null, fd);
+            }
+        }
+        libc::close(null);
+    }
 }
 
 /// The signal that asked the process to stop, if one did.
