@@ -25,8 +25,8 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{
-    backend_flags, ct_dir, ct_flags, map_names, node_addr_flags, pkt_stat, scope, stat, svc_flags,
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
+    backend_flags, ct_dir, ct_flags, ct_timeout, map_names, node_addr_flags, pkt_stat, scope, stat,
+    svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
     DatapathConfig, DevStatKey, NodeAddrValue, ServiceKey, ServiceValue, SlotKey,
     AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY,
 };
@@ -3390,13 +3390,7 @@ fn connection_tracking_entry_stamped_ahead_is_alive() {
     let c = "203.0.113.7:40094";
     new_local_flow(&dp, c);
     let fkey = ct_key(c, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
-    let fwd = dp.ct_entry(&fkey).unwrap();
-    let ahead = monotonic_ns() + 10 * 1_000_000_000;
-    for key in [fkey, fkey.partner(&fwd)] {
-        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
-        e.last_seen_ns = ahead;
-        dp.ct.insert(key, e, 0).unwrap();
-    }
+    stamp_flow(&mut dp, &fkey, monotonic_ns() + 10 * 1_000_000_000);
     run_rows(
         &dp,
         vec![row(
@@ -3426,12 +3420,7 @@ fn a_dead_flow_is_not_revived_by_a_newer_flow_on_its_partners_tuple() {
     let c = "203.0.113.7:40110";
     new_local_flow(&dp, c);
     let fkey = ct_key(c, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
-    let fwd = dp.ct_entry(&fkey).unwrap();
-    for key in [fkey, fkey.partner(&fwd)] {
-        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
-        e.last_seen_ns = 1;
-        dp.ct.insert(key, e, 0).unwrap();
-    }
+    stamp_flow(&mut dp, &fkey, 1);
     run_rows(
         &dp,
         vec![
@@ -3552,13 +3541,7 @@ fn a_half_closed_flow_outlives_the_closing_timeout() {
     );
     // The backend works on the request for 20 s: nothing either way.
     let fkey = ct_key(c, np, IPPROTO_TCP, ct_dir::FORWARD);
-    let fwd = dp.ct_entry(&fkey).unwrap();
-    let then = coarse_ns() - 20 * 1_000_000_000;
-    for key in [fkey, fkey.partner(&fwd)] {
-        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
-        e.last_seen_ns = then;
-        dp.ct.insert(key, e, 0).unwrap();
-    }
+    stamp_flow(&mut dp, &fkey, coarse_ns() - 20 * 1_000_000_000);
     run_rows(
         &dp,
         vec![
@@ -4099,42 +4082,8 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     // node address, on the port a NodePort to node 2 now has; a SYN from the same client port
     // to that NodePort with TTL 1 is answered time exceeded from the node address, and the
     // answer leaves by the egress as it is (not as the closed flow's reply).
-    dp.backend(45, "192.0.2.10:30086", t, LOCAL);
-    let host_fe = |port: &'static str, backends: &'static [BackendId], id: u32| Fe {
-        at: port,
-        proto: t,
-        scope: EXT,
-        id,
-        backends,
-        flags: NP,
-        affinity_s: 0,
-        affinity_id: 0,
-    };
-    dp.frontend(host_fe("0.0.0.0:30087", &[45], 60));
-    let c = "203.0.113.7:40201";
-    let host = "192.0.2.10:30086";
-    run_rows(
-        &dp,
-        vec![
-            row(
-                "a SYN to a NodePort whose backend is on the node address",
-                ExtIngress,
-                tcp(c, "192.0.2.10:30087", TCP_SYN),
-                OK,
-                Packet(tcp(c, host, TCP_SYN)),
-                Some(pkt_stat::NEW),
-            ),
-            row(
-                "the client resets it",
-                ExtIngress,
-                tcp(c, "192.0.2.10:30087", TCP_RST),
-                OK,
-                Packet(tcp(c, host, TCP_RST)),
-                Some(pkt_stat::CT_HIT),
-            ),
-        ],
-    );
-    dp.frontend(host_fe("0.0.0.0:30086", &[12], 61));
+    let (c, host) = (HOST_PORTS[0].c, HOST_PORTS[0].host);
+    closed_flow_to_a_host_port(&mut dp, &HOST_PORTS[0], &[12]);
     let first = tcp(c, host, TCP_SYN).ttl(1);
     let time_exceeded = egress(icmp_error("192.0.2.10", C, 11, 0, [0; 4], &first, 28)).fresh_ip();
     run_rows(
@@ -4211,6 +4160,484 @@ fn pod_flow_reset(pc: &'static str, cip: &'static str, backend: &'static str) ->
             Some(pkt_stat::CT_HIT),
         ),
     ]
+}
+
+/// A TCP frontend without sessionAffinity.
+fn tcp_fe<'a>(at: &'a str, scope: u8, flags: u16, id: u32, backends: &'a [BackendId]) -> Fe<'a> {
+    Fe {
+        at,
+        proto: IPPROTO_TCP,
+        scope,
+        id,
+        backends,
+        flags,
+        affinity_s: 0,
+        affinity_id: 0,
+    }
+}
+
+/// The wildcard key of the NodePort on the node address and port `at`.
+fn nodeport_key(at: &str) -> String {
+    let s = sa(at);
+    let any = if s.is_ipv6() { "[::]" } else { "0.0.0.0" };
+    format!("{any}:{}", s.port())
+}
+
+/// Stamps both entries of the flow of FORWARD entry `fkey` last seen at `ns`.
+fn stamp_flow(dp: &mut Dp, fkey: &CtKey, ns: u64) {
+    let fwd = dp.ct_entry(fkey).expect("the flow's FORWARD entry");
+    for key in [*fkey, fkey.partner(&fwd)] {
+        let mut e = dp.ct_entry(&key).expect("both entries of the flow");
+        e.last_seen_ns = ns;
+        dp.ct.insert(key, e, 0).unwrap();
+    }
+}
+
+/// Client `c`'s flow through NodePort `np` to the local backend 10.244.1.5:8080 (30080's and
+/// 30082's): its SYN, the SYN-ACK from the NodePort, and the client's RST, which closes it.
+fn local_flow_reset(c: &'static str, np: &'static str) -> Vec<Row> {
+    let backend = "10.244.1.5:8080";
+    let egress = |p: P| p.macs(GW_MAC, EXT_MAC);
+    vec![
+        row(
+            "SYN to the NodePort: DNAT only",
+            ExtIngress,
+            tcp(c, np, TCP_SYN),
+            OK,
+            Packet(tcp(c, backend, TCP_SYN)),
+            Some(pkt_stat::NEW),
+        ),
+        row(
+            "SYN-ACK from the NodePort",
+            ExtEgress,
+            egress(tcp(backend, c, TCP_SYN | TCP_ACK)),
+            OK,
+            Packet(egress(tcp(np, c, TCP_SYN | TCP_ACK))),
+            Some(pkt_stat::REPLY),
+        ),
+        row(
+            "the client resets it",
+            ExtIngress,
+            tcp(c, np, TCP_RST),
+            OK,
+            Packet(tcp(c, backend, TCP_RST)),
+            Some(pkt_stat::CT_HIT),
+        ),
+    ]
+}
+
+/// A packet svc sent or answered with that the egress it leaves by must not translate again.
+fn leaves_as_it_is(what: &'static str, prog: Prog, p: P) -> Row {
+    row(what, prog, p, OK, Untouched, None)
+}
+
+/// A client port whose flow through NodePort `via` went to a backend on the node address
+/// itself (a hostNetwork pod), `host`: the flow's REPLY entry (`host` -> `c`) is the reversed
+/// tuple of a SYN from `c` to `host`, once `host`'s port is a NodePort of its own.
+struct HostPort {
+    c: &'static str,
+    /// `c`'s address, and the node's.
+    client: &'static str,
+    node: &'static str,
+    via: &'static str,
+    host: &'static str,
+    /// The backend on `host`'s and `via`'s frontend; the NodePort on `host` is `id + 1`.
+    id: u32,
+}
+
+const HOST_PORTS: [HostPort; 2] = [
+    HostPort {
+        c: "203.0.113.7:40201",
+        client: C,
+        node: "192.0.2.10",
+        via: "192.0.2.10:30087",
+        host: "192.0.2.10:30086",
+        id: 45,
+    },
+    HostPort {
+        c: "[2001:db8:c::7]:40201",
+        client: "2001:db8:c::7",
+        node: "2001:db8::10",
+        via: "[2001:db8::10]:30087",
+        host: "[2001:db8::10]:30086",
+        id: 47,
+    },
+];
+
+/// `h`'s flow, reset by the client; then `h.host`'s port becomes a NodePort to `backends`.
+fn closed_flow_to_a_host_port(dp: &mut Dp, h: &HostPort, backends: &[BackendId]) {
+    dp.backend(h.id, h.host, IPPROTO_TCP, LOCAL);
+    dp.frontend(tcp_fe(&nodeport_key(h.via), EXT, NP, h.id, &[h.id]));
+    run_rows(
+        dp,
+        vec![
+            row(
+                "a SYN to a NodePort whose backend is on the node address",
+                ExtIngress,
+                tcp(h.c, h.via, TCP_SYN),
+                OK,
+                Packet(tcp(h.c, h.host, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "the client resets it",
+                ExtIngress,
+                tcp(h.c, h.via, TCP_RST),
+                OK,
+                Packet(tcp(h.c, h.host, TCP_RST)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    dp.frontend(tcp_fe(&nodeport_key(h.host), EXT, NP, h.id + 1, backends));
+}
+
+/// A pod's SYN that starts a hairpin flow (the pod reaching itself through a frontend) from a
+/// port whose earlier flow is closed. A hairpin flow's packets are sent straight back into the
+/// pod's device, whose egress looks them up again: the bounced SYN-ACK by its tuple from the
+/// frontend to the pod's port, the SYN's reversed tuple. When the closed flow's backend was
+/// that frontend's own address and port (a hostNetwork pod on the node address, reached
+/// through a ClusterIP; its port now a NodePort to the pod itself), that tuple is the closed
+/// flow's REPLY entry, which the SYN must remove: the egress would make the SYN-ACK come from
+/// the closed flow's ClusterIP, and the pod would reset its connection. A SYN on the closed
+/// flow's own tuple (its ClusterIP now the pod's own) removes it as well, so its old backend's
+/// late segment is not made to come from the ClusterIP.
+#[test]
+fn a_pods_syn_on_a_closed_flows_tuple_may_start_a_hairpin_flow() {
+    let mut dp = world();
+    let t = IPPROTO_TCP;
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let (pod5, host, cip) = ("10.244.1.5:8080", "192.0.2.10:30086", "10.96.0.14:80");
+    dp.backend(45, host, t, LOCAL);
+    dp.frontend(tcp_fe(cip, scope::CLUSTER, 0, 53, &[45]));
+    let pc = "10.244.1.5:50040";
+    run_rows(&dp, pod_flow_reset(pc, cip, host));
+    dp.frontend(tcp_fe("0.0.0.0:30086", scope::CLUSTER, NP, 54, &[11]));
+    let bounced = to_pod(tcp(host, pc, TCP_SYN | TCP_ACK));
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the pod's SYN to the host port, now a NodePort to itself: from the node \
+                 address on a SNAT port, back into its device",
+                PodIngress,
+                pod(tcp(pc, host, TCP_SYN)),
+                REDIRECT,
+                Packet(to_pod(tcp("192.0.2.10:61000", pod5, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "its own SYN-ACK: from the NodePort, back into its device",
+                PodIngress,
+                pod(tcp(pod5, "192.0.2.10:61000", TCP_SYN | TCP_ACK)),
+                REDIRECT,
+                Packet(bounced.clone()),
+                Some(pkt_stat::REPLY),
+            ),
+            leaves_as_it_is(
+                "the bounced SYN-ACK leaves by the egress as it is",
+                PodEgress,
+                bounced,
+            ),
+        ],
+    );
+    assert_eq!(
+        dp.ct_entry(&ct_key(host, pc, t, ct_dir::REPLY)),
+        None,
+        "the closed flow's REPLY entry"
+    );
+
+    let pc = "10.244.1.5:50041";
+    run_rows(&dp, pod_flow_reset(pc, cip, host));
+    dp.frontend_rev(&tcp_fe(cip, scope::CLUSTER, 0, 53, &[11]), 2);
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the pod's SYN on the closed flow's tuple, the ClusterIP now its own: hairpin",
+                PodIngress,
+                pod(tcp(pc, cip, TCP_SYN)),
+                REDIRECT,
+                Packet(to_pod(tcp("10.96.0.14:61000", pod5, TCP_SYN))),
+                Some(pkt_stat::NEW),
+            ),
+            leaves_as_it_is(
+                "a late segment of the closed flow's backend reaches the pod untranslated",
+                PodEgress,
+                to_pod(tcp(host, pc, TCP_ACK)),
+            ),
+        ],
+    );
+    let fwd = dp
+        .ct_entry(&ct_key(pc, cip, t, ct_dir::FORWARD))
+        .expect("the hairpin flow");
+    assert_eq!(
+        (fwd.flags, fwd.nat_addr, fwd.snat_port_be),
+        (
+            ct_flags::POD | ct_flags::SNAT,
+            ip16("10.244.1.5"),
+            61000u16.to_be()
+        )
+    );
+}
+
+/// An ICMP error about a new remote flow that the external ingress translates and forwards
+/// itself (`route_icmp`) leaves by the external egress, which looks it up again by its quote's
+/// reversed tuple: from the frontend to the client's port. When that port's earlier flow, now
+/// closed, went to a backend on the frontend's own address and port (`HostPort`), that tuple is
+/// the closed flow's REPLY entry. The new flow's SYN removes it, or the egress would rewrite the
+/// error's quote to the closed flow's frontend, and the client would not apply node 2's path
+/// MTU to its connection.
+#[test]
+fn an_icmp_error_routed_to_a_remote_flows_client_is_no_reply_of_a_closed_flow() {
+    let mut dp = world();
+    let mtu = 1400u32.to_be_bytes();
+    for (h, remote, [snat, backend, node2], (typ, code, quote)) in [
+        (
+            &HOST_PORTS[0],
+            12,
+            ["192.0.2.10:61000", "10.244.2.7:8080", "192.0.2.20"],
+            (3, 4, 40),
+        ),
+        (
+            &HOST_PORTS[1],
+            16,
+            [
+                "[2001:db8::10]:61000",
+                "[fd00:244:2::7]:8080",
+                "2001:db8::20",
+            ],
+            (2, 0, 60),
+        ),
+    ] {
+        closed_flow_to_a_host_port(&mut dp, h, &[remote]);
+        // The client's segment as it left towards node 2, and as the client sent it.
+        let sent = tcp(snat, backend, TCP_ACK).ttl(63);
+        let sent_as = tcp(h.c, h.host, TCP_ACK).ttl(63);
+        let routed = icmp_error(h.node, h.client, typ, code, mtu, &sent_as, quote)
+            .macs(GW_MAC, EXT_MAC)
+            .ttl(63);
+        run_rows(
+            &dp,
+            vec![
+                row(
+                    "a SYN to the host port, now a NodePort to node 2: DNAT and SNAT",
+                    ExtIngress,
+                    tcp(h.c, h.host, TCP_SYN),
+                    REDIRECT,
+                    Packet(tcp(snat, backend, TCP_SYN).macs(NODE2_MAC, EXT_MAC).ttl(63)),
+                    Some(pkt_stat::NEW),
+                ),
+                row(
+                    "node 2's fragmentation needed about a segment: to the client, about its own",
+                    ExtIngress,
+                    icmp_error(node2, h.node, typ, code, mtu, &sent, quote)
+                        .macs(EXT_MAC, NODE2_MAC),
+                    REDIRECT,
+                    Packet(routed.clone()),
+                    Some(pkt_stat::ICMP_ERROR),
+                ),
+                leaves_as_it_is("the error leaves by the egress as it is", ExtEgress, routed),
+            ],
+        );
+    }
+}
+
+/// svc's own fragmentation needed / packet too big (`send_too_big`), for a SYN with data (TCP
+/// Fast Open) too big for the route to a new remote flow's backend, leaves by the external
+/// egress, which looks it up by its quote's reversed tuple, as it does a routed ICMP error: a
+/// closed flow's REPLY entry there (`HostPort`) must be gone by then, though the SYN starts
+/// no flow, or the client would get the answer about a packet to the closed flow's frontend.
+#[test]
+fn too_big_answered_to_a_syn_on_a_closed_flows_reply_tuple_is_about_the_syn() {
+    let mut dp = world();
+    let mtu = 1280u32.to_be_bytes();
+    // NodePort 30083's backends, behind the 1280-byte link ext1.
+    for (h, remote, (typ, code, quote)) in [
+        (&HOST_PORTS[0], 40, (3, 4, 28)),
+        (&HOST_PORTS[1], 41, (2, 0, 48)),
+    ] {
+        closed_flow_to_a_host_port(&mut dp, h, &[remote]);
+        let syn = tcp(h.c, h.host, TCP_SYN).payload(vec![0x42; 1300]);
+        let too_big = icmp_error(h.node, h.client, typ, code, mtu, &syn, quote)
+            .macs(GW_MAC, EXT_MAC)
+            .fresh_ip();
+        run_rows(
+            &dp,
+            vec![
+                row(
+                    "a SYN with data to the host port, now a NodePort over ext1: too big",
+                    ExtIngress,
+                    syn,
+                    REDIRECT,
+                    Packet(too_big.clone()),
+                    Some(pkt_stat::TOO_BIG),
+                ),
+                leaves_as_it_is(
+                    "the answer leaves by the egress as it is",
+                    ExtEgress,
+                    too_big,
+                ),
+            ],
+        );
+        assert_eq!(
+            dp.ct_entry(&ct_key(h.host, h.c, IPPROTO_TCP, ct_dir::REPLY)),
+            None,
+            "the closed flow's REPLY entry"
+        );
+    }
+}
+
+/// A flow that took a closed flow's entries over (a SYN on its tuple to the same backend) has
+/// none of the closed flow's RST: idle for longer than the closing timeout, it still gets the
+/// fragmentation needed a router on the way to the client sends about its reply, to the
+/// backend, about the backend's own segment, so the backend lowers its path MTU.
+#[test]
+fn fragmentation_needed_about_a_taken_over_flows_reply_outlives_the_closing_timeout() {
+    let mut dp = world();
+    let c = "203.0.113.7:40220";
+    let np = "192.0.2.10:30080";
+    let mut rows = local_flow_reset(c, np);
+    rows.extend(local_flow_reset(c, np).into_iter().take(2));
+    run_rows(&dp, rows);
+    let idle = 2 * ct_timeout::TCP_CLOSING_S as u64 * 1_000_000_000;
+    let fkey = ct_key(c, np, IPPROTO_TCP, ct_dir::FORWARD);
+    stamp_flow(&mut dp, &fkey, coarse_ns() - idle);
+    let mtu = 1400u32.to_be_bytes();
+    let reply = tcp(np, c, TCP_ACK).ttl(63);
+    let reply_was = tcp("10.244.1.5:8080", c, TCP_ACK).ttl(63);
+    run_rows(
+        &dp,
+        vec![row(
+            "fragmentation needed about the reply: to the backend, about its own segment",
+            ExtIngress,
+            icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
+            OK,
+            Packet(icmp_error(
+                "192.0.2.1",
+                "10.244.1.5",
+                3,
+                4,
+                mtu,
+                &reply_was,
+                40,
+            )),
+            Some(pkt_stat::ICMP_ERROR),
+        )],
+    );
+}
+
+/// A pod's SYN on the tuple of its closed flow starts a new flow on it, though the tuple is
+/// also another flow's reply tuple: the pod serves on a port and connects from it too
+/// (SO_REUSEPORT), to a ClusterIP port in the SNAT range, to which a hairpin flow of the pod's
+/// own through that ClusterIP was SNATed. The SYN is no reply (a reply has its ACK): taken
+/// for the hairpin flow's, it would be sent back into the pod, to the hairpin flow's client
+/// socket. A dead hairpin flow's entry there (the table keeps it until it is evicted or its
+/// port reused) would take the closed flow's place as what the new flow takes over or
+/// removes: the closed flow's REPLY entry would stay, and make its old backend's late
+/// segment come from the ClusterIP.
+#[test]
+fn a_pods_syn_on_its_closed_flows_tuple_is_no_reply_of_a_flow_on_that_tuple() {
+    let mut dp = world();
+    let t = IPPROTO_TCP;
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    dp.backend(43, "10.244.1.7:8080", t, LOCAL);
+    dp.backend(44, "10.244.1.8:8080", t, LOCAL);
+    let (p, cip) = ("10.244.1.5:8080", "10.96.0.11:61000");
+    let (pod7, pod8) = ("10.244.1.7:8080", "10.244.1.8:8080");
+    dp.frontend(tcp_fe(cip, scope::CLUSTER, 0, 52, &[43]));
+    let hairpin = |from: &'static str| {
+        row(
+            "the pod reaches itself through the ClusterIP's port 80: SNATed to port 61000",
+            PodIngress,
+            pod(tcp(from, "10.96.0.11:80", TCP_SYN)),
+            REDIRECT,
+            Packet(to_pod(tcp(cip, p, TCP_SYN))),
+            Some(pkt_stat::NEW),
+        )
+    };
+
+    // A dead hairpin flow on the tuple.
+    let dead = "10.244.1.5:50070";
+    let mut rows = pod_flow_reset(p, cip, pod7);
+    rows.push(hairpin(dead));
+    run_rows(&dp, rows);
+    stamp_flow(
+        &mut dp,
+        &ct_key(dead, "10.96.0.11:80", t, ct_dir::FORWARD),
+        1,
+    );
+    dp.frontend_rev(&tcp_fe(cip, scope::CLUSTER, 0, 52, &[44]), 2);
+    let mut rows = pod_flow_reset(p, cip, pod8);
+    rows.push(leaves_as_it_is(
+        "a late segment of the closed flow's old backend reaches the pod untranslated",
+        PodEgress,
+        to_pod(tcp(pod7, p, TCP_ACK)),
+    ));
+    run_rows(&dp, rows);
+
+    // A live one: it takes the dead one's port.
+    let live = "10.244.1.5:50071";
+    let mut rows = vec![hairpin(live)];
+    rows.extend(pod_flow_reset(p, cip, pod8));
+    run_rows(&dp, rows);
+    let rep = dp
+        .ct_entry(&ct_key(p, cip, t, ct_dir::REPLY))
+        .expect("the live hairpin flow's REPLY entry");
+    assert_eq!(
+        (rep.snat_port_be, rep.flags),
+        (50071u16.to_be(), ct_flags::POD | ct_flags::SNAT),
+        "the hairpin flow's own, no reply seen"
+    );
+}
+
+/// A SYN on a closed flow's tuple to the same backend takes the flow's entries over only
+/// while both are still its own. When its REPLY entry is gone (evicted from a full table)
+/// the new flow is stored whole, and its replies come from its frontend. When the reply
+/// tuple has gone to another flow since (the client's port to another frontend of the
+/// backend, closed in turn), that flow's entry is not taken over: it names its own frontend,
+/// which the new flow's replies would come from; it goes, with its flow.
+#[test]
+fn a_syn_on_a_closed_flow_whose_reply_entry_is_gone_starts_a_whole_new_flow() {
+    let mut dp = world();
+    let t = IPPROTO_TCP;
+    let (np, np2, pod5) = ("192.0.2.10:30080", "192.0.2.10:30082", "10.244.1.5:8080");
+    for c in ["203.0.113.7:40230", "203.0.113.7:40231"] {
+        run_rows(&dp, local_flow_reset(c, np));
+        dp.ct
+            .remove(&ct_key(pod5, c, t, ct_dir::REPLY))
+            .expect("the closed flow's REPLY entry");
+    }
+
+    let c = "203.0.113.7:40230";
+    run_rows(&dp, local_flow_reset(c, np).into_iter().take(2).collect());
+    let fwd = dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD));
+    let rep = dp.ct_entry(&ct_key(pod5, c, t, ct_dir::REPLY));
+    assert_eq!(
+        fwd.map(|f| (f.flags, f.nat_port_be)),
+        Some((ct_flags::SEEN_REPLY, 8080u16.to_be())),
+        "the new flow's FORWARD entry"
+    );
+    assert_eq!(
+        rep.map(|r| (r.flags, r.nat_port_be)),
+        Some((ct_flags::SEEN_REPLY, 30080u16.to_be())),
+        "the new flow's REPLY entry"
+    );
+
+    let c = "203.0.113.7:40231";
+    let mut rows = local_flow_reset(c, np2);
+    rows.extend(local_flow_reset(c, np).into_iter().take(2));
+    rows.push(row(
+        "the client's late segment to the other NodePort: no flow of svc's",
+        ExtIngress,
+        tcp(c, np2, TCP_ACK),
+        OK,
+        Untouched,
+        Some(pkt_stat::PASS_MIDSTREAM),
+    ));
+    run_rows(&dp, rows);
 }
 
 /// Keeps the calling thread on the CPU it runs on until dropped: per-CPU state that one
