@@ -92,13 +92,86 @@ pub fn root() -> PathBuf {
 
 pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {cmd:?}");
-    let status = cmd
-        .status()
+    let child = cmd
+        .spawn()
         .with_context(|| format!("running {:?}", cmd.get_program()))?;
+    let status = forward::wait(child).with_context(|| format!("waiting for {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }
     Ok(())
+}
+
+/// SIGTERM, SIGINT and SIGHUP sent to xtask reach the command it is running, so a bench stops
+/// through its own teardown instead of running on, orphaned, after xtask has died.
+mod forward {
+    use std::{
+        io,
+        process::{Child, ExitStatus},
+        sync::{Mutex, Once},
+    };
+
+    use signal_hook::{
+        consts::{SIGHUP, SIGINT, SIGTERM},
+        iterator::Signals,
+    };
+
+    /// The child being waited for: signalled only while it has not been reaped, so its pid
+    /// cannot have gone to another process.
+    static CHILD: Mutex<Option<i32>> = Mutex::new(None);
+
+    fn install() {
+        static ONCE: Once = Once::new();
+        ONCE.call_once(|| {
+            let Ok(mut signals) = Signals::new([SIGTERM, SIGINT, SIGHUP]) else {
+                eprintln!("xtask: signals are not forwarded to its commands");
+                return;
+            };
+            std::thread::spawn(move || {
+                for signal in signals.forever() {
+                    match *CHILD.lock().unwrap_or_else(|e| e.into_inner()) {
+                        // SAFETY: a plain syscall on our own unreaped child.
+                        Some(pid) => unsafe {
+                            libc::kill(pid, signal);
+                        },
+                        // Between commands: what the signal would have done.
+                        None => std::process::exit(128 + signal),
+                    }
+                }
+            });
+        });
+    }
+
+    /// Waits for `child`, forwarding the signals xtask gets to it meanwhile.
+    pub fn wait(mut child: Child) -> io::Result<ExitStatus> {
+        install();
+        let pid = child.id() as i32;
+        *CHILD.lock().unwrap_or_else(|e| e.into_inner()) = Some(pid);
+        // Waits for the exit without reaping (WNOWAIT): until `child.wait()` below, the pid is
+        // a zombie of ours, so a signal forwarded in between reaches no other process.
+        let waited = loop {
+            // SAFETY: `info` is a plain struct the call fills.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if r == 0 {
+                break Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                break Err(e);
+            }
+        };
+        *CHILD.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        waited?;
+        child.wait()
+    }
 }
 
 /// Runs `cargo test`, passing its output through, and ends with one total over every test
@@ -120,7 +193,7 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
             failed += f;
         }
     }
-    let status = child.wait().context("waiting for cargo test")?;
+    let status = forward::wait(child).context("waiting for cargo test")?;
     println!("tests: {passed} passed, {failed} failed");
     if !status.success() {
         bail!("cargo test failed: {status}");
