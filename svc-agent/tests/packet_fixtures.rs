@@ -4241,7 +4241,8 @@ struct HostPort {
     node: &'static str,
     via: &'static str,
     host: &'static str,
-    /// The backend on `host`'s and `via`'s frontend; the NodePort on `host` is `id + 1`.
+    /// The backend id of `host`, and the frontend id of `via`; the NodePort on `host` is
+    /// `id + 1`.
     id: u32,
 }
 

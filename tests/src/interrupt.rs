@@ -143,8 +143,9 @@ pub fn sleep(d: Duration) -> Result<()> {
     }
 }
 
-/// `rt.block_on(work)`, dropping `work` (and so cancelling its requests) when a stop is
-/// requested. `rt` needs its timer enabled.
+/// `rt.block_on(work)`, dropping `work` when a stop is requested, at its next await: work that
+/// runs long between awaits (`bulk`'s etcd writes after their one await) finishes first. `rt`
+/// needs its timer enabled.
 pub fn block_on<T>(
     rt: &tokio::runtime::Runtime,
     work: impl Future<Output = Result<T>>,

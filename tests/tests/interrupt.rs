@@ -11,7 +11,10 @@ use std::{
     io::{BufRead, BufReader},
     path::Path,
     process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -30,6 +33,8 @@ const REACH_WITHIN: Duration = Duration::from_secs(180);
 struct Bench {
     child: Child,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// Set when the bench's stderr has ended: every line it wrote has been read.
+    stderr_ended: Arc<AtomicBool>,
 }
 
 impl Bench {
@@ -47,14 +52,21 @@ impl Bench {
             .expect("starting svc-nodeport-bench");
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let lines = stderr.clone();
+        let stderr_ended = Arc::new(AtomicBool::new(false));
+        let ended = stderr_ended.clone();
         let pipe = child.stderr.take().expect("piped stderr");
         std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
                 eprintln!("bench: {line}");
                 lines.lock().unwrap().push(line);
             }
+            ended.store(true, Ordering::SeqCst);
         });
-        Bench { child, stderr }
+        Bench {
+            child,
+            stderr,
+            stderr_ended,
+        }
     }
 
     fn pid(&self) -> u32 {
@@ -103,8 +115,12 @@ impl Bench {
             std::thread::sleep(Duration::from_millis(20));
         };
         let took = sent.elapsed();
-        // A moment for the reader thread to see the last lines.
-        std::thread::sleep(Duration::from_millis(200));
+        // The reader thread has every line once the pipe ends; a process of the bench's that
+        // still holds it open is reported below as one still running.
+        let read_by = Instant::now() + Duration::from_secs(10);
+        while !self.stderr_ended.load(Ordering::SeqCst) && Instant::now() < read_by {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let alive: Vec<_> = children.iter().filter(|p| p.alive()).collect();
         let left = leftovers(self.pid());
         // Whatever failed below, nothing of this run stays on the machine.
@@ -130,6 +146,12 @@ impl Drop for Bench {
         // A test that panicked before `interrupt`: the bench's own guards clean up on SIGTERM.
         if let Ok(None) = self.child.try_wait() {
             let _ = sys::signal(self.child.id(), libc::SIGTERM);
+            let deadline = Instant::now() + EXIT_WITHIN;
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            // A teardown that hangs must not hang the test run with it.
+            let _ = self.child.kill();
             let _ = self.child.wait();
         }
     }
@@ -225,9 +247,14 @@ fn remove(left: &[String]) {
 fn sigterm_during_a_measure_tears_everything_down() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut bench = Bench::start();
-    bench.wait_for("its first round", |b| b.said("round 1"));
-    // Inside the measure: a probe client is running.
-    std::thread::sleep(Duration::from_millis(700));
+    // Inside the measure: a probe client (`svc-probe loop`) is running.
+    bench.wait_for("a probe client's loop", |b| {
+        b.said("round 1")
+            && descendants(b.pid()).iter().any(|p| {
+                std::fs::read(format!("/proc/{}/cmdline", p.pid))
+                    .is_ok_and(|c| c.split(|&b| b == 0).any(|arg| arg == b"loop"))
+            })
+    });
     bench.interrupt(libc::SIGTERM, &["netns", "cgroup"]);
 }
 

@@ -92,9 +92,7 @@ pub fn root() -> PathBuf {
 
 pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {cmd:?}");
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("running {:?}", cmd.get_program()))?;
+    let child = forward::spawn(cmd).with_context(|| format!("running {:?}", cmd.get_program()))?;
     let status = forward::wait(child).with_context(|| format!("waiting for {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
@@ -102,13 +100,15 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// SIGTERM, SIGINT and SIGHUP sent to xtask reach the command it is running, so a bench stops
-/// through its own teardown instead of running on, orphaned, after xtask has died.
+/// SIGTERM and SIGHUP sent to xtask reach the command it is running, so a bench stops through
+/// its own teardown instead of running on, orphaned, after xtask has died. SIGINT is not
+/// passed on: Ctrl-C reaches the terminal's whole foreground group, the command included,
+/// and a second copy would only read as an impatient second Ctrl-C.
 mod forward {
     use std::{
         io,
-        process::{Child, ExitStatus},
-        sync::{Mutex, Once},
+        process::{Child, Command, ExitStatus},
+        sync::{Mutex, MutexGuard, Once},
     };
 
     use signal_hook::{
@@ -116,9 +116,13 @@ mod forward {
         iterator::Signals,
     };
 
-    /// The child being waited for: signalled only while it has not been reaped, so its pid
-    /// cannot have gone to another process.
+    /// The child being run: signalled only while it has not been reaped, so its pid cannot
+    /// have gone to another process.
     static CHILD: Mutex<Option<i32>> = Mutex::new(None);
+
+    fn child() -> MutexGuard<'static, Option<i32>> {
+        CHILD.lock().unwrap_or_else(|e| e.into_inner())
+    }
 
     fn install() {
         static ONCE: Once = Once::new();
@@ -129,7 +133,8 @@ mod forward {
             };
             std::thread::spawn(move || {
                 for signal in signals.forever() {
-                    match *CHILD.lock().unwrap_or_else(|e| e.into_inner()) {
+                    match *child() {
+                        Some(_) if signal == SIGINT => {}
                         // SAFETY: a plain syscall on our own unreaped child.
                         Some(pid) => unsafe {
                             libc::kill(pid, signal);
@@ -142,17 +147,25 @@ mod forward {
         });
     }
 
-    /// Waits for `child`, forwarding the signals xtask gets to it meanwhile.
-    pub fn wait(mut child: Child) -> io::Result<ExitStatus> {
+    /// Starts `cmd`; the signals xtask gets go to it from the moment it exists (the handler
+    /// waits for the registration) until `wait` has reaped it.
+    pub fn spawn(cmd: &mut Command) -> io::Result<Child> {
         install();
-        let pid = child.id() as i32;
-        *CHILD.lock().unwrap_or_else(|e| e.into_inner()) = Some(pid);
-        // Waits for the exit without reaping (WNOWAIT): until `child.wait()` below, the pid is
-        // a zombie of ours, so a signal forwarded in between reaches no other process.
+        let mut slot = child();
+        let c = cmd.spawn()?;
+        *slot = Some(c.id() as i32);
+        Ok(c)
+    }
+
+    /// Waits for `c`, which `spawn` started.
+    pub fn wait(mut c: Child) -> io::Result<ExitStatus> {
+        let pid = c.id();
+        // Waits for the exit without reaping (WNOWAIT): until `c.wait()` below, the pid is a
+        // zombie of ours, so a signal forwarded in between reaches no other process.
         let waited = loop {
-            // SAFETY: `info` is a plain struct the call fills.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `info` is a plain struct the call fills; all-zero bytes are a valid one.
             let r = unsafe {
+                let mut info: libc::siginfo_t = std::mem::zeroed();
                 libc::waitid(
                     libc::P_PID,
                     pid as libc::id_t,
@@ -168,9 +181,9 @@ mod forward {
                 break Err(e);
             }
         };
-        *CHILD.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *child() = None;
         waited?;
-        child.wait()
+        c.wait()
     }
 }
 
@@ -179,10 +192,8 @@ mod forward {
 fn run_tests(cmd: &mut Command) -> Result<()> {
     use std::io::{BufRead, BufReader};
     eprintln!("+ {cmd:?}");
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .context("running cargo test")?;
+    let mut child =
+        forward::spawn(cmd.stdout(std::process::Stdio::piped())).context("running cargo test")?;
     let (mut passed, mut failed) = (0u64, 0u64);
     let stdout = child.stdout.take().context("cargo test stdout")?;
     for line in BufReader::new(stdout).lines() {
