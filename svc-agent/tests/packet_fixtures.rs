@@ -2701,8 +2701,6 @@ fn icmp_errors_about_translated_flows() {
     let sent6_as = tcp(c6, "[2001:db8::10]:30081", TCP_ACK).ttl(63);
     let dgram = udp(cu, "10.244.1.5:5353");
     let dgram_as = udp(cu, "192.0.2.10:30054");
-    let reply = tcp("192.0.2.10:30080", c0, TCP_ACK).ttl(63);
-    let reply_was = tcp("10.244.1.5:8080", c0, TCP_ACK).ttl(63);
     let unrelated = udp("192.0.2.10:5000", "203.0.113.50:53");
     run_rows(
         &dp,
@@ -2743,21 +2741,9 @@ fn icmp_errors_about_translated_flows() {
                 ),
                 Some(pkt_stat::ICMP_ERROR),
             ),
-            row(
+            frag_needed_about_local_reply(
                 "fragmentation needed about a local backend's reply: to the backend",
-                ExtIngress,
-                icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
-                OK,
-                Packet(icmp_error(
-                    "192.0.2.1",
-                    "10.244.1.5",
-                    3,
-                    4,
-                    mtu,
-                    &reply_was,
-                    40,
-                )),
-                Some(pkt_stat::ICMP_ERROR),
+                c0,
             ),
             row(
                 "an error about no flow of ours: untouched",
@@ -4505,28 +4491,38 @@ fn fragmentation_needed_about_a_taken_over_flows_reply_outlives_the_closing_time
     let idle = 2 * ct_timeout::TCP_CLOSING_S as u64 * 1_000_000_000;
     let fkey = ct_key(c, np, IPPROTO_TCP, ct_dir::FORWARD);
     stamp_flow(&mut dp, &fkey, coarse_ns() - idle);
-    let mtu = 1400u32.to_be_bytes();
-    let reply = tcp(np, c, TCP_ACK).ttl(63);
-    let reply_was = tcp("10.244.1.5:8080", c, TCP_ACK).ttl(63);
     run_rows(
         &dp,
-        vec![row(
+        vec![frag_needed_about_local_reply(
             "fragmentation needed about the reply: to the backend, about its own segment",
-            ExtIngress,
-            icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
-            OK,
-            Packet(icmp_error(
-                "192.0.2.1",
-                "10.244.1.5",
-                3,
-                4,
-                mtu,
-                &reply_was,
-                40,
-            )),
-            Some(pkt_stat::ICMP_ERROR),
+            c,
         )],
     );
+}
+
+/// A router's fragmentation needed (MTU 1400) about the reply of client `c`'s flow through
+/// NodePort 30080 to the local backend 10.244.1.5:8080, as the reply left (from the NodePort):
+/// the external ingress sends it on to the backend, about the backend's own segment.
+fn frag_needed_about_local_reply(what: &'static str, c: &str) -> Row {
+    let mtu = 1400u32.to_be_bytes();
+    let reply = tcp("192.0.2.10:30080", c, TCP_ACK).ttl(63);
+    let reply_was = tcp("10.244.1.5:8080", c, TCP_ACK).ttl(63);
+    row(
+        what,
+        ExtIngress,
+        icmp_error("192.0.2.1", "192.0.2.10", 3, 4, mtu, &reply, 40),
+        OK,
+        Packet(icmp_error(
+            "192.0.2.1",
+            "10.244.1.5",
+            3,
+            4,
+            mtu,
+            &reply_was,
+            40,
+        )),
+        Some(pkt_stat::ICMP_ERROR),
+    )
 }
 
 /// A pod's SYN on the tuple of its closed flow starts a new flow on it, though the tuple is

@@ -3,13 +3,14 @@
 //! entry with one lookup of their own tuple, and carry its translation.
 //!
 //! An entry older than its timeout is treated as absent, unless its partner (the other
-//! direction's entry, while it is still this flow's) is fresh: a flow whose packets go one way only (a UDP stream, a long
-//! download's ACK-less tail) stays alive as long as either direction speaks.
+//! direction's entry, while it is still this flow's) is fresh: a flow whose packets go one
+//! way only (a UDP stream, a long download's ACK-less tail) stays alive as long as either
+//! direction speaks.
 //!
-//! A closed TCP flow (an RST, or a FIN each way: `ct_flags::closed`) keeps its entries for the closing
-//! timeout, but gives them up to a new connection on its tuples, as conntrack does for a SYN
-//! in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a new flow
-//! whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
+//! A closed TCP flow (an RST, or a FIN each way: `ct_flags::closed`) keeps its entries for
+//! the closing timeout, but gives them up to a new connection on its tuples, as conntrack does
+//! for a SYN in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a
+//! new flow whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -283,9 +284,10 @@ pub const HIT: u32 = 1;
 /// node's conntrack (a client reusing its port for a new connection to the same frontend): a
 /// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them
 /// over in place when it goes to the same backend (`create`); the caller removes them
-/// (`forget_closed`) whatever else the SYN becomes. A removal and an insert of each entry cost an LRU table far more than a rewrite
-/// in place, and a client that reuses ports fast (a load generator, a load balancer SNATing
-/// to a few addresses) does so for nearly every connection.
+/// (`forget_closed`) whatever else the SYN becomes. A removal and an insert of each entry
+/// cost an LRU table far more than a rewrite in place, and a client that reuses ports fast
+/// (a load generator, a load balancer SNATing to a few addresses) does so for nearly every
+/// connection.
 pub const CLOSED: u32 = 2;
 
 /// `lookup`'s `now` for a caller that needs the time only if the entry exists: the clock is

@@ -8,7 +8,9 @@
 //! both up); fails without them, saying so.
 
 use std::{
+    ffi::OsStr,
     io::{BufRead, BufReader},
+    os::unix::ffi::OsStrExt,
     path::Path,
     process::{Child, Command, Stdio},
     sync::{
@@ -203,6 +205,15 @@ fn descendants(pid: u32) -> Vec<Proc> {
     found
 }
 
+/// Whether a process below `pid` has a command line (its arguments, the program first) that
+/// `matches`.
+fn runs(pid: u32, matches: impl Fn(&[&[u8]]) -> bool) -> bool {
+    descendants(pid).iter().any(|p| {
+        std::fs::read(format!("/proc/{}/cmdline", p.pid))
+            .is_ok_and(|c| matches(&c.split(|&b| b == 0).collect::<Vec<_>>()))
+    })
+}
+
 /// What carries the bench's pid in its name (`PREFIX-PID-N`), as `KIND PATH`: namespaces,
 /// cgroups, pin directories, temporary directories.
 fn leftovers(pid: u32) -> Vec<String> {
@@ -249,11 +260,7 @@ fn sigterm_during_a_measure_tears_everything_down() {
     let mut bench = Bench::start();
     // Inside the measure: a probe client (`svc-probe loop`) is running.
     bench.wait_for("a probe client's loop", |b| {
-        b.said("round 1")
-            && descendants(b.pid()).iter().any(|p| {
-                std::fs::read(format!("/proc/{}/cmdline", p.pid))
-                    .is_ok_and(|c| c.split(|&b| b == 0).any(|arg| arg == b"loop"))
-            })
+        b.said("round 1") && runs(b.pid(), |args| args.iter().any(|a| *a == b"loop"))
     });
     bench.interrupt(libc::SIGTERM, &["netns", "cgroup"]);
 }
@@ -274,9 +281,9 @@ fn sigterm_while_the_control_plane_starts_tears_everything_down() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut bench = Bench::start();
     bench.wait_for("etcd's start", |b| {
-        descendants(b.pid()).iter().any(|p| {
-            std::fs::read_to_string(format!("/proc/{}/comm", p.pid))
-                .is_ok_and(|c| c.trim() == "etcd")
+        runs(b.pid(), |args| {
+            args.first()
+                .is_some_and(|a| Path::new(OsStr::from_bytes(a)).ends_with("etcd"))
         })
     });
     bench.interrupt(libc::SIGTERM, &["dir"]);
