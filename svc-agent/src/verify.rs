@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 
 use svc_common::{
     backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, BackendId,
-    NodeAddrValue, SlotKey, SrcRangeKey, PROTO_ANY,
+    DatapathConfig, NodeAddrValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 
 use crate::model::{Backend, DesiredState};
@@ -222,6 +222,13 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         }
     }
     if let Some(c) = &desired.node.config {
+        let c = &DatapathConfig {
+            snat_range_frontends: u32::from(crate::sync::snat_range_frontends(
+                c,
+                desired.frontends.keys(),
+            )),
+            ..*c
+        };
         if *c != snap.config {
             problems.push(format!("datapath config {:?}, want {c:?}", snap.config));
         }

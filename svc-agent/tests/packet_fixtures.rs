@@ -4998,6 +4998,123 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
     );
 }
 
+/// A SNAT port whose reply tuple is a live flow's FORWARD tuple (a flow from the backend's
+/// serving port to a frontend of the node whose port lies in the SNAT range) is not taken
+/// once the agent says such frontends exist (`snat_range_frontends`): the new flow's replies
+/// and the other flow's packets would be one tuple, and each ingress would take one for the
+/// other. Conntrack picks a NAT tuple no connection uses in either direction. A flow closed
+/// past its timeout holds nothing; without the setting the search does not look.
+#[test]
+fn a_snat_port_whose_reply_tuple_is_a_live_forward_tuple_is_passed_over() {
+    let mut dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let t = IPPROTO_TCP;
+    let range = |dp: &mut Dp, max: u16, on: u32| {
+        dp.set_config(DatapathConfig {
+            snat_port_min: 62000,
+            snat_port_max: max,
+            snat_range_frontends: on,
+            ..Default::default()
+        })
+    };
+    // The backend's own flow to the node's frontend on port 62000 (translated to some other
+    // backend), live both ways.
+    let now = monotonic_ns();
+    let other = |dp: &mut Dp, seen: u64, flags: u16| {
+        let fwd = CtValue {
+            nat_addr: ip16("10.244.1.5"),
+            nat_port_be: 9000u16.to_be(),
+            flags,
+            id: 9,
+            ifindex: dp.ext0,
+            last_seen_ns: seen,
+            ..Default::default()
+        };
+        dp.ct
+            .insert(
+                ct_key(backend, "192.0.2.10:62000", t, ct_dir::FORWARD),
+                fwd,
+                0,
+            )
+            .unwrap();
+        dp.ct
+            .insert(
+                ct_key("10.244.1.5:9000", backend, t, ct_dir::REPLY),
+                CtValue {
+                    nat_addr: ip16("192.0.2.10"),
+                    nat_port_be: 62000u16.to_be(),
+                    last_seen_ns: seen,
+                    ..fwd
+                },
+                0,
+            )
+            .unwrap();
+    };
+    other(&mut dp, now, ct_flags::SEEN_REPLY);
+    let syn = |dp: &Dp, c: &str| {
+        dp.run_on(ExtIngress, dp.ext0, &tcp(c, np, TCP_SYN).bytes(), 1)
+            .0
+    };
+    let snat_port = |dp: &Dp, c: &str| {
+        dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
+            .map(|v| u16::from_be(v.snat_port_be))
+    };
+
+    range(&mut dp, 62000, 1);
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    assert_eq!(
+        syn(&dp, "203.0.113.40:40300"),
+        SHOT,
+        "the range's one port would give the live flow's tuple: exhausted"
+    );
+    assert_eq!(
+        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
+        before + 1
+    );
+    assert_eq!(
+        dp.ct_entry(&ct_key(backend, "192.0.2.10:62000", t, ct_dir::REPLY)),
+        None,
+        "no REPLY entry on the live flow's tuple"
+    );
+
+    range(&mut dp, 62001, 1);
+    for i in 0..8u16 {
+        let c = format!("203.0.113.41:{}", 40310 + i);
+        assert_eq!(syn(&dp, &c), REDIRECT, "{c}: two ports, one free");
+        assert_eq!(snat_port(&dp, &c), Some(62001), "{c}: the free one");
+        dp.ct
+            .remove(&ct_key(backend, "192.0.2.10:62001", t, ct_dir::REPLY))
+            .unwrap();
+        dp.ct.remove(&ct_key(&c, np, t, ct_dir::FORWARD)).unwrap();
+    }
+    let live = dp
+        .ct_entry(&ct_key(backend, "192.0.2.10:62000", t, ct_dir::FORWARD))
+        .expect("the live flow's FORWARD entry");
+    assert_eq!(live.id, 9, "the live flow is untouched");
+
+    // Closed past its timeout (10 s): no longer anyone's tuple.
+    other(
+        &mut dp,
+        now.saturating_sub(60 * 1_000_000_000),
+        ct_flags::SEEN_REPLY | ct_flags::RST,
+    );
+    range(&mut dp, 62000, 1);
+    assert_eq!(
+        syn(&dp, "203.0.113.42:40320"),
+        REDIRECT,
+        "a dead flow's tuple is free"
+    );
+    assert_eq!(snat_port(&dp, "203.0.113.42:40320"), Some(62000));
+
+    // Without the setting the search does not look (no frontend port in the range).
+    let mut dp = world();
+    other(&mut dp, now, ct_flags::SEEN_REPLY);
+    range(&mut dp, 62000, 0);
+    assert_eq!(syn(&dp, "203.0.113.43:40330"), REDIRECT);
+    assert_eq!(snat_port(&dp, "203.0.113.43:40330"), Some(62000));
+}
+
 /// A SNAT port held by an open flow idle both ways for `snat_reclaim_idle_s` (default 2 h)
 /// goes to a new flow that finds the range full: established flows live 24 h idle, as under
 /// kube-proxy, and clients that vanish without a FIN would otherwise hold a backend's few

@@ -354,10 +354,27 @@ pub struct DatapathConfig {
     /// kube-proxy's iptables mode does when its --nodeport-addresses covers all IPv4
     /// addresses (its rule then matches any local destination).
     pub localhost_net: u32,
-    pub _reserved: [u32; 3],
+    /// Nonzero: some frontend's port lies in the SNAT range, so a flow to that frontend may
+    /// hold, as its FORWARD tuple, the reply tuple a SNAT port would give a new flow; the
+    /// SNAT port search then also passes over ports whose reply tuple a live flow's FORWARD
+    /// entry holds, as conntrack picks a tuple no connection uses either way. Zero saves new
+    /// SNATed flows that lookup.
+    pub snat_range_frontends: u32,
+    pub _reserved: [u32; 2],
 }
 
+/// SNAT ports when the agent wrote no range: above Linux's default ephemeral range
+/// (32768-60999) and kube-proxy's NodePort range.
+pub const SNAT_PORT_MIN: u16 = 61001;
+pub const SNAT_PORT_MAX: u16 = 65535;
+
 impl DatapathConfig {
+    /// The SNAT ports, inclusive: the written range, or the built-in one when none is.
+    #[inline(always)]
+    pub fn snat_range(&self) -> (u16, u16) {
+        snat_range_of(self.snat_port_min, self.snat_port_max)
+    }
+
     /// `host_netns` as one cookie.
     #[inline(always)]
     pub fn host_netns_cookie(&self) -> u64 {
@@ -367,6 +384,16 @@ impl DatapathConfig {
     /// `host_netns` from one cookie.
     pub fn set_host_netns_cookie(&mut self, cookie: u64) {
         self.host_netns = [cookie as u32, (cookie >> 32) as u32];
+    }
+}
+
+/// `DatapathConfig::snat_range` of a written `min` and `max`.
+#[inline(always)]
+pub fn snat_range_of(min: u16, max: u16) -> (u16, u16) {
+    if min == 0 || max < min {
+        (SNAT_PORT_MIN, SNAT_PORT_MAX)
+    } else {
+        (min, max)
     }
 }
 

@@ -38,11 +38,6 @@ const SEC: u64 = 1_000_000_000;
 #[btf_map]
 static SVC_SNAT_CLAIMS: HashMap<CtKey, u32, 4096> = HashMap::new();
 
-/// SNAT ports when the agent wrote no range: above Linux's default ephemeral range
-/// (32768-60999) and kube-proxy's NodePort range.
-const SNAT_PORT_MIN: u16 = 61001;
-const SNAT_PORT_MAX: u16 = 65535;
-
 /// How many ports a new SNATed flow tries before it is dropped as exhausted. Each try is a
 /// random port of the range; with a range a few thousand wide, 32 failures in a row means it
 /// is nearly full of open flows for that backend.
@@ -101,11 +96,7 @@ pub fn timeout_ns(proto: u8, flags: u16) -> u64 {
 pub fn snat_range() -> (u16, u16) {
     let min = setting(|c| c.snat_port_min as u32) as u16;
     let max = setting(|c| c.snat_port_max as u32) as u16;
-    if min == 0 || max < min {
-        (SNAT_PORT_MIN, SNAT_PORT_MAX)
-    } else {
-        (min, max)
-    }
+    svc_common::snat_range_of(min, max)
 }
 
 /// The key of the packet's own tuple in direction `dir`.
@@ -603,6 +594,29 @@ unsafe fn copy_value(dst: &mut CtValue, src: *const CtValue) {
     unsafe { crate::mem::copy(dst, src) }
 }
 
+/// Whether the reply tuple `f.try_key` names is also a live flow's FORWARD tuple (a flow to a
+/// frontend whose port lies in the SNAT range, `DatapathConfig::snat_range_frontends`):
+/// packets of one would be taken for the other's. The key is turned FORWARD for the lookup
+/// and back after it, in the scratch space: no key on the stack. Inlined: a frame of its own
+/// put `snat_try`'s chain past the verifier's stack limit.
+#[inline(always)]
+fn forward_tuple_taken(f: &mut Flow) -> bool {
+    if setting(|c| c.snat_range_frontends) == 0 {
+        return false;
+    }
+    f.try_key.dir = ct_dir::FORWARD;
+    let taken = match SVC_CT.get_ptr(f.try_key) {
+        Some(e) => {
+            // SAFETY: a map value, copied out (as `snat_try` does).
+            unsafe { copy_value(&mut f.seen, e) };
+            alive(&f.try_key, &f.seen, f.now)
+        }
+        None => false,
+    };
+    f.try_key.dir = ct_dir::REPLY;
+    taken
+}
+
 /// One try of `create_snat`: 1 stops the loop (a port was claimed, or there is no scratch
 /// space), 0 tries again.
 extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
@@ -615,6 +629,9 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     let r = unsafe { bpf_get_prandom_u32() }.checked_rem(f.port_span);
     let port = f.port_min + r.unwrap_or(0);
     f.try_key.dport_be = (port as u16).to_be();
+    if forward_tuple_taken(f) {
+        return 0;
+    }
     if let Some(e) = SVC_CT.get_ptr(f.try_key) {
         // SAFETY: a map value, copied out (into the scratch space, not the stack): another
         // CPU may reclaim the port and store its own flow in this very element meanwhile.

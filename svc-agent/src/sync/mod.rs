@@ -490,6 +490,19 @@ pub fn ip_from16(a: [u8; 16]) -> IpAddr {
     }
 }
 
+/// Whether any of `frontends` has its port in `c`'s SNAT range: the datapath's SNAT port
+/// search must then pass over live flows' FORWARD tuples
+/// (`DatapathConfig::snat_range_frontends`).
+pub fn snat_range_frontends<'a>(
+    c: &DatapathConfig,
+    frontends: impl IntoIterator<Item = &'a Frontend>,
+) -> bool {
+    let (min, max) = c.snat_range();
+    frontends
+        .into_iter()
+        .any(|fe| (min..=max).contains(&fe.port))
+}
+
 pub fn service_key(fe: &Frontend) -> ServiceKey {
     ServiceKey {
         addr: addr16(fe.ip),
@@ -760,6 +773,16 @@ impl Programmed {
         }
 
         let units = self.units(desired, scope);
+        // Before a frontend whose port lies in the SNAT range: from its first flow on, a SNAT
+        // port search must pass over that flow's tuple.
+        if let Some(c) = self.config.filter(|c| c.snat_range_frontends == 0) {
+            let adding = units
+                .values()
+                .flat_map(|(u, _)| u.iter().map(|d| &d.frontend));
+            if snat_range_frontends(&c, adding) {
+                self.put_snat_range_frontends(&mut w, true, &mut report.errors);
+            }
+        }
         let marker_ips: BTreeSet<IpAddr> = match scope {
             Scope::All => desired.cluster_ips.union(&self.markers).copied().collect(),
             Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
@@ -892,6 +915,15 @@ impl Programmed {
             }
         }
 
+        if matches!(scope, Scope::All) {
+            let on = self
+                .config
+                .is_some_and(|c| snat_range_frontends(&c, self.frontends.keys()));
+            if !on {
+                self.put_snat_range_frontends(&mut w, false, &mut report.errors);
+            }
+        }
+
         // Backends no current generation names: retired (unless named again before due).
         for id in unreferenced {
             if self.backend_refs(id) == 0 && !self.retiring.backends.contains(&id) {
@@ -964,11 +996,41 @@ impl Programmed {
     ) {
         self.node_want = node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
         self.write_addrs(w, errors);
-        if let Some(c) = node.config.filter(|c| self.config != Some(*c)) {
+        // The mark of frontend ports in the SNAT range is kept (a full sync clears it once
+        // no programmed frontend needs it): a change of the node's settings alone must not
+        // drop it under a frontend that does.
+        let want = node.config.map(|mut c| {
+            let kept = self.config.is_some_and(|o| o.snat_range_frontends != 0);
+            c.snat_range_frontends =
+                u32::from(kept || snat_range_frontends(&c, self.frontends.keys()));
+            c
+        });
+        if let Some(c) = want.filter(|c| self.config != Some(*c)) {
             match w.op(&Op::PutConfig(c)) {
                 Ok(_) => self.config = Some(c),
                 Err(e) => errors.push(e),
             }
+        }
+    }
+
+    /// Writes `DatapathConfig::snat_range_frontends` as `on` into the config as written (none
+    /// before the node's config is).
+    fn put_snat_range_frontends<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        on: bool,
+        errors: &mut Vec<Error>,
+    ) {
+        let Some(c) = self.config.filter(|c| (c.snat_range_frontends != 0) != on) else {
+            return;
+        };
+        let c = DatapathConfig {
+            snat_range_frontends: u32::from(on),
+            ..c
+        };
+        match w.op(&Op::PutConfig(c)) {
+            Ok(_) => self.config = Some(c),
+            Err(e) => errors.push(name_object(e, "the datapath config")),
         }
     }
 

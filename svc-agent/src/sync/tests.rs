@@ -2117,3 +2117,97 @@ fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
     assert_eq!(distinct.len(), ids.len(), "frontend ids {ids:?}");
     assert_eq!(id(&a), Some(1), "the programmed frontend is kept");
 }
+
+/// `snat_range_frontends` is set, before its entries, as a frontend whose port lies in the
+/// SNAT range is added (by a sync of that frontend alone too), kept by a change of the node's
+/// settings alone, cleared by a full sync once no programmed frontend needs it, and survives
+/// a restart; the drift check expects it as the desired frontends say.
+#[test]
+fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_it() {
+    let config = DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    };
+    let low = fe("10.96.0.10", 80);
+    let high = fe("10.96.0.11", 62000);
+    let mut want = state(&[(low, &["10.0.0.1:8080"])]);
+    want.node.config = Some(config);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, config, "no frontend port in the range");
+    exact(&store, &want);
+
+    let mut with_high = state(&[(low, &["10.0.0.1:8080"]), (high, &["10.0.0.2:8080"])]);
+    with_high.node.config = Some(config);
+    store.log.clear();
+    let only: BTreeSet<Frontend> = [high].into();
+    let r = p.apply_scoped(&mut store, &with_high, Scope::Only(&only), Instant::now());
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config.snat_range_frontends, 1);
+    let mark = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::PutConfig(c) if c.snat_range_frontends != 0))
+        .expect("the mark written");
+    let first_entry = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::PutService(k, _) if *k == service_key(&high)))
+        .expect("the frontend written");
+    assert!(mark < first_entry, "the mark first: {:?}", store.log);
+    exact(&store, &with_high);
+
+    // The node's settings change (its timeouts): the mark stays.
+    let mut node = with_high.node.clone();
+    node.config = Some(DatapathConfig {
+        ct_udp_s: 45,
+        ..config
+    });
+    let r = p.apply_node(&mut store, &node);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(
+        (store.config.ct_udp_s, store.config.snat_range_frontends),
+        (45, 1)
+    );
+
+    // A restart keeps it; a full sync without the frontend clears it, after the frontend's
+    // removal.
+    let mut p = Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        std::mem::take(&mut p.retiring),
+    );
+    let r = settle(&mut p, &mut store, &with_high);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(
+        store.config,
+        DatapathConfig {
+            snat_range_frontends: 1,
+            ..config
+        }
+    );
+    store.log.clear();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, config, "cleared");
+    let cleared = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::PutConfig(c) if c.snat_range_frontends == 0))
+        .expect("the mark cleared");
+    let removed = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::DelService(k) if *k == service_key(&high)))
+        .expect("the frontend removed");
+    assert!(removed < cleared, "the mark last: {:?}", store.log);
+    exact(&store, &want);
+
+    // The drift check expects the mark as the desired frontends say.
+    store.config.snat_range_frontends = 1;
+    assert!(!crate::verify::check(&store.snapshot().unwrap(), &want).is_empty());
+}
