@@ -82,6 +82,13 @@ fn prog_stats(pins: Option<&Path>) -> Result<(u64, u64, Vec<String>)> {
     Ok((cnt, ns, names))
 }
 
+/// (run_cnt, run_time_ns) of svc's programs linked under `pins` (both 0 unless `BpfStats`
+/// is held): what a measure reads before and after itself.
+pub fn program_time(pins: &Path) -> Result<(u64, u64)> {
+    let (cnt, ns, _) = prog_stats(Some(pins))?;
+    Ok((cnt, ns))
+}
+
 /// /proc/stat: the jiffies of all CPUs (user nice system idle iowait irq softirq steal ...),
 /// and the number of CPUs.
 fn cpu_stat() -> Result<(Vec<u64>, u64)> {
