@@ -208,6 +208,18 @@ fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
     pid.parse().ok()
 }
 
+/// The pid in any harness name under the temporary directory, `svc-…-PID-N` (every
+/// `TempDir`, the control plane's and the manifests' directories).
+fn temp_owner_pid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix("svc-")?;
+    let (rest, n) = rest.rsplit_once('-')?;
+    let (prefix, pid) = rest.rsplit_once('-')?;
+    if prefix.is_empty() || n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
 fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -251,17 +263,22 @@ pub fn clean_stale(agent_bin: &Path) -> Result<Vec<String>> {
             }
         }
     }
-    for e in std::fs::read_dir(&cg2)?.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if owner_pid(&name, "svc-test").is_some_and(|p| !alive(p))
-            && std::fs::remove_dir(e.path()).is_ok()
-        {
-            removed.push(format!("cgroup {}", e.path().display()));
+    // Test cgroups, and memory cgroups (memcg.rs: on cgroup v1's `memory` hierarchy where it
+    // is mounted). A cgroup that still has processes is not removed (rmdir refuses it).
+    let v1_memory = Path::new("/sys/fs/cgroup/memory");
+    let roots = [cg2.as_path(), v1_memory];
+    for root in roots.iter().filter(|r| r.join("cgroup.procs").exists()) {
+        for e in std::fs::read_dir(root)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let owner = owner_pid(&name, "svc-test").or_else(|| owner_pid(&name, "svc-memcg"));
+            if owner.is_some_and(|p| !alive(p)) && std::fs::remove_dir(e.path()).is_ok() {
+                removed.push(format!("cgroup {}", e.path().display()));
+            }
         }
     }
     for e in std::fs::read_dir(std::env::temp_dir())?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if owner_pid(&name, "svc-test-manifests").is_some_and(|p| !alive(p))
+        if temp_owner_pid(&name).is_some_and(|p| !alive(p))
             && std::fs::remove_dir_all(e.path()).is_ok()
         {
             removed.push(format!("dir {}", e.path().display()));
@@ -310,7 +327,20 @@ pub fn pinned_map_info(path: &Path) -> Result<serde_json::Value> {
 
 #[cfg(test)]
 mod tests {
-    use super::owner_pid;
+    use super::{owner_pid, temp_owner_pid};
+
+    #[test]
+    fn temp_owner_pid_parses_every_harness_directory_name() {
+        assert_eq!(temp_owner_pid("svc-nodeport-agent-123-4"), Some(123));
+        assert_eq!(temp_owner_pid("svc-test-manifests-5-1"), Some(5));
+        assert_eq!(temp_owner_pid("svc-control-plane-77-0"), Some(77));
+        assert_eq!(temp_owner_pid("svc-kubeconfig-9-12"), Some(9));
+        assert_eq!(temp_owner_pid("svc-123-4"), None);
+        assert_eq!(temp_owner_pid("svc-agent-x-4"), None);
+        assert_eq!(temp_owner_pid("svc-agent-1-x"), None);
+        assert_eq!(temp_owner_pid("other-agent-1-2"), None);
+        assert_eq!(temp_owner_pid("svc-agent-1-"), None);
+    }
 
     #[test]
     fn owner_pid_parses_only_harness_names() {

@@ -94,6 +94,7 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     eprintln!("+ {cmd:?}");
     let child = forward::spawn(cmd).with_context(|| format!("running {:?}", cmd.get_program()))?;
     let status = forward::wait(child).with_context(|| format!("waiting for {cmd:?}"))?;
+    forward::stop_if_signalled()?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }
@@ -108,7 +109,10 @@ mod forward {
     use std::{
         io,
         process::{Child, Command, ExitStatus},
-        sync::{Mutex, MutexGuard, Once},
+        sync::{
+            atomic::{AtomicI32, Ordering},
+            Mutex, MutexGuard, Once,
+        },
     };
 
     use signal_hook::{
@@ -119,6 +123,22 @@ mod forward {
     /// The child being run: signalled only while it has not been reaped, so its pid cannot
     /// have gone to another process.
     static CHILD: Mutex<Option<i32>> = Mutex::new(None);
+
+    /// The first signal xtask got (0: none): after the command it reached, xtask stops too,
+    /// with status 128 + its number, as the command does.
+    static RECEIVED: AtomicI32 = AtomicI32::new(0);
+
+    pub fn received() -> Option<i32> {
+        Some(RECEIVED.load(Ordering::SeqCst)).filter(|s| *s != 0)
+    }
+
+    /// An error once a signal came: no further command is started.
+    pub fn stop_if_signalled() -> anyhow::Result<()> {
+        match received() {
+            Some(signal) => anyhow::bail!("stopped by signal {signal}"),
+            None => Ok(()),
+        }
+    }
 
     fn child() -> MutexGuard<'static, Option<i32>> {
         CHILD.lock().unwrap_or_else(|e| e.into_inner())
@@ -133,6 +153,8 @@ mod forward {
             };
             std::thread::spawn(move || {
                 for signal in signals.forever() {
+                    let _ =
+                        RECEIVED.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
                     match *child() {
                         Some(_) if signal == SIGINT => {}
                         // SAFETY: a plain syscall on our own unreaped child.
@@ -206,6 +228,7 @@ fn run_tests(cmd: &mut Command) -> Result<()> {
     }
     let status = forward::wait(child).context("waiting for cargo test")?;
     println!("tests: {passed} passed, {failed} failed");
+    forward::stop_if_signalled()?;
     if !status.success() {
         bail!("cargo test failed: {status}");
     }
@@ -293,7 +316,10 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("Error: {e:#}");
-            std::process::ExitCode::FAILURE
+            match forward::received() {
+                Some(signal) => std::process::ExitCode::from((128 + signal) as u8),
+                None => std::process::ExitCode::FAILURE,
+            }
         }
     }
 }

@@ -40,8 +40,9 @@ struct Args {
     /// TCP connections to send through the ClusterIP.
     #[arg(long, default_value_t = 30)]
     requests: u32,
-    /// Only remove what killed harness runs left behind (namespaces, cgroups, pins and
-    /// manifest dirs whose owning process is gone), then exit.
+    /// Only remove what killed harness runs left behind (namespaces, test and memory
+    /// cgroups, pins, and their directories under /tmp, whose owning process is gone), then
+    /// exit.
     #[arg(long)]
     clean_stale: bool,
 }

@@ -1431,7 +1431,9 @@ fn targets(r: &Recorded) -> String {
 /// of the busy CPU in its saturated sequential measure: the programs took that share from
 /// everything else, so svc runs at (1 − share) of what the same path would without them, to
 /// first order (a miss of the cache they cause in the rest of the stack is not in it, a
-/// program's own is). Beside it, the share and the time per exchange at the fixed rate.
+/// program's own is). For a remote backend the programs also forward the packet themselves,
+/// work the stack does without them: the share is then an upper bound, which can show the
+/// target met, not missed. Beside it, the share and the time per exchange at the fixed rate.
 fn program_line(samples: &[Sample], n: u32, m: Measure) -> Option<String> {
     let svc = ProxyKind::Svc.id();
     let taken = |way: Way| -> Vec<(ProgramTime, u64)> {
@@ -1475,10 +1477,15 @@ fn program_line(samples: &[Sample], n: u32, m: Measure) -> Option<String> {
         } else {
             "no translation"
         },
-        if 1.0 - share[0] >= target {
-            "met"
-        } else {
-            "**missed**"
+        match (1.0 - share[0] >= target, m.remote) {
+            (true, _) => "met",
+            (false, false) => "**missed**",
+            // svc forwards these packets itself (route lookup, neighbour, redirect): its
+            // programs do work the stack does in no translation, so the share is an upper
+            // bound of what svc adds.
+            (false, true) =>
+                "**not shown** (an upper bound: svc forwards these packets \
+                              itself, work the stack does without it)",
         },
         fixed_share.map_or_else(|| "not measured".into(), pct),
         per_exchange[0],
