@@ -142,10 +142,38 @@ pub trait Store {
     fn apply(&mut self, op: &Op) -> Result<bool>;
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
+    /// What a walk of the live flows of the packet datapath finds; `config` gives the
+    /// timeouts and the SNAT range. None when this object has no connection-tracking map (a
+    /// predecessor's programs may still have one).
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<FlowWalk>>;
+}
+
+/// `Store::flow_destinations`' answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FlowWalk {
     /// The addresses live flows of the external packet datapath are addressed to (the
-    /// destination of their FORWARD entry); `config` gives the timeouts. None when this
-    /// object has no connection-tracking map (a predecessor's programs may still have one).
-    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>>;
+    /// destination of their FORWARD entry).
+    pub destinations: BTreeSet<[u8; 16]>,
+    /// Whether a live flow, external or per-packet, was sent to a port in the SNAT range: its
+    /// FORWARD tuple may be the reply tuple a SNAT port would give a new flow, so the SNAT port
+    /// search must go on looking (`DatapathConfig::snat_range_frontends`).
+    pub snat_range_ports: bool,
+}
+
+/// Whether the flow of entry `k`/`v` was sent to a port in `config`'s SNAT range, and the
+/// entry has not timed out at `now_ns` (its partner, met by the same walk, answers for itself).
+pub fn to_snat_range_port(k: &CtKey, v: &CtValue, now_ns: u64, config: &DatapathConfig) -> bool {
+    let timeout_ns = u64::from(ct_timeout::seconds(config, k.proto, v.flags)) * 1_000_000_000;
+    if now_ns.saturating_sub(v.last_seen_ns) > timeout_ns {
+        return false;
+    }
+    let forward = if k.dir == ct_dir::FORWARD {
+        *k
+    } else {
+        k.partner(v)
+    };
+    let (min, max) = config.snat_range();
+    (min..=max).contains(&u16::from_be(forward.dport_be))
 }
 
 /// The FORWARD destination of the external flow entry `k`/`v` belongs to, if the entry has
@@ -369,16 +397,17 @@ impl Store for BpfStore {
         }
     }
 
-    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>> {
-        let mut out = BTreeSet::new();
+    fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<FlowWalk>> {
+        let mut out = FlowWalk::default();
         let Some(ct) = &self.ct else {
             return Ok(None);
         };
         let now = crate::sys::coarse_now_ns();
         crate::sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
             if let Some(d) = flow_destination(k, v, now, config) {
-                out.insert(d);
+                out.destinations.insert(d);
             }
+            out.snat_range_ports |= to_snat_range_port(k, v, now, config);
         })
         .map_err(|e| Error::Map {
             map: map_names::CT,

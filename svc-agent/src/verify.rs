@@ -222,11 +222,15 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         }
     }
     if let Some(c) = &desired.node.config {
+        // The mark of frontend ports in the SNAT range must be there for such a desired
+        // frontend; without one it may stay while a removed one's flows live on.
         let c = &DatapathConfig {
-            snat_range_frontends: u32::from(crate::sync::snat_range_frontends(
-                c,
-                desired.frontends.keys(),
-            )),
+            snat_range_frontends: if crate::sync::snat_range_frontends(c, desired.frontends.keys())
+            {
+                1
+            } else {
+                snap.config.snat_range_frontends
+            },
             ..*c
         };
         if *c != snap.config {

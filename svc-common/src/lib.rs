@@ -354,11 +354,11 @@ pub struct DatapathConfig {
     /// kube-proxy's iptables mode does when its --nodeport-addresses covers all IPv4
     /// addresses (its rule then matches any local destination).
     pub localhost_net: u32,
-    /// Nonzero: some frontend's port lies in the SNAT range, so a flow to that frontend may
-    /// hold, as its FORWARD tuple, the reply tuple a SNAT port would give a new flow; the
-    /// SNAT port search then also passes over ports whose reply tuple a live flow's FORWARD
-    /// entry holds, as conntrack picks a tuple no connection uses either way. Zero saves new
-    /// SNATed flows that lookup.
+    /// Nonzero: some frontend's port lies in the SNAT range, or a live flow still goes to
+    /// such a port, so a flow may hold, as its FORWARD tuple, the reply tuple a SNAT port
+    /// would give a new flow; the SNAT port search then also passes over ports whose reply
+    /// tuple a live flow's FORWARD entry holds, as conntrack picks a tuple no connection uses
+    /// either way. Zero saves new SNATed flows that lookup.
     pub snat_range_frontends: u32,
     pub _reserved: [u32; 2],
 }

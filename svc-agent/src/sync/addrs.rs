@@ -154,7 +154,7 @@ impl Programmed {
     pub fn check_flow_addrs<S: Store>(&mut self, store: &mut S) -> FlowAddrsReport {
         let mut report = FlowAddrsReport::default();
         let config = self.config.unwrap_or_default();
-        let used = match store.flow_destinations(&config) {
+        let walk = match store.flow_destinations(&config) {
             Ok(Some(u)) => u,
             Ok(None) => return report,
             Err(e) => {
@@ -162,7 +162,9 @@ impl Programmed {
                 return report;
             }
         };
+        let used = walk.destinations;
         let mut w = Writer { store, ops: 0 };
+        self.clear_snat_range_mark(&mut w, walk.snat_range_ports, &mut report.errors);
         let linger = NodeAddrValue {
             flags: node_addr_flags::LINGER,
             ifindex: 0,

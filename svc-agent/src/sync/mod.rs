@@ -414,6 +414,11 @@ pub struct Programmed {
     external_refs: BTreeMap<[u8; 16], u32>,
     /// SVC_CONFIG as written (None: not known to hold anything the agent wrote).
     pub config: Option<DatapathConfig>,
+    /// Whether the last full sync's desired state had a frontend port in the SNAT range (a
+    /// sync of some frontends alone only sets it): the mark
+    /// (`DatapathConfig::snat_range_frontends`) stays while it does, a Service that failed
+    /// included.
+    snat_range_wanted: bool,
     /// The affinity id of each Service port with sessionAffinity ("namespace/name:port" as
     /// the names map holds it, and protocol), with how many programmed frontends carry it:
     /// a frontend added to the port later (a new LoadBalancer IP) joins its clients'
@@ -685,6 +690,7 @@ impl Programmed {
             node_want: BTreeMap::new(),
             external_refs: BTreeMap::new(),
             config: None,
+            snat_range_wanted: false,
             affinity_ports: HashMap::new(),
         }
     }
@@ -774,13 +780,23 @@ impl Programmed {
 
         let units = self.units(desired, scope);
         // Before a frontend whose port lies in the SNAT range: from its first flow on, a SNAT
-        // port search must pass over that flow's tuple.
-        if let Some(c) = self.config.filter(|c| c.snat_range_frontends == 0) {
+        // port search must pass over that flow's tuple. A frontend not yet programmed waits
+        // for the mark (below).
+        let mut range_unmarked = None;
+        if let Some(c) = self.config {
             let adding = units
                 .values()
                 .flat_map(|(u, _)| u.iter().map(|d| &d.frontend));
-            if snat_range_frontends(&c, adding) {
-                self.put_snat_range_frontends(&mut w, true, &mut report.errors);
+            let wanted = snat_range_frontends(&c, adding);
+            self.snat_range_wanted = match scope {
+                Scope::All => snat_range_frontends(&c, desired.frontends.keys()),
+                Scope::Only(_) => self.snat_range_wanted || wanted,
+            };
+            if wanted && c.snat_range_frontends == 0 {
+                let mut errors = Vec::new();
+                self.put_snat_range_frontends(&mut w, true, &mut errors);
+                range_unmarked = errors.first().map(ToString::to_string);
+                report.errors.extend(errors);
             }
         }
         let marker_ips: BTreeSet<IpAddr> = match scope {
@@ -847,9 +863,22 @@ impl Programmed {
                     ip_from16(a)
                 ),
             };
-            let result = match held {
-                Some((a, why)) => Err(not_marked(a, why, "left as it was")),
-                None => Ok(()),
+            let range_held = range_unmarked.as_ref().filter(|_| {
+                self.config.is_some_and(|c| {
+                    let new = upserts.iter().map(|d| &d.frontend);
+                    snat_range_frontends(&c, new.filter(|f| !self.frontends.contains_key(f)))
+                })
+            });
+            let result = match (held, range_held) {
+                (Some((a, why)), _) => Err(not_marked(a, why, "left as it was")),
+                (None, Some(why)) => Err(Error::Map {
+                    map: svc_common::map_names::CONFIG,
+                    message: format!(
+                        "a frontend port in the SNAT range, and the mark the SNAT port search \
+                         needs for it is not written ({why}); left as it was"
+                    ),
+                }),
+                (None, None) => Ok(()),
             };
             let result = result
                 .and_then(|()| plan::plan_unit(self, &owner, &upserts, &gone))
@@ -912,15 +941,6 @@ impl Programmed {
                         .errors
                         .push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
-            }
-        }
-
-        if matches!(scope, Scope::All) {
-            let on = self
-                .config
-                .is_some_and(|c| snat_range_frontends(&c, self.frontends.keys()));
-            if !on {
-                self.put_snat_range_frontends(&mut w, false, &mut report.errors);
             }
         }
 
@@ -996,9 +1016,9 @@ impl Programmed {
     ) {
         self.node_want = node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
         self.write_addrs(w, errors);
-        // The mark of frontend ports in the SNAT range is kept (a full sync clears it once
-        // no programmed frontend needs it): a change of the node's settings alone must not
-        // drop it under a frontend that does.
+        // The mark of frontend ports in the SNAT range is kept (the flow walk clears it once
+        // nothing needs it, `clear_snat_range_mark`): a change of the node's settings alone
+        // must not drop it under a frontend or a live flow that does.
         let want = node.config.map(|mut c| {
             let kept = self.config.is_some_and(|o| o.snat_range_frontends != 0);
             c.snat_range_frontends =
@@ -1011,6 +1031,25 @@ impl Programmed {
                 Err(e) => errors.push(e),
             }
         }
+    }
+
+    /// Clears `DatapathConfig::snat_range_frontends` once nothing needs it: no frontend port
+    /// in the SNAT range wanted or programmed, and no live flow to such a port (`flows`, from
+    /// the walk of the connection-tracking table: a removed frontend's flows live on, up to
+    /// their timeout).
+    fn clear_snat_range_mark<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        flows: bool,
+        errors: &mut Vec<Error>,
+    ) {
+        let Some(c) = self.config.filter(|c| c.snat_range_frontends != 0) else {
+            return;
+        };
+        if flows || self.snat_range_wanted || snat_range_frontends(&c, self.frontends.keys()) {
+            return;
+        }
+        self.put_snat_range_frontends(w, false, errors);
     }
 
     /// Writes `DatapathConfig::snat_range_frontends` as `on` into the config as written (none

@@ -1,6 +1,6 @@
 use super::*;
 use crate::model::{Backend as DesiredBackend, Cidr, Kind, Scope as FeScope};
-use crate::store::Snapshot;
+use crate::store::{FlowWalk, Snapshot};
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
 use svc_common::{
@@ -46,6 +46,8 @@ struct ModelStore {
     /// Addresses live packet-datapath flows are addressed to (what a walk of the
     /// connection-tracking map finds): NODE_ADDRS must keep them.
     flows_to: std::collections::BTreeSet<[u8; 16]>,
+    /// Whether a live flow goes to a port in the SNAT range (the walk's other answer).
+    snat_range_flows: bool,
 }
 
 impl ModelStore {
@@ -265,8 +267,11 @@ impl Store for ModelStore {
         })
     }
 
-    fn flow_destinations(&self, _config: &DatapathConfig) -> Result<Option<BTreeSet<[u8; 16]>>> {
-        Ok(Some(self.flows_to.clone()))
+    fn flow_destinations(&self, _config: &DatapathConfig) -> Result<Option<FlowWalk>> {
+        Ok(Some(FlowWalk {
+            destinations: self.flows_to.clone(),
+            snat_range_ports: self.snat_range_flows,
+        }))
     }
 }
 
@@ -2119,15 +2124,21 @@ fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
 }
 
 /// `snat_range_frontends` is set, before its entries, as a frontend whose port lies in the
-/// SNAT range is added (by a sync of that frontend alone too), kept by a change of the node's
-/// settings alone, cleared by a full sync once no programmed frontend needs it, and survives
-/// a restart; the drift check expects it as the desired frontends say.
+/// SNAT range is added (by a sync of that frontend alone too); kept by its removal, by a change
+/// of the node's settings alone and by a restart while a live flow goes to such a port (the
+/// flow walk); cleared by the walk once nothing needs it; kept, without a write each sync, while
+/// such a Service is wanted but fails. The drift check wants it for such a desired frontend
+/// and takes either value without one.
 #[test]
-fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_it() {
+fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its_flows() {
     let config = DatapathConfig {
         snat_port_min: 61000,
         snat_port_max: 65535,
         ..Default::default()
+    };
+    let marked = DatapathConfig {
+        snat_range_frontends: 1,
+        ..config
     };
     let low = fe("10.96.0.10", 80);
     let high = fe("10.96.0.11", 62000);
@@ -2146,7 +2157,7 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_it(
     let only: BTreeSet<Frontend> = [high].into();
     let r = p.apply_scoped(&mut store, &with_high, Scope::Only(&only), Instant::now());
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!(store.config.snat_range_frontends, 1);
+    assert_eq!(store.config, marked);
     let mark = store
         .log
         .iter()
@@ -2160,8 +2171,18 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_it(
     assert!(mark < first_entry, "the mark first: {:?}", store.log);
     exact(&store, &with_high);
 
+    // The frontend goes (a sync of it alone); a flow to it lives on.
+    store.snat_range_flows = true;
+    let now = Instant::now();
+    let r = p.apply_scoped(&mut store, &want, Scope::Only(&only), now);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    store.forget_readers();
+    p.retire_due(&mut store, now + Duration::from_secs(3600));
+    assert!(!store.services.contains_key(&service_key(&high)));
+    assert_eq!(store.config, marked, "kept by the removal");
+    exact(&store, &want);
     // The node's settings change (its timeouts): the mark stays.
-    let mut node = with_high.node.clone();
+    let mut node = want.node.clone();
     node.config = Some(DatapathConfig {
         ct_udp_s: 45,
         ..config
@@ -2172,42 +2193,61 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_it(
         (store.config.ct_udp_s, store.config.snat_range_frontends),
         (45, 1)
     );
-
-    // A restart keeps it; a full sync without the frontend clears it, after the frontend's
-    // removal.
+    let r = p.apply_node(&mut store, &want.node);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    // A restart and a full sync keep it; the walk keeps it while the flow lives.
     let mut p = Programmed::recover(
         &store.snapshot().unwrap(),
         Capacity::default(),
         Duration::from_secs(1),
         std::mem::take(&mut p.retiring),
     );
-    let r = settle(&mut p, &mut store, &with_high);
-    assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!(
-        store.config,
-        DatapathConfig {
-            snat_range_frontends: 1,
-            ..config
-        }
-    );
-    store.log.clear();
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, marked, "kept by a restart and a full sync");
+    exact(&store, &want);
+    let r = p.check_flow_addrs(&mut store);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, marked, "kept while the flow lives");
+    // The flow is gone: the walk clears it.
+    store.snat_range_flows = false;
+    let r = p.check_flow_addrs(&mut store);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(store.config, config, "cleared");
-    let cleared = store
-        .log
-        .iter()
-        .position(|op| matches!(op, Op::PutConfig(c) if c.snat_range_frontends == 0))
-        .expect("the mark cleared");
-    let removed = store
-        .log
-        .iter()
-        .position(|op| matches!(op, Op::DelService(k) if *k == service_key(&high)))
-        .expect("the frontend removed");
-    assert!(removed < cleared, "the mark last: {:?}", store.log);
     exact(&store, &want);
 
-    // The drift check expects the mark as the desired frontends say.
-    store.config.snat_range_frontends = 1;
-    assert!(!crate::verify::check(&store.snapshot().unwrap(), &want).is_empty());
+    // Wanted but failing (its backend does not fit): marked once, then no write per sync or
+    // walk, and the drift check is content.
+    let mut p = Programmed::empty(
+        Capacity {
+            backends: 1,
+            ..Capacity::default()
+        },
+        Duration::from_secs(1),
+    );
+    let mut store = ModelStore::default();
+    let r = settle(&mut p, &mut store, &with_high);
+    assert!(!r.errors.is_empty(), "the Service that does not fit fails");
+    assert!(!store.services.contains_key(&service_key(&high)));
+    assert_eq!(store.config, marked);
+    for _ in 0..2 {
+        store.log.clear();
+        settle(&mut p, &mut store, &with_high);
+        p.check_flow_addrs(&mut store);
+        assert_eq!(store.config, marked);
+        assert!(
+            !store.log.iter().any(|op| matches!(op, Op::PutConfig(_))),
+            "no write: {:?}",
+            store.log
+        );
+    }
+    assert!(crate::verify::check(&store.snapshot().unwrap(), &with_high)
+        .iter()
+        .all(|p| !p.contains("datapath config")));
+
+    // The drift check wants the mark for a desired frontend in the range.
+    store.config = config;
+    assert!(crate::verify::check(&store.snapshot().unwrap(), &with_high)
+        .iter()
+        .any(|p| p.contains("datapath config")));
 }

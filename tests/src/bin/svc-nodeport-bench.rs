@@ -151,6 +151,9 @@ struct Args {
     /// profile per measure (nodeport_profile.rs).
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Set by the run, not an argument: whether svc's program time can be read.
+    #[arg(skip)]
+    program_time: bool,
     /// One more svc-agent argument (repeatable), for an experiment such as
     /// `--agent-arg=--max-ct=1048576`; the section's method names them.
     #[arg(long, allow_hyphen_values = true)]
@@ -674,7 +677,9 @@ impl World {
                 a.push(cpu_rate(m, (args.cpu_rate_tcp, args.cpu_rate_udp)).to_string());
             }
         }
-        let pins = self.bpffs().filter(|_| way != Way::Paired);
+        let pins = self
+            .bpffs()
+            .filter(|_| way != Way::Paired && args.program_time);
         let before = pins.as_deref().map(program_time).transpose()?;
         let clock = CpuClock::start()?;
         let r: LoopReport = self
@@ -1574,6 +1579,11 @@ fn bench() -> Result<()> {
             None
         }
     };
+    // Read through bpftool; without it, or without bpf_stats, the rates are still measured.
+    args.program_time = _bpf_stats.is_some() && run("bpftool", ["version"]).is_ok();
+    if !args.program_time {
+        eprintln!("svc's program time is not measured: no bpf_stats, or no bpftool");
+    }
     for &n in &args.services {
         interrupt::check()?;
         let cp = ControlPlane::start_with_node_port_range(NODE_PORT_RANGE)
