@@ -3640,7 +3640,7 @@ fn connection_tracking_handover_marks() {
 /// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple
 /// of a direct connection from the same client port to that backend: the direct connection's
 /// SYN-ACK must leave untranslated (it came from the NodePort before, and the client reset
-/// it). A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
+/// it), and so must the RST of a pod that refuses it. A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
 /// The client reusing its port for the same NodePort gets a new flow with fresh flags (the
 /// closed flow's RST would give it the closing timeout), and for another frontend of the same
 /// backend no remapped port (the closed flow's reply tuple is no clash). A SYN to a frontend
@@ -3712,9 +3712,28 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     let half = "203.0.113.7:40102";
     let again = "203.0.113.7:40103";
     let other = "203.0.113.7:40104";
+    let closed_port = "203.0.113.7:40106";
     let mut rows = open(rst);
     rows.push(reset(rst));
     rows.extend(direct(rst));
+    rows.extend(open(closed_port));
+    rows.push(reset(closed_port));
+    rows.push(row(
+        "a direct SYN from the same client port to a pod port nothing listens on",
+        ExtIngress,
+        tcp(closed_port, pod_ip, TCP_SYN),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.push(row(
+        "the pod's refusal (RST) leaves untranslated: the client's connect sees it",
+        ExtEgress,
+        egress(tcp(pod_ip, closed_port, TCP_RST | TCP_ACK)),
+        OK,
+        Untouched,
+        None,
+    ));
     rows.extend(open(fin));
     rows.push(row(
         "the client's FIN",
@@ -3781,7 +3800,7 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     ));
     run_rows(&dp, rows);
     let t = IPPROTO_TCP;
-    for c in [rst, fin] {
+    for c in [rst, fin, closed_port] {
         assert_eq!(
             dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
             None,

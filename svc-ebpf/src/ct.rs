@@ -264,6 +264,15 @@ pub fn lapse_handing(p: &Pkt) {
     }
 }
 
+/// `lookup`'s mark for a packet leaving by the external egress that answers a TCP SYN (a
+/// SYN-ACK, or an RST: a refusal). A closed flow's REPLY entry it meets is the reply tuple of
+/// a direct connection from the closed flow's client port to its backend (`syn_on_reply_tuple`
+/// says when): the flow's entries are removed and the packet leaves untranslated, as an RST
+/// of the closed flow itself may (its client has closed it). Checked here rather than by a
+/// lookup of the SYN's reversed tuple at the ingress: the egress looks this tuple up anyway,
+/// and nearly every SYN through the node is no flow of svc's.
+pub const ANSWER: u32 = 1 << 29;
+
 /// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
 /// is no packet of it.
 pub const PEEK: u32 = 1 << 31;
@@ -307,7 +316,14 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     // SAFETY: a map value; copied out at once. Concurrent writers only store times and
     // flags, which a racing reader may see old or new.
     *out = unsafe { *e };
-    if (out.flags & ct_flags::POD != 0) != pod || !alive(key, out, now) {
+    if (out.flags & ct_flags::POD != 0) != pod {
+        return MISS;
+    }
+    if add & ANSWER != 0 && ct_flags::closed(out.flags) {
+        forget(key, out);
+        return MISS;
+    }
+    if !alive(key, out, now) {
         return MISS;
     }
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
@@ -359,7 +375,8 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
 /// entries are removed, or what comes back on that tuple would be translated as the closed
 /// flow's. The case: a NodePort flow to a local backend keeps the client's address, so its
 /// REPLY entry (backend -> client:port) is also the reply tuple of a direct connection from
-/// that client port to the backend.
+/// that client port to the backend. A SYN through the node (to no node address) is not
+/// looked up here: its answer does that at the egress (`ANSWER`).
 #[inline(never)]
 pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
     if p.proto != IPPROTO_TCP || p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {

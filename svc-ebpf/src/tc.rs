@@ -19,9 +19,11 @@
 //! IP is there), and the NodePort wildcard key for a NodePort address;
 //! the REPLY lookup runs only for packets to a SNAT address within the SNAT port range (before
 //! the FORWARD one: they are mostly remote backends' replies). The other programs pay the
-//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK that is no
-//! known flow and does not start one to a local backend adds one lookup: the REPLY entry of
-//! its reversed tuple (`ct::syn_on_reply_tuple`). A packet the
+//! FORWARD or REPLY entry and, on pod devices, the frontend key. A SYN without ACK to a node
+//! address or on a pod device that is no known flow and does not start one to a local backend
+//! adds one lookup: the REPLY entry of its reversed tuple (`ct::syn_on_reply_tuple`). A SYN
+//! through the node adds none: the egress's lookup of its answer does that work
+//! (`ct::ANSWER`). A packet the
 //! external ingress redirected to an external egress is not looked up there again
 //! (`scratch::Sent`).
 //!
@@ -41,7 +43,7 @@ use crate::{
     ct, fwd, icmp, lb,
     maps::{count, dev_count, src_range_key, SVC_SRC_RANGES},
     nat::{self, Endpoint},
-    pkt::{self, parsed, Pkt, TCP_SYN},
+    pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
     reject,
     scratch::{self, Flow, Scratch, Sent},
 };
@@ -343,8 +345,15 @@ fn known(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> bool {
 /// caller to take over or remove.
 #[inline(always)]
 fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
+    found_marked(s, dir, pod, now, 0)
+}
+
+/// `found`, with `mark` (`ct::ANSWER`) added to the packet's flags.
+#[inline(always)]
+fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32 {
     let key = ct::key_of(&s.p, dir);
-    let found = ct::lookup(&key, pod, ct::packet_flags(&s.p, dir), now, &mut s.v);
+    let add = ct::packet_flags(&s.p, dir) | mark;
+    let found = ct::lookup(&key, pod, add, now, &mut s.v);
     if found == ct::HIT {
         ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
     }
@@ -387,8 +396,8 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     if node == 0 {
         // Every FORWARD entry and every frontend, and every SNAT address a reply comes back
         // to, is one of `NODE_ADDRS`: traffic through the node to anywhere else pays none of
-        // the big lookups (nor the clock).
-        ct::syn_on_reply_tuple(&s.p, false);
+        // the big lookups (nor the clock). A SYN's reply tuple may be a closed flow's
+        // (`syn_on_reply_tuple`): the egress removes it when the answer leaves (`ct::ANSWER`).
         return OK;
     }
     let now = now();
@@ -688,11 +697,19 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
             return OK;
         }
     }
-    if !known(s, ct_dir::REPLY, false, ct::NOW_ON_HIT) {
+    let mark = if answers_syn(&s.p) { ct::ANSWER } else { 0 };
+    if found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) != ct::HIT {
         return OK;
     }
     // A local backend's reply, leaving: it comes from the frontend.
     to_stack(ctx, s, pkt_stat::REPLY)
+}
+
+/// Whether `p` is a TCP SYN-ACK or RST: what answers a SYN.
+#[inline(always)]
+fn answers_syn(p: &Pkt) -> bool {
+    p.proto == IPPROTO_TCP
+        && (p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK || p.tcp_flags & TCP_RST != 0)
 }
 
 /// Whether `p` is the packet `t` names.
