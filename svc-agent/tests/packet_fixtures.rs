@@ -5081,15 +5081,10 @@ fn a_snat_port_whose_reply_tuple_is_a_live_forward_tuple_is_passed_over() {
     };
 
     range(&mut dp, 62000, 1);
-    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
-    assert_eq!(
-        syn(&dp, "203.0.113.40:40300"),
-        SHOT,
-        "the range's one port would give the live flow's tuple: exhausted"
-    );
-    assert_eq!(
-        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
-        before + 1
+    assert_exhausted(
+        &dp,
+        || syn(&dp, "203.0.113.40:40300"),
+        "the range's one port would give the live flow's tuple",
     );
     assert_eq!(
         dp.ct_entry(&ct_key(backend, "192.0.2.10:62000", t, ct_dir::REPLY)),
@@ -5226,15 +5221,22 @@ fn a_snat_port_held_by_a_long_idle_flow_goes_to_a_new_flow_when_the_range_is_ful
             put(&mut dp, *port, *seen);
         }
     }
-    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
-    assert_eq!(
-        syn(&dp, "203.0.113.33:40203"),
-        SHOT,
-        "idle one way only, or not long enough"
+    assert_exhausted(
+        &dp,
+        || syn(&dp, "203.0.113.33:40203"),
+        "idle one way only, or not long enough",
     );
+}
+
+/// Sends a SYN to a frontend of a remote backend (`send`, which returns the verdict) and
+/// asserts that the SNAT port search found the range exhausted: dropped, and counted once.
+fn assert_exhausted(dp: &Dp, send: impl FnOnce() -> u32, why: &str) {
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    assert_eq!(send(), SHOT, "{why}: exhausted");
     assert_eq!(
         dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
-        before + 1
+        before + 1,
+        "{why}: counted"
     );
 }
 

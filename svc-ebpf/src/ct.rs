@@ -571,6 +571,7 @@ pub fn create_snat(f: *mut Flow) -> u32 {
         (*f).port_span = (max - min) as u32 + 1;
         (*f).try_key = partner_key(&(*f).key, &(*f).fwd);
         (*f).claimed = 0;
+        (*f).frontends_in_range = setting(|c| c.snat_range_frontends);
     }
     // SAFETY: the callback is a function of this object with the signature bpf_loop wants;
     // it finds its state in the scratch space, so its context is null (bpf_loop takes only a
@@ -614,11 +615,11 @@ unsafe fn copy_value(dst: &mut CtValue, src: *const CtValue) {
 /// Whether the reply tuple `f.try_key` names is also a live flow's FORWARD tuple (a flow to a
 /// frontend whose port lies in the SNAT range, `DatapathConfig::snat_range_frontends`):
 /// packets of one would be taken for the other's. The key is turned FORWARD for the lookup
-/// and back after it, in the scratch space: no key on the stack. Inlined: a frame of its own
-/// put `snat_try`'s chain past the verifier's stack limit.
+/// and back after it, in place in the scratch space: no second key is built. Inlined: a frame
+/// of its own put `snat_try`'s chain past the verifier's stack limit.
 #[inline(always)]
 fn forward_tuple_taken(f: &mut Flow) -> bool {
-    if setting(|c| c.snat_range_frontends) == 0 {
+    if f.frontends_in_range == 0 {
         return false;
     }
     f.try_key.dir = ct_dir::FORWARD;

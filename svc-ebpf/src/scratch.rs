@@ -32,6 +32,8 @@ pub struct Flow {
     pub port_span: u32,
     /// 1: `try_key` is claimed.
     pub claimed: u32,
+    /// `DatapathConfig::snat_range_frontends` as the search began: read once, not per try.
+    pub frontends_in_range: u32,
     /// The entry a try found at `try_key`, as it read it.
     pub seen: CtValue,
 }

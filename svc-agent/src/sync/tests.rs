@@ -333,6 +333,17 @@ fn settle(p: &mut Programmed, store: &mut ModelStore, desired: &DesiredState) ->
     r
 }
 
+/// The agent after a restart: recovered from what `store` holds, taking over `p`'s
+/// retiring backends.
+fn restarted(p: &mut Programmed, store: &ModelStore) -> Programmed {
+    Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        std::mem::take(&mut p.retiring),
+    )
+}
+
 fn exact(store: &ModelStore, desired: &DesiredState) {
     let problems = crate::verify::check(&store.snapshot().unwrap(), desired);
     assert!(problems.is_empty(), "{problems:#?}");
@@ -1370,12 +1381,7 @@ fn drift_in_ranges_node_addresses_and_config_is_repaired() {
     );
     store.config = DatapathConfig::default();
     assert!(!crate::verify::check(&store.snapshot().unwrap(), &want).is_empty());
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        std::mem::take(&mut p.retiring),
-    );
+    let mut p = restarted(&mut p, &store);
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     exact(&store, &want);
@@ -2196,12 +2202,7 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its
     let r = p.apply_node(&mut store, &want.node);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     // A restart and a full sync keep it; the walk keeps it while the flow lives.
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        std::mem::take(&mut p.retiring),
-    );
+    let mut p = restarted(&mut p, &store);
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(store.config, marked, "kept by a restart and a full sync");

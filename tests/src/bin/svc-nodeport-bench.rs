@@ -80,6 +80,14 @@ use svc_tests::{
 };
 
 const NAMESPACE: &str = "bench";
+/// The measures each target is judged by, in the order the targets are listed.
+const TARGET_MEASURES: [&str; 5] = [
+    "tcp-local",
+    "udp-local",
+    "tcp-remote",
+    "udp-remote",
+    "tcp-direct",
+];
 const NODE: &str = "node-1";
 const REMOTE_NODE: &str = "node-2";
 const PORT: u16 = 80;
@@ -1335,13 +1343,7 @@ fn targets(r: &Recorded) -> String {
         None => "—".into(),
     };
     for &n in &r.services {
-        for id in [
-            "tcp-local",
-            "udp-local",
-            "tcp-remote",
-            "udp-remote",
-            "tcp-direct",
-        ] {
+        for id in TARGET_MEASURES {
             let m = measure(id);
             let cpu = cpu_ratio(samples, n, svc, m);
             let carried = projected_ratio(r, n, svc, m);
@@ -1396,13 +1398,7 @@ fn targets(r: &Recorded) -> String {
                 },
             );
         }
-        for id in [
-            "tcp-local",
-            "udp-local",
-            "tcp-remote",
-            "udp-remote",
-            "tcp-direct",
-        ] {
+        for id in TARGET_MEASURES {
             if let Some(line) = program_line(samples, n, measure(id)) {
                 out += &line;
             }
