@@ -3640,8 +3640,9 @@ fn connection_tracking_handover_marks() {
 /// the client's address, so its REPLY entry (backend -> client:port) is also the reply tuple
 /// of a direct connection from the same client port to that backend: the direct connection's
 /// SYN-ACK must leave untranslated (it came from the NodePort before, and the client reset
-/// it), and so must the RST of a pod that refuses it. A half-closed flow (one FIN) still carries data the other way: a SYN leaves it alone.
-/// The client reusing its port for the same NodePort gets a new flow with fresh flags (the
+/// it), and so must the RST or ICMP error of a pod that refuses it; the closed flow's other
+/// replies are still its own. A half-closed flow (one FIN) still carries data the other way:
+/// a SYN leaves it alone. The client reusing its port for the same NodePort gets a new flow with fresh flags (the
 /// closed flow's RST would give it the closing timeout), and for another frontend of the same
 /// backend no remapped port (the closed flow's reply tuple is no clash). A SYN to a frontend
 /// on the closed flow's backend address and port (a hostNetwork endpoint on a node address,
@@ -3713,13 +3714,22 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     let again = "203.0.113.7:40103";
     let other = "203.0.113.7:40104";
     let closed_port = "203.0.113.7:40106";
+    let unreachable = "203.0.113.7:40107";
     let mut rows = open(rst);
     rows.push(reset(rst));
+    rows.push(row(
+        "the pod's segment after the client's RST: still the NodePort flow's, translated",
+        ExtEgress,
+        egress(tcp(pod_ip, rst, TCP_ACK | TCP_PSH)),
+        OK,
+        Packet(egress(tcp(np, rst, TCP_ACK | TCP_PSH))),
+        Some(pkt_stat::REPLY),
+    ));
     rows.extend(direct(rst));
     rows.extend(open(closed_port));
     rows.push(reset(closed_port));
     rows.push(row(
-        "a direct SYN from the same client port to a pod port nothing listens on",
+        "a direct SYN from the same client port to the pod, which now refuses it",
         ExtIngress,
         tcp(closed_port, pod_ip, TCP_SYN),
         OK,
@@ -3730,6 +3740,33 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
         "the pod's refusal (RST) leaves untranslated: the client's connect sees it",
         ExtEgress,
         egress(tcp(pod_ip, closed_port, TCP_RST | TCP_ACK)),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.extend(open(unreachable));
+    rows.push(reset(unreachable));
+    let direct_syn = tcp(unreachable, pod_ip, TCP_SYN);
+    rows.push(row(
+        "a direct SYN from the same client port to the pod, which answers port unreachable",
+        ExtIngress,
+        direct_syn.clone(),
+        OK,
+        Untouched,
+        None,
+    ));
+    rows.push(row(
+        "the ICMP error leaves untranslated, about the SYN: the client's connect sees it",
+        ExtEgress,
+        egress(icmp_error(
+            "10.244.1.5",
+            "203.0.113.7",
+            3,
+            3,
+            [0; 4],
+            &direct_syn,
+            28,
+        )),
         OK,
         Untouched,
         None,
@@ -3800,7 +3837,7 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
     ));
     run_rows(&dp, rows);
     let t = IPPROTO_TCP;
-    for c in [rst, fin, closed_port] {
+    for c in [rst, fin, closed_port, unreachable] {
         assert_eq!(
             dp.ct_entry(&ct_key(c, np, t, ct_dir::FORWARD)),
             None,

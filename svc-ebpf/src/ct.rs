@@ -9,8 +9,9 @@
 //!
 //! A closed TCP flow (an RST, or a FIN each way: `ct_flags::closed`) keeps its entries for
 //! the closing timeout, but gives them up to a new connection on its tuples, as conntrack does
-//! for a SYN in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), a
-//! new flow whose reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
+//! for a SYN in TIME_WAIT or CLOSE: a SYN that meets them (`lookup`, `syn_on_reply_tuple`), the
+//! answer to a SYN through the node leaving by the external egress (`ANSWER`), a new flow whose
+//! reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -264,13 +265,17 @@ pub fn lapse_handing(p: &Pkt) {
     }
 }
 
-/// `lookup`'s mark for a packet leaving by the external egress that answers a TCP SYN (a
-/// SYN-ACK, or an RST: a refusal). A closed flow's REPLY entry it meets is the reply tuple of
-/// a direct connection from the closed flow's client port to its backend (`syn_on_reply_tuple`
-/// says when): the flow's entries are removed and the packet leaves untranslated, as an RST
-/// of the closed flow itself may (its client has closed it). Checked here rather than by a
-/// lookup of the SYN's reversed tuple at the ingress: the egress looks this tuple up anyway,
-/// and nearly every SYN through the node is no flow of svc's.
+/// `lookup`'s mark for a packet leaving by the external egress that answers a TCP SYN: a
+/// SYN-ACK, an RST (a refusal), or an ICMP error about it (`icmp::ANSWERS`). A closed flow's
+/// REPLY entry it meets is the reply tuple of a direct connection from the closed flow's
+/// client port to its backend (`syn_on_reply_tuple` says when): the flow's entries are
+/// removed, whether it is still within its closing timeout or not, and the packet leaves
+/// untranslated. A closed flow's own RST (a second one, or one answering a late segment) is
+/// taken the same way: it leaves untranslated, and the flow's entries go before their
+/// timeout. Checked here rather than by a lookup of the SYN's reversed tuple at the ingress:
+/// the egress looks this tuple up anyway, and nearly every SYN through the node is no flow of
+/// svc's. Not marked: the ACK of a backend that still holds the tuple in TIME_WAIT, which is
+/// translated as the closed flow's (the client, which has no such connection, resets it).
 pub const ANSWER: u32 = 1 << 29;
 
 /// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
@@ -297,7 +302,8 @@ pub const NOW_ON_HIT: u64 = 0;
 
 /// Looks up the live entry of `key` and copies it into `out`. `pod`: the entry must belong
 /// to the per-packet ClusterIP path (flag POD), else it must not; the two paths never act on
-/// each other's flows. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
+/// each other's flows. With `ANSWER` in `add`, a closed flow's entry is removed and missed,
+/// alive or not. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
 /// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
 /// the first reply, a FIN, an RST). A SYN (`add` has `SYN`) on a closed flow's entry starts
 /// a new connection: a miss, and the flow's entries are removed, except `CLOSED`'s case. A

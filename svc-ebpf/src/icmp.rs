@@ -44,6 +44,12 @@ pub const REPLY: u32 = 2;
 /// frontend on a SNAT port, and the error goes back to it as the error about the packet it
 /// sent.
 pub const HAIRPIN: u32 = 4;
+/// With `REPLY`, at the external egress: the error answers a packet sent to a local backend.
+/// A closed flow's REPLY entry is not its flow: it is the quote's only for a direct
+/// connection from the closed flow's client port to its backend, refused with this error
+/// (`ct::ANSWER`, as for a refusal's RST). The flow's entries go and the error leaves
+/// untranslated, so the client's connect learns of it.
+pub const ANSWERS: u32 = 8;
 
 /// The packet an ICMP error quotes.
 #[derive(Default)]
@@ -123,7 +129,12 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
         && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v) == ct::HIT;
     if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
-        found = ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v) == ct::HIT;
+        let add = if dirs & ANSWERS != 0 {
+            ct::PEEK | ct::ANSWER
+        } else {
+            ct::PEEK
+        };
+        found = ct::lookup(&ct::key_of(flow, dir), pod, add, now, &mut s.v) == ct::HIT;
     }
     if !found {
         return NOT_OURS;

@@ -110,7 +110,7 @@ const EXT_INGRESS: Hook = Hook {
     routes: true,
 };
 const EXT_EGRESS: Hook = Hook {
-    icmp_dirs: icmp::REPLY,
+    icmp_dirs: icmp::REPLY | icmp::ANSWERS,
     pod: false,
     routes: false,
 };
@@ -705,7 +705,8 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
     to_stack(ctx, s, pkt_stat::REPLY)
 }
 
-/// Whether `p` is a TCP SYN-ACK or RST: what answers a SYN.
+/// Whether `p` is a TCP SYN-ACK or RST: what answers a SYN (an ICMP error too:
+/// `icmp::ANSWERS`).
 #[inline(always)]
 fn answers_syn(p: &Pkt) -> bool {
     p.proto == IPPROTO_TCP

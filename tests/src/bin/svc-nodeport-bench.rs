@@ -1293,9 +1293,10 @@ fn findings(samples: &[Sample]) -> String {
             "\n**svc failed non-service connections that reuse a client port of a NodePort \
              flow closed a moment before** ({f} of {all} attempts failed in this run). A \
              NodePort flow to a local backend is DNATed only, so its REPLY entry is the reply \
-             tuple of a later direct connection from the same client port to pod 1; a SYN \
-             that meets a closed flow's entries removes them (`ct::syn_on_reply_tuple`, \
-             svc-ebpf/src/ct.rs), and a failure here means that did not happen."
+             tuple of a later direct connection from the same client port to pod 1; the \
+             answer to its SYN, leaving by the external egress, removes the closed flow's \
+             entries it meets (`ct::ANSWER`, svc-ebpf/src/ct.rs), and a failure here means \
+             that did not happen."
         );
     }
     let (f, all) = failed("tcp-remote");
