@@ -3706,6 +3706,14 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
                 Untouched,
                 None,
             ),
+            row(
+                "the pod's data on the direct connection leaves untranslated too",
+                ExtEgress,
+                egress(tcp(pod_ip, c, TCP_ACK | TCP_PSH)),
+                OK,
+                Untouched,
+                None,
+            ),
         ]
     };
     let rst = "203.0.113.7:40100";
