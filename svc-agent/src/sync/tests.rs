@@ -30,6 +30,8 @@ struct ModelStore {
     fail_put_at: Option<usize>,
     /// Fail every put to NODE_ADDRS (an address the map keeps refusing).
     fail_node_addr_puts: bool,
+    /// Fail every write of the datapath config.
+    fail_config_puts: bool,
     /// After this many ops the "process" is dead: nothing more reaches the maps.
     crash_after: Option<usize>,
     puts: usize,
@@ -243,6 +245,12 @@ impl Store for ModelStore {
             }
             Op::DelNodeAddr(k) => self.node_addrs.remove(&k).is_some(),
             Op::PutConfig(v) => {
+                if self.fail_config_puts {
+                    return Err(Error::Map {
+                        map: "test",
+                        message: "injected".into(),
+                    });
+                }
                 self.config = v;
                 true
             }
@@ -2129,6 +2137,22 @@ fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
     assert_eq!(id(&a), Some(1), "the programmed frontend is kept");
 }
 
+/// The log of `store` writes the `snat_range_frontends` mark, and after it the first entry of
+/// frontend `f`.
+fn assert_marked_before(store: &ModelStore, f: &Frontend) {
+    let mark = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::PutConfig(c) if c.snat_range_frontends != 0))
+        .expect("the mark written");
+    let first_entry = store
+        .log
+        .iter()
+        .position(|op| matches!(op, Op::PutService(k, _) if *k == service_key(f)))
+        .expect("the frontend written");
+    assert!(mark < first_entry, "the mark first: {:?}", store.log);
+}
+
 /// `snat_range_frontends` is set, before its entries, as a frontend whose port lies in the
 /// SNAT range is added (by a sync of that frontend alone too); kept by its removal, by a change
 /// of the node's settings alone and by a restart while a live flow goes to such a port (the
@@ -2164,17 +2188,7 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its
     let r = p.apply_scoped(&mut store, &with_high, Scope::Only(&only), Instant::now());
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(store.config, marked);
-    let mark = store
-        .log
-        .iter()
-        .position(|op| matches!(op, Op::PutConfig(c) if c.snat_range_frontends != 0))
-        .expect("the mark written");
-    let first_entry = store
-        .log
-        .iter()
-        .position(|op| matches!(op, Op::PutService(k, _) if *k == service_key(&high)))
-        .expect("the frontend written");
-    assert!(mark < first_entry, "the mark first: {:?}", store.log);
+    assert_marked_before(&store, &high);
     exact(&store, &with_high);
 
     // The frontend goes (a sync of it alone); a flow to it lives on.
@@ -2251,4 +2265,64 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its
     assert!(crate::verify::check(&store.snapshot().unwrap(), &with_high)
         .iter()
         .any(|p| p.contains("datapath config")));
+}
+
+/// A frontend whose port lies in the SNAT range waits while the mark the SNAT port search needs
+/// for it (`snat_range_frontends`) cannot be written: left unprogrammed, with an error that
+/// names its Service and the mark, while the other Services of the same sync are written. Once
+/// the config takes writes again, the next sync writes the mark, then the frontend.
+#[test]
+fn a_frontend_in_the_snat_range_waits_for_its_mark() {
+    let config = DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    };
+    let low = fe("10.96.0.10", 80);
+    let other = fe("10.96.0.12", 81);
+    let high = fe("10.96.0.11", 62000);
+    let mut want = state(&[(low, &["10.0.0.1:8080"])]);
+    want.node.config = Some(config);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, config);
+
+    let mut more = state(&[
+        (low, &["10.0.0.1:8080"]),
+        (other, &["10.0.0.3:8080"]),
+        (high, &["10.0.0.2:8080"]),
+    ]);
+    more.node.config = Some(config);
+    store.fail_config_puts = true;
+    let r = settle(&mut p, &mut store, &more);
+    assert!(
+        !store.services.contains_key(&service_key(&high)),
+        "held back without its mark"
+    );
+    assert_eq!(store.config.snat_range_frontends, 0);
+    assert!(
+        store.services.contains_key(&service_key(&other)),
+        "the other Service is written"
+    );
+    let errors: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains(&owner_for(&high)) && e.contains("SNAT range")),
+        "{errors:#?}"
+    );
+    assert!(
+        !errors.iter().any(|e| e.contains(&owner_for(&other))),
+        "{errors:#?}"
+    );
+
+    store.fail_config_puts = false;
+    store.log.clear();
+    let r = settle(&mut p, &mut store, &more);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config.snat_range_frontends, 1);
+    assert_marked_before(&store, &high);
+    exact(&store, &more);
 }
