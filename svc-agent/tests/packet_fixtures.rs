@@ -3642,8 +3642,8 @@ fn connection_tracking_handover_marks() {
 /// SYN-ACK must leave untranslated (it came from the NodePort before, and the client reset
 /// it), and so must its later packets (the answer removed the closed flow's entries, not only
 /// hid them from itself) and the RST or ICMP error of a pod that refuses it; the closed flow's
-/// other replies are still its own. A half-closed flow (one FIN) still carries data the other way:
-/// a SYN leaves it alone. The client reusing its port for the same NodePort gets a new flow with fresh flags (the
+/// other replies are still its own. A half-closed flow (one FIN) still carries data the other
+/// way: a SYN leaves it alone. The client reusing its port for the same NodePort gets a new flow with fresh flags (the
 /// closed flow's RST would give it the closing timeout), and for another frontend of the same
 /// backend no remapped port (the closed flow's reply tuple is no clash). A SYN to a frontend
 /// on the closed flow's backend address and port (a hostNetwork endpoint on a node address,

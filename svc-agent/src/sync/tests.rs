@@ -2137,6 +2137,42 @@ fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
     assert_eq!(id(&a), Some(1), "the programmed frontend is kept");
 }
 
+/// A node whose SNAT range is 61000-65535, synced with `low` (port 80) alone; `high` (port
+/// 62000) lies in the range.
+struct SnatRangeStart {
+    config: DatapathConfig,
+    low: Frontend,
+    high: Frontend,
+    want: DesiredState,
+    store: ModelStore,
+    p: Programmed,
+}
+
+fn snat_range_start() -> SnatRangeStart {
+    let config = DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    };
+    let low = fe("10.96.0.10", 80);
+    let mut want = state(&[(low, &["10.0.0.1:8080"])]);
+    want.node.config = Some(config);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(store.config, config, "no frontend port in the range");
+    exact(&store, &want);
+    SnatRangeStart {
+        config,
+        low,
+        high: fe("10.96.0.11", 62000),
+        want,
+        store,
+        p,
+    }
+}
+
 /// The log of `store` writes the `snat_range_frontends` mark, and after it frontend `f`'s
 /// SERVICES entry: what lets a flow to it start.
 fn assert_marked_before(store: &ModelStore, f: &Frontend) {
@@ -2161,25 +2197,18 @@ fn assert_marked_before(store: &ModelStore, f: &Frontend) {
 /// and takes either value without one.
 #[test]
 fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its_flows() {
-    let config = DatapathConfig {
-        snat_port_min: 61000,
-        snat_port_max: 65535,
-        ..Default::default()
-    };
+    let SnatRangeStart {
+        config,
+        low,
+        high,
+        want,
+        mut store,
+        mut p,
+    } = snat_range_start();
     let marked = DatapathConfig {
         snat_range_frontends: 1,
         ..config
     };
-    let low = fe("10.96.0.10", 80);
-    let high = fe("10.96.0.11", 62000);
-    let mut want = state(&[(low, &["10.0.0.1:8080"])]);
-    want.node.config = Some(config);
-    let mut store = ModelStore::default();
-    let mut p = fresh();
-    let r = settle(&mut p, &mut store, &want);
-    assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!(store.config, config, "no frontend port in the range");
-    exact(&store, &want);
 
     let mut with_high = state(&[(low, &["10.0.0.1:8080"]), (high, &["10.0.0.2:8080"])]);
     with_high.node.config = Some(config);
@@ -2273,22 +2302,15 @@ fn the_snat_range_frontends_mark_comes_before_such_a_frontend_and_goes_after_its
 /// the config takes writes again, the next sync writes the mark, then the frontend.
 #[test]
 fn a_frontend_in_the_snat_range_waits_for_its_mark() {
-    let config = DatapathConfig {
-        snat_port_min: 61000,
-        snat_port_max: 65535,
-        ..Default::default()
-    };
-    let low = fe("10.96.0.10", 80);
+    let SnatRangeStart {
+        config,
+        low,
+        high,
+        mut store,
+        mut p,
+        ..
+    } = snat_range_start();
     let other = fe("10.96.0.12", 81);
-    let high = fe("10.96.0.11", 62000);
-    let mut want = state(&[(low, &["10.0.0.1:8080"])]);
-    want.node.config = Some(config);
-    let mut store = ModelStore::default();
-    let mut p = fresh();
-    let r = settle(&mut p, &mut store, &want);
-    assert!(r.errors.is_empty(), "{:?}", r.errors);
-    assert_eq!(store.config, config);
-
     let mut more = state(&[
         (low, &["10.0.0.1:8080"]),
         (other, &["10.0.0.3:8080"]),
