@@ -81,6 +81,9 @@ pub struct Agent {
     /// their frontend, off the sync path. None when its maps could not be opened a second
     /// time (logged at start).
     stale: Option<StaleWorker<()>>,
+    /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`); None when
+    /// off, or the object has no packet datapath.
+    _sweeper: Option<crate::sweep::Sweeper>,
     /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
     udp_serving: Arc<Mutex<UdpServing>>,
     /// The stale-UDP thread has been asked to look once in this run: the flows and sockets
@@ -130,6 +133,19 @@ impl Agent {
                 None
             }
         };
+        let sweeper = match (packet.ct_sweep_every, dp.ct_sweep()) {
+            (Some(every), Some(prog)) => {
+                match crate::sweep::Sweeper::spawn(prog, every, metrics.clone()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        warn!("dead flows will stay in connection tracking until evicted: {e}");
+                        metrics.error(&e);
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let now = Instant::now();
         let node_desired = NodeDesired {
             addrs: Default::default(),
@@ -141,6 +157,7 @@ impl Agent {
         let mut agent = Agent {
             dp,
             stale,
+            _sweeper: sweeper,
             udp_serving,
             udp_looked: false,
             programmed,

@@ -60,6 +60,10 @@ pub const TC_PROGRAMS: [(&str, TcAttachType, bool); 4] = [
     ("tc_pod_egress", TcAttachType::Egress, false),
 ];
 
+/// The connection-tracking sweep (svc-ebpf's gc.rs): loaded, never attached; the agent runs
+/// it (`Datapath::ct_sweep`).
+pub const SWEEP_PROGRAM: &str = "tc_ct_sweep";
+
 /// Where the tc link of `program` on device `ifname` is pinned.
 pub fn tc_link_pin(dir: &Path, program: &str, ifname: &str) -> PathBuf {
     dir.join(format!("link_tc_{program}_{ifname}"))
@@ -323,6 +327,8 @@ pub struct Datapath {
     tc_devices: (Vec<Device>, Vec<Device>),
     /// tc link pins this agent has attached or swapped its programs into.
     tc_current: std::collections::BTreeSet<PathBuf>,
+    /// The loaded sweep, when the object has it.
+    sweep: Option<std::os::fd::OwnedFd>,
 }
 
 /// Checks that `cgroup` is a cgroup v2 directory, before anything is created.
@@ -677,6 +683,20 @@ impl Datapath {
                 .map_err(|e| load_err(name, e))?;
             tc_loaded.push(name);
         }
+        let sweep = match ebpf.program_mut(SWEEP_PROGRAM) {
+            Some(prog) => {
+                let prog = <&mut SchedClassifier>::try_from(prog)
+                    .map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+                prog.load().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+                let fd = prog.fd().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+                Some(
+                    fd.as_fd()
+                        .try_clone_to_owned()
+                        .map_err(|e| load_err(SWEEP_PROGRAM, e))?,
+                )
+            }
+            None => None,
+        };
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -715,7 +735,14 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
+            sweep,
         })
+    }
+
+    /// A descriptor of the connection-tracking sweep, for a thread of its own; None when
+    /// the object has no packet datapath.
+    pub fn ct_sweep(&self) -> Option<std::os::fd::OwnedFd> {
+        self.sweep.as_ref()?.try_clone().ok()
     }
 
     /// Whether this object has the packet datapath's programs.

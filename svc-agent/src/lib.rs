@@ -15,6 +15,7 @@ pub mod packet;
 pub mod source;
 pub mod stale;
 pub mod store;
+pub mod sweep;
 pub mod sync;
 pub mod sys;
 pub mod translate;

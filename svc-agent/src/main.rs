@@ -176,6 +176,12 @@ struct PacketArgs {
     /// the node's conntrack has it, else the kernel's 120s.
     #[arg(long, default_value = "0")]
     conntrack_udp_timeout_stream: String,
+    /// How often the flows that have died (closed, or idle past their timeout) are removed
+    /// from connection tracking, a Go duration; 0 never (a full table then evicts its least
+    /// recently used flows, an idle live one before one closed seconds ago, and every packet
+    /// that is no flow of svc's walks past dead entries).
+    #[arg(long, default_value = "10s")]
+    conntrack_sweep_interval: String,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
     /// node's ephemeral ports (net.ipv4.ip_local_port_range); an overlap with them is refused.
     #[arg(long)]
@@ -236,6 +242,15 @@ impl PacketArgs {
                         "udp_timeout_stream",
                     )?,
                 }
+            },
+            ct_sweep_every: match packet::parse_timeout(
+                "--conntrack-sweep-interval",
+                &self.conntrack_sweep_interval,
+            )
+            .map_err(anyhow::Error::msg)?
+            {
+                0 => None,
+                s => Some(std::time::Duration::from_secs(s.into())),
             },
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(

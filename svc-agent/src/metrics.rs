@@ -102,6 +102,10 @@ struct Inner {
     drift_ops: u64,
     /// The sync loop's last turn.
     alive: Option<Instant>,
+    /// Connection-tracking sweeps run, the entries they removed, and their time.
+    sweeps: u64,
+    swept: u64,
+    sweep_seconds: f64,
 }
 
 /// Shared between the sync loop, which records, and the HTTP server, which reads.
@@ -162,6 +166,9 @@ impl Metrics {
                 datapath_broken: false,
                 drift_ops: 0,
                 alive: None,
+                sweeps: 0,
+                swept: 0,
+                sweep_seconds: 0.0,
             }),
             bpffs,
             health_timeout,
@@ -175,6 +182,14 @@ impl Metrics {
 
     pub fn error(&self, e: &Error) {
         *self.lock().errors.entry(e.kind()).or_default() += 1;
+    }
+
+    /// A connection-tracking sweep removed `removed` entries in `took`.
+    pub fn swept(&self, removed: u32, took: Duration) {
+        let mut i = self.lock();
+        i.sweeps += 1;
+        i.swept += u64::from(removed);
+        i.sweep_seconds += took.as_secs_f64();
     }
 
     pub fn error_kind(&self, kind: &'static str) {
@@ -408,6 +423,9 @@ impl Metrics {
             for (k, v) in &i.repairs {
                 let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
             }
+            let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking map for dead flows (--conntrack-sweep-interval).\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
+            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Entries of dead flows (closed, or idle past their timeout) the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
+            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Time the sweeps took, in the kernel.\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
             let _ = writeln!(out, "# HELP svc_drift_repaired_ops_total Map writes that repaired a difference between the maps and what was programmed.\n# TYPE svc_drift_repaired_ops_total counter\nsvc_drift_repaired_ops_total {}", i.drift_ops);
         }
         match crate::datapath::read_stats(&self.bpffs) {
@@ -438,7 +456,7 @@ fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
             "svc_packet_decisions_total{{device=\"{device}\",reason=\"{reason}\"}} {v}"
         );
     }
-    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the connection-tracking map (two per flow; expired ones until reused).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the connection-tracking map (two per flow; a dead flow's until the next sweep, or until reused).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
     let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the connection-tracking map.\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
     let _ = writeln!(out, "# HELP svc_conntrack_flows Live flows tracked (a packet either way within the timeout), by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
     let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows neither closed nor idle both ways for the reclaim bound, 2 h by default (a new flow may reclaim a closed, dead or long-idle flow's port); as it nears the size of the SNAT port range, new flows to that backend start to be dropped (drop_snat_exhausted).\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);

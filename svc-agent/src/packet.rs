@@ -26,6 +26,9 @@ pub struct PacketConfig {
     pub host_netns: u64,
     /// Connection-tracking idle timeouts (kube-proxy's --conntrack-* flags).
     pub ct_timeouts: CtTimeouts,
+    /// `--conntrack-sweep-interval`: how often dead flows are removed from connection
+    /// tracking; None: never (the LRU alone makes room).
+    pub ct_sweep_every: Option<std::time::Duration>,
 }
 
 /// Idle timeouts of the packet datapath's flows, seconds; 0 leaves the programs' built-in
@@ -62,6 +65,7 @@ impl Default for PacketConfig {
             localhost_nodeports: true,
             host_netns: 0,
             ct_timeouts: CtTimeouts::default(),
+            ct_sweep_every: None,
         }
     }
 }

@@ -1,6 +1,8 @@
-//! The two bpf(2) commands aya 0.14 does not expose: opening a pinned link by path and
+//! The bpf(2) commands aya 0.14 does not expose: opening a pinned link by path and
 //! replacing a link's program in place, which is how a restarted agent swaps programs without
-//! a moment in which the cgroup has none.
+//! a moment in which the cgroup has none; and a test run on a bare program descriptor (aya's
+//! needs the `Ebpf` object, which the sync owns, where the connection-tracking sweep runs on a
+//! thread of its own).
 
 use std::{
     ffi::CString,
@@ -12,6 +14,7 @@ use std::{
 
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
 /// `union bpf_attr` is larger, but the kernel only reads the leading fields of each command
 /// and requires the rest to be zero.
@@ -57,6 +60,21 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     let fd = bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: the kernel returned a new file descriptor that we now own.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Runs `prog` once on `data` (BPF_PROG_TEST_RUN); its return value.
+pub fn prog_test_run(prog: BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 prog_fd; __u32 retval; __u32 data_size_in; __u32 data_size_out;
+    //          __aligned_u64 data_in; __aligned_u64 data_out; __u32 repeat; ... }
+    attr.put_u32(0, prog.as_raw_fd() as u32);
+    attr.put_u32(8, data.len() as u32);
+    attr.put_u64(16, data.as_ptr() as u64);
+    attr.put_u32(32, 1);
+    bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    Ok(u32::from_ne_bytes(
+        attr.0[4..8].try_into().expect("4 bytes"),
+    ))
 }
 
 /// Points an existing link at a new program, atomically.

@@ -672,6 +672,9 @@ impl Prog {
     }
 }
 
+/// The connection-tracking sweep the agent runs (never attached).
+const SWEEP: &str = "tc_ct_sweep";
+
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
@@ -746,6 +749,14 @@ impl Dp {
             p.load()
                 .unwrap_or_else(|e| panic!("the verifier refuses {}: {e}", prog.name()));
         }
+        let sweep: &mut SchedClassifier = ebpf
+            .program_mut(SWEEP)
+            .expect("the sweep in the object")
+            .try_into()
+            .expect("a classifier");
+        sweep
+            .load()
+            .unwrap_or_else(|e| panic!("the verifier refuses {SWEEP}: {e}"));
         let mut take = |name: &str| ebpf.take_map(name).unwrap_or_else(|| panic!("map {name}"));
         let services = take(map_names::SERVICES).try_into().unwrap();
         let slots = take(map_names::SLOTS).try_into().unwrap();
@@ -947,6 +958,21 @@ impl Dp {
             // The kernel reports the mean time of one run already.
             r.duration.as_nanos() as u64,
         )
+    }
+
+    /// Runs the connection-tracking sweep once, as the agent does; how many entries it
+    /// removed.
+    fn sweep(&self) -> u32 {
+        let p: &SchedClassifier = self.ebpf.program(SWEEP).unwrap().try_into().unwrap();
+        // The sweep reads no packet, but BPF_PROG_TEST_RUN of a classifier wants an Ethernet
+        // header's worth.
+        let input = [0u8; 64];
+        p.test_run(TestRunOptions {
+            data_in: Some(&input),
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {SWEEP}: {e}"))
+        .return_value
     }
 
     /// (run count, run time in ns) of `prog` so far, as bpf_stats count them.
@@ -3349,6 +3375,149 @@ fn connection_tracking_lifetime() {
     assert!(
         dp.ct_entry(&fkey).unwrap().last_seen_ns > 1,
         "a hit refreshes its entry"
+    );
+}
+
+/// The sweep removes the entries of dead flows, each direction judged as a packet would judge
+/// it, and nothing a packet would still find: a live flow, a flow alive through one fresh
+/// direction, a closed flow within its closing timeout, a UDP flow within its timeout. The
+/// flows it keeps go on being translated.
+#[test]
+fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
+    let mut dp = world();
+    let now = coarse_ns();
+    let sec = 1_000_000_000u64;
+    let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
+    // Both entries of a flow from `client`, each last seen at its own time.
+    fn flow(
+        dp: &mut Dp,
+        client: &str,
+        proto: u8,
+        flags: u16,
+        fwd_seen: u64,
+        rep_seen: u64,
+    ) -> (CtKey, CtKey) {
+        let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
+        let fwd_key = ct_key(client, frontend, proto, ct_dir::FORWARD);
+        let entry = |to: &str, seen: u64| CtValue {
+            nat_addr: addr16(sa(to).ip()),
+            nat_port_be: sa(to).port().to_be(),
+            flags,
+            id: 1,
+            ifindex: dp.ext0,
+            last_seen_ns: seen,
+            ..Default::default()
+        };
+        let (fwd, rep) = (entry(backend, fwd_seen), entry(frontend, rep_seen));
+        let rep_key = fwd_key.partner(&fwd);
+        dp.ct.insert(fwd_key, fwd, 0).unwrap();
+        dp.ct.insert(rep_key, rep, 0).unwrap();
+        (fwd_key, rep_key)
+    }
+    let est = ct_flags::SEEN_REPLY;
+    let closed = est | ct_flags::RST;
+    // Established flows idle for 40 s are dead here (the agent's --conntrack-tcp-timeout-established 40s), so
+    // "long ago" need not be a day before the clock's start.
+    let mut c = dp.config.get(&0, 0).unwrap();
+    c.ct_tcp_established_s = 40;
+    dp.set_config(c);
+    let long_ago = now
+        .checked_sub(50 * sec)
+        .expect("the machine has been up for 50 s");
+    let d = &mut dp;
+    let live = flow(d, "203.0.113.60:40001", IPPROTO_TCP, est, now, now);
+    let one_way = flow(d, "203.0.113.60:40002", IPPROTO_TCP, est, long_ago, now);
+    let idle = flow(
+        d,
+        "203.0.113.60:40003",
+        IPPROTO_TCP,
+        est,
+        long_ago,
+        long_ago,
+    );
+    let closing = flow(
+        d,
+        "203.0.113.60:40004",
+        IPPROTO_TCP,
+        closed,
+        now - 5 * sec,
+        now - 5 * sec,
+    );
+    let closed_long = flow(
+        d,
+        "203.0.113.60:40005",
+        IPPROTO_TCP,
+        closed,
+        now - 11 * sec,
+        now - 11 * sec,
+    );
+    let udp_live = flow(
+        d,
+        "203.0.113.60:40006",
+        IPPROTO_UDP,
+        0,
+        now - 20 * sec,
+        now - 20 * sec,
+    );
+    let udp_dead = flow(
+        d,
+        "203.0.113.60:40007",
+        IPPROTO_UDP,
+        0,
+        now - 31 * sec,
+        now - 31 * sec,
+    );
+    // A dead FORWARD entry whose reply tuple went to a newer, live flow: the dead entry goes,
+    // the newer flow's stays (its freshness does not keep a flow that is not its own alive).
+    let (orphan, taken) = flow(d, "203.0.113.60:40008", IPPROTO_TCP, est, long_ago, now);
+    let mut newer = dp.ct_entry(&taken).unwrap();
+    newer.nat_port_be = 40_999u16.to_be();
+    dp.ct.insert(taken, newer, 0).unwrap();
+
+    let n = dp.sweep();
+    assert_eq!(n, 7, "both entries of three dead flows, and the orphan");
+    let present = |k: &CtKey| dp.ct_entry(k).is_some();
+    for (what, (f, r)) in [
+        ("a live flow", live),
+        ("a flow alive through its reply", one_way),
+        ("a closed flow within its closing timeout", closing),
+        ("a UDP flow within its timeout", udp_live),
+    ] {
+        assert!(present(&f) && present(&r), "{what}: kept");
+    }
+    for (what, (f, r)) in [
+        ("an idle flow past its timeout", idle),
+        ("a closed flow past its closing timeout", closed_long),
+        ("a UDP flow past its timeout", udp_dead),
+    ] {
+        assert!(!present(&f) && !present(&r), "{what}: removed");
+    }
+    assert!(
+        !present(&orphan),
+        "the dead entry whose reply tuple a newer flow holds: removed"
+    );
+    assert!(present(&taken), "the newer flow's entry: kept");
+    assert_eq!(dp.sweep(), 0, "nothing dead is left");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the live flow's packets still find it",
+                ExtIngress,
+                tcp("203.0.113.60:40001", frontend, TCP_ACK),
+                OK,
+                Packet(tcp("203.0.113.60:40001", backend, TCP_ACK)),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "and the flow alive through its reply",
+                ExtIngress,
+                tcp("203.0.113.60:40002", frontend, TCP_ACK),
+                OK,
+                Packet(tcp("203.0.113.60:40002", backend, TCP_ACK)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
     );
 }
 

@@ -207,7 +207,7 @@ fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
 /// otherwise revive the dead entry (a stale FORWARD entry sends a new connection onto the
 /// live flow's tuple; a stale REPLY entry holds its SNAT port while the newer flow lives).
 #[inline(always)]
-fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
+pub fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
     if now.saturating_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
         return true;
     }

@@ -6,6 +6,7 @@
 mod csum;
 mod ct;
 mod fwd;
+mod gc;
 mod icmp;
 mod lb;
 mod maps;
@@ -115,6 +116,13 @@ pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_pod_egress(ctx: TcContext) -> i32 {
     tc::pod_egress(&ctx)
+}
+
+/// Never attached: the agent runs it through BPF_PROG_TEST_RUN every few seconds to remove
+/// dead flows from connection tracking (gc.rs). Its return value is how many entries went.
+#[classifier]
+pub fn tc_ct_sweep(_ctx: TcContext) -> i32 {
+    gc::sweep() as i32
 }
 
 #[cfg(not(test))]

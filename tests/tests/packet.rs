@@ -1863,6 +1863,98 @@ fn conntrack_timeouts_follow_kube_proxys_flags() {
     }
 }
 
+/// A value of node 1's /metrics (the agent's `--metrics-bind-address 127.0.0.1:10249`).
+fn metric(t: &Topo, line: &str) -> u64 {
+    let (status, metrics) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+    });
+    assert_eq!(status, 200);
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
+}
+
+/// Dead flows are swept from connection tracking, so they do not push live ones out: an
+/// idle TCP connection through a NodePort lives on while twice the table's room of short UDP
+/// flows come and die around it. Without the sweep (`--conntrack-sweep-interval=0`) the
+/// full table's LRU evicts the idle connection first, and its next segment is reset.
+#[test]
+fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
+    let mut t = Topo::new();
+    t.service("web", nodeport("web", 45, 30087));
+    t.endpoints("web", &[LOCAL_POD]);
+    const ROOM: u32 = 1024;
+    let (tcp_to, udp_to) = (sa(NODE1, 30087), sa(NODE1, 30087));
+    let via = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    // Twice the room in UDP flows, each from a port of its own, dead 1 s after its reply. At
+    // 80 a second the live ones (flows of the last ~2 s: timeout, sweep interval) hold at most
+    // about 340 entries, well within the room.
+    let churn = |t: &Topo| {
+        in_ns(&t.client, move || {
+            let mut failed = 0;
+            for _ in 0..ROOM {
+                let start = Instant::now();
+                if udp_once(udp_to, ANSWER).is_err() {
+                    failed += 1;
+                }
+                std::thread::sleep(Duration::from_millis(12).saturating_sub(start.elapsed()));
+            }
+            failed
+        })
+    };
+    let connect = |t: &Topo| {
+        in_ns(&t.client, move || {
+            TcpStream::connect_timeout(&tcp_to, ANSWER).expect("connecting")
+        })
+    };
+    let room = ROOM.to_string();
+    let flags = |sweep: &'static str| {
+        vec![
+            "--metrics-bind-address".to_string(),
+            "127.0.0.1:10249".into(),
+            "--max-ct".into(),
+            room.clone(),
+            "--conntrack-udp-timeout=1s".into(),
+            "--conntrack-udp-timeout-stream=1s".into(),
+            format!("--conntrack-sweep-interval={sweep}"),
+        ]
+    };
+
+    // Without the sweep: the idle connection is what the LRU gives up.
+    let f = flags("0");
+    t.start_agent_with(&f.iter().map(String::as_str).collect::<Vec<_>>());
+    let c = connect(&t);
+    assert_eq!(exchange(&c).expect("first exchange"), via);
+    assert_eq!(churn(&t), 0, "every UDP flow answered");
+    let after = exchange(&c);
+    assert!(
+        matches!(&after, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "without the sweep, the idle flow is evicted and the node resets its next segment: \
+         {after:?}"
+    );
+    assert_eq!(metric(&t, "svc_conntrack_sweeps_total"), 0);
+    t.agent = None;
+
+    // With it (every second): the same churn, and the connection carries on.
+    let f = flags("1s");
+    t.start_agent_with(&f.iter().map(String::as_str).collect::<Vec<_>>());
+    let c = connect(&t);
+    assert_eq!(exchange(&c).expect("first exchange"), via);
+    assert_eq!(churn(&t), 0, "every UDP flow answered");
+    assert_eq!(
+        exchange(&c).expect("the idle flow outlives the dead ones"),
+        via
+    );
+    // The previous agent's dead flows and this one's, both entries of each.
+    let swept = metric(&t, "svc_conntrack_swept_entries_total");
+    assert!(swept >= u64::from(ROOM), "swept {swept} entries");
+    assert!(metric(&t, "svc_conntrack_sweeps_total") >= 5);
+}
+
 /// Localhost NodePorts, as kube-proxy's iptables mode serves them (`--nodeport-addresses`
 /// covering 127.0.0.0/8, `--iptables-localhost-nodeports`): a process of node 1 reaches a
 /// NodePort on 127.0.0.1 over TCP and UDP, and sees 127.0.0.1:NodePort as its peer; IPv6
