@@ -82,7 +82,7 @@ pub struct Agent {
     /// time (logged at start).
     stale: Option<StaleWorker<()>>,
     /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`); None when
-    /// off, or the object has no packet datapath.
+    /// off, or the sweep could not be loaded or started (logged at start).
     _sweeper: Option<crate::sweep::Sweeper>,
     /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
     udp_serving: Arc<Mutex<UdpServing>>,
@@ -113,7 +113,7 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
@@ -133,18 +133,32 @@ impl Agent {
                 None
             }
         };
-        let sweeper = match (packet.ct_sweep_every, dp.ct_sweep()) {
-            (Some(every), Some(prog)) => {
-                match crate::sweep::Sweeper::spawn(prog, every, metrics.clone()) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        warn!("dead flows will stay in connection tracking until evicted: {e}");
-                        metrics.error(&e);
-                        None
+        let sweeper = match packet.ct_sweep_every {
+            None => None,
+            Some(every) => match dp.ct_sweep() {
+                Ok(Some(prog)) => {
+                    match crate::sweep::Sweeper::spawn(prog, every, metrics.clone()) {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            warn!("dead flows stay in connection tracking until evicted: {e}");
+                            metrics.error(&e);
+                            None
+                        }
                     }
                 }
-            }
-            _ => None,
+                Ok(None) => {
+                    info!(
+                        "the eBPF object has no connection-tracking sweep: dead flows stay \
+                         in connection tracking until evicted"
+                    );
+                    None
+                }
+                Err(e) => {
+                    warn!("dead flows stay in connection tracking until evicted: {e}");
+                    metrics.error(&e);
+                    None
+                }
+            },
         };
         let now = Instant::now();
         let node_desired = NodeDesired {

@@ -327,7 +327,7 @@ pub struct Datapath {
     tc_devices: (Vec<Device>, Vec<Device>),
     /// tc link pins this agent has attached or swapped its programs into.
     tc_current: std::collections::BTreeSet<PathBuf>,
-    /// The loaded sweep, when the object has it.
+    /// The connection-tracking sweep, once loaded (`ct_sweep`).
     sweep: Option<std::os::fd::OwnedFd>,
 }
 
@@ -683,20 +683,6 @@ impl Datapath {
                 .map_err(|e| load_err(name, e))?;
             tc_loaded.push(name);
         }
-        let sweep = match ebpf.program_mut(SWEEP_PROGRAM) {
-            Some(prog) => {
-                let prog = <&mut SchedClassifier>::try_from(prog)
-                    .map_err(|e| load_err(SWEEP_PROGRAM, e))?;
-                prog.load().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
-                let fd = prog.fd().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
-                Some(
-                    fd.as_fd()
-                        .try_clone_to_owned()
-                        .map_err(|e| load_err(SWEEP_PROGRAM, e))?,
-                )
-            }
-            None => None,
-        };
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -735,14 +721,35 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
-            sweep,
+            sweep: None,
         })
     }
 
-    /// A descriptor of the connection-tracking sweep, for a thread of its own; None when
-    /// the object has no packet datapath.
-    pub fn ct_sweep(&self) -> Option<std::os::fd::OwnedFd> {
-        self.sweep.as_ref()?.try_clone().ok()
+    /// A descriptor of the connection-tracking sweep, loaded on the first call, for a thread
+    /// of its own; None when the object has none. Loaded only when asked for: a kernel that
+    /// refuses it (before bpf_for_each_map_elem, 5.13) leaves the datapath running unswept.
+    pub fn ct_sweep(&mut self) -> Result<Option<std::os::fd::OwnedFd>> {
+        if self.sweep.is_none() {
+            let Some(prog) = self.ebpf.program_mut(SWEEP_PROGRAM) else {
+                return Ok(None);
+            };
+            let prog =
+                <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            prog.load().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            let fd = prog.fd().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            self.sweep = Some(
+                fd.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| load_err(SWEEP_PROGRAM, e))?,
+            );
+        }
+        match &self.sweep {
+            Some(fd) => fd
+                .try_clone()
+                .map(Some)
+                .map_err(|e| load_err(SWEEP_PROGRAM, e)),
+            None => Ok(None),
+        }
     }
 
     /// Whether this object has the packet datapath's programs.

@@ -176,10 +176,10 @@ struct PacketArgs {
     /// the node's conntrack has it, else the kernel's 120s.
     #[arg(long, default_value = "0")]
     conntrack_udp_timeout_stream: String,
-    /// How often the flows that have died (closed, or idle past their timeout) are removed
-    /// from connection tracking, a Go duration; 0 never (a full table then evicts its least
-    /// recently used flows, an idle live one before one closed seconds ago, and every packet
-    /// that is no flow of svc's walks past dead entries).
+    /// How often the flows that have died (idle past their timeout, the 10s closing timeout
+    /// once closed) are removed from connection tracking, a Go duration; 0 never: a table
+    /// full of dead flows then evicts about the least recently used, an idle live connection
+    /// before flows that died seconds ago.
     #[arg(long, default_value = "10s")]
     conntrack_sweep_interval: String,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the

@@ -424,8 +424,8 @@ impl Metrics {
                 let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
             }
             let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking map for dead flows (--conntrack-sweep-interval).\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
-            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Entries of dead flows (closed, or idle past their timeout) the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
-            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Time the sweeps took, in the kernel.\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
+            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Entries of dead flows (idle past their timeout, the closing timeout once closed) the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
+            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Time the sweeps' program ran (BPF_PROG_TEST_RUN's own measure).\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
             let _ = writeln!(out, "# HELP svc_drift_repaired_ops_total Map writes that repaired a difference between the maps and what was programmed.\n# TYPE svc_drift_repaired_ops_total counter\nsvc_drift_repaired_ops_total {}", i.drift_ops);
         }
         match crate::datapath::read_stats(&self.bpffs) {

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     error::{Error, Result},
@@ -26,8 +26,8 @@ pub struct Sweeper {
 }
 
 impl Sweeper {
-    /// Starts sweeping with the loaded program `prog` every `every`, the first sweep one
-    /// interval from now.
+    /// Starts sweeping with the loaded program `prog`, one interval `every` between the end
+    /// of a sweep and the start of the next.
     pub fn spawn(prog: OwnedFd, every: Duration, metrics: Arc<Metrics>) -> Result<Sweeper> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let signal = stop.clone();
@@ -36,6 +36,7 @@ impl Sweeper {
             .spawn(move || {
                 let (lock, cv) = &*signal;
                 let mut stopped = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut failing = false;
                 loop {
                     let deadline = Instant::now() + every;
                     while !*stopped {
@@ -51,17 +52,23 @@ impl Sweeper {
                     if *stopped {
                         return;
                     }
-                    let started = Instant::now();
                     match crate::sys::prog_test_run(prog.as_fd(), &INPUT) {
-                        Ok(removed) => {
-                            let took = started.elapsed();
+                        Ok((removed, ran_ns)) => {
+                            let took = Duration::from_nanos(ran_ns.into());
                             metrics.swept(removed, took);
                             debug!(removed, ?took, "swept connection tracking");
+                            if failing {
+                                info!("connection tracking is swept again");
+                                failing = false;
+                            }
                         }
                         Err(e) => {
-                            let e = Error::Other(format!("sweeping connection tracking: {e}"));
-                            warn!("{e}");
-                            metrics.error(&e);
+                            metrics.error_kind("conntrack_sweep");
+                            // Once, not every interval: the next sweep most likely fails alike.
+                            if !failing {
+                                warn!("sweeping connection tracking: {e}; retried every interval");
+                                failing = true;
+                            }
                         }
                     }
                 }

@@ -62,19 +62,20 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Runs `prog` once on `data` (BPF_PROG_TEST_RUN); its return value.
-pub fn prog_test_run(prog: BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
+/// Runs `prog` once on `data` (BPF_PROG_TEST_RUN): its return value, and how long the
+/// program ran (the kernel's measure, ns).
+pub fn prog_test_run(prog: BorrowedFd<'_>, data: &[u8]) -> io::Result<(u32, u32)> {
     let mut attr = Attr::zeroed();
     // struct { __u32 prog_fd; __u32 retval; __u32 data_size_in; __u32 data_size_out;
-    //          __aligned_u64 data_in; __aligned_u64 data_out; __u32 repeat; ... }
+    //          __aligned_u64 data_in; __aligned_u64 data_out; __u32 repeat;
+    //          __u32 duration; ... }
     attr.put_u32(0, prog.as_raw_fd() as u32);
     attr.put_u32(8, data.len() as u32);
     attr.put_u64(16, data.as_ptr() as u64);
     attr.put_u32(32, 1);
     bpf(BPF_PROG_TEST_RUN, &mut attr)?;
-    Ok(u32::from_ne_bytes(
-        attr.0[4..8].try_into().expect("4 bytes"),
-    ))
+    let at = |o: usize| u32::from_ne_bytes(attr.0[o..o + 4].try_into().expect("4 bytes"));
+    Ok((at(4), at(36)))
 }
 
 /// Points an existing link at a new program, atomically.

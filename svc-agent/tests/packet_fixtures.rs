@@ -963,16 +963,22 @@ impl Dp {
     /// Runs the connection-tracking sweep once, as the agent does; how many entries it
     /// removed.
     fn sweep(&self) -> u32 {
+        self.sweep_timed().0
+    }
+
+    /// `sweep`, and how long it took in the kernel.
+    fn sweep_timed(&self) -> (u32, Duration) {
         let p: &SchedClassifier = self.ebpf.program(SWEEP).unwrap().try_into().unwrap();
         // The sweep reads no packet, but BPF_PROG_TEST_RUN of a classifier wants an Ethernet
         // header's worth.
         let input = [0u8; 64];
-        p.test_run(TestRunOptions {
-            data_in: Some(&input),
-            ..Default::default()
-        })
-        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {SWEEP}: {e}"))
-        .return_value
+        let r = p
+            .test_run(TestRunOptions {
+                data_in: Some(&input),
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {SWEEP}: {e}"));
+        (r.return_value, r.duration)
     }
 
     /// (run count, run time in ns) of `prog` so far, as bpf_stats count them.
@@ -5766,6 +5772,29 @@ fn per_packet_cost() {
     if let Some(path) = std::env::var_os("SVC_PACKET_COST_TABLE") {
         std::fs::write(&path, table).expect("writing SVC_PACKET_COST_TABLE");
     }
+}
+
+/// Not a test: what one sweep of connection tracking at the agent's default size costs, in
+/// the kernel, with the table empty, full of live flows (each entry checked, none removed),
+/// and full of dead ones (each removed). Prints the times; docs/benchmarks.md keeps them.
+#[test]
+#[ignore = "a measurement: cargo test --release -p svc-agent --test packet_fixtures sweep_cost -- --ignored --nocapture"]
+fn sweep_cost() {
+    let mut dp = world_with(Dp::with_ct(svc_common::capacity::CT));
+    let (_, empty) = dp.sweep_timed();
+    dp.fill_ct(svc_common::capacity::CT);
+    let (kept, live) = dp.sweep_timed();
+    assert_eq!(kept, 0, "live flows are kept");
+    let mut c = dp.config.get(&0, 0).unwrap();
+    c.ct_tcp_established_s = 1;
+    dp.set_config(c);
+    std::thread::sleep(Duration::from_millis(2_100));
+    let (removed, dead) = dp.sweep_timed();
+    println!(
+        "sweep of {} entries: empty {empty:?}; full of live flows {live:?}; full of dead \
+         flows {dead:?} ({removed} removed)",
+        svc_common::capacity::CT
+    );
 }
 
 /// Evicts the caches private to this CPU (and TLB entries): reads a byte of every cache line

@@ -30,14 +30,44 @@ use crate::{
 
 const SEC: u64 = 1_000_000_000;
 
-/// The REPLY keys of the SNAT ports being reclaimed from a dead or closed flow right now, one
-/// per CPU at most (`reclaim`): a claim is stored with BPF_NOEXIST, so of two CPUs that both
-/// found a port's old flow, one goes on to remove it and store its own flow there, and the
-/// other tries another port. Held from before the check of the old entry until the new one is
-/// stored. Not pinned: a claim never outlives the program's run. Its room is far beyond the
-/// CPUs a node has; a claim that finds it full gives the port up.
+/// Keys claimed for a check of the entry there followed by its removal or replacement, one
+/// per CPU at most: the REPLY keys of SNAT ports being reclaimed from a dead or closed flow
+/// (`reclaim`), dead entries the sweep removes (gc.rs), and dead entries a new flow is stored
+/// over (`store`). A claim is stored with BPF_NOEXIST, so of two CPUs at one key one goes on
+/// and the other gives the key up (another port, the next sweep, a failed new flow). Without
+/// it the sweep, having found an entry dead, could remove the new flow a CPU stored there a
+/// moment later. Held from before the check until the removal or the store. Not pinned: a
+/// claim never outlives the program's run. Its room is far beyond the CPUs a node has; a
+/// claim that finds it full gives the key up.
 #[btf_map]
 static SVC_SNAT_CLAIMS: HashMap<CtKey, u32, 4096> = HashMap::new();
+
+/// Claims `key` (`SVC_SNAT_CLAIMS`); false when another CPU holds it.
+#[inline(always)]
+pub fn claim(key: &CtKey) -> bool {
+    SVC_SNAT_CLAIMS.insert(key, 0, BPF_NOEXIST as u64).is_ok()
+}
+
+#[inline(always)]
+pub fn unclaim(key: &CtKey) {
+    let _ = SVC_SNAT_CLAIMS.remove(key);
+}
+
+/// Stores `v` at `key`: at once when the key is free, else over the entry there under a
+/// claim, as the sweep removes a dead entry under one. False when the store failed or the key
+/// is claimed right now; the caller fails the new flow (counted), as for a full table.
+#[inline(always)]
+fn store(key: &CtKey, v: &CtValue) -> bool {
+    if SVC_CT.insert(key, v, BPF_NOEXIST as u64).is_ok() {
+        return true;
+    }
+    if !claim(key) {
+        return false;
+    }
+    let stored = SVC_CT.insert(key, v, 0).is_ok();
+    unclaim(key);
+    stored
+}
 
 /// How many ports a new SNATed flow tries before it is dropped as exhausted. Each try is a
 /// random port of the range; with a range a few thousand wide, 32 failures in a row means it
@@ -182,7 +212,7 @@ fn forget_partner(key: &CtKey, v: &CtValue) {
 /// when `rep` was stored.
 #[inline(always)]
 fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
-    if SVC_SNAT_CLAIMS.insert(key, 0, BPF_NOEXIST as u64).is_err() {
+    if !claim(key) {
         return false;
     }
     let stored = match SVC_CT.get_ptr(key) {
@@ -196,7 +226,7 @@ fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
             SVC_CT.insert(key, rep, BPF_NOEXIST as u64).is_ok()
         }
     };
-    let _ = SVC_SNAT_CLAIMS.remove(key);
+    unclaim(key);
     stored
 }
 
@@ -473,7 +503,11 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
     if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
         // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
         // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
-        // another live flow: a clash.
+        // another live flow: a clash. Checked and replaced under a claim (`store`).
+        if !claim(&rep_key) {
+            return CREATE_ERR;
+        }
+        let mut clash = false;
         if let Some(e) = SVC_CT.get_ptr(rep_key) {
             // SAFETY: a map value, copied out.
             let e = unsafe { *e };
@@ -481,15 +515,20 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
                 if ct_flags::closed(e.flags) {
                     forget(&rep_key, &e);
                 } else if alive(&rep_key, &e, rep.last_seen_ns) {
-                    return CLASH;
+                    clash = true;
                 }
             }
         }
-        if SVC_CT.insert(rep_key, rep, 0).is_err() {
+        let stored = !clash && SVC_CT.insert(rep_key, rep, 0).is_ok();
+        unclaim(&rep_key);
+        if clash {
+            return CLASH;
+        }
+        if !stored {
             return CREATE_ERR;
         }
     }
-    if SVC_CT.insert(fwd_key, fwd, 0).is_err() {
+    if !store(fwd_key, fwd) {
         let _ = SVC_CT.remove(rep_key);
         return CREATE_ERR;
     }
@@ -599,7 +638,7 @@ pub fn create_snat(f: *mut Flow) -> u32 {
             return SNAT_EXHAUSTED;
         }
         (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
-        if SVC_CT.insert((*f).key, (*f).fwd, 0).is_err() {
+        if !store(&(*f).key, &(*f).fwd) {
             let _ = SVC_CT.remove((*f).try_key);
             return SNAT_ERR;
         }

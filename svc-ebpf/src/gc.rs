@@ -1,18 +1,17 @@
-//! Removes dead flows from connection tracking (`SVC_CT`), run by the agent every few seconds
-//! through BPF_PROG_TEST_RUN, never attached.
+//! Removes dead flows from connection tracking (`SVC_CT`): run by the agent every
+//! `--conntrack-sweep-interval` through BPF_PROG_TEST_RUN, never attached.
 //!
-//! The table is an LRU: without a sweep, a flow's entries stay after it has died (closed,
-//! or idle past its timeout) until new flows evict them, so a busy node's table is always
-//! full. Two things get worse when it is. Every packet the programs look up and find no
-//! flow for (most packets leaving by an external egress: the node's own and its pods'
-//! traffic) walks a bucket chain of about one foreign entry, a cache and TLB miss of its own:
-//! svc's share of non-service connections was 1.7 % in a fresh table and 2.0-2.4 % in a
-//! full one (docs/benchmarks.md). And the LRU evicts by last use, so an idle but live flow
-//! (a connection idle for minutes, within its 24 h) goes before a flow closed seconds ago.
+//! The table is an LRU: without a sweep, a flow's entries stay after it has died (idle past
+//! its timeout, which is the 10 s closing timeout once it is closed) until new flows evict
+//! them, so a busy node's table fills with dead flows. Its LRU evicts by last use
+//! (approximately: per-CPU lists, a second chance for entries in use), so once it is full an
+//! idle but live flow, a connection quiet for minutes within its 24 h, goes before flows
+//! that died seconds ago. Swept, a full table holds live flows and flows still within their
+//! timeouts only.
 //!
-//! In the kernel, not from userspace: a walk by syscalls costs two per entry, and the time
-//! between an entry's check and its removal would be a syscall's, where here it is a few
-//! instructions (see `sweep_one` for the race that is left).
+//! In the kernel rather than from userspace, so that an entry is checked and removed under
+//! one claim within one program run (`sweep_one`), where a walk by syscalls would remove by
+//! key what it read a syscall earlier.
 
 use core::ffi::c_void;
 
@@ -57,12 +56,9 @@ pub fn sweep() -> u32 {
 /// `ct::alive` judges it (the partner's freshness counts while the partner is still this
 /// flow's), so a dead flow's second entry goes when the walk meets it.
 ///
-/// The race that is left: a new flow that takes this tuple between the check and the
-/// removal (a SYN on a dead closed flow's tuple rewriting its entries in place, or an insert
-/// replacing the dead entry) loses that entry, and its next packet is passed as a
-/// connection svc does not know. The check is repeated on the entry as it is in the table
-/// just before the removal, so the window is the removal's own lookup; a sweep meets each
-/// entry once, every few seconds.
+/// Checked again under the key's claim (`ct::claim`), which a new flow's store over a dead
+/// entry takes too (`ct::store`): the entry removed is the one found dead, never a new flow
+/// stored at its key meanwhile. A key claimed by another CPU is left to the next sweep.
 extern "C" fn sweep_one(
     _map: *mut c_void,
     key: *const CtKey,
@@ -73,19 +69,20 @@ extern "C" fn sweep_one(
     unsafe {
         let key = *key;
         let now = (*s).now;
-        if ct::alive(&key, &*v, now) {
+        if ct::alive(&key, &*v, now) || !ct::claim(&key) {
             return 0;
         }
-        // The entry at the key now: the one just judged, or one a new flow put there since.
-        let Some(cur) = SVC_CT.get_ptr(key) else {
-            return 0;
-        };
-        if ct::alive(&key, &*cur, now) || !core::ptr::eq(cur, v.cast_const()) {
-            return 0;
+        if let Some(cur) = SVC_CT.get_ptr(key) {
+            // Its own time only: a dead flow's partner stays dead (a packet on its tuple is
+            // a miss that refreshes nothing), or goes to a new flow that is not this one's.
+            if core::ptr::eq(cur, v.cast_const())
+                && now.saturating_sub((*cur).last_seen_ns) > ct::timeout_ns(key.proto, (*cur).flags)
+                && SVC_CT.remove(key).is_ok()
+            {
+                (*s).removed += 1;
+            }
         }
-        if SVC_CT.remove(key).is_ok() {
-            (*s).removed += 1;
-        }
+        ct::unclaim(&key);
     }
     0
 }

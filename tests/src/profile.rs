@@ -79,22 +79,6 @@ fn prog_stats(pins: Option<&Path>) -> Result<(u64, u64, Vec<String>)> {
         ns += p["run_time_ns"].as_u64().unwrap_or(0);
         names.push(p["name"].as_str().unwrap_or("?").to_string());
     }
-    if pins.is_some() {
-        // The connection-tracking sweep runs in no link: the agent runs it by
-        // BPF_PROG_TEST_RUN, which bpf_stats count too. Found by name among the machine's
-        // programs: a bench runs one agent.
-        let out = Command::new("bpftool")
-            .args(["-j", "prog", "show"])
-            .output()?;
-        let all: Value = serde_json::from_slice(&out.stdout).context("bpftool prog show output")?;
-        for p in all.as_array().into_iter().flatten() {
-            if p["name"].as_str() == Some("tc_ct_sweep") {
-                cnt += p["run_cnt"].as_u64().unwrap_or(0);
-                ns += p["run_time_ns"].as_u64().unwrap_or(0);
-                names.push("tc_ct_sweep".to_string());
-            }
-        }
-    }
     Ok((cnt, ns, names))
 }
 
