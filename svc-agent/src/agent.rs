@@ -81,9 +81,11 @@ pub struct Agent {
     /// their frontend, off the sync path. None when its maps could not be opened a second
     /// time (logged at start).
     stale: Option<StaleWorker<()>>,
-    /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`); None when
-    /// off, or the sweep could not be loaded or started (logged at start).
-    _sweeper: Option<crate::sweep::Sweeper>,
+    /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`), started
+    /// once this agent's programs are attached (`start_sweep`); None before, when off, or
+    /// when it could not be loaded or started (logged).
+    sweeper: Option<crate::sweep::Sweeper>,
+    sweep_tried: bool,
     /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
     udp_serving: Arc<Mutex<UdpServing>>,
     /// The stale-UDP thread has been asked to look once in this run: the flows and sockets
@@ -113,7 +115,7 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let dp = Datapath::open(bpffs, cgroup, capacity)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
@@ -133,33 +135,6 @@ impl Agent {
                 None
             }
         };
-        let sweeper = match packet.ct_sweep_every {
-            None => None,
-            Some(every) => match dp.ct_sweep() {
-                Ok(Some(prog)) => {
-                    match crate::sweep::Sweeper::spawn(prog, every, metrics.clone()) {
-                        Ok(s) => Some(s),
-                        Err(e) => {
-                            warn!("dead flows stay in connection tracking until evicted: {e}");
-                            metrics.error(&e);
-                            None
-                        }
-                    }
-                }
-                Ok(None) => {
-                    info!(
-                        "the eBPF object has no connection-tracking sweep: dead flows stay \
-                         in connection tracking until evicted"
-                    );
-                    None
-                }
-                Err(e) => {
-                    warn!("dead flows stay in connection tracking until evicted: {e}");
-                    metrics.error(&e);
-                    None
-                }
-            },
-        };
         let now = Instant::now();
         let node_desired = NodeDesired {
             addrs: Default::default(),
@@ -171,7 +146,8 @@ impl Agent {
         let mut agent = Agent {
             dp,
             stale,
-            _sweeper: sweeper,
+            sweeper: None,
+            sweep_tried: false,
             udp_serving,
             udp_looked: false,
             programmed,
@@ -430,7 +406,10 @@ impl Agent {
                 self.check_flow_addrs(false);
             }
             match self.dp.attach() {
-                Ok(()) => info!("datapath attached"),
+                Ok(()) => {
+                    info!("datapath attached");
+                    self.start_sweep();
+                }
                 Err(e) => {
                     warn!("attaching: {e}");
                     self.metrics.error(&e);
@@ -445,6 +424,36 @@ impl Agent {
     }
 
     /// Starts and stops health check node port servers as the Services say.
+    /// Starts the connection-tracking sweep, once: after this agent's programs are attached,
+    /// as until then the pinned links may run an earlier object's programs, whose claims
+    /// (`SVC_CT_CLAIMS`, not pinned) are not the sweep's.
+    fn start_sweep(&mut self) {
+        let Some(every) = self.packet.ct_sweep_every else {
+            return;
+        };
+        if std::mem::replace(&mut self.sweep_tried, true) {
+            return;
+        }
+        let started = match self.dp.ct_sweep() {
+            Ok(Some(prog)) => crate::sweep::Sweeper::spawn(prog, every, self.metrics.clone()),
+            Ok(None) => {
+                info!(
+                    "the eBPF object has no connection-tracking sweep: dead flows stay in \
+                     connection tracking until evicted"
+                );
+                return;
+            }
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok(s) => self.sweeper = Some(s),
+            Err(e) => {
+                warn!("dead flows stay in connection tracking until evicted: {e}");
+                self.metrics.error(&e);
+            }
+        }
+    }
+
     fn sync_health_checks(&mut self) {
         for e in self.health.sync(&self.desired.state.health_checks) {
             warn!("{e}");

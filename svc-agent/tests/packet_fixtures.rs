@@ -5461,7 +5461,7 @@ fn assert_exhausted(dp: &Dp, send: impl FnOnce() -> u32, why: &str) {
     );
 }
 
-/// A SNAT port that another CPU is reclaiming (its claim in `SVC_SNAT_CLAIMS`: it has checked the
+/// A SNAT port that another CPU is reclaiming (its claim in `SVC_CT_CLAIMS`: it has checked the
 /// closed flow there and is about to remove it and store its own) is not reclaimed again: two
 /// CPUs that both found the closed flow would otherwise both remove and claim the port, the
 /// second removing the first one's new flow, and one client's replies would go to the other.
@@ -5511,8 +5511,8 @@ fn a_snat_port_another_cpu_is_reclaiming_is_left_to_it() {
         .expect("the closed flow's REPLY entry");
     let mut claims: HashMap<MapData, CtKey, u32> = dp
         .ebpf
-        .take_map(map_names::SNAT_CLAIMS)
-        .expect("map SVC_SNAT_CLAIMS")
+        .take_map(map_names::CT_CLAIMS)
+        .expect("map SVC_CT_CLAIMS")
         .try_into()
         .unwrap();
     claims.insert(rep_key, 0, 0).unwrap();

@@ -27,8 +27,9 @@ pub mod map_names {
     pub const CT: &str = "SVC_CT";
     pub const CONFIG: &str = "SVC_CONFIG";
     pub const DEV_STATS: &str = "SVC_DEV_STATS";
-    /// Not pinned (working state of one SNAT port claim at a time), so not in `ALL`.
-    pub const SNAT_CLAIMS: &str = "SVC_SNAT_CLAIMS";
+    /// Not pinned (claims held only while a program runs: svc-ebpf's `ct::claim`), so not
+    /// in `ALL`.
+    pub const CT_CLAIMS: &str = "SVC_CT_CLAIMS";
     pub const ALL: [&str; 16] = [
         SERVICES,
         SLOTS,

@@ -30,32 +30,36 @@ use crate::{
 
 const SEC: u64 = 1_000_000_000;
 
-/// Keys claimed for a check of the entry there followed by its removal or replacement, one
-/// per CPU at most: the REPLY keys of SNAT ports being reclaimed from a dead or closed flow
-/// (`reclaim`), dead entries the sweep removes (gc.rs), and dead entries a new flow is stored
-/// over (`store`). A claim is stored with BPF_NOEXIST, so of two CPUs at one key one goes on
-/// and the other gives the key up (another port, the next sweep, a failed new flow). Without
-/// it the sweep, having found an entry dead, could remove the new flow a CPU stored there a
-/// moment later. Held from before the check until the removal or the store. Not pinned: a
-/// claim never outlives the program's run. Its room is far beyond the CPUs a node has; a
-/// claim that finds it full gives the key up.
+/// Keys claimed for a check of the entry there followed by its removal or replacement: the
+/// REPLY keys of SNAT ports being reclaimed from a dead or closed flow (`reclaim`), dead
+/// entries the sweep removes (gc.rs), and entries a new flow is stored over (`store`). A
+/// claim is stored with BPF_NOEXIST, so of two holders at one key one goes on and the other
+/// gives the key up (another port, the next sweep, a failed new flow). Without it the sweep,
+/// having found an entry dead, could remove a new flow a CPU stored over it a moment later.
+/// Held from before the check until the removal or the store, by a program run each: a few
+/// per CPU at most (the sweep's, and a packet's in a softirq on the same CPU). Not pinned: a
+/// claim never outlives the program's run. Its room is far beyond that; a claim that finds it
+/// full gives the key up. A claim whose removal fails (a nested program holding the map's
+/// bucket lock) would stay and hold its key until the programs are replaced; none is known
+/// to.
 #[btf_map]
-static SVC_SNAT_CLAIMS: HashMap<CtKey, u32, 4096> = HashMap::new();
+static SVC_CT_CLAIMS: HashMap<CtKey, u32, 4096> = HashMap::new();
 
-/// Claims `key` (`SVC_SNAT_CLAIMS`); false when another CPU holds it.
+/// Claims `key` (`SVC_CT_CLAIMS`); false when another CPU holds it.
 #[inline(always)]
 pub fn claim(key: &CtKey) -> bool {
-    SVC_SNAT_CLAIMS.insert(key, 0, BPF_NOEXIST as u64).is_ok()
+    SVC_CT_CLAIMS.insert(key, 0, BPF_NOEXIST as u64).is_ok()
 }
 
 #[inline(always)]
 pub fn unclaim(key: &CtKey) {
-    let _ = SVC_SNAT_CLAIMS.remove(key);
+    let _ = SVC_CT_CLAIMS.remove(key);
 }
 
 /// Stores `v` at `key`: at once when the key is free, else over the entry there under a
 /// claim, as the sweep removes a dead entry under one. False when the store failed or the key
-/// is claimed right now; the caller fails the new flow (counted), as for a full table.
+/// is claimed right now: the caller fails the new flow, counted as `err_ct_update` (a TCP
+/// client sends its SYN again a second later).
 #[inline(always)]
 fn store(key: &CtKey, v: &CtValue) -> bool {
     if SVC_CT.insert(key, v, BPF_NOEXIST as u64).is_ok() {
@@ -204,7 +208,7 @@ fn forget_partner(key: &CtKey, v: &CtValue) {
 
 /// Claims the port of the REPLY entry `key`, read as `seen` a moment ago by a dead or closed
 /// flow: removes that flow's entries and stores `rep` in its place. Nothing is done if
-/// another CPU is reclaiming the port (its claim in `SVC_SNAT_CLAIMS`), or if the entry is no
+/// another CPU is reclaiming the port (its claim in `SVC_CT_CLAIMS`), or if the entry is no
 /// longer `seen` (another CPU reclaimed the port since it was read, and its new flow must
 /// stay). The claim is held from before the check until `rep` is stored, so no other
 /// reclaim of the port runs between them; a CPU that finds the port free (the old entry
@@ -503,7 +507,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
     if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
         // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
         // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
-        // another live flow: a clash. Checked and replaced under a claim (`store`).
+        // another live flow: a clash. Checked and replaced under a claim, as `store` does.
         if !claim(&rep_key) {
             return CREATE_ERR;
         }

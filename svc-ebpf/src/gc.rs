@@ -6,8 +6,8 @@
 //! them, so a busy node's table fills with dead flows. Its LRU evicts by last use
 //! (approximately: per-CPU lists, a second chance for entries in use), so once it is full an
 //! idle but live flow, a connection quiet for minutes within its 24 h, goes before flows
-//! that died seconds ago. Swept, a full table holds live flows and flows still within their
-//! timeouts only.
+//! that died seconds ago. Swept, a full table holds live flows, flows still within their
+//! timeouts, and flows dead for less than one interval only.
 //!
 //! In the kernel rather than from userspace, so that an entry is checked and removed under
 //! one claim within one program run (`sweep_one`), where a walk by syscalls would remove by
@@ -56,9 +56,14 @@ pub fn sweep() -> u32 {
 /// `ct::alive` judges it (the partner's freshness counts while the partner is still this
 /// flow's), so a dead flow's second entry goes when the walk meets it.
 ///
-/// Checked again under the key's claim (`ct::claim`), which a new flow's store over a dead
-/// entry takes too (`ct::store`): the entry removed is the one found dead, never a new flow
-/// stored at its key meanwhile. A key claimed by another CPU is left to the next sweep.
+/// Checked again under the key's claim (`ct::claim`), which a new flow's store over an entry
+/// takes too (`ct::store`): a store over the dead entry is either refused while the sweep
+/// holds the claim or seen by the second check (a new element, a fresh time). Not closed: a
+/// packet that removes a closed flow without a claim (`ct::ANSWER`, `syn_on_reply_tuple`,
+/// whether it is alive or not) and a new flow stored at the then free key, both between the
+/// second check and the removal, which removes the new entry; that flow's next packets pass
+/// untranslated. The window is the removal's own call (longer if the sweep's thread is
+/// interrupted there). A key claimed by another CPU is left to the next sweep.
 extern "C" fn sweep_one(
     _map: *mut c_void,
     key: *const CtKey,
@@ -73,8 +78,10 @@ extern "C" fn sweep_one(
             return 0;
         }
         if let Some(cur) = SVC_CT.get_ptr(key) {
-            // Its own time only: a dead flow's partner stays dead (a packet on its tuple is
-            // a miss that refreshes nothing), or goes to a new flow that is not this one's.
+            // Its own time only: a dead flow's partner stays dead (a packet on its tuple is a
+            // miss that refreshes nothing), or goes to a new flow, which then needs this key
+            // for its other entry: refused under the claim (the flow fails, counted) or
+            // stored once this entry is gone.
             if core::ptr::eq(cur, v.cast_const())
                 && now.saturating_sub((*cur).last_seen_ns) > ct::timeout_ns(key.proto, (*cur).flags)
                 && SVC_CT.remove(key).is_ok()
