@@ -997,33 +997,45 @@ impl Dp {
     /// each, fresh.
     fn fill_ct(&mut self, n: u32) {
         let now = coarse_ns();
-        let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
-        let (b, f) = (sa(backend), sa(frontend));
-        let ext0 = self.ext0;
         for i in 0..n / 2 {
             let client = format!(
                 "{}:{}",
                 std::net::Ipv4Addr::from(0x6440_0000 | (i >> 6)),
                 10_000 + (i & 63)
             );
-            let fwd_key = ct_key(&client, frontend, IPPROTO_TCP, ct_dir::FORWARD);
-            let entry = |to: SocketAddr| CtValue {
-                nat_addr: addr16(to.ip()),
-                nat_port_be: to.port().to_be(),
-                flags: ct_flags::SEEN_REPLY,
-                id: 1,
-                ifindex: ext0,
-                last_seen_ns: now,
-                ..Default::default()
-            };
-            let fwd = entry(b);
+            self.put_flow(&client, IPPROTO_TCP, ct_flags::SEEN_REPLY, now, now);
+        }
+    }
+
+    /// Stores both entries of a flow from `client` to the NodePort of frontend 1 (its
+    /// local backend), with `flags`, each direction last seen at its own time; their keys.
+    fn put_flow(
+        &mut self,
+        client: &str,
+        proto: u8,
+        flags: u16,
+        fwd_seen: u64,
+        rep_seen: u64,
+    ) -> (CtKey, CtKey) {
+        let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
+        let fwd_key = ct_key(client, frontend, proto, ct_dir::FORWARD);
+        let entry = |to: &str, seen: u64| CtValue {
+            nat_addr: addr16(sa(to).ip()),
+            nat_port_be: sa(to).port().to_be(),
+            flags,
+            id: 1,
+            ifindex: self.ext0,
+            last_seen_ns: seen,
+            ..Default::default()
+        };
+        let (fwd, rep) = (entry(backend, fwd_seen), entry(frontend, rep_seen));
+        let rep_key = fwd_key.partner(&fwd);
+        for (k, v) in [(fwd_key, fwd), (rep_key, rep)] {
             self.ct
-                .insert(fwd_key, fwd, 0)
-                .expect("a connection-tracking entry");
-            self.ct
-                .insert(fwd_key.partner(&fwd), entry(f), 0)
+                .insert(k, v, 0)
                 .expect("a connection-tracking entry");
         }
+        (fwd_key, rep_key)
     }
 }
 
@@ -3394,32 +3406,6 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     let now = coarse_ns();
     let sec = 1_000_000_000u64;
     let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
-    // Both entries of a flow from `client`, each last seen at its own time.
-    fn flow(
-        dp: &mut Dp,
-        client: &str,
-        proto: u8,
-        flags: u16,
-        fwd_seen: u64,
-        rep_seen: u64,
-    ) -> (CtKey, CtKey) {
-        let (frontend, backend) = ("192.0.2.10:30080", "10.244.1.5:8080");
-        let fwd_key = ct_key(client, frontend, proto, ct_dir::FORWARD);
-        let entry = |to: &str, seen: u64| CtValue {
-            nat_addr: addr16(sa(to).ip()),
-            nat_port_be: sa(to).port().to_be(),
-            flags,
-            id: 1,
-            ifindex: dp.ext0,
-            last_seen_ns: seen,
-            ..Default::default()
-        };
-        let (fwd, rep) = (entry(backend, fwd_seen), entry(frontend, rep_seen));
-        let rep_key = fwd_key.partner(&fwd);
-        dp.ct.insert(fwd_key, fwd, 0).unwrap();
-        dp.ct.insert(rep_key, rep, 0).unwrap();
-        (fwd_key, rep_key)
-    }
     let est = ct_flags::SEEN_REPLY;
     let closed = est | ct_flags::RST;
     // Established flows idle for 40 s are dead here (the agent's --conntrack-tcp-timeout-established 40s), so
@@ -3430,43 +3416,31 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     let long_ago = now
         .checked_sub(50 * sec)
         .expect("the machine has been up for 50 s");
-    let d = &mut dp;
-    let live = flow(d, "203.0.113.60:40001", IPPROTO_TCP, est, now, now);
-    let one_way = flow(d, "203.0.113.60:40002", IPPROTO_TCP, est, long_ago, now);
-    let idle = flow(
-        d,
-        "203.0.113.60:40003",
-        IPPROTO_TCP,
-        est,
-        long_ago,
-        long_ago,
-    );
-    let closing = flow(
-        d,
+    let live = dp.put_flow("203.0.113.60:40001", IPPROTO_TCP, est, now, now);
+    let one_way = dp.put_flow("203.0.113.60:40002", IPPROTO_TCP, est, long_ago, now);
+    let idle = dp.put_flow("203.0.113.60:40003", IPPROTO_TCP, est, long_ago, long_ago);
+    let closing = dp.put_flow(
         "203.0.113.60:40004",
         IPPROTO_TCP,
         closed,
         now - 5 * sec,
         now - 5 * sec,
     );
-    let closed_long = flow(
-        d,
+    let closed_long = dp.put_flow(
         "203.0.113.60:40005",
         IPPROTO_TCP,
         closed,
         now - 11 * sec,
         now - 11 * sec,
     );
-    let udp_live = flow(
-        d,
+    let udp_live = dp.put_flow(
         "203.0.113.60:40006",
         IPPROTO_UDP,
         0,
         now - 20 * sec,
         now - 20 * sec,
     );
-    let udp_dead = flow(
-        d,
+    let udp_dead = dp.put_flow(
         "203.0.113.60:40007",
         IPPROTO_UDP,
         0,
@@ -3475,7 +3449,7 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     );
     // A dead FORWARD entry whose reply tuple went to a newer, live flow: the dead entry goes,
     // the newer flow's stays (its freshness does not keep a flow that is not its own alive).
-    let (orphan, taken) = flow(d, "203.0.113.60:40008", IPPROTO_TCP, est, long_ago, now);
+    let (orphan, taken) = dp.put_flow("203.0.113.60:40008", IPPROTO_TCP, est, long_ago, now);
     let mut newer = dp.ct_entry(&taken).unwrap();
     newer.nat_port_be = 40_999u16.to_be();
     dp.ct.insert(taken, newer, 0).unwrap();
@@ -3506,24 +3480,25 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     assert_eq!(dp.sweep(), 0, "nothing dead is left");
     run_rows(
         &dp,
-        vec![
-            row(
+        [
+            (
                 "the live flow's packets still find it",
-                ExtIngress,
-                tcp("203.0.113.60:40001", frontend, TCP_ACK),
-                OK,
-                Packet(tcp("203.0.113.60:40001", backend, TCP_ACK)),
-                Some(pkt_stat::CT_HIT),
+                "203.0.113.60:40001",
             ),
+            ("and the flow alive through its reply", "203.0.113.60:40002"),
+        ]
+        .into_iter()
+        .map(|(what, client)| {
             row(
-                "and the flow alive through its reply",
+                what,
                 ExtIngress,
-                tcp("203.0.113.60:40002", frontend, TCP_ACK),
+                tcp(client, frontend, TCP_ACK),
                 OK,
-                Packet(tcp("203.0.113.60:40002", backend, TCP_ACK)),
+                Packet(tcp(client, backend, TCP_ACK)),
                 Some(pkt_stat::CT_HIT),
-            ),
-        ],
+            )
+        })
+        .collect(),
     );
 }
 

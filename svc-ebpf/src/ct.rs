@@ -234,6 +234,12 @@ fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
     stored
 }
 
+/// Whether entry `key`/`v` itself was seen within its timeout at `now`.
+#[inline(always)]
+pub fn fresh(key: &CtKey, v: &CtValue, now: u64) -> bool {
+    now.saturating_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags)
+}
+
 /// Whether the flow of entry `key`/`v` is alive: this direction is fresh, or the other.
 /// The other only while it is still this flow's: a dead flow's tuple may have gone to a newer
 /// flow (its reply tuple to a flow from the client's port to another frontend of the
@@ -242,7 +248,7 @@ fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
 /// live flow's tuple; a stale REPLY entry holds its SNAT port while the newer flow lives).
 #[inline(always)]
 pub fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
-    if now.saturating_sub(v.last_seen_ns) <= timeout_ns(key.proto, v.flags) {
+    if fresh(key, v, now) {
         return true;
     }
     let pk = partner_key(key, v);

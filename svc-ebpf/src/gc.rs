@@ -83,7 +83,7 @@ extern "C" fn sweep_one(
             // for its other entry: refused under the claim (the flow fails, counted) or
             // stored once this entry is gone.
             if core::ptr::eq(cur, v.cast_const())
-                && now.saturating_sub((*cur).last_seen_ns) > ct::timeout_ns(key.proto, (*cur).flags)
+                && !ct::fresh(&key, &*cur, now)
                 && SVC_CT.remove(key).is_ok()
             {
                 (*s).removed += 1;
