@@ -740,7 +740,29 @@ impl Agent {
             self.metrics.drift(report.ops);
         }
         self.finish(report, now, None, Scope::All);
-        drift
+        drift + self.check_node_addr_bits()
+    }
+
+    /// Puts back bits of the filter in front of NODE_ADDRS that someone cleared (the
+    /// datapath passes an address's packets untranslated without its bit). Returns how many
+    /// words lacked one.
+    fn check_node_addr_bits(&mut self) -> usize {
+        match self.dp.store.sync_node_addr_bits() {
+            Ok(0) => 0,
+            Ok(n) => {
+                warn!(
+                    words = n,
+                    "the filter in front of NODE_ADDRS had lost addresses' bits; put back"
+                );
+                self.metrics.drift(n);
+                n
+            }
+            Err(e) => {
+                warn!("checking the filter in front of NODE_ADDRS: {e}");
+                self.metrics.error(&e);
+                0
+            }
+        }
     }
 
     /// Reads the manifests that changed, translates them all, and applies the result.

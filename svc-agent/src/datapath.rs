@@ -99,7 +99,7 @@ struct MapSpec {
     flags: u32,
 }
 
-fn specs() -> [MapSpec; 16] {
+fn specs() -> [MapSpec; 17] {
     use std::mem::size_of;
     use svc_common::*;
     let s = |name, kind, key: usize, value: usize, flags| MapSpec {
@@ -218,14 +218,16 @@ fn specs() -> [MapSpec; 16] {
             8,
             0,
         ),
+        s(map_names::NODE_ADDR_BITS, MapType::Array, 4, 8, 0),
     ]
 }
 
 /// The maps the agent writes for the packet datapath: created and pinned by the agent itself
 /// while the object does not declare them (the tc programs are not in every object), with the
 /// `bpf_map_type` to create them with.
-const OWN_MAPS: [(&str, u32); 3] = [
+const OWN_MAPS: [(&str, u32); 4] = [
     (map_names::NODE_ADDRS, sys::map_type::HASH),
+    (map_names::NODE_ADDR_BITS, sys::map_type::ARRAY),
     (map_names::SRC_RANGES, sys::map_type::LPM_TRIE),
     (map_names::CONFIG, sys::map_type::ARRAY),
 ];
@@ -235,6 +237,7 @@ fn max_entries(name: &str, capacity: &Capacity) -> u32 {
     capacity.of(name).unwrap_or(match name {
         map_names::STATS => stat::COUNT,
         map_names::SOCK_STATE => 0,
+        map_names::NODE_ADDR_BITS => svc_common::NODE_ADDR_BIT_WORDS,
         _ => 1,
     })
 }
@@ -707,6 +710,9 @@ impl Datapath {
                 }
             }
         }
+        // Before any program of this object reads the filter: it may be new, or the
+        // addresses may have been carried into a resized map.
+        store.sync_node_addr_bits()?;
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,
@@ -1089,6 +1095,7 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
         map_names::META => store.meta.map(),
         map_names::SRC_RANGES => store.src_ranges.map(),
         map_names::NODE_ADDRS => store.node_addrs.map(),
+        map_names::NODE_ADDR_BITS => store.node_addr_bits.map(),
         map_names::CONFIG => store.config.map(),
         map_names::CT => store.ct.as_ref()?,
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
@@ -1210,6 +1217,9 @@ fn build_store(
         src_ranges: LpmTrie::try_from(take(map_names::SRC_RANGES)?)
             .map_err(|e| load_err(map_names::SRC_RANGES, e))?,
         node_addrs: hash(take, map_names::NODE_ADDRS)?,
+        node_addr_bits: Array::try_from(take(map_names::NODE_ADDR_BITS)?)
+            .map_err(|e| load_err(map_names::NODE_ADDR_BITS, e))?,
+        addr_bits: Default::default(),
         config: Array::try_from(take(map_names::CONFIG)?)
             .map_err(|e| load_err(map_names::CONFIG, e))?,
         ct: take(map_names::CT).ok().and_then(map_data),

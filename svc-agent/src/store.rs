@@ -220,6 +220,9 @@ pub struct BpfStore {
     /// The packet datapath's maps the agent writes.
     pub src_ranges: LpmTrie<MapData, RangeData, u32>,
     pub node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
+    /// The filter in front of `node_addrs`, kept by `write` (`svc_common::node_addr_bit`).
+    pub node_addr_bits: Array<MapData, u64>,
+    pub addr_bits: AddrBits,
     pub config: Array<MapData, DatapathConfig>,
     /// Connection tracking and per-device counters: written by the tc programs, read for
     /// metrics; None while the object does not declare them.
@@ -230,6 +233,47 @@ pub struct BpfStore {
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
     /// once instead of pausing each of them.
     pub enomem_until: Option<std::time::Instant>,
+}
+
+/// The `NODE_ADDRS` keys a store has written and how many share each bit of the filter
+/// (`NODE_ADDR_BITS`): a bit is cleared only when its last key goes.
+#[derive(Debug, Default)]
+pub struct AddrBits {
+    keys: std::collections::HashSet<[u8; 16]>,
+    shared: std::collections::HashMap<u32, u32>,
+}
+
+impl AddrBits {
+    /// Counts `addr`; the index of its word in the filter.
+    fn add(&mut self, addr: &[u8; 16]) -> u32 {
+        let bit = svc_common::node_addr_bit(addr);
+        if self.keys.insert(*addr) {
+            *self.shared.entry(bit).or_default() += 1;
+        }
+        bit / 64
+    }
+
+    /// Stops counting `addr`; the index of its word when that word loses a bit.
+    fn remove(&mut self, addr: &[u8; 16]) -> Option<u32> {
+        if !self.keys.remove(addr) {
+            return None;
+        }
+        let bit = svc_common::node_addr_bit(addr);
+        let n = self.shared.get_mut(&bit)?;
+        *n -= 1;
+        if *n > 0 {
+            return None;
+        }
+        self.shared.remove(&bit);
+        Some(bit / 64)
+    }
+
+    /// Word `w` of the filter as the counted keys make it.
+    fn word(&self, w: u32) -> u64 {
+        (0..64)
+            .filter(|b| self.shared.contains_key(&(w * 64 + b)))
+            .fold(0, |word, b| word | 1 << b)
+    }
 }
 
 /// `SrcRangeKey` after its prefix length: what aya's LPM trie key wraps.
@@ -296,10 +340,26 @@ impl BpfStore {
             Op::PutMatch(k) => self.affinity_match.insert(k, 0, 0),
             Op::PutMeta(v) => self.meta.set(0, v, 0),
             Op::PutRange(k) => self.src_ranges.insert(&lpm_key(k), 0, 0),
-            Op::PutNodeAddr(k, v) => self.node_addrs.insert(k, v, 0),
+            Op::PutNodeAddr(k, v) => {
+                // The bit first: the datapath looks an address up only once its bit is set.
+                // Written on every put, so a put also restores a bit that was lost.
+                let w = self.addr_bits.add(k);
+                self.node_addr_bits.set(w, self.addr_bits.word(w), 0)?;
+                self.node_addrs.insert(k, v, 0)
+            }
             Op::PutConfig(v) => self.config.set(0, v, 0),
             Op::DelRange(k) => self.src_ranges.remove(&lpm_key(k)),
-            Op::DelNodeAddr(k) => self.node_addrs.remove(k),
+            Op::DelNodeAddr(k) => {
+                // The bit after the address: cleared once no address left there has it.
+                let removed = self.node_addrs.remove(k);
+                if matches!(&removed, Err(e) if !is_not_found(e)) {
+                    return removed;
+                }
+                if let Some(w) = self.addr_bits.remove(k) {
+                    self.node_addr_bits.set(w, self.addr_bits.word(w), 0)?;
+                }
+                removed
+            }
             Op::DelService(k) => self.services.remove(k),
             Op::DelSlot(k) => self.slots.remove(k),
             Op::DelBackend(k) => self.backends.remove(k),
@@ -307,6 +367,29 @@ impl BpfStore {
             Op::DelName(k) => self.names.remove(k),
             Op::DelMatch(k) => self.affinity_match.remove(k),
         }
+    }
+
+    /// Makes the filter (`NODE_ADDR_BITS`) what `NODE_ADDRS` holds now: on opening the
+    /// maps (a new filter beside pinned addresses, addresses carried into a resized map)
+    /// and when reconciling. Returns how many of its words lacked a bit an address needs,
+    /// which had made the datapath pass that address's packets untranslated.
+    pub fn sync_node_addr_bits(&mut self) -> Result<usize> {
+        let addrs = dump(map_names::NODE_ADDRS, &self.node_addrs)?;
+        self.addr_bits = AddrBits::default();
+        for (k, _) in &addrs {
+            self.addr_bits.add(k);
+        }
+        let err = |e| map_err(map_names::NODE_ADDR_BITS, e);
+        let mut lacking = 0;
+        for w in 0..svc_common::NODE_ADDR_BIT_WORDS {
+            let want = self.addr_bits.word(w);
+            let have = self.node_addr_bits.get(&w, 0).map_err(err)?;
+            if have != want {
+                lacking += usize::from(want & !have != 0);
+                self.node_addr_bits.set(w, want, 0).map_err(err)?;
+            }
+        }
+        Ok(lacking)
     }
 
     /// Totals of the socket programs' decision counters, by reason.

@@ -687,6 +687,7 @@ struct Dp {
     matches: HashMap<MapData, AffinityMatchKey, u32>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
+    node_addr_bits: Array<MapData, u64>,
     src_ranges: LpmTrie<MapData, [u8; 20], u32>,
     ct: HashMap<MapData, CtKey, CtValue>,
     config: Array<MapData, DatapathConfig>,
@@ -764,6 +765,7 @@ impl Dp {
         let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
         let affinity = take(map_names::AFFINITY).try_into().unwrap();
         let node_addrs = take(map_names::NODE_ADDRS).try_into().unwrap();
+        let node_addr_bits = take(map_names::NODE_ADDR_BITS).try_into().unwrap();
         let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
         let ct = take(map_names::CT).try_into().unwrap();
         let config = take(map_names::CONFIG).try_into().unwrap();
@@ -777,6 +779,7 @@ impl Dp {
             matches,
             affinity,
             node_addrs,
+            node_addr_bits,
             src_ranges,
             ct,
             config,
@@ -807,9 +810,17 @@ impl Dp {
     }
 
     fn node_addr(&mut self, a: &str, flags: u32, ifindex: u32) {
-        self.node_addrs
-            .insert(ip16(a), NodeAddrValue { flags, ifindex }, 0)
+        self.put_node_addr(ip16(a), NodeAddrValue { flags, ifindex });
+    }
+
+    /// As the agent puts an address in NODE_ADDRS: its bit in the filter first.
+    fn put_node_addr(&mut self, addr: [u8; 16], v: NodeAddrValue) {
+        let bit = svc_common::node_addr_bit(&addr);
+        let word = self.node_addr_bits.get(&(bit / 64), 0).unwrap();
+        self.node_addr_bits
+            .set(bit / 64, word | 1 << (bit % 64), 0)
             .unwrap();
+        self.node_addrs.insert(addr, v, 0).unwrap();
     }
 
     fn backend(&mut self, id: BackendId, at: &str, proto: u8, flags: u8) {
@@ -874,7 +885,7 @@ impl Dp {
             // NODE_ADDRS holds.
             let mut a = self.node_addrs.get(&key.addr, 0).unwrap_or_default();
             a.flags |= node_addr_flags::EXTERNAL;
-            self.node_addrs.insert(key.addr, a, 0).unwrap();
+            self.put_node_addr(key.addr, a);
         }
         if f.scope == scope::CLUSTER && flags & svc_flags::NODEPORT == 0 {
             let marker = ServiceKey {
@@ -1920,6 +1931,62 @@ fn an_external_ip_on_a_node_address_comes_before_a_nodeport_of_its_port() {
     );
 }
 
+/// The filter in front of NODE_ADDRS only spares lookups: an address that shares a node
+/// address's bit is still looked up and, not being there, passes untouched, while the node
+/// address keeps its NodePorts. A node address whose bit is lost is passed as any other (what
+/// the agent's reconcile puts right).
+#[test]
+fn an_address_sharing_a_node_addresss_filter_bit_is_no_node_address() {
+    let mut dp = world();
+    let node = ip16("192.0.2.10");
+    let bit = svc_common::node_addr_bit(&node);
+    let twin = (0..=u16::MAX)
+        .map(|i| {
+            let [a, b] = i.to_be_bytes();
+            std::net::Ipv4Addr::new(10, 244, a, b)
+        })
+        .find(|a| svc_common::node_addr_bit(&svc_common::v4_mapped(a.octets())) == bit)
+        .expect("an address of 10.244/16 on the node address's bit");
+    let syn = |dst: &str| tcp("203.0.113.7:40017", dst, TCP_SYN);
+    let new_flow = || {
+        row(
+            "to the node address: its NodePort",
+            ExtIngress,
+            syn("192.0.2.10:30080"),
+            OK,
+            Packet(tcp("203.0.113.7:40017", "10.244.1.5:8080", TCP_SYN)),
+            Some(pkt_stat::NEW),
+        )
+    };
+    let twin_port = format!("{twin}:30080");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "to an address on the same bit: no node address, untouched",
+                ExtIngress,
+                syn(&twin_port),
+                OK,
+                Untouched,
+                None,
+            ),
+            new_flow(),
+        ],
+    );
+    dp.node_addr_bits.set(bit / 64, 0, 0).unwrap();
+    run_rows(
+        &dp,
+        vec![row(
+            "its bit lost: passed as any address",
+            ExtIngress,
+            tcp("203.0.113.7:40018", "192.0.2.10:30080", TCP_SYN),
+            OK,
+            Untouched,
+            None,
+        )],
+    );
+}
+
 /// An ExternalIP whose Service is gone: its established flow goes on while the agent keeps the
 /// address in NODE_ADDRS (`node_addr_flags::LINGER`), as conntrack's would; a packet to an
 /// address NODE_ADDRS does not hold passes without a lookup, even one that has a flow.
@@ -1958,7 +2025,7 @@ fn a_deleted_external_frontends_flow_goes_on_while_its_address_lingers() {
         flags: node_addr_flags::LINGER,
         ifindex: 0,
     };
-    dp.node_addrs.insert(key.addr, linger, 0).unwrap();
+    dp.put_node_addr(key.addr, linger);
     run_rows(
         &dp,
         vec![

@@ -9,7 +9,8 @@ use svc_common::{
 };
 
 use crate::maps::{
-    count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_NODE_ADDRS, SVC_SERVICES, SVC_SLOTS,
+    count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_NODE_ADDRS, SVC_NODE_ADDR_BITS,
+    SVC_SERVICES, SVC_SLOTS,
 };
 
 /// Outcome of a lookup or a choice: `FOUND`, `NOT_SERVICE`, or the `svc_common::stat` index
@@ -322,6 +323,11 @@ pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Out
 /// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address there.
 #[inline(always)]
 pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
+    let bit = svc_common::node_addr_bit(addr);
+    match SVC_NODE_ADDR_BITS.get(bit / 64) {
+        Some(word) if *word & (1 << (bit % 64)) != 0 => {}
+        _ => return 0,
+    }
     // SAFETY: copied out at once.
     match unsafe { SVC_NODE_ADDRS.get(addr) } {
         Some(v) => v.flags,

@@ -11,7 +11,7 @@ use aya_ebpf::{
 use svc_common::{
     capacity, stat, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey,
     CtValue, DatapathConfig, DevStatKey, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
-    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue, SockState,
+    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -96,6 +96,11 @@ pub static SVC_NODE_ADDRS: HashMap<
     { capacity::NODE_ADDRS as usize },
     NO_PREALLOC,
 > = HashMap::new();
+
+/// The filter in front of `SVC_NODE_ADDRS` (`svc_common::NODE_ADDR_BIT_WORDS`): a clear bit
+/// says the address is not there. An array, so the lookup is inlined.
+#[btf_map]
+pub static SVC_NODE_ADDR_BITS: Array<u64, { NODE_ADDR_BIT_WORDS as usize }> = Array::new();
 
 /// loadBalancerSourceRanges: (frontend id, client prefix). The data of a key is
 /// `SrcRangeKey` without its prefix length: the id (network order) and the address.

@@ -1688,6 +1688,60 @@ fn a_deleted_services_connections_go_on_while_its_addresses_linger() {
     released.expect("the addresses are let go once their connections closed");
 }
 
+/// The filter in front of SVC_NODE_ADDRS (SVC_NODE_ADDR_BITS, whose clear bit makes the tc
+/// ingress pass an address's packets untranslated) cleared behind the agent's back: the
+/// reconcile puts the bits back, says so and counts it as drift, and the NodePort answers.
+#[test]
+fn a_cleared_node_address_filter_is_put_back() {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--reconcile-interval-s",
+        "1",
+    ]);
+    let np = sa(NODE1, 30081);
+    let want = Answer {
+        backend: "pod1".into(),
+        saw: ip(CLIENT),
+    };
+    assert_eq!(
+        answered(&t.client, "NodePort", move || tcp_once(np, ANSWER)),
+        want
+    );
+    let drift = metric(&t, "svc_drift_repaired_ops_total");
+    let mut store = svc_agent::datapath::open_pinned(t.bpffs.path()).expect("the pinned maps");
+    let IpAddr::V4(node) = ip(NODE1) else {
+        unreachable!("node 1's address is IPv4")
+    };
+    let bit = svc_common::node_addr_bit(&svc_common::v4_mapped(node.octets()));
+    for w in 0..svc_common::NODE_ADDR_BIT_WORDS {
+        store
+            .node_addr_bits
+            .set(w, 0, 0)
+            .expect("clearing the filter");
+    }
+    poll(Duration::from_secs(10), || {
+        let word = store.node_addr_bits.get(&(bit / 64), 0)?;
+        Ok((word & 1 << (bit % 64) != 0).then_some(()))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "node 1's address has no bit again: {e:#}\n{}",
+            t.agent().log()
+        )
+    });
+    assert_eq!(
+        answered(&t.client, "NodePort", move || tcp_once(np, ANSWER)),
+        want
+    );
+    assert!(metric(&t, "svc_drift_repaired_ops_total") > drift);
+    let log = t.agent().log();
+    assert!(log.contains("lost addresses' bits; put back"), "{log}");
+}
+
 /// Traffic that starts on node 1 rather than outside it:
 /// - a pod outside the agent's cgroup (its sockets unseen by the socket hooks, as a service
 ///   mesh's pods) behind a device named by `--packet-lb-devices`: its ClusterIP traffic is
