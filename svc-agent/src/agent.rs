@@ -743,18 +743,20 @@ impl Agent {
         drift + self.check_node_addr_bits()
     }
 
-    /// Puts back bits of the filter in front of NODE_ADDRS that someone cleared (the
-    /// datapath passes an address's packets untranslated without its bit). Returns how many
-    /// words lacked one.
+    /// Puts back bits of the filter in front of NODE_ADDRS that someone cleared: without its
+    /// bit an address is none of the node's or frontends' to the datapath (its flows and
+    /// NodePorts pass untranslated, SNAT to it fails, sockets' NodePort connects to it are
+    /// not translated). Returns how many words lacked one.
     fn check_node_addr_bits(&mut self) -> usize {
-        match self.dp.store.sync_node_addr_bits() {
+        let clear = self.dp.is_attached();
+        match self.dp.store.sync_node_addr_bits(clear) {
             Ok(0) => 0,
             Ok(n) => {
+                self.metrics.drift(n);
                 warn!(
                     words = n,
                     "the filter in front of NODE_ADDRS had lost addresses' bits; put back"
                 );
-                self.metrics.drift(n);
                 n
             }
             Err(e) => {

@@ -711,8 +711,9 @@ impl Datapath {
             }
         }
         // Before any program of this object reads the filter: it may be new, or the
-        // addresses may have been carried into a resized map.
-        store.sync_node_addr_bits()?;
+        // addresses may have been carried into a resized map. Bits are only added: the
+        // programs still attached may read it beside another map of addresses.
+        store.sync_node_addr_bits(false)?;
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,

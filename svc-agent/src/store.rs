@@ -369,11 +369,14 @@ impl BpfStore {
         }
     }
 
-    /// Makes the filter (`NODE_ADDR_BITS`) what `NODE_ADDRS` holds now: on opening the
+    /// Makes the filter (`NODE_ADDR_BITS`) cover what `NODE_ADDRS` holds now: on opening the
     /// maps (a new filter beside pinned addresses, addresses carried into a resized map)
-    /// and when reconciling. Returns how many of its words lacked a bit an address needs,
-    /// which had made the datapath pass that address's packets untranslated.
-    pub fn sync_node_addr_bits(&mut self) -> Result<usize> {
+    /// and when reconciling. `clear`: also clear the bits no address has, which only this
+    /// store's programs may be spared: before they are attached a predecessor's may read this
+    /// filter beside another `NODE_ADDRS` (its pin replaced, its layout older). Returns how
+    /// many of its words lacked a bit an address needs, which had the datapath take that
+    /// address for none of the node's or frontends'.
+    pub fn sync_node_addr_bits(&mut self, clear: bool) -> Result<usize> {
         let addrs = dump(map_names::NODE_ADDRS, &self.node_addrs)?;
         self.addr_bits = AddrBits::default();
         for (k, _) in &addrs {
@@ -382,8 +385,12 @@ impl BpfStore {
         let err = |e| map_err(map_names::NODE_ADDR_BITS, e);
         let mut lacking = 0;
         for w in 0..svc_common::NODE_ADDR_BIT_WORDS {
-            let want = self.addr_bits.word(w);
             let have = self.node_addr_bits.get(&w, 0).map_err(err)?;
+            let want = if clear {
+                self.addr_bits.word(w)
+            } else {
+                self.addr_bits.word(w) | have
+            };
             if have != want {
                 lacking += usize::from(want & !have != 0);
                 self.node_addr_bits.set(w, want, 0).map_err(err)?;
@@ -528,6 +535,36 @@ impl Store for BpfStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two addresses on one bit of the filter: it stays set while either is there, and goes
+    /// with the last; an address put twice (a retried write) counts once, and deleting one
+    /// never put leaves the others' bits alone.
+    #[test]
+    fn a_filter_bit_goes_with_the_last_address_that_has_it() {
+        let one = svc_common::v4_mapped([10, 0, 0, 1]);
+        let bit = svc_common::node_addr_bit(&one);
+        let twin = (0..=u16::MAX)
+            .map(|i| {
+                let [a, b] = i.to_be_bytes();
+                svc_common::v4_mapped([10, 1, a, b])
+            })
+            .find(|a| svc_common::node_addr_bit(a) == bit)
+            .expect("an address of 10.1/16 on the same bit");
+        let set = |b: &AddrBits| b.word(bit / 64) & 1 << (bit % 64) != 0;
+        let mut b = AddrBits::default();
+        assert_eq!(b.add(&one), bit / 64);
+        b.add(&one);
+        b.add(&twin);
+        assert!(set(&b));
+        assert_eq!(b.remove(&svc_common::v4_mapped([10, 2, 0, 1])), None);
+        assert_eq!(b.remove(&one), None, "the twin still has the bit");
+        assert!(set(&b));
+        assert_eq!(b.remove(&one), None, "already gone");
+        assert!(set(&b));
+        assert_eq!(b.remove(&twin), Some(bit / 64));
+        assert!(!set(&b));
+        assert_eq!(b.word(bit / 64), 0);
+    }
 
     /// A flow's FORWARD entry names its frontend address; its REPLY entry leads there through
     /// the partner key; a timed-out entry and a per-packet ClusterIP flow name none.

@@ -222,8 +222,9 @@ pub struct NodeAddrValue {
 
 /// Words (u64, host order) of `NODE_ADDR_BITS`: a filter in front of `NODE_ADDRS`, one bit per
 /// value of `node_addr_bit`. The agent sets an address's bit before it puts the address in
-/// `NODE_ADDRS` and clears it only once no address there has it, so a clear bit means the
-/// address is not there: most packets through a node (to pods, to other hosts) skip the hash
+/// `NODE_ADDRS` and clears it only once no address there has it, so, while it alone writes
+/// both, a clear bit means the address is not there: most packets through a node (to pods, to
+/// other hosts) skip the hash
 /// lookup, which was about a third of such a packet's cost at the external ingress.
 pub const NODE_ADDR_BIT_WORDS: u32 = 1024;
 

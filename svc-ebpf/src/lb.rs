@@ -320,7 +320,8 @@ pub fn decide(key: &ServiceKey, caller: &impl Caller, out: &mut Decision) -> Out
     decide_with(key, svc, caller, out)
 }
 
-/// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address there.
+/// The flags `NODE_ADDRS` has for `addr`; 0 when it is not an address there, or its bit in
+/// the filter in front (`SVC_NODE_ADDR_BITS`) is clear.
 #[inline(always)]
 pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
     let bit = svc_common::node_addr_bit(addr);

@@ -1691,6 +1691,8 @@ fn a_deleted_services_connections_go_on_while_its_addresses_linger() {
 /// The filter in front of SVC_NODE_ADDRS (SVC_NODE_ADDR_BITS, whose clear bit makes the tc
 /// ingress pass an address's packets untranslated) cleared behind the agent's back: the
 /// reconcile puts the bits back, says so and counts it as drift, and the NodePort answers.
+/// Its pin removed while no agent runs: the next agent fills a new one before its programs
+/// read it.
 #[test]
 fn a_cleared_node_address_filter_is_put_back() {
     let mut t = Topo::new();
@@ -1724,22 +1726,45 @@ fn a_cleared_node_address_filter_is_put_back() {
             .expect("clearing the filter");
     }
     poll(Duration::from_secs(10), || {
-        let word = store.node_addr_bits.get(&(bit / 64), 0)?;
-        Ok((word & 1 << (bit % 64) != 0).then_some(()))
+        Ok(t.agent()
+            .log()
+            .contains("lost addresses' bits; put back")
+            .then_some(()))
     })
     .unwrap_or_else(|e| {
         panic!(
-            "node 1's address has no bit again: {e:#}\n{}",
+            "no drift check put the filter back: {e:#}\n{}",
             t.agent().log()
         )
     });
+    let word = store
+        .node_addr_bits
+        .get(&(bit / 64), 0)
+        .expect("the filter");
+    assert_ne!(
+        word & 1 << (bit % 64),
+        0,
+        "node 1's address has its bit again"
+    );
     assert_eq!(
         answered(&t.client, "NodePort", move || tcp_once(np, ANSWER)),
         want
     );
     assert!(metric(&t, "svc_drift_repaired_ops_total") > drift);
-    let log = t.agent().log();
-    assert!(log.contains("lost addresses' bits; put back"), "{log}");
+
+    // A new filter at a restart (its pin gone while no agent ran) is filled before the new
+    // programs read it, not at a drift check (an hour away now).
+    drop(store);
+    t.agent().kill().expect("SIGKILL");
+    let pin = svc_agent::datapath::map_pin(t.bpffs.path(), svc_common::map_names::NODE_ADDR_BITS);
+    std::fs::remove_file(&pin).expect("removing the filter's pin");
+    t.start_agent_with(&["--reconcile-interval-s", "3600"]);
+    assert_eq!(
+        answered(&t.client, "NodePort, after a restart", move || {
+            tcp_once(np, ANSWER)
+        }),
+        want
+    );
 }
 
 /// Traffic that starts on node 1 rather than outside it:
