@@ -710,6 +710,15 @@ impl Datapath {
                 }
             }
         }
+        let carried = carry_ct_v1(&mut store, dir, false)?;
+        if carried > 0 {
+            info!(
+                map = map_names::CT,
+                entries = carried,
+                "carried the flows of layout 1 over (untracked: their RSTs and FINs are taken \
+                 as before)"
+            );
+        }
         // Before any program of this object reads the filter: it may be new, or the
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
@@ -942,6 +951,14 @@ impl Datapath {
             std::fs::rename(&staged, &path).map_err(|e| io_err(&staged, e))?;
             info!(map = name, "resized map in place");
         }
+        // The old programs may have made flows since the first carry; they are this map's
+        // now.
+        if let Err(e) = carry_ct_v1(&mut self.store, &self.dir, true) {
+            warn!(
+                map = map_names::CT,
+                "carrying over late flows of layout 1: {e}"
+            );
+        }
         for path in std::mem::take(&mut self.obsolete) {
             match std::fs::remove_file(&path) {
                 Ok(()) => info!(pin = %path.display(), "removed a pin of another map layout"),
@@ -1158,6 +1175,56 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
         }
         _ => Ok(0),
     }
+}
+
+/// Carries the flows of a pinned `SVC_CT` of layout 1 (before sequence tracking) into this
+/// layout's map, untracked, so an upgrade keeps every connection through a NodePort. `late`:
+/// after the new programs took over, only the flows the new map lacks (the old programs may
+/// have made some in between). How many entries were read.
+fn carry_ct_v1(store: &mut BpfStore, dir: &Path, late: bool) -> Result<usize> {
+    let path = dir.join(format!("{}_v1", map_names::CT));
+    let Some(ct) = &store.ct else {
+        return Ok(0);
+    };
+    if !path.exists() {
+        return Ok(0);
+    }
+    let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
+    let info = old.info().map_err(|e| load_err(path.display(), e))?;
+    let (key, value) = (
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValueV1>() as u32,
+    );
+    if (info.key_size(), info.value_size()) != (key, value) {
+        return Err(Error::Load(format!(
+            "{} has {}-byte keys and {}-byte values, not layout 1's {key} and {value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    let entries: Vec<(svc_common::CtKey, svc_common::CtValueV1)> = sys::dump_hash(old.fd().as_fd())
+        .map_err(|e| Error::Map {
+            map: map_names::CT,
+            message: format!("reading {}: {e}", path.display()),
+        })?;
+    let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+        HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
+            .map_err(|e| crate::store::map_err(map_names::CT, e))?;
+    let flags = if late {
+        1 /* BPF_NOEXIST */
+    } else {
+        0
+    };
+    for (k, v) in &entries {
+        match new.insert(k, svc_common::CtValue::from(*v), flags) {
+            Ok(()) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if late && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(crate::store::map_err(map_names::CT, e)),
+        }
+    }
+    Ok(entries.len())
 }
 
 fn clone_map(m: &MapData) -> Result<MapData> {

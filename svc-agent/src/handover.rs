@@ -89,6 +89,7 @@ const IPS_SEEN_REPLY: u32 = 1 << 1;
 const IPS_ASSURED: u32 = 1 << 2;
 const IPS_CONFIRMED: u32 = 1 << 3;
 const TCP_CONNTRACK_SYN_SENT: u8 = 1;
+const TCP_CONNTRACK_SYN_RECV: u8 = 2;
 const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
 const TCP_CONNTRACK_FIN_WAIT: u8 = 4;
 const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
@@ -350,18 +351,20 @@ impl Flow {
         }
         attr(&mut a, CTA_TIMEOUT, &self.timeout_s.to_be_bytes());
         let seen = self.flags & ct_flags::SEEN_REPLY != 0;
+        // A TCP flow whose handshake has not completed is no more assured for conntrack than
+        // for svc: SYN_RECV, which the kernel drops first when its table fills.
+        let assured = seen && self.flags & ct_flags::UNASSURED == 0;
         // The kernel marks a new entry confirmed before it applies CTA_STATUS, and refuses a
         // status that would clear that bit (EBUSY).
         let status = IPS_CONFIRMED
-            | if seen {
-                IPS_SEEN_REPLY | IPS_ASSURED
-            } else {
-                0
-            };
+            | if seen { IPS_SEEN_REPLY } else { 0 }
+            | if assured { IPS_ASSURED } else { 0 };
         attr(&mut a, CTA_STATUS, &status.to_be_bytes());
         if self.proto == IPPROTO_TCP {
             let state = if !seen {
                 TCP_CONNTRACK_SYN_SENT
+            } else if !assured {
+                TCP_CONNTRACK_SYN_RECV
             } else if self.flags & ct_flags::FIN != 0 {
                 TCP_CONNTRACK_FIN_WAIT
             } else {

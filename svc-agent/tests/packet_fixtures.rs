@@ -404,7 +404,10 @@ fn tcp(src: &str, dst: &str, flags: u8) -> P {
             sport: 0,
             dport: 0,
             seq: 1000,
-            ack: if flags & TCP_ACK != 0 { 5000 } else { 0 },
+            // Every segment starts at 1000 and acknowledges 1001, either way: a SYN's
+            // acknowledgment (the client's is 1000 + 1, as a SYN counts one), and within
+            // the window of what each side was seen to send, as the datapath tracks it.
+            ack: if flags & TCP_ACK != 0 { 1001 } else { 0 },
             flags,
             win: 64240,
             payload: if flags & TCP_SYN != 0 {
@@ -1353,6 +1356,9 @@ const REDIRECT: u32 = TC_ACT_REDIRECT;
 
 const C: &str = "203.0.113.7";
 
+/// The flags of a new TCP flow's entries until its client acknowledges the SYN-ACK.
+const NEW_TCP: u16 = ct_flags::UNASSURED | ct_flags::TRACKED;
+
 /// A client's packet as the gateway hands it to the node.
 fn from_client(p: P) -> P {
     p.macs(EXT_MAC, GW_MAC)
@@ -1472,7 +1478,12 @@ fn nodeport_ipv4_tcp() {
     assert_eq!(fwd.snat_addr, ip16("192.0.2.10"));
     assert_eq!(fwd.snat_port_be, 61000u16.to_be());
     assert_eq!((fwd.id, fwd.ifindex), (2, dp.ext0));
-    let closing = ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::FIN | ct_flags::FIN_FORWARD;
+    // Assured by the client's ACK: no UNASSURED left.
+    let closing = ct_flags::SNAT
+        | ct_flags::SEEN_REPLY
+        | ct_flags::FIN
+        | ct_flags::FIN_FORWARD
+        | ct_flags::TRACKED;
     assert_eq!(fwd.flags, closing);
     let rep = dp
         .ct_entry(&ct_key(
@@ -1492,8 +1503,8 @@ fn nodeport_ipv4_tcp() {
         .expect("the local flow's REPLY entry");
     assert_eq!(
         local_rep.flags,
-        ct_flags::SEEN_REPLY,
-        "no SNAT for a local backend"
+        ct_flags::SEEN_REPLY | ct_flags::TRACKED,
+        "no SNAT for a local backend, assured"
     );
     assert_eq!(
         dp.stat(stat::TRANSLATED),
@@ -2132,7 +2143,7 @@ fn no_backend_rejects() {
                 REDIRECT,
                 Packet(back(
                     tcp("192.0.2.10:30099", c, 0)
-                        .seg(5000, 0, TCP_RST, 0)
+                        .seg(1001, 0, TCP_RST, 0)
                         .payload(vec![]),
                 )),
                 Some(pkt_stat::REJECT_NO_BACKEND),
@@ -2495,7 +2506,11 @@ fn per_packet_cluster_ip_on_pod_devices() {
     let fwd = dp
         .ct_entry(&ct_key(p0, "10.96.0.10:80", IPPROTO_TCP, ct_dir::FORWARD))
         .unwrap();
-    assert_eq!(fwd.flags, ct_flags::POD | ct_flags::SEEN_REPLY);
+    assert_eq!(
+        fwd.flags,
+        ct_flags::POD | ct_flags::SEEN_REPLY | ct_flags::TRACKED,
+        "assured by the pod's ACK"
+    );
     assert_eq!(dp.stat(stat::REFUSED_NO_PORT), 1);
 }
 
@@ -2826,6 +2841,48 @@ fn icmp_errors_about_translated_flows() {
                     icmp_error("192.0.2.10", C, 3, 4, mtu, &sent_as, 40)
                         .macs(GW_MAC, EXT_MAC)
                         .ttl(63),
+                ),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "parameter problem from the backend about a SNATed segment: to the client",
+                ExtIngress,
+                icmp_error("10.244.2.7", "192.0.2.10", 12, 0, [20, 0, 0, 0], &sent, 40)
+                    .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    icmp_error("192.0.2.10", C, 12, 0, [20, 0, 0, 0], &sent_as, 40)
+                        .macs(GW_MAC, EXT_MAC)
+                        .ttl(63),
+                ),
+                Some(pkt_stat::ICMP_ERROR),
+            ),
+            row(
+                "IPv6 parameter problem from the backend about a SNATed segment",
+                ExtIngress,
+                icmp_error(
+                    "fd00:244:2::7",
+                    "2001:db8::10",
+                    4,
+                    0,
+                    [0, 0, 0, 6],
+                    &sent6,
+                    60,
+                )
+                .macs(EXT_MAC, NODE2_MAC),
+                REDIRECT,
+                Packet(
+                    icmp_error(
+                        "2001:db8::10",
+                        "2001:db8:c::7",
+                        4,
+                        0,
+                        [0, 0, 0, 6],
+                        &sent6_as,
+                        60,
+                    )
+                    .macs(GW_MAC, EXT_MAC)
+                    .ttl(63),
                 ),
                 Some(pkt_stat::ICMP_ERROR),
             ),
@@ -4084,7 +4141,7 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
         .expect("the new flow on the reused port");
     assert_eq!(
         renewed.flags,
-        ct_flags::SEEN_REPLY,
+        ct_flags::SEEN_REPLY | NEW_TCP,
         "the new flow's flags are its own: no RST of the closed one"
     );
     assert_eq!(
@@ -4097,7 +4154,7 @@ fn syn_after_a_closed_flow_starts_a_new_connection() {
         .expect("the new flow's REPLY entry");
     assert_eq!(
         (rep.nat_port_be, rep.flags),
-        (30082u16.to_be(), ct_flags::SEEN_REPLY)
+        (30082u16.to_be(), ct_flags::SEEN_REPLY | NEW_TCP)
     );
 
     // The closed flow's backend address and port become an ExternalIP without endpoints.
@@ -4247,7 +4304,11 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     run_rows(&dp, rows);
     let (fwd, rep) = entries(&dp, c, pod5);
     let (fwd, rep) = (fwd.expect("FORWARD entry"), rep.expect("REPLY entry"));
-    assert_eq!((fwd.flags, rep.flags), (0, 0), "no flag of the closed flow");
+    assert_eq!(
+        (fwd.flags, rep.flags),
+        (NEW_TCP, NEW_TCP),
+        "no flag of the closed flow"
+    );
     assert_eq!(
         (fwd.nat_addr, fwd.nat_port_be),
         (ip16("10.244.1.5"), 8080u16.to_be())
@@ -4342,7 +4403,7 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     assert_eq!(rep, None, "the closed local flow's REPLY entry");
     assert_eq!(
         fwd.map(|f| f.flags),
-        Some(ct_flags::SNAT),
+        Some(ct_flags::SNAT | NEW_TCP),
         "the new flow's own"
     );
 
@@ -4394,7 +4455,8 @@ fn a_syn_on_a_closed_flows_tuple_starts_a_new_flow_whatever_it_becomes() {
     let rep = dp
         .ct_entry(&ct_key(pod5, pc, t, ct_dir::REPLY))
         .expect("its REPLY entry");
-    assert_eq!((fwd.flags, rep.flags), (ct_flags::POD, ct_flags::POD));
+    let new = ct_flags::POD | NEW_TCP;
+    assert_eq!((fwd.flags, rep.flags), (new, new));
 }
 
 /// A pod's ClusterIP flow on a pod device from `pc` to `cip`, DNATed to `backend`: its SYN,
@@ -4644,7 +4706,7 @@ fn a_pods_syn_on_a_closed_flows_tuple_may_start_a_hairpin_flow() {
     assert_eq!(
         (fwd.flags, fwd.nat_addr, fwd.snat_port_be),
         (
-            ct_flags::POD | ct_flags::SNAT,
+            ct_flags::POD | ct_flags::SNAT | NEW_TCP,
             ip16("10.244.1.5"),
             61000u16.to_be()
         )
@@ -4867,7 +4929,7 @@ fn a_pods_syn_on_its_closed_flows_tuple_is_no_reply_of_a_flow_on_that_tuple() {
         .expect("the live hairpin flow's REPLY entry");
     assert_eq!(
         (rep.snat_port_be, rep.flags),
-        (50071u16.to_be(), ct_flags::POD | ct_flags::SNAT),
+        (50071u16.to_be(), ct_flags::POD | ct_flags::SNAT | NEW_TCP),
         "the hairpin flow's own, no reply seen"
     );
 }
@@ -4896,12 +4958,12 @@ fn a_syn_on_a_closed_flow_whose_reply_entry_is_gone_starts_a_whole_new_flow() {
     let rep = dp.ct_entry(&ct_key(pod5, c, t, ct_dir::REPLY));
     assert_eq!(
         fwd.map(|f| (f.flags, f.nat_port_be)),
-        Some((ct_flags::SEEN_REPLY, 8080u16.to_be())),
+        Some((ct_flags::SEEN_REPLY | NEW_TCP, 8080u16.to_be())),
         "the new flow's FORWARD entry"
     );
     assert_eq!(
         rep.map(|r| (r.flags, r.nat_port_be)),
-        Some((ct_flags::SEEN_REPLY, 30080u16.to_be())),
+        Some((ct_flags::SEEN_REPLY | NEW_TCP, 30080u16.to_be())),
         "the new flow's REPLY entry"
     );
 
@@ -5138,6 +5200,14 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
                 c2,
                 TCP_SYN | TCP_ACK,
             ),
+            row(
+                "the new client acknowledges it: the flow is assured",
+                ExtIngress,
+                tcp(c2, np, TCP_ACK),
+                REDIRECT,
+                Packet(to_node2(tcp(snat, backend, TCP_ACK))),
+                Some(pkt_stat::CT_HIT),
+            ),
             exhausted("a third client: the port's flow is open, dropped", c3),
             row(
                 "the second client's FIN: half-closed",
@@ -5168,7 +5238,11 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
         .expect("the port's REPLY entry");
     assert_eq!(
         (rep.snat_addr, rep.snat_port_be, rep.flags),
-        (ip16("203.0.113.9"), 40112u16.to_be(), ct_flags::SNAT),
+        (
+            ip16("203.0.113.9"),
+            40112u16.to_be(),
+            ct_flags::SNAT | NEW_TCP
+        ),
         "the port's REPLY entry is the new flow's, with its own flags"
     );
 
@@ -5220,6 +5294,7 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
             verdict, REDIRECT,
             "{c}: a new flow takes a closed flow's port"
         );
+        assure_flow(&mut dp, c, np, backend);
     }
     let mut ports: Vec<u16> = clients
         .iter()
@@ -5462,6 +5537,9 @@ fn a_snat_port_held_by_a_long_idle_flow_goes_to_a_new_flow_when_the_range_is_ful
             .ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
             .unwrap_or_else(|| panic!("{c}: its FORWARD entry"));
         taken.push(u16::from_be(fwd.snat_port_be));
+        // It completes its handshake: an unassured flow's port would go to the next new
+        // flow too.
+        assure_flow(&mut dp, c, np, backend);
     }
     taken.sort();
     taken.dedup();
@@ -5489,6 +5567,22 @@ fn a_snat_port_held_by_a_long_idle_flow_goes_to_a_new_flow_when_the_range_is_ful
         || syn(&dp, "203.0.113.33:40203"),
         "idle one way only, or not long enough",
     );
+}
+
+/// Marks the SNATed flow from `c` to `np` (towards `backend`) answered and assured, as its
+/// handshake would: a flow that stays unassured gives its SNAT port up to a new flow.
+fn assure_flow(dp: &mut Dp, c: &str, np: &str, backend: &str) {
+    let t = IPPROTO_TCP;
+    let k = ct_key(c, np, t, ct_dir::FORWARD);
+    let mut fwd = dp.ct_entry(&k).expect("the flow's FORWARD entry");
+    let snat = format!("192.0.2.10:{}", u16::from_be(fwd.snat_port_be));
+    let rk = ct_key(backend, &snat, t, ct_dir::REPLY);
+    let mut rep = dp.ct_entry(&rk).expect("the flow's REPLY entry");
+    for v in [&mut fwd, &mut rep] {
+        v.flags = (v.flags | ct_flags::SEEN_REPLY) & !ct_flags::UNASSURED;
+    }
+    dp.ct.insert(k, fwd, 0).unwrap();
+    dp.ct.insert(rk, rep, 0).unwrap();
 }
 
 /// Sends a SYN to a frontend of a remote backend (`send`, which returns the verdict) and
@@ -6088,4 +6182,281 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
         ns / counted,
     ));
     rows
+}
+
+// ---------------------------------------------------------------------------------------
+// TCP state as an edge must keep it: what a spoofed or malformed segment may change.
+
+/// The number of connection-tracking entries.
+fn ct_entries(dp: &Dp) -> usize {
+    dp.ct.iter().filter_map(Result::ok).count()
+}
+
+/// A SYN the backend answers but whose client never acknowledges the SYN-ACK (a spoofed
+/// source) leaves an unassured flow: the SYN timeout applies, not the established one, and a
+/// new flow that finds the SNAT range busy takes its port, as conntrack drops unassured
+/// entries first. A flow whose client completed the handshake is assured and keeps its
+/// port. Before: the SYN-ACK made the flow established (24 h) and the range stayed full.
+#[test]
+fn an_unacknowledged_syn_ack_leaves_an_unassured_flow_whose_snat_port_goes_to_a_new_one() {
+    let dp = world();
+    let np = "192.0.2.10:30081";
+    let backend = "10.244.2.7:8080";
+    let snat = "192.0.2.10:61000";
+    let t = IPPROTO_TCP;
+    let spoofed = "198.18.50.1:40000";
+    let run = |p: P| dp.run_on(ExtIngress, dp.ext0, &from_client(p).bytes(), 1).0;
+    assert_eq!(run(tcp(spoofed, np, TCP_SYN)), REDIRECT, "the spoofed SYN");
+    let answer = tcp(backend, snat, TCP_SYN | TCP_ACK)
+        .macs(EXT_MAC, NODE2_MAC)
+        .ttl(63);
+    assert_eq!(
+        dp.run_on(ExtIngress, dp.ext0, &answer.bytes(), 1).0,
+        REDIRECT,
+        "the backend's SYN-ACK, towards a client that never sent the SYN"
+    );
+    let fwd = dp
+        .ct_entry(&ct_key(spoofed, np, t, ct_dir::FORWARD))
+        .expect("the spoofed flow's FORWARD entry");
+    assert_eq!(
+        fwd.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY),
+        ct_flags::UNASSURED | ct_flags::SEEN_REPLY,
+        "answered, not assured"
+    );
+    assert_eq!(
+        ct_timeout::of(t, fwd.flags),
+        ct_timeout::Kind::TcpSyn,
+        "it lives as long as a handshake may take, not a day"
+    );
+
+    let client = "203.0.113.7:40010";
+    assert_eq!(
+        run(tcp(client, np, TCP_SYN)),
+        REDIRECT,
+        "a real client takes the only SNAT port from the unassured flow"
+    );
+    assert_eq!(
+        dp.ct_entry(&ct_key(spoofed, np, t, ct_dir::FORWARD)),
+        None,
+        "the unassured flow is gone"
+    );
+    let rep = dp
+        .ct_entry(&ct_key(backend, snat, t, ct_dir::REPLY))
+        .expect("the port's REPLY entry");
+    assert_eq!(
+        rep.snat_addr,
+        ip16("203.0.113.7"),
+        "the port is the client's"
+    );
+    assert_eq!(
+        dp.run_on(ExtIngress, dp.ext0, &answer.bytes(), 1).0,
+        REDIRECT,
+        "the backend's SYN-ACK to the real client"
+    );
+    assert_eq!(run(tcp(client, np, TCP_ACK)), REDIRECT, "the client's ACK");
+    let fwd = dp
+        .ct_entry(&ct_key(client, np, t, ct_dir::FORWARD))
+        .expect("the client's FORWARD entry");
+    let rep = dp
+        .ct_entry(&ct_key(backend, snat, t, ct_dir::REPLY))
+        .expect("the client's REPLY entry");
+    assert_eq!(fwd.flags & ct_flags::UNASSURED, 0, "assured by the ACK");
+    assert_eq!(rep.flags & ct_flags::UNASSURED, 0, "both entries");
+    assert_eq!(
+        ct_timeout::of(t, fwd.flags),
+        ct_timeout::Kind::TcpEstablished
+    );
+
+    let before = dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED);
+    assert_eq!(
+        run(tcp("198.18.50.2:40000", np, TCP_SYN)),
+        SHOT,
+        "an assured flow's port is not taken"
+    );
+    assert_eq!(
+        dp.dev_stat(dp.ext0, pkt_stat::DROP_SNAT_EXHAUSTED),
+        before + 1
+    );
+}
+
+/// Segments no TCP sends (SYN+FIN, SYN+RST, FIN without ACK, no flag, every flag) to a
+/// NodePort are dropped, counted, and make no entry; a SYN-ACK no flow knows starts none
+/// (left to the stack, as a mid-stream segment). Before: each was translated to a backend and
+/// made two entries. To an address that is no node's or frontend's they are not svc's to
+/// judge: untouched.
+#[test]
+fn invalid_tcp_segments_and_unknown_syn_acks_make_no_state() {
+    let dp = world();
+    let c = "203.0.113.7:40200";
+    let mut rows = Vec::new();
+    for (what, flags) in [
+        ("SYN+FIN to a NodePort: dropped", TCP_SYN | TCP_FIN),
+        ("SYN+RST to a NodePort: dropped", TCP_SYN | TCP_RST),
+        ("FIN without ACK to a NodePort: dropped", TCP_FIN),
+        ("no flag to a NodePort: dropped", 0),
+        (
+            "every flag to a NodePort: dropped",
+            TCP_FIN | TCP_SYN | TCP_RST | TCP_PSH | TCP_ACK | 0x20,
+        ),
+    ] {
+        rows.push(row(
+            what,
+            ExtIngress,
+            tcp(c, "192.0.2.10:30080", flags),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_INVALID_TCP),
+        ));
+        rows.push(row(
+            "the same through the node, to an address svc does not serve: untouched",
+            ExtIngress,
+            tcp(c, "198.51.100.99:80", flags),
+            OK,
+            Untouched,
+            None,
+        ));
+    }
+    rows.push(row(
+        "a SYN-ACK no flow knows, to a NodePort: untouched, to the stack",
+        ExtIngress,
+        tcp(c, "192.0.2.10:30081", TCP_SYN | TCP_ACK),
+        OK,
+        Untouched,
+        Some(pkt_stat::PASS_MIDSTREAM),
+    ));
+    rows.push(row(
+        "IPv6: SYN+FIN dropped",
+        ExtIngress,
+        tcp(
+            "[2001:db8:c::7]:40200",
+            "[2001:db8::10]:30080",
+            TCP_SYN | TCP_FIN,
+        ),
+        SHOT,
+        Dropped,
+        Some(pkt_stat::DROP_INVALID_TCP),
+    ));
+    run_rows(&dp, rows);
+    assert_eq!(ct_entries(&dp), 0, "no entry for any of them");
+}
+
+/// A TCP flow's segments are checked against where each side was seen to send: a first reply
+/// that does not acknowledge the client's SYN and a handshake's last ACK that does not
+/// acknowledge the SYN-ACK change nothing (the flow stays unanswered, then unassured; before
+/// it is assured such segments still go on, as the endpoints judge them); once assured, an RST
+/// outside its sender's window is dropped and counted, a FIN outside it goes on but closes
+/// nothing, and the client's own RST closes the flow. Before, any RST or FIN closed it.
+#[test]
+fn tcp_segments_outside_their_window_change_nothing() {
+    let dp = world();
+    let c = "203.0.113.7:40300";
+    let np = "192.0.2.10:30080";
+    let backend = "10.244.1.5:8080";
+    let t = IPPROTO_TCP;
+    let from_backend = |p: P| p.macs(GW_MAC, EXT_MAC);
+    let flags = |dp: &Dp| {
+        let fwd = dp
+            .ct_entry(&ct_key(c, np, t, ct_dir::FORWARD))
+            .expect("FORWARD");
+        let rep = dp
+            .ct_entry(&ct_key(backend, c, t, ct_dir::REPLY))
+            .expect("REPLY");
+        (fwd.flags, rep.flags)
+    };
+    let bad_syn_ack = tcp(backend, c, 0).seg(1000, 9999, TCP_SYN | TCP_ACK, 64240);
+    let bad_ack = tcp(c, np, 0).seg(1000, 7777, TCP_ACK, 64240);
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the SYN",
+                ExtIngress,
+                tcp(c, np, TCP_SYN),
+                OK,
+                Packet(tcp(c, backend, TCP_SYN)),
+                Some(pkt_stat::NEW),
+            ),
+            row(
+                "a SYN-ACK that does not acknowledge the SYN: goes on, records nothing",
+                ExtEgress,
+                from_backend(bad_syn_ack),
+                OK,
+                Packet(from_backend(tcp(np, c, 0).seg(
+                    1000,
+                    9999,
+                    TCP_SYN | TCP_ACK,
+                    64240,
+                ))),
+                Some(pkt_stat::REPLY),
+            ),
+        ],
+    );
+    assert_eq!(flags(&dp), (NEW_TCP, NEW_TCP), "no reply recorded");
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the SYN-ACK",
+                ExtEgress,
+                from_backend(tcp(backend, c, TCP_SYN | TCP_ACK)),
+                OK,
+                Packet(from_backend(tcp(np, c, TCP_SYN | TCP_ACK))),
+                Some(pkt_stat::REPLY),
+            ),
+            row(
+                "an ACK that does not acknowledge the SYN-ACK: goes on",
+                ExtIngress,
+                bad_ack,
+                OK,
+                Packet(tcp(c, backend, 0).seg(1000, 7777, TCP_ACK, 64240)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    let answered = ct_flags::SEEN_REPLY | NEW_TCP;
+    assert_eq!(flags(&dp), (answered, answered), "not assured by it");
+    let assured = ct_flags::SEEN_REPLY | ct_flags::TRACKED;
+    run_rows(
+        &dp,
+        vec![
+            row(
+                "the client's ACK of the SYN-ACK",
+                ExtIngress,
+                tcp(c, np, TCP_ACK),
+                OK,
+                Packet(tcp(c, backend, TCP_ACK)),
+                Some(pkt_stat::CT_HIT),
+            ),
+            row(
+                "an RST far from the client's sequence: dropped",
+                ExtIngress,
+                tcp(c, np, 0).seg(0x8000_0000, 0, TCP_RST, 0),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::DROP_TCP_WINDOW),
+            ),
+            row(
+                "a FIN far from it: goes on",
+                ExtIngress,
+                tcp(c, np, 0).seg(0x8000_0000, 1001, TCP_FIN | TCP_ACK, 64240),
+                OK,
+                Packet(tcp(c, backend, 0).seg(0x8000_0000, 1001, TCP_FIN | TCP_ACK, 64240)),
+                Some(pkt_stat::CT_HIT),
+            ),
+        ],
+    );
+    assert_eq!(flags(&dp), (assured, assured), "neither closed the flow");
+    run_rows(
+        &dp,
+        vec![row(
+            "the client's own RST: closes",
+            ExtIngress,
+            tcp(c, np, TCP_RST),
+            OK,
+            Packet(tcp(c, backend, TCP_RST)),
+            Some(pkt_stat::CT_HIT),
+        )],
+    );
+    let closed = assured | ct_flags::RST;
+    assert_eq!(flags(&dp), (closed, closed));
 }

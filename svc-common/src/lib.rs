@@ -72,7 +72,7 @@ pub mod layout {
         (SOCK_STATE, 1),
         (NODE_ADDRS, 1),
         (SRC_RANGES, 1),
-        (CT, 1),
+        (CT, 2),
         (CONFIG, 1),
         (DEV_STATS, 1),
         (NODE_ADDR_BITS, 1),
@@ -224,8 +224,8 @@ pub struct NodeAddrValue {
 /// value of `node_addr_bit`. The agent sets an address's bit before it puts the address in
 /// `NODE_ADDRS` and clears it only once no address there has it, so, while it alone writes
 /// both, a clear bit means the address is not there: most packets through a node (to pods, to
-/// other hosts) skip the hash
-/// lookup, which was about a third of such a packet's cost at the external ingress.
+/// other hosts) skip the hash lookup, which was about a third of such a packet's cost at the
+/// external ingress.
 pub const NODE_ADDR_BIT_WORDS: u32 = 1024;
 
 /// The bit of `NODE_ADDR_BITS` that stands for `addr` (a `NODE_ADDRS` key), below
@@ -313,6 +313,19 @@ pub mod ct_flags {
     pub const HANDING: u16 = 1 << 8;
     /// See `HANDING`: making one kernel entry takes milliseconds.
     pub const HANDING_HOLD_S: u16 = 3;
+    /// TCP: the handshake has not completed (conntrack's SYN_SENT / SYN_RECV, not ASSURED):
+    /// set on a new flow's entries, cleared by the client's first ACK after the backend's
+    /// SYN-ACK. Such a flow lives `ct_timeout::TCP_SYN_S`, not a day, and its SNAT port goes
+    /// to a new flow that finds the range busy, as conntrack drops unassured entries first:
+    /// spoofed SYNs a backend answers cannot hold a range. Entries of a datapath from before
+    /// this bit lack it and count as assured.
+    pub const UNASSURED: u16 = 1 << 9;
+    /// TCP: the entries track where each side's sequence numbers are (`CtValue::seq_end`),
+    /// so an RST or a FIN is taken only where its sender is, the first reply only when it
+    /// acknowledges the client's SYN, and the handshake completes only with an ACK of the
+    /// backend's SYN-ACK, as conntrack checks them. Entries carried over from a datapath that
+    /// did not track lack it, and are taken as before.
+    pub const TRACKED: u16 = 1 << 10;
 
     /// Whether a flow with `flags` is closed (an RST, or a FIN each way): its tuples, and its
     /// SNAT port, go to the next new connection that needs them. Not after one FIN: the other
@@ -348,6 +361,47 @@ pub struct CtValue {
     pub ifindex: u32,
     /// The datapath clock (CLOCK_MONOTONIC_COARSE) at the last packet in either direction.
     pub last_seen_ns: u64,
+    /// TCP with `ct_flags::TRACKED` (host order): the sequence number just past the last this
+    /// direction's sender was seen to send (sequence number plus length, a SYN and a FIN
+    /// counting one). A REPLY entry's is known once `SEEN_REPLY`.
+    pub seq_end: u32,
+    pub _pad0: u32,
+}
+
+/// `CtValue` of layout 1 of `SVC_CT` (before sequence tracking), read when an agent carries
+/// the flows of a pinned map of that layout over (`svc-agent`'s datapath).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtValueV1 {
+    pub nat_addr: [u8; 16],
+    pub snat_addr: [u8; 16],
+    pub nat_port_be: u16,
+    pub snat_port_be: u16,
+    pub flags: u16,
+    pub handing_s: u16,
+    pub id: u32,
+    pub ifindex: u32,
+    pub last_seen_ns: u64,
+}
+
+impl From<CtValueV1> for CtValue {
+    /// Untracked (no `TRACKED`): its RSTs and FINs are taken as that datapath took them.
+    fn from(v: CtValueV1) -> CtValue {
+        CtValue {
+            nat_addr: v.nat_addr,
+            snat_addr: v.snat_addr,
+            nat_port_be: v.nat_port_be,
+            snat_port_be: v.snat_port_be,
+            flags: v.flags,
+            handing_s: v.handing_s,
+            id: v.id,
+            ifindex: v.ifindex,
+            last_seen_ns: v.last_seen_ns,
+            seq_end: 0,
+            _pad0: 0,
+        }
+    }
 }
 
 /// Settings of the packet datapath the agent writes (the one entry of `CONFIG`).
@@ -505,7 +559,7 @@ pub mod ct_timeout {
                 Kind::TcpClosing
             } else if flags & ct_flags::FIN != 0 {
                 Kind::TcpHalfClosed
-            } else if flags & ct_flags::SEEN_REPLY != 0 {
+            } else if flags & (ct_flags::SEEN_REPLY | ct_flags::UNASSURED) == ct_flags::SEEN_REPLY {
                 Kind::TcpEstablished
             } else {
                 Kind::TcpSyn
@@ -628,7 +682,14 @@ pub mod pkt_stat {
     /// CPU, 50 at once. Fragmentation needed / packet too big is never limited (PMTU discovery
     /// needs it), nor a TCP RST. Counted besides the packet's own reason.
     pub const ICMP_RATE_LIMITED: u32 = 17;
-    pub const COUNT: u32 = 18;
+    /// Dropped: a TCP segment with a flag set no TCP sends (SYN+FIN, SYN+RST, FIN without
+    /// ACK, no flags, ...) to a node address or frontend; it creates and changes no state, as
+    /// conntrack marks such a segment INVALID.
+    pub const DROP_INVALID_TCP: u32 = 18;
+    /// Dropped: an RST of a known flow outside its sequence window (a blind, forged or stale
+    /// one); the flow is not closed, as conntrack ignores such an RST.
+    pub const DROP_TCP_WINDOW: u32 = 19;
+    pub const COUNT: u32 = 20;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -648,6 +709,8 @@ pub mod pkt_stat {
         "drop_handing",
         "drop_ttl",
         "icmp_rate_limited",
+        "drop_invalid_tcp",
+        "drop_tcp_window",
     ];
 }
 
@@ -1003,6 +1066,7 @@ mod pod {
     unsafe impl aya::Pod for SrcRangeKey {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for CtValueV1 {}
     unsafe impl aya::Pod for DatapathConfig {}
     unsafe impl aya::Pod for DevStatKey {}
     unsafe impl aya::Pod for AffinityMatchKey {}
@@ -1061,7 +1125,8 @@ mod tests {
         assert_eq!(size_of::<NodeAddrValue>(), 8);
         assert_eq!(size_of::<SrcRangeKey>(), 24);
         assert_eq!(size_of::<CtKey>(), 40);
-        assert_eq!(size_of::<CtValue>(), 56);
+        assert_eq!(size_of::<CtValue>(), 64);
+        assert_eq!(size_of::<CtValueV1>(), 56);
         assert_eq!(size_of::<DatapathConfig>(), 56);
         assert_eq!(size_of::<DevStatKey>(), 8);
         assert_eq!(size_of::<AffinityMatchKey>(), 8);

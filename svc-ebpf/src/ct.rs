@@ -83,16 +83,18 @@ pub const SNAT_TRIES: u32 = 32;
 /// connections to one backend) then costs at most 5 tries per new flow, not 32 and a drop; a
 /// free port is preferred while one is found within 4 tries, so a closed flow's tuple, which
 /// the backend may still hold in TIME_WAIT, is reused only when the range is busy. A flow
-/// closed by an RST waits the same: the RST is not checked against the TCP window, so a
-/// stale or forged one marks a live flow closed, and taking such ports at the first try
-/// would hand a live flow's port to whichever new flow draws it.
+/// closed by an RST waits the same: an RST within the window may still be a stale one, and
+/// a flow carried over untracked (`ct_flags::TRACKED` unset) takes any RST. An unassured
+/// flow's port (`ct_flags::UNASSURED`: a SYN whose client never acknowledged the SYN-ACK,
+/// such as a spoofed one) is taken from the fifth try on too, as conntrack drops unassured
+/// entries first.
 ///
 /// While the range is busy (this CPU's last search took a closed flow's port, or found
 /// none: `Scratch::snat_busy`), a search takes a closed flow's port from its first try: the
 /// free tries would in all likelihood find none, and each is a cache miss (a third of the
 /// external ingress's time per new remote TCP connection went to the search in a loop of
-/// short connections). A stale or forged RST is then as exposed as it is to the fifth try
-/// of a search in a busy range anyway. A free port drawn ends the busy spell.
+/// short connections). A stale RST is then as exposed as it is to the fifth try of a search
+/// in a busy range anyway. A free port drawn ends the busy spell.
 pub const SNAT_FREE_TRIES: u32 = 4;
 
 /// A last-seen time is refreshed at most this often: a write per packet would make every
@@ -158,6 +160,11 @@ pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
 /// 16 bits of `CtValue::flags`, never stored.
 pub const SYN: u32 = 1 << 30;
 
+/// `packet_flags`' mark of a TCP segment that acknowledges (ACK without SYN or RST): from the
+/// client, after the backend's SYN-ACK, it completes the handshake (`ct_flags::UNASSURED`
+/// cleared). Never stored.
+pub const ACKS: u32 = 1 << 28;
+
 /// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN (and its direction's
 /// FIN_FORWARD or FIN_REPLY) and RST as TCP says; plus `SYN` for a SYN without ACK.
 #[inline(always)]
@@ -183,7 +190,169 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
     if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
         return f as u32 | SYN;
     }
+    if p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK {
+        return f as u32 | ACKS;
+    }
     f as u32
+}
+
+/// Whether a TCP segment's flags are a combination TCP sends (conntrack's `tcp_valid_flags`,
+/// PSH, URG, ECE and CWR aside): SYN, SYN-ACK, RST, RST-ACK, FIN-ACK, ACK. Anything else
+/// (SYN+FIN, SYN+RST, FIN without ACK, no flag at all, ...) is a probe or an attack, and
+/// creates or changes no state.
+#[inline(always)]
+pub fn valid_tcp_flags(flags: u8) -> bool {
+    let f = flags & (TCP_FIN | TCP_SYN | TCP_RST | TCP_ACK);
+    f == TCP_SYN
+        || f == TCP_SYN | TCP_ACK
+        || f == TCP_RST
+        || f == TCP_RST | TCP_ACK
+        || f == TCP_FIN | TCP_ACK
+        || f == TCP_ACK
+}
+
+/// `track`'s mark in `add`: the segment is `INVALID`. Never stored.
+const OUT_OF_WINDOW: u32 = 1 << 27;
+
+/// What of `add` a segment records in its flow: its flags, and the handshake's completion.
+const RECORDED: u32 = 0xffff | ACKS;
+
+/// How far behind the highest sequence number seen from its sender an RST or a FIN may lie
+/// and be taken, and how far below what the backend sent the ACK that completes the
+/// handshake may acknowledge: a legitimate one lies at it (a sender's RST carries its next
+/// sequence number; one answering a segment carries what that segment acknowledged). A
+/// blind guess lands within it once in 65,536.
+const BEHIND: u32 = 1 << 16;
+
+/// How far ahead of the highest sequence number seen from its sender a segment may start and
+/// still move it (data lost or reordered before this node leaves such a gap), and a FIN be
+/// taken. A blind guess moves it once in 4,096, and by at most this much plus its length.
+const AHEAD: u32 = 1 << 20;
+
+/// Whether `x` lies in `lo..=lo + span`, sequence numbers wrapping.
+#[inline(always)]
+fn within(x: u32, lo: u32, span: u32) -> bool {
+    x.wrapping_sub(lo) <= span
+}
+
+/// Whether sequence number `a` comes after `b`, wrapping.
+#[inline(always)]
+fn after(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// The sequence number the partner of entry `key`/`v` records (`CtValue::seq_end`), if the
+/// partner is still this flow's. A function of its own: its keys would grow `track`'s frame,
+/// on the external ingress's deepest chain.
+#[inline(never)]
+fn partner_seq_end(key: &CtKey, v: &CtValue) -> Option<u32> {
+    let pk = partner_key(key, v);
+    let pe = SVC_CT.get_ptr(pk)?;
+    // SAFETY: a map value, read in place.
+    unsafe { (partner_key(&pk, &*pe) == *key).then(|| (*pe).seq_end) }
+}
+
+/// Checks a TCP segment of a tracked flow (`ct_flags::TRACKED`) against where its sender is,
+/// records where it got to, and returns `add` as the segment may change the flow: for an RST
+/// outside the window or a first reply that does not acknowledge the client's SYN, nothing
+/// recorded, and `OUT_OF_WINDOW` once the flow is assured (the segment is dropped; before, it
+/// goes on: see `ignored`); without its FIN for a FIN outside it; without `ACKS` for a
+/// handshake's last ACK that does not acknowledge the backend's SYN-ACK. Each entry
+/// tracks its own direction's sender only, so a segment costs no lookup of the other entry
+/// but twice per flow (the first reply, the ACK that completes the handshake). Conntrack
+/// also bounds each side by the other's window and acknowledgments; this check is narrower
+/// and cheaper: a blind guess lands once in 65,536 tries, and a forged segment can move the
+/// recorded position by at most `AHEAD` once in 4,096.
+///
+/// The segment's numbers are read from the scratch space, whose packet every caller of
+/// `lookup` made its key from (an ICMP error's quoted flow is looked up by `peek`).
+#[inline(never)]
+fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
+    let Some(s) = crate::scratch::get() else {
+        return add;
+    };
+    let (flags, seq, ack, len) = (s.p.tcp_flags, s.p.seq(), s.p.ack(), s.p.seq_len());
+    let forward = key.dir == ct_dir::FORWARD;
+    let end = seq.wrapping_add(len);
+    let mut add = add;
+    // Out of its window, a segment of an unassured flow still goes on, recording nothing:
+    // the endpoints judge it. A backend may hold a half-open connection on a reclaimed SNAT
+    // port's tuple (a spoofed SYN's), which it answers with an ACK for the old sequence; the
+    // client's RST to that ACK is what clears it, and the client's next SYN connects.
+    let ignored = if out.flags & ct_flags::UNASSURED != 0 {
+        add & !RECORDED
+    } else {
+        add | OUT_OF_WINDOW
+    };
+    if !forward && out.flags & ct_flags::SEEN_REPLY == 0 {
+        // The first reply: the backend's SYN-ACK, or its RST refusing the SYN. It must
+        // acknowledge the client's SYN, as conntrack checks in SYN_SENT (the SYN alone, or
+        // with the data a TCP Fast Open SYN carried).
+        let acks_syn = flags & TCP_ACK != 0
+            && match partner_seq_end(key, out) {
+                Some(syn_end) => within(ack, syn_end.wrapping_sub(BEHIND), BEHIND),
+                None => false,
+            };
+        if !acks_syn {
+            return ignored;
+        }
+        out.seq_end = end;
+        // SAFETY: a map value; only this direction's packets write its position.
+        unsafe { (*e).seq_end = end };
+        return add;
+    }
+    let at = out.seq_end;
+    if flags & TCP_RST != 0 && !within(seq, at.wrapping_sub(BEHIND), BEHIND) {
+        return ignored;
+    }
+    if flags & TCP_FIN != 0 && !within(end.wrapping_sub(1), at.wrapping_sub(BEHIND), BEHIND + AHEAD)
+    {
+        // Forwarded, as the endpoints judge it themselves, but it closes nothing here.
+        add &= !((ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY) as u32);
+        return add;
+    }
+    if add & ACKS != 0
+        && forward
+        && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
+            == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
+    {
+        let acked = match partner_seq_end(key, out) {
+            Some(rep_end) => within(ack, rep_end.wrapping_sub(BEHIND), BEHIND),
+            None => false,
+        };
+        if !acked {
+            add &= !ACKS;
+        }
+    }
+    let resync =
+        forward && flags & (TCP_SYN | TCP_ACK) == TCP_SYN && out.flags & ct_flags::SEEN_REPLY == 0;
+    if resync || after(end, at) && within(seq, at.wrapping_sub(BEHIND), BEHIND + AHEAD) {
+        // A SYN before any reply may start over with a new initial sequence number (a
+        // client that retried its connect), as conntrack re-reads it in SYN_SENT.
+        out.seq_end = end;
+        // SAFETY: as above.
+        unsafe { (*e).seq_end = end };
+    }
+    add
+}
+
+/// Clears `ct_flags::UNASSURED` on the flow of entry `key` (`e`, copied in `out`) and on its
+/// partner while it is still this flow's: the client acknowledged the backend's SYN-ACK.
+/// Once per flow, so a lookup of its own.
+#[inline(never)]
+fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
+    out.flags &= !ct_flags::UNASSURED;
+    // SAFETY: a map value; a racing writer only ORs flags in or stores times.
+    unsafe { (*e).flags &= !ct_flags::UNASSURED };
+    let pk = partner_key(key, out);
+    if let Some(pe) = SVC_CT.get_ptr_mut(pk) {
+        // SAFETY: as above.
+        unsafe {
+            if partner_key(&pk, &*pe) == *key {
+                (*pe).flags &= !ct_flags::UNASSURED;
+            }
+        }
+    }
 }
 
 /// Removes the entries of the flow of `key`/`v`: its partner if it is still this flow's (a
@@ -318,13 +487,14 @@ pub fn lapse_handing(p: &Pkt) {
 /// translated as the closed flow's (the client, which has no such connection, resets it).
 pub const ANSWER: u32 = 1 << 29;
 
-/// `lookup`'s `add` for a lookup that leaves the entry as it is: an ICMP error about a flow
-/// is no packet of it.
-pub const PEEK: u32 = 1 << 31;
-
 /// `lookup`'s answers.
 pub const MISS: u32 = 0;
 pub const HIT: u32 = 1;
+/// A segment of a tracked flow (`ct_flags::TRACKED`) that is not where its sender is: an RST
+/// outside the window, or a first reply that does not acknowledge the client's SYN (a
+/// forged or stale one). Nothing was changed; the caller drops it, as conntrack marks it
+/// INVALID and kube-proxy's rules drop such packets.
+pub const INVALID: u32 = 3;
 /// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to the
 /// node's conntrack (a client reusing its port for a new connection to the same frontend): a
 /// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them
@@ -343,39 +513,23 @@ pub const NOW_ON_HIT: u64 = 0;
 /// Looks up the live entry of `key` and copies it into `out`. `pod`: the entry must belong
 /// to the per-packet ClusterIP path (flag POD), else it must not; the two paths never act on
 /// each other's flows. With `ANSWER` in `add`, a closed flow's entry is removed and missed,
-/// alive or not. Unless `add` is `PEEK`, a hit is refreshed by the packet: its last-seen
-/// time, and the flags it adds (`packet_flags`) on both entries of the flow (they are rare:
-/// the first reply, a FIN, an RST). A SYN (`add` has `SYN`) on a closed flow's entry starts
-/// a new connection: a miss, and the flow's entries are removed, except `CLOSED`'s case. A
-/// function of its own (BPF-to-BPF call), so its copies of keys and values do not sit in its
-/// callers' frames. Returns `HIT`, `MISS` or `CLOSED`.
+/// alive or not. A hit is refreshed by the packet: its last-seen time, and the flags it adds
+/// (`packet_flags`) on both entries of the flow (they are rare: the first reply, a FIN, an
+/// RST), once a tracked TCP flow's segment is found where its sender is (`track`). A SYN
+/// (`add` has `SYN`) on a closed flow's entry starts a new connection: a miss, and the flow's
+/// entries are removed, except `CLOSED`'s case. A function of its own (BPF-to-BPF call), so
+/// its copies of keys and values do not sit in its callers' frames. Returns `HIT`, `MISS`,
+/// `CLOSED` or `INVALID`.
 #[inline(never)]
 pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> u32 {
-    let Some(e) = SVC_CT.get_ptr_mut(key) else {
+    let mut now = now;
+    let Some(e) = live(key, pod, add & ANSWER != 0, &mut now, out) else {
         return MISS;
     };
-    let now = if now == NOW_ON_HIT {
-        crate::lb::clock_ns()
-    } else {
-        now
-    };
-    // SAFETY: a map value; copied out at once. Concurrent writers only store times and
-    // flags, which a racing reader may see old or new.
-    *out = unsafe { *e };
-    if (out.flags & ct_flags::POD != 0) != pod {
-        return MISS;
-    }
-    if add & ANSWER != 0 && ct_flags::closed(out.flags) {
-        forget(key, out);
-        return MISS;
-    }
-    if !alive(key, out, now) {
-        return MISS;
-    }
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
     // holds (`handing_holds`), so it records nothing (a FIN or RST dropped here must not mark
     // closed a flow the backend never saw closing).
-    if add == PEEK || out.flags & ct_flags::HANDING != 0 {
+    if out.flags & ct_flags::HANDING != 0 {
         return HIT;
     }
     if add & SYN != 0 && ct_flags::closed(out.flags) {
@@ -384,6 +538,21 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         }
         forget(key, out);
         return MISS;
+    }
+    let add = if key.proto == IPPROTO_TCP && out.flags & ct_flags::TRACKED != 0 {
+        track(key, e, out, add)
+    } else {
+        add
+    };
+    if add & OUT_OF_WINDOW != 0 {
+        return INVALID;
+    }
+    if add & ACKS != 0
+        && key.dir == ct_dir::FORWARD
+        && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
+            == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
+    {
+        assure(key, e, out);
     }
     let add = add as u16 & !out.flags;
     if add != 0 {
@@ -413,6 +582,49 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         out.flags &= !ct_flags::SNAT;
     }
     HIT
+}
+
+/// The live entry of `key` of this path (`pod`) copied into `out`, and where it lies; None
+/// for a miss. `answer`: a closed flow's entry is removed and missed, alive or not (`ANSWER`).
+/// `now` may be `NOW_ON_HIT`: the clock is read on a hit, into `now`.
+#[inline(always)]
+fn live(
+    key: &CtKey,
+    pod: bool,
+    answer: bool,
+    now: &mut u64,
+    out: &mut CtValue,
+) -> Option<*mut CtValue> {
+    let e = SVC_CT.get_ptr_mut(key)?;
+    if *now == NOW_ON_HIT {
+        *now = crate::lb::clock_ns();
+    }
+    // SAFETY: a map value; copied out at once. Concurrent writers only store times and
+    // flags, which a racing reader may see old or new.
+    *out = unsafe { *e };
+    if (out.flags & ct_flags::POD != 0) != pod {
+        return None;
+    }
+    if answer && ct_flags::closed(out.flags) {
+        forget(key, out);
+        return None;
+    }
+    if !alive(key, out, *now) {
+        return None;
+    }
+    Some(e)
+}
+
+/// `lookup` for an ICMP error about a flow, which is no packet of it: the live entry of `key`
+/// copied into `out`, nothing recorded (`answer` as `live` takes it). A function of its own,
+/// without `lookup`'s tracking, whose frame the ICMP path's deeper chain could not carry.
+#[inline(never)]
+pub fn peek(key: &CtKey, pod: bool, answer: bool, now: u64, out: &mut CtValue) -> u32 {
+    let mut now = now;
+    match live(key, pod, answer, &mut now, out) {
+        Some(_) => HIT,
+        None => MISS,
+    }
 }
 
 /// A TCP SYN without ACK that no flow's FORWARD entry took and that starts no flow to a local
@@ -582,6 +794,7 @@ unsafe fn renew(e: *mut CtValue, v: &CtValue) {
     // SAFETY: the caller's.
     unsafe {
         (*e).flags = v.flags;
+        (*e).seq_end = v.seq_end;
         (*e).handing_s = v.handing_s;
         (*e).id = v.id;
         (*e).ifindex = v.ifindex;
@@ -713,7 +926,9 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         let free_tries = if s.snat_busy != 0 { 0 } else { SNAT_FREE_TRIES };
         if !(dead
             || index >= free_tries
-                && (ct_flags::closed(f.seen.flags) || idle(&f.try_key, &f.seen, f.now)))
+                && (ct_flags::closed(f.seen.flags)
+                    || f.seen.flags & ct_flags::UNASSURED != 0
+                    || idle(&f.try_key, &f.seen, f.now)))
         {
             return 0;
         }

@@ -126,15 +126,11 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     flow.proto = inner.proto;
     let mut dir = ct_dir::FORWARD;
     let mut found = dirs & FORWARD != 0
-        && ct::lookup(&ct::key_of(flow, dir), pod, ct::PEEK, now, &mut s.v) == ct::HIT;
+        && ct::peek(&ct::key_of(flow, dir), pod, false, now, &mut s.v) == ct::HIT;
     if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
-        let add = if dirs & ANSWERS != 0 {
-            ct::PEEK | ct::ANSWER
-        } else {
-            ct::PEEK
-        };
-        found = ct::lookup(&ct::key_of(flow, dir), pod, add, now, &mut s.v) == ct::HIT;
+        let answers = dirs & ANSWERS != 0;
+        found = ct::peek(&ct::key_of(flow, dir), pod, answers, now, &mut s.v) == ct::HIT;
     }
     if !found {
         return NOT_OURS;

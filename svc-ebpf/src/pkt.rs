@@ -49,6 +49,10 @@ pub const ICMPV6_DEST_UNREACH: u8 = 1;
 pub const ICMPV6_PKT_TOOBIG: u8 = 2;
 pub const ICMPV6_TIME_EXCEED: u8 = 3;
 pub const ICMPV6_PORT_UNREACH: u8 = 4;
+/// Parameter problem (IPv4 12, ICMPv6 4): its pointer is an offset into the quoted packet,
+/// which the translation does not move, so it is translated as the other errors are.
+pub const ICMP_PARAMETERPROB: u8 = 12;
+pub const ICMPV6_PARAMPROB: u8 = 4;
 
 /// What `parse` found.
 pub mod parsed {
@@ -94,9 +98,38 @@ pub struct Pkt {
     pub ttl: u8,
     /// The IPv4 header checksum, as it lies in the packet.
     pub ip_check: u16,
+    /// TCP: the sequence and acknowledgment numbers as the header has them, and the header's
+    /// length in bytes; read through `seq`, `ack` and `seq_len`, which only connection
+    /// tracking needs (computed in the parser, they grew its frame past the deepest chain's
+    /// stack).
+    pub tcp_seq_ack: [u8; 8],
+    pub tcp_hlen: u8,
 }
 
 impl Pkt {
+    /// TCP: the sequence number (host order).
+    #[inline(always)]
+    pub fn seq(&self) -> u32 {
+        let b = &self.tcp_seq_ack;
+        u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    /// TCP: the acknowledgment number (host order).
+    #[inline(always)]
+    pub fn ack(&self) -> u32 {
+        let b = &self.tcp_seq_ack;
+        u32::from_be_bytes([b[4], b[5], b[6], b[7]])
+    }
+
+    /// TCP: the segment's length in sequence space: its payload, plus one each for SYN and
+    /// FIN.
+    #[inline(always)]
+    pub fn seq_len(&self) -> u32 {
+        (L3 + self.ip_len).saturating_sub(self.l4_off + self.tcp_hlen as u32)
+            + (self.tcp_flags & TCP_SYN != 0) as u32
+            + (self.tcp_flags & TCP_FIN != 0) as u32
+    }
+
     /// Offset of the L4 checksum field.
     #[inline(always)]
     pub fn csum_off(&self) -> u32 {
@@ -330,6 +363,8 @@ fn parse_l4(ctx: &TcContext, p: &mut Pkt) -> u32 {
             p.sport_be = u16::from_ne_bytes([h[0], h[1]]);
             p.dport_be = u16::from_ne_bytes([h[2], h[3]]);
             p.tcp_flags = h[13];
+            p.tcp_seq_ack.copy_from_slice(&h[4..12]);
+            p.tcp_hlen = doff as u8;
             parsed::L4
         }
         IPPROTO_UDP => {
@@ -354,10 +389,13 @@ fn parse_l4(ctx: &TcContext, p: &mut Pkt) -> u32 {
             let error = if p.v6 != 0 {
                 matches!(
                     h[0],
-                    ICMPV6_DEST_UNREACH | ICMPV6_PKT_TOOBIG | ICMPV6_TIME_EXCEED
+                    ICMPV6_DEST_UNREACH | ICMPV6_PKT_TOOBIG | ICMPV6_TIME_EXCEED | ICMPV6_PARAMPROB
                 )
             } else {
-                matches!(h[0], ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED)
+                matches!(
+                    h[0],
+                    ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB
+                )
             };
             if error && p.first_frag == 0 {
                 parsed::ICMP_ERROR

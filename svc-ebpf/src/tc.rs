@@ -334,15 +334,17 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
     false
 }
 
-/// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
-/// translation it gives into `s.src`/`s.dst`.
-#[inline(always)]
-fn known(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> bool {
-    found(s, dir, pod, now) == ct::HIT
+/// A segment of a known flow that is not where its sender is (`ct::INVALID`): dropped,
+/// counted, the flow unchanged.
+#[inline(never)]
+fn out_of_window(s: &Scratch) -> i32 {
+    dev_count(s.p.ifindex, pkt_stat::DROP_TCP_WINDOW);
+    SHOT
 }
 
-/// `known`, with `ct::lookup`'s answer: `ct::CLOSED` leaves the closed flow in `s.v` for the
-/// caller to take over or remove.
+/// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
+/// translation it gives into `s.src`/`s.dst`; `ct::lookup`'s answer. `ct::CLOSED` leaves the
+/// closed flow in `s.v` for the caller to take over or remove.
 #[inline(always)]
 fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
     found_marked(s, dir, pod, now, 0)
@@ -400,6 +402,11 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         // (`syn_on_reply_tuple`): the egress removes it when the answer leaves (`ct::ANSWER`).
         return OK;
     }
+    if s.p.proto == IPPROTO_TCP && !ct::valid_tcp_flags(s.p.tcp_flags) {
+        // To a node address or frontend: no TCP sends it, and no flow of svc's may take it.
+        dev_count(s.p.ifindex, pkt_stat::DROP_INVALID_TCP);
+        return SHOT;
+    }
     let now = now();
     // Looked up before the FORWARD entry: with the default ranges a packet to a SNAT address
     // and port is a remote backend's reply, not a client's packet to a frontend (NodePorts
@@ -407,16 +414,20 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     // miss in busy traffic. A SNAT range that covers frontend ports on node addresses (the
     // agent's default when the node's ephemeral ports reach 65535 is 1024 up to them) makes
     // those frontends' packets pay a REPLY lookup that misses first.
-    if in_snat_range(s.p.dport_be)
-        && node & node_addr_flags::SNAT != 0
-        && known(s, ct_dir::REPLY, false, now)
-    {
-        // A remote backend's reply, to the address and port its flow was SNATed to: from
-        // the frontend to the client, forwarded here (its new source is a node address or
-        // a frontend).
-        return send_routed(ctx, s, pkt_stat::REPLY);
+    if in_snat_range(s.p.dport_be) && node & node_addr_flags::SNAT != 0 {
+        match found(s, ct_dir::REPLY, false, now) {
+            // A remote backend's reply, to the address and port its flow was SNATed to:
+            // from the frontend to the client, forwarded here (its new source is a node
+            // address or a frontend).
+            ct::HIT => return send_routed(ctx, s, pkt_stat::REPLY),
+            ct::INVALID => return out_of_window(s),
+            _ => {}
+        }
     }
     let fwd = found(s, ct_dir::FORWARD, false, now);
+    if fwd == ct::INVALID {
+        return out_of_window(s);
+    }
     if fwd == ct::HIT {
         if held_for_handover(s, now) {
             return SHOT;
@@ -496,7 +507,9 @@ fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
     // under externalTrafficPolicy Local.
-    if p.proto == IPPROTO_TCP && p.tcp_flags & TCP_SYN == 0 && svc.count != 0 {
+    // A SYN-ACK that no flow knows is no connection's start either: taken for one, a
+    // backend would answer a forged SYN-ACK, and the table would hold its entries.
+    if p.proto == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN && svc.count != 0 {
         return MIDSTREAM;
     }
     let caller = Packet {
@@ -537,10 +550,21 @@ fn ext_frontend(s: &mut Scratch, node: u32, now: u64) -> u32 {
 #[inline(always)]
 fn new_flow(f: &mut Flow, p: &Pkt, backend: &Endpoint, id: u32, flags: u16, now: u64) {
     f.key = ct::key_of(p, ct_dir::FORWARD);
+    // A TCP flow is unassured until the client acknowledges the backend's SYN-ACK, and its
+    // client's sequence numbers are tracked from its SYN (the reply's from the SYN-ACK).
+    let (flags, seq_end) = if p.proto == IPPROTO_TCP {
+        (
+            flags | ct_flags::UNASSURED | ct_flags::TRACKED,
+            p.seq().wrapping_add(p.seq_len()),
+        )
+    } else {
+        (flags, 0)
+    };
     f.fwd = CtValue {
         nat_addr: backend.addr,
         nat_port_be: backend.port_be,
         flags,
+        seq_end,
         id,
         ifindex: p.ifindex,
         last_seen_ns: now,
@@ -698,8 +722,10 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
         }
     }
     let mark = if answers_syn(&s.p) { ct::ANSWER } else { 0 };
-    if found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) != ct::HIT {
-        return OK;
+    match found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) {
+        ct::HIT => {}
+        ct::INVALID => return out_of_window(s),
+        _ => return OK,
     }
     // A local backend's reply, leaving: it comes from the frontend.
     to_stack(ctx, s, pkt_stat::REPLY)
@@ -736,6 +762,9 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     let fwd = found(s, ct_dir::FORWARD, true, now);
+    if fwd == ct::INVALID {
+        return out_of_window(s);
+    }
     if fwd == ct::HIT {
         if held_for_handover(s, now) {
             return SHOT;
@@ -744,7 +773,15 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
     // SNAT port. Not a SYN that found a closed flow (no reply), whose entry `s.v` holds.
-    if fwd != ct::CLOSED && in_snat_range(s.p.dport_be) && known(s, ct_dir::REPLY, true, now) {
+    let rep = if fwd != ct::CLOSED && in_snat_range(s.p.dport_be) {
+        found(s, ct_dir::REPLY, true, now)
+    } else {
+        ct::MISS
+    };
+    if rep == ct::INVALID {
+        return out_of_window(s);
+    }
+    if rep == ct::HIT {
         if s.dst.addr != s.p.saddr {
             // A backend pod's reply to another pod whose own port lies in the SNAT range: the
             // client's device restores the frontend, after the stack has forwarded the reply
@@ -854,8 +891,10 @@ pub fn pod_egress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = parse_or_pass(ctx, s, POD_EGRESS) {
         return verdict;
     }
-    if !known(s, ct_dir::REPLY, true, ct::NOW_ON_HIT) {
-        return OK;
+    match found(s, ct_dir::REPLY, true, ct::NOW_ON_HIT) {
+        ct::HIT => {}
+        ct::INVALID => return out_of_window(s),
+        _ => return OK,
     }
     // A reply to a pod: it comes from the ClusterIP the pod sent to.
     to_stack(ctx, s, pkt_stat::REPLY)

@@ -23,6 +23,7 @@ pub mod plot;
 pub mod probe;
 pub mod procs;
 pub mod profile;
+pub mod raw;
 pub mod report;
 pub mod rng;
 pub mod sandbox;

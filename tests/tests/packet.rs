@@ -2845,3 +2845,299 @@ fn devices_that_appear_and_disappear_are_followed() {
     assert!(t.bpffs.path().join("link_tc_tc_ext_ingress_eth0").exists());
     assert_eq!(t.node1_eth0_programs(), (1, 1));
 }
+
+// ---------------------------------------------------------------------------------------
+// Attacks from outside: spoofed segments from client 2's namespace, with sources of the
+// node network's own range that no namespace holds (the answers to them go nowhere).
+
+/// Sends `segments` from client 2's namespace through a raw socket.
+fn send_raw(t: &Topo, segments: Vec<svc_tests::raw::Segment>) {
+    in_ns(&t.client2, move || {
+        let sender = svc_tests::raw::Sender::new().expect("a raw socket");
+        for s in &segments {
+            sender.send(s).expect("sending a crafted segment");
+        }
+    });
+}
+
+/// An address of the node network no namespace holds.
+fn spoofed(i: u32) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(10, 77, 0, 150 + (i % 100) as u8)
+}
+
+/// Spoofed SYNs to a NodePort whose backend is on node 2 each take a SNAT port, and the
+/// backend answers each with a SYN-ACK that goes nowhere. Those flows stay unassured (the
+/// SYN timeout, 60 s) and a real client's new flow takes their ports: with 10 SNAT ports, 200
+/// spoofed SYNs do not keep 20 real connections out. Before, a SYN-ACK made a flow
+/// established (24 h) and every real connection timed out.
+#[test]
+fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&["--snat-port-range", "61000-61009"]);
+    let to = sa(NODE1, 30082);
+    let want = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    assert_eq!(
+        answered(&t.client, "TCP before", move || tcp_once(to, ANSWER)),
+        want
+    );
+
+    let node = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), 30082);
+    let syns = (0..200u32)
+        .map(|i| {
+            let src = std::net::SocketAddrV4::new(spoofed(i), 40000 + i as u16);
+            svc_tests::raw::Segment::new(src, node, svc_tests::raw::SYN, 0x1000_0000 + i, 0)
+        })
+        .collect();
+    send_raw(&t, syns);
+    // The backend's SYN-ACKs have come back through node 1 by now: every port is held.
+    std::thread::sleep(Duration::from_millis(500));
+
+    let failures = in_ns(&t.client, move || {
+        (0..20)
+            .filter_map(|_| tcp_once(to, ANSWER).err().map(|e| e.to_string()))
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        failures.is_empty(),
+        "real connections failed after spoofed SYNs: {failures:?}"
+    );
+}
+
+/// Every connection-tracking entry of the pinned map.
+fn ct_entries(t: &Topo) -> Vec<(svc_common::CtKey, svc_common::CtValue)> {
+    use std::os::fd::AsFd;
+    let store = svc_agent::datapath::open_pinned(t.bpffs.path()).expect("the pinned maps");
+    let ct = store.ct.as_ref().expect("the connection-tracking map");
+    svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT")
+}
+
+/// The entry of the flow whose packets carry `(src, dst)` in direction `dir`.
+fn ct_entry(t: &Topo, src: SocketAddr, dst: SocketAddr, dir: u8) -> Option<svc_common::CtValue> {
+    let a16 = |a: IpAddr| match a {
+        IpAddr::V4(v4) => svc_common::v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    ct_entries(t).into_iter().find_map(|(k, v)| {
+        (k.saddr == a16(src.ip())
+            && k.daddr == a16(dst.ip())
+            && k.sport_be == src.port().to_be()
+            && k.dport_be == dst.port().to_be()
+            && k.proto == svc_common::IPPROTO_TCP
+            && k.dir == dir)
+            .then_some(v)
+    })
+}
+
+/// 64 sequence numbers spread over the space and none within 2 MiB of `at` (where the
+/// datapath says the sender is): what a blind attacker sends, with no lucky guess.
+fn blind_seqs(at: u32) -> Vec<u32> {
+    (1..=64u32)
+        .map(|i| i.wrapping_mul(0x9e37_79b9))
+        .filter(|s| s.wrapping_sub(at).wrapping_add(1 << 21) > 1 << 22)
+        .collect()
+}
+
+/// Forged RSTs and FINs with sequence numbers a blind attacker would use close nothing: from
+/// a local backend's client's own tuple, RST+SYN pairs against a remote backend's flow (before,
+/// the SYN then took the closed tuple over and the backend reset the client), and RSTs from
+/// the remote backend's address to every SNAT port. Both idle connections go on, their
+/// entries stay open, no forged RST reaches a client, and each is counted. The clients' own
+/// RSTs still close their flows.
+#[test]
+fn forged_rsts_and_fins_close_no_connection() {
+    use svc_tests::raw::{Segment, ACK, FIN, RST, SYN};
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&[
+        "--snat-port-range",
+        "61000-61063",
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+    ]);
+    let (np_local, np_remote) = (sa(NODE1, 30081), sa(NODE1, 30082));
+    for to in [np_local, np_remote] {
+        answered(&t.client, "NodePort", move || tcp_once(to, ANSWER));
+    }
+    let (a, b) = in_ns(&t.client, move || {
+        let a = TcpStream::connect_timeout(&np_local, ANSWER).expect("connection A");
+        let b = TcpStream::connect_timeout(&np_remote, ANSWER).expect("connection B");
+        exchange(&a).expect("A's first exchange");
+        exchange(&b).expect("B's first exchange");
+        (a, b)
+    });
+    let (a_src, b_src) = (a.local_addr().unwrap(), b.local_addr().unwrap());
+    let v4 = |s: SocketAddr| match s {
+        SocketAddr::V4(s) => s,
+        SocketAddr::V6(_) => unreachable!("IPv4"),
+    };
+    let a_fwd = ct_entry(&t, a_src, np_local, 0).expect("A's FORWARD entry");
+    let b_fwd = ct_entry(&t, b_src, np_remote, 0).expect("B's FORWARD entry");
+    assert_ne!(
+        a_fwd.flags & svc_common::ct_flags::TRACKED,
+        0,
+        "A is tracked"
+    );
+    let b_snat = SocketAddr::new(ip(NODE1), u16::from_be(b_fwd.snat_port_be));
+    let pod2 = std::net::SocketAddrV4::new(POD2.parse().unwrap(), 8080);
+    let b_rep = ct_entry(&t, SocketAddr::V4(pod2), b_snat, 1).expect("B's REPLY entry");
+
+    let mut forged = Vec::new();
+    for seq in blind_seqs(a_fwd.seq_end) {
+        forged.push(Segment::new(v4(a_src), v4(np_local), RST, seq, 0));
+        forged.push(Segment::new(v4(a_src), v4(np_local), FIN | ACK, seq, 1));
+    }
+    for seq in blind_seqs(b_fwd.seq_end) {
+        forged.push(Segment::new(v4(b_src), v4(np_remote), RST | ACK, seq, 1));
+        forged.push(Segment::new(v4(b_src), v4(np_remote), SYN, seq, 0));
+    }
+    for port in 61000..=61063u16 {
+        let to = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), port);
+        for seq in blind_seqs(b_rep.seq_end).into_iter().take(4) {
+            forged.push(Segment::new(pod2, to, RST | ACK, seq, 1));
+        }
+    }
+    // The RSTs on the two flows' own tuples: each is dropped and counted (the others meet
+    // no flow, and the FINs and SYNs go on to the endpoints, which judge them).
+    let on_flows = forged
+        .iter()
+        .filter(|s| {
+            s.flags & RST != 0
+                && (s.src == v4(a_src) || s.src == v4(b_src) || s.dst.port() == b_snat.port())
+        })
+        .count();
+    send_raw(&t, forged);
+    std::thread::sleep(Duration::from_millis(300));
+
+    let a_fwd = ct_entry(&t, a_src, np_local, 0).expect("A's FORWARD entry");
+    let b_fwd = ct_entry(&t, b_src, np_remote, 0).expect("B's FORWARD entry");
+    let closing = svc_common::ct_flags::RST | svc_common::ct_flags::FIN;
+    assert_eq!(
+        a_fwd.flags & closing,
+        0,
+        "A marked closing: {:#x}",
+        a_fwd.flags
+    );
+    assert_eq!(
+        b_fwd.flags & closing,
+        0,
+        "B marked closing: {:#x}",
+        b_fwd.flags
+    );
+    let (a, b) = in_ns(&t.client, move || {
+        assert_eq!(exchange(&a).expect("A after the attack").backend, "pod1");
+        assert_eq!(exchange(&b).expect("B after the attack").backend, "pod2");
+        (a, b)
+    });
+    let dropped = metric(
+        &t,
+        "svc_packet_decisions_total{device=\"eth0\",reason=\"drop_tcp_window\"}",
+    );
+    assert!(
+        dropped as usize >= on_flows,
+        "{dropped} of the {on_flows} forged RSTs on the flows counted as outside their window"
+    );
+
+    // The clients' own RSTs close their flows.
+    in_ns(&t.client, move || {
+        exchange_and_reset(a, ANSWER).expect("A's last exchange");
+        exchange_and_reset(b, ANSWER).expect("B's last exchange");
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    for (src, to) in [(a_src, np_local), (b_src, np_remote)] {
+        let fwd = ct_entry(&t, src, to, 0).expect("the FORWARD entry");
+        assert_ne!(
+            fwd.flags & svc_common::ct_flags::RST,
+            0,
+            "{src}: the client's RST closes its flow"
+        );
+    }
+}
+
+/// An agent taking over from one whose connection-tracking map is of layout 1 (before
+/// sequence tracking) carries its flows over: a connection held open through a NodePort goes
+/// on. Layout 1's map is made here from what the running datapath holds, pinned where such an
+/// agent left it, and the newer pin removed, as an upgrade from that agent finds them.
+/// Without the carry the connection's next segment meets no flow, and the node resets it.
+#[test]
+fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
+    use std::os::fd::AsFd;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let np = sa(NODE1, 30081);
+    answered(&t.client, "NodePort", move || tcp_once(np, ANSWER));
+    let c = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+
+    let entries = ct_entries(&t);
+    assert!(!entries.is_empty());
+    let v1 = svc_agent::sys::map_create(
+        9, /* BPF_MAP_TYPE_LRU_HASH */
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValueV1>() as u32,
+        1024,
+        0,
+        "SVC_CT",
+    )
+    .expect("a map of layout 1");
+    let v1 = aya::maps::MapData::from_fd(v1).expect("the map");
+    {
+        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValueV1> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+                aya::maps::MapData::from_fd(v1.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
+            ))
+            .expect("the map");
+        for (k, v) in &entries {
+            let old = svc_common::CtValueV1 {
+                nat_addr: v.nat_addr,
+                snat_addr: v.snat_addr,
+                nat_port_be: v.nat_port_be,
+                snat_port_be: v.snat_port_be,
+                flags: v.flags & !(svc_common::ct_flags::TRACKED | svc_common::ct_flags::UNASSURED),
+                handing_s: v.handing_s,
+                id: v.id,
+                ifindex: v.ifindex,
+                last_seen_ns: v.last_seen_ns,
+            };
+            m.insert(k, old, 0).expect("a flow of layout 1");
+        }
+    }
+    let dir = t.bpffs.path().to_path_buf();
+    v1.pin(dir.join("SVC_CT_v1")).expect("pinning layout 1");
+    std::fs::remove_file(dir.join("SVC_CT_v2")).expect("removing layout 2's pin");
+
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 1 over"),
+        "{}",
+        t.agent().log()
+    );
+    let c = in_ns(&t.client, move || {
+        let a = exchange(&c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, "pod1");
+        c
+    });
+    drop(c);
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v1").exists()).then_some(()))
+    })
+    .expect("layout 1's pin removed once the programs switched");
+}
