@@ -6191,6 +6191,57 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             true,
         ),
     ));
+    // Fragments: what a later fragment of other traffic pays (a node-address check on the
+    // ingress, a record lookup that misses elsewhere), and a translated datagram's first
+    // fragment (its record written) and later one (its record read), for a known UDP flow.
+    let cf = "203.0.113.7:40072";
+    let (first, _) = fragmented(udp(cf, "192.0.2.10:30054"));
+    dp.run_on(ExtIngress, ingress, &first.bytes(), 1);
+    rows.push((
+        "later fragment through the node (not a node address)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "10.244.1.5:22")).1,
+            false,
+        ),
+    ));
+    rows.push((
+        "later fragment to a node address, no record",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| other_datagram(fragmented(udp(cf, "192.0.2.10:30054")).1),
+            false,
+        ),
+    ));
+    rows.push((
+        "later fragment leaving by the egress, no record",
+        single(
+            ExtEgress,
+            egress,
+            &|_| fragmented(udp("192.0.2.10:22", cf)).1,
+            false,
+        ),
+    ));
+    rows.push((
+        "known UDP flow, first fragment (its record written)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "192.0.2.10:30054")).0,
+            true,
+        ),
+    ));
+    rows.push((
+        "known UDP flow, later fragment (its record read, addresses rewritten)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "192.0.2.10:30054")).1,
+            true,
+        ),
+    ));
     // A client that reuses its ports (the connection loop's, or a load balancer's SNAT): a new
     // flow to the local backend on the tuple of a flow it reset a moment ago (not timed).
     let reused = |i: u16| format!("203.0.113.11:{}", 40_000 + i);
