@@ -112,7 +112,7 @@ pub fn record(ctx: &TcContext, p: &Pkt) {
         at_ns: crate::lb::clock_ns(),
     };
     // A full map evicts; a failed store leaves the later fragments to pass, counted.
-    let _ = SVC_FRAGS.insert(&key_of(p, id), &v, 0);
+    let _ = SVC_FRAGS.insert(key_of(p, id), v, 0);
 }
 
 /// The later fragment `p`: true with its datagram's ports filled in when its first fragment
@@ -125,7 +125,7 @@ pub fn resume(ctx: &TcContext, p: &mut Pkt) -> bool {
     let Some(id) = frag_id(ctx, p) else {
         return false;
     };
-    let Some(v) = SVC_FRAGS.get_ptr(&key_of(p, id)) else {
+    let Some(v) = SVC_FRAGS.get_ptr(key_of(p, id)) else {
         return false;
     };
     // SAFETY: a map value, copied at once.
