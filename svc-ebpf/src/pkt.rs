@@ -277,8 +277,8 @@ pub struct Upper {
 
 /// Walks IPv6 extension headers from `off`, whose type is `next`, to the upper-layer header.
 /// `L4` with `out` filled, `FRAGMENT` for a non-first fragment (`out` names what follows its
-/// Fragment header, which lies right before `out.off`), `UNPARSED` when a header cannot be read or there are more
-/// than `MAX_EXT_HEADERS`.
+/// Fragment header, which lies right before `out.off`), `UNPARSED` when a header cannot be
+/// read or there are more than `MAX_EXT_HEADERS`.
 #[inline(always)]
 pub fn ipv6_upper(ctx: &TcContext, off: u32, next: u8, out: &mut Upper) -> u32 {
     let mut off = off;
