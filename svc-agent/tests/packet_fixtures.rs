@@ -360,7 +360,8 @@ impl P {
                         Ext::Frag { offset, more } => {
                             ext.extend_from_slice(&[next, 0]);
                             ext.extend_from_slice(&((offset << 3) | *more as u16).to_be_bytes());
-                            ext.extend_from_slice(&0x0bad_cafeu32.to_be_bytes());
+                            // Its id from the IPv4 field's: one knob for both families.
+                            ext.extend_from_slice(&(0x0bad_0000 | self.id as u32).to_be_bytes());
                         }
                     }
                 }
@@ -2729,73 +2730,250 @@ fn ipv4_options_and_ipv6_extension_headers() {
     );
 }
 
-/// A first fragment carries the ports: translated (its checksum covers the whole datagram,
-/// updated incrementally); a later one cannot be matched: passed, counted.
+/// A datagram's fragments, as `fragmented` cuts them: the first carries the UDP header and
+/// the first 48 bytes of the payload; the later one the rest, from offset 56 (7 units of 8).
+const FRAG_PAYLOAD: usize = 100;
+
+/// The first fragment of a UDP datagram of `FRAG_PAYLOAD` bytes (IPv4 without DF, as a
+/// datagram that had to be fragmented is sent), and its later fragment with the same
+/// addresses and id (IPv4 identification 0x1234, IPv6 Fragment id 0x0bad1234).
+fn fragmented(p: P) -> (P, P) {
+    let big = vec![0x5a; FRAG_PAYLOAD];
+    let mut first = p.payload(big.clone()).cut(56);
+    first.df = false;
+    let mut later = P {
+        l4: L4::Raw {
+            proto: 17,
+            bytes: big[48..].to_vec(),
+        },
+        ..first.clone()
+    };
+    later.cut = None;
+    if first.v6() {
+        first.ext = vec![Ext::Frag {
+            offset: 0,
+            more: true,
+        }];
+        later.ext = vec![Ext::Frag {
+            offset: 7,
+            more: false,
+        }];
+        (first, later)
+    } else {
+        (first.frag(0, true), later.frag(7, false))
+    }
+}
+
+/// `fragmented`'s later fragment with another id: a datagram whose first fragment was not
+/// seen.
+fn other_datagram(mut later: P) -> P {
+    later.id ^= 0x0101;
+    later
+}
+
+/// UDP datagrams above the MTU through a NodePort, both ways: the first fragment is translated
+/// as before (ports, addresses, the UDP checksum of the whole datagram updated incrementally)
+/// and records its ports; the later fragment, which carries none, is translated like it from
+/// that record: addresses only, routed the same way (SNATed to node 2, and the reply back to
+/// the client), IPv4 header checksum right. A later fragment without a record (its first
+/// fragment not seen, or not translated, or not UDP) passes untouched, counted `fragment`.
 #[test]
 fn fragments() {
     let dp = world();
-    let c = "203.0.113.7:40040";
-    let c6 = "[2001:db8:c::7]:40040";
-    let big = vec![0x5a; 100];
-    let first = |p: P| p.payload(big.clone()).frag(0, true).cut(56);
-    let first6 = |p: P| {
-        p.payload(big.clone())
-            .ext(vec![Ext::Frag {
-                offset: 0,
-                more: true,
-            }])
-            .cut(56)
-    };
-    let later = |src: &str, dst: &str| {
-        P::new(
-            src,
-            dst,
-            L4::Raw {
-                proto: 17,
-                bytes: big[48..].to_vec(),
+    let _cpu = stay_on_this_cpu();
+    let mut rows = Vec::new();
+    for (c, np_local, local, np_remote, remote, snat, through, np_tcp) in [
+        (
+            "203.0.113.7:40040",
+            "192.0.2.10:30054",
+            "10.244.1.5:5353",
+            "192.0.2.10:30053",
+            "10.244.2.7:5353",
+            "192.0.2.10:61000",
+            "198.51.100.99:53",
+            "192.0.2.10:30080",
+        ),
+        (
+            "[2001:db8:c::7]:40040",
+            "[2001:db8::10]:30054",
+            "[fd00:244:1::5]:5353",
+            "[2001:db8::10]:30053",
+            "[fd00:244:2::7]:5353",
+            "[2001:db8::10]:61000",
+            "[2001:db8:77::99]:53",
+            "[2001:db8::10]:30080",
+        ),
+    ] {
+        let to_node2 = |p: P| p.macs(NODE2_MAC, EXT_MAC).ttl(63);
+        let leaving = |p: P| p.macs(GW_MAC, EXT_MAC);
+        let from_node2 = |p: P| p.macs(EXT_MAC, NODE2_MAC);
+
+        let (first, later) = fragmented(udp(c, np_local));
+        let (first_out, later_out) = fragmented(udp(c, local));
+        rows.push(row(
+            "local backend: the first fragment, DNATed",
+            ExtIngress,
+            first,
+            OK,
+            Packet(first_out),
+            Some(pkt_stat::NEW),
+        ));
+        rows.push(row(
+            "its later fragment: to the backend's address, by the first one's ports",
+            ExtIngress,
+            later.clone(),
+            OK,
+            Packet(later_out),
+            Some(pkt_stat::FRAGMENT_TRANSLATED),
+        ));
+        let (first, later) = fragmented(leaving(udp(local, c)));
+        let (first_out, later_out) = fragmented(leaving(udp(np_local, c)));
+        rows.push(row(
+            "the backend's fragmented reply: the first fragment from the NodePort",
+            ExtEgress,
+            first,
+            OK,
+            Packet(first_out),
+            Some(pkt_stat::REPLY),
+        ));
+        rows.push(row(
+            "its later fragment: from the node address too",
+            ExtEgress,
+            later,
+            OK,
+            Packet(later_out),
+            Some(pkt_stat::FRAGMENT_TRANSLATED),
+        ));
+
+        let (first, later) = fragmented(udp(c, np_remote));
+        let (first_out, later_out) = fragmented(to_node2(udp(snat, remote)));
+        rows.push(row(
+            "remote backend: the first fragment, DNATed and SNATed, routed to node 2",
+            ExtIngress,
+            first,
+            REDIRECT,
+            Packet(first_out),
+            Some(pkt_stat::NEW),
+        ));
+        rows.push(row(
+            "its later fragment: SNATed and routed the same way",
+            ExtIngress,
+            later,
+            REDIRECT,
+            Packet(later_out.clone()),
+            Some(pkt_stat::FRAGMENT_TRANSLATED),
+        ));
+        rows.push(row(
+            "that fragment leaving by the device it was sent to: translated already",
+            ExtEgress,
+            later_out,
+            OK,
+            Untouched,
+            None,
+        ));
+        let (first, later) = fragmented(from_node2(udp(remote, snat)));
+        let (first_out, later_out) = fragmented(leaving(udp(np_remote, c)).ttl(63));
+        rows.push(row(
+            "node 2's fragmented reply: the first fragment restored, routed to the client",
+            ExtIngress,
+            first,
+            REDIRECT,
+            Packet(first_out),
+            Some(pkt_stat::REPLY),
+        ));
+        rows.push(row(
+            "its later fragment: restored and routed the same way",
+            ExtIngress,
+            later,
+            REDIRECT,
+            Packet(later_out),
+            Some(pkt_stat::FRAGMENT_TRANSLATED),
+        ));
+
+        let (_, later) = fragmented(udp(c, np_local));
+        rows.push(row(
+            "a later fragment of a datagram whose first fragment was not seen: passed",
+            ExtIngress,
+            other_datagram(later),
+            OK,
+            Untouched,
+            Some(pkt_stat::FRAGMENT),
+        ));
+        let (first, later) = fragmented(udp(c, through));
+        rows.push(row(
+            "through the node: the first fragment is none of svc's",
+            ExtIngress,
+            first,
+            OK,
+            Untouched,
+            None,
+        ));
+        rows.push(row(
+            "and its later fragment passes",
+            ExtIngress,
+            later,
+            OK,
+            Untouched,
+            Some(pkt_stat::FRAGMENT),
+        ));
+        let (first, later) = fragmented(tcp(c, np_tcp, TCP_ACK).payload(vec![]));
+        rows.push(row(
+            "a TCP segment's later fragment is not recorded: passed",
+            ExtIngress,
+            P {
+                l4: L4::Raw {
+                    proto: 6,
+                    bytes: later.l4_bytes(),
+                },
+                ..later
             },
-        )
-    };
-    run_rows(
-        &dp,
-        vec![
-            row(
-                "IPv4 first fragment: translated",
-                ExtIngress,
-                first(udp(c, "192.0.2.10:30054")),
-                OK,
-                Packet(first(udp(c, "10.244.1.5:5353"))),
-                Some(pkt_stat::NEW),
-            ),
-            row(
-                "IPv4 later fragment: passed",
-                ExtIngress,
-                later("203.0.113.7:0", "192.0.2.10:0").frag(7, false),
-                OK,
-                Untouched,
-                Some(pkt_stat::FRAGMENT),
-            ),
-            row(
-                "IPv6 first fragment: translated",
-                ExtIngress,
-                first6(udp(c6, "[2001:db8::10]:30054")),
-                OK,
-                Packet(first6(udp(c6, "[fd00:244:1::5]:5353"))),
-                Some(pkt_stat::NEW),
-            ),
-            row(
-                "IPv6 later fragment: passed",
-                ExtIngress,
-                later("[2001:db8:c::7]:0", "[2001:db8::10]:0").ext(vec![Ext::Frag {
-                    offset: 7,
-                    more: false,
-                }]),
-                OK,
-                Untouched,
-                Some(pkt_stat::FRAGMENT),
-            ),
-        ],
-    );
+            OK,
+            Untouched,
+            Some(pkt_stat::FRAGMENT),
+        ));
+        drop(first);
+    }
+    // Per-packet ClusterIP on a pod device: the pod's fragmented request and its reply.
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    let to_pod = |p: P| p.macs(POD_MAC, POD_HOST_MAC);
+    let p0 = "10.244.1.5:50053";
+    let (first, later) = fragmented(pod(udp(p0, "10.96.0.12:53")));
+    let (first_out, later_out) = fragmented(pod(udp(p0, "10.244.2.7:5353")));
+    rows.push(row(
+        "pod device: the first fragment to a ClusterIP, DNATed",
+        PodIngress,
+        first,
+        OK,
+        Packet(first_out),
+        Some(pkt_stat::NEW),
+    ));
+    rows.push(row(
+        "its later fragment",
+        PodIngress,
+        later,
+        OK,
+        Packet(later_out),
+        Some(pkt_stat::FRAGMENT_TRANSLATED),
+    ));
+    let (first, later) = fragmented(to_pod(udp("10.244.2.7:5353", p0)));
+    let (first_out, later_out) = fragmented(to_pod(udp("10.96.0.12:53", p0)));
+    rows.push(row(
+        "the fragmented reply reaches the pod from the ClusterIP",
+        PodEgress,
+        first,
+        OK,
+        Packet(first_out),
+        Some(pkt_stat::REPLY),
+    ));
+    rows.push(row(
+        "its later fragment too",
+        PodEgress,
+        later,
+        OK,
+        Packet(later_out),
+        Some(pkt_stat::FRAGMENT_TRANSLATED),
+    ));
+    run_rows(&dp, rows);
 }
 
 /// ICMP errors about translated flows are translated: outer addresses, the quoted packet's
@@ -6104,6 +6282,57 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             ExtIngress,
             ingress,
             &|_| tcp("10.244.2.7:8080", &snat_dst, TCP_ACK),
+            true,
+        ),
+    ));
+    // Fragments: what a later fragment of other traffic pays (a node-address check on the
+    // ingress, a record lookup that misses elsewhere), and a translated datagram's first
+    // fragment (its record written) and later one (its record read), for a known UDP flow.
+    let cf = "203.0.113.7:40072";
+    let (first, _) = fragmented(udp(cf, "192.0.2.10:30054"));
+    dp.run_on(ExtIngress, ingress, &first.bytes(), 1);
+    rows.push((
+        "later fragment through the node (not a node address)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "10.244.1.5:22")).1,
+            false,
+        ),
+    ));
+    rows.push((
+        "later fragment to a node address, no record",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| other_datagram(fragmented(udp(cf, "192.0.2.10:30054")).1),
+            false,
+        ),
+    ));
+    rows.push((
+        "later fragment leaving by the egress, no record",
+        single(
+            ExtEgress,
+            egress,
+            &|_| fragmented(udp("192.0.2.10:22", cf)).1,
+            false,
+        ),
+    ));
+    rows.push((
+        "known UDP flow, first fragment (its record written)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "192.0.2.10:30054")).0,
+            true,
+        ),
+    ));
+    rows.push((
+        "known UDP flow, later fragment (its record read, addresses rewritten)",
+        single(
+            ExtIngress,
+            ingress,
+            &|_| fragmented(udp(cf, "192.0.2.10:30054")).1,
             true,
         ),
     ));

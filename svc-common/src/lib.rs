@@ -31,6 +31,10 @@ pub mod map_names {
     /// Not pinned (claims held only while a program runs: svc-ebpf's `ct::claim`), so not
     /// in `ALL`.
     pub const CT_CLAIMS: &str = "SVC_CT_CLAIMS";
+    /// Not pinned either: the ports of translated UDP datagrams whose later fragments are
+    /// still to come (svc-ebpf's `frag.rs`); a datagram in flight across an agent restart
+    /// loses its later fragments, as one the network loses.
+    pub const FRAGS: &str = "SVC_FRAGS";
     pub const ALL: [&str; 17] = [
         SERVICES,
         SLOTS,
@@ -651,8 +655,10 @@ pub mod pkt_stat {
     /// Passed untouched: a packet the parser could not read far enough (truncated, unknown
     /// extension headers); it is not ours to judge.
     pub const PASS_UNPARSED: u32 = 7;
-    /// A non-first IPv4/IPv6 fragment (it carries no ports, so it cannot be matched to a
-    /// flow): passed untouched.
+    /// A non-first IPv4/IPv6 fragment with no record of its datagram's ports: passed
+    /// untouched. Fragments of traffic svc does not translate, and of a translated UDP
+    /// datagram whose first fragment came later (out of order) or whose record is gone (the
+    /// fragment map full, or older than 30 s); see `FRAGMENT_TRANSLATED`.
     pub const FRAGMENT: u32 = 8;
     /// An ICMP error about a translated flow was translated too.
     pub const ICMP_ERROR: u32 = 9;
@@ -689,7 +695,11 @@ pub mod pkt_stat {
     /// Dropped: an RST of a known flow outside its sequence window (a blind, forged or stale
     /// one); the flow is not closed, as conntrack ignores such an RST.
     pub const DROP_TCP_WINDOW: u32 = 19;
-    pub const COUNT: u32 = 20;
+    /// A non-first fragment of a UDP datagram whose first fragment svc translated: found by
+    /// the record that fragment left (`SVC_FRAGS`) and translated as a packet of its flow
+    /// (addresses only: the ports and the UDP checksum are in the first fragment).
+    pub const FRAGMENT_TRANSLATED: u32 = 20;
+    pub const COUNT: u32 = 21;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -711,6 +721,7 @@ pub mod pkt_stat {
         "icmp_rate_limited",
         "drop_invalid_tcp",
         "drop_tcp_window",
+        "fragment_translated",
     ];
 }
 

@@ -5,6 +5,7 @@
 
 mod csum;
 mod ct;
+mod frag;
 mod fwd;
 mod gc;
 mod icmp;

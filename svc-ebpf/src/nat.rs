@@ -4,7 +4,9 @@ use crate::{
     csum,
     pkt::{Pkt, IPPROTO_ICMP, L3},
 };
-use aya_ebpf::{helpers::generated::bpf_skb_store_bytes, programs::TcContext};
+use aya_ebpf::{
+    bindings::BPF_F_RECOMPUTE_CSUM, helpers::generated::bpf_skb_store_bytes, programs::TcContext,
+};
 
 /// Which end of the tuple.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -48,9 +50,22 @@ pub fn set_addr(
     let off = addr_off(v6, L3, end);
     let pseudo = p.proto != IPPROTO_ICMP;
     if v6 {
+        let later = p.later_frag != 0;
         let d = csum::diff_addr(old, new);
-        csum::l4_diff(ctx, csum_off, d, csum::l4_flags(p.proto, true, true))
-            && store(ctx, off, new.as_ptr(), 16, 0)
+        // A later fragment has no L4 checksum here to take the change: skb->csum
+        // (CHECKSUM_COMPLETE) must.
+        (later || csum::l4_diff(ctx, csum_off, d, csum::l4_flags(p.proto, true, true)))
+            && store(
+                ctx,
+                off,
+                new.as_ptr(),
+                16,
+                if later {
+                    BPF_F_RECOMPUTE_CSUM as u64
+                } else {
+                    0
+                },
+            )
     } else {
         let (from, to) = (v4_word(old), v4_word(new));
         (!pseudo
@@ -75,7 +90,8 @@ pub fn set_addr(
 /// IPv4 packet forwarded so takes 4 calls where one field at a time took 13. The L4 checksum
 /// takes the addresses' change and the ports' apart: only a pseudo-header change also
 /// updates skb->csum for CHECKSUM_COMPLETE, and only it is applied to a CHECKSUM_PARTIAL
-/// packet's field.
+/// packet's field. A later fragment (`Pkt::later_frag`) has its addresses rewritten alone:
+/// its datagram's ports and L4 checksum lie in the first fragment, translated already.
 #[inline(never)]
 pub fn rewrite(ctx: &TcContext, p: &Pkt, src: &Endpoint, dst: &Endpoint, hop: bool) -> bool {
     let csum_off = p.csum_off();
@@ -96,7 +112,7 @@ pub fn rewrite(ctx: &TcContext, p: &Pkt, src: &Endpoint, dst: &Endpoint, hop: bo
     if !addrs {
         return false;
     }
-    if src.port_be == p.sport_be && dst.port_be == p.dport_be {
+    if p.later_frag != 0 || (src.port_be == p.sport_be && dst.port_be == p.dport_be) {
         return true;
     }
     let d = csum::add(
@@ -133,6 +149,7 @@ fn set_addrs_v4(ctx: &TcContext, p: &Pkt, s: u32, d: u32, csum_off: u32, hop: bo
     // ICMPv4's checksum covers no pseudo-header.
     if moved
         && p.proto != IPPROTO_ICMP
+        && p.later_frag == 0
         && !csum::l4_diff(ctx, csum_off, diff, csum::l4_flags(p.proto, false, true))
     {
         return false;

@@ -64,7 +64,8 @@ pub mod parsed {
     pub const OTHER: u32 = 2;
     /// Truncated or malformed: passed untouched, counted.
     pub const UNPARSED: u32 = 3;
-    /// A non-first fragment: no ports to translate by; passed, counted.
+    /// A non-first fragment: no ports of its own; its addresses, protocol and fragment id
+    /// are parsed (frag.rs finds the ports its first fragment carried, if translated).
     pub const FRAGMENT: u32 = 4;
     /// An ICMP or ICMPv6 error: what it quotes may be a translated flow.
     pub const ICMP_ERROR: u32 = 5;
@@ -92,6 +93,9 @@ pub struct Pkt {
     pub first_frag: u8,
     /// 1: the packet must not be fragmented (IPv4 DF; IPv6 always).
     pub df: u8,
+    /// 1: a non-first fragment (`parsed::FRAGMENT`): no L4 header at `l4_off`, and ports
+    /// only once frag.rs has found them.
+    pub later_frag: u8,
     /// The device the program runs on.
     pub ifindex: u32,
     /// IPv4 TTL or IPv6 hop limit.
@@ -227,10 +231,8 @@ fn parse_v4(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
         return parsed::UNPARSED;
     }
     let frag = be16([h[6], h[7]]);
-    if frag & 0x1fff != 0 {
-        return parsed::FRAGMENT;
-    }
-    p.first_frag = (frag & 0x2000 != 0) as u8;
+    let later = frag & 0x1fff != 0;
+    p.first_frag = (!later && frag & 0x2000 != 0) as u8;
     p.df = (frag & 0x4000 != 0) as u8;
     p.v6 = 0;
     p.proto = h[9];
@@ -246,6 +248,10 @@ fn parse_v4(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
     p.daddr[12..].copy_from_slice(&h[16..20]);
     p.ip_len = tot_len;
     p.l4_off = L3 + ihl;
+    if later {
+        p.later_frag = 1;
+        return parsed::FRAGMENT;
+    }
     match p.proto {
         IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMP => parsed::L4,
         _ => parsed::OTHER,
@@ -278,12 +284,16 @@ fn parse_v6(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
     p.ip_len = ip_len;
     let mut upper = Upper::default();
     let outcome = ipv6_upper(ctx, L3 + IPV6_HLEN, h[6], &mut upper);
-    if outcome != parsed::L4 {
+    if outcome != parsed::L4 && outcome != parsed::FRAGMENT {
         return outcome;
     }
     p.first_frag = upper.first_frag;
     p.proto = upper.proto;
     p.l4_off = upper.off;
+    if outcome == parsed::FRAGMENT {
+        p.later_frag = 1;
+        return outcome;
+    }
     match p.proto {
         IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMPV6 => parsed::L4,
         _ => parsed::OTHER,
@@ -299,8 +309,9 @@ pub struct Upper {
 }
 
 /// Walks IPv6 extension headers from `off`, whose type is `next`, to the upper-layer header.
-/// `L4` with `out` filled, `FRAGMENT` for a non-first fragment, `UNPARSED` when a header
-/// cannot be read or there are more than `MAX_EXT_HEADERS`.
+/// `L4` with `out` filled, `FRAGMENT` for a non-first fragment (`out` names what follows its
+/// Fragment header, which lies right before `out.off`), `UNPARSED` when a header cannot be
+/// read or there are more than `MAX_EXT_HEADERS`.
 #[inline(always)]
 pub fn ipv6_upper(ctx: &TcContext, off: u32, next: u8, out: &mut Upper) -> u32 {
     let mut off = off;
@@ -327,12 +338,14 @@ pub fn ipv6_upper(ctx: &TcContext, off: u32, next: u8, out: &mut Upper) -> u32 {
                     return parsed::UNPARSED;
                 }
                 let frag = be16([h[2], h[3]]);
+                next = h[0];
+                off += 8;
                 if frag & 0xfff8 != 0 {
+                    out.off = off;
+                    out.proto = next;
                     return parsed::FRAGMENT;
                 }
                 out.first_frag = (frag & 1) as u8;
-                next = h[0];
-                off += 8;
             }
             _ => {
                 out.off = off;

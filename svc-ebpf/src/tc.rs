@@ -40,7 +40,7 @@ use svc_common::{
 };
 
 use crate::{
-    ct, fwd, icmp, lb,
+    ct, frag, fwd, icmp, lb,
     maps::{count, dev_count, src_range_key, SVC_SRC_RANGES},
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
@@ -102,27 +102,34 @@ struct Hook {
     /// The external ingress forwards an error whose source became a frontend or SNAT
     /// address itself, as it does the flow's packets.
     routes: bool,
+    /// The external egress: a packet the ingress redirected here is translated already
+    /// (`scratch::Sent`).
+    sent: bool,
 }
 
 const EXT_INGRESS: Hook = Hook {
     icmp_dirs: icmp::FORWARD | icmp::REPLY,
     pod: false,
     routes: true,
+    sent: false,
 };
 const EXT_EGRESS: Hook = Hook {
     icmp_dirs: icmp::REPLY | icmp::ANSWERS,
     pod: false,
     routes: false,
+    sent: true,
 };
 const POD_INGRESS: Hook = Hook {
     icmp_dirs: icmp::FORWARD | icmp::HAIRPIN,
     pod: true,
     routes: false,
+    sent: false,
 };
 const POD_EGRESS: Hook = Hook {
     icmp_dirs: icmp::REPLY,
     pod: true,
     routes: false,
+    sent: false,
 };
 
 /// Parses the packet into `s.p`; `None` when it is a TCP or UDP packet to consider,
@@ -137,12 +144,41 @@ fn parse_or_pass(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
             dev_count(s.p.ifindex, pkt_stat::PASS_UNPARSED);
             Some(OK)
         }
-        parsed::FRAGMENT => {
-            dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
-            Some(OK)
-        }
+        parsed::FRAGMENT => later_fragment(ctx, s, hook),
         _ => Some(OK),
     }
+}
+
+/// A non-first fragment: `None` when its first fragment was translated (its ports are then in
+/// `s.p`), to go the way of its flow's packets; else passed (frag.rs).
+#[inline(always)]
+fn later_fragment(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
+    // On the external ingress only a packet to a node address can be a flow's, as below.
+    if (!hook.routes || lb::node_addr_flags(&s.p.daddr) != 0) && frag::resume(ctx, &mut s.p) {
+        return None;
+    }
+    if hook.sent {
+        if let Some(t) = scratch::sent() {
+            // Ports 0 on both sides: `note_sent` of a later fragment.
+            if t.ifindex == s.p.ifindex && is_sent(t, &s.p) {
+                t.ifindex = 0;
+                return Some(OK);
+            }
+        }
+    }
+    dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
+    Some(OK)
+}
+
+/// A later fragment that is no known flow's (its flow gone since its first fragment) starts
+/// none: passed, counted as one without a record.
+#[inline(always)]
+fn later_fragment_unknown(s: &Scratch) -> Option<i32> {
+    if s.p.later_frag == 0 {
+        return None;
+    }
+    dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
+    Some(OK)
 }
 
 /// An ICMP error: translated when it is about one of our flows. Only the external ingress
@@ -220,6 +256,14 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
         dev_count(s.p.ifindex, pkt_stat::ERR_REWRITE);
         return SHOT;
     }
+    if s.p.first_frag != 0 {
+        frag::record(ctx, &s.p);
+    }
+    let reason = if s.p.later_frag != 0 {
+        pkt_stat::FRAGMENT_TRANSLATED
+    } else {
+        reason
+    };
     dev_count(s.p.ifindex, reason);
     OK
 }
@@ -269,6 +313,11 @@ fn note_sent(s: &Scratch) {
         t.proto = s.p.proto as u32;
         t.src = s.src;
         t.dst = s.dst;
+        if s.p.later_frag != 0 {
+            // The egress sees no ports in it either.
+            t.src.port_be = 0;
+            t.dst.port_be = 0;
+        }
     }
 }
 
@@ -438,6 +487,9 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
             return to_stack(ctx, s, pkt_stat::CT_HIT);
         }
         return send_routed(ctx, s, pkt_stat::CT_HIT);
+    }
+    if let Some(verdict) = later_fragment_unknown(s) {
+        return verdict;
     }
     let closed = fwd == ct::CLOSED;
     let next = ext_frontend(s, node, now);
@@ -790,6 +842,9 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
             return OK;
         }
         return pod_send(ctx, s, pkt_stat::REPLY);
+    }
+    if let Some(verdict) = later_fragment_unknown(s) {
+        return verdict;
     }
     let closed = fwd == ct::CLOSED;
     let next = pod_frontend(s, now);

@@ -177,11 +177,17 @@ fn serve_tcp(l: TcpListener, name: &str, stop: &Arc<AtomicBool>) {
     }
 }
 
+/// Answers a datagram with `NAME SEEN-CLIENT-ADDRESS`, padded with spaces to the request's
+/// length when that is longer: a request above the MTU gets a reply above it.
 fn serve_udp(s: UdpSocket, name: &str, stop: &Arc<AtomicBool>) {
-    let mut buf = [0u8; 2048];
+    let mut buf = vec![0u8; 65536];
     while !stop.load(Ordering::Relaxed) {
-        if let Ok((_, from)) = s.recv_from(&mut buf) {
-            let _ = s.send_to(format!("{name} {}", from.ip()).as_bytes(), from);
+        if let Ok((n, from)) = s.recv_from(&mut buf) {
+            let mut answer = format!("{name} {}", from.ip()).into_bytes();
+            if answer.len() < n {
+                answer.resize(n, b' ');
+            }
+            let _ = s.send_to(&answer, from);
         }
     }
 }
@@ -2635,6 +2641,215 @@ fn path_mtu_discovery_through_a_nodeport() {
         let route = t.client.ip(["route", "get", node]).expect("ip route get");
         assert!(route.contains("mtu 1280"), "{node}: {route}");
     }
+}
+
+/// One exchange of a `size`-byte datagram with `to` from `s`: the answer must come from `to`
+/// and be `size` bytes long too.
+fn udp_sized(s: &UdpSocket, to: SocketAddr, size: usize) -> std::io::Result<Answer> {
+    s.send_to(&vec![b'x'; size], to)?;
+    let mut buf = vec![0u8; 65536];
+    let (n, from) = s.recv_from(&mut buf)?;
+    if from != to || n != size {
+        return Err(std::io::Error::other(format!(
+            "{n} bytes from {from}, not {size} from {to}"
+        )));
+    }
+    parse_answer(&String::from_utf8_lossy(&buf[..n]))
+}
+
+/// `udp_sized` from a socket of its own.
+fn udp_sized_once(to: SocketAddr, size: usize, timeout: Duration) -> std::io::Result<Answer> {
+    let any: SocketAddr = if to.is_ipv4() {
+        "0.0.0.0:0".parse().unwrap()
+    } else {
+        "[::]:0".parse().unwrap()
+    };
+    let s = UdpSocket::bind(any)?;
+    s.set_read_timeout(Some(timeout))?;
+    udp_sized(&s, to, size)
+}
+
+/// 3,000-byte UDP requests and replies, above every link's MTU (1,500): the client sends its
+/// request in fragments, the backend its reply, and node 1 (which reassembles nothing) must
+/// translate every fragment, not the first alone, or the datagram is never completed. Through
+/// a NodePort to a backend on node 1 (DNAT only; the reply translated leaving eth0) and to one
+/// on node 2 (SNATed and routed both ways by the programs), IPv4 and IPv6; a small datagram of
+/// the same flow works before and after.
+#[test]
+fn fragmented_udp_through_a_nodeport() {
+    let mut t = Topo::new();
+    t.service("fraglocal", nodeport("fraglocal", 71, 30071));
+    t.endpoints("fraglocal", &[LOCAL_POD]);
+    t.service("fragremote", nodeport("fragremote", 72, 30072));
+    t.endpoints("fragremote", &[REMOTE_POD]);
+    t.start_agent();
+    let mut failures = Vec::new();
+    for node in [NODE1, NODE1_6] {
+        for (port, backend) in [(30071, "pod1"), (30072, "pod2")] {
+            let to = sa(node, port);
+            answered(&t.client, &format!("UDP to {to}"), move || {
+                udp_once(to, ANSWER)
+            });
+            let got = in_ns(&t.client, move || udp_sized_once(to, 3000, ANSWER));
+            match got {
+                Ok(a) if a.backend == backend => {}
+                other => failures.push(format!("3,000 bytes to {to}: {other:?}")),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// An ICMP fragmentation needed (IPv4, MTU 576) or packet too big (IPv6, MTU 1280), forged by
+/// a third party (client 2) about a client's UDP flow through a NodePort: svc translates it
+/// for the backend (as it must, for real path MTU discovery), whose kernel then fragments
+/// its replies to the client for the next 10 minutes. The flow must go on: its 1,400-byte
+/// replies now come in fragments, and node 1 translates each.
+#[test]
+fn a_forged_path_mtu_error_does_not_stop_a_udp_flow() {
+    let mut t = Topo::new();
+    t.service("pmtu", nodeport("pmtu", 73, 30073));
+    t.endpoints("pmtu", &[LOCAL_POD]);
+    t.start_agent();
+    for (node, client, pod) in [(NODE1, CLIENT, POD1), (NODE1_6, CLIENT6, POD1_6)] {
+        let to = sa(node, 30073);
+        answered(&t.client, &format!("UDP to {to}"), move || {
+            udp_once(to, ANSWER)
+        });
+        let s = in_ns(&t.client, move || {
+            let any = if to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+            let s = UdpSocket::bind(any.parse::<SocketAddr>().unwrap()).expect("bind");
+            s.set_read_timeout(Some(ANSWER)).unwrap();
+            s
+        });
+        let got = udp_sized(&s, to, 1400).unwrap_or_else(|e| panic!("before, {to}: {e}"));
+        assert_eq!(got.backend, "pod1");
+        let cport = s.local_addr().expect("local address").port();
+        in_ns(&t.client2, move || forge_mtu_error(to, sa(client, cport)))
+            .unwrap_or_else(|e| panic!("sending the forged error: {e}"));
+        // The backend took it: its route to the client now has the small MTU.
+        let want = if to.is_ipv4() { "mtu 576" } else { "mtu 1280" };
+        poll(Duration::from_secs(5), || {
+            let route = t.pod1.ip(["route", "get", client])?;
+            Ok(route.contains(want).then_some(()))
+        })
+        .unwrap_or_else(|e| panic!("{pod}'s route to {client} never got {want}: {e:#}"));
+        let mut answers = 0;
+        for _ in 0..3 {
+            match udp_sized(&s, to, 1400) {
+                Ok(a) if a.backend == "pod1" => answers += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(
+            answers, 3,
+            "1,400-byte exchanges with {to} after the forged error"
+        );
+    }
+}
+
+/// Sends from this namespace to the NodePort address of `frontend` an ICMP fragmentation
+/// needed (MTU 576) / ICMPv6 packet too big (MTU 1280) quoting the flow's reply, as it left
+/// node 1: from `frontend` to `client`, 1,400 bytes of UDP.
+fn forge_mtu_error(frontend: SocketAddr, client: SocketAddr) -> std::io::Result<()> {
+    let udp_len: u16 = 1408;
+    let mut quote = Vec::new();
+    match (frontend.ip(), client.ip()) {
+        (IpAddr::V4(f), IpAddr::V4(c)) => {
+            let mut h = vec![0x45, 0];
+            h.extend_from_slice(&(20 + udp_len).to_be_bytes());
+            h.extend_from_slice(&[0, 0, 0x40, 0, 63, 17, 0, 0]);
+            h.extend_from_slice(&f.octets());
+            h.extend_from_slice(&c.octets());
+            let c = inet_checksum(&h);
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            quote.extend_from_slice(&h);
+        }
+        (IpAddr::V6(f), IpAddr::V6(c)) => {
+            quote.extend_from_slice(&[0x60, 0, 0, 0]);
+            quote.extend_from_slice(&udp_len.to_be_bytes());
+            quote.extend_from_slice(&[17, 63]);
+            quote.extend_from_slice(&f.octets());
+            quote.extend_from_slice(&c.octets());
+        }
+        _ => return Err(std::io::Error::other("mixed families")),
+    }
+    quote.extend_from_slice(&frontend.port().to_be_bytes());
+    quote.extend_from_slice(&client.port().to_be_bytes());
+    quote.extend_from_slice(&udp_len.to_be_bytes());
+    quote.extend_from_slice(&[0, 0]);
+    let (domain, proto, mut msg) = if frontend.is_ipv4() {
+        // Type 3 code 4, next-hop MTU 576.
+        (
+            libc::AF_INET,
+            libc::IPPROTO_ICMP,
+            vec![3, 4, 0, 0, 0, 0, 2, 64],
+        )
+    } else {
+        // Type 2, MTU 1280; the kernel fills in an ICMPv6 raw socket's checksum.
+        (
+            libc::AF_INET6,
+            libc::IPPROTO_ICMPV6,
+            vec![2, 0, 0, 0, 0, 0, 5, 0],
+        )
+    };
+    msg.extend_from_slice(&quote);
+    if frontend.is_ipv4() {
+        let c = inet_checksum(&msg);
+        msg[2..4].copy_from_slice(&c.to_be_bytes());
+    }
+    // SAFETY: plain socket calls on a descriptor owned here; the buffers outlive them.
+    unsafe {
+        let fd = libc::socket(domain, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd);
+        let sent = match frontend.ip() {
+            IpAddr::V4(a) => {
+                let mut sin: libc::sockaddr_in = std::mem::zeroed();
+                sin.sin_family = libc::AF_INET as libc::sa_family_t;
+                sin.sin_addr.s_addr = u32::from_ne_bytes(a.octets());
+                libc::sendto(
+                    fd.as_raw_fd(),
+                    msg.as_ptr().cast(),
+                    msg.len(),
+                    0,
+                    (&sin as *const libc::sockaddr_in).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
+            }
+            IpAddr::V6(a) => {
+                let mut sin6: libc::sockaddr_in6 = std::mem::zeroed();
+                sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                sin6.sin6_addr.s6_addr = a.octets();
+                libc::sendto(
+                    fd.as_raw_fd(),
+                    msg.as_ptr().cast(),
+                    msg.len(),
+                    0,
+                    (&sin6 as *const libc::sockaddr_in6).cast(),
+                    std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                )
+            }
+        };
+        if sent < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The Internet checksum (RFC 1071) of `b`.
+fn inet_checksum(b: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for c in b.chunks(2) {
+        sum += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32;
+    }
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
 }
 
 /// What came back for a datagram sent with a given TTL: the backend's answer, or an ICMP
