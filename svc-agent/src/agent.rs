@@ -284,7 +284,8 @@ impl Agent {
 
     fn record_input_errors(&self, errors: &[Error]) {
         for e in errors {
-            warn!("skipped: {e}");
+            // Input errors quote names, file names and document text as they came.
+            warn!("skipped: {}", crate::names::Escaped(&e.to_string()));
             self.metrics.error(e);
         }
     }

@@ -194,6 +194,58 @@ fn list_into_a_closed_pipe_does_not_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// Issue 33, item 10: names the API server would refuse are refused: a namespace of terminal
+/// escape sequences and a name with a newline that would forge a log line. The good Service
+/// still serves; the log names the bad ones escaped; `svc-agent list` never shows them.
+#[test]
+fn hostile_names_are_refused_and_never_printed_raw() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        let mut ns = Service::new("demo", "x", "10.96.0.41")
+            .port(ServicePort::tcp(80).target(8080))
+            .to_value();
+        ns["metadata"]["namespace"] = "evil\u{1b}[2J\u{1b}[31m".into();
+        m.write_value("evil-namespace.yaml", &ns).unwrap();
+        let mut name = Service::new("demo", "x", "10.96.0.42")
+            .port(ServicePort::tcp(80).target(8080))
+            .to_value();
+        name["metadata"]["name"] = "x\nFORGED ERROR all Services deleted".into();
+        m.write_value("evil-name.yaml", &name).unwrap();
+    });
+    web_answers(&w).unwrap();
+    logged(
+        &w,
+        "Service evil\\u{1b}[2J\\u{1b}[31m/x: metadata.namespace is not",
+    );
+    logged(
+        &w,
+        "Service demo/x\\nFORGED ERROR all Services deleted: metadata.name is not",
+    );
+    let log = w.agent.log();
+    assert!(!log.contains('\u{1b}'), "{log:?}");
+    assert!(
+        !log.lines().any(|l| l.starts_with("FORGED")),
+        "a forged line:\n{log}"
+    );
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.41:80/TCP").is_none(), "{list:?}");
+    assert!(list.frontend("10.96.0.42:80/TCP").is_none(), "{list:?}");
+    let out = std::process::Command::new(&w.sb.tools.agent)
+        .args(["list", "--bpffs"])
+        .arg(w.bpffs.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("demo/web:http"), "{text}");
+    assert!(
+        !text.chars().any(|c| c.is_control() && c != '\n'),
+        "{text:?}"
+    );
+    assert!(!text.contains("FORGED"), "{text}");
+}
+
 /// A cgroup sock_addr program that allows everything: someone else's program on svc's hook.
 struct ForeignProgram {
     prog: std::os::fd::OwnedFd,

@@ -50,15 +50,14 @@ impl<T> Named<T> {
         }
     }
 
-    /// "path: document N" or "path: document N, item M", for log lines.
+    /// "path: document N" or "path: document N, item M", for log lines (a file name can
+    /// hold a newline, so it is escaped).
     pub fn origin(&self) -> String {
+        let path = self.path.display().to_string();
+        let path = crate::names::escape(&path);
         match self.item {
-            Some(item) => format!(
-                "{}: document {}, item {item}",
-                self.path.display(),
-                self.doc
-            ),
-            None => format!("{}: document {}", self.path.display(), self.doc),
+            Some(item) => format!("{path}: document {}, item {item}", self.doc),
+            None => format!("{path}: document {}", self.doc),
         }
     }
 }
@@ -369,7 +368,7 @@ impl ManifestSource {
         let mut out = Loaded::default();
         parse_file(&path, &bytes, &self.limits, &mut out);
         debug!(
-            file = %path.display(),
+            file = %crate::names::Escaped(&path.display().to_string()),
             services = out.services.len(),
             slices = out.slices.len(),
             errors = out.errors.len(),

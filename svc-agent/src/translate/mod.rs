@@ -161,6 +161,44 @@ where
     keyed.into_iter().map(|(_, o)| o).collect()
 }
 
+/// The API server's rules for a Service's or an EndpointSlice's namespace and name: an object
+/// that breaks them never reaches kube-proxy, and a manifest's must not reach the maps, `svc-agent
+/// list` or the logs either (a name with a newline would forge a log line). The error names
+/// the object escaped.
+fn check_key(key: &ObjectKey, kind: &str, name_ok: fn(&str) -> bool, rule: &str) -> Option<Error> {
+    let object = || format!("{kind} {}", crate::names::escape(&key.to_string()));
+    if !crate::names::is_dns1123_label(key.namespace()) {
+        return Some(invalid(
+            &object(),
+            format!(
+                "metadata.namespace is not a DNS-1123 label ({DNS_LABEL_RULE}); {kind} ignored"
+            ),
+        ));
+    }
+    if !name_ok(key.name()) {
+        return Some(invalid(
+            &object(),
+            format!("metadata.name is not {rule}; {kind} ignored"),
+        ));
+    }
+    None
+}
+
+/// What a DNS-1123 label is, for error messages.
+const DNS_LABEL_RULE: &str =
+    "at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit";
+
+/// A port name the API server would refuse (DNS-1123 label), or None.
+fn check_port_name(name: Option<&str>, kind: &str) -> Option<String> {
+    let name = name.filter(|n| !n.is_empty())?;
+    (!crate::names::is_dns1123_label(name)).then(|| {
+        format!(
+            "port \"{}\": name is not a DNS-1123 label ({DNS_LABEL_RULE}); {kind} ignored",
+            crate::names::escape(name)
+        )
+    })
+}
+
 fn invalid(object: &str, message: impl Into<String>) -> Error {
     Error::Invalid {
         object: object.to_string(),
