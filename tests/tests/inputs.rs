@@ -194,6 +194,34 @@ fn list_into_a_closed_pipe_does_not_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// Issue 33, item 9: a file added later that defines the serving EndpointSlice again (with
+/// another backend, in a file whose name sorts first) does not take it over: the Service keeps
+/// its backend, and the log says which definition serves.
+#[test]
+fn a_new_file_cannot_take_over_a_serving_endpoint_slice() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    assert_eq!(names(&w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap()), set(&["b1"]));
+    let again = web_slice(&w.sb, &[2], &[]);
+    w.m.write_value("00-again.yaml", &again.to_value()).unwrap();
+    logged(
+        &w,
+        &format!(
+            "EndpointSlice demo/{}: defined again in {}: document 1; the definition in {}",
+            again.name,
+            w.m.dir().join("00-again.yaml").display(),
+            w.m.dir().join(again.file_name()).display()
+        ),
+    );
+    for _ in 0..3 {
+        let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+        assert!(r.all_ok(), "{r:?}");
+        assert_eq!(names(&r), set(&["b1"]), "{}", w.agent.log());
+    }
+}
+
 /// Issue 33, item 10: names the API server would refuse are refused: a namespace of terminal
 /// escape sequences and a name with a newline that would forge a log line. The good Service
 /// still serves; the log names the bad ones escaped; `svc-agent list` never shows them.

@@ -33,6 +33,8 @@ impl Family {
 
 pub(super) struct SliceInfo {
     pub key: ObjectKey,
+    /// metadata.creationTimestamp: of two manifests defining one slice, the older serves.
+    pub created: Option<k8s_openapi::jiff::Timestamp>,
     /// The Service this slice belongs to, in `key.namespace`.
     pub service: String,
     pub family: Family,
@@ -177,6 +179,7 @@ pub(super) fn parse(
     let endpoints = parse_endpoints(slice, family, &object, errors);
     Some(SliceInfo {
         key,
+        created: meta.creation_timestamp.as_ref().map(|t| t.0),
         service,
         family,
         ports,

@@ -213,10 +213,11 @@ pub struct ParsedService(ServiceInfo);
 /// An EndpointSlice reduced to what kube-proxy's rules read.
 pub struct ParsedSlice(SliceInfo);
 
-/// "namespace/name" of a parsed object.
+/// "namespace/name" of a parsed object, and its creationTimestamp.
 pub trait Keyed {
     fn namespace(&self) -> &str;
     fn name(&self) -> &str;
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp>;
 }
 
 impl Keyed for ParsedService {
@@ -226,6 +227,9 @@ impl Keyed for ParsedService {
     fn name(&self) -> &str {
         self.0.key.name()
     }
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp> {
+        self.0.created
+    }
 }
 
 impl Keyed for ParsedSlice {
@@ -234,6 +238,9 @@ impl Keyed for ParsedSlice {
     }
     fn name(&self) -> &str {
         self.0.key.name()
+    }
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp> {
+        self.0.created
     }
 }
 
