@@ -502,6 +502,13 @@ impl Agent {
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
             node_failing: self.node_retry.is_some(),
+            unserved: self
+                .desired
+                .state
+                .unserved
+                .values()
+                .flat_map(|ports| ports.iter().cloned())
+                .collect(),
         }
     }
 

@@ -164,6 +164,7 @@ impl Desired {
                 touched.insert(fe);
             }
             self.state.health_checks.remove(owner);
+            self.state.unserved.remove(owner);
         }
         self.state.contested.retain(|_, claims| {
             claims.retain(|d| !owners.contains(&d.owner));
@@ -173,6 +174,7 @@ impl Desired {
             self.state.contested.entry(fe).or_default().extend(claims);
         }
         self.state.health_checks.extend(translated.health_checks);
+        self.state.unserved.extend(translated.unserved);
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
                 errors.push(Error::Invalid {

@@ -554,6 +554,11 @@ pub fn assemble_with<'a>(
             }
             at = end;
         }
+        if !svc.unserved.is_empty() {
+            state
+                .unserved
+                .insert(svc.key.to_string(), svc.unserved.clone());
+        }
         if svc.health_check_node_port != 0 {
             let mut local_endpoints = [None; 2];
             for ip in &svc.cluster_ips {

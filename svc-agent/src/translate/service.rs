@@ -30,6 +30,9 @@ pub(super) struct ServiceInfo {
     /// At most one address per family, in spec order.
     pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<ServicePortInfo>,
+    /// Ports svc cannot serve (SCTP), as "namespace/name:port 3868/SCTP": named on /healthz
+    /// for as long as the Service has them. Empty for nearly every Service, so boxed.
+    pub unserved: Box<[String]>,
     pub affinity_timeout_s: Option<u32>,
     pub internal_local: bool,
     /// externalTrafficPolicy: Local, for a Service reachable from outside (kube-proxy's
@@ -175,6 +178,16 @@ pub(super) fn parse(
             ServiceType::ClusterIP
         }
     };
+    let unserved = spec
+        .ports
+        .iter()
+        .flatten()
+        .filter(|p| p.protocol.as_deref() == Some("SCTP"))
+        .map(|p| match p.name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => format!("{key}:{name} {}/SCTP", p.port),
+            None => format!("{key} {}/SCTP", p.port),
+        })
+        .collect();
     let ports = parse_ports(
         spec.ports.as_deref().unwrap_or_default(),
         kind,
@@ -235,6 +248,7 @@ pub(super) fn parse(
         created: meta.creation_timestamp.as_ref().map(|t| t.0),
         cluster_ips,
         ports,
+        unserved,
         affinity_timeout_s,
         internal_local,
         external_local,

@@ -822,6 +822,37 @@ fn bad_ports_are_errors_for_that_port_only() {
     );
 }
 
+/// Issue 33, item 12: SCTP ports are not served, and the desired state names them (for
+/// /healthz), even on a Service with no other port.
+#[test]
+fn sctp_ports_are_named_as_not_served() {
+    let t = run(
+        &[
+            cluster_ip(
+                "a/web",
+                "10.96.0.1",
+                "[{name: http, port: 80}, {name: sig, port: 3868, protocol: SCTP}]",
+            ),
+            cluster_ip("a/only", "10.96.0.2", "[{port: 9, protocol: SCTP}]"),
+        ],
+        &[],
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+    let unserved: Vec<(&str, Vec<&str>)> = t
+        .state
+        .unserved
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.iter().map(String::as_str).collect()))
+        .collect();
+    assert_eq!(
+        unserved,
+        [
+            ("a/only", vec!["a/only 9/SCTP"]),
+            ("a/web", vec!["a/web:sig 3868/SCTP"])
+        ]
+    );
+}
+
 #[test]
 fn bad_cluster_ips_are_errors_naming_the_service_and_others_still_work() {
     let t = run(
