@@ -242,13 +242,20 @@ fn hostile_names_are_refused_and_never_printed_raw() {
         m.write_value("evil-name.yaml", &name).unwrap();
     });
     web_answers(&w).unwrap();
+    let dir = w.m.dir().display().to_string();
     logged(
         &w,
-        "Service evil\\u{1b}[2J\\u{1b}[31m/x: metadata.namespace is not",
+        &format!(
+            "skipped: Service evil\\u{{1b}}[2J\\u{{1b}}[31m/x ({dir}/evil-namespace.yaml: \
+             document 1): metadata.namespace is not a DNS-1123 label"
+        ),
     );
     logged(
         &w,
-        "Service demo/x\\nFORGED ERROR all Services deleted: metadata.name is not",
+        &format!(
+            "skipped: Service demo/x\\nFORGED ERROR all Services deleted ({dir}/evil-name.yaml: \
+             document 1): metadata.name is not a DNS-1123 label"
+        ),
     );
     let log = w.agent.log();
     assert!(!log.contains('\u{1b}'), "{log:?}");
