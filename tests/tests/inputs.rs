@@ -281,6 +281,60 @@ fn hostile_names_are_refused_and_never_printed_raw() {
     assert!(!text.contains("FORGED"), "{text}");
 }
 
+/// Issue 33, item 12: an SCTP Service port is not served, and says so: the warning, a problem
+/// on /healthz (which stays 200: every node lacks SCTP alike), and a gauge in /metrics; the
+/// Service's TCP port and the other Services serve.
+#[test]
+fn sctp_ports_are_named_on_healthz_and_counted() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    };
+    let (healthz, metrics) = (free(), free());
+    let flags = [
+        format!("--healthz-bind-address={healthz}"),
+        format!("--metrics-bind-address={metrics}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let w = World::start_with(2, &[8080], &flags, |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        let mut mixed = Service::new("demo", "dia", "10.96.0.43")
+            .port(ServicePort::tcp(80).name("http").target(8080))
+            .to_value();
+        mixed["spec"]["ports"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"name": "dia", "port": 3868, "protocol": "SCTP"}));
+        m.write_value("svc-demo-dia.yaml", &mixed).unwrap();
+    });
+    web_answers(&w).unwrap();
+    logged(
+        &w,
+        "port \"dia\" 3868/SCTP: SCTP is not supported yet; skipped",
+    );
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.43:80/TCP").is_some(), "{list:?}");
+    assert!(list.frontend("10.96.0.43:3868/SCTP").is_none(), "{list:?}");
+    let (status, body) = svc_tests::agent::http_get(healthz, "/healthz").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(
+            "1 Service ports not served (svc does not serve SCTP): demo/dia:dia 3868/SCTP"
+        ),
+        "{body}"
+    );
+    let (status, body) = svc_tests::agent::http_get(metrics, "/metrics").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.lines()
+            .any(|l| l == "svc_service_ports_not_served{protocol=\"SCTP\"} 1"),
+        "{body}"
+    );
+}
+
 /// A cgroup sock_addr program that allows everything: someone else's program on svc's hook.
 struct ForeignProgram {
     prog: std::os::fd::OwnedFd,
