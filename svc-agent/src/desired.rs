@@ -285,6 +285,30 @@ mod tests {
         );
     }
 
+    /// As the Kubernetes API source syncs: a Service's SCTP ports stay named while it has
+    /// them, whatever other Services change, and go with the Service or the ports.
+    #[test]
+    fn unserved_ports_follow_their_service_through_partial_syncs() {
+        let ports = |owner: &str| -> Box<[String]> { Box::new([format!("{owner} 9/SCTP")]) };
+        let mut full = DesiredState::default();
+        full.unserved.insert("ns/a".into(), ports("ns/a"));
+        full.unserved.insert("ns/b".into(), ports("ns/b"));
+        let mut desired = Desired::from_full(full);
+        let named = |d: &Desired| d.state.unserved.keys().cloned().collect::<Vec<_>>();
+        let only_a = BTreeSet::from(["ns/a".to_string()]);
+        desired.replace(
+            &BTreeSet::from(["ns/c".to_string()]),
+            DesiredState::default(),
+        );
+        assert_eq!(named(&desired), ["ns/a", "ns/b"]);
+        desired.replace(&only_a, DesiredState::default());
+        assert_eq!(named(&desired), ["ns/b"]);
+        let mut again = DesiredState::default();
+        again.unserved.insert("ns/a".into(), ports("ns/a"));
+        desired.replace(&only_a, again);
+        assert_eq!(named(&desired), ["ns/a", "ns/b"]);
+    }
+
     #[test]
     fn replacing_one_service_leaves_the_others() {
         let a = d("ns/a", "10.96.0.1", 80);
