@@ -284,7 +284,8 @@ impl Agent {
 
     fn record_input_errors(&self, errors: &[Error]) {
         for e in errors {
-            warn!("skipped: {e}");
+            // Input errors quote names, file names and document text as they came.
+            warn!("skipped: {}", crate::names::Escaped(&e.to_string()));
             self.metrics.error(e);
         }
     }
@@ -501,6 +502,13 @@ impl Agent {
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
             node_failing: self.node_retry.is_some(),
+            unserved: self
+                .desired
+                .state
+                .unserved
+                .values()
+                .flat_map(|ports| ports.iter().cloned())
+                .collect(),
         }
     }
 
@@ -901,10 +909,11 @@ fn test_pause() -> Option<Duration> {
 }
 
 /// Of several definitions of one object, the one that serves now: from the file that served
-/// it when it was last defined twice, else the one whose frontends are programmed for it
-/// (after a restart too), else the first file by name. So adding a file never takes an object
-/// over. `served_from` remembers files for objects that have been defined twice only: the
-/// common case costs no memory.
+/// it when it was last defined twice, else the one its file has defined for longest (it
+/// served before the other came), else (both came in one load, as after a restart) the one
+/// whose frontends are programmed for it, else the older by creationTimestamp, else the first
+/// file by name. So adding a file never takes an object over. `served_from` remembers files
+/// for objects that have been defined twice only: the common case costs no memory.
 fn one_definition_each<'a, T: Keyed>(
     kind: &'static str,
     objects: Vec<&'a Named<T>>,
@@ -929,7 +938,15 @@ fn one_definition_each<'a, T: Keyed>(
         let first = kept[at];
         let owner = format!("{ns}/{name}");
         let served = served_from.get(&(kind, ns.to_string(), name.to_string()));
-        let rank = |n: &Named<T>| (served == Some(&n.path), serving(&n.object, &owner));
+        let rank = |n: &Named<T>| {
+            let created = n.object.created();
+            (
+                served == Some(&n.path),
+                std::cmp::Reverse(n.since),
+                serving(&n.object, &owner),
+                std::cmp::Reverse((created.is_none(), created)),
+            )
+        };
         let (keep, drop) = if rank(o) > rank(first) {
             (o, first)
         } else {
@@ -1059,4 +1076,117 @@ pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -
     }
     info!("stopping; programs stay attached and maps pinned");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backends `demo/web`'s ClusterIP frontend gets when the manifests of `source` are
+    /// loaded again and each object is taken from one file, with what the choice reported.
+    fn web_backends(
+        source: &mut ManifestSource,
+        served_from: &mut HashMap<(&'static str, String, String), Arc<Path>>,
+    ) -> (Vec<String>, Vec<String>) {
+        let parsed = source.load();
+        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
+        let mut errors = Vec::new();
+        let services = one_definition_each(
+            "Service",
+            parsed.services,
+            served_from,
+            &|_, _| 0,
+            &mut errors,
+        );
+        let slices = one_definition_each(
+            "EndpointSlice",
+            parsed.slices,
+            served_from,
+            &|_, _| 0,
+            &mut errors,
+        );
+        let t = translate::assemble(services, slices, &NodeContext::default());
+        let fe = Frontend::cluster("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let backends = t.state.frontends[&fe]
+            .backends
+            .iter()
+            .map(|b| b.addr.ip().to_string())
+            .collect();
+        (backends, errors.iter().map(ToString::to_string).collect())
+    }
+
+    const WEB: &str = "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}
+";
+
+    fn slice(ip: &str) -> String {
+        format!(
+            "---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints: [{{addresses: [{ip}]}}]
+"
+        )
+    }
+
+    /// Issue 33, item 9: a file added later that defines a serving EndpointSlice again (even
+    /// one whose name sorts first) does not take it over; an edit of the serving file is still
+    /// served, and the other definition serves once the first one goes.
+    #[test]
+    fn a_new_file_cannot_take_over_a_serving_endpoint_slice() {
+        let dir = std::env::temp_dir().join(format!("svc-agent-dup-slice-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        struct Gone(PathBuf);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let _gone = Gone(dir.clone());
+        let write = |name: &str, text: &str| {
+            // Renamed in, as editors do: a new inode, so the change is seen at once.
+            let tmp = dir.join(format!(".{name}.tmp"));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, dir.join(name)).unwrap();
+        };
+        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.1")));
+        let mut source = ManifestSource::open(&dir).unwrap();
+        let mut served_from = HashMap::new();
+        let (backends, errors) = web_backends(&mut source, &mut served_from);
+        assert_eq!(backends, ["10.0.0.1"]);
+        assert!(errors.is_empty(), "{errors:?}");
+
+        write("00-intruder.yaml", &slice("10.0.0.9"));
+        let (backends, errors) = web_backends(&mut source, &mut served_from);
+        assert_eq!(backends, ["10.0.0.1"], "{errors:?}");
+        assert_eq!(
+            errors,
+            [format!(
+                "EndpointSlice demo/web-1: defined again in {}: document 1; the definition in \
+                 {}: document 2 is served",
+                dir.join("00-intruder.yaml").display(),
+                dir.join("50-web.yaml").display()
+            )]
+        );
+
+        // An edit is no new definition: the serving file keeps the slice.
+        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.2")));
+        let (backends, _) = web_backends(&mut source, &mut served_from);
+        assert_eq!(backends, ["10.0.0.2"]);
+
+        write("50-web.yaml", WEB);
+        let (backends, errors) = web_backends(&mut source, &mut served_from);
+        assert_eq!(backends, ["10.0.0.9"]);
+        assert!(errors.is_empty(), "{errors:?}");
+        // Back in its old file, the slice is the newer definition now.
+        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.1")));
+        let (backends, _) = web_backends(&mut source, &mut served_from);
+        assert_eq!(backends, ["10.0.0.9"]);
+    }
 }

@@ -164,6 +164,7 @@ impl Desired {
                 touched.insert(fe);
             }
             self.state.health_checks.remove(owner);
+            self.state.unserved.remove(owner);
         }
         self.state.contested.retain(|_, claims| {
             claims.retain(|d| !owners.contains(&d.owner));
@@ -173,6 +174,7 @@ impl Desired {
             self.state.contested.entry(fe).or_default().extend(claims);
         }
         self.state.health_checks.extend(translated.health_checks);
+        self.state.unserved.extend(translated.unserved);
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
                 errors.push(Error::Invalid {
@@ -281,6 +283,30 @@ mod tests {
             Vec::<Frontend>::new(),
             "b is not a's"
         );
+    }
+
+    /// As the Kubernetes API source syncs: a Service's SCTP ports stay named while it has
+    /// them, whatever other Services change, and go with the Service or the ports.
+    #[test]
+    fn unserved_ports_follow_their_service_through_partial_syncs() {
+        let ports = |owner: &str| -> Box<[String]> { Box::new([format!("{owner} 9/SCTP")]) };
+        let mut full = DesiredState::default();
+        full.unserved.insert("ns/a".into(), ports("ns/a"));
+        full.unserved.insert("ns/b".into(), ports("ns/b"));
+        let mut desired = Desired::from_full(full);
+        let named = |d: &Desired| d.state.unserved.keys().cloned().collect::<Vec<_>>();
+        let only_a = BTreeSet::from(["ns/a".to_string()]);
+        desired.replace(
+            &BTreeSet::from(["ns/c".to_string()]),
+            DesiredState::default(),
+        );
+        assert_eq!(named(&desired), ["ns/a", "ns/b"]);
+        desired.replace(&only_a, DesiredState::default());
+        assert_eq!(named(&desired), ["ns/b"]);
+        let mut again = DesiredState::default();
+        again.unserved.insert("ns/a".into(), ports("ns/a"));
+        desired.replace(&only_a, again);
+        assert_eq!(named(&desired), ["ns/a", "ns/b"]);
     }
 
     #[test]

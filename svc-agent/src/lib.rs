@@ -10,6 +10,7 @@ pub mod healthcheck;
 pub mod list;
 pub mod metrics;
 pub mod model;
+pub mod names;
 pub mod netdev;
 pub mod packet;
 pub mod source;

@@ -148,6 +148,11 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
 
 pub fn render_text(l: &Listing) -> String {
     let mut out = String::new();
+    // Names come from the pinned maps, which an older agent may have filled with names no API
+    // server would accept: a control character in one must not act on the terminal.
+    fn name(s: &ListedFrontend) -> std::borrow::Cow<'_, str> {
+        crate::names::escape(s.name.as_deref().unwrap_or("-"))
+    }
     let w = l
         .services
         .iter()
@@ -158,7 +163,7 @@ pub fn render_text(l: &Listing) -> String {
     let nw = l
         .services
         .iter()
-        .map(|s| s.name.as_deref().unwrap_or("-").len())
+        .map(|s| name(s).chars().count())
         .max()
         .unwrap_or(0)
         .max("SERVICE".len());
@@ -213,7 +218,7 @@ pub fn render_text(l: &Listing) -> String {
             "{:w$}  {:12}  {:nw$}  {:9}  {}{notes}",
             s.frontend,
             s.kind.to_string(),
-            s.name.as_deref().unwrap_or("-"),
+            name(s),
             affinity,
             backends
         );
@@ -277,4 +282,56 @@ pub fn render_text(l: &Listing) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 33, item 10: a name read back from the pinned maps (an older agent wrote what it
+    /// was given) is shown escaped: it neither clears the terminal nor starts a line.
+    #[test]
+    fn names_from_the_maps_are_listed_without_control_characters() {
+        let listing = Listing {
+            services: vec![ListedFrontend {
+                frontend: "10.96.0.10:80/TCP".into(),
+                ip: "10.96.0.10".parse().unwrap(),
+                port: 80,
+                protocol: "TCP".into(),
+                name: Some("evil\u{1b}[2J\u{1b}[31m/web\nforged\u{202e}:http".into()),
+                id: 1,
+                backends: vec!["10.0.0.1:8080".parse().unwrap()],
+                affinity_timeout_s: None,
+                internal_traffic_local: false,
+                kind: Kind::ClusterIP,
+                scope: Scope::Cluster,
+                external_traffic_local: false,
+                source_ranges: None,
+                local_backends: Vec::new(),
+            }],
+            cluster_ips: Vec::new(),
+            stats: HashMap::new(),
+            node_addresses: Vec::new(),
+            lingering_addresses: Vec::new(),
+            snat_ports: "0-0".into(),
+            ct_timeouts: ListedCtTimeouts {
+                tcp_established_s: 1,
+                tcp_close_wait_s: 1,
+                udp_s: 1,
+                udp_stream_s: 1,
+            },
+        };
+        let text = render_text(&listing);
+        assert!(
+            !text
+                .chars()
+                .any(|c| (c.is_control() && c != '\n') || c == '\u{202e}'),
+            "{text:?}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("forged")), "{text}");
+        assert!(
+            text.contains("evil\\u{1b}[2J\\u{1b}[31m/web\\nforged\\u{202e}:http"),
+            "{text}"
+        );
+    }
 }

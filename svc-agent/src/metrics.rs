@@ -90,6 +90,8 @@ struct Inner {
     unsynced_since: Option<Instant>,
     /// Services that could not be programmed (left as they were), retried with backoff.
     failing: Vec<String>,
+    /// Service ports not served (SCTP): named on /healthz without failing it.
+    unserved: Vec<String>,
     node_failing: bool,
     /// Entries waiting out their grace period before deletion.
     retiring: usize,
@@ -106,6 +108,15 @@ struct Inner {
     sweeps: u64,
     swept: u64,
     sweep_seconds: f64,
+}
+
+/// "a, b, c, d, e, ...": the first five of `names`, for a /healthz problem.
+fn first_five(names: &[String]) -> String {
+    let mut out = names.iter().take(5).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > 5 {
+        out.push_str(", ...");
+    }
+    out
 }
 
 /// Shared between the sync loop, which records, and the HTTP server, which reads.
@@ -140,6 +151,8 @@ pub struct Programmed {
     /// The node's addresses (SVC_NODE_ADDRS) or datapath settings could not all be written;
     /// retried with backoff.
     pub node_failing: bool,
+    /// Service ports svc does not serve (SCTP), "namespace/name:port 3868/SCTP".
+    pub unserved: Vec<String>,
 }
 
 impl Metrics {
@@ -159,6 +172,7 @@ impl Metrics {
                 queued_since: None,
                 unsynced_since: None,
                 failing: Vec::new(),
+                unserved: Vec::new(),
                 node_failing: false,
                 retiring: 0,
                 attached: false,
@@ -231,6 +245,7 @@ impl Metrics {
             i.maps.insert(name, (used, cap));
         }
         i.failing = state.failing;
+        i.unserved = state.unserved;
         i.node_failing = state.node_failing;
         i.retiring = state.retiring;
         i.attached = state.attached;
@@ -283,19 +298,10 @@ impl Metrics {
             ));
         }
         if !i.failing.is_empty() {
-            let mut names = i
-                .failing
-                .iter()
-                .take(5)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ");
-            if i.failing.len() > 5 {
-                names.push_str(", ...");
-            }
             problems.push(format!(
-                "{} Services cannot be programmed: {names}",
-                i.failing.len()
+                "{} Services cannot be programmed: {}",
+                i.failing.len(),
+                first_five(&i.failing)
             ));
         }
         if i.node_failing {
@@ -307,8 +313,19 @@ impl Metrics {
         if i.datapath_broken {
             problems.push("pins or links missing and not repaired".into());
         }
+        // Named, but no failure: every node lacks SCTP alike, so a 503 would have load
+        // balancers drain every node, and the TCP and UDP Services with it; the agent itself
+        // is in sync (kube-proxy's /healthz says that much and no more).
+        let ok = problems.is_empty();
+        if !i.unserved.is_empty() {
+            problems.push(format!(
+                "{} Service ports not served (svc does not serve SCTP): {}",
+                i.unserved.len(),
+                first_five(&i.unserved)
+            ));
+        }
         Health {
-            ok: problems.is_empty(),
+            ok,
             last_synced: i.last_synced,
             problems,
         }
@@ -406,6 +423,14 @@ impl Metrics {
                 "svc_services_failing",
                 "Services that could not be programmed and are retried with backoff.",
                 i.failing.len(),
+            );
+            let _ = writeln!(
+                out,
+                "# HELP svc_service_ports_not_served Service ports svc does not serve, by \
+                 protocol (SCTP: kube-proxy serves them, svc does not yet).\n\
+                 # TYPE svc_service_ports_not_served gauge\n\
+                 svc_service_ports_not_served{{protocol=\"SCTP\"}} {}",
+                i.unserved.len()
             );
             gauge(
                 &mut out,
@@ -656,6 +681,44 @@ mod tests {
         m.synced(Duration::from_millis(1), state(false));
         assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         assert!(m.service_healthy("shop/web"));
+    }
+
+    /// Issue 33, item 12: SCTP ports that svc does not serve are named on /healthz and counted
+    /// in /metrics, and the node stays healthy: a 503 would drain it of every Service.
+    #[test]
+    fn sctp_ports_not_served_are_named_on_healthz_which_stays_200() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                unserved: vec!["demo/diameter:dia 3868/SCTP".into()],
+                ..Default::default()
+            },
+        );
+        let reply = answer(&m, Port::Health, "/healthz");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(
+            reply.contains(
+                "\"1 Service ports not served (svc does not serve SCTP): \
+                 demo/diameter:dia 3868/SCTP\""
+            ),
+            "{reply}"
+        );
+        assert!(m.service_healthy("demo/diameter"));
+        let metrics = answer(&m, Port::Metrics, "/metrics");
+        assert!(
+            metrics.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 1\n"),
+            "{metrics}"
+        );
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        assert!(!answer(&m, Port::Health, "/healthz").contains("SCTP"));
     }
 
     #[test]

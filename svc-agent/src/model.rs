@@ -383,4 +383,7 @@ pub struct DesiredState {
     /// port), first in line first: when the holder gives its frontend up, the next claimant
     /// serves it, as under kube-proxy, without waiting for that Service to change.
     pub contested: BTreeMap<Frontend, Vec<DesiredFrontend>>,
+    /// Ports of Services that svc does not serve (SCTP), by Service ("namespace/name"): not
+    /// programmed, but named on /healthz and counted in /metrics.
+    pub unserved: BTreeMap<String, Box<[String]>>,
 }

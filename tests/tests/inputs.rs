@@ -194,6 +194,147 @@ fn list_into_a_closed_pipe_does_not_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// Issue 33, item 9: a file added later that defines the serving EndpointSlice again (with
+/// another backend, in a file whose name sorts first) does not take it over: the Service keeps
+/// its backend, and the log says which definition serves.
+#[test]
+fn a_new_file_cannot_take_over_a_serving_endpoint_slice() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    assert_eq!(names(&w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap()), set(&["b1"]));
+    let again = web_slice(&w.sb, &[2], &[]);
+    w.m.write_value("00-again.yaml", &again.to_value()).unwrap();
+    logged(
+        &w,
+        &format!(
+            "EndpointSlice demo/{}: defined again in {}: document 1; the definition in {}",
+            again.name,
+            w.m.dir().join("00-again.yaml").display(),
+            w.m.dir().join(again.file_name()).display()
+        ),
+    );
+    for _ in 0..3 {
+        let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+        assert!(r.all_ok(), "{r:?}");
+        assert_eq!(names(&r), set(&["b1"]), "{}", w.agent.log());
+    }
+}
+
+/// Issue 33, item 10: names the API server would refuse are refused: a namespace of terminal
+/// escape sequences and a name with a newline that would forge a log line. The good Service
+/// still serves; the log names the bad ones escaped; `svc-agent list` never shows them.
+#[test]
+fn hostile_names_are_refused_and_never_printed_raw() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        let mut ns = Service::new("demo", "x", "10.96.0.41")
+            .port(ServicePort::tcp(80).target(8080))
+            .to_value();
+        ns["metadata"]["namespace"] = "evil\u{1b}[2J\u{1b}[31m".into();
+        m.write_value("evil-namespace.yaml", &ns).unwrap();
+        let mut name = Service::new("demo", "x", "10.96.0.42")
+            .port(ServicePort::tcp(80).target(8080))
+            .to_value();
+        name["metadata"]["name"] = "x\nFORGED ERROR all Services deleted".into();
+        m.write_value("evil-name.yaml", &name).unwrap();
+    });
+    web_answers(&w).unwrap();
+    let dir = w.m.dir().display().to_string();
+    logged(
+        &w,
+        &format!(
+            "skipped: Service evil\\u{{1b}}[2J\\u{{1b}}[31m/x ({dir}/evil-namespace.yaml: \
+             document 1): metadata.namespace is not a DNS-1123 label"
+        ),
+    );
+    logged(
+        &w,
+        &format!(
+            "skipped: Service demo/x\\nFORGED ERROR all Services deleted ({dir}/evil-name.yaml: \
+             document 1): metadata.name is not a DNS-1123 label"
+        ),
+    );
+    let log = w.agent.log();
+    assert!(!log.contains('\u{1b}'), "{log:?}");
+    assert!(
+        !log.lines().any(|l| l.starts_with("FORGED")),
+        "a forged line:\n{log}"
+    );
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.41:80/TCP").is_none(), "{list:?}");
+    assert!(list.frontend("10.96.0.42:80/TCP").is_none(), "{list:?}");
+    let out = std::process::Command::new(&w.sb.tools.agent)
+        .args(["list", "--bpffs"])
+        .arg(w.bpffs.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("demo/web:http"), "{text}");
+    assert!(
+        !text.chars().any(|c| c.is_control() && c != '\n'),
+        "{text:?}"
+    );
+    assert!(!text.contains("FORGED"), "{text}");
+}
+
+/// Issue 33, item 12: an SCTP Service port is not served, and says so: the warning, a problem
+/// on /healthz (which stays 200: every node lacks SCTP alike), and a gauge in /metrics; the
+/// Service's TCP port and the other Services serve.
+#[test]
+fn sctp_ports_are_named_on_healthz_and_counted() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    };
+    let (healthz, metrics) = (free(), free());
+    let flags = [
+        format!("--healthz-bind-address={healthz}"),
+        format!("--metrics-bind-address={metrics}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let w = World::start_with(2, &[8080], &flags, |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        let mut mixed = Service::new("demo", "dia", "10.96.0.43")
+            .port(ServicePort::tcp(80).name("http").target(8080))
+            .to_value();
+        mixed["spec"]["ports"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"name": "dia", "port": 3868, "protocol": "SCTP"}));
+        m.write_value("svc-demo-dia.yaml", &mixed).unwrap();
+    });
+    web_answers(&w).unwrap();
+    logged(
+        &w,
+        "port \"dia\" 3868/SCTP: SCTP is not supported yet; skipped",
+    );
+    let list = w.agent.list().unwrap();
+    assert!(list.frontend("10.96.0.43:80/TCP").is_some(), "{list:?}");
+    assert!(list.frontend("10.96.0.43:3868/SCTP").is_none(), "{list:?}");
+    let (status, body) = svc_tests::agent::http_get(healthz, "/healthz").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(
+            "1 Service ports not served (svc does not serve SCTP): demo/dia:dia 3868/SCTP"
+        ),
+        "{body}"
+    );
+    let (status, body) = svc_tests::agent::http_get(metrics, "/metrics").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.lines()
+            .any(|l| l == "svc_service_ports_not_served{protocol=\"SCTP\"} 1"),
+        "{body}"
+    );
+}
+
 /// A cgroup sock_addr program that allows everything: someone else's program on svc's hook.
 struct ForeignProgram {
     prog: std::os::fd::OwnedFd,

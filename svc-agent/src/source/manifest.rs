@@ -25,7 +25,9 @@ use serde_saphyr::granit_parser::{self, Event, Parser};
 use tracing::{debug, instrument};
 
 use crate::error::{Error, Result};
-use crate::translate::{parse_service, parse_slice, NodeContext, ParsedService, ParsedSlice};
+use crate::translate::{
+    parse_service, parse_slice, Keyed, NodeContext, ParsedService, ParsedSlice,
+};
 
 /// A loaded object and where it came from, so later errors can point back at the file.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +39,10 @@ pub struct Named<T> {
     pub doc: usize,
     /// Position inside a `kind: List` document, counting from 1.
     pub item: Option<usize>,
+    /// The load of its [`ManifestSource`] since which its file has defined this object
+    /// without a break (0 outside one): of two definitions of one object, the older is the
+    /// one that serves, so a file added later never takes an object over.
+    pub since: u64,
 }
 
 impl<T> Named<T> {
@@ -47,18 +53,18 @@ impl<T> Named<T> {
             path: self.path.clone(),
             doc: self.doc,
             item: self.item,
+            since: self.since,
         }
     }
 
-    /// "path: document N" or "path: document N, item M", for log lines.
+    /// "path: document N" or "path: document N, item M", for log lines (a file name can
+    /// hold a newline, so it is escaped).
     pub fn origin(&self) -> String {
+        let path = self.path.display().to_string();
+        let path = crate::names::escape(&path);
         match self.item {
-            Some(item) => format!(
-                "{}: document {}, item {item}",
-                self.path.display(),
-                self.doc
-            ),
-            None => format!("{}: document {}", self.path.display(), self.doc),
+            Some(item) => format!("{path}: document {}, item {item}", self.doc),
+            None => format!("{path}: document {}", self.doc),
         }
     }
 }
@@ -128,6 +134,8 @@ pub struct ManifestSource {
     files: BTreeMap<PathBuf, FileObjects>,
     fingerprint: Option<Fingerprint>,
     limits: Limits,
+    /// Loads so far; see [`Named::since`].
+    loads: u64,
 }
 
 /// What one file contributed, kept parsed: the rules' compact reading of each object rather
@@ -207,6 +215,7 @@ impl ManifestSource {
             files: BTreeMap::new(),
             fingerprint: None,
             limits: Limits::DEFAULT,
+            loads: 0,
         }
     }
 
@@ -246,6 +255,7 @@ impl ManifestSource {
     /// Never fails as a whole; see [`Loaded::errors`].
     #[instrument(skip_all, fields(path = %self.path.display()))]
     pub fn load(&mut self) -> Parsed<'_> {
+        self.loads += 1;
         let mut errors = Vec::new();
         let mut budget = self.limits.total_bytes;
         if self.dir {
@@ -369,7 +379,7 @@ impl ManifestSource {
         let mut out = Loaded::default();
         parse_file(&path, &bytes, &self.limits, &mut out);
         debug!(
-            file = %path.display(),
+            file = %crate::names::Escaped(&path.display().to_string()),
             services = out.services.len(),
             slices = out.slices.len(),
             errors = out.errors.len(),
@@ -380,6 +390,11 @@ impl ManifestSource {
         // held at once. kube-proxy's own label selection applies as with the API.
         let node = NodeContext::default();
         let file: Arc<Path> = Arc::from(path.as_path());
+        // What this file defined before keeps its age: an edit is no new definition.
+        let before = self.files.remove(&path).unwrap_or_default();
+        let since_service = since_of(&before.services);
+        let since_slice = since_of(&before.slices);
+        let now = self.loads;
         let mut parse_errors = Vec::new();
         // Collected into new vectors (not in place: that would keep the API objects'
         // much larger allocation alive under the small parsed ones).
@@ -388,23 +403,28 @@ impl ManifestSource {
             let parsed = parse_service(&n.object, &node, &mut parse_errors);
             name_origin(&mut parse_errors, &n, errors);
             parsed.map(|p| Named {
+                since: since_service(&p).unwrap_or(now),
                 object: p,
                 path: file.clone(),
                 doc: n.doc,
                 item: n.item,
             })
         }));
+        drop(since_service);
         let mut slices = Vec::with_capacity(out.slices.len());
         slices.extend(out.slices.into_iter().filter_map(|n| {
             let parsed = parse_slice(&n.object, &node, &mut parse_errors);
             name_origin(&mut parse_errors, &n, errors);
             parsed.map(|p| Named {
+                since: since_slice(&p).unwrap_or(now),
                 object: p,
                 path: file.clone(),
                 doc: n.doc,
                 item: n.item,
             })
         }));
+        drop(since_slice);
+        drop(before);
         self.files.insert(
             path,
             FileObjects {
@@ -434,6 +454,15 @@ impl ManifestSource {
             source: io::Error::new(source.kind(), message),
         }
     }
+}
+
+/// Since when each object of `objects` (one file's, of one kind) has been defined there.
+fn since_of<T: Keyed>(objects: &[Named<T>]) -> impl Fn(&T) -> Option<u64> + '_ {
+    let by_key: std::collections::HashMap<(&str, &str), u64> = objects
+        .iter()
+        .map(|n| ((n.object.namespace(), n.object.name()), n.since))
+        .collect();
+    move |o: &T| by_key.get(&(o.namespace(), o.name())).copied()
 }
 
 /// Moves the errors parsing found in `n` to `errors`, each naming where `n` came from.
@@ -861,6 +890,7 @@ impl Location<'_> {
             path: Arc::from(self.path),
             doc: self.doc,
             item: self.item,
+            since: 0,
         }
     }
 }

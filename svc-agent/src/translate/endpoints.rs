@@ -33,6 +33,8 @@ impl Family {
 
 pub(super) struct SliceInfo {
     pub key: ObjectKey,
+    /// metadata.creationTimestamp: of two manifests defining one slice, the older serves.
+    pub created: Option<k8s_openapi::jiff::Timestamp>,
     /// The Service this slice belongs to, in `key.namespace`.
     pub service: String,
     pub family: Family,
@@ -106,13 +108,48 @@ pub(super) fn parse(
 ) -> Option<SliceInfo> {
     let meta = &slice.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign_slice(meta.labels.as_ref(), proxy_name) {
-        debug!(slice = %key, "skipped: headless, or labelled for another proxy");
+    if key.name().is_empty() {
+        errors.push(invalid(
+            &key.describe("EndpointSlice"),
+            "metadata.name is required",
+        ));
+        return None;
+    }
+    if let Some(e) = super::check_key(
+        &key,
+        "EndpointSlice",
+        crate::names::is_dns1123_subdomain,
+        "a DNS-1123 subdomain (at most 253 characters: labels of a-z, 0-9 and '-' joined by \
+         '.')",
+    ) {
+        errors.push(e);
         return None;
     }
     let object = key.describe("EndpointSlice");
-    if key.name().is_empty() {
-        errors.push(invalid(&object, "metadata.name is required"));
+    let service_label = meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME));
+    if let Some(value) = service_label.filter(|v| !crate::names::is_label_value(v)) {
+        errors.push(invalid(
+            &object,
+            format!(
+                "label {LABEL_SERVICE_NAME} \"{}\" is not a label value (at most 63 of \
+                 A-Z, a-z, 0-9, '-', '_' and '.', starting and ending with a letter or digit); \
+                 EndpointSlice ignored",
+                crate::names::escape(value)
+            ),
+        ));
+        return None;
+    }
+    if let Some(message) = slice
+        .ports
+        .iter()
+        .flatten()
+        .find_map(|p| super::check_port_name(p.name.as_deref(), "EndpointSlice"))
+    {
+        errors.push(invalid(&object, message));
+        return None;
+    }
+    if is_foreign_slice(meta.labels.as_ref(), proxy_name) {
+        debug!(slice = %key, "skipped: headless, or labelled for another proxy");
         return None;
     }
     let family = match slice.address_type.as_str() {
@@ -131,7 +168,7 @@ pub(super) fn parse(
         }
     };
     // Slices without the label belong to no Service; kube-proxy ignores them too.
-    let service = match meta.labels.as_ref().and_then(|l| l.get(LABEL_SERVICE_NAME)) {
+    let service = match service_label {
         Some(service) if !service.is_empty() => service.clone(),
         _ => {
             debug!(slice = %key, "skipped: no {LABEL_SERVICE_NAME} label");
@@ -142,6 +179,7 @@ pub(super) fn parse(
     let endpoints = parse_endpoints(slice, family, &object, errors);
     Some(SliceInfo {
         key,
+        created: meta.creation_timestamp.as_ref().map(|t| t.0),
         service,
         family,
         ports,

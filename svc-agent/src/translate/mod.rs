@@ -161,6 +161,44 @@ where
     keyed.into_iter().map(|(_, o)| o).collect()
 }
 
+/// The API server's rules for a Service's or an EndpointSlice's namespace and name: an object
+/// that breaks them never reaches kube-proxy, and a manifest's must not reach the maps, `svc-agent
+/// list` or the logs either (a name with a newline would forge a log line). The error names
+/// the object escaped.
+fn check_key(key: &ObjectKey, kind: &str, name_ok: fn(&str) -> bool, rule: &str) -> Option<Error> {
+    let object = || format!("{kind} {}", crate::names::escape(&key.to_string()));
+    if !crate::names::is_dns1123_label(key.namespace()) {
+        return Some(invalid(
+            &object(),
+            format!(
+                "metadata.namespace is not a DNS-1123 label ({DNS_LABEL_RULE}); {kind} ignored"
+            ),
+        ));
+    }
+    if !name_ok(key.name()) {
+        return Some(invalid(
+            &object(),
+            format!("metadata.name is not {rule}; {kind} ignored"),
+        ));
+    }
+    None
+}
+
+/// What a DNS-1123 label is, for error messages.
+const DNS_LABEL_RULE: &str =
+    "at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit";
+
+/// A port name the API server would refuse (DNS-1123 label), or None.
+fn check_port_name(name: Option<&str>, kind: &str) -> Option<String> {
+    let name = name.filter(|n| !n.is_empty())?;
+    (!crate::names::is_dns1123_label(name)).then(|| {
+        format!(
+            "port \"{}\": name is not a DNS-1123 label ({DNS_LABEL_RULE}); {kind} ignored",
+            crate::names::escape(name)
+        )
+    })
+}
+
 fn invalid(object: &str, message: impl Into<String>) -> Error {
     Error::Invalid {
         object: object.to_string(),
@@ -175,10 +213,11 @@ pub struct ParsedService(ServiceInfo);
 /// An EndpointSlice reduced to what kube-proxy's rules read.
 pub struct ParsedSlice(SliceInfo);
 
-/// "namespace/name" of a parsed object.
+/// "namespace/name" of a parsed object, and its creationTimestamp.
 pub trait Keyed {
     fn namespace(&self) -> &str;
     fn name(&self) -> &str;
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp>;
 }
 
 impl Keyed for ParsedService {
@@ -188,6 +227,9 @@ impl Keyed for ParsedService {
     fn name(&self) -> &str {
         self.0.key.name()
     }
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp> {
+        self.0.created
+    }
 }
 
 impl Keyed for ParsedSlice {
@@ -196,6 +238,9 @@ impl Keyed for ParsedSlice {
     }
     fn name(&self) -> &str {
         self.0.key.name()
+    }
+    fn created(&self) -> Option<k8s_openapi::jiff::Timestamp> {
+        self.0.created
     }
 }
 
@@ -508,6 +553,11 @@ pub fn assemble_with<'a>(
                 state.frontends.insert(frontend, d);
             }
             at = end;
+        }
+        if !svc.unserved.is_empty() {
+            state
+                .unserved
+                .insert(svc.key.to_string(), svc.unserved.clone());
         }
         if svc.health_check_node_port != 0 {
             let mut local_endpoints = [None; 2];

@@ -19,8 +19,6 @@ const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// The API server's default for sessionAffinityConfig.clientIP.timeoutSeconds.
 const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
 const MAX_AFFINITY_TIMEOUT_S: i32 = 86_400;
-/// The API server's limit for a namespace and a Service name (DNS labels).
-const MAX_NAME_LEN: usize = 63;
 /// The API server's limit for a port name (IANA_SVC_NAME).
 const MAX_PORT_NAME_LEN: usize = 15;
 
@@ -32,6 +30,9 @@ pub(super) struct ServiceInfo {
     /// At most one address per family, in spec order.
     pub cluster_ips: Vec<IpAddr>,
     pub ports: Vec<ServicePortInfo>,
+    /// Ports svc cannot serve (SCTP), as "namespace/name:port 3868/SCTP": named on /healthz
+    /// for as long as the Service has them. Empty for nearly every Service, so boxed.
+    pub unserved: Box<[String]>,
     pub affinity_timeout_s: Option<u32>,
     pub internal_local: bool,
     /// externalTrafficPolicy: Local, for a Service reachable from outside (kube-proxy's
@@ -103,32 +104,39 @@ pub(super) fn parse(
 ) -> Option<ServiceInfo> {
     let meta = &service.metadata;
     let key = ObjectKey::of(meta);
-    if is_foreign_service(meta.labels.as_ref(), proxy_name) {
-        debug!(service = %key, "skipped: labelled for another proxy");
+    if key.name().is_empty() {
+        errors.push(invalid(
+            &key.describe("Service"),
+            "metadata.name is required",
+        ));
+        return None;
+    }
+    // A DNS-1123 label, as KEP-5311's relaxed rule (RelaxedServiceNameValidation) lets newer
+    // API servers accept: the older DNS-1035 rule would refuse Services they serve. Either
+    // keeps ':' and '/' out, which the names map ("namespace/name:port") relies on.
+    if let Some(e) = super::check_key(
+        &key,
+        "Service",
+        crate::names::is_dns1123_label,
+        "a DNS-1123 label (at most 63 of a-z, 0-9 and '-', starting and ending with a letter \
+         or digit)",
+    ) {
+        errors.push(e);
         return None;
     }
     let object = key.describe("Service");
-    if key.name().is_empty() {
-        errors.push(invalid(&object, "metadata.name is required"));
+    if let Some(message) = service
+        .spec
+        .iter()
+        .flat_map(|s| s.ports.as_deref().unwrap_or_default())
+        .find_map(|p| super::check_port_name(p.name.as_deref(), "Service"))
+    {
+        errors.push(invalid(&object, message));
         return None;
     }
-    // Who serves a frontend is read back from the names map ("namespace/name:port", 159
-    // bytes kept): a longer name, or one with ':' or '/', would be taken for another
-    // Service's. The API server refuses them all (DNS labels of at most 63 characters).
-    for (field, text) in [
-        ("metadata.namespace", key.namespace()),
-        ("metadata.name", key.name()),
-    ] {
-        if text.len() > MAX_NAME_LEN || text.contains([':', '/']) {
-            errors.push(invalid(
-                &object,
-                format!(
-                    "{field} must be at most {MAX_NAME_LEN} characters without ':' or '/'; \
-                     Service ignored"
-                ),
-            ));
-            return None;
-        }
+    if is_foreign_service(meta.labels.as_ref(), proxy_name) {
+        debug!(service = %key, "skipped: labelled for another proxy");
+        return None;
     }
     let Some(spec) = service.spec.as_ref() else {
         debug!(service = %key, "skipped: no spec");
@@ -170,6 +178,16 @@ pub(super) fn parse(
             ServiceType::ClusterIP
         }
     };
+    let unserved = spec
+        .ports
+        .iter()
+        .flatten()
+        .filter(|p| p.protocol.as_deref() == Some("SCTP"))
+        .map(|p| match p.name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => format!("{key}:{name} {}/SCTP", p.port),
+            None => format!("{key} {}/SCTP", p.port),
+        })
+        .collect();
     let ports = parse_ports(
         spec.ports.as_deref().unwrap_or_default(),
         kind,
@@ -230,6 +248,7 @@ pub(super) fn parse(
         created: meta.creation_timestamp.as_ref().map(|t| t.0),
         cluster_ips,
         ports,
+        unserved,
         affinity_timeout_s,
         internal_local,
         external_local,

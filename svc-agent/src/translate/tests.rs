@@ -822,6 +822,37 @@ fn bad_ports_are_errors_for_that_port_only() {
     );
 }
 
+/// Issue 33, item 12: SCTP ports are not served, and the desired state names them (for
+/// /healthz), even on a Service with no other port.
+#[test]
+fn sctp_ports_are_named_as_not_served() {
+    let t = run(
+        &[
+            cluster_ip(
+                "a/web",
+                "10.96.0.1",
+                "[{name: http, port: 80}, {name: sig, port: 3868, protocol: SCTP}]",
+            ),
+            cluster_ip("a/only", "10.96.0.2", "[{port: 9, protocol: SCTP}]"),
+        ],
+        &[],
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+    let unserved: Vec<(&str, Vec<&str>)> = t
+        .state
+        .unserved
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.iter().map(String::as_str).collect()))
+        .collect();
+    assert_eq!(
+        unserved,
+        [
+            ("a/only", vec!["a/only 9/SCTP"]),
+            ("a/web", vec!["a/web:sig 3868/SCTP"])
+        ]
+    );
+}
+
 #[test]
 fn bad_cluster_ips_are_errors_naming_the_service_and_others_still_work() {
     let t = run(
@@ -1592,4 +1623,95 @@ spec: {type: LoadBalancer, healthCheckNodePort: 32000, clusterIP: 10.96.0.1,
         &slices,
     );
     assert!(t.state.health_checks.is_empty());
+}
+
+/// Issue 33, item 10: names the API server would refuse are refused here too (manifests never
+/// went through it), the rest is served, and the errors name the objects without a single
+/// control character: a namespace that clears the terminal, a name that forges a log line.
+#[test]
+fn names_the_api_server_refuses_are_refused_and_reported_escaped() {
+    let t = run(
+        &[
+            cluster_ip("a/web", "10.96.0.1", "[{name: http, port: 80}]"),
+            cluster_ip("\"evil\\e[2J\\e[31m\"/web", "10.96.0.2", "[{port: 80}]"),
+            cluster_ip(
+                "a/\"web\\n2026-12-05T07:00:00Z  INFO forged\"",
+                "10.96.0.3",
+                "[{port: 80}]",
+            ),
+            cluster_ip("a/Web", "10.96.0.4", "[{port: 80}]"),
+            cluster_ip("a/\"w\\u202Eb\"", "10.96.0.5", "[{port: 80}]"),
+            cluster_ip("a/ports", "10.96.0.6", "[{name: \"h\\tttp\", port: 80}]"),
+        ],
+        &[
+            slice_of(
+                "a/web-1",
+                "web",
+                "IPv4",
+                "[{name: http, port: 8080}]",
+                "[{addresses: [10.0.0.1]}]",
+            ),
+            slice_of(
+                "a/\"web-2\\n\"",
+                "web",
+                "IPv4",
+                "[{name: http, port: 8080}]",
+                "[{addresses: [10.0.0.2]}]",
+            ),
+            slice_of(
+                "a/web-3",
+                "\"web\\e]0;owned\\a\"",
+                "IPv4",
+                "[{name: http, port: 8080}]",
+                "[{addresses: [10.0.0.3]}]",
+            ),
+            slice_of(
+                "a/web-4",
+                "web",
+                "IPv4",
+                "[{name: \"ht\\rtp\", port: 8080}]",
+                "[{addresses: [10.0.0.4]}]",
+            ),
+        ],
+    );
+    assert_eq!(frontends(&t), ["10.96.0.1:80/TCP"]);
+    assert_eq!(backends(&t, "10.96.0.1:80/TCP"), ["10.0.0.1:8080"]);
+    let errors = errors(&t);
+    for e in &errors {
+        assert!(
+            !e.chars().any(|c| c.is_control() || c == '\u{202e}'),
+            "{e:?}"
+        );
+    }
+    let label = "at most 63 of a-z, 0-9 and '-', starting and ending with a letter or digit";
+    let name = |object: &str, rule: &str| {
+        format!("Service {object}: metadata.name is not a DNS-1123 label ({rule}); Service ignored")
+    };
+    assert_eq!(
+        errors,
+        [
+            name("a/Web", label),
+            format!(
+                "Service a/ports: port \"h\\tttp\": name is not a DNS-1123 label ({label}); \
+                 Service ignored"
+            ),
+            name("a/web\\n2026-12-05T07:00:00Z  INFO forged", label),
+            name("a/w\\u{202e}b", label),
+            format!(
+                "Service evil\\u{{1b}}[2J\\u{{1b}}[31m/web: metadata.namespace is not a DNS-1123 \
+                 label ({label}); Service ignored"
+            ),
+            "EndpointSlice a/web-2\\n: metadata.name is not a DNS-1123 subdomain (at most \
+             253 characters: labels of a-z, 0-9 and '-' joined by '.'); EndpointSlice ignored"
+                .to_string(),
+            "EndpointSlice a/web-3: label kubernetes.io/service-name \"web\\u{1b}]0;owned\\u{7}\" \
+             is not a label value (at most 63 of A-Z, a-z, 0-9, '-', '_' and '.', starting and \
+             ending with a letter or digit); EndpointSlice ignored"
+                .to_string(),
+            format!(
+                "EndpointSlice a/web-4: port \"ht\\rtp\": name is not a DNS-1123 label \
+                 ({label}); EndpointSlice ignored"
+            ),
+        ]
+    );
 }
