@@ -1019,4 +1019,27 @@ mod tests {
         assert!(slot.read_head(&mut conn).await.is_some());
         assert_eq!(limit.counts().open, 0);
     }
+
+    /// SNAT off takes the node out of load balancers that probe /healthz (externalTrafficPolicy
+    /// Cluster: it cannot reach remote backends), not out of those of health check node ports
+    /// (Local: local endpoints only, no SNAT).
+    #[test]
+    fn snat_off_is_a_problem_of_healthz_alone() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        assert!(m.health().ok);
+        assert!(m.render().contains("\nsvc_snat_degraded 0\n"));
+        m.snat_degraded(Some("SNAT off: test".into()));
+        let h = m.health();
+        assert!(!h.ok);
+        assert_eq!(h.problems, ["SNAT off: test"]);
+        assert!(m.service_healthy("ns/web"));
+        assert!(m.render().contains("\nsvc_snat_degraded 1\n"));
+    }
 }
