@@ -987,6 +987,7 @@ pub struct RunConfig {
 /// Starts the agent and its metrics server.
 pub async fn start(cfg: &RunConfig) -> Result<Agent> {
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
+    metrics.snat_degraded(cfg.packet.snat_degraded.clone());
     for &(addr, port) in &cfg.listen {
         let listener = metrics::bind(addr).await?;
         info!(%addr, paths = port.paths(), "serving");

@@ -451,6 +451,71 @@ fn describe_holders(dev: u64, ino: u64) -> String {
     }
 }
 
+/// Refuses when a program of svc's (by name) is attached to `cgroup` other than through a
+/// link pinned under `dir`: another svc serves the cgroup, from another bpffs directory.
+/// The error names the cgroup, the programs and links, and the process that holds them with
+/// its bpffs directory when one does.
+fn check_other_svc(dir: &Path, cgroup: &Path, cgroup_id: u64) -> Result<()> {
+    let f = File::open(cgroup).map_err(|e| io_err(cgroup, e))?;
+    let mut others = Vec::new();
+    for (t, name) in sys::ATTACH_POINTS {
+        let pin = link_pin(dir, name);
+        let ours = sys::obj_get(&pin)
+            .and_then(|l| sys::link_info(l.as_fd()))
+            .ok()
+            .filter(|(_, cg)| *cg == cgroup_id)
+            .map(|(prog, _)| prog);
+        let ids = sys::attached_program_ids(f.as_fd(), t)
+            .map_err(|e| load_err(format!("querying {} at {name}", cgroup.display()), e))?;
+        for id in ids.into_iter().filter(|id| Some(*id) != ours) {
+            // A program that went away meanwhile, or another's program: not svc's.
+            if sys::prog_name(id).is_ok_and(|n| n == name) {
+                others.push((name, id));
+            }
+        }
+    }
+    let Some(&(_, first)) = others.first() else {
+        return Ok(());
+    };
+    let programs = others
+        .iter()
+        .map(|(hook, id)| {
+            let links = sys::cgroup_links_of(*id, cgroup_id);
+            if links.is_empty() {
+                format!("{hook}: program {id}")
+            } else {
+                let links: Vec<String> = links.iter().map(u32::to_string).collect();
+                format!("{hook}: program {id} (link {})", links.join(", "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let holders: Vec<String> = sys::prog_holders(first)
+        .into_iter()
+        .filter(|(pid, _)| *pid != std::process::id())
+        .map(|(pid, bpffs)| {
+            let at = bpffs
+                .map(|d| format!(", bpffs {}", d.display()))
+                .unwrap_or_default();
+            format!("pid {pid} ({}{at})", sys::process_name(pid))
+        })
+        .collect();
+    let who = if holders.is_empty() {
+        "no running process holds them: a stopped agent's pinned links; `svc-agent uninstall \
+         --bpffs ITS_DIR --cgroup CGROUP` removes them"
+            .to_string()
+    } else {
+        format!("held by {}", holders.join("; "))
+    };
+    Err(Error::Load(format!(
+        "cgroup {} is already served by another svc, not through links pinned under {}: {programs}; \
+         {who}. One svc agent per cgroup: stop the other (and uninstall its directory), or run \
+         this one with its --bpffs",
+        cgroup.display(),
+        dir.display()
+    )))
+}
+
 /// The previous release pinned maps without a version; their layout is version 1.
 fn adopt_unversioned(dir: &Path) {
     for name in map_names::ALL {
@@ -595,6 +660,10 @@ impl Datapath {
         sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
         own_dir(dir)?;
         let (lock, dir_ino) = lock_dir(dir)?;
+        // Before anything is loaded: the lock covers this directory alone, and an agent with
+        // another directory on the same cgroup would attach beside the first and serve
+        // nothing, the first's programs answering every connect().
+        check_other_svc(dir, cgroup, cgroup_id)?;
         adopt_unversioned(dir);
 
         let mut plans = Vec::new();
@@ -924,6 +993,8 @@ impl Datapath {
     /// Attaches each program to the cgroup through a pinned link, or swaps it into the link
     /// a previous agent pinned; then finishes migrations and removes pins of other layouts.
     pub fn attach(&mut self) -> Result<()> {
+        // Again: another agent may have attached since `open` (both started at once).
+        check_other_svc(&self.dir, &self.cgroup, self.cgroup_id)?;
         let cgroup_file = File::open(&self.cgroup).map_err(|e| io_err(&self.cgroup, e))?;
         for name in PROGRAMS {
             self.attach_one(name, &cgroup_file, true)?;

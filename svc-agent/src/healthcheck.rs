@@ -17,8 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use svc_common::{node_addr_flags, NodeAddrValue};
-use tokio::io::AsyncWriteExt;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::error::Error;
 use crate::metrics::Metrics;
@@ -356,37 +355,39 @@ async fn serve(
     metrics: Arc<Metrics>,
 ) {
     loop {
+        metrics.conns.room().await;
         let (mut conn, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                warn!(service = %owner, "health check node port: accepting: {e}");
+                let what = format!("the health check node port of Service {owner}");
+                metrics.conns.accept_failed(&what, &e);
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        // The family of the address asked: kube-proxy runs one server per family, each
-        // counting that family's endpoints.
-        let v6 = conn
-            .local_addr()
-            .map(|a| a.ip().to_canonical().is_ipv6())
-            .unwrap_or(false);
-        let count = counts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&owner)
-            .and_then(|c| c[usize::from(v6)])
-            .unwrap_or(0);
-        let healthy = metrics.service_healthy(&owner);
-        let owner = owner.clone();
+        let mut slot = metrics.conns.admit();
+        let (counts, metrics, owner) = (counts.clone(), metrics.clone(), owner.clone());
         tokio::spawn(async move {
             // kube-proxy answers any request the same: only that one arrived matters.
-            if crate::metrics::read_head(&mut conn).await.is_none() {
+            if slot.read_head(&mut conn).await.is_none() {
                 return;
             }
-            if let Err(e) = conn
-                .write_all(answer(&owner, count, healthy).as_bytes())
-                .await
-            {
+            // The state when the request came, not when the connection did. The family of
+            // the address asked: kube-proxy runs one server per family, each counting that
+            // family's endpoints.
+            let v6 = conn
+                .local_addr()
+                .map(|a| a.ip().to_canonical().is_ipv6())
+                .unwrap_or(false);
+            let count = counts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&owner)
+                .and_then(|c| c[usize::from(v6)])
+                .unwrap_or(0);
+            let healthy = metrics.service_healthy(&owner);
+            let reply = answer(&owner, count, healthy);
+            if let Err(e) = crate::metrics::write_reply(&mut conn, reply.as_bytes()).await {
                 debug!(%peer, "writing a health check reply: {e}");
             }
         });
@@ -396,7 +397,7 @@ async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncReadExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// On a node with `net.ipv6.bindv6only=1` the port must still answer IPv4 health checks
     /// (a cloud load balancer probes the node's IPv4 address): kube-proxy's Go listener on

@@ -183,22 +183,25 @@ struct PacketArgs {
     #[arg(long, default_value = "10s")]
     conntrack_sweep_interval: String,
     /// Source ports of flows SNATed to another node's endpoint, MIN-MAX. Default: above the
-    /// node's ephemeral ports (net.ipv4.ip_local_port_range); an overlap with them is refused.
+    /// node's ephemeral ports (net.ipv4.ip_local_port_range), else below them, else
+    /// 61001-65535. A range that overlaps the ephemeral ports is added to
+    /// net.ipv4.ip_local_reserved_ports (if that fails, SNAT is off and /healthz says so).
     #[arg(long)]
     snat_port_range: Option<String>,
 }
 
 impl PacketArgs {
-    fn config(&self) -> anyhow::Result<svc_agent::packet::PacketConfig> {
+    /// The packet datapath's settings; `reserve`: reserve the SNAT ports where they need it
+    /// (`run`; `devices` only prints).
+    fn config(&self, reserve: bool) -> anyhow::Result<svc_agent::packet::PacketConfig> {
         use svc_agent::{netdev, packet};
         let nodeport_addresses = netdev::NodePortAddresses::parse(&self.nodeport_addresses)
             .map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))?;
-        let ephemeral =
-            packet::ephemeral_ports().context("reading net.ipv4.ip_local_port_range")?;
-        let snat_ports = packet::snat_ports(self.snat_port_range.as_deref(), ephemeral)
-            .map_err(anyhow::Error::msg)?;
+        let devices = netdev::DeviceSpec::parse(&self.devices);
+        let (snat_ports, snat_degraded) =
+            self.snat(matches!(devices, netdev::DeviceSpec::None), reserve)?;
         Ok(packet::PacketConfig {
-            devices: netdev::DeviceSpec::parse(&self.devices),
+            devices,
             pod_devices: self
                 .packet_lb_devices
                 .iter()
@@ -207,6 +210,7 @@ impl PacketArgs {
                 .collect(),
             nodeport_addresses,
             snat_ports,
+            snat_degraded,
             localhost_nodeports: self.localhost_nodeports,
             ct_timeouts: {
                 let t = |flag: &str, value: &str, sysctl: &str| {
@@ -259,6 +263,61 @@ impl PacketArgs {
                 0
             }),
         })
+    }
+}
+
+impl PacketArgs {
+    /// The SNAT port range, and why SNAT is off if it is. Nothing here stops the agent but a
+    /// malformed flag: the socket datapath must not be held hostage by a setting only the
+    /// packet datapath needs.
+    fn snat(
+        &self,
+        no_devices: bool,
+        reserve: bool,
+    ) -> anyhow::Result<((u16, u16), Option<String>)> {
+        use svc_agent::packet;
+        let given = self.snat_port_range.as_deref();
+        if no_devices {
+            // No packet datapath, no SNAT: the node's ports are not looked at.
+            let plan = packet::snat_ports(given, None).map_err(anyhow::Error::msg)?;
+            return Ok((plan.range, None));
+        }
+        let ephemeral = packet::ephemeral_ports()
+            .map_err(|e| {
+                tracing::warn!(
+                    "reading net.ipv4.ip_local_port_range: {e}; the SNAT ports are reserved \
+                     instead"
+                )
+            })
+            .ok();
+        let plan = packet::snat_ports(given, ephemeral).map_err(anyhow::Error::msg)?;
+        let (a, b) = plan.range;
+        if !plan.reserve || !reserve {
+            return Ok((plan.range, None));
+        }
+        let eph = ephemeral.map_or("unknown".to_string(), |(lo, hi)| format!("{lo}-{hi}"));
+        match packet::reserve_ports(plan.range) {
+            Ok(wrote) => {
+                tracing::info!(
+                    snat_ports = %format!("{a}-{b}"),
+                    ephemeral = %eph,
+                    "SNAT ports {} net.ipv4.ip_local_reserved_ports: they overlap the node's \
+                     ephemeral ports (net.ipv4.ip_local_port_range), which now pass over them",
+                    if wrote { "added to" } else { "already in" }
+                );
+                Ok((plan.range, None))
+            }
+            Err(e) => {
+                let why = format!(
+                    "SNAT off: SNAT ports {a}-{b} overlap the node's ephemeral ports {eph} \
+                     (net.ipv4.ip_local_port_range) and cannot be reserved ({e}); flows to \
+                     remote backends through NodePorts, ExternalIPs and LoadBalancer IPs are \
+                     dropped, local backends and the socket datapath serve"
+                );
+                tracing::warn!("{why}");
+                Ok((plan.range, Some(why)))
+            }
+        }
     }
 }
 
@@ -354,6 +413,7 @@ fn main() -> anyhow::Result<()> {
             check_interval_ms,
             packet,
         } => {
+            raise_nofile_limit();
             let from_api = manifests.is_none();
             let defaults = |given: Option<SocketAddr>, default: &str, port| {
                 given
@@ -388,7 +448,7 @@ fn main() -> anyhow::Result<()> {
                     check_every: Duration::from_millis(check_interval_ms.max(10)),
                     ..Default::default()
                 },
-                packet: packet.config()?,
+                packet: packet.config(true)?,
             };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -428,7 +488,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Devices { packet, node_ip } => {
-            let cfg = packet.config()?;
+            let cfg = packet.config(false)?;
             let state = svc_agent::netdev::read().context("reading devices over rtnetlink")?;
             let api = (!node_ip.is_empty()).then_some(node_ip.as_slice());
             let view = svc_agent::packet::view(&cfg, &state, api);
@@ -528,6 +588,42 @@ fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
          CAP_PERFMON and CAP_NET_ADMIN (kernel 5.8 and later), to create the maps and load the \
          cgroup socket programs",
     )
+}
+
+/// Raises RLIMIT_NOFILE's soft limit to the hard one, as Go programs (kube-proxy) do at start:
+/// a container's soft 1,024 is soon spent by health check connections beside the agent's own
+/// maps, links and files. The HTTP servers size their connection cap from what this leaves.
+fn raise_nofile_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        tracing::warn!("reading RLIMIT_NOFILE: {}", std::io::Error::last_os_error());
+        return;
+    }
+    if r.rlim_cur >= r.rlim_max {
+        tracing::debug!(soft = r.rlim_cur, hard = r.rlim_max, "RLIMIT_NOFILE");
+        return;
+    }
+    let old = r.rlim_cur;
+    r.rlim_cur = r.rlim_max;
+    // SAFETY: setrlimit reads the struct we pass.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } != 0 {
+        tracing::warn!(
+            soft = old,
+            hard = r.rlim_max,
+            "raising RLIMIT_NOFILE's soft limit to the hard one: {}",
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    tracing::info!(
+        from = old,
+        to = r.rlim_cur,
+        "raised RLIMIT_NOFILE's soft limit to the hard one"
+    );
 }
 
 /// Writes to stdout; a reader that went away (`svc-agent list | head`) is no error.

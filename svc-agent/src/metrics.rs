@@ -108,6 +108,8 @@ struct Inner {
     sweeps: u64,
     swept: u64,
     sweep_seconds: f64,
+    /// Why SNAT is off (`PacketConfig::snat_degraded`).
+    snat_degraded: Option<String>,
 }
 
 /// "a, b, c, d, e, ...": the first five of `names`, for a /healthz problem.
@@ -127,6 +129,8 @@ pub struct Metrics {
     bpffs: PathBuf,
     /// A queued change older than this makes /healthz fail, as kube-proxy's healthTimeout.
     health_timeout: Duration,
+    /// The connections of every HTTP server of the agent.
+    pub conns: Arc<ConnLimit>,
 }
 
 /// What /healthz says.
@@ -183,9 +187,11 @@ impl Metrics {
                 sweeps: 0,
                 swept: 0,
                 sweep_seconds: 0.0,
+                snat_degraded: None,
             }),
             bpffs,
             health_timeout,
+            conns: Arc::new(ConnLimit::new(conn_cap(nofile_soft()))),
         })
     }
 
@@ -260,6 +266,13 @@ impl Metrics {
         *self.lock().repairs.entry(what).or_default() += 1;
     }
 
+    /// SNAT is off, for this reason (None: on). A problem of /healthz, which load balancers
+    /// of externalTrafficPolicy Cluster Services probe: this node cannot forward to remote
+    /// backends. Not of the health check node ports, whose Services go to local endpoints only.
+    pub fn snat_degraded(&self, why: Option<String>) {
+        self.lock().snat_degraded = why;
+    }
+
     pub fn datapath_broken(&self, broken: bool) {
         self.lock().datapath_broken = broken;
     }
@@ -312,6 +325,9 @@ impl Metrics {
         }
         if i.datapath_broken {
             problems.push("pins or links missing and not repaired".into());
+        }
+        if let Some(why) = &i.snat_degraded {
+            problems.push(why.clone());
         }
         // Named, but no failure: every node lacks SCTP alike, so a 503 would have load
         // balancers drain every node, and the TCP and UDP Services with it; the agent itself
@@ -444,6 +460,26 @@ impl Metrics {
                 "1 when the programs are attached.",
                 usize::from(i.attached),
             );
+            gauge(
+                &mut out,
+                "svc_snat_degraded",
+                "1 when SNAT to remote backends is off: its port range overlaps the node's ephemeral ports and could not be added to net.ipv4.ip_local_reserved_ports.",
+                usize::from(i.snat_degraded.is_some()),
+            );
+            let c = self.conns.counts();
+            gauge(
+                &mut out,
+                "svc_http_connections",
+                "Connections to the agent's HTTP servers (health, metrics, healthCheckNodePorts) waiting for their request.",
+                c.open,
+            );
+            gauge(
+                &mut out,
+                "svc_http_connections_max",
+                "The most connections the HTTP servers keep waiting for a request (from RLIMIT_NOFILE); beyond it the oldest is closed.",
+                self.conns.cap,
+            );
+            let _ = writeln!(out, "# HELP svc_http_connections_evicted_total Connections closed unanswered to make room for a newer one (a client that stalls, or too many at once), and the oldest closed when the agent ran out of file descriptors.\n# TYPE svc_http_connections_evicted_total counter\nsvc_http_connections_evicted_total {}", c.evicted);
             let _ = writeln!(out, "# HELP svc_datapath_repairs_total Pins or links found missing and put back.\n# TYPE svc_datapath_repairs_total counter");
             for (k, v) in &i.repairs {
                 let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
@@ -547,17 +583,21 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
 /// Serves /metrics and /healthz until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
     loop {
+        metrics.conns.room().await;
         let (mut conn, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                warn!("accepting on the {port:?} port: {e}");
+                metrics
+                    .conns
+                    .accept_failed(&format!("the {port:?} port"), &e);
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
         let metrics = metrics.clone();
+        let mut slot = metrics.conns.admit();
         tokio::spawn(async move {
-            let Some(head) = read_head(&mut conn).await else {
+            let Some(head) = slot.read_head(&mut conn).await else {
                 return;
             };
             let head = String::from_utf8_lossy(&head);
@@ -578,20 +618,34 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
                 }
                 _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
             };
-            if let Err(e) = conn.write_all(reply.as_bytes()).await {
+            if let Err(e) = write_reply(&mut conn, reply.as_bytes()).await {
                 debug!(%peer, "writing a metrics reply: {e}");
             }
         });
     }
 }
 
+/// How long a client may take to send its request, and to take the reply: a client that
+/// stalls must not hold a connection (a file descriptor) for long.
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Writes `reply`, giving up after `IO_TIMEOUT`.
+pub(crate) async fn write_reply(
+    conn: &mut tokio::net::TcpStream,
+    reply: &[u8],
+) -> std::io::Result<()> {
+    tokio::time::timeout(IO_TIMEOUT, conn.write_all(reply))
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+}
+
 /// The start of an HTTP request, up to the end of its headers or 4 KiB, whichever comes first
-/// (only the request line matters to these servers); `None` when the client stalls for 5 s or
-/// the read fails.
+/// (only the request line matters to these servers); `None` when the client stalls for
+/// `IO_TIMEOUT` or the read fails.
 pub(crate) async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
     let mut buf = vec![0u8; 4096];
     let mut len = 0;
-    let read = tokio::time::timeout(Duration::from_secs(5), async {
+    let read = tokio::time::timeout(IO_TIMEOUT, async {
         while len < buf.len() {
             let n = conn.read(&mut buf[len..]).await?;
             if n == 0 {
@@ -609,6 +663,190 @@ pub(crate) async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<Vec<u8
         buf.truncate(len);
         buf
     })
+}
+
+/// File descriptors kept from the HTTP servers for the agent's own work: its maps, programs
+/// and links, netlink, the API connection, manifest files, a datapath repair.
+const FD_RESERVE: u64 = 256;
+/// More connections than a node's health checkers ever hold at once.
+const CONN_CAP_MAX: u64 = 1024;
+
+/// RLIMIT_NOFILE's soft limit now (1,024 if it cannot be read).
+pub fn nofile_soft() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return 1024;
+    }
+    r.rlim_cur
+}
+
+/// How many connections the HTTP servers keep open under a soft file limit of `soft`: what
+/// the limit leaves beside `FD_RESERVE`, at most `CONN_CAP_MAX`, at least 16.
+pub fn conn_cap(soft: u64) -> usize {
+    soft.saturating_sub(FD_RESERVE).clamp(16, CONN_CAP_MAX) as usize
+}
+
+/// The connections of every HTTP server of the agent (health, metrics, health check node
+/// ports) that wait for their request; they share the agent's file descriptors. Past `cap`, a
+/// new connection closes the oldest waiting one rather than wait or be refused: a health
+/// checker sends its request at once and is answered in a moment, so slow or idle clients,
+/// however many, are the ones that lose their slot, and a flood of them can starve neither
+/// the checkers nor the agent's own work of descriptors.
+#[derive(Debug)]
+pub struct ConnLimit {
+    pub cap: usize,
+    inner: Mutex<Conns>,
+}
+
+#[derive(Debug, Default)]
+struct Conns {
+    next: u64,
+    /// By age: each open connection's signal to close.
+    open: BTreeMap<u64, Arc<tokio::sync::Notify>>,
+    /// Connections told to close whose tasks have not dropped them yet: their descriptors
+    /// are still held.
+    closing: usize,
+    evicted: u64,
+    /// The last accept error logged, and those not logged since.
+    warned: Option<Instant>,
+    unlogged: u64,
+}
+
+/// What `/metrics` shows of the connections.
+pub struct ConnCounts {
+    pub open: usize,
+    pub evicted: u64,
+}
+
+impl ConnLimit {
+    pub fn new(cap: usize) -> ConnLimit {
+        ConnLimit {
+            cap: cap.max(1),
+            inner: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Conns> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Returns once the connections told to close have let go of their descriptors, before
+    /// the next accept: on the runtime's one thread those closes wait for their tasks, and an
+    /// accept loop that ran ahead of them would hold more descriptors than the cap.
+    pub async fn room(&self) {
+        loop {
+            {
+                let c = self.lock();
+                if c.closing == 0 || c.open.len() + c.closing < self.cap {
+                    return;
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// A slot for a connection just accepted, closing the oldest one when all are taken.
+    pub fn admit(self: &Arc<Self>) -> ConnSlot {
+        let mut c = self.lock();
+        while c.open.len() >= self.cap {
+            self.evict_oldest(&mut c);
+        }
+        let id = c.next;
+        c.next += 1;
+        let close = Arc::new(tokio::sync::Notify::new());
+        c.open.insert(id, close.clone());
+        ConnSlot {
+            limit: self.clone(),
+            id,
+            close,
+            counted: true,
+        }
+    }
+
+    fn evict_oldest(&self, c: &mut Conns) {
+        if let Some((_, close)) = c.open.pop_first() {
+            // A permit is kept if the connection's task has not started waiting yet.
+            close.notify_one();
+            c.closing += 1;
+            c.evicted += 1;
+        }
+    }
+
+    /// An accept that failed: when for want of descriptors, the oldest connection is closed
+    /// to make room. Logged at most every 10 s, with how many went unlogged.
+    pub fn accept_failed(&self, server: &str, e: &std::io::Error) {
+        let mut c = self.lock();
+        if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+            self.evict_oldest(&mut c);
+        }
+        if c.warned
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
+        {
+            c.unlogged += 1;
+            return;
+        }
+        let unlogged = std::mem::take(&mut c.unlogged);
+        c.warned = Some(Instant::now());
+        drop(c);
+        warn!(
+            open = self.counts().open,
+            "accepting on {server}: {e} ({unlogged} more such errors since the last report)"
+        );
+    }
+
+    pub fn counts(&self) -> ConnCounts {
+        let c = self.lock();
+        ConnCounts {
+            open: c.open.len(),
+            evicted: c.evicted,
+        }
+    }
+}
+
+/// One connection's place among `ConnLimit`'s; freed when dropped.
+pub struct ConnSlot {
+    limit: Arc<ConnLimit>,
+    id: u64,
+    close: Arc<tokio::sync::Notify>,
+    /// Still among `open`, or among `closing` once evicted.
+    counted: bool,
+}
+
+impl ConnSlot {
+    /// Leaves the count: `open` if still there, else `closing` (it was evicted).
+    fn uncount(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            let mut c = self.limit.lock();
+            if c.open.remove(&self.id).is_none() {
+                c.closing = c.closing.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl ConnSlot {
+    /// The request's head (`read_head`), unless the slot is taken back first. A connection
+    /// whose request has come leaves the cap: it is answered at once, and its reply bounded
+    /// by `IO_TIMEOUT`.
+    pub async fn read_head(&mut self, conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+        let head = tokio::select! {
+            biased;
+            head = read_head(conn) => head?,
+            () = self.close.notified() => return None,
+        };
+        self.uncount();
+        Some(head)
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.uncount();
+    }
 }
 
 /// Binds an address for `serve`, naming it in the error.
@@ -797,5 +1035,74 @@ mod tests {
         assert!(text.contains("svc_sync_duration_seconds_bucket{le=\"0.001\"} 0"));
         assert!(text.contains("svc_errors_total{kind=\"manifest\"} 1"));
         assert!(text.contains("svc_map_capacity{map=\"SVC_SERVICES\"} 100"));
+    }
+
+    /// The cap leaves the agent its reserve under a container's 1,024 and stays bounded under a
+    /// raised limit.
+    #[test]
+    fn the_connection_cap_follows_the_file_limit() {
+        assert_eq!(conn_cap(1024), 768);
+        assert_eq!(conn_cap(65_536), 1024);
+        assert_eq!(conn_cap(100), 16);
+    }
+
+    /// Past the cap the oldest waiting connection is told to close, and a connection whose
+    /// request has come no longer counts.
+    #[tokio::test]
+    async fn past_the_cap_the_oldest_waiting_connection_goes() {
+        let limit = Arc::new(ConnLimit::new(2));
+        let oldest = limit.admit();
+        let _second = limit.admit();
+        let _third = limit.admit();
+        tokio::time::timeout(Duration::from_secs(1), oldest.close.notified())
+            .await
+            .expect("the oldest connection is told to close");
+        let c = limit.counts();
+        assert_eq!((c.open, c.evicted), (2, 1));
+        // Its descriptor is held until its task drops it: the next accept waits for that.
+        assert_eq!(limit.lock().closing, 1);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), limit.room())
+                .await
+                .is_err()
+        );
+        drop(oldest);
+        assert_eq!(limit.lock().closing, 0);
+        assert_eq!(limit.counts().open, 2);
+        limit.room().await;
+
+        // A connection that has sent its request leaves the cap at once.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        let mut client = tokio::net::TcpStream::connect(at).await.unwrap();
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let limit = Arc::new(ConnLimit::new(2));
+        let mut slot = limit.admit();
+        assert!(slot.read_head(&mut conn).await.is_some());
+        assert_eq!(limit.counts().open, 0);
+    }
+
+    /// SNAT off takes the node out of load balancers that probe /healthz (externalTrafficPolicy
+    /// Cluster: it cannot reach remote backends), not out of those of health check node ports
+    /// (Local: local endpoints only, no SNAT).
+    #[test]
+    fn snat_off_is_a_problem_of_healthz_alone() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        assert!(m.health().ok);
+        assert!(m.render().contains("\nsvc_snat_degraded 0\n"));
+        m.snat_degraded(Some("SNAT off: test".into()));
+        let h = m.health();
+        assert!(!h.ok);
+        assert_eq!(h.problems, ["SNAT off: test"]);
+        assert!(m.service_healthy("ns/web"));
+        assert!(m.render().contains("\nsvc_snat_degraded 1\n"));
     }
 }

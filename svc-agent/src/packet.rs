@@ -17,8 +17,13 @@ pub struct PacketConfig {
     pub pod_devices: Vec<String>,
     /// `--nodeport-addresses`.
     pub nodeport_addresses: NodePortAddresses,
-    /// `--snat-port-range`, checked against the node's ephemeral ports.
+    /// `--snat-port-range`, or the default beside the node's ephemeral ports
+    /// ([`snat_ports`]).
     pub snat_ports: (u16, u16),
+    /// Why SNAT is off: the range overlaps the ephemeral ports and could not be reserved.
+    /// Flows to remote backends are then dropped (no address is a SNAT address), local ones
+    /// served; /healthz, a metric and the log say so.
+    pub snat_degraded: Option<String>,
     /// `--localhost-nodeports`: the IPv4 loopback addresses `--nodeport-addresses` covers
     /// answer NodePorts for the node's own sockets.
     pub localhost_nodeports: bool,
@@ -62,6 +67,7 @@ impl Default for PacketConfig {
             pod_devices: Vec::new(),
             nodeport_addresses: NodePortAddresses::primary(),
             snat_ports: (61000, 65535),
+            snat_degraded: None,
             localhost_nodeports: true,
             host_netns: 0,
             ct_timeouts: CtTimeouts::default(),
@@ -122,13 +128,20 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
             netdev::primary_ips(state, &candidates)
         }
     };
-    let addrs = netdev::node_addrs(
+    let mut addrs = netdev::node_addrs(
         state,
         &external,
         &cfg.nodeport_addresses,
         &primary,
         cfg.localhost_nodeports,
     );
+    if cfg.snat_degraded.is_some() {
+        // Without a SNAT address the programs drop a new flow to a remote backend rather
+        // than take a port the node's own connections may hold.
+        for v in addrs.values_mut() {
+            v.flags &= !svc_common::node_addr_flags::SNAT;
+        }
+    }
     let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &primary, &addrs, state);
     NodeView {
         external,
@@ -189,34 +202,119 @@ fn parse_range(text: &str) -> Result<(u16, u16), String> {
     Ok((a, b))
 }
 
-/// The SNAT port range: `given` (`--snat-port-range MIN-MAX`), which must not overlap the
-/// node's ephemeral ports (the node's own connections would collide with SNATed flows), or by
-/// default the ports above the ephemeral range (at least 1,024 of them), else those below it
-/// down to 1024.
-pub fn snat_ports(given: Option<&str>, ephemeral: (u16, u16)) -> Result<(u16, u16), String> {
-    let (lo, hi) = ephemeral;
+/// The SNAT port range and whether the node's ephemeral ports must keep out of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnatPlan {
+    pub range: (u16, u16),
+    /// The range overlaps the ephemeral ports: it must go into
+    /// net.ipv4.ip_local_reserved_ports ([`reserve_ports`]), else the node's own connections
+    /// could take a SNATed flow's tuple.
+    pub reserve: bool,
+}
+
+/// The SNAT port range: `given` (`--snat-port-range MIN-MAX`), or by default the ports above
+/// the node's ephemeral range (at least 1,024 of them), else those below it down to 1024, else
+/// svc's own range (`svc_common::SNAT_PORT_MIN`-`SNAT_PORT_MAX`). A range that overlaps the
+/// ephemeral ports is kept and reserved, as Cilium reserves its ports, rather than refused: an
+/// agent that replaces kube-proxy and refuses to start takes every Service of the node down
+/// with it. `ephemeral`: None when it cannot be read (the range is then reserved, to be safe).
+pub fn snat_ports(given: Option<&str>, ephemeral: Option<(u16, u16)>) -> Result<SnatPlan, String> {
+    let overlaps = |(a, b): (u16, u16)| ephemeral.is_none_or(|(lo, hi)| a <= hi && lo <= b);
     if let Some(text) = given {
-        let (a, b) = parse_range(text).map_err(|e| format!("--snat-port-range {e}"))?;
-        if a <= hi && lo <= b {
-            return Err(format!(
-                "--snat-port-range {a}-{b} overlaps the node's ephemeral ports {lo}-{hi} \
-                 (net.ipv4.ip_local_port_range): the node's own connections would collide with \
-                 SNATed flows; choose a range outside it, or narrow ip_local_port_range"
-            ));
-        }
-        return Ok((a, b));
+        let range = parse_range(text).map_err(|e| format!("--snat-port-range {e}"))?;
+        return Ok(SnatPlan {
+            range,
+            reserve: overlaps(range),
+        });
     }
     const ENOUGH: u32 = 1024;
-    if u32::from(u16::MAX - hi) >= ENOUGH {
-        return Ok((hi + 1, u16::MAX));
+    if let Some((lo, hi)) = ephemeral {
+        if u32::from(u16::MAX - hi) >= ENOUGH {
+            return Ok(SnatPlan {
+                range: (hi + 1, u16::MAX),
+                reserve: false,
+            });
+        }
+        if lo > 1024 && u32::from(lo - 1024) >= ENOUGH {
+            return Ok(SnatPlan {
+                range: (1024, lo - 1),
+                reserve: false,
+            });
+        }
     }
-    if lo > 1024 && u32::from(lo - 1024) >= ENOUGH {
-        return Ok((1024, lo - 1));
+    let range = (svc_common::SNAT_PORT_MIN, svc_common::SNAT_PORT_MAX);
+    Ok(SnatPlan {
+        range,
+        reserve: overlaps(range),
+    })
+}
+
+const RESERVED_PORTS: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+
+/// Adds `range` to net.ipv4.ip_local_reserved_ports of the agent's network namespace (it
+/// covers IPv6 too), keeping every entry already there. Returns whether it wrote anything
+/// (false: already reserved). The error names the sysctl.
+pub fn reserve_ports(range: (u16, u16)) -> Result<bool, String> {
+    let text = std::fs::read_to_string(RESERVED_PORTS)
+        .map_err(|e| format!("reading {RESERVED_PORTS}: {e}"))?;
+    let mut ranges = parse_port_list(&text).map_err(|e| format!("{RESERVED_PORTS}: {e}"))?;
+    if ranges.iter().any(|&(a, b)| a <= range.0 && range.1 <= b) {
+        return Ok(false);
     }
-    Err(format!(
-        "the node's ephemeral ports {lo}-{hi} (net.ipv4.ip_local_port_range) leave no room for \
-         SNAT ports: give --snat-port-range, or narrow ip_local_port_range"
-    ))
+    ranges.push(range);
+    std::fs::write(RESERVED_PORTS, render_port_list(ranges))
+        .map_err(|e| format!("writing {RESERVED_PORTS}: {e}"))?;
+    // A partial write, or a kernel that took another meaning: read back.
+    let now = std::fs::read_to_string(RESERVED_PORTS)
+        .map_err(|e| format!("reading {RESERVED_PORTS}: {e}"))?;
+    let now = parse_port_list(&now).map_err(|e| format!("{RESERVED_PORTS}: {e}"))?;
+    if !now.iter().any(|&(a, b)| a <= range.0 && range.1 <= b) {
+        return Err(format!(
+            "{RESERVED_PORTS} does not hold {}-{} after writing it",
+            range.0, range.1
+        ));
+    }
+    Ok(true)
+}
+
+/// `ip_local_reserved_ports`' syntax: ports and ranges, comma separated (empty: none).
+fn parse_port_list(text: &str) -> Result<Vec<(u16, u16)>, String> {
+    text.trim()
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            if p.contains('-') {
+                parse_range(p)
+            } else {
+                let v: u16 = p.parse().map_err(|_| format!("{p:?} is not a port"))?;
+                Ok((v, v))
+            }
+        })
+        .collect()
+}
+
+/// Ranges merged and sorted, in `ip_local_reserved_ports`' syntax.
+fn render_port_list(mut ranges: Vec<(u16, u16)>) -> String {
+    ranges.sort_unstable();
+    let mut merged: Vec<(u16, u16)> = Vec::new();
+    for (a, b) in ranges {
+        match merged.last_mut() {
+            Some(last) if u32::from(a) <= u32::from(last.1) + 1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    merged
+        .iter()
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// A timeout flag's value as kube-proxy takes it: a Go duration (`24h0m0s`, `1h`, `90s`,
@@ -353,18 +451,45 @@ mod tests {
     }
 
     #[test]
-    fn snat_ports_default_above_the_ephemeral_range_and_overlaps_are_refused() {
-        assert_eq!(snat_ports(None, (32768, 60999)), Ok((61000, 65535)));
-        assert_eq!(snat_ports(None, (32768, 65000)), Ok((1024, 32767)));
-        assert!(snat_ports(None, (1024, 65535)).is_err());
+    fn snat_ports_default_beside_the_ephemeral_range_else_svcs_own_range_reserved() {
+        let plan = |given, eph| snat_ports(given, eph).map(|p| (p.range, p.reserve));
         assert_eq!(
-            snat_ports(Some("20000-29999"), (32768, 60999)),
-            Ok((20000, 29999))
+            plan(None, Some((32768, 60999))),
+            Ok(((61000, 65535), false))
         );
-        let e = snat_ports(Some("60000-62000"), (32768, 60999)).unwrap_err();
-        assert!(e.contains("overlaps") && e.contains("32768-60999"), "{e}");
-        assert!(snat_ports(Some("9-1"), (32768, 60999)).is_err());
-        assert!(snat_ports(Some("x"), (32768, 60999)).is_err());
+        assert_eq!(plan(None, Some((32768, 65000))), Ok(((1024, 32767), false)));
+        // No room either side (a common tuning): svc's range, reserved, not a refusal.
+        assert_eq!(plan(None, Some((1024, 65000))), Ok(((61001, 65535), true)));
+        assert_eq!(plan(None, Some((1024, 65535))), Ok(((61001, 65535), true)));
+        assert_eq!(plan(None, None), Ok(((61001, 65535), true)));
+        assert_eq!(
+            plan(Some("20000-29999"), Some((32768, 60999))),
+            Ok(((20000, 29999), false))
+        );
+        assert_eq!(
+            plan(Some("60000-62000"), Some((32768, 60999))),
+            Ok(((60000, 62000), true))
+        );
+        assert!(snat_ports(Some("9-1"), Some((32768, 60999))).is_err());
+        assert!(snat_ports(Some("x"), Some((32768, 60999))).is_err());
+    }
+
+    #[test]
+    fn reserved_ports_merge_with_what_is_there() {
+        let merged = |text: &str, add: (u16, u16)| {
+            let mut r = parse_port_list(text).unwrap();
+            r.push(add);
+            render_port_list(r)
+        };
+        assert_eq!(merged("", (61001, 65535)), "61001-65535");
+        assert_eq!(merged("\n", (61001, 65535)), "61001-65535");
+        assert_eq!(
+            merged("8080,10250-10260\n", (61001, 65535)),
+            "8080,10250-10260,61001-65535"
+        );
+        assert_eq!(merged("61000,65535", (61001, 65534)), "61000-65535");
+        assert_eq!(merged("62000-63000", (61001, 65535)), "61001-65535");
+        assert!(parse_port_list("1-x").is_err());
     }
 
     #[test]

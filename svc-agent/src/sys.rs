@@ -459,3 +459,90 @@ pub fn netlink_socket(protocol: i32) -> io::Result<OwnedFd> {
     // SAFETY: socket(2) just returned this descriptor and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
+
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+const BPF_LINK_GET_NEXT_ID: libc::c_long = 31;
+
+/// The name of program `id` (as the kernel keeps it: at most 15 bytes).
+pub fn prog_name(id: u32) -> io::Result<String> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 prog_id; ... }
+    attr.put_u32(0, id);
+    let fd = bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that we now own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = [0u8; 256];
+    let mut attr = Attr::zeroed();
+    attr.put_u32(0, fd.as_raw_fd() as u32);
+    attr.put_u32(4, info.len() as u32);
+    attr.put_u64(8, info.as_mut_ptr() as u64);
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    // struct bpf_prog_info { u32 type; u32 id; u8 tag[8]; u32 jited_prog_len;
+    // u32 xlated_prog_len; u64 jited_prog_insns; u64 xlated_prog_insns; u64 load_time;
+    // u32 created_by_uid; u32 nr_map_ids; u64 map_ids; char name[16]; ... }
+    let name = &info[64..80];
+    let end = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
+}
+
+/// The bpf links that run program `prog_id` on cgroup `cgroup_id`, by id (every link of the
+/// system is looked at; those that vanish meanwhile are skipped).
+pub fn cgroup_links_of(prog_id: u32, cgroup_id: u64) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut id = 0u32;
+    loop {
+        let mut attr = Attr::zeroed();
+        // struct { __u32 start_id; __u32 next_id; ... }
+        attr.put_u32(0, id);
+        if bpf(BPF_LINK_GET_NEXT_ID, &mut attr).is_err() {
+            break;
+        }
+        id = u32::from_ne_bytes(attr.0[4..8].try_into().expect("4 bytes"));
+        let mut attr = Attr::zeroed();
+        attr.put_u32(0, id);
+        let Ok(fd) = bpf(BPF_LINK_GET_FD_BY_ID, &mut attr) else {
+            continue;
+        };
+        // SAFETY: the kernel returned a new file descriptor that we now own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        use std::os::fd::AsFd;
+        if let Ok((prog, cg)) = link_info(fd.as_fd()) {
+            if prog == prog_id && cg == cgroup_id {
+                out.push(id);
+            }
+        }
+    }
+    out
+}
+
+/// The processes holding a descriptor of program `prog_id` (from /proc/PID/fdinfo), each
+/// with a bpffs directory it holds open (an agent's locked `--bpffs`), if any.
+pub fn prog_holders(prog_id: u32) -> Vec<(u32, Option<std::path::PathBuf>)> {
+    let want = format!("prog_id:\t{prog_id}");
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(p.path().join("fdinfo")) else {
+            continue;
+        };
+        let holds = fds.flatten().any(|f| {
+            std::fs::read_to_string(f.path()).is_ok_and(|t| t.lines().any(|l| l.trim_end() == want))
+        });
+        if !holds {
+            continue;
+        }
+        let dir = std::fs::read_dir(p.path().join("fd")).ok().and_then(|fds| {
+            fds.flatten()
+                .filter_map(|f| std::fs::read_link(f.path()).ok())
+                .find(|t| t.is_dir() && is_bpffs(t).unwrap_or(false))
+        });
+        out.push((pid, dir));
+    }
+    out
+}

@@ -335,6 +335,9 @@ struct Topo {
     agent: Option<Agent>,
     /// `NAME=VALUE` settings of the agent's environment (fault injection).
     agent_env: Vec<String>,
+    /// A command the agent runs under, before it enters node 1 (`prlimit --nofile=...`,
+    /// which execs it).
+    agent_wrapper: Vec<String>,
     bpffs: Bpffs,
     _echo: Vec<Echo>,
     m: Manifests,
@@ -372,6 +375,7 @@ impl Topo {
         Topo {
             agent: None,
             agent_env: Vec::new(),
+            agent_wrapper: Vec::new(),
             bpffs,
             _echo: echo,
             m,
@@ -430,6 +434,7 @@ impl Topo {
             .then(|| "env".to_string())
             .into_iter()
             .chain(self.agent_env.iter().cloned())
+            .chain(self.agent_wrapper.iter().cloned())
             .chain([
                 "nsenter".into(),
                 format!("--net={}", self.node1.path().display()),
@@ -1442,6 +1447,300 @@ fn health_check_ports_listen_on_the_node_port_addresses() {
             listening(&t.node1, HC)
         )
     });
+}
+
+/// `GET PATH` at `to` as a load balancer's health checker does: a bounded wait for the whole
+/// answer; its status code.
+fn probe_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, String> {
+    let mut c = TcpStream::connect_timeout(&to, timeout).map_err(|e| format!("connect: {e}"))?;
+    c.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    c.set_write_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("write: {e}"))?;
+    let mut reply = String::new();
+    c.read_to_string(&mut reply)
+        .map_err(|e| format!("read: {e} (after {reply:?})"))?;
+    reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("no status in {reply:?}"))
+}
+
+/// Holds up to `n` idle connections (no request sent) to `targets` in turn for `how_long`,
+/// opening a new one whenever the server closes one, as a slow-loris attacker does; how many
+/// it opened in all.
+fn hold_slow_connections(targets: Vec<SocketAddr>, n: usize, how_long: Duration) -> usize {
+    let end = Instant::now() + how_long;
+    let mut held: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    let mut opened = 0;
+    while Instant::now() < end {
+        for (i, slot) in held.iter_mut().enumerate() {
+            let closed = slot.as_ref().is_none_or(|c| {
+                let mut b = [0u8; 1];
+                // 0: the server closed it; WouldBlock: still open and silent.
+                !matches!(c.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            });
+            if !closed {
+                continue;
+            }
+            *slot = TcpStream::connect_timeout(&targets[i % targets.len()], SILENCE)
+                .ok()
+                .inspect(|c| c.set_nonblocking(true).expect("nonblocking"));
+            opened += usize::from(slot.is_some());
+            if Instant::now() >= end {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    opened
+}
+
+/// Issue 33, item 6: 2,000 slow connections from one outside host to the health port and a
+/// healthCheckNodePort, against an agent started under a container's file limit (`nofile`,
+/// `prlimit`'s SOFT:HARD). A load balancer's checks from another host must get the answer the
+/// state says (200: synced, a ready local endpoint), each within 3 s, all along; the agent
+/// must not run out of descriptors, and must raise its soft limit to the hard one.
+fn health_answers_hold_under_slow_connections(nofile: &str, soft_after: u64) {
+    const HC: u16 = 30312;
+    const HEALTHZ: u16 = 10256;
+    let mut t = Topo::new();
+    t.service(
+        "etp",
+        service(
+            "etp",
+            "LoadBalancer",
+            33,
+            30112,
+            json!({"externalTrafficPolicy": "Local", "healthCheckNodePort": HC}),
+            json!({}),
+        ),
+    );
+    t.endpoints("etp", &[LOCAL_POD]);
+    t.agent_wrapper = vec!["prlimit".into(), format!("--nofile={nofile}")];
+    t.start_agent_with(&[
+        "--healthz-bind-address",
+        &format!("0.0.0.0:{HEALTHZ}"),
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+    ]);
+    let pid = t.agent().pid().expect("agent pid");
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files in /proc/PID/limits");
+    let soft: u64 = open_files
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(soft, soft_after, "{open_files}");
+    let (healthz, hc) = (sa(NODE1, HEALTHZ), sa(NODE1, HC));
+    in_ns(&t.client2, move || {
+        poll(Duration::from_secs(10), || {
+            Ok((probe_status(hc, "/", ANSWER) == Ok(200)).then_some(()))
+        })
+    })
+    .expect("the health check node port answers 200 before the attack");
+
+    const ATTACK: Duration = Duration::from_secs(12);
+    let attack = spawn_in(&t.client, move || {
+        hold_slow_connections(vec![healthz, hc], 2000, ATTACK)
+    });
+    // Let the attacker fill up first.
+    std::thread::sleep(Duration::from_secs(3));
+    let checks = spawn_in(&t.client2, move || {
+        let mut failed = Vec::new();
+        let mut done = 0;
+        let end = Instant::now() + Duration::from_secs(7);
+        while Instant::now() < end {
+            for (to, path) in [(healthz, "/healthz"), (hc, "/")] {
+                let started = Instant::now();
+                match probe_status(to, path, ANSWER) {
+                    Ok(200) => {}
+                    other => failed.push(format!(
+                        "{to}{path}: {other:?} after {:?}",
+                        started.elapsed()
+                    )),
+                }
+                done += 1;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        (done, failed)
+    });
+    let fds_mid = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+    let (done, failed) = checks.join().unwrap();
+    let opened = attack.join().unwrap();
+    eprintln!(
+        "{opened} slow connections opened; {done} checks, {} failed; the agent held {fds_mid} \
+         descriptors in the middle of the attack",
+        failed.len()
+    );
+    assert!(
+        opened >= 2000,
+        "the attack opened only {opened} connections"
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {done} health checks failed under attack: {failed:#?}",
+        failed.len()
+    );
+    let log = t.agent().log();
+    assert!(
+        !log.contains("Too many open files"),
+        "the agent ran out of descriptors:\n{}",
+        log.lines()
+            .filter(|l| l.contains("Too many open files"))
+            .take(5)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let metrics = in_ns(&t.node1, || {
+        svc_tests::agent::http_get(sa("127.0.0.1", 10249), "/metrics")
+    })
+    .expect("/metrics");
+    let evicted: u64 = metrics
+        .1
+        .lines()
+        .find_map(|l| l.strip_prefix("svc_http_connections_evicted_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no eviction counter in {}", metrics.1));
+    assert!(evicted > 0, "more connections than the cap, none closed");
+}
+
+/// A container's soft 1,024 under a higher hard limit (65,536, or this process's own hard
+/// limit if lower: raising a hard limit takes CAP_SYS_RESOURCE).
+#[test]
+fn health_answers_hold_under_2000_slow_connections_with_a_raisable_file_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we pass.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) }, 0);
+    let hard = r.rlim_max.min(65_536);
+    assert!(hard > 4096, "this process's hard file limit is {hard}");
+    health_answers_hold_under_slow_connections(&format!("1024:{hard}"), hard);
+}
+
+/// The hard limit is the container's too: the connection cap alone keeps descriptors for the
+/// checkers and the agent's own work.
+#[test]
+fn health_answers_hold_under_2000_slow_connections_with_a_hard_file_limit_of_1024() {
+    health_answers_hold_under_slow_connections("1024:1024", 1024);
+}
+
+/// net.ipv4.ip_local_reserved_ports of `ns`, as the kernel shows it.
+fn reserved_ports(ns: &NetNs) -> String {
+    in_ns(ns, || {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports").unwrap()
+    })
+    .trim()
+    .to_string()
+}
+
+/// Issue 33, item 7: node 1's ephemeral ports span 1024-65000 (a common tuning), leaving no
+/// room beside them for SNAT ports. The agent starts anyway: svc's range 61001-65535 goes into
+/// ip_local_reserved_ports beside what was there, and a NodePort to a backend on node 2
+/// (SNATed) answers.
+#[test]
+fn a_wide_ephemeral_port_range_gets_the_snat_ports_reserved() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 34, 30084));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.node1
+        .sysctl("net.ipv4.ip_local_port_range=1024 65000")
+        .unwrap();
+    t.node1
+        .sysctl("net.ipv4.ip_local_reserved_ports=8080,10250")
+        .unwrap();
+    t.start_agent();
+    assert_eq!(reserved_ports(&t.node1), "8080,10250,61001-65535");
+    let log = t.agent().log();
+    assert!(
+        log.lines().any(|l| l.contains("61001-65535")
+            && l.contains("added to net.ipv4.ip_local_reserved_ports")),
+        "{log}"
+    );
+    let to = sa(NODE1, 30084);
+    let a = answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    assert_eq!((a.backend.as_str(), a.saw), ("pod2", ip(NODE1)));
+    // A restart finds the reservation made and leaves it as it is.
+    t.agent().terminate(Duration::from_secs(10)).unwrap();
+    t.agent().restart().unwrap();
+    t.agent().wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    assert_eq!(reserved_ports(&t.node1), "8080,10250,61001-65535");
+    assert!(t
+        .agent()
+        .log()
+        .contains("already in net.ipv4.ip_local_reserved_ports"));
+}
+
+/// Item 7, where the reservation cannot be made (a container's read-only /proc/sys): the agent
+/// serves all the same, SNAT off. A NodePort to a local backend answers, one to a remote backend
+/// does not (dropped, not sent from a port the node's own connections may hold), and /healthz,
+/// /metrics and the log say why.
+#[test]
+fn snat_ports_that_cannot_be_reserved_turn_snat_off_and_say_so() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 35, 30085));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.service("local", nodeport("local", 36, 30086));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.node1
+        .sysctl("net.ipv4.ip_local_port_range=1024 65000")
+        .unwrap();
+    // The agent's own mount namespace, /proc/sys read-only in it as container runtimes mount
+    // it; the machine's mounts are not touched.
+    t.agent_wrapper = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && exec \"$@\"",
+        "sh",
+    ]
+    .map(String::from)
+    .to_vec();
+    t.start_agent_with(&["--healthz-bind-address", "127.0.0.1:10256"]);
+    assert_eq!(reserved_ports(&t.node1), "");
+    let local = sa(NODE1, 30086);
+    answered(&t.client, &format!("TCP to {local}"), move || {
+        tcp_once(local, ANSWER)
+    });
+    let remote = sa(NODE1, 30085);
+    let r = in_ns(&t.client, move || tcp_once(remote, SILENCE));
+    assert!(r.is_err(), "a remote backend answered without SNAT: {r:?}");
+    let (status, body) = in_ns(&t.node1, || {
+        svc_tests::agent::http_get(sa("127.0.0.1", 10256), "/healthz")
+    })
+    .unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("SNAT off") && body.contains("ip_local_reserved_ports"),
+        "{body}"
+    );
+    let log = t.agent().log();
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains("WARN") && l.contains("SNAT off"))
+            .count(),
+        1,
+        "{log}"
+    );
 }
 
 /// The agent SIGKILLed and started again while a client holds a NodePort connection to a

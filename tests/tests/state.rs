@@ -104,6 +104,77 @@ fn a_second_agent_and_uninstall_refuse_while_an_agent_serves() {
     assert!(!w.bpffs.path().exists());
 }
 
+/// Issue 33, item 8: the lock covers one directory. A second agent with another `--bpffs` on
+/// the cgroup a first one serves would attach beside it and serve nothing (the first's
+/// programs answer every connect()); it must refuse, naming the cgroup, the first's programs
+/// and links, and its pid and directory, and leave the first alone. Once the first has
+/// stopped, its pinned links still serve the cgroup: refused again, pointing at `uninstall`;
+/// after that the second agent serves.
+#[test]
+fn a_second_agent_with_another_directory_on_the_same_cgroup_refuses() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    let pid = w.agent.pid().unwrap();
+    let other = Bpffs::new(&w.sb.tools.agent, w.sb.cgroup().path()).unwrap();
+    let log = refused(&w.sb, other.path(), &w.m, &[]);
+    let cgroup = w.sb.cgroup().path().display().to_string();
+    let first_dir = w.bpffs.path().display().to_string();
+    for want in [
+        format!("cgroup {cgroup} is already served by another svc"),
+        "connect4: program ".to_string(),
+        "(link ".to_string(),
+        format!("pid {pid} ("),
+        format!("bpffs {first_dir}"),
+    ] {
+        assert!(
+            log.contains(&want),
+            "the refusal should say {want:?}:\n{log}"
+        );
+    }
+    assert_eq!(
+        log.lines().filter(|l| l.contains("already served")).count(),
+        1,
+        "one message:\n{log}"
+    );
+    assert!(
+        other.entries().is_empty(),
+        "the refused agent pinned {:?}",
+        other.entries()
+    );
+    // Nothing of the first was taken away: it still serves and still applies edits.
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    w.m.apply_slice(&web_slice(&w.sb, &[2], &[])).unwrap();
+    poll(Duration::from_secs(5), || {
+        let r = w.sb.tcp(sa(VIP, 80), 5, &[])?;
+        Ok((r.all_ok() && names(&r) == set(&["b2"])).then_some(()))
+    })
+    .unwrap();
+
+    w.agent.terminate(Duration::from_secs(10)).unwrap();
+    let log = refused(&w.sb, other.path(), &w.m, &[]);
+    assert!(
+        log.contains("no running process holds them") && log.contains("svc-agent uninstall"),
+        "{log}"
+    );
+    svc_tests::agent::uninstall(
+        &w.sb.tools.agent,
+        w.bpffs.path(),
+        Some(w.sb.cgroup().path()),
+    )
+    .unwrap();
+    let mut second = agent_with(&w.sb, other.path(), &w.m, &[]);
+    let r = w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap();
+    assert!(
+        r.all_ok() && names(&r) == set(&["b2"]),
+        "{:?}",
+        r.failures()
+    );
+    second.terminate(Duration::from_secs(10)).unwrap();
+}
+
 /// Issue 6, item 4: a pin directory that someone else could write to is refused, and so is
 /// one outside bpffs; nothing is pinned in either.
 #[test]
