@@ -164,12 +164,16 @@ pub struct FlowWalk {
 }
 
 /// The backend address of the SNATed flow whose FORWARD entry is `k`/`v`, if the entry has
-/// not timed out at `now_ns`. Only the FORWARD entry's own last packet counts: a flow whose
+/// not timed out at `now_ns` and the flow is not closed (no reply is awaited). Only the FORWARD entry's own last packet counts: a flow whose
 /// replies svc's programs never see (they come back on a device without them) has only the
 /// client's packets to keep it fresh, and one whose replies svc does see came back through
 /// svc's programs anyway. No second pass, no memory per flow.
 pub fn snat_flow(k: &CtKey, v: &CtValue, now_ns: u64, config: &DatapathConfig) -> Option<[u8; 16]> {
-    if k.dir != ct_dir::FORWARD || v.flags & ct_flags::SNAT == 0 || v.flags & ct_flags::POD != 0 {
+    if k.dir != ct_dir::FORWARD
+        || v.flags & ct_flags::SNAT == 0
+        || v.flags & ct_flags::POD != 0
+        || ct_flags::closed(v.flags)
+    {
         return None;
     }
     let timeout_ns = u64::from(ct_timeout::seconds(config, k.proto, v.flags)) * 1_000_000_000;
@@ -635,7 +639,7 @@ mod tests {
     }
 
     /// A live SNATed flow is counted under its backend by its FORWARD entry alone: not by
-    /// its REPLY entry, not once timed out, not without SNAT.
+    /// its REPLY entry, not once timed out or closed, not without SNAT.
     #[test]
     fn snat_flow_names_the_backend_of_a_live_snated_forward_entry() {
         let a = |last: u8| svc_common::v4_mapped([198, 51, 100, last]);
@@ -674,6 +678,11 @@ mod tests {
         assert_eq!(snat_flow(&forward, &v, never, &c), None);
         let local = CtValue { flags: 0, ..v };
         assert_eq!(snat_flow(&forward, &local, now, &c), None);
+        let reset = CtValue {
+            flags: ct_flags::SNAT | ct_flags::RST,
+            ..v
+        };
+        assert_eq!(snat_flow(&forward, &reset, now, &c), None);
     }
 
     fn failed(errno: i32) -> MapError {
