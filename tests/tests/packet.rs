@@ -2861,7 +2861,7 @@ fn metrics_text(t: &Topo) -> String {
 /// `eth1`, where nothing translates them, and the client's connection hangs. The agent's drift
 /// check counts the flow under `eth1` in /metrics, lists it in /healthz (still 200), and warns
 /// once, naming the device and `--devices`. Flows leaving by `eth0` are not counted. With
-/// `--devices eth0,eth1`, as the warning advises, the NodePort answers.
+/// `--devices eth0,eth1`, as the warning advises, the NodePort answers and nothing is counted.
 #[test]
 fn flows_leaving_by_a_device_without_svc_programs_are_counted_and_warned_about() {
     let mut t = Topo::new();
@@ -2944,4 +2944,11 @@ fn flows_leaving_by_a_device_without_svc_programs_are_counted_and_warned_about()
     let got = answered(&t.client, "NodePort via eth1", move || tcp_once(np, ANSWER));
     assert_eq!(got.backend, "pod2", "{got:?}");
     assert_ne!(got.saw, ip(CLIENT), "{got:?}");
+    std::thread::sleep(Duration::from_millis(2500));
+    let text = metrics_text(&t);
+    assert!(
+        !text.contains("svc_flows_via_unmanaged_device{"),
+        "counted with eth1 in --devices:\n{text}"
+    );
+    assert!(!t.agent().log().contains(warning), "{}", t.agent().log());
 }
