@@ -93,6 +93,9 @@ pub struct Agent {
     udp_looked: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
+    /// Devices without svc's programs that SNATed flows were found leaving by, warned about
+    /// once each in this run (`check_unmanaged_egress`).
+    unmanaged_warned: BTreeSet<String>,
     /// The packet datapath's settings, and the node as it last saw it.
     packet: PacketConfig,
     view: NodeView,
@@ -167,6 +170,7 @@ impl Agent {
             served_from: HashMap::new(),
             synced: false,
             flow_addrs_walked: None,
+            unmanaged_warned: BTreeSet::new(),
         };
         agent.refresh_node();
         Ok(agent)
@@ -695,6 +699,67 @@ impl Agent {
             warn!("lingering addresses: {e}");
             self.metrics.error(e);
         }
+        if let Some(backends) = r.snat_backends {
+            self.check_unmanaged_egress(&backends);
+        }
+    }
+
+    /// Finds the live SNATed flows (to remote backends) that the node routes out of a device
+    /// without svc's programs (not in `--devices`): the backend's replies come back on that
+    /// device, where nothing translates them, and the client's connection hangs. Counted per
+    /// device for /metrics and /healthz, and warned about once per device in a run.
+    /// Cost: the flows come from the walk of SVC_CT this check makes anyway, only SNATed
+    /// FORWARD entries are counted (per backend address, no memory per flow), and the kernel
+    /// is asked for one route per distinct backend address per check.
+    fn check_unmanaged_egress(&mut self, backends: &BTreeMap<[u8; 16], u64>) {
+        let flows: BTreeMap<std::net::IpAddr, u64> = backends
+            .iter()
+            .map(|(a, n)| (crate::sync::ip_from16(*a), *n))
+            .collect();
+        let mut devices = BTreeMap::new();
+        if !flows.is_empty() {
+            let query = match crate::netdev::RouteQuery::new() {
+                Ok(q) => q,
+                Err(e) => {
+                    warn!("asking for the routes to remote backends: {e}");
+                    self.metrics.error_kind("netlink");
+                    return;
+                }
+            };
+            let mut failed = None;
+            let found = crate::netdev::unmanaged_devices(&flows, &self.view.external, |ip| {
+                match query.device(ip) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        None
+                    }
+                }
+            });
+            if let Some(e) = failed {
+                warn!("asking for the routes to remote backends: {e}");
+                self.metrics.error_kind("netlink");
+            }
+            for (ifindex, n) in found {
+                let name =
+                    crate::netdev::ifname(ifindex).unwrap_or_else(|| format!("ifindex {ifindex}"));
+                devices.insert(name, n);
+            }
+        }
+        for (device, n) in &devices {
+            if self.unmanaged_warned.insert(device.clone()) {
+                let mut with: Vec<&str> =
+                    self.view.external.iter().map(|d| d.name.as_str()).collect();
+                with.push(device);
+                warn!(
+                    device = %device,
+                    flows = n,
+                    "flows to remote backends leave by {device}, which has no svc programs: their replies return untranslated; add it to --devices (e.g. --devices {})",
+                    with.join(",")
+                );
+            }
+        }
+        self.metrics.unmanaged_devices(devices);
     }
 
     /// Puts back pins and links someone removed under us.

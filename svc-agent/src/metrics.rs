@@ -108,6 +108,9 @@ struct Inner {
     sweeps: u64,
     swept: u64,
     sweep_seconds: f64,
+    /// Live SNATed flows per device their backend is routed through, for devices without
+    /// svc's programs (their replies come back untranslated), as the last drift check found.
+    unmanaged: BTreeMap<String, u64>,
     /// Why SNAT is off (`PacketConfig::snat_degraded`).
     snat_degraded: Option<String>,
 }
@@ -188,6 +191,7 @@ impl Metrics {
                 swept: 0,
                 sweep_seconds: 0.0,
                 snat_degraded: None,
+                unmanaged: BTreeMap::new(),
             }),
             bpffs,
             health_timeout,
@@ -277,6 +281,11 @@ impl Metrics {
         self.lock().datapath_broken = broken;
     }
 
+    /// The devices without svc's programs that live SNATed flows leave by, with their flows.
+    pub fn unmanaged_devices(&self, flows: BTreeMap<String, u64>) {
+        self.lock().unmanaged = flows;
+    }
+
     pub fn drift(&self, ops: usize) {
         self.lock().drift_ops += ops as u64;
     }
@@ -338,6 +347,13 @@ impl Metrics {
                 "{} Service ports not served (svc does not serve SCTP): {}",
                 i.unserved.len(),
                 first_five(&i.unserved)
+            ));
+        }
+        // Listed, but no failure: the node serves every other flow, and draining it would
+        // not bring these flows' replies back.
+        for (device, flows) in &i.unmanaged {
+            problems.push(format!(
+                "{flows} flows to remote backends leave by {device}, which has no svc programs: their replies return untranslated (add it to --devices)"
             ));
         }
         Health {
@@ -487,6 +503,13 @@ impl Metrics {
             let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking map for dead flows (--conntrack-sweep-interval).\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
             let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Entries of dead flows (idle past their timeout, the closing timeout once closed) the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
             let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Time the sweeps' program ran (BPF_PROG_TEST_RUN's own measure).\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
+            let _ = writeln!(out, "# HELP svc_flows_via_unmanaged_device Live SNATed flows to remote backends routed out of a device without svc's programs (not in --devices): their replies come back there untranslated, so these connections hang. As the last drift check found.\n# TYPE svc_flows_via_unmanaged_device gauge");
+            for (device, flows) in &i.unmanaged {
+                let _ = writeln!(
+                    out,
+                    "svc_flows_via_unmanaged_device{{device=\"{device}\"}} {flows}"
+                );
+            }
             let _ = writeln!(out, "# HELP svc_drift_repaired_ops_total Map writes that repaired a difference between the maps and what was programmed.\n# TYPE svc_drift_repaired_ops_total counter\nsvc_drift_repaired_ops_total {}", i.drift_ops);
         }
         match crate::datapath::read_stats(&self.bpffs) {
@@ -957,6 +980,35 @@ mod tests {
             },
         );
         assert!(!answer(&m, Port::Health, "/healthz").contains("SCTP"));
+    }
+
+    /// Flows leaving by a device without svc's programs are a gauge per device and a line of
+    /// /healthz, which stays 200: the node serves every other flow.
+    #[test]
+    fn flows_via_an_unmanaged_device_are_counted_and_listed_without_failing_health() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
+        let reply = answer(&m, Port::Health, "/healthz");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(
+            reply.contains("leave by eth1") && reply.contains("--devices"),
+            "{reply}"
+        );
+        let text = m.render();
+        assert!(
+            text.contains("svc_flows_via_unmanaged_device{device=\"eth1\"} 2"),
+            "{text}"
+        );
+        m.unmanaged_devices(BTreeMap::new());
+        assert!(!answer(&m, Port::Health, "/healthz").contains("eth1"));
+        assert!(!m.render().contains("device=\"eth1\""));
     }
 
     #[test]

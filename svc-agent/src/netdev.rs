@@ -394,6 +394,88 @@ fn dump(
     }
 }
 
+/// Asks the kernel which device it routes an address through (RTM_GETROUTE, as `ip route
+/// get ADDR` does), on one netlink socket of the calling thread's network namespace.
+pub struct RouteQuery {
+    socket: Socket,
+}
+
+impl RouteQuery {
+    pub fn new() -> std::io::Result<RouteQuery> {
+        let mut socket = Socket::new(NETLINK_ROUTE)?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(RouteQuery { socket })
+    }
+
+    /// The device the route to `ip` leaves by; None when the node has no route to it, or
+    /// holds it itself (a local route: nothing leaves a device).
+    pub fn device(&self, ip: IpAddr) -> std::io::Result<Option<u32>> {
+        use netlink_packet_route::route::{RouteAddress, RouteType};
+        use netlink_packet_route::AddressFamily;
+        let mut msg = RouteMessage::default();
+        (
+            msg.header.address_family,
+            msg.header.destination_prefix_length,
+        ) = match ip {
+            IpAddr::V4(_) => (AddressFamily::Inet, 32),
+            IpAddr::V6(_) => (AddressFamily::Inet6, 128),
+        };
+        msg.attributes
+            .push(RouteAttribute::Destination(RouteAddress::from(ip)));
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST;
+        let mut packet = NetlinkMessage::new(
+            header,
+            NetlinkPayload::from(RouteNetlinkMessage::GetRoute(msg)),
+        );
+        packet.finalize();
+        let mut buf = vec![0u8; packet.buffer_len()];
+        packet.serialize(&mut buf[..]);
+        self.socket.send(&buf, 0)?;
+        let mut rx = vec![0u8; 1 << 13];
+        let size = self.socket.recv(&mut &mut rx[..], 0)?;
+        let msg = <NetlinkMessage<RouteNetlinkMessage>>::deserialize(&rx[..size])
+            .map_err(|e| netlink_err("reply", e))?;
+        match msg.payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => {
+                if r.header.kind == RouteType::Local {
+                    return Ok(None);
+                }
+                Ok(r.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Oif(i) => Some(*i),
+                    _ => None,
+                }))
+            }
+            NetlinkPayload::Error(e) => match e.raw_code().abs() {
+                libc::ENETUNREACH | libc::EHOSTUNREACH | libc::EINVAL => Ok(None),
+                _ => Err(netlink_err("route get", e.to_io())),
+            },
+            other => Err(netlink_err("route get", format!("unexpected {other:?}"))),
+        }
+    }
+}
+
+/// The flows per device of `flows` (per destination address) whose route (`route`) leaves
+/// by a device that is not one of `managed`: their replies come back on that device, where
+/// no program of svc translates them. `route` is asked once per address.
+pub fn unmanaged_devices(
+    flows: &BTreeMap<IpAddr, u64>,
+    managed: &[Device],
+    mut route: impl FnMut(IpAddr) -> Option<u32>,
+) -> BTreeMap<u32, u64> {
+    let mut out = BTreeMap::new();
+    for (ip, n) in flows {
+        let Some(dev) = route(*ip) else {
+            continue;
+        };
+        if !managed.iter().any(|d| d.index == dev) {
+            *out.entry(dev).or_default() += n;
+        }
+    }
+    out
+}
+
 /// Reads links, addresses and default routes of the calling thread's network namespace.
 pub fn read() -> std::io::Result<NetState> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
@@ -748,6 +830,46 @@ mod tests {
 
     /// The real thing, in this process's network namespace: whatever it holds, reading it
     /// works and finds loopback.
+    /// Flows are counted under the device their backend's route names when svc's programs
+    /// are not there; a managed device's and an unroutable backend's are not counted.
+    #[test]
+    fn flows_routed_out_of_a_device_without_svc_programs_are_counted_per_device() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let flows: BTreeMap<IpAddr, u64> = [
+            (ip("10.0.0.2"), 3),
+            (ip("10.0.1.2"), 2),
+            (ip("10.0.2.2"), 1),
+            (ip("10.0.3.2"), 4),
+        ]
+        .into();
+        let managed = [Device {
+            index: 2,
+            name: "eth0".into(),
+        }];
+        let mut asked = Vec::new();
+        let got = unmanaged_devices(&flows, &managed, |a| {
+            asked.push(a);
+            match a.to_string().as_str() {
+                "10.0.0.2" => Some(2),
+                "10.0.1.2" | "10.0.2.2" => Some(5),
+                _ => None,
+            }
+        });
+        assert_eq!(got, BTreeMap::from([(5, 3)]));
+        assert_eq!(asked.len(), 4, "one route query per address");
+    }
+
+    /// The kernel's answer for loopback's address is a local route: no device to count.
+    #[test]
+    fn a_route_query_answers_local_addresses_with_no_device() {
+        let q = RouteQuery::new().expect("netlink socket");
+        assert_eq!(q.device(ip_local()).expect("route get"), None);
+    }
+
+    fn ip_local() -> IpAddr {
+        IpAddr::from([127, 0, 0, 1])
+    }
+
     #[test]
     fn reading_the_namespace_finds_loopback() {
         let s = read().expect("rtnetlink dumps");

@@ -3,7 +3,7 @@
 //! Every change is an [`Op`], so the order that keeps readers safe is visible in one place and
 //! can be checked against a model of the maps in tests.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsFd;
 use std::time::Duration;
 
@@ -158,6 +158,26 @@ pub struct FlowWalk {
     /// FORWARD tuple may be the reply tuple a SNAT port would give a new flow, so the SNAT port
     /// search must go on looking (`DatapathConfig::snat_range_frontends`).
     pub snat_range_ports: bool,
+    /// Live SNATed flows (`snat_flow`) per backend address: the agent asks which device the
+    /// node routes each through, as their replies come back by it.
+    pub snat_backends: BTreeMap<[u8; 16], u64>,
+}
+
+/// The backend address of the SNATed flow whose FORWARD entry is `k`/`v`, if the entry has
+/// not timed out at `now_ns` and the flow is not closed (no reply is awaited). Only the FORWARD entry's own last packet counts: a flow whose
+/// replies svc's programs never see (they come back on a device without them) has only the
+/// client's packets to keep it fresh, and one whose replies svc does see came back through
+/// svc's programs anyway. No second pass, no memory per flow.
+pub fn snat_flow(k: &CtKey, v: &CtValue, now_ns: u64, config: &DatapathConfig) -> Option<[u8; 16]> {
+    if k.dir != ct_dir::FORWARD
+        || v.flags & ct_flags::SNAT == 0
+        || v.flags & ct_flags::POD != 0
+        || ct_flags::closed(v.flags)
+    {
+        return None;
+    }
+    let timeout_ns = u64::from(ct_timeout::seconds(config, k.proto, v.flags)) * 1_000_000_000;
+    (now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns).then_some(v.nat_addr)
 }
 
 /// Whether the flow of entry `k`/`v` was sent to a port in `config`'s SNAT range, and the
@@ -498,6 +518,9 @@ impl Store for BpfStore {
                 out.destinations.insert(d);
             }
             out.snat_range_ports |= to_snat_range_port(k, v, now, config);
+            if let Some(b) = snat_flow(k, v, now, config) {
+                *out.snat_backends.entry(b).or_default() += 1;
+            }
         })
         .map_err(|e| Error::Map {
             map: map_names::CT,
@@ -613,6 +636,53 @@ mod tests {
             ..v
         };
         assert_eq!(flow_destination(&forward, &pod, now, &c), None);
+    }
+
+    /// A live SNATed flow is counted under its backend by its FORWARD entry alone: not by
+    /// its REPLY entry, not once timed out or closed, not without SNAT.
+    #[test]
+    fn snat_flow_names_the_backend_of_a_live_snated_forward_entry() {
+        let a = |last: u8| svc_common::v4_mapped([198, 51, 100, last]);
+        let (client, frontend, backend, node) = (a(7), a(1), a(20), a(1));
+        let forward = CtKey {
+            saddr: client,
+            daddr: frontend,
+            sport_be: 40000u16.to_be(),
+            dport_be: 30080u16.to_be(),
+            proto: svc_common::IPPROTO_TCP,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        };
+        let v = CtValue {
+            nat_addr: backend,
+            nat_port_be: 8080u16.to_be(),
+            snat_addr: node,
+            snat_port_be: 61000u16.to_be(),
+            flags: ct_flags::SNAT,
+            last_seen_ns: 1_000_000_000_000,
+            ..Default::default()
+        };
+        let reply = forward.partner(&v);
+        let rv = CtValue {
+            nat_addr: frontend,
+            nat_port_be: 30080u16.to_be(),
+            snat_addr: client,
+            snat_port_be: 40000u16.to_be(),
+            ..v
+        };
+        let c = DatapathConfig::default();
+        let now = v.last_seen_ns + 1_000_000_000;
+        assert_eq!(snat_flow(&forward, &v, now, &c), Some(backend));
+        assert_eq!(snat_flow(&reply, &rv, now, &c), None);
+        let never = now + 100_000 * 1_000_000_000;
+        assert_eq!(snat_flow(&forward, &v, never, &c), None);
+        let local = CtValue { flags: 0, ..v };
+        assert_eq!(snat_flow(&forward, &local, now, &c), None);
+        let reset = CtValue {
+            flags: ct_flags::SNAT | ct_flags::RST,
+            ..v
+        };
+        assert_eq!(snat_flow(&forward, &reset, now, &c), None);
     }
 
     fn failed(errno: i32) -> MapError {

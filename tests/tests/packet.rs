@@ -3655,3 +3655,111 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     })
     .expect("layout 1's pin removed once the programs switched");
 }
+
+
+/// `/metrics` of node 1 (the agent's `--metrics-bind-address 127.0.0.1:10249`), whole.
+fn metrics_text(t: &Topo) -> String {
+    let (status, text) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+    });
+    assert_eq!(status, 200);
+    text
+}
+
+/// A remote backend reached through a device without svc's programs: node 1 gets a second
+/// link to node 2 (`eth1`, not in `--devices`) and routes pod 2 over it, and node 2 routes
+/// node 1's address back over it, so pod 2's replies to a SNATed NodePort flow come back on
+/// `eth1`, where nothing translates them, and the client's connection hangs. The agent's drift
+/// check counts the flow under `eth1` in /metrics, lists it in /healthz (still 200), and warns
+/// once, naming the device and `--devices`. Flows leaving by `eth0` are not counted. With
+/// `--devices eth0,eth1`, as the warning advises, the NodePort answers and nothing is counted.
+#[test]
+fn flows_leaving_by_a_device_without_svc_programs_are_counted_and_warned_about() {
+    let mut t = Topo::new();
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    let flags = [
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--reconcile-interval-s",
+        "1",
+    ];
+    t.start_agent_with(&flags);
+    let np = sa(NODE1, 30082);
+    let want = Answer {
+        backend: "pod2".into(),
+        saw: ip(NODE1),
+    };
+    // Through eth0, which has the programs: answered, and nothing counted.
+    assert_eq!(
+        answered(&t.client, "NodePort via eth0", move || tcp_once(np, ANSWER)),
+        want
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    let text = metrics_text(&t);
+    assert!(
+        !text.contains("svc_flows_via_unmanaged_device{"),
+        "a flow through eth0 counted:\n{text}"
+    );
+
+    // node 1 -- eth1 -- node 2, a more specific route each way: pod 2 from node 1, and node
+    // 1's address from node 2.
+    veth_pair(&t.node1, "eth1", &t.node2, "eth1").expect("a second link between the nodes");
+    t.node1.add_addr("eth1", "10.79.0.1/24").unwrap();
+    t.node2.add_addr("eth1", "10.79.0.2/24").unwrap();
+    t.node1
+        .ip(["route", "add", &format!("{POD2}/32"), "via", "10.79.0.2"])
+        .expect("pod 2 over eth1");
+    t.node2
+        .ip(["route", "add", &format!("{NODE1}/32"), "via", "10.79.0.1"])
+        .expect("node 1 over eth1");
+    assert_eq!(tcx_programs(&t.node1, "eth1"), (0, 0));
+
+    // The bug itself: the replies come back untranslated, the connection never opens.
+    let lost = in_ns(&t.client, move || tcp_once(np, Duration::from_millis(1500)));
+    assert!(
+        lost.is_err(),
+        "answered through eth1 untranslated: {lost:?}"
+    );
+
+    let warning = "flows to remote backends leave by eth1, which has no svc programs";
+    poll(Duration::from_secs(10), || {
+        Ok(t.agent().log().contains(warning).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("no warning about eth1: {e:#}\n{}", t.agent().log()));
+    let log = t.agent().log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(warning))
+        .expect("the warning");
+    assert!(line.contains("--devices eth0,eth1"), "{line}");
+    let counted = metric(&t, "svc_flows_via_unmanaged_device{device=\"eth1\"}");
+    assert!(counted >= 1, "counted {counted}");
+    assert!(!metrics_text(&t).contains("svc_flows_via_unmanaged_device{device=\"eth0\"}"));
+    let (status, body) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/healthz").expect("GET /healthz")
+    });
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("leave by eth1"), "{body}");
+    // Once per device: the next checks count it again without warning again.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(t.agent().log().matches(warning).count(), 1);
+
+    // As the warning advises: the replies coming back on eth1 are translated there.
+    t.agent().kill().expect("SIGKILL");
+    let mut with = flags.to_vec();
+    with.extend(["--devices", "eth0,eth1"]);
+    t.start_agent_with(&with);
+    assert_eq!(tcx_programs(&t.node1, "eth1"), (1, 1));
+    // SNATed to a node address (which one is the SNAT choice's business, not this test's).
+    let got = answered(&t.client, "NodePort via eth1", move || tcp_once(np, ANSWER));
+    assert_eq!(got.backend, "pod2", "{got:?}");
+    assert_ne!(got.saw, ip(CLIENT), "{got:?}");
+    std::thread::sleep(Duration::from_millis(2500));
+    let text = metrics_text(&t);
+    assert!(
+        !text.contains("svc_flows_via_unmanaged_device{"),
+        "counted with eth1 in --devices:\n{text}"
+    );
+    assert!(!t.agent().log().contains(warning), "{}", t.agent().log());
+}

@@ -35,6 +35,9 @@ pub struct FlowAddrsReport {
     /// Lingering addresses kept for the live flows addressed to them.
     pub kept: usize,
     pub errors: Vec<Error>,
+    /// Live SNATed flows per backend address (`FlowWalk::snat_backends`), from the same walk;
+    /// None when the map could not be walked.
+    pub snat_backends: Option<std::collections::BTreeMap<[u8; 16], u64>>,
 }
 
 impl Programmed {
@@ -163,6 +166,7 @@ impl Programmed {
             }
         };
         let used = walk.destinations;
+        report.snat_backends = Some(walk.snat_backends);
         let mut w = Writer { store, ops: 0 };
         self.clear_snat_range_mark(&mut w, walk.snat_range_ports, &mut report.errors);
         let linger = NodeAddrValue {

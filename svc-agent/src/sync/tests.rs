@@ -279,6 +279,7 @@ impl Store for ModelStore {
         Ok(Some(FlowWalk {
             destinations: self.flows_to.clone(),
             snat_range_ports: self.snat_range_flows,
+            ..Default::default()
         }))
     }
 }
