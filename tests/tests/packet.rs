@@ -3656,7 +3656,6 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     .expect("layout 1's pin removed once the programs switched");
 }
 
-
 /// `/metrics` of node 1 (the agent's `--metrics-bind-address 127.0.0.1:10249`), whole.
 fn metrics_text(t: &Topo) -> String {
     let (status, text) = in_ns(&t.node1, || {
