@@ -779,7 +779,7 @@ impl Datapath {
                 }
             }
         }
-        let carried = carry_ct_v1(&mut store, dir, false)?;
+        let carried = carry_ct_v1(&mut store, dir)?;
         if carried > 0 {
             info!(
                 map = map_names::CT,
@@ -1024,7 +1024,7 @@ impl Datapath {
         }
         // The old programs may have made flows since the first carry; they are this map's
         // now.
-        if let Err(e) = carry_ct_v1(&mut self.store, &self.dir, true) {
+        if let Err(e) = carry_ct_v1(&mut self.store, &self.dir) {
             warn!(
                 map = map_names::CT,
                 "carrying over late flows of layout 1: {e}"
@@ -1249,10 +1249,10 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
 }
 
 /// Carries the flows of a pinned `SVC_CT` of layout 1 (before sequence tracking) into this
-/// layout's map, untracked, so an upgrade keeps every connection through a NodePort. `late`:
-/// after the new programs took over, only the flows the new map lacks (the old programs may
-/// have made some in between). How many entries were read.
-fn carry_ct_v1(store: &mut BpfStore, dir: &Path, late: bool) -> Result<usize> {
+/// layout's map, untracked, so an upgrade keeps every connection through a NodePort: before
+/// the new programs attach, and again after (the old programs may have made flows in
+/// between). Only the flows the new map lacks. How many entries were read.
+fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     let path = dir.join(format!("{}_v1", map_names::CT));
     let Some(ct) = &store.ct else {
         return Ok(0);
@@ -1282,16 +1282,14 @@ fn carry_ct_v1(store: &mut BpfStore, dir: &Path, late: bool) -> Result<usize> {
     let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
         HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
             .map_err(|e| crate::store::map_err(map_names::CT, e))?;
-    let flags = if late {
-        1 /* BPF_NOEXIST */
-    } else {
-        0
-    };
+    // Never over an entry the map has: the layout-1 pin may outlive an attach that put this
+    // layout's programs in service (an agent killed before it removed the pin), and its
+    // frozen flows must not overwrite live ones.
     for (k, v) in &entries {
-        match new.insert(k, svc_common::CtValue::from(*v), flags) {
+        match new.insert(k, svc_common::CtValue::from(*v), 1 /* BPF_NOEXIST */) {
             Ok(()) => {}
             Err(aya::maps::MapError::SyscallError(e))
-                if late && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(crate::store::map_err(map_names::CT, e)),
         }
     }

@@ -6569,12 +6569,13 @@ fn invalid_tcp_segments_and_unknown_syn_acks_make_no_state() {
     assert_eq!(ct_entries(&dp), 0, "no entry for any of them");
 }
 
-/// A TCP flow's segments are checked against where each side was seen to send: a first reply
-/// that does not acknowledge the client's SYN and a handshake's last ACK that does not
-/// acknowledge the SYN-ACK change nothing (the flow stays unanswered, then unassured; before
-/// it is assured such segments still go on, as the endpoints judge them); once assured, an RST
-/// outside its sender's window is dropped and counted, a FIN outside it goes on but closes
-/// nothing, and the client's own RST closes the flow. Before, any RST or FIN closed it.
+/// A TCP flow's segments are checked against where each side was seen to send: a SYN-ACK
+/// that does not acknowledge the client's SYN is dropped; a stale ACK as the first reply, a
+/// handshake's last ACK that does not acknowledge the SYN-ACK and a forged FIN-ACK change
+/// nothing (the flow stays unanswered, then unassured); once assured, an RST outside its
+/// sender's window is dropped and counted, one a little ahead of it and a FIN outside it go
+/// on but close nothing, and the client's own RST closes the flow. Before, any RST or FIN
+/// closed it.
 #[test]
 fn tcp_segments_outside_their_window_change_nothing() {
     let dp = world();
@@ -6606,16 +6607,19 @@ fn tcp_segments_outside_their_window_change_nothing() {
                 Some(pkt_stat::NEW),
             ),
             row(
-                "a SYN-ACK that does not acknowledge the SYN: goes on, records nothing",
+                "a SYN-ACK that does not acknowledge the SYN: dropped",
                 ExtEgress,
                 from_backend(bad_syn_ack),
+                SHOT,
+                Dropped,
+                Some(pkt_stat::DROP_TCP_WINDOW),
+            ),
+            row(
+                "a stale ACK as the first reply: goes on, records nothing",
+                ExtEgress,
+                from_backend(tcp(backend, c, 0).seg(1000, 9999, TCP_ACK, 64240)),
                 OK,
-                Packet(from_backend(tcp(np, c, 0).seg(
-                    1000,
-                    9999,
-                    TCP_SYN | TCP_ACK,
-                    64240,
-                ))),
+                Packet(from_backend(tcp(np, c, 0).seg(1000, 9999, TCP_ACK, 64240))),
                 Some(pkt_stat::REPLY),
             ),
         ],
@@ -6644,6 +6648,19 @@ fn tcp_segments_outside_their_window_change_nothing() {
     );
     let answered = ct_flags::SEEN_REPLY | NEW_TCP;
     assert_eq!(flags(&dp), (answered, answered), "not assured by it");
+    let far_fin = |to: &str| tcp(c, to, 0).seg(0x8000_0000, 1001, TCP_FIN | TCP_ACK, 64240);
+    run_rows(
+        &dp,
+        vec![row(
+            "a FIN-ACK far from the client's sequence: goes on, assures nothing",
+            ExtIngress,
+            far_fin(np),
+            OK,
+            Packet(far_fin(backend)),
+            Some(pkt_stat::CT_HIT),
+        )],
+    );
+    assert_eq!(flags(&dp), (answered, answered), "nor by a forged FIN-ACK");
     let assured = ct_flags::SEEN_REPLY | ct_flags::TRACKED;
     run_rows(
         &dp,
@@ -6663,6 +6680,14 @@ fn tcp_segments_outside_their_window_change_nothing() {
                 SHOT,
                 Dropped,
                 Some(pkt_stat::DROP_TCP_WINDOW),
+            ),
+            row(
+                "an RST a little ahead of it (data lost before the node): goes on",
+                ExtIngress,
+                tcp(c, np, 0).seg(1016 + 70_000, 0, TCP_RST, 0),
+                OK,
+                Packet(tcp(c, backend, 0).seg(1016 + 70_000, 0, TCP_RST, 0)),
+                Some(pkt_stat::CT_HIT),
             ),
             row(
                 "a FIN far from it: goes on",

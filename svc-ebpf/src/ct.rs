@@ -225,8 +225,9 @@ const RECORDED: u32 = 0xffff | ACKS;
 const BEHIND: u32 = 1 << 16;
 
 /// How far ahead of the highest sequence number seen from its sender a segment may start and
-/// still move it (data lost or reordered before this node leaves such a gap), and a FIN be
-/// taken. A blind guess moves it once in 4,096, and by at most this much plus its length.
+/// still move it (data lost or reordered before this node leaves such a gap), and an RST go
+/// on without closing anything. A blind guess moves it once in 4,096, and by at most this
+/// much plus its length (a FIN is taken only within `BEHIND` either way).
 const AHEAD: u32 = 1 << 20;
 
 /// Whether `x` lies in `lo..=lo + span`, sequence numbers wrapping.
@@ -253,10 +254,12 @@ fn partner_seq_end(key: &CtKey, v: &CtValue) -> Option<u32> {
 }
 
 /// Checks a TCP segment of a tracked flow (`ct_flags::TRACKED`) against where its sender is,
-/// records where it got to, and returns `add` as the segment may change the flow: for an RST
-/// outside the window or a first reply that does not acknowledge the client's SYN, nothing
-/// recorded, and `OUT_OF_WINDOW` once the flow is assured (the segment is dropped; before, it
-/// goes on: see `ignored`); without its FIN for a FIN outside it; without `ACKS` for a
+/// records where it got to, and returns `add` as the segment may change the flow:
+/// `OUT_OF_WINDOW` (dropped, nothing recorded) for a SYN-ACK that does not acknowledge the
+/// client's SYN, and for an RST outside the window once the flow is assured; the segment
+/// passed with nothing recorded for such an RST while the flow is unassured (see `ignored`),
+/// for an RST ahead of the window or of a closed flow, for a FIN outside it, and for a first
+/// reply without SYN that does not acknowledge the client's SYN; without `ACKS` for a
 /// handshake's last ACK that does not acknowledge the backend's SYN-ACK. Each entry
 /// tracks its own direction's sender only, so a segment costs no lookup of the other entry
 /// but twice per flow (the first reply, the ACK that completes the handshake). Conntrack
@@ -279,21 +282,26 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
     // the endpoints judge it. A backend may hold a half-open connection on a reclaimed SNAT
     // port's tuple (a spoofed SYN's), which it answers with an ACK for the old sequence; the
     // client's RST to that ACK is what clears it, and the client's next SYN connects.
+    let passed = add & !RECORDED;
     let ignored = if out.flags & ct_flags::UNASSURED != 0 {
-        add & !RECORDED
+        passed
     } else {
         add | OUT_OF_WINDOW
     };
     if !forward && out.flags & ct_flags::SEEN_REPLY == 0 {
         // The first reply: the backend's SYN-ACK, or its RST refusing the SYN. It must
         // acknowledge the client's SYN, as conntrack checks in SYN_SENT (the SYN alone, or
-        // with the data a TCP Fast Open SYN carried).
+        // with the data a TCP Fast Open SYN carried). A SYN-ACK that does not is dropped:
+        // forwarded, it would leave the flow unanswered for good.
         let acks_syn = flags & TCP_ACK != 0
             && match partner_seq_end(key, out) {
                 Some(syn_end) => within(ack, syn_end.wrapping_sub(BEHIND), BEHIND),
                 None => false,
             };
         if !acks_syn {
+            if flags & TCP_SYN != 0 {
+                return add | OUT_OF_WINDOW;
+            }
             return ignored;
         }
         out.seq_end = end;
@@ -303,13 +311,17 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
     }
     let at = out.seq_end;
     if flags & TCP_RST != 0 && !within(seq, at.wrapping_sub(BEHIND), BEHIND) {
+        // Ahead of what its sender was seen to send (data lost or reordered before this
+        // node), or of a flow already closed: the endpoints judge it, it closes nothing here.
+        if ct_flags::closed(out.flags) || within(seq, at, AHEAD) {
+            return passed;
+        }
         return ignored;
     }
-    if flags & TCP_FIN != 0 && !within(end.wrapping_sub(1), at.wrapping_sub(BEHIND), BEHIND + AHEAD)
-    {
-        // Forwarded, as the endpoints judge it themselves, but it closes nothing here.
-        add &= !((ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY) as u32);
-        return add;
+    if flags & TCP_FIN != 0 && !within(end.wrapping_sub(1), at.wrapping_sub(BEHIND), 2 * BEHIND) {
+        // Forwarded, as the endpoints judge it themselves, but it changes nothing here (nor
+        // completes a handshake: a spoofed flow's forged FIN-ACK must not assure it).
+        return passed;
     }
     if add & ACKS != 0
         && forward
@@ -324,11 +336,14 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
             add &= !ACKS;
         }
     }
-    let resync =
-        forward && flags & (TCP_SYN | TCP_ACK) == TCP_SYN && out.flags & ct_flags::SEEN_REPLY == 0;
+    // A SYN before any reply with a new initial sequence number (a client that retried its
+    // connect) starts over, as conntrack re-reads it in SYN_SENT; a retransmitted one (a TCP
+    // Fast Open SYN again without its data) does not move the recorded position back.
+    let resync = forward
+        && flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && out.flags & ct_flags::SEEN_REPLY == 0
+        && !within(seq, at.wrapping_sub(BEHIND), BEHIND);
     if resync || after(end, at) && within(seq, at.wrapping_sub(BEHIND), BEHIND + AHEAD) {
-        // A SYN before any reply may start over with a new initial sequence number (a
-        // client that retried its connect), as conntrack re-reads it in SYN_SENT.
         out.seq_end = end;
         // SAFETY: as above.
         unsafe { (*e).seq_end = end };
@@ -491,9 +506,9 @@ pub const ANSWER: u32 = 1 << 29;
 pub const MISS: u32 = 0;
 pub const HIT: u32 = 1;
 /// A segment of a tracked flow (`ct_flags::TRACKED`) that is not where its sender is: an RST
-/// outside the window, or a first reply that does not acknowledge the client's SYN (a
-/// forged or stale one). Nothing was changed; the caller drops it, as conntrack marks it
-/// INVALID and kube-proxy's rules drop such packets.
+/// outside the window of an assured flow, or a SYN-ACK that does not acknowledge the client's
+/// SYN (a forged or stale one). Nothing was changed; the caller drops it, as conntrack marks
+/// it INVALID and kube-proxy's rules drop such packets.
 pub const INVALID: u32 = 3;
 /// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to the
 /// node's conntrack (a client reusing its port for a new connection to the same frontend): a
@@ -599,8 +614,8 @@ fn live(
     if *now == NOW_ON_HIT {
         *now = crate::lb::clock_ns();
     }
-    // SAFETY: a map value; copied out at once. Concurrent writers only store times and
-    // flags, which a racing reader may see old or new.
+    // SAFETY: a map value; copied out at once. Concurrent writers only store times, flags
+    // and a sequence position, which a racing reader may see old or new.
     *out = unsafe { *e };
     if (out.flags & ct_flags::POD != 0) != pod {
         return None;
@@ -759,8 +774,9 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
 
 /// Rewrites the entries of a closed flow in place with the new flow's `fwd` and `rep`, which
 /// translate alike (same backend, neither SNATed nor handed over: only flags, times, ids and
-/// the device change, fields a racing reader may see old or new as it may any refresh, and
-/// a racing refresh only ORs flags in). The REPLY entry first: the FORWARD entry, written
+/// the device change, fields a racing reader may see old or new as it may any refresh; a
+/// racing refresh ORs flags in, or clears `UNASSURED` (`assure`), and stores a sequence
+/// position). The REPLY entry first: the FORWARD entry, written
 /// last, is what makes the flow open to the client's packets. False, with nothing written,
 /// when either entry is gone or no longer this closed flow's.
 #[inline(always)]
@@ -924,11 +940,12 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
         unsafe { copy_value(&mut f.seen, e) };
         let dead = !alive(&f.try_key, &f.seen, f.now);
         let free_tries = if s.snat_busy != 0 { 0 } else { SNAT_FREE_TRIES };
+        // An unassured flow's port only after the free tries, busy or not: a real client's
+        // handshake may be in flight, and a closed flow's port is the better take.
         if !(dead
             || index >= free_tries
-                && (ct_flags::closed(f.seen.flags)
-                    || f.seen.flags & ct_flags::UNASSURED != 0
-                    || idle(&f.try_key, &f.seen, f.now)))
+                && (ct_flags::closed(f.seen.flags) || idle(&f.try_key, &f.seen, f.now))
+            || index >= SNAT_FREE_TRIES && f.seen.flags & ct_flags::UNASSURED != 0)
         {
             return 0;
         }
