@@ -465,8 +465,24 @@ fn check_other_svc(dir: &Path, cgroup: &Path, cgroup_id: u64) -> Result<()> {
             .ok()
             .filter(|(_, cg)| *cg == cgroup_id)
             .map(|(prog, _)| prog);
-        let ids = sys::attached_program_ids(f.as_fd(), t)
-            .map_err(|e| load_err(format!("querying {} at {name}", cgroup.display()), e))?;
+        let ids = match sys::attached_program_ids(f.as_fd(), t) {
+            Ok(ids) => ids,
+            // Without the privilege to list them the agent cannot load its programs either,
+            // and that load's error says which privilege is missing.
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                warn!(
+                    cgroup = %cgroup.display(),
+                    "cannot list the cgroup's programs ({e}): another svc on it goes unnoticed"
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                return Err(load_err(
+                    format!("querying {} at {name}", cgroup.display()),
+                    e,
+                ))
+            }
+        };
         for id in ids.into_iter().filter(|id| Some(*id) != ours) {
             // A program that went away meanwhile, or another's program: not svc's.
             if sys::prog_name(id).is_ok_and(|n| n == name) {
