@@ -1,5 +1,6 @@
-//! The bpf(2) commands aya 0.14 does not expose: opening a pinned link by path and
-//! replacing a link's program in place, which is how a restarted agent swaps programs without
+//! The bpf(2) commands aya 0.14 does not expose: a pinned link's own descriptor (its
+//! `PinnedLink::from_pin` opens one but keeps the fd to itself) and replacing a link's program
+//! in place, which is how a restarted agent swaps programs without
 //! a moment in which the cgroup has none; and a test run on a bare program descriptor (aya's
 //! needs the `Ebpf` object, which the sync owns, where the connection-tracking sweep runs on a
 //! thread of its own).
