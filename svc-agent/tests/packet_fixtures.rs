@@ -6259,6 +6259,47 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             true,
         ),
     ));
+    // The TCP checksum of a segment that would start a flow: a fixture's skb is
+    // CHECKSUM_NONE, so the rows above sum a 20-byte header; these a SYN with data, one whose
+    // field a local sender left to the device, and one with a wrong sum (dropped).
+    let syn_from = |base: u16, f: fn(P) -> P| {
+        move |i: u16| {
+            f(tcp(
+                &format!("203.0.113.12:{}", base + i),
+                "192.0.2.10:30080",
+                TCP_SYN,
+            ))
+        }
+    };
+    rows.push((
+        "new flow, NodePort to a local backend, a SYN with 1,201 bytes of data (TCP Fast Open)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(10_000, |p| {
+                p.payload((0..1201u32).map(|i| (i * 7 + 3) as u8).collect())
+            }),
+            true,
+        ),
+    ));
+    rows.push((
+        "new flow, NodePort to a local backend, checksum left to the device (partial)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(20_000, |p| p.check(Check::Partial)),
+            true,
+        ),
+    ));
+    rows.push((
+        "SYN with a wrong checksum to a NodePort (dropped)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(30_000, |p| p.check(Check::Wrong)),
+            false,
+        ),
+    ));
     // A flow exists from here on: every packet of it is a connection-tracking hit.
     dp.run_on(
         ExtIngress,
