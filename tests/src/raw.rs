@@ -16,6 +16,17 @@ pub const RST: u8 = 0x04;
 pub const PSH: u8 = 0x08;
 pub const ACK: u8 = 0x10;
 
+/// What a segment carries in its TCP checksum field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// The right sum.
+    Right,
+    /// The right sum plus one: a corrupted or forged segment.
+    Wrong,
+    /// 0, which is not the right sum (a segment whose right sum is 0 cannot be built so).
+    Zero,
+}
+
 /// One TCP segment in an IPv4 packet.
 #[derive(Clone, Debug)]
 pub struct Segment {
@@ -26,6 +37,7 @@ pub struct Segment {
     pub flags: u8,
     pub window: u16,
     pub payload: Vec<u8>,
+    pub check: Check,
 }
 
 impl Segment {
@@ -38,10 +50,17 @@ impl Segment {
             flags,
             window: 64240,
             payload: Vec::new(),
+            check: Check::Right,
         }
     }
 
-    /// The IPv4 packet, checksums right.
+    /// The same segment with `check` in its TCP checksum field.
+    pub fn check(mut self, check: Check) -> Segment {
+        self.check = check;
+        self
+    }
+
+    /// The IPv4 packet, its checksums right unless `check` says otherwise.
     pub fn bytes(&self) -> Vec<u8> {
         let mut tcp = Vec::with_capacity(20 + self.payload.len());
         tcp.extend_from_slice(&self.src.port().to_be_bytes());
@@ -57,7 +76,15 @@ impl Segment {
         pseudo.extend_from_slice(&self.dst.ip().octets());
         pseudo.extend_from_slice(&[0, libc::IPPROTO_TCP as u8]);
         pseudo.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
-        let c = checksum(&[&pseudo, &tcp]);
+        let right = checksum(&[&pseudo, &tcp]);
+        let c = match self.check {
+            Check::Right => right,
+            Check::Wrong => right.wrapping_add(1),
+            Check::Zero => {
+                assert_ne!(right, 0, "{self:?}: its right checksum is 0");
+                0
+            }
+        };
         tcp[16..18].copy_from_slice(&c.to_be_bytes());
 
         let mut ip = vec![0x45, 0];

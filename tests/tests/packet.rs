@@ -3575,6 +3575,211 @@ fn forged_rsts_and_fins_close_no_connection() {
     }
 }
 
+/// How many TCP segments `ns`'s stack received (`Tcp: InSegs` of its /proc/net/snmp, which the
+/// kernel counts before it checks a segment's checksum): what reached a backend, sound or not.
+fn tcp_in_segs(ns: &NetNs) -> u64 {
+    in_ns(ns, || {
+        // thread-self: /proc/self/net is the namespace of the process's first thread.
+        let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp")
+            .expect("reading /proc/thread-self/net/snmp");
+        let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+        let (names, values) = (tcp.next(), tcp.next());
+        names
+            .zip(values)
+            .and_then(|(n, v)| {
+                n.split_whitespace()
+                    .zip(v.split_whitespace())
+                    .find(|(n, _)| *n == "InSegs")
+                    .and_then(|(_, v)| v.parse().ok())
+            })
+            .unwrap_or_else(|| panic!("no Tcp InSegs in /proc/net/snmp:\n{snmp}"))
+    })
+}
+
+/// A value of node 1's /metrics, 0 when the line is absent (a per-device reason not counted
+/// yet).
+fn metric_or_zero(t: &Topo, line: &str) -> u64 {
+    metrics_text(t)
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// How many connection-tracking entries name one of `addrs` (either end of their key).
+/// Reading the map goes through `ct_entries` alone.
+fn ct_entries_of(t: &Topo, addrs: &[std::net::Ipv4Addr]) -> usize {
+    let mapped: Vec<[u8; 16]> = addrs
+        .iter()
+        .map(|a| svc_common::v4_mapped(a.octets()))
+        .collect();
+    ct_entries(t)
+        .iter()
+        .filter(|(k, _)| mapped.contains(&k.saddr) || mapped.contains(&k.daddr))
+        .count()
+}
+
+/// Connection-tracking lines of node 1's kernel (`conntrack -L`) that name `addr`.
+fn kernel_ct_lines(t: &Topo, addr: std::net::Ipv4Addr) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", t.node1.name(), "conntrack", "-L", "-p", "tcp"])
+        .output()
+        .expect("running conntrack -L");
+    let needle = format!("src={addr} ");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The malformed set, as an attacker sends it to a NodePort from spoofed sources: SYNs with a
+/// wrong and with a zero TCP checksum, SYN+FIN, SYN+RST, every flag, and a SYN-ACK that
+/// answers no SYN. `n` of each from the spoofed sources `first..first + 6n`, to `to`.
+fn malformed_set(first: u32, n: u32, to: std::net::SocketAddrV4) -> Vec<svc_tests::raw::Segment> {
+    use svc_tests::raw::{Check, Segment, ACK, FIN, PSH, RST, SYN};
+    let kinds: [(u8, Check); 6] = [
+        (SYN, Check::Wrong),
+        (SYN, Check::Zero),
+        (SYN | FIN, Check::Right),
+        (SYN | RST, Check::Right),
+        (FIN | SYN | RST | PSH | ACK | 0x20, Check::Right),
+        (SYN | ACK, Check::Right),
+    ];
+    let mut out = Vec::new();
+    for (k, (flags, check)) in kinds.into_iter().enumerate() {
+        for j in 0..n {
+            let i = first + k as u32 * n + j;
+            let src = std::net::SocketAddrV4::new(spoofed(i), 42000 + i as u16);
+            let ack = if flags & ACK != 0 { 0x5000_0000 + i } else { 0 };
+            out.push(Segment::new(src, to, flags, 0x3000_0000 + i, ack).check(check));
+        }
+    }
+    out
+}
+
+/// The malformed set (`malformed_set`) from spoofed sources reaches no backend and makes no
+/// connection-tracking entry, and each kind is counted in /metrics (`drop_bad_checksum`,
+/// `drop_invalid_tcp`, and `pass_midstream` for the SYN-ACK, which the node's own stack gets
+/// untouched). A sound SYN from a spoofed source does both, so the observables can fail. The
+/// same set against kernel NAT (an nft dnat rule, kube-proxy's mechanism, before the agent
+/// runs) reaches the backend no more, and conntrack tracks none of it. Before: each segment
+/// of the set was translated to the backend and made two entries; the bad checksums were
+/// the last of them.
+#[test]
+fn the_malformed_set_reaches_no_backend_and_makes_no_state() {
+    use svc_tests::raw::Segment;
+    const N: u32 = 5;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    let node = |port| std::net::SocketAddrV4::new(NODE1.parse().unwrap(), port);
+    // Spoofed sources 0..6N for svc, 6N..12N for kernel NAT, then one sound SYN each.
+    let (svc_ok, nat_ok) = (12 * N, 12 * N + 1);
+    let sources = |r: std::ops::Range<u32>| r.map(spoofed).collect::<Vec<_>>();
+
+    // The control: kernel NAT to the same backend, before the agent attaches anything.
+    let ctl = "add table ip svc_test_ctl; \
+               add chain ip svc_test_ctl pre { type nat hook prerouting priority -100; }; \
+               add rule ip svc_test_ctl pre tcp dport 30099 dnat to 10.244.1.2:8080";
+    let nft = |script: &str| {
+        let st = std::process::Command::new("ip")
+            .args(["netns", "exec", t.node1.name(), "nft", script])
+            .status()
+            .expect("running nft");
+        assert!(st.success(), "nft {script}: {st}");
+    };
+    nft(ctl);
+    let to = SocketAddr::V4(node(30099));
+    answered(&t.client, "kernel NAT", move || tcp_once(to, ANSWER));
+    std::thread::sleep(Duration::from_millis(300));
+    let before = tcp_in_segs(&t.pod1);
+    send_raw(&t, malformed_set(6 * N, N, node(30099)));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "kernel NAT: segments of the malformed set reached the backend"
+    );
+    for a in sources(6 * N..12 * N) {
+        let lines = kernel_ct_lines(&t, a);
+        assert!(lines.is_empty(), "kernel NAT tracked {a}: {lines:?}");
+    }
+    let sound = |i: u32, port| {
+        let src = std::net::SocketAddrV4::new(spoofed(i), 42000 + i as u16);
+        Segment::new(src, node(port), svc_tests::raw::SYN, 0x3000_0000 + i, 0)
+    };
+    send_raw(&t, vec![sound(nat_ok, 30099)]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        1,
+        "kernel NAT: the sound SYN reaches the backend"
+    );
+    assert!(!kernel_ct_lines(&t, spoofed(nat_ok)).is_empty());
+    nft("delete table ip svc_test_ctl");
+
+    t.start_agent_with(&["--metrics-bind-address", "127.0.0.1:10249"]);
+    let to = SocketAddr::V4(node(30081));
+    answered(&t.client, "NodePort", move || tcp_once(to, ANSWER));
+    std::thread::sleep(Duration::from_millis(300));
+    let count = |reason: &str| {
+        metric_or_zero(
+            &t,
+            &format!("svc_packet_decisions_total{{device=\"eth0\",reason=\"{reason}\"}}"),
+        )
+    };
+    let reasons = ["drop_bad_checksum", "drop_invalid_tcp", "pass_midstream"];
+    let counted: Vec<u64> = reasons.iter().map(|r| count(r)).collect();
+    let before = tcp_in_segs(&t.pod1);
+    let set = malformed_set(0, N, node(30081));
+    // The bad checksums first, on their own: what this change is about.
+    let (bad_sums, rest) = set.split_at(2 * N as usize);
+    send_raw(&t, bad_sums.to_vec());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "SYNs with a wrong or zero checksum reached the backend"
+    );
+    assert_eq!(
+        ct_entries_of(&t, &sources(0..2 * N)),
+        0,
+        "entries for SYNs with a wrong or zero checksum"
+    );
+    send_raw(&t, rest.to_vec());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "segments of the malformed set reached the backend"
+    );
+    assert_eq!(
+        ct_entries_of(&t, &sources(0..6 * N)),
+        0,
+        "entries for the malformed set"
+    );
+    let moved: Vec<u64> = reasons
+        .iter()
+        .zip(&counted)
+        .map(|(r, was)| count(r) - was)
+        .collect();
+    assert_eq!(
+        moved,
+        [2 * N as u64, 3 * N as u64, N as u64],
+        "counted as {reasons:?}"
+    );
+
+    // A sound SYN from a spoofed source: to the backend, with its entries.
+    send_raw(&t, vec![sound(svc_ok, 30081)]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        1,
+        "the sound SYN reaches the backend"
+    );
+    assert_eq!(ct_entries_of(&t, &[spoofed(svc_ok)]), 2, "the sound SYN's entries");
+}
+
 /// An agent taking over from one whose connection-tracking map is of layout 1 (before
 /// sequence tracking) carries its flows over: a connection held open through a NodePort goes
 /// on. Layout 1's map is made here from what the running datapath holds, pinned where such an
