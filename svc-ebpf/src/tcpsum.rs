@@ -57,10 +57,9 @@ pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
     }
     let len = (L3 + p.ip_len).saturating_sub(p.l4_off);
     let pseudo = pseudo_sum(p, len);
-    let mut check = [0u8; 2];
-    if !pkt::load(ctx, p.csum_off(), &mut check) {
+    let Some(check) = pkt::header::<2>(ctx, p.csum_off()) else {
         return false;
-    }
+    };
     if u16::from_ne_bytes(check) == csum::fold(pseudo) {
         return true;
     }
