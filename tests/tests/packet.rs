@@ -3780,6 +3780,114 @@ fn the_malformed_set_reaches_no_backend_and_makes_no_state() {
     assert_eq!(ct_entries_of(&t, &[spoofed(svc_ok)]), 2, "the sound SYN's entries");
 }
 
+/// A bounded flood of spoofed IPv4 fragments against a UDP NodePort: later fragments with no
+/// first fragment (random ids), and first fragments of 3,000-byte datagrams whose rest never
+/// comes. Later fragments without a record pass untouched, counted `fragment`; each first
+/// fragment starts a UDP flow, as any datagram does (kernel NAT, which reassembles first,
+/// would track none). Meanwhile and after, a real client's fragmented 3,000-byte exchange
+/// through the same NodePort works, and the flood's flows are gone once the UDP timeout
+/// (2 s here) has passed: nothing holds them.
+#[test]
+fn a_spoofed_fragment_flood_leaves_fragmented_udp_working() {
+    const N: u32 = 1000;
+    let mut t = Topo::new();
+    t.service("fragflood", nodeport("fragflood", 74, 30074));
+    t.endpoints("fragflood", &[LOCAL_POD]);
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--conntrack-udp-timeout",
+        "2s",
+        "--conntrack-sweep-interval",
+        "1s",
+    ]);
+    let to = sa(NODE1, 30074);
+    answered(&t.client, "UDP", move || udp_once(to, ANSWER));
+    let big = |t: &Topo, when: &str| {
+        let got = in_ns(&t.client, move || udp_sized_once(to, 3000, ANSWER));
+        match got {
+            Ok(a) if a.backend == "pod1" => {}
+            other => panic!("3,000 bytes to {to} {when}: {other:?}"),
+        }
+    };
+    big(&t, "before the flood");
+    let count = |reason: &str| {
+        metric_or_zero(
+            &t,
+            &format!("svc_packet_decisions_total{{device=\"eth0\",reason=\"{reason}\"}}"),
+        )
+    };
+    let (fragments, new) = (count("fragment"), count("new"));
+
+    let node: std::net::Ipv4Addr = NODE1.parse().unwrap();
+    // Ids from a fixed sequence that looks random (and is the same each run).
+    let id = |i: u32| (i.wrapping_mul(0x9e37_79b9) >> 16) as u16;
+    let mut packets = Vec::new();
+    for i in 0..N {
+        let src = spoofed(i);
+        // The last piece of some datagram: 200 bytes at 1,480.
+        packets.push(svc_tests::raw::ipv4_fragment(
+            src,
+            node,
+            17,
+            id(i),
+            1480,
+            false,
+            &[0x55; 200],
+        ));
+        // The first of a 3,000-byte datagram to the NodePort, no UDP checksum.
+        let mut udp = Vec::new();
+        udp.extend_from_slice(&(43000 + i as u16).to_be_bytes());
+        udp.extend_from_slice(&30074u16.to_be_bytes());
+        udp.extend_from_slice(&3008u16.to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(&[0xaa; 192]);
+        packets.push(svc_tests::raw::ipv4_fragment(
+            src,
+            node,
+            17,
+            id(i + N),
+            0,
+            true,
+            &udp,
+        ));
+    }
+    let flood = {
+        let ns = t.client2.path();
+        std::thread::spawn(move || {
+            enter(&ns).expect("entering client 2");
+            let sender = svc_tests::raw::Sender::new().expect("a raw socket");
+            for p in &packets {
+                sender.send_packet(node, p).expect("sending a fragment");
+            }
+        })
+    };
+    big(&t, "during the flood");
+    flood.join().expect("the flood's sender");
+    std::thread::sleep(Duration::from_millis(300));
+    big(&t, "after the flood");
+    assert!(
+        count("fragment") - fragments >= N as u64,
+        "later fragments without a record counted `fragment`"
+    );
+    assert!(
+        count("new") - new >= N as u64,
+        "each first fragment starts a flow"
+    );
+    let sources: Vec<_> = (0..N).map(spoofed).collect();
+    poll(Duration::from_secs(15), || {
+        let left = ct_entries_of(&t, &sources);
+        Ok((left == 0).then_some(()))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "the flood's flows outlived the UDP timeout: {} entries left ({e:#})",
+            ct_entries_of(&t, &sources)
+        )
+    });
+    big(&t, "once the flood's flows are gone");
+}
+
 /// An agent taking over from one whose connection-tracking map is of layout 1 (before
 /// sequence tracking) carries its flows over: a connection held open through a NodePort goes
 /// on. Layout 1's map is made here from what the running datapath holds, pinned where such an
