@@ -112,7 +112,7 @@ pub fn ipv4_fragment(
     data: &[u8],
 ) -> Vec<u8> {
     assert_eq!(offset % 8, 0, "a fragment offset is in 8-byte units");
-    let flags = offset / 8 | if more { 0x2000 } else { 0 };
+    let flags = (offset / 8) | if more { 0x2000 } else { 0 };
     let mut ip = vec![0x45, 0];
     ip.extend_from_slice(&((20 + data.len()) as u16).to_be_bytes());
     ip.extend_from_slice(&id.to_be_bytes());

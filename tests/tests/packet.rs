@@ -3621,7 +3621,15 @@ fn ct_entries_of(t: &Topo, addrs: &[std::net::Ipv4Addr]) -> usize {
 /// Connection-tracking lines of node 1's kernel (`conntrack -L`) that name `addr`.
 fn kernel_ct_lines(t: &Topo, addr: std::net::Ipv4Addr) -> Vec<String> {
     let out = std::process::Command::new("ip")
-        .args(["netns", "exec", t.node1.name(), "conntrack", "-L", "-p", "tcp"])
+        .args([
+            "netns",
+            "exec",
+            t.node1.name(),
+            "conntrack",
+            "-L",
+            "-p",
+            "tcp",
+        ])
         .output()
         .expect("running conntrack -L");
     let needle = format!("src={addr} ");
@@ -3777,7 +3785,11 @@ fn the_malformed_set_reaches_no_backend_and_makes_no_state() {
         1,
         "the sound SYN reaches the backend"
     );
-    assert_eq!(ct_entries_of(&t, &[spoofed(svc_ok)]), 2, "the sound SYN's entries");
+    assert_eq!(
+        ct_entries_of(&t, &[spoofed(svc_ok)]),
+        2,
+        "the sound SYN's entries"
+    );
 }
 
 /// A bounded flood of spoofed IPv4 fragments against a UDP NodePort: later fragments with no
