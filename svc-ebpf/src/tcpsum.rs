@@ -42,8 +42,9 @@ pub const MAX_LEN: u32 = CHUNK * CHUNKS;
 #[btf_map]
 static SVC_CSUM_BUF: PerCpuArray<[u8; CHUNK as usize + 4], 1> = PerCpuArray::new();
 
-/// Whether the TCP segment `p` (a whole one: not a fragment) has a checksum a receiver would
-/// accept. A function of its own, called only off the external ingress's deepest call chain.
+/// Whether the TCP segment `p` has a checksum a receiver would accept; true too for what this
+/// does not check (above, and `MAX_LEN`, first fragments). A function of its own, called only
+/// off the external ingress's deepest call chain.
 #[inline(never)]
 pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
     let skb = ctx.skb.skb;
@@ -74,8 +75,9 @@ pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
     let mut done = 0u32;
     for _ in 0..CHUNKS {
         let left = len - done;
-        // The mask and the test change nothing (`n` is 1 to `CHUNK` here): they are the bounds
-        // the verifier needs, which LLVM would otherwise prove from the loop and drop.
+        // The verifier needs `n`'s bounds on `n` itself: the mask (a no-op, `n` is at most
+        // `CHUNK`) and the test for 0 (the loop's end), which LLVM, left to prove them from
+        // `left`, would move or drop.
         let n = core::hint::black_box(if left > CHUNK { CHUNK } else { left }) & 0x1ff;
         if n == 0 {
             break;
@@ -103,8 +105,9 @@ pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
     csum::fold(sum) == 0xffff
 }
 
-/// The partial sum of the TCP pseudo-header for a segment of `len` bytes (at most 65,535:
-/// the upper half of IPv6's 32-bit length is then zero).
+/// The partial sum of the TCP pseudo-header for a segment of `len` bytes. Wrong above 65,535
+/// (IPv6's 32-bit length is taken as its lower half), where only the partial form's test
+/// uses it, and a miss there is accepted anyway (`MAX_LEN`).
 #[inline(always)]
 fn pseudo_sum(p: &Pkt, len: u32) -> u32 {
     let word = |a: &[u8; 16], i: usize| {
