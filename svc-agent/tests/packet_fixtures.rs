@@ -135,6 +135,20 @@ struct P {
     options: Vec<u8>,
     ext: Vec<Ext>,
     l4: L4,
+    /// TCP: the checksum field as a sender may leave it, instead of the right sum.
+    tcp_check: Option<Check>,
+}
+
+/// A TCP checksum field other than the right sum.
+#[derive(Clone, Copy, Debug)]
+enum Check {
+    /// The right sum plus one.
+    Wrong,
+    /// 0 (the right sum is not 0: asserted).
+    Zero,
+    /// What a local sender leaves for the device to finish (CHECKSUM_PARTIAL): the folded sum
+    /// of the pseudo-header, not complemented.
+    Partial,
 }
 
 fn sa(s: &str) -> SocketAddr {
@@ -165,7 +179,13 @@ impl P {
             options: vec![],
             ext: vec![],
             l4,
+            tcp_check: None,
         }
+    }
+
+    fn check(mut self, c: Check) -> P {
+        self.tcp_check = Some(c);
+        self
     }
 
     fn v6(&self) -> bool {
@@ -275,7 +295,17 @@ impl P {
                 b.extend_from_slice(&win.to_be_bytes());
                 b.extend_from_slice(&[0, 0, 0, 0]);
                 b.extend_from_slice(payload);
-                let c = finish(sum16(&b, pseudo(self.src, self.dst, 6, b.len())));
+                let seed = pseudo(self.src, self.dst, 6, b.len());
+                let right = finish(sum16(&b, seed));
+                let c = match self.tcp_check {
+                    None => right,
+                    Some(Check::Wrong) => right.wrapping_add(1),
+                    Some(Check::Zero) => {
+                        assert_ne!(right, 0, "a segment whose right checksum is 0");
+                        0
+                    }
+                    Some(Check::Partial) => !finish(seed),
+                };
                 b[16..18].copy_from_slice(&c.to_be_bytes());
             }
             L4::Udp {
@@ -1079,6 +1109,10 @@ enum Out {
     Packet(P),
     /// Nothing (the verdict drops it); the output is not looked at.
     Dropped,
+    /// Whatever the program made of it, not looked at: an input whose checksum is not the
+    /// right sum (`Check`) comes out with no right sum to compare (a partial one's rewrite is
+    /// right only on a CHECKSUM_PARTIAL skb, which a fixture cannot make).
+    Any,
 }
 
 struct Row {
@@ -1171,7 +1205,7 @@ fn run_rows(dp: &Dp, rows: Vec<Row>) {
                 }
                 verify_checksums(&out).unwrap_or_else(|e| panic!("{}: {e} is wrong", r.what));
             }
-            Out::Dropped => {}
+            Out::Dropped | Out::Any => {}
         }
         let want: BTreeMap<u32, u64> = r.counted.into_iter().map(|c| (c, 1)).collect();
         assert_eq!(
@@ -1348,7 +1382,7 @@ fn clock_ns(clock: libc::clockid_t) -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-use Out::{Dropped, Packet, Untouched};
+use Out::{Any, Dropped, Packet, Untouched};
 use Prog::{ExtEgress, ExtIngress, PodEgress, PodIngress};
 
 const OK: u32 = TC_ACT_OK;
@@ -6225,6 +6259,47 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             true,
         ),
     ));
+    // The TCP checksum of a segment that would start a flow: a fixture's skb is
+    // CHECKSUM_NONE, so the rows above sum a 20-byte header; these a SYN with data, one whose
+    // field a local sender left to the device, and one with a wrong sum (dropped).
+    let syn_from = |base: u16, f: fn(P) -> P| {
+        move |i: u16| {
+            f(tcp(
+                &format!("203.0.113.12:{}", base + i),
+                "192.0.2.10:30080",
+                TCP_SYN,
+            ))
+        }
+    };
+    rows.push((
+        "new flow, NodePort to a local backend, a SYN with 1,201 bytes of data (TCP Fast Open)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(10_000, |p| {
+                p.payload((0..1201u32).map(|i| (i * 7 + 3) as u8).collect())
+            }),
+            true,
+        ),
+    ));
+    rows.push((
+        "new flow, NodePort to a local backend, checksum left to the device (partial)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(20_000, |p| p.check(Check::Partial)),
+            true,
+        ),
+    ));
+    rows.push((
+        "SYN with a wrong checksum to a NodePort (dropped)",
+        single(
+            ExtIngress,
+            ingress,
+            &syn_from(30_000, |p| p.check(Check::Wrong)),
+            false,
+        ),
+    ));
     // A flow exists from here on: every packet of it is a connection-tracking hit.
     dp.run_on(
         ExtIngress,
@@ -6567,6 +6642,197 @@ fn invalid_tcp_segments_and_unknown_syn_acks_make_no_state() {
     ));
     run_rows(&dp, rows);
     assert_eq!(ct_entries(&dp), 0, "no entry for any of them");
+}
+
+/// A row whose input's TCP checksum is not the right sum (`Check`).
+fn csum_row(
+    what: &'static str,
+    prog: Prog,
+    input: P,
+    verdict: u32,
+    out: Out,
+    counted: Option<u32>,
+) -> Row {
+    Row {
+        well_formed: false,
+        ..row(what, prog, input, verdict, out, counted)
+    }
+}
+
+/// A TCP segment that would start a flow, or be refused for want of a backend, is dropped
+/// when its checksum is wrong (zero included), counted `drop_bad_checksum`: no flow, no SNAT
+/// port, no RST. One whose checksum field holds what a local sender leaves for the device
+/// (CHECKSUM_PARTIAL: the pseudo-header's sum) starts its flow. A flow's later segments and
+/// traffic svc does not serve are not checked. Before: each was translated to a backend and
+/// made two entries.
+#[test]
+fn segments_with_a_wrong_tcp_checksum_start_no_flow() {
+    use Check::{Partial, Wrong, Zero};
+    let dp = world();
+    let t = IPPROTO_TCP;
+    let np = "192.0.2.10:30080";
+    let np6 = "[2001:db8::10]:30080";
+    let backend = "10.244.1.5:8080";
+    let backend6 = "[fd00:244:1::5]:8080";
+    let pod = |p: P| p.macs(POD_HOST_MAC, POD_MAC);
+    // Payloads beyond one round of the sum (508 bytes), of odd length: a TCP Fast Open SYN.
+    let tfo: Vec<u8> = (0..1201u32).map(|i| (i * 7 + 3) as u8).collect();
+    let bad = |what, p: P| {
+        csum_row(
+            what,
+            ExtIngress,
+            p,
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_BAD_CHECKSUM),
+        )
+    };
+    let mut rows = vec![
+        bad(
+            "a SYN with a wrong checksum to a NodePort: dropped",
+            tcp("203.0.113.7:40400", np, TCP_SYN).check(Wrong),
+        ),
+        bad(
+            "a SYN with a zero checksum: dropped",
+            tcp("203.0.113.7:40401", np, TCP_SYN).check(Zero),
+        ),
+        bad(
+            "to a remote backend: dropped before it takes a SNAT port",
+            tcp("203.0.113.7:40402", "192.0.2.10:30081", TCP_SYN).check(Wrong),
+        ),
+        bad(
+            "to a NodePort without backends: dropped, not answered with an RST",
+            tcp("203.0.113.7:40403", "192.0.2.10:30099", TCP_SYN).check(Wrong),
+        ),
+        bad(
+            "IPv6: dropped",
+            tcp("[2001:db8:c::7]:40404", np6, TCP_SYN).check(Wrong),
+        ),
+        bad(
+            "a TCP Fast Open SYN with 1,201 bytes of data and a wrong checksum: dropped",
+            tcp("203.0.113.7:40405", np, TCP_SYN)
+                .payload(tfo.clone())
+                .check(Wrong),
+        ),
+        bad(
+            "a SYN with 3 bytes of data and a zero checksum: dropped",
+            tcp("203.0.113.7:40406", np, TCP_SYN)
+                .payload(b"abc".to_vec())
+                .check(Zero),
+        ),
+        row(
+            "a TCP Fast Open SYN with 1,201 bytes of data, summed right: translated",
+            ExtIngress,
+            tcp("203.0.113.7:40407", np, TCP_SYN).payload(tfo.clone()),
+            OK,
+            Packet(tcp("203.0.113.7:40407", backend, TCP_SYN).payload(tfo.clone())),
+            Some(pkt_stat::NEW),
+        ),
+        row(
+            "IPv6, 3 bytes of data, summed right: translated",
+            ExtIngress,
+            tcp("[2001:db8:c::7]:40408", np6, TCP_SYN).payload(b"abc".to_vec()),
+            OK,
+            Packet(tcp("[2001:db8:c::7]:40408", backend6, TCP_SYN).payload(b"abc".to_vec())),
+            Some(pkt_stat::NEW),
+        ),
+        csum_row(
+            "a SYN whose checksum a local sender left to the device (the pseudo-header's sum): \
+             translated",
+            ExtIngress,
+            tcp("203.0.113.7:40409", np, TCP_SYN).check(Partial),
+            OK,
+            Any,
+            Some(pkt_stat::NEW),
+        ),
+        csum_row(
+            "IPv6, the same: translated",
+            ExtIngress,
+            tcp("[2001:db8:c::7]:40410", np6, TCP_SYN).check(Partial),
+            OK,
+            Any,
+            Some(pkt_stat::NEW),
+        ),
+        csum_row(
+            "a known flow's segment is not checked: translated as it is",
+            ExtIngress,
+            tcp("203.0.113.7:40407", np, TCP_ACK).check(Wrong),
+            OK,
+            Any,
+            Some(pkt_stat::CT_HIT),
+        ),
+        csum_row(
+            "to a node address and port that is no frontend: not svc's to judge, untouched",
+            ExtIngress,
+            tcp("203.0.113.7:40411", "192.0.2.10:22", TCP_SYN).check(Wrong),
+            OK,
+            Untouched,
+            None,
+        ),
+        csum_row(
+            "through the node: untouched",
+            ExtIngress,
+            tcp("203.0.113.7:40412", "198.51.100.99:80", TCP_SYN).check(Wrong),
+            OK,
+            Untouched,
+            None,
+        ),
+        csum_row(
+            "a pod's SYN to a ClusterIP with a wrong checksum: dropped",
+            PodIngress,
+            pod(tcp("10.244.1.5:50400", "10.96.0.10:80", TCP_SYN).check(Wrong)),
+            SHOT,
+            Dropped,
+            Some(pkt_stat::DROP_BAD_CHECKSUM),
+        ),
+        csum_row(
+            "a pod's SYN with its checksum left to the device: translated",
+            PodIngress,
+            pod(tcp("10.244.1.5:50401", "10.96.0.10:80", TCP_SYN).check(Partial)),
+            OK,
+            Any,
+            Some(pkt_stat::NEW),
+        ),
+    ];
+    rows.push(row(
+        "the right sum, no data: translated",
+        ExtIngress,
+        tcp("203.0.113.7:40413", np, TCP_SYN),
+        OK,
+        Packet(tcp("203.0.113.7:40413", backend, TCP_SYN)),
+        Some(pkt_stat::NEW),
+    ));
+    run_rows(&dp, rows);
+    for (c, at) in [
+        ("203.0.113.7:40400", np),
+        ("203.0.113.7:40401", np),
+        ("203.0.113.7:40402", "192.0.2.10:30081"),
+        ("203.0.113.7:40403", "192.0.2.10:30099"),
+        ("[2001:db8:c::7]:40404", np6),
+        ("203.0.113.7:40405", np),
+        ("203.0.113.7:40406", np),
+        ("10.244.1.5:50400", "10.96.0.10:80"),
+    ] {
+        assert!(
+            dp.ct_entry(&ct_key(c, at, t, ct_dir::FORWARD)).is_none(),
+            "no entry for {c} -> {at}"
+        );
+    }
+    for (c, at) in [
+        ("203.0.113.7:40407", np),
+        ("[2001:db8:c::7]:40408", np6),
+        ("203.0.113.7:40409", np),
+        ("[2001:db8:c::7]:40410", np6),
+        ("10.244.1.5:50401", "10.96.0.10:80"),
+        ("203.0.113.7:40413", np),
+    ] {
+        let fwd = dp
+            .ct_entry(&ct_key(c, at, t, ct_dir::FORWARD))
+            .unwrap_or_else(|| panic!("the flow {c} -> {at}"));
+        assert_eq!(fwd.flags & NEW_TCP, NEW_TCP, "{c}: a new flow, unassured");
+    }
+    // Two entries for each of the six flows, none for the rest.
+    assert_eq!(ct_entries(&dp), 12);
 }
 
 /// A TCP flow's segments are checked against where each side was seen to send: a SYN-ACK

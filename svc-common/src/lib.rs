@@ -699,7 +699,12 @@ pub mod pkt_stat {
     /// the record that fragment left (`SVC_FRAGS`) and translated as a packet of its flow
     /// (addresses only: the ports and the UDP checksum are in the first fragment).
     pub const FRAGMENT_TRANSLATED: u32 = 20;
-    pub const COUNT: u32 = 21;
+    /// Dropped: a TCP segment that would start a flow (or be refused: no backend) whose
+    /// checksum is wrong (zero included, unless that is its sum), as the receiving stack would
+    /// drop it and conntrack marks it INVALID; it creates no state. A segment the device
+    /// verified, or that a local sender left to the device to sum, is not checked.
+    pub const DROP_BAD_CHECKSUM: u32 = 21;
+    pub const COUNT: u32 = 22;
     pub const NAMES: [&str; COUNT as usize] = [
         "new",
         "ct_hit",
@@ -722,6 +727,7 @@ pub mod pkt_stat {
         "drop_invalid_tcp",
         "drop_tcp_window",
         "fragment_translated",
+        "drop_bad_checksum",
     ];
 }
 

@@ -18,6 +18,7 @@ mod reject;
 mod scratch;
 mod sock;
 mod tc;
+mod tcpsum;
 
 use aya_ebpf::{
     helpers::generated::bpf_set_retval,

@@ -174,7 +174,7 @@ const DIRECT_MAX: u32 = 1024;
 /// a buffer that is not zeroed first (zeroing it was a byte loop too); `None` when the packet
 /// is shorter.
 #[inline(always)]
-fn header<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
+pub fn header<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
     if off < DIRECT_MAX {
         let at = ctx.data() + off as usize;
         if at + N <= ctx.data_end() {

@@ -3575,6 +3575,331 @@ fn forged_rsts_and_fins_close_no_connection() {
     }
 }
 
+/// How many TCP segments `ns`'s stack received (`Tcp: InSegs` of its /proc/net/snmp, which the
+/// kernel counts before it checks a segment's checksum): what reached a backend, sound or not.
+fn tcp_in_segs(ns: &NetNs) -> u64 {
+    in_ns(ns, || {
+        // thread-self: /proc/self/net is the namespace of the process's first thread.
+        let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp")
+            .expect("reading /proc/thread-self/net/snmp");
+        let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+        let (names, values) = (tcp.next(), tcp.next());
+        names
+            .zip(values)
+            .and_then(|(n, v)| {
+                n.split_whitespace()
+                    .zip(v.split_whitespace())
+                    .find(|(n, _)| *n == "InSegs")
+                    .and_then(|(_, v)| v.parse().ok())
+            })
+            .unwrap_or_else(|| panic!("no Tcp InSegs in /proc/net/snmp:\n{snmp}"))
+    })
+}
+
+/// A value of node 1's /metrics, 0 when the line is absent (a per-device reason not counted
+/// yet).
+fn metric_or_zero(t: &Topo, line: &str) -> u64 {
+    metrics_text(t)
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// How many connection-tracking entries name one of `addrs` (either end of their key).
+/// Reading the map goes through `ct_entries` alone.
+fn ct_entries_of(t: &Topo, addrs: &[std::net::Ipv4Addr]) -> usize {
+    let mapped: Vec<[u8; 16]> = addrs
+        .iter()
+        .map(|a| svc_common::v4_mapped(a.octets()))
+        .collect();
+    ct_entries(t)
+        .iter()
+        .filter(|(k, _)| mapped.contains(&k.saddr) || mapped.contains(&k.daddr))
+        .count()
+}
+
+/// Connection-tracking lines of node 1's kernel (`conntrack -L`) that name `addr`.
+fn kernel_ct_lines(t: &Topo, addr: std::net::Ipv4Addr) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            t.node1.name(),
+            "conntrack",
+            "-L",
+            "-p",
+            "tcp",
+        ])
+        .output()
+        .expect("running conntrack -L");
+    let needle = format!("src={addr} ");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The malformed set, as an attacker sends it to a NodePort from spoofed sources: SYNs with a
+/// wrong and with a zero TCP checksum, SYN+FIN, SYN+RST, every flag, and a SYN-ACK that
+/// answers no SYN. `n` of each from the spoofed sources `first..first + 6n`, to `to`.
+fn malformed_set(first: u32, n: u32, to: std::net::SocketAddrV4) -> Vec<svc_tests::raw::Segment> {
+    use svc_tests::raw::{Check, Segment, ACK, FIN, PSH, RST, SYN};
+    let kinds: [(u8, Check); 6] = [
+        (SYN, Check::Wrong),
+        (SYN, Check::Zero),
+        (SYN | FIN, Check::Right),
+        (SYN | RST, Check::Right),
+        (FIN | SYN | RST | PSH | ACK | 0x20, Check::Right),
+        (SYN | ACK, Check::Right),
+    ];
+    let mut out = Vec::new();
+    for (k, (flags, check)) in kinds.into_iter().enumerate() {
+        for j in 0..n {
+            let i = first + k as u32 * n + j;
+            let src = std::net::SocketAddrV4::new(spoofed(i), 42000 + i as u16);
+            let ack = if flags & ACK != 0 { 0x5000_0000 + i } else { 0 };
+            out.push(Segment::new(src, to, flags, 0x3000_0000 + i, ack).check(check));
+        }
+    }
+    out
+}
+
+/// The malformed set (`malformed_set`) from spoofed sources reaches no backend and makes no
+/// connection-tracking entry, and each kind is counted in /metrics (`drop_bad_checksum`,
+/// `drop_invalid_tcp`, and `pass_midstream` for the SYN-ACK, which the node's own stack gets
+/// untouched). A sound SYN from a spoofed source does both, so the observables can fail. The
+/// same set against kernel NAT (an nft dnat rule, kube-proxy's mechanism, before the agent
+/// runs) reaches the backend no more, and conntrack tracks none of it. Before: each segment
+/// of the set was translated to the backend and made two entries; the bad checksums were
+/// the last of them.
+#[test]
+fn the_malformed_set_reaches_no_backend_and_makes_no_state() {
+    use svc_tests::raw::Segment;
+    const N: u32 = 5;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    let node = |port| std::net::SocketAddrV4::new(NODE1.parse().unwrap(), port);
+    // Spoofed sources 0..6N for svc, 6N..12N for kernel NAT, then one sound SYN each.
+    let (svc_ok, nat_ok) = (12 * N, 12 * N + 1);
+    let sources = |r: std::ops::Range<u32>| r.map(spoofed).collect::<Vec<_>>();
+
+    // The control: kernel NAT to the same backend, before the agent attaches anything.
+    let ctl = "add table ip svc_test_ctl; \
+               add chain ip svc_test_ctl pre { type nat hook prerouting priority -100; }; \
+               add rule ip svc_test_ctl pre tcp dport 30099 dnat to 10.244.1.2:8080";
+    let nft = |script: &str| {
+        let st = std::process::Command::new("ip")
+            .args(["netns", "exec", t.node1.name(), "nft", script])
+            .status()
+            .expect("running nft");
+        assert!(st.success(), "nft {script}: {st}");
+    };
+    nft(ctl);
+    let to = SocketAddr::V4(node(30099));
+    answered(&t.client, "kernel NAT", move || tcp_once(to, ANSWER));
+    std::thread::sleep(Duration::from_millis(300));
+    let before = tcp_in_segs(&t.pod1);
+    send_raw(&t, malformed_set(6 * N, N, node(30099)));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "kernel NAT: segments of the malformed set reached the backend"
+    );
+    for a in sources(6 * N..12 * N) {
+        let lines = kernel_ct_lines(&t, a);
+        assert!(lines.is_empty(), "kernel NAT tracked {a}: {lines:?}");
+    }
+    let sound = |i: u32, port| {
+        let src = std::net::SocketAddrV4::new(spoofed(i), 42000 + i as u16);
+        Segment::new(src, node(port), svc_tests::raw::SYN, 0x3000_0000 + i, 0)
+    };
+    send_raw(&t, vec![sound(nat_ok, 30099)]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        1,
+        "kernel NAT: the sound SYN reaches the backend"
+    );
+    assert!(!kernel_ct_lines(&t, spoofed(nat_ok)).is_empty());
+    nft("delete table ip svc_test_ctl");
+
+    t.start_agent_with(&["--metrics-bind-address", "127.0.0.1:10249"]);
+    let to = SocketAddr::V4(node(30081));
+    answered(&t.client, "NodePort", move || tcp_once(to, ANSWER));
+    std::thread::sleep(Duration::from_millis(300));
+    let count = |reason: &str| {
+        metric_or_zero(
+            &t,
+            &format!("svc_packet_decisions_total{{device=\"eth0\",reason=\"{reason}\"}}"),
+        )
+    };
+    let reasons = ["drop_bad_checksum", "drop_invalid_tcp", "pass_midstream"];
+    let counted: Vec<u64> = reasons.iter().map(|r| count(r)).collect();
+    let before = tcp_in_segs(&t.pod1);
+    let set = malformed_set(0, N, node(30081));
+    // The bad checksums first, on their own: what this change is about.
+    let (bad_sums, rest) = set.split_at(2 * N as usize);
+    send_raw(&t, bad_sums.to_vec());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "SYNs with a wrong or zero checksum reached the backend"
+    );
+    assert_eq!(
+        ct_entries_of(&t, &sources(0..2 * N)),
+        0,
+        "entries for SYNs with a wrong or zero checksum"
+    );
+    send_raw(&t, rest.to_vec());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        0,
+        "segments of the malformed set reached the backend"
+    );
+    assert_eq!(
+        ct_entries_of(&t, &sources(0..6 * N)),
+        0,
+        "entries for the malformed set"
+    );
+    let moved: Vec<u64> = reasons
+        .iter()
+        .zip(&counted)
+        .map(|(r, was)| count(r) - was)
+        .collect();
+    assert_eq!(
+        moved,
+        [2 * N as u64, 3 * N as u64, N as u64],
+        "counted as {reasons:?}"
+    );
+
+    // A sound SYN from a spoofed source: to the backend, with its entries.
+    send_raw(&t, vec![sound(svc_ok, 30081)]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        tcp_in_segs(&t.pod1) - before,
+        1,
+        "the sound SYN reaches the backend"
+    );
+    assert_eq!(
+        ct_entries_of(&t, &[spoofed(svc_ok)]),
+        2,
+        "the sound SYN's entries"
+    );
+}
+
+/// A bounded flood of spoofed IPv4 fragments against a UDP NodePort: later fragments with no
+/// first fragment (random ids), and first fragments of 3,000-byte datagrams whose rest never
+/// comes. Later fragments without a record pass untouched, counted `fragment`; each first
+/// fragment starts a UDP flow, as any datagram does (kernel NAT, which reassembles first,
+/// would track none). Meanwhile and after, a real client's fragmented 3,000-byte exchange
+/// through the same NodePort works, and the flood's flows are gone once the UDP timeout
+/// (2 s here) has passed: nothing holds them.
+#[test]
+fn a_spoofed_fragment_flood_leaves_fragmented_udp_working() {
+    const N: u32 = 1000;
+    let mut t = Topo::new();
+    t.service("fragflood", nodeport("fragflood", 74, 30074));
+    t.endpoints("fragflood", &[LOCAL_POD]);
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--conntrack-udp-timeout",
+        "2s",
+        "--conntrack-sweep-interval",
+        "1s",
+    ]);
+    let to = sa(NODE1, 30074);
+    answered(&t.client, "UDP", move || udp_once(to, ANSWER));
+    let big = |t: &Topo, when: &str| {
+        let got = in_ns(&t.client, move || udp_sized_once(to, 3000, ANSWER));
+        match got {
+            Ok(a) if a.backend == "pod1" => {}
+            other => panic!("3,000 bytes to {to} {when}: {other:?}"),
+        }
+    };
+    big(&t, "before the flood");
+    let count = |reason: &str| {
+        metric_or_zero(
+            &t,
+            &format!("svc_packet_decisions_total{{device=\"eth0\",reason=\"{reason}\"}}"),
+        )
+    };
+    let (fragments, new) = (count("fragment"), count("new"));
+
+    let node: std::net::Ipv4Addr = NODE1.parse().unwrap();
+    // Ids from a fixed sequence that looks random (and is the same each run).
+    let id = |i: u32| (i.wrapping_mul(0x9e37_79b9) >> 16) as u16;
+    let mut packets = Vec::new();
+    for i in 0..N {
+        let src = spoofed(i);
+        // The last piece of some datagram: 200 bytes at 1,480.
+        packets.push(svc_tests::raw::ipv4_fragment(
+            src,
+            node,
+            17,
+            id(i),
+            1480,
+            false,
+            &[0x55; 200],
+        ));
+        // The first of a 3,000-byte datagram to the NodePort, no UDP checksum.
+        let mut udp = Vec::new();
+        udp.extend_from_slice(&(43000 + i as u16).to_be_bytes());
+        udp.extend_from_slice(&30074u16.to_be_bytes());
+        udp.extend_from_slice(&3008u16.to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(&[0xaa; 192]);
+        packets.push(svc_tests::raw::ipv4_fragment(
+            src,
+            node,
+            17,
+            id(i + N),
+            0,
+            true,
+            &udp,
+        ));
+    }
+    let flood = {
+        let ns = t.client2.path();
+        std::thread::spawn(move || {
+            enter(&ns).expect("entering client 2");
+            let sender = svc_tests::raw::Sender::new().expect("a raw socket");
+            for p in &packets {
+                sender.send_packet(node, p).expect("sending a fragment");
+            }
+        })
+    };
+    big(&t, "during the flood");
+    flood.join().expect("the flood's sender");
+    std::thread::sleep(Duration::from_millis(300));
+    big(&t, "after the flood");
+    assert!(
+        count("fragment") - fragments >= N as u64,
+        "later fragments without a record counted `fragment`"
+    );
+    assert!(
+        count("new") - new >= N as u64,
+        "each first fragment starts a flow"
+    );
+    let sources: Vec<_> = (0..N).map(spoofed).collect();
+    poll(Duration::from_secs(15), || {
+        let left = ct_entries_of(&t, &sources);
+        Ok((left == 0).then_some(()))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "the flood's flows outlived the UDP timeout: {} entries left ({e:#})",
+            ct_entries_of(&t, &sources)
+        )
+    });
+    big(&t, "once the flood's flows are gone");
+}
+
 /// An agent taking over from one whose connection-tracking map is of layout 1 (before
 /// sequence tracking) carries its flows over: a connection held open through a NodePort goes
 /// on. Layout 1's map is made here from what the running datapath holds, pinned where such an
