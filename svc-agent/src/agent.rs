@@ -17,7 +17,7 @@ use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, NodeDesired, Protocol};
 use crate::packet::{NodeView, PacketConfig};
-use crate::retry::{Attempts, Backoff, Retries};
+use crate::retry::{Backoff, Retries};
 use crate::stale::{Keep, StaleWorker, UdpServing};
 use crate::store::{Capacity, Store};
 use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
@@ -66,10 +66,9 @@ pub struct Agent {
     pub node: NodeContext,
     pub metrics: Arc<Metrics>,
     upkeep: Upkeep,
+    /// What could not be programmed, Services and the node's state.
     retry: Retries,
     next_reconcile: Instant,
-    /// The node's state could not all be written.
-    node_retry: Option<Attempts>,
     next_check: Instant,
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
@@ -160,10 +159,9 @@ impl Agent {
             api_node_ips: None,
             node_desired,
             next_reconcile: now + upkeep.reconcile_every,
-            node_retry: None,
             next_check: now + upkeep.check_every,
+            retry: Retries::new(upkeep.backoff()),
             upkeep,
-            retry: Retries::default(),
             synced: false,
             flow_addrs_walked: None,
             unmanaged_warned: BTreeSet::new(),
@@ -357,8 +355,7 @@ impl Agent {
             info!(service = %owner, "programmed after earlier failures");
         }
         for (owner, frontends) in &report.failed {
-            self.retry
-                .failed(owner, frontends, started, self.upkeep.backoff());
+            self.retry.failed(owner, frontends, started);
         }
         if !self.dp.is_attached() {
             // The programs about to replace the pinned ones pass untouched any packet to an
@@ -444,17 +441,11 @@ impl Agent {
     /// Schedules the next try at the node's state after a sync of it failed (as a Service's,
     /// with backoff), or forgets the tries after one that did not.
     fn note_node(&mut self, failed: bool, started: Instant) {
-        if !failed {
-            if self.node_retry.take().is_some() {
-                info!("node addresses programmed after earlier failures");
-            }
-            return;
+        if failed {
+            self.retry.node_failed(started);
+        } else if self.retry.node_healed() {
+            info!("node addresses programmed after earlier failures");
         }
-        self.node_retry = Some(Attempts::failed(
-            self.node_retry,
-            started,
-            self.upkeep.backoff(),
-        ));
     }
 
     fn snapshot_metrics(&self) -> metrics::Programmed {
@@ -466,7 +457,7 @@ impl Agent {
             failing: self.retry.owners().cloned().collect(),
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
-            node_failing: self.node_retry.is_some(),
+            node_failing: self.retry.node_failing(),
             unserved: self
                 .desired
                 .state
@@ -552,9 +543,6 @@ impl Agent {
         if let Some(r) = self.retry.next_due() {
             t = t.min(r);
         }
-        if let Some(node) = self.node_retry {
-            t = t.min(node.due);
-        }
         t
     }
 
@@ -614,7 +602,7 @@ impl Agent {
                 self.sync_health_checks();
             }
         }
-        if self.node_retry.is_some_and(|node| now >= node.due) {
+        if self.retry.node_due(now) {
             self.apply_node(now);
         }
         if now >= self.next_reconcile {

@@ -1,4 +1,5 @@
-//! When to try again what could not be programmed: one backoff for the Services and the node.
+//! When to try again what could not be programmed: the Services and the node's state, with one
+//! backoff.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -23,14 +24,14 @@ impl Backoff {
 
 /// Something that failed `attempts` times in a row, and when to try it again.
 #[derive(Clone, Copy, Debug)]
-pub struct Attempts {
-    pub attempts: u32,
-    pub due: Instant,
+struct Attempts {
+    attempts: u32,
+    due: Instant,
 }
 
 impl Attempts {
     /// One more failure at `at` (the first when `before` is None).
-    pub fn failed(before: Option<Attempts>, at: Instant, backoff: Backoff) -> Attempts {
+    fn failed(before: Option<Attempts>, at: Instant, backoff: Backoff) -> Attempts {
         let attempts = before.map_or(0, |a| a.attempts) + 1;
         Attempts {
             attempts,
@@ -48,22 +49,27 @@ struct Retry {
     frontends: BTreeSet<Frontend>,
 }
 
-/// The Services ("namespace/name") that could not be programmed, each with its own backoff.
-#[derive(Debug, Default)]
+/// The Services ("namespace/name") that could not be programmed, and the node's state if it
+/// could not all be written, each tried again after its own backoff.
+#[derive(Debug)]
 pub struct Retries {
+    backoff: Backoff,
     services: BTreeMap<String, Retry>,
+    node: Option<Attempts>,
 }
 
 impl Retries {
+    pub fn new(backoff: Backoff) -> Retries {
+        Retries {
+            backoff,
+            services: BTreeMap::new(),
+            node: None,
+        }
+    }
+
     /// Service `owner` failed at `at` on `frontends`; its earlier failed frontends stay
     /// covered.
-    pub fn failed(
-        &mut self,
-        owner: &str,
-        frontends: &BTreeSet<Frontend>,
-        at: Instant,
-        backoff: Backoff,
-    ) {
+    pub fn failed(&mut self, owner: &str, frontends: &BTreeSet<Frontend>, at: Instant) {
         let old = self.services.remove(owner);
         let mut covered = frontends.clone();
         let before = old.map(|old| {
@@ -73,7 +79,7 @@ impl Retries {
         self.services.insert(
             owner.to_string(),
             Retry {
-                when: Attempts::failed(before, at, backoff),
+                when: Attempts::failed(before, at, self.backoff),
                 frontends: covered,
             },
         );
@@ -109,9 +115,32 @@ impl Retries {
             .collect()
     }
 
-    /// When the next Service is due.
+    /// When the next Service, or the node's state, is due.
     pub fn next_due(&self) -> Option<Instant> {
-        self.services.values().map(|r| r.when.due).min()
+        self.services
+            .values()
+            .map(|r| r.when.due)
+            .chain(self.node.map(|n| n.due))
+            .min()
+    }
+
+    /// Writing the node's state failed at `at`.
+    pub fn node_failed(&mut self, at: Instant) {
+        self.node = Some(Attempts::failed(self.node, at, self.backoff));
+    }
+
+    /// Forgets the node's failures; true if it had any.
+    pub fn node_healed(&mut self) -> bool {
+        self.node.take().is_some()
+    }
+
+    pub fn node_failing(&self) -> bool {
+        self.node.is_some()
+    }
+
+    /// Whether the node's state is due for another try at `now`.
+    pub fn node_due(&self, now: Instant) -> bool {
+        self.node.is_some_and(|n| now >= n.due)
     }
 }
 
@@ -146,14 +175,33 @@ mod tests {
             )
         };
         let t = Instant::now();
-        let mut r = Retries::default();
-        r.failed("a/web", &BTreeSet::from([fe(80)]), t, b);
-        r.failed("a/web", &BTreeSet::from([fe(81)]), t, b);
+        let mut r = Retries::new(b);
+        r.failed("a/web", &BTreeSet::from([fe(80)]), t);
+        r.failed("a/web", &BTreeSet::from([fe(81)]), t);
         assert_eq!(r.frontends("a/web").count(), 2);
         assert_eq!(r.next_due(), Some(t + Duration::from_secs(2)));
         assert!(r.due(t + Duration::from_secs(1)).is_empty());
         assert_eq!(r.due(t + Duration::from_secs(2)), ["a/web"]);
         assert!(r.healed("a/web"));
         assert!(!r.contains("a/web"));
+        assert_eq!(r.next_due(), None);
+    }
+
+    #[test]
+    fn the_node_backs_off_as_a_service_does() {
+        let b = Backoff {
+            min: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        };
+        let t = Instant::now();
+        let mut r = Retries::new(b);
+        r.node_failed(t);
+        r.node_failed(t);
+        assert!(r.node_failing());
+        assert!(!r.node_due(t + Duration::from_secs(1)));
+        assert!(r.node_due(t + Duration::from_secs(2)));
+        assert_eq!(r.next_due(), Some(t + Duration::from_secs(2)));
+        assert!(r.node_healed());
+        assert!(!r.node_healed());
     }
 }
