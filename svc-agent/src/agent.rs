@@ -63,8 +63,9 @@ pub struct Agent {
     dp: Datapath,
     programmed: Programmed,
     desired: Desired,
-    pub node: NodeContext,
-    pub metrics: Arc<Metrics>,
+    /// What translation needs to know of this node.
+    node: NodeContext,
+    metrics: Arc<Metrics>,
     upkeep: Upkeep,
     /// What could not be programmed, Services and the node's state.
     retry: Retries,
@@ -239,6 +240,16 @@ impl Agent {
         info!(node_ips = ?ips, "the Node's addresses");
         self.api_node_ips = Some(ips);
         self.refresh_node()
+    }
+
+    /// What translation needs to know of this node: its name, zone and primary addresses.
+    pub fn node(&self) -> &NodeContext {
+        &self.node
+    }
+
+    /// The node's topology zone, as the source states it.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.node.zone = zone;
     }
 
     /// Where the health check server of Service `owner` listens (tests, tools).

@@ -9,6 +9,7 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
@@ -71,21 +72,15 @@ async fn open(input: Input) -> Result<Opened> {
 /// pinned when it returns.
 pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
     let opened = open(input).await?;
-    let mut agent = start(&cfg).await?;
+    let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
+    let agent = start(&cfg, metrics.clone()).await?;
     let (tracker, events): (Box<dyn Tracker>, Events) = match opened {
         Opened::Kube(api, opts) => {
             api.check(&opts.service_cidrs, &|fe| {
                 agent.programmed().frontends.contains_key(fe) && agent.links_pinned()
             })?;
             let events = api.watch(&opts).boxed();
-            agent.node = NodeContext {
-                node_name: Some(opts.node_name.clone()),
-                zone: None,
-                service_proxy_name: opts.service_proxy_name.clone(),
-                // The devices' addresses until the Node says.
-                node_ips: agent.node.node_ips.clone(),
-            };
-            let cache = Cache::new(agent.node.clone(), opts.coalesce);
+            let cache = Cache::new(agent.node().clone(), opts.coalesce);
             (Box::new(cache), events)
         }
         Opened::Manifests(files, poll) => (
@@ -97,7 +92,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
         Ok(changes) => changes.boxed(),
         Err(e) => {
             warn!("devices and addresses will not be followed: {e}");
-            agent.metrics.error_kind("netlink");
+            metrics.error_kind("netlink");
             futures::stream::pending().boxed()
         }
     };
@@ -105,6 +100,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
     Controller {
         agent,
         tracker,
+        metrics,
         synced_once: false,
     }
     .run(events)
@@ -116,6 +112,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
 struct Controller {
     agent: Agent,
     tracker: Box<dyn Tracker>,
+    metrics: Arc<Metrics>,
     synced_once: bool,
 }
 
@@ -149,7 +146,7 @@ impl Controller {
             Event::WatchError(kind, e) => {
                 // The watcher retries with backoff; what is programmed keeps serving.
                 warn!("{kind}: {e}");
-                self.agent.metrics.error_kind(kind);
+                self.metrics.error_kind(kind);
             }
             e => self.tracker.apply(e),
         }
@@ -159,7 +156,7 @@ impl Controller {
             }
         }
         if self.tracker.queued() {
-            self.agent.metrics.queued();
+            self.metrics.queued();
         }
     }
 
@@ -168,7 +165,7 @@ impl Controller {
     fn sync(&mut self) {
         let agent = &mut self.agent;
         let batch = self.tracker.take(agent.holders());
-        agent.node.zone = batch.zone;
+        agent.set_zone(batch.zone);
         let (owners, full) = match batch.owners {
             Some(owners) => (owners, false),
             None => {
@@ -179,14 +176,14 @@ impl Controller {
             }
         };
         let mut translated =
-            translate::assemble_with(batch.services, batch.slices, &agent.node, agent.holders());
+            translate::assemble_with(batch.services, batch.slices, agent.node(), agent.holders());
         translated.errors.splice(0..0, batch.errors);
         let report = if full {
             agent.apply_full(translated)
         } else {
             agent.apply_services(&owners, translated)
         };
-        record_latency(&agent.metrics, &report, &batch.triggers, batch.since);
+        record_latency(&self.metrics, &report, &batch.triggers, batch.since);
         if full {
             info!(
                 services = batch.changed,
@@ -236,9 +233,8 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-/// Starts the agent and its metrics server.
-async fn start(cfg: &RunConfig) -> Result<Agent> {
-    let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
+/// Starts the metrics server and the agent.
+async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
     metrics.snat_degraded(cfg.packet.snat_degraded.clone());
     for &(addr, port) in &cfg.listen {
         let listener = metrics::bind(addr).await?;
