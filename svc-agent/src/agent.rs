@@ -3,8 +3,8 @@
 //! its grace period has passed, the maps are compared with the mirror now and then and drift
 //! is repaired, and pins or links removed under the agent are put back.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -17,11 +17,11 @@ use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, NodeDesired, Protocol};
 use crate::packet::{NodeView, PacketConfig};
-use crate::source::manifest::{ManifestSource, Named};
+use crate::retry::{Backoff, Retries};
 use crate::stale::{Keep, StaleWorker, UdpServing};
 use crate::store::{Capacity, Store};
 use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
-use crate::translate::{self, Holders, Keyed, NodeContext, ParsedService, ParsedSlice, Translated};
+use crate::translate::{Holders, NodeContext, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
 #[derive(Clone, Debug)]
@@ -49,31 +49,28 @@ impl Default for Upkeep {
     }
 }
 
-/// A Service that could not be programmed.
-#[derive(Debug)]
-struct Retry {
-    attempts: u32,
-    due: Instant,
-    /// The frontends its failed sync covered: a retry covers them again (a removal that failed
-    /// is no longer in the desired state).
-    frontends: BTreeSet<Frontend>,
+impl Upkeep {
+    /// How failed Services and node state are tried again.
+    pub fn backoff(&self) -> Backoff {
+        Backoff {
+            min: self.retry_min,
+            max: self.retry_max,
+        }
+    }
 }
 
 pub struct Agent {
     dp: Datapath,
     programmed: Programmed,
     desired: Desired,
-    pub node: NodeContext,
-    pub metrics: Arc<Metrics>,
+    /// What translation needs to know of this node.
+    node: NodeContext,
+    metrics: Arc<Metrics>,
     upkeep: Upkeep,
-    retry: BTreeMap<String, Retry>,
+    /// What could not be programmed, Services and the node's state.
+    retry: Retries,
     next_reconcile: Instant,
-    /// The node's state could not all be written: (attempts, when to try again).
-    node_retry: Option<(u32, Instant)>,
     next_check: Instant,
-    /// Which file each manifest object was served from, so a second definition elsewhere
-    /// does not take it over.
-    served_from: HashMap<(&'static str, String, String), std::sync::Arc<Path>>,
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
@@ -163,11 +160,9 @@ impl Agent {
             api_node_ips: None,
             node_desired,
             next_reconcile: now + upkeep.reconcile_every,
-            node_retry: None,
             next_check: now + upkeep.check_every,
+            retry: Retries::new(upkeep.backoff()),
             upkeep,
-            retry: BTreeMap::new(),
-            served_from: HashMap::new(),
             synced: false,
             flow_addrs_walked: None,
             unmanaged_warned: BTreeSet::new(),
@@ -247,19 +242,14 @@ impl Agent {
         self.refresh_node()
     }
 
-    /// Starts following the node's devices and addresses: the returned notifier fires (a
-    /// moment after a burst of changes) when the kernel reports a link, address or route
-    /// change; call `refresh_node` then.
-    pub fn watch_node(&self) -> Arc<tokio::sync::Notify> {
-        let notify = Arc::new(tokio::sync::Notify::new());
-        let weak = Arc::downgrade(&notify);
-        if let Err(e) =
-            crate::netdev::watch(move || weak.upgrade().map(|n| n.notify_one()).is_some())
-        {
-            warn!("devices and addresses will not be followed: {e}");
-            self.metrics.error_kind("netlink");
-        }
-        notify
+    /// What translation needs to know of this node: its name, zone and primary addresses.
+    pub fn node(&self) -> &NodeContext {
+        &self.node
+    }
+
+    /// The node's topology zone, as the source states it.
+    pub fn set_zone(&mut self, zone: Option<String>) {
+        self.node.zone = zone;
     }
 
     /// Where the health check server of Service `owner` listens (tests, tools).
@@ -331,9 +321,7 @@ impl Agent {
         let (mut scope, conflicts) = self.desired.replace(owners, translated.state);
         self.record_input_errors(&conflicts);
         for owner in owners {
-            if let Some(r) = self.retry.get(owner) {
-                scope.extend(r.frontends.iter().copied());
-            }
+            scope.extend(self.retry.frontends(owner).copied());
         }
         let report = self.programmed.apply_scoped(
             &mut self.dp.store,
@@ -363,39 +351,22 @@ impl Agent {
         let healed: Vec<String> = match covered {
             None => self
                 .retry
-                .keys()
+                .owners()
                 .filter(|o| !report.failed.contains_key(*o))
                 .cloned()
                 .collect(),
             Some(owners) => owners
                 .iter()
-                .filter(|o| self.retry.contains_key(*o) && !report.failed.contains_key(*o))
+                .filter(|o| self.retry.contains(o) && !report.failed.contains_key(*o))
                 .cloned()
                 .collect(),
         };
         for owner in healed {
-            self.retry.remove(&owner);
+            self.retry.healed(&owner);
             info!(service = %owner, "programmed after earlier failures");
         }
         for (owner, frontends) in &report.failed {
-            let attempts = self.retry.get(owner).map_or(0, |r| r.attempts) + 1;
-            let backoff = self
-                .upkeep
-                .retry_min
-                .saturating_mul(1 << (attempts - 1).min(16))
-                .min(self.upkeep.retry_max);
-            let mut covered = frontends.clone();
-            if let Some(old) = self.retry.remove(owner) {
-                covered.extend(old.frontends);
-            }
-            self.retry.insert(
-                owner.clone(),
-                Retry {
-                    attempts,
-                    due: started + backoff,
-                    frontends: covered,
-                },
-            );
+            self.retry.failed(owner, frontends, started);
         }
         if !self.dp.is_attached() {
             // The programs about to replace the pinned ones pass untouched any packet to an
@@ -428,7 +399,6 @@ impl Agent {
         report
     }
 
-    /// Starts and stops health check node port servers as the Services say.
     /// Starts the connection-tracking sweep, once: after this agent's programs are attached,
     /// as until then the pinned links may run an earlier object's programs, whose claims
     /// (`SVC_CT_CLAIMS`, not pinned) are not the sweep's.
@@ -459,6 +429,7 @@ impl Agent {
         }
     }
 
+    /// Starts and stops health check node port servers as the Services say.
     fn sync_health_checks(&mut self) {
         for e in self.health.sync(&self.desired.state.health_checks) {
             warn!("{e}");
@@ -481,19 +452,11 @@ impl Agent {
     /// Schedules the next try at the node's state after a sync of it failed (as a Service's,
     /// with backoff), or forgets the tries after one that did not.
     fn note_node(&mut self, failed: bool, started: Instant) {
-        if !failed {
-            if self.node_retry.take().is_some() {
-                info!("node addresses programmed after earlier failures");
-            }
-            return;
+        if failed {
+            self.retry.node_failed(started);
+        } else if self.retry.node_healed() {
+            info!("node addresses programmed after earlier failures");
         }
-        let attempts = self.node_retry.map_or(0, |(n, _)| n) + 1;
-        let backoff = self
-            .upkeep
-            .retry_min
-            .saturating_mul(1 << (attempts - 1).min(16))
-            .min(self.upkeep.retry_max);
-        self.node_retry = Some((attempts, started + backoff));
     }
 
     fn snapshot_metrics(&self) -> metrics::Programmed {
@@ -502,10 +465,10 @@ impl Agent {
             backends: self.programmed.backends.len(),
             cluster_ips: self.programmed.markers.len(),
             maps: self.programmed.map_usage(),
-            failing: self.retry.keys().cloned().collect(),
+            failing: self.retry.owners().cloned().collect(),
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
-            node_failing: self.node_retry.is_some(),
+            node_failing: self.retry.node_failing(),
             unserved: self
                 .desired
                 .state
@@ -529,7 +492,7 @@ impl Agent {
             return;
         }
         let keep = |fe: &Frontend, pf: &ProgFrontend| -> Keep {
-            let failing = |owner: &str| self.retry.contains_key(owner);
+            let failing = |owner: &str| self.retry.contains(owner);
             let d = self.desired.state.frontends.get(fe);
             if failing(pf.owner()) || d.is_some_and(|d| failing(&d.owner)) {
                 return Keep::Any;
@@ -588,11 +551,8 @@ impl Agent {
         if let Some(due) = self.programmed.retiring.next_due() {
             t = t.min(due);
         }
-        if let Some(r) = self.retry.values().map(|r| r.due).min() {
+        if let Some(r) = self.retry.next_due() {
             t = t.min(r);
-        }
-        if let Some((_, due)) = self.node_retry {
-            t = t.min(due);
         }
         t
     }
@@ -623,19 +583,12 @@ impl Agent {
                 self.metrics.error(e);
             }
         }
-        let due: Vec<String> = self
-            .retry
-            .iter()
-            .filter(|(_, r)| r.due <= now)
-            .map(|(o, _)| o.clone())
-            .collect();
+        let due = self.retry.due(now);
         if !due.is_empty() {
             let mut scope = BTreeSet::new();
             for owner in &due {
                 scope.extend(self.desired.frontends_of(owner).iter().copied());
-                if let Some(r) = self.retry.get(owner) {
-                    scope.extend(r.frontends.iter().copied());
-                }
+                scope.extend(self.retry.frontends(owner).copied());
             }
             info!(
                 services = due.len(),
@@ -660,7 +613,7 @@ impl Agent {
                 self.sync_health_checks();
             }
         }
-        if self.node_retry.is_some_and(|(_, due)| now >= due) {
+        if self.retry.node_due(now) {
             self.apply_node(now);
         }
         if now >= self.next_reconcile {
@@ -839,49 +792,6 @@ impl Agent {
             }
         }
     }
-
-    /// Reads the manifests that changed, translates them all, and applies the result.
-    #[instrument(skip_all, fields(path = %source.path().display()))]
-    pub fn sync_manifests(&mut self, source: &mut ManifestSource) -> SyncReport {
-        let loaded = source.load();
-        self.record_input_errors(&loaded.errors);
-        self.apply_manifest_objects(loaded.services, loaded.slices)
-    }
-
-    /// Translates manifest objects (keeping each object with the file that served it when a
-    /// second file defines it too) and applies the result.
-    pub fn apply_manifest_objects(
-        &mut self,
-        services: Vec<&Named<ParsedService>>,
-        slices: Vec<&Named<ParsedSlice>>,
-    ) -> SyncReport {
-        // The old desired state is not needed to build the new one (the mirror says who holds
-        // what): dropping it first keeps one copy in memory, not two.
-        self.forget_desired();
-        let mut errors = Vec::new();
-        let programmed = &self.programmed;
-        let serving = |s: &ParsedService, owner: &str| {
-            s.frontends()
-                .filter(|fe| programmed.holder(fe) == Some(owner))
-                .count()
-        };
-        let mut served_from = std::mem::take(&mut self.served_from);
-        let services =
-            one_definition_each("Service", services, &mut served_from, &serving, &mut errors);
-        let slices = one_definition_each(
-            "EndpointSlice",
-            slices,
-            &mut served_from,
-            &|_, _| 0,
-            &mut errors,
-        );
-        self.served_from = served_from;
-        let mut translated =
-            translate::assemble_with(services, slices, &self.node, &self.programmed);
-        errors.append(&mut translated.errors);
-        translated.errors = errors;
-        self.apply_full(translated)
-    }
 }
 
 /// The thread that ends stale UDP flows and closes stale connected UDP sockets, with its own
@@ -971,288 +881,4 @@ fn stale_worker(
 /// test can kill the agent in it.
 fn test_pause() -> Option<Duration> {
     crate::fault::pause("SVC_TEST_STALE_UDP_PAUSE_MS")
-}
-
-/// Of several definitions of one object, the one that serves now: from the file that served
-/// it when it was last defined twice, else the one its file has defined for longest (it
-/// served before the other came), else (both came in one load, as after a restart) the one
-/// whose frontends are programmed for it, else the older by creationTimestamp, else the first
-/// file by name. So adding a file never takes an object over. `served_from` remembers files
-/// for objects that have been defined twice only: the common case costs no memory.
-fn one_definition_each<'a, T: Keyed>(
-    kind: &'static str,
-    objects: Vec<&'a Named<T>>,
-    served_from: &mut HashMap<(&'static str, String, String), std::sync::Arc<Path>>,
-    serving: &dyn Fn(&T, &str) -> usize,
-    errors: &mut Vec<Error>,
-) -> Vec<&'a T> {
-    let mut chosen: HashMap<(&'a str, &'a str), usize> = HashMap::with_capacity(objects.len());
-    let mut kept: Vec<&'a Named<T>> = Vec::with_capacity(objects.len());
-    let mut twice: Vec<(String, String)> = Vec::new();
-    for o in objects {
-        let (ns, name) = (o.object.namespace(), o.object.name());
-        if name.is_empty() {
-            kept.push(o);
-            continue;
-        }
-        let Some(&at) = chosen.get(&(ns, name)) else {
-            chosen.insert((ns, name), kept.len());
-            kept.push(o);
-            continue;
-        };
-        let first = kept[at];
-        let owner = format!("{ns}/{name}");
-        let served = served_from.get(&(kind, ns.to_string(), name.to_string()));
-        let rank = |n: &Named<T>| {
-            let created = n.object.created();
-            (
-                served == Some(&n.path),
-                std::cmp::Reverse(n.since),
-                serving(&n.object, &owner),
-                std::cmp::Reverse((created.is_none(), created)),
-            )
-        };
-        let (keep, drop) = if rank(o) > rank(first) {
-            (o, first)
-        } else {
-            (first, o)
-        };
-        errors.push(Error::Invalid {
-            object: format!("{kind} {owner}"),
-            message: format!(
-                "defined again in {}; the definition in {} is served",
-                drop.origin(),
-                keep.origin()
-            ),
-        });
-        kept[at] = keep;
-        twice.push((ns.to_string(), name.to_string()));
-    }
-    served_from.retain(|k, _| k.0 != kind);
-    for (ns, name) in twice {
-        let at = chosen[&(ns.as_str(), name.as_str())];
-        served_from.insert((kind, ns, name), kept[at].path.clone());
-    }
-    kept.into_iter().map(|n| &n.object).collect()
-}
-
-#[derive(Clone, Debug)]
-pub struct RunConfig {
-    pub cgroup: PathBuf,
-    pub bpffs: PathBuf,
-    pub node: NodeContext,
-    /// Where /healthz (and, on a metrics port, /metrics) is served.
-    pub listen: Vec<(std::net::SocketAddr, metrics::Port)>,
-    pub health_timeout: Duration,
-    pub capacity: Capacity,
-    pub upkeep: Upkeep,
-    pub packet: PacketConfig,
-}
-
-/// Starts the agent and its metrics server.
-pub async fn start(cfg: &RunConfig) -> Result<Agent> {
-    let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
-    metrics.snat_degraded(cfg.packet.snat_degraded.clone());
-    for &(addr, port) in &cfg.listen {
-        let listener = metrics::bind(addr).await?;
-        info!(%addr, paths = port.paths(), "serving");
-        tokio::spawn(metrics::serve(listener, metrics.clone(), port));
-    }
-    Agent::start(
-        &cfg.bpffs,
-        &cfg.cgroup,
-        cfg.capacity,
-        cfg.upkeep.clone(),
-        cfg.node.clone(),
-        cfg.packet.clone(),
-        metrics,
-    )
-}
-
-/// Completes when the agent should stop (SIGTERM or SIGINT).
-pub async fn shutdown_signal() -> Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| crate::Error::Other(format!("installing the SIGTERM handler: {e}")))?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-    Ok(())
-}
-
-/// Stable lines for scripts and tests, independent of the log format.
-pub fn announce(report: &SyncReport, first: bool) {
-    if report.changed() {
-        eprintln!("svc-agent: synced");
-    }
-    if first {
-        eprintln!("svc-agent: ready");
-    }
-}
-
-/// How long a burst of device and address changes may go on before the node is read again.
-pub const NODE_SETTLE: Duration = Duration::from_millis(100);
-
-/// Serves manifest files until SIGTERM or SIGINT, re-reading them when they change. The
-/// datapath stays attached and pinned when it returns.
-pub async fn run_manifests(cfg: RunConfig, manifests: PathBuf, poll: Duration) -> Result<()> {
-    // A path that cannot be read at all is a mistake in the command line: say so before
-    // attaching anything, rather than serve no Services and look healthy.
-    let mut source = ManifestSource::open(&manifests)?;
-    let mut agent = start(&cfg).await?;
-    let net_changed = agent.watch_node();
-    let stop = shutdown_signal();
-    tokio::pin!(stop);
-    let mut first = true;
-    let mut force = false;
-    let mut ticker = tokio::time::interval(poll);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let upkeep = tokio::time::Instant::from_std(agent.next_deadline());
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = tokio::time::sleep_until(upkeep) => {
-                agent.tick(Instant::now());
-                continue;
-            }
-            _ = net_changed.notified() => {
-                // A burst of changes (a device coming up brings several) is read once.
-                tokio::time::sleep(NODE_SETTLE).await;
-                force |= agent.refresh_node();
-                if first || !force {
-                    continue;
-                }
-            }
-            r = &mut stop => { r?; break; }
-        }
-        if !std::mem::take(&mut force) && !source.changed() {
-            agent.tick(Instant::now());
-            continue;
-        }
-        let report = agent.sync_manifests(&mut source);
-        info!(
-            written = report.frontends_written,
-            removed = report.frontends_removed,
-            ops = report.ops,
-            errors = report.errors.len(),
-            "sync"
-        );
-        announce(&report, first);
-        first = false;
-    }
-    info!("stopping; programs stay attached and maps pinned");
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The backends `demo/web`'s ClusterIP frontend gets when the manifests of `source` are
-    /// loaded again and each object is taken from one file, with what the choice reported.
-    fn web_backends(
-        source: &mut ManifestSource,
-        served_from: &mut HashMap<(&'static str, String, String), Arc<Path>>,
-    ) -> (Vec<String>, Vec<String>) {
-        let parsed = source.load();
-        assert!(parsed.errors.is_empty(), "{:?}", parsed.errors);
-        let mut errors = Vec::new();
-        let services = one_definition_each(
-            "Service",
-            parsed.services,
-            served_from,
-            &|_, _| 0,
-            &mut errors,
-        );
-        let slices = one_definition_each(
-            "EndpointSlice",
-            parsed.slices,
-            served_from,
-            &|_, _| 0,
-            &mut errors,
-        );
-        let t = translate::assemble(services, slices, &NodeContext::default());
-        let fe = Frontend::cluster("10.96.0.10".parse().unwrap(), 80, Protocol::Tcp);
-        let backends = t.state.frontends[&fe]
-            .backends
-            .iter()
-            .map(|b| b.addr.ip().to_string())
-            .collect();
-        (backends, errors.iter().map(ToString::to_string).collect())
-    }
-
-    const WEB: &str = "apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: demo}
-spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}
-";
-
-    fn slice(ip: &str) -> String {
-        format!(
-            "---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {{name: web-1, namespace: demo, labels: {{kubernetes.io/service-name: web}}}}
-addressType: IPv4
-ports: [{{name: http, port: 8080}}]
-endpoints: [{{addresses: [{ip}]}}]
-"
-        )
-    }
-
-    /// Issue 33, item 9: a file added later that defines a serving EndpointSlice again (even
-    /// one whose name sorts first) does not take it over; an edit of the serving file is still
-    /// served, and the other definition serves once the first one goes.
-    #[test]
-    fn a_new_file_cannot_take_over_a_serving_endpoint_slice() {
-        let dir = std::env::temp_dir().join(format!("svc-agent-dup-slice-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        struct Gone(PathBuf);
-        impl Drop for Gone {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-        let _gone = Gone(dir.clone());
-        let write = |name: &str, text: &str| {
-            // Renamed in, as editors do: a new inode, so the change is seen at once.
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text).unwrap();
-            std::fs::rename(&tmp, dir.join(name)).unwrap();
-        };
-        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.1")));
-        let mut source = ManifestSource::open(&dir).unwrap();
-        let mut served_from = HashMap::new();
-        let (backends, errors) = web_backends(&mut source, &mut served_from);
-        assert_eq!(backends, ["10.0.0.1"]);
-        assert!(errors.is_empty(), "{errors:?}");
-
-        write("00-intruder.yaml", &slice("10.0.0.9"));
-        let (backends, errors) = web_backends(&mut source, &mut served_from);
-        assert_eq!(backends, ["10.0.0.1"], "{errors:?}");
-        assert_eq!(
-            errors,
-            [format!(
-                "EndpointSlice demo/web-1: defined again in {}: document 1; the definition in \
-                 {}: document 2 is served",
-                dir.join("00-intruder.yaml").display(),
-                dir.join("50-web.yaml").display()
-            )]
-        );
-
-        // An edit is no new definition: the serving file keeps the slice.
-        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.2")));
-        let (backends, _) = web_backends(&mut source, &mut served_from);
-        assert_eq!(backends, ["10.0.0.2"]);
-
-        write("50-web.yaml", WEB);
-        let (backends, errors) = web_backends(&mut source, &mut served_from);
-        assert_eq!(backends, ["10.0.0.9"]);
-        assert!(errors.is_empty(), "{errors:?}");
-        // Back in its old file, the slice is the newer definition now.
-        write("50-web.yaml", &format!("{WEB}{}", slice("10.0.0.1")));
-        let (backends, _) = web_backends(&mut source, &mut served_from);
-        assert_eq!(backends, ["10.0.0.9"]);
-    }
 }

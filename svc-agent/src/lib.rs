@@ -1,6 +1,7 @@
 //! svc agent: turns Services and EndpointSlices into the BPF maps of the socket datapath.
 
 pub mod agent;
+pub mod controller;
 pub mod datapath;
 pub mod desired;
 pub mod error;
@@ -13,6 +14,7 @@ pub mod model;
 pub mod names;
 pub mod netdev;
 pub mod packet;
+pub mod retry;
 pub mod source;
 pub mod stale;
 pub mod store;

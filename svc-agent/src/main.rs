@@ -5,7 +5,7 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
 
-use svc_agent::{agent, datapath, list, metrics, source::kube, translate::NodeContext};
+use svc_agent::{agent, controller, datapath, list, metrics, source::kube, translate::NodeContext};
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
@@ -420,7 +420,7 @@ fn main() -> anyhow::Result<()> {
                     .or_else(|| from_api.then(|| default.parse().expect("valid literal")))
                     .map(|addr| (addr, port))
             };
-            let cfg = agent::RunConfig {
+            let cfg = controller::RunConfig {
                 cgroup,
                 bpffs,
                 node: NodeContext {
@@ -456,10 +456,12 @@ fn main() -> anyhow::Result<()> {
                 .context("starting the runtime")?;
             match manifests {
                 Some(path) => rt
-                    .block_on(agent::run_manifests(
+                    .block_on(controller::run(
                         cfg,
-                        path,
-                        Duration::from_millis(poll_ms.max(10)),
+                        controller::Input::Manifests {
+                            path,
+                            poll: Duration::from_millis(poll_ms.max(10)),
+                        },
                     ))
                     .map_err(privilege_hint)?,
                 None => {
@@ -483,7 +485,8 @@ fn main() -> anyhow::Result<()> {
                             })
                             .collect::<anyhow::Result<_>>()?,
                     };
-                    rt.block_on(kube::run(cfg, opts)).map_err(privilege_hint)?
+                    rt.block_on(controller::run(cfg, controller::Input::Kube(opts)))
+                        .map_err(privilege_hint)?
                 }
             }
         }

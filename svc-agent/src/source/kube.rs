@@ -1,10 +1,10 @@
 //! Services, EndpointSlices and this node from the Kubernetes API.
 //!
-//! Three watchers feed one loop. Nothing is programmed until Services and EndpointSlices have
-//! both been listed completely; then one full sync against the pinned maps; then, per event,
-//! only the Services it touches, with bursts coalesced. A relist replaces a cache atomically
-//! (watcher `Init`/`InitDone`) and marks only what differs. Watch errors and API outages keep
-//! the last programmed state serving; the watchers retry with backoff.
+//! Three watchers produce the events; the [`Cache`] keeps what they brought. Nothing is due
+//! until Services and EndpointSlices have both been listed completely; then everything, once;
+//! then only the Services that changed, with bursts coalesced. A relist replaces a cache
+//! atomically (watcher `Init`/`InitDone`) and marks only what differs. Watch errors and API
+//! outages keep the last programmed state serving; the watchers retry with backoff.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -19,11 +19,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
-use crate::agent::{self, Agent, RunConfig};
+use super::{Batch, Event as SourceEvent, Tracker};
 use crate::error::{Error, Result};
-use crate::translate::{self, NodeContext, ParsedService, ParsedSlice};
+use crate::model::Frontend;
+use crate::translate::{self, Holders, NodeContext, ParsedService, ParsedSlice};
 
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
@@ -123,12 +124,13 @@ fn service_address_reason(host: IpAddr, cidrs: &[Cidr]) -> Option<String> {
 
 /// The agent is what serves ClusterIPs: an API server address that is one cannot be reached
 /// before the agent serves it, which after a reboot (empty pins) or on a new node it never
-/// does. Says so at once instead of retrying forever.
+/// does. Says so at once instead of retrying forever. `served`: whether the datapath a
+/// previous agent left pinned serves a frontend.
 fn check_api_server(
     url: &str,
     host: Option<&str>,
     port: u16,
-    agent: &Agent,
+    served: &dyn Fn(&Frontend) -> bool,
     cidrs: &[Cidr],
 ) -> Result<()> {
     let Some(ip) = host
@@ -140,8 +142,8 @@ fn check_api_server(
     let Some(reason) = service_address_reason(ip, cidrs) else {
         return Ok(());
     };
-    let fe = crate::model::Frontend::cluster(ip, port, crate::model::Protocol::Tcp);
-    if agent.programmed().frontends.contains_key(&fe) && agent.links_pinned() {
+    let fe = Frontend::cluster(ip, port, crate::model::Protocol::Tcp);
+    if served(&fe) {
         warn!(
             "the API server address {url} is {reason}; reachable only through the datapath a              previous svc-agent left pinned: set --k8s-api-server to the API server's own              address so a node with empty pins can start too"
         );
@@ -227,22 +229,24 @@ fn version_of<K: Resource>(o: &K) -> Option<Version> {
     o.meta().resource_version.as_deref().map(Version::new)
 }
 
+/// What a watcher brought.
 // Each update is moved once from its watcher into the cache, never stored as an Update, so
 // the size of the largest variant costs a copy, not memory.
 #[allow(clippy::large_enum_variant)]
-enum Update {
+pub enum Update {
     Service(Event<Service>),
     Slice(Event<EndpointSlice>),
     // Boxed: a Node is far larger than the rest, and node events are rare.
     Node(Box<Event<Node>>),
-    WatchError(&'static str, String),
 }
 
 /// The API objects this node serves, and which Services changed since the last sync.
 #[derive(Default)]
-struct Cache {
+pub struct Cache {
     /// What parsing needs to know: this proxy's name.
     node: NodeContext,
+    /// How long a burst of events may keep arriving before the affected Services are synced.
+    coalesce: Duration,
     services: BTreeMap<Key, CachedService>,
     slices: BTreeMap<Key, CachedSlice>,
     /// (Service, slice) pairs: no collection per Service, as most have a single slice.
@@ -270,6 +274,17 @@ struct Cache {
 }
 
 impl Cache {
+    /// An empty cache, which has everything to sync once both lists are complete.
+    pub fn new(node: NodeContext, coalesce: Duration) -> Cache {
+        Cache {
+            node,
+            coalesce,
+            all_dirty: true,
+            watching_since: Some(Timestamp::now()),
+            ..Default::default()
+        }
+    }
+
     fn mark(&mut self, k: Key) {
         self.dirty.insert(k);
         self.first_change.get_or_insert_with(Instant::now);
@@ -338,7 +353,7 @@ impl Cache {
         }
     }
 
-    fn apply(&mut self, u: Update) {
+    fn update(&mut self, u: Update) {
         self.apply_event(u);
         // The first full sync is due once both lists are complete, even when they were empty
         // (no event marked anything): an agent started before any Service exists must still
@@ -468,18 +483,11 @@ impl Cache {
                     self.first_change.get_or_insert_with(Instant::now);
                 }
             }
-            Update::WatchError(..) => {}
         }
     }
 
     fn ready(&self) -> bool {
         self.services_listed && self.slices_listed
-    }
-
-    /// The node changed in a way every Service's translation depends on.
-    fn retranslate_all(&mut self) {
-        self.all_dirty = true;
-        self.first_change.get_or_insert_with(Instant::now);
     }
 
     /// The parsed Services in `keys`, and every parsed slice that belongs to them.
@@ -499,13 +507,84 @@ impl Cache {
         (services, slices)
     }
 
-    /// The trigger times of the slices of `keys`, for network programming latency.
-    fn trigger_times(&self, keys: &BTreeSet<Key>) -> Vec<Timestamp> {
+    /// The trigger times of the slices of `keys`, each with its Service, for network
+    /// programming latency.
+    fn trigger_times<'a>(
+        &'a self,
+        keys: &'a BTreeSet<Key>,
+    ) -> impl Iterator<Item = (&'a Key, Timestamp)> + 'a {
         keys.iter()
-            .flat_map(|k| self.slices_of(k))
-            .filter_map(|sk| self.slices.get(sk)?.trigger)
-            .filter(|t| self.watching_since.is_none_or(|since| *t > since))
-            .collect()
+            .flat_map(move |k| self.slices_of(k).map(move |sk| (k, sk)))
+            .filter_map(|(k, sk)| Some((k, self.slices.get(sk)?.trigger?)))
+            .filter(|(_, t)| self.watching_since.is_none_or(|since| *t > since))
+    }
+}
+
+impl Tracker for Cache {
+    fn apply(&mut self, event: SourceEvent) {
+        if let SourceEvent::Api(u) = event {
+            self.update(u);
+        }
+    }
+
+    fn due(&self) -> Option<Instant> {
+        self.first_change
+            .filter(|_| self.ready())
+            .map(|t| t + self.coalesce)
+    }
+
+    fn queued(&self) -> bool {
+        self.first_change.is_some()
+    }
+
+    fn retranslate_all(&mut self) {
+        self.all_dirty = true;
+        self.first_change.get_or_insert_with(Instant::now);
+    }
+
+    fn take_node_ips(&mut self) -> Option<Vec<IpAddr>> {
+        self.node_ips.take()
+    }
+
+    /// Everything after the first lists and after a change of the node; else the Services
+    /// marked, with their slices. Conflicts among the Services of one batch are resolved as
+    /// a full sync resolves them (the holder keeps its frontend), so whether two changes land
+    /// together does not decide.
+    fn take(&mut self, _: &dyn Holders) -> Batch<'_> {
+        let since = self.first_change.take().unwrap_or_else(Instant::now);
+        let dirty = std::mem::take(&mut self.dirty);
+        let errors = std::mem::take(&mut self.errors);
+        let all = std::mem::take(&mut self.all_dirty);
+        let triggers = self
+            .trigger_times(&dirty)
+            .map(|(k, t)| (owner(k), t))
+            .collect();
+        let (owners, services, slices) = if all {
+            (
+                None,
+                self.services
+                    .values()
+                    .filter_map(|s| s.parsed.as_ref())
+                    .collect(),
+                self.slices
+                    .values()
+                    .filter_map(|s| s.parsed.as_ref())
+                    .collect(),
+            )
+        } else {
+            let (services, slices) = self.objects_for(&dirty);
+            (Some(dirty.iter().map(owner).collect()), services, slices)
+        };
+        Batch {
+            owners,
+            services,
+            slices,
+            errors,
+            zone: self.zone.clone(),
+            since,
+            triggers,
+            changed: dirty.len(),
+        }
     }
 }
 
@@ -514,7 +593,7 @@ fn updates<K, F>(
     config: watcher::Config,
     kind: &'static str,
     wrap: F,
-) -> impl Stream<Item = Update> + Send
+) -> impl Stream<Item = SourceEvent> + Send
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
     F: Fn(Event<K>) -> Update + Send + 'static,
@@ -522,171 +601,66 @@ where
     watcher::watcher(api, config)
         .default_backoff()
         .map(move |r| match r {
-            Ok(e) => wrap(e),
-            Err(e) => Update::WatchError(kind, e.to_string()),
+            Ok(e) => SourceEvent::Api(wrap(e)),
+            Err(e) => SourceEvent::WatchError(kind, e.to_string()),
         })
 }
 
-/// Serves the Kubernetes API's Services until SIGTERM or SIGINT.
-pub async fn run(cfg: RunConfig, opts: KubeOptions) -> Result<()> {
-    let config = config(opts.kubeconfig.as_deref(), opts.api_server.as_deref()).await?;
-    let url = config.cluster_url.to_string();
-    let host = config.cluster_url.host().map(str::to_string);
-    let port = config.cluster_url.port_u16().unwrap_or(443);
-    let client =
-        Client::try_from(config).map_err(|e| Error::Other(format!("Kubernetes client: {e}")))?;
-    let mut agent = agent::start(&cfg).await?;
-    check_api_server(&url, host.as_deref(), port, &agent, &opts.service_cidrs)?;
-    info!(api_server = %url, "watching the Kubernetes API");
-
-    let proxy_name = opts.service_proxy_name.as_deref();
-    let services = updates(
-        Api::<Service>::all(client.clone()),
-        watcher::Config::default().labels(&service_selector(proxy_name)),
-        "watch_services",
-        Update::Service,
-    );
-    let slices = updates(
-        Api::<EndpointSlice>::all(client.clone()),
-        watcher::Config::default().labels(&slice_selector(proxy_name)),
-        "watch_endpointslices",
-        Update::Slice,
-    );
-    let nodes = updates(
-        Api::<Node>::all(client),
-        watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
-        "watch_node",
-        |e| Update::Node(Box::new(e)),
-    );
-    let mut events = futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()]);
-
-    agent.node = NodeContext {
-        node_name: Some(opts.node_name.clone()),
-        zone: None,
-        service_proxy_name: opts.service_proxy_name.clone(),
-        // The devices' addresses until the Node says.
-        node_ips: agent.node.node_ips.clone(),
-    };
-    let mut cache = Cache {
-        node: agent.node.clone(),
-        all_dirty: true,
-        watching_since: Some(Timestamp::now()),
-        ..Default::default()
-    };
-    let mut synced_once = false;
-    let net_changed = agent.watch_node();
-    let stop = agent::shutdown_signal();
-    tokio::pin!(stop);
-    loop {
-        let deadline = cache
-            .first_change
-            .filter(|_| cache.ready())
-            .map(|t| tokio::time::Instant::from_std(t + opts.coalesce));
-        tokio::select! {
-            r = &mut stop => { r?; break; }
-            u = events.next() => {
-                let Some(u) = u else { break };
-                if let Update::WatchError(kind, e) = &u {
-                    // The watcher retries with backoff; what is programmed keeps serving.
-                    warn!("{kind}: {e}");
-                    agent.metrics.error_kind(kind);
-                }
-                cache.apply(u);
-                if let Some(ips) = cache.node_ips.take() {
-                    if agent.set_api_node_ips(ips) {
-                        cache.retranslate_all();
-                    }
-                }
-                if cache.first_change.is_some() {
-                    agent.metrics.queued();
-                }
-            }
-            _ = sleep_until(deadline), if deadline.is_some() => {
-                sync(&mut agent, &mut cache);
-                if !synced_once {
-                    synced_once = true;
-                    eprintln!("svc-agent: ready");
-                }
-            }
-            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(agent.next_deadline())) => {
-                agent.tick(Instant::now());
-            }
-            _ = net_changed.notified() => {
-                tokio::time::sleep(agent::NODE_SETTLE).await;
-                if agent.refresh_node() {
-                    cache.retranslate_all();
-                }
-            }
-        }
-    }
-    info!("stopping; programs stay attached and maps pinned");
-    Ok(())
+/// The API server, connected.
+pub struct ApiServer {
+    client: Client,
+    url: String,
+    host: Option<String>,
+    port: u16,
 }
 
-async fn sleep_until(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => futures::future::pending().await,
+impl ApiServer {
+    pub async fn connect(opts: &KubeOptions) -> Result<ApiServer> {
+        let config = config(opts.kubeconfig.as_deref(), opts.api_server.as_deref()).await?;
+        let url = config.cluster_url.to_string();
+        let host = config.cluster_url.host().map(str::to_string);
+        let port = config.cluster_url.port_u16().unwrap_or(443);
+        let client = Client::try_from(config)
+            .map_err(|e| Error::Other(format!("Kubernetes client: {e}")))?;
+        Ok(ApiServer {
+            client,
+            url,
+            host,
+            port,
+        })
     }
-}
 
-fn sync(agent: &mut Agent, cache: &mut Cache) {
-    let started = cache.first_change.take().unwrap_or_else(Instant::now);
-    // Only the zone changes while the agent runs (the Node's label).
-    agent.node.zone = cache.zone.clone();
-    let dirty = std::mem::take(&mut cache.dirty);
-    let parse_errors = std::mem::take(&mut cache.errors);
-    let report = if std::mem::take(&mut cache.all_dirty) {
-        agent.forget_desired();
-        let mut translated = translate::assemble_with(
-            cache.services.values().filter_map(|s| s.parsed.as_ref()),
-            cache.slices.values().filter_map(|s| s.parsed.as_ref()),
-            &agent.node,
-            agent.holders(),
+    /// Fails when the API server can only be reached through a Service address that nothing
+    /// serves yet; `served` says whether a frontend is served by what is pinned.
+    pub fn check(&self, cidrs: &[Cidr], served: &dyn Fn(&Frontend) -> bool) -> Result<()> {
+        check_api_server(&self.url, self.host.as_deref(), self.port, served, cidrs)
+    }
+
+    /// The events of the Services, the EndpointSlices and this node, as kube-proxy selects
+    /// them.
+    pub fn watch(self, opts: &KubeOptions) -> impl Stream<Item = SourceEvent> + Send {
+        info!(api_server = %self.url, "watching the Kubernetes API");
+        let proxy_name = opts.service_proxy_name.as_deref();
+        let services = updates(
+            Api::<Service>::all(self.client.clone()),
+            watcher::Config::default().labels(&service_selector(proxy_name)),
+            "watch_services",
+            Update::Service,
         );
-        translated.errors.splice(0..0, parse_errors);
-        agent.apply_full(translated)
-    } else {
-        let mut translated = translate_dirty(cache, &dirty, &agent.node, agent.holders());
-        translated.errors.splice(0..0, parse_errors);
-        let owners: BTreeSet<String> = dirty.iter().map(owner).collect();
-        agent.apply_services(&owners, translated)
-    };
-    let now = Timestamp::now();
-    // Only changes that landed have a programming latency; a failed one is retried.
-    let landed: BTreeSet<Key> = dirty
-        .iter()
-        .filter(|k| !report.failed.contains_key(&owner(k)))
-        .cloned()
-        .collect();
-    for t in cache.trigger_times(&landed) {
-        if let Ok(d) = now.duration_since(t).try_into() {
-            agent.metrics.programming_latency(d);
-        }
+        let slices = updates(
+            Api::<EndpointSlice>::all(self.client.clone()),
+            watcher::Config::default().labels(&slice_selector(proxy_name)),
+            "watch_endpointslices",
+            Update::Slice,
+        );
+        let nodes = updates(
+            Api::<Node>::all(self.client),
+            watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
+            "watch_node",
+            |e| Update::Node(Box::new(e)),
+        );
+        futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()])
     }
-    agent.metrics.event_lag(started.elapsed());
-    debug!(
-        services = dirty.len(),
-        written = report.frontends_written,
-        removed = report.frontends_removed,
-        ops = report.ops,
-        "sync"
-    );
-    agent::announce(&report, false);
-}
-
-/// The Services `dirty` (with their slices) translated again; `holders` says who serves each
-/// frontend now.
-fn translate_dirty(
-    cache: &Cache,
-    dirty: &BTreeSet<Key>,
-    node: &NodeContext,
-    holders: &dyn translate::Holders,
-) -> translate::Translated {
-    let (services, slices) = cache.objects_for(dirty);
-    // Conflicts among the Services of one batch are resolved as a full sync resolves them:
-    // the holder keeps its frontend, so whether two changes land together does not decide.
-    translate::assemble_with(services, slices, node, holders)
 }
 
 #[cfg(test)]
@@ -737,11 +711,11 @@ mod tests {
         };
         let mut c = Cache::default();
         let n = node(serde_json::json!([{"type": "InternalIP", "address": "10.0.0.1"}]));
-        c.apply(Update::Node(Box::new(Event::Apply(n.clone()))));
+        c.update(Update::Node(Box::new(Event::Apply(n.clone()))));
         assert_eq!(c.node_ips.take(), Some(vec!["10.0.0.1".parse().unwrap()]));
-        c.apply(Update::Node(Box::new(Event::Delete(n))));
+        c.update(Update::Node(Box::new(Event::Delete(n))));
         assert_eq!(c.node_ips.take(), None, "the node IPs were dropped");
-        c.apply(Update::Node(Box::new(Event::Apply(node(
+        c.update(Update::Node(Box::new(Event::Apply(node(
             serde_json::json!([]),
         )))));
         assert_eq!(c.node_ips.take(), None, "the node IPs were dropped");
@@ -769,18 +743,24 @@ mod tests {
             .unwrap()
         };
         let mut c = Cache::default();
-        c.apply(Update::Service(Event::Apply(claimant(
+        c.update(Update::Service(Event::Apply(claimant(
             "old",
             "10.96.0.1",
             "2020-01-01T00:00:00Z",
         ))));
-        c.apply(Update::Service(Event::Apply(claimant(
+        c.update(Update::Service(Event::Apply(claimant(
             "young",
             "10.96.0.2",
             "2024-01-01T00:00:00Z",
         ))));
-        let dirty = BTreeSet::from([k("ns", "old"), k("ns", "young")]);
-        let t = translate_dirty(&c, &dirty, &NodeContext::default(), &Holder);
+        assert_eq!(c.dirty, BTreeSet::from([k("ns", "old"), k("ns", "young")]));
+        let batch = c.take(&Holder);
+        let t = translate::assemble_with(
+            batch.services,
+            batch.slices,
+            &NodeContext::default(),
+            &Holder,
+        );
         let owners: Vec<(String, String)> = t
             .state
             .frontends
@@ -805,21 +785,21 @@ mod tests {
             spec.cluster_ip = Some("not-an-ip".into());
             spec.cluster_ips = None;
         }
-        c.apply(Update::Service(Event::Apply(bad)));
-        c.apply(Update::Service(Event::Apply(svc("a", "web", "1"))));
+        c.update(Update::Service(Event::Apply(bad)));
+        c.update(Update::Service(Event::Apply(svc("a", "web", "1"))));
         assert_eq!(c.errors.len(), 1, "{:?}", c.errors);
         assert!(c.errors[0].to_string().contains("a/bad"), "{}", c.errors[0]);
         assert!(c.services[&k("a", "bad")].parsed.is_none());
         assert!(c.services[&k("a", "web")].parsed.is_some());
         // A relist that finds the same versions parses nothing again.
         c.errors.clear();
-        c.apply(Update::Service(Event::Init));
+        c.update(Update::Service(Event::Init));
         let mut bad = svc("a", "bad", "1");
         if let Some(spec) = bad.spec.as_mut() {
             spec.cluster_ip = Some("not-an-ip".into());
         }
-        c.apply(Update::Service(Event::InitApply(bad)));
-        c.apply(Update::Service(Event::InitDone));
+        c.update(Update::Service(Event::InitApply(bad)));
+        c.update(Update::Service(Event::InitDone));
         assert!(c.errors.is_empty());
         assert!(c.services.contains_key(&k("a", "bad")));
         assert!(
@@ -848,12 +828,12 @@ mod tests {
     #[test]
     fn nothing_is_ready_until_both_lists_complete() {
         let mut c = Cache::default();
-        c.apply(Update::Service(Event::Init));
-        c.apply(Update::Service(Event::InitApply(svc("a", "web", "1"))));
-        c.apply(Update::Service(Event::InitDone));
+        c.update(Update::Service(Event::Init));
+        c.update(Update::Service(Event::InitApply(svc("a", "web", "1"))));
+        c.update(Update::Service(Event::InitDone));
         assert!(!c.ready());
-        c.apply(Update::Slice(Event::Init));
-        c.apply(Update::Slice(Event::InitDone));
+        c.update(Update::Slice(Event::Init));
+        c.update(Update::Slice(Event::InitDone));
         assert!(c.ready());
         assert_eq!(c.dirty, BTreeSet::from([k("a", "web")]));
     }
@@ -864,11 +844,11 @@ mod tests {
             all_dirty: true,
             ..Default::default()
         };
-        c.apply(Update::Service(Event::Init));
-        c.apply(Update::Service(Event::InitDone));
+        c.update(Update::Service(Event::Init));
+        c.update(Update::Service(Event::InitDone));
         assert!(c.first_change.is_none(), "not before the slices are listed");
-        c.apply(Update::Slice(Event::Init));
-        c.apply(Update::Slice(Event::InitDone));
+        c.update(Update::Slice(Event::Init));
+        c.update(Update::Slice(Event::InitDone));
         assert!(c.ready());
         assert!(c.first_change.is_some(), "nothing would ever sync");
     }
@@ -877,23 +857,23 @@ mod tests {
     fn a_relist_marks_only_what_changed() {
         let mut c = Cache::default();
         for (ev, rv) in [("web", "1"), ("db", "1")] {
-            c.apply(Update::Service(Event::Apply(svc("a", ev, rv))));
+            c.update(Update::Service(Event::Apply(svc("a", ev, rv))));
         }
-        c.apply(Update::Slice(Event::Apply(slice("a", "web-1", "web", "1"))));
-        c.apply(Update::Slice(Event::Apply(slice("a", "db-1", "db", "1"))));
+        c.update(Update::Slice(Event::Apply(slice("a", "web-1", "web", "1"))));
+        c.update(Update::Slice(Event::Apply(slice("a", "db-1", "db", "1"))));
         c.dirty.clear();
 
         // Relist after a 410: web unchanged, db's slice changed, a slice of web vanished.
-        c.apply(Update::Service(Event::Init));
-        c.apply(Update::Service(Event::InitApply(svc("a", "web", "1"))));
-        c.apply(Update::Service(Event::InitApply(svc("a", "db", "1"))));
-        c.apply(Update::Service(Event::InitDone));
+        c.update(Update::Service(Event::Init));
+        c.update(Update::Service(Event::InitApply(svc("a", "web", "1"))));
+        c.update(Update::Service(Event::InitApply(svc("a", "db", "1"))));
+        c.update(Update::Service(Event::InitDone));
         assert!(c.dirty.is_empty());
-        c.apply(Update::Slice(Event::Init));
-        c.apply(Update::Slice(Event::InitApply(slice(
+        c.update(Update::Slice(Event::Init));
+        c.update(Update::Slice(Event::InitApply(slice(
             "a", "db-1", "db", "2",
         ))));
-        c.apply(Update::Slice(Event::InitDone));
+        c.update(Update::Slice(Event::InitDone));
         assert_eq!(c.dirty, BTreeSet::from([k("a", "db"), k("a", "web")]));
         assert_eq!(c.slices_of(&k("a", "web")).count(), 0);
         let (services, slices) = c.objects_for(&BTreeSet::from([k("a", "db")]));
@@ -931,15 +911,16 @@ mod tests {
             s.metadata.annotations = Some([(TRIGGER_TIME_ANNOTATION.to_string(), t.into())].into());
             s
         };
-        c.apply(Update::Slice(Event::Apply(stamped(
+        c.update(Update::Slice(Event::Apply(stamped(
             "old",
             "2025-06-01T00:00:00Z",
         ))));
-        c.apply(Update::Slice(Event::Apply(stamped(
+        c.update(Update::Slice(Event::Apply(stamped(
             "new",
             "2026-02-01T00:00:00Z",
         ))));
-        let times = c.trigger_times(&BTreeSet::from([k("a", "web")]));
+        let web = BTreeSet::from([k("a", "web")]);
+        let times: Vec<Timestamp> = c.trigger_times(&web).map(|(_, t)| t).collect();
         assert_eq!(
             times,
             vec!["2026-02-01T00:00:00Z".parse::<Timestamp>().unwrap()]
@@ -949,9 +930,9 @@ mod tests {
     #[test]
     fn a_slice_that_moves_to_another_service_marks_both() {
         let mut c = Cache::default();
-        c.apply(Update::Slice(Event::Apply(slice("a", "s1", "web", "1"))));
+        c.update(Update::Slice(Event::Apply(slice("a", "s1", "web", "1"))));
         c.dirty.clear();
-        c.apply(Update::Slice(Event::Apply(slice("a", "s1", "api", "2"))));
+        c.update(Update::Slice(Event::Apply(slice("a", "s1", "api", "2"))));
         assert_eq!(c.dirty, BTreeSet::from([k("a", "api"), k("a", "web")]));
     }
 }

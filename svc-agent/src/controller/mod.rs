@@ -1,0 +1,274 @@
+//! The controller: the one loop that says what happens when.
+//!
+//! The sources (the Kubernetes API or the manifest files, the node's devices and addresses)
+//! produce events; their tracker keeps what they brought. The controller takes each event,
+//! and when the tracker says a sync is due, translates what it hands over and has the agent
+//! program it; in between, it runs the agent's upkeep at its deadlines. What follows the
+//! source is the same code for Kubernetes and for manifests.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::jiff::Timestamp;
+use tracing::{debug, info, warn};
+
+use crate::agent::{Agent, Upkeep};
+use crate::error::Result;
+use crate::metrics::{self, Metrics};
+use crate::packet::PacketConfig;
+use crate::source::kube::{ApiServer, Cache, KubeOptions};
+use crate::source::manifest::ManifestSource;
+use crate::source::manifest_tracker::{self, ManifestTracker};
+use crate::source::{self, Event, Tracker};
+use crate::store::Capacity;
+use crate::sync::SyncReport;
+use crate::translate::{self, NodeContext};
+
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub cgroup: PathBuf,
+    pub bpffs: PathBuf,
+    pub node: NodeContext,
+    /// Where /healthz (and, on a metrics port, /metrics) is served.
+    pub listen: Vec<(std::net::SocketAddr, metrics::Port)>,
+    pub health_timeout: Duration,
+    pub capacity: Capacity,
+    pub upkeep: Upkeep,
+    pub packet: PacketConfig,
+}
+
+/// Where the Services come from.
+pub enum Input {
+    Kube(KubeOptions),
+    /// A manifest file or a directory of them, looked at every `poll`.
+    Manifests {
+        path: PathBuf,
+        poll: Duration,
+    },
+}
+
+type Events = Pin<Box<dyn Stream<Item = Event> + Send>>;
+
+/// A source of Services, reachable.
+enum Opened {
+    Kube(ApiServer, KubeOptions),
+    Manifests(ManifestSource, Duration),
+}
+
+/// A source that cannot be reached or read at all is a mistake in the command line: it is
+/// said before anything is attached, rather than serve no Services and look healthy.
+async fn open(input: Input) -> Result<Opened> {
+    Ok(match input {
+        Input::Kube(opts) => Opened::Kube(ApiServer::connect(&opts).await?, opts),
+        Input::Manifests { path, poll } => Opened::Manifests(ManifestSource::open(&path)?, poll),
+    })
+}
+
+/// Serves the Services of `input` until SIGTERM or SIGINT. The datapath stays attached and
+/// pinned when it returns.
+pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
+    let opened = open(input).await?;
+    let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
+    let agent = start(&cfg, metrics.clone()).await?;
+    let (tracker, events): (Box<dyn Tracker>, Events) = match opened {
+        Opened::Kube(api, opts) => {
+            api.check(&opts.service_cidrs, &|fe| {
+                agent.programmed().frontends.contains_key(fe) && agent.links_pinned()
+            })?;
+            let events = api.watch(&opts).boxed();
+            let cache = Cache::new(agent.node().clone(), opts.coalesce);
+            (Box::new(cache), events)
+        }
+        Opened::Manifests(files, poll) => (
+            Box::new(ManifestTracker::new(files)),
+            manifest_tracker::polls(poll).boxed(),
+        ),
+    };
+    let node = match source::node::changes() {
+        Ok(changes) => changes.boxed(),
+        Err(e) => {
+            warn!("devices and addresses will not be followed: {e}");
+            metrics.error_kind("netlink");
+            futures::stream::pending().boxed()
+        }
+    };
+    let events = futures::stream::select_all([events, node]);
+    Controller {
+        agent,
+        tracker,
+        metrics,
+        synced_once: false,
+    }
+    .run(events)
+    .await?;
+    info!("stopping; programs stay attached and maps pinned");
+    Ok(())
+}
+
+struct Controller {
+    agent: Agent,
+    tracker: Box<dyn Tracker>,
+    metrics: Arc<Metrics>,
+    synced_once: bool,
+}
+
+impl Controller {
+    async fn run(mut self, mut events: impl Stream<Item = Event> + Unpin) -> Result<()> {
+        let stop = shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            let due = self.tracker.due().map(tokio::time::Instant::from_std);
+            let upkeep = tokio::time::Instant::from_std(self.agent.next_deadline());
+            tokio::select! {
+                r = &mut stop => return r,
+                e = events.next() => match e {
+                    Some(e) => self.event(e),
+                    None => return Ok(()),
+                },
+                _ = sleep_until(due), if due.is_some() => self.sync(),
+                _ = tokio::time::sleep_until(upkeep) => self.agent.tick(Instant::now()),
+            }
+        }
+    }
+
+    fn event(&mut self, event: Event) {
+        match event {
+            Event::NodeChanged => {
+                if self.agent.refresh_node() {
+                    self.tracker.retranslate_all();
+                }
+                return;
+            }
+            Event::WatchError(kind, e) => {
+                // The watcher retries with backoff; what is programmed keeps serving.
+                warn!("{kind}: {e}");
+                self.metrics.error_kind(kind);
+            }
+            e => self.tracker.apply(e),
+        }
+        if let Some(ips) = self.tracker.take_node_ips() {
+            if self.agent.set_api_node_ips(ips) {
+                self.tracker.retranslate_all();
+            }
+        }
+        if self.tracker.queued() {
+            self.metrics.queued();
+        }
+    }
+
+    /// Translates what the tracker hands over and programs it: everything, or only the
+    /// Services that changed.
+    fn sync(&mut self) {
+        let agent = &mut self.agent;
+        let batch = self.tracker.take(agent.holders());
+        agent.set_zone(batch.zone);
+        let (owners, full) = match batch.owners {
+            Some(owners) => (owners, false),
+            None => {
+                // The old desired state is not needed to build the new one (the mirror says
+                // who holds what): dropping it first keeps one copy in memory, not two.
+                agent.forget_desired();
+                (BTreeSet::new(), true)
+            }
+        };
+        let mut translated =
+            translate::assemble_with(batch.services, batch.slices, agent.node(), agent.holders());
+        translated.errors.splice(0..0, batch.errors);
+        let report = if full {
+            agent.apply_full(translated)
+        } else {
+            agent.apply_services(&owners, translated)
+        };
+        record_latency(&self.metrics, &report, &batch.triggers, batch.since);
+        if full {
+            info!(
+                services = batch.changed,
+                written = report.frontends_written,
+                removed = report.frontends_removed,
+                ops = report.ops,
+                errors = report.errors.len(),
+                "sync"
+            );
+        } else {
+            debug!(
+                services = batch.changed,
+                written = report.frontends_written,
+                removed = report.frontends_removed,
+                ops = report.ops,
+                "sync"
+            );
+        }
+        announce(&report, !std::mem::replace(&mut self.synced_once, true));
+    }
+}
+
+/// Network programming latency of the changes that landed (a failed one is retried), and
+/// how long the oldest change waited.
+fn record_latency(
+    metrics: &Metrics,
+    report: &SyncReport,
+    triggers: &[(String, Timestamp)],
+    since: Instant,
+) {
+    let now = Timestamp::now();
+    for (owner, t) in triggers {
+        if report.failed.contains_key(owner) {
+            continue;
+        }
+        if let Ok(d) = now.duration_since(*t).try_into() {
+            metrics.programming_latency(d);
+        }
+    }
+    metrics.event_lag(since.elapsed());
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => futures::future::pending().await,
+    }
+}
+
+/// Starts the metrics server and the agent.
+async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
+    metrics.snat_degraded(cfg.packet.snat_degraded.clone());
+    for &(addr, port) in &cfg.listen {
+        let listener = metrics::bind(addr).await?;
+        info!(%addr, paths = port.paths(), "serving");
+        tokio::spawn(metrics::serve(listener, metrics.clone(), port));
+    }
+    Agent::start(
+        &cfg.bpffs,
+        &cfg.cgroup,
+        cfg.capacity,
+        cfg.upkeep.clone(),
+        cfg.node.clone(),
+        cfg.packet.clone(),
+        metrics,
+    )
+}
+
+/// Completes when the agent should stop (SIGTERM or SIGINT).
+async fn shutdown_signal() -> Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| crate::Error::Other(format!("installing the SIGTERM handler: {e}")))?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(())
+}
+
+/// Stable lines for scripts and tests, independent of the log format.
+fn announce(report: &SyncReport, first: bool) {
+    if report.changed() {
+        eprintln!("svc-agent: synced");
+    }
+    if first {
+        eprintln!("svc-agent: ready");
+    }
+}
