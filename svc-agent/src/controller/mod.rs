@@ -104,9 +104,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
         synced_once: false,
     }
     .run(events)
-    .await?;
-    info!("stopping; programs stay attached and maps pinned");
-    Ok(())
+    .await
 }
 
 struct Controller {
@@ -117,22 +115,28 @@ struct Controller {
 }
 
 impl Controller {
+    /// Said before the agent is dropped, which joins its workers: the line marks the stop, not
+    /// the end of their cleanup.
     async fn run(mut self, mut events: impl Stream<Item = Event> + Unpin) -> Result<()> {
         let stop = shutdown_signal();
         tokio::pin!(stop);
-        loop {
+        let r = loop {
             let due = self.tracker.due().map(tokio::time::Instant::from_std);
             let upkeep = tokio::time::Instant::from_std(self.agent.next_deadline());
             tokio::select! {
-                r = &mut stop => return r,
+                r = &mut stop => break r,
                 e = events.next() => match e {
                     Some(e) => self.event(e),
-                    None => return Ok(()),
+                    None => break Ok(()),
                 },
                 _ = sleep_until(due), if due.is_some() => self.sync(),
                 _ = tokio::time::sleep_until(upkeep) => self.agent.tick(Instant::now()),
             }
-        }
+            // Liveness is a turn of this loop, however long the upkeep interval is.
+            self.metrics.alive();
+        };
+        info!("stopping; programs stay attached and maps pinned");
+        r
     }
 
     fn event(&mut self, event: Event) {
@@ -141,6 +145,9 @@ impl Controller {
                 if self.agent.refresh_node() {
                     self.tracker.retranslate_all();
                 }
+                // The node's problems in /healthz follow the change now, not at the next
+                // upkeep; nothing of the upkeep runs before its own deadline.
+                self.agent.tick(Instant::now());
                 return;
             }
             Event::WatchError(kind, e) => {
