@@ -693,7 +693,10 @@ struct Dp {
     node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
     node_addr_bits: Array<MapData, u64>,
     src_ranges: LpmTrie<MapData, [u8; 20], u32>,
+    /// Assured flows (`SVC_CT`).
     ct: HashMap<MapData, CtKey, CtValue>,
+    /// Unassured flows (`SVC_CT_NEW`, an LRU).
+    ct_new: HashMap<MapData, CtKey, CtValue>,
     config: Array<MapData, DatapathConfig>,
     dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
     stats: PerCpuArray<MapData, u64>,
@@ -736,7 +739,12 @@ impl Dp {
             ]
             .contains(&name)
             {
-                loader.map_max_entries(name, if name == map_names::CT { ct } else { 1024 });
+                let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
+                    ct
+                } else {
+                    1024
+                };
+                loader.map_max_entries(name, n);
             }
         }
         let mut ebpf = loader.load(&object()).expect("loading the object");
@@ -772,6 +780,7 @@ impl Dp {
         let node_addr_bits = take(map_names::NODE_ADDR_BITS).try_into().unwrap();
         let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
         let ct = take(map_names::CT).try_into().unwrap();
+        let ct_new = take(map_names::CT_NEW).try_into().unwrap();
         let config = take(map_names::CONFIG).try_into().unwrap();
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
         let stats = take(map_names::STATS).try_into().unwrap();
@@ -786,6 +795,7 @@ impl Dp {
             node_addr_bits,
             src_ranges,
             ct,
+            ct_new,
             config,
             dev_stats,
             stats,
@@ -1003,8 +1013,37 @@ impl Dp {
         (info.run_count(), info.run_time().as_nanos() as u64)
     }
 
+    /// The entry at `key`, in whichever table holds it.
     fn ct_entry(&self, key: &CtKey) -> Option<CtValue> {
-        self.ct.get(key, 0).ok()
+        self.ct.get(key, 0).or_else(|_| self.ct_new.get(key, 0)).ok()
+    }
+
+    /// Stores `v` at `key`: in the table that holds the key, else in the one its flags say
+    /// (`ct_flags::UNASSURED`: the unassured one), as the datapath keeps a key in one.
+    fn ct_put(&mut self, key: CtKey, v: CtValue) {
+        let new = if self.ct.get(&key, 0).is_ok() {
+            false
+        } else if self.ct_new.get(&key, 0).is_ok() {
+            true
+        } else {
+            v.flags & ct_flags::UNASSURED != 0
+        };
+        let table = if new { &mut self.ct_new } else { &mut self.ct };
+        table.insert(key, v, 0).expect("a connection-tracking entry");
+    }
+
+    /// Removes the entry at `key` from whichever table holds it; whether one did.
+    fn ct_remove(&mut self, key: &CtKey) -> bool {
+        let a = self.ct.remove(key).is_ok();
+        let b = self.ct_new.remove(key).is_ok();
+        a || b
+    }
+
+    /// Every connection-tracking entry, of both tables.
+    fn ct_all(&self) -> Vec<(CtKey, CtValue)> {
+        let mut all: Vec<(CtKey, CtValue)> = self.ct.iter().filter_map(Result::ok).collect();
+        all.extend(self.ct_new.iter().filter_map(Result::ok));
+        all
     }
 
     /// Fills connection tracking with `n` entries, as busy traffic leaves it: established
@@ -1046,9 +1085,7 @@ impl Dp {
         let (fwd, rep) = (entry(backend, fwd_seen), entry(frontend, rep_seen));
         let rep_key = fwd_key.partner(&fwd);
         for (k, v) in [(fwd_key, fwd), (rep_key, rep)] {
-            self.ct
-                .insert(k, v, 0)
-                .expect("a connection-tracking entry");
+            self.ct_put(k, v);
         }
         (fwd_key, rep_key)
     }
@@ -3652,7 +3689,7 @@ fn connection_tracking_lifetime() {
     let fkey = ct_key(c2, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
     let mut e = dp.ct_entry(&fkey).unwrap();
     e.last_seen_ns = 1;
-    dp.ct.insert(fkey, e, 0).unwrap();
+    dp.ct_put(fkey, e);
     // The frontend moves to another backend (a new generation).
     dp.frontend_rev(
         &Fe {
@@ -3754,7 +3791,7 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     let (orphan, taken) = dp.put_flow("203.0.113.60:40008", IPPROTO_TCP, est, long_ago, now);
     let mut newer = dp.ct_entry(&taken).unwrap();
     newer.nat_port_be = 40_999u16.to_be();
-    dp.ct.insert(taken, newer, 0).unwrap();
+    dp.ct_put(taken, newer);
 
     let n = dp.sweep();
     assert_eq!(n, 7, "both entries of three dead flows, and the orphan");
@@ -3912,11 +3949,9 @@ fn a_dead_flow_is_not_revived_by_a_newer_flow_on_its_partners_tuple() {
             ..fwd
         };
         // The newer flow's FORWARD entry replaced the dead one's under the same key.
-        dp.ct
-            .insert(ct_key(cu, np, u, ct_dir::FORWARD), fwd, 0)
-            .unwrap();
+        dp.ct_put(ct_key(cu, np, u, ct_dir::FORWARD), fwd);
         let rep_key = ct_key(backend, &format!("192.0.2.10:{port}"), u, ct_dir::REPLY);
-        dp.ct.insert(rep_key, rep, 0).unwrap();
+        dp.ct_put(rep_key, rep);
     }
     let other = "203.0.113.8:40112";
     run_rows(
@@ -4017,7 +4052,7 @@ fn connection_tracking_handover_marks() {
         let mut e = dp.ct_entry(&fkey).unwrap();
         e.flags = (e.flags & !(ct_flags::HANDING | ct_flags::HANDED)) | flags;
         e.handing_s = handing_s;
-        dp.ct.insert(fkey, e, 0).unwrap();
+        dp.ct_put(fkey, e);
     };
     let now_s = (coarse_ns() / 1_000_000_000) as u16;
     mark(&mut dp, ct_flags::HANDING, now_s);
@@ -4697,7 +4732,7 @@ fn stamp_flow(dp: &mut Dp, fkey: &CtKey, ns: u64) {
     for key in [*fkey, fkey.partner(&fwd)] {
         let mut e = dp.ct_entry(&key).expect("both entries of the flow");
         e.last_seen_ns = ns;
-        dp.ct.insert(key, e, 0).unwrap();
+        dp.ct_put(key, e);
     }
 }
 
@@ -5125,9 +5160,10 @@ fn a_syn_on_a_closed_flow_whose_reply_entry_is_gone_starts_a_whole_new_flow() {
     let (np, np2, pod5) = ("192.0.2.10:30080", "192.0.2.10:30082", "10.244.1.5:8080");
     for c in ["203.0.113.7:40230", "203.0.113.7:40231"] {
         run_rows(&dp, local_flow_reset(c, np));
-        dp.ct
-            .remove(&ct_key(pod5, c, t, ct_dir::REPLY))
-            .expect("the closed flow's REPLY entry");
+        assert!(
+            dp.ct_remove(&ct_key(pod5, c, t, ct_dir::REPLY)),
+            "the closed flow's REPLY entry"
+        );
     }
 
     let c = "203.0.113.7:40230";
@@ -5305,9 +5341,7 @@ fn plant_snat_flow(
         last_seen_ns: rep_seen,
         ..fwd
     };
-    dp.ct
-        .insert(ct_key(client, frontend, t, ct_dir::FORWARD), fwd, 0)
-        .unwrap();
+    dp.ct_put(ct_key(client, frontend, t, ct_dir::FORWARD), fwd);
     dp.ct
         .insert(
             ct_key(backend, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
@@ -5502,7 +5536,7 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
     assert_eq!(ports.len(), 4, "four flows, four ports: {ports:?}");
     // The closed flows whose ports were taken are gone, both entries; the others are kept.
     let (mut old_fwd, mut old_rep) = (0, 0);
-    for (k, v) in dp.ct.iter().filter_map(Result::ok) {
+    for (k, v) in dp.ct_all().into_iter() {
         if v.flags & (ct_flags::RST | ct_flags::FIN) != 0 && v.id == 2 {
             match k.dir {
                 ct_dir::FORWARD => old_fwd += 1,
@@ -5613,10 +5647,8 @@ fn a_snat_port_whose_reply_tuple_is_a_live_forward_tuple_is_passed_over() {
         let c = format!("203.0.113.41:{}", 40310 + i);
         assert_eq!(syn(&dp, &c), REDIRECT, "{c}: two ports, one free");
         assert_eq!(snat_port(&dp, &c), Some(62001), "{c}: the free one");
-        dp.ct
-            .remove(&ct_key(backend, "192.0.2.10:62001", t, ct_dir::REPLY))
-            .unwrap();
-        dp.ct.remove(&ct_key(&c, np, t, ct_dir::FORWARD)).unwrap();
+        assert!(dp.ct_remove(&ct_key(backend, "192.0.2.10:62001", t, ct_dir::REPLY)));
+        assert!(dp.ct_remove(&ct_key(&c, np, t, ct_dir::FORWARD)));
     }
     let live = dp
         .ct_entry(&ct_key(backend, "192.0.2.10:62000", t, ct_dir::FORWARD))
@@ -5759,8 +5791,8 @@ fn assure_flow(dp: &mut Dp, c: &str, np: &str, backend: &str) {
     for v in [&mut fwd, &mut rep] {
         v.flags = (v.flags | ct_flags::SEEN_REPLY) & !ct_flags::UNASSURED;
     }
-    dp.ct.insert(k, fwd, 0).unwrap();
-    dp.ct.insert(rk, rep, 0).unwrap();
+    dp.ct_put(k, fwd);
+    dp.ct_put(rk, rep);
 }
 
 /// Sends a SYN to a frontend of a remote backend (`send`, which returns the verdict) and
@@ -5890,8 +5922,8 @@ fn snat_syn_beside_closed_flow(dp: &mut Dp, i: u16, closing: Option<u16>) -> boo
     let np = "192.0.2.10:30081";
     let backend = "10.244.2.7:8080";
     let t = IPPROTO_TCP;
-    for k in dp.ct.keys().filter_map(Result::ok).collect::<Vec<_>>() {
-        dp.ct.remove(&k).unwrap();
+    for (k, _) in dp.ct_all() {
+        dp.ct_remove(&k);
     }
     let old = format!("198.18.7.1:{}", 41000 + i);
     if let Some(closing) = closing {
@@ -5913,16 +5945,14 @@ fn snat_syn_beside_closed_flow(dp: &mut Dp, i: u16, closing: Option<u16>) -> boo
             snat_port_be: (41000 + i).to_be(),
             ..fwd
         };
-        dp.ct
-            .insert(ct_key(&old, np, t, ct_dir::FORWARD), fwd, 0)
-            .unwrap();
+        dp.ct_put(ct_key(&old, np, t, ct_dir::FORWARD), fwd);
         let rep_key = ct_key(
             backend,
             &format!("192.0.2.10:{}", SNAT_TEST_PORTS.0),
             t,
             ct_dir::REPLY,
         );
-        dp.ct.insert(rep_key, rep, 0).unwrap();
+        dp.ct_put(rep_key, rep);
     }
     let client = format!("203.0.113.30:{}", 42000 + i);
     let (verdict, _, _) = dp.run_on(ExtIngress, dp.ext0, &tcp(&client, np, TCP_SYN).bytes(), 1);
@@ -6418,7 +6448,7 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
 
 /// The number of connection-tracking entries.
 fn ct_entries(dp: &Dp) -> usize {
-    dp.ct.iter().filter_map(Result::ok).count()
+    dp.ct_all().into_iter().count()
 }
 
 /// A SYN the backend answers but whose client never acknowledges the SYN-ACK (a spoofed
