@@ -6744,3 +6744,134 @@ fn tcp_segments_outside_their_window_change_nothing() {
     let closed = assured | ct_flags::RST;
     assert_eq!(flags(&dp), (closed, closed));
 }
+
+// ---------------------------------------------------------------------------------------
+// A full table: what a flood of new flows may evict.
+
+/// A handshake of client `c` through NodePort 30080 (local backend 10.244.1.5:8080): SYN, the
+/// backend's SYN-ACK leaving by the external device, the client's ACK.
+fn local_handshake(dp: &Dp, c: &str) {
+    let np = "192.0.2.10:30080";
+    let syn = from_client(tcp(c, np, TCP_SYN));
+    assert_eq!(dp.run_on(ExtIngress, dp.ext0, &syn.bytes(), 1).0, OK, "{c}: SYN");
+    let syn_ack = tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC);
+    assert_eq!(
+        dp.run_on(ExtEgress, dp.ext0, &syn_ack.bytes(), 1).0,
+        OK,
+        "{c}: SYN-ACK"
+    );
+    let ack = from_client(tcp(c, np, TCP_ACK));
+    assert_eq!(dp.run_on(ExtIngress, dp.ext0, &ack.bytes(), 1).0, OK, "{c}: ACK");
+}
+
+/// Whether client `c`'s established flow through NodePort 30080 still translates a data
+/// segment each way (counted as a hit and a reply), rather than missing.
+fn still_translated(dp: &Dp, c: &str) -> bool {
+    let np = "192.0.2.10:30080";
+    let (hits, replies) = (
+        dp.dev_stat(dp.ext0, pkt_stat::CT_HIT),
+        dp.dev_stat(dp.ext0, pkt_stat::REPLY),
+    );
+    let data = from_client(tcp(c, np, TCP_ACK | TCP_PSH));
+    dp.run_on(ExtIngress, dp.ext0, &data.bytes(), 1);
+    let answer = tcp("10.244.1.5:8080", c, TCP_ACK | TCP_PSH).macs(GW_MAC, EXT_MAC);
+    dp.run_on(ExtEgress, dp.ext0, &answer.bytes(), 1);
+    dp.dev_stat(dp.ext0, pkt_stat::CT_HIT) == hits + 1
+        && dp.dev_stat(dp.ext0, pkt_stat::REPLY) == replies + 1
+}
+
+/// A flood of spoofed SYNs (each a new flow the backend would answer, never acknowledged)
+/// against a table of 64 entries evicts unassured flows only: an idle established connection
+/// keeps both entries and goes on. Once the assured table is full too, a new connection is
+/// still served (its handshake in the unassured table), and its assurance, which finds no
+/// room, is counted; no assured flow makes room for it. Before, one LRU table of every flow
+/// evicted the idle connection for the flood's flows.
+#[test]
+fn a_syn_flood_evicts_no_assured_flow() {
+    let mut dp = world_with(Dp::with_ct(64));
+    let t = IPPROTO_TCP;
+    let np = "192.0.2.10:30080";
+    let idle = "203.0.113.7:40000";
+    local_handshake(&dp, idle);
+    let fkey = ct_key(idle, np, t, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).expect("the connection's FORWARD entry");
+    assert_eq!(fwd.flags & ct_flags::UNASSURED, 0, "assured by the ACK");
+    assert!(dp.ct.get(&fkey, 0).is_ok(), "in the assured table");
+
+    for i in 0..400u32 {
+        let spoofed = format!("198.18.60.{}:{}", i / 200, 10_000 + i % 200);
+        let syn = from_client(tcp(&spoofed, np, TCP_SYN));
+        assert_eq!(
+            dp.run_on(ExtIngress, dp.ext0, &syn.bytes(), 1).0,
+            OK,
+            "spoofed SYN {i}: served, as a new flow"
+        );
+    }
+    let rkey = fkey.partner(&fwd);
+    assert!(
+        dp.ct_entry(&fkey).is_some() && dp.ct_entry(&rkey).is_some(),
+        "400 spoofed SYNs into a table of 64 entries left both entries of the idle connection"
+    );
+    assert!(still_translated(&dp, idle), "the idle connection goes on");
+    let unassured = dp
+        .ct_all()
+        .iter()
+        .filter(|(_, v)| v.flags & ct_flags::UNASSURED != 0)
+        .count();
+    assert!(
+        (1..=64).contains(&unassured),
+        "the flood's flows churn a table of their own: {unassured}"
+    );
+
+    // The assured table full: every entry but the idle connection's two.
+    dp.fill_ct(62);
+    assert_eq!(dp.ct.iter().count(), 64, "the assured table is full");
+    let full = dp.stat(stat::CT_ASSURED_FULL);
+    let late = "203.0.113.8:40001";
+    local_handshake(&dp, late);
+    assert_eq!(
+        dp.stat(stat::CT_ASSURED_FULL),
+        full + 1,
+        "the new connection's assurance found no room: counted"
+    );
+    assert!(
+        still_translated(&dp, late),
+        "the new connection is served from the unassured table"
+    );
+    assert!(
+        still_translated(&dp, idle),
+        "no assured flow made room for it"
+    );
+    assert_eq!(dp.ct.iter().count(), 64, "the assured table is as it was");
+}
+
+/// A UDP flow is assured once its client sends after a reply (a stream, as conntrack assures
+/// one): it moves to the assured table, both entries. One request and its reply are not.
+#[test]
+fn a_udp_flow_is_assured_when_its_client_speaks_after_a_reply() {
+    let dp = world();
+    let u = IPPROTO_UDP;
+    let np = "192.0.2.10:30054";
+    let c = "203.0.113.7:40300";
+    let backend = "10.244.1.5:5353";
+    let send = |p: P| dp.run_on(ExtIngress, dp.ext0, &from_client(p).bytes(), 1).0;
+    assert_eq!(send(udp(c, np)), OK, "the request");
+    let reply = udp(backend, c).macs(GW_MAC, EXT_MAC);
+    assert_eq!(dp.run_on(ExtEgress, dp.ext0, &reply.bytes(), 1).0, OK);
+    let fkey = ct_key(c, np, u, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).expect("the FORWARD entry");
+    assert_ne!(fwd.flags & ct_flags::UNASSURED, 0, "one exchange: unassured");
+    assert!(dp.ct.get(&fkey, 0).is_err(), "not in the assured table");
+    assert_eq!(send(udp(c, np)), OK, "the client speaks again");
+    let fwd = dp.ct.get(&fkey, 0).expect("moved to the assured table");
+    assert_eq!(fwd.flags & ct_flags::UNASSURED, 0);
+    let rep = dp
+        .ct
+        .get(&fkey.partner(&fwd), 0)
+        .expect("its REPLY entry too");
+    assert_eq!(rep.flags & ct_flags::UNASSURED, 0);
+    assert!(
+        dp.ct_new.get(&fkey, 0).is_err(),
+        "no copy left in the unassured table"
+    );
+}

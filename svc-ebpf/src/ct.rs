@@ -276,15 +276,34 @@ fn after(a: u32, b: u32) -> bool {
 }
 
 /// The sequence number the partner of entry `key`/`v` records (`CtValue::seq_end`), if the
-/// partner is still this flow's. A function of its own: its keys would grow `track`'s frame,
-/// on the external ingress's deepest chain.
-#[inline(never)]
+/// partner is still this flow's.
+#[inline(always)]
 fn partner_seq_end(key: &CtKey, v: &CtValue) -> Option<u32> {
-    let pk = partner_key(key, v);
-    let pe = find(&pk)?;
-    // SAFETY: a map value, read in place.
-    unsafe { (partner_key(&pk, &*pe) == *key).then(|| (*pe).seq_end) }
+    let found = partner_seq_end_of(key, v);
+    (found & PARTNER_FOUND != 0).then_some(found as u32)
 }
+
+/// `partner_seq_end`'s answer, as a plain u64 (`PARTNER_FOUND` set when found): an `Option`
+/// returned from a subprogram leaves its unused half undefined, which the compiler may fill
+/// with a stack pointer the verifier refuses to see returned. A function of its own: its keys
+/// would grow `track`'s frame, on the external ingress's deepest chain.
+#[inline(never)]
+fn partner_seq_end_of(key: &CtKey, v: &CtValue) -> u64 {
+    let pk = partner_key(key, v);
+    let Some(pe) = find(&pk) else {
+        return 0;
+    };
+    // SAFETY: a map value, read in place.
+    unsafe {
+        if partner_key(&pk, &*pe) == *key {
+            PARTNER_FOUND | (*pe).seq_end as u64
+        } else {
+            0
+        }
+    }
+}
+
+const PARTNER_FOUND: u64 = 1 << 32;
 
 /// Checks a TCP segment of a tracked flow (`ct_flags::TRACKED`) against where its sender is,
 /// records where it got to, and returns `add` as the segment may change the flow:
@@ -451,20 +470,22 @@ const EEXIST: i32 = -17;
 /// a moment earlier. When the assured table is full the flow stays where it is, assured, and
 /// is counted (`stat::CT_ASSURED_FULL`): a flood of new flows may evict it there, as it may
 /// evict any flow of a full LRU table. A flow whose partner is gone (evicted mid-handshake)
-/// is not moved: the LRU takes the rest of it.
+/// is not moved: the LRU takes the rest of it. 1 when an entry moved (`e` may be gone). (A
+/// value the caller uses: the verifier refuses a subprogram that leaves a stack pointer in R0,
+/// which the compiler may do in one whose result is unused.)
 #[inline(never)]
-fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
+fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) -> u32 {
     out.flags &= !ct_flags::UNASSURED;
     // SAFETY: a map value.
     unsafe { clear_flags(e, ct_flags::UNASSURED) };
     let pk = partner_key(key, out);
     let Some(pe) = find(&pk) else {
-        return;
+        return 0;
     };
     // SAFETY: map values; inserts read them in place.
     unsafe {
         if partner_key(&pk, &*pe) != *key {
-            return;
+            return 0;
         }
         clear_flags(pe, ct_flags::UNASSURED);
         let partner_moved = match SVC_CT.insert(pk, &*pe, BPF_NOEXIST as u64) {
@@ -472,7 +493,7 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
             Err(EEXIST) => false,
             Err(_) => {
                 count(stat::CT_ASSURED_FULL);
-                return;
+                return 0;
             }
         };
         let moved = match SVC_CT.insert(key, &*e, BPF_NOEXIST as u64) {
@@ -483,7 +504,7 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
                     let _ = SVC_CT.remove(pk);
                 }
                 count(stat::CT_ASSURED_FULL);
-                return;
+                return 0;
             }
         };
         if partner_moved {
@@ -492,6 +513,7 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
         if moved {
             let _ = SVC_CT_NEW.remove(key);
         }
+        (partner_moved || moved) as u32
     }
 }
 
@@ -694,10 +716,11 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
     {
-        assure(key, e, out);
-        match find(key) {
-            Some(moved) => e = moved,
-            None => return HIT,
+        if assure(key, e, out) != 0 {
+            match find(key) {
+                Some(moved) => e = moved,
+                None => return HIT,
+            }
         }
     }
     let add = add as u16 & !out.flags;
