@@ -2259,11 +2259,11 @@ fn metric(t: &Topo, line: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
 }
 
-/// Dead flows are swept from connection tracking, so they do not push live ones out: an
-/// idle TCP connection through a NodePort lives on while twice the table's room of short UDP
-/// flows come and die around it. Without the sweep (`--conntrack-sweep-interval=0`) the
-/// table turns over, its LRU evicts the idle connection's entries, and its next segment
-/// fails.
+/// Dead flows are swept from connection tracking, and short flows do not push live ones out:
+/// an idle TCP connection through a NodePort lives on while twice the table's room of short
+/// UDP flows come and die around it, with the sweep or without it
+/// (`--conntrack-sweep-interval=0`): those flows are unassured and turn over a table of their
+/// own.
 #[test]
 fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
     let mut t = Topo::new();
@@ -2339,17 +2339,16 @@ fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
         ]
     };
 
-    // Without the sweep: the idle connection is what the LRU gives up.
+    // Without the sweep: the churn's flows (a request and its reply each, never a stream)
+    // stay unassured and turn over a table of their own; the assured connection is in one
+    // that nothing evicts. (Before the two tables, it was what the LRU gave up.)
     let f = flags("0");
     t.start_agent_with(&f.iter().map(String::as_str).collect::<Vec<_>>());
     let c = connect(&t);
     assert_eq!(churn(&t), 0, "every UDP flow answered");
-    let after = exchange(&c);
-    assert!(
-        matches!(&after, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset
-            || is_timeout(e)),
-        "without the sweep, the idle flow is evicted and its next segment fails (a reset, or \
-         no answer): {after:?}"
+    assert_eq!(
+        exchange(&c).expect("without the sweep, the unassured flows go, not the connection"),
+        via()
     );
     assert_eq!(metric(&t, "svc_conntrack_sweeps_total"), 0);
     drop(c);
@@ -3422,12 +3421,101 @@ fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports() {
     );
 }
 
-/// Every connection-tracking entry of the pinned map.
+/// Every connection-tracking entry of the pinned tables (assured and unassured).
 fn ct_entries(t: &Topo) -> Vec<(svc_common::CtKey, svc_common::CtValue)> {
     use std::os::fd::AsFd;
     let store = svc_agent::datapath::open_pinned(t.bpffs.path()).expect("the pinned maps");
     let ct = store.ct.as_ref().expect("the connection-tracking map");
-    svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT")
+    let mut all: Vec<_> = svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT");
+    if let Some(new) = &store.ct_new {
+        all.extend(
+            svc_agent::sys::dump_hash::<svc_common::CtKey, svc_common::CtValue>(new.fd().as_fd())
+                .expect("reading SVC_CT_NEW"),
+        );
+    }
+    all
+}
+
+/// A flood of spoofed SYNs against a small table evicts no established connection: with
+/// `--max-ct 1024`, three idle connections (two to a local backend, one to a remote, SNATed
+/// one) exchange data after 3,000 spoofed SYNs to the local backend's NodePort, and new
+/// connections to both connect. Before, one LRU table held every flow, the flood's flows
+/// evicted the idle connections, and their next segments were reset (issue 33, finding 3).
+#[test]
+fn a_syn_flood_evicts_no_idle_established_connection() {
+    let mut t = Topo::new();
+    t.service("web", nodeport("web", 46, 30088));
+    t.endpoints("web", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 47, 30089));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&["--max-ct", "1024"]);
+    let (local, remote) = (sa(NODE1, 30088), sa(NODE1, 30089));
+    // The connections and the flood are sent from one CPU, so the node's ingress makes every
+    // entry there: an LRU evicts from the per-CPU lists of the CPU that needs room, and
+    // entries made on a CPU that makes no more would never be evicted (see
+    // `a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones`).
+    fn on_first_cpu() {
+        // SAFETY: CPU sets of the size given, for this thread alone.
+        let r = unsafe {
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(libc::sched_getaffinity(0, size, &mut allowed), 0);
+            let first = (0..libc::CPU_SETSIZE as usize)
+                .find(|&c| libc::CPU_ISSET(c, &allowed))
+                .expect("a CPU to run on");
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(first, &mut set);
+            libc::sched_setaffinity(0, size, &set)
+        };
+        assert_eq!(r, 0, "sched_setaffinity: {}", std::io::Error::last_os_error());
+    }
+    let conns = in_ns(&t.client, move || {
+        on_first_cpu();
+        [local, local, remote].map(|to| {
+            let c = TcpStream::connect_timeout(&to, ANSWER).expect("connecting");
+            exchange(&c).expect("the first exchange");
+            c
+        })
+    });
+    // Idle a while, as the connections the issue saw reset were.
+    std::thread::sleep(Duration::from_secs(2));
+
+    let node = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), 30088);
+    let syns = (0..3000u32)
+        .map(|i| {
+            let src = std::net::SocketAddrV4::new(spoofed(i), 20000 + (i / 100) as u16);
+            svc_tests::raw::Segment::new(src, node, svc_tests::raw::SYN, 0x2000_0000 + i, 0)
+        })
+        .collect::<Vec<_>>();
+    in_ns(&t.client2, move || {
+        on_first_cpu();
+        let sender = svc_tests::raw::Sender::new().expect("a raw socket");
+        for s in &syns {
+            sender.send(s).expect("sending a spoofed SYN");
+        }
+    });
+    // The backend's SYN-ACKs have gone out (to addresses no namespace holds) by now.
+    std::thread::sleep(Duration::from_millis(500));
+
+    for (i, c) in conns.iter().enumerate() {
+        let to = c.peer_addr().expect("the connection's peer");
+        let after = exchange(c);
+        assert!(
+            after.is_ok(),
+            "idle connection {i} to {to} after 3,000 spoofed SYNs: {after:?}"
+        );
+    }
+    for to in [local, remote] {
+        let failures = in_ns(&t.client, move || {
+            (0..5)
+                .filter_map(|_| tcp_once(to, ANSWER).err().map(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        assert!(
+            failures.is_empty(),
+            "new connections to {to} after the flood: {failures:?}"
+        );
+    }
 }
 
 /// The entry of the flow whose packets carry `(src, dst)` in direction `dir`.
