@@ -1042,10 +1042,7 @@ impl Datapath {
             if let Ok(old) = MapData::from_pin(&path) {
                 if matches!(
                     name,
-                    map_names::SOCK_REV
-                        | map_names::AFFINITY
-                        | map_names::CT
-                        | map_names::CT_NEW
+                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT | map_names::CT_NEW
                 ) {
                     if let Err(e) = migrate(&mut self.store, name, &old, true) {
                         warn!(map = name, "carrying over late entries: {e}");
@@ -1350,9 +1347,9 @@ fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     }
     let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = sys::dump_hash(old.fd().as_fd())
         .map_err(|e| Error::Map {
-            map: map_names::CT,
-            message: format!("reading {}: {e}", path.display()),
-        })?;
+        map: map_names::CT,
+        message: format!("reading {}: {e}", path.display()),
+    })?;
     carry_ct(store, &entries)?;
     Ok(entries.len())
 }

@@ -516,7 +516,10 @@ impl Store for BpfStore {
             return Ok(None);
         };
         let now = crate::sys::coarse_now_ns();
-        for (name, table) in [(map_names::CT, Some(ct)), (map_names::CT_NEW, self.ct_new.as_ref())] {
+        for (name, table) in [
+            (map_names::CT, Some(ct)),
+            (map_names::CT_NEW, self.ct_new.as_ref()),
+        ] {
             let Some(table) = table else {
                 continue;
             };

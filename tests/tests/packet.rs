@@ -3467,7 +3467,12 @@ fn a_syn_flood_evicts_no_idle_established_connection() {
             libc::CPU_SET(first, &mut set);
             libc::sched_setaffinity(0, size, &set)
         };
-        assert_eq!(r, 0, "sched_setaffinity: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            r,
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
     }
     let conns = in_ns(&t.client, move || {
         on_first_cpu();
