@@ -3438,8 +3438,8 @@ fn ct_entries(t: &Topo) -> Vec<(svc_common::CtKey, svc_common::CtValue)> {
 
 /// A flood of spoofed SYNs against a small table evicts no established connection: with
 /// `--max-ct 1024`, three idle connections (two to a local backend, one to a remote, SNATed
-/// one) exchange data after 3,000 spoofed SYNs to the local backend's NodePort, and new
-/// connections to both connect. Before, one LRU table held every flow, the flood's flows
+/// one) exchange data after 3,000 spoofed SYNs to the remote backend's NodePort (which the
+/// backend answers), and new connections to both connect. Before, one LRU table held every flow, the flood's flows
 /// evicted the idle connections, and their next segments were reset (issue 33, finding 3).
 #[test]
 fn a_syn_flood_evicts_no_idle_established_connection() {
@@ -3485,7 +3485,10 @@ fn a_syn_flood_evicts_no_idle_established_connection() {
     // Idle a while, as the connections the issue saw reset were.
     std::thread::sleep(Duration::from_secs(2));
 
-    let node = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), 30088);
+    // Against the remote backend's NodePort: its SYN-ACKs come back through node 1's
+    // ingress and are translated (to addresses no namespace holds), so the flood's flows are
+    // used as much as a real handshake's and the kernel's LRU cannot tell them apart.
+    let node = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), 30089);
     let syns = (0..3000u32)
         .map(|i| {
             let src = std::net::SocketAddrV4::new(spoofed(i), 20000 + (i / 100) as u16);
