@@ -6797,8 +6797,8 @@ fn still_translated(dp: &Dp, c: &str) -> bool {
         && dp.dev_stat(dp.ext0, pkt_stat::REPLY) == replies + 1
 }
 
-/// A flood of spoofed SYNs (each a new flow the backend would answer, never acknowledged)
-/// against a table of 64 entries evicts unassured flows only: an idle established connection
+/// A flood of spoofed SYNs (each a new flow the backend answers, never acknowledged) against
+/// a table of 64 entries evicts unassured flows only: an idle established connection
 /// keeps both entries and goes on. Once the assured table is full too, a new connection is
 /// still served (its handshake in the unassured table), and its assurance, which finds no
 /// room, is counted; no assured flow makes room for it. Before, one LRU table of every flow
@@ -6822,6 +6822,14 @@ fn a_syn_flood_evicts_no_assured_flow() {
             dp.run_on(ExtIngress, dp.ext0, &syn.bytes(), 1).0,
             OK,
             "spoofed SYN {i}: served, as a new flow"
+        );
+        // The backend answers each (to an address that will never acknowledge): the flood's
+        // flows are used as much as a real handshake's, so an LRU cannot tell them apart.
+        let syn_ack = tcp("10.244.1.5:8080", &spoofed, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC);
+        assert_eq!(
+            dp.run_on(ExtEgress, dp.ext0, &syn_ack.bytes(), 1).0,
+            OK,
+            "the backend's SYN-ACK {i}"
         );
     }
     let rkey = fkey.partner(&fwd);
