@@ -3730,7 +3730,8 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     }
     let dir = t.bpffs.path().to_path_buf();
     v1.pin(dir.join("SVC_CT_v1")).expect("pinning layout 1");
-    std::fs::remove_file(dir.join("SVC_CT_v2")).expect("removing layout 2's pin");
+    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
     t.agent().restart().expect("restart");
     t.agent()
@@ -3753,6 +3754,91 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
         Ok((!dir.join("SVC_CT_v1").exists()).then_some(()))
     })
     .expect("layout 1's pin removed once the programs switched");
+}
+
+/// An agent taking over from one whose connection-tracking map is of layout 2 (one LRU of
+/// every flow, before the assured table) carries its flows over, each into the table its
+/// `UNASSURED` bit says: a connection held open through a NodePort goes on, and its entries
+/// are in the assured table, where a flood cannot evict them. Layout 2's map is made here from
+/// what the running datapath holds, pinned where such an agent left it, and the newer pins
+/// removed, as an upgrade from that agent finds them.
+#[test]
+fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
+    use std::os::fd::AsFd;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let np = sa(NODE1, 30081);
+    let c = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+    let client = c.local_addr().expect("the client's address");
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+
+    let entries = ct_entries(&t);
+    assert!(!entries.is_empty());
+    let v2 = svc_agent::sys::map_create(
+        9, /* BPF_MAP_TYPE_LRU_HASH */
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValue>() as u32,
+        1024,
+        0,
+        "SVC_CT",
+    )
+    .expect("a map of layout 2");
+    let v2 = aya::maps::MapData::from_fd(v2).expect("the map");
+    {
+        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+                aya::maps::MapData::from_fd(v2.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
+            ))
+            .expect("the map");
+        for (k, v) in &entries {
+            m.insert(k, v, 0).expect("a flow of layout 2");
+        }
+    }
+    let dir = t.bpffs.path().to_path_buf();
+    v2.pin(dir.join("SVC_CT_v2")).expect("pinning layout 2");
+    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
+
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 2 over"),
+        "{}",
+        t.agent().log()
+    );
+    // The connection's FORWARD entry, assured, in the assured table.
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> =
+        svc_agent::sys::dump_hash(store.ct.as_ref().expect("the assured table").fd().as_fd())
+            .expect("reading SVC_CT");
+    assert!(
+        assured
+            .iter()
+            .any(|(k, v)| k.dir == svc_common::ct_dir::FORWARD
+                && k.sport_be == client.port().to_be()
+                && v.flags & svc_common::ct_flags::UNASSURED == 0),
+        "the connection is in the assured table: {assured:?}"
+    );
+    let c = in_ns(&t.client, move || {
+        let a = exchange(&c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, "pod1");
+        c
+    });
+    drop(c);
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
+    })
+    .expect("layout 2's pin removed once the programs switched");
 }
 
 /// `/metrics` of node 1 (the agent's `--metrics-bind-address 127.0.0.1:10249`), whole.
