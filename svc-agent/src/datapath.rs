@@ -1997,4 +1997,33 @@ mod tests {
         }
         assert_eq!(count.finish(), (4, 4, 2));
     }
+
+    /// An unassured flow (a spoofed SYN the backend answered, never acknowledged) is a live
+    /// flow, but its SNAT port is not in use: a new flow takes it. Before, a flood of spoofed
+    /// SYNs showed the range as nearly exhausted.
+    #[test]
+    fn snat_ports_in_use_leave_unassured_flows_out() {
+        let now = 100_000;
+        let assured = flow(
+            IPPROTO_TCP,
+            40001,
+            61001,
+            ct_flags::SEEN_REPLY,
+            now - 1,
+            now - 1,
+        );
+        let spoofed = flow(
+            IPPROTO_TCP,
+            40002,
+            61002,
+            ct_flags::SEEN_REPLY | ct_flags::UNASSURED,
+            now - 1,
+            now - 1,
+        );
+        let mut count = FlowCount::new(now * S, DatapathConfig::default());
+        for (k, v) in assured.iter().chain(&spoofed) {
+            count.add(k, v);
+        }
+        assert_eq!(count.finish(), (2, 2, 1));
+    }
 }
