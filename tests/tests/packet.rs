@@ -3851,6 +3851,82 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
     .expect("layout 2's pin removed once the programs switched");
 }
 
+/// An upgrade from a real agent of the previous layout (one connection-tracking table,
+/// `SVC_PREVIOUS_AGENT_BIN`; skipped without it) keeps a connection it made: the new agent
+/// carries the flow into its assured table, and the connection, to a local and to a remote
+/// (SNATed) backend, exchanges data after the switch.
+#[test]
+fn connections_survive_an_upgrade_from_the_agent_with_one_table() {
+    use std::os::fd::AsFd;
+    let Some(old) = std::env::var_os("SVC_PREVIOUS_AGENT_BIN") else {
+        eprintln!("skipped: set SVC_PREVIOUS_AGENT_BIN to a svc-agent of layout 2's SVC_CT");
+        return;
+    };
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent();
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    let new = t.tools.agent.clone();
+    t.agent().set_bin(std::path::Path::new(&old));
+    t.agent().restart().expect("the previous agent");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("the previous agent ready");
+    let dir = t.bpffs.path().to_path_buf();
+    assert!(dir.join("SVC_CT_v2").exists(), "the previous layout serves");
+    let (local, remote) = (sa(NODE1, 30081), sa(NODE1, 30082));
+    let conns = in_ns(&t.client, move || {
+        [local, remote].map(|to| {
+            let c = TcpStream::connect_timeout(&to, ANSWER).expect("a connection");
+            exchange(&c).expect("its first exchange");
+            c
+        })
+    });
+    let client_ports: Vec<u16> = conns
+        .iter()
+        .map(|c| c.local_addr().expect("the client's address").port())
+        .collect();
+
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent().set_bin(&new);
+    t.agent().restart().expect("the new agent");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("the new agent ready");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 2 over"),
+        "{}",
+        t.agent().log()
+    );
+    for (c, want) in conns.iter().zip(["pod1", "pod2"]) {
+        let a = exchange(c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, want);
+    }
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> =
+        svc_agent::sys::dump_hash(store.ct.as_ref().expect("the assured table").fd().as_fd())
+            .expect("reading SVC_CT");
+    for port in client_ports {
+        assert!(
+            assured
+                .iter()
+                .any(|(k, v)| k.dir == svc_common::ct_dir::FORWARD
+                    && k.sport_be == port.to_be()
+                    && v.flags & svc_common::ct_flags::UNASSURED == 0),
+            "the connection from port {port} is in the assured table: {assured:?}"
+        );
+    }
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
+    })
+    .expect("layout 2's pin removed once the programs switched");
+}
+
 /// `/metrics` of node 1 (the agent's `--metrics-bind-address 127.0.0.1:10249`), whole.
 fn metrics_text(t: &Topo) -> String {
     let (status, text) = in_ns(&t.node1, || {
