@@ -810,10 +810,13 @@ fn stale_worker(
         BpfHashMap::try_from(dp.reopen(map_names::SOCK_REV)?)
             .map_err(|e| map_err(map_names::SOCK_REV, e))?;
     // The packet datapath's flows; absent from an object without it.
-    let mut ct: Option<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> = dp
-        .reopen(map_names::CT)
-        .ok()
-        .and_then(|m| BpfHashMap::try_from(m).ok());
+    // Both tables: a UDP flow is unassured until its client speaks after a reply.
+    let mut cts: Vec<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> =
+        [map_names::CT, map_names::CT_NEW]
+            .into_iter()
+            .filter_map(|name| dp.reopen(name).ok())
+            .filter_map(|m| BpfHashMap::try_from(m).ok())
+            .collect();
     let cgroup = cgroup.to_path_buf();
     // Locked per question, so a sync never waits for a walk.
     let stale = move |id: u32, backend: std::net::SocketAddr| {
@@ -840,7 +843,7 @@ fn stale_worker(
             };
             stale(rev.id, peer)
         };
-        if let Some(ct) = &mut ct {
+        for ct in &mut cts {
             match crate::stale::forget_udp_flows(ct, &stale) {
                 Ok(0) => {}
                 Ok(n) => info!(

@@ -99,7 +99,7 @@ struct MapSpec {
     flags: u32,
 }
 
-fn specs() -> [MapSpec; 17] {
+fn specs() -> [MapSpec; 18] {
     use std::mem::size_of;
     use svc_common::*;
     let s = |name, kind, key: usize, value: usize, flags| MapSpec {
@@ -199,6 +199,13 @@ fn specs() -> [MapSpec; 17] {
         ),
         s(
             map_names::CT,
+            MapType::Hash,
+            size_of::<CtKey>(),
+            size_of::<CtValue>(),
+            0,
+        ),
+        s(
+            map_names::CT_NEW,
             MapType::LruHash,
             size_of::<CtKey>(),
             size_of::<CtValue>(),
@@ -804,6 +811,14 @@ impl Datapath {
                  as before)"
             );
         }
+        let carried = carry_ct_v2(&mut store, dir)?;
+        if carried > 0 {
+            info!(
+                map = map_names::CT,
+                entries = carried,
+                "carried the flows of layout 2 over (assured ones to the assured table)"
+            );
+        }
         // Before any program of this object reads the filter: it may be new, or the
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
@@ -1027,7 +1042,7 @@ impl Datapath {
             if let Ok(old) = MapData::from_pin(&path) {
                 if matches!(
                     name,
-                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT
+                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT | map_names::CT_NEW
                 ) {
                     if let Err(e) = migrate(&mut self.store, name, &old, true) {
                         warn!(map = name, "carrying over late entries: {e}");
@@ -1044,6 +1059,12 @@ impl Datapath {
             warn!(
                 map = map_names::CT,
                 "carrying over late flows of layout 1: {e}"
+            );
+        }
+        if let Err(e) = carry_ct_v2(&mut self.store, &self.dir) {
+            warn!(
+                map = map_names::CT,
+                "carrying over late flows of layout 2: {e}"
             );
         }
         for path in std::mem::take(&mut self.obsolete) {
@@ -1203,6 +1224,7 @@ fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
         map_names::NODE_ADDR_BITS => store.node_addr_bits.map(),
         map_names::CONFIG => store.config.map(),
         map_names::CT => store.ct.as_ref()?,
+        map_names::CT_NEW => store.ct_new.as_ref()?,
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
         _ => return None,
     })
@@ -1239,10 +1261,10 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
             }
             Ok(n)
         }
-        map_names::CT => match &store.ct {
+        map_names::CT | map_names::CT_NEW => match store_map(store, name) {
             Some(ct) => {
                 let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
-                    HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
+                    HashMap::try_from(Map::HashMap(clone_map(ct)?))
                         .map_err(|e| crate::store::map_err(name, e))?;
                 copy_hash(name, old, &mut new, late)
             }
@@ -1265,15 +1287,12 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
 }
 
 /// Carries the flows of a pinned `SVC_CT` of layout 1 (before sequence tracking) into this
-/// layout's map, untracked, so an upgrade keeps every connection through a NodePort: before
+/// layout's tables (`carry_ct`), untracked, so an upgrade keeps every connection through a NodePort: before
 /// the new programs attach, and again after (the old programs may have made flows in
 /// between). Only the flows the new map lacks. How many entries were read.
 fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     let path = dir.join(format!("{}_v1", map_names::CT));
-    let Some(ct) = &store.ct else {
-        return Ok(0);
-    };
-    if !path.exists() {
+    if store.ct.is_none() || !path.exists() {
         return Ok(0);
     }
     let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
@@ -1295,21 +1314,87 @@ fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
             map: map_names::CT,
             message: format!("reading {}: {e}", path.display()),
         })?;
-    let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
-        HashMap::try_from(Map::LruHashMap(clone_map(ct)?))
+    let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = entries
+        .into_iter()
+        .map(|(k, v)| (k, svc_common::CtValue::from(v)))
+        .collect();
+    carry_ct(store, &entries)?;
+    Ok(entries.len())
+}
+
+/// Carries the flows of a pinned `SVC_CT` of layout 2 (one LRU of every flow) into this
+/// layout's tables: unassured flows (`ct_flags::UNASSURED`) into `SVC_CT_NEW`, the others into
+/// `SVC_CT`, so an upgrade keeps every connection; before the new programs attach, and again
+/// after, as `carry_ct_v1`. How many entries were read.
+fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+    let path = dir.join(format!("{}_v2", map_names::CT));
+    if store.ct.is_none() || store.ct_new.is_none() || !path.exists() {
+        return Ok(0);
+    }
+    let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
+    let info = old.info().map_err(|e| load_err(path.display(), e))?;
+    let (key, value) = (
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValue>() as u32,
+    );
+    if (info.key_size(), info.value_size()) != (key, value) {
+        return Err(Error::Load(format!(
+            "{} has {}-byte keys and {}-byte values, not layout 2's {key} and {value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = sys::dump_hash(old.fd().as_fd())
+        .map_err(|e| Error::Map {
+        map: map_names::CT,
+        message: format!("reading {}: {e}", path.display()),
+    })?;
+    carry_ct(store, &entries)?;
+    Ok(entries.len())
+}
+
+/// Stores the flows of an older layout's table: each entry into the table its flags say
+/// (`ct_flags::UNASSURED`: `SVC_CT_NEW`), never over an entry either table has: the old pin
+/// may outlive an attach that put this layout's programs in service (an agent killed before
+/// it removed the pin), and its frozen flows must not overwrite live ones. An assured flow
+/// that finds the assured table full goes to the unassured one, as the datapath keeps a flow
+/// assured there when the table is full.
+fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue)]) -> Result<()> {
+    let (Some(ct), Some(ct_new)) = (&store.ct, &store.ct_new) else {
+        return Ok(());
+    };
+    let mut assured: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+        HashMap::try_from(Map::HashMap(clone_map(ct)?))
             .map_err(|e| crate::store::map_err(map_names::CT, e))?;
-    // Never over an entry the map has: the layout-1 pin may outlive an attach that put this
-    // layout's programs in service (an agent killed before it removed the pin), and its
-    // frozen flows must not overwrite live ones.
-    for (k, v) in &entries {
-        match new.insert(k, svc_common::CtValue::from(*v), 1 /* BPF_NOEXIST */) {
+    let mut unassured: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+        HashMap::try_from(Map::LruHashMap(clone_map(ct_new)?))
+            .map_err(|e| crate::store::map_err(map_names::CT_NEW, e))?;
+    let errno = |e: &aya::maps::MapError| match e {
+        aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
+        _ => None,
+    };
+    for (k, v) in entries {
+        if assured.get(k, 0).is_ok() || unassured.get(k, 0).is_ok() {
+            continue;
+        }
+        let first = if v.flags & svc_common::ct_flags::UNASSURED != 0 {
+            unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+        } else {
+            match assured.insert(k, v, 1 /* BPF_NOEXIST */) {
+                Err(e) if errno(&e) == Some(libc::E2BIG) => {
+                    unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+                }
+                other => other,
+            }
+        };
+        match first {
             Ok(()) => {}
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) if errno(&e) == Some(libc::EEXIST) => {}
             Err(e) => return Err(crate::store::map_err(map_names::CT, e)),
         }
     }
-    Ok(entries.len())
+    Ok(())
 }
 
 fn clone_map(m: &MapData) -> Result<MapData> {
@@ -1376,6 +1461,7 @@ fn build_store(
         config: Array::try_from(take(map_names::CONFIG)?)
             .map_err(|e| load_err(map_names::CONFIG, e))?,
         ct: take(map_names::CT).ok().and_then(map_data),
+        ct_new: take(map_names::CT_NEW).ok().and_then(map_data),
         dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
         capacity,
         enomem_until: None,
@@ -1483,12 +1569,21 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
             })
             .and_then(|a| a.get(&0, 0).ok())
             .unwrap_or_default();
-        match MapData::from_pin(map_pin(dir, map_names::CT)) {
-            Ok(ct) => match crate::handover::hand_over(ct, &config) {
-                Ok(h) => done.handover = Some(h),
-                Err(e) => done.handover_error = Some(format!("ctnetlink: {e}")),
-            },
-            Err(e) => done.handover_error = Some(format!("map {}: {e}", map_names::CT)),
+        // Both tables: an unassured flow (a handshake in flight, a UDP flow with one reply)
+        // is handed over as conntrack would hold it, unassured.
+        for name in [map_names::CT, map_names::CT_NEW] {
+            let path = map_pin(dir, name);
+            if name == map_names::CT_NEW && !path.exists() {
+                // An older agent's datapath: one table of every flow.
+                continue;
+            }
+            match MapData::from_pin(&path) {
+                Ok(ct) => match crate::handover::hand_over(ct, &config) {
+                    Ok(h) => done.handover.get_or_insert_with(Default::default).add(h),
+                    Err(e) => done.handover_error = Some(format!("ctnetlink: {e}")),
+                },
+                Err(e) => done.handover_error = Some(format!("map {name}: {e}")),
+            }
         }
     }
     let mut names: Vec<PathBuf> = PROGRAMS
@@ -1595,9 +1690,13 @@ fn detach_pinned(pin: &Path) -> Result<()> {
 pub struct PacketStats {
     /// (ifindex, `pkt_stat` name, total over the CPUs), from `DEV_STATS`.
     pub devices: Vec<(u32, &'static str, u64)>,
-    /// Entries of `CT` (two per flow, expired ones included until the LRU reuses them).
+    /// Entries of `CT`, the assured flows' table (two per flow, dead ones included until the
+    /// next sweep).
     pub ct_entries: u64,
     pub ct_capacity: u32,
+    /// Entries of `CT_NEW`, the unassured flows' table (an LRU a flood churns), and its size.
+    pub ct_new_entries: u64,
+    pub ct_new_capacity: u32,
     /// Live flows (`FlowCount`), SNATed or not.
     pub flows: u64,
     pub snat_flows: u64,
@@ -1675,7 +1774,9 @@ impl FlowCount {
             return;
         }
         self.snat_flows += 1;
-        if !ct_flags::closed(v.flags) {
+        // An unassured flow's port goes to a new flow that finds the range busy (from the
+        // datapath's fifth try), as a closed one's: neither is a port in use.
+        if !ct_flags::closed(v.flags) && v.flags & ct_flags::UNASSURED == 0 {
             self.snat_open.push((*k, *v));
         }
     }
@@ -1744,6 +1845,18 @@ pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
         count.add(k, v);
     })
     .map_err(|e| load_err(map_names::CT, e))?;
+    // Absent where an older agent's datapath serves (one table of every flow).
+    if let Ok(new) = MapData::from_pin(map_pin(dir, map_names::CT_NEW)) {
+        out.ct_new_capacity = new
+            .info()
+            .map_err(|e| load_err(map_names::CT_NEW, e))?
+            .max_entries();
+        sys::for_each_hash::<CtKey, CtValue>(new.fd().as_fd(), |k, v| {
+            out.ct_new_entries += 1;
+            count.add(k, v);
+        })
+        .map_err(|e| load_err(map_names::CT_NEW, e))?;
+    }
     (out.flows, out.snat_flows, out.snat_ports_max) = count.finish();
     Ok(out)
 }
@@ -1883,5 +1996,34 @@ mod tests {
             count.add(k, v);
         }
         assert_eq!(count.finish(), (4, 4, 2));
+    }
+
+    /// An unassured flow (a spoofed SYN the backend answered, never acknowledged) is a live
+    /// flow, but its SNAT port is not in use: a new flow takes it. Before, a flood of spoofed
+    /// SYNs showed the range as nearly exhausted.
+    #[test]
+    fn snat_ports_in_use_leave_unassured_flows_out() {
+        let now = 100_000;
+        let assured = flow(
+            IPPROTO_TCP,
+            40001,
+            61001,
+            ct_flags::SEEN_REPLY,
+            now - 1,
+            now - 1,
+        );
+        let spoofed = flow(
+            IPPROTO_TCP,
+            40002,
+            61002,
+            ct_flags::SEEN_REPLY | ct_flags::UNASSURED,
+            now - 1,
+            now - 1,
+        );
+        let mut count = FlowCount::new(now * S, DatapathConfig::default());
+        for (k, v) in assured.iter().chain(&spoofed) {
+            count.add(k, v);
+        }
+        assert_eq!(count.finish(), (2, 2, 1));
     }
 }

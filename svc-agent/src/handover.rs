@@ -110,9 +110,19 @@ impl Handover {
     pub fn failed_total(&self) -> u64 {
         self.failed.values().sum()
     }
+
+    /// Adds what the handover of another table did (the assured and unassured flows').
+    pub fn add(&mut self, other: Handover) {
+        self.handed += other.handed;
+        self.replaced += other.replaced;
+        for (reason, n) in other.failed {
+            *self.failed.entry(reason).or_default() += n;
+        }
+    }
 }
 
-/// Hands every live flow of svc's tc programs in the CT map `ct` over to the conntrack of the
+/// Hands every live flow of svc's tc programs in the CT map `ct` (either table: a flow's two
+/// entries are in one) over to the conntrack of the
 /// calling thread's network namespace; `config` is the datapath's (its timeouts). A flow the
 /// kernel refuses stays svc's (and dies with svc's programs); nothing here fails the caller
 /// but a map or socket it cannot use.

@@ -342,8 +342,9 @@ struct CapacityArgs {
     /// Per-socket reverse translations; LRU.
     #[arg(long, default_value_t = svc_common::capacity::SOCK_REV)]
     max_sock_rev: u32,
-    /// Connection tracking of the packet datapath: two entries per flow; LRU, allocated in
-    /// full (about 100 bytes an entry).
+    /// Connection tracking of the packet datapath's assured flows: two entries per flow; a
+    /// hash allocated in full (about 100 bytes an entry) that nothing evicts. The unassured
+    /// flows' table (an LRU a flood churns) is a quarter of it, at least 256 entries.
     #[arg(long, default_value_t = svc_common::capacity::CT)]
     max_ct: u32,
     /// loadBalancerSourceRanges entries over all LoadBalancer frontends.

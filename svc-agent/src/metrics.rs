@@ -540,10 +540,12 @@ fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
             "svc_packet_decisions_total{{device=\"{device}\",reason=\"{reason}\"}} {v}"
         );
     }
-    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the connection-tracking map (two per flow; a dead flow's until the next sweep, or until reused).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
-    let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the connection-tracking map.\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
+    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the assured flows' connection-tracking table (two per flow; a dead flow's until the next sweep, or until reused); when it is full, newly assured flows stay in the unassured table (ct_assured_full).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the assured flows' connection-tracking table (--max-ct).\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
+    let _ = writeln!(out, "# HELP svc_conntrack_unassured_entries Entries of the unassured flows' connection-tracking table (handshakes in flight, UDP flows that are no stream yet, a SYN flood's spoofed flows; an LRU that a flood churns, apart from the assured flows counted by svc_conntrack_entries).\n# TYPE svc_conntrack_unassured_entries gauge\nsvc_conntrack_unassured_entries {}", p.ct_new_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_unassured_capacity max_entries of the unassured flows' table.\n# TYPE svc_conntrack_unassured_capacity gauge\nsvc_conntrack_unassured_capacity {}", p.ct_new_capacity);
     let _ = writeln!(out, "# HELP svc_conntrack_flows Live flows tracked (a packet either way within the timeout), by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
-    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows neither closed nor idle both ways for the reclaim bound, 2 h by default (a new flow may reclaim a closed, dead or long-idle flow's port); as it nears the size of the SNAT port range, new flows to that backend start to be dropped (drop_snat_exhausted).\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
+    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows neither closed, unassured, nor idle both ways for the reclaim bound, 2 h by default (a new flow may reclaim a closed, unassured, dead or long-idle flow's port); as it nears the size of the SNAT port range, new flows to that backend start to be dropped (drop_snat_exhausted).\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
 }
 
 fn response(status: &str, content_type: &str, body: &str) -> String {

@@ -114,6 +114,7 @@ impl Capacity {
             map_names::SRC_RANGES => self.src_ranges,
             map_names::NODE_ADDRS => self.node_addrs,
             map_names::CT => self.ct,
+            map_names::CT_NEW => svc_common::capacity::ct_new(self.ct),
             map_names::DEV_STATS => self.dev_stats,
             _ => return None,
         })
@@ -247,6 +248,8 @@ pub struct BpfStore {
     /// Connection tracking and per-device counters: written by the tc programs, read for
     /// metrics; None while the object does not declare them.
     pub ct: Option<MapData>,
+    /// The unassured flows' table (`SVC_CT_NEW`), beside `ct`.
+    pub ct_new: Option<MapData>,
     pub dev_stats: Option<MapData>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
@@ -513,19 +516,27 @@ impl Store for BpfStore {
             return Ok(None);
         };
         let now = crate::sys::coarse_now_ns();
-        crate::sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
-            if let Some(d) = flow_destination(k, v, now, config) {
-                out.destinations.insert(d);
-            }
-            out.snat_range_ports |= to_snat_range_port(k, v, now, config);
-            if let Some(b) = snat_flow(k, v, now, config) {
-                *out.snat_backends.entry(b).or_default() += 1;
-            }
-        })
-        .map_err(|e| Error::Map {
-            map: map_names::CT,
-            message: e.to_string(),
-        })?;
+        for (name, table) in [
+            (map_names::CT, Some(ct)),
+            (map_names::CT_NEW, self.ct_new.as_ref()),
+        ] {
+            let Some(table) = table else {
+                continue;
+            };
+            crate::sys::for_each_hash::<CtKey, CtValue>(table.fd().as_fd(), |k, v| {
+                if let Some(d) = flow_destination(k, v, now, config) {
+                    out.destinations.insert(d);
+                }
+                out.snat_range_ports |= to_snat_range_port(k, v, now, config);
+                if let Some(b) = snat_flow(k, v, now, config) {
+                    *out.snat_backends.entry(b).or_default() += 1;
+                }
+            })
+            .map_err(|e| Error::Map {
+                map: name,
+                message: e.to_string(),
+            })?;
+        }
         Ok(Some(out))
     }
 

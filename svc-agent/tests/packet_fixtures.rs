@@ -723,7 +723,10 @@ struct Dp {
     node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
     node_addr_bits: Array<MapData, u64>,
     src_ranges: LpmTrie<MapData, [u8; 20], u32>,
+    /// Assured flows (`SVC_CT`).
     ct: HashMap<MapData, CtKey, CtValue>,
+    /// Unassured flows (`SVC_CT_NEW`, an LRU).
+    ct_new: HashMap<MapData, CtKey, CtValue>,
     config: Array<MapData, DatapathConfig>,
     dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
     stats: PerCpuArray<MapData, u64>,
@@ -766,7 +769,12 @@ impl Dp {
             ]
             .contains(&name)
             {
-                loader.map_max_entries(name, if name == map_names::CT { ct } else { 1024 });
+                let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
+                    ct
+                } else {
+                    1024
+                };
+                loader.map_max_entries(name, n);
             }
         }
         let mut ebpf = loader.load(&object()).expect("loading the object");
@@ -802,6 +810,7 @@ impl Dp {
         let node_addr_bits = take(map_names::NODE_ADDR_BITS).try_into().unwrap();
         let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
         let ct = take(map_names::CT).try_into().unwrap();
+        let ct_new = take(map_names::CT_NEW).try_into().unwrap();
         let config = take(map_names::CONFIG).try_into().unwrap();
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
         let stats = take(map_names::STATS).try_into().unwrap();
@@ -816,6 +825,7 @@ impl Dp {
             node_addr_bits,
             src_ranges,
             ct,
+            ct_new,
             config,
             dev_stats,
             stats,
@@ -1033,8 +1043,42 @@ impl Dp {
         (info.run_count(), info.run_time().as_nanos() as u64)
     }
 
+    /// The entry at `key`, in whichever table holds it.
     fn ct_entry(&self, key: &CtKey) -> Option<CtValue> {
-        self.ct.get(key, 0).ok()
+        self.ct
+            .get(key, 0)
+            .or_else(|_| self.ct_new.get(key, 0))
+            .ok()
+    }
+
+    /// Stores `v` at `key`: in the table that holds the key, else in the one its flags say
+    /// (`ct_flags::UNASSURED`: the unassured one), as the datapath keeps a key in one.
+    fn ct_put(&mut self, key: CtKey, v: CtValue) {
+        let new = if self.ct.get(&key, 0).is_ok() {
+            false
+        } else if self.ct_new.get(&key, 0).is_ok() {
+            true
+        } else {
+            v.flags & ct_flags::UNASSURED != 0
+        };
+        let table = if new { &mut self.ct_new } else { &mut self.ct };
+        table
+            .insert(key, v, 0)
+            .expect("a connection-tracking entry");
+    }
+
+    /// Removes the entry at `key` from whichever table holds it; whether one did.
+    fn ct_remove(&mut self, key: &CtKey) -> bool {
+        let a = self.ct.remove(key).is_ok();
+        let b = self.ct_new.remove(key).is_ok();
+        a || b
+    }
+
+    /// Every connection-tracking entry, of both tables.
+    fn ct_all(&self) -> Vec<(CtKey, CtValue)> {
+        let mut all: Vec<(CtKey, CtValue)> = self.ct.iter().filter_map(Result::ok).collect();
+        all.extend(self.ct_new.iter().filter_map(Result::ok));
+        all
     }
 
     /// Fills connection tracking with `n` entries, as busy traffic leaves it: established
@@ -1076,9 +1120,7 @@ impl Dp {
         let (fwd, rep) = (entry(backend, fwd_seen), entry(frontend, rep_seen));
         let rep_key = fwd_key.partner(&fwd);
         for (k, v) in [(fwd_key, fwd), (rep_key, rep)] {
-            self.ct
-                .insert(k, v, 0)
-                .expect("a connection-tracking entry");
+            self.ct_put(k, v);
         }
         (fwd_key, rep_key)
     }
@@ -1683,7 +1725,11 @@ fn nodeport_ipv4_udp_and_zero_checksum() {
             ct_dir::REPLY,
         ))
         .unwrap();
-    assert_eq!(rep.flags, ct_flags::SNAT | ct_flags::SEEN_REPLY);
+    // One datagram each way: answered, not yet a stream, so not assured.
+    assert_eq!(
+        rep.flags,
+        ct_flags::SNAT | ct_flags::SEEN_REPLY | ct_flags::UNASSURED
+    );
 }
 
 /// A packet svc would forward itself (to a remote backend) with a TTL or hop limit of 1 is
@@ -3686,7 +3732,7 @@ fn connection_tracking_lifetime() {
     let fkey = ct_key(c2, "192.0.2.10:30080", IPPROTO_TCP, ct_dir::FORWARD);
     let mut e = dp.ct_entry(&fkey).unwrap();
     e.last_seen_ns = 1;
-    dp.ct.insert(fkey, e, 0).unwrap();
+    dp.ct_put(fkey, e);
     // The frontend moves to another backend (a new generation).
     dp.frontend_rev(
         &Fe {
@@ -3788,7 +3834,7 @@ fn the_sweep_removes_dead_flows_and_keeps_live_ones() {
     let (orphan, taken) = dp.put_flow("203.0.113.60:40008", IPPROTO_TCP, est, long_ago, now);
     let mut newer = dp.ct_entry(&taken).unwrap();
     newer.nat_port_be = 40_999u16.to_be();
-    dp.ct.insert(taken, newer, 0).unwrap();
+    dp.ct_put(taken, newer);
 
     let n = dp.sweep();
     assert_eq!(n, 7, "both entries of three dead flows, and the orphan");
@@ -3946,11 +3992,9 @@ fn a_dead_flow_is_not_revived_by_a_newer_flow_on_its_partners_tuple() {
             ..fwd
         };
         // The newer flow's FORWARD entry replaced the dead one's under the same key.
-        dp.ct
-            .insert(ct_key(cu, np, u, ct_dir::FORWARD), fwd, 0)
-            .unwrap();
+        dp.ct_put(ct_key(cu, np, u, ct_dir::FORWARD), fwd);
         let rep_key = ct_key(backend, &format!("192.0.2.10:{port}"), u, ct_dir::REPLY);
-        dp.ct.insert(rep_key, rep, 0).unwrap();
+        dp.ct_put(rep_key, rep);
     }
     let other = "203.0.113.8:40112";
     run_rows(
@@ -4051,7 +4095,7 @@ fn connection_tracking_handover_marks() {
         let mut e = dp.ct_entry(&fkey).unwrap();
         e.flags = (e.flags & !(ct_flags::HANDING | ct_flags::HANDED)) | flags;
         e.handing_s = handing_s;
-        dp.ct.insert(fkey, e, 0).unwrap();
+        dp.ct_put(fkey, e);
     };
     let now_s = (coarse_ns() / 1_000_000_000) as u16;
     mark(&mut dp, ct_flags::HANDING, now_s);
@@ -4731,7 +4775,7 @@ fn stamp_flow(dp: &mut Dp, fkey: &CtKey, ns: u64) {
     for key in [*fkey, fkey.partner(&fwd)] {
         let mut e = dp.ct_entry(&key).expect("both entries of the flow");
         e.last_seen_ns = ns;
-        dp.ct.insert(key, e, 0).unwrap();
+        dp.ct_put(key, e);
     }
 }
 
@@ -5159,9 +5203,10 @@ fn a_syn_on_a_closed_flow_whose_reply_entry_is_gone_starts_a_whole_new_flow() {
     let (np, np2, pod5) = ("192.0.2.10:30080", "192.0.2.10:30082", "10.244.1.5:8080");
     for c in ["203.0.113.7:40230", "203.0.113.7:40231"] {
         run_rows(&dp, local_flow_reset(c, np));
-        dp.ct
-            .remove(&ct_key(pod5, c, t, ct_dir::REPLY))
-            .expect("the closed flow's REPLY entry");
+        assert!(
+            dp.ct_remove(&ct_key(pod5, c, t, ct_dir::REPLY)),
+            "the closed flow's REPLY entry"
+        );
     }
 
     let c = "203.0.113.7:40230";
@@ -5339,9 +5384,7 @@ fn plant_snat_flow(
         last_seen_ns: rep_seen,
         ..fwd
     };
-    dp.ct
-        .insert(ct_key(client, frontend, t, ct_dir::FORWARD), fwd, 0)
-        .unwrap();
+    dp.ct_put(ct_key(client, frontend, t, ct_dir::FORWARD), fwd);
     dp.ct
         .insert(
             ct_key(backend, &format!("192.0.2.10:{port}"), t, ct_dir::REPLY),
@@ -5536,7 +5579,7 @@ fn snat_port_of_a_closed_flow_is_reclaimed() {
     assert_eq!(ports.len(), 4, "four flows, four ports: {ports:?}");
     // The closed flows whose ports were taken are gone, both entries; the others are kept.
     let (mut old_fwd, mut old_rep) = (0, 0);
-    for (k, v) in dp.ct.iter().filter_map(Result::ok) {
+    for (k, v) in dp.ct_all().into_iter() {
         if v.flags & (ct_flags::RST | ct_flags::FIN) != 0 && v.id == 2 {
             match k.dir {
                 ct_dir::FORWARD => old_fwd += 1,
@@ -5647,10 +5690,8 @@ fn a_snat_port_whose_reply_tuple_is_a_live_forward_tuple_is_passed_over() {
         let c = format!("203.0.113.41:{}", 40310 + i);
         assert_eq!(syn(&dp, &c), REDIRECT, "{c}: two ports, one free");
         assert_eq!(snat_port(&dp, &c), Some(62001), "{c}: the free one");
-        dp.ct
-            .remove(&ct_key(backend, "192.0.2.10:62001", t, ct_dir::REPLY))
-            .unwrap();
-        dp.ct.remove(&ct_key(&c, np, t, ct_dir::FORWARD)).unwrap();
+        assert!(dp.ct_remove(&ct_key(backend, "192.0.2.10:62001", t, ct_dir::REPLY)));
+        assert!(dp.ct_remove(&ct_key(&c, np, t, ct_dir::FORWARD)));
     }
     let live = dp
         .ct_entry(&ct_key(backend, "192.0.2.10:62000", t, ct_dir::FORWARD))
@@ -5793,8 +5834,8 @@ fn assure_flow(dp: &mut Dp, c: &str, np: &str, backend: &str) {
     for v in [&mut fwd, &mut rep] {
         v.flags = (v.flags | ct_flags::SEEN_REPLY) & !ct_flags::UNASSURED;
     }
-    dp.ct.insert(k, fwd, 0).unwrap();
-    dp.ct.insert(rk, rep, 0).unwrap();
+    dp.ct_put(k, fwd);
+    dp.ct_put(rk, rep);
 }
 
 /// Sends a SYN to a frontend of a remote backend (`send`, which returns the verdict) and
@@ -5924,8 +5965,8 @@ fn snat_syn_beside_closed_flow(dp: &mut Dp, i: u16, closing: Option<u16>) -> boo
     let np = "192.0.2.10:30081";
     let backend = "10.244.2.7:8080";
     let t = IPPROTO_TCP;
-    for k in dp.ct.keys().filter_map(Result::ok).collect::<Vec<_>>() {
-        dp.ct.remove(&k).unwrap();
+    for (k, _) in dp.ct_all() {
+        dp.ct_remove(&k);
     }
     let old = format!("198.18.7.1:{}", 41000 + i);
     if let Some(closing) = closing {
@@ -5947,16 +5988,14 @@ fn snat_syn_beside_closed_flow(dp: &mut Dp, i: u16, closing: Option<u16>) -> boo
             snat_port_be: (41000 + i).to_be(),
             ..fwd
         };
-        dp.ct
-            .insert(ct_key(&old, np, t, ct_dir::FORWARD), fwd, 0)
-            .unwrap();
+        dp.ct_put(ct_key(&old, np, t, ct_dir::FORWARD), fwd);
         let rep_key = ct_key(
             backend,
             &format!("192.0.2.10:{}", SNAT_TEST_PORTS.0),
             t,
             ct_dir::REPLY,
         );
-        dp.ct.insert(rep_key, rep, 0).unwrap();
+        dp.ct_put(rep_key, rep);
     }
     let client = format!("203.0.113.30:{}", 42000 + i);
     let (verdict, _, _) = dp.run_on(ExtIngress, dp.ext0, &tcp(&client, np, TCP_SYN).bytes(), 1);
@@ -6107,7 +6146,9 @@ fn per_packet_cost() {
     let warm = cost_rows(&mut world(), 2_000, &|| {});
     let evict = Eviction::new();
     let mut dp = world_with(Dp::with_ct(svc_common::capacity::CT));
-    dp.fill_ct(svc_common::capacity::CT);
+    // Full but for the room of the rows' own assured flows (a full assured table would keep
+    // them unassured, where established connections' packets are not looked up).
+    dp.fill_ct(svc_common::capacity::CT - 1024);
     let cold = cost_rows(&mut dp, 1_000, &|| evict.run());
     let mut table = String::from(
         "| path | ns per packet, in cache | CPU's own caches evicted, full table |\n|---|---|---|\n",
@@ -6196,17 +6237,21 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
     let egress = dp.ifindex_of(ExtEgress);
     // `packet(i)` is run i's packet; whether each run takes the path its row names: a known or
     // new flow's packet leaves translated, a non-service packet as it came.
+    let single_n =
+        |prog: Prog, dev: u32, packet: &dyn Fn(u16) -> P, translated: bool, runs: u16| -> u64 {
+            let (runs0, ns0) = dp.prog_stats(prog);
+            for i in 0..runs {
+                let p = packet(i).bytes();
+                before_each();
+                let (_, out, _) = dp.run_on(prog, dev, &p, 1);
+                assert_eq!(out != p, translated, "a row that takes another path");
+            }
+            let (runs1, ns1) = dp.prog_stats(prog);
+            assert_eq!(runs1 - runs0, runs as u64, "bpf_stats counted every run");
+            (ns1 - ns0) / runs as u64
+        };
     let single = |prog: Prog, dev: u32, packet: &dyn Fn(u16) -> P, translated: bool| -> u64 {
-        let (runs0, ns0) = dp.prog_stats(prog);
-        for i in 0..runs {
-            let p = packet(i).bytes();
-            before_each();
-            let (_, out, _) = dp.run_on(prog, dev, &p, 1);
-            assert_eq!(out != p, translated, "a row that takes another path");
-        }
-        let (runs1, ns1) = dp.prog_stats(prog);
-        assert_eq!(runs1 - runs0, runs as u64, "bpf_stats counted every run");
-        (ns1 - ns0) / runs as u64
+        single_n(prog, dev, packet, translated, runs)
     };
     let mut rows = vec![
         (
@@ -6300,11 +6345,54 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
             false,
         ),
     ));
-    // A flow exists from here on: every packet of it is a connection-tracking hit.
+    // A handshake's own packets, of flows made by their SYNs first (not timed; as many as the
+    // unassured table keeps at the fixtures' size): the backend's SYN-ACK (a miss in the
+    // assured table, then its hit), the client's ACK (which moves both entries to the
+    // assured table).
+    let shakes = runs.min(200);
+    let shaker = |i: u16| format!("203.0.113.10:{}", 10_000 + i);
+    for i in 0..shakes {
+        let syn = tcp(&shaker(i), "192.0.2.10:30080", TCP_SYN);
+        dp.run_on(ExtIngress, ingress, &syn.bytes(), 1);
+    }
+    rows.push((
+        "handshake, local backend's SYN-ACK (egress)",
+        single_n(
+            ExtEgress,
+            egress,
+            &|i| tcp("10.244.1.5:8080", &shaker(i), TCP_SYN | TCP_ACK),
+            true,
+            shakes,
+        ),
+    ));
+    rows.push((
+        "handshake, client's ACK (the flow assured)",
+        single_n(
+            ExtIngress,
+            ingress,
+            &|i| tcp(&shaker(i), "192.0.2.10:30080", TCP_ACK),
+            true,
+            shakes,
+        ),
+    ));
+    // A flow exists from here on, assured by its handshake (in the assured table, where an
+    // established connection's packets find it): every packet of it is a hit.
     dp.run_on(
         ExtIngress,
         ingress,
         &tcp(c, "192.0.2.10:30080", TCP_SYN).bytes(),
+        1,
+    );
+    dp.run_on(
+        ExtEgress,
+        egress,
+        &tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK).bytes(),
+        1,
+    );
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c, "192.0.2.10:30080", TCP_ACK).bytes(),
         1,
     );
     rows.push((
@@ -6330,6 +6418,32 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
         ExtIngress,
         ingress,
         &tcp(c2, "192.0.2.10:30081", TCP_SYN).bytes(),
+        1,
+    );
+    let port = dp
+        .ct_entry(&ct_key(
+            c2,
+            "192.0.2.10:30081",
+            IPPROTO_TCP,
+            ct_dir::FORWARD,
+        ))
+        .map(|v| u16::from_be(v.snat_port_be))
+        .expect("the remote flow's entry");
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(
+            "10.244.2.7:8080",
+            &format!("192.0.2.10:{port}"),
+            TCP_SYN | TCP_ACK,
+        )
+        .bytes(),
+        1,
+    );
+    dp.run_on(
+        ExtIngress,
+        ingress,
+        &tcp(c2, "192.0.2.10:30081", TCP_ACK).bytes(),
         1,
     );
     rows.push((
@@ -6493,7 +6607,7 @@ fn cost_rows(dp: &mut Dp, runs: u16, before_each: &dyn Fn()) -> Vec<(&'static st
 
 /// The number of connection-tracking entries.
 fn ct_entries(dp: &Dp) -> usize {
-    dp.ct.iter().filter_map(Result::ok).count()
+    dp.ct_all().len()
 }
 
 /// A SYN the backend answers but whose client never acknowledges the SYN-ACK (a spoofed
@@ -6979,4 +7093,155 @@ fn tcp_segments_outside_their_window_change_nothing() {
     );
     let closed = assured | ct_flags::RST;
     assert_eq!(flags(&dp), (closed, closed));
+}
+
+// ---------------------------------------------------------------------------------------
+// A full table: what a flood of new flows may evict.
+
+/// A handshake of client `c` through NodePort 30080 (local backend 10.244.1.5:8080): SYN, the
+/// backend's SYN-ACK leaving by the external device, the client's ACK.
+fn local_handshake(dp: &Dp, c: &str) {
+    let np = "192.0.2.10:30080";
+    let syn = from_client(tcp(c, np, TCP_SYN));
+    assert_eq!(
+        dp.run_on(ExtIngress, dp.ext0, &syn.bytes(), 1).0,
+        OK,
+        "{c}: SYN"
+    );
+    let syn_ack = tcp("10.244.1.5:8080", c, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC);
+    assert_eq!(
+        dp.run_on(ExtEgress, dp.ext0, &syn_ack.bytes(), 1).0,
+        OK,
+        "{c}: SYN-ACK"
+    );
+    let ack = from_client(tcp(c, np, TCP_ACK));
+    assert_eq!(
+        dp.run_on(ExtIngress, dp.ext0, &ack.bytes(), 1).0,
+        OK,
+        "{c}: ACK"
+    );
+}
+
+/// Whether client `c`'s established flow through NodePort 30080 still translates a data
+/// segment each way (counted as a hit and a reply), rather than missing.
+fn still_translated(dp: &Dp, c: &str) -> bool {
+    let np = "192.0.2.10:30080";
+    let (hits, replies) = (
+        dp.dev_stat(dp.ext0, pkt_stat::CT_HIT),
+        dp.dev_stat(dp.ext0, pkt_stat::REPLY),
+    );
+    let data = from_client(tcp(c, np, TCP_ACK | TCP_PSH));
+    dp.run_on(ExtIngress, dp.ext0, &data.bytes(), 1);
+    let answer = tcp("10.244.1.5:8080", c, TCP_ACK | TCP_PSH).macs(GW_MAC, EXT_MAC);
+    dp.run_on(ExtEgress, dp.ext0, &answer.bytes(), 1);
+    dp.dev_stat(dp.ext0, pkt_stat::CT_HIT) == hits + 1
+        && dp.dev_stat(dp.ext0, pkt_stat::REPLY) == replies + 1
+}
+
+/// A flood of spoofed SYNs (each a new flow the backend answers, never acknowledged) against
+/// a table of 64 entries evicts unassured flows only: an idle established connection
+/// keeps both entries and goes on. Once the assured table is full too, a new connection is
+/// still served (its handshake in the unassured table), and its assurance, which finds no
+/// room, is counted; no assured flow makes room for it. Before, one LRU table of every flow
+/// evicted the idle connection for the flood's flows.
+#[test]
+fn a_syn_flood_evicts_no_assured_flow() {
+    let mut dp = world_with(Dp::with_ct(64));
+    let t = IPPROTO_TCP;
+    let np = "192.0.2.10:30080";
+    let idle = "203.0.113.7:40000";
+    local_handshake(&dp, idle);
+    let fkey = ct_key(idle, np, t, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).expect("the connection's FORWARD entry");
+    assert_eq!(fwd.flags & ct_flags::UNASSURED, 0, "assured by the ACK");
+    assert!(dp.ct.get(&fkey, 0).is_ok(), "in the assured table");
+
+    for i in 0..400u32 {
+        let spoofed = format!("198.18.60.{}:{}", i / 200, 10_000 + i % 200);
+        let syn = from_client(tcp(&spoofed, np, TCP_SYN));
+        assert_eq!(
+            dp.run_on(ExtIngress, dp.ext0, &syn.bytes(), 1).0,
+            OK,
+            "spoofed SYN {i}: served, as a new flow"
+        );
+        // The backend answers each (to an address that will never acknowledge): the flood's
+        // flows are used as much as a real handshake's, so an LRU cannot tell them apart.
+        let syn_ack = tcp("10.244.1.5:8080", &spoofed, TCP_SYN | TCP_ACK).macs(GW_MAC, EXT_MAC);
+        assert_eq!(
+            dp.run_on(ExtEgress, dp.ext0, &syn_ack.bytes(), 1).0,
+            OK,
+            "the backend's SYN-ACK {i}"
+        );
+    }
+    let rkey = fkey.partner(&fwd);
+    assert!(
+        dp.ct_entry(&fkey).is_some() && dp.ct_entry(&rkey).is_some(),
+        "400 spoofed SYNs into a table of 64 entries left both entries of the idle connection"
+    );
+    assert!(still_translated(&dp, idle), "the idle connection goes on");
+    let unassured = dp
+        .ct_all()
+        .iter()
+        .filter(|(_, v)| v.flags & ct_flags::UNASSURED != 0)
+        .count();
+    assert!(
+        (1..=64).contains(&unassured),
+        "the flood's flows churn a table of their own: {unassured}"
+    );
+
+    // The assured table full: every entry but the idle connection's two.
+    dp.fill_ct(62);
+    assert_eq!(dp.ct.iter().count(), 64, "the assured table is full");
+    let full = dp.stat(stat::CT_ASSURED_FULL);
+    let late = "203.0.113.8:40001";
+    local_handshake(&dp, late);
+    assert_eq!(
+        dp.stat(stat::CT_ASSURED_FULL),
+        full + 1,
+        "the new connection's assurance found no room: counted"
+    );
+    assert!(
+        still_translated(&dp, late),
+        "the new connection is served from the unassured table"
+    );
+    assert!(
+        still_translated(&dp, idle),
+        "no assured flow made room for it"
+    );
+    assert_eq!(dp.ct.iter().count(), 64, "the assured table is as it was");
+}
+
+/// A UDP flow is assured once its client sends after a reply (a stream, as conntrack assures
+/// one): it moves to the assured table, both entries. One request and its reply are not.
+#[test]
+fn a_udp_flow_is_assured_when_its_client_speaks_after_a_reply() {
+    let dp = world();
+    let u = IPPROTO_UDP;
+    let np = "192.0.2.10:30054";
+    let c = "203.0.113.7:40300";
+    let backend = "10.244.1.5:5353";
+    let send = |p: P| dp.run_on(ExtIngress, dp.ext0, &from_client(p).bytes(), 1).0;
+    assert_eq!(send(udp(c, np)), OK, "the request");
+    let reply = udp(backend, c).macs(GW_MAC, EXT_MAC);
+    assert_eq!(dp.run_on(ExtEgress, dp.ext0, &reply.bytes(), 1).0, OK);
+    let fkey = ct_key(c, np, u, ct_dir::FORWARD);
+    let fwd = dp.ct_entry(&fkey).expect("the FORWARD entry");
+    assert_ne!(
+        fwd.flags & ct_flags::UNASSURED,
+        0,
+        "one exchange: unassured"
+    );
+    assert!(dp.ct.get(&fkey, 0).is_err(), "not in the assured table");
+    assert_eq!(send(udp(c, np)), OK, "the client speaks again");
+    let fwd = dp.ct.get(&fkey, 0).expect("moved to the assured table");
+    assert_eq!(fwd.flags & ct_flags::UNASSURED, 0);
+    let rep = dp
+        .ct
+        .get(&fkey.partner(&fwd), 0)
+        .expect("its REPLY entry too");
+    assert_eq!(rep.flags & ct_flags::UNASSURED, 0);
+    assert!(
+        dp.ct_new.get(&fkey, 0).is_err(),
+        "no copy left in the unassured table"
+    );
 }

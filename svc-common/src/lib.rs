@@ -25,6 +25,8 @@ pub mod map_names {
     pub const NODE_ADDRS: &str = "SVC_NODE_ADDRS";
     pub const SRC_RANGES: &str = "SVC_SRC_RANGES";
     pub const CT: &str = "SVC_CT";
+    /// Connection tracking of flows not assured yet (svc-ebpf's maps.rs).
+    pub const CT_NEW: &str = "SVC_CT_NEW";
     pub const CONFIG: &str = "SVC_CONFIG";
     pub const DEV_STATS: &str = "SVC_DEV_STATS";
     pub const NODE_ADDR_BITS: &str = "SVC_NODE_ADDR_BITS";
@@ -35,7 +37,7 @@ pub mod map_names {
     /// still to come (svc-ebpf's `frag.rs`); a datagram in flight across an agent restart
     /// loses its later fragments, as one the network loses.
     pub const FRAGS: &str = "SVC_FRAGS";
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -53,6 +55,7 @@ pub mod map_names {
         CONFIG,
         DEV_STATS,
         NODE_ADDR_BITS,
+        CT_NEW,
     ];
 }
 
@@ -62,7 +65,7 @@ pub mod map_names {
 /// fills it before its programs switch over.
 pub mod layout {
     use super::map_names::*;
-    pub const VERSIONS: [(&str, u32); 17] = [
+    pub const VERSIONS: [(&str, u32); 18] = [
         (SERVICES, 2),
         (SLOTS, 1),
         (BACKENDS, 1),
@@ -76,10 +79,12 @@ pub mod layout {
         (SOCK_STATE, 1),
         (NODE_ADDRS, 1),
         (SRC_RANGES, 1),
-        (CT, 2),
+        // 3: a hash of assured flows (2 was an LRU of every flow), beside CT_NEW.
+        (CT, 3),
         (CONFIG, 1),
         (DEV_STATS, 1),
         (NODE_ADDR_BITS, 1),
+        (CT_NEW, 1),
     ];
 
     /// The layout version of `map`; 0 for a name that is not one of ours.
@@ -105,9 +110,21 @@ pub mod capacity {
     /// One entry per backend of a current generation (of the frontends that check choices),
     /// so it never holds more than the slots map: sized with it.
     pub const AFFINITY_MATCH: u32 = SLOTS;
-    /// Connection tracking of the packet datapath: two entries per flow (LRU, allocated in
-    /// full).
+    /// Connection tracking of the packet datapath's assured flows: two entries per flow
+    /// (a hash, allocated in full).
     pub const CT: u32 = 262_144;
+
+    /// The unassured flows' table (an LRU, allocated in full) for an assured table of `ct`
+    /// entries: a quarter of it, at least 256 entries. It holds handshakes in flight (and a
+    /// flood's spoofed SYNs, which churn it), not connections.
+    pub const fn ct_new(ct: u32) -> u32 {
+        let q = ct / 4;
+        if q < 256 {
+            256
+        } else {
+            q
+        }
+    }
     /// Node addresses, external frontend addresses and lingering ones (allocated as used).
     pub const NODE_ADDRS: u32 = 65_536;
     pub const SRC_RANGES: u32 = 16_384;
@@ -317,12 +334,15 @@ pub mod ct_flags {
     pub const HANDING: u16 = 1 << 8;
     /// See `HANDING`: making one kernel entry takes milliseconds.
     pub const HANDING_HOLD_S: u16 = 3;
-    /// TCP: the handshake has not completed (conntrack's SYN_SENT / SYN_RECV, not ASSURED):
-    /// set on a new flow's entries, cleared by the client's first ACK after the backend's
-    /// SYN-ACK. Such a flow lives `ct_timeout::TCP_SYN_S`, not a day, and its SNAT port goes
-    /// to a new flow that finds the range busy, as conntrack drops unassured entries first:
-    /// spoofed SYNs a backend answers cannot hold a range. Entries of a datapath from before
-    /// this bit lack it and count as assured.
+    /// The flow is not assured (conntrack's SYN_SENT / SYN_RECV, or a UDP flow that is no
+    /// stream yet): set on every new flow's entries; cleared for TCP by the client's first
+    /// ACK after the backend's SYN-ACK, for UDP and ICMP echo by the client's first packet
+    /// after a reply (conntrack assures a UDP flow once it is a stream). Such a flow lives in
+    /// `SVC_CT_NEW`, the LRU table a flood churns, and moves to `SVC_CT`, which nothing
+    /// evicts, when it is assured. A TCP one lives `ct_timeout::TCP_SYN_S`, not a day, and
+    /// its SNAT port goes to a new flow that finds the range busy, as conntrack drops
+    /// unassured entries first: spoofed SYNs a backend answers cannot hold a range. Entries
+    /// of a datapath from before this bit lack it and count as assured.
     pub const UNASSURED: u16 = 1 << 9;
     /// TCP: the entries track where each side's sequence numbers are (`CtValue::seq_end`),
     /// so an RST or a FIN is taken only where its sender is, the first reply only when it
@@ -1025,6 +1045,10 @@ pub mod stat {
     pub const AFFINITY_STALE: u32 = 12;
     /// Reverse entries deleted when their socket was released.
     pub const SOCK_REV_RELEASED: u32 = 13;
+    /// The packet datapath: a flow was assured while the assured connection-tracking table
+    /// (`SVC_CT`, `--max-ct`) was full; it stays in the unassured table, where a flood of new
+    /// flows may evict it.
+    pub const CT_ASSURED_FULL: u32 = 14;
     pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1041,7 +1065,7 @@ pub mod stat {
         "sock_rev_untracked",
         "affinity_stale",
         "sock_rev_released",
-        "reserved",
+        "ct_assured_full",
         "reserved",
     ];
 }

@@ -1,6 +1,14 @@
-//! Connection tracking of the packet datapath: two entries per flow in `SVC_CT`, one per
-//! direction (see svc-common's `CtKey`/`CtValue`). Each direction's packets find their own
-//! entry with one lookup of their own tuple, and carry its translation.
+//! Connection tracking of the packet datapath: two entries per flow, one per direction (see
+//! svc-common's `CtKey`/`CtValue`), in one of two tables: `SVC_CT_NEW` (an LRU) while the
+//! flow is unassured (`ct_flags::UNASSURED`), `SVC_CT` (a hash nothing evicts) once it is
+//! assured (`assure` moves both entries). Each direction's packets find their own entry with
+//! one lookup of their own tuple in `SVC_CT` (`find`; a second in `SVC_CT_NEW` for a
+//! handshake's packets and misses), and carry its translation. A key is in one table at most:
+//! a new flow's store removes what the assured table holds at its keys (`store`, `create`).
+//!
+//! So a flood of new flows (spoofed SYNs) evicts only unassured flows, never an idle
+//! established connection, as conntrack drops unassured entries first and never an assured
+//! one for a new flow.
 //!
 //! An entry older than its timeout is treated as absent, unless its partner (the other
 //! direction's entry, while it is still this flow's) is fresh: a flow whose packets go one
@@ -13,16 +21,18 @@
 //! answer to a SYN through the node leaving by the external egress (`ANSWER`), a new flow whose
 //! reply tuple they hold (`create`), and a SNAT port search (`create_snat`).
 
+use core::intrinsics::{atomic_and, atomic_or, AtomicOrdering};
+
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     btf_maps::HashMap,
     helpers::{bpf_get_prandom_u32, generated::bpf_loop},
     macros::btf_map,
 };
-use svc_common::{ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
+use svc_common::{ct_dir, ct_flags, ct_timeout, stat, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
 
 use crate::{
-    maps::{SVC_CONFIG, SVC_CT},
+    maps::{count, SVC_CONFIG, SVC_CT, SVC_CT_NEW},
     nat::Endpoint,
     pkt::{Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     scratch::Flow,
@@ -56,19 +66,40 @@ pub fn unclaim(key: &CtKey) {
     let _ = SVC_CT_CLAIMS.remove(key);
 }
 
-/// Stores `v` at `key`: at once when the key is free, else over the entry there under a
-/// claim, as the sweep removes a dead entry under one. False when the store failed or the key
-/// is claimed right now: the caller fails the new flow, counted as `err_ct_update` (a TCP
-/// client sends its SYN again a second later).
+/// The entry at `key`, in whichever table holds it: the assured one first, which holds
+/// nearly every packet's.
+#[inline(always)]
+pub fn find(key: &CtKey) -> Option<*mut CtValue> {
+    match SVC_CT.get_ptr_mut(key) {
+        Some(e) => Some(e),
+        None => SVC_CT_NEW.get_ptr_mut(key),
+    }
+}
+
+/// Removes the entry at `key` from whichever table holds it.
+#[inline(always)]
+fn remove(key: &CtKey) {
+    if SVC_CT.remove(key).is_err() {
+        let _ = SVC_CT_NEW.remove(key);
+    }
+}
+
+/// Stores the new (unassured) flow's entry `v` at `key` in `SVC_CT_NEW`: at once when the key
+/// is free, else over the entry there under a claim, as the sweep removes a dead entry under
+/// one. An entry at the key in the assured table (the other path's, or a dead one: `lookup`
+/// missed it) goes under the same claim, as it would have been stored over. False when the
+/// store failed or the key is claimed right now: the caller fails the new flow, counted as
+/// `err_ct_update` (a TCP client sends its SYN again a second later).
 #[inline(always)]
 fn store(key: &CtKey, v: &CtValue) -> bool {
-    if SVC_CT.insert(key, v, BPF_NOEXIST as u64).is_ok() {
+    if SVC_CT.get_ptr(key).is_none() && SVC_CT_NEW.insert(key, v, BPF_NOEXIST as u64).is_ok() {
         return true;
     }
     if !claim(key) {
         return false;
     }
-    let stored = SVC_CT.insert(key, v, 0).is_ok();
+    let _ = SVC_CT.remove(key);
+    let stored = SVC_CT_NEW.insert(key, v, 0).is_ok();
     unclaim(key);
     stored
 }
@@ -243,15 +274,34 @@ fn after(a: u32, b: u32) -> bool {
 }
 
 /// The sequence number the partner of entry `key`/`v` records (`CtValue::seq_end`), if the
-/// partner is still this flow's. A function of its own: its keys would grow `track`'s frame,
-/// on the external ingress's deepest chain.
-#[inline(never)]
+/// partner is still this flow's.
+#[inline(always)]
 fn partner_seq_end(key: &CtKey, v: &CtValue) -> Option<u32> {
-    let pk = partner_key(key, v);
-    let pe = SVC_CT.get_ptr(pk)?;
-    // SAFETY: a map value, read in place.
-    unsafe { (partner_key(&pk, &*pe) == *key).then(|| (*pe).seq_end) }
+    let found = partner_seq_end_of(key, v);
+    (found & PARTNER_FOUND != 0).then_some(found as u32)
 }
+
+/// `partner_seq_end`'s answer, as a plain u64 (`PARTNER_FOUND` set when found): an `Option`
+/// returned from a subprogram leaves its unused half undefined, which the compiler may fill
+/// with a stack pointer the verifier refuses to see returned. A function of its own: its keys
+/// would grow `track`'s frame, on the external ingress's deepest chain.
+#[inline(never)]
+fn partner_seq_end_of(key: &CtKey, v: &CtValue) -> u64 {
+    let pk = partner_key(key, v);
+    let Some(pe) = find(&pk) else {
+        return 0;
+    };
+    // SAFETY: a map value, read in place.
+    unsafe {
+        if partner_key(&pk, &*pe) == *key {
+            PARTNER_FOUND | (*pe).seq_end as u64
+        } else {
+            0
+        }
+    }
+}
+
+const PARTNER_FOUND: u64 = 1 << 32;
 
 /// Checks a TCP segment of a tracked flow (`ct_flags::TRACKED`) against where its sender is,
 /// records where it got to, and returns `add` as the segment may change the flow:
@@ -318,7 +368,9 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
         }
         return ignored;
     }
-    if flags & TCP_FIN != 0 && !within(end.wrapping_sub(1), at.wrapping_sub(BEHIND), 2 * BEHIND) {
+    // By where the segment starts, as the RST: a FIN carrying data (a BIG TCP segment may
+    // carry more than `BEHIND`) ends far ahead of where its sender was.
+    if flags & TCP_FIN != 0 && !within(seq, at.wrapping_sub(BEHIND), 2 * BEHIND) {
         // Forwarded, as the endpoints judge it themselves, but it changes nothing here (nor
         // completes a handshake: a spoofed flow's forged FIN-ACK must not assure it).
         return passed;
@@ -351,22 +403,117 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
     add
 }
 
-/// Clears `ct_flags::UNASSURED` on the flow of entry `key` (`e`, copied in `out`) and on its
-/// partner while it is still this flow's: the client acknowledged the backend's SYN-ACK.
-/// Once per flow, so a lookup of its own.
+/// Where `flags` lies in the 64-bit word of a `CtValue` at `FLAGS_WORD` (little-endian BPF).
+const FLAGS_WORD: usize = core::mem::offset_of!(CtValue, nat_port_be);
+const FLAGS_SHIFT: u32 = ((core::mem::offset_of!(CtValue, flags) - FLAGS_WORD) * 8) as u32;
+const _: () = assert!(FLAGS_WORD.is_multiple_of(8) && FLAGS_SHIFT + 16 <= 64);
+
+/// The aligned 64-bit word of entry `e` that holds `flags` (with the ports and `handing_s`):
+/// flags change by atomic operations on it, so two CPUs that add or clear flags at once (a
+/// FIN each way, a handshake's ACK beside a reply's flag) never lose one's change, as two
+/// read-modify-writes of the copy would. 64 bits: the BPF target's generic CPU has atomic
+/// AND and OR of 64-bit words only. The masks leave the other fields as they are.
+///
+/// # Safety
+/// `e` is a map value pointer (map values are 8-byte aligned).
+#[inline(always)]
+unsafe fn flags_word(e: *mut CtValue) -> *mut u64 {
+    // SAFETY: aligned (checked above), within the value.
+    unsafe { e.cast::<u8>().add(FLAGS_WORD).cast() }
+}
+
+/// ORs `add` into the flags of entry `e`, atomically (`flags_word`).
+///
+/// # Safety
+/// As `flags_word`.
+#[inline(always)]
+unsafe fn add_flags(e: *mut CtValue, add: u16) {
+    // SAFETY: the caller's; the result unused, a BPF atomic OR without fetch.
+    unsafe {
+        atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(
+            flags_word(e),
+            (add as u64) << FLAGS_SHIFT,
+        )
+    };
+}
+
+/// Clears `clear` of the flags of entry `e`, atomically (`flags_word`).
+///
+/// # Safety
+/// As `flags_word`.
+#[inline(always)]
+unsafe fn clear_flags(e: *mut CtValue, clear: u16) {
+    // SAFETY: as `add_flags`.
+    unsafe {
+        atomic_and::<u64, u64, { AtomicOrdering::Relaxed }>(
+            flags_word(e),
+            !((clear as u64) << FLAGS_SHIFT),
+        )
+    };
+}
+
+/// `bpf_map_update_elem`'s answer when BPF_NOEXIST finds the key taken.
+const EEXIST: i32 = -17;
+
+/// Assures the flow of entry `key` (`e`, copied in `out`): clears `ct_flags::UNASSURED` on it
+/// and on its partner (while that is still this flow's), then moves both to the assured
+/// table: the client acknowledged the backend's SYN-ACK, or (UDP, ICMP echo) spoke again after
+/// a reply. Once per flow, so lookups of its own; `e` may be gone after it (`lookup` finds
+/// the entry again).
+///
+/// Each entry is copied into `SVC_CT` (BPF_NOEXIST: one there already stays, a taken-over
+/// flow's or another CPU's move) before it is removed from `SVC_CT_NEW`, so another CPU's
+/// packet of the flow finds one or the other throughout; what such a packet records in the
+/// old copy between the two (a refresh, a flag, a sequence position) is lost, as if it came
+/// a moment earlier. When the assured table is full the flow stays where it is, assured, and
+/// is counted (`stat::CT_ASSURED_FULL`): a flood of new flows may evict it there, as it may
+/// evict any flow of a full LRU table. A flow whose partner is gone (evicted mid-handshake)
+/// is not moved: the LRU takes the rest of it. 1 when an entry moved (`e` may be gone). (A
+/// value the caller uses: the verifier refuses a subprogram that leaves a stack pointer in R0,
+/// which the compiler may do in one whose result is unused.)
 #[inline(never)]
-fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
+fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) -> u32 {
     out.flags &= !ct_flags::UNASSURED;
-    // SAFETY: a map value; a racing writer only ORs flags in or stores times.
-    unsafe { (*e).flags &= !ct_flags::UNASSURED };
+    // SAFETY: a map value.
+    unsafe { clear_flags(e, ct_flags::UNASSURED) };
     let pk = partner_key(key, out);
-    if let Some(pe) = SVC_CT.get_ptr_mut(pk) {
-        // SAFETY: as above.
-        unsafe {
-            if partner_key(&pk, &*pe) == *key {
-                (*pe).flags &= !ct_flags::UNASSURED;
-            }
+    let Some(pe) = find(&pk) else {
+        return 0;
+    };
+    // SAFETY: map values; inserts read them in place (a reference, not a copy on the stack,
+    // which clippy's suggestion would make: 64 bytes on the lookup's chain).
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    unsafe {
+        if partner_key(&pk, &*pe) != *key {
+            return 0;
         }
+        clear_flags(pe, ct_flags::UNASSURED);
+        let partner_moved = match SVC_CT.insert(pk, &*pe, BPF_NOEXIST as u64) {
+            Ok(()) => true,
+            Err(EEXIST) => false,
+            Err(_) => {
+                count(stat::CT_ASSURED_FULL);
+                return 0;
+            }
+        };
+        let moved = match SVC_CT.insert(key, &*e, BPF_NOEXIST as u64) {
+            Ok(()) => true,
+            Err(EEXIST) => false,
+            Err(_) => {
+                if partner_moved {
+                    let _ = SVC_CT.remove(pk);
+                }
+                count(stat::CT_ASSURED_FULL);
+                return 0;
+            }
+        };
+        if partner_moved {
+            let _ = SVC_CT_NEW.remove(pk);
+        }
+        if moved {
+            let _ = SVC_CT_NEW.remove(key);
+        }
+        (partner_moved || moved) as u32
     }
 }
 
@@ -375,17 +522,17 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) {
 #[inline(always)]
 fn forget(key: &CtKey, v: &CtValue) {
     forget_partner(key, v);
-    let _ = SVC_CT.remove(key);
+    remove(key);
 }
 
 /// Removes the entry at the partner key of `key`/`v` if it is still this flow's.
 #[inline(always)]
 fn forget_partner(key: &CtKey, v: &CtValue) {
     let pk = partner_key(key, v);
-    if let Some(pe) = SVC_CT.get_ptr(pk) {
+    if let Some(pe) = find(&pk) {
         // SAFETY: a map value, read in place.
         if partner_key(&pk, unsafe { &*pe }) == *key {
-            let _ = SVC_CT.remove(pk);
+            remove(&pk);
         }
     }
 }
@@ -403,15 +550,15 @@ fn reclaim(key: &CtKey, seen: &CtValue, rep: &CtValue) -> bool {
     if !claim(key) {
         return false;
     }
-    let stored = match SVC_CT.get_ptr(key) {
+    let stored = match find(key) {
         // SAFETY: a map value, compared in place.
         Some(e) if unsafe { &*e } != seen => false,
         found => {
             if found.is_some() {
-                let _ = SVC_CT.remove(key);
+                remove(key);
                 forget_partner(key, seen);
             }
-            SVC_CT.insert(key, rep, BPF_NOEXIST as u64).is_ok()
+            SVC_CT_NEW.insert(key, rep, BPF_NOEXIST as u64).is_ok()
         }
     };
     unclaim(key);
@@ -436,7 +583,7 @@ pub fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
         return true;
     }
     let pk = partner_key(key, v);
-    match SVC_CT.get_ptr(pk) {
+    match find(&pk) {
         // SAFETY: a map value, read in place.
         Some(pe) => unsafe {
             partner_key(&pk, &*pe) == *key
@@ -461,7 +608,7 @@ fn idle(key: &CtKey, v: &CtValue, now: u64) -> bool {
         return false;
     }
     let pk = partner_key(key, v);
-    match SVC_CT.get_ptr(pk) {
+    match find(&pk) {
         // SAFETY: a map value, read in place.
         Some(pe) => unsafe {
             partner_key(&pk, &*pe) != *key || now.saturating_sub((*pe).last_seen_ns) > bound
@@ -483,9 +630,9 @@ pub fn handing_holds(v: &CtValue, now: u64) -> bool {
 #[inline(never)]
 pub fn lapse_handing(p: &Pkt) {
     let key = key_of(p, ct_dir::FORWARD);
-    if let Some(e) = SVC_CT.get_ptr_mut(key) {
-        // SAFETY: a map value; a racing writer stores only times and flags.
-        unsafe { (*e).flags &= !ct_flags::HANDING };
+    if let Some(e) = find(&key) {
+        // SAFETY: a map value.
+        unsafe { clear_flags(e, ct_flags::HANDING) };
     }
 }
 
@@ -538,7 +685,7 @@ pub const NOW_ON_HIT: u64 = 0;
 #[inline(never)]
 pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> u32 {
     let mut now = now;
-    let Some(e) = live(key, pod, add & ANSWER != 0, &mut now, out) else {
+    let Some(mut e) = live(key, pod, add & ANSWER != 0, &mut now, out) else {
         return MISS;
     };
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
@@ -562,12 +709,18 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     if add & OUT_OF_WINDOW != 0 {
         return INVALID;
     }
-    if add & ACKS != 0
+    // TCP: the client's ACK of the backend's SYN-ACK (`track` let `ACKS` through only for
+    // one). UDP, ICMP echo: the client's packet after a reply, a stream.
+    if (add & ACKS != 0 || key.proto != IPPROTO_TCP)
         && key.dir == ct_dir::FORWARD
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
+        && assure(key, e, out) != 0
     {
-        assure(key, e, out);
+        match find(key) {
+            Some(moved) => e = moved,
+            None => return HIT,
+        }
     }
     let add = add as u16 & !out.flags;
     if add != 0 {
@@ -576,12 +729,12 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         // racing a new flow's take-over (`take_over`) must not store the closed flow's flags
         // over the new flow's.
         unsafe {
-            (*e).flags |= add;
+            add_flags(e, add);
             (*e).last_seen_ns = now;
         }
-        if let Some(pe) = SVC_CT.get_ptr_mut(partner_key(key, out)) {
+        if let Some(pe) = find(&partner_key(key, out)) {
             // SAFETY: as above.
-            unsafe { (*pe).flags |= add };
+            unsafe { add_flags(pe, add) };
         }
     } else if now.saturating_sub(out.last_seen_ns) > REFRESH_NS {
         // SAFETY: as above.
@@ -610,7 +763,7 @@ fn live(
     now: &mut u64,
     out: &mut CtValue,
 ) -> Option<*mut CtValue> {
-    let e = SVC_CT.get_ptr_mut(key)?;
+    let e = find(key)?;
     if *now == NOW_ON_HIT {
         *now = crate::lb::clock_ns();
     }
@@ -664,7 +817,7 @@ pub fn syn_on_reply_tuple(p: &Pkt, pod: bool) {
         dir: ct_dir::REPLY,
         _pad0: [0; 2],
     };
-    let Some(e) = SVC_CT.get_ptr(key) else {
+    let Some(e) = find(&key) else {
         return;
     };
     // SAFETY: a map value, copied out.
@@ -737,15 +890,18 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         }
         forget(fwd_key, old);
     }
-    if SVC_CT.insert(rep_key, rep, BPF_NOEXIST as u64).is_err() {
-        // Taken. By this very flow (its FORWARD entry expired or was evicted first), or by a
-        // dead one: replaced. By another closed flow: replaced, its FORWARD entry removed. By
-        // another live flow: a clash. Checked and replaced under a claim, as `store` does.
+    if SVC_CT.get_ptr(rep_key).is_some()
+        || SVC_CT_NEW.insert(rep_key, rep, BPF_NOEXIST as u64).is_err()
+    {
+        // Taken, in either table. By this very flow (its FORWARD entry expired or was evicted
+        // first), or by a dead one: replaced. By another closed flow: replaced, its FORWARD
+        // entry removed. By another live flow: a clash. Checked and replaced under a claim,
+        // as `store` does.
         if !claim(&rep_key) {
             return CREATE_ERR;
         }
         let mut clash = false;
-        if let Some(e) = SVC_CT.get_ptr(rep_key) {
+        if let Some(e) = find(&rep_key) {
             // SAFETY: a map value, copied out.
             let e = unsafe { *e };
             if partner_key(&rep_key, &e) != *fwd_key {
@@ -756,7 +912,11 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
                 }
             }
         }
-        let stored = !clash && SVC_CT.insert(rep_key, rep, 0).is_ok();
+        if !clash {
+            // What is left at the key in the assured table would shadow the new entry.
+            let _ = SVC_CT.remove(rep_key);
+        }
+        let stored = !clash && SVC_CT_NEW.insert(rep_key, rep, 0).is_ok();
         unclaim(&rep_key);
         if clash {
             return CLASH;
@@ -766,7 +926,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         }
     }
     if !store(fwd_key, fwd) {
-        let _ = SVC_CT.remove(rep_key);
+        let _ = SVC_CT_NEW.remove(rep_key);
         return CREATE_ERR;
     }
     CREATED
@@ -781,7 +941,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
 /// when either entry is gone or no longer this closed flow's.
 #[inline(always)]
 fn take_over(fwd_key: &CtKey, rep_key: &CtKey, fwd: &CtValue, rep: &CtValue) -> bool {
-    let (Some(fe), Some(re)) = (SVC_CT.get_ptr_mut(fwd_key), SVC_CT.get_ptr_mut(rep_key)) else {
+    let (Some(fe), Some(re)) = (find(fwd_key), find(rep_key)) else {
         return false;
     };
     // SAFETY: map values, checked and written in place.
@@ -878,7 +1038,7 @@ pub fn create_snat(f: *mut Flow) -> u32 {
         }
         (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
         if !store(&(*f).key, &(*f).fwd) {
-            let _ = SVC_CT.remove((*f).try_key);
+            let _ = SVC_CT_NEW.remove((*f).try_key);
             return SNAT_ERR;
         }
     }
@@ -907,7 +1067,7 @@ fn forward_tuple_taken(f: &mut Flow) -> bool {
         return false;
     }
     f.try_key.dir = ct_dir::FORWARD;
-    let taken = match SVC_CT.get_ptr(f.try_key) {
+    let taken = match find(&f.try_key) {
         Some(e) => {
             // SAFETY: a map value, copied out (as `snat_try` does).
             unsafe { copy_value(&mut f.seen, e) };
@@ -934,7 +1094,7 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     if forward_tuple_taken(f) {
         return 0;
     }
-    if let Some(e) = SVC_CT.get_ptr(f.try_key) {
+    if let Some(e) = find(&f.try_key) {
         // SAFETY: a map value, copied out (into the scratch space, not the stack): another
         // CPU may reclaim the port and store its own flow in this very element meanwhile.
         unsafe { copy_value(&mut f.seen, e) };
@@ -959,7 +1119,10 @@ extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
     } else {
         s.snat_busy = 0;
         // The claim: of two CPUs that found the port free, one stores.
-        if SVC_CT.insert(f.try_key, f.rep, BPF_NOEXIST as u64).is_err() {
+        if SVC_CT_NEW
+            .insert(f.try_key, f.rep, BPF_NOEXIST as u64)
+            .is_err()
+        {
             return 0;
         }
     }

@@ -1,13 +1,14 @@
-//! Removes dead flows from connection tracking (`SVC_CT`): run by the agent every
-//! `--conntrack-sweep-interval` through BPF_PROG_TEST_RUN, never attached.
+//! Removes dead flows from connection tracking (`SVC_CT`, then `SVC_CT_NEW`): run by the
+//! agent every `--conntrack-sweep-interval` through BPF_PROG_TEST_RUN, never attached.
 //!
-//! The table is an LRU: without a sweep, a flow's entries stay after it has died (idle past
-//! its timeout, which is the 10 s closing timeout once it is closed) until new flows evict
-//! them, so a busy node's table fills with dead flows. Its LRU evicts by last use
-//! (approximately: per-CPU lists, a second chance for entries in use), so once it is full an
-//! idle but live flow, a connection quiet for minutes within its 24 h, goes before flows
-//! that died seconds ago. Swept, a full table holds live flows, flows still within their
-//! timeouts, and flows dead for less than one interval only.
+//! The assured table is no LRU: nothing but the sweep (and a new flow stored over a dead
+//! entry, or a closed flow taken over) removes a flow's entries after it has died (idle past
+//! its timeout, which is the 10 s closing timeout once it is closed); unswept, it would fill
+//! with dead flows and refuse to assure new ones. The unassured table is an LRU, which
+//! evicts dead flows on its own, but only once it is full, and by last use (approximately:
+//! per-CPU lists), so a handshake in flight may go before a flow that died a minute ago.
+//! Swept, each holds live flows, flows still within their timeouts, and flows dead for less
+//! than one interval only.
 //!
 //! In the kernel rather than from userspace, so that an entry is checked and removed under
 //! one claim within one program run (`sweep_one`), where a walk by syscalls would remove by
@@ -18,28 +19,32 @@ use core::ffi::c_void;
 use aya_ebpf::helpers::generated::bpf_for_each_map_elem;
 use svc_common::{CtKey, CtValue};
 
-use crate::{ct, lb, maps::SVC_CT};
+use crate::{
+    ct, lb,
+    maps::{SVC_CT, SVC_CT_NEW},
+};
 
 /// The sweep's state, on the program's stack (bpf_for_each_map_elem's context).
 #[repr(C)]
 struct Sweep {
     now: u64,
     removed: u32,
-    _pad0: u32,
+    /// 0 while the walk is of `SVC_CT`, 1 of `SVC_CT_NEW`.
+    table: u32,
 }
 
-/// Removes every entry of `SVC_CT` whose flow is dead (`ct::alive`: neither direction seen
-/// within its timeout); the number removed.
+/// Removes every entry of `SVC_CT` and `SVC_CT_NEW` whose flow is dead (`ct::alive`: neither
+/// direction seen within its timeout); the number removed.
 #[inline(always)]
 pub fn sweep() -> u32 {
     let mut s = Sweep {
         now: lb::clock_ns(),
         removed: 0,
-        _pad0: 0,
+        table: 0,
     };
-    // SAFETY: the map is this object's (its definition's address, as aya-ebpf passes it to
-    // every map helper); the callback has the signature bpf_for_each_map_elem calls; its
-    // context is `s`, on this stack for the whole walk.
+    // SAFETY: the maps are this object's (their definitions' addresses, as aya-ebpf passes
+    // them to every map helper); the callback has the signature bpf_for_each_map_elem calls;
+    // its context is `s`, on this stack for the whole walk.
     unsafe {
         bpf_for_each_map_elem(
             core::ptr::from_ref(&SVC_CT).cast_mut().cast(),
@@ -47,7 +52,14 @@ pub fn sweep() -> u32 {
             (&raw mut s).cast(),
             0,
         );
-        // Volatile: written through the callback's pointer, which the compiler cannot see.
+        // Volatile: the callback writes through a pointer the compiler cannot see.
+        core::ptr::write_volatile(&raw mut s.table, 1);
+        bpf_for_each_map_elem(
+            core::ptr::from_ref(&SVC_CT_NEW).cast_mut().cast(),
+            sweep_one as *mut c_void,
+            (&raw mut s).cast(),
+            0,
+        );
         core::ptr::read_volatile(&raw const s.removed)
     }
 }
@@ -77,16 +89,26 @@ extern "C" fn sweep_one(
         if ct::alive(&key, &*v, now) || !ct::claim(&key) {
             return 0;
         }
-        if let Some(cur) = SVC_CT.get_ptr(key) {
+        let new = core::ptr::read_volatile(&raw const (*s).table) != 0;
+        let cur = if new {
+            SVC_CT_NEW.get_ptr(key)
+        } else {
+            SVC_CT.get_ptr(key)
+        };
+        if let Some(cur) = cur {
             // Its own time only: a dead flow's partner stays dead (a packet on its tuple is a
             // miss that refreshes nothing), or goes to a new flow, which then needs this key
             // for its other entry: refused under the claim (the flow fails, counted) or
             // stored once this entry is gone.
-            if core::ptr::eq(cur, v.cast_const())
-                && !ct::fresh(&key, &*cur, now)
-                && SVC_CT.remove(key).is_ok()
-            {
-                (*s).removed += 1;
+            if core::ptr::eq(cur, v.cast_const()) && !ct::fresh(&key, &*cur, now) {
+                let removed = if new {
+                    SVC_CT_NEW.remove(key)
+                } else {
+                    SVC_CT.remove(key)
+                };
+                if removed.is_ok() {
+                    (*s).removed += 1;
+                }
             }
         }
         ct::unclaim(&key);

@@ -108,10 +108,21 @@ pub static SVC_NODE_ADDR_BITS: Array<u64, { NODE_ADDR_BIT_WORDS as usize }> = Ar
 pub static SVC_SRC_RANGES: LpmTrie<[u8; 20], u32, { capacity::SRC_RANGES as usize }> =
     LpmTrie::new();
 
-/// Connection tracking of the packet datapath: two entries per flow. LRU, so a full table
-/// forgets the least recently used flows instead of refusing new ones.
+/// Connection tracking of the packet datapath's assured flows (`ct_flags::UNASSURED` cleared):
+/// two entries per flow. Not an LRU: nothing evicts an assured flow for a new one, as
+/// conntrack never does; its entries go when the flow is dead (the sweep, gc.rs; a new flow
+/// stored over a dead one) or closed and taken over. A full table keeps a newly assured flow
+/// in `SVC_CT_NEW` (`stat::CT_ASSURED_FULL`). Preallocated: no allocation on the datapath.
 #[btf_map]
-pub static SVC_CT: LruHashMap<CtKey, CtValue, { capacity::CT as usize }> = LruHashMap::new();
+pub static SVC_CT: HashMap<CtKey, CtValue, { capacity::CT as usize }> = HashMap::new();
+
+/// Connection tracking of flows not assured yet (handshakes in flight, UDP flows that are no
+/// stream yet, and a flood's spoofed SYNs): both entries of each, moved to `SVC_CT` when the
+/// flow is assured (ct.rs, `assure`). LRU: a full table forgets the least recently used
+/// unassured flows for new ones, as conntrack drops unassured entries first.
+#[btf_map]
+pub static SVC_CT_NEW: LruHashMap<CtKey, CtValue, { capacity::ct_new(capacity::CT) as usize }> =
+    LruHashMap::new();
 
 #[btf_map]
 pub static SVC_CONFIG: Array<DatapathConfig, 1> = Array::new();

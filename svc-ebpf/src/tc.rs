@@ -609,15 +609,15 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
 #[inline(always)]
 fn new_flow(f: &mut Flow, p: &Pkt, backend: &Endpoint, id: u32, flags: u16, now: u64) {
     f.key = ct::key_of(p, ct_dir::FORWARD);
-    // A TCP flow is unassured until the client acknowledges the backend's SYN-ACK, and its
-    // client's sequence numbers are tracked from its SYN (the reply's from the SYN-ACK).
+    // Every new flow is unassured (ct.rs, `assure`). A TCP flow's client sequence numbers
+    // are tracked from its SYN (the reply's from the SYN-ACK).
     let (flags, seq_end) = if p.proto == IPPROTO_TCP {
         (
             flags | ct_flags::UNASSURED | ct_flags::TRACKED,
             p.seq().wrapping_add(p.seq_len()),
         )
     } else {
-        (flags, 0)
+        (flags | ct_flags::UNASSURED, 0)
     };
     f.fwd = CtValue {
         nat_addr: backend.addr,

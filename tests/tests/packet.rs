@@ -661,6 +661,15 @@ fn nodeport_from_outside() {
         assert_eq!(udp, Err(std::io::ErrorKind::ConnectionRefused), "UDP {to}");
     }
 
+    // A connection to the remote backend held open: its SNAT port is in use (the closed
+    // flows' and the one-exchange UDP flows' are not: a new flow may take them).
+    let remote = sa(NODE1, 30082);
+    let _held = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&remote, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+
     // What an operator sees in /metrics: the decisions on eth0, and the flows tracked.
     let (status, metrics) = in_ns(&t.node1, || {
         http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
@@ -681,7 +690,8 @@ fn nodeport_from_outside() {
     assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"reply\"}") > 0);
     assert!(value("svc_conntrack_flows{snat=\"true\"}") >= 40);
     assert!(value("svc_conntrack_flows{snat=\"false\"}") >= 40);
-    assert!(value("svc_conntrack_entries") >= 2 * 88);
+    // Both tables: a UDP flow with one exchange is not assured.
+    assert!(value("svc_conntrack_entries") + value("svc_conntrack_unassured_entries") >= 2 * 88);
     assert!(value("svc_snat_ports_in_use_max") >= 1);
 }
 
@@ -2259,11 +2269,11 @@ fn metric(t: &Topo, line: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
 }
 
-/// Dead flows are swept from connection tracking, so they do not push live ones out: an
-/// idle TCP connection through a NodePort lives on while twice the table's room of short UDP
-/// flows come and die around it. Without the sweep (`--conntrack-sweep-interval=0`) the
-/// table turns over, its LRU evicts the idle connection's entries, and its next segment
-/// fails.
+/// Dead flows are swept from connection tracking, and short flows do not push live ones out:
+/// an idle TCP connection through a NodePort lives on while twice the table's room of short
+/// UDP flows come and die around it, with the sweep or without it
+/// (`--conntrack-sweep-interval=0`): those flows are unassured and turn over a table of their
+/// own.
 #[test]
 fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
     let mut t = Topo::new();
@@ -2339,17 +2349,16 @@ fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
         ]
     };
 
-    // Without the sweep: the idle connection is what the LRU gives up.
+    // Without the sweep: the churn's flows (a request and its reply each, never a stream)
+    // stay unassured and turn over a table of their own; the assured connection is in one
+    // that nothing evicts. (Before the two tables, it was what the LRU gave up.)
     let f = flags("0");
     t.start_agent_with(&f.iter().map(String::as_str).collect::<Vec<_>>());
     let c = connect(&t);
     assert_eq!(churn(&t), 0, "every UDP flow answered");
-    let after = exchange(&c);
-    assert!(
-        matches!(&after, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset
-            || is_timeout(e)),
-        "without the sweep, the idle flow is evicted and its next segment fails (a reset, or \
-         no answer): {after:?}"
+    assert_eq!(
+        exchange(&c).expect("without the sweep, the unassured flows go, not the connection"),
+        via()
     );
     assert_eq!(metric(&t, "svc_conntrack_sweeps_total"), 0);
     drop(c);
@@ -2364,9 +2373,12 @@ fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
         exchange(&c).expect("the idle flow outlives the dead ones"),
         via()
     );
-    // The previous agent's dead flows and this one's, both entries of each.
+    // Dead flows of the previous agent and of this one, both entries of each: more than the
+    // unassured table holds, so the sweep, not only its LRU, removed them (the LRU evicts
+    // some of the dead ones first once the table is full).
     let swept = metric(&t, "svc_conntrack_swept_entries_total");
-    assert!(swept >= u64::from(ROOM), "swept {swept} entries");
+    let unassured_room = u64::from(svc_common::capacity::ct_new(ROOM));
+    assert!(swept > unassured_room, "swept {swept} entries");
     assert!(metric(&t, "svc_conntrack_sweeps_total") >= 5);
 }
 
@@ -3422,12 +3434,109 @@ fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports() {
     );
 }
 
-/// Every connection-tracking entry of the pinned map.
+/// Every connection-tracking entry of the pinned tables (assured and unassured).
 fn ct_entries(t: &Topo) -> Vec<(svc_common::CtKey, svc_common::CtValue)> {
     use std::os::fd::AsFd;
     let store = svc_agent::datapath::open_pinned(t.bpffs.path()).expect("the pinned maps");
     let ct = store.ct.as_ref().expect("the connection-tracking map");
-    svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT")
+    let mut all: Vec<_> = svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT");
+    if let Some(new) = &store.ct_new {
+        all.extend(
+            svc_agent::sys::dump_hash::<svc_common::CtKey, svc_common::CtValue>(new.fd().as_fd())
+                .expect("reading SVC_CT_NEW"),
+        );
+    }
+    all
+}
+
+/// A flood of spoofed SYNs against a small table evicts no established connection: with
+/// `--max-ct 1024`, three idle connections (two to a local backend, one to a remote, SNATed
+/// one) exchange data after 3,000 spoofed SYNs to the remote backend's NodePort (which the
+/// backend answers), and new connections to both connect. Before, one LRU table held every flow, the flood's flows
+/// evicted the idle connections, and their next segments were reset (issue 33, finding 3).
+#[test]
+fn a_syn_flood_evicts_no_idle_established_connection() {
+    let mut t = Topo::new();
+    t.service("web", nodeport("web", 46, 30088));
+    t.endpoints("web", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 47, 30089));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&["--max-ct", "1024"]);
+    let (local, remote) = (sa(NODE1, 30088), sa(NODE1, 30089));
+    // The connections and the flood are sent from one CPU, so the node's ingress makes every
+    // entry there: an LRU evicts from the per-CPU lists of the CPU that needs room, and
+    // entries made on a CPU that makes no more would never be evicted (see
+    // `a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones`).
+    fn on_first_cpu() {
+        // SAFETY: CPU sets of the size given, for this thread alone.
+        let r = unsafe {
+            let size = std::mem::size_of::<libc::cpu_set_t>();
+            let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+            assert_eq!(libc::sched_getaffinity(0, size, &mut allowed), 0);
+            let first = (0..libc::CPU_SETSIZE as usize)
+                .find(|&c| libc::CPU_ISSET(c, &allowed))
+                .expect("a CPU to run on");
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(first, &mut set);
+            libc::sched_setaffinity(0, size, &set)
+        };
+        assert_eq!(
+            r,
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let conns = in_ns(&t.client, move || {
+        on_first_cpu();
+        [local, local, remote].map(|to| {
+            let c = TcpStream::connect_timeout(&to, ANSWER).expect("connecting");
+            exchange(&c).expect("the first exchange");
+            c
+        })
+    });
+    // Idle a while, as the connections the issue saw reset were.
+    std::thread::sleep(Duration::from_secs(2));
+
+    // Against the remote backend's NodePort: its SYN-ACKs come back through node 1's
+    // ingress and are translated (to addresses no namespace holds), so the flood's flows are
+    // used as much as a real handshake's and the kernel's LRU cannot tell them apart.
+    let node = std::net::SocketAddrV4::new(NODE1.parse().unwrap(), 30089);
+    let syns = (0..3000u32)
+        .map(|i| {
+            let src = std::net::SocketAddrV4::new(spoofed(i), 20000 + (i / 100) as u16);
+            svc_tests::raw::Segment::new(src, node, svc_tests::raw::SYN, 0x2000_0000 + i, 0)
+        })
+        .collect::<Vec<_>>();
+    in_ns(&t.client2, move || {
+        on_first_cpu();
+        let sender = svc_tests::raw::Sender::new().expect("a raw socket");
+        for s in &syns {
+            sender.send(s).expect("sending a spoofed SYN");
+        }
+    });
+    // The backend's SYN-ACKs have gone out (to addresses no namespace holds) by now.
+    std::thread::sleep(Duration::from_millis(500));
+
+    for (i, c) in conns.iter().enumerate() {
+        let to = c.peer_addr().expect("the connection's peer");
+        let after = exchange(c);
+        assert!(
+            after.is_ok(),
+            "idle connection {i} to {to} after 3,000 spoofed SYNs: {after:?}"
+        );
+    }
+    for to in [local, remote] {
+        let failures = in_ns(&t.client, move || {
+            (0..5)
+                .filter_map(|_| tcp_once(to, ANSWER).err().map(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        assert!(
+            failures.is_empty(),
+            "new connections to {to} after the flood: {failures:?}"
+        );
+    }
 }
 
 /// The entry of the flow whose packets carry `(src, dst)` in direction `dir`.
@@ -3956,7 +4065,8 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     }
     let dir = t.bpffs.path().to_path_buf();
     v1.pin(dir.join("SVC_CT_v1")).expect("pinning layout 1");
-    std::fs::remove_file(dir.join("SVC_CT_v2")).expect("removing layout 2's pin");
+    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
     t.agent().restart().expect("restart");
     t.agent()
@@ -3979,6 +4089,167 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
         Ok((!dir.join("SVC_CT_v1").exists()).then_some(()))
     })
     .expect("layout 1's pin removed once the programs switched");
+}
+
+/// An agent taking over from one whose connection-tracking map is of layout 2 (one LRU of
+/// every flow, before the assured table) carries its flows over, each into the table its
+/// `UNASSURED` bit says: a connection held open through a NodePort goes on, and its entries
+/// are in the assured table, where a flood cannot evict them. Layout 2's map is made here from
+/// what the running datapath holds, pinned where such an agent left it, and the newer pins
+/// removed, as an upgrade from that agent finds them.
+#[test]
+fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
+    use std::os::fd::AsFd;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let np = sa(NODE1, 30081);
+    let c = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+    let client = c.local_addr().expect("the client's address");
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+
+    let entries = ct_entries(&t);
+    assert!(!entries.is_empty());
+    let v2 = svc_agent::sys::map_create(
+        9, /* BPF_MAP_TYPE_LRU_HASH */
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValue>() as u32,
+        1024,
+        0,
+        "SVC_CT",
+    )
+    .expect("a map of layout 2");
+    let v2 = aya::maps::MapData::from_fd(v2).expect("the map");
+    {
+        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
+                aya::maps::MapData::from_fd(v2.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
+            ))
+            .expect("the map");
+        for (k, v) in &entries {
+            m.insert(k, v, 0).expect("a flow of layout 2");
+        }
+    }
+    let dir = t.bpffs.path().to_path_buf();
+    v2.pin(dir.join("SVC_CT_v2")).expect("pinning layout 2");
+    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
+
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 2 over"),
+        "{}",
+        t.agent().log()
+    );
+    // The connection's FORWARD entry, assured, in the assured table.
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> =
+        svc_agent::sys::dump_hash(store.ct.as_ref().expect("the assured table").fd().as_fd())
+            .expect("reading SVC_CT");
+    assert!(
+        assured
+            .iter()
+            .any(|(k, v)| k.dir == svc_common::ct_dir::FORWARD
+                && k.sport_be == client.port().to_be()
+                && v.flags & svc_common::ct_flags::UNASSURED == 0),
+        "the connection is in the assured table: {assured:?}"
+    );
+    let c = in_ns(&t.client, move || {
+        let a = exchange(&c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, "pod1");
+        c
+    });
+    drop(c);
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
+    })
+    .expect("layout 2's pin removed once the programs switched");
+}
+
+/// An upgrade from a real agent of the previous layout (one connection-tracking table,
+/// `SVC_PREVIOUS_AGENT_BIN`; skipped without it) keeps a connection it made: the new agent
+/// carries the flow into its assured table, and the connection, to a local and to a remote
+/// (SNATed) backend, exchanges data after the switch.
+#[test]
+fn connections_survive_an_upgrade_from_the_agent_with_one_table() {
+    use std::os::fd::AsFd;
+    let Some(old) = std::env::var_os("SVC_PREVIOUS_AGENT_BIN") else {
+        eprintln!("skipped: set SVC_PREVIOUS_AGENT_BIN to a svc-agent of layout 2's SVC_CT");
+        return;
+    };
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent();
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    let new = t.tools.agent.clone();
+    t.agent().set_bin(std::path::Path::new(&old));
+    t.agent().restart().expect("the previous agent");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("the previous agent ready");
+    let dir = t.bpffs.path().to_path_buf();
+    assert!(dir.join("SVC_CT_v2").exists(), "the previous layout serves");
+    let (local, remote) = (sa(NODE1, 30081), sa(NODE1, 30082));
+    let conns = in_ns(&t.client, move || {
+        [local, remote].map(|to| {
+            let c = TcpStream::connect_timeout(&to, ANSWER).expect("a connection");
+            exchange(&c).expect("its first exchange");
+            c
+        })
+    });
+    let client_ports: Vec<u16> = conns
+        .iter()
+        .map(|c| c.local_addr().expect("the client's address").port())
+        .collect();
+
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent().set_bin(&new);
+    t.agent().restart().expect("the new agent");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("the new agent ready");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 2 over"),
+        "{}",
+        t.agent().log()
+    );
+    for (c, want) in conns.iter().zip(["pod1", "pod2"]) {
+        let a = exchange(c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, want);
+    }
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> =
+        svc_agent::sys::dump_hash(store.ct.as_ref().expect("the assured table").fd().as_fd())
+            .expect("reading SVC_CT");
+    for port in client_ports {
+        assert!(
+            assured
+                .iter()
+                .any(|(k, v)| k.dir == svc_common::ct_dir::FORWARD
+                    && k.sport_be == port.to_be()
+                    && v.flags & svc_common::ct_flags::UNASSURED == 0),
+            "the connection from port {port} is in the assured table: {assured:?}"
+        );
+    }
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
+    })
+    .expect("layout 2's pin removed once the programs switched");
 }
 
 /// `/metrics` of node 1 (the agent's `--metrics-bind-address 127.0.0.1:10249`), whole.

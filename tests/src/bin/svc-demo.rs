@@ -453,8 +453,8 @@ fn packet_demo(tools: &Tools) -> Result<bool> {
     let ct = svc_agent::datapath::map_pin(bpffs.path(), svc_common::map_names::CT);
     let ct_path = ct.to_string_lossy().into_owned();
     println!(
-        "\n$ bpftool -j map dump pinned {ct_path}    # connection tracking: two entries per \
-         flow; flows to pod2 (node 2) are SNATed to 10.77.0.1 on ports above the node's \
+        "\n$ bpftool -j map dump pinned {ct_path}    # connection tracking of assured flows: two \
+         entries per flow; flows to pod2 (node 2) are SNATed to 10.77.0.1 on ports above the node's \
          ephemeral range, flows to pod1 keep the client's address (the first two shown)"
     );
     match run("bpftool", ["-j", "map", "dump", "pinned", &ct_path]) {
