@@ -482,13 +482,19 @@ pub fn build_ebpf() -> Result<PathBuf> {
 
 fn build(release: bool) -> Result<()> {
     build_ebpf()?;
-    // Release builds (the benches) without clippy-driver: its MIR settings are for lints.
-    let mut c = if release { cargo() } else { dev_cargo()? };
-    c.args(["build", "-p", "svc-agent", "-p", "svc-tests", "--bins"]);
-    if release {
-        c.arg("--release");
-    }
-    run(&mut c)
+    let mut c = if release {
+        // The benches' builds: as users build, not through clippy-driver.
+        let mut c = cargo();
+        c.args(["build", "--release", "-p", "svc-agent", "-p", "svc-tests"]);
+        c
+    } else {
+        // The lint's and the tests' selection, whose features are the same (svc-common's
+        // `default`, for one, is on only where the package itself is selected).
+        let mut c = dev_cargo()?;
+        c.arg("build").args(USERSPACE);
+        c
+    };
+    run(c.arg("--bins"))
 }
 
 fn require_root(task: &str) -> Result<()> {
@@ -523,8 +529,10 @@ fn run_task(task: Task) -> Result<()> {
         Task::Demo => {
             require_root("demo")?;
             build(false)?;
-            run(dev_cargo()?
-                .args(["run", "-q", "-p", "svc-tests", "--bin", "svc-demo"])
+            // The binary `build` made: `cargo run -p svc-tests` would resolve other features
+            // and build again.
+            run(Command::new(root().join("target/debug/svc-demo"))
+                .current_dir(root())
                 .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
         }
         Task::Test { quick: true, args } => {
@@ -745,7 +753,27 @@ fn run_task(task: Task) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::result_counts;
+    use super::{nextest_counts, result_counts};
+
+    #[test]
+    fn nextest_summaries_are_counted() {
+        assert_eq!(
+            nextest_counts("     Summary [ 355.123s] 349 tests run: 349 passed, 2 skipped"),
+            Some((349, 0))
+        );
+        assert_eq!(
+            nextest_counts(
+                "     Summary [  61.020s] 14 tests run: 11 passed (1 slow), 2 failed, 1 timed \
+                 out, 0 skipped"
+            ),
+            Some((11, 3))
+        );
+        assert_eq!(
+            nextest_counts("        PASS [   0.011s] xtask tests::x"),
+            None
+        );
+        assert_eq!(nextest_counts("tests: 3 passed, 0 failed"), None);
+    }
 
     #[test]
     fn closing_lines_of_libtest_and_libtest_mimic_are_counted() {
