@@ -10,11 +10,12 @@
 //! a loaded object from a pool, every map is put back as loaded (hash maps emptied, arrays to
 //! their first contents) before its first row, and the object goes back to the pool when the
 //! test's `Dp` drops. Run the binary as one process (`cargo test`, as `cargo xtask test` does):
-//! one process per test loads the object in each. Route
-//! lookups (bpf_fib_lookup) must answer the same on every machine, so each test first moves
-//! its thread into a network namespace of its own (unshare(CLONE_NEWNET)) with a few veth
-//! devices, addresses, routes and permanent neighbours: no traffic is sent, and nothing of
-//! the machine's own network is seen or touched. The namespace goes with the thread.
+//! one process per test loads the object in each.
+//!
+//! Route lookups (bpf_fib_lookup) must answer the same on every machine, so each test first
+//! moves its thread into a network namespace of its own (unshare(CLONE_NEWNET)) with a few
+//! veth devices, addresses, routes and permanent neighbours: no traffic is sent, and nothing
+//! of the machine's own network is seen or touched. The namespace goes with the thread.
 //!
 //! Needs root (bpf(2), CAP_NET_ADMIN in the namespace) and the object built by
 //! `cargo xtask build-ebpf` (or `$SVC_EBPF_OBJECT`).
