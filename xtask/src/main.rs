@@ -269,6 +269,8 @@ fn run_counting(
     use std::io::{BufRead, BufReader, Read};
     let mut total = (0u64, 0u64);
     let mut go = || -> Result<()> {
+        // After a signal no further phase starts; each reports it and the run ends with it.
+        forward::stop_if_signalled()?;
         eprintln!("+ {cmd:?}");
         match stream {
             Stream::Stdout => cmd.stdout(std::process::Stdio::piped()),
