@@ -409,7 +409,7 @@ fn clippy_driver() -> Result<PathBuf> {
 /// build of the same crates.
 fn lint_build(cmd: &mut Command) -> Result<()> {
     use std::io::{BufRead, BufReader};
-    cmd.arg("--message-format=json-diagnostic-rendered-ansi")
+    cmd.arg("--message-format=json")
         .stdout(std::process::Stdio::piped());
     eprintln!("+ {cmd:?}");
     let mut child = forward::spawn(cmd).context("running cargo build")?;
