@@ -342,6 +342,23 @@ fn result_counts(line: &str) -> Option<(u64, u64)> {
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
+    // `cargo xtask` is `cargo run`, which gives xtask the variables of its own package
+    // (CARGO_PKG_NAME=xtask, CARGO_MANIFEST_DIR, ...). Passed on, they would differ from a
+    // shell's, and build scripts that watch them (ring's, through cc) would run again, and
+    // everything above them (rustls, kube, the agent) be compiled again, at every switch
+    // between `cargo xtask` and a plain `cargo`.
+    for (var, _) in std::env::vars_os() {
+        let Some(var) = var.to_str() else { continue };
+        if var.starts_with("CARGO_PKG_")
+            || var.starts_with("CARGO_MANIFEST_")
+            || matches!(
+                var,
+                "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+            )
+        {
+            c.env_remove(var);
+        }
+    }
     c
 }
 
