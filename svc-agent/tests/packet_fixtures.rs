@@ -5,11 +5,17 @@
 //! (byte for byte, and its checksums verified on their own) and the per-device counter the
 //! row should move are checked.
 //!
-//! The programs are the agent's own (the `svc` object), loaded but never attached. Route
-//! lookups (bpf_fib_lookup) must answer the same on every machine, so each test first moves
-//! its thread into a network namespace of its own (unshare(CLONE_NEWNET)) with a few veth
-//! devices, addresses, routes and permanent neighbours: no traffic is sent, and nothing of
-//! the machine's own network is seen or touched. The namespace goes with the thread.
+//! The programs are the agent's own (the `svc` object), loaded but never attached. They are
+//! loaded and verified once per test running at the same time, not once per test: a test takes
+//! a loaded object from a pool, every map is put back as loaded (hash maps emptied, arrays to
+//! their first contents) before its first row, and the object goes back to the pool when the
+//! test's `Dp` drops. Run the binary as one process (`cargo test`, as `cargo xtask test` does):
+//! one process per test loads the object in each.
+//!
+//! Route lookups (bpf_fib_lookup) must answer the same on every machine, so each test first
+//! moves its thread into a network namespace of its own (unshare(CLONE_NEWNET)) with a few
+//! veth devices, addresses, routes and permanent neighbours: no traffic is sent, and nothing
+//! of the machine's own network is seen or touched. The namespace goes with the thread.
 //!
 //! Needs root (bpf(2), CAP_NET_ADMIN in the namespace) and the object built by
 //! `cargo xtask build-ebpf` (or `$SVC_EBPF_OBJECT`).
@@ -713,7 +719,20 @@ const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
+/// A test's datapath: the loaded object (taken from `POOL` or loaded) with the map state a
+/// test starts from, and the devices of the test's own network namespace. Dropped, it puts the
+/// object back for the next test; that one resets every map first.
 struct Dp {
+    obj: Option<Loaded>,
+    ext0: u32,
+    ext1: u32,
+    pod0: u32,
+}
+
+/// The object with its programs loaded and verified, and handles on its maps. Loading and
+/// verifying the programs costs far more than a test's rows, so a test binary does it once per
+/// test running at the same time (and connection-tracking size), not once per test.
+struct Loaded {
     ebpf: Ebpf,
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, BackendId>,
@@ -730,9 +749,283 @@ struct Dp {
     config: Array<MapData, DatapathConfig>,
     dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
     stats: PerCpuArray<MapData, u64>,
-    ext0: u32,
-    ext1: u32,
-    pod0: u32,
+    /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
+    every_map: Vec<reset::KernelMap>,
+    ct_capacity: u32,
+    /// Maps left in `ebpf` after loading: a test that took one (`take_map`) leaves an object
+    /// the next test could not use in full, so it is not put back.
+    maps_left: usize,
+}
+
+/// Loaded objects no test is using, for the next test that wants one of their CT size.
+static POOL: std::sync::Mutex<Vec<Loaded>> = std::sync::Mutex::new(Vec::new());
+
+impl std::ops::Deref for Dp {
+    type Target = Loaded;
+    fn deref(&self) -> &Loaded {
+        self.obj.as_ref().expect("the object until drop")
+    }
+}
+
+impl std::ops::DerefMut for Dp {
+    fn deref_mut(&mut self) -> &mut Loaded {
+        self.obj.as_mut().expect("the object until drop")
+    }
+}
+
+impl Drop for Dp {
+    fn drop(&mut self) {
+        // Also after a failed test: the next one resets every map before its first row.
+        if let Some(obj) = self.obj.take() {
+            if obj.ebpf.maps().count() == obj.maps_left {
+                POOL.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(obj);
+            }
+        }
+    }
+}
+
+impl Loaded {
+    /// Loads the object with `ct` entries of connection tracking and verifies its tc programs.
+    fn load(ct: u32) -> Loaded {
+        let mut loader = EbpfLoader::new();
+        // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
+        for name in map_names::ALL {
+            if ![
+                map_names::STATS,
+                map_names::META,
+                map_names::SOCK_STATE,
+                map_names::CONFIG,
+            ]
+            .contains(&name)
+            {
+                let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
+                    ct
+                } else {
+                    1024
+                };
+                loader.map_max_entries(name, n);
+            }
+        }
+        let mut ebpf = loader.load(&object()).expect("loading the object");
+        let mut map_ids = Vec::new();
+        for prog in [
+            Prog::ExtIngress.name(),
+            Prog::ExtEgress.name(),
+            Prog::PodIngress.name(),
+            Prog::PodEgress.name(),
+            SWEEP,
+        ] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .unwrap_or_else(|| panic!("{prog} in the object"))
+                .try_into()
+                .expect("a classifier");
+            p.load()
+                .unwrap_or_else(|e| panic!("the verifier refuses {prog}: {e}"));
+            let info = p.info().expect("program info");
+            map_ids.extend(info.map_ids().expect("map ids").unwrap_or_default());
+        }
+        map_ids.sort_unstable();
+        map_ids.dedup();
+        let every_map = map_ids.into_iter().map(reset::KernelMap::new).collect();
+        let mut take = |name: &str| ebpf.take_map(name).unwrap_or_else(|| panic!("map {name}"));
+        let services = take(map_names::SERVICES).try_into().unwrap();
+        let slots = take(map_names::SLOTS).try_into().unwrap();
+        let backends = take(map_names::BACKENDS).try_into().unwrap();
+        let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
+        let affinity = take(map_names::AFFINITY).try_into().unwrap();
+        let node_addrs = take(map_names::NODE_ADDRS).try_into().unwrap();
+        let node_addr_bits = take(map_names::NODE_ADDR_BITS).try_into().unwrap();
+        let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
+        let ct_map = take(map_names::CT).try_into().unwrap();
+        let ct_new = take(map_names::CT_NEW).try_into().unwrap();
+        let config = take(map_names::CONFIG).try_into().unwrap();
+        let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
+        let stats = take(map_names::STATS).try_into().unwrap();
+        let maps_left = ebpf.maps().count();
+        Loaded {
+            ebpf,
+            services,
+            slots,
+            backends,
+            matches,
+            affinity,
+            node_addrs,
+            node_addr_bits,
+            src_ranges,
+            ct: ct_map,
+            ct_new,
+            config,
+            dev_stats,
+            stats,
+            every_map,
+            ct_capacity: ct,
+            maps_left,
+        }
+    }
+
+    /// Every map as it was loaded: hash-like maps empty, arrays back to their first contents.
+    fn reset(&self) {
+        for m in &self.every_map {
+            m.reset();
+        }
+    }
+}
+
+/// Putting maps back as loaded, through bpf(2) on any map whatever its key and value types.
+mod reset {
+    use std::os::fd::{AsFd, AsRawFd};
+
+    use aya::maps::{MapFd, MapInfo, MapType};
+
+    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+    const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+    /// Maps the programs cannot write (.rodata): nothing to put back, and no update allowed.
+    const BPF_F_RDONLY_PROG: u32 = 1 << 7;
+
+    /// `union bpf_attr` as the element commands read it.
+    #[repr(C)]
+    #[derive(Default)]
+    struct ElemAttr {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        value_or_next_key: u64,
+        flags: u64,
+    }
+
+    fn bpf(cmd: libc::c_long, attr: &mut ElemAttr) -> std::io::Result<()> {
+        // SAFETY: `attr` is a valid bpf_attr prefix of the size given, its pointers point at
+        // buffers of the map's key and value sizes (or are null where the command allows).
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr as *mut ElemAttr,
+                std::mem::size_of::<ElemAttr>(),
+            )
+        };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    enum Kind {
+        /// Emptied: entries exist only where a test or a program put them.
+        Hash,
+        /// Each index set back to the value it had after loading (zeros, or .data's).
+        Array { first: Vec<Vec<u8>> },
+        /// Read-only for programs, or holding programs: left as it is.
+        Kept,
+    }
+
+    pub struct KernelMap {
+        fd: MapFd,
+        name: String,
+        key_size: usize,
+        value_size: usize,
+        kind: Kind,
+    }
+
+    impl KernelMap {
+        /// The map with id `id`, and for an array its contents now.
+        pub fn new(id: u32) -> KernelMap {
+            let info = MapInfo::from_id(id).unwrap_or_else(|e| panic!("map id {id}: {e}"));
+            let name = info.name_as_str().unwrap_or("?").to_string();
+            let fd = info.fd().unwrap_or_else(|e| panic!("map {name}: {e}"));
+            let map_type = info
+                .map_type()
+                .unwrap_or_else(|e| panic!("map {name}: {e}"));
+            let per_cpu = matches!(map_type, MapType::PerCpuArray | MapType::PerCpuHash);
+            let value_size = if per_cpu {
+                let cpus = aya::util::nr_cpus().expect("possible CPUs");
+                (info.value_size() as usize).div_ceil(8) * 8 * cpus
+            } else {
+                info.value_size() as usize
+            };
+            let mut m = KernelMap {
+                fd,
+                name,
+                key_size: info.key_size() as usize,
+                value_size,
+                kind: Kind::Kept,
+            };
+            m.kind = match map_type {
+                _ if info.map_flags() & BPF_F_RDONLY_PROG != 0 => Kind::Kept,
+                MapType::ProgramArray => Kind::Kept,
+                MapType::Hash
+                | MapType::LruHash
+                | MapType::PerCpuHash
+                | MapType::LruPerCpuHash
+                | MapType::LpmTrie => Kind::Hash,
+                MapType::Array | MapType::PerCpuArray => Kind::Array {
+                    first: (0..info.max_entries()).map(|i| m.lookup(i)).collect(),
+                },
+                other => panic!(
+                    "map {}: the fixtures cannot reset a {other:?} between tests; teach \
+                     `reset` how",
+                    m.name
+                ),
+            };
+            m
+        }
+
+        fn attr(&self) -> ElemAttr {
+            ElemAttr {
+                map_fd: self.fd.as_fd().as_raw_fd() as u32,
+                ..Default::default()
+            }
+        }
+
+        fn lookup(&self, index: u32) -> Vec<u8> {
+            let mut value = vec![0u8; self.value_size];
+            let mut a = self.attr();
+            a.key = &index as *const u32 as u64;
+            a.value_or_next_key = value.as_mut_ptr() as u64;
+            bpf(BPF_MAP_LOOKUP_ELEM, &mut a)
+                .unwrap_or_else(|e| panic!("map {} [{index}]: {e}", self.name));
+            value
+        }
+
+        pub fn reset(&self) {
+            match &self.kind {
+                Kind::Kept => {}
+                Kind::Array { first } => {
+                    for (index, value) in (0u32..).zip(first) {
+                        let mut a = self.attr();
+                        a.key = &index as *const u32 as u64;
+                        a.value_or_next_key = value.as_ptr() as u64;
+                        bpf(BPF_MAP_UPDATE_ELEM, &mut a)
+                            .unwrap_or_else(|e| panic!("map {} [{index}]: {e}", self.name));
+                    }
+                }
+                Kind::Hash => {
+                    // The first key, deleted, until there is none: no walk over keys that
+                    // deletions move.
+                    let mut key = vec![0u8; self.key_size];
+                    loop {
+                        let mut a = self.attr();
+                        a.value_or_next_key = key.as_mut_ptr() as u64;
+                        match bpf(BPF_MAP_GET_NEXT_KEY, &mut a) {
+                            Ok(()) => {}
+                            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return,
+                            Err(e) => panic!("map {}: first key: {e}", self.name),
+                        }
+                        let mut a = self.attr();
+                        a.key = key.as_ptr() as u64;
+                        bpf(BPF_MAP_DELETE_ELEM, &mut a)
+                            .unwrap_or_else(|e| panic!("map {}: deleting: {e}", self.name));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A frontend as a test programs it.
@@ -758,77 +1051,22 @@ impl Dp {
     fn with_ct(ct: u32) -> Dp {
         require_root();
         private_network();
-        let mut loader = EbpfLoader::new();
-        // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
-        for name in map_names::ALL {
-            if ![
-                map_names::STATS,
-                map_names::META,
-                map_names::SOCK_STATE,
-                map_names::CONFIG,
-            ]
-            .contains(&name)
-            {
-                let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
-                    ct
-                } else {
-                    1024
-                };
-                loader.map_max_entries(name, n);
+        let pooled = {
+            let mut pool = POOL
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let i = pool.iter().position(|o| o.ct_capacity == ct);
+            i.map(|i| pool.swap_remove(i))
+        };
+        let obj = match pooled {
+            Some(obj) => {
+                obj.reset();
+                obj
             }
-        }
-        let mut ebpf = loader.load(&object()).expect("loading the object");
-        for prog in [
-            Prog::ExtIngress,
-            Prog::ExtEgress,
-            Prog::PodIngress,
-            Prog::PodEgress,
-        ] {
-            let p: &mut SchedClassifier = ebpf
-                .program_mut(prog.name())
-                .unwrap_or_else(|| panic!("{} in the object", prog.name()))
-                .try_into()
-                .expect("a classifier");
-            p.load()
-                .unwrap_or_else(|e| panic!("the verifier refuses {}: {e}", prog.name()));
-        }
-        let sweep: &mut SchedClassifier = ebpf
-            .program_mut(SWEEP)
-            .expect("the sweep in the object")
-            .try_into()
-            .expect("a classifier");
-        sweep
-            .load()
-            .unwrap_or_else(|e| panic!("the verifier refuses {SWEEP}: {e}"));
-        let mut take = |name: &str| ebpf.take_map(name).unwrap_or_else(|| panic!("map {name}"));
-        let services = take(map_names::SERVICES).try_into().unwrap();
-        let slots = take(map_names::SLOTS).try_into().unwrap();
-        let backends = take(map_names::BACKENDS).try_into().unwrap();
-        let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
-        let affinity = take(map_names::AFFINITY).try_into().unwrap();
-        let node_addrs = take(map_names::NODE_ADDRS).try_into().unwrap();
-        let node_addr_bits = take(map_names::NODE_ADDR_BITS).try_into().unwrap();
-        let src_ranges = take(map_names::SRC_RANGES).try_into().unwrap();
-        let ct = take(map_names::CT).try_into().unwrap();
-        let ct_new = take(map_names::CT_NEW).try_into().unwrap();
-        let config = take(map_names::CONFIG).try_into().unwrap();
-        let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
-        let stats = take(map_names::STATS).try_into().unwrap();
+            None => Loaded::load(ct),
+        };
         let mut dp = Dp {
-            ebpf,
-            services,
-            slots,
-            backends,
-            matches,
-            affinity,
-            node_addrs,
-            node_addr_bits,
-            src_ranges,
-            ct,
-            ct_new,
-            config,
-            dev_stats,
-            stats,
+            obj: Some(obj),
             ext0: ifindex("ext0"),
             ext1: ifindex("ext1"),
             pod0: ifindex("pod0"),
@@ -5301,6 +5539,7 @@ fn egress_leaves_a_packet_the_ingress_routed() {
         out
     };
     let sent = routed(&dp, TCP_SYN);
+    let ext0 = dp.ext0;
     dp.ct
         .insert(
             ct_key(
@@ -5313,7 +5552,7 @@ fn egress_leaves_a_packet_the_ingress_routed() {
                 nat_addr: ip16("192.0.2.10"),
                 nat_port_be: 30099u16.to_be(),
                 id: 22,
-                ifindex: dp.ext0,
+                ifindex: ext0,
                 last_seen_ns: coarse_ns(),
                 ..Default::default()
             },

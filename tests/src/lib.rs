@@ -19,7 +19,8 @@ pub mod manifest;
 pub mod memcg;
 pub mod netns;
 pub mod parity;
-pub mod plot;
+#[cfg(feature = "charts")]
+pub use svc_charts as plot;
 pub mod probe;
 pub mod procs;
 pub mod profile;

@@ -28,7 +28,11 @@ enum Task {
     Demo,
     /// Every test: unit tests and the privileged integration tests (needs root).
     Test {
-        /// Extra arguments for `cargo test`, after `--` (e.g. a test name filter).
+        /// Only the unit and model tests: no root, no control plane, no eBPF program loaded
+        /// (under 2 minutes on 2 cores).
+        #[arg(long)]
+        quick: bool,
+        /// Extra arguments for the test binaries, after `--` (e.g. a test name filter).
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -209,30 +213,117 @@ mod forward {
     }
 }
 
-/// Runs `cargo test`, passing its output through, and ends with one total over every test
-/// binary: cargo's own last line is the (empty) doc-test run of the last crate.
-fn run_tests(cmd: &mut Command) -> Result<()> {
-    use std::io::{BufRead, BufReader};
-    eprintln!("+ {cmd:?}");
-    let mut child =
-        forward::spawn(cmd.stdout(std::process::Stdio::piped())).context("running cargo test")?;
-    let (mut passed, mut failed) = (0u64, 0u64);
-    let stdout = child.stdout.take().context("cargo test stdout")?;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.context("reading cargo test output")?;
-        println!("{line}");
-        if let Some((p, f)) = result_counts(&line) {
-            passed += p;
-            failed += f;
+/// Tests passed and failed over the phases of a run.
+#[derive(Default)]
+struct Totals {
+    passed: u64,
+    failed: u64,
+    /// The phases that failed, by what they ran.
+    failures: Vec<String>,
+}
+
+impl Totals {
+    fn add(&mut self, what: &str, (passed, failed): (u64, u64), outcome: Result<()>) {
+        self.passed += passed;
+        self.failed += failed;
+        if let Err(e) = outcome {
+            self.failures.push(format!("{what}: {e:#}"));
         }
     }
-    let status = forward::wait(child).context("waiting for cargo test")?;
-    println!("tests: {passed} passed, {failed} failed");
-    forward::stop_if_signalled()?;
-    if !status.success() {
-        bail!("cargo test failed: {status}");
+
+    /// One total over every phase and test binary, then the run's outcome.
+    fn finish(self) -> Result<()> {
+        println!("tests: {} passed, {} failed", self.passed, self.failed);
+        forward::stop_if_signalled()?;
+        if !self.failures.is_empty() {
+            bail!("{}", self.failures.join("\n"));
+        }
+        Ok(())
     }
-    Ok(())
+}
+
+/// Runs `cargo test`, passing its output through: passed and failed over its test binaries
+/// (cargo's own last line is the (empty) doc-test run of the last crate), and its outcome.
+fn run_tests(cmd: &mut Command) -> ((u64, u64), Result<()>) {
+    run_counting(cmd, Stream::Stdout, result_counts)
+}
+
+/// Runs `cargo nextest run`, passing its output through: passed and failed from its summary,
+/// and its outcome.
+fn run_nextest(cmd: &mut Command) -> ((u64, u64), Result<()>) {
+    run_counting(cmd, Stream::Stderr, nextest_counts)
+}
+
+#[derive(Clone, Copy)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Runs `cmd`, printing what it writes and adding up `counts` over the lines of `stream`.
+fn run_counting(
+    cmd: &mut Command,
+    stream: Stream,
+    counts: fn(&str) -> Option<(u64, u64)>,
+) -> ((u64, u64), Result<()>) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut total = (0u64, 0u64);
+    let mut go = || -> Result<()> {
+        // After a signal no further phase starts; each reports it and the run ends with it.
+        forward::stop_if_signalled()?;
+        eprintln!("+ {cmd:?}");
+        match stream {
+            Stream::Stdout => cmd.stdout(std::process::Stdio::piped()),
+            Stream::Stderr => cmd.stderr(std::process::Stdio::piped()),
+        };
+        let mut child = forward::spawn(cmd).with_context(|| format!("running {cmd:?}"))?;
+        let out: Box<dyn Read> = match stream {
+            Stream::Stdout => Box::new(child.stdout.take().context("stdout")?),
+            Stream::Stderr => Box::new(child.stderr.take().context("stderr")?),
+        };
+        for line in BufReader::new(out).lines() {
+            let line = line.context("reading the test output")?;
+            match stream {
+                Stream::Stdout => println!("{line}"),
+                Stream::Stderr => eprintln!("{line}"),
+            }
+            if let Some((p, f)) = counts(&line) {
+                total.0 += p;
+                total.1 += f;
+            }
+        }
+        let status = forward::wait(child).with_context(|| format!("waiting for {cmd:?}"))?;
+        if !status.success() {
+            bail!("failed: {status}");
+        }
+        Ok(())
+    };
+    let outcome = go();
+    (total, outcome)
+}
+
+/// Passed and failed from nextest's closing line, `Summary [ 12.3s] 40 tests run: 39 passed,
+/// 1 failed, 2 skipped` (a test that timed out or failed to start counts as failed).
+fn nextest_counts(line: &str) -> Option<(u64, u64)> {
+    let (_, rest) = line
+        .trim_start()
+        .strip_prefix("Summary ")?
+        .split_once(" run: ")?;
+    let count = |words: &[&str]| -> u64 {
+        rest.split(',')
+            .filter_map(|part| {
+                let (n, word) = part.trim().split_once(' ')?;
+                words
+                    .iter()
+                    .any(|w| word.starts_with(w))
+                    .then(|| n.parse::<u64>().ok())?
+            })
+            .sum()
+    };
+    Some((
+        count(&["passed"]),
+        count(&["failed", "timed out", "exec fail"]),
+    ))
 }
 
 /// Passed and failed from a test binary's closing line, `test result: ok. 3 passed; 0 failed;
@@ -251,7 +342,124 @@ fn result_counts(line: &str) -> Option<(u64, u64)> {
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
+    // `cargo xtask` is `cargo run`, which gives xtask the variables of its own package
+    // (CARGO_PKG_NAME=xtask, CARGO_MANIFEST_DIR, ...). Passed on, they would differ from a
+    // shell's, and build scripts that watch them (ring's, through cc) would run again, and
+    // everything above them (rustls, kube, the agent) be compiled again, at every switch
+    // between `cargo xtask` and a plain `cargo`.
+    for (var, _) in std::env::vars_os() {
+        let Some(var) = var.to_str() else { continue };
+        if var.starts_with("CARGO_PKG_")
+            || var.starts_with("CARGO_MANIFEST_")
+            || matches!(
+                var,
+                "CARGO_CRATE_NAME" | "CARGO_BIN_NAME" | "CARGO_PRIMARY_PACKAGE"
+            )
+        {
+            c.env_remove(var);
+        }
+    }
     c
+}
+
+/// The userspace packages `lint` and `test` build, one selection for both: features are
+/// resolved over the packages selected, so another selection could build the dependencies
+/// again with other features. The kernel crate has its own target; svc-charts (the benches'
+/// renderer and font) is built and tested on its own, as its dependencies would change the
+/// features of some shared by the agent (bytemuck).
+const USERSPACE: &[&str] = &[
+    "--workspace",
+    "--exclude",
+    "svc-ebpf",
+    "--exclude",
+    "svc-charts",
+];
+
+/// The test binaries whose tests share something per process: the packet fixtures a loaded
+/// object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
+/// They run as whole binaries (`cargo test`), the rest through nextest, one process per test.
+const WHOLE_BINARIES: &[(&str, &str)] = &[
+    ("svc-agent", "packet_fixtures"),
+    ("svc-tests", "kube"),
+    ("svc-tests", "parity"),
+];
+
+/// `cargo` for the dev profile: the workspace's own crates are compiled by clippy-driver (as
+/// `cargo clippy` runs it), so `cargo xtask lint` lints while it builds, and `cargo xtask test`,
+/// `demo` and `parity` find everything built: the workspace is compiled once for both. A plain
+/// `cargo build` or `cargo test` (no wrapper) compiles the workspace's own crates again, not
+/// their dependencies.
+fn dev_cargo() -> Result<Command> {
+    let mut c = cargo();
+    c.env("RUSTC_WORKSPACE_WRAPPER", clippy_driver()?)
+        // Lints at their default levels: the lint fails on any warning (`lint_build`), a
+        // test run shows them and goes on. The same value for both, or each would rebuild.
+        .env("CLIPPY_ARGS", "");
+    Ok(c)
+}
+
+/// clippy-driver of the toolchain cargo compiles with (the driver must be that very compiler).
+fn clippy_driver() -> Result<PathBuf> {
+    let out = Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
+        .args(["--print", "sysroot"])
+        .output()
+        .context("running rustc --print sysroot")?;
+    if !out.status.success() {
+        bail!(
+            "rustc --print sysroot failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let driver =
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("bin/clippy-driver");
+    if !driver.exists() {
+        bail!(
+            "{} is missing: `rustup component add clippy`",
+            driver.display()
+        );
+    }
+    Ok(driver)
+}
+
+/// Runs a dev-profile build of `cmd` (a `dev_cargo` command) and fails if the workspace's own
+/// crates have any warning, rustc's or clippy's, including those cargo replays from an earlier
+/// build of the same crates.
+fn lint_build(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    cmd.arg("--message-format=json")
+        .stdout(std::process::Stdio::piped());
+    eprintln!("+ {cmd:?}");
+    let mut child = forward::spawn(cmd).context("running cargo build")?;
+    let stdout = child.stdout.take().context("cargo's stdout")?;
+    let mut warnings = 0u64;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.context("reading cargo's messages")?;
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(&line) else {
+            println!("{line}");
+            continue;
+        };
+        if msg["reason"] != "compiler-message" {
+            continue;
+        }
+        let m = &msg["message"];
+        // rustc's closing "N warnings emitted" has no place in the code: not counted.
+        let in_code = m["spans"].as_array().is_some_and(|s| !s.is_empty());
+        if m["level"] == "warning" && in_code {
+            warnings += 1;
+        }
+        if let Some(rendered) = m["rendered"].as_str() {
+            eprint!("{rendered}");
+        }
+    }
+    let status = forward::wait(child).context("waiting for cargo build")?;
+    forward::stop_if_signalled()?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    if warnings > 0 {
+        bail!("{warnings} warnings: the lint denies them");
+    }
+    Ok(())
 }
 
 /// The kernel crate through Debian's compiler, which ships the core source build-std needs.
@@ -293,12 +501,19 @@ pub fn build_ebpf() -> Result<PathBuf> {
 
 fn build(release: bool) -> Result<()> {
     build_ebpf()?;
-    let mut c = cargo();
-    c.args(["build", "-p", "svc-agent", "-p", "svc-tests", "--bins"]);
-    if release {
-        c.arg("--release");
-    }
-    run(&mut c)
+    let mut c = if release {
+        // The benches' builds: as users build, not through clippy-driver.
+        let mut c = cargo();
+        c.args(["build", "--release", "-p", "svc-agent", "-p", "svc-tests"]);
+        c
+    } else {
+        // The lint's and the tests' selection, whose features are the same (svc-common's
+        // `default`, for one, is on only where the package itself is selected).
+        let mut c = dev_cargo()?;
+        c.arg("build").args(USERSPACE);
+        c
+    };
+    run(c.arg("--bins"))
 }
 
 fn require_root(task: &str) -> Result<()> {
@@ -333,35 +548,94 @@ fn run_task(task: Task) -> Result<()> {
         Task::Demo => {
             require_root("demo")?;
             build(false)?;
-            run(cargo()
-                .args(["run", "-q", "-p", "svc-tests", "--bin", "svc-demo"])
+            // The binary `build` made: `cargo run -p svc-tests` would resolve other features
+            // and build again.
+            run(Command::new(root().join("target/debug/svc-demo"))
+                .current_dir(root())
                 .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))?;
         }
-        Task::Test { args } => {
+        Task::Test { quick: true, args } => {
+            // The kernel object is embedded in the agent (its build script copies it), so it
+            // is built, never loaded.
+            build_ebpf()?;
+            toolchain::ensure_nextest()?;
+            let mut totals = Totals::default();
+            let (counts, outcome) = run_nextest(
+                dev_cargo()?
+                    .args(["nextest", "run", "--profile", "quick"])
+                    .args(USERSPACE)
+                    // The binaries' own tests are xtask's: the others have none, and linking
+                    // them for a test harness would cost more than the unit tests themselves.
+                    .args(["--lib", "--bin", "xtask", "--"])
+                    .args(&args),
+            );
+            totals.add("unit tests", counts, outcome);
+            totals.finish()?;
+        }
+        Task::Test { quick: false, args } => {
             require_root("test")?;
             build(false)?;
             let control_plane = control_plane::ensure()?;
-            run_tests(
-                cargo()
-                    .args(["test", "--workspace", "--exclude", "svc-ebpf", "--"])
+            toolchain::ensure_nextest()?;
+            let agent = root().join("target/debug/svc-agent");
+            let mut totals = Totals::default();
+            // Every test binary but the whole ones, a process per test, in parallel; the test
+            // groups of .config/nextest.toml keep the heavy ones apart.
+            let whole = WHOLE_BINARIES
+                .iter()
+                .map(|(package, test)| format!("binary_id({package}::{test})"))
+                .collect::<Vec<_>>()
+                .join(" | ");
+            let (counts, outcome) = run_nextest(
+                dev_cargo()?
+                    .args(["nextest", "run"])
+                    .args(USERSPACE)
+                    .args(["-E", &format!("not ({whole})"), "--"])
                     .args(&args)
                     .envs(control_plane.env())
-                    .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")),
-            )?;
+                    .env("SVC_AGENT_BIN", &agent),
+            );
+            totals.add("nextest", counts, outcome);
+            // Then each whole binary alone, as `cargo test` runs it.
+            for (package, test) in WHOLE_BINARIES {
+                let (counts, outcome) = run_tests(
+                    dev_cargo()?
+                        .args(["test"])
+                        .args(USERSPACE)
+                        .args(["--test", test, "--"])
+                        .args(&args)
+                        .envs(control_plane.env())
+                        .env("SVC_AGENT_BIN", &agent),
+                );
+                totals.add(&format!("{package} --test {test}"), counts, outcome);
+            }
+            // The charts' own tests: svc-charts selected alone (see USERSPACE).
+            let (counts, outcome) = run_tests(
+                dev_cargo()?
+                    .args(["test", "-p", "svc-charts", "--"])
+                    .args(&args),
+            );
+            totals.add("svc-charts", counts, outcome);
+            totals.finish()?;
         }
         Task::Parity { write, args } => {
             require_root("parity")?;
             build(false)?;
             let control_plane = control_plane::ensure()?;
-            let mut c = cargo();
-            c.args(["test", "-p", "svc-tests", "--test", "parity", "--"])
+            let mut c = dev_cargo()?;
+            c.args(["test"])
+                .args(USERSPACE)
+                .args(["--test", "parity", "--"])
                 .args(&args)
                 .envs(control_plane.env())
                 .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent"));
             if write {
                 c.env("SVC_PARITY_TABLE", root().join("docs/parity.md"));
             }
-            run_tests(&mut c)?;
+            let mut totals = Totals::default();
+            let (counts, outcome) = run_tests(&mut c);
+            totals.add("parity", counts, outcome);
+            totals.finish()?;
         }
         Task::ControlPlane => {
             for (var, path) in control_plane::ensure()?.env() {
@@ -371,16 +645,14 @@ fn run_task(task: Task) -> Result<()> {
         Task::Lint => {
             build_ebpf()?;
             run(cargo().args(["fmt", "--all", "--check"]))?;
-            run(cargo().args([
-                "clippy",
-                "--workspace",
-                "--exclude",
-                "svc-ebpf",
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ]))?;
+            // Built, not only checked: `cargo xtask test` then compiles nothing of the
+            // workspace again (see `dev_cargo`).
+            lint_build(
+                dev_cargo()?
+                    .args(["build", "--all-targets"])
+                    .args(USERSPACE),
+            )?;
+            lint_build(dev_cargo()?.args(["build", "--all-targets", "-p", "svc-charts"]))?;
             run(ebpf_cargo("clippy").args(["--", "-D", "warnings"]))?;
         }
         Task::Bench {
@@ -407,24 +679,18 @@ fn run_task(task: Task) -> Result<()> {
                 None
             };
             let doc = root().join("docs/benchmarks.md");
-            let bench = |bin: &str| {
+            let bench_with = |bin: &str, cargo_args: &[&str]| {
                 let mut c = cargo();
-                c.args([
-                    "run",
-                    "-q",
-                    "--release",
-                    "-p",
-                    "svc-tests",
-                    "--bin",
-                    bin,
-                    "--",
-                ])
-                .env("SVC_AGENT_BIN", root().join("target/release/svc-agent"));
+                c.args(["run", "-q", "--release", "-p", "svc-tests"])
+                    .args(cargo_args)
+                    .args(["--bin", bin, "--"])
+                    .env("SVC_AGENT_BIN", root().join("target/release/svc-agent"));
                 if write {
                     c.args(["--write", &doc.display().to_string()]);
                 }
                 c
             };
+            let bench = |bin: &str| bench_with(bin, &[]);
             if both || socket {
                 run(&mut bench("svc-bench"))?;
             }
@@ -457,7 +723,8 @@ fn run_task(task: Task) -> Result<()> {
             if let (true, Some(cp)) = (vs_kube_proxy, &control_plane) {
                 let out = root().join(if write { "docs/bench" } else { "target/bench" });
                 std::fs::create_dir_all(&out)?;
-                let mut c = bench("svc-vs-kube-proxy-bench");
+                // The renderer and font are built for this bench alone.
+                let mut c = bench_with("svc-vs-kube-proxy-bench", &["--features", "charts"]);
                 c.envs(cp.env())
                     .arg("--json")
                     .arg(out.join("vs-kube-proxy.json"))
@@ -507,7 +774,27 @@ fn run_task(task: Task) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::result_counts;
+    use super::{nextest_counts, result_counts};
+
+    #[test]
+    fn nextest_summaries_are_counted() {
+        assert_eq!(
+            nextest_counts("     Summary [ 355.123s] 349 tests run: 349 passed, 2 skipped"),
+            Some((349, 0))
+        );
+        assert_eq!(
+            nextest_counts(
+                "     Summary [  61.020s] 14 tests run: 11 passed (1 slow), 2 failed, 1 timed \
+                 out, 0 skipped"
+            ),
+            Some((11, 3))
+        );
+        assert_eq!(
+            nextest_counts("        PASS [   0.011s] xtask tests::x"),
+            None
+        );
+        assert_eq!(nextest_counts("tests: 3 passed, 0 failed"), None);
+    }
 
     #[test]
     fn closing_lines_of_libtest_and_libtest_mimic_are_counted() {

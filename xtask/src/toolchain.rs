@@ -12,6 +12,8 @@ use crate::run;
 
 pub const LINKED_TOOLCHAIN: &str = "debian";
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// The test runner of `cargo xtask test`; 0.9.151 builds with rustc 1.91 or newer.
+const NEXTEST_VERSION: &str = "0.9.151";
 const LLVM_MAJOR: &str = "22";
 /// Compiler and its source, clippy for the kernel crate, LLVM for bpf-linker, and the tools the
 /// demo and the tests use.
@@ -98,6 +100,27 @@ pub fn ensure() -> Result<()> {
             .env("LLVM_PREFIX", format!("/usr/lib/llvm-{LLVM_MAJOR}"))
             .env_remove("RUSTUP_TOOLCHAIN"))
         .context("installing bpf-linker failed: is crates.io reachable?")?;
+    }
+    Ok(())
+}
+
+/// cargo-nextest, from crates.io where missing or of another version (a few minutes on 2
+/// cores, once).
+pub fn ensure_nextest() -> Result<()> {
+    let have = output(Command::new("cargo").args(["nextest", "--version"]))
+        .is_some_and(|v| v.split_whitespace().nth(1) == Some(NEXTEST_VERSION));
+    if !have {
+        eprintln!("installing cargo-nextest {NEXTEST_VERSION} (a few minutes on 2 cores)");
+        run(Command::new("cargo").args([
+            "install",
+            &format!("cargo-nextest@{NEXTEST_VERSION}"),
+            "--locked",
+            // No self-update: the version is this file's.
+            "--no-default-features",
+            "--features",
+            "default-no-update",
+        ]))
+        .context("installing cargo-nextest failed: is crates.io reachable?")?;
     }
     Ok(())
 }

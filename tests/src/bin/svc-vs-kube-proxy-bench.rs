@@ -46,7 +46,7 @@ use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
 use svc_tests::report::{fmt3, median};
-use svc_tests::{bulk, interrupt, plot, report, require_root, Sandbox, TempDir, Tools};
+use svc_tests::{bulk, interrupt, report, require_root, Sandbox, TempDir, Tools};
 
 const NAMESPACE: &str = "bench";
 const PORT: u16 = 80;
@@ -400,6 +400,7 @@ struct Measure {
     /// The chart's file: `vs-kube-proxy-<file>.png`.
     file: &'static str,
     /// The chart's value axis.
+    #[cfg_attr(not(feature = "charts"), allow(dead_code))]
     unit: &'static str,
     digits: usize,
     /// Whether more is better.
@@ -649,7 +650,9 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
 }
 
 /// A PNG per measure in `dir`: the measure against N, a line per proxy.
+#[cfg(feature = "charts")]
 fn charts(r: &Results, kinds: &[ProxyKind], dir: &Path) -> Result<()> {
+    use svc_tests::plot;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     for m in MEASURES {
         let lines: Vec<plot::Line> = kinds
@@ -690,6 +693,13 @@ fn charts(r: &Results, kinds: &[ProxyKind], dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Without the renderer (the tests build this bench without it): `--plots` is refused before
+/// anything is measured.
+#[cfg(not(feature = "charts"))]
+fn charts(_: &Results, _: &[ProxyKind], _: &Path) -> Result<()> {
+    bail!("built without charts: build with `--features charts` for --plots")
+}
+
 /// `to` as a link from a file in `from_dir`: relative when below it.
 fn link(from_dir: &Path, to: &Path) -> String {
     let (from, to) = (
@@ -711,6 +721,9 @@ fn main() -> ExitCode {
 
 fn bench() -> Result<()> {
     let mut args = Args::parse();
+    if cfg!(not(feature = "charts")) && args.plots.is_some() {
+        bail!("built without charts: build with `--features charts` for --plots");
+    }
     let results = match &args.from_json {
         Some(path) => serde_json::from_slice(
             &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
