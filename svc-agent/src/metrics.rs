@@ -423,17 +423,17 @@ impl Metrics {
             i.sync_seconds.render(
                 &mut out,
                 "svc_sync_duration_seconds",
-                "Time to translate and write one sync.",
+                "Seconds to translate and write one sync.",
             );
             i.event_lag_seconds.render(
                 &mut out,
                 "svc_event_to_datapath_seconds",
-                "From receiving an API event to the datapath reflecting it.",
+                "Seconds from receiving an API event to the datapath reflecting it.",
             );
             i.programming_seconds.render(
                 &mut out,
                 "svc_network_programming_duration_seconds",
-                "From an EndpointSlice's last-change-trigger-time to the datapath reflecting it.",
+                "Seconds from an EndpointSlice's last-change-trigger-time to the datapath reflecting it.",
             );
             let _ = writeln!(out, "# HELP svc_errors_total Objects skipped and operations failed, by kind.\n# TYPE svc_errors_total counter");
             for (k, v) in &i.errors {
@@ -458,8 +458,7 @@ impl Metrics {
             );
             let _ = writeln!(
                 out,
-                "# HELP svc_service_ports_not_served Service ports svc does not serve, by \
-                 protocol (SCTP: kube-proxy serves them, svc does not yet).\n\
+                "# HELP svc_service_ports_not_served Service ports svc does not serve, by protocol.\n\
                  # TYPE svc_service_ports_not_served gauge\n\
                  svc_service_ports_not_served{{protocol=\"SCTP\"}} {}",
                 i.unserved.len()
@@ -479,31 +478,31 @@ impl Metrics {
             gauge(
                 &mut out,
                 "svc_snat_degraded",
-                "1 when SNAT to remote backends is off: its port range overlaps the node's ephemeral ports and could not be added to net.ipv4.ip_local_reserved_ports.",
+                "1 when SNAT to remote backends is off because its port range could not be reserved.",
                 usize::from(i.snat_degraded.is_some()),
             );
             let c = self.conns.counts();
             gauge(
                 &mut out,
                 "svc_http_connections",
-                "Connections to the agent's HTTP servers (health, metrics, healthCheckNodePorts) waiting for their request.",
+                "Connections to the agent's HTTP servers that wait for their request.",
                 c.open,
             );
             gauge(
                 &mut out,
                 "svc_http_connections_max",
-                "The most connections the HTTP servers keep waiting for a request (from RLIMIT_NOFILE); beyond it the oldest is closed.",
+                "The most connections the HTTP servers keep waiting for a request.",
                 self.conns.cap,
             );
-            let _ = writeln!(out, "# HELP svc_http_connections_evicted_total Connections closed unanswered to make room for a newer one (a client that stalls, or too many at once), and the oldest closed when the agent ran out of file descriptors.\n# TYPE svc_http_connections_evicted_total counter\nsvc_http_connections_evicted_total {}", c.evicted);
+            let _ = writeln!(out, "# HELP svc_http_connections_evicted_total Connections the HTTP servers closed unanswered to make room or free file descriptors.\n# TYPE svc_http_connections_evicted_total counter\nsvc_http_connections_evicted_total {}", c.evicted);
             let _ = writeln!(out, "# HELP svc_datapath_repairs_total Pins or links found missing and put back.\n# TYPE svc_datapath_repairs_total counter");
             for (k, v) in &i.repairs {
                 let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
             }
-            let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking map for dead flows (--conntrack-sweep-interval).\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
-            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Entries of dead flows (idle past their timeout, the closing timeout once closed) the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
-            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Time the sweeps' program ran (BPF_PROG_TEST_RUN's own measure).\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
-            let _ = writeln!(out, "# HELP svc_flows_via_unmanaged_device Live SNATed flows to remote backends routed out of a device without svc's programs (not in --devices): their replies come back there untranslated, so these connections hang. As the last drift check found.\n# TYPE svc_flows_via_unmanaged_device gauge");
+            let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking tables for dead flows.\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
+            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Connection-tracking entries of dead flows that the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
+            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Seconds the sweeps' program ran, as the kernel measured it.\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
+            let _ = writeln!(out, "# HELP svc_flows_via_unmanaged_device Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check.\n# TYPE svc_flows_via_unmanaged_device gauge");
             for (device, flows) in &i.unmanaged {
                 let _ = writeln!(
                     out,
@@ -540,12 +539,12 @@ fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
             "svc_packet_decisions_total{{device=\"{device}\",reason=\"{reason}\"}} {v}"
         );
     }
-    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries of the assured flows' connection-tracking table (two per flow; a dead flow's until the next sweep, or until reused); when it is full, newly assured flows stay in the unassured table (ct_assured_full).\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries in the assured flows' connection-tracking table.\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
     let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the assured flows' connection-tracking table (--max-ct).\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
-    let _ = writeln!(out, "# HELP svc_conntrack_unassured_entries Entries of the unassured flows' connection-tracking table (handshakes in flight, UDP flows that are no stream yet, a SYN flood's spoofed flows; an LRU that a flood churns, apart from the assured flows counted by svc_conntrack_entries).\n# TYPE svc_conntrack_unassured_entries gauge\nsvc_conntrack_unassured_entries {}", p.ct_new_entries);
+    let _ = writeln!(out, "# HELP svc_conntrack_unassured_entries Entries in the unassured flows' connection-tracking table.\n# TYPE svc_conntrack_unassured_entries gauge\nsvc_conntrack_unassured_entries {}", p.ct_new_entries);
     let _ = writeln!(out, "# HELP svc_conntrack_unassured_capacity max_entries of the unassured flows' table.\n# TYPE svc_conntrack_unassured_capacity gauge\nsvc_conntrack_unassured_capacity {}", p.ct_new_capacity);
-    let _ = writeln!(out, "# HELP svc_conntrack_flows Live flows tracked (a packet either way within the timeout), by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
-    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows neither closed, unassured, nor idle both ways for the reclaim bound, 2 h by default (a new flow may reclaim a closed, unassured, dead or long-idle flow's port); as it nears the size of the SNAT port range, new flows to that backend start to be dropped (drop_snat_exhausted).\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
+    let _ = writeln!(out, "# HELP svc_conntrack_flows Live flows tracked, by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
+    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows.\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
 }
 
 fn response(status: &str, content_type: &str, body: &str) -> String {

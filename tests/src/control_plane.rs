@@ -5,7 +5,7 @@
 //!
 //! Binaries come from `cargo xtask control-plane` (built from pinned upstream modules) through
 //! `SVC_KUBE_APISERVER`, `SVC_KUBECTL` and `SVC_ETCD`; `cargo xtask test` sets them.
-//! Certificates are made with the `openssl` command; requests go through `kubectl`.
+//! Certificates are made in process with `rcgen`; requests go through `kubectl`.
 //!
 //! Everything listens on 127.0.0.1 only, on ports the kernel picked as free. The processes are
 //! stopped by pid (SIGTERM, then SIGKILL) and the directory removed on drop, also when a test
@@ -21,6 +21,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, PKCS_ECDSA_P256_SHA256,
+};
 use serde_json::Value;
 
 /// IPv4 and IPv6 ClusterIP ranges: the apiserver allocates dual-stack ClusterIPs from these.
@@ -351,36 +355,23 @@ impl ControlPlane {
     }
 
     /// A kubeconfig authenticating with a client certificate (issued by the cluster's CA, valid
-    /// two days) as user `user` in `groups`, as kubeadm gives kube-proxy (`system:kube-proxy`,
-    /// which the bootstrap ClusterRoleBinding `system:node-proxier` binds to its role).
-    pub fn client_cert_kubeconfig(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
+    /// two days) as user `user` in `group`, as kubeadm gives kube-proxy (`system:kube-proxy`,
+    /// which the bootstrap ClusterRoleBinding `system:node-proxier` binds to its role). One group
+    /// only: rcgen's subject holds each attribute type once, and the apiserver reads the groups
+    /// from the O attributes.
+    pub fn client_cert_kubeconfig(&self, user: &str, group: &str) -> Result<PathBuf> {
         let file: String = user
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .collect();
         // Numbered: kube-proxies started at once each get their own files.
         let name = format!("client-{file}-{}", crate::sys::next_id());
-        // Numbered, as openssl wants repeated fields of a name.
-        let mut subject: String = groups
-            .iter()
-            .enumerate()
-            .map(|(i, g)| format!("{i}.O = {g}\n"))
-            .collect();
-        subject += &format!("CN = {user}");
-        make_cert(
-            &self.dir,
-            &name,
-            &subject,
-            "basicConstraints = critical,CA:FALSE\n\
-             keyUsage = critical,digitalSignature\n\
-             extendedKeyUsage = clientAuth\n\
-             authorityKeyIdentifier = keyid",
-            true,
-        )?;
+        let (cert, key) = issue_client_cert(&self.dir, user, group)?;
+        write_cert(&self.dir, &name, &cert, &key)?;
         let user_entry = format!(
             "    client-certificate-data: {}\n    client-key-data: {}\n",
-            base64(&fs::read(self.dir.join(format!("{name}.crt")))?),
-            base64(&fs::read(self.dir.join(format!("{name}.key")))?),
+            base64(cert.as_bytes()),
+            base64(key.as_bytes()),
         );
         let path = self.dir.join(format!("{name}.kubeconfig"));
         fs::write(&path, self.kubeconfig_text(&file, &user_entry)?)?;
@@ -423,54 +414,34 @@ impl ControlPlane {
 
     /// A CA; a serving certificate for 127.0.0.1 and localhost; an admin client certificate in
     /// `system:masters`; a service-account signing key pair. P-256 keys: fast to make, and
-    /// accepted everywhere Kubernetes takes a key.
+    /// accepted everywhere Kubernetes takes a key. Files as the apiserver's flags name them:
+    /// PEM certificates, PKCS#8 private keys, an SPKI public key.
     fn make_pki(&self) -> Result<()> {
         let d = &self.dir;
-        let cert = |name: &str, subject: &str, extensions: &str, signed: bool| {
-            make_cert(d, name, subject, extensions, signed)
-        };
-        cert(
-            "ca",
-            "CN = svc-test-ca",
-            "basicConstraints = critical,CA:TRUE\n\
-             keyUsage = critical,keyCertSign,cRLSign\n\
-             subjectKeyIdentifier = hash",
-            false,
-        )?;
-        cert(
-            "apiserver",
-            "CN = kube-apiserver",
-            "basicConstraints = critical,CA:FALSE\n\
-             keyUsage = critical,digitalSignature\n\
-             extendedKeyUsage = serverAuth\n\
-             subjectAltName = IP:127.0.0.1,DNS:localhost\n\
-             authorityKeyIdentifier = keyid",
-            true,
-        )?;
-        cert(
-            "admin",
-            // The apiserver takes O as the groups and CN as the user name.
-            "O = system:masters\nCN = svc-admin",
-            "basicConstraints = critical,CA:FALSE\n\
-             keyUsage = critical,digitalSignature\n\
-             extendedKeyUsage = clientAuth\n\
-             authorityKeyIdentifier = keyid",
-            true,
-        )?;
-        checked(Command::new("openssl").current_dir(d).args([
-            "genpkey",
-            "-algorithm",
-            "EC",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-out",
-            "sa.key",
-        ]))?;
-        checked(
-            Command::new("openssl")
-                .current_dir(d)
-                .args(["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"]),
-        )
+        let ca_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+        let ca = ca_params().self_signed(&ca_key)?;
+        write_cert(d, "ca", &ca.pem(), &ca_key.serialize_pem())?;
+
+        let issuer = Issuer::new(ca_params(), ca_key);
+        let mut apiserver = leaf_params(ExtendedKeyUsagePurpose::ServerAuth);
+        apiserver
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        apiserver.subject_alt_names = vec![
+            SanType::IpAddress(Ipv4Addr::LOCALHOST.into()),
+            SanType::DnsName("localhost".try_into()?),
+        ];
+        let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+        let cert = apiserver.signed_by(&key, &issuer)?;
+        write_cert(d, "apiserver", &cert.pem(), &key.serialize_pem())?;
+
+        let (cert, key) = issue_client_cert(d, "svc-admin", "system:masters")?;
+        write_cert(d, "admin", &cert, &key)?;
+
+        let sa = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+        write_private(&d.join("sa.key"), &sa.serialize_pem())?;
+        fs::write(d.join("sa.pub"), sa.public_key_pem())?;
+        Ok(())
     }
 
     fn start_etcd(&mut self) -> Result<()> {
@@ -676,33 +647,73 @@ fn condition_true(object: &Value, kind: &str) -> bool {
         .any(|c| c["type"] == kind && c["status"] == "True")
 }
 
-/// A certificate `NAME.crt` and its key `NAME.key` in `dir`, with `subject` and `extensions`
-/// (openssl config syntax), self-signed or issued by `ca.crt`/`ca.key` there.
-fn make_cert(dir: &Path, name: &str, subject: &str, extensions: &str, signed: bool) -> Result<()> {
-    // A complete configuration of our own, so that the machine's openssl.cnf (which adds CA
-    // extensions to every `req -x509`) plays no part.
-    let config = dir.join(format!("{name}.cnf"));
-    fs::write(
-        &config,
-        format!(
-            "[req]\ndistinguished_name = dn\nx509_extensions = ext\nprompt = no\n\
-             [dn]\n{subject}\n[ext]\n{extensions}\n"
-        ),
-    )?;
-    let mut cmd = Command::new("openssl");
-    cmd.current_dir(dir)
-        .args(["req", "-x509", "-config"])
-        .arg(&config)
-        .args(["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"])
-        .args(["-nodes", "-days", "2", "-keyout"])
-        .arg(format!("{name}.key"))
-        .arg("-out")
-        .arg(format!("{name}.crt"));
-    if signed {
-        // `req -x509 -CA` (OpenSSL 3) issues from the CA in one step.
-        cmd.args(["-CA", "ca.crt", "-CAkey", "ca.key"]);
-    }
-    checked(&mut cmd)
+/// Certificates are good for two days from now: longer than any test run, short enough that a
+/// leaked directory's keys soon open nothing.
+const CERT_VALIDITY: time::Duration = time::Duration::days(2);
+
+/// The CA's parameters. Issuing later (`client_cert_kubeconfig`) builds them again with the key
+/// read back from `ca.key`: the issuer name and key identifier follow from these and the key.
+fn ca_params() -> CertificateParams {
+    let mut params = validity(CertificateParams::default());
+    params.distinguished_name = DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "svc-test-ca");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    params
+}
+
+/// An end-entity certificate's parameters for `usage`, with an empty subject: CA:FALSE (critical),
+/// digitalSignature (critical), the key identifiers of the issuer and the subject.
+fn leaf_params(usage: ExtendedKeyUsagePurpose) -> CertificateParams {
+    let mut params = validity(CertificateParams::default());
+    params.distinguished_name = DistinguishedName::new();
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![usage];
+    params.use_authority_key_identifier_extension = true;
+    params
+}
+
+fn validity(mut params: CertificateParams) -> CertificateParams {
+    let now = time::OffsetDateTime::now_utc();
+    params.not_before = now;
+    params.not_after = now + CERT_VALIDITY;
+    params
+}
+
+/// A client certificate and its key (PEM) for `user` in `group`, issued by the CA in `dir`. The
+/// apiserver takes O as the group and CN as the user name.
+fn issue_client_cert(dir: &Path, user: &str, group: &str) -> Result<(String, String)> {
+    let ca_key = fs::read_to_string(dir.join("ca.key")).context("reading ca.key")?;
+    let issuer = Issuer::new(ca_params(), KeyPair::from_pem(&ca_key)?);
+    let mut params = leaf_params(ExtendedKeyUsagePurpose::ClientAuth);
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, group);
+    params.distinguished_name.push(DnType::CommonName, user);
+    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+    let cert = params.signed_by(&key, &issuer)?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// `NAME.crt` and `NAME.key` in `dir`.
+fn write_cert(dir: &Path, name: &str, cert: &str, key: &str) -> Result<()> {
+    fs::write(dir.join(format!("{name}.crt")), cert)?;
+    write_private(&dir.join(format!("{name}.key")), key)
+}
+
+/// A file only its owner can read, created so from the start.
+fn write_private(path: &Path, text: &str) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 const DIR_PREFIX: &str = "svc-control-plane-";
@@ -871,21 +882,6 @@ fn stop(mut child: Child, what: &str) -> Result<()> {
     eprintln!("{what} (pid {pid}) ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
     child.kill()?;
     child.wait()?;
-    Ok(())
-}
-
-fn checked(cmd: &mut Command) -> Result<()> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {:?}", cmd.get_program()))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
     Ok(())
 }
 

@@ -377,7 +377,7 @@ impl KubeProxy {
     pub fn start(config: KubeProxyConfig, cp: &ControlPlane, ns: &NetNs) -> Result<Self> {
         let dir = TempDir::new("svc-kube-proxy")?;
         let relay = ApiRelay::to_api_server(ns, cp)?;
-        let cert_kubeconfig = cp.client_cert_kubeconfig(KUBE_PROXY_USER, &[KUBE_PROXY_USER])?;
+        let cert_kubeconfig = cp.client_cert_kubeconfig(KUBE_PROXY_USER, KUBE_PROXY_USER)?;
         let kubeconfig = relay.kubeconfig(cp, &cert_kubeconfig, dir.path())?;
         let backend = match config.mode {
             Mode::Iptables(b) => b,

@@ -476,12 +476,10 @@ fn install_debian_go() -> Result<PathBuf> {
     Ok(PathBuf::from("/usr/bin/go"))
 }
 
-/// Commands the harness runs, and the Debian package of each: the certificates are made with
-/// `openssl`; kube-proxy runs `iptables`/`ip6tables` (both backends: Debian's default
-/// iptables-nft and iptables-legacy, from the one `iptables` package), `nft` and `conntrack`
-/// inside the test's network namespaces.
+/// Commands the harness runs, and the Debian package of each: kube-proxy runs
+/// `iptables`/`ip6tables` (both backends: Debian's default iptables-nft and iptables-legacy, from
+/// the one `iptables` package), `nft` and `conntrack` inside the test's network namespaces.
 const HARNESS_TOOLS: &[(&str, &str)] = &[
-    ("openssl", "openssl"),
     ("iptables-legacy", "iptables"),
     ("iptables-nft", "iptables"),
     ("nft", "nftables"),
@@ -513,9 +511,6 @@ fn ensure_harness_tools() -> Result<()> {
     }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        if missing.contains(&"openssl") {
-            bail!("the control-plane tests need the openssl command: apt-get install openssl");
-        }
         // Only the parity tests need these, and they run as root, which installs them.
         eprintln!(
             "note: the kube-proxy parity tests need `apt-get install {}` (run as root to install)",
