@@ -126,11 +126,11 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     flow.proto = inner.proto;
     let mut dir = ct_dir::FORWARD;
     let mut found = dirs & FORWARD != 0
-        && ct::peek(&ct::key_of(flow, dir), pod, false, now, &mut s.v) == ct::HIT;
+        && ct::peek(&ct::key_of(flow, dir), pod, false, now, &mut s.v) == ct::Found::Hit;
     if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
         let answers = dirs & ANSWERS != 0;
-        found = ct::peek(&ct::key_of(flow, dir), pod, answers, now, &mut s.v) == ct::HIT;
+        found = ct::peek(&ct::key_of(flow, dir), pod, answers, now, &mut s.v) == ct::Found::Hit;
     }
     if !found {
         return NOT_OURS;

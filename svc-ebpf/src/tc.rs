@@ -384,7 +384,7 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
     false
 }
 
-/// A segment of a known flow that is not where its sender is (`ct::INVALID`): dropped,
+/// A segment of a known flow that is not where its sender is (`ct::Found::Invalid`): dropped,
 /// counted, the flow unchanged.
 #[inline(never)]
 fn out_of_window(s: &Scratch) -> i32 {
@@ -393,20 +393,20 @@ fn out_of_window(s: &Scratch) -> i32 {
 }
 
 /// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
-/// translation it gives into `s.src`/`s.dst`; `ct::lookup`'s answer. `ct::CLOSED` leaves the
-/// closed flow in `s.v` for the caller to take over or remove.
+/// translation it gives into `s.src`/`s.dst`; `ct::lookup`'s answer. `ct::Found::Closed`
+/// leaves the closed flow in `s.v` for the caller to take over or remove.
 #[inline(always)]
-fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
+fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> ct::Found {
     found_marked(s, dir, pod, now, 0)
 }
 
 /// `found`, with `mark` (`ct::ANSWER`) added to the packet's flags.
 #[inline(always)]
-fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32 {
+fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> ct::Found {
     let key = ct::key_of(&s.p, dir);
     let add = ct::packet_flags(&s.p, dir) | mark;
     let found = ct::lookup(&key, pod, add, now, &mut s.v);
-    if found == ct::HIT {
+    if found == ct::Found::Hit {
         ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
     }
     found
@@ -414,7 +414,7 @@ fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32
 
 /// What is left of closed flows on the packet's tuples once the frontend lookup said what it
 /// becomes (`next`). A new flow to a local backend (`new_local`) takes the closed flow its SYN
-/// found (`closed`: `ct::CLOSED`, in `s.v`) over or removes it, and skips the reversed
+/// found (`closed`: `ct::Found::Closed`, in `s.v`) over or removes it, and skips the reversed
 /// tuple: its replies are translated once, at the egress, by its own REPLY entry. Anything
 /// else removes that closed flow here, and a closed flow on the reversed tuple
 /// (`ct::syn_on_reply_tuple`): a direct connection from a client's port to the backend of its
@@ -469,16 +469,16 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
             // A remote backend's reply, to the address and port its flow was SNATed to:
             // from the frontend to the client, forwarded here (its new source is a node
             // address or a frontend).
-            ct::HIT => return send_routed(ctx, s, pkt_stat::REPLY),
-            ct::INVALID => return out_of_window(s),
+            ct::Found::Hit => return send_routed(ctx, s, pkt_stat::REPLY),
+            ct::Found::Invalid => return out_of_window(s),
             _ => {}
         }
     }
     let fwd = found(s, ct_dir::FORWARD, false, now);
-    if fwd == ct::INVALID {
+    if fwd == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if fwd == ct::HIT {
+    if fwd == ct::Found::Hit {
         if held_for_handover(s, now) {
             return SHOT;
         }
@@ -492,7 +492,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
     }
-    let closed = fwd == ct::CLOSED;
+    let closed = fwd == ct::Found::Closed;
     let next = ext_frontend(ctx, s, node, now);
     settle_closed(s, closed, next, false);
     match next {
@@ -652,9 +652,9 @@ fn snat_flow(f: &mut Flow, p: &Pkt, addr: &[u8; 16]) {
     f.rep.snat_port_be = p.sport_be;
 }
 
-/// `new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc verdict;
-/// `new_remapped` takes the packet instead (a sibling call, not a callee, so the SNAT port
-/// search does not stack on this frame).
+/// `new_local`'s answer when the flow's reply tuple clashes (`ct::Created::Clash`): not a tc
+/// verdict; `new_remapped` takes the packet instead (a sibling call, not a callee, so the SNAT
+/// port search does not stack on this frame).
 const REMAP: i32 = 0x100;
 
 /// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
@@ -662,9 +662,9 @@ const REMAP: i32 = 0x100;
 #[inline(never)]
 fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> i32 {
     match ct::create(&s.new.key, &s.new.fwd, &s.new.rep, closed.then_some(&s.v)) {
-        ct::CREATED => {}
-        ct::CLASH => return REMAP,
-        _ => {
+        ct::Created::Created => {}
+        ct::Created::Clash => return REMAP,
+        ct::Created::Failed => {
             dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
             return SHOT;
         }
@@ -696,7 +696,7 @@ fn new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
 fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
     snat_flow(&mut s.new, &s.p, addr);
     match ct::create_snat(&mut s.new) {
-        ct::SNAT_OK => {
+        ct::Snat::Stored => {
             count(stat::TRANSLATED);
             s.src = Endpoint {
                 addr: s.new.fwd.snat_addr,
@@ -704,11 +704,11 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
             };
             true
         }
-        ct::SNAT_EXHAUSTED => {
+        ct::Snat::Exhausted => {
             dev_count(s.p.ifindex, pkt_stat::DROP_SNAT_EXHAUSTED);
             false
         }
-        _ => {
+        ct::Snat::Failed => {
             dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
             false
         }
@@ -782,8 +782,8 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
     }
     let mark = if answers_syn(&s.p) { ct::ANSWER } else { 0 };
     match found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) {
-        ct::HIT => {}
-        ct::INVALID => return out_of_window(s),
+        ct::Found::Hit => {}
+        ct::Found::Invalid => return out_of_window(s),
         _ => return OK,
     }
     // A local backend's reply, leaving: it comes from the frontend.
@@ -821,10 +821,10 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     let fwd = found(s, ct_dir::FORWARD, true, now);
-    if fwd == ct::INVALID {
+    if fwd == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if fwd == ct::HIT {
+    if fwd == ct::Found::Hit {
         if held_for_handover(s, now) {
             return SHOT;
         }
@@ -832,15 +832,15 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
     // SNAT port. Not a SYN that found a closed flow (no reply), whose entry `s.v` holds.
-    let rep = if fwd != ct::CLOSED && in_snat_range(s.p.dport_be) {
+    let rep = if fwd != ct::Found::Closed && in_snat_range(s.p.dport_be) {
         found(s, ct_dir::REPLY, true, now)
     } else {
-        ct::MISS
+        ct::Found::Miss
     };
-    if rep == ct::INVALID {
+    if rep == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if rep == ct::HIT {
+    if rep == ct::Found::Hit {
         if s.dst.addr != s.p.saddr {
             // A backend pod's reply to another pod whose own port lies in the SNAT range: the
             // client's device restores the frontend, after the stack has forwarded the reply
@@ -853,7 +853,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
     }
-    let closed = fwd == ct::CLOSED;
+    let closed = fwd == ct::Found::Closed;
     let next = pod_frontend(ctx, s, now);
     settle_closed(s, closed, next, true);
     match next {
@@ -964,8 +964,8 @@ pub fn pod_egress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     match found(s, ct_dir::REPLY, true, ct::NOW_ON_HIT) {
-        ct::HIT => {}
-        ct::INVALID => return out_of_window(s),
+        ct::Found::Hit => {}
+        ct::Found::Invalid => return out_of_window(s),
         _ => return OK,
     }
     // A reply to a pod: it comes from the ClusterIP the pod sent to.
