@@ -865,8 +865,8 @@ pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut E
 /// Outcome of `create` (numbered as the constants it replaced).
 #[repr(u32)]
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Created {
-    Created = 0,
+pub enum Create {
+    Stored = 0,
     /// The map refused.
     Failed = 1,
     /// The reply tuple belongs to another live flow that is not closed: the same client
@@ -887,14 +887,14 @@ pub fn forget_closed(p: &Pkt, v: &CtValue) {
 /// tuple (`Found::Closed`), taken over in place when it went to the same backend, else removed
 /// first. Nothing is left behind when it fails.
 #[inline(always)]
-pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtValue>) -> Created {
+pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtValue>) -> Create {
     let rep_key = partner_key(fwd_key, fwd);
     if let Some(old) = closed {
         if old.nat_addr == fwd.nat_addr
             && old.nat_port_be == fwd.nat_port_be
             && take_over(fwd_key, &rep_key, fwd, rep)
         {
-            return Created::Created;
+            return Create::Stored;
         }
         forget(fwd_key, old);
     }
@@ -906,7 +906,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         // entry removed. By another live flow: a clash. Checked and replaced under a claim,
         // as `store` does.
         if !claim(&rep_key) {
-            return Created::Failed;
+            return Create::Failed;
         }
         let mut clash = false;
         if let Some(e) = find(&rep_key) {
@@ -927,17 +927,17 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         let stored = !clash && SVC_CT_NEW.insert(rep_key, rep, 0).is_ok();
         unclaim(&rep_key);
         if clash {
-            return Created::Clash;
+            return Create::Clash;
         }
         if !stored {
-            return Created::Failed;
+            return Create::Failed;
         }
     }
     if !store(fwd_key, fwd) {
         let _ = SVC_CT_NEW.remove(rep_key);
-        return Created::Failed;
+        return Create::Failed;
     }
-    Created::Created
+    Create::Stored
 }
 
 /// Rewrites the entries of a closed flow in place with the new flow's `fwd` and `rep`, which

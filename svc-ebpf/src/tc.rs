@@ -673,7 +673,7 @@ enum Local {
     Pass,
     /// Dropped, counted already (`TC_ACT_SHOT`).
     Drop,
-    /// The flow's reply tuple clashes (`ct::Created::Clash`): `new_remapped` takes the packet
+    /// The flow's reply tuple clashes (`ct::Create::Clash`): `new_remapped` takes the packet
     /// instead (a sibling call, not a callee, so the SNAT port search does not stack on this
     /// frame).
     Remap,
@@ -684,9 +684,9 @@ enum Local {
 #[inline(never)]
 fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> Local {
     match ct::create(&s.new.key, &s.new.fwd, &s.new.rep, closed.then_some(&s.v)) {
-        ct::Created::Created => {}
-        ct::Created::Clash => return Local::Remap,
-        ct::Created::Failed => {
+        ct::Create::Stored => {}
+        ct::Create::Clash => return Local::Remap,
+        ct::Create::Failed => {
             dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
             return Local::Drop;
         }
