@@ -187,25 +187,67 @@ pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
     key.partner(v)
 }
 
+/// What a packet brings to its flow in `lookup`: the `ct_flags` it adds (the low 16 bits, the
+/// only ones stored), and marks above them that steer `lookup` and are never stored (`SYN`,
+/// `ACKS`, `ANSWER`, `OUT_OF_WINDOW`). A type of its own, so neither a `ct_flags` set nor a
+/// `Found` passes for it.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct PacketFlags(u32);
+
+impl PacketFlags {
+    pub const NONE: Self = Self(0);
+
+    #[inline(always)]
+    fn of(flags: u16) -> Self {
+        Self(flags as u32)
+    }
+
+    #[inline(always)]
+    fn has(self, mark: Self) -> bool {
+        self.0 & mark.0 != 0
+    }
+
+    #[inline(always)]
+    fn without(self, marks: Self) -> Self {
+        Self(self.0 & !marks.0)
+    }
+
+    /// The `ct_flags` it adds.
+    #[inline(always)]
+    fn stored(self) -> u16 {
+        self.0 as u16
+    }
+}
+
+impl core::ops::BitOr for PacketFlags {
+    type Output = Self;
+
+    #[inline(always)]
+    fn bitor(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+}
+
 /// `packet_flags`' mark of a TCP SYN without ACK (a connection's first segment); above the
 /// 16 bits of `CtValue::flags`, never stored.
-pub const SYN: u32 = 1 << 30;
+pub const SYN: PacketFlags = PacketFlags(1 << 30);
 
 /// `packet_flags`' mark of a TCP segment that acknowledges (ACK without SYN or RST): from the
 /// client, after the backend's SYN-ACK, it completes the handshake (`ct_flags::UNASSURED`
 /// cleared). Never stored.
-pub const ACKS: u32 = 1 << 28;
+pub const ACKS: PacketFlags = PacketFlags(1 << 28);
 
 /// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN (and its direction's
 /// FIN_FORWARD or FIN_REPLY) and RST as TCP says; plus `SYN` for a SYN without ACK.
 #[inline(always)]
-pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
+pub fn packet_flags(p: &Pkt, dir: u8) -> PacketFlags {
     let mut f: u16 = 0;
     if dir == ct_dir::REPLY {
         f |= ct_flags::SEEN_REPLY;
     }
     if p.proto != IPPROTO_TCP {
-        return f as u32;
+        return PacketFlags::of(f);
     }
     if p.tcp_flags & TCP_FIN != 0 {
         f |= ct_flags::FIN;
@@ -219,12 +261,12 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
         f |= ct_flags::RST;
     }
     if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
-        return f as u32 | SYN;
+        return PacketFlags::of(f) | SYN;
     }
     if p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK {
-        return f as u32 | ACKS;
+        return PacketFlags::of(f) | ACKS;
     }
-    f as u32
+    PacketFlags::of(f)
 }
 
 /// Whether a TCP segment's flags are a combination TCP sends (conntrack's `tcp_valid_flags`,
@@ -243,10 +285,10 @@ pub fn valid_tcp_flags(flags: u8) -> bool {
 }
 
 /// `track`'s mark in `add`: the segment is `Found::Invalid`. Never stored.
-const OUT_OF_WINDOW: u32 = 1 << 27;
+const OUT_OF_WINDOW: PacketFlags = PacketFlags(1 << 27);
 
 /// What of `add` a segment records in its flow: its flags, and the handshake's completion.
-const RECORDED: u32 = 0xffff | ACKS;
+const RECORDED: PacketFlags = PacketFlags(0xffff | ACKS.0);
 
 /// How far behind the highest sequence number seen from its sender an RST or a FIN may lie
 /// and be taken, and how far below what the backend sent the ACK that completes the
@@ -320,7 +362,7 @@ const PARTNER_FOUND: u64 = 1 << 32;
 /// The segment's numbers are read from the scratch space, whose packet every caller of
 /// `lookup` made its key from (an ICMP error's quoted flow is looked up by `peek`).
 #[inline(never)]
-fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
+fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: PacketFlags) -> PacketFlags {
     let Some(s) = crate::scratch::get() else {
         return add;
     };
@@ -332,7 +374,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
     // the endpoints judge it. A backend may hold a half-open connection on a reclaimed SNAT
     // port's tuple (a spoofed SYN's), which it answers with an ACK for the old sequence; the
     // client's RST to that ACK is what clears it, and the client's next SYN connects.
-    let passed = add & !RECORDED;
+    let passed = add.without(RECORDED);
     let ignored = if out.flags & ct_flags::UNASSURED != 0 {
         passed
     } else {
@@ -375,7 +417,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
         // completes a handshake: a spoofed flow's forged FIN-ACK must not assure it).
         return passed;
     }
-    if add & ACKS != 0
+    if add.has(ACKS)
         && forward
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
@@ -385,7 +427,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
             None => false,
         };
         if !acked {
-            add &= !ACKS;
+            add = add.without(ACKS);
         }
     }
     // A SYN before any reply with a new initial sequence number (a client that retried its
@@ -647,7 +689,7 @@ pub fn lapse_handing(p: &Pkt) {
 /// the egress looks this tuple up anyway, and nearly every SYN through the node is no flow of
 /// svc's. Not marked: the ACK of a backend that still holds the tuple in TIME_WAIT, which is
 /// translated as the closed flow's (the client, which has no such connection, resets it).
-pub const ANSWER: u32 = 1 << 29;
+pub const ANSWER: PacketFlags = PacketFlags(1 << 29);
 
 /// `lookup`'s and `peek`'s answers. A field-less enum: a plain u32 in R0, as the verifier
 /// wants a subprogram's answer (the numbers are those of the constants it replaced).
@@ -687,9 +729,9 @@ pub const NOW_ON_HIT: u64 = 0;
 /// entries are removed, except `Found::Closed`'s case. A function of its own (BPF-to-BPF call), so
 /// its copies of keys and values do not sit in its callers' frames.
 #[inline(never)]
-pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> Found {
+pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
     let mut now = now;
-    let Some(mut e) = live(key, pod, add & ANSWER != 0, &mut now, out) else {
+    let Some(mut e) = live(key, pod, add.has(ANSWER), &mut now, out) else {
         return Found::Miss;
     };
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
@@ -698,7 +740,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     if out.flags & ct_flags::HANDING != 0 {
         return Found::Hit;
     }
-    if add & SYN != 0 && ct_flags::closed(out.flags) {
+    if add.has(SYN) && ct_flags::closed(out.flags) {
         if key.dir == ct_dir::FORWARD && out.flags & (ct_flags::SNAT | ct_flags::HANDED) == 0 {
             return Found::Closed;
         }
@@ -710,12 +752,12 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     } else {
         add
     };
-    if add & OUT_OF_WINDOW != 0 {
+    if add.has(OUT_OF_WINDOW) {
         return Found::Invalid;
     }
     // TCP: the client's ACK of the backend's SYN-ACK (`track` let `ACKS` through only for
     // one). UDP, ICMP echo: the client's packet after a reply, a stream.
-    if (add & ACKS != 0 || key.proto != IPPROTO_TCP)
+    if (add.has(ACKS) || key.proto != IPPROTO_TCP)
         && key.dir == ct_dir::FORWARD
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
@@ -726,7 +768,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
             None => return Found::Hit,
         }
     }
-    let add = add as u16 & !out.flags;
+    let add = add.stored() & !out.flags;
     if add != 0 {
         out.flags |= add;
         // SAFETY: as above. ORed in, not stored from the copy: a packet of a closed flow

@@ -397,12 +397,12 @@ fn out_of_window(s: &Scratch) -> i32 {
 /// leaves the closed flow in `s.v` for the caller to take over or remove.
 #[inline(always)]
 fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> ct::Found {
-    found_marked(s, dir, pod, now, 0)
+    found_marked(s, dir, pod, now, ct::PacketFlags::NONE)
 }
 
 /// `found`, with `mark` (`ct::ANSWER`) added to the packet's flags.
 #[inline(always)]
-fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> ct::Found {
+fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: ct::PacketFlags) -> ct::Found {
     let key = ct::key_of(&s.p, dir);
     let add = ct::packet_flags(&s.p, dir) | mark;
     let found = ct::lookup(&key, pod, add, now, &mut s.v);
@@ -807,7 +807,11 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
             return OK;
         }
     }
-    let mark = if answers_syn(&s.p) { ct::ANSWER } else { 0 };
+    let mark = if answers_syn(&s.p) {
+        ct::ANSWER
+    } else {
+        ct::PacketFlags::NONE
+    };
     match found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) {
         ct::Found::Hit => {}
         ct::Found::Invalid => return out_of_window(s),
