@@ -187,25 +187,67 @@ pub fn partner_key(key: &CtKey, v: &CtValue) -> CtKey {
     key.partner(v)
 }
 
+/// What a packet brings to its flow in `lookup`: the `ct_flags` it adds (the low 16 bits, the
+/// only ones stored), and marks above them that steer `lookup` and are never stored (`SYN`,
+/// `ACKS`, `ANSWER`, `OUT_OF_WINDOW`). A type of its own, so neither a `ct_flags` set nor a
+/// `Found` passes for it.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct PacketFlags(u32);
+
+impl PacketFlags {
+    pub const NONE: Self = Self(0);
+
+    #[inline(always)]
+    fn of(flags: u16) -> Self {
+        Self(flags as u32)
+    }
+
+    #[inline(always)]
+    fn has(self, mark: Self) -> bool {
+        self.0 & mark.0 != 0
+    }
+
+    #[inline(always)]
+    fn without(self, marks: Self) -> Self {
+        Self(self.0 & !marks.0)
+    }
+
+    /// The `ct_flags` it adds.
+    #[inline(always)]
+    fn stored(self) -> u16 {
+        self.0 as u16
+    }
+}
+
+impl core::ops::BitOr for PacketFlags {
+    type Output = Self;
+
+    #[inline(always)]
+    fn bitor(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+}
+
 /// `packet_flags`' mark of a TCP SYN without ACK (a connection's first segment); above the
 /// 16 bits of `CtValue::flags`, never stored.
-pub const SYN: u32 = 1 << 30;
+pub const SYN: PacketFlags = PacketFlags(1 << 30);
 
 /// `packet_flags`' mark of a TCP segment that acknowledges (ACK without SYN or RST): from the
 /// client, after the backend's SYN-ACK, it completes the handshake (`ct_flags::UNASSURED`
 /// cleared). Never stored.
-pub const ACKS: u32 = 1 << 28;
+pub const ACKS: PacketFlags = PacketFlags(1 << 28);
 
 /// The flags a packet adds to its flow: SEEN_REPLY for a reply, FIN (and its direction's
 /// FIN_FORWARD or FIN_REPLY) and RST as TCP says; plus `SYN` for a SYN without ACK.
 #[inline(always)]
-pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
+pub fn packet_flags(p: &Pkt, dir: u8) -> PacketFlags {
     let mut f: u16 = 0;
     if dir == ct_dir::REPLY {
         f |= ct_flags::SEEN_REPLY;
     }
     if p.proto != IPPROTO_TCP {
-        return f as u32;
+        return PacketFlags::of(f);
     }
     if p.tcp_flags & TCP_FIN != 0 {
         f |= ct_flags::FIN;
@@ -219,12 +261,12 @@ pub fn packet_flags(p: &Pkt, dir: u8) -> u32 {
         f |= ct_flags::RST;
     }
     if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
-        return f as u32 | SYN;
+        return PacketFlags::of(f) | SYN;
     }
     if p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK {
-        return f as u32 | ACKS;
+        return PacketFlags::of(f) | ACKS;
     }
-    f as u32
+    PacketFlags::of(f)
 }
 
 /// Whether a TCP segment's flags are a combination TCP sends (conntrack's `tcp_valid_flags`,
@@ -242,11 +284,11 @@ pub fn valid_tcp_flags(flags: u8) -> bool {
         || f == TCP_ACK
 }
 
-/// `track`'s mark in `add`: the segment is `INVALID`. Never stored.
-const OUT_OF_WINDOW: u32 = 1 << 27;
+/// `track`'s mark in `add`: the segment is `Found::Invalid`. Never stored.
+const OUT_OF_WINDOW: PacketFlags = PacketFlags(1 << 27);
 
 /// What of `add` a segment records in its flow: its flags, and the handshake's completion.
-const RECORDED: u32 = 0xffff | ACKS;
+const RECORDED: PacketFlags = PacketFlags(0xffff | ACKS.0);
 
 /// How far behind the highest sequence number seen from its sender an RST or a FIN may lie
 /// and be taken, and how far below what the backend sent the ACK that completes the
@@ -320,7 +362,7 @@ const PARTNER_FOUND: u64 = 1 << 32;
 /// The segment's numbers are read from the scratch space, whose packet every caller of
 /// `lookup` made its key from (an ICMP error's quoted flow is looked up by `peek`).
 #[inline(never)]
-fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
+fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: PacketFlags) -> PacketFlags {
     let Some(s) = crate::scratch::get() else {
         return add;
     };
@@ -332,7 +374,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
     // the endpoints judge it. A backend may hold a half-open connection on a reclaimed SNAT
     // port's tuple (a spoofed SYN's), which it answers with an ACK for the old sequence; the
     // client's RST to that ACK is what clears it, and the client's next SYN connects.
-    let passed = add & !RECORDED;
+    let passed = add.without(RECORDED);
     let ignored = if out.flags & ct_flags::UNASSURED != 0 {
         passed
     } else {
@@ -375,7 +417,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
         // completes a handshake: a spoofed flow's forged FIN-ACK must not assure it).
         return passed;
     }
-    if add & ACKS != 0
+    if add.has(ACKS)
         && forward
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
@@ -385,7 +427,7 @@ fn track(key: &CtKey, e: *mut CtValue, out: &mut CtValue, add: u32) -> u32 {
             None => false,
         };
         if !acked {
-            add &= !ACKS;
+            add = add.without(ACKS);
         }
     }
     // A SYN before any reply with a new initial sequence number (a client that retried its
@@ -647,25 +689,30 @@ pub fn lapse_handing(p: &Pkt) {
 /// the egress looks this tuple up anyway, and nearly every SYN through the node is no flow of
 /// svc's. Not marked: the ACK of a backend that still holds the tuple in TIME_WAIT, which is
 /// translated as the closed flow's (the client, which has no such connection, resets it).
-pub const ANSWER: u32 = 1 << 29;
+pub const ANSWER: PacketFlags = PacketFlags(1 << 29);
 
-/// `lookup`'s answers.
-pub const MISS: u32 = 0;
-pub const HIT: u32 = 1;
-/// A segment of a tracked flow (`ct_flags::TRACKED`) that is not where its sender is: an RST
-/// outside the window of an assured flow, or a SYN-ACK that does not acknowledge the client's
-/// SYN (a forged or stale one). Nothing was changed; the caller drops it, as conntrack marks
-/// it INVALID and kube-proxy's rules drop such packets.
-pub const INVALID: u32 = 3;
-/// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to the
-/// node's conntrack (a client reusing its port for a new connection to the same frontend): a
-/// miss, but the flow's entries are left in place, copied in `out`. The new flow takes them
-/// over in place when it goes to the same backend (`create`); the caller removes them
-/// (`forget_closed`) whatever else the SYN becomes. A removal and an insert of each entry
-/// cost an LRU table far more than a rewrite in place, and a client that reuses ports fast
-/// (a load generator, a load balancer SNATing to a few addresses) does so for nearly every
-/// connection.
-pub const CLOSED: u32 = 2;
+/// `lookup`'s and `peek`'s answers. A field-less enum: a plain u32 in R0, as the verifier
+/// wants a subprogram's answer (the numbers are those of the constants it replaced).
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    Miss = 0,
+    Hit = 1,
+    /// A SYN on the FORWARD entry of a closed flow that is neither SNATed nor handed over to
+    /// the node's conntrack (a client reusing its port for a new connection to the same
+    /// frontend): a miss, but the flow's entries are left in place, copied in `out`. The new
+    /// flow takes them over in place when it goes to the same backend (`create`); the caller
+    /// removes them (`forget_closed`) whatever else the SYN becomes. A removal and an insert
+    /// of each entry cost an LRU table far more than a rewrite in place, and a client that
+    /// reuses ports fast (a load generator, a load balancer SNATing to a few addresses) does
+    /// so for nearly every connection.
+    Closed = 2,
+    /// A segment of a tracked flow (`ct_flags::TRACKED`) that is not where its sender is: an
+    /// RST outside the window of an assured flow, or a SYN-ACK that does not acknowledge the
+    /// client's SYN (a forged or stale one). Nothing was changed; the caller drops it, as
+    /// conntrack marks it INVALID and kube-proxy's rules drop such packets.
+    Invalid = 3,
+}
 
 /// `lookup`'s `now` for a caller that needs the time only if the entry exists: the clock is
 /// read on a hit. Most packets leaving by an egress are no flow of svc's, and they need no
@@ -679,39 +726,38 @@ pub const NOW_ON_HIT: u64 = 0;
 /// (`packet_flags`) on both entries of the flow (they are rare: the first reply, a FIN, an
 /// RST), once a tracked TCP flow's segment is found where its sender is (`track`). A SYN
 /// (`add` has `SYN`) on a closed flow's entry starts a new connection: a miss, and the flow's
-/// entries are removed, except `CLOSED`'s case. A function of its own (BPF-to-BPF call), so
-/// its copies of keys and values do not sit in its callers' frames. Returns `HIT`, `MISS`,
-/// `CLOSED` or `INVALID`.
+/// entries are removed, except `Found::Closed`'s case. A function of its own (BPF-to-BPF call), so
+/// its copies of keys and values do not sit in its callers' frames.
 #[inline(never)]
-pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> u32 {
+pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
     let mut now = now;
-    let Some(mut e) = live(key, pod, add & ANSWER != 0, &mut now, out) else {
-        return MISS;
+    let Some(mut e) = live(key, pod, add.has(ANSWER), &mut now, out) else {
+        return Found::Miss;
     };
     // A flow being handed over (`HANDING`): the caller drops the packet while the mark
     // holds (`handing_holds`), so it records nothing (a FIN or RST dropped here must not mark
     // closed a flow the backend never saw closing).
     if out.flags & ct_flags::HANDING != 0 {
-        return HIT;
+        return Found::Hit;
     }
-    if add & SYN != 0 && ct_flags::closed(out.flags) {
+    if add.has(SYN) && ct_flags::closed(out.flags) {
         if key.dir == ct_dir::FORWARD && out.flags & (ct_flags::SNAT | ct_flags::HANDED) == 0 {
-            return CLOSED;
+            return Found::Closed;
         }
         forget(key, out);
-        return MISS;
+        return Found::Miss;
     }
     let add = if key.proto == IPPROTO_TCP && out.flags & ct_flags::TRACKED != 0 {
         track(key, e, out, add)
     } else {
         add
     };
-    if add & OUT_OF_WINDOW != 0 {
-        return INVALID;
+    if add.has(OUT_OF_WINDOW) {
+        return Found::Invalid;
     }
     // TCP: the client's ACK of the backend's SYN-ACK (`track` let `ACKS` through only for
     // one). UDP, ICMP echo: the client's packet after a reply, a stream.
-    if (add & ACKS != 0 || key.proto != IPPROTO_TCP)
+    if (add.has(ACKS) || key.proto != IPPROTO_TCP)
         && key.dir == ct_dir::FORWARD
         && out.flags & (ct_flags::UNASSURED | ct_flags::SEEN_REPLY)
             == ct_flags::UNASSURED | ct_flags::SEEN_REPLY
@@ -719,10 +765,10 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
     {
         match find(key) {
             Some(moved) => e = moved,
-            None => return HIT,
+            None => return Found::Hit,
         }
     }
-    let add = add as u16 & !out.flags;
+    let add = add.stored() & !out.flags;
     if add != 0 {
         out.flags |= add;
         // SAFETY: as above. ORed in, not stored from the copy: a packet of a closed flow
@@ -749,7 +795,7 @@ pub fn lookup(key: &CtKey, pod: bool, add: u32, now: u64, out: &mut CtValue) -> 
         out.nat_port_be = key.dport_be;
         out.flags &= !ct_flags::SNAT;
     }
-    HIT
+    Found::Hit
 }
 
 /// The live entry of `key` of this path (`pod`) copied into `out`, and where it lies; None
@@ -787,11 +833,11 @@ fn live(
 /// copied into `out`, nothing recorded (`answer` as `live` takes it). A function of its own,
 /// without `lookup`'s tracking, whose frame the ICMP path's deeper chain could not carry.
 #[inline(never)]
-pub fn peek(key: &CtKey, pod: bool, answer: bool, now: u64, out: &mut CtValue) -> u32 {
+pub fn peek(key: &CtKey, pod: bool, answer: bool, now: u64, out: &mut CtValue) -> Found {
     let mut now = now;
     match live(key, pod, answer, &mut now, out) {
-        Some(_) => HIT,
-        None => MISS,
+        Some(_) => Found::Hit,
+        None => Found::Miss,
     }
 }
 
@@ -858,16 +904,20 @@ pub fn translated(p: &Pkt, dir: u8, v: &CtValue, src: &mut Endpoint, dst: &mut E
     }
 }
 
-/// Outcome of `create`.
-pub const CREATED: u32 = 0;
-/// The map refused.
-pub const CREATE_ERR: u32 = 1;
-/// The reply tuple belongs to another live flow that is not closed: the same client address
-/// and port reaching the same backend through another frontend. Storing this flow's entry
-/// over it would give that flow's replies this flow's frontend.
-pub const CLASH: u32 = 2;
+/// Outcome of `create` (numbered as the constants it replaced).
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Create {
+    Stored = 0,
+    /// The map refused.
+    Failed = 1,
+    /// The reply tuple belongs to another live flow that is not closed: the same client
+    /// address and port reaching the same backend through another frontend. Storing this
+    /// flow's entry over it would give that flow's replies this flow's frontend.
+    Clash = 2,
+}
 
-/// Removes the closed flow whose FORWARD entry `v` the packet's SYN found (`CLOSED`), when
+/// Removes the closed flow whose FORWARD entry `v` the packet's SYN found (`Found::Closed`), when
 /// the SYN starts no flow that takes it over.
 #[inline(never)]
 pub fn forget_closed(p: &Pkt, v: &CtValue) {
@@ -876,17 +926,17 @@ pub fn forget_closed(p: &Pkt, v: &CtValue) {
 
 /// Stores the two entries of a new flow that is not SNATed: `fwd` under the packet's tuple,
 /// and its reply (backend to client). `closed`: the closed flow the packet's SYN found on the
-/// tuple (`CLOSED`), taken over in place when it went to the same backend, else removed
+/// tuple (`Found::Closed`), taken over in place when it went to the same backend, else removed
 /// first. Nothing is left behind when it fails.
 #[inline(always)]
-pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtValue>) -> u32 {
+pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtValue>) -> Create {
     let rep_key = partner_key(fwd_key, fwd);
     if let Some(old) = closed {
         if old.nat_addr == fwd.nat_addr
             && old.nat_port_be == fwd.nat_port_be
             && take_over(fwd_key, &rep_key, fwd, rep)
         {
-            return CREATED;
+            return Create::Stored;
         }
         forget(fwd_key, old);
     }
@@ -898,7 +948,7 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         // entry removed. By another live flow: a clash. Checked and replaced under a claim,
         // as `store` does.
         if !claim(&rep_key) {
-            return CREATE_ERR;
+            return Create::Failed;
         }
         let mut clash = false;
         if let Some(e) = find(&rep_key) {
@@ -919,17 +969,17 @@ pub fn create(fwd_key: &CtKey, fwd: &CtValue, rep: &CtValue, closed: Option<&CtV
         let stored = !clash && SVC_CT_NEW.insert(rep_key, rep, 0).is_ok();
         unclaim(&rep_key);
         if clash {
-            return CLASH;
+            return Create::Clash;
         }
         if !stored {
-            return CREATE_ERR;
+            return Create::Failed;
         }
     }
     if !store(fwd_key, fwd) {
         let _ = SVC_CT_NEW.remove(rep_key);
-        return CREATE_ERR;
+        return Create::Failed;
     }
-    CREATED
+    Create::Stored
 }
 
 /// Rewrites the entries of a closed flow in place with the new flow's `fwd` and `rep`, which
@@ -978,10 +1028,16 @@ unsafe fn renew(e: *mut CtValue, v: &CtValue) {
     }
 }
 
-/// Outcome of `create_snat`.
-pub const SNAT_OK: u32 = 0;
-pub const SNAT_EXHAUSTED: u32 = 1;
-pub const SNAT_ERR: u32 = 2;
+/// Outcome of `create_snat` (numbered as the constants it replaced).
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Snat {
+    Stored = 0,
+    /// Every try met an open flow's port.
+    Exhausted = 1,
+    /// The map refused.
+    Failed = 2,
+}
 
 /// Stores the new SNATed flow of the scratch space (`Flow`): picks a port for
 /// `fwd.snat_addr` from the range whose reply tuple (backend to SNAT address:port) no open
@@ -1007,7 +1063,7 @@ pub const SNAT_ERR: u32 = 2;
 /// during bpf_loop, and then it folds `claimed` to the 0 stored before the loop (every flow
 /// was dropped as exhausted).
 #[inline(never)]
-pub fn create_snat(f: *mut Flow) -> u32 {
+pub fn create_snat(f: *mut Flow) -> Snat {
     let (min, max) = snat_range();
     // SAFETY: `f` is this CPU's scratch space (scratch.rs), valid while the program runs.
     unsafe {
@@ -1034,15 +1090,15 @@ pub fn create_snat(f: *mut Flow) -> u32 {
             if let Some(s) = crate::scratch::get() {
                 s.snat_busy = 1;
             }
-            return SNAT_EXHAUSTED;
+            return Snat::Exhausted;
         }
         (*f).fwd.snat_port_be = core::ptr::read_volatile(&(*f).try_key.dport_be);
         if !store(&(*f).key, &(*f).fwd) {
             let _ = SVC_CT_NEW.remove((*f).try_key);
-            return SNAT_ERR;
+            return Snat::Failed;
         }
     }
-    SNAT_OK
+    Snat::Stored
 }
 
 /// `mem::copy` of an entry, a function of its own: inlined, it grew `snat_try`'s frame past

@@ -21,20 +21,34 @@ use crate::{
     scratch::Scratch,
 };
 
-/// Outcome of `translate`.
-pub const NOT_OURS: u32 = 0;
-/// Translated; the outer destination changed only (the stack can deliver it).
-pub const TRANSLATED: u32 = 1;
-/// Translated and its outer source changed: it leaves from a frontend or SNAT address, so the
-/// caller forwards it itself.
-pub const TRANSLATED_SRC: u32 = 2;
-/// The quoted packet could not be read.
-pub const UNPARSED: u32 = 3;
-/// A helper failed half way: drop it.
-pub const FAILED: u32 = 4;
-/// Translated, about a pod's hairpin flow (`HAIRPIN`): it goes back to the pod that sent it,
-/// into its device.
-pub const TRANSLATED_BACK: u32 = 5;
+/// Outcome of `translate` (numbered as the constants it replaced).
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Translated {
+    NotOurs = 0,
+    /// Translated; the outer destination changed only (the stack can deliver it).
+    Dst = 1,
+    /// Translated and its outer source changed: it leaves from a frontend or SNAT address, so
+    /// the caller forwards it itself.
+    Src = 2,
+    /// The quoted packet could not be read.
+    Unparsed = 3,
+    /// A helper failed half way: drop it.
+    Failed = 4,
+    /// Translated, about a pod's hairpin flow (`HAIRPIN`): it goes back to the pod that sent
+    /// it, into its device.
+    Back = 5,
+}
+
+/// `parse_inner`'s answer: the quote read, or why `translate` stops there.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quote {
+    Read,
+    /// Neither TCP nor UDP: no flow of svc's.
+    NotOurs,
+    Unparsed,
+}
 
 /// Directions `translate` looks the flow up in (bits).
 pub const FORWARD: u32 = 1;
@@ -64,30 +78,30 @@ struct Inner {
 }
 
 #[inline(never)]
-fn parse_inner(ctx: &TcContext, p: &Pkt, inner: &mut Inner) -> u32 {
+fn parse_inner(ctx: &TcContext, p: &Pkt, inner: &mut Inner) -> Quote {
     inner.l3 = p.l4_off + 8;
     if p.v6 != 0 {
         let mut h = [0u8; IPV6_HLEN as usize];
         if !load(ctx, inner.l3, &mut h) {
-            return UNPARSED;
+            return Quote::Unparsed;
         }
         inner.saddr.copy_from_slice(&h[8..24]);
         inner.daddr.copy_from_slice(&h[24..40]);
         let mut up = Upper::default();
         if pkt::ipv6_upper(ctx, inner.l3 + IPV6_HLEN, h[6], &mut up) != parsed::L4 {
-            return UNPARSED;
+            return Quote::Unparsed;
         }
         inner.l4 = up.off;
         inner.proto = up.proto;
     } else {
         let mut h = [0u8; IPV4_HLEN as usize];
         if !load(ctx, inner.l3, &mut h) {
-            return UNPARSED;
+            return Quote::Unparsed;
         }
         let ihl = (h[0] & 0x0f) as u32 * 4;
         // A quoted later fragment has no ports.
         if ihl < IPV4_HLEN || pkt::be16([h[6], h[7]]) & 0x1fff != 0 {
-            return UNPARSED;
+            return Quote::Unparsed;
         }
         inner.saddr = svc_common::v4_mapped([h[12], h[13], h[14], h[15]]);
         inner.daddr = svc_common::v4_mapped([h[16], h[17], h[18], h[19]]);
@@ -95,26 +109,27 @@ fn parse_inner(ctx: &TcContext, p: &Pkt, inner: &mut Inner) -> u32 {
         inner.proto = h[9];
     }
     if inner.proto != IPPROTO_TCP && inner.proto != IPPROTO_UDP {
-        return NOT_OURS;
+        return Quote::NotOurs;
     }
     let mut ports = [0u8; 4];
     if !load(ctx, inner.l4, &mut ports) {
-        return UNPARSED;
+        return Quote::Unparsed;
     }
     inner.sport_be = u16::from_ne_bytes([ports[0], ports[1]]);
     inner.dport_be = u16::from_ne_bytes([ports[2], ports[3]]);
-    TRANSLATED
+    Quote::Read
 }
 
 /// Translates the ICMP error `s.p` if it quotes a packet of a flow this path (`pod`) tracks,
 /// in one of the directions `dirs`.
 #[inline(always)]
-pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u64) -> u32 {
+pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u64) -> Translated {
     let p = &s.p;
     let mut inner = Inner::default();
-    let outcome = parse_inner(ctx, p, &mut inner);
-    if outcome != TRANSLATED {
-        return outcome;
+    match parse_inner(ctx, p, &mut inner) {
+        Quote::Read => {}
+        Quote::NotOurs => return Translated::NotOurs,
+        Quote::Unparsed => return Translated::Unparsed,
     }
     // The flow's packets that travel the way the error does: the quoted tuple reversed.
     let flow = &mut s.flow;
@@ -126,14 +141,14 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     flow.proto = inner.proto;
     let mut dir = ct_dir::FORWARD;
     let mut found = dirs & FORWARD != 0
-        && ct::peek(&ct::key_of(flow, dir), pod, false, now, &mut s.v) == ct::HIT;
+        && ct::peek(&ct::key_of(flow, dir), pod, false, now, &mut s.v) == ct::Found::Hit;
     if !found && dirs & (REPLY | HAIRPIN) != 0 {
         dir = ct_dir::REPLY;
         let answers = dirs & ANSWERS != 0;
-        found = ct::peek(&ct::key_of(flow, dir), pod, answers, now, &mut s.v) == ct::HIT;
+        found = ct::peek(&ct::key_of(flow, dir), pod, answers, now, &mut s.v) == ct::Found::Hit;
     }
     if !found {
-        return NOT_OURS;
+        return Translated::NotOurs;
     }
     let (src, dst) = (&mut s.src, &mut s.dst);
     ct::translated(flow, dir, &s.v, src, dst);
@@ -141,7 +156,7 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     // its client.
     let back = dir == ct_dir::REPLY && dirs & REPLY == 0;
     if back && dst.addr != p.saddr {
-        return NOT_OURS;
+        return Translated::NotOurs;
     }
     let src_changed = src.addr != flow.saddr || src.port_be != flow.sport_be;
     let dst_changed = dst.addr != flow.daddr || dst.port_be != flow.dport_be;
@@ -149,22 +164,22 @@ pub fn translate(ctx: &TcContext, s: &mut Scratch, dirs: u32, pod: bool, now: u6
     // The quoted packet: its source becomes the flow's new destination and the other way
     // round.
     if !rewrite_inner(ctx, p, &inner, dst, src) {
-        return FAILED;
+        return Translated::Failed;
     }
     // The outer header.
     let icmp_csum = p.l4_off + 2;
     if src_changed && !nat::set_addr(ctx, p, End::Src, &p.saddr, &src.addr, icmp_csum) {
-        return FAILED;
+        return Translated::Failed;
     }
     if dst_changed && !nat::set_addr(ctx, p, End::Dst, &p.daddr, &dst.addr, icmp_csum) {
-        return FAILED;
+        return Translated::Failed;
     }
     if back {
-        TRANSLATED_BACK
+        Translated::Back
     } else if src_changed {
-        TRANSLATED_SRC
+        Translated::Src
     } else {
-        TRANSLATED
+        Translated::Dst
     }
 }
 

@@ -190,31 +190,31 @@ fn later_fragment_unknown(s: &Scratch) -> Option<i32> {
 fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
     let ifindex = s.p.ifindex;
     match icmp::translate(ctx, s, hook.icmp_dirs, hook.pod, now()) {
-        icmp::TRANSLATED => {
+        icmp::Translated::Dst => {
             dev_count(ifindex, pkt_stat::ICMP_ERROR);
             OK
         }
-        icmp::TRANSLATED_SRC => {
+        icmp::Translated::Src => {
             dev_count(ifindex, pkt_stat::ICMP_ERROR);
             if !hook.routes {
                 return OK;
             }
             route_icmp(ctx, s)
         }
-        icmp::TRANSLATED_BACK => {
+        icmp::Translated::Back => {
             // From the frontend: straight back, as the hairpin flow's own packets go.
             dev_count(ifindex, pkt_stat::ICMP_ERROR);
             fwd::bounce(ctx, ifindex)
         }
-        icmp::UNPARSED => {
+        icmp::Translated::Unparsed => {
             dev_count(ifindex, pkt_stat::PASS_UNPARSED);
             OK
         }
-        icmp::FAILED => {
+        icmp::Translated::Failed => {
             dev_count(ifindex, pkt_stat::ERR_REWRITE);
             SHOT
         }
-        _ => OK,
+        icmp::Translated::NotOurs => OK,
     }
 }
 
@@ -384,7 +384,7 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
     false
 }
 
-/// A segment of a known flow that is not where its sender is (`ct::INVALID`): dropped,
+/// A segment of a known flow that is not where its sender is (`ct::Found::Invalid`): dropped,
 /// counted, the flow unchanged.
 #[inline(never)]
 fn out_of_window(s: &Scratch) -> i32 {
@@ -393,20 +393,20 @@ fn out_of_window(s: &Scratch) -> i32 {
 }
 
 /// Looks up the packet's entry in direction `dir` into `s.v`, refreshing it, and the
-/// translation it gives into `s.src`/`s.dst`; `ct::lookup`'s answer. `ct::CLOSED` leaves the
-/// closed flow in `s.v` for the caller to take over or remove.
+/// translation it gives into `s.src`/`s.dst`; `ct::lookup`'s answer. `ct::Found::Closed`
+/// leaves the closed flow in `s.v` for the caller to take over or remove.
 #[inline(always)]
-fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> u32 {
-    found_marked(s, dir, pod, now, 0)
+fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> ct::Found {
+    found_marked(s, dir, pod, now, ct::PacketFlags::NONE)
 }
 
 /// `found`, with `mark` (`ct::ANSWER`) added to the packet's flags.
 #[inline(always)]
-fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32 {
+fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: ct::PacketFlags) -> ct::Found {
     let key = ct::key_of(&s.p, dir);
     let add = ct::packet_flags(&s.p, dir) | mark;
     let found = ct::lookup(&key, pod, add, now, &mut s.v);
-    if found == ct::HIT {
+    if found == ct::Found::Hit {
         ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
     }
     found
@@ -414,7 +414,7 @@ fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32
 
 /// What is left of closed flows on the packet's tuples once the frontend lookup said what it
 /// becomes (`next`). A new flow to a local backend (`new_local`) takes the closed flow its SYN
-/// found (`closed`: `ct::CLOSED`, in `s.v`) over or removes it, and skips the reversed
+/// found (`closed`: `ct::Found::Closed`, in `s.v`) over or removes it, and skips the reversed
 /// tuple: its replies are translated once, at the egress, by its own REPLY entry. Anything
 /// else removes that closed flow here, and a closed flow on the reversed tuple
 /// (`ct::syn_on_reply_tuple`): a direct connection from a client's port to the backend of its
@@ -423,8 +423,8 @@ fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: u32) -> u32
 /// error that leaves by the egress; a remote or hairpin flow, whose ICMP errors or bounced
 /// replies are looked up again by that tuple.
 #[inline(always)]
-fn settle_closed(s: &Scratch, closed: bool, next: u32, pod: bool) {
-    if next == NEW_LOCAL {
+fn settle_closed(s: &Scratch, closed: bool, next: Next, pod: bool) {
+    if next == Next::NewLocal {
         return;
     }
     if closed {
@@ -469,16 +469,16 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
             // A remote backend's reply, to the address and port its flow was SNATed to:
             // from the frontend to the client, forwarded here (its new source is a node
             // address or a frontend).
-            ct::HIT => return send_routed(ctx, s, pkt_stat::REPLY),
-            ct::INVALID => return out_of_window(s),
+            ct::Found::Hit => return send_routed(ctx, s, pkt_stat::REPLY),
+            ct::Found::Invalid => return out_of_window(s),
             _ => {}
         }
     }
     let fwd = found(s, ct_dir::FORWARD, false, now);
-    if fwd == ct::INVALID {
+    if fwd == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if fwd == ct::HIT {
+    if fwd == ct::Found::Hit {
         if held_for_handover(s, now) {
             return SHOT;
         }
@@ -492,42 +492,55 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
     }
-    let closed = fwd == ct::CLOSED;
+    let closed = fwd == ct::Found::Closed;
     let next = ext_frontend(ctx, s, node, now);
     settle_closed(s, closed, next, false);
     match next {
-        MIDSTREAM => {
+        Next::Pass => OK,
+        Next::Drop => SHOT,
+        Next::Midstream => {
             dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
             OK
         }
-        NEW_LOCAL => match new_local(ctx, s, closed) {
-            REMAP => new_remapped(ctx, s),
-            verdict => verdict,
+        Next::NewLocal => match new_local(ctx, s, closed) {
+            Local::Pass => OK,
+            Local::Drop => SHOT,
+            Local::Remap => new_remapped(ctx, s),
         },
-        NEW_SNAT => ext_new_snat(ctx, s),
-        REJECT => reject::reject(ctx, s),
-        verdict => verdict as i32,
+        Next::NewSnat => ext_new_snat(ctx, s),
+        Next::Reject => reject::reject(ctx, s),
     }
 }
 
-/// What a frontend lookup leaves to do besides a verdict: store the new flow in `s.new` and
-/// send its first packet (to `s.dst`), SNATed or not. Siblings of the lookup rather than its
-/// callees, so their stack frames do not add up.
-const NEW_LOCAL: u32 = 0x100;
-const NEW_SNAT: u32 = 0x101;
-/// Reject the packet (`reject::reject`).
-const REJECT: u32 = 0x102;
-/// The middle of a TCP connection svc has no flow for, to a frontend with backends: one the
-/// node's own conntrack carries (made under kube-proxy before svc took over) and goes on
-/// translating. Taken for a new flow it would reach a backend that resets it; the stack
-/// gets it untouched, and no backend is chosen for it (a choice would be remembered for
-/// sessionAffinity, for a client that made no new connection).
-const MIDSTREAM: u32 = 0x103;
+/// What a frontend lookup (`ext_frontend`, `pod_frontend`) leaves the program to do. Not a tc
+/// verdict: the program turns it into one. The steps that store a new flow are siblings of
+/// the lookup rather than its callees, so their stack frames do not add up.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// No frontend's packet: it goes on untouched (`TC_ACT_OK`).
+    Pass,
+    /// Dropped, counted already (`TC_ACT_SHOT`).
+    Drop,
+    /// Store the new flow in `s.new` and send its first packet to `s.dst`, not SNATed
+    /// (`new_local`).
+    NewLocal,
+    /// The same, SNATed: to a remote backend, or a pod's hairpin.
+    NewSnat,
+    /// Reject the packet (`reject::reject`).
+    Reject,
+    /// The middle of a TCP connection svc has no flow for, to a frontend with backends: one
+    /// the node's own conntrack carries (made under kube-proxy before svc took over) and goes
+    /// on translating. Taken for a new flow it would reach a backend that resets it; the
+    /// stack gets it untouched, and no backend is chosen for it (a choice would be remembered
+    /// for sessionAffinity, for a client that made no new connection).
+    Midstream,
+}
 
 /// A packet that is no known flow: the first of a new one if its destination is an external
-/// frontend. Returns a verdict, `NEW_LOCAL`, `NEW_SNAT`, `REJECT` or `MIDSTREAM`.
+/// frontend.
 #[inline(never)]
-fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
+fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
     let p = &s.p;
     let mut key = ServiceKey {
         addr: p.daddr,
@@ -548,7 +561,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
         found = lb::lookup(&key, &mut svc);
     }
     if found != lb::FOUND {
-        return OK as u32;
+        return Next::Pass;
     }
     if svc.flags & svc_flags::SOURCE_RANGES != 0
         && SVC_SRC_RANGES
@@ -556,20 +569,20 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
             .is_none()
     {
         dev_count(p.ifindex, pkt_stat::DROP_SOURCE_RANGE);
-        return SHOT as u32;
+        return Next::Drop;
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
     // under externalTrafficPolicy Local.
     // A SYN-ACK that no flow knows is no connection's start either: taken for one, a
     // backend would answer a forged SYN-ACK, and the table would hold its entries.
     if p.proto == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN && svc.count != 0 {
-        return MIDSTREAM;
+        return Next::Midstream;
     }
     if p.proto == IPPROTO_TCP && !tcpsum::valid(ctx, p) {
         // A SYN, or a segment to be refused: what the backend's stack would drop takes no
         // backend, no flow and no answer.
         dev_count(p.ifindex, pkt_stat::DROP_BAD_CHECKSUM);
-        return SHOT as u32;
+        return Next::Drop;
     }
     let caller = Packet {
         client: p.saddr,
@@ -581,16 +594,16 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
         stat::REFUSED_NO_BACKEND => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
                 dev_count(p.ifindex, pkt_stat::DROP_NO_LOCAL_BACKEND);
-                return SHOT as u32;
+                return Next::Drop;
             }
             count(stat::REFUSED_NO_BACKEND);
             dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
-            return REJECT;
+            return Next::Reject;
         }
         other => {
             count(other);
             dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
-            return SHOT as u32;
+            return Next::Drop;
         }
     }
     s.dst = Endpoint {
@@ -600,9 +613,9 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
     new_flow(&mut s.new, p, &s.dst, svc.id, 0, now);
     // Under externalTrafficPolicy Local every backend is local and the client is kept.
     if d.backend.flags & backend_flags::LOCAL != 0 || svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
-        return NEW_LOCAL;
+        return Next::NewLocal;
     }
-    NEW_SNAT
+    Next::NewSnat
 }
 
 /// The two entries of a new flow from `p` to `backend` for frontend `id`, `flags` on both.
@@ -652,21 +665,30 @@ fn snat_flow(f: &mut Flow, p: &Pkt, addr: &[u8; 16]) {
     f.rep.snat_port_be = p.sport_be;
 }
 
-/// `new_local`'s answer when the flow's reply tuple clashes (`ct::CLASH`): not a tc verdict;
-/// `new_remapped` takes the packet instead (a sibling call, not a callee, so the SNAT port
-/// search does not stack on this frame).
-const REMAP: i32 = 0x100;
+/// `new_local`'s answer. Not a tc verdict: the program turns it into one.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Local {
+    /// Stored and rewritten: to the stack (`TC_ACT_OK`).
+    Pass,
+    /// Dropped, counted already (`TC_ACT_SHOT`).
+    Drop,
+    /// The flow's reply tuple clashes (`ct::Create::Clash`): `new_remapped` takes the packet
+    /// instead (a sibling call, not a callee, so the SNAT port search does not stack on this
+    /// frame).
+    Remap,
+}
 
 /// Stores a new flow that is not SNATed and sends its first packet to the stack, from the
-/// client to `s.dst`; `REMAP` when its reply tuple clashes. Both device kinds.
+/// client to `s.dst`; `Local::Remap` when its reply tuple clashes. Both device kinds.
 #[inline(never)]
-fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> i32 {
+fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> Local {
     match ct::create(&s.new.key, &s.new.fwd, &s.new.rep, closed.then_some(&s.v)) {
-        ct::CREATED => {}
-        ct::CLASH => return REMAP,
-        _ => {
+        ct::Create::Stored => {}
+        ct::Create::Clash => return Local::Remap,
+        ct::Create::Failed => {
             dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
-            return SHOT;
+            return Local::Drop;
         }
     }
     count(stat::TRANSLATED);
@@ -674,7 +696,12 @@ fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> i32 {
         addr: s.p.saddr,
         port_be: s.p.sport_be,
     };
-    to_stack(ctx, s, pkt_stat::NEW)
+    // `to_stack` answers TC_ACT_OK or TC_ACT_SHOT only.
+    if to_stack(ctx, s, pkt_stat::NEW) == OK {
+        Local::Pass
+    } else {
+        Local::Drop
+    }
 }
 
 /// A new flow whose reply tuple another live flow holds (the same client address and port to
@@ -696,7 +723,7 @@ fn new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
 fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
     snat_flow(&mut s.new, &s.p, addr);
     match ct::create_snat(&mut s.new) {
-        ct::SNAT_OK => {
+        ct::Snat::Stored => {
             count(stat::TRANSLATED);
             s.src = Endpoint {
                 addr: s.new.fwd.snat_addr,
@@ -704,11 +731,11 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
             };
             true
         }
-        ct::SNAT_EXHAUSTED => {
+        ct::Snat::Exhausted => {
             dev_count(s.p.ifindex, pkt_stat::DROP_SNAT_EXHAUSTED);
             false
         }
-        _ => {
+        ct::Snat::Failed => {
             dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
             false
         }
@@ -780,10 +807,14 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
             return OK;
         }
     }
-    let mark = if answers_syn(&s.p) { ct::ANSWER } else { 0 };
+    let mark = if answers_syn(&s.p) {
+        ct::ANSWER
+    } else {
+        ct::PacketFlags::NONE
+    };
     match found_marked(s, ct_dir::REPLY, false, ct::NOW_ON_HIT, mark) {
-        ct::HIT => {}
-        ct::INVALID => return out_of_window(s),
+        ct::Found::Hit => {}
+        ct::Found::Invalid => return out_of_window(s),
         _ => return OK,
     }
     // A local backend's reply, leaving: it comes from the frontend.
@@ -821,10 +852,10 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     let now = now();
     let fwd = found(s, ct_dir::FORWARD, true, now);
-    if fwd == ct::INVALID {
+    if fwd == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if fwd == ct::HIT {
+    if fwd == ct::Found::Hit {
         if held_for_handover(s, now) {
             return SHOT;
         }
@@ -832,15 +863,15 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
     // SNAT port. Not a SYN that found a closed flow (no reply), whose entry `s.v` holds.
-    let rep = if fwd != ct::CLOSED && in_snat_range(s.p.dport_be) {
+    let rep = if fwd != ct::Found::Closed && in_snat_range(s.p.dport_be) {
         found(s, ct_dir::REPLY, true, now)
     } else {
-        ct::MISS
+        ct::Found::Miss
     };
-    if rep == ct::INVALID {
+    if rep == ct::Found::Invalid {
         return out_of_window(s);
     }
-    if rep == ct::HIT {
+    if rep == ct::Found::Hit {
         if s.dst.addr != s.p.saddr {
             // A backend pod's reply to another pod whose own port lies in the SNAT range: the
             // client's device restores the frontend, after the stack has forwarded the reply
@@ -853,17 +884,19 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
     }
-    let closed = fwd == ct::CLOSED;
+    let closed = fwd == ct::Found::Closed;
     let next = pod_frontend(ctx, s, now);
     settle_closed(s, closed, next, true);
     match next {
-        NEW_LOCAL => match new_local(ctx, s, closed) {
-            REMAP => new_remapped(ctx, s),
-            verdict => verdict,
+        Next::Pass | Next::Midstream => OK,
+        Next::Drop => SHOT,
+        Next::NewLocal => match new_local(ctx, s, closed) {
+            Local::Pass => OK,
+            Local::Drop => SHOT,
+            Local::Remap => new_remapped(ctx, s),
         },
-        NEW_SNAT => pod_new_hairpin(ctx, s),
-        REJECT => reject::reject(ctx, s),
-        verdict => verdict as i32,
+        Next::NewSnat => pod_new_hairpin(ctx, s),
+        Next::Reject => reject::reject(ctx, s),
     }
 }
 
@@ -881,10 +914,10 @@ fn pod_send(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
 }
 
 /// A packet that is no known flow: the first of a new one if its destination is a
-/// cluster frontend. Returns a verdict, `NEW_LOCAL` (DNAT only), `NEW_SNAT` (hairpin) or
-/// `REJECT`.
+/// cluster frontend: `Next::NewLocal` is DNAT only, `Next::NewSnat` a hairpin. Never
+/// `Next::Midstream`.
 #[inline(never)]
-fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> u32 {
+fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
     let p = &s.p;
     let mut key = ServiceKey {
         addr: p.daddr,
@@ -907,25 +940,25 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> u32 {
         && !tcpsum::valid(ctx, p)
     {
         dev_count(p.ifindex, pkt_stat::DROP_BAD_CHECKSUM);
-        return SHOT as u32;
+        return Next::Drop;
     }
     if outcome == lb::FOUND {
         outcome = lb::decide_with(&key, svc, &caller, &mut d);
     }
     match outcome {
         lb::FOUND => {}
-        lb::NOT_SERVICE => return OK as u32,
+        lb::NOT_SERVICE => return Next::Pass,
         stat::REFUSED_NO_BACKEND | stat::REFUSED_NO_PORT => {
             // A ClusterIP's undefined port, or a frontend without backends: refused, as a
             // socket's connect() would be.
             count(outcome);
             dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
-            return REJECT;
+            return Next::Reject;
         }
         other => {
             count(other);
             dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
-            return SHOT as u32;
+            return Next::Drop;
         }
     }
     s.dst = Endpoint {
@@ -934,9 +967,9 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> u32 {
     };
     new_flow(&mut s.new, p, &s.dst, svc.id, ct_flags::POD, now);
     if d.backend.addr != p.saddr {
-        return NEW_LOCAL;
+        return Next::NewLocal;
     }
-    NEW_SNAT
+    Next::NewSnat
 }
 
 /// The pod is its own backend: it must see the packet come from elsewhere, or it would
@@ -964,8 +997,8 @@ pub fn pod_egress(ctx: &TcContext) -> i32 {
         return verdict;
     }
     match found(s, ct_dir::REPLY, true, ct::NOW_ON_HIT) {
-        ct::HIT => {}
-        ct::INVALID => return out_of_window(s),
+        ct::Found::Hit => {}
+        ct::Found::Invalid => return out_of_window(s),
         _ => return OK,
     }
     // A reply to a pod: it comes from the ClusterIP the pod sent to.
