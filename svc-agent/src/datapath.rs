@@ -1291,29 +1291,12 @@ fn migrate(store: &mut BpfStore, name: &'static str, old: &MapData, late: bool) 
 /// the new programs attach, and again after (the old programs may have made flows in
 /// between). Only the flows the new map lacks. How many entries were read.
 fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
-    let path = dir.join(format!("{}_v1", map_names::CT));
-    if store.ct.is_none() || !path.exists() {
+    if store.ct.is_none() {
         return Ok(0);
     }
-    let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
-    let info = old.info().map_err(|e| load_err(path.display(), e))?;
-    let (key, value) = (
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValueV1>() as u32,
-    );
-    if (info.key_size(), info.value_size()) != (key, value) {
-        return Err(Error::Load(format!(
-            "{} has {}-byte keys and {}-byte values, not layout 1's {key} and {value}",
-            path.display(),
-            info.key_size(),
-            info.value_size()
-        )));
-    }
-    let entries: Vec<(svc_common::CtKey, svc_common::CtValueV1)> = sys::dump_hash(old.fd().as_fd())
-        .map_err(|e| Error::Map {
-            map: map_names::CT,
-            message: format!("reading {}: {e}", path.display()),
-        })?;
+    let Some(entries) = old_ct::<svc_common::CtValueV1>(dir, 1)? else {
+        return Ok(0);
+    };
     let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = entries
         .into_iter()
         .map(|(k, v)| (k, svc_common::CtValue::from(v)))
@@ -1327,31 +1310,47 @@ fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
 /// `SVC_CT`, so an upgrade keeps every connection; before the new programs attach, and again
 /// after, as `carry_ct_v1`. How many entries were read.
 fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
-    let path = dir.join(format!("{}_v2", map_names::CT));
-    if store.ct.is_none() || store.ct_new.is_none() || !path.exists() {
+    if store.ct.is_none() || store.ct_new.is_none() {
         return Ok(0);
+    }
+    let Some(entries) = old_ct::<svc_common::CtValue>(dir, 2)? else {
+        return Ok(0);
+    };
+    carry_ct(store, &entries)?;
+    Ok(entries.len())
+}
+
+/// The flows of the pinned `SVC_CT` of an older `layout` (pin `SVC_CT_v{layout}`), whose
+/// values are `V`; None without that pin. A pin of other key or value sizes is an error that
+/// names it.
+fn old_ct<V: bytemuck::Pod>(
+    dir: &Path,
+    layout: u32,
+) -> Result<Option<Vec<(svc_common::CtKey, V)>>> {
+    let path = dir.join(format!("{}_v{layout}", map_names::CT));
+    if !path.exists() {
+        return Ok(None);
     }
     let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
     let info = old.info().map_err(|e| load_err(path.display(), e))?;
     let (key, value) = (
         std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValue>() as u32,
+        std::mem::size_of::<V>() as u32,
     );
     if (info.key_size(), info.value_size()) != (key, value) {
         return Err(Error::Load(format!(
-            "{} has {}-byte keys and {}-byte values, not layout 2's {key} and {value}",
+            "{} has {}-byte keys and {}-byte values, not layout {layout}'s {key} and {value}",
             path.display(),
             info.key_size(),
             info.value_size()
         )));
     }
-    let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = sys::dump_hash(old.fd().as_fd())
+    sys::dump_hash(old.fd().as_fd())
+        .map(Some)
         .map_err(|e| Error::Map {
-        map: map_names::CT,
-        message: format!("reading {}: {e}", path.display()),
-    })?;
-    carry_ct(store, &entries)?;
-    Ok(entries.len())
+            map: map_names::CT,
+            message: format!("reading {}: {e}", path.display()),
+        })
 }
 
 /// Stores the flows of an older layout's table: each entry into the table its flags say
