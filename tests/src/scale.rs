@@ -172,9 +172,17 @@ pub fn desired_of(services: &[GenService]) -> DesiredState {
 
 /// Every difference between the maps pinned under `bpffs` and `desired`.
 pub fn pinned_vs(bpffs: &Path, desired: &DesiredState) -> Result<Vec<String>> {
+    Ok(pinned_vs_each(bpffs, &[desired])?.remove(0))
+}
+
+/// `pinned_vs` for each of `desired`, from one reading of the maps.
+pub fn pinned_vs_each(bpffs: &Path, desired: &[&DesiredState]) -> Result<Vec<Vec<String>>> {
     let store = svc_agent::datapath::open_pinned(bpffs)?;
     let snap = store.snapshot()?;
-    Ok(svc_agent::verify::check(&snap, desired))
+    Ok(desired
+        .iter()
+        .map(|d| svc_agent::verify::check(&snap, d))
+        .collect())
 }
 
 /// Every difference between what the agent pinned under `bpffs` and what the manifests in

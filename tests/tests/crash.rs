@@ -17,7 +17,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use common::{names, sa, sandbox, web_service, web_slice, VIP};
 use svc_agent::model::{DesiredFrontend, Frontend, Protocol};
 use svc_tests::rng::Rng;
-use svc_tests::scale::{desired_of, pinned_vs, write_services, GenService};
+use svc_tests::scale::{desired_of, pinned_vs, pinned_vs_each, write_services, GenService};
 use svc_tests::{Agent, Manifests};
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -113,8 +113,11 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     let mut damaged = 0;
     let mut k = 1;
     let mut killed = 0;
+    // 100,000 Services' desired state: made once per round, and the previous round's kept.
+    let mut wanted = want(k);
     while killed < kills {
         k += 1;
+        let before = std::mem::replace(&mut wanted, want(k));
         write(k);
         // Kill while it notices the change, syncs it, retires what the sync made
         // unreachable, or idles.
@@ -130,8 +133,10 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
         }
         // Neither the old state nor the new one (nor either with its retirements done): the
         // kill cut a change short, and the next agent has something to repair.
-        let cut_short = !pinned_vs(bpffs.path(), &want(k)).unwrap().is_empty()
-            && !pinned_vs(bpffs.path(), &want(k - 1)).unwrap().is_empty();
+        let cut_short = pinned_vs_each(bpffs.path(), &[&wanted, &before])
+            .unwrap()
+            .iter()
+            .all(|problems| !problems.is_empty());
         if cut_short {
             damaged += 1;
         }
@@ -140,7 +145,7 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
             .wait_ready(Duration::from_secs(300))
             .unwrap_or_else(|e| panic!("restart after kill {killed}: {e:#}"));
         std::thread::sleep(grace);
-        let problems = pinned_vs(bpffs.path(), &want(k)).unwrap();
+        let problems = pinned_vs(bpffs.path(), &wanted).unwrap();
         assert!(
             problems.is_empty(),
             "after kill {killed} (round {k}, SVC_CRASH_SEED={seed}), {} problems: {:#?}\n{}",

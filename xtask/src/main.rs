@@ -124,9 +124,9 @@ mod forward {
         iterator::Signals,
     };
 
-    /// The child being run: signalled only while it has not been reaped, so its pid cannot
-    /// have gone to another process.
-    static CHILD: Mutex<Option<i32>> = Mutex::new(None);
+    /// The children being run (a test phase may run some side by side): each signalled only
+    /// while it has not been reaped, so its pid cannot have gone to another process.
+    static CHILDREN: Mutex<Vec<i32>> = Mutex::new(Vec::new());
 
     /// The first signal xtask got (0: none): after the command it reached, xtask stops too,
     /// with status 128 + its number, as the command does.
@@ -144,8 +144,8 @@ mod forward {
         }
     }
 
-    fn child() -> MutexGuard<'static, Option<i32>> {
-        CHILD.lock().unwrap_or_else(|e| e.into_inner())
+    fn children() -> MutexGuard<'static, Vec<i32>> {
+        CHILDREN.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn install() {
@@ -159,14 +159,18 @@ mod forward {
                 for signal in signals.forever() {
                     let _ =
                         RECEIVED.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
-                    match *child() {
-                        Some(_) if signal == SIGINT => {}
-                        // SAFETY: a plain syscall on our own unreaped child.
-                        Some(pid) => unsafe {
-                            libc::kill(pid, signal);
-                        },
+                    let running = children();
+                    if running.is_empty() {
                         // Between commands: what the signal would have done.
-                        None => std::process::exit(128 + signal),
+                        std::process::exit(128 + signal);
+                    }
+                    if signal != SIGINT {
+                        for &pid in running.iter() {
+                            // SAFETY: a plain syscall on our own unreaped child.
+                            unsafe {
+                                libc::kill(pid, signal);
+                            }
+                        }
                     }
                 }
             });
@@ -177,9 +181,9 @@ mod forward {
     /// waits for the registration) until `wait` has reaped it.
     pub fn spawn(cmd: &mut Command) -> io::Result<Child> {
         install();
-        let mut slot = child();
+        let mut running = children();
         let c = cmd.spawn()?;
-        *slot = Some(c.id() as i32);
+        running.push(c.id() as i32);
         Ok(c)
     }
 
@@ -207,7 +211,7 @@ mod forward {
                 break Err(e);
             }
         };
-        *child() = None;
+        children().retain(|p| *p != pid as i32);
         waited?;
         c.wait()
     }
@@ -266,12 +270,93 @@ fn run_counting(
     stream: Stream,
     counts: fn(&str) -> Option<(u64, u64)>,
 ) -> ((u64, u64), Result<()>) {
+    run_counting_into(cmd, stream, counts, &mut |line| match stream {
+        Stream::Stdout => println!("{line}"),
+        Stream::Stderr => eprintln!("{line}"),
+    })
+}
+
+/// Starts `cargo test` of a whole binary in a thread of its own, its output (both streams)
+/// kept until `Alongside::finish`, so that it runs beside another phase without mixing its
+/// lines into that phase's.
+struct Alongside {
+    what: String,
+    run: std::thread::JoinHandle<Ran>,
+}
+
+/// What a command run in a thread gave: passed and failed, its outcome, its output.
+type Ran = ((u64, u64), Result<()>, Vec<String>);
+
+impl Alongside {
+    fn start(what: String, mut cmd: Command) -> Alongside {
+        let run = std::thread::spawn(move || {
+            let mut lines = Vec::new();
+            // Cargo's own lines (building, `Running`) go to stderr: into a file, read back
+            // at the end, so neither pipe can fill while the other is read.
+            let err = tempfile_for_stderr();
+            if let Ok((_, f)) = &err {
+                if let Ok(f) = f.try_clone() {
+                    cmd.stderr(f);
+                }
+            }
+            let (counts, outcome) =
+                run_counting_into(&mut cmd, Stream::Stdout, result_counts, &mut |line| {
+                    lines.push(line.to_string())
+                });
+            if let Ok((path, _)) = err {
+                if let Ok(text) = std::fs::read_to_string(&path) {
+                    lines.extend(text.lines().map(str::to_string));
+                }
+                let _ = std::fs::remove_file(&path);
+            }
+            (counts, outcome, lines)
+        });
+        Alongside { what, run }
+    }
+
+    /// Waits for it, prints its output, and adds its counts.
+    fn finish(self, totals: &mut Totals) {
+        match self.run.join() {
+            Ok((counts, outcome, lines)) => {
+                eprintln!("--- {} (ran alongside the nextest phase) ---", self.what);
+                for line in lines {
+                    println!("{line}");
+                }
+                totals.add(&self.what, counts, outcome);
+            }
+            Err(_) => totals.add(
+                &self.what,
+                (0, 0),
+                Err(anyhow::anyhow!("its thread panicked")),
+            ),
+        }
+    }
+}
+
+/// A file in target/tmp for a command's stderr, and a handle to write it.
+fn tempfile_for_stderr() -> std::io::Result<(PathBuf, std::fs::File)> {
+    let dir = root().join("target/tmp");
+    std::fs::create_dir_all(&dir)?;
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = dir.join(format!("xtask-{}-{n}.stderr", std::process::id()));
+    let f = std::fs::File::create(&path)?;
+    Ok((path, f))
+}
+
+/// `run_counting` with each line of `stream` given to `sink`.
+fn run_counting_into(
+    cmd: &mut Command,
+    stream: Stream,
+    counts: fn(&str) -> Option<(u64, u64)>,
+    sink: &mut dyn FnMut(&str),
+) -> ((u64, u64), Result<()>) {
     use std::io::{BufRead, BufReader, Read};
     let mut total = (0u64, 0u64);
     let mut go = || -> Result<()> {
         // After a signal no further phase starts; each reports it and the run ends with it.
         forward::stop_if_signalled()?;
-        eprintln!("+ {cmd:?}");
+        sink(&format!("+ {cmd:?}"));
         match stream {
             Stream::Stdout => cmd.stdout(std::process::Stdio::piped()),
             Stream::Stderr => cmd.stderr(std::process::Stdio::piped()),
@@ -283,10 +368,7 @@ fn run_counting(
         };
         for line in BufReader::new(out).lines() {
             let line = line.context("reading the test output")?;
-            match stream {
-                Stream::Stdout => println!("{line}"),
-                Stream::Stderr => eprintln!("{line}"),
-            }
+            sink(&line);
             if let Some((p, f)) = counts(&line) {
                 total.0 += p;
                 total.1 += f;
@@ -378,11 +460,20 @@ const USERSPACE: &[&str] = &[
 /// The test binaries whose tests share something per process: the packet fixtures a loaded
 /// object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
 /// They run as whole binaries (`cargo test`), the rest through nextest, one process per test.
-const WHOLE_BINARIES: &[(&str, &str)] = &[
-    ("svc-agent", "packet_fixtures"),
-    ("svc-tests", "kube"),
-    ("svc-tests", "parity"),
+/// Those marked `Alongside` run beside the nextest phase (the fixtures take seconds, the kube
+/// scenarios one thread); parity compares timing-sensitive behaviour of real proxies and runs
+/// after it, with nothing else.
+const WHOLE_BINARIES: &[(&str, &str, When)] = &[
+    ("svc-agent", "packet_fixtures", When::Alongside),
+    ("svc-tests", "kube", When::Alongside),
+    ("svc-tests", "parity", When::Alone),
 ];
+
+#[derive(Clone, Copy, PartialEq)]
+enum When {
+    Alongside,
+    Alone,
+}
 
 /// `cargo` for the dev profile: the workspace's own crates are compiled by clippy-driver (as
 /// `cargo clippy` runs it), so `cargo xtask lint` lints while it builds, and `cargo xtask test`,
@@ -583,9 +674,28 @@ fn run_task(task: Task) -> Result<()> {
             // groups of .config/nextest.toml keep the heavy ones apart.
             let whole = WHOLE_BINARIES
                 .iter()
-                .map(|(package, test)| format!("binary_id({package}::{test})"))
+                .map(|(package, test, _)| format!("binary_id({package}::{test})"))
                 .collect::<Vec<_>>()
                 .join(" | ");
+            let whole_binary = |test: &str| -> Result<Command> {
+                let mut c = dev_cargo()?;
+                c.args(["test"])
+                    .args(USERSPACE)
+                    .args(["--test", test, "--"])
+                    .args(&args)
+                    .envs(control_plane.env())
+                    .env("SVC_AGENT_BIN", &agent);
+                Ok(c)
+            };
+            let mut alongside = Vec::new();
+            for (package, test, when) in WHOLE_BINARIES {
+                if *when == When::Alongside {
+                    alongside.push(Alongside::start(
+                        format!("{package} --test {test}"),
+                        whole_binary(test)?,
+                    ));
+                }
+            }
             let (counts, outcome) = run_nextest(
                 dev_cargo()?
                     .args(["nextest", "run"])
@@ -596,18 +706,15 @@ fn run_task(task: Task) -> Result<()> {
                     .env("SVC_AGENT_BIN", &agent),
             );
             totals.add("nextest", counts, outcome);
-            // Then each whole binary alone, as `cargo test` runs it.
-            for (package, test) in WHOLE_BINARIES {
-                let (counts, outcome) = run_tests(
-                    dev_cargo()?
-                        .args(["test"])
-                        .args(USERSPACE)
-                        .args(["--test", test, "--"])
-                        .args(&args)
-                        .envs(control_plane.env())
-                        .env("SVC_AGENT_BIN", &agent),
-                );
-                totals.add(&format!("{package} --test {test}"), counts, outcome);
+            for a in alongside {
+                a.finish(&mut totals);
+            }
+            // Then each remaining whole binary alone, as `cargo test` runs it.
+            for (package, test, when) in WHOLE_BINARIES {
+                if *when == When::Alone {
+                    let (counts, outcome) = run_tests(&mut whole_binary(test)?);
+                    totals.add(&format!("{package} --test {test}"), counts, outcome);
+                }
             }
             // The charts' own tests: svc-charts selected alone (see USERSPACE).
             let (counts, outcome) = run_tests(
