@@ -127,39 +127,10 @@ pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_PROG_QUERY: libc::c_long = 16;
 
-/// The program a link runs and the cgroup it attaches to (0 once detached or the cgroup is
-/// gone).
-pub fn link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u64)> {
-    let mut info = [0u64; 32];
-    let mut attr = Attr::zeroed();
-    attr.put_u32(0, link.as_raw_fd() as u32);
-    attr.put_u32(4, std::mem::size_of_val(&info) as u32);
-    attr.put_u64(8, info.as_mut_ptr() as u64);
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    // struct bpf_link_info { u32 type; u32 id; u32 prog_id; ...; union at offset 16 }
-    Ok(((info[1] & 0xffff_ffff) as u32, info[2]))
-}
-
-/// The device a tcx link attaches to (0 once the device is gone) and the program it runs.
-pub fn tcx_link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
-    let mut info = [0u64; 32];
-    let mut attr = Attr::zeroed();
-    attr.put_u32(0, link.as_raw_fd() as u32);
-    attr.put_u32(4, std::mem::size_of_val(&info) as u32);
-    attr.put_u64(8, info.as_mut_ptr() as u64);
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    // struct bpf_link_info { u32 type; u32 id; u32 prog_id; u32 pad; union { struct {
-    // u32 ifindex; u32 attach_type; } tcx; ... } } (the union at offset 16).
-    Ok((
-        (info[2] & 0xffff_ffff) as u32,
-        (info[1] & 0xffff_ffff) as u32,
-    ))
-}
-
-/// The cgroup a cgroup link attaches to (0 once the cgroup is gone).
-pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
-    // struct bpf_link_info { u32 type; u32 id; u32 prog_id; union { struct { u64 cgroup_id;
-    // u32 attach_type; } cgroup; ... } } — the union starts at offset 16.
+/// A link's `struct bpf_link_info`, as 8-byte words: `{ u32 type; u32 id; u32 prog_id; u32
+/// pad; union { ... } }`, so word 1's low half is the program's id and the type-specific union
+/// starts at word 2.
+fn link_info_words(link: BorrowedFd<'_>) -> io::Result<[u64; 32]> {
     let mut info = [0u64; 32];
     let mut attr = Attr::zeroed();
     // struct { __u32 bpf_fd; __u32 info_len; __aligned_u64 info; }
@@ -167,7 +138,32 @@ pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
     attr.put_u32(4, std::mem::size_of_val(&info) as u32);
     attr.put_u64(8, info.as_mut_ptr() as u64);
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    Ok(info[2])
+    Ok(info)
+}
+
+/// The low 32 bits of a word of `link_info_words`.
+fn low(word: u64) -> u32 {
+    (word & 0xffff_ffff) as u32
+}
+
+/// The program a link runs and the cgroup it attaches to (0 once detached or the cgroup is
+/// gone).
+pub fn link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u64)> {
+    let info = link_info_words(link)?;
+    // The cgroup union: { u64 cgroup_id; u32 attach_type; }.
+    Ok((low(info[1]), info[2]))
+}
+
+/// The device a tcx link attaches to (0 once the device is gone) and the program it runs.
+pub fn tcx_link_info(link: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    let info = link_info_words(link)?;
+    // The tcx union: { u32 ifindex; u32 attach_type; }.
+    Ok((low(info[2]), low(info[1])))
+}
+
+/// The cgroup a cgroup link attaches to (0 once the cgroup is gone).
+pub fn link_cgroup_id(link: BorrowedFd<'_>) -> io::Result<u64> {
+    Ok(link_info(link)?.1)
 }
 
 /// The cgroup attach points svc uses (enum bpf_attach_type), each with the program of

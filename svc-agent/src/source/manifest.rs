@@ -392,38 +392,18 @@ impl ManifestSource {
         let file: Arc<Path> = Arc::from(path.as_path());
         // What this file defined before keeps its age: an edit is no new definition.
         let before = self.files.remove(&path).unwrap_or_default();
-        let since_service = since_of(&before.services);
-        let since_slice = since_of(&before.slices);
         let now = self.loads;
-        let mut parse_errors = Vec::new();
-        // Collected into new vectors (not in place: that would keep the API objects'
-        // much larger allocation alive under the small parsed ones).
-        let mut services = Vec::with_capacity(out.services.len());
-        services.extend(out.services.into_iter().filter_map(|n| {
-            let parsed = parse_service(&n.object, &node, &mut parse_errors);
-            name_origin(&mut parse_errors, &n, errors);
-            parsed.map(|p| Named {
-                since: since_service(&p).unwrap_or(now),
-                object: p,
-                path: file.clone(),
-                doc: n.doc,
-                item: n.item,
-            })
-        }));
-        drop(since_service);
-        let mut slices = Vec::with_capacity(out.slices.len());
-        slices.extend(out.slices.into_iter().filter_map(|n| {
-            let parsed = parse_slice(&n.object, &node, &mut parse_errors);
-            name_origin(&mut parse_errors, &n, errors);
-            parsed.map(|p| Named {
-                since: since_slice(&p).unwrap_or(now),
-                object: p,
-                path: file.clone(),
-                doc: n.doc,
-                item: n.item,
-            })
-        }));
-        drop(since_slice);
+        let services = parse_kept(
+            out.services,
+            &before.services,
+            &file,
+            now,
+            errors,
+            |o, e| parse_service(o, &node, e),
+        );
+        let slices = parse_kept(out.slices, &before.slices, &file, now, errors, |o, e| {
+            parse_slice(o, &node, e)
+        });
         drop(before);
         self.files.insert(
             path,
@@ -454,6 +434,35 @@ impl ManifestSource {
             source: io::Error::new(source.kind(), message),
         }
     }
+}
+
+/// One file's API objects of one kind, parsed (into new vectors, not in place: that would
+/// keep the API objects' much larger allocation alive under the small parsed ones), each
+/// keeping its age from `before`, what the file defined before (an edit is no new
+/// definition); what parsing found goes to `errors`, naming where each object came from.
+fn parse_kept<A, P: Keyed>(
+    objects: Vec<Named<A>>,
+    before: &[Named<P>],
+    file: &Arc<Path>,
+    now: u64,
+    errors: &mut Vec<Error>,
+    parse: impl Fn(&A, &mut Vec<Error>) -> Option<P>,
+) -> Vec<Named<P>> {
+    let since = since_of(before);
+    let mut found = Vec::new();
+    let mut parsed = Vec::with_capacity(objects.len());
+    parsed.extend(objects.into_iter().filter_map(|n| {
+        let p = parse(&n.object, &mut found);
+        name_origin(&mut found, &n, errors);
+        p.map(|p| Named {
+            since: since(&p).unwrap_or(now),
+            object: p,
+            path: file.clone(),
+            doc: n.doc,
+            item: n.item,
+        })
+    }));
+    parsed
 }
 
 /// Since when each object of `objects` (one file's, of one kind) has been defined there.
