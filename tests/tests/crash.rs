@@ -115,17 +115,26 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     let mut killed = 0;
     // 100,000 Services' desired state: made once per round, and the previous round's kept.
     let mut wanted = want(k);
+    // Where after a write the kills land, [earliest, latest), learnt as the rounds go: a kill
+    // that found the old state whole came before the agent wrote anything, one that found the
+    // new state whole came after it was done. The machine's load stretches and shrinks a sync
+    // between the one timed above and the later ones; without this, a loaded run put most
+    // kills before the writing began.
+    let mut earliest = Duration::ZERO;
+    let mut latest = sync + grace;
     while killed < kills {
         k += 1;
         let before = std::mem::replace(&mut wanted, want(k));
         write(k);
         // Kill while it notices the change, syncs it, retires what the sync made
         // unreachable, or idles.
-        std::thread::sleep(rng.below(sync + grace));
+        let at = earliest + rng.below(latest.saturating_sub(earliest));
+        std::thread::sleep(at);
         agent.kill().unwrap();
         killed += 1;
         // Sometimes also kill the next agent during its own start and first sync.
-        if killed < kills && rng.next_u64().is_multiple_of(3) {
+        let twice = killed < kills && rng.next_u64().is_multiple_of(3);
+        if twice {
             agent.restart().unwrap();
             std::thread::sleep(rng.below(startup));
             agent.kill().unwrap();
@@ -133,12 +142,22 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
         }
         // Neither the old state nor the new one (nor either with its retirements done): the
         // kill cut a change short, and the next agent has something to repair.
-        let cut_short = pinned_vs_each(bpffs.path(), &[&wanted, &before])
+        let [to_new, to_old]: [Vec<String>; 2] = pinned_vs_each(bpffs.path(), &[&wanted, &before])
             .unwrap()
-            .iter()
-            .all(|problems| !problems.is_empty());
+            .try_into()
+            .unwrap();
+        let cut_short = !to_new.is_empty() && !to_old.is_empty();
         if cut_short {
             damaged += 1;
+        }
+        if !twice && to_old.is_empty() {
+            // Too early: the writing began after `at`.
+            earliest = at.mul_f64(0.75);
+            latest = latest.max(earliest + sync + grace);
+        } else if !twice && to_new.is_empty() {
+            // Too late: the writing (and its retirements) ended before `at`.
+            latest = at;
+            earliest = earliest.min(latest / 2);
         }
         agent.restart().unwrap();
         agent
