@@ -375,11 +375,11 @@ const USERSPACE: &[&str] = &[
     "svc-charts",
 ];
 
-/// The test binaries whose tests share something per process: the packet fixtures a loaded
-/// object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
+/// The test binaries whose tests share something per process: the kernel's packet fixtures a
+/// loaded object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
 /// They run as whole binaries (`cargo test`), the rest through nextest, one process per test.
 const WHOLE_BINARIES: &[(&str, &str)] = &[
-    ("svc-agent", "packet_fixtures"),
+    ("svc-ebpf-tests", "fixtures"),
     ("svc-tests", "kube"),
     ("svc-tests", "parity"),
 ];
@@ -747,9 +747,9 @@ fn run_task(task: Task) -> Result<()> {
                         "-q",
                         "--release",
                         "-p",
-                        "svc-agent",
+                        "svc-ebpf-tests",
                         "--test",
-                        "packet_fixtures",
+                        "fixtures",
                         "per_packet_cost",
                         "--",
                         "--ignored",

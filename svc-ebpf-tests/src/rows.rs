@@ -1,0 +1,135 @@
+//! Fixture rows: an input, the program, the verdict, the output and the counter it moves.
+
+use crate::prelude::*;
+
+/// What must come out.
+pub enum Out {
+    /// The packet exactly as it went in.
+    Untouched,
+    /// This packet, byte for byte.
+    Packet(P),
+    /// Nothing (the verdict drops it); the output is not looked at.
+    Dropped,
+    /// Whatever the program made of it, not looked at: an input whose checksum is not the
+    /// right sum (`Check`) comes out with no right sum to compare (a partial one's rewrite is
+    /// right only on a CHECKSUM_PARTIAL skb, which a fixture cannot make).
+    Any,
+}
+
+pub struct Row {
+    pub what: &'static str,
+    pub prog: Prog,
+    /// The device: `None` for the program's usual one (ext0 or pod0).
+    pub dev: Option<u32>,
+    pub input: Vec<u8>,
+    /// The input is well-formed: its checksums are verified first.
+    pub well_formed: bool,
+    pub verdict: u32,
+    pub out: Out,
+    /// The per-device counter this row moves by one (`None`: it moves none).
+    pub counted: Option<u32>,
+}
+
+pub fn row(
+    what: &'static str,
+    prog: Prog,
+    input: P,
+    verdict: u32,
+    out: Out,
+    counted: Option<u32>,
+) -> Row {
+    Row {
+        what,
+        prog,
+        dev: None,
+        input: input.bytes(),
+        well_formed: true,
+        verdict,
+        out,
+        counted,
+    }
+}
+
+/// A row whose input is raw bytes (malformed on purpose, or not IP).
+pub fn raw_row(what: &'static str, prog: Prog, input: Vec<u8>, counted: Option<u32>) -> Row {
+    Row {
+        what,
+        prog,
+        dev: None,
+        input,
+        well_formed: false,
+        verdict: TC_ACT_OK,
+        out: Out::Untouched,
+        counted,
+    }
+}
+
+/// Runs the rows in order against `dp`, checking each.
+pub fn run_rows(dp: &Dp, rows: Vec<Row>) {
+    for r in rows {
+        let dev = r.dev.unwrap_or_else(|| dp.ifindex_of(r.prog));
+        let input = &r.input;
+        if r.well_formed {
+            verify_checksums(input)
+                .unwrap_or_else(|e| panic!("{}: the input's {e} is wrong", r.what));
+        }
+        let before = dp.dev_stats_of(dev);
+        let (verdict, out, _) = dp.run_on(r.prog, dev, input, 1);
+        let after = dp.dev_stats_of(dev);
+        let mut moved: BTreeMap<u32, u64> = BTreeMap::new();
+        for (reason, n) in &after {
+            let d = n - before.get(reason).copied().unwrap_or(0);
+            if d != 0 {
+                moved.insert(*reason, d);
+            }
+        }
+        assert_eq!(
+            verdict,
+            r.verdict,
+            "{}: verdict (0 ok, 2 shot, 7 redirect)\nout: {out:02x?}\ncounters moved: {moved:?} \
+             (reasons: {:?})",
+            r.what,
+            pkt_stat::NAMES
+        );
+        match &r.out {
+            Out::Untouched => assert_eq!(&out, input, "{}: must pass untouched", r.what),
+            Out::Packet(want) => {
+                let want = want.bytes();
+                if out != want {
+                    panic!(
+                        "{}: output differs\n got: {}\nwant: {}\n{}",
+                        r.what,
+                        hex(&out),
+                        hex(&want),
+                        diff(&out, &want)
+                    );
+                }
+                verify_checksums(&out).unwrap_or_else(|e| panic!("{}: {e} is wrong", r.what));
+            }
+            Out::Dropped | Out::Any => {}
+        }
+        let want: BTreeMap<u32, u64> = r.counted.into_iter().map(|c| (c, 1)).collect();
+        assert_eq!(
+            moved,
+            want,
+            "{}: per-device counters moved (reasons: {:?})",
+            r.what,
+            pkt_stat::NAMES
+        );
+    }
+}
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+pub fn diff(got: &[u8], want: &[u8]) -> String {
+    let mut s = String::new();
+    for i in 0..got.len().max(want.len()) {
+        let (g, w) = (got.get(i), want.get(i));
+        if g != w {
+            s += &format!("  byte {i}: got {g:02x?} want {w:02x?}\n");
+        }
+    }
+    s
+}
