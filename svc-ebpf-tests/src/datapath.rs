@@ -204,6 +204,29 @@ pub struct Fe<'a> {
     pub affinity_id: u32,
 }
 
+impl<'a> Fe<'a> {
+    /// A frontend without sessionAffinity.
+    pub fn new(
+        at: &'a str,
+        proto: u8,
+        scope: u8,
+        id: u32,
+        backends: &'a [BackendId],
+        flags: u16,
+    ) -> Fe<'a> {
+        Fe {
+            at,
+            proto,
+            scope,
+            id,
+            backends,
+            flags,
+            affinity_s: 0,
+            affinity_id: 0,
+        }
+    }
+}
+
 impl Dp {
     #[allow(
         clippy::new_without_default,

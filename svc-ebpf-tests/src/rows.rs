@@ -50,6 +50,11 @@ pub fn row(
     }
 }
 
+/// A row whose packet leaves as it came, passed (`TC_ACT_OK`), no counter moved.
+pub fn pass(what: &'static str, prog: Prog, input: P) -> Row {
+    row(what, prog, input, TC_ACT_OK, Out::Untouched, None)
+}
+
 /// A row whose input is raw bytes (malformed on purpose, or not IP).
 pub fn raw_row(what: &'static str, prog: Prog, input: Vec<u8>, counted: Option<u32>) -> Row {
     Row {

@@ -113,14 +113,8 @@ pub fn world_with(mut dp: Dp) -> Dp {
     ];
     for (at, proto, sc, id, backends, flags, affinity_s) in fes {
         dp.frontend(Fe {
-            at,
-            proto,
-            scope: sc,
-            id,
-            backends,
-            flags,
             affinity_s,
-            affinity_id: 0,
+            ..Fe::new(at, proto, sc, id, backends, flags)
         });
     }
     dp.src_range(9, "203.0.113.0/24");
