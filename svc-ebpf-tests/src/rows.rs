@@ -55,6 +55,50 @@ pub fn pass(what: &'static str, prog: Prog, input: P) -> Row {
     row(what, prog, input, TC_ACT_OK, Out::Untouched, None)
 }
 
+/// Client `c`'s segment (`flags`) to `frontend` on ext0, DNATed only (the client kept) to a
+/// local `backend`, counted `stat`.
+pub fn dnat(
+    what: &'static str,
+    (c, frontend, backend): (&str, &str, &str),
+    flags: u8,
+    stat: u32,
+) -> Row {
+    row(
+        what,
+        Prog::ExtIngress,
+        tcp(c, frontend, flags),
+        TC_ACT_OK,
+        Out::Packet(tcp(c, backend, flags)),
+        Some(stat),
+    )
+}
+
+/// Client `c`'s SYN to `frontend`, DNATed to a local `backend`: a new flow.
+pub fn syn_dnat(what: &'static str, c: &str, frontend: &str, backend: &str) -> Row {
+    dnat(what, (c, frontend, backend), TCP_SYN, pkt_stat::NEW)
+}
+
+/// A local `backend`'s segment (`flags`) to client `c` leaving ext0 from `frontend`: a reply.
+pub fn reply_from(
+    what: &'static str,
+    (backend, c, frontend): (&str, &str, &str),
+    flags: u8,
+) -> Row {
+    row(
+        what,
+        Prog::ExtEgress,
+        to_gateway(tcp(backend, c, flags)),
+        TC_ACT_OK,
+        Out::Packet(to_gateway(tcp(frontend, c, flags))),
+        Some(pkt_stat::REPLY),
+    )
+}
+
+/// A local `backend`'s SYN-ACK to client `c`, leaving from `frontend`.
+pub fn syn_ack_from(what: &'static str, backend: &str, c: &str, frontend: &str) -> Row {
+    reply_from(what, (backend, c, frontend), TCP_SYN | TCP_ACK)
+}
+
 /// A row whose input is raw bytes (malformed on purpose, or not IP).
 pub fn raw_row(what: &'static str, prog: Prog, input: Vec<u8>, counted: Option<u32>) -> Row {
     Row {

@@ -154,6 +154,11 @@ pub const C: &str = "203.0.113.7";
 /// The flags of a new TCP flow's entries until its client acknowledges the SYN-ACK.
 pub const NEW_TCP: u16 = ct_flags::UNASSURED | ct_flags::TRACKED;
 
+/// A packet as the node sends it to the gateway (towards a client), out of ext0.
+pub fn to_gateway(p: P) -> P {
+    p.macs(GW_MAC, EXT_MAC)
+}
+
 /// A client's packet as the gateway hands it to the node.
 pub fn from_client(p: P) -> P {
     p.macs(EXT_MAC, GW_MAC)
