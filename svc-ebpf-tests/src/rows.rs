@@ -99,6 +99,19 @@ pub fn syn_ack_from(what: &'static str, backend: &str, c: &str, frontend: &str) 
     reply_from(what, (backend, c, frontend), TCP_SYN | TCP_ACK)
 }
 
+/// A client's `input` on ext0, SNATed and sent on to node 2 as `out` (one hop spent), counted
+/// `stat`.
+pub fn routed_to_node2(what: &'static str, input: P, out: P, stat: u32) -> Row {
+    row(
+        what,
+        Prog::ExtIngress,
+        input,
+        TC_ACT_REDIRECT,
+        Out::Packet(out.macs(NODE2_MAC, EXT_MAC).ttl(63)),
+        Some(stat),
+    )
+}
+
 /// A row whose input is raw bytes (malformed on purpose, or not IP).
 pub fn raw_row(what: &'static str, prog: Prog, input: Vec<u8>, counted: Option<u32>) -> Row {
     Row {
