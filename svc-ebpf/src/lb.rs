@@ -340,7 +340,7 @@ pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
 /// NodePorts (`node_flags`, from `node_addr_flags`): the same port and protocol under the
 /// family's wildcard address. `false`: it is no NodePort address.
 #[inline(always)]
-pub fn nodeport_key(key: &mut ServiceKey, node_flags: u32) -> bool {
+fn nodeport_key(key: &mut ServiceKey, node_flags: u32) -> bool {
     if node_flags & node_addr_flags::NODEPORT == 0 {
         return false;
     }
@@ -352,15 +352,64 @@ pub fn nodeport_key(key: &mut ServiceKey, node_flags: u32) -> bool {
     true
 }
 
-/// The frontend `key` names, trying the NodePort wildcard when `key` is no frontend but its
-/// address is a NodePort address of this node; `key` becomes the key that was found.
-#[inline(always)]
-pub fn resolve(key: &mut ServiceKey, out: &mut ServiceValue) -> Outcome {
-    let outcome = lookup(key, out);
-    if outcome != NOT_SERVICE {
-        return outcome;
+/// What differs between the callers of `resolve` (the socket hooks, the pod ingress, the
+/// external ingress): whether the key's own frontend is looked up, and which destination
+/// addresses answer NodePorts.
+pub trait Via {
+    /// Whether a frontend may be under the key's own address.
+    fn own_key(&self) -> bool;
+    /// The `NODE_ADDRS` flags that say whether `addr` answers NodePorts for this caller.
+    fn node_flags(&self, addr: &[u8; 16]) -> u32;
+}
+
+/// Per-packet ClusterIP on pod devices: the key's own frontend, else the NodePort of a node
+/// address.
+pub struct PodIngress;
+
+impl Via for PodIngress {
+    #[inline(always)]
+    fn own_key(&self) -> bool {
+        true
     }
-    if !nodeport_key(key, node_addr_flags(&key.addr)) {
+
+    #[inline(always)]
+    fn node_flags(&self, addr: &[u8; 16]) -> u32 {
+        node_addr_flags(addr)
+    }
+}
+
+/// The external ingress, which read the destination's `NODE_ADDRS` flags (`node`) before any
+/// other lookup. Only an `EXTERNAL` address has frontends of its own key (the agent marks it
+/// before it writes them): a node address without one is looked up as a NodePort alone, one
+/// hash lookup less for each new NodePort flow.
+pub struct ExtIngress {
+    pub node: u32,
+}
+
+impl Via for ExtIngress {
+    #[inline(always)]
+    fn own_key(&self) -> bool {
+        self.node & node_addr_flags::EXTERNAL != 0
+    }
+
+    #[inline(always)]
+    fn node_flags(&self, _: &[u8; 16]) -> u32 {
+        self.node
+    }
+}
+
+/// The frontend `key` names: its own (where `via` allows one), else the NodePort wildcard of
+/// its port when its address answers NodePorts for `via`; `key` becomes the key that was
+/// found.
+#[inline(always)]
+pub fn resolve(key: &mut ServiceKey, out: &mut ServiceValue, via: &impl Via) -> Outcome {
+    if via.own_key() {
+        let outcome = lookup(key, out);
+        if outcome != NOT_SERVICE {
+            return outcome;
+        }
+    }
+    if !nodeport_key(key, via.node_flags(&key.addr)) {
         return NOT_SERVICE;
     }
     lookup(key, out)

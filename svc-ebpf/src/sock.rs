@@ -151,7 +151,7 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
         scope: scope::CLUSTER,
     };
     let mut svc = ServiceValue::default();
-    match resolve(ctx, &mut key, &mut svc) {
+    match lb::resolve(&mut key, &mut svc, &Socket(ctx)) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
         refused => return Err(refuse(refused)),
@@ -186,24 +186,26 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     Ok(())
 }
 
-/// `lb::resolve` for a socket: a NodePort reached through a node address (nodeIP:nodePort)
+/// A socket hook's `lb::resolve`: a NodePort reached through a node address (nodeIP:nodePort)
 /// is found under its wildcard key, as kube-proxy serves it to local clients; through a
 /// loopback address (localhost NodePorts) only for a socket of the node's own network
 /// namespace.
-#[inline(always)]
-fn resolve(ctx: &SockAddrContext, key: &mut ServiceKey, out: &mut ServiceValue) -> lb::Outcome {
-    let outcome = lb::lookup(key, out);
-    if outcome != lb::NOT_SERVICE {
-        return outcome;
+struct Socket<'a>(&'a SockAddrContext);
+
+impl lb::Via for Socket<'_> {
+    #[inline(always)]
+    fn own_key(&self) -> bool {
+        true
     }
-    let mut node = lb::node_addr_flags(&key.addr);
-    if is_v4_loopback(&key.addr) && localhost_answers(ctx, node) {
-        node |= node_addr_flags::NODEPORT;
+
+    #[inline(always)]
+    fn node_flags(&self, addr: &[u8; 16]) -> u32 {
+        let node = lb::node_addr_flags(addr);
+        if is_v4_loopback(addr) && localhost_answers(self.0, node) {
+            return node | node_addr_flags::NODEPORT;
+        }
+        node
     }
-    if !lb::nodeport_key(key, node) {
-        return lb::NOT_SERVICE;
-    }
-    lb::lookup(key, out)
 }
 
 /// Whether `a` is in 127.0.0.0/8 (IPv4, mapped).

@@ -549,18 +549,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
         scope: scope::EXTERNAL,
     };
     let mut svc = ServiceValue::default();
-    // Only an `EXTERNAL` address has frontends of its own key (the agent marks it before it
-    // writes them): a node address without one is looked up as a NodePort alone, one hash
-    // lookup less for each new NodePort flow.
-    let mut found = if node & node_addr_flags::EXTERNAL != 0 {
-        lb::lookup(&key, &mut svc)
-    } else {
-        lb::NOT_SERVICE
-    };
-    if found == lb::NOT_SERVICE && lb::nodeport_key(&mut key, node) {
-        found = lb::lookup(&key, &mut svc);
-    }
-    if found != lb::FOUND {
+    if lb::resolve(&mut key, &mut svc, &lb::ExtIngress { node }) != lb::FOUND {
         return Next::Pass;
     }
     if svc.flags & svc_flags::SOURCE_RANGES != 0
@@ -931,7 +920,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         now,
     };
     let mut d = lb::Decision::default();
-    let mut outcome = lb::resolve(&mut key, &mut svc);
+    let mut outcome = lb::resolve(&mut key, &mut svc, &lb::PodIngress);
     // Only a SYN: a pod's first segment of a flow svc does not know otherwise is a
     // connection's middle, whose checksum a GSO sender leaves in forms not checked here.
     if outcome == lb::FOUND

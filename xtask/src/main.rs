@@ -457,14 +457,14 @@ const USERSPACE: &[&str] = &[
     "svc-charts",
 ];
 
-/// The test binaries whose tests share something per process: the packet fixtures a loaded
-/// object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
+/// The test binaries whose tests share something per process: the kernel's packet fixtures a
+/// loaded object, the kube scenarios a control plane, the parity scenarios the proxies of one run.
 /// They run as whole binaries (`cargo test`), the rest through nextest, one process per test.
 /// Those marked `Alongside` run beside the nextest phase (the fixtures take seconds, the kube
 /// scenarios one thread); parity compares timing-sensitive behaviour of real proxies and runs
 /// after it, with nothing else.
 const WHOLE_BINARIES: &[(&str, &str, When)] = &[
-    ("svc-agent", "packet_fixtures", When::Alongside),
+    ("svc-ebpf-tests", "fixtures", When::Alongside),
     ("svc-tests", "kube", When::Alongside),
     ("svc-tests", "parity", When::Alone),
 ];
@@ -854,9 +854,9 @@ fn run_task(task: Task) -> Result<()> {
                         "-q",
                         "--release",
                         "-p",
-                        "svc-agent",
+                        "svc-ebpf-tests",
                         "--test",
-                        "packet_fixtures",
+                        "fixtures",
                         "per_packet_cost",
                         "--",
                         "--ignored",

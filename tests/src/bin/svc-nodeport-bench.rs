@@ -140,7 +140,7 @@ struct Args {
     /// Quick: 1 and 1,000 Services, 3 rounds of 1 s measures.
     #[arg(long)]
     quick: bool,
-    /// The per-packet table (markdown) that `per_packet_cost` in svc-agent's packet_fixtures
+    /// The per-packet table (markdown) that `per_packet_cost` of the kernel fixtures (svc-ebpf-tests)
     /// wrote, included in the section.
     #[arg(long)]
     per_packet: Option<PathBuf>,
@@ -1156,7 +1156,7 @@ fn markdown(r: &Recorded) -> Result<String> {
     if let Some(table) = &r.per_packet {
         out += "\n### Per-packet cost of each tc path (BPF_PROG_TEST_RUN)\n\n";
         out += "Measured by the same command, before the traffic above, with \
-                `cargo test --release -p svc-agent --test packet_fixtures per_packet_cost -- \
+                `cargo test --release -p svc-ebpf-tests --test fixtures per_packet_cost -- \
                 --ignored` (the release-built kernel object, as root). The programs run in the \
                 fixture tables' network namespace and maps (about 30 frontends). Each cell is \
                 the program's own mean run time by bpf_stats over single runs, each on a fresh \
