@@ -1,0 +1,89 @@
+//! Putting back what was removed under a running agent.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+
+use super::load::store_map;
+use super::lock::{lock_dir, own_dir};
+use super::pins::{link_pin, map_pin, specs};
+use super::tc::tc_link_pin;
+use super::{io_err, load_err, Datapath, PROGRAMS};
+use crate::error::Error;
+use crate::sys;
+
+impl Datapath {
+    /// Puts back what someone removed under the running agent: its directory, map pins,
+    /// links. Returns what was repaired, in words; errors are what could not be.
+    pub fn repair(&mut self) -> (Vec<String>, Vec<Error>) {
+        let mut repaired = Vec::new();
+        let mut errors = Vec::new();
+        let same_dir = std::fs::metadata(&self.dir).is_ok_and(|m| m.ino() == self.dir_ino);
+        if !same_dir {
+            match own_dir(&self.dir).and_then(|()| lock_dir(&self.dir)) {
+                Ok((lock, ino)) => {
+                    self.lock = lock;
+                    self.dir_ino = ino;
+                    repaired.push(format!("directory {}", self.dir.display()));
+                }
+                Err(e) => {
+                    errors.push(e);
+                    return (repaired, errors);
+                }
+            }
+        }
+        for spec in specs() {
+            let name = spec.name;
+            let path = map_pin(&self.dir, name);
+            if path.exists() || self.staged.contains(&name) {
+                continue;
+            }
+            let Some(map) = store_map(&self.store, name) else {
+                continue;
+            };
+            match map.pin(&path) {
+                Ok(()) => repaired.push(format!("map pin {}", path.display())),
+                Err(e) => errors.push(load_err(path.display(), e)),
+            }
+        }
+        if self.attached {
+            let cgroup_file = match File::open(&self.cgroup) {
+                Ok(f) => f,
+                Err(e) => {
+                    errors.push(io_err(&self.cgroup, e));
+                    return (repaired, errors);
+                }
+            };
+            for name in PROGRAMS {
+                let pin = link_pin(&self.dir, name);
+                let healthy = pin.exists()
+                    && sys::obj_get(&pin)
+                        .and_then(|l| sys::link_info(l.as_fd()))
+                        .is_ok_and(|(_, cg)| cg == self.cgroup_id);
+                if healthy {
+                    continue;
+                }
+                match self.attach_one(name, &cgroup_file, false) {
+                    Ok(()) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
+            for (program, at, device) in self.tc_wanted() {
+                let pin = tc_link_pin(&self.dir, program, &device.name);
+                let healthy = pin.exists()
+                    && sys::obj_get(&pin)
+                        .and_then(|l| sys::tcx_link_info(l.as_fd()))
+                        .is_ok_and(|(ifindex, _)| ifindex == device.index);
+                if healthy {
+                    continue;
+                }
+                self.tc_current.remove(&pin);
+                match self.attach_tc_one(program, at, &device, &pin) {
+                    Ok(_) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
+        }
+        (repaired, errors)
+    }
+}
