@@ -60,65 +60,56 @@ impl Op {
     }
 }
 
-/// max_entries of each map the agent sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacity {
-    pub services: u32,
-    pub slots: u32,
-    pub backends: u32,
-    pub rev_nat: u32,
-    pub names: u32,
-    pub sock_rev: u32,
-    pub affinity: u32,
-    pub affinity_match: u32,
-    pub src_ranges: u32,
-    pub node_addrs: u32,
-    /// Connection tracking (two entries per flow), for the packet datapath.
-    pub ct: u32,
-    /// (device, reason) counters of the packet datapath.
-    pub dev_stats: u32,
-}
-
-impl Default for Capacity {
-    fn default() -> Self {
-        use svc_common::capacity as c;
-        Capacity {
-            services: c::SERVICES,
-            slots: c::SLOTS,
-            backends: c::BACKENDS,
-            rev_nat: c::REV_NAT,
-            names: c::NAMES,
-            sock_rev: c::SOCK_REV,
-            affinity: c::AFFINITY,
-            affinity_match: c::AFFINITY_MATCH,
-            src_ranges: c::SRC_RANGES,
-            node_addrs: c::NODE_ADDRS,
-            ct: c::CT,
-            dev_stats: c::DEV_STATS,
+/// Declares `Capacity`: one field per map the agent sizes (`MapDef::sized`), named after the
+/// flag-friendly word, with the catalogue's default. A sized map without a field here fails
+/// the test `every_sized_map_has_a_capacity`.
+macro_rules! capacity {
+    ($( $(#[$doc:meta])* $field:ident: $map:ident, )*) => {
+        /// max_entries of each map the agent sizes.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub struct Capacity {
+            $( $(#[$doc])* pub $field: u32, )*
         }
-    }
+
+        impl Default for Capacity {
+            fn default() -> Self {
+                Capacity {
+                    $( $field: svc_common::capacity::$map, )*
+                }
+            }
+        }
+
+        impl Capacity {
+            /// The configured max_entries of `map`, or None for maps sized by the object alone.
+            pub fn of(&self, map: &str) -> Option<u32> {
+                $( if map == map_names::$map { return Some(self.$field); } )*
+                // Sized with the assured table, not on its own.
+                (map == map_names::CT_NEW).then(|| svc_common::capacity::ct_new(self.ct))
+            }
+
+            /// Sets the max_entries of `map`, if it is one with a field of its own.
+            pub fn set(&mut self, map: &str, entries: u32) {
+                $( if map == map_names::$map { self.$field = entries; } )*
+            }
+        }
+    };
 }
 
-impl Capacity {
-    /// The configured max_entries of `map`, or None for maps sized by the object alone.
-    pub fn of(&self, map: &str) -> Option<u32> {
-        Some(match map {
-            map_names::SERVICES => self.services,
-            map_names::SLOTS => self.slots,
-            map_names::BACKENDS => self.backends,
-            map_names::REV_NAT => self.rev_nat,
-            map_names::NAMES => self.names,
-            map_names::SOCK_REV => self.sock_rev,
-            map_names::AFFINITY => self.affinity,
-            map_names::AFFINITY_MATCH => self.affinity_match,
-            map_names::SRC_RANGES => self.src_ranges,
-            map_names::NODE_ADDRS => self.node_addrs,
-            map_names::CT => self.ct,
-            map_names::CT_NEW => svc_common::capacity::ct_new(self.ct),
-            map_names::DEV_STATS => self.dev_stats,
-            _ => return None,
-        })
-    }
+capacity! {
+    services: SERVICES,
+    slots: SLOTS,
+    backends: BACKENDS,
+    rev_nat: REV_NAT,
+    names: NAMES,
+    sock_rev: SOCK_REV,
+    affinity: AFFINITY,
+    affinity_match: AFFINITY_MATCH,
+    src_ranges: SRC_RANGES,
+    node_addrs: NODE_ADDRS,
+    /// Connection tracking (two entries per flow), for the packet datapath.
+    ct: CT,
+    /// (device, reason) counters of the packet datapath.
+    dev_stats: DEV_STATS,
 }
 
 /// Everything the programs read, as found in the maps, plus what names ids elsewhere.
@@ -569,6 +560,17 @@ impl Store for BpfStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every map the catalogue says the agent sizes has its capacity here, with the
+    /// catalogue's default; no other map has one.
+    #[test]
+    fn every_sized_map_has_a_capacity() {
+        let c = Capacity::default();
+        for m in svc_common::catalogue::MAPS {
+            let want = m.sized.then_some(m.max_entries);
+            assert_eq!(c.of(m.name), want, "{}", m.name);
+        }
+    }
 
     /// Two addresses on one bit of the filter: it stays set while either is there, and goes
     /// with the last; an address put twice (a retried write) counts once, and deleting one

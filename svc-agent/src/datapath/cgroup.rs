@@ -7,7 +7,7 @@ use std::path::Path;
 
 use aya::maps::MapData;
 use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
-use svc_common::map_names;
+use svc_common::{catalogue, map_names};
 use tracing::{info, warn};
 
 use super::migrate::{carry_ct_v1, carry_ct_v2, migrate};
@@ -162,10 +162,7 @@ impl Datapath {
         for name in std::mem::take(&mut self.staged) {
             let path = map_pin(&self.dir, name);
             if let Ok(old) = MapData::from_pin(&path) {
-                if matches!(
-                    name,
-                    map_names::SOCK_REV | map_names::AFFINITY | map_names::CT | map_names::CT_NEW
-                ) {
+                if catalogue::find(name).is_some_and(|m| m.carry_late) {
                     if let Err(e) = migrate(&mut self.store, name, &old, true) {
                         warn!(map = name, "carrying over late entries: {e}");
                     }

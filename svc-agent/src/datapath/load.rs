@@ -1,20 +1,20 @@
 //! Loading the object with its maps adopted, created or migrated, and the store over them.
 
 use std::os::fd::AsFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, PerCpuArray};
 use aya::programs::{CgroupSock, CgroupSockAddr, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
-use svc_common::map_names;
+use svc_common::{catalogue, map_names};
 use tracing::info;
 
 use super::cgroup::{check_cgroup, check_other_svc};
 use super::lock::{lock_dir, own_dir};
 use super::migrate::{carry_ct_v1, carry_ct_v2, clone_map, migrate};
 use super::pins::{
-    adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, specs,
-    staged_pin, Pinned, OWN_MAPS,
+    adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
+    staged_pin, Pinned,
 };
 use super::{load_err, Datapath, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
 use crate::error::Result;
@@ -37,25 +37,17 @@ impl Datapath {
         adopt_unversioned(dir);
 
         let mut plans = Vec::new();
-        for spec in specs() {
-            let want = max_entries(spec.name, &capacity);
-            plans.push((
-                spec.name,
-                inspect_pin(&spec, &map_pin(dir, spec.name), want)?,
-            ));
+        for map in pinned_maps() {
+            let want = max_entries(map, &capacity);
+            plans.push((map, inspect_pin(map, &map_pin(dir, map.name), want)?));
         }
         let mut loader = EbpfLoader::new();
-        let pins: Vec<(&'static str, PathBuf)> = map_names::ALL
-            .iter()
-            .map(|name| (*name, map_pin(dir, name)))
-            .collect();
-        for (name, plan) in &plans {
+        for (map, plan) in &plans {
             if matches!(plan, Pinned::Adopt) {
-                let path = &pins.iter().find(|(n, _)| n == name).expect("every map").1;
-                loader.map_pin_path(name, path.as_path());
+                loader.map_pin_path(map.name, map_pin(dir, map.name));
             }
-            if let Some(n) = capacity.of(name) {
-                loader.map_max_entries(name, n);
+            if let Some(n) = capacity.of(map.name) {
+                loader.map_max_entries(map.name, n);
             }
         }
         let mut ebpf = loader
@@ -65,12 +57,13 @@ impl Datapath {
         // adopted here, and filled by the first sync before any program could read them);
         // the others (the packet datapath's, read only) wait for an object that has them.
         let mut own: Vec<(&'static str, MapData)> = Vec::new();
-        for (name, plan) in plans.iter_mut() {
+        for (map, plan) in plans.iter_mut() {
+            let name = map.name;
             if ebpf.map(name).is_some() {
                 continue;
             }
             let plan = std::mem::replace(plan, Pinned::Adopt);
-            if !OWN_MAPS.iter().any(|(n, _)| n == name) {
+            if !map.owned {
                 continue;
             }
             let path = map_pin(dir, name);
@@ -81,7 +74,7 @@ impl Datapath {
                 Pinned::Create | Pinned::Migrate(_) => {
                     // A resized map of its own: no program reads it, so a new empty one takes
                     // the pin at once; the first sync writes its entries.
-                    let data = create_own(name, &capacity)?;
+                    let data = create_own(map, &capacity)?;
                     let _ = std::fs::remove_file(&path);
                     data.pin(&path).map_err(|e| load_err(path.display(), e))?;
                     info!(
@@ -128,7 +121,8 @@ impl Datapath {
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
-        for (name, plan) in plans {
+        for (map, plan) in plans {
+            let name = map.name;
             match plan {
                 Pinned::Adopt => {}
                 Pinned::Create => {
@@ -327,30 +321,16 @@ pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
     let mut capacity = Capacity::default();
     for name in map_names::ALL {
         if let Ok(info) = MapData::from_pin(map_pin(dir, name)).and_then(|m| m.info()) {
-            match name {
-                map_names::SERVICES => capacity.services = info.max_entries(),
-                map_names::SLOTS => capacity.slots = info.max_entries(),
-                map_names::BACKENDS => capacity.backends = info.max_entries(),
-                map_names::REV_NAT => capacity.rev_nat = info.max_entries(),
-                map_names::NAMES => capacity.names = info.max_entries(),
-                map_names::SOCK_REV => capacity.sock_rev = info.max_entries(),
-                map_names::AFFINITY => capacity.affinity = info.max_entries(),
-                map_names::AFFINITY_MATCH => capacity.affinity_match = info.max_entries(),
-                map_names::SRC_RANGES => capacity.src_ranges = info.max_entries(),
-                map_names::NODE_ADDRS => capacity.node_addrs = info.max_entries(),
-                map_names::CT => capacity.ct = info.max_entries(),
-                map_names::DEV_STATS => capacity.dev_stats = info.max_entries(),
-                _ => {}
-            }
+            capacity.set(name, info.max_entries());
         }
     }
     build_store(
-        &mut |name| match pinned(dir, name) {
+        &mut |name| match (pinned(dir, name), catalogue::find(name)) {
             // Pinned by an agent from before the packet datapath: nothing to list there.
-            Err(_) if OWN_MAPS.iter().any(|(n, _)| *n == name) => {
-                Map::from_map_data(create_own(name, &capacity)?).map_err(|e| load_err(name, e))
+            (Err(_), Some(map)) if map.owned => {
+                Map::from_map_data(create_own(map, &capacity)?).map_err(|e| load_err(name, e))
             }
-            other => other,
+            (other, _) => other,
         },
         capacity,
     )

@@ -128,3 +128,57 @@ impl Datapath {
         Ok(dp)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use aya_obj::EbpfSectionKind;
+    use svc_common::catalogue;
+
+    /// The kernel's `#[btf_map]` statics (svc-ebpf) and svc-common's catalogue agree: every map
+    /// of the object is in the catalogue, and every catalogue entry is in the object with its
+    /// type, key and value sizes, flags and max_entries (for the maps the agent sizes, the
+    /// default). A map added on one side only fails here, by name.
+    #[test]
+    fn catalogue_matches_the_object() {
+        let obj = aya_obj::Object::parse(super::OBJECT).expect("the embedded object parses");
+        let mut problems = Vec::new();
+        let mut checked = 0;
+        let mut names: Vec<&String> = obj.maps.keys().collect();
+        names.sort();
+        for name in names {
+            let map = &obj.maps[name];
+            if !matches!(
+                map.section_kind(),
+                EbpfSectionKind::BtfMaps | EbpfSectionKind::Maps
+            ) {
+                continue;
+            }
+            let Some(def) = catalogue::find(name) else {
+                problems.push(format!("{name}: in the object, not in the catalogue"));
+                continue;
+            };
+            let mut check = |what: &str, object: u32, catalogue: u32| {
+                if object != catalogue {
+                    problems.push(format!(
+                        "{name}: {what} {object} in the object, {catalogue} in the catalogue"
+                    ));
+                }
+            };
+            checked += 1;
+            check("map type", map.map_type(), def.kind as u32);
+            if !def.kernel_only {
+                check("key size", map.key_size(), def.key_size);
+                check("value size", map.value_size(), def.value_size);
+                check("flags", map.map_flags(), def.flags);
+                check("max_entries", map.max_entries(), def.max_entries);
+            }
+        }
+        for def in catalogue::MAPS {
+            if !obj.maps.contains_key(def.name) {
+                problems.push(format!("{}: in the catalogue, not in the object", def.name));
+            }
+        }
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+        assert_eq!(checked, catalogue::MAPS.len(), "every map compared");
+    }
+}

@@ -2,8 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use aya::maps::{MapData, MapType};
-use svc_common::{layout, map_names, stat};
+use aya::maps::MapData;
+use svc_common::{catalogue, MapDef};
+use svc_common::{layout, map_names};
 use tracing::{info, warn};
 
 use super::load_err;
@@ -11,184 +12,29 @@ use crate::error::{Error, Result};
 use crate::store::Capacity;
 use crate::sys;
 
-const BPF_F_NO_PREALLOC: u32 = 1;
-
-/// What a pinned map must be for this agent to use it: type, key and value sizes, flags.
-pub(super) struct MapSpec {
-    pub(super) name: &'static str,
-    pub(super) kind: MapType,
-    pub(super) key: u32,
-    pub(super) value: u32,
-    pub(super) flags: u32,
+/// The maps pinned under the agent's directory, as the catalogue declares them: what a pin
+/// must be for this agent to use it (type, key and value sizes, flags).
+pub(super) fn pinned_maps() -> impl Iterator<Item = &'static MapDef> {
+    catalogue::MAPS.iter().filter(|m| m.pinned)
 }
-
-pub(super) fn specs() -> [MapSpec; 18] {
-    use std::mem::size_of;
-    use svc_common::*;
-    let s = |name, kind, key: usize, value: usize, flags| MapSpec {
-        name,
-        kind,
-        key: key as u32,
-        value: value as u32,
-        flags,
-    };
-    [
-        s(
-            map_names::SERVICES,
-            MapType::Hash,
-            size_of::<ServiceKey>(),
-            size_of::<ServiceValue>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::SLOTS,
-            MapType::Hash,
-            size_of::<SlotKey>(),
-            size_of::<BackendId>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::BACKENDS,
-            MapType::Hash,
-            4,
-            size_of::<Backend>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::REV_NAT,
-            MapType::Hash,
-            4,
-            size_of::<RevNatValue>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::SOCK_REV,
-            MapType::LruHash,
-            size_of::<SockRevKey>(),
-            size_of::<SockRevValue>(),
-            0,
-        ),
-        s(
-            map_names::AFFINITY,
-            MapType::LruHash,
-            size_of::<AffinityKey>(),
-            size_of::<AffinityValue>(),
-            0,
-        ),
-        s(map_names::STATS, MapType::PerCpuArray, 4, 8, 0),
-        s(
-            map_names::NAMES,
-            MapType::Hash,
-            4,
-            size_of::<ServiceName>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::META,
-            MapType::Array,
-            4,
-            size_of::<MetaValue>(),
-            0,
-        ),
-        s(
-            map_names::AFFINITY_MATCH,
-            MapType::Hash,
-            size_of::<AffinityMatchKey>(),
-            4,
-            BPF_F_NO_PREALLOC,
-        ),
-        // Socket local storage: keyed by socket, sized by the sockets (max_entries 0).
-        s(
-            map_names::SOCK_STATE,
-            MapType::SkStorage,
-            4,
-            size_of::<SockState>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        // The packet datapath's (docs/design/packet-datapath.md, "Map declarations").
-        s(
-            map_names::NODE_ADDRS,
-            MapType::Hash,
-            16,
-            size_of::<NodeAddrValue>(),
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::SRC_RANGES,
-            MapType::LpmTrie,
-            size_of::<SrcRangeKey>(),
-            4,
-            BPF_F_NO_PREALLOC,
-        ),
-        s(
-            map_names::CT,
-            MapType::Hash,
-            size_of::<CtKey>(),
-            size_of::<CtValue>(),
-            0,
-        ),
-        s(
-            map_names::CT_NEW,
-            MapType::LruHash,
-            size_of::<CtKey>(),
-            size_of::<CtValue>(),
-            0,
-        ),
-        s(
-            map_names::CONFIG,
-            MapType::Array,
-            4,
-            size_of::<DatapathConfig>(),
-            0,
-        ),
-        s(
-            map_names::DEV_STATS,
-            MapType::PerCpuHash,
-            size_of::<DevStatKey>(),
-            8,
-            0,
-        ),
-        s(map_names::NODE_ADDR_BITS, MapType::Array, 4, 8, 0),
-    ]
-}
-
-/// The maps the agent writes for the packet datapath: created and pinned by the agent itself
-/// while the object does not declare them (the tc programs are not in every object), with the
-/// `bpf_map_type` to create them with.
-pub(super) const OWN_MAPS: [(&str, u32); 4] = [
-    (map_names::NODE_ADDRS, sys::map_type::HASH),
-    (map_names::NODE_ADDR_BITS, sys::map_type::ARRAY),
-    (map_names::SRC_RANGES, sys::map_type::LPM_TRIE),
-    (map_names::CONFIG, sys::map_type::ARRAY),
-];
 
 /// max_entries a map of this agent has: configured, or fixed by the object.
-pub(super) fn max_entries(name: &str, capacity: &Capacity) -> u32 {
-    capacity.of(name).unwrap_or(match name {
-        map_names::STATS => stat::COUNT,
-        map_names::SOCK_STATE => 0,
-        map_names::NODE_ADDR_BITS => svc_common::NODE_ADDR_BIT_WORDS,
-        _ => 1,
-    })
+pub(super) fn max_entries(map: &MapDef, capacity: &Capacity) -> u32 {
+    capacity.of(map.name).unwrap_or(map.max_entries)
 }
 
-/// Creates map `name` of `OWN_MAPS` as `specs()` describes it.
-pub(super) fn create_own(name: &'static str, capacity: &Capacity) -> Result<MapData> {
-    let spec = specs()
-        .into_iter()
-        .find(|s| s.name == name)
-        .ok_or_else(|| load_err(name, "no spec"))?;
-    let kind = OWN_MAPS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, k)| *k)
-        .ok_or_else(|| load_err(name, "not a map the agent creates"))?;
+/// Creates `map`, one the agent owns (`MapDef::owned`), as the catalogue describes it.
+pub(super) fn create_own(map: &MapDef, capacity: &Capacity) -> Result<MapData> {
+    let name = map.name;
+    if !map.owned {
+        return Err(load_err(name, "not a map the agent creates"));
+    }
     let fd = sys::map_create(
-        kind,
-        spec.key,
-        spec.value,
-        max_entries(name, capacity),
-        spec.flags,
+        map.kind as u32,
+        map.key_size,
+        map.value_size,
+        max_entries(map, capacity),
+        map.flags,
         name,
     )
     .map_err(|e| load_err(format!("creating map {name}"), e))?;
@@ -263,7 +109,7 @@ pub(super) fn other_versions(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Checks the pin of `spec` at `path` against what this agent needs.
-pub(super) fn inspect_pin(spec: &MapSpec, path: &Path, want_entries: u32) -> Result<Pinned> {
+pub(super) fn inspect_pin(spec: &MapDef, path: &Path, want_entries: u32) -> Result<Pinned> {
     if !path.exists() {
         return Ok(Pinned::Create);
     }
@@ -271,17 +117,21 @@ pub(super) fn inspect_pin(spec: &MapSpec, path: &Path, want_entries: u32) -> Res
     let info = data.info().map_err(|e| load_err(path.display(), e))?;
     let kind = info.map_type().ok();
     let mut wrong = Vec::new();
-    if kind != Some(spec.kind) {
+    if kind.map(|k| k as u32) != Some(spec.kind as u32) {
         wrong.push(format!("type {kind:?}, not {:?}", spec.kind));
     }
-    if info.key_size() != spec.key {
-        wrong.push(format!("{}-byte keys, not {}", info.key_size(), spec.key));
+    if info.key_size() != spec.key_size {
+        wrong.push(format!(
+            "{}-byte keys, not {}",
+            info.key_size(),
+            spec.key_size
+        ));
     }
-    if info.value_size() != spec.value {
+    if info.value_size() != spec.value_size {
         wrong.push(format!(
             "{}-byte values, not {}",
             info.value_size(),
-            spec.value
+            spec.value_size
         ));
     }
     if info.map_flags() != spec.flags {

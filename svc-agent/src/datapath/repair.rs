@@ -4,9 +4,11 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 
+use svc_common::map_names;
+
 use super::load::store_map;
 use super::lock::{lock_dir, own_dir};
-use super::pins::{link_pin, map_pin, specs};
+use super::pins::{link_pin, map_pin};
 use super::tc::tc_link_pin;
 use super::{io_err, load_err, Datapath, PROGRAMS};
 use crate::error::Error;
@@ -32,8 +34,7 @@ impl Datapath {
                 }
             }
         }
-        for spec in specs() {
-            let name = spec.name;
+        for name in map_names::ALL {
             let path = map_pin(&self.dir, name);
             if path.exists() || self.staged.contains(&name) {
                 continue;
