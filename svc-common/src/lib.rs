@@ -9,17 +9,32 @@
 //! padding included, so a key compares equal exactly when its fields do.
 #![no_std]
 
-/// `bpf_map_type` of a map: the kernel's numbers, named as aya's `MapType` names them.
-#[repr(u32)]
+/// The type of a map, named as aya's `MapType` names it, so an error message reads the same
+/// whichever side it comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MapKind {
-    Hash = 1,
-    Array = 2,
-    PerCpuHash = 5,
-    PerCpuArray = 6,
-    LruHash = 9,
-    LpmTrie = 11,
-    SkStorage = 24,
+    Hash,
+    Array,
+    PerCpuHash,
+    PerCpuArray,
+    LruHash,
+    LpmTrie,
+    SkStorage,
+}
+
+impl MapKind {
+    /// The kernel's `bpf_map_type` number.
+    pub const fn bpf_type(self) -> u32 {
+        match self {
+            MapKind::Hash => 1,
+            MapKind::Array => 2,
+            MapKind::PerCpuHash => 5,
+            MapKind::PerCpuArray => 6,
+            MapKind::LruHash => 9,
+            MapKind::LpmTrie => 11,
+            MapKind::SkStorage => 24,
+        }
+    }
 }
 
 /// `map_flags`: entries allocated as they are written, not all at creation.
@@ -206,6 +221,7 @@ catalogue! {
     SLOTS = MapDef::new::<SlotKey, BackendId>("SVC_SLOTS", 1, MapKind::Hash)
         .sized(1_048_576)
         .no_prealloc();
+    /// Backend id to backend (address, port, flags).
     BACKENDS = MapDef::new::<BackendId, Backend>("SVC_BACKENDS", 1, MapKind::Hash)
         .sized(1_048_576)
         .no_prealloc();
@@ -217,6 +233,8 @@ catalogue! {
     SOCK_REV = MapDef::new::<SockRevKey, SockRevValue>("SVC_SOCK_REV", 1, MapKind::LruHash)
         .sized(262_144)
         .carry_late();
+    /// sessionAffinity ClientIP: each client's backend per Service port; LRU, as clients come
+    /// and go. Layout 2: keyed by the Service port's affinity id.
     AFFINITY = MapDef::new::<AffinityKey, AffinityValue>("SVC_AFFINITY", 2, MapKind::LruHash)
         .sized(262_144)
         .carry_late();

@@ -229,20 +229,21 @@ impl Datapath {
         }
         // A bpf link takes no attach flags; links to one cgroup coexist with other links.
         let attaching = |e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e);
+        // The two program types share no trait for attach and take_link.
+        macro_rules! attach_as {
+            ($kind:ty) => {{
+                let prog = <&mut $kind>::try_from(prog).map_err(|e| load_err(name, e))?;
+                let id = prog
+                    .attach(cgroup_file, CgroupAttachMode::Single)
+                    .map_err(attaching)?;
+                let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
+                FdLink::try_from(link).map_err(|e| load_err(name, e))?
+            }};
+        }
         let link = if name == sys::SOCK_RELEASE {
-            let prog = <&mut CgroupSock>::try_from(prog).map_err(|e| load_err(name, e))?;
-            let id = prog
-                .attach(cgroup_file, CgroupAttachMode::Single)
-                .map_err(attaching)?;
-            let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
-            FdLink::try_from(link).map_err(|e| load_err(name, e))?
+            attach_as!(CgroupSock)
         } else {
-            let prog = <&mut CgroupSockAddr>::try_from(prog).map_err(|e| load_err(name, e))?;
-            let id = prog
-                .attach(cgroup_file, CgroupAttachMode::Single)
-                .map_err(attaching)?;
-            let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
-            FdLink::try_from(link).map_err(|e| load_err(name, e))?
+            attach_as!(CgroupSockAddr)
         };
         link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
         info!(program = name, cgroup = %self.cgroup.display(), "attached");

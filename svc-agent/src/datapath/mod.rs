@@ -3,7 +3,7 @@
 //!
 //! Layout under the bpffs directory (default /sys/fs/bpf/svc), which the agent creates itself
 //! (0700, owned by the agent's user) and refuses when anyone else could write to it:
-//! - one pinned map per name in `svc_common::map_names`, as `NAME_v<layout>`;
+//! - one pinned map per pinned entry of `svc_common::catalogue`, as `NAME_v<version>`;
 //! - `link_<program>`: one pinned bpf link per cgroup hook.
 //!
 //! One agent owns a directory at a time: it holds an exclusive flock on it for as long as it
@@ -165,7 +165,7 @@ mod tests {
                 }
             };
             checked += 1;
-            check("map type", map.map_type(), def.kind as u32);
+            check("map type", map.map_type(), def.kind.bpf_type());
             if !def.kernel_only {
                 check("key size", map.key_size(), def.key_size);
                 check("value size", map.value_size(), def.value_size);

@@ -30,7 +30,7 @@ pub(super) fn create_own(map: &MapDef, capacity: &Capacity) -> Result<MapData> {
         return Err(load_err(name, "not a map the agent creates"));
     }
     let fd = sys::map_create(
-        map.kind as u32,
+        map.kind.bpf_type(),
         map.key_size,
         map.value_size,
         max_entries(map, capacity),
@@ -117,7 +117,7 @@ pub(super) fn inspect_pin(spec: &MapDef, path: &Path, want_entries: u32) -> Resu
     let info = data.info().map_err(|e| load_err(path.display(), e))?;
     let kind = info.map_type().ok();
     let mut wrong = Vec::new();
-    if kind.map(|k| k as u32) != Some(spec.kind as u32) {
+    if kind.map(|k| k as u32) != Some(spec.kind.bpf_type()) {
         wrong.push(format!("type {kind:?}, not {:?}", spec.kind));
     }
     if info.key_size() != spec.key_size {

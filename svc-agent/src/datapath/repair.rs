@@ -1,8 +1,9 @@
 //! Putting back what was removed under a running agent.
 
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 
 use svc_common::map_names;
 
@@ -57,11 +58,7 @@ impl Datapath {
             };
             for name in PROGRAMS {
                 let pin = link_pin(&self.dir, name);
-                let healthy = pin.exists()
-                    && sys::obj_get(&pin)
-                        .and_then(|l| sys::link_info(l.as_fd()))
-                        .is_ok_and(|(_, cg)| cg == self.cgroup_id);
-                if healthy {
+                if link_holds(&pin, sys::link_info, |(_, cg)| cg == self.cgroup_id) {
                     continue;
                 }
                 match self.attach_one(name, &cgroup_file, false) {
@@ -71,11 +68,9 @@ impl Datapath {
             }
             for (program, at, device) in self.tc_wanted() {
                 let pin = tc_link_pin(&self.dir, program, &device.name);
-                let healthy = pin.exists()
-                    && sys::obj_get(&pin)
-                        .and_then(|l| sys::tcx_link_info(l.as_fd()))
-                        .is_ok_and(|(ifindex, _)| ifindex == device.index);
-                if healthy {
+                if link_holds(&pin, sys::tcx_link_info, |(ifindex, _)| {
+                    ifindex == device.index
+                }) {
                     continue;
                 }
                 self.tc_current.remove(&pin);
@@ -87,4 +82,16 @@ impl Datapath {
         }
         (repaired, errors)
     }
+}
+
+/// Whether a link is pinned at `pin` and what `info` reads of it is `healthy`.
+fn link_holds<T>(
+    pin: &Path,
+    info: fn(BorrowedFd<'_>) -> std::io::Result<T>,
+    healthy: impl FnOnce(T) -> bool,
+) -> bool {
+    pin.exists()
+        && sys::obj_get(pin)
+            .and_then(|l| info(l.as_fd()))
+            .is_ok_and(healthy)
 }
