@@ -602,34 +602,42 @@ mod tests {
         assert_eq!(b.word(bit / 64), 0);
     }
 
+    /// 198.51.100.`last`, mapped.
+    fn doc_addr(last: u8) -> [u8; 16] {
+        svc_common::v4_mapped([198, 51, 100, last])
+    }
+
+    /// The FORWARD key of a TCP flow from `client` port 40000 to `frontend`:`port`.
+    fn tcp_forward(client: [u8; 16], frontend: [u8; 16], port: u16) -> CtKey {
+        CtKey {
+            saddr: client,
+            daddr: frontend,
+            sport_be: 40000u16.to_be(),
+            dport_be: port.to_be(),
+            proto: svc_common::IPPROTO_TCP,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        }
+    }
+
+    /// A FORWARD entry's value: translated to `backend`:8080, last seen at 1,000 s.
+    fn to_backend(backend: [u8; 16], flags: u16) -> CtValue {
+        CtValue {
+            nat_addr: backend,
+            nat_port_be: 8080u16.to_be(),
+            flags,
+            last_seen_ns: 1_000_000_000_000,
+            ..Default::default()
+        }
+    }
+
     /// A flow's FORWARD entry names its frontend address; its REPLY entry leads there through
     /// the partner key; a timed-out entry and a per-packet ClusterIP flow name none.
     #[test]
     fn flow_destination_is_the_frontend_of_a_live_external_flow() {
-        let a = |last: u8| {
-            let mut x = [0u8; 16];
-            x[10] = 0xff;
-            x[11] = 0xff;
-            x[12..].copy_from_slice(&[198, 51, 100, last]);
-            x
-        };
-        let (client, frontend, backend) = (a(7), a(10), a(20));
-        let forward = CtKey {
-            saddr: client,
-            daddr: frontend,
-            sport_be: 40000u16.to_be(),
-            dport_be: 80u16.to_be(),
-            proto: svc_common::IPPROTO_TCP,
-            dir: ct_dir::FORWARD,
-            _pad0: [0; 2],
-        };
-        let v = CtValue {
-            nat_addr: backend,
-            nat_port_be: 8080u16.to_be(),
-            flags: ct_flags::SEEN_REPLY,
-            last_seen_ns: 1_000_000_000_000,
-            ..Default::default()
-        };
+        let (client, frontend, backend) = (doc_addr(7), doc_addr(10), doc_addr(20));
+        let forward = tcp_forward(client, frontend, 80);
+        let v = to_backend(backend, ct_flags::SEEN_REPLY);
         let reply = forward.partner(&v);
         let rv = CtValue {
             nat_addr: frontend,
@@ -655,25 +663,13 @@ mod tests {
     /// its REPLY entry, not once timed out or closed, not without SNAT.
     #[test]
     fn snat_flow_names_the_backend_of_a_live_snated_forward_entry() {
-        let a = |last: u8| svc_common::v4_mapped([198, 51, 100, last]);
-        let (client, frontend, backend, node) = (a(7), a(1), a(20), a(1));
-        let forward = CtKey {
-            saddr: client,
-            daddr: frontend,
-            sport_be: 40000u16.to_be(),
-            dport_be: 30080u16.to_be(),
-            proto: svc_common::IPPROTO_TCP,
-            dir: ct_dir::FORWARD,
-            _pad0: [0; 2],
-        };
+        let (client, frontend, backend, node) =
+            (doc_addr(7), doc_addr(1), doc_addr(20), doc_addr(1));
+        let forward = tcp_forward(client, frontend, 30080);
         let v = CtValue {
-            nat_addr: backend,
-            nat_port_be: 8080u16.to_be(),
             snat_addr: node,
             snat_port_be: 61000u16.to_be(),
-            flags: ct_flags::SNAT,
-            last_seen_ns: 1_000_000_000_000,
-            ..Default::default()
+            ..to_backend(backend, ct_flags::SNAT)
         };
         let reply = forward.partner(&v);
         let rv = CtValue {

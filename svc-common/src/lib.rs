@@ -1393,8 +1393,10 @@ mod tests {
         }
     }
 
-    /// Pin names are what an upgraded agent finds its predecessor's maps by: a change here
-    /// is a layout change, and needs a version bump and a migration.
+    /// Pin names are what an upgraded agent finds its predecessor's maps by: each pin of a
+    /// released layout is still declared with its version and default size (a new map needs
+    /// no line here; changing one of these is a layout change, with a version bump and a
+    /// migration).
     #[test]
     fn pin_names_and_capacities_are_stable() {
         let pins: [(&str, u32, u32); 18] = [
@@ -1417,8 +1419,8 @@ mod tests {
             ("SVC_NODE_ADDR_BITS", 1, NODE_ADDR_BIT_WORDS),
             ("SVC_CT_NEW", 1, 65_536),
         ];
-        assert_eq!(map_names::ALL, pins.map(|(name, _, _)| name));
         for (name, version, entries) in pins {
+            assert!(map_names::ALL.contains(&name), "{name} is pinned");
             let m = catalogue::find(name).expect("in the catalogue");
             assert_eq!(
                 (layout::version(name), m.max_entries),

@@ -3,8 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
-use svc_common::{catalogue, MapDef};
-use svc_common::{layout, map_names};
+use svc_common::{catalogue, layout, map_names, MapDef};
 use tracing::{info, warn};
 
 use super::load_err;
