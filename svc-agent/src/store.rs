@@ -60,65 +60,56 @@ impl Op {
     }
 }
 
-/// max_entries of each map the agent sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacity {
-    pub services: u32,
-    pub slots: u32,
-    pub backends: u32,
-    pub rev_nat: u32,
-    pub names: u32,
-    pub sock_rev: u32,
-    pub affinity: u32,
-    pub affinity_match: u32,
-    pub src_ranges: u32,
-    pub node_addrs: u32,
-    /// Connection tracking (two entries per flow), for the packet datapath.
-    pub ct: u32,
-    /// (device, reason) counters of the packet datapath.
-    pub dev_stats: u32,
-}
-
-impl Default for Capacity {
-    fn default() -> Self {
-        use svc_common::capacity as c;
-        Capacity {
-            services: c::SERVICES,
-            slots: c::SLOTS,
-            backends: c::BACKENDS,
-            rev_nat: c::REV_NAT,
-            names: c::NAMES,
-            sock_rev: c::SOCK_REV,
-            affinity: c::AFFINITY,
-            affinity_match: c::AFFINITY_MATCH,
-            src_ranges: c::SRC_RANGES,
-            node_addrs: c::NODE_ADDRS,
-            ct: c::CT,
-            dev_stats: c::DEV_STATS,
+/// Declares `Capacity`: one field per map the agent sizes (`MapDef::sized`), named after the
+/// flag-friendly word, with the catalogue's default. A sized map without a field here fails
+/// the test `every_sized_map_has_a_capacity`.
+macro_rules! capacity {
+    ($( $(#[$doc:meta])* $field:ident: $map:ident, )*) => {
+        /// max_entries of each map the agent sizes.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub struct Capacity {
+            $( $(#[$doc])* pub $field: u32, )*
         }
-    }
+
+        impl Default for Capacity {
+            fn default() -> Self {
+                Capacity {
+                    $( $field: svc_common::capacity::$map, )*
+                }
+            }
+        }
+
+        impl Capacity {
+            /// The configured max_entries of `map`, or None for maps sized by the object alone.
+            pub fn of(&self, map: &str) -> Option<u32> {
+                $( if map == map_names::$map { return Some(self.$field); } )*
+                // Sized with the assured table, not on its own.
+                (map == map_names::CT_NEW).then(|| svc_common::capacity::ct_new(self.ct))
+            }
+
+            /// Sets the max_entries of `map`, if it is one with a field of its own.
+            pub fn set(&mut self, map: &str, entries: u32) {
+                $( if map == map_names::$map { self.$field = entries; } )*
+            }
+        }
+    };
 }
 
-impl Capacity {
-    /// The configured max_entries of `map`, or None for maps sized by the object alone.
-    pub fn of(&self, map: &str) -> Option<u32> {
-        Some(match map {
-            map_names::SERVICES => self.services,
-            map_names::SLOTS => self.slots,
-            map_names::BACKENDS => self.backends,
-            map_names::REV_NAT => self.rev_nat,
-            map_names::NAMES => self.names,
-            map_names::SOCK_REV => self.sock_rev,
-            map_names::AFFINITY => self.affinity,
-            map_names::AFFINITY_MATCH => self.affinity_match,
-            map_names::SRC_RANGES => self.src_ranges,
-            map_names::NODE_ADDRS => self.node_addrs,
-            map_names::CT => self.ct,
-            map_names::CT_NEW => svc_common::capacity::ct_new(self.ct),
-            map_names::DEV_STATS => self.dev_stats,
-            _ => return None,
-        })
-    }
+capacity! {
+    services: SERVICES,
+    slots: SLOTS,
+    backends: BACKENDS,
+    rev_nat: REV_NAT,
+    names: NAMES,
+    sock_rev: SOCK_REV,
+    affinity: AFFINITY,
+    affinity_match: AFFINITY_MATCH,
+    src_ranges: SRC_RANGES,
+    node_addrs: NODE_ADDRS,
+    /// Connection tracking (two entries per flow), for the packet datapath.
+    ct: CT,
+    /// (device, reason) counters of the packet datapath.
+    dev_stats: DEV_STATS,
 }
 
 /// Everything the programs read, as found in the maps, plus what names ids elsewhere.
@@ -570,6 +561,17 @@ impl Store for BpfStore {
 mod tests {
     use super::*;
 
+    /// Every map the catalogue says the agent sizes has its capacity here, with the
+    /// catalogue's default; no other map has one.
+    #[test]
+    fn every_sized_map_has_a_capacity() {
+        let c = Capacity::default();
+        for m in svc_common::catalogue::MAPS {
+            let want = m.sized.then_some(m.max_entries);
+            assert_eq!(c.of(m.name), want, "{}", m.name);
+        }
+    }
+
     /// Two addresses on one bit of the filter: it stays set while either is there, and goes
     /// with the last; an address put twice (a retried write) counts once, and deleting one
     /// never put leaves the others' bits alone.
@@ -600,34 +602,42 @@ mod tests {
         assert_eq!(b.word(bit / 64), 0);
     }
 
+    /// 198.51.100.`last`, mapped.
+    fn doc_addr(last: u8) -> [u8; 16] {
+        svc_common::v4_mapped([198, 51, 100, last])
+    }
+
+    /// The FORWARD key of a TCP flow from `client` port 40000 to `frontend`:`port`.
+    fn tcp_forward(client: [u8; 16], frontend: [u8; 16], port: u16) -> CtKey {
+        CtKey {
+            saddr: client,
+            daddr: frontend,
+            sport_be: 40000u16.to_be(),
+            dport_be: port.to_be(),
+            proto: svc_common::IPPROTO_TCP,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        }
+    }
+
+    /// A FORWARD entry's value: translated to `backend`:8080, last seen at 1,000 s.
+    fn to_backend(backend: [u8; 16], flags: u16) -> CtValue {
+        CtValue {
+            nat_addr: backend,
+            nat_port_be: 8080u16.to_be(),
+            flags,
+            last_seen_ns: 1_000_000_000_000,
+            ..Default::default()
+        }
+    }
+
     /// A flow's FORWARD entry names its frontend address; its REPLY entry leads there through
     /// the partner key; a timed-out entry and a per-packet ClusterIP flow name none.
     #[test]
     fn flow_destination_is_the_frontend_of_a_live_external_flow() {
-        let a = |last: u8| {
-            let mut x = [0u8; 16];
-            x[10] = 0xff;
-            x[11] = 0xff;
-            x[12..].copy_from_slice(&[198, 51, 100, last]);
-            x
-        };
-        let (client, frontend, backend) = (a(7), a(10), a(20));
-        let forward = CtKey {
-            saddr: client,
-            daddr: frontend,
-            sport_be: 40000u16.to_be(),
-            dport_be: 80u16.to_be(),
-            proto: svc_common::IPPROTO_TCP,
-            dir: ct_dir::FORWARD,
-            _pad0: [0; 2],
-        };
-        let v = CtValue {
-            nat_addr: backend,
-            nat_port_be: 8080u16.to_be(),
-            flags: ct_flags::SEEN_REPLY,
-            last_seen_ns: 1_000_000_000_000,
-            ..Default::default()
-        };
+        let (client, frontend, backend) = (doc_addr(7), doc_addr(10), doc_addr(20));
+        let forward = tcp_forward(client, frontend, 80);
+        let v = to_backend(backend, ct_flags::SEEN_REPLY);
         let reply = forward.partner(&v);
         let rv = CtValue {
             nat_addr: frontend,
@@ -653,25 +663,13 @@ mod tests {
     /// its REPLY entry, not once timed out or closed, not without SNAT.
     #[test]
     fn snat_flow_names_the_backend_of_a_live_snated_forward_entry() {
-        let a = |last: u8| svc_common::v4_mapped([198, 51, 100, last]);
-        let (client, frontend, backend, node) = (a(7), a(1), a(20), a(1));
-        let forward = CtKey {
-            saddr: client,
-            daddr: frontend,
-            sport_be: 40000u16.to_be(),
-            dport_be: 30080u16.to_be(),
-            proto: svc_common::IPPROTO_TCP,
-            dir: ct_dir::FORWARD,
-            _pad0: [0; 2],
-        };
+        let (client, frontend, backend, node) =
+            (doc_addr(7), doc_addr(1), doc_addr(20), doc_addr(1));
+        let forward = tcp_forward(client, frontend, 30080);
         let v = CtValue {
-            nat_addr: backend,
-            nat_port_be: 8080u16.to_be(),
             snat_addr: node,
             snat_port_be: 61000u16.to_be(),
-            flags: ct_flags::SNAT,
-            last_seen_ns: 1_000_000_000_000,
-            ..Default::default()
+            ..to_backend(backend, ct_flags::SNAT)
         };
         let reply = forward.partner(&v);
         let rv = CtValue {

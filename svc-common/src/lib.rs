@@ -9,127 +9,316 @@
 //! padding included, so a key compares equal exactly when its fields do.
 #![no_std]
 
-/// Names of the maps, as the object declares them (and `bpftool map show` prints them).
-pub mod map_names {
-    pub const SERVICES: &str = "SVC_SERVICES";
-    pub const SLOTS: &str = "SVC_SLOTS";
-    pub const BACKENDS: &str = "SVC_BACKENDS";
-    pub const REV_NAT: &str = "SVC_REV_NAT";
-    pub const SOCK_REV: &str = "SVC_SOCK_REV";
-    pub const AFFINITY: &str = "SVC_AFFINITY";
-    pub const STATS: &str = "SVC_STATS";
-    pub const NAMES: &str = "SVC_NAMES";
-    pub const META: &str = "SVC_META";
-    pub const AFFINITY_MATCH: &str = "SVC_AFFINITY_MATCH";
-    pub const SOCK_STATE: &str = "SVC_SOCK_STATE";
-    pub const NODE_ADDRS: &str = "SVC_NODE_ADDRS";
-    pub const SRC_RANGES: &str = "SVC_SRC_RANGES";
-    pub const CT: &str = "SVC_CT";
-    /// Connection tracking of flows not assured yet (svc-ebpf's maps.rs).
-    pub const CT_NEW: &str = "SVC_CT_NEW";
-    pub const CONFIG: &str = "SVC_CONFIG";
-    pub const DEV_STATS: &str = "SVC_DEV_STATS";
-    pub const NODE_ADDR_BITS: &str = "SVC_NODE_ADDR_BITS";
+/// The type of a map, named as aya's `MapType` names it, so an error message reads the same
+/// whichever side it comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapKind {
+    Hash,
+    Array,
+    PerCpuHash,
+    PerCpuArray,
+    LruHash,
+    LpmTrie,
+    SkStorage,
+}
+
+impl MapKind {
+    /// The kernel's `bpf_map_type` number.
+    pub const fn bpf_type(self) -> u32 {
+        match self {
+            MapKind::Hash => 1,
+            MapKind::Array => 2,
+            MapKind::PerCpuHash => 5,
+            MapKind::PerCpuArray => 6,
+            MapKind::LruHash => 9,
+            MapKind::LpmTrie => 11,
+            MapKind::SkStorage => 24,
+        }
+    }
+}
+
+/// `map_flags`: entries allocated as they are written, not all at creation.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// One map of the kernel object: what the object declares, and what the agent does with it.
+/// The kernel's `#[btf_map]` statics (svc-ebpf) are checked against these by the agent's
+/// test `catalogue_matches_the_object`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapDef {
+    /// As the object declares it (`bpftool map show` prints its first 15 bytes).
+    pub name: &'static str,
+    /// Layout version, part of the pin name (`SVC_SERVICES_v2`), so an agent never adopts a
+    /// pin whose keys or values it would misread: bump it whenever key, value or type change
+    /// (the agent then builds the new map beside the old one, see
+    /// docs/design/architecture.md, "Where to add: a map"). 0 for a map never pinned.
+    pub version: u32,
+    pub kind: MapKind,
+    /// Bytes. Unchecked for `kernel_only` maps (their types are the kernel's own).
+    pub key_size: u32,
+    pub value_size: u32,
+    /// max_entries: the default when `sized`, else what the object declares.
+    pub max_entries: u32,
+    /// `map_flags` (`BPF_F_NO_PREALLOC` or 0).
+    pub flags: u32,
+    /// Pinned under the agent's bpffs directory as `NAME_v<version>`, so it outlives the agent.
+    pub pinned: bool,
+    /// The agent sets max_entries at load time (`svc-agent run --max-*`, store's `Capacity`).
+    pub sized: bool,
+    /// The agent writes it and creates it itself when the object does not declare it (an
+    /// object without the packet datapath): its first sync fills it.
+    pub owned: bool,
+    /// The programs write it: entries the old programs wrote while a resized copy was being
+    /// filled are carried over again once the new programs are attached.
+    pub carry_late: bool,
+    /// The kernel's working state, private to the programs: never pinned, and only its name
+    /// and type are the agent's business.
+    pub kernel_only: bool,
+}
+
+impl MapDef {
+    /// A pinned map of layout `version` with keys `K` and values `V`, of one entry.
+    pub const fn new<K, V>(name: &'static str, version: u32, kind: MapKind) -> MapDef {
+        MapDef {
+            name,
+            version,
+            kind,
+            key_size: core::mem::size_of::<K>() as u32,
+            value_size: core::mem::size_of::<V>() as u32,
+            max_entries: 1,
+            flags: 0,
+            pinned: true,
+            sized: false,
+            owned: false,
+            carry_late: false,
+            kernel_only: false,
+        }
+    }
+
+    /// The programs' own working state: never pinned, sizes their own.
+    pub const fn kernel_only(name: &'static str, kind: MapKind) -> MapDef {
+        MapDef {
+            version: 0,
+            pinned: false,
+            kernel_only: true,
+            ..MapDef::new::<(), ()>(name, 0, kind)
+        }
+    }
+
+    /// Sized by the agent, `default` entries unless told otherwise.
+    pub const fn sized(self, default: u32) -> MapDef {
+        MapDef {
+            max_entries: default,
+            sized: true,
+            ..self
+        }
+    }
+
+    /// `n` entries, as the object declares.
+    pub const fn entries(self, n: u32) -> MapDef {
+        MapDef {
+            max_entries: n,
+            ..self
+        }
+    }
+
+    pub const fn no_prealloc(self) -> MapDef {
+        MapDef {
+            flags: BPF_F_NO_PREALLOC,
+            ..self
+        }
+    }
+
+    pub const fn owned(self) -> MapDef {
+        MapDef {
+            owned: true,
+            ..self
+        }
+    }
+
+    pub const fn carry_late(self) -> MapDef {
+        MapDef {
+            carry_late: true,
+            ..self
+        }
+    }
+
+    /// Held only while a program runs (not pinned), but of types shared with the agent.
+    pub const fn unpinned(self) -> MapDef {
+        MapDef {
+            version: 0,
+            pinned: false,
+            ..self
+        }
+    }
+}
+
+/// Expands the list of maps into the `catalogue` (one `MapDef` const per map, and `MAPS`),
+/// `map_names` (each name; `ALL`, the pinned ones) and `capacity` (each max_entries): a
+/// declarative macro rather than a table alone, so each map also has a name of its own that
+/// the compiler checks (`map_names::CT`, `catalogue::CT`), and no second list can drift.
+macro_rules! catalogue {
+    ($( $(#[$doc:meta])* $id:ident = $def:expr; )*) => {
+        /// Every map of the kernel object, each declared once.
+        pub mod catalogue {
+            use super::*;
+            $( $(#[$doc])* pub const $id: MapDef = $def; )*
+            /// In the order of `map_names::ALL`.
+            pub const MAPS: [MapDef; [$(stringify!($id)),*].len()] = [$($id),*];
+
+            /// The map named `name`.
+            pub fn find(name: &str) -> Option<&'static MapDef> {
+                MAPS.iter().find(|m| m.name == name)
+            }
+        }
+
+        /// Names of the maps, as the object declares them (and `bpftool map show` prints them).
+        pub mod map_names {
+            use super::catalogue::MAPS;
+            $( $(#[$doc])* pub const $id: &str = super::catalogue::$id.name; )*
+
+            const PINNED: usize = {
+                let (mut n, mut i) = (0, 0);
+                while i < MAPS.len() {
+                    if MAPS[i].pinned {
+                        n += 1;
+                    }
+                    i += 1;
+                }
+                n
+            };
+            /// The maps pinned under the agent's directory.
+            pub const ALL: [&str; PINNED] = {
+                let mut out = [""; PINNED];
+                let (mut i, mut j) = (0, 0);
+                while i < MAPS.len() {
+                    if MAPS[i].pinned {
+                        out[j] = MAPS[i].name;
+                        j += 1;
+                    }
+                    i += 1;
+                }
+                out
+            };
+        }
+
+        /// max_entries of each map: the default for those the agent sizes (from flags at load
+        /// time), else what the object declares.
+        pub mod capacity {
+            pub use super::ct_new_entries as ct_new;
+            $( pub const $id: u32 = super::catalogue::$id.max_entries; )*
+        }
+    };
+}
+
+catalogue! {
+    /// Frontends (slot-0 master entries) and ClusterIP address markers.
+    SERVICES = MapDef::new::<ServiceKey, ServiceValue>("SVC_SERVICES", 2, MapKind::Hash)
+        .sized(262_144)
+        .no_prealloc();
+    /// Backend slots of each frontend generation. Sized for at least 50,000 Services of 10
+    /// endpoints each, with room for a changed backend set's new slots to coexist with the old
+    /// ones until those are retired.
+    SLOTS = MapDef::new::<SlotKey, BackendId>("SVC_SLOTS", 1, MapKind::Hash)
+        .sized(1_048_576)
+        .no_prealloc();
+    /// Backend id to backend (address, port, flags).
+    BACKENDS = MapDef::new::<BackendId, Backend>("SVC_BACKENDS", 1, MapKind::Hash)
+        .sized(1_048_576)
+        .no_prealloc();
+    /// Frontend id to frontend: what a reply or getpeername() reports.
+    REV_NAT = MapDef::new::<u32, RevNatValue>("SVC_REV_NAT", 1, MapKind::Hash)
+        .sized(262_144)
+        .no_prealloc();
+    /// Per-socket reverse translation; LRU because sockets come and go without telling us.
+    SOCK_REV = MapDef::new::<SockRevKey, SockRevValue>("SVC_SOCK_REV", 1, MapKind::LruHash)
+        .sized(262_144)
+        .carry_late();
+    /// sessionAffinity ClientIP: each client's backend per Service port; LRU, as clients come
+    /// and go. Layout 2: keyed by the Service port's affinity id.
+    AFFINITY = MapDef::new::<AffinityKey, AffinityValue>("SVC_AFFINITY", 2, MapKind::LruHash)
+        .sized(262_144)
+        .carry_late();
+    /// The socket programs' decisions per `stat` index, per CPU.
+    STATS = MapDef::new::<u32, u64>("SVC_STATS", 1, MapKind::PerCpuArray).entries(stat::COUNT);
+    /// Frontend id to the object it came from; read by listings only.
+    NAMES = MapDef::new::<u32, ServiceName>("SVC_NAMES", 1, MapKind::Hash)
+        .sized(262_144)
+        .no_prealloc();
+    /// The agent's bookkeeping that must survive it (`MetaValue`).
+    META = MapDef::new::<u32, MetaValue>("SVC_META", 1, MapKind::Array);
+    /// One entry per backend of a current generation (of the frontends that check choices),
+    /// so it never holds more than the slots map: sized with it.
+    AFFINITY_MATCH = MapDef::new::<AffinityMatchKey, u32>("SVC_AFFINITY_MATCH", 1, MapKind::Hash)
+        .sized(SLOTS.max_entries)
+        .no_prealloc();
+    /// Socket local storage: keyed by socket, sized by the sockets (max_entries 0).
+    SOCK_STATE = MapDef::new::<u32, SockState>("SVC_SOCK_STATE", 1, MapKind::SkStorage)
+        .entries(0)
+        .no_prealloc();
+    /// Node addresses, external frontend addresses and lingering ones (allocated as used).
+    NODE_ADDRS = MapDef::new::<[u8; 16], NodeAddrValue>("SVC_NODE_ADDRS", 1, MapKind::Hash)
+        .sized(65_536)
+        .no_prealloc()
+        .owned();
+    /// loadBalancerSourceRanges (`SrcRangeKey`).
+    SRC_RANGES = MapDef::new::<SrcRangeKey, u32>("SVC_SRC_RANGES", 1, MapKind::LpmTrie)
+        .sized(16_384)
+        .no_prealloc()
+        .owned();
+    /// Connection tracking of the packet datapath's assured flows: two entries per flow (a
+    /// hash, allocated in full). Layout 3: a hash of assured flows (2 was an LRU of every
+    /// flow), beside CT_NEW.
+    CT = MapDef::new::<CtKey, CtValue>("SVC_CT", 3, MapKind::Hash)
+        .sized(262_144)
+        .carry_late();
+    /// The packet datapath's settings (`DatapathConfig`).
+    CONFIG = MapDef::new::<u32, DatapathConfig>("SVC_CONFIG", 1, MapKind::Array).owned();
+    /// (device, reason) pairs counted per CPU.
+    DEV_STATS = MapDef::new::<DevStatKey, u64>("SVC_DEV_STATS", 1, MapKind::PerCpuHash)
+        .sized(4_096);
+    /// The filter in front of `NODE_ADDRS` (`NODE_ADDR_BIT_WORDS`).
+    NODE_ADDR_BITS = MapDef::new::<u32, u64>("SVC_NODE_ADDR_BITS", 1, MapKind::Array)
+        .entries(NODE_ADDR_BIT_WORDS)
+        .owned();
+    /// Connection tracking of flows not assured yet (svc-ebpf's maps.rs); sized with `CT`
+    /// (`capacity::ct_new`).
+    CT_NEW = MapDef::new::<CtKey, CtValue>("SVC_CT_NEW", 1, MapKind::LruHash)
+        .sized(ct_new_entries(CT.max_entries))
+        .carry_late();
     /// Not pinned (claims held only while a program runs: svc-ebpf's `ct::claim`), so not
     /// in `ALL`.
-    pub const CT_CLAIMS: &str = "SVC_CT_CLAIMS";
+    CT_CLAIMS = MapDef::new::<CtKey, u32>("SVC_CT_CLAIMS", 0, MapKind::Hash)
+        .entries(4_096)
+        .unpinned();
     /// Not pinned either: the ports of translated UDP datagrams whose later fragments are
     /// still to come (svc-ebpf's `frag.rs`); a datagram in flight across an agent restart
     /// loses its later fragments, as one the network loses.
-    pub const FRAGS: &str = "SVC_FRAGS";
-    pub const ALL: [&str; 18] = [
-        SERVICES,
-        SLOTS,
-        BACKENDS,
-        REV_NAT,
-        SOCK_REV,
-        AFFINITY,
-        STATS,
-        NAMES,
-        META,
-        AFFINITY_MATCH,
-        SOCK_STATE,
-        NODE_ADDRS,
-        SRC_RANGES,
-        CT,
-        CONFIG,
-        DEV_STATS,
-        NODE_ADDR_BITS,
-        CT_NEW,
-    ];
+    FRAGS = MapDef::kernel_only("SVC_FRAGS", MapKind::LruHash);
+    /// The per-CPU working state of one packet (svc-ebpf's scratch.rs).
+    SCRATCH = MapDef::kernel_only("SVC_SCRATCH", MapKind::PerCpuArray);
+    SENT = MapDef::kernel_only("SVC_SENT", MapKind::PerCpuArray);
+    /// svc-ebpf's tcpsum.rs: a chunk of a segment being summed.
+    CSUM_BUF = MapDef::kernel_only("SVC_CSUM_BUF", MapKind::PerCpuArray);
 }
 
-/// Layout version of each map: part of its pin name (`SVC_SERVICES_v1`), so an agent never
-/// adopts a pinned map whose keys or values it would misread. Bump a map's version whenever
-/// its key, value or type changes; the agent then builds the new map beside the old one and
-/// fills it before its programs switch over.
-pub mod layout {
-    use super::map_names::*;
-    pub const VERSIONS: [(&str, u32); 18] = [
-        (SERVICES, 2),
-        (SLOTS, 1),
-        (BACKENDS, 1),
-        (REV_NAT, 1),
-        (SOCK_REV, 1),
-        (AFFINITY, 2),
-        (STATS, 1),
-        (NAMES, 1),
-        (META, 1),
-        (AFFINITY_MATCH, 1),
-        (SOCK_STATE, 1),
-        (NODE_ADDRS, 1),
-        (SRC_RANGES, 1),
-        // 3: a hash of assured flows (2 was an LRU of every flow), beside CT_NEW.
-        (CT, 3),
-        (CONFIG, 1),
-        (DEV_STATS, 1),
-        (NODE_ADDR_BITS, 1),
-        (CT_NEW, 1),
-    ];
+/// The unassured flows' table (an LRU, allocated in full) for an assured table of `ct`
+/// entries: a quarter of it, at least 256 entries. It holds handshakes in flight (and a
+/// flood's spoofed SYNs, which churn it), not connections.
+pub const fn ct_new_entries(ct: u32) -> u32 {
+    let q = ct / 4;
+    if q < 256 {
+        256
+    } else {
+        q
+    }
+}
 
+/// Layout versions of the maps (`MapDef::version`).
+pub mod layout {
     /// The layout version of `map`; 0 for a name that is not one of ours.
     pub fn version(map: &str) -> u32 {
-        VERSIONS
-            .iter()
-            .find(|(name, _)| *name == map)
-            .map_or(0, |(_, v)| *v)
+        super::catalogue::find(map).map_or(0, |m| m.version)
     }
-}
-
-/// Default capacities (max_entries); the agent sets its own from flags at load time. Sized for
-/// at least 50,000 Services of 10 endpoints each, with room for a changed backend set's new
-/// slots to coexist with the old ones until those are retired.
-pub mod capacity {
-    pub const SERVICES: u32 = 262_144;
-    pub const SLOTS: u32 = 1_048_576;
-    pub const BACKENDS: u32 = 1_048_576;
-    pub const REV_NAT: u32 = 262_144;
-    pub const SOCK_REV: u32 = 262_144;
-    pub const AFFINITY: u32 = 262_144;
-    pub const NAMES: u32 = 262_144;
-    /// One entry per backend of a current generation (of the frontends that check choices),
-    /// so it never holds more than the slots map: sized with it.
-    pub const AFFINITY_MATCH: u32 = SLOTS;
-    /// Connection tracking of the packet datapath's assured flows: two entries per flow
-    /// (a hash, allocated in full).
-    pub const CT: u32 = 262_144;
-
-    /// The unassured flows' table (an LRU, allocated in full) for an assured table of `ct`
-    /// entries: a quarter of it, at least 256 entries. It holds handshakes in flight (and a
-    /// flood's spoofed SYNs, which churn it), not connections.
-    pub const fn ct_new(ct: u32) -> u32 {
-        let q = ct / 4;
-        if q < 256 {
-            256
-        } else {
-            q
-        }
-    }
-    /// Node addresses, external frontend addresses and lingering ones (allocated as used).
-    pub const NODE_ADDRS: u32 = 65_536;
-    pub const SRC_RANGES: u32 = 16_384;
-    /// (device, reason) pairs counted per CPU.
-    pub const DEV_STATS: u32 = 4_096;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -1202,6 +1391,45 @@ mod tests {
                 "{what}: 65,536 addresses on {used} bits, at most {most} on one"
             );
         }
+    }
+
+    /// Pin names are what an upgraded agent finds its predecessor's maps by: each pin of a
+    /// released layout is still declared with its version and default size (a new map needs
+    /// no line here; changing one of these is a layout change, with a version bump and a
+    /// migration).
+    #[test]
+    fn pin_names_and_capacities_are_stable() {
+        let pins: [(&str, u32, u32); 18] = [
+            ("SVC_SERVICES", 2, 262_144),
+            ("SVC_SLOTS", 1, 1_048_576),
+            ("SVC_BACKENDS", 1, 1_048_576),
+            ("SVC_REV_NAT", 1, 262_144),
+            ("SVC_SOCK_REV", 1, 262_144),
+            ("SVC_AFFINITY", 2, 262_144),
+            ("SVC_STATS", 1, stat::COUNT),
+            ("SVC_NAMES", 1, 262_144),
+            ("SVC_META", 1, 1),
+            ("SVC_AFFINITY_MATCH", 1, 1_048_576),
+            ("SVC_SOCK_STATE", 1, 0),
+            ("SVC_NODE_ADDRS", 1, 65_536),
+            ("SVC_SRC_RANGES", 1, 16_384),
+            ("SVC_CT", 3, 262_144),
+            ("SVC_CONFIG", 1, 1),
+            ("SVC_DEV_STATS", 1, 4_096),
+            ("SVC_NODE_ADDR_BITS", 1, NODE_ADDR_BIT_WORDS),
+            ("SVC_CT_NEW", 1, 65_536),
+        ];
+        for (name, version, entries) in pins {
+            assert!(map_names::ALL.contains(&name), "{name} is pinned");
+            let m = catalogue::find(name).expect("in the catalogue");
+            assert_eq!(
+                (layout::version(name), m.max_entries),
+                (version, entries),
+                "{name}"
+            );
+        }
+        assert_eq!(layout::version(map_names::CT_CLAIMS), 0);
+        assert_eq!(layout::version("SVC_UNKNOWN"), 0);
     }
 
     #[test]

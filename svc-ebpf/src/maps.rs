@@ -121,7 +121,7 @@ pub static SVC_CT: HashMap<CtKey, CtValue, { capacity::CT as usize }> = HashMap:
 /// flow is assured (ct.rs, `assure`). LRU: a full table forgets the least recently used
 /// unassured flows for new ones, as conntrack drops unassured entries first.
 #[btf_map]
-pub static SVC_CT_NEW: LruHashMap<CtKey, CtValue, { capacity::ct_new(capacity::CT) as usize }> =
+pub static SVC_CT_NEW: LruHashMap<CtKey, CtValue, { capacity::CT_NEW as usize }> =
     LruHashMap::new();
 
 #[btf_map]

@@ -1,0 +1,348 @@
+//! Loading the object with its maps adopted, created or migrated, and the store over them.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::programs::{CgroupSock, CgroupSockAddr, SchedClassifier};
+use aya::{Ebpf, EbpfLoader};
+use svc_common::{catalogue, map_names};
+use tracing::info;
+
+use super::cgroup::{check_cgroup, check_other_svc};
+use super::lock::{lock_dir, own_dir};
+use super::migrate::{carry_ct_v1, carry_ct_v2, clone_map, migrate};
+use super::pins::{
+    adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
+    staged_pin, Pinned,
+};
+use super::{load_err, Datapath, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
+use crate::error::Result;
+use crate::store::{BpfStore, Capacity};
+use crate::sys;
+
+impl Datapath {
+    /// Takes ownership of `dir`, loads the programs and adopts (or creates, or migrates) the
+    /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
+    /// has changed but for a directory this call created.
+    pub fn open(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
+        let cgroup_id = check_cgroup(cgroup)?;
+        sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
+        own_dir(dir)?;
+        let (lock, dir_ino) = lock_dir(dir)?;
+        // Before anything is loaded: the lock covers this directory alone, and an agent with
+        // another directory on the same cgroup would attach beside the first and serve
+        // nothing, the first's programs answering every connect().
+        check_other_svc(dir, cgroup, cgroup_id)?;
+        adopt_unversioned(dir);
+
+        let mut plans = Vec::new();
+        for map in pinned_maps() {
+            let want = max_entries(map, &capacity);
+            plans.push((map, inspect_pin(map, &map_pin(dir, map.name), want)?));
+        }
+        let mut loader = EbpfLoader::new();
+        for (map, plan) in &plans {
+            if matches!(plan, Pinned::Adopt) {
+                loader.map_pin_path(map.name, map_pin(dir, map.name));
+            }
+            if let Some(n) = capacity.of(map.name) {
+                loader.map_max_entries(map.name, n);
+            }
+        }
+        let mut ebpf = loader
+            .load(OBJECT)
+            .map_err(|e| load_err("loading the eBPF object", e))?;
+        // Maps this object does not declare: those the agent writes are its own (created or
+        // adopted here, and filled by the first sync before any program could read them);
+        // the others (the packet datapath's, read only) wait for an object that has them.
+        let mut own: Vec<(&'static str, MapData)> = Vec::new();
+        for (map, plan) in plans.iter_mut() {
+            let name = map.name;
+            if ebpf.map(name).is_some() {
+                continue;
+            }
+            let plan = std::mem::replace(plan, Pinned::Adopt);
+            if !map.owned {
+                continue;
+            }
+            let path = map_pin(dir, name);
+            let data = match plan {
+                Pinned::Adopt => {
+                    MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?
+                }
+                Pinned::Create | Pinned::Migrate(_) => {
+                    // A resized map of its own: no program reads it, so a new empty one takes
+                    // the pin at once; the first sync writes its entries.
+                    let data = create_own(map, &capacity)?;
+                    let _ = std::fs::remove_file(&path);
+                    data.pin(&path).map_err(|e| load_err(path.display(), e))?;
+                    info!(
+                        map = name,
+                        "created (the loaded object does not declare it)"
+                    );
+                    data
+                }
+            };
+            own.push((name, data));
+        }
+        for name in PROGRAMS {
+            let prog = ebpf
+                .program_mut(name)
+                .ok_or_else(|| load_err(name, "program missing from the object"))?;
+            let loaded = if name == sys::SOCK_RELEASE {
+                <&mut CgroupSock>::try_from(prog)
+                    .map_err(|e| load_err(name, e))?
+                    .load()
+            } else {
+                <&mut CgroupSockAddr>::try_from(prog)
+                    .map_err(|e| load_err(name, e))?
+                    .load()
+            };
+            loaded.map_err(|e| load_err(name, e))?;
+        }
+        let mut tc_loaded = Vec::new();
+        for (name, _, _) in TC_PROGRAMS {
+            let Some(prog) = ebpf.program_mut(name) else {
+                info!(
+                    program = name,
+                    "not in the eBPF object: the packet datapath (NodePort, ExternalIP, \
+                     LoadBalancer, per-packet ClusterIP) is not attached; its maps are kept \
+                     up to date for an object that has it"
+                );
+                continue;
+            };
+            <&mut SchedClassifier>::try_from(prog)
+                .map_err(|e| load_err(name, e))?
+                .load()
+                .map_err(|e| load_err(name, e))?;
+            tc_loaded.push(name);
+        }
+        let mut store = store_from(&mut ebpf, own, capacity)?;
+
+        let mut staged = Vec::new();
+        for (map, plan) in plans {
+            let name = map.name;
+            match plan {
+                Pinned::Adopt => {}
+                Pinned::Create => {
+                    let path = map_pin(dir, name);
+                    held(&store, name)?
+                        .pin(&path)
+                        .map_err(|e| load_err(path.display(), e))?;
+                }
+                Pinned::Migrate(old) => {
+                    let n = migrate(&mut store, name, &old, false)?;
+                    info!(map = name, entries = n, "copied into the resized map");
+                    let path = staged_pin(dir, name);
+                    let _ = std::fs::remove_file(&path);
+                    held(&store, name)?
+                        .pin(&path)
+                        .map_err(|e| load_err(path.display(), e))?;
+                    staged.push(name);
+                }
+            }
+        }
+        let carried = carry_ct_v1(&mut store, dir)?;
+        if carried > 0 {
+            info!(
+                map = map_names::CT,
+                entries = carried,
+                "carried the flows of layout 1 over (untracked: their RSTs and FINs are taken \
+                 as before)"
+            );
+        }
+        let carried = carry_ct_v2(&mut store, dir)?;
+        if carried > 0 {
+            info!(
+                map = map_names::CT,
+                entries = carried,
+                "carried the flows of layout 2 over (assured ones to the assured table)"
+            );
+        }
+        // Before any program of this object reads the filter: it may be new, or the
+        // addresses may have been carried into a resized map. Bits are only added: the
+        // programs still attached may read it beside another map of addresses.
+        store.sync_node_addr_bits(false)?;
+        Ok(Datapath {
+            dir: dir.to_path_buf(),
+            lock,
+            dir_ino,
+            ebpf,
+            store,
+            cgroup: cgroup.to_path_buf(),
+            cgroup_id,
+            attached: false,
+            staged,
+            obsolete: other_versions(dir),
+            tc_loaded,
+            tc_devices: (Vec::new(), Vec::new()),
+            tc_current: Default::default(),
+            sweep: None,
+        })
+    }
+
+    /// A descriptor of the connection-tracking sweep, loaded on the first call, for a thread
+    /// of its own; None when the object has none. Loaded only when asked for: a kernel that
+    /// refuses it (before bpf_for_each_map_elem, 5.13) leaves the datapath running unswept.
+    pub fn ct_sweep(&mut self) -> Result<Option<std::os::fd::OwnedFd>> {
+        if self.sweep.is_none() {
+            let Some(prog) = self.ebpf.program_mut(SWEEP_PROGRAM) else {
+                return Ok(None);
+            };
+            let prog =
+                <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            prog.load().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            let fd = prog.fd().map_err(|e| load_err(SWEEP_PROGRAM, e))?;
+            self.sweep = Some(
+                fd.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| load_err(SWEEP_PROGRAM, e))?,
+            );
+        }
+        match &self.sweep {
+            Some(fd) => fd
+                .try_clone()
+                .map(Some)
+                .map_err(|e| load_err(SWEEP_PROGRAM, e)),
+            None => Ok(None),
+        }
+    }
+
+    /// A second handle on one of the agent's maps, for a thread of its own.
+    pub fn reopen(&self, name: &'static str) -> Result<Map> {
+        let data = clone_map(held(&self.store, name)?)?;
+        Map::from_map_data(data).map_err(|e| load_err(name, e))
+    }
+}
+
+/// The store's map of that name; None for a name the store does not hold.
+pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapData> {
+    Some(match name {
+        map_names::SERVICES => store.services.map(),
+        map_names::SLOTS => store.slots.map(),
+        map_names::BACKENDS => store.backends.map(),
+        map_names::REV_NAT => store.rev_nat.map(),
+        map_names::NAMES => store.names.map(),
+        map_names::AFFINITY => store.affinity.map(),
+        map_names::SOCK_REV => store.sock_rev.map(),
+        map_names::STATS => store.stats.map(),
+        map_names::AFFINITY_MATCH => store.affinity_match.map(),
+        map_names::SOCK_STATE => &store.sock_state,
+        map_names::META => store.meta.map(),
+        map_names::SRC_RANGES => store.src_ranges.map(),
+        map_names::NODE_ADDRS => store.node_addrs.map(),
+        map_names::NODE_ADDR_BITS => store.node_addr_bits.map(),
+        map_names::CONFIG => store.config.map(),
+        map_names::CT => store.ct.as_ref()?,
+        map_names::CT_NEW => store.ct_new.as_ref()?,
+        map_names::DEV_STATS => store.dev_stats.as_ref()?,
+        _ => return None,
+    })
+}
+
+/// `store_map`, for a name that must be there.
+pub(super) fn held<'a>(store: &'a BpfStore, name: &str) -> Result<&'a MapData> {
+    store_map(store, name).ok_or_else(|| load_err(name, "not a map the agent holds"))
+}
+
+fn store_from(
+    ebpf: &mut Ebpf,
+    mut own: Vec<(&'static str, MapData)>,
+    capacity: Capacity,
+) -> Result<BpfStore> {
+    let mut take = |name: &'static str| match ebpf.take_map(name) {
+        Some(m) => Ok(m),
+        None => match own.iter().position(|(n, _)| *n == name) {
+            Some(i) => Map::from_map_data(own.swap_remove(i).1).map_err(|e| load_err(name, e)),
+            None => Err(load_err(name, "map missing from the object")),
+        },
+    };
+    build_store(&mut take, capacity)
+}
+
+fn build_store(
+    take: &mut dyn FnMut(&'static str) -> Result<Map>,
+    capacity: Capacity,
+) -> Result<BpfStore> {
+    fn hash<K: aya::Pod, V: aya::Pod>(
+        take: &mut dyn FnMut(&'static str) -> Result<Map>,
+        name: &'static str,
+    ) -> Result<HashMap<MapData, K, V>> {
+        HashMap::try_from(take(name)?).map_err(|e| load_err(name, e))
+    }
+    Ok(BpfStore {
+        services: hash(take, map_names::SERVICES)?,
+        slots: hash(take, map_names::SLOTS)?,
+        backends: hash(take, map_names::BACKENDS)?,
+        rev_nat: hash(take, map_names::REV_NAT)?,
+        names: hash(take, map_names::NAMES)?,
+        affinity: hash(take, map_names::AFFINITY)?,
+        affinity_match: hash(take, map_names::AFFINITY_MATCH)?,
+        sock_rev: hash(take, map_names::SOCK_REV)?,
+        sock_state: match take(map_names::SOCK_STATE)? {
+            Map::SkStorage(data) => data,
+            other => {
+                return Err(load_err(
+                    map_names::SOCK_STATE,
+                    format!("not socket storage: {other:?}"),
+                ))
+            }
+        },
+        meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
+        stats: PerCpuArray::try_from(take(map_names::STATS)?)
+            .map_err(|e| load_err(map_names::STATS, e))?,
+        src_ranges: LpmTrie::try_from(take(map_names::SRC_RANGES)?)
+            .map_err(|e| load_err(map_names::SRC_RANGES, e))?,
+        node_addrs: hash(take, map_names::NODE_ADDRS)?,
+        node_addr_bits: Array::try_from(take(map_names::NODE_ADDR_BITS)?)
+            .map_err(|e| load_err(map_names::NODE_ADDR_BITS, e))?,
+        addr_bits: Default::default(),
+        config: Array::try_from(take(map_names::CONFIG)?)
+            .map_err(|e| load_err(map_names::CONFIG, e))?,
+        ct: take(map_names::CT).ok().and_then(map_data),
+        ct_new: take(map_names::CT_NEW).ok().and_then(map_data),
+        dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
+        capacity,
+        enomem_until: None,
+    })
+}
+
+/// The map behind the kinds of `Map` the agent keeps untyped.
+fn map_data(m: Map) -> Option<MapData> {
+    match m {
+        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// Opens the maps pinned under `dir`, for listing; loads and attaches nothing, takes no lock.
+pub fn open_pinned(dir: &Path) -> Result<BpfStore> {
+    let mut capacity = Capacity::default();
+    for name in map_names::ALL {
+        if let Ok(info) = MapData::from_pin(map_pin(dir, name)).and_then(|m| m.info()) {
+            capacity.set(name, info.max_entries());
+        }
+    }
+    build_store(
+        &mut |name| match (pinned(dir, name), catalogue::find(name)) {
+            // Pinned by an agent from before the packet datapath: nothing to list there.
+            (Err(_), Some(map)) if map.owned => {
+                Map::from_map_data(create_own(map, &capacity)?).map_err(|e| load_err(name, e))
+            }
+            (other, _) => other,
+        },
+        capacity,
+    )
+}
+
+pub(super) fn pinned(dir: &Path, name: &'static str) -> Result<Map> {
+    let path = map_pin(dir, name);
+    let data = MapData::from_pin(&path).map_err(|e| {
+        load_err(
+            path.display(),
+            format!("{e} (is svc-agent running with --bpffs {}?)", dir.display()),
+        )
+    })?;
+    Map::from_map_data(data).map_err(|e| load_err(name, e))
+}

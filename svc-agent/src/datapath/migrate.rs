@@ -1,0 +1,229 @@
+//! Entries carried from a pin of another size or an older layout into this agent's maps.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use aya::maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use svc_common::map_names;
+
+use super::load::store_map;
+use super::load_err;
+use crate::error::{Error, Result};
+use crate::store::BpfStore;
+use crate::sys;
+
+/// Copies every entry of `old` into `new`. `keep_newer`: entries `new` already has win
+/// (the kernel may have written them since the first copy).
+fn copy_hash<K, V>(
+    name: &'static str,
+    old: &MapData,
+    new: &mut HashMap<MapData, K, V>,
+    keep_newer: bool,
+) -> Result<usize>
+where
+    K: aya::Pod + bytemuck::Pod,
+    V: aya::Pod + bytemuck::Pod,
+{
+    let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd()).map_err(|e| Error::Map {
+        map: name,
+        message: format!("reading the old map: {e}"),
+    })?;
+    let flags = if keep_newer {
+        1 /* BPF_NOEXIST */
+    } else {
+        0
+    };
+    for (k, v) in &entries {
+        match new.insert(k, v, flags) {
+            Ok(()) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if keep_newer && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
+            {
+                return Err(Error::Load(format!(
+                    "map {name}: its {} entries do not fit in the capacity asked for; give a \
+                     larger one (see `svc-agent run --help`, the --max-* flags)",
+                    entries.len()
+                )))
+            }
+            Err(e) => return Err(crate::store::map_err(name, e)),
+        }
+    }
+    Ok(entries.len())
+}
+
+/// Copies a migrated map's entries into the new one.
+pub(super) fn migrate(
+    store: &mut BpfStore,
+    name: &'static str,
+    old: &MapData,
+    late: bool,
+) -> Result<usize> {
+    match name {
+        map_names::SERVICES => copy_hash(name, old, &mut store.services, late),
+        map_names::SLOTS => copy_hash(name, old, &mut store.slots, late),
+        map_names::BACKENDS => copy_hash(name, old, &mut store.backends, late),
+        map_names::REV_NAT => copy_hash(name, old, &mut store.rev_nat, late),
+        map_names::NAMES => copy_hash(name, old, &mut store.names, late),
+        map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
+        map_names::SOCK_REV => copy_hash(name, old, &mut store.sock_rev, late),
+        map_names::AFFINITY_MATCH => copy_hash(name, old, &mut store.affinity_match, late),
+        map_names::NODE_ADDRS => copy_hash(name, old, &mut store.node_addrs, late),
+        map_names::SRC_RANGES => {
+            let old: LpmTrie<MapData, crate::store::RangeData, u32> =
+                LpmTrie::try_from(Map::LpmTrie(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let mut n = 0;
+            for k in old.keys().flatten() {
+                store
+                    .src_ranges
+                    .insert(&k, 0, 0)
+                    .map_err(|e| crate::store::map_err(name, e))?;
+                n += 1;
+            }
+            Ok(n)
+        }
+        map_names::CT | map_names::CT_NEW => match store_map(store, name) {
+            Some(ct) => {
+                let mut new: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+                    HashMap::try_from(Map::HashMap(clone_map(ct)?))
+                        .map_err(|e| crate::store::map_err(name, e))?;
+                copy_hash(name, old, &mut new, late)
+            }
+            None => Ok(0),
+        },
+        map_names::STATS => {
+            let old: PerCpuArray<MapData, u64> =
+                PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let n = old.len().min(store.stats.len());
+            for i in 0..n {
+                if let Ok(v) = old.get(&i, 0) {
+                    let _ = store.stats.set(i, v, 0);
+                }
+            }
+            Ok(n as usize)
+        }
+        _ => Ok(0),
+    }
+}
+
+/// Carries the flows of a pinned `SVC_CT` of layout 1 (before sequence tracking) into this
+/// layout's tables (`carry_ct`), untracked, so an upgrade keeps every connection through a NodePort: before
+/// the new programs attach, and again after (the old programs may have made flows in
+/// between). Only the flows the new map lacks. How many entries were read.
+pub(super) fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+    if store.ct.is_none() {
+        return Ok(0);
+    }
+    let Some(entries) = old_ct::<svc_common::CtValueV1>(dir, 1)? else {
+        return Ok(0);
+    };
+    let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = entries
+        .into_iter()
+        .map(|(k, v)| (k, svc_common::CtValue::from(v)))
+        .collect();
+    carry_ct(store, &entries)?;
+    Ok(entries.len())
+}
+
+/// Carries the flows of a pinned `SVC_CT` of layout 2 (one LRU of every flow) into this
+/// layout's tables: unassured flows (`ct_flags::UNASSURED`) into `SVC_CT_NEW`, the others into
+/// `SVC_CT`, so an upgrade keeps every connection; before the new programs attach, and again
+/// after, as `carry_ct_v1`. How many entries were read.
+pub(super) fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+    if store.ct.is_none() || store.ct_new.is_none() {
+        return Ok(0);
+    }
+    let Some(entries) = old_ct::<svc_common::CtValue>(dir, 2)? else {
+        return Ok(0);
+    };
+    carry_ct(store, &entries)?;
+    Ok(entries.len())
+}
+
+/// The flows of the pinned `SVC_CT` of an older `layout` (pin `SVC_CT_v{layout}`), whose
+/// values are `V`; None without that pin. A pin of other key or value sizes is an error that
+/// names it.
+fn old_ct<V: bytemuck::Pod>(
+    dir: &Path,
+    layout: u32,
+) -> Result<Option<Vec<(svc_common::CtKey, V)>>> {
+    let path = dir.join(format!("{}_v{layout}", map_names::CT));
+    if !path.exists() {
+        return Ok(None);
+    }
+    let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
+    let info = old.info().map_err(|e| load_err(path.display(), e))?;
+    let (key, value) = (
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<V>() as u32,
+    );
+    if (info.key_size(), info.value_size()) != (key, value) {
+        return Err(Error::Load(format!(
+            "{} has {}-byte keys and {}-byte values, not layout {layout}'s {key} and {value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    sys::dump_hash(old.fd().as_fd())
+        .map(Some)
+        .map_err(|e| Error::Map {
+            map: map_names::CT,
+            message: format!("reading {}: {e}", path.display()),
+        })
+}
+
+/// Stores the flows of an older layout's table: each entry into the table its flags say
+/// (`ct_flags::UNASSURED`: `SVC_CT_NEW`), never over an entry either table has: the old pin
+/// may outlive an attach that put this layout's programs in service (an agent killed before
+/// it removed the pin), and its frozen flows must not overwrite live ones. An assured flow
+/// that finds the assured table full goes to the unassured one, as the datapath keeps a flow
+/// assured there when the table is full.
+fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue)]) -> Result<()> {
+    let (Some(ct), Some(ct_new)) = (&store.ct, &store.ct_new) else {
+        return Ok(());
+    };
+    let mut assured: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+        HashMap::try_from(Map::HashMap(clone_map(ct)?))
+            .map_err(|e| crate::store::map_err(map_names::CT, e))?;
+    let mut unassured: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
+        HashMap::try_from(Map::LruHashMap(clone_map(ct_new)?))
+            .map_err(|e| crate::store::map_err(map_names::CT_NEW, e))?;
+    let errno = |e: &aya::maps::MapError| match e {
+        aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
+        _ => None,
+    };
+    for (k, v) in entries {
+        if assured.get(k, 0).is_ok() || unassured.get(k, 0).is_ok() {
+            continue;
+        }
+        let first = if v.flags & svc_common::ct_flags::UNASSURED != 0 {
+            unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+        } else {
+            match assured.insert(k, v, 1 /* BPF_NOEXIST */) {
+                Err(e) if errno(&e) == Some(libc::E2BIG) => {
+                    unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+                }
+                other => other,
+            }
+        };
+        match first {
+            Ok(()) => {}
+            Err(e) if errno(&e) == Some(libc::EEXIST) => {}
+            Err(e) => return Err(crate::store::map_err(map_names::CT, e)),
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn clone_map(m: &MapData) -> Result<MapData> {
+    let fd = m
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::Load(format!("duplicating a map descriptor: {e}")))?;
+    MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
+}

@@ -1,0 +1,357 @@
+//! Counters and flow counts read from the pinned maps, for `/metrics`.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+
+use aya::maps::{Array, MapData, PerCpuArray};
+use svc_common::map_names;
+
+use super::load::pinned;
+use super::load_err;
+use super::pins::map_pin;
+use crate::error::Result;
+use crate::sys;
+
+/// Totals of the socket programs' decision counters, by reason, from the pinned map alone.
+/// What the packet datapath's maps say, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PacketStats {
+    /// (ifindex, `pkt_stat` name, total over the CPUs), from `DEV_STATS`.
+    pub devices: Vec<(u32, &'static str, u64)>,
+    /// Entries of `CT`, the assured flows' table (two per flow, dead ones included until the
+    /// next sweep).
+    pub ct_entries: u64,
+    pub ct_capacity: u32,
+    /// Entries of `CT_NEW`, the unassured flows' table (an LRU a flood churns), and its size.
+    pub ct_new_entries: u64,
+    pub ct_new_capacity: u32,
+    /// Live flows (`FlowCount`), SNATed or not.
+    pub flows: u64,
+    pub snat_flows: u64,
+    /// The most SNAT ports one (SNAT address, backend) pair holds for live flows that are
+    /// not closed nor idle both ways for the reclaim bound (a closed, dead or long-idle
+    /// flow's port goes to the next new flow that needs it): a new flow to that backend is
+    /// dropped once this reaches the size of the SNAT port range.
+    pub snat_ports_max: u64,
+}
+
+/// Counts the live flows of a walk of `CT`, as the datapath judges them: a flow is alive while
+/// a packet of either direction came within its entry's timeout (the FORWARD entry, or the
+/// entry at its partner key while that is still this flow's). Nothing removes a dead flow's entries but the need for room, so
+/// a full table is the steady state; counting its entries would report a node that has been
+/// busy once as busy for good, and its SNAT ports as nearly exhausted.
+pub struct FlowCount {
+    now_ns: u64,
+    config: svc_common::DatapathConfig,
+    flows: u64,
+    snat_flows: u64,
+    /// Per (SNAT address, backend address, backend port, protocol): as many entries as there
+    /// are such pairs, not flows.
+    ports: std::collections::HashMap<([u8; 16], [u8; 16], u16, u8), u64>,
+    /// FORWARD entries past their timeout, with their partner key: alive if that entry is
+    /// not, and leads back to them.
+    stale: Vec<(svc_common::CtKey, svc_common::CtKey, svc_common::CtValue)>,
+    /// REPLY entries within their timeout, to the FORWARD key they lead to.
+    fresh_replies: std::collections::HashMap<svc_common::CtKey, svc_common::CtKey>,
+    /// Live SNATed flows not closed (FORWARD key and entry): their ports are counted at the
+    /// end, when both directions' last packets are known.
+    snat_open: Vec<(svc_common::CtKey, svc_common::CtValue)>,
+    /// SNATed REPLY entries: the FORWARD key they lead to and their last packet.
+    snat_replies: std::collections::HashMap<svc_common::CtKey, (svc_common::CtKey, u64)>,
+}
+
+impl FlowCount {
+    pub fn new(now_ns: u64, config: svc_common::DatapathConfig) -> Self {
+        FlowCount {
+            now_ns,
+            config,
+            flows: 0,
+            snat_flows: 0,
+            ports: Default::default(),
+            stale: Default::default(),
+            fresh_replies: Default::default(),
+            snat_open: Default::default(),
+            snat_replies: Default::default(),
+        }
+    }
+
+    pub fn add(&mut self, k: &svc_common::CtKey, v: &svc_common::CtValue) {
+        let timeout_ns = u64::from(svc_common::ct_timeout::seconds(
+            &self.config,
+            k.proto,
+            v.flags,
+        )) * 1_000_000_000;
+        let fresh = self.now_ns.saturating_sub(v.last_seen_ns) <= timeout_ns;
+        if k.dir == svc_common::ct_dir::REPLY && v.flags & svc_common::ct_flags::SNAT != 0 {
+            self.snat_replies.insert(*k, (k.partner(v), v.last_seen_ns));
+        }
+        match (k.dir == svc_common::ct_dir::FORWARD, fresh) {
+            (true, true) => self.live(k, v),
+            (true, false) => self.stale.push((*k, k.partner(v), *v)),
+            (false, true) => {
+                self.fresh_replies.insert(*k, k.partner(v));
+            }
+            (false, false) => {}
+        }
+    }
+
+    fn live(&mut self, k: &svc_common::CtKey, v: &svc_common::CtValue) {
+        use svc_common::ct_flags;
+        self.flows += 1;
+        if v.flags & ct_flags::SNAT == 0 {
+            return;
+        }
+        self.snat_flows += 1;
+        // An unassured flow's port goes to a new flow that finds the range busy (from the
+        // datapath's fifth try), as a closed one's: neither is a port in use.
+        if !ct_flags::closed(v.flags) && v.flags & ct_flags::UNASSURED == 0 {
+            self.snat_open.push((*k, *v));
+        }
+    }
+
+    /// (flows, SNATed flows, the most SNAT ports in use towards one backend).
+    pub fn finish(mut self) -> (u64, u64, u64) {
+        let stale = std::mem::take(&mut self.stale);
+        for (k, partner, v) in &stale {
+            if self.fresh_replies.get(partner) == Some(k) {
+                self.live(k, v);
+            }
+        }
+        // A flow idle both ways for the reclaim bound gives its port to a new flow that needs
+        // it, as the datapath's SNAT search does.
+        let bound =
+            u64::from(svc_common::ct_timeout::snat_reclaim_idle_s(&self.config)) * 1_000_000_000;
+        for (k, v) in std::mem::take(&mut self.snat_open) {
+            let reply = self
+                .snat_replies
+                .get(&k.partner(&v))
+                .filter(|(to, _)| *to == k)
+                .map_or(0, |(_, seen)| *seen);
+            if self.now_ns.saturating_sub(v.last_seen_ns.max(reply)) > bound {
+                continue;
+            }
+            *self
+                .ports
+                .entry((v.snat_addr, v.nat_addr, v.nat_port_be, k.proto))
+                .or_default() += 1;
+        }
+        let most = self.ports.values().copied().max().unwrap_or(0);
+        (self.flows, self.snat_flows, most)
+    }
+}
+
+/// Reads `DEV_STATS` and `CT` from the pins in `dir`: the whole CT map, in batches of a few
+/// hundred KB (a full 262,144-entry map is about 25 MB to read, never held at once).
+pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
+    use svc_common::{pkt_stat, CtKey, CtValue, DatapathConfig, DevStatKey};
+    let mut out = PacketStats::default();
+    let dev: aya::maps::PerCpuHashMap<MapData, DevStatKey, u64> =
+        aya::maps::PerCpuHashMap::try_from(pinned(dir, map_names::DEV_STATS)?)
+            .map_err(|e| load_err(map_names::DEV_STATS, e))?;
+    for entry in dev.iter() {
+        let (k, per_cpu) = entry.map_err(|e| load_err(map_names::DEV_STATS, e))?;
+        let name = pkt_stat::NAMES
+            .get(k.reason as usize)
+            .copied()
+            .unwrap_or("unknown");
+        out.devices.push((k.ifindex, name, per_cpu.iter().sum()));
+    }
+    out.devices.sort();
+    let ct =
+        MapData::from_pin(map_pin(dir, map_names::CT)).map_err(|e| load_err(map_names::CT, e))?;
+    out.ct_capacity = ct
+        .info()
+        .map_err(|e| load_err(map_names::CT, e))?
+        .max_entries();
+    // The timeouts the datapath judges by; the built-in ones when the agent wrote none.
+    let config: Array<MapData, DatapathConfig> = Array::try_from(pinned(dir, map_names::CONFIG)?)
+        .map_err(|e| load_err(map_names::CONFIG, e))?;
+    let config = config.get(&0, 0).unwrap_or_default();
+    let mut count = FlowCount::new(sys::coarse_now_ns(), config);
+    sys::for_each_hash::<CtKey, CtValue>(ct.fd().as_fd(), |k, v| {
+        out.ct_entries += 1;
+        count.add(k, v);
+    })
+    .map_err(|e| load_err(map_names::CT, e))?;
+    // Absent where an older agent's datapath serves (one table of every flow).
+    if let Ok(new) = MapData::from_pin(map_pin(dir, map_names::CT_NEW)) {
+        out.ct_new_capacity = new
+            .info()
+            .map_err(|e| load_err(map_names::CT_NEW, e))?
+            .max_entries();
+        sys::for_each_hash::<CtKey, CtValue>(new.fd().as_fd(), |k, v| {
+            out.ct_new_entries += 1;
+            count.add(k, v);
+        })
+        .map_err(|e| load_err(map_names::CT_NEW, e))?;
+    }
+    (out.flows, out.snat_flows, out.snat_ports_max) = count.finish();
+    Ok(out)
+}
+
+pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
+    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(pinned(dir, map_names::STATS)?)
+        .map_err(|e| load_err(map_names::STATS, e))?;
+    crate::store::stat_totals(&stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FlowCount;
+    use svc_common::{ct_dir, ct_flags, CtKey, CtValue, DatapathConfig, IPPROTO_TCP, IPPROTO_UDP};
+
+    const S: u64 = 1_000_000_000;
+
+    fn a(last: u8) -> [u8; 16] {
+        let mut x = [0u8; 16];
+        x[10] = 0xff;
+        x[11] = 0xff;
+        x[12..].copy_from_slice(&[198, 51, 100, last]);
+        x
+    }
+
+    /// A flow from client port `port` to a remote backend, SNATed to the node's port
+    /// `snat_port`, its two entries last seen at `fwd_s` and `rep_s` (seconds).
+    fn flow(
+        proto: u8,
+        port: u16,
+        snat_port: u16,
+        flags: u16,
+        fwd_s: u64,
+        rep_s: u64,
+    ) -> [(CtKey, CtValue); 2] {
+        let forward = CtKey {
+            saddr: a(7),
+            daddr: a(1),
+            sport_be: port.to_be(),
+            dport_be: 30080u16.to_be(),
+            proto,
+            dir: ct_dir::FORWARD,
+            _pad0: [0; 2],
+        };
+        let v = CtValue {
+            nat_addr: a(20),
+            nat_port_be: 8080u16.to_be(),
+            snat_addr: a(1),
+            snat_port_be: snat_port.to_be(),
+            flags: ct_flags::SNAT | flags,
+            last_seen_ns: fwd_s * S,
+            ..Default::default()
+        };
+        let reply = forward.partner(&v);
+        let rv = CtValue {
+            nat_addr: a(1),
+            nat_port_be: 30080u16.to_be(),
+            snat_addr: a(7),
+            snat_port_be: port.to_be(),
+            last_seen_ns: rep_s * S,
+            ..v
+        };
+        assert_eq!(reply.partner(&rv), forward);
+        [(forward, v), (reply, rv)]
+    }
+
+    /// What `/metrics` reports of a full table: only the flows the datapath takes for alive
+    /// (either direction within its timeout), and of their SNAT ports only those of flows not
+    /// closed. Before, every FORWARD entry counted, dead or not: a node busy once showed its
+    /// SNAT ports in use, towards exhaustion, for good.
+    #[test]
+    fn flows_and_snat_ports_count_only_live_flows() {
+        let now = 100_000;
+        // Older than established TCP's timeout.
+        let stale = u64::from(svc_common::ct_timeout::TCP_ESTABLISHED_S) + 100;
+        let closed = ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY;
+        let entries = [
+            // Established TCP, both fresh.
+            flow(
+                IPPROTO_TCP,
+                40001,
+                61001,
+                ct_flags::SEEN_REPLY,
+                now - 5,
+                now - 5,
+            ),
+            // A download's tail: only the reply direction speaks.
+            flow(
+                IPPROTO_TCP,
+                40002,
+                61002,
+                ct_flags::SEEN_REPLY,
+                now - stale,
+                now - 1,
+            ),
+            // Closed a moment ago: alive for its closing timeout, its port reclaimable.
+            flow(IPPROTO_TCP, 40003, 61003, closed, now - 1, now - 1),
+            // Dead: UDP silent for longer than its timeout, TCP for longer than its established timeout.
+            flow(IPPROTO_UDP, 40004, 61004, 0, now - 3_600, now - 3_600),
+            flow(
+                IPPROTO_TCP,
+                40005,
+                61005,
+                ct_flags::SEEN_REPLY,
+                now - stale,
+                now - stale,
+            ),
+        ];
+        // Alive (established TCP lives 24 h idle), but idle both ways past the SNAT reclaim
+        // bound: its port is not counted in use.
+        let idle = u64::from(svc_common::ct_timeout::SNAT_RECLAIM_IDLE_S) + 60;
+        let long_idle = flow(
+            IPPROTO_TCP,
+            40007,
+            61007,
+            ct_flags::SEEN_REPLY,
+            now - idle,
+            now - idle,
+        );
+        // Dead, its reply tuple taken by the first flow (the same SNAT port): that flow's
+        // freshness is not its own.
+        let [old, _] = flow(
+            IPPROTO_TCP,
+            40006,
+            61001,
+            ct_flags::SEEN_REPLY,
+            now - stale,
+            0,
+        );
+        let mut count = FlowCount::new(now * S, DatapathConfig::default());
+        for (k, v) in entries
+            .iter()
+            .flatten()
+            .chain([old].iter())
+            .chain(&long_idle)
+        {
+            count.add(k, v);
+        }
+        assert_eq!(count.finish(), (4, 4, 2));
+    }
+
+    /// An unassured flow (a spoofed SYN the backend answered, never acknowledged) is a live
+    /// flow, but its SNAT port is not in use: a new flow takes it. Before, a flood of spoofed
+    /// SYNs showed the range as nearly exhausted.
+    #[test]
+    fn snat_ports_in_use_leave_unassured_flows_out() {
+        let now = 100_000;
+        let assured = flow(
+            IPPROTO_TCP,
+            40001,
+            61001,
+            ct_flags::SEEN_REPLY,
+            now - 1,
+            now - 1,
+        );
+        let spoofed = flow(
+            IPPROTO_TCP,
+            40002,
+            61002,
+            ct_flags::SEEN_REPLY | ct_flags::UNASSURED,
+            now - 1,
+            now - 1,
+        );
+        let mut count = FlowCount::new(now * S, DatapathConfig::default());
+        for (k, v) in assured.iter().chain(&spoofed) {
+            count.add(k, v);
+        }
+        assert_eq!(count.finish(), (2, 2, 1));
+    }
+}
