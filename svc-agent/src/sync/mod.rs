@@ -21,11 +21,11 @@
 
 mod addrs;
 pub mod plan;
+mod show;
 mod recover;
 #[cfg(test)]
 mod tests;
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -43,7 +43,7 @@ use crate::store::{Capacity, Op, Store};
 
 pub use addrs::{external_addr, FlowAddrsReport};
 
-pub use plan::UnitPlan;
+pub use plan::{NodePlan, Plan, Planned, ServicePlan, UnitPlan};
 
 /// The most backends one frontend can have: slots are numbered with a u16.
 pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize;
@@ -325,7 +325,7 @@ impl Default for Ids {
 
 /// Entries found in the maps that nothing leads to (a dead agent's half-written work, or
 /// entries someone else wrote): deleted before anything else is written.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Strays {
     pub services: Vec<ServiceKey>,
     pub slots: Vec<SlotKey>,
@@ -662,10 +662,6 @@ fn name_object(e: Error, object: &str) -> Error {
     }
 }
 
-/// The frontends of one sync, grouped by the Service they belong to: the unit that is
-/// programmed completely or not at all.
-type Units<'a> = BTreeMap<Cow<'a, str>, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
-
 impl Programmed {
     /// Packs the frontends' tree after a full sync. Filled in key order, a B-tree keeps its
     /// nodes about half full: at 100,000 Services that is 14 MiB of empty slots.
@@ -769,82 +765,74 @@ impl Programmed {
         scope: Scope<'_>,
         now: Instant,
     ) -> SyncReport {
+        let plan = self.plan(desired, scope);
+        self.execute_plan(store, desired, plan, now)
+    }
+
+    /// Carries out `plan`, made by `plan` from this mirror and `desired` with nothing written
+    /// since. A Service whose writes fail is left as it was (and reported); the Services
+    /// after it were planned as if it had been programmed, so they are planned again
+    /// against the maps as they are.
+    pub fn execute_plan<S: Store>(
+        &mut self,
+        store: &mut S,
+        desired: &DesiredState,
+        plan: Plan,
+        now: Instant,
+    ) -> SyncReport {
         let mut report = SyncReport::default();
         let mut w = Writer { store, ops: 0 };
-        report.strays_deleted = self.retire_strays(&mut w, now, &mut report.errors);
-        if matches!(scope, Scope::All) {
+        report.strays_deleted = self.retire_strays(&mut w, plan.strays, now, &mut report.errors);
+        if let Some(node) = plan.node {
             let before = report.errors.len();
-            self.sync_node(&mut w, &desired.node, &mut report.errors);
+            self.execute_node(&mut w, node, &mut report.errors);
             report.node_failed = report.errors.len() > before;
         }
 
-        let units = self.units(desired, scope);
-        // Before a frontend whose port lies in the SNAT range: from its first flow on, a SNAT
-        // port search must pass over that flow's tuple. A frontend not yet programmed waits
-        // for the mark (below).
         let mut range_unmarked = None;
-        if let Some(c) = self.config {
-            let adding = units
-                .values()
-                .flat_map(|(u, _)| u.iter().map(|d| &d.frontend));
-            let wanted = snat_range_frontends(&c, adding);
-            self.snat_range_wanted = match scope {
-                Scope::All => snat_range_frontends(&c, desired.frontends.keys()),
-                Scope::Only(_) => self.snat_range_wanted || wanted,
-            };
-            if wanted && c.snat_range_frontends == 0 {
-                let mut errors = Vec::new();
-                self.put_snat_range_frontends(&mut w, true, &mut errors);
-                range_unmarked = errors.first().map(ToString::to_string);
-                report.errors.extend(errors);
-            }
+        if let (Some(wanted), Some(_)) = (plan.snat_range_wanted, self.config) {
+            self.snat_range_wanted = wanted;
         }
-        let marker_ips: BTreeSet<IpAddr> = match scope {
-            Scope::All => desired.cluster_ips.union(&self.markers).copied().collect(),
-            Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
-        };
-        let new_markers: Vec<IpAddr> = marker_ips
-            .iter()
-            .filter(|ip| desired.cluster_ips.contains(ip) && !self.markers.contains(ip))
-            .copied()
-            .collect();
+        if plan.snat_mark.is_some() {
+            let mut errors = Vec::new();
+            self.put_snat_range_frontends(&mut w, true, &mut errors);
+            range_unmarked = errors.first().map(ToString::to_string);
+            report.errors.extend(errors);
+        }
         // A ClusterIP's marker is what refuses its undefined ports, and the ports of a
         // Service that did not fit: its room is kept before any Service takes its own.
-        let mut reserved = new_markers.len() as u64;
+        let reserved = plan.new_markers.len() as u64;
 
-        // External frontend addresses before the frontends: the external ingress looks only
-        // at packets to addresses NODE_ADDRS holds. A frontend that leaves its address for
-        // good is seen to after them.
-        let mut addrs_touched = BTreeSet::new();
-        let mut addrs_written = BTreeSet::new();
         // Addresses that NODE_ADDRS does not mark `EXTERNAL` after a failed write (absent, or
         // a node address without the mark), with why: new frontends there would be written
         // where no packet looks them up by their own key.
         let mut unwritten: BTreeMap<[u8; 16], String> = BTreeMap::new();
-        for (upserts, gone) in units.values() {
-            for d in upserts {
-                if let Some(a) = addrs::external_addr(&d.frontend) {
-                    addrs_touched.insert(a);
-                    if !addrs_written.insert(a) {
-                        continue;
-                    }
-                    let mut errors = Vec::new();
-                    self.write_addr(&mut w, a, true, &mut errors);
-                    let marked = self
-                        .node_addrs
-                        .get(&a)
-                        .is_some_and(|v| v.flags & node_addr_flags::EXTERNAL != 0);
-                    if let (Some(e), false) = (errors.first(), marked) {
-                        unwritten.insert(a, e.to_string());
-                    }
-                    report.errors.extend(errors);
-                }
+        for a in plan.externals {
+            let mut errors = Vec::new();
+            self.write_addr(&mut w, a, true, &mut errors);
+            let marked = self
+                .node_addrs
+                .get(&a)
+                .is_some_and(|v| v.flags & node_addr_flags::EXTERNAL != 0);
+            if let (Some(e), false) = (errors.first(), marked) {
+                unwritten.insert(a, e.to_string());
             }
-            addrs_touched.extend(gone.iter().filter_map(addrs::external_addr));
+            report.errors.extend(errors);
         }
 
         let mut unreferenced: Vec<BackendId> = Vec::new();
-        for (owner, (upserts, gone)) in units {
+        // Whether the maps are as the plans of the Services still to come expect them.
+        let mut as_planned = true;
+        for service in plan.services {
+            let covered = service.covered();
+            let upserts: Vec<&DesiredFrontend> = service
+                .upserts
+                .iter()
+                .filter_map(|fe| desired.frontends.get(fe))
+                .collect();
+            let ServicePlan {
+                owner, gone, plan, ..
+            } = service;
             // Only a frontend not yet programmed is held back (with its whole Service): one
             // already programmed is unreachable from outside either way, and its Service's
             // other changes go on; the Service still fails, so the mark is retried.
@@ -880,9 +868,25 @@ impl Programmed {
                 }),
                 (None, None) => Ok(()),
             };
-            let result = result
-                .and_then(|()| plan::plan_unit(self, &owner, &upserts, &gone))
-                .and_then(|plan| self.execute(&mut w, plan, reserved, now, &mut unreferenced));
+            let result = match result {
+                Err(e) => {
+                    as_planned = false;
+                    Err(e)
+                }
+                Ok(()) => {
+                    let plan = if as_planned {
+                        plan
+                    } else {
+                        let mut earlier = Planned::new(self);
+                        plan::plan_unit(self, &mut earlier, &owner, &upserts, &gone)
+                    };
+                    plan.and_then(|plan| {
+                        let done = self.execute(&mut w, plan, reserved, now, &mut unreferenced);
+                        as_planned &= done.is_ok();
+                        done
+                    })
+                }
+            };
             let result = result.and_then(|(written, removed)| {
                 report.frontends_written += written;
                 report.frontends_removed += removed;
@@ -893,29 +897,21 @@ impl Programmed {
                     None => Ok(()),
                 }
             });
-            match result {
-                Ok(()) => {}
-                Err(e) => {
-                    report
-                        .errors
-                        .push(name_object(e, &format!("Service {owner}")));
-                    let covered = upserts
-                        .iter()
-                        .map(|d| d.frontend)
-                        .chain(gone.iter().copied())
-                        .collect();
-                    report.failed.insert(owner.into_owned(), covered);
-                }
+            if let Err(e) = result {
+                report
+                    .errors
+                    .push(name_object(e, &format!("Service {owner}")));
+                report.failed.insert(owner, covered);
             }
         }
 
-        for a in addrs_touched {
+        for a in plan.touched_addrs {
             self.write_addr(&mut w, a, false, &mut report.errors);
         }
 
         // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
         // about to be written.
-        for ip in &new_markers {
+        for ip in &plan.new_markers {
             match w.op(&Op::PutService(marker_key(*ip), marker_value())) {
                 Ok(_) => {
                     self.markers.insert(*ip);
@@ -925,22 +921,18 @@ impl Programmed {
                     .errors
                     .push(name_object(e, &format!("ClusterIP {ip}"))),
             }
-            reserved = reserved.saturating_sub(1);
         }
-        debug_assert_eq!(reserved, 0);
-        for ip in &marker_ips {
-            if !desired.cluster_ips.contains(ip) && self.markers.contains(ip) {
-                match w.op(&Op::DelService(marker_key(*ip))) {
-                    Ok(found) => {
-                        self.markers.remove(ip);
-                        if found {
-                            self.usage.services -= 1;
-                        }
+        for ip in &plan.gone_markers {
+            match w.op(&Op::DelService(marker_key(*ip))) {
+                Ok(found) => {
+                    self.markers.remove(ip);
+                    if found {
+                        self.usage.services -= 1;
                     }
-                    Err(e) => report
-                        .errors
-                        .push(name_object(e, &format!("ClusterIP {ip}"))),
                 }
+                Err(e) => report
+                    .errors
+                    .push(name_object(e, &format!("ClusterIP {ip}"))),
             }
         }
 
@@ -954,78 +946,30 @@ impl Programmed {
         report
     }
 
-    /// The Services this sync covers, each with the frontends to write and to remove.
-    fn units<'a>(&self, desired: &'a DesiredState, scope: Scope<'_>) -> Units<'a> {
-        let mut units: Units<'a> = BTreeMap::new();
-        let upsert = |units: &mut Units<'a>, d: &'a DesiredFrontend| {
-            units
-                .entry(Cow::Borrowed(d.owner.as_str()))
-                .or_default()
-                .0
-                .push(d);
-        };
-        match scope {
-            Scope::All => {
-                for d in desired.frontends.values() {
-                    upsert(&mut units, d);
-                }
-                for (fe, cur) in &self.frontends {
-                    if !desired.frontends.contains_key(fe) {
-                        units
-                            .entry(Cow::Owned(cur.owner().to_string()))
-                            .or_default()
-                            .1
-                            .push(*fe);
-                    }
-                }
-            }
-            Scope::Only(set) => {
-                for fe in set {
-                    if let Some(d) = desired.frontends.get(fe) {
-                        upsert(&mut units, d);
-                    } else if let Some(cur) = self.frontends.get(fe) {
-                        units
-                            .entry(Cow::Owned(cur.owner().to_string()))
-                            .or_default()
-                            .1
-                            .push(*fe);
-                    }
-                }
-            }
-        }
-        units
-    }
-
     /// Brings SVC_NODE_ADDRS and SVC_CONFIG to `node` alone (after the node's addresses or
     /// the datapath settings changed): no Service is looked at.
     pub fn apply_node<S: Store>(&mut self, store: &mut S, node: &NodeDesired) -> SyncReport {
-        let mut report = SyncReport::default();
-        let mut w = Writer { store, ops: 0 };
-        self.sync_node(&mut w, node, &mut report.errors);
-        report.node_failed = !report.errors.is_empty();
-        report.ops = w.ops;
-        report
+        let plan = Plan {
+            node: Some(self.plan_node(node)),
+            ..Default::default()
+        };
+        self.execute_plan(store, &DesiredState::default(), plan, Instant::now())
     }
 
-    /// Node addresses (see addrs.rs) and the datapath settings.
-    fn sync_node<S: Store>(
+    /// Writes the node's part of a plan.
+    fn execute_node<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
-        node: &NodeDesired,
+        node: NodePlan,
         errors: &mut Vec<Error>,
     ) {
-        self.node_want = node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
-        self.write_addrs(w, errors);
-        // The mark of frontend ports in the SNAT range is kept (the flow walk clears it once
-        // nothing needs it, `clear_snat_range_mark`): a change of the node's settings alone
-        // must not drop it under a frontend or a live flow that does.
-        let want = node.config.map(|mut c| {
-            let kept = self.config.is_some_and(|o| o.snat_range_frontends != 0);
-            c.snat_range_frontends =
-                u32::from(kept || snat_range_frontends(&c, self.frontends.keys()));
-            c
-        });
-        if let Some(c) = want.filter(|c| self.config != Some(*c)) {
+        self.node_want = node.want;
+        for (k, v) in node.addrs {
+            if self.node_addrs.get(&k) != Some(&v) {
+                self.put_addr(w, k, v, errors);
+            }
+        }
+        if let Some(c) = node.config {
             match w.op(&Op::PutConfig(c)) {
                 Ok(_) => self.config = Some(c),
                 Err(e) => errors.push(e),
@@ -1242,7 +1186,7 @@ impl Programmed {
                 }
             };
             if before.is_some() != added {
-                self.external_ref(&fe, added);
+                plan::external_ref(&mut self.external_refs, &fe, added);
             }
             if let Some(before) = before {
                 self.port_unref(fe.protocol, &before);
@@ -1296,13 +1240,15 @@ impl Programmed {
     fn retire_strays<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
+        strays: Strays,
         now: Instant,
         errors: &mut Vec<Error>,
     ) -> usize {
-        if self.strays.is_empty() {
+        if strays.is_empty() {
             return 0;
         }
-        let strays = std::mem::take(&mut self.strays);
+        // The plan's copy is the list now: what fails to go is listed again.
+        self.strays = Strays::default();
         let n = strays.len();
         warn!(entries = n, "retiring leftover entries nothing leads to");
         // A master entry that is not ours leads nowhere we know: it goes at once.
@@ -1415,6 +1361,13 @@ impl Programmed {
                 self.backend_ids.remove(&k);
             }
         }
+    }
+
+    /// Who each programmed frontend belongs to, as the names map says.
+    pub fn served(&self) -> crate::model::Served {
+        (self.frontends.iter())
+            .map(|(fe, f)| (*fe, f.owner().to_string()))
+            .collect()
     }
 
     /// Every id below these is spoken for.
