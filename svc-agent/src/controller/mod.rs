@@ -176,8 +176,8 @@ impl Controller {
         let (owners, full) = match batch.owners {
             Some(owners) => (owners, false),
             None => {
-                // The old desired state is not needed to build the new one (the mirror says
-                // who holds what): dropping it first keeps one copy in memory, not two.
+                // Of the old desired state, the new one needs only who holds what: the rest
+                // goes first, so that one copy of the backends is in memory, not two.
                 agent.forget_desired();
                 (BTreeSet::new(), true)
             }

@@ -2035,7 +2035,7 @@ fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
 
         // "default/a" comes later and sorts first: it must not take the frontend over.
         let newcomer = manifest_service("default", "a");
-        let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p);
+        let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p.served());
         let owner = &t.state.frontends[&fe("10.96.0.10", 80)].owner;
         assert_eq!(owner, &format!("default/{name}"), "{:?}", t.errors);
     }
