@@ -882,14 +882,22 @@ fn dry_run_prints_the_plan_and_leaves_the_maps_as_they_are() {
     let plan = dry_run(w.bpffs.path());
     let b2 = format!("-> {}:8080/TCP", w.sb.backend_v4(2));
     let line = |start: &str, end: &str| {
-        let found = plan.lines().any(|l| l.starts_with(start) && l.ends_with(end));
+        let found = plan
+            .lines()
+            .any(|l| l.starts_with(start) && l.ends_with(end));
         assert!(found, "no line {start:?}..{end:?} in:\n{plan}");
     };
     line("service demo/api:", "");
-    line("  put SVC_SERVICES 10.96.0.11:80/TCP -> id", "slots 0 flags 0x0");
+    line(
+        "  put SVC_SERVICES 10.96.0.11:80/TCP -> id",
+        "slots 0 flags 0x0",
+    );
     line("service demo/web:", "");
     line("  put SVC_BACKENDS", &b2);
-    line("  put SVC_SERVICES 10.96.0.10:80/TCP -> id", "rev 2 slots 2 flags 0x0");
+    line(
+        "  put SVC_SERVICES 10.96.0.10:80/TCP -> id",
+        "rev 2 slots 2 flags 0x0",
+    );
     line("  put SVC_SERVICES 10.96.0.11 marker", "");
     // web's backend b1 is written already: only b2 is new.
     assert_eq!(plan.matches("put SVC_BACKENDS").count(), 1, "{plan}");
@@ -901,7 +909,13 @@ fn dry_run_prints_the_plan_and_leaves_the_maps_as_they_are() {
     // Nothing pinned: everything is new, and the directory is not made.
     let empty = w.sb.bpffs().unwrap();
     let plan = dry_run(empty.path());
-    assert!(plan.contains("put SVC_SERVICES 10.96.0.10:80/TCP -> id"), "{plan}");
-    assert!(plan.contains("put SVC_SERVICES 10.96.0.10 marker"), "{plan}");
+    assert!(
+        plan.contains("put SVC_SERVICES 10.96.0.10:80/TCP -> id"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("put SVC_SERVICES 10.96.0.10 marker"),
+        "{plan}"
+    );
     assert!(!empty.path().exists());
 }

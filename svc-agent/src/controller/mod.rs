@@ -17,16 +17,16 @@ use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, info, warn};
 
 use crate::agent::{Agent, Upkeep};
+use crate::datapath;
 use crate::error::Result;
 use crate::metrics::{self, Metrics};
+use crate::model::NodeDesired;
 use crate::packet::PacketConfig;
 use crate::source::kube::{ApiServer, Cache, KubeOptions};
 use crate::source::manifest::ManifestSource;
 use crate::source::manifest_tracker::{self, ManifestTracker};
 use crate::source::{self, Event, Tracker};
 use crate::store::Capacity;
-use crate::datapath;
-use crate::model::NodeDesired;
 use crate::sync::{Plan, Programmed, Scope, SyncReport};
 use crate::translate::{self, NodeContext};
 use svc_common::map_names;

@@ -21,8 +21,8 @@
 
 mod addrs;
 pub mod plan;
-mod show;
 mod recover;
+mod show;
 #[cfg(test)]
 mod tests;
 

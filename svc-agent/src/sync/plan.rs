@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 
 use svc_common::{
-    backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, Backend,
-    BackendId, DatapathConfig, NodeAddrValue, RevNatValue, ServiceValue, SlotKey,
+    backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, Backend, BackendId,
+    DatapathConfig, NodeAddrValue, RevNatValue, ServiceValue, SlotKey,
 };
 
 use super::addrs::external_addr;
@@ -21,8 +21,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::model::{
-    Backend as DesiredBackend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired,
-    Protocol,
+    Backend as DesiredBackend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired, Protocol,
 };
 use crate::store::Op;
 
@@ -623,7 +622,10 @@ impl Programmed {
             Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
         };
         for ip in marker_ips {
-            match (desired.cluster_ips.contains(&ip), self.markers.contains(&ip)) {
+            match (
+                desired.cluster_ips.contains(&ip),
+                self.markers.contains(&ip),
+            ) {
                 (true, false) => plan.new_markers.push(ip),
                 (false, true) => plan.gone_markers.push(ip),
                 _ => {}

@@ -177,9 +177,22 @@ fn strays(f: &mut Formatter<'_>, s: &Strays) -> fmt::Result {
         return Ok(());
     }
     writeln!(f, "leftovers:")?;
-    lines(f, s.services.iter().map(|k| Line(&Op::DelService(*k)).to_string()))?;
-    lines(f, s.ranges.iter().map(|k| Line(&Op::DelRange(*k)).to_string()))?;
-    lines(f, s.matches.iter().map(|k| Line(&Op::DelMatch(*k)).to_string()))?;
+    lines(
+        f,
+        s.services
+            .iter()
+            .map(|k| Line(&Op::DelService(*k)).to_string()),
+    )?;
+    lines(
+        f,
+        s.ranges.iter().map(|k| Line(&Op::DelRange(*k)).to_string()),
+    )?;
+    lines(
+        f,
+        s.matches
+            .iter()
+            .map(|k| Line(&Op::DelMatch(*k)).to_string()),
+    )?;
     let later = (s.slots.iter().map(|k| Retire::Del(Op::DelSlot(*k))))
         .chain(s.rev_nat.iter().map(|id| Retire::Del(Op::DelRevNat(*id))))
         .chain(s.names.iter().map(|id| Retire::Del(Op::DelName(*id))))
@@ -208,9 +221,11 @@ impl Display for Plan {
                 .map(|(k, v)| Op::PutNodeAddr(*k, *v))
                 .collect::<Vec<_>>()
         };
-        if let Some(node) = self.node.as_ref().filter(|n| {
-            !n.addrs.is_empty() || n.config.is_some()
-        }) {
+        if let Some(node) = self
+            .node
+            .as_ref()
+            .filter(|n| !n.addrs.is_empty() || n.config.is_some())
+        {
             writeln!(f, "node:")?;
             lines(f, node_addrs(&node.addrs).iter().map(Line))?;
             lines(f, node.config.map(Op::PutConfig).iter().map(Line))?;

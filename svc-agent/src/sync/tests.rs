@@ -2388,7 +2388,11 @@ clusterip markers:
         let a = fe("10.96.0.10", 80);
         let mut store = ModelStore::default();
         let mut p = fresh();
-        settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"])]));
+        settle(
+            &mut p,
+            &mut store,
+            &state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"])]),
+        );
         let changed = state(&[(a, &["10.0.0.1:8080", "10.0.0.3:8080"])]);
         let plan = p.plan(&changed, Scope::All);
         assert!(plan.new_markers.is_empty());
@@ -2406,7 +2410,10 @@ clusterip markers:
         let r = p.execute_plan(&mut store, &changed, plan, Instant::now());
         assert!(r.errors.is_empty(), "{:?}", r.errors);
         assert!(p.plan(&changed, Scope::All).is_empty());
-        assert_eq!(p.plan(&changed, Scope::All).to_string(), "nothing to write\n");
+        assert_eq!(
+            p.plan(&changed, Scope::All).to_string(),
+            "nothing to write\n"
+        );
     }
 
     #[test]
@@ -2434,13 +2441,21 @@ clusterip markers:
     fn a_node_address_change_is_its_entry_and_the_old_one_lingering() {
         let mut store = ModelStore::default();
         let mut p = fresh();
-        let (old, new): (IpAddr, IpAddr) =
-            ("192.168.1.1".parse().unwrap(), "192.168.1.2".parse().unwrap());
+        let (old, new): (IpAddr, IpAddr) = (
+            "192.168.1.1".parse().unwrap(),
+            "192.168.1.2".parse().unwrap(),
+        );
         let mut desired = DesiredState::default();
-        desired.node.addrs.insert(old, node_addr(node_addr_flags::OF_NODE, 2));
+        desired
+            .node
+            .addrs
+            .insert(old, node_addr(node_addr_flags::OF_NODE, 2));
         settle(&mut p, &mut store, &desired);
         desired.node.addrs.clear();
-        desired.node.addrs.insert(new, node_addr(node_addr_flags::SNAT, 2));
+        desired
+            .node
+            .addrs
+            .insert(new, node_addr(node_addr_flags::SNAT, 2));
         let plan = p.plan(&desired, Scope::All);
         let node = plan.node.as_ref().unwrap();
         assert_eq!(

@@ -529,7 +529,10 @@ pub fn assemble_with<'a>(
     let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
     for (fe, claimants) in &claimed {
         let owners: Vec<String> = claimants.iter().map(|s| s.key.to_string()).collect();
-        let ranked = owners.iter().zip(claimants).map(|(o, s)| (o.as_str(), s.created));
+        let ranked = owners
+            .iter()
+            .zip(claimants)
+            .map(|(o, s)| (o.as_str(), s.created));
         let winner = rightful(ranked, holders.holder(fe)).expect("two claimants");
         winners.insert(*fe, &claimants[winner].key);
     }
