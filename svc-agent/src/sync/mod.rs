@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use svc_common::{
     is_v4_mapped, node_addr_flags, svc_flags, v4_mapped, AffinityMatchKey, BackendId,
-    DatapathConfig, MetaValue, NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey,
-    SrcRangeKey, PROTO_ANY,
+    DatapathConfig, NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey,
+    PROTO_ANY,
 };
 use tracing::{debug, warn};
 
@@ -1017,35 +1017,6 @@ impl Programmed {
         }
     }
 
-    /// Makes ids up to `frontend` and `backend` durable before anything uses them.
-    fn persist_ids<S: Store>(
-        &mut self,
-        w: &mut Writer<'_, S>,
-        frontend: u32,
-        backend: u32,
-    ) -> Result<()> {
-        if frontend < self.ids.frontend_hwm && backend < self.ids.backend_hwm {
-            return Ok(());
-        }
-        let block = |need: u32, hwm: u32| {
-            if need < hwm {
-                hwm
-            } else {
-                need.saturating_add(ID_BLOCK)
-            }
-        };
-        let f = block(frontend, self.ids.frontend_hwm);
-        let b = block(backend, self.ids.backend_hwm);
-        w.op(&Op::PutMeta(MetaValue {
-            frontend_id_hwm: f,
-            backend_id_hwm: b,
-            _reserved: [0; 6],
-        }))?;
-        self.ids.frontend_hwm = f;
-        self.ids.backend_hwm = b;
-        Ok(())
-    }
-
     /// Writes one Service's plan: all of it, or (on failure) nothing that a reader could
     /// reach. Returns the frontends written and removed.
     fn execute<S: Store>(
@@ -1081,7 +1052,12 @@ impl Programmed {
                 object: String::new(),
             });
         }
-        self.persist_ids(w, plan.max_frontend_id, plan.max_backend_id)?;
+        // Ids are made durable before anything uses them.
+        if let Some(m) = plan.meta {
+            w.op(&Op::PutMeta(m))?;
+            self.ids.frontend_hwm = m.frontend_id_hwm;
+            self.ids.backend_hwm = m.backend_id_hwm;
+        }
 
         for (id, sa, protocol) in &plan.new_backends {
             w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;

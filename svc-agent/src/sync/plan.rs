@@ -10,14 +10,14 @@ use std::net::IpAddr;
 
 use svc_common::{
     backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, Backend, BackendId,
-    DatapathConfig, NodeAddrValue, RevNatValue, ServiceValue, SlotKey,
+    DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceValue, SlotKey,
 };
 
 use super::addrs::external_addr;
 use super::{
     addr16, encode_name, flags_of, range_key, ranges_of, service_key, snat_range_frontends,
     stored_name, BackendKey, Entry, ProgFrontend, Programmed, Retire, Scope, Strays, Usage,
-    MAX_BACKENDS_PER_FRONTEND,
+    ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
 use crate::model::{
@@ -51,6 +51,8 @@ pub struct UnitPlan {
     /// The highest ids the plan uses (0: none), to be made durable before the first write.
     pub max_frontend_id: u32,
     pub max_backend_id: u32,
+    /// The META write that makes them durable, first, when META does not cover them yet.
+    pub meta: Option<MetaValue>,
 }
 
 impl UnitPlan {
@@ -65,9 +67,12 @@ impl UnitPlan {
 
     /// Every op in execution order (switch without its undo), for tests and explanations.
     pub fn ops(&self) -> Vec<Op> {
-        self.new_backends
-            .iter()
-            .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p)))
+        (self.meta.iter().map(|m| Op::PutMeta(*m)))
+            .chain(
+                self.new_backends
+                    .iter()
+                    .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p))),
+            )
             .chain(self.prepare.iter().map(|(op, _)| op.clone()))
             .chain(self.add.iter().cloned())
             .chain(self.switch.iter().map(|(op, _)| op.clone()))
@@ -166,6 +171,8 @@ pub struct Planned {
     /// The generations of leftover slots (`Programmed::strays`), retiring by the time a
     /// Service is written.
     stray_gens: HashSet<(u32, u16)>,
+    /// The ids META makes durable (frontend, backend) once the plans so far are written.
+    hwm: (u32, u32),
 }
 
 impl Planned {
@@ -176,6 +183,7 @@ impl Planned {
             next_backend: p.ids.next_backend,
             backends: HashMap::new(),
             stray_gens: p.strays.slots.iter().map(|k| (k.id, k.rev)).collect(),
+            hwm: (p.ids.frontend_hwm, p.ids.backend_hwm),
         }
     }
 }
@@ -419,10 +427,36 @@ pub fn plan_unit(
         }
         plan.commit.push((*fe, None));
     }
+    if !plan.is_empty() {
+        plan.meta = durable_ids(earlier.hwm, plan.max_frontend_id, plan.max_backend_id);
+        if let Some(m) = plan.meta {
+            earlier.hwm = (m.frontend_id_hwm, m.backend_id_hwm);
+        }
+    }
     earlier.next_frontend = next_frontend;
     earlier.next_backend = next_backend;
     earlier.backends.extend(planned);
     Ok(plan)
+}
+
+/// The META value that makes ids up to `frontend` and `backend` durable, with a block of ids
+/// past each, when the high-water marks `hwm` (frontend, backend) do not cover them yet.
+pub fn durable_ids(hwm: (u32, u32), frontend: u32, backend: u32) -> Option<MetaValue> {
+    if frontend < hwm.0 && backend < hwm.1 {
+        return None;
+    }
+    let block = |need: u32, hwm: u32| {
+        if need < hwm {
+            hwm
+        } else {
+            need.saturating_add(ID_BLOCK)
+        }
+    };
+    Some(MetaValue {
+        frontend_id_hwm: block(frontend, hwm.0),
+        backend_id_hwm: block(backend, hwm.1),
+        _reserved: [0; 6],
+    })
 }
 
 /// A master entry value as the planner would write it for `d` under `id`/`rev` and

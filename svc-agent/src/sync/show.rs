@@ -106,7 +106,7 @@ impl Display for Line<'_> {
             Op::DelMatch(k) => write!(f, "delete {map} {}/{}", k.id, k.backend),
             Op::PutMeta(m) => write!(
                 f,
-                "put {map} ids below {}/{}",
+                "put {map} frontend ids below {}, backend ids below {}",
                 m.frontend_id_hwm, m.backend_id_hwm
             ),
             Op::PutRange(k) | Op::DelRange(k) => {

@@ -4,8 +4,8 @@ use crate::store::{FlowWalk, Snapshot};
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
 use svc_common::{
-    checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue,
-    RevNatValue, ServiceName, SrcRangeKey,
+    checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, MetaValue,
+    NodeAddrValue, RevNatValue, ServiceName, SrcRangeKey,
 };
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
@@ -2370,6 +2370,7 @@ mod plan_value {
         assert_eq!(
             plan.to_string(),
             "service default/svc-10-96-0-10-80:
+  put SVC_META frontend ids below 4097, backend ids below 4098
   put SVC_BACKENDS 1 -> 10.0.0.1:8080/TCP
   put SVC_BACKENDS 2 -> 10.0.0.2:8080/TCP
   put SVC_REV_NAT 1 -> 10.96.0.10:80
