@@ -2,8 +2,9 @@
 //!
 //! A reader (a connect() in the kernel) starts at a frontend's master entry, follows it to the
 //! slots of one generation, then to backends. The sync keeps every step of that walk valid:
-//! - it is split into a pure planner ([`plan`]) that says, per Service, what to write before
-//!   the switch, the switch itself, and what to retire, and an executor (here) that writes it;
+//! - it is split into a pure planner ([`plan`]) that says what the whole sync writes (per
+//!   Service: what to write before the switch, the switch itself, and what to retire), and an
+//!   executor (here) that writes it;
 //! - backends and slots are written before the master entry that makes them reachable; a new
 //!   backend set goes under a new generation, and one write of the master entry switches to it;
 //! - what the switch made unreachable (old generations, backends nothing names any more, the
