@@ -1,8 +1,11 @@
 use super::*;
-use crate::model::{Backend as DesiredBackend, Cidr, Kind, Scope as FeScope};
+use crate::model::{
+    Backend as DesiredBackend, Cidr, DesiredState, Kind, NodeDesired, Scope as FeScope,
+};
 use crate::store::{FlowWalk, Snapshot};
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
+use std::time::Instant;
 use svc_common::{
     checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, MetaValue,
     NodeAddrValue, RevNatValue, ServiceName, SrcRangeKey,
