@@ -15,7 +15,7 @@ use crate::desired::Desired;
 use crate::error::{Error, Result};
 use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
-use crate::model::{Frontend, NodeDesired, Protocol};
+use crate::model::{Frontend, NodeDesired, Protocol, Served};
 use crate::packet::{NodeView, PacketConfig};
 use crate::retry::{Backoff, Retries};
 use crate::stale::{Keep, StaleWorker, UdpServing};
@@ -101,6 +101,9 @@ pub struct Agent {
     api_node_ips: Option<Vec<std::net::IpAddr>>,
     node_desired: NodeDesired,
     health: HealthServers,
+    /// Who served each frontend as the pinned maps said at start: the holders until the
+    /// first sync makes a desired state.
+    adopted: Option<Served>,
 }
 
 impl Agent {
@@ -143,7 +146,9 @@ impl Agent {
         // A node with no address yet: health check ports listen only on the wildcard address
         // of a family `--nodeport-addresses` chooses whole, until the addresses are read.
         let view = crate::packet::view(&packet, &crate::netdev::NetState::default(), None);
+        let adopted = Some(programmed.served());
         let mut agent = Agent {
+            adopted,
             dp,
             stale,
             sweeper: None,
@@ -257,14 +262,19 @@ impl Agent {
         self.health.addrs(owner)
     }
 
-    /// Drops the desired state before a full translation replaces it.
+    /// Drops what a full translation replaces of the desired state, all but who holds each
+    /// frontend (`holders`).
     pub fn forget_desired(&mut self) {
-        self.desired = Desired::default();
+        self.desired.keep_holders_only();
     }
 
-    /// Who serves each frontend now, for resolving conflicts.
+    /// Who holds each frontend, for resolving conflicts: the previous desired state; before
+    /// the first sync, what the pinned maps served.
     pub fn holders(&self) -> &dyn Holders {
-        &self.programmed
+        match &self.adopted {
+            Some(served) => served,
+            None => &self.desired.state,
+        }
     }
 
     pub fn programmed(&self) -> &Programmed {
@@ -292,6 +302,7 @@ impl Agent {
         let mut state = translated.state;
         state.node = self.node_desired.clone();
         self.desired = Desired::from_full(state);
+        self.adopted = None;
         self.synced = true;
         let report = self.programmed.apply_scoped(
             &mut self.dp.store,

@@ -111,6 +111,19 @@ impl Desired {
         }
     }
 
+    /// Keeps who holds each frontend (the owners of `state.frontends`) and drops the rest,
+    /// before a full translation that asks who holds what builds the next desired state:
+    /// one copy of the backends in memory, not two.
+    pub fn keep_holders_only(&mut self) {
+        let frontends = std::mem::take(&mut self.state.frontends);
+        *self = Desired::default();
+        self.state.frontends = frontends;
+        for d in self.state.frontends.values_mut() {
+            d.backends = Vec::new();
+            d.source_ranges = None;
+        }
+    }
+
     fn index(&mut self) -> &mut OwnerIndex {
         let state = &self.state;
         self.by_owner.get_or_insert_with(|| {
@@ -204,13 +217,9 @@ impl Desired {
             let Some(mut claims) = self.state.contested.remove(&fe) else {
                 continue;
             };
-            // A new conflict, as a full translation resolves it: the older Service (one
-            // without a creation time counts as newest), then the first by name.
-            let Some(first) = (0..claims.len()).min_by_key(|&i| {
-                let d = &claims[i];
-                let name = d.owner.split_once('/').unwrap_or((&d.owner, ""));
-                (d.created.is_none(), d.created, name)
-            }) else {
+            // A new conflict, as a full translation resolves it.
+            let ranked = claims.iter().map(|d| (d.owner.as_str(), d.created));
+            let Some(first) = crate::translate::rightful(ranked, None) else {
                 continue;
             };
             let d = claims.remove(first);

@@ -95,6 +95,11 @@ enum Command {
         check_interval_ms: u64,
         #[command(flatten)]
         packet: PacketArgs,
+        /// Print what the first sync would write to the maps, one line per write, and exit:
+        /// the manifests, the pinned maps (none: empty) and the node's addresses are read,
+        /// nothing is written, attached or pinned.
+        #[arg(long, requires = "manifests")]
+        dry_run: bool,
     },
     /// Print the devices and node addresses the packet datapath would use here, as `run`
     /// chooses them with the same flags (and, with --node-ip, a Node's addresses).
@@ -413,6 +418,7 @@ fn main() -> anyhow::Result<()> {
             reconcile_interval_s,
             check_interval_ms,
             packet,
+            dry_run,
         } => {
             raise_nofile_limit();
             let from_api = manifests.is_none();
@@ -449,8 +455,20 @@ fn main() -> anyhow::Result<()> {
                     check_every: Duration::from_millis(check_interval_ms.max(10)),
                     ..Default::default()
                 },
-                packet: packet.config(true)?,
+                packet: packet.config(!dry_run)?,
             };
+            if let (true, Some(path)) = (dry_run, &manifests) {
+                let input = controller::Input::Manifests {
+                    path: path.clone(),
+                    poll: Duration::from_millis(poll_ms),
+                };
+                let (plan, errors) = controller::dry_run(&cfg, input)?;
+                for e in &errors {
+                    eprintln!("skipped: {}", svc_agent::names::Escaped(&e.to_string()));
+                }
+                print_out(&plan.to_string())?;
+                return Ok(());
+            }
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

@@ -387,3 +387,20 @@ pub struct DesiredState {
     /// programmed, but named on /healthz and counted in /metrics.
     pub unserved: BTreeMap<String, Box<[String]>>,
 }
+
+/// Who served each frontend ("namespace/name") by a record of what was programmed, as the
+/// agent adopts it from the pinned maps at start: who holds what before any desired state.
+#[derive(Debug, Default)]
+pub struct Served(BTreeMap<Frontend, String>);
+
+impl Served {
+    pub fn owner(&self, fe: &Frontend) -> Option<&str> {
+        self.0.get(fe).map(String::as_str)
+    }
+}
+
+impl FromIterator<(Frontend, String)> for Served {
+    fn from_iter<I: IntoIterator<Item = (Frontend, String)>>(iter: I) -> Self {
+        Served(iter.into_iter().collect())
+    }
+}

@@ -821,3 +821,101 @@ fn a_memory_limit_reached_keeps_what_is_served_and_heals_once_raised() {
     eprintln!("{programmed} frontends were programmed at the limit; all 3,001 after");
     agent.quiet();
 }
+
+/// `run --dry-run` (issue 34): prints what the first sync would write, reading the manifests,
+/// the pinned maps and the node, and writes nothing: every pinned map holds what it held, the
+/// programs keep serving the old backends, and with nothing pinned no directory is made.
+#[test]
+fn dry_run_prints_the_plan_and_leaves_the_maps_as_they_are() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
+    });
+    assert_eq!(names(&w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap()), set(&["b1"]));
+    w.agent.terminate(Duration::from_secs(10)).unwrap();
+    // A backend more for web, and a Service more.
+    w.m.apply_slice(&web_slice(&w.sb, &[1, 2], &[])).unwrap();
+    let api = Service::new("demo", "api", "10.96.0.11")
+        .port(ServicePort::tcp(80).name("http").target(8080));
+    w.m.apply_service(&api).unwrap();
+
+    let dump = |bpffs: &Path| -> Vec<(String, String)> {
+        let mut pins: Vec<String> = std::fs::read_dir(bpffs)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with("link_") && !n.starts_with('.'))
+            .collect();
+        pins.sort();
+        pins.into_iter()
+            .map(|pin| {
+                let out = std::process::Command::new("bpftool")
+                    .args(["-j", "map", "dump", "pinned"])
+                    .arg(bpffs.join(&pin))
+                    .output()
+                    .unwrap();
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                (pin, text)
+            })
+            .collect()
+    };
+    let dry_run = |bpffs: &Path| {
+        let out = std::process::Command::new(&w.sb.tools.agent)
+            .arg("run")
+            .arg("--manifests")
+            .arg(w.m.dir())
+            .arg("--cgroup")
+            .arg(w.sb.cgroup().path())
+            .arg("--bpffs")
+            .arg(bpffs)
+            .arg("--dry-run")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        stdout
+    };
+
+    let before = dump(w.bpffs.path());
+    assert!(before.len() > 5, "{before:?}");
+    let entries = w.bpffs.entries();
+    let plan = dry_run(w.bpffs.path());
+    let b2 = format!("-> {}:8080/TCP", w.sb.backend_v4(2));
+    let line = |start: &str, end: &str| {
+        let found = plan
+            .lines()
+            .any(|l| l.starts_with(start) && l.ends_with(end));
+        assert!(found, "no line {start:?}..{end:?} in:\n{plan}");
+    };
+    line("service demo/api:", "");
+    line(
+        "  put SVC_SERVICES 10.96.0.11:80/TCP -> id",
+        "slots 0 flags 0x0",
+    );
+    line("service demo/web:", "");
+    line("  put SVC_BACKENDS", &b2);
+    line(
+        "  put SVC_SERVICES 10.96.0.10:80/TCP -> id",
+        "rev 2 slots 2 flags 0x0",
+    );
+    line("  put SVC_SERVICES 10.96.0.11 marker", "");
+    // web's backend b1 is written already: only b2 is new.
+    assert_eq!(plan.matches("put SVC_BACKENDS").count(), 1, "{plan}");
+    assert_eq!(dump(w.bpffs.path()), before, "the dry run changed a map");
+    assert_eq!(w.bpffs.entries(), entries);
+    // The pinned programs still serve what the maps held: b1 alone.
+    assert_eq!(names(&w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap()), set(&["b1"]));
+
+    // Nothing pinned: everything is new, and the directory is not made.
+    let empty = w.sb.bpffs().unwrap();
+    let plan = dry_run(empty.path());
+    assert!(
+        plan.contains("put SVC_SERVICES 10.96.0.10:80/TCP -> id"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("put SVC_SERVICES 10.96.0.10 marker"),
+        "{plan}"
+    );
+    assert!(!empty.path().exists());
+}

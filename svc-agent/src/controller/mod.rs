@@ -17,16 +17,19 @@ use k8s_openapi::jiff::Timestamp;
 use tracing::{debug, info, warn};
 
 use crate::agent::{Agent, Upkeep};
+use crate::datapath;
 use crate::error::Result;
 use crate::metrics::{self, Metrics};
+use crate::model::NodeDesired;
 use crate::packet::PacketConfig;
 use crate::source::kube::{ApiServer, Cache, KubeOptions};
 use crate::source::manifest::ManifestSource;
 use crate::source::manifest_tracker::{self, ManifestTracker};
 use crate::source::{self, Event, Tracker};
 use crate::store::Capacity;
-use crate::sync::SyncReport;
+use crate::sync::{Plan, Programmed, Scope, SyncReport};
 use crate::translate::{self, NodeContext};
+use svc_common::map_names;
 
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -176,8 +179,8 @@ impl Controller {
         let (owners, full) = match batch.owners {
             Some(owners) => (owners, false),
             None => {
-                // The old desired state is not needed to build the new one (the mirror says
-                // who holds what): dropping it first keeps one copy in memory, not two.
+                // Of the old desired state, the new one needs only who holds what: the rest
+                // goes first, so that one copy of the backends is in memory, not two.
                 agent.forget_desired();
                 (BTreeSet::new(), true)
             }
@@ -278,4 +281,44 @@ fn announce(report: &SyncReport, first: bool) {
     if first {
         eprintln!("svc-agent: ready");
     }
+}
+
+/// The plan of the first sync `run` would make now: the sources read once, the maps pinned
+/// in `cfg.bpffs` read (none pinned: empty maps), the node's devices and addresses read.
+/// Nothing is written, attached, pinned or locked. Input errors are in the second value.
+pub fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::Error>)> {
+    let path = match input {
+        Input::Manifests { path, .. } => path,
+        Input::Kube(_) => {
+            return Err(crate::Error::Other(
+                "--dry-run reads manifest files only (--manifests)".to_string(),
+            ))
+        }
+    };
+    let files = ManifestSource::open(&path)?;
+    let programmed = if datapath::map_pin(&cfg.bpffs, map_names::SERVICES).exists() {
+        let store = datapath::open_pinned(&cfg.bpffs)?;
+        Programmed::adopt(&store, store.capacity, cfg.upkeep.grace)?
+    } else {
+        Programmed::empty(cfg.capacity, cfg.upkeep.grace)
+    };
+    let devices = crate::netdev::read().map_err(|e| {
+        crate::Error::Other(format!("reading the node's devices and addresses: {e}"))
+    })?;
+    let view = crate::packet::view(&cfg.packet, &devices, None);
+    let node = NodeContext {
+        node_ips: view.primary.clone(),
+        ..cfg.node.clone()
+    };
+    let holders = programmed.served();
+    let mut tracker = ManifestTracker::new(files);
+    let batch = tracker.take(&holders);
+    let mut translated = translate::assemble_with(batch.services, batch.slices, &node, &holders);
+    translated.errors.splice(0..0, batch.errors);
+    let mut state = translated.state;
+    state.node = NodeDesired {
+        addrs: view.addrs,
+        config: Some(cfg.packet.datapath_config()),
+    };
+    Ok((programmed.plan(&state, Scope::All), translated.errors))
 }

@@ -41,39 +41,7 @@ pub struct FlowAddrsReport {
 }
 
 impl Programmed {
-    /// Counts (`up`) or uncounts a programmed frontend under its external address.
-    pub(super) fn external_ref(&mut self, fe: &Frontend, up: bool) {
-        let Some(a) = external_addr(fe) else {
-            return;
-        };
-        if up {
-            *self.external_refs.entry(a).or_insert(0) += 1;
-        } else if let Some(n) = self.external_refs.get_mut(&a) {
-            *n -= 1;
-            if *n == 0 {
-                self.external_refs.remove(&a);
-            }
-        }
-    }
-
-    /// The entry address `k` should have: the node's flags for it, `EXTERNAL` while a
-    /// programmed frontend (or, with `external`, one about to be written) has it, else
-    /// `LINGER` if it is there at all.
-    fn addr_target(&self, k: &[u8; 16], external: bool) -> Option<NodeAddrValue> {
-        let mut v = self.node_want.get(k).copied().unwrap_or_default();
-        if external || self.external_refs.contains_key(k) {
-            v.flags |= node_addr_flags::EXTERNAL;
-        }
-        if v.flags != 0 {
-            return Some(v);
-        }
-        self.node_addrs.contains_key(k).then_some(NodeAddrValue {
-            flags: node_addr_flags::LINGER,
-            ifindex: 0,
-        })
-    }
-
-    /// Brings address `k`'s entry to `addr_target`.
+    /// Brings address `k`'s entry to the value `plan::addr_target` gives it.
     pub(super) fn write_addr<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
@@ -81,7 +49,14 @@ impl Programmed {
         external: bool,
         errors: &mut Vec<Error>,
     ) {
-        let Some(v) = self.addr_target(&k, external) else {
+        let target = super::plan::addr_target(
+            &self.node_want,
+            &self.external_refs,
+            &self.node_addrs,
+            &k,
+            external,
+        );
+        let Some(v) = target else {
             return;
         };
         if self.node_addrs.get(&k) == Some(&v) {
@@ -92,7 +67,7 @@ impl Programmed {
 
     /// Puts `k` with `v` in NODE_ADDRS and the mirror, a new address only while the map has
     /// room; false, with the error, when it did not.
-    fn put_addr<S: Store>(
+    pub(super) fn put_addr<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,
         k: [u8; 16],
@@ -121,20 +96,6 @@ impl Programmed {
                 errors.push(name_object(e, &object));
                 false
             }
-        }
-    }
-
-    /// Every address: the node's, the external frontends', and those that linger.
-    pub(super) fn write_addrs<S: Store>(&mut self, w: &mut Writer<'_, S>, errors: &mut Vec<Error>) {
-        let keys: BTreeSet<[u8; 16]> = self
-            .node_addrs
-            .keys()
-            .chain(self.node_want.keys())
-            .chain(self.external_refs.keys())
-            .copied()
-            .collect();
-        for k in keys {
-            self.write_addr(w, k, false, errors);
         }
     }
 

@@ -1,20 +1,28 @@
-//! The planner: what one Service's sync must write, switch and retire, computed from the
-//! mirror of the maps without touching them. The executor (`super`) writes a plan in its
-//! order, or undoes it.
+//! The planner: what a sync must write, switch and retire, computed from the desired state,
+//! the mirror of the maps and the node's view without touching the maps. One [`Plan`] holds
+//! a whole sync: leftovers, the node's addresses and settings, the SNAT-range mark, external
+//! addresses, each Service's [`UnitPlan`], ClusterIP markers. The executor (`super`) writes
+//! it in its order, or undoes a Service's part.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
 
 use svc_common::{
-    backend_flags, checks_match, svc_flags, AffinityMatchKey, Backend, BackendId, RevNatValue,
-    ServiceValue, SlotKey,
+    backend_flags, checks_match, node_addr_flags, svc_flags, AffinityMatchKey, Backend, BackendId,
+    DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceValue, SlotKey,
 };
 
+use super::addrs::external_addr;
 use super::{
-    encode_name, flags_of, range_key, ranges_of, service_key, stored_name, BackendKey, Entry,
-    ProgFrontend, Programmed, Retire, Usage, MAX_BACKENDS_PER_FRONTEND,
+    addr16, encode_name, flags_of, range_key, ranges_of, service_key, snat_range_frontends,
+    stored_name, BackendKey, Entry, ProgFrontend, Programmed, Retire, Scope, Strays, Usage,
+    ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
-use crate::model::{Backend as DesiredBackend, Cidr, DesiredFrontend, Frontend, Protocol};
+use crate::model::{
+    Backend as DesiredBackend, Cidr, DesiredFrontend, DesiredState, Frontend, NodeDesired, Protocol,
+};
 use crate::store::Op;
 
 /// One Service's changes, in the order that keeps readers safe.
@@ -43,6 +51,8 @@ pub struct UnitPlan {
     /// The highest ids the plan uses (0: none), to be made durable before the first write.
     pub max_frontend_id: u32,
     pub max_backend_id: u32,
+    /// The META write that makes them durable, first, when META does not cover them yet.
+    pub meta: Option<MetaValue>,
 }
 
 impl UnitPlan {
@@ -57,9 +67,12 @@ impl UnitPlan {
 
     /// Every op in execution order (switch without its undo), for tests and explanations.
     pub fn ops(&self) -> Vec<Op> {
-        self.new_backends
-            .iter()
-            .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p)))
+        (self.meta.iter().map(|m| Op::PutMeta(*m)))
+            .chain(
+                self.new_backends
+                    .iter()
+                    .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p))),
+            )
             .chain(self.prepare.iter().map(|(op, _)| op.clone()))
             .chain(self.add.iter().cloned())
             .chain(self.switch.iter().map(|(op, _)| op.clone()))
@@ -118,10 +131,11 @@ fn put_match(id: u32, backend: BackendId) -> (Op, Option<Op>) {
     (Op::PutMatch(k), Some(Op::DelMatch(k)))
 }
 
-/// The next generation of frontend `id` after `rev` that no retiring generation uses.
-fn next_rev(p: &Programmed, id: u32, rev: u16) -> u16 {
+/// The next generation of frontend `id` after `rev` that no retiring generation uses, nor a
+/// leftover's (retired before anything is written).
+fn next_rev(p: &Programmed, earlier: &Planned, id: u32, rev: u16) -> u16 {
     let mut r = rev.wrapping_add(1);
-    while p.retiring.has_slot_gen(id, r) && r != rev {
+    while (p.retiring.has_slot_gen(id, r) || earlier.stray_gens.contains(&(id, r))) && r != rev {
         r = r.wrapping_add(1);
     }
     r
@@ -146,9 +160,39 @@ fn take_id(next: &mut u32, kind: &str) -> Result<u32> {
     Ok(id)
 }
 
-/// Plans Service `owner`: write `upserts`, remove `gone`.
+/// What the Services planned earlier in the same sync take: the ids they hand out and the
+/// backends they write, so a later Service neither takes those ids again nor writes a
+/// backend they write.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub next_frontend: u32,
+    pub next_backend: u32,
+    pub backends: HashMap<BackendKey, BackendId>,
+    /// The generations of leftover slots (`Programmed::strays`), retiring by the time a
+    /// Service is written.
+    stray_gens: HashSet<(u32, u16)>,
+    /// The ids META makes durable (frontend, backend) once the plans so far are written.
+    hwm: (u32, u32),
+}
+
+impl Planned {
+    /// Nothing planned yet: the mirror's counters.
+    pub fn new(p: &Programmed) -> Planned {
+        Planned {
+            next_frontend: p.ids.next_frontend,
+            next_backend: p.ids.next_backend,
+            backends: HashMap::new(),
+            stray_gens: p.strays.slots.iter().map(|k| (k.id, k.rev)).collect(),
+            hwm: (p.ids.frontend_hwm, p.ids.backend_hwm),
+        }
+    }
+}
+
+/// Plans Service `owner`: write `upserts`, remove `gone`, after what `earlier` holds (which
+/// takes this plan's ids and backends when it succeeds).
 pub fn plan_unit(
     p: &Programmed,
+    earlier: &mut Planned,
     owner: &str,
     upserts: &[&DesiredFrontend],
     gone: &[Frontend],
@@ -157,8 +201,8 @@ pub fn plan_unit(
         owner: owner.to_string(),
         ..Default::default()
     };
-    let mut next_frontend = p.ids.next_frontend;
-    let mut next_backend = p.ids.next_backend;
+    let mut next_frontend = earlier.next_frontend;
+    let mut next_backend = earlier.next_backend;
     let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
     let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::new();
 
@@ -176,7 +220,8 @@ pub fn plan_unit(
         let mut ids = Vec::with_capacity(d.backends.len());
         for b in &d.backends {
             let k = BackendKey::new(*b, fe.protocol);
-            let id = match p.backend_ids.get(&k).or_else(|| planned.get(&k)) {
+            let known = p.backend_ids.get(&k).or_else(|| earlier.backends.get(&k));
+            let id = match known.or_else(|| planned.get(&k)) {
                 Some(id) => *id,
                 None => {
                     let id = take_id(&mut next_backend, "backend")?;
@@ -295,7 +340,7 @@ pub fn plan_unit(
         let rev = if same_set {
             cur.rev
         } else {
-            let rev = next_rev(p, cur.id, cur.rev);
+            let rev = next_rev(p, earlier, cur.id, cur.rev);
             plan.prepare.extend(slots(cur.id, rev));
             plan.needs.slots += ids.len() as u64;
             rev
@@ -382,7 +427,36 @@ pub fn plan_unit(
         }
         plan.commit.push((*fe, None));
     }
+    if !plan.is_empty() {
+        plan.meta = durable_ids(earlier.hwm, plan.max_frontend_id, plan.max_backend_id);
+        if let Some(m) = plan.meta {
+            earlier.hwm = (m.frontend_id_hwm, m.backend_id_hwm);
+        }
+    }
+    earlier.next_frontend = next_frontend;
+    earlier.next_backend = next_backend;
+    earlier.backends.extend(planned);
     Ok(plan)
+}
+
+/// The META value that makes ids up to `frontend` and `backend` durable, with a block of ids
+/// past each, when the high-water marks `hwm` (frontend, backend) do not cover them yet.
+pub fn durable_ids(hwm: (u32, u32), frontend: u32, backend: u32) -> Option<MetaValue> {
+    if frontend < hwm.0 && backend < hwm.1 {
+        return None;
+    }
+    let block = |need: u32, hwm: u32| {
+        if need < hwm {
+            hwm
+        } else {
+            need.saturating_add(ID_BLOCK)
+        }
+    };
+    Some(MetaValue {
+        frontend_id_hwm: block(frontend, hwm.0),
+        backend_id_hwm: block(backend, hwm.1),
+        _reserved: [0; 6],
+    })
 }
 
 /// A master entry value as the planner would write it for `d` under `id`/`rev` and
@@ -397,5 +471,317 @@ pub fn master_value(d: &DesiredFrontend, id: u32, rev: u16, affinity_id: u32) ->
         _pad0: 0,
         affinity_timeout_s: timeout,
         affinity_id,
+    }
+}
+
+/// Everything one sync writes, in the order it writes it: planned from the desired state, the
+/// mirror of the maps and the node's view, without touching the maps. Each part is what is
+/// written when every write before it succeeded; the executor (`super`) carries it out and
+/// handles what a failed write changes (a Service held back, undone or retried).
+#[derive(Debug, Default)]
+pub struct Plan {
+    /// Leftovers nothing leads to, dealt with before anything is written: master entries,
+    /// source ranges and membership entries at once, the rest after the grace period.
+    pub strays: Strays,
+    /// The node's addresses and datapath settings (a sync of every frontend, or of the node
+    /// alone).
+    pub node: Option<NodePlan>,
+    /// `DatapathConfig::snat_range_frontends`, set before any frontend: a new frontend has its
+    /// port in the SNAT range.
+    pub snat_mark: Option<DatapathConfig>,
+    /// Whether a frontend port in the SNAT range is wanted after this sync (None: no datapath
+    /// config, nothing to record).
+    pub snat_range_wanted: Option<bool>,
+    /// The external addresses of the frontends written, in order: each is marked in
+    /// NODE_ADDRS before the frontends that have it; `external_addrs` is what that writes
+    /// when the node's part has been written.
+    pub externals: Vec<[u8; 16]>,
+    pub external_addrs: Vec<([u8; 16], NodeAddrValue)>,
+    /// Each Service the sync covers, in name order.
+    pub services: Vec<ServicePlan>,
+    /// ClusterIP markers written after the frontends, and those deleted.
+    pub new_markers: Vec<IpAddr>,
+    pub gone_markers: Vec<IpAddr>,
+    /// The external addresses of the frontends written or removed: after the Services, each
+    /// is brought to what the programmed frontends need (`touched_addrs`); `addrs_after` is
+    /// what that writes when every Service is programmed.
+    pub touched_addrs: BTreeSet<[u8; 16]>,
+    pub addrs_after: Vec<([u8; 16], NodeAddrValue)>,
+}
+
+/// The node's part of a sync.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct NodePlan {
+    /// The node's addresses as NODE_ADDRS keys them.
+    pub want: BTreeMap<[u8; 16], NodeAddrValue>,
+    /// NODE_ADDRS entries written (node addresses, external ones, lingering ones).
+    pub addrs: Vec<([u8; 16], NodeAddrValue)>,
+    /// SVC_CONFIG, when it changes.
+    pub config: Option<DatapathConfig>,
+}
+
+/// One Service's part of a sync: all of it is written, or none.
+#[derive(Debug)]
+pub struct ServicePlan {
+    pub owner: String,
+    /// Its frontends to write and to remove.
+    pub upserts: Vec<Frontend>,
+    pub gone: Vec<Frontend>,
+    /// What it writes, or why it cannot be programmed.
+    pub plan: Result<UnitPlan>,
+}
+
+impl ServicePlan {
+    /// The frontends the Service's sync covers: a retry covers the same.
+    pub fn covered(&self) -> BTreeSet<Frontend> {
+        self.upserts.iter().chain(&self.gone).copied().collect()
+    }
+}
+
+impl Plan {
+    /// Whether the sync writes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.strays.is_empty()
+            && self
+                .node
+                .as_ref()
+                .is_none_or(|n| n.addrs.is_empty() && n.config.is_none())
+            && self.snat_mark.is_none()
+            && self.external_addrs.is_empty()
+            && self
+                .services
+                .iter()
+                .all(|s| s.plan.as_ref().is_ok_and(UnitPlan::is_empty))
+            && self.new_markers.is_empty()
+            && self.gone_markers.is_empty()
+            && self.addrs_after.is_empty()
+    }
+}
+
+/// The entry address `k` should have: the node's flags for it (`want`), `EXTERNAL` while a
+/// programmed frontend (`external_refs`, or with `external` one about to be written) has
+/// it, else `LINGER` if it is in NODE_ADDRS (`written`) at all.
+pub(super) fn addr_target(
+    want: &BTreeMap<[u8; 16], NodeAddrValue>,
+    external_refs: &BTreeMap<[u8; 16], u32>,
+    written: &BTreeMap<[u8; 16], NodeAddrValue>,
+    k: &[u8; 16],
+    external: bool,
+) -> Option<NodeAddrValue> {
+    let mut v = want.get(k).copied().unwrap_or_default();
+    if external || external_refs.contains_key(k) {
+        v.flags |= node_addr_flags::EXTERNAL;
+    }
+    if v.flags != 0 {
+        return Some(v);
+    }
+    written.contains_key(k).then_some(NodeAddrValue {
+        flags: node_addr_flags::LINGER,
+        ifindex: 0,
+    })
+}
+
+/// The frontends of one sync, grouped by the Service they belong to: the unit that is
+/// programmed completely or not at all.
+type Units<'a> = BTreeMap<Cow<'a, str>, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
+
+impl Programmed {
+    /// Plans the sync that makes the maps serve `desired` within `scope`.
+    pub fn plan(&self, desired: &DesiredState, scope: Scope<'_>) -> Plan {
+        let mut plan = Plan {
+            strays: self.strays.clone(),
+            ..Default::default()
+        };
+        // NODE_ADDRS and SVC_CONFIG as the node's part leaves them.
+        let mut addrs = self.node_addrs.clone();
+        let mut config = self.config;
+        let mut want = &self.node_want;
+        if matches!(scope, Scope::All) {
+            plan.node = Some(self.plan_node(&desired.node));
+        }
+        if let Some(node) = &plan.node {
+            addrs.extend(node.addrs.iter().copied());
+            config = node.config.or(config);
+            want = &node.want;
+        }
+
+        let units = self.units(desired, scope);
+        // Before a frontend whose port lies in the SNAT range: from its first flow on, a SNAT
+        // port search must pass over that flow's tuple. A frontend not yet programmed waits
+        // for the mark.
+        if let Some(c) = config {
+            let adding = units
+                .values()
+                .flat_map(|(u, _)| u.iter().map(|d| &d.frontend));
+            let wanted = snat_range_frontends(&c, adding);
+            plan.snat_range_wanted = Some(match scope {
+                Scope::All => snat_range_frontends(&c, desired.frontends.keys()),
+                Scope::Only(_) => self.snat_range_wanted || wanted,
+            });
+            if wanted && c.snat_range_frontends == 0 {
+                plan.snat_mark = Some(DatapathConfig {
+                    snat_range_frontends: 1,
+                    ..c
+                });
+            }
+        }
+
+        // External frontend addresses before the frontends: the external ingress looks only
+        // at packets to addresses NODE_ADDRS holds. A frontend that leaves its address for
+        // good is seen to after them.
+        let mut external_refs = self.external_refs.clone();
+        let mut marked = BTreeSet::new();
+        for (upserts, gone) in units.values() {
+            for d in upserts {
+                let Some(a) = external_addr(&d.frontend) else {
+                    continue;
+                };
+                plan.touched_addrs.insert(a);
+                if !marked.insert(a) {
+                    continue;
+                }
+                plan.externals.push(a);
+                let v = addr_target(want, &self.external_refs, &addrs, &a, true);
+                if let Some(v) = v.filter(|v| addrs.get(&a) != Some(v)) {
+                    plan.external_addrs.push((a, v));
+                    addrs.insert(a, v);
+                }
+            }
+            plan.touched_addrs
+                .extend(gone.iter().filter_map(external_addr));
+        }
+
+        let marker_ips: BTreeSet<IpAddr> = match scope {
+            Scope::All => desired.cluster_ips.union(&self.markers).copied().collect(),
+            Scope::Only(set) => set.iter().map(|fe| fe.ip).collect(),
+        };
+        for ip in marker_ips {
+            match (
+                desired.cluster_ips.contains(&ip),
+                self.markers.contains(&ip),
+            ) {
+                (true, false) => plan.new_markers.push(ip),
+                (false, true) => plan.gone_markers.push(ip),
+                _ => {}
+            }
+        }
+
+        let mut earlier = Planned::new(self);
+        for (owner, (upserts, gone)) in units {
+            let unit = plan_unit(self, &mut earlier, &owner, &upserts, &gone);
+            if let Ok(unit) = &unit {
+                for (fe, after) in &unit.commit {
+                    let before = self.frontends.contains_key(fe);
+                    if before != after.is_some() {
+                        external_ref(&mut external_refs, fe, after.is_some());
+                    }
+                }
+            }
+            plan.services.push(ServicePlan {
+                owner: owner.into_owned(),
+                upserts: upserts.iter().map(|d| d.frontend).collect(),
+                gone,
+                plan: unit,
+            });
+        }
+        for a in &plan.touched_addrs {
+            let v = addr_target(want, &external_refs, &addrs, a, false);
+            if let Some(v) = v.filter(|v| addrs.get(a) != Some(v)) {
+                plan.addrs_after.push((*a, v));
+            }
+        }
+        plan
+    }
+
+    /// The node's addresses (see addrs.rs) and the datapath settings.
+    pub fn plan_node(&self, node: &NodeDesired) -> NodePlan {
+        let want: BTreeMap<[u8; 16], NodeAddrValue> =
+            node.addrs.iter().map(|(ip, v)| (addr16(*ip), *v)).collect();
+        let keys: BTreeSet<&[u8; 16]> = self
+            .node_addrs
+            .keys()
+            .chain(want.keys())
+            .chain(self.external_refs.keys())
+            .collect();
+        let addrs = keys
+            .into_iter()
+            .filter_map(|k| {
+                let v = addr_target(&want, &self.external_refs, &self.node_addrs, k, false)?;
+                (self.node_addrs.get(k) != Some(&v)).then_some((*k, v))
+            })
+            .collect();
+        // The mark of frontend ports in the SNAT range is kept (the flow walk clears it once
+        // nothing needs it, `clear_snat_range_mark`): a change of the node's settings alone
+        // must not drop it under a frontend or a live flow that does.
+        let config = node
+            .config
+            .map(|mut c| {
+                let kept = self.config.is_some_and(|o| o.snat_range_frontends != 0);
+                c.snat_range_frontends =
+                    u32::from(kept || snat_range_frontends(&c, self.frontends.keys()));
+                c
+            })
+            .filter(|c| self.config != Some(*c));
+        NodePlan {
+            want,
+            addrs,
+            config,
+        }
+    }
+
+    /// The Services this sync covers, each with the frontends to write and to remove.
+    fn units<'a>(&self, desired: &'a DesiredState, scope: Scope<'_>) -> Units<'a> {
+        let mut units: Units<'a> = BTreeMap::new();
+        let upsert = |units: &mut Units<'a>, d: &'a DesiredFrontend| {
+            units
+                .entry(Cow::Borrowed(d.owner.as_str()))
+                .or_default()
+                .0
+                .push(d);
+        };
+        let remove = |units: &mut Units<'a>, fe: &Frontend, cur: &ProgFrontend| {
+            units
+                .entry(Cow::Owned(cur.owner().to_string()))
+                .or_default()
+                .1
+                .push(*fe);
+        };
+        match scope {
+            Scope::All => {
+                for d in desired.frontends.values() {
+                    upsert(&mut units, d);
+                }
+                for (fe, cur) in &self.frontends {
+                    if !desired.frontends.contains_key(fe) {
+                        remove(&mut units, fe, cur);
+                    }
+                }
+            }
+            Scope::Only(set) => {
+                for fe in set {
+                    if let Some(d) = desired.frontends.get(fe) {
+                        upsert(&mut units, d);
+                    } else if let Some(cur) = self.frontends.get(fe) {
+                        remove(&mut units, fe, cur);
+                    }
+                }
+            }
+        }
+        units
+    }
+}
+
+/// Counts (`up`) or uncounts a programmed frontend under its external address.
+pub(super) fn external_ref(refs: &mut BTreeMap<[u8; 16], u32>, fe: &Frontend, up: bool) {
+    let Some(a) = external_addr(fe) else {
+        return;
+    };
+    if up {
+        *refs.entry(a).or_insert(0) += 1;
+    } else if let Some(n) = refs.get_mut(&a) {
+        *n -= 1;
+        if *n == 0 {
+            refs.remove(&a);
+        }
     }
 }

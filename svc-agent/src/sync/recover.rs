@@ -171,7 +171,7 @@ impl Programmed {
                 *p.backend_refs.entry(*b).or_insert(0) += 1;
             }
             if !p.frontends.contains_key(&fe) {
-                p.external_ref(&fe, true);
+                super::plan::external_ref(&mut p.external_refs, &fe, true);
             }
             p.frontends.insert(
                 fe,

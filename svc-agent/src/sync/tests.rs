@@ -1,11 +1,14 @@
 use super::*;
-use crate::model::{Backend as DesiredBackend, Cidr, Kind, Scope as FeScope};
+use crate::model::{
+    Backend as DesiredBackend, Cidr, DesiredState, Kind, NodeDesired, Scope as FeScope,
+};
 use crate::store::{FlowWalk, Snapshot};
 use std::collections::HashMap as StdHashMap;
 use std::collections::HashSet as StdHashSet;
+use std::time::Instant;
 use svc_common::{
-    checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, NodeAddrValue,
-    RevNatValue, ServiceName, SrcRangeKey,
+    checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, MetaValue,
+    NodeAddrValue, RevNatValue, ServiceName, SrcRangeKey,
 };
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
@@ -2035,7 +2038,7 @@ fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
 
         // "default/a" comes later and sorts first: it must not take the frontend over.
         let newcomer = manifest_service("default", "a");
-        let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p);
+        let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p.served());
         let owner = &t.state.frontends[&fe("10.96.0.10", 80)].owner;
         assert_eq!(owner, &format!("default/{name}"), "{:?}", t.errors);
     }
@@ -2347,4 +2350,182 @@ fn a_frontend_in_the_snat_range_waits_for_its_mark() {
     assert_eq!(store.config.snat_range_frontends, 1);
     assert_marked_before(&store, &high);
     exact(&store, &more);
+}
+
+/// The plan of a sync is a value: what it writes, read before anything is written.
+mod plan_value {
+    use super::*;
+
+    fn node_addr(flags: u32, ifindex: u32) -> NodeAddrValue {
+        NodeAddrValue { flags, ifindex }
+    }
+
+    #[test]
+    fn a_new_service_is_its_backends_slots_ids_master_entry_and_marker() {
+        let a = fe("10.96.0.10", 80);
+        let p = fresh();
+        let desired = state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"])]);
+        let plan = p.plan(&desired, Scope::All);
+        assert_eq!(plan.services.len(), 1);
+        assert_eq!(plan.new_markers, vec![a.ip]);
+        let unit = plan.services[0].plan.as_ref().unwrap();
+        assert_eq!((unit.new_backends.len(), unit.add.len()), (2, 1));
+        assert_eq!(
+            plan.to_string(),
+            "service default/svc-10-96-0-10-80:
+  put SVC_META frontend ids below 4097, backend ids below 4098
+  put SVC_BACKENDS 1 -> 10.0.0.1:8080/TCP
+  put SVC_BACKENDS 2 -> 10.0.0.2:8080/TCP
+  put SVC_REV_NAT 1 -> 10.96.0.10:80
+  put SVC_NAMES 1 -> default/svc-10-96-0-10-80
+  put SVC_SLOTS 1/1/1 -> backend 1
+  put SVC_SLOTS 1/1/2 -> backend 2
+  put SVC_SERVICES 10.96.0.10:80/TCP -> id 1 rev 1 slots 2 flags 0x0
+clusterip markers:
+  put SVC_SERVICES 10.96.0.10 marker
+"
+        );
+    }
+
+    #[test]
+    fn a_changed_backend_set_is_a_new_generation_and_a_switch() {
+        let a = fe("10.96.0.10", 80);
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        settle(
+            &mut p,
+            &mut store,
+            &state(&[(a, &["10.0.0.1:8080", "10.0.0.2:8080"])]),
+        );
+        let changed = state(&[(a, &["10.0.0.1:8080", "10.0.0.3:8080"])]);
+        let plan = p.plan(&changed, Scope::All);
+        assert!(plan.new_markers.is_empty());
+        assert_eq!(
+            plan.to_string(),
+            "service default/svc-10-96-0-10-80:
+  put SVC_BACKENDS 3 -> 10.0.0.3:8080/TCP
+  put SVC_SLOTS 1/2/1 -> backend 1
+  put SVC_SLOTS 1/2/2 -> backend 3
+  put SVC_SERVICES 10.96.0.10:80/TCP -> id 1 rev 2 slots 2 flags 0x0
+  retire SVC_SLOTS 1/1/1..=2
+"
+        );
+        // Executed, it does what it says, and nothing is left to plan.
+        let r = p.execute_plan(&mut store, &changed, plan, Instant::now());
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert!(p.plan(&changed, Scope::All).is_empty());
+        assert_eq!(
+            p.plan(&changed, Scope::All).to_string(),
+            "nothing to write\n"
+        );
+    }
+
+    #[test]
+    fn a_removed_service_is_a_deleted_master_entry_and_retirements() {
+        let a = fe("10.96.0.10", 80);
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        settle(&mut p, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
+        let plan = p.plan(&DesiredState::default(), Scope::All);
+        assert_eq!(plan.gone_markers, vec![a.ip]);
+        assert_eq!(plan.services[0].gone, vec![a]);
+        assert_eq!(
+            plan.to_string(),
+            "service default/svc-10-96-0-10-80:
+  delete SVC_SERVICES 10.96.0.10:80/TCP
+  retire SVC_SLOTS 1/1/1..=1
+  retire SVC_REV_NAT 1, SVC_NAMES 1
+clusterip markers:
+  delete SVC_SERVICES 10.96.0.10 marker
+"
+        );
+    }
+
+    #[test]
+    fn a_node_address_change_is_its_entry_and_the_old_one_lingering() {
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        let (old, new): (IpAddr, IpAddr) = (
+            "192.168.1.1".parse().unwrap(),
+            "192.168.1.2".parse().unwrap(),
+        );
+        let mut desired = DesiredState::default();
+        desired
+            .node
+            .addrs
+            .insert(old, node_addr(node_addr_flags::OF_NODE, 2));
+        settle(&mut p, &mut store, &desired);
+        desired.node.addrs.clear();
+        desired
+            .node
+            .addrs
+            .insert(new, node_addr(node_addr_flags::SNAT, 2));
+        let plan = p.plan(&desired, Scope::All);
+        let node = plan.node.as_ref().unwrap();
+        assert_eq!(
+            node.addrs,
+            vec![
+                (addr16(old), node_addr(node_addr_flags::LINGER, 0)),
+                (addr16(new), node_addr(node_addr_flags::SNAT, 2)),
+            ]
+        );
+        assert_eq!(
+            plan.to_string(),
+            "node:
+  put SVC_NODE_ADDRS 192.168.1.1 LINGER
+  put SVC_NODE_ADDRS 192.168.1.2 SNAT ifindex 2
+"
+        );
+        // A sync of some Services alone leaves the node's part out.
+        let none = BTreeSet::new();
+        assert!(p.plan(&desired, Scope::Only(&none)).node.is_none());
+    }
+
+    #[test]
+    fn a_stray_is_deleted_or_retired_before_anything_is_written() {
+        let a = fe("10.96.0.10", 80);
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        let desired = state(&[(a, &["10.0.0.1:8080"])]);
+        settle(&mut p, &mut store, &desired);
+        let leftover = SlotKey {
+            id: 1,
+            rev: 2,
+            slot: 1,
+        };
+        store.slots.insert(leftover, 1);
+        let p2 = restarted(&mut p, &store);
+        let plan = p2.plan(&desired, Scope::All);
+        assert_eq!(plan.strays.slots, vec![leftover]);
+        assert_eq!(
+            plan.to_string(),
+            "leftovers:
+  retire SVC_SLOTS 1/2/1
+"
+        );
+    }
+
+    /// An external frontend: its address is marked before it, and the plan says so.
+    #[test]
+    fn an_external_frontend_marks_its_address_first() {
+        let lb = Frontend {
+            ip: "203.0.113.7".parse().unwrap(),
+            port: 443,
+            protocol: Protocol::Tcp,
+            scope: FeScope::External,
+        };
+        let mut desired = state(&[(lb, &["10.0.0.1:8443"])]);
+        desired.cluster_ips.clear();
+        let plan = fresh().plan(&desired, Scope::All);
+        assert_eq!(
+            plan.external_addrs,
+            vec![(addr16(lb.ip), node_addr(node_addr_flags::EXTERNAL, 0))]
+        );
+        assert!(plan.addrs_after.is_empty());
+        let text = plan.to_string();
+        assert!(
+            text.starts_with("external addresses:\n  put SVC_NODE_ADDRS 203.0.113.7 EXTERNAL\n"),
+            "{text}"
+        );
+    }
 }

@@ -13,12 +13,14 @@ use std::fmt;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 use k8s_openapi::Metadata;
 use tracing::{debug, instrument};
 
 use crate::error::Error;
 use crate::model::{
     Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, Protocol, Scope,
+    Served,
 };
 
 use endpoints::{Family, SliceInfo};
@@ -403,10 +405,37 @@ impl Holders for NoHolders {
     }
 }
 
-impl Holders for crate::sync::Programmed {
+/// The previous desired state: who was to serve each frontend.
+impl Holders for DesiredState {
     fn holder(&self, fe: &Frontend) -> Option<&str> {
-        self.frontends.get(fe).map(|f| f.owner())
+        self.frontends.get(fe).map(|d| d.owner.as_str())
     }
+}
+
+impl Holders for Served {
+    fn holder(&self, fe: &Frontend) -> Option<&str> {
+        self.owner(fe)
+    }
+}
+
+/// Which of the Services claiming one frontend serves it, the way the API server would have
+/// it: the one that holds it now (`holder`), else the oldest (one without a creation time
+/// counts as newest), else the first by namespace and name. `claimants`: each Service's
+/// "namespace/name" and creation time. The one rule for a full translation and for a
+/// frontend its holder gives up (`Desired::replace`).
+pub fn rightful<'a>(
+    claimants: impl IntoIterator<Item = (&'a str, Option<Timestamp>)>,
+    holder: Option<&str>,
+) -> Option<usize> {
+    let claimants: Vec<(&str, Option<Timestamp>)> = claimants.into_iter().collect();
+    if let Some(i) = holder.and_then(|h| claimants.iter().position(|(o, _)| *o == h)) {
+        return Some(i);
+    }
+    (0..claimants.len()).min_by_key(|&i| {
+        let (owner, created) = claimants[i];
+        let name = owner.split_once('/').unwrap_or((owner, ""));
+        (created.is_none(), created, name)
+    })
 }
 
 /// Turns Services and their EndpointSlices into the frontends this node should serve,
@@ -499,19 +528,13 @@ pub fn assemble_with<'a>(
     }
     let mut winners: BTreeMap<Frontend, &ObjectKey> = BTreeMap::new();
     for (fe, claimants) in &claimed {
-        let holder = holders.holder(fe);
-        let winner = claimants
+        let owners: Vec<String> = claimants.iter().map(|s| s.key.to_string()).collect();
+        let ranked = owners
             .iter()
-            .find(|s| holder.is_some_and(|h| h == s.key.to_string()))
-            .or_else(|| {
-                // Oldest first; a Service without a creation time (a manifest) counts as
-                // newest; name order (the order of `claimants`) breaks ties.
-                claimants
-                    .iter()
-                    .min_by_key(|s| (s.created.is_none(), s.created))
-            })
-            .expect("two claimants");
-        winners.insert(*fe, &winner.key);
+            .zip(claimants)
+            .map(|(o, s)| (o.as_str(), s.created));
+        let winner = rightful(ranked, holders.holder(fe)).expect("two claimants");
+        winners.insert(*fe, &claimants[winner].key);
     }
 
     let mut state = DesiredState::default();

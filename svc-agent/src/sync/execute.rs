@@ -1,0 +1,542 @@
+//! The executor: writes a [`Plan`] in its order, records each write in the mirror, undoes a
+//! Service whose writes fail, and says what failed.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use svc_common::{node_addr_flags, BackendId, DatapathConfig};
+use tracing::{debug, warn};
+
+use super::plan::{self, NodePlan, Plan, Planned, ServicePlan, UnitPlan};
+use super::{
+    addrs, ip_from16, marker_key, marker_value, name_object, snat_range_frontends, BackendKey,
+    Programmed, Retire, Scope, Strays, SyncReport, Writer,
+};
+use crate::error::{Error, Result};
+use crate::model::{DesiredFrontend, DesiredState, NodeDesired};
+use crate::store::{Op, Store};
+
+impl Programmed {
+    /// Makes the maps serve `desired`. Errors are per Service: the Service is left as it was,
+    /// the rest is applied.
+    pub fn apply<S: Store>(&mut self, store: &mut S, desired: &DesiredState) -> SyncReport {
+        self.apply_scoped(store, desired, Scope::All, Instant::now())
+    }
+
+    /// As `apply`, limited to `scope`: the cost follows the number of frontends in scope,
+    /// not the number programmed. `now` dates what this sync retires.
+    pub fn apply_scoped<S: Store>(
+        &mut self,
+        store: &mut S,
+        desired: &DesiredState,
+        scope: Scope<'_>,
+        now: Instant,
+    ) -> SyncReport {
+        let plan = self.plan(desired, scope);
+        self.execute_plan(store, desired, plan, now)
+    }
+
+    /// Carries out `plan`, made by `plan` from this mirror and `desired` with nothing written
+    /// since. A Service whose writes fail is left as it was (and reported); the Services
+    /// after it were planned as if it had been programmed, so they are planned again
+    /// against the maps as they are.
+    pub fn execute_plan<S: Store>(
+        &mut self,
+        store: &mut S,
+        desired: &DesiredState,
+        plan: Plan,
+        now: Instant,
+    ) -> SyncReport {
+        let mut report = SyncReport::default();
+        let mut w = Writer { store, ops: 0 };
+        report.strays_deleted = self.retire_strays(&mut w, plan.strays, now, &mut report.errors);
+        if let Some(node) = plan.node {
+            let before = report.errors.len();
+            self.execute_node(&mut w, node, &mut report.errors);
+            report.node_failed = report.errors.len() > before;
+        }
+
+        let mut range_unmarked = None;
+        if let (Some(wanted), Some(_)) = (plan.snat_range_wanted, self.config) {
+            self.snat_range_wanted = wanted;
+        }
+        if plan.snat_mark.is_some() {
+            let mut errors = Vec::new();
+            self.put_snat_range_frontends(&mut w, true, &mut errors);
+            range_unmarked = errors.first().map(ToString::to_string);
+            report.errors.extend(errors);
+        }
+        // A ClusterIP's marker is what refuses its undefined ports, and the ports of a
+        // Service that did not fit: its room is kept before any Service takes its own.
+        let reserved = plan.new_markers.len() as u64;
+
+        // Addresses that NODE_ADDRS does not mark `EXTERNAL` after a failed write (absent, or
+        // a node address without the mark), with why: new frontends there would be written
+        // where no packet looks them up by their own key.
+        let mut unwritten: BTreeMap<[u8; 16], String> = BTreeMap::new();
+        for a in plan.externals {
+            let mut errors = Vec::new();
+            self.write_addr(&mut w, a, true, &mut errors);
+            let marked = self
+                .node_addrs
+                .get(&a)
+                .is_some_and(|v| v.flags & node_addr_flags::EXTERNAL != 0);
+            if let (Some(e), false) = (errors.first(), marked) {
+                unwritten.insert(a, e.to_string());
+            }
+            report.errors.extend(errors);
+        }
+
+        let mut unreferenced: Vec<BackendId> = Vec::new();
+        // Whether the maps are as the plans of the Services still to come expect them.
+        let mut as_planned = true;
+        for service in plan.services {
+            let covered = service.covered();
+            let upserts: Vec<&DesiredFrontend> = service
+                .upserts
+                .iter()
+                .filter_map(|fe| desired.frontends.get(fe))
+                .collect();
+            let ServicePlan {
+                owner, gone, plan, ..
+            } = service;
+            // Only a frontend not yet programmed is held back (with its whole Service): one
+            // already programmed is unreachable from outside either way, and its Service's
+            // other changes go on; the Service still fails, so the mark is retried.
+            let unmarked = |programmed: bool| {
+                upserts.iter().find_map(|d| {
+                    let a = addrs::external_addr(&d.frontend)?;
+                    (self.frontends.contains_key(&d.frontend) == programmed)
+                        .then(|| Some((a, unwritten.get(&a)?)))?
+                })
+            };
+            let (held, retried) = (unmarked(false), unmarked(true));
+            let not_marked = |a: [u8; 16], why: &str, left: &str| Error::Map {
+                map: svc_common::map_names::NODE_ADDRS,
+                message: format!(
+                    "its external address {} is not marked there ({why}); {left}",
+                    ip_from16(a)
+                ),
+            };
+            let range_held = range_unmarked.as_ref().filter(|_| {
+                self.config.is_some_and(|c| {
+                    let new = upserts.iter().map(|d| &d.frontend);
+                    snat_range_frontends(&c, new.filter(|f| !self.frontends.contains_key(f)))
+                })
+            });
+            let result = match (held, range_held) {
+                (Some((a, why)), _) => Err(not_marked(a, why, "left as it was")),
+                (None, Some(why)) => Err(Error::Map {
+                    map: svc_common::map_names::CONFIG,
+                    message: format!(
+                        "a frontend port in the SNAT range, and the mark the SNAT port search \
+                         needs for it is not written ({why}); left as it was"
+                    ),
+                }),
+                (None, None) => Ok(()),
+            };
+            let result = match result {
+                Err(e) => {
+                    as_planned = false;
+                    Err(e)
+                }
+                Ok(()) => {
+                    let plan = if as_planned {
+                        plan
+                    } else {
+                        let mut earlier = Planned::new(self);
+                        plan::plan_unit(self, &mut earlier, &owner, &upserts, &gone)
+                    };
+                    plan.and_then(|plan| {
+                        let done = self.execute(&mut w, plan, reserved, now, &mut unreferenced);
+                        as_planned &= done.is_ok();
+                        done
+                    })
+                }
+            };
+            let result = result.and_then(|(written, removed)| {
+                report.frontends_written += written;
+                report.frontends_removed += removed;
+                match retried {
+                    Some((a, why)) => {
+                        Err(not_marked(a, why, "unreachable by its own key until it is"))
+                    }
+                    None => Ok(()),
+                }
+            });
+            if let Err(e) = result {
+                report
+                    .errors
+                    .push(name_object(e, &format!("Service {owner}")));
+                report.failed.insert(owner, covered);
+            }
+        }
+
+        for a in plan.touched_addrs {
+            self.write_addr(&mut w, a, false, &mut report.errors);
+        }
+
+        // Markers after frontends: a new ClusterIP must not refuse a port whose frontend is
+        // about to be written.
+        for ip in &plan.new_markers {
+            match w.op(&Op::PutService(marker_key(*ip), marker_value())) {
+                Ok(_) => {
+                    self.markers.insert(*ip);
+                    self.usage.services += 1;
+                }
+                Err(e) => report
+                    .errors
+                    .push(name_object(e, &format!("ClusterIP {ip}"))),
+            }
+        }
+        for ip in &plan.gone_markers {
+            match w.op(&Op::DelService(marker_key(*ip))) {
+                Ok(found) => {
+                    self.markers.remove(ip);
+                    if found {
+                        self.usage.services -= 1;
+                    }
+                }
+                Err(e) => report
+                    .errors
+                    .push(name_object(e, &format!("ClusterIP {ip}"))),
+            }
+        }
+
+        // Backends no current generation names: retired (unless named again before due).
+        for id in unreferenced {
+            if self.backend_refs(id) == 0 && !self.retiring.has_backend(id) {
+                self.retiring.push(now + self.grace, Retire::Backend(id));
+            }
+        }
+        report.ops = w.ops;
+        report
+    }
+
+    /// Brings SVC_NODE_ADDRS and SVC_CONFIG to `node` alone (after the node's addresses or
+    /// the datapath settings changed): no Service is looked at.
+    pub fn apply_node<S: Store>(&mut self, store: &mut S, node: &NodeDesired) -> SyncReport {
+        let plan = Plan {
+            node: Some(self.plan_node(node)),
+            ..Default::default()
+        };
+        self.execute_plan(store, &DesiredState::default(), plan, Instant::now())
+    }
+
+    /// Writes the node's part of a plan.
+    fn execute_node<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        node: NodePlan,
+        errors: &mut Vec<Error>,
+    ) {
+        self.node_want = node.want;
+        for (k, v) in node.addrs {
+            if self.node_addrs.get(&k) != Some(&v) {
+                self.put_addr(w, k, v, errors);
+            }
+        }
+        if let Some(c) = node.config {
+            match w.op(&Op::PutConfig(c)) {
+                Ok(_) => self.config = Some(c),
+                Err(e) => errors.push(e),
+            }
+        }
+    }
+
+    /// Clears `DatapathConfig::snat_range_frontends` once nothing needs it: no frontend port
+    /// in the SNAT range wanted or programmed, and no live flow to such a port (`flows`, from
+    /// the walk of the connection-tracking table: a removed frontend's flows live on, up to
+    /// their timeout).
+    pub(super) fn clear_snat_range_mark<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        flows: bool,
+        errors: &mut Vec<Error>,
+    ) {
+        let Some(c) = self.config.filter(|c| c.snat_range_frontends != 0) else {
+            return;
+        };
+        if flows || self.snat_range_wanted || snat_range_frontends(&c, self.frontends.keys()) {
+            return;
+        }
+        self.put_snat_range_frontends(w, false, errors);
+    }
+
+    /// Writes `DatapathConfig::snat_range_frontends` as `on` into the config as written (none
+    /// before the node's config is).
+    fn put_snat_range_frontends<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        on: bool,
+        errors: &mut Vec<Error>,
+    ) {
+        let Some(c) = self.config.filter(|c| (c.snat_range_frontends != 0) != on) else {
+            return;
+        };
+        let c = DatapathConfig {
+            snat_range_frontends: u32::from(on),
+            ..c
+        };
+        match w.op(&Op::PutConfig(c)) {
+            Ok(_) => self.config = Some(c),
+            Err(e) => errors.push(name_object(e, "the datapath config")),
+        }
+    }
+
+    /// Writes one Service's plan: all of it, or (on failure) nothing that a reader could
+    /// reach. Returns the frontends written and removed.
+    fn execute<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        plan: UnitPlan,
+        reserved_services: u64,
+        now: Instant,
+        unreferenced: &mut Vec<BackendId>,
+    ) -> Result<(usize, usize)> {
+        if plan.is_empty() {
+            return Ok((0, 0));
+        }
+        // Spent whatever happens next: an id a failed write may have left somewhere is never
+        // handed out again.
+        self.ids.next_frontend = self
+            .ids
+            .next_frontend
+            .max(plan.max_frontend_id.saturating_add(1));
+        self.ids.next_backend = self
+            .ids
+            .next_backend
+            .max(plan.max_backend_id.saturating_add(1));
+        let mut needs = plan.needs;
+        needs.backends += plan.new_backends.len() as u64;
+        if let Some((map, capacity)) =
+            self.usage
+                .overflow(&needs, &self.capacity, reserved_services)
+        {
+            return Err(Error::MapFull {
+                map,
+                capacity,
+                object: String::new(),
+            });
+        }
+        // Ids are made durable before anything uses them.
+        if let Some(m) = plan.meta {
+            w.op(&Op::PutMeta(m))?;
+            self.ids.frontend_hwm = m.frontend_id_hwm;
+            self.ids.backend_hwm = m.backend_id_hwm;
+        }
+
+        for (id, sa, protocol) in &plan.new_backends {
+            w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
+            // Unreferenced until a master entry names it; retired at the end of the sync if
+            // what would have used it fails.
+            let k = BackendKey::new(*sa, *protocol);
+            self.backend_ids.insert(k, *id);
+            self.backends.insert(*id, k);
+            self.usage.backends += 1;
+            unreferenced.push(*id);
+        }
+
+        // Before any master entry names them, prepared entries can go at once; after, a
+        // reader may hold a master entry that names them, so they are retired. Membership
+        // entries go at once either way: without one a reader only chooses again.
+        let undo_prepare = |w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
+            for (_, undo) in done.iter().rev() {
+                if let Some(undo) = undo {
+                    w.try_op(undo);
+                }
+            }
+        };
+        let retire_prepared = |p: &mut Programmed, w: &mut Writer<'_, S>| {
+            for (op, undo) in &plan.prepare {
+                match undo {
+                    Some(undo @ Op::DelMatch(k)) if !w.try_op(undo) => {
+                        p.usage.matches += 1;
+                        p.strays.matches.push(*k);
+                    }
+                    Some(Op::DelMatch(_)) => {}
+                    Some(undo @ Op::DelRange(k)) if !w.try_op(undo) => {
+                        p.usage.ranges += 1;
+                        p.strays.ranges.push(*k);
+                    }
+                    Some(Op::DelRange(_)) => {}
+                    Some(undo) => {
+                        p.usage.inc_by(op.map(), 1);
+                        p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
+                    }
+                    None => {}
+                }
+            }
+        };
+        for (i, (op, _)) in plan.prepare.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                undo_prepare(w, &plan.prepare[..i]);
+                return Err(e);
+            }
+        }
+        for (i, op) in plan.add.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                for added in plan.add[..i].iter().rev() {
+                    if let Op::PutService(k, _) = added {
+                        w.try_op(&Op::DelService(*k));
+                    }
+                }
+                if i == 0 {
+                    undo_prepare(w, &plan.prepare);
+                } else {
+                    retire_prepared(self, w);
+                }
+                return Err(e);
+            }
+        }
+        for (i, (op, _)) in plan.switch.iter().enumerate() {
+            if let Err(e) = w.op(op) {
+                for (_, undo) in plan.switch[..i].iter().rev() {
+                    w.try_op(undo);
+                }
+                for added in plan.add.iter().rev() {
+                    if let Op::PutService(k, _) = added {
+                        w.try_op(&Op::DelService(*k));
+                    }
+                }
+                if i == 0 && plan.add.is_empty() {
+                    undo_prepare(w, &plan.prepare);
+                } else {
+                    retire_prepared(self, w);
+                }
+                return Err(e);
+            }
+        }
+
+        // Committed: the mirror follows the maps.
+        self.usage.add(&plan.needs);
+        self.usage.sub(&plan.frees);
+        let (mut written, mut removed) = (0, 0);
+        for (fe, after) in plan.commit {
+            let added = after.is_some();
+            let before = match after {
+                Some(pf) => {
+                    written += 1;
+                    for b in &pf.backends {
+                        *self.backend_refs.entry(*b).or_insert(0) += 1;
+                    }
+                    self.port_ref(fe.protocol, &pf);
+                    self.frontends.insert(fe, pf)
+                }
+                None => {
+                    removed += 1;
+                    self.frontends.remove(&fe)
+                }
+            };
+            if before.is_some() != added {
+                plan::external_ref(&mut self.external_refs, &fe, added);
+            }
+            if let Some(before) = before {
+                self.port_unref(fe.protocol, &before);
+                for b in &before.backends {
+                    if let Some(n) = self.backend_refs.get_mut(b) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.backend_refs.remove(b);
+                            unreferenced.push(*b);
+                        }
+                    }
+                }
+            }
+        }
+        for r in plan.retire {
+            self.retiring.push(now + self.grace, r);
+        }
+        // Right after the switch: a choice remembered for a departed backend is honoured no
+        // more (a reader still holding the old master entry just chooses again). A delete
+        // that fails leaves a stray, deleted before the next sync writes anything.
+        for op in &plan.after {
+            match op {
+                Op::DelMatch(k) if w.op(op).is_err() => {
+                    warn!(
+                        id = k.id,
+                        backend = k.backend,
+                        "membership entry not deleted"
+                    );
+                    self.usage.matches += 1;
+                    self.strays.matches.push(*k);
+                }
+                // A range no longer wanted: the frontend admits a client too many until the
+                // stray is deleted, before the next sync writes anything.
+                Op::DelRange(k) if w.op(op).is_err() => {
+                    warn!(id = u32::from_be(k.id_be), "source range not deleted");
+                    self.usage.ranges += 1;
+                    self.strays.ranges.push(*k);
+                }
+                _ => {}
+            }
+        }
+        debug!(owner = %plan.owner, written, removed, "service synced");
+        Ok((written, removed))
+    }
+
+    /// Retires what a dead agent (or anyone) left that nothing leads to. Done before any
+    /// write: ids and generations are never written over a leftover (they are never reused,
+    /// and new generations skip retiring ones), so a leftover is never mistaken for a new
+    /// entry; and a reader that read a master entry just before the dead agent switched it
+    /// still finds the old generation for the grace period.
+    fn retire_strays<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        strays: Strays,
+        now: Instant,
+        errors: &mut Vec<Error>,
+    ) -> usize {
+        if strays.is_empty() {
+            return 0;
+        }
+        // The plan's copy is the list now: what fails to go is listed again.
+        self.strays = Strays::default();
+        let n = strays.len();
+        warn!(entries = n, "retiring leftover entries nothing leads to");
+        // A master entry that is not ours leads nowhere we know: it goes at once.
+        for k in strays.services {
+            match w.op(&Op::DelService(k)) {
+                Ok(true) => self.usage.services = self.usage.services.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        let due = now + self.grace;
+        for k in strays.slots {
+            self.retiring.push(due, Retire::Del(Op::DelSlot(k)));
+        }
+        for id in strays.rev_nat {
+            self.retiring.push(due, Retire::Del(Op::DelRevNat(id)));
+        }
+        for id in strays.names {
+            self.retiring.push(due, Retire::Del(Op::DelName(id)));
+        }
+        for id in strays.backends {
+            self.retiring.push(due, Retire::Backend(id));
+        }
+        // A range of no frontend admits nobody anything: it goes at once.
+        for k in strays.ranges {
+            match w.op(&Op::DelRange(k)) {
+                Ok(true) => self.usage.ranges = self.usage.ranges.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => {
+                    self.strays.ranges.push(k);
+                    errors.push(e);
+                }
+            }
+        }
+        // A membership entry only confirms a remembered choice: it goes at once.
+        for k in strays.matches {
+            match w.op(&Op::DelMatch(k)) {
+                Ok(true) => self.usage.matches = self.usage.matches.saturating_sub(1),
+                Ok(false) => {}
+                Err(e) => {
+                    self.strays.matches.push(k);
+                    errors.push(e);
+                }
+            }
+        }
+        n
+    }
+}

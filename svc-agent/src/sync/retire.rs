@@ -1,0 +1,176 @@
+//! Retirement: what a switch made unreachable waits out the grace period, then is deleted.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use svc_common::{BackendId, SlotKey};
+
+use super::{Programmed, Writer};
+use crate::error::Error;
+use crate::store::{Op, Store};
+
+/// Something a switch made unreachable, deleted once the grace period has passed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Retire {
+    /// Slots 1..=count of generation `rev` of frontend `id`.
+    Slots { id: u32, rev: u16, count: u16 },
+    /// The reverse-NAT and name entries of a removed frontend.
+    Ids(u32),
+    /// A backend no slot names any more (deleted only if that is still true when due).
+    Backend(BackendId),
+    /// One entry: a leftover found in the maps, or what a failed Service's sync had written.
+    Del(Op),
+}
+
+#[derive(Debug, Default)]
+pub struct Retiring {
+    queue: VecDeque<(Instant, Retire)>,
+    /// Generations and ids with entries in the queue, with how many queue items name them:
+    /// no new generation or id may be written over them.
+    slot_gens: HashMap<(u32, u16), u32>,
+    ids: HashMap<u32, u32>,
+    backends: HashSet<BackendId>,
+}
+
+impl Retiring {
+    pub(super) fn push(&mut self, due: Instant, r: Retire) {
+        match &r {
+            Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
+                *self.slot_gens.entry((*id, *rev)).or_default() += 1;
+            }
+            Retire::Ids(id) | Retire::Del(Op::DelRevNat(id) | Op::DelName(id)) => {
+                *self.ids.entry(*id).or_default() += 1;
+            }
+            Retire::Backend(id) => {
+                if !self.backends.insert(*id) {
+                    return;
+                }
+            }
+            Retire::Del(_) => {}
+        }
+        self.queue.push_back((due, r));
+    }
+
+    /// The bookkeeping of `r` once it has been carried out.
+    fn done(&mut self, r: &Retire) {
+        fn dec<K: std::hash::Hash + Eq>(m: &mut HashMap<K, u32>, k: K) {
+            if let Some(n) = m.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&k);
+                }
+            }
+        }
+        match r {
+            Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
+                dec(&mut self.slot_gens, (*id, *rev))
+            }
+            Retire::Ids(id) | Retire::Del(Op::DelRevNat(id) | Op::DelName(id)) => {
+                dec(&mut self.ids, *id)
+            }
+            Retire::Backend(id) => {
+                self.backends.remove(id);
+            }
+            Retire::Del(_) => {}
+        }
+    }
+
+    pub fn has_slot_gen(&self, id: u32, rev: u16) -> bool {
+        self.slot_gens.contains_key(&(id, rev))
+    }
+
+    pub fn has_id(&self, id: u32) -> bool {
+        self.ids.contains_key(&id)
+    }
+
+    pub fn has_backend(&self, id: BackendId) -> bool {
+        self.backends.contains(&id)
+    }
+
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    pub fn next_due(&self) -> Option<Instant> {
+        self.queue.front().map(|(t, _)| *t)
+    }
+}
+
+/// What one pass over due retirements did.
+#[derive(Debug, Default)]
+pub struct RetireReport {
+    pub deleted: usize,
+    pub errors: Vec<Error>,
+}
+
+impl Programmed {
+    /// Deletes what has been unreachable for the grace period.
+    pub fn retire_due<S: Store>(&mut self, store: &mut S, now: Instant) -> RetireReport {
+        let mut report = RetireReport::default();
+        let mut w = Writer { store, ops: 0 };
+        while let Some((due, _)) = self.retiring.queue.front() {
+            if *due > now {
+                break;
+            }
+            let (_, r) = self.retiring.queue.pop_front().expect("front exists");
+            self.retiring.done(&r);
+            match r {
+                Retire::Slots { id, rev, count } => {
+                    for slot in 1..=count {
+                        if w.try_op(&Op::DelSlot(SlotKey { id, rev, slot })) {
+                            self.usage.slots = self.usage.slots.saturating_sub(1);
+                            report.deleted += 1;
+                        }
+                    }
+                }
+                Retire::Ids(id) => {
+                    if w.try_op(&Op::DelRevNat(id)) {
+                        self.usage.rev_nat = self.usage.rev_nat.saturating_sub(1);
+                        report.deleted += 1;
+                    }
+                    if w.try_op(&Op::DelName(id)) {
+                        self.usage.names = self.usage.names.saturating_sub(1);
+                        report.deleted += 1;
+                    }
+                }
+                Retire::Del(op) => {
+                    if w.try_op(&op) {
+                        self.usage.dec(op.map());
+                        report.deleted += 1;
+                    }
+                }
+                Retire::Backend(id) => {
+                    if self.backend_refs(id) > 0 {
+                        continue;
+                    }
+                    match w.op(&Op::DelBackend(id)) {
+                        Ok(found) => {
+                            if found {
+                                self.usage.backends = self.usage.backends.saturating_sub(1);
+                                report.deleted += 1;
+                            }
+                            self.forget_backend(id);
+                        }
+                        Err(e) => {
+                            // Kept in the mirror: the next drift check finds and retires it.
+                            report.errors.push(e);
+                        }
+                    }
+                }
+            }
+        }
+        report
+    }
+
+    fn forget_backend(&mut self, id: BackendId) {
+        if let Some(k) = self.backends.remove(&id) {
+            if self.backend_ids.get(&k) == Some(&id) {
+                self.backend_ids.remove(&k);
+            }
+        }
+    }
+}
