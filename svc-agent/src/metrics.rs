@@ -1,8 +1,5 @@
 //! Prometheus metrics and a kube-proxy compatible `/healthz`, served over plain HTTP.
 //!
-//! Two endpoints do not justify a web framework: the server reads one request line, answers,
-//! and closes.
-//!
 //! As kube-proxy, two listeners: the health port (`--healthz-bind-address`, 0.0.0.0:10256 by
 //! default, reachable by the kubelet and load balancers) answers only `/healthz` and `/livez`;
 //! `/metrics`, which tells how many Services and backends the node has and what failed, is
@@ -11,17 +8,17 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use hyper::{Method, StatusCode};
 use k8s_openapi::jiff::Timestamp;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::error::Error;
+use crate::http::{Answer, ConnLimit};
 
 /// Seconds; from a fast incremental sync to a slow cold start.
 const SYNC_BUCKETS: &[f64] = &[
@@ -195,7 +192,7 @@ impl Metrics {
             }),
             bpffs,
             health_timeout,
-            conns: Arc::new(ConnLimit::new(conn_cap(nofile_soft()))),
+            conns: Arc::new(ConnLimit::for_this_process()),
         })
     }
 
@@ -547,13 +544,6 @@ fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
     let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows.\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
 }
 
-fn response(status: &str, content_type: &str, body: &str) -> String {
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-}
-
 /// Which paths a listener answers; every other path is 404 there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Port {
@@ -573,12 +563,12 @@ impl Port {
     }
 }
 
-fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
+fn answer(metrics: &Metrics, port: Port, path: &str) -> Answer {
     match path {
-        "/metrics" if port == Port::Metrics => response(
-            "200 OK",
+        "/metrics" if port == Port::Metrics => Answer::new(
+            StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            &metrics.render(),
+            metrics.render(),
         ),
         "/healthz" | "/livez" => {
             let h = metrics.health();
@@ -594,295 +584,53 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
                 serde_json::to_string(&h.problems).unwrap_or_else(|_| "[]".into())
             );
             let status = if ok {
-                "200 OK"
+                StatusCode::OK
             } else {
-                "503 Service Unavailable"
+                StatusCode::SERVICE_UNAVAILABLE
             };
-            response(status, "application/json", &body)
+            Answer::new(status, "application/json", body)
         }
-        _ => response("404 Not Found", "text/plain", "not found\n"),
+        _ => Answer::new(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
 }
+
+pub use crate::http::bind;
 
 /// Serves /metrics and /healthz until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
-    loop {
-        metrics.conns.room().await;
-        let (mut conn, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                metrics
-                    .conns
-                    .accept_failed(&format!("the {port:?} port"), &e);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+    let conns = metrics.conns.clone();
+    let what = format!("the {port:?} port");
+    crate::http::serve(Arc::new(listener), conns, what, move |method, path, _| {
         let metrics = metrics.clone();
-        let mut slot = metrics.conns.admit();
-        tokio::spawn(async move {
-            let Some(head) = slot.read_head(&mut conn).await else {
-                return;
-            };
-            let head = String::from_utf8_lossy(&head);
-            let mut parts = head.split_whitespace();
-            let reply = match (parts.next(), parts.next()) {
-                (Some("GET"), Some(path)) => {
-                    // Off the runtime's one thread: a scrape walks the connection-tracking
-                    // map (tens of ms when full), which must not hold up the sync.
-                    let (metrics, path) = (
-                        metrics.clone(),
-                        path.split('?').next().unwrap_or("").to_owned(),
-                    );
-                    tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
-                        .await
-                        .unwrap_or_else(|e| {
-                            response("500 Internal Server Error", "text/plain", &format!("{e}\n"))
-                        })
-                }
-                _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
-            };
-            if let Err(e) = write_reply(&mut conn, reply.as_bytes()).await {
-                debug!(%peer, "writing a metrics reply: {e}");
+        async move {
+            if method != Method::GET {
+                return Answer::new(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
             }
-        });
-    }
-}
-
-/// How long a client may take to send its request, and to take the reply: a client that
-/// stalls must not hold a connection (a file descriptor) for long.
-pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Writes `reply`, giving up after `IO_TIMEOUT`.
-pub(crate) async fn write_reply(
-    conn: &mut tokio::net::TcpStream,
-    reply: &[u8],
-) -> std::io::Result<()> {
-    tokio::time::timeout(IO_TIMEOUT, conn.write_all(reply))
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-}
-
-/// The start of an HTTP request, up to the end of its headers or 4 KiB, whichever comes first
-/// (only the request line matters to these servers); `None` when the client stalls for
-/// `IO_TIMEOUT` or the read fails.
-pub(crate) async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
-    let mut buf = vec![0u8; 4096];
-    let mut len = 0;
-    let read = tokio::time::timeout(IO_TIMEOUT, async {
-        while len < buf.len() {
-            let n = conn.read(&mut buf[len..]).await?;
-            if n == 0 {
-                break;
-            }
-            len += n;
-            if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                break;
-            }
+            // Off the runtime's one thread: a scrape walks the connection-tracking map (tens
+            // of ms when full), which must not hold up the sync.
+            tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
+                .await
+                .unwrap_or_else(|e| {
+                    Answer::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "text/plain",
+                        format!("{e}\n"),
+                    )
+                })
         }
-        Ok::<_, std::io::Error>(())
     })
-    .await;
-    matches!(read, Ok(Ok(()))).then(|| {
-        buf.truncate(len);
-        buf
-    })
-}
-
-/// File descriptors kept from the HTTP servers for the agent's own work: its maps, programs
-/// and links, netlink, the API connection, manifest files, a datapath repair.
-const FD_RESERVE: u64 = 256;
-/// More connections than a node's health checkers ever hold at once.
-const CONN_CAP_MAX: u64 = 1024;
-
-/// RLIMIT_NOFILE's soft limit now (1,024 if it cannot be read).
-pub fn nofile_soft() -> u64 {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
-        return 1024;
-    }
-    r.rlim_cur
-}
-
-/// How many connections the HTTP servers keep open under a soft file limit of `soft`: what
-/// the limit leaves beside `FD_RESERVE`, at most `CONN_CAP_MAX`, at least 16.
-pub fn conn_cap(soft: u64) -> usize {
-    soft.saturating_sub(FD_RESERVE).clamp(16, CONN_CAP_MAX) as usize
-}
-
-/// The connections of every HTTP server of the agent (health, metrics, health check node
-/// ports) that wait for their request; they share the agent's file descriptors. Past `cap`, a
-/// new connection closes the oldest waiting one rather than wait or be refused: a health
-/// checker sends its request at once and is answered in a moment, so slow or idle clients,
-/// however many, are the ones that lose their slot, and a flood of them can starve neither
-/// the checkers nor the agent's own work of descriptors.
-#[derive(Debug)]
-pub struct ConnLimit {
-    pub cap: usize,
-    inner: Mutex<Conns>,
-}
-
-#[derive(Debug, Default)]
-struct Conns {
-    next: u64,
-    /// By age: each open connection's signal to close.
-    open: BTreeMap<u64, Arc<tokio::sync::Notify>>,
-    /// Connections told to close whose tasks have not dropped them yet: their descriptors
-    /// are still held.
-    closing: usize,
-    evicted: u64,
-    /// The last accept error logged, and those not logged since.
-    warned: Option<Instant>,
-    unlogged: u64,
-}
-
-/// What `/metrics` shows of the connections.
-pub struct ConnCounts {
-    pub open: usize,
-    pub evicted: u64,
-}
-
-impl ConnLimit {
-    pub fn new(cap: usize) -> ConnLimit {
-        ConnLimit {
-            cap: cap.max(1),
-            inner: Mutex::default(),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Conns> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Returns once the connections told to close have let go of their descriptors, before
-    /// the next accept: on the runtime's one thread those closes wait for their tasks, and an
-    /// accept loop that ran ahead of them would hold more descriptors than the cap.
-    pub async fn room(&self) {
-        loop {
-            {
-                let c = self.lock();
-                if c.closing == 0 || c.open.len() + c.closing < self.cap {
-                    return;
-                }
-            }
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// A slot for a connection just accepted, closing the oldest one when all are taken.
-    pub fn admit(self: &Arc<Self>) -> ConnSlot {
-        let mut c = self.lock();
-        while c.open.len() >= self.cap {
-            self.evict_oldest(&mut c);
-        }
-        let id = c.next;
-        c.next += 1;
-        let close = Arc::new(tokio::sync::Notify::new());
-        c.open.insert(id, close.clone());
-        ConnSlot {
-            limit: self.clone(),
-            id,
-            close,
-            counted: true,
-        }
-    }
-
-    fn evict_oldest(&self, c: &mut Conns) {
-        if let Some((_, close)) = c.open.pop_first() {
-            // A permit is kept if the connection's task has not started waiting yet.
-            close.notify_one();
-            c.closing += 1;
-            c.evicted += 1;
-        }
-    }
-
-    /// An accept that failed: when for want of descriptors, the oldest connection is closed
-    /// to make room. Logged at most every 10 s, with how many went unlogged.
-    pub fn accept_failed(&self, server: &str, e: &std::io::Error) {
-        let mut c = self.lock();
-        if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-            self.evict_oldest(&mut c);
-        }
-        if c.warned
-            .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
-        {
-            c.unlogged += 1;
-            return;
-        }
-        let unlogged = std::mem::take(&mut c.unlogged);
-        c.warned = Some(Instant::now());
-        drop(c);
-        warn!(
-            open = self.counts().open,
-            "accepting on {server}: {e} ({unlogged} more such errors since the last report)"
-        );
-    }
-
-    pub fn counts(&self) -> ConnCounts {
-        let c = self.lock();
-        ConnCounts {
-            open: c.open.len(),
-            evicted: c.evicted,
-        }
-    }
-}
-
-/// One connection's place among `ConnLimit`'s; freed when dropped.
-pub struct ConnSlot {
-    limit: Arc<ConnLimit>,
-    id: u64,
-    close: Arc<tokio::sync::Notify>,
-    /// Still among `open`, or among `closing` once evicted.
-    counted: bool,
-}
-
-impl ConnSlot {
-    /// Leaves the count: `open` if still there, else `closing` (it was evicted).
-    fn uncount(&mut self) {
-        if std::mem::take(&mut self.counted) {
-            let mut c = self.limit.lock();
-            if c.open.remove(&self.id).is_none() {
-                c.closing = c.closing.saturating_sub(1);
-            }
-        }
-    }
-}
-
-impl ConnSlot {
-    /// The request's head (`read_head`), unless the slot is taken back first. A connection
-    /// whose request has come leaves the cap: it is answered at once, and its reply bounded
-    /// by `IO_TIMEOUT`.
-    pub async fn read_head(&mut self, conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
-        let head = tokio::select! {
-            biased;
-            head = read_head(conn) => head?,
-            () = self.close.notified() => return None,
-        };
-        self.uncount();
-        Some(head)
-    }
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        self.uncount();
-    }
-}
-
-/// Binds an address for `serve`, naming it in the error.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::Other(format!("binding {addr}: {e}")))
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a client of `port` asking for `path` reads: status line, then the body.
+    fn got(m: &Metrics, port: Port, path: &str) -> String {
+        let a = answer(m, port, path);
+        format!("HTTP/1.1 {}\r\n\r\n{}", a.status, a.body)
+    }
 
     #[test]
     fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
@@ -899,7 +647,7 @@ mod tests {
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
         m.synced(
             Duration::from_millis(1),
             Programmed {
@@ -907,7 +655,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         // A Service that cannot be programmed makes the node unhealthy at once, and says
         // which; /livez stays up (a restart would not help).
         m.synced(
@@ -918,10 +666,10 @@ mod tests {
                 ..Default::default()
             },
         );
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("ns/big"), "{reply}");
-        assert!(answer(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
     }
 
     /// Node addresses that cannot be written leave NodePorts unanswered on this node: /healthz
@@ -936,12 +684,12 @@ mod tests {
             ..Default::default()
         };
         m.synced(Duration::from_millis(1), state(true));
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("SVC_NODE_ADDRS"), "{reply}");
         assert!(!m.service_healthy("shop/web"));
         m.synced(Duration::from_millis(1), state(false));
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         assert!(m.service_healthy("shop/web"));
     }
 
@@ -958,7 +706,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(
             reply.contains(
@@ -968,7 +716,7 @@ mod tests {
             "{reply}"
         );
         assert!(m.service_healthy("demo/diameter"));
-        let metrics = answer(&m, Port::Metrics, "/metrics");
+        let metrics = got(&m, Port::Metrics, "/metrics");
         assert!(
             metrics.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 1\n"),
             "{metrics}"
@@ -980,7 +728,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(!answer(&m, Port::Health, "/healthz").contains("SCTP"));
+        assert!(!got(&m, Port::Health, "/healthz").contains("SCTP"));
     }
 
     /// Flows leaving by a device without svc's programs are a gauge per device and a line of
@@ -996,7 +744,7 @@ mod tests {
             },
         );
         m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(
             reply.contains("leave by eth1") && reply.contains("--devices"),
@@ -1008,7 +756,7 @@ mod tests {
             "{text}"
         );
         m.unmanaged_devices(BTreeMap::new());
-        assert!(!answer(&m, Port::Health, "/healthz").contains("eth1"));
+        assert!(!got(&m, Port::Health, "/healthz").contains("eth1"));
         assert!(!m.render().contains("device=\"eth1\""));
     }
 
@@ -1022,13 +770,13 @@ mod tests {
                 ..Default::default()
             },
         );
-        let status = |port, path| answer(&m, port, path)[..12].to_string();
+        let status = |port, path| got(&m, port, path)[..12].to_string();
         for path in ["/healthz", "/livez"] {
             assert_eq!(status(Port::Health, path), "HTTP/1.1 200", "{path}");
             assert_eq!(status(Port::Metrics, path), "HTTP/1.1 200", "{path}");
         }
         assert_eq!(status(Port::Health, "/metrics"), "HTTP/1.1 404");
-        let metrics = answer(&m, Port::Metrics, "/metrics");
+        let metrics = got(&m, Port::Metrics, "/metrics");
         assert!(metrics.starts_with("HTTP/1.1 200"));
         assert!(metrics.contains("svc_frontends_programmed 0"));
         assert_eq!(status(Port::Metrics, "/debug/pprof"), "HTTP/1.1 404");
@@ -1037,6 +785,7 @@ mod tests {
     /// Through a real socket: what a client of each listener gets.
     #[tokio::test]
     async fn serve_keeps_metrics_off_the_health_listener() {
+        use std::net::SocketAddr;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
@@ -1088,52 +837,6 @@ mod tests {
         assert!(text.contains("svc_sync_duration_seconds_bucket{le=\"0.001\"} 0"));
         assert!(text.contains("svc_errors_total{kind=\"manifest\"} 1"));
         assert!(text.contains("svc_map_capacity{map=\"SVC_SERVICES\"} 100"));
-    }
-
-    /// The cap leaves the agent its reserve under a container's 1,024 and stays bounded under a
-    /// raised limit.
-    #[test]
-    fn the_connection_cap_follows_the_file_limit() {
-        assert_eq!(conn_cap(1024), 768);
-        assert_eq!(conn_cap(65_536), 1024);
-        assert_eq!(conn_cap(100), 16);
-    }
-
-    /// Past the cap the oldest waiting connection is told to close, and a connection whose
-    /// request has come no longer counts.
-    #[tokio::test]
-    async fn past_the_cap_the_oldest_waiting_connection_goes() {
-        let limit = Arc::new(ConnLimit::new(2));
-        let oldest = limit.admit();
-        let _second = limit.admit();
-        let _third = limit.admit();
-        tokio::time::timeout(Duration::from_secs(1), oldest.close.notified())
-            .await
-            .expect("the oldest connection is told to close");
-        let c = limit.counts();
-        assert_eq!((c.open, c.evicted), (2, 1));
-        // Its descriptor is held until its task drops it: the next accept waits for that.
-        assert_eq!(limit.lock().closing, 1);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(50), limit.room())
-                .await
-                .is_err()
-        );
-        drop(oldest);
-        assert_eq!(limit.lock().closing, 0);
-        assert_eq!(limit.counts().open, 2);
-        limit.room().await;
-
-        // A connection that has sent its request leaves the cap at once.
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let at = listener.local_addr().unwrap();
-        let mut client = tokio::net::TcpStream::connect(at).await.unwrap();
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        let (mut conn, _) = listener.accept().await.unwrap();
-        let limit = Arc::new(ConnLimit::new(2));
-        let mut slot = limit.admit();
-        assert!(slot.read_head(&mut conn).await.is_some());
-        assert_eq!(limit.counts().open, 0);
     }
 
     /// SNAT off takes the node out of load balancers that probe /healthz (externalTrafficPolicy
