@@ -178,6 +178,8 @@ pub fn conn_cap(soft: u64) -> usize {
 #[derive(Debug)]
 pub struct ConnLimit {
     pub cap: usize,
+    /// Connections closed unanswered, for /metrics.
+    pub evicted: prometheus_client::metrics::counter::Counter,
     inner: Mutex<Conns>,
 }
 
@@ -189,7 +191,6 @@ struct Conns {
     /// Connections told to close whose tasks have not dropped them yet: their descriptors
     /// are still held.
     closing: usize,
-    evicted: u64,
     /// The last accept error logged, and those not logged since.
     warned: Option<Instant>,
     unlogged: u64,
@@ -205,6 +206,7 @@ impl ConnLimit {
     pub fn new(cap: usize) -> ConnLimit {
         ConnLimit {
             cap: cap.max(1),
+            evicted: Default::default(),
             inner: Mutex::default(),
         }
     }
@@ -256,7 +258,7 @@ impl ConnLimit {
             // A permit is kept if the connection's task has not started waiting yet.
             close.notify_one();
             c.closing += 1;
-            c.evicted += 1;
+            self.evicted.inc();
         }
     }
 
@@ -286,7 +288,7 @@ impl ConnLimit {
         let c = self.lock();
         ConnCounts {
             open: c.open.len(),
-            evicted: c.evicted,
+            evicted: self.evicted.get(),
         }
     }
 }
