@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt};
 use http_body_util::Full;
 use hyper::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_TYPE};
 use hyper::{Method, Response, StatusCode};
@@ -71,6 +72,9 @@ impl Answer {
     }
 }
 
+/// A server's answers: of the method, the path and the address the client reached.
+type Handler = Arc<dyn Fn(Method, String, SocketAddr) -> BoxFuture<'static, Answer> + Send + Sync>;
+
 /// Binds an address for `serve`, naming it in the error.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
     TcpListener::bind(addr)
@@ -89,6 +93,7 @@ pub async fn serve<F, Fut>(
     F: Fn(Method, String, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Answer> + Send + 'static,
 {
+    let answer: Handler = Arc::new(move |method, path, local| answer(method, path, local).boxed());
     loop {
         conns.room().await;
         let (stream, peer) = match listener.accept().await {
@@ -106,16 +111,13 @@ pub async fn serve<F, Fut>(
 
 /// One connection: its request answered, unless its slot is taken back before the request
 /// came; bounded by `IO_TIMEOUT` for the request and as long again for the reply.
-async fn connection<F, Fut>(
+async fn connection(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     slot: Arc<ConnSlot>,
     what: String,
-    answer: F,
-) where
-    F: Fn(Method, String, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Answer> + Send + 'static,
-{
+    answer: Handler,
+) {
     let Ok(local) = stream.local_addr() else {
         return;
     };
