@@ -836,11 +836,8 @@ fn stale_worker(
             .unwrap_or_else(PoisonError::into_inner)
             .stale(id, backend)
     };
-    let pause = test_pause();
     let run = move |_: Vec<()>| {
-        if let Some(pause) = pause {
-            std::thread::sleep(pause);
-        }
+        fail::fail_point!(crate::fault::STALE_UDP_PAUSE);
         let doomed = |cookie: u64, peer: std::net::SocketAddr| {
             let key = SockRevKey {
                 cookie,
@@ -888,11 +885,4 @@ fn stale_worker(
         }
     };
     StaleWorker::spawn(run).map_err(|e| Error::Other(format!("starting the stale-UDP thread: {e}")))
-}
-
-/// Fault injection for the tests (`SVC_TEST_STALE_UDP_PAUSE_MS`): a pause before each run of
-/// the stale-UDP thread, which widens the window between a sync and its cleanup so that a
-/// test can kill the agent in it.
-fn test_pause() -> Option<Duration> {
-    crate::fault::pause("SVC_TEST_STALE_UDP_PAUSE_MS")
 }

@@ -1,12 +1,38 @@
 //! Fault injection for the tests: pauses that widen a window between two steps of the agent
-//! so that a test can kill it, or send a packet, inside. Inert unless the test sets the
-//! variable.
+//! so that a test can kill it, or send a packet, inside. Fail points (the `fail` crate),
+//! compiled in with the `failpoints` feature only, which the test build turns on (xtask's
+//! `USERSPACE` selection); without it each point is nothing and nothing here reads the
+//! environment.
 
-use std::time::Duration;
+/// Between a flow's kernel entry and svc's mark on it at a handover (`handover.rs`).
+pub const HANDOVER_PAUSE: &str = "handover-pause";
+/// Before each run of the stale-UDP thread, between a sync and its cleanup.
+pub const STALE_UDP_PAUSE: &str = "stale-udp-pause";
+/// After each write of SVC_NODE_ADDRS or SVC_CONFIG (a handful of entries written in
+/// microseconds), between two of them.
+pub const NODE_WRITE_PAUSE: &str = "node-write-pause";
 
-/// The pause the environment variable `var` asks for, in milliseconds; none when it is unset
-/// or not a number.
-pub fn pause(var: &str) -> Option<Duration> {
-    let ms: u64 = std::env::var(var).ok()?.parse().ok()?;
-    Some(Duration::from_millis(ms))
+/// Each point and the variable the tests set to its pause, in milliseconds.
+#[cfg(feature = "failpoints")]
+const PAUSES: [(&str, &str); 3] = [
+    (HANDOVER_PAUSE, "SVC_TEST_HANDOVER_PAUSE_MS"),
+    (STALE_UDP_PAUSE, "SVC_TEST_STALE_UDP_PAUSE_MS"),
+    (NODE_WRITE_PAUSE, "SVC_TEST_NODE_WRITE_PAUSE_MS"),
+];
+
+/// Turns on the pauses the environment asks for (a variable that is not a number is
+/// ignored); at the start of the process, before any point is reached.
+#[cfg(feature = "failpoints")]
+pub fn setup() {
+    for (point, var) in PAUSES {
+        let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()) else {
+            continue;
+        };
+        if let Err(e) = fail::cfg(point, &format!("sleep({ms})")) {
+            tracing::warn!("fail point {point}: {e}");
+        }
+    }
 }
+
+#[cfg(not(feature = "failpoints"))]
+pub fn setup() {}

@@ -255,9 +255,9 @@ fn hand_over_one(
     }
     match result {
         Ok(()) => {
-            if let Some(pause) = window_pause() {
-                std::thread::sleep(pause);
-            }
+            // Past `HANDING_HOLD_S` the mark lapses and svc translates the flow again, so a
+            // pause of a second or more tests nothing.
+            fail::fail_point!(crate::fault::HANDOVER_PAUSE);
             mark(ct, key, fwd, ct_flags::HANDED);
             Ok(replaced)
         }
@@ -269,14 +269,6 @@ fn hand_over_one(
             Err(e)
         }
     }
-}
-
-/// Fault injection for the tests (`SVC_TEST_HANDOVER_PAUSE_MS`): a pause between a flow's
-/// kernel entry and svc's mark on it, which makes the window between them as wide as a test
-/// needs to send a packet into it. Past `HANDING_HOLD_S` the mark lapses and svc translates
-/// the flow again, so a pause of a second or more tests nothing.
-fn window_pause() -> Option<std::time::Duration> {
-    crate::fault::pause("SVC_TEST_HANDOVER_PAUSE_MS")
 }
 
 /// An address, v4 when mapped.

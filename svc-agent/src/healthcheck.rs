@@ -14,12 +14,13 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
+use hyper::StatusCode;
 use svc_common::{node_addr_flags, NodeAddrValue};
-use tracing::{debug, info};
+use tracing::info;
 
 use crate::error::Error;
+use crate::http::Answer;
 use crate::metrics::Metrics;
 use crate::model::HealthCheck;
 use crate::netdev::{NetState, NodePortAddresses};
@@ -292,13 +293,8 @@ fn socket(addr: SocketAddr, only_v6: Option<bool>) -> std::io::Result<std::net::
 }
 
 /// kube-proxy's answer (hcHandler.ServeHTTP), byte for byte in the body, with the headers Go's
-/// HTTP server sends (Date too), dated now.
-pub fn answer(owner: &str, count: u32, healthy: bool) -> String {
-    answer_at(owner, count, healthy, std::time::SystemTime::now())
-}
-
-/// `answer`, dated `now`.
-fn answer_at(owner: &str, count: u32, healthy: bool, now: std::time::SystemTime) -> String {
+/// HTTP server sends (the Date is the server's).
+pub fn answer(owner: &str, count: u32, healthy: bool) -> Answer {
     let (namespace, name) = owner.split_once('/').unwrap_or(("", owner));
     let body = format!(
         "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {count},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
@@ -306,46 +302,16 @@ fn answer_at(owner: &str, count: u32, healthy: bool, now: std::time::SystemTime)
         serde_json::Value::from(name),
     );
     let status = if count != 0 && healthy {
-        "200 OK"
+        StatusCode::OK
     } else {
-        "503 Service Unavailable"
+        StatusCode::SERVICE_UNAVAILABLE
     };
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nX-Load-Balancing-Endpoint-Weight: {count}\r\nDate: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        http_date(now),
-        body.len()
-    )
-}
-
-/// An HTTP Date header's value (RFC 9110 IMF-fixdate): `Tue, 01 Dec 2026 04:03:09 GMT`.
-fn http_date(t: std::time::SystemTime) -> String {
-    let secs = t
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // 1970-01-01 was a Thursday.
-    let weekday = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"][(days % 7) as usize];
-    // Days to a civil date (Howard Hinnant's days_from_civil, inverted), in the proleptic
-    // Gregorian calendar, for dates after 1970.
-    let z = days + 719_468;
-    let era = z / 146_097;
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    let month = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ][(month - 1) as usize];
-    format!(
-        "{weekday}, {day:02} {month} {year} {:02}:{:02}:{:02} GMT",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    Answer {
+        status,
+        content_type: "application/json",
+        extra: Some(("x-load-balancing-endpoint-weight", count.to_string())),
+        body,
+    }
 }
 
 async fn serve(
@@ -354,49 +320,30 @@ async fn serve(
     counts: Counts,
     metrics: Arc<Metrics>,
 ) {
-    loop {
-        metrics.conns.room().await;
-        let (mut conn, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                let what = format!("the health check node port of Service {owner}");
-                metrics.conns.accept_failed(&what, &e);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let mut slot = metrics.conns.admit();
-        let (counts, metrics, owner) = (counts.clone(), metrics.clone(), owner.clone());
-        tokio::spawn(async move {
-            // kube-proxy answers any request the same: only that one arrived matters.
-            if slot.read_head(&mut conn).await.is_none() {
-                return;
-            }
-            // The state when the request came, not when the connection did. The family of
-            // the address asked: kube-proxy runs one server per family, each counting that
-            // family's endpoints.
-            let v6 = conn
-                .local_addr()
-                .map(|a| a.ip().to_canonical().is_ipv6())
-                .unwrap_or(false);
-            let count = counts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&owner)
-                .and_then(|c| c[usize::from(v6)])
-                .unwrap_or(0);
-            let healthy = metrics.service_healthy(&owner);
-            let reply = answer(&owner, count, healthy);
-            if let Err(e) = crate::metrics::write_reply(&mut conn, reply.as_bytes()).await {
-                debug!(%peer, "writing a health check reply: {e}");
-            }
-        });
-    }
+    let what = format!("the health check node port of Service {owner}");
+    let conns = metrics.conns.clone();
+    // kube-proxy answers any request the same: only that one arrived matters.
+    crate::http::serve(listener, conns, what, move |_, _, local: SocketAddr| {
+        // The state when the request came, not when the connection did. The family of the
+        // address asked: kube-proxy runs one server per family, each counting that family's
+        // endpoints.
+        let v6 = local.ip().to_canonical().is_ipv6();
+        let count = counts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&owner)
+            .and_then(|c| c[usize::from(v6)])
+            .unwrap_or(0);
+        let healthy = metrics.service_healthy(&owner);
+        std::future::ready(answer(&owner, count, healthy))
+    })
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// On a node with `net.ipv6.bindv6only=1` the port must still answer IPv4 health checks
@@ -445,40 +392,27 @@ mod tests {
     }
 
     #[test]
-    fn dates_are_imf_fixdate() {
-        let at = |s: u64| http_date(std::time::UNIX_EPOCH + Duration::from_secs(s));
-        assert_eq!(at(0), "Thu, 01 Jan 1970 00:00:00 GMT");
-        // RFC 9110's own example.
-        assert_eq!(at(784_111_777), "Sun, 06 Nov 1994 08:49:37 GMT");
-        assert_eq!(at(951_782_400), "Tue, 29 Feb 2000 00:00:00 GMT");
-        assert_eq!(at(1_796_097_789), "Tue, 01 Dec 2026 04:03:09 GMT");
-        assert_eq!(at(4_102_444_799), "Thu, 31 Dec 2099 23:59:59 GMT");
-        let reply = answer_at(
-            "shop/web",
-            1,
-            true,
-            std::time::UNIX_EPOCH + Duration::from_secs(784_111_777),
-        );
-        assert!(
-            reply.contains("\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\n"),
-            "{reply}"
-        );
-    }
-
-    #[test]
     fn the_answer_is_kube_proxys() {
         let ok = answer("shop/web", 2, true);
-        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
-        assert!(ok.contains("X-Load-Balancing-Endpoint-Weight: 2\r\n"));
-        let body = ok.split_once("\r\n\r\n").unwrap().1;
+        assert_eq!(ok.status, StatusCode::OK);
         assert_eq!(
-            body,
+            ok.extra,
+            Some(("x-load-balancing-endpoint-weight", "2".to_string()))
+        );
+        assert_eq!(
+            ok.body,
             "{\n\t\"service\": {\n\t\t\"namespace\": \"shop\",\n\t\t\"name\": \"web\"\n\t},\n\t\"localEndpoints\": 2,\n\t\"serviceProxyHealthy\": true\n}"
         );
-        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&ok.body).unwrap();
         assert_eq!(v["service"]["name"], "web");
-        assert!(answer("shop/web", 0, true).starts_with("HTTP/1.1 503"));
-        assert!(answer("shop/web", 3, false).starts_with("HTTP/1.1 503"));
+        assert_eq!(
+            answer("shop/web", 0, true).status,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            answer("shop/web", 3, false).status,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
     }
 
     async fn get(addr: SocketAddr) -> String {
@@ -534,7 +468,18 @@ mod tests {
         );
         assert!(servers.sync(&wanted).is_empty());
         let at = SocketAddr::from(([127, 0, 0, 1], port));
-        assert!(get(at).await.starts_with("HTTP/1.1 200"));
+        let reply = get(at).await;
+        assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+        // The headers kube-proxy's Go server sends.
+        for h in [
+            "Content-Type: application/json",
+            "X-Content-Type-Options: nosniff",
+            "X-Load-Balancing-Endpoint-Weight: 1",
+            "Connection: close",
+        ] {
+            assert!(reply.contains(&format!("\r\n{h}\r\n")), "{h}: {reply}");
+        }
+        assert!(reply.contains("\r\nDate: "), "{reply}");
         wanted.get_mut("ns/web").unwrap().local_endpoints = [Some(0), None];
         assert!(servers.sync(&wanted).is_empty());
         let reply = get(at).await;

@@ -8,6 +8,7 @@ pub mod error;
 pub mod fault;
 pub mod handover;
 pub mod healthcheck;
+pub mod http;
 pub mod list;
 pub mod metrics;
 pub mod model;

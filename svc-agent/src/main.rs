@@ -398,6 +398,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    svc_agent::fault::setup();
     match Cli::parse().command {
         Command::Run {
             manifests,

@@ -1,8 +1,5 @@
 //! Prometheus metrics and a kube-proxy compatible `/healthz`, served over plain HTTP.
 //!
-//! Two endpoints do not justify a web framework: the server reads one request line, answers,
-//! and closes.
-//!
 //! As kube-proxy, two listeners: the health port (`--healthz-bind-address`, 0.0.0.0:10256 by
 //! default, reachable by the kubelet and load balancers) answers only `/healthz` and `/livez`;
 //! `/metrics`, which tells how many Services and backends the node has and what failed, is
@@ -10,18 +7,28 @@
 //! answers the health paths too.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use hyper::{Method, StatusCode};
 use k8s_openapi::jiff::Timestamp;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    prometheus_text, DescriptorEncoder, EncodeLabelSet, EncodeMetric,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::error::Error;
+use crate::http::{Answer, ConnLimit};
 
 /// Seconds; from a fast incremental sync to a slow cold start.
 const SYNC_BUCKETS: &[f64] = &[
@@ -32,56 +39,242 @@ const LAG_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-#[derive(Debug, Clone)]
-struct Histogram {
-    bounds: &'static [f64],
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
+/// One label's name and value.
+type Label<V> = [(&'static str, V); 1];
+type Labelled<M, V = &'static str> = Family<Label<V>, M>;
+
+/// The metrics the agent records, registered under their names in `registry` in the order
+/// /metrics shows them; the datapath's own counters follow, read at each scrape
+/// (`DatapathCounters`).
+///
+/// prometheus-client appends `_total` to a counter's name and a full stop to each HELP text:
+/// the names below are those of /metrics less `_total`, the texts without their stop.
+#[derive(Debug)]
+struct Recorded {
+    registry: Registry,
+    frontends: Gauge,
+    backends: Gauge,
+    cluster_ips: Gauge,
+    syncs: Counter,
+    sync_seconds: Histogram,
+    event_lag_seconds: Histogram,
+    programming_seconds: Histogram,
+    errors: Labelled<Counter>,
+    map_entries: Labelled<Gauge>,
+    map_capacity: Labelled<Gauge>,
+    failing: Gauge,
+    unserved: Labelled<Gauge>,
+    retiring: Gauge,
+    attached: Gauge,
+    snat_degraded: Gauge,
+    http_open: Gauge,
+    http_max: Gauge,
+    /// `ConnLimit`'s own, kept here for the order of registration.
+    _http_evicted: Counter,
+    repairs: Labelled<Counter>,
+    sweeps: Counter,
+    swept: Counter,
+    sweep_seconds: Counter<f64, AtomicU64>,
+    unmanaged: Labelled<Gauge, String>,
+    drift_ops: Counter,
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Histogram {
-            bounds,
-            counts: vec![0; bounds.len()],
-            sum: 0.0,
-            count: 0,
-        }
-    }
+/// A new metric registered as `name`.
+fn add<M: Metric + Clone + Default>(r: &mut Registry, name: &str, help: &str) -> M {
+    let m = M::default();
+    r.register(name, help, m.clone());
+    m
+}
 
-    fn observe(&mut self, v: f64) {
-        for (i, b) in self.bounds.iter().enumerate() {
-            if v <= *b {
-                self.counts[i] += 1;
-            }
-        }
-        self.sum += v;
-        self.count += 1;
-    }
+/// A new histogram of `buckets` registered as `name`.
+fn histogram(r: &mut Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let h = Histogram::new(buckets.iter().copied());
+    r.register(name, help, h.clone());
+    h
+}
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+impl Recorded {
+    fn new(bpffs: PathBuf, conns: &ConnLimit) -> Recorded {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(DatapathCounters { bpffs }));
+        let recorded = Recorded {
+            frontends: add(&mut r, "svc_frontends_programmed", "Service frontends (ClusterIP, port, protocol) in the datapath"),
+            backends: add(&mut r, "svc_backends_programmed", "Distinct backends (IP, port, protocol) in the datapath"),
+            cluster_ips: add(&mut r, "svc_cluster_ips_programmed", "ClusterIPs known to the datapath"),
+            syncs: add(&mut r, "svc_syncs", "Syncs of the datapath maps"),
+            sync_seconds: histogram(&mut r, "svc_sync_duration_seconds", "Seconds to translate and write one sync", SYNC_BUCKETS),
+            event_lag_seconds: histogram(&mut r, "svc_event_to_datapath_seconds", "Seconds from receiving an API event to the datapath reflecting it", LAG_BUCKETS),
+            programming_seconds: histogram(&mut r, "svc_network_programming_duration_seconds", "Seconds from an EndpointSlice's last-change-trigger-time to the datapath reflecting it", LAG_BUCKETS),
+            errors: add(&mut r, "svc_errors", "Objects skipped and operations failed, by kind"),
+            map_entries: add(&mut r, "svc_map_entries", "Entries the agent keeps in each map"),
+            map_capacity: add(&mut r, "svc_map_capacity", "max_entries of each map"),
+            failing: add(&mut r, "svc_services_failing", "Services that could not be programmed and are retried with backoff"),
+            unserved: add(&mut r, "svc_service_ports_not_served", "Service ports svc does not serve, by protocol"),
+            retiring: add(&mut r, "svc_entries_retiring", "Entries made unreachable, deleted after their grace period"),
+            attached: add(&mut r, "svc_datapath_attached", "1 when the programs are attached"),
+            snat_degraded: add(&mut r, "svc_snat_degraded", "1 when SNAT to remote backends is off because its port range could not be reserved"),
+            http_open: add(&mut r, "svc_http_connections", "Connections to the agent's HTTP servers that wait for their request"),
+            http_max: add(&mut r, "svc_http_connections_max", "The most connections the HTTP servers keep waiting for a request"),
+            _http_evicted: {
+                let c = conns.evicted.clone();
+                r.register("svc_http_connections_evicted", "Connections the HTTP servers closed unanswered to make room or free file descriptors", c.clone());
+                c
+            },
+            repairs: add(&mut r, "svc_datapath_repairs", "Pins or links found missing and put back"),
+            sweeps: add(&mut r, "svc_conntrack_sweeps", "Sweeps of the connection-tracking tables for dead flows"),
+            swept: add(&mut r, "svc_conntrack_swept_entries", "Connection-tracking entries of dead flows that the sweeps removed"),
+            sweep_seconds: add(&mut r, "svc_conntrack_sweep_seconds", "Seconds the sweeps' program ran, as the kernel measured it"),
+            unmanaged: add(&mut r, "svc_flows_via_unmanaged_device", "Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check"),
+            drift_ops: add(&mut r, "svc_drift_repaired_ops", "Map writes that repaired a difference between the maps and what was programmed"),
+            registry: r,
+        };
+        // Shown at 0 too: the one protocol svc does not serve.
+        recorded
+            .unserved
+            .get_or_create(&[("protocol", "SCTP")])
+            .set(0);
+        recorded
+    }
+}
+
+/// A count as a gauge's value.
+fn int(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The datapath's own counters, read from their pinned maps at each scrape. Where they come
+/// from is `read_datapath`'s alone; this encodes what it returns.
+#[derive(Debug)]
+struct DatapathCounters {
+    bpffs: PathBuf,
+}
+
+/// The datapath's counters at one scrape: the socket programs' decisions, and the packet
+/// datapath's (None where a map cannot be read, as before the first load).
+struct DatapathCounts {
+    decisions: Option<Vec<(&'static str, u64)>>,
+    packet: Option<crate::datapath::PacketStats>,
+}
+
+fn read_datapath(bpffs: &Path) -> DatapathCounts {
+    let decisions = crate::datapath::read_stats(bpffs)
+        .map_err(|e| debug!("datapath counters unavailable: {e}"))
+        .ok();
+    let packet = crate::datapath::read_packet_stats(bpffs)
+        .map_err(|e| debug!("packet datapath counters unavailable: {e}"))
+        .ok();
+    DatapathCounts { decisions, packet }
+}
+
+/// `value` under `name`, one sample per label set in `samples`.
+fn encode_samples<L: EncodeLabelSet, M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (L, M)>,
+    metric_type: MetricType,
+) -> std::fmt::Result {
+    let mut e = encoder.encode_descriptor(name, help, None, metric_type)?;
+    for (labels, m) in samples {
+        m.encode(e.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// One unlabelled gauge.
+fn encode_gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> std::fmt::Result {
+    let g = ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX));
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl Collector for DatapathCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let counts = read_datapath(&self.bpffs);
+        let e = &mut encoder;
+        if let Some(decisions) = counts.decisions {
+            encode_samples(
+                e,
+                "svc_datapath_decisions",
+                "Decisions of the socket programs, by reason.",
+                decisions
+                    .into_iter()
+                    .map(|(reason, v)| ([("reason", reason)], ConstCounter::new(v))),
+                MetricType::Counter,
+            )?;
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+        let Some(p) = counts.packet else {
+            return Ok(());
+        };
+        // By name in the agent's network namespace, the ifindex when the device is gone.
+        encode_samples(
+            e,
+            "svc_packet_decisions",
+            "Decisions of the tc programs, by device and reason (drops and rejects included).",
+            p.devices.iter().map(|(ifindex, reason, v)| {
+                let device = crate::netdev::ifname(*ifindex).unwrap_or_else(|| ifindex.to_string());
+                (
+                    [("device", device), ("reason", reason.to_string())],
+                    ConstCounter::new(*v),
+                )
+            }),
+            MetricType::Counter,
+        )?;
+        encode_gauge(
+            e,
+            "svc_conntrack_entries",
+            "Entries in the assured flows' connection-tracking table.",
+            p.ct_entries,
+        )?;
+        encode_gauge(
+            e,
+            "svc_conntrack_capacity",
+            "max_entries of the assured flows' connection-tracking table (--max-ct).",
+            p.ct_capacity.into(),
+        )?;
+        encode_gauge(
+            e,
+            "svc_conntrack_unassured_entries",
+            "Entries in the unassured flows' connection-tracking table.",
+            p.ct_new_entries,
+        )?;
+        encode_gauge(
+            e,
+            "svc_conntrack_unassured_capacity",
+            "max_entries of the unassured flows' table.",
+            p.ct_new_capacity.into(),
+        )?;
+        encode_samples(
+            e,
+            "svc_conntrack_flows",
+            "Live flows tracked, by whether they are SNATed.",
+            [
+                ("true", p.snat_flows),
+                ("false", p.flows.saturating_sub(p.snat_flows)),
+            ]
+            .map(|(snat, v)| {
+                (
+                    [("snat", snat)],
+                    ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)),
+                )
+            }),
+            MetricType::Gauge,
+        )?;
+        encode_gauge(
+            e,
+            "svc_snat_ports_in_use_max",
+            "The most SNAT ports one node address holds towards one backend for live flows.",
+            p.snat_ports_max,
+        )
     }
 }
 
 #[derive(Debug)]
 struct Inner {
-    syncs: u64,
-    sync_seconds: Histogram,
-    event_lag_seconds: Histogram,
-    programming_seconds: Histogram,
-    errors: BTreeMap<&'static str, u64>,
-    frontends: usize,
-    backends: usize,
-    cluster_ips: usize,
-    /// Map name to (entries the agent wrote, capacity).
-    maps: BTreeMap<&'static str, (usize, u32)>,
     last_synced: Option<Timestamp>,
     /// Since when a change has waited to be programmed.
     queued_since: Option<Instant>,
@@ -93,21 +286,11 @@ struct Inner {
     /// Service ports not served (SCTP): named on /healthz without failing it.
     unserved: Vec<String>,
     node_failing: bool,
-    /// Entries waiting out their grace period before deletion.
-    retiring: usize,
     attached: bool,
-    /// Pins or links put back after someone removed them, by what.
-    repairs: BTreeMap<&'static str, u64>,
     /// The last repair attempt left the datapath incomplete.
     datapath_broken: bool,
-    /// Map entries rewritten because the maps differed from what was programmed.
-    drift_ops: u64,
     /// The sync loop's last turn.
     alive: Option<Instant>,
-    /// Connection-tracking sweeps run, the entries they removed, and their time.
-    sweeps: u64,
-    swept: u64,
-    sweep_seconds: f64,
     /// Live SNATed flows per device their backend is routed through, for devices without
     /// svc's programs (their replies come back untranslated), as the last drift check found.
     unmanaged: BTreeMap<String, u64>,
@@ -127,9 +310,9 @@ fn first_five(names: &[String]) -> String {
 /// Shared between the sync loop, which records, and the HTTP server, which reads.
 #[derive(Debug)]
 pub struct Metrics {
+    /// What /healthz and the health check node ports answer from.
     inner: Mutex<Inner>,
-    /// Where the per-CPU decision counters are pinned.
-    bpffs: PathBuf,
+    recorded: Recorded,
     /// A queued change older than this makes /healthz fail, as kube-proxy's healthTimeout.
     health_timeout: Duration,
     /// The connections of every HTTP server of the agent.
@@ -164,38 +347,24 @@ pub struct Programmed {
 
 impl Metrics {
     pub fn new(bpffs: PathBuf, health_timeout: Duration) -> Arc<Metrics> {
+        let conns = Arc::new(ConnLimit::for_this_process());
         Arc::new(Metrics {
             inner: Mutex::new(Inner {
-                syncs: 0,
-                sync_seconds: Histogram::new(SYNC_BUCKETS),
-                event_lag_seconds: Histogram::new(LAG_BUCKETS),
-                programming_seconds: Histogram::new(LAG_BUCKETS),
-                errors: BTreeMap::new(),
-                frontends: 0,
-                backends: 0,
-                cluster_ips: 0,
-                maps: BTreeMap::new(),
                 last_synced: None,
                 queued_since: None,
                 unsynced_since: None,
                 failing: Vec::new(),
                 unserved: Vec::new(),
                 node_failing: false,
-                retiring: 0,
                 attached: false,
-                repairs: BTreeMap::new(),
                 datapath_broken: false,
-                drift_ops: 0,
                 alive: None,
-                sweeps: 0,
-                swept: 0,
-                sweep_seconds: 0.0,
                 snat_degraded: None,
                 unmanaged: BTreeMap::new(),
             }),
-            bpffs,
+            recorded: Recorded::new(bpffs, &conns),
             health_timeout,
-            conns: Arc::new(ConnLimit::new(conn_cap(nofile_soft()))),
+            conns,
         })
     }
 
@@ -205,23 +374,19 @@ impl Metrics {
     }
 
     pub fn error(&self, e: &Error) {
-        *self.lock().errors.entry(e.kind()).or_default() += 1;
+        self.error_kind(e.kind());
     }
 
     /// A connection-tracking sweep removed `removed` entries in `took`.
     pub fn swept(&self, removed: u32, took: Duration) {
-        let mut i = self.lock();
-        i.sweeps += 1;
-        i.swept += u64::from(removed);
-        i.sweep_seconds += took.as_secs_f64();
+        let r = &self.recorded;
+        r.sweeps.inc();
+        r.swept.inc_by(removed.into());
+        r.sweep_seconds.inc_by(took.as_secs_f64());
     }
 
     pub fn error_kind(&self, kind: &'static str) {
-        *self.lock().errors.entry(kind).or_default() += 1;
-    }
-
-    pub fn errors_total(&self) -> u64 {
-        self.lock().errors.values().sum()
+        self.recorded.errors.get_or_create(&[("kind", kind)]).inc();
     }
 
     /// A change arrived that is not programmed yet.
@@ -232,9 +397,9 @@ impl Metrics {
     }
 
     pub fn synced(&self, took: Duration, state: Programmed) {
+        self.recorded.syncs.inc();
+        self.recorded.sync_seconds.observe(took.as_secs_f64());
         let mut i = self.lock();
-        i.syncs += 1;
-        i.sync_seconds.observe(took.as_secs_f64());
         i.last_synced = Some(Timestamp::now());
         i.unsynced_since = None;
         // A change that failed has not landed: it keeps waiting.
@@ -247,17 +412,26 @@ impl Metrics {
 
     /// What is programmed now (after a sync or upkeep).
     pub fn state(&self, state: Programmed) {
-        let mut i = self.lock();
-        i.frontends = state.frontends;
-        i.backends = state.backends;
-        i.cluster_ips = state.cluster_ips;
+        let r = &self.recorded;
+        r.frontends.set(int(state.frontends));
+        r.backends.set(int(state.backends));
+        r.cluster_ips.set(int(state.cluster_ips));
         for (name, used, cap) in state.maps {
-            i.maps.insert(name, (used, cap));
+            r.map_entries.get_or_create(&[("map", name)]).set(int(used));
+            r.map_capacity
+                .get_or_create(&[("map", name)])
+                .set(cap.into());
         }
+        r.failing.set(int(state.failing.len()));
+        r.unserved
+            .get_or_create(&[("protocol", "SCTP")])
+            .set(int(state.unserved.len()));
+        r.retiring.set(int(state.retiring));
+        r.attached.set(state.attached.into());
+        let mut i = self.lock();
         i.failing = state.failing;
         i.unserved = state.unserved;
         i.node_failing = state.node_failing;
-        i.retiring = state.retiring;
         i.attached = state.attached;
     }
 
@@ -267,13 +441,14 @@ impl Metrics {
     }
 
     pub fn repaired(&self, what: &'static str) {
-        *self.lock().repairs.entry(what).or_default() += 1;
+        self.recorded.repairs.get_or_create(&[("what", what)]).inc();
     }
 
     /// SNAT is off, for this reason (None: on). A problem of /healthz, which load balancers
     /// of externalTrafficPolicy Cluster Services probe: this node cannot forward to remote
     /// backends. Not of the health check node ports, whose Services go to local endpoints only.
     pub fn snat_degraded(&self, why: Option<String>) {
+        self.recorded.snat_degraded.set(why.is_some().into());
         self.lock().snat_degraded = why;
     }
 
@@ -283,22 +458,29 @@ impl Metrics {
 
     /// The devices without svc's programs that live SNATed flows leave by, with their flows.
     pub fn unmanaged_devices(&self, flows: BTreeMap<String, u64>) {
+        let unmanaged = &self.recorded.unmanaged;
+        unmanaged.clear();
+        for (device, n) in &flows {
+            unmanaged
+                .get_or_create(&[("device", device.clone())])
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
+        }
         self.lock().unmanaged = flows;
     }
 
     pub fn drift(&self, ops: usize) {
-        self.lock().drift_ops += ops as u64;
+        self.recorded.drift_ops.inc_by(ops as u64);
     }
 
     /// From the agent receiving an event to the datapath reflecting it.
     pub fn event_lag(&self, d: Duration) {
-        self.lock().event_lag_seconds.observe(d.as_secs_f64());
+        self.recorded.event_lag_seconds.observe(d.as_secs_f64());
     }
 
     /// From the change in the cluster (EndpointSlice's last-change-trigger-time) to the
     /// datapath reflecting it: kube-proxy's network programming latency.
     pub fn programming_latency(&self, d: Duration) {
-        self.lock().programming_seconds.observe(d.as_secs_f64());
+        self.recorded.programming_seconds.observe(d.as_secs_f64());
     }
 
     /// kube-proxy's rule: healthy unless a change has waited longer than the timeout, and
@@ -394,164 +576,18 @@ impl Metrics {
         (h.ok, h.last_synced)
     }
 
+    /// /metrics, in the Prometheus text format (0.0.4).
     pub fn render(&self) -> String {
+        let r = &self.recorded;
+        let c = self.conns.counts();
+        r.http_open.set(int(c.open));
+        r.http_max.set(int(self.conns.cap));
         let mut out = String::new();
-        {
-            let i = self.lock();
-            let gauge = |out: &mut String, name: &str, help: &str, v: usize| {
-                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-            };
-            gauge(
-                &mut out,
-                "svc_frontends_programmed",
-                "Service frontends (ClusterIP, port, protocol) in the datapath.",
-                i.frontends,
-            );
-            gauge(
-                &mut out,
-                "svc_backends_programmed",
-                "Distinct backends (IP, port, protocol) in the datapath.",
-                i.backends,
-            );
-            gauge(
-                &mut out,
-                "svc_cluster_ips_programmed",
-                "ClusterIPs known to the datapath.",
-                i.cluster_ips,
-            );
-            let _ = writeln!(out, "# HELP svc_syncs_total Syncs of the datapath maps.\n# TYPE svc_syncs_total counter\nsvc_syncs_total {}", i.syncs);
-            i.sync_seconds.render(
-                &mut out,
-                "svc_sync_duration_seconds",
-                "Seconds to translate and write one sync.",
-            );
-            i.event_lag_seconds.render(
-                &mut out,
-                "svc_event_to_datapath_seconds",
-                "Seconds from receiving an API event to the datapath reflecting it.",
-            );
-            i.programming_seconds.render(
-                &mut out,
-                "svc_network_programming_duration_seconds",
-                "Seconds from an EndpointSlice's last-change-trigger-time to the datapath reflecting it.",
-            );
-            let _ = writeln!(out, "# HELP svc_errors_total Objects skipped and operations failed, by kind.\n# TYPE svc_errors_total counter");
-            for (k, v) in &i.errors {
-                let _ = writeln!(out, "svc_errors_total{{kind=\"{k}\"}} {v}");
-            }
-            let _ = writeln!(out, "# HELP svc_map_entries Entries the agent keeps in each map.\n# TYPE svc_map_entries gauge");
-            for (m, (used, _)) in &i.maps {
-                let _ = writeln!(out, "svc_map_entries{{map=\"{m}\"}} {used}");
-            }
-            let _ = writeln!(
-                out,
-                "# HELP svc_map_capacity max_entries of each map.\n# TYPE svc_map_capacity gauge"
-            );
-            for (m, (_, cap)) in &i.maps {
-                let _ = writeln!(out, "svc_map_capacity{{map=\"{m}\"}} {cap}");
-            }
-            gauge(
-                &mut out,
-                "svc_services_failing",
-                "Services that could not be programmed and are retried with backoff.",
-                i.failing.len(),
-            );
-            let _ = writeln!(
-                out,
-                "# HELP svc_service_ports_not_served Service ports svc does not serve, by protocol.\n\
-                 # TYPE svc_service_ports_not_served gauge\n\
-                 svc_service_ports_not_served{{protocol=\"SCTP\"}} {}",
-                i.unserved.len()
-            );
-            gauge(
-                &mut out,
-                "svc_entries_retiring",
-                "Entries made unreachable, deleted after their grace period.",
-                i.retiring,
-            );
-            gauge(
-                &mut out,
-                "svc_datapath_attached",
-                "1 when the programs are attached.",
-                usize::from(i.attached),
-            );
-            gauge(
-                &mut out,
-                "svc_snat_degraded",
-                "1 when SNAT to remote backends is off because its port range could not be reserved.",
-                usize::from(i.snat_degraded.is_some()),
-            );
-            let c = self.conns.counts();
-            gauge(
-                &mut out,
-                "svc_http_connections",
-                "Connections to the agent's HTTP servers that wait for their request.",
-                c.open,
-            );
-            gauge(
-                &mut out,
-                "svc_http_connections_max",
-                "The most connections the HTTP servers keep waiting for a request.",
-                self.conns.cap,
-            );
-            let _ = writeln!(out, "# HELP svc_http_connections_evicted_total Connections the HTTP servers closed unanswered to make room or free file descriptors.\n# TYPE svc_http_connections_evicted_total counter\nsvc_http_connections_evicted_total {}", c.evicted);
-            let _ = writeln!(out, "# HELP svc_datapath_repairs_total Pins or links found missing and put back.\n# TYPE svc_datapath_repairs_total counter");
-            for (k, v) in &i.repairs {
-                let _ = writeln!(out, "svc_datapath_repairs_total{{what=\"{k}\"}} {v}");
-            }
-            let _ = writeln!(out, "# HELP svc_conntrack_sweeps_total Sweeps of the connection-tracking tables for dead flows.\n# TYPE svc_conntrack_sweeps_total counter\nsvc_conntrack_sweeps_total {}", i.sweeps);
-            let _ = writeln!(out, "# HELP svc_conntrack_swept_entries_total Connection-tracking entries of dead flows that the sweeps removed.\n# TYPE svc_conntrack_swept_entries_total counter\nsvc_conntrack_swept_entries_total {}", i.swept);
-            let _ = writeln!(out, "# HELP svc_conntrack_sweep_seconds_total Seconds the sweeps' program ran, as the kernel measured it.\n# TYPE svc_conntrack_sweep_seconds_total counter\nsvc_conntrack_sweep_seconds_total {}", i.sweep_seconds);
-            let _ = writeln!(out, "# HELP svc_flows_via_unmanaged_device Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check.\n# TYPE svc_flows_via_unmanaged_device gauge");
-            for (device, flows) in &i.unmanaged {
-                let _ = writeln!(
-                    out,
-                    "svc_flows_via_unmanaged_device{{device=\"{device}\"}} {flows}"
-                );
-            }
-            let _ = writeln!(out, "# HELP svc_drift_repaired_ops_total Map writes that repaired a difference between the maps and what was programmed.\n# TYPE svc_drift_repaired_ops_total counter\nsvc_drift_repaired_ops_total {}", i.drift_ops);
-        }
-        match crate::datapath::read_stats(&self.bpffs) {
-            Ok(stats) => {
-                let _ = writeln!(out, "# HELP svc_datapath_decisions_total Decisions of the socket programs, by reason.\n# TYPE svc_datapath_decisions_total counter");
-                for (name, v) in stats {
-                    let _ = writeln!(out, "svc_datapath_decisions_total{{reason=\"{name}\"}} {v}");
-                }
-            }
-            Err(e) => debug!("datapath counters unavailable: {e}"),
-        }
-        match crate::datapath::read_packet_stats(&self.bpffs) {
-            Ok(p) => render_packet(&mut out, &p),
-            Err(e) => debug!("packet datapath counters unavailable: {e}"),
+        if let Err(e) = prometheus_text::encode(&mut out, &r.registry) {
+            debug!("encoding /metrics: {e}");
         }
         out
     }
-}
-
-/// The packet datapath's counters per device (by name in the agent's network namespace,
-/// the ifindex when the device is gone) and its connection tracking.
-fn render_packet(out: &mut String, p: &crate::datapath::PacketStats) {
-    let _ = writeln!(out, "# HELP svc_packet_decisions_total Decisions of the tc programs, by device and reason (drops and rejects included).\n# TYPE svc_packet_decisions_total counter");
-    for (ifindex, reason, v) in &p.devices {
-        let device = crate::netdev::ifname(*ifindex).unwrap_or_else(|| ifindex.to_string());
-        let _ = writeln!(
-            out,
-            "svc_packet_decisions_total{{device=\"{device}\",reason=\"{reason}\"}} {v}"
-        );
-    }
-    let _ = writeln!(out, "# HELP svc_conntrack_entries Entries in the assured flows' connection-tracking table.\n# TYPE svc_conntrack_entries gauge\nsvc_conntrack_entries {}", p.ct_entries);
-    let _ = writeln!(out, "# HELP svc_conntrack_capacity max_entries of the assured flows' connection-tracking table (--max-ct).\n# TYPE svc_conntrack_capacity gauge\nsvc_conntrack_capacity {}", p.ct_capacity);
-    let _ = writeln!(out, "# HELP svc_conntrack_unassured_entries Entries in the unassured flows' connection-tracking table.\n# TYPE svc_conntrack_unassured_entries gauge\nsvc_conntrack_unassured_entries {}", p.ct_new_entries);
-    let _ = writeln!(out, "# HELP svc_conntrack_unassured_capacity max_entries of the unassured flows' table.\n# TYPE svc_conntrack_unassured_capacity gauge\nsvc_conntrack_unassured_capacity {}", p.ct_new_capacity);
-    let _ = writeln!(out, "# HELP svc_conntrack_flows Live flows tracked, by whether they are SNATed.\n# TYPE svc_conntrack_flows gauge\nsvc_conntrack_flows{{snat=\"true\"}} {}\nsvc_conntrack_flows{{snat=\"false\"}} {}", p.snat_flows, p.flows - p.snat_flows);
-    let _ = writeln!(out, "# HELP svc_snat_ports_in_use_max The most SNAT ports one node address holds towards one backend for live flows.\n# TYPE svc_snat_ports_in_use_max gauge\nsvc_snat_ports_in_use_max {}", p.snat_ports_max);
-}
-
-fn response(status: &str, content_type: &str, body: &str) -> String {
-    format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
 }
 
 /// Which paths a listener answers; every other path is 404 there.
@@ -573,12 +609,12 @@ impl Port {
     }
 }
 
-fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
+fn answer(metrics: &Metrics, port: Port, path: &str) -> Answer {
     match path {
-        "/metrics" if port == Port::Metrics => response(
-            "200 OK",
+        "/metrics" if port == Port::Metrics => Answer::new(
+            StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            &metrics.render(),
+            metrics.render(),
         ),
         "/healthz" | "/livez" => {
             let h = metrics.health();
@@ -594,295 +630,53 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> String {
                 serde_json::to_string(&h.problems).unwrap_or_else(|_| "[]".into())
             );
             let status = if ok {
-                "200 OK"
+                StatusCode::OK
             } else {
-                "503 Service Unavailable"
+                StatusCode::SERVICE_UNAVAILABLE
             };
-            response(status, "application/json", &body)
+            Answer::new(status, "application/json", body)
         }
-        _ => response("404 Not Found", "text/plain", "not found\n"),
+        _ => Answer::new(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
 }
+
+pub use crate::http::bind;
 
 /// Serves /metrics and /healthz until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
-    loop {
-        metrics.conns.room().await;
-        let (mut conn, peer) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                metrics
-                    .conns
-                    .accept_failed(&format!("the {port:?} port"), &e);
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+    let conns = metrics.conns.clone();
+    let what = format!("the {port:?} port");
+    crate::http::serve(Arc::new(listener), conns, what, move |method, path, _| {
         let metrics = metrics.clone();
-        let mut slot = metrics.conns.admit();
-        tokio::spawn(async move {
-            let Some(head) = slot.read_head(&mut conn).await else {
-                return;
-            };
-            let head = String::from_utf8_lossy(&head);
-            let mut parts = head.split_whitespace();
-            let reply = match (parts.next(), parts.next()) {
-                (Some("GET"), Some(path)) => {
-                    // Off the runtime's one thread: a scrape walks the connection-tracking
-                    // map (tens of ms when full), which must not hold up the sync.
-                    let (metrics, path) = (
-                        metrics.clone(),
-                        path.split('?').next().unwrap_or("").to_owned(),
-                    );
-                    tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
-                        .await
-                        .unwrap_or_else(|e| {
-                            response("500 Internal Server Error", "text/plain", &format!("{e}\n"))
-                        })
-                }
-                _ => response("405 Method Not Allowed", "text/plain", "GET only\n"),
-            };
-            if let Err(e) = write_reply(&mut conn, reply.as_bytes()).await {
-                debug!(%peer, "writing a metrics reply: {e}");
+        async move {
+            if method != Method::GET {
+                return Answer::new(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
             }
-        });
-    }
-}
-
-/// How long a client may take to send its request, and to take the reply: a client that
-/// stalls must not hold a connection (a file descriptor) for long.
-pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Writes `reply`, giving up after `IO_TIMEOUT`.
-pub(crate) async fn write_reply(
-    conn: &mut tokio::net::TcpStream,
-    reply: &[u8],
-) -> std::io::Result<()> {
-    tokio::time::timeout(IO_TIMEOUT, conn.write_all(reply))
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-}
-
-/// The start of an HTTP request, up to the end of its headers or 4 KiB, whichever comes first
-/// (only the request line matters to these servers); `None` when the client stalls for
-/// `IO_TIMEOUT` or the read fails.
-pub(crate) async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
-    let mut buf = vec![0u8; 4096];
-    let mut len = 0;
-    let read = tokio::time::timeout(IO_TIMEOUT, async {
-        while len < buf.len() {
-            let n = conn.read(&mut buf[len..]).await?;
-            if n == 0 {
-                break;
-            }
-            len += n;
-            if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                break;
-            }
+            // Off the runtime's one thread: a scrape walks the connection-tracking map (tens
+            // of ms when full), which must not hold up the sync.
+            tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
+                .await
+                .unwrap_or_else(|e| {
+                    Answer::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "text/plain",
+                        format!("{e}\n"),
+                    )
+                })
         }
-        Ok::<_, std::io::Error>(())
     })
-    .await;
-    matches!(read, Ok(Ok(()))).then(|| {
-        buf.truncate(len);
-        buf
-    })
-}
-
-/// File descriptors kept from the HTTP servers for the agent's own work: its maps, programs
-/// and links, netlink, the API connection, manifest files, a datapath repair.
-const FD_RESERVE: u64 = 256;
-/// More connections than a node's health checkers ever hold at once.
-const CONN_CAP_MAX: u64 = 1024;
-
-/// RLIMIT_NOFILE's soft limit now (1,024 if it cannot be read).
-pub fn nofile_soft() -> u64 {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
-        return 1024;
-    }
-    r.rlim_cur
-}
-
-/// How many connections the HTTP servers keep open under a soft file limit of `soft`: what
-/// the limit leaves beside `FD_RESERVE`, at most `CONN_CAP_MAX`, at least 16.
-pub fn conn_cap(soft: u64) -> usize {
-    soft.saturating_sub(FD_RESERVE).clamp(16, CONN_CAP_MAX) as usize
-}
-
-/// The connections of every HTTP server of the agent (health, metrics, health check node
-/// ports) that wait for their request; they share the agent's file descriptors. Past `cap`, a
-/// new connection closes the oldest waiting one rather than wait or be refused: a health
-/// checker sends its request at once and is answered in a moment, so slow or idle clients,
-/// however many, are the ones that lose their slot, and a flood of them can starve neither
-/// the checkers nor the agent's own work of descriptors.
-#[derive(Debug)]
-pub struct ConnLimit {
-    pub cap: usize,
-    inner: Mutex<Conns>,
-}
-
-#[derive(Debug, Default)]
-struct Conns {
-    next: u64,
-    /// By age: each open connection's signal to close.
-    open: BTreeMap<u64, Arc<tokio::sync::Notify>>,
-    /// Connections told to close whose tasks have not dropped them yet: their descriptors
-    /// are still held.
-    closing: usize,
-    evicted: u64,
-    /// The last accept error logged, and those not logged since.
-    warned: Option<Instant>,
-    unlogged: u64,
-}
-
-/// What `/metrics` shows of the connections.
-pub struct ConnCounts {
-    pub open: usize,
-    pub evicted: u64,
-}
-
-impl ConnLimit {
-    pub fn new(cap: usize) -> ConnLimit {
-        ConnLimit {
-            cap: cap.max(1),
-            inner: Mutex::default(),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Conns> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Returns once the connections told to close have let go of their descriptors, before
-    /// the next accept: on the runtime's one thread those closes wait for their tasks, and an
-    /// accept loop that ran ahead of them would hold more descriptors than the cap.
-    pub async fn room(&self) {
-        loop {
-            {
-                let c = self.lock();
-                if c.closing == 0 || c.open.len() + c.closing < self.cap {
-                    return;
-                }
-            }
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// A slot for a connection just accepted, closing the oldest one when all are taken.
-    pub fn admit(self: &Arc<Self>) -> ConnSlot {
-        let mut c = self.lock();
-        while c.open.len() >= self.cap {
-            self.evict_oldest(&mut c);
-        }
-        let id = c.next;
-        c.next += 1;
-        let close = Arc::new(tokio::sync::Notify::new());
-        c.open.insert(id, close.clone());
-        ConnSlot {
-            limit: self.clone(),
-            id,
-            close,
-            counted: true,
-        }
-    }
-
-    fn evict_oldest(&self, c: &mut Conns) {
-        if let Some((_, close)) = c.open.pop_first() {
-            // A permit is kept if the connection's task has not started waiting yet.
-            close.notify_one();
-            c.closing += 1;
-            c.evicted += 1;
-        }
-    }
-
-    /// An accept that failed: when for want of descriptors, the oldest connection is closed
-    /// to make room. Logged at most every 10 s, with how many went unlogged.
-    pub fn accept_failed(&self, server: &str, e: &std::io::Error) {
-        let mut c = self.lock();
-        if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-            self.evict_oldest(&mut c);
-        }
-        if c.warned
-            .is_some_and(|t| t.elapsed() < Duration::from_secs(10))
-        {
-            c.unlogged += 1;
-            return;
-        }
-        let unlogged = std::mem::take(&mut c.unlogged);
-        c.warned = Some(Instant::now());
-        drop(c);
-        warn!(
-            open = self.counts().open,
-            "accepting on {server}: {e} ({unlogged} more such errors since the last report)"
-        );
-    }
-
-    pub fn counts(&self) -> ConnCounts {
-        let c = self.lock();
-        ConnCounts {
-            open: c.open.len(),
-            evicted: c.evicted,
-        }
-    }
-}
-
-/// One connection's place among `ConnLimit`'s; freed when dropped.
-pub struct ConnSlot {
-    limit: Arc<ConnLimit>,
-    id: u64,
-    close: Arc<tokio::sync::Notify>,
-    /// Still among `open`, or among `closing` once evicted.
-    counted: bool,
-}
-
-impl ConnSlot {
-    /// Leaves the count: `open` if still there, else `closing` (it was evicted).
-    fn uncount(&mut self) {
-        if std::mem::take(&mut self.counted) {
-            let mut c = self.limit.lock();
-            if c.open.remove(&self.id).is_none() {
-                c.closing = c.closing.saturating_sub(1);
-            }
-        }
-    }
-}
-
-impl ConnSlot {
-    /// The request's head (`read_head`), unless the slot is taken back first. A connection
-    /// whose request has come leaves the cap: it is answered at once, and its reply bounded
-    /// by `IO_TIMEOUT`.
-    pub async fn read_head(&mut self, conn: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
-        let head = tokio::select! {
-            biased;
-            head = read_head(conn) => head?,
-            () = self.close.notified() => return None,
-        };
-        self.uncount();
-        Some(head)
-    }
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        self.uncount();
-    }
-}
-
-/// Binds an address for `serve`, naming it in the error.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::Other(format!("binding {addr}: {e}")))
+    .await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a client of `port` asking for `path` reads: status line, then the body.
+    fn got(m: &Metrics, port: Port, path: &str) -> String {
+        let a = answer(m, port, path);
+        format!("HTTP/1.1 {}\r\n\r\n{}", a.status, a.body)
+    }
 
     #[test]
     fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
@@ -899,7 +693,7 @@ mod tests {
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
         m.synced(
             Duration::from_millis(1),
             Programmed {
@@ -907,7 +701,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         // A Service that cannot be programmed makes the node unhealthy at once, and says
         // which; /livez stays up (a restart would not help).
         m.synced(
@@ -918,10 +712,10 @@ mod tests {
                 ..Default::default()
             },
         );
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("ns/big"), "{reply}");
-        assert!(answer(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
     }
 
     /// Node addresses that cannot be written leave NodePorts unanswered on this node: /healthz
@@ -936,12 +730,12 @@ mod tests {
             ..Default::default()
         };
         m.synced(Duration::from_millis(1), state(true));
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("SVC_NODE_ADDRS"), "{reply}");
         assert!(!m.service_healthy("shop/web"));
         m.synced(Duration::from_millis(1), state(false));
-        assert!(answer(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         assert!(m.service_healthy("shop/web"));
     }
 
@@ -958,7 +752,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(
             reply.contains(
@@ -968,7 +762,7 @@ mod tests {
             "{reply}"
         );
         assert!(m.service_healthy("demo/diameter"));
-        let metrics = answer(&m, Port::Metrics, "/metrics");
+        let metrics = got(&m, Port::Metrics, "/metrics");
         assert!(
             metrics.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 1\n"),
             "{metrics}"
@@ -980,7 +774,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(!answer(&m, Port::Health, "/healthz").contains("SCTP"));
+        assert!(!got(&m, Port::Health, "/healthz").contains("SCTP"));
     }
 
     /// Flows leaving by a device without svc's programs are a gauge per device and a line of
@@ -996,7 +790,7 @@ mod tests {
             },
         );
         m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
-        let reply = answer(&m, Port::Health, "/healthz");
+        let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(
             reply.contains("leave by eth1") && reply.contains("--devices"),
@@ -1008,7 +802,7 @@ mod tests {
             "{text}"
         );
         m.unmanaged_devices(BTreeMap::new());
-        assert!(!answer(&m, Port::Health, "/healthz").contains("eth1"));
+        assert!(!got(&m, Port::Health, "/healthz").contains("eth1"));
         assert!(!m.render().contains("device=\"eth1\""));
     }
 
@@ -1022,13 +816,13 @@ mod tests {
                 ..Default::default()
             },
         );
-        let status = |port, path| answer(&m, port, path)[..12].to_string();
+        let status = |port, path| got(&m, port, path)[..12].to_string();
         for path in ["/healthz", "/livez"] {
             assert_eq!(status(Port::Health, path), "HTTP/1.1 200", "{path}");
             assert_eq!(status(Port::Metrics, path), "HTTP/1.1 200", "{path}");
         }
         assert_eq!(status(Port::Health, "/metrics"), "HTTP/1.1 404");
-        let metrics = answer(&m, Port::Metrics, "/metrics");
+        let metrics = got(&m, Port::Metrics, "/metrics");
         assert!(metrics.starts_with("HTTP/1.1 200"));
         assert!(metrics.contains("svc_frontends_programmed 0"));
         assert_eq!(status(Port::Metrics, "/debug/pprof"), "HTTP/1.1 404");
@@ -1037,6 +831,7 @@ mod tests {
     /// Through a real socket: what a client of each listener gets.
     #[tokio::test]
     async fn serve_keeps_metrics_off_the_health_listener() {
+        use std::net::SocketAddr;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
@@ -1090,52 +885,6 @@ mod tests {
         assert!(text.contains("svc_map_capacity{map=\"SVC_SERVICES\"} 100"));
     }
 
-    /// The cap leaves the agent its reserve under a container's 1,024 and stays bounded under a
-    /// raised limit.
-    #[test]
-    fn the_connection_cap_follows_the_file_limit() {
-        assert_eq!(conn_cap(1024), 768);
-        assert_eq!(conn_cap(65_536), 1024);
-        assert_eq!(conn_cap(100), 16);
-    }
-
-    /// Past the cap the oldest waiting connection is told to close, and a connection whose
-    /// request has come no longer counts.
-    #[tokio::test]
-    async fn past_the_cap_the_oldest_waiting_connection_goes() {
-        let limit = Arc::new(ConnLimit::new(2));
-        let oldest = limit.admit();
-        let _second = limit.admit();
-        let _third = limit.admit();
-        tokio::time::timeout(Duration::from_secs(1), oldest.close.notified())
-            .await
-            .expect("the oldest connection is told to close");
-        let c = limit.counts();
-        assert_eq!((c.open, c.evicted), (2, 1));
-        // Its descriptor is held until its task drops it: the next accept waits for that.
-        assert_eq!(limit.lock().closing, 1);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(50), limit.room())
-                .await
-                .is_err()
-        );
-        drop(oldest);
-        assert_eq!(limit.lock().closing, 0);
-        assert_eq!(limit.counts().open, 2);
-        limit.room().await;
-
-        // A connection that has sent its request leaves the cap at once.
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let at = listener.local_addr().unwrap();
-        let mut client = tokio::net::TcpStream::connect(at).await.unwrap();
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        let (mut conn, _) = listener.accept().await.unwrap();
-        let limit = Arc::new(ConnLimit::new(2));
-        let mut slot = limit.admit();
-        assert!(slot.read_head(&mut conn).await.is_some());
-        assert_eq!(limit.counts().open, 0);
-    }
-
     /// SNAT off takes the node out of load balancers that probe /healthz (externalTrafficPolicy
     /// Cluster: it cannot reach remote backends), not out of those of health check node ports
     /// (Local: local endpoints only, no SNAT).
@@ -1157,5 +906,65 @@ mod tests {
         assert_eq!(h.problems, ["SNAT off: test"]);
         assert!(m.service_healthy("ns/web"));
         assert!(m.render().contains("\nsvc_snat_degraded 1\n"));
+    }
+
+    /// Every metric's name and type as /metrics has always shown them (the datapath's own
+    /// counters are read from pinned maps, absent here), each HELP ending in one full stop. A
+    /// labelled metric shows once it has a sample (before, its HELP and TYPE came alone).
+    #[test]
+    fn names_and_types_are_as_before() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        let text = m.render();
+        assert!(!text.contains("svc_errors_total"), "{text}");
+        m.error_kind("manifest");
+        m.state(Programmed {
+            maps: vec![("SVC_SERVICES", 3, 100)],
+            ..Default::default()
+        });
+        m.repaired("pin");
+        m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
+        let text = m.render();
+        let types: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                "svc_frontends_programmed gauge",
+                "svc_backends_programmed gauge",
+                "svc_cluster_ips_programmed gauge",
+                "svc_syncs_total counter",
+                "svc_sync_duration_seconds histogram",
+                "svc_event_to_datapath_seconds histogram",
+                "svc_network_programming_duration_seconds histogram",
+                "svc_errors_total counter",
+                "svc_map_entries gauge",
+                "svc_map_capacity gauge",
+                "svc_services_failing gauge",
+                "svc_service_ports_not_served gauge",
+                "svc_entries_retiring gauge",
+                "svc_datapath_attached gauge",
+                "svc_snat_degraded gauge",
+                "svc_http_connections gauge",
+                "svc_http_connections_max gauge",
+                "svc_http_connections_evicted_total counter",
+                "svc_datapath_repairs_total counter",
+                "svc_conntrack_sweeps_total counter",
+                "svc_conntrack_swept_entries_total counter",
+                "svc_conntrack_sweep_seconds_total counter",
+                "svc_flows_via_unmanaged_device gauge",
+                "svc_drift_repaired_ops_total counter",
+            ]
+        );
+        for help in text.lines().filter(|l| l.starts_with("# HELP ")) {
+            assert!(help.ends_with('.') && !help.ends_with(".."), "{help}");
+        }
+        assert!(text.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 0\n"));
+        assert!(text.contains("\nsvc_sync_duration_seconds_bucket{le=\"+Inf\"} 0\n"));
+        assert!(
+            text.contains("\nsvc_http_connections_evicted_total 0\n"),
+            "{text}"
+        );
     }
 }

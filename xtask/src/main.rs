@@ -448,13 +448,16 @@ fn cargo() -> Command {
 /// resolved over the packages selected, so another selection could build the dependencies
 /// again with other features. The kernel crate has its own target; svc-charts (the benches'
 /// renderer and font) is built and tested on its own, as its dependencies would change the
-/// features of some shared by the agent (bytemuck).
+/// features of some shared by the agent (bytemuck). The agent these builds make is the one the
+/// tests run, with its fail points (`failpoints`: the tests' pauses); a release build has none.
 const USERSPACE: &[&str] = &[
     "--workspace",
     "--exclude",
     "svc-ebpf",
     "--exclude",
     "svc-charts",
+    "--features",
+    "svc-agent/failpoints",
 ];
 
 /// The test binaries whose tests share something per process: the kernel's packet fixtures a

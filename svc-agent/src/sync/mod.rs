@@ -505,9 +505,7 @@ impl<S: Store> Writer<'_, S> {
             op,
             Op::PutNodeAddr(..) | Op::DelNodeAddr(_) | Op::PutConfig(_)
         ) {
-            if let Some(pause) = node_write_pause() {
-                std::thread::sleep(pause);
-            }
+            fail::fail_point!(crate::fault::NODE_WRITE_PAUSE);
         }
         Ok(r)
     }
@@ -522,14 +520,6 @@ impl<S: Store> Writer<'_, S> {
             }
         }
     }
-}
-
-/// Fault injection for the tests (`SVC_TEST_NODE_WRITE_PAUSE_MS`): a pause after each write
-/// of SVC_NODE_ADDRS or SVC_CONFIG, which are a handful of entries written in microseconds,
-/// so that a test can kill the agent between two of them.
-fn node_write_pause() -> Option<Duration> {
-    static PAUSE: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *PAUSE.get_or_init(|| crate::fault::pause("SVC_TEST_NODE_WRITE_PAUSE_MS"))
 }
 
 fn name_object(e: Error, object: &str) -> Error {
