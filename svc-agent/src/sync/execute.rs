@@ -32,7 +32,7 @@ impl Programmed {
         scope: Scope<'_>,
         now: Instant,
     ) -> SyncReport {
-        let plan = self.plan(desired, scope);
+        let plan = self.plan_outline(desired, scope);
         self.execute_plan(store, desired, plan, now)
     }
 
@@ -89,7 +89,8 @@ impl Programmed {
 
         let mut unreferenced: Vec<BackendId> = Vec::new();
         // Whether the maps are as the plans of the Services still to come expect them.
-        let mut as_planned = true;
+        // An outline's Services are planned here, each against the maps as they are.
+        let mut as_planned = !plan.outline;
         for service in plan.services {
             let covered = service.covered();
             let upserts: Vec<&DesiredFrontend> = service

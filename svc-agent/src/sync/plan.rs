@@ -507,6 +507,10 @@ pub struct Plan {
     /// what that writes when every Service is programmed.
     pub touched_addrs: BTreeSet<[u8; 16]>,
     pub addrs_after: Vec<([u8; 16], NodeAddrValue)>,
+    /// Whether the Services' writes are left out (`services[..].plan` empty) and made by the
+    /// executor as it reaches each Service, with the same planner against the maps as they
+    /// are then: what `Programmed::plan_outline` makes for a sync of many Services.
+    pub outline: bool,
 }
 
 /// The node's part of a sync.
@@ -539,9 +543,10 @@ impl ServicePlan {
 }
 
 impl Plan {
-    /// Whether the sync writes nothing.
+    /// Whether the sync writes nothing (an outline is never known to).
     pub fn is_empty(&self) -> bool {
-        self.strays.is_empty()
+        !self.outline
+            && self.strays.is_empty()
             && self
                 .node
                 .as_ref()
@@ -585,9 +590,25 @@ pub(super) fn addr_target(
 /// programmed completely or not at all.
 type Units<'a> = BTreeMap<Cow<'a, str>, (Vec<&'a DesiredFrontend>, Vec<Frontend>)>;
 
+/// Above this many Services a sync's plan is an outline (`Plan::outline`). A Service's writes
+/// take about 2.5 KB held at once (a 3-endpoint Service: its entries, each with its undo), so
+/// a whole first sync of 100,000 Services would hold about 250 MB before writing anything;
+/// an outline holds one Service's at a time, as the agent did before sync plans were values.
+pub const OUTLINE_ABOVE: usize = 1024;
+
 impl Programmed {
-    /// Plans the sync that makes the maps serve `desired` within `scope`.
+    /// Plans the sync that makes the maps serve `desired` within `scope`, every write of it.
     pub fn plan(&self, desired: &DesiredState, scope: Scope<'_>) -> Plan {
+        self.plan_with(desired, scope, false)
+    }
+
+    /// `plan`, but an outline (`Plan::outline`) when the sync covers more than
+    /// `OUTLINE_ABOVE` Services: what the agent executes.
+    pub fn plan_outline(&self, desired: &DesiredState, scope: Scope<'_>) -> Plan {
+        self.plan_with(desired, scope, true)
+    }
+
+    fn plan_with(&self, desired: &DesiredState, scope: Scope<'_>, outline: bool) -> Plan {
         let mut plan = Plan {
             strays: self.strays.clone(),
             ..Default::default()
@@ -666,8 +687,27 @@ impl Programmed {
             }
         }
 
+        plan.outline = outline && units.len() > OUTLINE_ABOVE;
         let mut earlier = Planned::new(self);
         for (owner, (upserts, gone)) in units {
+            if plan.outline {
+                // What a programmed unit's commit would change, from its frontends alone.
+                for fe in upserts.iter().map(|d| &d.frontend) {
+                    if !self.frontends.contains_key(fe) {
+                        external_ref(&mut external_refs, fe, true);
+                    }
+                }
+                for fe in gone.iter().filter(|fe| self.frontends.contains_key(fe)) {
+                    external_ref(&mut external_refs, fe, false);
+                }
+                plan.services.push(ServicePlan {
+                    owner: owner.into_owned(),
+                    upserts: upserts.iter().map(|d| d.frontend).collect(),
+                    gone,
+                    plan: Ok(UnitPlan::default()),
+                });
+                continue;
+            }
             let unit = plan_unit(self, &mut earlier, &owner, &upserts, &gone);
             if let Ok(unit) = &unit {
                 for (fe, after) in &unit.commit {

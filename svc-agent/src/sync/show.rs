@@ -240,6 +240,14 @@ impl Display for Plan {
         }
         for s in &self.services {
             match &s.plan {
+                Ok(_) if self.outline => writeln!(
+                    f,
+                    "service {}: {} frontends to write, {} to remove (its writes are planned \
+                     as they are made)",
+                    s.owner,
+                    s.upserts.len(),
+                    s.gone.len()
+                )?,
                 Ok(p) if p.is_empty() => {}
                 Ok(p) => write!(f, "service {}:\n{p}", s.owner)?,
                 Err(e) => writeln!(f, "service {}: not programmed: {e}", s.owner)?,

@@ -2356,6 +2356,59 @@ fn a_frontend_in_the_snat_range_waits_for_its_mark() {
 mod plan_value {
     use super::*;
 
+    #[test]
+    fn a_sync_of_many_services_is_an_outline_that_writes_what_the_whole_plan_says() {
+        let n = super::super::plan::OUTLINE_ABOVE + 1;
+        let owned: Vec<(Frontend, Vec<String>)> = (0..n)
+            .map(|i| {
+                let ip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+                let backend = format!("10.1.{}.{}:8080", i / 250, i % 250 + 1);
+                (fe(&ip, 80), vec![backend, "10.0.0.1:8080".to_string()])
+            })
+            .collect();
+        let entries: Vec<(Frontend, Vec<&str>)> = owned
+            .iter()
+            .map(|(f, b)| (*f, b.iter().map(String::as_str).collect()))
+            .collect();
+        let entries: Vec<(Frontend, &[&str])> =
+            entries.iter().map(|(f, b)| (*f, b.as_slice())).collect();
+        let desired = state(&entries);
+
+        let whole = fresh().plan(&desired, Scope::All);
+        let outline = fresh().plan_outline(&desired, Scope::All);
+        assert!(!whole.outline && outline.outline);
+        assert!(!outline.is_empty());
+        assert_eq!(outline.services.len(), n);
+        assert!(outline
+            .services
+            .iter()
+            .all(|s| s.plan.as_ref().is_ok_and(UnitPlan::is_empty)));
+        assert_eq!(outline.new_markers, whole.new_markers);
+        assert!(outline.to_string().contains(
+            "service default/svc-10-96-0-1-80: 1 frontends to write, 0 to remove (its writes are \
+             planned as they are made)"
+        ));
+
+        // Both, executed on empty maps, leave the same maps.
+        let (mut by_whole, mut by_outline) = (ModelStore::default(), ModelStore::default());
+        let r = fresh().execute_plan(&mut by_whole, &desired, whole, Instant::now());
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        let mut p = fresh();
+        let r = p.execute_plan(&mut by_outline, &desired, outline, Instant::now());
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert_eq!(r.frontends_written, n);
+        assert_eq!(by_whole.services, by_outline.services);
+        assert_eq!(by_whole.slots, by_outline.slots);
+        assert_eq!(by_whole.backends, by_outline.backends);
+        assert_eq!(by_whole.rev_nat, by_outline.rev_nat);
+        assert_eq!(by_whole.matches, by_outline.matches);
+        assert_eq!(by_whole.meta, by_outline.meta);
+        exact(&by_whole, &desired);
+        exact(&by_outline, &desired);
+        // And what the agent runs (`apply`) plans nothing more afterwards.
+        assert!(p.plan(&desired, Scope::All).is_empty());
+    }
+
     fn node_addr(flags: u32, ifindex: u32) -> NodeAddrValue {
         NodeAddrValue { flags, ifindex }
     }
