@@ -133,8 +133,10 @@ impl Agent {
         let stale = match stale_worker(&dp, cgroup, metrics.clone(), udp_serving.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
-                warn!("stale UDP flows will not be ended, nor stale UDP sockets closed: {e}");
-                metrics.error(&e);
+                metrics.report(
+                    "stale UDP flows will not be ended, nor stale UDP sockets closed",
+                    &e,
+                );
                 None
             }
         };
@@ -184,8 +186,8 @@ impl Agent {
         let state = match crate::netdev::read() {
             Ok(s) => s,
             Err(e) => {
-                warn!("reading the node's devices and addresses: {e}");
-                self.metrics.error_kind("netlink");
+                self.metrics
+                    .report_as("netlink", "reading the node's devices and addresses", &e);
                 return false;
             }
         };
@@ -212,8 +214,7 @@ impl Agent {
             {
                 Ok(done) => done.iter().for_each(|d| info!("{d}")),
                 Err(e) => {
-                    warn!("attaching the packet datapath: {e}");
-                    self.metrics.error(&e);
+                    self.metrics.report("attaching the packet datapath", &e);
                 }
             }
         }
@@ -289,8 +290,8 @@ impl Agent {
     fn record_input_errors(&self, errors: &[Error]) {
         for e in errors {
             // Input errors quote names, file names and document text as they came.
-            warn!("skipped: {}", crate::names::Escaped(&e.to_string()));
-            self.metrics.error(e);
+            let escaped = crate::names::Escaped(&e.to_string());
+            self.metrics.report_as(e.kind(), "skipped", &escaped);
         }
     }
 
@@ -353,8 +354,7 @@ impl Agent {
         scope: Scope<'_>,
     ) -> SyncReport {
         for e in &report.errors {
-            warn!("not programmed: {e}");
-            self.metrics.error(e);
+            self.metrics.report("not programmed", e);
         }
         if covered.is_none() {
             self.note_node(report.node_failed, started);
@@ -398,8 +398,7 @@ impl Agent {
                     self.start_sweep();
                 }
                 Err(e) => {
-                    warn!("attaching: {e}");
-                    self.metrics.error(&e);
+                    self.metrics.report("attaching", &e);
                 }
             }
         }
@@ -434,8 +433,8 @@ impl Agent {
         match started {
             Ok(s) => self.sweeper = Some(s),
             Err(e) => {
-                warn!("dead flows stay in connection tracking until evicted: {e}");
-                self.metrics.error(&e);
+                self.metrics
+                    .report("dead flows stay in connection tracking until evicted", &e);
             }
         }
     }
@@ -443,8 +442,7 @@ impl Agent {
     /// Starts and stops health check node port servers as the Services say.
     fn sync_health_checks(&mut self) {
         for e in self.health.sync(&self.desired.state.health_checks) {
-            warn!("{e}");
-            self.metrics.error(&e);
+            self.metrics.report("", &e);
         }
     }
 
@@ -454,8 +452,7 @@ impl Agent {
             .programmed
             .apply_node(&mut self.dp.store, &self.node_desired);
         for e in &report.errors {
-            warn!("node addresses: {e}");
-            self.metrics.error(e);
+            self.metrics.report("node addresses", e);
         }
         self.note_node(report.node_failed, now);
     }
@@ -590,8 +587,7 @@ impl Agent {
         {
             let r = self.programmed.retire_due(&mut self.dp.store, now);
             for e in &r.errors {
-                warn!("retiring: {e}");
-                self.metrics.error(e);
+                self.metrics.report("retiring", e);
             }
         }
         let due = self.retry.due(now);
@@ -660,8 +656,7 @@ impl Agent {
             );
         }
         for e in &r.errors {
-            warn!("lingering addresses: {e}");
-            self.metrics.error(e);
+            self.metrics.report("lingering addresses", e);
         }
         if let Some(backends) = r.snat_backends {
             self.check_unmanaged_egress(&backends);
@@ -685,8 +680,11 @@ impl Agent {
             let query = match crate::netdev::RouteQuery::new() {
                 Ok(q) => q,
                 Err(e) => {
-                    warn!("asking for the routes to remote backends: {e}");
-                    self.metrics.error_kind("netlink");
+                    self.metrics.report_as(
+                        "netlink",
+                        "asking for the routes to remote backends",
+                        &e,
+                    );
                     return;
                 }
             };
@@ -701,8 +699,8 @@ impl Agent {
                 }
             });
             if let Some(e) = failed {
-                warn!("asking for the routes to remote backends: {e}");
-                self.metrics.error_kind("netlink");
+                self.metrics
+                    .report_as("netlink", "asking for the routes to remote backends", &e);
             }
             for (ifindex, n) in found {
                 let name =
@@ -734,8 +732,7 @@ impl Agent {
             self.metrics.repaired("pin");
         }
         for e in &errors {
-            warn!("repairing the datapath: {e}");
-            self.metrics.error(e);
+            self.metrics.report("repairing the datapath", e);
         }
         self.metrics.datapath_broken(!errors.is_empty());
     }
@@ -747,8 +744,7 @@ impl Agent {
         let snap = match self.dp.store.snapshot() {
             Ok(s) => s,
             Err(e) => {
-                warn!("reading the maps back: {e}");
-                self.metrics.error(&e);
+                self.metrics.report("reading the maps back", &e);
                 return 0;
             }
         };
@@ -797,8 +793,8 @@ impl Agent {
                 n
             }
             Err(e) => {
-                warn!("checking the filter in front of NODE_ADDRS: {e}");
-                self.metrics.error(&e);
+                self.metrics
+                    .report("checking the filter in front of NODE_ADDRS", &e);
                 0
             }
         }
@@ -859,16 +855,14 @@ fn stale_worker(
                     "forgot UDP flows of backends that no longer serve"
                 ),
                 Err(e) => {
-                    warn!("{e}");
-                    metrics.error(&e);
+                    metrics.report("", &e);
                 }
             }
         }
         match crate::stale::destroy_udp_sockets(&cgroup, &doomed) {
             Ok(r) => {
                 for e in &r.errors {
-                    warn!("closing stale UDP sockets: {e}");
-                    metrics.error(e);
+                    metrics.report("closing stale UDP sockets", e);
                 }
                 if r.destroyed() > 0 {
                     info!(
@@ -879,8 +873,7 @@ fn stale_worker(
                 }
             }
             Err(e) => {
-                warn!("closing stale UDP sockets: {e}");
-                metrics.error(&e);
+                metrics.report("closing stale UDP sockets", &e);
             }
         }
     };

@@ -377,6 +377,22 @@ impl Metrics {
         self.error_kind(e.kind());
     }
 
+    /// The one way the agent tells of an error: a warning `what: error` (or the error alone
+    /// when `what` is empty), and its count by kind in `svc_errors_total`.
+    pub fn report(&self, what: &str, e: &Error) {
+        self.report_as(e.kind(), what, e);
+    }
+
+    /// `report` for an error that is not the agent's own `Error`, counted as `kind`.
+    pub fn report_as(&self, kind: &'static str, what: &str, e: &dyn std::fmt::Display) {
+        if what.is_empty() {
+            tracing::warn!("{e}");
+        } else {
+            tracing::warn!("{what}: {e}");
+        }
+        self.error_kind(kind);
+    }
+
     /// A connection-tracking sweep removed `removed` entries in `took`.
     pub fn swept(&self, removed: u32, took: Duration) {
         let r = &self.recorded;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::jiff::Timestamp;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::agent::{Agent, Upkeep};
 use crate::datapath;
@@ -94,8 +94,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
     let node = match source::node::changes() {
         Ok(changes) => changes.boxed(),
         Err(e) => {
-            warn!("devices and addresses will not be followed: {e}");
-            metrics.error_kind("netlink");
+            metrics.report_as("netlink", "devices and addresses will not be followed", &e);
             futures::stream::pending().boxed()
         }
     };
@@ -155,8 +154,7 @@ impl Controller {
             }
             Event::WatchError(kind, e) => {
                 // The watcher retries with backoff; what is programmed keeps serving.
-                warn!("{kind}: {e}");
-                self.metrics.error_kind(kind);
+                self.metrics.report_as(kind, kind, &e);
             }
             e => self.tracker.apply(e),
         }
