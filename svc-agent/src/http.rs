@@ -110,7 +110,7 @@ pub async fn serve<F, Fut>(
 }
 
 /// One connection: its request answered, unless its slot is taken back before the request
-/// came; bounded by `IO_TIMEOUT` for the request and as long again for the reply.
+/// came; `IO_TIMEOUT` for the request's head, `2 * IO_TIMEOUT` for the whole connection.
 async fn connection(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,

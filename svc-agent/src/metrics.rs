@@ -658,27 +658,41 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> Answer {
 
 pub use crate::http::bind;
 
+/// How many /metrics and /healthz answers of one port are made at a time.
+const ANSWERING: usize = 2;
+
 /// Serves /metrics and /healthz until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, port: Port) {
     let conns = metrics.conns.clone();
     let what = format!("the {port:?} port");
+    // Answers being made at once: a request leaves the connection cap when it arrives, so
+    // without this many clients could each hold a blocking thread walking the maps (a timed
+    // out request does not stop its thread; the permit goes when the answer is made).
+    let answering = Arc::new(tokio::sync::Semaphore::new(ANSWERING));
     crate::http::serve(Arc::new(listener), conns, what, move |method, path, _| {
         let metrics = metrics.clone();
+        let answering = answering.clone();
         async move {
             if method != Method::GET {
                 return Answer::new(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
             }
+            let Ok(permit) = answering.acquire_owned().await else {
+                return Answer::new(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "closing\n");
+            };
             // Off the runtime's one thread: a scrape walks the connection-tracking map (tens
             // of ms when full), which must not hold up the sync.
-            tokio::task::spawn_blocking(move || answer(&metrics, port, &path))
-                .await
-                .unwrap_or_else(|e| {
-                    Answer::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "text/plain",
-                        format!("{e}\n"),
-                    )
-                })
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                answer(&metrics, port, &path)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Answer::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain",
+                    format!("{e}\n"),
+                )
+            })
         }
     })
     .await

@@ -337,7 +337,7 @@ pub fn node_addr_flags(addr: &[u8; 16]) -> u32 {
 }
 
 /// The NodePort frontend `key` reaches when its address is a node address that answers
-/// NodePorts (`node_flags`, from `node_addr_flags`): the same port and protocol under the
+/// NodePorts (`node_flags`, from `Via::node_flags`): the same port and protocol under the
 /// family's wildcard address. `false`: it is no NodePort address.
 #[inline(always)]
 fn nodeport_key(key: &mut ServiceKey, node_flags: u32) -> bool {

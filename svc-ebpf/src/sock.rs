@@ -186,7 +186,7 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     Ok(())
 }
 
-/// A socket hook's `lb::resolve`: a NodePort reached through a node address (nodeIP:nodePort)
+/// The socket hooks' `lb::Via`: a NodePort reached through a node address (nodeIP:nodePort)
 /// is found under its wildcard key, as kube-proxy serves it to local clients; through a
 /// loopback address (localhost NodePorts) only for a socket of the node's own network
 /// namespace.
