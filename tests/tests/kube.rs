@@ -104,6 +104,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s13-health", Scenario::Shared(healthz_and_metrics)),
     ("s14-deploy", Scenario::Shared(deploy_manifests_and_rbac)),
     ("s15-api-server", Scenario::Shared(api_server_given_by_flag)),
+    ("s16-helm", Scenario::Shared(helm_chart)),
 ];
 
 fn main() -> ExitCode {
@@ -1625,5 +1626,272 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         refused.is_empty(),
         "the agent was refused something: {refused:#?}\n{log}"
     );
+    Ok(())
+}
+
+/// Labels Helm adds for its own bookkeeping; the plain manifests have no release to name.
+const HELM_LABELS: [&str; 4] = [
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+];
+
+/// `helm` (built by `cargo xtask control-plane`) with its caches and configuration in a
+/// directory of the test's own.
+struct Helm {
+    bin: std::path::PathBuf,
+    home: svc_tests::TempDir,
+    chart: &'static str,
+}
+
+impl Helm {
+    fn new() -> Result<Self> {
+        let bin = std::env::var_os("SVC_HELM").context(
+            "SVC_HELM is not set: `cargo xtask control-plane` builds helm and prints it",
+        )?;
+        Ok(Helm {
+            bin: bin.into(),
+            home: svc_tests::TempDir::new("svc-helm")?,
+            chart: concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/helm/svc"),
+        })
+    }
+
+    fn run(&self, args: &[&str]) -> Result<String> {
+        let home = self.home.path();
+        let out = std::process::Command::new(&self.bin)
+            .args(args)
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"))
+            .output()
+            .with_context(|| format!("running {}", self.bin.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        ensure!(
+            out.status.success(),
+            "helm {}: {}\n{stdout}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(stdout)
+    }
+
+    /// `helm template` into kube-system with `--set`s: the YAML, and its objects by kind.
+    fn template(&self, sets: &[&str]) -> Result<(String, Vec<Value>)> {
+        let mut args = vec!["template", "svc", self.chart, "--namespace", "kube-system"];
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        let yaml = self.run(&args)?;
+        let objects: Vec<Value> = serde_saphyr::from_multiple(&yaml)
+            .with_context(|| format!("parsing what helm rendered:\n{yaml}"))?;
+        Ok((yaml, objects.into_iter().filter(|o| !o.is_null()).collect()))
+    }
+}
+
+fn of_kind<'a>(objects: &'a [Value], kind: &str) -> Option<&'a Value> {
+    objects.iter().find(|o| o["kind"] == kind)
+}
+
+fn without_helm_labels(mut o: Value) -> Value {
+    if let Some(labels) = o["metadata"]["labels"].as_object_mut() {
+        for l in HELM_LABELS {
+            labels.remove(l);
+        }
+    }
+    o
+}
+
+fn agent_container(objects: &[Value]) -> Result<&Value> {
+    of_kind(objects, "DaemonSet")
+        .and_then(|ds| ds["spec"]["template"]["spec"]["containers"].get(0))
+        .context("no DaemonSet with a container rendered")
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Scenario 16: the Helm chart, deploy/helm/svc. `helm lint` passes; its defaults render the
+/// plain manifests of deploy/, object for object (Helm's own labels aside), so the two cannot
+/// drift apart; other values render the flags, privileges and objects they say, and the
+/// apiserver accepts every rendered set (server-side dry run); an agent started with the
+/// flags the chart rendered serves.
+fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
+    let helm = Helm::new()?;
+    helm.run(&["lint", "--strict", helm.chart])?;
+
+    // The defaults are deploy/.
+    let (yaml, rendered) = helm.template(&[])?;
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+    let mut plain = Vec::new();
+    for file in ["rbac.yaml", "config.yaml", "daemonset.yaml"] {
+        let text = std::fs::read_to_string(format!("{deploy}/{file}"))?;
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text)?;
+        plain.extend(docs.into_iter().filter(|o| !o.is_null()));
+    }
+    let kinds = |objects: &[Value]| -> BTreeSet<String> {
+        objects
+            .iter()
+            .map(|o| {
+                format!(
+                    "{}/{}",
+                    o["kind"].as_str().unwrap_or("?"),
+                    o["metadata"]["name"]
+                )
+            })
+            .collect()
+    };
+    ensure!(
+        kinds(&rendered) == kinds(&plain),
+        "the chart renders {:?}, deploy/ holds {:?}",
+        kinds(&rendered),
+        kinds(&plain)
+    );
+    for object in &plain {
+        let kind = object["kind"].as_str().unwrap_or("?");
+        let from_chart = of_kind(&rendered, kind).cloned().map(without_helm_labels);
+        ensure!(
+            from_chart.as_ref() == Some(object),
+            "the chart's default {kind} differs from deploy/'s:\nchart: {}\ndeploy/: {}",
+            serde_json::to_string_pretty(&from_chart)?,
+            serde_json::to_string_pretty(object)?
+        );
+    }
+    let checked = cp
+        .dry_run_server_side(&yaml)
+        .context("dry run of the default render")?;
+    ensure!(
+        checked.len() == rendered.len(),
+        "dry run: {} objects",
+        checked.len()
+    );
+
+    // Values that change flags, ports, host paths and what is created.
+    let (yaml, rendered) = helm.template(&[
+        "k8sApiServer=https://10.0.0.10:6443",
+        "devices=eth+\\,bond0",
+        "nodePortAddresses=10.0.0.0/8",
+        "localhostNodePorts=false",
+        &format!("serviceProxyName={name}"),
+        "maps.maxServices=4096",
+        "maps.maxCt=8192",
+        "healthz.port=10266",
+        "metrics.port=10259",
+        "bpffs.hostPath=/run/bpf/",
+        "bpffs.mount=false",
+        "cgroupRoot=/sys/fs/cgroup/unified",
+        "extraArgs={--conntrack-sweep-interval=30s}",
+        "serviceAccount.create=false",
+        "serviceAccount.name=node-proxier",
+        "rbac.create=false",
+    ])?;
+    let container = agent_container(&rendered)?;
+    let args = strings(&container["args"]);
+    let want = [
+        "run",
+        "--cgroup=/sys/fs/cgroup/unified",
+        "--bpffs=/run/bpf/svc",
+        "--healthz-bind-address=0.0.0.0:10266",
+        "--metrics-bind-address=127.0.0.1:10259",
+        "--nodeport-addresses=10.0.0.0/8",
+        "--localhost-nodeports=false",
+        "--devices=eth+,bond0",
+        &format!("--service-proxy-name={name}"),
+        "--max-ct=8192",
+        "--max-services=4096",
+        "--conntrack-sweep-interval=30s",
+    ];
+    ensure!(args == want, "rendered args {args:?}, expected {want:?}");
+    let pod = &of_kind(&rendered, "DaemonSet").context("no DaemonSet")?["spec"]["template"]["spec"];
+    ensure!(
+        pod["initContainers"].is_null(),
+        "bpffs.mount=false still mounts bpffs"
+    );
+    ensure!(pod["serviceAccountName"] == "node-proxier");
+    ensure!(container["livenessProbe"]["httpGet"]["port"] == 10266);
+    let mounts: Vec<&Value> = container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    ensure!(
+        mounts.iter().any(|m| m["mountPath"] == "/run/bpf")
+            && mounts
+                .iter()
+                .any(|m| m["mountPath"] == "/sys/fs/cgroup/unified"),
+        "mounts: {mounts:?}"
+    );
+    let config = of_kind(&rendered, "ConfigMap").context("no ConfigMap")?;
+    ensure!(config["data"]["k8s-api-server"] == "https://10.0.0.10:6443");
+    for kind in ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"] {
+        ensure!(
+            of_kind(&rendered, kind).is_none(),
+            "rbac.create=false renders a {kind}"
+        );
+    }
+    cp.dry_run_server_side(&yaml)
+        .context("dry run of the tuned render")?;
+
+    // Least privilege: no hostPID, and the capabilities that serve without it.
+    let (yaml, rendered) = helm.template(&["closeStaleUdpSockets=false"])?;
+    let pod = &of_kind(&rendered, "DaemonSet").context("no DaemonSet")?["spec"]["template"]["spec"];
+    ensure!(pod["hostPID"] == false);
+    let caps = strings(&agent_container(&rendered)?["securityContext"]["capabilities"]["add"]);
+    ensure!(
+        caps == ["BPF", "PERFMON", "NET_ADMIN"],
+        "capabilities {caps:?}"
+    );
+    cp.dry_run_server_side(&yaml)
+        .context("dry run of the least-privilege render")?;
+
+    // The agent takes every flag the chart rendered; those the harness sets for the test
+    // (its cgroup, bpffs and ports: never the node's own) are its.
+    let harness = [
+        "run",
+        "--cgroup=",
+        "--bpffs=",
+        "--healthz-bind-address=",
+        "--metrics-bind-address=",
+    ];
+    let flags: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !harness.iter().any(|h| a.starts_with(h)))
+        .collect();
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    let agent = env
+        .sb
+        .agent_kubeconfig(&env.bpffs, cp.kubeconfig_path(), &env.node, &flags)
+        .with_context(|| format!("an agent with the chart's flags {flags:?}"))?;
+    env.agent = Some(agent);
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "served with the chart's flags",
+        || tcp_backends(&env.sb, vip, 5, &["b1"]),
+    )?;
     Ok(())
 }

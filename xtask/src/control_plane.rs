@@ -1,6 +1,6 @@
 //! Builds the real control plane the tests run against, kube-apiserver and etcd, and the real
-//! kube-proxy the parity tests and benchmarks put beside svc, from pinned module versions with
-//! `go build`, and caches the binaries.
+//! kube-proxy the parity tests and benchmarks put beside svc, and helm for the chart's tests,
+//! from pinned module versions with `go build`, and caches the binaries.
 //!
 //! Nothing of Kubernetes or etcd is committed here: the build module's go.mod is generated from
 //! the pinned upstream go.mod at build time. Upstream's go.mod files point their sibling modules
@@ -53,6 +53,9 @@ struct Component {
     /// Packages whose `gitVersion`, `gitMajor` and `gitMinor` are set at link time, as
     /// Kubernetes' hack/lib/version.sh does; without them the binary reports v0.0.0-master.
     version_packages: &'static [&'static str],
+    /// A variable that holds the whole version string, set at link time as the project's
+    /// own release build does (Helm's Makefile sets `internal/version.version`).
+    version_var: Option<&'static str>,
 }
 
 const KUBERNETES: Component = Component {
@@ -70,6 +73,7 @@ const KUBERNETES: Component = Component {
         "k8s.io/client-go/pkg/version",
         "k8s.io/component-base/version",
     ],
+    version_var: None,
 };
 
 /// kube-proxy, from the same module at the same version as kube-apiserver, in a directory of
@@ -86,6 +90,7 @@ const KUBE_PROXY: Component = Component {
         "k8s.io/client-go/pkg/version",
         "k8s.io/component-base/version",
     ],
+    version_var: None,
 };
 
 const ETCD: Component = Component {
@@ -96,6 +101,22 @@ const ETCD: Component = Component {
     // The etcd server module's root package is the `etcd` command.
     binaries: &[("etcd", "go.etcd.io/etcd/server/v3")],
     version_packages: &[],
+    version_var: None,
+};
+
+/// The newest Helm v4 patch on the Go module proxy when this was pinned; its go.mod names
+/// the same client-go (v0.37.2) as the pinned Kubernetes, so the Go build cache is shared.
+const HELM_VERSION: &str = "v4.3.2";
+
+/// helm, for the chart's tests (`helm lint`, `helm template`).
+const HELM: Component = Component {
+    name: "helm",
+    module: "helm.sh/helm/v4",
+    version: HELM_VERSION,
+    sibling_version: HELM_VERSION,
+    binaries: &[("helm", "helm.sh/helm/v4/cmd/helm")],
+    version_packages: &[],
+    version_var: Some("helm.sh/helm/v4/internal/version.version"),
 };
 
 /// Paths of the built binaries.
@@ -104,17 +125,19 @@ pub struct Binaries {
     pub kubectl: PathBuf,
     pub etcd: PathBuf,
     pub kube_proxy: PathBuf,
+    pub helm: PathBuf,
 }
 
 impl Binaries {
     /// The variables the test harness (`svc_tests::control_plane`, `svc_tests::kube_proxy`)
     /// reads.
-    pub fn env(&self) -> [(&'static str, &Path); 4] {
+    pub fn env(&self) -> [(&'static str, &Path); 5] {
         [
             ("SVC_KUBE_APISERVER", &self.kube_apiserver),
             ("SVC_KUBECTL", &self.kubectl),
             ("SVC_ETCD", &self.etcd),
             ("SVC_KUBE_PROXY", &self.kube_proxy),
+            ("SVC_HELM", &self.helm),
         ]
     }
 }
@@ -140,11 +163,15 @@ pub fn ensure() -> Result<Binaries> {
     let [kube_proxy] = build_cached(&KUBE_PROXY, &cache, &mut go)?
         .try_into()
         .expect("KUBE_PROXY lists one binary");
+    let [helm] = build_cached(&HELM, &cache, &mut go)?
+        .try_into()
+        .expect("HELM lists one binary");
     Ok(Binaries {
         kube_apiserver,
         kubectl,
         etcd,
         kube_proxy,
+        helm,
     })
 }
 
@@ -166,6 +193,9 @@ impl Component {
                 " -X {package}.gitVersion={} -X {package}.gitMajor={major} -X {package}.gitMinor={minor}",
                 self.version
             );
+        }
+        if let Some(var) = self.version_var {
+            flags += &format!(" -X {var}={}", self.version);
         }
         flags
     }

@@ -1,0 +1,58 @@
+{{/*
+One name for every object: kube-proxy's successor is one per cluster, and the plain
+manifests of deploy/ use it too.
+*/}}
+{{- define "svc.name" -}}svc-agent{{- end -}}
+
+{{- define "svc.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}{{ .Values.serviceAccount.name | default "svc-agent" }}{{- else -}}{{ .Values.serviceAccount.name | default "default" }}{{- end -}}
+{{- end -}}
+
+{{/* The selector: stable across upgrades, so only the name. */}}
+{{- define "svc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "svc.name" . }}
+{{- end -}}
+
+{{- define "svc.labels" -}}
+{{ include "svc.selectorLabels" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "svc.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* `svc-agent run`'s arguments, one per line, flag=value. */}}
+{{- define "svc.args" -}}
+- run
+- --cgroup={{ .Values.cgroupRoot }}
+- --bpffs={{ trimSuffix "/" .Values.bpffs.hostPath }}/{{ .Values.bpffs.dir }}
+- --healthz-bind-address={{ .Values.healthz.bindAddress }}:{{ .Values.healthz.port }}
+- --metrics-bind-address={{ .Values.metrics.bindAddress }}:{{ .Values.metrics.port }}
+{{- if ne (toString .Values.nodePortAddresses) "primary" }}
+- --nodeport-addresses={{ .Values.nodePortAddresses }}
+{{- end }}
+{{- if not .Values.localhostNodePorts }}
+- --localhost-nodeports=false
+{{- end }}
+{{- with .Values.devices }}
+- --devices={{ . }}
+{{- end }}
+{{- with .Values.packetLbDevices }}
+- --packet-lb-devices={{ . }}
+{{- end }}
+{{- with .Values.serviceProxyName }}
+- --service-proxy-name={{ . }}
+{{- end }}
+{{- range $flag, $value := dict "max-services" .Values.maps.maxServices "max-slots" .Values.maps.maxSlots "max-backends" .Values.maps.maxBackends "max-affinity" .Values.maps.maxAffinity "max-sock-rev" .Values.maps.maxSockRev "max-ct" .Values.maps.maxCt "max-source-ranges" .Values.maps.maxSourceRanges }}
+{{- if ne (toString $value) "" }}
+- --{{ $flag }}={{ $value }}
+{{- end }}
+{{- end }}
+{{- range .Values.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
