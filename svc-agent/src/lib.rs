@@ -26,3 +26,11 @@ pub mod translate;
 pub mod verify;
 
 pub use error::{Error, Result};
+
+/// `svc-agent --version`: the release and the commit it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SVC_GIT_COMMIT"),
+    ")"
+);

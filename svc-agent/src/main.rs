@@ -9,7 +9,7 @@ use svc_agent::{agent, controller, datapath, list, metrics, source::kube, transl
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
-#[command(version)]
+#[command(version = svc_agent::VERSION)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -109,6 +109,12 @@ enum Command {
         /// The Node's addresses (InternalIP first), as the Kubernetes API would give them.
         #[arg(long, value_delimiter = ',')]
         node_ip: Vec<std::net::IpAddr>,
+    },
+    /// Mount a bpf filesystem at PATH unless one is there (mode 0700, nosuid, nodev, noexec,
+    /// as systemd mounts it): the DaemonSet's init container, so the image needs no shell.
+    MountBpffs {
+        #[arg(default_value = "/sys/fs/bpf")]
+        path: PathBuf,
     },
     /// Print each service frontend with its backends, from the pinned maps.
     List {
@@ -537,6 +543,14 @@ fn main() -> anyhow::Result<()> {
                 "snat_ports": format!("{}-{}", cfg.snat_ports.0, cfg.snat_ports.1),
             });
             print_out(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
+        }
+        Command::MountBpffs { path } => {
+            let mounted = svc_agent::sys::mount_bpffs(&path)
+                .with_context(|| format!("mounting bpffs at {}", path.display()))?;
+            print_out(&match mounted {
+                true => format!("{}: bpffs mounted\n", path.display()),
+                false => format!("{}: bpffs was mounted already\n", path.display()),
+            })?;
         }
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;

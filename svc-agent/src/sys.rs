@@ -319,6 +319,33 @@ pub fn is_bpffs(path: &Path) -> io::Result<bool> {
     Ok(fs_magic(path)? == BPF_FS_MAGIC)
 }
 
+/// Mounts a bpf filesystem at `path` (created if missing) as systemd does, mode 0700,
+/// nosuid, nodev, noexec: a bare `mount -t bpf` gives mode 1777, where any user of the node
+/// could create the agent's directory first. `false` when one is there already.
+pub fn mount_bpffs(path: &Path) -> io::Result<bool> {
+    std::fs::create_dir_all(path)?;
+    if is_bpffs(path)? {
+        return Ok(false);
+    }
+    let target = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: valid C strings; the data is the filesystem's option string.
+    let rc = unsafe {
+        libc::mount(
+            c"bpf".as_ptr(),
+            target.as_ptr(),
+            c"bpf".as_ptr(),
+            flags,
+            c"mode=0700".as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
 /// Takes an exclusive advisory lock on `fd` without waiting; `false` when another open file
 /// holds it. The kernel drops the lock when the holder's last descriptor closes, so a crashed
 /// agent never leaves its directory locked.

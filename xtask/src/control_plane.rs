@@ -514,6 +514,8 @@ const HARNESS_TOOLS: &[(&str, &str)] = &[
     ("iptables-nft", "iptables"),
     ("nft", "nftables"),
     ("conntrack", "conntrack"),
+    // The image test (tests/tests/image.rs) builds the node image with it.
+    ("buildah", "buildah"),
 ];
 
 /// Whether `command` is on PATH (or in /usr/sbin, which a non-root PATH may lack).

@@ -1,6 +1,7 @@
 //! Project tasks: `cargo xtask <task>`. Each task installs what it needs first, idempotently.
 
 mod control_plane;
+mod image;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
@@ -49,6 +50,20 @@ enum Task {
     /// Build (or find cached) kube-apiserver, kubectl, etcd and kube-proxy for the tests; prints
     /// their paths.
     ControlPlane,
+    /// The node image, with buildah and no registry or base image: the agent and the shared
+    /// libraries it loads, as an OCI archive (target/image/svc-agent.oci.tar) for `podman
+    /// load`, `docker load` or `ctr -n k8s.io images import`.
+    Image {
+        /// The agent to put in (default: a release build, built first).
+        #[arg(long)]
+        agent: Option<PathBuf>,
+        /// The image's name.
+        #[arg(long, default_value = "localhost/svc-agent:dev")]
+        tag: String,
+        /// Where the archive, the root file system and buildah's storage go.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
     /// Benchmarks (both unless one is named): the socket datapath, direct vs ClusterIP with 1
@@ -706,7 +721,9 @@ fn run_task(task: Task) -> Result<()> {
                     .args(["-E", &format!("not ({whole})"), "--"])
                     .args(&args)
                     .envs(control_plane.env())
-                    .env("SVC_AGENT_BIN", &agent),
+                    .env("SVC_AGENT_BIN", &agent)
+                    // tests/tests/image.rs builds the image as `cargo xtask image` does.
+                    .env("SVC_XTASK", std::env::current_exe()?),
             );
             totals.add("nextest", counts, outcome);
             for a in alongside {
@@ -746,6 +763,17 @@ fn run_task(task: Task) -> Result<()> {
             let (counts, outcome) = run_tests(&mut c);
             totals.add("parity", counts, outcome);
             totals.finish()?;
+        }
+        Task::Image { agent, tag, out } => {
+            if agent.is_none() {
+                build(true)?;
+            }
+            let defaults = image::Options::default();
+            image::build(&image::Options {
+                agent,
+                tag,
+                out: out.unwrap_or(defaults.out),
+            })?;
         }
         Task::ControlPlane => {
             for (var, path) in control_plane::ensure()?.env() {
