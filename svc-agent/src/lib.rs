@@ -9,6 +9,7 @@ pub mod fault;
 pub mod handover;
 pub mod healthcheck;
 pub mod http;
+pub mod kubeproxy_config;
 pub mod list;
 pub mod metrics;
 pub mod model;

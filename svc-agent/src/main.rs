@@ -2,7 +2,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use std::net::SocketAddr;
 
 use svc_agent::{agent, controller, datapath, list, metrics, source::kube, translate::NodeContext};
@@ -28,6 +29,12 @@ enum Command {
     /// Attach the datapath to a cgroup and keep it in sync with the Kubernetes API, or with
     /// manifest files.
     Run {
+        /// kube-proxy's configuration file (a kubeproxy.config.k8s.io/v1alpha1
+        /// KubeProxyConfiguration, as kubeadm's kube-proxy ConfigMap holds): the fields with a
+        /// flag here set it, flags given on the command line (or their variables) win; the
+        /// fields that do not apply are named in one warning.
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Serve the Services in these files instead of the Kubernetes API: a YAML file
         /// (several documents allowed) or a directory of them, holding v1 Service and
         /// discovery.k8s.io/v1 EndpointSlice objects.
@@ -45,7 +52,7 @@ enum Command {
         bpffs: PathBuf,
         /// This node's name: its Node gives the zone for topology hints, and
         /// internalTrafficPolicy: Local keeps endpoints on it. Required with the Kubernetes API.
-        #[arg(long, env = "NODE_NAME")]
+        #[arg(long, env = "NODE_NAME", alias = "hostname-override")]
         node_name: Option<String>,
         /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME.
         #[arg(long)]
@@ -72,7 +79,7 @@ enum Command {
         /// a cluster without kube-proxy the in-cluster address is a ClusterIP that only svc
         /// serves, so a node that boots with empty pins needs this (as Cilium's
         /// k8sServiceHost/k8sServicePort).
-        #[arg(long, env = "SVC_K8S_API_SERVER")]
+        #[arg(long, env = "SVC_K8S_API_SERVER", alias = "master")]
         k8s_api_server: Option<String>,
         /// The cluster's Service IP ranges (CIDRs, comma separated): an API server address in
         /// them that nothing serves yet is reported at start instead of retried forever.
@@ -405,8 +412,14 @@ fn main() -> anyhow::Result<()> {
         )
         .init();
     svc_agent::fault::setup();
-    match Cli::parse().command {
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some(run) = matches.subcommand_matches("run") {
+        apply_config(&mut cli.command, run)?;
+    }
+    match cli.command {
         Command::Run {
+            config: _,
             manifests,
             kubeconfig,
             cgroup,
@@ -607,6 +620,83 @@ fn main() -> anyhow::Result<()> {
             }
             print_out(&text)?;
         }
+    }
+    Ok(())
+}
+
+/// `run --config`: the KubeProxyConfiguration's settings, under the flags given.
+fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<()> {
+    let Command::Run {
+        config: Some(path),
+        kubeconfig,
+        node_name,
+        healthz_bind_address,
+        metrics_bind_address,
+        packet,
+        ..
+    } = command
+    else {
+        return Ok(());
+    };
+    let c = svc_agent::kubeproxy_config::read(path)?;
+    let warning = c.warning();
+    // A flag or its variable beats the file, as kube-proxy's flags do.
+    let given = |id: &str| {
+        matches!(
+            m.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    };
+    fn set<T>(given: bool, to: &mut T, from: Option<T>) {
+        if let (false, Some(v)) = (given, from) {
+            *to = v;
+        }
+    }
+    set(given("kubeconfig"), kubeconfig, c.kubeconfig.map(Some));
+    set(given("node_name"), node_name, c.node_name.map(Some));
+    set(
+        given("healthz_bind_address"),
+        healthz_bind_address,
+        c.healthz_bind_address.map(Some),
+    );
+    set(
+        given("metrics_bind_address"),
+        metrics_bind_address,
+        c.metrics_bind_address.map(Some),
+    );
+    set(
+        given("nodeport_addresses"),
+        &mut packet.nodeport_addresses,
+        c.nodeport_addresses,
+    );
+    set(
+        given("localhost_nodeports"),
+        &mut packet.localhost_nodeports,
+        c.localhost_nodeports,
+    );
+    set(
+        given("conntrack_tcp_timeout_established"),
+        &mut packet.conntrack_tcp_timeout_established,
+        c.conntrack_tcp_timeout_established,
+    );
+    set(
+        given("conntrack_tcp_timeout_close_wait"),
+        &mut packet.conntrack_tcp_timeout_close_wait,
+        c.conntrack_tcp_timeout_close_wait,
+    );
+    set(
+        given("conntrack_udp_timeout"),
+        &mut packet.conntrack_udp_timeout,
+        c.conntrack_udp_timeout,
+    );
+    set(
+        given("conntrack_udp_timeout_stream"),
+        &mut packet.conntrack_udp_timeout_stream,
+        c.conntrack_udp_timeout_stream,
+    );
+    tracing::info!(config = %path.display(), "read kube-proxy's configuration");
+    if let Some(w) = warning {
+        tracing::warn!(config = %path.display(), "{w}");
     }
     Ok(())
 }

@@ -282,7 +282,7 @@ pub fn kube_run_args(
 }
 
 /// A loopback port nothing listens on now (the agent binds it a moment later).
-fn free_loopback_port() -> Result<SocketAddr> {
+pub fn free_loopback_port() -> Result<SocketAddr> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
     Ok(l.local_addr()?)
 }
@@ -397,6 +397,36 @@ impl Agent {
         let mut agent = Self::start_launched(launcher, bin, args, bpffs, logs.path())?;
         agent.healthz = healthz;
         agent.metrics = metrics;
+        agent.own_logs = Some(logs);
+        Ok(agent)
+    }
+
+    /// Starts `svc-agent run --config FILE --cgroup CG --bpffs DIR EXTRA...`: what the
+    /// Kubernetes API source needs (kubeconfig, node name) comes from kube-proxy's
+    /// configuration file; `healthz`/`metrics`: where it or `extra` puts them.
+    pub fn start_kube_config(
+        bin: &Path,
+        config: &Path,
+        cgroup: &Path,
+        bpffs: &Path,
+        extra: &[&str],
+        healthz: SocketAddr,
+        metrics: SocketAddr,
+    ) -> Result<Self> {
+        let logs = TempDir::new("svc-agent-logs")?;
+        let mut args: Vec<OsString> = vec![
+            "run".into(),
+            "--config".into(),
+            config.into(),
+            "--cgroup".into(),
+            cgroup.into(),
+            "--bpffs".into(),
+            bpffs.into(),
+        ];
+        args.extend(extra.iter().map(OsString::from));
+        let mut agent = Self::start_launched(&[], bin, args, bpffs, logs.path())?;
+        agent.healthz = Some(healthz);
+        agent.metrics = Some(metrics);
         agent.own_logs = Some(logs);
         Ok(agent)
     }

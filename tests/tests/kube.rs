@@ -105,6 +105,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s14-deploy", Scenario::Shared(deploy_manifests_and_rbac)),
     ("s15-api-server", Scenario::Shared(api_server_given_by_flag)),
     ("s16-helm", Scenario::Shared(helm_chart)),
+    ("s17-kube-proxy-config", Scenario::Shared(kube_proxy_config)),
 ];
 
 fn main() -> ExitCode {
@@ -1893,5 +1894,111 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
         "served with the chart's flags",
         || tcp_backends(&env.sb, vip, 5, &["b1"]),
     )?;
+    Ok(())
+}
+
+/// Scenario 17: `run --config` with the KubeProxyConfiguration kubeadm writes into the
+/// kube-proxy ConfigMap (`kubeadm config print init-defaults --component-configs
+/// KubeProxyConfiguration`, the real kubeadm of the pinned version), edited as an operator
+/// would: the agent takes its kubeconfig, node name, health and metrics addresses from it, a
+/// flag given on the command line beats the file, and the fields that do not apply are named
+/// in one warning.
+fn kube_proxy_config(cp: &ControlPlane, name: &str) -> Result<()> {
+    let kubeadm = std::env::var_os("SVC_KUBEADM").context(
+        "SVC_KUBEADM is not set: `cargo xtask control-plane` builds kubeadm and prints it",
+    )?;
+    let printed = std::process::Command::new(&kubeadm)
+        .args([
+            "config",
+            "print",
+            "init-defaults",
+            "--component-configs",
+            "KubeProxyConfiguration",
+        ])
+        .output()?;
+    ensure!(printed.status.success(), "kubeadm: {}", printed.status);
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&String::from_utf8(printed.stdout)?)?;
+    let mut config = docs
+        .into_iter()
+        .find(|d| d["kind"] == "KubeProxyConfiguration")
+        .context("kubeadm printed no KubeProxyConfiguration")?;
+    ensure!(config["apiVersion"] == "kubeproxy.config.k8s.io/v1alpha1");
+
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+
+    let healthz = svc_tests::agent::free_loopback_port()?;
+    let in_file_metrics = svc_tests::agent::free_loopback_port()?;
+    let metrics = svc_tests::agent::free_loopback_port()?;
+    config["clientConnection"]["kubeconfig"] = json!(cp.kubeconfig_path());
+    config["hostnameOverride"] = json!(env.node);
+    config["healthzBindAddress"] = json!(healthz.to_string());
+    config["metricsBindAddress"] = json!(in_file_metrics.to_string());
+    config["conntrack"]["tcpEstablishedTimeout"] = json!("2h0m0s");
+    let dir = svc_tests::TempDir::new("svc-kube-proxy-config")?;
+    let path = dir.path().join("config.conf");
+    std::fs::write(&path, serde_saphyr::to_string(&config)?)?;
+
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let mut agent = svc_tests::Agent::start_kube_config(
+        &env.sb.tools.agent,
+        &path,
+        env.sb.cgroup().path(),
+        env.bpffs.path(),
+        &["--service-proxy-name", name, &metrics_flag],
+        healthz,
+        metrics,
+    )?;
+    agent.wait_ready(SETTLE)?;
+    env.agent = Some(agent);
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "served with kubeadm's configuration",
+        || tcp_backends(&env.sb, vip, 5, &["b1"]),
+    )?;
+    let (status, _) = http_get(healthz, "/healthz")?;
+    ensure!(
+        status == 200,
+        "/healthz at the file's healthzBindAddress: {status}"
+    );
+    let (status, body) = http_get(metrics, "/metrics")?;
+    ensure!(
+        status == 200 && body.contains("svc_"),
+        "/metrics at the flag's address"
+    );
+    ensure!(
+        std::net::TcpStream::connect_timeout(&in_file_metrics, Duration::from_secs(1)).is_err(),
+        "the file's metricsBindAddress {in_file_metrics} answers, though a flag gave another"
+    );
+    let log = env.agent().log();
+    let warning = log
+        .lines()
+        .find(|l| l.contains("not applied:"))
+        .with_context(|| format!("no warning about the fields left out:\n{log}"))?;
+    for field in ["bindAddress (", "mode ("] {
+        ensure!(
+            warning.contains(field),
+            "the warning does not name {field}: {warning}"
+        );
+    }
+    ensure!(
+        !warning.contains("ipvs") && !warning.contains("logging"),
+        "the warning names fields kubeadm left at their defaults: {warning}"
+    );
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Builds the real control plane the tests run against, kube-apiserver and etcd, and the real
-//! kube-proxy the parity tests and benchmarks put beside svc, and helm for the chart's tests,
-//! from pinned module versions with `go build`, and caches the binaries.
+//! kube-proxy the parity tests and benchmarks put beside svc, and helm and kubeadm for the
+//! chart's and `--config`'s tests, from pinned module versions with `go build`, and caches the
+//! binaries.
 //!
 //! Nothing of Kubernetes or etcd is committed here: the build module's go.mod is generated from
 //! the pinned upstream go.mod at build time. Upstream's go.mod files point their sibling modules
@@ -104,6 +105,22 @@ const ETCD: Component = Component {
     version_var: None,
 };
 
+/// kubeadm, for the KubeProxyConfiguration it writes into the kube-proxy ConfigMap (the
+/// `--config` test), from the same module and version; a directory of its own for the same
+/// reason as [`KUBE_PROXY`].
+const KUBEADM: Component = Component {
+    name: "kubeadm",
+    module: "k8s.io/kubernetes",
+    version: KUBERNETES_VERSION,
+    sibling_version: KUBERNETES_STAGING_VERSION,
+    binaries: &[("kubeadm", "k8s.io/kubernetes/cmd/kubeadm")],
+    version_packages: &[
+        "k8s.io/client-go/pkg/version",
+        "k8s.io/component-base/version",
+    ],
+    version_var: None,
+};
+
 /// The newest Helm v4 patch on the Go module proxy when this was pinned; its go.mod names
 /// the same client-go (v0.37.2) as the pinned Kubernetes, so the Go build cache is shared.
 const HELM_VERSION: &str = "v4.3.2";
@@ -126,18 +143,20 @@ pub struct Binaries {
     pub etcd: PathBuf,
     pub kube_proxy: PathBuf,
     pub helm: PathBuf,
+    pub kubeadm: PathBuf,
 }
 
 impl Binaries {
     /// The variables the test harness (`svc_tests::control_plane`, `svc_tests::kube_proxy`)
     /// reads.
-    pub fn env(&self) -> [(&'static str, &Path); 5] {
+    pub fn env(&self) -> [(&'static str, &Path); 6] {
         [
             ("SVC_KUBE_APISERVER", &self.kube_apiserver),
             ("SVC_KUBECTL", &self.kubectl),
             ("SVC_ETCD", &self.etcd),
             ("SVC_KUBE_PROXY", &self.kube_proxy),
             ("SVC_HELM", &self.helm),
+            ("SVC_KUBEADM", &self.kubeadm),
         ]
     }
 }
@@ -166,12 +185,16 @@ pub fn ensure() -> Result<Binaries> {
     let [helm] = build_cached(&HELM, &cache, &mut go)?
         .try_into()
         .expect("HELM lists one binary");
+    let [kubeadm] = build_cached(&KUBEADM, &cache, &mut go)?
+        .try_into()
+        .expect("KUBEADM lists one binary");
     Ok(Binaries {
         kube_apiserver,
         kubectl,
         etcd,
         kube_proxy,
         helm,
+        kubeadm,
     })
 }
 

@@ -1,0 +1,382 @@
+//! `svc-agent run --config FILE`: kube-proxy's own configuration file, a
+//! `kubeproxy.config.k8s.io/v1alpha1` KubeProxyConfiguration (what kubeadm writes into the
+//! `kube-proxy` ConfigMap as `config.conf`), so a node's kube-proxy settings carry over.
+//!
+//! Each field either sets what the flag of the same meaning sets (flags given on the command
+//! line win, as with kube-proxy), or does not apply to svc; the latter, when set to anything
+//! but its empty value, are named in one warning with the reason, never dropped silently.
+//! Unknown fields are warned about too, as kube-proxy's lenient decoding does after its strict
+//! one fails; a wrong apiVersion or kind, or a value of the wrong shape, stops the agent.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+pub const KIND: &str = "KubeProxyConfiguration";
+
+/// What the file sets that `run` takes; None where it is silent (or empty, which kube-proxy
+/// reads as its default).
+#[derive(Debug, Default, PartialEq)]
+pub struct FromConfig {
+    /// clientConnection.kubeconfig
+    pub kubeconfig: Option<PathBuf>,
+    /// hostnameOverride
+    pub node_name: Option<String>,
+    pub healthz_bind_address: Option<SocketAddr>,
+    pub metrics_bind_address: Option<SocketAddr>,
+    pub nodeport_addresses: Option<Vec<String>>,
+    /// iptables.localhostNodePorts
+    pub localhost_nodeports: Option<bool>,
+    /// conntrack.*Timeout, as Go durations.
+    pub conntrack_tcp_timeout_established: Option<String>,
+    pub conntrack_tcp_timeout_close_wait: Option<String>,
+    pub conntrack_udp_timeout: Option<String>,
+    pub conntrack_udp_timeout_stream: Option<String>,
+    /// Fields set that svc does not use, each with why (`mode`, `clusterCIDR`, ...).
+    pub not_applied: Vec<(String, &'static str)>,
+    /// Fields kube-proxy's v1alpha1 does not have.
+    pub unknown: Vec<String>,
+}
+
+impl FromConfig {
+    /// The one warning the agent logs about what it leaves out, or None.
+    pub fn warning(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if !self.not_applied.is_empty() {
+            let fields: Vec<String> = self
+                .not_applied
+                .iter()
+                .map(|(f, why)| format!("{f} ({why})"))
+                .collect();
+            parts.push(format!("not applied: {}", fields.join("; ")));
+        }
+        if !self.unknown.is_empty() {
+            parts.push(format!(
+                "unknown to {API_VERSION}, ignored: {}",
+                self.unknown.join(", ")
+            ));
+        }
+        (!parts.is_empty()).then(|| parts.join(". "))
+    }
+}
+
+/// Fields that do not apply, and why: the warning's wording.
+const NOT_APPLIED: &[(&str, &str)] = &[
+    ("bindAddress", "svc serves no proxy port of its own"),
+    ("bindAddressHardFail", "svc serves no proxy port of its own"),
+    ("mode", "svc's datapath is eBPF whatever the mode"),
+    (
+        "clusterCIDR",
+        "svc tells traffic to masquerade by its own connection tracking, not by source range",
+    ),
+    (
+        "detectLocalMode",
+        "svc tells traffic to masquerade by its own connection tracking, not by source range",
+    ),
+    (
+        "detectLocal",
+        "svc tells traffic to masquerade by its own connection tracking, not by source range",
+    ),
+    ("iptables.masqueradeAll", "svc writes no iptables rules"),
+    ("iptables.masqueradeBit", "svc writes no iptables rules"),
+    (
+        "iptables.minSyncPeriod",
+        "svc programs each change as it comes (--coalesce-ms gathers bursts)",
+    ),
+    (
+        "iptables.syncPeriod",
+        "svc compares its maps with what it programmed every --reconcile-interval-s",
+    ),
+    ("ipvs", "svc writes no IPVS services"),
+    ("nftables", "svc writes no nftables rules"),
+    ("winkernel", "Windows only"),
+    ("windowsRunAsService", "Windows only"),
+    (
+        "minSyncPeriod",
+        "svc programs each change as it comes (--coalesce-ms gathers bursts)",
+    ),
+    (
+        "syncPeriod",
+        "svc compares its maps with what it programmed every --reconcile-interval-s",
+    ),
+    (
+        "conntrack.maxPerCore",
+        "svc does not size the node's conntrack; its own table is --max-ct",
+    ),
+    (
+        "conntrack.min",
+        "svc does not size the node's conntrack; its own table is --max-ct",
+    ),
+    (
+        "conntrack.tcpBeLiberal",
+        "svc's connection tracking has its own window checks (packet-datapath.md)",
+    ),
+    (
+        "clientConnection.acceptContentTypes",
+        "svc's API client settings are its own",
+    ),
+    (
+        "clientConnection.contentType",
+        "svc's API client settings are its own",
+    ),
+    (
+        "clientConnection.qps",
+        "svc's API client settings are its own",
+    ),
+    (
+        "clientConnection.burst",
+        "svc's API client settings are its own",
+    ),
+    (
+        "configSyncPeriod",
+        "svc's watches do not resync: a relist happens only when a watch ends",
+    ),
+    ("portRange", "unused by kube-proxy too"),
+    (
+        "oomScoreAdj",
+        "set by the DaemonSet's priority, not by the agent",
+    ),
+    ("enableProfiling", "svc has no pprof endpoint"),
+    ("featureGates", "svc has no feature gates"),
+    ("logging", "svc logs with RUST_LOG"),
+    (
+        "showHiddenMetricsForVersion",
+        "svc hides no metric: every one it has is shown",
+    ),
+];
+
+/// Reads and maps the file.
+pub fn read(path: &Path) -> Result<FromConfig> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text).map_err(|message| Error::Invalid {
+        object: format!("--config {}", path.display()),
+        message,
+    })
+}
+
+/// Maps a KubeProxyConfiguration (YAML or JSON).
+pub fn parse(text: &str) -> std::result::Result<FromConfig, String> {
+    let doc: Value =
+        serde_saphyr::from_str(text).map_err(|e| format!("not a YAML document: {e}"))?;
+    let Value::Object(top) = &doc else {
+        return Err("not a mapping".into());
+    };
+    let api = top.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    let kind = top.get("kind").and_then(Value::as_str).unwrap_or("");
+    if api != API_VERSION || kind != KIND {
+        return Err(format!(
+            "apiVersion {api:?}, kind {kind:?}: svc reads {API_VERSION} {KIND}"
+        ));
+    }
+    let mut out = FromConfig::default();
+    let mut fields = Vec::new();
+    flatten("", &doc, &mut fields);
+    for (name, value) in fields {
+        if !is_set(value) {
+            continue;
+        }
+        let text = || -> std::result::Result<String, String> {
+            value
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("{name}: a string, not {value}"))
+        };
+        let addr = || -> std::result::Result<SocketAddr, String> {
+            let t = text()?;
+            t.parse()
+                .map_err(|_| format!("{name}: {t:?} is not an address with a port (IP:PORT)"))
+        };
+        match name.as_str() {
+            "apiVersion" | "kind" => {}
+            "clientConnection.kubeconfig" => out.kubeconfig = Some(text()?.into()),
+            "hostnameOverride" => out.node_name = Some(text()?),
+            "healthzBindAddress" => out.healthz_bind_address = Some(addr()?),
+            "metricsBindAddress" => out.metrics_bind_address = Some(addr()?),
+            "nodePortAddresses" => {
+                let list = value
+                    .as_array()
+                    .ok_or_else(|| format!("{name}: a list, not {value}"))?;
+                out.nodeport_addresses = Some(
+                    list.iter()
+                        .map(|v| {
+                            v.as_str()
+                                .map(str::to_string)
+                                .ok_or_else(|| format!("{name}: {v} is not a string"))
+                        })
+                        .collect::<std::result::Result<_, _>>()?,
+                );
+            }
+            "iptables.localhostNodePorts" => {
+                out.localhost_nodeports = Some(
+                    value
+                        .as_bool()
+                        .ok_or_else(|| format!("{name}: true or false, not {value}"))?,
+                )
+            }
+            "conntrack.tcpEstablishedTimeout" => {
+                out.conntrack_tcp_timeout_established = Some(text()?)
+            }
+            "conntrack.tcpCloseWaitTimeout" => out.conntrack_tcp_timeout_close_wait = Some(text()?),
+            "conntrack.udpTimeout" => out.conntrack_udp_timeout = Some(text()?),
+            "conntrack.udpStreamTimeout" => out.conntrack_udp_timeout_stream = Some(text()?),
+            other => match not_applied(other) {
+                Some(why) => out.not_applied.push((other.to_string(), why)),
+                None => out.unknown.push(other.to_string()),
+            },
+        }
+    }
+    Ok(out)
+}
+
+/// The reason for `field` (or a field under one listed, `ipvs.scheduler` under `ipvs`).
+fn not_applied(field: &str) -> Option<&'static str> {
+    NOT_APPLIED.iter().find_map(|(name, why)| {
+        (field == *name || field.starts_with(&format!("{name}."))).then_some(*why)
+    })
+}
+
+/// The fields of a document by dotted name: the sections some of whose fields apply
+/// (`clientConnection`, `iptables`, `conntrack`) field by field, any other field whole
+/// (`ipvs`, `logging`, an unknown mapping: one field each).
+fn flatten<'a>(prefix: &str, v: &'a Value, out: &mut Vec<(String, &'a Value)>) {
+    let Value::Object(m) = v else {
+        return;
+    };
+    for (k, v) in m {
+        let name = match prefix {
+            "" => k.clone(),
+            p => format!("{p}.{k}"),
+        };
+        let section = matches!(name.as_str(), "clientConnection" | "iptables" | "conntrack");
+        if section && v.is_object() {
+            flatten(&name, v, out);
+        } else {
+            out.push((name, v));
+        }
+    }
+}
+
+/// Whether a value says anything: kube-proxy reads null, "", 0, "0s", false and empty lists
+/// and mappings (all of whose values are unset) as "use the default".
+fn is_set(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !matches!(s.as_str(), "" | "0" | "0s"),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(m) => m.values().any(is_set),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn applied_fields_map_to_flags_and_the_rest_is_named() {
+        let c = parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+             kind: KubeProxyConfiguration\n\
+             bindAddress: 0.0.0.0\n\
+             clientConnection:\n  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf\n  qps: 0\n  burst: 10\n\
+             clusterCIDR: 10.244.0.0/16\n\
+             conntrack:\n  maxPerCore: null\n  tcpEstablishedTimeout: 1h0m0s\n  udpTimeout: 0s\n\
+             hostnameOverride: node-1\n\
+             healthzBindAddress: 0.0.0.0:10256\n\
+             metricsBindAddress: ''\n\
+             iptables:\n  localhostNodePorts: false\n  syncPeriod: 30s\n\
+             ipvs:\n  scheduler: rr\n  strictARP: false\n\
+             mode: nftables\n\
+             nodePortAddresses: [primary, 10.0.0.0/8]\n\
+             showHiddenMetricsForVersion: '1.36'\n\
+             somethingNew: 3\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.kubeconfig.as_deref(),
+            Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
+        assert_eq!(c.node_name.as_deref(), Some("node-1"));
+        assert_eq!(
+            c.healthz_bind_address,
+            Some("0.0.0.0:10256".parse().unwrap())
+        );
+        assert_eq!(
+            c.metrics_bind_address, None,
+            "empty is kube-proxy's default"
+        );
+        assert_eq!(
+            c.nodeport_addresses,
+            Some(vec!["primary".to_string(), "10.0.0.0/8".to_string()])
+        );
+        assert_eq!(c.localhost_nodeports, Some(false));
+        assert_eq!(
+            c.conntrack_tcp_timeout_established.as_deref(),
+            Some("1h0m0s")
+        );
+        assert_eq!(c.conntrack_udp_timeout, None);
+        let named: Vec<&str> = c.not_applied.iter().map(|(f, _)| f.as_str()).collect();
+        assert_eq!(
+            named,
+            [
+                "bindAddress",
+                "clientConnection.burst",
+                "clusterCIDR",
+                "iptables.syncPeriod",
+                "ipvs",
+                "mode",
+                "showHiddenMetricsForVersion"
+            ]
+        );
+        assert_eq!(c.unknown, ["somethingNew"]);
+        let warning = c.warning().unwrap();
+        assert!(
+            warning.contains("mode (svc's datapath is eBPF"),
+            "{warning}"
+        );
+        assert!(
+            warning.contains("unknown to kubeproxy.config.k8s.io/v1alpha1, ignored: somethingNew"),
+            "{warning}"
+        );
+    }
+
+    #[test]
+    fn a_wrong_kind_or_shape_is_an_error_that_names_it() {
+        let e = parse("apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\n")
+            .unwrap_err();
+        assert!(
+            e.contains("KubeletConfiguration") && e.contains(KIND),
+            "{e}"
+        );
+        let e = parse(&format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nhealthzBindAddress: 0.0.0.0\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.contains("healthzBindAddress") && e.contains("IP:PORT"),
+            "{e}"
+        );
+        let e = parse(&format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nnodePortAddresses: primary\n"
+        ))
+        .unwrap_err();
+        assert!(e.contains("nodePortAddresses: a list"), "{e}");
+        assert!(parse("[1, 2]").is_err());
+        assert!(parse(": : :").is_err());
+    }
+
+    #[test]
+    fn an_empty_configuration_sets_nothing_and_warns_of_nothing() {
+        let c = parse(&format!("apiVersion: {API_VERSION}\nkind: {KIND}\n")).unwrap();
+        assert_eq!(c, FromConfig::default());
+        assert_eq!(c.warning(), None);
+    }
+}
