@@ -179,7 +179,13 @@ pub fn parse(text: &str) -> std::result::Result<FromConfig, String> {
     let mut fields = Vec::new();
     flatten("", &doc, &mut fields);
     for (name, value) in fields {
-        if !is_set(value) {
+        // `iptables.localhostNodePorts: false` says something (its default is true): only
+        // null is silence there; elsewhere every empty value is.
+        let silent = match name.as_str() {
+            "iptables.localhostNodePorts" => value.is_null(),
+            _ => !is_set(value),
+        };
+        if silent {
             continue;
         }
         let text = || -> std::result::Result<String, String> {
