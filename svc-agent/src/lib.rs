@@ -11,6 +11,7 @@ pub mod healthcheck;
 pub mod http;
 pub mod kubeproxy_config;
 pub mod list;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod names;

@@ -14,6 +14,18 @@ use svc_agent::{agent, controller, datapath, list, metrics, source::kube, transl
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// The log's shape: tracing's lines, kube-proxy's klog lines, or JSON (one object a line).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    logging_format: svc_agent::logging::Format,
+    /// kube-proxy's verbosity: 0-1 info, 2-3 the agent's debug lines, 4-5 its trace lines,
+    /// 6 and above everything, the API client's included. Without it or --log-level:
+    /// $RUST_LOG, else info.
+    #[arg(short = 'v', long = "v", global = true)]
+    v: Option<u8>,
+    /// error, warn, info, debug, trace, or a directive such as `info,svc_agent=debug`
+    /// (beats --v).
+    #[arg(long, global = true)]
+    log_level: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -122,6 +134,11 @@ enum Command {
     MountBpffs {
         #[arg(default_value = "/sys/fs/bpf")]
         path: PathBuf,
+    },
+    /// Print a completion script for a shell (`source <(svc-agent completion bash)`).
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
     /// Print each service frontend with its backends, from the pinned maps.
     List {
@@ -403,17 +420,13 @@ impl CapacityArgs {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    svc_agent::fault::setup();
     let matches = Cli::command().get_matches();
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    svc_agent::logging::init(
+        cli.logging_format,
+        svc_agent::logging::filter(cli.log_level.as_deref(), cli.v),
+    );
+    svc_agent::fault::setup();
     if let Some(run) = matches.subcommand_matches("run") {
         apply_config(&mut cli.command, run)?;
     }
@@ -556,6 +569,11 @@ fn main() -> anyhow::Result<()> {
                 "snat_ports": format!("{}-{}", cfg.snat_ports.0, cfg.snat_ports.1),
             });
             print_out(&format!("{}\n", serde_json::to_string_pretty(&out)?))?;
+        }
+        Command::Completion { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "svc-agent", &mut out);
+            print_out(&String::from_utf8_lossy(&out))?;
         }
         Command::MountBpffs { path } => {
             let mounted = svc_agent::sys::mount_bpffs(&path)

@@ -919,3 +919,109 @@ fn dry_run_prints_the_plan_and_leaves_the_maps_as_they_are() {
     );
     assert!(!empty.path().exists());
 }
+
+/// The log in kube-proxy's shapes, at the level asked for: `--logging-format klog` writes
+/// klog's lines, `json` one JSON object a line, `text` tracing's; `--log-level` beats
+/// `$RUST_LOG`; and `completion bash` is a script bash reads. A warning to log: the
+/// `--config` field that does not apply, in a dry run (nothing attached or pinned).
+#[test]
+fn the_log_takes_kube_proxys_shapes_and_the_level_asked_for() {
+    let dir = svc_tests::TempDir::new("svc-logging").unwrap();
+    let config = dir.path().join("config.conf");
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: nftables\n",
+    )
+    .unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir(&manifests).unwrap();
+    let agent = svc_tests::Tools::locate().agent;
+    let log = |flags: &[&str], rust_log: Option<&str>| -> Vec<String> {
+        let mut c = std::process::Command::new(&agent);
+        c.args(flags)
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .arg("--manifests")
+            .arg(&manifests)
+            .args(["--cgroup", "/nonexistent", "--dry-run", "--bpffs"])
+            .arg(dir.path().join("bpffs"));
+        match rust_log {
+            Some(v) => c.env("RUST_LOG", v),
+            None => c.env_remove("RUST_LOG"),
+        };
+        let out = c.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        stderr.lines().map(String::from).collect()
+    };
+    let warned = |lines: &[String]| lines.iter().any(|l| l.contains("not applied: mode"));
+
+    let klog = log(&["--logging-format", "klog"], None);
+    let line = klog
+        .iter()
+        .find(|l| l.contains("not applied: mode"))
+        .unwrap();
+    // W1205 16:39:27.771706   13691 main.rs:717] not applied: ...
+    let (header, message) = line.split_once("] ").unwrap();
+    let fields: Vec<&str> = header.split_whitespace().collect();
+    assert!(
+        fields.len() == 4
+            && fields[0].len() == 5
+            && fields[0].starts_with('W')
+            && fields[0][1..].bytes().all(|b| b.is_ascii_digit())
+            && fields[1].len() == 15
+            && fields[2].bytes().all(|b| b.is_ascii_digit())
+            && fields[3].starts_with("main.rs:"),
+        "not a klog line: {line}"
+    );
+    assert!(message.starts_with("not applied: mode"), "{line}");
+
+    let json = log(&["--logging-format", "json"], None);
+    let objects: Vec<serde_json::Value> = json
+        .iter()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        objects.iter().any(|o| o["level"] == "WARN"
+            && o["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("not applied: mode"))),
+        "{json:?}"
+    );
+
+    let text = log(&[], None);
+    assert!(
+        text.iter()
+            .any(|l| l.contains(" WARN ") && l.contains("not applied: mode")),
+        "{text:?}"
+    );
+    assert!(
+        !warned(&log(&["--log-level", "error"], None)),
+        "--log-level error"
+    );
+    assert!(!warned(&log(&[], Some("error"))), "RUST_LOG=error");
+    assert!(
+        warned(&log(&["--log-level", "warn"], Some("error"))),
+        "--log-level beats RUST_LOG"
+    );
+
+    let script = std::process::Command::new(&agent)
+        .args(["completion", "bash"])
+        .output()
+        .unwrap();
+    assert!(script.status.success());
+    let script = String::from_utf8(script.stdout).unwrap();
+    assert!(
+        script.contains("mount-bpffs") && script.contains("--logging-format"),
+        "completion lacks commands or flags"
+    );
+    let path = dir.path().join("completion.bash");
+    std::fs::write(&path, &script).unwrap();
+    let checked = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(checked.success(), "bash cannot read the completion script");
+}
