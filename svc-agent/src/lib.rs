@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod model;
 pub mod names;
 pub mod netdev;
+pub mod netlink;
 pub mod packet;
 pub mod retry;
 pub mod source;

@@ -87,7 +87,7 @@ use crate::{Error, Result};
 use std::{
     collections::HashMap,
     fmt, fs, io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     os::{
         fd::{AsRawFd, OwnedFd},
         unix::fs::MetadataExt,
@@ -96,20 +96,14 @@ use std::{
     time::Duration,
 };
 
-/// `SOCK_DIAG_BY_FAMILY` and `SOCK_DESTROY` from linux/sock_diag.h (not in libc).
-const SOCK_DIAG_BY_FAMILY: u16 = 20;
-const SOCK_DESTROY: u16 = 21;
-/// A connected UDP socket is in `TCP_ESTABLISHED`; unconnected ones are in `TCP_CLOSE`.
-const TCP_ESTABLISHED: u32 = 1;
+use netlink_packet_core::{Parseable, NLMSG_DONE, NLMSG_ERROR, NLM_F_ACK, NLM_F_DUMP};
+use netlink_packet_sock_diag::{
+    inet::{ExtensionFlags, InetRequest, InetResponseHeader, SocketId, StateFlags},
+    SockDiagDestroy, SockDiagMessage, SOCK_DIAG_BY_FAMILY,
+};
+use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket};
 
-const NLMSG_HDRLEN: usize = 16;
-/// `struct inet_diag_sockid`: sport, dport (be16), src[4], dst[4] (be32), if (u32), cookie[2].
-const SOCKID_LEN: usize = 48;
-/// `struct inet_diag_req_v2`: family, protocol, ext, pad (u8), states (u32), sockid.
-const REQ_LEN: usize = 8 + SOCKID_LEN;
-/// `struct inet_diag_msg`: family, state, timer, retrans (u8), sockid, expires, rqueue, wqueue,
-/// uid, inode (u32).
-const DIAG_MSG_LEN: usize = 4 + SOCKID_LEN + 20;
+use crate::netlink::Messages;
 
 /// A receive that takes this long means the kernel is not answering; better an error than an
 /// agent thread stuck in a namespace.
@@ -423,9 +417,10 @@ struct NsOutcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct UdpSock {
     family: u8,
-    /// The raw `inet_diag_sockid`, echoed back unchanged in `SOCK_DESTROY` so the kernel finds
-    /// exactly this socket (its cookie included).
-    sockid: [u8; SOCKID_LEN],
+    /// The `inet_diag_sockid` as the dump reported it, echoed back in `SOCK_DESTROY` so the
+    /// kernel finds exactly this socket (its cookie included). The kernel zeroes an IPv4
+    /// address's unused twelve bytes, which is what the crate's encoder sends there too.
+    id: SocketId,
     local: SocketAddr,
     remote: SocketAddr,
     cookie: u64,
@@ -441,33 +436,17 @@ impl UdpSock {
 
 /// A `NETLINK_SOCK_DIAG` socket, in the namespace of the thread that opened it.
 struct SockDiag {
-    fd: OwnedFd,
+    socket: Socket,
     seq: u32,
     buf: Vec<u8>,
 }
 
 impl SockDiag {
     fn open() -> io::Result<Self> {
-        let fd = crate::sys::netlink_socket(libc::NETLINK_SOCK_DIAG)?;
-        let tv = libc::timeval {
-            tv_sec: RECV_TIMEOUT.as_secs() as libc::time_t,
-            tv_usec: RECV_TIMEOUT.subsec_micros() as libc::suseconds_t,
-        };
-        // SAFETY: tv is a valid timeval and we pass its exact size.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                (&tv as *const libc::timeval).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let socket = Socket::new(NETLINK_SOCK_DIAG)?;
+        socket2::SockRef::from(&socket).set_read_timeout(Some(RECV_TIMEOUT))?;
         Ok(SockDiag {
-            fd,
+            socket,
             seq: 0,
             buf: vec![0; RECV_BUF],
         })
@@ -507,34 +486,31 @@ impl SockDiag {
 
     /// All connected UDP sockets of one family.
     fn dump_udp(&mut self, family: u8) -> io::Result<Vec<UdpSock>> {
-        let req = diag_req(family, 1 << TCP_ESTABLISHED, &[0; SOCKID_LEN]);
-        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
-        let seq = self.send(SOCK_DIAG_BY_FAMILY, flags, &req)?;
+        let seq = self.next_seq();
+        self.send(&dump_request(family, seq))?;
         let mut socks = Vec::new();
         loop {
             let n = self.recv()?;
-            for msg in NlMessages::new(&self.buf[..n]) {
+            for msg in Messages::new(&self.buf[..n]) {
                 let msg = msg?;
                 if msg.seq != seq {
                     continue; // a late answer to an earlier request
                 }
                 match msg.kind {
                     SOCK_DIAG_BY_FAMILY => {
-                        if let Some(s) = parse_diag_msg(msg.payload)? {
+                        if let Some(s) = udp_sock(msg.payload())? {
                             socks.push(s);
                         }
                     }
-                    t if t == libc::NLMSG_DONE as u16 => {
+                    NLMSG_DONE => {
                         // The payload is the dump's status: 0 or a negative errno.
-                        return match msg.payload.get(..4) {
-                            Some(b) if read_i32(b) < 0 => {
-                                Err(io::Error::from_raw_os_error(-read_i32(b)))
-                            }
+                        return match msg.done_code() {
+                            code if code < 0 => Err(io::Error::from_raw_os_error(-code)),
                             _ => Ok(socks),
                         };
                     }
-                    t if t == libc::NLMSG_ERROR as u16 => {
-                        let code = parse_error(msg.payload)?;
+                    NLMSG_ERROR => {
+                        let code = msg.error_code()?;
                         return Err(io::Error::from_raw_os_error(if code < 0 {
                             -code
                         } else {
@@ -549,17 +525,16 @@ impl SockDiag {
 
     /// Destroys one socket. `Ok(false)` when the kernel no longer has it.
     fn destroy(&mut self, sock: &UdpSock) -> io::Result<bool> {
-        let req = diag_req(sock.family, u32::MAX, &sock.sockid);
-        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16;
-        let seq = self.send(SOCK_DESTROY, flags, &req)?;
+        let seq = self.next_seq();
+        self.send(&destroy_request(sock, seq))?;
         loop {
             let n = self.recv()?;
-            for msg in NlMessages::new(&self.buf[..n]) {
+            for msg in Messages::new(&self.buf[..n]) {
                 let msg = msg?;
-                if msg.seq != seq || msg.kind != libc::NLMSG_ERROR as u16 {
+                if msg.seq != seq || msg.kind != NLMSG_ERROR {
                     continue;
                 }
-                return match parse_error(msg.payload)? {
+                return match msg.error_code()? {
                     0 => Ok(true),
                     e if e == -libc::ENOENT => Ok(false),
                     e if e < 0 => Err(io::Error::from_raw_os_error(-e)),
@@ -569,55 +544,35 @@ impl SockDiag {
         }
     }
 
-    fn send(&mut self, kind: u16, flags: u16, payload: &[u8]) -> io::Result<u32> {
+    fn next_seq(&mut self) -> u32 {
         self.seq = self.seq.wrapping_add(1);
-        let len = NLMSG_HDRLEN + payload.len();
-        let mut msg = Vec::with_capacity(len);
-        msg.extend_from_slice(&(len as u32).to_ne_bytes());
-        msg.extend_from_slice(&kind.to_ne_bytes());
-        msg.extend_from_slice(&flags.to_ne_bytes());
-        msg.extend_from_slice(&self.seq.to_ne_bytes());
-        msg.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel fills in ours
-        msg.extend_from_slice(payload);
+        self.seq
+    }
+
+    fn send(&self, msg: &[u8]) -> io::Result<()> {
         // An unconnected netlink socket sends to the kernel (port 0) without an address.
-        // SAFETY: msg is a live buffer of msg.len() bytes.
-        let n = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if n as usize != msg.len() {
+        let n = self.socket.send(msg, 0)?;
+        if n != msg.len() {
             return Err(io::Error::other("short netlink send"));
         }
-        Ok(self.seq)
+        Ok(())
     }
 
     fn recv(&mut self) -> io::Result<usize> {
         loop {
             // MSG_TRUNC makes recv return the real length, so a datagram larger than the
             // buffer is detected instead of parsed cut short.
-            // SAFETY: buf is a live, writable buffer of buf.len() bytes.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    self.buf.as_mut_ptr().cast(),
-                    self.buf.len(),
-                    libc::MSG_TRUNC,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                if e.kind() == io::ErrorKind::WouldBlock {
+            let n = match self.socket.recv(&mut &mut self.buf[..], libc::MSG_TRUNC) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
                         format!("no netlink reply within {RECV_TIMEOUT:?}"),
                     ));
                 }
-                return Err(e);
-            }
-            let n = n as usize;
+                Err(e) => return Err(e),
+            };
             if n > self.buf.len() {
                 return Err(io::Error::other(format!(
                     "netlink datagram of {n} bytes does not fit the {} byte buffer",
@@ -629,14 +584,35 @@ impl SockDiag {
     }
 }
 
-/// A `struct inet_diag_req_v2` for UDP.
-fn diag_req(family: u8, states: u32, sockid: &[u8; SOCKID_LEN]) -> [u8; REQ_LEN] {
-    let mut req = [0u8; REQ_LEN];
-    req[0] = family;
-    req[1] = libc::IPPROTO_UDP as u8;
-    req[4..8].copy_from_slice(&states.to_ne_bytes());
-    req[8..].copy_from_slice(sockid);
-    req
+/// The dump of one family's connected UDP sockets.
+fn dump_request(family: u8, seq: u32) -> Vec<u8> {
+    let socket_id = if family == libc::AF_INET as u8 {
+        SocketId::new_v4()
+    } else {
+        SocketId::new_v6()
+    };
+    let req = InetRequest {
+        family,
+        protocol: libc::IPPROTO_UDP as u8,
+        extensions: ExtensionFlags::empty(),
+        // A connected UDP socket is in `TCP_ESTABLISHED`; unconnected ones are in `TCP_CLOSE`.
+        states: StateFlags::ESTABLISHED,
+        socket_id,
+    };
+    crate::netlink::request(SockDiagMessage::InetRequest(req), NLM_F_DUMP, seq)
+}
+
+/// `SOCK_DESTROY` of one socket as the dump reported it.
+fn destroy_request(sock: &UdpSock, seq: u32) -> Vec<u8> {
+    let req = InetRequest {
+        family: sock.family,
+        protocol: libc::IPPROTO_UDP as u8,
+        extensions: ExtensionFlags::empty(),
+        states: StateFlags::from_bits_retain(u32::MAX),
+        socket_id: sock.id.clone(),
+    };
+    let msg = SockDiagDestroy::new(SockDiagMessage::InetRequest(req));
+    crate::netlink::request(msg, NLM_F_ACK, seq)
 }
 
 fn family_name(family: u8) -> &'static str {
@@ -647,136 +623,26 @@ fn family_name(family: u8) -> &'static str {
     }
 }
 
-/// One netlink message: header fields and payload.
-#[derive(Debug)]
-struct NlMessage<'a> {
-    kind: u16,
-    seq: u32,
-    payload: &'a [u8],
-}
-
-/// The messages of one netlink datagram; a malformed header ends the iteration with an error.
-struct NlMessages<'a> {
-    rest: &'a [u8],
-}
-
-impl<'a> NlMessages<'a> {
-    fn new(buf: &'a [u8]) -> Self {
-        NlMessages { rest: buf }
-    }
-}
-
-impl<'a> Iterator for NlMessages<'a> {
-    type Item = io::Result<NlMessage<'a>>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.rest.is_empty() {
-            return None;
-        }
-        let malformed = |what: String| {
-            Some(Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("malformed netlink reply: {what}"),
-            )))
-        };
-        if self.rest.len() < NLMSG_HDRLEN {
-            let n = self.rest.len();
-            self.rest = &[];
-            return malformed(format!("{n} trailing bytes, less than a header"));
-        }
-        let len = read_u32(&self.rest[0..4]) as usize;
-        if len < NLMSG_HDRLEN || len > self.rest.len() {
-            let have = self.rest.len();
-            self.rest = &[];
-            return malformed(format!("message length {len} with {have} bytes left"));
-        }
-        let msg = NlMessage {
-            kind: read_u16(&self.rest[4..6]),
-            seq: read_u32(&self.rest[8..12]),
-            payload: &self.rest[NLMSG_HDRLEN..len],
-        };
-        // Messages are 4-byte aligned; the last one may end without padding.
-        let next = (len + 3) & !3;
-        self.rest = self.rest.get(next..).unwrap_or(&[]);
-        Some(Ok(msg))
-    }
-}
-
-/// The error code of an `NLMSG_ERROR` message (0 is an ack).
-fn parse_error(payload: &[u8]) -> io::Result<i32> {
-    payload.get(..4).map(read_i32).ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!(
-                "malformed netlink reply: error message of {} bytes",
-                payload.len()
-            ),
-        )
-    })
-}
-
 /// A connected socket from an `inet_diag_msg`; `None` for an unconnected one (the state filter
-/// should leave none, but a zero peer can never be a backend).
-fn parse_diag_msg(p: &[u8]) -> io::Result<Option<UdpSock>> {
-    if p.len() < DIAG_MSG_LEN {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!(
-                "malformed netlink reply: inet_diag_msg of {} bytes",
-                p.len()
-            ),
-        ));
-    }
-    let family = p[0];
-    let mut sockid = [0u8; SOCKID_LEN];
-    sockid.copy_from_slice(&p[4..4 + SOCKID_LEN]);
-    let id = &sockid;
-    let sport = u16::from_be_bytes([id[0], id[1]]);
-    let dport = u16::from_be_bytes([id[2], id[3]]);
-    let (src, dst): (IpAddr, IpAddr) = match i32::from(family) {
-        libc::AF_INET => (ipv4(&id[4..8]).into(), ipv4(&id[20..24]).into()),
-        libc::AF_INET6 => (ipv6(&id[4..20]).into(), ipv6(&id[20..36]).into()),
-        _ => {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("malformed netlink reply: address family {family}"),
-            ))
-        }
-    };
-    if dport == 0 || dst.is_unspecified() {
+/// should leave none, but a zero peer can never be a backend). The attributes after the
+/// message are not read: nothing here needs them.
+fn udp_sock(p: &[u8]) -> io::Result<Option<UdpSock>> {
+    let h = InetResponseHeader::parse(p).map_err(crate::netlink::malformed)?;
+    let id = h.socket_id;
+    if id.destination_port == 0 || id.destination_address.is_unspecified() {
         return Ok(None);
     }
     // The cookie is two host-order u32s, low word first (sock_diag_save_cookie).
-    let cookie = u64::from(read_u32(&id[40..44])) | (u64::from(read_u32(&id[44..48])) << 32);
+    let c = id.cookie;
+    let cookie = u64::from(u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        | (u64::from(u32::from_ne_bytes([c[4], c[5], c[6], c[7]])) << 32);
     Ok(Some(UdpSock {
-        family,
-        sockid,
-        local: SocketAddr::new(src, sport),
-        remote: SocketAddr::new(dst, dport),
+        family: h.family,
+        local: SocketAddr::new(id.source_address, id.source_port),
+        remote: SocketAddr::new(id.destination_address, id.destination_port),
         cookie,
+        id,
     }))
-}
-
-// The readers take slices whose length the callers have checked; `try_into` cannot fail there,
-// and the fallback of zero keeps them panic-free regardless.
-fn read_u16(b: &[u8]) -> u16 {
-    u16::from_ne_bytes(b.try_into().unwrap_or_default())
-}
-fn read_u32(b: &[u8]) -> u32 {
-    u32::from_ne_bytes(b.try_into().unwrap_or_default())
-}
-fn read_i32(b: &[u8]) -> i32 {
-    i32::from_ne_bytes(
-        b.get(..4)
-            .and_then(|b| b.try_into().ok())
-            .unwrap_or_default(),
-    )
-}
-fn ipv4(b: &[u8]) -> Ipv4Addr {
-    Ipv4Addr::from(<[u8; 4]>::try_from(b).unwrap_or_default())
-}
-fn ipv6(b: &[u8]) -> Ipv6Addr {
-    Ipv6Addr::from(<[u8; 16]>::try_from(b).unwrap_or_default())
 }
 
 /// The packet datapath's UDP flows (`SVC_CT`: NodePorts, ExternalIPs, LoadBalancer IPs, and
@@ -921,6 +787,8 @@ impl UdpServing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netlink::Messages;
+    use std::net::Ipv6Addr;
 
     fn header(len: u32, kind: u16, seq: u32) -> Vec<u8> {
         let mut h = Vec::new();
@@ -940,7 +808,7 @@ mod tests {
         dport: u16,
         cookie: u64,
     ) -> Vec<u8> {
-        let mut m = vec![family, TCP_ESTABLISHED as u8, 0, 0];
+        let mut m = vec![family, 1 /* TCP_ESTABLISHED */, 0, 0];
         m.extend_from_slice(&sport.to_be_bytes());
         m.extend_from_slice(&dport.to_be_bytes());
         let mut a = [0u8; 16];
@@ -966,11 +834,13 @@ mod tests {
             5353,
             0x1_0000_0002,
         );
-        let s = parse_diag_msg(&m).unwrap().unwrap();
+        let s = udp_sock(&m).unwrap().unwrap();
         assert_eq!(s.local, "10.0.0.1:40000".parse().unwrap());
         assert_eq!(s.remote, "10.250.0.2:5353".parse().unwrap());
         assert_eq!(s.cookie, 0x1_0000_0002);
-        assert_eq!(&s.sockid[..], &m[4..52]);
+        // SOCK_DESTROY echoes the socket id: after the netlink header and the request's
+        // family, protocol, extensions, pad and states.
+        assert_eq!(&destroy_request(&s, 1)[24..], &m[4..52]);
         assert_eq!(s.peer(), ("10.250.0.2".parse().unwrap(), 5353));
     }
 
@@ -986,7 +856,7 @@ mod tests {
             5353,
             7,
         );
-        let s = parse_diag_msg(&m).unwrap().unwrap();
+        let s = udp_sock(&m).unwrap().unwrap();
         assert_eq!(s.peer(), ("10.250.0.2".parse().unwrap(), 5353));
     }
 
@@ -1000,40 +870,46 @@ mod tests {
             0,
             1,
         );
-        assert_eq!(parse_diag_msg(&m).unwrap(), None);
+        assert_eq!(udp_sock(&m).unwrap(), None);
     }
 
     #[test]
     fn truncated_and_malformed_replies_are_errors() {
         let m = diag_msg(libc::AF_INET as u8, &[1, 2, 3, 4], 1, &[5, 6, 7, 8], 2, 3);
         for cut in 0..m.len() {
-            assert!(parse_diag_msg(&m[..cut]).is_err(), "cut at {cut}");
+            assert!(udp_sock(&m[..cut]).is_err(), "cut at {cut}");
         }
         let mut bad_family = m.clone();
         bad_family[0] = 99;
-        assert!(parse_diag_msg(&bad_family).is_err());
-        assert!(parse_error(&[1, 2]).is_err());
+        assert!(udp_sock(&bad_family).is_err());
+        let mut short_error = header(18, NLMSG_ERROR, 1);
+        short_error.extend_from_slice(&[1, 2]);
+        let msg = Messages::new(&short_error).next().unwrap().unwrap();
+        assert!(msg.error_code().is_err());
 
         // Header length beyond the datagram, below the header size, and a stub header.
         let mut d = header(100, SOCK_DIAG_BY_FAMILY, 1);
         d.extend_from_slice(&[0; 8]);
-        assert!(NlMessages::new(&d).next().unwrap().is_err());
+        assert!(Messages::new(&d).next().unwrap().is_err());
         let d = header(8, SOCK_DIAG_BY_FAMILY, 1);
-        assert!(NlMessages::new(&d).next().unwrap().is_err());
-        assert!(NlMessages::new(&[1, 2, 3]).next().unwrap().is_err());
+        assert!(Messages::new(&d).next().unwrap().is_err());
+        assert!(Messages::new(&[1, 2, 3]).next().unwrap().is_err());
         // Every prefix of a valid two-message datagram parses or errors, never panics.
-        let mut d = header((NLMSG_HDRLEN + m.len()) as u32, SOCK_DIAG_BY_FAMILY, 1);
+        let mut d = header((16 + m.len()) as u32, SOCK_DIAG_BY_FAMILY, 1);
         d.extend_from_slice(&m);
-        d.extend_from_slice(&header(20, libc::NLMSG_DONE as u16, 1));
+        d.extend_from_slice(&header(20, NLMSG_DONE, 1));
         d.extend_from_slice(&0i32.to_ne_bytes());
         for cut in 0..=d.len() {
-            for msg in NlMessages::new(&d[..cut]).flatten() {
-                let _ = parse_diag_msg(msg.payload);
+            for msg in Messages::new(&d[..cut]).flatten() {
+                let _ = udp_sock(msg.payload());
+                let _ = msg.error_code();
+                let _ = msg.done_code();
             }
         }
-        let all: Vec<_> = NlMessages::new(&d).collect::<io::Result<_>>().unwrap();
+        let all: Vec<_> = Messages::new(&d).collect::<io::Result<_>>().unwrap();
         assert_eq!(all.len(), 2);
-        assert_eq!(all[1].kind, libc::NLMSG_DONE as u16);
+        assert_eq!(all[1].kind, NLMSG_DONE);
+        assert_eq!(all[1].done_code(), 0);
     }
 
     #[test]
@@ -1162,13 +1038,64 @@ mod tests {
         assert!(serving.stale(1, x) && !serving.stale(4, x));
     }
 
+    /// The requests are the bytes the hand-written framing this replaced sent (recorded from
+    /// it on x86_64): both dumps, and the destroy of a socket of each family as the kernel
+    /// reported it.
+    #[cfg(target_endian = "little")]
     #[test]
-    fn request_layout() {
-        let id = [7u8; SOCKID_LEN];
-        let r = diag_req(libc::AF_INET6 as u8, u32::MAX, &id);
-        assert_eq!(r.len(), 56);
-        assert_eq!(r[0], libc::AF_INET6 as u8);
-        assert_eq!(r[1], libc::IPPROTO_UDP as u8);
-        assert_eq!(&r[8..], &id[..]);
+    fn requests_are_the_bytes_sent_before() {
+        let unhex = |s: &str| -> Vec<u8> {
+            (0..s.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+                .collect()
+        };
+        assert_eq!(
+            dump_request(libc::AF_INET as u8, 1),
+            unhex(
+                "4800000014000103010000000000000002110000020000000000000000000000\
+                0000000000000000000000000000000000000000000000000000000000000000\
+                0000000000000000"
+            )
+        );
+        assert_eq!(
+            dump_request(libc::AF_INET6 as u8, 2),
+            unhex(
+                "480000001400010302000000000000000a110000020000000000000000000000\
+                0000000000000000000000000000000000000000000000000000000000000000\
+                0000000000000000"
+            )
+        );
+        let v4 = udp_sock(&unhex(
+            "020100009c4014e90a0000010000000000000000000000000afa000200000000\
+            00000000000000000300000078563412f0debc9a000000000000000000000000\
+            0000000000000000",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(v4.cookie, 0x9abc_def0_1234_5678);
+        assert_eq!(
+            destroy_request(&v4, 3),
+            unhex(
+                "4800000015000500030000000000000002110000ffffffff9c4014e90a000001\
+                0000000000000000000000000afa000200000000000000000000000003000000\
+                78563412f0debc9a"
+            )
+        );
+        let v6 = udp_sock(&unhex(
+            "0a0100009c41003500000000000000000000ffff0a000001fd00000000000000\
+            0000000000000053000000000700000001000000000000000000000000000000\
+            0000000000000000",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            destroy_request(&v6, 4),
+            unhex(
+                "480000001500050004000000000000000a110000ffffffff9c41003500000000\
+                000000000000ffff0a000001fd00000000000000000000000000005300000000\
+                0700000001000000"
+            )
+        );
     }
 }

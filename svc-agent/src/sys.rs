@@ -466,24 +466,6 @@ pub fn map_create(
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// A netlink socket of `protocol` (NETLINK_SOCK_DIAG, NETLINK_NETFILTER), in the network
-/// namespace of the calling thread.
-pub fn netlink_socket(protocol: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain socket(2) call; the result is checked before use.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            protocol,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: socket(2) just returned this descriptor and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 const BPF_LINK_GET_NEXT_ID: libc::c_long = 31;
