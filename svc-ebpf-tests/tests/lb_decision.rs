@@ -80,7 +80,7 @@ struct Lb {
     backends: HashMap<MapData, BackendId, Backend>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     matches: HashMap<MapData, AffinityMatchKey, u32>,
-    stats: PerCpuHashMap<MapData, svc_common::DevStatKey, u64>,
+    stats: Option<PerCpuHashMap<MapData, svc_common::DevStatKey, u64>>,
 }
 
 /// A frontend as a test programs it.
@@ -118,7 +118,10 @@ impl Lb {
         let backends = take(map_names::BACKENDS).try_into().unwrap();
         let affinity = take(map_names::AFFINITY).try_into().unwrap();
         let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
-        let stats = take(map_names::DEV_STATS).try_into().unwrap();
+        // Absent from an object of before the one counter map (`decision_cost` runs on one).
+        let stats = ebpf
+            .take_map(map_names::DEV_STATS)
+            .map(|m| m.try_into().unwrap());
         Lb {
             ebpf,
             services,
@@ -225,7 +228,27 @@ impl Lb {
             ifindex: 0,
             reason: reason as u32,
         };
-        self.stats.get(&key, 0).map_or(0, |v| v.iter().sum())
+        let stats = self
+            .stats
+            .as_ref()
+            .expect("the object counts in SVC_DEV_STATS");
+        stats.get(&key, 0).map_or(0, |v| v.iter().sum())
+    }
+
+    /// The mean time of one decision over `repeat` runs (ns), by BPF_PROG_TEST_RUN.
+    fn time(&self, req: &LbTestIo, repeat: u32) -> f64 {
+        let data_in = bytemuck::bytes_of(req);
+        let mut data_out = vec![0u8; data_in.len() + 64];
+        let prog: &SchedClassifier = self.ebpf.program("lb_test").unwrap().try_into().unwrap();
+        let r = prog
+            .test_run(TestRunOptions {
+                data_in: Some(data_in),
+                data_out: Some(&mut data_out),
+                repeat,
+                ..Default::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        r.duration.as_nanos() as f64
     }
 
     /// One decision, answered by the kernel.
@@ -838,4 +861,27 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
     assert_eq!((a.how, a.backend_id), (how::RANDOM, 12));
     assert_eq!(lb.stat(Reason::AffinityStale), stale + 1);
     assert_eq!(lb.remembered(NETNS_B, 92).map(|v| v.backend), Some(12));
+}
+
+/// What a counter costs a socket hook: the mean time of a decision that counts once (an
+/// affinity hit, `AffinityHit`) and of one that counts nothing (not a service), over many
+/// runs. Run it on this object and on one built before the one counter map (the hit then
+/// counted in a per-CPU array) with `SVC_EBPF_TEST_OBJECT`: the difference of the differences
+/// is the per-CPU hash's price over the array's. docs/design/packet-datapath.md, "Counters".
+#[test]
+#[ignore = "a measurement: cargo test -p svc-ebpf-tests --test lb_decision decision_cost -- --ignored --nocapture"]
+fn decision_cost() {
+    let lb = world();
+    let hit = connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_A);
+    lb.run(&hit);
+    assert_eq!(lb.run(&hit).how, how::AFFINITY, "every run an affinity hit");
+    let miss = connect("10.1.2.3:80", IPPROTO_TCP, T0, NETNS_A);
+    let repeat = 1_000_000;
+    for round in 0..5 {
+        let (h, m) = (lb.time(&hit, repeat), lb.time(&miss, repeat));
+        eprintln!(
+            "round {round}: affinity hit {h:.1} ns, not a service {m:.1} ns, difference {:.1} ns",
+            h - m
+        );
+    }
 }
