@@ -136,8 +136,27 @@ pub fn run_rows(dp: &Dp, rows: Vec<Row>) {
                 .unwrap_or_else(|e| panic!("{}: the input's {e} is wrong", r.what));
         }
         let before = dp.dev_stats_of(dev);
+        let before_none = dp.dev_stats_of(0);
         let (verdict, out, _) = dp.run_on(r.prog, dev, input, 1);
         let after = dp.dev_stats_of(dev);
+        // A packet's event is counted once, under its device: without a device only what
+        // the backend choice counts, which it is not told the device for.
+        let choice = [
+            Reason::AffinityHit,
+            Reason::AffinityStale,
+            Reason::RetriedMissingEntry,
+        ];
+        let moved_none: Vec<Reason> = dp
+            .dev_stats_of(0)
+            .into_iter()
+            .filter(|(reason, n)| before_none.get(reason) != Some(n) && !choice.contains(reason))
+            .map(|(reason, _)| reason)
+            .collect();
+        assert!(
+            moved_none.is_empty(),
+            "{}: counted without a device: {moved_none:?}",
+            r.what
+        );
         let mut moved: BTreeMap<Reason, u64> = BTreeMap::new();
         for (reason, n) in &after {
             let d = n - before.get(reason).copied().unwrap_or(0);
