@@ -8,7 +8,7 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError};
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
     BackendId, CtKey, CtValue, DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
@@ -228,7 +228,6 @@ pub struct BpfStore {
     /// read here.
     pub sock_state: MapData,
     pub meta: Array<MapData, MetaValue>,
-    pub stats: PerCpuArray<MapData, u64>,
     /// The packet datapath's maps the agent writes.
     pub src_ranges: LpmTrie<MapData, RangeData, u32>,
     pub node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
@@ -413,9 +412,15 @@ impl BpfStore {
         Ok(lacking)
     }
 
-    /// Totals of the socket programs' decision counters, by reason.
+    /// Totals of the socket programs' decision counters, by reason (`decision_totals`);
+    /// none while the object has no counter map.
     pub fn stats(&self) -> Result<Vec<(&'static str, u64)>> {
-        stat_totals(&self.stats)
+        match &self.dev_stats {
+            Some(m) => Ok(crate::datapath::decision_totals(
+                &crate::datapath::counters_of(m)?,
+            )),
+            None => Ok(Vec::new()),
+        }
     }
 
     pub fn read_meta(&self) -> Result<MetaValue> {
@@ -432,20 +437,6 @@ impl BpfStore {
             .collect::<Result<_, _>>()
             .map_err(|e| map_err(map_names::SRC_RANGES, e))
     }
-}
-
-/// Sums each per-CPU decision counter over the CPUs, named as `svc_common::stat::NAMES`.
-pub fn stat_totals(stats: &PerCpuArray<MapData, u64>) -> Result<Vec<(&'static str, u64)>> {
-    (0..svc_common::stat::COUNT)
-        .map(|i| (i, svc_common::stat::NAMES[i as usize]))
-        .filter(|(_, name)| *name != "reserved")
-        .map(|(i, name)| {
-            stats
-                .get(&i, 0)
-                .map(|per_cpu| (name, per_cpu.iter().sum()))
-                .map_err(|e| map_err(map_names::STATS, e))
-        })
-        .collect()
 }
 
 /// How often, and how long apart at first, a write that failed with ENOMEM is tried again.

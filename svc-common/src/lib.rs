@@ -238,8 +238,6 @@ catalogue! {
     AFFINITY = MapDef::new::<AffinityKey, AffinityValue>("SVC_AFFINITY", 2, MapKind::LruHash)
         .sized(262_144)
         .carry_late();
-    /// The socket programs' decisions per `stat` index, per CPU.
-    STATS = MapDef::new::<u32, u64>("SVC_STATS", 1, MapKind::PerCpuArray).entries(stat::COUNT);
     /// Frontend id to the object it came from; read by listings only.
     NAMES = MapDef::new::<u32, ServiceName>("SVC_NAMES", 1, MapKind::Hash)
         .sized(262_144)
@@ -273,7 +271,8 @@ catalogue! {
         .carry_late();
     /// The packet datapath's settings (`DatapathConfig`).
     CONFIG = MapDef::new::<u32, DatapathConfig>("SVC_CONFIG", 1, MapKind::Array).owned();
-    /// (device, reason) pairs counted per CPU.
+    /// The datapath's counters, per CPU: (device, `Reason`), device 0 for the socket hooks.
+    /// Layout 1 still: the socket hooks' reasons are numbers its keys never had.
     DEV_STATS = MapDef::new::<DevStatKey, u64>("SVC_DEV_STATS", 1, MapKind::PerCpuHash)
         .sized(4_096);
     /// The filter in front of `NODE_ADDRS` (`NODE_ADDR_BIT_WORDS`).
@@ -314,6 +313,13 @@ pub const fn ct_new_entries(ct: u32) -> u32 {
 }
 
 /// Layout versions of the maps (`MapDef::version`).
+/// Pins of maps that are no longer in the catalogue, as released agents left them: an agent
+/// removes them once its programs are attached (and `uninstall` does), as it removes a pin of
+/// another layout version. A counter map's entries are not carried over: they start again.
+/// `SVC_STATS`: the socket hooks' counter array, whose reasons `DEV_STATS` counts now under
+/// device 0 (unversioned, as the first release pinned it, and layout 1).
+pub const RETIRED_PINS: &[&str] = &["SVC_STATS", "SVC_STATS_v1"];
+
 pub mod layout {
     /// The layout version of `map`; 0 for a name that is not one of ours.
     pub fn version(map: &str) -> u32 {
@@ -832,112 +838,251 @@ pub mod ct_timeout {
     }
 }
 
-/// A per-device counter's key (`DEV_STATS`): what the packet datapath decided on which
-/// device.
+/// A counter's key (`DEV_STATS`, the kernel's one counter map): what the datapath decided, on
+/// which device.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct DevStatKey {
-    /// Host order.
+    /// Host order. The device a tc program ran on (for `CtAssuredFull`, the device the flow
+    /// came in on); 0 for the socket hooks, which have none.
     pub ifindex: u32,
-    /// A `pkt_stat` index.
+    /// A `Reason`, as its number.
     pub reason: u32,
 }
 
-/// Reasons counted per device by the packet datapath (`DEV_STATS`). Numbered once, never
-/// renumbered.
-pub mod pkt_stat {
-    /// A new flow to a frontend was translated to a backend.
-    pub const NEW: u32 = 0;
-    /// A packet of a known flow was translated (either direction).
-    pub const CT_HIT: u32 = 1;
-    /// A reply was translated back to its frontend.
-    pub const REPLY: u32 = 2;
-    /// Rejected: the frontend has no usable backend (TCP RST or ICMP unreachable sent back).
-    pub const REJECT_NO_BACKEND: u32 = 3;
-    /// Dropped: externalTrafficPolicy Local and no endpoint on this node.
-    pub const DROP_NO_LOCAL_BACKEND: u32 = 4;
-    /// Dropped: the client is outside the frontend's loadBalancerSourceRanges.
-    pub const DROP_SOURCE_RANGE: u32 = 5;
-    /// Dropped: no SNAT port was free for the flow.
-    pub const DROP_SNAT_EXHAUSTED: u32 = 6;
-    /// Passed untouched: a packet the parser could not read far enough (truncated, unknown
-    /// extension headers); it is not ours to judge.
-    pub const PASS_UNPARSED: u32 = 7;
-    /// A non-first IPv4/IPv6 fragment with no record of its datagram's ports: passed
+/// Why the datapath counted: the one vocabulary of the socket hooks and the tc programs,
+/// counted through one kernel function (svc-ebpf's `maps::count`) under (device, reason).
+/// Numbered once, never renumbered: 0-21 are the numbers the packet datapath's reasons had
+/// when they were counted apart (so `DEV_STATS` kept its layout), 22 on the socket hooks'.
+/// `name` is the `reason` label of the metrics.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    /// tc: a new flow to a frontend was translated to a backend.
+    New = 0,
+    /// tc: a packet of a known flow was translated (either direction).
+    CtHit = 1,
+    /// tc: a reply was translated back to its frontend.
+    Reply = 2,
+    /// tc: rejected, the frontend has no usable backend (TCP RST or ICMP unreachable sent
+    /// back). The socket hooks' refusal is `RefusedNoBackend`.
+    RejectNoBackend = 3,
+    /// tc: dropped, externalTrafficPolicy Local and no endpoint on this node.
+    DropNoLocalBackend = 4,
+    /// tc: dropped, the client is outside the frontend's loadBalancerSourceRanges.
+    DropSourceRange = 5,
+    /// tc: dropped, no SNAT port was free for the flow.
+    DropSnatExhausted = 6,
+    /// tc: passed untouched, a packet the parser could not read far enough (truncated,
+    /// unknown extension headers); it is not ours to judge.
+    PassUnparsed = 7,
+    /// tc: a non-first IPv4/IPv6 fragment with no record of its datagram's ports, passed
     /// untouched. Fragments of traffic svc does not translate, and of a translated UDP
     /// datagram whose first fragment came later (out of order) or whose record is gone (the
-    /// fragment map full, or older than 30 s); see `FRAGMENT_TRANSLATED`.
-    pub const FRAGMENT: u32 = 8;
-    /// An ICMP error about a translated flow was translated too.
-    pub const ICMP_ERROR: u32 = 9;
-    /// A slot or backend entry was missing (an update raced the lookup).
-    pub const ERR_MISSING_ENTRY: u32 = 10;
-    /// A connection-tracking entry could not be stored (the packet was dropped).
-    pub const ERR_CT_UPDATE: u32 = 11;
-    /// The packet could not be rewritten or redirected (a helper failed, or no route or SNAT
-    /// address was found for a remote backend); it was dropped.
-    pub const ERR_REWRITE: u32 = 12;
-    /// A packet the program forwards itself did not fit the route's MTU (and may not be
+    /// fragment map full, or older than 30 s); see `FragmentTranslated`.
+    Fragment = 8,
+    /// tc: an ICMP error about a translated flow was translated too.
+    IcmpError = 9,
+    /// A slot or backend entry was missing (an update raced the lookup): the connect() was
+    /// refused, or the packet dropped.
+    ErrMissingEntry = 10,
+    /// tc: a connection-tracking entry could not be stored (the packet was dropped).
+    ErrCtUpdate = 11,
+    /// tc: the packet could not be rewritten or redirected (a helper failed, or no route or
+    /// SNAT address was found for a remote backend); it was dropped.
+    ErrRewrite = 12,
+    /// tc: a packet the program forwards itself did not fit the route's MTU (and may not be
     /// fragmented): an ICMP fragmentation needed / ICMPv6 packet too big was sent back.
-    pub const TOO_BIG: u32 = 13;
-    /// A TCP packet other than a SYN that is no flow of svc's: left to the stack, whose
+    TooBig = 13,
+    /// tc: a TCP packet other than a SYN that is no flow of svc's, left to the stack, whose
     /// conntrack may carry it (a connection made before svc took over).
-    pub const PASS_MIDSTREAM: u32 = 14;
-    /// Dropped: a client's packet of a flow `svc-agent uninstall` is handing over to the
+    PassMidstream = 14,
+    /// tc: dropped, a client's packet of a flow `svc-agent uninstall` is handing over to the
     /// node's conntrack (`ct_flags::HANDING`), for the milliseconds that takes.
-    pub const DROP_HANDING: u32 = 15;
-    /// Dropped: a packet svc forwards itself (to a remote backend, or a reply back to the
+    DropHanding = 15,
+    /// tc: dropped, a packet svc forwards itself (to a remote backend, or a reply back to the
     /// client) whose TTL or hop limit its hop would spend, as a router drops it, and answered
     /// with an ICMP time exceeded. A new flow's is dropped before it takes a SNAT port.
-    pub const DROP_TTL: u32 = 16;
-    /// Dropped without its answer: an ICMP error svc would have sent about the packet (port
-    /// unreachable for a frontend without backends, time exceeded) was over the rate svc
+    DropTtl = 16,
+    /// tc: dropped without its answer, an ICMP error svc would have sent about the packet
+    /// (port unreachable for a frontend without backends, time exceeded) was over the rate svc
     /// sends them at, the kernel's own default for the errors it sends: 1,000 a second per
     /// CPU, 50 at once. Fragmentation needed / packet too big is never limited (PMTU discovery
     /// needs it), nor a TCP RST. Counted besides the packet's own reason.
-    pub const ICMP_RATE_LIMITED: u32 = 17;
-    /// Dropped: a TCP segment with a flag set no TCP sends (SYN+FIN, SYN+RST, FIN without
+    IcmpRateLimited = 17,
+    /// tc: dropped, a TCP segment with a flag set no TCP sends (SYN+FIN, SYN+RST, FIN without
     /// ACK, no flags, ...) to a node address or frontend; it creates and changes no state, as
     /// conntrack marks such a segment INVALID.
-    pub const DROP_INVALID_TCP: u32 = 18;
-    /// Dropped: an RST of a known flow outside its sequence window (a blind, forged or stale
-    /// one); the flow is not closed, as conntrack ignores such an RST.
-    pub const DROP_TCP_WINDOW: u32 = 19;
-    /// A non-first fragment of a UDP datagram whose first fragment svc translated: found by
-    /// the record that fragment left (`SVC_FRAGS`) and translated as a packet of its flow
+    DropInvalidTcp = 18,
+    /// tc: dropped, an RST of a known flow outside its sequence window (a blind, forged or
+    /// stale one); the flow is not closed, as conntrack ignores such an RST.
+    DropTcpWindow = 19,
+    /// tc: a non-first fragment of a UDP datagram whose first fragment svc translated, found
+    /// by the record that fragment left (`SVC_FRAGS`) and translated as a packet of its flow
     /// (addresses only: the ports and the UDP checksum are in the first fragment).
-    pub const FRAGMENT_TRANSLATED: u32 = 20;
-    /// Dropped: a TCP segment that would start a flow (or be refused: no backend) whose
+    FragmentTranslated = 20,
+    /// tc: dropped, a TCP segment that would start a flow (or be refused: no backend) whose
     /// checksum is wrong (zero included, unless that is its sum), as the receiving stack would
     /// drop it and conntrack marks it INVALID; it creates no state. A segment the device
     /// verified, or that a local sender left to the device to sum, is not checked.
-    pub const DROP_BAD_CHECKSUM: u32 = 21;
-    pub const COUNT: u32 = 22;
-    pub const NAMES: [&str; COUNT as usize] = [
-        "new",
-        "ct_hit",
-        "reply",
-        "reject_no_backend",
-        "drop_no_local_backend",
-        "drop_source_range",
-        "drop_snat_exhausted",
-        "pass_unparsed",
-        "fragment",
-        "icmp_error",
-        "err_missing_entry",
-        "err_ct_update",
-        "err_rewrite",
-        "too_big",
-        "pass_midstream",
-        "drop_handing",
-        "drop_ttl",
-        "icmp_rate_limited",
-        "drop_invalid_tcp",
-        "drop_tcp_window",
-        "fragment_translated",
-        "drop_bad_checksum",
-    ];
+    DropBadChecksum = 21,
+    /// Socket: connect()/sendmsg() to a frontend translated to a backend.
+    Translated = 22,
+    /// Socket: refused, the frontend has no usable backend.
+    RefusedNoBackend = 23,
+    /// Socket: refused, a known ClusterIP but no frontend for that port and protocol.
+    RefusedNoPort = 24,
+    /// sessionAffinity reused a client's backend (socket hooks and tc alike, counted without a
+    /// device: the choice does not know it).
+    AffinityHit = 25,
+    /// Socket: recvmsg()/getpeername() reported a frontend instead of a backend.
+    RevTranslated = 26,
+    /// Socket: a per-socket reverse entry could not be stored.
+    ErrSockRevUpdate = 27,
+    /// A slot or backend was missing on the first try and the frontend was read again
+    /// (without a device, as `AffinityHit`).
+    RetriedMissingEntry = 28,
+    /// Socket: an unconnected UDP socket reached the backend it used before for that frontend.
+    SockSticky = 29,
+    /// Socket: an unconnected UDP socket's backend had left the frontend, a live one was
+    /// chosen.
+    SockMoved = 30,
+    /// Socket: a socket sent to more frontends than it can remember (or its state could not be
+    /// created): the backend came from its cookie.
+    SockHashed = 31,
+    /// Socket: a reverse entry was written that sock_release cannot find (the socket's state
+    /// was full or missing): only the LRU removes it.
+    SockRevUntracked = 32,
+    /// A remembered affinity choice was not used: expired, or its backend left the frontend
+    /// (without a device, as `AffinityHit`).
+    AffinityStale = 33,
+    /// Socket: reverse entries deleted when their socket was released.
+    SockRevReleased = 34,
+    /// tc: a flow was assured while the assured connection-tracking table (`SVC_CT`,
+    /// `--max-ct`) was full; it stays in the unassured table, where a flood of new flows may
+    /// evict it. Counted under the device the flow came in on.
+    CtAssuredFull = 35,
+}
+
+impl Reason {
+    pub const COUNT: usize = 36;
+    /// Every reason, by number.
+    pub const ALL: [Reason; Reason::COUNT] = {
+        use Reason::*;
+        [
+            New,
+            CtHit,
+            Reply,
+            RejectNoBackend,
+            DropNoLocalBackend,
+            DropSourceRange,
+            DropSnatExhausted,
+            PassUnparsed,
+            Fragment,
+            IcmpError,
+            ErrMissingEntry,
+            ErrCtUpdate,
+            ErrRewrite,
+            TooBig,
+            PassMidstream,
+            DropHanding,
+            DropTtl,
+            IcmpRateLimited,
+            DropInvalidTcp,
+            DropTcpWindow,
+            FragmentTranslated,
+            DropBadChecksum,
+            Translated,
+            RefusedNoBackend,
+            RefusedNoPort,
+            AffinityHit,
+            RevTranslated,
+            ErrSockRevUpdate,
+            RetriedMissingEntry,
+            SockSticky,
+            SockMoved,
+            SockHashed,
+            SockRevUntracked,
+            AffinityStale,
+            SockRevReleased,
+            CtAssuredFull,
+        ]
+    };
+    /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
+    /// hooks count without one): what the socket programs' own counter array held before
+    /// the vocabularies were one, `CtAssuredFull` and `ErrMissingEntry` included.
+    pub const DECISIONS: [Reason; 14] = {
+        use Reason::*;
+        [
+            Translated,
+            RefusedNoBackend,
+            RefusedNoPort,
+            ErrMissingEntry,
+            AffinityHit,
+            RevTranslated,
+            ErrSockRevUpdate,
+            RetriedMissingEntry,
+            SockSticky,
+            SockMoved,
+            SockHashed,
+            SockRevUntracked,
+            AffinityStale,
+            SockRevReleased,
+        ]
+    };
+
+    /// The reason numbered `n`, if any.
+    pub const fn from_u32(n: u32) -> Option<Reason> {
+        if (n as usize) < Reason::COUNT {
+            Some(Reason::ALL[n as usize])
+        } else {
+            None
+        }
+    }
+
+    /// The `reason` label of the metrics.
+    pub const fn name(self) -> &'static str {
+        use Reason::*;
+        match self {
+            New => "new",
+            CtHit => "ct_hit",
+            Reply => "reply",
+            RejectNoBackend => "reject_no_backend",
+            DropNoLocalBackend => "drop_no_local_backend",
+            DropSourceRange => "drop_source_range",
+            DropSnatExhausted => "drop_snat_exhausted",
+            PassUnparsed => "pass_unparsed",
+            Fragment => "fragment",
+            IcmpError => "icmp_error",
+            ErrMissingEntry => "err_missing_entry",
+            ErrCtUpdate => "err_ct_update",
+            ErrRewrite => "err_rewrite",
+            TooBig => "too_big",
+            PassMidstream => "pass_midstream",
+            DropHanding => "drop_handing",
+            DropTtl => "drop_ttl",
+            IcmpRateLimited => "icmp_rate_limited",
+            DropInvalidTcp => "drop_invalid_tcp",
+            DropTcpWindow => "drop_tcp_window",
+            FragmentTranslated => "fragment_translated",
+            DropBadChecksum => "drop_bad_checksum",
+            Translated => "translated",
+            RefusedNoBackend => "refused_no_backend",
+            RefusedNoPort => "refused_no_port",
+            AffinityHit => "affinity_hit",
+            RevTranslated => "rev_translated",
+            ErrSockRevUpdate => "err_sock_rev_update",
+            RetriedMissingEntry => "retried_missing_entry",
+            SockSticky => "sock_sticky",
+            SockMoved => "sock_moved",
+            SockHashed => "sock_hashed",
+            SockRevUntracked => "sock_rev_untracked",
+            AffinityStale => "affinity_stale",
+            SockRevReleased => "sock_rev_released",
+            CtAssuredFull => "ct_assured_full",
+        }
+    }
 }
 
 /// The master entry of a frontend. It is the last thing the agent writes for a service, so
@@ -1146,10 +1291,22 @@ pub mod how {
     pub const HASHED: u32 = 4;
 }
 
-/// The outcome of a decision that is not a refusal (the refusals are `stat` indexes).
-pub mod outcome {
-    pub const FOUND: u32 = 0x100;
-    pub const NOT_SERVICE: u32 = 0x101;
+/// What a frontend lookup or a backend choice came to (svc-ebpf's `lb`): the programs' next
+/// step, never counted as such (each caller counts the `Reason` its step stands for).
+/// Numbered apart from `Reason` on purpose: `LbTestIo::outcome` carries it as a number.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// A frontend, and a backend when one was chosen.
+    Found = 0,
+    /// No frontend: the address is none of svc's (the caller leaves it alone).
+    NotService = 1,
+    /// A known ClusterIP, but no frontend for that port and protocol.
+    NoPort = 2,
+    /// The frontend has no usable backend.
+    NoBackend = 3,
+    /// A slot or backend entry was missing (an update raced the lookup).
+    MissingEntry = 4,
 }
 
 /// `LbTestIo::mode`: which hook the decision stands for.
@@ -1174,7 +1331,7 @@ pub struct LbTestIo {
     pub cookie: u64,
     /// Request: the client's network namespace cookie (sessionAffinity).
     pub netns_cookie: u64,
-    /// Answer: `outcome::FOUND`, `outcome::NOT_SERVICE` or the refusal's `stat` index.
+    /// Answer: an `Outcome`, as its number.
     pub outcome: u32,
     /// Answer: a `how` constant.
     pub how: u32,
@@ -1199,64 +1356,6 @@ pub struct MetaValue {
     /// The same for backend ids.
     pub backend_id_hwm: u32,
     pub _reserved: [u32; 6],
-}
-
-/// Indexes of the per-CPU `STATS` array: what the socket programs decided, for metrics and for
-/// explaining a flow. Numbered once, never renumbered.
-pub mod stat {
-    /// connect()/sendmsg() to a frontend translated to a backend.
-    pub const TRANSLATED: u32 = 0;
-    /// Refused: the frontend has no usable backend.
-    pub const REFUSED_NO_BACKEND: u32 = 1;
-    /// Refused: a known ClusterIP, but no frontend for that port and protocol.
-    pub const REFUSED_NO_PORT: u32 = 2;
-    /// A slot or backend entry was missing (an update raced the lookup); the call was refused.
-    pub const ERR_MISSING_ENTRY: u32 = 3;
-    /// sessionAffinity reused a client's backend.
-    pub const AFFINITY_HIT: u32 = 4;
-    /// recvmsg()/getpeername() reported a frontend instead of a backend.
-    pub const REV_TRANSLATED: u32 = 5;
-    /// A per-socket reverse entry could not be stored.
-    pub const ERR_SOCK_REV_UPDATE: u32 = 6;
-    /// A slot or backend was missing on the first try and the frontend was read again.
-    pub const RETRIED_MISSING_ENTRY: u32 = 7;
-    /// An unconnected UDP socket reached the backend it used before for that frontend.
-    pub const SOCK_STICKY: u32 = 8;
-    /// An unconnected UDP socket's backend had left the frontend: a live one was chosen.
-    pub const SOCK_MOVED: u32 = 9;
-    /// A socket sent to more frontends than it can remember (or its state could not be
-    /// created): the backend came from its cookie.
-    pub const SOCK_HASHED: u32 = 10;
-    /// A reverse entry was written that sock_release cannot find (the socket's state was full
-    /// or missing): only the LRU removes it.
-    pub const SOCK_REV_UNTRACKED: u32 = 11;
-    /// A remembered affinity choice was not used: expired, or its backend left the frontend.
-    pub const AFFINITY_STALE: u32 = 12;
-    /// Reverse entries deleted when their socket was released.
-    pub const SOCK_REV_RELEASED: u32 = 13;
-    /// The packet datapath: a flow was assured while the assured connection-tracking table
-    /// (`SVC_CT`, `--max-ct`) was full; it stays in the unassured table, where a flood of new
-    /// flows may evict it.
-    pub const CT_ASSURED_FULL: u32 = 14;
-    pub const COUNT: u32 = 16;
-    pub const NAMES: [&str; COUNT as usize] = [
-        "translated",
-        "refused_no_backend",
-        "refused_no_port",
-        "err_missing_entry",
-        "affinity_hit",
-        "rev_translated",
-        "err_sock_rev_update",
-        "retried_missing_entry",
-        "sock_sticky",
-        "sock_moved",
-        "sock_hashed",
-        "sock_rev_untracked",
-        "affinity_stale",
-        "sock_rev_released",
-        "ct_assured_full",
-        "reserved",
-    ];
 }
 
 /// `ECONNREFUSED`, which a refused connect()/sendmsg() returns, as kube-proxy's REJECT does.
@@ -1338,6 +1437,34 @@ mod tests {
         assert_eq!(ct_timeout::seconds(&c, IPPROTO_UDP, est), 120);
     }
 
+    /// A reason's number is in `DEV_STATS` keys a rolled-back or upgraded agent reads, and its
+    /// name in dashboards: both are released, never changed.
+    #[test]
+    fn reasons_are_numbered_once() {
+        for (i, r) in Reason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{r:?}");
+            assert_eq!(Reason::from_u32(i as u32), Some(*r));
+        }
+        assert_eq!(Reason::from_u32(Reason::COUNT as u32), None);
+        for (i, a) in Reason::ALL.iter().enumerate() {
+            for b in &Reason::ALL[i + 1..] {
+                assert_ne!(a.name(), b.name(), "one name per reason");
+            }
+        }
+        // As released: the packet datapath's numbers (0-21), then the socket hooks'.
+        for (n, name) in [
+            (0, "new"),
+            (3, "reject_no_backend"),
+            (10, "err_missing_entry"),
+            (21, "drop_bad_checksum"),
+            (22, "translated"),
+            (23, "refused_no_backend"),
+            (35, "ct_assured_full"),
+        ] {
+            assert_eq!(Reason::from_u32(n).map(Reason::name), Some(name));
+        }
+    }
+
     #[test]
     fn sizes_are_stable() {
         // The kernel and the agent must agree byte for byte; a change here is a map format
@@ -1399,14 +1526,13 @@ mod tests {
     /// migration).
     #[test]
     fn pin_names_and_capacities_are_stable() {
-        let pins: [(&str, u32, u32); 18] = [
+        let pins: [(&str, u32, u32); 17] = [
             ("SVC_SERVICES", 2, 262_144),
             ("SVC_SLOTS", 1, 1_048_576),
             ("SVC_BACKENDS", 1, 1_048_576),
             ("SVC_REV_NAT", 1, 262_144),
             ("SVC_SOCK_REV", 1, 262_144),
             ("SVC_AFFINITY", 2, 262_144),
-            ("SVC_STATS", 1, stat::COUNT),
             ("SVC_NAMES", 1, 262_144),
             ("SVC_META", 1, 1),
             ("SVC_AFFINITY_MATCH", 1, 1_048_576),
@@ -1427,6 +1553,14 @@ mod tests {
                 (version, entries),
                 "{name}"
             );
+        }
+        // Released and retired since: removed on upgrade and by uninstall.
+        let retired: [(&str, &[&str]); 1] = [("SVC_STATS", &["SVC_STATS", "SVC_STATS_v1"])];
+        for (name, pins) in retired {
+            assert!(catalogue::find(name).is_none(), "{name} is retired");
+            for pin in pins {
+                assert!(RETIRED_PINS.contains(pin), "{pin}");
+            }
         }
         assert_eq!(layout::version(map_names::CT_CLAIMS), 0);
         assert_eq!(layout::version("SVC_UNKNOWN"), 0);

@@ -2,7 +2,7 @@
 //! their maps.
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap};
+use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 
@@ -64,7 +64,6 @@ pub struct Loaded {
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
     pub config: Array<MapData, DatapathConfig>,
     pub dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
-    pub stats: PerCpuArray<MapData, u64>,
     /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
     every_map: Vec<reset::KernelMap>,
     ct_capacity: u32,
@@ -108,14 +107,7 @@ impl Loaded {
         let mut loader = EbpfLoader::new();
         // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
-            if ![
-                map_names::STATS,
-                map_names::META,
-                map_names::SOCK_STATE,
-                map_names::CONFIG,
-            ]
-            .contains(&name)
-            {
+            if ![map_names::META, map_names::SOCK_STATE, map_names::CONFIG].contains(&name) {
                 let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
                     ct
                 } else {
@@ -159,7 +151,6 @@ impl Loaded {
         let ct_new = take(map_names::CT_NEW).try_into().unwrap();
         let config = take(map_names::CONFIG).try_into().unwrap();
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
-        let stats = take(map_names::STATS).try_into().unwrap();
         let maps_left = ebpf.maps().count();
         Loaded {
             ebpf,
@@ -175,7 +166,6 @@ impl Loaded {
             ct_new,
             config,
             dev_stats,
-            stats,
             every_map,
             ct_capacity: ct,
             maps_left,
@@ -389,22 +379,31 @@ impl Dp {
             .unwrap();
     }
 
-    pub fn dev_stat(&self, ifindex: u32, reason: u32) -> u64 {
+    /// The counter of `reason` on device `ifindex` (0: none, the socket hooks' and the
+    /// backend choice's), summed over the CPUs.
+    pub fn dev_stat(&self, ifindex: u32, reason: Reason) -> u64 {
+        let key = DevStatKey {
+            ifindex,
+            reason: reason as u32,
+        };
         self.dev_stats
-            .get(&DevStatKey { ifindex, reason }, 0)
+            .get(&key, 0)
             .map(|v| v.iter().sum())
             .unwrap_or(0)
     }
 
-    pub fn dev_stats_of(&self, ifindex: u32) -> BTreeMap<u32, u64> {
-        (0..pkt_stat::COUNT)
+    /// Every counter of device `ifindex` that is not zero.
+    pub fn dev_stats_of(&self, ifindex: u32) -> BTreeMap<Reason, u64> {
+        Reason::ALL
+            .into_iter()
             .map(|r| (r, self.dev_stat(ifindex, r)))
             .filter(|(_, n)| *n != 0)
             .collect()
     }
 
-    pub fn stat(&self, index: u32) -> u64 {
-        self.stats.get(&index, 0).unwrap().iter().sum()
+    /// A counter without a device (`dev_stat` of device 0).
+    pub fn stat(&self, reason: Reason) -> u64 {
+        self.dev_stat(0, reason)
     }
 
     pub fn ifindex_of(&self, prog: Prog) -> u32 {

@@ -53,7 +53,7 @@ pub fn new_local_flow(dp: &Dp, c: &str) {
             tcp(c, "192.0.2.10:30080", TCP_SYN),
             OK,
             Packet(tcp(c, "10.244.1.5:8080", TCP_SYN)),
-            Some(pkt_stat::NEW),
+            Some(Reason::New),
         )],
     );
 }
@@ -89,7 +89,7 @@ pub fn frag_needed_about_local_reply(what: &'static str, c: &str) -> Row {
             &reply_was,
             40,
         )),
-        Some(pkt_stat::ICMP_ERROR),
+        Some(Reason::IcmpError),
     )
 }
 

@@ -15,17 +15,20 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
-use aya::maps::{HashMap, MapData, PerCpuArray};
+use aya::maps::{HashMap, MapData, PerCpuHashMap};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{
-    how, map_names, outcome, stat, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue,
-    Backend, BackendId, LbTestIo, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
+    how, map_names, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId,
+    LbTestIo, Outcome, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
     AFFINITY_CLIENT_NETNS, IPPROTO_TCP, IPPROTO_UDP, LB_TEST_CONNECT, LB_TEST_SENDMSG, PROTO_ANY,
     SOCK_CHOICES,
 };
 
 const SEC: u64 = 1_000_000_000;
+
+/// `LbTestIo::outcome` of a decision that found a backend.
+const FOUND: u32 = Outcome::Found as u32;
 
 fn object() -> Vec<u8> {
     let path = std::env::var_os("SVC_EBPF_TEST_OBJECT")
@@ -77,7 +80,7 @@ struct Lb {
     backends: HashMap<MapData, BackendId, Backend>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     matches: HashMap<MapData, AffinityMatchKey, u32>,
-    stats: PerCpuArray<MapData, u64>,
+    stats: Option<PerCpuHashMap<MapData, svc_common::DevStatKey, u64>>,
 }
 
 /// A frontend as a test programs it.
@@ -98,8 +101,7 @@ impl Lb {
         let mut loader = EbpfLoader::new();
         // Small maps: a case needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
-            if name != map_names::STATS && name != map_names::META && name != map_names::SOCK_STATE
-            {
+            if name != map_names::META && name != map_names::SOCK_STATE {
                 loader.map_max_entries(name, 64);
             }
         }
@@ -116,7 +118,10 @@ impl Lb {
         let backends = take(map_names::BACKENDS).try_into().unwrap();
         let affinity = take(map_names::AFFINITY).try_into().unwrap();
         let matches = take(map_names::AFFINITY_MATCH).try_into().unwrap();
-        let stats = take(map_names::STATS).try_into().unwrap();
+        // Absent from an object of before the one counter map (`decision_cost` runs on one).
+        let stats = ebpf
+            .take_map(map_names::DEV_STATS)
+            .map(|m| m.try_into().unwrap());
         Lb {
             ebpf,
             services,
@@ -217,8 +222,33 @@ impl Lb {
         self.affinity.get(&Lb::affinity_key(netns, id), 0).ok()
     }
 
-    fn stat(&self, index: u32) -> u64 {
-        self.stats.get(&index, 0).unwrap().iter().sum()
+    /// A counter of the decision, which knows no device (device 0).
+    fn stat(&self, reason: Reason) -> u64 {
+        let key = svc_common::DevStatKey {
+            ifindex: 0,
+            reason: reason as u32,
+        };
+        let stats = self
+            .stats
+            .as_ref()
+            .expect("the object counts in SVC_DEV_STATS");
+        stats.get(&key, 0).map_or(0, |v| v.iter().sum())
+    }
+
+    /// The mean time of one decision over `repeat` runs (ns), by BPF_PROG_TEST_RUN.
+    fn time(&self, req: &LbTestIo, repeat: u32) -> f64 {
+        let data_in = bytemuck::bytes_of(req);
+        let mut data_out = vec![0u8; data_in.len() + 64];
+        let prog: &SchedClassifier = self.ebpf.program("lb_test").unwrap().try_into().unwrap();
+        let r = prog
+            .test_run(TestRunOptions {
+                data_in: Some(data_in),
+                data_out: Some(&mut data_out),
+                repeat,
+                ..Default::default()
+            })
+            .expect("BPF_PROG_TEST_RUN");
+        r.duration.as_nanos() as f64
     }
 
     /// One decision, answered by the kernel.
@@ -333,7 +363,7 @@ fn seen(lb: &Lb, req: &LbTestIo, n: usize) -> std::collections::BTreeSet<Backend
     (0..n)
         .map(|_| {
             let a = lb.run(req);
-            assert_eq!(a.outcome, outcome::FOUND, "{a:?}");
+            assert_eq!(a.outcome, FOUND, "{a:?}");
             a.backend_id
         })
         .collect()
@@ -356,31 +386,31 @@ fn lookups_and_refusals() {
             what: "not a service",
             to: "10.1.2.3:80",
             proto: IPPROTO_TCP,
-            want: outcome::NOT_SERVICE,
+            want: Outcome::NotService as u32,
         },
         Case {
             what: "ClusterIP, undefined port",
             to: "10.96.0.10:81",
             proto: IPPROTO_TCP,
-            want: stat::REFUSED_NO_PORT,
+            want: Outcome::NoPort as u32,
         },
         Case {
             what: "ClusterIP, defined port, other protocol",
             to: "10.96.0.10:80",
             proto: IPPROTO_UDP,
-            want: stat::REFUSED_NO_PORT,
+            want: Outcome::NoPort as u32,
         },
         Case {
             what: "no backend (count 0)",
             to: "10.96.0.20:80",
             proto: IPPROTO_TCP,
-            want: stat::REFUSED_NO_BACKEND,
+            want: Outcome::NoBackend as u32,
         },
         Case {
             what: "a frontend",
             to: "10.96.0.10:80",
             proto: IPPROTO_TCP,
-            want: outcome::FOUND,
+            want: FOUND,
         },
     ];
     for c in cases {
@@ -402,11 +432,11 @@ fn lookups_and_refusals() {
 fn a_missing_slot_is_retried_once_then_refused() {
     let lb = world();
     let a = lb.run(&connect("10.96.0.50:80", IPPROTO_TCP, T0, NETNS_A));
-    assert_eq!(a.outcome, stat::ERR_MISSING_ENTRY, "{a:?}");
-    assert_eq!(lb.stat(stat::RETRIED_MISSING_ENTRY), 1);
+    assert_eq!(a.outcome, Outcome::MissingEntry as u32, "{a:?}");
+    assert_eq!(lb.stat(Reason::RetriedMissingEntry), 1);
     // A healthy frontend is not retried.
     lb.run(&connect("10.96.0.10:80", IPPROTO_TCP, T0, NETNS_A));
-    assert_eq!(lb.stat(stat::RETRIED_MISSING_ENTRY), 1);
+    assert_eq!(lb.stat(Reason::RetriedMissingEntry), 1);
 }
 
 /// sessionAffinity: the first connection chooses and remembers; later ones within the timeout
@@ -416,7 +446,7 @@ fn a_missing_slot_is_retried_once_then_refused() {
 fn affinity_hit_reuses_and_refreshes() {
     let lb = world();
     let first = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_A));
-    assert_eq!(first.outcome, outcome::FOUND);
+    assert_eq!(first.outcome, FOUND);
     assert_eq!(first.how, how::RANDOM);
     let remembered = lb.remembered(NETNS_A, 3).expect("choice remembered");
     assert_eq!(
@@ -426,7 +456,7 @@ fn affinity_hit_reuses_and_refreshes() {
     for i in 1..=20 {
         let now = T0 + i * SEC / 2;
         let a = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, now, NETNS_A));
-        assert_eq!(a.outcome, outcome::FOUND);
+        assert_eq!(a.outcome, FOUND);
         assert_eq!(
             (a.how, a.backend_id),
             (how::AFFINITY, first.backend_id),
@@ -434,7 +464,7 @@ fn affinity_hit_reuses_and_refreshes() {
         );
         assert_eq!(lb.remembered(NETNS_A, 3).unwrap().last_used_ns, now);
     }
-    assert_eq!(lb.stat(stat::AFFINITY_HIT), 20);
+    assert_eq!(lb.stat(Reason::AffinityHit), 20);
     let other = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_B));
     assert_eq!(other.how, how::RANDOM);
     // Without affinity nothing is remembered.
@@ -449,7 +479,7 @@ fn affinity_expires_after_the_timeout() {
         let mut lb = world();
         lb.remember(NETNS_A, 3, 12, T0);
         let a = lb.run(&connect("10.96.0.30:80", IPPROTO_TCP, T0 + age, NETNS_A));
-        assert_eq!(a.outcome, outcome::FOUND);
+        assert_eq!(a.outcome, FOUND);
         assert_eq!(a.how == how::AFFINITY, reused, "age {age} ns: {a:?}");
         // Either way the entry now says this connection.
         assert_eq!(lb.remembered(NETNS_A, 3).unwrap().last_used_ns, T0 + age);
@@ -488,7 +518,7 @@ fn affinity_to_a_departed_backend_is_dropped() {
             T0 + SEC + i,
             NETNS_A,
         ));
-        assert_eq!(a.outcome, outcome::FOUND);
+        assert_eq!(a.outcome, FOUND);
         assert_ne!(
             a.backend_id, 13,
             "the client stayed on a departed backend: {a:?}"
@@ -526,7 +556,7 @@ fn affinity_to_a_departed_backend_is_dropped() {
         NETNS_A,
     ));
     assert_eq!((a.how, a.backend_id), (how::RANDOM, stays), "{a:?}");
-    assert!(lb.stat(stat::AFFINITY_STALE) >= 2);
+    assert!(lb.stat(Reason::AffinityStale) >= 2);
 }
 
 /// An unconnected UDP socket keeps one backend for a frontend, datagram after datagram;
@@ -538,7 +568,7 @@ fn an_unconnected_udp_socket_keeps_its_backend() {
     for cookie in 1..=16u64 {
         let mut state = SockState::default();
         let first = lb.run(&sendmsg("10.96.0.40:53", cookie, T0, NETNS_A, state));
-        assert_eq!(first.outcome, outcome::FOUND);
+        assert_eq!(first.outcome, FOUND);
         state = first.sock;
         assert_eq!(state.choices[0].id, 4, "choice not remembered: {first:?}");
         assert_eq!(state.choices[0].backend, first.backend_id);
@@ -560,7 +590,7 @@ fn an_unconnected_udp_socket_keeps_its_backend() {
         [21, 22].into(),
         "sockets should spread over backends"
     );
-    assert_eq!(lb.stat(stat::SOCK_STICKY), 16 * 20);
+    assert_eq!(lb.stat(Reason::SockSticky), 16 * 20);
 }
 
 /// A socket whose backend left the frontend moves to a live one (and stays there); its
@@ -588,13 +618,13 @@ fn a_udp_socket_moves_when_its_backend_leaves() {
     });
     lb.del_match(4, first.backend_id);
     let moved = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, state));
-    assert_eq!(moved.outcome, outcome::FOUND);
+    assert_eq!(moved.outcome, FOUND);
     assert_ne!(moved.backend_id, first.backend_id, "{moved:?}");
     assert_eq!(moved.how, how::RANDOM);
     assert_eq!(moved.sock.choices[0].id, 4);
     assert_eq!(moved.sock.choices[0].backend, moved.backend_id);
     assert_eq!(moved.sock.choices[1], state.choices[1]);
-    assert_eq!(lb.stat(stat::SOCK_MOVED), 1);
+    assert_eq!(lb.stat(Reason::SockMoved), 1);
     let again = lb.run(&sendmsg("10.96.0.40:53", 7, T0, NETNS_A, moved.sock));
     assert_eq!(
         (again.how, again.backend_id),
@@ -619,13 +649,13 @@ fn a_socket_with_no_room_hashes_its_cookie() {
     for cookie in 1..=32u64 {
         let req = sendmsg("10.96.0.40:53", cookie, T0, NETNS_A, full);
         let first = lb.run(&req);
-        assert_eq!((first.outcome, first.how), (outcome::FOUND, how::HASHED));
+        assert_eq!((first.outcome, first.how), (FOUND, how::HASHED));
         assert_eq!(first.sock, full, "nothing to remember it in");
         assert_eq!(seen(&lb, &req, 8), [first.backend_id].into());
         spread.insert(first.backend_id);
     }
     assert_eq!(spread, [21, 22].into());
-    assert!(lb.stat(stat::SOCK_HASHED) >= 32 * 9);
+    assert!(lb.stat(Reason::SockHashed) >= 32 * 9);
 }
 
 /// sessionAffinity and a UDP socket: a socket's first datagram to a frontend takes the
@@ -783,14 +813,14 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
         });
     }
     let first = lb.run(&connect("10.96.1.10:80", IPPROTO_TCP, T0, NETNS_A));
-    assert_eq!(first.outcome, outcome::FOUND);
+    assert_eq!(first.outcome, FOUND);
     assert_eq!(
         lb.remembered(NETNS_A, 90).map(|v| v.backend),
         Some(first.backend_id)
     );
     assert!(lb.remembered(NETNS_A, 40).is_none());
     let first6 = lb.run(&connect("[fd00:96::1:10]:80", IPPROTO_TCP, T0, NETNS_A));
-    assert_eq!(first6.outcome, outcome::FOUND);
+    assert_eq!(first6.outcome, FOUND);
     // The pod alternates families: each keeps its own choice (kube-proxy has one proxier,
     // and one affinity, per family), and IPv4 frontends of the port share theirs.
     for i in 1..=10 {
@@ -826,9 +856,32 @@ fn affinity_is_shared_by_the_frontends_of_a_service_port() {
 
     // Not a backend of this frontend: chosen afresh, and remembered for the port.
     lb.remember(NETNS_B, 92, 11, T0);
-    let stale = lb.stat(stat::AFFINITY_STALE);
+    let stale = lb.stat(Reason::AffinityStale);
     let a = lb.run(&connect("10.96.1.30:80", IPPROTO_TCP, T0, NETNS_B));
     assert_eq!((a.how, a.backend_id), (how::RANDOM, 12));
-    assert_eq!(lb.stat(stat::AFFINITY_STALE), stale + 1);
+    assert_eq!(lb.stat(Reason::AffinityStale), stale + 1);
     assert_eq!(lb.remembered(NETNS_B, 92).map(|v| v.backend), Some(12));
+}
+
+/// What a counter costs a socket hook: the mean time of a decision that counts once (an
+/// affinity hit, `AffinityHit`) and of one that counts nothing (not a service), over many
+/// runs. Run it on this object and on one built before the one counter map (the hit then
+/// counted in a per-CPU array) with `SVC_EBPF_TEST_OBJECT`: the difference of the differences
+/// is the per-CPU hash's price over the array's. docs/design/packet-datapath.md, "Counters".
+#[test]
+#[ignore = "a measurement: cargo test -p svc-ebpf-tests --test lb_decision decision_cost -- --ignored --nocapture"]
+fn decision_cost() {
+    let lb = world();
+    let hit = connect("10.96.0.30:80", IPPROTO_TCP, T0, NETNS_A);
+    lb.run(&hit);
+    assert_eq!(lb.run(&hit).how, how::AFFINITY, "every run an affinity hit");
+    let miss = connect("10.1.2.3:80", IPPROTO_TCP, T0, NETNS_A);
+    let repeat = 1_000_000;
+    for round in 0..5 {
+        let (h, m) = (lb.time(&hit, repeat), lb.time(&miss, repeat));
+        eprintln!(
+            "round {round}: affinity hit {h:.1} ns, not a service {m:.1} ns, difference {:.1} ns",
+            h - m
+        );
+    }
 }

@@ -29,7 +29,9 @@ use aya_ebpf::{
     helpers::{bpf_get_prandom_u32, generated::bpf_loop},
     macros::btf_map,
 };
-use svc_common::{ct_dir, ct_flags, ct_timeout, stat, CtKey, CtValue, DatapathConfig, IPPROTO_TCP};
+use svc_common::{
+    ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, Reason, IPPROTO_TCP,
+};
 
 use crate::{
     maps::{count, SVC_CONFIG, SVC_CT, SVC_CT_NEW},
@@ -508,8 +510,8 @@ const EEXIST: i32 = -17;
 /// packet of the flow finds one or the other throughout; what such a packet records in the
 /// old copy between the two (a refresh, a flag, a sequence position) is lost, as if it came
 /// a moment earlier. When the assured table is full the flow stays where it is, assured, and
-/// is counted (`stat::CT_ASSURED_FULL`): a flood of new flows may evict it there, as it may
-/// evict any flow of a full LRU table. A flow whose partner is gone (evicted mid-handshake)
+/// is counted (`Reason::CtAssuredFull`, under the device the flow came in on): a flood of new
+/// flows may evict it there, as it may evict any flow of a full LRU table. A flow whose partner is gone (evicted mid-handshake)
 /// is not moved: the LRU takes the rest of it. 1 when an entry moved (`e` may be gone). (A
 /// value the caller uses: the verifier refuses a subprogram that leaves a stack pointer in R0,
 /// which the compiler may do in one whose result is unused.)
@@ -534,7 +536,7 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) -> u32 {
             Ok(()) => true,
             Err(EEXIST) => false,
             Err(_) => {
-                count(stat::CT_ASSURED_FULL);
+                count(Reason::CtAssuredFull, out.ifindex);
                 return 0;
             }
         };
@@ -545,7 +547,7 @@ fn assure(key: &CtKey, e: *mut CtValue, out: &mut CtValue) -> u32 {
                 if partner_moved {
                     let _ = SVC_CT.remove(pk);
                 }
-                count(stat::CT_ASSURED_FULL);
+                count(Reason::CtAssuredFull, out.ifindex);
                 return 0;
             }
         };

@@ -16,7 +16,7 @@
 //! no flags or sequence number for connection tracking to judge.
 //!
 //! A later fragment without a record (it came before its first fragment, or the record was
-//! evicted or is too old) passes untouched, counted `pkt_stat::FRAGMENT`, as before: it cannot
+//! evicted or is too old) passes untouched, counted `Reason::Fragment`, as before: it cannot
 //! be told from the fragments of the node's own traffic or of traffic through it, which must
 //! pass. Its datagram is lost (the receiver never completes it), as it would be dropped.
 

@@ -3,9 +3,9 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use svc_common::{
-    how, node_addr_flags, outcome, scope, stat, svc_flags, AffinityKey, AffinityMatchKey,
-    AffinityValue, Backend, BackendId, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState,
-    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
+    how, node_addr_flags, scope, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
+    BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, NODEPORT_ADDR_V4,
+    NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
 };
 
 use crate::maps::{
@@ -13,15 +13,15 @@ use crate::maps::{
     SVC_SERVICES, SVC_SLOTS,
 };
 
-/// Outcome of a lookup or a choice: `FOUND`, `NOT_SERVICE`, or the `svc_common::stat` index
-/// that says why the connection is refused.
+/// Outcome of a lookup or a choice (`svc_common::Outcome`): the caller's next step, which
+/// each caller counts as the `Reason` it stands for there.
 ///
 /// Plain codes with out-parameters rather than `Result<Option<T>, E>`: LLVM merges the
 /// payloads of such enums into stores of registers that are undefined on some paths, and the
 /// verifier rejects reading them.
-pub type Outcome = u32;
-pub const FOUND: Outcome = outcome::FOUND;
-pub const NOT_SERVICE: Outcome = outcome::NOT_SERVICE;
+pub use svc_common::Outcome;
+pub const FOUND: Outcome = Outcome::Found;
+pub const NOT_SERVICE: Outcome = Outcome::NotService;
 
 /// The datapath's clock, for affinity and connection-tracking times alike: CLOCK_MONOTONIC_COARSE.
 /// Their timeouts are seconds, and the coarse clock is a load of the last tick's time where
@@ -96,7 +96,7 @@ pub fn lookup(key: &ServiceKey, out: &mut ServiceValue) -> Outcome {
     };
     // SAFETY: only the presence of the entry is used.
     if unsafe { SVC_SERVICES.get(marker) }.is_some() {
-        return stat::REFUSED_NO_PORT;
+        return Outcome::NoPort;
     }
     NOT_SERVICE
 }
@@ -110,7 +110,7 @@ fn backend(id: BackendId, out: &mut Backend) -> Outcome {
             *out = *b;
             FOUND
         }
-        None => stat::ERR_MISSING_ENTRY,
+        None => Outcome::MissingEntry,
     }
 }
 
@@ -212,7 +212,7 @@ fn choose(
     out: &mut Decision,
 ) -> Outcome {
     if svc.count == 0 {
-        return stat::REFUSED_NO_BACKEND;
+        return Outcome::NoBackend;
     }
     out.how = match pick {
         Pick::Random => how::RANDOM,
@@ -239,12 +239,12 @@ fn choose(
             // instead of coming back with a backend that may have left.
             // SAFETY: as above; a concurrent writer can only store another time.
             unsafe { (*prev).last_used_ns = now };
-            count(stat::AFFINITY_HIT);
+            count(Reason::AffinityHit, 0);
             out.backend_id = prev_backend;
             out.how = how::AFFINITY;
             return FOUND;
         }
-        count(stat::AFFINITY_STALE);
+        count(Reason::AffinityStale, 0);
     }
     let id = pick_slot(svc, pick, caller);
     let outcome = backend(id, &mut out.backend);
@@ -272,12 +272,12 @@ fn choose_with_retry(
     out: &mut Decision,
 ) -> Outcome {
     let outcome = choose(key, svc, caller, pick, out);
-    if outcome != stat::ERR_MISSING_ENTRY {
+    if outcome != Outcome::MissingEntry {
         return outcome;
     }
     // The agent switched this frontend to a new generation between our two lookups (it
     // retires the old one only after a grace period, so this is rare): read it again once.
-    count(stat::RETRIED_MISSING_ENTRY);
+    count(Reason::RetriedMissingEntry, 0);
     match lookup(key, svc) {
         FOUND => {
             out.svc = *svc;
@@ -427,7 +427,7 @@ pub fn decide_with(
     let mut svc = svc;
     out.svc = svc;
     if svc.count == 0 {
-        return stat::REFUSED_NO_BACKEND;
+        return Outcome::NoBackend;
     }
     if !caller.sticky() {
         return choose_with_retry(key, &mut svc, caller, Pick::Random, out);
@@ -464,7 +464,7 @@ pub fn decide_with(
                 };
                 out.how = how::STICKY;
                 out.recorded = 1;
-                count(stat::SOCK_STICKY);
+                count(Reason::SockSticky, 0);
                 return FOUND;
             }
             moved = true;
@@ -473,7 +473,7 @@ pub fn decide_with(
         }
     }
     let pick = if slot == SOCK_CHOICES {
-        count(stat::SOCK_HASHED);
+        count(Reason::SockHashed, 0);
         Pick::Hashed
     } else {
         Pick::Random
@@ -494,7 +494,7 @@ pub fn decide_with(
         out.recorded = 1;
         if moved {
             out.moved = 1;
-            count(stat::SOCK_MOVED);
+            count(Reason::SockMoved, 0);
         }
     }
     outcome

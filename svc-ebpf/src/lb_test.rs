@@ -84,7 +84,7 @@ fn answer(ctx: &TcContext) -> Option<()> {
         let mut decision = lb::Decision::default();
         let outcome = lb::decide(&key, &Given(io), &mut decision);
         let req = &mut *io;
-        req.outcome = outcome;
+        req.outcome = outcome as u32;
         req.how = decision.how;
         req.frontend_id = decision.svc.id;
         req.backend_id = decision.backend_id;

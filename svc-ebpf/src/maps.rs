@@ -3,14 +3,12 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{
-        lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, SkStorage,
-    },
+    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage},
     macros::btf_map,
 };
 use svc_common::{
-    capacity, stat, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey,
-    CtValue, DatapathConfig, DevStatKey, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
+    capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
+    DatapathConfig, DevStatKey, MetaValue, NodeAddrValue, Reason, RevNatValue, ServiceKey,
     ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS,
 };
 
@@ -74,17 +72,6 @@ pub static SVC_NAMES: HashMap<u32, ServiceName, { capacity::NAMES as usize }, NO
 #[btf_map]
 pub static SVC_META: Array<MetaValue, 1> = Array::new();
 
-#[btf_map]
-pub static SVC_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();
-
-#[inline(always)]
-pub fn count(index: u32) {
-    if let Some(v) = SVC_STATS.get_ptr_mut(index) {
-        // SAFETY: per-CPU slot, and a program runs to completion on one CPU.
-        unsafe { *v += 1 }
-    }
-}
-
 // The packet datapath's maps (docs/design/packet-datapath.md, "Map declarations").
 
 /// The addresses the external ingress looks at (`NodeAddrValue`): this node's (which answer
@@ -112,7 +99,7 @@ pub static SVC_SRC_RANGES: LpmTrie<[u8; 20], u32, { capacity::SRC_RANGES as usiz
 /// two entries per flow. Not an LRU: nothing evicts an assured flow for a new one, as
 /// conntrack never does; its entries go when the flow is dead (the sweep, gc.rs; a new flow
 /// stored over a dead one) or closed and taken over. A full table keeps a newly assured flow
-/// in `SVC_CT_NEW` (`stat::CT_ASSURED_FULL`). Preallocated: no allocation on the datapath.
+/// in `SVC_CT_NEW` (`Reason::CtAssuredFull`). Preallocated: no allocation on the datapath.
 #[btf_map]
 pub static SVC_CT: HashMap<CtKey, CtValue, { capacity::CT as usize }> = HashMap::new();
 
@@ -127,15 +114,20 @@ pub static SVC_CT_NEW: LruHashMap<CtKey, CtValue, { capacity::CT_NEW as usize }>
 #[btf_map]
 pub static SVC_CONFIG: Array<DatapathConfig, 1> = Array::new();
 
-/// What the packet datapath decided, per device and reason, per CPU.
+/// What the datapath decided, per device and reason, per CPU (device 0: the socket hooks).
 #[btf_map]
 pub static SVC_DEV_STATS: PerCpuHashMap<DevStatKey, u64, { capacity::DEV_STATS as usize }> =
     PerCpuHashMap::new();
 
-/// Counts one packet of device `ifindex` under `pkt_stat` index `reason`.
+/// Counts one event under `reason` on device `ifindex` (0 where there is none: the socket
+/// hooks, and the backend choice, which does not know the device). Every counter goes
+/// through here.
 #[inline(always)]
-pub fn dev_count(ifindex: u32, reason: u32) {
-    let key = DevStatKey { ifindex, reason };
+pub fn count(reason: Reason, ifindex: u32) {
+    let key = DevStatKey {
+        ifindex,
+        reason: reason as u32,
+    };
     match SVC_DEV_STATS.get_ptr_mut(key) {
         // SAFETY: per-CPU value, and a program runs to completion on one CPU.
         Some(v) => unsafe { *v += 1 },

@@ -14,11 +14,11 @@ use aya_ebpf::{
     helpers::generated::{bpf_skb_change_tail, bpf_skb_load_bytes},
     programs::TcContext,
 };
-use svc_common::{pkt_stat, IPPROTO_TCP};
+use svc_common::{Reason, IPPROTO_TCP};
 
 use crate::{
     csum, fwd,
-    maps::dev_count,
+    maps::count,
     nat::store,
     pkt::{
         load, Pkt, ICMPV6_PKT_TOOBIG, ICMPV6_PORT_UNREACH, ICMPV6_TIME_EXCEED, ICMP_DEST_UNREACH,
@@ -245,7 +245,7 @@ pub fn icmp_error(ctx: &TcContext, s: &mut Scratch, kind: Kind) -> i32 {
         return TC_ACT_SHOT;
     }
     if !matches!(kind, Kind::TooBig(_)) && !icmp_allowed(&mut s.icmp, crate::lb::clock_ns()) {
-        dev_count(s.p.ifindex, pkt_stat::ICMP_RATE_LIMITED);
+        count(Reason::IcmpRateLimited, s.p.ifindex);
         return TC_ACT_SHOT;
     }
     let p = &s.p;

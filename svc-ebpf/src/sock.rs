@@ -8,7 +8,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, node_addr_flags, scope, stat, v4_mapped, AffinityKey, RevNatValue, ServiceKey,
+    is_v4_mapped, node_addr_flags, scope, v4_mapped, AffinityKey, Reason, RevNatValue, ServiceKey,
     ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
     NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
 };
@@ -154,7 +154,7 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     match lb::resolve(&mut key, &mut svc, &Socket(ctx)) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
-        refused => return Err(refuse(refused)),
+        refused => return Err(refuse(refusal(refused))),
     }
     let hook = Hook {
         ctx,
@@ -164,14 +164,14 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     match lb::decide_with(&key, svc, &hook, &mut decision) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
-        refused => return Err(refuse(refused)),
+        refused => return Err(refuse(refusal(refused))),
     }
     let to = SockAddr {
         addr: decision.backend.addr,
         port_be: decision.backend.port_be,
     };
     if write_addr(ctx, family, &to).is_none() {
-        return Err(refuse(stat::ERR_MISSING_ENTRY));
+        return Err(refuse(Reason::ErrMissingEntry));
     }
     // A connected socket's reverse entry is found at release through its peer; an
     // unconnected one's through the choices in its state.
@@ -180,9 +180,9 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     if decision.moved != 0 {
         // The entry for the backend the socket left stays, so a late reply from it still
         // reads as the ClusterIP; no choice names it any more.
-        count(stat::SOCK_REV_UNTRACKED);
+        count(Reason::SockRevUntracked, 0);
     }
-    count(stat::TRANSLATED);
+    count(Reason::Translated, 0);
     Ok(())
 }
 
@@ -232,9 +232,19 @@ fn localhost_answers(ctx: &SockAddrContext, node: u32) -> bool {
 /// Counts why a connection is refused; the caller sees ECONNREFUSED, as with kube-proxy's
 /// REJECT.
 #[inline(always)]
-fn refuse(stat: u32) -> i32 {
-    count(stat);
+fn refuse(reason: Reason) -> i32 {
+    count(reason, 0);
     ECONNREFUSED
+}
+
+/// The reason a socket hook counts for a refusing `outcome`.
+#[inline(always)]
+fn refusal(outcome: lb::Outcome) -> Reason {
+    match outcome {
+        lb::Outcome::NoPort => Reason::RefusedNoPort,
+        lb::Outcome::NoBackend => Reason::RefusedNoBackend,
+        _ => Reason::ErrMissingEntry,
+    }
 }
 
 /// Records which frontend the socket meant when it reached `backend`. Looked up first: an
@@ -266,9 +276,9 @@ fn remember(
         return;
     }
     if SVC_SOCK_REV.insert(key, value, 0).is_err() {
-        count(stat::ERR_SOCK_REV_UPDATE);
+        count(Reason::ErrSockRevUpdate, 0);
     } else if !tracked {
-        count(stat::SOCK_REV_UNTRACKED);
+        count(Reason::SockRevUntracked, 0);
     }
 }
 
@@ -323,7 +333,7 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
         port_be: to.port_be,
     };
     if write_addr(ctx, family, &to).is_some() {
-        count(stat::REV_TRANSLATED);
+        count(Reason::RevTranslated, 0);
     }
 }
 
@@ -434,6 +444,6 @@ fn forget(cookie: u64, addr: [u8; 16], port_be: u16) {
         _pad0: [0; 6],
     };
     if SVC_SOCK_REV.remove(key).is_ok() {
-        count(stat::SOCK_REV_RELEASED);
+        count(Reason::SockRevReleased, 0);
     }
 }

@@ -35,13 +35,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use svc_common::{
-    backend_flags, ct_dir, ct_flags, node_addr_flags, pkt_stat, scope, stat, svc_flags,
-    AffinityKey, CtValue, ServiceKey, ServiceValue, SockState, IPPROTO_TCP,
+    backend_flags, ct_dir, ct_flags, node_addr_flags, scope, svc_flags, AffinityKey, CtValue,
+    Outcome, Reason, ServiceKey, ServiceValue, SockState, IPPROTO_TCP,
 };
 
 use crate::{
     ct, frag, fwd, icmp, lb,
-    maps::{count, dev_count, src_range_key, SVC_SRC_RANGES},
+    maps::{count, src_range_key, SVC_SRC_RANGES},
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
     reject,
@@ -142,7 +142,7 @@ fn parse_or_pass(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
         parsed::L4 => None,
         parsed::ICMP_ERROR => Some(icmp_error(ctx, s, hook)),
         parsed::UNPARSED => {
-            dev_count(s.p.ifindex, pkt_stat::PASS_UNPARSED);
+            count(Reason::PassUnparsed, s.p.ifindex);
             Some(OK)
         }
         parsed::FRAGMENT => later_fragment(ctx, s, hook),
@@ -167,7 +167,7 @@ fn later_fragment(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> Option<i32> {
             }
         }
     }
-    dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
+    count(Reason::Fragment, s.p.ifindex);
     Some(OK)
 }
 
@@ -178,7 +178,7 @@ fn later_fragment_unknown(s: &Scratch) -> Option<i32> {
     if s.p.later_frag == 0 {
         return None;
     }
-    dev_count(s.p.ifindex, pkt_stat::FRAGMENT);
+    count(Reason::Fragment, s.p.ifindex);
     Some(OK)
 }
 
@@ -191,11 +191,11 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
     let ifindex = s.p.ifindex;
     match icmp::translate(ctx, s, hook.icmp_dirs, hook.pod, now()) {
         icmp::Translated::Dst => {
-            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            count(Reason::IcmpError, ifindex);
             OK
         }
         icmp::Translated::Src => {
-            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            count(Reason::IcmpError, ifindex);
             if !hook.routes {
                 return OK;
             }
@@ -203,15 +203,15 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
         }
         icmp::Translated::Back => {
             // From the frontend: straight back, as the hairpin flow's own packets go.
-            dev_count(ifindex, pkt_stat::ICMP_ERROR);
+            count(Reason::IcmpError, ifindex);
             fwd::bounce(ctx, ifindex)
         }
         icmp::Translated::Unparsed => {
-            dev_count(ifindex, pkt_stat::PASS_UNPARSED);
+            count(Reason::PassUnparsed, ifindex);
             OK
         }
         icmp::Translated::Failed => {
-            dev_count(ifindex, pkt_stat::ERR_REWRITE);
+            count(Reason::ErrRewrite, ifindex);
             SHOT
         }
         icmp::Translated::NotOurs => OK,
@@ -246,26 +246,26 @@ fn route_icmp(ctx: &TcContext, s: &mut Scratch) -> i32 {
 /// Rewrites the packet to `s.src` -> `s.dst` and hands it to the stack. `reason` is counted
 /// on success.
 #[inline(always)]
-fn to_stack(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+fn to_stack(ctx: &TcContext, s: &Scratch, reason: Reason) -> i32 {
     rewritten(ctx, s, reason, false)
 }
 
 /// `to_stack`, with `hop` a hop counted too (`nat::rewrite`).
 #[inline(always)]
-fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
+fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
     if !nat::rewrite(ctx, &s.p, &s.src, &s.dst, hop) {
-        dev_count(s.p.ifindex, pkt_stat::ERR_REWRITE);
+        count(Reason::ErrRewrite, s.p.ifindex);
         return SHOT;
     }
     if s.p.first_frag != 0 {
         frag::record(ctx, &s.p);
     }
     let reason = if s.p.later_frag != 0 {
-        pkt_stat::FRAGMENT_TRANSLATED
+        Reason::FragmentTranslated
     } else {
         reason
     };
-    dev_count(s.p.ifindex, reason);
+    count(reason, s.p.ifindex);
     OK
 }
 
@@ -273,7 +273,7 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: u32, hop: bool) -> i32 {
 /// forwarding router would (TTL counted). A route that cannot be followed leaves it to the
 /// stack. Its callers have dropped a packet whose hop would spend its TTL.
 #[inline(always)]
-fn to_route(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
+fn to_route(ctx: &TcContext, s: &mut Scratch, reason: Reason) -> i32 {
     let routed = fwd::usable(&s.route);
     let verdict = rewritten(ctx, s, reason, routed);
     if verdict != OK || !routed {
@@ -300,7 +300,7 @@ fn spent(s: &Scratch) -> bool {
 /// every caller.
 #[inline(never)]
 fn drop_ttl(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    dev_count(s.p.ifindex, pkt_stat::DROP_TTL);
+    count(Reason::DropTtl, s.p.ifindex);
     reject::icmp_error(ctx, s, reject::Kind::TimeExceeded)
 }
 
@@ -332,7 +332,7 @@ fn too_big(s: &Scratch) -> bool {
 
 #[inline(always)]
 fn send_too_big(ctx: &TcContext, s: &mut Scratch) -> i32 {
-    dev_count(s.p.ifindex, pkt_stat::TOO_BIG);
+    count(Reason::TooBig, s.p.ifindex);
     // SAFETY: the lookup wrote the MTU into the union's output member.
     let mtu = unsafe { s.route.params.__bindgen_anon_1.mtu_result } as u32;
     reject::icmp_error(ctx, s, reject::Kind::TooBig(mtu))
@@ -341,7 +341,7 @@ fn send_too_big(ctx: &TcContext, s: &mut Scratch) -> i32 {
 /// A packet that must leave from a node address or a frontend: routed to `s.dst` here (the
 /// stack's forwarding would drop it as a martian).
 #[inline(never)]
-fn send_routed(ctx: &TcContext, s: &mut Scratch, reason: u32) -> i32 {
+fn send_routed(ctx: &TcContext, s: &mut Scratch, reason: Reason) -> i32 {
     let p = &s.p;
     fwd::lookup(
         ctx,
@@ -377,7 +377,7 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
         return false;
     }
     if ct::handing_holds(&s.v, now) {
-        dev_count(s.p.ifindex, pkt_stat::DROP_HANDING);
+        count(Reason::DropHanding, s.p.ifindex);
         return true;
     }
     ct::lapse_handing(&s.p);
@@ -388,7 +388,7 @@ fn held_for_handover(s: &Scratch, now: u64) -> bool {
 /// counted, the flow unchanged.
 #[inline(never)]
 fn out_of_window(s: &Scratch) -> i32 {
-    dev_count(s.p.ifindex, pkt_stat::DROP_TCP_WINDOW);
+    count(Reason::DropTcpWindow, s.p.ifindex);
     SHOT
 }
 
@@ -454,7 +454,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     }
     if s.p.proto == IPPROTO_TCP && !ct::valid_tcp_flags(s.p.tcp_flags) {
         // To a node address or frontend: no TCP sends it, and no flow of svc's may take it.
-        dev_count(s.p.ifindex, pkt_stat::DROP_INVALID_TCP);
+        count(Reason::DropInvalidTcp, s.p.ifindex);
         return SHOT;
     }
     let now = now();
@@ -469,7 +469,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
             // A remote backend's reply, to the address and port its flow was SNATed to:
             // from the frontend to the client, forwarded here (its new source is a node
             // address or a frontend).
-            ct::Found::Hit => return send_routed(ctx, s, pkt_stat::REPLY),
+            ct::Found::Hit => return send_routed(ctx, s, Reason::Reply),
             ct::Found::Invalid => return out_of_window(s),
             _ => {}
         }
@@ -485,9 +485,9 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
             // To a local backend, from the client itself (its port remapped, perhaps: see
             // `new_remapped`): the stack delivers it.
-            return to_stack(ctx, s, pkt_stat::CT_HIT);
+            return to_stack(ctx, s, Reason::CtHit);
         }
-        return send_routed(ctx, s, pkt_stat::CT_HIT);
+        return send_routed(ctx, s, Reason::CtHit);
     }
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
@@ -499,7 +499,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
         Next::Pass => OK,
         Next::Drop => SHOT,
         Next::Midstream => {
-            dev_count(s.p.ifindex, pkt_stat::PASS_MIDSTREAM);
+            count(Reason::PassMidstream, s.p.ifindex);
             OK
         }
         Next::NewLocal => match new_local(ctx, s, closed) {
@@ -557,7 +557,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
             .get(&src_range_key(svc.id, &p.saddr))
             .is_none()
     {
-        dev_count(p.ifindex, pkt_stat::DROP_SOURCE_RANGE);
+        count(Reason::DropSourceRange, p.ifindex);
         return Next::Drop;
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
@@ -570,7 +570,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
     if p.proto == IPPROTO_TCP && !tcpsum::valid(ctx, p) {
         // A SYN, or a segment to be refused: what the backend's stack would drop takes no
         // backend, no flow and no answer.
-        dev_count(p.ifindex, pkt_stat::DROP_BAD_CHECKSUM);
+        count(Reason::DropBadChecksum, p.ifindex);
         return Next::Drop;
     }
     let caller = Packet {
@@ -580,18 +580,16 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
     let mut d = lb::Decision::default();
     match lb::decide_with(&key, svc, &caller, &mut d) {
         lb::FOUND => {}
-        stat::REFUSED_NO_BACKEND => {
+        Outcome::NoBackend => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
-                dev_count(p.ifindex, pkt_stat::DROP_NO_LOCAL_BACKEND);
+                count(Reason::DropNoLocalBackend, p.ifindex);
                 return Next::Drop;
             }
-            count(stat::REFUSED_NO_BACKEND);
-            dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
+            count(Reason::RejectNoBackend, p.ifindex);
             return Next::Reject;
         }
-        other => {
-            count(other);
-            dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
+        _ => {
+            count(Reason::ErrMissingEntry, p.ifindex);
             return Next::Drop;
         }
     }
@@ -676,17 +674,16 @@ fn new_local(ctx: &TcContext, s: &mut Scratch, closed: bool) -> Local {
         ct::Create::Stored => {}
         ct::Create::Clash => return Local::Remap,
         ct::Create::Failed => {
-            dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+            count(Reason::ErrCtUpdate, s.p.ifindex);
             return Local::Drop;
         }
     }
-    count(stat::TRANSLATED);
     s.src = Endpoint {
         addr: s.p.saddr,
         port_be: s.p.sport_be,
     };
     // `to_stack` answers TC_ACT_OK or TC_ACT_SHOT only.
-    if to_stack(ctx, s, pkt_stat::NEW) == OK {
+    if to_stack(ctx, s, Reason::New) == OK {
         Local::Pass
     } else {
         Local::Drop
@@ -703,7 +700,7 @@ fn new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
     if !commit_snat(s, &client) {
         return SHOT;
     }
-    to_stack(ctx, s, pkt_stat::NEW)
+    to_stack(ctx, s, Reason::New)
 }
 
 /// Stores the new flow SNATed to `addr` (its port chosen); false when it cannot be (counted:
@@ -713,7 +710,6 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
     snat_flow(&mut s.new, &s.p, addr);
     match ct::create_snat(&mut s.new) {
         ct::Snat::Stored => {
-            count(stat::TRANSLATED);
             s.src = Endpoint {
                 addr: s.new.fwd.snat_addr,
                 port_be: s.new.fwd.snat_port_be,
@@ -721,11 +717,11 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
             true
         }
         ct::Snat::Exhausted => {
-            dev_count(s.p.ifindex, pkt_stat::DROP_SNAT_EXHAUSTED);
+            count(Reason::DropSnatExhausted, s.p.ifindex);
             false
         }
         ct::Snat::Failed => {
-            dev_count(s.p.ifindex, pkt_stat::ERR_CT_UPDATE);
+            count(Reason::ErrCtUpdate, s.p.ifindex);
             false
         }
     }
@@ -763,7 +759,7 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
     let routed = fwd::usable(&s.route);
     if !routed || lb::node_addr_flags(&snat) & node_addr_flags::SNAT == 0 {
         if lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT == 0 {
-            dev_count(ifindex, pkt_stat::ERR_REWRITE);
+            count(Reason::ErrRewrite, ifindex);
             return SHOT;
         }
         snat = s.p.daddr;
@@ -776,7 +772,7 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
         // packet now leaves with.
         fwd::lookup(ctx, v6, &s.src.addr, &s.dst.addr, ifindex, 0, &mut s.route);
     }
-    to_route(ctx, s, pkt_stat::NEW)
+    to_route(ctx, s, Reason::New)
 }
 
 #[inline(always)]
@@ -807,7 +803,7 @@ pub fn ext_egress(ctx: &TcContext) -> i32 {
         _ => return OK,
     }
     // A local backend's reply, leaving: it comes from the frontend.
-    to_stack(ctx, s, pkt_stat::REPLY)
+    to_stack(ctx, s, Reason::Reply)
 }
 
 /// Whether `p` is a TCP SYN-ACK or RST: what answers a SYN (an ICMP error too:
@@ -848,7 +844,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
         if held_for_handover(s, now) {
             return SHOT;
         }
-        return pod_send(ctx, s, pkt_stat::CT_HIT);
+        return pod_send(ctx, s, Reason::CtHit);
     }
     // A pod's reply to itself through a frontend (hairpin): to the frontend's address and a
     // SNAT port. Not a SYN that found a closed flow (no reply), whose entry `s.v` holds.
@@ -868,7 +864,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
             // would enter the stack as a martian, and as no connection netfilter knows.
             return OK;
         }
-        return pod_send(ctx, s, pkt_stat::REPLY);
+        return pod_send(ctx, s, Reason::Reply);
     }
     if let Some(verdict) = later_fragment_unknown(s) {
         return verdict;
@@ -894,7 +890,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
 /// stack would take as a martian). A flow whose port was remapped (`new_remapped`) is SNATed
 /// too, but goes to another pod: to the stack.
 #[inline(always)]
-fn pod_send(ctx: &TcContext, s: &Scratch, reason: u32) -> i32 {
+fn pod_send(ctx: &TcContext, s: &Scratch, reason: Reason) -> i32 {
     let verdict = to_stack(ctx, s, reason);
     if verdict != OK || s.dst.addr != s.p.saddr {
         return verdict;
@@ -928,7 +924,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         && p.tcp_flags & TCP_SYN != 0
         && !tcpsum::valid(ctx, p)
     {
-        dev_count(p.ifindex, pkt_stat::DROP_BAD_CHECKSUM);
+        count(Reason::DropBadChecksum, p.ifindex);
         return Next::Drop;
     }
     if outcome == lb::FOUND {
@@ -937,16 +933,14 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
     match outcome {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Next::Pass,
-        stat::REFUSED_NO_BACKEND | stat::REFUSED_NO_PORT => {
+        Outcome::NoBackend | Outcome::NoPort => {
             // A ClusterIP's undefined port, or a frontend without backends: refused, as a
             // socket's connect() would be.
-            count(outcome);
-            dev_count(p.ifindex, pkt_stat::REJECT_NO_BACKEND);
+            count(Reason::RejectNoBackend, p.ifindex);
             return Next::Reject;
         }
-        other => {
-            count(other);
-            dev_count(p.ifindex, pkt_stat::ERR_MISSING_ENTRY);
+        _ => {
+            count(Reason::ErrMissingEntry, p.ifindex);
             return Next::Drop;
         }
     }
@@ -970,7 +964,7 @@ fn pod_new_hairpin(ctx: &TcContext, s: &mut Scratch) -> i32 {
     if !commit_snat(s, &frontend) {
         return SHOT;
     }
-    let verdict = to_stack(ctx, s, pkt_stat::NEW);
+    let verdict = to_stack(ctx, s, Reason::New);
     if verdict != OK {
         return verdict;
     }
@@ -991,5 +985,5 @@ pub fn pod_egress(ctx: &TcContext) -> i32 {
         _ => return OK,
     }
     // A reply to a pod: it comes from the ClusterIP the pod sent to.
-    to_stack(ctx, s, pkt_stat::REPLY)
+    to_stack(ctx, s, Reason::Reply)
 }

@@ -380,6 +380,68 @@ fn a_pinned_map_of_another_layout_is_refused_naming_it() {
     assert_eq!(bpffs.entries(), vec!["SVC_SLOTS_v1".to_string()]);
 }
 
+/// Issue 34: the socket hooks' counter array (`SVC_STATS`, pinned unversioned by the first
+/// release and as `SVC_STATS_v1` since) is retired, its reasons counted in `SVC_DEV_STATS`
+/// under device 0: an agent started over a directory that still has its pins removes them once
+/// its programs are attached, keeps the adopted counter map, and counts connect()s there.
+#[test]
+fn the_retired_counter_array_is_removed_and_sockets_are_counted_in_the_one_map() {
+    let mut w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    w.agent.kill().unwrap();
+    let retired = ["SVC_STATS", "SVC_STATS_v1"];
+    for pin in retired {
+        let path = w.bpffs.path().join(pin);
+        svc_tests::sys::run(
+            "bpftool",
+            [
+                "map".as_ref(),
+                "create".as_ref(),
+                path.as_os_str(),
+                "type".as_ref(),
+                "percpu_array".as_ref(),
+                "key".as_ref(),
+                "4".as_ref(),
+                "value".as_ref(),
+                "8".as_ref(),
+                "entries".as_ref(),
+                "16".as_ref(),
+                "name".as_ref(),
+                "SVC_STATS".as_ref(),
+            ],
+        )
+        .unwrap();
+    }
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    poll(Duration::from_secs(10), || {
+        let pins = w.bpffs.entries();
+        Ok((!retired.iter().any(|r| pins.contains(&r.to_string()))).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}: {:?}\n{}", w.bpffs.entries(), w.agent.log()));
+    assert!(
+        w.bpffs.entries().contains(&"SVC_DEV_STATS_v1".to_string()),
+        "{:?}",
+        w.bpffs.entries()
+    );
+    let before = translated(&w);
+    let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(translated(&w) - before, 10);
+}
+
+/// The socket hooks' `translated` count, as `/metrics` and `svc-agent list` report it.
+fn translated(w: &World) -> u64 {
+    svc_agent::datapath::read_stats(w.bpffs.path())
+        .unwrap()
+        .into_iter()
+        .find(|(name, _)| *name == "translated")
+        .map(|(_, v)| v)
+        .unwrap()
+}
+
 /// Issue 6, item 8: entries deleted behind the agent's back are found by the periodic
 /// comparison and put back; the metrics say so.
 #[test]

@@ -3,7 +3,7 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData};
 use aya::programs::{CgroupSock, CgroupSockAddr, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{catalogue, map_names};
@@ -226,7 +226,6 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::NAMES => store.names.map(),
         map_names::AFFINITY => store.affinity.map(),
         map_names::SOCK_REV => store.sock_rev.map(),
-        map_names::STATS => store.stats.map(),
         map_names::AFFINITY_MATCH => store.affinity_match.map(),
         map_names::SOCK_STATE => &store.sock_state,
         map_names::META => store.meta.map(),
@@ -290,8 +289,6 @@ fn build_store(
             }
         },
         meta: Array::try_from(take(map_names::META)?).map_err(|e| load_err(map_names::META, e))?,
-        stats: PerCpuArray::try_from(take(map_names::STATS)?)
-            .map_err(|e| load_err(map_names::STATS, e))?,
         src_ranges: LpmTrie::try_from(take(map_names::SRC_RANGES)?)
             .map_err(|e| load_err(map_names::SRC_RANGES, e))?,
         node_addrs: hash(take, map_names::NODE_ADDRS)?,

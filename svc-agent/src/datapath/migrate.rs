@@ -3,7 +3,7 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{HashMap, LpmTrie, Map, MapData, PerCpuArray};
+use aya::maps::{HashMap, LpmTrie, Map, MapData};
 use svc_common::map_names;
 
 use super::load::store_map;
@@ -93,18 +93,7 @@ pub(super) fn migrate(
             }
             None => Ok(0),
         },
-        map_names::STATS => {
-            let old: PerCpuArray<MapData, u64> =
-                PerCpuArray::try_from(Map::PerCpuArray(clone_map(old)?))
-                    .map_err(|e| crate::store::map_err(name, e))?;
-            let n = old.len().min(store.stats.len());
-            for i in 0..n {
-                if let Ok(v) = old.get(&i, 0) {
-                    let _ = store.stats.set(i, v, 0);
-                }
-            }
-            Ok(n as usize)
-        }
+        // Counters (`DEV_STATS`) start again in a resized map.
         _ => Ok(0),
     }
 }

@@ -27,7 +27,9 @@ mod uninstall;
 
 pub use load::open_pinned;
 pub use pins::map_pin;
-pub use stats::{read_packet_stats, read_stats, FlowCount, PacketStats};
+pub use stats::{
+    counters_of, decision_totals, read_packet_stats, read_stats, FlowCount, PacketStats,
+};
 pub use tc::tc_link_pin;
 pub use uninstall::{uninstall, Uninstalled};
 

@@ -79,7 +79,8 @@ pub(super) fn adopt_unversioned(dir: &Path) {
     }
 }
 
-/// Pins in `dir` of our maps under another layout version, and staged pins a dead agent left.
+/// Pins in `dir` of our maps under another layout version, staged pins a dead agent left, and
+/// pins of retired maps (`svc_common::RETIRED_PINS`).
 pub(super) fn other_versions(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
@@ -87,6 +88,10 @@ pub(super) fn other_versions(dir: &Path) -> Vec<PathBuf> {
     let mut found = Vec::new();
     for e in entries.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
+        if svc_common::RETIRED_PINS.contains(&file.as_str()) {
+            found.push(e.path());
+            continue;
+        }
         for name in map_names::ALL {
             let ours = format!("{name}_v{}", layout::version(name));
             let Some(rest) = file.strip_prefix(name) else {

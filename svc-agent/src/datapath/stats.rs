@@ -3,8 +3,8 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{Array, MapData, PerCpuArray};
-use svc_common::map_names;
+use aya::maps::{Array, Map, MapData, PerCpuHashMap};
+use svc_common::{map_names, DevStatKey, Reason};
 
 use super::load::pinned;
 use super::load_err;
@@ -12,11 +12,11 @@ use super::pins::map_pin;
 use crate::error::Result;
 use crate::sys;
 
-/// Totals of the socket programs' decision counters, by reason, from the pinned map alone.
 /// What the packet datapath's maps say, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct PacketStats {
-    /// (ifindex, `pkt_stat` name, total over the CPUs), from `DEV_STATS`.
+    /// (ifindex, `Reason` name, total over the CPUs), from `DEV_STATS`: the tc programs'
+    /// counters (device 0, the socket hooks', is `read_stats`'s).
     pub devices: Vec<(u32, &'static str, u64)>,
     /// Entries of `CT`, the assured flows' table (two per flow, dead ones included until the
     /// next sweep).
@@ -143,19 +143,16 @@ impl FlowCount {
 /// Reads `DEV_STATS` and `CT` from the pins in `dir`: the whole CT map, in batches of a few
 /// hundred KB (a full 262,144-entry map is about 25 MB to read, never held at once).
 pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
-    use svc_common::{pkt_stat, CtKey, CtValue, DatapathConfig, DevStatKey};
-    let mut out = PacketStats::default();
-    let dev: aya::maps::PerCpuHashMap<MapData, DevStatKey, u64> =
-        aya::maps::PerCpuHashMap::try_from(pinned(dir, map_names::DEV_STATS)?)
-            .map_err(|e| load_err(map_names::DEV_STATS, e))?;
-    for entry in dev.iter() {
-        let (k, per_cpu) = entry.map_err(|e| load_err(map_names::DEV_STATS, e))?;
-        let name = pkt_stat::NAMES
-            .get(k.reason as usize)
-            .copied()
-            .unwrap_or("unknown");
-        out.devices.push((k.ifindex, name, per_cpu.iter().sum()));
-    }
+    use svc_common::{CtKey, CtValue, DatapathConfig};
+    let mut out = PacketStats {
+        // Device 0 is the socket hooks' (`read_stats`).
+        devices: counters(pinned(dir, map_names::DEV_STATS)?)?
+            .into_iter()
+            .filter(|(ifindex, _, _)| *ifindex != 0)
+            .map(|(ifindex, reason, v)| (ifindex, reason.name(), v))
+            .collect(),
+        ..Default::default()
+    };
     out.devices.sort();
     let ct =
         MapData::from_pin(map_pin(dir, map_names::CT)).map_err(|e| load_err(map_names::CT, e))?;
@@ -189,10 +186,53 @@ pub fn read_packet_stats(dir: &Path) -> Result<PacketStats> {
     Ok(out)
 }
 
+/// The socket programs' decisions (`decision_totals`), from the pinned counter map alone.
 pub fn read_stats(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
-    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(pinned(dir, map_names::STATS)?)
-        .map_err(|e| load_err(map_names::STATS, e))?;
-    crate::store::stat_totals(&stats)
+    Ok(decision_totals(&counters(pinned(
+        dir,
+        map_names::DEV_STATS,
+    )?)?))
+}
+
+/// `counters` of an open `DEV_STATS`.
+pub fn counters_of(map: &MapData) -> Result<Vec<(u32, Reason, u64)>> {
+    counters(Map::PerCpuHashMap(super::migrate::clone_map(map)?))
+}
+
+/// Every counter of `DEV_STATS` (the datapath's one counter map), summed over the CPUs:
+/// (device ifindex, 0 for none; reason; total), sorted. A reason this agent does not know
+/// (a newer agent's programs may count one) is left out.
+fn counters(map: Map) -> Result<Vec<(u32, Reason, u64)>> {
+    let err = |e| load_err(map_names::DEV_STATS, e);
+    let map: PerCpuHashMap<MapData, DevStatKey, u64> = PerCpuHashMap::try_from(map).map_err(err)?;
+    let mut out = Vec::new();
+    for entry in map.iter() {
+        let (k, per_cpu) = entry.map_err(err)?;
+        if let Some(reason) = Reason::from_u32(k.reason) {
+            out.push((k.ifindex, reason, per_cpu.iter().sum()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The socket programs' decisions (`svc_datapath_decisions`, `svc-agent list`), by reason:
+/// each of `Reason::DECISIONS`, summed over every device, zeros included. Summed, not read at
+/// device 0 alone: two of them are counted with a device since the datapath counts in one
+/// map (`CtAssuredFull`, and the tc programs' `ErrMissingEntry`), and this series counted
+/// them before.
+pub fn decision_totals(counters: &[(u32, Reason, u64)]) -> Vec<(&'static str, u64)> {
+    Reason::DECISIONS
+        .iter()
+        .map(|r| {
+            let total = counters
+                .iter()
+                .filter(|(_, c, _)| c == r)
+                .map(|(_, _, v)| v)
+                .sum();
+            (r.name(), total)
+        })
+        .collect()
 }
 
 #[cfg(test)]
