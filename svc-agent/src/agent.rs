@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
@@ -13,14 +13,15 @@ use tracing::{info, instrument, warn};
 use crate::datapath::Datapath;
 use crate::desired::Desired;
 use crate::error::{Error, Result};
-use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, NodeDesired, Protocol, Served};
 use crate::packet::{NodeView, PacketConfig};
 use crate::retry::{Backoff, Retries};
-use crate::stale::{Keep, StaleWorker, UdpServing};
 use crate::store::{Capacity, Store};
 use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
+use crate::tasks::stale::Keep;
+use crate::tasks::stale_udp::ServingChange;
+use crate::tasks::Effect;
 use crate::translate::{Holders, NodeContext, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
@@ -74,20 +75,11 @@ pub struct Agent {
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
-    /// Ends the UDP flows and closes the connected UDP sockets whose backend no longer serves
-    /// their frontend, off the sync path. None when its maps could not be opened a second
-    /// time (logged at start).
-    stale: Option<StaleWorker<()>>,
-    /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`), started
-    /// once this agent's programs are attached (`start_sweep`); None before, when off, or
-    /// when it could not be loaded or started (logged).
-    sweeper: Option<crate::sweep::Sweeper>,
+    /// What the side-effect tasks are to act on, in order, until the controller takes it
+    /// (`take_effects`).
+    effects: Vec<Effect>,
+    /// The connection-tracking sweep's program was asked for once (`start_sweep`).
     sweep_tried: bool,
-    /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
-    udp_serving: Arc<Mutex<UdpServing>>,
-    /// The stale-UDP thread has been asked to look once in this run: the flows and sockets
-    /// of an earlier run (or of a crash between a sync and its cleanup) are judged too.
-    udp_looked: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
     /// Devices without svc's programs that SNATed flows were found leaving by, warned about
@@ -100,7 +92,6 @@ pub struct Agent {
     /// manifests (the devices say).
     api_node_ips: Option<Vec<std::net::IpAddr>>,
     node_desired: NodeDesired,
-    health: HealthServers,
     /// Who served each frontend as the pinned maps said at start: the holders until the
     /// first sync makes a desired state.
     adopted: Option<Served>,
@@ -129,17 +120,6 @@ impl Agent {
             leftovers = programmed.strays.len(),
             "adopted pinned state"
         );
-        let udp_serving = Arc::new(Mutex::new(UdpServing::default()));
-        let stale = match stale_worker(&dp, cgroup, metrics.clone(), udp_serving.clone()) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                metrics.report(
-                    "stale UDP flows will not be ended, nor stale UDP sockets closed",
-                    &e,
-                );
-                None
-            }
-        };
         let now = Instant::now();
         let node_desired = NodeDesired {
             addrs: Default::default(),
@@ -152,15 +132,11 @@ impl Agent {
         let mut agent = Agent {
             adopted,
             dp,
-            stale,
-            sweeper: None,
+            effects: vec![Effect::HealthBinds(view.health_checks.clone())],
             sweep_tried: false,
-            udp_serving,
-            udp_looked: false,
             programmed,
             desired: Desired::default(),
             node,
-            health: HealthServers::new(metrics.clone(), view.health_checks.clone()),
             metrics,
             packet,
             view,
@@ -224,12 +200,8 @@ impl Agent {
         if view.health_checks != self.view.health_checks {
             let binds: Vec<String> = view.health_checks.iter().map(|b| b.to_string()).collect();
             info!(addresses = %binds.join(","), "health check node ports listen");
-            self.health.set_binds(view.health_checks.clone());
-            // Before the first sync the desired state names no Service yet: that sync starts
-            // the servers.
-            if self.synced {
-                self.sync_health_checks();
-            }
+            self.effects
+                .push(Effect::HealthBinds(view.health_checks.clone()));
         }
         let primary_changed = view.primary != self.node.node_ips;
         self.node.node_ips = view.primary.clone();
@@ -258,9 +230,14 @@ impl Agent {
         self.node.zone = zone;
     }
 
-    /// Where the health check server of Service `owner` listens (tests, tools).
-    pub fn health_check_addrs(&self, owner: &str) -> Vec<std::net::SocketAddr> {
-        self.health.addrs(owner)
+    /// The datapath, for the tasks' own handles on its maps.
+    pub fn datapath(&self) -> &Datapath {
+        &self.dp
+    }
+
+    /// What the side-effect tasks are to act on since the last call, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
     }
 
     /// Drops what a full translation replaces of the desired state, all but who holds each
@@ -409,7 +386,7 @@ impl Agent {
         report
     }
 
-    /// Starts the connection-tracking sweep, once: after this agent's programs are attached,
+    /// Has the connection-tracking sweep started, once: after this agent's programs are attached,
     /// as until then the pinned links may run an earlier object's programs, whose claims
     /// (`SVC_CT_CLAIMS`, not pinned) are not the sweep's.
     fn start_sweep(&mut self) {
@@ -419,19 +396,14 @@ impl Agent {
         if std::mem::replace(&mut self.sweep_tried, true) {
             return;
         }
-        let started = match self.dp.ct_sweep() {
-            Ok(Some(prog)) => crate::sweep::Sweeper::spawn(prog, every, self.metrics.clone()),
+        match self.dp.ct_sweep() {
+            Ok(Some(prog)) => self.effects.push(Effect::Sweep { prog, every }),
             Ok(None) => {
                 info!(
                     "the eBPF object has no connection-tracking sweep: dead flows stay in \
                      connection tracking until evicted"
                 );
-                return;
             }
-            Err(e) => Err(e),
-        };
-        match started {
-            Ok(s) => self.sweeper = Some(s),
             Err(e) => {
                 self.metrics
                     .report("dead flows stay in connection tracking until evicted", &e);
@@ -439,11 +411,11 @@ impl Agent {
         }
     }
 
-    /// Starts and stops health check node port servers as the Services say.
+    /// Has the health check node port servers started and stopped as the Services say.
     fn sync_health_checks(&mut self) {
-        for e in self.health.sync(&self.desired.state.health_checks) {
-            self.metrics.report("", &e);
-        }
+        self.effects.push(Effect::HealthChecks(
+            self.desired.state.health_checks.clone(),
+        ));
     }
 
     /// Writes the node's state (addresses, datapath settings) as `node_desired` has it.
@@ -491,12 +463,12 @@ impl Agent {
     /// as long as the client sends; once that backend no longer serves the frontend they were
     /// translated for, the flow is ended and the socket closed, so the next datagram (or the
     /// application's new connect()) picks a live backend. Stateless, as kube-proxy's
-    /// CleanStaleEntries: the stale-UDP thread judges every flow and socket by what serves
-    /// now (`udp_serving`, brought to the frontends `scope` covered), once the first full
-    /// sync of a run has made the desired state whole, and again after every sync that may
-    /// have left some stale. The walk is the thread's: the sync does not wait.
+    /// CleanStaleEntries: the stale-UDP task judges every flow and socket by what serves
+    /// now (brought to the frontends `scope` covered), once the first full sync of a run has
+    /// made the desired state whole, and again after every sync that may have left some
+    /// stale. The walk is the task's: the sync does not wait.
     fn end_stale_udp(&mut self, scope: Scope<'_>) {
-        if !self.synced || self.stale.is_none() {
+        if !self.synced {
             return;
         }
         let keep = |fe: &Frontend, pf: &ProgFrontend| -> Keep {
@@ -526,31 +498,27 @@ impl Agent {
             }
         };
         let udp = |fe: &&Frontend| fe.protocol == Protocol::Udp;
-        let lost = {
-            let mut serving = self
-                .udp_serving
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            match scope {
-                Scope::All => serving.replace(
-                    self.programmed
-                        .frontends
-                        .iter()
-                        .filter(|(fe, _)| udp(fe))
-                        .map(|(fe, pf)| (*fe, pf.id, keep(fe, pf))),
-                ),
-                Scope::Only(frontends) => frontends.iter().filter(udp).fold(false, |lost, fe| {
-                    let now = self.programmed.frontends.get(fe);
-                    serving.set(*fe, now.map(|pf| (pf.id, keep(fe, pf)))) || lost
-                }),
-            }
+        let change = match scope {
+            Scope::All => ServingChange::All(
+                self.programmed
+                    .frontends
+                    .iter()
+                    .filter(|(fe, _)| udp(fe))
+                    .map(|(fe, pf)| (*fe, pf.id, keep(fe, pf)))
+                    .collect(),
+            ),
+            Scope::Only(frontends) => ServingChange::Some(
+                frontends
+                    .iter()
+                    .filter(udp)
+                    .map(|fe| {
+                        let now = self.programmed.frontends.get(fe);
+                        (*fe, now.map(|pf| (pf.id, keep(fe, pf))))
+                    })
+                    .collect(),
+            ),
         };
-        if lost || !self.udp_looked {
-            self.udp_looked = true;
-            if let Some(w) = &self.stale {
-                w.submit(vec![()]);
-            }
-        }
+        self.effects.push(Effect::UdpServing(change));
     }
 
     /// When `tick` next has something to do.
@@ -617,7 +585,7 @@ impl Agent {
             if self.dp.is_attached() {
                 self.check_pins();
                 // A health check port that could not be bound (in use) is tried again.
-                self.sync_health_checks();
+                self.effects.push(Effect::HealthRetry);
             }
         }
         if self.retry.node_due(now) {
@@ -799,83 +767,4 @@ impl Agent {
             }
         }
     }
-}
-
-/// The thread that ends stale UDP flows and closes stale connected UDP sockets, with its own
-/// handles on the maps that hold them (SVC_CT) and say which frontend each socket was
-/// translated for (SVC_SOCK_REV); `serving` says what is stale.
-fn stale_worker(
-    dp: &Datapath,
-    cgroup: &Path,
-    metrics: Arc<Metrics>,
-    serving: Arc<Mutex<UdpServing>>,
-) -> Result<StaleWorker<()>> {
-    use aya::maps::{HashMap as BpfHashMap, MapData};
-    use svc_common::{map_names, SockRevKey, SockRevValue};
-    let map_err = |name, e| crate::store::map_err(name, e);
-    let sock_rev: BpfHashMap<MapData, SockRevKey, SockRevValue> =
-        BpfHashMap::try_from(dp.reopen(map_names::SOCK_REV)?)
-            .map_err(|e| map_err(map_names::SOCK_REV, e))?;
-    // The packet datapath's flows; absent from an object without it.
-    // Both tables: a UDP flow is unassured until its client speaks after a reply.
-    let mut cts: Vec<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> =
-        [map_names::CT, map_names::CT_NEW]
-            .into_iter()
-            .filter_map(|name| dp.reopen(name).ok())
-            .filter_map(|m| BpfHashMap::try_from(m).ok())
-            .collect();
-    let cgroup = cgroup.to_path_buf();
-    // Locked per question, so a sync never waits for a walk.
-    let stale = move |id: u32, backend: std::net::SocketAddr| {
-        serving
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stale(id, backend)
-    };
-    let run = move |_: Vec<()>| {
-        fail::fail_point!(crate::fault::STALE_UDP_PAUSE);
-        let doomed = |cookie: u64, peer: std::net::SocketAddr| {
-            let key = SockRevKey {
-                cookie,
-                addr: crate::sync::addr16(peer.ip()),
-                port_be: peer.port().to_be(),
-                _pad0: [0; 6],
-            };
-            // Not translated by svc (a direct connection), or its entry is gone: left alone.
-            let Ok(rev) = sock_rev.get(&key, 0) else {
-                return false;
-            };
-            stale(rev.id, peer)
-        };
-        for ct in &mut cts {
-            match crate::stale::forget_udp_flows(ct, &stale) {
-                Ok(0) => {}
-                Ok(n) => info!(
-                    flows = n,
-                    "forgot UDP flows of backends that no longer serve"
-                ),
-                Err(e) => {
-                    metrics.report("", &e);
-                }
-            }
-        }
-        match crate::stale::destroy_udp_sockets(&cgroup, &doomed) {
-            Ok(r) => {
-                for e in &r.errors {
-                    metrics.report("closing stale UDP sockets", e);
-                }
-                if r.destroyed() > 0 {
-                    info!(
-                        sockets = r.destroyed(),
-                        namespaces = r.namespaces,
-                        "closed connected UDP sockets of backends that no longer serve"
-                    );
-                }
-            }
-            Err(e) => {
-                metrics.report("closing stale UDP sockets", &e);
-            }
-        }
-    };
-    StaleWorker::spawn(run).map_err(|e| Error::Other(format!("starting the stale-UDP thread: {e}")))
 }

@@ -24,4 +24,3 @@ pub mod translate;
 pub mod verify;
 
 pub use error::{Error, Result};
-pub use tasks::{health as healthcheck, stale, sweep};
