@@ -3,7 +3,7 @@
 //! its grace period has passed, the maps are compared with the mirror now and then and drift
 //! is repaired, and pins or links removed under the agent are put back.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,8 +14,9 @@ use crate::datapath::Datapath;
 use crate::desired::Desired;
 use crate::error::{Error, Result};
 use crate::metrics::{self, Metrics};
-use crate::model::{Frontend, NodeDesired, Protocol, Served};
-use crate::packet::{NodeView, PacketConfig};
+use crate::model::{Frontend, Protocol, Served};
+use crate::node::Node;
+use crate::packet::PacketConfig;
 use crate::retry::{Backoff, Retries};
 use crate::store::{Capacity, Store};
 use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
@@ -64,8 +65,8 @@ pub struct Agent {
     dp: Datapath,
     programmed: Programmed,
     desired: Desired,
-    /// What translation needs to know of this node.
-    node: NodeContext,
+    /// The node's devices and addresses, as read, and its desired state in the maps.
+    node: Node,
     metrics: Arc<Metrics>,
     upkeep: Upkeep,
     /// What could not be programmed, Services and the node's state.
@@ -82,16 +83,6 @@ pub struct Agent {
     sweep_tried: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
-    /// Devices without svc's programs that SNATed flows were found leaving by, warned about
-    /// once each in this run (`check_unmanaged_egress`).
-    unmanaged_warned: BTreeSet<String>,
-    /// The packet datapath's settings, and the node as it last saw it.
-    packet: PacketConfig,
-    view: NodeView,
-    /// The Node's addresses (kube-proxy's node IPs), with the Kubernetes API; None with
-    /// manifests (the devices say).
-    api_node_ips: Option<Vec<std::net::IpAddr>>,
-    node_desired: NodeDesired,
     /// Who served each frontend as the pinned maps said at start: the holders until the
     /// first sync makes a desired state.
     adopted: Option<Served>,
@@ -121,34 +112,23 @@ impl Agent {
             "adopted pinned state"
         );
         let now = Instant::now();
-        let node_desired = NodeDesired {
-            addrs: Default::default(),
-            config: Some(packet.datapath_config()),
-        };
-        // A node with no address yet: health check ports listen only on the wildcard address
-        // of a family `--nodeport-addresses` chooses whole, until the addresses are read.
-        let view = crate::packet::view(&packet, &crate::netdev::NetState::default(), None);
+        let node = Node::new(node, packet);
         let adopted = Some(programmed.served());
         let mut agent = Agent {
             adopted,
             dp,
-            effects: vec![Effect::HealthBinds(view.health_checks.clone())],
+            effects: vec![Effect::HealthBinds(node.health_binds().clone())],
             sweep_tried: false,
             programmed,
             desired: Desired::default(),
             node,
             metrics,
-            packet,
-            view,
-            api_node_ips: None,
-            node_desired,
             next_reconcile: now + upkeep.reconcile_every,
             next_check: now + upkeep.check_every,
             retry: Retries::new(upkeep.backoff()),
             upkeep,
             synced: false,
             flow_addrs_walked: None,
-            unmanaged_warned: BTreeSet::new(),
         };
         agent.refresh_node();
         Ok(agent)
@@ -159,75 +139,39 @@ impl Agent {
     /// Returns true when the node's primary addresses changed: the Services must be
     /// translated again (loadBalancerSourceRanges admit the node by them).
     pub fn refresh_node(&mut self) -> bool {
-        let state = match crate::netdev::read() {
-            Ok(s) => s,
-            Err(e) => {
-                self.metrics
-                    .report_as("netlink", "reading the node's devices and addresses", &e);
-                return false;
-            }
-        };
-        let view = crate::packet::view(&self.packet, &state, self.api_node_ips.as_deref());
-        if view == self.view {
+        let Some(changed) = self.node.refresh(&self.metrics) else {
             return false;
-        }
-        if view.external != self.view.external || view.pods != self.view.pods {
-            let names = |d: &[crate::netdev::Device]| {
-                d.iter()
-                    .map(|d| d.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            info!(
-                external = %names(&view.external),
-                pods = %names(&view.pods),
-                primary = ?view.primary,
-                "packet datapath devices"
-            );
-            match self
-                .dp
-                .set_tc_devices(view.external.clone(), view.pods.clone())
-            {
+        };
+        if let Some((external, pods)) = changed.devices {
+            match self.dp.set_tc_devices(external, pods) {
                 Ok(done) => done.iter().for_each(|d| info!("{d}")),
                 Err(e) => {
                     self.metrics.report("attaching the packet datapath", &e);
                 }
             }
         }
-        self.node_desired.addrs = view.addrs.clone();
-        self.desired.state.node = self.node_desired.clone();
+        self.desired.state.node = self.node.desired().clone();
         self.apply_node(Instant::now());
-        if view.health_checks != self.view.health_checks {
-            let binds: Vec<String> = view.health_checks.iter().map(|b| b.to_string()).collect();
-            info!(addresses = %binds.join(","), "health check node ports listen");
-            self.effects
-                .push(Effect::HealthBinds(view.health_checks.clone()));
+        if let Some(binds) = changed.health_binds {
+            self.effects.push(Effect::HealthBinds(binds));
         }
-        let primary_changed = view.primary != self.node.node_ips;
-        self.node.node_ips = view.primary.clone();
-        self.view = view;
-        primary_changed
+        changed.primary
     }
 
     /// The Node's addresses changed (Kubernetes API): kube-proxy's node IPs. Returns true
     /// when the Services must be translated again.
     pub fn set_api_node_ips(&mut self, ips: Vec<std::net::IpAddr>) -> bool {
-        if self.api_node_ips.as_ref() == Some(&ips) {
-            return false;
-        }
-        info!(node_ips = ?ips, "the Node's addresses");
-        self.api_node_ips = Some(ips);
-        self.refresh_node()
+        self.node.set_api_ips(ips) && self.refresh_node()
     }
 
     /// What translation needs to know of this node: its name, zone and primary addresses.
     pub fn node(&self) -> &NodeContext {
-        &self.node
+        self.node.context()
     }
 
     /// The node's topology zone, as the source states it.
     pub fn set_zone(&mut self, zone: Option<String>) {
-        self.node.zone = zone;
+        self.node.set_zone(zone);
     }
 
     /// The datapath, for the tasks' own handles on its maps.
@@ -278,7 +222,7 @@ impl Agent {
         let started = Instant::now();
         self.record_input_errors(&translated.errors);
         let mut state = translated.state;
-        state.node = self.node_desired.clone();
+        state.node = self.node.desired().clone();
         self.desired = Desired::from_full(state);
         self.adopted = None;
         self.synced = true;
@@ -390,7 +334,7 @@ impl Agent {
     /// as until then the pinned links may run an earlier object's programs, whose claims
     /// (`SVC_CT_CLAIMS`, not pinned) are not the sweep's.
     fn start_sweep(&mut self) {
-        let Some(every) = self.packet.ct_sweep_every else {
+        let Some(every) = self.node.packet().ct_sweep_every else {
             return;
         };
         if std::mem::replace(&mut self.sweep_tried, true) {
@@ -422,7 +366,7 @@ impl Agent {
     fn apply_node(&mut self, now: Instant) {
         let report = self
             .programmed
-            .apply_node(&mut self.dp.store, &self.node_desired);
+            .apply_node(&mut self.dp.store, self.node.desired());
         for e in &report.errors {
             self.metrics.report("node addresses", e);
         }
@@ -627,69 +571,8 @@ impl Agent {
             self.metrics.report("lingering addresses", e);
         }
         if let Some(backends) = r.snat_backends {
-            self.check_unmanaged_egress(&backends);
+            self.node.check_unmanaged_egress(&backends, &self.metrics);
         }
-    }
-
-    /// Finds the live SNATed flows (to remote backends) that the node routes out of a device
-    /// without svc's programs (not in `--devices`): the backend's replies come back on that
-    /// device, where nothing translates them, and the client's connection hangs. Counted per
-    /// device for /metrics and /healthz, and warned about once per device in a run.
-    /// Cost: the flows come from the walk of SVC_CT this check makes anyway, only SNATed
-    /// FORWARD entries are counted (per backend address, no memory per flow), and the kernel
-    /// is asked for one route per distinct backend address per check.
-    fn check_unmanaged_egress(&mut self, backends: &BTreeMap<[u8; 16], u64>) {
-        let flows: BTreeMap<std::net::IpAddr, u64> = backends
-            .iter()
-            .map(|(a, n)| (crate::sync::ip_from16(*a), *n))
-            .collect();
-        let mut devices = BTreeMap::new();
-        if !flows.is_empty() {
-            let query = match crate::netdev::RouteQuery::new() {
-                Ok(q) => q,
-                Err(e) => {
-                    self.metrics.report_as(
-                        "netlink",
-                        "asking for the routes to remote backends",
-                        &e,
-                    );
-                    return;
-                }
-            };
-            let mut failed = None;
-            let found = crate::netdev::unmanaged_devices(&flows, &self.view.external, |ip| {
-                match query.device(ip) {
-                    Ok(d) => d,
-                    Err(e) => {
-                        failed.get_or_insert(e);
-                        None
-                    }
-                }
-            });
-            if let Some(e) = failed {
-                self.metrics
-                    .report_as("netlink", "asking for the routes to remote backends", &e);
-            }
-            for (ifindex, n) in found {
-                let name =
-                    crate::netdev::ifname(ifindex).unwrap_or_else(|| format!("ifindex {ifindex}"));
-                devices.insert(name, n);
-            }
-        }
-        for (device, n) in &devices {
-            if self.unmanaged_warned.insert(device.clone()) {
-                let mut with: Vec<&str> =
-                    self.view.external.iter().map(|d| d.name.as_str()).collect();
-                with.push(device);
-                warn!(
-                    device = %device,
-                    flows = n,
-                    "flows to remote backends leave by {device}, which has no svc programs: their replies return untranslated; add it to --devices (e.g. --devices {})",
-                    with.join(",")
-                );
-            }
-        }
-        self.metrics.unmanaged_devices(devices);
     }
 
     /// Puts back pins and links someone removed under us.

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod model;
 pub mod names;
 pub mod netdev;
+pub mod node;
 pub mod packet;
 pub mod retry;
 pub mod source;
