@@ -67,6 +67,11 @@ impl Tasks {
                 None
             }
         };
+        Tasks::new(stale, metrics)
+    }
+
+    /// The tasks with this stale-UDP task (None: none); the others start on their effects.
+    fn new(stale: Option<StaleUdp>, metrics: Arc<Metrics>) -> Tasks {
         Tasks {
             stale,
             sweeper: None,
@@ -125,5 +130,52 @@ impl Tasks {
     /// Where the health check server of Service `owner` listens (tests, tools).
     pub fn health_check_addrs(&self, owner: &str) -> Vec<std::net::SocketAddr> {
         self.health.addrs(owner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{IpAddr, SocketAddr};
+
+    fn binds(ip: [u8; 4]) -> BTreeSet<Bind> {
+        BTreeSet::from([Bind::Addr {
+            ip: IpAddr::from(ip),
+            scope: 0,
+        }])
+    }
+
+    /// Through real sockets on loopback: no health check port listens before a sync said
+    /// which are wanted, whatever the node's addresses say; once one has, the ports follow
+    /// the addresses at once, and a port that was in use is bound at the next retry.
+    #[tokio::test]
+    async fn health_check_ports_follow_the_effects_in_order() {
+        let metrics = Metrics::new(
+            std::path::PathBuf::from("/nonexistent"),
+            Duration::from_secs(60),
+        );
+        let mut tasks = Tasks::new(None, metrics);
+        let held = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = held.local_addr().unwrap().port();
+        let at = |ip: [u8; 4]| vec![SocketAddr::from((ip, port))];
+        let wanted = BTreeMap::from([(
+            "ns/web".to_string(),
+            HealthCheck {
+                port,
+                local_endpoints: [Some(1), None],
+            },
+        )]);
+
+        tasks.handle(vec![Effect::HealthBinds(binds([127, 0, 0, 1]))]);
+        assert!(tasks.health_check_addrs("ns/web").is_empty());
+        tasks.handle(vec![Effect::HealthChecks(wanted)]);
+        assert_eq!(tasks.health_check_addrs("ns/web"), at([127, 0, 0, 1]));
+        // Moved to an address where the port is in use: nothing listens until it is free
+        // and the upkeep retries.
+        tasks.handle(vec![Effect::HealthBinds(binds([127, 0, 0, 2]))]);
+        assert!(tasks.health_check_addrs("ns/web").is_empty());
+        drop(held);
+        tasks.handle(vec![Effect::HealthRetry]);
+        assert_eq!(tasks.health_check_addrs("ns/web"), at([127, 0, 0, 2]));
     }
 }
