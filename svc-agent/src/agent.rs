@@ -3,9 +3,9 @@
 //! its grace period has passed, the maps are compared with the mirror now and then and drift
 //! is repaired, and pins or links removed under the agent are put back.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
@@ -13,14 +13,16 @@ use tracing::{info, instrument, warn};
 use crate::datapath::Datapath;
 use crate::desired::Desired;
 use crate::error::{Error, Result};
-use crate::healthcheck::HealthServers;
 use crate::metrics::{self, Metrics};
-use crate::model::{Frontend, NodeDesired, Protocol, Served};
-use crate::packet::{NodeView, PacketConfig};
+use crate::model::{Frontend, Protocol, Served};
+use crate::node::Node;
+use crate::packet::PacketConfig;
 use crate::retry::{Backoff, Retries};
-use crate::stale::{Keep, StaleWorker, UdpServing};
 use crate::store::{Capacity, Store};
 use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
+use crate::tasks::stale::Keep;
+use crate::tasks::stale_udp::ServingChange;
+use crate::tasks::Effect;
 use crate::translate::{Holders, NodeContext, Translated};
 
 /// How the agent keeps its state whole; every interval has a flag.
@@ -63,8 +65,8 @@ pub struct Agent {
     dp: Datapath,
     programmed: Programmed,
     desired: Desired,
-    /// What translation needs to know of this node.
-    node: NodeContext,
+    /// The node's devices and addresses, as read, and its desired state in the maps.
+    node: Node,
     metrics: Arc<Metrics>,
     upkeep: Upkeep,
     /// What could not be programmed, Services and the node's state.
@@ -74,33 +76,13 @@ pub struct Agent {
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
-    /// Ends the UDP flows and closes the connected UDP sockets whose backend no longer serves
-    /// their frontend, off the sync path. None when its maps could not be opened a second
-    /// time (logged at start).
-    stale: Option<StaleWorker<()>>,
-    /// Removes dead flows from connection tracking (`--conntrack-sweep-interval`), started
-    /// once this agent's programs are attached (`start_sweep`); None before, when off, or
-    /// when it could not be loaded or started (logged).
-    sweeper: Option<crate::sweep::Sweeper>,
+    /// What the side-effect tasks are to act on, in order, until the controller takes it
+    /// (`take_effects`).
+    effects: Vec<Effect>,
+    /// The connection-tracking sweep's program was asked for once (`start_sweep`).
     sweep_tried: bool,
-    /// What serves each UDP frontend, as the stale-UDP thread judges flows and sockets by it.
-    udp_serving: Arc<Mutex<UdpServing>>,
-    /// The stale-UDP thread has been asked to look once in this run: the flows and sockets
-    /// of an earlier run (or of a crash between a sync and its cleanup) are judged too.
-    udp_looked: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
-    /// Devices without svc's programs that SNATed flows were found leaving by, warned about
-    /// once each in this run (`check_unmanaged_egress`).
-    unmanaged_warned: BTreeSet<String>,
-    /// The packet datapath's settings, and the node as it last saw it.
-    packet: PacketConfig,
-    view: NodeView,
-    /// The Node's addresses (kube-proxy's node IPs), with the Kubernetes API; None with
-    /// manifests (the devices say).
-    api_node_ips: Option<Vec<std::net::IpAddr>>,
-    node_desired: NodeDesired,
-    health: HealthServers,
     /// Who served each frontend as the pinned maps said at start: the holders until the
     /// first sync makes a desired state.
     adopted: Option<Served>,
@@ -129,50 +111,24 @@ impl Agent {
             leftovers = programmed.strays.len(),
             "adopted pinned state"
         );
-        let udp_serving = Arc::new(Mutex::new(UdpServing::default()));
-        let stale = match stale_worker(&dp, cgroup, metrics.clone(), udp_serving.clone()) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                metrics.report(
-                    "stale UDP flows will not be ended, nor stale UDP sockets closed",
-                    &e,
-                );
-                None
-            }
-        };
         let now = Instant::now();
-        let node_desired = NodeDesired {
-            addrs: Default::default(),
-            config: Some(packet.datapath_config()),
-        };
-        // A node with no address yet: health check ports listen only on the wildcard address
-        // of a family `--nodeport-addresses` chooses whole, until the addresses are read.
-        let view = crate::packet::view(&packet, &crate::netdev::NetState::default(), None);
+        let node = Node::new(node, packet);
         let adopted = Some(programmed.served());
         let mut agent = Agent {
             adopted,
             dp,
-            stale,
-            sweeper: None,
+            effects: vec![Effect::HealthBinds(node.health_binds().clone())],
             sweep_tried: false,
-            udp_serving,
-            udp_looked: false,
             programmed,
             desired: Desired::default(),
             node,
-            health: HealthServers::new(metrics.clone(), view.health_checks.clone()),
             metrics,
-            packet,
-            view,
-            api_node_ips: None,
-            node_desired,
             next_reconcile: now + upkeep.reconcile_every,
             next_check: now + upkeep.check_every,
             retry: Retries::new(upkeep.backoff()),
             upkeep,
             synced: false,
             flow_addrs_walked: None,
-            unmanaged_warned: BTreeSet::new(),
         };
         agent.refresh_node();
         Ok(agent)
@@ -183,84 +139,49 @@ impl Agent {
     /// Returns true when the node's primary addresses changed: the Services must be
     /// translated again (loadBalancerSourceRanges admit the node by them).
     pub fn refresh_node(&mut self) -> bool {
-        let state = match crate::netdev::read() {
-            Ok(s) => s,
-            Err(e) => {
-                self.metrics
-                    .report_as("netlink", "reading the node's devices and addresses", &e);
-                return false;
-            }
-        };
-        let view = crate::packet::view(&self.packet, &state, self.api_node_ips.as_deref());
-        if view == self.view {
+        let Some(changed) = self.node.refresh(&self.metrics) else {
             return false;
-        }
-        if view.external != self.view.external || view.pods != self.view.pods {
-            let names = |d: &[crate::netdev::Device]| {
-                d.iter()
-                    .map(|d| d.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            info!(
-                external = %names(&view.external),
-                pods = %names(&view.pods),
-                primary = ?view.primary,
-                "packet datapath devices"
-            );
-            match self
-                .dp
-                .set_tc_devices(view.external.clone(), view.pods.clone())
-            {
+        };
+        if let Some((external, pods)) = changed.devices {
+            match self.dp.set_tc_devices(external, pods) {
                 Ok(done) => done.iter().for_each(|d| info!("{d}")),
                 Err(e) => {
                     self.metrics.report("attaching the packet datapath", &e);
                 }
             }
         }
-        self.node_desired.addrs = view.addrs.clone();
-        self.desired.state.node = self.node_desired.clone();
+        self.desired.state.node = self.node.desired().clone();
         self.apply_node(Instant::now());
-        if view.health_checks != self.view.health_checks {
-            let binds: Vec<String> = view.health_checks.iter().map(|b| b.to_string()).collect();
-            info!(addresses = %binds.join(","), "health check node ports listen");
-            self.health.set_binds(view.health_checks.clone());
-            // Before the first sync the desired state names no Service yet: that sync starts
-            // the servers.
-            if self.synced {
-                self.sync_health_checks();
-            }
+        if let Some(binds) = changed.health_binds {
+            self.effects.push(Effect::HealthBinds(binds));
         }
-        let primary_changed = view.primary != self.node.node_ips;
-        self.node.node_ips = view.primary.clone();
-        self.view = view;
-        primary_changed
+        changed.primary
     }
 
     /// The Node's addresses changed (Kubernetes API): kube-proxy's node IPs. Returns true
     /// when the Services must be translated again.
     pub fn set_api_node_ips(&mut self, ips: Vec<std::net::IpAddr>) -> bool {
-        if self.api_node_ips.as_ref() == Some(&ips) {
-            return false;
-        }
-        info!(node_ips = ?ips, "the Node's addresses");
-        self.api_node_ips = Some(ips);
-        self.refresh_node()
+        self.node.set_api_ips(ips) && self.refresh_node()
     }
 
     /// What translation needs to know of this node: its name, zone and primary addresses.
     pub fn node(&self) -> &NodeContext {
-        &self.node
+        self.node.context()
     }
 
     /// The node's topology zone, as the source states it.
     pub fn set_zone(&mut self, zone: Option<String>) {
-        self.node.zone = zone;
+        self.node.set_zone(zone);
     }
 
-    /// Where the health check server of Service `owner` listens (tests, tools).
-    pub fn health_check_addrs(&self, owner: &str) -> Vec<std::net::SocketAddr> {
-        self.health.addrs(owner)
+    /// The datapath, for the tasks' own handles on its maps.
+    pub fn datapath(&self) -> &Datapath {
+        &self.dp
+    }
+
+    /// What the side-effect tasks are to act on since the last call, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
     }
 
     /// Drops what a full translation replaces of the desired state, all but who holds each
@@ -301,7 +222,7 @@ impl Agent {
         let started = Instant::now();
         self.record_input_errors(&translated.errors);
         let mut state = translated.state;
-        state.node = self.node_desired.clone();
+        state.node = self.node.desired().clone();
         self.desired = Desired::from_full(state);
         self.adopted = None;
         self.synced = true;
@@ -409,29 +330,24 @@ impl Agent {
         report
     }
 
-    /// Starts the connection-tracking sweep, once: after this agent's programs are attached,
+    /// Has the connection-tracking sweep started, once: after this agent's programs are attached,
     /// as until then the pinned links may run an earlier object's programs, whose claims
     /// (`SVC_CT_CLAIMS`, not pinned) are not the sweep's.
     fn start_sweep(&mut self) {
-        let Some(every) = self.packet.ct_sweep_every else {
+        let Some(every) = self.node.packet().ct_sweep_every else {
             return;
         };
         if std::mem::replace(&mut self.sweep_tried, true) {
             return;
         }
-        let started = match self.dp.ct_sweep() {
-            Ok(Some(prog)) => crate::sweep::Sweeper::spawn(prog, every, self.metrics.clone()),
+        match self.dp.ct_sweep() {
+            Ok(Some(prog)) => self.effects.push(Effect::Sweep { prog, every }),
             Ok(None) => {
                 info!(
                     "the eBPF object has no connection-tracking sweep: dead flows stay in \
                      connection tracking until evicted"
                 );
-                return;
             }
-            Err(e) => Err(e),
-        };
-        match started {
-            Ok(s) => self.sweeper = Some(s),
             Err(e) => {
                 self.metrics
                     .report("dead flows stay in connection tracking until evicted", &e);
@@ -439,18 +355,18 @@ impl Agent {
         }
     }
 
-    /// Starts and stops health check node port servers as the Services say.
+    /// Has the health check node port servers started and stopped as the Services say.
     fn sync_health_checks(&mut self) {
-        for e in self.health.sync(&self.desired.state.health_checks) {
-            self.metrics.report("", &e);
-        }
+        self.effects.push(Effect::HealthChecks(
+            self.desired.state.health_checks.clone(),
+        ));
     }
 
     /// Writes the node's state (addresses, datapath settings) as `node_desired` has it.
     fn apply_node(&mut self, now: Instant) {
         let report = self
             .programmed
-            .apply_node(&mut self.dp.store, &self.node_desired);
+            .apply_node(&mut self.dp.store, self.node.desired());
         for e in &report.errors {
             self.metrics.report("node addresses", e);
         }
@@ -491,12 +407,12 @@ impl Agent {
     /// as long as the client sends; once that backend no longer serves the frontend they were
     /// translated for, the flow is ended and the socket closed, so the next datagram (or the
     /// application's new connect()) picks a live backend. Stateless, as kube-proxy's
-    /// CleanStaleEntries: the stale-UDP thread judges every flow and socket by what serves
-    /// now (`udp_serving`, brought to the frontends `scope` covered), once the first full
-    /// sync of a run has made the desired state whole, and again after every sync that may
-    /// have left some stale. The walk is the thread's: the sync does not wait.
+    /// CleanStaleEntries: the stale-UDP task judges every flow and socket by what serves
+    /// now (brought to the frontends `scope` covered), once the first full sync of a run has
+    /// made the desired state whole, and again after every sync that may have left some
+    /// stale. The walk is the task's: the sync does not wait.
     fn end_stale_udp(&mut self, scope: Scope<'_>) {
-        if !self.synced || self.stale.is_none() {
+        if !self.synced {
             return;
         }
         let keep = |fe: &Frontend, pf: &ProgFrontend| -> Keep {
@@ -526,31 +442,27 @@ impl Agent {
             }
         };
         let udp = |fe: &&Frontend| fe.protocol == Protocol::Udp;
-        let lost = {
-            let mut serving = self
-                .udp_serving
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            match scope {
-                Scope::All => serving.replace(
-                    self.programmed
-                        .frontends
-                        .iter()
-                        .filter(|(fe, _)| udp(fe))
-                        .map(|(fe, pf)| (*fe, pf.id, keep(fe, pf))),
-                ),
-                Scope::Only(frontends) => frontends.iter().filter(udp).fold(false, |lost, fe| {
-                    let now = self.programmed.frontends.get(fe);
-                    serving.set(*fe, now.map(|pf| (pf.id, keep(fe, pf)))) || lost
-                }),
-            }
+        let change = match scope {
+            Scope::All => ServingChange::All(
+                self.programmed
+                    .frontends
+                    .iter()
+                    .filter(|(fe, _)| udp(fe))
+                    .map(|(fe, pf)| (*fe, pf.id, keep(fe, pf)))
+                    .collect(),
+            ),
+            Scope::Only(frontends) => ServingChange::Some(
+                frontends
+                    .iter()
+                    .filter(udp)
+                    .map(|fe| {
+                        let now = self.programmed.frontends.get(fe);
+                        (*fe, now.map(|pf| (pf.id, keep(fe, pf))))
+                    })
+                    .collect(),
+            ),
         };
-        if lost || !self.udp_looked {
-            self.udp_looked = true;
-            if let Some(w) = &self.stale {
-                w.submit(vec![()]);
-            }
-        }
+        self.effects.push(Effect::UdpServing(change));
     }
 
     /// When `tick` next has something to do.
@@ -617,7 +529,7 @@ impl Agent {
             if self.dp.is_attached() {
                 self.check_pins();
                 // A health check port that could not be bound (in use) is tried again.
-                self.sync_health_checks();
+                self.effects.push(Effect::HealthRetry);
             }
         }
         if self.retry.node_due(now) {
@@ -659,69 +571,8 @@ impl Agent {
             self.metrics.report("lingering addresses", e);
         }
         if let Some(backends) = r.snat_backends {
-            self.check_unmanaged_egress(&backends);
+            self.node.check_unmanaged_egress(&backends, &self.metrics);
         }
-    }
-
-    /// Finds the live SNATed flows (to remote backends) that the node routes out of a device
-    /// without svc's programs (not in `--devices`): the backend's replies come back on that
-    /// device, where nothing translates them, and the client's connection hangs. Counted per
-    /// device for /metrics and /healthz, and warned about once per device in a run.
-    /// Cost: the flows come from the walk of SVC_CT this check makes anyway, only SNATed
-    /// FORWARD entries are counted (per backend address, no memory per flow), and the kernel
-    /// is asked for one route per distinct backend address per check.
-    fn check_unmanaged_egress(&mut self, backends: &BTreeMap<[u8; 16], u64>) {
-        let flows: BTreeMap<std::net::IpAddr, u64> = backends
-            .iter()
-            .map(|(a, n)| (crate::sync::ip_from16(*a), *n))
-            .collect();
-        let mut devices = BTreeMap::new();
-        if !flows.is_empty() {
-            let query = match crate::netdev::RouteQuery::new() {
-                Ok(q) => q,
-                Err(e) => {
-                    self.metrics.report_as(
-                        "netlink",
-                        "asking for the routes to remote backends",
-                        &e,
-                    );
-                    return;
-                }
-            };
-            let mut failed = None;
-            let found = crate::netdev::unmanaged_devices(&flows, &self.view.external, |ip| {
-                match query.device(ip) {
-                    Ok(d) => d,
-                    Err(e) => {
-                        failed.get_or_insert(e);
-                        None
-                    }
-                }
-            });
-            if let Some(e) = failed {
-                self.metrics
-                    .report_as("netlink", "asking for the routes to remote backends", &e);
-            }
-            for (ifindex, n) in found {
-                let name =
-                    crate::netdev::ifname(ifindex).unwrap_or_else(|| format!("ifindex {ifindex}"));
-                devices.insert(name, n);
-            }
-        }
-        for (device, n) in &devices {
-            if self.unmanaged_warned.insert(device.clone()) {
-                let mut with: Vec<&str> =
-                    self.view.external.iter().map(|d| d.name.as_str()).collect();
-                with.push(device);
-                warn!(
-                    device = %device,
-                    flows = n,
-                    "flows to remote backends leave by {device}, which has no svc programs: their replies return untranslated; add it to --devices (e.g. --devices {})",
-                    with.join(",")
-                );
-            }
-        }
-        self.metrics.unmanaged_devices(devices);
     }
 
     /// Puts back pins and links someone removed under us.
@@ -799,83 +650,4 @@ impl Agent {
             }
         }
     }
-}
-
-/// The thread that ends stale UDP flows and closes stale connected UDP sockets, with its own
-/// handles on the maps that hold them (SVC_CT) and say which frontend each socket was
-/// translated for (SVC_SOCK_REV); `serving` says what is stale.
-fn stale_worker(
-    dp: &Datapath,
-    cgroup: &Path,
-    metrics: Arc<Metrics>,
-    serving: Arc<Mutex<UdpServing>>,
-) -> Result<StaleWorker<()>> {
-    use aya::maps::{HashMap as BpfHashMap, MapData};
-    use svc_common::{map_names, SockRevKey, SockRevValue};
-    let map_err = |name, e| crate::store::map_err(name, e);
-    let sock_rev: BpfHashMap<MapData, SockRevKey, SockRevValue> =
-        BpfHashMap::try_from(dp.reopen(map_names::SOCK_REV)?)
-            .map_err(|e| map_err(map_names::SOCK_REV, e))?;
-    // The packet datapath's flows; absent from an object without it.
-    // Both tables: a UDP flow is unassured until its client speaks after a reply.
-    let mut cts: Vec<BpfHashMap<MapData, svc_common::CtKey, svc_common::CtValue>> =
-        [map_names::CT, map_names::CT_NEW]
-            .into_iter()
-            .filter_map(|name| dp.reopen(name).ok())
-            .filter_map(|m| BpfHashMap::try_from(m).ok())
-            .collect();
-    let cgroup = cgroup.to_path_buf();
-    // Locked per question, so a sync never waits for a walk.
-    let stale = move |id: u32, backend: std::net::SocketAddr| {
-        serving
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .stale(id, backend)
-    };
-    let run = move |_: Vec<()>| {
-        fail::fail_point!(crate::fault::STALE_UDP_PAUSE);
-        let doomed = |cookie: u64, peer: std::net::SocketAddr| {
-            let key = SockRevKey {
-                cookie,
-                addr: crate::sync::addr16(peer.ip()),
-                port_be: peer.port().to_be(),
-                _pad0: [0; 6],
-            };
-            // Not translated by svc (a direct connection), or its entry is gone: left alone.
-            let Ok(rev) = sock_rev.get(&key, 0) else {
-                return false;
-            };
-            stale(rev.id, peer)
-        };
-        for ct in &mut cts {
-            match crate::stale::forget_udp_flows(ct, &stale) {
-                Ok(0) => {}
-                Ok(n) => info!(
-                    flows = n,
-                    "forgot UDP flows of backends that no longer serve"
-                ),
-                Err(e) => {
-                    metrics.report("", &e);
-                }
-            }
-        }
-        match crate::stale::destroy_udp_sockets(&cgroup, &doomed) {
-            Ok(r) => {
-                for e in &r.errors {
-                    metrics.report("closing stale UDP sockets", e);
-                }
-                if r.destroyed() > 0 {
-                    info!(
-                        sockets = r.destroyed(),
-                        namespaces = r.namespaces,
-                        "closed connected UDP sockets of backends that no longer serve"
-                    );
-                }
-            }
-            Err(e) => {
-                metrics.report("closing stale UDP sockets", &e);
-            }
-        }
-    };
-    StaleWorker::spawn(run).map_err(|e| Error::Other(format!("starting the stale-UDP thread: {e}")))
 }

@@ -21,8 +21,14 @@ pub enum Error {
     #[error("{object}: {message}")]
     Invalid { object: String, message: String },
 
+    /// `errno`: the kernel's answer when a system call failed (the message says it too), so
+    /// that callers match on the value, never on the text.
     #[error("map {map}: {message}")]
-    Map { map: &'static str, message: String },
+    Map {
+        map: &'static str,
+        message: String,
+        errno: Option<Errno>,
+    },
 
     #[error("map {map} is full ({capacity} entries): {object} not programmed")]
     MapFull {
@@ -61,7 +67,40 @@ pub enum Error {
     Other(String),
 }
 
+/// An errno a system call answered (`libc::E2BIG`, ...), as a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Errno(pub i32);
+
 impl Error {
+    /// A map error of no system call (a rule of the agent's).
+    pub fn map(map: &'static str, message: String) -> Error {
+        Error::Map {
+            map,
+            message,
+            errno: None,
+        }
+    }
+
+    /// A map error from a failed system call `cause`, its errno kept.
+    pub fn map_io(map: &'static str, message: String, cause: &std::io::Error) -> Error {
+        Error::Map {
+            map,
+            message,
+            errno: cause.raw_os_error().map(Errno),
+        }
+    }
+
+    /// The errno of the system call this error comes from, where it has one.
+    pub fn errno(&self) -> Option<Errno> {
+        match self {
+            Error::Map { errno, .. } => *errno,
+            Error::Io { source, .. } | Error::HealthCheck { source, .. } => {
+                source.raw_os_error().map(Errno)
+            }
+            _ => None,
+        }
+    }
+
     /// A short stable name for metrics: errors counted by kind.
     pub fn kind(&self) -> &'static str {
         match self {

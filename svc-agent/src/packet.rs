@@ -109,7 +109,7 @@ pub struct NodeView {
     pub primary: Vec<IpAddr>,
     pub addrs: std::collections::BTreeMap<IpAddr, svc_common::NodeAddrValue>,
     /// Where the healthCheckNodePort servers listen.
-    pub health_checks: std::collections::BTreeSet<crate::healthcheck::Bind>,
+    pub health_checks: std::collections::BTreeSet<crate::tasks::health::Bind>,
 }
 
 /// Everything the packet datapath needs to know about the node.
@@ -142,7 +142,8 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
             v.flags &= !svc_common::node_addr_flags::SNAT;
         }
     }
-    let health_checks = crate::healthcheck::binds(&cfg.nodeport_addresses, &primary, &addrs, state);
+    let health_checks =
+        crate::tasks::health::binds(&cfg.nodeport_addresses, &primary, &addrs, state);
     NodeView {
         external,
         pods,

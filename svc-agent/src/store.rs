@@ -310,11 +310,12 @@ fn range_key(k: &LpmKey<RangeData>) -> SrcRangeKey {
 
 /// aya's syscall errors name the call and keep the errno as their source: both are said.
 pub fn map_err(map: &'static str, e: MapError) -> Error {
-    let message = match &e {
-        MapError::SyscallError(s) => format!("{e}: {}", s.io_error),
-        _ => e.to_string(),
-    };
-    Error::Map { map, message }
+    match &e {
+        MapError::SyscallError(s) => {
+            Error::map_io(map, format!("{e}: {}", s.io_error), &s.io_error)
+        }
+        _ => Error::map(map, e.to_string()),
+    }
 }
 
 /// ENOENT on delete: already gone, which is what we wanted.
@@ -336,10 +337,8 @@ pub fn dump<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
     map: &'static str,
     m: &HashMap<MapData, K, V>,
 ) -> Result<Vec<(K, V)>> {
-    crate::sys::dump_hash(m.map().fd().as_fd()).map_err(|e| Error::Map {
-        map,
-        message: format!("reading every entry: {e}"),
-    })
+    crate::sys::dump_hash(m.map().fd().as_fd())
+        .map_err(|e| Error::map_io(map, format!("reading every entry: {e}"), &e))
 }
 
 impl BpfStore {
@@ -514,10 +513,7 @@ impl Store for BpfStore {
                     *out.snat_backends.entry(b).or_default() += 1;
                 }
             })
-            .map_err(|e| Error::Map {
-                map: name,
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::map_io(name, e.to_string(), &e))?;
         }
         Ok(Some(out))
     }
@@ -722,9 +718,11 @@ mod tests {
             calls += 1;
             Err(failed(libc::ENOMEM))
         });
-        let e = map_err("SVC_SLOTS", r.unwrap_err()).to_string();
+        let e = map_err("SVC_SLOTS", r.unwrap_err());
         assert_eq!(calls, ENOMEM_TRIES);
-        assert!(e.contains("Cannot allocate memory"), "{e}");
+        assert_eq!(e.errno(), Some(crate::error::Errno(libc::ENOMEM)), "{e}");
+        // The operator reads it in the message.
+        assert!(e.to_string().contains("Cannot allocate memory"), "{e}");
 
         // While memory stays short, a write is tried once: no pause.
         let mut calls = 0;

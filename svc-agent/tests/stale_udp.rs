@@ -17,7 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use svc_agent::stale::destroy_udp_sockets;
+use svc_agent::tasks::stale::destroy_udp_sockets;
 
 const SERVER_IP: &str = "10.250.0.2";
 /// The backend that leaves.

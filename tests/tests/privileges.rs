@@ -4,7 +4,7 @@
 //! what works: a ClusterIP answered (maps created, programs loaded, attached, links and maps
 //! pinned), and a connected UDP socket closed when its backend leaves the Service (pods'
 //! processes found through the cgroup, `/proc/PID/ns/net` opened, `setns`, sock_diag
-//! `SOCK_DESTROY`; svc-agent/src/stale.rs). The sandbox's client runs as root with every
+//! `SOCK_DESTROY`; svc-agent/src/tasks/stale.rs). The sandbox's client runs as root with every
 //! capability, as a pod's root process with the container runtime's default set would be
 //! outside the agent's set.
 //!

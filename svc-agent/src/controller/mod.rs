@@ -28,6 +28,7 @@ use crate::source::manifest_tracker::{self, ManifestTracker};
 use crate::source::{self, Event, Tracker};
 use crate::store::Capacity;
 use crate::sync::{Plan, Programmed, Scope, SyncReport};
+use crate::tasks::Tasks;
 use crate::translate::{self, NodeContext};
 use svc_common::map_names;
 
@@ -77,6 +78,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
     let opened = open(input).await?;
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
     let agent = start(&cfg, metrics.clone()).await?;
+    let tasks = Tasks::start(agent.datapath(), &cfg.cgroup, metrics.clone());
     let (tracker, events): (Box<dyn Tracker>, Events) = match opened {
         Opened::Kube(api, opts) => {
             api.check(&opts.service_cidrs, &|fe| {
@@ -101,6 +103,7 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
     let events = futures::stream::select_all([events, node]);
     Controller {
         agent,
+        tasks,
         tracker,
         metrics,
         synced_once: false,
@@ -111,14 +114,16 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
 
 struct Controller {
     agent: Agent,
+    /// The side effects: fed what the agent says it did, after each of its calls.
+    tasks: Tasks,
     tracker: Box<dyn Tracker>,
     metrics: Arc<Metrics>,
     synced_once: bool,
 }
 
 impl Controller {
-    /// Said before the agent is dropped, which joins its workers: the line marks the stop, not
-    /// the end of their cleanup.
+    /// Said before the tasks are dropped, which joins their threads: the line marks the stop,
+    /// not the end of their cleanup.
     async fn run(mut self, mut events: impl Stream<Item = Event> + Unpin) -> Result<()> {
         let stop = shutdown_signal();
         tokio::pin!(stop);
@@ -134,11 +139,17 @@ impl Controller {
                 _ = sleep_until(due), if due.is_some() => self.sync(),
                 _ = tokio::time::sleep_until(upkeep) => self.agent.tick(Instant::now()),
             }
+            self.forward_effects();
             // Liveness is a turn of this loop, however long the upkeep interval is.
             self.metrics.alive();
         };
         info!("stopping; programs stay attached and maps pinned");
         r
+    }
+
+    /// Hands the tasks what the agent did since the last call.
+    fn forward_effects(&mut self) {
+        self.tasks.handle(self.agent.take_effects());
     }
 
     fn event(&mut self, event: Event) {
@@ -191,6 +202,8 @@ impl Controller {
         } else {
             agent.apply_services(&owners, translated)
         };
+        // Before the sync is announced: its health check ports listen by then.
+        self.tasks.handle(agent.take_effects());
         record_latency(&self.metrics, &report, &batch.triggers, batch.since);
         if full {
             info!(

@@ -24,10 +24,8 @@ where
     K: aya::Pod + bytemuck::Pod,
     V: aya::Pod + bytemuck::Pod,
 {
-    let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd()).map_err(|e| Error::Map {
-        map: name,
-        message: format!("reading the old map: {e}"),
-    })?;
+    let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd())
+        .map_err(|e| Error::map_io(name, format!("reading the old map: {e}"), &e))?;
     let flags = if keep_newer {
         1 /* BPF_NOEXIST */
     } else {
@@ -157,12 +155,13 @@ fn old_ct<V: bytemuck::Pod>(
             info.value_size()
         )));
     }
-    sys::dump_hash(old.fd().as_fd())
-        .map(Some)
-        .map_err(|e| Error::Map {
-            map: map_names::CT,
-            message: format!("reading {}: {e}", path.display()),
-        })
+    sys::dump_hash(old.fd().as_fd()).map(Some).map_err(|e| {
+        Error::map_io(
+            map_names::CT,
+            format!("reading {}: {e}", path.display()),
+            &e,
+        )
+    })
 }
 
 /// Stores the flows of an older layout's table: each entry into the table its flags say

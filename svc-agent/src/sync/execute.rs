@@ -112,12 +112,14 @@ impl Programmed {
                 })
             };
             let (held, retried) = (unmarked(false), unmarked(true));
-            let not_marked = |a: [u8; 16], why: &str, left: &str| Error::Map {
-                map: svc_common::map_names::NODE_ADDRS,
-                message: format!(
-                    "its external address {} is not marked there ({why}); {left}",
-                    ip_from16(a)
-                ),
+            let not_marked = |a: [u8; 16], why: &str, left: &str| {
+                Error::map(
+                    svc_common::map_names::NODE_ADDRS,
+                    format!(
+                        "its external address {} is not marked there ({why}); {left}",
+                        ip_from16(a)
+                    ),
+                )
             };
             let range_held = range_unmarked.as_ref().filter(|_| {
                 self.config.is_some_and(|c| {
@@ -127,13 +129,13 @@ impl Programmed {
             });
             let result = match (held, range_held) {
                 (Some((a, why)), _) => Err(not_marked(a, why, "left as it was")),
-                (None, Some(why)) => Err(Error::Map {
-                    map: svc_common::map_names::CONFIG,
-                    message: format!(
+                (None, Some(why)) => Err(Error::map(
+                    svc_common::map_names::CONFIG,
+                    format!(
                         "a frontend port in the SNAT range, and the mark the SNAT port search \
                          needs for it is not written ({why}); left as it was"
                     ),
-                }),
+                )),
                 (None, None) => Ok(()),
             };
             let result = match result {

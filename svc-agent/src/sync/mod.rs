@@ -529,9 +529,14 @@ fn name_object(e: Error, object: &str) -> Error {
             capacity,
             object: object.to_string(),
         },
-        Error::Map { map, message } => Error::Map {
+        Error::Map {
+            map,
+            message,
+            errno,
+        } => Error::Map {
             map,
             message: format!("{object}: {message}"),
+            errno,
         },
         other => other,
     }

@@ -146,14 +146,14 @@ fn next_rev(p: &Programmed, earlier: &Planned, id: u32, rev: u16) -> u16 {
 /// one id to two frontends or backends, which would then share slots.
 fn take_id(next: &mut u32, kind: &str) -> Result<u32> {
     if *next == u32::MAX {
-        return Err(Error::Map {
-            map: svc_common::map_names::META,
-            message: format!(
+        return Err(Error::map(
+            svc_common::map_names::META,
+            format!(
                 "no {kind} id left (the pinned maps carry ids up to {}); not programmed. \
                  `svc-agent uninstall` and a restart start the ids again",
                 u32::MAX
             ),
-        });
+        ));
     }
     let id = *next;
     *next += 1;

@@ -177,17 +177,11 @@ impl Store for ModelStore {
             if self.fail_put_at == Some(n)
                 || self.fail_node_addr_puts && matches!(op, Op::PutNodeAddr(..))
             {
-                return Err(Error::Map {
-                    map: "test",
-                    message: "injected".into(),
-                });
+                return Err(Error::map("test", "injected".into()));
             }
         }
         if self.fail_config_puts && matches!(op, Op::PutConfig(_)) {
-            return Err(Error::Map {
-                map: "test",
-                message: "injected".into(),
-            });
+            return Err(Error::map("test", "injected".into()));
         }
         if let (Op::PutService(k, _), Some(cap)) = (op, self.services_cap) {
             if !self.services.contains_key(k) && self.services.len() >= cap {

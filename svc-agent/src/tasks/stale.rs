@@ -675,10 +675,7 @@ pub fn forget_udp_flows(
             flows.push((*k, k.partner(v), v.id, backend));
         }
     })
-    .map_err(|e| Error::Map {
-        map: map_names::CT,
-        message: format!("reading the UDP flows: {e}"),
-    })?;
+    .map_err(|e| Error::map_io(map_names::CT, format!("reading the UDP flows: {e}"), &e))?;
     let mut removed = 0;
     for (k, pk, id, backend) in &flows {
         if !doomed(*id, *backend) {
