@@ -296,6 +296,8 @@ struct Inner {
     unmanaged: BTreeMap<String, u64>,
     /// Why SNAT is off (`PacketConfig::snat_degraded`).
     snat_degraded: Option<String>,
+    /// The node is not being deleted (`set_node_eligible`).
+    node_eligible: bool,
 }
 
 /// "a, b, c, d, e, ...": the first five of `names`, for a /healthz problem.
@@ -323,6 +325,10 @@ pub struct Metrics {
 #[derive(Debug)]
 pub struct Health {
     pub ok: bool,
+    /// kube-proxy's nodeEligible: false while the node is being deleted, which fails
+    /// /healthz (load balancers drain the node) but not /livez nor the health check node
+    /// ports.
+    pub node_eligible: bool,
     pub last_synced: Option<Timestamp>,
     pub problems: Vec<String>,
 }
@@ -360,6 +366,7 @@ impl Metrics {
                 datapath_broken: false,
                 alive: None,
                 snat_degraded: None,
+                node_eligible: true,
                 unmanaged: BTreeMap::new(),
             }),
             recorded: Recorded::new(bpffs, &conns),
@@ -463,6 +470,11 @@ impl Metrics {
     /// SNAT is off, for this reason (None: on). A problem of /healthz, which load balancers
     /// of externalTrafficPolicy Cluster Services probe: this node cannot forward to remote
     /// backends. Not of the health check node ports, whose Services go to local endpoints only.
+    /// Whether the node may take load balancer traffic (it is not being deleted).
+    pub fn set_node_eligible(&self, eligible: bool) {
+        self.lock().node_eligible = eligible;
+    }
+
     pub fn snat_degraded(&self, why: Option<String>) {
         self.recorded.snat_degraded.set(why.is_some().into());
         self.lock().snat_degraded = why;
@@ -554,8 +566,16 @@ impl Metrics {
                 "{flows} flows to remote backends leave by {device}, which has no svc programs: their replies return untranslated (add it to --devices)"
             ));
         }
+        if !i.node_eligible {
+            problems.push(
+                "the node is being deleted (deletionTimestamp or ToBeDeletedByClusterAutoscaler \
+                 taint)"
+                    .into(),
+            );
+        }
         Health {
             ok,
+            node_eligible: i.node_eligible,
             last_synced: i.last_synced,
             problems,
         }
@@ -637,12 +657,13 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> Answer {
             let ok = if path == "/livez" {
                 metrics.live()
             } else {
-                h.ok
+                h.ok && h.node_eligible
             };
             let last = h.last_synced.map(|t| t.to_string()).unwrap_or_default();
             let body = format!(
-                "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": true,\"problems\": {}}}",
+                "{{\"lastUpdated\": \"{last}\",\"currentTime\": \"{}\",\"nodeEligible\": {},\"problems\": {}}}",
                 Timestamp::now(),
+                h.node_eligible,
                 serde_json::to_string(&h.problems).unwrap_or_else(|_| "[]".into())
             );
             let status = if ok {
@@ -706,6 +727,27 @@ mod tests {
     fn got(m: &Metrics, port: Port, path: &str) -> String {
         let a = answer(m, port, path);
         format!("HTTP/1.1 {}\r\n\r\n{}", a.status, a.body)
+    }
+
+    /// KEP-3836: a node being deleted fails /healthz (nodeEligible false) and nothing else.
+    #[test]
+    fn a_node_being_deleted_fails_healthz_but_not_livez() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.synced(
+            Duration::from_millis(1),
+            Programmed {
+                attached: true,
+                ..Default::default()
+            },
+        );
+        assert!(got(&m, Port::Health, "/healthz").contains("\"nodeEligible\": true"));
+        m.set_node_eligible(false);
+        let reply = got(&m, Port::Health, "/healthz");
+        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.contains("\"nodeEligible\": false") && reply.contains("being deleted"));
+        assert!(got(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
+        m.set_node_eligible(true);
+        assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
     }
 
     #[test]

@@ -1476,6 +1476,53 @@ fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
         "/healthz nodeEligible: {body}"
     );
 
+    // kube-proxy's rule (KEP-3836): a node the cluster autoscaler is about to delete fails
+    // /healthz, so load balancers drain it first; /livez and the connections stay.
+    let tainted = |taints: Value| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": env.node},
+            "spec": {"taints": taints},
+        })
+    };
+    apply(
+        cp,
+        &[tainted(json!([{
+            "key": "ToBeDeletedByClusterAutoscaler",
+            "value": "1733400000",
+            "effect": "NoSchedule"
+        }]))],
+    )?;
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "/healthz 503 while being deleted",
+        || {
+            let (status, body) = http_get(healthz, "/healthz")?;
+            let health: Value = serde_json::from_str(&body)?;
+            ensure!(
+                status == 503 && health["nodeEligible"] == false,
+                "/healthz {status} {body}"
+            );
+            Ok(())
+        },
+    )?;
+    let (status, body) = http_get(healthz, "/livez")?;
+    ensure!(status == 200, "/livez while being deleted: {status} {body}");
+    tcp_backends(&env.sb, sa(vip, 80), 3, &["b1"])?;
+    apply(cp, &[tainted(json!([]))])?;
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "/healthz 200 once the taint is gone",
+        || {
+            let (status, body) = http_get(healthz, "/healthz")?;
+            ensure!(status == 200, "/healthz {status} {body}");
+            Ok(())
+        },
+    )?;
+
     // As kube-proxy: the health port (0.0.0.0 by default) does not give the metrics away.
     let (status, _) = http_get(healthz, "/metrics")?;
     ensure!(

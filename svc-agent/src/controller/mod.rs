@@ -169,6 +169,9 @@ impl Controller {
             }
             e => self.tracker.apply(e),
         }
+        if let Some(eligible) = self.tracker.take_node_eligible() {
+            self.metrics.set_node_eligible(eligible);
+        }
         if let Some(ips) = self.tracker.take_node_ips() {
             if self.agent.set_api_node_ips(ips) {
                 self.tracker.retranslate_all();

@@ -30,6 +30,19 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+/// The cluster autoscaler's taint on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// kube-proxy's rule (KEP-3836): a node being deleted, by its deletionTimestamp or the
+/// cluster autoscaler's taint, fails /healthz so that load balancers drain it first.
+fn node_eligible(n: &Node) -> bool {
+    let tainted = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    n.metadata.deletion_timestamp.is_none() && !tainted
+}
 /// Set by the EndpointSlice controller: when the change that produced this slice happened.
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
@@ -259,6 +272,10 @@ pub struct Cache {
     zone: Option<String>,
     /// The Node's addresses (kube-proxy's node IPs) when they changed, for the agent to take.
     node_ips: Option<Vec<IpAddr>>,
+    /// Whether the node takes load balancer traffic (not while being deleted), as last seen,
+    /// and whether that is still to be handed over.
+    node_eligible: bool,
+    eligible_changed: bool,
     /// Services to translate again at the next sync.
     dirty: BTreeSet<Key>,
     /// Everything must be translated again (first sync, the node's zone changed).
@@ -281,6 +298,7 @@ impl Cache {
             coalesce,
             all_dirty: true,
             watching_since: Some(Timestamp::now()),
+            node_eligible: true,
             ..Default::default()
         }
     }
@@ -451,6 +469,20 @@ impl Cache {
                 }
             },
             Update::Node(e) => {
+                let eligible = match &*e {
+                    Event::Apply(n) | Event::InitApply(n) => node_eligible(n),
+                    // Deleted: being deleted, until its kubelet makes it again.
+                    Event::Delete(_) => false,
+                    Event::Init | Event::InitDone => self.node_eligible,
+                };
+                if eligible != self.node_eligible {
+                    info!(
+                        eligible,
+                        "node eligibility for load balancer traffic changed"
+                    );
+                    self.node_eligible = eligible;
+                    self.eligible_changed = true;
+                }
                 let (zone, addresses) = match *e {
                     Event::Apply(n) | Event::InitApply(n) => {
                         let addresses: Vec<(String, String)> = n
@@ -544,6 +576,10 @@ impl Tracker for Cache {
 
     fn take_node_ips(&mut self) -> Option<Vec<IpAddr>> {
         self.node_ips.take()
+    }
+
+    fn take_node_eligible(&mut self) -> Option<bool> {
+        std::mem::take(&mut self.eligible_changed).then_some(self.node_eligible)
     }
 
     /// Everything after the first lists and after a change of the node; else the Services
@@ -836,6 +872,56 @@ mod tests {
         c.update(Update::Slice(Event::InitDone));
         assert!(c.ready());
         assert_eq!(c.dirty, BTreeSet::from([k("a", "web")]));
+    }
+
+    /// The autoscaler's taint, or a deletionTimestamp, or a deleted Node: not eligible; told
+    /// once per change.
+    #[test]
+    fn a_node_being_deleted_is_not_eligible() {
+        let node = |spec: serde_json::Value, deleting: bool| -> Node {
+            let mut n = serde_json::json!({"metadata": {"name": "n1"}, "spec": spec});
+            if deleting {
+                n["metadata"]["deletionTimestamp"] = "2026-12-05T00:00:00Z".into();
+            }
+            serde_json::from_value(n).unwrap()
+        };
+        let mut c = Cache::new(NodeContext::default(), Duration::ZERO);
+        c.update(Update::Node(Box::new(Event::Apply(node(
+            serde_json::json!({}),
+            false,
+        )))));
+        assert_eq!(c.take_node_eligible(), None, "eligible from the start");
+        let taint = serde_json::json!({"taints": [
+            {"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}
+        ]});
+        c.update(Update::Node(Box::new(Event::Apply(node(
+            taint.clone(),
+            false,
+        )))));
+        assert_eq!(c.take_node_eligible(), Some(false));
+        c.update(Update::Node(Box::new(Event::Apply(node(taint, false)))));
+        assert_eq!(c.take_node_eligible(), None, "told once");
+        c.update(Update::Node(Box::new(Event::Apply(node(
+            serde_json::json!({}),
+            false,
+        )))));
+        assert_eq!(c.take_node_eligible(), Some(true));
+        c.update(Update::Node(Box::new(Event::Apply(node(
+            serde_json::json!({}),
+            true,
+        )))));
+        assert_eq!(c.take_node_eligible(), Some(false));
+        c.update(Update::Node(Box::new(Event::Apply(node(
+            serde_json::json!({}),
+            false,
+        )))));
+        let other = serde_json::json!({"taints": [{"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}]});
+        c.update(Update::Node(Box::new(Event::Apply(node(other, false)))));
+        assert_eq!(
+            c.take_node_eligible(),
+            Some(true),
+            "another taint is no deletion"
+        );
     }
 
     #[test]

@@ -49,6 +49,12 @@ pub trait Tracker {
     fn take_node_ips(&mut self) -> Option<Vec<IpAddr>> {
         None
     }
+    /// Whether the node may take load balancer traffic, when that changed: not while it is
+    /// being deleted (a deletionTimestamp, or the cluster autoscaler's
+    /// `ToBeDeletedByClusterAutoscaler` taint), as kube-proxy's /healthz says.
+    fn take_node_eligible(&mut self) -> Option<bool> {
+        None
+    }
     /// What is to be synced now; `holders` says who serves each frontend, for the sources
     /// that must choose between definitions of one object.
     fn take(&mut self, holders: &dyn Holders) -> Batch<'_>;
