@@ -10,6 +10,7 @@ pub mod handover;
 pub mod healthcheck;
 pub mod http;
 pub mod list;
+pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod names;
