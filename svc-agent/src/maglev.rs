@@ -4,6 +4,7 @@
 //! backends, so the table depends only on the seed and the backends' stable identities
 //! (address, port, protocol), never on node-local ids or on the order the backends came in.
 
+use std::collections::BTreeMap;
 use std::hash::Hasher;
 
 use siphasher::sip::SipHasher13;
@@ -143,6 +144,107 @@ pub fn build(seed: u64, backends: &[Identity]) -> Result<Table, TableError> {
     Ok(Table {
         entries: entries.into_iter().map(|e| e as u16).collect(),
     })
+}
+
+/// Blocks (`svc_common::MaglevBlock`, `MAGLEV_BLOCK` entries each) a table of `size` entries
+/// takes in `SVC_MAGLEV`.
+pub fn blocks(size: u32) -> u32 {
+    size.div_ceil(svc_common::MAGLEV_BLOCK)
+}
+
+/// The free space of `SVC_MAGLEV`, in blocks: where a new table goes. First fit: table sizes
+/// repeat (one per size class), so a freed region is mostly taken again by a table of its
+/// size, and neighbouring free regions are merged when freed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Regions {
+    capacity: u32,
+    /// Start block -> length, no two touching.
+    free: BTreeMap<u32, u32>,
+}
+
+impl Regions {
+    /// An empty array of `capacity` blocks.
+    pub fn new(capacity: u32) -> Regions {
+        let mut free = BTreeMap::new();
+        if capacity > 0 {
+            free.insert(0, capacity);
+        }
+        Regions { capacity, free }
+    }
+
+    pub fn free_blocks(&self) -> u32 {
+        self.free.values().sum()
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// The start of `len` free blocks, now in use; None when no free region is that long.
+    pub fn alloc(&mut self, len: u32) -> Option<u32> {
+        if len == 0 {
+            return None;
+        }
+        let (&start, &have) = self.free.iter().find(|(_, &have)| have >= len)?;
+        self.free.remove(&start);
+        if have > len {
+            self.free.insert(start + len, have - len);
+        }
+        Some(start)
+    }
+
+    /// Marks `len` blocks from `start` used, as a table found in the maps at start holds
+    /// them. `false` (nothing changed): they are not all free (two index entries overlap, or
+    /// the region lies beyond the array), and the table must not be kept.
+    pub fn take(&mut self, start: u32, len: u32) -> bool {
+        let Some(end) = start.checked_add(len) else {
+            return false;
+        };
+        let Some((&f, &have)) = self.free.range(..=start).next_back() else {
+            return false;
+        };
+        if len == 0 || f + have < end {
+            return false;
+        }
+        self.free.remove(&f);
+        if start > f {
+            self.free.insert(f, start - f);
+        }
+        if f + have > end {
+            self.free.insert(end, f + have - end);
+        }
+        true
+    }
+
+    /// Gives `len` blocks from `start` back (a retired table's, after its grace period),
+    /// merged with the free regions it touches. `false` (nothing changed): some of them are
+    /// free already or beyond the array, which would be a bookkeeping error.
+    pub fn free(&mut self, start: u32, len: u32) -> bool {
+        let Some(end) = start.checked_add(len) else {
+            return false;
+        };
+        if len == 0 || end > self.capacity {
+            return false;
+        }
+        let before = self.free.range(..start).next_back().map(|(&s, &l)| (s, l));
+        if before.is_some_and(|(s, l)| s + l > start) {
+            return false;
+        }
+        if self.free.range(start..end).next().is_some() {
+            return false;
+        }
+        let (mut s, mut l) = (start, len);
+        if let Some((bs, bl)) = before.filter(|(bs, bl)| bs + bl == start) {
+            self.free.remove(&bs);
+            s = bs;
+            l += bl;
+        }
+        if let Some(al) = self.free.remove(&end) {
+            l += al;
+        }
+        self.free.insert(s, l);
+        true
+    }
 }
 
 #[cfg(test)]
@@ -401,5 +503,60 @@ mod tests {
             })
             .count();
         assert!(moved > 80_000, "{moved} of 100,000 moved");
+    }
+
+    #[test]
+    fn a_table_takes_whole_blocks() {
+        assert_eq!(blocks(127), 32);
+        assert_eq!(blocks(1_021), 256);
+        assert_eq!(blocks(131_071), 32_768);
+    }
+
+    /// Regions are handed out first fit, come back merged with their free neighbours, and a
+    /// freed region is taken again by the next table of its size.
+    #[test]
+    fn regions_are_reused_and_merged() {
+        let mut r = Regions::new(1_000);
+        let a = r.alloc(256).unwrap();
+        let b = r.alloc(256).unwrap();
+        let c = r.alloc(256).unwrap();
+        assert_eq!((a, b, c), (0, 256, 512));
+        assert_eq!(r.alloc(256), None, "232 blocks left");
+        assert_eq!(r.free_blocks(), 232);
+        assert!(r.free(b, 256));
+        assert_eq!(r.alloc(256), Some(b), "the freed region, reused");
+        assert!(r.free(a, 256) && r.free(b, 256) && r.free(c, 256));
+        assert_eq!(r, Regions::new(1_000), "merged back into one region");
+        assert_eq!(r.alloc(1_000), Some(0));
+    }
+
+    /// Freeing what is free, or beyond the array, is refused and changes nothing.
+    #[test]
+    fn freeing_a_free_region_is_refused() {
+        let mut r = Regions::new(100);
+        let a = r.alloc(10).unwrap();
+        let before = r.clone();
+        assert!(!r.free(a + 5, 10), "overlaps the free space after it");
+        assert!(!r.free(95, 10), "beyond the array");
+        assert!(!r.free(a, 0));
+        assert_eq!(r, before);
+        assert!(r.free(a, 10));
+        assert!(!r.free(a, 10), "twice");
+    }
+
+    /// At start, each table the index names takes its region; two that overlap cannot both.
+    #[test]
+    fn tables_found_at_start_take_their_regions_once() {
+        let mut r = Regions::new(100);
+        assert!(r.take(10, 20));
+        assert!(r.take(40, 5));
+        assert!(!r.take(25, 10), "overlaps 10..30");
+        assert!(!r.take(95, 10), "beyond the array");
+        assert!(!r.take(u32::MAX, 2));
+        assert_eq!(r.free_blocks(), 75);
+        assert_eq!(r.alloc(10), Some(0));
+        assert_eq!(r.alloc(10), Some(30));
+        assert_eq!(r.alloc(50), Some(45));
+        assert_eq!(r.alloc(1), Some(95));
     }
 }
