@@ -11,6 +11,7 @@ pub mod http;
 pub mod kubeproxy_config;
 pub mod list;
 pub mod logging;
+pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod names;

@@ -415,6 +415,9 @@ impl CapacityArgs {
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,
             dev_stats: svc_common::capacity::DEV_STATS,
+            // No flag yet: the agent writes no Maglev table (docs/design/maglev.md).
+            maglev: svc_common::capacity::MAGLEV,
+            maglev_index: self.max_services,
         })
     }
 }

@@ -110,6 +110,9 @@ capacity! {
     ct: CT,
     /// (device, reason) counters of the packet datapath.
     dev_stats: DEV_STATS,
+    /// Blocks of Maglev table entries, and the index of the tables.
+    maglev: MAGLEV,
+    maglev_index: MAGLEV_INDEX,
 }
 
 /// Everything the programs read, as found in the maps, plus what names ids elsewhere.
@@ -241,6 +244,10 @@ pub struct BpfStore {
     /// The unassured flows' table (`SVC_CT_NEW`), beside `ct`.
     pub ct_new: Option<MapData>,
     pub dev_stats: Option<MapData>,
+    /// The Maglev tables and their index (docs/design/maglev.md): held for their pins; no
+    /// sync writes them yet. None while the object does not declare them.
+    pub maglev: Option<MapData>,
+    pub maglev_index: Option<MapData>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at

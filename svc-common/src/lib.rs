@@ -284,6 +284,14 @@ catalogue! {
     CT_NEW = MapDef::new::<CtKey, CtValue>("SVC_CT_NEW", 1, MapKind::LruHash)
         .sized(ct_new_entries(CT.max_entries))
         .carry_late();
+    /// Maglev tables of external frontends (docs/design/maglev.md), each at an offset the
+    /// agent allocates, four entries a block (an array element is 8 bytes at least). Small
+    /// until the agent writes tables; the design's default is 4,194,304 blocks (32 MiB).
+    MAGLEV = MapDef::new::<u32, MaglevBlock>("SVC_MAGLEV", 1, MapKind::Array).sized(1_024);
+    /// Where the table of a frontend generation is (`SlotKey` with slot 0).
+    MAGLEV_INDEX = MapDef::new::<SlotKey, MaglevIndex>("SVC_MAGLEV_INDEX", 1, MapKind::Hash)
+        .sized(SERVICES.max_entries)
+        .no_prealloc();
     /// Not pinned (claims held only while a program runs: svc-ebpf's `ct::claim`), so not
     /// in `ALL`.
     CT_CLAIMS = MapDef::new::<CtKey, u32>("SVC_CT_CLAIMS", 0, MapKind::Hash)
@@ -374,6 +382,10 @@ pub mod svc_flags {
     /// The frontend is a LoadBalancer ingress IP (either scope). Informational, as
     /// `EXTERNAL_IP`.
     pub const LOAD_BALANCER: u16 = 1 << 7;
+    /// A new flow's backend comes from the Maglev table of this generation
+    /// (`MAGLEV_INDEX`), where the caller hashes flows (the external ingress); else, or when
+    /// the table is missing, at random.
+    pub const MAGLEV: u16 = 1 << 8;
 }
 
 /// `ServiceKey::scope`: who a frontend is for.
@@ -963,10 +975,14 @@ pub enum Reason {
     /// `--max-ct`) was full; it stays in the unassured table, where a flood of new flows may
     /// evict it. Counted under the device the flow came in on.
     CtAssuredFull = 35,
+    /// A new flow to a frontend marked `svc_flags::MAGLEV` found no table for its generation
+    /// (or one outside the map): its backend was chosen at random (without a device, as
+    /// `AffinityHit`).
+    MaglevMissing = 36,
 }
 
 impl Reason {
-    pub const COUNT: usize = 36;
+    pub const COUNT: usize = 37;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1007,12 +1023,13 @@ impl Reason {
             AffinityStale,
             SockRevReleased,
             CtAssuredFull,
+            MaglevMissing,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
     /// hooks count without one): what the socket programs' own counter array held before
     /// the vocabularies were one, `CtAssuredFull` and `ErrMissingEntry` included.
-    pub const DECISIONS: [Reason; 14] = {
+    pub const DECISIONS: [Reason; 15] = {
         use Reason::*;
         [
             Translated,
@@ -1029,6 +1046,7 @@ impl Reason {
             SockRevUntracked,
             AffinityStale,
             SockRevReleased,
+            MaglevMissing,
         ]
     };
 
@@ -1081,6 +1099,7 @@ impl Reason {
             AffinityStale => "affinity_stale",
             SockRevReleased => "sock_rev_released",
             CtAssuredFull => "ct_assured_full",
+            MaglevMissing => "maglev_missing",
         }
     }
 }
@@ -1139,6 +1158,72 @@ pub struct Backend {
     pub proto: u8,
     /// Reserved for backend state (active, terminating, maintenance); 0 today.
     pub flags: u8,
+}
+
+/// Four entries of the Maglev tables (`MAGLEV`): each the 0-based slot number
+/// (`SlotKey::slot - 1`) of the generation its table belongs to, host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MaglevBlock {
+    pub entries: [u16; 4],
+}
+
+/// Entries of one `MaglevBlock`.
+pub const MAGLEV_BLOCK: u32 = 4;
+
+/// Where a frontend generation's Maglev table is (the value of `MAGLEV_INDEX`), host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MaglevIndex {
+    /// The table's first entry, counted in entries (a multiple of `MAGLEV_BLOCK`).
+    pub offset: u32,
+    /// Its entries, `M` (prime). 0: no table.
+    pub size: u32,
+    /// The seed of the flow hash (`maglev_flow_hash`), as two halves, low first: a u64 would
+    /// move the value to 8-byte alignment.
+    pub seed: [u32; 2],
+}
+
+/// MurmurHash3's 64-bit finalizer.
+#[inline(always)]
+pub const fn fmix64(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+#[inline(always)]
+fn le_word(b: &[u8; 16], half: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[half * 8..half * 8 + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// The hash a new flow's Maglev entry is taken from (`mod MaglevIndex::size`): the same on
+/// every node for the same seed and 5-tuple (not `skb->hash`, which each kernel keys with a
+/// secret of its own). Addresses as stored (IPv4 mapped), ports in network order as on the
+/// wire, words read little-endian whatever the machine, so nodes of either byte order agree.
+#[inline(always)]
+pub fn maglev_flow_hash(
+    saddr: &[u8; 16],
+    daddr: &[u8; 16],
+    sport_be: u16,
+    dport_be: u16,
+    proto: u8,
+    seed: u64,
+) -> u32 {
+    let ports = u64::from(u16::from_be(sport_be)) << 32
+        | u64::from(u16::from_be(dport_be)) << 16
+        | u64::from(proto);
+    let mut h = fmix64(seed ^ le_word(saddr, 0));
+    h = fmix64(h ^ le_word(saddr, 1));
+    h = fmix64(h ^ le_word(daddr, 0));
+    h = fmix64(h ^ le_word(daddr, 1));
+    (fmix64(h ^ ports) >> 32) as u32
 }
 
 /// Key of `REV_NAT` is the frontend id (u32, host order); the value is the frontend it names,
@@ -1289,6 +1374,9 @@ pub mod how {
     pub const STICKY: u32 = 3;
     /// No room to remember a choice for the socket: the slot comes from its cookie.
     pub const HASHED: u32 = 4;
+    /// Asked of the frontend's Maglev table, by the flow's 5-tuple (at random when the
+    /// generation had none: `Reason::MaglevMissing`).
+    pub const MAGLEV: u32 = 5;
 }
 
 /// What a frontend lookup or a backend choice came to (svc-ebpf's `lb`): the programs' next
@@ -1402,6 +1490,8 @@ mod pod {
     unsafe impl aya::Pod for SockChoice {}
     unsafe impl aya::Pod for SockState {}
     unsafe impl aya::Pod for LbTestIo {}
+    unsafe impl aya::Pod for MaglevBlock {}
+    unsafe impl aya::Pod for MaglevIndex {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -1490,6 +1580,8 @@ mod tests {
         assert_eq!(size_of::<SockChoice>(), 28);
         assert_eq!(size_of::<SockState>(), 112);
         assert_eq!(size_of::<LbTestIo>(), 200);
+        assert_eq!(size_of::<MaglevBlock>(), 8);
+        assert_eq!(size_of::<MaglevIndex>(), 16);
     }
 
     /// The filter keeps its use only if addresses of one subnet spread over its bits: a /16
@@ -1564,6 +1656,21 @@ mod tests {
         }
         assert_eq!(layout::version(map_names::CT_CLAIMS), 0);
         assert_eq!(layout::version("SVC_UNKNOWN"), 0);
+    }
+
+    /// Nodes must agree on it whatever their version: these values were computed once; a
+    /// change here breaks cross-node agreement during a rolling upgrade.
+    #[test]
+    fn the_maglev_flow_hash_does_not_change() {
+        let c = v4_mapped([192, 0, 2, 10]);
+        let f = v4_mapped([198, 51, 100, 1]);
+        let h = |sport: u16, seed| maglev_flow_hash(&c, &f, sport.to_be(), 80u16.to_be(), 6, seed);
+        assert_eq!(
+            [h(40_000, 0), h(40_001, 0), h(40_000, 1)],
+            [876_426_373, 737_919_940, 3_299_990_851]
+        );
+        assert_ne!(h(40_000, 0), h(40_001, 0));
+        assert_ne!(h(40_000, 0), h(40_000, 1));
     }
 
     #[test]

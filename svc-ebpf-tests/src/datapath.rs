@@ -64,6 +64,8 @@ pub struct Loaded {
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
     pub config: Array<MapData, DatapathConfig>,
     pub dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
+    pub maglev: Array<MapData, MaglevBlock>,
+    pub maglev_index: HashMap<MapData, SlotKey, MaglevIndex>,
     /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
     every_map: Vec<reset::KernelMap>,
     ct_capacity: u32,
@@ -151,6 +153,8 @@ impl Loaded {
         let ct_new = take(map_names::CT_NEW).try_into().unwrap();
         let config = take(map_names::CONFIG).try_into().unwrap();
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
+        let maglev = take(map_names::MAGLEV).try_into().unwrap();
+        let maglev_index = take(map_names::MAGLEV_INDEX).try_into().unwrap();
         let maps_left = ebpf.maps().count();
         Loaded {
             ebpf,
@@ -166,6 +170,8 @@ impl Loaded {
             ct_new,
             config,
             dev_stats,
+            maglev,
+            maglev_index,
             every_map,
             ct_capacity: ct,
             maps_left,
@@ -364,6 +370,33 @@ impl Dp {
 
     pub fn frontend(&mut self, f: Fe<'_>) {
         self.frontend_rev(&f, 1);
+    }
+
+    /// A Maglev table of `entries` (0-based slot numbers) at entry `offset` (a multiple of
+    /// `MAGLEV_BLOCK`), then the index entry of frontend generation `id`/`rev` naming it: as
+    /// the agent writes one, the table before the one write that makes it used.
+    pub fn maglev_table(&mut self, id: u32, rev: u16, offset: u32, entries: &[u16], seed: u64) {
+        assert_eq!(offset % MAGLEV_BLOCK, 0);
+        for (i, chunk) in entries.chunks(MAGLEV_BLOCK as usize).enumerate() {
+            let mut b = MaglevBlock::default();
+            b.entries[..chunk.len()].copy_from_slice(chunk);
+            self.maglev
+                .set(offset / MAGLEV_BLOCK + i as u32, b, 0)
+                .unwrap();
+        }
+        self.maglev_index(id, rev, offset, entries.len() as u32, seed);
+    }
+
+    /// Only the index entry of frontend generation `id`/`rev`.
+    pub fn maglev_index(&mut self, id: u32, rev: u16, offset: u32, size: u32, seed: u64) {
+        let v = MaglevIndex {
+            offset,
+            size,
+            seed: [seed as u32, (seed >> 32) as u32],
+        };
+        self.maglev_index
+            .insert(SlotKey { id, rev, slot: 0 }, v, 0)
+            .unwrap();
     }
 
     pub fn src_range(&mut self, id: u32, cidr: &str) {

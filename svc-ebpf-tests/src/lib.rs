@@ -35,10 +35,11 @@ pub mod prelude {
     pub use std::time::{Duration, Instant};
 
     pub use svc_common::{
-        backend_flags, ct_dir, ct_flags, ct_timeout, map_names, node_addr_flags, scope, svc_flags,
-        AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
-        DatapathConfig, DevStatKey, NodeAddrValue, Reason, ServiceKey, ServiceValue, SlotKey,
-        AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP, PROTO_ANY,
+        backend_flags, ct_dir, ct_flags, ct_timeout, maglev_flow_hash, map_names, node_addr_flags,
+        scope, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey,
+        CtValue, DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, NodeAddrValue, Reason,
+        ServiceKey, ServiceValue, SlotKey, AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP,
+        MAGLEV_BLOCK, PROTO_ANY,
     };
 
     pub use crate::datapath::*;

@@ -4,13 +4,13 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use svc_common::{
     how, node_addr_flags, scope, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
-    BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, NODEPORT_ADDR_V4,
-    NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
+    BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, MAGLEV_BLOCK,
+    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
 };
 
 use crate::maps::{
-    count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_NODE_ADDRS, SVC_NODE_ADDR_BITS,
-    SVC_SERVICES, SVC_SLOTS,
+    count, SVC_AFFINITY, SVC_AFFINITY_MATCH, SVC_BACKENDS, SVC_MAGLEV, SVC_MAGLEV_INDEX,
+    SVC_NODE_ADDRS, SVC_NODE_ADDR_BITS, SVC_SERVICES, SVC_SLOTS,
 };
 
 /// Outcome of a lookup or a choice (`svc_common::Outcome`): the caller's next step, which
@@ -51,6 +51,17 @@ pub trait Caller {
     fn sticky(&self) -> bool;
     /// The socket's state (created if need be); null when it cannot be had.
     fn sock_state(&self) -> *mut SockState;
+    /// Whether the caller has a flow to hash (`flow_hash`): a frontend's Maglev table
+    /// (`svc_flags::MAGLEV`) is used only then.
+    #[inline(always)]
+    fn hashes_flows(&self) -> bool {
+        false
+    }
+    /// `svc_common::maglev_flow_hash` of the caller's flow under `seed`.
+    #[inline(always)]
+    fn flow_hash(&self, _seed: u64) -> u32 {
+        0
+    }
 }
 
 /// What a decision answers (valid when the outcome is `FOUND`).
@@ -133,6 +144,40 @@ enum Pick {
     /// From the socket cookie: the same slot for every datagram of a socket that cannot
     /// remember its choice.
     Hashed,
+    /// From the frontend's Maglev table, by the flow's hash; at random without a table.
+    Maglev,
+}
+
+/// `maglev_entry`: the generation has no table the map holds.
+const NO_TABLE: u32 = u32::MAX;
+
+/// The 0-based slot the frontend generation's Maglev table gives the caller's flow, or
+/// `NO_TABLE`. The agent writes a table into a free region before the index entry that names
+/// it, and frees a region only after a grace period, so an entry read here is whole.
+#[inline(always)]
+fn maglev_entry(svc: &ServiceValue, caller: &impl Caller) -> u32 {
+    let key = SlotKey {
+        id: svc.id,
+        rev: svc.rev,
+        slot: 0,
+    };
+    // SAFETY: the fields are copied out at once; the agent replaces the entry whole.
+    let (offset, size, seed) = match unsafe { SVC_MAGLEV_INDEX.get(key) } {
+        Some(i) => (
+            i.offset,
+            i.size,
+            i.seed[0] as u64 | (i.seed[1] as u64) << 32,
+        ),
+        None => return NO_TABLE,
+    };
+    if size == 0 {
+        return NO_TABLE;
+    }
+    let pos = offset.wrapping_add(caller.flow_hash(seed) % size);
+    match SVC_MAGLEV.get(pos / MAGLEV_BLOCK) {
+        Some(b) => b.entries[(pos % MAGLEV_BLOCK) as usize] as u32,
+        None => NO_TABLE,
+    }
 }
 
 /// A 64-bit finalizer (MurmurHash3's): a cookie and a frontend id spread over the slots.
@@ -149,11 +194,22 @@ fn mix(mut x: u64) -> u64 {
 /// (an update raced this lookup).
 #[inline(always)]
 fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId {
-    let r = match pick {
-        // SAFETY: a helper with no arguments.
-        Pick::Random => unsafe { bpf_get_prandom_u32() },
+    let mut r = match pick {
+        Pick::Random => NO_TABLE,
         Pick::Hashed => mix(caller.cookie() ^ ((svc.id as u64) << 32)) as u32,
+        Pick::Maglev => {
+            let e = maglev_entry(svc, caller);
+            if e == NO_TABLE {
+                // A flow is never refused for a missing table: the slots alone answer.
+                count(Reason::MaglevMissing, 0);
+            }
+            e
+        }
     };
+    if r == NO_TABLE && pick != Pick::Hashed {
+        // SAFETY: a helper with no arguments.
+        r = unsafe { bpf_get_prandom_u32() };
+    }
     let key = SlotKey {
         id: svc.id,
         rev: svc.rev,
@@ -214,9 +270,16 @@ fn choose(
     if svc.count == 0 {
         return Outcome::NoBackend;
     }
+    let pick = if pick == Pick::Random && has_flag(svc, svc_flags::MAGLEV) && caller.hashes_flows()
+    {
+        Pick::Maglev
+    } else {
+        pick
+    };
     out.how = match pick {
         Pick::Random => how::RANDOM,
         Pick::Hashed => how::HASHED,
+        Pick::Maglev => how::MAGLEV,
     };
     if !has_flag(svc, svc_flags::AFFINITY) {
         let id = pick_slot(svc, pick, caller);

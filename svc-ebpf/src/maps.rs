@@ -8,8 +8,9 @@ use aya_ebpf::{
 };
 use svc_common::{
     capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
-    DatapathConfig, DevStatKey, MetaValue, NodeAddrValue, Reason, RevNatValue, ServiceKey,
-    ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS,
+    DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue, Reason,
+    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
+    SockState, NODE_ADDR_BIT_WORDS,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -71,6 +72,19 @@ pub static SVC_NAMES: HashMap<u32, ServiceName, { capacity::NAMES as usize }, NO
 /// declared here so it is created, typed and pinned with the rest.
 #[btf_map]
 pub static SVC_META: Array<MetaValue, 1> = Array::new();
+
+/// Maglev tables, four entries a block (docs/design/maglev.md).
+#[btf_map]
+pub static SVC_MAGLEV: Array<MaglevBlock, { capacity::MAGLEV as usize }> = Array::new();
+
+/// Where each frontend generation's Maglev table is.
+#[btf_map]
+pub static SVC_MAGLEV_INDEX: HashMap<
+    SlotKey,
+    MaglevIndex,
+    { capacity::MAGLEV_INDEX as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 // The packet datapath's maps (docs/design/packet-datapath.md, "Map declarations").
 

@@ -88,6 +88,51 @@ impl lb::Caller for Packet {
     }
 }
 
+/// A packet of the external ingress as the decision's caller: as `Packet`, and its 5-tuple
+/// is hashed for a frontend's Maglev table (docs/design/maglev.md).
+struct ExtPacket<'a> {
+    p: &'a Pkt,
+    now: u64,
+}
+
+impl lb::Caller for ExtPacket<'_> {
+    #[inline(always)]
+    fn now(&self) -> u64 {
+        self.now
+    }
+
+    #[inline(always)]
+    fn cookie(&self) -> u64 {
+        0
+    }
+
+    #[inline(always)]
+    fn affinity_client(&self, id: u32, _v6: bool) -> AffinityKey {
+        lb::ip_client(&self.p.saddr, id)
+    }
+
+    #[inline(always)]
+    fn sticky(&self) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn sock_state(&self) -> *mut SockState {
+        core::ptr::null_mut()
+    }
+
+    #[inline(always)]
+    fn hashes_flows(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn flow_hash(&self, seed: u64) -> u32 {
+        let p = self.p;
+        svc_common::maglev_flow_hash(&p.saddr, &p.daddr, p.sport_be, p.dport_be, p.proto, seed)
+    }
+}
+
 #[inline(always)]
 fn now() -> u64 {
     lb::clock_ns()
@@ -573,10 +618,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
         count(Reason::DropBadChecksum, p.ifindex);
         return Next::Drop;
     }
-    let caller = Packet {
-        client: p.saddr,
-        now,
-    };
+    let caller = ExtPacket { p, now };
     let mut d = lb::Decision::default();
     match lb::decide_with(&key, svc, &caller, &mut d) {
         lb::FOUND => {}

@@ -236,6 +236,8 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::CT => store.ct.as_ref()?,
         map_names::CT_NEW => store.ct_new.as_ref()?,
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
+        map_names::MAGLEV => store.maglev.as_ref()?,
+        map_names::MAGLEV_INDEX => store.maglev_index.as_ref()?,
         _ => return None,
     })
 }
@@ -300,6 +302,8 @@ fn build_store(
         ct: take(map_names::CT).ok().and_then(map_data),
         ct_new: take(map_names::CT_NEW).ok().and_then(map_data),
         dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
+        maglev: take(map_names::MAGLEV).ok().and_then(map_data),
+        maglev_index: take(map_names::MAGLEV_INDEX).ok().and_then(map_data),
         capacity,
         enomem_until: None,
     })
@@ -308,7 +312,7 @@ fn build_store(
 /// The map behind the kinds of `Map` the agent keeps untyped.
 fn map_data(m: Map) -> Option<MapData> {
     match m {
-        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) => Some(d),
+        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) | Map::Array(d) => Some(d),
         _ => None,
     }
 }
