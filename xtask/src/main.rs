@@ -625,6 +625,18 @@ fn build(release: bool) -> Result<()> {
     run(c.arg("--bins"))
 }
 
+/// This xtask's binary. The lint builds xtask again while an older one runs (`cargo xtask`
+/// runs the binary it had): Linux then names the running one `PATH (deleted)`, and PATH holds
+/// the new build of the same sources.
+fn xtask_exe() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let text = exe.to_string_lossy();
+    Ok(match text.strip_suffix(" (deleted)") {
+        Some(path) => PathBuf::from(path),
+        None => exe,
+    })
+}
+
 fn require_root(task: &str) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -723,7 +735,7 @@ fn run_task(task: Task) -> Result<()> {
                     .envs(control_plane.env())
                     .env("SVC_AGENT_BIN", &agent)
                     // tests/tests/image.rs builds the image as `cargo xtask image` does.
-                    .env("SVC_XTASK", std::env::current_exe()?),
+                    .env("SVC_XTASK", xtask_exe()?),
             );
             totals.add("nextest", counts, outcome);
             for a in alongside {
