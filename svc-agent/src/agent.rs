@@ -17,9 +17,9 @@ use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, Protocol, Served};
 use crate::node::Node;
 use crate::packet::PacketConfig;
+use crate::reconcile::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
 use crate::retry::{Backoff, Retries};
 use crate::store::{Capacity, Store};
-use crate::sync::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
 use crate::tasks::stale::Keep;
 use crate::tasks::stale_udp::ServingChange;
 use crate::tasks::Effect;
@@ -42,7 +42,7 @@ pub struct Upkeep {
 impl Default for Upkeep {
     fn default() -> Self {
         Upkeep {
-            grace: crate::sync::DEFAULT_GRACE,
+            grace: crate::reconcile::DEFAULT_GRACE,
             retry_min: Duration::from_millis(500),
             retry_max: Duration::from_secs(60),
             reconcile_every: Duration::from_secs(60),
@@ -543,7 +543,7 @@ impl Agent {
         self.metrics.state(self.snapshot_metrics());
     }
 
-    /// Brings the lingering addresses of NODE_ADDRS to the live flows (sync/addrs.rs).
+    /// Brings the lingering addresses of NODE_ADDRS to the live flows (reconcile/addrs.rs).
     /// `drift`: an address found missing was deleted by someone else (else it predates this
     /// agent's programs).
     fn check_flow_addrs(&mut self, drift: bool) {

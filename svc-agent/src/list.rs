@@ -9,8 +9,8 @@ use svc_common::{node_addr_flags, svc_flags};
 
 use crate::error::Result;
 use crate::model::{Kind, Scope};
+use crate::reconcile::{ip_from16, Programmed, DEFAULT_GRACE};
 use crate::store::BpfStore;
-use crate::sync::{ip_from16, Programmed, DEFAULT_GRACE};
 
 #[derive(Debug, Serialize)]
 pub struct Listing {

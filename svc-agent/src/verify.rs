@@ -13,11 +13,11 @@ use svc_common::{
 };
 
 use crate::model::{Backend, DesiredState};
-use crate::store::Snapshot;
-use crate::sync::{
+use crate::reconcile::{
     addr16, decode_name, external_addr, flags_of, ip_from16, plan::rev_nat_value, range_key,
     ranges_of, service_key, stored_name,
 };
+use crate::store::Snapshot;
 
 /// Every difference between `snap` and `desired`, in words; empty when they agree exactly.
 pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
@@ -204,7 +204,7 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         "source range",
         ranges.difference(&used_ranges).count(),
     ));
-    // NODE_ADDRS (sync/addrs.rs): every external frontend's address, flagged EXTERNAL; the
+    // NODE_ADDRS (reconcile/addrs.rs): every external frontend's address, flagged EXTERNAL; the
     // node's part is checked when the desired state has one (the agent's always does; a
     // desired state built from Services alone does not). An entry that only lingers is for
     // flows this check cannot see, never a stray.
@@ -225,8 +225,10 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         // The mark of frontend ports in the SNAT range must be there for such a desired
         // frontend; without one it may stay while a removed one's flows live on.
         let c = &DatapathConfig {
-            snat_range_frontends: if crate::sync::snat_range_frontends(c, desired.frontends.keys())
-            {
+            snat_range_frontends: if crate::reconcile::snat_range_frontends(
+                c,
+                desired.frontends.keys(),
+            ) {
                 1
             } else {
                 snap.config.snat_range_frontends

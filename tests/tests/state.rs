@@ -462,7 +462,7 @@ fn drift_in_the_maps_is_repaired() {
     // Someone deletes the master entry and the reverse-NAT entry of demo/web.
     let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
     let fe = svc_agent::model::Frontend::cluster(VIP.into(), 80, svc_agent::model::Protocol::Tcp);
-    let key = svc_agent::sync::service_key(&fe);
+    let key = svc_agent::reconcile::service_key(&fe);
     let id = store.services.get(&key, 0).unwrap().id;
     store.services.remove(&key).unwrap();
     store.rev_nat.remove(&id).unwrap();

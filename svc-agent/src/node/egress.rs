@@ -22,7 +22,7 @@ impl Node {
     ) {
         let flows: BTreeMap<std::net::IpAddr, u64> = backends
             .iter()
-            .map(|(a, n)| (crate::sync::ip_from16(*a), *n))
+            .map(|(a, n)| (crate::reconcile::ip_from16(*a), *n))
             .collect();
         let mut devices = BTreeMap::new();
         if !flows.is_empty() {

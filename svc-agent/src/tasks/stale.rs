@@ -668,7 +668,7 @@ pub fn forget_udp_flows(
             return;
         }
         let backend = SocketAddr::new(
-            crate::sync::ip_from16(v.nat_addr).to_canonical(),
+            crate::reconcile::ip_from16(v.nat_addr).to_canonical(),
             u16::from_be(v.nat_port_be),
         );
         if doomed(v.id, backend) {

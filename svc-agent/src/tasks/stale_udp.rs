@@ -101,7 +101,7 @@ fn spawn(
         let doomed = |cookie: u64, peer: std::net::SocketAddr| {
             let key = SockRevKey {
                 cookie,
-                addr: crate::sync::addr16(peer.ip()),
+                addr: crate::reconcile::addr16(peer.ip()),
                 port_be: peer.port().to_be(),
                 _pad0: [0; 6],
             };

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use svc_agent::model::{DesiredFrontend, DesiredState, Frontend, Protocol};
+use svc_agent::reconcile::Programmed;
 use svc_agent::store::BpfStore;
-use svc_agent::sync::Programmed;
 use svc_tests::{interrupt, require_root, Report, Sandbox, Tools};
 
 #[derive(Parser)]
@@ -177,7 +177,7 @@ fn bench() -> Result<()> {
     .context("attaching the datapath")?;
     let store = &mut dp.store;
     let mut programmed =
-        Programmed::adopt(&*store, store.capacity, svc_agent::sync::DEFAULT_GRACE)?;
+        Programmed::adopt(&*store, store.capacity, svc_agent::reconcile::DEFAULT_GRACE)?;
     let bench = frontend(VIP, 80, "bench/target", vec![direct]);
 
     let one = state(vec![bench.clone()]);
@@ -221,7 +221,7 @@ fn bench() -> Result<()> {
     let r = programmed.apply_scoped(
         store,
         &changed,
-        svc_agent::sync::Scope::Only(&scope),
+        svc_agent::reconcile::Scope::Only(&scope),
         Instant::now(),
     );
     let one_change = started.elapsed();

@@ -39,9 +39,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, ObjectList, PostParams};
 use kube::{Api, Client};
 use svc_agent::model::{Frontend, Protocol};
+use svc_agent::reconcile::{addr16, service_key, Programmed};
 use svc_agent::source::kube::{service_selector, slice_selector, TRIGGER_TIME_ANNOTATION};
 use svc_agent::store::{BpfStore, Store};
-use svc_agent::sync::{addr16, service_key, Programmed};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
 use svc_tests::agent::kube_run_args;
@@ -522,7 +522,7 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
     )?;
     let store = &mut dp.store;
     let mut programmed =
-        Programmed::adopt(&*store, store.capacity, svc_agent::sync::DEFAULT_GRACE)?;
+        Programmed::adopt(&*store, store.capacity, svc_agent::reconcile::DEFAULT_GRACE)?;
     rows.push(step.row(
         "load and attach the programs, read the (empty) pinned maps",
         &mut mib,
