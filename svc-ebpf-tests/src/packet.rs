@@ -465,85 +465,91 @@ pub fn icmp_error(
 }
 
 /// Verifies every checksum of a packet on its own: IPv4 header, TCP/UDP/ICMP(v6) (unless a
-/// fragment), and inside an ICMP error the quoted IPv4 header.
+/// fragment), and inside an ICMP error the quoted IPv4 header. etherparse reads and sums
+/// it, so a mistake in this file's builder cannot hide the same mistake in what the programs
+/// wrote; a packet it cannot read is an error too.
 pub fn verify_checksums(b: &[u8]) -> Result<(), String> {
-    if b.len() < 14 {
+    use etherparse::{Icmpv4Type, Ipv4HeaderSlice, NetSlice, SlicedPacket, TransportSlice};
+    if b.len() < 14 || !matches!(u16::from_be_bytes([b[12], b[13]]), 0x0800 | 0x86dd) {
         return Ok(());
     }
-    let ethertype = u16::from_be_bytes([b[12], b[13]]);
-    let ip = &b[14..];
-    let (src, dst, proto, l4, fragment): (IpAddr, IpAddr, u8, &[u8], bool) = match ethertype {
-        0x0800 => {
-            let ihl = (ip[0] & 0xf) as usize * 4;
-            if finish(sum16(&ip[..ihl], 0)) != 0 {
+    let p = SlicedPacket::from_ethernet(b).map_err(|e| format!("packet ({e})"))?;
+    let (src, dst, fragmented): ([u8; 16], [u8; 16], bool) = match &p.net {
+        Some(NetSlice::Ipv4(ip)) => {
+            let h = ip.header();
+            if h.to_header().calc_header_checksum() != h.header_checksum() {
                 return Err("IPv4 header checksum".into());
             }
-            let tot = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-            let frag = u16::from_be_bytes([ip[6], ip[7]]);
-            let s: [u8; 4] = ip[12..16].try_into().unwrap();
-            let d: [u8; 4] = ip[16..20].try_into().unwrap();
+            let mapped = |a: [u8; 4]| std::net::Ipv4Addr::from(a).to_ipv6_mapped().octets();
             (
-                IpAddr::from(s),
-                IpAddr::from(d),
-                ip[9],
-                &ip[ihl..tot],
-                frag & 0x3fff != 0,
+                mapped(h.source()),
+                mapped(h.destination()),
+                ip.payload().fragmented,
             )
         }
-        0x86dd => {
-            let plen = u16::from_be_bytes([ip[4], ip[5]]) as usize;
-            let s: [u8; 16] = ip[8..24].try_into().unwrap();
-            let d: [u8; 16] = ip[24..40].try_into().unwrap();
-            let mut next = ip[6];
-            let mut off = 40;
-            let mut fragment = false;
-            while matches!(next, 0 | 43 | 44 | 60) {
-                if next == 44 {
-                    fragment = true;
-                    next = ip[off];
-                    off += 8;
-                } else {
-                    let len = (ip[off + 1] as usize + 1) * 8;
-                    next = ip[off];
-                    off += len;
-                }
-            }
-            (
-                IpAddr::from(s),
-                IpAddr::from(d),
-                next,
-                &ip[off..40 + plen],
-                fragment,
-            )
+        Some(NetSlice::Ipv6(ip)) => {
+            let h = ip.header();
+            (h.source(), h.destination(), ip.payload().fragmented)
         }
         _ => return Ok(()),
     };
-    if fragment {
+    if fragmented {
         return Ok(());
     }
-    match proto {
-        6 | 17 => {
-            if proto == 17 && src.is_ipv4() && l4[6..8] == [0, 0] {
-                return Ok(());
+    let v4 = |a: [u8; 16]| -> [u8; 4] { a[12..].try_into().expect("16 bytes") };
+    let is_v4 = matches!(p.net, Some(NetSlice::Ipv4(_)));
+    let bad = |what: &str| Err(format!("{what} checksum"));
+    match &p.transport {
+        Some(TransportSlice::Tcp(t)) => {
+            let sum = if is_v4 {
+                t.calc_checksum_ipv4(v4(src), v4(dst))
+            } else {
+                t.calc_checksum_ipv6(src, dst)
             }
-            if finish(sum16(l4, pseudo(src, dst, proto, l4.len()))) != 0 {
-                return Err(format!("L4 checksum (proto {proto})"));
+            .map_err(|e| e.to_string())?;
+            if sum != t.checksum() {
+                return bad("L4 (proto 6)");
             }
         }
-        1 => {
-            if finish(sum16(l4, 0)) != 0 {
-                return Err("ICMP checksum".into());
+        Some(TransportSlice::Udp(u)) => {
+            if is_v4 && u.checksum() == 0 {
+                return Ok(());
             }
-            if matches!(l4[0], 3 | 11) && l4.len() >= 28 {
-                let inner = &l4[8..];
-                let ihl = (inner[0] & 0xf) as usize * 4;
-                if inner.len() >= ihl && finish(sum16(&inner[..ihl], 0)) != 0 {
-                    return Err("quoted IPv4 header checksum".into());
+            let h = u.to_header();
+            let sum = if is_v4 {
+                h.calc_checksum_ipv4_raw(v4(src), v4(dst), u.payload())
+            } else {
+                h.calc_checksum_ipv6_raw(src, dst, u.payload())
+            }
+            .map_err(|e| e.to_string())?;
+            if sum != u.checksum() {
+                return bad("L4 (proto 17)");
+            }
+        }
+        Some(TransportSlice::Icmpv4(i)) => {
+            if i.icmp_type().calc_checksum(i.payload()) != i.checksum() {
+                return bad("ICMP");
+            }
+            // Destination unreachable and time exceeded quote the packet's IPv4 header.
+            if matches!(
+                i.icmp_type(),
+                Icmpv4Type::DestinationUnreachable(_) | Icmpv4Type::TimeExceeded(_)
+            ) {
+                if let Ok(inner) = Ipv4HeaderSlice::from_slice(i.payload()) {
+                    if inner.to_header().calc_header_checksum() != inner.header_checksum() {
+                        return bad("quoted IPv4 header");
+                    }
                 }
             }
         }
-        58 if finish(sum16(l4, pseudo(src, dst, 58, l4.len()))) != 0 => {
-            return Err("ICMPv6 checksum".into());
+        Some(TransportSlice::Icmpv6(i)) => {
+            let sum = i
+                .icmp_type()
+                .calc_checksum(src, dst, i.payload())
+                .map_err(|e| e.to_string())?;
+            if sum != i.checksum() {
+                return bad("ICMPv6");
+            }
         }
         _ => {}
     }
