@@ -52,8 +52,13 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    #[error("loading eBPF programs: {0}")]
-    Load(String),
+    /// Loading, attaching or adopting the datapath failed; `errno` where a system call said
+    /// why (EPERM and EACCES: a privilege is missing).
+    #[error("loading eBPF programs: {message}")]
+    Load {
+        message: String,
+        errno: Option<Errno>,
+    },
 
     /// Another process owns the bpffs directory.
     #[error(
@@ -90,10 +95,18 @@ impl Error {
         }
     }
 
+    /// A datapath error of no system call (a rule of the agent's, a missing program).
+    pub fn load(message: String) -> Error {
+        Error::Load {
+            message,
+            errno: None,
+        }
+    }
+
     /// The errno of the system call this error comes from, where it has one.
     pub fn errno(&self) -> Option<Errno> {
         match self {
-            Error::Map { errno, .. } => *errno,
+            Error::Map { errno, .. } | Error::Load { errno, .. } => *errno,
             Error::Io { source, .. } | Error::HealthCheck { source, .. } => {
                 source.raw_os_error().map(Errno)
             }
@@ -111,7 +124,7 @@ impl Error {
             Error::MapFull { .. } => "map_full",
             Error::Netns { .. } => "netns",
             Error::HealthCheck { .. } => "health_check",
-            Error::Load(_) => "load",
+            Error::Load { .. } => "load",
             Error::Locked { .. } => "locked",
             Error::Other(_) => "other",
         }

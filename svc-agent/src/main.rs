@@ -726,8 +726,11 @@ fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<()> {
 /// agent needs (measured by tests/tests/privileges.rs) above the kernel's answer, which may be a
 /// bare EPERM or a verifier message such as "pointer arithmetic ... prohibited for !root".
 fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
-    let refused = matches!(&e, svc_agent::Error::Load(m)
-        if m.contains("Operation not permitted") || m.contains("Permission denied"));
+    let refused = matches!(&e, svc_agent::Error::Load { .. })
+        && matches!(
+            e.errno(),
+            Some(svc_agent::error::Errno(libc::EPERM | libc::EACCES))
+        );
     if !refused {
         return e.into();
     }

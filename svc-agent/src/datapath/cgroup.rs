@@ -22,7 +22,7 @@ const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
 pub(super) fn check_cgroup(cgroup: &Path) -> Result<u64> {
     let meta = std::fs::metadata(cgroup).map_err(|e| io_err(cgroup, e))?;
     if !meta.is_dir() {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "--cgroup {}: not a directory; give a cgroup v2 directory (the cgroup2 mount, or a \
              cgroup under it)",
             cgroup.display()
@@ -38,7 +38,7 @@ pub(super) fn check_cgroup(cgroup: &Path) -> Result<u64> {
             })
             .collect::<Vec<_>>()
             .join(", ");
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "--cgroup {}: not on a cgroup v2 filesystem (socket programs attach to cgroup v2 \
              only); cgroup2 is mounted at: {}",
             cgroup.display(),
@@ -124,7 +124,7 @@ pub(super) fn check_other_svc(dir: &Path, cgroup: &Path, cgroup_id: u64) -> Resu
     } else {
         format!("held by {}", holders.join("; "))
     };
-    Err(Error::Load(format!(
+    Err(Error::load(format!(
         "cgroup {} is already served by another svc, not through links pinned under {}: {programs}; \
          {who}. One svc agent per cgroup: stop the other (and uninstall its directory), or run \
          this one with its --bpffs",
@@ -215,7 +215,7 @@ impl Datapath {
                 return Ok(());
             }
             if attached_to != 0 {
-                return Err(Error::Load(format!(
+                return Err(Error::load(format!(
                     "{} attaches to another cgroup (id {attached_to}, not {} with id {}); run \
                      `svc-agent uninstall --bpffs {}` first",
                     pin.display(),

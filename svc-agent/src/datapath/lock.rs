@@ -18,7 +18,7 @@ pub(super) fn own_dir(dir: &Path) -> Result<()> {
             let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
             if let Some(parent) = parent.filter(|p| p.exists()) {
                 if !sys::is_bpffs(parent).map_err(|e| io_err(parent, e))? {
-                    return Err(Error::Load(format!(
+                    return Err(Error::load(format!(
                         "--bpffs {} is not on a bpf filesystem (mount -t bpf bpf DIR): pins \
                          elsewhere are impossible",
                         dir.display()
@@ -51,14 +51,14 @@ pub(super) fn own_dir(dir: &Path) -> Result<()> {
         None
     };
     if let Some(problem) = problem {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "--bpffs {} {problem}: whoever can write there can unpin the datapath; remove it \
              (or choose another directory) and let svc-agent create its own",
             dir.display()
         )));
     }
     if !sys::is_bpffs(dir).map_err(|e| io_err(dir, e))? {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "--bpffs {} is not on a bpf filesystem (mount -t bpf bpf DIR): pins elsewhere are \
              impossible",
             dir.display()

@@ -39,7 +39,7 @@ where
             Err(aya::maps::MapError::SyscallError(e))
                 if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
             {
-                return Err(Error::Load(format!(
+                return Err(Error::load(format!(
                     "map {name}: its {} entries do not fit in the capacity asked for; give a \
                      larger one (see `svc-agent run --help`, the --max-* flags)",
                     entries.len()
@@ -148,7 +148,7 @@ fn old_ct<V: bytemuck::Pod>(
         std::mem::size_of::<V>() as u32,
     );
     if (info.key_size(), info.value_size()) != (key, value) {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "{} has {}-byte keys and {}-byte values, not layout {layout}'s {key} and {value}",
             path.display(),
             info.key_size(),
@@ -212,6 +212,6 @@ pub(super) fn clone_map(m: &MapData) -> Result<MapData> {
         .fd()
         .as_fd()
         .try_clone_to_owned()
-        .map_err(|e| Error::Load(format!("duplicating a map descriptor: {e}")))?;
+        .map_err(|e| Error::load(format!("duplicating a map descriptor: {e}")))?;
     MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
 }

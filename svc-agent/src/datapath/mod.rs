@@ -78,12 +78,22 @@ fn load_err(what: impl std::fmt::Display, e: impl Into<Box<dyn std::error::Error
     // aya's errors keep the errno in their source chain; the top message alone hides it.
     let e = e.into();
     let mut msg = format!("{what}: {e}");
+    let errno_of = |s: &(dyn std::error::Error + 'static)| {
+        s.downcast_ref::<std::io::Error>()
+            .and_then(|io| io.raw_os_error())
+            .map(crate::error::Errno)
+    };
+    let mut errno = errno_of(e.as_ref());
     let mut cur = e.source();
     while let Some(s) = cur {
         msg.push_str(&format!(": {s}"));
+        errno = errno.or(errno_of(s));
         cur = s.source();
     }
-    Error::Load(msg)
+    Error::Load {
+        message: msg,
+        errno,
+    }
 }
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {

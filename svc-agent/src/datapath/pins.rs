@@ -146,7 +146,7 @@ pub(super) fn inspect_pin(spec: &MapDef, path: &Path, want_entries: u32) -> Resu
         ));
     }
     if !wrong.is_empty() {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "map {} pinned at {} has {}: it was not made by this layout of svc. Nothing was \
              changed; stop whatever made it, then `svc-agent uninstall --bpffs {}` (drops \
              sessionAffinity state and reverse translation of open sockets) and start again",

@@ -131,7 +131,7 @@ fn check_detached(cgroup: &Path, ours: &[u32]) -> Result<Vec<String>> {
         }
     }
     if !left.is_empty() {
-        return Err(Error::Load(format!(
+        return Err(Error::load(format!(
             "svc's programs are still attached to {} ({})",
             cgroup.display(),
             left.join(", ")
