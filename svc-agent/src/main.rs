@@ -115,9 +115,10 @@ enum Command {
         #[command(flatten)]
         packet: PacketArgs,
         /// Print what the first sync would write to the maps, one line per write, and exit:
-        /// the manifests, the pinned maps (none: empty) and the node's addresses are read,
-        /// nothing is written, attached or pinned.
-        #[arg(long, requires = "manifests")]
+        /// the manifests (or the Kubernetes API's Services, EndpointSlices and Node, listed
+        /// once), the pinned maps (none: empty) and the node's addresses are read, nothing is
+        /// written, attached or pinned.
+        #[arg(long)]
         dry_run: bool,
     },
     /// Print the devices and node addresses the packet datapath would use here, as `run`
@@ -493,37 +494,16 @@ fn main() -> anyhow::Result<()> {
                 },
                 packet: packet.config(!dry_run)?,
             };
-            if let (true, Some(path)) = (dry_run, &manifests) {
-                let input = controller::Input::Manifests {
-                    path: path.clone(),
-                    poll: Duration::from_millis(poll_ms),
-                };
-                let (plan, errors) = controller::dry_run(&cfg, input)?;
-                for e in &errors {
-                    eprintln!("skipped: {}", svc_agent::names::Escaped(&e.to_string()));
-                }
-                print_out(&plan.to_string())?;
-                return Ok(());
-            }
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the runtime")?;
-            match manifests {
-                Some(path) => rt
-                    .block_on(controller::run(
-                        cfg,
-                        controller::Input::Manifests {
-                            path,
-                            poll: Duration::from_millis(poll_ms.max(10)),
-                        },
-                    ))
-                    .map_err(privilege_hint)?,
+            let input = match manifests {
+                Some(path) => controller::Input::Manifests {
+                    path,
+                    poll: Duration::from_millis(poll_ms.max(10)),
+                },
                 None => {
                     let Some(node_name) = node_name else {
                         bail!("--node-name (or $NODE_NAME) is required with the Kubernetes API");
                     };
-                    let opts = kube::KubeOptions {
+                    controller::Input::Kube(kube::KubeOptions {
                         kubeconfig,
                         node_name,
                         service_proxy_name,
@@ -539,11 +519,23 @@ fn main() -> anyhow::Result<()> {
                                     .map_err(|e| anyhow::anyhow!("--service-cidr {e}"))
                             })
                             .collect::<anyhow::Result<_>>()?,
-                    };
-                    rt.block_on(controller::run(cfg, controller::Input::Kube(opts)))
-                        .map_err(privilege_hint)?
+                    })
                 }
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the runtime")?;
+            if dry_run {
+                let (plan, errors) = rt.block_on(controller::dry_run(&cfg, input))?;
+                for e in &errors {
+                    eprintln!("skipped: {}", svc_agent::names::Escaped(&e.to_string()));
+                }
+                print_out(&plan.to_string())?;
+                return Ok(());
             }
+            rt.block_on(controller::run(cfg, input))
+                .map_err(privilege_hint)?
         }
         Command::Devices { packet, node_ip } => {
             let cfg = packet.config(false)?;

@@ -106,6 +106,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s15-api-server", Scenario::Shared(api_server_given_by_flag)),
     ("s16-helm", Scenario::Shared(helm_chart)),
     ("s17-kube-proxy-config", Scenario::Shared(kube_proxy_config)),
+    ("s18-dry-run", Scenario::Shared(dry_run_from_the_api)),
 ];
 
 fn main() -> ExitCode {
@@ -2047,5 +2048,75 @@ fn kube_proxy_config(cp: &ControlPlane, name: &str) -> Result<()> {
         !warning.contains("ipvs") && !warning.contains("logging"),
         "the warning names fields kubeadm left at their defaults: {warning}"
     );
+    Ok(())
+}
+
+/// Scenario 18: `run --dry-run` against the Kubernetes API: the Services and EndpointSlices
+/// of this proxy name (and only those) listed once, their writes printed one a line, nothing
+/// pinned, no agent left running.
+fn dry_run_from_the_api(cp: &ControlPlane, name: &str) -> Result<()> {
+    let env = Env::new(cp, name)?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1)), ep(&env.v4(2))]),
+            ),
+        ],
+    )?;
+    let vip = cluster_ip(&stored)?;
+    let dir = svc_tests::TempDir::new("svc-dry-run")?;
+    let bpffs = dir.path().join("bpffs");
+    let out = std::process::Command::new(&env.sb.tools.agent)
+        .arg("run")
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig_path())
+        .args(["--node-name", &env.node, "--service-proxy-name", name])
+        .arg("--cgroup")
+        .arg(env.sb.cgroup().path())
+        .arg("--bpffs")
+        .arg(&bpffs)
+        .arg("--dry-run")
+        .output()?;
+    let plan = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success(),
+        "dry run: {}\n{plan}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let has = |start: String, end: String| {
+        plan.lines()
+            .any(|l| l.starts_with(&start) && l.ends_with(&end))
+    };
+    ensure!(has(format!("service {name}/web:"), String::new()), "{plan}");
+    for i in [1, 2] {
+        ensure!(
+            has(
+                "  put SVC_BACKENDS".into(),
+                format!("-> {}:8080/TCP", env.v4(i))
+            ),
+            "backend {i} missing:\n{plan}"
+        );
+    }
+    ensure!(
+        has(
+            format!("  put SVC_SERVICES {vip}:80/TCP -> id"),
+            "slots 2 flags 0x0".into()
+        ),
+        "{plan}"
+    );
+    // Services of other proxy names (the other scenarios') are not this agent's.
+    let others = plan
+        .lines()
+        .filter(|l| l.starts_with("service ") && !l.starts_with(&format!("service {name}/")))
+        .count();
+    ensure!(others == 0, "Services of other proxy names in:\n{plan}");
+    ensure!(!bpffs.exists(), "the dry run made {}", bpffs.display());
     Ok(())
 }

@@ -300,16 +300,7 @@ fn announce(report: &SyncReport, first: bool) {
 /// The plan of the first sync `run` would make now: the sources read once, the maps pinned
 /// in `cfg.bpffs` read (none pinned: empty maps), the node's devices and addresses read.
 /// Nothing is written, attached, pinned or locked. Input errors are in the second value.
-pub fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::Error>)> {
-    let path = match input {
-        Input::Manifests { path, .. } => path,
-        Input::Kube(_) => {
-            return Err(crate::Error::Other(
-                "--dry-run reads manifest files only (--manifests)".to_string(),
-            ))
-        }
-    };
-    let files = ManifestSource::open(&path)?;
+pub async fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::Error>)> {
     let programmed = if datapath::map_pin(&cfg.bpffs, map_names::SERVICES).exists() {
         let store = datapath::open_pinned(&cfg.bpffs)?;
         Programmed::adopt(&store, store.capacity, cfg.upkeep.grace)?
@@ -319,14 +310,34 @@ pub fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::Error>
     let devices = crate::netdev::read().map_err(|e| {
         crate::Error::Other(format!("reading the node's devices and addresses: {e}"))
     })?;
-    let view = crate::packet::view(&cfg.packet, &devices, None);
+    let holders = programmed.served();
+    // The source read once, as its first sync would find it.
+    let (mut tracker, api_node_ips): (Box<dyn Tracker>, Option<Vec<std::net::IpAddr>>) = match input
+    {
+        Input::Manifests { path, .. } => (
+            Box::new(ManifestTracker::new(ManifestSource::open(&path)?)),
+            None,
+        ),
+        Input::Kube(opts) => {
+            let api = ApiServer::connect(&opts).await?;
+            let mut cache = Cache::new(cfg.node.clone(), opts.coalesce);
+            for u in api.snapshot(&opts).await? {
+                cache.apply(source::Event::Api(u));
+            }
+            let ips = cache.take_node_ips();
+            (Box::new(cache), ips)
+        }
+    };
+    let view = crate::packet::view(&cfg.packet, &devices, api_node_ips.as_deref());
     let node = NodeContext {
         node_ips: view.primary.clone(),
         ..cfg.node.clone()
     };
-    let holders = programmed.served();
-    let mut tracker = ManifestTracker::new(files);
     let batch = tracker.take(&holders);
+    let node = NodeContext {
+        zone: batch.zone.clone().or(node.zone),
+        ..node
+    };
     let mut translated = translate::assemble_with(batch.services, batch.slices, &node, &holders);
     translated.errors.splice(0..0, batch.errors);
     let mut state = translated.state;

@@ -672,6 +672,45 @@ impl ApiServer {
         check_api_server(&self.url, self.host.as_deref(), self.port, served, cidrs)
     }
 
+    /// The Services, the EndpointSlices and this node as they are now, as the events a
+    /// first watch would give (`--dry-run`): each list whole, then the Node.
+    pub async fn snapshot(&self, opts: &KubeOptions) -> Result<Vec<Update>> {
+        use kube::api::ListParams;
+        let proxy_name = opts.service_proxy_name.as_deref();
+        let listing = |kind: &str, e: kube::Error| Error::Other(format!("listing {kind}: {e}"));
+        let services = Api::<Service>::all(self.client.clone())
+            .list(&ListParams::default().labels(&service_selector(proxy_name)))
+            .await
+            .map_err(|e| listing("Services", e))?;
+        let slices = Api::<EndpointSlice>::all(self.client.clone())
+            .list(&ListParams::default().labels(&slice_selector(proxy_name)))
+            .await
+            .map_err(|e| listing("EndpointSlices", e))?;
+        let node = Api::<Node>::all(self.client.clone())
+            .get_opt(&opts.node_name)
+            .await
+            .map_err(|e| listing("Nodes", e))?;
+        let mut updates = vec![Update::Service(Event::Init)];
+        updates.extend(
+            services
+                .items
+                .into_iter()
+                .map(|s| Update::Service(Event::InitApply(s))),
+        );
+        updates.extend([Update::Service(Event::InitDone), Update::Slice(Event::Init)]);
+        updates.extend(
+            slices
+                .items
+                .into_iter()
+                .map(|s| Update::Slice(Event::InitApply(s))),
+        );
+        updates.push(Update::Slice(Event::InitDone));
+        if let Some(n) = node {
+            updates.push(Update::Node(Box::new(Event::Apply(n))));
+        }
+        Ok(updates)
+    }
+
     /// The events of the Services, the EndpointSlices and this node, as kube-proxy selects
     /// them.
     pub fn watch(self, opts: &KubeOptions) -> impl Stream<Item = SourceEvent> + Send {
