@@ -30,6 +30,77 @@ pub const ENTRIES_PER_BACKEND: u32 = 100;
 const OFFSET_KEY: u64 = u64::from_be_bytes(*b"mglv-off");
 const SKIP_KEY: u64 = u64::from_be_bytes(*b"mglv-skp");
 
+/// The Service annotation that chooses the algorithm of its external frontends, overriding
+/// `--lb-algorithm-external`.
+pub const ANNOTATION: &str = "svc.dev/lb-algorithm";
+
+/// The seed every agent uses unless told otherwise (`--maglev-seed`). Nodes agree only with
+/// one seed; the same default everywhere agrees too, so it is a warning, not an error, to
+/// leave it.
+pub const DEFAULT_SEED: u64 = u64::from_be_bytes(*b"svc-mglv");
+
+/// How a new flow to an external frontend chooses its backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// A table every node builds alike from the seed and the backends (this module).
+    #[default]
+    Maglev,
+    /// `bpf_get_prandom_u32()` over the slots: no agreement between nodes.
+    Random,
+}
+
+impl Algorithm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::Maglev => "maglev",
+            Algorithm::Random => "random",
+        }
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "maglev" => Ok(Algorithm::Maglev),
+            "random" => Ok(Algorithm::Random),
+            other => Err(format!("unknown algorithm {other:?} (maglev or random)")),
+        }
+    }
+}
+
+/// The agent-wide Maglev settings (flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// External frontends without the Service annotation.
+    pub external: Algorithm,
+    pub seed: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            external: Algorithm::default(),
+            seed: DEFAULT_SEED,
+        }
+    }
+}
+
+impl Settings {
+    /// The algorithm of a frontend whose Service asked for `annotated` (None: no annotation).
+    pub fn external(&self, annotated: Option<Algorithm>) -> Algorithm {
+        annotated.unwrap_or(self.external)
+    }
+}
+
 /// What makes a backend the same backend on every node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Identity {
