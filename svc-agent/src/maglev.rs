@@ -113,6 +113,16 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// A backend as the slots hold it (`reconcile::addr16`'s address form, the port in host
+    /// order, `proto` an IPPROTO number).
+    pub fn of(addr: std::net::SocketAddr, proto: u8) -> Identity {
+        Identity {
+            addr: crate::reconcile::addr16(addr.ip()),
+            port: addr.port(),
+            proto,
+        }
+    }
+
     /// The bytes the permutation hashes read: address, port in network order, protocol.
     fn bytes(&self) -> [u8; 19] {
         let mut b = [0u8; 19];
@@ -215,6 +225,21 @@ pub fn build(seed: u64, backends: &[Identity]) -> Result<Table, TableError> {
     Ok(Table {
         entries: entries.into_iter().map(|e| e as u16).collect(),
     })
+}
+
+impl Table {
+    /// The table as `SVC_MAGLEV` holds it: `blocks(size)` blocks, the last padded with 0
+    /// (slot 1, never read: the kernel takes `flow_hash % size`).
+    pub fn to_blocks(&self) -> Vec<svc_common::MaglevBlock> {
+        self.entries
+            .chunks(svc_common::MAGLEV_BLOCK as usize)
+            .map(|c| {
+                let mut b = svc_common::MaglevBlock::default();
+                b.entries[..c.len()].copy_from_slice(c);
+                b
+            })
+            .collect()
+    }
 }
 
 /// Blocks (`svc_common::MaglevBlock`, `MAGLEV_BLOCK` entries each) a table of `size` entries
@@ -321,6 +346,34 @@ impl Regions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_hold_the_table_in_order_with_the_last_padded() {
+        let backends: Vec<Identity> = ["10.0.0.1:80", "10.0.0.2:80", "[fd00::3]:80"]
+            .iter()
+            .map(|a| Identity::of(a.parse().unwrap(), 6))
+            .collect();
+        assert_eq!(backends[0].addr[10..12], [0xff, 0xff], "IPv4 is mapped");
+        let t = build(DEFAULT_SEED, &backends).unwrap();
+        let b = t.to_blocks();
+        assert_eq!(b.len() as u32, blocks(t.size()));
+        let flat: Vec<u16> = b.iter().flat_map(|b| b.entries).collect();
+        assert_eq!(flat[..t.entries.len()], t.entries[..]);
+        assert!(flat[t.entries.len()..].iter().all(|e| *e == 0));
+    }
+
+    #[test]
+    fn an_annotation_overrides_the_flag_and_bad_values_are_refused() {
+        let s = Settings::default();
+        assert_eq!(s.external, Algorithm::Maglev);
+        assert_eq!(s.external(None), Algorithm::Maglev);
+        assert_eq!(s.external(Some(Algorithm::Random)), Algorithm::Random);
+        assert_eq!("random".parse(), Ok(Algorithm::Random));
+        assert!("Maglev"
+            .parse::<Algorithm>()
+            .unwrap_err()
+            .contains("\"Maglev\""));
+    }
 
     fn is_prime(n: u32) -> bool {
         if n < 2 {
