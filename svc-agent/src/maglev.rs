@@ -30,6 +30,77 @@ pub const ENTRIES_PER_BACKEND: u32 = 100;
 const OFFSET_KEY: u64 = u64::from_be_bytes(*b"mglv-off");
 const SKIP_KEY: u64 = u64::from_be_bytes(*b"mglv-skp");
 
+/// The Service annotation that chooses the algorithm of its external frontends, overriding
+/// `--lb-algorithm-external`.
+pub const ANNOTATION: &str = "svc.dev/lb-algorithm";
+
+/// The seed every agent uses unless told otherwise (`--maglev-seed`). Nodes agree only with
+/// one seed; the same default everywhere agrees too, so it is a warning, not an error, to
+/// leave it.
+pub const DEFAULT_SEED: u64 = u64::from_be_bytes(*b"svc-mglv");
+
+/// How a new flow to an external frontend chooses its backend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// A table every node builds alike from the seed and the backends (this module).
+    #[default]
+    Maglev,
+    /// `bpf_get_prandom_u32()` over the slots: no agreement between nodes.
+    Random,
+}
+
+impl Algorithm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::Maglev => "maglev",
+            Algorithm::Random => "random",
+        }
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "maglev" => Ok(Algorithm::Maglev),
+            "random" => Ok(Algorithm::Random),
+            other => Err(format!("unknown algorithm {other:?} (maglev or random)")),
+        }
+    }
+}
+
+/// The agent-wide Maglev settings (flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// External frontends without the Service annotation.
+    pub external: Algorithm,
+    pub seed: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            external: Algorithm::default(),
+            seed: DEFAULT_SEED,
+        }
+    }
+}
+
+impl Settings {
+    /// The algorithm of a frontend whose Service asked for `annotated` (None: no annotation).
+    pub fn external(&self, annotated: Option<Algorithm>) -> Algorithm {
+        annotated.unwrap_or(self.external)
+    }
+}
+
 /// What makes a backend the same backend on every node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Identity {
@@ -42,6 +113,16 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// A backend as the slots hold it (`reconcile::addr16`'s address form, the port in host
+    /// order, `proto` an IPPROTO number).
+    pub fn of(addr: std::net::SocketAddr, proto: u8) -> Identity {
+        Identity {
+            addr: crate::reconcile::addr16(addr.ip()),
+            port: addr.port(),
+            proto,
+        }
+    }
+
     /// The bytes the permutation hashes read: address, port in network order, protocol.
     fn bytes(&self) -> [u8; 19] {
         let mut b = [0u8; 19];
@@ -144,6 +225,21 @@ pub fn build(seed: u64, backends: &[Identity]) -> Result<Table, TableError> {
     Ok(Table {
         entries: entries.into_iter().map(|e| e as u16).collect(),
     })
+}
+
+impl Table {
+    /// The table as `SVC_MAGLEV` holds it: `blocks(size)` blocks, the last padded with 0
+    /// (slot 1, never read: the kernel takes `flow_hash % size`).
+    pub fn to_blocks(&self) -> Vec<svc_common::MaglevBlock> {
+        self.entries
+            .chunks(svc_common::MAGLEV_BLOCK as usize)
+            .map(|c| {
+                let mut b = svc_common::MaglevBlock::default();
+                b.entries[..c.len()].copy_from_slice(c);
+                b
+            })
+            .collect()
+    }
 }
 
 /// Blocks (`svc_common::MaglevBlock`, `MAGLEV_BLOCK` entries each) a table of `size` entries
@@ -250,6 +346,34 @@ impl Regions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_hold_the_table_in_order_with_the_last_padded() {
+        let backends: Vec<Identity> = ["10.0.0.1:80", "10.0.0.2:80", "[fd00::3]:80"]
+            .iter()
+            .map(|a| Identity::of(a.parse().unwrap(), 6))
+            .collect();
+        assert_eq!(backends[0].addr[10..12], [0xff, 0xff], "IPv4 is mapped");
+        let t = build(DEFAULT_SEED, &backends).unwrap();
+        let b = t.to_blocks();
+        assert_eq!(b.len() as u32, blocks(t.size()));
+        let flat: Vec<u16> = b.iter().flat_map(|b| b.entries).collect();
+        assert_eq!(flat[..t.entries.len()], t.entries[..]);
+        assert!(flat[t.entries.len()..].iter().all(|e| *e == 0));
+    }
+
+    #[test]
+    fn an_annotation_overrides_the_flag_and_bad_values_are_refused() {
+        let s = Settings::default();
+        assert_eq!(s.external, Algorithm::Maglev);
+        assert_eq!(s.external(None), Algorithm::Maglev);
+        assert_eq!(s.external(Some(Algorithm::Random)), Algorithm::Random);
+        assert_eq!("random".parse(), Ok(Algorithm::Random));
+        assert!("Maglev"
+            .parse::<Algorithm>()
+            .unwrap_err()
+            .contains("\"Maglev\""));
+    }
 
     fn is_prime(n: u32) -> bool {
         if n < 2 {

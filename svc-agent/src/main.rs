@@ -114,6 +114,8 @@ enum Command {
         check_interval_ms: u64,
         #[command(flatten)]
         packet: PacketArgs,
+        #[command(flatten)]
+        maglev: MaglevArgs,
         /// Print what the first sync would write to the maps, one line per write, and exit:
         /// the manifests (or the Kubernetes API's Services, EndpointSlices and Node, listed
         /// once), the pinned maps (none: empty) and the node's addresses are read, nothing is
@@ -386,6 +388,63 @@ struct CapacityArgs {
     /// loadBalancerSourceRanges entries over all LoadBalancer frontends.
     #[arg(long, default_value_t = svc_common::capacity::SRC_RANGES)]
     max_source_ranges: u32,
+    /// Maglev table entries over all external frontends (2 bytes each, allocated in full in
+    /// blocks of four; a table is 127 to 131,071 entries, about 100 per backend, and a changed
+    /// backend set needs room for the old and the new table during the grace period). 0: no
+    /// tables. The default is the small catalogue size while the agent writes no tables
+    /// (docs/design/maglev.md).
+    #[arg(long, default_value_t = svc_common::capacity::MAGLEV * svc_common::MAGLEV_BLOCK)]
+    max_maglev_entries: u32,
+}
+
+/// How external frontends (NodePort, externalIPs, LoadBalancer IPs) choose a backend for a new
+/// flow (docs/design/maglev.md).
+#[derive(clap::Args)]
+struct MaglevArgs {
+    /// maglev: every node with the same seed and backends picks the same backend for a flow
+    /// (a flow that moves between nodes keeps its backend); random: each node picks its own.
+    /// A Service's `svc.dev/lb-algorithm` annotation overrides it. ClusterIPs from pods always
+    /// choose at random.
+    #[arg(long, default_value = "maglev", value_parser = parse_algorithm)]
+    lb_algorithm_external: svc_agent::maglev::Algorithm,
+    /// The seed of the Maglev tables and the flow hash: every node of a cluster needs the
+    /// same one (decimal or 0x hexadecimal).
+    #[arg(long, value_parser = parse_seed)]
+    maglev_seed: Option<u64>,
+}
+
+fn parse_algorithm(s: &str) -> Result<svc_agent::maglev::Algorithm, String> {
+    s.parse()
+}
+
+fn parse_seed(s: &str) -> Result<u64, String> {
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("{s:?} is not a u64: {e}"))
+}
+
+impl MaglevArgs {
+    /// `from_api`: the agent serves from the Kubernetes API, so other nodes serve the same
+    /// Services and must agree on the seed.
+    fn settings(&self, from_api: bool) -> svc_agent::maglev::Settings {
+        let seed = self.maglev_seed.unwrap_or(svc_agent::maglev::DEFAULT_SEED);
+        if from_api
+            && self.maglev_seed.is_none()
+            && self.lb_algorithm_external == svc_agent::maglev::Algorithm::Maglev
+        {
+            tracing::warn!(
+                "--maglev-seed is left at its built-in default: every node of the cluster must \
+                 use the same seed for Maglev to send a flow to the same backend from any \
+                 node; set one cluster-wide"
+            );
+        }
+        svc_agent::maglev::Settings {
+            external: self.lb_algorithm_external,
+            seed,
+        }
+    }
 }
 
 impl CapacityArgs {
@@ -416,8 +475,11 @@ impl CapacityArgs {
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,
             dev_stats: svc_common::capacity::DEV_STATS,
-            // No flag yet: the agent writes no Maglev table (docs/design/maglev.md).
-            maglev: svc_common::capacity::MAGLEV,
+            // An array has one element at least: 0 entries is one block no table uses.
+            maglev: self
+                .max_maglev_entries
+                .div_ceil(svc_common::MAGLEV_BLOCK)
+                .max(1),
             maglev_index: self.max_services,
         })
     }
@@ -455,6 +517,7 @@ fn main() -> anyhow::Result<()> {
             reconcile_interval_s,
             check_interval_ms,
             packet,
+            maglev,
             dry_run,
         } => {
             raise_nofile_limit();
@@ -493,6 +556,7 @@ fn main() -> anyhow::Result<()> {
                     ..Default::default()
                 },
                 packet: packet.config(!dry_run)?,
+                maglev: maglev.settings(from_api),
             };
             let input = match manifests {
                 Some(path) => controller::Input::Manifests {

@@ -322,6 +322,10 @@ pub struct DesiredFrontend {
     /// the field one pointer wide: it is in every frontend, TCP or not.
     #[serde(skip)]
     pub serving: Option<Arc<Vec<SocketAddr>>>,
+    /// The Service's `svc.dev/lb-algorithm` annotation (external scope only): overrides
+    /// `--lb-algorithm-external` for this frontend. None: the flag's choice.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lb_algorithm: Option<crate::maglev::Algorithm>,
 }
 
 impl DesiredFrontend {
@@ -344,6 +348,7 @@ impl DesiredFrontend {
             source_ranges: None,
             created: None,
             serving: None,
+            lb_algorithm: None,
         }
     }
 }

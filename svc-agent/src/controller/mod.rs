@@ -43,6 +43,9 @@ pub struct RunConfig {
     pub capacity: Capacity,
     pub upkeep: Upkeep,
     pub packet: PacketConfig,
+    /// How external frontends choose backends; read by the plan once it writes Maglev tables
+    /// (docs/design/maglev.md, not built yet).
+    pub maglev: crate::maglev::Settings,
 }
 
 /// Where the Services come from.

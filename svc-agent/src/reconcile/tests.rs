@@ -319,6 +319,7 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
                 source_ranges: None,
                 created: None,
                 serving: None,
+                lb_algorithm: None,
             },
         );
         s.cluster_ips.insert(f.ip);
@@ -577,6 +578,7 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                     source_ranges: None,
                     created: None,
                     serving: None,
+                    lb_algorithm: None,
                 },
             );
         }
@@ -730,6 +732,7 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                     source_ranges: None,
                     created: None,
                     serving: None,
+                    lb_algorithm: None,
                 },
             );
             s.cluster_ips.insert(f.ip);
@@ -917,6 +920,7 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
             source_ranges: None,
             created: None,
             serving: None,
+            lb_algorithm: None,
         },
     );
     s.cluster_ips.insert(f.ip);

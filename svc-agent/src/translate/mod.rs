@@ -667,6 +667,7 @@ impl BackendSets {
             source_ranges: None,
             created: svc.created,
             serving: self.serving.clone(),
+            lb_algorithm: None,
         };
         match (claim.kind, claim.frontend.scope) {
             (Kind::ClusterIP, _) => {
@@ -685,6 +686,7 @@ impl BackendSets {
                 // kube-proxy rejects rather than drops.
                 let has_endpoints = !self.cluster().is_empty();
                 d.external_local = svc.external_local && has_endpoints;
+                d.lb_algorithm = svc.lb_algorithm;
                 d.backends = if svc.external_local {
                     self.local().to_vec()
                 } else {

@@ -44,6 +44,9 @@ pub(super) struct ServiceInfo {
     /// What makes the Service reachable from outside the cluster network (besides NodePorts,
     /// which are per port): most Services have none, so it costs one pointer.
     pub external: Option<Box<ExternalInfo>>,
+    /// The `svc.dev/lb-algorithm` annotation, valid; None: absent or invalid (the flag's
+    /// choice applies).
+    pub lb_algorithm: Option<crate::maglev::Algorithm>,
 }
 
 /// ExternalIPs, LoadBalancer ingress IPs and their policies (kube-proxy's serviceport.go).
@@ -207,6 +210,7 @@ pub(super) fn parse(
         }
     };
     let external = parse_external(service, &object, errors);
+    let lb_algorithm = parse_lb_algorithm(meta, &object, errors);
     // kube-proxy's ExternallyAccessible: what externalTrafficPolicy applies to.
     let externally_accessible = kind != ServiceType::ClusterIP
         || external
@@ -254,7 +258,32 @@ pub(super) fn parse(
         external_local,
         health_check_node_port,
         external: external.map(Box::new),
+        lb_algorithm,
     })
+}
+
+/// The Service's `svc.dev/lb-algorithm` annotation. A bad value is reported and the flag's
+/// choice used: the Service is served either way, and every node reads the same annotation,
+/// so they still agree.
+fn parse_lb_algorithm(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    object: &str,
+    errors: &mut Vec<Error>,
+) -> Option<crate::maglev::Algorithm> {
+    let value = meta.annotations.as_ref()?.get(crate::maglev::ANNOTATION)?;
+    match value.trim().parse() {
+        Ok(a) => Some(a),
+        Err(e) => {
+            errors.push(invalid(
+                object,
+                format!(
+                    "annotation {}: {e}; using --lb-algorithm-external",
+                    crate::maglev::ANNOTATION
+                ),
+            ));
+            None
+        }
+    }
 }
 
 /// spec.type, as far as the datapath cares (ExternalName is skipped before).

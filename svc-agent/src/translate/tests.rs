@@ -1715,3 +1715,52 @@ fn names_the_api_server_refuses_are_refused_and_reported_escaped() {
         ]
     );
 }
+
+/// A LoadBalancer Service `a/web` with a NodePort and an ingress IP, annotated.
+fn annotated_lb(algorithm: &str) -> Service {
+    service(&format!(
+        "metadata: {{name: web, namespace: a, annotations: {{svc.dev/lb-algorithm: '{algorithm}'}}}}
+spec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80, nodePort: 30080}}]}}
+status: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}"
+    ))
+}
+
+#[test]
+fn lb_algorithm_annotation_chooses_for_external_frontends_only() {
+    use crate::maglev::Algorithm;
+    for (value, want) in [("random", Algorithm::Random), ("maglev", Algorithm::Maglev)] {
+        let t = run(&[annotated_lb(value)], &[]);
+        assert_no_errors(&t);
+        for which in [
+            "0.0.0.0:30080/TCP (external)",
+            "198.51.100.1:80/TCP (external)",
+        ] {
+            assert_eq!(frontend(&t, which).lb_algorithm, Some(want), "{which}");
+        }
+        // The socket path and pods' ClusterIP keep the random choice whatever it says.
+        assert_eq!(frontend(&t, "10.96.0.1:80/TCP").lb_algorithm, None);
+    }
+}
+
+#[test]
+fn unknown_lb_algorithm_is_an_error_naming_the_service_which_is_still_served() {
+    let t = run(&[annotated_lb("round-robin")], &[]);
+    let errors = errors(&t);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(
+        errors[0].contains("Service a/web")
+            && errors[0].contains("svc.dev/lb-algorithm")
+            && errors[0].contains("round-robin"),
+        "{}",
+        errors[0]
+    );
+    // Served, with the flag's choice (no override).
+    assert_eq!(
+        frontend(&t, "198.51.100.1:80/TCP (external)").lb_algorithm,
+        None
+    );
+    assert_eq!(
+        frontend(&t, "0.0.0.0:30080/TCP (external)").lb_algorithm,
+        None
+    );
+}
