@@ -93,6 +93,7 @@ struct Recorded {
     unmanaged: Labelled<Gauge, String>,
     drift_ops: Counter,
     kube_proxy: KubeProxy,
+    snat_ports: Gauge,
 }
 
 /// Under kube-proxy's names (pkg/proxy/metrics), with its types and buckets, what svc measures
@@ -183,6 +184,7 @@ impl Recorded {
             unmanaged: add(&mut r, "svc_flows_via_unmanaged_device", "Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check"),
             drift_ops: add(&mut r, "svc_drift_repaired_ops", "Map writes that repaired a difference between the maps and what was programmed"),
             kube_proxy: KubeProxy::new(&mut r),
+            snat_ports: add(&mut r, "svc_snat_ports", "Ports in the SNAT port range: what svc_snat_ports_in_use_max runs up against"),
             registry: r,
         };
         // Shown at 0 too: the one protocol svc does not serve.
@@ -547,6 +549,12 @@ impl Metrics {
     pub fn snat_degraded(&self, why: Option<String>) {
         self.recorded.snat_degraded.set(why.is_some().into());
         self.lock().snat_degraded = why;
+    }
+
+    /// The SNAT port range, `lo..=hi`.
+    pub fn snat_ports(&self, (lo, hi): (u16, u16)) {
+        let n = if hi >= lo { u32::from(hi - lo) + 1 } else { 0 };
+        self.recorded.snat_ports.set(n.into());
     }
 
     pub fn datapath_broken(&self, broken: bool) {
@@ -1139,6 +1147,7 @@ mod tests {
         });
         m.repaired("pin");
         m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
+        m.snat_ports((61000, 65535));
         let text = m.render();
         let types: Vec<&str> = text
             .lines()
@@ -1172,12 +1181,14 @@ mod tests {
                 "svc_conntrack_sweep_seconds_total counter",
                 "svc_flows_via_unmanaged_device gauge",
                 "svc_drift_repaired_ops_total counter",
+                "svc_snat_ports gauge",
             ]
         );
         for help in text.lines().filter(|l| l.starts_with("# HELP ")) {
             assert!(help.ends_with('.') && !help.ends_with(".."), "{help}");
         }
         assert!(text.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 0\n"));
+        assert!(text.contains("\nsvc_snat_ports 4536\n"), "{text}");
         assert!(text.contains("\nsvc_sync_duration_seconds_bucket{le=\"+Inf\"} 0\n"));
         assert!(
             text.contains("\nsvc_http_connections_evicted_total 0\n"),
