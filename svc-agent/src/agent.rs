@@ -325,8 +325,11 @@ impl Agent {
         }
         self.end_stale_udp(scope);
         self.sync_health_checks();
-        self.metrics
-            .synced(started.elapsed(), self.snapshot_metrics());
+        self.metrics.synced(
+            started.elapsed(),
+            covered.is_none(),
+            self.snapshot_metrics(),
+        );
         report
     }
 

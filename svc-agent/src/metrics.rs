@@ -39,6 +39,21 @@ const LAG_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// kube-proxy's sync duration buckets: ExponentialBuckets(0.001, 2, 15), 1 ms to 16.384 s.
+fn kube_proxy_sync_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 15)
+}
+
+/// kube-proxy's network programming buckets: 0.25 s and 0.5 s, every second to 59 s, every 5 s
+/// to 115 s, every 30 s from 2 to 5 minutes.
+fn kube_proxy_programming_buckets() -> impl Iterator<Item = f64> {
+    [0.25, 0.5]
+        .into_iter()
+        .chain((1..=59).map(f64::from))
+        .chain((0..12).map(|i| f64::from(60 + 5 * i)))
+        .chain((0..7).map(|i| f64::from(120 + 30 * i)))
+}
+
 /// One label's name and value.
 type Label<V> = [(&'static str, V); 1];
 type Labelled<M, V = &'static str> = Family<Label<V>, M>;
@@ -77,6 +92,48 @@ struct Recorded {
     sweep_seconds: Counter<f64, AtomicU64>,
     unmanaged: Labelled<Gauge, String>,
     drift_ops: Counter,
+    kube_proxy: KubeProxy,
+    snat_ports: Gauge,
+}
+
+/// Under kube-proxy's names (pkg/proxy/metrics), with its types and buckets, what svc measures
+/// with the same meaning, so that kube-proxy's dashboards and alerts read svc. Without
+/// kube-proxy's `ip_family` label: one sync programs both families.
+#[derive(Debug)]
+struct KubeProxy {
+    sync_seconds: Histogram,
+    full_sync_seconds: Histogram,
+    partial_sync_seconds: Histogram,
+    last_synced: Gauge<f64, AtomicU64>,
+    last_queued: Gauge<f64, AtomicU64>,
+    programming_seconds: Histogram,
+}
+
+impl KubeProxy {
+    fn new(r: &mut Registry) -> KubeProxy {
+        let sync = |r: &mut Registry, name: &str, help: &str| {
+            let h = Histogram::new(kube_proxy_sync_buckets());
+            r.register(name, help, h.clone());
+            h
+        };
+        KubeProxy {
+            sync_seconds: sync(r, "kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds: svc_sync_duration_seconds, on kube-proxy's buckets"),
+            full_sync_seconds: sync(r, "kubeproxy_sync_full_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds for full resyncs (every Service)"),
+            partial_sync_seconds: sync(r, "kubeproxy_sync_partial_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds for partial resyncs (the Services that changed)"),
+            last_synced: add(r, "kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were synced, in seconds since the epoch"),
+            last_queued: add(r, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "The last time a sync of proxy rules was queued, in seconds since the epoch"),
+            programming_seconds: {
+                let h = Histogram::new(kube_proxy_programming_buckets());
+                r.register("kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds: svc_network_programming_duration_seconds, on kube-proxy's buckets", h.clone());
+                h
+            },
+        }
+    }
+}
+
+/// Now, in seconds since the epoch.
+fn epoch_seconds() -> f64 {
+    Timestamp::now().as_millisecond() as f64 / 1000.0
 }
 
 /// A new metric registered as `name`.
@@ -126,6 +183,8 @@ impl Recorded {
             sweep_seconds: add(&mut r, "svc_conntrack_sweep_seconds", "Seconds the sweeps' program ran, as the kernel measured it"),
             unmanaged: add(&mut r, "svc_flows_via_unmanaged_device", "Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check"),
             drift_ops: add(&mut r, "svc_drift_repaired_ops", "Map writes that repaired a difference between the maps and what was programmed"),
+            kube_proxy: KubeProxy::new(&mut r),
+            snat_ports: add(&mut r, "svc_snat_ports", "Ports in the SNAT port range: what svc_snat_ports_in_use_max runs up against"),
             registry: r,
         };
         // Shown at 0 too: the one protocol svc does not serve.
@@ -417,11 +476,23 @@ impl Metrics {
         let mut i = self.lock();
         i.queued_since.get_or_insert_with(Instant::now);
         i.unsynced_since.get_or_insert_with(Instant::now);
+        drop(i);
+        self.recorded.kube_proxy.last_queued.set(epoch_seconds());
     }
 
-    pub fn synced(&self, took: Duration, state: Programmed) {
-        self.recorded.syncs.inc();
-        self.recorded.sync_seconds.observe(took.as_secs_f64());
+    /// A sync took `took`; `full`: it covered every Service, not only those that changed.
+    pub fn synced(&self, took: Duration, full: bool, state: Programmed) {
+        let r = &self.recorded;
+        r.syncs.inc();
+        r.sync_seconds.observe(took.as_secs_f64());
+        let k = &r.kube_proxy;
+        k.sync_seconds.observe(took.as_secs_f64());
+        if full {
+            k.full_sync_seconds.observe(took.as_secs_f64());
+        } else {
+            k.partial_sync_seconds.observe(took.as_secs_f64());
+        }
+        k.last_synced.set(epoch_seconds());
         let mut i = self.lock();
         i.last_synced = Some(Timestamp::now());
         i.unsynced_since = None;
@@ -480,6 +551,12 @@ impl Metrics {
         self.lock().snat_degraded = why;
     }
 
+    /// The SNAT port range, `lo..=hi`.
+    pub fn snat_ports(&self, (lo, hi): (u16, u16)) {
+        let n = if hi >= lo { u32::from(hi - lo) + 1 } else { 0 };
+        self.recorded.snat_ports.set(n.into());
+    }
+
     pub fn datapath_broken(&self, broken: bool) {
         self.lock().datapath_broken = broken;
     }
@@ -509,6 +586,10 @@ impl Metrics {
     /// datapath reflecting it: kube-proxy's network programming latency.
     pub fn programming_latency(&self, d: Duration) {
         self.recorded.programming_seconds.observe(d.as_secs_f64());
+        self.recorded
+            .kube_proxy
+            .programming_seconds
+            .observe(d.as_secs_f64());
     }
 
     /// kube-proxy's rule: healthy unless a change has waited longer than the timeout, and
@@ -735,6 +816,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -756,6 +838,7 @@ mod tests {
         assert!(!m.healthy().0);
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -768,6 +851,7 @@ mod tests {
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -778,6 +862,7 @@ mod tests {
         // which; /livez stays up (a restart would not help).
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 failing: vec!["ns/big".into()],
@@ -801,12 +886,12 @@ mod tests {
             node_failing,
             ..Default::default()
         };
-        m.synced(Duration::from_millis(1), state(true));
+        m.synced(Duration::from_millis(1), true, state(true));
         let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
         assert!(reply.contains("SVC_NODE_ADDRS"), "{reply}");
         assert!(!m.service_healthy("shop/web"));
-        m.synced(Duration::from_millis(1), state(false));
+        m.synced(Duration::from_millis(1), true, state(false));
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         assert!(m.service_healthy("shop/web"));
     }
@@ -818,6 +903,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 unserved: vec!["demo/diameter:dia 3868/SCTP".into()],
@@ -841,6 +927,7 @@ mod tests {
         );
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -856,6 +943,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -883,6 +971,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -908,6 +997,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -940,6 +1030,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(3),
+            true,
             Programmed {
                 frontends: 2,
                 backends: 3,
@@ -965,6 +1056,7 @@ mod tests {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
         m.synced(
             Duration::from_millis(1),
+            true,
             Programmed {
                 attached: true,
                 ..Default::default()
@@ -978,6 +1070,66 @@ mod tests {
         assert_eq!(h.problems, ["SNAT off: test"]);
         assert!(m.service_healthy("ns/web"));
         assert!(m.render().contains("\nsvc_snat_degraded 1\n"));
+    }
+
+    /// kube-proxy's names, types and buckets, so its dashboards read svc: a full and a scoped
+    /// sync land in their own histograms and both in the overall one.
+    #[test]
+    fn kube_proxy_names_types_and_buckets() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.queued();
+        m.synced(Duration::from_millis(3), true, Programmed::default());
+        m.synced(Duration::from_millis(20), false, Programmed::default());
+        m.programming_latency(Duration::from_millis(700));
+        let text = m.render();
+        let types: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE kubeproxy_"))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                "sync_proxy_rules_duration_seconds histogram",
+                "sync_full_proxy_rules_duration_seconds histogram",
+                "sync_partial_proxy_rules_duration_seconds histogram",
+                "sync_proxy_rules_last_timestamp_seconds gauge",
+                "sync_proxy_rules_last_queued_timestamp_seconds gauge",
+                "network_programming_duration_seconds histogram",
+            ]
+        );
+        for line in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 2",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_bucket{le=\"0.016\"} 0",
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds_bucket{le=\"0.032\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.5\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"1\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"115\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300\"} 1",
+        ] {
+            assert!(text.contains(&format!("\n{line}\n")), "{line} in {text}");
+        }
+        let buckets = text
+            .lines()
+            .filter(|l| l.starts_with("kubeproxy_network_programming_duration_seconds_bucket"))
+            .count();
+        // 2 + 59 + 12 + 7 and +Inf, as kube-proxy's.
+        assert_eq!(buckets, 81);
+        let now = epoch_seconds();
+        for name in [
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        ] {
+            let v: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"));
+            assert!((now - v).abs() < 60.0, "{name} {v}, now {now}");
+        }
     }
 
     /// Every metric's name and type as /metrics has always shown them (the datapath's own
@@ -995,10 +1147,12 @@ mod tests {
         });
         m.repaired("pin");
         m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
+        m.snat_ports((61000, 65535));
         let text = m.render();
         let types: Vec<&str> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter(|t| t.starts_with("svc_"))
             .collect();
         assert_eq!(
             types,
@@ -1027,12 +1181,14 @@ mod tests {
                 "svc_conntrack_sweep_seconds_total counter",
                 "svc_flows_via_unmanaged_device gauge",
                 "svc_drift_repaired_ops_total counter",
+                "svc_snat_ports gauge",
             ]
         );
         for help in text.lines().filter(|l| l.starts_with("# HELP ")) {
             assert!(help.ends_with('.') && !help.ends_with(".."), "{help}");
         }
         assert!(text.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 0\n"));
+        assert!(text.contains("\nsvc_snat_ports 4536\n"), "{text}");
         assert!(text.contains("\nsvc_sync_duration_seconds_bucket{le=\"+Inf\"} 0\n"));
         assert!(
             text.contains("\nsvc_http_connections_evicted_total 0\n"),

@@ -580,6 +580,260 @@ fn answered(
 
 // ---------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------
+// The dashboard and alert rules in deploy/ read what the agent exports.
+
+/// The metric names a PromQL expression reads: every identifier outside strings, label
+/// matchers (`{...}`), ranges (`[...]`) and label lists (`by (...)`, `on (...)`, ...) that is
+/// no keyword, aggregation or function (called: followed by `(`). Not a full parser: enough
+/// for expressions that name metrics plainly (no `{__name__=...}`).
+fn promql_metrics(expr: &str) -> BTreeSet<String> {
+    const LABEL_LISTS: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
+    const WORDS: &[&str] = &[
+        "bool",
+        "offset",
+        "and",
+        "or",
+        "unless",
+        "atan2",
+        "inf",
+        "nan",
+        "sum",
+        "avg",
+        "min",
+        "max",
+        "count",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+        "group",
+        "limitk",
+        "limit_ratio",
+    ];
+    let c: Vec<char> = expr.chars().collect();
+    let mut out = BTreeSet::new();
+    let (mut braces, mut brackets) = (0u32, 0u32);
+    let (mut list_next, mut in_list) = (false, false);
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        i += 1;
+        match ch {
+            '"' | '\'' | '`' => {
+                while i < c.len() && c[i] != ch {
+                    i += if c[i] == '\\' && ch != '`' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            '#' => {
+                while i < c.len() && c[i] != '\n' {
+                    i += 1;
+                }
+            }
+            '{' => braces += 1,
+            '}' => braces = braces.saturating_sub(1),
+            '[' => brackets += 1,
+            ']' => brackets = brackets.saturating_sub(1),
+            '(' if list_next => (list_next, in_list) = (false, true),
+            ')' if in_list => in_list = false,
+            '0'..='9' | '.' => {
+                while i < c.len() && (c[i].is_ascii_alphanumeric() || c[i] == '.') {
+                    i += 1;
+                }
+            }
+            ch if ch.is_ascii_alphabetic() || ch == '_' || ch == ':' => {
+                let start = i - 1;
+                while i < c.len() && (c[i].is_ascii_alphanumeric() || c[i] == '_' || c[i] == ':') {
+                    i += 1;
+                }
+                let word: String = c[start..i].iter().collect();
+                let next = c[i..].iter().find(|c| !c.is_whitespace());
+                if braces > 0 || brackets > 0 || in_list {
+                    continue;
+                }
+                if LABEL_LISTS.contains(&word.as_str()) {
+                    list_next = true;
+                } else if !WORDS.contains(&word.as_str()) && next != Some(&'(') {
+                    out.insert(word);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Every PromQL expression of deploy/'s dashboard and alert rules, with where it is; checks
+/// the rule file's shape on the way (groups of named rules, each an alert with an expression,
+/// a duration, a severity and a summary).
+fn deploy_exprs() -> Vec<(String, String)> {
+    let deploy = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let mut out = Vec::new();
+    let dashboard = deploy.join("grafana/svc-dashboard.json");
+    let d: Value = serde_json::from_str(&std::fs::read_to_string(&dashboard).expect("dashboard"))
+        .expect("the dashboard is JSON");
+    let panels = d["panels"].as_array().expect("dashboard panels");
+    assert!(!panels.is_empty(), "{dashboard:?} has no panels");
+    for p in panels {
+        let title = p["title"].as_str().expect("a panel's title");
+        let targets = p["targets"].as_array().expect("a panel's targets");
+        assert!(!targets.is_empty(), "panel {title} has no targets");
+        for t in targets {
+            let expr = t["expr"].as_str().expect("a target's expr");
+            out.push((format!("dashboard panel {title:?}"), expr.to_string()));
+        }
+    }
+    let rules = deploy.join("prometheus/svc-alerts.yaml");
+    let r: Value = serde_saphyr::from_str(&std::fs::read_to_string(&rules).expect("alert rules"))
+        .expect("the alert rules are YAML");
+    let groups = r["groups"].as_array().expect("`groups:` of the rule file");
+    assert!(!groups.is_empty(), "{rules:?} has no groups");
+    let mut alerts = BTreeSet::new();
+    for g in groups {
+        let name = g["name"].as_str().expect("a group's name");
+        let rules = g["rules"]
+            .as_array()
+            .unwrap_or_else(|| panic!("rules of group {name}"));
+        assert!(!rules.is_empty(), "group {name} has no rules");
+        for rule in rules {
+            let alert = rule["alert"]
+                .as_str()
+                .unwrap_or_else(|| panic!("an alert in {name}: {rule}"));
+            assert!(alerts.insert(alert.to_string()), "alert {alert} twice");
+            let expr = rule["expr"]
+                .as_str()
+                .unwrap_or_else(|| panic!("expr of {alert}"));
+            let r#for = rule["for"]
+                .as_str()
+                .unwrap_or_else(|| panic!("`for` of {alert}"));
+            assert!(
+                r#for.len() > 1
+                    && r#for.ends_with(['s', 'm', 'h'])
+                    && r#for[..r#for.len() - 1].parse::<u32>().is_ok(),
+                "`for: {for}` of {alert}"
+            );
+            let severity = rule["labels"]["severity"].as_str();
+            assert!(
+                matches!(severity, Some("warning" | "critical")),
+                "severity of {alert}: {severity:?}"
+            );
+            assert!(
+                rule["annotations"]["summary"].is_string(),
+                "summary of {alert}"
+            );
+            assert!(
+                rule["annotations"]["description"].is_string(),
+                "description of {alert}"
+            );
+            out.push((format!("alert {alert}"), expr.to_string()));
+        }
+    }
+    for want in [
+        "SvcSyncErrors",
+        "SvcMapNearlyFull",
+        "SvcConntrackNearlyFull",
+        "SvcSnatPortsNearExhaustion",
+        "SvcNetworkProgrammingSlow",
+        "SvcRefusalsRising",
+    ] {
+        assert!(alerts.contains(want), "no alert {want} in {rules:?}");
+    }
+    out
+}
+
+/// The names /metrics shows samples of (a histogram's `_bucket`, `_sum`, `_count`).
+fn sampled(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn promql_metric_names_are_told_from_functions_labels_and_strings() {
+    let got = promql_metrics(
+        r#"histogram_quantile(0.99, sum by (instance, le) (rate(a_bucket{x="b_c",y=~"$i"}[5m])))
+           / on (instance) group_left (map) b:c offset 1h > 0.9 and time() - c_total or vector(1)"#,
+    );
+    let want: BTreeSet<String> = ["a_bucket", "b:c", "c_total"].map(String::from).into();
+    assert_eq!(got, want);
+    assert!(
+        sampled("# TYPE h histogram\nh_bucket{le=\"1\"} 0\nh_sum 0\ng 1\n")
+            .iter()
+            .eq(["g", "h_bucket", "h_sum"])
+    );
+}
+
+/// Every metric deploy/'s Grafana dashboard and Prometheus alert rules read is one a running
+/// agent exports, with samples: an agent of the packet datapath that has synced a Service,
+/// answered a connection, refused one to a Service without endpoints, and skipped a manifest it
+/// cannot read (so its labelled families, listed from their first sample on, are shown).
+#[test]
+fn deploy_dashboard_and_alerts_use_exported_metrics() {
+    let exprs = deploy_exprs();
+    let mut t = Topo::new();
+    t.service("web", nodeport("web", 11, 30081));
+    t.endpoints("web", &[LOCAL_POD]);
+    t.service("empty", nodeport("empty", 13, 30083));
+    t.endpoints("empty", &[]);
+    t.m.write_raw("broken.yaml", "kind: [unterminated\n")
+        .expect("writing a broken manifest");
+    t.start_agent_with(&["--metrics-bind-address", "127.0.0.1:10249"]);
+    let to = sa(NODE1, 30081);
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    let refused = sa(NODE1, 30083);
+    let got = in_ns(&t.client, move || {
+        tcp_once(refused, ANSWER).map(|_| ()).map_err(|e| e.kind())
+    });
+    assert_eq!(
+        got,
+        Err(std::io::ErrorKind::ConnectionRefused),
+        "TCP {refused}"
+    );
+    let (status, text) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+    });
+    assert_eq!(status, 200);
+    let exported = sampled(&text);
+    let mut used = BTreeSet::new();
+    let mut missing = Vec::new();
+    for (what, expr) in &exprs {
+        let names = promql_metrics(expr);
+        assert!(!names.is_empty(), "{what} reads no metric: {expr}");
+        for name in names {
+            if !exported.contains(&name) {
+                missing.push(format!("{name} ({what})"));
+            }
+            used.insert(name);
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "not exported: {missing:#?}\n/metrics:\n{text}"
+    );
+    // kube-proxy's names among them, so its dashboards' queries are the ones shown.
+    for name in [
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_network_programming_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+    ] {
+        assert!(used.contains(name), "deploy/ does not read {name}");
+    }
+}
+
 /// NodePort over TCP and UDP, IPv4 and IPv6: a backend on node 1 sees the client's own
 /// address; a backend on node 2 sees node 1's address (SNAT), and the reply still comes back
 /// from the address the client used. A NodePort without endpoints refuses at once (TCP RST,

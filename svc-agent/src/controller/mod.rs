@@ -263,6 +263,7 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 /// Starts the metrics server and the agent.
 async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
     metrics.snat_degraded(cfg.packet.snat_degraded.clone());
+    metrics.snat_ports(cfg.packet.snat_ports);
     for &(addr, port) in &cfg.listen {
         let listener = metrics::bind(addr).await?;
         info!(%addr, paths = port.paths(), "serving");

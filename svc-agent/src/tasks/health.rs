@@ -434,6 +434,7 @@ mod tests {
         );
         metrics.synced(
             Duration::from_millis(1),
+            true,
             crate::metrics::Programmed {
                 attached: true,
                 failing,
