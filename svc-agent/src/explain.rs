@@ -317,8 +317,7 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
         };
         if let Some((table, v)) = live.ct(&key) {
             let idle_ns = live.now_ns().saturating_sub(v.last_seen_ns);
-            let timeout =
-                svc_common::ct_timeout::seconds(&view.config, key.proto, v.flags) as u64;
+            let timeout = svc_common::ct_timeout::seconds(&view.config, key.proto, v.flags) as u64;
             e.conntrack = Some(ExplainedCt {
                 table,
                 backend: SocketAddr::new(ip_from16(v.nat_addr), u16::from_be(v.nat_port_be)),
@@ -342,8 +341,8 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
         From::Pod | From::Node => {
             let mut f = node.unwrap_or(0);
             let loopback = matches!(dst_ip, IpAddr::V4(v4) if v4.is_loopback());
-            let localhost = f & node_addr_flags::LOCALHOST != 0
-                || (f == 0 && view.config.localhost_net != 0);
+            let localhost =
+                f & node_addr_flags::LOCALHOST != 0 || (f == 0 && view.config.localhost_net != 0);
             if q.from == From::Node && loopback && localhost {
                 f |= node_addr_flags::NODEPORT;
             }
@@ -451,8 +450,7 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
             None => {
                 e.source_range = Some("unknown (no --src)");
                 notes.push(
-                    "loadBalancerSourceRanges apply: clients outside them are dropped"
-                        .to_string(),
+                    "loadBalancerSourceRanges apply: clients outside them are dropped".to_string(),
                 );
             }
             Some((src, _)) => {
@@ -693,7 +691,11 @@ pub fn render_text(e: &Explanation) -> String {
                 .unwrap_or_else(|| "(backend gone)".into()),
             a.idle_s,
             if a.fresh { "" } else { ", expired" },
-            if a.member { "" } else { ", no longer a backend" }
+            if a.member {
+                ""
+            } else {
+                ", no longer a backend"
+            }
         );
     }
     if let Some(c) = &e.conntrack {
@@ -823,9 +825,7 @@ mod tests {
                 name: "default/lb:https".into(),
                 id: 5,
                 count: 1,
-                flags: svc_flags::LOAD_BALANCER
-                    | svc_flags::SOURCE_RANGES
-                    | svc_flags::AFFINITY,
+                flags: svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES | svc_flags::AFFINITY,
                 affinity_timeout_s: 60,
                 affinity_id: 9,
                 slots: vec![2],
@@ -862,6 +862,20 @@ mod tests {
                 "10.1.0.2:8080".parse().unwrap()
             ]
         );
+    }
+
+    #[test]
+    fn text_names_the_service_the_slots_the_verdict_and_the_source() {
+        let e = explain(&view(), &NoLive, &q("10.96.0.10:80", None, From::Pod));
+        let t = render_text(&e);
+        for want in [
+            "Service:       default/web:http",
+            "Slots (gen 3): 10.1.0.1:8080 (local), 10.1.0.2:8080",
+            "Verdict:       backend: one of 2 slot(s)",
+            "read from the pinned maps",
+        ] {
+            assert!(t.contains(want), "{want:?} not in:\n{t}");
+        }
     }
 
     #[test]
@@ -905,17 +919,19 @@ mod tests {
         assert_eq!(e.frontend.as_ref().unwrap().id, 3);
         assert_eq!(e.verdict, "dropped");
         // Not a node address: no NodePort.
-        let e = explain(&view(), &NoLive, &q("192.168.1.6:30080", None, From::Outside));
+        let e = explain(
+            &view(),
+            &NoLive,
+            &q("192.168.1.6:30080", None, From::Outside),
+        );
         assert_eq!(e.verdict, "passed");
     }
 
     #[test]
     fn localhost_nodeport_only_for_the_node() {
         let mut v = view();
-        v.node_addrs.insert(
-            ip("127.0.0.1"),
-            node_addr_flags::LOCALHOST,
-        );
+        v.node_addrs
+            .insert(ip("127.0.0.1"), node_addr_flags::LOCALHOST);
         let e = explain(&v, &NoLive, &q("127.0.0.1:30080", None, From::Node));
         assert_eq!(e.verdict, "backend");
         let e = explain(&v, &NoLive, &q("127.0.0.1:30080", None, From::Pod));

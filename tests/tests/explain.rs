@@ -78,7 +78,10 @@ fn explain_matches_what_connections_get() {
     let r = w.sb.tcp(sa(VIP, 80), 40, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     let reached: BTreeSet<String> = names(&r).iter().map(|n| addr_of(n)).collect();
-    assert_eq!(reached, listed, "explain listed {listed:?}, connections reached {reached:?}");
+    assert_eq!(
+        reached, listed,
+        "explain listed {listed:?}, connections reached {reached:?}"
+    );
 
     // A Service without endpoints, and a port the ClusterIP does not define: refused, as
     // connect() is.
