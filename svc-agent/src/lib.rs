@@ -5,6 +5,7 @@ pub mod controller;
 pub mod datapath;
 pub mod desired;
 pub mod error;
+pub mod explain;
 pub mod fault;
 pub mod handover;
 pub mod http;

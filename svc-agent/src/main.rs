@@ -150,6 +150,25 @@ enum Command {
         #[arg(short, long, value_enum, default_value = "text")]
         output: Output,
     },
+    /// What the datapath does with a destination now (frontend, Service, backends, verdict),
+    /// from the pinned maps alone.
+    Explain {
+        /// The destination, ADDR:PORT.
+        #[arg(long)]
+        dst: SocketAddr,
+        /// The client: ADDR, or ADDR:PORT to find the flow's conntrack entry.
+        #[arg(long, value_parser = svc_agent::explain::parse_src)]
+        src: Option<(std::net::IpAddr, Option<u16>)>,
+        #[arg(long, value_enum, default_value = "tcp")]
+        proto: svc_agent::explain::Proto,
+        /// Where the traffic starts: a pod's or the node's socket, or a packet from outside.
+        #[arg(long, value_enum, default_value = "pod")]
+        from: svc_agent::explain::From,
+        #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        #[arg(short, long, value_enum, default_value = "text")]
+        output: Output,
+    },
     /// Detach the programs and remove every pinned map and link.
     Uninstall {
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
@@ -650,6 +669,27 @@ fn main() -> anyhow::Result<()> {
                     print_out(&format!("{}\n", serde_json::to_string_pretty(&listing)?))?
                 }
                 Output::Text => print_out(&list::render_text(&listing))?,
+            }
+        }
+        Command::Explain {
+            dst,
+            src,
+            proto,
+            from,
+            bpffs,
+            output,
+        } => {
+            let store = datapath::open_pinned(&bpffs)?;
+            let query = svc_agent::explain::Query {
+                dst,
+                src,
+                proto,
+                from,
+            };
+            let e = svc_agent::explain::read(&store, &query)?;
+            match output {
+                Output::Json => print_out(&format!("{}\n", serde_json::to_string_pretty(&e)?))?,
+                Output::Text => print_out(&svc_agent::explain::render_text(&e))?,
             }
         }
         Command::Uninstall { bpffs, cgroup } => {
