@@ -142,7 +142,10 @@ const NOT_APPLIED: &[(&str, &str)] = &[
     ),
     ("enableProfiling", "svc has no pprof endpoint"),
     ("featureGates", "svc has no feature gates"),
-    ("logging", "svc logs with RUST_LOG"),
+    (
+        "logging",
+        "svc's log is set by --logging-format, --v and --log-level",
+    ),
     (
         "showHiddenMetricsForVersion",
         "svc hides no metric: every one it has is shown",

@@ -1028,8 +1028,9 @@ impl Reason {
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
     /// hooks count without one): what the socket programs' own counter array held before
-    /// the vocabularies were one, `CtAssuredFull` and `ErrMissingEntry` included.
-    pub const DECISIONS: [Reason; 15] = {
+    /// the vocabularies were one, `CtAssuredFull` and `ErrMissingEntry` included, and the
+    /// backend choice's `MaglevMissing`, counted without a device too.
+    pub const DECISIONS: [Reason; 16] = {
         use Reason::*;
         [
             Translated,
@@ -1046,6 +1047,7 @@ impl Reason {
             SockRevUntracked,
             AffinityStale,
             SockRevReleased,
+            CtAssuredFull,
             MaglevMissing,
         ]
     };
@@ -1529,6 +1531,32 @@ mod tests {
 
     /// A reason's number is in `DEV_STATS` keys a rolled-back or upgraded agent reads, and its
     /// name in dashboards: both are released, never changed.
+    /// `svc_datapath_decisions_total` keeps every reason the retired `SVC_STATS` array
+    /// exported (its names, in its order): dashboards read them.
+    #[test]
+    fn the_decisions_series_keeps_the_retired_arrays_reasons() {
+        let retired = [
+            "translated",
+            "refused_no_backend",
+            "refused_no_port",
+            "err_missing_entry",
+            "affinity_hit",
+            "rev_translated",
+            "err_sock_rev_update",
+            "retried_missing_entry",
+            "sock_sticky",
+            "sock_moved",
+            "sock_hashed",
+            "sock_rev_untracked",
+            "affinity_stale",
+            "sock_rev_released",
+            "ct_assured_full",
+        ];
+        for (i, name) in retired.iter().enumerate() {
+            assert_eq!(Reason::DECISIONS[i].name(), *name, "position {i}");
+        }
+    }
+
     #[test]
     fn reasons_are_numbered_once() {
         for (i, r) in Reason::ALL.iter().enumerate() {
