@@ -810,10 +810,8 @@ mod tests {
         format!("HTTP/1.1 {}\r\n\r\n{}", a.status, a.body)
     }
 
-    /// KEP-3836: a node being deleted fails /healthz (nodeEligible false) and nothing else.
-    #[test]
-    fn a_node_being_deleted_fails_healthz_but_not_livez() {
-        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+    /// A full sync of nothing, with the programs attached.
+    fn synced_attached(m: &Metrics) {
         m.synced(
             Duration::from_millis(1),
             true,
@@ -822,6 +820,13 @@ mod tests {
                 ..Default::default()
             },
         );
+    }
+
+    /// KEP-3836: a node being deleted fails /healthz (nodeEligible false) and nothing else.
+    #[test]
+    fn a_node_being_deleted_fails_healthz_but_not_livez() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        synced_attached(&m);
         assert!(got(&m, Port::Health, "/healthz").contains("\"nodeEligible\": true"));
         m.set_node_eligible(false);
         let reply = got(&m, Port::Health, "/healthz");
@@ -836,27 +841,13 @@ mod tests {
     fn healthz_fails_before_the_first_sync_and_when_a_change_waits_too_long() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_millis(20));
         assert!(!m.healthy().0);
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         assert!(m.healthy().0);
         m.queued();
         std::thread::sleep(Duration::from_millis(30));
         assert!(!m.healthy().0);
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
         // A Service that cannot be programmed makes the node unhealthy at once, and says
         // which; /livez stays up (a restart would not help).
@@ -925,14 +916,7 @@ mod tests {
             metrics.contains("\nsvc_service_ports_not_served{protocol=\"SCTP\"} 1\n"),
             "{metrics}"
         );
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         assert!(!got(&m, Port::Health, "/healthz").contains("SCTP"));
     }
 
@@ -941,14 +925,7 @@ mod tests {
     #[test]
     fn flows_via_an_unmanaged_device_are_counted_and_listed_without_failing_health() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         m.unmanaged_devices(BTreeMap::from([("eth1".to_string(), 2)]));
         let reply = got(&m, Port::Health, "/healthz");
         assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
@@ -969,14 +946,7 @@ mod tests {
     #[test]
     fn the_health_port_answers_health_only_and_the_metrics_port_everything() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         let status = |port, path| got(&m, port, path)[..12].to_string();
         for path in ["/healthz", "/livez"] {
             assert_eq!(status(Port::Health, path), "HTTP/1.1 200", "{path}");
@@ -995,14 +965,7 @@ mod tests {
         use std::net::SocketAddr;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         let get = |addr: SocketAddr, path: &'static str| async move {
             let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
             c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
@@ -1054,14 +1017,7 @@ mod tests {
     #[test]
     fn snat_off_is_a_problem_of_healthz_alone() {
         let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
-        m.synced(
-            Duration::from_millis(1),
-            true,
-            Programmed {
-                attached: true,
-                ..Default::default()
-            },
-        );
+        synced_attached(&m);
         assert!(m.health().ok);
         assert!(m.render().contains("\nsvc_snat_degraded 0\n"));
         m.snat_degraded(Some("SNAT off: test".into()));

@@ -1390,21 +1390,7 @@ fn lifecycle(cp: &mut ControlPlane, name: &str) -> Result<()> {
 /// address nothing answers on). With it the agent starts on empty pins and serves.
 fn api_server_given_by_flag(cp: &ControlPlane, name: &str) -> Result<()> {
     let mut env = Env::new(cp, name)?;
-    env.serve(1, &[8080])?;
-    let stored = apply(
-        cp,
-        &[
-            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
-            env.slice(
-                "web-1",
-                "web",
-                "IPv4",
-                json!([port("http", 8080, "TCP")]),
-                json!([ep(&env.v4(1))]),
-            ),
-        ],
-    )?;
-    let vip = sa(cluster_ip(&stored)?, 80);
+    let vip = serve_web(&mut env, cp)?;
     let real = cp.server_url();
     let kubeconfig = std::fs::read_to_string(cp.kubeconfig_path())?;
     ensure!(kubeconfig.contains(&real), "{real} not in the kubeconfig");
@@ -1627,21 +1613,7 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
     }
 
     let mut env = Env::new(cp, name)?;
-    env.serve(1, &[8080])?;
-    let stored = apply(
-        cp,
-        &[
-            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
-            env.slice(
-                "web-1",
-                "web",
-                "IPv4",
-                json!([port("http", 8080, "TCP")]),
-                json!([ep(&env.v4(1))]),
-            ),
-        ],
-    )?;
-    let vip = sa(cluster_ip(&stored)?, 80);
+    let vip = serve_web(&mut env, cp)?;
     let agent = env
         .sb
         .agent_kubeconfig(
@@ -1676,6 +1648,26 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         "the agent was refused something: {refused:#?}\n{log}"
     );
     Ok(())
+}
+
+/// Backend b1 on 8080, and Service `web` (port 80, named http) with one slice of it: its
+/// ClusterIP:80.
+fn serve_web(env: &mut Env, cp: &ControlPlane) -> Result<SocketAddr> {
+    env.serve(1, &[8080])?;
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice(
+                "web-1",
+                "web",
+                "IPv4",
+                json!([port("http", 8080, "TCP")]),
+                json!([ep(&env.v4(1))]),
+            ),
+        ],
+    )?;
+    Ok(sa(cluster_ip(&stored)?, 80))
 }
 
 /// Labels Helm adds for its own bookkeeping; the plain manifests have no release to name.
@@ -1916,21 +1908,7 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
         .filter(|a| !harness.iter().any(|h| a.starts_with(h)))
         .collect();
     let mut env = Env::new(cp, name)?;
-    env.serve(1, &[8080])?;
-    let stored = apply(
-        cp,
-        &[
-            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
-            env.slice(
-                "web-1",
-                "web",
-                "IPv4",
-                json!([port("http", 8080, "TCP")]),
-                json!([ep(&env.v4(1))]),
-            ),
-        ],
-    )?;
-    let vip = sa(cluster_ip(&stored)?, 80);
+    let vip = serve_web(&mut env, cp)?;
     let agent = env
         .sb
         .agent_kubeconfig(&env.bpffs, cp.kubeconfig_path(), &env.node, &flags)
@@ -1973,21 +1951,7 @@ fn kube_proxy_config(cp: &ControlPlane, name: &str) -> Result<()> {
     ensure!(config["apiVersion"] == "kubeproxy.config.k8s.io/v1alpha1");
 
     let mut env = Env::new(cp, name)?;
-    env.serve(1, &[8080])?;
-    let stored = apply(
-        cp,
-        &[
-            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
-            env.slice(
-                "web-1",
-                "web",
-                "IPv4",
-                json!([port("http", 8080, "TCP")]),
-                json!([ep(&env.v4(1))]),
-            ),
-        ],
-    )?;
-    let vip = sa(cluster_ip(&stored)?, 80);
+    let vip = serve_web(&mut env, cp)?;
 
     let healthz = svc_tests::agent::free_loopback_port()?;
     let in_file_metrics = svc_tests::agent::free_loopback_port()?;
