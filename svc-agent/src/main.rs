@@ -97,6 +97,13 @@ enum Command {
         /// them that nothing serves yet is reported at start instead of retried forever.
         #[arg(long, env = "SVC_SERVICE_CIDR", value_delimiter = ',')]
         service_cidr: Vec<String>,
+        /// With the Kubernetes API: the DaemonSet this agent runs in (NAMESPACE/NAME). When
+        /// the agent is stopped and that DaemonSet is gone, being deleted, or no longer selects
+        /// this node (nodeSelector, required node affinity), it hands its flows over and
+        /// uninstalls, as `svc-agent uninstall` does, instead of leaving a datapath nothing
+        /// updates; any other stop (a restart, an upgrade) keeps the datapath.
+        #[arg(long, env = "SVC_DAEMONSET")]
+        daemonset: Option<String>,
         #[command(flatten)]
         capacity: CapacityArgs,
         /// How long entries a change made unreachable (old backend sets, removed frontends'
@@ -504,8 +511,20 @@ impl CapacityArgs {
     }
 }
 
+/// kube-proxy's `--cleanup` is svc's `uninstall`: `svc-agent --cleanup [--bpffs D] [--cgroup C]`.
+/// Hand-rolled because clap has no flag that stands for a subcommand.
+fn cleanup_as_uninstall(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    if args.get(1).is_some_and(|a| a == "--cleanup") {
+        let mut args = args;
+        args[1] = "uninstall".into();
+        return args;
+    }
+    args
+}
+
 fn main() -> anyhow::Result<()> {
-    let matches = Cli::command().get_matches();
+    let matches =
+        Cli::command().get_matches_from(cleanup_as_uninstall(std::env::args_os().collect()));
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     svc_agent::logging::init(
         cli.logging_format,
@@ -531,6 +550,7 @@ fn main() -> anyhow::Result<()> {
             coalesce_ms,
             k8s_api_server,
             service_cidr,
+            daemonset,
             capacity,
             retire_grace_ms,
             reconcile_interval_s,
@@ -593,6 +613,21 @@ fn main() -> anyhow::Result<()> {
                         coalesce: Duration::from_millis(coalesce_ms),
                         // An empty setting (a ConfigMap key left blank) is no setting.
                         api_server: k8s_api_server.filter(|s| !s.trim().is_empty()),
+                        daemonset: daemonset
+                            .as_deref()
+                            .map(str::trim)
+                            .filter(|d| !d.is_empty())
+                            .map(|d| {
+                                d.split_once('/')
+                                    .filter(|(ns, name)| !ns.is_empty() && !name.is_empty())
+                                    .map(|(ns, name)| (ns.to_string(), name.to_string()))
+                                    .ok_or_else(|| {
+                                        anyhow::anyhow!(
+                                            "--daemonset {d:?}: expected NAMESPACE/NAME"
+                                        )
+                                    })
+                            })
+                            .transpose()?,
                         service_cidrs: service_cidr
                             .iter()
                             .map(|c| c.trim())
@@ -617,8 +652,14 @@ fn main() -> anyhow::Result<()> {
                 print_out(&plan.to_string())?;
                 return Ok(());
             }
-            rt.block_on(controller::run(cfg, input))
-                .map_err(privilege_hint)?
+            let (bpffs, cgroup) = (cfg.bpffs.clone(), cfg.cgroup.clone());
+            let stop = rt
+                .block_on(controller::run(cfg, input))
+                .map_err(privilege_hint)?;
+            if let controller::Stop::Removed(why) = stop {
+                tracing::warn!(%why, "stopped for good on this node: uninstalling");
+                print_out(&uninstall(&bpffs, Some(&cgroup))?)?;
+            }
         }
         Command::Devices { packet, node_ip } => {
             let cfg = packet.config(false)?;
@@ -693,52 +734,57 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Uninstall { bpffs, cgroup } => {
-            let done = datapath::uninstall(&bpffs, cgroup.as_deref())?;
-            let mut text = String::new();
-            for p in &done.removed {
-                text.push_str(&format!("removed {}\n", p.display()));
-            }
-            if let Some(h) = &done.handover {
-                text.push_str(&format!(
-                    "handed over to the node's conntrack: {} flows, {} failed\n",
-                    h.handed,
-                    h.failed_total()
-                ));
-                if h.replaced > 0 {
-                    text.push_str(&format!(
-                        "  {} of them in place of a kernel entry already on their tuples (as an \
-                         uninstall killed in the middle leaves)\n",
-                        h.replaced
-                    ));
-                }
-                for (why, n) in &h.failed {
-                    text.push_str(&format!("  {n} not handed over: {why}\n"));
-                }
-                tracing::info!(
-                    handed = h.handed,
-                    replaced = h.replaced,
-                    failed = h.failed_total(),
-                    "handover"
-                );
-            }
-            if let Some(e) = &done.handover_error {
-                text.push_str(&format!(
-                    "no flow handed over to the node's conntrack: {e}\n"
-                ));
-            }
-            if let Some(cg) = &cgroup {
-                text.push_str(&format!(
-                    "no svc socket program attached to {}\n",
-                    cg.display()
-                ));
-                for f in &done.foreign {
-                    text.push_str(&format!("left alone (not svc's): {f}\n"));
-                }
-            }
-            print_out(&text)?;
+            print_out(&uninstall(&bpffs, cgroup.as_deref())?)?;
         }
     }
     Ok(())
+}
+
+/// `svc-agent uninstall`, and a removed agent's last step: what was done, as lines.
+fn uninstall(bpffs: &std::path::Path, cgroup: Option<&std::path::Path>) -> anyhow::Result<String> {
+    let done = datapath::uninstall(bpffs, cgroup)?;
+    let mut text = String::new();
+    for p in &done.removed {
+        text.push_str(&format!("removed {}\n", p.display()));
+    }
+    if let Some(h) = &done.handover {
+        text.push_str(&format!(
+            "handed over to the node's conntrack: {} flows, {} failed\n",
+            h.handed,
+            h.failed_total()
+        ));
+        if h.replaced > 0 {
+            text.push_str(&format!(
+                "  {} of them in place of a kernel entry already on their tuples (as an \
+                 uninstall killed in the middle leaves)\n",
+                h.replaced
+            ));
+        }
+        for (why, n) in &h.failed {
+            text.push_str(&format!("  {n} not handed over: {why}\n"));
+        }
+        tracing::info!(
+            handed = h.handed,
+            replaced = h.replaced,
+            failed = h.failed_total(),
+            "handover"
+        );
+    }
+    if let Some(e) = &done.handover_error {
+        text.push_str(&format!(
+            "no flow handed over to the node's conntrack: {e}\n"
+        ));
+    }
+    if let Some(cg) = cgroup {
+        text.push_str(&format!(
+            "no svc socket program attached to {}\n",
+            cg.display()
+        ));
+        for f in &done.foreign {
+            text.push_str(&format!("left alone (not svc's): {f}\n"));
+        }
+    }
+    Ok(text)
 }
 
 /// `run --config`: the KubeProxyConfiguration's settings, under the flags given.

@@ -107,6 +107,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s16-helm", Scenario::Shared(helm_chart)),
     ("s17-kube-proxy-config", Scenario::Shared(kube_proxy_config)),
     ("s18-dry-run", Scenario::Shared(dry_run_from_the_api)),
+    ("s19-removal", Scenario::Shared(removed_from_the_node)),
 ];
 
 fn main() -> ExitCode {
@@ -1530,6 +1531,124 @@ fn healthz_and_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Scenario 19: an agent stopped because its DaemonSet no longer runs it on this node (the
+/// node unlabelled, the DaemonSet deleted) hands over and uninstalls; stopped otherwise (a
+/// rolling update, a restart), it leaves the datapath serving. Without a controller-manager
+/// the DaemonSet is an object only: the agent is the test's process, stopped by SIGTERM as a
+/// kubelet stops it.
+fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
+    const SELECT: &str = "svc.dev/agent";
+    let mut env = Env::new(cp, name)?;
+    let node_name = env.node.clone();
+    let node = |labels: Value| {
+        json!({"apiVersion": "v1", "kind": "Node",
+               "metadata": {"name": node_name, "labels": labels}})
+    };
+    apply(cp, &[node(json!({ SELECT: "true" }))])?;
+    let daemonset = json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "svc-agent", "namespace": name},
+        "spec": {
+            "selector": {"matchLabels": {"app": "svc-agent"}},
+            "template": {
+                "metadata": {"labels": {"app": "svc-agent"}},
+                "spec": {
+                    "nodeSelector": { SELECT: "true" },
+                    "containers": [{"name": "svc-agent", "image": "svc-agent:dev"}],
+                },
+            },
+        },
+    });
+    apply(cp, &[daemonset])?;
+    let vip = serve_web(&mut env, cp)?;
+    let ds_flag = format!("{name}/svc-agent");
+    let flags = ["--service-proxy-name", name, "--daemonset", &ds_flag];
+    const STOP: Duration = Duration::from_secs(20);
+    const GONE: &str = "stopped for good on this node";
+
+    // A stop while the DaemonSet still selects the node: a restart, the datapath stays.
+    env.start_agent_with(cp, &flags)?;
+    eventually(Instant::now(), SETTLE, "served", || {
+        tcp_backends(&env.sb, vip, 3, &["b1"])
+    })?;
+    let status = env.agent().terminate(STOP)?;
+    ensure!(status.success(), "agent exit: {status}");
+    ensure!(
+        !env.agent().log().contains(GONE),
+        "uninstalled on a restart:\n{}",
+        env.agent().log()
+    );
+    ensure!(
+        !env.bpffs.entries().is_empty(),
+        "pins gone after a restart's stop"
+    );
+    tcp_backends(&env.sb, vip, 3, &["b1"]).context("after a restart's stop")?;
+
+    // The node unlabelled: the DaemonSet no longer runs the agent here.
+    env.start_agent_with(cp, &flags)?;
+    cp.kubectl(&["label", "node", &node_name, &format!("{SELECT}-")])?;
+    let status = env.agent().terminate(STOP)?;
+    ensure!(status.success(), "agent exit: {status}");
+    let log = env.agent().log();
+    ensure!(
+        log.contains(GONE) && log.contains(&format!("nodeSelector {SELECT}=true")),
+        "no uninstall, or not why, once the node is unselected:\n{log}"
+    );
+    let left = env.bpffs.entries();
+    ensure!(left.is_empty(), "pins left after the removal: {left:?}");
+    ensure!(
+        tcp_backends(&env.sb, vip, 1, &["b1"]).is_err(),
+        "the ClusterIP is still served after the removal"
+    );
+
+    // Labelled again, then the DaemonSet deleted.
+    apply(cp, &[node(json!({ SELECT: "true" }))])?;
+    env.start_agent_with(cp, &flags)?;
+    eventually(Instant::now(), SETTLE, "served again", || {
+        tcp_backends(&env.sb, vip, 3, &["b1"])
+    })?;
+    cp.kubectl(&[
+        "-n",
+        name,
+        "delete",
+        "daemonset",
+        "svc-agent",
+        "--wait=false",
+    ])?;
+    let status = env.agent().terminate(STOP)?;
+    ensure!(status.success(), "agent exit: {status}");
+    let log = env.agent().log();
+    ensure!(
+        log.contains(GONE) && (log.contains("is gone") || log.contains("is being deleted")),
+        "no uninstall once the DaemonSet is deleted:\n{log}"
+    );
+    ensure!(
+        env.bpffs.entries().is_empty(),
+        "pins left after the DaemonSet's deletion"
+    );
+
+    // Without --daemonset every stop keeps the datapath; kube-proxy's `--cleanup` removes it.
+    env.start_agent(cp)?;
+    let status = env.agent().terminate(STOP)?;
+    ensure!(status.success(), "agent exit: {status}");
+    ensure!(
+        !env.bpffs.entries().is_empty(),
+        "pins gone without --daemonset"
+    );
+    let out = std::process::Command::new(&env.sb.tools.agent)
+        .arg("--cleanup")
+        .arg("--bpffs")
+        .arg(env.bpffs.path())
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "svc-agent --cleanup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(env.bpffs.entries().is_empty(), "pins left after --cleanup");
+    Ok(())
+}
+
 /// The ConfigMap keys the DaemonSet's agent container reads.
 fn checked_env(daemonset: &str) -> Result<Vec<String>> {
     let ds: Value = serde_saphyr::from_str(daemonset)?;
@@ -1605,12 +1724,26 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         ("list", "secrets"),
         ("update", "services"),
         ("create", "pods"),
+        ("list", "daemonsets.apps"),
+        ("get", "daemonsets.apps/kube-proxy"),
     ] {
         ensure!(
             !can(verb, resource),
             "the ServiceAccount can {verb} {resource}"
         );
     }
+    let can_in = |verb: &str, resource: &str, ns: &str| -> bool {
+        cp.kubectl_as(
+            &sa_kubeconfig,
+            &["auth", "can-i", verb, resource, "-n", ns],
+            None,
+        )
+        .is_ok_and(|out| out.trim() == "yes")
+    };
+    ensure!(
+        can_in("get", "daemonsets.apps/svc-agent", "kube-system"),
+        "the ServiceAccount cannot get its own DaemonSet"
+    );
 
     let mut env = Env::new(cp, name)?;
     let vip = serve_web(&mut env, cp)?;
@@ -1620,7 +1753,12 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
             &env.bpffs,
             &sa_kubeconfig,
             &env.node,
-            &["--service-proxy-name", name],
+            &[
+                "--service-proxy-name",
+                name,
+                "--daemonset",
+                "kube-system/svc-agent",
+            ],
         )
         .context("agent with the ServiceAccount's credentials")?;
     env.agent = Some(agent);
@@ -1641,11 +1779,19 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         errors.is_empty(),
         "watch errors with the ServiceAccount: {errors:?}"
     );
+    // Its stop reads its DaemonSet, which no one created here: gone, so it uninstalls (a
+    // refused read would keep the datapath and say so).
+    let status = env.agent().terminate(Duration::from_secs(20))?;
+    ensure!(status.success(), "agent exit: {status}");
     let log = env.agent().log();
     let refused = refusals(&log);
     ensure!(
-        refused.is_empty(),
+        refused.is_empty() && !log.contains("could not tell"),
         "the agent was refused something: {refused:#?}\n{log}"
+    );
+    ensure!(
+        log.contains("DaemonSet kube-system/svc-agent is gone"),
+        "the stop did not read the DaemonSet:\n{log}"
     );
     Ok(())
 }

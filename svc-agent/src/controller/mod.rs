@@ -75,15 +75,27 @@ async fn open(input: Input) -> Result<Opened> {
     })
 }
 
+/// How the agent stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// For a restart, or for a reason the API could not tell: the datapath stays attached and
+    /// pinned.
+    Kept,
+    /// For good on this node (why): the caller uninstalls.
+    Removed(String),
+}
+
 /// Serves the Services of `input` until SIGTERM or SIGINT. The datapath stays attached and
-/// pinned when it returns.
-pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
+/// pinned when it returns, unless it says the agent was removed from its node.
+pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
     let opened = open(input).await?;
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
     let agent = start(&cfg, metrics.clone()).await?;
     let tasks = Tasks::start(agent.datapath(), &cfg.cgroup, metrics.clone());
+    let mut removal = None;
     let (tracker, events): (Box<dyn Tracker>, Events) = match opened {
         Opened::Kube(api, opts) => {
+            removal = api.removal(&opts);
             api.check(&opts.service_cidrs, &|fe| {
                 agent.programmed().frontends.contains_key(fe) && agent.links_pinned()
             })?;
@@ -112,7 +124,27 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<()> {
         synced_once: false,
     }
     .run(events)
-    .await
+    .await?;
+    let Some(removal) = removal else {
+        return Ok(Stop::Kept);
+    };
+    // Asked only now: a stop is a restart unless the API says otherwise at that moment, and a
+    // kubelet's grace period (30 s by default) must leave time for the handover.
+    let asked = tokio::time::timeout(Duration::from_secs(5), removal.reason()).await;
+    Ok(match asked {
+        Ok(Ok(Some(why))) => Stop::Removed(why),
+        Ok(Ok(None)) => Stop::Kept,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not tell whether this node keeps the agent: the datapath stays");
+            Stop::Kept
+        }
+        Err(_) => {
+            tracing::warn!(
+                "no answer in 5 s on whether this node keeps the agent: the datapath stays"
+            );
+            Stop::Kept
+        }
+    })
 }
 
 struct Controller {

@@ -62,6 +62,10 @@ pub struct KubeOptions {
     pub api_server: Option<String>,
     /// The cluster's Service ranges: an API server address in them needs svc to reach.
     pub service_cidrs: Vec<Cidr>,
+    /// The DaemonSet this agent runs in (namespace, name): when the agent is stopped because
+    /// that DaemonSet no longer runs it on this node, it uninstalls instead of leaving a
+    /// datapath that nothing updates.
+    pub daemonset: Option<(String, String)>,
 }
 
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
@@ -711,6 +715,17 @@ impl ApiServer {
         Ok(updates)
     }
 
+    /// What answers, at the agent's stop, whether it stops for good on this node.
+    pub fn removal(&self, opts: &KubeOptions) -> Option<Removal> {
+        let (namespace, name) = opts.daemonset.clone()?;
+        Some(Removal {
+            client: self.client.clone(),
+            namespace,
+            name,
+            node: opts.node_name.clone(),
+        })
+    }
+
     /// The events of the Services, the EndpointSlices and this node, as kube-proxy selects
     /// them.
     pub fn watch(self, opts: &KubeOptions) -> impl Stream<Item = SourceEvent> + Send {
@@ -738,9 +753,185 @@ impl ApiServer {
     }
 }
 
+/// The DaemonSet an agent runs in, and its node.
+///
+/// A stopped agent leaves its programs attached and its maps pinned, so that a restart or an
+/// upgrade drops no connection. But when the agent stops because it will not run on this node
+/// again (its DaemonSet deleted, or the node no longer selected), that datapath would go on
+/// sending new connections to the endpoints of the moment, ahead of whatever proxy comes next
+/// (the socket hooks run before kube-proxy's rules): then it must uninstall.
+pub struct Removal {
+    client: Client,
+    namespace: String,
+    name: String,
+    node: String,
+}
+
+impl Removal {
+    /// Why the agent stops for good on this node, or None when it is only restarted (a rolling
+    /// update, a node shutdown) or the API cannot tell.
+    pub async fn reason(&self) -> Result<Option<String>> {
+        use k8s_openapi::api::apps::v1::DaemonSet;
+        let ds_name = format!("DaemonSet {}/{}", self.namespace, self.name);
+        let getting = |what: &str, e: kube::Error| Error::Other(format!("reading {what}: {e}"));
+        let ds = Api::<DaemonSet>::namespaced(self.client.clone(), &self.namespace)
+            .get_opt(&self.name)
+            .await
+            .map_err(|e| getting(&ds_name, e))?;
+        let Some(ds) = ds else {
+            return Ok(Some(format!("{ds_name} is gone")));
+        };
+        if ds.metadata.deletion_timestamp.is_some() {
+            return Ok(Some(format!("{ds_name} is being deleted")));
+        }
+        let node = Api::<Node>::all(self.client.clone())
+            .get_opt(&self.node)
+            .await
+            .map_err(|e| getting(&format!("Node {}", self.node), e))?;
+        let Some(node) = node else {
+            return Ok(Some(format!("Node {} is gone", self.node)));
+        };
+        let pod = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+        Ok(pod
+            .and_then(|p| unselected(p, node.labels()))
+            .map(|why| format!("{ds_name} no longer selects Node {}: {why}", self.node)))
+    }
+}
+
+/// Why a pod of `spec` would not be scheduled on a node with `labels`, by its nodeSelector
+/// and required node affinity (the parts of scheduling a DaemonSet's node selection is made
+/// of; taints are left out: a DaemonSet's pods tolerate the node's own).
+fn unselected(
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+    labels: &BTreeMap<String, String>,
+) -> Option<String> {
+    for (k, v) in spec.node_selector.iter().flatten() {
+        if labels.get(k) != Some(v) {
+            return Some(format!("nodeSelector {k}={v}"));
+        }
+    }
+    let terms = spec
+        .affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?;
+    // The terms are ORed, each term's expressions ANDed; a term of fields only (matchFields,
+    // metadata.name) is taken as matching: the agent runs on the node it names.
+    let matches = |t: &k8s_openapi::api::core::v1::NodeSelectorTerm| {
+        t.match_expressions
+            .iter()
+            .flatten()
+            .all(|e| expression_holds(e, labels))
+    };
+    if terms.node_selector_terms.iter().any(matches) {
+        None
+    } else {
+        Some("required node affinity".to_string())
+    }
+}
+
+/// One node selector requirement, as the scheduler evaluates it.
+fn expression_holds(
+    e: &k8s_openapi::api::core::v1::NodeSelectorRequirement,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    let values = e.values.as_deref().unwrap_or_default();
+    let value = labels.get(&e.key);
+    let number = |s: &str| s.parse::<i64>().ok();
+    match e.operator.as_str() {
+        "In" => value.is_some_and(|v| values.contains(v)),
+        "NotIn" => !value.is_some_and(|v| values.contains(v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" | "Lt" => {
+            let (Some(v), Some(bound)) = (
+                value.and_then(|v| number(v)),
+                values.first().and_then(|b| number(b)),
+            ) else {
+                return false;
+            };
+            if e.operator == "Gt" {
+                v > bound
+            } else {
+                v < bound
+            }
+        }
+        // An operator the API server would have refused: it selects nothing, as in the
+        // scheduler.
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pod_spec(v: serde_json::Value) -> k8s_openapi::api::core::v1::PodSpec {
+        serde_json::from_value(v).expect("a pod spec")
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_node_is_unselected_by_a_missing_selector_label_or_a_failing_affinity() {
+        let by_selector = pod_spec(serde_json::json!({
+            "containers": [],
+            "nodeSelector": {"kubernetes.io/os": "linux", "svc.dev/agent": "true"},
+        }));
+        let node = labels(&[("kubernetes.io/os", "linux"), ("svc.dev/agent", "true")]);
+        assert_eq!(unselected(&by_selector, &node), None);
+        assert_eq!(
+            unselected(&by_selector, &labels(&[("kubernetes.io/os", "linux")])).as_deref(),
+            Some("nodeSelector svc.dev/agent=true")
+        );
+        let none = pod_spec(serde_json::json!({"containers": []}));
+        assert_eq!(unselected(&none, &labels(&[])), None);
+
+        let by_affinity = |exprs: serde_json::Value| {
+            pod_spec(serde_json::json!({
+                "containers": [],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": exprs}],
+                }}},
+            }))
+        };
+        let held = |exprs: serde_json::Value, l: &[(&str, &str)]| {
+            unselected(&by_affinity(exprs), &labels(l)).is_none()
+        };
+        let expr = |k: &str, op: &str, v: &[&str]| serde_json::json!([{"key": k, "operator": op, "values": v}]);
+        assert!(held(expr("zone", "In", &["a", "b"]), &[("zone", "b")]));
+        assert!(!held(expr("zone", "In", &["a"]), &[("zone", "b")]));
+        assert!(!held(expr("zone", "In", &["a"]), &[]));
+        assert!(held(expr("zone", "NotIn", &["a"]), &[]));
+        assert!(!held(expr("zone", "NotIn", &["a"]), &[("zone", "a")]));
+        assert!(held(expr("svc", "Exists", &[]), &[("svc", "")]));
+        assert!(!held(expr("svc", "DoesNotExist", &[]), &[("svc", "")]));
+        assert!(held(expr("gen", "Gt", &["5"]), &[("gen", "6")]));
+        assert!(!held(expr("gen", "Lt", &["5"]), &[("gen", "6")]));
+        assert!(!held(expr("gen", "Gt", &["5"]), &[("gen", "x")]));
+        // Terms are ORed.
+        let two_terms = pod_spec(serde_json::json!({
+            "containers": [],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+                    {"matchExpressions": [{"key": "b", "operator": "Exists"}]},
+                ],
+            }}},
+        }));
+        assert_eq!(unselected(&two_terms, &labels(&[("b", "1")])), None);
+        assert_eq!(
+            unselected(&two_terms, &labels(&[("c", "1")])).as_deref(),
+            Some("required node affinity")
+        );
+    }
 
     fn svc(ns: &str, name: &str, rv: &str) -> Service {
         let mut s: Service = serde_json::from_value(serde_json::json!({
