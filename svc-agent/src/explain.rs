@@ -152,8 +152,7 @@ pub trait Live {
 
 #[derive(Debug, Serialize)]
 pub struct Explanation {
-    /// Always "pinned maps": the agent's intent, EndpointSlices and per-endpoint reasons are
-    /// not read.
+    /// "pinned maps", or "pinned maps and the Kubernetes API" with the agent's intent.
     pub read_from: &'static str,
     pub destination: SocketAddr,
     pub source: Option<String>,
@@ -175,7 +174,15 @@ pub struct Explanation {
     pub reason: String,
     /// The backends the verdict may reach: one (affinity, tracked flow) or the slots.
     pub backends: Vec<SocketAddr>,
+    /// What the agent intends for the frontend, from the Kubernetes API (`--kubeconfig`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intent: Option<crate::translate::Intent>,
+    /// Where the kernel's maps and the intent differ.
+    pub warnings: Vec<String>,
     pub notes: Vec<String>,
+    /// The frontend keys the destination may be, the one found first.
+    #[serde(skip)]
+    pub keys: Vec<Frontend>,
 }
 
 #[derive(Debug, Serialize)]
@@ -301,7 +308,10 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
         verdict: "passed",
         reason: String::new(),
         backends: Vec::new(),
+        intent: None,
+        warnings: Vec::new(),
         notes: Vec::new(),
+        keys: Vec::new(),
     };
 
     // A tracked flow (the packet datapath's) goes on to its backend before any lookup.
@@ -359,6 +369,13 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
         protocol,
         scope,
     };
+    e.keys = vec![
+        own,
+        Frontend {
+            ip: unspecified(dst_ip),
+            ..own
+        },
+    ];
     let mut found = Lookup::NotService;
     if own_key {
         found = lookup(view, own);
@@ -401,6 +418,8 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
         }
         Lookup::Found(fe) => fe,
     };
+    e.keys.retain(|k| *k != fe);
+    e.keys.insert(0, fe);
     let f = &view.frontends[&fe];
     let slots: Vec<ExplainedBackend> = f
         .slots
@@ -591,6 +610,43 @@ pub fn read(store: &BpfStore, q: &Query) -> Result<Explanation> {
     Ok(explain(&view, &PinnedLive::open(store), q))
 }
 
+/// The agent's intent for the destination (from `intent_of`, which tries each key the
+/// destination may be) beside what the kernel holds: the first key with an intent is used,
+/// and every difference between its backends and the kernel's slots is a warning.
+pub fn add_intent(
+    e: &mut Explanation,
+    intent_of: impl Fn(&Frontend) -> Option<crate::translate::Intent>,
+) {
+    e.read_from = "pinned maps and the Kubernetes API";
+    e.notes
+        .retain(|n| !n.starts_with("read from the pinned maps"));
+    let intent = e.keys.iter().find_map(&intent_of);
+    let kernel: BTreeSet<SocketAddr> = e.backends.iter().copied().collect();
+    match (&intent, &e.frontend) {
+        (None, None) => {}
+        (None, Some(f)) => e.warnings.push(format!(
+            "the kernel serves {} but no Service of the API does now (a change not              programmed yet, or pins of another source)",
+            f.frontend
+        )),
+        (Some(i), None) => e.warnings.push(format!(
+            "Service {} has this frontend in the API, but the kernel has none for it",
+            i.service
+        )),
+        (Some(i), Some(_)) => {
+            let intended: BTreeSet<SocketAddr> = i.backends.iter().copied().collect();
+            for b in intended.difference(&kernel) {
+                e.warnings
+                    .push(format!("{b} is intended but not in the kernel's slots"));
+            }
+            for b in kernel.difference(&intended) {
+                e.warnings
+                    .push(format!("{b} is in the kernel's slots but not intended"));
+            }
+        }
+    }
+    e.intent = intent;
+}
+
 pub fn render_text(e: &Explanation) -> String {
     let esc = |s: &str| crate::names::escape(s).into_owned();
     let mut out = String::new();
@@ -715,6 +771,43 @@ pub fn render_text(e: &Explanation) -> String {
         );
     }
     let _ = writeln!(out, "Verdict:       {}: {}", e.verdict, e.reason);
+    if let Some(i) = &e.intent {
+        let port = if i.port_name.is_empty() {
+            String::new()
+        } else {
+            format!(" port {}", esc(&i.port_name))
+        };
+        let _ = writeln!(out, "Intent:        Service {}{port}", esc(&i.service));
+        let _ = writeln!(
+            out,
+            "Slices:        {}",
+            if i.slices.is_empty() {
+                "none".to_string()
+            } else {
+                i.slices
+                    .iter()
+                    .map(|s| esc(s))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        );
+        for v in &i.endpoints {
+            let _ = writeln!(
+                out,
+                "  {} {}: {}{}",
+                if v.used { "used    " } else { "left out" },
+                v.address,
+                v.reason,
+                v.slice
+                    .as_ref()
+                    .map(|s| format!(" (slice {})", esc(s)))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    for w in &e.warnings {
+        let _ = writeln!(out, "Warning:       {w}");
+    }
     for n in &e.notes {
         let _ = writeln!(out, "Note:          {n}");
     }

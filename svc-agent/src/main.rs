@@ -158,8 +158,27 @@ enum Command {
         output: Output,
     },
     /// What the datapath does with a destination now (frontend, Service, backends, verdict),
-    /// from the pinned maps alone.
+    /// from the pinned maps; with `--api` or `--kubeconfig`, also what the agent intends from
+    /// the Kubernetes API (the Service port, its EndpointSlices, each endpoint used or left
+    /// out and why) and where the kernel differs from it.
     Explain {
+        /// Read the agent's intent from the Kubernetes API (in-cluster configuration, then
+        /// $KUBECONFIG and ~/.kube/config).
+        #[arg(long)]
+        api: bool,
+        /// Read the agent's intent from the Kubernetes API with this kubeconfig.
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        /// With the API: the node whose view to take (its zone, its endpoints for Local
+        /// policies).
+        #[arg(long, env = "NODE_NAME", alias = "hostname-override")]
+        node_name: Option<String>,
+        /// With the API: the agent's --service-proxy-name.
+        #[arg(long)]
+        service_proxy_name: Option<String>,
+        /// With the API: the API server's own address (https://HOST:PORT).
+        #[arg(long, env = "SVC_K8S_API_SERVER", alias = "master")]
+        k8s_api_server: Option<String>,
         /// The destination, ADDR:PORT.
         #[arg(long)]
         dst: SocketAddr,
@@ -713,6 +732,11 @@ fn main() -> anyhow::Result<()> {
             }
         }
         Command::Explain {
+            api,
+            kubeconfig,
+            node_name,
+            service_proxy_name,
+            k8s_api_server,
             dst,
             src,
             proto,
@@ -727,7 +751,31 @@ fn main() -> anyhow::Result<()> {
                 proto,
                 from,
             };
-            let e = svc_agent::explain::read(&store, &query)?;
+            let mut e = svc_agent::explain::read(&store, &query)?;
+            if api || kubeconfig.is_some() {
+                let Some(node_name) = node_name else {
+                    bail!("explain with the API needs --node-name (or $NODE_NAME)");
+                };
+                let opts = kube::KubeOptions {
+                    kubeconfig,
+                    node_name,
+                    service_proxy_name,
+                    coalesce: Duration::ZERO,
+                    api_server: k8s_api_server.filter(|s| !s.trim().is_empty()),
+                    service_cidrs: Vec::new(),
+                    daemonset: None,
+                };
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                let (services, slices, node) = rt.block_on(async {
+                    kube::ApiServer::connect(&opts).await?.objects(&opts).await
+                })?;
+                let context = kube::node_context(&opts, node.as_ref());
+                svc_agent::explain::add_intent(&mut e, |fe| {
+                    svc_agent::translate::intent(&services, &slices, &context, fe)
+                });
+            }
             match output {
                 Output::Json => print_out(&format!("{}\n", serde_json::to_string_pretty(&e)?))?,
                 Output::Text => print_out(&svc_agent::explain::render_text(&e))?,

@@ -108,6 +108,7 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s17-kube-proxy-config", Scenario::Shared(kube_proxy_config)),
     ("s18-dry-run", Scenario::Shared(dry_run_from_the_api)),
     ("s19-removal", Scenario::Shared(removed_from_the_node)),
+    ("s20-explain", Scenario::Shared(explain_with_the_api)),
 ];
 
 fn main() -> ExitCode {
@@ -1646,6 +1647,96 @@ fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(env.bpffs.entries().is_empty(), "pins left after --cleanup");
+    Ok(())
+}
+
+/// Scenario 20: `explain --kubeconfig` gives the agent's intent (the Service port, its
+/// EndpointSlices, each endpoint used or left out and why) beside the kernel's maps, and
+/// warns where they differ: here, a change the stopped agent has not programmed.
+fn explain_with_the_api(cp: &ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    env.serve(1, &[8080])?;
+    env.serve(2, &[8080])?;
+    let http = || json!([port("http", 8080, "TCP")]);
+    let (v4_1, v4_2) = (env.v4(1), env.v4(2));
+    let endpoints = |b2_ready: bool| {
+        json!([
+            {"addresses": [v4_1], "conditions": {"ready": true}},
+            {"addresses": [v4_2], "conditions": {"ready": b2_ready}},
+        ])
+    };
+    let stored = apply(
+        cp,
+        &[
+            env.service("web", json!({"ports": [{"name": "http", "port": 80}]})),
+            env.slice("web-1", "web", "IPv4", http(), endpoints(false)),
+        ],
+    )?;
+    let vip = sa(cluster_ip(&stored)?, 80);
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "served", || {
+        tcp_backends(&env.sb, vip, 3, &["b1"])
+    })?;
+    let explain = |env: &Env| -> Result<Value> {
+        let out = std::process::Command::new(&env.sb.tools.agent)
+            .args(["explain", "-o", "json", "--dst", &vip.to_string()])
+            .arg("--bpffs")
+            .arg(env.bpffs.path())
+            .arg("--kubeconfig")
+            .arg(cp.kubeconfig_path())
+            .args(["--node-name", &env.node, "--service-proxy-name", name])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "explain: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let b = |i: u8| format!("{}:8080", if i == 1 { &v4_1 } else { &v4_2 });
+    let e = explain(&env)?;
+    ensure!(
+        e["read_from"] == "pinned maps and the Kubernetes API",
+        "read_from: {e:#}"
+    );
+    let intent = &e["intent"];
+    ensure!(
+        intent["service"] == format!("{name}/web").as_str() && intent["port_name"] == "http",
+        "intent: {e:#}"
+    );
+    ensure!(
+        intent["slices"] == json!([format!("{name}/web-1")]),
+        "slices: {e:#}"
+    );
+    ensure!(
+        intent["endpoints"]
+            == json!([
+                {"address": b(1), "used": true, "reason": "ready"},
+                {"address": b(2), "used": false, "reason": "not ready"},
+            ]),
+        "endpoints: {e:#}"
+    );
+    ensure!(e["warnings"] == json!([]), "warnings while in step: {e:#}");
+
+    // A change the agent does not see: the kernel and the intent differ, and explain says so.
+    env.agent().kill()?;
+    apply(
+        cp,
+        &[env.slice("web-1", "web", "IPv4", http(), endpoints(true))],
+    )?;
+    let e = explain(&env)?;
+    ensure!(
+        e["warnings"]
+            == json!([format!(
+                "{} is intended but not in the kernel's slots",
+                b(2)
+            )]),
+        "warnings once the kernel is behind: {e:#}"
+    );
+    ensure!(
+        e["verdict"] == "backend" && e["backends"] == json!([b(1)]),
+        "the kernel's part changed: {e:#}"
+    );
     Ok(())
 }
 

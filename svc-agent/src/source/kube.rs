@@ -679,6 +679,32 @@ impl ApiServer {
     /// The Services, the EndpointSlices and this node as they are now, as the events a
     /// first watch would give (`--dry-run`): each list whole, then the Node.
     pub async fn snapshot(&self, opts: &KubeOptions) -> Result<Vec<Update>> {
+        let (services, slices, node) = self.objects(opts).await?;
+        let mut updates = vec![Update::Service(Event::Init)];
+        updates.extend(
+            services
+                .into_iter()
+                .map(|s| Update::Service(Event::InitApply(s))),
+        );
+        updates.extend([Update::Service(Event::InitDone), Update::Slice(Event::Init)]);
+        updates.extend(
+            slices
+                .into_iter()
+                .map(|s| Update::Slice(Event::InitApply(s))),
+        );
+        updates.push(Update::Slice(Event::InitDone));
+        if let Some(n) = node {
+            updates.push(Update::Node(Box::new(Event::Apply(n))));
+        }
+        Ok(updates)
+    }
+
+    /// The Services and EndpointSlices kube-proxy's selection gives, and this node, as they
+    /// are now.
+    pub async fn objects(
+        &self,
+        opts: &KubeOptions,
+    ) -> Result<(Vec<Service>, Vec<EndpointSlice>, Option<Node>)> {
         use kube::api::ListParams;
         let proxy_name = opts.service_proxy_name.as_deref();
         let listing = |kind: &str, e: kube::Error| Error::Other(format!("listing {kind}: {e}"));
@@ -694,25 +720,7 @@ impl ApiServer {
             .get_opt(&opts.node_name)
             .await
             .map_err(|e| listing("Nodes", e))?;
-        let mut updates = vec![Update::Service(Event::Init)];
-        updates.extend(
-            services
-                .items
-                .into_iter()
-                .map(|s| Update::Service(Event::InitApply(s))),
-        );
-        updates.extend([Update::Service(Event::InitDone), Update::Slice(Event::Init)]);
-        updates.extend(
-            slices
-                .items
-                .into_iter()
-                .map(|s| Update::Slice(Event::InitApply(s))),
-        );
-        updates.push(Update::Slice(Event::InitDone));
-        if let Some(n) = node {
-            updates.push(Update::Node(Box::new(Event::Apply(n))));
-        }
-        Ok(updates)
+        Ok((services.items, slices.items, node))
     }
 
     /// What answers, at the agent's stop, whether it stops for good on this node.
@@ -750,6 +758,24 @@ impl ApiServer {
             |e| Update::Node(Box::new(e)),
         );
         futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()])
+    }
+}
+
+/// The node as the agent's translation sees it, from its Node object (`explain`): name,
+/// zone and node IPs as the watch gives them.
+pub fn node_context(opts: &KubeOptions, node: Option<&Node>) -> NodeContext {
+    let addresses: Vec<(String, String)> = node
+        .and_then(|n| n.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|a| (a.type_.clone(), a.address.clone()))
+        .collect();
+    NodeContext {
+        node_name: Some(opts.node_name.clone()),
+        zone: node.and_then(|n| n.labels().get(ZONE_LABEL).cloned()),
+        service_proxy_name: opts.service_proxy_name.clone(),
+        node_ips: crate::packet::node_host_ips(&addresses),
     }
 }
 

@@ -446,6 +446,72 @@ pub(super) fn select(
         .collect()
 }
 
+/// Why `select` keeps or leaves out each endpoint of `merged`, in its order: (used, reason).
+/// The same rules as `select`, said in words for `explain`.
+pub(super) fn judge(
+    merged: &BTreeMap<SocketAddr, &EndpointInfo>,
+    local: bool,
+    node: &NodeContext,
+) -> Vec<(SocketAddr, bool, String)> {
+    let candidates: Vec<&EndpointInfo> = merged
+        .values()
+        .filter(|e| !local || e.is_local(node))
+        .copied()
+        .collect();
+    let topology = if local {
+        Topology::Any
+    } else {
+        topology(&candidates, node)
+    };
+    let any_ready = candidates
+        .iter()
+        .any(|e| e.ready && fits_topology(e, topology, node));
+    merged
+        .iter()
+        .map(|(a, e)| {
+            let (used, why) = if local && !e.is_local(node) {
+                let there = e.node_name.as_deref().unwrap_or("no node named");
+                (
+                    false,
+                    format!("on another node ({there}) under a Local traffic policy"),
+                )
+            } else if e.ready && fits_topology(e, topology, node) {
+                let how = match topology {
+                    Topology::Any => "ready".to_string(),
+                    Topology::SameNode => "ready, hinted for this node".to_string(),
+                    Topology::SameZone => "ready, hinted for this zone".to_string(),
+                };
+                (true, how)
+            } else if e.ready {
+                let hinted = match topology {
+                    Topology::SameNode => format!("other nodes {:?}", e.node_hints()),
+                    _ => format!("other zones {:?}", e.zone_hints()),
+                };
+                (
+                    false,
+                    format!("ready, but its topology hints are for {hinted}"),
+                )
+            } else if e.serving_terminating() && !any_ready {
+                (
+                    true,
+                    "serving and terminating: no endpoint is ready, so it takes the traffic"
+                        .to_string(),
+                )
+            } else if e.serving_terminating() {
+                (
+                    false,
+                    "serving and terminating: used only while no endpoint is ready".to_string(),
+                )
+            } else if e.terminating {
+                (false, "terminating and not serving".to_string())
+            } else {
+                (false, "not ready".to_string())
+            };
+            (*a, used, why)
+        })
+        .collect()
+}
+
 /// The addresses of the endpoints that serve, sorted: kube-proxy's `IsServing()` endpoints,
 /// those whose UDP flows CleanStaleEntries keeps, whatever traffic policy, topology and
 /// terminating state say. A ready endpoint counts too: the API makes ready imply serving, a

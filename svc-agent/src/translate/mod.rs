@@ -601,6 +601,112 @@ pub fn assemble_with<'a>(
     Translated { state, errors }
 }
 
+/// What the agent intends for one frontend, and why: the Service port it comes from, its
+/// EndpointSlices, and each endpoint used or left out with the reason (`explain`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Intent {
+    pub service: String,
+    pub port_name: String,
+    /// "namespace/name" of each of the Service's EndpointSlices.
+    pub slices: Vec<String>,
+    pub endpoints: Vec<EndpointVerdict>,
+    /// The backends the agent programs for the frontend, as `translate` gives them.
+    pub backends: Vec<std::net::SocketAddr>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EndpointVerdict {
+    pub address: std::net::SocketAddr,
+    pub used: bool,
+    pub reason: String,
+    /// The slice it was read from ("namespace/name"), for the ones of other families or ports.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slice: Option<String>,
+}
+
+/// The agent's intent for `frontend`, from these objects as `translate` reads them; None
+/// when no Service serves it.
+pub fn intent(
+    services: &[Service],
+    slices: &[EndpointSlice],
+    node: &NodeContext,
+    frontend: &Frontend,
+) -> Option<Intent> {
+    let mut errors = Vec::new();
+    let parsed_services: Vec<ParsedService> = in_name_order(services, "Service", &mut errors)
+        .into_iter()
+        .filter_map(|s| parse_service(s, node, &mut errors))
+        .collect();
+    let parsed_slices: Vec<ParsedSlice> = in_name_order(slices, "EndpointSlice", &mut errors)
+        .into_iter()
+        .filter_map(|s| parse_slice(s, node, &mut errors))
+        .collect();
+    let translated = assemble(&parsed_services, &parsed_slices, node);
+    let desired = translated.state.frontends.get(frontend)?;
+    let svc = parsed_services
+        .iter()
+        .map(|s| &s.0)
+        .find(|s| s.key.to_string() == desired.owner)?;
+    let claim = claims(svc).into_iter().find(|c| c.frontend == *frontend)?;
+    let family = Family::of(svc.cluster_ips[claim.cluster_ip]);
+    let port = &svc.ports[claim.port];
+    let own: Vec<&SliceInfo> = parsed_slices
+        .iter()
+        .map(|s| &s.0)
+        .filter(|s| s.key.namespace() == svc.key.namespace() && s.service == svc.key.name())
+        .collect();
+    let merged = endpoints::merge(&own, family, &port.name, port.protocol, node);
+    let local = match (claim.kind, claim.frontend.scope) {
+        (Kind::ClusterIP, _) => svc.internal_local,
+        (_, Scope::Cluster) => false,
+        (_, Scope::External) => svc.external_local,
+    };
+    let mut verdicts: Vec<EndpointVerdict> = endpoints::judge(&merged, local, node)
+        .into_iter()
+        .map(|(address, used, reason)| EndpointVerdict {
+            address,
+            used,
+            reason,
+            slice: None,
+        })
+        .collect();
+    // What merge passes over: slices of the other family, and slices without this port.
+    for slice in &own {
+        let why = if slice.family != family {
+            Some(format!(
+                "another address family than the frontend's {family:?}"
+            ))
+        } else if !slice
+            .ports
+            .iter()
+            .any(|p| p.name == port.name && p.protocol == port.protocol)
+        {
+            Some(format!(
+                "its slice has no port named {:?} for {}",
+                port.name, port.protocol
+            ))
+        } else {
+            None
+        };
+        let Some(why) = why else { continue };
+        for e in &slice.endpoints {
+            verdicts.push(EndpointVerdict {
+                address: std::net::SocketAddr::new(e.ip, 0),
+                used: false,
+                reason: why.clone(),
+                slice: Some(slice.key.to_string()),
+            });
+        }
+    }
+    Some(Intent {
+        service: svc.key.to_string(),
+        port_name: port.name.clone(),
+        slices: own.iter().map(|s| s.key.to_string()).collect(),
+        endpoints: verdicts,
+        backends: desired.backends.iter().map(|b| b.addr).collect(),
+    })
+}
+
 /// The backend sets of one Service port in one family, as kube-proxy's CategorizeEndpoints
 /// makes them: the cluster set (topology applied) and this node's set, each computed only
 /// if some frontend uses it.

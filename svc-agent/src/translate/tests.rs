@@ -1764,3 +1764,114 @@ fn unknown_lb_algorithm_is_an_error_naming_the_service_which_is_still_served() {
         None
     );
 }
+
+/// `explain`'s intent says, for each endpoint, what `translate` did with it.
+#[test]
+fn intent_gives_each_endpoint_its_reason_as_translate_decides() {
+    let svc = service(
+        "metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, 'fd00::1'], ports: [{name: http, port: 80}]}",
+    );
+    let slices = [
+        slice_of(
+            "a/web-v4",
+            "web",
+            "IPv4",
+            "[{name: http, port: 8080}]",
+            "[{addresses: [10.0.0.1], conditions: {ready: true}},
+              {addresses: [10.0.0.2], conditions: {ready: false}},
+              {addresses: [10.0.0.3], conditions: {ready: false, serving: true, terminating: true}}]",
+        ),
+        slice_of(
+            "a/web-v6",
+            "web",
+            "IPv6",
+            "[{name: http, port: 8080}]",
+            "[{addresses: ['fd00::10']}]",
+        ),
+        slice_of(
+            "a/web-other",
+            "web",
+            "IPv4",
+            "[{name: metrics, port: 9090}]",
+            "[{addresses: [10.0.0.9]}]",
+        ),
+    ];
+    let node = NodeContext::default();
+    let fe = Frontend::cluster("10.96.0.1".parse().unwrap(), 80, Protocol::Tcp);
+    let i = intent(std::slice::from_ref(&svc), &slices, &node, &fe).expect("an intent");
+    assert_eq!(i.service, "a/web");
+    assert_eq!(i.port_name, "http");
+    assert_eq!(i.slices, ["a/web-other", "a/web-v4", "a/web-v6"]);
+    assert_eq!(
+        i.backends,
+        ["10.0.0.1:8080".parse::<std::net::SocketAddr>().unwrap()]
+    );
+    let said: Vec<(String, bool, &str)> = i
+        .endpoints
+        .iter()
+        .map(|v| (v.address.to_string(), v.used, v.reason.as_str()))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            ("10.0.0.1:8080".to_string(), true, "ready"),
+            ("10.0.0.2:8080".to_string(), false, "not ready"),
+            (
+                "10.0.0.3:8080".to_string(),
+                false,
+                "serving and terminating: used only while no endpoint is ready"
+            ),
+            (
+                "10.0.0.9:0".to_string(),
+                false,
+                "its slice has no port named \"http\" for TCP"
+            ),
+            (
+                "[fd00::10]:0".to_string(),
+                false,
+                "another address family than the frontend's V4"
+            ),
+        ]
+    );
+    // The ready endpoint gone: the serving-terminating one takes the traffic, as translated.
+    let mut only_terminating = slices.clone();
+    only_terminating[0] = slice_of(
+        "a/web-v4",
+        "web",
+        "IPv4",
+        "[{name: http, port: 8080}]",
+        "[{addresses: [10.0.0.3], conditions: {ready: false, serving: true, terminating: true}}]",
+    );
+    let i = intent(std::slice::from_ref(&svc), &only_terminating, &node, &fe).expect("an intent");
+    assert_eq!(
+        i.backends,
+        ["10.0.0.3:8080".parse::<std::net::SocketAddr>().unwrap()]
+    );
+    assert!(i.endpoints[0].used && i.endpoints[0].reason.contains("no endpoint is ready"));
+    // Under a Local internal policy, another node's endpoint is left out for that.
+    let local = service(
+        "metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.1, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}",
+    );
+    let there = [slice_of(
+        "a/web-v4",
+        "web",
+        "IPv4",
+        "[{name: http, port: 8080}]",
+        "[{addresses: [10.0.0.1], nodeName: other}]",
+    )];
+    let here = NodeContext {
+        node_name: Some("here".into()),
+        ..Default::default()
+    };
+    let i = intent(&[local], &there, &here, &fe).expect("an intent");
+    assert!(i.backends.is_empty());
+    assert_eq!(
+        i.endpoints[0].reason,
+        "on another node (other) under a Local traffic policy"
+    );
+    // A frontend no Service has.
+    let none = Frontend::cluster("10.96.0.2".parse().unwrap(), 80, Protocol::Tcp);
+    assert!(intent(&[svc], &slices, &node, &none).is_none());
+}
