@@ -786,7 +786,10 @@ pub fn render_text(e: &Explanation) -> String {
             } else {
                 i.slices
                     .iter()
-                    .map(|s| esc(s))
+                    .map(|s| match &s.resource_version {
+                        Some(rv) => format!("{} (resourceVersion {rv})", esc(&s.name)),
+                        None => esc(&s.name),
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             }

@@ -1704,8 +1704,18 @@ fn explain_with_the_api(cp: &ControlPlane, name: &str) -> Result<()> {
         intent["service"] == format!("{name}/web").as_str() && intent["port_name"] == "http",
         "intent: {e:#}"
     );
+    let rv = cp.kubectl(&[
+        "-n",
+        name,
+        "get",
+        "endpointslice",
+        "web-1",
+        "-o",
+        "jsonpath={.metadata.resourceVersion}",
+    ])?;
     ensure!(
-        intent["slices"] == json!([format!("{name}/web-1")]),
+        intent["slices"]
+            == json!([{"name": format!("{name}/web-1"), "resource_version": rv.trim()}]),
         "slices: {e:#}"
     );
     ensure!(

@@ -607,11 +607,18 @@ pub fn assemble_with<'a>(
 pub struct Intent {
     pub service: String,
     pub port_name: String,
-    /// "namespace/name" of each of the Service's EndpointSlices.
-    pub slices: Vec<String>,
+    /// The Service's EndpointSlices.
+    pub slices: Vec<SliceRef>,
     pub endpoints: Vec<EndpointVerdict>,
     /// The backends the agent programs for the frontend, as `translate` gives them.
     pub backends: Vec<std::net::SocketAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SliceRef {
+    /// "namespace/name".
+    pub name: String,
+    pub resource_version: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -701,7 +708,19 @@ pub fn intent(
     Some(Intent {
         service: svc.key.to_string(),
         port_name: port.name.clone(),
-        slices: own.iter().map(|s| s.key.to_string()).collect(),
+        slices: own
+            .iter()
+            .map(|s| SliceRef {
+                name: s.key.to_string(),
+                resource_version: slices
+                    .iter()
+                    .find(|raw| {
+                        raw.metadata.namespace.as_deref() == Some(s.key.namespace())
+                            && raw.metadata.name.as_deref() == Some(s.key.name())
+                    })
+                    .and_then(|raw| raw.metadata.resource_version.clone()),
+            })
+            .collect(),
         endpoints: verdicts,
         backends: desired.backends.iter().map(|b| b.addr).collect(),
     })

@@ -1802,7 +1802,8 @@ spec: {clusterIP: 10.96.0.1, clusterIPs: [10.96.0.1, 'fd00::1'], ports: [{name: 
     let i = intent(std::slice::from_ref(&svc), &slices, &node, &fe).expect("an intent");
     assert_eq!(i.service, "a/web");
     assert_eq!(i.port_name, "http");
-    assert_eq!(i.slices, ["a/web-other", "a/web-v4", "a/web-v6"]);
+    let names: Vec<&str> = i.slices.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["a/web-other", "a/web-v4", "a/web-v6"]);
     assert_eq!(
         i.backends,
         ["10.0.0.1:8080".parse::<std::net::SocketAddr>().unwrap()]
