@@ -4,7 +4,6 @@
 //! the tc programs' code is what it was before the XDP program shared it.
 
 use aya_ebpf::{
-    bindings::xdp_md,
     helpers::generated::{bpf_skb_load_bytes, bpf_xdp_load_bytes},
     programs::{TcContext, XdpContext},
 };
@@ -97,7 +96,7 @@ impl Ctx for XdpContext {
     #[inline(always)]
     unsafe fn load_bytes(&self, off: u32, buf: *mut u8, len: u32) -> bool {
         // SAFETY: as the caller promises; the helper checks the packet bounds.
-        unsafe { bpf_xdp_load_bytes(self.ctx as *mut xdp_md, off, buf.cast(), len) == 0 }
+        unsafe { bpf_xdp_load_bytes(self.ctx, off, buf.cast(), len) == 0 }
     }
 
     #[inline(always)]

@@ -25,9 +25,9 @@ use aya_ebpf::{
 use svc_common::{ct_dir, ct_flags, node_addr_flags, Reason, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    csum,
+    csum, ct,
     ctx::Ctx,
-    ct, fwd, lb,
+    fwd, lb,
     maps::count,
     pkt::{self, parsed, L3},
     scratch::{self, Scratch},
@@ -238,7 +238,10 @@ fn rewrite(ctx: &XdpContext, s: &Scratch) -> bool {
                 u16::from_ne_bytes([ttl, p.proto]),
             );
             *ip.add(8) = ttl;
-            wr16(ip.add(10), csum::apply(p.ip_check, csum::add(addr_diff, ttl_diff)));
+            wr16(
+                ip.add(10),
+                csum::apply(p.ip_check, csum::add(addr_diff, ttl_diff)),
+            );
             core::ptr::write_unaligned(ip.add(12) as *mut u32, v4_word(&src.addr));
             core::ptr::write_unaligned(ip.add(16) as *mut u32, v4_word(&dst.addr));
         }
