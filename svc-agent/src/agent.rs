@@ -100,7 +100,9 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
-        let dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
+        // Before the first attach, which brings the devices in line with it.
+        dp.set_xdp_mode(packet.xdp_mode)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);

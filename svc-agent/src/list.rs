@@ -29,6 +29,15 @@ pub struct Listing {
     /// Idle timeouts of the packet datapath's flows in effect (SVC_CONFIG, or the built-in
     /// defaults), seconds.
     pub ct_timeouts: ListedCtTimeouts,
+    /// External devices with the XDP program, and its mode on each ("native" or "generic"),
+    /// from the link pins (docs/design/xdp.md).
+    pub xdp_devices: Vec<ListedXdpDevice>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ListedXdpDevice {
+    pub device: String,
+    pub mode: &'static str,
 }
 
 #[derive(Debug, Serialize)]
@@ -143,6 +152,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
                 udp_stream_s: seconds(&config, IPPROTO_UDP, f::SEEN_REPLY),
             }
         },
+        xdp_devices: Vec::new(),
     })
 }
 
@@ -281,6 +291,14 @@ pub fn render_text(l: &Listing) -> String {
             lingering.join(", ")
         );
     }
+    if !l.xdp_devices.is_empty() {
+        let xdp: Vec<String> = l
+            .xdp_devices
+            .iter()
+            .map(|d| format!("{} ({})", crate::names::escape(&d.device), d.mode))
+            .collect();
+        let _ = writeln!(out, "XDP: {}", xdp.join(", "));
+    }
     out
 }
 
@@ -314,6 +332,7 @@ mod tests {
             node_addresses: Vec::new(),
             lingering_addresses: Vec::new(),
             snat_ports: "0-0".into(),
+            xdp_devices: Vec::new(),
             ct_timeouts: ListedCtTimeouts {
                 tcp_established_s: 1,
                 tcp_close_wait_s: 1,

@@ -271,6 +271,13 @@ struct PacketArgs {
     /// net.ipv4.ip_local_reserved_ports (if that fails, SNAT is off and /healthz says so).
     #[arg(long)]
     snat_port_range: Option<String>,
+    /// The XDP program on the external devices, next to the tc programs: `off` (tc alone),
+    /// `native` (the driver's hook; where a driver refuses it, the generic hook, which the
+    /// log, `list` and /metrics say per device) or `generic` (the kernel's generic hook
+    /// everywhere). XDP finishes known flows to and from remote backends and passes
+    /// everything else to tc untouched (docs/design/xdp.md).
+    #[arg(long, default_value = "off")]
+    xdp_mode: String,
 }
 
 impl PacketArgs {
@@ -283,7 +290,9 @@ impl PacketArgs {
         let devices = netdev::DeviceSpec::parse(&self.devices);
         let (snat_ports, snat_degraded) =
             self.snat(matches!(devices, netdev::DeviceSpec::None), reserve)?;
+        let xdp_mode = self.xdp_mode.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(packet::PacketConfig {
+            xdp_mode,
             devices,
             pod_devices: self
                 .packet_lb_devices
@@ -723,7 +732,11 @@ fn main() -> anyhow::Result<()> {
         }
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;
-            let listing = list::read(&store)?;
+            let mut listing = list::read(&store)?;
+            listing.xdp_devices = datapath::xdp_pins(&bpffs)
+                .into_iter()
+                .map(|(_, mode, device)| list::ListedXdpDevice { device, mode })
+                .collect();
             match output {
                 Output::Json => {
                     print_out(&format!("{}\n", serde_json::to_string_pretty(&listing)?))?

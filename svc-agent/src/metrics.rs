@@ -266,6 +266,24 @@ impl Collector for DatapathCounters {
                 MetricType::Counter,
             )?;
         }
+        // From the pins: what runs on the devices, whichever agent attached it.
+        let xdp = crate::datapath::xdp_pins(&self.bpffs);
+        if !xdp.is_empty() {
+            encode_samples(
+                e,
+                "svc_xdp_device",
+                "1 per external device with the XDP program, by the mode it runs in (native: \
+                 the driver's hook; generic: the driver refused native XDP, or --xdp-mode \
+                 generic).",
+                xdp.into_iter().map(|(_, mode, device)| {
+                    (
+                        [("device", device), ("mode", mode.to_string())],
+                        ConstGauge::new(1),
+                    )
+                }),
+                MetricType::Gauge,
+            )?;
+        }
         let Some(p) = counts.packet else {
             return Ok(());
         };

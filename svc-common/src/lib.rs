@@ -979,10 +979,20 @@ pub enum Reason {
     /// (or one outside the map): its backend was chosen at random (without a device, as
     /// `AffinityHit`).
     MaglevMissing = 36,
+    /// XDP: a packet of a known flow to a remote backend was translated (SNAT included) and
+    /// sent on from the driver (XDP_TX or a redirect); tc never saw it (docs/design/xdp.md).
+    XdpCtHit = 37,
+    /// XDP: a remote backend's reply was translated back to its frontend and sent on from
+    /// the driver.
+    XdpReply = 38,
+    /// XDP: a packet of a known flow XDP could not finish (its route needs the stack: a
+    /// neighbour to resolve, a packet too big or a hop too many, another device kind) went
+    /// on to tc untouched.
+    XdpPassRoute = 39,
 }
 
 impl Reason {
-    pub const COUNT: usize = 37;
+    pub const COUNT: usize = 40;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1024,6 +1034,9 @@ impl Reason {
             SockRevReleased,
             CtAssuredFull,
             MaglevMissing,
+            XdpCtHit,
+            XdpReply,
+            XdpPassRoute,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
@@ -1102,6 +1115,9 @@ impl Reason {
             SockRevReleased => "sock_rev_released",
             CtAssuredFull => "ct_assured_full",
             MaglevMissing => "maglev_missing",
+            XdpCtHit => "xdp_ct_hit",
+            XdpReply => "xdp_reply",
+            XdpPassRoute => "xdp_pass_route",
         }
     }
 }

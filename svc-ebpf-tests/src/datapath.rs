@@ -3,7 +3,7 @@
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
-use aya::programs::{SchedClassifier, TestRun, TestRunOptions};
+use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use aya::{Ebpf, EbpfLoader};
 
 use crate::prelude::*;
@@ -15,6 +15,8 @@ pub enum Prog {
     ExtEgress,
     PodIngress,
     PodEgress,
+    /// The XDP program of the external devices (verdicts `XDP_*`).
+    Xdp,
 }
 
 impl Prog {
@@ -24,6 +26,7 @@ impl Prog {
             Prog::ExtEgress => "tc_ext_egress",
             Prog::PodIngress => "tc_pod_ingress",
             Prog::PodEgress => "tc_pod_egress",
+            Prog::Xdp => "xdp_ext",
         }
     }
 }
@@ -34,6 +37,8 @@ pub const SWEEP: &str = "tc_ct_sweep";
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_REDIRECT: u32 = 7;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_TX: u32 = 3;
 
 /// A test's datapath: the loaded object (taken from `POOL` or loaded) with the map state a
 /// test starts from, and the devices of the test's own network namespace. Dropped, it puts the
@@ -134,6 +139,18 @@ impl Loaded {
                 .expect("a classifier");
             p.load()
                 .unwrap_or_else(|e| panic!("the verifier refuses {prog}: {e}"));
+            let info = p.info().expect("program info");
+            map_ids.extend(info.map_ids().expect("map ids").unwrap_or_default());
+        }
+        {
+            let name = Prog::Xdp.name();
+            let p: &mut Xdp = ebpf
+                .program_mut(name)
+                .unwrap_or_else(|| panic!("{name} in the object"))
+                .try_into()
+                .expect("an XDP program");
+            p.load()
+                .unwrap_or_else(|e| panic!("the verifier refuses {name}: {e}"));
             let info = p.info().expect("program info");
             map_ids.extend(info.map_ids().expect("map ids").unwrap_or_default());
         }
@@ -441,7 +458,7 @@ impl Dp {
 
     pub fn ifindex_of(&self, prog: Prog) -> u32 {
         match prog {
-            Prog::ExtIngress | Prog::ExtEgress => self.ext0,
+            Prog::ExtIngress | Prog::ExtEgress | Prog::Xdp => self.ext0,
             Prog::PodIngress | Prog::PodEgress => self.pod0,
         }
     }
@@ -455,6 +472,9 @@ impl Dp {
         input: &[u8],
         repeat: u32,
     ) -> (u32, Vec<u8>, u64) {
+        if prog == Prog::Xdp {
+            return self.run_xdp(ifindex, input, repeat);
+        }
         let p: &SchedClassifier = self.ebpf.program(prog.name()).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 512];
         // struct __sk_buff: ingress_ifindex at 36, ifindex at 40 (the device BPF_PROG_TEST_RUN
@@ -478,6 +498,33 @@ impl Dp {
             // The kernel reports the mean time of one run already.
             r.duration.as_nanos() as u64,
         )
+    }
+
+    /// `run_on` for the XDP program: the packet arrives on `ifindex`, receive queue 0.
+    fn run_xdp(&self, ifindex: u32, input: &[u8], repeat: u32) -> (u32, Vec<u8>, u64) {
+        let p: &Xdp = self
+            .ebpf
+            .program(Prog::Xdp.name())
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let mut out = vec![0u8; input.len() + 512];
+        // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
+        // egress_ifindex. data_end must be the packet's length, the others 0.
+        let mut ctx = [0u8; 24];
+        ctx[4..8].copy_from_slice(&(input.len() as u32).to_ne_bytes());
+        ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+        let r = p
+            .test_run(TestRunOptions {
+                data_in: Some(input),
+                data_out: Some(&mut out),
+                ctx_in: Some(&ctx),
+                repeat,
+                ..Default::default()
+            })
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {}: {e}", Prog::Xdp.name()));
+        out.truncate(r.data_size_out as usize);
+        (r.return_value, out, r.duration.as_nanos() as u64)
     }
 
     /// Runs the connection-tracking sweep once, as the agent does; how many entries it

@@ -53,8 +53,8 @@ fn words(a: &[u8; 16]) -> [u32; 4] {
 /// source is returned in `src_out`. No MTU is given: the helper checks the packet against
 /// the egress device's MTU itself (GSO packets by their segments).
 #[inline(always)]
-pub fn lookup(
-    ctx: &TcContext,
+pub fn lookup<C: crate::ctx::Ctx>(
+    ctx: &C,
     v6: bool,
     src: &[u8; 16],
     dst: &[u8; 16],
@@ -69,6 +69,7 @@ pub fn lookup(
     unsafe { crate::mem::clear(&mut route.params) };
     let params = &mut route.params;
     params.ifindex = ifindex;
+    params.__bindgen_anon_1.tot_len = ctx.fib_len();
     if v6 {
         params.family = AF_INET6;
         params.__bindgen_anon_3.ipv6_src = words(src);
@@ -81,7 +82,7 @@ pub fn lookup(
     // SAFETY: params is memory of the size given (a map value).
     route.ret = unsafe {
         bpf_fib_lookup(
-            ctx.skb.skb.cast(),
+            ctx.raw(),
             params,
             core::mem::size_of::<FibParams>() as i32,
             flags,

@@ -9,6 +9,7 @@
 
 mod csum;
 mod ct;
+mod ctx;
 mod frag;
 mod fwd;
 mod gc;
@@ -23,11 +24,12 @@ mod scratch;
 mod sock;
 mod tc;
 mod tcpsum;
+mod xdp;
 
 use aya_ebpf::{
     helpers::generated::bpf_set_retval,
-    macros::{cgroup_sock, cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, SockContext, TcContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, SockContext, TcContext, XdpContext},
 };
 use sock::{Call, Family};
 
@@ -122,6 +124,14 @@ pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_pod_egress(ctx: TcContext) -> i32 {
     tc::pod_egress(&ctx)
+}
+
+/// XDP, external devices: known flows to and from remote backends, sent back out from the
+/// driver; everything else goes on to `tc_ext_ingress` untouched (docs/design/xdp.md).
+/// Verdicts are XDP_* codes (PASS, TX).
+#[xdp]
+pub fn xdp_ext(ctx: XdpContext) -> u32 {
+    xdp::ext(&ctx)
 }
 
 /// Never attached: the agent runs it through BPF_PROG_TEST_RUN every few seconds to remove

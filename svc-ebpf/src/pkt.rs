@@ -12,7 +12,7 @@
 //! is `UNPARSED`: the packet passes untouched and is counted, never dropped: it is not ours to
 //! judge.
 
-use aya_ebpf::{helpers::generated::bpf_skb_load_bytes, programs::TcContext};
+use crate::ctx::Ctx;
 use svc_common::{IPPROTO_TCP, IPPROTO_UDP};
 
 pub const ETH_HLEN: u32 = 14;
@@ -147,9 +147,9 @@ impl Pkt {
 
 /// Reads `N` bytes at `off` into `buf`; false when the packet is shorter.
 #[inline(always)]
-pub fn load<const N: usize>(ctx: &TcContext, off: u32, buf: &mut [u8; N]) -> bool {
+pub fn load<const N: usize>(ctx: &impl Ctx, off: u32, buf: &mut [u8; N]) -> bool {
     // SAFETY: the helper writes at most N bytes into buf and checks the packet bounds.
-    unsafe { bpf_skb_load_bytes(ctx.skb.skb.cast(), off, buf.as_mut_ptr().cast(), N as u32) == 0 }
+    unsafe { ctx.load_bytes(off, buf.as_mut_ptr(), N as u32) }
 }
 
 #[inline(always)]
@@ -174,7 +174,7 @@ const DIRECT_MAX: u32 = 1024;
 /// a buffer that is not zeroed first (zeroing it was a byte loop too); `None` when the packet
 /// is shorter.
 #[inline(always)]
-pub fn header<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
+pub fn header<const N: usize>(ctx: &impl Ctx, off: u32) -> Option<[u8; N]> {
     if off < DIRECT_MAX {
         let at = ctx.data() + off as usize;
         if at + N <= ctx.data_end() {
@@ -184,18 +184,16 @@ pub fn header<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
     }
     let mut buf = core::mem::MaybeUninit::<[u8; N]>::uninit();
     // SAFETY: the helper writes at most N bytes into buf and checks the packet bounds.
-    let r =
-        unsafe { bpf_skb_load_bytes(ctx.skb.skb.cast(), off, buf.as_mut_ptr().cast(), N as u32) };
+    let r = unsafe { ctx.load_bytes(off, buf.as_mut_ptr().cast(), N as u32) };
     // SAFETY: on success the helper wrote all N bytes.
-    (r == 0).then(|| unsafe { buf.assume_init() })
+    r.then(|| unsafe { buf.assume_init() })
 }
 
 /// Parses the packet into `p`; returns a `parsed` code. A function of its own (a BPF-to-BPF
 /// call): its header buffers then live in its frame, not in every caller's.
 #[inline(never)]
-pub fn parse(ctx: &TcContext, p: &mut Pkt) -> u32 {
-    // SAFETY: the kernel's __sk_buff; single field loads.
-    let (ifindex, len) = unsafe { ((*ctx.skb.skb).ifindex, (*ctx.skb.skb).len) };
+pub fn parse<C: Ctx>(ctx: &C, p: &mut Pkt) -> u32 {
+    let (ifindex, len) = (ctx.ifindex(), ctx.len());
     // `p` may hold the previous packet's fields.
     clear(p);
     p.ifindex = ifindex;
@@ -214,7 +212,7 @@ pub fn parse(ctx: &TcContext, p: &mut Pkt) -> u32 {
 }
 
 #[inline(always)]
-fn parse_v4(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
+fn parse_v4(ctx: &impl Ctx, skb_len: u32, p: &mut Pkt) -> u32 {
     let Some(h) = header::<{ IPV4_HLEN as usize }>(ctx, L3) else {
         return parsed::UNPARSED;
     };
@@ -259,7 +257,7 @@ fn parse_v4(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
 }
 
 #[inline(always)]
-fn parse_v6(ctx: &TcContext, skb_len: u32, p: &mut Pkt) -> u32 {
+fn parse_v6(ctx: &impl Ctx, skb_len: u32, p: &mut Pkt) -> u32 {
     let Some(h) = header::<{ IPV6_HLEN as usize }>(ctx, L3) else {
         return parsed::UNPARSED;
     };
@@ -313,7 +311,7 @@ pub struct Upper {
 /// Fragment header, which lies right before `out.off`), `UNPARSED` when a header cannot be
 /// read or there are more than `MAX_EXT_HEADERS`.
 #[inline(always)]
-pub fn ipv6_upper(ctx: &TcContext, off: u32, next: u8, out: &mut Upper) -> u32 {
+pub fn ipv6_upper(ctx: &impl Ctx, off: u32, next: u8, out: &mut Upper) -> u32 {
     let mut off = off;
     let mut next = next;
     for _ in 0..MAX_EXT_HEADERS {
@@ -359,7 +357,7 @@ pub fn ipv6_upper(ctx: &TcContext, off: u32, next: u8, out: &mut Upper) -> u32 {
 
 /// The transport header: ports (TCP, UDP) or the kind of ICMP message.
 #[inline(always)]
-fn parse_l4(ctx: &TcContext, p: &mut Pkt) -> u32 {
+fn parse_l4(ctx: &impl Ctx, p: &mut Pkt) -> u32 {
     let end = L3 + p.ip_len;
     match p.proto {
         IPPROTO_TCP => {

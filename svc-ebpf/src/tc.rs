@@ -407,7 +407,7 @@ fn send_routed(ctx: &TcContext, s: &mut Scratch, reason: Reason) -> i32 {
 }
 
 #[inline(always)]
-fn in_snat_range(port_be: u16) -> bool {
+pub(crate) fn in_snat_range(port_be: u16) -> bool {
     let (min, max) = ct::snat_range();
     let port = u16::from_be(port_be);
     port >= min && port <= max

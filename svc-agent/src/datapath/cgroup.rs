@@ -156,6 +156,9 @@ impl Datapath {
         if let Err(e) = self.attach_tc() {
             warn!("attaching the packet datapath: {e}");
         }
+        if let Err(e) = self.attach_xdp() {
+            warn!("attaching the XDP program: {e}");
+        }
 
         // The new programs use the new maps now: entries the old programs wrote in the
         // meantime are carried over, then the new maps take the pins.

@@ -16,7 +16,7 @@ use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
     staged_pin, Pinned,
 };
-use super::{load_err, Datapath, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
+use super::{load_err, xdp, Datapath, XdpMode, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
 use crate::error::Result;
 use crate::store::{BpfStore, Capacity};
 use crate::sys;
@@ -118,6 +118,16 @@ impl Datapath {
                 .map_err(|e| load_err(name, e))?;
             tc_loaded.push(name);
         }
+        let xdp_loaded = match ebpf.program_mut(xdp::XDP_PROGRAM) {
+            Some(prog) => {
+                <&mut aya::programs::Xdp>::try_from(prog)
+                    .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?
+                    .load()
+                    .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?;
+                true
+            }
+            None => false,
+        };
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -178,6 +188,9 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
+            xdp_mode: XdpMode::Off,
+            xdp_loaded,
+            xdp_current: Default::default(),
             sweep: None,
         })
     }

@@ -24,6 +24,7 @@ mod repair;
 mod stats;
 mod tc;
 mod uninstall;
+mod xdp;
 
 pub use load::open_pinned;
 pub use pins::map_pin;
@@ -32,6 +33,7 @@ pub use stats::{
 };
 pub use tc::tc_link_pin;
 pub use uninstall::{uninstall, Uninstalled};
+pub use xdp::{xdp_pins, XdpMode, XDP_PROGRAM};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -124,6 +126,12 @@ pub struct Datapath {
     tc_devices: (Vec<Device>, Vec<Device>),
     /// tc link pins this agent has attached or swapped its programs into.
     tc_current: std::collections::BTreeSet<PathBuf>,
+    /// `--xdp-mode`.
+    xdp_mode: XdpMode,
+    /// Whether this object has the XDP program (loaded).
+    xdp_loaded: bool,
+    /// XDP link pins this agent has attached or swapped its program into.
+    xdp_current: std::collections::BTreeSet<PathBuf>,
     /// The connection-tracking sweep, once loaded (`ct_sweep`).
     sweep: Option<std::os::fd::OwnedFd>,
 }

@@ -49,7 +49,9 @@ impl Datapath {
     ) -> Result<Vec<String>> {
         self.tc_devices = (external, pods);
         if self.attached {
-            self.attach_tc()
+            let mut done = self.attach_tc()?;
+            done.extend(self.attach_xdp()?);
+            Ok(done)
         } else {
             Ok(Vec::new())
         }

@@ -40,7 +40,11 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     }
     let (_lock, _) = lock_dir(dir)?;
     // The links, opened before their pins go, so they can be detached whoever holds them.
-    let tc_links: Vec<PathBuf> = tc_pins(dir).into_iter().map(|(p, _, _)| p).collect();
+    let tc_links: Vec<PathBuf> = tc_pins(dir)
+        .into_iter()
+        .map(|(p, _, _)| p)
+        .chain(super::xdp_pins(dir).into_iter().map(|(p, _, _)| p))
+        .collect();
     let links: Vec<(PathBuf, std::os::fd::OwnedFd)> = PROGRAMS
         .iter()
         .map(|p| link_pin(dir, p))

@@ -1,0 +1,227 @@
+//! The XDP program on the external devices (docs/design/xdp.md), next to the tc programs,
+//! through pinned bpf links named after the mode each device runs:
+//! `link_xdp_<mode>_<ifname>`, mode `native` (the driver's hook) or `generic` (the kernel's
+//! skb-based hook, where a driver has no native XDP). Adopted across restarts as the tc
+//! links are (BPF_LINK_UPDATE swaps the new program in); removed when XDP is turned off, the
+//! device is no longer chosen, and by `uninstall`.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use aya::programs::{links::FdLink, Xdp, XdpMode as AttachMode};
+use tracing::{info, warn};
+
+use super::{io_err, load_err, Datapath};
+use crate::error::{Error, Result};
+use crate::netdev::Device;
+use crate::sys;
+
+/// The XDP program of svc-ebpf/src/main.rs.
+pub const XDP_PROGRAM: &str = "xdp_ext";
+
+/// `--xdp-mode`: where the XDP program goes on the external devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum XdpMode {
+    /// No XDP program: tc alone (the default).
+    #[default]
+    Off,
+    /// The driver's hook; a device whose driver refuses it gets the generic hook, and the
+    /// log, `list` and /metrics say so.
+    Native,
+    /// The kernel's generic hook on every device (after the skb is built: no speed-up, but
+    /// the same decisions; for testing and drivers without native XDP).
+    Generic,
+}
+
+impl std::str::FromStr for XdpMode {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<XdpMode> {
+        match s {
+            "off" => Ok(XdpMode::Off),
+            "native" => Ok(XdpMode::Native),
+            "generic" => Ok(XdpMode::Generic),
+            _ => Err(Error::load(format!(
+                "--xdp-mode {s:?}: expected off, native or generic"
+            ))),
+        }
+    }
+}
+
+/// The mode words of the pins.
+const MODES: [&str; 2] = ["native", "generic"];
+
+/// Where the XDP link of device `ifname` in `mode` is pinned.
+fn xdp_link_pin(dir: &Path, mode: &str, ifname: &str) -> PathBuf {
+    dir.join(format!("link_xdp_{mode}_{ifname}"))
+}
+
+/// The XDP link pins in `dir`: (pin, mode, device).
+pub fn xdp_pins(dir: &Path) -> Vec<(PathBuf, &'static str, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        for mode in MODES {
+            if let Some(ifname) = file.strip_prefix(&format!("link_xdp_{mode}_")) {
+                out.push((e.path(), mode, ifname.to_string()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+impl Datapath {
+    /// Sets the XDP mode; once attached, brings the devices in line with it.
+    pub fn set_xdp_mode(&mut self, mode: XdpMode) -> Result<Vec<String>> {
+        self.xdp_mode = mode;
+        if self.attached {
+            self.attach_xdp()
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    /// Each external device (the tc programs' own) and the mode its XDP program runs in.
+    pub fn xdp_devices(&self) -> Vec<(String, &'static str)> {
+        xdp_pins(&self.dir)
+            .into_iter()
+            .map(|(_, mode, ifname)| (ifname, mode))
+            .collect()
+    }
+
+    /// Attaches the XDP program to every external device (the `--xdp-mode` ones), or swaps it
+    /// into the link a previous agent pinned there; detaches it from devices no longer chosen,
+    /// and everywhere when XDP is off.
+    pub(super) fn attach_xdp(&mut self) -> Result<Vec<String>> {
+        let mut done = Vec::new();
+        let mut errors = Vec::new();
+        let mut keep = std::collections::BTreeSet::new();
+        let wanted: Vec<Device> = if self.xdp_mode == XdpMode::Off || !self.xdp_loaded {
+            Vec::new()
+        } else {
+            self.tc_devices.0.clone()
+        };
+        for device in &wanted {
+            match self.attach_xdp_one(device) {
+                Ok((pin, what)) => {
+                    keep.insert(pin);
+                    done.extend(what);
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        for (pin, mode, ifname) in xdp_pins(&self.dir) {
+            if keep.contains(&pin) {
+                continue;
+            }
+            match detach_pinned(&pin) {
+                Ok(()) => {
+                    info!(device = %ifname, mode, "XDP detached");
+                    done.push(format!("detached {XDP_PROGRAM} ({mode}) from {ifname}"));
+                }
+                Err(e) => errors.push(e),
+            }
+            self.xdp_current.remove(&pin);
+        }
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(done),
+        }
+    }
+
+    /// One device's XDP link: kept, swapped, or made (native first when asked, generic where
+    /// the driver refuses). Its pin, and what changed in words.
+    fn attach_xdp_one(&mut self, device: &Device) -> Result<(PathBuf, Option<String>)> {
+        for mode in MODES {
+            let pin = xdp_link_pin(&self.dir, mode, &device.name);
+            if !pin.exists() {
+                continue;
+            }
+            let link = sys::obj_get(&pin).map_err(|e| load_err(pin.display(), e))?;
+            // The xdp member of bpf_link_info's union starts with the ifindex, as tcx's does.
+            let (ifindex, _) =
+                sys::tcx_link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
+            // A generic link is kept under `native` (its driver refused native before), not
+            // under `generic` the other way round.
+            let fits = self.xdp_mode == XdpMode::Native || mode == "generic";
+            if ifindex != device.index || !fits {
+                detach_pinned(&pin)?;
+                self.xdp_current.remove(&pin);
+                continue;
+            }
+            if self.xdp_current.contains(&pin) {
+                return Ok((pin, None));
+            }
+            let prog = self
+                .ebpf
+                .program(XDP_PROGRAM)
+                .ok_or_else(|| load_err(XDP_PROGRAM, "program missing from the object"))?;
+            let fd = prog.fd().map_err(|e| load_err(XDP_PROGRAM, e))?;
+            sys::link_update(link.as_fd(), fd.as_fd()).map_err(|e| load_err(pin.display(), e))?;
+            self.xdp_current.insert(pin.clone());
+            info!(device = %device.name, mode, "XDP: replaced the program of the pinned link");
+            return Ok((
+                pin,
+                Some(format!("swapped {XDP_PROGRAM} ({mode}) on {}", device.name)),
+            ));
+        }
+        let prog = self
+            .ebpf
+            .program_mut(XDP_PROGRAM)
+            .ok_or_else(|| load_err(XDP_PROGRAM, "program missing from the object"))?;
+        let prog = <&mut Xdp>::try_from(prog).map_err(|e| load_err(XDP_PROGRAM, e))?;
+        let (id, mode) = if self.xdp_mode == XdpMode::Native {
+            match prog.attach(&device.name, AttachMode::Driver) {
+                Ok(id) => (id, "native"),
+                Err(e) => {
+                    warn!(
+                        device = %device.name,
+                        "native XDP refused ({e}): the generic hook instead, no faster than tc"
+                    );
+                    let id = prog
+                        .attach(&device.name, AttachMode::Skb)
+                        .map_err(|e| load_err(format!("attaching XDP to {}", device.name), e))?;
+                    (id, "generic")
+                }
+            }
+        } else {
+            let id = prog
+                .attach(&device.name, AttachMode::Skb)
+                .map_err(|e| load_err(format!("attaching XDP to {}", device.name), e))?;
+            (id, "generic")
+        };
+        let link = prog.take_link(id).map_err(|e| load_err(XDP_PROGRAM, e))?;
+        let link = FdLink::try_from(link).map_err(|e| load_err(XDP_PROGRAM, e))?;
+        let pin = xdp_link_pin(&self.dir, mode, &device.name);
+        link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
+        self.xdp_current.insert(pin.clone());
+        info!(device = %device.name, mode, "XDP attached");
+        Ok((
+            pin,
+            Some(format!(
+                "attached {XDP_PROGRAM} ({mode}) to {}",
+                device.name
+            )),
+        ))
+    }
+}
+
+/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin.
+pub(super) fn detach_pinned(pin: &Path) -> Result<()> {
+    if let Ok(fd) = sys::obj_get(pin) {
+        match sys::link_detach(fd.as_fd()) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {}
+            Err(e) => return Err(load_err(format!("detaching {}", pin.display()), e)),
+        }
+    }
+    match std::fs::remove_file(pin) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(pin, e)),
+    }
+}

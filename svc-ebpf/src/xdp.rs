@@ -1,0 +1,253 @@
+//! The XDP program of the external devices (docs/design/xdp.md): known flows to and from
+//! remote backends, translated and sent back out of the device they came in on before the
+//! kernel builds an skb for them. Everything else goes on to the tc programs untouched
+//! (XDP_PASS), which then do what they always did.
+//!
+//! It shares the tc datapath's parser (pkt.rs), connection tracking (ct.rs, the same entries,
+//! refreshed and tracked the same way) and route lookup (fwd.rs); only the rewrite is its own,
+//! in place, as XDP has no skb helpers: every header it changes lies in the linear data, so
+//! its checksums are updated by the same arithmetic the helpers use (csum.rs).
+//!
+//! What it finishes: a client's packet of a SNATed flow (FORWARD entry) and a remote backend's
+//! reply to a SNAT address (REPLY entry), when the route to the translated destination leaves
+//! by the same device with a known neighbour (XDP_TX). What it passes: anything else, among it
+//! a flow to a local backend (the stack delivers it), a route needing the stack (a neighbour to
+//! resolve, another device, a packet too big, a hop that would spend the TTL; counted
+//! `XdpPassRoute`), fragments, ICMP errors, what it cannot parse, packets of flows being
+//! handed over or out of their TCP window (tc drops them, counted there), and new flows. A
+//! packet passed after its entry was found is looked up again by tc: what the lookup recorded
+//! (flags ORed in, a sequence position) it records again, unchanged.
+
+use aya_ebpf::{
+    bindings::{xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
+    programs::XdpContext,
+};
+use svc_common::{ct_dir, ct_flags, node_addr_flags, Reason, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::{
+    csum, ct,
+    ctx::Ctx,
+    fwd, lb,
+    maps::count,
+    pkt::{self, parsed, L3},
+    scratch::{self, Scratch},
+    tc::in_snat_range,
+};
+
+const PASS: u32 = xdp_action::XDP_PASS;
+const TX: u32 = xdp_action::XDP_TX;
+
+/// Offsets past this are not written in place (the verifier needs a bound on a variable
+/// offset); only a TCP or UDP header after long IPv6 extension headers lies there, and such a
+/// packet goes on to tc.
+const DIRECT_MAX: u32 = 1024;
+
+#[inline(always)]
+pub fn ext(ctx: &XdpContext) -> u32 {
+    let Some(s) = scratch::get() else {
+        return PASS;
+    };
+    // Fragments (the first one included: frag.rs records its ports from tc), ICMP errors,
+    // other protocols and what does not parse are tc's, untouched and counted there.
+    if pkt::parse(ctx, &mut s.p) != parsed::L4 || s.p.first_frag != 0 {
+        return PASS;
+    }
+    if s.p.proto != IPPROTO_TCP && s.p.proto != IPPROTO_UDP {
+        return PASS;
+    }
+    let node = lb::node_addr_flags(&s.p.daddr);
+    if node == 0 {
+        return PASS;
+    }
+    if s.p.proto == IPPROTO_TCP && !ct::valid_tcp_flags(s.p.tcp_flags) {
+        // tc drops it, counted.
+        return PASS;
+    }
+    let now = lb::clock_ns();
+    // As the tc ingress: a packet to a SNAT address and port is a remote backend's reply.
+    if in_snat_range(s.p.dport_be) && node & node_addr_flags::SNAT != 0 {
+        match found(s, ct_dir::REPLY, now) {
+            ct::Found::Hit => return send(ctx, s, Reason::XdpReply),
+            ct::Found::Miss => {}
+            _ => return PASS,
+        }
+    }
+    if found(s, ct_dir::FORWARD, now) != ct::Found::Hit {
+        return PASS;
+    }
+    // Being handed over: tc drops it while the mark holds, or lapses the mark.
+    if s.v.flags & ct_flags::HANDING != 0 {
+        return PASS;
+    }
+    // A local backend (or a client port remapped for one): the stack delivers it.
+    if s.v.flags & ct_flags::SNAT == 0 || s.v.snat_addr == s.p.saddr {
+        return PASS;
+    }
+    send(ctx, s, Reason::XdpCtHit)
+}
+
+/// The packet's entry of direction `dir` into `s.v`, refreshed, and its translation into
+/// `s.src`/`s.dst` (as tc.rs's `found`).
+#[inline(always)]
+fn found(s: &mut Scratch, dir: u8, now: u64) -> ct::Found {
+    let key = ct::key_of(&s.p, dir);
+    let add = ct::packet_flags(&s.p, dir);
+    let found = ct::lookup(&key, false, add, now, &mut s.v);
+    if found == ct::Found::Hit {
+        ct::translated(&s.p, dir, &s.v, &mut s.src, &mut s.dst);
+    }
+    found
+}
+
+/// Sends the translated packet back out of its device (XDP_TX) when the route to `s.dst`
+/// leaves there with a known neighbour; else it goes on to tc untouched, counted
+/// `XdpPassRoute`. `reason` is counted when sent.
+#[inline(never)]
+fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
+    let ifindex = s.p.ifindex;
+    if s.p.ttl <= 1 {
+        // tc drops it with an ICMP time exceeded.
+        count(Reason::XdpPassRoute, ifindex);
+        return PASS;
+    }
+    fwd::lookup(
+        ctx,
+        s.p.v6 != 0,
+        &s.src.addr,
+        &s.dst.addr,
+        ifindex,
+        0,
+        &mut s.route,
+    );
+    if s.route.ret != BPF_FIB_LKUP_RET_SUCCESS as i64 || s.route.params.ifindex != ifindex {
+        count(Reason::XdpPassRoute, ifindex);
+        return PASS;
+    }
+    if !rewrite(ctx, s) {
+        // Nothing was written: tc translates it.
+        count(Reason::XdpPassRoute, ifindex);
+        return PASS;
+    }
+    count(reason, ifindex);
+    TX
+}
+
+/// `N` bytes at `off` of the packet, to be written in place; `None` when they are not all in
+/// it.
+#[inline(always)]
+fn at(ctx: &XdpContext, off: u32, n: u32) -> Option<*mut u8> {
+    if off >= DIRECT_MAX {
+        return None;
+    }
+    let p = ctx.data() + off as usize;
+    if p + n as usize > Ctx::data_end(ctx) {
+        return None;
+    }
+    Some(p as *mut u8)
+}
+
+#[inline(always)]
+fn rd16(p: *mut u8) -> u16 {
+    // SAFETY: callers pass a pointer `at` checked for the bytes read.
+    unsafe { core::ptr::read_unaligned(p as *const u16) }
+}
+
+#[inline(always)]
+fn wr16(p: *mut u8, v: u16) {
+    // SAFETY: callers pass a pointer `at` checked for the bytes written.
+    unsafe { core::ptr::write_unaligned(p as *mut u16, v) }
+}
+
+/// The IPv4 address of a mapped address, as it lies in memory.
+#[inline(always)]
+fn v4_word(a: &[u8; 16]) -> u32 {
+    u32::from_ne_bytes([a[12], a[13], a[14], a[15]])
+}
+
+/// Rewrites the packet in place to `s.src` -> `s.dst`, one hop counted, with the MAC
+/// addresses of `s.route`; the L4 and IPv4 header checksums updated incrementally. Every
+/// bound is checked before the first write: false leaves the packet as it was.
+#[inline(never)]
+fn rewrite(ctx: &XdpContext, s: &Scratch) -> bool {
+    let p = &s.p;
+    let v6 = p.v6 != 0;
+    let Some(eth) = at(ctx, 0, 12) else {
+        return false;
+    };
+    // Checked here, taken again where written: each family's bound must be a constant the
+    // verifier sees on the path that writes.
+    let ip_fits = if v6 {
+        at(ctx, L3, 40).is_some()
+    } else {
+        at(ctx, L3, 20).is_some()
+    };
+    if !ip_fits {
+        return false;
+    }
+    let Some(ports) = at(ctx, p.l4_off, 4) else {
+        return false;
+    };
+    let Some(check) = at(ctx, p.csum_off(), 2) else {
+        return false;
+    };
+    let (src, dst) = (&s.src, &s.dst);
+    let addr_diff = if v6 {
+        csum::add(
+            csum::diff_addr(&p.saddr, &src.addr),
+            csum::diff_addr(&p.daddr, &dst.addr),
+        )
+    } else {
+        csum::add(
+            csum::diff32(v4_word(&p.saddr), v4_word(&src.addr)),
+            csum::diff32(v4_word(&p.daddr), v4_word(&dst.addr)),
+        )
+    };
+    let port_diff = csum::add(
+        csum::diff16(p.sport_be, src.port_be),
+        csum::diff16(p.dport_be, dst.port_be),
+    );
+    let old = rd16(check);
+    // IPv4 UDP without a checksum (0) keeps none; a computed 0 is sent as 0xffff.
+    if !(p.proto == IPPROTO_UDP && !v6 && old == 0) {
+        let mut new = csum::apply(old, csum::add(addr_diff, port_diff));
+        if p.proto == IPPROTO_UDP && new == 0 {
+            new = 0xffff;
+        }
+        wr16(check, new);
+    }
+    wr16(ports, src.port_be);
+    // SAFETY: `ports` was checked for 4 bytes.
+    wr16(unsafe { ports.add(2) }, dst.port_be);
+    // SAFETY: `ip` is checked for the whole fixed header of its family.
+    unsafe {
+        if v6 {
+            let Some(ip) = at(ctx, L3, 40) else {
+                return true;
+            };
+            *ip.add(7) = p.ttl.wrapping_sub(1);
+            core::ptr::write_unaligned(ip.add(8) as *mut [u8; 16], src.addr);
+            core::ptr::write_unaligned(ip.add(24) as *mut [u8; 16], dst.addr);
+        } else {
+            let Some(ip) = at(ctx, L3, 20) else {
+                return true;
+            };
+            let ttl = p.ttl.wrapping_sub(1);
+            // TTL and protocol share a 16-bit word of the header checksum.
+            let ttl_diff = csum::diff16(
+                u16::from_ne_bytes([p.ttl, p.proto]),
+                u16::from_ne_bytes([ttl, p.proto]),
+            );
+            *ip.add(8) = ttl;
+            wr16(
+                ip.add(10),
+                csum::apply(p.ip_check, csum::add(addr_diff, ttl_diff)),
+            );
+            core::ptr::write_unaligned(ip.add(12) as *mut u32, v4_word(&src.addr));
+            core::ptr::write_unaligned(ip.add(16) as *mut u32, v4_word(&dst.addr));
+        }
+        let params = &s.route.params;
+        core::ptr::write_unaligned(eth as *mut [u8; 6], params.dmac);
+        core::ptr::write_unaligned(eth.add(6) as *mut [u8; 6], params.smac);
+    }
+    true
+}
