@@ -136,6 +136,11 @@ impl Agent {
         Ok(agent)
     }
 
+    /// The Maglev flags the syncs write tables by (docs/design/maglev.md); before the first.
+    pub fn set_maglev(&mut self, settings: crate::maglev::Settings) {
+        self.programmed.maglev.settings = settings;
+    }
+
     /// Reads the node's devices and addresses again and brings the packet datapath's node
     /// state (SVC_NODE_ADDRS, SVC_CONFIG, the devices the tc programs are on) in line.
     /// Returns true when the node's primary addresses changed: the Services must be
@@ -405,6 +410,12 @@ impl Agent {
                 .values()
                 .flat_map(|ports| ports.iter().cloned())
                 .collect(),
+            maglev: metrics::MaglevUsage {
+                table_bytes: self.programmed.maglev.table_bytes(),
+                capacity_bytes: u64::from(self.programmed.capacity.maglev) * 8,
+                tables: self.programmed.maglev.live.len(),
+                none: self.programmed.maglev.roomless.len(),
+            },
         }
     }
 
@@ -607,6 +618,8 @@ impl Agent {
         let retiring = std::mem::take(&mut self.programmed.retiring);
         let capacity = self.programmed.capacity;
         let mut fresh = Programmed::recover(&snap, capacity, self.upkeep.grace, retiring);
+        fresh.maglev.settings = self.programmed.maglev.settings;
+        fresh.maglev.roomless = std::mem::take(&mut self.programmed.maglev.roomless);
         // Ids already handed out stay spent even if nothing in the maps carries them.
         fresh.ids.next_frontend = fresh
             .ids

@@ -115,7 +115,14 @@ impl View {
                             id: f.id,
                             rev: f.rev,
                             count: f.count,
-                            flags: f.flags,
+                            // As the master entry holds them: the mirror keeps the
+                            // Maglev flag as the table's presence.
+                            flags: f.flags
+                                | if f.maglev.is_some() {
+                                    svc_flags::MAGLEV
+                                } else {
+                                    0
+                                },
                             affinity_timeout_s: f.affinity_timeout_s,
                             affinity_id: f.affinity_id,
                             slots: f.backends.clone(),

@@ -276,6 +276,11 @@ impl Regions {
         self.capacity
     }
 
+    /// Whether `len` free blocks lie together somewhere.
+    pub fn fits(&self, len: u32) -> bool {
+        len > 0 && self.free.values().any(|&have| have >= len)
+    }
+
     /// The start of `len` free blocks, now in use; None when no free region is that long.
     pub fn alloc(&mut self, len: u32) -> Option<u32> {
         if len == 0 {
@@ -682,5 +687,31 @@ mod tests {
         assert_eq!(r.alloc(10), Some(30));
         assert_eq!(r.alloc(50), Some(45));
         assert_eq!(r.alloc(1), Some(95));
+    }
+
+    /// What 10,000 Services of 10 backends cost (docs/design/maglev.md, Memory): the time
+    /// to build their tables and the blocks they take. A measurement, not a check: run with
+    /// `-- --ignored --nocapture` (the numbers of a debug build are the test profile's).
+    #[test]
+    #[ignore]
+    fn build_cost_at_10000_services_of_10() {
+        let mut regions = Regions::new(1 << 22);
+        let t0 = std::time::Instant::now();
+        let mut blocks_used = 0u64;
+        for s in 0..10_000u32 {
+            let backends: Vec<Identity> = (0..10).map(|b| backend(s * 10 + b)).collect();
+            let t = build(DEFAULT_SEED, &backends).unwrap();
+            let b = t.to_blocks();
+            regions.alloc(b.len() as u32).unwrap();
+            blocks_used += b.len() as u64;
+        }
+        let took = t0.elapsed();
+        eprintln!(
+            "10,000 tables of 10 backends: built in {took:?} ({:?} each), {} blocks, {:.1} MB",
+            took / 10_000,
+            blocks_used,
+            blocks_used as f64 * 8.0 / 1e6
+        );
+        assert_eq!(blocks_used, 10_000 * u64::from(blocks(1_021)));
     }
 }

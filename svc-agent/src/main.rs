@@ -445,11 +445,14 @@ struct CapacityArgs {
     /// Maglev table entries over all external frontends (2 bytes each, allocated in full in
     /// blocks of four; a table is 127 to 131,071 entries, about 100 per backend, and a changed
     /// backend set needs room for the old and the new table during the grace period). 0: no
-    /// tables. The default is the small catalogue size while the agent writes no tables
-    /// (docs/design/maglev.md).
-    #[arg(long, default_value_t = svc_common::capacity::MAGLEV * svc_common::MAGLEV_BLOCK)]
+    /// tables. The default, 32 MiB, holds 10,000 Services of 10 backends with one external
+    /// frontend each, with room to spare (docs/design/maglev.md).
+    #[arg(long, default_value_t = DEFAULT_MAGLEV_ENTRIES)]
     max_maglev_entries: u32,
 }
+
+/// `--max-maglev-entries`' default: 2^24 entries, 32 MiB (docs/design/maglev.md, Memory).
+const DEFAULT_MAGLEV_ENTRIES: u32 = 1 << 24;
 
 /// How external frontends (NodePort, externalIPs, LoadBalancer IPs) choose a backend for a new
 /// flow (docs/design/maglev.md).

@@ -94,6 +94,9 @@ struct Recorded {
     drift_ops: Counter,
     kube_proxy: KubeProxy,
     snat_ports: Gauge,
+    maglev_table_bytes: Gauge,
+    maglev_capacity_bytes: Gauge,
+    maglev_frontends: Labelled<Gauge>,
 }
 
 /// Under kube-proxy's names (pkg/proxy/metrics), with its types and buckets, what svc measures
@@ -185,6 +188,9 @@ impl Recorded {
             drift_ops: add(&mut r, "svc_drift_repaired_ops", "Map writes that repaired a difference between the maps and what was programmed"),
             kube_proxy: KubeProxy::new(&mut r),
             snat_ports: add(&mut r, "svc_snat_ports", "Ports in the SNAT port range: what svc_snat_ports_in_use_max runs up against"),
+            maglev_table_bytes: add(&mut r, "svc_maglev_table_bytes", "Bytes of Maglev table entries the current frontend generations use (2 an entry)"),
+            maglev_capacity_bytes: add(&mut r, "svc_maglev_capacity_bytes", "Bytes SVC_MAGLEV holds (--max-maglev-entries, allocated in full)"),
+            maglev_frontends: add(&mut r, "svc_maglev_frontends", "External frontends by Maglev table: maglev (has its table), none (wants one, found no room: random choice, tried again at each sync)"),
             registry: r,
         };
         // Shown at 0 too: the one protocol svc does not serve.
@@ -426,6 +432,19 @@ pub struct Programmed {
     pub node_failing: bool,
     /// Service ports svc does not serve (SCTP), "namespace/name:port 3868/SCTP".
     pub unserved: Vec<String>,
+    pub maglev: MaglevUsage,
+}
+
+/// The Maglev tables (docs/design/maglev.md).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MaglevUsage {
+    /// Entries of the current generations' tables, 2 bytes each.
+    pub table_bytes: u64,
+    /// What `SVC_MAGLEV` holds (8 bytes a block of 4 entries).
+    pub capacity_bytes: u64,
+    /// External frontends with a table, and those that want one and found no room.
+    pub tables: usize,
+    pub none: usize,
 }
 
 impl Metrics {
@@ -540,6 +559,11 @@ impl Metrics {
             .set(int(state.unserved.len()));
         r.retiring.set(int(state.retiring));
         r.attached.set(state.attached.into());
+        let m = &state.maglev;
+        r.maglev_table_bytes.set(m.table_bytes as i64);
+        r.maglev_capacity_bytes.set(m.capacity_bytes as i64);
+        (r.maglev_frontends.get_or_create(&[("table", "maglev")])).set(int(m.tables));
+        (r.maglev_frontends.get_or_create(&[("table", "none")])).set(int(m.none));
         let mut i = self.lock();
         i.failing = state.failing;
         i.unserved = state.unserved;
@@ -1156,6 +1180,9 @@ mod tests {
                 "svc_flows_via_unmanaged_device gauge",
                 "svc_drift_repaired_ops_total counter",
                 "svc_snat_ports gauge",
+                "svc_maglev_table_bytes gauge",
+                "svc_maglev_capacity_bytes gauge",
+                "svc_maglev_frontends gauge",
             ]
         );
         for help in text.lines().filter(|l| l.starts_with("# HELP ")) {

@@ -11,8 +11,8 @@ use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError};
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
-    BackendId, CtKey, CtValue, DatapathConfig, MetaValue, NodeAddrValue, RevNatValue, ServiceKey,
-    ServiceName, ServiceValue, SlotKey, SrcRangeKey,
+    BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue,
+    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey,
 };
 
 use crate::error::{Error, Result};
@@ -41,6 +41,12 @@ pub enum Op {
     DelNodeAddr([u8; 16]),
     /// The one entry of `CONFIG`.
     PutConfig(DatapathConfig),
+    /// A Maglev table (`SVC_MAGLEV`) from its first block on, into a region no index entry
+    /// names yet: written before its index entry, never under readers.
+    PutMaglev(u32, Vec<MaglevBlock>),
+    /// Where the table of a generation (`SlotKey` with slot 0) is (`SVC_MAGLEV_INDEX`).
+    PutMaglevIndex(SlotKey, MaglevIndex),
+    DelMaglevIndex(SlotKey),
 }
 
 impl Op {
@@ -56,6 +62,8 @@ impl Op {
             Op::PutRange(_) | Op::DelRange(_) => map_names::SRC_RANGES,
             Op::PutNodeAddr(..) | Op::DelNodeAddr(_) => map_names::NODE_ADDRS,
             Op::PutConfig(_) => map_names::CONFIG,
+            Op::PutMaglev(..) => map_names::MAGLEV,
+            Op::PutMaglevIndex(..) | Op::DelMaglevIndex(_) => map_names::MAGLEV_INDEX,
         }
     }
 }
@@ -130,6 +138,11 @@ pub struct Snapshot {
     pub ranges: Vec<SrcRangeKey>,
     pub node_addrs: Vec<([u8; 16], NodeAddrValue)>,
     pub config: DatapathConfig,
+    /// `SVC_MAGLEV_INDEX`: where each generation's table is.
+    pub maglev_index: Vec<(SlotKey, MaglevIndex)>,
+    /// The tables the index names, by first block, when read (`Store::read_tables`; the
+    /// drift check does not read them: a table is never changed where it is).
+    pub maglev_tables: Option<BTreeMap<u32, Vec<MaglevBlock>>>,
 }
 
 pub trait Store {
@@ -141,6 +154,21 @@ pub trait Store {
     /// timeouts and the SNAT range. None when this object has no connection-tracking map (a
     /// predecessor's programs may still have one).
     fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<FlowWalk>>;
+    /// `len` blocks of `SVC_MAGLEV` from `start` (fewer where the array ends).
+    fn read_maglev(&self, start: u32, len: u32) -> Result<Vec<MaglevBlock>>;
+
+    /// `snap` with the tables its index names (`Snapshot::maglev_tables`), for an exact
+    /// comparison (`verify::check`).
+    fn read_tables(&self, snap: &mut Snapshot) -> Result<()> {
+        let mut tables = BTreeMap::new();
+        for (_, v) in &snap.maglev_index {
+            let start = v.offset / svc_common::MAGLEV_BLOCK;
+            let len = crate::maglev::blocks(v.size);
+            tables.insert(start, self.read_maglev(start, len)?);
+        }
+        snap.maglev_tables = Some(tables);
+        Ok(())
+    }
 }
 
 /// `Store::flow_destinations`' answer.
@@ -244,10 +272,10 @@ pub struct BpfStore {
     /// The unassured flows' table (`SVC_CT_NEW`), beside `ct`.
     pub ct_new: Option<MapData>,
     pub dev_stats: Option<MapData>,
-    /// The Maglev tables and their index (docs/design/maglev.md): held for their pins; no
-    /// sync writes them yet. None while the object does not declare them.
-    pub maglev: Option<MapData>,
-    pub maglev_index: Option<MapData>,
+    /// The Maglev tables and their index (docs/design/maglev.md). None while the object does
+    /// not declare them.
+    pub maglev: Option<Array<MapData, MaglevBlock>>,
+    pub maglev_index: Option<HashMap<MapData, SlotKey, MaglevIndex>>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
@@ -385,6 +413,34 @@ impl BpfStore {
             Op::DelRevNat(k) => self.rev_nat.remove(k),
             Op::DelName(k) => self.names.remove(k),
             Op::DelMatch(k) => self.affinity_match.remove(k),
+            Op::PutMaglev(start, blocks) => {
+                let Some(m) = self.maglev.as_mut() else {
+                    return Err(MapError::OutOfBounds {
+                        index: *start,
+                        max_entries: 0,
+                    });
+                };
+                if blocks.is_empty() {
+                    return Ok(());
+                }
+                crate::sys::update_array(m.map().fd().as_fd(), *start, blocks).map_err(|e| {
+                    MapError::SyscallError(aya::sys::SyscallError {
+                        call: "bpf_map_update_batch",
+                        io_error: e,
+                    })
+                })
+            }
+            Op::PutMaglevIndex(k, v) => match self.maglev_index.as_mut() {
+                Some(m) => m.insert(k, v, 0),
+                None => Err(MapError::OutOfBounds {
+                    index: 0,
+                    max_entries: 0,
+                }),
+            },
+            Op::DelMaglevIndex(k) => match self.maglev_index.as_mut() {
+                Some(m) => m.remove(k),
+                None => Err(MapError::KeyNotFound),
+            },
         }
     }
 
@@ -547,7 +603,22 @@ impl Store for BpfStore {
                 .config
                 .get(&0, 0)
                 .map_err(|e| map_err(map_names::CONFIG, e))?,
+            maglev_index: match &self.maglev_index {
+                Some(m) => dump(map_names::MAGLEV_INDEX, m)?,
+                None => Vec::new(),
+            },
+            maglev_tables: None,
         })
+    }
+
+    fn read_maglev(&self, start: u32, len: u32) -> Result<Vec<MaglevBlock>> {
+        let Some(m) = &self.maglev else {
+            return Ok(Vec::new());
+        };
+        let end = start.saturating_add(len).min(m.len());
+        (start..end)
+            .map(|i| m.get(&i, 0).map_err(|e| map_err(map_names::MAGLEV, e)))
+            .collect()
     }
 }
 

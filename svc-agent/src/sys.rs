@@ -299,6 +299,26 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
     }
 }
 
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+/// Writes `values` into an array map from index `start` on in one syscall
+/// (BPF_MAP_UPDATE_BATCH): a Maglev table of 1,021 entries is 256 elements, which one update
+/// each would make 256 syscalls. The kernel may stop early (an index beyond the array): the
+/// error is returned, with what it wrote before left written.
+pub fn update_array<V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    start: u32,
+    values: &[V],
+) -> io::Result<()> {
+    let keys: Vec<u32> = (0..values.len() as u32).map(|i| start + i).collect();
+    let mut attr = Attr::zeroed();
+    attr.put_u64(16, keys.as_ptr() as u64);
+    attr.put_u64(24, values.as_ptr() as u64);
+    attr.put_u32(32, values.len() as u32);
+    attr.put_u32(36, map.as_raw_fd() as u32);
+    bpf(BPF_MAP_UPDATE_BATCH, &mut attr).map(|_| ())
+}
+
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The filesystem type (statfs f_type) `path` lies on.

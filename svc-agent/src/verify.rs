@@ -12,16 +12,34 @@ use svc_common::{
     DatapathConfig, NodeAddrValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 
-use crate::model::{Backend, DesiredState};
+use crate::model::{Backend, DesiredFrontend, DesiredState, Frontend};
 use crate::reconcile::{
     addr16, decode_name, external_addr, flags_of, ip_from16, plan::rev_nat_value, range_key,
-    ranges_of, service_key, stored_name,
+    ranges_of, service_key, stored_name, TableRef,
 };
 use crate::store::Snapshot;
 
 /// Every difference between `snap` and `desired`, in words; empty when they agree exactly.
+/// Maglev tables as an agent with the default flags writes them.
 pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
+    check_with(snap, desired, &crate::maglev::Settings::default())
+}
+
+/// `check`, for an agent with the Maglev flags `maglev`: every external frontend with
+/// backends whose algorithm is Maglev has its generation's table, of its size and seed,
+/// clear of every other table, holding (when `snap` has the tables read) what the builder
+/// makes of its backends in slot order; no other frontend has one, and no index entry is
+/// left over.
+pub fn check_with(
+    snap: &Snapshot,
+    desired: &DesiredState,
+    maglev: &crate::maglev::Settings,
+) -> Vec<String> {
     let mut problems = Vec::new();
+    let index: HashMap<SlotKey, svc_common::MaglevIndex> =
+        snap.maglev_index.iter().copied().collect();
+    let mut used_index = HashSet::new();
+    let mut regions: Vec<(u32, u32, Frontend)> = Vec::new();
     let services: HashMap<_, _> = snap.services.iter().copied().collect();
     let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
     let backends: HashMap<BackendId, _> = snap.backends.iter().copied().collect();
@@ -54,7 +72,27 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
             problems.push(format!("{fe}: id {} shared with another frontend", v.id));
         }
         let (flags, timeout) = flags_of(d);
-        if v.flags != flags || v.affinity_timeout_s != timeout {
+        let wants = fe.scope == crate::model::Scope::External
+            && !d.backends.is_empty()
+            && maglev.external(d.lb_algorithm) == crate::maglev::Algorithm::Maglev;
+        match (wants, v.flags & svc_flags::MAGLEV != 0) {
+            (true, false) => problems.push(format!("{fe}: no Maglev table")),
+            (false, true) => problems.push(format!("{fe}: a Maglev table it does not want")),
+            (true, true) => {
+                let key = crate::reconcile::maglev_key(v.id, v.rev);
+                used_index.insert(key);
+                match index.get(&key).map(|i| (i, TableRef::of(i))) {
+                    None => problems.push(format!("{fe}: Maglev index entry missing")),
+                    Some((i, None)) => problems.push(format!("{fe}: Maglev index entry {i:?}")),
+                    Some((_, Some(t))) => {
+                        regions.push((t.start, t.start + t.blocks(), *fe));
+                        check_table(snap, d, &t, maglev, &mut problems);
+                    }
+                }
+            }
+            (false, false) => {}
+        }
+        if v.flags & !svc_flags::MAGLEV != flags || v.affinity_timeout_s != timeout {
             problems.push(format!(
                 "{fe}: flags {:#x}/{}s, want {flags:#x}/{timeout}s",
                 v.flags, v.affinity_timeout_s
@@ -204,6 +242,19 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         "source range",
         ranges.difference(&used_ranges).count(),
     ));
+    problems.extend(strays(
+        "Maglev index",
+        index.keys().filter(|k| !used_index.contains(*k)).count(),
+    ));
+    regions.sort();
+    for w in regions.windows(2) {
+        if w[0].1 > w[1].0 {
+            problems.push(format!(
+                "the Maglev tables of {} and {} overlap",
+                w[0].2, w[1].2
+            ));
+        }
+    }
     // NODE_ADDRS (reconcile/addrs.rs): every external frontend's address, flagged EXTERNAL; the
     // node's part is checked when the desired state has one (the agent's always does; a
     // desired state built from Services alone does not). An entry that only lingers is for
@@ -279,4 +330,48 @@ pub fn check(snap: &Snapshot, desired: &DesiredState) -> Vec<String> {
         ));
     }
     problems
+}
+
+/// A frontend's table: the size of its backend count, the seed of the flags, and (tables
+/// read) the builder's table of its backends in slot order.
+fn check_table(
+    snap: &Snapshot,
+    d: &DesiredFrontend,
+    t: &TableRef,
+    maglev: &crate::maglev::Settings,
+    problems: &mut Vec<String>,
+) {
+    let fe = &d.frontend;
+    let size = crate::maglev::table_size(d.backends.len());
+    if t.size != size || t.seed != maglev.seed {
+        problems.push(format!(
+            "{fe}: Maglev table of {} entries, seed {:#x}; want {size}, {:#x}",
+            t.size, t.seed, maglev.seed
+        ));
+        return;
+    }
+    let Some(tables) = &snap.maglev_tables else {
+        return;
+    };
+    let proto = fe.protocol.ipproto();
+    let idents: Vec<crate::maglev::Identity> = (d.backends.iter())
+        .map(|b| crate::maglev::Identity::of(b.addr, proto))
+        .collect();
+    let Ok(want) = crate::maglev::build(maglev.seed, &idents) else {
+        return;
+    };
+    match tables.get(&t.start) {
+        Some(got) if *got == want.to_blocks() => {}
+        Some(got) => {
+            let differ = (got.iter().flat_map(|b| b.entries))
+                .zip(want.entries.iter())
+                .filter(|(g, w)| g != *w)
+                .count();
+            problems.push(format!(
+                "{fe}: Maglev table differs from its backends' in {differ} of {} entries",
+                want.entries.len()
+            ));
+        }
+        None => problems.push(format!("{fe}: Maglev table not read")),
+    }
 }

@@ -539,6 +539,8 @@ const HARNESS_TOOLS: &[(&str, &str)] = &[
     ("conntrack", "conntrack"),
     // The image test (tests/tests/image.rs) builds the node image with it.
     ("buildah", "buildah"),
+    // The XDP packet test turns transmit checksum offload off in its namespaces.
+    ("ethtool", "ethtool"),
 ];
 
 /// Whether `command` is on PATH (or in /usr/sbin, which a non-root PATH may lack).

@@ -43,8 +43,8 @@ pub struct RunConfig {
     pub capacity: Capacity,
     pub upkeep: Upkeep,
     pub packet: PacketConfig,
-    /// How external frontends choose backends; read by the plan once it writes Maglev tables
-    /// (docs/design/maglev.md, not built yet).
+    /// How external frontends choose backends (docs/design/maglev.md): the plan's Maglev
+    /// tables.
     pub maglev: crate::maglev::Settings,
 }
 
@@ -310,6 +310,10 @@ async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
         cfg.packet.clone(),
         metrics,
     )
+    .map(|mut agent| {
+        agent.set_maglev(cfg.maglev);
+        agent
+    })
 }
 
 /// Completes when the agent should stop (SIGTERM or SIGINT).
@@ -337,12 +341,13 @@ fn announce(report: &SyncReport, first: bool) {
 /// in `cfg.bpffs` read (none pinned: empty maps), the node's devices and addresses read.
 /// Nothing is written, attached, pinned or locked. Input errors are in the second value.
 pub async fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::Error>)> {
-    let programmed = if datapath::map_pin(&cfg.bpffs, map_names::SERVICES).exists() {
+    let mut programmed = if datapath::map_pin(&cfg.bpffs, map_names::SERVICES).exists() {
         let store = datapath::open_pinned(&cfg.bpffs)?;
         Programmed::adopt(&store, store.capacity, cfg.upkeep.grace)?
     } else {
         Programmed::empty(cfg.capacity, cfg.upkeep.grace)
     };
+    programmed.maglev.settings = cfg.maglev;
     let devices = crate::netdev::read().map_err(|e| {
         crate::Error::Other(format!("reading the node's devices and addresses: {e}"))
     })?;

@@ -131,6 +131,8 @@ impl Datapath {
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
+        // A resized SVC_MAGLEV copies the regions the index names: the index first.
+        plans.sort_by_key(|(map, _)| map.name == map_names::MAGLEV);
         for (map, plan) in plans {
             let name = map.name;
             match plan {
@@ -249,8 +251,8 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::CT => store.ct.as_ref()?,
         map_names::CT_NEW => store.ct_new.as_ref()?,
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
-        map_names::MAGLEV => store.maglev.as_ref()?,
-        map_names::MAGLEV_INDEX => store.maglev_index.as_ref()?,
+        map_names::MAGLEV => store.maglev.as_ref()?.map(),
+        map_names::MAGLEV_INDEX => store.maglev_index.as_ref()?.map(),
         _ => return None,
     })
 }
@@ -315,8 +317,12 @@ fn build_store(
         ct: take(map_names::CT).ok().and_then(map_data),
         ct_new: take(map_names::CT_NEW).ok().and_then(map_data),
         dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
-        maglev: take(map_names::MAGLEV).ok().and_then(map_data),
-        maglev_index: take(map_names::MAGLEV_INDEX).ok().and_then(map_data),
+        maglev: take(map_names::MAGLEV)
+            .ok()
+            .and_then(|m| Array::try_from(m).ok()),
+        maglev_index: take(map_names::MAGLEV_INDEX)
+            .ok()
+            .and_then(|m| HashMap::try_from(m).ok()),
         capacity,
         enomem_until: None,
     })

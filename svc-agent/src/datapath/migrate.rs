@@ -91,9 +91,44 @@ pub(super) fn migrate(
             }
             None => Ok(0),
         },
+        map_names::MAGLEV_INDEX => match store.maglev_index.as_mut() {
+            Some(new) => copy_hash(name, old, new, late),
+            None => Ok(0),
+        },
+        map_names::MAGLEV => copy_tables(store, old),
         // Counters (`DEV_STATS`) start again in a resized map.
         _ => Ok(0),
     }
+}
+
+/// Copies the tables of a resized `SVC_MAGLEV` where they were: only the regions the index
+/// names (the rest of the array is free space), read through the new index, which is
+/// carried beside it. A region beyond the new array is left out: its frontend falls back to
+/// the random choice until the first sync writes its table again (recovery finds the region
+/// outside the array). Blocks copied.
+fn copy_tables(store: &mut BpfStore, old: &MapData) -> Result<usize> {
+    let name = map_names::MAGLEV;
+    let (Some(new), Some(index)) = (store.maglev.as_mut(), store.maglev_index.as_ref()) else {
+        return Ok(0);
+    };
+    let old: aya::maps::Array<MapData, svc_common::MaglevBlock> =
+        aya::maps::Array::try_from(Map::Array(clone_map(old)?))
+            .map_err(|e| crate::store::map_err(name, e))?;
+    let mut n = 0;
+    for (_, v) in crate::store::dump(map_names::MAGLEV_INDEX, index)? {
+        let start = v.offset / svc_common::MAGLEV_BLOCK;
+        let end = start.saturating_add(crate::maglev::blocks(v.size));
+        if end > new.len() {
+            continue;
+        }
+        for i in start..end.min(old.len()) {
+            let b = old.get(&i, 0).map_err(|e| crate::store::map_err(name, e))?;
+            new.set(i, b, 0)
+                .map_err(|e| crate::store::map_err(name, e))?;
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Carries the flows of a pinned `SVC_CT` of layout 1 (before sequence tracking) into this

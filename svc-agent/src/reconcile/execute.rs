@@ -297,6 +297,19 @@ impl Programmed {
         now: Instant,
         unreferenced: &mut Vec<BackendId>,
     ) -> Result<(usize, usize)> {
+        // Told once, when a frontend starts to want a table it finds no room for.
+        for fe in &plan.roomless {
+            if self.maglev.roomless.insert(*fe) {
+                warn!(
+                    frontend = %fe,
+                    "no room for its Maglev table in SVC_MAGLEV (--max-maglev-entries): \
+                     programmed with the random choice, tried again at each sync"
+                );
+            }
+        }
+        for fe in &plan.settled {
+            self.maglev.roomless.remove(fe);
+        }
         if plan.is_empty() {
             return Ok((0, 0));
         }
@@ -322,6 +335,18 @@ impl Programmed {
                 object: String::new(),
             });
         }
+        for (_, t) in &plan.tables {
+            if !self.maglev.regions.take(t.start, t.blocks()) {
+                return Err(Error::map(
+                    svc_common::map_names::MAGLEV,
+                    format!(
+                        "blocks {}..{} planned for a table are not free (a bookkeeping error)",
+                        t.start,
+                        t.start + t.blocks()
+                    ),
+                ));
+            }
+        }
         // Ids are made durable before anything uses them.
         if let Some(m) = plan.meta {
             w.op(&Op::PutMeta(m))?;
@@ -343,13 +368,22 @@ impl Programmed {
         // Before any master entry names them, prepared entries can go at once; after, a
         // reader may hold a master entry that names them, so they are retired. Membership
         // entries go at once either way: without one a reader only chooses again.
-        let undo_prepare = |w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
-            for (_, undo) in done.iter().rev() {
-                if let Some(undo) = undo {
-                    w.try_op(undo);
+        // The tables' regions: no reader reached them, they go at once with their index
+        // entries (unless the entry is a current generation's, put back by the switch's undo).
+        let undo_prepare =
+            |p: &mut Programmed, w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
+                for (_, undo) in done.iter().rev() {
+                    if let Some(undo) = undo {
+                        w.try_op(undo);
+                    }
                 }
-            }
-        };
+                for (key, t) in &plan.tables {
+                    if !p.maglev.live.contains_key(&(key.id, key.rev)) {
+                        w.try_op(&Op::DelMaglevIndex(*key));
+                    }
+                    p.maglev.regions.free(t.start, t.blocks());
+                }
+            };
         let retire_prepared = |p: &mut Programmed, w: &mut Writer<'_, S>| {
             for (op, undo) in &plan.prepare {
                 match undo {
@@ -370,10 +404,19 @@ impl Programmed {
                     None => {}
                 }
             }
+            for (key, t) in &plan.tables {
+                p.retiring.push(
+                    now + p.grace,
+                    Retire::Table {
+                        key: *key,
+                        table: *t,
+                    },
+                );
+            }
         };
         for (i, (op, _)) in plan.prepare.iter().enumerate() {
             if let Err(e) = w.op(op) {
-                undo_prepare(w, &plan.prepare[..i]);
+                undo_prepare(self, w, &plan.prepare[..i]);
                 return Err(e);
             }
         }
@@ -385,7 +428,7 @@ impl Programmed {
                     }
                 }
                 if i == 0 {
-                    undo_prepare(w, &plan.prepare);
+                    undo_prepare(self, w, &plan.prepare);
                 } else {
                     retire_prepared(self, w);
                 }
@@ -403,7 +446,7 @@ impl Programmed {
                     }
                 }
                 if i == 0 && plan.add.is_empty() {
-                    undo_prepare(w, &plan.prepare);
+                    undo_prepare(self, w, &plan.prepare);
                 } else {
                     retire_prepared(self, w);
                 }
@@ -417,6 +460,13 @@ impl Programmed {
         let (mut written, mut removed) = (0, 0);
         for (fe, after) in plan.commit {
             let added = after.is_some();
+            self.maglev.roomless.remove(&fe);
+            if let Some(b) = self.frontends.get(&fe).filter(|b| b.maglev.is_some()) {
+                self.maglev.live.remove(&(b.id, b.rev));
+            }
+            if let Some(t) = after.as_ref().and_then(|a| Some((a.id, a.rev, a.maglev?))) {
+                self.maglev.live.insert((t.0, t.1), t.2);
+            }
             let before = match after {
                 Some(pf) => {
                     written += 1;
@@ -446,6 +496,9 @@ impl Programmed {
                     }
                 }
             }
+        }
+        for fe in &plan.roomless {
+            self.maglev.roomless.insert(*fe);
         }
         for r in plan.retire {
             self.retiring.push(now + self.grace, r);
@@ -517,6 +570,13 @@ impl Programmed {
         }
         for id in strays.backends {
             self.retiring.push(due, Retire::Backend(id));
+        }
+        for (key, table) in strays.maglev {
+            let r = match table {
+                Some(table) => Retire::Table { key, table },
+                None => Retire::Del(Op::DelMaglevIndex(key)),
+            };
+            self.retiring.push(due, r);
         }
         // A range of no frontend admits nobody anything: it goes at once.
         for k in strays.ranges {

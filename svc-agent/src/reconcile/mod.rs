@@ -35,8 +35,8 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use svc_common::{
-    is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, NodeAddrValue,
-    ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
+    is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, MaglevIndex,
+    NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 use tracing::warn;
 
@@ -94,6 +94,81 @@ pub struct ProgFrontend {
     /// Source ranges (SRC_RANGES) under this id, as in the map: sorted; empty (no
     /// allocation) for all but LoadBalancer frontends with loadBalancerSourceRanges.
     pub ranges: Box<[Cidr]>,
+    /// The Maglev table of generation `rev` (its index entry is written): the master entry
+    /// carries `svc_flags::MAGLEV`, which `flags` never holds then.
+    pub maglev: Option<TableRef>,
+}
+
+/// Where a generation's Maglev table is in `SVC_MAGLEV`, as its index entry says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableRef {
+    /// First block.
+    pub start: u32,
+    /// Entries, `M` (one of `maglev::SIZES`).
+    pub size: u32,
+    pub seed: u64,
+}
+
+impl TableRef {
+    /// Blocks it takes.
+    pub fn blocks(&self) -> u32 {
+        crate::maglev::blocks(self.size)
+    }
+
+    pub fn index(&self) -> MaglevIndex {
+        MaglevIndex {
+            offset: self.start * svc_common::MAGLEV_BLOCK,
+            size: self.size,
+            seed: [self.seed as u32, (self.seed >> 32) as u32],
+        }
+    }
+
+    /// The table an index entry names; None for one no agent writes (an offset inside a
+    /// block, a size not in the ladder).
+    pub fn of(v: &MaglevIndex) -> Option<TableRef> {
+        (v.offset.is_multiple_of(svc_common::MAGLEV_BLOCK)
+            && crate::maglev::SIZES.contains(&v.size))
+        .then(|| TableRef {
+            start: v.offset / svc_common::MAGLEV_BLOCK,
+            size: v.size,
+            seed: u64::from(v.seed[0]) | u64::from(v.seed[1]) << 32,
+        })
+    }
+}
+
+/// The index key of generation `rev` of frontend `id`.
+pub fn maglev_key(id: u32, rev: u16) -> SlotKey {
+    SlotKey { id, rev, slot: 0 }
+}
+
+/// The Maglev side of the mirror (docs/design/maglev.md).
+#[derive(Debug)]
+pub struct MaglevState {
+    pub settings: crate::maglev::Settings,
+    /// Free space of `SVC_MAGLEV`: every region an index entry names, or a retirement will
+    /// free, is taken.
+    pub regions: crate::maglev::Regions,
+    /// The generations (id, rev) whose current master entry carries a table, with it.
+    pub live: HashMap<(u32, u16), TableRef>,
+    /// External frontends that want a table and found no room: programmed without one
+    /// (random choice), tried again at each sync of them.
+    pub roomless: BTreeSet<Frontend>,
+}
+
+impl MaglevState {
+    pub fn new(capacity: &Capacity) -> MaglevState {
+        MaglevState {
+            settings: crate::maglev::Settings::default(),
+            regions: crate::maglev::Regions::new(capacity.maglev),
+            live: HashMap::new(),
+            roomless: BTreeSet::new(),
+        }
+    }
+
+    /// Bytes of table entries the current generations use (2 an entry).
+    pub fn table_bytes(&self) -> u64 {
+        self.live.values().map(|t| u64::from(t.size) * 2).sum()
+    }
 }
 
 impl ProgFrontend {
@@ -116,6 +191,20 @@ impl ProgFrontend {
             affinity_timeout_s: self.affinity_timeout_s,
             affinity_id: self.affinity_id,
         }
+        .with_table(self.maglev.is_some())
+    }
+}
+
+trait WithTable {
+    fn with_table(self, table: bool) -> Self;
+}
+
+impl WithTable for ServiceValue {
+    fn with_table(mut self, table: bool) -> Self {
+        if table {
+            self.flags |= svc_flags::MAGLEV;
+        }
+        self
     }
 }
 
@@ -228,6 +317,9 @@ pub struct Strays {
     pub matches: Vec<AffinityMatchKey>,
     /// Source ranges of no frontend, or left by a delete that failed.
     pub ranges: Vec<SrcRangeKey>,
+    /// Maglev index entries of no current generation with a table, with the region each
+    /// names when it is taken in the mirror until retired.
+    pub maglev: Vec<(SlotKey, Option<TableRef>)>,
 }
 
 impl Strays {
@@ -239,6 +331,7 @@ impl Strays {
             + self.backends.len()
             + self.matches.len()
             + self.ranges.len()
+            + self.maglev.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -317,6 +410,7 @@ pub struct Programmed {
     /// choices. Rebuilt from the master entries after a restart, so choices remembered before
     /// it keep matching; forgotten with the port's last frontend.
     pub affinity_ports: HashMap<(Box<str>, Protocol), PortAffinity>,
+    pub maglev: MaglevState,
 }
 
 /// One Service port's affinity id and how many programmed frontends carry it.
@@ -568,6 +662,7 @@ impl Programmed {
             config: None,
             snat_range_wanted: false,
             affinity_ports: HashMap::new(),
+            maglev: MaglevState::new(&capacity),
         }
     }
 

@@ -15,9 +15,9 @@ use svc_common::{
 
 use super::addrs::external_addr;
 use super::{
-    addr16, encode_name, flags_of, range_key, ranges_of, service_key, snat_range_frontends,
-    stored_name, BackendKey, Entry, ProgFrontend, Programmed, Retire, Scope, Strays, Usage,
-    ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
+    addr16, encode_name, flags_of, maglev_key, range_key, ranges_of, service_key,
+    snat_range_frontends, stored_name, BackendKey, Entry, ProgFrontend, Programmed, Retire, Scope,
+    Strays, TableRef, Usage, ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
 use crate::model::{
@@ -53,6 +53,13 @@ pub struct UnitPlan {
     pub max_backend_id: u32,
     /// The META write that makes them durable, first, when META does not cover them yet.
     pub meta: Option<MetaValue>,
+    /// The Maglev tables it writes, each under its index key: their regions are taken
+    /// before the first write, and given back (or retired) if the Service's sync fails.
+    pub tables: Vec<(SlotKey, TableRef)>,
+    /// External frontends that want a Maglev table and find no room: programmed without.
+    pub roomless: Vec<Frontend>,
+    /// Frontends that found no room before and need none now, with nothing to write.
+    pub settled: Vec<Frontend>,
 }
 
 impl UnitPlan {
@@ -173,6 +180,9 @@ pub struct Planned {
     stray_gens: HashSet<(u32, u16)>,
     /// The ids META makes durable (frontend, backend) once the plans so far are written.
     hwm: (u32, u32),
+    /// The free space of `SVC_MAGLEV` once the tables planned so far are written (None:
+    /// the mirror's, no table planned yet).
+    regions: Option<crate::maglev::Regions>,
 }
 
 impl Planned {
@@ -184,8 +194,57 @@ impl Planned {
             backends: HashMap::new(),
             stray_gens: p.strays.slots.iter().map(|k| (k.id, k.rev)).collect(),
             hwm: (p.ids.frontend_hwm, p.ids.backend_hwm),
+            regions: None,
         }
     }
+
+    fn regions<'a>(&'a mut self, p: &Programmed) -> &'a mut crate::maglev::Regions {
+        self.regions.get_or_insert_with(|| p.maglev.regions.clone())
+    }
+}
+
+/// Whether `d` wants a Maglev table: an external frontend with backends whose algorithm
+/// (the Service's annotation, else the flag) is Maglev, and an array that can hold one.
+pub fn wants_table(p: &Programmed, d: &DesiredFrontend) -> bool {
+    d.frontend.scope == crate::model::Scope::External
+        && !d.backends.is_empty()
+        && p.maglev.settings.external(d.lb_algorithm) == crate::maglev::Algorithm::Maglev
+        && p.capacity.maglev >= crate::maglev::blocks(crate::maglev::MIN_SIZE)
+}
+
+/// Builds the table of `d` (its backends in slot order, so entries are 0-based slot numbers)
+/// and plans its writes into a free region, before the index entry of `key`, in `prepare`:
+/// `key` is a generation no master entry names with a table yet. None when no region is
+/// free: the frontend is then programmed without (`UnitPlan::roomless`).
+fn plan_table(
+    p: &Programmed,
+    earlier: &mut Planned,
+    plan: &mut UnitPlan,
+    d: &DesiredFrontend,
+    key: SlotKey,
+) -> Option<TableRef> {
+    let proto = d.frontend.protocol.ipproto();
+    let size = crate::maglev::table_size(d.backends.len());
+    let Some(start) = earlier.regions(p).alloc(crate::maglev::blocks(size)) else {
+        plan.roomless.push(d.frontend);
+        return None;
+    };
+    let idents: Vec<crate::maglev::Identity> = (d.backends.iter())
+        .map(|b| crate::maglev::Identity::of(b.addr, proto))
+        .collect();
+    let seed = p.maglev.settings.seed;
+    let table = crate::maglev::build(seed, &idents).ok()?;
+    let t = TableRef {
+        start,
+        size: table.size(),
+        seed,
+    };
+    plan.prepare
+        .push((Op::PutMaglev(start, table.to_blocks()), None));
+    plan.prepare
+        .push((Op::PutMaglevIndex(key, t.index()), None));
+    plan.tables.push((key, t));
+    Some(t)
 }
 
 /// Plans Service `owner`: write `upserts`, remove `gone`, after what `earlier` holds (which
@@ -281,6 +340,12 @@ pub fn plan_unit(
                 .extend(matches.iter().map(|b| put_match(id, *b)));
             // Before the master entry: a reader that sees its SOURCE_RANGES flag finds them.
             plan.prepare.extend(ranges.iter().map(|c| put_range(id, c)));
+            // The table and its index entry before the master entry that flags it.
+            let maglev = if wants_table(p, d) {
+                plan_table(p, earlier, &mut plan, d, maglev_key(id, rev))
+            } else {
+                None
+            };
             plan.needs.ranges += ranges.len() as u64;
             plan.needs.rev_nat += 1;
             plan.needs.names += 1;
@@ -299,6 +364,7 @@ pub fn plan_unit(
                 rev_nat_entry: Entry::Ok,
                 matches,
                 ranges,
+                maglev,
             };
             plan.add.push(Op::PutService(key, pf.value()));
             plan.needs.services += 1;
@@ -314,13 +380,36 @@ pub fn plan_unit(
         let rev_nat_ok = cur.rev_nat_entry == Entry::Ok;
         let matches = members(fe, flags, &ids);
         let same_ranges = ranges == cur.ranges;
+        let wants = wants_table(p, d);
+        let seed = p.maglev.settings.seed;
+        let size = crate::maglev::table_size(d.backends.len());
+        // Whether the generation's table (or its lack) can stay as it is: a table of this
+        // seed and size (the same backends under the same generation build the same), or
+        // none where none is wanted or none fits.
+        let maglev_ok = match cur.maglev {
+            Some(t) => wants && t.seed == seed && t.size == size,
+            None if wants => {
+                let fits = (earlier.regions.as_ref())
+                    .unwrap_or(&p.maglev.regions)
+                    .fits(crate::maglev::blocks(size));
+                if !fits {
+                    plan.roomless.push(*fe);
+                }
+                !fits
+            }
+            None => true,
+        };
         if same_set
             && same_settings
             && name_ok
             && rev_nat_ok
             && matches == cur.matches
             && same_ranges
+            && maglev_ok
         {
+            if p.maglev.roomless.contains(fe) && plan.roomless.last() != Some(fe) {
+                plan.settled.push(*fe);
+            }
             continue;
         }
         if !name_ok {
@@ -337,13 +426,37 @@ pub fn plan_unit(
                 plan.needs.rev_nat += 1;
             }
         }
-        let rev = if same_set {
-            cur.rev
-        } else {
+        // A table of another seed (or size) is never replaced under its generation: the
+        // old region stays named by its index entry until the old generation retires, so a
+        // reader, or an agent restarted meanwhile, never finds it written over.
+        let new_gen = !same_set || (wants && cur.maglev.is_some() && !maglev_ok);
+        let rev = if new_gen {
             let rev = next_rev(p, earlier, cur.id, cur.rev);
             plan.prepare.extend(slots(cur.id, rev));
             plan.needs.slots += ids.len() as u64;
             rev
+        } else {
+            cur.rev
+        };
+        // A new generation gets its table beside its slots; the same generation keeps its
+        // table, or gets one before the master entry gains the flag, or loses it when the
+        // master entry drops the flag (retired with its region after the grace period).
+        let maglev = if new_gen || (wants && cur.maglev.is_none() && !maglev_ok) {
+            if wants {
+                plan_table(p, earlier, &mut plan, d, maglev_key(cur.id, rev))
+            } else {
+                None
+            }
+        } else if wants {
+            cur.maglev
+        } else {
+            if let Some(old) = cur.maglev {
+                plan.retire.push(Retire::Table {
+                    key: maglev_key(cur.id, rev),
+                    table: old,
+                });
+            }
+            None
         };
         for b in minus(&matches, &cur.matches) {
             plan.prepare.push(put_match(cur.id, *b));
@@ -379,18 +492,20 @@ pub fn plan_unit(
             rev_nat_entry: Entry::Ok,
             matches,
             ranges,
+            maglev,
         };
-        if !same_set || !same_settings {
+        if new_gen || !same_settings || pf.value() != cur.value() {
             plan.switch.push((
                 Op::PutService(key, pf.value()),
                 Op::PutService(key, cur.value()),
             ));
         }
-        if !same_set {
+        if new_gen {
             plan.retire.push(Retire::Slots {
                 id: cur.id,
                 rev: cur.rev,
                 count: cur.count,
+                table: cur.maglev,
             });
         }
         plan.commit.push((*fe, Some(pf)));
@@ -410,6 +525,7 @@ pub fn plan_unit(
             id: cur.id,
             rev: cur.rev,
             count: cur.count,
+            table: cur.maglev,
         });
         plan.retire.push(Retire::Ids(cur.id));
         for b in &cur.matches {

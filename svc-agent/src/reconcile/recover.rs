@@ -9,8 +9,8 @@ use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
 use tracing::warn;
 
 use super::{
-    decode_name, ip_from16, plan::rev_nat_value, range_of, BackendKey, Entry, ProgFrontend,
-    Programmed, Retiring, Usage,
+    decode_name, ip_from16, maglev_key, plan::rev_nat_value, range_of, BackendKey, Entry,
+    ProgFrontend, Programmed, Retiring, TableRef, Usage,
 };
 use crate::model::{Backend, Cidr, Frontend, Protocol, Scope};
 use crate::store::{Capacity, Snapshot};
@@ -67,6 +67,7 @@ impl Programmed {
             .chain(snap.matches.iter().map(|k| k.id))
             .chain(snap.ranges.iter().map(|k| u32::from_be(k.id_be)))
             .chain(snap.affinity_ids.iter().map(|(id, _)| *id))
+            .chain(snap.maglev_index.iter().map(|(k, _)| k.id))
             .max()
             .unwrap_or(0);
         let backend_max = snap
@@ -188,9 +189,47 @@ impl Programmed {
                     rev_nat_entry,
                     matches: Vec::new(),
                     ranges: Box::new([]),
+                    maglev: None,
                 },
             );
         }
+
+        // Maglev tables: the regions of what this agent is retiring stay taken until freed;
+        // a master entry with the flag adopts its generation's index entry when it names a
+        // table of a known size wholly inside the array and clear of the others (then the
+        // flag moves to `ProgFrontend::maglev`). One that does not keeps the flag in `flags`,
+        // so the next sync writes its table and master entry again. Any other index entry
+        // is a leftover: retired, with its region when that region is clear.
+        for t in p.retiring.tables() {
+            p.maglev.regions.take(t.start, t.blocks());
+        }
+        let index: HashMap<SlotKey, svc_common::MaglevIndex> =
+            snap.maglev_index.iter().copied().collect();
+        let mut adopted: HashSet<SlotKey> = HashSet::new();
+        for (fe, pf) in p.frontends.iter_mut() {
+            if pf.flags & svc_flags::MAGLEV == 0 {
+                continue;
+            }
+            let key = maglev_key(pf.id, pf.rev);
+            let table = (index.get(&key).and_then(TableRef::of))
+                .filter(|t| p.maglev.regions.take(t.start, t.blocks()));
+            let Some(t) = table else {
+                warn!(frontend = %fe, "Maglev table missing or unusable in the pinned maps; will rewrite");
+                continue;
+            };
+            pf.flags &= !svc_flags::MAGLEV;
+            pf.maglev = Some(t);
+            p.maglev.live.insert((pf.id, pf.rev), t);
+            adopted.insert(key);
+        }
+        for (k, v) in &snap.maglev_index {
+            if adopted.contains(k) || p.retiring.has_table_key(k) {
+                continue;
+            }
+            let t = TableRef::of(v).filter(|t| p.maglev.regions.take(t.start, t.blocks()));
+            p.strays.maglev.push((*k, t));
+        }
+        p.strays.maglev.sort_by_key(|(k, _)| *k);
 
         // Each Service port's affinity id, as its master entries carry it. Only frontends whose
         // name is known: a port is its name. Should two of a port's frontends disagree (no

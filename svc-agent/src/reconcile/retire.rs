@@ -5,21 +5,48 @@ use std::time::Instant;
 
 use svc_common::{BackendId, SlotKey};
 
-use super::{Programmed, Writer};
+use super::{maglev_key, Programmed, TableRef, Writer};
 use crate::error::Error;
 use crate::store::{Op, Store};
+use tracing::warn;
 
 /// Something a switch made unreachable, deleted once the grace period has passed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Retire {
-    /// Slots 1..=count of generation `rev` of frontend `id`.
-    Slots { id: u32, rev: u16, count: u16 },
+    /// Slots 1..=count of generation `rev` of frontend `id`, and its Maglev table (index
+    /// entry and region) if it had one.
+    Slots {
+        id: u32,
+        rev: u16,
+        count: u16,
+        table: Option<TableRef>,
+    },
+    /// A Maglev table no master entry leads to any more: its region is freed, and the index
+    /// entry `key` deleted unless a current generation's table is there again (a table
+    /// replaced under the same generation, an algorithm changed back).
+    Table { key: SlotKey, table: TableRef },
     /// The reverse-NAT and name entries of a removed frontend.
     Ids(u32),
     /// A backend no slot names any more (deleted only if that is still true when due).
     Backend(BackendId),
     /// One entry: a leftover found in the maps, or what a failed Service's sync had written.
     Del(Op),
+}
+
+impl Retire {
+    /// The Maglev index key it deletes, if any.
+    fn maglev_key(&self) -> Option<SlotKey> {
+        match self {
+            Retire::Slots {
+                id,
+                rev,
+                table: Some(_),
+                ..
+            } => Some(maglev_key(*id, *rev)),
+            Retire::Table { key, .. } | Retire::Del(Op::DelMaglevIndex(key)) => Some(*key),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -30,10 +57,15 @@ pub struct Retiring {
     slot_gens: HashMap<(u32, u16), u32>,
     ids: HashMap<u32, u32>,
     backends: HashSet<BackendId>,
+    /// Maglev index keys with entries in the queue.
+    tables: HashMap<SlotKey, u32>,
 }
 
 impl Retiring {
     pub(super) fn push(&mut self, due: Instant, r: Retire) {
+        if let Some(k) = r.maglev_key() {
+            *self.tables.entry(k).or_default() += 1;
+        }
         match &r {
             Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
                 *self.slot_gens.entry((*id, *rev)).or_default() += 1;
@@ -46,7 +78,7 @@ impl Retiring {
                     return;
                 }
             }
-            Retire::Del(_) => {}
+            Retire::Del(_) | Retire::Table { .. } => {}
         }
         self.queue.push_back((due, r));
     }
@@ -61,6 +93,9 @@ impl Retiring {
                 }
             }
         }
+        if let Some(k) = r.maglev_key() {
+            dec(&mut self.tables, k);
+        }
         match r {
             Retire::Slots { id, rev, .. } | Retire::Del(Op::DelSlot(SlotKey { id, rev, .. })) => {
                 dec(&mut self.slot_gens, (*id, *rev))
@@ -71,8 +106,22 @@ impl Retiring {
             Retire::Backend(id) => {
                 self.backends.remove(id);
             }
-            Retire::Del(_) => {}
+            Retire::Del(_) | Retire::Table { .. } => {}
         }
+    }
+
+    /// Whether an entry in the queue deletes (or keeps) the Maglev index entry `k`.
+    pub fn has_table_key(&self, k: &SlotKey) -> bool {
+        self.tables.contains_key(k)
+    }
+
+    /// The regions of `SVC_MAGLEV` the queue will free: in use until then.
+    pub fn tables(&self) -> impl Iterator<Item = &TableRef> {
+        self.queue.iter().filter_map(|(_, r)| match r {
+            Retire::Slots { table, .. } => table.as_ref(),
+            Retire::Table { table, .. } => Some(table),
+            _ => None,
+        })
     }
 
     pub fn has_slot_gen(&self, id: u32, rev: u16) -> bool {
@@ -119,12 +168,30 @@ impl Programmed {
             let (_, r) = self.retiring.queue.pop_front().expect("front exists");
             self.retiring.done(&r);
             match r {
-                Retire::Slots { id, rev, count } => {
+                Retire::Slots {
+                    id,
+                    rev,
+                    count,
+                    table,
+                } => {
                     for slot in 1..=count {
                         if w.try_op(&Op::DelSlot(SlotKey { id, rev, slot })) {
                             self.usage.slots = self.usage.slots.saturating_sub(1);
                             report.deleted += 1;
                         }
+                    }
+                    if let Some(t) = table {
+                        report.deleted += self.retire_table(&mut w, maglev_key(id, rev), &t);
+                    }
+                }
+                Retire::Table { key, table } => {
+                    report.deleted += self.retire_table(&mut w, key, &table);
+                }
+                Retire::Del(Op::DelMaglevIndex(key)) => {
+                    if !self.maglev.live.contains_key(&(key.id, key.rev))
+                        && w.try_op(&Op::DelMaglevIndex(key))
+                    {
+                        report.deleted += 1;
                     }
                 }
                 Retire::Ids(id) => {
@@ -164,6 +231,29 @@ impl Programmed {
             }
         }
         report
+    }
+
+    /// Deletes index entry `key` unless a current generation's table is there, and frees
+    /// the region of `t`. Entries deleted.
+    fn retire_table<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        key: SlotKey,
+        t: &TableRef,
+    ) -> usize {
+        let mut deleted = 0;
+        if !self.maglev.live.contains_key(&(key.id, key.rev)) && w.try_op(&Op::DelMaglevIndex(key))
+        {
+            deleted += 1;
+        }
+        if !self.maglev.regions.free(t.start, t.blocks()) {
+            warn!(
+                start = t.start,
+                blocks = t.blocks(),
+                "a retired Maglev region was not in use"
+            );
+        }
+        deleted
     }
 
     fn forget_backend(&mut self, id: BackendId) {

@@ -130,6 +130,23 @@ impl Display for Line<'_> {
                     c.snat_range_frontends
                 )
             }
+            // One line a table, not a block.
+            Op::PutMaglev(start, blocks) => write!(
+                f,
+                "put {map} blocks {start}..{} (a table of {} blocks)",
+                *start as usize + blocks.len(),
+                blocks.len()
+            ),
+            Op::PutMaglevIndex(k, v) => write!(
+                f,
+                "put {map} maglev {}/{}: {} entries at offset {} seed {:#x}",
+                k.id,
+                k.rev,
+                v.size,
+                v.offset,
+                u64::from(v.seed[0]) | u64::from(v.seed[1]) << 32
+            ),
+            Op::DelMaglevIndex(k) => write!(f, "delete {map} maglev {}/{}", k.id, k.rev),
         }
     }
 }
@@ -154,9 +171,33 @@ impl Display for Retirement<'_> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
         use svc_common::map_names as m;
         match self.0 {
-            Retire::Slots { id, rev, count } => {
-                write!(f, "retire {} {id}/{rev}/1..={count}", m::SLOTS)
+            Retire::Slots {
+                id,
+                rev,
+                count,
+                table,
+            } => {
+                write!(f, "retire {} {id}/{rev}/1..={count}", m::SLOTS)?;
+                if let Some(t) = table {
+                    write!(
+                        f,
+                        ", {} {id}/{rev} and its {} blocks at {}",
+                        m::MAGLEV_INDEX,
+                        t.blocks(),
+                        t.start
+                    )?;
+                }
+                Ok(())
             }
+            Retire::Table { key, table } => write!(
+                f,
+                "retire {} blocks {}..{} (maglev {}/{})",
+                m::MAGLEV,
+                table.start,
+                table.start + table.blocks(),
+                key.id,
+                key.rev
+            ),
             Retire::Ids(id) => write!(f, "retire {} {id}, {} {id}", m::REV_NAT, m::NAMES),
             Retire::Backend(id) => write!(f, "retire {} {id}", m::BACKENDS),
             Retire::Del(op) => {
@@ -196,7 +237,14 @@ fn strays(f: &mut Formatter<'_>, s: &Strays) -> fmt::Result {
     let later = (s.slots.iter().map(|k| Retire::Del(Op::DelSlot(*k))))
         .chain(s.rev_nat.iter().map(|id| Retire::Del(Op::DelRevNat(*id))))
         .chain(s.names.iter().map(|id| Retire::Del(Op::DelName(*id))))
-        .chain(s.backends.iter().map(|id| Retire::Backend(*id)));
+        .chain(s.backends.iter().map(|id| Retire::Backend(*id)))
+        .chain(s.maglev.iter().map(|(key, t)| match t {
+            Some(table) => Retire::Table {
+                key: *key,
+                table: *table,
+            },
+            None => Retire::Del(Op::DelMaglevIndex(*key)),
+        }));
     later
         .into_iter()
         .try_for_each(|r| writeln!(f, "  {}", Retirement(&r)))
