@@ -29,6 +29,10 @@ pub struct Listing {
     /// Idle timeouts of the packet datapath's flows in effect (SVC_CONFIG, or the built-in
     /// defaults), seconds.
     pub ct_timeouts: ListedCtTimeouts,
+    /// svc's tc programs attached in this network namespace, by device, with how (tcx link
+    /// or classic filter). Filled by the caller (`datapath::tc_attachments`): the maps do not
+    /// say.
+    pub tc_programs: Vec<crate::datapath::TcAttachment>,
 }
 
 #[derive(Debug, Serialize)]
@@ -143,6 +147,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
                 udp_stream_s: seconds(&config, IPPROTO_UDP, f::SEEN_REPLY),
             }
         },
+        tc_programs: Vec::new(),
     })
 }
 
@@ -237,6 +242,20 @@ pub fn render_text(l: &Listing) -> String {
     stats.sort();
     let stats: Vec<String> = stats.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(out, "Socket decisions: {}", stats.join(" "));
+    let tc: Vec<String> = l
+        .tc_programs
+        .iter()
+        .map(|a| format!("{} on {} ({})", a.program, a.device, a.mode))
+        .collect();
+    let _ = writeln!(
+        out,
+        "tc programs: {}",
+        if tc.is_empty() {
+            "-".into()
+        } else {
+            tc.join(", ")
+        }
+    );
     let addrs: Vec<String> = l
         .node_addresses
         .iter()
@@ -320,6 +339,7 @@ mod tests {
                 udp_s: 1,
                 udp_stream_s: 1,
             },
+            tc_programs: Vec::new(),
         };
         let text = render_text(&listing);
         assert!(

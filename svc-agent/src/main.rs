@@ -245,6 +245,13 @@ struct PacketArgs {
     /// net.ipv4.ip_local_reserved_ports (if that fails, SNAT is off and /healthz says so).
     #[arg(long)]
     snat_port_range: Option<String>,
+    /// How the tc programs attach to the devices: `tcx` (pinned tcx links, Linux 6.6 and
+    /// later), `classic` (a clsact qdisc and direct-action cls_bpf filters at pref 1 handle
+    /// 0x5356, as `tc filter add ... bpf da` makes them; every kernel svc runs on), or `auto`:
+    /// tcx where the kernel has it, else classic. Either way a restarted agent replaces its
+    /// programs in place, and an agent started in the other mode moves them over.
+    #[arg(long, value_enum, default_value_t = datapath::TcAttach::Auto)]
+    tc_attach: datapath::TcAttach,
 }
 
 impl PacketArgs {
@@ -313,6 +320,7 @@ impl PacketArgs {
                 0 => None,
                 s => Some(std::time::Duration::from_secs(s.into())),
             },
+            tc_attach: self.tc_attach,
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(
                     "no localhost NodePorts: reading this network namespace's cookie: {e}"
@@ -663,7 +671,8 @@ fn main() -> anyhow::Result<()> {
         }
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;
-            let listing = list::read(&store)?;
+            let mut listing = list::read(&store)?;
+            listing.tc_programs = datapath::tc_attachments(&bpffs);
             match output {
                 Output::Json => {
                     print_out(&format!("{}\n", serde_json::to_string_pretty(&listing)?))?
@@ -697,6 +706,9 @@ fn main() -> anyhow::Result<()> {
             let mut text = String::new();
             for p in &done.removed {
                 text.push_str(&format!("removed {}\n", p.display()));
+            }
+            for f in &done.removed_filters {
+                text.push_str(&format!("removed the filter of {f}\n"));
             }
             if let Some(h) = &done.handover {
                 text.push_str(&format!(

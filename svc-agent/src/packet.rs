@@ -34,6 +34,8 @@ pub struct PacketConfig {
     /// `--conntrack-sweep-interval`: how often dead flows are removed from connection
     /// tracking; None: never (the LRU alone makes room).
     pub ct_sweep_every: Option<std::time::Duration>,
+    /// `--tc-attach`: tcx links, classic cls_bpf filters, or whichever the kernel has.
+    pub tc_attach: crate::datapath::TcAttach,
 }
 
 /// Idle timeouts of the packet datapath's flows, seconds; 0 leaves the programs' built-in
@@ -72,6 +74,7 @@ impl Default for PacketConfig {
             host_netns: 0,
             ct_timeouts: CtTimeouts::default(),
             ct_sweep_every: None,
+            tc_attach: crate::datapath::TcAttach::Auto,
         }
     }
 }

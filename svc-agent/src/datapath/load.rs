@@ -16,7 +16,7 @@ use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
     staged_pin, Pinned,
 };
-use super::{load_err, Datapath, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
+use super::{load_err, Datapath, TcMode, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
 use crate::error::Result;
 use crate::store::{BpfStore, Capacity};
 use crate::sys;
@@ -164,6 +164,7 @@ impl Datapath {
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
         store.sync_node_addr_bits(false)?;
+        let kernel_tcx = sys::has_tcx().map_err(|e| load_err("asking the kernel for tcx", e))?;
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,
@@ -178,6 +179,9 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
+            tc_mode: if kernel_tcx { TcMode::Tcx } else { TcMode::Classic },
+            kernel_tcx,
+            tc_classic: None,
             sweep: None,
         })
     }
