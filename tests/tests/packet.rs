@@ -2063,12 +2063,19 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
     t.service("local", nodeport("local", 32, 30081));
     t.endpoints("local", &[LOCAL_POD]);
     if classic {
+        // First through tcx, as the agent attaches on this kernel by itself; then an agent
+        // told classic moves each program over.
+        t.start_agent();
+        assert_eq!(t.node1_eth0_programs(), (1, 1));
+        t.agent().terminate(Duration::from_secs(10)).expect("stop");
         t.start_agent_with(&[
             "--tc-attach",
             "classic",
             "--metrics-bind-address",
             "127.0.0.1:10249",
         ]);
+        let log = t.agent().log();
+        assert!(log.contains("detached the tcx link"), "{log}");
         // Filters, not tcx links: as tc and bpftool show them.
         assert_eq!(t.node1_eth0_programs(), (0, 0), "tcx programs on eth0");
         let (ingress, egress) = classic_filters(&t);
@@ -2122,6 +2129,13 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
             ),
             "{metrics}"
         );
+        // Deleted under the agent (a clsact qdisc takes its filters with it): put back.
+        run_in(&t.node1, &["tc", "qdisc", "del", "dev", "eth0", "clsact"]);
+        poll(Duration::from_secs(10), || {
+            let (i, e) = classic_filters(&t);
+            Ok((i.len() == 1 && e.len() == 1).then_some(()))
+        })
+        .expect("the filters put back");
     } else {
         t.start_agent();
     }

@@ -148,6 +148,16 @@ pub fn scan() -> io::Result<Vec<Ours>> {
     Ok(out)
 }
 
+/// Whether program `prog_id` uses one of `maps` (map ids): a filter named as svc's belongs to
+/// the svc whose pinned maps its program reads, where two directories serve one namespace.
+pub fn uses_maps(prog_id: u32, maps: &std::collections::BTreeSet<u32>) -> bool {
+    aya::programs::loaded_programs()
+        .flatten()
+        .find(|p| p.id() == prog_id)
+        .and_then(|p| p.map_ids().ok().flatten())
+        .is_some_and(|ids| ids.iter().any(|id| maps.contains(id)))
+}
+
 /// Removes svc's filter of `program` from `ifname` (`tc filter del ... pref 1 handle 0x5356
 /// bpf`); a device or filter already gone is not an error. The clsact qdisc stays: other
 /// filters may hang on it, and an empty one costs nothing.

@@ -35,13 +35,6 @@ pub struct Uninstalled {
 pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
     let mut done = Uninstalled::default();
     if !dir.exists() {
-        // Filters a previous agent left here although its directory is gone.
-        for f in super::tc_classic::scan().unwrap_or_default() {
-            if super::tc_classic::delete(f.program, &f.ifname).is_ok() {
-                done.removed_filters
-                    .push(format!("{} on {} (classic)", f.program, f.ifname));
-            }
-        }
         if let Some(cg) = cgroup {
             done.foreign = check_detached(cg, &[])?;
         }
@@ -58,10 +51,19 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         .collect();
     // svc's classic filters on this namespace's devices (kernels without tcx, or
     // `--tc-attach classic`); found before anything goes, removed with the links.
-    let classic = match super::tc_classic::scan() {
+    // Only those whose programs read this directory's maps: another svc directory may serve
+    // the same namespace.
+    let our_maps: std::collections::BTreeSet<u32> = map_names::ALL
+        .iter()
+        .flat_map(|m| [map_pin(dir, m), staged_pin(dir, m)])
+        .chain(other_versions(dir))
+        .filter_map(|p| MapData::from_pin(p).ok()?.info().ok().map(|i| i.id()))
+        .collect();
+    let mut classic = match super::tc_classic::scan() {
         Ok(found) => found,
         Err(e) => return Err(load_err("listing the classic tc filters", e)),
     };
+    classic.retain(|f| super::tc_classic::uses_maps(f.prog_id, &our_maps));
     let ours: Vec<u32> = links
         .iter()
         .filter_map(|(_, fd)| sys::link_info(fd.as_fd()).ok().map(|(prog, _)| prog))
