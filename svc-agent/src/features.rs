@@ -105,8 +105,16 @@ pub fn needs() -> Vec<Need> {
             Part::Object,
             "4.6",
         ),
-        need(Feature::Map(MapType::LruHash, "LRU hash"), Part::Object, "4.10"),
-        need(Feature::Map(MapType::LpmTrie, "LPM trie"), Part::Object, "4.11"),
+        need(
+            Feature::Map(MapType::LruHash, "LRU hash"),
+            Part::Object,
+            "4.10",
+        ),
+        need(
+            Feature::Map(MapType::LpmTrie, "LPM trie"),
+            Part::Object,
+            "4.11",
+        ),
         need(
             Feature::Map(MapType::SkStorage, "socket storage"),
             Part::Object,
@@ -117,7 +125,11 @@ pub fn needs() -> Vec<Need> {
             Part::SocketHooks,
             "4.17",
         ),
-        need(Feature::Program(SOCK, "cgroup sock"), Part::SocketHooks, "4.10"),
+        need(
+            Feature::Program(SOCK, "cgroup sock"),
+            Part::SocketHooks,
+            "4.10",
+        ),
     ];
     for (attach_type, name) in crate::sys::ATTACH_POINTS {
         let since = match name {
@@ -203,9 +215,7 @@ impl Probe for Kernel<'_> {
         match feature {
             Feature::Program(t, _) => aya::sys::is_program_supported(t).map_err(|e| other(&e)),
             Feature::Map(t, _) => aya::sys::is_map_supported(t).map_err(|e| other(&e)),
-            Feature::Helper(t, h, _) => {
-                aya::sys::is_helper_supported(t, h).map_err(|e| other(&e))
-            }
+            Feature::Helper(t, h, _) => aya::sys::is_helper_supported(t, h).map_err(|e| other(&e)),
             Feature::CgroupHook(attach_type, _) => {
                 let Some(cg) = self.cgroup else {
                     return Ok(true);
@@ -281,7 +291,11 @@ impl Report {
                 )
             })
             .chain(self.unknown.iter().map(|(n, e)| {
-                format!("could not ask the kernel for {} ({}): {e}", n.name(), n.part)
+                format!(
+                    "could not ask the kernel for {} ({}): {e}",
+                    n.name(),
+                    n.part
+                )
             }))
             .collect()
     }
@@ -319,7 +333,9 @@ mod tests {
         let r = check(&Without(&["bpf_loop ", "getpeername4"]));
         let e = r.error().expect("an error");
         assert!(
-            e.contains("helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"),
+            e.contains(
+                "helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"
+            ),
             "{e}"
         );
         assert!(
@@ -334,7 +350,10 @@ mod tests {
         let r = check(&Without(&["tcx", "bpf_for_each_map_elem"]));
         assert_eq!(r.error(), None);
         let w = r.warnings().join("\n");
-        assert!(w.contains("lacks tcx (Linux 6.6)") && w.contains("classic way"), "{w}");
+        assert!(
+            w.contains("lacks tcx (Linux 6.6)") && w.contains("classic way"),
+            "{w}"
+        );
         assert!(w.contains("connection-tracking sweep: no sweep"), "{w}");
     }
 
@@ -362,11 +381,9 @@ mod tests {
         let checked: Vec<String> = needs()
             .iter()
             .filter_map(|n| match n.feature {
-                Feature::Helper(_, h, _) => Some(
-                    format!("{h:?}")
-                        .trim_start_matches("BPF_FUNC_")
-                        .to_string(),
-                ),
+                Feature::Helper(_, h, _) => {
+                    Some(format!("{h:?}").trim_start_matches("BPF_FUNC_").to_string())
+                }
                 _ => None,
             })
             .collect();

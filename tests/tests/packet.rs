@@ -2091,7 +2091,9 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
         );
         let net = run_in(&t.node1, &["bpftool", "net", "show", "dev", "eth0"]);
         assert!(
-            net.contains("eth0(") && net.contains("tc_ext_ingress") && net.contains("tc_ext_egress"),
+            net.contains("eth0(")
+                && net.contains("tc_ext_ingress")
+                && net.contains("tc_ext_egress"),
             "bpftool net show dev eth0:\n{net}"
         );
         let list = run_in(

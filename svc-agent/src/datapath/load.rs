@@ -179,7 +179,11 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
-            tc_mode: if kernel_tcx { TcMode::Tcx } else { TcMode::Classic },
+            tc_mode: if kernel_tcx {
+                TcMode::Tcx
+            } else {
+                TcMode::Classic
+            },
             kernel_tcx,
             tc_classic: None,
             sweep: None,

@@ -74,10 +74,9 @@ impl Datapath {
                         continue;
                     }
                     match self.attach_classic_one(program, at, &device) {
-                        Ok(_) => repaired.push(format!(
-                            "classic filter of {program} on {}",
-                            device.name
-                        )),
+                        Ok(_) => {
+                            repaired.push(format!("classic filter of {program} on {}", device.name))
+                        }
                         Err(e) => errors.push(e),
                     }
                     continue;

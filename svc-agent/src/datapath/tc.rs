@@ -236,12 +236,8 @@ impl Datapath {
             // in this namespace (filters are not pinned; the kernel is their only record).
             match tc_classic::scan() {
                 Ok(found) => {
-                    self.tc_classic = Some(
-                        found
-                            .into_iter()
-                            .map(|f| (f.program, f.ifname))
-                            .collect(),
-                    )
+                    self.tc_classic =
+                        Some(found.into_iter().map(|f| (f.program, f.ifname)).collect())
                 }
                 Err(e) => errors.push(load_err("listing the classic tc filters", e)),
             }
