@@ -164,7 +164,11 @@ impl Datapath {
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
         store.sync_node_addr_bits(false)?;
-        let kernel_tcx = sys::has_tcx().map_err(|e| load_err("asking the kernel for tcx", e))?;
+        // A kernel that cannot be asked is taken as having tcx: attaching then says why not.
+        let kernel_tcx = sys::has_tcx().unwrap_or_else(|e| {
+            tracing::warn!("asking the kernel for tcx: {e}; trying tcx");
+            true
+        });
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,

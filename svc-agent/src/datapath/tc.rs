@@ -490,3 +490,29 @@ fn detach_pinned(pin: &Path) -> Result<()> {
         Err(e) => Err(io_err(pin, e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_attach_resolves_against_the_kernel() {
+        assert_eq!(TcAttach::Auto.resolve(true).unwrap(), TcMode::Tcx);
+        assert_eq!(TcAttach::Auto.resolve(false).unwrap(), TcMode::Classic);
+        assert_eq!(TcAttach::Classic.resolve(true).unwrap(), TcMode::Classic);
+        assert_eq!(TcAttach::Tcx.resolve(true).unwrap(), TcMode::Tcx);
+        let e = TcAttach::Tcx.resolve(false).unwrap_err().to_string();
+        assert!(e.contains("--tc-attach tcx") && e.contains("6.6"), "{e}");
+    }
+
+    /// This machine's kernel (6.6 or later, as the test suite needs) answers the probe.
+    #[test]
+    fn this_kernel_has_tcx() {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: BPF_PROG_QUERY needs root");
+            return;
+        }
+        assert!(sys::has_tcx().unwrap());
+    }
+}
