@@ -211,6 +211,21 @@ pub struct Kernel<'a> {
 
 impl Probe for Kernel<'_> {
     fn has(&self, feature: Feature) -> std::io::Result<bool> {
+        #[cfg(feature = "failpoints")]
+        {
+            let name = Need {
+                feature,
+                part: Part::Object,
+                since: "",
+                fallback: None,
+            }
+            .name();
+            if let Some(Some(lacks)) = fail::eval(crate::fault::KERNEL_LACKS, |v| v) {
+                if name.contains(&lacks) {
+                    return Ok(false);
+                }
+            }
+        }
         let other = |e: &dyn fmt::Display| std::io::Error::other(e.to_string());
         match feature {
             Feature::Program(t, _) => aya::sys::is_program_supported(t).map_err(|e| other(&e)),

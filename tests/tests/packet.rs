@@ -2027,6 +2027,28 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean_with_the_classic_tc_at
     restart_keeps_flows_and_uninstall(true);
 }
 
+/// A kernel without `bpf_loop` (5.15, Ubuntu 22.04's), as the start check's probe is told to
+/// answer: the agent stops before loading anything, naming the helper and the part that needs
+/// it, and attaches nothing.
+#[test]
+fn a_kernel_without_a_helper_is_named_at_start() {
+    let mut t = Topo::new();
+    t.agent_env = vec!["SVC_TEST_KERNEL_LACKS=bpf_loop".into()];
+    t.launch_agent(&[]);
+    let status = poll(AGENT_READY_TIMEOUT, || t.agent().exited()).expect("the agent stops");
+    assert!(!status.success());
+    let log = t.agent().log();
+    assert!(
+        log.contains("lacks what svc needs: helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"),
+        "{log}"
+    );
+    assert_eq!(t.node1_eth0_programs(), (0, 0));
+    assert!(
+        !t.bpffs.path().exists(),
+        "nothing made under the bpffs directory"
+    );
+}
+
 /// `CMD ARGS...` inside `ns` (nsenter, so tools that read the current namespace, as bpftool
 /// does, see it); its stdout. Panics on failure.
 fn run_in(ns: &NetNs, cmd: &[&str]) -> String {
