@@ -100,7 +100,19 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
+        // Before anything is loaded: what this kernel lacks, named, rather than a verifier
+        // error deep in a load.
+        let kernel = crate::features::check(&crate::features::Kernel {
+            cgroup: Some(cgroup),
+        });
+        for w in kernel.warnings() {
+            warn!("{w}");
+        }
+        if let Some(e) = kernel.error() {
+            return Err(Error::load(e));
+        }
         let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
+        dp.set_tc_attach(packet.tc_attach)?;
         // Before the first attach, which brings the devices in line with it.
         dp.set_xdp_mode(packet.xdp_mode)?;
         let snap = dp.store.snapshot()?;
@@ -156,6 +168,8 @@ impl Agent {
                     self.metrics.report("attaching the packet datapath", &e);
                 }
             }
+            self.metrics
+                .tc_attachments(&self.dp.tc_current_attachments());
         }
         self.desired.state.node = self.node.desired().clone();
         self.apply_node(Instant::now());
@@ -322,7 +336,17 @@ impl Agent {
             }
             match self.dp.attach() {
                 Ok(()) => {
-                    info!("datapath attached");
+                    let tc = self.dp.tc_current_attachments();
+                    info!(
+                        tc_mode = %self.dp.tc_mode(),
+                        tc_programs = %tc
+                            .iter()
+                            .map(|a| format!("{} on {} ({})", a.program, a.device, a.mode))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        "datapath attached"
+                    );
+                    self.metrics.tc_attachments(&tc);
                     self.start_sweep();
                 }
                 Err(e) => {
@@ -597,6 +621,10 @@ impl Agent {
         for what in &repaired {
             warn!("{what} had disappeared; put back");
             self.metrics.repaired("pin");
+        }
+        if !repaired.is_empty() {
+            self.metrics
+                .tc_attachments(&self.dp.tc_current_attachments());
         }
         for e in &errors {
             self.metrics.report("repairing the datapath", e);

@@ -12,6 +12,10 @@ pub const STALE_UDP_PAUSE: &str = "stale-udp-pause";
 /// microseconds), between two of them.
 pub const NODE_WRITE_PAUSE: &str = "node-write-pause";
 
+/// The start check (`features.rs`) takes the feature whose name contains this point's value
+/// (`SVC_TEST_KERNEL_LACKS`) as missing: what an older kernel would answer.
+pub const KERNEL_LACKS: &str = "kernel-lacks";
+
 /// Each point and the variable the tests set to its pause, in milliseconds.
 #[cfg(feature = "failpoints")]
 const PAUSES: [(&str, &str); 3] = [
@@ -30,6 +34,11 @@ pub fn setup() {
         };
         if let Err(e) = fail::cfg(point, &format!("sleep({ms})")) {
             tracing::warn!("fail point {point}: {e}");
+        }
+    }
+    if let Ok(name) = std::env::var("SVC_TEST_KERNEL_LACKS") {
+        if let Err(e) = fail::cfg(KERNEL_LACKS, &format!("return({name})")) {
+            tracing::warn!("fail point {KERNEL_LACKS}: {e}");
         }
     }
 }

@@ -7,6 +7,7 @@ pub mod desired;
 pub mod error;
 pub mod explain;
 pub mod fault;
+pub mod features;
 pub mod handover;
 pub mod http;
 pub mod kubeproxy_config;

@@ -32,6 +32,10 @@ pub struct Listing {
     /// External devices with the XDP program, and its mode on each ("native" or "generic"),
     /// from the link pins (docs/design/xdp.md).
     pub xdp_devices: Vec<ListedXdpDevice>,
+    /// svc's tc programs attached in this network namespace, by device, with how (tcx link
+    /// or classic filter). Filled by the caller (`datapath::tc_attachments`): the maps do not
+    /// say.
+    pub tc_programs: Vec<crate::datapath::TcAttachment>,
 }
 
 #[derive(Debug, Serialize)]
@@ -153,6 +157,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             }
         },
         xdp_devices: Vec::new(),
+        tc_programs: Vec::new(),
     })
 }
 
@@ -247,6 +252,20 @@ pub fn render_text(l: &Listing) -> String {
     stats.sort();
     let stats: Vec<String> = stats.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(out, "Socket decisions: {}", stats.join(" "));
+    let tc: Vec<String> = l
+        .tc_programs
+        .iter()
+        .map(|a| format!("{} on {} ({})", a.program, a.device, a.mode))
+        .collect();
+    let _ = writeln!(
+        out,
+        "tc programs: {}",
+        if tc.is_empty() {
+            "-".into()
+        } else {
+            tc.join(", ")
+        }
+    );
     let addrs: Vec<String> = l
         .node_addresses
         .iter()
@@ -339,6 +358,7 @@ mod tests {
                 udp_s: 1,
                 udp_stream_s: 1,
             },
+            tc_programs: Vec::new(),
         };
         let text = render_text(&listing);
         assert!(

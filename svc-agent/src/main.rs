@@ -278,6 +278,13 @@ struct PacketArgs {
     /// everything else to tc untouched (docs/design/xdp.md).
     #[arg(long, default_value = "off")]
     xdp_mode: String,
+    /// How the tc programs attach to the devices: `tcx` (pinned tcx links, Linux 6.6 and
+    /// later), `classic` (a clsact qdisc and direct-action cls_bpf filters at pref 1 handle
+    /// 0x5356, as `tc filter add ... bpf da` makes them; every kernel svc runs on), or `auto`:
+    /// tcx where the kernel has it, else classic. Either way a restarted agent replaces its
+    /// programs in place, and an agent started in the other mode moves them over.
+    #[arg(long, value_enum, default_value_t = datapath::TcAttach::Auto)]
+    tc_attach: datapath::TcAttach,
 }
 
 impl PacketArgs {
@@ -348,6 +355,7 @@ impl PacketArgs {
                 0 => None,
                 s => Some(std::time::Duration::from_secs(s.into())),
             },
+            tc_attach: self.tc_attach,
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(
                     "no localhost NodePorts: reading this network namespace's cookie: {e}"
@@ -740,6 +748,7 @@ fn main() -> anyhow::Result<()> {
                 .into_iter()
                 .map(|(_, mode, device)| list::ListedXdpDevice { device, mode })
                 .collect();
+            listing.tc_programs = datapath::tc_attachments(&bpffs);
             match output {
                 Output::Json => {
                     print_out(&format!("{}\n", serde_json::to_string_pretty(&listing)?))?
@@ -810,6 +819,9 @@ fn uninstall(bpffs: &std::path::Path, cgroup: Option<&std::path::Path>) -> anyho
     let mut text = String::new();
     for p in &done.removed {
         text.push_str(&format!("removed {}\n", p.display()));
+    }
+    for f in &done.removed_filters {
+        text.push_str(&format!("removed the filter of {f}\n"));
     }
     if let Some(h) = &done.handover {
         text.push_str(&format!(

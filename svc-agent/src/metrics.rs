@@ -91,6 +91,7 @@ struct Recorded {
     swept: Counter,
     sweep_seconds: Counter<f64, AtomicU64>,
     unmanaged: Labelled<Gauge, String>,
+    tc_attached: Family<[(&'static str, String); 3], Gauge>,
     drift_ops: Counter,
     kube_proxy: KubeProxy,
     snat_ports: Gauge,
@@ -185,6 +186,7 @@ impl Recorded {
             swept: add(&mut r, "svc_conntrack_swept_entries", "Connection-tracking entries of dead flows that the sweeps removed"),
             sweep_seconds: add(&mut r, "svc_conntrack_sweep_seconds", "Seconds the sweeps' program ran, as the kernel measured it"),
             unmanaged: add(&mut r, "svc_flows_via_unmanaged_device", "Live SNATed flows routed out of a device without svc's programs, by device, at the last drift check"),
+            tc_attached: add(&mut r, "svc_tc_program_attached", "1 per tc program svc has on a device, by device, program and attach mode (tcx, or classic: a clsact qdisc's cls_bpf filter)"),
             drift_ops: add(&mut r, "svc_drift_repaired_ops", "Map writes that repaired a difference between the maps and what was programmed"),
             kube_proxy: KubeProxy::new(&mut r),
             snat_ports: add(&mut r, "svc_snat_ports", "Ports in the SNAT port range: what svc_snat_ports_in_use_max runs up against"),
@@ -613,6 +615,21 @@ impl Metrics {
                 .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
         self.lock().unmanaged = flows;
+    }
+
+    /// The tc programs attached, by device, and how.
+    pub fn tc_attachments(&self, attached: &[crate::datapath::TcAttachment]) {
+        let family = &self.recorded.tc_attached;
+        family.clear();
+        for a in attached {
+            family
+                .get_or_create(&[
+                    ("device", a.device.clone()),
+                    ("program", a.program.to_string()),
+                    ("mode", a.mode.to_string()),
+                ])
+                .set(1);
+        }
     }
 
     pub fn drift(&self, ops: usize) {

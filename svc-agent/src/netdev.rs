@@ -360,7 +360,7 @@ fn netlink_err(what: &str, e: impl std::fmt::Display) -> std::io::Error {
 }
 
 /// One rtnetlink dump.
-fn dump(
+pub(crate) fn dump(
     socket: &Socket,
     request: RouteNetlinkMessage,
 ) -> std::io::Result<Vec<RouteNetlinkMessage>> {

@@ -36,6 +36,8 @@ pub struct PacketConfig {
     pub ct_sweep_every: Option<std::time::Duration>,
     /// `--xdp-mode`: the XDP program on the external devices (docs/design/xdp.md).
     pub xdp_mode: crate::datapath::XdpMode,
+    /// `--tc-attach`: tcx links, classic cls_bpf filters, or whichever the kernel has.
+    pub tc_attach: crate::datapath::TcAttach,
 }
 
 /// Idle timeouts of the packet datapath's flows, seconds; 0 leaves the programs' built-in
@@ -75,6 +77,7 @@ impl Default for PacketConfig {
             ct_timeouts: CtTimeouts::default(),
             ct_sweep_every: None,
             xdp_mode: crate::datapath::XdpMode::Off,
+            tc_attach: crate::datapath::TcAttach::Auto,
         }
     }
 }

@@ -196,6 +196,22 @@ pub fn attached_programs(cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result
     Ok(cnt)
 }
 
+/// Whether the kernel has tcx (6.6): BPF_PROG_QUERY at BPF_TCX_INGRESS on the loopback
+/// device (ifindex 1, in every network namespace) answers on a kernel that knows the attach
+/// type and fails with EINVAL on one that does not. Read only: nothing is attached.
+pub fn has_tcx() -> io::Result<bool> {
+    const BPF_TCX_INGRESS: u32 = 46;
+    let mut attr = Attr::zeroed();
+    // The query's first field is the target: an ifindex for tcx.
+    attr.put_u32(0, 1);
+    attr.put_u32(4, BPF_TCX_INGRESS);
+    match bpf(BPF_PROG_QUERY, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The datapath's clock (bpf_ktime_get_coarse_ns), which stamps the flows.
 pub fn coarse_now_ns() -> u64 {
     let mut ts = libc::timespec {

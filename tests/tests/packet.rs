@@ -2015,12 +2015,154 @@ fn snat_ports_that_cannot_be_reserved_turn_snat_off_and_say_so() {
 /// an ordinary closed port of node 1 again.
 #[test]
 fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
+    restart_keeps_flows_and_uninstall(false);
+}
+
+/// The same with the classic attach (clsact qdisc, cls_bpf filters), as on kernels without
+/// tcx: NodePort TCP and UDP to a remote backend (SNAT and its reverse) and a local one, an
+/// agent SIGKILL and restart under live flows, and uninstall removing svc's filters; what
+/// `tc filter show`, `bpftool net show`, `list` and /metrics say of it.
+#[test]
+fn restart_keeps_flows_and_uninstall_leaves_devices_clean_with_the_classic_tc_attach() {
+    restart_keeps_flows_and_uninstall(true);
+}
+
+/// A kernel without `bpf_loop` (5.15, Ubuntu 22.04's), as the start check's probe is told to
+/// answer: the agent stops before loading anything, naming the helper and the part that needs
+/// it, and attaches nothing.
+#[test]
+fn a_kernel_without_a_helper_is_named_at_start() {
+    let mut t = Topo::new();
+    t.agent_env = vec!["SVC_TEST_KERNEL_LACKS=bpf_loop".into()];
+    t.launch_agent(&[]);
+    let status = poll(AGENT_READY_TIMEOUT, || t.agent().exited()).expect("the agent stops");
+    assert!(!status.success());
+    let log = t.agent().log();
+    assert!(
+        log.contains("lacks what svc needs: helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"),
+        "{log}"
+    );
+    assert_eq!(t.node1_eth0_programs(), (0, 0));
+    assert!(
+        !t.bpffs.path().exists(),
+        "nothing made under the bpffs directory"
+    );
+}
+
+/// `CMD ARGS...` inside `ns` (nsenter, so tools that read the current namespace, as bpftool
+/// does, see it); its stdout. Panics on failure.
+fn run_in(ns: &NetNs, cmd: &[&str]) -> String {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", ns.path().display()))
+        .args(cmd)
+        .output()
+        .expect("running nsenter");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// svc's filters on node 1's eth0 as `tc filter show` lists them: (ingress, egress) lines
+/// naming a tc program of svc.
+fn classic_filters(t: &Topo) -> (Vec<String>, Vec<String>) {
+    let show = |hook: &str| -> Vec<String> {
+        run_in(&t.node1, &["tc", "filter", "show", "dev", "eth0", hook])
+            .lines()
+            .filter(|l| l.contains("tc_ext_") || l.contains("tc_pod_"))
+            .map(str::to_string)
+            .collect()
+    };
+    (show("ingress"), show("egress"))
+}
+
+fn restart_keeps_flows_and_uninstall(classic: bool) {
     let mut t = Topo::new();
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     t.service("local", nodeport("local", 32, 30081));
     t.endpoints("local", &[LOCAL_POD]);
-    t.start_agent();
+    if classic {
+        // First through tcx, as the agent attaches on this kernel by itself; then an agent
+        // told classic moves each program over.
+        t.start_agent();
+        assert_eq!(t.node1_eth0_programs(), (1, 1));
+        t.agent().terminate(Duration::from_secs(10)).expect("stop");
+        t.start_agent_with(&[
+            "--tc-attach",
+            "classic",
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+        ]);
+        let log = t.agent().log();
+        assert!(log.contains("detached the tcx link"), "{log}");
+        // Filters, not tcx links: as tc and bpftool show them.
+        assert_eq!(t.node1_eth0_programs(), (0, 0), "tcx programs on eth0");
+        let (ingress, egress) = classic_filters(&t);
+        assert!(
+            ingress.len() == 1
+                && ingress[0].contains("tc_ext_ingress")
+                && ingress[0].contains("direct-action"),
+            "tc filter show dev eth0 ingress: {ingress:?}"
+        );
+        assert!(
+            egress.len() == 1 && egress[0].contains("tc_ext_egress"),
+            "tc filter show dev eth0 egress: {egress:?}"
+        );
+        let net = run_in(&t.node1, &["bpftool", "net", "show", "dev", "eth0"]);
+        assert!(
+            net.contains("eth0(")
+                && net.contains("tc_ext_ingress")
+                && net.contains("tc_ext_egress"),
+            "bpftool net show dev eth0:\n{net}"
+        );
+        let list = run_in(
+            &t.node1,
+            &[
+                &t.tools.agent.display().to_string(),
+                "list",
+                "--bpffs",
+                &t.bpffs.path().display().to_string(),
+                "-o",
+                "json",
+            ],
+        );
+        let list: Value = serde_json::from_str(&list).expect("list's JSON");
+        let mut listed: Vec<String> = list["tc_programs"]
+            .as_array()
+            .expect("tc_programs")
+            .iter()
+            .map(|a| format!("{} {} {}", a["device"], a["program"], a["mode"]))
+            .collect();
+        listed.sort();
+        assert_eq!(
+            listed,
+            [
+                "\"eth0\" \"tc_ext_egress\" \"classic\"",
+                "\"eth0\" \"tc_ext_ingress\" \"classic\""
+            ]
+        );
+        let (_, metrics) = in_ns(&t.node1, || {
+            http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
+        });
+        assert!(
+            metrics.contains(
+                "svc_tc_program_attached{device=\"eth0\",program=\"tc_ext_ingress\",mode=\"classic\"} 1"
+            ),
+            "{metrics}"
+        );
+        // Deleted under the agent (a clsact qdisc takes its filters with it): put back.
+        run_in(&t.node1, &["tc", "qdisc", "del", "dev", "eth0", "clsact"]);
+        poll(Duration::from_secs(10), || {
+            let (i, e) = classic_filters(&t);
+            Ok((i.len() == 1 && e.len() == 1).then_some(()))
+        })
+        .expect("the filters put back");
+    } else {
+        t.start_agent();
+    }
     let to = sa(NODE1, 30082);
     answered(&t.client, &format!("TCP to {to}"), move || {
         tcp_once(to, ANSWER)
@@ -2120,16 +2262,41 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
     assert!(exchanges.load(Ordering::Relaxed) > 50, "{exchanges:?}");
     assert!(connections.load(Ordering::Relaxed) > 20, "{connections:?}");
     let log = t.agent().log();
+    let swapped = if classic {
+        "replaced the program of the classic filter"
+    } else {
+        "replaced the program of the pinned link"
+    };
     assert!(
-        log.contains("replaced the program of the pinned link"),
-        "the restarted agent swapped its programs into the pinned links:\n{log}"
+        log.contains(swapped),
+        "the restarted agent swapped its programs into what the first attached:\n{log}"
     );
 
     // Uninstall: no program of ours on the device, the device and its addresses untouched,
     // and the NodePort is a closed port of node 1 again (its own stack answers RST).
     t.agent().terminate(Duration::from_secs(10)).expect("stop");
-    svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
-        .expect("uninstall");
+    if classic {
+        // Filters are found by the namespace they are in: uninstall runs in node 1's.
+        let out = run_in(
+            &t.node1,
+            &[
+                &t.tools.agent.display().to_string(),
+                "uninstall",
+                "--bpffs",
+                &t.bpffs.path().display().to_string(),
+                "--cgroup",
+                &t.cgroup.path().display().to_string(),
+            ],
+        );
+        assert!(
+            out.contains("removed the filter of tc_ext_ingress on eth0 (classic)"),
+            "{out}"
+        );
+        assert_eq!(classic_filters(&t), (vec![], vec![]), "svc's filters left");
+    } else {
+        svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
+            .expect("uninstall");
+    }
     assert_eq!(t.node1_eth0_programs(), (0, 0), "programs left on eth0");
     let addrs_after = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
     assert_eq!(addrs_after, addrs_before);

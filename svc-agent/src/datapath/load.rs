@@ -16,7 +16,9 @@ use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
     staged_pin, Pinned,
 };
-use super::{load_err, xdp, Datapath, XdpMode, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS};
+use super::{
+    load_err, xdp, Datapath, TcMode, XdpMode, OBJECT, PROGRAMS, SWEEP_PROGRAM, TC_PROGRAMS,
+};
 use crate::error::Result;
 use crate::store::{BpfStore, Capacity};
 use crate::sys;
@@ -176,6 +178,11 @@ impl Datapath {
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
         store.sync_node_addr_bits(false)?;
+        // A kernel that cannot be asked is taken as having tcx: attaching then says why not.
+        let kernel_tcx = sys::has_tcx().unwrap_or_else(|e| {
+            tracing::warn!("asking the kernel for tcx: {e}; trying tcx");
+            true
+        });
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,
@@ -193,6 +200,13 @@ impl Datapath {
             xdp_mode: XdpMode::Off,
             xdp_loaded,
             xdp_current: Default::default(),
+            tc_mode: if kernel_tcx {
+                TcMode::Tcx
+            } else {
+                TcMode::Classic
+            },
+            kernel_tcx,
+            tc_classic: None,
             sweep: None,
         })
     }

@@ -4,7 +4,11 @@
 //! Layout under the bpffs directory (default /sys/fs/bpf/svc), which the agent creates itself
 //! (0700, owned by the agent's user) and refuses when anyone else could write to it:
 //! - one pinned map per pinned entry of `svc_common::catalogue`, as `NAME_v<version>`;
-//! - `link_<program>`: one pinned bpf link per cgroup hook.
+//! - `link_<program>`: one pinned bpf link per cgroup hook;
+//! - `link_tc_<program>_<ifname>`: one pinned tcx link per tc program and device (tcx mode). In
+//!   classic mode (`--tc-attach`, kernels before 6.6) the tc programs hang on cls_bpf filters at
+//!   a fixed priority and handle (`tc_classic.rs`), which nothing pins: the kernel is their
+//!   record.
 //!
 //! One agent owns a directory at a time: it holds an exclusive flock on it for as long as it
 //! runs (the kernel drops it when the process dies, however it dies). A second agent, or an
@@ -23,6 +27,7 @@ mod pins;
 mod repair;
 mod stats;
 mod tc;
+mod tc_classic;
 mod uninstall;
 mod xdp;
 
@@ -31,7 +36,7 @@ pub use pins::map_pin;
 pub use stats::{
     counters_of, decision_totals, read_packet_stats, read_stats, FlowCount, PacketStats,
 };
-pub use tc::tc_link_pin;
+pub use tc::{tc_attachments, tc_link_pin, TcAttach, TcAttachment, TcMode};
 pub use uninstall::{uninstall, Uninstalled};
 pub use xdp::{xdp_pins, XdpMode, XDP_PROGRAM};
 
@@ -132,6 +137,13 @@ pub struct Datapath {
     xdp_loaded: bool,
     /// XDP link pins this agent has attached or swapped its program into.
     xdp_current: std::collections::BTreeSet<PathBuf>,
+    /// How the tc programs attach (`set_tc_attach`; by default tcx where the kernel has it).
+    tc_mode: TcMode,
+    /// Whether the kernel has tcx, asked once at `open`.
+    kernel_tcx: bool,
+    /// svc's classic filters (program, device) in this namespace: found at the first attach,
+    /// then as this agent makes and removes them. None until that first look.
+    tc_classic: Option<std::collections::BTreeSet<(&'static str, String)>>,
     /// The connection-tracking sweep, once loaded (`ct_sweep`).
     sweep: Option<std::os::fd::OwnedFd>,
 }

@@ -11,7 +11,7 @@ use super::load::store_map;
 use super::lock::{lock_dir, own_dir};
 use super::pins::{link_pin, map_pin};
 use super::tc::tc_link_pin;
-use super::{io_err, load_err, Datapath, PROGRAMS};
+use super::{io_err, load_err, Datapath, TcMode, PROGRAMS};
 use crate::error::Error;
 use crate::sys;
 
@@ -67,6 +67,20 @@ impl Datapath {
                 }
             }
             for (program, at, device) in self.tc_wanted() {
+                if self.tc_mode == TcMode::Classic {
+                    // Someone deleted the filter or the clsact qdisc (`tc qdisc del dev X
+                    // clsact` takes every filter with it).
+                    if self.classic_holds(program, at, &device) {
+                        continue;
+                    }
+                    match self.attach_classic_one(program, at, &device) {
+                        Ok(_) => {
+                            repaired.push(format!("classic filter of {program} on {}", device.name))
+                        }
+                        Err(e) => errors.push(e),
+                    }
+                    continue;
+                }
                 let pin = tc_link_pin(&self.dir, program, &device.name);
                 if link_holds(&pin, sys::tcx_link_info, |(ifindex, _)| {
                     ifindex == device.index

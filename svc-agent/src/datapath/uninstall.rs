@@ -18,6 +18,8 @@ use crate::sys;
 #[derive(Debug, Default)]
 pub struct Uninstalled {
     pub removed: Vec<PathBuf>,
+    /// svc's classic tc filters removed: "program on device (classic)".
+    pub removed_filters: Vec<String>,
     /// Programs of others found on the cgroup's hooks: left alone.
     pub foreign: Vec<String>,
     /// svc's tc flows handed over to the node's conntrack; `None` when svc had no
@@ -51,13 +53,28 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         .chain(tc_links.iter().cloned())
         .filter_map(|pin| sys::obj_get(&pin).ok().map(|fd| (pin, fd)))
         .collect();
+    // svc's classic filters on this namespace's devices (kernels without tcx, or
+    // `--tc-attach classic`); found before anything goes, removed with the links.
+    // Only those whose programs read this directory's maps: another svc directory may serve
+    // the same namespace.
+    let our_maps: std::collections::BTreeSet<u32> = map_names::ALL
+        .iter()
+        .flat_map(|m| [map_pin(dir, m), staged_pin(dir, m)])
+        .chain(other_versions(dir))
+        .filter_map(|p| MapData::from_pin(p).ok()?.info().ok().map(|i| i.id()))
+        .collect();
+    let mut classic = match super::tc_classic::scan() {
+        Ok(found) => found,
+        Err(e) => return Err(load_err("listing the classic tc filters", e)),
+    };
+    classic.retain(|f| super::tc_classic::uses_maps(f.prog_id, &our_maps));
     let ours: Vec<u32> = links
         .iter()
         .filter_map(|(_, fd)| sys::link_info(fd.as_fd()).ok().map(|(prog, _)| prog))
         .collect();
     // While svc's tc programs still translate: once they are gone, a flow the node's conntrack
     // does not carry would meet kube-proxy's rules as a new connection.
-    if tc_links_here(dir) {
+    if tc_links_here(dir, &classic) {
         // The timeouts the agent wrote, if any: a flow's lifetime left, as svc would count it.
         let config = MapData::from_pin(map_pin(dir, map_names::CONFIG))
             .ok()
@@ -107,6 +124,16 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         }
     }
     drop(links);
+    for f in &classic {
+        super::tc_classic::delete(f.program, &f.ifname).map_err(|e| {
+            load_err(
+                format!("removing {}'s classic filter from {}", f.program, f.ifname),
+                e,
+            )
+        })?;
+        done.removed_filters
+            .push(format!("{} on {} (classic)", f.program, f.ifname));
+    }
     std::fs::remove_dir(dir).map_err(|source| Error::Io {
         path: dir.to_path_buf(),
         source,
