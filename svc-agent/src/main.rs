@@ -716,7 +716,8 @@ fn main() -> anyhow::Result<()> {
             use svc_agent::monitor;
             if let Some(s) = &service {
                 anyhow::ensure!(
-                    s.split_once('/').is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty()),
+                    s.split_once('/')
+                        .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty()),
                     "--service {s}: not NAMESPACE/NAME"
                 );
             }

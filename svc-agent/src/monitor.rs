@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
 use serde::Serialize;
 use svc_common::{
-    map_names, monitor_source, how, MonitorCtl, MonitorEvent, MonitorStats, Reason, ServiceName,
+    how, map_names, monitor_source, MonitorCtl, MonitorEvent, MonitorStats, Reason, ServiceName,
 };
 
 use crate::datapath::map_pin;
@@ -114,7 +114,8 @@ fn open(dir: &Path, name: &'static str) -> Result<MapData> {
 
 impl Maps {
     pub fn open(dir: &Path) -> Result<Maps> {
-        let m = |name| aya::maps::Map::from_map_data(open(dir, name)?).map_err(|e| map_err(name, e));
+        let m =
+            |name| aya::maps::Map::from_map_data(open(dir, name)?).map_err(|e| map_err(name, e));
         Ok(Maps {
             ring: RingBuf::try_from(m(map_names::MONITOR)?)
                 .map_err(|e| map_err(map_names::MONITOR, e))?,
@@ -145,11 +146,13 @@ impl Maps {
             .stats
             .get(&0, 0)
             .map_err(|e| map_err(map_names::MON_STATS, e))?;
-        Ok(per_cpu.iter().fold(MonitorStats::default(), |a, s| MonitorStats {
-            seen: a.seen + s.seen,
-            written: a.written + s.written,
-            lost: a.lost + s.lost,
-        }))
+        Ok(per_cpu
+            .iter()
+            .fold(MonitorStats::default(), |a, s| MonitorStats {
+                seen: a.seen + s.seen,
+                written: a.written + s.written,
+                lost: a.lost + s.lost,
+            }))
     }
 
     fn names(&self) -> HashMap<u32, String> {
@@ -295,8 +298,7 @@ impl Listener {
         if id == 0 {
             return None;
         }
-        if !self.names.contains_key(&id) && self.names_read.elapsed() >= Duration::from_secs(1)
-        {
+        if !self.names.contains_key(&id) && self.names_read.elapsed() >= Duration::from_secs(1) {
             self.names = self.maps.names();
             self.names_read = Instant::now();
         }
@@ -404,9 +406,8 @@ impl Filter {
             }
         }
         if let Some(dst) = self.dst {
-            let same = |a: &SocketAddr| {
-                a.port() == dst.port() && canonical(a.ip()) == canonical(dst.ip())
-            };
+            let same =
+                |a: &SocketAddr| a.port() == dst.port() && canonical(a.ip()) == canonical(dst.ip());
             if !same(&d.dst) && !d.to.as_ref().is_some_and(same) {
                 return false;
             }

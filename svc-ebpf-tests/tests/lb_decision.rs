@@ -102,7 +102,9 @@ impl Lb {
         // Small maps: a case needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
             // The monitor's ring is sized in bytes, a multiple of the page size.
-            if name != map_names::META && name != map_names::SOCK_STATE && name != map_names::MONITOR
+            if name != map_names::META
+                && name != map_names::SOCK_STATE
+                && name != map_names::MONITOR
             {
                 loader.map_max_entries(name, 64);
             }

@@ -8,14 +8,15 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, monitor_source, node_addr_flags, scope, v4_mapped, AffinityKey, Reason, RevNatValue, ServiceKey,
-    ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
-    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
+    is_v4_mapped, monitor_source, node_addr_flags, scope, v4_mapped, AffinityKey, Reason,
+    RevNatValue, ServiceKey, ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED,
+    IPPROTO_TCP, IPPROTO_UDP, NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
 };
 
 use crate::{
-    lb, monitor,
+    lb,
     maps::{count, SVC_CONFIG, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
+    monitor,
 };
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -258,13 +259,7 @@ fn refuse(reason: Reason) -> i32 {
 
 /// `refuse`, and the monitor told (frontend `id`, 0 if none) if one listens.
 #[inline(always)]
-fn refuse_seen(
-    ctx: &SockAddrContext,
-    reason: Reason,
-    source: u8,
-    dst: &SockAddr,
-    id: u32,
-) -> i32 {
+fn refuse_seen(ctx: &SockAddrContext, reason: Reason, source: u8, dst: &SockAddr, id: u32) -> i32 {
     if monitor::listening() {
         monitor::emit_sock(
             ctx,

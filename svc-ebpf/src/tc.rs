@@ -40,8 +40,9 @@ use svc_common::{
 };
 
 use crate::{
-    ct, frag, fwd, icmp, lb, monitor,
+    ct, frag, fwd, icmp, lb,
     maps::{count, src_range_key, SVC_SRC_RANGES},
+    monitor,
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
     reject,

@@ -190,7 +190,11 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
     assert_eq!(Maps::open(bpffs).unwrap().ctl().unwrap().until_ns, 0);
     let before = seen(bpffs);
     w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
-    assert_eq!(seen(bpffs), before, "events counted after the lease ran out");
+    assert_eq!(
+        seen(bpffs),
+        before,
+        "events counted after the lease ran out"
+    );
 }
 
 /// Not a test: svc's program time per connection (connect(), getpeername(), release; by
