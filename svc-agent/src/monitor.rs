@@ -281,7 +281,8 @@ impl Listener {
         Ok(false)
     }
 
-    /// Waits up to `timeout` for events.
+    /// Waits `timeout` (less when a signal comes): the programs submit without waking the
+    /// reader (svc-ebpf's `BPF_RB_NO_WAKEUP`), so the ring is read in batches.
     pub fn wait(&self, timeout: Duration) {
         let mut fds = [libc::pollfd {
             fd: self.maps.ring.as_fd().as_raw_fd(),
