@@ -509,3 +509,84 @@ pub fn run(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(service: Option<&str>, dst: &str, to: Option<&str>) -> Decision {
+        Decision {
+            time: "0.000000".into(),
+            source: "connect",
+            reason: "translated",
+            verdict: "translated",
+            service: service.map(str::to_string),
+            frontend_id: 1,
+            dst: dst.parse().unwrap(),
+            to: to.map(|t| t.parse().unwrap()),
+            backend_id: Some(7),
+            client: None,
+            snat: None,
+            protocol: "tcp".into(),
+            how: Some("random"),
+            ifindex: None,
+            socket_cookie: None,
+        }
+    }
+
+    /// --service matches the Service whatever the port, and not another whose name starts
+    /// alike; --dst matches the destination as sent or as translated, IPv4 given either way.
+    #[test]
+    fn filters_match_the_service_and_either_destination() {
+        let d = decision(
+            Some("demo/web:http"),
+            "10.96.0.10:80",
+            Some("10.244.1.5:8080"),
+        );
+        let svc = |s: &str| Filter {
+            service: Some(s.into()),
+            dst: None,
+        };
+        let dst = |s: &str| Filter {
+            service: None,
+            dst: Some(s.parse().unwrap()),
+        };
+        assert!(svc("demo/web").matches(&d));
+        assert!(!svc("demo/we").matches(&d));
+        assert!(!svc("other/web").matches(&d));
+        assert!(!svc("demo/web").matches(&decision(None, "10.96.0.10:80", None)));
+        assert!(dst("10.96.0.10:80").matches(&d));
+        assert!(dst("[::ffff:10.96.0.10]:80").matches(&d));
+        assert!(dst("10.244.1.5:8080").matches(&d));
+        assert!(!dst("10.96.0.10:81").matches(&d));
+        assert!(Filter::default().matches(&d));
+    }
+
+    #[test]
+    fn sampling_doubles_above_the_rate_and_comes_back() {
+        assert_eq!(sample_for(1, MAX_RATE), 1);
+        assert_eq!(sample_for(1, MAX_RATE + 1), 2);
+        assert_eq!(sample_for(2, MAX_RATE + 1), 4);
+        assert_eq!(sample_for(4, MAX_RATE / 2), 4, "between the marks: kept");
+        assert_eq!(sample_for(4, MAX_RATE / 4 - 1), 2);
+        assert_eq!(sample_for(1, 0), 1);
+        assert_eq!(sample_for(1 << 20, u64::MAX), 1 << 20, "bounded");
+    }
+
+    #[test]
+    fn a_line_names_the_backend_the_reason_and_the_service_escaped() {
+        let d = decision(
+            Some("demo/we\nb:http"),
+            "10.96.0.10:80",
+            Some("10.244.1.5:8080"),
+        );
+        let line = render_text(&d);
+        assert!(
+            line.ends_with(
+                "connect  translated tcp 10.96.0.10:80 => 10.244.1.5:8080 [translated] \
+                 demo/we\\nb:http (random)"
+            ),
+            "{line}"
+        );
+    }
+}
