@@ -16,6 +16,7 @@ pub mod logging;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
+pub mod monitor;
 pub mod names;
 pub mod netdev;
 pub mod netlink;

@@ -195,6 +195,21 @@ enum Command {
         #[arg(short, long, value_enum, default_value = "text")]
         output: Output,
     },
+    /// Print the datapath's decisions as they happen (both datapaths): translated to which
+    /// backend, refused or dropped and why. The programs write them only while a monitor
+    /// listens; at high rates they are sampled, and what was not shown is counted.
+    Monitor {
+        /// Only this Service's decisions: NAMESPACE/NAME.
+        #[arg(long)]
+        service: Option<String>,
+        /// Only decisions about this destination (as sent, or its backend), ADDR:PORT.
+        #[arg(long)]
+        dst: Option<SocketAddr>,
+        #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        #[arg(short, long, value_enum, default_value = "text")]
+        output: Output,
+    },
     /// Detach the programs and remove every pinned map and link.
     Uninstall {
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
@@ -806,6 +821,49 @@ fn main() -> anyhow::Result<()> {
                 Output::Text => print_out(&svc_agent::explain::render_text(&e))?,
             }
         }
+        Command::Monitor {
+            service,
+            dst,
+            bpffs,
+            output,
+        } => {
+            use svc_agent::monitor;
+            if let Some(s) = &service {
+                anyhow::ensure!(
+                    s.split_once('/')
+                        .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty()),
+                    "--service {s}: not NAMESPACE/NAME"
+                );
+            }
+            let filter = monitor::Filter { service, dst };
+            let json = matches!(output, Output::Json);
+            let write = |line: String| print_line(&line);
+            monitor::run(
+                &bpffs,
+                &filter,
+                &mut |d| {
+                    write(if json {
+                        serde_json::to_string(d).unwrap_or_default()
+                    } else {
+                        monitor::render_text(d)
+                    })
+                },
+                &mut |lost| {
+                    if json {
+                        write(
+                            serde_json::json!({ "type": "not_shown", "not_shown": lost })
+                                .to_string(),
+                        )
+                    } else {
+                        eprintln!(
+                            "not shown so far: {} (ring full), {} (sampled out; now 1 in {})",
+                            lost.ring_full, lost.sampled_out, lost.sample
+                        );
+                        true
+                    }
+                },
+            )?;
+        }
         Command::Uninstall { bpffs, cgroup } => {
             print_out(&uninstall(&bpffs, cgroup.as_deref())?)?;
         }
@@ -996,6 +1054,13 @@ fn raise_nofile_limit() {
 }
 
 /// Writes to stdout; a reader that went away (`svc-agent list | head`) is no error.
+/// Writes one line and flushes it; false once stdout is gone (the reader left).
+fn print_line(line: &str) -> bool {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
+}
+
 fn print_out(text: &str) -> anyhow::Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();

@@ -276,6 +276,12 @@ pub struct BpfStore {
     /// not declare them.
     pub maglev: Option<Array<MapData, MaglevBlock>>,
     pub maglev_index: Option<HashMap<MapData, SlotKey, MaglevIndex>>,
+    /// `svc-agent monitor`'s ring, its lease and its counters (docs/design/monitor.md): held
+    /// for their pins only; the monitor opens them itself. None while the object does not
+    /// declare them.
+    pub monitor: Option<MapData>,
+    pub mon_ctl: Option<MapData>,
+    pub mon_stats: Option<MapData>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at

@@ -20,6 +20,7 @@ pub enum MapKind {
     LruHash,
     LpmTrie,
     SkStorage,
+    RingBuf,
 }
 
 impl MapKind {
@@ -33,6 +34,7 @@ impl MapKind {
             MapKind::LruHash => 9,
             MapKind::LpmTrie => 11,
             MapKind::SkStorage => 24,
+            MapKind::RingBuf => 27,
         }
     }
 }
@@ -306,6 +308,97 @@ catalogue! {
     SENT = MapDef::kernel_only("SVC_SENT", MapKind::PerCpuArray);
     /// svc-ebpf's tcpsum.rs: a chunk of a segment being summed.
     CSUM_BUF = MapDef::kernel_only("SVC_CSUM_BUF", MapKind::PerCpuArray);
+    /// `svc-agent monitor`'s events (`MonitorEvent`), written only while `MON_CTL` says a
+    /// monitor listens (docs/design/monitor.md). max_entries is the ring's size in bytes.
+    MONITOR = MapDef::new::<(), ()>("SVC_MONITOR", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
+    /// Whether and how a monitor listens (`MonitorCtl`); the monitor writes it.
+    MON_CTL = MapDef::new::<u32, MonitorCtl>("SVC_MON_CTL", 1, MapKind::Array);
+    /// Per CPU: the monitor's events seen, written and lost (`MonitorStats`).
+    MON_STATS = MapDef::new::<u32, MonitorStats>("SVC_MON_STATS", 1, MapKind::PerCpuArray);
+}
+
+/// The monitor's ring: 256 KiB, about 2,300 events (`MonitorEvent` and the ring's 8-byte
+/// header each) between two reads of a monitor that wakes at least every 100 ms.
+pub const MONITOR_RING_BYTES: u32 = 256 * 1024;
+
+/// `MonitorEvent::source`: which hook decided.
+pub mod monitor_source {
+    /// connect() (socket hooks).
+    pub const CONNECT: u8 = 1;
+    /// sendmsg() on a UDP socket.
+    pub const SENDMSG: u8 = 2;
+    /// recvmsg()/getpeername(): a backend reported as its frontend.
+    pub const REVERSE: u8 = 3;
+    /// The tc programs (`MonitorEvent::ifindex` names the device).
+    pub const TC: u8 = 4;
+}
+
+/// One datapath decision, as the programs write it into `SVC_MONITOR` while a monitor
+/// listens. 112 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MonitorEvent {
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC), host order.
+    pub ts_ns: u64,
+    /// The socket's cookie (socket hooks), host order; 0 from tc.
+    pub cookie: u64,
+    /// A `Reason`, as its number (host order): `Translated`, `RefusedNoBackend`, `New`, ...
+    pub reason: u32,
+    /// The frontend's id (host order): `SVC_NAMES` and `SVC_REV_NAT` key; 0 when the
+    /// destination was no frontend (`RefusedNoPort`).
+    pub id: u32,
+    /// The chosen backend's id (host order); 0 when none was chosen or the hook does not know
+    /// it (tc).
+    pub backend_id: u32,
+    /// The device a tc program ran on (host order); 0 for the socket hooks.
+    pub ifindex: u32,
+    /// As the client sent it: source (tc only; zero from the socket hooks, where the socket
+    /// may not be bound yet) and destination. Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// After translation: source (the SNAT address, or the client) and destination (the
+    /// backend); zero when nothing was translated. Network byte order, IPv4 mapped.
+    pub nat_saddr: [u8; 16],
+    pub nat_daddr: [u8; 16],
+    /// Network byte order, matching the addresses above.
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub nat_sport_be: u16,
+    pub nat_dport_be: u16,
+    pub proto: u8,
+    /// A `how` constant (socket hooks' choices); 0 when unknown.
+    pub how: u8,
+    /// A `monitor_source` constant.
+    pub source: u8,
+    pub _pad0: [u8; 5],
+}
+
+/// `SVC_MON_CTL`'s one entry: whether a monitor listens. A lease, so a monitor killed without
+/// a word stops the writing by itself (docs/design/monitor.md).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MonitorCtl {
+    /// Events are written until this CLOCK_MONOTONIC time (ns, host order); 0: nobody
+    /// listens. The monitor renews it; a program that finds it past writes it 0.
+    pub until_ns: u64,
+    /// One event in `sample` is written, per CPU (host order); 0 and 1 write all.
+    pub sample: u32,
+    /// The listening monitor's process id (host order), so a second one can say who listens.
+    pub pid: u32,
+}
+
+/// `SVC_MON_STATS`, per CPU (host order): events that happened while a monitor listened,
+/// those written, and those lost because the ring was full. Seen minus written minus lost
+/// were sampled out.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MonitorStats {
+    pub seen: u64,
+    pub written: u64,
+    pub lost: u64,
 }
 
 /// The unassured flows' table (an LRU, allocated in full) for an assured table of `ct`
@@ -1510,6 +1603,9 @@ mod pod {
     unsafe impl aya::Pod for LbTestIo {}
     unsafe impl aya::Pod for MaglevBlock {}
     unsafe impl aya::Pod for MaglevIndex {}
+    unsafe impl aya::Pod for MonitorEvent {}
+    unsafe impl aya::Pod for MonitorCtl {}
+    unsafe impl aya::Pod for MonitorStats {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -1613,6 +1709,9 @@ mod tests {
         assert_eq!(size_of::<AffinityKey>(), 24);
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<MetaValue>(), 32);
+        assert_eq!(size_of::<MonitorEvent>(), 112);
+        assert_eq!(size_of::<MonitorCtl>(), 16);
+        assert_eq!(size_of::<MonitorStats>(), 24);
         assert_eq!(size_of::<NodeAddrValue>(), 8);
         assert_eq!(size_of::<SrcRangeKey>(), 24);
         assert_eq!(size_of::<CtKey>(), 40);

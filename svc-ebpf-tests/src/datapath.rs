@@ -114,7 +114,15 @@ impl Loaded {
         let mut loader = EbpfLoader::new();
         // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
-            if ![map_names::META, map_names::SOCK_STATE, map_names::CONFIG].contains(&name) {
+            // The monitor's ring is sized in bytes, a multiple of the page size.
+            if ![
+                map_names::META,
+                map_names::SOCK_STATE,
+                map_names::CONFIG,
+                map_names::MONITOR,
+            ]
+            .contains(&name)
+            {
                 let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
                     ct
                 } else {

@@ -83,6 +83,9 @@ impl KernelMap {
         m.kind = match map_type {
             _ if info.map_flags() & BPF_F_RDONLY_PROG != 0 => Kind::Kept,
             MapType::ProgramArray => Kind::Kept,
+            // The monitor's ring: emptied by whoever reads it; the lease that makes the
+            // programs write to it is an array, reset like the others.
+            MapType::RingBuf => Kind::Kept,
             MapType::Hash
             | MapType::LruHash
             | MapType::PerCpuHash

@@ -17,6 +17,7 @@ mod icmp;
 mod lb;
 mod maps;
 mod mem;
+mod monitor;
 mod nat;
 mod pkt;
 mod reject;

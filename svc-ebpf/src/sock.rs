@@ -8,14 +8,15 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use svc_common::{
-    is_v4_mapped, node_addr_flags, scope, v4_mapped, AffinityKey, Reason, RevNatValue, ServiceKey,
-    ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED, IPPROTO_TCP, IPPROTO_UDP,
-    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
+    is_v4_mapped, monitor_source, node_addr_flags, scope, v4_mapped, AffinityKey, Reason,
+    RevNatValue, ServiceKey, ServiceValue, SockRevKey, SockRevValue, SockState, ECONNREFUSED,
+    IPPROTO_TCP, IPPROTO_UDP, NODEPORT_ADDR_V4, NODEPORT_ADDR_V6,
 };
 
 use crate::{
     lb,
     maps::{count, SVC_CONFIG, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
+    monitor,
 };
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -151,10 +152,14 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
         scope: scope::CLUSTER,
     };
     let mut svc = ServiceValue::default();
+    let source = match call {
+        Call::Connect => monitor_source::CONNECT,
+        Call::Sendmsg => monitor_source::SENDMSG,
+    };
     match lb::resolve(&mut key, &mut svc, &Socket(ctx)) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
-        refused => return Err(refuse(refusal(refused))),
+        refused => return Err(refuse_seen(ctx, refusal(refused), source, &dst, svc.id)),
     }
     let hook = Hook {
         ctx,
@@ -164,14 +169,29 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
     match lb::decide_with(&key, svc, &hook, &mut decision) {
         lb::FOUND => {}
         lb::NOT_SERVICE => return Ok(()),
-        refused => return Err(refuse(refusal(refused))),
+        refused => return Err(refuse_seen(ctx, refusal(refused), source, &dst, svc.id)),
     }
     let to = SockAddr {
         addr: decision.backend.addr,
         port_be: decision.backend.port_be,
     };
     if write_addr(ctx, family, &to).is_none() {
-        return Err(refuse(Reason::ErrMissingEntry));
+        return Err(refuse_seen(
+            ctx,
+            Reason::ErrMissingEntry,
+            source,
+            &dst,
+            svc.id,
+        ));
+    }
+    if monitor::listening() {
+        monitor::emit_sock(
+            ctx,
+            monitor::sock_what(Reason::Translated, source, decision.how, decision.svc.id),
+            &(dst.addr, dst.port_be),
+            Some(&(to.addr, to.port_be)),
+            decision.backend_id,
+        );
     }
     // A connected socket's reverse entry is found at release through its peer; an
     // unconnected one's through the choices in its state.
@@ -235,6 +255,21 @@ fn localhost_answers(ctx: &SockAddrContext, node: u32) -> bool {
 fn refuse(reason: Reason) -> i32 {
     count(reason, 0);
     ECONNREFUSED
+}
+
+/// `refuse`, and the monitor told (frontend `id`, 0 if none) if one listens.
+#[inline(always)]
+fn refuse_seen(ctx: &SockAddrContext, reason: Reason, source: u8, dst: &SockAddr, id: u32) -> i32 {
+    if monitor::listening() {
+        monitor::emit_sock(
+            ctx,
+            monitor::sock_what(reason, source, 0, id),
+            &(dst.addr, dst.port_be),
+            None,
+            0,
+        );
+    }
+    refuse(reason)
 }
 
 /// The reason a socket hook counts for a refusing `outcome`.
@@ -334,6 +369,15 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) {
     };
     if write_addr(ctx, family, &to).is_some() {
         count(Reason::RevTranslated, 0);
+        if monitor::listening() {
+            monitor::emit_sock(
+                ctx,
+                monitor::sock_what(Reason::RevTranslated, monitor_source::REVERSE, 0, 0),
+                &(src.addr, src.port_be),
+                Some(&(to.addr, to.port_be)),
+                0,
+            );
+        }
     }
 }
 

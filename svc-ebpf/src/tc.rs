@@ -42,6 +42,7 @@ use svc_common::{
 use crate::{
     ct, frag, fwd, icmp, lb,
     maps::{count, src_range_key, SVC_SRC_RANGES},
+    monitor,
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
     reject,
@@ -311,6 +312,10 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
         reason
     };
     count(reason, s.p.ifindex);
+    if reason as u32 == Reason::New as u32 {
+        // The new flow's first packet, as it leaves: its backend, and its SNAT port if any.
+        monitor::tc(s, Reason::New, true, s.new.fwd.id);
+    }
     OK
 }
 
@@ -603,6 +608,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
             .is_none()
     {
         count(Reason::DropSourceRange, p.ifindex);
+        monitor::tc(s, Reason::DropSourceRange, false, svc.id);
         return Next::Drop;
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
@@ -616,6 +622,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
         // A SYN, or a segment to be refused: what the backend's stack would drop takes no
         // backend, no flow and no answer.
         count(Reason::DropBadChecksum, p.ifindex);
+        monitor::tc(s, Reason::DropBadChecksum, false, svc.id);
         return Next::Drop;
     }
     let caller = ExtPacket { p, now };
@@ -625,13 +632,16 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
         Outcome::NoBackend => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
                 count(Reason::DropNoLocalBackend, p.ifindex);
+                monitor::tc(s, Reason::DropNoLocalBackend, false, svc.id);
                 return Next::Drop;
             }
             count(Reason::RejectNoBackend, p.ifindex);
+            monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
+            monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
             return Next::Drop;
         }
     }
@@ -760,6 +770,7 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
         }
         ct::Snat::Exhausted => {
             count(Reason::DropSnatExhausted, s.p.ifindex);
+            monitor::tc(s, Reason::DropSnatExhausted, false, s.new.fwd.id);
             false
         }
         ct::Snat::Failed => {
@@ -967,6 +978,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         && !tcpsum::valid(ctx, p)
     {
         count(Reason::DropBadChecksum, p.ifindex);
+        monitor::tc(s, Reason::DropBadChecksum, false, svc.id);
         return Next::Drop;
     }
     if outcome == lb::FOUND {
@@ -979,10 +991,12 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
             // A ClusterIP's undefined port, or a frontend without backends: refused, as a
             // socket's connect() would be.
             count(Reason::RejectNoBackend, p.ifindex);
+            monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
+            monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
             return Next::Drop;
         }
     }

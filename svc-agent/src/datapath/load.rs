@@ -267,6 +267,9 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
         map_names::MAGLEV => store.maglev.as_ref()?.map(),
         map_names::MAGLEV_INDEX => store.maglev_index.as_ref()?.map(),
+        map_names::MONITOR => store.monitor.as_ref()?,
+        map_names::MON_CTL => store.mon_ctl.as_ref()?,
+        map_names::MON_STATS => store.mon_stats.as_ref()?,
         _ => return None,
     })
 }
@@ -337,6 +340,9 @@ fn build_store(
         maglev_index: take(map_names::MAGLEV_INDEX)
             .ok()
             .and_then(|m| HashMap::try_from(m).ok()),
+        monitor: take(map_names::MONITOR).ok().and_then(map_data),
+        mon_ctl: take(map_names::MON_CTL).ok().and_then(map_data),
+        mon_stats: take(map_names::MON_STATS).ok().and_then(map_data),
         capacity,
         enomem_until: None,
     })
@@ -345,7 +351,12 @@ fn build_store(
 /// The map behind the kinds of `Map` the agent keeps untyped.
 fn map_data(m: Map) -> Option<MapData> {
     match m {
-        Map::LruHashMap(d) | Map::PerCpuHashMap(d) | Map::HashMap(d) | Map::Array(d) => Some(d),
+        Map::LruHashMap(d)
+        | Map::PerCpuHashMap(d)
+        | Map::HashMap(d)
+        | Map::Array(d)
+        | Map::PerCpuArray(d)
+        | Map::RingBuf(d) => Some(d),
         _ => None,
     }
 }

@@ -1,0 +1,592 @@
+//! `svc-agent monitor`: the datapath's decisions as they happen, read from the ring buffer
+//! the programs write while a monitor holds the lease (docs/design/monitor.md).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
+use serde::Serialize;
+use svc_common::{
+    how, map_names, monitor_source, MonitorCtl, MonitorEvent, MonitorStats, Reason, ServiceName,
+};
+
+use crate::datapath::map_pin;
+use crate::error::{Error, Result};
+use crate::reconcile::{decode_name, ip_from16};
+
+/// How long a lease lasts past its last renewal: a monitor killed without a word stops the
+/// writing at most this long after (the first decision after that clears the lease).
+pub const LEASE: Duration = Duration::from_secs(3);
+/// How often a listening monitor renews its lease.
+const RENEW: Duration = Duration::from_secs(1);
+/// Events a second above which the monitor asks the programs to sample (one in 2, 4, ...):
+/// a terminal or a JSON consumer cannot use more, and the ring would overflow.
+pub const MAX_RATE: u64 = 5_000;
+
+/// What to show.
+#[derive(Debug, Default, Clone)]
+pub struct Filter {
+    /// "NAMESPACE/NAME": events of that Service's frontends only.
+    pub service: Option<String>,
+    /// Events whose destination (as sent, or as translated) is this address and port.
+    pub dst: Option<SocketAddr>,
+}
+
+/// One decision, as printed.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct Decision {
+    /// Wall-clock time the monitor computed from the kernel's monotonic stamp, RFC 3339-like
+    /// seconds since the epoch with microseconds.
+    pub time: String,
+    /// connect, sendmsg, reverse (recvmsg/getpeername), tc.
+    pub source: &'static str,
+    /// The datapath's reason (the `reason` label of svc_datapath_decisions_total).
+    pub reason: &'static str,
+    /// translated, refused, dropped, rejected, reverse.
+    pub verdict: &'static str,
+    /// "namespace/name:port" of the frontend, when the names map has it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    pub frontend_id: u32,
+    /// What the client sent to.
+    pub dst: SocketAddr,
+    /// The backend (or, for `reverse`, the frontend the socket is shown).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_id: Option<u32>,
+    /// The client (tc only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<SocketAddr>,
+    /// The SNAT address and port a tc flow took, when it is SNATed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snat: Option<SocketAddr>,
+    pub protocol: String,
+    /// random, affinity, sticky, hashed, maglev: how the backend was chosen (socket hooks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub how: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ifindex: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_cookie: Option<u64>,
+}
+
+/// Events the monitor did not show, since it started.
+#[derive(Debug, Default, Serialize, PartialEq, Eq, Clone, Copy)]
+pub struct Dropped {
+    /// The ring was full.
+    pub ring_full: u64,
+    /// Sampled out at high rates.
+    pub sampled_out: u64,
+    /// One event in `sample` is written now.
+    pub sample: u32,
+}
+
+fn map_err(map: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::map(map, e.to_string())
+}
+
+/// The monitor's maps, opened from their pins.
+pub struct Maps {
+    ring: RingBuf<MapData>,
+    ctl: Array<MapData, MonitorCtl>,
+    stats: PerCpuArray<MapData, MonitorStats>,
+    names: aya::maps::HashMap<MapData, u32, ServiceName>,
+}
+
+fn open(dir: &Path, name: &'static str) -> Result<MapData> {
+    let path = map_pin(dir, name);
+    MapData::from_pin(&path).map_err(|e| {
+        map_err(
+            name,
+            format!(
+                "{}: {e} (is an svc-agent that has the monitor running with --bpffs {}?)",
+                path.display(),
+                dir.display()
+            ),
+        )
+    })
+}
+
+impl Maps {
+    pub fn open(dir: &Path) -> Result<Maps> {
+        let m =
+            |name| aya::maps::Map::from_map_data(open(dir, name)?).map_err(|e| map_err(name, e));
+        Ok(Maps {
+            ring: RingBuf::try_from(m(map_names::MONITOR)?)
+                .map_err(|e| map_err(map_names::MONITOR, e))?,
+            ctl: Array::try_from(m(map_names::MON_CTL)?)
+                .map_err(|e| map_err(map_names::MON_CTL, e))?,
+            stats: PerCpuArray::try_from(m(map_names::MON_STATS)?)
+                .map_err(|e| map_err(map_names::MON_STATS, e))?,
+            names: aya::maps::HashMap::try_from(m(map_names::NAMES)?)
+                .map_err(|e| map_err(map_names::NAMES, e))?,
+        })
+    }
+
+    pub fn ctl(&self) -> Result<MonitorCtl> {
+        self.ctl
+            .get(&0, 0)
+            .map_err(|e| map_err(map_names::MON_CTL, e))
+    }
+
+    fn set_ctl(&mut self, c: MonitorCtl) -> Result<()> {
+        self.ctl
+            .set(0, c, 0)
+            .map_err(|e| map_err(map_names::MON_CTL, e))
+    }
+
+    /// Sums over the CPUs.
+    pub fn stats(&self) -> Result<MonitorStats> {
+        let per_cpu = self
+            .stats
+            .get(&0, 0)
+            .map_err(|e| map_err(map_names::MON_STATS, e))?;
+        Ok(per_cpu
+            .iter()
+            .fold(MonitorStats::default(), |a, s| MonitorStats {
+                seen: a.seen + s.seen,
+                written: a.written + s.written,
+                lost: a.lost + s.lost,
+            }))
+    }
+
+    fn names(&self) -> HashMap<u32, String> {
+        self.names
+            .iter()
+            .flatten()
+            .map(|(id, n)| (id, decode_name(&n)))
+            .collect()
+    }
+}
+
+/// CLOCK_MONOTONIC now, ns: the clock of `MonitorCtl::until_ns` and `MonitorEvent::ts_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The listening side: holds the lease while it lives, gives it back when dropped.
+pub struct Listener {
+    maps: Maps,
+    pid: u32,
+    sample: u32,
+    renewed: Instant,
+    base: MonitorStats,
+    names: HashMap<u32, String>,
+    names_read: Instant,
+    /// CLOCK_REALTIME minus CLOCK_MONOTONIC, ns.
+    wall_offset: i128,
+}
+
+impl Listener {
+    /// Takes the lease; fails when another live monitor holds it (one reader at a time: two
+    /// would split the ring's events between them).
+    pub fn start(dir: &Path) -> Result<Listener> {
+        let mut maps = Maps::open(dir)?;
+        let pid = std::process::id();
+        let c = maps.ctl()?;
+        if c.until_ns > monotonic_ns() && c.pid != pid && c.pid != 0 && pid_alive(c.pid) {
+            return Err(Error::Invalid {
+                object: format!("{}", map_pin(dir, map_names::MON_CTL).display()),
+                message: format!(
+                    "another monitor (pid {}) is listening; one monitor at a time",
+                    c.pid
+                ),
+            });
+        }
+        let base = maps.stats()?;
+        // Events a dead monitor left in the ring are not this one's.
+        while maps.ring.next().is_some() {}
+        let mut l = Listener {
+            names: maps.names(),
+            maps,
+            pid,
+            sample: 1,
+            renewed: Instant::now(),
+            base,
+            names_read: Instant::now(),
+            wall_offset: {
+                let wall = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos() as i128;
+                wall - monotonic_ns() as i128
+            },
+        };
+        l.renew()?;
+        Ok(l)
+    }
+
+    fn renew(&mut self) -> Result<()> {
+        self.renewed = Instant::now();
+        self.maps.set_ctl(MonitorCtl {
+            until_ns: monotonic_ns() + LEASE.as_nanos() as u64,
+            sample: self.sample,
+            pid: self.pid,
+        })
+    }
+
+    /// What was not shown since the start.
+    pub fn dropped(&self) -> Result<Dropped> {
+        let s = self.maps.stats()?;
+        let seen = s.seen.saturating_sub(self.base.seen);
+        let written = s.written.saturating_sub(self.base.written);
+        let lost = s.lost.saturating_sub(self.base.lost);
+        Ok(Dropped {
+            ring_full: lost,
+            sampled_out: seen.saturating_sub(written).saturating_sub(lost),
+            sample: self.sample,
+        })
+    }
+
+    /// Reads what the ring holds, each event through `f`; renews the lease when due, and
+    /// adapts the sampling to `rate` (events the last second).
+    pub fn drain(&mut self, f: &mut dyn FnMut(&MonitorEvent)) -> Result<usize> {
+        let mut n = 0;
+        while let Some(item) = self.maps.ring.next() {
+            if item.len() >= size_of::<MonitorEvent>() {
+                let e: MonitorEvent =
+                    bytemuck::pod_read_unaligned(&item[..size_of::<MonitorEvent>()]);
+                f(&e);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Renews the lease if due, with the sampling for `rate` events a second when a rate was
+    /// measured (once a second).
+    pub fn tick(&mut self, rate: Option<u64>) -> Result<bool> {
+        let want = rate.map_or(self.sample, |r| sample_for(self.sample, r));
+        let due = self.renewed.elapsed() >= RENEW;
+        if want != self.sample || due {
+            self.sample = want;
+            self.renew()?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Waits `timeout` (less when a signal comes): the programs submit without waking the
+    /// reader (svc-ebpf's `BPF_RB_NO_WAKEUP`), so the ring is read in batches.
+    pub fn wait(&self, timeout: Duration) {
+        let mut fds = [libc::pollfd {
+            fd: self.maps.ring.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(fds.as_mut_ptr(), 1, timeout.as_millis() as i32) };
+    }
+
+    /// The frontend's name; the names map is read again (at most once a second) for an id
+    /// not seen yet.
+    fn name(&mut self, id: u32) -> Option<String> {
+        if id == 0 {
+            return None;
+        }
+        if !self.names.contains_key(&id) && self.names_read.elapsed() >= Duration::from_secs(1) {
+            self.names = self.maps.names();
+            self.names_read = Instant::now();
+        }
+        self.names.get(&id).cloned()
+    }
+
+    /// The event as printed.
+    pub fn decision(&mut self, e: &MonitorEvent) -> Decision {
+        let reason = Reason::from_u32(e.reason);
+        let addr = |a: [u8; 16], p: u16| SocketAddr::new(ip_from16(a), u16::from_be(p));
+        let set = |a: [u8; 16], p: u16| (a != [0; 16] || p != 0).then(|| addr(a, p));
+        let tc = e.source == monitor_source::TC;
+        let client = tc.then(|| addr(e.saddr, e.sport_be));
+        let snat = if tc {
+            set(e.nat_saddr, e.nat_sport_be).filter(|s| Some(*s) != client)
+        } else {
+            None
+        };
+        let ns = e.ts_ns as i128 + self.wall_offset;
+        Decision {
+            time: format!(
+                "{}.{:06}",
+                ns.div_euclid(1_000_000_000),
+                ns.rem_euclid(1_000_000_000) / 1_000
+            ),
+            source: match e.source {
+                monitor_source::CONNECT => "connect",
+                monitor_source::SENDMSG => "sendmsg",
+                monitor_source::REVERSE => "reverse",
+                monitor_source::TC => "tc",
+                _ => "unknown",
+            },
+            reason: reason.map_or("unknown", Reason::name),
+            verdict: reason.map_or("unknown", verdict),
+            service: self.name(e.id),
+            frontend_id: e.id,
+            dst: addr(e.daddr, e.dport_be),
+            to: set(e.nat_daddr, e.nat_dport_be),
+            backend_id: (e.backend_id != 0).then_some(e.backend_id),
+            client,
+            snat,
+            protocol: match e.proto {
+                svc_common::IPPROTO_TCP => "tcp".to_string(),
+                svc_common::IPPROTO_UDP => "udp".to_string(),
+                132 => "sctp".to_string(),
+                n => n.to_string(),
+            },
+            how: match e.how as u32 {
+                how::RANDOM => Some("random"),
+                how::AFFINITY => Some("affinity"),
+                how::STICKY => Some("sticky"),
+                how::HASHED => Some("hashed"),
+                how::MAGLEV => Some("maglev"),
+                _ => None,
+            },
+            ifindex: (e.ifindex != 0).then_some(e.ifindex),
+            socket_cookie: (e.cookie != 0).then_some(e.cookie),
+        }
+    }
+}
+
+impl Drop for Listener {
+    /// Gives the lease back, unless another monitor took it meanwhile.
+    fn drop(&mut self) {
+        if self.maps.ctl().is_ok_and(|c| c.pid == self.pid) {
+            let _ = self.maps.set_ctl(MonitorCtl::default());
+        }
+    }
+}
+
+/// The sampling after a second of `rate` events (estimated before sampling) at `sample`:
+/// doubled above `MAX_RATE`, halved well below it.
+pub fn sample_for(sample: u32, rate: u64) -> u32 {
+    if rate > MAX_RATE {
+        sample.saturating_mul(2).min(1 << 20)
+    } else if rate < MAX_RATE / 4 && sample > 1 {
+        sample / 2
+    } else {
+        sample.max(1)
+    }
+}
+
+/// What the decision came to, in a word.
+fn verdict(r: Reason) -> &'static str {
+    use Reason::*;
+    match r {
+        New | Translated | CtHit | FragmentTranslated | IcmpError => "translated",
+        Reply | RevTranslated => "reverse",
+        RefusedNoBackend | RefusedNoPort => "refused",
+        RejectNoBackend => "rejected",
+        _ if r.name().starts_with("drop") || r.name().starts_with("err") => "dropped",
+        _ => "passed",
+    }
+}
+
+impl Filter {
+    pub fn matches(&self, d: &Decision) -> bool {
+        if let Some(s) = &self.service {
+            let Some(name) = &d.service else {
+                return false;
+            };
+            let svc = name.split_once(':').map_or(name.as_str(), |(s, _)| s);
+            if svc != s {
+                return false;
+            }
+        }
+        if let Some(dst) = self.dst {
+            let same =
+                |a: &SocketAddr| a.port() == dst.port() && canonical(a.ip()) == canonical(dst.ip());
+            if !same(&d.dst) && !d.to.as_ref().is_some_and(same) {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// One line of text for `d`.
+pub fn render_text(d: &Decision) -> String {
+    let esc = |s: &str| crate::names::escape(s).into_owned();
+    let mut line = format!(
+        "{} {:<8} {:<10} {} {}",
+        d.time,
+        d.source,
+        d.verdict,
+        d.protocol,
+        d.client.map_or(String::new(), |c| format!("{c} -> ")) + &d.dst.to_string()
+    );
+    if let Some(to) = d.to {
+        line.push_str(&format!(" => {to}"));
+    }
+    if let Some(s) = d.snat {
+        line.push_str(&format!(" snat {s}"));
+    }
+    line.push_str(&format!(
+        " [{}] {}",
+        d.reason,
+        d.service.as_deref().map_or("-".to_string(), esc)
+    ));
+    if let Some(h) = d.how {
+        line.push_str(&format!(" ({h})"));
+    }
+    if let Some(i) = d.ifindex {
+        line.push_str(&format!(" dev {i}"));
+    }
+    line
+}
+
+/// Set by SIGINT and SIGTERM: the monitor gives its lease back and exits.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Runs the monitor until SIGINT or SIGTERM (or the output is closed), each shown decision
+/// through `out` (false: stop), and each change of the not-shown counts through `lost`.
+pub fn run(
+    dir: &Path,
+    filter: &Filter,
+    out: &mut dyn FnMut(&Decision) -> bool,
+    lost: &mut dyn FnMut(&Dropped) -> bool,
+) -> Result<()> {
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut l = Listener::start(dir)?;
+    let mut last = Dropped {
+        sample: 1,
+        ..Default::default()
+    };
+    let mut second = Instant::now();
+    let mut in_second = 0u64;
+    while !STOP.load(Ordering::Relaxed) {
+        l.wait(Duration::from_millis(100));
+        let mut events = Vec::new();
+        in_second += l.drain(&mut |e| events.push(*e))? as u64;
+        for e in &events {
+            let d = l.decision(e);
+            if filter.matches(&d) && !out(&d) {
+                return Ok(());
+            }
+        }
+        let mut rate = None;
+        if second.elapsed() >= Duration::from_secs(1) {
+            rate = Some(in_second * l.sample.max(1) as u64);
+            in_second = 0;
+            second = Instant::now();
+        }
+        l.tick(rate)?;
+        let now = l.dropped()?;
+        if now != last {
+            last = now;
+            if !lost(&now) {
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(service: Option<&str>, dst: &str, to: Option<&str>) -> Decision {
+        Decision {
+            time: "0.000000".into(),
+            source: "connect",
+            reason: "translated",
+            verdict: "translated",
+            service: service.map(str::to_string),
+            frontend_id: 1,
+            dst: dst.parse().unwrap(),
+            to: to.map(|t| t.parse().unwrap()),
+            backend_id: Some(7),
+            client: None,
+            snat: None,
+            protocol: "tcp".into(),
+            how: Some("random"),
+            ifindex: None,
+            socket_cookie: None,
+        }
+    }
+
+    /// --service matches the Service whatever the port, and not another whose name starts
+    /// alike; --dst matches the destination as sent or as translated, IPv4 given either way.
+    #[test]
+    fn filters_match_the_service_and_either_destination() {
+        let d = decision(
+            Some("demo/web:http"),
+            "10.96.0.10:80",
+            Some("10.244.1.5:8080"),
+        );
+        let svc = |s: &str| Filter {
+            service: Some(s.into()),
+            dst: None,
+        };
+        let dst = |s: &str| Filter {
+            service: None,
+            dst: Some(s.parse().unwrap()),
+        };
+        assert!(svc("demo/web").matches(&d));
+        assert!(!svc("demo/we").matches(&d));
+        assert!(!svc("other/web").matches(&d));
+        assert!(!svc("demo/web").matches(&decision(None, "10.96.0.10:80", None)));
+        assert!(dst("10.96.0.10:80").matches(&d));
+        assert!(dst("[::ffff:10.96.0.10]:80").matches(&d));
+        assert!(dst("10.244.1.5:8080").matches(&d));
+        assert!(!dst("10.96.0.10:81").matches(&d));
+        assert!(Filter::default().matches(&d));
+    }
+
+    #[test]
+    fn sampling_doubles_above_the_rate_and_comes_back() {
+        assert_eq!(sample_for(1, MAX_RATE), 1);
+        assert_eq!(sample_for(1, MAX_RATE + 1), 2);
+        assert_eq!(sample_for(2, MAX_RATE + 1), 4);
+        assert_eq!(sample_for(4, MAX_RATE / 2), 4, "between the marks: kept");
+        assert_eq!(sample_for(4, MAX_RATE / 4 - 1), 2);
+        assert_eq!(sample_for(1, 0), 1);
+        assert_eq!(sample_for(1 << 20, u64::MAX), 1 << 20, "bounded");
+    }
+
+    #[test]
+    fn a_line_names_the_backend_the_reason_and_the_service_escaped() {
+        let d = decision(
+            Some("demo/we\nb:http"),
+            "10.96.0.10:80",
+            Some("10.244.1.5:8080"),
+        );
+        let line = render_text(&d);
+        assert!(
+            line.ends_with(
+                "connect  translated tcp 10.96.0.10:80 => 10.244.1.5:8080 [translated] \
+                 demo/we\\nb:http (random)"
+            ),
+            "{line}"
+        );
+    }
+}
