@@ -37,7 +37,6 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use aya::programs::TcAttachType;
-use aya::Ebpf;
 
 use crate::error::{Error, Result};
 use crate::netdev::Device;
@@ -109,7 +108,8 @@ pub struct Datapath {
     /// The open directory; holding it holds the lock.
     lock: File,
     dir_ino: u64,
-    ebpf: Ebpf,
+    /// Reached through `ebpf()`, which waits for the tc programs' verification.
+    programs: load::Programs,
     pub store: BpfStore,
     cgroup: PathBuf,
     cgroup_id: u64,

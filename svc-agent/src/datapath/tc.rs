@@ -127,8 +127,7 @@ impl Datapath {
                 if self.tc_current.contains(pin) {
                     return Ok(None);
                 }
-                let prog = self
-                    .ebpf
+                let prog = super::load::ebpf(&mut self.programs)?
                     .program(program)
                     .ok_or_else(|| load_err(program, "program missing from the object"))?;
                 let fd = prog.fd().map_err(|e| load_err(program, e))?;
@@ -142,8 +141,7 @@ impl Datapath {
             // dead or elsewhere; ours goes on the device that has the name now.
             detach_pinned(pin)?;
         }
-        let prog = self
-            .ebpf
+        let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(program)
             .ok_or_else(|| load_err(program, "program missing from the object"))?;
         let prog = <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(program, e))?;
