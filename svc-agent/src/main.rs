@@ -89,7 +89,9 @@ enum Command {
         coalesce_ms: u64,
         /// With the Kubernetes API: receive the first lists as a watch that sends the
         /// existing objects first (Kubernetes' WatchList, sendInitialEvents), rather than as
-        /// paged lists. The API server must support it (its WatchList feature).
+        /// paged lists. The API server must support it (its WatchList feature). The watch
+        /// asks for resourceVersion 0 (the API server's cache as it is), so the first sync,
+        /// and `ready`, may miss the latest writes, which follow as changes.
         #[arg(long, env = "SVC_WATCH_LIST")]
         watch_list: bool,
         /// The API server's own address (https://HOST:PORT), replacing the configured one. In
