@@ -224,6 +224,12 @@ impl Agent {
         &self.programmed
     }
 
+    /// The error of a program the kernel refused to load, waiting for the verification to end:
+    /// this agent can never attach.
+    pub fn load_failed(&mut self) -> Option<Error> {
+        self.dp.load_failed()
+    }
+
     /// Whether links (ours or a previous agent's) are pinned: then the programs serve.
     pub fn links_pinned(&self) -> bool {
         self.dp.links_pinned()

@@ -87,6 +87,13 @@ enum Command {
         /// milliseconds.
         #[arg(long, default_value_t = 5)]
         coalesce_ms: u64,
+        /// With the Kubernetes API: receive the first lists as a watch that sends the
+        /// existing objects first (Kubernetes' WatchList, sendInitialEvents), rather than as
+        /// paged lists. The API server must support it (its WatchList feature). The watch
+        /// asks for resourceVersion 0 (the API server's cache as it is), so the first sync,
+        /// and `ready`, may miss the latest writes, which follow as changes.
+        #[arg(long, env = "SVC_WATCH_LIST")]
+        watch_list: bool,
         /// The API server's own address (https://HOST:PORT), replacing the configured one. In
         /// a cluster without kube-proxy the in-cluster address is a ClusterIP that only svc
         /// serves, so a node that boots with empty pins needs this (as Cilium's
@@ -602,6 +609,7 @@ fn main() -> anyhow::Result<()> {
             health_timeout_s,
             poll_ms,
             coalesce_ms,
+            watch_list,
             k8s_api_server,
             service_cidr,
             daemonset,
@@ -665,6 +673,7 @@ fn main() -> anyhow::Result<()> {
                         node_name,
                         service_proxy_name,
                         coalesce: Duration::from_millis(coalesce_ms),
+                        watch_list,
                         // An empty setting (a ConfigMap key left blank) is no setting.
                         api_server: k8s_api_server.filter(|s| !s.trim().is_empty()),
                         daemonset: daemonset
@@ -804,6 +813,7 @@ fn main() -> anyhow::Result<()> {
                     api_server: k8s_api_server.filter(|s| !s.trim().is_empty()),
                     service_cidrs: Vec::new(),
                     daemonset: None,
+                    watch_list: false,
                 };
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()

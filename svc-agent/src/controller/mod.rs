@@ -90,24 +90,35 @@ pub enum Stop {
 pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
     let opened = open(input).await?;
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
-    let agent = start(&cfg, metrics.clone()).await?;
-    let tasks = Tasks::start(agent.datapath(), &cfg.cgroup, metrics.clone());
+    serve_metrics(&cfg, &metrics).await?;
     let mut removal = None;
-    let (tracker, events): (Box<dyn Tracker>, Events) = match opened {
+    let (agent, tracker, events): (Agent, Box<dyn Tracker>, Events) = match opened {
+        // The API server is reached on its own address: nothing of the datapath is needed to
+        // list, so the lists run while the object loads and verifies.
+        Opened::Kube(api, opts) if !api.behind_service(&opts.service_cidrs) => {
+            removal = api.removal(&opts);
+            let mut cache = Cache::new(cfg.node.clone(), opts.coalesce);
+            let mut events = api.watch(&opts).boxed();
+            let agent = start_beside(&cfg, &metrics, &mut cache, &mut events).await?;
+            (agent, Box::new(cache), events)
+        }
         Opened::Kube(api, opts) => {
             removal = api.removal(&opts);
+            let agent = start_agent(&cfg, metrics.clone())?;
             api.check(&opts.service_cidrs, &|fe| {
                 agent.programmed().frontends.contains_key(fe) && agent.links_pinned()
             })?;
             let events = api.watch(&opts).boxed();
             let cache = Cache::new(agent.node().clone(), opts.coalesce);
-            (Box::new(cache), events)
+            (agent, Box::new(cache), events)
         }
         Opened::Manifests(files, poll) => (
+            start_agent(&cfg, metrics.clone())?,
             Box::new(ManifestTracker::new(files)),
             manifest_tracker::polls(poll).boxed(),
         ),
     };
+    let tasks = Tasks::start(agent.datapath(), &cfg.cgroup, metrics.clone());
     let node = match source::node::changes() {
         Ok(changes) => changes.boxed(),
         Err(e) => {
@@ -116,15 +127,17 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
         }
     };
     let events = futures::stream::select_all([events, node]);
-    Controller {
+    let mut controller = Controller {
         agent,
         tasks,
         tracker,
         metrics,
         synced_once: false,
-    }
-    .run(events)
-    .await?;
+    };
+    // What the lists brought while the agent started, as if it had come now.
+    controller.took_events();
+    controller.forward_effects();
+    controller.run(events).await?;
     let Some(removal) = removal else {
         return Ok(Stop::Kept);
     };
@@ -145,6 +158,38 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
             Stop::Kept
         }
     })
+}
+
+/// Starts the agent on a thread of its own while `events` (the API's watchers) are taken into
+/// `cache`: the kernel verifies the programs while the API server lists. The cache parses
+/// what arrives; nothing is translated or written before the agent is there, and nothing is
+/// attached before its first sync, as when the agent starts first.
+async fn start_beside(
+    cfg: &RunConfig,
+    metrics: &Arc<Metrics>,
+    cache: &mut Cache,
+    events: &mut Events,
+) -> Result<Agent> {
+    let starting = {
+        let (cfg, metrics) = (cfg.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || start_agent(&cfg, metrics))
+    };
+    tokio::pin!(starting);
+    let mut listing = true;
+    loop {
+        tokio::select! {
+            started = &mut starting => {
+                return started.map_err(|e| {
+                    crate::Error::Other(format!("starting the agent: {e}"))
+                })?;
+            }
+            e = events.next(), if listing => match e {
+                Some(Event::WatchError(kind, e)) => metrics.report_as(kind, kind, &e),
+                Some(e) => cache.apply(e),
+                None => listing = false,
+            },
+        }
+    }
 }
 
 struct Controller {
@@ -171,7 +216,11 @@ impl Controller {
                     Some(e) => self.event(e),
                     None => break Ok(()),
                 },
-                _ = sleep_until(due), if due.is_some() => self.sync(),
+                _ = sleep_until(due), if due.is_some() => {
+                    if let Err(e) = self.sync() {
+                        break Err(e);
+                    }
+                }
                 _ = tokio::time::sleep_until(upkeep) => self.agent.tick(Instant::now()),
             }
             self.forward_effects();
@@ -204,6 +253,12 @@ impl Controller {
             }
             e => self.tracker.apply(e),
         }
+        self.took_events();
+    }
+
+    /// What the tracker learned from the events it took that is not a sync: the node's
+    /// eligibility and addresses, and that changes wait.
+    fn took_events(&mut self) {
         if let Some(eligible) = self.tracker.take_node_eligible() {
             self.metrics.set_node_eligible(eligible);
         }
@@ -218,8 +273,9 @@ impl Controller {
     }
 
     /// Translates what the tracker hands over and programs it: everything, or only the
-    /// Services that changed.
-    fn sync(&mut self) {
+    /// Services that changed. Fails when the first sync finds that the object's programs could
+    /// not be loaded: nothing of it is attached, and this agent never can.
+    fn sync(&mut self) -> Result<()> {
         let agent = &mut self.agent;
         let batch = self.tracker.take(agent.holders());
         agent.set_zone(batch.zone);
@@ -240,6 +296,11 @@ impl Controller {
         } else {
             agent.apply_services(&owners, translated)
         };
+        if !self.synced_once {
+            if let Some(e) = agent.load_failed() {
+                return Err(e);
+            }
+        }
         // Before the sync is announced: its health check ports listen by then.
         self.tasks.handle(agent.take_effects());
         record_latency(&self.metrics, &report, &batch.triggers, batch.since);
@@ -262,6 +323,7 @@ impl Controller {
             );
         }
         announce(&report, !std::mem::replace(&mut self.synced_once, true));
+        Ok(())
     }
 }
 
@@ -292,8 +354,8 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
-/// Starts the metrics server and the agent.
-async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
+/// Starts the metrics servers.
+async fn serve_metrics(cfg: &RunConfig, metrics: &Arc<Metrics>) -> Result<()> {
     metrics.snat_degraded(cfg.packet.snat_degraded.clone());
     metrics.snat_ports(cfg.packet.snat_ports);
     for &(addr, port) in &cfg.listen {
@@ -301,6 +363,11 @@ async fn start(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
         info!(%addr, paths = port.paths(), "serving");
         tokio::spawn(metrics::serve(listener, metrics.clone(), port));
     }
+    Ok(())
+}
+
+/// Starts the agent: the datapath loaded, the pinned maps adopted.
+fn start_agent(cfg: &RunConfig, metrics: Arc<Metrics>) -> Result<Agent> {
     Agent::start(
         &cfg.bpffs,
         &cfg.cgroup,

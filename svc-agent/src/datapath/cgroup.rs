@@ -200,8 +200,7 @@ impl Datapath {
 
     pub(super) fn attach_one(&mut self, name: &str, cgroup_file: &File, swap: bool) -> Result<()> {
         let pin = link_pin(&self.dir, name);
-        let prog = self
-            .ebpf
+        let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(name)
             .ok_or_else(|| load_err(name, "program missing from the object"))?;
         if pin.exists() {

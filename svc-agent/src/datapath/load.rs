@@ -28,6 +28,7 @@ impl Datapath {
     /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
     /// has changed but for a directory this call created.
     pub fn open(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
+        let started = std::time::Instant::now();
         let cgroup_id = check_cgroup(cgroup)?;
         sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
         own_dir(dir)?;
@@ -105,7 +106,7 @@ impl Datapath {
         }
         let mut tc_loaded = Vec::new();
         for (name, _, _) in TC_PROGRAMS {
-            let Some(prog) = ebpf.program_mut(name) else {
+            if ebpf.program(name).is_none() {
                 info!(
                     program = name,
                     "not in the eBPF object: the packet datapath (NodePort, ExternalIP, \
@@ -113,11 +114,7 @@ impl Datapath {
                      up to date for an object that has it"
                 );
                 continue;
-            };
-            <&mut SchedClassifier>::try_from(prog)
-                .map_err(|e| load_err(name, e))?
-                .load()
-                .map_err(|e| load_err(name, e))?;
+            }
             tc_loaded.push(name);
         }
         let xdp_loaded = match ebpf.program_mut(xdp::XDP_PROGRAM) {
@@ -130,6 +127,7 @@ impl Datapath {
             }
             None => false,
         };
+        let socket_ms = started.elapsed().as_millis();
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -157,6 +155,10 @@ impl Datapath {
                 }
             }
         }
+        // The tc programs are the verifier's longest work, and nothing reads them before
+        // `attach`: they are verified on a thread of their own while the first sync is
+        // listed, translated and written (the maps they use are created already).
+        let programs = Programs::verify(ebpf, tc_loaded.clone(), started);
         let carried = carry_ct_v1(&mut store, dir)?;
         if carried > 0 {
             info!(
@@ -183,11 +185,16 @@ impl Datapath {
             tracing::warn!("asking the kernel for tcx: {e}; trying tcx");
             true
         });
+        info!(
+            socket_programs_ms = socket_ms as u64,
+            maps_ms = started.elapsed().as_millis() as u64,
+            "loaded the maps and the socket programs"
+        );
         Ok(Datapath {
             dir: dir.to_path_buf(),
             lock,
             dir_ino,
-            ebpf,
+            programs,
             store,
             cgroup: cgroup.to_path_buf(),
             cgroup_id,
@@ -216,7 +223,7 @@ impl Datapath {
     /// refuses it (before bpf_for_each_map_elem, 5.13) leaves the datapath running unswept.
     pub fn ct_sweep(&mut self) -> Result<Option<std::os::fd::OwnedFd>> {
         if self.sweep.is_none() {
-            let Some(prog) = self.ebpf.program_mut(SWEEP_PROGRAM) else {
+            let Some(prog) = ebpf(&mut self.programs)?.program_mut(SWEEP_PROGRAM) else {
                 return Ok(None);
             };
             let prog =
@@ -242,6 +249,97 @@ impl Datapath {
     pub fn reopen(&self, name: &'static str) -> Result<Map> {
         let data = clone_map(held(&self.store, name)?)?;
         Map::from_map_data(data).map_err(|e| load_err(name, e))
+    }
+}
+
+/// The object's programs: the socket programs loaded, the tc programs being verified on a
+/// thread, or all loaded.
+pub(super) enum Programs {
+    Verifying(std::thread::JoinHandle<(Ebpf, Result<()>)>),
+    Loaded(Ebpf),
+    /// A tc program failed to load (the error's message and errno): nothing of this object
+    /// may be attached.
+    Failed(String, Option<crate::error::Errno>),
+}
+
+impl Programs {
+    /// The object once every program is loaded; None while the tc programs are verified or
+    /// after one failed (`ebpf` waits for them and says why).
+    pub(super) fn loaded(&self) -> Option<&Ebpf> {
+        match self {
+            Programs::Loaded(ebpf) => Some(ebpf),
+            _ => None,
+        }
+    }
+
+    fn verify(mut ebpf: Ebpf, tc: Vec<&'static str>, started: std::time::Instant) -> Programs {
+        let spawned = std::thread::Builder::new()
+            .name("svc-verify".into())
+            .spawn(move || {
+                let r = load_tc(&mut ebpf, &tc);
+                if r.is_ok() && !tc.is_empty() {
+                    info!(
+                        ms = started.elapsed().as_millis() as u64,
+                        "loaded the tc programs"
+                    );
+                }
+                (ebpf, r)
+            });
+        match spawned {
+            Ok(handle) => Programs::Verifying(handle),
+            Err(e) => Programs::Failed(format!("starting the verifying thread: {e}"), None),
+        }
+    }
+}
+
+fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
+    for &name in names {
+        let prog = ebpf
+            .program_mut(name)
+            .ok_or_else(|| load_err(name, "program missing from the object"))?;
+        <&mut SchedClassifier>::try_from(prog)
+            .map_err(|e| load_err(name, e))?
+            .load()
+            .map_err(|e| load_err(name, e))?;
+    }
+    Ok(())
+}
+
+/// The loaded object, once its tc programs are verified; their error, if one failed. A
+/// function of the field alone, so the datapath's other fields stay free to borrow.
+pub(super) fn ebpf(programs: &mut Programs) -> Result<&mut Ebpf> {
+    if matches!(programs, Programs::Verifying(_)) {
+        let taken = std::mem::replace(programs, Programs::Failed(String::new(), None));
+        if let Programs::Verifying(handle) = taken {
+            *programs = match handle.join() {
+                Ok((ebpf, Ok(()))) => Programs::Loaded(ebpf),
+                Ok((_, Err(crate::Error::Load { message, errno }))) => {
+                    Programs::Failed(message, errno)
+                }
+                Ok((_, Err(e))) => Programs::Failed(e.to_string(), None),
+                Err(_) => {
+                    Programs::Failed("the thread verifying the tc programs panicked".into(), None)
+                }
+            };
+        }
+    }
+    match programs {
+        Programs::Loaded(ebpf) => Ok(ebpf),
+        Programs::Failed(message, errno) => Err(crate::Error::Load {
+            message: message.clone(),
+            errno: *errno,
+        }),
+        Programs::Verifying(_) => Err(crate::Error::load(
+            "the tc programs: still verifying".into(),
+        )),
+    }
+}
+
+impl Datapath {
+    /// The error of a program the kernel refused (waiting for the tc programs' verification):
+    /// this agent can never attach.
+    pub fn load_failed(&mut self) -> Option<crate::Error> {
+        ebpf(&mut self.programs).err()
     }
 }
 

@@ -44,7 +44,6 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use aya::programs::TcAttachType;
-use aya::Ebpf;
 
 use crate::error::{Error, Result};
 use crate::netdev::Device;
@@ -116,7 +115,8 @@ pub struct Datapath {
     /// The open directory; holding it holds the lock.
     lock: File,
     dir_ino: u64,
-    ebpf: Ebpf,
+    /// Reached through `ebpf()`, which waits for the tc programs' verification.
+    programs: load::Programs,
     pub store: BpfStore,
     cgroup: PathBuf,
     cgroup_id: u64,

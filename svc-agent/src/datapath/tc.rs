@@ -314,8 +314,7 @@ impl Datapath {
         device: &Device,
     ) -> Result<Option<String>> {
         let dev = &device.name;
-        let prog = self
-            .ebpf
+        let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(program)
             .ok_or_else(|| load_err(program, "program missing from the object"))?;
         let prog = <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(program, e))?;
@@ -385,7 +384,12 @@ impl Datapath {
 
     /// Whether svc's classic filter of `program` on `device` runs this agent's program.
     pub(super) fn classic_holds(&self, program: &str, at: TcAttachType, device: &Device) -> bool {
-        let Some(Ok(info)) = self.ebpf.program(program).map(|p| p.info()) else {
+        let Some(Ok(info)) = self
+            .programs
+            .loaded()
+            .and_then(|e| e.program(program))
+            .map(|p| p.info())
+        else {
             return false;
         };
         matches!(
@@ -410,8 +414,7 @@ impl Datapath {
                 if self.tc_current.contains(pin) {
                     return Ok(None);
                 }
-                let prog = self
-                    .ebpf
+                let prog = super::load::ebpf(&mut self.programs)?
                     .program(program)
                     .ok_or_else(|| load_err(program, "program missing from the object"))?;
                 let fd = prog.fd().map_err(|e| load_err(program, e))?;
@@ -425,8 +428,7 @@ impl Datapath {
             // dead or elsewhere; ours goes on the device that has the name now.
             detach_pinned(pin)?;
         }
-        let prog = self
-            .ebpf
+        let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(program)
             .ok_or_else(|| load_err(program, "program missing from the object"))?;
         let prog = <&mut SchedClassifier>::try_from(prog).map_err(|e| load_err(program, e))?;

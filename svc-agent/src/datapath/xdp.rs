@@ -156,8 +156,7 @@ impl Datapath {
             if self.xdp_current.contains(&pin) {
                 return Ok((pin, None));
             }
-            let prog = self
-                .ebpf
+            let prog = super::load::ebpf(&mut self.programs)?
                 .program(XDP_PROGRAM)
                 .ok_or_else(|| load_err(XDP_PROGRAM, "program missing from the object"))?;
             let fd = prog.fd().map_err(|e| load_err(XDP_PROGRAM, e))?;
@@ -169,8 +168,7 @@ impl Datapath {
                 Some(format!("swapped {XDP_PROGRAM} ({mode}) on {}", device.name)),
             ));
         }
-        let prog = self
-            .ebpf
+        let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(XDP_PROGRAM)
             .ok_or_else(|| load_err(XDP_PROGRAM, "program missing from the object"))?;
         let prog = <&mut Xdp>::try_from(prog).map_err(|e| load_err(XDP_PROGRAM, e))?;

@@ -66,6 +66,8 @@ pub struct KubeOptions {
     /// that DaemonSet no longer runs it on this node, it uninstalls instead of leaving a
     /// datapath that nothing updates.
     pub daemonset: Option<(String, String)>,
+    /// The first lists as a watch with the existing objects first (WatchList), not pages.
+    pub watch_list: bool,
 }
 
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
@@ -670,6 +672,16 @@ impl ApiServer {
         })
     }
 
+    /// Whether the API server's address is a Service address (`check` then needs what the
+    /// pinned datapath serves): the API can only be reached once that is known.
+    pub fn behind_service(&self, cidrs: &[Cidr]) -> bool {
+        self.host
+            .as_deref()
+            .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+            .and_then(|h| h.parse::<IpAddr>().ok())
+            .is_some_and(|ip| service_address_reason(ip, cidrs).is_some())
+    }
+
     /// Fails when the API server can only be reached through a Service address that nothing
     /// serves yet; `served` says whether a frontend is served by what is pinned.
     pub fn check(&self, cidrs: &[Cidr], served: &dyn Fn(&Frontend) -> bool) -> Result<()> {
@@ -739,15 +751,23 @@ impl ApiServer {
     pub fn watch(self, opts: &KubeOptions) -> impl Stream<Item = SourceEvent> + Send {
         info!(api_server = %self.url, "watching the Kubernetes API");
         let proxy_name = opts.service_proxy_name.as_deref();
+        let config = || {
+            let c = watcher::Config::default();
+            if opts.watch_list {
+                c.streaming_lists()
+            } else {
+                c
+            }
+        };
         let services = updates(
             Api::<Service>::all(self.client.clone()),
-            watcher::Config::default().labels(&service_selector(proxy_name)),
+            config().labels(&service_selector(proxy_name)),
             "watch_services",
             Update::Service,
         );
         let slices = updates(
             Api::<EndpointSlice>::all(self.client.clone()),
-            watcher::Config::default().labels(&slice_selector(proxy_name)),
+            config().labels(&slice_selector(proxy_name)),
             "watch_endpointslices",
             Update::Slice,
         );
