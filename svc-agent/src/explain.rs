@@ -632,7 +632,8 @@ pub fn add_intent(
     match (&intent, &e.frontend) {
         (None, None) => {}
         (None, Some(f)) => e.warnings.push(format!(
-            "the kernel serves {} but no Service of the API does now (a change not              programmed yet, or pins of another source)",
+            "the kernel serves {} but no Service of the API does now (a change not \
+             programmed yet, or pins of another source)",
             f.frontend
         )),
         (Some(i), None) => e.warnings.push(format!(

@@ -120,6 +120,12 @@ pub fn needs() -> Vec<Need> {
             Part::Object,
             "5.2",
         ),
+        // `svc-agent monitor`'s SVC_MONITOR.
+        need(
+            Feature::Map(MapType::RingBuf, "ring buffer"),
+            Part::Object,
+            "5.8",
+        ),
         need(
             Feature::Program(SOCK_ADDR, "cgroup sock_addr"),
             Part::SocketHooks,
@@ -151,6 +157,7 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_get_socket_cookie, "4.12"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
         (H::BPF_FUNC_sk_storage_get, "5.2"),
+        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
     ] {
         out.push(need(
             Feature::Helper(SOCK_ADDR, h, "cgroup sock_addr"),
@@ -174,9 +181,26 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_redirect_neigh, "5.10"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
         (H::BPF_FUNC_loop, "5.17"),
+        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
     ] {
         out.push(need(
             Feature::Helper(TC, h, "sched_cls"),
+            Part::PacketDatapath,
+            since,
+        ));
+    }
+    // The XDP program is loaded at start whatever `--xdp-mode` says.
+    out.push(need(
+        Feature::Program(ProgramType::Xdp, "xdp"),
+        Part::PacketDatapath,
+        "4.8",
+    ));
+    for (h, since) in [
+        (H::BPF_FUNC_xdp_load_bytes, "5.18"),
+        (H::BPF_FUNC_fib_lookup, "4.18"),
+    ] {
+        out.push(need(
+            Feature::Helper(ProgramType::Xdp, h, "xdp"),
             Part::PacketDatapath,
             since,
         ));
@@ -387,6 +411,7 @@ mod tests {
         "map_lookup_elem",
         "map_update_elem",
         "map_delete_elem",
+        "ktime_get_ns",
     ];
 
     /// Every helper svc-ebpf calls is checked at start or is in `OLD_HELPERS`: a helper
