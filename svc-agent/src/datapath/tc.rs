@@ -479,8 +479,9 @@ fn hook(at: TcAttachType) -> &'static str {
     }
 }
 
-/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin.
-fn detach_pinned(pin: &Path) -> Result<()> {
+/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin: tcx and
+/// XDP links alike.
+pub(super) fn detach_pinned(pin: &Path) -> Result<()> {
     if let Ok(fd) = sys::obj_get(pin) {
         match sys::link_detach(fd.as_fd()) {
             Ok(()) => {}

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use aya::programs::{links::FdLink, Xdp, XdpMode as AttachMode};
 use tracing::{info, warn};
 
-use super::{io_err, load_err, Datapath};
+use super::tc::detach_pinned;
+use super::{load_err, Datapath};
 use crate::error::{Error, Result};
 use crate::netdev::Device;
 use crate::sys;
@@ -205,21 +206,5 @@ impl Datapath {
                 device.name
             )),
         ))
-    }
-}
-
-/// Detaches the link pinned at `pin` (whoever else holds it) and removes the pin.
-pub(super) fn detach_pinned(pin: &Path) -> Result<()> {
-    if let Ok(fd) = sys::obj_get(pin) {
-        match sys::link_detach(fd.as_fd()) {
-            Ok(()) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLINK) | Some(libc::EINVAL)) => {}
-            Err(e) => return Err(load_err(format!("detaching {}", pin.display()), e)),
-        }
-    }
-    match std::fs::remove_file(pin) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(io_err(pin, e)),
     }
 }

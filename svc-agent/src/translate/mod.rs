@@ -438,6 +438,25 @@ pub fn rightful<'a>(
     })
 }
 
+/// Every object parsed, in name order. Parsing everything up front reports each problem
+/// once, however many ports see it.
+fn parse_all(
+    services: &[Service],
+    slices: &[EndpointSlice],
+    node: &NodeContext,
+    errors: &mut Vec<Error>,
+) -> (Vec<ParsedService>, Vec<ParsedSlice>) {
+    let parsed_services = in_name_order(services, "Service", errors)
+        .into_iter()
+        .filter_map(|s| parse_service(s, node, errors))
+        .collect();
+    let parsed_slices = in_name_order(slices, "EndpointSlice", errors)
+        .into_iter()
+        .filter_map(|s| parse_slice(s, node, errors))
+        .collect();
+    (parsed_services, parsed_slices)
+}
+
 /// Turns Services and their EndpointSlices into the frontends this node should serve,
 /// following kube-proxy's semantics for ClusterIP traffic.
 pub fn translate(services: &[Service], slices: &[EndpointSlice], node: &NodeContext) -> Translated {
@@ -453,16 +472,7 @@ pub fn translate_with(
     holders: &dyn Holders,
 ) -> Translated {
     let mut errors = Vec::new();
-
-    // Parsing everything up front reports each problem once, however many ports see it.
-    let parsed_services: Vec<ParsedService> = in_name_order(services, "Service", &mut errors)
-        .into_iter()
-        .filter_map(|s| parse_service(s, node, &mut errors))
-        .collect();
-    let parsed_slices: Vec<ParsedSlice> = in_name_order(slices, "EndpointSlice", &mut errors)
-        .into_iter()
-        .filter_map(|s| parse_slice(s, node, &mut errors))
-        .collect();
+    let (parsed_services, parsed_slices) = parse_all(services, slices, node, &mut errors);
     let mut translated = assemble_with(&parsed_services, &parsed_slices, node, holders);
     errors.append(&mut translated.errors);
     translated.errors = errors;
@@ -639,15 +649,7 @@ pub fn intent(
     node: &NodeContext,
     frontend: &Frontend,
 ) -> Option<Intent> {
-    let mut errors = Vec::new();
-    let parsed_services: Vec<ParsedService> = in_name_order(services, "Service", &mut errors)
-        .into_iter()
-        .filter_map(|s| parse_service(s, node, &mut errors))
-        .collect();
-    let parsed_slices: Vec<ParsedSlice> = in_name_order(slices, "EndpointSlice", &mut errors)
-        .into_iter()
-        .filter_map(|s| parse_slice(s, node, &mut errors))
-        .collect();
+    let (parsed_services, parsed_slices) = parse_all(services, slices, node, &mut Vec::new());
     let translated = assemble(&parsed_services, &parsed_slices, node);
     let desired = translated.state.frontends.get(frontend)?;
     let svc = parsed_services
