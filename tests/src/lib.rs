@@ -31,6 +31,7 @@ pub mod sandbox;
 pub mod scale;
 pub mod sys;
 pub mod topology;
+pub mod xdp;
 
 pub use agent::{Agent, Bpffs, ListOutput, ListService};
 pub use cgroup::TestCgroup;

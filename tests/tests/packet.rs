@@ -4830,8 +4830,8 @@ fn talk(conns: &[(TcpStream, &'static str)], n: usize, when: &str) {
     }
 }
 
-/// A NodePort TCP connection to a remote backend (IPv4 and IPv6) is served by XDP (generic
-/// hook) on node 1's veth (its XDP counters move, tc's do not), goes on when the agent is
+/// A NodePort TCP connection to a remote backend (IPv4 and IPv6) is served by XDP (the
+/// driver's hook) on node 1's veth (its XDP counters move, tc's do not), goes on when the agent is
 /// restarted without XDP (tc serves it from the same connection-tracking entries, the XDP link
 /// gone), and at XDP again when XDP comes back.
 #[test]
@@ -4844,16 +4844,16 @@ fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     let metrics = ["--metrics-bind-address", "127.0.0.1:10249"];
-    // The generic hook: on this kernel a veth in native mode counts its XDP_TX frames
-    // (`ethtool -S`: rx_queue_0_xdp_tx) but they never reach the client through the bridge,
-    // with GRO asked for on the peer or not (docs/design/xdp.md, "Known problems").
-    let mode = "generic";
+    // The driver's hook. Its XDP_TX frames reach the bridge only if eth0's peer runs an XDP
+    // program too (docs/design/xdp.md, "Native XDP on a veth").
+    let mode = "native";
+    let _peer = svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on eth0's peer");
     let with_xdp = [metrics[0], metrics[1], "--xdp-mode", mode];
     t.start_agent_with(&with_xdp);
     let pin = t.bpffs.path().join(format!("link_xdp_{mode}_eth0"));
     assert!(pin.exists(), "native XDP on eth0: {:?}", t.bpffs.entries());
     assert_eq!(
-        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"generic\"}"),
+        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"native\"}"),
         1
     );
     for node in [NODE1, NODE1_6] {
@@ -4927,6 +4927,86 @@ fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
     assert!(!pin.exists());
     let link = t.node1.ip(["-d", "link", "show", "dev", "eth0"]).unwrap();
     assert!(!link.contains("xdp"), "an XDP program left on eth0: {link}");
+}
+
+/// The id of the bpf link pinned at `pin`.
+fn pinned_link_id(pin: &std::path::Path) -> Option<u64> {
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "link", "show", "pinned"])
+        .arg(pin)
+        .output()
+        .ok()?;
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["id"].as_u64()
+}
+
+/// svc's XDP link removed under a running agent, by unpinning it (its last reference) or by
+/// `bpftool link detach`, is put back by the agent's pin check, and XDP serves the device's
+/// flows again: an open connection goes on through tc meanwhile and at XDP after.
+#[test]
+fn a_removed_xdp_link_is_put_back() {
+    let mut t = Topo::new();
+    ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
+    ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
+    let _peer = svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on eth0's peer");
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--xdp-mode",
+        "native",
+        "--check-interval-ms",
+        "100",
+    ]);
+    let pin = t.bpffs.path().join("link_xdp_native_eth0");
+    let to = sa(NODE1, 30082);
+    answered(&t.client, &format!("TCP to {to}"), move || {
+        tcp_once(to, ANSWER)
+    });
+    let c = in_ns(&t.client, move || {
+        TcpStream::connect_timeout(&to, ANSWER).expect("a connection")
+    });
+    let conns = [(c, NODE1)];
+    talk(&conns, 5, "before");
+
+    let first = pinned_link_id(&pin).expect("the XDP link");
+    std::fs::remove_file(&pin).expect("unpinning the XDP link");
+    talk(&conns, 5, "unpinned");
+    let second = poll(Duration::from_secs(5), || {
+        Ok(pinned_link_id(&pin).filter(|id| *id != first))
+    })
+    .unwrap_or_else(|e| panic!("not put back after the unpin: {e:#}\n{}", t.agent().log()));
+    let b = node1_metric(&t, XDP_CT_HIT);
+    talk(&conns, 10, "put back after the unpin");
+    assert!(node1_metric(&t, XDP_CT_HIT) >= b + 10, "XDP serves again");
+
+    let out = std::process::Command::new("bpftool")
+        .args(["link", "detach", "id", &second.to_string()])
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    talk(&conns, 5, "detached");
+    poll(Duration::from_secs(5), || {
+        Ok(pinned_link_id(&pin).filter(|id| *id != second))
+    })
+    .unwrap_or_else(|e| panic!("not put back after the detach: {e:#}\n{}", t.agent().log()));
+    let b = node1_metric(&t, XDP_CT_HIT);
+    talk(&conns, 10, "put back after the detach");
+    assert!(node1_metric(&t, XDP_CT_HIT) >= b + 10, "XDP serves again");
+    let log = t.agent().log();
+    assert!(
+        log.contains("link_xdp_native_eth0 had disappeared; put back"),
+        "{log}"
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_datapath_repairs_total{what=\"pin\"}"),
+        2
+    );
 }
 
 // Maglev across nodes (issue 35, docs/design/maglev.md).

@@ -11,6 +11,7 @@ use super::load::store_map;
 use super::lock::{lock_dir, own_dir};
 use super::pins::{link_pin, map_pin};
 use super::tc::tc_link_pin;
+use super::xdp::xdp_pins;
 use super::{io_err, load_err, Datapath, TcMode, PROGRAMS};
 use crate::error::Error;
 use crate::sys;
@@ -90,6 +91,22 @@ impl Datapath {
                 self.tc_current.remove(&pin);
                 match self.attach_tc_one(program, at, &device, &pin) {
                     Ok(_) => repaired.push(format!("link {}", pin.display())),
+                    Err(e) => errors.push(e),
+                }
+            }
+            for device in self.xdp_wanted() {
+                let held = xdp_pins(&self.dir).iter().any(|(pin, _, ifname)| {
+                    *ifname == device.name
+                        && link_holds(pin, sys::tcx_link_info, |(ifindex, _)| {
+                            ifindex == device.index
+                        })
+                });
+                if held {
+                    continue;
+                }
+                // Unpinned (its last reference) or detached (`bpftool link detach`).
+                match self.attach_xdp_one(&device) {
+                    Ok((pin, _)) => repaired.push(format!("link {}", pin.display())),
                     Err(e) => errors.push(e),
                 }
             }

@@ -101,12 +101,7 @@ impl Datapath {
         let mut done = Vec::new();
         let mut errors = Vec::new();
         let mut keep = std::collections::BTreeSet::new();
-        let wanted: Vec<Device> = if self.xdp_mode == XdpMode::Off || !self.xdp_loaded {
-            Vec::new()
-        } else {
-            self.tc_devices.0.clone()
-        };
-        for device in &wanted {
+        for device in &self.xdp_wanted() {
             match self.attach_xdp_one(device) {
                 Ok((pin, what)) => {
                     keep.insert(pin);
@@ -134,9 +129,18 @@ impl Datapath {
         }
     }
 
+    /// The devices that should carry the XDP program: the tc programs' own, unless XDP is off.
+    pub(super) fn xdp_wanted(&self) -> Vec<Device> {
+        if self.xdp_mode == XdpMode::Off || !self.xdp_loaded {
+            Vec::new()
+        } else {
+            self.tc_devices.0.clone()
+        }
+    }
+
     /// One device's XDP link: kept, swapped, or made (native first when asked, generic where
     /// the driver refuses). Its pin, and what changed in words.
-    fn attach_xdp_one(&mut self, device: &Device) -> Result<(PathBuf, Option<String>)> {
+    pub(super) fn attach_xdp_one(&mut self, device: &Device) -> Result<(PathBuf, Option<String>)> {
         for mode in MODES {
             let pin = xdp_link_pin(&self.dir, mode, &device.name);
             if !pin.exists() {
