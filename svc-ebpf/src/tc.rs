@@ -588,7 +588,7 @@ pub(crate) enum Next {
     /// for sessionAffinity, for a client that made no new connection).
     Midstream,
     /// XDP only (`Ctx::XDP`): tc decides (a drop, a refusal, an affinity choice): the packet
-    /// goes on to it untouched, nothing stored or counted.
+    /// goes on to it untouched, nothing stored (the XDP program counts `xdp_pass_new`).
     Tc,
 }
 
