@@ -198,6 +198,10 @@ pub fn needs() -> Vec<Need> {
     for (h, since) in [
         (H::BPF_FUNC_xdp_load_bytes, "5.18"),
         (H::BPF_FUNC_fib_lookup, "4.18"),
+        (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
+        // A new flow's SNAT port search (ct.rs `create_snat`), and its monitor event.
+        (H::BPF_FUNC_loop, "5.17"),
+        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
     ] {
         out.push(need(
             Feature::Helper(ProgramType::Xdp, h, "xdp"),

@@ -1078,14 +1078,24 @@ pub enum Reason {
     /// XDP: a remote backend's reply was translated back to its frontend and sent on from
     /// the driver.
     XdpReply = 38,
-    /// XDP: a packet of a known flow XDP could not finish (its route needs the stack: a
-    /// neighbour to resolve, a packet too big or a hop too many, another device kind) went
-    /// on to tc untouched.
+    /// XDP: a packet XDP could not finish (its route needs the stack: a neighbour to
+    /// resolve, a packet too big or a hop too many, another device) went on to tc untouched:
+    /// a known flow's, or a new flow's first before anything was stored.
     XdpPassRoute = 39,
+    /// XDP: a new flow to a remote backend was stored (the entries tc makes) and its first
+    /// packet translated and sent on from the driver.
+    XdpNew = 40,
+    /// XDP: a new flow's first packet went on to tc untouched, nothing stored: tc refuses or
+    /// drops it (source ranges, no backend, a checksum XDP cannot verify, no SNAT address),
+    /// or it needs what XDP does not do (sessionAffinity, a closed flow's tuple taken over).
+    XdpPassNew = 41,
+    /// XDP: a new flow to a local backend (or under externalTrafficPolicy Local) went on to
+    /// tc untouched: the stack delivers it.
+    XdpPassLocal = 42,
 }
 
 impl Reason {
-    pub const COUNT: usize = 40;
+    pub const COUNT: usize = 43;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1130,6 +1140,9 @@ impl Reason {
             XdpCtHit,
             XdpReply,
             XdpPassRoute,
+            XdpNew,
+            XdpPassNew,
+            XdpPassLocal,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
@@ -1211,6 +1224,9 @@ impl Reason {
             XdpCtHit => "xdp_ct_hit",
             XdpReply => "xdp_reply",
             XdpPassRoute => "xdp_pass_route",
+            XdpNew => "xdp_new",
+            XdpPassNew => "xdp_pass_new",
+            XdpPassLocal => "xdp_pass_local",
         }
     }
 }

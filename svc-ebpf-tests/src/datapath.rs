@@ -558,8 +558,12 @@ impl Dp {
 
     /// (run count, run time in ns) of `prog` so far, as bpf_stats count them.
     pub fn prog_stats(&self, prog: Prog) -> (u64, u64) {
-        let p: &SchedClassifier = self.ebpf.program(prog.name()).unwrap().try_into().unwrap();
-        let info = p.info().expect("program info");
+        let info = self
+            .ebpf
+            .program(prog.name())
+            .unwrap()
+            .info()
+            .expect("program info");
         (info.run_count(), info.run_time().as_nanos() as u64)
     }
 

@@ -4,11 +4,16 @@
 //! the tc programs' code is what it was before the XDP program shared it.
 
 use aya_ebpf::{
-    helpers::generated::{bpf_skb_load_bytes, bpf_xdp_load_bytes},
+    bindings::BPF_CSUM_LEVEL_QUERY,
+    helpers::generated::{bpf_csum_level, bpf_skb_load_bytes, bpf_xdp_load_bytes},
     programs::{TcContext, XdpContext},
 };
 
 pub trait Ctx {
+    /// The XDP program: what only tc finishes (a drop or a refusal it counts, an answer it
+    /// builds, a flow to a local backend) is left to it, untouched and with nothing stored.
+    /// A constant: the tc programs' copies of shared code carry none of the XDP branches.
+    const XDP: bool;
     /// Start of the packet's linear data (its Ethernet header).
     fn data(&self) -> usize;
     /// End of the linear data.
@@ -28,9 +33,14 @@ pub trait Ctx {
     /// 0 for tc, whose helper measures the skb itself; the IP packet's length for XDP, whose
     /// helper measures only what it is told.
     fn fib_len(&self) -> u16;
+    /// Whether the device verified the packet's checksum (CHECKSUM_UNNECESSARY). Never known
+    /// at XDP, which sees no checksum state.
+    fn csum_verified(&self) -> bool;
 }
 
 impl Ctx for TcContext {
+    const XDP: bool = false;
+
     #[inline(always)]
     fn data(&self) -> usize {
         TcContext::data(self)
@@ -68,9 +78,17 @@ impl Ctx for TcContext {
     fn fib_len(&self) -> u16 {
         0
     }
+
+    #[inline(always)]
+    fn csum_verified(&self) -> bool {
+        // SAFETY: the query reads the skb's checksum state and changes nothing.
+        unsafe { bpf_csum_level(self.skb.skb.cast(), BPF_CSUM_LEVEL_QUERY as u64) >= 0 }
+    }
 }
 
 impl Ctx for XdpContext {
+    const XDP: bool = true;
+
     #[inline(always)]
     fn data(&self) -> usize {
         XdpContext::data(self)
@@ -107,5 +125,10 @@ impl Ctx for XdpContext {
     #[inline(always)]
     fn fib_len(&self) -> u16 {
         (self.len().saturating_sub(crate::pkt::ETH_HLEN)) as u16
+    }
+
+    #[inline(always)]
+    fn csum_verified(&self) -> bool {
+        false
     }
 }

@@ -40,7 +40,9 @@ use svc_common::{
 };
 
 use crate::{
-    ct, frag, fwd, icmp, lb,
+    ct,
+    ctx::Ctx,
+    frag, fwd, icmp, lb,
     maps::{count, src_range_key, SVC_SRC_RANGES},
     monitor,
     nat::{self, Endpoint},
@@ -473,7 +475,7 @@ fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: ct::PacketF
 /// error that leaves by the egress; a remote or hairpin flow, whose ICMP errors or bounced
 /// replies are looked up again by that tuple.
 #[inline(always)]
-fn settle_closed(s: &Scratch, closed: bool, next: Next, pod: bool) {
+pub(crate) fn settle_closed(s: &Scratch, closed: bool, next: Next, pod: bool) {
     if next == Next::NewLocal {
         return;
     }
@@ -546,7 +548,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
     let next = ext_frontend(ctx, s, node, now);
     settle_closed(s, closed, next, false);
     match next {
-        Next::Pass => OK,
+        Next::Pass | Next::Tc => OK,
         Next::Drop => SHOT,
         Next::Midstream => {
             count(Reason::PassMidstream, s.p.ifindex);
@@ -567,7 +569,7 @@ pub fn ext_ingress(ctx: &TcContext) -> i32 {
 /// the lookup rather than its callees, so their stack frames do not add up.
 #[repr(u32)]
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Next {
+pub(crate) enum Next {
     /// No frontend's packet: it goes on untouched (`TC_ACT_OK`).
     Pass,
     /// Dropped, counted already (`TC_ACT_SHOT`).
@@ -585,12 +587,28 @@ enum Next {
     /// stack gets it untouched, and no backend is chosen for it (a choice would be remembered
     /// for sessionAffinity, for a client that made no new connection).
     Midstream,
+    /// XDP only (`Ctx::XDP`): tc decides (a drop, a refusal, an affinity choice): the packet
+    /// goes on to it untouched, nothing stored (the XDP program counts `xdp_pass_new`).
+    Tc,
+}
+
+/// A frontend's packet that tc refuses or drops, counted `reason` (`next`); at XDP left to tc
+/// (`Next::Tc`), which counts it once.
+#[inline(always)]
+fn refused<C: Ctx>(s: &Scratch, reason: Reason, id: u32, next: Next) -> Next {
+    if C::XDP {
+        return Next::Tc;
+    }
+    count(reason, s.p.ifindex);
+    monitor::tc(s, reason, false, id);
+    next
 }
 
 /// A packet that is no known flow: the first of a new one if its destination is an external
-/// frontend.
+/// frontend. Shared with the XDP program, where what tc refuses, drops or remembers
+/// (sessionAffinity) is `Next::Tc`, decided before anything is stored.
 #[inline(never)]
-fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
+pub(crate) fn ext_frontend<C: Ctx>(ctx: &C, s: &mut Scratch, node: u32, now: u64) -> Next {
     let p = &s.p;
     let mut key = ServiceKey {
         addr: p.daddr,
@@ -607,9 +625,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
             .get(&src_range_key(svc.id, &p.saddr))
             .is_none()
     {
-        count(Reason::DropSourceRange, p.ifindex);
-        monitor::tc(s, Reason::DropSourceRange, false, svc.id);
-        return Next::Drop;
+        return refused::<C>(s, Reason::DropSourceRange, svc.id, Next::Drop);
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
     // under externalTrafficPolicy Local.
@@ -621,9 +637,12 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
     if p.proto == IPPROTO_TCP && !tcpsum::valid(ctx, p) {
         // A SYN, or a segment to be refused: what the backend's stack would drop takes no
         // backend, no flow and no answer.
-        count(Reason::DropBadChecksum, p.ifindex);
-        monitor::tc(s, Reason::DropBadChecksum, false, svc.id);
-        return Next::Drop;
+        return refused::<C>(s, Reason::DropBadChecksum, svc.id, Next::Drop);
+    }
+    // A choice remembered for the client is state: made at XDP, it would outlive a packet
+    // XDP then leaves to tc (a route it cannot take).
+    if C::XDP && svc.flags & svc_flags::AFFINITY != 0 {
+        return Next::Tc;
     }
     let caller = ExtPacket { p, now };
     let mut d = lb::Decision::default();
@@ -631,19 +650,11 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
         lb::FOUND => {}
         Outcome::NoBackend => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
-                count(Reason::DropNoLocalBackend, p.ifindex);
-                monitor::tc(s, Reason::DropNoLocalBackend, false, svc.id);
-                return Next::Drop;
+                return refused::<C>(s, Reason::DropNoLocalBackend, svc.id, Next::Drop);
             }
-            count(Reason::RejectNoBackend, p.ifindex);
-            monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
-            return Next::Reject;
+            return refused::<C>(s, Reason::RejectNoBackend, svc.id, Next::Reject);
         }
-        _ => {
-            count(Reason::ErrMissingEntry, p.ifindex);
-            monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
-            return Next::Drop;
-        }
+        _ => return refused::<C>(s, Reason::ErrMissingEntry, svc.id, Next::Drop),
     }
     s.dst = Endpoint {
         addr: d.backend.addr,
@@ -758,7 +769,7 @@ fn new_remapped(ctx: &TcContext, s: &mut Scratch) -> i32 {
 /// Stores the new flow SNATed to `addr` (its port chosen); false when it cannot be (counted:
 /// the packet is dropped).
 #[inline(always)]
-fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
+pub(crate) fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
     snat_flow(&mut s.new, &s.p, addr);
     match ct::create_snat(&mut s.new) {
         ct::Snat::Stored => {
@@ -788,16 +799,7 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
 fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
     let v6 = s.p.v6 != 0;
     let ifindex = s.p.ifindex;
-    let zero = [0u8; 16];
-    fwd::lookup(
-        ctx,
-        v6,
-        &zero,
-        &s.dst.addr,
-        ifindex,
-        fwd::LOOKUP_SRC,
-        &mut s.route,
-    );
+    route_to_backend(ctx, s);
     // Before the flow is stored: a packet that cannot leave takes no SNAT port. Whatever the
     // lookup said: a packet to a remote backend is forwarded, by svc or, when the route
     // cannot be followed here, by the stack, and either counts the hop first.
@@ -807,15 +809,11 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
     if too_big(s) {
         return send_too_big(ctx, s);
     }
-    let mut snat = [0u8; 16];
-    fwd::route_src(&s.route, v6, &mut snat);
     let routed = fwd::usable(&s.route);
-    if !routed || lb::node_addr_flags(&snat) & node_addr_flags::SNAT == 0 {
-        if lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT == 0 {
-            count(Reason::ErrRewrite, ifindex);
-            return SHOT;
-        }
-        snat = s.p.daddr;
+    let mut snat = [0u8; 16];
+    if !snat_addr(s, routed, &mut snat) {
+        count(Reason::ErrRewrite, ifindex);
+        return SHOT;
     }
     if !commit_snat(s, &snat) {
         return SHOT;
@@ -826,6 +824,40 @@ fn ext_new_snat(ctx: &TcContext, s: &mut Scratch) -> i32 {
         fwd::lookup(ctx, v6, &s.src.addr, &s.dst.addr, ifindex, 0, &mut s.route);
     }
     to_route(ctx, s, Reason::New)
+}
+
+/// The route from this node to a new flow's remote backend `s.dst` into `s.route`, with the
+/// source address it prefers (`fwd::LOOKUP_SRC`).
+#[inline(always)]
+pub(crate) fn route_to_backend<C: Ctx>(ctx: &C, s: &mut Scratch) {
+    let zero = [0u8; 16];
+    let p = &s.p;
+    fwd::lookup(
+        ctx,
+        p.v6 != 0,
+        &zero,
+        &s.dst.addr,
+        p.ifindex,
+        fwd::LOOKUP_SRC,
+        &mut s.route,
+    );
+}
+
+/// The address a new flow to a remote backend is SNATed to, into `out`: the source the route
+/// to it prefers (`route_to_backend`; `routed`: the route is usable), as MASQUERADE picks it,
+/// if `NODE_ADDRS` allows it for SNAT; else the node address the client sent to, if allowed.
+/// False: neither is.
+#[inline(always)]
+pub(crate) fn snat_addr(s: &Scratch, routed: bool, out: &mut [u8; 16]) -> bool {
+    fwd::route_src(&s.route, s.p.v6 != 0, out);
+    if routed && lb::node_addr_flags(out) & node_addr_flags::SNAT != 0 {
+        return true;
+    }
+    if lb::node_addr_flags(&s.p.daddr) & node_addr_flags::SNAT == 0 {
+        return false;
+    }
+    *out = s.p.daddr;
+    true
 }
 
 #[inline(always)]
@@ -926,7 +958,7 @@ pub fn pod_ingress(ctx: &TcContext) -> i32 {
     let next = pod_frontend(ctx, s, now);
     settle_closed(s, closed, next, true);
     match next {
-        Next::Pass | Next::Midstream => OK,
+        Next::Pass | Next::Midstream | Next::Tc => OK,
         Next::Drop => SHOT,
         Next::NewLocal => match new_local(ctx, s, closed) {
             Local::Pass => OK,

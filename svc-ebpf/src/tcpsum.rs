@@ -12,18 +12,17 @@
 //! finish: a segment whose field holds exactly that is taken as one. A sender that forges it
 //! (one in 65,536 random ones does too) gets a flow for a segment the backend's stack then
 //! drops: no more than a correct checksum would get it.
+//!
+//! The XDP program sees no checksum state at all: there a segment is valid only when summed
+//! here. One whose field holds its partial sum, or that this cannot read, is left to tc,
+//! which can tell.
 
-use aya_ebpf::{
-    bindings::BPF_CSUM_LEVEL_QUERY,
-    btf_maps::PerCpuArray,
-    helpers::generated::{bpf_csum_level, bpf_skb_load_bytes},
-    macros::btf_map,
-    programs::TcContext,
-};
+use aya_ebpf::{btf_maps::PerCpuArray, macros::btf_map};
 use svc_common::IPPROTO_TCP;
 
 use crate::{
     csum,
+    ctx::Ctx,
     pkt::{self, Pkt, L3},
 };
 
@@ -43,13 +42,12 @@ pub const MAX_LEN: u32 = CHUNK * CHUNKS;
 static SVC_CSUM_BUF: PerCpuArray<[u8; CHUNK as usize + 4], 1> = PerCpuArray::new();
 
 /// Whether the TCP segment `p` has a checksum a receiver would accept; true too for what this
-/// does not check (above, and `MAX_LEN`, first fragments). A function of its own, called only
-/// off the external ingress's deepest call chain.
+/// does not check (above, and `MAX_LEN`, first fragments). At XDP (`Ctx::XDP`) false for a
+/// partial sum too: tc judges it. A function of its own, called only off the external
+/// ingress's deepest call chain.
 #[inline(never)]
-pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
-    let skb = ctx.skb.skb;
-    // SAFETY: the query reads the skb's checksum state and changes nothing.
-    if unsafe { bpf_csum_level(skb.cast(), BPF_CSUM_LEVEL_QUERY as u64) } >= 0 {
+pub fn valid<C: Ctx>(ctx: &C, p: &Pkt) -> bool {
+    if ctx.csum_verified() {
         return true;
     }
     if p.first_frag != 0 {
@@ -62,7 +60,7 @@ pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
         return false;
     };
     if u16::from_ne_bytes(check) == csum::fold(pseudo) {
-        return true;
+        return !C::XDP;
     }
     if len > MAX_LEN {
         return true;
@@ -87,11 +85,11 @@ pub fn valid(ctx: &TcContext, p: &Pkt) -> bool {
         let words = (n & 0x1fc) + 4;
         // SAFETY: `words` is at most the buffer's size; the helper checks the packet's bounds
         // and writes `n` bytes, fewer than `words`, into the buffer.
-        let r = unsafe {
+        let loaded = unsafe {
             core::ptr::write_unaligned(buf.add(words as usize - 4).cast::<u32>(), 0);
-            bpf_skb_load_bytes(skb.cast(), p.l4_off + done, buf.cast(), n)
+            ctx.load_bytes(p.l4_off + done, buf, n)
         };
-        if r != 0 {
+        if !loaded {
             return false;
         }
         // SAFETY: the buffer holds `words` bytes the verifier knows.

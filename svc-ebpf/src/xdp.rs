@@ -1,22 +1,26 @@
-//! The XDP program of the external devices (docs/design/xdp.md): known flows to and from
-//! remote backends, translated and sent back out of the device they came in on before the
-//! kernel builds an skb for them. Everything else goes on to the tc programs untouched
+//! The XDP program of the external devices (docs/design/xdp.md): flows to and from remote
+//! backends, new and known, translated and sent back out of the device they came in on before
+//! the kernel builds an skb for them. Everything else goes on to the tc programs untouched
 //! (XDP_PASS), which then do what they always did.
 //!
 //! It shares the tc datapath's parser (pkt.rs), connection tracking (ct.rs, the same entries,
-//! refreshed and tracked the same way) and route lookup (fwd.rs); only the rewrite is its own,
-//! in place, as XDP has no skb helpers: every header it changes lies in the linear data, so
-//! its checksums are updated by the same arithmetic the helpers use (csum.rs).
+//! refreshed and tracked the same way), frontend lookup and backend choice (tc.rs
+//! `ext_frontend`, lb.rs), the new flow's entries and SNAT port (tc.rs `commit_snat`) and route
+//! lookup (fwd.rs); only the rewrite is its own, in place, as XDP has no skb helpers: every
+//! header it changes lies in the linear data, so its checksums are updated by the same
+//! arithmetic the helpers use (csum.rs).
 //!
-//! What it finishes: a client's packet of a SNATed flow (FORWARD entry) and a remote backend's
-//! reply to a SNAT address (REPLY entry), when the route to the translated destination leaves
-//! by the same device with a known neighbour (XDP_TX). What it passes: anything else, among it
-//! a flow to a local backend (the stack delivers it), a route needing the stack (a neighbour to
+//! What it finishes: a client's packet of a SNATed flow (FORWARD entry), a remote backend's
+//! reply to a SNAT address (REPLY entry), and the first packet of a new flow to an external
+//! frontend whose backend is remote, when the route to the translated destination leaves by
+//! the same device with a known neighbour (XDP_TX). What it passes: anything else, among it a
+//! flow to a local backend (the stack delivers it), a route needing the stack (a neighbour to
 //! resolve, another device, a packet too big, a hop that would spend the TTL; counted
-//! `XdpPassRoute`), fragments, ICMP errors, what it cannot parse, packets of flows being
-//! handed over or out of their TCP window (tc drops them, counted there), and new flows. A
-//! packet passed after its entry was found is looked up again by tc: what the lookup recorded
-//! (flags ORed in, a sequence position) it records again, unchanged.
+//! `XdpPassRoute`), what tc refuses, drops or answers (source ranges, no backend, a bad
+//! checksum), fragments, ICMP errors, what it cannot parse, packets of flows being handed over
+//! or out of their TCP window (tc drops them, counted there). A new flow is passed before
+//! anything is stored. A packet passed after its entry was found is looked up again by tc:
+//! what the lookup recorded (flags ORed in, a sequence position) it records again, unchanged.
 
 use aya_ebpf::{
     bindings::{xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
@@ -29,13 +33,15 @@ use crate::{
     ctx::Ctx,
     fwd, lb,
     maps::count,
+    monitor,
     pkt::{self, parsed, L3},
     scratch::{self, Scratch},
-    tc::in_snat_range,
+    tc::{self, in_snat_range, Next},
 };
 
 const PASS: u32 = xdp_action::XDP_PASS;
 const TX: u32 = xdp_action::XDP_TX;
+const DROP: u32 = xdp_action::XDP_DROP;
 
 /// Offsets past this are not written in place (the verifier needs a bound on a variable
 /// offset); only a TCP or UDP header after long IPv6 extension headers lies there, and such a
@@ -72,8 +78,15 @@ pub fn ext(ctx: &XdpContext) -> u32 {
             _ => return PASS,
         }
     }
-    if found(s, ct_dir::FORWARD, now) != ct::Found::Hit {
-        return PASS;
+    match found(s, ct_dir::FORWARD, now) {
+        ct::Found::Hit => {}
+        ct::Found::Miss => return new_flow(ctx, s, node, now),
+        ct::Found::Closed => {
+            // A SYN on a closed flow's tuple: tc takes it over or removes it.
+            count(Reason::XdpPassNew, s.p.ifindex);
+            return PASS;
+        }
+        ct::Found::Invalid => return PASS,
     }
     // Being handed over: tc drops it while the mark holds, or lapses the mark.
     if s.v.flags & ct_flags::HANDING != 0 {
@@ -99,31 +112,87 @@ fn found(s: &mut Scratch, dir: u8, now: u64) -> ct::Found {
     found
 }
 
+/// A packet of no known flow: the first of a new one if its destination is an external
+/// frontend (tc.rs `ext_frontend`, which leaves to tc what only it finishes, `Next::Tc`).
+#[inline(never)]
+fn new_flow(ctx: &XdpContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
+    let ifindex = s.p.ifindex;
+    match tc::ext_frontend(ctx, s, node, now) {
+        Next::NewSnat => new_snat(ctx, s),
+        Next::NewLocal => {
+            count(Reason::XdpPassLocal, ifindex);
+            PASS
+        }
+        Next::Tc => {
+            count(Reason::XdpPassNew, ifindex);
+            PASS
+        }
+        // No frontend's; the middle of a connection svc has no flow for (tc counts it).
+        _ => PASS,
+    }
+}
+
+/// A new flow to a remote backend (`s.dst`, its entries in `s.new`), as tc's `ext_new_snat`
+/// makes it: stored with a SNAT port and sent on, when its route leaves by this device with a
+/// known neighbour; else passed before anything is stored (`XdpPassRoute`). Its entries are
+/// those tc would store, so either program carries the flow on.
+#[inline(never)]
+fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
+    let ifindex = s.p.ifindex;
+    tc::route_to_backend(ctx, s);
+    if !leaves_here(s) {
+        count(Reason::XdpPassRoute, ifindex);
+        return PASS;
+    }
+    let mut snat = [0u8; 16];
+    if !tc::snat_addr(s, true, &mut snat) {
+        // tc drops it (`err_rewrite`).
+        count(Reason::XdpPassNew, ifindex);
+        return PASS;
+    }
+    tc::settle_closed(s, false, Next::NewSnat, false);
+    if !tc::commit_snat(s, &snat) {
+        // Counted there, as tc counts it: tc would drop it too.
+        return DROP;
+    }
+    if !rewrite(ctx, s) {
+        // Stored, not written (a header past `DIRECT_MAX`): tc finds the flow's FORWARD entry
+        // and translates the packet as the flow's (`ct_hit`).
+        count(Reason::XdpPassRoute, ifindex);
+        return PASS;
+    }
+    count(Reason::XdpNew, ifindex);
+    monitor::tc(s, Reason::XdpNew, true, s.new.fwd.id);
+    TX
+}
+
+/// Whether the packet's hop leaves it a TTL and `s.route` sends it back out of the device it
+/// came in on with a known neighbour: what XDP_TX can do. Else tc forwards it (a neighbour to
+/// resolve, another device), or answers it (time exceeded, too big).
+#[inline(always)]
+fn leaves_here(s: &Scratch) -> bool {
+    s.p.ttl > 1
+        && s.route.ret == BPF_FIB_LKUP_RET_SUCCESS as i64
+        && s.route.params.ifindex == s.p.ifindex
+}
+
 /// Sends the translated packet back out of its device (XDP_TX) when the route to `s.dst`
 /// leaves there with a known neighbour; else it goes on to tc untouched, counted
 /// `XdpPassRoute`. `reason` is counted when sent.
 #[inline(never)]
 fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
     let ifindex = s.p.ifindex;
-    if s.p.ttl <= 1 {
-        // tc drops it with an ICMP time exceeded.
-        count(Reason::XdpPassRoute, ifindex);
-        return PASS;
-    }
+    let p = &s.p;
     fwd::lookup(
         ctx,
-        s.p.v6 != 0,
+        p.v6 != 0,
         &s.src.addr,
         &s.dst.addr,
         ifindex,
         0,
         &mut s.route,
     );
-    if s.route.ret != BPF_FIB_LKUP_RET_SUCCESS as i64 || s.route.params.ifindex != ifindex {
-        count(Reason::XdpPassRoute, ifindex);
-        return PASS;
-    }
-    if !rewrite(ctx, s) {
+    if !leaves_here(s) || !rewrite(ctx, s) {
         // Nothing was written: tc translates it.
         count(Reason::XdpPassRoute, ifindex);
         return PASS;

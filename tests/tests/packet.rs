@@ -4814,6 +4814,8 @@ const XDP_CT_HIT: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"xd
 const XDP_REPLY: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"xdp_reply\"}";
 const TC_CT_HIT: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"ct_hit\"}";
 const TC_REPLY: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"reply\"}";
+const XDP_NEW: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"xdp_new\"}";
+const TC_NEW: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"new\"}";
 
 /// `n` exchanges on each open connection, every one answered by pod 2 seeing node 1's address
 /// of the connection's family (SNATed).
@@ -4830,10 +4832,11 @@ fn talk(conns: &[(TcpStream, &'static str)], n: usize, when: &str) {
     }
 }
 
-/// A NodePort TCP connection to a remote backend (IPv4 and IPv6) is served by XDP (the
-/// driver's hook) on node 1's veth (its XDP counters move, tc's do not), goes on when the agent is
-/// restarted without XDP (tc serves it from the same connection-tracking entries, the XDP link
-/// gone), and at XDP again when XDP comes back.
+/// A new NodePort TCP connection and UDP flow to a remote backend (IPv4 and IPv6) is served
+/// by XDP (the driver's hook) on node 1's veth from its first packet on (its XDP counters
+/// move, tc's do not), a connection XDP began goes on when the agent is restarted without XDP
+/// (tc serves it from the same connection-tracking entries, the XDP link gone), and at XDP
+/// again when XDP comes back.
 #[test]
 fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
     let mut t = Topo::new();
@@ -4856,11 +4859,24 @@ fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
         node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"native\"}"),
         1
     );
+    // The first flows may find node 2 or the client without a neighbour entry yet (tc
+    // resolves it): not counted below.
     for node in [NODE1, NODE1_6] {
         let to = sa(node, 30082);
         answered(&t.client, &format!("TCP to {to}"), move || {
             tcp_once(to, ANSWER)
         });
+        answered(&t.client, &format!("UDP to {to}"), move || {
+            udp_once(to, ANSWER)
+        });
+    }
+    let new = |t: &Topo| [XDP_NEW, TC_NEW].map(|l| node1_metric(t, l));
+    let b = new(&t);
+    for node in [NODE1, NODE1_6] {
+        let to = sa(node, 30082);
+        let got = in_ns(&t.client, move || udp_once(to, ANSWER))
+            .unwrap_or_else(|e| panic!("a new UDP flow to {to}: {e}"));
+        assert_eq!((got.backend.as_str(), got.saw), ("pod2", ip(node)), "UDP");
     }
     let conns: Vec<(TcpStream, &'static str)> = [NODE1, NODE1_6]
         .into_iter()
@@ -4875,6 +4891,12 @@ fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
 
     let before =
         |t: &Topo| [XDP_CT_HIT, XDP_REPLY, TC_CT_HIT, TC_REPLY].map(|l| node1_metric(t, l));
+    talk(&conns, 1, "first exchange");
+    let a = new(&t);
+    assert!(
+        a[0] - b[0] >= 4 && a[1] == b[1],
+        "XDP started the UDP flows and the connections, tc none: {b:?} -> {a:?}"
+    );
     let b = before(&t);
     talk(&conns, 20, "at XDP");
     let a = before(&t);
