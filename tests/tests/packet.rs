@@ -2015,7 +2015,7 @@ fn snat_ports_that_cannot_be_reserved_turn_snat_off_and_say_so() {
 /// an ordinary closed port of node 1 again.
 #[test]
 fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
-    restart_keeps_flows_and_uninstall(false);
+    restart_keeps_flows_and_uninstall(Attach::Tcx);
 }
 
 /// The same with the classic attach (clsact qdisc, cls_bpf filters), as on kernels without
@@ -2024,7 +2024,23 @@ fn restart_keeps_flows_and_uninstall_leaves_devices_clean() {
 /// `tc filter show`, `bpftool net show`, `list` and /metrics say of it.
 #[test]
 fn restart_keeps_flows_and_uninstall_leaves_devices_clean_with_the_classic_tc_attach() {
-    restart_keeps_flows_and_uninstall(true);
+    restart_keeps_flows_and_uninstall(Attach::Classic);
+}
+
+/// The same with XDP (native) in front of the tc programs: the flows start and go on at XDP
+/// (its counters move) across the SIGKILL and restart, which swaps the program into the
+/// pinned XDP link; uninstall removes it.
+#[test]
+fn restart_keeps_flows_and_uninstall_leaves_devices_clean_with_xdp() {
+    restart_keeps_flows_and_uninstall(Attach::Xdp);
+}
+
+/// How `restart_keeps_flows_and_uninstall` attaches the programs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Attach {
+    Tcx,
+    Classic,
+    Xdp,
 }
 
 /// A kernel without `bpf_loop` (5.15, Ubuntu 22.04's), as the start check's probe is told to
@@ -2078,8 +2094,10 @@ fn classic_filters(t: &Topo) -> (Vec<String>, Vec<String>) {
     (show("ingress"), show("egress"))
 }
 
-fn restart_keeps_flows_and_uninstall(classic: bool) {
+fn restart_keeps_flows_and_uninstall(attach: Attach) {
+    let classic = attach == Attach::Classic;
     let mut t = Topo::new();
+    let mut _peer = None;
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     t.service("local", nodeport("local", 32, 30081));
@@ -2160,6 +2178,18 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
             Ok((i.len() == 1 && e.len() == 1).then_some(()))
         })
         .expect("the filters put back");
+    } else if attach == Attach::Xdp {
+        // As in `a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back`: senders finish
+        // their checksums, and eth0's peer runs an XDP program.
+        ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
+        ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
+        _peer = Some(svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on the peer"));
+        t.start_agent_with(&[
+            "--xdp-mode",
+            "native",
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+        ]);
     } else {
         t.start_agent();
     }
@@ -2239,6 +2269,8 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
             failures
         })
     };
+    let xdp_counts = |t: &Topo| [XDP_NEW, XDP_CT_HIT, XDP_REPLY].map(|l| node1_metric(t, l));
+    let xdp_before = (attach == Attach::Xdp).then(|| xdp_counts(&t));
     std::thread::sleep(Duration::from_millis(500));
     t.agent().kill().expect("SIGKILL");
     // The programs stay (their links are pinned) while no agent runs.
@@ -2271,6 +2303,18 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
         log.contains(swapped),
         "the restarted agent swapped its programs into what the first attached:\n{log}"
     );
+    if let Some(b) = xdp_before {
+        assert!(
+            log.contains("XDP: replaced the program of the pinned link"),
+            "the restarted agent swapped its XDP program in:\n{log}"
+        );
+        // Counted across the kill: the counters are per-CPU map entries, pinned.
+        let a = xdp_counts(&t);
+        assert!(
+            a[0] > b[0] && a[1] > b[1] && a[2] > b[2],
+            "XDP started flows and served both ways: {b:?} -> {a:?}"
+        );
+    }
 
     // Uninstall: no program of ours on the device, the device and its addresses untouched,
     // and the NodePort is a closed port of node 1 again (its own stack answers RST).
@@ -2298,6 +2342,8 @@ fn restart_keeps_flows_and_uninstall(classic: bool) {
             .expect("uninstall");
     }
     assert_eq!(t.node1_eth0_programs(), (0, 0), "programs left on eth0");
+    let link = t.node1.ip(["-d", "link", "show", "dev", "eth0"]).unwrap();
+    assert!(!link.contains("xdp"), "an XDP program left on eth0: {link}");
     let addrs_after = t.node1.ip(["-br", "addr", "show", "dev", "eth0"]).unwrap();
     assert_eq!(addrs_after, addrs_before);
     let to = sa(NODE1, 30082);
