@@ -32,7 +32,9 @@ use svc_tests::{
     netns::veth_pair,
     require_root,
     sandbox::AGENT_READY_TIMEOUT,
-    topology::{Nodes, CLIENT, CLIENT2, CLIENT6, NODE1, NODE1_6, POD1, POD1_6, POD2, POD2_6},
+    topology::{
+        Nodes, CLIENT, CLIENT2, CLIENT6, NODE1, NODE1_6, NODE2, POD1, POD1_6, POD2, POD2_6,
+    },
     Agent, Bpffs, Manifests, NetNs, TestCgroup, Tools,
 };
 
@@ -5151,7 +5153,8 @@ fn maglev_choices(
 /// either node's maps, though their backend entries differ (each marks its own pods local).
 /// A fifth backend then moves about a fifth of the flows, alike on both.
 /// Compared in each node's pinned maps with the kernel's function (the fixture row
-/// `two_nodes_with_one_seed_choose_alike` sends packets through the kernel's choice).
+/// `two_nodes_with_one_seed_choose_alike` sends packets through the kernel's choice), and as
+/// packets: 400 UDP flows sent through one node and then the other get the same backend.
 #[test]
 fn two_agents_given_the_same_services_choose_the_same_backends() {
     let mut t = Topo::new();
@@ -5248,6 +5251,60 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
     assert_eq!(differ, 0, "of {} flows", flows.len());
     let used: BTreeSet<&SocketAddr> = one.iter().collect();
     assert_eq!(used.len(), 4, "every backend takes flows: {used:?}");
+
+    // The same as packets: UDP flows sent through node 1, then, the client's route to the
+    // ExternalIP moved, through node 2, as a load balancer spraying one flow over two nodes
+    // would. Each backend answers with its own name; every flow's two answers must agree.
+    let _echoes: Vec<Echo> = pods(4)
+        .iter()
+        .enumerate()
+        .map(|(i, (v4, _, node))| {
+            let ns = if *node == "node-1" { &t.pod1 } else { &t._pod2 };
+            ns.add_addr("eth0", &format!("{v4}/24"))
+                .expect("a backend address");
+            Echo::start(ns, &format!("b{}", i + 1), &[v4.as_str()], 8080, 5353)
+        })
+        .collect();
+    let ask = |t: &Topo, via: &str| -> Vec<String> {
+        t.client
+            .ip(["route", "replace", "10.77.100.0/24", "via", via])
+            .expect("the client's route");
+        in_ns(&t.client, move || {
+            (0..400u16)
+                .map(|i| {
+                    let s = UdpSocket::bind(sa(CLIENT, 41000 + i)).expect("a client port");
+                    s.set_read_timeout(Some(Duration::from_millis(500)))
+                        .unwrap();
+                    let mut buf = [0u8; 512];
+                    // The first datagrams may wait for a neighbour: asked again.
+                    for _ in 0..6 {
+                        s.send_to(b"x", sa(EXTERNAL_IP, 53)).expect("send");
+                        if let Ok((n, _)) = s.recv_from(&mut buf) {
+                            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                            return parse_answer(&text).expect("an answer").backend;
+                        }
+                    }
+                    panic!("flow from port {} unanswered", 41000 + i)
+                })
+                .collect()
+        })
+    };
+    let via1 = ask(&t, NODE1);
+    let via2 = ask(&t, NODE2);
+    let differ = via1.iter().zip(&via2).filter(|(a, b)| a != b).count();
+    let named: BTreeSet<&String> = via1.iter().collect();
+    eprintln!(
+        "maglev across two nodes, as packets: {differ} of 400 UDP flows differ; backends {named:?}"
+    );
+    assert_eq!(differ, 0, "of 400 UDP flows sent through both nodes");
+    assert_eq!(
+        named.len(),
+        4,
+        "every backend answers some flows: {named:?}"
+    );
+    t.client
+        .ip(["route", "replace", "10.77.100.0/24", "via", NODE1])
+        .expect("the client's route back");
 
     endpoints(&t, 5);
     let (one5, two5) = both(5);
