@@ -1560,7 +1560,7 @@ fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
             },
         },
     });
-    apply(cp, &[daemonset])?;
+    apply(cp, &[daemonset.clone()])?;
     let vip = serve_web(&mut env, cp)?;
     let ds_flag = format!("{name}/svc-agent");
     let flags = ["--service-proxy-name", name, "--daemonset", &ds_flag];
@@ -1626,6 +1626,65 @@ fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
     ensure!(
         env.bpffs.entries().is_empty(),
         "pins left after the DaemonSet's deletion"
+    );
+
+    // `helm uninstall`: the RBAC goes with the DaemonSet (here the binding first, the worst
+    // order), so at its stop the agent can read neither; its watch of the DaemonSet, open
+    // since its start, saw the deletion.
+    let sa = format!("{name}-agent");
+    let rbac = json!([
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": sa, "namespace": name}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": sa},
+         "rules": [
+            {"apiGroups": [""], "resources": ["services", "nodes"],
+             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+             "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["apps"], "resources": ["daemonsets"],
+             "resourceNames": ["svc-agent"], "verbs": ["get", "list", "watch"]},
+         ]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": sa},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": sa},
+         "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": name}]},
+    ]);
+    apply(cp, rbac.as_array().expect("objects"))?;
+    apply(cp, &[daemonset.clone()])?;
+    let sa_kubeconfig = cp.service_account_kubeconfig(name, &sa)?;
+    let agent = env
+        .sb
+        .agent_kubeconfig(&env.bpffs, &sa_kubeconfig, &env.node, &flags)
+        .context("agent with its ServiceAccount's credentials")?;
+    env.agent = Some(agent);
+    eventually(
+        Instant::now(),
+        SETTLE,
+        "served by the ServiceAccount",
+        || tcp_backends(&env.sb, vip, 3, &["b1"]),
+    )?;
+    for what in [
+        vec!["delete", "clusterrolebinding", &sa],
+        vec!["delete", "clusterrole", &sa],
+        vec!["-n", name, "delete", "daemonset", "svc-agent"],
+        vec!["-n", name, "delete", "serviceaccount", &sa],
+    ] {
+        cp.kubectl(&[what.as_slice(), &["--wait=false"]].concat())?;
+    }
+    // The pods of a deleted DaemonSet are deleted after it (by the garbage collector).
+    std::thread::sleep(Duration::from_secs(1));
+    let status = env.agent().terminate(STOP)?;
+    ensure!(status.success(), "agent exit: {status}");
+    let log = env.agent().log();
+    ensure!(
+        log.contains(GONE) && log.contains("is gone (seen while running; at the stop:"),
+        "no uninstall, or not by the watch, after the DaemonSet and its RBAC were deleted \
+         together:\n{log}"
+    );
+    ensure!(
+        env.bpffs.entries().is_empty(),
+        "pins left after the DaemonSet and its RBAC were deleted"
     );
 
     // Without --daemonset every stop keeps the datapath; kube-proxy's `--cleanup` removes it.
@@ -1841,10 +1900,12 @@ fn deploy_manifests_and_rbac(cp: &ControlPlane, name: &str) -> Result<()> {
         )
         .is_ok_and(|out| out.trim() == "yes")
     };
-    ensure!(
-        can_in("get", "daemonsets.apps/svc-agent", "kube-system"),
-        "the ServiceAccount cannot get its own DaemonSet"
-    );
+    for verb in ["get", "watch"] {
+        ensure!(
+            can_in(verb, "daemonsets.apps/svc-agent", "kube-system"),
+            "the ServiceAccount cannot {verb} its own DaemonSet"
+        );
+    }
 
     let mut env = Env::new(cp, name)?;
     let vip = serve_web(&mut env, cp)?;

@@ -147,6 +147,16 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
     Ok(match asked {
         Ok(Ok(Some(why))) => Stop::Removed(why),
         Ok(Ok(None)) => Stop::Kept,
+        // The API refuses (`helm uninstall` took the RBAC with the DaemonSet) or is silent:
+        // what the watch saw while the agent ran.
+        Ok(Err(e)) if removal.watched().is_some() => Stop::Removed(format!(
+            "{} (seen while running; at the stop: {e})",
+            removal.watched().unwrap_or_default()
+        )),
+        Err(_) if removal.watched().is_some() => Stop::Removed(format!(
+            "{} (seen while running; no answer at the stop)",
+            removal.watched().unwrap_or_default()
+        )),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "could not tell whether this node keeps the agent: the datapath stays");
             Stop::Kept

@@ -738,11 +738,20 @@ impl ApiServer {
     /// What answers, at the agent's stop, whether it stops for good on this node.
     pub fn removal(&self, opts: &KubeOptions) -> Option<Removal> {
         let (namespace, name) = opts.daemonset.clone()?;
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let watch = tokio::spawn(watch_daemonset(
+            self.client.clone(),
+            namespace.clone(),
+            name.clone(),
+            seen.clone(),
+        ));
         Some(Removal {
             client: self.client.clone(),
             namespace,
             name,
             node: opts.node_name.clone(),
+            seen,
+            watch,
         })
     }
 
@@ -811,9 +820,71 @@ pub struct Removal {
     namespace: String,
     name: String,
     node: String,
+    /// Why the DaemonSet no longer runs the agent, as a watch of it saw while the agent ran.
+    /// `helm uninstall` deletes the RBAC with the DaemonSet: at the agent's stop the API then
+    /// refuses to say, but the watch, open since the start, saw the deletion as it happened.
+    seen: Arc<std::sync::Mutex<Option<String>>>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Removal {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// Watches DaemonSet `namespace`/`name` (by name: RBAC grants list and watch of that one
+/// only) and keeps in `seen` why it no longer runs the agent: gone, or being deleted; None
+/// while it stands. Refusals are logged once and change nothing.
+async fn watch_daemonset(
+    client: Client,
+    namespace: String,
+    name: String,
+    seen: Arc<std::sync::Mutex<Option<String>>>,
+) {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    let api = Api::<DaemonSet>::namespaced(client, &namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = watcher::watcher(api, config).default_backoff().boxed();
+    let set = |why: Option<&str>| {
+        if let Ok(mut s) = seen.lock() {
+            *s = why.map(str::to_string);
+        }
+    };
+    let mut listed = false;
+    let mut refused = false;
+    while let Some(e) = events.next().await {
+        match e {
+            Ok(Event::Init) => listed = false,
+            Ok(Event::InitApply(ds) | Event::Apply(ds)) => {
+                listed = true;
+                set(ds
+                    .metadata
+                    .deletion_timestamp
+                    .is_some()
+                    .then_some("is being deleted"));
+            }
+            Ok(Event::InitDone) if !listed => set(Some("is gone")),
+            Ok(Event::InitDone) => {}
+            Ok(Event::Delete(_)) => set(Some("is gone")),
+            Err(e) if !refused => {
+                refused = true;
+                warn!(error = %e, daemonset = %format!("{namespace}/{name}"),
+                    "cannot watch the agent's DaemonSet: its removal is read at the stop only");
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 impl Removal {
+    /// Why the agent stops for good, as the watch of its DaemonSet last saw it: the answer
+    /// when the API refuses to give one at the stop.
+    pub fn watched(&self) -> Option<String> {
+        let why = self.seen.lock().ok()?.clone()?;
+        Some(format!("DaemonSet {}/{} {why}", self.namespace, self.name))
+    }
+
     /// Why the agent stops for good on this node, or None when it is only restarted (a rolling
     /// update, a node shutdown) or the API cannot tell.
     pub async fn reason(&self) -> Result<Option<String>> {
