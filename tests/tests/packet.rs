@@ -2181,11 +2181,7 @@ fn restart_keeps_flows_and_uninstall(attach: Attach) {
         })
         .expect("the filters put back");
     } else if attach == Attach::Xdp {
-        // As in `a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back`: senders finish
-        // their checksums, and eth0's peer runs an XDP program.
-        ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
-        ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
-        _peer = Some(svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on the peer"));
+        _peer = Some(xdp_ready(&t));
         t.start_agent_with(&[
             "--xdp-mode",
             "native",
@@ -4846,6 +4842,17 @@ fn ethtool(ns: &NetNs, args: &[&str]) {
     );
 }
 
+/// What native XDP on node 1's veth needs of the test's topology: XDP cannot see a packet's
+/// checksum state, so the senders on veths finish their checksums themselves, as packets from
+/// a wire have them; and eth0's peer on the bridge runs an XDP program, without which its
+/// XDP_TX frames are not picked up (docs/design/xdp.md, "Known problems"). Detached when the
+/// guard drops.
+fn xdp_ready(t: &Topo) -> svc_tests::xdp::XdpPass {
+    ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
+    ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
+    svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on eth0's peer")
+}
+
 /// The value of the /metrics sample `line` on node 1 (0 when absent: a counter not moved yet).
 fn node1_metric(t: &Topo, line: &'static str) -> u64 {
     let (status, metrics) = in_ns(&t.node1, || {
@@ -4888,17 +4895,12 @@ fn talk(conns: &[(TcpStream, &'static str)], n: usize, when: &str) {
 #[test]
 fn a_nodeport_flow_served_at_xdp_goes_on_through_tc_and_back() {
     let mut t = Topo::new();
-    // XDP cannot see a packet's checksum state: senders on veths finish their checksums
-    // themselves, as packets from a wire have them (docs/design/xdp.md).
-    ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
-    ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
+    let _peer = xdp_ready(&t);
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     let metrics = ["--metrics-bind-address", "127.0.0.1:10249"];
-    // The driver's hook. Its XDP_TX frames reach the bridge only if eth0's peer runs an XDP
-    // program too (docs/design/xdp.md, "Native XDP on a veth").
+    // The driver's hook.
     let mode = "native";
-    let _peer = svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on eth0's peer");
     let with_xdp = [metrics[0], metrics[1], "--xdp-mode", mode];
     t.start_agent_with(&with_xdp);
     let pin = t.bpffs.path().join(format!("link_xdp_{mode}_eth0"));
@@ -5016,9 +5018,7 @@ fn pinned_link_id(pin: &std::path::Path) -> Option<u64> {
 #[test]
 fn a_removed_xdp_link_is_put_back() {
     let mut t = Topo::new();
-    ethtool(&t.client, &["-K", "eth0", "tx", "off"]);
-    ethtool(&t._pod2, &["-K", "eth0", "tx", "off"]);
-    let _peer = svc_tests::xdp::XdpPass::attach(&t._lan, "n1").expect("XDP on eth0's peer");
+    let _peer = xdp_ready(&t);
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     t.start_agent_with(&[
