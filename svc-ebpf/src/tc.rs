@@ -41,7 +41,7 @@ use svc_common::{
 
 use crate::{
     ct, frag, fwd, icmp, lb,
-    maps::{count, src_range_key, SVC_SRC_RANGES},
+    maps::{count, count_service, src_range_key, SVC_SRC_RANGES},
     monitor,
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
@@ -315,6 +315,7 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
     if reason as u32 == Reason::New as u32 {
         // The new flow's first packet, as it leaves: its backend, and its SNAT port if any.
         monitor::tc(s, Reason::New, true, s.new.fwd.id);
+        count_service(Reason::New, s.new.fwd.id);
     }
     OK
 }
@@ -609,6 +610,7 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
     {
         count(Reason::DropSourceRange, p.ifindex);
         monitor::tc(s, Reason::DropSourceRange, false, svc.id);
+        count_service(Reason::DropSourceRange, svc.id);
         return Next::Drop;
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
@@ -633,15 +635,18 @@ fn ext_frontend(ctx: &TcContext, s: &mut Scratch, node: u32, now: u64) -> Next {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
                 count(Reason::DropNoLocalBackend, p.ifindex);
                 monitor::tc(s, Reason::DropNoLocalBackend, false, svc.id);
+                count_service(Reason::DropNoLocalBackend, svc.id);
                 return Next::Drop;
             }
             count(Reason::RejectNoBackend, p.ifindex);
             monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
+            count_service(Reason::RejectNoBackend, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
             monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
+            count_service(Reason::ErrMissingEntry, svc.id);
             return Next::Drop;
         }
     }
@@ -771,6 +776,7 @@ fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
         ct::Snat::Exhausted => {
             count(Reason::DropSnatExhausted, s.p.ifindex);
             monitor::tc(s, Reason::DropSnatExhausted, false, s.new.fwd.id);
+            count_service(Reason::DropSnatExhausted, s.new.fwd.id);
             false
         }
         ct::Snat::Failed => {
@@ -992,11 +998,13 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
             // socket's connect() would be.
             count(Reason::RejectNoBackend, p.ifindex);
             monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
+            count_service(Reason::RejectNoBackend, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
             monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
+            count_service(Reason::ErrMissingEntry, svc.id);
             return Next::Drop;
         }
     }
