@@ -676,7 +676,20 @@ impl Agent {
             self.metrics.drift(report.ops);
         }
         self.finish(report, now, None, Scope::All);
+        self.check_service_stats();
         drift + self.check_node_addr_bits()
+    }
+
+    /// Creates the per-Service counters a named frontend lacks (a write that failed, an
+    /// entry deleted behind the agent's back) and deletes those of ids without a name.
+    fn check_service_stats(&mut self) {
+        match self.dp.store.sync_service_stats() {
+            Ok((0, 0)) => {}
+            Ok((created, deleted)) => {
+                info!(created, deleted, "per-Service counters brought in line");
+            }
+            Err(e) => self.metrics.report("checking the per-Service counters", &e),
+        }
     }
 
     /// Puts back bits of the filter in front of NODE_ADDRS that someone cleared: without its

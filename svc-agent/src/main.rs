@@ -479,6 +479,12 @@ struct CapacityArgs {
     /// frontend each, with room to spare (docs/design/maglev.md).
     #[arg(long, default_value_t = DEFAULT_MAGLEV_ENTRIES)]
     max_maglev_entries: u32,
+    /// Count connections and new flows per Service port in the kernel and export them
+    /// (svc_service_decisions_total, labelled by namespace, service and port). Off
+    /// (`--per-service-metrics=false`) for clusters whose Service count would make the series
+    /// too many: the kernel then counts nothing per Service and the map is one entry.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    per_service_metrics: bool,
 }
 
 /// `--max-maglev-entries`' default: 2^24 entries, 32 MiB (docs/design/maglev.md, Memory).
@@ -568,6 +574,8 @@ impl CapacityArgs {
                 .div_ceil(svc_common::MAGLEV_BLOCK)
                 .max(1),
             maglev_index: self.max_services,
+            service_stats: self.max_services,
+            per_service: self.per_service_metrics,
         })
     }
 }

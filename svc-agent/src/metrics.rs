@@ -111,6 +111,10 @@ struct KubeProxy {
     last_synced: Gauge<f64, AtomicU64>,
     last_queued: Gauge<f64, AtomicU64>,
     programming_seconds: Histogram,
+    service_changes: Counter,
+    endpoint_changes: Counter,
+    services_pending: Gauge,
+    endpoints_pending: Gauge,
 }
 
 impl KubeProxy {
@@ -131,6 +135,10 @@ impl KubeProxy {
                 r.register("kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds: svc_network_programming_duration_seconds, on kube-proxy's buckets", h.clone());
                 h
             },
+            endpoint_changes: add(r, "kubeproxy_sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes: EndpointSlice changes the proxy saw (from the API server; none from manifest files)"),
+            service_changes: add(r, "kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes: Service changes the proxy saw (from the API server; none from manifest files)"),
+            endpoints_pending: add(r, "kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes: EndpointSlice changes not yet synced"),
+            services_pending: add(r, "kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes: Services with a change not yet synced"),
         }
     }
 }
@@ -221,6 +229,7 @@ struct DatapathCounters {
 struct DatapathCounts {
     decisions: Option<Vec<(&'static str, u64)>>,
     packet: Option<crate::datapath::PacketStats>,
+    services: Vec<crate::datapath::ServiceCounts>,
 }
 
 fn read_datapath(bpffs: &Path) -> DatapathCounts {
@@ -230,7 +239,40 @@ fn read_datapath(bpffs: &Path) -> DatapathCounts {
     let packet = crate::datapath::read_packet_stats(bpffs)
         .map_err(|e| debug!("packet datapath counters unavailable: {e}"))
         .ok();
-    DatapathCounts { decisions, packet }
+    let services = crate::datapath::read_service_stats(bpffs)
+        .map_err(|e| debug!("per-Service counters unavailable: {e}"))
+        .unwrap_or_default();
+    DatapathCounts {
+        decisions,
+        packet,
+        services,
+    }
+}
+
+/// The samples of `svc_service_decisions_total`: per Service port, each reason counted
+/// (zeros left out, but for `translated`, so every Service port has a series without
+/// multiplying them by the reasons).
+fn service_samples(
+    services: &[crate::datapath::ServiceCounts],
+) -> Vec<([(&'static str, String); 4], ConstCounter)> {
+    let mut out = Vec::new();
+    for s in services {
+        for (reason, &n) in svc_common::Reason::SERVICE.iter().zip(&s.counts) {
+            if n == 0 && *reason != svc_common::Reason::Translated {
+                continue;
+            }
+            out.push((
+                [
+                    ("namespace", s.namespace.clone()),
+                    ("service", s.service.clone()),
+                    ("port", s.port.clone()),
+                    ("reason", reason.name().to_string()),
+                ],
+                ConstCounter::new(n),
+            ));
+        }
+    }
+    out
 }
 
 /// `value` under `name`, one sample per label set in `samples`.
@@ -271,6 +313,17 @@ impl Collector for DatapathCounters {
                 decisions
                     .into_iter()
                     .map(|(reason, v)| ([("reason", reason)], ConstCounter::new(v))),
+                MetricType::Counter,
+            )?;
+        }
+        if !counts.services.is_empty() {
+            encode_samples(
+                e,
+                "svc_service_decisions",
+                "Connections (socket programs: translated, refused_no_backend) and new flows \
+                 (tc programs: new, reject_no_backend, drop_*) per Service port, by reason; \
+                 err_missing_entry from either. Off with --per-service-metrics=false.",
+                service_samples(&counts.services),
                 MetricType::Counter,
             )?;
         }
@@ -517,6 +570,15 @@ impl Metrics {
         i.unsynced_since.get_or_insert_with(Instant::now);
         drop(i);
         self.recorded.kube_proxy.last_queued.set(epoch_seconds());
+    }
+
+    /// Changes the source saw since the last call, and what waits for a sync.
+    pub fn changes(&self, c: crate::source::Changes) {
+        let k = &self.recorded.kube_proxy;
+        k.service_changes.inc_by(c.services);
+        k.endpoint_changes.inc_by(c.endpoints);
+        k.services_pending.set(int(c.services_pending));
+        k.endpoints_pending.set(int(c.endpoints_pending));
     }
 
     /// A sync took `took`; `full`: it covered every Service, not only those that changed.
@@ -1096,6 +1158,18 @@ mod tests {
         m.synced(Duration::from_millis(3), true, Programmed::default());
         m.synced(Duration::from_millis(20), false, Programmed::default());
         m.programming_latency(Duration::from_millis(700));
+        m.changes(crate::source::Changes {
+            services: 3,
+            endpoints: 5,
+            services_pending: 2,
+            endpoints_pending: 4,
+        });
+        m.changes(crate::source::Changes {
+            services: 1,
+            endpoints: 0,
+            services_pending: 0,
+            endpoints_pending: 0,
+        });
         let text = m.render();
         let types: Vec<&str> = text
             .lines()
@@ -1110,6 +1184,10 @@ mod tests {
                 "sync_proxy_rules_last_timestamp_seconds gauge",
                 "sync_proxy_rules_last_queued_timestamp_seconds gauge",
                 "network_programming_duration_seconds histogram",
+                "sync_proxy_rules_endpoint_changes_total counter",
+                "sync_proxy_rules_service_changes_total counter",
+                "sync_proxy_rules_endpoint_changes_pending gauge",
+                "sync_proxy_rules_service_changes_pending gauge",
             ]
         );
         for line in [
@@ -1124,6 +1202,10 @@ mod tests {
             "kubeproxy_network_programming_duration_seconds_bucket{le=\"1\"} 1",
             "kubeproxy_network_programming_duration_seconds_bucket{le=\"115\"} 1",
             "kubeproxy_network_programming_duration_seconds_bucket{le=\"300\"} 1",
+            "kubeproxy_sync_proxy_rules_service_changes_total 4",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
+            "kubeproxy_sync_proxy_rules_service_changes_pending 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
         ] {
             assert!(text.contains(&format!("\n{line}\n")), "{line} in {text}");
         }

@@ -8,11 +8,11 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
     BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue,
-    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey,
+    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotKey, SrcRangeKey,
 };
 
 use crate::error::{Error, Result};
@@ -77,12 +77,16 @@ macro_rules! capacity {
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub struct Capacity {
             $( $(#[$doc])* pub $field: u32, )*
+            /// `--per-service-metrics`: frontends get `SERVICE_STATS` entries (the programs
+            /// count only those). Off, the map is made one entry, which nothing writes.
+            pub per_service: bool,
         }
 
         impl Default for Capacity {
             fn default() -> Self {
                 Capacity {
                     $( $field: svc_common::capacity::$map, )*
+                    per_service: true,
                 }
             }
         }
@@ -90,6 +94,9 @@ macro_rules! capacity {
         impl Capacity {
             /// The configured max_entries of `map`, or None for maps sized by the object alone.
             pub fn of(&self, map: &str) -> Option<u32> {
+                if map == map_names::SERVICE_STATS && !self.per_service {
+                    return Some(1);
+                }
                 $( if map == map_names::$map { return Some(self.$field); } )*
                 // Sized with the assured table, not on its own.
                 (map == map_names::CT_NEW).then(|| svc_common::capacity::ct_new(self.ct))
@@ -121,6 +128,8 @@ capacity! {
     /// Blocks of Maglev table entries, and the index of the tables.
     maglev: MAGLEV,
     maglev_index: MAGLEV_INDEX,
+    /// Per-Service counters: one entry per frontend, as the names map.
+    service_stats: SERVICE_STATS,
 }
 
 /// Everything the programs read, as found in the maps, plus what names ids elsewhere.
@@ -282,6 +291,9 @@ pub struct BpfStore {
     pub monitor: Option<MapData>,
     pub mon_ctl: Option<MapData>,
     pub mon_stats: Option<MapData>,
+    /// Per-Service counters (`SERVICE_STATS`): an entry per named frontend while
+    /// `capacity.per_service`. None while the object does not declare it.
+    pub service_stats: Option<PerCpuHashMap<MapData, u32, ServiceStats>>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
@@ -359,6 +371,9 @@ pub fn map_err(map: &'static str, e: MapError) -> Error {
     }
 }
 
+/// `BPF_NOEXIST`: create, never replace.
+const BPF_NOEXIST: u64 = 1;
+
 /// ENOENT on delete: already gone, which is what we wanted.
 fn is_not_found(e: &MapError) -> bool {
     matches!(e, MapError::KeyNotFound)
@@ -389,7 +404,10 @@ impl BpfStore {
             Op::PutSlot(k, v) => self.slots.insert(k, v, 0),
             Op::PutBackend(k, v) => self.backends.insert(k, v, 0),
             Op::PutRevNat(k, v) => self.rev_nat.insert(k, v, 0),
-            Op::PutName(k, v) => self.names.insert(k, v, 0),
+            Op::PutName(k, v) => {
+                self.names.insert(k, v, 0)?;
+                self.create_service_stats(*k)
+            }
             Op::PutMatch(k) => self.affinity_match.insert(k, 0, 0),
             Op::PutMeta(v) => self.meta.set(0, v, 0),
             Op::PutRange(k) => self.src_ranges.insert(&lpm_key(k), 0, 0),
@@ -417,7 +435,11 @@ impl BpfStore {
             Op::DelSlot(k) => self.slots.remove(k),
             Op::DelBackend(k) => self.backends.remove(k),
             Op::DelRevNat(k) => self.rev_nat.remove(k),
-            Op::DelName(k) => self.names.remove(k),
+            Op::DelName(k) => {
+                let removed = self.names.remove(k);
+                self.delete_service_stats(*k)?;
+                removed
+            }
             Op::DelMatch(k) => self.affinity_match.remove(k),
             Op::PutMaglev(start, blocks) => {
                 let Some(m) = self.maglev.as_mut() else {
@@ -448,6 +470,70 @@ impl BpfStore {
                 None => Err(MapError::KeyNotFound),
             },
         }
+    }
+
+    /// A zeroed `SERVICE_STATS` entry for frontend `id`, unless it has one: written with its
+    /// name, so the counters of a name written again (a repair) go on, and a frontend id
+    /// never starts from another's counts (its entry goes with its name, `DelName`, and
+    /// `sync_service_stats` removes any left without one).
+    fn create_service_stats(&mut self, id: u32) -> Result<(), MapError> {
+        let Some(m) = self
+            .service_stats
+            .as_mut()
+            .filter(|_| self.capacity.per_service)
+        else {
+            return Ok(());
+        };
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| MapError::IoError(e))?;
+        let zero = PerCpuValues::try_from(vec![ServiceStats::default(); cpus])?;
+        match m.insert(id, zero, BPF_NOEXIST) {
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    fn delete_service_stats(&mut self, id: u32) -> Result<(), MapError> {
+        match self.service_stats.as_mut().map(|m| m.remove(&id)) {
+            Some(Err(e)) if !is_not_found(&e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Brings `SERVICE_STATS` in line with the names map: an entry for every named frontend
+    /// that lacks one (the map is new, or was resized, or per-Service counting was off), none
+    /// for an id without a name, and none at all while `per_service` is off. Returns how many
+    /// entries it created and deleted.
+    pub fn sync_service_stats(&mut self) -> Result<(usize, usize)> {
+        let name = map_names::SERVICE_STATS;
+        let Some(m) = self.service_stats.as_ref() else {
+            return Ok((0, 0));
+        };
+        let have: BTreeSet<u32> = m
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|e| map_err(name, e))?;
+        let named: BTreeSet<u32> = if self.capacity.per_service {
+            dump(map_names::NAMES, &self.names)?
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let (mut created, mut deleted) = (0, 0);
+        for id in named.difference(&have) {
+            self.create_service_stats(*id)
+                .map_err(|e| map_err(name, e))?;
+            created += 1;
+        }
+        for id in have.difference(&named) {
+            self.delete_service_stats(*id)
+                .map_err(|e| map_err(name, e))?;
+            deleted += 1;
+        }
+        Ok((created, deleted))
     }
 
     /// Makes the filter (`NODE_ADDR_BITS`) cover what `NODE_ADDRS` holds now: on opening the

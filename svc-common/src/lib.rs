@@ -315,6 +315,14 @@ catalogue! {
     MON_CTL = MapDef::new::<u32, MonitorCtl>("SVC_MON_CTL", 1, MapKind::Array);
     /// Per CPU: the monitor's events seen, written and lost (`MonitorStats`).
     MON_STATS = MapDef::new::<u32, MonitorStats>("SVC_MON_STATS", 1, MapKind::PerCpuArray);
+    /// Per-Service counters (`ServiceStats`), per CPU, keyed by frontend id: the agent
+    /// creates an entry (zeroed) with a frontend's name and deletes it with the name; the
+    /// programs only look entries up, so a frontend without one (`--per-service-metrics=false`)
+    /// is not counted. Allocated as written: with 64-byte values, about 64 bytes a CPU an
+    /// entry plus the hash's own (docs/design/metrics.md).
+    SERVICE_STATS = MapDef::new::<u32, ServiceStats>("SVC_SERVICE_STATS", 1, MapKind::PerCpuHash)
+        .sized(262_144)
+        .no_prealloc();
 }
 
 /// The monitor's ring: 256 KiB, about 2,300 events (`MonitorEvent` and the ring's 8-byte
@@ -956,6 +964,23 @@ pub struct DevStatKey {
     pub reason: u32,
 }
 
+/// The value of `SERVICE_STATS`: one frontend's decisions on one CPU, one counter per reason
+/// of `Reason::SERVICE` (in its order), host order. Counted once per connect() or sendmsg()
+/// the socket hooks translate or refuse, and once per new flow the tc programs translate,
+/// refuse or drop; never per packet of a known flow. 64 bytes: a cache line.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceStats {
+    pub counts: [u64; SERVICE_STAT_SLOTS],
+}
+
+/// Counters in a `ServiceStats`.
+pub const SERVICE_STAT_SLOTS: usize = 8;
+
+/// `Reason::service_slot` of a reason not counted per Service.
+pub const NO_SERVICE_SLOT: u32 = u32::MAX;
+
 /// Why the datapath counted: the one vocabulary of the socket hooks and the tc programs,
 /// counted through one kernel function (svc-ebpf's `maps::count`) under (device, reason).
 /// Numbered once, never renumbered: 0-21 are the numbers the packet datapath's reasons had
@@ -1170,6 +1195,41 @@ impl Reason {
             MaglevMissing,
         ]
     };
+
+    /// The reasons counted per Service (`ServiceStats`), in the order of its counters: what
+    /// happened to a connection (socket hooks) or a new flow (tc) to a frontend, which a
+    /// frontend id names. Not `RefusedNoPort` (no frontend has the port) nor the reasons
+    /// about packets or the node rather than a Service. Released: append only.
+    pub const SERVICE: [Reason; SERVICE_STAT_SLOTS] = {
+        use Reason::*;
+        [
+            Translated,
+            New,
+            RefusedNoBackend,
+            RejectNoBackend,
+            DropNoLocalBackend,
+            DropSourceRange,
+            DropSnatExhausted,
+            ErrMissingEntry,
+        ]
+    };
+
+    /// This reason's counter in a `ServiceStats`, or `NO_SERVICE_SLOT`. A const fn, so that
+    /// a call with a constant reason folds to its number in the programs.
+    pub const fn service_slot(self) -> u32 {
+        use Reason::*;
+        match self {
+            Translated => 0,
+            New => 1,
+            RefusedNoBackend => 2,
+            RejectNoBackend => 3,
+            DropNoLocalBackend => 4,
+            DropSourceRange => 5,
+            DropSnatExhausted => 6,
+            ErrMissingEntry => 7,
+            _ => NO_SERVICE_SLOT,
+        }
+    }
 
     /// The reason numbered `n`, if any.
     pub const fn from_u32(n: u32) -> Option<Reason> {
@@ -1622,6 +1682,7 @@ mod pod {
     unsafe impl aya::Pod for MonitorEvent {}
     unsafe impl aya::Pod for MonitorCtl {}
     unsafe impl aya::Pod for MonitorStats {}
+    unsafe impl aya::Pod for ServiceStats {}
 }
 
 #[cfg(all(test, feature = "user"))]
@@ -1741,6 +1802,23 @@ mod tests {
         assert_eq!(size_of::<LbTestIo>(), 200);
         assert_eq!(size_of::<MaglevBlock>(), 8);
         assert_eq!(size_of::<MaglevIndex>(), 16);
+        assert_eq!(size_of::<ServiceStats>(), 64);
+    }
+
+    /// A counter's place in `ServiceStats` is read by agents of other versions: each reason
+    /// of `Reason::SERVICE` has its slot, and no other reason has one.
+    #[test]
+    fn service_slots_follow_the_service_reasons() {
+        for (i, r) in Reason::SERVICE.iter().enumerate() {
+            assert_eq!(r.service_slot(), i as u32, "{r:?}");
+        }
+        for r in Reason::ALL {
+            if !Reason::SERVICE.contains(&r) {
+                assert_eq!(r.service_slot(), NO_SERVICE_SLOT, "{r:?}");
+            }
+        }
+        assert_eq!(Reason::SERVICE[0].name(), "translated");
+        assert_eq!(Reason::SERVICE[7].name(), "err_missing_entry");
     }
 
     /// The filter keeps its use only if addresses of one subnet spread over its bits: a /16

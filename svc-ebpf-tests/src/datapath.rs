@@ -71,6 +71,9 @@ pub struct Loaded {
     pub dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
     pub maglev: Array<MapData, MaglevBlock>,
     pub maglev_index: HashMap<MapData, SlotKey, MaglevIndex>,
+    /// Per-Service counters, whose entries the agent creates with each frontend (`frontend`
+    /// does here). None for an object without them (a benchmark's older object).
+    pub service_stats: Option<PerCpuHashMap<MapData, u32, svc_common::ServiceStats>>,
     /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
     every_map: Vec<reset::KernelMap>,
     ct_capacity: u32,
@@ -180,6 +183,9 @@ impl Loaded {
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
         let maglev = take(map_names::MAGLEV).try_into().unwrap();
         let maglev_index = take(map_names::MAGLEV_INDEX).try_into().unwrap();
+        let service_stats = ebpf
+            .take_map(map_names::SERVICE_STATS)
+            .and_then(|m| m.try_into().ok());
         let maps_left = ebpf.maps().count();
         Loaded {
             ebpf,
@@ -197,6 +203,7 @@ impl Loaded {
             dev_stats,
             maglev,
             maglev_index,
+            service_stats,
             every_map,
             ct_capacity: ct,
             maps_left,
@@ -354,6 +361,12 @@ impl Dp {
                 )
                 .unwrap();
         }
+        if let Some(m) = self.service_stats.as_mut() {
+            let cpus = aya::util::nr_cpus().expect("possible CPUs");
+            let zero = vec![svc_common::ServiceStats::default(); cpus];
+            m.insert(f.id, aya::maps::PerCpuValues::try_from(zero).unwrap(), 0)
+                .unwrap();
+        }
         let mut flags = f.flags;
         if f.affinity_s != 0 {
             flags |= svc_flags::AFFINITY;
@@ -457,6 +470,16 @@ impl Dp {
             .map(|r| (r, self.dev_stat(ifindex, r)))
             .filter(|(_, n)| *n != 0)
             .collect()
+    }
+
+    /// Frontend `id`'s per-Service counter of `reason`, summed over the CPUs.
+    pub fn service_stat(&self, id: u32, reason: Reason) -> u64 {
+        let slot = reason.service_slot() as usize;
+        self.service_stats
+            .as_ref()
+            .and_then(|m| m.get(&id, 0).ok())
+            .map(|v| v.iter().map(|s| s.counts[slot]).sum())
+            .unwrap_or(0)
     }
 
     /// A counter without a device (`dev_stat` of device 0).

@@ -9,8 +9,8 @@ use aya_ebpf::{
 use svc_common::{
     capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
     DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue, Reason,
-    RevNatValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SockRevKey, SockRevValue,
-    SockState, NODE_ADDR_BIT_WORDS,
+    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotKey, SockRevKey,
+    SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -150,6 +150,40 @@ pub fn count(reason: Reason, ifindex: u32) {
             // its own slot either way (a per-CPU entry is created zeroed for the others).
             let _ = SVC_DEV_STATS.insert(key, 1, 0);
         }
+    }
+}
+
+/// What the datapath decided per frontend id, per CPU (`svc_common::ServiceStats`). The
+/// agent creates and deletes the entries; the programs only look them up.
+#[btf_map]
+pub static SVC_SERVICE_STATS: PerCpuHashMap<
+    u32,
+    ServiceStats,
+    { capacity::SERVICE_STATS as usize },
+    NO_PREALLOC,
+> = PerCpuHashMap::new();
+
+/// Counts one connection or new flow of frontend `id` under `reason`, if the reason is one
+/// counted per Service and the agent made the frontend an entry. Beside `count`, never
+/// instead of it.
+#[inline(always)]
+pub fn count_service(reason: Reason, id: u32) {
+    let slot = reason.service_slot();
+    if slot != svc_common::NO_SERVICE_SLOT {
+        count_slot(slot, id);
+    }
+}
+
+/// `count_service`'s work, out of line: two arguments and an 8-byte frame, so the programs
+/// whose stack is at the limit (tc_ext_ingress) pay for it only on the calls that reach it.
+#[inline(never)]
+fn count_slot(slot: u32, id: u32) {
+    if slot as usize >= SERVICE_STAT_SLOTS {
+        return;
+    }
+    if let Some(v) = SVC_SERVICE_STATS.get_ptr_mut(id) {
+        // SAFETY: per-CPU value, and a program runs to completion on one CPU.
+        unsafe { (*v).counts[slot as usize] += 1 };
     }
 }
 

@@ -15,7 +15,7 @@ use svc_common::{
 
 use crate::{
     lb,
-    maps::{count, SVC_CONFIG, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
+    maps::{count, count_service, SVC_CONFIG, SVC_REV_NAT, SVC_SOCK_REV, SVC_SOCK_STATE},
     monitor,
 };
 
@@ -203,6 +203,7 @@ pub fn try_forward(ctx: &SockAddrContext, family: Family, call: Call) -> Result<
         count(Reason::SockRevUntracked, 0);
     }
     count(Reason::Translated, 0);
+    count_service(Reason::Translated, decision.svc.id);
     Ok(())
 }
 
@@ -269,6 +270,7 @@ fn refuse_seen(ctx: &SockAddrContext, reason: Reason, source: u8, dst: &SockAddr
             0,
         );
     }
+    count_service(reason, id);
     refuse(reason)
 }
 

@@ -43,7 +43,7 @@ use crate::{
     ct,
     ctx::Ctx,
     frag, fwd, icmp, lb,
-    maps::{count, src_range_key, SVC_SRC_RANGES},
+    maps::{count, count_service, src_range_key, SVC_SRC_RANGES},
     monitor,
     nat::{self, Endpoint},
     pkt::{self, parsed, Pkt, TCP_ACK, TCP_RST, TCP_SYN},
@@ -317,6 +317,7 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
     if reason as u32 == Reason::New as u32 {
         // The new flow's first packet, as it leaves: its backend, and its SNAT port if any.
         monitor::tc(s, Reason::New, true, s.new.fwd.id);
+        count_service(Reason::New, s.new.fwd.id);
     }
     OK
 }
@@ -601,6 +602,7 @@ fn refused<C: Ctx>(s: &Scratch, reason: Reason, id: u32, next: Next) -> Next {
     }
     count(reason, s.p.ifindex);
     monitor::tc(s, reason, false, id);
+    count_service(reason, id);
     next
 }
 
@@ -782,6 +784,7 @@ pub(crate) fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
         ct::Snat::Exhausted => {
             count(Reason::DropSnatExhausted, s.p.ifindex);
             monitor::tc(s, Reason::DropSnatExhausted, false, s.new.fwd.id);
+            count_service(Reason::DropSnatExhausted, s.new.fwd.id);
             false
         }
         ct::Snat::Failed => {
@@ -1024,11 +1027,13 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
             // socket's connect() would be.
             count(Reason::RejectNoBackend, p.ifindex);
             monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
+            count_service(Reason::RejectNoBackend, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
             monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
+            count_service(Reason::ErrMissingEntry, svc.id);
             return Next::Drop;
         }
     }

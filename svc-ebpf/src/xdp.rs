@@ -32,7 +32,7 @@ use crate::{
     csum, ct,
     ctx::Ctx,
     fwd, lb,
-    maps::count,
+    maps::{count, count_service},
     monitor,
     pkt::{self, parsed, L3},
     scratch::{self, Scratch},
@@ -155,6 +155,8 @@ fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
         // Counted there, as tc counts it: tc would drop it too.
         return DROP;
     }
+    // The flow is made: the Service's new flow, whoever sends its first packet.
+    count_service(Reason::New, s.new.fwd.id);
     if !rewrite(ctx, s) {
         // Stored, not written (a header past `DIRECT_MAX`): tc finds the flow's FORWARD entry
         // and translates the packet as the flow's (`ct_hit`).

@@ -2132,6 +2132,8 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
         &format!("serviceProxyName={name}"),
         "maps.maxServices=4096",
         "maps.maxCt=8192",
+        "maps.maxMaglevEntries=65536",
+        "metrics.perService=false",
         "healthz.port=10266",
         "metrics.port=10259",
         "bpffs.hostPath=/run/bpf/",
@@ -2155,7 +2157,9 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
         "--devices=eth+,bond0",
         &format!("--service-proxy-name={name}"),
         "--max-ct=8192",
+        "--max-maglev-entries=65536",
         "--max-services=4096",
+        "--per-service-metrics=false",
         "--conntrack-sweep-interval=30s",
     ];
     ensure!(args == want, "rendered args {args:?}, expected {want:?}");

@@ -826,6 +826,23 @@ fn deploy_dashboard_and_alerts_use_exported_metrics() {
         missing.is_empty(),
         "not exported: {missing:#?}\n/metrics:\n{text}"
     );
+    // Per Service port, counted by the tc programs: web's new flow and empty's refusal, each
+    // under its own labels only.
+    let per_service = |svc: &str, reason: &str| -> Option<u64> {
+        let prefix = format!(
+            "svc_service_decisions_total{{namespace=\"demo\",service=\"{svc}\",port=\"http\",reason=\"{reason}\"}} "
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    assert!(per_service("web", "new").is_some_and(|n| n >= 1), "{text}");
+    assert!(
+        per_service("empty", "reject_no_backend").is_some_and(|n| n >= 1),
+        "{text}"
+    );
+    assert_eq!(per_service("web", "reject_no_backend"), None, "{text}");
+    assert_eq!(per_service("empty", "new"), None, "{text}");
     // kube-proxy's names among them, so its dashboards' queries are the ones shown.
     for name in [
         "kubeproxy_sync_proxy_rules_duration_seconds_bucket",

@@ -1087,3 +1087,110 @@ fn the_log_takes_kube_proxys_shapes_and_the_level_asked_for() {
         .unwrap();
     assert!(checked.success(), "bash cannot read the completion script");
 }
+
+/// `svc_service_decisions_total` of Service port `ns/svc:port` under `reason`, as a scrape of
+/// `metrics` shows it; None when it has no such sample.
+fn service_count(metrics: SocketAddr, svc: (&str, &str, &str), reason: &str) -> Option<u64> {
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    let (ns, name, port) = svc;
+    let want = format!(
+        "svc_service_decisions_total{{namespace=\"{ns}\",service=\"{name}\",port=\"{port}\",reason=\"{reason}\"}} "
+    );
+    body.lines()
+        .find_map(|l| l.strip_prefix(want.as_str()))
+        .map(|v| v.trim().parse().unwrap())
+}
+
+/// `demo/api`: ClusterIP 10.96.0.11, port `http` 80/TCP, never given endpoints.
+fn api_service() -> Service {
+    Service::new("demo", "api", "10.96.0.11").port(ServicePort::tcp(80).name("http").target(8080))
+}
+
+/// Issue 36: connect()s to a Service move its own per-Service counter on /metrics and no other
+/// Service's; a refusal (no endpoints) is counted under its reason for its Service; a Service
+/// deleted and made again under the same name starts from zero, even while the old frontend's
+/// counters wait for their grace period.
+#[test]
+fn per_service_counters_count_each_service_and_start_at_zero_when_made_again() {
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let w = World::start_with(
+        2,
+        &[8080],
+        &[&metrics_flag, "--retire-grace-ms", "30000"],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+            m.apply_service(&api_service()).unwrap();
+        },
+    );
+    let web = ("demo", "web", "http");
+    let api = ("demo", "api", "http");
+    assert_eq!(service_count(metrics, web, "translated"), Some(0));
+    assert_eq!(service_count(metrics, api, "translated"), Some(0));
+    let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(service_count(metrics, web, "translated"), Some(3));
+    assert_eq!(service_count(metrics, api, "translated"), Some(0));
+    assert_eq!(service_count(metrics, api, "refused_no_backend"), None);
+    let r =
+        w.sb.tcp(
+            sa(Ipv4Addr::new(10, 96, 0, 11), 80),
+            2,
+            &["--timeout-ms", "1000"],
+        )
+        .unwrap();
+    assert!(r.failures().len() == 2, "{r:?}");
+    assert_eq!(service_count(metrics, api, "refused_no_backend"), Some(2));
+    assert_eq!(service_count(metrics, web, "refused_no_backend"), None);
+    assert_eq!(service_count(metrics, web, "translated"), Some(3));
+
+    // demo/web deleted and made again: new frontends, its old ones retiring (30 s).
+    w.m.delete_service(&web_service()).unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok(service_count(metrics, web, "translated")
+            .is_none()
+            .then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", w.agent.log()));
+    w.m.apply_service(&web_service()).unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok(w.sb
+            .tcp(sa(VIP, 80), 1, &["--timeout-ms", "500"])?
+            .all_ok()
+            .then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", w.agent.log()));
+    assert_eq!(service_count(metrics, web, "translated"), Some(1));
+    assert_eq!(service_count(metrics, api, "refused_no_backend"), Some(2));
+}
+
+/// Issue 36: `--per-service-metrics=false` leaves /metrics without per-Service series, and
+/// the kernel without entries to count in; the node-wide counters still count.
+#[test]
+fn per_service_counters_off_leave_no_series() {
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let w = World::start_with(
+        2,
+        &[8080],
+        &[&metrics_flag, "--per-service-metrics=false"],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        },
+    );
+    let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    assert!(!body.contains("svc_service_decisions"), "{body}");
+    assert!(
+        body.contains("svc_datapath_decisions_total{reason=\"translated\"} 3"),
+        "{body}"
+    );
+    use aya::maps::IterableMap;
+    let store = svc_agent::datapath::open_pinned(w.bpffs.path()).unwrap();
+    let stats = store.service_stats.expect("the map is declared");
+    assert_eq!(stats.keys().count(), 0);
+    assert_eq!(stats.map().info().unwrap().max_entries(), 1);
+}

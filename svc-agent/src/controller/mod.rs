@@ -280,6 +280,7 @@ impl Controller {
         if self.tracker.queued() {
             self.metrics.queued();
         }
+        self.metrics.changes(self.tracker.take_changes());
     }
 
     /// Translates what the tracker hands over and programs it: everything, or only the
@@ -288,6 +289,8 @@ impl Controller {
     fn sync(&mut self) -> Result<()> {
         let agent = &mut self.agent;
         let batch = self.tracker.take(agent.holders());
+        // Nothing pending once the batch is taken (the counts of the changes stay).
+        self.metrics.changes(crate::source::Changes::default());
         agent.set_zone(batch.zone);
         let (owners, full) = match batch.owners {
             Some(owners) => (owners, false),

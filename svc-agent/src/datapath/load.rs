@@ -3,7 +3,7 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, PerCpuHashMap};
 use aya::programs::{CgroupSock, CgroupSockAddr, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{catalogue, map_names};
@@ -180,6 +180,18 @@ impl Datapath {
         // addresses may have been carried into a resized map. Bits are only added: the
         // programs still attached may read it beside another map of addresses.
         store.sync_node_addr_bits(false)?;
+        // Before the first sync, which counts on every named frontend having its counters
+        // (and, with per-Service counting off, none having any).
+        // Not fatal: a burst of per-CPU allocations can fail for a moment (ENOMEM) until the
+        // kernel's per-CPU pool grows; the agent's periodic check creates what is missing.
+        match store.sync_service_stats() {
+            Ok((0, 0)) => {}
+            Ok((created, deleted)) => info!(
+                map = map_names::SERVICE_STATS,
+                created, deleted, "per-Service counters brought in line with the names"
+            ),
+            Err(e) => tracing::warn!("per-Service counters: {e}; completed later"),
+        }
         // A kernel that cannot be asked is taken as having tcx: attaching then says why not.
         let kernel_tcx = sys::has_tcx().unwrap_or_else(|e| {
             tracing::warn!("asking the kernel for tcx: {e}; trying tcx");
@@ -368,6 +380,7 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::MONITOR => store.monitor.as_ref()?,
         map_names::MON_CTL => store.mon_ctl.as_ref()?,
         map_names::MON_STATS => store.mon_stats.as_ref()?,
+        map_names::SERVICE_STATS => store.service_stats.as_ref()?.map(),
         _ => return None,
     })
 }
@@ -441,6 +454,9 @@ fn build_store(
         monitor: take(map_names::MONITOR).ok().and_then(map_data),
         mon_ctl: take(map_names::MON_CTL).ok().and_then(map_data),
         mon_stats: take(map_names::MON_STATS).ok().and_then(map_data),
+        service_stats: take(map_names::SERVICE_STATS)
+            .ok()
+            .and_then(|m| PerCpuHashMap::try_from(m).ok()),
         capacity,
         enomem_until: None,
     })

@@ -34,7 +34,8 @@ mod xdp;
 pub use load::open_pinned;
 pub use pins::map_pin;
 pub use stats::{
-    counters_of, decision_totals, read_packet_stats, read_stats, FlowCount, PacketStats,
+    counters_of, decision_totals, read_packet_stats, read_service_stats, read_stats, FlowCount,
+    PacketStats, ServiceCounts,
 };
 pub use tc::{tc_attachments, tc_link_pin, TcAttach, TcAttachment, TcMode};
 pub use uninstall::{uninstall, Uninstalled};

@@ -395,3 +395,102 @@ mod tests {
         assert_eq!(count.finish(), (2, 2, 1));
     }
 }
+
+/// One Service port's counters (`SERVICE_STATS`), summed over the CPUs and over the
+/// frontends it has on this node (ClusterIPs, NodePort, external addresses): `counts` in the
+/// order of `Reason::SERVICE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceCounts {
+    pub namespace: String,
+    pub service: String,
+    /// The port's name; empty for an unnamed port.
+    pub port: String,
+    pub counts: [u64; svc_common::SERVICE_STAT_SLOTS],
+}
+
+/// "namespace/name:port" (":port" absent for an unnamed port) as its three parts.
+fn split_name(name: &str) -> (&str, &str, &str) {
+    let (ns, rest) = name.split_once('/').unwrap_or(("", name));
+    let (svc, port) = rest.split_once(':').unwrap_or((rest, ""));
+    (ns, svc, port)
+}
+
+/// The per-Service counters of the frontends the datapath serves now, from the pins in `dir`,
+/// by Service port, sorted. Only frontends a master entry names count: a removed frontend's
+/// counters stay until its name is retired, and a Service made again under the same name in
+/// the meantime must not start from them. Empty when the map is not pinned (an older
+/// agent's datapath) or holds nothing (`--per-service-metrics=false`).
+pub fn read_service_stats(dir: &Path) -> Result<Vec<ServiceCounts>> {
+    use std::collections::{BTreeMap, HashMap, HashSet};
+    use svc_common::{svc_flags, ServiceKey, ServiceName, ServiceStats, ServiceValue};
+    let name = map_names::SERVICE_STATS;
+    let Ok(data) = MapData::from_pin(map_pin(dir, name)) else {
+        return Ok(Vec::new());
+    };
+    let stats: PerCpuHashMap<MapData, u32, ServiceStats> =
+        PerCpuHashMap::try_from(Map::PerCpuHashMap(data)).map_err(|e| load_err(name, e))?;
+    let mut per_id: Vec<(u32, ServiceStats)> = Vec::new();
+    for entry in stats.iter() {
+        let (id, per_cpu) = entry.map_err(|e| load_err(name, e))?;
+        let mut sum = ServiceStats::default();
+        for cpu in per_cpu.iter() {
+            for (s, c) in sum.counts.iter_mut().zip(cpu.counts) {
+                *s = s.wrapping_add(c);
+            }
+        }
+        per_id.push((id, sum));
+    }
+    if per_id.is_empty() {
+        return Ok(Vec::new());
+    }
+    let services = MapData::from_pin(map_pin(dir, map_names::SERVICES))
+        .map_err(|e| load_err(map_names::SERVICES, e))?;
+    let mut live = HashSet::new();
+    sys::for_each_hash::<ServiceKey, ServiceValue>(services.fd().as_fd(), |_, v| {
+        if v.flags & svc_flags::ADDR_MARKER == 0 {
+            live.insert(v.id);
+        }
+    })
+    .map_err(|e| load_err(map_names::SERVICES, e))?;
+    let names = MapData::from_pin(map_pin(dir, map_names::NAMES))
+        .map_err(|e| load_err(map_names::NAMES, e))?;
+    let mut named: HashMap<u32, String> = HashMap::new();
+    sys::for_each_hash::<u32, ServiceName>(names.fd().as_fd(), |id, n| {
+        if live.contains(id) {
+            named.insert(*id, crate::reconcile::decode_name(n));
+        }
+    })
+    .map_err(|e| load_err(map_names::NAMES, e))?;
+    let mut by_port: BTreeMap<(String, String, String), [u64; svc_common::SERVICE_STAT_SLOTS]> =
+        BTreeMap::new();
+    for (id, sum) in per_id {
+        let Some(full) = named.get(&id) else {
+            continue;
+        };
+        let (ns, svc, port) = split_name(full);
+        let counts = by_port
+            .entry((ns.to_string(), svc.to_string(), port.to_string()))
+            .or_default();
+        for (t, c) in counts.iter_mut().zip(sum.counts) {
+            *t = t.wrapping_add(c);
+        }
+    }
+    Ok(by_port
+        .into_iter()
+        .map(|((namespace, service, port), counts)| ServiceCounts {
+            namespace,
+            service,
+            port,
+            counts,
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod service_name_tests {
+    #[test]
+    fn a_frontend_name_splits_into_namespace_service_and_port() {
+        assert_eq!(super::split_name("demo/web:http"), ("demo", "web", "http"));
+        assert_eq!(super::split_name("demo/web"), ("demo", "web", ""));
+    }
+}

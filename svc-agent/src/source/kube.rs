@@ -294,6 +294,11 @@ pub struct Cache {
     /// latency of this agent's (kube-proxy's trackerStartTime); a listed slice's annotation
     /// may be days old.
     watching_since: Option<Timestamp>,
+    /// kube-proxy's change counters since they were last taken, and what waits for a sync
+    /// (`Tracker::take_changes`).
+    changes: super::Changes,
+    /// Services with a change of their own (not their slices') since the last sync.
+    services_pending: BTreeSet<Key>,
 }
 
 impl Cache {
@@ -307,6 +312,19 @@ impl Cache {
             node_eligible: true,
             ..Default::default()
         }
+    }
+
+    /// A change to Service `k` seen, as kube-proxy's ServiceChangeTracker counts one.
+    fn service_changed(&mut self, k: &Key) {
+        self.changes.services += 1;
+        self.services_pending.insert(k.clone());
+        self.changes.services_pending = self.services_pending.len();
+    }
+
+    /// `n` EndpointSlice changes seen, as kube-proxy's EndpointsChangeTracker counts them.
+    fn endpoints_changed(&mut self, n: usize) {
+        self.changes.endpoints += n as u64;
+        self.changes.endpoints_pending += n;
     }
 
     fn mark(&mut self, k: Key) {
@@ -392,12 +410,14 @@ impl Cache {
             Update::Service(e) => match e {
                 Event::Apply(s) => {
                     let k = key_of(&s);
+                    self.service_changed(&k);
                     let cached = self.cache_service(&s);
                     self.services.insert(k.clone(), cached);
                     self.mark(k);
                 }
                 Event::Delete(s) => {
                     let k = key_of(&s);
+                    self.service_changed(&k);
                     self.services.remove(&k);
                     self.mark(k);
                 }
@@ -431,6 +451,7 @@ impl Cache {
                     }
                     // What is left was not listed again: deleted while we were not watching.
                     changed.extend(std::mem::take(&mut self.services).into_keys());
+                    changed.iter().for_each(|k| self.service_changed(k));
                     // Collected from sorted entries: packed, as `packed` makes it.
                     self.services = services.into_iter().collect();
                     changed.into_iter().for_each(|k| self.mark(k));
@@ -439,10 +460,14 @@ impl Cache {
             },
             Update::Slice(e) => match e {
                 Event::Apply(s) => {
+                    self.endpoints_changed(1);
                     let cached = self.cache_slice(&s);
                     self.put_slice(key_of(&s), cached);
                 }
-                Event::Delete(s) => self.delete_slice(&key_of(&s)),
+                Event::Delete(s) => {
+                    self.endpoints_changed(1);
+                    self.delete_slice(&key_of(&s))
+                }
                 Event::Init => self.slice_relist = Some(BTreeMap::new()),
                 Event::InitApply(s) => {
                     let k = key_of(&s);
@@ -462,6 +487,8 @@ impl Cache {
                         .filter(|k| !fresh.contains_key(*k))
                         .cloned()
                         .collect();
+                    let listed_changes = fresh.values().filter(|e| e.is_some()).count();
+                    self.endpoints_changed(gone.len() + listed_changes);
                     for k in gone {
                         self.delete_slice(&k);
                     }
@@ -592,7 +619,18 @@ impl Tracker for Cache {
     /// marked, with their slices. Conflicts among the Services of one batch are resolved as
     /// a full sync resolves them (the holder keeps its frontend), so whether two changes land
     /// together does not decide.
+    fn take_changes(&mut self) -> super::Changes {
+        let c = self.changes;
+        // The totals are handed over; what is pending stays until the sync takes it.
+        self.changes.services = 0;
+        self.changes.endpoints = 0;
+        c
+    }
+
     fn take(&mut self, _: &dyn Holders) -> Batch<'_> {
+        self.services_pending.clear();
+        self.changes.services_pending = 0;
+        self.changes.endpoints_pending = 0;
         let since = self.first_change.take().unwrap_or_else(Instant::now);
         let dirty = std::mem::take(&mut self.dirty);
         let errors = std::mem::take(&mut self.errors);
@@ -1206,6 +1244,67 @@ mod tests {
             slice_selector(Some("svc")),
             "service.kubernetes.io/service-proxy-name=svc,!service.kubernetes.io/headless"
         );
+    }
+
+    /// kube-proxy's change counters: every Service event and every EndpointSlice change
+    /// counts; a relist counts what it changed; pending Services are distinct, pending
+    /// EndpointSlice changes are changes, and a sync takes both to zero.
+    #[test]
+    fn changes_are_counted_as_kube_proxy_counts_them() {
+        struct Holder;
+        impl translate::Holders for Holder {
+            fn holder(&self, _: &crate::model::Frontend) -> Option<&str> {
+                None
+            }
+        }
+        let mut c = Cache::default();
+        c.update(Update::Service(Event::Init));
+        c.update(Update::Service(Event::InitApply(svc("a", "web", "1"))));
+        c.update(Update::Service(Event::InitApply(svc("a", "api", "1"))));
+        c.update(Update::Service(Event::InitDone));
+        c.update(Update::Slice(Event::Init));
+        c.update(Update::Slice(Event::InitApply(slice(
+            "a", "web-1", "web", "1",
+        ))));
+        c.update(Update::Slice(Event::InitDone));
+        let got = c.take_changes();
+        assert_eq!(
+            got,
+            crate::source::Changes {
+                services: 2,
+                endpoints: 1,
+                services_pending: 2,
+                endpoints_pending: 1,
+            }
+        );
+        let _ = c.take(&Holder);
+        c.update(Update::Service(Event::Apply(svc("a", "web", "2"))));
+        c.update(Update::Service(Event::Apply(svc("a", "web", "3"))));
+        c.update(Update::Slice(Event::Apply(slice("a", "web-1", "web", "2"))));
+        c.update(Update::Slice(Event::Delete(slice(
+            "a", "web-1", "web", "2",
+        ))));
+        let got = c.take_changes();
+        assert_eq!(
+            (
+                got.services,
+                got.endpoints,
+                got.services_pending,
+                got.endpoints_pending
+            ),
+            (2, 2, 1, 2)
+        );
+        // Taken: the totals start again, what is pending stays until the sync.
+        assert_eq!(c.take_changes().services_pending, 1);
+        assert_eq!(c.take_changes().services, 0);
+        let _ = c.take(&Holder);
+        assert_eq!(c.take_changes(), crate::source::Changes::default());
+        // A relist that finds nothing new counts nothing.
+        c.update(Update::Service(Event::Init));
+        c.update(Update::Service(Event::InitApply(svc("a", "web", "3"))));
+        c.update(Update::Service(Event::InitApply(svc("a", "api", "1"))));
+        c.update(Update::Service(Event::InitDone));
+        assert_eq!(c.take_changes(), crate::source::Changes::default());
     }
 
     #[test]

@@ -55,9 +55,27 @@ pub trait Tracker {
     fn take_node_eligible(&mut self) -> Option<bool> {
         None
     }
+    /// The changes seen since the last call, as kube-proxy counts them
+    /// (`kubeproxy_sync_proxy_rules_*_changes_total` and `_pending`); a source that does not
+    /// count them reports none.
+    fn take_changes(&mut self) -> Changes {
+        Changes::default()
+    }
     /// What is to be synced now; `holders` says who serves each frontend, for the sources
     /// that must choose between definitions of one object.
     fn take(&mut self, holders: &dyn Holders) -> Batch<'_>;
+}
+
+/// kube-proxy's change counters: changes to Services and to their endpoints (EndpointSlices)
+/// the proxy saw since they were last taken, and what waits for a sync: Services with a
+/// change of their own (ServiceChangeTracker's items), EndpointSlice changes (kube-proxy's
+/// EndpointChangesPending counts changes, not Services).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub services: u64,
+    pub endpoints: u64,
+    pub services_pending: usize,
+    pub endpoints_pending: usize,
 }
 
 /// The objects a sync translates, with what the source found wrong in them.
