@@ -81,6 +81,8 @@ pub struct Agent {
     effects: Vec<Effect>,
     /// The connection-tracking sweep's program was asked for once (`start_sweep`).
     sweep_tried: bool,
+    /// Attaching everything was tried once (`attach`, after the verification).
+    attach_tried: bool,
     /// When NODE_ADDRS was last brought to the pinned flows before an attach.
     flow_addrs_walked: Option<Instant>,
     /// Who served each frontend as the pinned maps said at start: the holders until the
@@ -133,6 +135,7 @@ impl Agent {
             dp,
             effects: vec![Effect::HealthBinds(node.health_binds().clone())],
             sweep_tried: false,
+            attach_tried: false,
             programmed,
             desired: Desired::default(),
             node,
@@ -224,8 +227,8 @@ impl Agent {
         &self.programmed
     }
 
-    /// The error of a program the kernel refused to load, waiting for the verification to end:
-    /// this agent can never attach.
+    /// The error of a program the kernel refused to load, once the verification has ended
+    /// (never waits for it): this agent can never attach its tc programs.
     pub fn load_failed(&mut self) -> Option<Error> {
         self.dp.load_failed()
     }
@@ -327,39 +330,7 @@ impl Agent {
         for (owner, frontends) in &report.failed {
             self.retry.failed(owner, frontends, started);
         }
-        if !self.dp.is_attached() {
-            // The programs about to replace the pinned ones pass untouched any packet to an
-            // address NODE_ADDRS lacks; the pinned flows' addresses go in first (with the
-            // timeouts this agent has written). Not again at every sync while attaching
-            // keeps failing.
-            let now = Instant::now();
-            if self
-                .flow_addrs_walked
-                .is_none_or(|t| now.duration_since(t) >= self.upkeep.check_every)
-            {
-                self.flow_addrs_walked = Some(now);
-                self.check_flow_addrs(false);
-            }
-            match self.dp.attach() {
-                Ok(()) => {
-                    let tc = self.dp.tc_current_attachments();
-                    info!(
-                        tc_mode = %self.dp.tc_mode(),
-                        tc_programs = %tc
-                            .iter()
-                            .map(|a| format!("{} on {} ({})", a.program, a.device, a.mode))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        "datapath attached"
-                    );
-                    self.metrics.tc_attachments(&tc);
-                    self.start_sweep();
-                }
-                Err(e) => {
-                    self.metrics.report("attaching", &e);
-                }
-            }
-        }
+        self.attach();
         self.end_stale_udp(scope);
         self.sync_health_checks();
         self.metrics.synced(
@@ -368,6 +339,95 @@ impl Agent {
             self.snapshot_metrics(),
         );
         report
+    }
+
+    /// Attaches what of this agent's programs can be attached now, after a sync (the maps
+    /// hold the whole state), nothing again once all is.
+    /// On a cold start the socket programs go on at once (ClusterIPs answer from then on),
+    /// the tc and XDP programs once the kernel has verified them (`programs_verified`, which
+    /// the controller waits on); where a previous agent's programs serve, or maps are
+    /// migrated, everything goes on at that later moment together.
+    fn attach(&mut self) {
+        if self.dp.is_attached() {
+            return;
+        }
+        let verified = self.dp.programs_verified();
+        let sockets_now = !self.dp.sockets_attached() && self.dp.sockets_first();
+        if !verified && !sockets_now {
+            return;
+        }
+        // The programs about to replace the pinned ones pass untouched any packet to an
+        // address NODE_ADDRS lacks; the pinned flows' addresses go in first (with the
+        // timeouts this agent has written). Not again at every sync while attaching keeps
+        // failing.
+        let now = Instant::now();
+        if self
+            .flow_addrs_walked
+            .is_none_or(|t| now.duration_since(t) >= self.upkeep.check_every)
+        {
+            self.flow_addrs_walked = Some(now);
+            self.check_flow_addrs(false);
+        }
+        if !verified {
+            match self.dp.attach_sockets() {
+                Ok(()) => info!(
+                    "socket programs attached (ClusterIPs answer); the tc and XDP programs \
+                     follow once the kernel has verified them"
+                ),
+                Err(e) => self.metrics.report("attaching", &e),
+            }
+            return;
+        }
+        self.attach_tried = true;
+        match self.dp.attach() {
+            Ok(()) => {
+                let tc = self.dp.tc_current_attachments();
+                info!(
+                    tc_mode = %self.dp.tc_mode(),
+                    tc_programs = %tc
+                        .iter()
+                        .map(|a| format!("{} on {} ({})", a.program, a.device, a.mode))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    "datapath attached"
+                );
+                self.metrics.tc_attachments(&tc);
+                self.start_sweep();
+            }
+            Err(e) => {
+                self.metrics.report("attaching", &e);
+            }
+        }
+    }
+
+    /// The tc programs' verification has ended: attaches what waited for it (after the
+    /// first sync), and says in `/healthz` where things stand.
+    pub fn programs_verified(&mut self) {
+        if self.synced {
+            self.attach();
+        }
+        self.metrics.state(self.snapshot_metrics());
+    }
+
+    /// Whether this agent's socket programs are attached.
+    pub fn sockets_attached(&self) -> bool {
+        self.dp.sockets_attached()
+    }
+
+    /// Whether all of this agent's programs are attached.
+    pub fn attached(&self) -> bool {
+        self.dp.is_attached()
+    }
+
+    /// Whether everything has been attached, or tried to be (the first attempt after the
+    /// verification; what failed is /healthz's to say).
+    pub fn attach_tried(&self) -> bool {
+        self.attach_tried
+    }
+
+    /// Turns true when the tc programs' verification ends.
+    pub fn verified_watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.dp.verified_watch()
     }
 
     /// Has the connection-tracking sweep started, once: after this agent's programs are attached,
@@ -432,6 +492,7 @@ impl Agent {
             failing: self.retry.owners().cloned().collect(),
             retiring: self.programmed.retiring.len(),
             attached: self.dp.is_attached(),
+            sockets_attached: self.dp.sockets_attached(),
             node_failing: self.retry.node_failing(),
             unserved: self
                 .desired
@@ -572,7 +633,7 @@ impl Agent {
             // Due again whether or not the programs are attached (a failed attach is tried
             // at the next sync): a deadline left in the past would have the loop spin.
             self.next_check = now + self.upkeep.check_every;
-            if self.dp.is_attached() {
+            if self.dp.sockets_attached() {
                 self.check_pins();
                 // A health check port that could not be bound (in use) is tried again.
                 self.effects.push(Effect::HealthRetry);

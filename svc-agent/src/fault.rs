@@ -11,6 +11,13 @@ pub const STALE_UDP_PAUSE: &str = "stale-udp-pause";
 /// After each write of SVC_NODE_ADDRS or SVC_CONFIG (a handful of entries written in
 /// microseconds), between two of them.
 pub const NODE_WRITE_PAUSE: &str = "node-write-pause";
+/// On the thread verifying the tc programs, once they are loaded: the window between the
+/// socket programs' attach (after the first sync) and the tc programs'.
+pub const TC_VERIFY_PAUSE: &str = "tc-verify-pause";
+
+/// The tc program named by this point's value (`SVC_TEST_TC_REFUSED`) is taken as refused by
+/// the kernel, after `TC_VERIFY_PAUSE`: what a verifier that rejects it would answer.
+pub const TC_REFUSED: &str = "tc-refused";
 
 /// The start check (`features.rs`) takes the feature whose name contains this point's value
 /// (`SVC_TEST_KERNEL_LACKS`) as missing: what an older kernel would answer.
@@ -18,10 +25,11 @@ pub const KERNEL_LACKS: &str = "kernel-lacks";
 
 /// Each point and the variable the tests set to its pause, in milliseconds.
 #[cfg(feature = "failpoints")]
-const PAUSES: [(&str, &str); 3] = [
+const PAUSES: [(&str, &str); 4] = [
     (HANDOVER_PAUSE, "SVC_TEST_HANDOVER_PAUSE_MS"),
     (STALE_UDP_PAUSE, "SVC_TEST_STALE_UDP_PAUSE_MS"),
     (NODE_WRITE_PAUSE, "SVC_TEST_NODE_WRITE_PAUSE_MS"),
+    (TC_VERIFY_PAUSE, "SVC_TEST_TC_VERIFY_PAUSE_MS"),
 ];
 
 /// Turns on the pauses the environment asks for (a variable that is not a number is
@@ -36,9 +44,14 @@ pub fn setup() {
             tracing::warn!("fail point {point}: {e}");
         }
     }
-    if let Ok(name) = std::env::var("SVC_TEST_KERNEL_LACKS") {
-        if let Err(e) = fail::cfg(KERNEL_LACKS, &format!("return({name})")) {
-            tracing::warn!("fail point {KERNEL_LACKS}: {e}");
+    for (point, var) in [
+        (KERNEL_LACKS, "SVC_TEST_KERNEL_LACKS"),
+        (TC_REFUSED, "SVC_TEST_TC_REFUSED"),
+    ] {
+        if let Ok(name) = std::env::var(var) {
+            if let Err(e) = fail::cfg(point, &format!("return({name})")) {
+                tracing::warn!("fail point {point}: {e}");
+            }
         }
     }
 }

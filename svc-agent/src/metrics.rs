@@ -425,6 +425,8 @@ struct Inner {
     unserved: Vec<String>,
     node_failing: bool,
     attached: bool,
+    /// The socket programs are attached, the rest perhaps not yet.
+    sockets_attached: bool,
     /// The last repair attempt left the datapath incomplete.
     datapath_broken: bool,
     /// The sync loop's last turn.
@@ -481,7 +483,10 @@ pub struct Programmed {
     /// Services that could not be programmed.
     pub failing: Vec<String>,
     pub retiring: usize,
+    /// Every program: the socket programs, the tc and XDP programs.
     pub attached: bool,
+    /// The socket programs (which serve ClusterIPs to the cgroup's sockets).
+    pub sockets_attached: bool,
     /// The node's addresses (SVC_NODE_ADDRS) or datapath settings could not all be written;
     /// retried with backoff.
     pub node_failing: bool,
@@ -514,6 +519,7 @@ impl Metrics {
                 unserved: Vec::new(),
                 node_failing: false,
                 attached: false,
+                sockets_attached: false,
                 datapath_broken: false,
                 alive: None,
                 snat_degraded: None,
@@ -633,6 +639,7 @@ impl Metrics {
         i.unserved = state.unserved;
         i.node_failing = state.node_failing;
         i.attached = state.attached;
+        i.sockets_attached = state.sockets_attached;
     }
 
     /// The sync loop took a turn.
@@ -742,7 +749,13 @@ impl Metrics {
             problems.push("the node's addresses cannot all be programmed (SVC_NODE_ADDRS)".into());
         }
         if i.last_synced.is_some() && !i.attached {
-            problems.push("programs not attached".into());
+            problems.push(if i.sockets_attached {
+                "the packet datapath is not attached yet (its programs are being verified): \
+                 ClusterIPs answer, NodePorts, externalIPs and LoadBalancer addresses not yet"
+                    .into()
+            } else {
+                "programs not attached".into()
+            });
         }
         if i.datapath_broken {
             problems.push("pins or links missing and not repaired".into());

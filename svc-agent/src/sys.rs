@@ -88,6 +88,38 @@ pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()>
     bpf(BPF_LINK_UPDATE, &mut attr).map(|_| ())
 }
 
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_LINK_CREATE: libc::c_long = 28;
+
+/// Attaches `prog` to the cgroup `target` at `attach_type` through a new bpf link
+/// (BPF_LINK_CREATE, no flags: what aya's cgroup attach makes), for a program whose aya object
+/// is held by another thread (the one verifying the tc programs).
+pub fn link_create(
+    prog: BorrowedFd<'_>,
+    target: BorrowedFd<'_>,
+    attach_type: u32,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::zeroed();
+    // struct { __u32 prog_fd; __u32 target_fd; __u32 attach_type; __u32 flags; ... }
+    attr.put_u32(0, prog.as_raw_fd() as u32);
+    attr.put_u32(4, target.as_raw_fd() as u32);
+    attr.put_u32(8, attach_type);
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new file descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Pins a BPF object (here: a link) at `path`.
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut attr = Attr::zeroed();
+    // struct { __aligned_u64 pathname; __u32 bpf_fd; __u32 file_flags; }
+    attr.put_u64(0, c.as_ptr() as u64);
+    attr.put_u32(8, fd.as_raw_fd() as u32);
+    bpf(BPF_OBJ_PIN, &mut attr).map(|_| ())
+}
+
 /// Mounts bpffs at `/sys/fs/bpf` when nothing is mounted there (it is not at boot on some hosts).
 pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
     let root = Path::new("/sys/fs/bpf");

@@ -16,6 +16,10 @@ use crate::sys::{die_with_parent, ensure_bpffs, run, signal, unique_name, TempDi
 
 /// The line the agent prints once after its first full sync.
 pub const READY_LINE: &str = "svc-agent: ready";
+/// The line the agent prints once after its first full sync, when its socket programs are
+/// attached (ClusterIPs answer); `READY_LINE` follows when the rest is (the tc and XDP
+/// programs), at once on a restart.
+pub const SERVING_LINE: &str = "svc-agent: serving";
 /// The line the agent prints after each sync that changed the maps.
 pub const SYNCED_LINE: &str = "svc-agent: synced";
 
@@ -469,7 +473,8 @@ impl Agent {
         Ok(())
     }
 
-    fn log_path(&self) -> PathBuf {
+    /// The file the current run logs to.
+    pub fn log_path(&self) -> PathBuf {
         self.log_dir.join(format!("agent-{}.log", self.starts))
     }
 

@@ -161,6 +161,32 @@ impl Proxy {
         ready_timeout: Duration,
         uplink: bool,
     ) -> Result<Proxy> {
+        Self::start_until(
+            kind,
+            cp,
+            tools,
+            x,
+            kube_proxy,
+            ready_timeout,
+            uplink,
+            crate::agent::READY_LINE,
+        )
+    }
+
+    /// `start_within`, returning once svc's agent has printed `svc_line` (`SERVING_LINE`:
+    /// its socket programs attached; without the uplink, before its tc programs are); the
+    /// same for kube-proxy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_until(
+        kind: ProxyKind,
+        cp: &ControlPlane,
+        tools: &Tools,
+        x: u8,
+        kube_proxy: Option<&Path>,
+        ready_timeout: Duration,
+        uplink: bool,
+        svc_line: &str,
+    ) -> Result<Proxy> {
         let mut sb = Sandbox::with_x(tools.clone(), x)?;
         sb.add_default_route()?;
         if uplink {
@@ -196,7 +222,15 @@ impl Proxy {
             }
             ProxyKind::Svc => {
                 let bpffs = sb.bpffs()?;
-                let mut agent = sb.agent_kube(&bpffs, cp, NODE, &[])?;
+                let mut agent = Agent::start_kube(
+                    &tools.agent,
+                    cp.kubeconfig_path(),
+                    NODE,
+                    sb.cgroup().path(),
+                    bpffs.path(),
+                    &[],
+                )?;
+                agent.wait_for_lines(svc_line, 1, AGENT_READY_TIMEOUT)?;
                 // A failed scenario shows the end of the log itself.
                 agent.quiet();
                 Runner::Svc {

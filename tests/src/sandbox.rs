@@ -552,6 +552,41 @@ impl Sandbox {
         Ok(report)
     }
 
+    /// `sweep` over each of `shards` at once, one probe process per shard: the reports
+    /// summed, `elapsed_us` the wall time of the whole (a sweep's resolution, shortened).
+    pub fn sweep_shards(
+        &self,
+        shards: &[std::path::PathBuf],
+        timeout_ms: u64,
+        within: Duration,
+    ) -> Result<SweepReport> {
+        let t0 = std::time::Instant::now();
+        let runs = shards
+            .iter()
+            .map(|targets| {
+                self.spawn_client(&[
+                    "sweep".into(),
+                    "--targets".into(),
+                    targets.display().to_string(),
+                    "--timeout-ms".into(),
+                    timeout_ms.to_string(),
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut all = SweepReport::default();
+        for run in runs {
+            let r: SweepReport = run.wait(within)?;
+            self.check_placement(&r.cgroup, r.netns_ino)?;
+            all.ok += r.ok;
+            all.failed += r.failed;
+            all.first_failures.extend(r.first_failures);
+            all.cgroup = r.cgroup;
+            all.netns_ino = r.netns_ino;
+        }
+        all.elapsed_us = t0.elapsed().as_micros() as u64;
+        Ok(all)
+    }
+
     /// `svc-probe loop` with no pause between connections: the new-connection rate.
     pub fn spawn_loop_flat_out(&self, to: SocketAddr, duration: Duration) -> Result<ClientRun> {
         self.spawn_client(&[

@@ -2084,6 +2084,123 @@ fn a_kernel_without_a_helper_is_named_at_start() {
     );
 }
 
+/// Issue 37's start order: a Service of one remote endpoint, its ClusterIP asked from pod 1
+/// inside the agent's cgroup (the socket programs' work) and its NodePort from outside (the
+/// tc programs'). Returns the NodePort's address.
+fn start_order_service(t: &Topo) -> SocketAddr {
+    t.service("web", nodeport("web", 11, 30081));
+    t.endpoints("web", &[REMOTE_POD]);
+    sa(NODE1, 30081)
+}
+
+/// One connection to the ClusterIP of `start_order_service` from pod 1, inside the cgroup.
+fn cluster_ip_from_the_cgroup(t: &Topo) -> svc_tests::Report {
+    svc_tests::ClientRun::spawn(
+        &t.tools.probe,
+        &t.cgroup,
+        &t.pod1,
+        &["tcp".into(), "--to".into(), "10.96.0.11:80".into()],
+    )
+    .expect("probe in pod1")
+    .wait(Duration::from_secs(20))
+    .expect("probe report")
+}
+
+/// Issue 37: on a cold start the socket programs attach once the first sync has written the
+/// maps (`svc-agent: serving`), the tc programs once the kernel has verified them
+/// (`svc-agent: ready`). Killed between the two (the verification held back by a test
+/// pause), the agent leaves ClusterIPs answering the cgroup's sockets and no program on the
+/// device, so the NodePort does not answer; /healthz said so before the kill. The next agent
+/// adopts the pins and the maps, attaches the rest, and the NodePort answers.
+#[test]
+fn a_kill_between_the_socket_and_the_tc_attach_is_completed_by_the_next_agent() {
+    let mut t = Topo::new();
+    let np = start_order_service(&t);
+    t.agent_env = vec!["SVC_TEST_TC_VERIFY_PAUSE_MS=600000".into()];
+    t.launch_agent(&["--metrics-bind-address", "127.0.0.1:10249"]);
+    t.agent()
+        .wait_for_lines(svc_tests::agent::SERVING_LINE, 1, AGENT_READY_TIMEOUT)
+        .expect("socket programs attached");
+    assert_eq!(t.agent().count_lines(svc_tests::agent::READY_LINE), 0);
+    let r = cluster_ip_from_the_cgroup(&t);
+    assert!(r.all_ok(), "ClusterIP before the tc attach: {r:?}");
+    assert_eq!(r.results[0].backend.as_deref(), Some("pod2"), "{r:?}");
+    assert_eq!(t.node1_eth0_programs(), (0, 0));
+    let (status, body) = in_ns(&t.node1, || {
+        http_get_path(sa("127.0.0.1", 10249), "/healthz").expect("GET /healthz")
+    });
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("the packet datapath is not attached yet"),
+        "{body}"
+    );
+    let unanswered = in_ns(&t.client, move || tcp_once(np, SILENCE));
+    assert!(
+        unanswered.is_err(),
+        "NodePort before the tc attach: {unanswered:?}"
+    );
+
+    t.agent().kill().expect("SIGKILL");
+    let r = cluster_ip_from_the_cgroup(&t);
+    assert!(r.all_ok(), "ClusterIP with the agent killed: {r:?}");
+
+    t.agent = None;
+    t.agent_env.clear();
+    t.start_agent();
+    assert_eq!(t.agent().count_lines(svc_tests::agent::SERVING_LINE), 1);
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+    let got = answered(&t.client, &format!("TCP to {np}"), move || {
+        tcp_once(np, ANSWER)
+    });
+    assert_eq!(got.backend, "pod2", "NodePort after the restart: {got:?}");
+    let r = cluster_ip_from_the_cgroup(&t);
+    assert!(r.all_ok(), "ClusterIP after the restart: {r:?}");
+}
+
+/// Issue 37: a tc program the kernel refuses (a test's fault, after a pause that lets the
+/// first sync and the socket programs' attach come first, as the verifier's seconds do on a
+/// cold start) stops the agent with an error naming it, before `ready`. The socket programs
+/// the kernel accepted stay attached, as a stopped agent's do, and serve the maps the first
+/// sync wrote; nothing is on the device. The next agent, whose programs load, attaches
+/// everything.
+#[test]
+fn a_refused_tc_program_stops_the_agent_and_leaves_its_socket_programs_serving() {
+    let mut t = Topo::new();
+    let np = start_order_service(&t);
+    t.agent_env = vec![
+        "SVC_TEST_TC_VERIFY_PAUSE_MS=2000".into(),
+        "SVC_TEST_TC_REFUSED=tc_ext_ingress".into(),
+    ];
+    t.launch_agent(&[]);
+    t.agent()
+        .wait_for_lines(svc_tests::agent::SERVING_LINE, 1, AGENT_READY_TIMEOUT)
+        .expect("socket programs attached");
+    let status = poll(AGENT_READY_TIMEOUT, || t.agent().exited()).expect("the agent stops");
+    assert!(!status.success());
+    let log = t.agent().log();
+    assert!(
+        log.contains("tc_ext_ingress: refused by the kernel"),
+        "{log}"
+    );
+    assert_eq!(
+        t.agent().count_lines(svc_tests::agent::READY_LINE),
+        0,
+        "{log}"
+    );
+    assert_eq!(t.node1_eth0_programs(), (0, 0));
+    let r = cluster_ip_from_the_cgroup(&t);
+    assert!(r.all_ok(), "ClusterIP after the refusal: {r:?}");
+
+    t.agent = None;
+    t.agent_env.clear();
+    t.start_agent();
+    assert_eq!(t.node1_eth0_programs(), (1, 1));
+    let got = answered(&t.client, &format!("TCP to {np}"), move || {
+        tcp_once(np, ANSWER)
+    });
+    assert_eq!(got.backend, "pod2", "NodePort after the restart: {got:?}");
+}
+
 /// `CMD ARGS...` inside `ns` (nsenter, so tools that read the current namespace, as bpftool
 /// does, see it); its stdout. Panics on failure.
 fn run_in(ns: &NetNs, cmd: &[&str]) -> String {

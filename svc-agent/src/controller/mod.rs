@@ -133,6 +133,8 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
         tracker,
         metrics,
         synced_once: false,
+        serving_said: false,
+        ready_said: false,
     };
     // What the lists brought while the agent started, as if it had come now.
     controller.took_events();
@@ -209,6 +211,9 @@ struct Controller {
     tracker: Box<dyn Tracker>,
     metrics: Arc<Metrics>,
     synced_once: bool,
+    /// `svc-agent: serving` and `svc-agent: ready` were said (`announce_start`).
+    serving_said: bool,
+    ready_said: bool,
 }
 
 impl Controller {
@@ -217,6 +222,9 @@ impl Controller {
     async fn run(mut self, mut events: impl Stream<Item = Event> + Unpin) -> Result<()> {
         let stop = shutdown_signal();
         tokio::pin!(stop);
+        // The end of the tc programs' verification, once: what waited for it is attached.
+        let mut verified = self.agent.verified_watch();
+        let mut verified_seen = false;
         let r = loop {
             let due = self.tracker.due().map(tokio::time::Instant::from_std);
             let upkeep = tokio::time::Instant::from_std(self.agent.next_deadline());
@@ -232,6 +240,12 @@ impl Controller {
                     }
                 }
                 _ = tokio::time::sleep_until(upkeep) => self.agent.tick(Instant::now()),
+                _ = verified.wait_for(|done| *done), if !verified_seen => {
+                    verified_seen = true;
+                    if let Err(e) = self.programs_verified() {
+                        break Err(e);
+                    }
+                }
             }
             self.forward_effects();
             // Liveness is a turn of this loop, however long the upkeep interval is.
@@ -239,6 +253,40 @@ impl Controller {
         };
         info!("stopping; programs stay attached and maps pinned");
         r
+    }
+
+    /// The tc programs are verified, or one was refused: the rest of the datapath goes on
+    /// after the first sync, or the agent stops with the kernel's refusal (the socket
+    /// programs it attached before stay, as a stopped agent's do).
+    fn programs_verified(&mut self) -> Result<()> {
+        self.agent.programs_verified();
+        if let Some(e) = self.agent.load_failed() {
+            return Err(e);
+        }
+        self.forward_effects();
+        self.announce_start();
+        Ok(())
+    }
+
+    /// The two lines of a start, each once, after the first sync: `svc-agent: serving` when
+    /// this agent's socket programs have been attached (ClusterIPs answer the cgroup's
+    /// sockets), `svc-agent: ready` when everything has been (NodePorts, externalIPs and
+    /// LoadBalancer addresses answer too: the tc and XDP programs). Where both go on at once
+    /// (a restart), both are said then. As ever, an attach that failed is said by /healthz,
+    /// not by these lines.
+    fn announce_start(&mut self) {
+        if !self.synced_once {
+            return;
+        }
+        let ready = self.agent.attach_tried();
+        if !self.serving_said && (self.agent.sockets_attached() || ready) {
+            self.serving_said = true;
+            eprintln!("svc-agent: serving");
+        }
+        if !self.ready_said && ready {
+            self.ready_said = true;
+            eprintln!("svc-agent: ready");
+        }
     }
 
     /// Hands the tasks what the agent did since the last call.
@@ -284,8 +332,8 @@ impl Controller {
     }
 
     /// Translates what the tracker hands over and programs it: everything, or only the
-    /// Services that changed. Fails when the first sync finds that the object's programs could
-    /// not be loaded: nothing of it is attached, and this agent never can.
+    /// Services that changed. Fails when a program of the object was refused by the kernel:
+    /// this agent can never attach it.
     fn sync(&mut self) -> Result<()> {
         let agent = &mut self.agent;
         let batch = self.tracker.take(agent.holders());
@@ -309,10 +357,8 @@ impl Controller {
         } else {
             agent.apply_services(&owners, translated)
         };
-        if !self.synced_once {
-            if let Some(e) = agent.load_failed() {
-                return Err(e);
-            }
+        if let Some(e) = agent.load_failed() {
+            return Err(e);
         }
         // Before the sync is announced: its health check ports listen by then.
         self.tasks.handle(agent.take_effects());
@@ -335,7 +381,11 @@ impl Controller {
                 "sync"
             );
         }
-        announce(&report, !std::mem::replace(&mut self.synced_once, true));
+        if report.changed() {
+            eprintln!("svc-agent: synced");
+        }
+        self.synced_once = true;
+        self.announce_start();
         Ok(())
     }
 }
@@ -405,16 +455,6 @@ async fn shutdown_signal() -> Result<()> {
         _ = tokio::signal::ctrl_c() => {}
     }
     Ok(())
-}
-
-/// Stable lines for scripts and tests, independent of the log format.
-fn announce(report: &SyncReport, first: bool) {
-    if report.changed() {
-        eprintln!("svc-agent: synced");
-    }
-    if first {
-        eprintln!("svc-agent: ready");
-    }
 }
 
 /// The plan of the first sync `run` would make now: the sources read once, the maps pinned

@@ -6,7 +6,6 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use aya::maps::MapData;
-use aya::programs::{links::FdLink, CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use svc_common::{catalogue, map_names};
 use tracing::{info, warn};
 
@@ -134,7 +133,15 @@ pub(super) fn check_other_svc(dir: &Path, cgroup: &Path, cgroup_id: u64) -> Resu
 }
 
 impl Datapath {
+    /// Whether every program of this agent is attached: the socket programs, and the tc and
+    /// XDP programs (where their devices are), with the resized maps in place (`attach`).
     pub fn is_attached(&self) -> bool {
+        self.attached && self.packet_attached
+    }
+
+    /// Whether this agent's socket programs are attached (`attach_sockets`), the rest perhaps
+    /// not yet.
+    pub fn sockets_attached(&self) -> bool {
         self.attached
     }
 
@@ -143,9 +150,21 @@ impl Datapath {
         PROGRAMS.iter().all(|p| link_pin(&self.dir, p).exists())
     }
 
-    /// Attaches each program to the cgroup through a pinned link, or swaps it into the link
-    /// a previous agent pinned; then finishes migrations and removes pins of other layouts.
-    pub fn attach(&mut self) -> Result<()> {
+    /// Whether the socket programs may attach before the tc programs are verified: every map
+    /// this object uses is the one the pinned programs use (no resized copy waiting for its
+    /// pin, no pin of another layout), so programs of either agent read the same state, as
+    /// during any attach; and no socket program of svc serves the cgroup yet. Where one does
+    /// (a restart), it serves the maps the first sync wrote already, and swapping the socket
+    /// programs alone would gain nothing: the swap stays one moment, after the verification.
+    pub fn sockets_first(&self) -> bool {
+        self.staged.is_empty()
+            && self.obsolete.is_empty()
+            && !PROGRAMS.iter().any(|p| link_pin(&self.dir, p).exists())
+    }
+
+    /// Attaches each socket program to the cgroup through a pinned link, or swaps it into the
+    /// link a previous agent pinned. Does not wait for the tc programs' verification.
+    pub fn attach_sockets(&mut self) -> Result<()> {
         // Again: another agent may have attached since `open` (both started at once).
         check_other_svc(&self.dir, &self.cgroup, self.cgroup_id)?;
         let cgroup_file = File::open(&self.cgroup).map_err(|e| io_err(&self.cgroup, e))?;
@@ -153,6 +172,19 @@ impl Datapath {
             self.attach_one(name, &cgroup_file, true)?;
         }
         self.attached = true;
+        Ok(())
+    }
+
+    /// Attaches everything not attached yet: the socket programs (`attach_sockets`), then
+    /// the tc and XDP programs on their devices; then finishes migrations and removes pins of
+    /// other layouts. Waits for the tc programs' verification, and attaches nothing more
+    /// when the kernel refused one of them.
+    pub fn attach(&mut self) -> Result<()> {
+        super::load::ebpf(&mut self.programs)?;
+        if !self.attached {
+            self.attach_sockets()?;
+        }
+        self.packet_attached = true;
         if let Err(e) = self.attach_tc() {
             warn!("attaching the packet datapath: {e}");
         }
@@ -200,8 +232,11 @@ impl Datapath {
 
     pub(super) fn attach_one(&mut self, name: &str, cgroup_file: &File, swap: bool) -> Result<()> {
         let pin = link_pin(&self.dir, name);
-        let prog = super::load::ebpf(&mut self.programs)?
-            .program_mut(name)
+        let prog = self
+            .sockets
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, fd)| fd.as_fd())
             .ok_or_else(|| load_err(name, "program missing from the object"))?;
         if pin.exists() {
             let link = sys::obj_get(&pin).map_err(|e| load_err(pin.display(), e))?;
@@ -209,9 +244,7 @@ impl Datapath {
                 sys::link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
             if attached_to == self.cgroup_id {
                 if swap {
-                    let fd = prog.fd().map_err(|e| load_err(name, e))?;
-                    sys::link_update(link.as_fd(), fd.as_fd())
-                        .map_err(|e| load_err(pin.display(), e))?;
+                    sys::link_update(link.as_fd(), prog).map_err(|e| load_err(pin.display(), e))?;
                     info!(program = name, "replaced the program of the pinned link");
                 }
                 return Ok(());
@@ -229,25 +262,17 @@ impl Datapath {
             // Detached behind our back (its cgroup is gone, or someone detached it): replace.
             std::fs::remove_file(&pin).map_err(|e| io_err(&pin, e))?;
         }
-        // A bpf link takes no attach flags; links to one cgroup coexist with other links.
-        let attaching = |e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e);
-        // The two program types share no trait for attach and take_link.
-        macro_rules! attach_as {
-            ($kind:ty) => {{
-                let prog = <&mut $kind>::try_from(prog).map_err(|e| load_err(name, e))?;
-                let id = prog
-                    .attach(cgroup_file, CgroupAttachMode::Single)
-                    .map_err(attaching)?;
-                let link = prog.take_link(id).map_err(|e| load_err(name, e))?;
-                FdLink::try_from(link).map_err(|e| load_err(name, e))?
-            }};
-        }
-        let link = if name == sys::SOCK_RELEASE {
-            attach_as!(CgroupSock)
-        } else {
-            attach_as!(CgroupSockAddr)
-        };
-        link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
+        let attach_type = sys::ATTACH_POINTS
+            .iter()
+            .find(|(_, n)| *n == name)
+            .map(|(t, _)| *t)
+            .ok_or_else(|| load_err(name, "not a cgroup attach point of svc"))?;
+        // A bpf link with no attach flags, as aya's attach makes it: links to one cgroup
+        // coexist with other links. Made by hand, as the program's aya object may be on the
+        // verifying thread.
+        let link = sys::link_create(prog, cgroup_file.as_fd(), attach_type)
+            .map_err(|e| load_err(format!("attaching {name} to {}", self.cgroup.display()), e))?;
+        sys::obj_pin(link.as_fd(), &pin).map_err(|e| load_err(pin.display(), e))?;
         info!(program = name, cgroup = %self.cgroup.display(), "attached");
         Ok(())
     }

@@ -117,6 +117,20 @@ impl Datapath {
             }
             tc_loaded.push(name);
         }
+        // The socket programs' own descriptors: they attach while the object is on the
+        // verifying thread (`attach_sockets`).
+        let mut sockets = Vec::new();
+        for name in PROGRAMS {
+            let fd = ebpf
+                .program(name)
+                .ok_or_else(|| load_err(name, "program missing from the object"))?
+                .fd()
+                .map_err(|e| load_err(name, e))?
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(|e| load_err(name, e))?;
+            sockets.push((name, fd));
+        }
         let xdp_loaded = match ebpf.program_mut(xdp::XDP_PROGRAM) {
             Some(prog) => {
                 <&mut aya::programs::Xdp>::try_from(prog)
@@ -157,8 +171,9 @@ impl Datapath {
         }
         // The tc programs are the verifier's longest work, and nothing reads them before
         // `attach`: they are verified on a thread of their own while the first sync is
-        // listed, translated and written (the maps they use are created already).
-        let programs = Programs::verify(ebpf, tc_loaded.clone(), started);
+        // listed, translated and written (the maps they use are created already), and the
+        // socket programs may attach before they are done (`attach_sockets`).
+        let (programs, verified) = Programs::verify(ebpf, tc_loaded.clone(), started);
         let carried = carry_ct_v1(&mut store, dir)?;
         if carried > 0 {
             info!(
@@ -207,10 +222,13 @@ impl Datapath {
             lock,
             dir_ino,
             programs,
+            verified,
+            sockets,
             store,
             cgroup: cgroup.to_path_buf(),
             cgroup_id,
             attached: false,
+            packet_attached: false,
             staged,
             obsolete: other_versions(dir),
             tc_loaded,
@@ -284,7 +302,15 @@ impl Programs {
         }
     }
 
-    fn verify(mut ebpf: Ebpf, tc: Vec<&'static str>, started: std::time::Instant) -> Programs {
+    /// Starts verifying the tc programs `tc` of `ebpf` on a thread; the receiver turns true
+    /// once that thread is done (whether they loaded or not), for a caller that must not
+    /// wait for it.
+    fn verify(
+        mut ebpf: Ebpf,
+        tc: Vec<&'static str>,
+        started: std::time::Instant,
+    ) -> (Programs, tokio::sync::watch::Receiver<bool>) {
+        let (done, verified) = tokio::sync::watch::channel(false);
         let spawned = std::thread::Builder::new()
             .name("svc-verify".into())
             .spawn(move || {
@@ -295,11 +321,24 @@ impl Programs {
                         "loaded the tc programs"
                     );
                 }
+                fail::fail_point!(crate::fault::TC_VERIFY_PAUSE);
+                #[cfg(feature = "failpoints")]
+                let r = match fail::eval(crate::fault::TC_REFUSED, |v| v) {
+                    Some(Some(name)) if r.is_ok() => Err(load_err(
+                        name,
+                        "refused by the kernel (SVC_TEST_TC_REFUSED, a test's fault)",
+                    )),
+                    _ => r,
+                };
+                done.send_replace(true);
                 (ebpf, r)
             });
         match spawned {
-            Ok(handle) => Programs::Verifying(handle),
-            Err(e) => Programs::Failed(format!("starting the verifying thread: {e}"), None),
+            Ok(handle) => (Programs::Verifying(handle), verified),
+            Err(e) => (
+                Programs::Failed(format!("starting the verifying thread: {e}"), None),
+                tokio::sync::watch::channel(true).1,
+            ),
         }
     }
 }
@@ -348,10 +387,24 @@ pub(super) fn ebpf(programs: &mut Programs) -> Result<&mut Ebpf> {
 }
 
 impl Datapath {
-    /// The error of a program the kernel refused (waiting for the tc programs' verification):
-    /// this agent can never attach.
+    /// The error of a program the kernel refused, once the tc programs' verification has
+    /// ended (None before: this never waits for it): this agent can never attach them.
     pub fn load_failed(&mut self) -> Option<crate::Error> {
+        if !self.programs_verified() {
+            return None;
+        }
         ebpf(&mut self.programs).err()
+    }
+
+    /// Whether the tc programs' verification has ended, loaded or refused: `attach` then
+    /// does not wait.
+    pub fn programs_verified(&self) -> bool {
+        *self.verified.borrow()
+    }
+
+    /// Turns true when the tc programs' verification ends, for a loop that waits on it.
+    pub fn verified_watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.verified.clone()
     }
 }
 

@@ -17,7 +17,9 @@
 //! Links are pinned so the datapath outlives the agent: a stopped agent leaves connections
 //! working, and a new one swaps its programs into the existing links (BPF_LINK_UPDATE), so a
 //! cgroup is never without its hooks. A new agent attaches only after its first sync, so the
-//! programs it swaps in never see maps that are still being filled.
+//! programs it swaps in never see maps that are still being filled. On a cold start the socket
+//! programs go on first, the tc and XDP programs once the kernel has verified them
+//! (docs/design/architecture.md, "Startup: what overlaps").
 
 mod cgroup;
 mod load;
@@ -118,10 +120,19 @@ pub struct Datapath {
     dir_ino: u64,
     /// Reached through `ebpf()`, which waits for the tc programs' verification.
     programs: load::Programs,
+    /// True once that verification has ended (`programs_verified`).
+    verified: tokio::sync::watch::Receiver<bool>,
+    /// The socket programs (each of `PROGRAMS`) by name: their own descriptors, so that they
+    /// attach while the tc programs are verified.
+    sockets: Vec<(&'static str, std::os::fd::OwnedFd)>,
     pub store: BpfStore,
     cgroup: PathBuf,
     cgroup_id: u64,
+    /// The socket programs are attached (`attach_sockets`).
     attached: bool,
+    /// The rest is too, the tc and XDP programs, and the resized maps have taken their pins
+    /// (`attach`).
+    packet_attached: bool,
     /// Maps created beside a pin of another size, waiting for `attach`.
     staged: Vec<&'static str>,
     /// Pins of other layout versions, removed once our programs are attached.

@@ -67,6 +67,9 @@ impl Datapath {
                     Err(e) => errors.push(e),
                 }
             }
+        }
+        // Not before they are attached: until then their verification may still run.
+        if self.packet_attached {
             for (program, at, device) in self.tc_wanted() {
                 if self.tc_mode == TcMode::Classic {
                     // Someone deleted the filter or the clsact qdisc (`tc qdisc del dev X

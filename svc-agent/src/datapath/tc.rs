@@ -138,14 +138,15 @@ impl Datapath {
     }
 
     /// Sets the devices the tc programs belong on; once attached, attaches them there (and
-    /// detaches them from devices no longer chosen). Returns what changed, in words.
+    /// detaches them from devices no longer chosen). Returns what changed, in words. Before
+    /// then (their verification may still run), `attach` takes them.
     pub fn set_tc_devices(
         &mut self,
         external: Vec<Device>,
         pods: Vec<Device>,
     ) -> Result<Vec<String>> {
         self.tc_devices = (external, pods);
-        if self.attached {
+        if self.packet_attached {
             let mut done = self.attach_tc()?;
             done.extend(self.attach_xdp()?);
             Ok(done)

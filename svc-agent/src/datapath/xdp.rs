@@ -79,7 +79,7 @@ impl Datapath {
     /// Sets the XDP mode; once attached, brings the devices in line with it.
     pub fn set_xdp_mode(&mut self, mode: XdpMode) -> Result<Vec<String>> {
         self.xdp_mode = mode;
-        if self.attached {
+        if self.packet_attached {
             self.attach_xdp()
         } else {
             Ok(Vec::new())

@@ -8,8 +8,10 @@
 //! only one proxy runs at a time, so CPU and memory are its own. Per proxy:
 //!
 //! 1. start: from spawning the proxy to its ready signal (svc: `svc-agent: ready`; kube-proxy:
-//!    its first rules sync), then to the end of the first sweep in which every one of the N
+//!    its first rules sync), and to the end of the first sweep in which every one of the N
 //!    ClusterIPs answered a TCP connection (`svc-probe sweep`, one connection each, in turn);
+//!    the sweeps start at svc's first signal (`svc-agent: serving`: its socket programs
+//!    attached, which may precede its tc programs' and `ready`), at kube-proxy's ready signal;
 //! 2. change latency: sequential EndpointSlice writes, each moving one Service between its 10
 //!    endpoints and an 11th backend, `b11`, timed from just before the API write to the end of
 //!    the first client probe answered by the new side (a probe is a process: it adds a few
@@ -91,6 +93,11 @@ struct Args {
     /// No turn starts after this many minutes of the run; those left are listed as not run.
     #[arg(long)]
     stop_after_min: Option<u64>,
+    /// Probe processes that sweep the ClusterIPs at once, each over its share: more of them
+    /// find every Service answering sooner after it does (a sweep is the start measure's
+    /// resolution). One by default, as the earlier runs.
+    #[arg(long, default_value_t = 1)]
+    sweep_shards: u32,
     /// Quick: 1,000 Services, 3 rounds, 10 changes.
     #[arg(long)]
     quick: bool,
@@ -140,6 +147,10 @@ struct Sample {
     round: u32,
     proxy: String,
     ready_s: f64,
+    /// svc: to its first signal, the socket programs attached (the sweeps start there);
+    /// kube-proxy: its ready signal.
+    #[serde(default)]
+    serving_s: f64,
     all_answering_s: f64,
     /// How long the sweep that found every Service answering took: the resolution of
     /// `all_answering_s`.
@@ -221,7 +232,8 @@ struct Turn<'a> {
     rt: &'a tokio::runtime::Runtime,
     tools: &'a Tools,
     kube_proxy: &'a Path,
-    targets: &'a Path,
+    /// The ClusterIPs, in `--sweep-shards` files.
+    targets: &'a [PathBuf],
     args: &'a Args,
     n: u32,
     /// Which Services a change has moved to b11, kept across turns.
@@ -233,7 +245,9 @@ struct Turn<'a> {
 fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     eprintln!("  {} ({} Services), round {}", kind.label(), t.n, round + 1);
     let started = Instant::now();
-    let proxy = Proxy::start_within(
+    // svc: from its first signal (the socket programs attached), which may come before its
+    // ready signal (the tc programs attached too); that one is watched for meanwhile.
+    let proxy = Proxy::start_until(
         kind,
         t.cp,
         t.tools,
@@ -241,8 +255,26 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         Some(t.kube_proxy),
         Duration::from_secs(t.args.give_up_s),
         false,
+        svc_tests::agent::SERVING_LINE,
     )?;
-    let ready = started.elapsed();
+    let serving = started.elapsed();
+    let ready_watch = proxy.agent().map(|a| {
+        let log = a.log_path();
+        let give_up = Duration::from_secs(t.args.give_up_s);
+        std::thread::spawn(move || loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text
+                .lines()
+                .any(|l| l.trim() == svc_tests::agent::READY_LINE)
+            {
+                return Some(started.elapsed());
+            }
+            if started.elapsed() > give_up {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        })
+    });
     let _backends: Vec<_> = (1..=OTHER)
         .map(|k| proxy.serve(k, &[TARGET_PORT]))
         .collect::<Result<_>>()?;
@@ -255,7 +287,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     // The Services a change moved to b11 answer from b11; a sweep only needs an answer.
     let (all_answering, last_sweep) = loop {
         interrupt::check()?;
-        let r = proxy.sb.sweep(
+        let r = proxy.sb.sweep_shards(
             t.targets,
             1000,
             Duration::from_secs(30 + u64::from(t.n) / 10),
@@ -274,8 +306,16 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
             );
         }
     };
+    let ready = match ready_watch {
+        Some(w) => w
+            .join()
+            .map_err(|_| anyhow::anyhow!("the ready watch panicked"))?
+            .context("no ready signal")?,
+        None => serving,
+    };
     eprintln!(
-        "    ready {:.2} s, every Service answering {:.2} s (last sweep {:.2} s)",
+        "    serving {:.2} s, ready {:.2} s, every Service answering {:.2} s (last sweep {:.2} s)",
+        serving.as_secs_f64(),
         ready.as_secs_f64(),
         all_answering.as_secs_f64(),
         last_sweep.as_secs_f64()
@@ -338,6 +378,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         round,
         proxy: kind.id().into(),
         ready_s: ready.as_secs_f64(),
+        serving_s: serving.as_secs_f64(),
         all_answering_s: all_answering.as_secs_f64(),
         last_sweep_s: last_sweep.as_secs_f64(),
         change_p50_ms: percentile(&latencies, 0.5).as_secs_f64() * 1e3,
@@ -424,6 +465,14 @@ const MEASURES: &[Measure] = &[
         digits: 2,
         higher_better: false,
         get: |s| s.ready_s,
+    },
+    Measure {
+        name: "start → serving signal (s) (svc: socket programs attached)",
+        file: "serving",
+        unit: "seconds",
+        digits: 2,
+        higher_better: false,
+        get: |s| s.serving_s,
     },
     Measure {
         name: "endpoint change followed, p50 (ms)",
@@ -827,12 +876,17 @@ fn measure(args: &mut Args) -> Result<Results> {
             "{n} Services and slices created in {:.1} s",
             t.elapsed().as_secs_f64()
         );
-        let targets = scratch.path().join(format!("targets-{n}"));
-        let mut list = String::new();
-        for i in 0..n {
-            let _ = writeln!(list, "{}:{PORT}", bulk::cluster_ip(i));
+        let shards = args.sweep_shards.max(1);
+        let mut targets = Vec::new();
+        for k in 0..shards {
+            let path = scratch.path().join(format!("targets-{n}-{k}"));
+            let mut list = String::new();
+            for i in (0..n).filter(|i| i % shards == k) {
+                let _ = writeln!(list, "{}:{PORT}", bulk::cluster_ip(i));
+            }
+            std::fs::write(&path, list)?;
+            targets.push(path);
         }
-        std::fs::write(&targets, list)?;
         let mut moved = vec![false; n as usize];
         let mut next = 0;
         for round in 0..args.rounds {
