@@ -1560,7 +1560,7 @@ fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
             },
         },
     });
-    apply(cp, &[daemonset.clone()])?;
+    apply(cp, std::slice::from_ref(&daemonset))?;
     let vip = serve_web(&mut env, cp)?;
     let ds_flag = format!("{name}/svc-agent");
     let flags = ["--service-proxy-name", name, "--daemonset", &ds_flag];
@@ -1651,7 +1651,7 @@ fn removed_from_the_node(cp: &ControlPlane, name: &str) -> Result<()> {
          "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": name}]},
     ]);
     apply(cp, rbac.as_array().expect("objects"))?;
-    apply(cp, &[daemonset.clone()])?;
+    apply(cp, std::slice::from_ref(&daemonset))?;
     let sa_kubeconfig = cp.service_account_kubeconfig(name, &sa)?;
     let agent = env
         .sb
