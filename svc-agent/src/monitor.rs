@@ -69,6 +69,10 @@ pub struct Decision {
     /// random, affinity, sticky, hashed, maglev: how the backend was chosen (socket hooks).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub how: Option<&'static str>,
+    /// A known flow's packet (tc, XDP): closing, closed or reset as it went by; absent while
+    /// the flow is open.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flow: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ifindex: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -347,7 +351,9 @@ impl Listener {
                 132 => "sctp".to_string(),
                 n => n.to_string(),
             },
+            flow: tc.then(|| flow_state(e.how)).flatten(),
             how: match e.how as u32 {
+                _ if tc => None,
                 how::RANDOM => Some("random"),
                 how::AFFINITY => Some("affinity"),
                 how::STICKY => Some("sticky"),
@@ -382,12 +388,30 @@ pub fn sample_for(sample: u32, rate: u64) -> u32 {
     }
 }
 
+/// A known flow's state after its packet, from the `ct_flags` a tc or XDP event carries:
+/// reset, closed (a FIN each way), closing (a FIN), or None while it is open.
+fn flow_state(flags: u8) -> Option<&'static str> {
+    use svc_common::ct_flags::{FIN, FIN_FORWARD, FIN_REPLY, RST};
+    let flags = u16::from(flags);
+    if flags & RST != 0 {
+        Some("reset")
+    } else if flags & (FIN_FORWARD | FIN_REPLY) == FIN_FORWARD | FIN_REPLY {
+        Some("closed")
+    } else if flags & FIN != 0 {
+        Some("closing")
+    } else {
+        None
+    }
+}
+
 /// What the decision came to, in a word.
 fn verdict(r: Reason) -> &'static str {
     use Reason::*;
     match r {
-        New | Translated | CtHit | FragmentTranslated | IcmpError => "translated",
-        Reply | RevTranslated => "reverse",
+        New | Translated | CtHit | FragmentTranslated | IcmpError | XdpNew | XdpCtHit => {
+            "translated"
+        }
+        Reply | RevTranslated | XdpReply => "reverse",
         RefusedNoBackend | RefusedNoPort => "refused",
         RejectNoBackend => "rejected",
         _ if r.name().starts_with("drop") || r.name().starts_with("err") => "dropped",
@@ -448,6 +472,9 @@ pub fn render_text(d: &Decision) -> String {
     ));
     if let Some(h) = d.how {
         line.push_str(&format!(" ({h})"));
+    }
+    if let Some(f) = d.flow {
+        line.push_str(&format!(" flow {f}"));
     }
     if let Some(i) = d.ifindex {
         line.push_str(&format!(" dev {i}"));
@@ -529,9 +556,23 @@ mod tests {
             snat: None,
             protocol: "tcp".into(),
             how: Some("random"),
+            flow: None,
             ifindex: None,
             socket_cookie: None,
         }
+    }
+
+    #[test]
+    fn a_known_flows_state_is_named_from_its_flags() {
+        use svc_common::ct_flags::*;
+        let low = |f: u16| f as u8;
+        assert_eq!(flow_state(low(SNAT | SEEN_REPLY)), None);
+        assert_eq!(flow_state(low(FIN | FIN_FORWARD)), Some("closing"));
+        let both = FIN | FIN_FORWARD | FIN_REPLY;
+        assert_eq!(flow_state(low(both)), Some("closed"));
+        assert_eq!(flow_state(low(RST | FIN)), Some("reset"));
+        assert_eq!(verdict(Reason::XdpNew), "translated");
+        assert_eq!(verdict(Reason::XdpReply), "reverse");
     }
 
     /// --service matches the Service whatever the port, and not another whose name starts

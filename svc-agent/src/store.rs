@@ -406,7 +406,14 @@ impl BpfStore {
             Op::PutRevNat(k, v) => self.rev_nat.insert(k, v, 0),
             Op::PutName(k, v) => {
                 self.names.insert(k, v, 0)?;
-                self.create_service_stats(*k)
+                // The counters are not the Service: a per-CPU entry the kernel cannot allocate
+                // yet (its pool grows in the background) is made by the next reconcile
+                // (`sync_service_stats`), and never fails or delays the Service's write.
+                if let Err(e) = self.create_service_stats(*k) {
+                    tracing::warn!(frontend = k, error = %e,
+                        "no per-Service counters for this frontend yet: the reconcile makes them");
+                }
+                Ok(())
             }
             Op::PutMatch(k) => self.affinity_match.insert(k, 0, 0),
             Op::PutMeta(v) => self.meta.set(0, v, 0),

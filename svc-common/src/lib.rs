@@ -375,7 +375,9 @@ pub struct MonitorEvent {
     pub nat_sport_be: u16,
     pub nat_dport_be: u16,
     pub proto: u8,
-    /// A `how` constant (socket hooks' choices); 0 when unknown.
+    /// A `how` constant (socket hooks' choices); 0 when unknown. From tc and XDP, a known
+    /// flow's packet (`CtHit`, `Reply`, `XdpCtHit`, `XdpReply`) carries the low byte of the
+    /// flow's `ct_flags` here instead.
     pub how: u8,
     /// A `monitor_source` constant.
     pub source: u8,

@@ -137,8 +137,9 @@ pub fn sock_what(reason: Reason, source: u8, how: u32, id: u32) -> u64 {
 }
 
 /// What a tc program decided about the packet in `s.p`: `what` packs the `Reason` (low
-/// byte), whether `s.src`/`s.dst` hold its translation (second byte, 1) and the frontend id
-/// (high 32 bits).
+/// byte), whether `s.src`/`s.dst` hold its translation (second byte, 1), the low byte of a
+/// known flow's `ct_flags` (third byte, written as the event's `how`; 0 otherwise) and the
+/// frontend id (high 32 bits).
 #[inline(never)]
 pub fn emit_tc(s: &Scratch, what: u64) {
     let now = lb::clock_ns();
@@ -154,7 +155,7 @@ pub fn emit_tc(s: &Scratch, what: u64) {
         (*e).cookie = 0;
         (*e).reason = (what & 0xff) as u32;
         (*e).source = monitor_source::TC;
-        (*e).how = 0;
+        (*e).how = ((what >> 16) & 0xff) as u8;
         (*e).id = (what >> 32) as u32;
         (*e).backend_id = 0;
         (*e).ifindex = p.ifindex;
@@ -183,6 +184,20 @@ pub fn emit_tc(s: &Scratch, what: u64) {
 #[inline(always)]
 pub fn tc_what(reason: Reason, translated: bool, id: u32) -> u64 {
     reason as u64 | (translated as u64) << 8 | (id as u64) << 32
+}
+
+/// A known flow's packet translated by tc or XDP (`CtHit`, `Reply` and their XDP twins),
+/// if a monitor listens: the frontend and the low byte of the flow's `ct_flags` as its lookup
+/// left them (in the event's `how`; FIN, RST and their directions are there), so a monitor
+/// sees a flow's FIN or RST go by.
+#[inline(always)]
+pub fn tc_known(s: &Scratch, reason: Reason) {
+    if listening() {
+        emit_tc(
+            s,
+            tc_what(reason, true, s.v.id) | (s.v.flags as u64 & 0xff) << 16,
+        );
+    }
 }
 
 /// A tc decision about `s.p`, if a monitor listens.

@@ -318,6 +318,8 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
         // The new flow's first packet, as it leaves: its backend, and its SNAT port if any.
         monitor::tc(s, Reason::New, true, s.new.fwd.id);
         count_service(Reason::New, s.new.fwd.id);
+    } else if reason as u32 == Reason::CtHit as u32 || reason as u32 == Reason::Reply as u32 {
+        monitor::tc_known(s, reason);
     }
     OK
 }

@@ -62,11 +62,12 @@ pub fn valid<C: Ctx>(ctx: &C, p: &Pkt) -> bool {
     if u16::from_ne_bytes(check) == csum::fold(pseudo) {
         return !C::XDP;
     }
+    // Unread: valid at tc (as ever), left to tc at XDP, which stores nothing it did not sum.
     if len > MAX_LEN {
-        return true;
+        return !C::XDP;
     }
     let Some(buf) = SVC_CSUM_BUF.get_ptr_mut(0) else {
-        return true;
+        return !C::XDP;
     };
     let buf = buf.cast::<u8>();
     let mut sum = pseudo;
@@ -95,7 +96,7 @@ pub fn valid<C: Ctx>(ctx: &C, p: &Pkt) -> bool {
         // SAFETY: the buffer holds `words` bytes the verifier knows.
         let r = unsafe { csum::sum(buf, words, sum) };
         if r < 0 {
-            return true;
+            return !C::XDP;
         }
         sum = r as u32;
         done += n;

@@ -200,6 +200,7 @@ fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
         return PASS;
     }
     count(reason, ifindex);
+    monitor::tc_known(s, reason);
     TX
 }
 

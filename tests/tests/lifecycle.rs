@@ -367,7 +367,18 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
     )
     .unwrap();
     let pid = agent.pid().unwrap();
-    // Past the first pin check (2 s) and the first failed lists.
+    // Past the verifier's work (the object loads beside the lists, which fail here: on a
+    // loaded machine that takes longer than the first seconds), the first pin check (2 s) and
+    // the first failed lists.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !agent.log().contains("loaded the tc programs") {
+        assert!(
+            Instant::now() < deadline,
+            "the programs not loaded in 60 s:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     std::thread::sleep(Duration::from_secs(3));
     let (t0, c0) = (Instant::now(), cpu_time(pid));
     std::thread::sleep(Duration::from_secs(3));

@@ -131,16 +131,9 @@ impl Datapath {
                 .map_err(|e| load_err(name, e))?;
             sockets.push((name, fd));
         }
-        let xdp_loaded = match ebpf.program_mut(xdp::XDP_PROGRAM) {
-            Some(prog) => {
-                <&mut aya::programs::Xdp>::try_from(prog)
-                    .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?
-                    .load()
-                    .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?;
-                true
-            }
-            None => false,
-        };
+        // Verified with the tc programs, on their thread (`load_tc`): it attaches with them,
+        // and its verification (tc's frontend code, shared) must not delay the socket path.
+        let xdp_loaded = ebpf.program(xdp::XDP_PROGRAM).is_some();
         let socket_ms = started.elapsed().as_millis();
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
@@ -343,6 +336,7 @@ impl Programs {
     }
 }
 
+/// Loads the tc programs `names`, then the XDP program if the object has it.
 fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
     for &name in names {
         let prog = ebpf
@@ -352,6 +346,12 @@ fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
             .map_err(|e| load_err(name, e))?
             .load()
             .map_err(|e| load_err(name, e))?;
+    }
+    if let Some(prog) = ebpf.program_mut(xdp::XDP_PROGRAM) {
+        <&mut aya::programs::Xdp>::try_from(prog)
+            .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?
+            .load()
+            .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?;
     }
     Ok(())
 }

@@ -98,6 +98,9 @@ impl Datapath {
                 }
             }
             for device in self.xdp_wanted() {
+                if !self.xdp_attached_here(&device) {
+                    continue;
+                }
                 let held = xdp_pins(&self.dir).iter().any(|(pin, _, ifname)| {
                     *ifname == device.name
                         && link_holds(pin, sys::tcx_link_info, |(ifindex, _)| {

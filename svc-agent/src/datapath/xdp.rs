@@ -138,6 +138,17 @@ impl Datapath {
         }
     }
 
+    /// Whether this agent attached the XDP program to `device` (a link pinned under either
+    /// mode's name, even if since removed): the devices the pin check puts a link back on. A
+    /// device XDP never took (another program there, a driver refusing both hooks) was the
+    /// attach's warning, and is not retried at every check.
+    pub(super) fn xdp_attached_here(&self, device: &Device) -> bool {
+        MODES.iter().any(|m| {
+            self.xdp_current
+                .contains(&xdp_link_pin(&self.dir, m, &device.name))
+        })
+    }
+
     /// One device's XDP link: kept, swapped, or made (native first when asked, generic where
     /// the driver refuses). Its pin, and what changed in words.
     pub(super) fn attach_xdp_one(&mut self, device: &Device) -> Result<(PathBuf, Option<String>)> {
