@@ -44,7 +44,7 @@
 //! any exit.
 
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -54,6 +54,7 @@ use clap::Parser;
 use serde_json::{json, Value};
 use svc_tests::netns::veth_pair;
 use svc_tests::sandbox::AGENT_READY_TIMEOUT;
+use svc_tests::xdp::{self, attach_native, bpf, ifindex, insn, put};
 use svc_tests::{require_root, Agent, Bpffs, Manifests, NetNs, TestCgroup, Tools};
 
 #[derive(Parser)]
@@ -110,46 +111,6 @@ impl Setup {
     }
 }
 
-/// bpf(2) with a zero-padded attribute block; the return value.
-fn bpf(cmd: libc::c_long, attr: &mut [u8; 128], what: &str) -> Result<i64> {
-    // SAFETY: the kernel reads and writes at most the size given of a buffer that outlives
-    // the call; the pointers inside it point at locals of the caller that do too.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
-    if r < 0 {
-        bail!("{what}: {}", std::io::Error::last_os_error());
-    }
-    Ok(r)
-}
-
-fn put(attr: &mut [u8; 128], off: usize, bytes: &[u8]) {
-    attr[off..off + bytes.len()].copy_from_slice(bytes);
-}
-
-/// Loads an XDP program of `insns` (8-byte instructions).
-fn load_xdp(insns: &[u8]) -> Result<OwnedFd> {
-    let license = c"GPL";
-    let mut attr = [0u8; 128];
-    put(&mut attr, 0, &6u32.to_ne_bytes()); // BPF_PROG_TYPE_XDP
-    put(&mut attr, 4, &((insns.len() / 8) as u32).to_ne_bytes());
-    put(&mut attr, 8, &(insns.as_ptr() as u64).to_ne_bytes());
-    put(&mut attr, 16, &(license.as_ptr() as u64).to_ne_bytes());
-    let fd = bpf(5, &mut attr, "BPF_PROG_LOAD")?;
-    // SAFETY: the kernel just returned this descriptor to us alone.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// One eBPF instruction.
-fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
-    let [o0, o1] = off.to_le_bytes();
-    let [i0, i1, i2, i3] = imm.to_le_bytes();
-    [code, dst | src << 4, o0, o1, i0, i1, i2, i3]
-}
-
-/// A program of two instructions, `r0 = action; exit`, of type XDP.
-fn xdp_returning(action: u8) -> Result<OwnedFd> {
-    load_xdp(&[insn(0xb7, 0, 0, 0, action.into()), insn(0x95, 0, 0, 0, 0)].concat())
-}
-
 /// The generator: writes `frame` (64 bytes) over the packet, then XDP_TX. The rewrite matters:
 /// live frames come from a page pool whose pages are recycled with whatever the receivers
 /// left in them (test_run.c resets the frame's pointers, never its data), and node 1 rewrites
@@ -175,28 +136,7 @@ fn xdp_sending(frame: &[u8]) -> Result<OwnedFd> {
         insn(0xb7, 0, 0, 0, 1), // XDP_DROP
         insn(0x95, 0, 0, 0, 0),
     ]);
-    load_xdp(&p.concat())
-}
-
-/// Attaches `prog` natively to `ifindex` (of the calling thread's namespace) through a link.
-fn attach_native(prog: &OwnedFd, ifindex: u32) -> Result<OwnedFd> {
-    let mut attr = [0u8; 128];
-    put(&mut attr, 0, &(prog.as_raw_fd() as u32).to_ne_bytes());
-    put(&mut attr, 4, &ifindex.to_ne_bytes());
-    put(&mut attr, 8, &37u32.to_ne_bytes()); // BPF_XDP
-    put(&mut attr, 12, &(1u32 << 2).to_ne_bytes()); // XDP_FLAGS_DRV_MODE
-    let fd = bpf(28, &mut attr, "BPF_LINK_CREATE")?;
-    // SAFETY: as above.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn ifindex(name: &str) -> Result<u32> {
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: a NUL-terminated name.
-    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
-        0 => bail!("{name}: {}", std::io::Error::last_os_error()),
-        i => Ok(i),
-    }
+    xdp::load(&p.concat())
 }
 
 /// Pins thread `tid` to `cpu`, at a real-time `priority`: the machine's other work (builds,
@@ -429,7 +369,7 @@ impl World {
         // when the sending veth offers no TSO (veth.c, veth_skb_is_eligible_for_gro).
         ethtool(&node1, &["-K", "eth0", "tso", "off"])?;
         // gen0 drops what node 1 sends, in its driver, counted.
-        let drop = xdp_returning(1)?;
+        let drop = xdp::returning(1)?;
         let drop_link = wire.run_in(|| attach_native(&drop, ifindex("gen0")?))??;
         let wire_ifindex = wire.run_in(|| ifindex("gen0"))??;
         let m = Manifests::new()?;
