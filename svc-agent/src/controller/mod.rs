@@ -146,24 +146,24 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
     // Asked only now: a stop is a restart unless the API says otherwise at that moment, and a
     // kubelet's grace period (30 s by default) must leave time for the handover.
     let asked = tokio::time::timeout(Duration::from_secs(5), removal.reason()).await;
-    Ok(match asked {
-        Ok(Ok(Some(why))) => Stop::Removed(why),
-        Ok(Ok(None)) => Stop::Kept,
+    // Read after the answer: the watch may have seen the deletion meanwhile.
+    let watched = removal.watched();
+    Ok(match (asked, watched) {
+        (Ok(Ok(Some(why))), _) => Stop::Removed(why),
+        (Ok(Ok(None)), _) => Stop::Kept,
         // The API refuses (`helm uninstall` took the RBAC with the DaemonSet) or is silent:
         // what the watch saw while the agent ran.
-        Ok(Err(e)) if removal.watched().is_some() => Stop::Removed(format!(
-            "{} (seen while running; at the stop: {e})",
-            removal.watched().unwrap_or_default()
+        (Ok(Err(e)), Some(seen)) => {
+            Stop::Removed(format!("{seen} (seen while running; at the stop: {e})"))
+        }
+        (Err(_), Some(seen)) => Stop::Removed(format!(
+            "{seen} (seen while running; no answer at the stop)"
         )),
-        Err(_) if removal.watched().is_some() => Stop::Removed(format!(
-            "{} (seen while running; no answer at the stop)",
-            removal.watched().unwrap_or_default()
-        )),
-        Ok(Err(e)) => {
+        (Ok(Err(e)), None) => {
             tracing::warn!(error = %e, "could not tell whether this node keeps the agent: the datapath stays");
             Stop::Kept
         }
-        Err(_) => {
+        (Err(_), None) => {
             tracing::warn!(
                 "no answer in 5 s on whether this node keeps the agent: the datapath stays"
             );
