@@ -3997,10 +3997,54 @@ fn spoofed(i: u32) -> std::net::Ipv4Addr {
 /// established (24 h) and every real connection timed out.
 #[test]
 fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports() {
+    spoofed_syns_do_not_hold_snat_ports(Attach::Tcx);
+}
+
+/// The same with native XDP in front: the spoofed SYNs' flows are started at XDP (counted
+/// `xdp_new`), with the ports and timeouts tc gives them.
+#[test]
+fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports_at_xdp() {
+    spoofed_syns_do_not_hold_snat_ports(Attach::Xdp);
+}
+
+/// The flags that put node 1's native XDP program in front when `attach` asks for it, with
+/// /metrics to read its counters from, and the XDP_PASS program its peer needs.
+fn flood_agent_flags(
+    t: &Topo,
+    attach: Attach,
+    extra: &[&'static str],
+) -> (Vec<&'static str>, Option<svc_tests::xdp::XdpPass>) {
+    let mut flags = extra.to_vec();
+    let peer = (attach == Attach::Xdp).then(|| {
+        flags.extend([
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+            "--xdp-mode",
+            "native",
+        ]);
+        xdp_ready(t)
+    });
+    (flags, peer)
+}
+
+/// With XDP in front, at least `min` more flows were started at XDP since `before` (so the
+/// flood met XDP's new-flow path, not tc's alone).
+fn assert_xdp_started(t: &Topo, attach: Attach, before: u64, min: u64) {
+    if attach == Attach::Xdp {
+        let started = node1_metric(t, XDP_NEW) - before;
+        assert!(
+            started >= min,
+            "only {started} flows started at XDP (at least {min} expected)"
+        );
+    }
+}
+
+fn spoofed_syns_do_not_hold_snat_ports(attach: Attach) {
     let mut t = Topo::new();
     t.service("remote", nodeport("remote", 12, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
-    t.start_agent_with(&["--snat-port-range", "61000-61009"]);
+    let (flags, _peer) = flood_agent_flags(&t, attach, &["--snat-port-range", "61000-61009"]);
+    t.start_agent_with(&flags);
     let to = sa(NODE1, 30082);
     let want = Answer {
         backend: "pod2".into(),
@@ -4018,9 +4062,12 @@ fn spoofed_syns_do_not_hold_a_remote_backends_snat_ports() {
             svc_tests::raw::Segment::new(src, node, svc_tests::raw::SYN, 0x1000_0000 + i, 0)
         })
         .collect();
+    let xdp_before = (attach == Attach::Xdp).then(|| node1_metric(&t, XDP_NEW));
     send_raw(&t, syns);
     // The backend's SYN-ACKs have come back through node 1 by now: every port is held.
     std::thread::sleep(Duration::from_millis(500));
+    // Each SYN's flow takes the port of an older unassured one (of ten), at XDP as at tc.
+    assert_xdp_started(&t, attach, xdp_before.unwrap_or(0), 200);
 
     let failures = in_ns(&t.client, move || {
         (0..20)
@@ -4055,12 +4102,24 @@ fn ct_entries(t: &Topo) -> Vec<(svc_common::CtKey, svc_common::CtValue)> {
 /// evicted the idle connections, and their next segments were reset (issue 33, finding 3).
 #[test]
 fn a_syn_flood_evicts_no_idle_established_connection() {
+    a_syn_flood_evicts_no_idle_connection(Attach::Tcx);
+}
+
+/// The same with native XDP in front: the remote connection and the flood's flows are
+/// started at XDP and share the tables with tc's.
+#[test]
+fn a_syn_flood_through_xdp_evicts_no_idle_established_connection() {
+    a_syn_flood_evicts_no_idle_connection(Attach::Xdp);
+}
+
+fn a_syn_flood_evicts_no_idle_connection(attach: Attach) {
     let mut t = Topo::new();
     t.service("web", nodeport("web", 46, 30088));
     t.endpoints("web", &[LOCAL_POD]);
     t.service("remote", nodeport("remote", 47, 30089));
     t.endpoints("remote", &[REMOTE_POD]);
-    t.start_agent_with(&["--max-ct", "1024"]);
+    let (flags, _peer) = flood_agent_flags(&t, attach, &["--max-ct", "1024"]);
+    t.start_agent_with(&flags);
     let (local, remote) = (sa(NODE1, 30088), sa(NODE1, 30089));
     // The connections and the flood are sent from one CPU, so the node's ingress makes every
     // entry there: an LRU evicts from the per-CPU lists of the CPU that needs room, and
@@ -4107,6 +4166,7 @@ fn a_syn_flood_evicts_no_idle_established_connection() {
             svc_tests::raw::Segment::new(src, node, svc_tests::raw::SYN, 0x2000_0000 + i, 0)
         })
         .collect::<Vec<_>>();
+    let xdp_before = (attach == Attach::Xdp).then(|| node1_metric(&t, XDP_NEW));
     in_ns(&t.client2, move || {
         on_first_cpu();
         let sender = svc_tests::raw::Sender::new().expect("a raw socket");
@@ -4116,6 +4176,8 @@ fn a_syn_flood_evicts_no_idle_established_connection() {
     });
     // The backend's SYN-ACKs have gone out (to addresses no namespace holds) by now.
     std::thread::sleep(Duration::from_millis(500));
+    // Spoofed sources repeat every 100 SYNs with new ports: every SYN is a new flow.
+    assert_xdp_started(&t, attach, xdp_before.unwrap_or(0), 3_000);
 
     for (i, c) in conns.iter().enumerate() {
         let to = c.peer_addr().expect("the connection's peer");
@@ -4172,18 +4234,30 @@ fn blind_seqs(at: u32) -> Vec<u32> {
 /// RSTs still close their flows.
 #[test]
 fn forged_rsts_and_fins_close_no_connection() {
+    forged_rsts_and_fins_close_nothing(Attach::Tcx);
+}
+
+/// The same with native XDP in front, which serves the remote connection's packets and
+/// replies: a forged segment outside the window is passed to tc, which drops and counts it.
+#[test]
+fn forged_rsts_and_fins_close_no_connection_through_xdp() {
+    forged_rsts_and_fins_close_nothing(Attach::Xdp);
+}
+
+fn forged_rsts_and_fins_close_nothing(attach: Attach) {
     use svc_tests::raw::{Segment, ACK, FIN, RST, SYN};
     let mut t = Topo::new();
     t.service("local", nodeport("local", 11, 30081));
     t.endpoints("local", &[LOCAL_POD]);
     t.service("remote", nodeport("remote", 12, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
-    t.start_agent_with(&[
-        "--snat-port-range",
-        "61000-61063",
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-    ]);
+    let mut flags = vec!["--snat-port-range", "61000-61063"];
+    let _peer = (attach == Attach::Xdp).then(|| {
+        flags.extend(["--xdp-mode", "native"]);
+        xdp_ready(&t)
+    });
+    flags.extend(["--metrics-bind-address", "127.0.0.1:10249"]);
+    t.start_agent_with(&flags);
     let (np_local, np_remote) = (sa(NODE1, 30081), sa(NODE1, 30082));
     for to in [np_local, np_remote] {
         answered(&t.client, "NodePort", move || tcp_once(to, ANSWER));
@@ -4253,11 +4327,20 @@ fn forged_rsts_and_fins_close_no_connection() {
         "B marked closing: {:#x}",
         b_fwd.flags
     );
+    let served = |t: &Topo| [XDP_CT_HIT, XDP_REPLY].map(|l| node1_metric(t, l));
+    let xdp_before = served(&t);
     let (a, b) = in_ns(&t.client, move || {
         assert_eq!(exchange(&a).expect("A after the attack").backend, "pod1");
         assert_eq!(exchange(&b).expect("B after the attack").backend, "pod2");
         (a, b)
     });
+    if attach == Attach::Xdp {
+        let after = served(&t);
+        assert!(
+            after[0] > xdp_before[0] && after[1] > xdp_before[1],
+            "B's exchange after the attack was not served at XDP: {xdp_before:?} -> {after:?}"
+        );
+    }
     let dropped = metric(
         &t,
         "svc_packet_decisions_total{device=\"eth0\",reason=\"drop_tcp_window\"}",
