@@ -199,61 +199,99 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
 
 /// Not a test: svc's program time per connection (connect(), getpeername(), release; by
 /// bpf_stats) and the connection rate through a ClusterIP, with nobody listening and with a
-/// monitor listening (it reads and discards). Run once with this branch's agent and once with
-/// an agent from before the monitor (`SVC_AGENT_BIN`; its listening rows are skipped) to see
-/// what nobody listening costs. docs/benchmarks.md keeps the figures.
+/// monitor listening (it reads and discards). `SVC_COST_AGENTS` compares agents in one
+/// interleaved run: `label=BINARY [FLAG...]` entries separated by `;` (for instance an agent
+/// from before the monitor, and this one with `--per-service-metrics=false`); each round
+/// starts every agent afresh, in turn, and an agent without the monitor's maps gets no
+/// listening row. docs/benchmarks.md keeps the figures.
 #[test]
 #[ignore = "a measurement: cargo test -p svc-tests --test monitor monitor_cost -- --ignored --nocapture"]
 fn monitor_cost() {
     use svc_tests::profile::{program_time, BpfStats};
     const N: u32 = 2_000;
-    const ROUNDS: usize = 5;
-    let w = World::start(1, &[8080], |sb, m| {
-        m.apply_service(&web_service()).unwrap();
-        m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
-    });
-    let (bin, bpffs) = (&w.sb.tools.agent, w.bpffs.path());
-    let has_monitor = Maps::open(bpffs).is_ok();
+    const ROUNDS: usize = 7;
+    let agents: Vec<(String, Option<std::path::PathBuf>, Vec<String>)> =
+        match std::env::var("SVC_COST_AGENTS") {
+            Ok(list) => list
+                .split(';')
+                .filter(|e| !e.trim().is_empty())
+                .map(|e| {
+                    let (label, cmd) = e.split_once('=').expect("label=BINARY [FLAG...]");
+                    let mut words = cmd.split_whitespace().map(String::from);
+                    let bin = words.next().expect("a binary");
+                    (label.trim().to_string(), Some(bin.into()), words.collect())
+                })
+                .collect(),
+            Err(_) => vec![("this agent".into(), None, Vec::new())],
+        };
     let _stats = BpfStats::enable().unwrap();
-    let measure = || {
-        let (c0, ns0) = program_time(bpffs).unwrap();
-        let t = Instant::now();
-        let r = w.sb.tcp(sa(VIP, 80), N, &[]).unwrap();
-        let secs = t.elapsed().as_secs_f64();
-        assert!(r.all_ok(), "{:?}", r.failures());
-        let (c1, ns1) = program_time(bpffs).unwrap();
-        (
-            (ns1 - ns0) as f64 / N as f64,
-            (c1 - c0) as f64 / N as f64,
-            N as f64 / secs,
-        )
-    };
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let mut rows = vec![("nobody listening", Vec::new())];
-    if has_monitor {
-        rows.push(("a monitor listening", Vec::new()));
-    }
+    // (agent, monitor) -> per round (ns per connection, runs per connection, connections/s).
+    let mut rows: Vec<(String, &str, Vec<(f64, f64, f64)>)> = Vec::new();
     for _ in 0..ROUNDS {
-        for (what, got) in rows.iter_mut() {
-            let mon = (*what == "a monitor listening").then(|| {
-                let m = Monitor::start(bin, bpffs, &[]);
-                wait_listening(bpffs);
-                m
+        for (label, bin, flags) in &agents {
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            let w = World::start_bin(bin.as_deref(), 1, &[8080], &flags, |sb, m| {
+                m.apply_service(&web_service()).unwrap();
+                m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
             });
-            got.push(measure());
-            drop(mon);
+            let (agent_bin, bpffs) = (
+                bin.clone().unwrap_or(w.sb.tools.agent.clone()),
+                w.bpffs.path(),
+            );
+            let measure = || {
+                let (c0, ns0) = program_time(bpffs).unwrap();
+                let t = Instant::now();
+                let r = w.sb.tcp(sa(VIP, 80), N, &[]).unwrap();
+                let secs = t.elapsed().as_secs_f64();
+                assert!(r.all_ok(), "{:?}", r.failures());
+                let (c1, ns1) = program_time(bpffs).unwrap();
+                (
+                    (ns1 - ns0) as f64 / N as f64,
+                    (c1 - c0) as f64 / N as f64,
+                    N as f64 / secs,
+                )
+            };
+            let mut whats = vec!["nobody listening"];
+            if Maps::open(bpffs).is_ok() {
+                whats.push("a monitor listening");
+            }
+            for what in whats {
+                let mon = (what == "a monitor listening").then(|| {
+                    let m = Monitor::start(&agent_bin, bpffs, &[]);
+                    wait_listening(bpffs);
+                    m
+                });
+                let got = measure();
+                drop(mon);
+                match rows.iter_mut().find(|r| r.0 == *label && r.1 == what) {
+                    Some(r) => r.2.push(got),
+                    None => rows.push((label.clone(), what, vec![got])),
+                }
+            }
         }
     }
-    println!("\n| agent | monitor | svc program ns per connection | program runs per connection | connections/s (probe, wall) |");
-    println!("|---|---|---|---|---|");
-    for (what, got) in &rows {
+    // Each round's figure against the first row's of the same round: the machine's load
+    // moves both alike.
+    let first: Vec<f64> = rows[0].2.iter().map(|g| g.0).collect();
+    println!("\n| agent | monitor | svc program ns per connection (median; min-max) | × the first row, per round (median; min-max) | program runs per connection | connections/s (probe, wall) |");
+    println!("|---|---|---|---|---|---|");
+    for (label, what, got) in &rows {
+        let ns: Vec<f64> = got.iter().map(|g| g.0).collect();
+        let range = |v: &[f64]| {
+            v.iter()
+                .fold((f64::MAX, 0f64), |(l, h), &x| (l.min(x), h.max(x)))
+        };
+        let (lo, hi) = range(&ns);
+        let ratios: Vec<f64> = ns.iter().zip(&first).map(|(n, f)| n / f).collect();
+        let (rlo, rhi) = range(&ratios);
         println!(
-            "| {} | {what} | {:.0} | {:.1} | {:.0} |",
-            bin.display(),
-            median(got.iter().map(|g| g.0).collect()),
+            "| {label} | {what} | {:.0} ({lo:.0}-{hi:.0}) | {:.3} ({rlo:.3}-{rhi:.3}) | {:.1} | {:.0} |",
+            median(ns.clone()),
+            median(ratios.clone()),
             median(got.iter().map(|g| g.1).collect()),
             median(got.iter().map(|g| g.2).collect()),
         );
