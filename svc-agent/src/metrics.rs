@@ -603,10 +603,9 @@ impl Metrics {
         let mut i = self.lock();
         i.last_synced = Some(Timestamp::now());
         i.unsynced_since = None;
-        // A change that failed has not landed: it keeps waiting.
-        if state.failing.is_empty() {
-            i.queued_since = None;
-        }
+        // A Service that failed is retried on its own backoff and named by /healthz; the
+        // loop has kept up.
+        i.queued_since = None;
         drop(i);
         self.state(state);
     }
@@ -721,8 +720,12 @@ impl Metrics {
     }
 
     /// kube-proxy's rule: healthy unless a change has waited longer than the timeout, and
-    /// never before the first sync; and healthy means the datapath matches the source, so
-    /// also not while a Service cannot be programmed or the datapath is not attached whole.
+    /// never before the first sync; and not while the datapath is not attached whole, the
+    /// node's addresses or SNAT are not programmed (every Service of the node suffers).
+    /// A Service that cannot be programmed is named, not a failure: its cause (too many
+    /// endpoints, a full map) is the same on every node, and a 503 would have every load
+    /// balancer that checks this port drain every node of every Service for one of them; the
+    /// Service is retried, counted (`svc_services_failing`) and alerted on instead.
     pub fn health(&self) -> Health {
         let i = self.lock();
         let waiting_too_long = i
@@ -736,13 +739,6 @@ impl Metrics {
             problems.push(format!(
                 "a change has waited more than {}s",
                 self.health_timeout.as_secs()
-            ));
-        }
-        if !i.failing.is_empty() {
-            problems.push(format!(
-                "{} Services cannot be programmed: {}",
-                i.failing.len(),
-                first_five(&i.failing)
             ));
         }
         if i.node_failing {
@@ -767,6 +763,13 @@ impl Metrics {
         // balancers drain every node, and the TCP and UDP Services with it; the agent itself
         // is in sync (kube-proxy's /healthz says that much and no more).
         let ok = problems.is_empty();
+        if !i.failing.is_empty() {
+            problems.push(format!(
+                "{} Services cannot be programmed (retried; the others are served): {}",
+                i.failing.len(),
+                first_five(&i.failing)
+            ));
+        }
         if !i.unserved.is_empty() {
             problems.push(format!(
                 "{} Service ports not served (svc does not serve SCTP): {}",
@@ -983,8 +986,10 @@ mod tests {
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 503"));
         synced_attached(&m);
         assert!(got(&m, Port::Health, "/healthz").starts_with("HTTP/1.1 200"));
-        // A Service that cannot be programmed makes the node unhealthy at once, and says
-        // which; /livez stays up (a restart would not help).
+        // A Service that cannot be programmed is named, and the node stays healthy, also
+        // once the timeout has passed (every node fails it alike: a 503 would drain them
+        // all); /livez stays up (a restart would not help).
+        m.queued();
         m.synced(
             Duration::from_millis(1),
             true,
@@ -994,8 +999,9 @@ mod tests {
                 ..Default::default()
             },
         );
+        std::thread::sleep(Duration::from_millis(30));
         let reply = got(&m, Port::Health, "/healthz");
-        assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
         assert!(reply.contains("ns/big"), "{reply}");
         assert!(got(&m, Port::Health, "/livez").starts_with("HTTP/1.1 200"));
     }

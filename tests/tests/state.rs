@@ -294,8 +294,10 @@ fn a_full_map_refuses_whole_services_and_a_larger_one_takes_them_without_a_drop(
         log.contains("Service demo/big") && log.contains("SVC_SERVICES") && log.contains("full"),
         "{log}"
     );
+    // Named on /healthz, which stays 200: every node fails it alike, and a 503 would have
+    // load balancers drain every node of every Service for this one.
     let (code, body) = http_get(health, "/healthz").unwrap();
-    assert_eq!(code, 503, "{body}");
+    assert_eq!(code, 200, "{body}");
     assert!(body.contains("demo/big"), "{body}");
     // The other Service is served.
     assert!(sb.tcp(sa(VIP, 80), 5, &[]).unwrap().all_ok());
@@ -705,8 +707,8 @@ fn thirty_thousand_services_of_ten_endpoints_are_all_programmed() {
 }
 
 /// Issue 6, item 8: a change that cannot be written (here: the slots map full while the old
-/// backend set waits out its grace period) leaves the Service as it was, makes /healthz say
-/// so, and is retried with backoff until it lands, with no new event from the source.
+/// backend set waits out its grace period) leaves the Service as it was, makes /healthz name
+/// it, and is retried with backoff until it lands, with no new event from the source.
 #[test]
 fn a_change_that_does_not_fit_is_retried_until_it_lands() {
     let health = free_port();
@@ -748,7 +750,7 @@ fn a_change_that_does_not_fit_is_retried_until_it_lands() {
         "{r:?}"
     );
     let (code, body) = http_get(health, "/healthz").unwrap();
-    assert_eq!(code, 503, "{body}");
+    assert_eq!(code, 200, "{body}");
     assert!(body.contains("demo/web"), "{body}");
     // Once the old set is gone, the retry lands without another change to the manifests.
     poll(Duration::from_secs(15), || {
@@ -852,14 +854,16 @@ fn a_memory_limit_reached_keeps_what_is_served_and_heals_once_raised() {
     if hit == "killed" {
         assert!(memcg.oom_kills().unwrap() >= 1, "{}", agent.log());
     } else {
-        // Still running, and not claiming to be healthy with Services missing.
+        // Still running, and naming the Services it could not program (the others are
+        // served: /healthz stays 200, as for any Service that cannot be programmed).
         assert!(agent.exited().unwrap().is_none(), "{}", agent.log());
         assert!(
             programmed < 3_001,
             "every Service fit under the limit: raise the load"
         );
         let (code, body) = http_get(health, "/healthz").unwrap();
-        assert_eq!(code, 503, "{body}");
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("cannot be programmed"), "{body}");
     }
 
     memcg.set_limit(None).unwrap();
