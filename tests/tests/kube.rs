@@ -2193,6 +2193,50 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
     cp.dry_run_server_side(&yaml)
         .context("dry run of the tuned render")?;
 
+    // The datapath's modes and Maglev, an IPv6 bind address (in brackets), and numbers as a
+    // values file gives them (floats to Helm, which would print 1.048576e+06).
+    let (yaml, rendered) = helm.template(&[
+        "xdpMode=generic",
+        "tcAttach=classic",
+        "maglev.algorithm=random",
+        "maglev.seed=0x5eed",
+        "healthz.bindAddress=::",
+        "metrics.bindAddress=::1",
+    ])?;
+    let tuned = strings(&agent_container(&rendered)?["args"]);
+    for want in [
+        "--xdp-mode=generic",
+        "--tc-attach=classic",
+        "--lb-algorithm-external=random",
+        "--maglev-seed=0x5eed",
+        "--healthz-bind-address=[::]:10256",
+        "--metrics-bind-address=[::1]:10249",
+    ] {
+        ensure!(
+            tuned.iter().any(|a| a == want),
+            "{want} not rendered: {tuned:?}"
+        );
+    }
+    cp.dry_run_server_side(&yaml)
+        .context("dry run of the modes' render")?;
+    let floats = helm.run(&[
+        "template",
+        "svc",
+        helm.chart,
+        "--namespace",
+        "kube-system",
+        "--set-json",
+        "maps.maxCt=1048576",
+        "--set-json",
+        "maglev.seed=12345678901",
+    ])?;
+    for want in ["--max-ct=1048576", "--maglev-seed=12345678901"] {
+        ensure!(
+            floats.contains(want),
+            "{want} not rendered from a JSON number:\n{floats}"
+        );
+    }
+
     // Least privilege: no hostPID, and the capabilities that serve without it.
     let (yaml, rendered) = helm.template(&["closeStaleUdpSockets=false"])?;
     let pod = &of_kind(&rendered, "DaemonSet").context("no DaemonSet")?["spec"]["template"]["spec"];

@@ -30,8 +30,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - run
 - --cgroup={{ .Values.cgroupRoot }}
 - --bpffs={{ trimSuffix "/" .Values.bpffs.hostPath }}/{{ .Values.bpffs.dir }}
-- --healthz-bind-address={{ .Values.healthz.bindAddress }}:{{ .Values.healthz.port }}
-- --metrics-bind-address={{ .Values.metrics.bindAddress }}:{{ .Values.metrics.port }}
+- --healthz-bind-address={{ include "svc.hostPort" (list .Values.healthz.bindAddress .Values.healthz.port) }}
+- --metrics-bind-address={{ include "svc.hostPort" (list .Values.metrics.bindAddress .Values.metrics.port) }}
 {{- if ne (toString .Values.nodePortAddresses) "primary" }}
 - --nodeport-addresses={{ .Values.nodePortAddresses }}
 {{- end }}
@@ -49,8 +49,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- range $flag, $value := dict "max-services" .Values.maps.maxServices "max-slots" .Values.maps.maxSlots "max-backends" .Values.maps.maxBackends "max-affinity" .Values.maps.maxAffinity "max-sock-rev" .Values.maps.maxSockRev "max-ct" .Values.maps.maxCt "max-source-ranges" .Values.maps.maxSourceRanges "max-maglev-entries" .Values.maps.maxMaglevEntries }}
 {{- if ne (toString $value) "" }}
-- --{{ $flag }}={{ $value }}
+- --{{ $flag }}={{ include "svc.int" $value }}
 {{- end }}
+{{- end }}
+{{- if ne .Values.xdpMode "off" }}
+- --xdp-mode={{ .Values.xdpMode }}
+{{- end }}
+{{- if ne .Values.tcAttach "auto" }}
+- --tc-attach={{ .Values.tcAttach }}
+{{- end }}
+{{- if ne .Values.maglev.algorithm "maglev" }}
+- --lb-algorithm-external={{ .Values.maglev.algorithm }}
+{{- end }}
+{{- with .Values.maglev.seed }}
+- --maglev-seed={{ include "svc.int" . }}
 {{- end }}
 {{- if not .Values.metrics.perService }}
 - --per-service-metrics=false
@@ -58,4 +70,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- range .Values.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+
+{{/*
+ADDRESS:PORT, an IPv6 address in brackets: (list ADDRESS PORT).
+*/}}
+{{- define "svc.hostPort" -}}
+{{- $addr := toString (index . 0) -}}
+{{- if and (contains ":" $addr) (not (hasPrefix "[" $addr)) -}}
+[{{ $addr }}]:{{ include "svc.int" (index . 1) }}
+{{- else -}}
+{{ $addr }}:{{ include "svc.int" (index . 1) }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A number as its digits: a values file's numbers are floats to Helm, which prints
+1048576 as 1.048576e+06. Strings (a seed in 0x hex) are kept as written.
+*/}}
+{{- define "svc.int" -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else if kindIs "float64" . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
