@@ -115,6 +115,8 @@ struct KubeProxy {
     endpoint_changes: Counter,
     services_pending: Gauge,
     endpoints_pending: Gauge,
+    healthz: Labelled<Counter, String>,
+    livez: Labelled<Counter, String>,
 }
 
 impl KubeProxy {
@@ -139,6 +141,8 @@ impl KubeProxy {
             service_changes: add(r, "kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes: Service changes the proxy saw (from the API server; none from manifest files)"),
             endpoints_pending: add(r, "kubeproxy_sync_proxy_rules_endpoint_changes_pending", "Pending proxy rules Endpoint changes: EndpointSlice changes not yet synced"),
             services_pending: add(r, "kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes: Services with a change not yet synced"),
+            healthz: add(r, "kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status: /healthz answers, by status code"),
+            livez: add(r, "kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status: /livez answers, by status code"),
         }
     }
 }
@@ -166,6 +170,7 @@ impl Recorded {
     fn new(bpffs: PathBuf, conns: &ConnLimit) -> Recorded {
         let mut r = Registry::default();
         r.register_collector(Box::new(DatapathCounters { bpffs }));
+        r.register_collector(Box::new(ProcessCollector));
         let recorded = Recorded {
             frontends: add(&mut r, "svc_frontends_programmed", "Service frontends (ClusterIP, port, protocol) in the datapath"),
             backends: add(&mut r, "svc_backends_programmed", "Distinct backends (IP, port, protocol) in the datapath"),
@@ -288,6 +293,119 @@ fn encode_samples<L: EncodeLabelSet, M: EncodeMetric>(
         m.encode(e.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// The `process_*` metrics every Prometheus client library exports (the Go client's names
+/// and meanings, which kube-proxy's dashboards read), from /proc at each scrape:
+/// prometheus-client has no process collector.
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// What `ProcessCollector` reads: CPU seconds, resident and virtual bytes, start time (seconds
+/// since the epoch), open file descriptors and their limit.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessStats {
+    cpu_seconds: f64,
+    resident_bytes: u64,
+    virtual_bytes: u64,
+    start_time_seconds: f64,
+    open_fds: u64,
+    max_fds: u64,
+}
+
+impl ProcessStats {
+    /// From the text of /proc/self/stat and /proc/stat's `btime`, with the clock's ticks per
+    /// second and the page size.
+    fn parse(stat: &str, proc_stat: &str, ticks: f64, page: u64) -> Option<ProcessStats> {
+        // The command name may hold spaces and parentheses: fields follow the last ')'.
+        let fields: Vec<&str> = stat
+            .get(stat.rfind(')')? + 1..)?
+            .split_whitespace()
+            .collect();
+        // Field n of proc_pid_stat(5) is fields[n - 3].
+        let num = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
+        let btime: u64 = proc_stat
+            .lines()
+            .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())?;
+        Some(ProcessStats {
+            cpu_seconds: (num(14)? + num(15)?) as f64 / ticks,
+            start_time_seconds: btime as f64 + num(22)? as f64 / ticks,
+            virtual_bytes: num(23)?,
+            resident_bytes: num(24)? * page,
+            ..Default::default()
+        })
+    }
+
+    fn read() -> Option<ProcessStats> {
+        // SAFETY: sysconf and getrlimit only read the process's settings into `limit`.
+        let (ticks, page, max_fds) = unsafe {
+            let mut limit: libc::rlimit = std::mem::zeroed();
+            let max = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+                limit.rlim_cur
+            } else {
+                0
+            };
+            (
+                libc::sysconf(libc::_SC_CLK_TCK),
+                libc::sysconf(libc::_SC_PAGESIZE),
+                max,
+            )
+        };
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let proc_stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let mut s =
+            ProcessStats::parse(&stat, &proc_stat, ticks.max(1) as f64, page.max(1) as u64)?;
+        s.open_fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+        s.max_fds = max_fds;
+        Some(s)
+    }
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let Some(s) = ProcessStats::read() else {
+            return Ok(());
+        };
+        let e = &mut encoder;
+        let cpu = ConstCounter::new(s.cpu_seconds);
+        cpu.encode(e.encode_descriptor(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds.",
+            None,
+            cpu.metric_type(),
+        )?)?;
+        encode_gauge(
+            e,
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes.",
+            s.resident_bytes,
+        )?;
+        encode_gauge(
+            e,
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes.",
+            s.virtual_bytes,
+        )?;
+        let start = ConstGauge::new(s.start_time_seconds);
+        start.encode(e.encode_descriptor(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            None,
+            start.metric_type(),
+        )?)?;
+        encode_gauge(
+            e,
+            "process_open_fds",
+            "Number of open file descriptors.",
+            s.open_fds,
+        )?;
+        encode_gauge(
+            e,
+            "process_max_fds",
+            "Maximum number of open file descriptors.",
+            s.max_fds,
+        )
+    }
 }
 
 /// One unlabelled gauge.
@@ -889,6 +1007,15 @@ fn answer(metrics: &Metrics, port: Port, path: &str) -> Answer {
             } else {
                 StatusCode::SERVICE_UNAVAILABLE
             };
+            let k = &metrics.recorded.kube_proxy;
+            let answered = if path == "/livez" {
+                &k.livez
+            } else {
+                &k.healthz
+            };
+            answered
+                .get_or_create(&[("code", status.as_u16().to_string())])
+                .inc();
             Answer::new(status, "application/json", body)
         }
         _ => Answer::new(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
@@ -1312,6 +1439,100 @@ mod tests {
         assert!(
             text.contains("\nsvc_http_connections_evicted_total 0\n"),
             "{text}"
+        );
+    }
+
+    /// /metrics as a parser other than the library that wrote it reads it: every sample
+    /// parses, kube-proxy's names carry kube-proxy's types, the health answers are counted
+    /// by code, and the process metrics are there.
+    #[test]
+    fn metrics_parse_and_carry_kube_proxys_names_and_process_metrics() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        m.queued();
+        synced_attached(&m);
+        m.programming_latency(Duration::from_millis(700));
+        m.error_kind("invalid_service");
+        for path in ["/healthz", "/healthz", "/livez"] {
+            answer(&m, Port::Health, path);
+        }
+        // A few clock ticks of CPU, so the process's time is more than none.
+        let busy = Instant::now();
+        let mut spin = 0u64;
+        while busy.elapsed() < Duration::from_millis(80) {
+            spin = std::hint::black_box(spin.wrapping_add(1));
+        }
+        let text = m.render();
+        let lines = text.lines().map(|l| Ok(l.to_string()));
+        let scrape = prometheus_parse::Scrape::parse(lines).expect("a parsable exposition");
+        let value = |name: &str, label: Option<(&str, &str)>| {
+            scrape
+                .samples
+                .iter()
+                .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+                .map(|s| match s.value {
+                    prometheus_parse::Value::Counter(v)
+                    | prometheus_parse::Value::Gauge(v)
+                    | prometheus_parse::Value::Untyped(v) => v,
+                    _ => f64::NAN,
+                })
+        };
+        assert_eq!(
+            value("kubeproxy_proxy_healthz_total", Some(("code", "200"))),
+            Some(2.0),
+            "{text}"
+        );
+        assert_eq!(
+            value("kubeproxy_proxy_livez_total", Some(("code", "200"))),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            value("svc_errors_total", Some(("kind", "invalid_service"))),
+            Some(1.0)
+        );
+        assert!(value("kubeproxy_sync_proxy_rules_last_timestamp_seconds", None).unwrap() > 0.0);
+        let histogram = scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == "kubeproxy_network_programming_duration_seconds")
+            .expect("the programming latency histogram");
+        assert!(
+            matches!(histogram.value, prometheus_parse::Value::Histogram(_)),
+            "{:?}",
+            histogram.value
+        );
+        let rss = value("process_resident_memory_bytes", None).expect("process metrics");
+        assert!(rss > 1e6, "resident {rss}");
+        assert!(
+            value("process_cpu_seconds_total", None).unwrap() > 0.0,
+            "{text}"
+        );
+        assert!(value("process_open_fds", None).unwrap() >= 3.0);
+        let start = value("process_start_time_seconds", None).unwrap();
+        let now = epoch_seconds();
+        assert!(
+            start > now - 86_400.0 * 365.0 && start <= now,
+            "{start} {now}"
+        );
+    }
+
+    /// proc_pid_stat(5), a command name with a space and parentheses in it.
+    #[test]
+    fn process_stat_fields_follow_the_last_parenthesis() {
+        let stat = "4242 (svc (agent) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 \
+                    0 8 0 1000 123456789 2048 18446744073709551615";
+        let s = ProcessStats::parse(stat, "cpu 1 2 3\nbtime 1700000000\n", 100.0, 4096)
+            .expect("parsed");
+        assert_eq!(
+            s,
+            ProcessStats {
+                cpu_seconds: 3.0,
+                resident_bytes: 2048 * 4096,
+                virtual_bytes: 123_456_789,
+                start_time_seconds: 1_700_000_010.0,
+                open_fds: 0,
+                max_fds: 0,
+            }
         );
     }
 }

@@ -948,24 +948,40 @@ fn nodeport_from_outside() {
         http_get_path(sa("127.0.0.1", 10249), "/metrics").expect("GET /metrics")
     });
     assert_eq!(status, 200);
-    let value = |line: &str| -> u64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
+    // Read as a Prometheus server would, by a parser other than the library that wrote it.
+    let scrape = prometheus_parse::Scrape::parse(metrics.lines().map(|l| Ok(l.to_string())))
+        .expect("/metrics parses");
+    let value = |name: &str, labels: &[(&str, &str)]| -> u64 {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+            .and_then(|s| match s.value {
+                prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Gauge(v) => {
+                    Some(v as u64)
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no {name}{labels:?} in /metrics:\n{metrics}"))
+    };
+    let decisions = |reason| {
+        value(
+            "svc_packet_decisions_total",
+            &[("device", "eth0"), ("reason", reason)],
+        )
     };
     // 4 rejects (TCP and UDP, both families); at least the 8 + 80 flows above.
-    assert_eq!(
-        value("svc_packet_decisions_total{device=\"eth0\",reason=\"reject_no_backend\"}"),
-        4
-    );
-    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"new\"}") >= 88);
-    assert!(value("svc_packet_decisions_total{device=\"eth0\",reason=\"reply\"}") > 0);
-    assert!(value("svc_conntrack_flows{snat=\"true\"}") >= 40);
-    assert!(value("svc_conntrack_flows{snat=\"false\"}") >= 40);
+    assert_eq!(decisions("reject_no_backend"), 4);
+    assert!(decisions("new") >= 88);
+    assert!(decisions("reply") > 0);
+    assert!(value("svc_conntrack_flows", &[("snat", "true")]) >= 40);
+    assert!(value("svc_conntrack_flows", &[("snat", "false")]) >= 40);
     // Both tables: a UDP flow with one exchange is not assured.
-    assert!(value("svc_conntrack_entries") + value("svc_conntrack_unassured_entries") >= 2 * 88);
-    assert!(value("svc_snat_ports_in_use_max") >= 1);
+    assert!(
+        value("svc_conntrack_entries", &[]) + value("svc_conntrack_unassured_entries", &[])
+            >= 2 * 88
+    );
+    assert!(value("svc_snat_ports_in_use_max", &[]) >= 1);
 }
 
 /// A TCP connection from local port `port` (SO_REUSEADDR, so a port whose last connection
