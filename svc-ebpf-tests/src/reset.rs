@@ -90,7 +90,8 @@ impl KernelMap {
             | MapType::LruHash
             | MapType::PerCpuHash
             | MapType::LruPerCpuHash
-            | MapType::LpmTrie => Kind::Hash,
+            | MapType::LpmTrie
+            | MapType::DevMapHash => Kind::Hash,
             MapType::Array | MapType::PerCpuArray => Kind::Array {
                 first: (0..info.max_entries()).map(|i| m.lookup(i)).collect(),
             },
