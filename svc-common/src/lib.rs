@@ -44,6 +44,10 @@ impl MapKind {
 /// `map_flags`: entries allocated as they are written, not all at creation.
 pub const BPF_F_NO_PREALLOC: u32 = 1;
 
+/// `map_flags`: programs may only read the map. The kernel sets it on every devmap itself
+/// (`dev_map_init_map`), so a pinned devmap shows it though no one asked for it.
+pub const BPF_F_RDONLY_PROG: u32 = 1 << 7;
+
 /// One map of the kernel object: what the object declares, and what the agent does with it.
 /// The kernel's `#[btf_map]` statics (svc-ebpf) are checked against these by the agent's
 /// test `catalogue_matches_the_object`.

@@ -236,6 +236,7 @@ impl Datapath {
             xdp_mode: XdpMode::Off,
             xdp_loaded,
             xdp_current: Default::default(),
+            xdp_no_xmit: Default::default(),
             tc_mode: if kernel_tcx {
                 TcMode::Tcx
             } else {

@@ -125,6 +125,7 @@ impl Datapath {
                     Err(e) => errors.push(e),
                 }
             }
+            errors.extend(self.xdp_devs_refresh());
         }
         (repaired, errors)
     }

@@ -121,12 +121,12 @@ impl Datapath {
         if let Err(e) = self.xdp_devs_retain(&stays) {
             errors.push(e);
         }
-        let mut native = BTreeSet::new();
+        let mut native = Vec::new();
         for device in &wanted {
             match self.attach_xdp_one(device) {
                 Ok((pin, what)) => {
                     if pin == xdp_link_pin(&self.dir, "native", &device.name) {
-                        native.insert(device.index);
+                        native.push(device.clone());
                     }
                     keep.insert(pin);
                     done.extend(what);
@@ -134,8 +134,8 @@ impl Datapath {
                 Err(e) => errors.push(e),
             }
         }
-        for ifindex in native {
-            if let Err(e) = self.xdp_devs_insert(ifindex) {
+        for device in &native {
+            if let Err(e) = self.xdp_devs_insert(device) {
                 errors.push(e);
             }
         }
@@ -207,8 +207,39 @@ impl Datapath {
         Ok(())
     }
 
-    /// Makes device `ifindex`, whose native XDP link holds, a redirect target.
-    fn xdp_devs_insert(&mut self, ifindex: u32) -> Result<()> {
+    /// Makes `device`, whose native XDP link holds, a redirect target if its driver takes
+    /// frames redirected from another device (`ndo-xmit` in its `xdp-features`), or no longer
+    /// one if it lost that (a veth whose peer's XDP program went): the kernel would drop
+    /// them. Warned about once per device while it lacks it.
+    fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
+        let ifindex = device.index;
+        let takes = match crate::netdev::xdp_features(ifindex) {
+            Ok(f) => f & crate::netdev::XDP_ACT_NDO_XMIT != 0,
+            Err(e) => {
+                if self.xdp_no_xmit.insert(ifindex) {
+                    warn!(
+                        device = %device.name,
+                        "XDP: cannot read the device's xdp-features ({e}): not a redirect \
+                         target, routes through it go on through tc"
+                    );
+                }
+                false
+            }
+        };
+        if !takes {
+            if self.xdp_no_xmit.insert(ifindex) {
+                warn!(
+                    device = %device.name,
+                    "XDP: the device does not take redirected XDP frames (no ndo-xmit in its \
+                     xdp-features; a veth needs an XDP program on its peer): routes through \
+                     it go on through tc"
+                );
+            }
+            return self.xdp_devs_remove(ifindex);
+        }
+        if self.xdp_no_xmit.remove(&ifindex) {
+            info!(device = %device.name, "XDP: the device takes redirected XDP frames now");
+        }
         let Some(mut map) = self.xdp_devs()? else {
             return Ok(());
         };
@@ -217,8 +248,26 @@ impl Datapath {
         }
         map.insert(ifindex, ifindex, None, 0)
             .map_err(|e| load_err(format!("{} [{ifindex}]", map_names::XDP_DEVS), e))?;
-        info!(ifindex, "XDP: a redirect target");
+        info!(device = %device.name, "XDP: a redirect target");
         Ok(())
+    }
+
+    /// The pin check's part: each device whose native link holds is a redirect target as
+    /// long as its driver takes redirected frames (a veth's peer may lose or gain its XDP
+    /// program at any time).
+    pub(super) fn xdp_devs_refresh(&mut self) -> Vec<crate::Error> {
+        let mut errors = Vec::new();
+        if self.xdp_mode != XdpMode::Native {
+            return errors;
+        }
+        for device in self.xdp_wanted() {
+            if self.native_link_holds(&device) {
+                if let Err(e) = self.xdp_devs_insert(&device) {
+                    errors.push(e);
+                }
+            }
+        }
+        errors
     }
 
     /// Takes device `ifindex` out of `SVC_XDP_DEVS`: its link is gone or being replaced.
@@ -235,7 +284,7 @@ impl Datapath {
     /// After `attach_xdp_one` put a link back on `device`: a redirect target again if native.
     pub(super) fn xdp_devs_after_repair(&mut self, device: &Device, pin: &Path) -> Result<()> {
         if pin == xdp_link_pin(&self.dir, "native", &device.name) {
-            self.xdp_devs_insert(device.index)?;
+            self.xdp_devs_insert(device)?;
         }
         Ok(())
     }
