@@ -408,10 +408,9 @@ fn flow_state(flags: u8) -> Option<&'static str> {
 fn verdict(r: Reason) -> &'static str {
     use Reason::*;
     match r {
-        New | Translated | CtHit | FragmentTranslated | IcmpError | XdpNew | XdpCtHit => {
-            "translated"
-        }
-        Reply | RevTranslated | XdpReply => "reverse",
+        New | Translated | CtHit | FragmentTranslated | IcmpError | XdpNew | XdpCtHit
+        | XdpRedirect => "translated",
+        Reply | RevTranslated | XdpReply | XdpRedirectReply => "reverse",
         RefusedNoBackend | RefusedNoPort => "refused",
         RejectNoBackend => "rejected",
         _ if r.name().starts_with("drop") || r.name().starts_with("err") => "dropped",
@@ -573,6 +572,8 @@ mod tests {
         assert_eq!(flow_state(low(RST | FIN)), Some("reset"));
         assert_eq!(verdict(Reason::XdpNew), "translated");
         assert_eq!(verdict(Reason::XdpReply), "reverse");
+        assert_eq!(verdict(Reason::XdpRedirect), "translated");
+        assert_eq!(verdict(Reason::XdpRedirectReply), "reverse");
     }
 
     /// --service matches the Service whatever the port, and not another whose name starts

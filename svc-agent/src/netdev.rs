@@ -355,6 +355,100 @@ pub fn ifname(ifindex: u32) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..len]).into_owned())
 }
 
+/// `NETDEV_XDP_ACT_NDO_XMIT` (uapi linux/netdev.h): the device's driver transmits XDP frames
+/// redirected to it from another device (`ndo_xdp_xmit`); without it the kernel drops them.
+pub const XDP_ACT_NDO_XMIT: u64 = 1 << 2;
+
+/// The `xdp-features` of device `ifindex` (`NETDEV_XDP_ACT_*` bits), from the kernel's netdev
+/// generic netlink family (6.3+): what `ynl --family netdev --do dev-get` prints. A veth's
+/// change with its peer (an XDP program or GRO there gives it `NDO_XMIT`).
+pub fn xdp_features(ifindex: u32) -> std::io::Result<u64> {
+    use netlink_sys::protocols::NETLINK_GENERIC;
+    const GENL_ID_CTRL: u16 = 0x10;
+    const CTRL_CMD_GETFAMILY: u8 = 3;
+    const CTRL_ATTR_FAMILY_ID: u16 = 1;
+    const CTRL_ATTR_FAMILY_NAME: u16 = 2;
+    const NETDEV_CMD_DEV_GET: u8 = 1;
+    const NETDEV_A_DEV_IFINDEX: u16 = 1;
+    const NETDEV_A_DEV_XDP_FEATURES: u16 = 3;
+    const NLMSG_ERROR: u16 = 2;
+
+    let mut socket = Socket::new(NETLINK_GENERIC)?;
+    socket.bind_auto()?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    // One request (a genl header and one attribute), its answer's attributes.
+    let ask =
+        |family: u16, cmd: u8, attr: u16, data: &[u8]| -> std::io::Result<Vec<(u16, Vec<u8>)>> {
+            let alen = 4 + data.len();
+            let padded = alen.div_ceil(4) * 4;
+            let len = 16 + 4 + padded;
+            let mut buf = Vec::with_capacity(len);
+            buf.extend_from_slice(&(len as u32).to_ne_bytes());
+            buf.extend_from_slice(&family.to_ne_bytes());
+            buf.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+            buf.extend_from_slice(&1u32.to_ne_bytes());
+            buf.extend_from_slice(&0u32.to_ne_bytes());
+            buf.extend_from_slice(&[cmd, 1, 0, 0]);
+            buf.extend_from_slice(&(alen as u16).to_ne_bytes());
+            buf.extend_from_slice(&attr.to_ne_bytes());
+            buf.extend_from_slice(data);
+            buf.resize(len, 0);
+            socket.send(&buf, 0)?;
+            let mut rx = vec![0u8; 1 << 13];
+            let n = socket.recv(&mut &mut rx[..], 0)?;
+            let rx = &rx[..n];
+            if n < 20 {
+                return Err(netlink_err("genl", "a short answer"));
+            }
+            if u16::from_ne_bytes([rx[4], rx[5]]) == NLMSG_ERROR {
+                let code = i32::from_ne_bytes([rx[16], rx[17], rx[18], rx[19]]);
+                return Err(std::io::Error::from_raw_os_error(code.abs()));
+            }
+            let end = (u32::from_ne_bytes([rx[0], rx[1], rx[2], rx[3]]) as usize).min(n);
+            let mut attrs = Vec::new();
+            let mut i = 20;
+            while i + 4 <= end {
+                let l = u16::from_ne_bytes([rx[i], rx[i + 1]]) as usize;
+                let t = u16::from_ne_bytes([rx[i + 2], rx[i + 3]]) & 0x3fff;
+                if l < 4 || i + l > end {
+                    break;
+                }
+                attrs.push((t, rx[i + 4..i + l].to_vec()));
+                i += l.div_ceil(4) * 4;
+            }
+            Ok(attrs)
+        };
+    let family = ask(
+        GENL_ID_CTRL,
+        CTRL_CMD_GETFAMILY,
+        CTRL_ATTR_FAMILY_NAME,
+        b"netdev\0",
+    )
+    .map_err(|e| netlink_err("the netdev family (kernel 6.3+)", e))?
+    .into_iter()
+    .find_map(|(t, v)| {
+        (t == CTRL_ATTR_FAMILY_ID && v.len() >= 2).then(|| u16::from_ne_bytes([v[0], v[1]]))
+    })
+    .ok_or_else(|| netlink_err("the netdev family", "no id in the answer"))?;
+    ask(
+        family,
+        NETDEV_CMD_DEV_GET,
+        NETDEV_A_DEV_IFINDEX,
+        &ifindex.to_ne_bytes(),
+    )
+    .map_err(|e| netlink_err(&format!("netdev dev-get of device {ifindex}"), e))?
+    .into_iter()
+    .find_map(|(t, v)| {
+        if t != NETDEV_A_DEV_XDP_FEATURES {
+            return None;
+        }
+        <[u8; 8]>::try_from(v.as_slice())
+            .ok()
+            .map(u64::from_ne_bytes)
+    })
+    .ok_or_else(|| netlink_err("netdev dev-get", "no xdp-features in the answer"))
+}
+
 fn netlink_err(what: &str, e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(format!("netlink {what}: {e}"))
 }

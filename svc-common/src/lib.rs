@@ -21,6 +21,7 @@ pub enum MapKind {
     LpmTrie,
     SkStorage,
     RingBuf,
+    DevMapHash,
 }
 
 impl MapKind {
@@ -35,12 +36,17 @@ impl MapKind {
             MapKind::LpmTrie => 11,
             MapKind::SkStorage => 24,
             MapKind::RingBuf => 27,
+            MapKind::DevMapHash => 25,
         }
     }
 }
 
 /// `map_flags`: entries allocated as they are written, not all at creation.
 pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// `map_flags`: programs may only read the map. The kernel sets it on every devmap itself
+/// (`dev_map_init_map`), so a pinned devmap shows it though no one asked for it.
+pub const BPF_F_RDONLY_PROG: u32 = 1 << 7;
 
 /// One map of the kernel object: what the object declares, and what the agent does with it.
 /// The kernel's `#[btf_map]` statics (svc-ebpf) are checked against these by the agent's
@@ -323,6 +329,12 @@ catalogue! {
     SERVICE_STATS = MapDef::new::<u32, ServiceStats>("SVC_SERVICE_STATS", 1, MapKind::PerCpuHash)
         .sized(262_144)
         .no_prealloc();
+    /// The devices XDP may redirect to (docs/design/xdp.md, "Another device"): those that
+    /// carry `xdp_ext` at the driver's hook, keyed by ifindex (host order), each value the
+    /// kernel's `struct bpf_devmap_val` (the same ifindex, no chained program). A hash, not
+    /// an array: ifindexes are sparse and grow with every device a node ever made, and the
+    /// route lookup names the device by its ifindex, which is then the key as it is.
+    XDP_DEVS = MapDef::new::<u32, u64>("SVC_XDP_DEVS", 1, MapKind::DevMapHash).entries(256);
 }
 
 /// The monitor's ring: 256 KiB, about 2,300 events (`MonitorEvent` and the ring's 8-byte
@@ -1106,7 +1118,8 @@ pub enum Reason {
     /// the driver.
     XdpReply = 38,
     /// XDP: a packet XDP could not finish (its route needs the stack: a neighbour to
-    /// resolve, a packet too big or a hop too many, another device) went on to tc untouched:
+    /// resolve, a packet too big or a hop too many, another device not in `SVC_XDP_DEVS`)
+    /// went on to tc untouched:
     /// a known flow's, or a new flow's first before anything was stored.
     XdpPassRoute = 39,
     /// XDP: a new flow to a remote backend was stored (the entries tc makes) and its first
@@ -1119,10 +1132,17 @@ pub enum Reason {
     /// XDP: a new flow to a local backend (or under externalTrafficPolicy Local) went on to
     /// tc untouched: the stack delivers it.
     XdpPassLocal = 42,
+    /// XDP: a client's packet (a new flow's first, counted `XdpNew` too, or a known flow's,
+    /// counted `XdpCtHit` too) left by another device than it came in on, redirected there
+    /// from the driver (`bpf_redirect_map` into `SVC_XDP_DEVS`).
+    XdpRedirect = 43,
+    /// XDP: a remote backend's reply (counted `XdpReply` too) left by another device than it
+    /// came in on, redirected there from the driver.
+    XdpRedirectReply = 44,
 }
 
 impl Reason {
-    pub const COUNT: usize = 43;
+    pub const COUNT: usize = 45;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1170,6 +1190,8 @@ impl Reason {
             XdpNew,
             XdpPassNew,
             XdpPassLocal,
+            XdpRedirect,
+            XdpRedirectReply,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
@@ -1289,6 +1311,8 @@ impl Reason {
             XdpNew => "xdp_new",
             XdpPassNew => "xdp_pass_new",
             XdpPassLocal => "xdp_pass_local",
+            XdpRedirect => "xdp_redirect",
+            XdpRedirectReply => "xdp_redirect_reply",
         }
     }
 }

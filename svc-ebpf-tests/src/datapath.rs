@@ -2,7 +2,7 @@
 //! their maps.
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
+use aya::maps::{xdp::DevMapHash, Array, HashMap, MapData, PerCpuHashMap};
 use aya::programs::{SchedClassifier, TestRun, TestRunOptions, Xdp};
 use aya::{Ebpf, EbpfLoader};
 
@@ -39,6 +39,7 @@ pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_REDIRECT: u32 = 7;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
+pub const XDP_REDIRECT: u32 = 4;
 
 /// A test's datapath: the loaded object (taken from `POOL` or loaded) with the map state a
 /// test starts from, and the devices of the test's own network namespace. Dropped, it puts the
@@ -74,6 +75,9 @@ pub struct Loaded {
     /// Per-Service counters, whose entries the agent creates with each frontend (`frontend`
     /// does here). None for an object without them (a benchmark's older object).
     pub service_stats: Option<PerCpuHashMap<MapData, u32, svc_common::ServiceStats>>,
+    /// The devices XDP may redirect to (`SVC_XDP_DEVS`); empty as loaded. None for an object
+    /// without it (a benchmark's older object).
+    pub xdp_devs: Option<DevMapHash<MapData>>,
     /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
     every_map: Vec<reset::KernelMap>,
     ct_capacity: u32,
@@ -186,6 +190,9 @@ impl Loaded {
         let service_stats = ebpf
             .take_map(map_names::SERVICE_STATS)
             .and_then(|m| m.try_into().ok());
+        let xdp_devs = ebpf
+            .take_map(map_names::XDP_DEVS)
+            .and_then(|m| m.try_into().ok());
         let maps_left = ebpf.maps().count();
         Loaded {
             ebpf,
@@ -204,6 +211,7 @@ impl Loaded {
             maglev,
             maglev_index,
             service_stats,
+            xdp_devs,
             every_map,
             ct_capacity: ct,
             maps_left,
@@ -302,6 +310,19 @@ impl Dp {
             ..Default::default()
         });
         dp
+    }
+
+    /// Makes device `ifindex` one XDP may redirect to (as the agent does for a device it
+    /// attached `xdp_ext` to natively), or no longer (`on` false).
+    pub fn xdp_dev(&mut self, ifindex: u32, on: bool) {
+        let m = self.xdp_devs.as_mut().expect("an object with SVC_XDP_DEVS");
+        if on {
+            m.insert(ifindex, ifindex, None, 0)
+                .unwrap_or_else(|e| panic!("SVC_XDP_DEVS[{ifindex}]: {e}"));
+        } else {
+            m.remove(ifindex)
+                .unwrap_or_else(|e| panic!("SVC_XDP_DEVS[{ifindex}]: {e}"));
+        }
     }
 
     pub fn set_config(&mut self, c: DatapathConfig) {

@@ -81,6 +81,9 @@ impl KernelMap {
             kind: Kind::Kept,
         };
         m.kind = match map_type {
+            // Read-only for programs too (the kernel sets the flag on every devmap), but
+            // written by the tests: emptied as a hash.
+            MapType::DevMapHash => Kind::Hash,
             _ if info.map_flags() & BPF_F_RDONLY_PROG != 0 => Kind::Kept,
             MapType::ProgramArray => Kind::Kept,
             // The monitor's ring: emptied by whoever reads it; the lease that makes the

@@ -3,7 +3,9 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage},
+    btf_maps::{
+        lpm_trie::Key, Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SkStorage,
+    },
     macros::btf_map,
 };
 use svc_common::{
@@ -162,6 +164,13 @@ pub static SVC_SERVICE_STATS: PerCpuHashMap<
     { capacity::SERVICE_STATS as usize },
     NO_PREALLOC,
 > = PerCpuHashMap::new();
+
+/// The devices the XDP program may redirect a packet to, keyed by ifindex: those the agent
+/// attached `xdp_ext` to at the driver's hook (docs/design/xdp.md, "Another device"). A
+/// device missing here is tc's to reach: a redirect into a device that cannot take XDP frames
+/// is dropped without a word, where tc's redirect never is.
+#[btf_map]
+pub static SVC_XDP_DEVS: DevMapHash<{ capacity::XDP_DEVS as usize }> = DevMapHash::new();
 
 /// Counts one connection or new flow of frontend `id` under `reason`, if the reason is one
 /// counted per Service and the agent made the frontend an entry. Beside `count`, never

@@ -12,10 +12,12 @@
 //!
 //! What it finishes: a client's packet of a SNATed flow (FORWARD entry), a remote backend's
 //! reply to a SNAT address (REPLY entry), and the first packet of a new flow to an external
-//! frontend whose backend is remote, when the route to the translated destination leaves by
-//! the same device with a known neighbour (XDP_TX). What it passes: anything else, among it a
-//! flow to a local backend (the stack delivers it), a route needing the stack (a neighbour to
-//! resolve, another device, a packet too big, a hop that would spend the TTL; counted
+//! frontend whose backend is remote, when the route to the translated destination has a
+//! known neighbour and leaves by the same device (XDP_TX) or by another one that carries this
+//! program at the driver's hook (`SVC_XDP_DEVS`, XDP_REDIRECT). What it passes: anything
+//! else, among it a flow to a local backend (the stack delivers it), a route needing the stack
+//! (a neighbour to resolve, another device not in `SVC_XDP_DEVS`, a packet too big, a hop that
+//! would spend the TTL; counted
 //! `XdpPassRoute`), what tc refuses, drops or answers (source ranges, no backend, a bad
 //! checksum), fragments, ICMP errors, what it cannot parse, packets of flows being handed over
 //! or out of their TCP window (tc drops them, counted there). A new flow is passed before
@@ -32,7 +34,7 @@ use crate::{
     csum, ct,
     ctx::Ctx,
     fwd, lb,
-    maps::{count, count_service},
+    maps::{count, count_service, SVC_XDP_DEVS},
     monitor,
     pkt::{self, parsed, L3},
     scratch::{self, Scratch},
@@ -42,6 +44,7 @@ use crate::{
 const PASS: u32 = xdp_action::XDP_PASS;
 const TX: u32 = xdp_action::XDP_TX;
 const DROP: u32 = xdp_action::XDP_DROP;
+const REDIRECT: u32 = xdp_action::XDP_REDIRECT;
 
 /// Offsets past this are not written in place (the verifier needs a bound on a variable
 /// offset); only a TCP or UDP header after long IPv6 extension headers lies there, and such a
@@ -140,7 +143,9 @@ fn new_flow(ctx: &XdpContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
 fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
     let ifindex = s.p.ifindex;
     tc::route_to_backend(ctx, s);
-    if !leaves_here(s) {
+    // Before anything is stored: a route XDP cannot take leaves the flow to tc whole.
+    let action = exit(s);
+    if action == PASS {
         count(Reason::XdpPassRoute, ifindex);
         return PASS;
     }
@@ -164,23 +169,43 @@ fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
         return PASS;
     }
     count(Reason::XdpNew, ifindex);
-    monitor::tc(s, Reason::XdpNew, true, s.new.fwd.id);
-    TX
+    let shown = if action == REDIRECT {
+        count(Reason::XdpRedirect, ifindex);
+        Reason::XdpRedirect
+    } else {
+        Reason::XdpNew
+    };
+    monitor::tc(s, shown, true, s.new.fwd.id);
+    action
 }
 
-/// Whether the packet's hop leaves it a TTL and `s.route` sends it back out of the device it
-/// came in on with a known neighbour: what XDP_TX can do. Else tc forwards it (a neighbour to
-/// resolve, another device), or answers it (time exceeded, too big).
+/// How the translated packet can leave, from what `s.route` says: `TX` back out of the device
+/// it came in on, `REDIRECT` to another device of `SVC_XDP_DEVS` (the redirect is then set
+/// up, and happens only if the program returns `REDIRECT`), or `PASS`: tc forwards it (a
+/// neighbour to resolve, another device XDP may not send to) or answers it (time exceeded,
+/// too big). Nothing is written to the packet here: a caller that then cannot rewrite it
+/// passes it untouched.
 #[inline(always)]
-fn leaves_here(s: &Scratch) -> bool {
-    s.p.ttl > 1
-        && s.route.ret == BPF_FIB_LKUP_RET_SUCCESS as i64
-        && s.route.params.ifindex == s.p.ifindex
+fn exit(s: &Scratch) -> u32 {
+    if s.p.ttl <= 1 || s.route.ret != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        return PASS;
+    }
+    let out = s.route.params.ifindex;
+    if out == s.p.ifindex {
+        return TX;
+    }
+    // The lookup and the redirect are one step: a device the agent removes from the map
+    // between them cannot be sent to with the packet already rewritten.
+    match SVC_XDP_DEVS.redirect(out, PASS as u64) {
+        Ok(_) => REDIRECT,
+        Err(_) => PASS,
+    }
 }
 
-/// Sends the translated packet back out of its device (XDP_TX) when the route to `s.dst`
-/// leaves there with a known neighbour; else it goes on to tc untouched, counted
-/// `XdpPassRoute`. `reason` is counted when sent.
+/// Sends the translated packet on when the route to `s.dst` has a known neighbour: back out of
+/// its device (XDP_TX), or to another device of `SVC_XDP_DEVS` (XDP_REDIRECT, counted
+/// `XdpRedirect` or `XdpRedirectReply` too, which the monitor is shown); else it goes on to tc
+/// untouched, counted `XdpPassRoute`. `reason` is counted when sent.
 #[inline(never)]
 fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
     let ifindex = s.p.ifindex;
@@ -194,14 +219,25 @@ fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
         0,
         &mut s.route,
     );
-    if !leaves_here(s) || !rewrite(ctx, s) {
+    let action = exit(s);
+    if action == PASS || !rewrite(ctx, s) {
         // Nothing was written: tc translates it.
         count(Reason::XdpPassRoute, ifindex);
         return PASS;
     }
     count(reason, ifindex);
-    monitor::tc_known(s, reason);
-    TX
+    let shown = if action != REDIRECT {
+        reason
+    } else if reason == Reason::XdpReply {
+        Reason::XdpRedirectReply
+    } else {
+        Reason::XdpRedirect
+    };
+    if action == REDIRECT {
+        count(shown, ifindex);
+    }
+    monitor::tc_known(s, shown);
+    action
 }
 
 /// `N` bytes at `off` of the packet, to be written in place; `None` when they are not all in

@@ -146,9 +146,15 @@ impl Datapath {
                 Pinned::Adopt => {}
                 Pinned::Create => {
                     let path = map_pin(dir, name);
-                    held(&store, name)?
-                        .pin(&path)
-                        .map_err(|e| load_err(path.display(), e))?;
+                    let pinned = match store_map(&store, name) {
+                        Some(map) => map.pin(&path),
+                        // Kept in the object (SVC_XDP_DEVS, which the XDP attachment writes).
+                        None => match ebpf.map(name) {
+                            Some(map) => map.pin(&path),
+                            None => continue,
+                        },
+                    };
+                    pinned.map_err(|e| load_err(path.display(), e))?;
                 }
                 Pinned::Migrate(old) => {
                     let n = migrate(&mut store, name, &old, false)?;
@@ -230,6 +236,7 @@ impl Datapath {
             xdp_mode: XdpMode::Off,
             xdp_loaded,
             xdp_current: Default::default(),
+            xdp_no_xmit: Default::default(),
             tc_mode: if kernel_tcx {
                 TcMode::Tcx
             } else {

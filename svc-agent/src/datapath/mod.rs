@@ -149,6 +149,9 @@ pub struct Datapath {
     xdp_loaded: bool,
     /// XDP link pins this agent has attached or swapped its program into.
     xdp_current: std::collections::BTreeSet<PathBuf>,
+    /// Devices with a native XDP link that do not take redirected XDP frames (warned about
+    /// once each): not redirect targets.
+    xdp_no_xmit: std::collections::BTreeSet<u32>,
     /// How the tc programs attach (`set_tc_attach`; by default tcx where the kernel has it).
     tc_mode: TcMode,
     /// Whether the kernel has tcx, asked once at `open`.

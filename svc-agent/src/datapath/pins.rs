@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use aya::maps::MapData;
-use svc_common::{catalogue, layout, map_names, MapDef};
+use svc_common::{catalogue, layout, map_names, MapDef, MapKind};
 use tracing::{info, warn};
 
 use super::load_err;
@@ -138,12 +138,13 @@ pub(super) fn inspect_pin(spec: &MapDef, path: &Path, want_entries: u32) -> Resu
             spec.value_size
         ));
     }
-    if info.map_flags() != spec.flags {
-        wrong.push(format!(
-            "flags {:#x}, not {:#x}",
-            info.map_flags(),
-            spec.flags
-        ));
+    let flags = if spec.kind == MapKind::DevMapHash {
+        info.map_flags() & !svc_common::BPF_F_RDONLY_PROG
+    } else {
+        info.map_flags()
+    };
+    if flags != spec.flags {
+        wrong.push(format!("flags {:#x}, not {:#x}", flags, spec.flags));
     }
     if !wrong.is_empty() {
         return Err(Error::load(format!(

@@ -110,12 +110,22 @@ impl Datapath {
                 if held {
                     continue;
                 }
-                // Unpinned (its last reference) or detached (`bpftool link detach`).
+                // Unpinned (its last reference) or detached (`bpftool link detach`): no
+                // redirect target until its link is back.
+                if let Err(e) = self.xdp_devs_remove(device.index) {
+                    errors.push(e);
+                }
                 match self.attach_xdp_one(&device) {
-                    Ok((pin, _)) => repaired.push(format!("link {}", pin.display())),
+                    Ok((pin, _)) => {
+                        repaired.push(format!("link {}", pin.display()));
+                        if let Err(e) = self.xdp_devs_after_repair(&device, &pin) {
+                            errors.push(e);
+                        }
+                    }
                     Err(e) => errors.push(e),
                 }
             }
+            errors.extend(self.xdp_devs_refresh());
         }
         (repaired, errors)
     }

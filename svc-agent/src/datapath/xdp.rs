@@ -4,11 +4,19 @@
 //! skb-based hook, where a driver has no native XDP). Adopted across restarts as the tc
 //! links are (BPF_LINK_UPDATE swaps the new program in); removed when XDP is turned off, the
 //! device is no longer chosen, and by `uninstall`.
+//!
+//! The devices whose link is native are the ones XDP may redirect a packet to
+//! (`SVC_XDP_DEVS`, docs/design/xdp.md, "Another device"): a device is put there only once
+//! its native link holds, and taken out before its link is detached or changes mode, so the
+//! map never names a device without the program.
 
+use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
+use aya::maps::{xdp::DevMapHash, MapData};
 use aya::programs::{links::FdLink, Xdp, XdpMode as AttachMode};
+use svc_common::map_names;
 use tracing::{info, warn};
 
 use super::tc::detach_pinned;
@@ -100,14 +108,35 @@ impl Datapath {
     pub(super) fn attach_xdp(&mut self) -> Result<Vec<String>> {
         let mut done = Vec::new();
         let mut errors = Vec::new();
-        let mut keep = std::collections::BTreeSet::new();
-        for device in &self.xdp_wanted() {
+        let mut keep = BTreeSet::new();
+        let wanted = self.xdp_wanted();
+        // Before any link changes: only the devices whose native link stays as it is remain
+        // redirect targets (the programs attached now, a previous agent's included, read the
+        // same pinned map).
+        let stays: BTreeSet<u32> = wanted
+            .iter()
+            .filter(|d| self.xdp_mode == XdpMode::Native && self.native_link_holds(d))
+            .map(|d| d.index)
+            .collect();
+        if let Err(e) = self.xdp_devs_retain(&stays) {
+            errors.push(e);
+        }
+        let mut native = Vec::new();
+        for device in &wanted {
             match self.attach_xdp_one(device) {
                 Ok((pin, what)) => {
+                    if pin == xdp_link_pin(&self.dir, "native", &device.name) {
+                        native.push(device.clone());
+                    }
                     keep.insert(pin);
                     done.extend(what);
                 }
                 Err(e) => errors.push(e),
+            }
+        }
+        for device in &native {
+            if let Err(e) = self.xdp_devs_insert(device) {
+                errors.push(e);
             }
         }
         for (pin, mode, ifname) in xdp_pins(&self.dir) {
@@ -136,6 +165,128 @@ impl Datapath {
         } else {
             self.tc_devices.0.clone()
         }
+    }
+
+    /// Whether `device` has a native XDP link of ours, pinned and attached to it.
+    fn native_link_holds(&self, device: &Device) -> bool {
+        let pin = xdp_link_pin(&self.dir, "native", &device.name);
+        pin.exists()
+            && sys::obj_get(&pin)
+                .and_then(|l| sys::tcx_link_info(l.as_fd()))
+                .is_ok_and(|(ifindex, _)| ifindex == device.index)
+    }
+
+    /// `SVC_XDP_DEVS` of the loaded object; None for an object without it.
+    fn xdp_devs(&mut self) -> Result<Option<DevMapHash<&mut MapData>>> {
+        let ebpf = super::load::ebpf(&mut self.programs)?;
+        let Some(map) = ebpf.map_mut(map_names::XDP_DEVS) else {
+            return Ok(None);
+        };
+        DevMapHash::try_from(map)
+            .map(Some)
+            .map_err(|e| load_err(map_names::XDP_DEVS, e))
+    }
+
+    /// Takes every device but those of `stays` out of `SVC_XDP_DEVS`.
+    fn xdp_devs_retain(&mut self, stays: &BTreeSet<u32>) -> Result<()> {
+        let Some(mut map) = self.xdp_devs()? else {
+            return Ok(());
+        };
+        let keys: Vec<u32> = map.keys().filter_map(|k| k.ok()).collect();
+        for ifindex in keys {
+            if stays.contains(&ifindex) {
+                continue;
+            }
+            match map.remove(ifindex) {
+                Ok(()) => info!(ifindex, "XDP: no longer a redirect target"),
+                // Gone with its device meanwhile (the kernel removes it).
+                Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(load_err(format!("{} [{ifindex}]", map_names::XDP_DEVS), e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `device`, whose native XDP link holds, a redirect target if its driver takes
+    /// frames redirected from another device (`ndo-xmit` in its `xdp-features`), or no longer
+    /// one if it lost that (a veth whose peer's XDP program went): the kernel would drop
+    /// them. Warned about once per device while it lacks it.
+    fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
+        let ifindex = device.index;
+        let takes = match crate::netdev::xdp_features(ifindex) {
+            Ok(f) => f & crate::netdev::XDP_ACT_NDO_XMIT != 0,
+            Err(e) => {
+                if self.xdp_no_xmit.insert(ifindex) {
+                    warn!(
+                        device = %device.name,
+                        "XDP: cannot read the device's xdp-features ({e}): not a redirect \
+                         target, routes through it go on through tc"
+                    );
+                }
+                false
+            }
+        };
+        if !takes {
+            if self.xdp_no_xmit.insert(ifindex) {
+                warn!(
+                    device = %device.name,
+                    "XDP: the device does not take redirected XDP frames (no ndo-xmit in its \
+                     xdp-features; a veth needs an XDP program on its peer): routes through \
+                     it go on through tc"
+                );
+            }
+            return self.xdp_devs_remove(ifindex);
+        }
+        if self.xdp_no_xmit.remove(&ifindex) {
+            info!(device = %device.name, "XDP: the device takes redirected XDP frames now");
+        }
+        let Some(mut map) = self.xdp_devs()? else {
+            return Ok(());
+        };
+        if map.get(ifindex, 0).is_ok_and(|v| v.if_index == ifindex) {
+            return Ok(());
+        }
+        map.insert(ifindex, ifindex, None, 0)
+            .map_err(|e| load_err(format!("{} [{ifindex}]", map_names::XDP_DEVS), e))?;
+        info!(device = %device.name, "XDP: a redirect target");
+        Ok(())
+    }
+
+    /// The pin check's part: each device whose native link holds is a redirect target as
+    /// long as its driver takes redirected frames (a veth's peer may lose or gain its XDP
+    /// program at any time).
+    pub(super) fn xdp_devs_refresh(&mut self) -> Vec<crate::Error> {
+        let mut errors = Vec::new();
+        if self.xdp_mode != XdpMode::Native {
+            return errors;
+        }
+        for device in self.xdp_wanted() {
+            if self.native_link_holds(&device) {
+                if let Err(e) = self.xdp_devs_insert(&device) {
+                    errors.push(e);
+                }
+            }
+        }
+        errors
+    }
+
+    /// Takes device `ifindex` out of `SVC_XDP_DEVS`: its link is gone or being replaced.
+    pub(super) fn xdp_devs_remove(&mut self, ifindex: u32) -> Result<()> {
+        let Some(mut map) = self.xdp_devs()? else {
+            return Ok(());
+        };
+        match map.remove(ifindex) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(load_err(format!("{} [{ifindex}]", map_names::XDP_DEVS), e)),
+        }
+    }
+
+    /// After `attach_xdp_one` put a link back on `device`: a redirect target again if native.
+    pub(super) fn xdp_devs_after_repair(&mut self, device: &Device, pin: &Path) -> Result<()> {
+        if pin == xdp_link_pin(&self.dir, "native", &device.name) {
+            self.xdp_devs_insert(device)?;
+        }
+        Ok(())
     }
 
     /// Whether this agent attached the XDP program to `device` (a link pinned under either
