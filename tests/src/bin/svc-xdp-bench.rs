@@ -26,9 +26,21 @@
 //!
 //! Setups: `none` (the frame goes to 10.244.2.2 itself: node 1 routes it), `svc-tc` (svc-agent
 //! with `--devices eth0`, the frame to `10.77.0.1:nodePort`), `svc-xdp` (the same with
-//! `--xdp-mode native`). The agent is stopped once ready: its pinned programs stay, and the
-//! datapath alone is measured. kube-proxy is not here: its rules need a node the API server
-//! knows (svc-nodeport-bench has that, with socket-level clients).
+//! `--xdp-mode native`), and kube-proxy's (`svc_tests::kube_proxy`) in node 1's namespace:
+//! `kube-proxy-iptables-nft` (`kube-proxy-iptables` for short), `kube-proxy-iptables-legacy`
+//! and `kube-proxy-nftables`, the frame to the same NodePort. The agent reads the Services from
+//! manifests; kube-proxy from a kube-apiserver holding the same objects (written straight into
+//! etcd: `bulk::populate_via_etcd`) and the Nodes `node-1` (10.77.0.1) and `node-2`
+//! (10.77.0.2), the endpoint's. Either proxy is stopped once it has programmed them (the agent:
+//! ready, its pinned programs stay; kube-proxy: its first sync of both families, its rules
+//! stay), and the datapath alone is measured. kube-proxy DNATs the frame to pod 2 in PREROUTING
+//! and masquerades it in POSTROUTING (a NodePort of `externalTrafficPolicy: Cluster`), as svc
+//! does: node 1's own address as its source, so pod 2's replies would come back through node
+//! 1. Before the measures each setup must forward every frame it takes (a frame to the
+//! NodePort that no rule translated would be node 1's own, answered at most by rate-limited
+//! ICMP errors), and for kube-proxy node 1's conntrack must hold the flow translated both ways.
+//! kube-proxy's rules live in node 1's namespace only; the machine's own firewall is compared
+//! before and after (`HostFirewallGuard`).
 //!
 //! Measured per setup, offered rate and round, from the devices' counters: the frames gen0
 //! handed to node 1's ring (`tx_queue_0_xdp_xmit`), those the full ring refused, and those back
@@ -52,6 +64,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::{json, Value};
+use svc_tests::bulk;
+use svc_tests::control_plane::{Binaries, ControlPlane};
+use svc_tests::interrupt;
+use svc_tests::kube_proxy::{
+    self, HostFirewallGuard, IptablesBackend, KubeProxy, KubeProxyConfig, Mode,
+};
 use svc_tests::netns::veth_pair;
 use svc_tests::sandbox::AGENT_READY_TIMEOUT;
 use svc_tests::xdp::{self, attach_native, bpf, ifindex, insn, put};
@@ -85,29 +103,52 @@ const NODE2: &str = "10.77.0.2";
 const CLIENT: &str = "10.77.0.100";
 const POD2: &str = "10.244.2.2";
 const POD_PORT: u16 = 5353;
+const CLIENT_PORT: u16 = 40000;
 const NODE_PORT_BASE: u16 = 20000;
+const NAMESPACE: &str = "bench";
+const NODE: &str = "node-1";
+const REMOTE_NODE: &str = "node-2";
 const GEN_CPU: usize = 0;
 const RX_CPU: usize = 1;
 const GEN_PRIORITY: i32 = 10;
 const RX_PRIORITY: i32 = 50;
 const DROP_PRIORITY: i32 = 60;
+/// kube-proxy's first sync of 10,000 Services took about a minute on iptables-nft here.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Setup {
     None,
     SvcTc,
     SvcXdp,
+    KubeProxy(Mode),
 }
 
 impl Setup {
-    const ALL: [Setup; 3] = [Setup::None, Setup::SvcTc, Setup::SvcXdp];
+    const ALL: [Setup; 6] = [
+        Setup::None,
+        Setup::SvcTc,
+        Setup::SvcXdp,
+        Setup::KubeProxy(Mode::Iptables(IptablesBackend::Nft)),
+        Setup::KubeProxy(Mode::Iptables(IptablesBackend::Legacy)),
+        Setup::KubeProxy(Mode::Nftables),
+    ];
 
     fn id(self) -> &'static str {
         match self {
             Setup::None => "none",
             Setup::SvcTc => "svc-tc",
             Setup::SvcXdp => "svc-xdp",
+            Setup::KubeProxy(mode) => mode.id(),
         }
+    }
+
+    /// `kube-proxy-iptables` alone is iptables mode on iptables-nft, Debian's default.
+    fn parse(id: &str) -> Option<Setup> {
+        if id == "kube-proxy-iptables" {
+            return Some(Setup::KubeProxy(Mode::Iptables(IptablesBackend::Nft)));
+        }
+        Setup::ALL.into_iter().find(|s| s.id() == id)
     }
 }
 
@@ -207,7 +248,7 @@ fn frame(src_mac: [u8; 6], dst_mac: [u8; 6], dst: &str, port: u16) -> Vec<u8> {
     }
     ip[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
     f.extend(ip);
-    f.extend(40000u16.to_be_bytes());
+    f.extend(CLIENT_PORT.to_be_bytes());
     f.extend(port.to_be_bytes());
     f.extend((total - 20).to_be_bytes());
     f.extend([0, 0]);
@@ -290,39 +331,49 @@ fn ethtool_stat(ns: &NetNs, dev: &str, name: &str) -> Result<u64> {
 /// its pins, the drop program's link before the namespaces.
 struct World {
     setup: Setup,
+    /// Stopped once it has synced: its rules stay in node 1's namespace.
+    kube_proxy: Option<Box<KubeProxy>>,
     _agent: Option<Agent>,
     _bpffs: Option<Bpffs>,
     _drop: OwnedFd,
     _m: Manifests,
     _cgroup: TestCgroup,
     wire: NetNs,
-    _node1: NetNs,
+    node1: NetNs,
     frame: Vec<u8>,
     rx_threads: Vec<i32>,
     wire_ifindex: u32,
 }
 
-fn service_docs(i: u32) -> String {
+/// Service `i` and its one slice, as svc's manifests and the API server hold them alike: a
+/// NodePort Service of one UDP port, its one endpoint pod 2 on node 2.
+fn objects(i: u32) -> (Value, Value) {
     let name = format!("s{i}");
-    let port = NODE_PORT_BASE + i as u16;
     let svc = json!({
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name, "namespace": "bench"},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "type": "NodePort",
-            "clusterIP": format!("10.96.{}.{}", i / 250, i % 250 + 1),
+            "clusterIP": bulk::cluster_ip(i).to_string(),
             "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": POD_PORT,
-                       "nodePort": port}],
+                       "nodePort": NODE_PORT_BASE + i as u16}],
         },
     });
     let slice = json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": format!("{name}-a"), "namespace": "bench",
+        "metadata": {"name": format!("{name}-a"), "namespace": NAMESPACE,
                      "labels": {"kubernetes.io/service-name": name}},
         "addressType": "IPv4",
         "ports": [{"name": "dns", "port": POD_PORT, "protocol": "UDP"}],
-        "endpoints": [{"addresses": [POD2], "conditions": {"ready": true}, "nodeName": "node-2"}],
+        "endpoints": [{"addresses": [POD2], "conditions": {"ready": true, "serving": true,
+                                                           "terminating": false},
+                       "nodeName": REMOTE_NODE}],
     });
+    (svc, slice)
+}
+
+fn service_docs(i: u32) -> String {
+    let (svc, slice) = objects(i);
     format!(
         "---\n{}---\n{}",
         serde_saphyr::to_string(&svc).expect("yaml"),
@@ -330,8 +381,46 @@ fn service_docs(i: u32) -> String {
     )
 }
 
+/// An API server holding the bench's `n` Services, and the two nodes, for kube-proxy.
+fn control_plane(rt: &tokio::runtime::Runtime, n: u32) -> Result<ControlPlane> {
+    let range = format!("--service-node-port-range={NODE_PORT_BASE}-32767");
+    let cp = ControlPlane::start_with_args(
+        Binaries::from_env()?,
+        // JSON storage: `bulk::populate_via_etcd` writes the objects straight into etcd.
+        &[&range, "--storage-media-type=application/json"],
+    )
+    .context("starting the control plane")?;
+    for (name, ip) in [(NODE, NODE1), (REMOTE_NODE, NODE2)] {
+        cp.kubectl_stdin(
+            &["create", "-f", "-"],
+            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                    "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
+            .to_string(),
+        )?;
+    }
+    let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
+    let t = Instant::now();
+    // Through the API, 10,000 Services take minutes (`bulk::populate_via_etcd` says why);
+    // kube-proxy still reads them through the API server.
+    interrupt::block_on(
+        rt,
+        bulk::populate_via_etcd(&cp, client, NAMESPACE, n, |i| {
+            let (svc, slice) = objects(i);
+            (
+                serde_json::from_value(svc).expect("a Service"),
+                serde_json::from_value(slice).expect("an EndpointSlice"),
+            )
+        }),
+    )?;
+    eprintln!(
+        "{n} Services and slices in the API server in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(cp)
+}
+
 impl World {
-    fn build(setup: Setup, tools: &Tools, n: u32) -> Result<World> {
+    fn build(setup: Setup, tools: &Tools, n: u32, cp: Option<&ControlPlane>) -> Result<World> {
         let wire = NetNs::new("svc-c")?;
         let node1 = NetNs::new("svc-b")?;
         veth_pair(&wire, "gen0", &node1, "eth0")?;
@@ -374,8 +463,22 @@ impl World {
         let wire_ifindex = wire.run_in(|| ifindex("gen0"))??;
         let m = Manifests::new()?;
         let cgroup = TestCgroup::new()?;
-        let (mut agent, mut bpffs) = (None, None);
-        if setup != Setup::None {
+        let (mut agent, mut bpffs, mut kp) = (None, None, None);
+        if let Setup::KubeProxy(mode) = setup {
+            let cp = cp.context("kube-proxy needs the API server")?;
+            let bin = kube_proxy::binary_from_env()?;
+            let mut k = KubeProxy::start(KubeProxyConfig::new(&bin, mode, NODE), cp, &node1)?;
+            k.quiet();
+            let took = k.wait_ready(SYNC_TIMEOUT)?;
+            eprintln!(
+                "{}: {n} Services synced in {:.1} s",
+                mode.label(),
+                took.as_secs_f64()
+            );
+            // As svc's agent: the rules stay, no resync falls into a measure.
+            k.stop(Duration::from_secs(10))?;
+            kp = Some(Box::new(k));
+        } else if setup != Setup::None {
             for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
                 let text: String = chunk.iter().map(|i| service_docs(*i)).collect();
                 m.write_raw(&format!("s{}.yaml", chunk[0]), &text)?;
@@ -390,7 +493,7 @@ impl World {
                 "--bpffs",
                 b.path().to_str().context("path")?,
                 "--node-name",
-                "node-1",
+                NODE,
                 "--devices",
                 "eth0",
             ]
@@ -435,17 +538,49 @@ impl World {
         };
         Ok(World {
             setup,
+            kube_proxy: kp,
             _agent: agent,
             _bpffs: bpffs,
             _drop: drop_link,
             _m: m,
             _cgroup: cgroup,
             wire,
-            _node1: node1,
+            node1,
             frame: frame(wire_mac, node_mac, dst, port),
             rx_threads,
             wire_ifindex,
         })
+    }
+
+    /// That kube-proxy's rules are what forwarded the frames: node 1's connection tracking
+    /// holds the flow translated both ways, DNAT to pod 2 and SNAT to node 1 (so that pod 2's
+    /// replies would come back through node 1). A setup without kube-proxy has nothing to check
+    /// here: svc's own connection tracking is not netfilter's.
+    fn check_conntrack(&self, n: u32) -> Result<()> {
+        if self.kube_proxy.is_none() {
+            return Ok(());
+        }
+        let port = NODE_PORT_BASE + (n - 1) as u16;
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", self.node1.path().display()))
+            .args(["conntrack", "-L", "-p", "udp", "--dport", &port.to_string()])
+            .output()
+            .context("conntrack -L")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let original = format!("src={CLIENT} dst={NODE1} sport={CLIENT_PORT} dport={port} ");
+        // kube-proxy masquerades with --random-fully: any source port of node 1's.
+        let reply = format!("src={POD2} dst={NODE1} sport={POD_PORT} dport=");
+        if !text
+            .lines()
+            .any(|l| l.contains(&original) && l.contains(&reply))
+        {
+            bail!(
+                "{}: node 1's conntrack has no entry {original}whose reply is {reply}…: {text}{}",
+                self.setup.id(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
     }
 
     /// CPU time of node 1's receiving threads, in nanoseconds.
@@ -554,13 +689,7 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
 }
 
 fn main() -> ExitCode {
-    match bench() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("svc-xdp-bench: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    interrupt::run(bench)
 }
 
 fn bench() -> Result<()> {
@@ -572,28 +701,60 @@ fn bench() -> Result<()> {
     } else {
         args.setups
             .iter()
-            .map(|id| {
-                Setup::ALL
-                    .into_iter()
-                    .find(|s| s.id() == id)
-                    .with_context(|| format!("unknown setup {id}"))
-            })
+            .map(|id| Setup::parse(id).with_context(|| format!("unknown setup {id}")))
             .collect::<Result<_>>()?
     };
+    for &n in &args.services {
+        if n == 0 || n > 32767 - u32::from(NODE_PORT_BASE) {
+            bail!("--services {n}: between 1 and 12,767 (the NodePort range)");
+        }
+    }
+    let kube = setups.iter().any(|s| matches!(s, Setup::KubeProxy(_)));
+    // kube-proxy's rules go to node 1's namespace only: the machine's own firewall is compared
+    // before and after.
+    let mut firewall = HostFirewallGuard::new()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let load = std::fs::read_to_string("/proc/loadavg")?;
     let mut results = Vec::new();
     for &n in &args.services {
+        let cp = if kube {
+            Some(control_plane(&rt, n)?)
+        } else {
+            None
+        };
         let worlds: Vec<World> = setups
             .iter()
-            .map(|s| World::build(*s, &tools, n).with_context(|| format!("{} at {n}", s.id())))
+            .map(|s| {
+                interrupt::check()?;
+                World::build(*s, &tools, n, cp.as_ref())
+                    .with_context(|| format!("{} at {n}", s.id()))
+            })
             .collect::<Result<_>>()?;
-        // The first packet of svc's flow goes through tc, which makes its entry.
+        // Every proxy has synced and stopped: nothing needs the API server any more.
+        drop(cp);
+        // The first packet of svc's flow goes through tc, which makes its entry; kube-proxy's,
+        // through netfilter's conntrack. Every frame taken must be forwarded, and kube-proxy's
+        // translation must be what forwards them: a frame to the NodePort that no rule
+        // translated is node 1's own, answered with a rate-limited ICMP error at most.
         for w in &worlds {
-            w.measure(1, 1000)?;
+            let m = w.measure(1, 1000)?;
+            if m.taken == 0.0 || m.forwarded < 0.99 * m.taken {
+                bail!(
+                    "{} at {n}: node 1 forwarded {:.0} of the {:.0} frames a second it took",
+                    w.setup.id(),
+                    m.forwarded,
+                    m.taken
+                );
+            }
+            w.check_conntrack(n)?;
         }
         for round in 0..args.rounds {
             for &rate in &args.rates {
                 for k in 0..worlds.len() {
+                    interrupt::check()?;
                     let w = &worlds[(k + round as usize) % worlds.len()];
                     let m = w.measure(args.seconds, rate)?;
                     let load = std::fs::read_to_string("/proc/loadavg")?;
@@ -628,43 +789,77 @@ fn bench() -> Result<()> {
          ns of the receiving core per frame | × none | core busy |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
+    let pick = |n: u32, rate: u64, k: &str, setup: &str| -> Vec<f64> {
+        results
+            .iter()
+            .filter(|r| r["services"] == n && r["rate"] == rate && r["setup"] == setup)
+            .map(|r| r[k].as_f64().unwrap_or(0.0))
+            .collect()
+    };
+    // Per round, `setup`'s value over `base`'s of the same round: median (min–max).
+    let ratio = |n: u32, rate: u64, k: &str, setup: &str, base: &str| {
+        let mine = pick(n, rate, k, setup);
+        let theirs = pick(n, rate, k, base);
+        if theirs.len() != mine.len() || theirs.is_empty() {
+            return None;
+        }
+        Some(median(
+            mine.iter().zip(&theirs).map(|(a, b)| a / b).collect(),
+        ))
+    };
+    let shown = |r: Option<(f64, f64, f64)>| {
+        r.map(|(m, l, h)| format!("{m:.2} ({l:.2}–{h:.2})"))
+            .unwrap_or_default()
+    };
+    let offered = |rate: u64| {
+        if rate == 0 {
+            "max".to_string()
+        } else {
+            rate.to_string()
+        }
+    };
     for &n in &args.services {
         for &rate in &args.rates {
             for s in &setups {
-                let pick = |k: &str, setup: &str| -> Vec<f64> {
-                    results
-                        .iter()
-                        .filter(|r| r["services"] == n && r["rate"] == rate && r["setup"] == setup)
-                        .map(|r| r[k].as_f64().unwrap_or(0.0))
-                        .collect()
-                };
-                let (pps, lo, hi) = median(pick("pps", s.id()));
-                let (ns, nlo, nhi) = median(pick("cpu_ns", s.id()));
-                let (busy, _, _) = median(pick("busy", s.id()));
-                let taken: f64 = pick("taken", s.id()).iter().sum();
-                let fwd: f64 = pick("pps", s.id()).iter().sum();
-                let ratio = |k: &str| {
-                    let mine = pick(k, s.id());
-                    let none = pick(k, "none");
-                    if none.len() != mine.len() || none.is_empty() {
-                        return "".to_string();
-                    }
-                    let (m, l, h) = median(mine.iter().zip(&none).map(|(a, b)| a / b).collect());
-                    format!("{m:.2} ({l:.2}–{h:.2})")
-                };
-                let offered = if rate == 0 {
-                    "max".to_string()
-                } else {
-                    rate.to_string()
+                let (pps, lo, hi) = median(pick(n, rate, "pps", s.id()));
+                let (ns, nlo, nhi) = median(pick(n, rate, "cpu_ns", s.id()));
+                let (busy, _, _) = median(pick(n, rate, "busy", s.id()));
+                let taken: f64 = pick(n, rate, "taken", s.id()).iter().sum();
+                let fwd: f64 = pick(n, rate, "pps", s.id()).iter().sum();
+                println!(
+                    "| {n} | {} | {} | {pps:.0} ({lo:.0}–{hi:.0}) | {} | {:.3} | \
+                     {ns:.0} ({nlo:.0}–{nhi:.0}) | {} | {:.0} % |",
+                    offered(rate),
+                    s.id(),
+                    shown(ratio(n, rate, "pps", s.id(), "none")),
+                    fwd / taken.max(1.0),
+                    shown(ratio(n, rate, "cpu_ns", s.id(), "none")),
+                    busy * 100.0
+                );
+            }
+        }
+    }
+    println!();
+    let xdp = Setup::SvcXdp.id();
+    for &n in &args.services {
+        for &rate in &args.rates {
+            for base in setups
+                .iter()
+                .filter(|s| !matches!(s, Setup::None | Setup::SvcXdp))
+            {
+                let (Some(pps), Some(ns)) = (
+                    ratio(n, rate, "pps", xdp, base.id()),
+                    ratio(n, rate, "cpu_ns", base.id(), xdp),
+                ) else {
+                    continue;
                 };
                 println!(
-                    "| {n} | {offered} | {} | {pps:.0} ({lo:.0}–{hi:.0}) | {} | {:.3} | \
-                     {ns:.0} ({nlo:.0}–{nhi:.0}) | {} | {:.0} % |",
-                    s.id(),
-                    ratio("pps"),
-                    fwd / taken.max(1.0),
-                    ratio("cpu_ns"),
-                    busy * 100.0
+                    "- {n} Services, offered {}: svc-xdp against {}: {} × the frames/s, \
+                     {} × less CPU per frame",
+                    offered(rate),
+                    base.id(),
+                    shown(Some(pps)),
+                    shown(Some(ns))
                 );
             }
         }
@@ -672,5 +867,6 @@ fn bench() -> Result<()> {
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
     }
+    firewall.check()?;
     Ok(())
 }
