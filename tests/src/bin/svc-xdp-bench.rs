@@ -56,7 +56,7 @@
 //! any exit.
 
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -93,6 +93,10 @@ struct Args {
     /// milliseconds to set up): they check that every frame offered is forwarded and counted.
     #[arg(long, value_delimiter = ',', default_value = "0,20000")]
     rates: Vec<u64>,
+    /// Flows (one: every frame of one flow, known after its first frame; new: every frame a
+    /// new UDP flow, its own source address and port), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "one")]
+    flows: Vec<String>,
     /// Write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -158,26 +162,125 @@ impl Setup {
 /// the frame in place when it forwards it (MAC addresses, TTL, svc's NAT): unrewritten, the
 /// next frame out of that page is addressed to gen0's MAC, and node 1's stack drops it
 /// (PACKET_OTHERHOST) uncounted by IP and by svc.
-fn xdp_sending(frame: &[u8]) -> Result<OwnedFd> {
+fn xdp_sending(frame: &[u8], flows: Flows, counter: &OwnedFd) -> Result<OwnedFd> {
     assert_eq!(frame.len(), 64);
-    let mut p = vec![
+    // Jumps to the XDP_DROP at the end, patched once its place is known.
+    let mut to_drop = Vec::new();
+    let mut p = Vec::new();
+    if flows == Flows::New {
+        p.extend([
+            insn(0xbf, 6, 1, 0, 0),                   // r6 = ctx
+            insn(0x18, 1, 1, 0, counter.as_raw_fd()), // r1 = the counter map (pseudo map fd)
+            insn(0, 0, 0, 0, 0),
+            insn(0xbf, 2, 10, 0, 0),  // r2 = r10
+            insn(0x07, 2, 0, 0, -4),  // r2 -= 4
+            insn(0x62, 10, 0, -4, 0), // *(u32 *)(r10 - 4) = 0: the key
+            insn(0x85, 0, 0, 0, 1),   // r0 = bpf_map_lookup_elem(r1, r2)
+        ]);
+        to_drop.push(p.len());
+        p.extend([
+            insn(0x15, 0, 0, 0, 0), // if r0 == 0: drop
+            insn(0x79, 7, 0, 0, 0), // r7 = *(u64 *)r0: this frame's flow
+            insn(0xbf, 8, 7, 0, 0), // r8 = r7
+            insn(0x07, 8, 0, 0, 1), // r8 += 1
+            insn(0x7b, 0, 8, 0, 0), // *(u64 *)r0 = r8
+            insn(0xbf, 1, 6, 0, 0), // r1 = ctx
+        ]);
+    }
+    p.extend([
         insn(0x61, 2, 1, 0, 0),  // r2 = ctx->data
         insn(0x61, 3, 1, 4, 0),  // r3 = ctx->data_end
         insn(0xbf, 4, 2, 0, 0),  // r4 = r2
         insn(0x07, 4, 0, 0, 64), // r4 += 64
-        insn(0x2d, 4, 3, 18, 0), // if r4 > r3: to the XDP_DROP below
-    ];
+    ]);
+    to_drop.push(p.len());
+    p.push(insn(0x2d, 4, 3, 0, 0)); // if r4 > r3: drop
     for (i, w) in frame.chunks(4).enumerate() {
         let imm = i32::from_le_bytes([w[0], w[1], w[2], w[3]]);
         p.push(insn(0x62, 2, 0, (i * 4) as i16, imm)); // *(u32 *)(r2 + 4i) = imm
     }
+    if flows == Flows::New {
+        // Flow r7: source port 1024 + r7 % NEW_PORTS, source 10.77.0.(128 + r7 / NEW_PORTS %
+        // NEW_HOSTS); the frame's source address ends in 0, so its header's folded sum grows
+        // by that last byte, and the checksum is the complement of the sum.
+        let sum0 = !u16::from_be_bytes([frame[24], frame[25]]);
+        p.extend([
+            insn(0xbf, 5, 7, 0, 0),                // r5 = r7
+            insn(0x97, 5, 0, 0, NEW_PORTS as i32), // r5 %= NEW_PORTS
+            insn(0x07, 5, 0, 0, 1024),             // r5 += 1024
+            insn(0x73, 2, 5, 35, 0),               // data[35] = (u8)r5
+            insn(0x77, 5, 0, 0, 8),                // r5 >>= 8
+            insn(0x73, 2, 5, 34, 0),               // data[34] = (u8)r5
+            insn(0xbf, 5, 7, 0, 0),                // r5 = r7
+            insn(0x37, 5, 0, 0, NEW_PORTS as i32), // r5 /= NEW_PORTS
+            insn(0x97, 5, 0, 0, NEW_HOSTS as i32), // r5 %= NEW_HOSTS
+            insn(0x07, 5, 0, 0, 128),              // r5 += 128
+            insn(0x73, 2, 5, 29, 0),               // data[29] = (u8)r5
+            insn(0x07, 5, 0, 0, i32::from(sum0)),  // r5 += sum0
+            insn(0xbf, 4, 5, 0, 0),                // r4 = r5
+            insn(0x77, 4, 0, 0, 16),               // r4 >>= 16
+            insn(0x57, 5, 0, 0, 0xffff),           // r5 &= 0xffff
+            insn(0x0f, 5, 4, 0, 0),                // r5 += r4: folded
+            insn(0xa7, 5, 0, 0, 0xffff),           // r5 ^= 0xffff: the checksum
+            insn(0x73, 2, 5, 25, 0),               // data[25] = (u8)r5
+            insn(0x77, 5, 0, 0, 8),                // r5 >>= 8
+            insn(0x73, 2, 5, 24, 0),               // data[24] = (u8)r5
+        ]);
+    }
     p.extend([
         insn(0xb7, 0, 0, 0, 3), // XDP_TX
         insn(0x95, 0, 0, 0, 0),
+    ]);
+    let drop = p.len();
+    p.extend([
         insn(0xb7, 0, 0, 0, 1), // XDP_DROP
         insn(0x95, 0, 0, 0, 0),
     ]);
+    for j in to_drop {
+        let off = (drop - j - 1) as i16;
+        p[j][2..4].copy_from_slice(&off.to_le_bytes());
+    }
     xdp::load(&p.concat())
+}
+
+/// Source ports and addresses of the new-flow measures: NEW_PORTS × NEW_HOSTS flows before
+/// one comes again, more than either connection-tracking table holds.
+const NEW_PORTS: u32 = 64512;
+const NEW_HOSTS: u32 = 64;
+
+/// An array of one u64, the generator's next flow in the new-flow measures: one per setup, so
+/// that no measure repeats an earlier one's flows (until NEW_PORTS × NEW_HOSTS of them).
+fn counter_map() -> Result<OwnedFd> {
+    let mut attr = [0u8; 128];
+    put(&mut attr, 0, &2u32.to_ne_bytes()); // BPF_MAP_TYPE_ARRAY
+    put(&mut attr, 4, &4u32.to_ne_bytes()); // key_size
+    put(&mut attr, 8, &8u32.to_ne_bytes()); // value_size
+    put(&mut attr, 12, &1u32.to_ne_bytes()); // max_entries
+    let fd = bpf(0, &mut attr, "BPF_MAP_CREATE")?;
+    // SAFETY: the kernel just returned this descriptor to us alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Which flows the generator's frames are of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flows {
+    /// One flow: after its first frame every frame is of a known connection.
+    One,
+    /// Every frame a flow of its own (source address and port), UDP: each is a new connection.
+    New,
+}
+
+impl Flows {
+    fn id(self) -> &'static str {
+        match self {
+            Flows::One => "one",
+            Flows::New => "new",
+        }
+    }
+
+    fn parse(id: &str) -> Option<Flows> {
+        [Flows::One, Flows::New].into_iter().find(|f| f.id() == id)
+    }
 }
 
 /// Pins thread `tid` to `cpu`, at a real-time `priority`: the machine's other work (builds,
@@ -224,9 +327,9 @@ fn v4(s: &str) -> [u8; 4] {
         .octets()
 }
 
-/// One 64-byte Ethernet frame: IPv4 UDP from the client's port 40000 to `dst`:`port`, without
-/// a UDP checksum (IPv4 allows none).
-fn frame(src_mac: [u8; 6], dst_mac: [u8; 6], dst: &str, port: u16) -> Vec<u8> {
+/// One 64-byte Ethernet frame: IPv4 UDP from `src`, port 40000, to `dst`:`port`, without a UDP
+/// checksum (IPv4 allows none).
+fn frame(src_mac: [u8; 6], dst_mac: [u8; 6], src: &str, dst: &str, port: u16) -> Vec<u8> {
     let mut f = Vec::with_capacity(64);
     f.extend(dst_mac);
     f.extend(src_mac);
@@ -237,7 +340,7 @@ fn frame(src_mac: [u8; 6], dst_mac: [u8; 6], dst: &str, port: u16) -> Vec<u8> {
     ip[2..4].copy_from_slice(&total.to_be_bytes());
     ip[8] = 64;
     ip[9] = 17;
-    ip[12..16].copy_from_slice(&v4(CLIENT));
+    ip[12..16].copy_from_slice(&v4(src));
     ip[16..20].copy_from_slice(&v4(dst));
     let mut sum: u32 = ip
         .chunks(2)
@@ -341,6 +444,8 @@ struct World {
     wire: NetNs,
     node1: NetNs,
     frame: Vec<u8>,
+    new_frame: Vec<u8>,
+    counter: OwnedFd,
     rx_threads: Vec<i32>,
     wire_ifindex: u32,
 }
@@ -546,7 +651,10 @@ impl World {
             _cgroup: cgroup,
             wire,
             node1,
-            frame: frame(wire_mac, node_mac, dst, port),
+            frame: frame(wire_mac, node_mac, CLIENT, dst, port),
+            // The generator writes the last byte of the source address, and the checksum.
+            new_frame: frame(wire_mac, node_mac, "10.77.0.0", dst, port),
+            counter: counter_map()?,
             rx_threads,
             wire_ifindex,
         })
@@ -583,6 +691,27 @@ impl World {
         Ok(())
     }
 
+    /// How many flows node 1's netfilter conntrack holds (`conntrack -C`), where kube-proxy's
+    /// rules run: after a new-flow measure, that each frame made one (up to the table's size,
+    /// `nf_conntrack_max`, where new ones evict unreplied ones).
+    fn conntrack_count(&self) -> Result<Option<u64>> {
+        if self.kube_proxy.is_none() {
+            return Ok(None);
+        }
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", self.node1.path().display()))
+            .args(["conntrack", "-C"])
+            .output()
+            .context("conntrack -C")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        Ok(Some(text.trim().parse().with_context(|| {
+            format!(
+                "conntrack -C: {text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?))
+    }
+
     /// CPU time of node 1's receiving threads, in nanoseconds.
     fn rx_cpu_ns(&self) -> Result<u64> {
         self.rx_threads.iter().map(|t| cpu_ns(*t)).sum()
@@ -600,15 +729,19 @@ impl World {
 
     /// Sends for `secs` seconds from CPU 0, `rate` frames a second at most (0: as fast as the
     /// generator goes).
-    fn measure(&self, secs: u64, rate: u64) -> Result<Measure> {
+    fn measure(&self, secs: u64, rate: u64, flows: Flows) -> Result<Measure> {
         let c0 = self.counters()?;
         let cpu0 = self.rx_cpu_ns()?;
         let started = Instant::now();
-        let (frame, ifindex) = (self.frame.clone(), self.wire_ifindex);
+        let frame = match flows {
+            Flows::One => self.frame.clone(),
+            Flows::New => self.new_frame.clone(),
+        };
+        let (ifindex, counter) = (self.wire_ifindex, &self.counter);
         let sent = self.wire.run_in(move || -> Result<u64> {
             // SAFETY: gettid has no preconditions.
             pin_to(unsafe { libc::gettid() }, GEN_CPU, GEN_PRIORITY)?;
-            let prog = xdp_sending(&frame)?;
+            let prog = xdp_sending(&frame, flows, counter)?;
             let mut ctx = [0u32; 6];
             ctx[1] = frame.len() as u32;
             ctx[3] = ifindex;
@@ -704,6 +837,11 @@ fn bench() -> Result<()> {
             .map(|id| Setup::parse(id).with_context(|| format!("unknown setup {id}")))
             .collect::<Result<_>>()?
     };
+    let flows: Vec<Flows> = args
+        .flows
+        .iter()
+        .map(|id| Flows::parse(id).with_context(|| format!("unknown flows {id}")))
+        .collect::<Result<_>>()?;
     for &n in &args.services {
         if n == 0 || n > 32767 - u32::from(NODE_PORT_BASE) {
             bail!("--services {n}: between 1 and 12,767 (the NodePort range)");
@@ -740,7 +878,7 @@ fn bench() -> Result<()> {
         // translation must be what forwards them: a frame to the NodePort that no rule
         // translated is node 1's own, answered with a rate-limited ICMP error at most.
         for w in &worlds {
-            let m = w.measure(1, 1000)?;
+            let m = w.measure(1, 1000, Flows::One)?;
             if m.taken == 0.0 || m.forwarded < 0.99 * m.taken {
                 bail!(
                     "{} at {n}: node 1 forwarded {:.0} of the {:.0} frames a second it took",
@@ -752,29 +890,37 @@ fn bench() -> Result<()> {
             w.check_conntrack(n)?;
         }
         for round in 0..args.rounds {
-            for &rate in &args.rates {
-                for k in 0..worlds.len() {
-                    interrupt::check()?;
-                    let w = &worlds[(k + round as usize) % worlds.len()];
-                    let m = w.measure(args.seconds, rate)?;
-                    let load = std::fs::read_to_string("/proc/loadavg")?;
-                    let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
-                    eprintln!(
-                        "{n} services, round {round}, rate {rate}, {}: offered {:.0}/s, \
-                         node 1 took {:.0}/s (its ring refused {:.0}/s), forwarded {:.0}/s, \
-                         {:.0} ns of CPU 1 each, its thread {:.0} % busy, load {load1}",
-                        w.setup.id(),
-                        m.offered,
-                        m.taken,
-                        m.refused,
-                        m.forwarded,
-                        m.cpu_ns,
-                        m.busy * 100.0
-                    );
-                    results.push(json!({"services": n, "round": round, "rate": rate,
-                        "setup": w.setup.id(), "offered": m.offered, "taken": m.taken,
-                        "refused": m.refused, "pps": m.forwarded, "cpu_ns": m.cpu_ns,
-                        "busy": m.busy, "load1": load1}));
+            for &flow in &flows {
+                for &rate in &args.rates {
+                    for k in 0..worlds.len() {
+                        interrupt::check()?;
+                        let w = &worlds[(k + round as usize) % worlds.len()];
+                        let m = w.measure(args.seconds, rate, flow)?;
+                        let flows_held = w.conntrack_count()?;
+                        let load = std::fs::read_to_string("/proc/loadavg")?;
+                        let load1 = load.split_whitespace().next().unwrap_or("?").to_string();
+                        eprintln!(
+                            "{n} services, round {round}, {} flows, rate {rate}, {}: offered \
+                             {:.0}/s, node 1 took {:.0}/s (its ring refused {:.0}/s), forwarded \
+                             {:.0}/s, {:.0} ns of CPU 1 each, its thread {:.0} % busy, load {load1}{}",
+                            flow.id(),
+                            w.setup.id(),
+                            m.offered,
+                            m.taken,
+                            m.refused,
+                            m.forwarded,
+                            m.cpu_ns,
+                            m.busy * 100.0,
+                            flows_held
+                                .map(|c| format!(", node 1's conntrack holds {c} flows"))
+                                .unwrap_or_default()
+                        );
+                        results.push(json!({"services": n, "round": round, "rate": rate,
+                            "flows": flow.id(), "setup": w.setup.id(), "offered": m.offered,
+                            "taken": m.taken, "refused": m.refused, "pps": m.forwarded,
+                            "cpu_ns": m.cpu_ns, "busy": m.busy, "load1": load1,
+                            "conntrack_flows": flows_held}));
+                    }
                 }
             }
         }
@@ -785,21 +931,26 @@ fn bench() -> Result<()> {
         std::fs::read_to_string("/proc/loadavg")?.trim()
     );
     println!(
-        "| services | offered | setup | forwarded/s | × none | forwarded of taken | \
+        "| services | flows | offered | setup | forwarded/s | × none | forwarded of taken | \
          ns of the receiving core per frame | × none | core busy |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
-    let pick = |n: u32, rate: u64, k: &str, setup: &str| -> Vec<f64> {
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let pick = |(n, f, rate): (u32, Flows, u64), k: &str, setup: &str| -> Vec<f64> {
         results
             .iter()
-            .filter(|r| r["services"] == n && r["rate"] == rate && r["setup"] == setup)
+            .filter(|r| {
+                r["services"] == n
+                    && r["flows"] == f.id()
+                    && r["rate"] == rate
+                    && r["setup"] == setup
+            })
             .map(|r| r[k].as_f64().unwrap_or(0.0))
             .collect()
     };
     // Per round, `setup`'s value over `base`'s of the same round: median (min–max).
-    let ratio = |n: u32, rate: u64, k: &str, setup: &str, base: &str| {
-        let mine = pick(n, rate, k, setup);
-        let theirs = pick(n, rate, k, base);
+    let ratio = |at: (u32, Flows, u64), k: &str, setup: &str, base: &str| {
+        let mine = pick(at, k, setup);
+        let theirs = pick(at, k, base);
         if theirs.len() != mine.len() || theirs.is_empty() {
             return None;
         }
@@ -818,50 +969,58 @@ fn bench() -> Result<()> {
             rate.to_string()
         }
     };
+    let mut measured = Vec::new();
     for &n in &args.services {
-        for &rate in &args.rates {
-            for s in &setups {
-                let (pps, lo, hi) = median(pick(n, rate, "pps", s.id()));
-                let (ns, nlo, nhi) = median(pick(n, rate, "cpu_ns", s.id()));
-                let (busy, _, _) = median(pick(n, rate, "busy", s.id()));
-                let taken: f64 = pick(n, rate, "taken", s.id()).iter().sum();
-                let fwd: f64 = pick(n, rate, "pps", s.id()).iter().sum();
-                println!(
-                    "| {n} | {} | {} | {pps:.0} ({lo:.0}–{hi:.0}) | {} | {:.3} | \
-                     {ns:.0} ({nlo:.0}–{nhi:.0}) | {} | {:.0} % |",
-                    offered(rate),
-                    s.id(),
-                    shown(ratio(n, rate, "pps", s.id(), "none")),
-                    fwd / taken.max(1.0),
-                    shown(ratio(n, rate, "cpu_ns", s.id(), "none")),
-                    busy * 100.0
-                );
+        for &f in &flows {
+            for &rate in &args.rates {
+                measured.push((n, f, rate));
             }
+        }
+    }
+    for &at in &measured {
+        let (n, f, rate) = at;
+        for s in &setups {
+            let (pps, lo, hi) = median(pick(at, "pps", s.id()));
+            let (ns, nlo, nhi) = median(pick(at, "cpu_ns", s.id()));
+            let (busy, _, _) = median(pick(at, "busy", s.id()));
+            let taken: f64 = pick(at, "taken", s.id()).iter().sum();
+            let fwd: f64 = pick(at, "pps", s.id()).iter().sum();
+            println!(
+                "| {n} | {} | {} | {} | {pps:.0} ({lo:.0}–{hi:.0}) | {} | {:.3} | \
+                 {ns:.0} ({nlo:.0}–{nhi:.0}) | {} | {:.0} % |",
+                f.id(),
+                offered(rate),
+                s.id(),
+                shown(ratio(at, "pps", s.id(), "none")),
+                fwd / taken.max(1.0),
+                shown(ratio(at, "cpu_ns", s.id(), "none")),
+                busy * 100.0
+            );
         }
     }
     println!();
     let xdp = Setup::SvcXdp.id();
-    for &n in &args.services {
-        for &rate in &args.rates {
-            for base in setups
-                .iter()
-                .filter(|s| !matches!(s, Setup::None | Setup::SvcXdp))
-            {
-                let (Some(pps), Some(ns)) = (
-                    ratio(n, rate, "pps", xdp, base.id()),
-                    ratio(n, rate, "cpu_ns", base.id(), xdp),
-                ) else {
-                    continue;
-                };
-                println!(
-                    "- {n} Services, offered {}: svc-xdp against {}: {} × the frames/s, \
-                     {} × less CPU per frame",
-                    offered(rate),
-                    base.id(),
-                    shown(Some(pps)),
-                    shown(Some(ns))
-                );
-            }
+    for &at in &measured {
+        let (n, f, rate) = at;
+        for base in setups
+            .iter()
+            .filter(|s| !matches!(s, Setup::None | Setup::SvcXdp))
+        {
+            let (Some(pps), Some(ns)) = (
+                ratio(at, "pps", xdp, base.id()),
+                ratio(at, "cpu_ns", base.id(), xdp),
+            ) else {
+                continue;
+            };
+            println!(
+                "- {n} Services, {} flows, offered {}: svc-xdp against {}: {} × the \
+                     frames/s, {} × less CPU per frame",
+                f.id(),
+                offered(rate),
+                base.id(),
+                shown(Some(pps)),
+                shown(Some(ns))
+            );
         }
     }
     if let Some(path) = &args.json {
