@@ -35,12 +35,14 @@
 //! ready, its pinned programs stay; kube-proxy: its first sync of both families, its rules
 //! stay), and the datapath alone is measured. kube-proxy DNATs the frame to pod 2 in PREROUTING
 //! and masquerades it in POSTROUTING (a NodePort of `externalTrafficPolicy: Cluster`), as svc
-//! does: node 1's own address as its source, so pod 2's replies would come back through node
-//! 1. Before the measures each setup must forward every frame it takes (a frame to the
+//! does: node 1's own address as its source, so pod 2's replies would come back through
+//! node 1. Before the measures each setup must forward every frame it takes (a frame to the
 //! NodePort that no rule translated would be node 1's own, answered at most by rate-limited
-//! ICMP errors), and for kube-proxy node 1's conntrack must hold the flow translated both ways.
-//! kube-proxy's rules live in node 1's namespace only; the machine's own firewall is compared
-//! before and after (`HostFirewallGuard`).
+//! ICMP errors), and for kube-proxy node 1's conntrack must hold the flow translated both
+//! ways. kube-proxy's rules live in node 1's namespace only; the machine's own firewall is
+//! compared before and after (`HostFirewallGuard`). `--flows new` makes every frame a new UDP
+//! flow (the generator counts flows in a map: source port and address change each frame);
+//! before each such measure node 1's netfilter conntrack is flushed (see `World::measure`).
 //!
 //! Measured per setup, offered rate and round, from the devices' counters: the frames gen0
 //! handed to node 1's ring (`tx_queue_0_xdp_xmit`), those the full ring refused, and those back
