@@ -229,8 +229,9 @@ fn monitor_cost() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    // (agent, monitor) -> per round (ns per connection, runs per connection, connections/s).
-    let mut rows: Vec<(String, &str, Vec<(f64, f64, f64)>)> = Vec::new();
+    // Per round: ns per connection, program runs per connection, connections/s.
+    type Rounds = Vec<(f64, f64, f64)>;
+    let mut rows: Vec<(String, &str, Rounds)> = Vec::new();
     for _ in 0..ROUNDS {
         for (label, bin, flags) in &agents {
             let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
