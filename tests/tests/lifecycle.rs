@@ -349,6 +349,7 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
     let bpffs = sb.bpffs().unwrap();
     let dir = svc_tests::TempDir::new("svc-unreachable").unwrap();
     let kubeconfig = unreachable_kubeconfig(dir.path());
+    let started = Instant::now();
     let agent = svc_tests::Agent::start_kube(
         &sb.tools.agent,
         &kubeconfig,
@@ -379,6 +380,29 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
     assert!(
         used < wall / 4,
         "the waiting agent used {used:?} of CPU in {wall:?}"
+    );
+    // Four watches failing on their own backoff: one clear line with the address and the OS
+    // error, then at most one every 10 s (the issue: "not five a second each logged twice").
+    let running = started.elapsed();
+    let log = agent.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("watch_"))
+        .collect();
+    let first = lines
+        .first()
+        .unwrap_or_else(|| panic!("no line about the failing watches:\n{log}"));
+    assert!(
+        first.contains("https://127.0.0.1:1") && first.contains("(os error 111)"),
+        "the line does not name the address and the OS error: {first}"
+    );
+    eprintln!("{} lines in {running:?}; the first: {first}", lines.len());
+    let bound = 1 + running.as_secs() as usize / 10 + 1;
+    assert!(
+        lines.len() <= bound,
+        "{} lines about the failing watches in {running:?} (at most {bound}):\n{}",
+        lines.len(),
+        lines.join("\n")
     );
 }
 
