@@ -8,7 +8,7 @@
 //! Unknown fields are warned about too, as kube-proxy's lenient decoding does after its strict
 //! one fails; a wrong apiVersion or kind, or a value of the wrong shape, stops the agent.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -18,6 +18,43 @@ use crate::error::{Error, Result};
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
 
+/// kube-proxy's health port (pkg/cluster/ports ProxyHealthzPort), added to a
+/// healthzBindAddress (or `--healthz-bind-address`) given without one.
+pub const HEALTHZ_PORT: u16 = 10256;
+/// kube-proxy's metrics port (ProxyStatusPort), likewise.
+pub const METRICS_PORT: u16 = 10249;
+
+/// An address with a port, or an address alone, which gets `port`: kube-proxy's
+/// AppendPortIfNeeded, which its defaulting applies to healthzBindAddress and
+/// metricsBindAddress and its flags to `--healthz-bind-address` and `--metrics-bind-address`.
+pub fn bind_address(text: &str, port: u16) -> std::result::Result<SocketAddr, String> {
+    let t = text.trim();
+    if let Ok(a) = t.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    t.trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .map(|ip| SocketAddr::new(ip, port))
+        .map_err(|_| format!("{t:?} is neither an IP address nor IP:PORT"))
+}
+
+/// The health and metrics addresses when none is given, by the family of `bindAddress` as
+/// kube-proxy's defaulting (getDefaultAddresses) picks them: 0.0.0.0:10256 and 127.0.0.1:10249
+/// for IPv4 (and no bindAddress), [::]:10256 and [::1]:10249 for IPv6.
+pub fn default_addresses(bind: Option<IpAddr>) -> (SocketAddr, SocketAddr) {
+    match bind {
+        Some(IpAddr::V6(_)) => (
+            SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), HEALTHZ_PORT),
+            SocketAddr::new(Ipv6Addr::LOCALHOST.into(), METRICS_PORT),
+        ),
+        _ => (
+            SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), HEALTHZ_PORT),
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), METRICS_PORT),
+        ),
+    }
+}
+
 /// What the file sets that `run` takes; None where it is silent (or empty, which kube-proxy
 /// reads as its default).
 #[derive(Debug, Default, PartialEq)]
@@ -26,6 +63,10 @@ pub struct FromConfig {
     pub kubeconfig: Option<PathBuf>,
     /// hostnameOverride
     pub node_name: Option<String>,
+    /// bindAddress: picks the default health and metrics addresses' family, and, unless it
+    /// is 0.0.0.0 or ::, is the node's primary address of its family (as kube-proxy's
+    /// detectNodeIPs takes it).
+    pub bind_address: Option<IpAddr>,
     pub healthz_bind_address: Option<SocketAddr>,
     pub metrics_bind_address: Option<SocketAddr>,
     pub nodeport_addresses: Option<Vec<String>>,
@@ -52,7 +93,10 @@ impl FromConfig {
                 .iter()
                 .map(|(f, why)| format!("{f} ({why})"))
                 .collect();
-            parts.push(format!("not applied: {}", fields.join("; ")));
+            parts.push(format!(
+                "ignored, each for the reason given: {}",
+                fields.join("; ")
+            ));
         }
         if !self.unknown.is_empty() {
             parts.push(format!(
@@ -64,23 +108,23 @@ impl FromConfig {
     }
 }
 
+/// Why svc needs no pod range nor any other rule to tell local traffic (kube-proxy's
+/// clusterCIDR and detectLocalMode, which decide what it masquerades and which pods' traffic
+/// to a LoadBalancer IP skips externalTrafficPolicy: Local).
+const LOCAL_TRAFFIC: &str = "svc tells a pod's traffic by where it starts, not by its source \
+     address: a socket in the served cgroup, or a packet from a --packet-lb-devices device; \
+     neither needs a pod range";
+
 /// Fields that do not apply, and why: the warning's wording.
 const NOT_APPLIED: &[(&str, &str)] = &[
-    ("bindAddress", "svc serves no proxy port of its own"),
-    ("bindAddressHardFail", "svc serves no proxy port of its own"),
+    (
+        "bindAddressHardFail",
+        "svc always stops when it cannot bind its health or metrics address",
+    ),
     ("mode", "svc's datapath is eBPF whatever the mode"),
-    (
-        "clusterCIDR",
-        "svc tells traffic to masquerade by its own connection tracking, not by source range",
-    ),
-    (
-        "detectLocalMode",
-        "svc tells traffic to masquerade by its own connection tracking, not by source range",
-    ),
-    (
-        "detectLocal",
-        "svc tells traffic to masquerade by its own connection tracking, not by source range",
-    ),
+    ("clusterCIDR", LOCAL_TRAFFIC),
+    ("detectLocalMode", LOCAL_TRAFFIC),
+    ("detectLocal", LOCAL_TRAFFIC),
     ("iptables.masqueradeAll", "svc writes no iptables rules"),
     ("iptables.masqueradeBit", "svc writes no iptables rules"),
     (
@@ -138,7 +182,7 @@ const NOT_APPLIED: &[(&str, &str)] = &[
     ("portRange", "unused by kube-proxy too"),
     (
         "oomScoreAdj",
-        "set by the DaemonSet's priority, not by the agent",
+        "svc leaves its OOM score to the kubelet, which sets it by the pod's QoS class",
     ),
     ("enableProfiling", "svc has no pprof endpoint"),
     ("featureGates", "svc has no feature gates"),
@@ -151,6 +195,140 @@ const NOT_APPLIED: &[(&str, &str)] = &[
         "svc hides no metric: every one it has is shown",
     ),
 ];
+
+/// kube-proxy's (v1.37) command-line flags that do not apply to svc: accepted so that a
+/// kube-proxy command line starts svc, and named, with why, in one warning. `true`: the flag
+/// takes a value (`--flag V` or `--flag=V`); `false`: a boolean (`--flag` or `--flag=BOOL`, as
+/// pflag takes them). The flags that apply are `run`'s own (or aliases of them).
+pub const IGNORED_FLAGS: &[(&str, bool, &str)] = &[
+    (
+        "bind-address-hard-fail",
+        false,
+        "svc always stops when it cannot bind its health or metrics address",
+    ),
+    ("cluster-cidr", true, LOCAL_TRAFFIC),
+    ("detect-local-mode", true, LOCAL_TRAFFIC),
+    ("pod-bridge-interface", true, LOCAL_TRAFFIC),
+    ("pod-interface-name-prefix", true, LOCAL_TRAFFIC),
+    (
+        "config-sync-period",
+        true,
+        "svc's watches do not resync: a relist happens only when a watch ends",
+    ),
+    (
+        "conntrack-max-per-core",
+        true,
+        "svc does not size the node's conntrack; its own table is --max-ct",
+    ),
+    (
+        "conntrack-min",
+        true,
+        "svc does not size the node's conntrack; its own table is --max-ct",
+    ),
+    (
+        "conntrack-tcp-be-liberal",
+        false,
+        "svc's connection tracking has its own window checks (packet-datapath.md)",
+    ),
+    ("feature-gates", true, "svc has no feature gates"),
+    ("masquerade-all", false, "svc writes no iptables rules"),
+    (
+        "iptables-masquerade-bit",
+        true,
+        "svc writes no iptables rules",
+    ),
+    (
+        "iptables-min-sync-period",
+        true,
+        "svc programs each change as it comes (--coalesce-ms gathers bursts)",
+    ),
+    (
+        "iptables-sync-period",
+        true,
+        "svc compares its maps with what it programmed every --reconcile-interval-s",
+    ),
+    ("ipvs-exclude-cidrs", true, "svc writes no IPVS services"),
+    ("ipvs-min-sync-period", true, "svc writes no IPVS services"),
+    ("ipvs-scheduler", true, "svc writes no IPVS services"),
+    ("ipvs-strict-arp", false, "svc writes no IPVS services"),
+    ("ipvs-sync-period", true, "svc writes no IPVS services"),
+    ("ipvs-tcp-timeout", true, "svc writes no IPVS services"),
+    ("ipvs-tcpfin-timeout", true, "svc writes no IPVS services"),
+    ("ipvs-udp-timeout", true, "svc writes no IPVS services"),
+    (
+        "kube-api-burst",
+        true,
+        "svc's API client settings are its own",
+    ),
+    (
+        "kube-api-content-type",
+        true,
+        "svc's API client settings are its own",
+    ),
+    (
+        "kube-api-qps",
+        true,
+        "svc's API client settings are its own",
+    ),
+    (
+        "log-flush-frequency",
+        true,
+        "svc writes each log line as it comes",
+    ),
+    (
+        "log-json-info-buffer-size",
+        true,
+        "svc writes each log line as it comes, all to stderr",
+    ),
+    (
+        "log-json-split-stream",
+        false,
+        "svc writes each log line as it comes, all to stderr",
+    ),
+    (
+        "log-text-info-buffer-size",
+        true,
+        "svc writes each log line as it comes, all to stderr",
+    ),
+    (
+        "log-text-split-stream",
+        false,
+        "svc writes each log line as it comes, all to stderr",
+    ),
+    ("vmodule", true, "svc's log is set by --v and --log-level"),
+    (
+        "oom-score-adj",
+        true,
+        "svc leaves its OOM score to the kubelet, which sets it by the pod's QoS class",
+    ),
+    ("profiling", false, "svc has no pprof endpoint"),
+    (
+        "proxy-mode",
+        true,
+        "svc's datapath is eBPF whatever the mode",
+    ),
+    (
+        "show-hidden-metrics-for-version",
+        true,
+        "svc hides no metric: every one it has is shown",
+    ),
+];
+
+/// The one warning about kube-proxy flags given that do not apply (`given`: their names
+/// without dashes), or None.
+pub fn ignored_flags_warning(given: &[&str]) -> Option<String> {
+    let parts: Vec<String> = IGNORED_FLAGS
+        .iter()
+        .filter(|(f, _, _)| given.contains(f))
+        .map(|(f, _, why)| format!("--{f} ({why})"))
+        .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "kube-proxy flags ignored, each for the reason given: {}",
+            parts.join("; ")
+        )
+    })
+}
 
 /// Reads and maps the file.
 pub fn read(path: &Path) -> Result<FromConfig> {
@@ -197,17 +375,23 @@ pub fn parse(text: &str) -> std::result::Result<FromConfig, String> {
                 .map(str::to_string)
                 .ok_or_else(|| format!("{name}: a string, not {value}"))
         };
-        let addr = || -> std::result::Result<SocketAddr, String> {
-            let t = text()?;
-            t.parse()
-                .map_err(|_| format!("{name}: {t:?} is not an address with a port (IP:PORT)"))
+        let addr = |port| -> std::result::Result<SocketAddr, String> {
+            bind_address(&text()?, port).map_err(|e| format!("{name}: {e}"))
         };
         match name.as_str() {
             "apiVersion" | "kind" => {}
             "clientConnection.kubeconfig" => out.kubeconfig = Some(text()?.into()),
             "hostnameOverride" => out.node_name = Some(text()?),
-            "healthzBindAddress" => out.healthz_bind_address = Some(addr()?),
-            "metricsBindAddress" => out.metrics_bind_address = Some(addr()?),
+            "bindAddress" => {
+                let t = text()?;
+                out.bind_address = Some(
+                    t.trim()
+                        .parse()
+                        .map_err(|_| format!("{name}: {t:?} is not an IP address"))?,
+                )
+            }
+            "healthzBindAddress" => out.healthz_bind_address = Some(addr(HEALTHZ_PORT)?),
+            "metricsBindAddress" => out.metrics_bind_address = Some(addr(METRICS_PORT)?),
             "nodePortAddresses" => {
                 let list = value
                     .as_array()
@@ -332,11 +516,11 @@ mod tests {
             Some("1h0m0s")
         );
         assert_eq!(c.conntrack_udp_timeout, None);
+        assert_eq!(c.bind_address, Some(Ipv4Addr::UNSPECIFIED.into()));
         let named: Vec<&str> = c.not_applied.iter().map(|(f, _)| f.as_str()).collect();
         assert_eq!(
             named,
             [
-                "bindAddress",
                 "clientConnection.burst",
                 "clusterCIDR",
                 "iptables.syncPeriod",
@@ -366,7 +550,7 @@ mod tests {
             "{e}"
         );
         let e = parse(&format!(
-            "apiVersion: {API_VERSION}\nkind: {KIND}\nhealthzBindAddress: 0.0.0.0\n"
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nhealthzBindAddress: node-1\n"
         ))
         .unwrap_err();
         assert!(
@@ -374,12 +558,58 @@ mod tests {
             "{e}"
         );
         let e = parse(&format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nbindAddress: node-1\n"
+        ))
+        .unwrap_err();
+        assert!(e.contains("bindAddress") && e.contains("not an IP"), "{e}");
+        let e = parse(&format!(
             "apiVersion: {API_VERSION}\nkind: {KIND}\nnodePortAddresses: primary\n"
         ))
         .unwrap_err();
         assert!(e.contains("nodePortAddresses: a list"), "{e}");
         assert!(parse("[1, 2]").is_err());
         assert!(parse(": : :").is_err());
+    }
+
+    /// kube-proxy's defaulting appends the default port to an address given alone
+    /// (AppendPortIfNeeded): kubeadm users write `healthzBindAddress: 0.0.0.0`.
+    #[test]
+    fn a_bind_address_without_a_port_gets_kube_proxys_port() {
+        let c = parse(&format!(
+            "apiVersion: {API_VERSION}\nkind: {KIND}\nhealthzBindAddress: 0.0.0.0\n\
+             metricsBindAddress: '::'\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.healthz_bind_address,
+            Some("0.0.0.0:10256".parse().unwrap())
+        );
+        assert_eq!(c.metrics_bind_address, Some("[::]:10249".parse().unwrap()));
+        assert_eq!(
+            bind_address("[fd00::1]", METRICS_PORT),
+            Ok("[fd00::1]:10249".parse().unwrap())
+        );
+        assert_eq!(
+            bind_address("127.0.0.1:9", METRICS_PORT),
+            Ok("127.0.0.1:9".parse().unwrap())
+        );
+    }
+
+    /// kube-proxy's getDefaultAddresses: the family of bindAddress.
+    #[test]
+    fn the_default_addresses_follow_the_bind_address_family() {
+        let (h, m) = default_addresses(Some("fd00::1".parse().unwrap()));
+        assert_eq!(
+            (h.to_string(), m.to_string()),
+            ("[::]:10256".into(), "[::1]:10249".into())
+        );
+        for bind in [None, Some("10.0.0.1".parse().unwrap())] {
+            let (h, m) = default_addresses(bind);
+            assert_eq!(
+                (h.to_string(), m.to_string()),
+                ("0.0.0.0:10256".into(), "127.0.0.1:10249".into())
+            );
+        }
     }
 
     #[test]

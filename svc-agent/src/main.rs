@@ -1,3 +1,5 @@
+#[cfg(test)]
+use std::path::Path;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,7 +12,12 @@ use svc_agent::{agent, controller, datapath, list, metrics, source::kube, transl
 
 /// svc: Kubernetes Services through eBPF socket hooks, in place of kube-proxy.
 #[derive(Parser)]
-#[command(version = svc_agent::VERSION)]
+#[command(
+    version = svc_agent::VERSION,
+    after_help = "A command line that begins with a flag is run's, as kube-proxy's is: \
+                  `svc-agent --config FILE --hostname-override NODE` is `svc-agent run ...`, \
+                  and `--cleanup` anywhere in it is `svc-agent uninstall`."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -56,9 +63,26 @@ enum Command {
         /// $KUBECONFIG and ~/.kube/config.
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
-        /// The cgroup (v2) whose sockets are served, e.g. the cgroup2 mount itself on a node.
-        #[arg(long)]
+        /// The cgroup (v2) whose sockets are served: by default the root of the cgroup2
+        /// mount, so every pod's sockets are (on a hybrid hierarchy, the cgroup2 mount, such as
+        /// /sys/fs/cgroup/unified).
+        #[arg(long, default_value = DEFAULT_CGROUP)]
         cgroup: PathBuf,
+        /// kube-proxy's `--cleanup`: do what `svc-agent uninstall` does with this `--bpffs`
+        /// (and `--cgroup`, when given) and exit, instead of running.
+        #[arg(
+            long,
+            default_value_t = false,
+            num_args = 0..=1,
+            require_equals = true,
+            default_missing_value = "true",
+            action = clap::ArgAction::Set
+        )]
+        cleanup: bool,
+        /// kube-proxy's bindAddress: unless it is 0.0.0.0 or ::, the node's primary address of
+        /// its family (`--nodeport-addresses primary`), over the Node's.
+        #[arg(long)]
+        bind_address: Option<std::net::IpAddr>,
         /// Where maps and links are pinned.
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
         bpffs: PathBuf,
@@ -69,13 +93,15 @@ enum Command {
         /// Serve only Services labelled service.kubernetes.io/service-proxy-name=NAME.
         #[arg(long)]
         service_proxy_name: Option<String>,
-        /// kube-proxy compatible /healthz and /livez (not /metrics). Default with the
-        /// Kubernetes API: 0.0.0.0:10256; with manifests: off.
-        #[arg(long)]
+        /// kube-proxy compatible /healthz and /livez (not /metrics): IP:PORT, or IP for port
+        /// 10256. Default with the Kubernetes API: 0.0.0.0:10256 ([::]:10256 when --config's
+        /// bindAddress is IPv6); with manifests: off.
+        #[arg(long, value_parser = parse_healthz)]
         healthz_bind_address: Option<SocketAddr>,
-        /// Prometheus /metrics (and /healthz, /livez). Default with the Kubernetes API:
-        /// 127.0.0.1:10249; with manifests: off.
-        #[arg(long)]
+        /// Prometheus /metrics (and /healthz, /livez): IP:PORT, or IP for port 10249. Default
+        /// with the Kubernetes API: 127.0.0.1:10249 ([::1]:10249 when --config's bindAddress
+        /// is IPv6); with manifests: off.
+        #[arg(long, value_parser = parse_metrics)]
         metrics_bind_address: Option<SocketAddr>,
         /// /healthz fails when a change has waited longer than this to be programmed (seconds).
         #[arg(long, default_value_t = 60)]
@@ -378,6 +404,7 @@ impl PacketArgs {
                 s => Some(std::time::Duration::from_secs(s.into())),
             },
             tc_attach: self.tc_attach,
+            bind_address: None,
             host_netns: svc_agent::sys::netns_cookie().unwrap_or_else(|e| {
                 tracing::warn!(
                     "no localhost NodePorts: reading this network namespace's cookie: {e}"
@@ -580,32 +607,156 @@ impl CapacityArgs {
     }
 }
 
-/// kube-proxy's `--cleanup` is svc's `uninstall`: `svc-agent --cleanup [--bpffs D] [--cgroup C]`.
-/// Hand-rolled because clap has no flag that stands for a subcommand.
-fn cleanup_as_uninstall(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    if args.get(1).is_some_and(|a| a == "--cleanup") {
-        let mut args = args;
-        args[1] = "uninstall".into();
-        return args;
+/// Where `run` attaches by default: the cgroup2 mount of a node, whose root holds every pod.
+const DEFAULT_CGROUP: &str = "/sys/fs/cgroup";
+
+fn parse_healthz(s: &str) -> Result<SocketAddr, String> {
+    svc_agent::kubeproxy_config::bind_address(s, svc_agent::kubeproxy_config::HEALTHZ_PORT)
+}
+
+fn parse_metrics(s: &str) -> Result<SocketAddr, String> {
+    svc_agent::kubeproxy_config::bind_address(s, svc_agent::kubeproxy_config::METRICS_PORT)
+}
+
+/// The command line's grammar: `Cli`'s, with kube-proxy's flags that do not apply accepted by
+/// `run` (they are named in one warning, `ignored_flags`).
+fn command() -> clap::Command {
+    use clap::{Arg, ArgAction};
+    Cli::command().mut_subcommand("run", |run| {
+        let mut run =
+            run.next_help_heading("kube-proxy's flags that do not apply (named in a warning)");
+        for (flag, takes_value, why) in svc_agent::kubeproxy_config::IGNORED_FLAGS {
+            let arg = Arg::new(*flag).long(*flag).help(*why);
+            run = run.arg(if *takes_value {
+                arg.num_args(1)
+                    .allow_hyphen_values(true)
+                    .action(ArgAction::Append)
+            } else {
+                // pflag's booleans: `--flag` or `--flag=BOOL`, never `--flag BOOL`.
+                arg.num_args(0..=1)
+                    .require_equals(true)
+                    .default_missing_value("true")
+                    .value_parser(clap::builder::BoolishValueParser::new())
+                    .action(ArgAction::Set)
+            });
+        }
+        run
+    })
+}
+
+/// kube-proxy's flags that do not apply among those `run` was given.
+fn ignored_flags(run: &ArgMatches) -> Vec<&'static str> {
+    svc_agent::kubeproxy_config::IGNORED_FLAGS
+        .iter()
+        .map(|(flag, _, _)| *flag)
+        .filter(|flag| run.value_source(flag) == Some(ValueSource::CommandLine))
+        .collect()
+}
+
+/// Parses the command line. One that begins with a flag and is not another subcommand's is
+/// `run`'s, as a kube-proxy command line (kubeadm's DaemonSet runs `kube-proxy --config=FILE
+/// --hostname-override=NODE`) has no subcommand.
+fn parse_args(args: Vec<std::ffi::OsString>) -> Result<ArgMatches, clap::Error> {
+    let begins_with_flag = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|a| a.starts_with('-'));
+    let names_subcommand = {
+        let c = command();
+        let names: Vec<String> = c
+            .get_subcommands()
+            .map(|s| s.get_name().to_string())
+            .chain(["help".to_string()])
+            .collect();
+        args.iter()
+            .skip(1)
+            .any(|a| a.to_str().is_some_and(|a| names.iter().any(|n| n == a)))
+    };
+    match command().try_get_matches_from(&args) {
+        Err(e)
+            if begins_with_flag
+                && !matches!(
+                    e.kind(),
+                    clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+                ) =>
+        {
+            let mut run = args;
+            run.insert(1, "run".into());
+            // A command line that names a subcommand and is not run's either is told the
+            // first parse's error (`--bogus list`: list's, not run's).
+            command().try_get_matches_from(run).map_err(|run_error| {
+                if names_subcommand {
+                    e
+                } else {
+                    run_error
+                }
+            })
+        }
+        parsed => parsed,
     }
-    args
+}
+
+/// Where /healthz and /metrics are served: the addresses given, else (with the Kubernetes
+/// API) kube-proxy's defaults for the family of `--config`'s bindAddress.
+fn listen(
+    from_api: bool,
+    healthz: Option<SocketAddr>,
+    metrics: Option<SocketAddr>,
+    config_bind: Option<std::net::IpAddr>,
+) -> Vec<(SocketAddr, metrics::Port)> {
+    let (default_healthz, default_metrics) =
+        svc_agent::kubeproxy_config::default_addresses(config_bind);
+    [
+        (healthz, default_healthz, metrics::Port::Health),
+        (metrics, default_metrics, metrics::Port::Metrics),
+    ]
+    .into_iter()
+    .filter_map(|(given, default, port)| {
+        given
+            .or_else(|| from_api.then_some(default))
+            .map(|a| (a, port))
+    })
+    .collect()
 }
 
 fn main() -> anyhow::Result<()> {
-    let matches =
-        Cli::command().get_matches_from(cleanup_as_uninstall(std::env::args_os().collect()));
+    let matches = parse_args(std::env::args_os().collect()).unwrap_or_else(|e| e.exit());
     let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     svc_agent::logging::init(
         cli.logging_format,
         svc_agent::logging::filter(cli.log_level.as_deref(), cli.v),
     );
     svc_agent::fault::setup();
+    let mut config_bind = None;
+    let mut cgroup_given = false;
     if let Some(run) = matches.subcommand_matches("run") {
-        apply_config(&mut cli.command, run)?;
+        if let Some(w) = svc_agent::kubeproxy_config::ignored_flags_warning(&ignored_flags(run)) {
+            tracing::warn!("{w}");
+        }
+        config_bind = apply_config(&mut cli.command, run)?;
+        cgroup_given = matches!(
+            run.value_source("cgroup"),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
     }
     match cli.command {
         Command::Run {
+            cleanup: true,
+            bpffs,
+            cgroup,
+            ..
+        } => {
+            // kube-proxy's --cleanup; the cgroup is looked at only when named, as with
+            // `uninstall`.
+            print_out(&uninstall(
+                &bpffs,
+                cgroup_given.then_some(cgroup.as_path()),
+            )?)?;
+        }
+        Command::Run {
             config: _,
+            cleanup: _,
+            bind_address,
             manifests,
             kubeconfig,
             cgroup,
@@ -631,11 +782,6 @@ fn main() -> anyhow::Result<()> {
         } => {
             raise_nofile_limit();
             let from_api = manifests.is_none();
-            let defaults = |given: Option<SocketAddr>, default: &str, port| {
-                given
-                    .or_else(|| from_api.then(|| default.parse().expect("valid literal")))
-                    .map(|addr| (addr, port))
-            };
             let cfg = controller::RunConfig {
                 cgroup,
                 bpffs,
@@ -645,17 +791,12 @@ fn main() -> anyhow::Result<()> {
                     service_proxy_name: service_proxy_name.clone(),
                     node_ips: Vec::new(),
                 },
-                listen: [
-                    defaults(healthz_bind_address, "0.0.0.0:10256", metrics::Port::Health),
-                    defaults(
-                        metrics_bind_address,
-                        "127.0.0.1:10249",
-                        metrics::Port::Metrics,
-                    ),
-                ]
-                .into_iter()
-                .flatten()
-                .collect(),
+                listen: listen(
+                    from_api,
+                    healthz_bind_address,
+                    metrics_bind_address,
+                    config_bind,
+                ),
                 health_timeout: Duration::from_secs(health_timeout_s),
                 capacity: capacity.capacity()?,
                 upkeep: agent::Upkeep {
@@ -664,7 +805,10 @@ fn main() -> anyhow::Result<()> {
                     check_every: Duration::from_millis(check_interval_ms.max(10)),
                     ..Default::default()
                 },
-                packet: packet.config(!dry_run)?,
+                packet: svc_agent::packet::PacketConfig {
+                    bind_address,
+                    ..packet.config(!dry_run)?
+                },
                 maglev: maglev.settings(from_api),
             };
             let input = match manifests {
@@ -762,7 +906,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Completion { shell } => {
             let mut out = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "svc-agent", &mut out);
+            clap_complete::generate(shell, &mut command(), "svc-agent", &mut out);
             print_out(&String::from_utf8_lossy(&out))?;
         }
         Command::MountBpffs { path } => {
@@ -939,19 +1083,21 @@ fn uninstall(bpffs: &std::path::Path, cgroup: Option<&std::path::Path>) -> anyho
     Ok(text)
 }
 
-/// `run --config`: the KubeProxyConfiguration's settings, under the flags given.
-fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<()> {
+/// `run --config`: the KubeProxyConfiguration's settings, under the flags given. Returns the
+/// file's bindAddress, whose family picks the default health and metrics addresses.
+fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<Option<std::net::IpAddr>> {
     let Command::Run {
         config: Some(path),
         kubeconfig,
         node_name,
+        bind_address,
         healthz_bind_address,
         metrics_bind_address,
         packet,
         ..
     } = command
     else {
-        return Ok(());
+        return Ok(None);
     };
     let c = svc_agent::kubeproxy_config::read(path)?;
     let warning = c.warning();
@@ -969,6 +1115,11 @@ fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<()> {
     }
     set(given("kubeconfig"), kubeconfig, c.kubeconfig.map(Some));
     set(given("node_name"), node_name, c.node_name.map(Some));
+    set(
+        given("bind_address"),
+        bind_address,
+        c.bind_address.map(Some),
+    );
     set(
         given("healthz_bind_address"),
         healthz_bind_address,
@@ -1013,7 +1164,7 @@ fn apply_config(command: &mut Command, m: &ArgMatches) -> anyhow::Result<()> {
     if let Some(w) = warning {
         tracing::warn!(config = %path.display(), "{w}");
     }
-    Ok(())
+    Ok(c.bind_address)
 }
 
 /// A datapath the kernel refused to load for want of privilege: say which capabilities the
@@ -1085,5 +1236,246 @@ fn print_out(text: &str) -> anyhow::Result<()> {
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<(ArgMatches, Cli), clap::Error> {
+        let args = std::iter::once("svc-agent").chain(args.iter().copied());
+        let m = parse_args(args.map(Into::into).collect())?;
+        let cli = Cli::from_arg_matches(&m)?;
+        Ok((m, cli))
+    }
+
+    /// What `run` was given, from the parsed command line (flags, then `--config`).
+    fn run_of(args: &[&str]) -> (ArgMatches, Command) {
+        let (m, mut cli) = parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let run = m
+            .subcommand_matches("run")
+            .unwrap_or_else(|| panic!("{args:?} is not run"))
+            .clone();
+        apply_config(&mut cli.command, &run).unwrap();
+        (run, cli.command)
+    }
+
+    /// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
+    /// --hostname-override=$(NODE_NAME)`: no subcommand, no --cgroup.
+    #[test]
+    fn kubeadms_kube_proxy_command_line_is_run_on_the_cgroup2_root() {
+        let dir = std::env::temp_dir().join(format!("svc-kubeadm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.conf");
+        std::fs::write(
+            &config,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             bindAddress: 0.0.0.0\nclientConnection:\n  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf\n",
+        )
+        .unwrap();
+        let (_, run) = run_of(&[
+            &format!("--config={}", config.display()),
+            "--hostname-override=node-1",
+        ]);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let Command::Run {
+            cgroup,
+            node_name,
+            kubeconfig,
+            cleanup,
+            ..
+        } = run
+        else {
+            panic!("not run")
+        };
+        assert_eq!(cgroup, Path::new("/sys/fs/cgroup"));
+        assert_eq!(node_name.as_deref(), Some("node-1"));
+        assert_eq!(
+            kubeconfig.as_deref(),
+            Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
+        );
+        assert!(!cleanup);
+    }
+
+    #[test]
+    fn subcommands_help_and_version_are_as_before() {
+        let (m, _) = parse(&["--v=2", "list", "--bpffs", "/x"]).unwrap();
+        assert_eq!(m.subcommand_name(), Some("list"));
+        let (m, _) = parse(&["run", "--manifests", "/m"]).unwrap();
+        assert_eq!(m.subcommand_name(), Some("run"));
+        for (args, kind) in [
+            (&["--help"][..], clap::error::ErrorKind::DisplayHelp),
+            (&["--version"][..], clap::error::ErrorKind::DisplayVersion),
+        ] {
+            assert_eq!(parse(args).err().map(|e| e.kind()), Some(kind), "{args:?}");
+        }
+        // A mistyped flag before a subcommand is that subcommand's error, not run's.
+        let e = parse(&["--bogus", "list"]).err().unwrap();
+        assert!(!e.to_string().contains("svc-agent run"), "{e}");
+        // A flag's value that is a subcommand's name is a value.
+        let (m, _) = parse(&["--hostname-override", "list", "--bpffs=/b"]).unwrap();
+        assert_eq!(m.subcommand_name(), Some("run"));
+        // And after a flag-first command line, run's own.
+        let e = parse(&["--hostname-override=n", "--bogus"]).err().unwrap();
+        assert!(e.to_string().contains("--bogus"), "{e}");
+    }
+
+    /// kube-proxy takes `--cleanup` anywhere in its command line, beside its other flags.
+    #[test]
+    fn cleanup_anywhere_is_uninstall() {
+        for args in [
+            &["--cleanup", "--bpffs", "/b"][..],
+            &["--bpffs", "/b", "--cleanup"][..],
+            &[
+                "--v=2",
+                "--hostname-override=n",
+                "--bpffs=/b",
+                "--cleanup=true",
+            ][..],
+            &[
+                "run",
+                "--bpffs",
+                "/b",
+                "--cleanup",
+                "--proxy-mode",
+                "iptables",
+            ][..],
+        ] {
+            let (run, command) = run_of(args);
+            let Command::Run { cleanup, bpffs, .. } = command else {
+                panic!("{args:?}: not run")
+            };
+            assert!(cleanup, "{args:?}");
+            assert_eq!(bpffs, Path::new("/b"), "{args:?}");
+            // No --cgroup: uninstall does not look at the default cgroup.
+            assert_eq!(run.value_source("cgroup"), Some(ValueSource::DefaultValue));
+        }
+        let (_, command) = run_of(&["--bpffs=/b", "--cleanup=false"]);
+        assert!(matches!(command, Command::Run { cleanup: false, .. }));
+    }
+
+    /// kube-proxy's common flags: those that apply set what they mean, the others are named.
+    #[test]
+    fn kube_proxys_common_flags_are_taken_or_named() {
+        let (run, command) = run_of(&[
+            "--kubeconfig=/k",
+            "--hostname-override",
+            "node-1",
+            "--master=https://10.0.0.1:6443",
+            "--proxy-mode=iptables",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--bind-address=10.0.0.9",
+            "--oom-score-adj",
+            "-999",
+            "--conntrack-max-per-core=0",
+            "--conntrack-min=131072",
+            "--feature-gates=A=true,B=false",
+            "--masquerade-all",
+            "--iptables-sync-period=30s",
+            "--ipvs-scheduler=rr",
+            "--ipvs-strict-arp=false",
+            "--detect-local-mode=ClusterCIDR",
+            "--healthz-bind-address=0.0.0.0",
+            "--metrics-bind-address",
+            "[::]",
+            "--nodeport-addresses=primary,10.0.0.0/8",
+            "--conntrack-tcp-timeout-established=2h",
+            "--v=2",
+        ]);
+        let Command::Run {
+            kubeconfig,
+            node_name,
+            k8s_api_server,
+            bind_address,
+            healthz_bind_address,
+            metrics_bind_address,
+            packet,
+            ..
+        } = command
+        else {
+            panic!("not run")
+        };
+        assert_eq!(kubeconfig.as_deref(), Some(Path::new("/k")));
+        assert_eq!(node_name.as_deref(), Some("node-1"));
+        assert_eq!(k8s_api_server.as_deref(), Some("https://10.0.0.1:6443"));
+        assert_eq!(bind_address, Some("10.0.0.9".parse().unwrap()));
+        assert_eq!(healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+        assert_eq!(metrics_bind_address, Some("[::]:10249".parse().unwrap()));
+        assert_eq!(packet.nodeport_addresses, ["primary", "10.0.0.0/8"]);
+        assert_eq!(packet.conntrack_tcp_timeout_established, "2h");
+        let ignored = ignored_flags(&run);
+        assert_eq!(
+            ignored,
+            [
+                "cluster-cidr",
+                "detect-local-mode",
+                "conntrack-max-per-core",
+                "conntrack-min",
+                "feature-gates",
+                "masquerade-all",
+                "iptables-sync-period",
+                "ipvs-scheduler",
+                "ipvs-strict-arp",
+                "oom-score-adj",
+                "proxy-mode",
+            ]
+        );
+        let w = svc_agent::kubeproxy_config::ignored_flags_warning(&ignored).unwrap();
+        assert!(
+            w.contains("--proxy-mode (svc's datapath is eBPF")
+                && w.contains("--cluster-cidr (svc tells a pod's traffic by where it starts"),
+            "{w}"
+        );
+        assert_eq!(
+            svc_agent::kubeproxy_config::ignored_flags_warning(&[]),
+            None
+        );
+    }
+
+    /// kubeadm users write `healthzBindAddress: 0.0.0.0`; kube-proxy appends its port, and
+    /// picks the default addresses by bindAddress's family.
+    #[test]
+    fn config_addresses_without_a_port_and_the_bind_address_family() {
+        let dir = std::env::temp_dir().join(format!("svc-kp-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.conf");
+        std::fs::write(
+            &config,
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             bindAddress: '::'\nhealthzBindAddress: 0.0.0.0\nhostnameOverride: n\n",
+        )
+        .unwrap();
+        let path = config.display().to_string();
+        let (m, mut cli) = parse(&["--config", &path]).unwrap();
+        let bind = apply_config(&mut cli.command, m.subcommand_matches("run").unwrap()).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let Command::Run {
+            healthz_bind_address,
+            metrics_bind_address,
+            ..
+        } = cli.command
+        else {
+            panic!("not run")
+        };
+        assert_eq!(healthz_bind_address, Some("0.0.0.0:10256".parse().unwrap()));
+        let at = |l: Vec<(SocketAddr, metrics::Port)>| -> Vec<String> {
+            l.iter().map(|(a, _)| a.to_string()).collect()
+        };
+        assert_eq!(
+            at(listen(
+                true,
+                healthz_bind_address,
+                metrics_bind_address,
+                bind
+            )),
+            ["0.0.0.0:10256", "[::1]:10249"]
+        );
+        assert_eq!(
+            at(listen(true, None, None, None)),
+            ["0.0.0.0:10256", "127.0.0.1:10249"]
+        );
+        assert!(listen(false, None, None, bind).is_empty());
     }
 }

@@ -38,6 +38,10 @@ pub struct PacketConfig {
     pub xdp_mode: crate::datapath::XdpMode,
     /// `--tc-attach`: tcx links, classic cls_bpf filters, or whichever the kernel has.
     pub tc_attach: crate::datapath::TcAttach,
+    /// `--bind-address` (kube-proxy's bindAddress): unless it is 0.0.0.0 or ::, the node's
+    /// primary address of its family, over the Node's and the devices', as kube-proxy's
+    /// detectNodeIPs takes it (for `--nodeport-addresses primary`).
+    pub bind_address: Option<IpAddr>,
 }
 
 /// Idle timeouts of the packet datapath's flows, seconds; 0 leaves the programs' built-in
@@ -78,6 +82,7 @@ impl Default for PacketConfig {
             ct_sweep_every: None,
             xdp_mode: crate::datapath::XdpMode::Off,
             tc_attach: crate::datapath::TcAttach::Auto,
+            bind_address: None,
         }
     }
 }
@@ -118,6 +123,16 @@ pub struct NodeView {
     pub health_checks: std::collections::BTreeSet<crate::tasks::health::Bind>,
 }
 
+/// kube-proxy's detectNodeIPs: a bindAddress other than 0.0.0.0 or :: replaces the primary
+/// address of its family, and its family comes first.
+fn with_bind_address(mut primary: Vec<IpAddr>, bind: Option<IpAddr>) -> Vec<IpAddr> {
+    if let Some(ip) = bind.filter(|ip| !ip.is_unspecified()) {
+        primary.retain(|p| p.is_ipv4() != ip.is_ipv4());
+        primary.insert(0, ip);
+    }
+    primary
+}
+
 /// Everything the packet datapath needs to know about the node.
 pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]>) -> NodeView {
     let external = netdev::select(&cfg.devices, state, api_node_ips.unwrap_or_default());
@@ -134,6 +149,7 @@ pub fn view(cfg: &PacketConfig, state: &NetState, api_node_ips: Option<&[IpAddr]
             netdev::primary_ips(state, &candidates)
         }
     };
+    let primary = with_bind_address(primary, cfg.bind_address);
     let mut addrs = netdev::node_addrs(
         state,
         &external,
@@ -409,6 +425,25 @@ pub fn node_conntrack_timeout(name: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bind_address_is_the_primary_address_of_its_family() {
+        let ips = |s: &[&str]| -> Vec<IpAddr> { s.iter().map(|a| a.parse().unwrap()).collect() };
+        let node = ips(&["10.0.0.1", "fd00::1"]);
+        assert_eq!(with_bind_address(node.clone(), None), node);
+        assert_eq!(
+            with_bind_address(node.clone(), Some("0.0.0.0".parse().unwrap())),
+            node
+        );
+        assert_eq!(
+            with_bind_address(node.clone(), Some("10.0.0.9".parse().unwrap())),
+            ips(&["10.0.0.9", "fd00::1"])
+        );
+        assert_eq!(
+            with_bind_address(node, Some("fd00::9".parse().unwrap())),
+            ips(&["fd00::9", "10.0.0.1"])
+        );
+    }
 
     #[test]
     fn all_of_127_answers_localhost_node_ports_when_every_ipv4_address_is_chosen() {

@@ -405,9 +405,10 @@ impl Agent {
         Ok(agent)
     }
 
-    /// Starts `svc-agent run --config FILE --cgroup CG --bpffs DIR EXTRA...`: what the
-    /// Kubernetes API source needs (kubeconfig, node name) comes from kube-proxy's
-    /// configuration file; `healthz`/`metrics`: where it or `extra` puts them.
+    /// Starts `svc-agent --config=FILE --cgroup CG --bpffs DIR EXTRA...`, kube-proxy's command
+    /// line as kubeadm's DaemonSet has it (no subcommand): what the Kubernetes API source needs
+    /// (kubeconfig, node name) comes from kube-proxy's configuration file;
+    /// `healthz`/`metrics`: where it or `extra` puts them.
     pub fn start_kube_config(
         bin: &Path,
         config: &Path,
@@ -418,10 +419,10 @@ impl Agent {
         metrics: SocketAddr,
     ) -> Result<Self> {
         let logs = TempDir::new("svc-agent-logs")?;
+        let mut config_flag = OsString::from("--config=");
+        config_flag.push(config);
         let mut args: Vec<OsString> = vec![
-            "run".into(),
-            "--config".into(),
-            config.into(),
+            config_flag,
             "--cgroup".into(),
             cgroup.into(),
             "--bpffs".into(),

@@ -2356,17 +2356,25 @@ fn kube_proxy_config(cp: &ControlPlane, name: &str) -> Result<()> {
     let log = env.agent().log();
     let warning = log
         .lines()
-        .find(|l| l.contains("not applied:"))
+        .find(|l| l.contains("ignored, each for the reason given:"))
         .with_context(|| format!("no warning about the fields left out:\n{log}"))?;
-    for field in ["bindAddress (", "mode ("] {
-        ensure!(
-            warning.contains(field),
-            "the warning does not name {field}: {warning}"
-        );
-    }
+    ensure!(
+        warning.contains("mode ("),
+        "the warning does not name mode: {warning}"
+    );
     ensure!(
         !warning.contains("ipvs") && !warning.contains("logging"),
         "the warning names fields kubeadm left at their defaults: {warning}"
+    );
+    ensure!(
+        !warning.contains("bindAddress"),
+        "bindAddress applies (the primary address, the default addresses' family): {warning}"
+    );
+    // conntrack.tcpEstablishedTimeout: 2h in the file is what the datapath's flows get.
+    let timeouts = env.agent().list()?.ct_timeouts;
+    ensure!(
+        timeouts.tcp_established_s == 2 * 3600,
+        "conntrack.tcpEstablishedTimeout: 2h0m0s not in effect: {timeouts:?}"
     );
     Ok(())
 }

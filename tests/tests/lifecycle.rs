@@ -348,15 +348,8 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
     let sb = common::sandbox();
     let bpffs = sb.bpffs().unwrap();
     let dir = svc_tests::TempDir::new("svc-unreachable").unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \
-         'https://127.0.0.1:1', insecure-skip-tls-verify: true}\nusers:\n- name: u\n  user: \
-         {token: x}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\n\
-         current-context: c\n",
-    )
-    .unwrap();
+    let kubeconfig = unreachable_kubeconfig(dir.path());
+    let started = Instant::now();
     let agent = svc_tests::Agent::start_kube(
         &sb.tools.agent,
         &kubeconfig,
@@ -387,5 +380,213 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
     assert!(
         used < wall / 4,
         "the waiting agent used {used:?} of CPU in {wall:?}"
+    );
+    // Four watches failing on their own backoff: one clear line with the address and the OS
+    // error, then at most one every 10 s (the issue: "not five a second each logged twice").
+    let running = started.elapsed();
+    let log = agent.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("watch_"))
+        .collect();
+    let first = lines
+        .first()
+        .unwrap_or_else(|| panic!("no line about the failing watches:\n{log}"));
+    assert!(
+        first.contains("https://127.0.0.1:1") && first.contains("(os error 111)"),
+        "the line does not name the address and the OS error: {first}"
+    );
+    eprintln!("{} lines in {running:?}; the first: {first}", lines.len());
+    let bound = 1 + running.as_secs() as usize / 10 + 1;
+    assert!(
+        lines.len() <= bound,
+        "{} lines about the failing watches in {running:?} (at most {bound}):\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+}
+
+/// A kubeconfig whose API server nothing serves (port 1 of loopback).
+fn unreachable_kubeconfig(dir: &std::path::Path) -> std::path::PathBuf {
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \
+         'https://127.0.0.1:1', insecure-skip-tls-verify: true}\nusers:\n- name: u\n  user: \
+         {token: x}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\n\
+         current-context: c\n",
+    )
+    .unwrap();
+    kubeconfig
+}
+
+/// Waits until the agent says `line`, failing if it exits first.
+fn wait_for_line(agent: &mut svc_tests::Agent, line: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !agent.log().contains(line) {
+        if let Some(status) = agent.exited().unwrap() {
+            panic!("the agent exited ({status}):\n{}", agent.log());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {line:?} in 60 s:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
+/// --hostname-override=$(NODE_NAME)`: the same command line (no subcommand; the test's own
+/// cgroup and bpffs added, never the node's) starts svc, which reads kubeadm's file.
+#[test]
+fn kubeadms_kube_proxy_command_line_starts_svc() {
+    let sb = common::sandbox();
+    let bpffs = sb.bpffs().unwrap();
+    let dir = svc_tests::TempDir::new("svc-kubeadm-line").unwrap();
+    let kubeconfig = unreachable_kubeconfig(dir.path());
+    let healthz = svc_tests::agent::free_loopback_port().unwrap();
+    let metrics = svc_tests::agent::free_loopback_port().unwrap();
+    let config = dir.path().join("config.conf");
+    // What kubeadm writes (`kubeadm config print init-defaults --component-configs
+    // KubeProxyConfiguration`), but for the addresses of the test.
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             bindAddress: 0.0.0.0\nclientConnection:\n  acceptContentTypes: \"\"\n  burst: 0\n\
+             \x20 contentType: \"\"\n  kubeconfig: {}\n  qps: 0\nclusterCIDR: \"\"\n\
+             configSyncPeriod: 0s\nconntrack:\n  maxPerCore: null\n  min: null\n\
+             \x20 tcpCloseWaitTimeout: null\n  tcpEstablishedTimeout: null\n\
+             healthzBindAddress: {healthz}\nhostnameOverride: \"\"\n\
+             metricsBindAddress: {metrics}\nmode: \"\"\nnodePortAddresses: null\n\
+             oomScoreAdj: null\nportRange: \"\"\nshowHiddenMetricsForVersion: \"\"\n",
+            kubeconfig.display()
+        ),
+    )
+    .unwrap();
+    let logs = svc_tests::TempDir::new("svc-agent-logs").unwrap();
+    let args = [
+        format!("--config={}", config.display()),
+        "--hostname-override=node-1".into(),
+        format!("--cgroup={}", sb.cgroup().path().display()),
+        format!("--bpffs={}", bpffs.path().display()),
+    ];
+    let mut agent = svc_tests::Agent::start_with_args(
+        &sb.tools.agent,
+        args.iter().map(Into::into).collect(),
+        bpffs.path(),
+        logs.path(),
+    )
+    .unwrap();
+    wait_for_line(&mut agent, "watching the Kubernetes API");
+    wait_for_line(&mut agent, "loaded the tc programs");
+    let (status, body) = svc_tests::agent::http_get(healthz, "/livez").unwrap();
+    assert_eq!(
+        status, 200,
+        "/livez at the file's healthzBindAddress: {body}"
+    );
+}
+
+/// A kube-proxy command line with its common flags starts svc: those that apply set what
+/// they mean, the others are named, with why, in one warning.
+#[test]
+fn kube_proxys_common_flags_start_svc() {
+    let sb = common::sandbox();
+    let bpffs = sb.bpffs().unwrap();
+    let dir = svc_tests::TempDir::new("svc-kube-proxy-flags").unwrap();
+    let kubeconfig = unreachable_kubeconfig(dir.path());
+    let healthz = svc_tests::agent::free_loopback_port().unwrap();
+    let metrics = svc_tests::agent::free_loopback_port().unwrap();
+    let logs = svc_tests::TempDir::new("svc-agent-logs").unwrap();
+    let args = [
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--hostname-override=node-1".into(),
+        "--proxy-mode=iptables".into(),
+        "--cluster-cidr=10.244.0.0/16".into(),
+        "--bind-address=0.0.0.0".into(),
+        "--oom-score-adj=-999".into(),
+        "--conntrack-max-per-core=0".into(),
+        "--feature-gates=SomeGate=true".into(),
+        "--masquerade-all".into(),
+        "--iptables-sync-period=30s".into(),
+        format!("--healthz-bind-address={healthz}"),
+        format!("--metrics-bind-address={metrics}"),
+        "--conntrack-tcp-timeout-established=2h0m0s".into(),
+        "--v=2".into(),
+        format!("--cgroup={}", sb.cgroup().path().display()),
+        format!("--bpffs={}", bpffs.path().display()),
+    ];
+    let mut agent = svc_tests::Agent::start_with_args(
+        &sb.tools.agent,
+        args.iter().map(Into::into).collect(),
+        bpffs.path(),
+        logs.path(),
+    )
+    .unwrap();
+    wait_for_line(&mut agent, "loaded the tc programs");
+    let log = agent.log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("kube-proxy flags ignored"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{log}");
+    for flag in [
+        "--proxy-mode (",
+        "--cluster-cidr (",
+        "--oom-score-adj (",
+        "--conntrack-max-per-core (",
+        "--feature-gates (",
+        "--masquerade-all (",
+        "--iptables-sync-period (",
+    ] {
+        assert!(
+            warnings[0].contains(flag),
+            "{flag} not named: {}",
+            warnings[0]
+        );
+    }
+    assert!(
+        !warnings[0].contains("--bind-address") && !warnings[0].contains("--conntrack-tcp"),
+        "flags that apply named as ignored: {}",
+        warnings[0]
+    );
+    let timeouts = poll(Duration::from_secs(30), || {
+        let t = agent.list()?.ct_timeouts;
+        Ok((t.tcp_established_s == 7200).then_some(t))
+    });
+    assert!(
+        timeouts.is_ok(),
+        "--conntrack-tcp-timeout-established=2h0m0s not in effect: {timeouts:?}"
+    );
+    let (status, _) = svc_tests::agent::http_get(healthz, "/livez").unwrap();
+    assert_eq!(status, 200, "/livez at --healthz-bind-address");
+}
+
+/// kube-proxy takes `--cleanup` anywhere among its flags: `svc-agent --v=2 --bpffs DIR
+/// --cleanup` is `svc-agent uninstall --bpffs DIR`.
+#[test]
+fn cleanup_anywhere_in_the_command_line_uninstalls() {
+    let sb = common::sandbox();
+    let bpffs = sb.bpffs().unwrap();
+    let manifests = svc_tests::Manifests::new().unwrap();
+    let mut agent = sb.agent(&bpffs, &manifests).unwrap();
+    agent.terminate(Duration::from_secs(10)).unwrap();
+    assert!(!bpffs.entries().is_empty(), "nothing pinned to clean up");
+    let out = std::process::Command::new(&sb.tools.agent)
+        .args(["--v=2", "--hostname-override=node-1", "--bpffs"])
+        .arg(bpffs.path())
+        .arg("--cleanup")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "svc-agent ... --cleanup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        bpffs.entries().is_empty(),
+        "pins left after --cleanup: {:?}",
+        bpffs.entries()
     );
 }

@@ -196,12 +196,19 @@ async fn start_beside(
                 })?;
             }
             e = events.next(), if listing => match e {
-                Some(Event::WatchError(kind, e)) => metrics.report_as(kind, kind, &e),
+                Some(Event::WatchError(kind, e)) => watch_failed(metrics, kind, &e),
                 Some(e) => cache.apply(e),
                 None => listing = false,
             },
         }
     }
+}
+
+/// A watch failed: counted here; the source logged it, at a bounded rate
+/// (`kube::FailureLog`).
+fn watch_failed(metrics: &Metrics, kind: &'static str, e: &str) {
+    debug!(kind, error = %e, "watch failed");
+    metrics.error_kind(kind);
 }
 
 struct Controller {
@@ -307,7 +314,7 @@ impl Controller {
             }
             Event::WatchError(kind, e) => {
                 // The watcher retries with backoff; what is programmed keeps serving.
-                self.metrics.report_as(kind, kind, &e);
+                watch_failed(&self.metrics, kind, &e);
             }
             e => self.tracker.apply(e),
         }

@@ -164,12 +164,17 @@ fn check_api_server(
     let fe = Frontend::cluster(ip, port, crate::model::Protocol::Tcp);
     if served(&fe) {
         warn!(
-            "the API server address {url} is {reason}; reachable only through the datapath a              previous svc-agent left pinned: set --k8s-api-server to the API server's own              address so a node with empty pins can start too"
+            "the API server address {url} is {reason}; reachable only through the datapath a \
+             previous svc-agent left pinned: set --k8s-api-server to the API server's own \
+             address so a node with empty pins can start too"
         );
         return Ok(());
     }
     Err(Error::Other(format!(
-        "the API server address {url} is {reason}, which only svc serves on this node, and          nothing serves it yet (no pinned datapath: a reboot, or a new node). Give the API          server's own address with --k8s-api-server https://HOST:PORT (or $SVC_K8S_API_SERVER),          as for Cilium's k8sServiceHost/k8sServicePort"
+        "the API server address {url} is {reason}, which only svc serves on this node, and \
+         nothing serves it yet (no pinned datapath: a reboot, or a new node). Give the API \
+         server's own address with --k8s-api-server https://HOST:PORT (or $SVC_K8S_API_SERVER), \
+         as for Cilium's k8sServiceHost/k8sServicePort"
     )))
 }
 
@@ -672,6 +677,7 @@ fn updates<K, F>(
     api: Api<K>,
     config: watcher::Config,
     kind: &'static str,
+    failures: Arc<std::sync::Mutex<FailureLog>>,
     wrap: F,
 ) -> impl Stream<Item = SourceEvent> + Send
 where
@@ -680,10 +686,106 @@ where
 {
     watcher::watcher(api, config)
         .default_backoff()
-        .map(move |r| match r {
-            Ok(e) => SourceEvent::Api(wrap(e)),
-            Err(e) => SourceEvent::WatchError(kind, e.to_string()),
+        .map(move |r| {
+            // A panic elsewhere must not silence the watches' log.
+            let mut log = failures.lock().unwrap_or_else(|p| p.into_inner());
+            match r {
+                Ok(e) => {
+                    log.answered(kind);
+                    SourceEvent::Api(wrap(e))
+                }
+                Err(e) => {
+                    let text = error_chain(&e);
+                    log.failed(kind, &text, Instant::now());
+                    SourceEvent::WatchError(kind, text)
+                }
+            }
         })
+}
+
+/// An error with its causes, `top: cause: cause...`: kube's errors say "client error
+/// (Connect)" at the top and the OS error ("Connection refused (os error 111)") only at the
+/// bottom. A cause whose text the message already holds is not repeated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let t = cause.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// How often, at most, the watches' failures are logged after the first: the watches retry
+/// with backoff (from under a second), each on its own, so an unreachable API server would
+/// otherwise give several lines a second.
+pub const FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The watches' failures as the log tells them: one line at the first failure, then at most
+/// one every [`FAILURE_LOG_EVERY`], with the latest failure (its whole cause) and how many
+/// were not logged; each is still counted in `svc_errors_total`. Shared by the watches.
+#[derive(Debug)]
+pub struct FailureLog {
+    api_server: String,
+    last_line: Option<Instant>,
+    /// Failures since the last line.
+    unlogged: u64,
+    /// The watches failing now, and their failures so far.
+    failing: BTreeMap<&'static str, u64>,
+}
+
+impl FailureLog {
+    pub fn new(api_server: &str) -> FailureLog {
+        FailureLog {
+            api_server: api_server.to_string(),
+            last_line: None,
+            unlogged: 0,
+            failing: BTreeMap::new(),
+        }
+    }
+
+    /// A watch failed: logs it, unless a line was logged less than [`FAILURE_LOG_EVERY`] ago.
+    pub fn failed(&mut self, kind: &'static str, error: &str, now: Instant) {
+        if let Some(line) = self.line(kind, error, now) {
+            warn!("{line}");
+        }
+    }
+
+    /// `failed`'s line, if one is due.
+    fn line(&mut self, kind: &'static str, error: &str, now: Instant) -> Option<String> {
+        *self.failing.entry(kind).or_default() += 1;
+        if self
+            .last_line
+            .is_some_and(|t| now.saturating_duration_since(t) < FAILURE_LOG_EVERY)
+        {
+            self.unlogged += 1;
+            return None;
+        }
+        self.last_line = Some(now);
+        let mut line = format!("{kind}: the API server {}: {error}", self.api_server);
+        match std::mem::take(&mut self.unlogged) {
+            0 => {}
+            n => line.push_str(&format!(
+                " (and {n} more failures of the watches since the last such line; they retry \
+                 with backoff)"
+            )),
+        }
+        Some(line)
+    }
+
+    /// A watch received something: it works (again).
+    pub fn answered(&mut self, kind: &'static str) {
+        if let Some(n) = self.failing.remove(kind) {
+            info!(
+                failures = n,
+                "{kind}: the API server {} answers again", self.api_server
+            );
+        }
+    }
 }
 
 /// The API server, connected.
@@ -797,6 +899,7 @@ impl ApiServer {
     /// them.
     pub fn watch(self, opts: &KubeOptions) -> impl Stream<Item = SourceEvent> + Send {
         info!(api_server = %self.url, "watching the Kubernetes API");
+        let failures = Arc::new(std::sync::Mutex::new(FailureLog::new(&self.url)));
         let proxy_name = opts.service_proxy_name.as_deref();
         let config = || {
             let c = watcher::Config::default();
@@ -810,18 +913,21 @@ impl ApiServer {
             Api::<Service>::all(self.client.clone()),
             config().labels(&service_selector(proxy_name)),
             "watch_services",
+            failures.clone(),
             Update::Service,
         );
         let slices = updates(
             Api::<EndpointSlice>::all(self.client.clone()),
             config().labels(&slice_selector(proxy_name)),
             "watch_endpointslices",
+            failures.clone(),
             Update::Slice,
         );
         let nodes = updates(
             Api::<Node>::all(self.client),
             watcher::Config::default().fields(&format!("metadata.name={}", opts.node_name)),
             "watch_node",
+            failures,
             |e| Update::Node(Box::new(e)),
         );
         futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()])
@@ -907,7 +1013,7 @@ async fn watch_daemonset(
             Ok(Event::Delete(_)) => set(Some("is gone")),
             Err(e) if !refused => {
                 refused = true;
-                warn!(error = %e, daemonset = %format!("{namespace}/{name}"),
+                warn!(error = %error_chain(&e), daemonset = %format!("{namespace}/{name}"),
                     "cannot watch the agent's DaemonSet: its removal is read at the stop only");
             }
             Err(_) => {}
@@ -1022,6 +1128,37 @@ fn expression_holds(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An unreachable API server: four watches failing on their own backoff give one line at
+    /// once, then at most one per FAILURE_LOG_EVERY, with the number not logged.
+    #[test]
+    fn watch_failures_are_one_line_per_interval() {
+        let mut log = FailureLog::new("https://127.0.0.1:1/");
+        let t0 = Instant::now();
+        let refused = "client error (Connect): Connection refused (os error 111)";
+        let mut lines = Vec::new();
+        for ms in (0..25_000).step_by(250) {
+            for kind in ["watch_services", "watch_endpointslices", "watch_node"] {
+                lines.extend(log.line(kind, refused, t0 + Duration::from_millis(ms)));
+            }
+        }
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert_eq!(
+            lines[0],
+            "watch_services: the API server https://127.0.0.1:1/: client error (Connect): \
+             Connection refused (os error 111)"
+        );
+        assert!(
+            lines[1].ends_with(
+                "(os error 111) (and 119 more failures of the watches since the last such \
+                 line; they retry with backoff)"
+            ),
+            "{}",
+            lines[1]
+        );
+        log.answered("watch_services");
+        assert_eq!(log.failing.len(), 2);
+    }
 
     fn pod_spec(v: serde_json::Value) -> k8s_openapi::api::core::v1::PodSpec {
         serde_json::from_value(v).expect("a pod spec")
