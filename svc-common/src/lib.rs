@@ -339,6 +339,9 @@ pub mod monitor_source {
     pub const REVERSE: u8 = 3;
     /// The tc programs (`MonitorEvent::ifindex` names the device).
     pub const TC: u8 = 4;
+    /// The connection-tracking sweep (svc-ebpf's `gc.rs`, which the agent runs every
+    /// `--conntrack-sweep-interval`): a dead flow removed (`Reason::CtSwept`).
+    pub const SWEEP: u8 = 5;
 }
 
 /// One datapath decision, as the programs write it into `SVC_MONITOR` while a monitor
@@ -375,13 +378,17 @@ pub struct MonitorEvent {
     pub nat_sport_be: u16,
     pub nat_dport_be: u16,
     pub proto: u8,
-    /// A `how` constant (socket hooks' choices); 0 when unknown. From tc and XDP, a known
-    /// flow's packet (`CtHit`, `Reply`, `XdpCtHit`, `XdpReply`) carries the low byte of the
-    /// flow's `ct_flags` here instead.
+    /// A `how` constant: the socket hooks' choices, and a new flow's at tc (`New`); 0 when
+    /// unknown. From tc and XDP, a known flow's packet (`CtHit`, `Reply`, `XdpCtHit`,
+    /// `XdpReply`) and a swept flow (`CtSwept`) carry the low byte of the flow's `ct_flags`
+    /// here instead.
     pub how: u8,
     /// A `monitor_source` constant.
     pub source: u8,
-    pub _pad0: [u8; 5],
+    /// `IcmpError` only: the ICMP (or ICMPv6) type and code of the error; 0 otherwise.
+    pub icmp_type: u8,
+    pub icmp_code: u8,
+    pub _pad0: [u8; 3],
 }
 
 /// `SVC_MON_CTL`'s one entry: whether a monitor listens. A lease, so a monitor killed without
@@ -1119,10 +1126,14 @@ pub enum Reason {
     /// XDP: a new flow to a local backend (or under externalTrafficPolicy Local) went on to
     /// tc untouched: the stack delivers it.
     XdpPassLocal = 42,
+    /// The connection-tracking sweep removed a dead flow (its FORWARD entry). Only a
+    /// monitor's event: never counted under a device (`svc_conntrack_swept_entries_total`
+    /// counts the entries the sweep removes).
+    CtSwept = 43,
 }
 
 impl Reason {
-    pub const COUNT: usize = 43;
+    pub const COUNT: usize = 44;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1170,6 +1181,7 @@ impl Reason {
             XdpNew,
             XdpPassNew,
             XdpPassLocal,
+            CtSwept,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
@@ -1289,6 +1301,7 @@ impl Reason {
             XdpNew => "xdp_new",
             XdpPassNew => "xdp_pass_new",
             XdpPassLocal => "xdp_pass_local",
+            CtSwept => "ct_swept",
         }
     }
 }
