@@ -224,11 +224,7 @@ pub fn tc_new(s: &Scratch) {
 pub fn tc_icmp(s: &Scratch, code: u8) {
     emit_tc(
         s,
-        Reason::IcmpError as u64
-            | TRANSLATED
-            | ICMP
-            | (code as u64) << 24
-            | (s.v.id as u64) << 32,
+        Reason::IcmpError as u64 | TRANSLATED | ICMP | (code as u64) << 24 | (s.v.id as u64) << 32,
     );
 }
 
