@@ -1064,7 +1064,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         port_be: d.backend.port_be,
     };
     new_flow(&mut s.new, p, &s.dst, svc.id, ct_flags::POD, now);
-    //XX s.how = d.how as u64;
+    s.how = d.how as u64;
     if d.backend.addr != p.saddr {
         return Next::NewLocal;
     }
