@@ -32,7 +32,8 @@ pub const MAX_RATE: u64 = 5_000;
 pub struct Filter {
     /// "NAMESPACE/NAME": events of that Service's frontends only.
     pub service: Option<String>,
-    /// Events whose destination (as sent, or as translated) is this address and port.
+    /// Events whose destination (as sent, or as translated) is this address and port; and
+    /// the replies and ICMP errors that are shown coming from it (their translated source).
     pub dst: Option<SocketAddr>,
 }
 
@@ -497,7 +498,10 @@ impl Filter {
         if let Some(dst) = self.dst {
             let same =
                 |a: &SocketAddr| a.port() == dst.port() && canonical(a.ip()) == canonical(dst.ip());
-            if !same(&d.dst) && !d.to.as_ref().is_some_and(same) {
+            // A reply, or an ICMP error about a flow, leaves from the frontend: its way back.
+            let back = (d.verdict == "reverse" || d.reason == Reason::IcmpError.name())
+                && d.snat.as_ref().is_some_and(same);
+            if !same(&d.dst) && !d.to.as_ref().is_some_and(same) && !back {
                 return false;
             }
         }
@@ -762,6 +766,21 @@ mod tests {
         assert!(dst("10.244.1.5:8080").matches(&d));
         assert!(!dst("10.96.0.10:81").matches(&d));
         assert!(Filter::default().matches(&d));
+        // A backend's reply and an ICMP error about the flow leave from the frontend (their
+        // translated source): shown for it; a new flow's SNAT address is no destination.
+        let mut back = decision(
+            Some("demo/web:http"),
+            "10.77.0.100:40000",
+            Some("10.77.0.100:40000"),
+        );
+        back.snat = Some("10.77.0.1:30080".parse().unwrap());
+        for (verdict, reason) in [("reverse", "reply"), ("translated", "icmp_error")] {
+            back.verdict = verdict;
+            back.reason = reason;
+            assert!(dst("10.77.0.1:30080").matches(&back), "{reason}");
+        }
+        back.reason = "new";
+        assert!(!dst("10.77.0.1:30080").matches(&back));
     }
 
     #[test]

@@ -583,7 +583,7 @@ fn monitor_shows_tc_affinity_hits() {
 /// on the UDP port answers the client's datagram with port unreachable, which comes back to
 /// node 1 addressed to the flow's SNAT address and leaves towards the client from the
 /// NodePort. The client's connected socket is refused, and the monitor shows the error, what
-/// it says, and the flow it was about as translated.
+/// it says, and the flow it was about as translated; `--dst` the NodePort selects it.
 #[test]
 fn monitor_shows_icmp_errors_translated() {
     let o = Outside::start(&[], |m| {
@@ -594,7 +594,8 @@ fn monitor_shows_icmp_errors_translated() {
     // The topology's first ARP exchanges, before the monitor: a TCP connection (pod 2 serves
     // TCP).
     o.connect(to);
-    let mon = o.monitor(&["--service", "demo/silent"]);
+    // `--dst` the NodePort: the error is shown coming from it.
+    let mon = o.monitor(&["--dst", &to.to_string()]);
     let (port, got) = o.udp(to);
     let refused = matches!(&got, Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED));
     assert!(
