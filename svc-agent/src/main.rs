@@ -235,7 +235,8 @@ enum Command {
         /// Only this Service's decisions: NAMESPACE/NAME.
         #[arg(long)]
         service: Option<String>,
-        /// Only decisions about this destination (as sent, or its backend), ADDR:PORT.
+        /// Only decisions about this destination (as sent, or its backend), ADDR:PORT; and
+        /// the replies and ICMP errors shown coming from it.
         #[arg(long)]
         dst: Option<SocketAddr>,
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]

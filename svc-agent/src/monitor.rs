@@ -32,7 +32,8 @@ pub const MAX_RATE: u64 = 5_000;
 pub struct Filter {
     /// "NAMESPACE/NAME": events of that Service's frontends only.
     pub service: Option<String>,
-    /// Events whose destination (as sent, or as translated) is this address and port.
+    /// Events whose destination (as sent, or as translated) is this address and port; and
+    /// the replies and ICMP errors that are shown coming from it (their translated source).
     pub dst: Option<SocketAddr>,
 }
 
@@ -42,37 +43,45 @@ pub struct Decision {
     /// Wall-clock time the monitor computed from the kernel's monotonic stamp, RFC 3339-like
     /// seconds since the epoch with microseconds.
     pub time: String,
-    /// connect, sendmsg, reverse (recvmsg/getpeername), tc.
+    /// connect, sendmsg, reverse (recvmsg/getpeername), tc, sweep (the connection-tracking
+    /// sweep).
     pub source: &'static str,
     /// The datapath's reason (the `reason` label of svc_datapath_decisions_total).
     pub reason: &'static str,
-    /// translated, refused, dropped, rejected, reverse.
+    /// translated, refused, dropped, rejected, reverse, swept.
     pub verdict: &'static str,
     /// "namespace/name:port" of the frontend, when the names map has it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
     pub frontend_id: u32,
-    /// What the client sent to.
+    /// What the client sent to (for an ICMP error, the flow's packet that travels the error's
+    /// way: from the backend, for an error a backend sent).
     pub dst: SocketAddr,
     /// The backend (or, for `reverse`, the frontend the socket is shown).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub to: Option<SocketAddr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_id: Option<u32>,
-    /// The client (tc only).
+    /// The client (tc and sweep only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client: Option<SocketAddr>,
     /// The SNAT address and port a tc flow took, when it is SNATed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snat: Option<SocketAddr>,
     pub protocol: String,
-    /// random, affinity, sticky, hashed, maglev: how the backend was chosen (socket hooks).
+    /// random, affinity, sticky, hashed, maglev: how the backend was chosen (socket hooks,
+    /// and a new flow at tc).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub how: Option<&'static str>,
     /// A known flow's packet (tc, XDP): closing, closed or reset as it went by; absent while
-    /// the flow is open.
+    /// the flow is open. A swept flow: closed or reset, or idle (open, and silent past its
+    /// timeout).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flow: Option<&'static str>,
+    /// An ICMP error that was translated: what it says ("port unreachable", "fragmentation
+    /// needed", ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icmp: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ifindex: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -312,59 +321,114 @@ impl Listener {
 
     /// The event as printed.
     pub fn decision(&mut self, e: &MonitorEvent) -> Decision {
-        let reason = Reason::from_u32(e.reason);
-        let addr = |a: [u8; 16], p: u16| SocketAddr::new(ip_from16(a), u16::from_be(p));
-        let set = |a: [u8; 16], p: u16| (a != [0; 16] || p != 0).then(|| addr(a, p));
-        let tc = e.source == monitor_source::TC;
-        let client = tc.then(|| addr(e.saddr, e.sport_be));
-        let snat = if tc {
-            set(e.nat_saddr, e.nat_sport_be).filter(|s| Some(*s) != client)
+        let service = self.name(e.id);
+        decision(e, service, self.wall_offset)
+    }
+}
+
+/// `e` as printed, its frontend named `service`; `wall_offset` is CLOCK_REALTIME minus
+/// CLOCK_MONOTONIC, ns.
+fn decision(e: &MonitorEvent, service: Option<String>, wall_offset: i128) -> Decision {
+    let reason = Reason::from_u32(e.reason);
+    let addr = |a: [u8; 16], p: u16| SocketAddr::new(ip_from16(a), u16::from_be(p));
+    let set = |a: [u8; 16], p: u16| (a != [0; 16] || p != 0).then(|| addr(a, p));
+    // The packet datapath's events, and the sweep's: flows with a client address.
+    let tc = e.source == monitor_source::TC || e.source == monitor_source::SWEEP;
+    // Where `how` holds a known flow's `ct_flags` rather than a choice.
+    let flags_in_how = matches!(
+        reason,
+        Some(Reason::CtHit | Reason::Reply | Reason::XdpCtHit | Reason::XdpReply)
+    );
+    let swept = reason == Some(Reason::CtSwept);
+    let client = tc.then(|| addr(e.saddr, e.sport_be));
+    let snat = if tc {
+        set(e.nat_saddr, e.nat_sport_be).filter(|s| Some(*s) != client)
+    } else {
+        None
+    };
+    let ns = e.ts_ns as i128 + wall_offset;
+    Decision {
+        time: format!(
+            "{}.{:06}",
+            ns.div_euclid(1_000_000_000),
+            ns.rem_euclid(1_000_000_000) / 1_000
+        ),
+        source: match e.source {
+            monitor_source::CONNECT => "connect",
+            monitor_source::SENDMSG => "sendmsg",
+            monitor_source::REVERSE => "reverse",
+            monitor_source::TC => "tc",
+            monitor_source::SWEEP => "sweep",
+            _ => "unknown",
+        },
+        reason: reason.map_or("unknown", Reason::name),
+        verdict: reason.map_or("unknown", verdict),
+        service,
+        frontend_id: e.id,
+        dst: addr(e.daddr, e.dport_be),
+        to: set(e.nat_daddr, e.nat_dport_be),
+        backend_id: (e.backend_id != 0).then_some(e.backend_id),
+        client,
+        snat,
+        protocol: match e.proto {
+            svc_common::IPPROTO_TCP => "tcp".to_string(),
+            svc_common::IPPROTO_UDP => "udp".to_string(),
+            132 => "sctp".to_string(),
+            n => n.to_string(),
+        },
+        flow: if swept {
+            Some(flow_state(e.how).unwrap_or("idle"))
+        } else if flags_in_how {
+            flow_state(e.how)
         } else {
             None
-        };
-        let ns = e.ts_ns as i128 + self.wall_offset;
-        Decision {
-            time: format!(
-                "{}.{:06}",
-                ns.div_euclid(1_000_000_000),
-                ns.rem_euclid(1_000_000_000) / 1_000
-            ),
-            source: match e.source {
-                monitor_source::CONNECT => "connect",
-                monitor_source::SENDMSG => "sendmsg",
-                monitor_source::REVERSE => "reverse",
-                monitor_source::TC => "tc",
-                _ => "unknown",
-            },
-            reason: reason.map_or("unknown", Reason::name),
-            verdict: reason.map_or("unknown", verdict),
-            service: self.name(e.id),
-            frontend_id: e.id,
-            dst: addr(e.daddr, e.dport_be),
-            to: set(e.nat_daddr, e.nat_dport_be),
-            backend_id: (e.backend_id != 0).then_some(e.backend_id),
-            client,
-            snat,
-            protocol: match e.proto {
-                svc_common::IPPROTO_TCP => "tcp".to_string(),
-                svc_common::IPPROTO_UDP => "udp".to_string(),
-                132 => "sctp".to_string(),
-                n => n.to_string(),
-            },
-            flow: tc.then(|| flow_state(e.how)).flatten(),
-            how: match e.how as u32 {
-                _ if tc => None,
-                how::RANDOM => Some("random"),
-                how::AFFINITY => Some("affinity"),
-                how::STICKY => Some("sticky"),
-                how::HASHED => Some("hashed"),
-                how::MAGLEV => Some("maglev"),
-                _ => None,
-            },
-            ifindex: (e.ifindex != 0).then_some(e.ifindex),
-            socket_cookie: (e.cookie != 0).then_some(e.cookie),
-        }
+        },
+        how: match e.how as u32 {
+            _ if flags_in_how || swept => None,
+            how::RANDOM => Some("random"),
+            how::AFFINITY => Some("affinity"),
+            how::STICKY => Some("sticky"),
+            how::HASHED => Some("hashed"),
+            how::MAGLEV => Some("maglev"),
+            _ => None,
+        },
+        icmp: (reason == Some(Reason::IcmpError)).then(|| {
+            icmp_name(
+                !svc_common::is_v4_mapped(&e.daddr),
+                e.icmp_type,
+                e.icmp_code,
+            )
+        }),
+        ifindex: (e.ifindex != 0).then_some(e.ifindex),
+        socket_cookie: (e.cookie != 0).then_some(e.cookie),
     }
+}
+
+/// What an ICMP (`v6`: ICMPv6) error of `type_` and `code` says, as the errors svc translates
+/// (destination unreachable, fragmentation needed / packet too big, time exceeded, parameter
+/// problem) are named; others by number.
+fn icmp_name(v6: bool, type_: u8, code: u8) -> String {
+    let name = match (v6, type_, code) {
+        (false, 3, 0) => "network unreachable",
+        (false, 3, 1) => "host unreachable",
+        (false, 3, 2) => "protocol unreachable",
+        (false, 3, 3) => "port unreachable",
+        (false, 3, 4) => "fragmentation needed",
+        (false, 3, 9 | 10 | 13) => "administratively prohibited",
+        (false, 3, _) => "destination unreachable",
+        (false, 11, _) => "time exceeded",
+        (false, 12, _) => "parameter problem",
+        (true, 1, 0) => "no route",
+        (true, 1, 1) => "administratively prohibited",
+        (true, 1, 3) => "address unreachable",
+        (true, 1, 4) => "port unreachable",
+        (true, 1, _) => "destination unreachable",
+        (true, 2, _) => "packet too big",
+        (true, 3, _) => "time exceeded",
+        (true, 4, _) => "parameter problem",
+        _ => return format!("type {type_} code {code}"),
+    };
+    name.to_string()
 }
 
 impl Drop for Listener {
@@ -411,6 +475,7 @@ fn verdict(r: Reason) -> &'static str {
         New | Translated | CtHit | FragmentTranslated | IcmpError | XdpNew | XdpCtHit
         | XdpRedirect => "translated",
         Reply | RevTranslated | XdpReply | XdpRedirectReply => "reverse",
+        CtSwept => "swept",
         RefusedNoBackend | RefusedNoPort => "refused",
         RejectNoBackend => "rejected",
         _ if r.name().starts_with("drop") || r.name().starts_with("err") => "dropped",
@@ -432,7 +497,10 @@ impl Filter {
         if let Some(dst) = self.dst {
             let same =
                 |a: &SocketAddr| a.port() == dst.port() && canonical(a.ip()) == canonical(dst.ip());
-            if !same(&d.dst) && !d.to.as_ref().is_some_and(same) {
+            // A reply, or an ICMP error about a flow, leaves from the frontend: its way back.
+            let back = (d.verdict == "reverse" || d.reason == Reason::IcmpError.name())
+                && d.snat.as_ref().is_some_and(same);
+            if !same(&d.dst) && !d.to.as_ref().is_some_and(same) && !back {
                 return false;
             }
         }
@@ -474,6 +542,9 @@ pub fn render_text(d: &Decision) -> String {
     }
     if let Some(f) = d.flow {
         line.push_str(&format!(" flow {f}"));
+    }
+    if let Some(i) = &d.icmp {
+        line.push_str(&format!(" icmp {i}"));
     }
     if let Some(i) = d.ifindex {
         line.push_str(&format!(" dev {i}"));
@@ -556,9 +627,103 @@ mod tests {
             protocol: "tcp".into(),
             how: Some("random"),
             flow: None,
+            icmp: None,
             ifindex: None,
             socket_cookie: None,
         }
+    }
+
+    fn v4(a: [u8; 4], port: u16) -> ([u8; 16], u16) {
+        (svc_common::v4_mapped(a), port.to_be())
+    }
+
+    /// A tc event of `reason` from 203.0.113.7:40000 to 192.0.2.10:30080, translated to
+    /// 10.244.2.8:8080 from 192.0.2.10:61000 (SNATed).
+    fn tc_event(reason: Reason, source: u8, how: u8) -> MonitorEvent {
+        let (saddr, sport_be) = v4([203, 0, 113, 7], 40000);
+        let (daddr, dport_be) = v4([192, 0, 2, 10], 30080);
+        let (nat_saddr, nat_sport_be) = v4([192, 0, 2, 10], 61000);
+        let (nat_daddr, nat_dport_be) = v4([10, 244, 2, 8], 8080);
+        MonitorEvent {
+            reason: reason as u32,
+            source,
+            how,
+            id: 8,
+            ifindex: 2,
+            saddr,
+            sport_be,
+            daddr,
+            dport_be,
+            nat_saddr,
+            nat_sport_be,
+            nat_daddr,
+            nat_dport_be,
+            proto: svc_common::IPPROTO_TCP,
+            ..Default::default()
+        }
+    }
+
+    /// A new tc flow names its choice (a sessionAffinity hit), a swept flow its state
+    /// (idle when it was open), an ICMP error what it says; each line as a user reads it.
+    #[test]
+    fn affinity_sweeps_and_icmp_errors_are_named() {
+        let name = || Some("demo/web:http".to_string());
+        let d = super::decision(
+            &tc_event(Reason::New, monitor_source::TC, how::AFFINITY as u8),
+            name(),
+            0,
+        );
+        assert_eq!((d.how, d.flow), (Some("affinity"), None));
+        assert!(
+            render_text(&d).ends_with(
+                "tc       translated tcp 203.0.113.7:40000 -> 192.0.2.10:30080 => \
+                 10.244.2.8:8080 snat 192.0.2.10:61000 [new] demo/web:http (affinity) dev 2"
+            ),
+            "{}",
+            render_text(&d)
+        );
+
+        let closed = (svc_common::ct_flags::FIN
+            | svc_common::ct_flags::FIN_FORWARD
+            | svc_common::ct_flags::FIN_REPLY) as u8;
+        let d = super::decision(
+            &tc_event(Reason::CtSwept, monitor_source::SWEEP, closed),
+            name(),
+            0,
+        );
+        assert_eq!(
+            (d.source, d.verdict, d.how, d.flow),
+            ("sweep", "swept", None, Some("closed"))
+        );
+        let open = svc_common::ct_flags::SEEN_REPLY as u8;
+        let d = super::decision(
+            &tc_event(Reason::CtSwept, monitor_source::SWEEP, open),
+            name(),
+            0,
+        );
+        assert_eq!(d.flow, Some("idle"));
+        assert!(
+            render_text(&d).ends_with("[ct_swept] demo/web:http flow idle dev 2"),
+            "{}",
+            render_text(&d)
+        );
+
+        let mut e = tc_event(Reason::IcmpError, monitor_source::TC, 0);
+        (e.icmp_type, e.icmp_code) = (3, 4);
+        let d = super::decision(&e, name(), 0);
+        assert_eq!(d.icmp.as_deref(), Some("fragmentation needed"));
+        assert_eq!(d.verdict, "translated");
+        assert!(
+            render_text(&d).ends_with("[icmp_error] demo/web:http icmp fragmentation needed dev 2"),
+            "{}",
+            render_text(&d)
+        );
+        assert_eq!(icmp_name(true, 2, 0), "packet too big");
+        assert_eq!(icmp_name(true, 1, 4), "port unreachable");
+        assert_eq!(icmp_name(false, 5, 1), "type 5 code 1");
+        assert!(super::decision(&tc_event(Reason::New, 4, 0), None, 0)
+            .icmp
+            .is_none());
     }
 
     #[test]
@@ -602,6 +767,21 @@ mod tests {
         assert!(dst("10.244.1.5:8080").matches(&d));
         assert!(!dst("10.96.0.10:81").matches(&d));
         assert!(Filter::default().matches(&d));
+        // A backend's reply and an ICMP error about the flow leave from the frontend (their
+        // translated source): shown for it; a new flow's SNAT address is no destination.
+        let mut back = decision(
+            Some("demo/web:http"),
+            "10.77.0.100:40000",
+            Some("10.77.0.100:40000"),
+        );
+        back.snat = Some("10.77.0.1:30080".parse().unwrap());
+        for (verdict, reason) in [("reverse", "reply"), ("translated", "icmp_error")] {
+            back.verdict = verdict;
+            back.reason = reason;
+            assert!(dst("10.77.0.1:30080").matches(&back), "{reason}");
+        }
+        back.reason = "new";
+        assert!(!dst("10.77.0.1:30080").matches(&back));
     }
 
     #[test]

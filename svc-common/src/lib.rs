@@ -351,6 +351,9 @@ pub mod monitor_source {
     pub const REVERSE: u8 = 3;
     /// The tc programs (`MonitorEvent::ifindex` names the device).
     pub const TC: u8 = 4;
+    /// The connection-tracking sweep (svc-ebpf's `gc.rs`, which the agent runs every
+    /// `--conntrack-sweep-interval`): a dead flow removed (`Reason::CtSwept`).
+    pub const SWEEP: u8 = 5;
 }
 
 /// One datapath decision, as the programs write it into `SVC_MONITOR` while a monitor
@@ -387,13 +390,17 @@ pub struct MonitorEvent {
     pub nat_sport_be: u16,
     pub nat_dport_be: u16,
     pub proto: u8,
-    /// A `how` constant (socket hooks' choices); 0 when unknown. From tc and XDP, a known
-    /// flow's packet (`CtHit`, `Reply`, `XdpCtHit`, `XdpReply`) carries the low byte of the
-    /// flow's `ct_flags` here instead.
+    /// A `how` constant: the socket hooks' choices, and a new flow's at tc (`New`); 0 when
+    /// unknown. From tc and XDP, a known flow's packet (`CtHit`, `Reply`, `XdpCtHit`,
+    /// `XdpReply`) and a swept flow (`CtSwept`) carry the low byte of the flow's `ct_flags`
+    /// here instead.
     pub how: u8,
     /// A `monitor_source` constant.
     pub source: u8,
-    pub _pad0: [u8; 5],
+    /// `IcmpError` only: the ICMP (or ICMPv6) type and code of the error; 0 otherwise.
+    pub icmp_type: u8,
+    pub icmp_code: u8,
+    pub _pad0: [u8; 3],
 }
 
 /// `SVC_MON_CTL`'s one entry: whether a monitor listens. A lease, so a monitor killed without
@@ -1139,10 +1146,14 @@ pub enum Reason {
     /// XDP: a remote backend's reply (counted `XdpReply` too) left by another device than it
     /// came in on, redirected there from the driver.
     XdpRedirectReply = 44,
+    /// The connection-tracking sweep removed a dead flow (its FORWARD entry). Only a
+    /// monitor's event: never counted under a device (`svc_conntrack_swept_entries_total`
+    /// counts the entries the sweep removes).
+    CtSwept = 45,
 }
 
 impl Reason {
-    pub const COUNT: usize = 45;
+    pub const COUNT: usize = 46;
     /// Every reason, by number.
     pub const ALL: [Reason; Reason::COUNT] = {
         use Reason::*;
@@ -1192,6 +1203,7 @@ impl Reason {
             XdpPassLocal,
             XdpRedirect,
             XdpRedirectReply,
+            CtSwept,
         ]
     };
     /// The reasons `svc_datapath_decisions` reports, summed over every device (the socket
@@ -1313,6 +1325,7 @@ impl Reason {
             XdpPassLocal => "xdp_pass_local",
             XdpRedirect => "xdp_redirect",
             XdpRedirectReply => "xdp_redirect_reply",
+            CtSwept => "ct_swept",
         }
     }
 }

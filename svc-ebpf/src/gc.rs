@@ -17,11 +17,12 @@
 use core::ffi::c_void;
 
 use aya_ebpf::helpers::generated::bpf_for_each_map_elem;
-use svc_common::{CtKey, CtValue};
+use svc_common::{ct_dir, CtKey, CtValue};
 
 use crate::{
     ct, lb,
     maps::{SVC_CT, SVC_CT_NEW},
+    monitor,
 };
 
 /// The sweep's state, on the program's stack (bpf_for_each_map_elem's context).
@@ -101,6 +102,13 @@ extern "C" fn sweep_one(
             // for its other entry: refused under the claim (the flow fails, counted) or
             // stored once this entry is gone.
             if core::ptr::eq(cur, v.cast_const()) && !ct::fresh(&key, &*cur, now) {
+                // A listening monitor is told of the flow once, by its FORWARD entry, before
+                // the entry goes (its memory may serve another flow once removed). Told in
+                // vain only when a packet removed the closed flow without the claim (above)
+                // just now: gone all the same.
+                if key.dir == ct_dir::FORWARD && monitor::listening() {
+                    monitor::emit_swept(&key, &*cur, now);
+                }
                 let removed = if new {
                     SVC_CT_NEW.remove(key)
                 } else {

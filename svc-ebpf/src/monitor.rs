@@ -15,7 +15,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use svc_common::{
-    monitor_source, MonitorCtl, MonitorEvent, MonitorStats, Reason, MONITOR_RING_BYTES,
+    ct_flags, monitor_source, CtKey, CtValue, MonitorCtl, MonitorEvent, MonitorStats, Reason,
+    MONITOR_RING_BYTES,
 };
 
 use crate::{lb, scratch::Scratch};
@@ -125,6 +126,8 @@ pub fn emit_sock(
         }
         zero16(&raw mut (*e).nat_saddr);
         (*e).nat_sport_be = 0;
+        (*e).icmp_type = 0;
+        (*e).icmp_code = 0;
         zero_pad(&raw mut (*e)._pad0);
     }
     entry.submit(BPF_RB_NO_WAKEUP);
@@ -136,10 +139,17 @@ pub fn sock_what(reason: Reason, source: u8, how: u32, id: u32) -> u64 {
     reason as u64 | (source as u64) << 8 | ((how & 0xff) as u64) << 16 | (id as u64) << 32
 }
 
+/// `emit_tc`'s `what`, second byte: `s.src`/`s.dst` hold the packet's translation.
+const TRANSLATED: u64 = 1 << 8;
+/// `emit_tc`'s `what`, second byte: the packet is an ICMP error (`s.p`, whose type the
+/// parser left in `tcp_flags`) about the flow whose packet `s.flow` is; the event names that
+/// flow, and the error's code is `what`'s fourth byte.
+const ICMP: u64 = 2 << 8;
+
 /// What a tc program decided about the packet in `s.p`: `what` packs the `Reason` (low
-/// byte), whether `s.src`/`s.dst` hold its translation (second byte, 1), the low byte of a
-/// known flow's `ct_flags` (third byte, written as the event's `how`; 0 otherwise) and the
-/// frontend id (high 32 bits).
+/// byte), `TRANSLATED` and `ICMP` (second byte), the event's `how` (third byte: the low byte
+/// of a known flow's `ct_flags`, or a new flow's `how` constant; 0 otherwise), an ICMP
+/// error's code (fourth byte) and the frontend id (high 32 bits).
 #[inline(never)]
 pub fn emit_tc(s: &Scratch, what: u64) {
     let now = lb::clock_ns();
@@ -148,7 +158,8 @@ pub fn emit_tc(s: &Scratch, what: u64) {
     };
     // Written through the pointer, field by field, so that no event is built on the stack.
     let e = entry.as_mut_ptr();
-    let p = &s.p;
+    let icmp = what & ICMP != 0;
+    let p = if icmp { &s.flow } else { &s.p };
     // SAFETY: `e` is a reserved, writable event of the ring.
     unsafe {
         (*e).ts_ns = now;
@@ -164,7 +175,14 @@ pub fn emit_tc(s: &Scratch, what: u64) {
         (*e).daddr = p.daddr;
         (*e).dport_be = p.dport_be;
         (*e).proto = p.proto;
-        if (what >> 8) & 0xff != 0 {
+        if icmp {
+            (*e).icmp_type = s.p.tcp_flags;
+            (*e).icmp_code = ((what >> 24) & 0xff) as u8;
+        } else {
+            (*e).icmp_type = 0;
+            (*e).icmp_code = 0;
+        }
+        if what & TRANSLATED != 0 {
             (*e).nat_saddr = s.src.addr;
             (*e).nat_sport_be = s.src.port_be;
             (*e).nat_daddr = s.dst.addr;
@@ -184,6 +202,70 @@ pub fn emit_tc(s: &Scratch, what: u64) {
 #[inline(always)]
 pub fn tc_what(reason: Reason, translated: bool, id: u32) -> u64 {
     reason as u64 | (translated as u64) << 8 | (id as u64) << 32
+}
+
+/// A new flow's first packet, translated (`New`), if a monitor listens: with the `how` of
+/// its backend's choice (`Scratch::how`), so a sessionAffinity hit shows as one.
+#[inline(always)]
+pub fn tc_new(s: &Scratch) {
+    if listening() {
+        emit_tc(
+            s,
+            tc_what(Reason::New, true, s.new.fwd.id) | (s.how & 0xff) << 16,
+        );
+    }
+}
+
+/// An ICMP error about the flow `s.flow` (its packet that travels the error's way) was
+/// translated to `s.src` -> `s.dst` (icmp.rs); `code` is the error's ICMP code. Its caller
+/// has asked `listening` (and read the code only then). The error's own addresses are not in
+/// the event: the flow's are what a user knows.
+#[inline(always)]
+pub fn tc_icmp(s: &Scratch, code: u8) {
+    emit_tc(
+        s,
+        Reason::IcmpError as u64 | TRANSLATED | ICMP | (code as u64) << 24 | (s.v.id as u64) << 32,
+    );
+}
+
+/// The sweep (gc.rs) is removing the dead flow whose FORWARD entry is `key` -> `v`: the
+/// flow as its client sent it, its backend and SNAT address and port, the low byte of its
+/// `ct_flags` (closed, reset, or idle past its timeout) in `how`.
+#[inline(never)]
+pub fn emit_swept(key: &CtKey, v: &CtValue, now: u64) {
+    let Some(mut entry) = reserve(now) else {
+        return;
+    };
+    let e = entry.as_mut_ptr();
+    // SAFETY: `e` is a reserved, writable event of the ring.
+    unsafe {
+        (*e).ts_ns = now;
+        (*e).cookie = 0;
+        (*e).reason = Reason::CtSwept as u32;
+        (*e).source = monitor_source::SWEEP;
+        (*e).how = (v.flags & 0xff) as u8;
+        (*e).id = v.id;
+        (*e).backend_id = 0;
+        (*e).ifindex = v.ifindex;
+        (*e).saddr = key.saddr;
+        (*e).sport_be = key.sport_be;
+        (*e).daddr = key.daddr;
+        (*e).dport_be = key.dport_be;
+        (*e).proto = key.proto;
+        (*e).icmp_type = 0;
+        (*e).icmp_code = 0;
+        if v.flags & ct_flags::SNAT != 0 {
+            (*e).nat_saddr = v.snat_addr;
+            (*e).nat_sport_be = v.snat_port_be;
+        } else {
+            (*e).nat_saddr = key.saddr;
+            (*e).nat_sport_be = key.sport_be;
+        }
+        (*e).nat_daddr = v.nat_addr;
+        (*e).nat_dport_be = v.nat_port_be;
+        zero_pad(&raw mut (*e)._pad0);
+    }
+    entry.submit(BPF_RB_NO_WAKEUP);
 }
 
 /// A known flow's packet translated by tc or XDP (`CtHit`, `Reply` and their XDP twins),
@@ -228,9 +310,9 @@ unsafe fn zero16(a: *mut [u8; 16]) {
 /// # Safety
 /// `a` is the `_pad0` of a reserved `MonitorEvent`.
 #[inline(always)]
-unsafe fn zero_pad(a: *mut [u8; 5]) {
+unsafe fn zero_pad(a: *mut [u8; 3]) {
     let b = a.cast::<u8>();
-    for i in 0..5 {
+    for i in 0..3 {
         // SAFETY: within the field.
         unsafe { core::ptr::write_volatile(b.add(i), 0) };
     }

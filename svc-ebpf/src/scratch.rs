@@ -69,6 +69,9 @@ pub struct Scratch {
     /// others would move their offsets, which has grown a frame of the external ingress past
     /// its stack before.
     pub snat_busy: u64,
+    /// A new flow's `svc_common::how` (random, affinity, maglev), for the monitor's event of
+    /// its first packet (`monitor::tc_new`); set with `new`. Last, as `snat_busy`.
+    pub how: u64,
 }
 
 #[btf_map]

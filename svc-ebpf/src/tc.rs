@@ -239,11 +239,11 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
     let ifindex = s.p.ifindex;
     match icmp::translate(ctx, s, hook.icmp_dirs, hook.pod, now()) {
         icmp::Translated::Dst => {
-            count(Reason::IcmpError, ifindex);
+            icmp_translated(ctx, s);
             OK
         }
         icmp::Translated::Src => {
-            count(Reason::IcmpError, ifindex);
+            icmp_translated(ctx, s);
             if !hook.routes {
                 return OK;
             }
@@ -251,7 +251,7 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
         }
         icmp::Translated::Back => {
             // From the frontend: straight back, as the hairpin flow's own packets go.
-            count(Reason::IcmpError, ifindex);
+            icmp_translated(ctx, s);
             fwd::bounce(ctx, ifindex)
         }
         icmp::Translated::Unparsed => {
@@ -263,6 +263,24 @@ fn icmp_error(ctx: &TcContext, s: &mut Scratch, hook: Hook) -> i32 {
             SHOT
         }
         icmp::Translated::NotOurs => OK,
+    }
+}
+
+/// Counts a translated ICMP error, and tells a listening monitor (with the error's code,
+/// read only then). A function of its own: `icmp_error` is on the external ingress's deepest
+/// chain, at the stack limit, and its frame must not grow; this one's is beside that chain's
+/// callees, not on top of them.
+#[inline(never)]
+fn icmp_translated(ctx: &TcContext, s: &Scratch) {
+    count(Reason::IcmpError, s.p.ifindex);
+    if monitor::listening() {
+        let mut code = [0u8; 1];
+        let code = if pkt::load(ctx, s.p.l4_off + 1, &mut code) {
+            code[0]
+        } else {
+            0
+        };
+        monitor::tc_icmp(s, code);
     }
 }
 
@@ -316,7 +334,7 @@ fn rewritten(ctx: &TcContext, s: &Scratch, reason: Reason, hop: bool) -> i32 {
     count(reason, s.p.ifindex);
     if reason as u32 == Reason::New as u32 {
         // The new flow's first packet, as it leaves: its backend, and its SNAT port if any.
-        monitor::tc(s, Reason::New, true, s.new.fwd.id);
+        monitor::tc_new(s);
         count_service(Reason::New, s.new.fwd.id);
     } else if reason as u32 == Reason::CtHit as u32 || reason as u32 == Reason::Reply as u32 {
         monitor::tc_known(s, reason);
@@ -650,7 +668,9 @@ pub(crate) fn ext_frontend<C: Ctx>(ctx: &C, s: &mut Scratch, node: u32, now: u64
     }
     let caller = ExtPacket { p, now };
     let mut d = lb::Decision::default();
-    match lb::decide_with(&key, svc, &caller, &mut d) {
+    let outcome = lb::decide_with(&key, svc, &caller, &mut d);
+    s.how = d.how as u64;
+    match outcome {
         lb::FOUND => {}
         Outcome::NoBackend => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
@@ -1044,6 +1064,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         port_be: d.backend.port_be,
     };
     new_flow(&mut s.new, p, &s.dst, svc.id, ct_flags::POD, now);
+    s.how = d.how as u64;
     if d.backend.addr != p.saddr {
         return Next::NewLocal;
     }

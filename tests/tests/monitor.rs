@@ -4,16 +4,22 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::{sa, web_service, web_slice, World, VIP};
-use serde_json::Value;
+use serde_json::{json, Value};
 use svc_agent::monitor::{monotonic_ns, Maps, LEASE};
-use svc_tests::{Service, ServicePort};
+use svc_tests::{
+    require_root,
+    topology::{Nodes, CLIENT, NODE1, POD1, POD2},
+    Agent, Bpffs, Manifests, NetNs, Service, ServicePort, TestCgroup, Tools,
+};
 
 /// A running `svc-agent monitor -o json`; killed when dropped.
 struct Monitor {
@@ -297,4 +303,424 @@ fn monitor_cost() {
             median(got.iter().map(|g| g.2).collect()),
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The packet datapath, from outside: the topology of `svc_tests::topology` (an external
+// client, node 1 whose `eth0` carries the tc programs, node 2, a pod on each), the agent in
+// node 1's namespace, the monitor beside it. The client's threads sit outside the agent's
+// cgroup: what they get is the tc programs' work.
+
+/// Runs `f` in a thread inside `ns` and returns what it returned.
+fn in_ns<T: Send + 'static>(ns: &NetNs, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = ns.path();
+    std::thread::spawn(move || {
+        let f0 = std::fs::File::open(&path).expect("the namespace's file");
+        // SAFETY: a valid fd of a namespace file; affects only this thread.
+        let r = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f0), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+/// Backends: on each pod, TCP 8080 answering the pod's name; UDP 5353 echoing the pod's name
+/// where `udp` says so (elsewhere nothing listens: the pod answers ICMP port unreachable).
+struct Pods {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Pods {
+    fn start(pods: &[(&NetNs, &'static str, &'static str, bool)]) -> Pods {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for &(ns, name, addr, udp) in pods {
+            let (tcp, dgram) = in_ns(ns, move || {
+                let t = TcpListener::bind((addr, 8080)).expect("binding TCP 8080");
+                t.set_nonblocking(true).unwrap();
+                let u = udp.then(|| {
+                    let u = UdpSocket::bind((addr, 5353)).expect("binding UDP 5353");
+                    u.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                    u
+                });
+                (t, u)
+            });
+            let s = stop.clone();
+            threads.push(std::thread::spawn(move || {
+                while !s.load(Ordering::Relaxed) {
+                    match tcp.accept() {
+                        Ok((mut c, _)) => {
+                            let _ = c.write_all(name.as_bytes());
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            }));
+            if let Some(u) = dgram {
+                let s = stop.clone();
+                threads.push(std::thread::spawn(move || {
+                    let mut buf = [0u8; 512];
+                    while !s.load(Ordering::Relaxed) {
+                        if let Ok((_, from)) = u.recv_from(&mut buf) {
+                            let _ = u.send_to(name.as_bytes(), from);
+                        }
+                    }
+                }));
+            }
+        }
+        Pods { stop, threads }
+    }
+}
+
+impl Drop for Pods {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A NodePort Service `demo/NAME` on `node_port` (http 80/TCP -> 8080, dns 53/UDP -> 5353,
+/// both on the NodePort), `extra` merged into its spec, and its IPv4 EndpointSlice of `pods`
+/// (address, node).
+fn nodeport(
+    m: &Manifests,
+    name: &str,
+    vip: u8,
+    node_port: u16,
+    extra: Value,
+    pods: &[(&str, &str)],
+) {
+    let mut spec = json!({
+        "type": "NodePort",
+        "clusterIP": format!("10.96.0.{vip}"),
+        "clusterIPs": [format!("10.96.0.{vip}")],
+        "ipFamilies": ["IPv4"],
+        "selector": {"app": name},
+        "ports": [
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": node_port},
+            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353, "nodePort": node_port},
+        ],
+    });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        spec[k] = v.clone();
+    }
+    let svc = json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": spec,
+    });
+    m.write_value(&format!("svc-demo-{name}.yaml"), &svc)
+        .expect("writing a Service");
+    let endpoints: Vec<Value> = pods
+        .iter()
+        .map(|(addr, node)| {
+            json!({
+                "addresses": [addr],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "nodeName": node,
+            })
+        })
+        .collect();
+    let slice = json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("{name}-ipv4"),
+            "namespace": "demo",
+            "labels": {"kubernetes.io/service-name": name},
+        },
+        "addressType": "IPv4",
+        "ports": [
+            {"name": "http", "port": 8080, "protocol": "TCP"},
+            {"name": "dns", "port": 5353, "protocol": "UDP"},
+        ],
+        "endpoints": endpoints,
+    });
+    m.write_value(&format!("eps-demo-{name}-ipv4.yaml"), &slice)
+        .expect("writing an EndpointSlice");
+}
+
+/// The topology, its backends and an agent on node 1's `eth0`. Fields drop in declaration
+/// order: the agent stops first, then its pins go, then the backends, the namespaces and the
+/// cgroup last.
+struct Outside {
+    _agent: Agent,
+    bpffs: Bpffs,
+    _pods: Pods,
+    _m: Manifests,
+    tools: Tools,
+    nodes: Nodes,
+    _cgroup: TestCgroup,
+}
+
+const LOCAL: (&str, &str) = (POD1, "node-1");
+const REMOTE: (&str, &str) = (POD2, "node-2");
+
+impl Outside {
+    /// Services written by `setup`; the agent run with `extra` flags.
+    fn start(extra: &[&str], setup: impl FnOnce(&Manifests)) -> Outside {
+        require_root();
+        let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
+        let cgroup = TestCgroup::new().expect("cgroup");
+        let nodes = Nodes::new().expect("building the topology");
+        let pods = Pods::start(&[
+            (&nodes.pod1, "pod1", POD1, true),
+            (&nodes.pod2, "pod2", POD2, false),
+        ]);
+        let m = Manifests::new().expect("manifests");
+        setup(&m);
+        let bpffs = Bpffs::new(&tools.agent, cgroup.path()).expect("bpffs");
+        let args: Vec<std::ffi::OsString> = [
+            "run",
+            "--manifests",
+            m.dir().to_str().unwrap(),
+            "--cgroup",
+            cgroup.path().to_str().unwrap(),
+            "--bpffs",
+            bpffs.path().to_str().unwrap(),
+            "--node-name",
+            "node-1",
+            "--devices",
+            "eth0",
+        ]
+        .iter()
+        .chain(extra)
+        .map(Into::into)
+        .collect();
+        let launcher: Vec<std::ffi::OsString> = vec![
+            "nsenter".into(),
+            format!("--net={}", nodes.node1.path().display()).into(),
+        ];
+        let mut agent =
+            Agent::start_launched(&launcher, &tools.agent, args, bpffs.path(), m.scratch())
+                .expect("starting the agent");
+        agent
+            .wait_ready(svc_tests::sandbox::AGENT_READY_TIMEOUT)
+            .expect("agent ready");
+        Outside {
+            _agent: agent,
+            bpffs,
+            _pods: pods,
+            _m: m,
+            tools,
+            nodes,
+            _cgroup: cgroup,
+        }
+    }
+
+    fn monitor(&self, args: &[&str]) -> Monitor {
+        let m = Monitor::start(&self.tools.agent, self.bpffs.path(), args);
+        wait_listening(self.bpffs.path());
+        m
+    }
+
+    /// A TCP connection from the client to `to` and the name of the pod that answered,
+    /// retried for a few seconds (a first ARP exchange may be slow); with the client's port.
+    fn connect(&self, to: SocketAddr) -> (u16, String) {
+        in_ns(&self.nodes.client, move || {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let got = TcpStream::connect_timeout(&to, Duration::from_secs(2)).and_then(|c| {
+                    c.set_read_timeout(Some(Duration::from_secs(3)))?;
+                    let port = c.local_addr()?.port();
+                    let mut name = String::new();
+                    (&c).read_to_string(&mut name)?;
+                    Ok((port, name))
+                });
+                match got {
+                    Ok(a) => return a,
+                    Err(e) if Instant::now() > deadline => panic!("connecting to {to}: {e}"),
+                    Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                }
+            }
+        })
+    }
+
+    /// One datagram from a connected UDP socket of the client to `to`, and what came back:
+    /// the answer, or the error its receive got (ECONNREFUSED: an ICMP port unreachable).
+    fn udp(&self, to: SocketAddr) -> (u16, std::io::Result<String>) {
+        in_ns(&self.nodes.client, move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.connect(to).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            let port = s.local_addr().unwrap().port();
+            let mut buf = [0u8; 512];
+            let got = s
+                .send(b"x")
+                .and_then(|_| s.recv(&mut buf))
+                .map(|n| String::from_utf8_lossy(&buf[..n]).into_owned());
+            (port, got)
+        })
+    }
+}
+
+fn of<'a>(lines: &'a [Value], reason: &str) -> Vec<&'a Value> {
+    lines.iter().filter(|l| l["reason"] == reason).collect()
+}
+
+/// sessionAffinity ClientIP for traffic from outside: the client's second connection to the
+/// NodePort is a new tc flow whose backend is the remembered one, and the monitor says so
+/// (`how: affinity`) beside the backend it reached; the first was chosen at random.
+/// `--service` shows that Service only.
+#[test]
+fn monitor_shows_tc_affinity_hits() {
+    let o = Outside::start(&[], |m| {
+        let affinity = json!({
+            "sessionAffinity": "ClientIP",
+            "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 600}},
+        });
+        nodeport(m, "sticky", 30, 30095, affinity, &[LOCAL, REMOTE]);
+        nodeport(m, "other", 31, 30096, json!({}), &[LOCAL]);
+    });
+    let to = sa(NODE1.parse::<std::net::Ipv4Addr>().unwrap(), 30095);
+    // A first connection before the monitor: the topology's first ARP exchanges.
+    let (_, first) = o.connect(to);
+    let mon = o.monitor(&["--service", "demo/sticky"]);
+    let other = sa(NODE1.parse::<std::net::Ipv4Addr>().unwrap(), 30096);
+    o.connect(other);
+    let (port, second) = o.connect(to);
+    assert_eq!(second, first, "affinity: the same pod");
+    let lines = mon.collect_until(|l| !of(l, "new").is_empty());
+    let new = of(&lines, "new");
+    assert_eq!(new.len(), 1, "{lines:#?}");
+    let n = new[0];
+    let client = format!("{CLIENT}:{port}");
+    let backend = format!("{}:8080", if second == "pod1" { POD1 } else { POD2 });
+    assert_eq!(
+        (
+            &n["source"],
+            &n["verdict"],
+            &n["service"],
+            &n["client"],
+            &n["dst"],
+            &n["to"],
+            &n["how"]
+        ),
+        (
+            &json!("tc"),
+            &json!("translated"),
+            &json!("demo/sticky:http"),
+            &json!(client),
+            &json!(to.to_string()),
+            &json!(backend),
+            &json!("affinity")
+        ),
+        "{n:#}"
+    );
+    assert!(
+        lines.iter().all(|l| l["service"] == "demo/sticky:http"),
+        "--service shows that Service only: {lines:#?}"
+    );
+}
+
+/// An ICMP error about a flow from outside, translated: a remote backend that does not listen
+/// on the UDP port answers the client's datagram with port unreachable, which comes back to
+/// node 1 addressed to the flow's SNAT address and leaves towards the client from the
+/// NodePort. The client's connected socket is refused, and the monitor shows the error, what
+/// it says, and the flow it was about as translated; `--dst` the NodePort selects it.
+#[test]
+fn monitor_shows_icmp_errors_translated() {
+    let o = Outside::start(&[], |m| {
+        nodeport(m, "silent", 32, 30097, json!({}), &[REMOTE]);
+    });
+    let node1 = NODE1.parse::<std::net::Ipv4Addr>().unwrap();
+    let to = sa(node1, 30097);
+    // The topology's first ARP exchanges, before the monitor: a TCP connection (pod 2 serves
+    // TCP).
+    o.connect(to);
+    // `--dst` the NodePort: the error is shown coming from it.
+    let mon = o.monitor(&["--dst", &to.to_string()]);
+    let (port, got) = o.udp(to);
+    let refused = matches!(&got, Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED));
+    assert!(
+        refused,
+        "the backend's port unreachable reached the client: {got:?}"
+    );
+    let lines = mon.collect_until(|l| !of(l, "icmp_error").is_empty());
+    let errors = of(&lines, "icmp_error");
+    assert_eq!(errors.len(), 1, "{lines:#?}");
+    let e = errors[0];
+    assert_eq!(
+        (
+            &e["source"],
+            &e["verdict"],
+            &e["service"],
+            &e["protocol"],
+            &e["icmp"]
+        ),
+        (
+            &json!("tc"),
+            &json!("translated"),
+            &json!("demo/silent:dns"),
+            &json!("udp"),
+            &json!("port unreachable")
+        ),
+        "{e:#}"
+    );
+    // The flow's packet the error travels with: from the backend, to the client from the
+    // NodePort once translated.
+    assert_eq!(e["client"], json!(format!("{POD2}:5353")), "{e:#}");
+    assert_eq!(e["to"], json!(format!("{CLIENT}:{port}")), "{e:#}");
+    assert_eq!(e["snat"], json!(to.to_string()), "{e:#}");
+    assert_eq!(
+        of(&lines, "new").len(),
+        1,
+        "the flow's own start: {lines:#?}"
+    );
+}
+
+/// A UDP flow from outside that goes quiet expires (`--conntrack-udp-timeout=1s`), and the
+/// sweep that removes it (every second here) shows it to the monitor: as its client sent it,
+/// with its backend, idle. `--dst` (the NodePort) selects it.
+#[test]
+fn monitor_shows_flows_swept() {
+    let o = Outside::start(
+        &[
+            "--conntrack-udp-timeout=1s",
+            "--conntrack-udp-timeout-stream=1s",
+            "--conntrack-sweep-interval=1s",
+        ],
+        |m| {
+            nodeport(m, "echo", 33, 30098, json!({}), &[LOCAL]);
+        },
+    );
+    let to = sa(NODE1.parse::<std::net::Ipv4Addr>().unwrap(), 30098);
+    o.connect(to);
+    let mon = o.monitor(&["--dst", &to.to_string()]);
+    let (port, got) = o.udp(to);
+    assert_eq!(got.expect("an answer"), "pod1");
+    let client = json!(format!("{CLIENT}:{port}"));
+    let lines = mon.collect_until(|l| of(l, "ct_swept").iter().any(|s| s["client"] == client));
+    let swept: Vec<_> = of(&lines, "ct_swept")
+        .into_iter()
+        .filter(|s| s["client"] == client)
+        .collect();
+    assert_eq!(swept.len(), 1, "{lines:#?}");
+    let s = swept[0];
+    assert_eq!(
+        (
+            &s["source"],
+            &s["verdict"],
+            &s["service"],
+            &s["protocol"],
+            &s["dst"],
+            &s["to"],
+            &s["flow"]
+        ),
+        (
+            &json!("sweep"),
+            &json!("swept"),
+            &json!("demo/echo:dns"),
+            &json!("udp"),
+            &json!(to.to_string()),
+            &json!(format!("{POD1}:5353")),
+            &json!("idle")
+        ),
+        "{s:#}"
+    );
 }
