@@ -919,9 +919,8 @@ impl Metrics {
 
     /// serviceProxyHealthy of Service `owner`'s health check node port: the proxy keeps up and
     /// its datapath is attached whole, the node's addresses are programmed, and this Service
-    /// is. Another Service that
-    /// cannot be programmed does not count: every node fails it alike, and /healthz's rule
-    /// would have every load balancer drain every node of every Service.
+    /// is. Another Service that cannot be programmed does not count, as on /healthz: every
+    /// node fails it alike, and counting it would have load balancers drain every node.
     pub fn service_healthy(&self, owner: &str) -> bool {
         let i = self.lock();
         let keeps_up = i
@@ -1476,6 +1475,33 @@ mod tests {
                     _ => f64::NAN,
                 })
         };
+        // Counters parse as counters, gauges as gauges.
+        let kind = |name: &str| {
+            scrape
+                .samples
+                .iter()
+                .find(|s| s.metric == name)
+                .map(|s| std::mem::discriminant(&s.value))
+        };
+        let (counter, gauge) = (
+            std::mem::discriminant(&prometheus_parse::Value::Counter(0.0)),
+            std::mem::discriminant(&prometheus_parse::Value::Gauge(0.0)),
+        );
+        for name in [
+            "kubeproxy_proxy_healthz_total",
+            "kubeproxy_proxy_livez_total",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "process_cpu_seconds_total",
+        ] {
+            assert_eq!(kind(name), Some(counter), "{name} as a counter:\n{text}");
+        }
+        for name in [
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "process_resident_memory_bytes",
+            "process_start_time_seconds",
+        ] {
+            assert_eq!(kind(name), Some(gauge), "{name} as a gauge:\n{text}");
+        }
         assert_eq!(
             value("kubeproxy_proxy_healthz_total", Some(("code", "200"))),
             Some(2.0),

@@ -337,7 +337,14 @@ fn decision(e: &MonitorEvent, service: Option<String>, wall_offset: i128) -> Dec
     // Where `how` holds a known flow's `ct_flags` rather than a choice.
     let flags_in_how = matches!(
         reason,
-        Some(Reason::CtHit | Reason::Reply | Reason::XdpCtHit | Reason::XdpReply)
+        Some(
+            Reason::CtHit
+                | Reason::Reply
+                | Reason::XdpCtHit
+                | Reason::XdpReply
+                | Reason::XdpRedirect
+                | Reason::XdpRedirectReply
+        )
     );
     let swept = reason == Some(Reason::CtSwept);
     let client = tc.then(|| addr(e.saddr, e.sport_be));
@@ -686,6 +693,11 @@ mod tests {
         let closed = (svc_common::ct_flags::FIN
             | svc_common::ct_flags::FIN_FORWARD
             | svc_common::ct_flags::FIN_REPLY) as u8;
+        // A known flow's packet redirected at XDP carries the flow's flags, not a choice.
+        for redirected in [Reason::XdpRedirect, Reason::XdpRedirectReply] {
+            let d = super::decision(&tc_event(redirected, monitor_source::TC, closed), name(), 0);
+            assert_eq!((d.how, d.flow), (None, Some("closed")), "{redirected:?}");
+        }
         let d = super::decision(
             &tc_event(Reason::CtSwept, monitor_source::SWEEP, closed),
             name(),

@@ -2219,12 +2219,18 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
     }
     cp.dry_run_server_side(&yaml)
         .context("dry run of the modes' render")?;
+    // A values file as an operator writes it: YAML 1.1 reads an unquoted off as false.
+    let values = helm.home.path().join("values.yaml");
+    std::fs::write(&values, "xdpMode: off\n")?;
+    let values = values.display().to_string();
     let floats = helm.run(&[
         "template",
         "svc",
         helm.chart,
         "--namespace",
         "kube-system",
+        "-f",
+        &values,
         "--set-json",
         "maps.maxCt=1048576",
         "--set-json",
@@ -2236,6 +2242,21 @@ fn helm_chart(cp: &ControlPlane, name: &str) -> Result<()> {
             "{want} not rendered from a JSON number:\n{floats}"
         );
     }
+    ensure!(
+        !floats.contains("--xdp-mode"),
+        "an unquoted `xdpMode: off` rendered an XDP mode:\n{floats}"
+    );
+    let too_big = helm.run(&[
+        "template",
+        "svc",
+        helm.chart,
+        "--set-json",
+        "maglev.seed=18446744073709551615",
+    ]);
+    ensure!(
+        too_big.is_err_and(|e| e.to_string().contains("quote it")),
+        "a seed Helm cannot hold exactly was rendered"
+    );
 
     // Least privilege: no hostPID, and the capabilities that serve without it.
     let (yaml, rendered) = helm.template(&["closeStaleUdpSockets=false"])?;

@@ -381,7 +381,7 @@ fn an_agent_waiting_for_an_unreachable_api_server_does_not_spin() {
         used < wall / 4,
         "the waiting agent used {used:?} of CPU in {wall:?}"
     );
-    // Four watches failing on their own backoff: one clear line with the address and the OS
+    // Three watches failing on their own backoff: one clear line with the address and the OS
     // error, then at most one every 10 s (the issue: "not five a second each logged twice").
     let running = started.elapsed();
     let log = agent.log();

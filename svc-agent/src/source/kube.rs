@@ -1129,7 +1129,7 @@ fn expression_holds(
 mod tests {
     use super::*;
 
-    /// An unreachable API server: four watches failing on their own backoff give one line at
+    /// An unreachable API server: three watches failing on their own backoff give one line at
     /// once, then at most one per FAILURE_LOG_EVERY, with the number not logged.
     #[test]
     fn watch_failures_are_one_line_per_interval() {

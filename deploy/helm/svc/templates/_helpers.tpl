@@ -52,7 +52,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - --{{ $flag }}={{ include "svc.int" $value }}
 {{- end }}
 {{- end }}
-{{- if ne .Values.xdpMode "off" }}
+{{- /* An unquoted off in a values file is YAML's false. */}}
+{{- if not (has (toString .Values.xdpMode) (list "off" "false")) }}
 - --xdp-mode={{ .Values.xdpMode }}
 {{- end }}
 {{- if ne .Values.tcAttach "auto" }}
@@ -90,5 +91,7 @@ A number as its digits: a values file's numbers are floats to Helm, which prints
 1048576 as 1.048576e+06. Strings (a seed in 0x hex) are kept as written.
 */}}
 {{- define "svc.int" -}}
-{{- if kindIs "string" . -}}{{ . }}{{- else if kindIs "float64" . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else if kindIs "float64" . -}}
+{{- if gt . 9007199254740992.0 -}}{{ fail (printf "%v is too large for a number in a values file (a float to Helm): quote it" .) }}{{- end -}}
+{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
