@@ -161,7 +161,7 @@ impl Programmed {
                     // Alone, after the Services taken before it.
                     Admitted::Refused(service) => {
                         let full = std::mem::take(&mut chunk.members);
-                        queue.push_front((service, false));
+                        queue.push_front((*service, false));
                         let redo =
                             self.execute_chunk(&mut w, full, now, &mut unreferenced, &mut report);
                         for s in redo.into_iter().rev() {
@@ -702,7 +702,7 @@ enum Admitted {
     /// Nothing to write for it.
     Nothing,
     /// It goes alone (after the chunk is written).
-    Refused(ServicePlan),
+    Refused(Box<ServicePlan>),
 }
 
 impl Chunk {
@@ -728,7 +728,7 @@ impl Chunk {
         let Ok(unit) =
             plan::plan_unit(p, &mut self.earlier, &service.owner, upserts, &service.gone)
         else {
-            return Admitted::Refused(service);
+            return Admitted::Refused(Box::new(service));
         };
         if unit.is_empty() && unit.roomless.is_empty() && unit.settled.is_empty() {
             return Admitted::Nothing;
@@ -743,7 +743,7 @@ impl Chunk {
         let mut needs = unit.needs;
         needs.backends += unit.new_backends.len() as u64;
         if !adds_only || self.usage.overflow(&needs, &p.capacity, reserved).is_some() {
-            return Admitted::Refused(service);
+            return Admitted::Refused(Box::new(service));
         }
         self.usage.add(&needs);
         self.members.push((service, unit));
