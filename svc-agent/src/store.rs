@@ -157,6 +157,18 @@ pub struct Snapshot {
 pub trait Store {
     /// Writes one op. `Ok(false)`: a delete found nothing to delete, which is what it wanted.
     fn apply(&mut self, op: &Op) -> Result<bool>;
+    /// Writes `ops` in their order, as `apply` one after the other would, and stops at the
+    /// first that fails: how many (the first ones) were written, and that one's error. A
+    /// store may write a run of puts into one map in one call (`BpfStore`:
+    /// BPF_MAP_UPDATE_BATCH); what lands is the same.
+    fn apply_batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
+        for (i, op) in ops.iter().enumerate() {
+            if let Err(e) = self.apply(op) {
+                return (i, Err(e));
+            }
+        }
+        (ops.len(), Ok(()))
+    }
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
     /// What a walk of the live flows of the packet datapath finds; `config` gives the
@@ -299,6 +311,9 @@ pub struct BpfStore {
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
     /// once instead of pausing each of them.
     pub enomem_until: Option<std::time::Instant>,
+    /// Whether `apply_batch` writes runs of puts with BPF_MAP_UPDATE_BATCH: until the kernel
+    /// refuses it (a kernel before 5.6), then one element per call.
+    pub batch_writes: bool,
 }
 
 /// The `NODE_ADDRS` keys a store has written and how many share each bit of the filter
@@ -629,7 +644,182 @@ fn retry_enomem(
     write()
 }
 
+/// Whether `op` is a put `BpfStore::apply_batch` writes in batches: the maps a first sync
+/// fills, one entry or more per backend and per frontend.
+fn batch_map(op: &Op) -> Option<&'static str> {
+    matches!(
+        op,
+        Op::PutService(..)
+            | Op::PutSlot(..)
+            | Op::PutBackend(..)
+            | Op::PutRevNat(..)
+            | Op::PutName(..)
+    )
+    .then(|| op.map())
+}
+
+/// The keys and values of a run of puts of one kind (`pick` takes them from each).
+fn unzip<K, V>(run: &[Op], pick: impl Fn(&Op) -> Option<(K, V)>) -> (Vec<K>, Vec<V>) {
+    run.iter().filter_map(pick).unzip()
+}
+
+/// Writes `keys` -> `values` into the hash map `fd` in batches, from the first on, trying an
+/// element that fails with ENOMEM again as `retry_enomem` does (`enomem_until` as in
+/// `Store::apply`). How many landed, and the error that stopped it.
+fn put_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
+    fd: std::os::fd::BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+    enomem_until: &mut Option<std::time::Instant>,
+) -> (usize, std::io::Result<()>) {
+    let now = std::time::Instant::now();
+    let tries = match *enomem_until {
+        Some(t) if now < t => 1,
+        _ => ENOMEM_TRIES,
+    };
+    let (mut done, mut left, mut pause) = (0, tries, ENOMEM_PAUSE);
+    loop {
+        let (n, r) = crate::sys::update_batch(fd, &keys[done..], &values[done..], 0);
+        done += n;
+        match r {
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                if n > 0 {
+                    (left, pause) = (tries, ENOMEM_PAUSE);
+                }
+                left -= 1;
+                if left == 0 {
+                    *enomem_until = Some(std::time::Instant::now() + ENOMEM_FAIL_FAST);
+                    return (done, Err(e));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            r => return (done, r),
+        }
+    }
+}
+
+impl BpfStore {
+    /// Writes `run`, puts into one map (`batch_map`), in one batch: how many landed, and the
+    /// error of the one that did not (the kernel's refusal of the batch call itself included).
+    fn put_run(&mut self, run: &[Op]) -> (usize, std::io::Result<()>) {
+        let until = &mut self.enomem_until;
+        match &run[0] {
+            Op::PutService(..) => {
+                let (k, v) = unzip(run, |op| match op {
+                    Op::PutService(k, v) => Some((*k, *v)),
+                    _ => None,
+                });
+                put_batch(self.services.map().fd().as_fd(), &k, &v, until)
+            }
+            Op::PutSlot(..) => {
+                let (k, v) = unzip(run, |op| match op {
+                    Op::PutSlot(k, v) => Some((*k, *v)),
+                    _ => None,
+                });
+                put_batch(self.slots.map().fd().as_fd(), &k, &v, until)
+            }
+            Op::PutBackend(..) => {
+                let (k, v) = unzip(run, |op| match op {
+                    Op::PutBackend(k, v) => Some((*k, *v)),
+                    _ => None,
+                });
+                put_batch(self.backends.map().fd().as_fd(), &k, &v, until)
+            }
+            Op::PutRevNat(..) => {
+                let (k, v) = unzip(run, |op| match op {
+                    Op::PutRevNat(k, v) => Some((*k, *v)),
+                    _ => None,
+                });
+                put_batch(self.rev_nat.map().fd().as_fd(), &k, &v, until)
+            }
+            Op::PutName(..) => {
+                let (k, v) = unzip(run, |op| match op {
+                    Op::PutName(k, v) => Some((*k, *v)),
+                    _ => None,
+                });
+                let (n, r) = put_batch(self.names.map().fd().as_fd(), &k, &v, until);
+                // As `write` does after each name: the counters never fail the Service.
+                for id in &k[..n] {
+                    if let Err(e) = self.create_service_stats(*id) {
+                        tracing::warn!(frontend = id, error = %e,
+                            "no per-Service counters for this frontend yet: the reconcile makes them");
+                    }
+                }
+                (n, r)
+            }
+            op => unreachable!("a run of {} is not batched", op.map()),
+        }
+    }
+
+    /// A batch's error as `apply` says it for the map.
+    fn batch_err(&self, map: &'static str, e: std::io::Error) -> Error {
+        if e.raw_os_error() == Some(libc::E2BIG) {
+            return Error::MapFull {
+                map,
+                capacity: self.capacity.of(map).unwrap_or(0),
+                object: String::new(),
+            };
+        }
+        map_err(
+            map,
+            MapError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_map_update_batch",
+                io_error: e,
+            }),
+        )
+    }
+}
+
 impl Store for BpfStore {
+    /// Runs of puts into the maps a first sync fills (`batch_map`) go in one syscall each;
+    /// anything else, one op per call as `apply`. The kernel writes a batch element by element
+    /// and says how many landed, so a failure stops exactly where one op at a time would.
+    fn apply_batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
+        let mut done = 0;
+        while done < ops.len() {
+            let rest = &ops[done..];
+            let map = batch_map(&rest[0]);
+            let run = match map {
+                Some(m) if self.batch_writes => rest
+                    .iter()
+                    .take_while(|op| batch_map(op) == Some(m))
+                    .count(),
+                _ => 1,
+            };
+            if run == 1 {
+                match self.apply(&rest[0]) {
+                    Ok(_) => done += 1,
+                    Err(e) => return (done, Err(e)),
+                }
+                continue;
+            }
+            let map = map.expect("a run is of one batched map");
+            let (n, r) = self.put_run(&rest[..run]);
+            done += n;
+            match r {
+                Ok(()) => {}
+                // A kernel without batch updates for hash maps refuses the call before the
+                // first element: one element per call from here on.
+                Err(e)
+                    if n == 0
+                        && matches!(
+                            e.raw_os_error(),
+                            Some(libc::EINVAL)
+                                | Some(crate::sys::ENOTSUPP)
+                                | Some(libc::EOPNOTSUPP)
+                        ) =>
+                {
+                    tracing::info!(map, error = %e,
+                        "the kernel refuses batched map updates: writing one entry per call");
+                    self.batch_writes = false;
+                }
+                Err(e) => return (done, Err(self.batch_err(map, e))),
+            }
+        }
+        (done, Ok(()))
+    }
+
     fn apply(&mut self, op: &Op) -> Result<bool> {
         let map = op.map();
         let now = std::time::Instant::now();

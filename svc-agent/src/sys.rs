@@ -367,6 +367,46 @@ pub fn update_array<V: bytemuck::Pod>(
     bpf(BPF_MAP_UPDATE_BATCH, &mut attr).map(|_| ())
 }
 
+/// Writes `keys[i]` -> `values[i]` into a map, in order, in one syscall
+/// (BPF_MAP_UPDATE_BATCH; aya 0.14 has no call for it), with `flags` for every element. The
+/// kernel writes element by element and stops at the first that fails: the count returned
+/// is how many (the first ones) landed, the error the failing element's. A kernel or map type
+/// without batch updates fails before the first element (EINVAL, ENOTSUPP).
+pub fn update_batch<K: bytemuck::Pod, V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+    flags: u64,
+) -> (usize, io::Result<()>) {
+    assert_eq!(keys.len(), values.len(), "one value per key");
+    if keys.is_empty() {
+        return (0, Ok(()));
+    }
+    let mut attr = Attr::zeroed();
+    // struct { __aligned_u64 in_batch, out_batch, keys, values; __u32 count, map_fd;
+    //          __u64 elem_flags, flags; } batch;
+    attr.put_u64(16, keys.as_ptr() as u64);
+    attr.put_u64(24, values.as_ptr() as u64);
+    attr.put_u32(32, keys.len() as u32);
+    attr.put_u32(36, map.as_raw_fd() as u32);
+    attr.put_u64(40, flags);
+    let r = bpf(BPF_MAP_UPDATE_BATCH, &mut attr);
+    match r {
+        Ok(_) => (keys.len(), Ok(())),
+        Err(e) => {
+            // On an element's failure the kernel writes back how many came before it, always
+            // fewer than passed; a call refused before the first element leaves the count as
+            // passed: then none landed.
+            let count = u32::from_ne_bytes(attr.0[32..36].try_into().expect("4 bytes")) as usize;
+            (if count < keys.len() { count } else { 0 }, Err(e))
+        }
+    }
+}
+
+/// The kernel's internal "operation not supported" (not in libc): what a map type without
+/// a batch operation answers.
+pub const ENOTSUPP: i32 = 524;
+
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// The filesystem type (statfs f_type) `path` lies on.
@@ -619,4 +659,64 @@ pub fn prog_holders(prog_id: u32) -> Vec<(u32, Option<std::path::PathBuf>)> {
         out.push((pid, dir));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    const BPF_F_NO_PREALLOC: u32 = 1;
+
+    fn entries(map: BorrowedFd<'_>) -> Vec<(u32, u32)> {
+        let mut e: Vec<(u32, u32)> = dump_hash(map).unwrap();
+        e.sort_unstable();
+        e
+    }
+
+    /// A batch that overflows the map stops at the first element that does not fit: exactly
+    /// the ones before it are written, and the count says so.
+    #[test]
+    fn a_batch_stops_at_the_first_element_that_fails_and_says_how_many_landed() {
+        let map = map_create(BPF_MAP_TYPE_HASH, 4, 4, 4, BPF_F_NO_PREALLOC, "test_batch").unwrap();
+        let keys: Vec<u32> = (1..=6).collect();
+        let values: Vec<u32> = keys.iter().map(|k| k * 10).collect();
+        let (landed, r) = update_batch(map.as_fd(), &keys, &values, 0);
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::E2BIG));
+        assert_eq!(landed, 4);
+        assert_eq!(
+            entries(map.as_fd()),
+            vec![(1, 10), (2, 20), (3, 30), (4, 40)]
+        );
+
+        // Replacing what is there fits, and all of it lands.
+        let values: Vec<u32> = keys[..4].iter().map(|k| k * 100).collect();
+        let (landed, r) = update_batch(map.as_fd(), &keys[..4], &values, 0);
+        r.unwrap();
+        assert_eq!(landed, 4);
+        assert_eq!(entries(map.as_fd())[3], (4, 400));
+
+        // An element refused in the middle: the ones before it land, the ones after it are
+        // not tried.
+        let (landed, r) = update_batch(map.as_fd(), &[1u32, 2, 5, 3], &[7u32, 7, 7, 7], 0);
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::E2BIG));
+        assert_eq!(landed, 2);
+        assert_eq!(
+            entries(map.as_fd()),
+            vec![(1, 7), (2, 7), (3, 300), (4, 400)]
+        );
+    }
+
+    /// A call the kernel refuses before the first element (here: element flags a batch may
+    /// not carry, as a kernel without batch updates refuses them all) lands nothing, though
+    /// the count it leaves is the one passed.
+    #[test]
+    fn a_batch_refused_before_the_first_element_lands_nothing() {
+        let map = map_create(BPF_MAP_TYPE_HASH, 4, 4, 16, BPF_F_NO_PREALLOC, "test_batch").unwrap();
+        let (landed, r) = update_batch(map.as_fd(), &[1u32, 2], &[1u32, 2], 1 << 10);
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(landed, 0);
+        assert!(entries(map.as_fd()).is_empty());
+    }
 }

@@ -519,6 +519,7 @@ fn build_store(
             .and_then(|m| PerCpuHashMap::try_from(m).ok()),
         capacity,
         enomem_until: None,
+        batch_writes: true,
     })
 }
 

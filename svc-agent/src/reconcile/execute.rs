@@ -1,16 +1,16 @@
 //! The executor: writes a [`Plan`] in its order, records each write in the mirror, undoes a
 //! Service whose writes fail, and says what failed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use svc_common::{node_addr_flags, BackendId, DatapathConfig};
+use svc_common::{node_addr_flags, BackendId, DatapathConfig, SlotKey};
 use tracing::{debug, warn};
 
 use super::plan::{self, NodePlan, Plan, Planned, ServicePlan, UnitPlan};
 use super::{
     addrs, ip_from16, marker_key, marker_value, name_object, snat_range_frontends, BackendKey,
-    Programmed, Retire, Scope, Strays, SyncReport, Writer,
+    Programmed, Retire, Scope, Strays, SyncReport, TableRef, Usage, Writer,
 };
 use crate::error::{Error, Result};
 use crate::model::{DesiredFrontend, DesiredState, NodeDesired};
@@ -91,16 +91,29 @@ impl Programmed {
         // Whether the maps are as the plans of the Services still to come expect them.
         // An outline's Services are planned here, each against the maps as they are.
         let mut as_planned = !plan.outline;
-        for service in plan.services {
+        // An outline's Services go in chunks whose writes are batched (`Chunk`); a Service
+        // the chunk does not take, or one of a chunk whose batch failed, goes alone.
+        let mut queue: VecDeque<(ServicePlan, bool)> = (plan.services.into_iter())
+            .map(|s| (s, plan.outline))
+            .collect();
+        let mut chunk = Chunk::new(self);
+        loop {
+            let Some((service, batched)) = queue.pop_front() else {
+                if chunk.members.is_empty() {
+                    break;
+                }
+                let full = std::mem::take(&mut chunk.members);
+                for s in self.execute_chunk(&mut w, full, now, &mut unreferenced, &mut report) {
+                    queue.push_back((s, false));
+                }
+                continue;
+            };
             let covered = service.covered();
             let upserts: Vec<&DesiredFrontend> = service
                 .upserts
                 .iter()
                 .filter_map(|fe| desired.frontends.get(fe))
                 .collect();
-            let ServicePlan {
-                owner, gone, plan, ..
-            } = service;
             // Only a frontend not yet programmed is held back (with its whole Service): one
             // already programmed is unreachable from outside either way, and its Service's
             // other changes go on; the Service still fails, so the mark is retried.
@@ -127,6 +140,40 @@ impl Programmed {
                     snat_range_frontends(&c, new.filter(|f| !self.frontends.contains_key(f)))
                 })
             });
+            if batched && held.is_none() && range_held.is_none() && retried.is_none() {
+                // Planned against the mirror as it is when its first member is taken: Services
+                // written alone or in a chunk before have changed it.
+                if chunk.members.is_empty() {
+                    chunk = Chunk::new(self);
+                }
+                match chunk.admit(self, service, &upserts, reserved) {
+                    Admitted::Taken if chunk.members.len() < CHUNK => continue,
+                    Admitted::Taken => {
+                        let full = std::mem::take(&mut chunk.members);
+                        let redo =
+                            self.execute_chunk(&mut w, full, now, &mut unreferenced, &mut report);
+                        for s in redo.into_iter().rev() {
+                            queue.push_front((s, false));
+                        }
+                        continue;
+                    }
+                    Admitted::Nothing => continue,
+                    // Alone, after the Services taken before it.
+                    Admitted::Refused(service) => {
+                        let full = std::mem::take(&mut chunk.members);
+                        queue.push_front((*service, false));
+                        let redo =
+                            self.execute_chunk(&mut w, full, now, &mut unreferenced, &mut report);
+                        for s in redo.into_iter().rev() {
+                            queue.push_front((s, false));
+                        }
+                        continue;
+                    }
+                }
+            }
+            let ServicePlan {
+                owner, gone, plan, ..
+            } = service;
             let result = match (held, range_held) {
                 (Some((a, why)), _) => Err(not_marked(a, why, "left as it was")),
                 (None, Some(why)) => Err(Error::map(
@@ -366,57 +413,11 @@ impl Programmed {
         }
 
         // Before any master entry names them, prepared entries can go at once; after, a
-        // reader may hold a master entry that names them, so they are retired. Membership
-        // entries go at once either way: without one a reader only chooses again.
-        // The tables' regions: no reader reached them, they go at once with their index
-        // entries (unless the entry is a current generation's, put back by the switch's undo).
-        let undo_prepare =
-            |p: &mut Programmed, w: &mut Writer<'_, S>, done: &[(Op, Option<Op>)]| {
-                for (_, undo) in done.iter().rev() {
-                    if let Some(undo) = undo {
-                        w.try_op(undo);
-                    }
-                }
-                for (key, t) in &plan.tables {
-                    if !p.maglev.live.contains_key(&(key.id, key.rev)) {
-                        w.try_op(&Op::DelMaglevIndex(*key));
-                    }
-                    p.maglev.regions.free(t.start, t.blocks());
-                }
-            };
-        let retire_prepared = |p: &mut Programmed, w: &mut Writer<'_, S>| {
-            for (op, undo) in &plan.prepare {
-                match undo {
-                    Some(undo @ Op::DelMatch(k)) if !w.try_op(undo) => {
-                        p.usage.matches += 1;
-                        p.strays.matches.push(*k);
-                    }
-                    Some(Op::DelMatch(_)) => {}
-                    Some(undo @ Op::DelRange(k)) if !w.try_op(undo) => {
-                        p.usage.ranges += 1;
-                        p.strays.ranges.push(*k);
-                    }
-                    Some(Op::DelRange(_)) => {}
-                    Some(undo) => {
-                        p.usage.inc_by(op.map(), 1);
-                        p.retiring.push(now + p.grace, Retire::Del(undo.clone()));
-                    }
-                    None => {}
-                }
-            }
-            for (key, t) in &plan.tables {
-                p.retiring.push(
-                    now + p.grace,
-                    Retire::Table {
-                        key: *key,
-                        table: *t,
-                    },
-                );
-            }
-        };
+        // reader may hold a master entry that names them, so they are retired
+        // (`undo_prepare`, `retire_prepared`).
         for (i, (op, _)) in plan.prepare.iter().enumerate() {
             if let Err(e) = w.op(op) {
-                undo_prepare(self, w, &plan.prepare[..i]);
+                self.undo_prepare(w, &plan.prepare[..i], &plan.tables);
                 return Err(e);
             }
         }
@@ -428,9 +429,9 @@ impl Programmed {
                     }
                 }
                 if i == 0 {
-                    undo_prepare(self, w, &plan.prepare);
+                    self.undo_prepare(w, &plan.prepare, &plan.tables);
                 } else {
-                    retire_prepared(self, w);
+                    self.retire_prepared(w, &plan.prepare, &plan.tables, now);
                 }
                 return Err(e);
             }
@@ -446,14 +447,26 @@ impl Programmed {
                     }
                 }
                 if i == 0 && plan.add.is_empty() {
-                    undo_prepare(self, w, &plan.prepare);
+                    self.undo_prepare(w, &plan.prepare, &plan.tables);
                 } else {
-                    retire_prepared(self, w);
+                    self.retire_prepared(w, &plan.prepare, &plan.tables, now);
                 }
                 return Err(e);
             }
         }
 
+        Ok(self.commit_unit(w, plan, now, unreferenced))
+    }
+
+    /// The mirror after `plan`'s writes all landed (its master entries last), and what
+    /// follows its switch. Returns the frontends written and removed.
+    fn commit_unit<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        plan: UnitPlan,
+        now: Instant,
+        unreferenced: &mut Vec<BackendId>,
+    ) -> (usize, usize) {
         // Committed: the mirror follows the maps.
         self.usage.add(&plan.needs);
         self.usage.sub(&plan.frees);
@@ -528,7 +541,70 @@ impl Programmed {
             }
         }
         debug!(owner = %plan.owner, written, removed, "service synced");
-        Ok((written, removed))
+        (written, removed)
+    }
+
+    /// Undoes `prepare` (or what of it was written) before any master entry named it: gone at
+    /// once, with the index entries and regions of `tables` (unless an entry is a current
+    /// generation's, put back by the switch's undo).
+    fn undo_prepare<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        prepare: &[(Op, Option<Op>)],
+        tables: &[(SlotKey, TableRef)],
+    ) {
+        for (_, undo) in prepare.iter().rev() {
+            if let Some(undo) = undo {
+                w.try_op(undo);
+            }
+        }
+        for (key, t) in tables {
+            if !self.maglev.live.contains_key(&(key.id, key.rev)) {
+                w.try_op(&Op::DelMaglevIndex(*key));
+            }
+            self.maglev.regions.free(t.start, t.blocks());
+        }
+    }
+
+    /// Retires `prepare` and `tables` after a master entry named them for a moment: a reader
+    /// may hold it. Membership entries and ranges go at once (without one a reader only
+    /// chooses again); what fails to go is a stray.
+    fn retire_prepared<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        prepare: &[(Op, Option<Op>)],
+        tables: &[(SlotKey, TableRef)],
+        now: Instant,
+    ) {
+        for (op, undo) in prepare {
+            match undo {
+                Some(undo @ Op::DelMatch(k)) if !w.try_op(undo) => {
+                    self.usage.matches += 1;
+                    self.strays.matches.push(*k);
+                }
+                Some(Op::DelMatch(_)) => {}
+                Some(undo @ Op::DelRange(k)) if !w.try_op(undo) => {
+                    self.usage.ranges += 1;
+                    self.strays.ranges.push(*k);
+                }
+                Some(Op::DelRange(_)) => {}
+                Some(undo) => {
+                    self.usage.inc_by(op.map(), 1);
+                    self.retiring
+                        .push(now + self.grace, Retire::Del(undo.clone()));
+                }
+                None => {}
+            }
+        }
+        for (key, t) in tables {
+            self.retiring.push(
+                now + self.grace,
+                Retire::Table {
+                    key: *key,
+                    table: *t,
+                },
+            );
+        }
     }
 
     /// Retires what a dead agent (or anyone) left that nothing leads to. Done before any
@@ -601,5 +677,177 @@ impl Programmed {
             }
         }
         n
+    }
+}
+
+/// Services of an outline whose writes are batched together (BPF_MAP_UPDATE_BATCH where the
+/// store has it): more Services per batch cut syscalls; fewer hold less at once (a 10-endpoint
+/// Service plans about 24 writes).
+pub(super) const CHUNK: usize = if cfg!(test) { 100 } else { 1024 };
+
+/// Services planned one after the other (as `Programmed::plan` plans a sync) and not yet
+/// written: their new backends, then every entry their master entries lead to, then their
+/// master entries, each step one batch (`Programmed::execute_chunk`). Only Services that add
+/// frontends and nothing else join: a switch, a retirement or a Maglev table goes alone.
+struct Chunk {
+    earlier: Planned,
+    /// The mirror's usage with the members' entries added.
+    usage: Usage,
+    members: Vec<(ServicePlan, UnitPlan)>,
+}
+
+/// What `Chunk::admit` did with a Service.
+enum Admitted {
+    Taken,
+    /// Nothing to write for it.
+    Nothing,
+    /// It goes alone (after the chunk is written).
+    Refused(Box<ServicePlan>),
+}
+
+impl Chunk {
+    fn new(p: &Programmed) -> Chunk {
+        Chunk {
+            earlier: Planned::new(p),
+            usage: p.usage,
+            members: Vec::new(),
+        }
+    }
+
+    /// Plans `service` after the members and takes it when its writes only add (every
+    /// prepared entry with its undo, no switch, retirement, table or room to track) and fit.
+    /// A Service refused here leaves `earlier` holding its ids: the chunk is written next,
+    /// before that Service is planned again against the mirror.
+    fn admit(
+        &mut self,
+        p: &Programmed,
+        service: ServicePlan,
+        upserts: &[&DesiredFrontend],
+        reserved: u64,
+    ) -> Admitted {
+        let Ok(unit) =
+            plan::plan_unit(p, &mut self.earlier, &service.owner, upserts, &service.gone)
+        else {
+            return Admitted::Refused(Box::new(service));
+        };
+        if unit.is_empty() && unit.roomless.is_empty() && unit.settled.is_empty() {
+            return Admitted::Nothing;
+        }
+        let adds_only = unit.switch.is_empty()
+            && unit.retire.is_empty()
+            && unit.after.is_empty()
+            && unit.tables.is_empty()
+            && unit.roomless.is_empty()
+            && unit.settled.is_empty()
+            && unit.prepare.iter().all(|(_, undo)| undo.is_some());
+        let mut needs = unit.needs;
+        needs.backends += unit.new_backends.len() as u64;
+        if !adds_only || self.usage.overflow(&needs, &p.capacity, reserved).is_some() {
+            return Admitted::Refused(Box::new(service));
+        }
+        self.usage.add(&needs);
+        self.members.push((service, unit));
+        Admitted::Taken
+    }
+}
+
+impl Programmed {
+    /// Writes a chunk's members: the ids made durable (the last META of the members covers them all),
+    /// every new backend, every entry the master entries lead to (grouped by map), then the
+    /// master entries; the mirror follows each Service whose master entries all landed. A
+    /// reader never finds a master entry before what it leads to, as when each Service is
+    /// written alone. When a batch stops short, what it wrote is known (the ones before the
+    /// failure): the Service whose master entry failed is undone as `execute` undoes one (its
+    /// entries retired if one of its master entries landed), the Services after it lose their
+    /// prepared entries (no reader could reach them), and all of those are returned, to be
+    /// planned and written alone, each reporting its own error.
+    fn execute_chunk<S: Store>(
+        &mut self,
+        w: &mut Writer<'_, S>,
+        members: Vec<(ServicePlan, UnitPlan)>,
+        now: Instant,
+        unreferenced: &mut Vec<BackendId>,
+        report: &mut SyncReport,
+    ) -> Vec<ServicePlan> {
+        let alone = |members: Vec<(ServicePlan, UnitPlan)>| -> Vec<ServicePlan> {
+            members.into_iter().map(|(s, _)| s).collect()
+        };
+        // Spent whatever happens next, as in `execute`.
+        for (_, u) in &members {
+            self.ids.next_frontend =
+                (self.ids.next_frontend).max(u.max_frontend_id.saturating_add(1));
+            self.ids.next_backend = (self.ids.next_backend).max(u.max_backend_id.saturating_add(1));
+        }
+        if let Some(m) = members.iter().rev().find_map(|(_, u)| u.meta) {
+            if w.op(&Op::PutMeta(m)).is_err() {
+                return alone(members);
+            }
+            self.ids.frontend_hwm = m.frontend_id_hwm;
+            self.ids.backend_hwm = m.backend_id_hwm;
+        }
+
+        let new_backends = || members.iter().flat_map(|(_, u)| &u.new_backends);
+        let ops: Vec<Op> = new_backends()
+            .map(|(id, sa, protocol)| Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))
+            .collect();
+        let (landed, r) = w.batch(&ops);
+        // As in `execute`: unreferenced until a master entry names it, retired at the end
+        // of the sync if nothing does; the Services written alone find it here.
+        for (id, sa, protocol) in new_backends().take(landed) {
+            let k = BackendKey::new(*sa, *protocol);
+            self.backend_ids.insert(k, *id);
+            self.backends.insert(*id, k);
+            self.usage.backends += 1;
+            unreferenced.push(*id);
+        }
+        if r.is_err() {
+            return alone(members);
+        }
+
+        // No master entry leads to any of them yet: their order does not matter to readers,
+        // and grouped by map they go in a few batches.
+        let mut prepare: Vec<&(Op, Option<Op>)> =
+            members.iter().flat_map(|(_, u)| &u.prepare).collect();
+        prepare.sort_by_key(|(op, _)| op.map());
+        let ops: Vec<Op> = prepare.iter().map(|(op, _)| op.clone()).collect();
+        let (landed, r) = w.batch(&ops);
+        if r.is_err() {
+            for (_, undo) in prepare[..landed].iter().rev() {
+                if let Some(undo) = undo {
+                    w.try_op(undo);
+                }
+            }
+            return alone(members);
+        }
+        drop(prepare);
+
+        let ops: Vec<Op> = members
+            .iter()
+            .flat_map(|(_, u)| u.add.iter().cloned())
+            .collect();
+        let (landed, r) = w.batch(&ops);
+        let mut redo = Vec::new();
+        let mut start = 0;
+        for (service, unit) in members {
+            let end = start + unit.add.len();
+            if r.is_ok() || end <= landed {
+                let (written, removed) = self.commit_unit(w, unit, now, unreferenced);
+                report.frontends_written += written;
+                report.frontends_removed += removed;
+            } else if start < landed {
+                for op in unit.add[..landed - start].iter().rev() {
+                    if let Op::PutService(k, _) = op {
+                        w.try_op(&Op::DelService(*k));
+                    }
+                }
+                self.retire_prepared(w, &unit.prepare, &unit.tables, now);
+                redo.push(service);
+            } else {
+                self.undo_prepare(w, &unit.prepare, &unit.tables);
+                redo.push(service);
+            }
+            start = end;
+        }
+        redo
     }
 }

@@ -604,6 +604,14 @@ impl<S: Store> Writer<'_, S> {
         Ok(r)
     }
 
+    /// Writes `ops` in order as `op` one after the other would, stopping at the first that
+    /// fails: how many landed (`Store::apply_batch`).
+    fn batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
+        let (landed, r) = self.store.apply_batch(ops);
+        self.ops += landed;
+        (landed, r)
+    }
+
     /// Best effort, for undoing and retiring: a failure is logged, never fatal.
     fn try_op(&mut self, op: &Op) -> bool {
         match self.op(op) {

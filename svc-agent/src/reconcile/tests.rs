@@ -37,6 +37,10 @@ struct ModelStore {
     fail_config_puts: bool,
     /// After this many ops the "process" is dead: nothing more reaches the maps.
     crash_after: Option<usize>,
+    /// Fail every put of a backend at this address (a write the map keeps refusing).
+    refuse_backend: Option<[u8; 16]>,
+    /// Calls of `apply_batch`.
+    batches: usize,
     puts: usize,
     ops: usize,
     log: Vec<Op>,
@@ -230,6 +234,9 @@ impl Store for ModelStore {
                 return Err(Error::map("test", "injected".into()));
             }
         }
+        if matches!(op, Op::PutBackend(_, b) if Some(b.addr) == self.refuse_backend) {
+            return Err(Error::map("test", "injected".into()));
+        }
         if self.fail_config_puts && matches!(op, Op::PutConfig(_)) {
             return Err(Error::map("test", "injected".into()));
         }
@@ -335,6 +342,17 @@ impl Store for ModelStore {
         };
         self.check_reader_view();
         Ok(found)
+    }
+
+    /// One op at a time, as the trait's own, counted: readers are checked after each.
+    fn apply_batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
+        self.batches += 1;
+        for (i, op) in ops.iter().enumerate() {
+            if let Err(e) = self.apply(op) {
+                return (i, Err(e));
+            }
+        }
+        (ops.len(), Ok(()))
     }
 
     fn snapshot(&self) -> Result<Snapshot> {
@@ -3010,5 +3028,265 @@ fn a_crash_after_any_op_among_maglev_tables_is_repaired() {
                 "kill at {kill_at}: no region leaked"
             );
         }
+    }
+}
+
+/// A first sync of many Services (an outline) writes them in chunks, each step of a chunk one
+/// batch (`Store::apply_batch`): its new backends, the entries its master entries lead to,
+/// then the master entries.
+mod batched {
+    use super::*;
+
+    /// `n` ClusterIP Services of port 80, Service `i` with the backends `backends(i)`.
+    fn many(n: usize, backends: impl Fn(usize) -> Vec<String>) -> (Vec<Frontend>, DesiredState) {
+        let owned: Vec<(Frontend, Vec<String>)> = (0..n)
+            .map(|i| {
+                let ip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+                (fe(&ip, 80), backends(i))
+            })
+            .collect();
+        let entries: Vec<(Frontend, Vec<&str>)> = owned
+            .iter()
+            .map(|(f, b)| (*f, b.iter().map(String::as_str).collect()))
+            .collect();
+        let entries: Vec<(Frontend, &[&str])> =
+            entries.iter().map(|(f, b)| (*f, b.as_slice())).collect();
+        (owned.iter().map(|(f, _)| *f).collect(), state(&entries))
+    }
+
+    /// Every Service written alone, one write per call: the whole plan, executed.
+    fn alone(store: &mut ModelStore, desired: &DesiredState) -> (Programmed, SyncReport) {
+        let mut p = fresh();
+        let plan = p.plan(desired, Scope::All);
+        assert!(!plan.outline);
+        let r = p.execute_plan(store, desired, plan, Instant::now());
+        (p, r)
+    }
+
+    fn counts(s: &ModelStore) -> [usize; 6] {
+        [
+            s.services.len(),
+            s.slots.len(),
+            s.backends.len(),
+            s.rev_nat.len(),
+            s.names.len(),
+            s.matches.len(),
+        ]
+    }
+
+    fn wanted(desired: &DesiredState, f: &Frontend) -> Vec<SocketAddr> {
+        desired.frontends[f]
+            .backends
+            .iter()
+            .map(|b| b.addr)
+            .collect()
+    }
+
+    /// 1 to 10 endpoints each, many shared between Services: the batched sync leaves exactly
+    /// the maps the Services written alone leave (same ids, same entries), in a few calls.
+    #[test]
+    fn a_batched_first_sync_writes_what_services_written_alone_write() {
+        let n = 1500;
+        let (_, desired) = many(n, |i| {
+            (0..=i % 10)
+                .map(|k| format!("10.1.{}.{}:8080", (i * 7 + k) % 250, k + 1))
+                .collect()
+        });
+        let mut batched = ModelStore::default();
+        let mut p = fresh();
+        let r = p.apply(&mut batched, &desired);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        assert_eq!(r.frontends_written, n);
+        let (mut by_one, mut q) = (ModelStore::default(), fresh());
+        let plan = q.plan(&desired, Scope::All);
+        let r1 = q.execute_plan(&mut by_one, &desired, plan, Instant::now());
+        assert!(r1.errors.is_empty(), "{:?}", r1.errors);
+        let tally = |s: &ModelStore| {
+            let mut t: BTreeMap<&str, usize> = BTreeMap::new();
+            for op in &s.log {
+                *t.entry(op.map()).or_default() += 1;
+            }
+            t
+        };
+        assert_eq!(tally(&batched), tally(&by_one));
+        assert_eq!(r.ops, r1.ops, "the same writes");
+        assert_eq!(batched.services, by_one.services);
+        assert_eq!(batched.slots, by_one.slots);
+        assert_eq!(batched.backends, by_one.backends);
+        assert_eq!(batched.rev_nat, by_one.rev_nat);
+        assert_eq!(batched.names, by_one.names);
+        assert_eq!(batched.matches, by_one.matches);
+        assert_eq!(batched.meta, by_one.meta);
+        exact(&batched, &desired);
+        // Three batches per chunk.
+        let chunk = super::super::execute::CHUNK;
+        assert_eq!(
+            batched.batches,
+            3 * n.div_ceil(chunk),
+            "{}",
+            batched.batches
+        );
+        assert_eq!(by_one.batches, 0);
+        // Its master entries after everything they lead to, chunk by chunk: in the log, each
+        // chunk's first master entry comes after its last slot.
+        let kinds: Vec<&str> = batched.log.iter().map(Op::map).collect();
+        let first_master = kinds
+            .iter()
+            .position(|m| *m == svc_common::map_names::SERVICES);
+        let slots_before: usize = kinds[..first_master.unwrap()]
+            .iter()
+            .filter(|m| **m == svc_common::map_names::SLOTS)
+            .count();
+        let mut owners: Vec<(String, usize)> = (desired.frontends.values())
+            .map(|d| (d.owner.clone(), d.backends.len()))
+            .collect();
+        owners.sort();
+        let chunk_slots: usize = owners[..chunk].iter().map(|(_, n)| n).sum();
+        assert_eq!(slots_before, chunk_slots);
+        // Nothing more to write afterwards.
+        assert!(p.plan(&desired, Scope::All).is_empty());
+        let r = p.apply(&mut batched, &desired);
+        assert_eq!(r.ops, 0);
+    }
+
+    /// Whatever write the agent dies after during a batched first sync, no reader meets a
+    /// master entry before what it leads to (the store checks after every write), and the next
+    /// agent's sync ends exactly at the desired state.
+    #[test]
+    fn a_crash_during_a_batched_first_sync_is_repaired_by_the_next_agent() {
+        let (_, desired) = many(1100, |i| {
+            vec![
+                format!("10.1.{}.{}:8080", i / 250, i % 250 + 1),
+                "10.0.0.1:8080".to_string(),
+            ]
+        });
+        let total = {
+            let mut s = ModelStore::default();
+            fresh().apply(&mut s, &desired);
+            s.ops
+        };
+        let mut kills: Vec<usize> = (0..=total).step_by(total / 15).collect();
+        // Around the first chunk's master entries (after META, its new backends and four
+        // entries per Service), and the last write.
+        let chunk = super::super::execute::CHUNK;
+        let first_master = 1 + (chunk + 1) + chunk * 4;
+        kills.extend([first_master - 1, first_master, first_master + 1, total - 1]);
+        for kill_at in kills {
+            let mut store = ModelStore {
+                crash_after: Some(kill_at),
+                ..Default::default()
+            };
+            fresh().apply(&mut store, &desired);
+            store.crash_after = None;
+            let mut p = Programmed::recover(
+                &store.snapshot().unwrap(),
+                Capacity::default(),
+                Duration::from_secs(1),
+                Retiring::default(),
+            );
+            let r = settle(&mut p, &mut store, &desired);
+            assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
+            exact(&store, &desired);
+        }
+    }
+
+    /// A backend the map refuses, in the middle of a chunk's batch of backends: its Service
+    /// alone fails, with its own error; every other Service of the sync is programmed, and
+    /// the maps hold what writing each Service alone holds.
+    #[test]
+    fn a_backend_refused_in_a_batch_fails_its_service_alone() {
+        let n = 1500;
+        let (fes, desired) = many(n, |i| {
+            vec![
+                format!("10.1.{}.{}:8080", i / 250, i % 250 + 1),
+                format!("10.2.{}.{}:8080", i / 250, i % 250 + 1),
+            ]
+        });
+        let bad = 750;
+        let refused = addr16(desired.frontends[&fes[bad]].backends[1].addr.ip());
+        let mut batched = ModelStore {
+            refuse_backend: Some(refused),
+            ..Default::default()
+        };
+        let mut p = fresh();
+        let r = p.apply(&mut batched, &desired);
+        let owner = owner_for(&fes[bad]);
+        assert_eq!(r.failed.keys().collect::<Vec<_>>(), vec![&owner]);
+        assert_eq!(r.errors.len(), 1, "{:?}", r.errors);
+        assert!(r.errors[0].to_string().contains(&owner), "{}", r.errors[0]);
+        assert_eq!(r.frontends_written, n - 1);
+        let mut by_one = ModelStore {
+            refuse_backend: Some(refused),
+            ..Default::default()
+        };
+        let (mut q, r1) = alone(&mut by_one, &desired);
+        assert_eq!(r1.failed, r.failed);
+        for (i, f) in fes.iter().enumerate() {
+            let want = (i != bad).then(|| wanted(&desired, f));
+            assert_eq!(batched.resolve(f), want, "{f}");
+            assert_eq!(by_one.resolve(f), want, "{f}");
+        }
+        // Once the grace period has passed, no entry more than writing alone leaves.
+        let later = Instant::now() + Duration::from_secs(3600);
+        batched.forget_readers();
+        p.retire_due(&mut batched, later);
+        by_one.forget_readers();
+        q.retire_due(&mut by_one, later);
+        assert_eq!(counts(&batched), counts(&by_one));
+        // The map takes it again: the next sync programs it.
+        batched.refuse_backend = None;
+        let r = settle(&mut p, &mut batched, &desired);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        exact(&batched, &desired);
+    }
+
+    /// A services map fuller than the agent counts (E2BIG in the middle of a chunk's batch of
+    /// master entries): the Services that do not fit fail one by one with the map named,
+    /// exactly those that fail when each Service is written alone, and the others are
+    /// programmed.
+    #[test]
+    fn a_full_services_map_in_a_batch_refuses_what_writing_alone_refuses() {
+        let n = 1500;
+        let (fes, desired) = many(n, |i| {
+            vec![format!("10.1.{}.{}:8080", i / 250, i % 250 + 1)]
+        });
+        let cap = 1250;
+        let mut batched = ModelStore {
+            services_cap: Some(cap),
+            ..Default::default()
+        };
+        let mut p = fresh();
+        let r = p.apply(&mut batched, &desired);
+        let mut by_one = ModelStore {
+            services_cap: Some(cap),
+            ..Default::default()
+        };
+        let (mut q, r1) = alone(&mut by_one, &desired);
+        assert_eq!(r.failed.len(), n - cap);
+        assert_eq!(r.failed, r1.failed);
+        let said = |r: &SyncReport| {
+            let mut e: Vec<String> = r.errors.iter().map(ToString::to_string).collect();
+            e.sort();
+            e
+        };
+        assert_eq!(said(&r), said(&r1));
+        let services = said(&r)
+            .into_iter()
+            .filter(|e| e.contains("SVC_SERVICES") && e.contains("Service default/"))
+            .count();
+        assert_eq!(services, n - cap);
+        for f in &fes {
+            assert_eq!(batched.resolve(f), by_one.resolve(f), "{f}");
+        }
+        assert_eq!(
+            fes.iter().filter(|f| batched.resolve(f).is_some()).count(),
+            cap
+        );
+        let later = Instant::now() + Duration::from_secs(3600);
+        batched.forget_readers();
+        p.retire_due(&mut batched, later);
+        by_one.forget_readers();
+        q.retire_due(&mut by_one, later);
+        assert_eq!(counts(&batched), counts(&by_one));
     }
 }

@@ -534,12 +534,44 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
     }
     rows.push(step.row(
         &format!(
-            "write the maps ({} map operations), keeping the mirror of what is programmed",
+            "write the maps ({} map operations, in batches), keeping the mirror of what is programmed",
             r.ops
         ),
         &mut mib,
     ));
+    drop(programmed);
+    drop(dp);
+    drop(bpffs);
+    drop(cgroup);
 
+    // The same writes one entry per call, on fresh maps, for comparison.
+    let cgroup = TestCgroup::new()?;
+    let bpffs = Bpffs::new(&tools.agent, cgroup.path())?;
+    let mut dp = svc_agent::datapath::Datapath::open_attached(
+        bpffs.path(),
+        cgroup.path(),
+        Default::default(),
+    )?;
+    let store = &mut dp.store;
+    store.batch_writes = false;
+    let mut programmed =
+        Programmed::adopt(&*store, store.capacity, svc_agent::reconcile::DEFAULT_GRACE)?;
+    let step = Step::start();
+    let r = programmed.apply(store, &desired.state);
+    if let Some(e) = r.errors.first() {
+        bail!(
+            "writing the maps one entry per call: {e} ({} errors)",
+            r.errors.len()
+        );
+    }
+    rows.push(step.row(
+        &format!(
+            "for comparison: the same {} map operations one entry per call (batches off)",
+            r.ops
+        ),
+        &mut Vec::new(),
+    ));
+    drop(programmed);
     drop(dp);
     drop(bpffs);
     drop(cgroup);
@@ -547,6 +579,64 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         table: rows.join("\n"),
         mib,
     })
+}
+
+/// The bytes of a map key or value.
+fn bytes<T: aya::Pod>(t: &T) -> Vec<u8> {
+    // SAFETY: aya::Pod types are plain data without padding bytes left uninitialized (the
+    // map types have explicit padding), so every byte of `t` is initialized.
+    unsafe { std::slice::from_raw_parts((t as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+        .to_vec()
+}
+
+/// Entries added, removed and changed from `a` to `b`.
+fn diff<K: aya::Pod, V: aya::Pod>(a: &[(K, V)], b: &[(K, V)]) -> (usize, usize, usize) {
+    let a: HashMap<Vec<u8>, Vec<u8>> = a.iter().map(|(k, v)| (bytes(k), bytes(v))).collect();
+    let b: HashMap<Vec<u8>, Vec<u8>> = b.iter().map(|(k, v)| (bytes(k), bytes(v))).collect();
+    let added = b.keys().filter(|k| !a.contains_key(*k)).count();
+    let removed = a.keys().filter(|k| !b.contains_key(*k)).count();
+    let changed = a
+        .iter()
+        .filter(|(k, v)| b.get(*k).is_some_and(|w| w != *v))
+        .count();
+    (added, removed, changed)
+}
+
+/// What changed between two reads of the maps the agent writes, per map: "none" or each
+/// map's added/removed/changed entries.
+fn changed(a: &svc_agent::store::Snapshot, b: &svc_agent::store::Snapshot) -> String {
+    let unit = |v: &[svc_common::AffinityMatchKey]| v.iter().map(|k| (*k, 0u8)).collect::<Vec<_>>();
+    let ranges = |v: &[svc_common::SrcRangeKey]| v.iter().map(|k| (*k, 0u8)).collect::<Vec<_>>();
+    let maps = [
+        ("SVC_SERVICES", diff(&a.services, &b.services)),
+        ("SVC_SLOTS", diff(&a.slots, &b.slots)),
+        ("SVC_BACKENDS", diff(&a.backends, &b.backends)),
+        ("SVC_REV_NAT", diff(&a.rev_nat, &b.rev_nat)),
+        ("SVC_NAMES", diff(&a.names, &b.names)),
+        (
+            "SVC_AFFINITY_MATCH",
+            diff(&unit(&a.matches), &unit(&b.matches)),
+        ),
+        (
+            "SVC_SRC_RANGES",
+            diff(&ranges(&a.ranges), &ranges(&b.ranges)),
+        ),
+        ("SVC_NODE_ADDRS", diff(&a.node_addrs, &b.node_addrs)),
+        ("SVC_MAGLEV_INDEX", diff(&a.maglev_index, &b.maglev_index)),
+        ("SVC_META", diff(&[(0u32, a.meta)], &[(0u32, b.meta)])),
+        ("SVC_CONFIG", diff(&[(0u32, a.config)], &[(0u32, b.config)])),
+    ];
+    let total: usize = maps.iter().map(|(_, (x, y, z))| x + y + z).sum();
+    let parts: Vec<String> = maps
+        .iter()
+        .filter(|(_, (x, y, z))| x + y + z > 0)
+        .map(|(m, (x, y, z))| format!("{m} +{x} -{y} ~{z}"))
+        .collect();
+    if total == 0 {
+        "no entry changed (of every map the agent writes)".into()
+    } else {
+        format!("{total} entries ({})", parts.join(", "))
+    }
 }
 
 /// The agent's resident memory by kind of mapping, from /proc/PID/smaps: the brk heap,
@@ -849,7 +939,39 @@ fn bench() -> Result<()> {
         String::new()
     });
     let load_after = report::load_average();
-    agent.terminate(Duration::from_secs(10))?;
+
+    // 3. A restart on the pins (an upgrade: SIGTERM, then the same agent again): spawn to
+    // ready, and every entry the new agent changed, from the pinned maps read before the stop
+    // and after its ready (then again after the grace period: what it retires shows there).
+    eprintln!("restart on the pinned maps");
+    std::thread::sleep(Duration::from_secs(3));
+    let before = store.snapshot()?;
+    agent.terminate(Duration::from_secs(30))?;
+    let started = Instant::now();
+    agent.restart()?;
+    agent.wait_ready(READY_TIMEOUT)?;
+    let restart_time = started.elapsed();
+    let restart_pid = agent.pid().context("agent pid")?;
+    let restart_cpu = cpu(restart_pid)?;
+    let at_ready = store.snapshot()?;
+    std::thread::sleep(Duration::from_secs(3));
+    let after_grace = store.snapshot()?;
+    let (restart_complete, _) = verify(&store, &args)?;
+    let restart_changes = [
+        format!("at ready: {}", changed(&before, &at_ready)),
+        format!(
+            "3 s later (after the grace period): {}",
+            changed(&before, &after_grace)
+        ),
+    ];
+    eprintln!(
+        "restart: ready after {}, CPU {:.2} s, {restart_complete}/{} services complete; entries changed {}",
+        ms(restart_time),
+        restart_cpu.as_secs_f64(),
+        args.services,
+        restart_changes.join("; ")
+    );
+    agent.terminate(Duration::from_secs(30))?;
     agent.quiet();
     drop(store);
     drop(agent);
@@ -988,8 +1110,13 @@ fn bench() -> Result<()> {
     .join("\n");
     println!(
         "{table}\n\n{context}{memory_note}\n\nThe agent's own histograms:\n{agent_view}\n\n\
+         Restart on the pins (SIGTERM, the same agent again): spawn to ready {}, CPU {:.2} s, \
+         {restart_complete} of {n} Services complete; entries changed {}.\n\n\
          Cold start breakdown:\n\n{breakdown_table}\n\nLoad average before {load_before}, after \
-         the changes {load_after}."
+         the changes {load_after}.",
+        ms(restart_time),
+        restart_cpu.as_secs_f64(),
+        restart_changes.join("; ")
     );
 
     if let Some(path) = args.write {
