@@ -1021,14 +1021,18 @@ fn the_log_takes_kube_proxys_shapes_and_the_level_asked_for() {
         assert!(out.status.success(), "{stderr}");
         stderr.lines().map(String::from).collect()
     };
-    let warned = |lines: &[String]| lines.iter().any(|l| l.contains("not applied: mode"));
+    let warned = |lines: &[String]| {
+        lines
+            .iter()
+            .any(|l| l.contains("ignored, each for the reason given: mode"))
+    };
 
     let klog = log(&["--logging-format", "klog"], None);
     let line = klog
         .iter()
-        .find(|l| l.contains("not applied: mode"))
+        .find(|l| l.contains("ignored, each for the reason given: mode"))
         .unwrap();
-    // W1205 16:39:27.771706   13691 main.rs:717] not applied: ...
+    // W1205 16:39:27.771706   13691 main.rs:717] ignored, each for the reason given: ...
     let (header, message) = line.split_once("] ").unwrap();
     let fields: Vec<&str> = header.split_whitespace().collect();
     assert!(
@@ -1041,7 +1045,10 @@ fn the_log_takes_kube_proxys_shapes_and_the_level_asked_for() {
             && fields[3].starts_with("main.rs:"),
         "not a klog line: {line}"
     );
-    assert!(message.starts_with("not applied: mode"), "{line}");
+    assert!(
+        message.starts_with("ignored, each for the reason given: mode"),
+        "{line}"
+    );
 
     let json = log(&["--logging-format", "json"], None);
     let objects: Vec<serde_json::Value> = json
@@ -1052,14 +1059,14 @@ fn the_log_takes_kube_proxys_shapes_and_the_level_asked_for() {
         objects.iter().any(|o| o["level"] == "WARN"
             && o["message"]
                 .as_str()
-                .is_some_and(|m| m.starts_with("not applied: mode"))),
+                .is_some_and(|m| m.starts_with("ignored, each for the reason given: mode"))),
         "{json:?}"
     );
 
     let text = log(&[], None);
     assert!(
         text.iter()
-            .any(|l| l.contains(" WARN ") && l.contains("not applied: mode")),
+            .any(|l| l.contains(" WARN ") && l.contains("ignored, each for the reason given: mode")),
         "{text:?}"
     );
     assert!(
