@@ -1262,24 +1262,34 @@ mod tests {
         (run, cli.command)
     }
 
-    /// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
-    /// --hostname-override=$(NODE_NAME)`: no subcommand, no --cgroup.
-    #[test]
-    fn kubeadms_kube_proxy_command_line_is_run_on_the_cgroup2_root() {
-        let dir = std::env::temp_dir().join(format!("svc-kubeadm-{}", std::process::id()));
+    /// `f` given the path of a KubeProxyConfiguration file holding `fields`, removed after.
+    fn with_config<R>(fields: &str, f: impl FnOnce(&str) -> R) -> R {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("svc-kp-config-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("config.conf");
         std::fs::write(
             &config,
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             bindAddress: 0.0.0.0\nclientConnection:\n  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf\n",
+            format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{fields}"
+            ),
         )
         .unwrap();
-        let (_, run) = run_of(&[
-            &format!("--config={}", config.display()),
-            "--hostname-override=node-1",
-        ]);
+        let r = f(&config.display().to_string());
         std::fs::remove_dir_all(&dir).unwrap();
+        r
+    }
+
+    /// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
+    /// --hostname-override=$(NODE_NAME)`: no subcommand, no --cgroup.
+    #[test]
+    fn kubeadms_kube_proxy_command_line_is_run_on_the_cgroup2_root() {
+        let (_, run) = with_config(
+            "bindAddress: 0.0.0.0\nclientConnection:\n  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf\n",
+            |config| run_of(&[&format!("--config={config}"), "--hostname-override=node-1"]),
+        );
         let Command::Run {
             cgroup,
             node_name,
@@ -1439,19 +1449,14 @@ mod tests {
     /// picks the default addresses by bindAddress's family.
     #[test]
     fn config_addresses_without_a_port_and_the_bind_address_family() {
-        let dir = std::env::temp_dir().join(format!("svc-kp-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.conf");
-        std::fs::write(
-            &config,
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             bindAddress: '::'\nhealthzBindAddress: 0.0.0.0\nhostnameOverride: n\n",
-        )
-        .unwrap();
-        let path = config.display().to_string();
-        let (m, mut cli) = parse(&["--config", &path]).unwrap();
-        let bind = apply_config(&mut cli.command, m.subcommand_matches("run").unwrap()).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        let (bind, cli) = with_config(
+            "bindAddress: '::'\nhealthzBindAddress: 0.0.0.0\nhostnameOverride: n\n",
+            |path| {
+                let (m, mut cli) = parse(&["--config", path]).unwrap();
+                let run = m.subcommand_matches("run").unwrap();
+                (apply_config(&mut cli.command, run).unwrap(), cli)
+            },
+        );
         let Command::Run {
             healthz_bind_address,
             metrics_bind_address,

@@ -337,26 +337,27 @@ impl ProcessStats {
     }
 
     fn read() -> Option<ProcessStats> {
-        // SAFETY: sysconf and getrlimit only read the process's settings into `limit`.
-        let (ticks, page, max_fds) = unsafe {
-            let mut limit: libc::rlimit = std::mem::zeroed();
-            let max = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
-                limit.rlim_cur
-            } else {
-                0
-            };
+        // The boot time does not change: /proc/stat (long on a node of many CPUs) is read once.
+        static BTIME: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        let btime = BTIME
+            .get_or_init(|| {
+                let text = std::fs::read_to_string("/proc/stat").ok()?;
+                text.lines()
+                    .find(|l| l.starts_with("btime "))
+                    .map(String::from)
+            })
+            .as_deref()?;
+        // SAFETY: sysconf only reads a setting of the system.
+        let (ticks, page) = unsafe {
             (
                 libc::sysconf(libc::_SC_CLK_TCK),
                 libc::sysconf(libc::_SC_PAGESIZE),
-                max,
             )
         };
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-        let proc_stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let mut s =
-            ProcessStats::parse(&stat, &proc_stat, ticks.max(1) as f64, page.max(1) as u64)?;
+        let mut s = ProcessStats::parse(&stat, btime, ticks.max(1) as f64, page.max(1) as u64)?;
         s.open_fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
-        s.max_fds = max_fds;
+        s.max_fds = crate::http::nofile_soft();
         Some(s)
     }
 }

@@ -392,8 +392,9 @@ pub struct MonitorEvent {
     pub proto: u8,
     /// A `how` constant: the socket hooks' choices, and a new flow's at tc (`New`); 0 when
     /// unknown. From tc and XDP, a known flow's packet (`CtHit`, `Reply`, `XdpCtHit`,
-    /// `XdpReply`) and a swept flow (`CtSwept`) carry the low byte of the flow's `ct_flags`
-    /// here instead.
+    /// `XdpReply`, and `XdpRedirect`, `XdpRedirectReply` when redirected) and a swept flow
+    /// (`CtSwept`) carry the low byte of the flow's `ct_flags` here instead; a new flow's
+    /// first packet redirected at XDP (`XdpRedirect` too) carries 0, as no flag is set yet.
     pub how: u8,
     /// A `monitor_source` constant.
     pub source: u8,

@@ -201,7 +201,7 @@ pub fn emit_tc(s: &Scratch, what: u64) {
 /// `emit_tc`'s `what`.
 #[inline(always)]
 pub fn tc_what(reason: Reason, translated: bool, id: u32) -> u64 {
-    reason as u64 | (translated as u64) << 8 | (id as u64) << 32
+    reason as u64 | if translated { TRANSLATED } else { 0 } | (id as u64) << 32
 }
 
 /// A new flow's first packet, translated (`New`), if a monitor listens: with the `how` of
@@ -224,7 +224,7 @@ pub fn tc_new(s: &Scratch) {
 pub fn tc_icmp(s: &Scratch, code: u8) {
     emit_tc(
         s,
-        Reason::IcmpError as u64 | TRANSLATED | ICMP | (code as u64) << 24 | (s.v.id as u64) << 32,
+        tc_what(Reason::IcmpError, true, s.v.id) | ICMP | (code as u64) << 24,
     );
 }
 

@@ -168,15 +168,26 @@ fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
         count(Reason::XdpPassRoute, ifindex);
         return PASS;
     }
-    count(Reason::XdpNew, ifindex);
-    let shown = if action == REDIRECT {
-        count(Reason::XdpRedirect, ifindex);
-        Reason::XdpRedirect
-    } else {
-        Reason::XdpNew
-    };
+    let shown = sent(action, Reason::XdpNew, ifindex);
     monitor::tc(s, shown, true, s.new.fwd.id);
     action
+}
+
+/// Counts `reason` for a packet sent with `action`, and the redirect when it is one; returns
+/// the reason the monitor is shown.
+#[inline(always)]
+fn sent(action: u32, reason: Reason, ifindex: u32) -> Reason {
+    count(reason, ifindex);
+    if action != REDIRECT {
+        return reason;
+    }
+    let redirected = if reason == Reason::XdpReply {
+        Reason::XdpRedirectReply
+    } else {
+        Reason::XdpRedirect
+    };
+    count(redirected, ifindex);
+    redirected
 }
 
 /// How the translated packet can leave, from what `s.route` says: `TX` back out of the device
@@ -225,17 +236,7 @@ fn send(ctx: &XdpContext, s: &mut Scratch, reason: Reason) -> u32 {
         count(Reason::XdpPassRoute, ifindex);
         return PASS;
     }
-    count(reason, ifindex);
-    let shown = if action != REDIRECT {
-        reason
-    } else if reason == Reason::XdpReply {
-        Reason::XdpRedirectReply
-    } else {
-        Reason::XdpRedirect
-    };
-    if action == REDIRECT {
-        count(shown, ifindex);
-    }
+    let shown = sent(action, reason, ifindex);
     monitor::tc_known(s, shown);
     action
 }

@@ -140,6 +140,7 @@ pub fn run_in_netns<T: Send>(path: &std::path::Path, f: impl FnOnce() -> T + Sen
                 Ok(f())
             })
             .join()
-            .map_err(|_| anyhow::anyhow!("a thread in netns {} panicked", path.display()))?
+            // A panic in `f` is the caller's own failure: raised again, with its message.
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
     })
 }

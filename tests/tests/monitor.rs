@@ -312,17 +312,8 @@ fn monitor_cost() {
 // cgroup: what they get is the tc programs' work.
 
 /// Runs `f` in a thread inside `ns` and returns what it returned.
-fn in_ns<T: Send + 'static>(ns: &NetNs, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = ns.path();
-    std::thread::spawn(move || {
-        let f0 = std::fs::File::open(&path).expect("the namespace's file");
-        // SAFETY: a valid fd of a namespace file; affects only this thread.
-        let r = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&f0), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+fn in_ns<T: Send>(ns: &NetNs, f: impl FnOnce() -> T + Send) -> T {
+    ns.run_in(f).expect("entering the namespace")
 }
 
 /// Backends: on each pod, TCP 8080 answering the pod's name; UDP 5353 echoing the pod's name

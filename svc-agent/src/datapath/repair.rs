@@ -132,7 +132,7 @@ impl Datapath {
 }
 
 /// Whether a link is pinned at `pin` and what `info` reads of it is `healthy`.
-fn link_holds<T>(
+pub(super) fn link_holds<T>(
     pin: &Path,
     info: fn(BorrowedFd<'_>) -> std::io::Result<T>,
     healthy: impl FnOnce(T) -> bool,

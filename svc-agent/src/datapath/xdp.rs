@@ -118,9 +118,16 @@ impl Datapath {
             .filter(|d| self.xdp_mode == XdpMode::Native && self.native_link_holds(d))
             .map(|d| d.index)
             .collect();
-        if let Err(e) = self.xdp_devs_retain(&stays) {
-            errors.push(e);
-        }
+        // A device the map may still name keeps its link: a redirect into a device without
+        // the program is dropped by its driver.
+        let trimmed = self.xdp_devs_retain(&stays);
+        let trimmed = match trimmed {
+            Ok(()) => true,
+            Err(e) => {
+                errors.push(e);
+                false
+            }
+        };
         let mut native = Vec::new();
         for device in &wanted {
             match self.attach_xdp_one(device) {
@@ -131,7 +138,13 @@ impl Datapath {
                     keep.insert(pin);
                     done.extend(what);
                 }
-                Err(e) => errors.push(e),
+                Err(e) => {
+                    // Its link is detached below: no redirect target any more.
+                    if let Err(removing) = self.xdp_devs_remove(device.index) {
+                        errors.push(removing);
+                    }
+                    errors.push(e);
+                }
             }
         }
         for device in &native {
@@ -140,7 +153,7 @@ impl Datapath {
             }
         }
         for (pin, mode, ifname) in xdp_pins(&self.dir) {
-            if keep.contains(&pin) {
+            if keep.contains(&pin) || !trimmed {
                 continue;
             }
             match detach_pinned(&pin) {
@@ -169,11 +182,11 @@ impl Datapath {
 
     /// Whether `device` has a native XDP link of ours, pinned and attached to it.
     fn native_link_holds(&self, device: &Device) -> bool {
-        let pin = xdp_link_pin(&self.dir, "native", &device.name);
-        pin.exists()
-            && sys::obj_get(&pin)
-                .and_then(|l| sys::tcx_link_info(l.as_fd()))
-                .is_ok_and(|(ifindex, _)| ifindex == device.index)
+        super::repair::link_holds(
+            &xdp_link_pin(&self.dir, "native", &device.name),
+            sys::tcx_link_info,
+            |(ifindex, _)| ifindex == device.index,
+        )
     }
 
     /// `SVC_XDP_DEVS` of the loaded object; None for an object without it.
@@ -192,7 +205,10 @@ impl Datapath {
         let Some(mut map) = self.xdp_devs()? else {
             return Ok(());
         };
-        let keys: Vec<u32> = map.keys().filter_map(|k| k.ok()).collect();
+        let keys: Vec<u32> = map
+            .keys()
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| load_err(map_names::XDP_DEVS, e))?;
         for ifindex in keys {
             if stays.contains(&ifindex) {
                 continue;

@@ -171,6 +171,18 @@ impl Programmed {
                     }
                 }
             }
+            if !chunk.members.is_empty() {
+                // Planned against the maps as they are once the Services taken before it are
+                // written: ids are handed out in a chunk's `execute_chunk`, so a Service
+                // planned alone while one waits would be given the ids its members hold.
+                let full = std::mem::take(&mut chunk.members);
+                queue.push_front((service, false));
+                let redo = self.execute_chunk(&mut w, full, now, &mut unreferenced, &mut report);
+                for s in redo.into_iter().rev() {
+                    queue.push_front((s, false));
+                }
+                continue;
+            }
             let ServicePlan {
                 owner, gone, plan, ..
             } = service;

@@ -3082,6 +3082,68 @@ mod batched {
             .collect()
     }
 
+    /// A Service that goes alone in a batched first sync while a chunk waits (its programmed
+    /// external frontend's mark cannot be written, so it is retried) is given no id a waiting
+    /// Service of the chunk holds: its frontend reaches its own backends, once the mark lands.
+    #[test]
+    fn a_service_written_alone_while_a_chunk_waits_takes_no_id_of_it() {
+        let node_ip = "192.168.1.10";
+        let key = addr16(node_ip.parse().unwrap());
+        let node = |want: &mut DesiredState| {
+            want.node.addrs.insert(
+                node_ip.parse().unwrap(),
+                NodeAddrValue {
+                    flags: node_addr_flags::NODEPORT,
+                    ifindex: 2,
+                },
+            );
+        };
+        let backend = |a: &str| DesiredBackend {
+            addr: a.parse().unwrap(),
+            local: false,
+        };
+        let mut before = DesiredState::default();
+        node(&mut before);
+        lb_frontend(&mut before, node_ip, 443, None, &[backend("10.0.0.1:8080")]);
+        let mut store = ModelStore::default();
+        let r = settle(&mut fresh(), &mut store, &before);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        // Pins of an agent older than the mark: the address without it, and its write refused.
+        store.unchecked = true;
+        store.node_addrs.get_mut(&key).unwrap().flags = node_addr_flags::NODEPORT;
+        store.fail_node_addr_puts = true;
+
+        // Many new Services, whose owners come before ns/lb's: a chunk of them waits when
+        // ns/lb, given a second backend, is written alone.
+        let n = super::super::plan::OUTLINE_ABOVE + super::super::execute::CHUNK / 2;
+        let (_, mut want) = many(n, |i| {
+            vec![format!("10.2.{}.{}:8080", i / 250, i % 250 + 1)]
+        });
+        node(&mut want);
+        lb_frontend(
+            &mut want,
+            node_ip,
+            443,
+            None,
+            &[backend("10.0.0.1:8080"), backend("10.0.0.2:8080")],
+        );
+        let mut p = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        let r = p.apply(&mut store, &want);
+        assert!(r.failed.contains_key("ns/lb"), "{:?}", r.failed);
+        store.forget_readers();
+        p.retire_due(&mut store, Instant::now() + Duration::from_secs(3600));
+
+        store.fail_node_addr_puts = false;
+        let r = settle(&mut p, &mut store, &want);
+        assert!(r.errors.is_empty(), "{:?}", r.errors);
+        exact(&store, &want);
+    }
+
     /// 1 to 10 endpoints each, many shared between Services: the batched sync leaves exactly
     /// the maps the Services written alone leave (same ids, same entries), in a few calls.
     #[test]
