@@ -385,8 +385,20 @@ impl Dp {
         if let Some(m) = self.service_stats.as_mut() {
             let cpus = aya::util::nr_cpus().expect("possible CPUs");
             let zero = vec![svc_common::ServiceStats::default(); cpus];
-            m.insert(f.id, aya::maps::PerCpuValues::try_from(zero).unwrap(), 0)
-                .unwrap();
+            // A per-CPU hash allocated as written may refuse for a moment (ENOMEM) while the
+            // kernel's per-CPU allocator grows; the agent retries the same way.
+            let mut tries = 0;
+            while let Err(e) = m.insert(
+                f.id,
+                aya::maps::PerCpuValues::try_from(zero.clone()).unwrap(),
+                0,
+            ) {
+                tries += 1;
+                let enomem = matches!(&e, aya::maps::MapError::SyscallError(s)
+                    if s.io_error.raw_os_error() == Some(libc::ENOMEM));
+                assert!(enomem && tries < 100, "SVC_SERVICE_STATS [{}]: {e}", f.id);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
         }
         let mut flags = f.flags;
         if f.affinity_s != 0 {
