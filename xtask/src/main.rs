@@ -4,7 +4,7 @@ mod control_plane;
 mod image;
 mod toolchain;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -103,7 +103,12 @@ enum Task {
 }
 
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // `cargo run` sets it for this checkout; the compiled-in one names the checkout the binary
+    // was built in, which a target directory copied from another checkout still holds.
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest_dir
         .parent()
         .expect("xtask lives in the workspace")
         .to_path_buf()
