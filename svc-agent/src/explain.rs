@@ -14,7 +14,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use serde::Serialize;
 use svc_common::{
     ct_dir, ct_flags, node_addr_flags, svc_flags, AffinityKey, AffinityValue, CtKey, CtValue,
-    DatapathConfig,
+    DatapathConfig, MAGLEV_BLOCK,
 };
 
 use crate::error::Result;
@@ -86,6 +86,9 @@ pub struct ViewFrontend {
     /// only for those.
     pub members: Vec<u32>,
     pub ranges: Vec<Cidr>,
+    /// The generation's Maglev table as its index entry names it: (first entry, entries,
+    /// seed).
+    pub maglev: Option<(u32, u32, u64)>,
 }
 
 /// The maps the agent writes, as read.
@@ -128,6 +131,7 @@ impl View {
                             slots: f.backends.clone(),
                             members: f.matches.clone(),
                             ranges: f.ranges.to_vec(),
+                            maglev: f.maglev.map(|t| (t.start * MAGLEV_BLOCK, t.size, t.seed)),
                         },
                     )
                 })
@@ -155,6 +159,8 @@ pub trait Live {
     fn affinity(&self, key: &AffinityKey) -> Option<AffinityValue>;
     /// The flow's entry and the table that holds it.
     fn ct(&self, key: &CtKey) -> Option<(&'static str, CtValue)>;
+    /// Entry `pos` of `SVC_MAGLEV` (counted in entries, as `MaglevIndex::offset`).
+    fn maglev_entry(&self, pos: u32) -> Option<u16>;
 }
 
 #[derive(Debug, Serialize)]
@@ -550,14 +556,77 @@ pub fn explain(view: &View, live: &impl Live, q: &Query) -> Explanation {
             "one of {} slot(s) of generation {}, by the flow's Maglev hash",
             f.count, f.rev
         );
+        maglev_choice(&mut e, &mut notes, view, live, q, f);
     }
     e.notes = notes;
     e
 }
 
+/// lb.rs `maglev_entry` and `pick_slot` for the one flow `q` names: the backend a new flow
+/// of that 5-tuple gets from the frontend's table, which every node with the same seed and
+/// backends gives it too.
+fn maglev_choice(
+    e: &mut Explanation,
+    notes: &mut Vec<String>,
+    view: &View,
+    live: &impl Live,
+    q: &Query,
+    f: &ViewFrontend,
+) {
+    let Some((src, Some(sport))) = q.src else {
+        notes.push(
+            "--src ADDR:PORT names the one backend the Maglev table gives that flow".to_string(),
+        );
+        return;
+    };
+    let random = "so the kernel chooses at random (counted maglev_missing)";
+    let Some((offset, size, seed)) = f.maglev.filter(|t| t.1 != 0) else {
+        e.warnings.push(format!(
+            "the frontend is marked for Maglev but generation {} has no table index entry, {random}",
+            f.rev
+        ));
+        return;
+    };
+    let h = svc_common::maglev_flow_hash(
+        &addr16(src),
+        &addr16(q.dst.ip()),
+        sport.to_be(),
+        q.dst.port().to_be(),
+        q.proto.protocol().ipproto(),
+        seed,
+    ) % size;
+    let Some(entry) = live.maglev_entry(offset.wrapping_add(h)) else {
+        e.warnings.push(format!(
+            "entry {} of the Maglev array (the table's {h}) is not there, {random}",
+            offset.wrapping_add(h)
+        ));
+        return;
+    };
+    let slot = entry as usize % f.count as usize;
+    match f.slots.get(slot).and_then(|id| view.backends.get(id)) {
+        Some((b, _)) => {
+            e.reason = format!(
+                "slot {} of {} of generation {}: entry {h} of its {size}-entry Maglev table \
+                 for this flow's hash",
+                slot + 1,
+                f.count,
+                f.rev
+            );
+            e.backends = vec![*b];
+        }
+        None => e.warnings.push(format!(
+            "the Maglev table gives slot {} of generation {}, which the maps do not hold (an \
+             update in flight): the kernel would retry or refuse",
+            slot + 1,
+            f.rev
+        )),
+    }
+}
+
 /// The pinned maps as a `Live`: the affinity map and both conntrack tables.
 pub struct PinnedLive {
     affinity: HashMap<AffinityKey, AffinityValue>,
+    maglev: Option<aya::maps::Array<MapData, svc_common::MaglevBlock>>,
     ct: Vec<(&'static str, BpfHashMap<MapData, CtKey, CtValue>)>,
     now_ns: u64,
 }
@@ -586,8 +655,14 @@ impl PinnedLive {
                 ct.push((svc_common::map_names::CT_NEW, h));
             }
         }
+        let maglev = store
+            .maglev
+            .as_ref()
+            .and_then(|a| reopen(aya::maps::IterableMap::map(a)))
+            .and_then(|m| aya::maps::Array::try_from(Map::Array(m)).ok());
         PinnedLive {
             affinity,
+            maglev,
             ct,
             now_ns: crate::sys::coarse_now_ns(),
         }
@@ -607,6 +682,11 @@ impl Live for PinnedLive {
         self.ct
             .iter()
             .find_map(|(name, m)| m.get(key, 0).ok().map(|v| (*name, v)))
+    }
+
+    fn maglev_entry(&self, pos: u32) -> Option<u16> {
+        let block = self.maglev.as_ref()?.get(&(pos / MAGLEV_BLOCK), 0).ok()?;
+        block.entries.get((pos % MAGLEV_BLOCK) as usize).copied()
     }
 }
 
@@ -841,6 +921,9 @@ mod tests {
         fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
             None
         }
+        fn maglev_entry(&self, _: u32) -> Option<u16> {
+            None
+        }
     }
 
     struct OneAffinity(AffinityKey, AffinityValue);
@@ -854,6 +937,87 @@ mod tests {
         fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
             None
         }
+        fn maglev_entry(&self, _: u32) -> Option<u16> {
+            None
+        }
+    }
+
+    /// A Maglev array whose every entry is the first field, but for the positions of the second.
+    struct Table(u16, Vec<u32>);
+    impl Live for Table {
+        fn now_ns(&self) -> u64 {
+            100_000_000_000
+        }
+        fn affinity(&self, _: &AffinityKey) -> Option<AffinityValue> {
+            None
+        }
+        fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
+            None
+        }
+        fn maglev_entry(&self, pos: u32) -> Option<u16> {
+            (!self.1.contains(&pos)).then_some(self.0)
+        }
+    }
+
+    #[test]
+    fn maglev_names_the_one_backend_of_a_flow() {
+        let mut v = view();
+        let lb = fe("203.0.113.8", 80, Scope::External);
+        v.node_addrs
+            .insert(ip("203.0.113.8"), node_addr_flags::EXTERNAL);
+        v.frontends.insert(
+            lb,
+            ViewFrontend {
+                name: "default/mg:http".into(),
+                id: 6,
+                rev: 2,
+                count: 2,
+                flags: svc_flags::LOAD_BALANCER | svc_flags::MAGLEV,
+                slots: vec![1, 2],
+                maglev: Some((64, 13, 7)),
+                ..Default::default()
+            },
+        );
+        let query = |src| q("203.0.113.8:80", src, From::Outside);
+        // Entry 3: slot 2 (3 % 2 + 1), backend 2, whatever the flow's hash.
+        let e = explain(&v, &Table(3, vec![]), &query(Some("198.51.100.4:40000")));
+        assert_eq!(e.verdict, "backend");
+        assert_eq!(e.backends, vec!["10.1.0.2:8080".parse().unwrap()]);
+        assert!(
+            e.reason.starts_with("slot 2 of 2 of generation 2"),
+            "{}",
+            e.reason
+        );
+        let e = explain(&v, &Table(4, vec![]), &query(Some("198.51.100.4:40000")));
+        assert_eq!(e.backends, vec!["10.1.0.1:8080".parse().unwrap()]);
+        // Without a source port: both slots, and how to ask for the one.
+        let e = explain(&v, &Table(3, vec![]), &query(Some("198.51.100.4")));
+        assert_eq!(e.backends.len(), 2);
+        assert!(
+            e.notes.iter().any(|n| n.contains("--src ADDR:PORT")),
+            "{:?}",
+            e.notes
+        );
+        // The flow's entry missing: the kernel's random choice, said as a warning.
+        let h = svc_common::maglev_flow_hash(
+            &addr16(ip("198.51.100.4")),
+            &addr16(ip("203.0.113.8")),
+            40000u16.to_be(),
+            80u16.to_be(),
+            Protocol::Tcp.ipproto(),
+            7,
+        ) % 13;
+        let e = explain(
+            &v,
+            &Table(3, vec![64 + h]),
+            &query(Some("198.51.100.4:40000")),
+        );
+        assert_eq!(e.backends.len(), 2);
+        assert!(
+            e.warnings.iter().any(|w| w.contains("at random")),
+            "{:?}",
+            e.warnings
+        );
     }
 
     fn ip(s: &str) -> IpAddr {

@@ -5661,14 +5661,13 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
             Echo::start(ns, &format!("b{}", i + 1), &[v4.as_str()], 8080, 5353)
         })
         .collect();
-    let ask = |t: &Topo, via: &str| -> Vec<String> {
-        t.client
-            .ip(["route", "replace", "10.77.100.0/24", "via", via])
-            .expect("the client's route");
+    // Each flow's answer, one client port a flow, from the client to the ExternalIP's UDP port.
+    let answers = |t: &Topo, ports: Vec<u16>| -> Vec<String> {
         in_ns(&t.client, move || {
-            (0..400u16)
-                .map(|i| {
-                    let s = UdpSocket::bind(sa(CLIENT, 41000 + i)).expect("a client port");
+            ports
+                .iter()
+                .map(|p| {
+                    let s = UdpSocket::bind(sa(CLIENT, *p)).expect("a client port");
                     s.set_read_timeout(Some(Duration::from_millis(500)))
                         .unwrap();
                     let mut buf = [0u8; 512];
@@ -5680,10 +5679,16 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
                             return parse_answer(&text).expect("an answer").backend;
                         }
                     }
-                    panic!("flow from port {} unanswered", 41000 + i)
+                    panic!("flow from port {p} unanswered")
                 })
                 .collect()
         })
+    };
+    let ask = |t: &Topo, via: &str| -> Vec<String> {
+        t.client
+            .ip(["route", "replace", "10.77.100.0/24", "via", via])
+            .expect("the client's route");
+        answers(t, (41000..41400).collect())
     };
     let via1 = ask(&t, NODE1);
     let via2 = ask(&t, NODE2);
@@ -5701,6 +5706,52 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
     t.client
         .ip(["route", "replace", "10.77.100.0/24", "via", NODE1])
         .expect("the client's route back");
+
+    // `svc-agent explain` names the one backend the table gives a flow not yet sent (no
+    // conntrack entry answers for it), on either node's pins: what the flow then reaches.
+    let name_of = |addr: &str| -> String {
+        let i = pods(4)
+            .iter()
+            .position(|(v4, _, _)| addr == format!("{v4}:5353"))
+            .unwrap_or_else(|| panic!("explain named {addr}, no backend of the Service"));
+        format!("b{}", i + 1)
+    };
+    let explained = |bpffs: &std::path::Path, port: u16| -> String {
+        let out = std::process::Command::new(&t.tools.agent)
+            .arg("explain")
+            .arg("--bpffs")
+            .arg(bpffs)
+            .args(["--dst", &format!("{EXTERNAL_IP}:53"), "--proto", "udp"])
+            .args(["--from", "outside", "--src", &format!("{CLIENT}:{port}")])
+            .args(["-o", "json"])
+            .output()
+            .expect("running svc-agent explain");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let e: Value = serde_json::from_slice(&out.stdout).expect("explain's JSON");
+        let reason = e["reason"].as_str().unwrap_or_default();
+        assert!(reason.contains("Maglev table"), "port {port}: {e:#}");
+        let b = e["backends"].as_array().expect("backends");
+        assert_eq!(b.len(), 1, "port {port}: one backend, {e:#}");
+        name_of(b[0].as_str().unwrap())
+    };
+    let ports: Vec<u16> = (43000..43030).collect();
+    let said: Vec<String> = ports
+        .iter()
+        .map(|p| explained(t.bpffs.path(), *p))
+        .collect();
+    let said2: Vec<String> = ports.iter().map(|p| explained(bpffs2.path(), *p)).collect();
+    assert_eq!(said, said2, "explain on node 1 and node 2");
+    let got = answers(&t, ports);
+    assert_eq!(
+        said, got,
+        "explain's backend per flow, then what each flow reached"
+    );
+    let distinct: BTreeSet<&String> = said.iter().collect();
+    assert!(distinct.len() > 1, "30 flows over 4 backends: {distinct:?}");
 
     endpoints(&t, 5);
     let (one5, two5) = both(5);
