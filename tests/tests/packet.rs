@@ -5487,7 +5487,13 @@ fn link_nodes(t: &Topo, dev: &str, net: u8, to_pod2: bool) {
     }
     if to_pod2 {
         t.node1
-            .ip(["route", "add", &format!("{POD2}/32"), "via", &format!("10.{net}.0.2")])
+            .ip([
+                "route",
+                "add",
+                &format!("{POD2}/32"),
+                "via",
+                &format!("10.{net}.0.2"),
+            ])
             .expect("pod 2 over the second link");
         t.node1
             .ip([
@@ -5637,16 +5643,22 @@ fn xdp_targets(t: &Topo) -> Option<BTreeSet<u32>> {
     if !pin.exists() {
         return None;
     }
-    let data = aya::maps::MapData::from_pin(&pin)
-        .unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    let data =
+        aya::maps::MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
     let map = aya::maps::DevMapHash::<_>::try_from(aya::maps::Map::DevMapHash(data))
         .expect("SVC_XDP_DEVS is a DEVMAP_HASH");
     let mut out = BTreeSet::new();
     for key in map.keys() {
         let key = key.expect("a key of SVC_XDP_DEVS");
         let value = map.get(key, 0).expect("its value");
-        assert_eq!(value.if_index, key, "SVC_XDP_DEVS [{key}] redirects elsewhere");
-        assert!(value.prog_id.is_none(), "SVC_XDP_DEVS [{key}] chains a program");
+        assert_eq!(
+            value.if_index, key,
+            "SVC_XDP_DEVS [{key}] redirects elsewhere"
+        );
+        assert!(
+            value.prog_id.is_none(),
+            "SVC_XDP_DEVS [{key}] chains a program"
+        );
         out.insert(key);
     }
     Some(out)
