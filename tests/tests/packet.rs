@@ -5475,6 +5475,335 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     );
 }
 
+/// A second link between the nodes, `dev` on both (node 1 10.`net`.0.1/24 and fd`net`::1/64,
+/// node 2 .2 and ::2), over which node 1 routes pod 2 in both families when `to_pod2` (more
+/// specific routes than the lan's); node 2 reaches node 1's addresses there on the link, so
+/// pod 2's replies to them come back by it.
+fn link_nodes(t: &Topo, dev: &str, net: u8, to_pod2: bool) {
+    veth_pair(&t.node1, dev, &t.node2, dev).expect("a second link between the nodes");
+    for (ns, host) in [(&t.node1, 1), (&t.node2, 2)] {
+        ns.add_addr(dev, &format!("10.{net}.0.{host}/24")).unwrap();
+        ns.add_addr(dev, &format!("fd{net}::{host}/64")).unwrap();
+    }
+    if to_pod2 {
+        t.node1
+            .ip([
+                "route",
+                "add",
+                &format!("{POD2}/32"),
+                "via",
+                &format!("10.{net}.0.2"),
+            ])
+            .expect("pod 2 over the second link");
+        t.node1
+            .ip([
+                "-6",
+                "route",
+                "add",
+                &format!("{POD2_6}/128"),
+                "via",
+                &format!("fd{net}::2"),
+            ])
+            .expect("pod 2 over the second link, IPv6");
+    }
+}
+
+/// The counters of a flow that comes in by node 1's eth0 and leaves by eth1.
+const REDIRECT_ETH0: &str = "svc_packet_decisions_total{device=\"eth0\",reason=\"xdp_redirect\"}";
+const REDIRECT_REPLY_ETH1: &str =
+    "svc_packet_decisions_total{device=\"eth1\",reason=\"xdp_redirect_reply\"}";
+const XDP_REPLY_ETH1: &str = "svc_packet_decisions_total{device=\"eth1\",reason=\"xdp_reply\"}";
+const PASS_ROUTE_ETH0: &str =
+    "svc_packet_decisions_total{device=\"eth0\",reason=\"xdp_pass_route\"}";
+const TC_REPLY_ETH1_: &str = "svc_packet_decisions_total{device=\"eth1\",reason=\"reply\"}";
+
+/// A UDP socket of `to`'s family in the client's namespace, connected to `to`.
+fn udp_connected(ns: &NetNs, to: SocketAddr) -> UdpSocket {
+    in_ns(ns, move || {
+        let any: SocketAddr = if to.is_ipv4() {
+            "0.0.0.0:0".parse().unwrap()
+        } else {
+            "[::]:0".parse().unwrap()
+        };
+        let s = UdpSocket::bind(any).expect("bind");
+        s.connect(to).expect("connect");
+        s.set_read_timeout(Some(ANSWER)).expect("timeout");
+        s
+    })
+}
+
+/// The IPv6 and UDP sides of `a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp`
+/// (IPv4 TCP): a NodePort TCP connection over IPv6, and a UDP flow over IPv4 and over IPv6,
+/// coming in by node 1's `eth0` with pod 2 routed through `eth1`, are sent on at XDP with a
+/// redirect into `eth1` from their first packet, and pod 2's replies coming back on `eth1` are
+/// redirected into `eth0` (`--devices eth0,eth1 --xdp-mode native`, each veth's far end
+/// running an XDP program): every exchange is answered, pod 2 sees node 1's `eth1` address of
+/// the family (the route's source, SNATed), and each flow's packets move `xdp_new`,
+/// `xdp_ct_hit` and `xdp_redirect` under eth0 and `xdp_reply` and `xdp_redirect_reply` under
+/// eth1 by at least the packets exchanged, tc seeing (nearly) none of them.
+#[test]
+fn ipv6_and_udp_nodeport_flows_leaving_by_another_device_are_redirected_at_xdp() {
+    let mut t = Topo::new();
+    let _peer = xdp_ready(&t);
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    link_nodes(&t, "eth1", 79, true);
+    let _peer2 = svc_tests::xdp::XdpPass::attach(&t.node2, "eth1").expect("XDP on eth1's peer");
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--xdp-mode",
+        "native",
+        "--devices",
+        "eth0,eth1",
+    ]);
+    for dev in ["eth0", "eth1"] {
+        let pin = t.bpffs.path().join(format!("link_xdp_native_{dev}"));
+        assert!(pin.exists(), "native XDP on {dev}: {:?}", t.bpffs.entries());
+    }
+    let families = [(NODE1, ip("10.79.0.1")), (NODE1_6, ip("fd79::1"))];
+    // The first flows may find a neighbour entry missing (tc resolves it): not counted below.
+    for (node, snat) in families {
+        let np = sa(node, 30082);
+        for _ in 0..2 {
+            let got = answered(&t.client, &format!("TCP to {np}"), move || {
+                tcp_once(np, ANSWER)
+            });
+            assert_eq!((got.backend.as_str(), got.saw), ("pod2", snat), "{got:?}");
+            let got = answered(&t.client, &format!("UDP to {np}"), move || {
+                udp_once(np, ANSWER)
+            });
+            assert_eq!((got.backend.as_str(), got.saw), ("pod2", snat), "{got:?}");
+        }
+    }
+    let counts = |t: &Topo| {
+        [
+            XDP_NEW,
+            XDP_CT_HIT,
+            REDIRECT_ETH0,
+            XDP_REPLY_ETH1,
+            REDIRECT_REPLY_ETH1,
+            PASS_ROUTE_ETH0,
+            TC_NEW,
+            TC_CT_HIT,
+            TC_REPLY_ETH1_,
+        ]
+        .map(|l| node1_metric(t, l))
+    };
+    const N: u64 = 20;
+    for (what, node, snat, tcp) in [
+        ("TCP over IPv6", NODE1_6, families[1].1, true),
+        ("UDP over IPv4", NODE1, families[0].1, false),
+        ("UDP over IPv6", NODE1_6, families[1].1, false),
+    ] {
+        let np = sa(node, 30082);
+        let b = counts(&t);
+        if tcp {
+            let c = in_ns(&t.client, move || {
+                TcpStream::connect_timeout(&np, ANSWER).expect("a connection")
+            });
+            for i in 0..N {
+                let a = exchange(&c).unwrap_or_else(|e| panic!("{what}: exchange {i}: {e}"));
+                assert_eq!((a.backend.as_str(), a.saw), ("pod2", snat), "{what}: {i}");
+            }
+        } else {
+            let s = udp_connected(&t.client, np);
+            for i in 0..N {
+                let a = ask_udp(&s).unwrap_or_else(|e| panic!("{what}: datagram {i}: {e}"));
+                assert_eq!((a.backend.as_str(), a.saw), ("pod2", snat), "{what}: {i}");
+            }
+        }
+        let a = counts(&t);
+        let d: Vec<u64> = a.iter().zip(&b).map(|(a, b)| a - b).collect();
+        // The client's packets: TCP's SYN and N data segments (its ACKs on top), UDP's N
+        // datagrams, the first of them starting the flow. Pod 2's: TCP's SYN-ACK and N
+        // answers, UDP's N answers.
+        let (sent, known) = if tcp { (N + 1, N) } else { (N, N - 1) };
+        assert!(
+            d[0] >= 1 && d[1] >= known && d[2] >= sent,
+            "{what}: the flow started at XDP and its {sent} client packets redirected into \
+             eth1 (xdp_new, xdp_ct_hit, xdp_redirect): {b:?} -> {a:?}"
+        );
+        assert!(
+            d[3] >= sent && d[4] >= sent,
+            "{what}: pod 2's {sent} replies redirected into eth0 (xdp_reply, \
+             xdp_redirect_reply): {b:?} -> {a:?}"
+        );
+        assert!(
+            d[5] < 4 && d[6] == 0 && d[7] < 4 && d[8] < 4,
+            "{what}: passed to tc (nearly) never: {b:?} -> {a:?}"
+        );
+    }
+}
+
+/// The redirect targets pinned in `SVC_XDP_DEVS` (ifindexes), each checked to name itself as
+/// the kernel's `struct bpf_devmap_val` it holds; None while the map is not pinned.
+fn xdp_targets(t: &Topo) -> Option<BTreeSet<u32>> {
+    let pin = svc_agent::datapath::map_pin(t.bpffs.path(), svc_common::map_names::XDP_DEVS);
+    if !pin.exists() {
+        return None;
+    }
+    let data =
+        aya::maps::MapData::from_pin(&pin).unwrap_or_else(|e| panic!("{}: {e}", pin.display()));
+    let map = aya::maps::DevMapHash::<_>::try_from(aya::maps::Map::DevMapHash(data))
+        .expect("SVC_XDP_DEVS is a DEVMAP_HASH");
+    let mut out = BTreeSet::new();
+    for key in map.keys() {
+        let key = key.expect("a key of SVC_XDP_DEVS");
+        let value = map.get(key, 0).expect("its value");
+        assert_eq!(
+            value.if_index, key,
+            "SVC_XDP_DEVS [{key}] redirects elsewhere"
+        );
+        assert!(
+            value.prog_id.is_none(),
+            "SVC_XDP_DEVS [{key}] chains a program"
+        );
+        out.insert(key);
+    }
+    Some(out)
+}
+
+/// The ifindexes of `devs` in node 1.
+fn node1_ifindexes(t: &Topo, devs: &[&'static str]) -> BTreeSet<u32> {
+    let devs = devs.to_vec();
+    t.node1
+        .run_in(move || {
+            devs.iter()
+                .map(|d| svc_tests::xdp::ifindex(d).expect("a device of node 1"))
+                .collect()
+        })
+        .expect("node 1")
+}
+
+/// Whether node 1's `dev` takes redirected XDP frames (`ndo-xmit` in its `xdp-features`).
+fn takes_redirects(t: &Topo, dev: &'static str) -> bool {
+    t.node1
+        .run_in(move || {
+            let i = svc_tests::xdp::ifindex(dev).expect("a device of node 1");
+            svc_agent::netdev::xdp_features(i).expect("xdp-features")
+                & svc_agent::netdev::XDP_ACT_NDO_XMIT
+                != 0
+        })
+        .expect("node 1")
+}
+
+/// `SVC_XDP_DEVS` as pinned names exactly `want` (node 1's devices), within a few of the
+/// agent's checks; the agent's log on failure.
+fn assert_targets(t: &mut Topo, want: &[&'static str], when: &str) {
+    let want = node1_ifindexes(t, want);
+    let got = poll(Duration::from_secs(5), || {
+        Ok(xdp_targets(t).filter(|got| *got == want))
+    });
+    if let Err(e) = got {
+        panic!(
+            "{when}: SVC_XDP_DEVS holds {:?}, not {want:?} ({e:#})\n{}",
+            xdp_targets(t),
+            t.agent().log()
+        );
+    }
+}
+
+/// The XDP link pins in node 1's bpffs directory, as `<mode>_<device>`.
+fn xdp_link_pins(t: &Topo) -> BTreeSet<String> {
+    svc_agent::datapath::xdp_pins(t.bpffs.path())
+        .into_iter()
+        .map(|(_, mode, dev)| format!("{mode}_{dev}"))
+        .collect()
+}
+
+/// The pinned map of XDP redirect targets (`SVC_XDP_DEVS`, docs/design/xdp.md, "Another
+/// device") names exactly the devices that carry svc's XDP program natively and take
+/// redirected frames (`ndo-xmit`): eth0 and eth1, whose veth far ends run an XDP program, not
+/// eth2, native too but whose far end runs none. It stays so while the agent is SIGKILLed and
+/// after it restarts; it follows eth1's far end losing and regaining its program within the
+/// agent's checks; it is empty with `--xdp-mode off` and right again when native comes back;
+/// and `uninstall` removes it.
+#[test]
+fn the_pinned_xdp_redirect_targets_follow_kills_and_mode_switches() {
+    let mut t = Topo::new();
+    let _peer = xdp_ready(&t);
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    link_nodes(&t, "eth1", 79, true);
+    link_nodes(&t, "eth2", 80, false);
+    let peer2 = svc_tests::xdp::XdpPass::attach(&t.node2, "eth1").expect("XDP on eth1's peer");
+    let devices = ["--devices", "eth0,eth1,eth2", "--check-interval-ms", "100"];
+    let with_mode = |mode: &'static str| {
+        let mut flags = devices.to_vec();
+        flags.extend(["--xdp-mode", mode]);
+        flags
+    };
+    let all_native: BTreeSet<String> = ["native_eth0", "native_eth1", "native_eth2"]
+        .map(String::from)
+        .into();
+
+    t.start_agent_with(&with_mode("native"));
+    assert_eq!(xdp_link_pins(&t), all_native);
+    // What the test relies on: the far ends' programs give eth0 and eth1 ndo-xmit, and eth2
+    // has none (svc's own program on a veth does not give it: the far end's does).
+    assert!(takes_redirects(&t, "eth0") && takes_redirects(&t, "eth1"));
+    assert!(!takes_redirects(&t, "eth2"), "eth2 takes redirects");
+    assert_targets(&mut t, &["eth0", "eth1"], "native");
+
+    // SIGKILL: nothing takes the map down, the links and their program stay, and the
+    // restarted agent adopts both as they are.
+    t.agent().kill().expect("SIGKILL");
+    assert_eq!(
+        xdp_targets(&t),
+        Some(node1_ifindexes(&t, &["eth0", "eth1"])),
+        "SVC_XDP_DEVS with the agent killed"
+    );
+    t.agent = None;
+    t.start_agent_with(&with_mode("native"));
+    assert_eq!(xdp_link_pins(&t), all_native);
+    assert_targets(&mut t, &["eth0", "eth1"], "native after a SIGKILL");
+
+    // eth1's far end loses its program, eth1 its ndo-xmit: out within a check, and back in
+    // when the far end has one again.
+    drop(peer2);
+    assert_targets(&mut t, &["eth0"], "eth1's peer without XDP");
+    let _peer2 = svc_tests::xdp::XdpPass::attach(&t.node2, "eth1").expect("XDP on eth1's peer");
+    assert_targets(&mut t, &["eth0", "eth1"], "eth1's peer with XDP again");
+
+    // Off (after a SIGKILL): no XDP link, no target.
+    t.agent().kill().expect("SIGKILL");
+    t.agent = None;
+    t.start_agent_with(&with_mode("off"));
+    assert_eq!(xdp_link_pins(&t), BTreeSet::new());
+    assert_targets(&mut t, &[], "off");
+
+    // Native again.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&with_mode("native"));
+    assert_eq!(xdp_link_pins(&t), all_native);
+    assert_targets(&mut t, &["eth0", "eth1"], "native after off");
+
+    // Generic: no device is a target today (the map stays empty and tc forwards what leaves
+    // by another device). This changes when generic-linked devices become targets under
+    // `--xdp-mode generic` (generic redirects): eth0 and eth1 would be expected here then.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&with_mode("generic"));
+    let all_generic: BTreeSet<String> = ["generic_eth0", "generic_eth1", "generic_eth2"]
+        .map(String::from)
+        .into();
+    assert_eq!(xdp_link_pins(&t), all_generic);
+    assert_targets(&mut t, &[], "generic");
+
+    // Off, then uninstall: the map's pin goes with the others.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&with_mode("off"));
+    assert_eq!(xdp_link_pins(&t), BTreeSet::new());
+    assert_targets(&mut t, &[], "off after generic");
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
+        .expect("uninstall");
+    assert_eq!(xdp_targets(&t), None, "SVC_XDP_DEVS pinned after uninstall");
+}
+
 // Maglev across nodes (issue 35, docs/design/maglev.md).
 
 /// The backend each flow (client address, client port) to `ip`:`port`/TCP gets through the
