@@ -256,7 +256,10 @@ impl Proxy {
                     let ext = sb.external_ns()?;
                     tx_checksum_off(ext, "ext0")?;
                     tx_checksum_off(sb.server_ns(), "vb")?;
-                    vec![XdpPass::attach(ext, "ext0")?, XdpPass::attach(sb.server_ns(), "vb")?]
+                    vec![
+                        XdpPass::attach(ext, "ext0")?,
+                        XdpPass::attach(sb.server_ns(), "vb")?,
+                    ]
                 } else {
                     Vec::new()
                 };
@@ -367,12 +370,18 @@ impl Proxy {
         let Runner::Svc { agent, .. } = &self.runner else {
             return Ok(XdpCounters::default());
         };
-        let at = agent.metrics_addr().context("the agent's /metrics address")?;
+        let at = agent
+            .metrics_addr()
+            .context("the agent's /metrics address")?;
         let (status, text) = self
             .sb
             .client_ns()
             .run_in(|| crate::agent::http_get(at, "/metrics"))??;
-        ensure!(status == 200, "GET /metrics of {}: {status}", self.kind.label());
+        ensure!(
+            status == 200,
+            "GET /metrics of {}: {status}",
+            self.kind.label()
+        );
         Ok(XdpCounters::parse(&text))
     }
 
@@ -800,9 +809,10 @@ pub fn judge(row: &Row, intended: &[IntendedDifference]) -> (Vec<String>, Vec<us
             if cell.outcome == mine.outcome {
                 continue;
             }
-            match intended.iter().position(|d| {
-                d.covers(&row.check, proxy, &mine.outcome.text, &cell.outcome.text)
-            }) {
+            match intended
+                .iter()
+                .position(|d| d.covers(&row.check, proxy, &mine.outcome.text, &cell.outcome.text))
+            {
                 Some(i) => used.push(i),
                 None => unexplained.push(format!(
                     "{}: {ours} saw `{}`, {proxy} saw `{}`",

@@ -108,7 +108,16 @@ impl XdpPass {
 pub fn tx_checksum_off(ns: &NetNs, dev: &str) -> Result<()> {
     crate::sys::run(
         "ip",
-        ["netns", "exec", ns.name(), "ethtool", "-K", dev, "tx", "off"],
+        [
+            "netns",
+            "exec",
+            ns.name(),
+            "ethtool",
+            "-K",
+            dev,
+            "tx",
+            "off",
+        ],
     )
     .with_context(|| format!("transmit checksum offload off on {dev} in {}", ns.name()))?;
     Ok(())

@@ -1,9 +1,9 @@
 //! Differential parity with the real kube-proxy: every scenario is written once and runs against
 //! svc, svc with native XDP on its packet devices (`svc-xdp`), and kube-proxy (iptables mode on
 //! both iptables backends, Debian's default iptables-nft and iptables-legacy, and nftables
-//! mode; `SVC_PARITY_PROXIES` chooses fewer, e.g. `svc,svc-xdp,nftables`), all at once, on one API server, with the same objects and the same
-//! client probes. See
-//! `svc_tests::parity` for the topology and what an outcome is.
+//! mode; `SVC_PARITY_PROXIES` chooses fewer, e.g. `svc,svc-xdp,nftables`), all at once, on one
+//! API server, with the same objects and the same client probes. See `svc_tests::parity` for
+//! the topology, the XDP column and what an outcome is.
 //!
 //! Each scenario is a test of its own (libtest-mimic, as `kube.rs`): `cargo test -p svc-tests
 //! --test parity -- topology` runs one. A scenario fails when svc's outcome differs from a
@@ -506,8 +506,9 @@ fn write_table(
                  `xdp_redirect`, `xdp_redirect_reply` those of them sent out of the other \
                  device) and packets passed to tc (`xdp_pass_new`: a new flow tc decides, \
                  such as a source range's or a sessionAffinity's; `xdp_pass_local`: to an \
-                 endpoint on this node; `xdp_pass_route`: a route XDP cannot take). Scenarios \
-                 with checks from the node alone counted nothing and are left out.\n\n\
+                 endpoint on this node; `xdp_pass_route`: a route XDP cannot take). A scenario \
+                 with checks from the node alone is left out when XDP counted nothing in \
+                 it.\n\n\
                  {xdp_table}"
             ),
         )
