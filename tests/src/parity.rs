@@ -11,6 +11,7 @@
 //!
 //! ```text
 //!   svc:           external ns ──up0── client ns (svc-agent, client in svc's cgroup) ──vc── backend ns (b1..b8)
+//!   svc-xdp:       external ns ──up0── client ns (svc-agent --xdp-mode native)       ──vc── backend ns (b1..b8)
 //!   kube-proxy X:  external ns ──up0── client ns (kube-proxy runs here)              ──vc── backend ns (b1..b8)
 //! ```
 //!
@@ -30,6 +31,29 @@
 //! its tc programs on `up0` and `vc`, so the packet datapath serves that traffic; kube-proxy's
 //! PREROUTING rules serve it in its namespace.
 //!
+//! # The XDP column
+//!
+//! `svc-xdp` ([`ProxyKind::SvcXdp`]) is svc once more, with a sandbox and an agent of its
+//! own, started with `--xdp-mode native`: its XDP program runs at the driver's hook of `up0`
+//! and `vc`, before the tc programs, finishes what it can (new flows to another node's
+//! endpoint, the packets of flows it knows and their replies, sent out with `XDP_TX` or a
+//! redirect into the other device) and passes the rest to tc untouched. Native XDP on a veth
+//! needs an XDP program on the far end (`XdpPass` on `ext0` and `vb`: without one the frames
+//! sent into it wait unseen, and the agent does not redirect into it), and complete checksums
+//! from the senders (transmit checksum offload off on `ext0` and `vb`), as
+//! docs/design/xdp.md ("Known problems") says; the agent's link pins must say `native`.
+//!
+//! It applies to traffic from outside (NodePorts, ExternalIPs, LoadBalancer IPs), which meets
+//! XDP. The checks from the node run there too rather than being left blank: the column is the
+//! same agent with the same socket programs, so its outcome must be svc's, and a difference
+//! (XDP's devices or the far ends' programs disturbing the node's own traffic) fails the row.
+//! Every row of the XDP column must equal svc's; where svc differs from kube-proxy the same
+//! entries of `tests/intended-differences.yaml` cover the XDP column (an entry's `svc` is the
+//! outcome of either). A column whose traffic silently went through tc would show tc's
+//! outcomes under XDP's name, so the suite reads the agent's XDP counters
+//! ([`Proxy::xdp_counters`]) before and after each scenario and fails when XDP sent on none of
+//! the packets of the checks from outside.
+//!
 //! Every proxy plays the same node (`NODE`): one Node object, whose InternalIPs are the client
 //! addresses and whose zone label the topology scenarios set. All proxies watch one API server
 //! at once, so a change is written once and each proxy's time to follow it is measured from the
@@ -44,8 +68,9 @@
 //! and how the others failed (refused, rejected with EPERM, timed out, unreachable), plus any
 //! address that was not what a client of kube-proxy would see (`getpeername()`/the reply's
 //! source not the ClusterIP; the backend seeing another source address than the client's).
-//! Outcomes are compared as text across proxies; a difference between svc and a kube-proxy
-//! column fails unless `tests/intended-differences.yaml` lists it, with its reason.
+//! Outcomes are compared as text across proxies; a difference between svc (or its XDP column)
+//! and a kube-proxy column fails unless `tests/intended-differences.yaml` lists it, with its
+//! reason, and so does any difference between svc's two columns.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -54,7 +79,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -65,6 +90,7 @@ use crate::{
     procs::Backend,
     sandbox::{Sandbox, AGENT_READY_TIMEOUT, UPLINK},
     sys::{TempDir, Tools},
+    xdp::{tx_checksum_off, XdpPass},
 };
 
 /// The node every proxy plays.
@@ -74,14 +100,22 @@ pub const NODE: &str = "parity-node";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ProxyKind {
     Svc,
+    /// svc with `--xdp-mode native` on its packet devices (the uplink and `vc`): its own
+    /// agent in a sandbox of its own, as svc's.
+    SvcXdp,
     KubeProxy(Mode),
 }
 
+/// The id of the XDP column ([`ProxyKind::SvcXdp`]).
+pub const SVC_XDP: &str = "svc-xdp";
+
 impl ProxyKind {
-    /// `svc`, `kube-proxy-iptables-nft`, `kube-proxy-iptables-legacy`, `kube-proxy-nftables`.
+    /// `svc`, `svc-xdp`, `kube-proxy-iptables-nft`, `kube-proxy-iptables-legacy`,
+    /// `kube-proxy-nftables`.
     pub fn id(self) -> &'static str {
         match self {
             ProxyKind::Svc => "svc",
+            ProxyKind::SvcXdp => SVC_XDP,
             ProxyKind::KubeProxy(m) => m.id(),
         }
     }
@@ -89,16 +123,29 @@ impl ProxyKind {
     pub fn label(self) -> String {
         match self {
             ProxyKind::Svc => "svc".into(),
+            ProxyKind::SvcXdp => "svc (XDP native)".into(),
             ProxyKind::KubeProxy(m) => m.label(),
         }
     }
 
     pub fn parse(id: &str) -> Option<ProxyKind> {
-        if id == "svc" {
-            return Some(ProxyKind::Svc);
+        match id {
+            "svc" => Some(ProxyKind::Svc),
+            SVC_XDP => Some(ProxyKind::SvcXdp),
+            _ => Mode::parse(id).map(ProxyKind::KubeProxy),
         }
-        Mode::parse(id).map(ProxyKind::KubeProxy)
     }
+
+    /// One of svc's columns (svc, svc with XDP), whose outcomes the table compares with
+    /// kube-proxy's.
+    pub fn is_svc(self) -> bool {
+        matches!(self, ProxyKind::Svc | ProxyKind::SvcXdp)
+    }
+}
+
+/// Whether the column `id` is one of svc's ([`ProxyKind::is_svc`]).
+pub fn is_svc_id(id: &str) -> bool {
+    ProxyKind::parse(id).is_some_and(ProxyKind::is_svc)
 }
 
 /// What runs the proxy.
@@ -110,6 +157,9 @@ enum Runner {
         agent: Agent,
         _bpffs: Bpffs,
         _api: Option<(ApiRelay, TempDir)>,
+        /// The XDP column's `XDP_PASS` programs on the far ends of its native veths: they go
+        /// after the agent, whose redirects need them.
+        _peers: Vec<XdpPass>,
     },
     KubeProxy(KubeProxy),
 }
@@ -193,7 +243,26 @@ impl Proxy {
             sb.add_uplink()?;
         }
         let runner = match kind {
-            ProxyKind::Svc if uplink => {
+            ProxyKind::Svc | ProxyKind::SvcXdp if uplink => {
+                let xdp = kind == ProxyKind::SvcXdp;
+                // Native XDP on a veth: the far end of each must run an XDP program of its own,
+                // or the frames sent into it (XDP_TX, redirects) wait in its ring unseen, and a
+                // veth without one takes no redirects at all (the agent leaves it out of
+                // SVC_XDP_DEVS and tc forwards). The senders' transmit checksum offload off:
+                // XDP rewrites a checksum incrementally, right only for a complete one, which
+                // a local socket's packet through a veth may not carry (docs/design/xdp.md,
+                // "Known problems"); a wire delivers complete ones.
+                let peers = if xdp {
+                    let ext = sb.external_ns()?;
+                    tx_checksum_off(ext, "ext0")?;
+                    tx_checksum_off(sb.server_ns(), "vb")?;
+                    vec![
+                        XdpPass::attach(ext, "ext0")?,
+                        XdpPass::attach(sb.server_ns(), "vb")?,
+                    ]
+                } else {
+                    Vec::new()
+                };
                 let bpffs = sb.bpffs()?;
                 let relay = ApiRelay::to_api_server(sb.client_ns(), cp)?;
                 let dir = TempDir::new("svc-parity-agent")?;
@@ -203,6 +272,10 @@ impl Proxy {
                     format!("--net={}", sb.client_ns().path().display()).into(),
                 ];
                 let devices = format!("{UPLINK},vc");
+                let mut args = vec!["--devices", &devices];
+                if xdp {
+                    args.extend(["--xdp-mode", "native"]);
+                }
                 let mut agent = Agent::start_kube_launched(
                     &launcher,
                     &tools.agent,
@@ -210,16 +283,32 @@ impl Proxy {
                     NODE,
                     sb.cgroup().path(),
                     bpffs.path(),
-                    &["--devices", &devices],
+                    &args,
                 )?;
                 agent.wait_ready(AGENT_READY_TIMEOUT)?;
+                if xdp {
+                    // A driver that refuses native XDP gets the generic hook, with a warning:
+                    // that would be another column than the one named.
+                    for dev in [UPLINK, "vc"] {
+                        let pin = bpffs.path().join(format!("link_xdp_native_{dev}"));
+                        ensure!(
+                            pin.exists(),
+                            "{}: no native XDP link on {dev} ({} missing); the agent's pins: {:?}",
+                            kind.label(),
+                            pin.display(),
+                            bpffs.entries()
+                        );
+                    }
+                }
                 agent.quiet();
                 Runner::Svc {
                     agent,
                     _bpffs: bpffs,
                     _api: Some((relay, dir)),
+                    _peers: peers,
                 }
             }
+            ProxyKind::SvcXdp => bail!("{}: needs the uplink", kind.label()),
             ProxyKind::Svc => {
                 let bpffs = sb.bpffs()?;
                 let mut agent = Agent::start_kube(
@@ -237,6 +326,7 @@ impl Proxy {
                     agent,
                     _bpffs: bpffs,
                     _api: None,
+                    _peers: Vec::new(),
                 }
             }
             ProxyKind::KubeProxy(mode) => {
@@ -273,9 +363,90 @@ impl Proxy {
         }
     }
 
+    /// svc's packet decisions at XDP (`svc_packet_decisions_total` of the `xdp_*` reasons,
+    /// summed over the devices), from the agent's /metrics in the node namespace; empty for
+    /// kube-proxy.
+    pub fn xdp_counters(&self) -> Result<XdpCounters> {
+        let Runner::Svc { agent, .. } = &self.runner else {
+            return Ok(XdpCounters::default());
+        };
+        let at = agent
+            .metrics_addr()
+            .context("the agent's /metrics address")?;
+        let (status, text) = self
+            .sb
+            .client_ns()
+            .run_in(|| crate::agent::http_get(at, "/metrics"))??;
+        ensure!(
+            status == 200,
+            "GET /metrics of {}: {status}",
+            self.kind.label()
+        );
+        Ok(XdpCounters::parse(&text))
+    }
+
     /// Backend `b<i>` serving TCP and UDP on `ports`, in this proxy's backend namespace.
     pub fn serve(&self, i: u8, ports: &[u16]) -> Result<Backend> {
         self.sb.backend(&format!("b{i}"), i, ports)
+    }
+}
+
+/// Packets svc's XDP program decided, by reason (`xdp_new`, `xdp_ct_hit`, `xdp_reply`, the
+/// `xdp_pass_*` ones, ...), over all devices.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct XdpCounters(pub BTreeMap<String, u64>);
+
+impl XdpCounters {
+    /// Reasons whose packets XDP itself sent on (the others it passed to tc).
+    pub const SERVED: [&'static str; 3] = ["xdp_new", "xdp_ct_hit", "xdp_reply"];
+
+    /// From a /metrics text: every `svc_packet_decisions_total{device="D",reason="xdp_*"} N`.
+    pub fn parse(metrics: &str) -> XdpCounters {
+        let mut c = BTreeMap::new();
+        for line in metrics.lines() {
+            let Some(rest) = line.strip_prefix("svc_packet_decisions_total{") else {
+                continue;
+            };
+            let Some((labels, value)) = rest.split_once("} ") else {
+                continue;
+            };
+            let reason = labels
+                .split(',')
+                .find_map(|l| l.strip_prefix("reason=\"")?.strip_suffix('"'));
+            let (Some(reason), Ok(n)) = (reason, value.trim().parse::<u64>()) else {
+                continue;
+            };
+            if reason.starts_with("xdp_") {
+                *c.entry(reason.to_string()).or_insert(0) += n;
+            }
+        }
+        XdpCounters(c)
+    }
+
+    pub fn get(&self, reason: &str) -> u64 {
+        self.0.get(reason).copied().unwrap_or(0)
+    }
+
+    /// Packets XDP sent on itself ([`Self::SERVED`]).
+    pub fn served(&self) -> u64 {
+        Self::SERVED.iter().map(|r| self.get(r)).sum()
+    }
+
+    /// What was counted since `before`.
+    pub fn since(&self, before: &XdpCounters) -> XdpCounters {
+        XdpCounters(
+            self.0
+                .iter()
+                .map(|(r, n)| (r.clone(), n.saturating_sub(before.get(r))))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+        )
+    }
+
+    pub fn add(&mut self, other: &XdpCounters) {
+        for (r, n) in &other.0 {
+            *self.0.entry(r.clone()).or_insert(0) += n;
+        }
     }
 }
 
@@ -562,7 +733,8 @@ pub struct Row {
 }
 
 /// A difference between svc and a kube-proxy that is meant, and why: an entry of
-/// `tests/intended-differences.yaml`.
+/// `tests/intended-differences.yaml`. It covers svc's XDP column too, whose outcomes must be
+/// svc's.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct IntendedDifference {
@@ -571,7 +743,7 @@ pub struct IntendedDifference {
     /// The kube-proxy column(s) it applies to: a proxy id or a prefix of ids
     /// (`kube-proxy-iptables` covers both iptables backends, `kube-proxy` every mode).
     pub proxy: String,
-    /// svc's outcome, exactly.
+    /// svc's outcome (svc's or its XDP column's), exactly.
     pub svc: String,
     /// kube-proxy's outcome, exactly.
     pub kube_proxy: String,
@@ -617,27 +789,36 @@ pub fn load_intended(path: &Path) -> Result<Vec<IntendedDifference>> {
     Ok(list)
 }
 
-/// The verdict on one row: the differences between svc and kube-proxy that no entry covers,
-/// and the entries that covered one.
+/// The verdict on one row: the differences between svc's columns and kube-proxy's that no entry
+/// covers, and between svc's two columns (svc and svc with XDP must agree: XDP passes to tc
+/// whatever it does not finish exactly as tc would), and the entries that covered one. An
+/// entry's `svc` outcome is the XDP column's too: one entry covers both.
 pub fn judge(row: &Row, intended: &[IntendedDifference]) -> (Vec<String>, Vec<usize>) {
     let mut unexplained = Vec::new();
     let mut used = Vec::new();
-    let Some(svc) = row.cells.get("svc") else {
-        return (unexplained, used);
-    };
-    for (proxy, cell) in &row.cells {
-        if proxy == "svc" || cell.outcome == svc.outcome {
-            continue;
+    if let (Some(svc), Some(xdp)) = (row.cells.get("svc"), row.cells.get(SVC_XDP)) {
+        if svc.outcome != xdp.outcome {
+            unexplained.push(format!(
+                "{}: svc saw `{}`, {SVC_XDP} saw `{}` (svc's columns must agree)",
+                row.check, svc.outcome.text, xdp.outcome.text
+            ));
         }
-        match intended
-            .iter()
-            .position(|d| d.covers(&row.check, proxy, &svc.outcome.text, &cell.outcome.text))
-        {
-            Some(i) => used.push(i),
-            None => unexplained.push(format!(
-                "{}: svc saw `{}`, {proxy} saw `{}`",
-                row.check, svc.outcome.text, cell.outcome.text
-            )),
+    }
+    for (ours, mine) in row.cells.iter().filter(|(p, _)| is_svc_id(p)) {
+        for (proxy, cell) in row.cells.iter().filter(|(p, _)| !is_svc_id(p)) {
+            if cell.outcome == mine.outcome {
+                continue;
+            }
+            match intended
+                .iter()
+                .position(|d| d.covers(&row.check, proxy, &mine.outcome.text, &cell.outcome.text))
+            {
+                Some(i) => used.push(i),
+                None => unexplained.push(format!(
+                    "{}: {ours} saw `{}`, {proxy} saw `{}`",
+                    row.check, mine.outcome.text, cell.outcome.text
+                )),
+            }
         }
     }
     (unexplained, used)
@@ -667,11 +848,14 @@ pub fn markdown(rows: &[Row], proxies: &[ProxyKind], intended: &[IntendedDiffere
                 .unwrap_or_else(|| "—".into());
             out += &format!(" {} |", cell.replace('|', "\\|"));
         }
-        let (unexplained, used) = judge(row, intended);
+        let (unexplained, mut used) = judge(row, intended);
+        // Both of svc's columns use the same entries: each once, in the order first used.
+        let mut seen = BTreeSet::new();
+        used.retain(|i| seen.insert(*i));
         let kp: BTreeSet<&str> = row
             .cells
             .iter()
-            .filter(|(p, _)| p.as_str() != "svc")
+            .filter(|(p, _)| !is_svc_id(p))
             .map(|(_, c)| c.outcome.text.as_str())
             .collect();
         let verdict = if !unexplained.is_empty() {

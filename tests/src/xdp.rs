@@ -101,3 +101,24 @@ impl XdpPass {
         })?
     }
 }
+
+/// Transmit checksum offload off on `dev` in `ns` (`ethtool -K DEV tx off`, Debian's
+/// `ethtool`): a local socket's packets through it then carry their whole checksum, as a wire's
+/// do, which XDP's incremental update needs (docs/design/xdp.md, "Known problems").
+pub fn tx_checksum_off(ns: &NetNs, dev: &str) -> Result<()> {
+    crate::sys::run(
+        "ip",
+        [
+            "netns",
+            "exec",
+            ns.name(),
+            "ethtool",
+            "-K",
+            dev,
+            "tx",
+            "off",
+        ],
+    )
+    .with_context(|| format!("transmit checksum offload off on {dev} in {}", ns.name()))?;
+    Ok(())
+}

@@ -1,9 +1,9 @@
 //! Differential parity with the real kube-proxy: every scenario is written once and runs against
-//! svc and against kube-proxy (iptables mode on both iptables backends, Debian's default
-//! iptables-nft and iptables-legacy, and nftables mode; `SVC_PARITY_PROXIES` chooses fewer,
-//! e.g. `svc,nftables`), all at once, on one API server, with the same objects and the same
-//! client probes. See
-//! `svc_tests::parity` for the topology and what an outcome is.
+//! svc, svc with native XDP on its packet devices (`svc-xdp`), and kube-proxy (iptables mode on
+//! both iptables backends, Debian's default iptables-nft and iptables-legacy, and nftables
+//! mode; `SVC_PARITY_PROXIES` chooses fewer, e.g. `svc,svc-xdp,nftables`), all at once, on one
+//! API server, with the same objects and the same client probes. See `svc_tests::parity` for
+//! the topology, the XDP column and what an outcome is.
 //!
 //! Each scenario is a test of its own (libtest-mimic, as `kube.rs`): `cargo test -p svc-tests
 //! --test parity -- topology` runs one. A scenario fails when svc's outcome differs from a
@@ -17,7 +17,10 @@
 //! and IPv6), the health check node port (its status, headers and body) and sessionAffinity
 //! for external traffic are probed from an external client in front of the node's uplink
 //! (`Sandbox::add_uplink`), outside svc's cgroup: for svc that traffic meets its tc programs
-//! (the packet datapath), for kube-proxy its PREROUTING rules, as in a cluster.
+//! (the packet datapath), for svc-xdp its XDP program first, for kube-proxy its PREROUTING
+//! rules, as in a cluster. svc-xdp's outcomes must equal svc's in every row, and the run fails
+//! when XDP sent on none of the packets of the checks from outside (the agent's counters,
+//! read around each scenario and printed after the table).
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -33,8 +36,8 @@ use svc_tests::{
     control_plane::ControlPlane,
     kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode},
     parity::{
-        self, each, judge, observe, observe_with, Cell, IntendedDifference, Outcome, Probe, Proxy,
-        ProxyKind, Row, NODE,
+        self, each, judge, observe, observe_with, Cell, IntendedDifference, Origin, Outcome, Probe,
+        Proxy, ProxyKind, Row, XdpCounters, NODE,
     },
     require_root, Backend, Tools,
 };
@@ -100,6 +103,7 @@ fn proxies_wanted() -> Result<Vec<ProxyKind>> {
             .collect(),
         Err(_) => Ok(vec![
             ProxyKind::Svc,
+            ProxyKind::SvcXdp,
             ProxyKind::KubeProxy(Mode::Iptables(IptablesBackend::Nft)),
             ProxyKind::KubeProxy(Mode::Iptables(IptablesBackend::Legacy)),
             ProxyKind::KubeProxy(Mode::Nftables),
@@ -163,6 +167,17 @@ struct Run {
     /// Each failed scenario and why, without the proxies' logs: repeated as the run's last
     /// lines, where a CI log cut to its end still shows them.
     failures: Mutex<Vec<(String, String)>>,
+    /// The XDP column's packets decided at XDP during each scenario, and how many of the
+    /// scenario's observations came from outside (the ones XDP can serve).
+    xdp: Mutex<Vec<XdpScenario>>,
+}
+
+/// What XDP did in the XDP column during one scenario.
+#[derive(Clone, Debug)]
+struct XdpScenario {
+    name: String,
+    counted: XdpCounters,
+    external_checks: u32,
 }
 
 impl Run {
@@ -186,8 +201,11 @@ impl Run {
             backends: Vec::new(),
             dirty: Default::default(),
             sentinel: Default::default(),
+            external_checks: 0,
         };
         let t = Instant::now();
+        let xdp_proxy = world.proxies.iter().find(|p| p.kind == ProxyKind::SvcXdp);
+        let xdp_before = xdp_proxy.map(Proxy::xdp_counters).transpose();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             ctx.namespace()?;
             // The sentinel's two backends (see `Ctx::settle`).
@@ -202,6 +220,30 @@ impl Run {
             Err(_) => Err("panicked".to_string()),
         };
         ctx.clean_up();
+        // The XDP column's counters over the scenario; failing to read them fails it.
+        let result = match (result, xdp_before, xdp_proxy.map(Proxy::xdp_counters)) {
+            (Err(e), _, _) => Err(e),
+            (Ok(()), Ok(Some(before)), Some(Ok(after))) => {
+                let counted = after.since(&before);
+                if verbose() {
+                    eprintln!("    {name}: XDP column counted {:?}", counted.0);
+                }
+                self.xdp
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(XdpScenario {
+                        name: name.to_string(),
+                        counted,
+                        external_checks: ctx.external_checks,
+                    });
+                Ok(())
+            }
+            (Ok(()), Ok(None), None) => Ok(()),
+            (Ok(()), Err(e), _) | (Ok(()), _, Some(Err(e))) => {
+                Err(format!("reading the XDP column's counters: {e:#}"))
+            }
+            (Ok(()), _, _) => Err("the XDP column's counters: read once only".to_string()),
+        };
         let rows = std::mem::take(&mut ctx.rows);
         let mut unexplained = Vec::new();
         for row in &rows {
@@ -219,8 +261,8 @@ impl Run {
             (Ok(()), true) => None,
             (Ok(()), false) => Some((
                 format!(
-                    "svc differs from kube-proxy, and tests/intended-differences.yaml does not \
-                     say why:\n  {}",
+                    "svc differs from kube-proxy (or its XDP column from svc), and \
+                     tests/intended-differences.yaml does not say why:\n  {}",
                     unexplained.join("\n  ")
                 ),
                 String::new(),
@@ -342,8 +384,17 @@ fn main() -> ExitCode {
                 failed = true;
             }
         }
+        let xdp = std::mem::take(&mut *run.xdp.lock().unwrap_or_else(PoisonError::into_inner));
+        let xdp_table = xdp_markdown(&xdp);
+        if !xdp.is_empty() {
+            println!("\n{xdp_table}");
+        }
+        if let Err(e) = xdp_served(&xdp) {
+            eprintln!("{e:#}");
+            failed = true;
+        }
         if let Ok(path) = std::env::var("SVC_PARITY_TABLE") {
-            if let Err(e) = write_table(std::path::Path::new(&path), &table, &kinds) {
+            if let Err(e) = write_table(std::path::Path::new(&path), &table, &xdp_table, &kinds) {
                 eprintln!("writing {path}: {e:#}");
                 failed = true;
             }
@@ -366,8 +417,104 @@ fn main() -> ExitCode {
     conclusion.exit_code()
 }
 
-fn write_table(path: &std::path::Path, table: &str, kinds: &[ProxyKind]) -> Result<()> {
+/// The XDP column must have been served by XDP: a column whose traffic from outside all went
+/// through tc would show tc's outcomes under XDP's name, and could never fail for XDP. So over
+/// the scenarios with observations from outside, XDP must have sent packets on itself
+/// (`xdp_new`, `xdp_ct_hit`, `xdp_reply`).
+fn xdp_served(xdp: &[XdpScenario]) -> Result<()> {
+    let external: u32 = xdp.iter().map(|s| s.external_checks).sum();
+    if external == 0 {
+        return Ok(());
+    }
+    let mut total = XdpCounters::default();
+    for s in xdp.iter().filter(|s| s.external_checks > 0) {
+        total.add(&s.counted);
+    }
+    ensure!(
+        total.served() > 0,
+        "the XDP column: XDP sent none of the packets of {external} observations from outside \
+         (counted at XDP: {:?}); tc served them all, so the column says nothing about XDP",
+        total.0
+    );
+    Ok(())
+}
+
+/// What XDP did in the XDP column, scenario by scenario, as Markdown.
+fn xdp_markdown(xdp: &[XdpScenario]) -> String {
+    let mut reasons: std::collections::BTreeSet<&str> = XdpCounters::SERVED.into();
+    for s in xdp {
+        reasons.extend(s.counted.0.keys().map(String::as_str));
+    }
+    let mut out = String::from("| scenario | checks from outside |");
+    for r in &reasons {
+        out += &format!(" `{r}` |");
+    }
+    out += "\n|---|---|";
+    for _ in &reasons {
+        out += "---|";
+    }
+    out += "\n";
+    let mut total = XdpCounters::default();
+    for s in xdp {
+        total.add(&s.counted);
+        // Scenarios from the node alone: nothing for XDP, nothing to show.
+        if s.external_checks == 0 && s.counted.0.is_empty() {
+            continue;
+        }
+        out += &format!("| `{}` | {} |", s.name, s.external_checks);
+        for r in &reasons {
+            out += &format!(" {} |", s.counted.get(r));
+        }
+        out += "\n";
+    }
+    let external: u32 = xdp.iter().map(|s| s.external_checks).sum();
+    out += &format!("| all | {external} |");
+    for r in &reasons {
+        out += &format!(" {} |", total.get(r));
+    }
+    out += "\n";
+    out
+}
+
+fn write_table(
+    path: &std::path::Path,
+    table: &str,
+    xdp_table: &str,
+    kinds: &[ProxyKind],
+) -> Result<()> {
     let proxies: Vec<String> = kinds.iter().map(|k| k.label()).collect();
+    let (xdp_intro, xdp_after) = if kinds.contains(&ProxyKind::SvcXdp) {
+        (
+            "The column svc (XDP native) is svc again, in a sandbox of its own, with \
+             `--xdp-mode native` on both packet devices (the uplink and the device towards the \
+             backends), as on a node whose NICs run XDP: traffic from outside meets svc's XDP \
+             program first, which finishes what it can (new flows to another node's endpoint, \
+             packets of the flows it knows, their replies) and passes the rest to the tc \
+             programs untouched (docs/design/xdp.md). The checks from the node itself run there \
+             too, through the same socket programs as svc's. Its outcomes must equal svc's in \
+             every row (a difference fails the test, whatever kube-proxy saw); where they differ \
+             from kube-proxy's, svc's entries in `tests/intended-differences.yaml` cover it. \
+             What XDP did in that column is in the table after the notes; the run fails when \
+             XDP sent on none of the packets of the checks from outside, as a column served by \
+             tc alone would.\n\n"
+                .to_string(),
+            format!(
+                "\nWhat XDP did in the svc (XDP native) column, scenario by scenario (the \
+                 agent's `svc_packet_decisions_total`, summed over both devices, read before \
+                 and after each scenario): packets sent on at XDP (`xdp_new` a new flow's \
+                 first, `xdp_ct_hit` a known flow's, `xdp_reply` a backend's reply; \
+                 `xdp_redirect`, `xdp_redirect_reply` those of them sent out of the other \
+                 device) and packets passed to tc (`xdp_pass_new`: a new flow tc decides, \
+                 such as a source range's or a sessionAffinity's; `xdp_pass_local`: to an \
+                 endpoint on this node; `xdp_pass_route`: a route XDP cannot take). A scenario \
+                 with checks from the node alone is left out when XDP counted nothing in \
+                 it.\n\n\
+                 {xdp_table}"
+            ),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     let text = format!(
         "# svc and kube-proxy side by side\n\n\
          Written by `cargo xtask parity --write` (`tests/tests/parity.rs`) on {machine}, {date}: \
@@ -395,7 +542,7 @@ fn write_table(path: &std::path::Path, table: &str, kinds: &[ProxyKind]) -> Resu
          HTTP status and the fields of the JSON answer; a `-head` row shows the status line, \
          the values of the headers kube-proxy sets and the names of the others, a `-body` row \
          every field of the JSON body and whether the body is, byte for byte, kube-proxy's \
-         template for those fields.\n\n{table}",
+         template for those fields.\n\n{xdp_intro}{table}{xdp_after}",
         machine = svc_tests::report::machine(),
         date = svc_tests::report::today(),
         proxies = proxies.join(", "),
@@ -419,6 +566,8 @@ struct Ctx<'a> {
     dirty: std::cell::Cell<bool>,
     /// Times the sentinel Service was moved (see `settle`), and its ClusterIP.
     sentinel: std::cell::Cell<(u32, Option<IpAddr>)>,
+    /// Checks of this scenario probed from outside (for the XDP column's counters).
+    external_checks: u32,
 }
 
 impl Ctx<'_> {
@@ -609,6 +758,9 @@ impl Ctx<'_> {
         expect: &[&str],
         since: Option<Instant>,
     ) -> Result<()> {
+        if probe.from == Origin::External {
+            self.external_checks += 1;
+        }
         self.check_with(check, what, |p| probe.run(p), expect, since)
     }
 

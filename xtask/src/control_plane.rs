@@ -539,7 +539,8 @@ const HARNESS_TOOLS: &[(&str, &str)] = &[
     ("conntrack", "conntrack"),
     // The image test (tests/tests/image.rs) builds the node image with it.
     ("buildah", "buildah"),
-    // The XDP packet test turns transmit checksum offload off in its namespaces.
+    // The XDP packet test and the parity suite's XDP column turn transmit checksum offload
+    // off in their namespaces.
     ("ethtool", "ethtool"),
 ];
 

@@ -542,6 +542,10 @@ impl World {
         let runner = match setup {
             Setup::None => Runner::None,
             Setup::Proxy(ProxyKind::Svc) => start_svc(cp, tools, &nodes, &args.agent_arg)?,
+            // This bench's XDP is svc with `--agent-arg=--xdp-mode=native`.
+            Setup::Proxy(ProxyKind::SvcXdp) => {
+                bail!("svc-xdp: use svc with --agent-arg=--xdp-mode=native")
+            }
             Setup::Proxy(ProxyKind::KubeProxy(mode)) => {
                 let bin = kube_proxy::binary_from_env()?;
                 let mut kp =
