@@ -5394,11 +5394,7 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     }
 
     restart(&mut t, "native");
-    assert!(
-        pin("native", "eth0").exists(),
-        "{:?}",
-        t.bpffs.entries()
-    );
+    assert!(pin("native", "eth0").exists(), "{:?}", t.bpffs.entries());
     assert!(
         !pin("generic", "mv0").exists() && !pin("native", "mv0").exists(),
         "an XDP link on mv0: {:?}",
@@ -5448,12 +5444,16 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     let np = sa("10.80.0.1", 30082);
     let b = node1_metric(&t, TC_NEW_MV0);
     let got = answered(&t.client, "NodePort via mv0", move || tcp_once(np, ANSWER));
-    assert_eq!((got.backend.as_str(), got.saw), ("pod2", ip(NODE1)), "{got:?}");
+    assert_eq!(
+        (got.backend.as_str(), got.saw),
+        ("pod2", ip(NODE1)),
+        "{got:?}"
+    );
     let c = in_ns(&t.client, move || {
         TcpStream::connect_timeout(&np, ANSWER).expect("a connection")
     });
     talk(&[(c, NODE1)], 5, "via mv0");
-    assert!(node1_metric(&t, TC_NEW_MV0) >= b + 1, "tc started the flows");
+    assert!(node1_metric(&t, TC_NEW_MV0) > b, "tc started the flows");
     assert_eq!(node1_metric(&t, XDP_NEW_MV0), 0);
 
     // Remembered: the pin check (every 100 ms) neither tries again nor warns again.
@@ -5646,12 +5646,21 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     t.start_agent_with(&generic);
     for dev in ["eth0", "eth1"] {
         let pin = t.bpffs.path().join(format!("link_xdp_generic_{dev}"));
-        assert!(pin.exists(), "generic XDP on {dev}: {:?}", t.bpffs.entries());
+        assert!(
+            pin.exists(),
+            "generic XDP on {dev}: {:?}",
+            t.bpffs.entries()
+        );
     }
     let eth1_tx = |t: &Topo| -> u64 {
-        let out = t.node1.ip(["-j", "-s", "link", "show", "dev", "eth1"]).unwrap();
+        let out = t
+            .node1
+            .ip(["-j", "-s", "link", "show", "dev", "eth1"])
+            .unwrap();
         let v: Value = serde_json::from_str(&out).expect("ip -j");
-        v[0]["stats64"]["tx"]["packets"].as_u64().expect("tx packets")
+        v[0]["stats64"]["tx"]["packets"]
+            .as_u64()
+            .expect("tx packets")
     };
     let (b, tx) = (counts(&t), eth1_tx(&t));
     talk_via_eth1(10, "generic");
@@ -5660,7 +5669,11 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     });
     for i in 0..10 {
         let a = exchange(&c2).unwrap_or_else(|e| panic!("generic, new connection: {i}: {e}"));
-        assert_eq!((a.backend.as_str(), a.saw), ("pod2", via_eth1), "exchange {i}");
+        assert_eq!(
+            (a.backend.as_str(), a.saw),
+            ("pod2", via_eth1),
+            "exchange {i}"
+        );
     }
     let (a, tx2) = (counts(&t), eth1_tx(&t));
     assert!(

@@ -114,15 +114,13 @@ pub fn xdp_listing(dir: &Path) -> Vec<crate::list::ListedXdpDevice> {
             why: None,
         })
         .collect();
-    out.extend(
-        xdp_tc_marks(dir)
-            .into_iter()
-            .map(|(_, device, why)| crate::list::ListedXdpDevice {
-                device,
-                mode: TC_MODE,
-                why: Some(why),
-            }),
-    );
+    out.extend(xdp_tc_marks(dir).into_iter().map(|(_, device, why)| {
+        crate::list::ListedXdpDevice {
+            device,
+            mode: TC_MODE,
+            why: Some(why),
+        }
+    }));
     out.sort_by(|a, b| a.device.cmp(&b.device));
     out
 }
