@@ -30,7 +30,8 @@ pub struct Listing {
     /// defaults), seconds.
     pub ct_timeouts: ListedCtTimeouts,
     /// External devices with the XDP program, and its mode on each ("native" or "generic"),
-    /// from the link pins (docs/design/xdp.md).
+    /// or "tc" where `--xdp-mode native` found the driver refusing native XDP, from the pins
+    /// (docs/design/xdp.md).
     pub xdp_devices: Vec<ListedXdpDevice>,
     /// svc's tc programs attached in this network namespace, by device, with how (tcx link
     /// or classic filter). Filled by the caller (`datapath::tc_attachments`): the maps do not
@@ -42,6 +43,9 @@ pub struct Listing {
 pub struct ListedXdpDevice {
     pub device: String,
     pub mode: &'static str,
+    /// Why a device runs tc alone ("driver has no native XDP").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -314,7 +318,15 @@ pub fn render_text(l: &Listing) -> String {
         let xdp: Vec<String> = l
             .xdp_devices
             .iter()
-            .map(|d| format!("{} ({})", crate::names::escape(&d.device), d.mode))
+            .map(|d| match &d.why {
+                Some(why) => format!(
+                    "{} ({}: {})",
+                    crate::names::escape(&d.device),
+                    d.mode,
+                    crate::names::escape(why)
+                ),
+                None => format!("{} ({})", crate::names::escape(&d.device), d.mode),
+            })
             .collect();
         let _ = writeln!(out, "XDP: {}", xdp.join(", "));
     }

@@ -321,9 +321,9 @@ struct PacketArgs {
     #[arg(long)]
     snat_port_range: Option<String>,
     /// The XDP program on the external devices, next to the tc programs: `off` (tc alone),
-    /// `native` (the driver's hook; where a driver refuses it, the generic hook, which the
-    /// log, `list` and /metrics say per device) or `generic` (the kernel's generic hook
-    /// everywhere). XDP finishes known flows to and from remote backends and passes
+    /// `native` (the driver's hook; where a driver refuses it, no XDP program: tc serves the
+    /// device, which the log, `list` and /metrics say per device) or `generic` (the kernel's
+    /// skb-based hook everywhere). XDP finishes flows to and from remote backends and passes
     /// everything else to tc untouched (docs/design/xdp.md).
     #[arg(long, default_value = "off")]
     xdp_mode: String,
@@ -921,10 +921,7 @@ fn main() -> anyhow::Result<()> {
         Command::List { bpffs, output } => {
             let store = datapath::open_pinned(&bpffs)?;
             let mut listing = list::read(&store)?;
-            listing.xdp_devices = datapath::xdp_pins(&bpffs)
-                .into_iter()
-                .map(|(_, mode, device)| list::ListedXdpDevice { device, mode })
-                .collect();
+            listing.xdp_devices = datapath::xdp_listing(&bpffs);
             listing.tc_programs = datapath::tc_attachments(&bpffs);
             match output {
                 Output::Json => {

@@ -447,17 +447,17 @@ impl Collector for DatapathCounters {
             )?;
         }
         // From the pins: what runs on the devices, whichever agent attached it.
-        let xdp = crate::datapath::xdp_pins(&self.bpffs);
+        let xdp = crate::datapath::xdp_listing(&self.bpffs);
         if !xdp.is_empty() {
             encode_samples(
                 e,
                 "svc_xdp_device",
-                "1 per external device with the XDP program, by the mode it runs in (native: \
-                 the driver's hook; generic: the driver refused native XDP, or --xdp-mode \
-                 generic).",
-                xdp.into_iter().map(|(_, mode, device)| {
+                "1 per external device under --xdp-mode, by the mode it runs in (native: the \
+                 driver's hook; generic: the kernel's skb-based hook, --xdp-mode generic; tc: \
+                 no XDP program, the driver refused native XDP).",
+                xdp.into_iter().map(|d| {
                     (
-                        [("device", device), ("mode", mode.to_string())],
+                        [("device", d.device), ("mode", d.mode.to_string())],
                         ConstGauge::new(1),
                     )
                 }),

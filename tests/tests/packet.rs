@@ -5312,6 +5312,181 @@ fn a_removed_xdp_link_is_put_back() {
     );
 }
 
+/// `--xdp-mode native` on an external device whose driver has no native XDP (a macvlan, on a
+/// link of its own between the client and node 1) leaves it to tc, and says so: one warning
+/// naming the device and the kernel's error (not repeated by the pin check, repeated by the
+/// next agent, which tries again), `list` ("mv0 (tc: driver has no native XDP)") and /metrics
+/// (`svc_xdp_device{device="mv0",mode="tc"} 1`); no XDP program is on the device, the generic
+/// link a previous agent (`--xdp-mode generic`) left there included, and a NodePort connection
+/// in by it is served by tc. XDP off takes the record away, and `uninstall` removes it.
+#[test]
+fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
+    let mut t = Topo::new();
+    let _peer = xdp_ready(&t);
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    // client eth9 -- low9 (node 1) carrying macvlan mv0, which holds node 1's address on the
+    // link. low9 answers no ARP for it, so the client's packets come in by mv0.
+    veth_pair(&t.client, "eth9", &t.node1, "low9").expect("a link from the client to node 1");
+    t.node1
+        .sysctl("net.ipv4.conf.low9.arp_ignore=1")
+        .expect("arp_ignore");
+    t.node1
+        .ip([
+            "link", "add", "mv0", "link", "low9", "type", "macvlan", "mode", "bridge",
+        ])
+        .expect("a macvlan");
+    t.node1.ip(["link", "set", "mv0", "up"]).unwrap();
+    t.node1.add_addr("mv0", "10.80.0.1/24").unwrap();
+    t.client.add_addr("eth9", "10.80.0.100/24").unwrap();
+    ethtool(&t.client, &["-K", "eth9", "tx", "off"]);
+    let args = |mode: &'static str| -> Vec<&'static str> {
+        let mut a = vec![
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+            "--devices",
+            "eth0,mv0",
+            "--nodeport-addresses",
+            "primary,10.80.0.0/24",
+            "--check-interval-ms",
+            "100",
+        ];
+        if mode != "off" {
+            a.extend(["--xdp-mode", mode]);
+        }
+        a
+    };
+    let dir = t.bpffs.path().to_path_buf();
+    let pin = |mode: &str, dev: &str| dir.join(format!("link_xdp_{mode}_{dev}"));
+    let list = |t: &Topo| {
+        run_in(
+            &t.node1,
+            &[
+                &t.tools.agent.display().to_string(),
+                "list",
+                "--bpffs",
+                &t.bpffs.path().display().to_string(),
+            ],
+        )
+    };
+    let refusals = |t: &mut Topo| {
+        let log = t.agent().log();
+        log.lines()
+            .filter(|l| l.contains("native XDP refused") && l.contains("mv0"))
+            .count()
+    };
+    let restart = |t: &mut Topo, mode: &'static str| {
+        if t.agent.is_some() {
+            t.agent().terminate(Duration::from_secs(10)).expect("stop");
+            t.agent = None;
+        }
+        t.start_agent_with(&args(mode));
+    };
+
+    // A previous agent's generic links: `generic` still attaches everywhere.
+    restart(&mut t, "generic");
+    for dev in ["eth0", "mv0"] {
+        assert!(
+            pin("generic", dev).exists(),
+            "generic XDP on {dev}: {:?}",
+            t.bpffs.entries()
+        );
+    }
+
+    restart(&mut t, "native");
+    assert!(pin("native", "eth0").exists(), "{:?}", t.bpffs.entries());
+    assert!(
+        !pin("generic", "mv0").exists() && !pin("native", "mv0").exists(),
+        "an XDP link on mv0: {:?}",
+        t.bpffs.entries()
+    );
+    let link = t.node1.ip(["-d", "link", "show", "dev", "mv0"]).unwrap();
+    assert!(!link.contains("xdp"), "an XDP program on mv0: {link}");
+    let net = run_in(&t.node1, &["bpftool", "net", "show", "dev", "mv0"]);
+    let xdp_section: Vec<&str> = net
+        .lines()
+        .skip_while(|l| !l.starts_with("xdp:"))
+        .skip(1)
+        .take_while(|l| !l.ends_with(':'))
+        .filter(|l| !l.trim().is_empty())
+        .collect();
+    assert!(xdp_section.is_empty(), "bpftool net show dev mv0:\n{net}");
+    let log = t.agent().log();
+    let warning = log
+        .lines()
+        .find(|l| l.contains("native XDP refused") && l.contains("mv0"))
+        .unwrap_or_else(|| panic!("no warning about mv0:\n{log}"));
+    assert!(
+        warning.contains("Operation not supported") && warning.contains("tc serves it"),
+        "{warning}"
+    );
+    let listed = list(&t);
+    assert!(
+        listed.contains("XDP: eth0 (native), mv0 (tc: driver has no native XDP)"),
+        "{listed}"
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"mv0\",mode=\"tc\"}"),
+        1
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"native\"}"),
+        1
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"mv0\",mode=\"generic\"}"),
+        0
+    );
+
+    // tc serves a NodePort connection in by mv0.
+    const TC_NEW_MV0: &str = "svc_packet_decisions_total{device=\"mv0\",reason=\"new\"}";
+    const XDP_NEW_MV0: &str = "svc_packet_decisions_total{device=\"mv0\",reason=\"xdp_new\"}";
+    let np = sa("10.80.0.1", 30082);
+    let b = node1_metric(&t, TC_NEW_MV0);
+    let got = answered(&t.client, "NodePort via mv0", move || tcp_once(np, ANSWER));
+    assert_eq!(
+        (got.backend.as_str(), got.saw),
+        ("pod2", ip(NODE1)),
+        "{got:?}"
+    );
+    let c = in_ns(&t.client, move || {
+        TcpStream::connect_timeout(&np, ANSWER).expect("a connection")
+    });
+    talk(&[(c, NODE1)], 5, "via mv0");
+    assert!(node1_metric(&t, TC_NEW_MV0) > b, "tc started the flows");
+    assert_eq!(node1_metric(&t, XDP_NEW_MV0), 0);
+
+    // Remembered: the pin check (every 100 ms) neither tries again nor warns again.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(refusals(&mut t), 1, "{}", t.agent().log());
+    assert!(!pin("generic", "mv0").exists() && !pin("native", "mv0").exists());
+
+    // XDP off: the record goes with the links.
+    restart(&mut t, "off");
+    let listed = list(&t);
+    assert!(!listed.contains("XDP:"), "{listed}");
+    assert!(
+        !t.bpffs.entries().iter().any(|e| e.contains("xdp_")),
+        "{:?}",
+        t.bpffs.entries()
+    );
+
+    // A new agent tries again (a new driver may have come), and says so again.
+    restart(&mut t, "native");
+    assert_eq!(refusals(&mut t), 1, "{}", t.agent().log());
+    let listed = list(&t);
+    assert!(
+        listed.contains("mv0 (tc: driver has no native XDP)"),
+        "{listed}"
+    );
+
+    // `uninstall` removes the record with the pins (else the directory would stay).
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
+        .expect("uninstall");
+    assert!(!t.bpffs.path().exists(), "{:?}", t.bpffs.entries());
+}
+
 /// A NodePort flow that comes in by node 1's `eth0` and whose backend (pod 2) is routed through
 /// `eth1` is sent on at XDP with a redirect into `eth1`, and pod 2's replies coming back on
 /// `eth1` are redirected into `eth0`, when both devices carry svc's XDP program natively
@@ -5319,7 +5494,9 @@ fn a_removed_xdp_link_is_put_back() {
 /// `eth1` address (the route's source, SNATed), and the redirects are counted under the device
 /// each packet came in on, tc seeing (nearly) none of the flow's packets. Each veth's far end
 /// runs an XDP program, without which the redirected frames are not picked up
-/// (docs/design/xdp.md).
+/// (docs/design/xdp.md). With `--xdp-mode generic` every device is a target (the skb path
+/// takes the redirect), a veth whose far end has no XDP program too; switching modes across
+/// restarts leaves no device of the other mode a target.
 #[test]
 fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     let mut t = Topo::new();
@@ -5450,28 +5627,114 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
         "the client's packets through tc, the replies redirected: {b:?} -> {a:?}"
     );
 
-    // The generic hook redirects nowhere (no device is a target): tc forwards them, counted
-    // `xdp_pass_route`, and the connection goes on.
+    // The generic hook: every device running it is a target, eth1 without an XDP program on
+    // its peer too (a generic redirect goes through the skb path, which any device takes).
+    // The open connection and a new one are redirected each way at XDP, tc sees (nearly) none
+    // of their packets, and the frames leave by eth1 (its transmit counter moves with them).
     t.agent().terminate(Duration::from_secs(10)).expect("stop");
     t.agent = None;
-    t.start_agent_with(&[
+    let generic = [
         "--metrics-bind-address",
         "127.0.0.1:10249",
         "--xdp-mode",
         "generic",
         "--devices",
         "eth0,eth1",
-    ]);
-    let b = counts(&t);
+        "--check-interval-ms",
+        "100",
+    ];
+    t.start_agent_with(&generic);
+    for dev in ["eth0", "eth1"] {
+        let pin = t.bpffs.path().join(format!("link_xdp_generic_{dev}"));
+        assert!(
+            pin.exists(),
+            "generic XDP on {dev}: {:?}",
+            t.bpffs.entries()
+        );
+    }
+    let eth1_tx = |t: &Topo| -> u64 {
+        let out = t
+            .node1
+            .ip(["-j", "-s", "link", "show", "dev", "eth1"])
+            .unwrap();
+        let v: Value = serde_json::from_str(&out).expect("ip -j");
+        v[0]["stats64"]["tx"]["packets"]
+            .as_u64()
+            .expect("tx packets")
+    };
+    let (b, tx) = (counts(&t), eth1_tx(&t));
     talk_via_eth1(10, "generic");
-    let a = counts(&t);
+    let c2 = in_ns(&t.client, move || {
+        TcpStream::connect_timeout(&np, ANSWER).expect("a connection")
+    });
+    for i in 0..10 {
+        let a = exchange(&c2).unwrap_or_else(|e| panic!("generic, new connection: {i}: {e}"));
+        assert_eq!(
+            (a.backend.as_str(), a.saw),
+            ("pod2", via_eth1),
+            "exchange {i}"
+        );
+    }
+    let (a, tx2) = (counts(&t), eth1_tx(&t));
     assert!(
-        a[0] == b[0] && a[1] == b[1],
-        "redirected with the generic hook: {b:?} -> {a:?}"
+        a[0] - b[0] >= 21 && a[1] - b[1] >= 21 && a[5] - b[5] >= 1,
+        "redirected with the generic hook, the new connection's SYN too: {b:?} -> {a:?}"
     );
     assert!(
-        a[2] - b[2] >= 10 && a[3] - b[3] >= 10,
-        "passed to tc, which forwards them: {b:?} -> {a:?}"
+        a[2] - b[2] < 4 && a[3] - b[3] < 4 && a[4] - b[4] < 4,
+        "passed to tc (nearly) never: {b:?} -> {a:?}"
+    );
+    assert!(
+        tx2 - tx >= a[0] - b[0],
+        "eth1 sent the redirected frames: {tx} -> {tx2}, {b:?} -> {a:?}"
+    );
+    eprintln!(
+        "generic: {} client packets redirected into eth1, {} replies into eth0; eth1 sent {} \
+         frames",
+        a[0] - b[0],
+        a[1] - b[1],
+        tx2 - tx
+    );
+
+    // The pin check puts a removed generic link back, and eth1 is a target again.
+    let pin = t.bpffs.path().join("link_xdp_generic_eth1");
+    let first = pinned_link_id(&pin).expect("the XDP link");
+    std::fs::remove_file(&pin).expect("unpinning the XDP link");
+    poll(Duration::from_secs(5), || {
+        Ok(pinned_link_id(&pin).filter(|id| *id != first))
+    })
+    .unwrap_or_else(|e| panic!("not put back: {e:#}\n{}", t.agent().log()));
+    let b = counts(&t);
+    talk_via_eth1(10, "generic, put back");
+    let a = counts(&t);
+    assert!(
+        a[0] - b[0] >= 10 && a[1] - b[1] >= 10,
+        "redirected after the repair: {b:?} -> {a:?}"
+    );
+
+    // Back to native: the generic devices leave the targets before their links change, so
+    // eth1, whose peer has no XDP program, is none (a native redirect into it would be
+    // dropped): the client's packets go through tc, the replies into eth0 at XDP.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&[
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--xdp-mode",
+        "native",
+        "--devices",
+        "eth0,eth1",
+    ]);
+    for dev in ["eth0", "eth1"] {
+        let pin = t.bpffs.path().join(format!("link_xdp_native_{dev}"));
+        assert!(pin.exists(), "native XDP on {dev}: {:?}", t.bpffs.entries());
+    }
+    let b = counts(&t);
+    talk_via_eth1(10, "native again");
+    let a = counts(&t);
+    assert!(
+        a[0] == b[0] && a[2] - b[2] >= 10 && a[1] - b[1] >= 10,
+        "the client's packets through tc, the replies redirected: {b:?} -> {a:?}"
     );
 }
 
@@ -5718,7 +5981,8 @@ fn xdp_link_pins(t: &Topo) -> BTreeSet<String> {
 /// eth2, native too but whose far end runs none. It stays so while the agent is SIGKILLed and
 /// after it restarts; it follows eth1's far end losing and regaining its program within the
 /// agent's checks; it is empty with `--xdp-mode off` and right again when native comes back;
-/// and `uninstall` removes it.
+/// under `generic` it names every device (generic redirects need no `ndo-xmit`), and native
+/// after generic narrows it again; and `uninstall` removes it.
 #[test]
 fn the_pinned_xdp_redirect_targets_follow_kills_and_mode_switches() {
     let mut t = Topo::new();
@@ -5780,9 +6044,8 @@ fn the_pinned_xdp_redirect_targets_follow_kills_and_mode_switches() {
     assert_eq!(xdp_link_pins(&t), all_native);
     assert_targets(&mut t, &["eth0", "eth1"], "native after off");
 
-    // Generic: no device is a target today (the map stays empty and tc forwards what leaves
-    // by another device). This changes when generic-linked devices become targets under
-    // `--xdp-mode generic` (generic redirects): eth0 and eth1 would be expected here then.
+    // Generic: every device whose generic link holds is a target, eth2 too (a generic
+    // redirect goes through the skb path, which any device takes).
     t.agent().terminate(Duration::from_secs(10)).expect("stop");
     t.agent = None;
     t.start_agent_with(&with_mode("generic"));
@@ -5790,14 +6053,22 @@ fn the_pinned_xdp_redirect_targets_follow_kills_and_mode_switches() {
         .map(String::from)
         .into();
     assert_eq!(xdp_link_pins(&t), all_generic);
-    assert_targets(&mut t, &[], "generic");
+    assert_targets(&mut t, &["eth0", "eth1", "eth2"], "generic");
+
+    // Straight back to native: the generic links go, and only the native devices that take
+    // redirected frames are targets again.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&with_mode("native"));
+    assert_eq!(xdp_link_pins(&t), all_native);
+    assert_targets(&mut t, &["eth0", "eth1"], "native after generic");
 
     // Off, then uninstall: the map's pin goes with the others.
     t.agent().terminate(Duration::from_secs(10)).expect("stop");
     t.agent = None;
     t.start_agent_with(&with_mode("off"));
     assert_eq!(xdp_link_pins(&t), BTreeSet::new());
-    assert_targets(&mut t, &[], "off after generic");
+    assert_targets(&mut t, &[], "off after native");
     t.agent().terminate(Duration::from_secs(10)).expect("stop");
     svc_tests::agent::uninstall(&t.tools.agent, t.bpffs.path(), Some(t.cgroup.path()))
         .expect("uninstall");

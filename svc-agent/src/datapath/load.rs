@@ -237,6 +237,7 @@ impl Datapath {
             xdp_loaded,
             xdp_current: Default::default(),
             xdp_no_xmit: Default::default(),
+            xdp_refused: Default::default(),
             tc_mode: if kernel_tcx {
                 TcMode::Tcx
             } else {

@@ -41,7 +41,7 @@ pub use stats::{
 };
 pub use tc::{tc_attachments, tc_link_pin, TcAttach, TcAttachment, TcMode};
 pub use uninstall::{uninstall, Uninstalled};
-pub use xdp::{xdp_pins, XdpMode, XDP_PROGRAM};
+pub use xdp::{xdp_listing, xdp_pins, XdpMode, TC_MODE, XDP_PROGRAM};
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -152,6 +152,9 @@ pub struct Datapath {
     /// Devices with a native XDP link that do not take redirected XDP frames (warned about
     /// once each): not redirect targets.
     xdp_no_xmit: std::collections::BTreeSet<u32>,
+    /// Devices whose driver refused native XDP (warned about once each): left to tc, not
+    /// tried again before the next start.
+    xdp_refused: xdp::Refused,
     /// How the tc programs attach (`set_tc_attach`; by default tcx where the kernel has it).
     tc_mode: TcMode,
     /// Whether the kernel has tcx, asked once at `open`.

@@ -116,12 +116,14 @@ impl Datapath {
                     errors.push(e);
                 }
                 match self.attach_xdp_one(&device) {
-                    Ok((pin, _)) => {
+                    Ok((Some(pin), _)) => {
                         repaired.push(format!("link {}", pin.display()));
-                        if let Err(e) = self.xdp_devs_after_repair(&device, &pin) {
+                        if let Err(e) = self.xdp_devs_after_repair(&device) {
                             errors.push(e);
                         }
                     }
+                    // Native XDP refused this time: tc serves it (warned, recorded).
+                    Ok((None, _)) => {}
                     Err(e) => errors.push(e),
                 }
             }

@@ -108,6 +108,7 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         .chain(map_names::ALL.iter().map(|m| staged_pin(dir, m)))
         .collect();
     names.extend(other_versions(dir));
+    names.extend(super::xdp::xdp_tc_marks(dir).into_iter().map(|(m, _, _)| m));
     for path in names {
         match std::fs::remove_file(&path) {
             Ok(()) => done.removed.push(path),

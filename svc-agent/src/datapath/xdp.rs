@@ -1,21 +1,24 @@
 //! The XDP program on the external devices (docs/design/xdp.md), next to the tc programs,
 //! through pinned bpf links named after the mode each device runs:
 //! `link_xdp_<mode>_<ifname>`, mode `native` (the driver's hook) or `generic` (the kernel's
-//! skb-based hook, where a driver has no native XDP). Adopted across restarts as the tc
-//! links are (BPF_LINK_UPDATE swaps the new program in); removed when XDP is turned off, the
-//! device is no longer chosen, and by `uninstall`.
+//! skb-based hook, `--xdp-mode generic`). Adopted across restarts as the tc links are
+//! (BPF_LINK_UPDATE swaps the new program in); removed when XDP is turned off, the device is
+//! no longer chosen, and by `uninstall`. Under `native`, a device whose driver refuses native
+//! XDP gets no XDP program (tc serves it), recorded as `xdp_tc_<ifname>` for `list` and
+//! /metrics.
 //!
-//! The devices whose link is native are the ones XDP may redirect a packet to
-//! (`SVC_XDP_DEVS`, docs/design/xdp.md, "Another device"): a device is put there only once
-//! its native link holds, and taken out before its link is detached or changes mode, so the
-//! map never names a device without the program.
+//! The devices whose link is of the agent's mode are the ones XDP may redirect a packet to
+//! (`SVC_XDP_DEVS`, docs/design/xdp.md, "Another device"; under `native` only those whose
+//! driver takes redirected frames): a device is put there only once its link holds, and taken
+//! out before its link is detached or changes mode, so the map never names a device without
+//! the program, nor one of the other mode.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{xdp::DevMapHash, MapData};
-use aya::programs::{links::FdLink, Xdp, XdpMode as AttachMode};
+use aya::programs::{links::FdLink, ProgramError, Xdp, XdpMode as AttachMode};
 use svc_common::map_names;
 use tracing::{info, warn};
 
@@ -34,8 +37,8 @@ pub enum XdpMode {
     /// No XDP program: tc alone (the default).
     #[default]
     Off,
-    /// The driver's hook; a device whose driver refuses it gets the generic hook, and the
-    /// log, `list` and /metrics say so.
+    /// The driver's hook; a device whose driver refuses it gets no XDP program (tc serves
+    /// it), and the log, `list` and /metrics say so.
     Native,
     /// The kernel's generic hook on every device (after the skb is built: no speed-up, but
     /// the same decisions; for testing and drivers without native XDP).
@@ -59,6 +62,89 @@ impl std::str::FromStr for XdpMode {
 
 /// The mode words of the pins.
 const MODES: [&str; 2] = ["native", "generic"];
+
+impl XdpMode {
+    /// The mode word of this mode's link pins; None when off.
+    fn word(self) -> Option<&'static str> {
+        match self {
+            XdpMode::Off => None,
+            XdpMode::Native => Some("native"),
+            XdpMode::Generic => Some("generic"),
+        }
+    }
+}
+
+/// The mode `list` and /metrics show for a device left to tc under `native`.
+pub const TC_MODE: &str = "tc";
+
+/// Where the refusal of native XDP on device `ifname` is recorded: a symbolic link (bpffs
+/// holds nothing but pins, directories and those) whose target is the reason in words, read
+/// by `list` and /metrics, which may run in another process.
+fn xdp_tc_mark(dir: &Path, ifname: &str) -> PathBuf {
+    dir.join(format!("xdp_tc_{ifname}"))
+}
+
+/// The devices recorded in `dir` as left to tc: (mark, device, reason).
+pub(super) fn xdp_tc_marks(dir: &Path) -> Vec<(PathBuf, String, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        if let Some(ifname) = file.strip_prefix("xdp_tc_") {
+            let why = std::fs::read_link(e.path())
+                .map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            out.push((e.path(), ifname.to_string(), why));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What runs on each external device as the pins say, whichever agent attached it: its XDP
+/// link's mode, or `tc` where native XDP was refused (with the reason).
+pub fn xdp_listing(dir: &Path) -> Vec<crate::list::ListedXdpDevice> {
+    let mut out: Vec<crate::list::ListedXdpDevice> = xdp_pins(dir)
+        .into_iter()
+        .map(|(_, mode, device)| crate::list::ListedXdpDevice {
+            device,
+            mode,
+            why: None,
+        })
+        .collect();
+    out.extend(xdp_tc_marks(dir).into_iter().map(|(_, device, why)| {
+        crate::list::ListedXdpDevice {
+            device,
+            mode: TC_MODE,
+            why: Some(why),
+        }
+    }));
+    out.sort_by(|a, b| a.device.cmp(&b.device));
+    out
+}
+
+/// The kernel's answer to a refused attach, in words (the syscall's error included), and
+/// the reason a listing gives.
+fn refusal(e: &ProgramError) -> (String, String) {
+    let mut words = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        words.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    let errno = match e {
+        ProgramError::SyscallError(s) => s.io_error.raw_os_error(),
+        _ => None,
+    };
+    let why = if errno == Some(libc::EOPNOTSUPP) {
+        "driver has no native XDP".to_string()
+    } else {
+        format!("native XDP refused: {words}")
+    };
+    (words, why)
+}
 
 /// Where the XDP link of device `ifname` in `mode` is pinned.
 fn xdp_link_pin(dir: &Path, mode: &str, ifname: &str) -> PathBuf {
@@ -94,28 +180,22 @@ impl Datapath {
         }
     }
 
-    /// Each external device (the tc programs' own) and the mode its XDP program runs in.
-    pub fn xdp_devices(&self) -> Vec<(String, &'static str)> {
-        xdp_pins(&self.dir)
-            .into_iter()
-            .map(|(_, mode, ifname)| (ifname, mode))
-            .collect()
-    }
-
     /// Attaches the XDP program to every external device (the `--xdp-mode` ones), or swaps it
     /// into the link a previous agent pinned there; detaches it from devices no longer chosen,
-    /// and everywhere when XDP is off.
+    /// and everywhere when XDP is off. Under `native`, a device whose driver refuses native
+    /// XDP is left to tc.
     pub(super) fn attach_xdp(&mut self) -> Result<Vec<String>> {
         let mut done = Vec::new();
         let mut errors = Vec::new();
         let mut keep = BTreeSet::new();
         let wanted = self.xdp_wanted();
-        // Before any link changes: only the devices whose native link stays as it is remain
-        // redirect targets (the programs attached now, a previous agent's included, read the
-        // same pinned map).
+        // Before any link changes: only the devices whose link of this mode stays as it is
+        // remain redirect targets (the programs attached now, a previous agent's included,
+        // read the same pinned map). A device of the other mode is taken out: its link is
+        // replaced below.
         let stays: BTreeSet<u32> = wanted
             .iter()
-            .filter(|d| self.xdp_mode == XdpMode::Native && self.native_link_holds(d))
+            .filter(|d| self.mode_link_holds(d))
             .map(|d| d.index)
             .collect();
         // A device the map may still name keeps its link: a redirect into a device without
@@ -128,14 +208,17 @@ impl Datapath {
                 false
             }
         };
-        let mut native = Vec::new();
+        let mut linked = Vec::new();
+        let mut tc = BTreeSet::new();
         for device in &wanted {
             match self.attach_xdp_one(device) {
-                Ok((pin, what)) => {
-                    if pin == xdp_link_pin(&self.dir, "native", &device.name) {
-                        native.push(device.clone());
-                    }
+                Ok((Some(pin), what)) => {
+                    linked.push(device.clone());
                     keep.insert(pin);
+                    done.extend(what);
+                }
+                Ok((None, what)) => {
+                    tc.insert(device.name.clone());
                     done.extend(what);
                 }
                 Err(e) => {
@@ -147,11 +230,9 @@ impl Datapath {
                 }
             }
         }
-        for device in &native {
-            if let Err(e) = self.xdp_devs_insert(device) {
-                errors.push(e);
-            }
-        }
+        // Before the targets go in: a previous agent's program of the other mode on a device
+        // no longer chosen could redirect natively into a generic device, which may not take
+        // the frames. These devices were taken out of the map above.
         for (pin, mode, ifname) in xdp_pins(&self.dir) {
             if keep.contains(&pin) || !trimmed {
                 continue;
@@ -164,6 +245,21 @@ impl Datapath {
                 Err(e) => errors.push(e),
             }
             self.xdp_current.remove(&pin);
+        }
+        for device in &linked {
+            if let Err(e) = self.xdp_devs_insert(device) {
+                errors.push(e);
+            }
+        }
+        for (mark, ifname, _) in xdp_tc_marks(&self.dir) {
+            if tc.contains(&ifname) {
+                continue;
+            }
+            if let Err(e) = std::fs::remove_file(&mark) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    errors.push(super::io_err(&mark, e));
+                }
+            }
         }
         match errors.into_iter().next() {
             Some(e) => Err(e),
@@ -180,10 +276,14 @@ impl Datapath {
         }
     }
 
-    /// Whether `device` has a native XDP link of ours, pinned and attached to it.
-    fn native_link_holds(&self, device: &Device) -> bool {
+    /// Whether `device` has an XDP link of ours in the agent's mode, pinned and attached to
+    /// it.
+    fn mode_link_holds(&self, device: &Device) -> bool {
+        let Some(word) = self.xdp_mode.word() else {
+            return false;
+        };
         super::repair::link_holds(
-            &xdp_link_pin(&self.dir, "native", &device.name),
+            &xdp_link_pin(&self.dir, word, &device.name),
             sys::tcx_link_info,
             |(ifindex, _)| ifindex == device.index,
         )
@@ -223,27 +323,33 @@ impl Datapath {
         Ok(())
     }
 
-    /// Makes `device`, whose native XDP link holds, a redirect target if its driver takes
-    /// frames redirected from another device (`ndo-xmit` in its `xdp-features`), or no longer
-    /// one if it lost that (a veth whose peer's XDP program went): the kernel would drop
-    /// them. Warned about once per device while it lacks it.
+    /// Makes `device`, whose link of the agent's mode holds, a redirect target. Under
+    /// `generic` every such device is one: the generic hook's redirect goes through the skb
+    /// path (`xdp_do_generic_redirect`), which any device takes. Under `native` only if its
+    /// driver takes frames redirected from another device (`ndo-xmit` in its
+    /// `xdp-features`), and no longer one if it lost that (a veth whose peer's XDP program
+    /// went): the kernel would drop them. Warned about once per device while it lacks it.
     fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
         let ifindex = device.index;
-        let takes = match crate::netdev::xdp_features(ifindex) {
-            Ok(f) => f & crate::netdev::XDP_ACT_NDO_XMIT != 0,
-            Err(e) => {
-                if self.xdp_no_xmit.insert(ifindex) {
-                    warn!(
-                        device = %device.name,
-                        "XDP: cannot read the device's xdp-features ({e}): not a redirect \
-                         target, routes through it go on through tc"
-                    );
+        let takes = match self.xdp_mode {
+            XdpMode::Generic => true,
+            XdpMode::Off => false,
+            XdpMode::Native => match crate::netdev::xdp_features(ifindex) {
+                Ok(f) => f & crate::netdev::XDP_ACT_NDO_XMIT != 0,
+                Err(e) => {
+                    if self.xdp_no_xmit.insert(ifindex) {
+                        warn!(
+                            device = %device.name,
+                            "XDP: cannot read the device's xdp-features ({e}): not a redirect \
+                             target, routes through it go on through tc"
+                        );
+                    }
+                    false
                 }
-                false
-            }
+            },
         };
         if !takes {
-            if self.xdp_no_xmit.insert(ifindex) {
+            if self.xdp_mode == XdpMode::Native && self.xdp_no_xmit.insert(ifindex) {
                 warn!(
                     device = %device.name,
                     "XDP: the device does not take redirected XDP frames (no ndo-xmit in its \
@@ -268,16 +374,18 @@ impl Datapath {
         Ok(())
     }
 
-    /// The pin check's part: each device whose native link holds is a redirect target as
-    /// long as its driver takes redirected frames (a veth's peer may lose or gain its XDP
-    /// program at any time).
+    /// After `attach_xdp_one` put a link back on `device`: a redirect target again.
+    pub(super) fn xdp_devs_after_repair(&mut self, device: &Device) -> Result<()> {
+        self.xdp_devs_insert(device)
+    }
+
+    /// The pin check's part: each device whose link of the agent's mode holds is a redirect
+    /// target, under `native` as long as its driver takes redirected frames (a veth's peer
+    /// may lose or gain its XDP program at any time).
     pub(super) fn xdp_devs_refresh(&mut self) -> Vec<crate::Error> {
         let mut errors = Vec::new();
-        if self.xdp_mode != XdpMode::Native {
-            return errors;
-        }
         for device in self.xdp_wanted() {
-            if self.native_link_holds(&device) {
+            if self.mode_link_holds(&device) {
                 if let Err(e) = self.xdp_devs_insert(&device) {
                     errors.push(e);
                 }
@@ -297,18 +405,11 @@ impl Datapath {
         }
     }
 
-    /// After `attach_xdp_one` put a link back on `device`: a redirect target again if native.
-    pub(super) fn xdp_devs_after_repair(&mut self, device: &Device, pin: &Path) -> Result<()> {
-        if pin == xdp_link_pin(&self.dir, "native", &device.name) {
-            self.xdp_devs_insert(device)?;
-        }
-        Ok(())
-    }
-
     /// Whether this agent attached the XDP program to `device` (a link pinned under either
     /// mode's name, even if since removed): the devices the pin check puts a link back on. A
-    /// device XDP never took (another program there, a driver refusing both hooks) was the
-    /// attach's warning, and is not retried at every check.
+    /// device XDP never took (another program there, a driver refusing the generic hook) was
+    /// the attach's warning, and a driver refusing native XDP its record: neither is retried
+    /// at every check.
     pub(super) fn xdp_attached_here(&self, device: &Device) -> bool {
         MODES.iter().any(|m| {
             self.xdp_current
@@ -316,9 +417,16 @@ impl Datapath {
         })
     }
 
-    /// One device's XDP link: kept, swapped, or made (native first when asked, generic where
-    /// the driver refuses). Its pin, and what changed in words.
-    pub(super) fn attach_xdp_one(&mut self, device: &Device) -> Result<(PathBuf, Option<String>)> {
+    /// One device's XDP link: kept, swapped, or made in the agent's mode (a link of the other
+    /// mode detached first: the kernel refuses both hooks on one device). Its pin, and what
+    /// changed in words; no pin for a device whose driver refused native XDP under `native`
+    /// (now or earlier in this agent's life: tried again at the next start, a new driver may
+    /// have come), which tc serves.
+    pub(super) fn attach_xdp_one(
+        &mut self,
+        device: &Device,
+    ) -> Result<(Option<PathBuf>, Option<String>)> {
+        let word = self.xdp_mode.word().unwrap_or("generic");
         for mode in MODES {
             let pin = xdp_link_pin(&self.dir, mode, &device.name);
             if !pin.exists() {
@@ -328,16 +436,14 @@ impl Datapath {
             // The xdp member of bpf_link_info's union starts with the ifindex, as tcx's does.
             let (ifindex, _) =
                 sys::tcx_link_info(link.as_fd()).map_err(|e| load_err(pin.display(), e))?;
-            // A generic link is kept under `native` (its driver refused native before), not
-            // under `generic` the other way round.
-            let fits = self.xdp_mode == XdpMode::Native || mode == "generic";
-            if ifindex != device.index || !fits {
+            if ifindex != device.index || mode != word {
                 detach_pinned(&pin)?;
                 self.xdp_current.remove(&pin);
+                info!(device = %device.name, mode, "XDP detached: not of this mode or device");
                 continue;
             }
             if self.xdp_current.contains(&pin) {
-                return Ok((pin, None));
+                return Ok((Some(pin), None));
             }
             let prog = super::load::ebpf(&mut self.programs)?
                 .program(XDP_PROGRAM)
@@ -347,46 +453,67 @@ impl Datapath {
             self.xdp_current.insert(pin.clone());
             info!(device = %device.name, mode, "XDP: replaced the program of the pinned link");
             return Ok((
-                pin,
+                Some(pin),
                 Some(format!("swapped {XDP_PROGRAM} ({mode}) on {}", device.name)),
             ));
+        }
+        if let Some(why) = self.xdp_refused.get(&device.index).cloned() {
+            self.mark_tc(device, &why);
+            return Ok((None, None));
         }
         let prog = super::load::ebpf(&mut self.programs)?
             .program_mut(XDP_PROGRAM)
             .ok_or_else(|| load_err(XDP_PROGRAM, "program missing from the object"))?;
         let prog = <&mut Xdp>::try_from(prog).map_err(|e| load_err(XDP_PROGRAM, e))?;
-        let (id, mode) = if self.xdp_mode == XdpMode::Native {
-            match prog.attach(&device.name, AttachMode::Driver) {
-                Ok(id) => (id, "native"),
-                Err(e) => {
-                    warn!(
-                        device = %device.name,
-                        "native XDP refused ({e}): the generic hook instead, no faster than tc"
-                    );
-                    let id = prog
-                        .attach(&device.name, AttachMode::Skb)
-                        .map_err(|e| load_err(format!("attaching XDP to {}", device.name), e))?;
-                    (id, "generic")
-                }
-            }
+        let attached = if self.xdp_mode == XdpMode::Native {
+            prog.attach(&device.name, AttachMode::Driver)
         } else {
-            let id = prog
-                .attach(&device.name, AttachMode::Skb)
-                .map_err(|e| load_err(format!("attaching XDP to {}", device.name), e))?;
-            (id, "generic")
+            prog.attach(&device.name, AttachMode::Skb)
+        };
+        let id = match attached {
+            Ok(id) => id,
+            Err(e) if self.xdp_mode == XdpMode::Native => {
+                let (words, why) = refusal(&e);
+                warn!(
+                    device = %device.name,
+                    "native XDP refused ({words}): no XDP program on the device, tc serves \
+                     it; tried again at the agent's next start"
+                );
+                self.xdp_refused.insert(device.index, why.clone());
+                self.mark_tc(device, &why);
+                return Ok((None, Some(format!("{}: tc ({why})", device.name))));
+            }
+            Err(e) => return Err(load_err(format!("attaching XDP to {}", device.name), e)),
         };
         let link = prog.take_link(id).map_err(|e| load_err(XDP_PROGRAM, e))?;
         let link = FdLink::try_from(link).map_err(|e| load_err(XDP_PROGRAM, e))?;
-        let pin = xdp_link_pin(&self.dir, mode, &device.name);
+        let pin = xdp_link_pin(&self.dir, word, &device.name);
         link.pin(&pin).map_err(|e| load_err(pin.display(), e))?;
         self.xdp_current.insert(pin.clone());
-        info!(device = %device.name, mode, "XDP attached");
+        info!(device = %device.name, mode = word, "XDP attached");
         Ok((
-            pin,
+            Some(pin),
             Some(format!(
-                "attached {XDP_PROGRAM} ({mode}) to {}",
+                "attached {XDP_PROGRAM} ({word}) to {}",
                 device.name
             )),
         ))
     }
+
+    /// Records that `device` runs tc alone, and `why`, for `list` and /metrics; a failure
+    /// only costs the listing, so it is warned about.
+    fn mark_tc(&self, device: &Device, why: &str) {
+        let mark = xdp_tc_mark(&self.dir, &device.name);
+        if std::fs::read_link(&mark).is_ok_and(|t| t.as_os_str() == why) {
+            return;
+        }
+        let _ = std::fs::remove_file(&mark);
+        if let Err(e) = std::os::unix::fs::symlink(why, &mark) {
+            warn!(device = %device.name, "recording {}: {e}", mark.display());
+        }
+    }
 }
+
+/// Devices whose driver refused native XDP in this agent's life, by ifindex (a device made
+/// again is tried again), with the reason.
+pub(super) type Refused = BTreeMap<u32, String>;
