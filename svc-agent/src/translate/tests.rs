@@ -1934,10 +1934,13 @@ spec: {clusterIP: 10.96.0.2, internalTrafficPolicy: Local,
             &format!("[{{addresses: [10.0.2.1], nodeName: node-2, conditions: {conditions}}}]"),
         )
     };
-    let t = on_node_1(&[itp.clone()], &[slice("{ready: false, serving: false}")]);
+    let t = on_node_1(
+        std::slice::from_ref(&itp),
+        &[slice("{ready: false, serving: false}")],
+    );
     assert!(t.state.no_local_endpoints.is_empty());
     let t = on_node_1(
-        &[itp.clone()],
+        std::slice::from_ref(&itp),
         &[slice("{ready: false, serving: true, terminating: true}")],
     );
     assert_eq!(count(&t, "a/itp"), Some((1, 0)));
@@ -1951,7 +1954,7 @@ spec: {clusterIP: 10.96.0.2, internalTrafficPolicy: Local,
         "[{addresses: [10.0.1.1], nodeName: node-1, conditions: {ready: false, serving: true, terminating: true}},
           {addresses: [10.0.2.1], nodeName: node-2}]",
     );
-    let t = on_node_1(&[itp.clone()], &[local_terminating]);
+    let t = on_node_1(std::slice::from_ref(&itp), &[local_terminating]);
     assert!(t.state.no_local_endpoints.is_empty());
 
     // Both policies Local on one NodePort Service: one of each.
