@@ -507,6 +507,13 @@ impl Agent {
                 tables: self.programmed.maglev.live.len(),
                 none: self.programmed.maglev.roomless.len(),
             },
+            no_local_endpoints: {
+                let mut sum = crate::model::NoLocalEndpoints::default();
+                for n in self.desired.state.no_local_endpoints.values() {
+                    sum += *n;
+                }
+                sum
+            },
         }
     }
 

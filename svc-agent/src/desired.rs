@@ -178,6 +178,7 @@ impl Desired {
             }
             self.state.health_checks.remove(owner);
             self.state.unserved.remove(owner);
+            self.state.no_local_endpoints.remove(owner);
         }
         self.state.contested.retain(|_, claims| {
             claims.retain(|d| !owners.contains(&d.owner));
@@ -188,6 +189,7 @@ impl Desired {
         }
         self.state.health_checks.extend(translated.health_checks);
         self.state.unserved.extend(translated.unserved);
+        (self.state.no_local_endpoints).extend(translated.no_local_endpoints);
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
                 errors.push(Error::Invalid {
@@ -316,6 +318,34 @@ mod tests {
         again.unserved.insert("ns/a".into(), ports("ns/a"));
         desired.replace(&only_a, again);
         assert_eq!(named(&desired), ["ns/a", "ns/b"]);
+    }
+
+    /// kube-proxy's no-local-endpoints gauge is the sum over Services: a partial sync
+    /// replaces the counts of the Services it translated and keeps the others'.
+    #[test]
+    fn no_local_endpoints_follow_their_service_through_partial_syncs() {
+        use crate::model::NoLocalEndpoints;
+        let n = |internal, external| NoLocalEndpoints { internal, external };
+        let mut full = DesiredState::default();
+        full.no_local_endpoints.insert("ns/a".into(), n(1, 0));
+        full.no_local_endpoints.insert("ns/b".into(), n(2, 1));
+        let mut desired = Desired::from_full(full);
+        let only_a = BTreeSet::from(["ns/a".to_string()]);
+        desired.replace(&only_a, DesiredState::default());
+        assert_eq!(
+            desired.state.no_local_endpoints,
+            std::collections::BTreeMap::from([("ns/b".to_string(), n(2, 1))])
+        );
+        let mut again = DesiredState::default();
+        again.no_local_endpoints.insert("ns/a".into(), n(0, 3));
+        desired.replace(&only_a, again);
+        assert_eq!(
+            desired.state.no_local_endpoints,
+            std::collections::BTreeMap::from([
+                ("ns/a".to_string(), n(0, 3)),
+                ("ns/b".to_string(), n(2, 1))
+            ])
+        );
     }
 
     #[test]

@@ -969,7 +969,10 @@ fn main() -> anyhow::Result<()> {
                     .enable_all()
                     .build()?;
                 let (services, slices, node) = rt.block_on(async {
-                    kube::ApiServer::connect(&opts).await?.objects(&opts).await
+                    kube::ApiServer::connect(&opts, None)
+                        .await?
+                        .objects(&opts)
+                        .await
                 })?;
                 let context = kube::node_context(&opts, node.as_ref());
                 svc_agent::explain::add_intent(&mut e, |fe| {

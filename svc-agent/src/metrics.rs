@@ -98,6 +98,8 @@ struct Recorded {
     maglev_table_bytes: Gauge,
     maglev_capacity_bytes: Gauge,
     maglev_frontends: Labelled<Gauge>,
+    /// client-go's rest_client_* of the agent's Kubernetes client (`source::rest_client`).
+    rest_client: crate::source::rest_client::RestClientMetrics,
 }
 
 /// Under kube-proxy's names (pkg/proxy/metrics), with its types and buckets, what svc measures
@@ -117,6 +119,7 @@ struct KubeProxy {
     endpoints_pending: Gauge,
     healthz: Labelled<Counter, String>,
     livez: Labelled<Counter, String>,
+    no_local_endpoints: Labelled<Gauge>,
 }
 
 impl KubeProxy {
@@ -143,6 +146,8 @@ impl KubeProxy {
             services_pending: add(r, "kubeproxy_sync_proxy_rules_service_changes_pending", "Pending proxy rules Service changes: Services with a change not yet synced"),
             healthz: add(r, "kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status: /healthz answers, by status code"),
             livez: add(r, "kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status: /livez answers, by status code"),
+            // A gauge, whatever its name says, as kube-proxy's.
+            no_local_endpoints: add(r, "kubeproxy_sync_proxy_rules_no_local_endpoints_total", "Number of services with a Local traffic policy and no endpoints: Service ports (per address family) whose internal (traffic_policy=internal) or external (external) traffic policy is Local and that have no local endpoint while they have usable endpoints elsewhere"),
         }
     }
 }
@@ -206,6 +211,11 @@ impl Recorded {
             maglev_table_bytes: add(&mut r, "svc_maglev_table_bytes", "Bytes of Maglev table entries the current frontend generations use (2 an entry)"),
             maglev_capacity_bytes: add(&mut r, "svc_maglev_capacity_bytes", "Bytes SVC_MAGLEV holds (--max-maglev-entries, allocated in full)"),
             maglev_frontends: add(&mut r, "svc_maglev_frontends", "External frontends by Maglev table: maglev (has its table), none (wants one, found no room: random choice, tried again at each sync)"),
+            rest_client: {
+                let m = crate::source::rest_client::RestClientMetrics::default();
+                m.register(&mut r);
+                m
+            },
             registry: r,
         };
         // Shown at 0 too: the one protocol svc does not serve.
@@ -612,6 +622,8 @@ pub struct Programmed {
     /// Service ports svc does not serve (SCTP), "namespace/name:port 3868/SCTP".
     pub unserved: Vec<String>,
     pub maglev: MaglevUsage,
+    /// Service ports whose Local traffic policy finds no local endpoint, summed over Services.
+    pub no_local_endpoints: crate::model::NoLocalEndpoints,
 }
 
 /// The Maglev tables (docs/design/maglev.md).
@@ -649,6 +661,11 @@ impl Metrics {
             health_timeout,
             conns,
         })
+    }
+
+    /// What counts the requests of the agent's Kubernetes clients (`ApiServer::connect`).
+    pub fn rest_client(&self) -> &crate::source::rest_client::RestClientMetrics {
+        &self.recorded.rest_client
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -752,6 +769,10 @@ impl Metrics {
         r.maglev_capacity_bytes.set(m.capacity_bytes as i64);
         (r.maglev_frontends.get_or_create(&[("table", "maglev")])).set(int(m.tables));
         (r.maglev_frontends.get_or_create(&[("table", "none")])).set(int(m.none));
+        let n = &state.no_local_endpoints;
+        let no_local = &r.kube_proxy.no_local_endpoints;
+        (no_local.get_or_create(&[("traffic_policy", "internal")])).set(n.internal.into());
+        (no_local.get_or_create(&[("traffic_policy", "external")])).set(n.external.into());
         let mut i = self.lock();
         i.failing = state.failing;
         i.unserved = state.unserved;
@@ -1334,6 +1355,7 @@ mod tests {
                 "sync_proxy_rules_service_changes_total counter",
                 "sync_proxy_rules_endpoint_changes_pending gauge",
                 "sync_proxy_rules_service_changes_pending gauge",
+                "sync_proxy_rules_no_local_endpoints_total gauge",
             ]
         );
         for line in [
@@ -1352,6 +1374,8 @@ mod tests {
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
             "kubeproxy_sync_proxy_rules_service_changes_pending 0",
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 0",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"} 0",
         ] {
             assert!(text.contains(&format!("\n{line}\n")), "{line} in {text}");
         }
@@ -1373,6 +1397,40 @@ mod tests {
                 .unwrap_or_else(|| panic!("{name} in {text}"));
             assert!((now - v).abs() < 60.0, "{name} {v}, now {now}");
         }
+    }
+
+    /// kube-proxy's no-local-endpoints gauge: the sum the agent reports, by policy, set again
+    /// at each sync (down as well as up).
+    #[test]
+    fn no_local_endpoints_gauge_follows_each_sync() {
+        use crate::model::NoLocalEndpoints;
+        let m = Metrics::new(PathBuf::from("/nonexistent"), Duration::from_secs(60));
+        let with = |internal, external| Programmed {
+            no_local_endpoints: NoLocalEndpoints { internal, external },
+            ..Default::default()
+        };
+        let line = |policy: &str, v: u32| {
+            format!("\nkubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}} {v}\n")
+        };
+        m.synced(Duration::from_millis(1), true, with(3, 1));
+        let text = m.render();
+        assert!(text.contains(&line("internal", 3)), "{text}");
+        assert!(text.contains(&line("external", 1)), "{text}");
+        m.synced(Duration::from_millis(1), false, with(0, 2));
+        let text = m.render();
+        assert!(text.contains(&line("internal", 0)), "{text}");
+        assert!(text.contains(&line("external", 2)), "{text}");
+        let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+            .expect("parses");
+        let s = scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == "kubeproxy_sync_proxy_rules_no_local_endpoints_total")
+            .expect("a sample");
+        assert!(
+            matches!(s.value, prometheus_parse::Value::Gauge(_)),
+            "{s:?}"
+        );
     }
 
     /// Every metric's name and type as /metrics has always shown them (the datapath's own

@@ -391,6 +391,34 @@ pub struct DesiredState {
     /// Ports of Services that svc does not serve (SCTP), by Service ("namespace/name"): not
     /// programmed, but named on /healthz and counted in /metrics.
     pub unserved: BTreeMap<String, Box<[String]>>,
+    /// Service ports with a Local traffic policy and no local endpoint to apply it to, by
+    /// Service ("namespace/name"; only Services that have some): kube-proxy's
+    /// sync_proxy_rules_no_local_endpoints_total.
+    pub no_local_endpoints: BTreeMap<String, NoLocalEndpoints>,
+}
+
+/// kube-proxy's count of Service ports (one per port and address family) whose traffic policy
+/// is Local and that have no local endpoint, while they have usable endpoints elsewhere
+/// (without any, traffic is rejected whatever the policy, and not counted): by
+/// internalTrafficPolicy (ClusterIP traffic dropped) and externalTrafficPolicy (external
+/// traffic dropped).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    pub internal: u32,
+    pub external: u32,
+}
+
+impl NoLocalEndpoints {
+    pub fn is_zero(&self) -> bool {
+        *self == NoLocalEndpoints::default()
+    }
+}
+
+impl std::ops::AddAssign for NoLocalEndpoints {
+    fn add_assign(&mut self, o: NoLocalEndpoints) {
+        self.internal = self.internal.saturating_add(o.internal);
+        self.external = self.external.saturating_add(o.external);
+    }
 }
 
 /// Who served each frontend ("namespace/name") by a record of what was programmed, as the

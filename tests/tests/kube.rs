@@ -109,6 +109,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s18-dry-run", Scenario::Shared(dry_run_from_the_api)),
     ("s19-removal", Scenario::Shared(removed_from_the_node)),
     ("s20-explain", Scenario::Shared(explain_with_the_api)),
+    (
+        "s21-kube-proxy-metrics",
+        Scenario::Shared(kube_proxy_metrics),
+    ),
 ];
 
 fn main() -> ExitCode {
@@ -2467,5 +2471,271 @@ fn dry_run_from_the_api(cp: &ControlPlane, name: &str) -> Result<()> {
         .count();
     ensure!(others == 0, "Services of other proxy names in:\n{plan}");
     ensure!(!bpffs.exists(), "the dry run made {}", bpffs.display());
+    Ok(())
+}
+
+/// /metrics parsed by a parser that is not the library that wrote it (nor client-go).
+fn scrape(body: &str) -> Result<prometheus_parse::Scrape> {
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string())))
+        .context("parsing /metrics")
+}
+
+/// The sum of the samples of `name` whose labels include `labels` (a counter's or gauge's
+/// value, a histogram's count); None when there is none.
+fn sum_of(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for sample in &s.samples {
+        if sample.metric != name || !labels.iter().all(|(k, v)| sample.labels.get(k) == Some(*v)) {
+            continue;
+        }
+        let v = match &sample.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            // Cumulative: the largest is the +Inf bucket's, the count.
+            prometheus_parse::Value::Histogram(buckets) => {
+                buckets.iter().map(|b| b.count).fold(0.0, f64::max)
+            }
+            prometheus_parse::Value::Summary(_) => continue,
+        };
+        *found.get_or_insert(0.0) += v;
+    }
+    found
+}
+
+/// kube-proxy's no_local_endpoints gauge as (internal, external), summed over its address
+/// families (kube-proxy has a series per family, svc one for both).
+fn no_local_endpoints(body: &str) -> Result<(f64, f64)> {
+    let s = scrape(body)?;
+    let get = |policy: &str| {
+        sum_of(
+            &s,
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            &[("traffic_policy", policy)],
+        )
+        .with_context(|| format!("no traffic_policy={policy} sample"))
+    };
+    Ok((get("internal")?, get("external")?))
+}
+
+/// The label names of `name`'s samples, and for a histogram its bucket bounds.
+fn shape(s: &prometheus_parse::Scrape, name: &str) -> (BTreeSet<String>, Vec<f64>) {
+    let mut labels = BTreeSet::new();
+    let mut bounds = Vec::new();
+    for sample in s.samples.iter().filter(|x| x.metric == name) {
+        labels.extend(sample.labels.keys().map(|k| k.to_string()));
+        if let prometheus_parse::Value::Histogram(b) = &sample.value {
+            bounds = b.iter().map(|b| b.less_than).collect();
+        }
+    }
+    (labels, bounds)
+}
+
+/// Scenario 21: kube-proxy's metrics where svc measures the same thing, beside the real
+/// kube-proxy (nftables mode, playing the same node, reading the same objects):
+/// `kubeproxy_sync_proxy_rules_no_local_endpoints_total` follows a Service under each Local
+/// traffic policy from local endpoints to none and back, with kube-proxy's values at each
+/// step; `rest_client_requests_total` and `rest_client_request_duration_seconds` count the
+/// agent's lists and watches with client-go's labels and buckets, a refused request (403) and
+/// one that reached no server (`<error>`) by their codes.
+fn kube_proxy_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
+    let mut env = Env::new(cp, name)?;
+    let node = env.node.clone();
+    apply(
+        cp,
+        &[json!({
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
+            "status": {"addresses": [{"type": "InternalIP", "address": env.sb.client_v4().to_string()}]},
+        })],
+    )?;
+    // Unlabelled, for the default selector: kube-proxy has no --service-proxy-name, and both
+    // must count the same Services. One endpoint here or elsewhere, one always elsewhere (so
+    // the Service has endpoints and its Local policy, not a reject, decides).
+    let (v4_1, v4_2) = (env.v4(1), env.v4(2));
+    let objects = |here: &str| -> Vec<Value> {
+        let eps = json!([
+            with(ep(&v4_1), "nodeName", here.into()),
+            with(ep(&v4_2), "nodeName", "elsewhere".into()),
+        ]);
+        let ports = json!([port("http", 8080, "TCP")]);
+        vec![
+            service(
+                name,
+                "itp",
+                None,
+                json!({"internalTrafficPolicy": "Local", "ports": [{"name": "http", "port": 80}]}),
+            ),
+            slice(
+                name,
+                "itp-1",
+                "itp",
+                None,
+                "IPv4",
+                ports.clone(),
+                eps.clone(),
+            ),
+            service(
+                name,
+                "etp",
+                None,
+                json!({"type": "NodePort", "externalTrafficPolicy": "Local",
+                       "ports": [{"name": "http", "port": 80}]}),
+            ),
+            slice(name, "etp-1", "etp", None, "IPv4", ports, eps),
+        ]
+    };
+    apply(cp, &objects(&node))?;
+    env.start_agent_with(cp, &[])?;
+    let metrics = env.agent().metrics_addr().context("no metrics address")?;
+    let svc_metrics = || -> Result<String> {
+        let (status, body) = http_get(metrics, "/metrics")?;
+        ensure!(status == 200, "/metrics: {status}");
+        Ok(body)
+    };
+    let bin = svc_tests::kube_proxy::binary_from_env()?;
+    let mut kp = svc_tests::kube_proxy::KubeProxy::start(
+        svc_tests::kube_proxy::KubeProxyConfig::new(
+            &bin,
+            svc_tests::kube_proxy::Mode::Nftables,
+            &node,
+        ),
+        cp,
+        env.sb.client_ns(),
+    )?;
+    kp.wait_ready(svc_tests::kube_proxy::READY_TIMEOUT)?;
+
+    for (step, here, want) in [
+        ("local endpoints", node.as_str(), (0.0, 0.0)),
+        ("no local endpoint", "elsewhere", (1.0, 1.0)),
+        ("local endpoints again", node.as_str(), (0.0, 0.0)),
+    ] {
+        let t = write(cp, &objects(here))?;
+        eventually(t, SETTLE, &format!("{step}: svc and kube-proxy"), || {
+            let svc = no_local_endpoints(&svc_metrics()?).context("svc")?;
+            let kube_proxy = no_local_endpoints(&kp.metrics()?).context("kube-proxy")?;
+            ensure!(
+                svc == want && kube_proxy == want,
+                "(internal, external): svc {svc:?}, kube-proxy {kube_proxy:?}, want {want:?}"
+            );
+            Ok(())
+        })?;
+    }
+
+    // The agent's lists and watches, by code and method, on the API server's host:port; the
+    // lists timed (the watches are not, as client-go's).
+    let host = cp.server_url().trim_start_matches("https://").to_string();
+    let s = scrape(&svc_metrics()?)?;
+    let ok = [("code", "200"), ("method", "GET"), ("host", host.as_str())];
+    let gets = sum_of(&s, "rest_client_requests_total", &ok);
+    ensure!(
+        gets.is_some_and(|n| n >= 3.0),
+        "GET 200 on {host}: {gets:?}"
+    );
+    let timed = sum_of(
+        &s,
+        "rest_client_request_duration_seconds",
+        &[("verb", "GET"), ("host", host.as_str())],
+    );
+    ensure!(timed.is_some_and(|n| n >= 1.0), "GETs timed: {timed:?}");
+    let body = svc_metrics()?;
+    for name in common::API_CLIENT_METRICS {
+        ensure!(
+            body.lines().any(|l| l.starts_with(&format!("{name}{{"))),
+            "no samples of {name}, which deploy/'s dashboard reads"
+        );
+    }
+    // As kube-proxy (client-go) has them: the same label names. The buckets are
+    // component-base v0.37.2's (as a program of that module alone exports them); the real
+    // kube-proxy v1.37.2 was found to show every one of them but 8 s (docs/design/metrics.md).
+    let kp_body = kp.metrics()?;
+    let kp_scrape = scrape(&kp_body)?;
+    let raw = |name: &str| {
+        kp_body
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    for name in [
+        "rest_client_requests_total",
+        "rest_client_request_duration_seconds",
+    ] {
+        let ((ours, our_bounds), (theirs, their_bounds)) =
+            (shape(&s, name), shape(&kp_scrape, name));
+        ensure!(
+            ours == theirs && their_bounds.iter().all(|b| our_bounds.contains(b)),
+            "{name}: svc's labels and buckets {ours:?} {our_bounds:?}, kube-proxy's {theirs:?} \
+             {their_bounds:?}:\n{}",
+            raw(name)
+        );
+    }
+    let (_, bounds) = shape(&s, "rest_client_request_duration_seconds");
+    ensure!(
+        bounds
+            == [
+                0.005,
+                0.025,
+                0.1,
+                0.25,
+                0.5,
+                1.0,
+                2.0,
+                4.0,
+                8.0,
+                15.0,
+                30.0,
+                60.0,
+                f64::INFINITY
+            ],
+        "svc's rest_client_request_duration_seconds buckets: {bounds:?}"
+    );
+    drop(kp);
+    let status = env.agent().terminate(Duration::from_secs(20))?;
+    ensure!(status.success(), "agent exit: {status}");
+
+    // Refused: a ServiceAccount without any role may list nothing.
+    apply(
+        cp,
+        &[json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": "nobody", "namespace": name}})],
+    )?;
+    let nobody = cp.service_account_kubeconfig(name, "nobody")?;
+    // No server: nothing listens on port 1 of the loopback.
+    let dir = svc_tests::TempDir::new("svc-kubeconfig")?;
+    let nowhere = dir.path().join("kubeconfig");
+    std::fs::write(
+        &nowhere,
+        std::fs::read_to_string(cp.kubeconfig_path())?
+            .replace(&cp.server_url(), "https://127.0.0.1:1"),
+    )?;
+    for (kubeconfig, host, code) in [
+        (&nobody, host.as_str(), "403"),
+        (&nowhere, "127.0.0.1:1", "<error>"),
+    ] {
+        // On the first agent's pins, as a restart with other credentials.
+        let mut agent = svc_tests::Agent::start_kube(
+            &env.sb.tools.agent,
+            kubeconfig,
+            &node,
+            env.sb.cgroup().path(),
+            env.bpffs.path(),
+            &[],
+        )?;
+        let metrics = agent.metrics_addr().context("no metrics address")?;
+        let want = [("code", code), ("method", "GET"), ("host", host)];
+        let counted = eventually(
+            Instant::now(),
+            SETTLE,
+            &format!("GET {code} counted"),
+            || {
+                let (_, body) = http_get(metrics, "/metrics")?;
+                let n = sum_of(&scrape(&body)?, "rest_client_requests_total", &want);
+                ensure!(n.is_some_and(|n| n >= 1.0), "{want:?}: {n:?}");
+                Ok(())
+            },
+        );
+        agent.kill()?;
+        counted.with_context(|| agent.log())?;
+    }
     Ok(())
 }

@@ -68,9 +68,12 @@ enum Opened {
 
 /// A source that cannot be reached or read at all is a mistake in the command line: it is
 /// said before anything is attached, rather than serve no Services and look healthy.
-async fn open(input: Input) -> Result<Opened> {
+async fn open(input: Input, metrics: &Metrics) -> Result<Opened> {
     Ok(match input {
-        Input::Kube(opts) => Opened::Kube(ApiServer::connect(&opts).await?, opts),
+        Input::Kube(opts) => Opened::Kube(
+            ApiServer::connect(&opts, Some(metrics.rest_client())).await?,
+            opts,
+        ),
         Input::Manifests { path, poll } => Opened::Manifests(ManifestSource::open(&path)?, poll),
     })
 }
@@ -88,8 +91,8 @@ pub enum Stop {
 /// Serves the Services of `input` until SIGTERM or SIGINT. The datapath stays attached and
 /// pinned when it returns, unless it says the agent was removed from its node.
 pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
-    let opened = open(input).await?;
     let metrics = Metrics::new(cfg.bpffs.clone(), cfg.health_timeout);
+    let opened = open(input, &metrics).await?;
     serve_metrics(&cfg, &metrics).await?;
     let mut removal = None;
     let (agent, tracker, events): (Agent, Box<dyn Tracker>, Events) = match opened {
@@ -487,7 +490,7 @@ pub async fn dry_run(cfg: &RunConfig, input: Input) -> Result<(Plan, Vec<crate::
             None,
         ),
         Input::Kube(opts) => {
-            let api = ApiServer::connect(&opts).await?;
+            let api = ApiServer::connect(&opts, None).await?;
             let mut cache = Cache::new(cfg.node.clone(), opts.coalesce);
             for u in api.snapshot(&opts).await? {
                 cache.apply(source::Event::Api(u));

@@ -797,13 +797,22 @@ pub struct ApiServer {
 }
 
 impl ApiServer {
-    pub async fn connect(opts: &KubeOptions) -> Result<ApiServer> {
+    /// `rest`: what counts its requests (the agent's /metrics), if anything does.
+    pub async fn connect(
+        opts: &KubeOptions,
+        rest: Option<&super::rest_client::RestClientMetrics>,
+    ) -> Result<ApiServer> {
         let config = config(opts.kubeconfig.as_deref(), opts.api_server.as_deref()).await?;
         let url = config.cluster_url.to_string();
         let host = config.cluster_url.host().map(str::to_string);
         let port = config.cluster_url.port_u16().unwrap_or(443);
-        let client = Client::try_from(config)
+        let layer = rest.map(|m| m.layer(&config.cluster_url));
+        let builder = kube::client::ClientBuilder::try_from(config)
             .map_err(|e| Error::Other(format!("Kubernetes client: {e}")))?;
+        let client = match layer {
+            Some(layer) => builder.with_layer(&layer).build(),
+            None => builder.build(),
+        };
         Ok(ApiServer {
             client,
             url,

@@ -18,6 +18,7 @@ pub mod kube;
 pub mod manifest;
 pub mod manifest_tracker;
 pub mod node;
+pub mod rest_client;
 
 /// Something happened that the controller may have to act on.
 // Moved from its source to the controller and into a tracker, never stored: the size of the

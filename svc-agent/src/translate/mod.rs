@@ -19,8 +19,8 @@ use tracing::{debug, instrument};
 
 use crate::error::Error;
 use crate::model::{
-    Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, Protocol, Scope,
-    Served,
+    Backend, Cidr, DesiredFrontend, DesiredState, Frontend, HealthCheck, Kind, NoLocalEndpoints,
+    Protocol, Scope, Served,
 };
 
 use endpoints::{Family, SliceInfo};
@@ -566,6 +566,13 @@ pub fn assemble_with<'a>(
             let family = Family::of(svc.cluster_ips[ci]);
             let port = &svc.ports[pi];
             let sets = BackendSets::new(svc, port, family, slices, node);
+            let no_local = sets.no_local_endpoints(svc);
+            if !no_local.is_zero() {
+                *state
+                    .no_local_endpoints
+                    .entry(svc.key.to_string())
+                    .or_default() += no_local;
+            }
             for claim in &claims[at..end] {
                 let frontend = claim.frontend;
                 let d = sets.frontend(svc, port, claim, family, node);
@@ -736,6 +743,9 @@ struct BackendSets {
     local: Option<Vec<Backend>>,
     /// UDP: what serves the port (see `DesiredFrontend::serving`).
     serving: Option<std::sync::Arc<Vec<std::net::SocketAddr>>>,
+    /// Some endpoint anywhere is ready, or serving and terminating: kube-proxy's
+    /// hasEndpoints, whichever sets were computed.
+    has_endpoints: bool,
 }
 
 impl BackendSets {
@@ -753,10 +763,27 @@ impl BackendSets {
         let local = (svc.internal_local || (reachable && svc.external_local))
             .then(|| endpoints::select(&merged, true, node));
         let serving = (port.protocol == Protocol::Udp).then(|| endpoints::serving(&merged));
+        let has_endpoints = merged
+            .values()
+            .any(|e| e.ready || (e.serving && e.terminating));
         BackendSets {
             cluster,
             local,
             serving,
+            has_endpoints,
+        }
+    }
+
+    /// This Service port's share of kube-proxy's no_local_endpoints gauge, as its iptables
+    /// and nftables proxiers count it: a Local policy with no local endpoint while some
+    /// endpoint is usable. `local()` is empty where the local set was not computed
+    /// (externalTrafficPolicy Local with nothing external on this port), and such a port
+    /// counts, as kube-proxy's nil localEndpoints do.
+    fn no_local_endpoints(&self, svc: &ServiceInfo) -> NoLocalEndpoints {
+        let none_here = self.has_endpoints && self.local().is_empty();
+        NoLocalEndpoints {
+            internal: u32::from(none_here && svc.internal_local),
+            external: u32::from(none_here && svc.external_local),
         }
     }
 

@@ -1876,3 +1876,120 @@ spec: {clusterIP: 10.96.0.1, internalTrafficPolicy: Local, ports: [{name: http, 
     let none = Frontend::cluster("10.96.0.2".parse().unwrap(), 80, Protocol::Tcp);
     assert!(intent(&[svc], &slices, &node, &none).is_none());
 }
+
+/// kube-proxy's sync_proxy_rules_no_local_endpoints_total (iptables and nftables proxiers):
+/// per Service port and family, a Local policy without a local endpoint counts while some
+/// endpoint elsewhere is usable; without any endpoint it is a reject, not counted.
+#[test]
+fn no_local_endpoints_counts_local_policies_left_without_a_local_endpoint() {
+    let count = |t: &Translated, key: &str| {
+        t.state
+            .no_local_endpoints
+            .get(key)
+            .map(|n| (n.internal, n.external))
+    };
+    let remote = |service: &str, ports: &str| {
+        slice_of(
+            &format!("a/{service}-1"),
+            service,
+            "IPv4",
+            ports,
+            "[{addresses: [10.0.2.1], nodeName: node-2}]",
+        )
+    };
+    let itp = service(
+        "metadata: {name: itp, namespace: a}
+spec: {clusterIP: 10.96.0.2, internalTrafficPolicy: Local,
+  ports: [{name: a, port: 80}, {name: b, port: 81}]}",
+    );
+    let itp_slice = remote("itp", "[{name: a, port: 8080}, {name: b, port: 8081}]");
+
+    // Local endpoints: nothing counted.
+    let t = on_node_1(
+        &[local_policy_lb(""), itp.clone()],
+        &[two_nodes_slice("web"), two_nodes_slice("itp")],
+    );
+    assert!(t.state.no_local_endpoints.is_empty());
+
+    // Remote endpoints only: each port of each policy.
+    let t = on_node_1(
+        &[local_policy_lb(""), itp.clone()],
+        &[remote("web", "[{port: 8080}]"), itp_slice.clone()],
+    );
+    assert_no_errors(&t);
+    assert_eq!(count(&t, "a/web"), Some((0, 1)));
+    assert_eq!(count(&t, "a/itp"), Some((2, 0)));
+
+    // No endpoints at all: rejected, not counted.
+    let t = on_node_1(&[local_policy_lb(""), itp.clone()], &[]);
+    assert!(t.state.no_local_endpoints.is_empty());
+
+    // A not-ready remote endpoint is no usable endpoint; a serving, terminating one is.
+    let slice = |conditions: &str| {
+        slice_of(
+            "a/itp-1",
+            "itp",
+            "IPv4",
+            "[{name: a, port: 8080}]",
+            &format!("[{{addresses: [10.0.2.1], nodeName: node-2, conditions: {conditions}}}]"),
+        )
+    };
+    let t = on_node_1(
+        std::slice::from_ref(&itp),
+        &[slice("{ready: false, serving: false}")],
+    );
+    assert!(t.state.no_local_endpoints.is_empty());
+    let t = on_node_1(
+        std::slice::from_ref(&itp),
+        &[slice("{ready: false, serving: true, terminating: true}")],
+    );
+    assert_eq!(count(&t, "a/itp"), Some((1, 0)));
+
+    // A local serving, terminating endpoint serves the Local policy: nothing counted.
+    let local_terminating = slice_of(
+        "a/itp-1",
+        "itp",
+        "IPv4",
+        "[{name: a, port: 8080}, {name: b, port: 8081}]",
+        "[{addresses: [10.0.1.1], nodeName: node-1, conditions: {ready: false, serving: true, terminating: true}},
+          {addresses: [10.0.2.1], nodeName: node-2}]",
+    );
+    let t = on_node_1(std::slice::from_ref(&itp), &[local_terminating]);
+    assert!(t.state.no_local_endpoints.is_empty());
+
+    // Both policies Local on one NodePort Service: one of each.
+    let both = service(
+        "metadata: {name: both, namespace: a}
+spec: {type: NodePort, externalTrafficPolicy: Local, internalTrafficPolicy: Local,
+  clusterIP: 10.96.0.3, ports: [{port: 80, nodePort: 30081}]}",
+    );
+    let t = on_node_1(&[both], &[remote("both", "[{port: 8080}]")]);
+    assert_eq!(count(&t, "a/both"), Some((1, 1)));
+
+    // externalTrafficPolicy Local does not apply to a plain ClusterIP Service (kube-proxy's
+    // ExternalPolicyLocal wants it reachable from outside).
+    let plain = service(
+        "metadata: {name: plain, namespace: a}
+spec: {externalTrafficPolicy: Local, clusterIP: 10.96.0.4, ports: [{port: 80}]}",
+    );
+    let t = on_node_1(&[plain], &[remote("plain", "[{port: 8080}]")]);
+    assert!(t.state.no_local_endpoints.is_empty());
+
+    // A dual-stack Service counts once per family, as kube-proxy's two ip_family series.
+    let dual = service(
+        "metadata: {name: dual, namespace: a}
+spec: {clusterIPs: [10.96.0.5, 'fd00::5'], internalTrafficPolicy: Local, ports: [{port: 80}]}",
+    );
+    let slices = [
+        remote("dual", "[{port: 8080}]"),
+        slice_of(
+            "a/dual-6",
+            "dual",
+            "IPv6",
+            "[{port: 8080}]",
+            "[{addresses: ['fd00:2::1'], nodeName: node-2}]",
+        ),
+    ];
+    let t = on_node_1(&[dual], &slices);
+    assert_eq!(count(&t, "a/dual"), Some((2, 0)));
+}

@@ -13,6 +13,14 @@ use svc_tests::{
     Service, ServicePort, SlicePort, Tools,
 };
 
+/// What deploy/'s dashboard reads that only an agent of the Kubernetes API exports (its own
+/// client's requests): the packet test's agent reads manifests and leaves them out of its
+/// check, and the kube scenario s21 checks each has samples.
+pub const API_CLIENT_METRICS: &[&str] = &[
+    "rest_client_requests_total",
+    "rest_client_request_duration_seconds_bucket",
+];
+
 /// A fresh sandbox with the probe this package built; fails (never skips) without root.
 pub fn sandbox() -> Sandbox {
     require_root();
