@@ -774,7 +774,10 @@ mod tests {
         assert!(r.hold(10, 20));
         assert!(!r.hold(10, 25), "same start, another length");
         assert!(!r.hold(15, 10), "inside it");
-        assert_eq!((r.holders(10), r.used_regions(), r.free_blocks()), (2, 1, 80));
+        assert_eq!(
+            (r.holders(10), r.used_regions(), r.free_blocks()),
+            (2, 1, 80)
+        );
         assert!(r.free(10, 20));
         assert_eq!(r.free_blocks(), 80);
         assert!(r.free(10, 20));

@@ -109,7 +109,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
     ("s18-dry-run", Scenario::Shared(dry_run_from_the_api)),
     ("s19-removal", Scenario::Shared(removed_from_the_node)),
     ("s20-explain", Scenario::Shared(explain_with_the_api)),
-    ("s21-seed-warning", Scenario::Exclusive(default_seed_warning)),
+    (
+        "s21-seed-warning",
+        Scenario::Exclusive(default_seed_warning),
+    ),
 ];
 
 fn main() -> ExitCode {
@@ -2489,7 +2492,10 @@ fn default_seed_warning(cp: &mut ControlPlane, name: &str) -> Result<()> {
         Ok(())
     })?;
     let log = env.agent().log();
-    ensure!(!log.contains(WARNING), "warned on a one-node cluster:\n{log}");
+    ensure!(
+        !log.contains(WARNING),
+        "warned on a one-node cluster:\n{log}"
+    );
 
     let other = format!("{name}-other-node");
     apply(cp, &[node(&other)])?;

@@ -5552,11 +5552,16 @@ fn bpftool_maglev_index(bpffs: &std::path::Path) -> BTreeMap<(u32, u16), (u64, u
         .arg(&pin)
         .output()
         .expect("bpftool");
-    assert!(out.status.success(), "bpftool map dump {}: {out:?}", pin.display());
+    assert!(
+        out.status.success(),
+        "bpftool map dump {}: {out:?}",
+        pin.display()
+    );
     let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
     (v.as_array().expect("a list of entries").iter())
         .map(|e| {
-            let (k, v) = (&e["key"], &e["value"]);
+            // With BTF, bpftool -j prints the raw bytes and the fields under "formatted".
+            let (k, v) = (&e["formatted"]["key"], &e["formatted"]["value"]);
             let field = |o: &Value, f: &str| {
                 o[f].as_u64()
                     .unwrap_or_else(|| panic!("no field {f} in {e} (bpftool without BTF?)"))
@@ -5578,7 +5583,10 @@ fn external_pair(
     node_port: u16,
 ) -> Option<[(u32, u16, u16); 2]> {
     use svc_agent::store::Store;
-    let snap = svc_agent::datapath::open_pinned(bpffs).ok()?.snapshot().ok()?;
+    let snap = svc_agent::datapath::open_pinned(bpffs)
+        .ok()?
+        .snapshot()
+        .ok()?;
     let eip: std::net::Ipv4Addr = EXTERNAL_IP.parse().unwrap();
     let find = |addr: Option<[u8; 16]>, port: u16| {
         let (_, v) = snap.services.iter().find(|(k, v)| {

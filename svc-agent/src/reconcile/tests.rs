@@ -3028,14 +3028,15 @@ fn a_crash_after_any_op_among_maglev_tables_is_repaired() {
             let mut p3 = run(&store);
             assert_eq!(p3.apply(&mut store, to).ops, 0, "kill at {kill_at}");
             // A shared table counted once, held once by each generation that names it.
-            let used: std::collections::BTreeMap<u32, u32> =
-                (p3.maglev.live.values()).map(|t| (t.start, t.blocks())).collect();
+            let used: std::collections::BTreeMap<u32, u32> = (p3.maglev.live.values())
+                .map(|t| (t.start, t.blocks()))
+                .collect();
             assert_eq!(
                 p3.maglev.regions.free_blocks(),
                 p3.maglev.regions.capacity() - used.values().sum::<u32>(),
                 "kill at {kill_at}: no region leaked"
             );
-            for (start, _) in &used {
+            for start in used.keys() {
                 let holders = (p3.maglev.live.values()).filter(|t| t.start == *start);
                 assert_eq!(
                     p3.maglev.regions.holders(*start) as usize,
@@ -3129,7 +3130,10 @@ fn the_external_frontends_of_a_service_port_share_one_table() {
             log,
             |o| matches!(o, Op::PutMaglevIndex(k, _) if *k == maglev_key(v.id, v.rev)),
         );
-        let master = first_of(log, |o| matches!(o, Op::PutService(k, _) if *k == service_key(&f)));
+        let master = first_of(
+            log,
+            |o| matches!(o, Op::PutService(k, _) if *k == service_key(&f)),
+        );
         assert!(index < master, "{log:#?}");
     }
     // The old table, held by both old generations until they retire.
@@ -3154,7 +3158,9 @@ fn the_external_frontends_of_a_service_port_share_one_table() {
     let n0 = store.log.len();
     settle(&mut p, &mut store, &four);
     assert!(
-        !store.log[n0..].iter().any(|o| matches!(o, Op::PutMaglev(..))),
+        !store.log[n0..]
+            .iter()
+            .any(|o| matches!(o, Op::PutMaglev(..))),
         "{:#?}",
         &store.log[n0..]
     );
@@ -3181,9 +3187,18 @@ fn a_table_is_not_shared_by_slots_in_another_order() {
     let mut store = ModelStore::default();
     let mut p = fresh();
     settle(&mut p, &mut store, &want);
-    let (a, b) = (p.frontends[&np].maglev.unwrap(), p.frontends[&lb].maglev.unwrap());
+    let (a, b) = (
+        p.frontends[&np].maglev.unwrap(),
+        p.frontends[&lb].maglev.unwrap(),
+    );
     assert_ne!(a.start, b.start);
-    assert_eq!((p.maglev.regions.holders(a.start), p.maglev.regions.holders(b.start)), (1, 1));
+    assert_eq!(
+        (
+            p.maglev.regions.holders(a.start),
+            p.maglev.regions.holders(b.start)
+        ),
+        (1, 1)
+    );
     // The check builds each frontend's table from its own slots and compares.
     exact(&store, &want);
 }
@@ -3254,17 +3269,29 @@ fn a_region_named_for_other_slots_is_not_adopted_twice() {
     let v = store.services[&service_key(&lb)];
     let np_index = index_of(&store, &np);
     store.maglev_index.insert(maglev_key(v.id, v.rev), np_index);
-    store.index_tables.insert(
-        maglev_key(v.id, v.rev),
-        store.table_at(&np_index),
-    );
+    store
+        .index_tables
+        .insert(maglev_key(v.id, v.rev), store.table_at(&np_index));
     let mut again = restarted(&mut p, &store);
     let adopted = [np, lb].map(|f| again.frontends[&f].maglev);
-    assert_eq!(adopted.iter().filter(|t| t.is_some()).count(), 1, "{adopted:?}");
+    assert_eq!(
+        adopted.iter().filter(|t| t.is_some()).count(),
+        1,
+        "{adopted:?}"
+    );
     // Held by the adopted entry and by the other, now a leftover retired with its hold.
-    assert_eq!(again.maglev.regions.holders(np_index.offset / svc_common::MAGLEV_BLOCK), 2);
+    assert_eq!(
+        again
+            .maglev
+            .regions
+            .holders(np_index.offset / svc_common::MAGLEV_BLOCK),
+        2
+    );
     settle(&mut again, &mut store, &want);
-    let (a, b) = (again.frontends[&np].maglev.unwrap(), again.frontends[&lb].maglev.unwrap());
+    let (a, b) = (
+        again.frontends[&np].maglev.unwrap(),
+        again.frontends[&lb].maglev.unwrap(),
+    );
     assert_ne!(a.start, b.start);
     let problems = crate::verify::check(&store.snapshot().unwrap(), &want);
     assert!(problems.is_empty(), "{problems:#?}");
