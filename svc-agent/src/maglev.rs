@@ -251,11 +251,18 @@ pub fn blocks(size: u32) -> u32 {
 /// The free space of `SVC_MAGLEV`, in blocks: where a new table goes. First fit: table sizes
 /// repeat (one per size class), so a freed region is mostly taken again by a table of its
 /// size, and neighbouring free regions are merged when freed.
+///
+/// A region in use has holders: the index entries that name it (current or retiring), one
+/// `alloc`, `take` or `share` each. The external frontends of one Service port share one
+/// table (docs/design/maglev.md, Memory), so a region is free again only when its last
+/// holder gives it back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Regions {
     capacity: u32,
     /// Start block -> length, no two touching.
     free: BTreeMap<u32, u32>,
+    /// Start block -> (length, holders, at least 1) of each region in use.
+    used: BTreeMap<u32, (u32, u32)>,
 }
 
 impl Regions {
@@ -265,7 +272,11 @@ impl Regions {
         if capacity > 0 {
             free.insert(0, capacity);
         }
-        Regions { capacity, free }
+        Regions {
+            capacity,
+            free,
+            used: BTreeMap::new(),
+        }
     }
 
     pub fn free_blocks(&self) -> u32 {
@@ -274,6 +285,16 @@ impl Regions {
 
     pub fn capacity(&self) -> u32 {
         self.capacity
+    }
+
+    /// How many index entries hold the region at `start` (0: not a region in use).
+    pub fn holders(&self, start: u32) -> u32 {
+        self.used.get(&start).map_or(0, |&(_, n)| n)
+    }
+
+    /// Regions in use (each counted once, however many hold it).
+    pub fn used_regions(&self) -> usize {
+        self.used.len()
     }
 
     /// Whether `len` free blocks lie together somewhere.
@@ -291,7 +312,27 @@ impl Regions {
         if have > len {
             self.free.insert(start + len, have - len);
         }
+        self.used.insert(start, (len, 1));
         Some(start)
+    }
+
+    /// One more holder of the region in use of `len` blocks at `start` (a table whose
+    /// content is the same for another frontend). `false` (nothing changed): no region in
+    /// use starts there with that length.
+    pub fn share(&mut self, start: u32, len: u32) -> bool {
+        match self.used.get_mut(&start) {
+            Some((l, n)) if *l == len => {
+                *n += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `take`, or `share` when the region is in use with that length already: a table
+    /// found at start that several index entries name.
+    pub fn hold(&mut self, start: u32, len: u32) -> bool {
+        self.take(start, len) || self.share(start, len)
     }
 
     /// Marks `len` blocks from `start` used, as a table found in the maps at start holds
@@ -314,18 +355,29 @@ impl Regions {
         if f + have > end {
             self.free.insert(end, f + have - end);
         }
+        self.used.insert(start, (len, 1));
         true
     }
 
-    /// Gives `len` blocks from `start` back (a retired table's, after its grace period),
-    /// merged with the free regions it touches. `false` (nothing changed): some of them are
-    /// free already or beyond the array, which would be a bookkeeping error.
+    /// Gives one holder's hold of the `len` blocks from `start` back (a retired table's,
+    /// after its grace period); the last holder's frees them, merged with the free regions
+    /// they touch. `false` (nothing changed): no region in use starts there with that length
+    /// (free already, beyond the array, or another region), which would be a bookkeeping
+    /// error.
     pub fn free(&mut self, start: u32, len: u32) -> bool {
         let Some(end) = start.checked_add(len) else {
             return false;
         };
         if len == 0 || end > self.capacity {
             return false;
+        }
+        match self.used.get_mut(&start) {
+            Some((l, n)) if *l == len && *n > 1 => {
+                *n -= 1;
+                return true;
+            }
+            Some((l, _)) if *l == len => {}
+            _ => return false,
         }
         let before = self.free.range(..start).next_back().map(|(&s, &l)| (s, l));
         if before.is_some_and(|(s, l)| s + l > start) {
@@ -344,6 +396,7 @@ impl Regions {
             l += al;
         }
         self.free.insert(s, l);
+        self.used.remove(&start);
         true
     }
 }
@@ -687,6 +740,48 @@ mod tests {
         assert_eq!(r.alloc(10), Some(30));
         assert_eq!(r.alloc(50), Some(45));
         assert_eq!(r.alloc(1), Some(95));
+    }
+
+    /// A shared region stays in use until its last holder gives it back, and only a region
+    /// in use of that exact length can be shared.
+    #[test]
+    fn a_shared_region_is_freed_by_its_last_holder() {
+        let mut r = Regions::new(100);
+        let a = r.alloc(10).unwrap();
+        assert!(r.share(a, 10));
+        assert!(r.share(a, 10));
+        assert_eq!(r.holders(a), 3);
+        assert!(!r.share(a, 11), "another length");
+        assert!(!r.share(a + 1, 9), "inside it");
+        assert!(!r.share(50, 10), "free space");
+        assert!(r.free(a, 10) && r.free(a, 10));
+        assert_eq!(r.holders(a), 1);
+        assert_eq!(r.free_blocks(), 90, "still held by one");
+        assert_eq!(r.alloc(10), Some(10), "not handed out while held");
+        assert!(r.free(10, 10));
+        assert!(r.free(a, 10), "the last holder");
+        assert_eq!(r.holders(a), 0);
+        assert!(!r.free(a, 10), "once more than held");
+        assert_eq!(r, Regions::new(100));
+    }
+
+    /// At start, several index entries naming one region hold it together (`hold`); one
+    /// that overlaps it otherwise cannot.
+    #[test]
+    fn tables_found_at_start_hold_a_shared_region() {
+        let mut r = Regions::new(100);
+        assert!(r.hold(10, 20));
+        assert!(r.hold(10, 20));
+        assert!(!r.hold(10, 25), "same start, another length");
+        assert!(!r.hold(15, 10), "inside it");
+        assert_eq!(
+            (r.holders(10), r.used_regions(), r.free_blocks()),
+            (2, 1, 80)
+        );
+        assert!(r.free(10, 20));
+        assert_eq!(r.free_blocks(), 80);
+        assert!(r.free(10, 20));
+        assert_eq!(r.free_blocks(), 100);
     }
 
     /// What 10,000 Services of 10 backends cost (docs/design/maglev.md, Memory): the time

@@ -547,24 +547,19 @@ fn parse_seed(s: &str) -> Result<u64, String> {
 }
 
 impl MaglevArgs {
-    /// `from_api`: the agent serves from the Kubernetes API, so other nodes serve the same
-    /// Services and must agree on the seed.
-    fn settings(&self, from_api: bool) -> svc_agent::maglev::Settings {
-        let seed = self.maglev_seed.unwrap_or(svc_agent::maglev::DEFAULT_SEED);
-        if from_api
-            && self.maglev_seed.is_none()
-            && self.lb_algorithm_external == svc_agent::maglev::Algorithm::Maglev
-        {
-            tracing::warn!(
-                "--maglev-seed is left at its built-in default: every node of the cluster must \
-                 use the same seed for Maglev to send a flow to the same backend from any \
-                 node; set one cluster-wide"
-            );
-        }
+    fn settings(&self) -> svc_agent::maglev::Settings {
         svc_agent::maglev::Settings {
             external: self.lb_algorithm_external,
-            seed,
+            seed: self.maglev_seed.unwrap_or(svc_agent::maglev::DEFAULT_SEED),
         }
+    }
+
+    /// Whether Maglev runs with the seed left at its built-in default: other nodes of a
+    /// cluster must agree on it, which the agent warns about once it sees more than one Node
+    /// (`controller::RunConfig::default_seed`).
+    fn default_seed(&self) -> bool {
+        self.maglev_seed.is_none()
+            && self.lb_algorithm_external == svc_agent::maglev::Algorithm::Maglev
     }
 }
 
@@ -810,7 +805,8 @@ fn main() -> anyhow::Result<()> {
                     bind_address,
                     ..packet.config(!dry_run)?
                 },
-                maglev: maglev.settings(from_api),
+                maglev: maglev.settings(),
+                default_seed: maglev.default_seed(),
             };
             let input = match manifests {
                 Some(path) => controller::Input::Manifests {

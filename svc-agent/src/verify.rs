@@ -247,8 +247,10 @@ pub fn check_with(
         index.keys().filter(|k| !used_index.contains(*k)).count(),
     ));
     regions.sort();
+    // One region named by several frontends is a shared table (each checked above against
+    // its own backends when the tables are read); any other overlap is a bookkeeping error.
     for w in regions.windows(2) {
-        if w[0].1 > w[1].0 {
+        if w[0].1 > w[1].0 && (w[0].0, w[0].1) != (w[1].0, w[1].1) {
             problems.push(format!(
                 "the Maglev tables of {} and {} overlap",
                 w[0].2, w[1].2

@@ -113,6 +113,10 @@ const SCENARIOS: &[(&str, Scenario)] = &[
         "s21-kube-proxy-metrics",
         Scenario::Shared(kube_proxy_metrics),
     ),
+    (
+        "s22-seed-warning",
+        Scenario::Exclusive(default_seed_warning),
+    ),
 ];
 
 fn main() -> ExitCode {
@@ -2737,5 +2741,43 @@ fn kube_proxy_metrics(cp: &ControlPlane, name: &str) -> Result<()> {
         agent.kill()?;
         counted.with_context(|| agent.log())?;
     }
+    Ok(())
+}
+
+/// `--maglev-seed` left at its built-in default is warned about only on a cluster of more
+/// than one Node (each node's seed must agree with the others'): nothing on a cluster of one,
+/// the warning on one of two. Exclusive: it needs the cluster's Nodes (other scenarios'
+/// objects; there is no kubelet) to be its own.
+fn default_seed_warning(cp: &mut ControlPlane, name: &str) -> Result<()> {
+    const WARNING: &str = "--maglev-seed is left at its built-in default";
+    const ONE_NODE: &str = "one Node in the cluster";
+    let mut env = Env::new(cp, name)?;
+    cp.kubectl(&["delete", "nodes", "--all", "--wait=true"])?;
+    let node = |n: &str| json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}});
+    apply(cp, &[node(&env.node)])?;
+    env.start_agent(cp)?;
+    eventually(Instant::now(), SETTLE, "the Nodes counted", || {
+        let log = env.agent.as_ref().expect("started").log();
+        ensure!(log.contains(ONE_NODE), "{log}");
+        Ok(())
+    })?;
+    let log = env.agent().log();
+    ensure!(
+        !log.contains(WARNING),
+        "warned on a one-node cluster:\n{log}"
+    );
+
+    let other = format!("{name}-other-node");
+    apply(cp, &[node(&other)])?;
+    env.agent().terminate(Duration::from_secs(30))?;
+    env.agent().restart()?;
+    let warned = eventually(Instant::now(), SETTLE, "the default-seed warning", || {
+        let log = env.agent.as_ref().expect("started").log();
+        ensure!(log.contains(WARNING), "{log}");
+        Ok(())
+    });
+    cp.kubectl(&["delete", "node", &other, &env.node, "--wait=true"])?;
+    warned?;
+    ensure!(!env.agent().log().contains(ONE_NODE));
     Ok(())
 }

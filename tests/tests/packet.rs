@@ -6147,6 +6147,143 @@ fn maglev_choices(
     Some((v.count, choices))
 }
 
+/// `bpftool -j map dump pinned SVC_MAGLEV_INDEX`: each generation (id, rev) with the offset
+/// and size of its table, as bpftool prints the BTF map (field names, not raw bytes).
+fn bpftool_maglev_index(bpffs: &std::path::Path) -> BTreeMap<(u32, u16), (u64, u64)> {
+    let pin = svc_agent::datapath::map_pin(bpffs, svc_common::map_names::MAGLEV_INDEX);
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map dump {}: {out:?}",
+        pin.display()
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
+    (v.as_array().expect("a list of entries").iter())
+        .map(|e| {
+            // With BTF, bpftool -j prints the raw bytes and the fields under "formatted".
+            let (k, v) = (&e["formatted"]["key"], &e["formatted"]["value"]);
+            let field = |o: &Value, f: &str| {
+                o[f].as_u64()
+                    .unwrap_or_else(|| panic!("no field {f} in {e} (bpftool without BTF?)"))
+            };
+            (
+                (field(k, "id") as u32, field(k, "rev") as u16),
+                (field(v, "offset"), field(v, "size")),
+            )
+        })
+        .collect()
+}
+
+/// The master entries (id, rev, count) of the IPv4 ExternalIP frontend `EXTERNAL_IP`:`port`
+/// and the IPv4 NodePort `node_port` of one Service port (TCP), when both carry the Maglev
+/// flag.
+fn external_pair(
+    bpffs: &std::path::Path,
+    port: u16,
+    node_port: u16,
+) -> Option<[(u32, u16, u16); 2]> {
+    use svc_agent::store::Store;
+    let snap = svc_agent::datapath::open_pinned(bpffs)
+        .ok()?
+        .snapshot()
+        .ok()?;
+    let eip: std::net::Ipv4Addr = EXTERNAL_IP.parse().unwrap();
+    let find = |addr: Option<[u8; 16]>, port: u16| {
+        let (_, v) = snap.services.iter().find(|(k, v)| {
+            k.port_be == port.to_be()
+                && k.proto == svc_common::IPPROTO_TCP
+                && k.scope == svc_common::scope::EXTERNAL
+                && v.flags & svc_common::svc_flags::MAGLEV != 0
+                && match addr {
+                    Some(a) => k.addr == a,
+                    None => svc_common::is_v4_mapped(&k.addr),
+                }
+        })?;
+        Some((v.id, v.rev, v.count))
+    };
+    Some([
+        find(Some(svc_common::v4_mapped(eip.octets())), port)?,
+        find(None, node_port)?,
+    ])
+}
+
+/// The external frontends of one Service port, its ExternalIP and its NodePort (one family),
+/// share one Maglev table: their index entries, as bpftool prints them, name the same offset.
+/// A new endpoint moves both to one new table together (each by its own master entry), and
+/// the old one's region, named by both old generations, goes with them after the grace
+/// period.
+#[test]
+fn the_external_frontends_of_a_service_port_share_one_maglev_table() {
+    let mut t = Topo::new();
+    let pods = |n: u8| -> Vec<(String, String, &'static str)> {
+        (1..=n)
+            .map(|i| {
+                (
+                    format!("10.244.1.{}", 10 + i),
+                    format!("fd00:244:1::{}", 10 + i),
+                    "node-1",
+                )
+            })
+            .collect()
+    };
+    let endpoints = |t: &Topo, n: u8| {
+        let p = pods(n);
+        let refs: Vec<(&str, &str, &str)> = p
+            .iter()
+            .map(|(a, b, c)| (a.as_str(), b.as_str(), *c))
+            .collect();
+        t.endpoints("ms", &refs);
+    };
+    t.service(
+        "ms",
+        service(
+            "ms",
+            "NodePort",
+            41,
+            30141,
+            json!({"externalIPs": [EXTERNAL_IP]}),
+            json!({}),
+        ),
+    );
+    endpoints(&t, 3);
+    t.start_agent_with(&["--retire-grace-ms", "500"]);
+    let shared = |count: u16| {
+        poll(Duration::from_secs(20), || {
+            let Some([eip, np]) = external_pair(t.bpffs.path(), 80, 30141) else {
+                return Ok(None);
+            };
+            if eip.2 != count || np.2 != count {
+                return Ok(None);
+            }
+            let index = bpftool_maglev_index(t.bpffs.path());
+            let (Some(a), Some(b)) = (index.get(&(eip.0, eip.1)), index.get(&(np.0, np.1))) else {
+                return Ok(None);
+            };
+            Ok(Some((*a, *b, index)))
+        })
+        .unwrap_or_else(|e| panic!("both frontends with tables of {count} backends: {e}"))
+    };
+    let (eip3, np3, index) = shared(3);
+    assert_eq!(eip3, np3, "one table for both: {index:?}");
+    assert_eq!(eip3.1, 509, "a table of 3 backends");
+
+    endpoints(&t, 4);
+    let (eip4, np4, index) = shared(4);
+    assert_eq!(eip4, np4, "one new table for both: {index:?}");
+    assert_ne!(eip4.0, eip3.0, "written beside the old one");
+    // The old generations go after the grace period, and nothing names the old table then.
+    let gone = poll(Duration::from_secs(20), || {
+        let index = bpftool_maglev_index(t.bpffs.path());
+        Ok((!index.values().any(|(o, _)| *o == eip3.0)).then_some(index))
+    })
+    .unwrap_or_else(|e| panic!("the old table retired: {e}"));
+    assert!(gone.values().any(|(o, _)| *o == eip4.0), "{gone:?}");
+}
+
 /// Two nodes, each with an agent of its own (its namespace, cgroup, pins), given the same
 /// Services, build the same Maglev table for the same external frontend: 4,000 flows (50
 /// client addresses of the test's own range, 80 ports each) choose the same backend through

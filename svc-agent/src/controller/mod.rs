@@ -46,7 +46,13 @@ pub struct RunConfig {
     /// How external frontends choose backends (docs/design/maglev.md): the plan's Maglev
     /// tables.
     pub maglev: crate::maglev::Settings,
+    /// Maglev with `--maglev-seed` left at its built-in default: with the Kubernetes API,
+    /// warned about once the cluster has more than one Node.
+    pub default_seed: bool,
 }
+
+/// How often the agent counts Nodes while the seed is at its default and one node was seen.
+const SEED_CHECK_EVERY: Duration = Duration::from_secs(300);
 
 /// Where the Services come from.
 pub enum Input {
@@ -95,6 +101,10 @@ pub async fn run(cfg: RunConfig, input: Input) -> Result<Stop> {
     let opened = open(input, &metrics).await?;
     serve_metrics(&cfg, &metrics).await?;
     let mut removal = None;
+    let _seed_check = match &opened {
+        Opened::Kube(api, _) if cfg.default_seed => Some(api.warn_default_seed(SEED_CHECK_EVERY)),
+        _ => None,
+    };
     let (agent, tracker, events): (Agent, Box<dyn Tracker>, Events) = match opened {
         // The API server is reached on its own address: nothing of the datapath is needed to
         // list, so the lists run while the object loads and verifies.

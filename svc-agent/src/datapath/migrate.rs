@@ -115,10 +115,12 @@ fn copy_tables(store: &mut BpfStore, old: &MapData) -> Result<usize> {
         aya::maps::Array::try_from(Map::Array(clone_map(old)?))
             .map_err(|e| crate::store::map_err(name, e))?;
     let mut n = 0;
+    // A table several frontends share is named by several index entries: copied once.
+    let mut copied = std::collections::HashSet::new();
     for (_, v) in crate::store::dump(map_names::MAGLEV_INDEX, index)? {
         let start = v.offset / svc_common::MAGLEV_BLOCK;
         let end = start.saturating_add(crate::maglev::blocks(v.size));
-        if end > new.len() {
+        if end > new.len() || !copied.insert((start, end)) {
             continue;
         }
         for i in start..end.min(old.len()) {

@@ -394,12 +394,20 @@ impl Programmed {
                 object: String::new(),
             });
         }
-        for (_, t) in &plan.tables {
-            if !self.maglev.regions.take(t.start, t.blocks()) {
+        for (i, (_, t, region)) in plan.tables.iter().enumerate() {
+            let held = match region {
+                plan::Region::New => self.maglev.regions.take(t.start, t.blocks()),
+                plan::Region::Shared => self.maglev.regions.share(t.start, t.blocks()),
+            };
+            if !held {
+                for (_, t, _) in &plan.tables[..i] {
+                    self.maglev.regions.free(t.start, t.blocks());
+                }
                 return Err(Error::map(
                     svc_common::map_names::MAGLEV,
                     format!(
-                        "blocks {}..{} planned for a table are not free (a bookkeeping error)",
+                        "blocks {}..{} planned for a table are not free, or not the table \
+                         it shares (a bookkeeping error)",
                         t.start,
                         t.start + t.blocks()
                     ),
@@ -563,14 +571,14 @@ impl Programmed {
         &mut self,
         w: &mut Writer<'_, S>,
         prepare: &[(Op, Option<Op>)],
-        tables: &[(SlotKey, TableRef)],
+        tables: &[(SlotKey, TableRef, plan::Region)],
     ) {
         for (_, undo) in prepare.iter().rev() {
             if let Some(undo) = undo {
                 w.try_op(undo);
             }
         }
-        for (key, t) in tables {
+        for (key, t, _) in tables {
             if !self.maglev.live.contains_key(&(key.id, key.rev)) {
                 w.try_op(&Op::DelMaglevIndex(*key));
             }
@@ -585,7 +593,7 @@ impl Programmed {
         &mut self,
         w: &mut Writer<'_, S>,
         prepare: &[(Op, Option<Op>)],
-        tables: &[(SlotKey, TableRef)],
+        tables: &[(SlotKey, TableRef, plan::Region)],
         now: Instant,
     ) {
         for (op, undo) in prepare {
@@ -608,7 +616,7 @@ impl Programmed {
                 None => {}
             }
         }
-        for (key, t) in tables {
+        for (key, t, _) in tables {
             self.retiring.push(
                 now + self.grace,
                 Retire::Table {

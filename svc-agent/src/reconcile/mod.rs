@@ -165,9 +165,11 @@ impl MaglevState {
         }
     }
 
-    /// Bytes of table entries the current generations use (2 an entry).
+    /// Bytes of table entries the current generations use (2 an entry), a table their
+    /// frontends share counted once.
     pub fn table_bytes(&self) -> u64 {
-        self.live.values().map(|t| u64::from(t.size) * 2).sum()
+        let tables: BTreeMap<u32, u32> = self.live.values().map(|t| (t.start, t.size)).collect();
+        tables.values().map(|&size| u64::from(size) * 2).sum()
     }
 }
 

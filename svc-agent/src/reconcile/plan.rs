@@ -53,9 +53,10 @@ pub struct UnitPlan {
     pub max_backend_id: u32,
     /// The META write that makes them durable, first, when META does not cover them yet.
     pub meta: Option<MetaValue>,
-    /// The Maglev tables it writes, each under its index key: their regions are taken
-    /// before the first write, and given back (or retired) if the Service's sync fails.
-    pub tables: Vec<(SlotKey, TableRef)>,
+    /// The Maglev index entries it writes, each with the table it names and whether the
+    /// plan writes that table or shares one: their regions are taken (or shared) before the
+    /// first write, and given back (or retired) if the Service's sync fails.
+    pub tables: Vec<(SlotKey, TableRef, Region)>,
     /// External frontends that want a Maglev table and find no room: programmed without.
     pub roomless: Vec<Frontend>,
     /// Frontends that found no room before and need none now, with nothing to write.
@@ -203,6 +204,32 @@ impl Planned {
     }
 }
 
+/// Where the table of an index entry a plan writes comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Region {
+    /// A free region the plan writes the table into.
+    New,
+    /// A region in use (a current table of another frontend of the Service, or one the plan
+    /// writes for an earlier frontend) holding the same table: same seed, same backends in
+    /// the same slot order, so the same slot numbers.
+    Shared,
+}
+
+/// A table a Service's frontends can share: its seed and size, and the backends of the
+/// slots it was built from, in slot order.
+struct Shareable {
+    table: TableRef,
+    backends: Vec<BackendId>,
+}
+
+/// The table in `shareable` built from `backends` (in slot order) with `seed`.
+fn find_shared(shareable: &[Shareable], seed: u64, backends: &[BackendId]) -> Option<TableRef> {
+    let size = crate::maglev::table_size(backends.len());
+    (shareable.iter())
+        .find(|s| s.table.seed == seed && s.table.size == size && s.backends == backends)
+        .map(|s| s.table)
+}
+
 /// Whether `d` wants a Maglev table: an external frontend with backends whose algorithm
 /// (the Service's annotation, else the flag) is Maglev, and an array that can hold one.
 pub fn wants_table(p: &Programmed, d: &DesiredFrontend) -> bool {
@@ -212,18 +239,33 @@ pub fn wants_table(p: &Programmed, d: &DesiredFrontend) -> bool {
         && p.capacity.maglev >= crate::maglev::blocks(crate::maglev::MIN_SIZE)
 }
 
-/// Builds the table of `d` (its backends in slot order, so entries are 0-based slot numbers)
-/// and plans its writes into a free region, before the index entry of `key`, in `prepare`:
-/// `key` is a generation no master entry names with a table yet. None when no region is
-/// free: the frontend is then programmed without (`UnitPlan::roomless`).
+/// Plans the table of `d`, whose slots hold `ids`, under the index entry of `key` (a
+/// generation no master entry names with a table yet), in `prepare`. The index entry names
+/// a table in `shareable` built from the same backends in the same slot order with the same
+/// seed when there is one (that table is valid for `d` as it is: its entries are slot
+/// numbers); else the table is built from the backends in slot order, so its entries are
+/// 0-based slot numbers, and written into a free region before the index entry, and offered
+/// to the Service's later frontends. None when no region is free: the frontend is then
+/// programmed without (`UnitPlan::roomless`).
 fn plan_table(
     p: &Programmed,
     earlier: &mut Planned,
     plan: &mut UnitPlan,
-    d: &DesiredFrontend,
+    shareable: &mut Vec<Shareable>,
+    (d, ids): (&DesiredFrontend, &[BackendId]),
     key: SlotKey,
 ) -> Option<TableRef> {
     let proto = d.frontend.protocol.ipproto();
+    let seed = p.maglev.settings.seed;
+    if let Some(t) = find_shared(shareable, seed, ids) {
+        // Written and never edited where it is; held until this entry's generation retires.
+        if earlier.regions(p).share(t.start, t.blocks()) {
+            plan.prepare
+                .push((Op::PutMaglevIndex(key, t.index()), None));
+            plan.tables.push((key, t, Region::Shared));
+            return Some(t);
+        }
+    }
     let size = crate::maglev::table_size(d.backends.len());
     let Some(start) = earlier.regions(p).alloc(crate::maglev::blocks(size)) else {
         plan.roomless.push(d.frontend);
@@ -232,7 +274,6 @@ fn plan_table(
     let idents: Vec<crate::maglev::Identity> = (d.backends.iter())
         .map(|b| crate::maglev::Identity::of(b.addr, proto))
         .collect();
-    let seed = p.maglev.settings.seed;
     let table = crate::maglev::build(seed, &idents).ok()?;
     let t = TableRef {
         start,
@@ -243,7 +284,11 @@ fn plan_table(
         .push((Op::PutMaglev(start, table.to_blocks()), None));
     plan.prepare
         .push((Op::PutMaglevIndex(key, t.index()), None));
-    plan.tables.push((key, t));
+    plan.tables.push((key, t, Region::New));
+    shareable.push(Shareable {
+        table: t,
+        backends: ids.to_vec(),
+    });
     Some(t)
 }
 
@@ -264,6 +309,20 @@ pub fn plan_unit(
     let mut next_backend = earlier.next_backend;
     let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
     let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::new();
+    // The Service's current tables, each with the backends of its generation's slots: a
+    // frontend whose backends and seed match one shares its region rather than write
+    // another copy (its slots must then hold the same backends in the same order, which is
+    // what `backends` compares).
+    let mut shareable: Vec<Shareable> = (upserts.iter())
+        .filter_map(|d| {
+            let cur = p.frontends.get(&d.frontend)?;
+            let table = cur.maglev.filter(|_| cur.complete())?;
+            Some(Shareable {
+                table,
+                backends: cur.backends.clone(),
+            })
+        })
+        .collect();
 
     for d in upserts {
         let fe = &d.frontend;
@@ -342,7 +401,14 @@ pub fn plan_unit(
             plan.prepare.extend(ranges.iter().map(|c| put_range(id, c)));
             // The table and its index entry before the master entry that flags it.
             let maglev = if wants_table(p, d) {
-                plan_table(p, earlier, &mut plan, d, maglev_key(id, rev))
+                plan_table(
+                    p,
+                    earlier,
+                    &mut plan,
+                    &mut shareable,
+                    (d, &ids),
+                    maglev_key(id, rev),
+                )
             } else {
                 None
             };
@@ -391,7 +457,8 @@ pub fn plan_unit(
             None if wants => {
                 let fits = (earlier.regions.as_ref())
                     .unwrap_or(&p.maglev.regions)
-                    .fits(crate::maglev::blocks(size));
+                    .fits(crate::maglev::blocks(size))
+                    || find_shared(&shareable, seed, &ids).is_some();
                 if !fits {
                     plan.roomless.push(*fe);
                 }
@@ -443,7 +510,14 @@ pub fn plan_unit(
         // master entry drops the flag (retired with its region after the grace period).
         let maglev = if new_gen || (wants && cur.maglev.is_none() && !maglev_ok) {
             if wants {
-                plan_table(p, earlier, &mut plan, d, maglev_key(cur.id, rev))
+                plan_table(
+                    p,
+                    earlier,
+                    &mut plan,
+                    &mut shareable,
+                    (d, &ids),
+                    maglev_key(cur.id, rev),
+                )
             } else {
                 None
             }

@@ -194,31 +194,51 @@ impl Programmed {
             );
         }
 
-        // Maglev tables: the regions of what this agent is retiring stay taken until freed;
+        // Maglev tables: the regions of what this agent is retiring stay held until freed,
+        // once for each retirement that names them (a shared table has several);
         // a master entry with the flag adopts its generation's index entry when it names a
-        // table of a known size wholly inside the array and clear of the others (then the
-        // flag moves to `ProgFrontend::maglev`). One that does not keeps the flag in `flags`,
-        // so the next sync writes its table and master entry again. Any other index entry
-        // is a leftover: retired, with its region when that region is clear.
+        // table of a known size wholly inside the array and clear of the others, or the
+        // very table another adopted entry names with the same seed for the same backends
+        // in the same slot order (a table the Service's frontends share; then the region has
+        // one holder per entry); the flag then moves to `ProgFrontend::maglev`. One that
+        // does not keeps the flag in `flags`, so the next sync writes its table and master
+        // entry again. Any other index entry is a leftover: retired, with its hold of its
+        // region when that region is clear of the others or exactly one of them.
         for t in p.retiring.tables() {
-            p.maglev.regions.take(t.start, t.blocks());
+            p.maglev.regions.hold(t.start, t.blocks());
         }
         let index: HashMap<SlotKey, svc_common::MaglevIndex> =
             snap.maglev_index.iter().copied().collect();
         let mut adopted: HashSet<SlotKey> = HashSet::new();
+        // Region start -> the table and the backends (slot order) of the first generation
+        // adopted with it.
+        let mut adopted_at: HashMap<u32, (TableRef, Vec<BackendId>)> = HashMap::new();
         for (fe, pf) in p.frontends.iter_mut() {
             if pf.flags & svc_flags::MAGLEV == 0 {
                 continue;
             }
             let key = maglev_key(pf.id, pf.rev);
-            let table = (index.get(&key).and_then(TableRef::of))
-                .filter(|t| p.maglev.regions.take(t.start, t.blocks()));
+            let table = (index.get(&key).and_then(TableRef::of)).filter(|t| {
+                match adopted_at.get(&t.start) {
+                    // Valid for this generation only if built for its slots as they are.
+                    Some((first, backends)) => {
+                        first == t
+                            && pf.complete()
+                            && *backends == pf.backends
+                            && p.maglev.regions.share(t.start, t.blocks())
+                    }
+                    None => p.maglev.regions.hold(t.start, t.blocks()),
+                }
+            });
             let Some(t) = table else {
                 warn!(frontend = %fe, "Maglev table missing or unusable in the pinned maps; will rewrite");
                 continue;
             };
             pf.flags &= !svc_flags::MAGLEV;
             pf.maglev = Some(t);
+            adopted_at
+                .entry(t.start)
+                .or_insert_with(|| (t, pf.backends.clone()));
             p.maglev.live.insert((pf.id, pf.rev), t);
             adopted.insert(key);
         }
@@ -226,7 +246,7 @@ impl Programmed {
             if adopted.contains(k) || p.retiring.has_table_key(k) {
                 continue;
             }
-            let t = TableRef::of(v).filter(|t| p.maglev.regions.take(t.start, t.blocks()));
+            let t = TableRef::of(v).filter(|t| p.maglev.regions.hold(t.start, t.blocks()));
             p.strays.maglev.push((*k, t));
         }
         p.strays.maglev.sort_by_key(|(k, _)| *k);

@@ -884,6 +884,43 @@ impl ApiServer {
         Ok((services.items, slices.items, node))
     }
 
+    /// Warns, once, that `--maglev-seed` is left at its built-in default when the cluster has
+    /// more than one Node: nodes whose seeds differ choose different backends for a flow that
+    /// moves between them, and one default everywhere hides that a seed was meant to be set.
+    /// A one-node cluster has no other node to agree with, so it is not told. Counted at
+    /// start and again every `every` until told (a cluster grows), with a list of at most two
+    /// Nodes' metadata (cheap at any cluster size; RBAC grants nodes list). A refused or
+    /// failed list is tried again at the next round and says nothing.
+    pub fn warn_default_seed(&self, every: Duration) -> SeedCheck {
+        let client = self.client.clone();
+        SeedCheck(tokio::spawn(async move {
+            let mut first = true;
+            loop {
+                match several_nodes(&client).await {
+                    Ok(false) if first => {
+                        first = false;
+                        info!(
+                            "one Node in the cluster: --maglev-seed left at its built-in \
+                             default is warned about once a second Node appears"
+                        );
+                    }
+                    Ok(true) => {
+                        warn!(
+                            "--maglev-seed is left at its built-in default and the cluster \
+                             has more than one node: every node must use the same seed for \
+                             Maglev to send a flow to the same backend from any node; set \
+                             one cluster-wide"
+                        );
+                        return;
+                    }
+                    Ok(false) => {}
+                    Err(e) => tracing::debug!(error = %e, "counting Nodes for the seed warning"),
+                }
+                tokio::time::sleep(every).await;
+            }
+        }))
+    }
+
     /// What answers, at the agent's stop, whether it stops for good on this node.
     pub fn removal(&self, opts: &KubeOptions) -> Option<Removal> {
         let (namespace, name) = opts.daemonset.clone()?;
@@ -941,6 +978,23 @@ impl ApiServer {
         );
         futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()])
     }
+}
+
+/// The default-seed check (`ApiServer::warn_default_seed`), stopped when dropped.
+pub struct SeedCheck(tokio::task::JoinHandle<()>);
+
+impl Drop for SeedCheck {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Whether the cluster has more than one Node: a list of at most two.
+async fn several_nodes(client: &Client) -> std::result::Result<bool, kube::Error> {
+    let list = Api::<Node>::all(client.clone())
+        .list_metadata(&kube::api::ListParams::default().limit(2))
+        .await?;
+    Ok(list.items.len() > 1)
 }
 
 /// The node as the agent's translation sees it, from its Node object (`explain`): name,
