@@ -40,6 +40,7 @@ pub const TC_ACT_REDIRECT: u32 = 7;
 pub const XDP_PASS: u32 = 2;
 pub const XDP_TX: u32 = 3;
 pub const XDP_REDIRECT: u32 = 4;
+pub const XDP_DROP: u32 = 1;
 
 /// A test's datapath: the loaded object (taken from `POOL` or loaded) with the map state a
 /// test starts from, and the devices of the test's own network namespace. Dropped, it puts the

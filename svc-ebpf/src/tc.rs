@@ -608,8 +608,9 @@ pub(crate) enum Next {
     /// stack gets it untouched, and no backend is chosen for it (a choice would be remembered
     /// for sessionAffinity, for a client that made no new connection).
     Midstream,
-    /// XDP only (`Ctx::XDP`): tc decides (a drop, a refusal, an affinity choice): the packet
-    /// goes on to it untouched, nothing stored (the XDP program counts `xdp_pass_new`).
+    /// XDP only (`Ctx::XDP`): tc decides (a refusal, a drop XDP cannot judge, an affinity
+    /// choice): the packet goes on to it untouched, nothing stored (the XDP program counts
+    /// `xdp_pass_new`).
     Tc,
 }
 
@@ -620,10 +621,19 @@ fn refused<C: Ctx>(s: &Scratch, reason: Reason, id: u32, next: Next) -> Next {
     if C::XDP {
         return Next::Tc;
     }
+    dropped(s, reason, id);
+    next
+}
+
+/// A frontend's packet dropped for what its frontend alone says (source ranges; no local
+/// backend under externalTrafficPolicy Local), counted `reason`: both programs drop it
+/// alike, XDP before the kernel builds an skb for it (a flood from outside the ranges).
+#[inline(always)]
+fn dropped(s: &Scratch, reason: Reason, id: u32) -> Next {
     count(reason, s.p.ifindex);
     monitor::tc(s, reason, false, id);
     count_service(reason, id);
-    next
+    Next::Drop
 }
 
 /// A packet that is no known flow: the first of a new one if its destination is an external
@@ -647,7 +657,7 @@ pub(crate) fn ext_frontend<C: Ctx>(ctx: &C, s: &mut Scratch, node: u32, now: u64
             .get(&src_range_key(svc.id, &p.saddr))
             .is_none()
     {
-        return refused::<C>(s, Reason::DropSourceRange, svc.id, Next::Drop);
+        return dropped(s, Reason::DropSourceRange, svc.id);
     }
     // A frontend without backends refuses it below as it refuses a SYN: a reject, or a drop
     // under externalTrafficPolicy Local.
@@ -674,7 +684,7 @@ pub(crate) fn ext_frontend<C: Ctx>(ctx: &C, s: &mut Scratch, node: u32, now: u64
         lb::FOUND => {}
         Outcome::NoBackend => {
             if svc.flags & svc_flags::EXTERNAL_LOCAL != 0 {
-                return refused::<C>(s, Reason::DropNoLocalBackend, svc.id, Next::Drop);
+                return dropped(s, Reason::DropNoLocalBackend, svc.id);
             }
             return refused::<C>(s, Reason::RejectNoBackend, svc.id, Next::Reject);
         }

@@ -14,14 +14,16 @@
 //! reply to a SNAT address (REPLY entry), and the first packet of a new flow to an external
 //! frontend whose backend is remote, when the route to the translated destination has a
 //! known neighbour and leaves by the same device (XDP_TX) or by another one that carries this
-//! program at the driver's hook (`SVC_XDP_DEVS`, XDP_REDIRECT). What it passes: anything
+//! program in the agent's mode (`SVC_XDP_DEVS`, XDP_REDIRECT). What it passes: anything
 //! else, among it a flow to a local backend (the stack delivers it), a route needing the stack
 //! (a neighbour to resolve, another device not in `SVC_XDP_DEVS`, a packet too big, a hop that
 //! would spend the TTL; counted
-//! `XdpPassRoute`), what tc refuses, drops or answers (source ranges, no backend, a bad
-//! checksum), fragments, ICMP errors, what it cannot parse, packets of flows being handed over
+//! `XdpPassRoute`), what tc refuses, drops or answers (no backend, a bad checksum),
+//! fragments, ICMP errors, what it cannot parse, packets of flows being handed over
 //! or out of their TCP window (tc drops them, counted there). A new flow is passed before
-//! anything is stored. A packet passed after its entry was found is looked up again by tc:
+//! anything is stored. What its frontend alone drops (a client outside its source ranges, no
+//! local backend under externalTrafficPolicy Local) it drops itself, counted as tc counts it.
+//! A packet passed after its entry was found is looked up again by tc:
 //! what the lookup recorded (flags ORed in, a sequence position) it records again, unchanged.
 
 use aya_ebpf::{
@@ -130,6 +132,9 @@ fn new_flow(ctx: &XdpContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
             count(Reason::XdpPassNew, ifindex);
             PASS
         }
+        // Outside the source ranges, or no local backend under externalTrafficPolicy Local:
+        // counted as tc counts it.
+        Next::Drop => DROP,
         // No frontend's; the middle of a connection svc has no flow for (tc counts it).
         _ => PASS,
     }

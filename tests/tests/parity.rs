@@ -505,7 +505,7 @@ fn write_table(
                  first, `xdp_ct_hit` a known flow's, `xdp_reply` a backend's reply; \
                  `xdp_redirect`, `xdp_redirect_reply` those of them sent out of the other \
                  device) and packets passed to tc (`xdp_pass_new`: a new flow tc decides, \
-                 such as a source range's or a sessionAffinity's; `xdp_pass_local`: to an \
+                 such as a sessionAffinity's or a refusal; `xdp_pass_local`: to an \
                  endpoint on this node; `xdp_pass_route`: a route XDP cannot take). A scenario \
                  with checks from the node alone is left out when XDP counted nothing in \
                  it.\n\n\
