@@ -394,6 +394,26 @@ impl Programmed {
                 object: String::new(),
             });
         }
+        // Ids are made durable before anything uses them.
+        if let Some(m) = plan.meta {
+            w.op(&Op::PutMeta(m))?;
+            self.ids.frontend_hwm = m.frontend_id_hwm;
+            self.ids.backend_hwm = m.backend_id_hwm;
+        }
+
+        for (id, sa, protocol) in &plan.new_backends {
+            w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
+            // Unreferenced until a master entry names it; retired at the end of the sync if
+            // what would have used it fails.
+            let k = BackendKey::new(*sa, *protocol);
+            self.backend_ids.insert(k, *id);
+            self.backends.insert(*id, k);
+            self.usage.backends += 1;
+            unreferenced.push(*id);
+        }
+
+        // Held only now: an error above returns with nothing to give back (a shared region
+        // held for a plan that stops would keep another frontend's table forever).
         for (i, (_, t, region)) in plan.tables.iter().enumerate() {
             let held = match region {
                 plan::Region::New => self.maglev.regions.take(t.start, t.blocks()),
@@ -414,24 +434,6 @@ impl Programmed {
                 ));
             }
         }
-        // Ids are made durable before anything uses them.
-        if let Some(m) = plan.meta {
-            w.op(&Op::PutMeta(m))?;
-            self.ids.frontend_hwm = m.frontend_id_hwm;
-            self.ids.backend_hwm = m.backend_id_hwm;
-        }
-
-        for (id, sa, protocol) in &plan.new_backends {
-            w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
-            // Unreferenced until a master entry names it; retired at the end of the sync if
-            // what would have used it fails.
-            let k = BackendKey::new(*sa, *protocol);
-            self.backend_ids.insert(k, *id);
-            self.backends.insert(*id, k);
-            self.usage.backends += 1;
-            unreferenced.push(*id);
-        }
-
         // Before any master entry names them, prepared entries can go at once; after, a
         // reader may hold a master entry that names them, so they are retired
         // (`undo_prepare`, `retire_prepared`).

@@ -3046,6 +3046,10 @@ fn a_crash_after_any_op_among_maglev_tables_is_repaired() {
             }
             let f1 = lb_frontend(&mut DesiredState::default(), "198.51.100.1", 80, None, &[]);
             let f6 = lb_frontend(&mut DesiredState::default(), "198.51.100.6", 80, None, &[]);
+            assert!(
+                p3.frontends[&f1].maglev.is_some(),
+                "kill at {kill_at}: .1 has a table"
+            );
             assert_eq!(
                 p3.frontends[&f1].maglev.map(|t| t.start),
                 p3.frontends[&f6].maglev.map(|t| t.start),
