@@ -118,7 +118,8 @@ impl Datapath {
                 match self.attach_xdp_one(&device) {
                     Ok((Some(pin), _)) => {
                         repaired.push(format!("link {}", pin.display()));
-                        if let Err(e) = self.xdp_devs_after_repair(&device) {
+                        // A redirect target again.
+                        if let Err(e) = self.xdp_devs_insert(&device) {
                             errors.push(e);
                         }
                     }

@@ -13,7 +13,7 @@
 //! out before its link is detached or changes mode, so the map never names a device without
 //! the program, nor one of the other mode.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
@@ -125,26 +125,15 @@ pub fn xdp_listing(dir: &Path) -> Vec<crate::list::ListedXdpDevice> {
     out
 }
 
-/// The kernel's answer to a refused attach, in words (the syscall's error included), and
-/// the reason a listing gives.
-fn refusal(e: &ProgramError) -> (String, String) {
-    let mut words = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        words.push_str(&format!(": {s}"));
-        source = s.source();
-    }
-    let errno = match e {
-        ProgramError::SyscallError(s) => s.io_error.raw_os_error(),
-        _ => None,
-    };
-    let why = if errno == Some(libc::EOPNOTSUPP) {
-        "driver has no native XDP".to_string()
-    } else {
-        format!("native XDP refused: {words}")
-    };
-    (words, why)
+/// Whether a native attach's error is the driver saying it has no native XDP
+/// (`EOPNOTSUPP`): the device is then left to tc. Anything else (another program there, no
+/// memory) is an error of the attach, as any other.
+fn no_native_xdp(e: &ProgramError) -> bool {
+    matches!(e, ProgramError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::EOPNOTSUPP))
 }
+
+/// The reason a listing gives for a device left to tc.
+const NO_NATIVE_XDP: &str = "driver has no native XDP";
 
 /// Where the XDP link of device `ifname` in `mode` is pinned.
 fn xdp_link_pin(dir: &Path, mode: &str, ifname: &str) -> PathBuf {
@@ -329,7 +318,7 @@ impl Datapath {
     /// driver takes frames redirected from another device (`ndo-xmit` in its
     /// `xdp-features`), and no longer one if it lost that (a veth whose peer's XDP program
     /// went): the kernel would drop them. Warned about once per device while it lacks it.
-    fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
+    pub(super) fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
         let ifindex = device.index;
         let takes = match self.xdp_mode {
             XdpMode::Generic => true,
@@ -372,11 +361,6 @@ impl Datapath {
             .map_err(|e| load_err(format!("{} [{ifindex}]", map_names::XDP_DEVS), e))?;
         info!(device = %device.name, "XDP: a redirect target");
         Ok(())
-    }
-
-    /// After `attach_xdp_one` put a link back on `device`: a redirect target again.
-    pub(super) fn xdp_devs_after_repair(&mut self, device: &Device) -> Result<()> {
-        self.xdp_devs_insert(device)
     }
 
     /// The pin check's part: each device whose link of the agent's mode holds is a redirect
@@ -457,8 +441,8 @@ impl Datapath {
                 Some(format!("swapped {XDP_PROGRAM} ({mode}) on {}", device.name)),
             ));
         }
-        if let Some(why) = self.xdp_refused.get(&device.index).cloned() {
-            self.mark_tc(device, &why);
+        if self.xdp_mode == XdpMode::Native && self.xdp_refused.contains(&device.index) {
+            self.mark_tc(device, NO_NATIVE_XDP);
             return Ok((None, None));
         }
         let prog = super::load::ebpf(&mut self.programs)?
@@ -472,16 +456,16 @@ impl Datapath {
         };
         let id = match attached {
             Ok(id) => id,
-            Err(e) if self.xdp_mode == XdpMode::Native => {
-                let (words, why) = refusal(&e);
+            Err(e) if self.xdp_mode == XdpMode::Native && no_native_xdp(&e) => {
                 warn!(
                     device = %device.name,
-                    "native XDP refused ({words}): no XDP program on the device, tc serves \
-                     it; tried again at the agent's next start"
+                    "native XDP refused ({}): no XDP program on the device, tc serves it; \
+                     tried again at the agent's next start",
+                    crate::source::kube::error_chain(&e)
                 );
-                self.xdp_refused.insert(device.index, why.clone());
-                self.mark_tc(device, &why);
-                return Ok((None, Some(format!("{}: tc ({why})", device.name))));
+                self.xdp_refused.insert(device.index);
+                self.mark_tc(device, NO_NATIVE_XDP);
+                return Ok((None, Some(format!("{}: tc ({NO_NATIVE_XDP})", device.name))));
             }
             Err(e) => return Err(load_err(format!("attaching XDP to {}", device.name), e)),
         };
@@ -514,6 +498,6 @@ impl Datapath {
     }
 }
 
-/// Devices whose driver refused native XDP in this agent's life, by ifindex (a device made
-/// again is tried again), with the reason.
-pub(super) type Refused = BTreeMap<u32, String>;
+/// Devices whose driver has no native XDP, found in this agent's life, by ifindex (a device
+/// made again is tried again).
+pub(super) type Refused = BTreeSet<u32>;
