@@ -161,6 +161,10 @@ pub trait Live {
     fn ct(&self, key: &CtKey) -> Option<(&'static str, CtValue)>;
     /// Entry `pos` of `SVC_MAGLEV` (counted in entries, as `MaglevIndex::offset`).
     fn maglev_entry(&self, pos: u32) -> Option<u16>;
+    /// The index entry of generation `rev` of frontend `id` as the kernel reads it: (first
+    /// entry, entries, seed). Read whole: an entry the agent would not adopt (a torn state)
+    /// is still the one the kernel follows.
+    fn maglev_index(&self, id: u32, rev: u16) -> Option<(u32, u32, u64)>;
 }
 
 #[derive(Debug, Serialize)]
@@ -580,7 +584,8 @@ fn maglev_choice(
         return;
     };
     let random = "so the kernel chooses at random (counted maglev_missing)";
-    let Some((offset, size, seed)) = f.maglev.filter(|t| t.1 != 0) else {
+    let index = live.maglev_index(f.id, f.rev).or(f.maglev);
+    let Some((offset, size, seed)) = index.filter(|t| t.1 != 0) else {
         e.warnings.push(format!(
             "the frontend is marked for Maglev but generation {} has no table index entry, {random}",
             f.rev
@@ -627,6 +632,7 @@ fn maglev_choice(
 pub struct PinnedLive {
     affinity: HashMap<AffinityKey, AffinityValue>,
     maglev: Option<aya::maps::Array<MapData, svc_common::MaglevBlock>>,
+    maglev_index: Option<BpfHashMap<MapData, svc_common::SlotKey, svc_common::MaglevIndex>>,
     ct: Vec<(&'static str, BpfHashMap<MapData, CtKey, CtValue>)>,
     now_ns: u64,
 }
@@ -660,9 +666,15 @@ impl PinnedLive {
             .as_ref()
             .and_then(|a| reopen(aya::maps::IterableMap::map(a)))
             .and_then(|m| aya::maps::Array::try_from(Map::Array(m)).ok());
+        let maglev_index = store
+            .maglev_index
+            .as_ref()
+            .and_then(|h| reopen(aya::maps::IterableMap::map(h)))
+            .and_then(|m| BpfHashMap::try_from(Map::HashMap(m)).ok());
         PinnedLive {
             affinity,
             maglev,
+            maglev_index,
             ct,
             now_ns: crate::sys::coarse_now_ns(),
         }
@@ -687,6 +699,16 @@ impl Live for PinnedLive {
     fn maglev_entry(&self, pos: u32) -> Option<u16> {
         let block = self.maglev.as_ref()?.get(&(pos / MAGLEV_BLOCK), 0).ok()?;
         block.entries.get((pos % MAGLEV_BLOCK) as usize).copied()
+    }
+
+    fn maglev_index(&self, id: u32, rev: u16) -> Option<(u32, u32, u64)> {
+        let key = svc_common::SlotKey { id, rev, slot: 0 };
+        let i = self.maglev_index.as_ref()?.get(&key, 0).ok()?;
+        Some((
+            i.offset,
+            i.size,
+            u64::from(i.seed[0]) | u64::from(i.seed[1]) << 32,
+        ))
     }
 }
 
@@ -924,6 +946,9 @@ mod tests {
         fn maglev_entry(&self, _: u32) -> Option<u16> {
             None
         }
+        fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
+            None
+        }
     }
 
     struct OneAffinity(AffinityKey, AffinityValue);
@@ -938,6 +963,9 @@ mod tests {
             None
         }
         fn maglev_entry(&self, _: u32) -> Option<u16> {
+            None
+        }
+        fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
             None
         }
     }
@@ -956,6 +984,9 @@ mod tests {
         }
         fn maglev_entry(&self, pos: u32) -> Option<u16> {
             (!self.1.contains(&pos)).then_some(self.0)
+        }
+        fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
+            None
         }
     }
 
