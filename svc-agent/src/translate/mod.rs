@@ -757,7 +757,12 @@ impl BackendSets {
         node: &NodeContext,
     ) -> BackendSets {
         let merged = endpoints::merge(slices, family, &port.name, port.protocol, node);
-        let reachable = port.node_port != 0 || svc.external.is_some();
+        // kube-proxy's ExternallyAccessible, per family as its proxiers are: a NodePort, or an
+        // ExternalIP or LoadBalancer IP of this family (source ranges alone reach nothing).
+        let reachable = port.node_port != 0
+            || svc.external.as_ref().is_some_and(|x| {
+                (x.external_ips.iter().chain(&x.lb_ips)).any(|ip| Family::of(*ip) == family)
+            });
         let cluster =
             (!svc.internal_local || reachable).then(|| endpoints::select(&merged, false, node));
         let local = (svc.internal_local || (reachable && svc.external_local))
