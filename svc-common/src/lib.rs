@@ -1142,10 +1142,10 @@ pub enum Reason {
     XdpPassLocal = 42,
     /// XDP: a client's packet (a new flow's first, counted `XdpNew` too, or a known flow's,
     /// counted `XdpCtHit` too) left by another device than it came in on, redirected there
-    /// from the driver (`bpf_redirect_map` into `SVC_XDP_DEVS`).
+    /// from the XDP hook (`bpf_redirect_map` into `SVC_XDP_DEVS`).
     XdpRedirect = 43,
     /// XDP: a remote backend's reply (counted `XdpReply` too) left by another device than it
-    /// came in on, redirected there from the driver.
+    /// came in on, redirected there from the XDP hook.
     XdpRedirectReply = 44,
     /// The connection-tracking sweep removed a dead flow (its FORWARD entry). Only a
     /// monitor's event: never counted under a device (`svc_conntrack_swept_entries_total`

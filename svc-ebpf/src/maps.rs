@@ -166,7 +166,8 @@ pub static SVC_SERVICE_STATS: PerCpuHashMap<
 > = PerCpuHashMap::new();
 
 /// The devices the XDP program may redirect a packet to, keyed by ifindex: those the agent
-/// attached `xdp_ext` to at the driver's hook (docs/design/xdp.md, "Another device"). A
+/// attached `xdp_ext` to in its mode, at the driver's hook only those that take redirected
+/// frames (docs/design/xdp.md, "Another device"). A
 /// device missing here is tc's to reach: a redirect into a device that cannot take XDP frames
 /// is dropped without a word, where tc's redirect never is.
 #[btf_map]

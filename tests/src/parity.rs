@@ -287,8 +287,8 @@ impl Proxy {
                 )?;
                 agent.wait_ready(AGENT_READY_TIMEOUT)?;
                 if xdp {
-                    // A driver that refuses native XDP gets the generic hook, with a warning:
-                    // that would be another column than the one named.
+                    // A driver that refuses native XDP gets no XDP program (tc serves it),
+                    // with a warning: that would be another column than the one named.
                     for dev in [UPLINK, "vc"] {
                         let pin = bpffs.path().join(format!("link_xdp_native_{dev}"));
                         ensure!(

@@ -103,9 +103,13 @@ enum Task {
 }
 
 pub fn root() -> PathBuf {
-    // `cargo run` sets it for this checkout; the compiled-in one names the checkout the binary
-    // was built in, which a target directory copied from another checkout still holds.
+    // `cargo xtask` (`cargo run -p xtask`) sets it for this checkout; the compiled-in one names
+    // the checkout the binary was built in, which a target directory copied from another
+    // checkout still holds. Only xtask's own: another package's run (a test that starts
+    // xtask) passes its own directory down.
+    let own = std::env::var_os("CARGO_PKG_NAME").is_some_and(|n| n == "xtask");
     let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .filter(|_| own)
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     manifest_dir
