@@ -132,3 +132,20 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An error with its causes, `top: cause: cause...`: kube's errors say "client error
+/// (Connect)" at the top and the OS error ("Connection refused (os error 111)") only at the
+/// bottom. A cause whose text the message already holds is not repeated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let t = cause.to_string();
+        if !text.contains(&t) {
+            text.push_str(": ");
+            text.push_str(&t);
+        }
+        source = cause.source();
+    }
+    text
+}

@@ -932,61 +932,39 @@ mod tests {
     use super::*;
     use std::net::Ipv4Addr;
 
-    struct NoLive;
-    impl Live for NoLive {
-        fn now_ns(&self) -> u64 {
-            100_000_000_000
-        }
-        fn affinity(&self, _: &AffinityKey) -> Option<AffinityValue> {
-            None
-        }
-        fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
-            None
-        }
-        fn maglev_entry(&self, _: u32) -> Option<u16> {
-            None
-        }
-        fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
-            None
-        }
+    /// What the datapath holds for a test: at most one affinity entry, and a Maglev array
+    /// whose every entry is `table`'s value but at the positions it lists.
+    #[derive(Default)]
+    struct Fake {
+        affinity: Option<(AffinityKey, AffinityValue)>,
+        table: Option<(u16, Vec<u32>)>,
     }
-
-    struct OneAffinity(AffinityKey, AffinityValue);
-    impl Live for OneAffinity {
+    const NO_LIVE: Fake = Fake {
+        affinity: None,
+        table: None,
+    };
+    impl Live for Fake {
         fn now_ns(&self) -> u64 {
             100_000_000_000
         }
         fn affinity(&self, k: &AffinityKey) -> Option<AffinityValue> {
-            (*k == self.0).then_some(self.1)
-        }
-        fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
-            None
-        }
-        fn maglev_entry(&self, _: u32) -> Option<u16> {
-            None
-        }
-        fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
-            None
-        }
-    }
-
-    /// A Maglev array whose every entry is the first field, but for the positions of the second.
-    struct Table(u16, Vec<u32>);
-    impl Live for Table {
-        fn now_ns(&self) -> u64 {
-            100_000_000_000
-        }
-        fn affinity(&self, _: &AffinityKey) -> Option<AffinityValue> {
-            None
+            self.affinity.filter(|(key, _)| key == k).map(|(_, v)| v)
         }
         fn ct(&self, _: &CtKey) -> Option<(&'static str, CtValue)> {
             None
         }
         fn maglev_entry(&self, pos: u32) -> Option<u16> {
-            (!self.1.contains(&pos)).then_some(self.0)
+            let (entry, holes) = self.table.as_ref()?;
+            (!holes.contains(&pos)).then_some(*entry)
         }
         fn maglev_index(&self, _: u32, _: u16) -> Option<(u32, u32, u64)> {
             None
+        }
+    }
+    fn table(entry: u16, holes: Vec<u32>) -> Fake {
+        Fake {
+            table: Some((entry, holes)),
+            ..Fake::default()
         }
     }
 
@@ -1011,7 +989,7 @@ mod tests {
         );
         let query = |src| q("203.0.113.8:80", src, From::Outside);
         // Entry 3: slot 2 (3 % 2 + 1), backend 2, whatever the flow's hash.
-        let e = explain(&v, &Table(3, vec![]), &query(Some("198.51.100.4:40000")));
+        let e = explain(&v, &table(3, vec![]), &query(Some("198.51.100.4:40000")));
         assert_eq!(e.verdict, "backend");
         assert_eq!(e.backends, vec!["10.1.0.2:8080".parse().unwrap()]);
         assert!(
@@ -1019,10 +997,10 @@ mod tests {
             "{}",
             e.reason
         );
-        let e = explain(&v, &Table(4, vec![]), &query(Some("198.51.100.4:40000")));
+        let e = explain(&v, &table(4, vec![]), &query(Some("198.51.100.4:40000")));
         assert_eq!(e.backends, vec!["10.1.0.1:8080".parse().unwrap()]);
         // Without a source port: both slots, and how to ask for the one.
-        let e = explain(&v, &Table(3, vec![]), &query(Some("198.51.100.4")));
+        let e = explain(&v, &table(3, vec![]), &query(Some("198.51.100.4")));
         assert_eq!(e.backends.len(), 2);
         assert!(
             e.notes.iter().any(|n| n.contains("--src ADDR:PORT")),
@@ -1040,7 +1018,7 @@ mod tests {
         ) % 13;
         let e = explain(
             &v,
-            &Table(3, vec![64 + h]),
+            &table(3, vec![64 + h]),
             &query(Some("198.51.100.4:40000")),
         );
         assert_eq!(e.backends.len(), 2);
@@ -1150,7 +1128,7 @@ mod tests {
 
     #[test]
     fn cluster_ip_port_has_its_service_and_backends() {
-        let e = explain(&view(), &NoLive, &q("10.96.0.10:80", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("10.96.0.10:80", None, From::Pod));
         assert_eq!(e.verdict, "backend");
         let f = e.frontend.unwrap();
         assert_eq!(f.service.as_deref(), Some("default/web:http"));
@@ -1165,7 +1143,7 @@ mod tests {
 
     #[test]
     fn text_names_the_service_the_slots_the_verdict_and_the_source() {
-        let e = explain(&view(), &NoLive, &q("10.96.0.10:80", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("10.96.0.10:80", None, From::Pod));
         let t = render_text(&e);
         for want in [
             "Service:       default/web:http",
@@ -1179,7 +1157,7 @@ mod tests {
 
     #[test]
     fn undefined_port_of_a_cluster_ip_is_refused() {
-        let e = explain(&view(), &NoLive, &q("10.96.0.10:81", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("10.96.0.10:81", None, From::Pod));
         assert_eq!(e.verdict, "refused");
         assert_eq!(e.matched, "clusterip without this port");
         assert!(e.frontend.is_none());
@@ -1187,7 +1165,7 @@ mod tests {
 
     #[test]
     fn service_without_endpoints_is_refused() {
-        let e = explain(&view(), &NoLive, &q("10.96.0.11:80", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("10.96.0.11:80", None, From::Pod));
         assert_eq!(e.verdict, "refused");
         assert!(e.reason.contains("no endpoints"), "{}", e.reason);
         assert!(e.backends.is_empty());
@@ -1195,24 +1173,24 @@ mod tests {
 
     #[test]
     fn unknown_address_passes() {
-        let e = explain(&view(), &NoLive, &q("10.200.0.1:80", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("10.200.0.1:80", None, From::Pod));
         assert_eq!(e.verdict, "passed");
         // A ClusterIP is no frontend for packets from outside.
-        let e = explain(&view(), &NoLive, &q("10.96.0.10:80", None, From::Outside));
+        let e = explain(&view(), &NO_LIVE, &q("10.96.0.10:80", None, From::Outside));
         assert_eq!(e.verdict, "passed");
     }
 
     #[test]
     fn nodeport_resolves_per_path() {
         // From a pod: the cluster-scope NodePort, with backends.
-        let e = explain(&view(), &NoLive, &q("192.168.1.5:30080", None, From::Pod));
+        let e = explain(&view(), &NO_LIVE, &q("192.168.1.5:30080", None, From::Pod));
         assert_eq!(e.matched, "nodeport");
         assert_eq!(e.verdict, "backend");
         assert_eq!(e.frontend.as_ref().unwrap().id, 4);
         // From outside: the external one, Local with no backend here: dropped, not refused.
         let e = explain(
             &view(),
-            &NoLive,
+            &NO_LIVE,
             &q("192.168.1.5:30080", Some("198.51.100.9"), From::Outside),
         );
         assert_eq!(e.frontend.as_ref().unwrap().id, 3);
@@ -1220,7 +1198,7 @@ mod tests {
         // Not a node address: no NodePort.
         let e = explain(
             &view(),
-            &NoLive,
+            &NO_LIVE,
             &q("192.168.1.6:30080", None, From::Outside),
         );
         assert_eq!(e.verdict, "passed");
@@ -1231,9 +1209,9 @@ mod tests {
         let mut v = view();
         v.node_addrs
             .insert(ip("127.0.0.1"), node_addr_flags::LOCALHOST);
-        let e = explain(&v, &NoLive, &q("127.0.0.1:30080", None, From::Node));
+        let e = explain(&v, &NO_LIVE, &q("127.0.0.1:30080", None, From::Node));
         assert_eq!(e.verdict, "backend");
-        let e = explain(&v, &NoLive, &q("127.0.0.1:30080", None, From::Pod));
+        let e = explain(&v, &NO_LIVE, &q("127.0.0.1:30080", None, From::Pod));
         assert_eq!(e.verdict, "passed");
     }
 
@@ -1241,19 +1219,23 @@ mod tests {
     fn source_ranges_drop_outsiders() {
         let e = explain(
             &view(),
-            &NoLive,
+            &NO_LIVE,
             &q("203.0.113.7:443", Some("192.0.2.1"), From::Outside),
         );
         assert_eq!(e.verdict, "dropped");
         assert_eq!(e.source_range, Some("not admitted"));
         let e = explain(
             &view(),
-            &NoLive,
+            &NO_LIVE,
             &q("203.0.113.7:443", Some("198.51.100.9"), From::Outside),
         );
         assert_eq!(e.verdict, "backend");
         assert_eq!(e.source_range, Some("admitted"));
-        let e = explain(&view(), &NoLive, &q("203.0.113.7:443", None, From::Outside));
+        let e = explain(
+            &view(),
+            &NO_LIVE,
+            &q("203.0.113.7:443", None, From::Outside),
+        );
         assert_eq!(e.source_range, Some("unknown (no --src)"));
     }
 
@@ -1265,26 +1247,32 @@ mod tests {
             kind: svc_common::AFFINITY_CLIENT_IP,
             _pad0: [0; 3],
         };
-        let fresh = OneAffinity(
-            key,
-            AffinityValue {
-                last_used_ns: 90_000_000_000,
-                backend: 2,
-                _pad0: 0,
-            },
-        );
+        let fresh = Fake {
+            affinity: Some((
+                key,
+                AffinityValue {
+                    last_used_ns: 90_000_000_000,
+                    backend: 2,
+                    _pad0: 0,
+                },
+            )),
+            ..Fake::default()
+        };
         let query = q("203.0.113.7:443", Some("198.51.100.9"), From::Outside);
         let e = explain(&view(), &fresh, &query);
         assert!(e.affinity.as_ref().unwrap().used);
         assert!(e.reason.contains("sessionAffinity"), "{}", e.reason);
-        let stale = OneAffinity(
-            key,
-            AffinityValue {
-                last_used_ns: 1_000_000_000,
-                backend: 2,
-                _pad0: 0,
-            },
-        );
+        let stale = Fake {
+            affinity: Some((
+                key,
+                AffinityValue {
+                    last_used_ns: 1_000_000_000,
+                    backend: 2,
+                    _pad0: 0,
+                },
+            )),
+            ..Fake::default()
+        };
         let e = explain(&view(), &stale, &query);
         let a = e.affinity.as_ref().unwrap();
         assert!(!a.fresh && !a.used);

@@ -402,7 +402,7 @@ pub fn xdp_features(ifindex: u32) -> std::io::Result<u64> {
             }
             if u16::from_ne_bytes([rx[4], rx[5]]) == NLMSG_ERROR {
                 let code = i32::from_ne_bytes([rx[16], rx[17], rx[18], rx[19]]);
-                return Err(std::io::Error::from_raw_os_error(code.abs()));
+                return Err(std::io::Error::from_raw_os_error(code.unsigned_abs() as i32));
             }
             let end = (u32::from_ne_bytes([rx[0], rx[1], rx[2], rx[3]]) as usize).min(n);
             let mut attrs = Vec::new();

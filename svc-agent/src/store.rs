@@ -627,7 +627,7 @@ const ENOMEM_FAIL_FAST: Duration = Duration::from_secs(1);
 /// A hash map that is not preallocated takes its elements from per-CPU caches the kernel
 /// refills asynchronously (bpf_mem_alloc); a burst of writes on a busy machine finds them empty
 /// for a moment (seen on 2 cores: 104 of 10,000 Services' first writes), which a pause cures.
-fn retry_enomem(
+pub fn retry_enomem(
     tries: u32,
     mut write: impl FnMut() -> Result<(), MapError>,
 ) -> Result<(), MapError> {

@@ -359,12 +359,7 @@ pub fn update_array<V: bytemuck::Pod>(
     values: &[V],
 ) -> io::Result<()> {
     let keys: Vec<u32> = (0..values.len() as u32).map(|i| start + i).collect();
-    let mut attr = Attr::zeroed();
-    attr.put_u64(16, keys.as_ptr() as u64);
-    attr.put_u64(24, values.as_ptr() as u64);
-    attr.put_u32(32, values.len() as u32);
-    attr.put_u32(36, map.as_raw_fd() as u32);
-    bpf(BPF_MAP_UPDATE_BATCH, &mut attr).map(|_| ())
+    update_batch(map, &keys, values, 0).1
 }
 
 /// Writes `keys[i]` -> `values[i]` into a map, in order, in one syscall

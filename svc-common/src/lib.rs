@@ -349,7 +349,8 @@ pub mod monitor_source {
     pub const SENDMSG: u8 = 2;
     /// recvmsg()/getpeername(): a backend reported as its frontend.
     pub const REVERSE: u8 = 3;
-    /// The tc programs (`MonitorEvent::ifindex` names the device).
+    /// The tc programs and the XDP program (`MonitorEvent::ifindex` names the device; XDP's
+    /// own decisions have `xdp_` reasons, the drops it shares with tc tc's reasons).
     pub const TC: u8 = 4;
     /// The connection-tracking sweep (svc-ebpf's `gc.rs`, which the agent runs every
     /// `--conntrack-sweep-interval`): a dead flow removed (`Reason::CtSwept`).
@@ -394,7 +395,8 @@ pub struct MonitorEvent {
     /// unknown. From tc and XDP, a known flow's packet (`CtHit`, `Reply`, `XdpCtHit`,
     /// `XdpReply`, and `XdpRedirect`, `XdpRedirectReply` when redirected) and a swept flow
     /// (`CtSwept`) carry the low byte of the flow's `ct_flags` here instead; a new flow's
-    /// first packet redirected at XDP (`XdpRedirect` too) carries 0, as no flag is set yet.
+    /// first packet redirected at XDP (`XdpRedirect` too) carries 0: XDP's new-flow event
+    /// carries neither flags nor the choice.
     pub how: u8,
     /// A `monitor_source` constant.
     pub source: u8,

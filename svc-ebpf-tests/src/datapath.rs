@@ -387,19 +387,16 @@ impl Dp {
             let cpus = aya::util::nr_cpus().expect("possible CPUs");
             let zero = vec![svc_common::ServiceStats::default(); cpus];
             // A per-CPU hash allocated as written may refuse for a moment (ENOMEM) while the
-            // kernel's per-CPU allocator grows; the agent retries the same way.
-            let mut tries = 0;
-            while let Err(e) = m.insert(
-                f.id,
-                aya::maps::PerCpuValues::try_from(zero.clone()).unwrap(),
-                0,
-            ) {
-                tries += 1;
-                let enomem = matches!(&e, aya::maps::MapError::SyscallError(s)
-                    if s.io_error.raw_os_error() == Some(libc::ENOMEM));
-                assert!(enomem && tries < 100, "SVC_SERVICE_STATS [{}]: {e}", f.id);
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
+            // kernel's per-CPU allocator grows: tried again as the agent tries, for longer
+            // (30 tries, about 2 s: the fixtures run beside whole test suites).
+            svc_agent::store::retry_enomem(30, || {
+                m.insert(
+                    f.id,
+                    aya::maps::PerCpuValues::try_from(zero.clone()).unwrap(),
+                    0,
+                )
+            })
+            .unwrap_or_else(|e| panic!("SVC_SERVICE_STATS [{}]: {e}", f.id));
         }
         let mut flags = f.flags;
         if f.affinity_s != 0 {

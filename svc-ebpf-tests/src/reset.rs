@@ -8,8 +8,6 @@ const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-/// Maps the programs cannot write (.rodata): nothing to put back, and no update allowed.
-const BPF_F_RDONLY_PROG: u32 = 1 << 7;
 
 /// `union bpf_attr` as the element commands read it.
 #[repr(C)]
@@ -84,7 +82,8 @@ impl KernelMap {
             // Read-only for programs too (the kernel sets the flag on every devmap), but
             // written by the tests: emptied as a hash.
             MapType::DevMapHash => Kind::Hash,
-            _ if info.map_flags() & BPF_F_RDONLY_PROG != 0 => Kind::Kept,
+            // Maps the programs cannot write (.rodata): nothing to put back, no update allowed.
+            _ if info.map_flags() & svc_common::BPF_F_RDONLY_PROG != 0 => Kind::Kept,
             MapType::ProgramArray => Kind::Kept,
             // The monitor's ring: emptied by whoever reads it; the lease that makes the
             // programs write to it is an array, reset like the others.

@@ -637,8 +637,9 @@ fn dropped(s: &Scratch, reason: Reason, id: u32) -> Next {
 }
 
 /// A packet that is no known flow: the first of a new one if its destination is an external
-/// frontend. Shared with the XDP program, where what tc refuses, drops or remembers
-/// (sessionAffinity) is `Next::Tc`, decided before anything is stored.
+/// frontend. Shared with the XDP program, where what tc refuses, drops for reasons XDP cannot
+/// judge, or remembers (sessionAffinity) is `Next::Tc`, decided before anything is stored;
+/// what the frontend alone drops is dropped by both (`dropped`).
 #[inline(never)]
 pub(crate) fn ext_frontend<C: Ctx>(ctx: &C, s: &mut Scratch, node: u32, now: u64) -> Next {
     let p = &s.p;

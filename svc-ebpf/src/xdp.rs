@@ -141,8 +141,9 @@ fn new_flow(ctx: &XdpContext, s: &mut Scratch, node: u32, now: u64) -> u32 {
 }
 
 /// A new flow to a remote backend (`s.dst`, its entries in `s.new`), as tc's `ext_new_snat`
-/// makes it: stored with a SNAT port and sent on, when its route leaves by this device with a
-/// known neighbour; else passed before anything is stored (`XdpPassRoute`). Its entries are
+/// makes it: stored with a SNAT port and sent on, when its route has a known neighbour and
+/// leaves by this device or by one of `SVC_XDP_DEVS`; else passed before anything is stored
+/// (`XdpPassRoute`). Its entries are
 /// those tc would store, so either program carries the flow on.
 #[inline(never)]
 fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {

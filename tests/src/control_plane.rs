@@ -241,6 +241,15 @@ impl ControlPlane {
         self.kubectl_as(&self.kubeconfig, args, Some(stdin))
     }
 
+    /// Creates the Node `name` with the InternalIP `ip`: the node a proxy plays (kube-proxy
+    /// reads its addresses from it).
+    pub fn create_node(&self, name: &str, ip: &str) -> Result<()> {
+        let node = serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+            "status": {"addresses": [{"type": "InternalIP", "address": ip}]}});
+        self.kubectl_stdin(&["create", "-f", "-"], &node.to_string())?;
+        Ok(())
+    }
+
     /// Runs `kubectl` with another kubeconfig (for instance one of
     /// [`ControlPlane::service_account_kubeconfig`]).
     pub fn kubectl_as(

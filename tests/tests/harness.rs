@@ -129,3 +129,57 @@ fn teardown_leaves_nothing() {
         "backend {backend_pid} still alive"
     );
 }
+
+/// What a harness process killed outright leaves (its pins with a map in them, a namespace,
+/// a test cgroup; no drop guard ran) is removed by `sys::clean_stale`, which `cargo xtask test`
+/// runs before and after the tests; what a live process owns is kept.
+#[test]
+fn a_killed_runs_leftovers_are_swept_and_a_live_ones_kept() {
+    use svc_tests::sys::{cgroup2_mount, clean_stale, run, Tools, BPFFS_ROOT};
+    // A pid whose process is gone: a child that has exited and been reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    child.wait().unwrap();
+    let dead = child.id();
+    let live = std::process::id();
+    let pins = Path::new(BPFFS_ROOT).join(format!("svc-test-{dead}-0"));
+    let kept = Path::new(BPFFS_ROOT).join(format!("svc-test-{live}-990"));
+    let netns = format!("svc-c-{dead}-0");
+    let cgroup = cgroup2_mount().unwrap().join(format!("svc-test-{dead}-0"));
+    for dir in [&pins, &kept, &cgroup] {
+        std::fs::create_dir(dir).unwrap();
+    }
+    let map = pins.join("SVC_STALE");
+    run(
+        "bpftool",
+        [
+            "map",
+            "create",
+            map.to_str().unwrap(),
+            "type",
+            "array",
+            "key",
+            "4",
+            "value",
+            "4",
+            "entries",
+            "1",
+            "name",
+            "svc_stale",
+        ],
+    )
+    .unwrap();
+    run("ip", ["netns", "add", &netns]).unwrap();
+
+    let removed = clean_stale(&Tools::locate().agent);
+    let kept_there = kept.exists();
+    let _ = std::fs::remove_dir(&kept);
+    let removed = removed.unwrap();
+    assert!(!pins.exists(), "{} left: {removed:?}", pins.display());
+    assert!(!cgroup.exists(), "{} left: {removed:?}", cgroup.display());
+    let list = run("ip", ["netns", "list"]).unwrap();
+    assert!(!list.contains(&netns), "{netns} left: {removed:?}");
+    assert!(
+        kept_there,
+        "a live process's pins were removed: {removed:?}"
+    );
+}

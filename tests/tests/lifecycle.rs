@@ -436,6 +436,26 @@ fn wait_for_line(agent: &mut svc_tests::Agent, line: &str) {
     }
 }
 
+/// Starts the agent with kube-proxy's command line `line` (no subcommand), the test's own
+/// cgroup and bpffs added, never the node's; with the directory of its logs.
+fn start_kube_proxy_line(
+    sb: &svc_tests::Sandbox,
+    bpffs: &std::path::Path,
+    mut line: Vec<String>,
+) -> (svc_tests::Agent, svc_tests::TempDir) {
+    line.push(format!("--cgroup={}", sb.cgroup().path().display()));
+    line.push(format!("--bpffs={}", bpffs.display()));
+    let logs = svc_tests::TempDir::new("svc-agent-logs").unwrap();
+    let agent = svc_tests::Agent::start_with_args(
+        &sb.tools.agent,
+        line.iter().map(Into::into).collect(),
+        bpffs,
+        logs.path(),
+    )
+    .unwrap();
+    (agent, logs)
+}
+
 /// kubeadm's kube-proxy DaemonSet runs `kube-proxy --config=/var/lib/kube-proxy/config.conf
 /// --hostname-override=$(NODE_NAME)`: the same command line (no subcommand; the test's own
 /// cgroup and bpffs added, never the node's) starts svc, which reads kubeadm's file.
@@ -465,20 +485,14 @@ fn kubeadms_kube_proxy_command_line_starts_svc() {
         ),
     )
     .unwrap();
-    let logs = svc_tests::TempDir::new("svc-agent-logs").unwrap();
-    let args = [
-        format!("--config={}", config.display()),
-        "--hostname-override=node-1".into(),
-        format!("--cgroup={}", sb.cgroup().path().display()),
-        format!("--bpffs={}", bpffs.path().display()),
-    ];
-    let mut agent = svc_tests::Agent::start_with_args(
-        &sb.tools.agent,
-        args.iter().map(Into::into).collect(),
+    let (mut agent, _logs) = start_kube_proxy_line(
+        &sb,
         bpffs.path(),
-        logs.path(),
-    )
-    .unwrap();
+        vec![
+            format!("--config={}", config.display()),
+            "--hostname-override=node-1".into(),
+        ],
+    );
     wait_for_line(&mut agent, "watching the Kubernetes API");
     wait_for_line(&mut agent, "loaded the tc programs");
     let (status, body) = svc_tests::agent::http_get(healthz, "/livez").unwrap();
@@ -498,8 +512,7 @@ fn kube_proxys_common_flags_start_svc() {
     let kubeconfig = unreachable_kubeconfig(dir.path());
     let healthz = svc_tests::agent::free_loopback_port().unwrap();
     let metrics = svc_tests::agent::free_loopback_port().unwrap();
-    let logs = svc_tests::TempDir::new("svc-agent-logs").unwrap();
-    let args = [
+    let line = vec![
         format!("--kubeconfig={}", kubeconfig.display()),
         "--hostname-override=node-1".into(),
         "--proxy-mode=iptables".into(),
@@ -514,16 +527,8 @@ fn kube_proxys_common_flags_start_svc() {
         format!("--metrics-bind-address={metrics}"),
         "--conntrack-tcp-timeout-established=2h0m0s".into(),
         "--v=2".into(),
-        format!("--cgroup={}", sb.cgroup().path().display()),
-        format!("--bpffs={}", bpffs.path().display()),
     ];
-    let mut agent = svc_tests::Agent::start_with_args(
-        &sb.tools.agent,
-        args.iter().map(Into::into).collect(),
-        bpffs.path(),
-        logs.path(),
-    )
-    .unwrap();
+    let (mut agent, _logs) = start_kube_proxy_line(&sb, bpffs.path(), line);
     wait_for_line(&mut agent, "loaded the tc programs");
     let log = agent.log();
     let warnings: Vec<&str> = log

@@ -5491,6 +5491,32 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     assert!(!t.bpffs.path().exists(), "{:?}", t.bpffs.entries());
 }
 
+/// Starts node 1's agent (metrics on 127.0.0.1:10249) with XDP in `mode` on eth0 and eth1,
+/// `extra` flags after, and checks that each device carries a link of that mode.
+fn start_xdp_agent(t: &mut Topo, mode: &str, extra: &[&str]) {
+    let mut flags = vec![
+        "--metrics-bind-address",
+        "127.0.0.1:10249",
+        "--xdp-mode",
+        mode,
+        "--devices",
+        "eth0,eth1",
+    ];
+    flags.extend(extra);
+    t.start_agent_with(&flags);
+    for dev in ["eth0", "eth1"] {
+        let pin = t.bpffs.path().join(format!("link_xdp_{mode}_{dev}"));
+        assert!(pin.exists(), "{mode} XDP on {dev}: {:?}", t.bpffs.entries());
+    }
+}
+
+/// Stops node 1's agent and starts it again as `start_xdp_agent` does.
+fn restart_xdp_agent(t: &mut Topo, mode: &str, extra: &[&str]) {
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    start_xdp_agent(t, mode, extra);
+}
+
 /// A NodePort flow that comes in by node 1's `eth0` and whose backend (pod 2) is routed through
 /// `eth1` is sent on at XDP with a redirect into `eth1`, and pod 2's replies coming back on
 /// `eth1` are redirected into `eth0`, when both devices carry svc's XDP program natively
@@ -5516,18 +5542,7 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
         .ip(["route", "add", &format!("{POD2}/32"), "via", "10.79.0.2"])
         .expect("pod 2 over eth1");
     let peer2 = svc_tests::xdp::XdpPass::attach(&t.node2, "eth1").expect("XDP on eth1's peer");
-    t.start_agent_with(&[
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-        "--xdp-mode",
-        "native",
-        "--devices",
-        "eth0,eth1",
-    ]);
-    for dev in ["eth0", "eth1"] {
-        let pin = t.bpffs.path().join(format!("link_xdp_native_{dev}"));
-        assert!(pin.exists(), "native XDP on {dev}: {:?}", t.bpffs.entries());
-    }
+    start_xdp_agent(&mut t, "native", &[]);
     let np = sa(NODE1, 30082);
     let via_eth1 = ip("10.79.0.1");
     // The first flows may find a neighbour entry missing (tc resolves it): not counted below.
@@ -5594,18 +5609,7 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
 
     // A restarted agent swaps its program into the pinned links and keeps the pinned map of
     // redirect targets: the open connection goes on at XDP.
-    t.agent().terminate(Duration::from_secs(10)).expect("stop");
-    t.agent = None;
-    t.start_agent_with(&[
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-        "--xdp-mode",
-        "native",
-        "--devices",
-        "eth0,eth1",
-        "--check-interval-ms",
-        "100",
-    ]);
+    restart_xdp_agent(&mut t, "native", &["--check-interval-ms", "100"]);
     let b = counts(&t);
     talk_via_eth1(10, "after a restart");
     let a = counts(&t);
@@ -5635,27 +5639,7 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     // its peer too (a generic redirect goes through the skb path, which any device takes).
     // The open connection and a new one are redirected each way at XDP, tc sees (nearly) none
     // of their packets, and the frames leave by eth1 (its transmit counter moves with them).
-    t.agent().terminate(Duration::from_secs(10)).expect("stop");
-    t.agent = None;
-    let generic = [
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-        "--xdp-mode",
-        "generic",
-        "--devices",
-        "eth0,eth1",
-        "--check-interval-ms",
-        "100",
-    ];
-    t.start_agent_with(&generic);
-    for dev in ["eth0", "eth1"] {
-        let pin = t.bpffs.path().join(format!("link_xdp_generic_{dev}"));
-        assert!(
-            pin.exists(),
-            "generic XDP on {dev}: {:?}",
-            t.bpffs.entries()
-        );
-    }
+    restart_xdp_agent(&mut t, "generic", &["--check-interval-ms", "100"]);
     let eth1_tx = |t: &Topo| -> u64 {
         let out = t
             .node1
@@ -5719,20 +5703,7 @@ fn a_nodeport_flow_leaving_by_another_device_is_redirected_at_xdp() {
     // Back to native: the generic devices leave the targets before their links change, so
     // eth1, whose peer has no XDP program, is none (a native redirect into it would be
     // dropped): the client's packets go through tc, the replies into eth0 at XDP.
-    t.agent().terminate(Duration::from_secs(10)).expect("stop");
-    t.agent = None;
-    t.start_agent_with(&[
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-        "--xdp-mode",
-        "native",
-        "--devices",
-        "eth0,eth1",
-    ]);
-    for dev in ["eth0", "eth1"] {
-        let pin = t.bpffs.path().join(format!("link_xdp_native_{dev}"));
-        assert!(pin.exists(), "native XDP on {dev}: {:?}", t.bpffs.entries());
-    }
+    restart_xdp_agent(&mut t, "native", &[]);
     let b = counts(&t);
     talk_via_eth1(10, "native again");
     let a = counts(&t);
@@ -5816,18 +5787,7 @@ fn ipv6_and_udp_nodeport_flows_leaving_by_another_device_are_redirected_at_xdp()
     t.endpoints("remote", &[REMOTE_POD]);
     link_nodes(&t, "eth1", 79, true);
     let _peer2 = svc_tests::xdp::XdpPass::attach(&t.node2, "eth1").expect("XDP on eth1's peer");
-    t.start_agent_with(&[
-        "--metrics-bind-address",
-        "127.0.0.1:10249",
-        "--xdp-mode",
-        "native",
-        "--devices",
-        "eth0,eth1",
-    ]);
-    for dev in ["eth0", "eth1"] {
-        let pin = t.bpffs.path().join(format!("link_xdp_native_{dev}"));
-        assert!(pin.exists(), "native XDP on {dev}: {:?}", t.bpffs.entries());
-    }
+    start_xdp_agent(&mut t, "native", &[]);
     let families = [(NODE1, ip("10.79.0.1")), (NODE1_6, ip("fd79::1"))];
     // The first flows may find a neighbour entry missing (tc resolves it): not counted below.
     for (node, snat) in families {

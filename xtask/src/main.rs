@@ -646,6 +646,17 @@ fn xtask_exe() -> Result<PathBuf> {
     })
 }
 
+/// Removes what killed harness processes left (namespaces, cgroups, pins, directories whose
+/// owning process is gone: `svc_tests::sys::clean_stale`), through the binary `build` made. A
+/// test process killed outright (SIGKILL, nextest's timeout or its forwarded SIGTERM) runs
+/// none of its drop guards, and nothing else would ever remove its pins.
+fn clean_stale() -> Result<()> {
+    run(Command::new(root().join("target/debug/svc-demo"))
+        .arg("--clean-stale")
+        .current_dir(root())
+        .env("SVC_AGENT_BIN", root().join("target/debug/svc-agent")))
+}
+
 fn require_root(task: &str) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -705,6 +716,7 @@ fn run_task(task: Task) -> Result<()> {
         Task::Test { quick: false, args } => {
             require_root("test")?;
             build(false)?;
+            clean_stale()?;
             let control_plane = control_plane::ensure()?;
             toolchain::ensure_nextest()?;
             let agent = root().join("target/debug/svc-agent");
@@ -764,11 +776,16 @@ fn run_task(task: Task) -> Result<()> {
                     .args(&args),
             );
             totals.add("svc-charts", counts, outcome);
+            // A test that nextest ended (its timeout, a signal) ran no guard: what it made
+            // is gone once the run is. The totals are printed either way.
+            let swept = clean_stale();
             totals.finish()?;
+            swept?;
         }
         Task::Parity { write, args } => {
             require_root("parity")?;
             build(false)?;
+            clean_stale()?;
             let control_plane = control_plane::ensure()?;
             let mut c = dev_cargo()?;
             c.args(["test"])
@@ -783,7 +800,9 @@ fn run_task(task: Task) -> Result<()> {
             let mut totals = Totals::default();
             let (counts, outcome) = run_tests(&mut c);
             totals.add("parity", counts, outcome);
+            let swept = clean_stale();
             totals.finish()?;
+            swept?;
         }
         Task::Image { agent, tag, out } => {
             if agent.is_none() {

@@ -116,13 +116,8 @@ impl Datapath {
                     errors.push(e);
                 }
                 match self.attach_xdp_one(&device) {
-                    Ok((Some(pin), _)) => {
-                        repaired.push(format!("link {}", pin.display()));
-                        // A redirect target again.
-                        if let Err(e) = self.xdp_devs_insert(&device) {
-                            errors.push(e);
-                        }
-                    }
+                    // A redirect target again through the refresh below.
+                    Ok((Some(pin), _)) => repaired.push(format!("link {}", pin.display())),
                     // Native XDP refused this time: tc serves it (warned, recorded).
                     Ok((None, _)) => {}
                     Err(e) => errors.push(e),

@@ -10,8 +10,9 @@
 //! The devices whose link is of the agent's mode are the ones XDP may redirect a packet to
 //! (`SVC_XDP_DEVS`, docs/design/xdp.md, "Another device"; under `native` only those whose
 //! driver takes redirected frames): a device is put there only once its link holds, and taken
-//! out before its link is detached or changes mode, so the map never names a device without
-//! the program, nor one of the other mode.
+//! out before the agent detaches its link or changes its mode, so no detach of the agent's
+//! leaves the map naming a device without the program, nor one of the other mode (a link
+//! detached by someone else is taken out at the next pin check).
 
 use std::collections::BTreeSet;
 use std::os::fd::AsFd;
@@ -318,7 +319,7 @@ impl Datapath {
     /// driver takes frames redirected from another device (`ndo-xmit` in its
     /// `xdp-features`), and no longer one if it lost that (a veth whose peer's XDP program
     /// went): the kernel would drop them. Warned about once per device while it lacks it.
-    pub(super) fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
+    fn xdp_devs_insert(&mut self, device: &Device) -> Result<()> {
         let ifindex = device.index;
         let takes = match self.xdp_mode {
             XdpMode::Generic => true,
@@ -461,7 +462,7 @@ impl Datapath {
                     device = %device.name,
                     "native XDP refused ({}): no XDP program on the device, tc serves it; \
                      tried again at the agent's next start",
-                    crate::source::kube::error_chain(&e)
+                    crate::error::error_chain(&e)
                 );
                 self.xdp_refused.insert(device.index);
                 self.mark_tc(device, NO_NATIVE_XDP);

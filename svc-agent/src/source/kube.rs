@@ -695,29 +695,12 @@ where
                     SourceEvent::Api(wrap(e))
                 }
                 Err(e) => {
-                    let text = error_chain(&e);
+                    let text = crate::error::error_chain(&e);
                     log.failed(kind, &text, Instant::now());
                     SourceEvent::WatchError(kind, text)
                 }
             }
         })
-}
-
-/// An error with its causes, `top: cause: cause...`: kube's errors say "client error
-/// (Connect)" at the top and the OS error ("Connection refused (os error 111)") only at the
-/// bottom. A cause whose text the message already holds is not repeated.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let t = cause.to_string();
-        if !text.contains(&t) {
-            text.push_str(": ");
-            text.push_str(&t);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// How often, at most, the watches' failures are logged after the first: the watches retry
@@ -1076,7 +1059,7 @@ async fn watch_daemonset(
             Ok(Event::Delete(_)) => set(Some("is gone")),
             Err(e) if !refused => {
                 refused = true;
-                warn!(error = %error_chain(&e), daemonset = %format!("{namespace}/{name}"),
+                warn!(error = %crate::error::error_chain(&e), daemonset = %format!("{namespace}/{name}"),
                     "cannot watch the agent's DaemonSet: its removal is read at the stop only");
             }
             Err(_) => {}

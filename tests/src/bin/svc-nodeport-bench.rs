@@ -60,7 +60,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::Client;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use svc_agent::source::kube::SERVICE_NAME_LABEL;
 use svc_tests::agent::kube_run_args;
 use svc_tests::bulk::{self, cluster_ip};
@@ -1590,12 +1589,7 @@ fn bench() -> Result<()> {
         let cp = ControlPlane::start_with_node_port_range(NODE_PORT_RANGE)
             .context("starting the control plane")?;
         for (name, ip) in [(NODE, NODE1), (REMOTE_NODE, NODE2)] {
-            cp.kubectl_stdin(
-                &["create", "-f", "-"],
-                &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                        "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
-                .to_string(),
-            )?;
+            cp.create_node(name, ip)?;
         }
         let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
         let t = Instant::now();

@@ -43,7 +43,6 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::PostParams;
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::kube_proxy::{self, HostFirewallGuard, IptablesBackend, Mode};
 use svc_tests::parity::{Proxy, ProxyKind, NODE};
@@ -851,13 +850,7 @@ fn measure(args: &mut Args) -> Result<Results> {
             &["--storage-media-type=application/json"],
         )
         .context("starting the control plane")?;
-        cp.kubectl_stdin(
-            &["create", "-f", "-"],
-            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                    "status": {"addresses": [{"type": "InternalIP",
-                                              "address": format!("10.201.{X}.1")}]}})
-            .to_string(),
-        )?;
+        cp.create_node(NODE, &format!("10.201.{X}.1"))?;
         let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
         let t = Instant::now();
         // Straight into etcd, at every N alike: through the API, creating 30,000 Services takes

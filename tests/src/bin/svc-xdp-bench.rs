@@ -498,12 +498,7 @@ fn control_plane(rt: &tokio::runtime::Runtime, n: u32) -> Result<ControlPlane> {
     )
     .context("starting the control plane")?;
     for (name, ip) in [(NODE, NODE1), (REMOTE_NODE, NODE2)] {
-        cp.kubectl_stdin(
-            &["create", "-f", "-"],
-            &json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                    "status": {"addresses": [{"type": "InternalIP", "address": ip}]}})
-            .to_string(),
-        )?;
+        cp.create_node(name, ip)?;
     }
     let client = rt.block_on(svc_agent::source::kube::client(Some(cp.kubeconfig_path())))?;
     let t = Instant::now();
