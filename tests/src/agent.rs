@@ -23,6 +23,54 @@ pub const SERVING_LINE: &str = "svc-agent: serving";
 /// The line the agent prints after each sync that changed the maps.
 pub const SYNCED_LINE: &str = "svc-agent: synced";
 
+/// The environment variable that makes every agent the harness starts attach its tc programs
+/// this way (`--tc-attach VALUE`), unless the test names a mode itself. `cargo xtask test` runs
+/// the packet tests a second time with it set to `classic` (docs/design/test-tiers.md).
+pub const TC_ATTACH_ENV: &str = "SVC_TEST_TC_ATTACH";
+
+/// The agent flags a test pass forces on every `run` the harness starts, from the environment:
+/// `(variable, flag)`. One place, so a pass that forces more (an old kernel's fallbacks) adds a
+/// row here and its variable in xtask's second pass. A flag the test's own arguments already
+/// name is left to the test: it chose that mode on purpose.
+const FORCED_FLAGS: &[(&str, &str)] = &[(TC_ATTACH_ENV, "--tc-attach")];
+
+/// The tc attach mode forced on this run's agents (`SVC_TEST_TC_ATTACH`), if any.
+pub fn forced_tc_attach() -> Option<String> {
+    forced_value(TC_ATTACH_ENV)
+}
+
+fn forced_value(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|v| !v.is_empty())
+}
+
+/// The flags `FORCED_FLAGS` adds to `args` (an agent's command line after the binary): only
+/// for the commands that run the datapath (`run`, or kube-proxy's `--config=FILE` line), and
+/// only those `args` does not name itself (`--flag V` or `--flag=V`).
+pub fn forced_args(args: &[OsString]) -> Vec<OsString> {
+    forced_args_with(args, forced_value)
+}
+
+fn forced_args_with(args: &[OsString], env: impl Fn(&str) -> Option<String>) -> Vec<OsString> {
+    let runs = args.first().is_some_and(|a| a == "run")
+        || args
+            .iter()
+            .any(|a| a.to_string_lossy().starts_with("--config"));
+    if !runs {
+        return Vec::new();
+    }
+    let named = |flag: &str| {
+        args.iter().any(|a| {
+            let a = a.to_string_lossy();
+            a == flag || a.starts_with(&format!("{flag}="))
+        })
+    };
+    FORCED_FLAGS
+        .iter()
+        .filter(|(_, flag)| !named(flag))
+        .filter_map(|(var, flag)| env(var).map(|v| format!("{flag}={v}").into()))
+        .collect()
+}
+
 fn check_bin(bin: &Path) -> Result<()> {
     if !bin.is_file() {
         bail!(
@@ -465,6 +513,7 @@ impl Agent {
         }
         let child = cmd
             .args(&self.args)
+            .args(forced_args(&self.args))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -640,7 +689,34 @@ impl Drop for Agent {
 
 #[cfg(test)]
 mod tests {
-    use super::refusals;
+    use super::{forced_args_with, refusals, TC_ATTACH_ENV};
+    use std::ffi::OsString;
+
+    #[test]
+    fn a_forced_tc_attach_goes_to_runs_that_name_no_mode() {
+        let env = |var: &str| (var == TC_ATTACH_ENV).then(|| "classic".to_string());
+        let args = |a: &[&str]| a.iter().map(OsString::from).collect::<Vec<_>>();
+        let forced = vec![OsString::from("--tc-attach=classic")];
+        assert_eq!(
+            forced_args_with(&args(&["run", "--manifests", "m"]), env),
+            forced
+        );
+        assert_eq!(
+            forced_args_with(&args(&["--config=/c.yaml", "--cgroup", "cg"]), env),
+            forced
+        );
+        // The test's own choice stands, in either spelling.
+        for own in [
+            &["run", "--tc-attach", "tcx"][..],
+            &["run", "--tc-attach=tcx"],
+        ] {
+            assert!(forced_args_with(&args(own), env).is_empty(), "{own:?}");
+        }
+        // Commands that run no datapath take no such flag.
+        assert!(forced_args_with(&args(&["list", "--bpffs", "b"]), env).is_empty());
+        // Nothing forced without the variable.
+        assert!(forced_args_with(&args(&["run"]), |_| None).is_empty());
+    }
 
     #[test]
     fn a_timestamp_is_no_refusal() {

@@ -328,6 +328,34 @@ fn tcx_programs(ns: &NetNs, dev: &str) -> (u32, u32) {
     })
 }
 
+/// svc's classic filters on `dev` of `ns` as `tc filter show dev DEV ingress|egress` lists
+/// them: the lines naming one of svc's tc programs, (ingress, egress).
+fn classic_filters_of(ns: &NetNs, dev: &str) -> (Vec<String>, Vec<String>) {
+    let show = |hook: &str| -> Vec<String> {
+        run_in(ns, &["tc", "filter", "show", "dev", dev, hook])
+            .lines()
+            .filter(|l| l.contains("tc_ext_") || l.contains("tc_pod_"))
+            .map(str::to_string)
+            .collect()
+    };
+    (show("ingress"), show("egress"))
+}
+
+/// How many of svc's tc programs run on `dev` of `ns`, ingress and egress, however they are
+/// attached (tcx links, or classic filters: the packet tests' second pass forces those,
+/// `SVC_TEST_TC_ATTACH=classic`).
+fn svc_programs(ns: &NetNs, dev: &str) -> (u32, u32) {
+    let (tcx_in, tcx_out) = tcx_programs(ns, dev);
+    let (ingress, egress) = classic_filters_of(ns, dev);
+    (tcx_in + ingress.len() as u32, tcx_out + egress.len() as u32)
+}
+
+/// Whether this run's agents attach the tc programs the classic way when the test names no
+/// mode (the second pass), rather than through tcx (this kernel's `auto`).
+fn classic_by_default() -> bool {
+    svc_tests::agent::forced_tc_attach().as_deref() == Some("classic")
+}
+
 // ---------------------------------------------------------------------------------------
 // The topology.
 
@@ -464,9 +492,9 @@ impl Topo {
         self.agent.as_mut().expect("agent started")
     }
 
-    /// How many programs run on node 1's eth0 (tcx ingress, tcx egress).
+    /// How many of svc's programs run on node 1's eth0 (ingress, egress), tcx or classic.
     fn node1_eth0_programs(&self) -> (u32, u32) {
-        tcx_programs(&self.node1, "eth0")
+        svc_programs(&self.node1, "eth0")
     }
 
     fn service(&self, name: &str, value: Value) {
@@ -876,8 +904,26 @@ fn nodeport_from_outside() {
 
     // One program each way on node 1's uplink, none anywhere else.
     assert_eq!(t.node1_eth0_programs(), (1, 1));
-    assert_eq!(tcx_programs(&t.node1, "podh"), (0, 0));
-    assert_eq!(tcx_programs(&t.client, "eth0"), (0, 0));
+    assert_eq!(svc_programs(&t.node1, "podh"), (0, 0));
+    assert_eq!(svc_programs(&t.client, "eth0"), (0, 0));
+    // What `tc filter show dev eth0 ingress` shows a user on node 1: svc's direct-action
+    // filter when attached the classic way, nothing of svc's with tcx (tc lists no tcx link).
+    let show = run_in(
+        &t.node1,
+        &["tc", "filter", "show", "dev", "eth0", "ingress"],
+    );
+    let ours: Vec<&str> = show.lines().filter(|l| l.contains("tc_ext_")).collect();
+    if classic_by_default() {
+        assert!(
+            ours.len() == 1
+                && ours[0].contains("tc_ext_ingress")
+                && ours[0].contains("direct-action")
+                && ours[0].contains("handle 0x5356"),
+            "tc filter show dev eth0 ingress:\n{show}"
+        );
+    } else {
+        assert!(ours.is_empty(), "tc filter show dev eth0 ingress:\n{show}");
+    }
 
     let cases = [
         (NODE1, CLIENT, "pod1", CLIENT),
@@ -2240,29 +2286,25 @@ fn run_in(ns: &NetNs, cmd: &[&str]) -> String {
 /// svc's filters on node 1's eth0 as `tc filter show` lists them: (ingress, egress) lines
 /// naming a tc program of svc.
 fn classic_filters(t: &Topo) -> (Vec<String>, Vec<String>) {
-    let show = |hook: &str| -> Vec<String> {
-        run_in(&t.node1, &["tc", "filter", "show", "dev", "eth0", hook])
-            .lines()
-            .filter(|l| l.contains("tc_ext_") || l.contains("tc_pod_"))
-            .map(str::to_string)
-            .collect()
-    };
-    (show("ingress"), show("egress"))
+    classic_filters_of(&t.node1, "eth0")
 }
 
 fn restart_keeps_flows_and_uninstall(attach: Attach) {
-    let classic = attach == Attach::Classic;
+    // Classic on purpose: first tcx, then moved over. Classic anyway: the second pass.
+    let moves_over = attach == Attach::Classic;
+    let classic = moves_over || classic_by_default();
     let mut t = Topo::new();
     let mut _peer = None;
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     t.service("local", nodeport("local", 32, 30081));
     t.endpoints("local", &[LOCAL_POD]);
-    if classic {
-        // First through tcx, as the agent attaches on this kernel by itself; then an agent
-        // told classic moves each program over.
-        t.start_agent();
-        assert_eq!(t.node1_eth0_programs(), (1, 1));
+    if moves_over {
+        // First through tcx, as the agent attaches on this kernel by itself (named, as the
+        // second pass would force classic); then an agent told classic moves each program
+        // over.
+        t.start_agent_with(&["--tc-attach", "tcx"]);
+        assert_eq!(tcx_programs(&t.node1, "eth0"), (1, 1));
         t.agent().terminate(Duration::from_secs(10)).expect("stop");
         t.start_agent_with(&[
             "--tc-attach",
@@ -2273,7 +2315,11 @@ fn restart_keeps_flows_and_uninstall(attach: Attach) {
         let log = t.agent().log();
         assert!(log.contains("detached the tcx link"), "{log}");
         // Filters, not tcx links: as tc and bpftool show them.
-        assert_eq!(t.node1_eth0_programs(), (0, 0), "tcx programs on eth0");
+        assert_eq!(
+            tcx_programs(&t.node1, "eth0"),
+            (0, 0),
+            "tcx programs on eth0"
+        );
         let (ingress, egress) = classic_filters(&t);
         assert!(
             ingress.len() == 1
@@ -2724,7 +2770,7 @@ fn pods_outside_the_cgroup_hairpin_and_the_node_itself() {
     t.service("remote", nodeport("remote", 43, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     t.start_agent_with(&["--packet-lb-devices", "podh"]);
-    assert_eq!(tcx_programs(&t.node1, "podh"), (1, 1));
+    assert_eq!(svc_programs(&t.node1, "podh"), (1, 1));
 
     for (to, udp_to) in [
         (sa("10.96.0.41", 80), sa("10.96.0.41", 53)),
@@ -3963,7 +4009,7 @@ fn devices_that_appear_and_disappear_are_followed() {
     t.client.add_addr("eth1", "10.78.0.100/24").unwrap();
     t.node1.add_addr("up1", "10.78.0.1/24").unwrap();
     poll(Duration::from_secs(10), || {
-        Ok((tcx_programs(&t.node1, "up1") == (1, 1)).then_some(()))
+        Ok((svc_programs(&t.node1, "up1") == (1, 1)).then_some(()))
     })
     .expect("the programs on the new device");
     let to = sa("10.78.0.1", 30081);
@@ -3981,13 +4027,16 @@ fn devices_that_appear_and_disappear_are_followed() {
     t.node1
         .ip(["link", "del", "up1"])
         .expect("removing the uplink");
-    let pin = t.bpffs.path().join("link_tc_tc_ext_ingress_up1");
-    poll(
-        Duration::from_secs(10),
-        || Ok((!pin.exists()).then_some(())),
-    )
-    .expect("the link of the removed device unpinned");
-    assert!(t.bpffs.path().join("link_tc_tc_ext_ingress_eth0").exists());
+    // tcx links are pinned, per device; classic filters are not (they go with the device).
+    if !classic_by_default() {
+        let pin = t.bpffs.path().join("link_tc_tc_ext_ingress_up1");
+        poll(
+            Duration::from_secs(10),
+            || Ok((!pin.exists()).then_some(())),
+        )
+        .expect("the link of the removed device unpinned");
+        assert!(t.bpffs.path().join("link_tc_tc_ext_ingress_eth0").exists());
+    }
     assert_eq!(t.node1_eth0_programs(), (1, 1));
 }
 
@@ -5010,7 +5059,7 @@ fn flows_leaving_by_a_device_without_svc_programs_are_counted_and_warned_about()
     t.node2
         .ip(["route", "add", &format!("{NODE1}/32"), "via", "10.79.0.1"])
         .expect("node 1 over eth1");
-    assert_eq!(tcx_programs(&t.node1, "eth1"), (0, 0));
+    assert_eq!(svc_programs(&t.node1, "eth1"), (0, 0));
 
     // The bug itself: the replies come back untranslated, the connection never opens.
     let lost = in_ns(&t.client, move || tcp_once(np, Duration::from_millis(1500)));
@@ -5047,7 +5096,7 @@ fn flows_leaving_by_a_device_without_svc_programs_are_counted_and_warned_about()
     let mut with = flags.to_vec();
     with.extend(["--devices", "eth0,eth1"]);
     t.start_agent_with(&with);
-    assert_eq!(tcx_programs(&t.node1, "eth1"), (1, 1));
+    assert_eq!(svc_programs(&t.node1, "eth1"), (1, 1));
     // SNATed to a node address (which one is the SNAT choice's business, not this test's).
     let got = answered(&t.client, "NodePort via eth1", move || tcp_once(np, ANSWER));
     assert_eq!(got.backend, "pod2", "{got:?}");
