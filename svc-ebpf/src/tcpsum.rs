@@ -74,13 +74,17 @@ pub fn valid<C: Ctx>(ctx: &C, p: &Pkt) -> bool {
     let mut done = 0u32;
     for _ in 0..CHUNKS {
         let left = len - done;
-        // The verifier needs `n`'s bounds on `n` itself: the mask (a no-op, `n` is at most
-        // `CHUNK`) and the test for 0 (the loop's end), which LLVM, left to prove them from
-        // `left`, would move or drop.
-        let n = core::hint::black_box(if left > CHUNK { CHUNK } else { left }) & 0x1ff;
-        if n == 0 {
+        // The verifier needs `n`'s bounds on `n` itself, which LLVM, left to prove them from
+        // `left`, would move or drop: hence the opaque `m`. Its test for 0 is the loop's end;
+        // `n` is `m` (1 to `CHUNK`) written so that its bounds, 1 to 512, follow from the
+        // arithmetic alone: older verifiers (Debian 12's 6.1) learn no lower bound from
+        // `m != 0` and refuse a length that may be 0 for `bpf_skb_load_bytes`
+        // (`cargo xtask kernel-smoke`).
+        let m = core::hint::black_box(if left > CHUNK { CHUNK } else { left });
+        if m == 0 {
             break;
         }
+        let n = ((m - 1) & 0x1ff) + 1;
         // The whole words, and the word the tail bytes (if any) go in, zero past them: summed
         // whole, it adds nothing when there are none.
         let words = (n & 0x1fc) + 4;
