@@ -1173,7 +1173,9 @@ fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
             e.errno(),
             Some(svc_agent::error::Errno(libc::EPERM | libc::EACCES))
         );
-    if !refused {
+    // With CAP_SYS_ADMIN nothing is refused for want of privilege: an EACCES then is the
+    // verifier's refusal of a program (as Debian 12's 6.1 refused one), which its message says.
+    if !refused || has_cap_sys_admin() {
         return e.into();
     }
     anyhow::Error::new(e).context(
@@ -1181,6 +1183,19 @@ fn privilege_hint(e: svc_agent::Error) -> anyhow::Error {
          CAP_PERFMON and CAP_NET_ADMIN (kernel 5.8 and later), to create the maps and load the \
          cgroup socket programs",
     )
+}
+
+/// Whether this process has CAP_SYS_ADMIN in its effective set (`CapEff` of
+/// /proc/self/status).
+fn has_cap_sys_admin() -> bool {
+    const CAP_SYS_ADMIN: u32 = 21;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_SYS_ADMIN) != 0)
 }
 
 /// Raises RLIMIT_NOFILE's soft limit to the hard one, as Go programs (kube-proxy) do at start:
