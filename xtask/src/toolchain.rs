@@ -38,8 +38,8 @@ fn is_root() -> bool {
     output(Command::new("id").arg("-u")).is_some_and(|s| s.trim() == "0")
 }
 
-fn missing_packages() -> Vec<&'static str> {
-    PACKAGES
+fn missing_packages(packages: &[&'static str]) -> Vec<&'static str> {
+    packages
         .iter()
         .filter(|p| {
             !output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p]))
@@ -49,13 +49,14 @@ fn missing_packages() -> Vec<&'static str> {
         .collect()
 }
 
-pub fn ensure() -> Result<()> {
-    let missing = missing_packages();
+/// Installs those of `packages` (Debian's) that are missing.
+pub fn ensure_packages(packages: &[&'static str]) -> Result<()> {
+    let missing = missing_packages(packages);
     if !missing.is_empty() {
         if !is_root() {
             bail!(
-                "the eBPF toolchain needs Debian packages that are missing: {}; run as root \
-                 (apt-get install) or install them yourself",
+                "Debian packages are missing: {}; run as root (apt-get install) or install \
+                 them yourself",
                 missing.join(" ")
             );
         }
@@ -68,7 +69,11 @@ pub fn ensure() -> Result<()> {
             .env("DEBIAN_FRONTEND", "noninteractive"))
         .context("apt-get install failed")?;
     }
+    Ok(())
+}
 
+pub fn ensure() -> Result<()> {
+    ensure_packages(PACKAGES)?;
     let verbose = output(Command::new("/usr/bin/rustc").args(["--version", "--verbose"]))
         .context("/usr/bin/rustc (Debian's rustc-web) does not run")?;
     if !verbose.contains(&format!("LLVM version: {LLVM_MAJOR}.")) {
