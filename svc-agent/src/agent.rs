@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, instrument, warn};
 
-use crate::datapath::Datapath;
+use crate::datapath::{Datapath, XdpMode};
 use crate::desired::Desired;
 use crate::error::{Error, Result};
 use crate::metrics::{self, Metrics};
@@ -102,6 +102,12 @@ impl Agent {
         packet: PacketConfig,
         metrics: Arc<Metrics>,
     ) -> Result<Agent> {
+        if let Some((major, minor)) = crate::features::kernel_as() {
+            warn!(
+                "taking the kernel for Linux {major}.{minor} (--kernel-as, SVC_KERNEL_AS: a \
+                 testing aid): what came after it is reported missing"
+            );
+        }
         // Before anything is loaded: what this kernel lacks, named, rather than a verifier
         // error deep in a load.
         let kernel = crate::features::check(&crate::features::Kernel {
@@ -113,10 +119,25 @@ impl Agent {
         if let Some(e) = kernel.error() {
             return Err(Error::load(e));
         }
-        let mut dp = Datapath::open(bpffs, cgroup, capacity)?;
+        let fit = kernel.fit();
+        let mut dp = Datapath::open(bpffs, cgroup, capacity, fit)?;
         dp.set_tc_attach(packet.tc_attach)?;
+        // A kernel without what the XDP program needs runs tc alone (warned above, once per
+        // missing feature): as a device whose driver refuses native XDP is left to tc, not
+        // refused, so that one set of flags serves nodes of several kernels and none of them
+        // loses its Services over an acceleration.
+        let xdp_mode = if fit.xdp || packet.xdp_mode == XdpMode::Off {
+            packet.xdp_mode
+        } else {
+            warn!(
+                "--xdp-mode {}: this kernel cannot load the XDP program (above): running as \
+                 --xdp-mode off, tc serves every device",
+                packet.xdp_mode.word().unwrap_or("off")
+            );
+            XdpMode::Off
+        };
         // Before the first attach, which brings the devices in line with it.
-        dp.set_xdp_mode(packet.xdp_mode)?;
+        dp.set_xdp_mode(xdp_mode)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);

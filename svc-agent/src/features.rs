@@ -2,6 +2,14 @@
 //! named with the part of svc that needs it and the Linux release that brought it, in one
 //! error (or a warning where svc has a fallback), instead of a verifier or loader error deep in
 //! a load. The list follows what svc-ebpf uses; README "Kernel requirements" says the same.
+//!
+//! Three helpers have fallbacks chosen at load time (`Fit`): without `bpf_set_retval` a refused
+//! connect() fails with EPERM, without `bpf_loop` the SNAT port search is a loop of fewer
+//! tries, without `bpf_xdp_load_bytes` the XDP program is not loaded. The programs learn which
+//! from constants the loader sets (svc-common `kernel_globals`; svc-ebpf kernel.rs).
+//!
+//! `SVC_KERNEL_AS=5.15` (a testing aid, README "Kernel requirements") makes the check report
+//! everything that came after that release missing, so the fallbacks run on a newer kernel.
 
 use std::fmt;
 use std::os::fd::AsFd;
@@ -23,6 +31,8 @@ pub enum Part {
     PacketDatapath,
     /// The connection-tracking sweep (`--conntrack-sweep-interval`).
     Sweep,
+    /// The XDP program (`--xdp-mode`), loaded at start unless the kernel lacks what it needs.
+    Xdp,
 }
 
 impl fmt::Display for Part {
@@ -34,6 +44,7 @@ impl fmt::Display for Part {
                 "the packet datapath (NodePort, ExternalIP, LoadBalancer from outside)"
             }
             Part::Sweep => "the connection-tracking sweep",
+            Part::Xdp => "the XDP program (--xdp-mode)",
         })
     }
 }
@@ -80,6 +91,16 @@ impl Need {
 const SOCK_ADDR: ProgramType = ProgramType::CgroupSockAddr;
 const SOCK: ProgramType = ProgramType::CgroupSock;
 const TC: ProgramType = ProgramType::SchedClassifier;
+
+/// Without bpf_set_retval.
+const NO_SET_RETVAL: &str = "a connect() or sendmsg() to a Service without endpoints (or \
+     refused) fails with EPERM (\"Operation not permitted\"), not ECONNREFUSED";
+/// Without bpf_loop.
+const NO_LOOP: &str = "the SNAT port search's tries are calls of a global function in a \
+     loop, not bpf_loop's: the same 32 tries, verified once (svc-ebpf ct.rs `svc_snat_try`)";
+/// Without a feature of the XDP program alone.
+const NO_XDP: &str = "the XDP program is not loaded: --xdp-mode native or generic runs as \
+     off, and tc serves every device";
 
 /// What svc-ebpf uses that a kernel may lack, by part. Helpers every kernel with the program
 /// type has (map lookups, bpf_redirect, the checksum helpers, bpf_skb_load_bytes) are left
@@ -151,8 +172,13 @@ pub fn needs() -> Vec<Need> {
             since,
         ));
     }
+    out.push(Need {
+        feature: Feature::Helper(SOCK_ADDR, H::BPF_FUNC_set_retval, "cgroup sock_addr"),
+        part: Part::SocketHooks,
+        since: "5.18",
+        fallback: Some(NO_SET_RETVAL),
+    });
     for (h, since) in [
-        (H::BPF_FUNC_set_retval, "5.18"),
         (H::BPF_FUNC_get_netns_cookie, "5.7"),
         (H::BPF_FUNC_get_socket_cookie, "4.12"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
@@ -180,7 +206,6 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_csum_level, "5.8"),
         (H::BPF_FUNC_redirect_neigh, "5.10"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
-        (H::BPF_FUNC_loop, "5.17"),
         (H::BPF_FUNC_ringbuf_reserve, "5.8"),
     ] {
         out.push(need(
@@ -189,25 +214,34 @@ pub fn needs() -> Vec<Need> {
             since,
         ));
     }
-    // The XDP program is loaded at start whatever `--xdp-mode` says.
-    out.push(need(
-        Feature::Program(ProgramType::Xdp, "xdp"),
-        Part::PacketDatapath,
-        "4.8",
-    ));
-    for (h, since) in [
-        (H::BPF_FUNC_xdp_load_bytes, "5.18"),
-        (H::BPF_FUNC_fib_lookup, "4.18"),
-        (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
-        // A new flow's SNAT port search (ct.rs `create_snat`), and its monitor event.
-        (H::BPF_FUNC_loop, "5.17"),
-        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
+    // A new flow's SNAT port search (ct.rs `create_snat`), in the tc programs and XDP's.
+    out.push(Need {
+        feature: Feature::Helper(TC, H::BPF_FUNC_loop, "sched_cls"),
+        part: Part::PacketDatapath,
+        since: "5.17",
+        fallback: Some(NO_LOOP),
+    });
+    // The XDP program is loaded at start whatever `--xdp-mode` says, where the kernel has
+    // what it needs.
+    out.push(Need {
+        feature: Feature::Program(ProgramType::Xdp, "xdp"),
+        part: Part::Xdp,
+        since: "4.8",
+        fallback: Some(NO_XDP),
+    });
+    for (h, since, fallback) in [
+        (H::BPF_FUNC_xdp_load_bytes, "5.18", NO_XDP),
+        (H::BPF_FUNC_fib_lookup, "4.18", NO_XDP),
+        (H::BPF_FUNC_ktime_get_coarse_ns, "5.11", NO_XDP),
+        (H::BPF_FUNC_loop, "5.17", NO_LOOP),
+        (H::BPF_FUNC_ringbuf_reserve, "5.8", NO_XDP),
     ] {
-        out.push(need(
-            Feature::Helper(ProgramType::Xdp, h, "xdp"),
-            Part::PacketDatapath,
+        out.push(Need {
+            feature: Feature::Helper(ProgramType::Xdp, h, "xdp"),
+            part: Part::Xdp,
             since,
-        ));
+            fallback: Some(fallback),
+        });
     }
     out.push(Need {
         feature: Feature::Tcx,
@@ -237,8 +271,57 @@ pub struct Kernel<'a> {
     pub cgroup: Option<&'a Path>,
 }
 
+/// The release the agent's hidden `--kernel-as` named (`assume_release`).
+static ASSUMED: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+
+/// The release `--kernel-as` or else `SVC_KERNEL_AS` names (`5.15`), if any: the check then
+/// reports everything that came after it missing. A testing aid: it only ever takes
+/// features away.
+pub fn kernel_as() -> Option<(u32, u32)> {
+    if let Some(r) = ASSUMED.get() {
+        return Some(*r);
+    }
+    release(&std::env::var(KERNEL_AS).ok()?)
+}
+
+/// Takes the kernel for `s` (`5.15`) from now on (`kernel_as`); an error for anything but a
+/// release.
+pub fn assume_release(s: &str) -> std::result::Result<(), String> {
+    let r = release(s).ok_or_else(|| format!("{s:?} is not a release such as 5.15"))?;
+    let _ = ASSUMED.set(r);
+    Ok(())
+}
+
+/// The variable `kernel_as` reads.
+pub const KERNEL_AS: &str = "SVC_KERNEL_AS";
+
+/// `5.15` → (5, 15); None for anything else.
+fn release(s: &str) -> Option<(u32, u32)> {
+    let (major, minor) = s.trim().split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
+}
+
+/// A kernel taken to have what came up to a release (major, minor), and nothing after it.
+pub struct AsOf(pub (u32, u32));
+
+impl Probe for AsOf {
+    fn has(&self, feature: Feature) -> std::io::Result<bool> {
+        Ok(!needs().iter().any(|n| {
+            same(n.feature, feature) && release(n.since).is_some_and(|since| since > self.0)
+        }))
+    }
+}
+
+/// Whether `kernel_as` takes `feature` away.
+fn taken_away(feature: Feature) -> bool {
+    kernel_as().is_some_and(|r| !AsOf(r).has(feature).unwrap_or(true))
+}
+
 impl Probe for Kernel<'_> {
     fn has(&self, feature: Feature) -> std::io::Result<bool> {
+        if taken_away(feature) {
+            return Ok(false);
+        }
         #[cfg(feature = "failpoints")]
         {
             let name = Need {
@@ -275,6 +358,59 @@ impl Probe for Kernel<'_> {
     }
 }
 
+/// Whether two features are one (a feature is a plain value, without `PartialEq` for aya's
+/// types).
+fn same(a: Feature, b: Feature) -> bool {
+    format!("{a:?}") == format!("{b:?}")
+}
+
+/// Whether the running kernel has tcx, as the check sees it (`SVC_KERNEL_AS` included).
+pub fn has_tcx() -> std::io::Result<bool> {
+    if taken_away(Feature::Tcx) {
+        return Ok(false);
+    }
+    crate::sys::has_tcx()
+}
+
+/// What the programs are told of the kernel at load (svc-common `kernel_globals`), and whether
+/// the XDP program is loaded: each false is a fallback the check warned about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fit {
+    /// `bpf_set_retval`: a refused connect() fails with ECONNREFUSED, else EPERM.
+    pub set_retval: bool,
+    /// `bpf_loop`: the SNAT port search's tries run in it, else in a loop of fewer.
+    pub bpf_loop: bool,
+    /// The XDP program is loaded (the kernel has all it needs).
+    pub xdp: bool,
+}
+
+impl Fit {
+    /// What `SVC_KERNEL_AS` leaves of a kernel taken to have everything, without asking the
+    /// running one: the fallbacks the packet fixtures load the object with (svc-ebpf-tests).
+    pub fn of_kernel_as() -> Fit {
+        match kernel_as() {
+            Some(r) => check(&AsOf(r)).fit(),
+            None => Fit::ALL,
+        }
+    }
+
+    /// A kernel with everything.
+    pub const ALL: Fit = Fit {
+        set_retval: true,
+        bpf_loop: true,
+        xdp: true,
+    };
+
+    /// The `.rodata` constants for the loader, by name (`EbpfLoader::set_global`).
+    pub fn globals(&self) -> [(&'static str, u32); 2] {
+        use svc_common::kernel_globals as g;
+        [
+            (g::SET_RETVAL, self.set_retval as u32),
+            (g::LOOP, self.bpf_loop as u32),
+        ]
+    }
+}
+
 /// What the check found.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -301,6 +437,19 @@ pub fn check(probe: &dyn Probe) -> Report {
 }
 
 impl Report {
+    /// The fallbacks the programs are loaded with.
+    pub fn fit(&self) -> Fit {
+        let lacks = |pred: &dyn Fn(&Need) -> bool| self.degraded.iter().any(pred);
+        let helper = |want: BpfHelper| {
+            move |n: &Need| matches!(n.feature, Feature::Helper(_, h, _) if h as u32 == want as u32)
+        };
+        Fit {
+            set_retval: !lacks(&helper(BpfHelper::BPF_FUNC_set_retval)),
+            bpf_loop: !lacks(&helper(BpfHelper::BPF_FUNC_loop)),
+            xdp: !lacks(&|n| n.fallback == Some(NO_XDP)),
+        }
+    }
+
     /// One error naming every missing feature and the part that needs it; None when nothing
     /// needed is missing.
     pub fn error(&self) -> Option<String> {
@@ -321,9 +470,20 @@ impl Report {
     }
 
     /// A line per missing feature svc does without, and per feature it could not ask about.
+    /// A helper missing from two program types with one fallback (bpf_loop) is one line.
     pub fn warnings(&self) -> Vec<String> {
+        let mut helpers: Vec<(u32, &str)> = Vec::new();
         self.degraded
             .iter()
+            .filter(|n| match n.feature {
+                Feature::Helper(_, h, _) => {
+                    let key = (h as u32, n.fallback.unwrap_or_default());
+                    let first = !helpers.contains(&key);
+                    helpers.push(key);
+                    first
+                }
+                _ => true,
+            })
             .map(|n| {
                 format!(
                     "this kernel lacks {} (Linux {}), for {}: {}",
@@ -373,11 +533,12 @@ mod tests {
 
     #[test]
     fn a_missing_helper_is_named_with_the_part_that_needs_it() {
-        let r = check(&Without(&["bpf_loop ", "getpeername4"]));
+        let r = check(&Without(&["bpf_redirect_neigh", "getpeername4"]));
         let e = r.error().expect("an error");
         assert!(
             e.contains(
-                "helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"
+                "helper bpf_redirect_neigh in sched_cls programs (Linux 5.10), for the packet \
+                 datapath"
             ),
             "{e}"
         );
@@ -386,6 +547,90 @@ mod tests {
             "{e}"
         );
         assert!(r.warnings().is_empty(), "{:?}", r.warnings());
+    }
+
+    /// Ubuntu 22.04's GA kernel: svc runs, each of the three helpers it lacks named once
+    /// with what svc does without it, and the programs told (`Fit`).
+    #[test]
+    fn linux_5_15_runs_with_named_fallbacks() {
+        let r = check(&AsOf((5, 15)));
+        assert_eq!(r.error(), None);
+        assert_eq!(
+            r.fit(),
+            Fit {
+                set_retval: false,
+                bpf_loop: false,
+                xdp: false,
+            }
+        );
+        let w = r.warnings();
+        let about = |what: &str| w.iter().filter(|l| l.contains(what)).count();
+        assert_eq!(about("bpf_set_retval"), 1, "{w:#?}");
+        assert_eq!(about("bpf_loop"), 1, "one line for both program types: {w:#?}");
+        assert_eq!(about("bpf_xdp_load_bytes"), 1, "{w:#?}");
+        assert_eq!(about("lacks tcx"), 1, "{w:#?}");
+        assert_eq!(w.len(), 4, "{w:#?}");
+        let all = w.join("\n");
+        assert!(
+            all.contains("bpf_set_retval in cgroup sock_addr programs (Linux 5.18)")
+                && all.contains("fails with EPERM"),
+            "{all}"
+        );
+        assert!(
+            all.contains("bpf_loop in sched_cls programs (Linux 5.17)")
+                && all.contains("the same 32 tries"),
+            "{all}"
+        );
+        assert!(
+            all.contains("bpf_xdp_load_bytes in xdp programs (Linux 5.18), for the XDP program")
+                && all.contains("--xdp-mode native or generic runs as off"),
+            "{all}"
+        );
+    }
+
+    /// Between the two helpers' releases: only set_retval and XDP go.
+    #[test]
+    fn linux_5_17_has_bpf_loop_but_not_the_rest() {
+        let fit = check(&AsOf((5, 17))).fit();
+        assert_eq!(
+            fit,
+            Fit {
+                set_retval: false,
+                bpf_loop: true,
+                xdp: false,
+            }
+        );
+        assert_eq!(fit.globals(), [("SVC_KERNEL_SET_RETVAL", 0), ("SVC_KERNEL_LOOP", 1)]);
+        assert_eq!(check(&AsOf((5, 18))).fit(), Fit::ALL);
+        assert_eq!(check(&Without(&[])).fit(), Fit::ALL);
+    }
+
+    /// Below 5.15 a part without fallback goes: the start refuses, naming it.
+    #[test]
+    fn linux_5_10_is_refused_naming_what_it_lacks() {
+        let e = check(&AsOf((5, 10))).error().expect("an error");
+        assert!(e.contains("bpf_ktime_get_coarse_ns"), "{e}");
+        assert!(!e.contains("bpf_set_retval") && !e.contains("bpf_loop"), "{e}");
+    }
+
+    /// A kernel with the XDP helpers but without bpf_loop (a backport) loads XDP, which
+    /// shares the SNAT search and its constant.
+    #[test]
+    fn xdp_goes_only_for_its_own_helpers() {
+        let fit = check(&Without(&["bpf_loop "])).fit();
+        assert!(fit.xdp && !fit.bpf_loop && fit.set_retval, "{fit:?}");
+        let fit = check(&Without(&["bpf_xdp_load_bytes"])).fit();
+        assert!(!fit.xdp && fit.bpf_loop && fit.set_retval, "{fit:?}");
+    }
+
+    #[test]
+    fn releases_compare_as_numbers() {
+        assert_eq!(release("5.15"), Some((5, 15)));
+        assert_eq!(release(" 6.1\n"), Some((6, 1)));
+        assert!(release("5.9") < release("5.15"));
+        assert_eq!(release("5"), None);
+        assert_eq!(release("5.15-generic"), None);
+        assert!(assume_release("jammy").is_err());
     }
 
     #[test]

@@ -1960,3 +1960,16 @@ mod tests {
         assert!(!is_v4_mapped(&[0xfd; 16]));
     }
 }
+
+/// What the loader tells the programs about the kernel: `u32` constants in the object's
+/// `.rodata` (the program's `static`s of these names), set before the load (aya
+/// `EbpfLoader::set_global`). aya freezes `.rodata` and creates it read-only for programs, so
+/// the verifier knows each value, and a privileged load prunes the branch it rules out: a
+/// helper the kernel lacks, called only there, is never checked (svc-ebpf kernel.rs). 1, the
+/// object's default, means present.
+pub mod kernel_globals {
+    /// `bpf_set_retval` (Linux 5.18), the socket hooks' ECONNREFUSED.
+    pub const SET_RETVAL: &str = "SVC_KERNEL_SET_RETVAL";
+    /// `bpf_loop` (Linux 5.17), the SNAT port search's tries.
+    pub const LOOP: &str = "SVC_KERNEL_LOOP";
+}

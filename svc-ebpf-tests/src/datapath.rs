@@ -82,6 +82,8 @@ pub struct Loaded {
     /// Every map the programs use, taken or not, as loaded: what `reset` puts back.
     every_map: Vec<reset::KernelMap>,
     ct_capacity: u32,
+    /// The fallbacks the object was loaded with (the agent's `.rodata` constants).
+    kernel: Fit,
     /// Maps left in `ebpf` after loading: a test that took one (`take_map`) leaves an object
     /// the next test could not use in full, so it is not put back.
     maps_left: usize,
@@ -117,9 +119,15 @@ impl Drop for Dp {
 }
 
 impl Loaded {
-    /// Loads the object with `ct` entries of connection tracking and verifies its tc programs.
-    pub fn load(ct: u32) -> Loaded {
+    /// Loads the object with `ct` entries of connection tracking and verifies its tc programs,
+    /// with the fallbacks of `kernel` as the agent sets them.
+    pub fn load(ct: u32, kernel: Fit) -> Loaded {
+        let globals = kernel.globals();
         let mut loader = EbpfLoader::new();
+        // Not required: a benchmark's older object has none.
+        for (name, value) in &globals {
+            loader.override_global(name, value, false);
+        }
         // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
             // The monitor's ring is sized in bytes, a multiple of the page size.
@@ -158,6 +166,8 @@ impl Loaded {
             let info = p.info().expect("program info");
             map_ids.extend(info.map_ids().expect("map ids").unwrap_or_default());
         }
+        // Loaded whatever `kernel.xdp` says, as this kernel can: its rows then run with the
+        // other fallbacks too (the SNAT search without bpf_loop).
         {
             let name = Prog::Xdp.name();
             let p: &mut Xdp = ebpf
@@ -215,6 +225,7 @@ impl Loaded {
             xdp_devs,
             every_map,
             ct_capacity: ct,
+            kernel,
             maps_left,
         }
     }
@@ -273,15 +284,27 @@ impl Dp {
         Dp::with_ct(1024)
     }
 
-    /// `new` with `ct` entries of connection tracking.
+    /// `new` with `ct` entries of connection tracking, and the fallbacks `SVC_KERNEL_AS`
+    /// asks for (none unset).
     pub fn with_ct(ct: u32) -> Dp {
+        Dp::with(ct, Fit::of_kernel_as())
+    }
+
+    /// `new` with the object loaded with the fallbacks of `kernel`.
+    pub fn as_kernel(kernel: Fit) -> Dp {
+        Dp::with(1024, kernel)
+    }
+
+    fn with(ct: u32, kernel: Fit) -> Dp {
         require_root();
         private_network();
         let pooled = {
             let mut pool = POOL
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let i = pool.iter().position(|o| o.ct_capacity == ct);
+            let i = pool
+                .iter()
+                .position(|o| o.ct_capacity == ct && o.kernel == kernel);
             i.map(|i| pool.swap_remove(i))
         };
         let obj = match pooled {
@@ -289,7 +312,7 @@ impl Dp {
                 obj.reset();
                 obj
             }
-            None => Loaded::load(ct),
+            None => Loaded::load(ct, kernel),
         };
         let mut dp = Dp {
             obj: Some(obj),

@@ -48,4 +48,5 @@ pub mod prelude {
     pub use crate::packet::*;
     pub use crate::rows::*;
     pub use crate::world::*;
+    pub use svc_agent::features::Fit;
 }

@@ -14,6 +14,7 @@ mod frag;
 mod fwd;
 mod gc;
 mod icmp;
+mod kernel;
 mod lb;
 mod maps;
 mod mem;
@@ -35,7 +36,7 @@ use aya_ebpf::{
 use sock::{Call, Family};
 
 /// sock_addr verdicts: 1 lets the call proceed, 0 fails it (with the errno set by
-/// bpf_set_retval, EPERM otherwise).
+/// bpf_set_retval, EPERM otherwise: on kernels before 5.18, which lack the helper).
 const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 
@@ -44,8 +45,11 @@ fn forward_verdict(ctx: &SockAddrContext, family: Family, call: Call) -> i32 {
     match sock::try_forward(ctx, family, call) {
         Ok(()) => ALLOW,
         Err(errno) => {
-            // SAFETY: a helper with no memory arguments.
-            unsafe { bpf_set_retval(-errno) };
+            // Without the helper the call fails with EPERM, as under Cilium on such kernels.
+            if kernel::has_set_retval() {
+                // SAFETY: a helper with no memory arguments.
+                unsafe { bpf_set_retval(-errno) };
+            }
             DENY
         }
     }

@@ -197,7 +197,27 @@ fn multiple_and_named_ports() {
 /// port the ClusterIP does not define.
 #[test]
 fn no_backend_is_refused_immediately() {
-    let w = World::start(1, &[8080], |sb, m| {
+    refused_immediately(&[], libc::ECONNREFUSED);
+}
+
+/// The same on a kernel without bpf_set_retval (before 5.18; `--kernel-as 5.15` forces its
+/// fallback here): refused as at once, with EPERM, which the agent said it would, once.
+#[test]
+fn no_backend_is_refused_with_eperm_without_bpf_set_retval() {
+    let w = refused_immediately(&["--kernel-as", "5.15"], libc::EPERM);
+    let log = w.agent.log();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("lacks helper bpf_set_retval"))
+        .collect();
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(said[0].contains("fails with EPERM"), "{}", said[0]);
+}
+
+/// Three frontends no backend serves, with the agent run with `extra` flags: each
+/// connect() fails with `errno` at once.
+fn refused_immediately(extra: &[&str], errno: i32) -> World {
+    let w = World::start_with(1, &[8080], extra, |sb, m| {
         m.apply_service(&web_service()).unwrap();
         m.apply_slice(&web_slice(sb, &[1], &[])).unwrap();
         // No EndpointSlice at all.
@@ -227,12 +247,13 @@ fn no_backend_is_refused_immediately() {
         let r = w.sb.tcp(to, 3, &[]).unwrap();
         for a in &r.results {
             assert!(!a.ok, "{to}: {a:?}");
-            assert_eq!(a.errno, Some(libc::ECONNREFUSED), "{to}: {a:?}");
+            assert_eq!(a.errno, Some(errno), "{to}: {a:?}");
             // An immediate refusal takes microseconds; 1 s only absorbs a loaded machine, and
             // is still half the probe's 2 s connect timeout, so a timeout cannot pass.
             assert!(a.elapsed_us < 1_000_000, "{to}: {a:?}");
         }
     }
+    w
 }
 
 /// sessionAffinity ClientIP: 15 consecutive connections land on one backend; a service

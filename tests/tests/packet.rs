@@ -6531,3 +6531,55 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
         .terminate(Duration::from_secs(30))
         .expect("node 2's agent stops");
 }
+
+/// Linux 5.15's fallbacks, forced on this kernel (`--kernel-as 5.15`, README "Kernel
+/// requirements"): the agent starts with `--xdp-mode native`, says once per helper what it
+/// does without it, loads no XDP program (none on the device, no link pinned) and runs as
+/// `off`, and a NodePort connection to a remote backend is served by tc, SNATed by the port
+/// search without bpf_loop.
+#[test]
+fn linux_5_15_fallbacks_serve_a_nodeport_without_xdp() {
+    let mut t = Topo::new();
+    let _peer = xdp_ready(&t);
+    t.service("remote", nodeport("remote", 12, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    t.start_agent_with(&[
+        "--kernel-as",
+        "5.15",
+        "--xdp-mode",
+        "native",
+        "--snat-port-range",
+        "61000-61063",
+    ]);
+    let np = sa(NODE1, 30082);
+    answered(&t.client, "NodePort", move || tcp_once(np, ANSWER));
+    let stream = in_ns(&t.client, move || {
+        let s = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&s).expect("an exchange");
+        s
+    });
+    let fwd = ct_entry(&t, stream.local_addr().unwrap(), np, 0).expect("its FORWARD entry");
+    let port = u16::from_be(fwd.snat_port_be);
+    assert!((61000..=61063).contains(&port), "SNAT port {port}");
+    let pins = t.bpffs.entries();
+    assert!(
+        !pins.iter().any(|p| p.contains("link_xdp_")),
+        "an XDP link: {pins:?}"
+    );
+    let link = t.node1.ip(["-d", "link", "show", "dev", "eth0"]).unwrap();
+    assert!(!link.contains("prog/xdp"), "an XDP program on eth0: {link}");
+    let log = t.agent().log();
+    for said in [
+        "taking the kernel for Linux 5.15",
+        "lacks helper bpf_set_retval in cgroup sock_addr programs (Linux 5.18)",
+        "lacks helper bpf_loop in sched_cls programs (Linux 5.17)",
+        "lacks helper bpf_xdp_load_bytes in xdp programs (Linux 5.18)",
+        "--xdp-mode native: this kernel cannot load the XDP program",
+    ] {
+        assert_eq!(
+            log.lines().filter(|l| l.contains(said)).count(),
+            1,
+            "once: {said}\n{log}"
+        );
+    }
+}

@@ -26,8 +26,14 @@ use crate::sys;
 impl Datapath {
     /// Takes ownership of `dir`, loads the programs and adopts (or creates, or migrates) the
     /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
-    /// has changed but for a directory this call created.
-    pub fn open(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
+    /// has changed but for a directory this call created. `kernel`: the fallbacks the
+    /// programs are loaded with (`features::Report::fit`).
+    pub fn open(
+        dir: &Path,
+        cgroup: &Path,
+        capacity: Capacity,
+        kernel: crate::features::Fit,
+    ) -> Result<Datapath> {
         let started = std::time::Instant::now();
         let cgroup_id = check_cgroup(cgroup)?;
         sys::ensure_bpffs(dir).map_err(|e| load_err("mounting bpffs at /sys/fs/bpf", e))?;
@@ -44,7 +50,11 @@ impl Datapath {
             let want = max_entries(map, &capacity);
             plans.push((map, inspect_pin(map, &map_pin(dir, map.name), want)?));
         }
+        let globals = kernel.globals();
         let mut loader = EbpfLoader::new();
+        for (name, value) in &globals {
+            loader.override_global(name, value, true);
+        }
         for (map, plan) in &plans {
             if matches!(plan, Pinned::Adopt) {
                 loader.map_pin_path(map.name, map_pin(dir, map.name));
@@ -133,7 +143,7 @@ impl Datapath {
         }
         // Verified with the tc programs, on their thread (`load_tc`): it attaches with them,
         // and its verification (tc's frontend code, shared) must not delay the socket path.
-        let xdp_loaded = ebpf.program(xdp::XDP_PROGRAM).is_some();
+        let xdp_loaded = kernel.xdp && ebpf.program(xdp::XDP_PROGRAM).is_some();
         let socket_ms = started.elapsed().as_millis();
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
@@ -172,7 +182,7 @@ impl Datapath {
         // `attach`: they are verified on a thread of their own while the first sync is
         // listed, translated and written (the maps they use are created already), and the
         // socket programs may attach before they are done (`attach_sockets`).
-        let (programs, verified) = Programs::verify(ebpf, tc_loaded.clone(), started);
+        let (programs, verified) = Programs::verify(ebpf, tc_loaded.clone(), xdp_loaded, started);
         let carried = carry_ct_v1(&mut store, dir)?;
         if carried > 0 {
             info!(
@@ -207,7 +217,7 @@ impl Datapath {
             Err(e) => tracing::warn!("per-Service counters: {e}; completed later"),
         }
         // A kernel that cannot be asked is taken as having tcx: attaching then says why not.
-        let kernel_tcx = sys::has_tcx().unwrap_or_else(|e| {
+        let kernel_tcx = crate::features::has_tcx().unwrap_or_else(|e| {
             tracing::warn!("asking the kernel for tcx: {e}; trying tcx");
             true
         });
@@ -309,13 +319,14 @@ impl Programs {
     fn verify(
         mut ebpf: Ebpf,
         tc: Vec<&'static str>,
+        xdp: bool,
         started: std::time::Instant,
     ) -> (Programs, tokio::sync::watch::Receiver<bool>) {
         let (done, verified) = tokio::sync::watch::channel(false);
         let spawned = std::thread::Builder::new()
             .name("svc-verify".into())
             .spawn(move || {
-                let r = load_tc(&mut ebpf, &tc);
+                let r = load_tc(&mut ebpf, &tc, xdp);
                 if r.is_ok() && !tc.is_empty() {
                     info!(
                         ms = started.elapsed().as_millis() as u64,
@@ -344,8 +355,9 @@ impl Programs {
     }
 }
 
-/// Loads the tc programs `names`, then the XDP program if the object has it.
-fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
+/// Loads the tc programs `names`, then the XDP program if `xdp` (the object has it, and the
+/// kernel what it needs).
+fn load_tc(ebpf: &mut Ebpf, names: &[&'static str], xdp: bool) -> Result<()> {
     for &name in names {
         let prog = ebpf
             .program_mut(name)
@@ -355,7 +367,7 @@ fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
             .load()
             .map_err(|e| load_err(name, e))?;
     }
-    if let Some(prog) = ebpf.program_mut(xdp::XDP_PROGRAM) {
+    if let Some(prog) = ebpf.program_mut(xdp::XDP_PROGRAM).filter(|_| xdp) {
         <&mut aya::programs::Xdp>::try_from(prog)
             .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?
             .load()

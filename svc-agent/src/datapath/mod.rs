@@ -171,9 +171,14 @@ impl Datapath {
         &self.dir
     }
 
-    /// `open` and `attach` at once, for tools that program the maps themselves.
+    /// `open` and `attach` at once, for tools that program the maps themselves: with the
+    /// fallbacks of the running kernel (`features::check`).
     pub fn open_attached(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
-        let mut dp = Datapath::open(dir, cgroup, capacity)?;
+        let kernel = crate::features::check(&crate::features::Kernel {
+            cgroup: Some(cgroup),
+        })
+        .fit();
+        let mut dp = Datapath::open(dir, cgroup, capacity, kernel)?;
         dp.attach()?;
         Ok(dp)
     }

@@ -66,7 +66,7 @@ const MODES: [&str; 2] = ["native", "generic"];
 
 impl XdpMode {
     /// The mode word of this mode's link pins; None when off.
-    fn word(self) -> Option<&'static str> {
+    pub fn word(self) -> Option<&'static str> {
         match self {
             XdpMode::Off => None,
             XdpMode::Native => Some("native"),
