@@ -4,12 +4,14 @@
 //! a load. The list follows what svc-ebpf uses; README "Kernel requirements" says the same.
 //!
 //! Three helpers have fallbacks chosen at load time (`Fit`): without `bpf_set_retval` a refused
-//! connect() fails with EPERM, without `bpf_loop` the SNAT port search is a loop of fewer
-//! tries, without `bpf_xdp_load_bytes` the XDP program is not loaded. The programs learn which
-//! from constants the loader sets (svc-common `kernel_globals`; svc-ebpf kernel.rs).
+//! connect() fails with EPERM, without `bpf_loop` the SNAT port search's tries are calls of a
+//! global function, without `bpf_xdp_load_bytes` the XDP program is not loaded. The programs
+//! learn which from constants the loader sets (svc-common `kernel_globals`; svc-ebpf
+//! kernel.rs; docs/design/packet-datapath.md, "Kernels before 5.17 and 5.18").
 //!
-//! `SVC_KERNEL_AS=5.15` (a testing aid, README "Kernel requirements") makes the check report
-//! everything that came after that release missing, so the fallbacks run on a newer kernel.
+//! `--kernel-as 5.15` or `SVC_KERNEL_AS=5.15` (a testing aid, README "Kernel requirements")
+//! makes the check report everything that came after that release missing, so the fallbacks
+//! run on a newer kernel.
 
 use std::fmt;
 use std::os::fd::AsFd;
@@ -93,8 +95,9 @@ const SOCK: ProgramType = ProgramType::CgroupSock;
 const TC: ProgramType = ProgramType::SchedClassifier;
 
 /// Without bpf_set_retval.
-const NO_SET_RETVAL: &str = "a connect() or sendmsg() to a Service without endpoints (or \
-     refused) fails with EPERM (\"Operation not permitted\"), not ECONNREFUSED";
+const NO_SET_RETVAL: &str = "a connect() or sendmsg() svc refuses (a Service without ready \
+     endpoints, a port it does not define) fails with EPERM (\"Operation not permitted\"), not \
+     ECONNREFUSED";
 /// Without bpf_loop.
 const NO_LOOP: &str = "the SNAT port search's tries are calls of a global function in a \
      loop, not bpf_loop's: the same 32 tries, verified once (svc-ebpf ct.rs `svc_snat_try`)";
@@ -440,9 +443,7 @@ impl Report {
     /// The fallbacks the programs are loaded with.
     pub fn fit(&self) -> Fit {
         let lacks = |pred: &dyn Fn(&Need) -> bool| self.degraded.iter().any(pred);
-        let helper = |want: BpfHelper| {
-            move |n: &Need| matches!(n.feature, Feature::Helper(_, h, _) if h as u32 == want as u32)
-        };
+        let helper = |want: BpfHelper| move |n: &Need| matches!(n.feature, Feature::Helper(_, h, _) if h as u32 == want as u32);
         Fit {
             set_retval: !lacks(&helper(BpfHelper::BPF_FUNC_set_retval)),
             bpf_loop: !lacks(&helper(BpfHelper::BPF_FUNC_loop)),
@@ -566,7 +567,11 @@ mod tests {
         let w = r.warnings();
         let about = |what: &str| w.iter().filter(|l| l.contains(what)).count();
         assert_eq!(about("bpf_set_retval"), 1, "{w:#?}");
-        assert_eq!(about("bpf_loop"), 1, "one line for both program types: {w:#?}");
+        assert_eq!(
+            about("bpf_loop"),
+            1,
+            "one line for both program types: {w:#?}"
+        );
         assert_eq!(about("bpf_xdp_load_bytes"), 1, "{w:#?}");
         assert_eq!(about("lacks tcx"), 1, "{w:#?}");
         assert_eq!(w.len(), 4, "{w:#?}");
@@ -600,7 +605,10 @@ mod tests {
                 xdp: false,
             }
         );
-        assert_eq!(fit.globals(), [("SVC_KERNEL_SET_RETVAL", 0), ("SVC_KERNEL_LOOP", 1)]);
+        assert_eq!(
+            fit.globals(),
+            [("SVC_KERNEL_SET_RETVAL", 0), ("SVC_KERNEL_LOOP", 1)]
+        );
         assert_eq!(check(&AsOf((5, 18))).fit(), Fit::ALL);
         assert_eq!(check(&Without(&[])).fit(), Fit::ALL);
     }
@@ -610,7 +618,10 @@ mod tests {
     fn linux_5_10_is_refused_naming_what_it_lacks() {
         let e = check(&AsOf((5, 10))).error().expect("an error");
         assert!(e.contains("bpf_ktime_get_coarse_ns"), "{e}");
-        assert!(!e.contains("bpf_set_retval") && !e.contains("bpf_loop"), "{e}");
+        assert!(
+            !e.contains("bpf_set_retval") && !e.contains("bpf_loop"),
+            "{e}"
+        );
     }
 
     /// A kernel with the XDP helpers but without bpf_loop (a backport) loads XDP, which

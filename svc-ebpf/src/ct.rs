@@ -1056,10 +1056,10 @@ pub enum Snat {
 /// `SNAT_TRIES` meeting open flows: exhausted.
 ///
 /// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
-/// program is explored try by try (32 tries cost ~700,000 of the 1,000,000 instructions it
-/// may process for the whole external ingress program). Before 5.17 (no bpf_loop,
-/// `kernel::has_loop`) they are calls of a global function (`svc_snat_try`), which the
-/// verifier also checks once.
+/// program calling a static function is explored try by try (8 tries took the external
+/// ingress past the 1,000,000 instructions the verifier may process for it, on 6.18). Before
+/// 5.17 (no bpf_loop, `kernel::has_loop`) they are calls of a global function
+/// (`svc_snat_try`), which the verifier also checks once.
 ///
 /// `f` is a raw pointer, and what the tries leave is read back with volatile loads: the tries
 /// write the flow through a pointer of their own (the scratch space, looked up again), which
