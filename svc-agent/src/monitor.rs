@@ -240,6 +240,30 @@ fn held_by_other(c: &MonitorCtl, pid: u32, now: u64) -> bool {
     c.until_ns > now && c.pid != 0 && c.pid != pid && pid_alive(c.pid)
 }
 
+/// A slot no other live monitor holds, its ring emptied, and its counters as they are; an
+/// error naming the pids that hold them all when there is none.
+fn free_slot(maps: &Maps, pid: u32) -> Result<(u32, RingBuf<MapData>, MonitorStats)> {
+    let now = monotonic_ns();
+    let slots = maps.slots()?;
+    let Some(slot) = slots.iter().position(|c| !held_by_other(c, pid, now)) else {
+        let pids: Vec<String> = slots.iter().map(|c| c.pid.to_string()).collect();
+        return Err(Error::Invalid {
+            object: format!("{}", map_pin(&maps.dir, map_names::MON_CTL).display()),
+            message: format!(
+                "{MONITOR_SLOTS} monitors are listening already (pids {}); at most \
+                 {MONITOR_SLOTS} at a time",
+                pids.join(", ")
+            ),
+        });
+    };
+    let slot = slot as u32;
+    let mut ring = maps.ring(slot)?;
+    let base = maps.stats(slot)?;
+    // Events a dead monitor left in the slot's ring are not this one's.
+    while ring.next().is_some() {}
+    Ok((slot, ring, base))
+}
+
 /// The listening side: holds a slot's lease while it lives, gives it back when dropped.
 pub struct Listener {
     maps: Maps,
@@ -263,24 +287,7 @@ impl Listener {
     pub fn start(dir: &Path, packets: bool) -> Result<Listener> {
         let maps = Maps::open(dir)?;
         let pid = std::process::id();
-        let now = monotonic_ns();
-        let slots = maps.slots()?;
-        let Some(slot) = slots.iter().position(|c| !held_by_other(c, pid, now)) else {
-            let pids: Vec<String> = slots.iter().map(|c| c.pid.to_string()).collect();
-            return Err(Error::Invalid {
-                object: format!("{}", map_pin(dir, map_names::MON_CTL).display()),
-                message: format!(
-                    "{MONITOR_SLOTS} monitors are listening already (pids {}); at most \
-                     {MONITOR_SLOTS} at a time",
-                    pids.join(", ")
-                ),
-            });
-        };
-        let slot = slot as u32;
-        let mut ring = maps.ring(slot)?;
-        let base = maps.stats(slot)?;
-        // Events a dead monitor left in the slot's ring are not this one's.
-        while ring.next().is_some() {}
+        let (slot, ring, base) = free_slot(&maps, pid)?;
         let mut l = Listener {
             names: maps.names(),
             maps,
@@ -350,18 +357,12 @@ impl Listener {
     /// Checks the slot is still this monitor's and set, renewing it when a program cleared
     /// it (its lease read as over while the renewal raced) or a renewal is due. Another
     /// monitor that took it (two started at once and chose the same free slot) makes this
-    /// one stop.
+    /// one move to another free slot, or stop when there is none.
     fn check(&mut self) -> Result<()> {
         let c = self.maps.slot(self.slot)?;
         if c.pid != self.pid && held_by_other(&c, self.pid, monotonic_ns()) {
-            return Err(Error::Invalid {
-                object: format!("{}", map_pin(&self.maps.dir, map_names::MON_CTL).display()),
-                message: format!(
-                    "monitor slot {} was taken by pid {} (started at the same time); start \
-                     again",
-                    self.slot, c.pid
-                ),
-            });
+            (self.slot, self.ring, self.base) = free_slot(&self.maps, self.pid)?;
+            return self.renew();
         }
         if c.pid != self.pid || c.until_ns == 0 || self.renewed.elapsed() >= RENEW {
             return self.renew();
