@@ -144,7 +144,7 @@ pub fn needs() -> Vec<Need> {
             Part::Object,
             "5.2",
         ),
-        // `svc-agent monitor`'s SVC_MONITOR.
+        // `svc-agent monitor`'s rings (SVC_MON_RING_0 ...).
         need(
             Feature::Map(MapType::RingBuf, "ring buffer"),
             Part::Object,

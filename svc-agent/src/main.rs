@@ -235,7 +235,8 @@ enum Command {
     },
     /// Print the datapath's decisions as they happen (both datapaths): translated to which
     /// backend, refused or dropped and why. The programs write them only while a monitor
-    /// listens; at high rates they are sampled, and what was not shown is counted.
+    /// listens (up to 4 at once, each with its own filters); at high rates they are sampled,
+    /// and what was not shown is counted.
     Monitor {
         /// Only this Service's decisions: NAMESPACE/NAME.
         #[arg(long)]
@@ -244,6 +245,10 @@ enum Command {
         /// the replies and ICMP errors shown coming from it.
         #[arg(long)]
         dst: Option<SocketAddr>,
+        /// Every packet of a known flow (tc, XDP), not only those that change its state (a
+        /// FIN, the second FIN, an RST).
+        #[arg(long)]
+        packets: bool,
         #[arg(long, default_value = datapath::DEFAULT_BPFFS)]
         bpffs: PathBuf,
         #[arg(short, long, value_enum, default_value = "text")]
@@ -992,6 +997,7 @@ fn main() -> anyhow::Result<()> {
         Command::Monitor {
             service,
             dst,
+            packets,
             bpffs,
             output,
         } => {
@@ -1009,6 +1015,7 @@ fn main() -> anyhow::Result<()> {
             monitor::run(
                 &bpffs,
                 &filter,
+                packets,
                 &mut |d| {
                     write(if json {
                         serde_json::to_string(d).unwrap_or_default()

@@ -1,5 +1,6 @@
-//! `svc-agent monitor`: the datapath's decisions as they happen, read from the ring buffer
-//! the programs write while a monitor holds the lease (docs/design/monitor.md).
+//! `svc-agent monitor`: the datapath's decisions as they happen, read from the ring buffer of
+//! the slot whose lease the monitor holds; up to `MONITOR_SLOTS` monitors at once, each
+//! with every event (docs/design/monitor.md).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -11,7 +12,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
 use serde::Serialize;
 use svc_common::{
-    how, map_names, monitor_source, MonitorCtl, MonitorEvent, MonitorStats, Reason, ServiceName,
+    how, map_names, monitor_flags, monitor_source, MonitorCtl, MonitorEvent, MonitorOn,
+    MonitorStats, Reason, ServiceName, MONITOR_SLOTS, MON_RINGS,
 };
 
 use crate::datapath::map_pin;
@@ -19,7 +21,8 @@ use crate::error::{Error, Result};
 use crate::reconcile::{decode_name, ip_from16};
 
 /// How long a lease lasts past its last renewal: a monitor killed without a word stops the
-/// writing at most this long after (the first decision after that clears the lease).
+/// writing into its slot's ring at most this long after (the first decision after that
+/// clears the lease).
 pub const LEASE: Duration = Duration::from_secs(3);
 /// How often a listening monitor renews its lease.
 const RENEW: Duration = Duration::from_secs(1);
@@ -103,10 +106,11 @@ fn map_err(map: &'static str, e: impl std::fmt::Display) -> Error {
     Error::map(map, e.to_string())
 }
 
-/// The monitor's maps, opened from their pins.
+/// The monitor's maps, opened from their pins (a slot's ring by `Maps::ring`).
 pub struct Maps {
-    ring: RingBuf<MapData>,
+    dir: std::path::PathBuf,
     ctl: Array<MapData, MonitorCtl>,
+    on: Array<MapData, MonitorOn>,
     stats: PerCpuArray<MapData, MonitorStats>,
     names: aya::maps::HashMap<MapData, u32, ServiceName>,
 }
@@ -125,15 +129,19 @@ fn open(dir: &Path, name: &'static str) -> Result<MapData> {
     })
 }
 
+fn map(dir: &Path, name: &'static str) -> Result<aya::maps::Map> {
+    aya::maps::Map::from_map_data(open(dir, name)?).map_err(|e| map_err(name, e))
+}
+
 impl Maps {
     pub fn open(dir: &Path) -> Result<Maps> {
-        let m =
-            |name| aya::maps::Map::from_map_data(open(dir, name)?).map_err(|e| map_err(name, e));
+        let m = |name| map(dir, name);
         Ok(Maps {
-            ring: RingBuf::try_from(m(map_names::MONITOR)?)
-                .map_err(|e| map_err(map_names::MONITOR, e))?,
+            dir: dir.to_path_buf(),
             ctl: Array::try_from(m(map_names::MON_CTL)?)
                 .map_err(|e| map_err(map_names::MON_CTL, e))?,
+            on: Array::try_from(m(map_names::MON_ON)?)
+                .map_err(|e| map_err(map_names::MON_ON, e))?,
             stats: PerCpuArray::try_from(m(map_names::MON_STATS)?)
                 .map_err(|e| map_err(map_names::MON_STATS, e))?,
             names: aya::maps::HashMap::try_from(m(map_names::NAMES)?)
@@ -141,31 +149,56 @@ impl Maps {
         })
     }
 
-    pub fn ctl(&self) -> Result<MonitorCtl> {
+    /// Slot `slot`'s ring.
+    fn ring(&self, slot: u32) -> Result<RingBuf<MapData>> {
+        let name = MON_RINGS[slot as usize];
+        RingBuf::try_from(map(&self.dir, name)?).map_err(|e| map_err(name, e))
+    }
+
+    /// Every slot, by index.
+    pub fn slots(&self) -> Result<Vec<MonitorCtl>> {
+        (0..MONITOR_SLOTS).map(|i| self.slot(i)).collect()
+    }
+
+    pub fn slot(&self, slot: u32) -> Result<MonitorCtl> {
         self.ctl
+            .get(&slot, 0)
+            .map_err(|e| map_err(map_names::MON_CTL, e))
+    }
+
+    fn set_slot(&mut self, slot: u32, c: MonitorCtl) -> Result<()> {
+        self.ctl
+            .set(slot, c, 0)
+            .map_err(|e| map_err(map_names::MON_CTL, e))
+    }
+
+    /// The summary the programs read.
+    pub fn on(&self) -> Result<MonitorOn> {
+        self.on
             .get(&0, 0)
-            .map_err(|e| map_err(map_names::MON_CTL, e))
+            .map_err(|e| map_err(map_names::MON_ON, e))
     }
 
-    fn set_ctl(&mut self, c: MonitorCtl) -> Result<()> {
-        self.ctl
-            .set(0, c, 0)
-            .map_err(|e| map_err(map_names::MON_CTL, e))
+    fn set_on(&mut self, o: MonitorOn) -> Result<()> {
+        self.on
+            .set(0, o, 0)
+            .map_err(|e| map_err(map_names::MON_ON, e))
     }
 
-    /// Sums over the CPUs.
-    pub fn stats(&self) -> Result<MonitorStats> {
+    /// Slot `slot`'s counters, summed over the CPUs.
+    pub fn stats(&self, slot: u32) -> Result<MonitorStats> {
         let per_cpu = self
             .stats
-            .get(&0, 0)
+            .get(&slot, 0)
             .map_err(|e| map_err(map_names::MON_STATS, e))?;
-        Ok(per_cpu
-            .iter()
-            .fold(MonitorStats::default(), |a, s| MonitorStats {
-                seen: a.seen + s.seen,
-                written: a.written + s.written,
-                lost: a.lost + s.lost,
-            }))
+        Ok(per_cpu.iter().fold(MonitorStats::default(), add_stats))
+    }
+
+    /// Every slot's counters, summed.
+    pub fn stats_all(&self) -> Result<MonitorStats> {
+        (0..MONITOR_SLOTS).try_fold(MonitorStats::default(), |a, i| {
+            Ok(add_stats(a, &self.stats(i)?))
+        })
     }
 
     fn names(&self) -> HashMap<u32, String> {
@@ -174,6 +207,14 @@ impl Maps {
             .flatten()
             .map(|(id, n)| (id, decode_name(&n)))
             .collect()
+    }
+}
+
+fn add_stats(a: MonitorStats, s: &MonitorStats) -> MonitorStats {
+    MonitorStats {
+        seen: a.seen + s.seen,
+        written: a.written + s.written,
+        lost: a.lost + s.lost,
     }
 }
 
@@ -192,11 +233,46 @@ fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// The listening side: holds the lease while it lives, gives it back when dropped.
+/// Whether slot `c` is held by a monitor other than `pid`: its lease current and its process
+/// alive. A monitor killed without a word holds its slot until its lease ends, or until its
+/// pid is seen gone, whichever comes first.
+fn held_by_other(c: &MonitorCtl, pid: u32, now: u64) -> bool {
+    c.until_ns > now && c.pid != 0 && c.pid != pid && pid_alive(c.pid)
+}
+
+/// A slot no other live monitor holds, its ring emptied, and its counters as they are; an
+/// error naming the pids that hold them all when there is none.
+fn free_slot(maps: &Maps, pid: u32) -> Result<(u32, RingBuf<MapData>, MonitorStats)> {
+    let now = monotonic_ns();
+    let slots = maps.slots()?;
+    let Some(slot) = slots.iter().position(|c| !held_by_other(c, pid, now)) else {
+        let pids: Vec<String> = slots.iter().map(|c| c.pid.to_string()).collect();
+        return Err(Error::Invalid {
+            object: format!("{}", map_pin(&maps.dir, map_names::MON_CTL).display()),
+            message: format!(
+                "{MONITOR_SLOTS} monitors are listening already (pids {}); at most \
+                 {MONITOR_SLOTS} at a time",
+                pids.join(", ")
+            ),
+        });
+    };
+    let slot = slot as u32;
+    let mut ring = maps.ring(slot)?;
+    let base = maps.stats(slot)?;
+    // Events a dead monitor left in the slot's ring are not this one's.
+    while ring.next().is_some() {}
+    Ok((slot, ring, base))
+}
+
+/// The listening side: holds a slot's lease while it lives, gives it back when dropped.
 pub struct Listener {
     maps: Maps,
+    slot: u32,
+    ring: RingBuf<MapData>,
     pid: u32,
     sample: u32,
+    /// `monitor_flags` of the slot.
+    flags: u32,
     renewed: Instant,
     base: MonitorStats,
     names: HashMap<u32, String>,
@@ -206,29 +282,20 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// Takes the lease; fails when another live monitor holds it (one reader at a time: two
-    /// would split the ring's events between them).
-    pub fn start(dir: &Path) -> Result<Listener> {
-        let mut maps = Maps::open(dir)?;
+    /// Takes a free slot (`packets`: every packet of known flows is an event for it); fails
+    /// when live monitors hold all `MONITOR_SLOTS`, naming their pids.
+    pub fn start(dir: &Path, packets: bool) -> Result<Listener> {
+        let maps = Maps::open(dir)?;
         let pid = std::process::id();
-        let c = maps.ctl()?;
-        if c.until_ns > monotonic_ns() && c.pid != pid && c.pid != 0 && pid_alive(c.pid) {
-            return Err(Error::Invalid {
-                object: format!("{}", map_pin(dir, map_names::MON_CTL).display()),
-                message: format!(
-                    "another monitor (pid {}) is listening; one monitor at a time",
-                    c.pid
-                ),
-            });
-        }
-        let base = maps.stats()?;
-        // Events a dead monitor left in the ring are not this one's.
-        while maps.ring.next().is_some() {}
+        let (slot, ring, base) = free_slot(&maps, pid)?;
         let mut l = Listener {
             names: maps.names(),
             maps,
+            slot,
+            ring,
             pid,
             sample: 1,
+            flags: if packets { monitor_flags::PACKETS } else { 0 },
             renewed: Instant::now(),
             base,
             names_read: Instant::now(),
@@ -244,18 +311,68 @@ impl Listener {
         Ok(l)
     }
 
+    /// The slot this monitor holds.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// Writes the slot's lease, then its bits in the summary (in that order: a program that
+    /// finds a bit without a current lease clears it).
     fn renew(&mut self) -> Result<()> {
         self.renewed = Instant::now();
-        self.maps.set_ctl(MonitorCtl {
-            until_ns: monotonic_ns() + LEASE.as_nanos() as u64,
-            sample: self.sample,
-            pid: self.pid,
-        })
+        self.maps.set_slot(
+            self.slot,
+            MonitorCtl {
+                until_ns: monotonic_ns() + LEASE.as_nanos() as u64,
+                sample: self.sample,
+                pid: self.pid,
+                flags: self.flags,
+                _pad0: 0,
+            },
+        )?;
+        self.summary()
+    }
+
+    /// Sets the slot's bits in the summary if they are not there: two monitors that change
+    /// it at once (a read and a write each) may lose one's change, and a program clears the
+    /// bits of a slot whose lease it found over.
+    fn summary(&mut self) -> Result<()> {
+        let o = self.maps.on()?;
+        let bit = 1 << self.slot;
+        let packets = if self.flags & monitor_flags::PACKETS != 0 {
+            o.packets | bit
+        } else {
+            o.packets & !bit
+        };
+        let want = MonitorOn {
+            slots: o.slots | bit,
+            packets,
+        };
+        if want != o {
+            self.maps.set_on(want)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the slot is still this monitor's and set, renewing it when a program cleared
+    /// it (its lease read as over while the renewal raced) or a renewal is due. Another
+    /// monitor that took it (two started at once and chose the same free slot) makes this
+    /// one move to another free slot, or stop when there is none.
+    fn check(&mut self) -> Result<()> {
+        let c = self.maps.slot(self.slot)?;
+        if c.pid != self.pid && held_by_other(&c, self.pid, monotonic_ns()) {
+            (self.slot, self.ring, self.base) = free_slot(&self.maps, self.pid)?;
+            return self.renew();
+        }
+        if c.pid != self.pid || c.until_ns == 0 || self.renewed.elapsed() >= RENEW {
+            return self.renew();
+        }
+        self.summary()
     }
 
     /// What was not shown since the start.
     pub fn dropped(&self) -> Result<Dropped> {
-        let s = self.maps.stats()?;
+        let s = self.maps.stats(self.slot)?;
         let seen = s.seen.saturating_sub(self.base.seen);
         let written = s.written.saturating_sub(self.base.written);
         let lost = s.lost.saturating_sub(self.base.lost);
@@ -266,11 +383,10 @@ impl Listener {
         })
     }
 
-    /// Reads what the ring holds, each event through `f`; renews the lease when due, and
-    /// adapts the sampling to `rate` (events the last second).
+    /// Reads what the slot's ring holds, each event through `f`.
     pub fn drain(&mut self, f: &mut dyn FnMut(&MonitorEvent)) -> Result<usize> {
         let mut n = 0;
-        while let Some(item) = self.maps.ring.next() {
+        while let Some(item) = self.ring.next() {
             if item.len() >= size_of::<MonitorEvent>() {
                 let e: MonitorEvent =
                     bytemuck::pod_read_unaligned(&item[..size_of::<MonitorEvent>()]);
@@ -281,24 +397,22 @@ impl Listener {
         Ok(n)
     }
 
-    /// Renews the lease if due, with the sampling for `rate` events a second when a rate was
-    /// measured (once a second).
-    pub fn tick(&mut self, rate: Option<u64>) -> Result<bool> {
+    /// Checks the slot (`check`), with the sampling for `rate` events a second when a rate
+    /// was measured (once a second).
+    pub fn tick(&mut self, rate: Option<u64>) -> Result<()> {
         let want = rate.map_or(self.sample, |r| sample_for(self.sample, r));
-        let due = self.renewed.elapsed() >= RENEW;
-        if want != self.sample || due {
+        if want != self.sample {
             self.sample = want;
-            self.renew()?;
-            return Ok(true);
+            return self.renew();
         }
-        Ok(false)
+        self.check()
     }
 
     /// Waits `timeout` (less when a signal comes): the programs submit without waking the
     /// reader (svc-ebpf's `BPF_RB_NO_WAKEUP`), so the ring is read in batches.
     pub fn wait(&self, timeout: Duration) {
         let mut fds = [libc::pollfd {
-            fd: self.maps.ring.as_fd().as_raw_fd(),
+            fd: self.ring.as_fd().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         }];
@@ -439,10 +553,18 @@ fn icmp_name(v6: bool, type_: u8, code: u8) -> String {
 }
 
 impl Drop for Listener {
-    /// Gives the lease back, unless another monitor took it meanwhile.
+    /// Gives the slot back, unless another monitor took it meanwhile, and its bits in the
+    /// summary.
     fn drop(&mut self) {
-        if self.maps.ctl().is_ok_and(|c| c.pid == self.pid) {
-            let _ = self.maps.set_ctl(MonitorCtl::default());
+        if self.maps.slot(self.slot).is_ok_and(|c| c.pid == self.pid) {
+            let _ = self.maps.set_slot(self.slot, MonitorCtl::default());
+            if let Ok(o) = self.maps.on() {
+                let bit = 1 << self.slot;
+                let _ = self.maps.set_on(MonitorOn {
+                    slots: o.slots & !bit,
+                    packets: o.packets & !bit,
+                });
+            }
         }
     }
 }
@@ -567,10 +689,12 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 /// Runs the monitor until SIGINT or SIGTERM (or the output is closed), each shown decision
-/// through `out` (false: stop), and each change of the not-shown counts through `lost`.
+/// through `out` (false: stop), and each change of the not-shown counts through `lost`;
+/// `packets`: every packet of known flows, not only those that change their state.
 pub fn run(
     dir: &Path,
     filter: &Filter,
+    packets: bool,
     out: &mut dyn FnMut(&Decision) -> bool,
     lost: &mut dyn FnMut(&Dropped) -> bool,
 ) -> Result<()> {
@@ -579,7 +703,7 @@ pub fn run(
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    let mut l = Listener::start(dir)?;
+    let mut l = Listener::start(dir, packets)?;
     let mut last = Dropped {
         sample: 1,
         ..Default::default()

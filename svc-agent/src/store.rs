@@ -297,11 +297,12 @@ pub struct BpfStore {
     /// not declare them.
     pub maglev: Option<Array<MapData, MaglevBlock>>,
     pub maglev_index: Option<HashMap<MapData, SlotKey, MaglevIndex>>,
-    /// `svc-agent monitor`'s ring, its lease and its counters (docs/design/monitor.md): held
-    /// for their pins only; the monitor opens them itself. None while the object does not
-    /// declare them.
-    pub monitor: Option<MapData>,
+    /// `svc-agent monitor`'s rings (one a slot), slots, summary and counters
+    /// (docs/design/monitor.md): held for their pins only; the monitors open them themselves.
+    /// None while the object does not declare them.
+    pub mon_rings: [Option<MapData>; svc_common::MONITOR_SLOTS as usize],
     pub mon_ctl: Option<MapData>,
+    pub mon_on: Option<MapData>,
     pub mon_stats: Option<MapData>,
     /// Per-Service counters (`SERVICE_STATS`): an entry per named frontend while
     /// `capacity.per_service`. None while the object does not declare it.

@@ -314,13 +314,24 @@ catalogue! {
     SENT = MapDef::kernel_only("SVC_SENT", MapKind::PerCpuArray);
     /// svc-ebpf's tcpsum.rs: a chunk of a segment being summed.
     CSUM_BUF = MapDef::kernel_only("SVC_CSUM_BUF", MapKind::PerCpuArray);
-    /// `svc-agent monitor`'s events (`MonitorEvent`), written only while `MON_CTL` says a
-    /// monitor listens (docs/design/monitor.md). max_entries is the ring's size in bytes.
-    MONITOR = MapDef::new::<(), ()>("SVC_MONITOR", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
-    /// Whether and how a monitor listens (`MonitorCtl`); the monitor writes it.
-    MON_CTL = MapDef::new::<u32, MonitorCtl>("SVC_MON_CTL", 1, MapKind::Array);
-    /// Per CPU: the monitor's events seen, written and lost (`MonitorStats`).
-    MON_STATS = MapDef::new::<u32, MonitorStats>("SVC_MON_STATS", 1, MapKind::PerCpuArray);
+    /// `svc-agent monitor`'s events (`MonitorEvent`), one ring per monitor slot (index 0..3
+    /// of `MON_CTL`), written only while that slot's lease is current
+    /// (docs/design/monitor.md). max_entries is the ring's size in bytes.
+    MON_RING_0 = MapDef::new::<(), ()>("SVC_MON_RING_0", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
+    MON_RING_1 = MapDef::new::<(), ()>("SVC_MON_RING_1", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
+    MON_RING_2 = MapDef::new::<(), ()>("SVC_MON_RING_2", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
+    MON_RING_3 = MapDef::new::<(), ()>("SVC_MON_RING_3", 1, MapKind::RingBuf).entries(MONITOR_RING_BYTES);
+    /// The monitors' slots (`MonitorCtl`, one per slot); each monitor writes its own. Layout
+    /// 2: `MONITOR_SLOTS` entries (1 was one monitor's lease).
+    MON_CTL = MapDef::new::<u32, MonitorCtl>("SVC_MON_CTL", 2, MapKind::Array).entries(MONITOR_SLOTS);
+    /// Which slots may be listening (`MonitorOn`): the one word every decision point reads.
+    MON_ON = MapDef::new::<u32, MonitorOn>("SVC_MON_ON", 1, MapKind::Array);
+    /// Per CPU and per slot: the events seen, written and lost (`MonitorStats`). Layout 2:
+    /// `MONITOR_SLOTS` entries (1 was one monitor's).
+    MON_STATS = MapDef::new::<u32, MonitorStats>("SVC_MON_STATS", 2, MapKind::PerCpuArray).entries(MONITOR_SLOTS);
+    /// The event being written (svc-ebpf's monitor.rs), per CPU: built once, copied into each
+    /// listening slot's ring.
+    MON_EVENT = MapDef::kernel_only("SVC_MON_EVENT", MapKind::PerCpuArray);
     /// Per-Service counters (`ServiceStats`), per CPU, keyed by frontend id: the agent
     /// creates an entry (zeroed) with a frontend's name and deletes it with the name; the
     /// programs only look entries up, so a frontend without one (`--per-service-metrics=false`)
@@ -337,9 +348,29 @@ catalogue! {
     XDP_DEVS = MapDef::new::<u32, u64>("SVC_XDP_DEVS", 1, MapKind::DevMapHash).entries(256);
 }
 
-/// The monitor's ring: 256 KiB, about 2,300 events (`MonitorEvent` and the ring's 8-byte
-/// header each) between two reads of a monitor that wakes at least every 100 ms.
+/// Each monitor slot's ring: 256 KiB, about 2,300 events (`MonitorEvent` and the ring's
+/// 8-byte header each) between two reads of a monitor that wakes at least every 100 ms.
 pub const MONITOR_RING_BYTES: u32 = 256 * 1024;
+
+/// How many monitors may listen at once, each in a slot of its own (`MonitorCtl`, a ring, its
+/// counters). A ring buffer has one consumer position, so each monitor needs a ring of its own
+/// to see every event; a fixed number keeps the programs' loop over them bounded.
+pub const MONITOR_SLOTS: u32 = 4;
+
+/// The slots' rings, by slot.
+pub const MON_RINGS: [&str; MONITOR_SLOTS as usize] = [
+    map_names::MON_RING_0,
+    map_names::MON_RING_1,
+    map_names::MON_RING_2,
+    map_names::MON_RING_3,
+];
+
+/// `MonitorCtl::flags`.
+pub mod monitor_flags {
+    /// Every packet of a known flow is an event (`svc-agent monitor --packets`); without it,
+    /// only those that change the flow's state (a FIN, the second FIN, an RST).
+    pub const PACKETS: u32 = 1 << 0;
+}
 
 /// `MonitorEvent::source`: which hook decided.
 pub mod monitor_source {
@@ -357,8 +388,8 @@ pub mod monitor_source {
     pub const SWEEP: u8 = 5;
 }
 
-/// One datapath decision, as the programs write it into `SVC_MONITOR` while a monitor
-/// listens. 112 bytes.
+/// One datapath decision, as the programs write it into the ring of each monitor slot that
+/// listens (`MON_RINGS`). 112 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -406,24 +437,42 @@ pub struct MonitorEvent {
     pub _pad0: [u8; 3],
 }
 
-/// `SVC_MON_CTL`'s one entry: whether a monitor listens. A lease, so a monitor killed without
-/// a word stops the writing by itself (docs/design/monitor.md).
+/// One entry of `SVC_MON_CTL`: a monitor slot. A lease, so a monitor killed without a word
+/// stops the writing into its ring by itself (docs/design/monitor.md).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct MonitorCtl {
-    /// Events are written until this CLOCK_MONOTONIC time (ns, host order); 0: nobody
-    /// listens. The monitor renews it; a program that finds it past writes it 0.
+    /// Events are written into this slot's ring until this CLOCK_MONOTONIC time (ns, host
+    /// order); 0: the slot is free. The monitor renews it; a program that finds it past
+    /// writes it 0.
     pub until_ns: u64,
     /// One event in `sample` is written, per CPU (host order); 0 and 1 write all.
     pub sample: u32,
-    /// The listening monitor's process id (host order), so a second one can say who listens.
+    /// The listening monitor's process id (host order), so one refused can say who listens.
     pub pid: u32,
+    /// `monitor_flags` bits (host order).
+    pub flags: u32,
+    pub _pad0: u32,
 }
 
-/// `SVC_MON_STATS`, per CPU (host order): events that happened while a monitor listened,
-/// those written, and those lost because the ring was full. Seen minus written minus lost
-/// were sampled out.
+/// `SVC_MON_ON`'s one entry: the summary every decision point reads (nonzero `slots`: some
+/// monitor may be listening). The monitors set their bits; a program clears a slot's bit when
+/// it finds the slot's lease over. A hint, not the authority: the writer checks each slot's
+/// `MonitorCtl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MonitorOn {
+    /// Bit i: slot i may hold a current lease (host order).
+    pub slots: u32,
+    /// Bit i: slot i asked for every packet of known flows (`monitor_flags::PACKETS`).
+    pub packets: u32,
+}
+
+/// `SVC_MON_STATS`, per CPU and slot (host order): events that happened while the slot's
+/// monitor listened (of a kind it asked for), those written, and those lost because its ring
+/// was full. Seen minus written minus lost were sampled out.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -450,8 +499,9 @@ pub const fn ct_new_entries(ct: u32) -> u32 {
 /// removes them once its programs are attached (and `uninstall` does), as it removes a pin of
 /// another layout version. A counter map's entries are not carried over: they start again.
 /// `SVC_STATS`: the socket hooks' counter array, whose reasons `DEV_STATS` counts now under
-/// device 0 (unversioned, as the first release pinned it, and layout 1).
-pub const RETIRED_PINS: &[&str] = &["SVC_STATS", "SVC_STATS_v1"];
+/// device 0 (unversioned, as the first release pinned it, and layout 1). `SVC_MONITOR`: the
+/// one monitor's ring, now one a slot (`MON_RINGS`).
+pub const RETIRED_PINS: &[&str] = &["SVC_STATS", "SVC_STATS_v1", "SVC_MONITOR_v1"];
 
 pub mod layout {
     /// The layout version of `map`; 0 for a name that is not one of ours.
@@ -1723,6 +1773,7 @@ mod pod {
     unsafe impl aya::Pod for MaglevIndex {}
     unsafe impl aya::Pod for MonitorEvent {}
     unsafe impl aya::Pod for MonitorCtl {}
+    unsafe impl aya::Pod for MonitorOn {}
     unsafe impl aya::Pod for MonitorStats {}
     unsafe impl aya::Pod for ServiceStats {}
 }
@@ -1829,7 +1880,8 @@ mod tests {
         assert_eq!(size_of::<AffinityValue>(), 16);
         assert_eq!(size_of::<MetaValue>(), 32);
         assert_eq!(size_of::<MonitorEvent>(), 112);
-        assert_eq!(size_of::<MonitorCtl>(), 16);
+        assert_eq!(size_of::<MonitorCtl>(), 24);
+        assert_eq!(size_of::<MonitorOn>(), 8);
         assert_eq!(size_of::<MonitorStats>(), 24);
         assert_eq!(size_of::<NodeAddrValue>(), 8);
         assert_eq!(size_of::<SrcRangeKey>(), 24);
@@ -1926,7 +1978,10 @@ mod tests {
             );
         }
         // Released and retired since: removed on upgrade and by uninstall.
-        let retired: [(&str, &[&str]); 1] = [("SVC_STATS", &["SVC_STATS", "SVC_STATS_v1"])];
+        let retired: [(&str, &[&str]); 2] = [
+            ("SVC_STATS", &["SVC_STATS", "SVC_STATS_v1"]),
+            ("SVC_MONITOR", &["SVC_MONITOR_v1"]),
+        ];
         for (name, pins) in retired {
             assert!(catalogue::find(name).is_none(), "{name} is retired");
             for pin in pins {

@@ -130,12 +130,15 @@ impl Loaded {
         }
         // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
-            // The monitor's ring is sized in bytes, a multiple of the page size.
+            // The monitor's rings are sized in bytes, a multiple of the page size.
             if ![
                 map_names::META,
                 map_names::SOCK_STATE,
                 map_names::CONFIG,
-                map_names::MONITOR,
+                map_names::MON_RING_0,
+                map_names::MON_RING_1,
+                map_names::MON_RING_2,
+                map_names::MON_RING_3,
             ]
             .contains(&name)
             {

@@ -101,10 +101,10 @@ impl Lb {
         let mut loader = EbpfLoader::new();
         // Small maps: a case needs a handful of entries, and LRU maps are allocated in full.
         for name in map_names::ALL {
-            // The monitor's ring is sized in bytes, a multiple of the page size.
+            // The monitor's rings are sized in bytes, a multiple of the page size.
             if name != map_names::META
                 && name != map_names::SOCK_STATE
-                && name != map_names::MONITOR
+                && !svc_common::MON_RINGS.contains(&name)
             {
                 loader.map_max_entries(name, 64);
             }

@@ -716,6 +716,16 @@ pub enum Found {
     Invalid = 3,
 }
 
+/// The flags the packet `lookup` copied `v` for added to its flow (0: none, or `v` is no
+/// copy of a hit). `lookup` leaves them in the copy's `_pad0`, which is 0 in the maps and
+/// which its copy of the entry (`live`) resets on every hit, so a packet that adds nothing
+/// pays nothing for it; no copy is ever stored after `lookup` has set it. What the monitor
+/// tells a known flow's packet that changed the flow's state by (`monitor::tc_known`).
+#[inline(always)]
+pub fn added(v: &CtValue) -> u16 {
+    v._pad0 as u16
+}
+
 /// `lookup`'s `now` for a caller that needs the time only if the entry exists: the clock is
 /// read on a hit. Most packets leaving by an egress are no flow of svc's, and they need no
 /// time. The monotonic clock is never 0 once the machine runs.
@@ -773,6 +783,8 @@ pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtVa
     let add = add.stored() & !out.flags;
     if add != 0 {
         out.flags |= add;
+        // For the monitor (`added`): the copy only, never stored.
+        out._pad0 = add as u32;
         // SAFETY: as above. ORed in, not stored from the copy: a packet of a closed flow
         // racing a new flow's take-over (`take_over`) must not store the closed flow's flags
         // over the new flow's.

@@ -1,82 +1,165 @@
-//! `svc-agent monitor`'s events: one per decision, into a ring buffer, only while a monitor
-//! listens (docs/design/monitor.md).
+//! `svc-agent monitor`'s events: one per decision, into the ring of each monitor slot that
+//! listens, only while one does (docs/design/monitor.md).
 //!
-//! Nobody listening costs each decision point one array load and a branch (`listening`): the
-//! array lookup is inlined by the verifier. The writing itself is out of line (`emit_sock`,
-//! `emit_tc`, `#[inline(never)]`), so its locals never join the frames of the callers, whose
-//! chain is at the 512-byte stack limit; the event is written straight into the ring's memory
-//! (`bpf_ringbuf_reserve`), never built on the stack.
+//! Nobody listening costs each decision point one array load and a branch (`listening`: the
+//! summary word `SVC_MON_ON`, whose lookup the verifier inlines). The writing itself is out
+//! of line (`emit_sock`, `emit_tc`, `emit_swept`, `#[inline(never)]`), so its locals never
+//! join the frames of the callers, whose chain is near the 512-byte stack limit; the event is
+//! built once in a per-CPU map value (`SVC_MON_EVENT`), never on the stack, and copied into
+//! the ring of each slot that takes it (`bpf_ringbuf_output`).
+
+use core::intrinsics::{atomic_and, AtomicOrdering};
 
 use aya_ebpf::{
     btf_maps::{Array, PerCpuArray, RingBuf},
     helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns},
     macros::btf_map,
-    maps::ring_buf::RingBufEntry,
     programs::SockAddrContext,
 };
 use svc_common::{
-    ct_flags, monitor_source, CtKey, CtValue, MonitorCtl, MonitorEvent, MonitorStats, Reason,
-    MONITOR_RING_BYTES,
+    ct_flags, monitor_flags, monitor_source, CtKey, CtValue, MonitorCtl, MonitorEvent, MonitorOn,
+    MonitorStats, Reason, MONITOR_RING_BYTES, MONITOR_SLOTS,
 };
 
-use crate::{lb, scratch::Scratch};
+use crate::{ct, lb, scratch::Scratch};
 
-/// `bpf_ringbuf_submit` without waking the reader: the monitor reads every 100 ms instead. A
+/// `bpf_ringbuf_output` without waking the reader: the monitor reads every 100 ms instead. A
 /// wakeup per event charges the reader's scheduling to the deciding program (measured with
 /// wakeups: 24 µs more a connection, of two events, on a busy 2-core machine;
 /// docs/benchmarks.md).
 const BPF_RB_NO_WAKEUP: u64 = 1;
 
+const RING: usize = MONITOR_RING_BYTES as usize;
+const SLOTS: usize = MONITOR_SLOTS as usize;
+
+// One ring per slot: a ring buffer has one consumer position, so monitors sharing one would
+// each get some of the events.
 #[btf_map]
-static SVC_MONITOR: RingBuf<MonitorEvent, { MONITOR_RING_BYTES as usize }> = RingBuf::new();
+static SVC_MON_RING_0: RingBuf<MonitorEvent, RING> = RingBuf::new();
+#[btf_map]
+static SVC_MON_RING_1: RingBuf<MonitorEvent, RING> = RingBuf::new();
+#[btf_map]
+static SVC_MON_RING_2: RingBuf<MonitorEvent, RING> = RingBuf::new();
+#[btf_map]
+static SVC_MON_RING_3: RingBuf<MonitorEvent, RING> = RingBuf::new();
+const _: () = assert!(SLOTS == 4, "one ring static per slot");
 
 #[btf_map]
-static SVC_MON_CTL: Array<MonitorCtl, 1> = Array::new();
+static SVC_MON_CTL: Array<MonitorCtl, SLOTS> = Array::new();
 
 #[btf_map]
-static SVC_MON_STATS: PerCpuArray<MonitorStats, 1> = PerCpuArray::new();
+static SVC_MON_ON: Array<MonitorOn, 1> = Array::new();
 
-/// Whether a monitor may be listening: its lease is set (not whether it is still valid; the
-/// out-of-line writer checks that, so that the common case reads no clock).
+#[btf_map]
+static SVC_MON_STATS: PerCpuArray<MonitorStats, SLOTS> = PerCpuArray::new();
+
+#[btf_map]
+static SVC_MON_EVENT: PerCpuArray<MonitorEvent, 1> = PerCpuArray::new();
+
+/// Whether a monitor may be listening: some slot's bit is set in the summary (not whether
+/// its lease is still valid; the out-of-line writer checks that, so that the common case
+/// reads no clock).
 #[inline(always)]
 pub fn listening() -> bool {
-    SVC_MON_CTL.get(0).is_some_and(|c| c.until_ns != 0)
+    SVC_MON_ON.get(0).is_some_and(|o| o.slots != 0)
 }
 
-/// Counts the event and reserves its place in the ring: `None` when the lease is over (then
-/// cleared, so later decisions read no clock), the event is sampled out, or the ring is full.
-/// Every field of the returned event is the caller's to write: the ring's memory is not
-/// zeroed.
-#[inline(always)]
-fn reserve(now: u64) -> Option<RingBufEntry<MonitorEvent>> {
-    let ctl = SVC_MON_CTL.get_ptr_mut(0)?;
-    // SAFETY: the map's value; the monitor may rewrite it concurrently, and a torn read costs
-    // one event at most.
-    let (until, sample) = unsafe { ((*ctl).until_ns, (*ctl).sample) };
-    if until == 0 {
-        return None;
+/// The slots the event goes to (bit i: slot i), each counted and sampled on this CPU
+/// (`slot`): those whose bit the summary has, whose lease is current, and, for a known flow's
+/// packet that changed nothing shown (`packet`), that asked for every packet. Out of line, as
+/// `slot` and `publish`: their locals stay off the writers' frames, which sit on their
+/// callers' chains (one function a slot keeps few values live across its calls: no spills).
+#[inline(never)]
+fn slots(now: u64, packet: bool) -> u32 {
+    let Some(on) = SVC_MON_ON.get(0) else {
+        return 0;
+    };
+    // A plain read of a value the monitors rewrite: a stale one costs a slot the events until
+    // its monitor sets its bit again (it checks every 100 ms).
+    let bits = on.slots;
+    let mut to = 0u32;
+    for i in 0..MONITOR_SLOTS {
+        if bits & (1 << i) != 0 {
+            to |= slot(i, now, packet);
+        }
     }
-    if now > until {
-        // A monitor that renewed in between loses the events until its next renewal.
-        // SAFETY: as above.
-        unsafe { (*ctl).until_ns = 0 };
-        return None;
+    to
+}
+
+/// `slots` for slot `i`: its bit if the event goes to it. A slot found with its lease over is
+/// cleared (its `until_ns`, and its bits in the summary), so that later decisions read no
+/// clock for it.
+#[inline(never)]
+fn slot(i: u32, now: u64, packet: bool) -> u32 {
+    let Some(ctl) = SVC_MON_CTL.get_ptr_mut(i) else {
+        return 0;
+    };
+    // SAFETY: the map's value; its monitor may rewrite it concurrently, and a torn read
+    // costs one event at most.
+    let (until, sample, flags) = unsafe { ((*ctl).until_ns, (*ctl).sample, (*ctl).flags) };
+    if until == 0 || now > until {
+        if until != 0 {
+            // A monitor that renewed in between finds its slot cleared (it checks every
+            // 100 ms) and writes it again: it loses the events until then.
+            // SAFETY: as above.
+            unsafe { (*ctl).until_ns = 0 };
+        }
+        if let Some(on) = SVC_MON_ON.get_ptr_mut(0) {
+            // Atomically, so that another slot's bit a monitor or another CPU sets meanwhile
+            // stays; `MonitorOn` is one aligned 64-bit word (`slots` low, `packets` high).
+            let mine = (1u64 << i) | (1u64 << (32 + i));
+            // SAFETY: a map value (8-aligned); the result unused, a BPF atomic AND.
+            unsafe { atomic_and::<u64, u64, { AtomicOrdering::Relaxed }>(on.cast::<u64>(), !mine) };
+        }
+        return 0;
     }
-    let stats = SVC_MON_STATS.get_ptr_mut(0)?;
+    if packet && flags & monitor_flags::PACKETS == 0 {
+        return 0;
+    }
+    let Some(stats) = SVC_MON_STATS.get_ptr_mut(i) else {
+        return 0;
+    };
     // SAFETY: this CPU's value, and a program runs to completion on one CPU.
     let stats = unsafe { &mut *stats };
     stats.seen += 1;
     if sample > 1 && !stats.seen.is_multiple_of(sample as u64) {
-        return None;
+        return 0;
     }
-    match SVC_MONITOR.reserve(0) {
-        Some(e) => {
-            stats.written += 1;
-            Some(e)
-        }
-        None => {
-            stats.lost += 1;
-            None
+    1 << i
+}
+
+/// This CPU's event being written: every field is the writer's to set.
+#[inline(always)]
+fn event() -> Option<*mut MonitorEvent> {
+    SVC_MON_EVENT.get_ptr_mut(0)
+}
+
+/// Copies the event into the ring of each slot of `to` (`slots`), counting it written or
+/// lost (ring full) there.
+#[inline(never)]
+fn publish(e: *mut MonitorEvent, to: u32) {
+    // SAFETY: this CPU's event, written; read only here until the program returns.
+    let e = unsafe { &*e };
+    out(&SVC_MON_RING_0, 0, e, to);
+    out(&SVC_MON_RING_1, 1, e, to);
+    out(&SVC_MON_RING_2, 2, e, to);
+    out(&SVC_MON_RING_3, 3, e, to);
+}
+
+#[inline(always)]
+fn out(ring: &RingBuf<MonitorEvent, RING>, slot: u32, e: &MonitorEvent, to: u32) {
+    if to & (1 << slot) == 0 {
+        return;
+    }
+    let written = ring.output(e, BPF_RB_NO_WAKEUP).is_ok();
+    if let Some(stats) = SVC_MON_STATS.get_ptr_mut(slot) {
+        // SAFETY: this CPU's value.
+        unsafe {
+            if written {
+                (*stats).written += 1;
+            } else {
+                (*stats).lost += 1;
+            }
         }
     }
 }
@@ -94,12 +177,15 @@ pub fn emit_sock(
 ) {
     // SAFETY: a helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(mut entry) = reserve(now) else {
+    let rings = slots(now, false);
+    if rings == 0 {
+        return;
+    }
+    // Written through the pointer, field by field, so that no event is built on the stack.
+    let Some(e) = event() else {
         return;
     };
-    // Written through the pointer, field by field, so that no event is built on the stack.
-    let e = entry.as_mut_ptr();
-    // SAFETY: `e` is a reserved, writable event of the ring; the context is the kernel's.
+    // SAFETY: `e` is this CPU's event; the context is the kernel's.
     unsafe {
         (*e).ts_ns = now;
         (*e).cookie = bpf_get_socket_cookie(ctx.sock_addr.cast());
@@ -130,7 +216,7 @@ pub fn emit_sock(
         (*e).icmp_code = 0;
         zero_pad(&raw mut (*e)._pad0);
     }
-    entry.submit(BPF_RB_NO_WAKEUP);
+    publish(e, rings);
 }
 
 /// `emit_sock`'s `what`.
@@ -141,26 +227,32 @@ pub fn sock_what(reason: Reason, source: u8, how: u32, id: u32) -> u64 {
 
 /// `emit_tc`'s `what`, second byte: `s.src`/`s.dst` hold the packet's translation.
 const TRANSLATED: u64 = 1 << 8;
+/// `emit_tc`'s `what`, second byte: a known flow's packet that changed nothing the monitor
+/// shows, for the slots that asked for every packet only (`monitor_flags::PACKETS`).
+const PACKET: u64 = 4 << 8;
 /// `emit_tc`'s `what`, second byte: the packet is an ICMP error (`s.p`, whose type the
 /// parser left in `tcp_flags`) about the flow whose packet `s.flow` is; the event names that
 /// flow, and the error's code is `what`'s fourth byte.
 const ICMP: u64 = 2 << 8;
 
 /// What a tc program decided about the packet in `s.p`: `what` packs the `Reason` (low
-/// byte), `TRANSLATED` and `ICMP` (second byte), the event's `how` (third byte: the low byte
+/// byte), `TRANSLATED`, `ICMP` and `PACKET` (second byte), the event's `how` (third byte: the low byte
 /// of a known flow's `ct_flags`, or a new flow's `how` constant; 0 otherwise), an ICMP
 /// error's code (fourth byte) and the frontend id (high 32 bits).
 #[inline(never)]
 pub fn emit_tc(s: &Scratch, what: u64) {
     let now = lb::clock_ns();
-    let Some(mut entry) = reserve(now) else {
+    let to = slots(now, what & PACKET != 0);
+    if to == 0 {
+        return;
+    }
+    // Written through the pointer, field by field, so that no event is built on the stack.
+    let Some(e) = event() else {
         return;
     };
-    // Written through the pointer, field by field, so that no event is built on the stack.
-    let e = entry.as_mut_ptr();
     let icmp = what & ICMP != 0;
     let p = if icmp { &s.flow } else { &s.p };
-    // SAFETY: `e` is a reserved, writable event of the ring.
+    // SAFETY: `e` is this CPU's event.
     unsafe {
         (*e).ts_ns = now;
         (*e).cookie = 0;
@@ -195,7 +287,7 @@ pub fn emit_tc(s: &Scratch, what: u64) {
         }
         zero_pad(&raw mut (*e)._pad0);
     }
-    entry.submit(BPF_RB_NO_WAKEUP);
+    publish(e, to);
 }
 
 /// `emit_tc`'s `what`.
@@ -233,11 +325,14 @@ pub fn tc_icmp(s: &Scratch, code: u8) {
 /// `ct_flags` (closed, reset, or idle past its timeout) in `how`.
 #[inline(never)]
 pub fn emit_swept(key: &CtKey, v: &CtValue, now: u64) {
-    let Some(mut entry) = reserve(now) else {
+    let to = slots(now, false);
+    if to == 0 {
+        return;
+    }
+    let Some(e) = event() else {
         return;
     };
-    let e = entry.as_mut_ptr();
-    // SAFETY: `e` is a reserved, writable event of the ring.
+    // SAFETY: `e` is this CPU's event.
     unsafe {
         (*e).ts_ns = now;
         (*e).cookie = 0;
@@ -265,19 +360,34 @@ pub fn emit_swept(key: &CtKey, v: &CtValue, now: u64) {
         (*e).nat_dport_be = v.nat_port_be;
         zero_pad(&raw mut (*e)._pad0);
     }
-    entry.submit(BPF_RB_NO_WAKEUP);
+    publish(e, to);
 }
+
+/// The flags of a known flow the monitor names its state from (`flow closing`, `closed`,
+/// `reset`).
+const SHOWN: u16 = ct_flags::FIN | ct_flags::FIN_FORWARD | ct_flags::FIN_REPLY | ct_flags::RST;
 
 /// A known flow's packet translated by tc or XDP (`CtHit`, `Reply` and their XDP twins),
 /// if a monitor listens: the frontend and the low byte of the flow's `ct_flags` as its lookup
-/// left them (in the event's `how`; FIN, RST and their directions are there), so a monitor
-/// sees a flow's FIN or RST go by.
+/// left them (in the event's `how`; FIN, RST and their directions are there). An event for
+/// every monitor when the packet changed the flow's state (`ct::added`: its first FIN either
+/// way, the second FIN, an RST), else only for those that asked for every packet (the
+/// summary's `packets`). Nobody listening, the same load and branch as every decision.
 #[inline(always)]
 pub fn tc_known(s: &Scratch, reason: Reason) {
-    if listening() {
+    let Some(on) = SVC_MON_ON.get(0) else {
+        return;
+    };
+    if on.slots == 0 {
+        return;
+    }
+    let changed = ct::added(&s.v) & SHOWN != 0;
+    if changed || on.packets != 0 {
         emit_tc(
             s,
-            tc_what(reason, true, s.v.id) | (s.v.flags as u64 & 0xff) << 16,
+            tc_what(reason, true, s.v.id)
+                | (s.v.flags as u64 & 0xff) << 16
+                | if changed { 0 } else { PACKET },
         );
     }
 }
@@ -294,7 +404,7 @@ pub fn tc(s: &Scratch, reason: Reason, translated: bool, id: u32) {
 /// byte-loop memset).
 ///
 /// # Safety
-/// `a` is 8-aligned and writable: an address field of a reserved `MonitorEvent`.
+/// `a` is 8-aligned and writable: an address field of the `MonitorEvent` being written.
 #[inline(always)]
 unsafe fn zero16(a: *mut [u8; 16]) {
     let w = a.cast::<u64>();
@@ -308,7 +418,7 @@ unsafe fn zero16(a: *mut [u8; 16]) {
 /// Zeroes the event's padding, byte by byte (see `zero16`).
 ///
 /// # Safety
-/// `a` is the `_pad0` of a reserved `MonitorEvent`.
+/// `a` is the `_pad0` of the `MonitorEvent` being written.
 #[inline(always)]
 unsafe fn zero_pad(a: *mut [u8; 3]) {
     let b = a.cast::<u8>();

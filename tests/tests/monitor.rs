@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use common::{sa, web_service, web_slice, World, VIP};
 use serde_json::{json, Value};
 use svc_agent::monitor::{monotonic_ns, Maps, LEASE};
+use svc_common::{MonitorOn, MONITOR_SLOTS};
 use svc_tests::{
     require_root,
     topology::{Nodes, CLIENT, NODE1, POD1, POD2},
@@ -79,23 +80,39 @@ impl Drop for Monitor {
     }
 }
 
-/// Waits until the monitor holds its lease (it reads the ring only after taking it).
+/// Waits until a monitor holds a slot's lease (it reads the ring only after taking it).
 fn wait_listening(bpffs: &Path) {
+    wait_slots(bpffs, 1);
+}
+
+/// Waits until `n` monitors hold a slot's lease each, and the summary says so.
+fn wait_slots(bpffs: &Path, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        if Maps::open(bpffs)
-            .and_then(|m| m.ctl())
-            .is_ok_and(|c| c.until_ns > monotonic_ns())
-        {
+        let now = monotonic_ns();
+        let held = leases(bpffs).iter().filter(|&&u| u > now).count();
+        if held >= n && summary(bpffs).slots.count_ones() as usize >= n {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("the monitor never took its lease");
+    panic!("{n} monitors never took their leases: {:?}", leases(bpffs));
 }
 
+/// Each slot's lease (`until_ns`), by slot.
+fn leases(bpffs: &Path) -> Vec<u64> {
+    let m = Maps::open(bpffs).unwrap();
+    m.slots().unwrap().iter().map(|c| c.until_ns).collect()
+}
+
+/// The summary the programs read.
+fn summary(bpffs: &Path) -> MonitorOn {
+    Maps::open(bpffs).unwrap().on().unwrap()
+}
+
+/// Events seen, all slots.
 fn seen(bpffs: &Path) -> u64 {
-    Maps::open(bpffs).unwrap().stats().unwrap().seen
+    Maps::open(bpffs).unwrap().stats_all().unwrap().seen
 }
 
 #[test]
@@ -118,7 +135,7 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
     let r = w.sb.tcp(sa(VIP, 80), 5, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(seen(bpffs), before, "events counted with nobody listening");
-    assert_eq!(Maps::open(bpffs).unwrap().ctl().unwrap().until_ns, 0);
+    assert_eq!(summary(bpffs), MonitorOn::default());
 
     let mon = Monitor::start(bin, bpffs, &[]);
     wait_listening(bpffs);
@@ -166,11 +183,10 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
         assert!(t.get("to").is_none(), "{t:#}");
     }
 
-    // A filtered monitor shows only its Service: the lease is one monitor's, so this one
-    // waits for the first to leave; SIGTERM gives the lease back at once.
+    // SIGTERM gives the slot back at once: nothing is written after.
     mon.signal(libc::SIGTERM);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while Maps::open(bpffs).unwrap().ctl().unwrap().until_ns != 0 {
+    while leases(bpffs).iter().any(|&u| u != 0) || summary(bpffs) != MonitorOn::default() {
         assert!(Instant::now() < deadline, "SIGTERM left the lease");
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -193,13 +209,129 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
     mon.signal(libc::SIGKILL);
     std::thread::sleep(LEASE + Duration::from_millis(500));
     w.sb.tcp(sa(VIP, 80), 1, &[]).unwrap();
-    assert_eq!(Maps::open(bpffs).unwrap().ctl().unwrap().until_ns, 0);
+    assert!(leases(bpffs).iter().all(|&u| u == 0), "{:?}", leases(bpffs));
+    assert_eq!(summary(bpffs), MonitorOn::default());
     let before = seen(bpffs);
     w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
     assert_eq!(
         seen(bpffs),
         before,
         "events counted after the lease ran out"
+    );
+}
+
+/// Two monitors at once, each with its own filter, each see all of their events (neither
+/// takes the other's); four fill the slots, and a fifth is refused naming the four pids. One
+/// killed with SIGKILL keeps its slot until its lease runs out; then the next decision clears
+/// it, the others go on, and a new monitor takes it.
+#[test]
+fn monitors_listen_side_by_side_and_a_fifth_is_refused() {
+    let w = World::start(2, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        m.apply_service(
+            &Service::new("demo", "empty", "10.96.0.20")
+                .port(ServicePort::tcp(80).name("http").target(8080)),
+        )
+        .unwrap();
+    });
+    let (bin, bpffs) = (&w.sb.tools.agent, w.bpffs.path());
+    let empty = sa([10, 96, 0, 20], 80);
+    let of = |lines: &[Value], reason: &str| -> usize {
+        lines.iter().filter(|l| l["reason"] == reason).count()
+    };
+    let web = Monitor::start(bin, bpffs, &["--service", "demo/web"]);
+    wait_slots(bpffs, 1);
+    let refusals = Monitor::start(bin, bpffs, &["--dst", &empty.to_string()]);
+    wait_slots(bpffs, 2);
+    let r = w.sb.tcp(sa(VIP, 80), 4, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    w.sb.tcp(empty, 2, &[]).unwrap();
+    let a = web.collect_until(|l| of(l, "translated") >= 4);
+    let b = refusals.collect_until(|l| of(l, "refused_no_backend") >= 2);
+    assert_eq!(of(&a, "translated"), 4, "{a:#?}");
+    assert!(a.iter().all(|l| l["service"] == "demo/web:http"), "{a:#?}");
+    assert_eq!(of(&b, "refused_no_backend"), 2, "{b:#?}");
+    assert!(
+        a.len() == 4 && b.len() == 2,
+        "only their own: {a:#?} {b:#?}"
+    );
+
+    // All slots taken: a fifth is refused, and told who listens.
+    let third = Monitor::start(bin, bpffs, &[]);
+    let fourth = Monitor::start(bin, bpffs, &["--packets"]);
+    wait_slots(bpffs, MONITOR_SLOTS as usize);
+    let fifth = Command::new(bin)
+        .args(["monitor", "--bpffs"])
+        .arg(bpffs)
+        .output()
+        .expect("running a fifth monitor");
+    let err = String::from_utf8_lossy(&fifth.stderr);
+    assert!(!fifth.status.success(), "{err}");
+    assert!(err.contains("4 monitors are listening already"), "{err}");
+    for m in [&web, &refusals, &third, &fourth] {
+        assert!(
+            err.contains(&m.child.id().to_string()),
+            "pid {}: {err}",
+            m.child.id()
+        );
+    }
+    drop(third);
+
+    // Killed without a word (and not reaped: its pid still there): its slot is held until
+    // its lease runs out, and the next decision clears it; the web monitor goes on.
+    let killed = refusals.child.id();
+    refusals.signal(libc::SIGKILL);
+    let slot_of = |pid: u32| {
+        let m = Maps::open(bpffs).unwrap();
+        m.slots()
+            .unwrap()
+            .iter()
+            .position(|c| c.pid == pid)
+            .expect("the pid's slot") as u32
+    };
+    let slot = slot_of(killed);
+    std::thread::sleep(LEASE + Duration::from_millis(500));
+    w.sb.tcp(sa(VIP, 80), 1, &[]).unwrap();
+    assert_eq!(
+        leases(bpffs)[slot as usize],
+        0,
+        "the killed monitor's lease is cleared"
+    );
+    assert_eq!(
+        summary(bpffs).slots & (1 << slot),
+        0,
+        "and its bit in the summary"
+    );
+    let a = web.collect_until(|l| of(l, "translated") >= 1);
+    assert_eq!(of(&a, "translated"), 1, "{a:#?}");
+    let before = seen(bpffs);
+    w.sb.tcp(empty, 1, &[]).unwrap();
+    // The web monitor's and the one with --packets' slots see the refusal, not the killed
+    // one's.
+    let after = seen(bpffs);
+    assert_eq!(after - before, 2, "the refusal, for the two live monitors");
+
+    // Its slot is free again (as the third monitor's is): two more start.
+    let again = Monitor::start(bin, bpffs, &[]);
+    let more = Monitor::start(bin, bpffs, &[]);
+    let pids = [again.child.id(), more.child.id()];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let slots = loop {
+        let m = Maps::open(bpffs).unwrap();
+        let held: Vec<u32> = m.slots().unwrap().iter().map(|c| c.pid).collect();
+        if pids.iter().all(|p| held.contains(p)) {
+            break held;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pids:?} never took slots: {held:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        pids.contains(&slots[slot as usize]),
+        "the killed monitor's slot {slot} taken again: {slots:?}"
     );
 }
 
@@ -714,4 +846,55 @@ fn monitor_shows_flows_swept() {
         ),
         "{s:#}"
     );
+}
+
+/// A known flow's packets from outside: by default the monitor shows those that change the
+/// flow's state (its FINs), not its handshake and data; with `--packets` it shows them all.
+/// Two monitors at once, one each way.
+#[test]
+fn monitor_shows_known_flows_packets_only_with_packets() {
+    let o = Outside::start(&[], |m| {
+        nodeport(m, "known", 34, 30099, json!({}), &[REMOTE]);
+    });
+    let to = sa(NODE1.parse::<std::net::Ipv4Addr>().unwrap(), 30099);
+    o.connect(to);
+    let dst = to.to_string();
+    let default = o.monitor(&["--dst", &dst]);
+    let packets = Monitor::start(
+        &o.tools.agent,
+        o.bpffs.path(),
+        &["--dst", &dst, "--packets"],
+    );
+    wait_slots(o.bpffs.path(), 2);
+    let (port, name) = o.connect(to);
+    assert_eq!(name, "pod2");
+    let client = json!(format!("{CLIENT}:{port}"));
+    // The flow's packets: its client's (`ct_hit`, from the client's port) and its backend's
+    // replies (`reply`, to the client's port once translated).
+    let mine = |l: &Value| {
+        (l["reason"] == "ct_hit" && l["client"] == client)
+            || (l["reason"] == "reply" && l["to"] == client)
+    };
+    let closed = |l: &[Value]| l.iter().any(|l| mine(l) && l["flow"] == "closed");
+    let shown = default.collect_until(closed);
+    let all = packets.collect_until(closed);
+    let known =
+        |lines: &[Value]| -> Vec<Value> { lines.iter().filter(|l| mine(l)).cloned().collect() };
+    let (shown, all) = (known(&shown), known(&all));
+    assert!(closed(&shown), "{shown:#?}");
+    assert!(
+        shown.iter().all(|l| l.get("flow").is_some()),
+        "by default, only the packets that changed the flow's state: {shown:#?}"
+    );
+    assert!(
+        all.iter()
+            .any(|l| l.get("flow").is_none() && l["reason"] == "reply"),
+        "--packets: the backend's SYN-ACK and data too: {all:#?}"
+    );
+    assert!(
+        all.iter()
+            .any(|l| l.get("flow").is_none() && l["reason"] == "ct_hit"),
+        "--packets: the client's ACK too: {all:#?}"
+    );
+    assert!(all.len() > shown.len(), "{all:#?} {shown:#?}");
 }

@@ -450,8 +450,12 @@ pub(super) fn store_map<'a>(store: &'a BpfStore, name: &str) -> Option<&'a MapDa
         map_names::DEV_STATS => store.dev_stats.as_ref()?,
         map_names::MAGLEV => store.maglev.as_ref()?.map(),
         map_names::MAGLEV_INDEX => store.maglev_index.as_ref()?.map(),
-        map_names::MONITOR => store.monitor.as_ref()?,
+        map_names::MON_RING_0 => store.mon_rings[0].as_ref()?,
+        map_names::MON_RING_1 => store.mon_rings[1].as_ref()?,
+        map_names::MON_RING_2 => store.mon_rings[2].as_ref()?,
+        map_names::MON_RING_3 => store.mon_rings[3].as_ref()?,
         map_names::MON_CTL => store.mon_ctl.as_ref()?,
+        map_names::MON_ON => store.mon_on.as_ref()?,
         map_names::MON_STATS => store.mon_stats.as_ref()?,
         map_names::SERVICE_STATS => store.service_stats.as_ref()?.map(),
         _ => return None,
@@ -524,8 +528,9 @@ fn build_store(
         maglev_index: take(map_names::MAGLEV_INDEX)
             .ok()
             .and_then(|m| HashMap::try_from(m).ok()),
-        monitor: take(map_names::MONITOR).ok().and_then(map_data),
+        mon_rings: svc_common::MON_RINGS.map(|name| take(name).ok().and_then(map_data)),
         mon_ctl: take(map_names::MON_CTL).ok().and_then(map_data),
+        mon_on: take(map_names::MON_ON).ok().and_then(map_data),
         mon_stats: take(map_names::MON_STATS).ok().and_then(map_data),
         service_stats: take(map_names::SERVICE_STATS)
             .ok()
