@@ -73,6 +73,10 @@ pub struct Agent {
     retry: Retries,
     next_reconcile: Instant,
     next_check: Instant,
+    /// When the next slice of the per-Service counters still to be made is due, and how many
+    /// were made since the last were all there (`make_pending_stats`).
+    next_stats: Instant,
+    stats_made: usize,
     /// The source's state has been applied in full once: before that, the desired state is
     /// not authoritative and no upkeep may act on it.
     synced: bool,
@@ -163,6 +167,8 @@ impl Agent {
             metrics,
             next_reconcile: now + upkeep.reconcile_every,
             next_check: now + upkeep.check_every,
+            next_stats: now,
+            stats_made: 0,
             retry: Retries::new(upkeep.backoff()),
             upkeep,
             synced: false,
@@ -609,6 +615,9 @@ impl Agent {
         if let Some(r) = self.retry.next_due() {
             t = t.min(r);
         }
+        if !self.dp.store.stats_pending.is_empty() {
+            t = t.min(self.next_stats);
+        }
         t
     }
 
@@ -669,6 +678,9 @@ impl Agent {
         }
         if self.retry.node_due(now) {
             self.apply_node(now);
+        }
+        if !self.dp.store.stats_pending.is_empty() && now >= self.next_stats {
+            self.make_pending_stats(now);
         }
         if now >= self.next_reconcile {
             self.next_reconcile = now + self.upkeep.reconcile_every;
@@ -767,6 +779,32 @@ impl Agent {
         self.finish(report, now, None, Scope::All);
         self.check_service_stats();
         drift + self.check_node_addr_bits()
+    }
+
+    /// Makes a slice of the per-Service counters a bulk write left to make (store's
+    /// `stats_pending`): slices of 5,000 (about 65 ms), so that the loop takes events
+    /// between them; after an ENOMEM the next slice waits for the kernel's per-CPU pool.
+    fn make_pending_stats(&mut self, now: Instant) {
+        const SLICE: usize = 5_000;
+        let r = self.dp.store.create_pending_stats(SLICE);
+        let made = *r.as_ref().unwrap_or(&0);
+        self.stats_made += made;
+        let pause = match r {
+            Ok(_) if made > 0 => Duration::from_millis(10),
+            Ok(_) => Duration::from_millis(200),
+            Err(e) => {
+                self.metrics.report("making the per-Service counters", &e);
+                self.upkeep.check_every
+            }
+        };
+        self.next_stats = now + pause;
+        if self.dp.store.stats_pending.is_empty() {
+            info!(
+                frontends = self.stats_made,
+                "per-Service counters made for the frontends written in bulk"
+            );
+            self.stats_made = 0;
+        }
     }
 
     /// Creates the per-Service counters a named frontend lacks (a write that failed, an

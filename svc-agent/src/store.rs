@@ -315,6 +315,10 @@ pub struct BpfStore {
     /// Whether `apply_batch` writes runs of puts with BPF_MAP_UPDATE_BATCH: until the kernel
     /// refuses it (a kernel before 5.6), then one element per call.
     pub batch_writes: bool,
+    /// Named frontends whose per-Service counters are still to be made (`create_pending_stats`):
+    /// a bulk write leaves them here rather than allocating per-CPU memory one syscall each
+    /// on the way to `ready`, and a single write whose allocation failed puts its id here.
+    pub stats_pending: Vec<u32>,
 }
 
 /// The `NODE_ADDRS` keys a store has written and how many share each bit of the filter
@@ -423,11 +427,11 @@ impl BpfStore {
             Op::PutName(k, v) => {
                 self.names.insert(k, v, 0)?;
                 // The counters are not the Service: a per-CPU entry the kernel cannot allocate
-                // yet (its pool grows in the background) is made by the next reconcile
-                // (`sync_service_stats`), and never fails or delays the Service's write.
+                // yet (its pool grows in the background) is made later
+                // (`create_pending_stats`), and never fails or delays the Service's write.
                 if let Err(e) = self.create_service_stats(*k) {
-                    tracing::warn!(frontend = k, error = %e,
-                        "no per-Service counters for this frontend yet: the reconcile makes them");
+                    tracing::debug!(frontend = k, error = %e, "per-Service counters made later");
+                    self.stats_pending.push(*k);
                 }
                 Ok(())
             }
@@ -515,6 +519,38 @@ impl BpfStore {
             }
             r => r,
         }
+    }
+
+    /// Makes the per-Service counters of up to `budget` frontends of `stats_pending` that
+    /// still have a name (one removed since has none to make). Stops at ENOMEM (the kernel's
+    /// per-CPU pool grows in the background: the caller comes back later) and at any other
+    /// error, which it returns; what it did not make stays pending. Returns how many it made.
+    pub fn create_pending_stats(&mut self, budget: usize) -> Result<usize> {
+        let mut made = 0;
+        let mut tried = 0;
+        while tried < budget {
+            let Some(id) = self.stats_pending.pop() else {
+                break;
+            };
+            tried += 1;
+            match self.names.get(&id, 0) {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e) => continue,
+                Err(e) => {
+                    self.stats_pending.push(id);
+                    return Err(map_err(map_names::NAMES, e));
+                }
+            }
+            if let Err(e) = self.create_service_stats(id) {
+                self.stats_pending.push(id);
+                if is_enomem(&e) {
+                    break;
+                }
+                return Err(map_err(map_names::SERVICE_STATS, e));
+            }
+            made += 1;
+        }
+        Ok(made)
     }
 
     fn delete_service_stats(&mut self, id: u32) -> Result<(), MapError> {
@@ -740,12 +776,11 @@ impl BpfStore {
                     _ => None,
                 });
                 let (n, r) = put_batch(self.names.map().fd().as_fd(), &k, &v, until);
-                // As `write` does after each name: the counters never fail the Service.
-                for id in &k[..n] {
-                    if let Err(e) = self.create_service_stats(*id) {
-                        tracing::warn!(frontend = id, error = %e,
-                            "no per-Service counters for this frontend yet: the reconcile makes them");
-                    }
+                // Not made here: each is a per-CPU allocation of its own (about 13 µs, and
+                // ENOMEM once a burst drains the kernel's per-CPU pool), 1.3 s of a cold
+                // start's critical path at 100,000 Services. Made right after, in slices.
+                if self.service_stats.is_some() && self.capacity.per_service {
+                    self.stats_pending.extend_from_slice(&k[..n]);
                 }
                 (n, r)
             }

@@ -141,7 +141,7 @@ pub async fn populate_via_etcd(
     n: u32,
     objects: impl Fn(u32) -> (Service, EndpointSlice),
 ) -> Result<Vec<EndpointSlice>> {
-    create_namespace(client, namespace).await?;
+    create_namespace(client.clone(), namespace).await?;
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     let mut out = Vec::with_capacity(n as usize);
     let mut batch: Vec<(String, Vec<u8>)> = Vec::new();
@@ -207,7 +207,36 @@ pub async fn populate_via_etcd(
             eprintln!("  {}/{n} services and slices written", i + 1);
         }
     }
+    caught_up(client, namespace).await?;
     Ok(out)
+}
+
+/// Waits until the API server serves a consistent list of both kinds: written straight into
+/// etcd, the objects reach its watch cache as events, and until the cache has caught up a
+/// consistent list waits for it and then fails with 504 (kube-rs retries those). A proxy
+/// started before then measures that catching up, which a cluster whose objects came through
+/// the API server never has.
+async fn caught_up(client: Client, namespace: &str) -> Result<()> {
+    let started = std::time::Instant::now();
+    let one = kube::api::ListParams::default().limit(1);
+    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    let slices: Api<EndpointSlice> = Api::namespaced(client, namespace);
+    loop {
+        let s = services.list_metadata(&one).await;
+        let e = slices.list_metadata(&one).await;
+        if s.is_ok() && e.is_ok() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            anyhow::bail!("the API server's cache did not catch up with etcd in 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "the API server's cache caught up with etcd after {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Creates `namespace`, then Services `0..n` with their slices from `objects`, `concurrency`

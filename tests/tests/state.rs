@@ -1176,6 +1176,57 @@ fn per_service_counters_count_each_service_and_start_at_zero_when_made_again() {
     assert_eq!(service_count(metrics, api, "refused_no_backend"), Some(2));
 }
 
+/// Issue 37: a first sync of many Services writes them in bulk and leaves their per-Service
+/// counters (a per-CPU allocation each, slow and failing with ENOMEM in bursts) to be made
+/// right after, in slices: every Service gets its counters within seconds, each counted from
+/// zero, and the log says so once instead of a warning per Service whose allocation failed.
+#[test]
+fn per_service_counters_of_a_bulk_first_sync_are_all_made_soon_after() {
+    const SERVICES: u32 = 1_500;
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let w = World::start_with(2, &[8080], &[&metrics_flag], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        for i in 0..SERVICES {
+            let ip = Ipv4Addr::new(10, 97, (i / 250) as u8, (1 + i % 250) as u8);
+            m.apply_service(
+                &Service::new("bulk", &format!("s{i}"), &ip.to_string())
+                    .port(ServicePort::tcp(80).name("http").target(8080)),
+            )
+            .unwrap();
+        }
+    });
+    use aya::maps::IterableMap;
+    let store = svc_agent::datapath::open_pinned(w.bpffs.path()).unwrap();
+    let names = store.names.keys().count();
+    assert!(names > SERVICES as usize, "{names} names");
+    poll(Duration::from_secs(20), || {
+        let stats = store.service_stats.as_ref().expect("the map is declared");
+        Ok((stats.keys().count() == names).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", w.agent.log()));
+    let log = w.agent.log();
+    assert!(
+        log.contains("per-Service counters made for the frontends written in bulk"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("no per-Service counters for this frontend"),
+        "{log}"
+    );
+    let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(
+        service_count(metrics, ("demo", "web", "http"), "translated"),
+        Some(3)
+    );
+    assert_eq!(
+        service_count(metrics, ("bulk", "s1499", "http"), "translated"),
+        Some(0)
+    );
+}
+
 /// Issue 36: `--per-service-metrics=false` leaves /metrics without per-Service series, and
 /// the kernel without entries to count in; the node-wide counters still count.
 #[test]

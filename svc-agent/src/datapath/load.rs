@@ -537,6 +537,7 @@ fn build_store(
             .and_then(|m| PerCpuHashMap::try_from(m).ok()),
         capacity,
         enomem_until: None,
+        stats_pending: Vec::new(),
         batch_writes: true,
     })
 }

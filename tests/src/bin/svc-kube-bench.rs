@@ -91,9 +91,9 @@ const NODE: &str = "bench-node";
 const PORT: u16 = 80;
 const TARGET_PORT: u16 = 8080;
 /// How long one change may take to show in the maps before the run fails.
-const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+const CHANGE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the agent may take to its first full sync before the run fails.
-const READY_TIMEOUT: Duration = Duration::from_secs(120);
+const READY_TIMEOUT: Duration = Duration::from_secs(300);
 const POLL: Duration = Duration::from_micros(100);
 
 /// The targets this benchmark checks.
