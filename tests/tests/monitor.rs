@@ -115,9 +115,9 @@ fn seen(bpffs: &Path) -> u64 {
     Maps::open(bpffs).unwrap().stats_all().unwrap().seen
 }
 
-#[test]
-fn monitor_shows_decisions_and_nothing_is_written_without_it() {
-    let w = World::start(2, &[8080], |sb, m| {
+/// `demo/web` with two backends, and `demo/empty` (10.96.0.20:80) with none.
+fn web_and_empty() -> World {
+    World::start(2, &[8080], |sb, m| {
         m.apply_service(&web_service()).unwrap();
         m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
         m.apply_service(
@@ -125,7 +125,12 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
                 .port(ServicePort::tcp(80).name("http").target(8080)),
         )
         .unwrap();
-    });
+    })
+}
+
+#[test]
+fn monitor_shows_decisions_and_nothing_is_written_without_it() {
+    let w = web_and_empty();
     let (bin, bpffs) = (&w.sb.tools.agent, w.bpffs.path());
     let empty = sa([10, 96, 0, 20], 80);
     let backend = |i: u8| sa(w.sb.backend_v4(i), 8080).to_string();
@@ -226,15 +231,7 @@ fn monitor_shows_decisions_and_nothing_is_written_without_it() {
 /// it, the others go on, and a new monitor takes it.
 #[test]
 fn monitors_listen_side_by_side_and_a_fifth_is_refused() {
-    let w = World::start(2, &[8080], |sb, m| {
-        m.apply_service(&web_service()).unwrap();
-        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
-        m.apply_service(
-            &Service::new("demo", "empty", "10.96.0.20")
-                .port(ServicePort::tcp(80).name("http").target(8080)),
-        )
-        .unwrap();
-    });
+    let w = web_and_empty();
     let (bin, bpffs) = (&w.sb.tools.agent, w.bpffs.path());
     let empty = sa([10, 96, 0, 20], 80);
     let of = |lines: &[Value], reason: &str| -> usize {
