@@ -1197,7 +1197,6 @@ fn per_service_counters_of_a_bulk_first_sync_are_all_made_soon_after() {
             .unwrap();
         }
     });
-    use aya::maps::IterableMap;
     let store = svc_agent::datapath::open_pinned(w.bpffs.path()).unwrap();
     let names = store.names.keys().count();
     assert!(names > SERVICES as usize, "{names} names");
