@@ -124,8 +124,6 @@ impl Agent {
             return Err(Error::load(e));
         }
         let fit = kernel.fit();
-        let mut dp = Datapath::open(bpffs, cgroup, capacity, fit)?;
-        dp.set_tc_attach(packet.tc_attach)?;
         // A kernel without what the XDP program needs runs tc alone (warned above, once per
         // missing feature): as a device whose driver refuses native XDP is left to tc, not
         // refused, so that one set of flags serves nodes of several kernels and none of them
@@ -140,8 +138,8 @@ impl Agent {
             );
             XdpMode::Off
         };
-        // Before the first attach, which brings the devices in line with it.
-        dp.set_xdp_mode(xdp_mode)?;
+        let mut dp = Datapath::open(bpffs, cgroup, capacity, fit, xdp_mode)?;
+        dp.set_tc_attach(packet.tc_attach)?;
         let snap = dp.store.snapshot()?;
         let programmed = Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);

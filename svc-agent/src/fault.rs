@@ -19,6 +19,10 @@ pub const TC_VERIFY_PAUSE: &str = "tc-verify-pause";
 /// the kernel, after `TC_VERIFY_PAUSE`: what a verifier that rejects it would answer.
 pub const TC_REFUSED: &str = "tc-refused";
 
+/// With this point set (`SVC_TEST_XDP_REFUSED`, any value) the XDP program is taken as
+/// refused by the kernel and left unloaded: what Debian 12's 6.1 answers (too large).
+pub const XDP_REFUSED: &str = "xdp-refused";
+
 /// The start check (`features.rs`) takes the feature whose name contains this point's value
 /// (`SVC_TEST_KERNEL_LACKS`) as missing: what an older kernel would answer.
 pub const KERNEL_LACKS: &str = "kernel-lacks";
@@ -47,6 +51,7 @@ pub fn setup() {
     for (point, var) in [
         (KERNEL_LACKS, "SVC_TEST_KERNEL_LACKS"),
         (TC_REFUSED, "SVC_TEST_TC_REFUSED"),
+        (XDP_REFUSED, "SVC_TEST_XDP_REFUSED"),
     ] {
         if let Ok(name) = std::env::var(var) {
             if let Err(e) = fail::cfg(point, &format!("return({name})")) {

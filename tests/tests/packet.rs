@@ -5540,6 +5540,122 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     assert!(!t.bpffs.path().exists(), "{:?}", t.bpffs.entries());
 }
 
+/// A kernel that refuses the XDP program itself (Debian 12's 6.1: "BPF program is too
+/// large"; here `SVC_TEST_XDP_REFUSED`, which makes the agent take it as refused) does not
+/// stop the agent under `--xdp-mode native`: one warning naming the refusal, every device
+/// left to tc (`list`: "eth0 (tc: kernel refused the XDP program)", /metrics
+/// `svc_xdp_device{device="eth0",mode="tc"} 1`), the native link an earlier agent pinned
+/// detached rather than kept, and NodePort flows served by tc. `--xdp-mode off` does not
+/// load the program at all (no refusal to warn about) and takes the record away.
+#[test]
+fn a_kernel_refusing_the_xdp_program_leaves_every_device_to_tc() {
+    let mut t = Topo::new();
+    let _peer = xdp_ready(&t);
+    t.service("remote", nodeport("remote", 31, 30082));
+    t.endpoints("remote", &[REMOTE_POD]);
+    let pin = t.bpffs.path().join("link_xdp_native_eth0");
+    let list = |t: &Topo| {
+        run_in(
+            &t.node1,
+            &[
+                &t.tools.agent.display().to_string(),
+                "list",
+                "--bpffs",
+                &t.bpffs.path().display().to_string(),
+            ],
+        )
+    };
+    let refusals = |t: &mut Topo| {
+        let log = t.agent().log();
+        log.lines()
+            .filter(|l| l.contains("xdp_ext: refused by the kernel"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    // An earlier agent's native link on eth0.
+    t.start_agent_with(&["--xdp-mode", "native"]);
+    assert!(pin.exists(), "native XDP on eth0: {:?}", t.bpffs.entries());
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+
+    t.agent_env = vec!["SVC_TEST_XDP_REFUSED=1".into()];
+    let args = |mode: &'static str| {
+        vec![
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+            "--check-interval-ms",
+            "100",
+            "--xdp-mode",
+            mode,
+        ]
+    };
+    t.start_agent_with(&args("native"));
+    let warned = refusals(&mut t);
+    assert!(
+        warned.len() == 1
+            && warned[0].contains("SVC_TEST_XDP_REFUSED")
+            && warned[0].contains("every device left to tc"),
+        "{warned:?}\n{}",
+        t.agent().log()
+    );
+    assert!(
+        !pin.exists(),
+        "the native link kept: {:?}",
+        t.bpffs.entries()
+    );
+    let link = t.node1.ip(["-d", "link", "show", "dev", "eth0"]).unwrap();
+    assert!(!link.contains("xdp"), "an XDP program on eth0: {link}");
+    let listed = list(&t);
+    assert!(
+        listed.contains("XDP: eth0 (tc: kernel refused the XDP program)"),
+        "{listed}"
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"tc\"}"),
+        1
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"native\"}"),
+        0
+    );
+    // tc serves new NodePort flows, XDP none.
+    let np = sa(NODE1, 30082);
+    answered(&t.client, "NodePort", move || tcp_once(np, ANSWER));
+    let b = [XDP_NEW, TC_NEW].map(|l| node1_metric(&t, l));
+    for _ in 0..3 {
+        let got = in_ns(&t.client, move || tcp_once(np, ANSWER))
+            .unwrap_or_else(|e| panic!("a NodePort connection: {e}"));
+        assert_eq!((got.backend.as_str(), got.saw), ("pod2", ip(NODE1)));
+    }
+    let a = [XDP_NEW, TC_NEW].map(|l| node1_metric(&t, l));
+    assert!(
+        a[0] == b[0] && a[1] - b[1] >= 3,
+        "tc served the flows, XDP none: {b:?} -> {a:?}"
+    );
+    // The pin check neither puts a link back nor warns again.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!pin.exists(), "a link put back: {:?}", t.bpffs.entries());
+    assert_eq!(refusals(&mut t).len(), 1, "{}", t.agent().log());
+
+    // XDP off: the program is not loaded (no refusal), the record goes.
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    t.agent = None;
+    t.start_agent_with(&args("off"));
+    assert!(refusals(&mut t).is_empty(), "{}", t.agent().log());
+    let listed = list(&t);
+    assert!(
+        !listed.contains("kernel refused the XDP program"),
+        "{listed}"
+    );
+    assert_eq!(
+        node1_metric(&t, "svc_xdp_device{device=\"eth0\",mode=\"tc\"}"),
+        0
+    );
+    let got = in_ns(&t.client, move || tcp_once(np, ANSWER))
+        .unwrap_or_else(|e| panic!("a NodePort connection with XDP off: {e}"));
+    assert_eq!(got.backend, "pod2");
+}
+
 /// Starts node 1's agent (metrics on 127.0.0.1:10249) with XDP in `mode` on eth0 and eth1,
 /// `extra` flags after, and checks that each device carries a link of that mode.
 fn start_xdp_agent(t: &mut Topo, mode: &str, extra: &[&str]) {

@@ -27,12 +27,14 @@ impl Datapath {
     /// Takes ownership of `dir`, loads the programs and adopts (or creates, or migrates) the
     /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
     /// has changed but for a directory this call created. `kernel`: the fallbacks the
-    /// programs are loaded with (`features::Report::fit`).
+    /// programs are loaded with (`features::Report::fit`). `xdp` is `--xdp-mode`: the XDP
+    /// program is loaded only if it asks for XDP.
     pub fn open(
         dir: &Path,
         cgroup: &Path,
         capacity: Capacity,
         kernel: crate::features::Fit,
+        xdp: XdpMode,
     ) -> Result<Datapath> {
         let started = std::time::Instant::now();
         let cgroup_id = check_cgroup(cgroup)?;
@@ -143,7 +145,11 @@ impl Datapath {
         }
         // Verified with the tc programs, on their thread (`load_tc`): it attaches with them,
         // and its verification (tc's frontend code, shared) must not delay the socket path.
-        let xdp_loaded = kernel.xdp && ebpf.program(xdp::XDP_PROGRAM).is_some();
+        // Only when the mode asks for it: `off` never attaches it (a link an earlier agent
+        // pinned is detached without it), and a kernel's verifier may refuse it (Debian 12's
+        // 6.1: too large) where the tc programs serve.
+        let xdp_loaded =
+            kernel.xdp && xdp != XdpMode::Off && ebpf.program(xdp::XDP_PROGRAM).is_some();
         let socket_ms = started.elapsed().as_millis();
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
@@ -243,7 +249,7 @@ impl Datapath {
             tc_loaded,
             tc_devices: (Vec::new(), Vec::new()),
             tc_current: Default::default(),
-            xdp_mode: XdpMode::Off,
+            xdp_mode: xdp,
             xdp_loaded,
             xdp_current: Default::default(),
             xdp_no_xmit: Default::default(),
@@ -313,9 +319,9 @@ impl Programs {
         }
     }
 
-    /// Starts verifying the tc programs `tc` of `ebpf` on a thread; the receiver turns true
-    /// once that thread is done (whether they loaded or not), for a caller that must not
-    /// wait for it.
+    /// Starts verifying the tc programs `tc` of `ebpf` on a thread, then the XDP program if
+    /// `xdp`; the receiver turns true once that thread is done (whether they loaded or not),
+    /// for a caller that must not wait for it.
     fn verify(
         mut ebpf: Ebpf,
         tc: Vec<&'static str>,
@@ -326,7 +332,10 @@ impl Programs {
         let spawned = std::thread::Builder::new()
             .name("svc-verify".into())
             .spawn(move || {
-                let r = load_tc(&mut ebpf, &tc, xdp);
+                let r = load_tc(&mut ebpf, &tc);
+                if r.is_ok() && xdp {
+                    load_xdp(&mut ebpf);
+                }
                 if r.is_ok() && !tc.is_empty() {
                     info!(
                         ms = started.elapsed().as_millis() as u64,
@@ -355,9 +364,8 @@ impl Programs {
     }
 }
 
-/// Loads the tc programs `names`, then the XDP program if `xdp` (the object has it, and the
-/// kernel what it needs).
-fn load_tc(ebpf: &mut Ebpf, names: &[&'static str], xdp: bool) -> Result<()> {
+/// Loads the tc programs `names`.
+fn load_tc(ebpf: &mut Ebpf, names: &[&'static str]) -> Result<()> {
     for &name in names {
         let prog = ebpf
             .program_mut(name)
@@ -367,13 +375,36 @@ fn load_tc(ebpf: &mut Ebpf, names: &[&'static str], xdp: bool) -> Result<()> {
             .load()
             .map_err(|e| load_err(name, e))?;
     }
-    if let Some(prog) = ebpf.program_mut(xdp::XDP_PROGRAM).filter(|_| xdp) {
-        <&mut aya::programs::Xdp>::try_from(prog)
-            .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?
-            .load()
-            .map_err(|e| load_err(xdp::XDP_PROGRAM, e))?;
-    }
     Ok(())
+}
+
+/// Loads the XDP program. A kernel that refuses it leaves it unloaded, which leaves every
+/// device to tc (`Datapath::attach_xdp_one`), warned about here, once, with the verifier's
+/// words: the tc programs serve the same flows, so the agent goes on.
+fn load_xdp(ebpf: &mut Ebpf) {
+    #[cfg(feature = "failpoints")]
+    if fail::eval(crate::fault::XDP_REFUSED, |_| ()).is_some() {
+        tracing::warn!(
+            "{}: refused by the kernel (SVC_TEST_XDP_REFUSED, a test's fault): every device \
+             left to tc",
+            xdp::XDP_PROGRAM
+        );
+        return;
+    }
+    let Some(prog) = ebpf.program_mut(xdp::XDP_PROGRAM) else {
+        return;
+    };
+    let loaded = match <&mut aya::programs::Xdp>::try_from(prog) {
+        Ok(prog) => prog.load(),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = loaded {
+        tracing::warn!(
+            "{}: refused by the kernel ({}): every device left to tc",
+            xdp::XDP_PROGRAM,
+            xdp::refusal(&e)
+        );
+    }
 }
 
 /// The loaded object, once its tc programs are verified; their error, if one failed. A

@@ -143,9 +143,10 @@ pub struct Datapath {
     tc_devices: (Vec<Device>, Vec<Device>),
     /// tc link pins this agent has attached or swapped its programs into.
     tc_current: std::collections::BTreeSet<PathBuf>,
-    /// `--xdp-mode`.
+    /// `--xdp-mode`, given to `open`.
     xdp_mode: XdpMode,
-    /// Whether this object has the XDP program (loaded).
+    /// Whether the mode asks for XDP and the object has the program: loaded with the tc
+    /// programs, or refused by the kernel (then unloaded, every device left to tc).
     xdp_loaded: bool,
     /// XDP link pins this agent has attached or swapped its program into.
     xdp_current: std::collections::BTreeSet<PathBuf>,
@@ -171,14 +172,14 @@ impl Datapath {
         &self.dir
     }
 
-    /// `open` and `attach` at once, for tools that program the maps themselves: with the
-    /// fallbacks of the running kernel (`features::check`).
+    /// `open` and `attach` at once (XDP off), for tools that program the maps themselves:
+    /// with the fallbacks of the running kernel (`features::check`).
     pub fn open_attached(dir: &Path, cgroup: &Path, capacity: Capacity) -> Result<Datapath> {
         let kernel = crate::features::check(&crate::features::Kernel {
             cgroup: Some(cgroup),
         })
         .fit();
-        let mut dp = Datapath::open(dir, cgroup, capacity, kernel)?;
+        let mut dp = Datapath::open(dir, cgroup, capacity, kernel, XdpMode::Off)?;
         dp.attach()?;
         Ok(dp)
     }

@@ -136,6 +136,32 @@ fn no_native_xdp(e: &ProgramError) -> bool {
 /// The reason a listing gives for a device left to tc.
 const NO_NATIVE_XDP: &str = "driver has no native XDP";
 
+/// The reason a listing gives for every device when the kernel refused the program itself.
+const KERNEL_REFUSED: &str = "kernel refused the XDP program";
+
+/// The kernel's words for refusing the XDP program: the verifier's last line that is not
+/// one of its statistics (`processed N insns ...`, `verification time`, `stack depth`, which
+/// follow the refusal), else the error as a whole.
+pub(super) fn refusal(e: &ProgramError) -> String {
+    if let ProgramError::LoadError {
+        io_error,
+        verifier_log,
+    } = e
+    {
+        let log = verifier_log.to_string();
+        let stats = ["processed ", "verification time", "stack depth"];
+        if let Some(line) = log
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !stats.iter().any(|s| l.starts_with(s)))
+            .next_back()
+        {
+            return format!("{line}; {io_error}");
+        }
+    }
+    crate::error::error_chain(e)
+}
+
 /// Where the XDP link of device `ifname` in `mode` is pinned.
 fn xdp_link_pin(dir: &Path, mode: &str, ifname: &str) -> PathBuf {
     dir.join(format!("link_xdp_{mode}_{ifname}"))
@@ -160,16 +186,6 @@ pub fn xdp_pins(dir: &Path) -> Vec<(PathBuf, &'static str, String)> {
 }
 
 impl Datapath {
-    /// Sets the XDP mode; once attached, brings the devices in line with it.
-    pub fn set_xdp_mode(&mut self, mode: XdpMode) -> Result<Vec<String>> {
-        self.xdp_mode = mode;
-        if self.packet_attached {
-            self.attach_xdp()
-        } else {
-            Ok(Vec::new())
-        }
-    }
-
     /// Attaches the XDP program to every external device (the `--xdp-mode` ones), or swaps it
     /// into the link a previous agent pinned there; detaches it from devices no longer chosen,
     /// and everywhere when XDP is off. Under `native`, a device whose driver refuses native
@@ -412,6 +428,16 @@ impl Datapath {
         device: &Device,
     ) -> Result<(Option<PathBuf>, Option<String>)> {
         let word = self.xdp_mode.word().unwrap_or("generic");
+        // The kernel refused the program at start (`load_xdp`, warned there): a link an earlier
+        // agent pinned here is not swapped but detached (`attach_xdp`: not kept).
+        let prog = super::load::ebpf(&mut self.programs)?.program(XDP_PROGRAM);
+        if prog.is_some_and(|p| p.fd().is_err()) {
+            let new = self.mark_tc(device, KERNEL_REFUSED);
+            return Ok((
+                None,
+                new.then(|| format!("{}: tc ({KERNEL_REFUSED})", device.name)),
+            ));
+        }
         for mode in MODES {
             let pin = xdp_link_pin(&self.dir, mode, &device.name);
             if !pin.exists() {
@@ -486,16 +512,17 @@ impl Datapath {
     }
 
     /// Records that `device` runs tc alone, and `why`, for `list` and /metrics; a failure
-    /// only costs the listing, so it is warned about.
-    fn mark_tc(&self, device: &Device, why: &str) {
+    /// only costs the listing, so it is warned about. Whether the record is new.
+    fn mark_tc(&self, device: &Device, why: &str) -> bool {
         let mark = xdp_tc_mark(&self.dir, &device.name);
         if std::fs::read_link(&mark).is_ok_and(|t| t.as_os_str() == why) {
-            return;
+            return false;
         }
         let _ = std::fs::remove_file(&mark);
         if let Err(e) = std::os::unix::fs::symlink(why, &mark) {
             warn!(device = %device.name, "recording {}: {e}", mark.display());
         }
+        true
     }
 }
 
