@@ -153,8 +153,7 @@ pub(super) fn refusal(e: &ProgramError) -> String {
         if let Some(line) = log
             .lines()
             .map(str::trim)
-            .filter(|l| !l.is_empty() && !stats.iter().any(|s| l.starts_with(s)))
-            .next_back()
+            .rfind(|l| !l.is_empty() && !stats.iter().any(|s| l.starts_with(s)))
         {
             return format!("{line}; {io_error}");
         }
@@ -529,3 +528,33 @@ impl Datapath {
 /// Devices whose driver has no native XDP, found in this agent's life, by ifindex (a device
 /// made again is tried again).
 pub(super) type Refused = BTreeSet<u32>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_error(log: &str) -> ProgramError {
+        ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::E2BIG),
+            verifier_log: aya_obj::VerifierLog::new(log.to_string()),
+        }
+    }
+
+    #[test]
+    fn a_refusal_names_the_verifiers_last_words_before_its_statistics() {
+        // The end of 6.1's log for xdp_ext (the statistics follow the refusal).
+        let e = load_error(
+            "1234: (bf) r1 = r6\nBPF program is too large. Processed 1000001 insn\n\
+             processed 1000001 insns (limit 1000000) max_states_per_insn 28 total_states 61000 \
+             peak_states 5000 mark_read 300\n",
+        );
+        let got = refusal(&e);
+        assert!(
+            got.starts_with("BPF program is too large. Processed 1000001 insn; "),
+            "{got}"
+        );
+        // No log at all (the kernel said nothing): the error itself.
+        let got = refusal(&load_error(""));
+        assert!(got.contains("BPF_PROG_LOAD"), "{got}");
+    }
+}
