@@ -785,11 +785,11 @@ impl Agent {
     fn make_pending_stats(&mut self, now: Instant) {
         const SLICE: usize = 5_000;
         let r = self.dp.store.create_pending_stats(SLICE);
-        let made = *r.as_ref().unwrap_or(&0);
-        self.stats_made += made;
         let pause = match r {
-            Ok(_) if made > 0 => Duration::from_millis(10),
-            Ok(_) => Duration::from_millis(200),
+            Ok((made, enomem)) => {
+                self.stats_made += made;
+                Duration::from_millis(if enomem || made == 0 { 200 } else { 10 })
+            }
             Err(e) => {
                 self.metrics.report("making the per-Service counters", &e);
                 self.upkeep.check_every
@@ -799,7 +799,7 @@ impl Agent {
         if self.dp.store.stats_pending.is_empty() {
             info!(
                 frontends = self.stats_made,
-                "per-Service counters made for the frontends written in bulk"
+                "per-Service counters made for the frontends written without them"
             );
             self.stats_made = 0;
         }

@@ -31,9 +31,8 @@ pub enum Part {
     /// The tc programs: NodePorts, ExternalIPs, LoadBalancer IPs from outside. They are
     /// loaded at start even with `--devices none`.
     PacketDatapath,
-    /// The connection-tracking sweep (`--conntrack-sweep-interval`).
-    Sweep,
-    /// The XDP program (`--xdp-mode`), loaded at start unless the kernel lacks what it needs.
+    /// The XDP program, loaded under `--xdp-mode native|generic` unless the kernel lacks what
+    /// it needs.
     Xdp,
 }
 
@@ -45,7 +44,6 @@ impl fmt::Display for Part {
             Part::PacketDatapath => {
                 "the packet datapath (NodePort, ExternalIP, LoadBalancer from outside)"
             }
-            Part::Sweep => "the connection-tracking sweep",
             Part::Xdp => "the XDP program (--xdp-mode)",
         })
     }
@@ -186,7 +184,7 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_get_socket_cookie, "4.12"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
         (H::BPF_FUNC_sk_storage_get, "5.2"),
-        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
+        (H::BPF_FUNC_ringbuf_output, "5.8"),
     ] {
         out.push(need(
             Feature::Helper(SOCK_ADDR, h, "cgroup sock_addr"),
@@ -209,7 +207,7 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_csum_level, "5.8"),
         (H::BPF_FUNC_redirect_neigh, "5.10"),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11"),
-        (H::BPF_FUNC_ringbuf_reserve, "5.8"),
+        (H::BPF_FUNC_ringbuf_output, "5.8"),
     ] {
         out.push(need(
             Feature::Helper(TC, h, "sched_cls"),
@@ -224,8 +222,7 @@ pub fn needs() -> Vec<Need> {
         since: "5.17",
         fallback: Some(NO_LOOP),
     });
-    // The XDP program is loaded at start whatever `--xdp-mode` says, where the kernel has
-    // what it needs.
+    // The XDP program, where `--xdp-mode` asks for it and the kernel has what it needs.
     out.push(Need {
         feature: Feature::Program(ProgramType::Xdp, "xdp"),
         part: Part::Xdp,
@@ -237,7 +234,7 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_fib_lookup, "4.18", NO_XDP),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11", NO_XDP),
         (H::BPF_FUNC_loop, "5.17", NO_LOOP),
-        (H::BPF_FUNC_ringbuf_reserve, "5.8", NO_XDP),
+        (H::BPF_FUNC_ringbuf_output, "5.8", NO_XDP),
     ] {
         out.push(Need {
             feature: Feature::Helper(ProgramType::Xdp, h, "xdp"),
@@ -252,15 +249,17 @@ pub fn needs() -> Vec<Need> {
         since: "6.6",
         fallback: Some("the tc programs attach the classic way (clsact qdisc, cls_bpf filters)"),
     });
-    out.push(Need {
-        feature: Feature::Helper(TC, H::BPF_FUNC_for_each_map_elem, "sched_cls"),
-        part: Part::Sweep,
-        since: "5.13",
-        fallback: Some(
-            "no sweep: dead flows stay until the unassured table's LRU evicts them or the \
-             assured table fills",
-        ),
-    });
+    // Callbacks (BPF_PSEUDO_FUNC: the SNAT search's bpf_loop callback, the sweep's
+    // bpf_for_each_map_elem one) came in 5.13 with bpf_for_each_map_elem, which stands for
+    // them: before it the kernel refuses the instruction that names a callback even in a
+    // branch the program never takes, so the tc programs, loaded at start, do not load, with
+    // bpf_loop or without. That also covers the socket hooks' atomic AND of the monitor's
+    // summary word (5.12).
+    out.push(need(
+        Feature::Helper(TC, H::BPF_FUNC_for_each_map_elem, "sched_cls"),
+        Part::PacketDatapath,
+        "5.13",
+    ));
     out
 }
 
@@ -645,15 +644,27 @@ mod tests {
     }
 
     #[test]
-    fn tcx_and_the_sweep_have_fallbacks_and_only_warn() {
-        let r = check(&Without(&["tcx", "bpf_for_each_map_elem"]));
+    fn tcx_has_a_fallback_and_only_warns() {
+        let r = check(&Without(&["tcx"]));
         assert_eq!(r.error(), None);
         let w = r.warnings().join("\n");
         assert!(
             w.contains("lacks tcx (Linux 6.6)") && w.contains("classic way"),
             "{w}"
         );
-        assert!(w.contains("connection-tracking sweep: no sweep"), "{w}");
+    }
+
+    /// 5.12 has every helper but the callbacks' (5.13), which the tc programs hold whether
+    /// they call bpf_loop or not: refused at start, naming it, not deep in a load.
+    #[test]
+    fn linux_5_12_is_refused_for_the_callbacks() {
+        let e = check(&AsOf((5, 12))).error().expect("an error");
+        assert!(
+            e.contains("helper bpf_for_each_map_elem in sched_cls programs (Linux 5.13)"),
+            "{e}"
+        );
+        assert!(!e.contains("bpf_ktime_get_coarse_ns"), "{e}");
+        assert_eq!(check(&AsOf((5, 13))).error(), None);
     }
 
     /// Helpers of the first kernels with the program types svc uses (4.18 at the latest),

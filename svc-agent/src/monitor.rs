@@ -229,15 +229,13 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn pid_alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
-/// Whether slot `c` is held by a monitor other than `pid`: its lease current and its process
-/// alive. A monitor killed without a word holds its slot until its lease ends, or until its
-/// pid is seen gone, whichever comes first.
+/// Whether slot `c` is held by a monitor other than `pid`: its lease is current. A monitor
+/// killed without a word holds its slot until its lease ends (3 s). Its process is not looked
+/// for in /proc: a monitor in another PID namespace (one run with `kubectl exec` in the
+/// agent's container, one on the node) has a pid this one cannot see, and taking its slot
+/// would have the two share one ring, each getting part of the events.
 fn held_by_other(c: &MonitorCtl, pid: u32, now: u64) -> bool {
-    c.until_ns > now && c.pid != 0 && c.pid != pid && pid_alive(c.pid)
+    c.until_ns > now && c.pid != 0 && c.pid != pid
 }
 
 /// A slot no other live monitor holds, its ring emptied, and its counters as they are; an

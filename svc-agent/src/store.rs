@@ -524,8 +524,9 @@ impl BpfStore {
     /// Makes the per-Service counters of up to `budget` frontends of `stats_pending` that
     /// still have a name (one removed since has none to make). Stops at ENOMEM (the kernel's
     /// per-CPU pool grows in the background: the caller comes back later) and at any other
-    /// error, which it returns; what it did not make stays pending. Returns how many it made.
-    pub fn create_pending_stats(&mut self, budget: usize) -> Result<usize> {
+    /// error, which it returns; what it did not make stays pending. Returns how many it made,
+    /// and whether it stopped at ENOMEM.
+    pub fn create_pending_stats(&mut self, budget: usize) -> Result<(usize, bool)> {
         let mut made = 0;
         let mut tried = 0;
         while tried < budget {
@@ -544,13 +545,13 @@ impl BpfStore {
             if let Err(e) = self.create_service_stats(id) {
                 self.stats_pending.push(id);
                 if is_enomem(&e) {
-                    break;
+                    return Ok((made, true));
                 }
                 return Err(map_err(map_names::SERVICE_STATS, e));
             }
             made += 1;
         }
-        Ok(made)
+        Ok((made, false))
     }
 
     fn delete_service_stats(&mut self, id: u32) -> Result<(), MapError> {
@@ -582,7 +583,10 @@ impl BpfStore {
             BTreeSet::new()
         };
         let (mut created, mut deleted) = (0, 0);
-        for id in named.difference(&have) {
+        // Those of a bulk write are made in slices (`create_pending_stats`): all at once here
+        // would stall the loop as the slices are there not to.
+        let pending = !self.stats_pending.is_empty();
+        for id in named.difference(&have).filter(|_| !pending) {
             self.create_service_stats(*id)
                 .map_err(|e| map_err(name, e))?;
             created += 1;

@@ -5,7 +5,7 @@
 //! summary word `SVC_MON_ON`, whose lookup the verifier inlines). The writing itself is out
 //! of line (`emit_sock`, `emit_tc`, `emit_swept`, `#[inline(never)]`), so its locals never
 //! join the frames of the callers, whose chain is near the 512-byte stack limit; the event is
-//! built once in a per-CPU map value (`SVC_MON_EVENT`), never on the stack, and copied into
+//! built once in a per-CPU map value (`SVC_MON_EVENT`, one per context), never on the stack, and copied into
 //! the ring of each slot that takes it (`bpf_ringbuf_output`).
 
 use core::intrinsics::{atomic_and, AtomicOrdering};
@@ -53,8 +53,17 @@ static SVC_MON_ON: Array<MonitorOn, 1> = Array::new();
 #[btf_map]
 static SVC_MON_STATS: PerCpuArray<MonitorStats, SLOTS> = PerCpuArray::new();
 
+/// One event being written per CPU and context: a tc program (softirq) may interrupt a
+/// socket hook or the sweep (process context) on their CPU mid-event, and must not write over
+/// its half-built event. tc and XDP run with bottom halves off, so they never interrupt
+/// each other.
 #[btf_map]
-static SVC_MON_EVENT: PerCpuArray<MonitorEvent, 1> = PerCpuArray::new();
+static SVC_MON_EVENT: PerCpuArray<MonitorEvent, 3> = PerCpuArray::new();
+
+/// `SVC_MON_EVENT`'s entries: the socket hooks', tc's and XDP's, the sweep's.
+const EVENT_SOCK: u32 = 0;
+const EVENT_TC: u32 = 1;
+const EVENT_SWEEP: u32 = 2;
 
 /// Whether a monitor may be listening: some slot's bit is set in the summary (not whether
 /// its lease is still valid; the out-of-line writer checks that, so that the common case
@@ -128,10 +137,11 @@ fn slot(i: u32, now: u64, packet: bool) -> u32 {
     1 << i
 }
 
-/// This CPU's event being written: every field is the writer's to set.
+/// This CPU's event being written in context `which` (`EVENT_*`): every field is the
+/// writer's to set.
 #[inline(always)]
-fn event() -> Option<*mut MonitorEvent> {
-    SVC_MON_EVENT.get_ptr_mut(0)
+fn event(which: u32) -> Option<*mut MonitorEvent> {
+    SVC_MON_EVENT.get_ptr_mut(which)
 }
 
 /// Copies the event into the ring of each slot of `to` (`slots`), counting it written or
@@ -182,7 +192,7 @@ pub fn emit_sock(
         return;
     }
     // Written through the pointer, field by field, so that no event is built on the stack.
-    let Some(e) = event() else {
+    let Some(e) = event(EVENT_SOCK) else {
         return;
     };
     // SAFETY: `e` is this CPU's event; the context is the kernel's.
@@ -247,7 +257,7 @@ pub fn emit_tc(s: &Scratch, what: u64) {
         return;
     }
     // Written through the pointer, field by field, so that no event is built on the stack.
-    let Some(e) = event() else {
+    let Some(e) = event(EVENT_TC) else {
         return;
     };
     let icmp = what & ICMP != 0;
@@ -329,7 +339,7 @@ pub fn emit_swept(key: &CtKey, v: &CtValue, now: u64) {
     if to == 0 {
         return;
     }
-    let Some(e) = event() else {
+    let Some(e) = event(EVENT_SWEEP) else {
         return;
     };
     // SAFETY: `e` is this CPU's event.

@@ -820,7 +820,7 @@ fn stale_udp_sockets_are_closed_across_a_crash() {
 
     let (vip_s, vip_t) = (sa(VIP, 53), sa([10, 96, 0, 12], 53));
     let direct = sa(sb.backend_v4(1), 5353);
-    let run = Duration::from_millis(16_000);
+    let run = Duration::from_millis(24_000);
     let via_s = sb.spawn_udp_stream(vip_s, run, 20, 300).unwrap();
     let via_t = sb.spawn_udp_stream(vip_t, run, 20, 300).unwrap();
     let to_pod = sb.spawn_udp_stream(direct, run, 20, 300).unwrap();

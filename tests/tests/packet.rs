@@ -2128,19 +2128,19 @@ enum Attach {
     Xdp,
 }
 
-/// A kernel without `bpf_loop` (5.15, Ubuntu 22.04's), as the start check's probe is told to
+/// A kernel without `bpf_redirect_neigh` (before 5.10), as the start check's probe is told to
 /// answer: the agent stops before loading anything, naming the helper and the part that needs
-/// it, and attaches nothing.
+/// it, and attaches nothing. (Not `bpf_loop`: svc has a fallback for it.)
 #[test]
 fn a_kernel_without_a_helper_is_named_at_start() {
     let mut t = Topo::new();
-    t.agent_env = vec!["SVC_TEST_KERNEL_LACKS=bpf_loop".into()];
+    t.agent_env = vec!["SVC_TEST_KERNEL_LACKS=bpf_redirect_neigh".into()];
     t.launch_agent(&[]);
     let status = poll(AGENT_READY_TIMEOUT, || t.agent().exited()).expect("the agent stops");
     assert!(!status.success());
     let log = t.agent().log();
     assert!(
-        log.contains("lacks what svc needs: helper bpf_loop in sched_cls programs (Linux 5.17), for the packet datapath"),
+        log.contains("lacks what svc needs: helper bpf_redirect_neigh in sched_cls programs (Linux 5.10), for the packet datapath"),
         "{log}"
     );
     assert_eq!(t.node1_eth0_programs(), (0, 0));
