@@ -3,11 +3,11 @@
 //! error (or a warning where svc has a fallback), instead of a verifier or loader error deep in
 //! a load. The list follows what svc-ebpf uses; README "Kernel requirements" says the same.
 //!
-//! Three helpers have fallbacks chosen at load time (`Fit`): without `bpf_set_retval` a refused
-//! connect() fails with EPERM, without `bpf_loop` the SNAT port search's tries are calls of a
-//! global function, without `bpf_xdp_load_bytes` the XDP program is not loaded. The programs
-//! learn which from constants the loader sets (svc-common `kernel_globals`; svc-ebpf
-//! kernel.rs; docs/design/packet-datapath.md, "Kernels before 5.17 and 5.18").
+//! Two helpers have fallbacks chosen at load time (`Fit`): without `bpf_set_retval` a refused
+//! connect() fails with EPERM, without `bpf_xdp_load_bytes` the XDP program is not loaded.
+//! The programs learn the first from a constant the loader sets (svc-common
+//! `kernel_globals`; svc-ebpf kernel.rs; docs/design/packet-datapath.md, "Kernels before
+//! 5.18").
 //!
 //! `--kernel-as 5.15` or `SVC_KERNEL_AS=5.15` (a testing aid, README "Kernel requirements")
 //! makes the check report everything that came after that release missing, so the fallbacks
@@ -96,9 +96,6 @@ const TC: ProgramType = ProgramType::SchedClassifier;
 const NO_SET_RETVAL: &str = "a connect() or sendmsg() svc refuses (a Service without ready \
      endpoints, a port it does not define) fails with EPERM (\"Operation not permitted\"), not \
      ECONNREFUSED";
-/// Without bpf_loop.
-const NO_LOOP: &str = "the SNAT port search's tries are calls of a global function in a \
-     loop, not bpf_loop's: the same 32 tries, verified once (svc-ebpf ct.rs `svc_snat_try`)";
 /// Without a feature of the XDP program alone.
 const NO_XDP: &str = "the XDP program is not loaded: --xdp-mode native or generic runs as \
      off, and tc serves every device";
@@ -215,13 +212,6 @@ pub fn needs() -> Vec<Need> {
             since,
         ));
     }
-    // A new flow's SNAT port search (ct.rs `create_snat`), in the tc programs and XDP's.
-    out.push(Need {
-        feature: Feature::Helper(TC, H::BPF_FUNC_loop, "sched_cls"),
-        part: Part::PacketDatapath,
-        since: "5.17",
-        fallback: Some(NO_LOOP),
-    });
     // The XDP program, where `--xdp-mode` asks for it and the kernel has what it needs.
     out.push(Need {
         feature: Feature::Program(ProgramType::Xdp, "xdp"),
@@ -233,7 +223,6 @@ pub fn needs() -> Vec<Need> {
         (H::BPF_FUNC_xdp_load_bytes, "5.18", NO_XDP),
         (H::BPF_FUNC_fib_lookup, "4.18", NO_XDP),
         (H::BPF_FUNC_ktime_get_coarse_ns, "5.11", NO_XDP),
-        (H::BPF_FUNC_loop, "5.17", NO_LOOP),
         (H::BPF_FUNC_ringbuf_output, "5.8", NO_XDP),
     ] {
         out.push(Need {
@@ -249,12 +238,10 @@ pub fn needs() -> Vec<Need> {
         since: "6.6",
         fallback: Some("the tc programs attach the classic way (clsact qdisc, cls_bpf filters)"),
     });
-    // Callbacks (BPF_PSEUDO_FUNC: the SNAT search's bpf_loop callback, the sweep's
-    // bpf_for_each_map_elem one) came in 5.13 with bpf_for_each_map_elem, which stands for
-    // them: before it the kernel refuses the instruction that names a callback even in a
-    // branch the program never takes, so the tc programs, loaded at start, do not load, with
-    // bpf_loop or without. That also covers the socket hooks' atomic AND of the monitor's
-    // summary word (5.12).
+    // The sweep's callback (BPF_PSEUDO_FUNC, for bpf_for_each_map_elem) came in 5.13 with
+    // that helper: before it the kernel refuses the instruction that names a callback, and
+    // the sweep is loaded at start with the tc programs. That also covers the socket hooks'
+    // atomic AND of the monitor's summary word (5.12).
     out.push(need(
         Feature::Helper(TC, H::BPF_FUNC_for_each_map_elem, "sched_cls"),
         Part::PacketDatapath,
@@ -380,8 +367,6 @@ pub fn has_tcx() -> std::io::Result<bool> {
 pub struct Fit {
     /// `bpf_set_retval`: a refused connect() fails with ECONNREFUSED, else EPERM.
     pub set_retval: bool,
-    /// `bpf_loop`: the SNAT port search's tries run in it, else in a loop of fewer.
-    pub bpf_loop: bool,
     /// The XDP program is loaded (the kernel has all it needs).
     pub xdp: bool,
 }
@@ -399,17 +384,15 @@ impl Fit {
     /// A kernel with everything.
     pub const ALL: Fit = Fit {
         set_retval: true,
-        bpf_loop: true,
         xdp: true,
     };
 
     /// The `.rodata` constants for the loader, by name (`EbpfLoader::set_global`).
-    pub fn globals(&self) -> [(&'static str, u32); 2] {
-        use svc_common::kernel_globals as g;
-        [
-            (g::SET_RETVAL, self.set_retval as u32),
-            (g::LOOP, self.bpf_loop as u32),
-        ]
+    pub fn globals(&self) -> [(&'static str, u32); 1] {
+        [(
+            svc_common::kernel_globals::SET_RETVAL,
+            self.set_retval as u32,
+        )]
     }
 }
 
@@ -445,7 +428,6 @@ impl Report {
         let helper = |want: BpfHelper| move |n: &Need| matches!(n.feature, Feature::Helper(_, h, _) if h as u32 == want as u32);
         Fit {
             set_retval: !lacks(&helper(BpfHelper::BPF_FUNC_set_retval)),
-            bpf_loop: !lacks(&helper(BpfHelper::BPF_FUNC_loop)),
             xdp: !lacks(&|n| n.fallback == Some(NO_XDP)),
         }
     }
@@ -470,20 +452,9 @@ impl Report {
     }
 
     /// A line per missing feature svc does without, and per feature it could not ask about.
-    /// A helper missing from two program types with one fallback (bpf_loop) is one line.
     pub fn warnings(&self) -> Vec<String> {
-        let mut helpers: Vec<(u32, &str)> = Vec::new();
         self.degraded
             .iter()
-            .filter(|n| match n.feature {
-                Feature::Helper(_, h, _) => {
-                    let key = (h as u32, n.fallback.unwrap_or_default());
-                    let first = !helpers.contains(&key);
-                    helpers.push(key);
-                    first
-                }
-                _ => true,
-            })
             .map(|n| {
                 format!(
                     "this kernel lacks {} (Linux {}), for {}: {}",
@@ -549,8 +520,8 @@ mod tests {
         assert!(r.warnings().is_empty(), "{:?}", r.warnings());
     }
 
-    /// Ubuntu 22.04's GA kernel: svc runs, each of the three helpers it lacks named once
-    /// with what svc does without it, and the programs told (`Fit`).
+    /// Ubuntu 22.04's GA kernel: svc runs, each of the two helpers it lacks named once with
+    /// what svc does without it, and the programs told (`Fit`).
     #[test]
     fn linux_5_15_runs_with_named_fallbacks() {
         let r = check(&AsOf((5, 15)));
@@ -559,30 +530,19 @@ mod tests {
             r.fit(),
             Fit {
                 set_retval: false,
-                bpf_loop: false,
                 xdp: false,
             }
         );
         let w = r.warnings();
         let about = |what: &str| w.iter().filter(|l| l.contains(what)).count();
         assert_eq!(about("bpf_set_retval"), 1, "{w:#?}");
-        assert_eq!(
-            about("bpf_loop"),
-            1,
-            "one line for both program types: {w:#?}"
-        );
         assert_eq!(about("bpf_xdp_load_bytes"), 1, "{w:#?}");
         assert_eq!(about("lacks tcx"), 1, "{w:#?}");
-        assert_eq!(w.len(), 4, "{w:#?}");
+        assert_eq!(w.len(), 3, "{w:#?}");
         let all = w.join("\n");
         assert!(
             all.contains("bpf_set_retval in cgroup sock_addr programs (Linux 5.18)")
                 && all.contains("fails with EPERM"),
-            "{all}"
-        );
-        assert!(
-            all.contains("bpf_loop in sched_cls programs (Linux 5.17)")
-                && all.contains("the same 32 tries"),
             "{all}"
         );
         assert!(
@@ -592,22 +552,19 @@ mod tests {
         );
     }
 
-    /// Between the two helpers' releases: only set_retval and XDP go.
+    /// Both helpers came in 5.18: 5.17 has the fallbacks of 5.15 (bpf_loop, 5.17, is not
+    /// needed: the SNAT search's tries are calls of a global function on every kernel).
     #[test]
-    fn linux_5_17_has_bpf_loop_but_not_the_rest() {
+    fn linux_5_18_has_both_helpers_5_17_neither() {
         let fit = check(&AsOf((5, 17))).fit();
         assert_eq!(
             fit,
             Fit {
                 set_retval: false,
-                bpf_loop: true,
                 xdp: false,
             }
         );
-        assert_eq!(
-            fit.globals(),
-            [("SVC_KERNEL_SET_RETVAL", 0), ("SVC_KERNEL_LOOP", 1)]
-        );
+        assert_eq!(fit.globals(), [("SVC_KERNEL_SET_RETVAL", 0)]);
         assert_eq!(check(&AsOf((5, 18))).fit(), Fit::ALL);
         assert_eq!(check(&Without(&[])).fit(), Fit::ALL);
     }
@@ -617,20 +574,17 @@ mod tests {
     fn linux_5_10_is_refused_naming_what_it_lacks() {
         let e = check(&AsOf((5, 10))).error().expect("an error");
         assert!(e.contains("bpf_ktime_get_coarse_ns"), "{e}");
-        assert!(
-            !e.contains("bpf_set_retval") && !e.contains("bpf_loop"),
-            "{e}"
-        );
+        assert!(!e.contains("bpf_set_retval"), "{e}");
     }
 
-    /// A kernel with the XDP helpers but without bpf_loop (a backport) loads XDP, which
-    /// shares the SNAT search and its constant.
+    /// A kernel with the XDP helpers but without bpf_set_retval (a backport) loads XDP,
+    /// and the other way round.
     #[test]
     fn xdp_goes_only_for_its_own_helpers() {
-        let fit = check(&Without(&["bpf_loop "])).fit();
-        assert!(fit.xdp && !fit.bpf_loop && fit.set_retval, "{fit:?}");
+        let fit = check(&Without(&["bpf_set_retval"])).fit();
+        assert!(fit.xdp && !fit.set_retval, "{fit:?}");
         let fit = check(&Without(&["bpf_xdp_load_bytes"])).fit();
-        assert!(!fit.xdp && fit.bpf_loop && fit.set_retval, "{fit:?}");
+        assert!(!fit.xdp && fit.set_retval, "{fit:?}");
     }
 
     #[test]
@@ -654,8 +608,8 @@ mod tests {
         );
     }
 
-    /// 5.12 has every helper but the callbacks' (5.13), which the tc programs hold whether
-    /// they call bpf_loop or not: refused at start, naming it, not deep in a load.
+    /// 5.12 has every helper but the callbacks' (5.13), which the sweep holds: refused at
+    /// start, naming it, not deep in a load.
     #[test]
     fn linux_5_12_is_refused_for_the_callbacks() {
         let e = check(&AsOf((5, 12))).error().expect("an error");
@@ -715,7 +669,10 @@ mod tests {
                 }
             }
         }
-        assert!(called.contains("loop"), "the scan finds calls: {called:?}");
+        assert!(
+            called.contains("get_prandom_u32"),
+            "the scan finds calls: {called:?}"
+        );
         let unchecked: Vec<&String> = called
             .iter()
             .filter(|h| !checked.contains(h) && !OLD_HELPERS.contains(&h.as_str()))

@@ -2025,6 +2025,4 @@ mod tests {
 pub mod kernel_globals {
     /// `bpf_set_retval` (Linux 5.18), the socket hooks' ECONNREFUSED.
     pub const SET_RETVAL: &str = "SVC_KERNEL_SET_RETVAL";
-    /// `bpf_loop` (Linux 5.17), the SNAT port search's tries.
-    pub const LOOP: &str = "SVC_KERNEL_LOOP";
 }

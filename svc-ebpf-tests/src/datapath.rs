@@ -170,7 +170,7 @@ impl Loaded {
             map_ids.extend(info.map_ids().expect("map ids").unwrap_or_default());
         }
         // Loaded whatever `kernel.xdp` says, as this kernel can: its rows then run with the
-        // other fallbacks too (the SNAT search without bpf_loop).
+        // other fallbacks too.
         {
             let name = Prog::Xdp.name();
             let p: &mut Xdp = ebpf

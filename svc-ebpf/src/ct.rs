@@ -24,10 +24,7 @@
 use core::intrinsics::{atomic_and, atomic_or, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    btf_maps::HashMap,
-    helpers::{bpf_get_prandom_u32, generated::bpf_loop},
-    macros::btf_map,
+    bindings::BPF_NOEXIST, btf_maps::HashMap, helpers::bpf_get_prandom_u32, macros::btf_map,
 };
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, CtKey, CtValue, DatapathConfig, Reason, IPPROTO_TCP,
@@ -640,7 +637,7 @@ pub fn alive(key: &CtKey, v: &CtValue, now: u64) -> bool {
 /// Whether the flow of entry `key`/`v` has been idle both ways for the SNAT reclaim bound
 /// (`DatapathConfig::snat_reclaim_idle_s`): its port may go to a new flow that finds the range
 /// full. The other direction counts only while it is still this flow's, as in `alive`.
-/// Inlined: a frame of its own put `snat_try`'s chain past the verifier's stack limit.
+/// Inlined: a frame of its own put `svc_snat_try`'s chain past the verifier's stack limit.
 #[inline(always)]
 fn idle(key: &CtKey, v: &CtValue, now: u64) -> bool {
     let bound = match SVC_CONFIG.get(0) {
@@ -1067,17 +1064,15 @@ pub enum Snat {
 /// other tries on. All
 /// `SNAT_TRIES` meeting open flows: exhausted.
 ///
-/// The tries run in bpf_loop: the verifier checks its callback once, where a loop in the
-/// program calling a static function is explored try by try (8 tries took the external
-/// ingress past the 1,000,000 instructions the verifier may process for it, on 6.18). Before
-/// 5.17 (no bpf_loop, `kernel::has_loop`) they are calls of a global function
-/// (`svc_snat_try`), which the verifier also checks once.
+/// The tries are calls of a global function (`svc_snat_try`), which the verifier checks
+/// once; a static function is explored try by try (8 tries took the external ingress past the
+/// 1,000,000 instructions the verifier may process for it, on 6.18).
 ///
 /// `f` is a raw pointer, and what the tries leave is read back with volatile loads: the tries
 /// write the flow through a pointer of their own (the scratch space, looked up again), which
 /// the compiler cannot see. Through a `&mut Flow` it may assume nothing else writes the flow
-/// during bpf_loop, and then it folds `claimed` to the 0 stored before the loop (every flow
-/// was dropped as exhausted).
+/// during the calls, and then it may fold `claimed` to the 0 stored before them (with
+/// bpf_loop's callback it did: every flow was dropped as exhausted).
 #[inline(never)]
 pub fn create_snat(f: *mut Flow) -> Snat {
     let (min, max) = snat_range();
@@ -1089,28 +1084,12 @@ pub fn create_snat(f: *mut Flow) -> Snat {
         (*f).claimed = 0;
         (*f).frontends_in_range = setting(|c| c.snat_range_frontends);
     }
-    if crate::kernel::has_loop() {
-        // SAFETY: the callback is a function of this object with the signature bpf_loop
-        // wants; it finds its state in the scratch space, so its context is null (bpf_loop
-        // takes only a stack pointer as context, not a map value).
-        unsafe {
-            bpf_loop(
-                SNAT_TRIES,
-                snat_try as *mut core::ffi::c_void,
-                core::ptr::null_mut(),
-                0,
-            );
+    let mut index = 0;
+    while index < SNAT_TRIES {
+        if svc_snat_try(index) != 0 {
+            break;
         }
-    } else {
-        // Before 5.17: the same tries as calls of a global function, in a loop (unrolled):
-        // see `svc_snat_try`.
-        let mut index = 0;
-        while index < SNAT_TRIES {
-            if svc_snat_try(index) != 0 {
-                break;
-            }
-            index += 1;
-        }
+        index += 1;
     }
     // SAFETY: as above; volatile, as said.
     unsafe {
@@ -1129,7 +1108,7 @@ pub fn create_snat(f: *mut Flow) -> Snat {
     Snat::Stored
 }
 
-/// `mem::copy` of an entry, a function of its own: inlined, it grew `snat_try`'s frame past
+/// `mem::copy` of an entry, a function of its own: inlined, it grew `svc_snat_try`'s frame past
 /// the verifier's stack limit on the external ingress's deepest call chain.
 ///
 /// # Safety
@@ -1144,7 +1123,7 @@ unsafe fn copy_value(dst: &mut CtValue, src: *const CtValue) {
 /// frontend whose port lies in the SNAT range, `DatapathConfig::snat_range_frontends`):
 /// packets of one would be taken for the other's. The key is turned FORWARD for the lookup
 /// and back after it, in place in the scratch space: no second key is built. Inlined: a frame
-/// of its own put `snat_try`'s chain past the verifier's stack limit.
+/// of its own put `svc_snat_try`'s chain past the verifier's stack limit.
 #[inline(always)]
 fn forward_tuple_taken(f: &mut Flow) -> bool {
     if f.frontends_in_range == 0 {
@@ -1153,7 +1132,7 @@ fn forward_tuple_taken(f: &mut Flow) -> bool {
     f.try_key.dir = ct_dir::FORWARD;
     let taken = match find(&f.try_key) {
         Some(e) => {
-            // SAFETY: a map value, copied out (as `snat_try` does).
+            // SAFETY: a map value, copied out (as `svc_snat_try` does).
             unsafe { copy_value(&mut f.seen, e) };
             alive(&f.try_key, &f.seen, f.now)
         }
@@ -1163,29 +1142,18 @@ fn forward_tuple_taken(f: &mut Flow) -> bool {
     taken
 }
 
-/// One try of `create_snat`, bpf_loop's callback: 1 stops the loop (a port was claimed, or
-/// there is no scratch space), 0 tries again.
-extern "C" fn snat_try(index: u32, _ctx: *mut core::ffi::c_void) -> i64 {
-    try_port(index)
-}
-
-/// `snat_try` on kernels without bpf_loop, called in a loop: a global function (BTF linkage
-/// global, as a `no_mangle` public function gets), which the verifier checks once on its own,
-/// with `index` unknown, and then takes each call of for its type alone. A static function
-/// is checked again at each call with the caller's state: called try after try from each
-/// path to `create_snat`, 8 tries took the external ingress past the verifier's budget of
-/// 1,000,000 instructions; as a global one, the external ingress with all 32 costs 526,449
-/// (with bpf_loop: 692,481; both measured on Linux 6.18). Its frame stands where `snat_try`'s stood on the chain, the same
-/// size (168 bytes, by llvm-objdump).
+/// One try of `create_snat`: 1 stops the tries (a port was claimed, or there is no scratch
+/// space), 0 tries again. A global function (BTF linkage global, as a `no_mangle` public
+/// function gets), which the verifier checks once on its own, with `index` unknown, and then
+/// takes each call of for its type alone. A static function is checked again at each call
+/// with the caller's state: called try after try from each path to `create_snat`, 8 tries
+/// took the external ingress past the verifier's budget of 1,000,000 instructions. As
+/// bpf_loop's callback (before 2026-12-06) the external ingress cost the verifier 166,000
+/// instructions more than with this function (692,481 against 526,449 on Linux 6.18), and
+/// it needed Linux 5.17.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_snat_try(index: u32) -> i64 {
-    try_port(index)
-}
-
-/// The body of `snat_try` and `svc_snat_try`.
-#[inline(always)]
-fn try_port(index: u32) -> i64 {
     let Some(s) = crate::scratch::get() else {
         return 1;
     };

@@ -12,19 +12,9 @@
 #[unsafe(no_mangle)]
 static SVC_KERNEL_SET_RETVAL: u32 = 1;
 
-#[unsafe(no_mangle)]
-static SVC_KERNEL_LOOP: u32 = 1;
-
 /// Whether the kernel has `bpf_set_retval` (Linux 5.18).
 #[inline(always)]
 pub fn has_set_retval() -> bool {
     // SAFETY: a static of this object.
     unsafe { core::ptr::read_volatile(&SVC_KERNEL_SET_RETVAL) != 0 }
-}
-
-/// Whether the kernel has `bpf_loop` (Linux 5.17).
-#[inline(always)]
-pub fn has_loop() -> bool {
-    // SAFETY: a static of this object.
-    unsafe { core::ptr::read_volatile(&SVC_KERNEL_LOOP) != 0 }
 }

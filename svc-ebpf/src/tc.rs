@@ -631,7 +631,7 @@ fn refused<C: Ctx>(s: &Scratch, reason: Reason, id: u32, next: Next) -> Next {
 #[inline(always)]
 fn dropped(s: &Scratch, reason: Reason, id: u32) -> Next {
     count(reason, s.p.ifindex);
-    monitor::tc(s, reason, false, id);
+    monitor::tc(reason, false, id);
     count_service(reason, id);
     Next::Drop
 }
@@ -816,7 +816,7 @@ pub(crate) fn commit_snat(s: &mut Scratch, addr: &[u8; 16]) -> bool {
         }
         ct::Snat::Exhausted => {
             count(Reason::DropSnatExhausted, s.p.ifindex);
-            monitor::tc(s, Reason::DropSnatExhausted, false, s.new.fwd.id);
+            monitor::tc(Reason::DropSnatExhausted, false, s.new.fwd.id);
             count_service(Reason::DropSnatExhausted, s.new.fwd.id);
             false
         }
@@ -1046,7 +1046,7 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
         && !tcpsum::valid(ctx, p)
     {
         count(Reason::DropBadChecksum, p.ifindex);
-        monitor::tc(s, Reason::DropBadChecksum, false, svc.id);
+        monitor::tc(Reason::DropBadChecksum, false, svc.id);
         return Next::Drop;
     }
     if outcome == lb::FOUND {
@@ -1059,13 +1059,13 @@ fn pod_frontend(ctx: &TcContext, s: &mut Scratch, now: u64) -> Next {
             // A ClusterIP's undefined port, or a frontend without backends: refused, as a
             // socket's connect() would be.
             count(Reason::RejectNoBackend, p.ifindex);
-            monitor::tc(s, Reason::RejectNoBackend, false, svc.id);
+            monitor::tc(Reason::RejectNoBackend, false, svc.id);
             count_service(Reason::RejectNoBackend, svc.id);
             return Next::Reject;
         }
         _ => {
             count(Reason::ErrMissingEntry, p.ifindex);
-            monitor::tc(s, Reason::ErrMissingEntry, false, svc.id);
+            monitor::tc(Reason::ErrMissingEntry, false, svc.id);
             count_service(Reason::ErrMissingEntry, svc.id);
             return Next::Drop;
         }

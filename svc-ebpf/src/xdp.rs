@@ -175,7 +175,7 @@ fn new_snat(ctx: &XdpContext, s: &mut Scratch) -> u32 {
         return PASS;
     }
     let shown = sent(action, Reason::XdpNew, ifindex);
-    monitor::tc(s, shown, true, s.new.fwd.id);
+    monitor::tc(shown, true, s.new.fwd.id);
     action
 }
 

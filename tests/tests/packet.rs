@@ -2130,7 +2130,7 @@ enum Attach {
 
 /// A kernel without `bpf_redirect_neigh` (before 5.10), as the start check's probe is told to
 /// answer: the agent stops before loading anything, naming the helper and the part that needs
-/// it, and attaches nothing. (Not `bpf_loop`: svc has a fallback for it.)
+/// it, and attaches nothing.
 #[test]
 fn a_kernel_without_a_helper_is_named_at_start() {
     let mut t = Topo::new();
@@ -6651,8 +6651,7 @@ fn two_agents_given_the_same_services_choose_the_same_backends() {
 /// Linux 5.15's fallbacks, forced on this kernel (`--kernel-as 5.15`, README "Kernel
 /// requirements"): the agent starts with `--xdp-mode native`, says once per helper what it
 /// does without it, loads no XDP program (none on the device, no link pinned) and runs as
-/// `off`, and a NodePort connection to a remote backend is served by tc, SNATed by the port
-/// search without bpf_loop.
+/// `off`, and a NodePort connection to a remote backend is served by tc, SNATed.
 #[test]
 fn linux_5_15_fallbacks_serve_a_nodeport_without_xdp() {
     let mut t = Topo::new();
@@ -6688,7 +6687,6 @@ fn linux_5_15_fallbacks_serve_a_nodeport_without_xdp() {
     for said in [
         "taking the kernel for Linux 5.15",
         "lacks helper bpf_set_retval in cgroup sock_addr programs (Linux 5.18)",
-        "lacks helper bpf_loop in sched_cls programs (Linux 5.17)",
         "lacks helper bpf_xdp_load_bytes in xdp programs (Linux 5.18)",
         "--xdp-mode native: this kernel cannot load the XDP program",
     ] {
