@@ -383,6 +383,15 @@ struct Topo {
 }
 
 impl Topo {
+    /// `svc-agent list` on node 1's pins, with `extra` flags: its output.
+    fn list(&self, extra: &[&str]) -> String {
+        let agent = self.tools.agent.display().to_string();
+        let bpffs = self.bpffs.path().display().to_string();
+        let mut args = vec![agent.as_str(), "list", "--bpffs", bpffs.as_str()];
+        args.extend_from_slice(extra);
+        run_in(&self.node1, &args)
+    }
+
     fn new() -> Topo {
         require_root();
         let tools = Tools::with_probe(env!("CARGO_BIN_EXE_svc-probe"));
@@ -2338,17 +2347,7 @@ fn restart_keeps_flows_and_uninstall(attach: Attach) {
                 && net.contains("tc_ext_egress"),
             "bpftool net show dev eth0:\n{net}"
         );
-        let list = run_in(
-            &t.node1,
-            &[
-                &t.tools.agent.display().to_string(),
-                "list",
-                "--bpffs",
-                &t.bpffs.path().display().to_string(),
-                "-o",
-                "json",
-            ],
-        );
+        let list = t.list(&["-o", "json"]);
         let list: Value = serde_json::from_str(&list).expect("list's JSON");
         let mut listed: Vec<String> = list["tc_programs"]
             .as_array()
@@ -5411,17 +5410,6 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     };
     let dir = t.bpffs.path().to_path_buf();
     let pin = |mode: &str, dev: &str| dir.join(format!("link_xdp_{mode}_{dev}"));
-    let list = |t: &Topo| {
-        run_in(
-            &t.node1,
-            &[
-                &t.tools.agent.display().to_string(),
-                "list",
-                "--bpffs",
-                &t.bpffs.path().display().to_string(),
-            ],
-        )
-    };
     let refusals = |t: &mut Topo| {
         let log = t.agent().log();
         log.lines()
@@ -5473,7 +5461,7 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
         warning.contains("Operation not supported") && warning.contains("tc serves it"),
         "{warning}"
     );
-    let listed = list(&t);
+    let listed = t.list(&[]);
     assert!(
         listed.contains("XDP: eth0 (native), mv0 (tc: driver has no native XDP)"),
         "{listed}"
@@ -5516,7 +5504,7 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
 
     // XDP off: the record goes with the links.
     restart(&mut t, "off");
-    let listed = list(&t);
+    let listed = t.list(&[]);
     assert!(!listed.contains("XDP:"), "{listed}");
     assert!(
         !t.bpffs.entries().iter().any(|e| e.contains("xdp_")),
@@ -5527,7 +5515,7 @@ fn a_device_whose_driver_refuses_native_xdp_is_left_to_tc() {
     // A new agent tries again (a new driver may have come), and says so again.
     restart(&mut t, "native");
     assert_eq!(refusals(&mut t), 1, "{}", t.agent().log());
-    let listed = list(&t);
+    let listed = t.list(&[]);
     assert!(
         listed.contains("mv0 (tc: driver has no native XDP)"),
         "{listed}"
@@ -5554,17 +5542,6 @@ fn a_kernel_refusing_the_xdp_program_leaves_every_device_to_tc() {
     t.service("remote", nodeport("remote", 31, 30082));
     t.endpoints("remote", &[REMOTE_POD]);
     let pin = t.bpffs.path().join("link_xdp_native_eth0");
-    let list = |t: &Topo| {
-        run_in(
-            &t.node1,
-            &[
-                &t.tools.agent.display().to_string(),
-                "list",
-                "--bpffs",
-                &t.bpffs.path().display().to_string(),
-            ],
-        )
-    };
     let refusals = |t: &mut Topo| {
         let log = t.agent().log();
         log.lines()
@@ -5605,7 +5582,7 @@ fn a_kernel_refusing_the_xdp_program_leaves_every_device_to_tc() {
     );
     let link = t.node1.ip(["-d", "link", "show", "dev", "eth0"]).unwrap();
     assert!(!link.contains("xdp"), "an XDP program on eth0: {link}");
-    let listed = list(&t);
+    let listed = t.list(&[]);
     assert!(
         listed.contains("XDP: eth0 (tc: kernel refused the XDP program)"),
         "{listed}"
@@ -5642,7 +5619,7 @@ fn a_kernel_refusing_the_xdp_program_leaves_every_device_to_tc() {
     t.agent = None;
     t.start_agent_with(&args("off"));
     assert!(refusals(&mut t).is_empty(), "{}", t.agent().log());
-    let listed = list(&t);
+    let listed = t.list(&[]);
     assert!(
         !listed.contains("kernel refused the XDP program"),
         "{listed}"
