@@ -67,11 +67,15 @@ enum Task {
     },
     /// rustfmt and clippy (warnings denied) for the userspace crates and the kernel crate.
     Lint,
-    /// svc on Debian 12's own kernel (6.1, no tcx) in a qemu VM (needs root for apt-get): the
-    /// agent's start check, a ClusterIP from its cgroup and a NodePort from another namespace
-    /// through classic tc filters. The kernel package is downloaded once, into
-    /// target/kernel-smoke.
+    /// svc on Debian 12's own kernel (6.1, no tcx) and on Ubuntu 22.04's (5.15: no tcx, no
+    /// bpf_set_retval), each in a qemu VM (needs root for apt-get): the agent's start check, a
+    /// ClusterIP from its cgroup, a Service without endpoints refused, and a NodePort from
+    /// another namespace through classic tc filters. The kernel packages are downloaded once,
+    /// into target/kernel-smoke.
     KernelSmoke {
+        /// Only this kernel (repeatable); all of them by default.
+        #[arg(long = "kernel", value_enum)]
+        kernels: Vec<kernel_smoke::Guest>,
         /// Give up (and kill the VM) after this many seconds.
         #[arg(long, default_value_t = 900)]
         timeout_s: u64,
@@ -880,7 +884,11 @@ fn run_task(task: Task) -> Result<()> {
                 out: out.unwrap_or(defaults.out),
             })?;
         }
-        Task::KernelSmoke { timeout_s, kvm } => {
+        Task::KernelSmoke {
+            kernels,
+            timeout_s,
+            kvm,
+        } => {
             require_root("kernel-smoke")?;
             build(false)?;
             kernel_smoke::run(
@@ -888,6 +896,11 @@ fn run_task(task: Task) -> Result<()> {
                 &root().join("target/debug/svc-probe"),
                 std::time::Duration::from_secs(timeout_s),
                 kvm,
+                if kernels.is_empty() {
+                    kernel_smoke::Guest::ALL
+                } else {
+                    &kernels
+                },
             )?;
         }
         Task::ControlPlane => {

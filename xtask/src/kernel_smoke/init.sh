@@ -1,6 +1,7 @@
 #!/bin/busybox sh
-# /init of the kernel smoke test's VM (`cargo xtask kernel-smoke`): Debian 12's own kernel,
-# svc-agent from manifests with `--tc-attach auto`, a ClusterIP from the agent's cgroup and a
+# /init of the kernel smoke test's VM (`cargo xtask kernel-smoke`): a distribution's own
+# kernel (Debian 12's 6.1, Ubuntu 22.04's 5.15), svc-agent from manifests with `--tc-attach
+# auto`, a ClusterIP from the agent's cgroup, a Service without endpoints refused, and a
 # NodePort from another network namespace. Everything happens inside the VM; the host reads
 # the verdict line from the serial console.
 /bin/busybox --install -s /bin
@@ -35,7 +36,9 @@ for m in $(cat /etc/svc-smoke/modules); do
 done
 
 # The node is the VM's own namespace: its uplink eth0 (10.0.0.1) leads to an outside client
-# (namespace client, 10.0.0.2), podh (10.1.0.1) to a backend pod (namespace pod, 10.1.0.2).
+# (namespace client, 10.0.0.2), podh (10.1.0.1) to a backend pod (namespace pod, 10.1.0.2),
+# remh (10.2.0.1) to a backend on another node (namespace remote, 10.2.0.2), which a NodePort
+# reaches SNATed to the node's address.
 step network
 ip link set lo up
 ip netns add client || fail "ip netns add client"
@@ -55,16 +58,29 @@ ip -n pod link set lo up
 ip -n pod addr add 10.1.0.2/24 dev eth0
 ip -n pod link set eth0 up
 ip -n pod route add default via 10.1.0.1
+ip netns add remote || fail "ip netns add remote"
+ip link add remh type veth peer name eth0 netns remote || fail "veth remh"
+ip addr add 10.2.0.1/24 dev remh
+ip link set remh up
+ip -n remote link set lo up
+ip -n remote addr add 10.2.0.2/24 dev eth0
+ip -n remote link set eth0 up
+ip -n remote route add default via 10.2.0.1
 
 step backend
 ip netns exec pod svc-probe serve --name pod1 --listen 10.1.0.2:8080 --tcp > /tmp/backend.log 2>&1 &
 for i in $(seq 50); do grep -q ready /tmp/backend.log && break; sleep 0.2; done
 grep -q ready /tmp/backend.log || fail "backend did not start: $(cat /tmp/backend.log)"
+ip netns exec remote svc-probe serve --name remote1 --listen 10.2.0.2:8080 --tcp > /tmp/remote.log 2>&1 &
+for i in $(seq 50); do grep -q ready /tmp/remote.log && break; sleep 0.2; done
+grep -q ready /tmp/remote.log || fail "remote backend did not start: $(cat /tmp/remote.log)"
 
 step agent
+# The XDP mode the host chose for this kernel (kernel_smoke.rs, `Guest::xdp_mode`).
+xdp=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^svc\.xdp=//p')
 mkdir /sys/fs/cgroup/svc-smoke
 svc-agent run --manifests /etc/svc-smoke/manifests --cgroup /sys/fs/cgroup/svc-smoke \
-    --bpffs /sys/fs/bpf/svc --node-name smoke --devices eth0 --tc-attach auto \
+    --bpffs /sys/fs/bpf/svc --node-name smoke --devices eth0,remh --tc-attach auto --xdp-mode "${xdp:-off}" \
     > /tmp/agent.log 2>&1 &
 agent=$!
 # The agent's log on the console as it comes, each line marked.
@@ -91,10 +107,33 @@ out=$(sh -c 'echo $$ > /sys/fs/cgroup/svc-smoke/cgroup.procs; exec svc-probe tcp
 echo "ClusterIP 10.96.0.10:80 from the cgroup: $out"
 echo "$out" | grep -q '"backend":"pod1"' || fail "ClusterIP: $out"
 
+step refused
+# A Service without endpoints: connect() fails at once, with ECONNREFUSED (111), or with
+# EPERM (1) on a kernel without bpf_set_retval (before 5.18), as the start check warned.
+want=111
+grep -q 'lacks helper bpf_set_retval' /tmp/agent.log && want=1
+out=$(sh -c 'echo $$ > /sys/fs/cgroup/svc-smoke/cgroup.procs; exec svc-probe tcp --to 10.96.0.11:80' 2>&1)
+echo "ClusterIP 10.96.0.11:80 without endpoints, from the cgroup: $out (errno $want expected)"
+echo "$out" | grep -q "\"errno\":$want[,}]" || fail "refused: $out, not errno $want"
+
 step nodeport
 out=$(ip netns exec client svc-probe tcp --to 10.0.0.1:30080 2>&1)
 echo "NodePort 10.0.0.1:30080 from namespace client: $out"
 echo "$out" | grep -q '"backend":"pod1"' || fail "NodePort: $out"
 
+step snat
+# To the other node's backend: DNAT and SNAT on eth0's ingress, reverse NAT on remh's. The
+# backend sees the node's address, not the client's.
+out=$(ip netns exec client svc-probe tcp --to 10.0.0.1:30081 --who 2>&1)
+echo "NodePort 10.0.0.1:30081 (remote backend) from namespace client: $out"
+echo "$out" | grep -q '"backend":"remote1"' || fail "NodePort to a remote backend: $out"
+echo "$out" | grep -Eq '"source":"10\.(0\.0|2\.0)\.1:' || fail "NodePort to a remote backend not SNATed to a node address: $out"
+
 kill $agent
-verdict "PASS kernel $(uname -r), $(grep -o 'tc_mode=[a-z]*' /tmp/agent.log | head -n 1)"
+# A kernel without what the XDP program needs runs `native` as `off`, and says so.
+if [ "$xdp" = native ] && grep -q 'lacks helper bpf_xdp_load_bytes' /tmp/agent.log; then
+    grep -q 'this kernel cannot load the XDP program' /tmp/agent.log ||
+        fail "--xdp-mode native without bpf_xdp_load_bytes: no word of running as off"
+    xdp="native, run as off"
+fi
+verdict "PASS kernel $(uname -r), $(grep -o 'tc_mode=[a-z]*' /tmp/agent.log | head -n 1), xdp ${xdp:-off}, refused with errno $want"
