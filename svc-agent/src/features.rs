@@ -238,10 +238,13 @@ pub fn needs() -> Vec<Need> {
         since: "6.6",
         fallback: Some("the tc programs attach the classic way (clsact qdisc, cls_bpf filters)"),
     });
-    // The sweep's callback (BPF_PSEUDO_FUNC, for bpf_for_each_map_elem) came in 5.13 with
-    // that helper: before it the kernel refuses the instruction that names a callback, and
-    // the sweep is loaded at start with the tc programs. That also covers the socket hooks'
-    // atomic AND of the monitor's summary word (5.12).
+    // The connection-tracking sweep's callback (BPF_PSEUDO_FUNC, for bpf_for_each_map_elem)
+    // came in 5.13 with that helper. The sweep is loaded after the attach, and a refusal
+    // there only leaves dead flows until evicted; the tc programs themselves hold no callback
+    // since the SNAT search stopped using bpf_loop, and would load on 5.12. 5.13 is asked for
+    // all the same: a packet datapath whose connection table is never swept fills it with
+    // dead flows until new ones evict live ones. It also covers the socket hooks' atomic AND
+    // of the monitor's summary word (5.12).
     out.push(need(
         Feature::Helper(TC, H::BPF_FUNC_for_each_map_elem, "sched_cls"),
         Part::PacketDatapath,

@@ -1148,9 +1148,9 @@ fn forward_tuple_taken(f: &mut Flow) -> bool {
 /// takes each call of for its type alone. A static function is checked again at each call
 /// with the caller's state: called try after try from each path to `create_snat`, 8 tries
 /// took the external ingress past the verifier's budget of 1,000,000 instructions. As
-/// bpf_loop's callback (before 2026-12-06) the external ingress cost the verifier 166,000
-/// instructions more than with this function (692,481 against 526,449 on Linux 6.18), and
-/// it needed Linux 5.17.
+/// bpf_loop's callback (until c7bfc33) the external ingress cost the verifier 166,000
+/// instructions more than with this function (692,481 against 526,449 on Linux 6.18, at
+/// ed4f4dd), and it needed Linux 5.17.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_snat_try(index: u32) -> i64 {

@@ -9,10 +9,12 @@
 //! Ubuntu keyring); both are cached under `target/kernel-smoke/GUEST`. The VM boots the kernel
 //! with an initramfs made here: busybox-static,
 //! iproute2's `ip` and `tc`, the agent and svc-probe with the shared libraries they load, the
-//! kernel modules the datapath needs, two Service manifests and `kernel_smoke/init.sh`, which
-//! builds the network inside the VM, runs the agent and checks a ClusterIP and a NodePort. The
-//! host only reads the verdict line from the serial console. Nothing touches the host's
-//! network; the VM has no network device at all.
+//! kernel modules the datapath needs, a manifest of three Services and `kernel_smoke/init.sh`,
+//! which builds the network inside the VM, runs the agent and checks a ClusterIP, a refusal's
+//! errno, a NodePort to a local backend and one to a remote backend (SNATed), with what the
+//! host expects of this kernel on the kernel command line (`Guest::append`). The host only
+//! reads the verdict line from the serial console. Nothing touches the host's network; the VM
+//! has no network device at all.
 
 use std::{
     collections::BTreeSet,
@@ -49,14 +51,18 @@ impl Guest {
         }
     }
 
-    /// The agent's `--xdp-mode` in the VM. 5.15 lacks `bpf_xdp_load_bytes`: `native` there
-    /// checks that the start check leaves the program unloaded and tc serves. 6.1's verifier
-    /// refuses the program after 1,000,000 instructions (85 s emulated, which the tc attach
-    /// waits for): `off`.
-    fn xdp_mode(self) -> &'static str {
+    /// What init.sh is told on the kernel command line: the agent's `--xdp-mode`, and what
+    /// this kernel must give, known here rather than taken from the agent's own log (a start
+    /// check wrong about the kernel would otherwise set the test's expectations too).
+    /// - `svc.xdp`: 5.15 lacks `bpf_xdp_load_bytes`, so `native` there checks that the agent
+    ///   says it runs as `off` (`svc.xdp_off=1`). 6.1's verifier refuses the program after
+    ///   1,000,000 instructions (85 s emulated, which the tc attach waits for): `off`.
+    /// - `svc.errno`: a connect() to a Service without endpoints fails with ECONNREFUSED
+    ///   (111), or EPERM (1) before `bpf_set_retval` (5.18).
+    fn append(self) -> &'static str {
         match self {
-            Guest::Debian12 => "off",
-            Guest::Ubuntu2204 => "native",
+            Guest::Debian12 => "svc.xdp=off svc.errno=111",
+            Guest::Ubuntu2204 => "svc.xdp=native svc.xdp_off=1 svc.errno=1",
         }
     }
 }
@@ -70,7 +76,10 @@ const SERIES: &str = "linux-image-6.1.0-";
 const UBUNTU_ARCHIVE: &str = "http://archive.ubuntu.com/ubuntu/";
 /// Ubuntu 22.04's GA kernel, 5.15.0-208.218 (jammy-updates on 2026-12-06; the archive keeps
 /// every ABI's packages): the image (unsigned: the same kernel, not wrapped for Secure Boot)
-/// and its modules, with the SHA256 the archive's signed Packages index gives them.
+/// and its modules, with the SHA256 that jammy-updates' Packages index gave them on that day
+/// (fetched over plain HTTP, as apt does, but without checking the index's signature: no
+/// Ubuntu keyring here). A changed pin or a partial download leaves no stamp: the next run
+/// fetches again.
 const UBUNTU_DEBS: &[(&str, &str)] = &[
     (
         "pool/main/l/linux/linux-image-unsigned-5.15.0-208-generic_5.15.0-208.218_amd64.deb",
@@ -198,13 +207,7 @@ pub fn run(
         let initramfs = cache.join("initramfs.cpio");
         build_initramfs(&kernel, agent, probe, &cache.join("initramfs"), &initramfs)?;
         let started = Instant::now();
-        let verdict = boot(
-            &kernel.vmlinuz,
-            &initramfs,
-            &format!("svc.xdp={}", guest.xdp_mode()),
-            timeout,
-            kvm,
-        )?;
+        let verdict = boot(&kernel.vmlinuz, &initramfs, guest.append(), timeout, kvm)?;
         eprintln!(
             "kernel smoke test, {}: {verdict} ({:.0} s in the VM)",
             guest.name(),
@@ -558,7 +561,7 @@ impl Drop for Vm {
 
 /// Boots the VM and returns what follows `svc-kernel-smoke: ` on its verdict line (PASS ... or
 /// FAIL ...), printing the console as it comes.
-/// `append`: more of the kernel's command line, which init.sh reads (`svc.xdp=MODE`).
+/// `append`: more of the kernel's command line, which init.sh reads (`Guest::append`).
 fn boot(
     vmlinuz: &Path,
     initramfs: &Path,

@@ -69,9 +69,9 @@ enum Task {
     Lint,
     /// svc on Debian 12's own kernel (6.1, no tcx) and on Ubuntu 22.04's (5.15: no tcx, no
     /// bpf_set_retval), each in a qemu VM (needs root for apt-get): the agent's start check, a
-    /// ClusterIP from its cgroup, a Service without endpoints refused, and a NodePort from
-    /// another namespace through classic tc filters. The kernel packages are downloaded once,
-    /// into target/kernel-smoke.
+    /// ClusterIP from its cgroup, a Service without endpoints refused, and NodePorts from
+    /// another namespace to a local and a remote (SNATed) backend through classic tc filters.
+    /// The kernel packages are downloaded once, into target/kernel-smoke.
     KernelSmoke {
         /// Only this kernel (repeatable); all of them by default.
         #[arg(long = "kernel", value_enum)]

@@ -268,7 +268,7 @@ impl Datapath {
     /// A descriptor of the connection-tracking sweep, loaded on the first call, for a thread
     /// of its own; None when the object has none. Loaded only when asked for: a kernel that
     /// refuses it leaves the datapath running unswept (the start check refuses a kernel
-    /// before bpf_for_each_map_elem, 5.13, for the tc programs' callbacks).
+    /// before bpf_for_each_map_elem, 5.13, for the sweep's callback: features.rs).
     pub fn ct_sweep(&mut self) -> Result<Option<std::os::fd::OwnedFd>> {
         if self.sweep.is_none() {
             let Some(prog) = ebpf(&mut self.programs)?.program_mut(SWEEP_PROGRAM) else {
