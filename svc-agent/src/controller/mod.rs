@@ -355,6 +355,7 @@ impl Controller {
     /// Services that changed. Fails when a program of the object was refused by the kernel:
     /// this agent can never attach it.
     fn sync(&mut self) -> Result<()> {
+        let started = Instant::now();
         let agent = &mut self.agent;
         let batch = self.tracker.take(agent.holders());
         // Nothing pending once the batch is taken (the counts of the changes stay).
@@ -385,6 +386,7 @@ impl Controller {
         record_latency(&self.metrics, &report, &batch.triggers, batch.since);
         if full {
             info!(
+                ms = started.elapsed().as_millis() as u64,
                 services = batch.changed,
                 written = report.frontends_written,
                 removed = report.frontends_removed,

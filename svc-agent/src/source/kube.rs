@@ -73,6 +73,13 @@ pub struct KubeOptions {
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
 pub use crate::model::Cidr;
 
+/// Objects per page of the Services' and EndpointSlices' lists (kube-rs: 500). The API
+/// server's cost is mostly per page at that size: at 100,000 Services of 10 endpoints, pages of
+/// 5,000 had both lists done 7.8–8.6 s after spawn, against 10.0–13.0 s (docs/benchmarks.md).
+/// A page of full 100-endpoint slices is then about 400 MB of API objects at once; kube-proxy's
+/// first list, unpaged from the watch cache, holds all of them.
+pub const LIST_PAGE: u32 = 5_000;
+
 /// kube-proxy's selection of Services (cmd/kube-proxy/app/server.go): those without a service
 /// proxy name, or with svc's --service-proxy-name, those labelled with it. Headless Services
 /// are dropped by their `clusterIP: None` (translate), not by the headless label.
@@ -461,6 +468,7 @@ impl Cache {
                     self.services = services.into_iter().collect();
                     changed.into_iter().for_each(|k| self.mark(k));
                     self.services_listed = true;
+                    info!(services = self.services.len(), "Services listed");
                 }
             },
             Update::Slice(e) => match e {
@@ -504,6 +512,7 @@ impl Cache {
                     }
                     self.slices = packed(std::mem::take(&mut self.slices));
                     self.slices_listed = true;
+                    info!(slices = self.slices.len(), "EndpointSlices listed");
                 }
             },
             Update::Node(e) => {
@@ -931,7 +940,7 @@ impl ApiServer {
         let failures = Arc::new(std::sync::Mutex::new(FailureLog::new(&self.url)));
         let proxy_name = opts.service_proxy_name.as_deref();
         let config = || {
-            let c = watcher::Config::default();
+            let c = watcher::Config::default().page_size(LIST_PAGE);
             if opts.watch_list {
                 c.streaming_lists()
             } else {

@@ -315,13 +315,16 @@ fn histogram(metrics: &str, name: &str) -> Option<String> {
     ))
 }
 
-/// Lists every object the way the agent's watcher does (label selector, pages of 500).
+/// Lists every object the way the agent's watcher does (label selector, pages of
+/// `LIST_PAGE`).
 async fn list_all<K>(api: &Api<K>, selector: &str) -> Result<Vec<K>>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let mut out = Vec::new();
-    let mut lp = ListParams::default().labels(selector).limit(500);
+    let mut lp = ListParams::default()
+        .labels(selector)
+        .limit(svc_agent::source::kube::LIST_PAGE);
     loop {
         let page: ObjectList<K> = api.list(&lp).await?;
         out.extend(page.items);
@@ -461,8 +464,9 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         rt.block_on(list_all(&Api::all(client.clone()), &service_selector(None)))?;
     rows.push(step.row(
         &format!(
-            "list {} Services through kube-rs (pages of 500, deserialized)",
-            services.len()
+            "list {} Services through kube-rs (pages of {}, deserialized)",
+            services.len(),
+            svc_agent::source::kube::LIST_PAGE
         ),
         &mut mib,
     ));
@@ -695,6 +699,28 @@ fn adopted_at(log: &str) -> Option<Timestamp> {
         .and_then(|t| t.parse().ok())
 }
 
+/// The agent's log since `spawned_at`, each line at its offset from it: where the start's
+/// time went, by the agent's own account.
+fn timeline(log: &str, spawned_at: Timestamp) {
+    for l in log.lines() {
+        let Some((t, rest)) = l.split_once(' ') else {
+            continue;
+        };
+        let Ok(t) = t.parse::<Timestamp>() else {
+            continue;
+        };
+        // Lines of an agent before this one (a restart's log follows its predecessor's).
+        let Ok(at) = Duration::try_from(t.duration_since(spawned_at)) else {
+            continue;
+        };
+        if rest.contains("attached program=") {
+            continue;
+        }
+        let rest: String = rest.chars().take(160).collect();
+        println!("  +{:7.3} s {rest}", at.as_secs_f64());
+    }
+}
+
 /// Starts the agent on a fresh bpffs directory, waits for `svc-agent: ready`, then checks that
 /// every Service is in the maps with exactly its backends.
 fn cold_start(
@@ -746,6 +772,9 @@ fn cold_start(
     let memcg_usage = memcg.usage()?;
     let attached =
         adopted_at(&agent.log()).and_then(|t| t.duration_since(spawned_at).try_into().ok());
+    if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
+        timeline(&agent.log(), spawned_at);
+    }
     let store = svc_agent::datapath::open_pinned(bpffs.path())?;
     let (complete, service_entries) = verify(&store, args)?;
     if complete != args.services as usize {
@@ -948,8 +977,12 @@ fn bench() -> Result<()> {
     let before = store.snapshot()?;
     agent.terminate(Duration::from_secs(30))?;
     let started = Instant::now();
+    let spawned_at = Timestamp::now();
     agent.restart()?;
     agent.wait_ready(READY_TIMEOUT)?;
+    if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
+        timeline(&agent.log(), spawned_at);
+    }
     let restart_time = started.elapsed();
     let restart_pid = agent.pid().context("agent pid")?;
     let restart_cpu = cpu(restart_pid)?;
