@@ -73,11 +73,12 @@ pub struct KubeOptions {
 /// An address range, "10.96.0.0/12" or "fd00:10:96::/112".
 pub use crate::model::Cidr;
 
-/// Objects per page of the Services' and EndpointSlices' lists (kube-rs: 500). The API
-/// server's cost is mostly per page at that size: at 100,000 Services of 10 endpoints, pages of
-/// 5,000 had both lists done 7.8–8.6 s after spawn, against 10.0–13.0 s (docs/benchmarks.md).
-/// A page of full 100-endpoint slices is then about 400 MB of API objects at once; kube-proxy's
-/// first list, unpaged from the watch cache, holds all of them.
+/// Objects per page of the Services' and EndpointSlices' lists (kube-rs: 500; a streaming list,
+/// `--watch-list`, has no pages). A large share of the API server's cost is per page at 500: at
+/// 100,000 Services of 10 endpoints, a restart's lists were done 5.0–5.8 s after spawn with
+/// pages of 5,000, against 9.1–9.4 s (docs/benchmarks.md). The price is one page held at once:
+/// about 40 MB of API objects for slices of 10 endpoints, roughly ten times that for full ones;
+/// kube-proxy's first list, unpaged from the watch cache, holds every object at once.
 pub const LIST_PAGE: u32 = 5_000;
 
 /// kube-proxy's selection of Services (cmd/kube-proxy/app/server.go): those without a service
@@ -858,22 +859,25 @@ impl ApiServer {
         &self,
         opts: &KubeOptions,
     ) -> Result<(Vec<Service>, Vec<EndpointSlice>, Option<Node>)> {
-        use kube::api::ListParams;
         let proxy_name = opts.service_proxy_name.as_deref();
         let listing = |kind: &str, e: kube::Error| Error::Other(format!("listing {kind}: {e}"));
-        let services = Api::<Service>::all(self.client.clone())
-            .list(&ListParams::default().labels(&service_selector(proxy_name)))
-            .await
-            .map_err(|e| listing("Services", e))?;
-        let slices = Api::<EndpointSlice>::all(self.client.clone())
-            .list(&ListParams::default().labels(&slice_selector(proxy_name)))
-            .await
-            .map_err(|e| listing("EndpointSlices", e))?;
+        let services = list_all(
+            &Api::<Service>::all(self.client.clone()),
+            &service_selector(proxy_name),
+        )
+        .await
+        .map_err(|e| listing("Services", e))?;
+        let slices = list_all(
+            &Api::<EndpointSlice>::all(self.client.clone()),
+            &slice_selector(proxy_name),
+        )
+        .await
+        .map_err(|e| listing("EndpointSlices", e))?;
         let node = Api::<Node>::all(self.client.clone())
             .get_opt(&opts.node_name)
             .await
             .map_err(|e| listing("Nodes", e))?;
-        Ok((services.items, slices.items, node))
+        Ok((services, slices, node))
     }
 
     /// Warns, once, that `--maglev-seed` is left at its built-in default when the cluster has
@@ -969,6 +973,26 @@ impl ApiServer {
             |e| Update::Node(Box::new(e)),
         );
         futures::stream::select_all([services.boxed(), slices.boxed(), nodes.boxed()])
+    }
+}
+
+/// Every object `selector` selects, in pages of `LIST_PAGE` as the watchers list them: one
+/// consistent snapshot (the continue token holds the first page's resourceVersion).
+pub async fn list_all<K>(api: &Api<K>, selector: &str) -> std::result::Result<Vec<K>, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut params = kube::api::ListParams::default()
+        .labels(selector)
+        .limit(LIST_PAGE);
+    let mut out = Vec::new();
+    loop {
+        let page = api.list(&params).await?;
+        out.extend(page.items);
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(out),
+        }
     }
 }
 

@@ -16,7 +16,9 @@
 //!
 //! and the agent's own latency histograms from its /metrics. A breakdown of the cold start
 //! (listing through kube-rs, translating, writing the maps) is measured afterwards in this
-//! process, with the same objects, so a missed target can be traced to its cause.
+//! process, with the same objects, so a missed target can be traced to its cause. With
+//! `SVC_BENCH_TIMELINE` set, the agent's log of the cold start and of the restart is printed
+//! (stderr), each line at its offset from the spawn: where the agent's own time went.
 //!
 //! Nothing leaves loopback: the API server, the agent's /metrics and /healthz listen on
 //! 127.0.0.1, and no traffic is sent to any Service.
@@ -36,11 +38,13 @@ use clap::Parser;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{ListParams, ObjectList, PostParams};
+use kube::api::PostParams;
 use kube::{Api, Client};
 use svc_agent::model::{Frontend, Protocol};
 use svc_agent::reconcile::{addr16, service_key, Programmed};
-use svc_agent::source::kube::{service_selector, slice_selector, TRIGGER_TIME_ANNOTATION};
+use svc_agent::source::kube::{
+    list_all, service_selector, slice_selector, TRIGGER_TIME_ANNOTATION,
+};
 use svc_agent::store::{BpfStore, Store};
 use svc_agent::translate::NodeContext;
 use svc_common::{ServiceKey, SlotKey};
@@ -313,26 +317,6 @@ fn histogram(metrics: &str, name: &str) -> Option<String> {
         bound(0.5),
         bound(0.99)
     ))
-}
-
-/// Lists every object the way the agent's watcher does (label selector, pages of
-/// `LIST_PAGE`).
-async fn list_all<K>(api: &Api<K>, selector: &str) -> Result<Vec<K>>
-where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let mut out = Vec::new();
-    let mut lp = ListParams::default()
-        .labels(selector)
-        .limit(svc_agent::source::kube::LIST_PAGE);
-    loop {
-        let page: ObjectList<K> = api.list(&lp).await?;
-        out.extend(page.items);
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(c) => lp = lp.continue_token(&c),
-            None => return Ok(out),
-        }
-    }
 }
 
 /// Counts the heap this process holds, so the breakdown can say what each of the agent's data
@@ -709,7 +693,7 @@ fn timeline(log: &str, spawned_at: Timestamp) {
         let Ok(t) = t.parse::<Timestamp>() else {
             continue;
         };
-        // Lines of an agent before this one (a restart's log follows its predecessor's).
+        // Before the spawn: none expected (each start logs to a file of its own).
         let Ok(at) = Duration::try_from(t.duration_since(spawned_at)) else {
             continue;
         };
@@ -717,7 +701,7 @@ fn timeline(log: &str, spawned_at: Timestamp) {
             continue;
         }
         let rest: String = rest.chars().take(160).collect();
-        println!("  +{:7.3} s {rest}", at.as_secs_f64());
+        eprintln!("  +{:7.3} s {rest}", at.as_secs_f64());
     }
 }
 
@@ -980,15 +964,15 @@ fn bench() -> Result<()> {
     let spawned_at = Timestamp::now();
     agent.restart()?;
     agent.wait_ready(READY_TIMEOUT)?;
-    if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
-        timeline(&agent.log(), spawned_at);
-    }
     let restart_time = started.elapsed();
     let restart_pid = agent.pid().context("agent pid")?;
     let restart_cpu = cpu(restart_pid)?;
     let at_ready = store.snapshot()?;
     std::thread::sleep(Duration::from_secs(3));
     let after_grace = store.snapshot()?;
+    if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
+        timeline(&agent.log(), spawned_at);
+    }
     let (restart_complete, _) = verify(&store, &args)?;
     let restart_changes = [
         format!("at ready: {}", changed(&before, &at_ready)),
