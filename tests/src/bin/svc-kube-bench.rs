@@ -675,24 +675,25 @@ struct ColdStart {
     metrics: SocketAddr,
 }
 
+/// A line of the agent's log as its timestamp and the rest; None for a line without one
+/// (the `svc-agent: ...` lines on stderr).
+fn stamped(line: &str) -> Option<(Timestamp, &str)> {
+    let (t, rest) = line.split_once(' ')?;
+    Some((t.parse().ok()?, rest))
+}
+
 /// When the agent said it adopted the pinned maps, from its log's timestamps.
 fn adopted_at(log: &str) -> Option<Timestamp> {
     log.lines()
         .find(|l| l.contains("adopted pinned state"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|t| t.parse().ok())
+        .and_then(stamped)
+        .map(|(t, _)| t)
 }
 
 /// The agent's log since `spawned_at`, each line at its offset from it: where the start's
 /// time went, by the agent's own account.
 fn timeline(log: &str, spawned_at: Timestamp) {
-    for l in log.lines() {
-        let Some((t, rest)) = l.split_once(' ') else {
-            continue;
-        };
-        let Ok(t) = t.parse::<Timestamp>() else {
-            continue;
-        };
+    for (t, rest) in log.lines().filter_map(stamped) {
         // Before the spawn: none expected (each start logs to a file of its own).
         let Ok(at) = Duration::try_from(t.duration_since(spawned_at)) else {
             continue;

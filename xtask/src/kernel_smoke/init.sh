@@ -82,7 +82,7 @@ arg() { tr ' ' '\n' < /proc/cmdline | sed -n "s/^svc\.$1=//p"; }
 xdp=$(arg xdp)
 xdp_off=$(arg xdp_off)
 want=$(arg errno)
-[ -n "$xdp" ] && [ -n "$want" ] || fail "no svc.xdp or svc.errno on the kernel command line" 
+[ -n "$xdp" ] && [ -n "$want" ] || fail "no svc.xdp or svc.errno on the kernel command line"
 mkdir /sys/fs/cgroup/svc-smoke
 svc-agent run --manifests /etc/svc-smoke/manifests --cgroup /sys/fs/cgroup/svc-smoke \
     --bpffs /sys/fs/bpf/svc --node-name smoke --devices eth0,remh --tc-attach auto --xdp-mode "${xdp:-off}" \
