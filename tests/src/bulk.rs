@@ -208,6 +208,20 @@ pub async fn populate_via_etcd(
         }
     }
     caught_up(client, namespace).await?;
+    // Digesting the writes keeps the API server busy for a while after it serves lists.
+    let pids = cp.pids();
+    let settled =
+        tokio::task::spawn_blocking(move || crate::sys::settle(&pids, Duration::from_secs(300)))
+            .await??;
+    eprintln!(
+        "the API server and etcd {} after {:.1} s more",
+        if settled.quiet {
+            "went quiet"
+        } else {
+            "were still busy"
+        },
+        settled.waited.as_secs_f64()
+    );
     Ok(out)
 }
 

@@ -203,6 +203,15 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// The pids of etcd and kube-apiserver, while they run.
+    pub fn pids(&self) -> Vec<u32> {
+        [&self.etcd, &self.apiserver]
+            .into_iter()
+            .flatten()
+            .map(Child::id)
+            .collect()
+    }
+
     /// The temporary directory: logs (`etcd.log`, `kube-apiserver.log`), certificates,
     /// kubeconfigs.
     pub fn dir(&self) -> &Path {

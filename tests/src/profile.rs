@@ -91,7 +91,7 @@ pub fn program_time(pins: &Path) -> Result<(u64, u64)> {
 
 /// /proc/stat: the jiffies of all CPUs (user nice system idle iowait irq softirq steal ...),
 /// and the number of CPUs.
-fn cpu_stat() -> Result<(Vec<u64>, u64)> {
+pub(crate) fn cpu_stat() -> Result<(Vec<u64>, u64)> {
     let stat = std::fs::read_to_string("/proc/stat")?;
     let line = stat.lines().next().context("empty /proc/stat")?;
     let f: Vec<u64> = line

@@ -185,6 +185,64 @@ fn find_bin(env: &str, name: &str) -> PathBuf {
         .join(name)
 }
 
+/// User plus system CPU time of every thread of `pid` so far, from /proc/PID/stat.
+pub fn cpu_time(pid: u32) -> Result<std::time::Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name may hold spaces and parentheses: fields count from the last ')'.
+    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at field 3.
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(std::time::Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+/// How `settle` ended.
+#[derive(Debug, Clone, Copy)]
+pub struct Settled {
+    pub waited: std::time::Duration,
+    /// False: `max` passed first.
+    pub quiet: bool,
+}
+
+/// Waits until processes `pids` together use less than a tenth of a core, and the machine as
+/// a whole less than 15 % of its CPUs, over two one-second windows in a row, or until `max`
+/// has passed. For benches: the API server digesting a bulk write, or the kernel freeing the
+/// maps of an agent just stopped (a workqueue, no process of ours), would otherwise share the
+/// cores with what is measured next.
+pub fn settle(pids: &[u32], max: std::time::Duration) -> Result<Settled> {
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+    let sample = || -> Result<(std::time::Duration, u64, u64)> {
+        let used = pids.iter().map(|&p| cpu_time(p)).sum::<Result<_>>()?;
+        let (jiffies, _) = crate::profile::cpu_stat()?;
+        // idle and iowait are the 4th and 5th of user nice system idle iowait ...
+        let total: u64 = jiffies.iter().take(8).sum();
+        Ok((used, total - jiffies[3] - jiffies[4], total))
+    };
+    let started = std::time::Instant::now();
+    let mut quiet = 0;
+    let mut before = sample()?;
+    while started.elapsed() < max {
+        std::thread::sleep(WINDOW);
+        let now = sample()?;
+        let ours = now.0.saturating_sub(before.0) < WINDOW / 10;
+        let busy = (now.1 - before.1) as f64 / (now.2 - before.2).max(1) as f64;
+        quiet = if ours && busy < 0.15 { quiet + 1 } else { 0 };
+        before = now;
+        if quiet == 2 {
+            return Ok(Settled {
+                waited: started.elapsed(),
+                quiet: true,
+            });
+        }
+    }
+    Ok(Settled {
+        waited: started.elapsed(),
+        quiet: false,
+    })
+}
+
 /// Sends `sig` to one process we started.
 pub fn signal(pid: u32, sig: libc::c_int) -> std::io::Result<()> {
     // 0 would signal our whole process group: never.

@@ -51,7 +51,9 @@ use svc_common::{ServiceKey, SlotKey};
 use svc_tests::agent::kube_run_args;
 use svc_tests::control_plane::ControlPlane;
 use svc_tests::memcg::{MemCgroup, MemUsage};
-use svc_tests::{bulk, interrupt, report, require_root, Agent, Bpffs, TempDir, TestCgroup, Tools};
+use svc_tests::{
+    bulk, interrupt, report, require_root, sys, Agent, Bpffs, TempDir, TestCgroup, Tools,
+};
 
 #[derive(Parser)]
 struct Args {
@@ -160,19 +162,6 @@ fn memory(pid: u32) -> Result<Memory> {
         rss_kib: field("VmRSS:")?,
         hwm_kib: field("VmHWM:")?,
     })
-}
-
-/// User plus system CPU time of every thread of `pid`, from /proc/PID/stat (clock ticks).
-fn cpu(pid: u32) -> Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command name may hold spaces and parentheses: fields count from the last ')'.
-    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at field 3.
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Ok(Duration::from_micros(ticks * 1_000_000 / hz))
 }
 
 /// Whether the pinned maps serve `want` as a backend of `key` now: the socket hook's own
@@ -751,7 +740,7 @@ fn cold_start(
         std::thread::sleep(Duration::from_millis(1));
     }
     let time = started.elapsed();
-    let cpu = cpu(pid)?;
+    let cpu = sys::cpu_time(pid)?;
     let mem = memory(pid)?;
     let smaps = rss_by_mapping(pid)?;
     let memcg_usage = memcg.usage()?;
@@ -857,10 +846,18 @@ fn bench() -> Result<()> {
     let (agent, bpffs, store, memcg) = loop {
         interrupt::check()?;
         let run = runs.len() + 1;
+        // The API server after the last agent's lists, the kernel freeing its maps.
+        let settled = sys::settle(&cp.pids(), Duration::from_secs(120))?;
         eprintln!(
-            "cold start {run}/{}: {}",
+            "cold start {run}/{}: {} (after {:.1} s waiting for a quiet machine{})",
             args.cold_starts,
-            tools.agent.display()
+            tools.agent.display(),
+            settled.waited.as_secs_f64(),
+            if settled.quiet {
+                ""
+            } else {
+                ", which it was not"
+            }
         );
         let (agent, bpffs, store, memcg, cold) = cold_start(&tools, &cp, &cgroup, &logs, &args)?;
         eprintln!(
@@ -914,7 +911,7 @@ fn bench() -> Result<()> {
     let mut rng = Rng(args.seed.max(1));
     let mut latencies = Vec::with_capacity(args.changes as usize);
     let mut writes = Vec::with_capacity(args.changes as usize);
-    let cpu_before_changes = cpu(pid)?;
+    let cpu_before_changes = sys::cpu_time(pid)?;
     for c in 0..args.changes {
         let i = rng.below(args.services);
         let k = rng.below(args.endpoints) as usize;
@@ -944,7 +941,7 @@ fn bench() -> Result<()> {
         }
         latencies.push(t0.elapsed());
     }
-    let change_cpu = cpu(pid)? - cpu_before_changes;
+    let change_cpu = sys::cpu_time(pid)? - cpu_before_changes;
     let end_mem = memory(pid)?;
     let end_smaps = rss_by_mapping(pid)?;
     let end_memcg = memcg.usage()?;
@@ -967,7 +964,7 @@ fn bench() -> Result<()> {
     agent.wait_ready(READY_TIMEOUT)?;
     let restart_time = started.elapsed();
     let restart_pid = agent.pid().context("agent pid")?;
-    let restart_cpu = cpu(restart_pid)?;
+    let restart_cpu = sys::cpu_time(restart_pid)?;
     let at_ready = store.snapshot()?;
     std::thread::sleep(Duration::from_secs(3));
     let after_grace = store.snapshot()?;

@@ -242,7 +242,20 @@ struct Turn<'a> {
 }
 
 fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
-    eprintln!("  {} ({} Services), round {}", kind.label(), t.n, round + 1);
+    // The API server after the last proxy's lists, the kernel freeing its maps or rules.
+    let settled = svc_tests::sys::settle(&t.cp.pids(), Duration::from_secs(120))?;
+    eprintln!(
+        "  {} ({} Services), round {} (after {:.1} s waiting for a quiet machine{})",
+        kind.label(),
+        t.n,
+        round + 1,
+        settled.waited.as_secs_f64(),
+        if settled.quiet {
+            ""
+        } else {
+            ", which it was not"
+        }
+    );
     let started = Instant::now();
     // svc: from its first signal (the socket programs attached), which may come before its
     // ready signal (the tc programs attached too); that one is watched for meanwhile.
@@ -534,12 +547,17 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
          kube-proxy v1.37.2 (built from the pinned modules) with its default configuration \
          (minSyncPeriod 1 s), svc-agent release build. {} round(s), proxies interleaved; each \
          cell is the median over rounds with (min–max); `×svc` is that kube-proxy's figure \
-         divided by svc's, round by round, median over rounds. {} EndpointSlice changes per turn, each timed from the \
+         divided by svc's, round by round, median over rounds. Each turn starts once the API \
+         server, etcd and the machine are quiet (`sys::settle`). {} EndpointSlice changes per \
+         turn, each timed from the \
          API write to the first client probe (a process spawn, a few ms) that the new endpoint \
          answered. CPU counts kube-proxy's reaped iptables-restore/nft children, RSS does not. \
          How it is measured: `tests/src/bin/svc-vs-kube-proxy-bench.rs`.\n",
         if r.arguments.is_empty() || r.arguments == ["--quick"] {
-            format!("cargo xtask bench --vs-kube-proxy{}", if r.quick { " --quick" } else { "" })
+            format!(
+                "cargo xtask bench --vs-kube-proxy{}",
+                if r.quick { " --quick" } else { "" }
+            )
         } else {
             format!(
                 "cargo run --release -p svc-tests --bin svc-vs-kube-proxy-bench -- {}",
