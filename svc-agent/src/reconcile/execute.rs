@@ -775,8 +775,8 @@ impl Chunk {
 
 impl Programmed {
     /// Writes a chunk's members: the ids made durable (the last META of the members covers them all),
-    /// every new backend, every entry the master entries lead to (grouped by map), then the
-    /// master entries; the mirror follows each Service whose master entries all landed. A
+    /// every new backend and every entry the master entries lead to (grouped by map, the
+    /// backends beside the rest where the store can), then the master entries; the mirror follows each Service whose master entries all landed. A
     /// reader never finds a master entry before what it leads to, as when each Service is
     /// written alone. When a batch stops short, what it wrote is known (the ones before the
     /// failure): the Service whose master entry failed is undone as `execute` undoes one (its
@@ -809,31 +809,28 @@ impl Programmed {
         }
 
         let new_backends = || members.iter().flat_map(|(_, u)| &u.new_backends);
-        let ops: Vec<Op> = new_backends()
+        let backend_ops: Vec<Op> = new_backends()
             .map(|(id, sa, protocol)| Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))
             .collect();
-        let (landed, r) = w.batch(&ops);
+        // No master entry leads to the backends or to any of these yet: their order does not
+        // matter to readers, and grouped by map they go in a few batches, the backends beside
+        // the rest where the store can.
+        let mut prepare: Vec<&(Op, Option<Op>)> =
+            members.iter().flat_map(|(_, u)| &u.prepare).collect();
+        prepare.sort_by_key(|(op, _)| op.map());
+        let ops: Vec<Op> = prepare.iter().map(|(op, _)| op.clone()).collect();
+        let [(backends_landed, backends), (landed, r)] = w.batches(&backend_ops, &ops);
+        drop((backend_ops, ops));
         // As in `execute`: unreferenced until a master entry names it, retired at the end
         // of the sync if nothing does; the Services written alone find it here.
-        for (id, sa, protocol) in new_backends().take(landed) {
+        for (id, sa, protocol) in new_backends().take(backends_landed) {
             let k = BackendKey::new(*sa, *protocol);
             self.backend_ids.insert(k, *id);
             self.backends.insert(*id, k);
             self.usage.backends += 1;
             unreferenced.push(*id);
         }
-        if r.is_err() {
-            return alone(members);
-        }
-
-        // No master entry leads to any of them yet: their order does not matter to readers,
-        // and grouped by map they go in a few batches.
-        let mut prepare: Vec<&(Op, Option<Op>)> =
-            members.iter().flat_map(|(_, u)| &u.prepare).collect();
-        prepare.sort_by_key(|(op, _)| op.map());
-        let ops: Vec<Op> = prepare.iter().map(|(op, _)| op.clone()).collect();
-        let (landed, r) = w.batch(&ops);
-        if r.is_err() {
+        if backends.is_err() || r.is_err() {
             for (_, undo) in prepare[..landed].iter().rev() {
                 if let Some(undo) = undo {
                     w.try_op(undo);

@@ -614,6 +614,13 @@ impl<S: Store> Writer<'_, S> {
         (landed, r)
     }
 
+    /// `Store::apply_batches`: `first` and `then` in either order, or at once.
+    fn batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
+        let r = self.store.apply_batches(first, then);
+        self.ops += r[0].0 + r[1].0;
+        r
+    }
+
     /// Best effort, for undoing and retiring: a failure is logged, never fatal.
     fn try_op(&mut self, op: &Op) -> bool {
         match self.op(op) {

@@ -39,6 +39,9 @@ struct ModelStore {
     crash_after: Option<usize>,
     /// Fail every put of a backend at this address (a write the map keeps refusing).
     refuse_backend: Option<[u8; 16]>,
+    /// `apply_batches` writes both, `then` before `first`, even when `first` fails: as a
+    /// store that writes them at once may leave them (`BpfStore`).
+    at_once: bool,
     /// Calls of `apply_batch`.
     batches: usize,
     puts: usize,
@@ -353,6 +356,18 @@ impl Store for ModelStore {
             }
         }
         (ops.len(), Ok(()))
+    }
+
+    fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
+        if !self.at_once {
+            let a = self.apply_batch(first);
+            if a.1.is_err() {
+                return [a, (0, Ok(()))];
+            }
+            return [a, self.apply_batch(then)];
+        }
+        let b = self.apply_batch(then);
+        [self.apply_batch(first), b]
     }
 
     fn snapshot(&self) -> Result<Snapshot> {
@@ -3502,13 +3517,27 @@ mod batched {
     /// the maps the Services written alone leave (same ids, same entries), in a few calls.
     #[test]
     fn a_batched_first_sync_writes_what_services_written_alone_write() {
+        a_batched_first_sync(false);
+    }
+
+    /// The same with each chunk's backends written beside its other entries (after them,
+    /// here): no reader meets a master entry before what it leads to either way.
+    #[test]
+    fn a_batched_first_sync_with_backends_beside_writes_the_same() {
+        a_batched_first_sync(true);
+    }
+
+    fn a_batched_first_sync(at_once: bool) {
         let n = 1500;
         let (_, desired) = many(n, |i| {
             (0..=i % 10)
                 .map(|k| format!("10.1.{}.{}:8080", (i * 7 + k) % 250, k + 1))
                 .collect()
         });
-        let mut batched = ModelStore::default();
+        let mut batched = ModelStore {
+            at_once,
+            ..Default::default()
+        };
         let mut p = fresh();
         let r = p.apply(&mut batched, &desired);
         assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -3587,9 +3616,11 @@ mod batched {
         let chunk = super::super::execute::CHUNK;
         let first_master = 1 + (chunk + 1) + chunk * 4;
         kills.extend([first_master - 1, first_master, first_master + 1, total - 1]);
-        for kill_at in kills {
+        // Also with each chunk's backends written beside (here: after) its other entries.
+        for (kill_at, at_once) in kills.iter().flat_map(|&k| [(k, false), (k, true)]) {
             let mut store = ModelStore {
                 crash_after: Some(kill_at),
+                at_once,
                 ..Default::default()
             };
             fresh().apply(&mut store, &desired);
@@ -3601,7 +3632,11 @@ mod batched {
                 Retiring::default(),
             );
             let r = settle(&mut p, &mut store, &desired);
-            assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
+            assert!(
+                r.errors.is_empty(),
+                "kill at {kill_at} (at once: {at_once}): {:?}",
+                r.errors
+            );
             exact(&store, &desired);
         }
     }
@@ -3611,6 +3646,18 @@ mod batched {
     /// the maps hold what writing each Service alone holds.
     #[test]
     fn a_backend_refused_in_a_batch_fails_its_service_alone() {
+        a_backend_refused_in_a_batch(false);
+    }
+
+    /// The same when the chunk's other entries were written beside its backends (before
+    /// them, here): the refused backend's chunk undoes what it prepared, and each of its
+    /// Services is written alone.
+    #[test]
+    fn a_backend_refused_beside_the_rest_fails_its_service_alone() {
+        a_backend_refused_in_a_batch(true);
+    }
+
+    fn a_backend_refused_in_a_batch(at_once: bool) {
         let n = 1500;
         let (fes, desired) = many(n, |i| {
             vec![
@@ -3622,6 +3669,7 @@ mod batched {
         let refused = addr16(desired.frontends[&fes[bad]].backends[1].addr.ip());
         let mut batched = ModelStore {
             refuse_backend: Some(refused),
+            at_once,
             ..Default::default()
         };
         let mut p = fresh();
