@@ -1,7 +1,9 @@
 //! The desired state kept up to date one Service at a time, so an event about one Service
 //! costs work for that Service only.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::reconcile::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::net::IpAddr;
 

@@ -5,7 +5,9 @@
 //! it in its order, or undoes a Service's part.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{HashMap, HashSet};
 use std::net::IpAddr;
 
 use svc_common::{
@@ -192,7 +194,7 @@ impl Planned {
         Planned {
             next_frontend: p.ids.next_frontend,
             next_backend: p.ids.next_backend,
-            backends: HashMap::new(),
+            backends: HashMap::default(),
             stray_gens: p.strays.slots.iter().map(|k| (k.id, k.rev)).collect(),
             hwm: (p.ids.frontend_hwm, p.ids.backend_hwm),
             regions: None,
@@ -307,8 +309,8 @@ pub fn plan_unit(
     };
     let mut next_frontend = earlier.next_frontend;
     let mut next_backend = earlier.next_backend;
-    let mut planned: HashMap<BackendKey, BackendId> = HashMap::new();
-    let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::new();
+    let mut planned: HashMap<BackendKey, BackendId> = HashMap::default();
+    let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::default();
     // The Service's current tables, each with the backends of its generation's slots: a
     // frontend whose backends and seed match one shares its region rather than write
     // another copy (its slots must then hold the same backends in the same order, which is

@@ -1,7 +1,7 @@
 //! Rebuilding the mirror from the maps: after a restart (whatever a previous agent left, in
 //! whatever state it died) and for drift checks.
 
-use std::collections::{HashMap, HashSet};
+use super::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -110,8 +110,8 @@ impl Programmed {
             .map(|(id, n)| (*id, decode_name(n)))
             .collect();
 
-        let mut used_slots: HashSet<SlotKey> = HashSet::new();
-        let mut used_ids: HashSet<u32> = HashSet::new();
+        let mut used_slots: HashSet<SlotKey> = HashSet::default();
+        let mut used_ids: HashSet<u32> = HashSet::default();
         for (k, v) in &snap.services {
             let marker_shaped = k.port_be == 0 && k.proto == PROTO_ANY;
             let is_marker = v.flags & svc_flags::ADDR_MARKER != 0;
@@ -209,10 +209,10 @@ impl Programmed {
         }
         let index: HashMap<SlotKey, svc_common::MaglevIndex> =
             snap.maglev_index.iter().copied().collect();
-        let mut adopted: HashSet<SlotKey> = HashSet::new();
+        let mut adopted: HashSet<SlotKey> = HashSet::default();
         // Region start -> the table and the backends (slot order) of the first generation
         // adopted with it.
-        let mut adopted_at: HashMap<u32, (TableRef, Vec<BackendId>)> = HashMap::new();
+        let mut adopted_at: HashMap<u32, (TableRef, Vec<BackendId>)> = HashMap::default();
         for (fe, pf) in p.frontends.iter_mut() {
             if pf.flags & svc_flags::MAGLEV == 0 {
                 continue;
@@ -287,7 +287,7 @@ impl Programmed {
         if !snap.ranges.is_empty() {
             let by_id: HashMap<u32, Frontend> =
                 p.frontends.iter().map(|(fe, pf)| (pf.id, *fe)).collect();
-            let mut found: HashMap<Frontend, Vec<Cidr>> = HashMap::new();
+            let mut found: HashMap<Frontend, Vec<Cidr>> = HashMap::default();
             for k in &snap.ranges {
                 match range_of(k).and_then(|(id, c)| Some((by_id.get(&id)?, c))) {
                     Some((fe, c)) => found.entry(*fe).or_default().push(c),

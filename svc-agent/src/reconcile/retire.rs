@@ -1,6 +1,8 @@
 //! Retirement: what a switch made unreachable waits out the grace period, then is deleted.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use super::{HashMap, HashSet};
 use std::time::Instant;
 
 use svc_common::{BackendId, SlotKey};

@@ -90,6 +90,12 @@ struct Args {
     /// The target for the agent's RSS, in MiB.
     #[arg(long, default_value_t = 100)]
     rss_target_mib: u64,
+    /// Another svc-agent binary (an older build): cold starts alternate between it and the
+    /// agent under test, `--cold-starts` each, it first, so that the agent under test comes
+    /// last and stays. Its cold starts are reported beside, round by round, and are in no
+    /// other figure.
+    #[arg(long)]
+    compare_agent: Option<PathBuf>,
 }
 
 const NAMESPACE: &str = "svc-bench";
@@ -843,15 +849,24 @@ fn bench() -> Result<()> {
     let cgroup = TestCgroup::new()?;
     let logs = TempDir::new("svc-kube-bench")?;
     let mut runs = Vec::new();
+    let mut compared: Vec<ColdStart> = Vec::new();
+    let other = args.compare_agent.as_ref().map(|agent| Tools {
+        agent: agent.clone(),
+        ..tools.clone()
+    });
     let (agent, bpffs, store, memcg) = loop {
         interrupt::check()?;
         let run = runs.len() + 1;
+        let (this_run, theirs) = match &other {
+            Some(o) if compared.len() < runs.len() + 1 => (o, true),
+            _ => (&tools, false),
+        };
         // The API server after the last agent's lists, the kernel freeing its maps.
         let settled = sys::settle(&cp.pids(), Duration::from_secs(120))?;
         eprintln!(
             "cold start {run}/{}: {} (after {:.1} s waiting for a quiet machine{})",
             args.cold_starts,
-            tools.agent.display(),
+            this_run.agent.display(),
             settled.waited.as_secs_f64(),
             if settled.quiet {
                 ""
@@ -859,7 +874,7 @@ fn bench() -> Result<()> {
                 ", which it was not"
             }
         );
-        let (agent, bpffs, store, memcg, cold) = cold_start(&tools, &cp, &cgroup, &logs, &args)?;
+        let (agent, bpffs, store, memcg, cold) = cold_start(this_run, &cp, &cgroup, &logs, &args)?;
         eprintln!(
             "ready after {} (programs attached after {}): {}/{} services programmed with all {} backends",
             ms(cold.time),
@@ -868,9 +883,13 @@ fn bench() -> Result<()> {
             args.services,
             args.endpoints
         );
-        runs.push(cold);
-        if runs.len() >= args.cold_starts.max(1) as usize {
-            break (agent, bpffs, store, memcg);
+        if theirs {
+            compared.push(cold);
+        } else {
+            runs.push(cold);
+            if runs.len() >= args.cold_starts.max(1) as usize {
+                break (agent, bpffs, store, memcg);
+            }
         }
         let mut agent = agent;
         agent.terminate(Duration::from_secs(10))?;
@@ -904,6 +923,33 @@ fn bench() -> Result<()> {
         .map(|c| format!("{:.2}", c.time.as_secs_f64()))
         .collect::<Vec<_>>()
         .join(", ");
+    // Round by round: the other agent's cold start, then this one's.
+    let comparison = match &args.compare_agent {
+        Some(path) if !compared.is_empty() => {
+            let list = |v: &[ColdStart]| {
+                v.iter()
+                    .map(|c| format!("{:.2}", c.time.as_secs_f64()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let mut ratios: Vec<f64> = (compared.iter().zip(&runs))
+                .map(|(o, c)| o.time.as_secs_f64() / c.time.as_secs_f64())
+                .collect();
+            ratios.sort_by(f64::total_cmp);
+            format!(
+                " Interleaved with `{}` (its cold start first in each round): its cold starts \
+                 {} s against this agent's {} s; its time over this agent's, round by round: \
+                 median ×{:.2} (×{:.2} to ×{:.2}).",
+                path.display(),
+                list(&compared),
+                list(&runs),
+                ratios[ratios.len() / 2],
+                ratios[0],
+                ratios[ratios.len() - 1]
+            )
+        }
+        _ => String::new(),
+    };
 
     // 2. Change latency.
     eprintln!("{} sequential EndpointSlice changes", args.changes);
@@ -1079,7 +1125,7 @@ fn bench() -> Result<()> {
         "Of the change latency, the API write alone (PUT of the EndpointSlice until the API \
          server answered): p50 {}, p99 {}, max {}. {} the {} Services and {} \
          EndpointSlices ({}) took {:.1} s. Cold starts, in order: \
-         {cold_list} s. After the last cold start the maps \
+         {cold_list} s.{comparison} After the last cold start the maps \
          held {complete} of {n} Services with exactly their {} backends ({service_entries} \
          entries in SVC_SERVICES, ClusterIP markers and the `kubernetes` Service included). \
          The agent's resident memory by mapping (/proc/PID/smaps) after the cold start: \
