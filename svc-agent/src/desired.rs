@@ -2,8 +2,6 @@
 //! costs work for that Service only.
 
 use std::collections::BTreeSet;
-
-use crate::reconcile::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::net::IpAddr;
 
@@ -11,6 +9,7 @@ use tracing::info;
 
 use crate::error::Error;
 use crate::model::{DesiredState, Frontend, Kind, Protocol, Scope};
+use crate::reconcile::HashMap;
 
 #[derive(Debug, Default)]
 pub struct Desired {

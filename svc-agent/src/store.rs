@@ -171,9 +171,9 @@ pub trait Store {
     }
     /// Writes `first` and `then` as `apply_batch` writes each: entries no reader can reach
     /// yet (no master entry leads to them), into different maps, so their order does not
-    /// matter. `then` is not tried when `first` failed, unless the store wrote both at once
-    /// (`BpfStore`: a run of backends beside the rest, on two CPUs); each answer is as
-    /// `apply_batch` gives it.
+    /// matter. `then` is not tried when `first` failed (its answer is then `(0, Ok(()))`),
+    /// unless the store wrote both at once (`BpfStore`: a run of backends beside the rest, on
+    /// two CPUs); each answer is as `apply_batch` gives it.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
         let a = self.apply_batch(first);
         if a.1.is_err() {
@@ -711,6 +711,16 @@ fn batch_map(op: &Op) -> Option<&'static str> {
     .then(|| op.map())
 }
 
+/// Whether a batch failed because the kernel has no batch updates for hash maps (before 5.6):
+/// it refuses the call before the first element.
+fn batch_refused(landed: usize, e: &std::io::Error) -> bool {
+    landed == 0
+        && matches!(
+            e.raw_os_error(),
+            Some(libc::EINVAL) | Some(crate::sys::ENOTSUPP) | Some(libc::EOPNOTSUPP)
+        )
+}
+
 /// The keys and values of a run of puts of one kind (`pick` takes them from each).
 fn unzip<K, V>(run: &[Op], pick: impl Fn(&Op) -> Option<(K, V)>) -> (Vec<K>, Vec<V>) {
     run.iter().filter_map(pick).unzip()
@@ -804,6 +814,24 @@ impl BpfStore {
         }
     }
 
+    /// `Store::apply_batches` without a second thread.
+    fn one_after_the_other(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
+        let a = self.apply_batch(first);
+        if a.1.is_err() {
+            return [a, (0, Ok(()))];
+        }
+        [a, self.apply_batch(then)]
+    }
+
+    /// One element per call from here on (`batch_refused`), said once.
+    fn no_batches(&mut self, map: &'static str, e: &std::io::Error) {
+        if self.batch_writes {
+            tracing::info!(map, error = %e,
+                "the kernel refuses batched map updates: writing one entry per call");
+        }
+        self.batch_writes = false;
+    }
+
     /// A batch's error as `apply` says it for the map.
     fn batch_err(&self, map: &'static str, e: std::io::Error) -> Error {
         if e.raw_os_error() == Some(libc::E2BIG) {
@@ -851,21 +879,7 @@ impl Store for BpfStore {
             done += n;
             match r {
                 Ok(()) => {}
-                // A kernel without batch updates for hash maps refuses the call before the
-                // first element: one element per call from here on.
-                Err(e)
-                    if n == 0
-                        && matches!(
-                            e.raw_os_error(),
-                            Some(libc::EINVAL)
-                                | Some(crate::sys::ENOTSUPP)
-                                | Some(libc::EOPNOTSUPP)
-                        ) =>
-                {
-                    tracing::info!(map, error = %e,
-                        "the kernel refuses batched map updates: writing one entry per call");
-                    self.batch_writes = false;
-                }
+                Err(e) if batch_refused(n, &e) => self.no_batches(map, &e),
                 Err(e) => return (done, Err(self.batch_err(map, e))),
             }
         }
@@ -874,8 +888,9 @@ impl Store for BpfStore {
 
     /// A run of backends (a first sync's: a million at 100,000 Services of 10) goes on a
     /// thread of its own beside `then`: the kernel's hash inserts are most of such a sync,
-    /// and the second CPU is otherwise idle while it writes. Through a duplicate of the map's
-    /// descriptor, as the rest needs the store itself.
+    /// and at that size the lists and the verifier's work are usually done by then, the
+    /// second CPU idle. Through a duplicate of the map's descriptor, as the rest needs the
+    /// store itself. Where no thread can be made (the pod's pid limit), one after the other.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
         let backends = first.len() > 1
             && first.iter().all(|op| matches!(op, Op::PutBackend(..)))
@@ -885,43 +900,37 @@ impl Store for BpfStore {
             .then(|| self.backends.map().fd().as_fd().try_clone_to_owned().ok())
             .flatten();
         let Some(fd) = fd else {
-            let a = self.apply_batch(first);
-            if a.1.is_err() {
-                return [a, (0, Ok(()))];
-            }
-            return [a, self.apply_batch(then)];
+            return self.one_after_the_other(first, then);
         };
         let (k, v) = unzip(first, |op| match op {
             Op::PutBackend(k, v) => Some((*k, *v)),
             _ => None,
         });
         let mut until = self.enomem_until;
-        let ((n, r), b) = std::thread::scope(|scope| {
-            let beside = scope.spawn(|| put_batch(fd.as_fd(), &k, &v, &mut until));
+        let beside = std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new()
+                .name("svc-backends".into())
+                .spawn_scoped(scope, || put_batch(fd.as_fd(), &k, &v, &mut until))
+                .ok()?;
             let b = self.apply_batch(then);
-            // put_batch does not panic; were it to, nothing of its batch would count as written.
-            let a = beside
+            // put_batch does not panic. Were it to, what it wrote would be in the map and not
+            // in the mirror: leftovers that the next agent's recovery retires.
+            let a = thread
                 .join()
                 .unwrap_or_else(|_| (0, Err(std::io::Error::from_raw_os_error(libc::EIO))));
-            (a, b)
+            Some((a, b))
         });
+        let Some(((n, r), b)) = beside else {
+            return self.one_after_the_other(first, then);
+        };
         self.enomem_until = self.enomem_until.max(until);
         let a = match r {
             Ok(()) => (n, Ok(())),
-            // As in `apply_batch`: a kernel without batch updates refuses before the first.
-            Err(e)
-                if n == 0
-                    && matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL) | Some(crate::sys::ENOTSUPP) | Some(libc::EOPNOTSUPP)
-                    ) =>
-            {
-                tracing::info!(error = %e,
-                    "the kernel refuses batched map updates: writing one entry per call");
-                self.batch_writes = false;
+            Err(e) if batch_refused(n, &e) => {
+                self.no_batches(map_names::BACKENDS, &e);
                 self.apply_batch(first)
             }
-            Err(e) => (n, Err(self.batch_err(svc_common::map_names::BACKENDS, e))),
+            Err(e) => (n, Err(self.batch_err(map_names::BACKENDS, e))),
         };
         [a, b]
     }

@@ -187,7 +187,8 @@ fn find_bin(env: &str, name: &str) -> PathBuf {
 
 /// User plus system CPU time of every thread of `pid` so far, from /proc/PID/stat.
 pub fn cpu_time(pid: u32) -> Result<std::time::Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("/proc/{pid}/stat"))?;
     // The command name may hold spaces and parentheses: fields count from the last ')'.
     let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -216,18 +217,20 @@ pub fn settle(pids: &[u32], max: std::time::Duration) -> Result<Settled> {
     let sample = || -> Result<(std::time::Duration, u64, u64)> {
         let used = pids.iter().map(|&p| cpu_time(p)).sum::<Result<_>>()?;
         let (jiffies, _) = crate::profile::cpu_stat()?;
-        // idle and iowait are the 4th and 5th of user nice system idle iowait ...
-        let total: u64 = jiffies.iter().take(8).sum();
-        Ok((used, total - jiffies[3] - jiffies[4], total))
+        // Of user nice system idle iowait irq softirq steal: all but idle and iowait are
+        // busy. iowait may go backwards (proc(5)): the total is counted without it.
+        let busy: u64 = [0, 1, 2, 5, 6, 7].iter().map(|&i| jiffies[i]).sum();
+        Ok((used, busy, busy + jiffies[3]))
     };
     let started = std::time::Instant::now();
     let mut quiet = 0;
     let mut before = sample()?;
     while started.elapsed() < max {
-        std::thread::sleep(WINDOW);
+        crate::interrupt::sleep(WINDOW)?;
         let now = sample()?;
         let ours = now.0.saturating_sub(before.0) < WINDOW / 10;
-        let busy = (now.1 - before.1) as f64 / (now.2 - before.2).max(1) as f64;
+        let busy =
+            now.1.saturating_sub(before.1) as f64 / now.2.saturating_sub(before.2).max(1) as f64;
         quiet = if ours && busy < 0.15 { quiet + 1 } else { 0 };
         before = now;
         if quiet == 2 {

@@ -708,9 +708,9 @@ impl Programmed {
 pub(super) const CHUNK: usize = if cfg!(test) { 100 } else { 1024 };
 
 /// Services planned one after the other (as `Programmed::plan` plans a sync) and not yet
-/// written: their new backends, then every entry their master entries lead to, then their
-/// master entries, each step one batch (`Programmed::execute_chunk`). Only Services that add
-/// frontends and nothing else join: a switch, a retirement or a Maglev table goes alone.
+/// written: their new backends and every entry their master entries lead to, then their
+/// master entries, batched (`Programmed::execute_chunk`). Only Services that add frontends and
+/// nothing else join: a switch, a retirement or a Maglev table goes alone.
 struct Chunk {
     earlier: Planned,
     /// The mirror's usage with the members' entries added.
@@ -774,15 +774,19 @@ impl Chunk {
 }
 
 impl Programmed {
-    /// Writes a chunk's members: the ids made durable (the last META of the members covers them all),
-    /// every new backend and every entry the master entries lead to (grouped by map, the
-    /// backends beside the rest where the store can), then the master entries; the mirror follows each Service whose master entries all landed. A
-    /// reader never finds a master entry before what it leads to, as when each Service is
-    /// written alone. When a batch stops short, what it wrote is known (the ones before the
-    /// failure): the Service whose master entry failed is undone as `execute` undoes one (its
-    /// entries retired if one of its master entries landed), the Services after it lose their
-    /// prepared entries (no reader could reach them), and all of those are returned, to be
-    /// planned and written alone, each reporting its own error.
+    /// Writes a chunk's members: the ids made durable (the last META of the members covers
+    /// them all), every new backend and every entry the master entries lead to (grouped by
+    /// map, the backends beside the rest where the store can), then the master entries; the
+    /// mirror follows each Service whose master entries all landed. A reader never finds a
+    /// master entry before what it leads to, as when each Service is written alone. When a
+    /// batch stops short, what it wrote is known (the ones before the failure): the landed
+    /// backends enter the mirror, unreferenced; when the backends or the entries the master
+    /// entries lead to stop short, the landed ones of the latter are undone and every member is
+    /// returned; when the master entries stop short, the Service whose master entry failed is
+    /// undone as `execute` undoes one (its entries retired if one of its master entries
+    /// landed), the Services after it lose their prepared entries (no reader could reach
+    /// them), and those are returned. What is returned is planned and written alone, each
+    /// Service reporting its own error.
     fn execute_chunk<S: Store>(
         &mut self,
         w: &mut Writer<'_, S>,

@@ -51,10 +51,36 @@ pub use plan::{NodePlan, Plan, Planned, ServicePlan, UnitPlan};
 pub use retire::{Retire, RetireReport, Retiring};
 
 /// The mirror's and the plans' hash tables: foldhash, not std's SipHash, which was a tenth of
-/// the agent's CPU in a first sync of 100,000 Services. Still seeded per process, as their
-/// keys (backend addresses) come from API objects.
-pub type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-pub type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
+/// the agent's CPU in a first sync of 100,000 Services.
+pub type HashMap<K, V> = std::collections::HashMap<K, V, Seeded>;
+pub type HashSet<K> = std::collections::HashSet<K, Seeded>;
+
+/// foldhash seeded from the operating system's randomness (through std's `RandomState`): the
+/// keys (backend addresses, port names) come from API objects, and foldhash's own seed comes
+/// from addresses and the clock. One shared seed per process, one more per table.
+#[derive(Clone, Debug)]
+pub struct Seeded(foldhash::fast::SeedableRandomState);
+
+impl Default for Seeded {
+    fn default() -> Self {
+        use std::hash::BuildHasher as _;
+        static SHARED: std::sync::OnceLock<foldhash::SharedSeed> = std::sync::OnceLock::new();
+        let random = || std::hash::RandomState::new().hash_one(0u64);
+        let shared = SHARED.get_or_init(|| foldhash::SharedSeed::from_u64(random()));
+        Seeded(foldhash::fast::SeedableRandomState::with_seed(
+            random(),
+            shared,
+        ))
+    }
+}
+
+impl std::hash::BuildHasher for Seeded {
+    type Hasher = foldhash::fast::FoldHasher<'static>;
+
+    fn build_hasher(&self) -> Self::Hasher {
+        self.0.build_hasher()
+    }
+}
 
 /// The most backends one frontend can have: slots are numbered with a u16.
 pub const MAX_BACKENDS_PER_FRONTEND: usize = u16::MAX as usize;

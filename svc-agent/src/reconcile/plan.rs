@@ -6,8 +6,6 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
-
-use super::{HashMap, HashSet};
 use std::net::IpAddr;
 
 use svc_common::{
@@ -18,8 +16,8 @@ use svc_common::{
 use super::addrs::external_addr;
 use super::{
     addr16, encode_name, flags_of, maglev_key, range_key, ranges_of, service_key,
-    snat_range_frontends, stored_name, BackendKey, Entry, ProgFrontend, Programmed, Retire, Scope,
-    Strays, TableRef, Usage, ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
+    snat_range_frontends, stored_name, BackendKey, Entry, HashMap, HashSet, ProgFrontend,
+    Programmed, Retire, Scope, Strays, TableRef, Usage, ID_BLOCK, MAX_BACKENDS_PER_FRONTEND,
 };
 use crate::error::{Error, Result};
 use crate::model::{

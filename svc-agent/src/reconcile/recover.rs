@@ -1,7 +1,6 @@
 //! Rebuilding the mirror from the maps: after a restart (whatever a previous agent left, in
 //! whatever state it died) and for drift checks.
 
-use super::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -9,8 +8,8 @@ use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
 use tracing::warn;
 
 use super::{
-    decode_name, ip_from16, maglev_key, plan::rev_nat_value, range_of, BackendKey, Entry,
-    ProgFrontend, Programmed, Retiring, TableRef, Usage,
+    decode_name, ip_from16, maglev_key, plan::rev_nat_value, range_of, BackendKey, Entry, HashMap,
+    HashSet, ProgFrontend, Programmed, Retiring, TableRef, Usage,
 };
 use crate::model::{Backend, Cidr, Frontend, Protocol, Scope};
 use crate::store::{Capacity, Snapshot};

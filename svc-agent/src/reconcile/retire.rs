@@ -1,13 +1,11 @@
 //! Retirement: what a switch made unreachable waits out the grace period, then is deleted.
 
 use std::collections::VecDeque;
-
-use super::{HashMap, HashSet};
 use std::time::Instant;
 
 use svc_common::{BackendId, SlotKey};
 
-use super::{maglev_key, Programmed, TableRef, Writer};
+use super::{maglev_key, HashMap, HashSet, Programmed, TableRef, Writer};
 use crate::error::Error;
 use crate::store::{Op, Store};
 use tracing::warn;

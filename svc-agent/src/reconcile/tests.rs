@@ -3400,9 +3400,9 @@ fn table_memory_at_10000_lb_services_of_10() {
     assert!(own_bytes > capacity, "one table per frontend would not fit");
 }
 
-/// A first sync of many Services (an outline) writes them in chunks, each step of a chunk one
-/// batch (`Store::apply_batch`): its new backends, the entries its master entries lead to,
-/// then the master entries.
+/// A first sync of many Services (an outline) writes them in chunks, batched: a chunk's new
+/// backends and the entries its master entries lead to (`Store::apply_batches`), then its
+/// master entries (`Store::apply_batch`).
 mod batched {
     use super::*;
 

@@ -850,6 +850,7 @@ fn bench() -> Result<()> {
     let logs = TempDir::new("svc-kube-bench")?;
     let mut runs = Vec::new();
     let mut compared: Vec<ColdStart> = Vec::new();
+    let mut unsettled = 0;
     let other = args.compare_agent.as_ref().map(|agent| Tools {
         agent: agent.clone(),
         ..tools.clone()
@@ -863,9 +864,11 @@ fn bench() -> Result<()> {
         };
         // The API server after the last agent's lists, the kernel freeing its maps.
         let settled = sys::settle(&cp.pids(), Duration::from_secs(120))?;
+        unsettled += usize::from(!settled.quiet);
         eprintln!(
-            "cold start {run}/{}: {} (after {:.1} s waiting for a quiet machine{})",
+            "cold start {run}/{}{}: {} (after {:.1} s waiting for a quiet machine{})",
             args.cold_starts,
+            if theirs { ", compared" } else { "" },
             this_run.agent.display(),
             settled.waited.as_secs_f64(),
             if settled.quiet {
@@ -923,6 +926,14 @@ fn bench() -> Result<()> {
         .map(|c| format!("{:.2}", c.time.as_secs_f64()))
         .collect::<Vec<_>>()
         .join(", ");
+    let settling = format!(
+        " Each cold start began once kube-apiserver and etcd used less than a tenth of a core \
+         and the machine less than 15 % of its CPUs, two seconds in a row (`sys::settle`){}.",
+        match unsettled {
+            0 => String::new(),
+            n => format!(", except {n}, which began after 120 s on a busier machine"),
+        }
+    );
     // Round by round: the other agent's cold start, then this one's.
     let comparison = match &args.compare_agent {
         Some(path) if !compared.is_empty() => {
@@ -1125,7 +1136,7 @@ fn bench() -> Result<()> {
         "Of the change latency, the API write alone (PUT of the EndpointSlice until the API \
          server answered): p50 {}, p99 {}, max {}. {} the {} Services and {} \
          EndpointSlices ({}) took {:.1} s. Cold starts, in order: \
-         {cold_list} s.{comparison} After the last cold start the maps \
+         {cold_list} s.{comparison}{settling} After the last cold start the maps \
          held {complete} of {n} Services with exactly their {} backends ({service_entries} \
          entries in SVC_SERVICES, ClusterIP markers and the `kubernetes` Service included). \
          The agent's resident memory by mapping (/proc/PID/smaps) after the cold start: \

@@ -164,6 +164,10 @@ struct Sample {
     peak_rss_mib: f64,
     cluster_ip_conn_per_s: f64,
     direct_conn_per_s: f64,
+    /// The turn began before the API server, etcd and the machine went quiet (`sys::settle`
+    /// gave up).
+    #[serde(default)]
+    unsettled: bool,
 }
 
 /// Backend `b<k>`'s address: the sandbox plan's, the same in every sandbox with `X`.
@@ -401,6 +405,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         peak_rss_mib: rss as f64 / 1024.0,
         cluster_ip_conn_per_s: cluster_ip_rate,
         direct_conn_per_s: direct_rate,
+        unsettled: !settled.quiet,
     })
 }
 
@@ -570,6 +575,23 @@ fn markdown(r: &Results, kinds: &[ProxyKind], plots: Option<&str>) -> String {
         r.rounds,
         r.changes,
     );
+    let unsettled: Vec<String> = (samples.iter().filter(|s| s.unsettled))
+        .map(|s| {
+            format!(
+                "{} at {} Services in round {}",
+                s.proxy,
+                s.services,
+                s.round + 1
+            )
+        })
+        .collect();
+    if !unsettled.is_empty() {
+        let _ = writeln!(
+            out,
+            "**Began on a machine that had not gone quiet in 120 s**: {}.\n",
+            unsettled.join(", ")
+        );
+    }
     if !bare.is_empty() {
         let mut b = bare.to_vec();
         b.sort_by(f64::total_cmp);
