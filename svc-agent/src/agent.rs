@@ -239,6 +239,11 @@ impl Agent {
         self.desired.keep_holders_only();
     }
 
+    /// Makes ready for syncs of a few Services (`Desired::index_by_service`).
+    pub fn prepare_service_syncs(&mut self) {
+        self.desired.index_by_service();
+    }
+
     /// Who holds each frontend, for resolving conflicts: the previous desired state; before
     /// the first sync, what the pinned maps served.
     pub fn holders(&self) -> &dyn Holders {

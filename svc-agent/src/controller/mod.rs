@@ -408,6 +408,10 @@ impl Controller {
         }
         self.synced_once = true;
         self.announce_start();
+        // After `ready`, not in the first change's path.
+        if full && self.tracker.syncs_by_service() {
+            self.agent.prepare_service_syncs();
+        }
         Ok(())
     }
 }

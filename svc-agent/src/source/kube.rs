@@ -602,6 +602,10 @@ impl Cache {
 }
 
 impl Tracker for Cache {
+    fn syncs_by_service(&self) -> bool {
+        true
+    }
+
     fn apply(&mut self, event: SourceEvent) {
         if let SourceEvent::Api(u) = event {
             self.update(u);

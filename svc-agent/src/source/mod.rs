@@ -65,6 +65,11 @@ pub trait Tracker {
     /// What is to be synced now; `holders` says who serves each frontend, for the sources
     /// that must choose between definitions of one object.
     fn take(&mut self, holders: &dyn Holders) -> Batch<'_>;
+    /// Whether syncs after the first come Service by Service (`Batch::owners`), so that the
+    /// desired state's index by Service is worth building right after a full sync.
+    fn syncs_by_service(&self) -> bool {
+        false
+    }
 }
 
 /// kube-proxy's change counters: changes to Services and to their endpoints (EndpointSlices)

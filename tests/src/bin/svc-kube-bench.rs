@@ -999,6 +999,21 @@ fn bench() -> Result<()> {
         latencies.push(t0.elapsed());
     }
     let change_cpu = sys::cpu_time(pid)? - cpu_before_changes;
+    // Which changes were slow, in the order made: a pattern (the first after the cold start,
+    // one a minute) points at what delayed them.
+    let mut slowest: Vec<(usize, Duration, Duration)> = (latencies.iter().zip(&writes))
+        .enumerate()
+        .map(|(c, (l, w))| (c, *l, *w))
+        .collect();
+    slowest.sort_by_key(|(_, l, _)| std::cmp::Reverse(*l));
+    for (c, l, w) in slowest.iter().take(3) {
+        eprintln!(
+            "slow change: #{c} of {}, {} (the API write {})",
+            args.changes,
+            ms(*l),
+            ms(*w)
+        );
+    }
     let end_mem = memory(pid)?;
     let end_smaps = rss_by_mapping(pid)?;
     let end_memcg = memcg.usage()?;
