@@ -175,11 +175,7 @@ pub trait Store {
     /// unless the store wrote both at once (`BpfStore`: a run of backends beside the rest, on
     /// two CPUs); each answer is as `apply_batch` gives it.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
-        let a = self.apply_batch(first);
-        if a.1.is_err() {
-            return [a, (0, Ok(()))];
-        }
-        [a, self.apply_batch(then)]
+        one_after_the_other(self, first, then)
     }
     /// Reads every map the agent writes, for recovery and drift checks.
     fn snapshot(&self) -> Result<Snapshot>;
@@ -202,6 +198,19 @@ pub trait Store {
         snap.maglev_tables = Some(tables);
         Ok(())
     }
+}
+
+/// `Store::apply_batches` on one thread: `first`, then `then` only if `first` all landed.
+pub fn one_after_the_other<S: Store + ?Sized>(
+    store: &mut S,
+    first: &[Op],
+    then: &[Op],
+) -> [(usize, Result<()>); 2] {
+    let a = store.apply_batch(first);
+    if a.1.is_err() {
+        return [a, (0, Ok(()))];
+    }
+    [a, store.apply_batch(then)]
 }
 
 /// `Store::flow_destinations`' answer.
@@ -814,15 +823,6 @@ impl BpfStore {
         }
     }
 
-    /// `Store::apply_batches` without a second thread.
-    fn one_after_the_other(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
-        let a = self.apply_batch(first);
-        if a.1.is_err() {
-            return [a, (0, Ok(()))];
-        }
-        [a, self.apply_batch(then)]
-    }
-
     /// One element per call from here on (`batch_refused`), said once.
     fn no_batches(&mut self, map: &'static str, e: &std::io::Error) {
         if self.batch_writes {
@@ -900,7 +900,7 @@ impl Store for BpfStore {
             .then(|| self.backends.map().fd().as_fd().try_clone_to_owned().ok())
             .flatten();
         let Some(fd) = fd else {
-            return self.one_after_the_other(first, then);
+            return one_after_the_other(self, first, then);
         };
         let (k, v) = unzip(first, |op| match op {
             Op::PutBackend(k, v) => Some((*k, *v)),
@@ -921,7 +921,7 @@ impl Store for BpfStore {
             Some((a, b))
         });
         let Some(((n, r), b)) = beside else {
-            return self.one_after_the_other(first, then);
+            return one_after_the_other(self, first, then);
         };
         self.enomem_until = self.enomem_until.max(until);
         let a = match r {

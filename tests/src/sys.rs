@@ -187,13 +187,30 @@ fn find_bin(env: &str, name: &str) -> PathBuf {
 
 /// User plus system CPU time of every thread of `pid` so far, from /proc/PID/stat.
 pub fn cpu_time(pid: u32) -> Result<std::time::Duration> {
+    // utime and stime: fields 14 and 15 of stat(5).
+    stat_time(pid, 14..16)
+}
+
+/// The same, with the children `pid` has reaped (kube-proxy's iptables-restore and nft).
+pub fn cpu_time_with_children(pid: u32) -> Result<std::time::Duration> {
+    // utime, stime, cutime, cstime: fields 14 to 17 of stat(5).
+    stat_time(pid, 14..18)
+}
+
+/// The sum of stat(5) fields `fields` (numbered from 1, clock ticks) of `pid`.
+fn stat_time(pid: u32, fields: std::ops::Range<usize>) -> Result<std::time::Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("/proc/{pid}/stat"))?;
-    // The command name may hold spaces and parentheses: fields count from the last ')'.
+    // The command name may hold spaces and parentheses: fields count from the last ')', and
+    // what follows it starts at field 3.
     let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat(5); `rest` starts at field 3.
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    let all: Vec<&str> = rest.split_whitespace().collect();
+    let mut ticks = 0u64;
+    for f in fields {
+        // cutime and cstime are signed in stat(5).
+        let v: i64 = all.get(f - 3).context("short stat")?.parse()?;
+        ticks += v.max(0) as u64;
+    }
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Ok(std::time::Duration::from_micros(ticks * 1_000_000 / hz))
@@ -205,6 +222,17 @@ pub struct Settled {
     pub waited: std::time::Duration,
     /// False: `max` passed first.
     pub quiet: bool,
+}
+
+impl std::fmt::Display for Settled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "after {:.1} s waiting for a quiet machine{}",
+            self.waited.as_secs_f64(),
+            if self.quiet { "" } else { ", which it was not" }
+        )
+    }
 }
 
 /// Waits until processes `pids` together use less than a tenth of a core, and the machine as
@@ -388,7 +416,23 @@ pub fn pinned_map_info(path: &Path) -> Result<serde_json::Value> {
 
 #[cfg(test)]
 mod tests {
-    use super::{owner_pid, temp_owner_pid};
+
+    /// The fields read are this process's CPU time: a spin of 200 ms shows, and a count read
+    /// by mistake (page faults) would not stay under a minute.
+    #[test]
+    fn cpu_time_reads_the_cpu_fields() {
+        let started = std::time::Instant::now();
+        let mut x = 0u64;
+        while started.elapsed() < std::time::Duration::from_millis(200) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let own = cpu_time(std::process::id()).unwrap();
+        let with_children = cpu_time_with_children(std::process::id()).unwrap();
+        assert!(own >= std::time::Duration::from_millis(100), "{own:?}");
+        assert!(own < std::time::Duration::from_secs(60), "{own:?}");
+        assert!(with_children >= own, "{with_children:?} < {own:?}");
+    }
+    use super::{cpu_time, cpu_time_with_children, owner_pid, temp_owner_pid};
 
     #[test]
     fn temp_owner_pid_parses_every_harness_directory_name() {

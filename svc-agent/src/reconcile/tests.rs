@@ -360,11 +360,7 @@ impl Store for ModelStore {
 
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
         if !self.at_once {
-            let a = self.apply_batch(first);
-            if a.1.is_err() {
-                return [a, (0, Ok(()))];
-            }
-            return [a, self.apply_batch(then)];
+            return crate::store::one_after_the_other(self, first, then);
         }
         let b = self.apply_batch(then);
         [self.apply_batch(first), b]

@@ -866,16 +866,10 @@ fn bench() -> Result<()> {
         let settled = sys::settle(&cp.pids(), Duration::from_secs(120))?;
         unsettled += usize::from(!settled.quiet);
         eprintln!(
-            "cold start {run}/{}{}: {} (after {:.1} s waiting for a quiet machine{})",
+            "cold start {run}/{}{}: {} ({settled})",
             args.cold_starts,
             if theirs { ", compared" } else { "" },
             this_run.agent.display(),
-            settled.waited.as_secs_f64(),
-            if settled.quiet {
-                ""
-            } else {
-                ", which it was not"
-            }
         );
         let (agent, bpffs, store, memcg, cold) = cold_start(this_run, &cp, &cgroup, &logs, &args)?;
         eprintln!(

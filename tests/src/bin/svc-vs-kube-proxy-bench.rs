@@ -181,21 +181,6 @@ fn slice(i: u32, moved: bool) -> EndpointSlice {
     bulk::slice(NAMESPACE, i, ks.map(backend_ip), TARGET_PORT)
 }
 
-/// CPU time of `pid` and of its children it has reaped, from /proc/PID/stat.
-fn cpu_with_children(pid: u32) -> Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = &stat[stat.rfind(')').context("malformed stat")? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime, stime, cutime, cstime: fields 14 to 17 of stat(5); `rest` starts at field 3.
-    let ticks: u64 = f[11..15]
-        .iter()
-        .map(|v| v.parse::<i64>().unwrap_or(0).max(0) as u64)
-        .sum();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Ok(Duration::from_micros(ticks * 1_000_000 / hz))
-}
-
 fn peak_rss_kib(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
@@ -249,16 +234,10 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     // The API server after the last proxy's lists, the kernel freeing its maps or rules.
     let settled = svc_tests::sys::settle(&t.cp.pids(), Duration::from_secs(120))?;
     eprintln!(
-        "  {} ({} Services), round {} (after {:.1} s waiting for a quiet machine{})",
+        "  {} ({} Services), round {} ({settled})",
         kind.label(),
         t.n,
         round + 1,
-        settled.waited.as_secs_f64(),
-        if settled.quiet {
-            ""
-        } else {
-            ", which it was not"
-        }
     );
     let started = Instant::now();
     // svc: from its first signal (the socket programs attached), which may come before its
@@ -386,7 +365,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
     let direct = SocketAddr::new(IpAddr::V4(backend_ip(1)), TARGET_PORT);
     let cluster_ip_rate = rate(&proxy.sb, vip, t.args.rate_seconds)?;
     let direct_rate = rate(&proxy.sb, direct, t.args.rate_seconds)?;
-    let cpu = cpu_with_children(pid)?;
+    let cpu = svc_tests::sys::cpu_time_with_children(pid)?;
     let rss = peak_rss_kib(pid)?;
     drop(proxy);
     Ok(Sample {
