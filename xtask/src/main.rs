@@ -284,6 +284,14 @@ impl Totals {
     /// Each phase's counts (so a failure names its pass), one total over every phase and test
     /// binary, then the run's outcome.
     fn finish(self) -> Result<()> {
+        let panics = std::mem::take(&mut *PANICS.lock().unwrap_or_else(|e| e.into_inner()));
+        if !panics.is_empty() {
+            // Here, next to the counts: a log cut short in the middle still shows why.
+            println!("why tests failed (the first lines of each panic):");
+            for p in &panics {
+                println!("  {p}");
+            }
+        }
         if self.phases.len() > 1 {
             // Not shaped as a closing line (`N passed, N failed` alone): the total below is.
             for (what, passed, failed) in &self.phases {
@@ -419,14 +427,20 @@ fn run_counting_into(
             Stream::Stdout => Box::new(child.stdout.take().context("stdout")?),
             Stream::Stderr => Box::new(child.stderr.take().context("stderr")?),
         };
+        let mut panics = Panics::default();
         for line in BufReader::new(out).lines() {
             let line = line.context("reading the test output")?;
             sink(&line);
+            panics.see(&line);
             if let Some((p, f)) = counts(&line) {
                 total.0 += p;
                 total.1 += f;
             }
         }
+        PANICS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(panics.lines);
         let status = forward::wait(child).with_context(|| format!("waiting for {cmd:?}"))?;
         if !status.success() {
             bail!("failed: {status}");
@@ -435,6 +449,39 @@ fn run_counting_into(
     };
     let outcome = go();
     (total, outcome)
+}
+
+/// The first lines of the tests' panics, over every phase, for the summary.
+static PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// The first lines of each panic in a command's output (`panicked at` and the message's
+/// first lines), at most `Panics::KEPT` of them.
+#[derive(Default)]
+struct Panics {
+    lines: Vec<String>,
+    /// How many lines after the last `panicked at` are still to keep.
+    following: usize,
+    count: usize,
+}
+
+impl Panics {
+    const LINES: usize = 6;
+    const KEPT: usize = 20;
+
+    fn see(&mut self, line: &str) {
+        let short = || line.chars().take(300).collect::<String>();
+        if line.contains("panicked at") {
+            self.following = 0;
+            if self.count < Self::KEPT {
+                self.count += 1;
+                self.lines.push(short());
+                self.following = Self::LINES - 1;
+            }
+        } else if self.following > 0 {
+            self.following -= 1;
+            self.lines.push(format!("  {}", short()));
+        }
+    }
 }
 
 /// Passed and failed from nextest's closing line, `Summary [ 12.3s] 40 tests run: 39 passed,
@@ -1041,6 +1088,38 @@ fn run_task(task: Task) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::{nextest_counts, result_counts};
+
+    #[test]
+    fn the_first_lines_of_each_panic_are_kept() {
+        let mut p = super::Panics::default();
+        for line in [
+            "        PASS [   0.011s] xtask tests::x",
+            "thread 'a' panicked at tests/tests/crash.rs:168:9:",
+            "after kill 3 (round 4), 2 problems: [",
+            "    \"x\",",
+            "    \"y\",",
+            "]",
+            "agent log 1",
+            "agent log 2",
+            "thread 'b' panicked at src/lib.rs:1:1:",
+            "boom",
+        ] {
+            p.see(line);
+        }
+        assert_eq!(
+            p.lines,
+            [
+                "thread 'a' panicked at tests/tests/crash.rs:168:9:",
+                "  after kill 3 (round 4), 2 problems: [",
+                "      \"x\",",
+                "      \"y\",",
+                "  ]",
+                "  agent log 1",
+                "thread 'b' panicked at src/lib.rs:1:1:",
+                "  boom",
+            ]
+        );
+    }
 
     #[test]
     fn nextest_summaries_are_counted() {
