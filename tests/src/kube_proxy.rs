@@ -600,9 +600,24 @@ impl KubeProxy {
     }
 }
 
+/// Logs kept so far (`SVC_KEEP_KUBE_PROXY_LOGS`), for their names.
+static KEPT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 impl Drop for KubeProxy {
     fn drop(&mut self) {
         let _ = self.stop(Duration::from_secs(5));
+        // A bench's runs are compared by these logs (kube-proxy's own sync times): kept when
+        // asked, as the temporary directory goes with this.
+        if let Some(dir) = std::env::var_os("SVC_KEEP_KUBE_PROXY_LOGS") {
+            let to = Path::new(&dir).join(format!(
+                "{}-{}-{}.log",
+                self.config.mode.label().replace(' ', "-"),
+                std::process::id(),
+                KEPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            let _ =
+                std::fs::create_dir_all(&dir).and_then(|()| std::fs::copy(self.log_path(), &to));
+        }
         if self.print_logs && std::thread::panicking() {
             eprintln!(
                 "--- {} log (end) ---\n{}",
