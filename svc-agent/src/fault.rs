@@ -19,6 +19,11 @@ pub const TC_VERIFY_PAUSE: &str = "tc-verify-pause";
 /// the kernel, after `TC_VERIFY_PAUSE`: what a verifier that rejects it would answer.
 pub const TC_REFUSED: &str = "tc-refused";
 
+/// The socket program named by this point's value (`SVC_TEST_SOCKET_REFUSED`) is taken as
+/// refused by the kernel once loaded: what a verifier that rejects it would answer (while
+/// the first sync is written, as the verifying thread begins with the socket programs).
+pub const SOCKET_REFUSED: &str = "socket-refused";
+
 /// With this point set (`SVC_TEST_XDP_REFUSED`, any value) the XDP program is taken as
 /// refused by the kernel and left unloaded: what Debian 12's 6.1 answers (too large).
 pub const XDP_REFUSED: &str = "xdp-refused";
@@ -51,6 +56,7 @@ pub fn setup() {
     for (point, var) in [
         (KERNEL_LACKS, "SVC_TEST_KERNEL_LACKS"),
         (TC_REFUSED, "SVC_TEST_TC_REFUSED"),
+        (SOCKET_REFUSED, "SVC_TEST_SOCKET_REFUSED"),
         (XDP_REFUSED, "SVC_TEST_XDP_REFUSED"),
     ] {
         if let Ok(name) = std::env::var(var) {

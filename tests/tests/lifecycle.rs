@@ -162,6 +162,77 @@ fn sigterm_exits_zero_and_leaves_datapath_serving() {
     assert!(list.frontend("10.96.0.10:80/TCP").is_some(), "{list:?}");
 }
 
+/// The kernel's verdict on the socket programs comes while the first sync is written: one it
+/// refuses stops the agent with the kernel's words and attaches nothing, on a cold start as
+/// after a restart, where the previous agent's programs go on serving the pinned maps.
+#[test]
+fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
+    let refusing = |w: &World| {
+        let args: Vec<std::ffi::OsString> = vec![
+            "run".into(),
+            "--manifests".into(),
+            w.m.dir().into(),
+            "--cgroup".into(),
+            w.sb.cgroup().path().into(),
+            "--bpffs".into(),
+            w.bpffs.path().into(),
+        ];
+        let mut agent = svc_tests::Agent::start_launched(
+            &["env".into(), "SVC_TEST_SOCKET_REFUSED=getpeername6".into()],
+            &w.sb.tools.agent,
+            args,
+            w.bpffs.path(),
+            w.m.scratch(),
+        )
+        .unwrap();
+        agent.quiet();
+        let status = poll(Duration::from_secs(60), || agent.exited()).unwrap();
+        assert!(!status.success(), "exit status {status}");
+        let log = agent.all_logs();
+        assert!(log.contains("getpeername6: refused by the kernel"), "{log}");
+        assert_eq!(
+            agent.count_lines(svc_tests::agent::SERVING_LINE),
+            0,
+            "{log}"
+        );
+    };
+
+    let mut w = World::start(3, &[8080], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    let before = cgroup_programs(w.sb.cgroup().path());
+    assert_eq!(before.len(), 9, "{before:?}");
+    assert!(w
+        .agent
+        .terminate(Duration::from_secs(10))
+        .unwrap()
+        .success());
+    // A change while no agent runs: the refusing agent's first sync may write it.
+    w.m.apply_slice(&web_slice(&w.sb, &[3], &[])).unwrap();
+    refusing(&w);
+    assert_eq!(cgroup_programs(w.sb.cgroup().path()), before);
+    let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
+    assert!(r.all_ok(), "failures: {:?}", r.failures());
+
+    // A cold start: nothing attached, nothing served.
+    svc_tests::agent::uninstall(
+        &w.sb.tools.agent,
+        w.bpffs.path(),
+        Some(w.sb.cgroup().path()),
+    )
+    .unwrap();
+    let w = World {
+        bpffs: w.sb.bpffs().unwrap(),
+        ..w
+    };
+    refusing(&w);
+    assert_eq!(
+        cgroup_programs(w.sb.cgroup().path()),
+        Vec::<serde_json::Value>::new()
+    );
+}
+
 /// `svc-agent uninstall` leaves nothing: no pins, no directory, no program on the cgroup, and
 /// the ClusterIP is no longer served.
 #[test]

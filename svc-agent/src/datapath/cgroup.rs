@@ -163,7 +163,8 @@ impl Datapath {
     }
 
     /// Attaches each socket program to the cgroup through a pinned link, or swaps it into the
-    /// link a previous agent pinned. Does not wait for the tc programs' verification.
+    /// link a previous agent pinned. Waits for the socket programs' verification (begun
+    /// beside the first sync: usually over by its end), not for the tc programs'.
     pub fn attach_sockets(&mut self) -> Result<()> {
         // Again: another agent may have attached since `open` (both started at once).
         check_other_svc(&self.dir, &self.cgroup, self.cgroup_id)?;
@@ -234,6 +235,7 @@ impl Datapath {
         let pin = link_pin(&self.dir, name);
         let prog = self
             .sockets
+            .wait()?
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, fd)| fd.as_fd())

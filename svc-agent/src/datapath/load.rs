@@ -68,6 +68,7 @@ impl Datapath {
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|e| load_err("loading the eBPF object", e))?;
+        let object_ms = started.elapsed().as_millis();
         // Maps this object does not declare: those the agent writes are its own (created or
         // adopted here, and filled by the first sync before any program could read them);
         // the others (the packet datapath's, read only) wait for an object that has them.
@@ -101,20 +102,11 @@ impl Datapath {
             };
             own.push((name, data));
         }
+        // Programs missing from the object are refused here, before anything is written;
+        // the kernel's verdict on the rest comes from the verifying thread.
         for name in PROGRAMS {
-            let prog = ebpf
-                .program_mut(name)
+            ebpf.program(name)
                 .ok_or_else(|| load_err(name, "program missing from the object"))?;
-            let loaded = if name == sys::SOCK_RELEASE {
-                <&mut CgroupSock>::try_from(prog)
-                    .map_err(|e| load_err(name, e))?
-                    .load()
-            } else {
-                <&mut CgroupSockAddr>::try_from(prog)
-                    .map_err(|e| load_err(name, e))?
-                    .load()
-            };
-            loaded.map_err(|e| load_err(name, e))?;
         }
         let mut tc_loaded = Vec::new();
         for (name, _, _) in TC_PROGRAMS {
@@ -129,20 +121,6 @@ impl Datapath {
             }
             tc_loaded.push(name);
         }
-        // The socket programs' own descriptors: they attach while the object is on the
-        // verifying thread (`attach_sockets`).
-        let mut sockets = Vec::new();
-        for name in PROGRAMS {
-            let fd = ebpf
-                .program(name)
-                .ok_or_else(|| load_err(name, "program missing from the object"))?
-                .fd()
-                .map_err(|e| load_err(name, e))?
-                .as_fd()
-                .try_clone_to_owned()
-                .map_err(|e| load_err(name, e))?;
-            sockets.push((name, fd));
-        }
         // Verified with the tc programs, on their thread (`load_tc`): it attaches with them,
         // and its verification (tc's frontend code, shared) must not delay the socket path.
         // Only when the mode asks for it: `off` never attaches it (a link an earlier agent
@@ -150,7 +128,6 @@ impl Datapath {
         // 6.1: too large) where the tc programs serve.
         let xdp_loaded =
             kernel.xdp && xdp != XdpMode::Off && ebpf.program(xdp::XDP_PROGRAM).is_some();
-        let socket_ms = started.elapsed().as_millis();
         let mut store = store_from(&mut ebpf, own, capacity)?;
 
         let mut staged = Vec::new();
@@ -184,11 +161,13 @@ impl Datapath {
                 }
             }
         }
-        // The tc programs are the verifier's longest work, and nothing reads them before
-        // `attach`: they are verified on a thread of their own while the first sync is
-        // listed, translated and written (the maps they use are created already), and the
-        // socket programs may attach before they are done (`attach_sockets`).
-        let (programs, verified) = Programs::verify(ebpf, tc_loaded.clone(), xdp_loaded, started);
+        // The verifier's work is most of a start, and nothing reads the programs before they
+        // are attached: they are verified on a thread of their own while the first sync is
+        // listed, translated and written into the maps (created already). The socket programs
+        // first, which attach after that sync (`attach_sockets` waits for them), then the tc
+        // programs, which attach once they are done.
+        let (programs, verified, sockets) =
+            Programs::verify(ebpf, tc_loaded.clone(), xdp_loaded, started);
         let carried = carry_ct_v1(&mut store, dir)?;
         if carried > 0 {
             info!(
@@ -228,9 +207,9 @@ impl Datapath {
             true
         });
         info!(
-            socket_programs_ms = socket_ms as u64,
+            object_ms = object_ms as u64,
             maps_ms = started.elapsed().as_millis() as u64,
-            "loaded the maps and the socket programs"
+            "loaded the maps; the programs are being verified"
         );
         Ok(Datapath {
             dir: dir.to_path_buf(),
@@ -300,12 +279,12 @@ impl Datapath {
     }
 }
 
-/// The object's programs: the socket programs loaded, the tc programs being verified on a
-/// thread, or all loaded.
+/// The object's programs: being verified on a thread (the socket programs, then the tc and
+/// XDP programs), or all loaded, or refused.
 pub(super) enum Programs {
     Verifying(std::thread::JoinHandle<(Ebpf, Result<()>)>),
     Loaded(Ebpf),
-    /// A tc program failed to load (the error's message and errno): nothing of this object
+    /// A program failed to load (the error's message and errno): nothing more of this object
     /// may be attached.
     Failed(String, Option<crate::error::Errno>),
 }
@@ -320,20 +299,36 @@ impl Programs {
         }
     }
 
-    /// Starts verifying the tc programs `tc` of `ebpf` on a thread, then the XDP program if
-    /// `xdp`; the receiver turns true once that thread is done (whether they loaded or not),
-    /// for a caller that must not wait for it.
+    /// Starts verifying on a thread the socket programs of `ebpf`, then its tc programs `tc`,
+    /// then the XDP program if `xdp`. The receiver turns true once that thread is done
+    /// (whether they loaded or not), for a caller that must not wait for it; the socket
+    /// programs' descriptors come as soon as they are loaded. A socket program the kernel
+    /// refuses ends the thread with that refusal: nothing more is loaded.
     fn verify(
         mut ebpf: Ebpf,
         tc: Vec<&'static str>,
         xdp: bool,
         started: std::time::Instant,
-    ) -> (Programs, tokio::sync::watch::Receiver<bool>) {
+    ) -> (Programs, tokio::sync::watch::Receiver<bool>, Sockets) {
         let (done, verified) = tokio::sync::watch::channel(false);
+        let (sockets_tx, sockets_rx) = std::sync::mpsc::sync_channel(1);
         let spawned = std::thread::Builder::new()
             .name("svc-verify".into())
             .spawn(move || {
-                let r = load_tc(&mut ebpf, &tc);
+                let r = match load_sockets(&mut ebpf) {
+                    Ok(fds) => {
+                        info!(
+                            ms = started.elapsed().as_millis() as u64,
+                            "loaded the socket programs"
+                        );
+                        let _ = sockets_tx.send(Ok(fds));
+                        load_tc(&mut ebpf, &tc)
+                    }
+                    Err(e) => {
+                        let _ = sockets_tx.send(Err(copy_error(&e)));
+                        Err(e)
+                    }
+                };
                 if r.is_ok() && xdp {
                     load_xdp(&mut ebpf);
                 }
@@ -355,14 +350,105 @@ impl Programs {
                 done.send_replace(true);
                 (ebpf, r)
             });
+        let sockets = Sockets::Verifying(sockets_rx);
         match spawned {
-            Ok(handle) => (Programs::Verifying(handle), verified),
+            Ok(handle) => (Programs::Verifying(handle), verified, sockets),
             Err(e) => (
                 Programs::Failed(format!("starting the verifying thread: {e}"), None),
                 tokio::sync::watch::channel(true).1,
+                sockets,
             ),
         }
     }
+}
+
+/// The socket programs' own descriptors by name (each of `PROGRAMS`), so that they attach
+/// while the object is still on the verifying thread.
+pub(super) type SocketFds = Vec<(&'static str, std::os::fd::OwnedFd)>;
+
+/// The socket programs: being verified (their descriptors come from the verifying thread),
+/// loaded, or refused.
+pub(super) enum Sockets {
+    Verifying(std::sync::mpsc::Receiver<Result<SocketFds>>),
+    Loaded(SocketFds),
+    Failed(String, Option<crate::error::Errno>),
+}
+
+impl Sockets {
+    /// Their descriptors, once the kernel has verified them: waits for that.
+    pub(super) fn wait(&mut self) -> Result<&SocketFds> {
+        if let Sockets::Verifying(rx) = self {
+            *self = match rx.recv() {
+                Ok(Ok(fds)) => Sockets::Loaded(fds),
+                Ok(Err(crate::Error::Load { message, errno })) => Sockets::Failed(message, errno),
+                Ok(Err(e)) => Sockets::Failed(e.to_string(), None),
+                Err(_) => Sockets::Failed(
+                    "the verifying thread ended before the socket programs were loaded".into(),
+                    None,
+                ),
+            };
+        }
+        match self {
+            Sockets::Loaded(fds) => Ok(fds),
+            Sockets::Failed(message, errno) => Err(crate::Error::Load {
+                message: message.clone(),
+                errno: *errno,
+            }),
+            Sockets::Verifying(_) => Err(crate::Error::load(
+                "the socket programs: still verifying".into(),
+            )),
+        }
+    }
+}
+
+/// The same error again, for a second reader (`Error` is not `Clone`).
+fn copy_error(e: &crate::Error) -> crate::Error {
+    match e {
+        crate::Error::Load { message, errno } => crate::Error::Load {
+            message: message.clone(),
+            errno: *errno,
+        },
+        other => crate::Error::load(other.to_string()),
+    }
+}
+
+/// Loads the socket programs: their descriptors.
+fn load_sockets(ebpf: &mut Ebpf) -> Result<SocketFds> {
+    let mut fds = Vec::new();
+    for name in PROGRAMS {
+        let prog = ebpf
+            .program_mut(name)
+            .ok_or_else(|| load_err(name, "program missing from the object"))?;
+        let loaded = if name == sys::SOCK_RELEASE {
+            <&mut CgroupSock>::try_from(prog)
+                .map_err(|e| load_err(name, e))?
+                .load()
+        } else {
+            <&mut CgroupSockAddr>::try_from(prog)
+                .map_err(|e| load_err(name, e))?
+                .load()
+        };
+        loaded.map_err(|e| load_err(name, e))?;
+        #[cfg(feature = "failpoints")]
+        if let Some(Some(refused)) = fail::eval(crate::fault::SOCKET_REFUSED, |v| v) {
+            if refused == name {
+                return Err(load_err(
+                    name,
+                    "refused by the kernel (SVC_TEST_SOCKET_REFUSED, a test's fault)",
+                ));
+            }
+        }
+        let fd = ebpf
+            .program(name)
+            .ok_or_else(|| load_err(name, "program missing from the object"))?
+            .fd()
+            .map_err(|e| load_err(name, e))?
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| load_err(name, e))?;
+        fds.push((name, fd));
+    }
+    Ok(fds)
 }
 
 /// Loads the tc programs `names`.
@@ -421,7 +507,7 @@ pub(super) fn ebpf(programs: &mut Programs) -> Result<&mut Ebpf> {
                 }
                 Ok((_, Err(e))) => Programs::Failed(e.to_string(), None),
                 Err(_) => {
-                    Programs::Failed("the thread verifying the tc programs panicked".into(), None)
+                    Programs::Failed("the thread verifying the programs panicked".into(), None)
                 }
             };
         }

@@ -122,9 +122,8 @@ pub struct Datapath {
     programs: load::Programs,
     /// True once that verification has ended (`programs_verified`).
     verified: tokio::sync::watch::Receiver<bool>,
-    /// The socket programs (each of `PROGRAMS`) by name: their own descriptors, so that they
-    /// attach while the tc programs are verified.
-    sockets: Vec<(&'static str, std::os::fd::OwnedFd)>,
+    /// The socket programs' descriptors, from the verifying thread (`Sockets::wait`).
+    sockets: load::Sockets,
     pub store: BpfStore,
     cgroup: PathBuf,
     cgroup_id: u64,
