@@ -11,6 +11,9 @@ pub const STALE_UDP_PAUSE: &str = "stale-udp-pause";
 /// After each write of SVC_NODE_ADDRS or SVC_CONFIG (a handful of entries written in
 /// microseconds), between two of them.
 pub const NODE_WRITE_PAUSE: &str = "node-write-pause";
+/// On the verifying thread, before it loads the socket programs: a first sync that is surely
+/// written before the kernel's verdict on them.
+pub const SOCKET_VERIFY_PAUSE: &str = "socket-verify-pause";
 /// On the thread verifying the tc programs, once they are loaded: the window between the
 /// socket programs' attach (after the first sync) and the tc programs'.
 pub const TC_VERIFY_PAUSE: &str = "tc-verify-pause";
@@ -34,11 +37,12 @@ pub const KERNEL_LACKS: &str = "kernel-lacks";
 
 /// Each point and the variable the tests set to its pause, in milliseconds.
 #[cfg(feature = "failpoints")]
-const PAUSES: [(&str, &str); 4] = [
+const PAUSES: [(&str, &str); 5] = [
     (HANDOVER_PAUSE, "SVC_TEST_HANDOVER_PAUSE_MS"),
     (STALE_UDP_PAUSE, "SVC_TEST_STALE_UDP_PAUSE_MS"),
     (NODE_WRITE_PAUSE, "SVC_TEST_NODE_WRITE_PAUSE_MS"),
     (TC_VERIFY_PAUSE, "SVC_TEST_TC_VERIFY_PAUSE_MS"),
+    (SOCKET_VERIFY_PAUSE, "SVC_TEST_SOCKET_VERIFY_PAUSE_MS"),
 ];
 
 /// Turns on the pauses the environment asks for (a variable that is not a number is

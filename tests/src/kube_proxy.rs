@@ -609,14 +609,18 @@ impl Drop for KubeProxy {
         // A bench's runs are compared by these logs (kube-proxy's own sync times): kept when
         // asked, as the temporary directory goes with this.
         if let Some(dir) = std::env::var_os("SVC_KEEP_KUBE_PROXY_LOGS") {
-            let to = Path::new(&dir).join(format!(
-                "{}-{}-{}.log",
-                self.config.mode.label().replace(' ', "-"),
-                std::process::id(),
-                KEPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            ));
-            let _ =
-                std::fs::create_dir_all(&dir).and_then(|()| std::fs::copy(self.log_path(), &to));
+            let _ = std::fs::create_dir_all(&dir);
+            // Each start's log (`log_path`), the restarts' too.
+            for start in 1..=self.starts {
+                let from = self.dir.path().join(format!("kube-proxy-{start}.log"));
+                let to = Path::new(&dir).join(format!(
+                    "{}-{}-{}.log",
+                    self.config.mode.label().replace(' ', "-"),
+                    std::process::id(),
+                    KEPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                ));
+                let _ = std::fs::copy(from, to);
+            }
         }
         if self.print_logs && std::thread::panicking() {
             eprintln!(

@@ -54,6 +54,10 @@ fn round(k: u32, n: u32) -> Vec<GenService> {
         .collect()
 }
 
+/// The longest a restarted agent may take to retire what its first sync left unreachable,
+/// beyond the grace period: generous, as the machine may be running other tests.
+const RETIRED_WITHIN: Duration = Duration::from_secs(120);
+
 #[test]
 fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     let n = env_or("SVC_CRASH_SERVICES", 100_000) as u32;
@@ -116,13 +120,19 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     // 100,000 Services' desired state: made once per round, and the previous round's kept.
     let mut wanted = want(k);
     // Where after a write the kills land, [earliest, latest), learnt as the rounds go: a kill
-    // that found the old state whole came before the agent wrote anything, one that found the
-    // new state whole came after it was done. The machine's load stretches and shrinks a sync
-    // between the one timed above and the later ones; without this, a loaded run put most
-    // kills before the writing began.
+    // that found the old state whole came before the agent wrote anything (`earliest` moves
+    // up to it), one that found the new state whole came after it was done (`latest` moves
+    // down to it). Both relax by a tenth each round, as the machine's load stretches and
+    // shrinks the agent's work: the change timed above (7.1 s at the start of a CI run, whose
+    // later rounds took 1–2 s) must not set the window's width for the whole run, as it did
+    // when a kill too early widened it again by that much (1 of 13 restarts damaged).
     let mut earliest = Duration::ZERO;
     let mut latest = sync + grace;
-    while killed < kills {
+    // Restarts with a change cut short to repair: at least this many, with up to twice the
+    // kills asked for to find them.
+    let damage_wanted = (kills / 4).max(1);
+    let mut outcomes = Vec::new();
+    while killed < kills || (damaged < damage_wanted && killed < 2 * kills) {
         k += 1;
         let before = std::mem::replace(&mut wanted, want(k));
         write(k);
@@ -150,21 +160,50 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
         if cut_short {
             damaged += 1;
         }
-        if !twice && to_old.is_empty() {
+        let outcome = if twice {
+            "killed twice"
+        } else if cut_short {
+            "cut short"
+        } else if to_old.is_empty() {
             // Too early: the writing began after `at`.
-            earliest = at.mul_f64(0.75);
-            latest = latest.max(earliest + sync + grace);
-        } else if !twice && to_new.is_empty() {
+            earliest = at;
+            latest = latest.max(at.mul_f64(1.5));
+            "too early"
+        } else {
             // Too late: the writing (and its retirements) ended before `at`.
             latest = at;
-            earliest = earliest.min(latest / 2);
-        }
+            "too late"
+        };
+        outcomes.push(format!("{at:.2?} {outcome}"));
+        earliest = earliest.mul_f64(0.9);
+        latest = latest
+            .mul_f64(1.1)
+            .max(earliest + Duration::from_millis(100));
         agent.restart().unwrap();
         agent
             .wait_ready(Duration::from_secs(300))
             .unwrap_or_else(|e| panic!("restart after kill {killed}: {e:#}"));
+        // Entries the sync made unreachable are retired a grace period after it (1 s), on a
+        // loaded machine later: those alone are waited for; anything a reader reaches is
+        // checked at once.
         std::thread::sleep(grace);
-        let problems = pinned_vs(bpffs.path(), &wanted).unwrap();
+        let waited = Instant::now();
+        let problems = loop {
+            let problems = pinned_vs(bpffs.path(), &wanted).unwrap();
+            let unreachable_only = problems
+                .iter()
+                .all(|p| p.contains(" stray ") && p.ends_with(" entries"));
+            if problems.is_empty() || !unreachable_only || waited.elapsed() > RETIRED_WITHIN {
+                break problems;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        if waited.elapsed() > Duration::from_secs(1) {
+            eprintln!(
+                "kill {killed}: unreachable leftovers retired {:?} after the grace",
+                waited.elapsed()
+            );
+        }
         assert!(
             problems.is_empty(),
             "after kill {killed} (round {k}, SVC_CRASH_SEED={seed}), {} problems: {:#?}\n{}",
@@ -191,7 +230,8 @@ fn sigkill_at_random_points_while_services_change_leaves_exact_state() {
     eprintln!("{damaged} of {} restarts found a change cut short", k - 1);
     // Kills that only ever hit an idle agent would prove nothing.
     assert!(
-        damaged >= (k - 1) / 4,
-        "only {damaged} restarts found damage to repair"
+        damaged >= damage_wanted,
+        "only {damaged} restarts found damage to repair; the kills (after the write, what \
+         they found): {outcomes:?}"
     );
 }

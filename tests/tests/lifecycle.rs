@@ -167,6 +167,8 @@ fn sigterm_exits_zero_and_leaves_datapath_serving() {
 /// after a restart, where the previous agent's programs go on serving the pinned maps.
 #[test]
 fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
+    // The verdict held back until the first sync is surely written: the attach after it
+    // waits for the socket programs, and gets the refusal.
     let refusing = |w: &World| {
         let args: Vec<std::ffi::OsString> = vec![
             "run".into(),
@@ -178,7 +180,11 @@ fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
             w.bpffs.path().into(),
         ];
         let mut agent = svc_tests::Agent::start_launched(
-            &["env".into(), "SVC_TEST_SOCKET_REFUSED=getpeername6".into()],
+            &[
+                "env".into(),
+                "SVC_TEST_SOCKET_REFUSED=getpeername6".into(),
+                "SVC_TEST_SOCKET_VERIFY_PAUSE_MS=2000".into(),
+            ],
             &w.sb.tools.agent,
             args,
             w.bpffs.path(),
@@ -189,12 +195,18 @@ fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
         let status = poll(Duration::from_secs(60), || agent.exited()).unwrap();
         assert!(!status.success(), "exit status {status}");
         let log = agent.all_logs();
+        assert_eq!(
+            agent.count_lines(svc_tests::agent::SYNCED_LINE),
+            1,
+            "the first sync before the verdict: {log}"
+        );
         assert!(log.contains("getpeername6: refused by the kernel"), "{log}");
         assert_eq!(
             agent.count_lines(svc_tests::agent::SERVING_LINE),
             0,
             "{log}"
         );
+        log
     };
 
     let mut w = World::start(3, &[8080], |sb, m| {
@@ -208,14 +220,16 @@ fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
         .terminate(Duration::from_secs(10))
         .unwrap()
         .success());
-    // A change while no agent runs: the refusing agent's first sync may write it.
+    // A change while no agent runs, which the refusing agent's first sync writes.
     w.m.apply_slice(&web_slice(&w.sb, &[3], &[])).unwrap();
     refusing(&w);
     assert_eq!(cgroup_programs(w.sb.cgroup().path()), before);
     let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
     assert!(r.all_ok(), "failures: {:?}", r.failures());
+    assert_eq!(names(&r), set(&["b3"]));
 
-    // A cold start: nothing attached, nothing served.
+    // A cold start: the attach after the first sync waits for the verdict, and attaches
+    // nothing.
     svc_tests::agent::uninstall(
         &w.sb.tools.agent,
         w.bpffs.path(),
@@ -226,7 +240,12 @@ fn a_refused_socket_program_stops_the_agent_and_attaches_nothing() {
         bpffs: w.sb.bpffs().unwrap(),
         ..w
     };
-    refusing(&w);
+    let log = refusing(&w);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("attaching: ") && l.contains("getpeername6: refused by the kernel")),
+        "{log}"
+    );
     assert_eq!(
         cgroup_programs(w.sb.cgroup().path()),
         Vec::<serde_json::Value>::new()

@@ -285,7 +285,7 @@ impl Totals {
     /// binary, then the run's outcome.
     fn finish(self) -> Result<()> {
         let panics = std::mem::take(&mut *PANICS.lock().unwrap_or_else(|e| e.into_inner()));
-        if !panics.is_empty() {
+        if !panics.is_empty() && (self.failed > 0 || !self.failures.is_empty()) {
             // Here, next to the counts: a log cut short in the middle still shows why.
             println!("why tests failed (the first lines of each panic):");
             for p in &panics {

@@ -275,9 +275,10 @@ impl Controller {
         r
     }
 
-    /// The tc programs are verified, or one was refused: the rest of the datapath goes on
-    /// after the first sync, or the agent stops with the kernel's refusal (the socket
-    /// programs it attached before stay, as a stopped agent's do).
+    /// The programs are verified, or one was refused: the rest of the datapath goes on after
+    /// the first sync, or the agent stops with the kernel's refusal (a refused tc program
+    /// leaves the socket programs it attached before, as a stopped agent's stay; a refused
+    /// socket program leaves nothing of this agent attached).
     fn programs_verified(&mut self) -> Result<()> {
         self.agent.programs_verified();
         if let Some(e) = self.agent.load_failed() {

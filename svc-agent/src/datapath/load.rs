@@ -24,11 +24,12 @@ use crate::store::{BpfStore, Capacity};
 use crate::sys;
 
 impl Datapath {
-    /// Takes ownership of `dir`, loads the programs and adopts (or creates, or migrates) the
-    /// maps. Nothing is attached yet: see [`Datapath::attach`]. On error nothing under `dir`
-    /// has changed but for a directory this call created. `kernel`: the fallbacks the
-    /// programs are loaded with (`features::Report::fit`). `xdp` is `--xdp-mode`: the XDP
-    /// program is loaded only if it asks for XDP.
+    /// Takes ownership of `dir`, adopts (or creates, or migrates) the maps, and starts the
+    /// programs' verification on a thread (`Programs::verify`). Nothing is attached yet: see
+    /// [`Datapath::attach`]. On error nothing under `dir` has changed but for a directory
+    /// this call created. `kernel`: the fallbacks the programs are loaded with
+    /// (`features::Report::fit`). `xdp` is `--xdp-mode`: the XDP program is loaded only if
+    /// it asks for XDP.
     pub fn open(
         dir: &Path,
         cgroup: &Path,
@@ -290,8 +291,8 @@ pub(super) enum Programs {
 }
 
 impl Programs {
-    /// The object once every program is loaded; None while the tc programs are verified or
-    /// after one failed (`ebpf` waits for them and says why).
+    /// The object once every program is loaded; None while they are verified or after one
+    /// failed (`ebpf` waits for them and says why).
     pub(super) fn loaded(&self) -> Option<&Ebpf> {
         match self {
             Programs::Loaded(ebpf) => Some(ebpf),
@@ -315,6 +316,10 @@ impl Programs {
         let spawned = std::thread::Builder::new()
             .name("svc-verify".into())
             .spawn(move || {
+                // Set however the thread ends, a panic included (which `ebpf` then reports):
+                // the controller stops the agent on what it finds then.
+                let _done = Done(done);
+                fail::fail_point!(crate::fault::SOCKET_VERIFY_PAUSE);
                 let r = match load_sockets(&mut ebpf) {
                     Ok(fds) => {
                         info!(
@@ -347,7 +352,6 @@ impl Programs {
                     )),
                     _ => r,
                 };
-                done.send_replace(true);
                 (ebpf, r)
             });
         let sockets = Sockets::Verifying(sockets_rx);
@@ -359,6 +363,15 @@ impl Programs {
                 sockets,
             ),
         }
+    }
+}
+
+/// Turns the verifying thread's `watch` true when dropped.
+struct Done(tokio::sync::watch::Sender<bool>);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.0.send_replace(true);
     }
 }
 
@@ -494,7 +507,7 @@ fn load_xdp(ebpf: &mut Ebpf) {
     }
 }
 
-/// The loaded object, once its tc programs are verified; their error, if one failed. A
+/// The loaded object, once its programs are verified; the error of one that failed. A
 /// function of the field alone, so the datapath's other fields stay free to borrow.
 pub(super) fn ebpf(programs: &mut Programs) -> Result<&mut Ebpf> {
     if matches!(programs, Programs::Verifying(_)) {

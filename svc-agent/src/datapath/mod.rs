@@ -118,7 +118,7 @@ pub struct Datapath {
     /// The open directory; holding it holds the lock.
     lock: File,
     dir_ino: u64,
-    /// Reached through `ebpf()`, which waits for the tc programs' verification.
+    /// Reached through `ebpf()`, which waits for the end of the programs' verification.
     programs: load::Programs,
     /// True once that verification has ended (`programs_verified`).
     verified: tokio::sync::watch::Receiver<bool>,
