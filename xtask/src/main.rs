@@ -477,6 +477,9 @@ impl Panics {
                 self.lines.push(short());
                 self.following = Self::LINES - 1;
             }
+        } else if line.trim_start().starts_with("stack backtrace:") {
+            // The frames say where, which the first line said already.
+            self.following = 0;
         } else if self.following > 0 {
             self.following -= 1;
             self.lines.push(format!("  {}", short()));
@@ -1103,6 +1106,8 @@ mod tests {
             "agent log 2",
             "thread 'b' panicked at src/lib.rs:1:1:",
             "boom",
+            "stack backtrace:",
+            "   0: __rustc::rust_begin_unwind",
         ] {
             p.see(line);
         }
