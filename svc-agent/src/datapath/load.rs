@@ -287,7 +287,40 @@ pub(super) enum Programs {
     Loaded(Ebpf),
     /// A program failed to load (the error's message and errno): nothing more of this object
     /// may be attached.
-    Failed(String, Option<crate::error::Errno>),
+    Failed(Refusal),
+}
+
+/// Why a program cannot be attached: the kernel's refusal, or a verifying thread that ended
+/// without an answer. Kept to be told again whenever asked, as `Error` is not `Clone`.
+pub(super) struct Refusal {
+    message: String,
+    errno: Option<crate::error::Errno>,
+}
+
+impl Refusal {
+    fn of(e: &crate::Error) -> Refusal {
+        match e {
+            crate::Error::Load { message, errno } => Refusal {
+                message: message.clone(),
+                errno: *errno,
+            },
+            other => Refusal::new(other.to_string()),
+        }
+    }
+
+    fn new(message: String) -> Refusal {
+        Refusal {
+            message,
+            errno: None,
+        }
+    }
+
+    fn error(&self) -> crate::Error {
+        crate::Error::Load {
+            message: self.message.clone(),
+            errno: self.errno,
+        }
+    }
 }
 
 impl Programs {
@@ -330,7 +363,7 @@ impl Programs {
                         load_tc(&mut ebpf, &tc)
                     }
                     Err(e) => {
-                        let _ = sockets_tx.send(Err(copy_error(&e)));
+                        let _ = sockets_tx.send(Err(Refusal::of(&e)));
                         Err(e)
                     }
                 };
@@ -358,7 +391,7 @@ impl Programs {
         match spawned {
             Ok(handle) => (Programs::Verifying(handle), verified, sockets),
             Err(e) => (
-                Programs::Failed(format!("starting the verifying thread: {e}"), None),
+                Programs::Failed(Refusal::new(format!("starting the verifying thread: {e}"))),
                 tokio::sync::watch::channel(true).1,
                 sockets,
             ),
@@ -382,9 +415,9 @@ pub(super) type SocketFds = Vec<(&'static str, std::os::fd::OwnedFd)>;
 /// The socket programs: being verified (their descriptors come from the verifying thread),
 /// loaded, or refused.
 pub(super) enum Sockets {
-    Verifying(std::sync::mpsc::Receiver<Result<SocketFds>>),
+    Verifying(std::sync::mpsc::Receiver<std::result::Result<SocketFds, Refusal>>),
     Loaded(SocketFds),
-    Failed(String, Option<crate::error::Errno>),
+    Failed(Refusal),
 }
 
 impl Sockets {
@@ -393,35 +426,19 @@ impl Sockets {
         if let Sockets::Verifying(rx) = self {
             *self = match rx.recv() {
                 Ok(Ok(fds)) => Sockets::Loaded(fds),
-                Ok(Err(crate::Error::Load { message, errno })) => Sockets::Failed(message, errno),
-                Ok(Err(e)) => Sockets::Failed(e.to_string(), None),
-                Err(_) => Sockets::Failed(
+                Ok(Err(refusal)) => Sockets::Failed(refusal),
+                Err(_) => Sockets::Failed(Refusal::new(
                     "the verifying thread ended before the socket programs were loaded".into(),
-                    None,
-                ),
+                )),
             };
         }
         match self {
             Sockets::Loaded(fds) => Ok(fds),
-            Sockets::Failed(message, errno) => Err(crate::Error::Load {
-                message: message.clone(),
-                errno: *errno,
-            }),
+            Sockets::Failed(refusal) => Err(refusal.error()),
             Sockets::Verifying(_) => Err(crate::Error::load(
                 "the socket programs: still verifying".into(),
             )),
         }
-    }
-}
-
-/// The same error again, for a second reader (`Error` is not `Clone`).
-fn copy_error(e: &crate::Error) -> crate::Error {
-    match e {
-        crate::Error::Load { message, errno } => crate::Error::Load {
-            message: message.clone(),
-            errno: *errno,
-        },
-        other => crate::Error::load(other.to_string()),
     }
 }
 
@@ -511,26 +528,20 @@ fn load_xdp(ebpf: &mut Ebpf) {
 /// function of the field alone, so the datapath's other fields stay free to borrow.
 pub(super) fn ebpf(programs: &mut Programs) -> Result<&mut Ebpf> {
     if matches!(programs, Programs::Verifying(_)) {
-        let taken = std::mem::replace(programs, Programs::Failed(String::new(), None));
+        let taken = std::mem::replace(programs, Programs::Failed(Refusal::new(String::new())));
         if let Programs::Verifying(handle) = taken {
             *programs = match handle.join() {
                 Ok((ebpf, Ok(()))) => Programs::Loaded(ebpf),
-                Ok((_, Err(crate::Error::Load { message, errno }))) => {
-                    Programs::Failed(message, errno)
-                }
-                Ok((_, Err(e))) => Programs::Failed(e.to_string(), None),
-                Err(_) => {
-                    Programs::Failed("the thread verifying the programs panicked".into(), None)
-                }
+                Ok((_, Err(e))) => Programs::Failed(Refusal::of(&e)),
+                Err(_) => Programs::Failed(Refusal::new(
+                    "the thread verifying the programs panicked".into(),
+                )),
             };
         }
     }
     match programs {
         Programs::Loaded(ebpf) => Ok(ebpf),
-        Programs::Failed(message, errno) => Err(crate::Error::Load {
-            message: message.clone(),
-            errno: *errno,
-        }),
+        Programs::Failed(refusal) => Err(refusal.error()),
         Programs::Verifying(_) => Err(crate::Error::load(
             "the tc programs: still verifying".into(),
         )),
