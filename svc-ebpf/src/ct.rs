@@ -735,10 +735,51 @@ pub const NOW_ON_HIT: u64 = 0;
 /// (`packet_flags`) on both entries of the flow (they are rare: the first reply, a FIN, an
 /// RST), once a tracked TCP flow's segment is found where its sender is (`track`). A SYN
 /// (`add` has `SYN`) on a closed flow's entry starts a new connection: a miss, and the flow's
-/// entries are removed, except `Found::Closed`'s case. A function of its own (BPF-to-BPF call), so
-/// its copies of keys and values do not sit in its callers' frames.
-#[inline(never)]
+/// entries are removed, except `Found::Closed`'s case. A call of the global function
+/// `svc_ct_lookup`, whose frame holds its copies of keys and values.
+#[inline(always)]
 pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
+    match svc_ct_lookup(key, pod as u64, add.0 as u64, now, out) {
+        1 => Found::Hit,
+        2 => Found::Closed,
+        3 => Found::Invalid,
+        _ => Found::Miss,
+    }
+}
+
+/// `lookup`, a global function (BTF linkage global, as a `no_mangle` public function gets):
+/// the verifier checks it once for each program, with every argument unknown, and then takes
+/// each call for its type alone. As a static function it was checked again for each caller's
+/// state, and every call site's `add` is a different constant: its tracking of TCP
+/// (`track`, `assure`) was most of the instructions the verifier processed for each tc
+/// program (docs/design/packet-datapath.md, "What the verifier costs"). The key is copied onto
+/// this frame: a global function's pointer arguments are memory of their BTF type's size,
+/// which older kernels' map helpers do not take as a key. Returns `Found` as a number.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn svc_ct_lookup(
+    key: *const CtKey,
+    pod: u64,
+    add: u64,
+    now: u64,
+    out: *mut CtValue,
+) -> i64 {
+    if key.is_null() || out.is_null() {
+        return Found::Miss as i64;
+    }
+    let mut copy = core::mem::MaybeUninit::<CtKey>::uninit();
+    // SAFETY: the caller's key, of its type's size (the verifier checked each call for it).
+    let key = unsafe { crate::mem::copy_words(&mut copy, key) };
+    // SAFETY: the caller's scratch space's value, of its type's size, as above.
+    let out = unsafe { &mut *out };
+    lookup_in(key, pod != 0, PacketFlags(add as u32), now, out) as i64
+}
+
+/// `svc_ct_lookup`'s work, a static function of its own: inlined there, its copies of keys
+/// and values took a frame of 352 bytes, past the verifier's 512 on the chain to `track`'s
+/// callees (apart: 40 bytes for the key's copy, 128 for this one).
+#[inline(never)]
+fn lookup_in(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
     let mut now = now;
     let Some(mut e) = live(key, pod, add.has(ANSWER), &mut now, out) else {
         return Found::Miss;
