@@ -736,9 +736,9 @@ pub const NOW_ON_HIT: u64 = 0;
 /// RST), once a tracked TCP flow's segment is found where its sender is (`track`). A SYN
 /// (`add` has `SYN`) on a closed flow's entry starts a new connection: a miss, and the flow's
 /// entries are removed, except `Found::Closed`'s case. A call of the global function
-/// `svc_ct_lookup`, whose frame holds its copies of keys and values.
+/// `svc_ct_lookup`.
 #[inline(always)]
-pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
+pub fn lookup(key: &LookupKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
     match svc_ct_lookup(key, pod as u64, add.0 as u64, now, out) {
         1 => Found::Hit,
         2 => Found::Closed,
@@ -747,18 +747,25 @@ pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtVa
     }
 }
 
+/// A key as `svc_ct_lookup` takes it: 8-aligned, so that its copy there is five word moves
+/// (every packet a tc program sees pays one lookup at least).
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+pub struct LookupKey(pub CtKey);
+
 /// `lookup`, a global function (BTF linkage global, as a `no_mangle` public function gets):
 /// the verifier checks it once for each program, with every argument unknown, and then takes
-/// each call for its type alone. As a static function it was checked again for each caller's
-/// state, and every call site's `add` is a different constant: its tracking of TCP
-/// (`track`, `assure`) was most of the instructions the verifier processed for each tc
-/// program (docs/design/packet-datapath.md, "What the verifier costs"). The key is copied onto
-/// this frame: a global function's pointer arguments are memory of their BTF type's size,
-/// which older kernels' map helpers do not take as a key. Returns `Found` as a number.
+/// each call for its type alone. As a static function it was checked again for each path to
+/// a call with its own known `add` (the packet's TCP flags): with its tracking of TCP
+/// (`track`, `assure`) it was half to two thirds of the instructions the verifier processed
+/// for each tc program (docs/design/packet-datapath.md, "What the verifier costs"). The key is
+/// copied onto this frame: a global function's pointer arguments are memory of their BTF
+/// type's size (Linux 5.12), which 5.15's and 6.1's map helpers do not take as a key. Returns
+/// `Found` as a number.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_ct_lookup(
-    key: *const CtKey,
+    key: *const LookupKey,
     pod: u64,
     add: u64,
     now: u64,
@@ -767,9 +774,9 @@ pub extern "C" fn svc_ct_lookup(
     if key.is_null() || out.is_null() {
         return Found::Miss as i64;
     }
-    let mut copy = core::mem::MaybeUninit::<CtKey>::uninit();
+    let mut copy = core::mem::MaybeUninit::<LookupKey>::uninit();
     // SAFETY: the caller's key, of its type's size (the verifier checked each call for it).
-    let key = unsafe { crate::mem::copy_words(&mut copy, key) };
+    let key = &unsafe { crate::mem::copy_into(&mut copy, key) }.0;
     // SAFETY: the caller's scratch space's value, of its type's size, as above.
     let out = unsafe { &mut *out };
     lookup_in(key, pod != 0, PacketFlags(add as u32), now, out) as i64

@@ -86,9 +86,10 @@ fn slots(now: u64, packet: bool) -> u32 {
 /// `slots`, a global function (BTF linkage global, as a `no_mangle` public function gets),
 /// as `publish`'s `svc_mon_publish`: the verifier checks each once for each program, with its
 /// arguments unknown, and then takes each call for its type alone. As static functions they
-/// were checked again at every writer's call with the caller's state: 70 % of what the
-/// verifier processed for `sendmsg4` and 80 % for the sweep (docs/design/packet-datapath.md,
-/// "What the verifier costs"). Its own locals stay off the writers' frames, as `slot`'s.
+/// were checked again at every writer's call with the caller's state: 72–91 % of what the
+/// verifier processed for each socket program, 84 % for the sweep
+/// (docs/design/packet-datapath.md, "What the verifier costs"). Its own locals stay off the
+/// writers' frames, as `slot`'s.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_mon_slots(now: u64, packet: u64) -> i64 {
@@ -166,8 +167,8 @@ fn publish(which: u32, to: u32) {
 }
 
 /// `publish`, a global function, as `svc_mon_slots` is. It finds the event again by
-/// `which`: a global function's pointer arguments are checked for their BTF type only, not as
-/// the map value they are. 0 always (a global function returns a scalar).
+/// `which`, as `svc_mon_tc` finds the packet, rather than taking its pointer: only scalars
+/// cross the call. 0 always (a global function returns a scalar).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_mon_publish(which: u64, to: u64) -> i64 {
