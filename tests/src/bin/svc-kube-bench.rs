@@ -17,8 +17,9 @@
 //! and the agent's own latency histograms from its /metrics. A breakdown of the cold start
 //! (listing through kube-rs, translating, writing the maps) is measured afterwards in this
 //! process, with the same objects, so a missed target can be traced to its cause. With
-//! `SVC_BENCH_TIMELINE` set, the agent's log of the cold start and of the restart is printed
-//! (stderr), each line at its offset from the spawn: where the agent's own time went.
+//! `SVC_BENCH_TIMELINE` set, the agent's log of the cold start, of the changes and of the
+//! restart is printed (stderr), each line at its offset from the spawn (the changes' from the
+//! first change's write): where the agent's own time went.
 //!
 //! Nothing leaves loopback: the API server, the agent's /metrics and /healthz listen on
 //! 127.0.0.1, and no traffic is sent to any Service.
@@ -963,6 +964,7 @@ fn bench() -> Result<()> {
     let mut latencies = Vec::with_capacity(args.changes as usize);
     let mut writes = Vec::with_capacity(args.changes as usize);
     let cpu_before_changes = sys::cpu_time(pid)?;
+    let changes_began = Timestamp::now();
     for c in 0..args.changes {
         let i = rng.below(args.services);
         let k = rng.below(args.endpoints) as usize;
@@ -993,6 +995,10 @@ fn bench() -> Result<()> {
         latencies.push(t0.elapsed());
     }
     let change_cpu = sys::cpu_time(pid)? - cpu_before_changes;
+    if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
+        eprintln!("the agent's log during the changes, from the first change's write:");
+        timeline(&agent.log(), changes_began);
+    }
     // Which changes were slow, in the order made: a pattern (the first after the cold start,
     // one a minute) points at what delayed them.
     let mut slowest: Vec<(usize, Duration, Duration)> = (latencies.iter().zip(&writes))
