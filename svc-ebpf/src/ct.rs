@@ -738,7 +738,7 @@ pub const NOW_ON_HIT: u64 = 0;
 /// entries are removed, except `Found::Closed`'s case. A call of the global function
 /// `svc_ct_lookup`.
 #[inline(always)]
-pub fn lookup(key: &LookupKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
+pub fn lookup(key: &CtKey, pod: bool, add: PacketFlags, now: u64, out: &mut CtValue) -> Found {
     match svc_ct_lookup(key, pod as u64, add.0 as u64, now, out) {
         1 => Found::Hit,
         2 => Found::Closed,
@@ -746,12 +746,6 @@ pub fn lookup(key: &LookupKey, pod: bool, add: PacketFlags, now: u64, out: &mut 
         _ => Found::Miss,
     }
 }
-
-/// A key as `svc_ct_lookup` takes it: 8-aligned, so that its copy there is five word moves
-/// (every packet a tc program sees pays one lookup at least).
-#[repr(C, align(8))]
-#[derive(Clone, Copy)]
-pub struct LookupKey(pub CtKey);
 
 /// `lookup`, a global function (BTF linkage global, as a `no_mangle` public function gets):
 /// the verifier checks it once for each program, with every argument unknown, and then takes
@@ -765,7 +759,7 @@ pub struct LookupKey(pub CtKey);
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn svc_ct_lookup(
-    key: *const LookupKey,
+    key: *const CtKey,
     pod: u64,
     add: u64,
     now: u64,
@@ -774,9 +768,9 @@ pub extern "C" fn svc_ct_lookup(
     if key.is_null() || out.is_null() {
         return Found::Miss as i64;
     }
-    let mut copy = core::mem::MaybeUninit::<LookupKey>::uninit();
+    let mut copy = core::mem::MaybeUninit::<CtKey>::uninit();
     // SAFETY: the caller's key, of its type's size (the verifier checked each call for it).
-    let key = &unsafe { crate::mem::copy_into(&mut copy, key) }.0;
+    let key = unsafe { crate::mem::copy_words(&mut copy, key) };
     // SAFETY: the caller's scratch space's value, of its type's size, as above.
     let out = unsafe { &mut *out };
     lookup_in(key, pod != 0, PacketFlags(add as u32), now, out) as i64

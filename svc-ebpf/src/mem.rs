@@ -53,20 +53,20 @@ pub unsafe fn copy<T: Copy>(dst: &mut T, src: *const T) {
     }
 }
 
-/// Copies `*src` into the uninitialized `*dst` in 8-byte loads and stores, as `copy`, and
-/// returns the copy.
+/// Copies `*src` into the uninitialized `*dst` in 2-byte loads and stores, for a `T` only
+/// 2-aligned (a connection-tracking key), and returns the copy.
 ///
 /// # Safety
 /// `src` must point at a readable `T` the verifier knows; `T` plain bytes.
 #[inline(always)]
-pub unsafe fn copy_into<T: Copy>(dst: &mut MaybeUninit<T>, src: *const T) -> &T {
+pub unsafe fn copy_words<T: Copy>(dst: &mut MaybeUninit<T>, src: *const T) -> &T {
     const {
-        assert!(size_of::<T>().is_multiple_of(8) && align_of::<T>() >= 8);
+        assert!(size_of::<T>().is_multiple_of(2) && align_of::<T>() >= 2);
     }
-    let d = dst.as_mut_ptr().cast::<u64>();
-    let s = src.cast::<u64>();
-    for i in 0..size_of::<T>() / 8 {
-        // SAFETY: within `*dst` and `*src`, 8-aligned and whole words; volatile so that LLVM
+    let d = dst.as_mut_ptr().cast::<u16>();
+    let s = src.cast::<u16>();
+    for i in 0..size_of::<T>() / 2 {
+        // SAFETY: within `*dst` and `*src`, 2-aligned and whole words; volatile so that LLVM
         // neither folds the copy into a memmove call nor reads through `src` instead.
         unsafe { core::ptr::write_volatile(d.add(i), core::ptr::read_volatile(s.add(i))) };
     }

@@ -476,7 +476,7 @@ fn found(s: &mut Scratch, dir: u8, pod: bool, now: u64) -> ct::Found {
 /// `found`, with `mark` (`ct::ANSWER`) added to the packet's flags.
 #[inline(always)]
 fn found_marked(s: &mut Scratch, dir: u8, pod: bool, now: u64, mark: ct::PacketFlags) -> ct::Found {
-    let key = ct::LookupKey(ct::key_of(&s.p, dir));
+    let key = ct::key_of(&s.p, dir);
     let add = ct::packet_flags(&s.p, dir) | mark;
     let found = ct::lookup(&key, pod, add, now, &mut s.v);
     if found == ct::Found::Hit {

@@ -108,7 +108,7 @@ pub fn ext(ctx: &XdpContext) -> u32 {
 /// `s.src`/`s.dst` (as tc.rs's `found`).
 #[inline(always)]
 fn found(s: &mut Scratch, dir: u8, now: u64) -> ct::Found {
-    let key = ct::LookupKey(ct::key_of(&s.p, dir));
+    let key = ct::key_of(&s.p, dir);
     let add = ct::packet_flags(&s.p, dir);
     let found = ct::lookup(&key, false, add, now, &mut s.v);
     if found == ct::Found::Hit {
