@@ -118,39 +118,45 @@ impl Drop for Dp {
     }
 }
 
+/// The object, its programs not yet loaded: small maps (`ct` entries of connection tracking,
+/// 1,024 of the others), with the fallbacks of `kernel` as the agent sets them.
+pub fn load_object(ct: u32, kernel: Fit) -> Ebpf {
+    let globals = kernel.globals();
+    let mut loader = EbpfLoader::new();
+    // Not required: a benchmark's older object has none.
+    for (name, value) in &globals {
+        loader.override_global(name, value, false);
+    }
+    // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
+    for name in map_names::ALL {
+        // The monitor's rings are sized in bytes, a multiple of the page size.
+        if ![
+            map_names::META,
+            map_names::SOCK_STATE,
+            map_names::CONFIG,
+            map_names::MON_RING_0,
+            map_names::MON_RING_1,
+            map_names::MON_RING_2,
+            map_names::MON_RING_3,
+        ]
+        .contains(&name)
+        {
+            let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
+                ct
+            } else {
+                1024
+            };
+            loader.map_max_entries(name, n);
+        }
+    }
+    loader.load(&object()).expect("loading the object")
+}
+
 impl Loaded {
     /// Loads the object with `ct` entries of connection tracking and verifies its tc programs,
     /// with the fallbacks of `kernel` as the agent sets them.
     pub fn load(ct: u32, kernel: Fit) -> Loaded {
-        let globals = kernel.globals();
-        let mut loader = EbpfLoader::new();
-        // Not required: a benchmark's older object has none.
-        for (name, value) in &globals {
-            loader.override_global(name, value, false);
-        }
-        // Small maps: a test needs a handful of entries, and LRU maps are allocated in full.
-        for name in map_names::ALL {
-            // The monitor's rings are sized in bytes, a multiple of the page size.
-            if ![
-                map_names::META,
-                map_names::SOCK_STATE,
-                map_names::CONFIG,
-                map_names::MON_RING_0,
-                map_names::MON_RING_1,
-                map_names::MON_RING_2,
-                map_names::MON_RING_3,
-            ]
-            .contains(&name)
-            {
-                let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
-                    ct
-                } else {
-                    1024
-                };
-                loader.map_max_entries(name, n);
-            }
-        }
-        let mut ebpf = loader.load(&object()).expect("loading the object");
+        let mut ebpf = load_object(ct, kernel);
         let mut map_ids = Vec::new();
         for prog in [
             Prog::ExtIngress.name(),
