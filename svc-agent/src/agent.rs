@@ -372,11 +372,10 @@ impl Agent {
     }
 
     /// Attaches what of this agent's programs can be attached now, after a sync (the maps
-    /// hold the whole state), nothing again once all is.
-    /// On a cold start the socket programs go on at once, or as soon as the kernel has
-    /// verified them (ClusterIPs answer from then on), the tc and XDP programs once it has
-    /// verified those too (`programs_verified`, which
-    /// the controller waits on); where a previous agent's programs serve, or maps are
+    /// hold the whole state), nothing again once all is. On a cold start the socket programs
+    /// go on at once, or as soon as the kernel has verified them (ClusterIPs answer from then
+    /// on), the tc and XDP programs once it has verified those too (`programs_verified`,
+    /// which the controller waits on); where a previous agent's programs serve, or maps are
     /// migrated, everything goes on at that later moment together.
     fn attach(&mut self) {
         if self.dp.is_attached() {

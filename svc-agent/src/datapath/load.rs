@@ -449,16 +449,16 @@ fn load_sockets(ebpf: &mut Ebpf) -> Result<SocketFds> {
         let prog = ebpf
             .program_mut(name)
             .ok_or_else(|| load_err(name, "program missing from the object"))?;
-        let loaded = if name == sys::SOCK_RELEASE {
-            <&mut CgroupSock>::try_from(prog)
-                .map_err(|e| load_err(name, e))?
-                .load()
+        let fd = if name == sys::SOCK_RELEASE {
+            let p = <&mut CgroupSock>::try_from(prog).map_err(|e| load_err(name, e))?;
+            p.load().map_err(|e| load_err(name, e))?;
+            p.fd().map_err(|e| load_err(name, e))?.as_fd().try_clone_to_owned()
         } else {
-            <&mut CgroupSockAddr>::try_from(prog)
-                .map_err(|e| load_err(name, e))?
-                .load()
-        };
-        loaded.map_err(|e| load_err(name, e))?;
+            let p = <&mut CgroupSockAddr>::try_from(prog).map_err(|e| load_err(name, e))?;
+            p.load().map_err(|e| load_err(name, e))?;
+            p.fd().map_err(|e| load_err(name, e))?.as_fd().try_clone_to_owned()
+        }
+        .map_err(|e| load_err(name, e))?;
         #[cfg(feature = "failpoints")]
         if let Some(Some(refused)) = fail::eval(crate::fault::SOCKET_REFUSED, |v| v) {
             if refused == name {
@@ -468,14 +468,6 @@ fn load_sockets(ebpf: &mut Ebpf) -> Result<SocketFds> {
                 ));
             }
         }
-        let fd = ebpf
-            .program(name)
-            .ok_or_else(|| load_err(name, "program missing from the object"))?
-            .fd()
-            .map_err(|e| load_err(name, e))?
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| load_err(name, e))?;
         fds.push((name, fd));
     }
     Ok(fds)
