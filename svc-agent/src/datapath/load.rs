@@ -452,11 +452,17 @@ fn load_sockets(ebpf: &mut Ebpf) -> Result<SocketFds> {
         let fd = if name == sys::SOCK_RELEASE {
             let p = <&mut CgroupSock>::try_from(prog).map_err(|e| load_err(name, e))?;
             p.load().map_err(|e| load_err(name, e))?;
-            p.fd().map_err(|e| load_err(name, e))?.as_fd().try_clone_to_owned()
+            p.fd()
+                .map_err(|e| load_err(name, e))?
+                .as_fd()
+                .try_clone_to_owned()
         } else {
             let p = <&mut CgroupSockAddr>::try_from(prog).map_err(|e| load_err(name, e))?;
             p.load().map_err(|e| load_err(name, e))?;
-            p.fd().map_err(|e| load_err(name, e))?.as_fd().try_clone_to_owned()
+            p.fd()
+                .map_err(|e| load_err(name, e))?
+                .as_fd()
+                .try_clone_to_owned()
         }
         .map_err(|e| load_err(name, e))?;
         #[cfg(feature = "failpoints")]
