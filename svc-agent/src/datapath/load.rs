@@ -449,22 +449,22 @@ fn load_sockets(ebpf: &mut Ebpf) -> Result<SocketFds> {
         let prog = ebpf
             .program_mut(name)
             .ok_or_else(|| load_err(name, "program missing from the object"))?;
-        let fd = if name == sys::SOCK_RELEASE {
-            let p = <&mut CgroupSock>::try_from(prog).map_err(|e| load_err(name, e))?;
-            p.load().map_err(|e| load_err(name, e))?;
-            p.fd()
+        if name == sys::SOCK_RELEASE {
+            <&mut CgroupSock>::try_from(&mut *prog)
                 .map_err(|e| load_err(name, e))?
-                .as_fd()
-                .try_clone_to_owned()
+                .load()
         } else {
-            let p = <&mut CgroupSockAddr>::try_from(prog).map_err(|e| load_err(name, e))?;
-            p.load().map_err(|e| load_err(name, e))?;
-            p.fd()
+            <&mut CgroupSockAddr>::try_from(&mut *prog)
                 .map_err(|e| load_err(name, e))?
-                .as_fd()
-                .try_clone_to_owned()
+                .load()
         }
         .map_err(|e| load_err(name, e))?;
+        let fd = prog
+            .fd()
+            .map_err(|e| load_err(name, e))?
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| load_err(name, e))?;
         #[cfg(feature = "failpoints")]
         if let Some(Some(refused)) = fail::eval(crate::fault::SOCKET_REFUSED, |v| v) {
             if refused == name {
