@@ -753,17 +753,27 @@ impl Agent {
                 return 0;
             }
         };
-        let retiring = std::mem::take(&mut self.programmed.retiring);
+        // The old mirror goes before the new one is built: at 100,000 Services each is
+        // about 150 MiB, and both at once were the agent's peak (docs/benchmarks.md).
         let capacity = self.programmed.capacity;
+        let mut old = std::mem::replace(
+            &mut self.programmed,
+            Programmed::empty(capacity, self.upkeep.grace),
+        );
+        let (retiring, settings, roomless, ids) = (
+            std::mem::take(&mut old.retiring),
+            old.maglev.settings,
+            std::mem::take(&mut old.maglev.roomless),
+            old.ids,
+        );
+        drop(old);
         let mut fresh = Programmed::recover(&snap, capacity, self.upkeep.grace, retiring);
-        fresh.maglev.settings = self.programmed.maglev.settings;
-        fresh.maglev.roomless = std::mem::take(&mut self.programmed.maglev.roomless);
+        drop(snap);
+        fresh.maglev.settings = settings;
+        fresh.maglev.roomless = roomless;
         // Ids already handed out stay spent even if nothing in the maps carries them.
-        fresh.ids.next_frontend = fresh
-            .ids
-            .next_frontend
-            .max(self.programmed.ids.next_frontend);
-        fresh.ids.next_backend = fresh.ids.next_backend.max(self.programmed.ids.next_backend);
+        fresh.ids.next_frontend = fresh.ids.next_frontend.max(ids.next_frontend);
+        fresh.ids.next_backend = fresh.ids.next_backend.max(ids.next_backend);
         self.programmed = fresh;
         let report =
             self.programmed

@@ -145,7 +145,7 @@ impl View {
             backends: p
                 .backends
                 .iter()
-                .map(|(id, k)| (*id, (k.socket_addr(), k.local)))
+                .map(|(id, k)| (id, (k.socket_addr(), k.local)))
                 .collect(),
             config: p.config.unwrap_or_default(),
         }

@@ -109,7 +109,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
             backends: f
                 .backends
                 .iter()
-                .filter_map(|b| p.backends.get(b).map(|k| k.socket_addr()))
+                .filter_map(|b| p.backends.get(*b).map(|k| k.socket_addr()))
                 .collect(),
             affinity_timeout_s: (f.flags & svc_flags::AFFINITY != 0)
                 .then_some(f.affinity_timeout_s),
@@ -124,7 +124,7 @@ pub fn read(store: &BpfStore) -> Result<Listing> {
                 .iter()
                 .filter_map(|b| {
                     p.backends
-                        .get(b)
+                        .get(*b)
                         .filter(|k| k.local)
                         .map(|k| k.socket_addr())
                 })

@@ -203,11 +203,12 @@ impl Programmed {
                     Err(e)
                 }
                 Ok(()) => {
-                    let plan = if as_planned {
-                        plan
-                    } else {
-                        let mut earlier = Planned::new(self);
-                        plan::plan_unit(self, &mut earlier, &owner, &upserts, &gone)
+                    let plan = match plan {
+                        Some(plan) if as_planned => plan.map(|p| *p),
+                        _ => {
+                            let mut earlier = Planned::new(self);
+                            plan::plan_unit(self, &mut earlier, &owner, &upserts, &gone)
+                        }
                     };
                     plan.and_then(|plan| {
                         let done = self.execute(&mut w, plan, reserved, now, &mut unreferenced);
@@ -405,9 +406,7 @@ impl Programmed {
             w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
             // Unreferenced until a master entry names it; retired at the end of the sync if
             // what would have used it fails.
-            let k = BackendKey::new(*sa, *protocol);
-            self.backend_ids.insert(k, *id);
-            self.backends.insert(*id, k);
+            self.backends.insert(*id, BackendKey::new(*sa, *protocol));
             self.usage.backends += 1;
             unreferenced.push(*id);
         }
@@ -506,7 +505,7 @@ impl Programmed {
                 Some(pf) => {
                     written += 1;
                     for b in &pf.backends {
-                        *self.backend_refs.entry(*b).or_insert(0) += 1;
+                        self.backends.add_ref(*b);
                     }
                     self.port_ref(fe.protocol, &pf);
                     self.frontends.insert(fe, pf)
@@ -522,12 +521,8 @@ impl Programmed {
             if let Some(before) = before {
                 self.port_unref(fe.protocol, &before);
                 for b in &before.backends {
-                    if let Some(n) = self.backend_refs.get_mut(b) {
-                        *n -= 1;
-                        if *n == 0 {
-                            self.backend_refs.remove(b);
-                            unreferenced.push(*b);
-                        }
+                    if self.backends.unref(*b) {
+                        unreferenced.push(*b);
                     }
                 }
             }
@@ -828,9 +823,7 @@ impl Programmed {
         // As in `execute`: unreferenced until a master entry names it, retired at the end
         // of the sync if nothing does; the Services written alone find it here.
         for (id, sa, protocol) in new_backends().take(backends_landed) {
-            let k = BackendKey::new(*sa, *protocol);
-            self.backend_ids.insert(k, *id);
-            self.backends.insert(*id, k);
+            self.backends.insert(*id, BackendKey::new(*sa, *protocol));
             self.usage.backends += 1;
             unreferenced.push(*id);
         }

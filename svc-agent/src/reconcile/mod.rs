@@ -21,6 +21,7 @@
 //!   leftover entry still carries.
 
 mod addrs;
+mod backends;
 mod execute;
 mod ids;
 pub mod plan;
@@ -45,6 +46,7 @@ use crate::model::{Backend, Cidr, DesiredFrontend, Frontend, Protocol};
 use crate::store::{Capacity, Op, Store};
 
 pub use addrs::{external_addr, FlowAddrsReport};
+pub use backends::Backends;
 
 pub use ids::Ids;
 pub use plan::{NodePlan, Plan, Planned, ServicePlan, UnitPlan};
@@ -415,10 +417,9 @@ impl BackendKey {
 pub struct Programmed {
     pub frontends: BTreeMap<Frontend, ProgFrontend>,
     pub markers: BTreeSet<IpAddr>,
-    pub backend_ids: HashMap<BackendKey, BackendId>,
-    pub backends: HashMap<BackendId, BackendKey>,
-    /// How many slots of current generations name each backend.
-    backend_refs: HashMap<BackendId, u32>,
+    /// The backend entries, with how many slots of current generations name each, and the
+    /// id each address's new slots use.
+    pub backends: Backends,
     pub ids: Ids,
     pub usage: Usage,
     pub capacity: Capacity,
@@ -696,9 +697,7 @@ impl Programmed {
         Programmed {
             frontends: BTreeMap::new(),
             markers: BTreeSet::new(),
-            backend_ids: HashMap::default(),
-            backends: HashMap::default(),
-            backend_refs: HashMap::default(),
+            backends: Backends::default(),
             ids: Ids::default(),
             usage: Usage::default(),
             capacity,
@@ -771,7 +770,7 @@ impl Programmed {
     }
 
     pub fn backend_refs(&self, id: BackendId) -> u32 {
-        self.backend_refs.get(&id).copied().unwrap_or(0)
+        self.backends.refs(id)
     }
 
     /// Who each programmed frontend belongs to, as the names map says.

@@ -338,9 +338,12 @@ pub fn plan_unit(
         let mut ids = Vec::with_capacity(d.backends.len());
         for b in &d.backends {
             let k = BackendKey::new(*b, fe.protocol);
-            let known = p.backend_ids.get(&k).or_else(|| earlier.backends.get(&k));
-            let id = match known.or_else(|| planned.get(&k)) {
-                Some(id) => *id,
+            let known = p
+                .backends
+                .id_of(&k)
+                .or_else(|| earlier.backends.get(&k).copied());
+            let id = match known.or_else(|| planned.get(&k).copied()) {
+                Some(id) => id,
                 None => {
                     let id = take_id(&mut next_backend, "backend")?;
                     planned.insert(k, id);
@@ -721,8 +724,10 @@ pub struct ServicePlan {
     /// Its frontends to write and to remove.
     pub upserts: Vec<Frontend>,
     pub gone: Vec<Frontend>,
-    /// What it writes, or why it cannot be programmed.
-    pub plan: Result<UnitPlan>,
+    /// What it writes, or why it cannot be programmed. None in an outline, whose Services are
+    /// planned as they are written: an empty `UnitPlan` kept for each of them took 50 MB at
+    /// 100,000 Services.
+    pub plan: Option<Result<Box<UnitPlan>>>,
 }
 
 impl ServicePlan {
@@ -746,7 +751,7 @@ impl Plan {
             && self
                 .services
                 .iter()
-                .all(|s| s.plan.as_ref().is_ok_and(UnitPlan::is_empty))
+                .all(|s| matches!(&s.plan, Some(Ok(u)) if u.is_empty()))
             && self.new_markers.is_empty()
             && self.gone_markers.is_empty()
             && self.addrs_after.is_empty()
@@ -894,7 +899,7 @@ impl Programmed {
                     owner: owner.into_owned(),
                     upserts: upserts.iter().map(|d| d.frontend).collect(),
                     gone,
-                    plan: Ok(UnitPlan::default()),
+                    plan: None,
                 });
                 continue;
             }
@@ -911,7 +916,7 @@ impl Programmed {
                 owner: owner.into_owned(),
                 upserts: upserts.iter().map(|d| d.frontend).collect(),
                 gone,
-                plan: unit,
+                plan: Some(unit.map(Box::new)),
             });
         }
         for a in &plan.touched_addrs {

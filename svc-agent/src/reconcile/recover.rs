@@ -91,6 +91,9 @@ impl Programmed {
             .max(backend_max.saturating_add(1))
             .max(1);
 
+        // Sized once: grown entry by entry, each table would hold its old buckets and twice
+        // as many new ones at every doubling, a third more at the peak of a large restart.
+        p.backends.reserve(snap.backends.len());
         for (id, b) in &snap.backends {
             let Some(proto) = Protocol::from_ipproto(b.proto).filter(|_| *id != 0) else {
                 p.strays.backends.push(*id);
@@ -99,9 +102,10 @@ impl Programmed {
             let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
             let local = b.flags & svc_common::backend_flags::LOCAL != 0;
             p.backends
-                .insert(*id, BackendKey::new(Backend { addr: sa, local }, proto));
+                .add(*id, BackendKey::new(Backend { addr: sa, local }, proto));
         }
-        let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
+        // Each slot a master entry reaches is taken out: what is left are leftovers.
+        let mut slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
         let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
         let names: HashMap<u32, String> = snap
             .names
@@ -109,8 +113,8 @@ impl Programmed {
             .map(|(id, n)| (*id, decode_name(n)))
             .collect();
 
-        let mut used_slots: HashSet<SlotKey> = HashSet::default();
         let mut used_ids: HashSet<u32> = HashSet::default();
+        used_ids.reserve(snap.services.len());
         for (k, v) in &snap.services {
             let marker_shaped = k.port_be == 0 && k.proto == PROTO_ANY;
             let is_marker = v.flags & svc_flags::ADDR_MARKER != 0;
@@ -148,10 +152,9 @@ impl Programmed {
                     rev: v.rev,
                     slot,
                 };
-                if let Some(b) = slots.get(&sk) {
-                    used_slots.insert(sk);
-                    if p.backends.contains_key(b) {
-                        backends.push(*b);
+                if let Some(b) = slots.remove(&sk) {
+                    if p.backends.contains(b) {
+                        backends.push(b);
                     }
                 }
             }
@@ -168,7 +171,7 @@ impl Programmed {
                 None => (String::new(), Entry::Missing),
             };
             for b in &backends {
-                *p.backend_refs.entry(*b).or_insert(0) += 1;
+                p.backends.add_ref(*b);
             }
             if !p.frontends.contains_key(&fe) {
                 super::plan::external_ref(&mut p.external_refs, &fe, true);
@@ -304,26 +307,18 @@ impl Programmed {
 
         // Two ids for one address (a crash between writes): the one slots name is reused (the
         // lower, if both or neither are); the other is retired once nothing names it.
-        for (id, k) in &p.backends {
-            let rank = |id: BackendId| (!p.backend_refs.contains_key(&id), id);
-            let chosen = p.backend_ids.entry(*k).or_insert(*id);
-            if rank(*id) < rank(*chosen) {
-                *chosen = *id;
-            }
-        }
+        p.backends.choose_ids();
         p.strays.slots = slots
             .keys()
-            .filter(|k| !used_slots.contains(*k) && !p.retiring.has_slot_gen(k.id, k.rev))
+            .filter(|k| !p.retiring.has_slot_gen(k.id, k.rev))
             .copied()
             .collect();
         let loose = |id: &u32| !used_ids.contains(id) && !p.retiring.has_id(*id);
         p.strays.rev_nat = rev_nat.keys().filter(|id| loose(id)).copied().collect();
         p.strays.names = names.keys().filter(|id| loose(id)).copied().collect();
-        let stray_backends: Vec<BackendId> = p
-            .backends
-            .keys()
-            .filter(|id| !p.backend_refs.contains_key(id) && !p.retiring.has_backend(**id))
-            .copied()
+        let stray_backends: Vec<BackendId> = (p.backends.iter())
+            .filter(|(id, _)| p.backends.refs(*id) == 0 && !p.retiring.has_backend(*id))
+            .map(|(id, _)| id)
             .collect();
         p.strays.backends.extend(stray_backends);
         // Deterministic order for logs and tests.

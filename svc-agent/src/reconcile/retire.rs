@@ -257,10 +257,6 @@ impl Programmed {
     }
 
     fn forget_backend(&mut self, id: BackendId) {
-        if let Some(k) = self.backends.remove(&id) {
-            if self.backend_ids.get(&k) == Some(&id) {
-                self.backend_ids.remove(&k);
-            }
-        }
+        self.backends.remove(id);
     }
 }

@@ -288,7 +288,7 @@ impl Display for Plan {
         }
         for s in &self.services {
             match &s.plan {
-                Ok(_) if self.outline => writeln!(
+                None => writeln!(
                     f,
                     "service {}: {} frontends to write, {} to remove (its writes are planned \
                      as they are made)",
@@ -296,9 +296,9 @@ impl Display for Plan {
                     s.upserts.len(),
                     s.gone.len()
                 )?,
-                Ok(p) if p.is_empty() => {}
-                Ok(p) => write!(f, "service {}:\n{p}", s.owner)?,
-                Err(e) => writeln!(f, "service {}: not programmed: {e}", s.owner)?,
+                Some(Ok(p)) if p.is_empty() => {}
+                Some(Ok(p)) => write!(f, "service {}:\n{p}", s.owner)?,
+                Some(Err(e)) => writeln!(f, "service {}: not programmed: {e}", s.owner)?,
             }
         }
         if !self.new_markers.is_empty() || !self.gone_markers.is_empty() {

@@ -1,0 +1,267 @@
+//! The mirror's backends (`Programmed::backends`).
+
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use svc_common::BackendId;
+
+use super::{BackendKey, Seeded};
+
+/// Every backend entry the agent knows to be in the maps: its id, its address and how many
+/// slots of current generations name it; and for each address, the id its new slots use. The
+/// entries sit in one vector, found through two tables of their 4-byte positions: three std
+/// maps keyed by id and by address (with the count apart) took 118 MB at 1,000,000 backends,
+/// about 48 MB this way.
+#[derive(Debug, Default)]
+pub struct Backends {
+    entries: Vec<Slot>,
+    /// Positions of removed entries, reused first.
+    vacant: Vec<u32>,
+    by_id: HashTable<u32>,
+    /// One position per address: that of the id its new slots use. An address two entries
+    /// have (a crash between writes) is here once (`choose_ids`).
+    by_key: HashTable<u32>,
+    hasher: Seeded,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// 0: vacant (0 is no backend id).
+    id: BackendId,
+    /// Slots of current generations that name it.
+    refs: u32,
+    key: BackendKey,
+}
+
+impl Backends {
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// Room for `n` more entries, so that a table filled at once (a restart's) is allocated
+    /// once rather than at every doubling, with the old table beside the new.
+    pub fn reserve(&mut self, n: usize) {
+        let Backends {
+            entries,
+            vacant,
+            by_id,
+            by_key,
+            hasher,
+        } = self;
+        entries.reserve(n.saturating_sub(vacant.len()));
+        by_id.reserve(n, |&i| hasher.hash_one(entries[i as usize].id));
+        by_key.reserve(n, |&i| hasher.hash_one(entries[i as usize].key));
+    }
+
+    fn position(&self, id: BackendId) -> Option<usize> {
+        let h = self.hasher.hash_one(id);
+        (self.by_id)
+            .find(h, |&i| self.entries[i as usize].id == id)
+            .map(|&i| i as usize)
+    }
+
+    pub fn get(&self, id: BackendId) -> Option<&BackendKey> {
+        self.position(id).map(|i| &self.entries[i].key)
+    }
+
+    pub fn contains(&self, id: BackendId) -> bool {
+        self.position(id).is_some()
+    }
+
+    /// The id new slots of `key` use.
+    pub fn id_of(&self, key: &BackendKey) -> Option<BackendId> {
+        let h = self.hasher.hash_one(key);
+        (self.by_key)
+            .find(h, |&i| self.entries[i as usize].key == *key)
+            .map(|&i| self.entries[i as usize].id)
+    }
+
+    /// Adds backend `id` (not known yet; 0 is no id) at `key`, the id new slots of `key` use
+    /// from now on.
+    pub fn insert(&mut self, id: BackendId, key: BackendKey) {
+        if let Some(i) = self.add(id, key) {
+            self.index_key(i);
+        }
+    }
+
+    /// Adds backend `id` at `key` without making it the id of `key` (`choose_ids` does, once
+    /// all are in); None if `id` is 0 or already known.
+    pub fn add(&mut self, id: BackendId, key: BackendKey) -> Option<usize> {
+        if id == 0 || self.contains(id) {
+            return None;
+        }
+        let slot = Slot { id, refs: 0, key };
+        let i = match self.vacant.pop() {
+            Some(i) => {
+                self.entries[i as usize] = slot;
+                i
+            }
+            None => {
+                self.entries.push(slot);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        let Backends {
+            entries,
+            by_id,
+            hasher,
+            ..
+        } = self;
+        by_id.insert_unique(hasher.hash_one(id), i, |&j| {
+            hasher.hash_one(entries[j as usize].id)
+        });
+        Some(i as usize)
+    }
+
+    /// Makes the entry at `i` the one of its address.
+    fn index_key(&mut self, i: usize) {
+        let Backends {
+            entries,
+            by_key,
+            hasher,
+            ..
+        } = self;
+        let key = entries[i].key;
+        let h = hasher.hash_one(key);
+        match by_key.find_mut(h, |&j| entries[j as usize].key == key) {
+            Some(j) => *j = i as u32,
+            None => {
+                by_key.insert_unique(h, i as u32, |&j| hasher.hash_one(entries[j as usize].key));
+            }
+        }
+    }
+
+    /// Removes backend `id`; its address is left without an id if `id` was its.
+    pub fn remove(&mut self, id: BackendId) -> Option<BackendKey> {
+        let Backends {
+            entries,
+            vacant,
+            by_id,
+            by_key,
+            hasher,
+        } = self;
+        let found = by_id.find_entry(hasher.hash_one(id), |&i| entries[i as usize].id == id);
+        let i = found.ok()?.remove().0;
+        let key = entries[i as usize].key;
+        if let Ok(e) = by_key.find_entry(hasher.hash_one(key), |&j| j == i) {
+            e.remove();
+        }
+        entries[i as usize].id = 0;
+        vacant.push(i);
+        Some(key)
+    }
+
+    /// Slots of current generations that name `id`.
+    pub fn refs(&self, id: BackendId) -> u32 {
+        self.position(id).map_or(0, |i| self.entries[i].refs)
+    }
+
+    /// One more slot names `id` (a known backend).
+    pub fn add_ref(&mut self, id: BackendId) {
+        if let Some(i) = self.position(id) {
+            self.entries[i].refs += 1;
+        }
+    }
+
+    /// One slot fewer names `id`: true when that was the last.
+    pub fn unref(&mut self, id: BackendId) -> bool {
+        match self.position(id) {
+            Some(i) if self.entries[i].refs > 0 => {
+                self.entries[i].refs -= 1;
+                self.entries[i].refs == 0
+            }
+            _ => false,
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (BackendId, &BackendKey)> {
+        (self.entries.iter())
+            .filter(|s| s.id != 0)
+            .map(|s| (s.id, &s.key))
+    }
+
+    /// For each address: the id of its entries that slots name, the lower if several or none
+    /// do (after a restart; `add` put them in).
+    pub fn choose_ids(&mut self) {
+        let rank = |s: &Slot| (s.refs == 0, s.id);
+        for i in 0..self.entries.len() {
+            let s = self.entries[i];
+            if s.id == 0 {
+                continue;
+            }
+            let h = self.hasher.hash_one(s.key);
+            let entries = &self.entries;
+            let better = match self.by_key.find(h, |&j| entries[j as usize].key == s.key) {
+                Some(&j) => rank(&s) < rank(&entries[j as usize]),
+                None => true,
+            };
+            if better {
+                self.index_key(i);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Backend, Protocol};
+
+    fn key(s: &str) -> BackendKey {
+        BackendKey::new(Backend::remote(s.parse().unwrap()), Protocol::Tcp)
+    }
+
+    #[test]
+    fn ids_addresses_and_counts_follow_inserts_and_removals() {
+        let mut b = Backends::default();
+        let (a, c) = (key("10.0.0.1:80"), key("10.0.0.2:80"));
+        b.insert(1, a);
+        b.insert(2, c);
+        b.insert(2, a);
+        b.insert(0, a);
+        assert_eq!((b.len(), b.id_of(&a), b.id_of(&c)), (2, Some(1), Some(2)));
+        assert_eq!(b.get(2), Some(&c));
+        b.add_ref(1);
+        b.add_ref(1);
+        assert!(!b.unref(1));
+        assert!(b.unref(1));
+        assert!(!b.unref(1), "no count below zero");
+        assert_eq!(b.remove(1), Some(a));
+        assert_eq!((b.len(), b.id_of(&a), b.get(1)), (1, None, None));
+        assert_eq!(b.remove(1), None);
+        // The vacant entry is reused.
+        b.insert(3, a);
+        assert_eq!(b.entries.len(), 2);
+        assert_eq!(b.id_of(&a), Some(3));
+        let mut all: Vec<_> = b.iter().map(|(id, k)| (id, *k)).collect();
+        all.sort_by_key(|(id, _)| *id);
+        assert_eq!(all, vec![(2, c), (3, a)]);
+    }
+
+    #[test]
+    fn an_address_with_two_ids_keeps_the_one_slots_name_else_the_lower() {
+        let a = key("10.0.0.1:80");
+        for (named, want) in [(None, 4), (Some(7), 7), (Some(4), 4)] {
+            let mut b = Backends::default();
+            for id in [7, 4, 9] {
+                b.add(id, a);
+            }
+            assert_eq!(b.id_of(&a), None);
+            if let Some(id) = named {
+                b.add_ref(id);
+            }
+            b.choose_ids();
+            assert_eq!(b.id_of(&a), Some(want), "named {named:?}");
+            // Removing another id leaves the address's as it is; removing its own clears it.
+            let other = if want == 9 { 4 } else { 9 };
+            b.remove(other);
+            assert_eq!(b.id_of(&a), Some(want));
+            b.remove(want);
+            assert_eq!(b.id_of(&a), None);
+        }
+    }
+}
