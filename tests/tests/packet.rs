@@ -2981,9 +2981,9 @@ fn a_live_idle_flow_outlives_a_table_turned_over_by_dead_ones() {
     let churn = |t: &Topo| {
         in_ns(&t.client, move || {
             on_one_cpu();
-            // Each failure with when and how it failed: a timeout (the request or its reply
-            // lost) and a reply from the backend's own address (the reply not translated
-            // back) are different faults.
+            // Each failure with when and how it failed: no answer in time (EAGAIN: the
+            // request or its reply lost), a reply from the backend's own address (the reply
+            // not translated back) and an answer from another backend are different faults.
             let begun = Instant::now();
             let mut failed = Vec::new();
             for i in 0..ROOM {

@@ -83,14 +83,16 @@ impl Backends {
     /// Adds backend `id` (not known yet; 0 is no id) at `key`, the id new slots of `key` use
     /// from now on.
     pub fn insert(&mut self, id: BackendId, key: BackendKey) {
-        if let Some(i) = self.add(id, key) {
+        let added = self.add(id, key);
+        debug_assert!(added.is_some(), "backend {id} inserted twice");
+        if let Some(i) = added {
             self.index_key(i);
         }
     }
 
     /// Adds backend `id` at `key` without making it the id of `key` (`choose_ids` does, once
     /// all are in); None if `id` is 0 or already known.
-    pub fn add(&mut self, id: BackendId, key: BackendKey) -> Option<usize> {
+    pub(super) fn add(&mut self, id: BackendId, key: BackendKey) -> Option<usize> {
         if id == 0 || self.contains(id) {
             return None;
         }
@@ -162,7 +164,12 @@ impl Backends {
 
     /// One more slot names `id` (a known backend).
     pub fn add_ref(&mut self, id: BackendId) {
-        if let Some(i) = self.position(id) {
+        let found = self.position(id);
+        debug_assert!(
+            found.is_some(),
+            "a slot names backend {id}, not in the mirror"
+        );
+        if let Some(i) = found {
             self.entries[i].refs += 1;
         }
     }
@@ -182,6 +189,13 @@ impl Backends {
         (self.entries.iter())
             .filter(|s| s.id != 0)
             .map(|s| (s.id, &s.key))
+    }
+
+    /// The ids no slot of a current generation names.
+    pub fn unreferenced(&self) -> impl Iterator<Item = BackendId> + '_ {
+        (self.entries.iter())
+            .filter(|s| s.id != 0 && s.refs == 0)
+            .map(|s| s.id)
     }
 
     /// For each address: the id of its entries that slots name, the lower if several or none
@@ -221,8 +235,8 @@ mod tests {
         let (a, c) = (key("10.0.0.1:80"), key("10.0.0.2:80"));
         b.insert(1, a);
         b.insert(2, c);
-        b.insert(2, a);
-        b.insert(0, a);
+        assert_eq!(b.add(2, a), None, "an id is added once");
+        assert_eq!(b.add(0, a), None, "0 is no id");
         assert_eq!((b.len(), b.id_of(&a), b.id_of(&c)), (2, Some(1), Some(2)));
         assert_eq!(b.get(2), Some(&c));
         b.add_ref(1);
@@ -257,8 +271,7 @@ mod tests {
             b.choose_ids();
             assert_eq!(b.id_of(&a), Some(want), "named {named:?}");
             // Removing another id leaves the address's as it is; removing its own clears it.
-            let other = if want == 9 { 4 } else { 9 };
-            b.remove(other);
+            b.remove(9);
             assert_eq!(b.id_of(&a), Some(want));
             b.remove(want);
             assert_eq!(b.id_of(&a), None);

@@ -700,7 +700,7 @@ pub struct Plan {
     /// what that writes when every Service is programmed.
     pub touched_addrs: BTreeSet<[u8; 16]>,
     pub addrs_after: Vec<([u8; 16], NodeAddrValue)>,
-    /// Whether the Services' writes are left out (`services[..].plan` empty) and made by the
+    /// Whether the Services' writes are left out (`services[..].plan` None) and made by the
     /// executor as it reaches each Service, with the same planner against the maps as they
     /// are then: what `Programmed::plan_outline` makes for a sync of many Services.
     pub outline: bool,

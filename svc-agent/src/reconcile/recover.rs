@@ -316,9 +316,8 @@ impl Programmed {
         let loose = |id: &u32| !used_ids.contains(id) && !p.retiring.has_id(*id);
         p.strays.rev_nat = rev_nat.keys().filter(|id| loose(id)).copied().collect();
         p.strays.names = names.keys().filter(|id| loose(id)).copied().collect();
-        let stray_backends: Vec<BackendId> = (p.backends.iter())
-            .filter(|(id, _)| p.backends.refs(*id) == 0 && !p.retiring.has_backend(*id))
-            .map(|(id, _)| id)
+        let stray_backends: Vec<BackendId> = (p.backends.unreferenced())
+            .filter(|id| !p.retiring.has_backend(*id))
             .collect();
         p.strays.backends.extend(stray_backends);
         // Deterministic order for logs and tests.
