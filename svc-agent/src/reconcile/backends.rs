@@ -10,8 +10,8 @@ use super::{BackendKey, Seeded};
 /// Every backend entry the agent knows to be in the maps: its id, its address and how many
 /// slots of current generations name it; and for each address, the id its new slots use. The
 /// entries sit in one vector, found through two tables of their 4-byte positions: three std
-/// maps keyed by id and by address (with the count apart) took 118 MB at 1,000,000 backends,
-/// about 48 MB this way.
+/// maps keyed by id and by address (with the count apart) take about 118 MB at 1,000,000
+/// backends by their sizing, this about 48 MB.
 #[derive(Debug, Default)]
 pub struct Backends {
     entries: Vec<Slot>,
