@@ -754,8 +754,8 @@ impl Agent {
             }
         };
         // The old mirror goes before the new one is built: at 100,000 Services of 10
-        // endpoints both at once, with the snapshot, were the agent's peak, 633 MB of heap
-        // against 331 MB between two checks (docs/benchmarks.md, "The agent's heap").
+        // endpoints both at once, with the snapshot, were the agent's peak: 633 MB of heap
+        // against 331 MB after the first sync (docs/benchmarks.md, "The agent's heap").
         let capacity = self.programmed.capacity;
         let mut old = std::mem::replace(
             &mut self.programmed,

@@ -139,21 +139,16 @@ impl Backends {
 
     /// Removes backend `id`; its address is left without an id if `id` was its.
     pub fn remove(&mut self, id: BackendId) -> Option<BackendKey> {
-        let Backends {
-            entries,
-            vacant,
-            by_id,
-            by_key,
-            hasher,
-        } = self;
-        let found = by_id.find_entry(hasher.hash_one(id), |&i| entries[i as usize].id == id);
-        let i = found.ok()?.remove().0;
-        let key = entries[i as usize].key;
-        if let Ok(e) = by_key.find_entry(hasher.hash_one(key), |&j| j == i) {
+        let i = self.position(id)? as u32;
+        let key = self.entries[i as usize].key;
+        if let Ok(e) = (self.by_id).find_entry(self.hasher.hash_one(id), |&j| j == i) {
             e.remove();
         }
-        entries[i as usize].id = 0;
-        vacant.push(i);
+        if let Ok(e) = (self.by_key).find_entry(self.hasher.hash_one(key), |&j| j == i) {
+            e.remove();
+        }
+        self.entries[i as usize].id = 0;
+        self.vacant.push(i);
         Some(key)
     }
 
