@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::datapath::{Datapath, XdpMode};
 use crate::desired::Desired;
@@ -17,7 +17,7 @@ use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, Protocol, Served};
 use crate::node::Node;
 use crate::packet::PacketConfig;
-use crate::reconcile::{ProgFrontend, Programmed, Retiring, Scope, SyncReport};
+use crate::reconcile::{ProgFrontend, Programmed, Retiring, Scope, Seeded, SyncReport, Unsure};
 use crate::retry::{Backoff, Retries};
 use crate::store::{Capacity, Store};
 use crate::tasks::stale::Keep;
@@ -72,6 +72,11 @@ pub struct Agent {
     /// What could not be programmed, Services and the node's state.
     retry: Retries,
     next_reconcile: Instant,
+    /// The drift check reading the maps beside the loop, while it does (`start_check`).
+    check: Option<Check>,
+    /// When the drift check now waiting for a quiet moment was first due: after a whole
+    /// interval without one, the full check runs on the loop.
+    check_due: Option<Instant>,
     next_check: Instant,
     /// When the next slice of the per-Service counters still to be made is due, and how many
     /// were made since the last were all there (`make_pending_stats`).
@@ -93,6 +98,23 @@ pub struct Agent {
     /// first sync makes a desired state.
     adopted: Option<Served>,
 }
+
+/// A drift check's reading of the maps, on a thread of its own.
+struct Check {
+    thread: std::thread::JoinHandle<Result<crate::store::Reading>>,
+    /// The store's `writes` when the thread began: a write since, and what it read may be
+    /// part old, part new.
+    writes: u64,
+    hasher: Seeded,
+    /// When the loop next looks whether the thread is done.
+    poll: Instant,
+}
+
+/// How often the loop looks whether a drift check's reading is done.
+const CHECK_POLL: Duration = Duration::from_millis(20);
+
+/// How long a drift check that met writes or pending retirements waits to try again.
+const CHECK_RETRY: Duration = Duration::from_secs(1);
 
 impl Agent {
     /// Takes ownership of the bpffs directory, loads the datapath and mirrors what it holds.
@@ -164,6 +186,8 @@ impl Agent {
             node,
             metrics,
             next_reconcile: now + upkeep.reconcile_every,
+            check: None,
+            check_due: None,
             next_check: now + upkeep.check_every,
             next_stats: now,
             stats_made: 0,
@@ -621,6 +645,9 @@ impl Agent {
         if !self.dp.store.stats_pending.is_empty() {
             t = t.min(self.next_stats);
         }
+        if let Some(c) = &self.check {
+            t = t.min(c.poll);
+        }
         t
     }
 
@@ -685,10 +712,11 @@ impl Agent {
         if !self.dp.store.stats_pending.is_empty() && now >= self.next_stats {
             self.make_pending_stats(now);
         }
-        if now >= self.next_reconcile {
-            self.next_reconcile = now + self.upkeep.reconcile_every;
-            self.reconcile(now);
-            self.check_flow_addrs(true);
+        match &mut self.check {
+            Some(c) if c.thread.is_finished() => self.finish_check(now),
+            Some(c) => c.poll = now + CHECK_POLL,
+            None if now >= self.next_reconcile => self.start_check(now),
+            None => {}
         }
         self.metrics.state(self.snapshot_metrics());
     }
@@ -742,10 +770,127 @@ impl Agent {
         self.metrics.datapath_broken(!errors.is_empty());
     }
 
+    /// Starts a drift check: a thread sums the maps' entries (`DigestReader`) while the loop
+    /// goes on. Where it cannot (retirements pending, writes while it read), it tries again
+    /// a second later; after a whole interval of that, or if no thread can be made, the full
+    /// check runs on the loop.
+    fn start_check(&mut self, now: Instant) {
+        let due = *self.check_due.get_or_insert(now);
+        if now.duration_since(due) >= self.upkeep.reconcile_every {
+            debug!("drift check: no quiet moment for a whole interval; a full check");
+            return self.full_check(now);
+        }
+        if !self.programmed.retiring.is_empty() {
+            self.next_reconcile = now + CHECK_RETRY;
+            return;
+        }
+        let reader = match self.dp.store.digest_reader() {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.report("reading the maps back", &e);
+                return self.full_check(now);
+            }
+        };
+        let hasher = Seeded::default();
+        let h = hasher.clone();
+        let thread = std::thread::Builder::new()
+            .name("svc-drift".into())
+            .spawn(move || reader.read(&h));
+        match thread {
+            Ok(thread) => {
+                self.check = Some(Check {
+                    thread,
+                    writes: self.dp.store.writes,
+                    hasher,
+                    poll: now + CHECK_POLL,
+                })
+            }
+            Err(_) => self.full_check(now),
+        }
+    }
+
+    /// Compares what the drift check's thread read with the mirror: the same, and the check
+    /// is done; different, and the full check reads the maps back and repairs them.
+    fn finish_check(&mut self, now: Instant) {
+        let Some(c) = self.check.take() else {
+            return;
+        };
+        let read = match c.thread.join() {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                self.metrics.report("reading the maps back", &e);
+                return self.checked(now, None);
+            }
+            Err(_) => return self.full_check(now),
+        };
+        if self.dp.store.writes != c.writes {
+            self.next_reconcile = now + CHECK_RETRY;
+            return;
+        }
+        let began = Instant::now();
+        let want = match self.programmed.digest(&c.hasher) {
+            Ok(d) => d,
+            Err(Unsure::Busy) => {
+                self.next_reconcile = now + CHECK_RETRY;
+                return;
+            }
+            Err(Unsure::Pending) => return self.full_check(now),
+        };
+        let mut differ = want.differ(&read.digest);
+        let store = &self.dp.store;
+        differ.extend(self.programmed.small_maps_differ(
+            store.read_meta().ok(),
+            store.read_config().ok(),
+            store.read_ranges().ok(),
+        ));
+        if differ.is_empty() {
+            debug!(
+                on_loop_ms = began.elapsed().as_millis() as u64,
+                "drift check: the maps are as programmed"
+            );
+            return self.checked(now, Some(&read));
+        }
+        debug!(maps = ?differ, "drift check: the maps differ; reading them back in full");
+        self.full_check(now);
+    }
+
+    /// A drift check found nothing to repair: the checks of the maps it leaves to others, the
+    /// per-Service counters from what its thread read where it read them.
+    fn checked(&mut self, now: Instant, read: Option<&crate::store::Reading>) {
+        self.check_due = None;
+        self.next_reconcile = now + self.upkeep.reconcile_every;
+        let began = Instant::now();
+        match read {
+            Some(r) => {
+                let r = self
+                    .dp
+                    .store
+                    .settle_service_stats(&r.stats_lacking, &r.stats_unnamed);
+                self.service_stats_checked(r);
+            }
+            None => self.check_service_stats(),
+        }
+        self.check_node_addr_bits();
+        self.check_flow_addrs(true);
+        debug!(
+            ms = began.elapsed().as_millis() as u64,
+            "drift check: the counters, the address filter and the flows' addresses"
+        );
+    }
+
+    /// The full drift check, on the loop (`reconcile`).
+    fn full_check(&mut self, now: Instant) {
+        self.check_due = None;
+        self.next_reconcile = now + self.upkeep.reconcile_every;
+        self.reconcile(now);
+        self.check_flow_addrs(true);
+    }
+
     /// Reads the maps back, compares them with what should be there, and repairs the
     /// difference. Returns how many entries were wrong.
     #[instrument(skip(self))]
     pub fn reconcile(&mut self, now: Instant) -> usize {
+        let began = Instant::now();
         let snap = match self.dp.store.snapshot() {
             Ok(s) => s,
             Err(e) => {
@@ -768,8 +913,10 @@ impl Agent {
             old.ids,
         );
         drop(old);
+        let read = began.elapsed();
         let mut fresh = Programmed::recover(&snap, capacity, self.upkeep.grace, retiring);
         drop(snap);
+        let recovered = began.elapsed();
         fresh.maglev.settings = settings;
         fresh.maglev.roomless = roomless;
         // Ids already handed out stay spent even if nothing in the maps carries them.
@@ -780,6 +927,12 @@ impl Agent {
             self.programmed
                 .apply_scoped(&mut self.dp.store, &self.desired.state, Scope::All, now);
         let drift = report.strays_deleted + report.frontends_written + report.frontends_removed;
+        debug!(
+            read_ms = read.as_millis() as u64,
+            recover_ms = (recovered - read).as_millis() as u64,
+            sync_ms = (began.elapsed() - recovered).as_millis() as u64,
+            "drift check"
+        );
         if report.ops > 0 {
             warn!(
                 strays = report.strays_deleted,
@@ -824,7 +977,12 @@ impl Agent {
     /// Creates the per-Service counters a named frontend lacks (a write that failed, an
     /// entry deleted behind the agent's back) and deletes those of ids without a name.
     fn check_service_stats(&mut self) {
-        match self.dp.store.sync_service_stats() {
+        let r = self.dp.store.sync_service_stats();
+        self.service_stats_checked(r);
+    }
+
+    fn service_stats_checked(&mut self, r: Result<(usize, usize)>) {
+        match r {
             Ok((0, 0)) => {}
             Ok((created, deleted)) => {
                 info!(created, deleted, "per-Service counters brought in line");

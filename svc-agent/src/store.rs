@@ -4,7 +4,7 @@
 //! can be checked against a model of the maps in tests.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
@@ -336,6 +336,9 @@ pub struct BpfStore {
     /// Whether `apply_batch` writes runs of puts with BPF_MAP_UPDATE_BATCH: until the kernel
     /// refuses it (a kernel before 5.6), then one element per call.
     pub batch_writes: bool,
+    /// Calls that may have written a map the agent keeps (`Store::apply` and its batches), so
+    /// a drift check read beside the loop knows whether the loop wrote while it read.
+    pub writes: u64,
     /// Named frontends whose per-Service counters are still to be made (`create_pending_stats`):
     /// a bulk write leaves them here rather than allocating per-CPU memory one syscall each
     /// on the way to `ready`, and a single write whose allocation failed puts its id here.
@@ -436,6 +439,86 @@ pub fn dump<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
 ) -> Result<Vec<(K, V)>> {
     crate::sys::dump_hash(m.map().fd().as_fd())
         .map_err(|e| Error::map_io(map, format!("reading every entry: {e}"), &e))
+}
+
+/// Duplicates of the descriptors of the maps a drift check's digest covers, so that a thread
+/// reads them beside the loop that writes them (`reconcile::digest`).
+pub struct DigestReader {
+    fds: Vec<(usize, std::os::fd::OwnedFd)>,
+    /// `SERVICE_STATS`, with the bytes of one entry's values in a batch, and whether named
+    /// frontends are to have counters (`Capacity::per_service`).
+    stats: Option<(std::os::fd::OwnedFd, usize)>,
+    per_service: bool,
+}
+
+/// What a drift check's thread read.
+pub struct Reading {
+    pub digest: crate::reconcile::Digest,
+    /// Named frontends it found without per-Service counters, and counters of no named
+    /// frontend (all of them with `per_service` off): ids for the loop to look at again.
+    pub stats_lacking: Vec<u32>,
+    pub stats_unnamed: Vec<u32>,
+}
+
+impl DigestReader {
+    /// The digest of the maps as this thread finds them, in memory of one batch of entries.
+    pub fn read(&self, hasher: &crate::reconcile::Seeded) -> Result<Reading> {
+        use crate::sys::for_each_hash;
+        let mut d = crate::reconcile::Digest::default();
+        let mut named: Vec<u32> = Vec::new();
+        for (map, fd) in &self.fds {
+            let (map, fd) = (*map, fd.as_fd());
+            let r = match map {
+                0 => for_each_hash(fd, |k: &ServiceKey, v: &ServiceValue| {
+                    d.add(hasher, map, k, v)
+                }),
+                1 => for_each_hash(fd, |k: &SlotKey, v: &BackendId| d.add(hasher, map, k, v)),
+                2 => for_each_hash(fd, |k: &BackendId, v: &Backend| d.add(hasher, map, k, v)),
+                3 => for_each_hash(fd, |k: &u32, v: &RevNatValue| d.add(hasher, map, k, v)),
+                4 => for_each_hash(fd, |k: &u32, v: &ServiceName| {
+                    d.add(hasher, map, k, v);
+                    named.push(*k);
+                }),
+                5 => for_each_hash(fd, |k: &AffinityMatchKey, v: &u32| d.add(hasher, map, k, v)),
+                6 => for_each_hash(fd, |k: &[u8; 16], v: &NodeAddrValue| {
+                    d.add(hasher, map, k, v)
+                }),
+                _ => for_each_hash(fd, |k: &SlotKey, v: &MaglevIndex| d.add(hasher, map, k, v)),
+            };
+            let name = crate::reconcile::DIGEST_MAPS[map];
+            r.map_err(|e| Error::map_io(name, format!("reading every entry: {e}"), &e))?;
+        }
+        let mut have: Vec<u32> = Vec::new();
+        if let Some((fd, value_bytes)) = &self.stats {
+            crate::sys::for_each_key(fd.as_fd(), *value_bytes, |k: &u32| have.push(*k)).map_err(
+                |e| {
+                    Error::map_io(
+                        map_names::SERVICE_STATS,
+                        format!("reading every key: {e}"),
+                        &e,
+                    )
+                },
+            )?;
+        } else {
+            named.clear();
+        }
+        if !self.per_service {
+            named.clear();
+        }
+        named.sort_unstable();
+        have.sort_unstable();
+        let missing = |of: &[u32], from: &[u32]| -> Vec<u32> {
+            (of.iter())
+                .filter(|id| from.binary_search(id).is_err())
+                .copied()
+                .collect()
+        };
+        Ok(Reading {
+            digest: d,
+            stats_lacking: missing(&named, &have),
+            stats_unnamed: missing(&have, &named),
+        })
+    }
 }
 
 impl BpfStore {
@@ -620,6 +703,46 @@ impl BpfStore {
         Ok((created, deleted))
     }
 
+    /// `sync_service_stats` for the ids a drift check's thread found out of line (`Reading`),
+    /// each looked at again here, as the loop's writes since may have settled it.
+    pub fn settle_service_stats(
+        &mut self,
+        lacking: &[u32],
+        unnamed: &[u32],
+    ) -> Result<(usize, usize)> {
+        let name = map_names::SERVICE_STATS;
+        if self.service_stats.is_none() {
+            return Ok((0, 0));
+        }
+        let named = |store: &Self, id: u32| -> Result<bool> {
+            match store.names.get(&id, 0) {
+                Ok(_) => Ok(store.capacity.per_service),
+                Err(e) if is_not_found(&e) => Ok(false),
+                Err(e) => Err(map_err(map_names::NAMES, e)),
+            }
+        };
+        let (mut created, mut deleted) = (0, 0);
+        // As in `sync_service_stats`: a bulk write's are made in slices.
+        if self.stats_pending.is_empty() {
+            for &id in lacking {
+                if named(self, id)? {
+                    // Made only where there is none (BPF_NOEXIST).
+                    self.create_service_stats(id)
+                        .map_err(|e| map_err(name, e))?;
+                    created += 1;
+                }
+            }
+        }
+        for &id in unnamed {
+            if !named(self, id)? {
+                self.delete_service_stats(id)
+                    .map_err(|e| map_err(name, e))?;
+                deleted += 1;
+            }
+        }
+        Ok((created, deleted))
+    }
+
     /// Makes the filter (`NODE_ADDR_BITS`) cover what `NODE_ADDRS` holds now: on opening the
     /// maps (a new filter beside pinned addresses, addresses carried into a resized map)
     /// and when reconciling. `clear`: also clear the bits no address has, which only this
@@ -659,6 +782,56 @@ impl BpfStore {
             )),
             None => Ok(Vec::new()),
         }
+    }
+
+    /// A reader of the maps a drift check's digest covers, for another thread.
+    pub fn digest_reader(&self) -> Result<DigestReader> {
+        let mut fds = Vec::new();
+        let mut dup = |map: usize, fd: BorrowedFd<'_>| -> Result<()> {
+            let name = crate::reconcile::DIGEST_MAPS[map];
+            let fd = fd
+                .try_clone_to_owned()
+                .map_err(|e| Error::map_io(name, format!("duplicating its descriptor: {e}"), &e))?;
+            fds.push((map, fd));
+            Ok(())
+        };
+        dup(0, self.services.map().fd().as_fd())?;
+        dup(1, self.slots.map().fd().as_fd())?;
+        dup(2, self.backends.map().fd().as_fd())?;
+        dup(3, self.rev_nat.map().fd().as_fd())?;
+        dup(4, self.names.map().fd().as_fd())?;
+        dup(5, self.affinity_match.map().fd().as_fd())?;
+        dup(6, self.node_addrs.map().fd().as_fd())?;
+        if let Some(m) = &self.maglev_index {
+            dup(7, m.map().fd().as_fd())?;
+        }
+        let stats = match &self.service_stats {
+            Some(m) => {
+                let cpus = aya::util::nr_cpus().map_err(|(_, e)| {
+                    Error::map_io(map_names::SERVICE_STATS, format!("counting CPUs: {e}"), &e)
+                })?;
+                let fd = m.map().fd().as_fd().try_clone_to_owned().map_err(|e| {
+                    let what = format!("duplicating its descriptor: {e}");
+                    Error::map_io(map_names::SERVICE_STATS, what, &e)
+                })?;
+                Some((
+                    fd,
+                    std::mem::size_of::<ServiceStats>().next_multiple_of(8) * cpus,
+                ))
+            }
+            None => None,
+        };
+        Ok(DigestReader {
+            fds,
+            stats,
+            per_service: self.capacity.per_service,
+        })
+    }
+
+    pub fn read_config(&self) -> Result<DatapathConfig> {
+        self.config
+            .get(&0, 0)
+            .map_err(|e| map_err(map_names::CONFIG, e))
     }
 
     pub fn read_meta(&self) -> Result<MetaValue> {
@@ -856,6 +1029,7 @@ impl Store for BpfStore {
     /// anything else, one op per call as `apply`. The kernel writes a batch element by element
     /// and says how many landed, so a failure stops exactly where one op at a time would.
     fn apply_batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
+        self.writes += 1;
         let mut done = 0;
         while done < ops.len() {
             let rest = &ops[done..];
@@ -892,6 +1066,7 @@ impl Store for BpfStore {
     /// second CPU idle. Through a duplicate of the map's descriptor, as the rest needs the
     /// store itself. Where no thread can be made (the pod's pid limit), one after the other.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
+        self.writes += 1;
         let backends = first.len() > 1
             && first.iter().all(|op| matches!(op, Op::PutBackend(..)))
             && !then.is_empty()
@@ -936,6 +1111,7 @@ impl Store for BpfStore {
     }
 
     fn apply(&mut self, op: &Op) -> Result<bool> {
+        self.writes += 1;
         let map = op.map();
         let now = std::time::Instant::now();
         let tries = match self.enomem_until {

@@ -302,16 +302,37 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
     map: BorrowedFd<'_>,
     mut f: impl FnMut(&K, &V),
 ) -> io::Result<()> {
+    walk_batches(map, std::mem::size_of::<V>(), |k: &K, v| {
+        f(k, &bytemuck::pod_read_unaligned(v))
+    })
+}
+
+/// Calls `f` on every key of a hash map whose values take `value_bytes` each in a batch (a
+/// per-CPU map's: its value rounded up to 8 bytes, times the possible CPUs), read as
+/// [`for_each_hash`] reads.
+pub fn for_each_key<K: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    value_bytes: usize,
+    mut f: impl FnMut(&K),
+) -> io::Result<()> {
+    walk_batches(map, value_bytes, |k: &K, _| f(k))
+}
+
+fn walk_batches<K: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    value_bytes: usize,
+    mut f: impl FnMut(&K, &[u8]),
+) -> io::Result<()> {
     let mut chunk: u32 = 4096;
     let mut keys: Vec<K> = Vec::new();
-    let mut values: Vec<V> = Vec::new();
+    let mut values: Vec<u8> = Vec::new();
     // The kernel's cursor for hash maps is a bucket index (u32).
     let mut in_batch: u32 = 0;
     let mut out_batch: u32 = 0;
     let mut first = true;
     loop {
         keys.resize(chunk as usize, K::zeroed());
-        values.resize(chunk as usize, V::zeroed());
+        values.resize(chunk as usize * value_bytes, 0);
         let mut attr = Attr::zeroed();
         // struct { __aligned_u64 in_batch, out_batch, keys, values; __u32 count, map_fd;
         //          __u64 elem_flags, flags; } batch;
@@ -336,8 +357,8 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
             }
             Err(e) => return Err(e),
         };
-        for (k, v) in keys.iter().zip(&values).take(count) {
-            f(k, v);
+        for (i, k) in keys.iter().take(count).enumerate() {
+            f(k, &values[i * value_bytes..(i + 1) * value_bytes]);
         }
         if last {
             return Ok(());

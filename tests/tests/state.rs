@@ -489,6 +489,69 @@ fn drift_in_the_maps_is_repaired() {
     assert!(agent.log().contains("drifted"), "{}", agent.log());
 }
 
+/// The drift check reads the maps on a thread of its own and compares sums of their entries
+/// with the mirror: nothing wrong, and it repairs nothing and counts no drift; a per-Service
+/// counter deleted behind the agent's back is made again, and one of no frontend removed,
+/// from what that thread read.
+#[test]
+fn a_drift_check_beside_the_loop_puts_per_service_counters_right_and_nothing_else() {
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let w = World::start_with(
+        2,
+        &[8080],
+        &["--reconcile-interval-s", "1", "--v", "2", &metrics_flag],
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        },
+    );
+    let (sb, bpffs, agent) = (&w.sb, &w.bpffs, &w.agent);
+    assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
+    let fe = svc_agent::model::Frontend::cluster(VIP.into(), 80, svc_agent::model::Protocol::Tcp);
+    let key = svc_agent::reconcile::service_key(&fe);
+    let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
+    let id = store.services.get(&key, 0).unwrap().id;
+    let has = |store: &svc_agent::store::BpfStore, id: u32| {
+        store.service_stats.as_ref().unwrap().get(&id, 0).is_ok()
+    };
+    poll(
+        Duration::from_secs(10),
+        || Ok(has(&store, id).then_some(())),
+    )
+    .unwrap_or_else(|e| panic!("no counters for {id}: {e:#}\n{}", agent.log()));
+    // Two checks with nothing wrong.
+    poll(Duration::from_secs(10), || {
+        let checks = (agent.log())
+            .matches("drift check: the maps are as programmed")
+            .count();
+        Ok((checks >= 2).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("no drift check beside the loop: {e:#}\n{}", agent.log()));
+    let stats = store.service_stats.as_mut().unwrap();
+    stats.remove(&id).unwrap();
+    let cpus = aya::util::nr_cpus().unwrap();
+    let zero =
+        aya::maps::PerCpuValues::try_from(vec![svc_common::ServiceStats::default(); cpus]).unwrap();
+    stats.insert(999_999, zero, 0).unwrap();
+    poll(Duration::from_secs(10), || {
+        Ok((has(&store, id) && !has(&store, 999_999)).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("counters not put right: {e:#}\n{}", agent.log()));
+    let log = agent.log();
+    assert!(
+        log.contains("per-Service counters brought in line"),
+        "{log}"
+    );
+    assert!(!log.contains("drifted"), "{log}");
+    assert!(!log.contains("reading them back in full"), "{log}");
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    assert!(
+        body.lines().any(|l| l == "svc_drift_repaired_ops_total 0"),
+        "{body}"
+    );
+}
+
 /// Issue 6 ("if its links or pins disappear under it anyway, it notices, re-attaches, and says
 /// so"): link and map pins removed under a running agent are put back, and the ClusterIP is
 /// served again.

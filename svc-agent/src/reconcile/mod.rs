@@ -22,6 +22,7 @@
 
 mod addrs;
 mod backends;
+mod digest;
 mod execute;
 mod ids;
 pub mod plan;
@@ -47,6 +48,7 @@ use crate::store::{Capacity, Op, Store};
 
 pub use addrs::{external_addr, FlowAddrsReport};
 pub use backends::Backends;
+pub use digest::{Digest, Unsure, MAPS as DIGEST_MAPS};
 
 pub use ids::Ids;
 pub use plan::{NodePlan, Plan, Planned, ServicePlan, UnitPlan};

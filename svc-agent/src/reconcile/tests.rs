@@ -3759,3 +3759,191 @@ mod batched {
         assert_eq!(counts(&batched), counts(&by_one));
     }
 }
+
+/// The drift check's digests of `store` as a reader finds it and of `p`'s mirror, and the
+/// small maps that differ: what `Agent::finish_check` compares.
+fn drift_digests(
+    p: &Programmed,
+    store: &ModelStore,
+) -> (Digest, Result<Digest, Unsure>, Vec<&'static str>) {
+    let h = Seeded::default();
+    let snap = store.snapshot().unwrap();
+    let small = p.small_maps_differ(
+        Some(snap.meta),
+        Some(snap.config),
+        Some(snap.ranges.clone()),
+    );
+    (Digest::of_snapshot(&snap, &h), p.digest(&h), small)
+}
+
+/// What a rich state (markers, affinity with membership entries, a LoadBalancer frontend with
+/// source ranges and a Maglev table, node addresses, the datapath's settings) sums to is
+/// what its mirror sums to: after a first sync, a change, a restart's recovery; while
+/// retirements are pending the mirror declines. Each kind of entry changed by someone else
+/// makes the digests differ in that map.
+#[test]
+fn the_drift_digest_of_the_maps_is_the_mirrors_until_someone_else_writes() {
+    let mut want = DesiredState::default();
+    let a = fe("10.96.0.10", 80);
+    frontend(
+        &mut want,
+        a,
+        &["10.0.0.1:8080", "10.0.0.2:8080"],
+        Some(10800),
+    );
+    let b = fe("10.96.0.11", 53);
+    frontend(&mut want, b, &["10.0.0.3:53"], None);
+    let lb = lb_frontend(
+        &mut want,
+        "198.51.100.1",
+        443,
+        Some(&["10.0.0.0/8", "192.0.2.0/24"]),
+        &maglev_backends(3),
+    );
+    want.node.addrs.insert(
+        "192.168.1.10".parse().unwrap(),
+        NodeAddrValue {
+            flags: svc_common::node_addr_flags::NODEPORT,
+            ifindex: 2,
+        },
+    );
+    want.node.config = Some(DatapathConfig {
+        snat_port_min: 61000,
+        snat_port_max: 65535,
+        ..Default::default()
+    });
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert!(p.frontends[&lb].maglev.is_some());
+    assert!(!p.frontends[&a].matches.is_empty());
+    let same = |p: &Programmed, store: &ModelStore| {
+        let (read, mirror, small) = drift_digests(p, store);
+        assert_eq!(Ok(read), mirror);
+        assert!(small.is_empty(), "{small:?}");
+        read
+    };
+    let first = same(&p, &store);
+    assert!(first.maps.iter().all(|(n, _)| *n > 0), "{first:?}");
+
+    // A change: a new generation, the old one retiring.
+    frontend(
+        &mut want,
+        a,
+        &["10.0.0.1:8080", "10.0.0.4:8080"],
+        Some(10800),
+    );
+    let now = Instant::now();
+    p.apply_scoped(&mut store, &want, Scope::All, now);
+    assert_eq!(p.digest(&Seeded::default()), Err(Unsure::Busy));
+    store.forget_readers();
+    p.retire_due(&mut store, now + Duration::from_secs(3600));
+    same(&p, &store);
+    let mut p = restarted(&mut p, &store);
+    same(&p, &store);
+    settle(&mut p, &mut store, &want);
+    same(&p, &store);
+
+    let id_a = p.frontends[&a].id;
+    let id_lb = p.frontends[&lb].id;
+    type Tamper<'a> = Box<dyn Fn(&mut ModelStore) + 'a>;
+    let tampered: Vec<(&str, Tamper)> = vec![
+        (
+            svc_common::map_names::SERVICES,
+            Box::new(|s| {
+                s.services
+                    .get_mut(&service_key(&b))
+                    .unwrap()
+                    .affinity_timeout_s = 7;
+            }),
+        ),
+        (
+            svc_common::map_names::SERVICES,
+            Box::new(|s| {
+                s.services.remove(&marker_key(b.ip));
+            }),
+        ),
+        (
+            svc_common::map_names::SLOTS,
+            Box::new(move |s| {
+                s.slots.retain(|k, _| !(k.id == id_a && k.slot == 2));
+            }),
+        ),
+        (
+            svc_common::map_names::BACKENDS,
+            Box::new(|s| {
+                let v = s.backends.values_mut().next().unwrap();
+                v.port_be = 1u16.to_be();
+            }),
+        ),
+        (
+            svc_common::map_names::BACKENDS,
+            Box::new(|s| {
+                s.backends.insert(
+                    999_999,
+                    plan::backend_value("10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
+                );
+            }),
+        ),
+        (
+            svc_common::map_names::REV_NAT,
+            Box::new(move |s| {
+                s.rev_nat.get_mut(&id_a).unwrap().port_be = 1;
+            }),
+        ),
+        (
+            svc_common::map_names::NAMES,
+            Box::new(move |s| {
+                *s.names.get_mut(&id_a).unwrap() = encode_name("ns/other:80");
+            }),
+        ),
+        (
+            svc_common::map_names::AFFINITY_MATCH,
+            Box::new(move |s| {
+                s.matches.retain(|k| k.id != id_a);
+            }),
+        ),
+        (
+            svc_common::map_names::NODE_ADDRS,
+            Box::new(|s| {
+                s.node_addrs.insert([7; 16], NodeAddrValue::default());
+            }),
+        ),
+        (
+            svc_common::map_names::MAGLEV_INDEX,
+            Box::new(move |s| {
+                let v = s
+                    .maglev_index
+                    .iter_mut()
+                    .find(|(k, _)| k.id == id_lb)
+                    .unwrap()
+                    .1;
+                v.seed[0] ^= 1;
+            }),
+        ),
+        (
+            svc_common::map_names::META,
+            Box::new(|s| s.meta.frontend_id_hwm -= 1),
+        ),
+        (
+            svc_common::map_names::CONFIG,
+            Box::new(|s| s.config.snat_port_min += 1),
+        ),
+        (
+            svc_common::map_names::SRC_RANGES,
+            Box::new(move |s| {
+                s.ranges.insert(range_key(id_lb, &cidr("0.0.0.0/0")));
+            }),
+        ),
+    ];
+    for (map, tamper) in &tampered {
+        let mut s = store.clone();
+        s.unchecked = true;
+        tamper(&mut s);
+        let (read, mirror, small) = drift_digests(&p, &s);
+        let mut differ = read.differ(&mirror.unwrap());
+        differ.extend(small);
+        assert_eq!(differ, vec![*map]);
+    }
+}

@@ -1,0 +1,194 @@
+//! The drift check's fingerprint of the maps the agent writes (docs/design/architecture.md,
+//! "The drift check"): a reader beside the event loop sums the entries it finds, the loop sums
+//! what its mirror says is there, and only a difference costs a full check (read back,
+//! rebuild the mirror, sync every Service), which at 100,000 Services of 10 endpoints held the
+//! loop for 2 to 3 seconds.
+
+use std::hash::BuildHasher;
+
+use svc_common::{
+    map_names, DatapathConfig, MaglevIndex, MetaValue, ServiceValue, SlotKey, SrcRangeKey,
+};
+
+use super::{
+    encode_name, maglev_key, marker_key, marker_value, plan::rev_nat_value, service_key, Entry,
+    Programmed, Seeded,
+};
+
+/// The maps a digest covers, in `Digest::maps`' order. The ones left out are compared on the
+/// loop, where they are small (META, CONFIG, SRC_RANGES), or kept by checks of their own
+/// (NODE_ADDR_BITS, SERVICE_STATS); the Maglev tables are never changed where they are.
+pub const MAPS: [&str; 8] = [
+    map_names::SERVICES,
+    map_names::SLOTS,
+    map_names::BACKENDS,
+    map_names::REV_NAT,
+    map_names::NAMES,
+    map_names::AFFINITY_MATCH,
+    map_names::NODE_ADDRS,
+    map_names::MAGLEV_INDEX,
+];
+
+/// Per map of `MAPS`: how many entries, and the wrapping sum of a keyed hash of each entry's
+/// key and value bytes. A sum, not a hash of a sequence: the kernel's order of a hash map is
+/// not the mirror's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Digest {
+    pub maps: [(u64, u64); MAPS.len()],
+}
+
+/// Why the mirror gives no digest to compare with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unsure {
+    /// Retirements are pending: entries the mirror no longer names are still in the maps for
+    /// their grace period. Try again once they are done.
+    Busy,
+    /// The mirror knows the maps differ from what it wants (leftovers to delete, a frontend
+    /// missing slots or entries, a Maglev table to write again): a full check settles it.
+    Pending,
+}
+
+impl Digest {
+    /// Adds one entry of map `MAPS[map]`.
+    pub fn add<K: bytemuck::Pod, V: bytemuck::Pod>(
+        &mut self,
+        hasher: &Seeded,
+        map: usize,
+        k: &K,
+        v: &V,
+    ) {
+        let h = hasher.hash_one((map, bytemuck::bytes_of(k), bytemuck::bytes_of(v)));
+        let (n, sum) = &mut self.maps[map];
+        *n += 1;
+        *sum = sum.wrapping_add(h);
+    }
+
+    /// The names of the maps whose digests differ.
+    pub fn differ(&self, other: &Digest) -> Vec<&'static str> {
+        (MAPS.iter().zip(self.maps.iter().zip(other.maps.iter())))
+            .filter(|(_, (a, b))| a != b)
+            .map(|(name, _)| *name)
+            .collect()
+    }
+
+    /// The digest of a snapshot's entries, as the reader makes it from the maps.
+    pub fn of_snapshot(snap: &crate::store::Snapshot, hasher: &Seeded) -> Digest {
+        let mut d = Digest::default();
+        for (k, v) in &snap.services {
+            d.add(hasher, 0, k, v);
+        }
+        for (k, v) in &snap.slots {
+            d.add(hasher, 1, k, v);
+        }
+        for (k, v) in &snap.backends {
+            d.add(hasher, 2, k, v);
+        }
+        for (k, v) in &snap.rev_nat {
+            d.add(hasher, 3, k, v);
+        }
+        for (k, v) in &snap.names {
+            d.add(hasher, 4, k, v);
+        }
+        for k in &snap.matches {
+            d.add(hasher, 5, k, &0u32);
+        }
+        for (k, v) in &snap.node_addrs {
+            d.add(hasher, 6, k, v);
+        }
+        for (k, v) in &snap.maglev_index {
+            d.add(hasher, 7, k, v);
+        }
+        d
+    }
+}
+
+impl Programmed {
+    /// The digest of what the maps hold if nothing but this agent wrote them, or why there
+    /// is none to compare with.
+    pub fn digest(&self, hasher: &Seeded) -> Result<Digest, Unsure> {
+        if !self.retiring.is_empty() {
+            return Err(Unsure::Busy);
+        }
+        if !self.strays.is_empty() || self.config.is_none() {
+            return Err(Unsure::Pending);
+        }
+        let mut d = Digest::default();
+        for ip in &self.markers {
+            d.add(hasher, 0, &marker_key(*ip), &marker_value());
+        }
+        for (fe, pf) in &self.frontends {
+            let whole = pf.complete()
+                && pf.name_entry == Entry::Ok
+                && pf.rev_nat_entry == Entry::Ok
+                && pf.flags & svc_common::svc_flags::MAGLEV == 0;
+            if !whole {
+                return Err(Unsure::Pending);
+            }
+            let v: ServiceValue = pf.value();
+            d.add(hasher, 0, &service_key(fe), &v);
+            for (slot, b) in (1u16..).zip(&pf.backends) {
+                let k = SlotKey {
+                    id: pf.id,
+                    rev: pf.rev,
+                    slot,
+                };
+                d.add(hasher, 1, &k, b);
+            }
+            d.add(hasher, 3, &pf.id, &rev_nat_value(fe));
+            d.add(hasher, 4, &pf.id, &encode_name(&pf.name));
+            for b in &pf.matches {
+                let k = svc_common::AffinityMatchKey {
+                    id: pf.id,
+                    backend: *b,
+                };
+                d.add(hasher, 5, &k, &0u32);
+            }
+            if let Some(t) = &pf.maglev {
+                let v: MaglevIndex = t.index();
+                d.add(hasher, 7, &maglev_key(pf.id, pf.rev), &v);
+            }
+        }
+        for (id, key) in self.backends.iter() {
+            let v = super::plan::backend_value(key.backend(), key.protocol);
+            d.add(hasher, 2, &id, &v);
+        }
+        for (k, v) in &self.node_addrs {
+            d.add(hasher, 6, k, v);
+        }
+        Ok(d)
+    }
+
+    /// The maps a digest leaves out whose contents, as read (None: not readable), differ from
+    /// what this agent wrote: META, CONFIG, SRC_RANGES.
+    pub fn small_maps_differ(
+        &self,
+        meta: Option<MetaValue>,
+        config: Option<DatapathConfig>,
+        ranges: Option<Vec<SrcRangeKey>>,
+    ) -> Vec<&'static str> {
+        let wrote_meta = MetaValue {
+            frontend_id_hwm: self.ids.frontend_hwm,
+            backend_id_hwm: self.ids.backend_hwm,
+            _reserved: [0; 6],
+        };
+        let mut wrote_ranges: Vec<SrcRangeKey> = (self.frontends.values())
+            .flat_map(|pf| pf.ranges.iter().map(|c| super::range_key(pf.id, c)))
+            .collect();
+        wrote_ranges.sort();
+        let mut differ = Vec::new();
+        if meta != Some(wrote_meta) {
+            differ.push(map_names::META);
+        }
+        if config.is_none() || config != self.config {
+            differ.push(map_names::CONFIG);
+        }
+        if ranges.map(|mut r| {
+            r.sort();
+            r
+        }) != Some(wrote_ranges)
+        {
+            differ.push(map_names::SRC_RANGES);
+        }
+        differ
+    }
+}
