@@ -309,6 +309,12 @@ impl Agent {
         state.node = self.node.desired().clone();
         self.desired = Desired::from_full(state);
         self.adopted = None;
+        if !self.synced {
+            // The first drift check an interval after the first sync, not at once after a
+            // cold start longer than the interval: the maps were just written, and a check
+            // then only competes with the first changes.
+            self.next_reconcile = started + self.upkeep.reconcile_every;
+        }
         self.synced = true;
         let report = self.programmed.apply_scoped(
             &mut self.dp.store,
@@ -949,10 +955,11 @@ impl Agent {
     }
 
     /// Makes a slice of the per-Service counters a bulk write left to make (store's
-    /// `stats_pending`): slices of 5,000 (about 65 ms), so that the loop takes events
-    /// between them; after an ENOMEM the next slice waits for the kernel's per-CPU pool.
+    /// `stats_pending`): slices of 1,000 (about 13 ms at 100,000 Services), so that the loop
+    /// takes events between them; after an ENOMEM the next slice waits for the kernel's
+    /// per-CPU pool.
     fn make_pending_stats(&mut self, now: Instant) {
-        const SLICE: usize = 5_000;
+        const SLICE: usize = 1_000;
         let r = self.dp.store.create_pending_stats(SLICE);
         let pause = match r {
             Ok((made, enomem)) => {
