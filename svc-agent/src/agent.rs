@@ -309,12 +309,7 @@ impl Agent {
         state.node = self.node.desired().clone();
         self.desired = Desired::from_full(state);
         self.adopted = None;
-        if !self.synced {
-            // The first drift check an interval after the first sync, not at once after a
-            // cold start longer than the interval: the maps were just written, and a check
-            // then only competes with the first changes.
-            self.next_reconcile = started + self.upkeep.reconcile_every;
-        }
+        let first = !self.synced;
         self.synced = true;
         let report = self.programmed.apply_scoped(
             &mut self.dp.store,
@@ -322,6 +317,12 @@ impl Agent {
             Scope::All,
             started,
         );
+        if first {
+            // The first drift check an interval after the first sync ends, not at once after a
+            // cold start longer than the interval: the maps were just written, and a check
+            // then only competes with the first changes.
+            self.next_reconcile = Instant::now() + self.upkeep.reconcile_every;
+        }
         // A sync that wrote a large share of the frontends (the first, on empty maps) filled
         // the tree in key order and left its largest transient memory behind (the plan, the
         // assembly); one that changed little (a manifest edit) need not pay for either.
@@ -390,15 +391,18 @@ impl Agent {
         for (owner, frontends) in &report.failed {
             self.retry.failed(owner, frontends, started);
         }
+        self.after_sync(started, covered.is_none(), scope);
+        report
+    }
+
+    /// What follows any sync, whatever it wrote: attach what is not yet, end stale UDP flows
+    /// of `scope`, bring the health checks in line, record the sync.
+    fn after_sync(&mut self, started: Instant, full: bool, scope: Scope<'_>) {
         self.attach();
         self.end_stale_udp(scope);
         self.sync_health_checks();
-        self.metrics.synced(
-            started.elapsed(),
-            covered.is_none(),
-            self.snapshot_metrics(),
-        );
-        report
+        self.metrics
+            .synced(started.elapsed(), full, self.snapshot_metrics());
     }
 
     /// Attaches what of this agent's programs can be attached now, after a sync (the maps
@@ -804,6 +808,8 @@ impl Agent {
             .spawn(move || reader.read(&h));
         match thread {
             Ok(thread) => {
+                // Out of `next_deadline`'s way while the thread reads: `finish_check` sets it.
+                self.next_reconcile = now + self.upkeep.reconcile_every;
                 self.check = Some(Check {
                     thread,
                     writes: self.dp.store.writes,
@@ -825,7 +831,7 @@ impl Agent {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 self.metrics.report("reading the maps back", &e);
-                return self.checked(now, None);
+                return self.full_check(now);
             }
             Err(_) => return self.full_check(now),
         };
@@ -854,28 +860,24 @@ impl Agent {
                 on_loop_ms = began.elapsed().as_millis() as u64,
                 "drift check: the maps are as programmed"
             );
-            return self.checked(now, Some(&read));
+            return self.checked(now, began, &read);
         }
         debug!(maps = ?differ, "drift check: the maps differ; reading them back in full");
         self.full_check(now);
     }
 
-    /// A drift check found nothing to repair: the checks of the maps it leaves to others, the
-    /// per-Service counters from what its thread read where it read them.
-    fn checked(&mut self, now: Instant, read: Option<&crate::store::Reading>) {
+    /// A drift check found nothing to repair: what the full check's sync of every Service
+    /// also did (`after_sync`: an attach that failed is tried again, the metrics of a full
+    /// resync), and the checks of the maps the digest leaves to others, the per-Service
+    /// counters from what the thread read.
+    /// `began`: when the loop began its part, which the sync metrics record.
+    fn checked(&mut self, now: Instant, began: Instant, read: &crate::store::Reading) {
         self.check_due = None;
         self.next_reconcile = now + self.upkeep.reconcile_every;
+        self.after_sync(began, true, Scope::All);
         let began = Instant::now();
-        match read {
-            Some(r) => {
-                let r = self
-                    .dp
-                    .store
-                    .settle_service_stats(&r.stats_lacking, &r.stats_unnamed);
-                self.service_stats_checked(r);
-            }
-            None => self.check_service_stats(),
-        }
+        let r = (self.dp.store).settle_service_stats(&read.stats_lacking, &read.stats_unnamed);
+        self.service_stats_checked(r);
         self.check_node_addr_bits();
         self.check_flow_addrs(true);
         debug!(
@@ -955,7 +957,7 @@ impl Agent {
     }
 
     /// Makes a slice of the per-Service counters a bulk write left to make (store's
-    /// `stats_pending`): slices of 1,000 (about 13 ms at 100,000 Services), so that the loop
+    /// `stats_pending`): slices of 1,000 (about 13 ms on a 2-core machine), so that the loop
     /// takes events between them; after an ENOMEM the next slice waits for the kernel's
     /// per-CPU pool.
     fn make_pending_stats(&mut self, now: Instant) {

@@ -336,8 +336,9 @@ pub struct BpfStore {
     /// Whether `apply_batch` writes runs of puts with BPF_MAP_UPDATE_BATCH: until the kernel
     /// refuses it (a kernel before 5.6), then one element per call.
     pub batch_writes: bool,
-    /// Calls that may have written a map the agent keeps (`Store::apply` and its batches), so
-    /// a drift check read beside the loop knows whether the loop wrote while it read.
+    /// Calls that may have written a map a drift check's digest covers (`Store::apply` and
+    /// its batches; not SERVICE_STATS or NODE_ADDR_BITS, which have checks of their own), so
+    /// a check read beside the loop knows whether the loop wrote while it read.
     pub writes: u64,
     /// Named frontends whose per-Service counters are still to be made (`create_pending_stats`):
     /// a bulk write leaves them here rather than allocating per-CPU memory one syscall each
@@ -445,8 +446,8 @@ pub fn dump<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
 /// reads them beside the loop that writes them (`reconcile::digest`).
 pub struct DigestReader {
     fds: Vec<(usize, std::os::fd::OwnedFd)>,
-    /// `SERVICE_STATS`, with the bytes of one entry's values in a batch, and whether named
-    /// frontends are to have counters (`Capacity::per_service`).
+    /// `SERVICE_STATS`, with its capacity, and whether named frontends are to have counters
+    /// (`Capacity::per_service`).
     stats: Option<(std::os::fd::OwnedFd, usize)>,
     per_service: bool,
 }
@@ -489,16 +490,16 @@ impl DigestReader {
             r.map_err(|e| Error::map_io(name, format!("reading every entry: {e}"), &e))?;
         }
         let mut have: Vec<u32> = Vec::new();
-        if let Some((fd, value_bytes)) = &self.stats {
-            crate::sys::for_each_key(fd.as_fd(), *value_bytes, |k: &u32| have.push(*k)).map_err(
-                |e| {
-                    Error::map_io(
-                        map_names::SERVICE_STATS,
-                        format!("reading every key: {e}"),
-                        &e,
-                    )
-                },
-            )?;
+        if let Some((fd, capacity)) = &self.stats {
+            // Twice the map's keys: a walk that long met deletes all the way (the loop's).
+            let limit = capacity.saturating_mul(2);
+            crate::sys::for_each_key(fd.as_fd(), limit, |k: &u32| have.push(*k)).map_err(|e| {
+                Error::map_io(
+                    map_names::SERVICE_STATS,
+                    format!("reading every key: {e}"),
+                    &e,
+                )
+            })?;
         } else {
             named.clear();
         }
@@ -507,6 +508,7 @@ impl DigestReader {
         }
         named.sort_unstable();
         have.sort_unstable();
+        have.dedup();
         let missing = |of: &[u32], from: &[u32]| -> Vec<u32> {
             (of.iter())
                 .filter(|id| from.binary_search(id).is_err())
@@ -725,8 +727,7 @@ impl BpfStore {
         // As in `sync_service_stats`: a bulk write's are made in slices.
         if self.stats_pending.is_empty() {
             for &id in lacking {
-                if named(self, id)? {
-                    // Made only where there is none (BPF_NOEXIST).
+                if named(self, id)? && !self.has_service_stats(id)? {
                     self.create_service_stats(id)
                         .map_err(|e| map_err(name, e))?;
                     created += 1;
@@ -734,13 +735,22 @@ impl BpfStore {
             }
         }
         for &id in unnamed {
-            if !named(self, id)? {
+            if !named(self, id)? && self.has_service_stats(id)? {
                 self.delete_service_stats(id)
                     .map_err(|e| map_err(name, e))?;
                 deleted += 1;
             }
         }
         Ok((created, deleted))
+    }
+
+    fn has_service_stats(&self, id: u32) -> Result<bool> {
+        match self.service_stats.as_ref().map(|m| m.get(&id, 0)) {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) if is_not_found(&e) => Ok(false),
+            Some(Err(e)) => Err(map_err(map_names::SERVICE_STATS, e)),
+        }
     }
 
     /// Makes the filter (`NODE_ADDR_BITS`) cover what `NODE_ADDRS` holds now: on opening the
@@ -807,17 +817,12 @@ impl BpfStore {
         }
         let stats = match &self.service_stats {
             Some(m) => {
-                let cpus = aya::util::nr_cpus().map_err(|(_, e)| {
-                    Error::map_io(map_names::SERVICE_STATS, format!("counting CPUs: {e}"), &e)
-                })?;
+                let capacity = self.capacity.of(map_names::SERVICE_STATS).unwrap_or(0);
                 let fd = m.map().fd().as_fd().try_clone_to_owned().map_err(|e| {
                     let what = format!("duplicating its descriptor: {e}");
                     Error::map_io(map_names::SERVICE_STATS, what, &e)
                 })?;
-                Some((
-                    fd,
-                    std::mem::size_of::<ServiceStats>().next_multiple_of(8) * cpus,
-                ))
+                Some((fd, capacity as usize))
             }
             None => None,
         };

@@ -302,37 +302,16 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
     map: BorrowedFd<'_>,
     mut f: impl FnMut(&K, &V),
 ) -> io::Result<()> {
-    walk_batches(map, std::mem::size_of::<V>(), |k: &K, v| {
-        f(k, &bytemuck::pod_read_unaligned(v))
-    })
-}
-
-/// Calls `f` on every key of a hash map whose values take `value_bytes` each in a batch (a
-/// per-CPU map's: its value rounded up to 8 bytes, times the possible CPUs), read as
-/// [`for_each_hash`] reads.
-pub fn for_each_key<K: bytemuck::Pod>(
-    map: BorrowedFd<'_>,
-    value_bytes: usize,
-    mut f: impl FnMut(&K),
-) -> io::Result<()> {
-    walk_batches(map, value_bytes, |k: &K, _| f(k))
-}
-
-fn walk_batches<K: bytemuck::Pod>(
-    map: BorrowedFd<'_>,
-    value_bytes: usize,
-    mut f: impl FnMut(&K, &[u8]),
-) -> io::Result<()> {
     let mut chunk: u32 = 4096;
     let mut keys: Vec<K> = Vec::new();
-    let mut values: Vec<u8> = Vec::new();
+    let mut values: Vec<V> = Vec::new();
     // The kernel's cursor for hash maps is a bucket index (u32).
     let mut in_batch: u32 = 0;
     let mut out_batch: u32 = 0;
     let mut first = true;
     loop {
         keys.resize(chunk as usize, K::zeroed());
-        values.resize(chunk as usize * value_bytes, 0);
+        values.resize(chunk as usize, V::zeroed());
         let mut attr = Attr::zeroed();
         // struct { __aligned_u64 in_batch, out_batch, keys, values; __u32 count, map_fd;
         //          __u64 elem_flags, flags; } batch;
@@ -357,8 +336,8 @@ fn walk_batches<K: bytemuck::Pod>(
             }
             Err(e) => return Err(e),
         };
-        for (i, k) in keys.iter().take(count).enumerate() {
-            f(k, &values[i * value_bytes..(i + 1) * value_bytes]);
+        for (k, v) in keys.iter().zip(&values).take(count) {
+            f(k, v);
         }
         if last {
             return Ok(());
@@ -366,6 +345,41 @@ fn walk_batches<K: bytemuck::Pod>(
         in_batch = out_batch;
         first = false;
     }
+}
+
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+
+/// Calls `f` on every key of a hash map, one BPF_MAP_GET_NEXT_KEY a key: no values copied,
+/// where a batch of a per-CPU map's copies each value once per possible CPU. A key deleted
+/// under the walk restarts it from the first (the kernel's answer to a key it lacks), so a
+/// key may come more than once; the walk gives up (EAGAIN) after `limit` keys.
+pub fn for_each_key<K: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    limit: usize,
+    mut f: impl FnMut(&K),
+) -> io::Result<()> {
+    let mut key = K::zeroed();
+    let mut next = K::zeroed();
+    for n in 0.. {
+        if n > limit {
+            return Err(io::Error::from_raw_os_error(libc::EAGAIN));
+        }
+        let mut attr = Attr::zeroed();
+        // struct { __u32 map_fd; __aligned_u64 key; __aligned_u64 next_key; }
+        attr.put_u32(0, map.as_raw_fd() as u32);
+        if n > 0 {
+            attr.put_u64(8, &mut key as *mut K as u64);
+        }
+        attr.put_u64(16, &mut next as *mut K as u64);
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        f(&next);
+        key = next;
+    }
+    Ok(())
 }
 
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;

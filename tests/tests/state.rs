@@ -490,9 +490,10 @@ fn drift_in_the_maps_is_repaired() {
 }
 
 /// The drift check reads the maps on a thread of its own and compares sums of their entries
-/// with the mirror: nothing wrong, and it repairs nothing and counts no drift; a per-Service
-/// counter deleted behind the agent's back is made again, and one of no frontend removed,
-/// from what that thread read.
+/// with the mirror: nothing wrong (a Service with sessionAffinity, so membership entries are
+/// summed too), and it repairs nothing and counts no drift; a per-Service counter deleted
+/// behind the agent's back is made again, and one of no frontend removed, from what that
+/// thread read.
 #[test]
 fn a_drift_check_beside_the_loop_puts_per_service_counters_right_and_nothing_else() {
     let metrics = free_port();
@@ -502,7 +503,9 @@ fn a_drift_check_beside_the_loop_puts_per_service_counters_right_and_nothing_els
         &[8080],
         &["--reconcile-interval-s", "1", "--v", "2", &metrics_flag],
         |sb, m| {
-            m.apply_service(&web_service()).unwrap();
+            let mut web = web_service();
+            web.affinity_timeout_s = Some(600);
+            m.apply_service(&web).unwrap();
             m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
         },
     );
@@ -512,6 +515,11 @@ fn a_drift_check_beside_the_loop_puts_per_service_counters_right_and_nothing_els
     let key = svc_agent::reconcile::service_key(&fe);
     let mut store = svc_agent::datapath::open_pinned(bpffs.path()).unwrap();
     let id = store.services.get(&key, 0).unwrap().id;
+    let members = store
+        .affinity_match
+        .keys()
+        .filter(|k| k.as_ref().is_ok_and(|k| k.id == id));
+    assert_eq!(members.count(), 2, "membership entries of both backends");
     let has = |store: &svc_agent::store::BpfStore, id: u32| {
         store.service_stats.as_ref().unwrap().get(&id, 0).is_ok()
     };

@@ -109,7 +109,13 @@ impl Programmed {
         if !self.retiring.is_empty() {
             return Err(Unsure::Busy);
         }
-        if !self.strays.is_empty() || self.config.is_none() {
+        // Leftovers to delete, Maglev tables still to place, a backend a failed retirement
+        // left: the full check's sync is what deals with them.
+        if !self.strays.is_empty()
+            || self.config.is_none()
+            || !self.maglev.roomless.is_empty()
+            || self.backends.unreferenced().next().is_some()
+        {
             return Err(Unsure::Pending);
         }
         let mut d = Digest::default();
