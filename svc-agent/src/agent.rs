@@ -17,7 +17,9 @@ use crate::metrics::{self, Metrics};
 use crate::model::{Frontend, Protocol, Served};
 use crate::node::Node;
 use crate::packet::PacketConfig;
-use crate::reconcile::{ProgFrontend, Programmed, Retiring, Scope, Seeded, SyncReport, Unsure};
+use crate::reconcile::{
+    Dirty, ProgFrontend, Programmed, Retiring, Scope, Seeded, SyncReport, Unsure,
+};
 use crate::retry::{Backoff, Retries};
 use crate::store::{Capacity, Store};
 use crate::tasks::stale::Keep;
@@ -74,9 +76,10 @@ pub struct Agent {
     next_reconcile: Instant,
     /// The drift check reading the maps beside the loop, while it does (`start_check`).
     check: Option<Check>,
-    /// When the drift check now waiting for a quiet moment was first due: after a whole
-    /// interval without one, the full check runs on the loop.
-    check_due: Option<Instant>,
+    /// Per shard of the maps a digest covers (`reconcile::digest`): how many checks in a row
+    /// left it out, written under them or retiring. A shard left out by `HOT_CHECKS` checks
+    /// in a row sends the next to the full check, so no entry escapes the check for long.
+    left_out: Vec<u8>,
     next_check: Instant,
     /// When the next slice of the per-Service counters still to be made is due, and how many
     /// were made since the last were all there (`make_pending_stats`).
@@ -102,9 +105,6 @@ pub struct Agent {
 /// A drift check's reading of the maps, on a thread of its own.
 struct Check {
     thread: std::thread::JoinHandle<Result<crate::store::Reading>>,
-    /// The store's `writes` when the thread began: a write since, and what it read may be
-    /// part old, part new.
-    writes: u64,
     hasher: Seeded,
     /// When the loop next looks whether the thread is done.
     poll: Instant,
@@ -113,8 +113,8 @@ struct Check {
 /// How often the loop looks whether a drift check's reading is done.
 const CHECK_POLL: Duration = Duration::from_millis(20);
 
-/// How long a drift check that met writes or pending retirements waits to try again.
-const CHECK_RETRY: Duration = Duration::from_secs(1);
+/// How many drift checks in a row may leave one shard out of their comparison.
+const HOT_CHECKS: u8 = 5;
 
 impl Agent {
     /// Takes ownership of the bpffs directory, loads the datapath and mirrors what it holds.
@@ -187,7 +187,7 @@ impl Agent {
             metrics,
             next_reconcile: now + upkeep.reconcile_every,
             check: None,
-            check_due: None,
+            left_out: vec![0; crate::reconcile::DIGEST_MAPS.len() * crate::reconcile::SHARDS],
             next_check: now + upkeep.check_every,
             next_stats: now,
             stats_made: 0,
@@ -781,18 +781,12 @@ impl Agent {
     }
 
     /// Starts a drift check: a thread sums the maps' entries (`DigestReader`) while the loop
-    /// goes on. Where it cannot (retirements pending, writes while it read), it tries again
-    /// a second later; after a whole interval of that, or if no thread can be made, the full
-    /// check runs on the loop.
+    /// goes on, the store marking the shards the loop writes meanwhile. Where no thread can
+    /// be made, the full check runs on the loop.
     fn start_check(&mut self, now: Instant) {
-        let due = *self.check_due.get_or_insert(now);
-        if now.duration_since(due) >= self.upkeep.reconcile_every {
-            debug!("drift check: no quiet moment for a whole interval; a full check");
+        if self.left_out.iter().any(|n| *n >= HOT_CHECKS) {
+            debug!("drift check: a shard of the maps was written under every recent check");
             return self.full_check(now);
-        }
-        if !self.programmed.retiring.is_empty() {
-            self.next_reconcile = now + CHECK_RETRY;
-            return;
         }
         let reader = match self.dp.store.digest_reader() {
             Ok(r) => r,
@@ -810,9 +804,9 @@ impl Agent {
             Ok(thread) => {
                 // Out of `next_deadline`'s way while the thread reads: `finish_check` sets it.
                 self.next_reconcile = now + self.upkeep.reconcile_every;
+                self.dp.store.dirty = Some(Dirty::default());
                 self.check = Some(Check {
                     thread,
-                    writes: self.dp.store.writes,
                     hasher,
                     poll: now + CHECK_POLL,
                 })
@@ -827,6 +821,7 @@ impl Agent {
         let Some(c) = self.check.take() else {
             return;
         };
+        let mut dirty = self.dp.store.dirty.take().unwrap_or_default();
         let read = match c.thread.join() {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
@@ -835,20 +830,15 @@ impl Agent {
             }
             Err(_) => return self.full_check(now),
         };
-        if self.dp.store.writes != c.writes {
-            self.next_reconcile = now + CHECK_RETRY;
-            return;
-        }
         let began = Instant::now();
         let want = match self.programmed.digest(&c.hasher) {
-            Ok(d) => d,
-            Err(Unsure::Busy) => {
-                self.next_reconcile = now + CHECK_RETRY;
-                return;
+            Ok((d, retiring)) => {
+                dirty.union(&retiring);
+                d
             }
             Err(Unsure::Pending) => return self.full_check(now),
         };
-        let mut differ = want.differ(&read.digest);
+        let mut differ = want.differ(&read.digest, &dirty);
         let store = &self.dp.store;
         differ.extend(self.programmed.small_maps_differ(
             store.read_meta().ok(),
@@ -856,8 +846,12 @@ impl Agent {
             store.read_ranges().ok(),
         ));
         if differ.is_empty() {
+            for (s, n) in self.left_out.iter_mut().enumerate() {
+                *n = if dirty.has(s) { n.saturating_add(1) } else { 0 };
+            }
             debug!(
                 on_loop_ms = began.elapsed().as_millis() as u64,
+                left_out = dirty.count(),
                 "drift check: the maps are as programmed"
             );
             return self.checked(now, began, &read);
@@ -872,7 +866,6 @@ impl Agent {
     /// counters from what the thread read.
     /// `began`: when the loop began its part, which the sync metrics record.
     fn checked(&mut self, now: Instant, began: Instant, read: &crate::store::Reading) {
-        self.check_due = None;
         self.next_reconcile = now + self.upkeep.reconcile_every;
         self.after_sync(began, true, Scope::All);
         let began = Instant::now();
@@ -888,7 +881,7 @@ impl Agent {
 
     /// The full drift check, on the loop (`reconcile`).
     fn full_check(&mut self, now: Instant) {
-        self.check_due = None;
+        self.left_out.iter_mut().for_each(|n| *n = 0);
         self.next_reconcile = now + self.upkeep.reconcile_every;
         self.reconcile(now);
         self.check_flow_addrs(true);

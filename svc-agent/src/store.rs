@@ -336,10 +336,9 @@ pub struct BpfStore {
     /// Whether `apply_batch` writes runs of puts with BPF_MAP_UPDATE_BATCH: until the kernel
     /// refuses it (a kernel before 5.6), then one element per call.
     pub batch_writes: bool,
-    /// Calls that may have written a map a drift check's digest covers (`Store::apply` and
-    /// its batches; not SERVICE_STATS or NODE_ADDR_BITS, which have checks of their own), so
-    /// a check read beside the loop knows whether the loop wrote while it read.
-    pub writes: u64,
+    /// While a drift check's thread reads the maps: the shards of the entries written since
+    /// it began (`Store::apply` and its batches), which its comparison leaves out.
+    pub dirty: Option<crate::reconcile::Dirty>,
     /// Named frontends whose per-Service counters are still to be made (`create_pending_stats`):
     /// a bulk write leaves them here rather than allocating per-CPU memory one syscall each
     /// on the way to `ready`, and a single write whose allocation failed puts its id here.
@@ -1034,7 +1033,9 @@ impl Store for BpfStore {
     /// anything else, one op per call as `apply`. The kernel writes a batch element by element
     /// and says how many landed, so a failure stops exactly where one op at a time would.
     fn apply_batch(&mut self, ops: &[Op]) -> (usize, Result<()>) {
-        self.writes += 1;
+        if let Some(d) = &mut self.dirty {
+            ops.iter().for_each(|op| d.mark_op(op));
+        }
         let mut done = 0;
         while done < ops.len() {
             let rest = &ops[done..];
@@ -1071,7 +1072,9 @@ impl Store for BpfStore {
     /// second CPU idle. Through a duplicate of the map's descriptor, as the rest needs the
     /// store itself. Where no thread can be made (the pod's pid limit), one after the other.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
-        self.writes += 1;
+        if let Some(d) = &mut self.dirty {
+            first.iter().chain(then).for_each(|op| d.mark_op(op));
+        }
         let backends = first.len() > 1
             && first.iter().all(|op| matches!(op, Op::PutBackend(..)))
             && !then.is_empty()
@@ -1116,7 +1119,9 @@ impl Store for BpfStore {
     }
 
     fn apply(&mut self, op: &Op) -> Result<bool> {
-        self.writes += 1;
+        if let Some(d) = &mut self.dirty {
+            d.mark_op(op);
+        }
         let map = op.map();
         let now = std::time::Instant::now();
         let tries = match self.enomem_until {

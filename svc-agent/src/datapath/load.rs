@@ -679,7 +679,7 @@ fn build_store(
         enomem_until: None,
         stats_pending: Vec::new(),
         batch_writes: true,
-        writes: 0,
+        dirty: None,
     })
 }
 

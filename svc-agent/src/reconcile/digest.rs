@@ -14,6 +14,7 @@ use super::{
     encode_name, maglev_key, marker_key, marker_value, plan::rev_nat_value, service_key, Entry,
     Programmed, Seeded,
 };
+use crate::store::Op;
 
 /// The maps a digest covers, in `Digest::maps`' order. The ones left out are compared on the
 /// loop, where they are small (META, CONFIG, SRC_RANGES), or kept by checks of their own
@@ -29,22 +30,93 @@ pub const MAPS: [&str; 8] = [
     map_names::MAGLEV_INDEX,
 ];
 
-/// Per map of `MAPS`: how many entries, and the wrapping sum of a keyed hash of each entry's
-/// key and value bytes. A sum, not a hash of a sequence: the kernel's order of a hash map is
-/// not the mirror's.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Shards of each map's keys: what the loop writes while the thread reads, and what is
+/// retiring, leaves its shards out of one comparison, the rest is compared.
+pub const SHARDS: usize = 1024;
+
+/// The shard of a key of map `MAPS[map]`: the same function for the reader, the mirror and
+/// the loop's writes, so a fixed seed.
+fn shard(map: usize, key: &[u8]) -> usize {
+    const SHARDING: foldhash::fast::FixedState = foldhash::fast::FixedState::with_seed(0x5eed);
+    map * SHARDS + (SHARDING.hash_one(key) as usize % SHARDS)
+}
+
+/// Per shard of each map of `MAPS`: how many entries, and the wrapping sum of a keyed hash
+/// of each entry's key and value bytes. A sum, not a hash of a sequence: the kernel's order
+/// of a hash map is not the mirror's.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Digest {
-    pub maps: [(u64, u64); MAPS.len()],
+    sums: Vec<(u64, u64)>,
+}
+
+impl Default for Digest {
+    fn default() -> Self {
+        Digest {
+            sums: vec![(0, 0); MAPS.len() * SHARDS],
+        }
+    }
+}
+
+/// Shards left out of a comparison: written by the loop while the thread read
+/// (`BpfStore::dirty`), or holding retiring entries, which the mirror no longer names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dirty(Vec<u64>);
+
+impl Default for Dirty {
+    fn default() -> Self {
+        Dirty(vec![0; MAPS.len() * SHARDS / 64])
+    }
+}
+
+impl Dirty {
+    pub fn mark(&mut self, map: usize, key: &[u8]) {
+        let s = shard(map, key);
+        self.0[s / 64] |= 1 << (s % 64);
+    }
+
+    /// Marks the shard of the entry `op` writes, if a digest covers its map.
+    pub fn mark_op(&mut self, op: &Op) {
+        use bytemuck::bytes_of as b;
+        let (map, key) = match op {
+            Op::PutService(k, _) | Op::DelService(k) => (0, b(k)),
+            Op::PutSlot(k, _) | Op::DelSlot(k) => (1, b(k)),
+            Op::PutBackend(k, _) | Op::DelBackend(k) => (2, b(k)),
+            Op::PutRevNat(k, _) | Op::DelRevNat(k) => (3, b(k)),
+            Op::PutName(k, _) | Op::DelName(k) => (4, b(k)),
+            Op::PutMatch(k) | Op::DelMatch(k) => (5, b(k)),
+            Op::PutNodeAddr(k, _) | Op::DelNodeAddr(k) => (6, b(k)),
+            Op::PutMaglevIndex(k, _) | Op::DelMaglevIndex(k) => (7, b(k)),
+            Op::PutMeta(_)
+            | Op::PutRange(_)
+            | Op::DelRange(_)
+            | Op::PutConfig(_)
+            | Op::PutMaglev(..) => return,
+        };
+        self.mark(map, key);
+    }
+
+    pub fn union(&mut self, other: &Dirty) {
+        for (a, b) in self.0.iter_mut().zip(&other.0) {
+            *a |= b;
+        }
+    }
+
+    pub fn has(&self, s: usize) -> bool {
+        self.0[s / 64] & (1 << (s % 64)) != 0
+    }
+
+    /// How many shards are marked.
+    pub fn count(&self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
 }
 
 /// Why the mirror gives no digest to compare with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unsure {
-    /// Retirements are pending: entries the mirror no longer names are still in the maps for
-    /// their grace period. Try again once they are done.
-    Busy,
     /// The mirror knows the maps differ from what it wants (leftovers to delete, a frontend
-    /// missing slots or entries, a Maglev table to write again): a full check settles it.
+    /// missing slots or entries, a Maglev table to place, a backend a failed retirement
+    /// left): a full check settles it.
     Pending,
 }
 
@@ -57,17 +129,21 @@ impl Digest {
         k: &K,
         v: &V,
     ) {
-        let h = hasher.hash_one((map, bytemuck::bytes_of(k), bytemuck::bytes_of(v)));
-        let (n, sum) = &mut self.maps[map];
+        let (k, v) = (bytemuck::bytes_of(k), bytemuck::bytes_of(v));
+        let h = hasher.hash_one((map, k, v));
+        let (n, sum) = &mut self.sums[shard(map, k)];
         *n += 1;
         *sum = sum.wrapping_add(h);
     }
 
-    /// The names of the maps whose digests differ.
-    pub fn differ(&self, other: &Digest) -> Vec<&'static str> {
-        (MAPS.iter().zip(self.maps.iter().zip(other.maps.iter())))
-            .filter(|(_, (a, b))| a != b)
-            .map(|(name, _)| *name)
+    /// The names of the maps with a shard outside `dirty` whose sums differ.
+    pub fn differ(&self, other: &Digest, dirty: &Dirty) -> Vec<&'static str> {
+        (MAPS.iter().enumerate())
+            .filter(|(m, _)| {
+                (m * SHARDS..(m + 1) * SHARDS)
+                    .any(|s| !dirty.has(s) && self.sums[s] != other.sums[s])
+            })
+            .map(|(_, name)| *name)
             .collect()
     }
 
@@ -103,21 +179,22 @@ impl Digest {
 }
 
 impl Programmed {
-    /// The digest of what the maps hold if nothing but this agent wrote them, or why there
-    /// is none to compare with.
-    pub fn digest(&self, hasher: &Seeded) -> Result<Digest, Unsure> {
-        if !self.retiring.is_empty() {
-            return Err(Unsure::Busy);
-        }
+    /// The digest of what the maps hold if nothing but this agent wrote them, with the shards
+    /// of the entries that are retiring (in the maps for their grace period, no longer in the
+    /// mirror); or why there is none to compare with.
+    pub fn digest(&self, hasher: &Seeded) -> Result<(Digest, Dirty), Unsure> {
         // Leftovers to delete, Maglev tables still to place, a backend a failed retirement
         // left: the full check's sync is what deals with them.
+        let left_behind = (self.backends.unreferenced()).any(|id| !self.retiring.has_backend(id));
         if !self.strays.is_empty()
             || self.config.is_none()
             || !self.maglev.roomless.is_empty()
-            || self.backends.unreferenced().next().is_some()
+            || left_behind
         {
             return Err(Unsure::Pending);
         }
+        let mut retiring = Dirty::default();
+        self.retiring.mark(&mut retiring);
         let mut d = Digest::default();
         for ip in &self.markers {
             d.add(hasher, 0, &marker_key(*ip), &marker_value());
@@ -161,7 +238,7 @@ impl Programmed {
         for (k, v) in &self.node_addrs {
             d.add(hasher, 6, k, v);
         }
-        Ok(d)
+        Ok((d, retiring))
     }
 
     /// The maps a digest leaves out whose contents, as read (None: not readable), differ from

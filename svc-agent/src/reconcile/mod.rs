@@ -48,7 +48,7 @@ use crate::store::{Capacity, Op, Store};
 
 pub use addrs::{external_addr, FlowAddrsReport};
 pub use backends::Backends;
-pub use digest::{Digest, Unsure, MAPS as DIGEST_MAPS};
+pub use digest::{Digest, Dirty, Unsure, MAPS as DIGEST_MAPS, SHARDS};
 
 pub use ids::Ids;
 pub use plan::{NodePlan, Plan, Planned, ServicePlan, UnitPlan};

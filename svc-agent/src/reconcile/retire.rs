@@ -124,6 +124,40 @@ impl Retiring {
         })
     }
 
+    /// Marks the shards of every entry the queue will delete (or, for a backend, may).
+    pub fn mark(&self, dirty: &mut super::digest::Dirty) {
+        use bytemuck::bytes_of as b;
+        for (_, r) in &self.queue {
+            match r {
+                Retire::Slots {
+                    id,
+                    rev,
+                    count,
+                    table,
+                } => {
+                    for slot in 1..=*count {
+                        let k = SlotKey {
+                            id: *id,
+                            rev: *rev,
+                            slot,
+                        };
+                        dirty.mark(1, b(&k));
+                    }
+                    if table.is_some() {
+                        dirty.mark(7, b(&maglev_key(*id, *rev)));
+                    }
+                }
+                Retire::Table { key, .. } => dirty.mark(7, b(key)),
+                Retire::Ids(id) => {
+                    dirty.mark(3, b(id));
+                    dirty.mark(4, b(id));
+                }
+                Retire::Backend(id) => dirty.mark(2, b(id)),
+                Retire::Del(op) => dirty.mark_op(op),
+            }
+        }
+    }
+
     pub fn has_slot_gen(&self, id: u32, rev: u16) -> bool {
         self.slot_gens.contains_key(&(id, rev))
     }
