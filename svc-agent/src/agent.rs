@@ -114,7 +114,7 @@ struct Check {
 const CHECK_POLL: Duration = Duration::from_millis(20);
 
 /// How many drift checks in a row may leave one shard out of their comparison.
-const HOT_CHECKS: u8 = 5;
+const HOT_CHECKS: u8 = 10;
 
 impl Agent {
     /// Takes ownership of the bpffs directory, loads the datapath and mirrors what it holds.
