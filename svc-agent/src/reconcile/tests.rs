@@ -1484,14 +1484,10 @@ fn range_keys_round_trip_and_count_the_mapped_prefix() {
 
 /// Drift in the new maps is found and repaired like any other: a range deleted, one added
 /// under a live frontend, a node address changed, the config overwritten.
-#[test]
-fn drift_in_ranges_node_addresses_and_config_is_repaired() {
-    let b: DesiredBackend = "10.0.0.1:80".parse().unwrap();
-    let mut want = DesiredState::default();
-    let f = lb_frontend(&mut want, "198.51.100.1", 80, Some(&["10.0.0.0/8"]), &[b]);
-    let node_ip: IpAddr = "192.168.1.10".parse().unwrap();
+/// A node address `ip` taking NodePorts, and SNAT settings.
+fn with_node(want: &mut DesiredState, ip: IpAddr) {
     want.node.addrs.insert(
-        node_ip,
+        ip,
         NodeAddrValue {
             flags: svc_common::node_addr_flags::NODEPORT,
             ifindex: 2,
@@ -1502,6 +1498,15 @@ fn drift_in_ranges_node_addresses_and_config_is_repaired() {
         snat_port_max: 65535,
         ..Default::default()
     });
+}
+
+#[test]
+fn drift_in_ranges_node_addresses_and_config_is_repaired() {
+    let b: DesiredBackend = "10.0.0.1:80".parse().unwrap();
+    let mut want = DesiredState::default();
+    let f = lb_frontend(&mut want, "198.51.100.1", 80, Some(&["10.0.0.0/8"]), &[b]);
+    let node_ip: IpAddr = "192.168.1.10".parse().unwrap();
+    with_node(&mut want, node_ip);
     let mut store = ModelStore::default();
     let mut p = fresh();
     let r = settle(&mut p, &mut store, &want);
@@ -3812,18 +3817,7 @@ fn the_drift_digest_of_the_maps_is_the_mirrors_until_someone_else_writes() {
         Some(&["10.0.0.0/8", "192.0.2.0/24"]),
         &maglev_backends(3),
     );
-    want.node.addrs.insert(
-        "192.168.1.10".parse().unwrap(),
-        NodeAddrValue {
-            flags: svc_common::node_addr_flags::NODEPORT,
-            ifindex: 2,
-        },
-    );
-    want.node.config = Some(DatapathConfig {
-        snat_port_min: 61000,
-        snat_port_max: 65535,
-        ..Default::default()
-    });
+    with_node(&mut want, "192.168.1.10".parse().unwrap());
     let mut store = ModelStore::default();
     let mut p = fresh();
     let r = settle(&mut p, &mut store, &want);
