@@ -80,6 +80,10 @@ pub struct Agent {
     /// left it out, written under them or retiring. A shard left out by `HOT_CHECKS` checks
     /// in a row sends the next to the full check, so no entry escapes the check for long.
     left_out: Vec<u8>,
+    /// A sync since the last full check had errors no retry covers (a ClusterIP marker, an
+    /// external address): the full check's sync of every Service, which
+    /// writes whatever is missing, is the retry, so the next check is a full one.
+    unretried: bool,
     next_check: Instant,
     /// When the next slice of the per-Service counters still to be made is due, and how many
     /// were made since the last were all there (`make_pending_stats`).
@@ -111,7 +115,7 @@ struct Check {
 }
 
 /// How often the loop looks whether a drift check's reading is done.
-const CHECK_POLL: Duration = Duration::from_millis(20);
+const CHECK_POLL: Duration = Duration::from_millis(100);
 
 /// How many drift checks in a row may leave one shard out of their comparison.
 const HOT_CHECKS: u8 = 10;
@@ -188,6 +192,7 @@ impl Agent {
             next_reconcile: now + upkeep.reconcile_every,
             check: None,
             left_out: vec![0; crate::reconcile::DIGEST_MAPS.len() * crate::reconcile::SHARDS],
+            unretried: false,
             next_check: now + upkeep.check_every,
             next_stats: now,
             stats_made: 0,
@@ -390,6 +395,10 @@ impl Agent {
         }
         for (owner, frontends) in &report.failed {
             self.retry.failed(owner, frontends, started);
+        }
+        // One error for each Service that failed; any other is one no retry covers.
+        if report.errors.len() > report.failed.len() {
+            self.unretried = true;
         }
         self.after_sync(started, covered.is_none(), scope);
         report
@@ -788,6 +797,10 @@ impl Agent {
             debug!("drift check: a shard of the maps was written under every recent check");
             return self.full_check(now);
         }
+        if self.unretried {
+            debug!("drift check: a sync had errors no retry covers; a full check");
+            return self.full_check(now);
+        }
         let reader = match self.dp.store.digest_reader() {
             Ok(r) => r,
             Err(e) => {
@@ -882,6 +895,7 @@ impl Agent {
     /// The full drift check, on the loop (`reconcile`).
     fn full_check(&mut self, now: Instant) {
         self.left_out.iter_mut().for_each(|n| *n = 0);
+        self.unretried = false;
         self.next_reconcile = now + self.upkeep.reconcile_every;
         self.reconcile(now);
         self.check_flow_addrs(true);

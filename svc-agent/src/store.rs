@@ -470,16 +470,16 @@ impl DigestReader {
             let (map, fd) = (*map, fd.as_fd());
             let r = match map {
                 0 => for_each_hash(fd, |k: &ServiceKey, v: &ServiceValue| {
-                    d.add(hasher, map, k, v)
+                    d.service(hasher, k, v)
                 }),
                 1 => for_each_hash(fd, |k: &SlotKey, v: &BackendId| d.add(hasher, map, k, v)),
-                2 => for_each_hash(fd, |k: &BackendId, v: &Backend| d.add(hasher, map, k, v)),
+                2 => for_each_hash(fd, |k: &BackendId, v: &Backend| d.backend(hasher, k, v)),
                 3 => for_each_hash(fd, |k: &u32, v: &RevNatValue| d.add(hasher, map, k, v)),
                 4 => for_each_hash(fd, |k: &u32, v: &ServiceName| {
-                    d.add(hasher, map, k, v);
+                    d.name(hasher, k, v);
                     named.push(*k);
                 }),
-                5 => for_each_hash(fd, |k: &AffinityMatchKey, v: &u32| d.add(hasher, map, k, v)),
+                5 => for_each_hash(fd, |k: &AffinityMatchKey, _: &u32| d.member(hasher, k)),
                 6 => for_each_hash(fd, |k: &[u8; 16], v: &NodeAddrValue| {
                     d.add(hasher, map, k, v)
                 }),

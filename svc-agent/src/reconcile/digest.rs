@@ -7,7 +7,8 @@
 use std::hash::BuildHasher;
 
 use svc_common::{
-    map_names, DatapathConfig, MaglevIndex, MetaValue, ServiceValue, SlotKey, SrcRangeKey,
+    map_names, svc_flags, AffinityMatchKey, Backend, BackendId, DatapathConfig, MaglevIndex,
+    MetaValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
 };
 
 use super::{
@@ -136,6 +137,34 @@ impl Digest {
         *sum = sum.wrapping_add(h);
     }
 
+    /// A SERVICES entry, as the full check's recovery reads it: a marker-shaped key with the
+    /// marker flag is a marker whatever else its value holds, and the padding is not read.
+    /// What recovery does not read, the full check cannot repair: summed, it would send every
+    /// check to the full one.
+    pub fn service(&mut self, hasher: &Seeded, k: &ServiceKey, v: &ServiceValue) {
+        if k.port_be == 0 && k.proto == PROTO_ANY && v.flags & svc_flags::ADDR_MARKER != 0 {
+            let ip = super::ip_from16(k.addr);
+            return self.add(hasher, 0, &marker_key(ip), &marker_value());
+        }
+        self.add(hasher, 0, k, &ServiceValue { _pad0: 0, ..*v });
+    }
+
+    /// A BACKENDS entry: of its flags, recovery reads LOCAL only.
+    pub fn backend(&mut self, hasher: &Seeded, id: &BackendId, v: &Backend) {
+        let flags = v.flags & svc_common::backend_flags::LOCAL;
+        self.add(hasher, 2, id, &Backend { flags, ..*v });
+    }
+
+    /// A NAMES entry: recovery reads the name up to its first NUL.
+    pub fn name(&mut self, hasher: &Seeded, id: &u32, v: &ServiceName) {
+        self.add(hasher, 4, id, &encode_name(&super::decode_name(v)));
+    }
+
+    /// An AFFINITY_MATCH entry: its key is all recovery reads.
+    pub fn member(&mut self, hasher: &Seeded, k: &AffinityMatchKey) {
+        self.add(hasher, 5, k, &0u32);
+    }
+
     /// The names of the maps with a shard outside `dirty` whose sums differ.
     pub fn differ(&self, other: &Digest, dirty: &Dirty) -> Vec<&'static str> {
         (MAPS.iter().enumerate())
@@ -151,22 +180,22 @@ impl Digest {
     pub fn of_snapshot(snap: &crate::store::Snapshot, hasher: &Seeded) -> Digest {
         let mut d = Digest::default();
         for (k, v) in &snap.services {
-            d.add(hasher, 0, k, v);
+            d.service(hasher, k, v);
         }
         for (k, v) in &snap.slots {
             d.add(hasher, 1, k, v);
         }
         for (k, v) in &snap.backends {
-            d.add(hasher, 2, k, v);
+            d.backend(hasher, k, v);
         }
         for (k, v) in &snap.rev_nat {
             d.add(hasher, 3, k, v);
         }
         for (k, v) in &snap.names {
-            d.add(hasher, 4, k, v);
+            d.name(hasher, k, v);
         }
         for k in &snap.matches {
-            d.add(hasher, 5, k, &0u32);
+            d.member(hasher, k);
         }
         for (k, v) in &snap.node_addrs {
             d.add(hasher, 6, k, v);
@@ -197,7 +226,7 @@ impl Programmed {
         self.retiring.mark(&mut retiring);
         let mut d = Digest::default();
         for ip in &self.markers {
-            d.add(hasher, 0, &marker_key(*ip), &marker_value());
+            d.service(hasher, &marker_key(*ip), &marker_value());
         }
         for (fe, pf) in &self.frontends {
             let whole = pf.complete()
@@ -208,7 +237,7 @@ impl Programmed {
                 return Err(Unsure::Pending);
             }
             let v: ServiceValue = pf.value();
-            d.add(hasher, 0, &service_key(fe), &v);
+            d.service(hasher, &service_key(fe), &v);
             for (slot, b) in (1u16..).zip(&pf.backends) {
                 let k = SlotKey {
                     id: pf.id,
@@ -218,13 +247,13 @@ impl Programmed {
                 d.add(hasher, 1, &k, b);
             }
             d.add(hasher, 3, &pf.id, &rev_nat_value(fe));
-            d.add(hasher, 4, &pf.id, &encode_name(&pf.name));
+            d.name(hasher, &pf.id, &encode_name(&pf.name));
             for b in &pf.matches {
                 let k = svc_common::AffinityMatchKey {
                     id: pf.id,
                     backend: *b,
                 };
-                d.add(hasher, 5, &k, &0u32);
+                d.member(hasher, &k);
             }
             if let Some(t) = &pf.maglev {
                 let v: MaglevIndex = t.index();
@@ -233,7 +262,7 @@ impl Programmed {
         }
         for (id, key) in self.backends.iter() {
             let v = super::plan::backend_value(key.backend(), key.protocol);
-            d.add(hasher, 2, &id, &v);
+            d.backend(hasher, &id, &v);
         }
         for (k, v) in &self.node_addrs {
             d.add(hasher, 6, k, v);
@@ -258,6 +287,16 @@ impl Programmed {
             .flat_map(|pf| pf.ranges.iter().map(|c| super::range_key(pf.id, c)))
             .collect();
         wrote_ranges.sort();
+        for k in self.retiring.ranges() {
+            wrote_ranges.push(*k);
+        }
+        wrote_ranges.sort();
+        wrote_ranges.dedup();
+        // Of META, recovery reads the high-water marks only.
+        let meta = meta.map(|m| MetaValue {
+            _reserved: [0; 6],
+            ..m
+        });
         let mut differ = Vec::new();
         if meta != Some(wrote_meta) {
             differ.push(map_names::META);

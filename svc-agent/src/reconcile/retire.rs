@@ -158,6 +158,14 @@ impl Retiring {
         }
     }
 
+    /// The source ranges the queue will delete.
+    pub fn ranges(&self) -> impl Iterator<Item = &svc_common::SrcRangeKey> {
+        self.queue.iter().filter_map(|(_, r)| match r {
+            Retire::Del(Op::DelRange(k)) => Some(k),
+            _ => None,
+        })
+    }
+
     pub fn has_slot_gen(&self, id: u32, rev: u16) -> bool {
         self.slot_gens.contains_key(&(id, rev))
     }

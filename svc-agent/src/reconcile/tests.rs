@@ -3989,6 +3989,40 @@ fn the_drift_digest_of_the_maps_is_the_mirrors_until_someone_else_writes() {
         differ.extend(small);
         assert_eq!(differ, vec![*map]);
     }
+    // What recovery does not read, the full check cannot repair: no difference.
+    let unread: Vec<Tamper> = vec![
+        Box::new(|s| s.services.get_mut(&service_key(&b)).unwrap()._pad0 = 9),
+        Box::new(|s| s.services.get_mut(&marker_key(b.ip)).unwrap().id = 9),
+        Box::new(|s| s.backends.values_mut().next().unwrap().flags |= 0x80),
+        Box::new(move |s| s.names.get_mut(&id_a).unwrap().name[150] = b'x'),
+        Box::new(|s| s.meta._reserved[0] = 1),
+    ];
+    for tamper in &unread {
+        let mut s = store.clone();
+        s.unchecked = true;
+        tamper(&mut s);
+        let (read, mirror, small) = drift_digests(&p, &s);
+        let mut differ = drift_differ(&read, mirror, &Dirty::default());
+        differ.extend(small);
+        assert_eq!(differ, Vec::<&str>::new());
+    }
+
+    // The LoadBalancer frontend removed: its source ranges retire with the rest, and are no
+    // difference for their grace period.
+    let mut gone = want.clone();
+    gone.frontends.remove(&lb);
+    p.apply_scoped(&mut store, &gone, Scope::All, Instant::now());
+    let (read, mirror, small) = drift_digests(&p, &store);
+    assert!(
+        !store.ranges.is_empty(),
+        "still in the map for the grace period"
+    );
+    assert_eq!(small, Vec::<&str>::new());
+    assert_eq!(
+        drift_differ(&read, mirror, &Dirty::default()),
+        Vec::<&str>::new()
+    );
+
     // A backend a failed retirement left in the mirror (and the maps): only the full check's
     // recovery retires it, so the mirror sends the check there.
     let key = BackendKey::new("10.9.9.9:1".parse().unwrap(), Protocol::Tcp);
