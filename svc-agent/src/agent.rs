@@ -81,8 +81,8 @@ pub struct Agent {
     /// in a row sends the next to the full check, so no entry escapes the check for long.
     left_out: Vec<u8>,
     /// A sync since the last full check had errors no retry covers (a ClusterIP marker, an
-    /// external address): the full check's sync of every Service, which
-    /// writes whatever is missing, is the retry, so the next check is a full one.
+    /// external address): the full check's sync of every Service, which writes whatever is
+    /// missing, is the retry, so the next check is a full one.
     unretried: bool,
     next_check: Instant,
     /// When the next slice of the per-Service counters still to be made is due, and how many
