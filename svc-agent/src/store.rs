@@ -505,21 +505,29 @@ impl DigestReader {
         if !self.per_service {
             named.clear();
         }
-        named.sort_unstable();
-        have.sort_unstable();
-        have.dedup();
-        let missing = |of: &[u32], from: &[u32]| -> Vec<u32> {
-            (of.iter())
-                .filter(|id| from.binary_search(id).is_err())
-                .copied()
-                .collect()
-        };
+        let (stats_lacking, stats_unnamed) = stats_out_of_line(named, have);
         Ok(Reading {
             digest: d,
-            stats_lacking: missing(&named, &have),
-            stats_unnamed: missing(&have, &named),
+            stats_lacking,
+            stats_unnamed,
         })
     }
+}
+
+/// Of the named frontends `named` and the ids with counters `have`: the named without
+/// counters, and the counters without a name.
+fn stats_out_of_line(mut named: Vec<u32>, mut have: Vec<u32>) -> (Vec<u32>, Vec<u32>) {
+    for ids in [&mut named, &mut have] {
+        ids.sort_unstable();
+        ids.dedup();
+    }
+    let missing = |of: &[u32], from: &[u32]| -> Vec<u32> {
+        (of.iter())
+            .filter(|id| from.binary_search(id).is_err())
+            .copied()
+            .collect()
+    };
+    (missing(&named, &have), missing(&have, &named))
 }
 
 impl BpfStore {
@@ -675,37 +683,25 @@ impl BpfStore {
         let Some(m) = self.service_stats.as_ref() else {
             return Ok((0, 0));
         };
-        let have: BTreeSet<u32> = m
+        let have: Vec<u32> = m
             .keys()
             .collect::<Result<_, _>>()
             .map_err(|e| map_err(name, e))?;
-        let named: BTreeSet<u32> = if self.capacity.per_service {
+        let named: Vec<u32> = if self.capacity.per_service {
             dump(map_names::NAMES, &self.names)?
                 .into_iter()
                 .map(|(id, _)| id)
                 .collect()
         } else {
-            BTreeSet::new()
+            Vec::new()
         };
-        let (mut created, mut deleted) = (0, 0);
-        // Those of a bulk write are made in slices (`create_pending_stats`): all at once here
-        // would stall the loop as the slices are there not to.
-        let pending = !self.stats_pending.is_empty();
-        for id in named.difference(&have).filter(|_| !pending) {
-            self.create_service_stats(*id)
-                .map_err(|e| map_err(name, e))?;
-            created += 1;
-        }
-        for id in have.difference(&named) {
-            self.delete_service_stats(*id)
-                .map_err(|e| map_err(name, e))?;
-            deleted += 1;
-        }
-        Ok((created, deleted))
+        let (lacking, unnamed) = stats_out_of_line(named, have);
+        self.settle_service_stats(&lacking, &unnamed)
     }
 
-    /// `sync_service_stats` for the ids a drift check's thread found out of line (`Reading`),
-    /// each looked at again here, as the loop's writes since may have settled it.
+    /// Makes the counters of the named ids of `lacking` that lack them and removes those of
+    /// the unnamed ids of `unnamed`, each looked at again here: a drift check's thread found
+    /// them out of line (`Reading`) and the loop's writes since may have settled them.
     pub fn settle_service_stats(
         &mut self,
         lacking: &[u32],
@@ -723,7 +719,8 @@ impl BpfStore {
             }
         };
         let (mut created, mut deleted) = (0, 0);
-        // As in `sync_service_stats`: a bulk write's are made in slices.
+        // Those of a bulk write are made in slices (`create_pending_stats`): all at once here
+        // would stall the loop as the slices are there not to.
         if self.stats_pending.is_empty() {
             for &id in lacking {
                 if named(self, id)? && !self.has_service_stats(id)? {
@@ -1215,6 +1212,15 @@ impl Store for BpfStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Named frontends without counters and counters without a name, each once, whatever the
+    /// order and repeats of a walk that restarted (`sys::for_each_key`).
+    #[test]
+    fn counters_out_of_line_are_the_two_differences() {
+        let (lacking, unnamed) = stats_out_of_line(vec![5, 1, 3, 3], vec![3, 9, 1, 9, 7]);
+        assert_eq!(lacking, vec![5]);
+        assert_eq!(unnamed, vec![7, 9]);
+    }
 
     /// Every map the catalogue says the agent sizes has its capacity here, with the
     /// catalogue's default; no other map has one.

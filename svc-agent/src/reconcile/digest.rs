@@ -177,6 +177,7 @@ impl Digest {
     }
 
     /// The digest of a snapshot's entries, as the reader makes it from the maps.
+    #[cfg(test)]
     pub fn of_snapshot(snap: &crate::store::Snapshot, hasher: &Seeded) -> Digest {
         let mut d = Digest::default();
         for (k, v) in &snap.services {
