@@ -490,8 +490,9 @@ struct CapacityArgs {
     #[arg(long, default_value_t = svc_common::capacity::SERVICES)]
     max_services: u32,
     /// Backend slots, over all frontends (a changed backend set needs room for the old and
-    /// the new set during the grace period).
-    #[arg(long, default_value_t = svc_common::capacity::SLOTS)]
+    /// the new set during the grace period), in groups of eight: each frontend takes its
+    /// backend count rounded up to a multiple of 8. Half of it sizes the affinity-match map.
+    #[arg(long, default_value_t = svc_common::capacity::SLOTS * svc_common::SLOT_GROUP)]
     max_slots: u32,
     /// Distinct backends (address, port, protocol).
     #[arg(long, default_value_t = svc_common::capacity::BACKENDS)]
@@ -590,13 +591,13 @@ impl CapacityArgs {
         }
         Ok(svc_agent::store::Capacity {
             services: self.max_services,
-            slots: self.max_slots,
+            slots: self.max_slots.div_ceil(svc_common::SLOT_GROUP),
             backends: self.max_backends,
             rev_nat: self.max_services,
             names: self.max_services,
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
-            affinity_match: self.max_slots,
+            affinity_match: (self.max_slots / 2).max(1),
             src_ranges: self.max_source_ranges,
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,

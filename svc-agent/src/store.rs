@@ -12,7 +12,8 @@ use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuHashMap, P
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
     BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue,
-    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotKey, SrcRangeKey,
+    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup, SlotKey,
+    SrcRangeKey,
 };
 
 use crate::error::{Error, Result};
@@ -21,7 +22,7 @@ use crate::error::{Error, Result};
 pub enum Op {
     PutService(ServiceKey, ServiceValue),
     DelService(ServiceKey),
-    PutSlot(SlotKey, BackendId),
+    PutSlot(SlotKey, SlotGroup),
     DelSlot(SlotKey),
     PutBackend(BackendId, Backend),
     DelBackend(BackendId),
@@ -136,7 +137,7 @@ capacity! {
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub services: Vec<(ServiceKey, ServiceValue)>,
-    pub slots: Vec<(SlotKey, BackendId)>,
+    pub slots: Vec<(SlotKey, SlotGroup)>,
     pub backends: Vec<(BackendId, Backend)>,
     pub rev_nat: Vec<(u32, RevNatValue)>,
     pub names: Vec<(u32, ServiceName)>,
@@ -290,7 +291,7 @@ pub fn flow_destination(
 /// The pinned maps of a running datapath.
 pub struct BpfStore {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
-    pub slots: HashMap<MapData, SlotKey, BackendId>,
+    pub slots: HashMap<MapData, SlotKey, SlotGroup>,
     pub backends: HashMap<MapData, BackendId, Backend>,
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     pub names: HashMap<MapData, u32, ServiceName>,
@@ -472,7 +473,7 @@ impl DigestReader {
                 0 => for_each_hash(fd, |k: &ServiceKey, v: &ServiceValue| {
                     d.service(hasher, k, v)
                 }),
-                1 => for_each_hash(fd, |k: &SlotKey, v: &BackendId| d.add(hasher, map, k, v)),
+                1 => for_each_hash(fd, |k: &SlotKey, v: &SlotGroup| d.add(hasher, map, k, v)),
                 2 => for_each_hash(fd, |k: &BackendId, v: &Backend| d.backend(hasher, k, v)),
                 3 => for_each_hash(fd, |k: &u32, v: &RevNatValue| d.add(hasher, map, k, v)),
                 4 => for_each_hash(fd, |k: &u32, v: &ServiceName| {

@@ -41,7 +41,7 @@ pub fn check_with(
     let mut used_index = HashSet::new();
     let mut regions: Vec<(u32, u32, Frontend)> = Vec::new();
     let services: HashMap<_, _> = snap.services.iter().copied().collect();
-    let slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
+    let slots: HashMap<SlotKey, svc_common::SlotGroup> = snap.slots.iter().copied().collect();
     let backends: HashMap<BackendId, _> = snap.backends.iter().copied().collect();
     let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
     let names: HashMap<u32, _> = snap.names.iter().copied().collect();
@@ -132,13 +132,9 @@ pub fn check_with(
         let mut got: Vec<Backend> = Vec::new();
         let check_members = checks_match(fe.protocol.ipproto(), v.flags);
         for slot in 1..=v.count {
-            let sk = SlotKey {
-                id: v.id,
-                rev: v.rev,
-                slot,
-            };
+            let (sk, i) = SlotKey::of_slot(v.id, v.rev, u32::from(slot) - 1);
             used_slots.insert(sk);
-            let Some(b) = slots.get(&sk) else {
+            let Some(b) = slots.get(&sk).map(|g| &g.backends[i]).filter(|b| **b != 0) else {
                 problems.push(format!(
                     "{fe}: slot {slot} of id {} rev {} missing",
                     v.id, v.rev
@@ -166,6 +162,16 @@ pub fn check_with(
                 }),
                 Some(_) => problems.push(format!("{fe}: backend {b} has another protocol")),
                 None => problems.push(format!("{fe}: slot {slot} names missing backend {b}")),
+            }
+        }
+        let (last, _) = SlotKey::of_slot(v.id, v.rev, u32::from(v.count.max(1)) - 1);
+        let past = usize::from(v.count) % svc_common::SLOT_GROUP as usize;
+        if let Some(g) = slots.get(&last).filter(|_| past != 0) {
+            if g.backends[past..].iter().any(|b| *b != 0) {
+                problems.push(format!(
+                    "{fe}: a backend past slot {} of id {} rev {}",
+                    v.count, v.id, v.rev
+                ));
             }
         }
         if got != d.backends {

@@ -223,11 +223,13 @@ catalogue! {
     SERVICES = MapDef::new::<ServiceKey, ServiceValue>("SVC_SERVICES", 2, MapKind::Hash)
         .sized(262_144)
         .no_prealloc();
-    /// Backend slots of each frontend generation. Sized for at least 50,000 Services of 10
-    /// endpoints each, with room for a changed backend set's new slots to coexist with the old
-    /// ones until those are retired.
-    SLOTS = MapDef::new::<SlotKey, BackendId>("SVC_SLOTS", 1, MapKind::Hash)
-        .sized(1_048_576)
+    /// Backend slots of each frontend generation, `SLOT_GROUP` to an entry (`SlotGroup`).
+    /// Layout 2: a group an entry (1 was one slot an entry, which the kernel's allocator
+    /// rounds to 96 bytes, as it does a group of eight). Sized for 2,097,152 slots, as many
+    /// generations as the services map has entries, with room for a changed backend set's
+    /// new slots to coexist with the old ones until those are retired.
+    SLOTS = MapDef::new::<SlotKey, SlotGroup>("SVC_SLOTS", 2, MapKind::Hash)
+        .sized(262_144)
         .no_prealloc();
     /// Backend id to backend (address, port, flags).
     BACKENDS = MapDef::new::<BackendId, Backend>("SVC_BACKENDS", 1, MapKind::Hash)
@@ -252,10 +254,10 @@ catalogue! {
         .no_prealloc();
     /// The agent's bookkeeping that must survive it (`MetaValue`).
     META = MapDef::new::<u32, MetaValue>("SVC_META", 1, MapKind::Array);
-    /// One entry per backend of a current generation (of the frontends that check choices),
-    /// so it never holds more than the slots map: sized with it.
+    /// One entry per backend of a current generation (of the frontends that check choices):
+    /// half the slots `SLOTS` holds by default, as generations past their switch keep none.
     AFFINITY_MATCH = MapDef::new::<AffinityMatchKey, u32>("SVC_AFFINITY_MATCH", 1, MapKind::Hash)
-        .sized(SLOTS.max_entries)
+        .sized(1_048_576)
         .no_prealloc();
     /// Socket local storage: keyed by socket, sized by the sockets (max_entries 0).
     SOCK_STATE = MapDef::new::<u32, SockState>("SVC_SOCK_STATE", 1, MapKind::SkStorage)
@@ -1409,7 +1411,8 @@ pub struct ServiceValue {
     pub affinity_id: u32,
 }
 
-/// One backend slot of a frontend generation.
+/// A group of backend slots of a frontend generation (`SLOTS`), or a generation
+/// (`MAGLEV_INDEX`, with `slot` 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -1418,12 +1421,46 @@ pub struct SlotKey {
     pub id: u32,
     /// `ServiceValue::rev`.
     pub rev: u16,
-    /// 1-based slot index.
+    /// In `SLOTS`: the 1-based group, which holds the 0-based slots
+    /// `SLOT_GROUP * (slot - 1)` up to `SLOT_GROUP * slot - 1`. In `MAGLEV_INDEX`: 0.
     pub slot: u16,
 }
 
-/// The value of a slot is a backend id (u32, host order), the key of `BACKENDS`.
+impl SlotKey {
+    /// The `SLOTS` key of the 0-based slot `slot` of generation `rev` of frontend `id`, and
+    /// the slot's place in that entry's `SlotGroup`.
+    #[inline(always)]
+    pub const fn of_slot(id: u32, rev: u16, slot: u32) -> (SlotKey, usize) {
+        let k = SlotKey {
+            id,
+            rev,
+            slot: (slot / SLOT_GROUP) as u16 + 1,
+        };
+        (k, (slot % SLOT_GROUP) as usize)
+    }
+}
+
+/// A backend id (u32, host order), the key of `BACKENDS`; 0 is none.
 pub type BackendId = u32;
+
+/// Slots an entry of `SLOTS` holds. Eight make a 32-byte value: the hash element is then 88
+/// bytes, which the kernel's allocator serves from its 96-byte class, as it served the
+/// element of one slot (64 bytes and its 8-byte list node, layout 1).
+pub const SLOT_GROUP: u32 = 8;
+
+/// The value of `SLOTS`: the backend of each slot of the group, in slot order; 0 past the
+/// generation's last slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SlotGroup {
+    pub backends: [BackendId; SLOT_GROUP as usize],
+}
+
+/// The `SLOTS` entries of a generation of `count` slots.
+pub const fn slot_groups(count: u16) -> u16 {
+    (count as u32).div_ceil(SLOT_GROUP) as u16
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -1440,7 +1477,7 @@ pub struct Backend {
 }
 
 /// Four entries of the Maglev tables (`MAGLEV`): each the 0-based slot number
-/// (`SlotKey::slot - 1`) of the generation its table belongs to, host order.
+/// (`SlotKey::of_slot`) of the generation its table belongs to, host order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -1750,6 +1787,7 @@ mod pod {
     unsafe impl aya::Pod for ServiceKey {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for SlotKey {}
+    unsafe impl aya::Pod for SlotGroup {}
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for RevNatValue {}
     unsafe impl aya::Pod for ServiceName {}
@@ -1951,7 +1989,7 @@ mod tests {
     fn pin_names_and_capacities_are_stable() {
         let pins: [(&str, u32, u32); 17] = [
             ("SVC_SERVICES", 2, 262_144),
-            ("SVC_SLOTS", 1, 1_048_576),
+            ("SVC_SLOTS", 2, 262_144),
             ("SVC_BACKENDS", 1, 1_048_576),
             ("SVC_REV_NAT", 1, 262_144),
             ("SVC_SOCK_REV", 1, 262_144),

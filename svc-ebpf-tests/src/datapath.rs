@@ -58,7 +58,7 @@ pub struct Dp {
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
-    pub slots: HashMap<MapData, SlotKey, BackendId>,
+    pub slots: HashMap<MapData, SlotKey, svc_common::SlotGroup>,
     pub backends: HashMap<MapData, BackendId, Backend>,
     pub matches: HashMap<MapData, AffinityMatchKey, u32>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
@@ -397,13 +397,11 @@ impl Dp {
             proto: f.proto,
             scope: f.scope,
         };
-        for (i, b) in f.backends.iter().enumerate() {
-            let sk = SlotKey {
-                id: f.id,
-                rev,
-                slot: i as u16 + 1,
-            };
-            self.slots.insert(sk, b, 0).unwrap();
+        // The entries as the agent makes them.
+        for (k, g) in svc_agent::reconcile::slot_entries(f.id, rev, f.backends) {
+            self.slots.insert(k, g, 0).unwrap();
+        }
+        for b in f.backends.iter() {
             self.matches
                 .insert(
                     AffinityMatchKey {

@@ -76,7 +76,7 @@ fn backend_value(sa: &str, proto: u8) -> Backend {
 struct Lb {
     ebpf: Ebpf,
     services: HashMap<MapData, ServiceKey, ServiceValue>,
-    slots: HashMap<MapData, SlotKey, BackendId>,
+    slots: HashMap<MapData, SlotKey, svc_common::SlotGroup>,
     backends: HashMap<MapData, BackendId, Backend>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     matches: HashMap<MapData, AffinityMatchKey, u32>,
@@ -151,13 +151,10 @@ impl Lb {
             Some(t) => (svc_flags::AFFINITY, t),
             None => (0, 0),
         };
-        for (i, b) in f.backends.iter().enumerate() {
-            let sk = SlotKey {
-                id: f.id,
-                rev: f.rev,
-                slot: i as u16 + 1,
-            };
-            self.slots.insert(sk, b, 0).unwrap();
+        for (k, g) in svc_agent::reconcile::slot_entries(f.id, f.rev, f.backends) {
+            self.slots.insert(k, g, 0).unwrap();
+        }
+        for b in f.backends.iter() {
             if svc_common::checks_match(f.proto, flags) {
                 self.add_match(f.id, *b);
             }
@@ -428,6 +425,48 @@ fn lookups_and_refusals() {
     assert_eq!(a.how, how::RANDOM);
     let want = format!("10.0.0.{}:8080", a.backend_id);
     assert_eq!(a.backend, backend_value(&want, IPPROTO_TCP));
+}
+
+/// Slots are read eight to an entry: a frontend of 19 backends (entries of 8, 8 and 3) has
+/// each of them chosen, and an entry's places past the frontend's last slot never are.
+#[test]
+fn every_slot_of_every_group_is_chosen_and_none_past_the_last() {
+    let mut lb = world();
+    let ids: Vec<BackendId> = (31..50).collect();
+    for id in &ids {
+        lb.backend(*id, &format!("10.0.1.{id}:8080"), IPPROTO_TCP);
+    }
+    lb.frontend(Fe {
+        vip: "10.96.0.80:80",
+        proto: IPPROTO_TCP,
+        id: 8,
+        rev: 1,
+        backends: &ids,
+        affinity_s: None,
+        affinity_id: 0,
+    });
+    let all = seen(
+        &lb,
+        &connect("10.96.0.80:80", IPPROTO_TCP, T0, NETNS_A),
+        400,
+    );
+    assert_eq!(all, ids.iter().copied().collect());
+    // The last entry holds slots 17 to 19; a backend written past them is not one.
+    let last = SlotKey {
+        id: 8,
+        rev: 1,
+        slot: 3,
+    };
+    let mut g = lb.slots.get(&last, 0).unwrap();
+    assert_eq!(g.backends[..4], [47, 48, 49, 0]);
+    g.backends[3..].fill(13);
+    lb.slots.insert(last, g, 0).unwrap();
+    let all = seen(
+        &lb,
+        &connect("10.96.0.80:80", IPPROTO_TCP, T0, NETNS_A),
+        400,
+    );
+    assert_eq!(all, ids.iter().copied().collect());
 }
 
 /// A master entry whose slots are missing (an update raced the lookup): read again once,

@@ -210,14 +210,10 @@ fn pick_slot(svc: &ServiceValue, pick: Pick, caller: &impl Caller) -> BackendId 
         // SAFETY: a helper with no arguments.
         r = unsafe { bpf_get_prandom_u32() };
     }
-    let key = SlotKey {
-        id: svc.id,
-        rev: svc.rev,
-        slot: (r % svc.count as u32) as u16 + 1,
-    };
+    let (key, i) = SlotKey::of_slot(svc.id, svc.rev, r % svc.count as u32);
     // SAFETY: copied out at once.
     match unsafe { SVC_SLOTS.get(key) } {
-        Some(id) => *id,
+        Some(g) => g.backends[i],
         None => 0,
     }
 }

@@ -11,8 +11,8 @@ use aya_ebpf::{
 use svc_common::{
     capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
     DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue, Reason,
-    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotKey, SockRevKey,
-    SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
+    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup, SlotKey,
+    SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
 };
 
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
@@ -27,9 +27,9 @@ pub static SVC_SERVICES: HashMap<
     NO_PREALLOC,
 > = HashMap::new();
 
-/// Backend slots of each frontend generation.
+/// Backend slots of each frontend generation, in groups (`SlotGroup`).
 #[btf_map]
-pub static SVC_SLOTS: HashMap<SlotKey, BackendId, { capacity::SLOTS as usize }, NO_PREALLOC> =
+pub static SVC_SLOTS: HashMap<SlotKey, SlotGroup, { capacity::SLOTS as usize }, NO_PREALLOC> =
     HashMap::new();
 
 #[btf_map]

@@ -367,24 +367,45 @@ fn affinity_and_udp_sockets_survive_an_agent_restart() {
     }
 }
 
-/// An upgrade over the previous map layout (SVC_SERVICES and SVC_AFFINITY v1, before the
-/// affinity id per Service port): the new agent builds the v2 maps beside the pinned v1 ones,
-/// fills them from the source, swaps its programs in and removes the v1 pins; the Service
-/// keeps answering, with affinity. Needs a svc-agent of the previous layout in
-/// `SVC_PREVIOUS_AGENT_BIN` (skipped without it).
+/// An upgrade over the previous map layout (whatever maps its version differs in: SVC_SERVICES
+/// and SVC_AFFINITY before the affinity id per Service port, SVC_SLOTS before its groups of
+/// eight): the new agent builds its maps beside the pinned older ones, fills them from the
+/// source, swaps its programs in and removes the older pins; the Service keeps answering, with
+/// affinity. Needs a svc-agent of the previous layout in `SVC_PREVIOUS_AGENT_BIN` (skipped
+/// without it).
 #[test]
 fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
     let Some(old) = std::env::var_os("SVC_PREVIOUS_AGENT_BIN") else {
         eprintln!("skipped: set SVC_PREVIOUS_AGENT_BIN to a svc-agent of the previous layout");
         return;
     };
+    // A pin's layout version, if it is one of ours: "SVC_SLOTS_v1" is (SVC_SLOTS, 1).
+    let versioned = |pin: &str| -> Option<(String, u32)> {
+        let (name, v) = pin.rsplit_once("_v")?;
+        Some((name.to_string(), v.parse().ok()?))
+    };
+    let older = |pins: &[String]| -> Vec<String> {
+        (pins.iter())
+            .filter(|p| {
+                versioned(p).is_some_and(|(name, v)| {
+                    let now = svc_common::layout::version(&name);
+                    now != 0 && now != v
+                })
+            })
+            .cloned()
+            .collect()
+    };
     let old = std::path::PathBuf::from(old);
     let mut w = World::start_bin(Some(&old), 3, &[8080], &[], |sb, m| {
         m.apply_service(&web_service().affinity(3600)).unwrap();
         m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
     });
-    let pins = w.bpffs.entries();
-    assert!(pins.contains(&"SVC_SERVICES_v1".to_string()), "{pins:?}");
+    let before = older(&w.bpffs.entries());
+    assert!(
+        !before.is_empty(),
+        "no pin of an older layout: {:?}",
+        w.bpffs.entries()
+    );
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
@@ -395,12 +416,13 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
     w.agent.wait_ready(Duration::from_secs(30)).unwrap();
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
-    // The choices of the v1 map are not carried over (keyed by frontend, not by port).
     assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
     let pins = w.bpffs.entries();
-    for map in ["SVC_SERVICES", "SVC_AFFINITY"] {
-        assert!(pins.contains(&format!("{map}_v2")), "{pins:?}");
-        assert!(!pins.contains(&format!("{map}_v1")), "{pins:?}");
+    assert_eq!(older(&pins), Vec::<String>::new(), "{before:?} -> {pins:?}");
+    for pin in &before {
+        let (name, _) = versioned(pin).unwrap();
+        let now = format!("{name}_v{}", svc_common::layout::version(&name));
+        assert!(pins.contains(&now), "{now} in {pins:?}");
     }
     assert!(
         w.agent

@@ -6225,7 +6225,8 @@ fn maglev_choices(
         )
         .ok()?;
     let seed = u64::from(index.seed[0]) | u64::from(index.seed[1]) << 32;
-    let slots: BTreeMap<svc_common::SlotKey, u32> = snap.slots.iter().copied().collect();
+    let slots: BTreeMap<svc_common::SlotKey, svc_common::SlotGroup> =
+        snap.slots.iter().copied().collect();
     let backends: BTreeMap<u32, svc_common::Backend> = snap.backends.iter().copied().collect();
     let choices = flows
         .iter()
@@ -6241,12 +6242,9 @@ fn maglev_choices(
             let pos = h % index.size;
             let e = table[(pos / svc_common::MAGLEV_BLOCK) as usize].entries
                 [(pos % svc_common::MAGLEV_BLOCK) as usize];
-            let slot = svc_common::SlotKey {
-                id: v.id,
-                rev: v.rev,
-                slot: (u32::from(e) % u32::from(v.count)) as u16 + 1,
-            };
-            let b = backends[&slots[&slot]];
+            let (k, i) =
+                svc_common::SlotKey::of_slot(v.id, v.rev, u32::from(e) % u32::from(v.count));
+            let b = backends[&slots[&k].backends[i]];
             SocketAddr::new(
                 svc_agent::reconcile::ip_from16(b.addr),
                 u16::from_be(b.port_be),

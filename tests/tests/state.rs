@@ -351,7 +351,7 @@ fn a_pinned_map_of_another_layout_is_refused_naming_it() {
     let bpffs = sb.bpffs().unwrap();
     std::fs::create_dir(bpffs.path()).unwrap();
     std::fs::set_permissions(bpffs.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-    let pin = bpffs.path().join("SVC_SLOTS_v1");
+    let pin = bpffs.path().join("SVC_SLOTS_v2");
     svc_tests::sys::run(
         "bpftool",
         [
@@ -379,7 +379,7 @@ fn a_pinned_map_of_another_layout_is_refused_naming_it() {
         "{log}"
     );
     assert!(!log.contains("verifier"), "{log}");
-    assert_eq!(bpffs.entries(), vec!["SVC_SLOTS_v1".to_string()]);
+    assert_eq!(bpffs.entries(), vec!["SVC_SLOTS_v2".to_string()]);
 }
 
 /// Issue 34: the socket hooks' counter array (`SVC_STATS`, pinned unversioned by the first
@@ -784,13 +784,14 @@ fn thirty_thousand_services_of_ten_endpoints_are_all_programmed() {
 fn a_change_that_does_not_fit_is_retried_until_it_lands() {
     let health = free_port();
     let health_flag = format!("--healthz-bind-address={health}");
-    // Room for two backend sets of two: the current one and one retiring.
+    // Room for two backend sets of two (each takes an entry of eight slots): the current one
+    // and one retiring.
     let w = World::start_with(
         6,
         &[8080],
         &[
             "--max-slots",
-            "4",
+            "16",
             "--retire-grace-ms",
             "3000",
             &health_flag,

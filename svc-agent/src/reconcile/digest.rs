@@ -8,7 +8,7 @@ use std::hash::BuildHasher;
 
 use svc_common::{
     map_names, svc_flags, AffinityMatchKey, Backend, BackendId, DatapathConfig, MaglevIndex,
-    MetaValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
+    MetaValue, ServiceKey, ServiceName, ServiceValue, SrcRangeKey, PROTO_ANY,
 };
 
 use super::{
@@ -239,13 +239,8 @@ impl Programmed {
             }
             let v: ServiceValue = pf.value();
             d.service(hasher, &service_key(fe), &v);
-            for (slot, b) in (1u16..).zip(&pf.backends) {
-                let k = SlotKey {
-                    id: pf.id,
-                    rev: pf.rev,
-                    slot,
-                };
-                d.add(hasher, 1, &k, b);
+            for (k, g) in super::slot_entries(pf.id, pf.rev, &pf.backends) {
+                d.add(hasher, 1, &k, &g);
             }
             d.add(hasher, 3, &pf.id, &rev_nat_value(fe));
             d.name(hasher, &pf.id, &encode_name(&pf.name));

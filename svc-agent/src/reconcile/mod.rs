@@ -38,7 +38,8 @@ use std::time::Duration;
 
 use svc_common::{
     is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, MaglevIndex,
-    NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotKey, SrcRangeKey, PROTO_ANY,
+    NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotGroup, SlotKey, SrcRangeKey,
+    PROTO_ANY, SLOT_GROUP,
 };
 use tracing::warn;
 
@@ -110,7 +111,7 @@ pub enum Entry {
 pub struct ProgFrontend {
     pub id: u32,
     pub rev: u16,
-    /// Slots the master entry names: 1..=count under (id, rev).
+    /// Slots the master entry names under (id, rev), in `slot_groups(count)` entries.
     pub count: u16,
     pub flags: u16,
     pub affinity_timeout_s: u32,
@@ -170,6 +171,27 @@ impl TableRef {
             seed: u64::from(v.seed[0]) | u64::from(v.seed[1]) << 32,
         })
     }
+}
+
+/// The `SLOTS` entries of generation `rev` of frontend `id` whose slots name `backends`, in
+/// slot order.
+pub fn slot_entries(
+    id: u32,
+    rev: u16,
+    backends: &[BackendId],
+) -> impl Iterator<Item = (SlotKey, SlotGroup)> + '_ {
+    (1u16..)
+        .zip(backends.chunks(SLOT_GROUP as usize))
+        .map(move |(slot, chunk)| {
+            let mut g = SlotGroup::default();
+            g.backends[..chunk.len()].copy_from_slice(chunk);
+            (SlotKey { id, rev, slot }, g)
+        })
+}
+
+/// The `SLOTS` keys of generation `rev` of frontend `id`, of `count` slots.
+pub fn slot_keys(id: u32, rev: u16, count: u16) -> impl Iterator<Item = SlotKey> {
+    (1..=svc_common::slot_groups(count)).map(move |slot| SlotKey { id, rev, slot })
 }
 
 /// The index key of generation `rev` of frontend `id`.

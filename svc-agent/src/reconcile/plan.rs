@@ -376,14 +376,8 @@ pub fn plan_unit(
             id
         };
         let slots = |id: u32, rev: u16| {
-            ids.iter().enumerate().map(move |(i, b)| {
-                let k = SlotKey {
-                    id,
-                    rev,
-                    slot: i as u16 + 1,
-                };
-                (Op::PutSlot(k, *b), Some(Op::DelSlot(k)))
-            })
+            super::slot_entries(id, rev, &ids)
+                .map(|(k, g)| (Op::PutSlot(k, g), Some(Op::DelSlot(k))))
         };
 
         let Some(cur) = p.frontends.get(fe) else {
@@ -418,7 +412,7 @@ pub fn plan_unit(
             plan.needs.ranges += ranges.len() as u64;
             plan.needs.rev_nat += 1;
             plan.needs.names += 1;
-            plan.needs.slots += ids.len() as u64;
+            plan.needs.slots += u64::from(svc_common::slot_groups(ids.len() as u16));
             plan.needs.matches += matches.len() as u64;
             let pf = ProgFrontend {
                 id,
@@ -503,7 +497,7 @@ pub fn plan_unit(
         let rev = if new_gen {
             let rev = next_rev(p, earlier, cur.id, cur.rev);
             plan.prepare.extend(slots(cur.id, rev));
-            plan.needs.slots += ids.len() as u64;
+            plan.needs.slots += u64::from(svc_common::slot_groups(ids.len() as u16));
             rev
         } else {
             cur.rev

@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use svc_common::{svc_flags, BackendId, SlotKey, PROTO_ANY};
+use svc_common::{svc_flags, BackendId, SlotGroup, SlotKey, PROTO_ANY, SLOT_GROUP};
 use tracing::warn;
 
 use super::{
@@ -73,7 +73,7 @@ impl Programmed {
             .backends
             .iter()
             .map(|(id, _)| *id)
-            .chain(snap.slots.iter().map(|(_, b)| *b))
+            .chain(snap.slots.iter().flat_map(|(_, g)| g.backends))
             .chain(snap.matches.iter().map(|k| k.backend))
             .chain(snap.affinity_ids.iter().map(|(_, b)| *b))
             .max()
@@ -105,7 +105,7 @@ impl Programmed {
                 .add(*id, BackendKey::new(Backend { addr: sa, local }, proto));
         }
         // Each slot a master entry reaches is taken out: what is left are leftovers.
-        let mut slots: HashMap<SlotKey, BackendId> = snap.slots.iter().copied().collect();
+        let mut slots: HashMap<SlotKey, SlotGroup> = snap.slots.iter().copied().collect();
         let rev_nat: HashMap<u32, _> = snap.rev_nat.iter().copied().collect();
         let names: HashMap<u32, String> = snap
             .names
@@ -146,17 +146,20 @@ impl Programmed {
                 scope,
             };
             let mut backends = Vec::with_capacity(v.count as usize);
-            for slot in 1..=v.count {
-                let sk = SlotKey {
-                    id: v.id,
-                    rev: v.rev,
-                    slot,
+            let mut left = usize::from(v.count);
+            for sk in super::slot_keys(v.id, v.rev, v.count) {
+                let Some(g) = slots.remove(&sk) else {
+                    left = left.saturating_sub(SLOT_GROUP as usize);
+                    continue;
                 };
-                if let Some(b) = slots.remove(&sk) {
-                    if p.backends.contains(b) {
-                        backends.push(b);
-                    }
+                let (mine, past) = g.backends.split_at(left.min(SLOT_GROUP as usize));
+                left -= mine.len();
+                // A backend past the last slot is no group this agent wrote: the generation
+                // is written again, as one missing a slot.
+                if past.iter().any(|b| *b != 0) {
+                    continue;
                 }
+                backends.extend(mine.iter().filter(|b| p.backends.contains(**b)));
             }
             if backends.len() != v.count as usize {
                 warn!(frontend = %fe, "slots or backends missing in the pinned maps; will rewrite");

@@ -13,7 +13,7 @@ use tracing::warn;
 /// Something a switch made unreachable, deleted once the grace period has passed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Retire {
-    /// Slots 1..=count of generation `rev` of frontend `id`, and its Maglev table (index
+    /// The `count` slots of generation `rev` of frontend `id` (`slot_keys`), and its Maglev table (index
     /// entry and region) if it had one.
     Slots {
         id: u32,
@@ -135,12 +135,7 @@ impl Retiring {
                     count,
                     table,
                 } => {
-                    for slot in 1..=*count {
-                        let k = SlotKey {
-                            id: *id,
-                            rev: *rev,
-                            slot,
-                        };
+                    for k in super::slot_keys(*id, *rev, *count) {
                         dirty.mark(1, b(&k));
                     }
                     if table.is_some() {
@@ -216,8 +211,8 @@ impl Programmed {
                     count,
                     table,
                 } => {
-                    for slot in 1..=count {
-                        if w.try_op(&Op::DelSlot(SlotKey { id, rev, slot })) {
+                    for k in super::slot_keys(id, rev, count) {
+                        if w.try_op(&Op::DelSlot(k)) {
                             self.usage.slots = self.usage.slots.saturating_sub(1);
                             report.deleted += 1;
                         }

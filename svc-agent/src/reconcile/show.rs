@@ -79,7 +79,13 @@ impl Display for Line<'_> {
             }
             Op::DelService(k) => write!(f, "delete {map} {}", Key(k)),
             Op::PutSlot(k, b) => {
-                write!(f, "put {map} {}/{}/{} -> backend {b}", k.id, k.rev, k.slot)
+                let n = b.backends.iter().take_while(|b| **b != 0).count();
+                let b = &b.backends[..n];
+                write!(
+                    f,
+                    "put {map} {}/{}/{} -> backends {b:?}",
+                    k.id, k.rev, k.slot
+                )
             }
             Op::DelSlot(k) => write!(f, "delete {map} {}/{}/{}", k.id, k.rev, k.slot),
             Op::PutBackend(id, b) => {
@@ -177,7 +183,12 @@ impl Display for Retirement<'_> {
                 count,
                 table,
             } => {
-                write!(f, "retire {} {id}/{rev}/1..={count}", m::SLOTS)?;
+                let groups = svc_common::slot_groups(*count);
+                write!(
+                    f,
+                    "retire {} {id}/{rev}/1..={groups} ({count} slots)",
+                    m::SLOTS
+                )?;
                 if let Some(t) = table {
                     write!(
                         f,

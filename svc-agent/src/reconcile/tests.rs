@@ -8,8 +8,15 @@ use std::collections::HashSet as StdHashSet;
 use std::time::Instant;
 use svc_common::{
     checks_match, node_addr_flags, AffinityMatchKey, Backend, DatapathConfig, MaglevBlock,
-    MaglevIndex, MetaValue, NodeAddrValue, RevNatValue, ServiceName, SrcRangeKey,
+    MaglevIndex, MetaValue, NodeAddrValue, RevNatValue, ServiceName, SlotGroup, SrcRangeKey,
 };
+
+/// A `SLOTS` entry whose first slots name `backends`.
+fn group(backends: &[BackendId]) -> SlotGroup {
+    let mut g = SlotGroup::default();
+    g.backends[..backends.len()].copy_from_slice(backends);
+    g
+}
 
 /// The maps in memory, checked after every single write the way readers walk them: readers
 /// that read a master entry at any time since the last retirement pass (the grace period)
@@ -18,7 +25,7 @@ use svc_common::{
 #[derive(Default, Clone)]
 struct ModelStore {
     services: StdHashMap<ServiceKey, ServiceValue>,
-    slots: StdHashMap<SlotKey, BackendId>,
+    slots: StdHashMap<SlotKey, SlotGroup>,
     backends: StdHashMap<BackendId, Backend>,
     rev_nat: StdHashMap<u32, RevNatValue>,
     names: StdHashMap<u32, ServiceName>,
@@ -112,18 +119,12 @@ impl ModelStore {
                 continue;
             }
             for slot in 1..=v.count {
-                let sk = SlotKey {
-                    id: v.id,
-                    rev: v.rev,
-                    slot,
-                };
                 let b = self
-                    .slots
-                    .get(&sk)
-                    .unwrap_or_else(|| panic!("{k:?} -> {v:?} leads to missing slot {sk:?}"));
+                    .slot(v.id, v.rev, slot)
+                    .unwrap_or_else(|| panic!("{k:?} -> {v:?} leads to missing slot {slot}"));
                 assert!(
-                    self.backends.contains_key(b),
-                    "slot {sk:?} -> missing backend {b}"
+                    self.backends.contains_key(&b),
+                    "slot {slot} of {k:?} -> missing backend {b}"
                 );
             }
         }
@@ -132,11 +133,7 @@ impl ModelStore {
                 continue;
             }
             for slot in 1..=v.count {
-                let b = self.slots[&SlotKey {
-                    id: v.id,
-                    rev: v.rev,
-                    slot,
-                }];
+                let b = self.slot(v.id, v.rev, slot).expect("slot");
                 let m = AffinityMatchKey {
                     id: v.id,
                     backend: b,
@@ -191,17 +188,23 @@ impl ModelStore {
         }
     }
 
+    /// The backend of 1-based slot `slot` of generation `rev` of frontend `id`, as a reader
+    /// finds it.
+    fn slot(&self, id: u32, rev: u16, slot: u16) -> Option<BackendId> {
+        let (k, i) = SlotKey::of_slot(id, rev, u32::from(slot) - 1);
+        self.slots
+            .get(&k)
+            .map(|g| g.backends[i])
+            .filter(|b| *b != 0)
+    }
+
     /// What a client would get for a frontend: its backends, in slot order.
     fn resolve(&self, fe: &Frontend) -> Option<Vec<SocketAddr>> {
         let v = self.services.get(&service_key(fe))?;
         Some(
             (1..=v.count)
                 .map(|slot| {
-                    let b = self.slots[&SlotKey {
-                        id: v.id,
-                        rev: v.rev,
-                        slot,
-                    }];
+                    let b = self.slot(v.id, v.rev, slot).expect("slot");
                     let b = self.backends[&b];
                     SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be))
                 })
@@ -502,7 +505,8 @@ fn adds_changes_and_removes_keeping_readers_safe() {
     let r = settle(&mut p, &mut store, &s2);
     assert!(r.errors.is_empty());
     exact(&store, &s2);
-    assert_eq!(p.usage.slots, 2);
+    // Two slots: one entry.
+    assert_eq!(p.usage.slots, 1);
     assert_eq!(p.usage.backends, 2);
 
     // Remove everything: maps end empty.
@@ -745,7 +749,7 @@ fn recovery_adopts_pinned_state_and_cleans_leftovers_first() {
         rev: 2,
         slot: 1,
     };
-    store.slots.insert(leftover, 1);
+    store.slots.insert(leftover, group(&[1]));
 
     let mut p2 = Programmed::recover(
         &store.snapshot().unwrap(),
@@ -796,7 +800,7 @@ fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
     fresh_apply_count(&mut store, &want);
     store.crash_after = None;
     assert!(
-        store.rev_nat.len() == 2 && store.slots.len() == 3,
+        store.rev_nat.len() == 2 && store.slots.len() == 2,
         "half-written b"
     );
     let dead_id = *store.rev_nat.keys().max().unwrap();
@@ -936,10 +940,16 @@ fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
     let mut store = ModelStore::default();
     let mut p = fresh();
     settle(&mut p, &mut store, &want);
-    // Someone deletes a slot, a reverse-NAT entry and a marker, and adds junk.
+    // Someone clears a slot, a reverse-NAT entry and a marker, and adds junk.
     let id_a = store.services[&service_key(&a)].id;
-    store.slots.retain(|k, _| !(k.id == id_a && k.slot == 2));
+    for g in store.slots.iter_mut().filter(|(k, _)| k.id == id_a) {
+        g.1.backends[1] = 0;
+    }
     let id_b = store.services[&service_key(&b)].id;
+    // And names a backend past b's one slot, which no reader reaches.
+    for g in store.slots.iter_mut().filter(|(k, _)| k.id == id_b) {
+        g.1.backends[3] = g.1.backends[0];
+    }
     store.rev_nat.remove(&id_b);
     store.services.remove(&marker_key(a.ip));
     store.backends.insert(
@@ -958,6 +968,10 @@ fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert!(r.ops > 0);
     exact(&store, &want);
+    // b was written again: its current generation's entry names its one backend alone.
+    let v = store.services[&service_key(&b)];
+    let (k, _) = SlotKey::of_slot(v.id, v.rev, 0);
+    assert_eq!(store.slots[&k].backends[1..], [0; 7]);
 }
 
 #[test]
@@ -2562,8 +2576,7 @@ mod plan_value {
   put SVC_BACKENDS 2 -> 10.0.0.2:8080/TCP
   put SVC_REV_NAT 1 -> 10.96.0.10:80
   put SVC_NAMES 1 -> default/svc-10-96-0-10-80
-  put SVC_SLOTS 1/1/1 -> backend 1
-  put SVC_SLOTS 1/1/2 -> backend 2
+  put SVC_SLOTS 1/1/1 -> backends [1, 2]
   put SVC_SERVICES 10.96.0.10:80/TCP -> id 1 rev 1 slots 2 flags 0x0
 clusterip markers:
   put SVC_SERVICES 10.96.0.10 marker
@@ -2588,10 +2601,9 @@ clusterip markers:
             plan.to_string(),
             "service default/svc-10-96-0-10-80:
   put SVC_BACKENDS 3 -> 10.0.0.3:8080/TCP
-  put SVC_SLOTS 1/2/1 -> backend 1
-  put SVC_SLOTS 1/2/2 -> backend 3
+  put SVC_SLOTS 1/2/1 -> backends [1, 3]
   put SVC_SERVICES 10.96.0.10:80/TCP -> id 1 rev 2 slots 2 flags 0x0
-  retire SVC_SLOTS 1/1/1..=2
+  retire SVC_SLOTS 1/1/1..=1 (2 slots)
 "
         );
         // Executed, it does what it says, and nothing is left to plan.
@@ -2617,7 +2629,7 @@ clusterip markers:
             plan.to_string(),
             "service default/svc-10-96-0-10-80:
   delete SVC_SERVICES 10.96.0.10:80/TCP
-  retire SVC_SLOTS 1/1/1..=1
+  retire SVC_SLOTS 1/1/1..=1 (1 slots)
   retire SVC_REV_NAT 1, SVC_NAMES 1
 clusterip markers:
   delete SVC_SERVICES 10.96.0.10 marker
@@ -2677,7 +2689,7 @@ clusterip markers:
             rev: 2,
             slot: 1,
         };
-        store.slots.insert(leftover, 1);
+        store.slots.insert(leftover, group(&[1]));
         let p2 = restarted(&mut p, &store);
         let plan = p2.plan(&desired, Scope::All);
         assert_eq!(plan.strays.slots, vec![leftover]);
@@ -2962,9 +2974,9 @@ fn a_failed_service_gives_its_table_region_back() {
     for target in ["index", "master"] {
         let mut p = fresh();
         let cap = p.maglev.regions.capacity();
-        // The puts: backends 3, rev nat, name, slots 3, blocks, index, master.
+        // The puts: backends 3, rev nat, name, slots (one entry), blocks, index, master.
         let mut store = ModelStore {
-            fail_put_at: Some(if target == "index" { 9 } else { 10 }),
+            fail_put_at: Some(if target == "index" { 7 } else { 8 }),
             ..Default::default()
         };
         let now = Instant::now();
@@ -3596,7 +3608,10 @@ mod batched {
             .map(|d| (d.owner.clone(), d.backends.len()))
             .collect();
         owners.sort();
-        let chunk_slots: usize = owners[..chunk].iter().map(|(_, n)| n).sum();
+        let chunk_slots: usize = owners[..chunk]
+            .iter()
+            .map(|(_, n)| n.div_ceil(svc_common::SLOT_GROUP as usize))
+            .sum();
         assert_eq!(slots_before, chunk_slots);
         // Nothing more to write afterwards.
         assert!(p.plan(&desired, Scope::All).is_empty());
@@ -3910,7 +3925,18 @@ fn the_drift_digest_of_the_maps_is_the_mirrors_until_someone_else_writes() {
         (
             svc_common::map_names::SLOTS,
             Box::new(move |s| {
-                s.slots.retain(|k, _| !(k.id == id_a && k.slot == 2));
+                for g in s.slots.iter_mut().filter(|(k, _)| k.id == id_a) {
+                    g.1.backends[1] = 0;
+                }
+            }),
+        ),
+        (
+            // A backend past the generation's last slot.
+            svc_common::map_names::SLOTS,
+            Box::new(move |s| {
+                for g in s.slots.iter_mut().filter(|(k, _)| k.id == id_a) {
+                    g.1.backends[7] = g.1.backends[0];
+                }
             }),
         ),
         (

@@ -177,16 +177,12 @@ fn serves(store: &BpfStore, key: &ServiceKey, want: &[u8; 16]) -> bool {
     let Ok(v) = store.services.get(key, 0) else {
         return false;
     };
-    (1..=v.count).any(|slot| {
-        let sk = SlotKey {
-            id: v.id,
-            rev: v.rev,
-            slot,
-        };
+    (0..u32::from(v.count)).any(|slot| {
+        let (k, i) = SlotKey::of_slot(v.id, v.rev, slot);
         store
             .slots
-            .get(&sk, 0)
-            .and_then(|b| store.backends.get(&b, 0))
+            .get(&k, 0)
+            .and_then(|g| store.backends.get(&g.backends[i], 0))
             .is_ok_and(|b| b.addr == *want)
     })
 }
@@ -195,7 +191,7 @@ fn serves(store: &BpfStore, key: &ServiceKey, want: &[u8; 16]) -> bool {
 fn verify(store: &BpfStore, args: &Args) -> Result<(usize, usize)> {
     let snap = store.snapshot()?;
     let services: HashMap<ServiceKey, _> = snap.services.iter().copied().collect();
-    let slots: HashMap<SlotKey, u32> = snap.slots.iter().copied().collect();
+    let slots: HashMap<SlotKey, svc_common::SlotGroup> = snap.slots.iter().copied().collect();
     let backends: HashMap<u32, [u8; 16]> =
         snap.backends.iter().map(|(id, b)| (*id, b.addr)).collect();
     let mut complete = 0;
@@ -203,15 +199,12 @@ fn verify(store: &BpfStore, args: &Args) -> Result<(usize, usize)> {
         let Some(v) = services.get(&frontend_key(i)) else {
             continue;
         };
-        let mut have: Vec<[u8; 16]> = (1..=v.count)
+        let mut have: Vec<[u8; 16]> = (0..u32::from(v.count))
             .filter_map(|slot| {
-                slots.get(&SlotKey {
-                    id: v.id,
-                    rev: v.rev,
-                    slot,
-                })
+                let (k, i) = SlotKey::of_slot(v.id, v.rev, slot);
+                slots.get(&k).map(|g| g.backends[i])
             })
-            .filter_map(|b| backends.get(b).copied())
+            .filter_map(|b| backends.get(&b).copied())
             .collect();
         have.sort_unstable();
         let mut want: Vec<[u8; 16]> = (0..args.endpoints)
