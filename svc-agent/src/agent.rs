@@ -969,7 +969,13 @@ impl Agent {
     /// per-CPU pool.
     fn make_pending_stats(&mut self, now: Instant) {
         const SLICE: usize = 1_000;
+        let started = Instant::now();
         let r = self.dp.store.create_pending_stats(SLICE);
+        debug!(
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            result = ?r.as_ref().ok(),
+            "per-Service counters, a slice"
+        );
         let pause = match r {
             Ok((made, enomem)) => {
                 self.stats_made += made;

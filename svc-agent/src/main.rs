@@ -491,9 +491,13 @@ struct CapacityArgs {
     max_services: u32,
     /// Backend slots, over all frontends (a changed backend set needs room for the old and
     /// the new set during the grace period), in groups of eight: each frontend takes its
-    /// backend count rounded up to a multiple of 8. Half of it sizes the affinity-match map.
+    /// backend count rounded up to a multiple of 8.
     #[arg(long, default_value_t = svc_common::capacity::SLOTS * svc_common::SLOT_GROUP)]
     max_slots: u32,
+    /// Membership entries: one per backend of each UDP or sessionAffinity frontend, against
+    /// which the programs check a remembered choice.
+    #[arg(long, default_value_t = svc_common::capacity::AFFINITY_MATCH)]
+    max_affinity_match: u32,
     /// Distinct backends (address, port, protocol).
     #[arg(long, default_value_t = svc_common::capacity::BACKENDS)]
     max_backends: u32,
@@ -579,6 +583,7 @@ impl CapacityArgs {
         for (flag, v) in [
             ("--max-services", self.max_services),
             ("--max-slots", self.max_slots),
+            ("--max-affinity-match", self.max_affinity_match),
             ("--max-backends", self.max_backends),
             ("--max-affinity", self.max_affinity),
             ("--max-sock-rev", self.max_sock_rev),
@@ -597,7 +602,7 @@ impl CapacityArgs {
             names: self.max_services,
             sock_rev: self.max_sock_rev,
             affinity: self.max_affinity,
-            affinity_match: (self.max_slots / 2).max(1),
+            affinity_match: self.max_affinity_match,
             src_ranges: self.max_source_ranges,
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,

@@ -55,7 +55,7 @@ pub const BPF_F_RDONLY_PROG: u32 = 1 << 7;
 pub struct MapDef {
     /// As the object declares it (`bpftool map show` prints its first 15 bytes).
     pub name: &'static str,
-    /// Layout version, part of the pin name (`SVC_SERVICES_v2`), so an agent never adopts a
+    /// Layout version, part of the pin name (`SVC_SERVICES_v3`), so an agent never adopts a
     /// pin whose keys or values it would misread: bump it whenever key, value or type change
     /// (the agent then builds the new map beside the old one, see
     /// docs/design/architecture.md, "Where to add: a map"). 0 for a map never pinned.
@@ -219,8 +219,12 @@ macro_rules! catalogue {
 }
 
 catalogue! {
-    /// Frontends (slot-0 master entries) and ClusterIP address markers.
-    SERVICES = MapDef::new::<ServiceKey, ServiceValue>("SVC_SERVICES", 2, MapKind::Hash)
+    /// Frontends (slot-0 master entries) and ClusterIP address markers. Layout 3: the same
+    /// entries, whose generations' slots are in `SLOTS` layout 2. A master entry leads into
+    /// the slots map of its own layout: an agent upgraded from layout 2 writes a new map, and
+    /// the programs still attached keep reading the older pair until the new ones replace
+    /// them, as they would not find a new generation's slots in the older slots map.
+    SERVICES = MapDef::new::<ServiceKey, ServiceValue>("SVC_SERVICES", 3, MapKind::Hash)
         .sized(262_144)
         .no_prealloc();
     /// Backend slots of each frontend generation, `SLOT_GROUP` to an entry (`SlotGroup`).
@@ -254,8 +258,8 @@ catalogue! {
         .no_prealloc();
     /// The agent's bookkeeping that must survive it (`MetaValue`).
     META = MapDef::new::<u32, MetaValue>("SVC_META", 1, MapKind::Array);
-    /// One entry per backend of a current generation (of the frontends that check choices):
-    /// half the slots `SLOTS` holds by default, as generations past their switch keep none.
+    /// One entry per backend of a current generation (of the frontends that check choices),
+    /// sized on its own (`--max-affinity-match`): the slots of those frontends alone bound it.
     AFFINITY_MATCH = MapDef::new::<AffinityMatchKey, u32>("SVC_AFFINITY_MATCH", 1, MapKind::Hash)
         .sized(1_048_576)
         .no_prealloc();
@@ -1903,6 +1907,32 @@ mod tests {
         }
     }
 
+    /// Slot `s` (0-based) of a generation is place `s % 8` of group `s / 8 + 1`, and a
+    /// generation of `n` slots has `ceil(n / 8)` groups: at the edges of a group and of u16.
+    #[test]
+    fn slots_map_to_groups_of_eight() {
+        for (slot, group, place) in [
+            (0, 1, 0),
+            (7, 1, 7),
+            (8, 2, 0),
+            (9, 2, 1),
+            (15, 2, 7),
+            (16, 3, 0),
+            (65_534, 8_192, 6),
+        ] {
+            let (k, i) = SlotKey::of_slot(3, 4, slot);
+            assert_eq!(
+                (k.id, k.rev, k.slot, i),
+                (3, 4, group, place),
+                "slot {slot}"
+            );
+        }
+        for (count, groups) in [(0, 0), (1, 1), (7, 1), (8, 1), (9, 2), (16, 2), (17, 3)] {
+            assert_eq!(slot_groups(count), groups, "{count} slots");
+        }
+        assert_eq!(slot_groups(u16::MAX), 8_192);
+    }
+
     #[test]
     fn sizes_are_stable() {
         // The kernel and the agent must agree byte for byte; a change here is a map format
@@ -1910,6 +1940,8 @@ mod tests {
         assert_eq!(size_of::<ServiceKey>(), 20);
         assert_eq!(size_of::<ServiceValue>(), 20);
         assert_eq!(size_of::<SlotKey>(), 8);
+        // 32: the element is then 88 bytes, in the kernel allocator's 96-byte class.
+        assert_eq!(size_of::<SlotGroup>(), 32);
         assert_eq!(size_of::<Backend>(), 20);
         assert_eq!(size_of::<RevNatValue>(), 20);
         assert_eq!(size_of::<SockRevKey>(), 32);
@@ -1988,7 +2020,7 @@ mod tests {
     #[test]
     fn pin_names_and_capacities_are_stable() {
         let pins: [(&str, u32, u32); 17] = [
-            ("SVC_SERVICES", 2, 262_144),
+            ("SVC_SERVICES", 3, 262_144),
             ("SVC_SLOTS", 2, 262_144),
             ("SVC_BACKENDS", 1, 1_048_576),
             ("SVC_REV_NAT", 1, 262_144),

@@ -410,10 +410,27 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
 
+    // New connections back to back across the upgrade: the older programs answer until the
+    // new ones replace them, and not one connection fails in between.
+    let loop_for = Duration::from_secs(12);
+    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
+    let started = Instant::now();
+    wait_until(started + Duration::from_millis(500));
     w.agent.kill().unwrap();
     w.agent.set_bin(&w.sb.tools.agent.clone());
     w.agent.restart().unwrap();
     w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let ready_at = started.elapsed();
+    assert!(
+        ready_at + Duration::from_millis(500) < loop_for,
+        "upgraded agent ready only after {ready_at:?}: the client loop did not cover it"
+    );
+    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    assert_eq!(report.failed, 0, "{report:?}");
+    assert!(
+        report.ok > 100,
+        "too few connections to mean anything: {report:?}"
+    );
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(names(&r).len(), 1, "{:?}", r.backends());

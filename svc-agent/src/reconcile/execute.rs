@@ -699,7 +699,7 @@ impl Programmed {
 
 /// Services of an outline whose writes are batched together (BPF_MAP_UPDATE_BATCH where the
 /// store has it): more Services per batch cut syscalls; fewer hold less at once (a 10-endpoint
-/// Service plans about 24 writes).
+/// Service plans about 16 writes).
 pub(super) const CHUNK: usize = if cfg!(test) { 100 } else { 1024 };
 
 /// Services planned one after the other (as `Programmed::plan` plans a sync) and not yet

@@ -134,6 +134,10 @@ pub struct ProgFrontend {
     /// The Maglev table of generation `rev` (its index entry is written): the master entry
     /// carries `svc_flags::MAGLEV`, which `flags` never holds then.
     pub maglev: Option<TableRef>,
+    /// Recovery found a slots entry of this generation naming a backend past its last slot:
+    /// no reader reaches it, but the entry is not what this agent writes, so the generation
+    /// is written again (`complete` is false) while `backends` keeps what readers reach.
+    pub torn: bool,
 }
 
 /// Where a generation's Maglev table is in `SVC_MAGLEV`, as its index entry says.
@@ -233,7 +237,7 @@ impl MaglevState {
 
 impl ProgFrontend {
     pub fn complete(&self) -> bool {
-        self.backends.len() == self.count as usize
+        self.backends.len() == self.count as usize && !self.torn
     }
 
     /// The Service ("namespace/name") this frontend belongs to.

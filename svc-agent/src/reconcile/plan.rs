@@ -428,6 +428,7 @@ pub fn plan_unit(
                 matches,
                 ranges,
                 maglev,
+                torn: false,
             };
             plan.add.push(Op::PutService(key, pf.value()));
             plan.needs.services += 1;
@@ -564,6 +565,7 @@ pub fn plan_unit(
             matches,
             ranges,
             maglev,
+            torn: false,
         };
         if new_gen || !same_settings || pf.value() != cur.value() {
             plan.switch.push((

@@ -147,6 +147,7 @@ impl Programmed {
             };
             let mut backends = Vec::with_capacity(v.count as usize);
             let mut left = usize::from(v.count);
+            let mut torn = false;
             for sk in super::slot_keys(v.id, v.rev, v.count) {
                 let Some(g) = slots.remove(&sk) else {
                     left = left.saturating_sub(SLOT_GROUP as usize);
@@ -154,14 +155,10 @@ impl Programmed {
                 };
                 let (mine, past) = g.backends.split_at(left.min(SLOT_GROUP as usize));
                 left -= mine.len();
-                // A backend past the last slot is no group this agent wrote: the generation
-                // is written again, as one missing a slot.
-                if past.iter().any(|b| *b != 0) {
-                    continue;
-                }
+                torn |= past.iter().any(|b| *b != 0);
                 backends.extend(mine.iter().filter(|b| p.backends.contains(**b)));
             }
-            if backends.len() != v.count as usize {
+            if backends.len() != v.count as usize || torn {
                 warn!(frontend = %fe, "slots or backends missing in the pinned maps; will rewrite");
             }
             let rev_nat_entry = match rev_nat.get(&v.id) {
@@ -195,6 +192,7 @@ impl Programmed {
                     matches: Vec::new(),
                     ranges: Box::new([]),
                     maglev: None,
+                    torn,
                 },
             );
         }

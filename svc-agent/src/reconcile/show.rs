@@ -184,9 +184,10 @@ impl Display for Retirement<'_> {
                 table,
             } => {
                 let groups = svc_common::slot_groups(*count);
+                let s = if *count == 1 { "" } else { "s" };
                 write!(
                     f,
-                    "retire {} {id}/{rev}/1..={groups} ({count} slots)",
+                    "retire {} {id}/{rev}/1..={groups} ({count} slot{s})",
                     m::SLOTS
                 )?;
                 if let Some(t) = table {

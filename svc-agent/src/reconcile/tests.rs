@@ -964,6 +964,11 @@ fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
         Duration::from_secs(1),
         retiring,
     );
+    // b's one slot still reaches its backend: it stays b's (no stray to delete) while b is
+    // written again.
+    let pb = &p.frontends[&b];
+    assert_eq!((pb.backends.len(), pb.complete()), (1, false));
+    assert!(!p.strays.backends.contains(&pb.backends[0]));
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert!(r.ops > 0);
@@ -972,6 +977,56 @@ fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
     let v = store.services[&service_key(&b)];
     let (k, _) = SlotKey::of_slot(v.id, v.rev, 0);
     assert_eq!(store.slots[&k].backends[1..], [0; 7]);
+}
+
+/// A generation of 20 slots is three slots entries (8, 8, 4): recovery reads each slot from
+/// its place, a missing middle entry leaves its 8 slots out (the others keep theirs), and an
+/// entry naming a backend past the last slot has its generation written again, its backends
+/// kept meanwhile; either way the next sync ends exactly at the desired state.
+#[test]
+fn recovery_reads_slots_eight_to_an_entry() {
+    let a = fe("10.96.0.10", 80);
+    let addrs: Vec<String> = (1..=20).map(|i| format!("10.0.0.{i}:8080")).collect();
+    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    let want = state(&[(a, &refs)]);
+    for tear in ["middle entry missing", "backend past the last slot"] {
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        settle(&mut p, &mut store, &want);
+        let v = store.services[&service_key(&a)];
+        let keys: Vec<SlotKey> = super::slot_keys(v.id, v.rev, v.count).collect();
+        assert_eq!(keys.len(), 3);
+        assert_eq!(store.slots[&keys[2]].backends[4..], [0; 4]);
+        let before = p.frontends[&a].backends.clone();
+        if tear == "middle entry missing" {
+            store.slots.remove(&keys[1]);
+        } else {
+            let g = store.slots.get_mut(&keys[2]).unwrap();
+            g.backends[6] = g.backends[0];
+        }
+        store.unchecked = true;
+        let mut p = Programmed::recover(
+            &store.snapshot().unwrap(),
+            Capacity::default(),
+            Duration::from_secs(1),
+            Retiring::default(),
+        );
+        let pf = &p.frontends[&a];
+        assert!(!pf.complete(), "{tear}");
+        if tear == "middle entry missing" {
+            let kept: Vec<BackendId> = [&before[..8], &before[16..]].concat();
+            assert_eq!(pf.backends, kept, "{tear}");
+        } else {
+            assert_eq!(pf.backends, before, "{tear}");
+            assert!(p.strays.backends.is_empty(), "{tear}");
+        }
+        let r = settle(&mut p, &mut store, &want);
+        assert!(r.errors.is_empty(), "{tear}: {:?}", r.errors);
+        exact(&store, &want);
+        let v = store.services[&service_key(&a)];
+        let (last, _) = SlotKey::of_slot(v.id, v.rev, 19);
+        assert_eq!(store.slots[&last].backends[4..], [0; 4], "{tear}");
+    }
 }
 
 #[test]
@@ -2629,7 +2684,7 @@ clusterip markers:
             plan.to_string(),
             "service default/svc-10-96-0-10-80:
   delete SVC_SERVICES 10.96.0.10:80/TCP
-  retire SVC_SLOTS 1/1/1..=1 (1 slots)
+  retire SVC_SLOTS 1/1/1..=1 (1 slot)
   retire SVC_REV_NAT 1, SVC_NAMES 1
 clusterip markers:
   delete SVC_SERVICES 10.96.0.10 marker

@@ -47,7 +47,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- with .Values.serviceProxyName }}
 - --service-proxy-name={{ . }}
 {{- end }}
-{{- range $flag, $value := dict "max-services" .Values.maps.maxServices "max-slots" .Values.maps.maxSlots "max-backends" .Values.maps.maxBackends "max-affinity" .Values.maps.maxAffinity "max-sock-rev" .Values.maps.maxSockRev "max-ct" .Values.maps.maxCt "max-source-ranges" .Values.maps.maxSourceRanges "max-maglev-entries" .Values.maps.maxMaglevEntries }}
+{{- range $flag, $value := dict "max-services" .Values.maps.maxServices "max-slots" .Values.maps.maxSlots "max-affinity-match" .Values.maps.maxAffinityMatch "max-backends" .Values.maps.maxBackends "max-affinity" .Values.maps.maxAffinity "max-sock-rev" .Values.maps.maxSockRev "max-ct" .Values.maps.maxCt "max-source-ranges" .Values.maps.maxSourceRanges "max-maglev-entries" .Values.maps.maxMaglevEntries }}
 {{- if ne (toString $value) "" }}
 - --{{ $flag }}={{ include "svc.int" $value }}
 {{- end }}
