@@ -221,15 +221,16 @@ macro_rules! catalogue {
 catalogue! {
     /// Frontends (slot-0 master entries) and ClusterIP address markers. Layout 3: the same
     /// entries, whose generations' slots are in `SLOTS` layout 2. A master entry leads into
-    /// the slots map of its own layout: an agent upgraded from layout 2 writes a new map, and
-    /// the programs still attached keep reading the older pair until the new ones replace
-    /// them, as they would not find a new generation's slots in the older slots map.
+    /// the slots map of its own layout: an agent upgraded from layout 2 writes a new map (the
+    /// older one's entries carried over, datapath/migrate.rs), and the programs still
+    /// attached keep reading the older pair until the new ones replace them, as they would
+    /// not find a new generation's slots in the older slots map.
     SERVICES = MapDef::new::<ServiceKey, ServiceValue>("SVC_SERVICES", 3, MapKind::Hash)
         .sized(262_144)
         .no_prealloc();
     /// Backend slots of each frontend generation, `SLOT_GROUP` to an entry (`SlotGroup`).
-    /// Layout 2: a group an entry (1 was one slot an entry, which the kernel's allocator
-    /// rounds to 96 bytes, as it does a group of eight). Sized for 2,097,152 slots, as many
+    /// Layout 2: a group an entry (1 was one slot an entry, which costs as much as a group
+    /// of eight from Linux 6.1 on: `SLOT_GROUP`). Sized for 2,097,152 slots, as many
     /// generations as the services map has entries, with room for a changed backend set's
     /// new slots to coexist with the old ones until those are retired.
     SLOTS = MapDef::new::<SlotKey, SlotGroup>("SVC_SLOTS", 2, MapKind::Hash)
@@ -1448,8 +1449,10 @@ impl SlotKey {
 pub type BackendId = u32;
 
 /// Slots an entry of `SLOTS` holds. Eight make a 32-byte value: the hash element is then 88
-/// bytes, which the kernel's allocator serves from its 96-byte class, as it served the
-/// element of one slot (64 bytes and its 8-byte list node, layout 1).
+/// bytes, which the kernel serves from a 96-byte size class (from Linux 6.1 its BPF allocator
+/// adds an 8-byte list node first), as it served the element of one slot from 6.1 on (64
+/// bytes and the node, layout 1); before 6.1 one slot took kmalloc's 64-byte class, so there
+/// a generation of one slot costs half as much again, and one of two or more less.
 pub const SLOT_GROUP: u32 = 8;
 
 /// The value of `SLOTS`: the backend of each slot of the group, in slot order; 0 past the

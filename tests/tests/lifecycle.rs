@@ -367,48 +367,46 @@ fn affinity_and_udp_sockets_survive_an_agent_restart() {
     }
 }
 
-/// An upgrade over the previous map layout (whatever maps its version differs in: SVC_SERVICES
-/// and SVC_AFFINITY before the affinity id per Service port, SVC_SLOTS before its groups of
-/// eight): the new agent builds its maps beside the pinned older ones, fills them from the
-/// source, swaps its programs in and removes the older pins; the Service keeps answering, with
-/// affinity. Needs a svc-agent of the previous layout in `SVC_PREVIOUS_AGENT_BIN` (skipped
-/// without it).
+/// An upgrade over the previous map layout (`SVC_SLOTS` of layout 1, a slot an entry, and the
+/// `SVC_SERVICES` of layout 2 that leads into it): the new agent builds its maps beside the
+/// pinned older ones, carries the frontends over under their ids, swaps its programs in and
+/// removes the older pins; the Service keeps answering all along, and the client keeps its
+/// sessionAffinity backend, as the ids stayed. Needs a svc-agent of the previous layout in
+/// `SVC_PREVIOUS_AGENT_BIN` (skipped without it).
 #[test]
 fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
+    use std::os::fd::AsFd;
+    use svc_common::{svc_flags, ServiceKey, ServiceValue};
     let Some(old) = std::env::var_os("SVC_PREVIOUS_AGENT_BIN") else {
         eprintln!("skipped: set SVC_PREVIOUS_AGENT_BIN to a svc-agent of the previous layout");
         return;
     };
-    // A pin's layout version, if it is one of ours: "SVC_SLOTS_v1" is (SVC_SLOTS, 1).
-    let versioned = |pin: &str| -> Option<(String, u32)> {
-        let (name, v) = pin.rsplit_once("_v")?;
-        Some((name.to_string(), v.parse().ok()?))
-    };
-    let older = |pins: &[String]| -> Vec<String> {
-        (pins.iter())
-            .filter(|p| {
-                versioned(p).is_some_and(|(name, v)| {
-                    let now = svc_common::layout::version(&name);
-                    now != 0 && now != v
-                })
-            })
-            .cloned()
-            .collect()
+    // The frontend ids of the pinned services map `pin`.
+    let ids = |w: &World, pin: &str| -> Vec<u32> {
+        let m = aya::maps::MapData::from_pin(w.bpffs.path().join(pin)).expect(pin);
+        let all: Vec<(ServiceKey, ServiceValue)> =
+            svc_agent::sys::dump_hash(m.fd().as_fd()).expect(pin);
+        let mut ids: Vec<u32> = (all.iter())
+            .filter(|(_, v)| v.flags & svc_flags::ADDR_MARKER == 0)
+            .map(|(_, v)| v.id)
+            .collect();
+        ids.sort();
+        ids
     };
     let old = std::path::PathBuf::from(old);
     let mut w = World::start_bin(Some(&old), 3, &[8080], &[], |sb, m| {
         m.apply_service(&web_service().affinity(3600)).unwrap();
         m.apply_slice(&web_slice(sb, &[1, 2, 3], &[])).unwrap();
     });
-    let before = older(&w.bpffs.entries());
-    assert!(
-        !before.is_empty(),
-        "no pin of an older layout: {:?}",
-        w.bpffs.entries()
-    );
+    let pins = w.bpffs.entries();
+    for pin in ["SVC_SERVICES_v2", "SVC_SLOTS_v1"] {
+        assert!(pins.contains(&pin.to_string()), "{pins:?}");
+    }
+    let ids_before = ids(&w, "SVC_SERVICES_v2");
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
-    assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
+    let chosen = names(&r);
+    assert_eq!(chosen.len(), 1, "{:?}", r.backends());
 
     // New connections back to back across the upgrade: the older programs answer until the
     // new ones replace them, and not one connection fails in between.
@@ -433,21 +431,22 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
     );
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
-    assert_eq!(names(&r).len(), 1, "{:?}", r.backends());
-    let pins = w.bpffs.entries();
-    assert_eq!(older(&pins), Vec::<String>::new(), "{before:?} -> {pins:?}");
-    for pin in &before {
-        let (name, _) = versioned(pin).unwrap();
-        let now = format!("{name}_v{}", svc_common::layout::version(&name));
-        assert!(pins.contains(&now), "{now} in {pins:?}");
-    }
+    assert_eq!(names(&r), chosen, "{:?}", r.backends());
+    assert_eq!(ids(&w, "SVC_SERVICES_v3"), ids_before);
+    let log = w.agent.log();
     assert!(
-        w.agent
-            .log()
-            .contains("removed a pin of another map layout"),
-        "{}",
-        w.agent.log()
+        log.contains("carried the frontends of the slots map of layout 1 over"),
+        "{log}"
     );
+    let pins = w.bpffs.entries();
+    for (old, new) in [
+        ("SVC_SERVICES_v2", "SVC_SERVICES_v3"),
+        ("SVC_SLOTS_v1", "SVC_SLOTS_v2"),
+    ] {
+        assert!(pins.contains(&new.to_string()), "{pins:?}");
+        assert!(!pins.contains(&old.to_string()), "{pins:?}");
+    }
+    assert!(log.contains("removed a pin of another map layout"), "{log}");
 }
 
 /// CPU time (user + system) of process `pid` so far.

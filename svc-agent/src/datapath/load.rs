@@ -11,7 +11,7 @@ use tracing::info;
 
 use super::cgroup::{check_cgroup, check_other_svc};
 use super::lock::{lock_dir, own_dir};
-use super::migrate::{carry_ct_v1, carry_ct_v2, clone_map, migrate};
+use super::migrate::{carry_ct_v1, carry_ct_v2, carry_slots_v1, clone_map, migrate};
 use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
     staged_pin, Pinned,
@@ -185,6 +185,18 @@ impl Datapath {
                 entries = carried,
                 "carried the flows of layout 2 over (assured ones to the assured table)"
             );
+        }
+        // Not fatal: what is not carried, the first sync writes under new ids.
+        match carry_slots_v1(&mut store, dir) {
+            Ok(0) => {}
+            Ok(carried) => info!(
+                map = map_names::SLOTS,
+                entries = carried,
+                "carried the frontends of the slots map of layout 1 over, eight slots an entry"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "the frontends of the slots map of layout 1 not carried over")
+            }
         }
         // Before any program of this object reads the filter: it may be new, or the
         // addresses may have been carried into a resized map. Bits are only added: the

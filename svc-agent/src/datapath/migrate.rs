@@ -167,6 +167,95 @@ pub(super) fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     Ok(entries.len())
 }
 
+/// Carries the frontends of a pinned `SVC_SERVICES` of layout 2 and the slots they reach (a
+/// pinned `SVC_SLOTS` of layout 1, a slot an entry) into this layout's maps, the slots eight
+/// to an entry, under the same ids and generations, before the first sync: the mirror then
+/// recovers every frontend whole and the sync writes nothing again, so ids stay (affinity
+/// choices, the per-Service counters, the reverse translation of sockets opened before),
+/// while the programs still attached keep reading the older pair until the new ones replace
+/// them. Only into empty maps (an agent restarted after a carry finds its own). A frontend
+/// whose slots are not all there is left out, as recovery would leave it: the sync writes it
+/// again. How many frontends and markers were carried.
+pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+    use svc_common::{BackendId, ServiceKey, ServiceValue, SlotKey};
+    let services_pin = dir.join(format!("{}_v2", map_names::SERVICES));
+    let slots_pin = dir.join(format!("{}_v1", map_names::SLOTS));
+    if !services_pin.exists() || !slots_pin.exists() {
+        return Ok(0);
+    }
+    let has = |r: Option<std::result::Result<(), aya::maps::MapError>>, name| {
+        r.transpose()
+            .map(|k| k.is_some())
+            .map_err(|e| crate::store::map_err(name, e))
+    };
+    if has(
+        store.services.keys().next().map(|r| r.map(drop)),
+        map_names::SERVICES,
+    )? || has(
+        store.slots.keys().next().map(|r| r.map(drop)),
+        map_names::SLOTS,
+    )? {
+        return Ok(0);
+    }
+    let services: Vec<(ServiceKey, ServiceValue)> = old_hash(&services_pin, map_names::SERVICES)?;
+    let slots: std::collections::HashMap<SlotKey, BackendId> =
+        old_hash(&slots_pin, map_names::SLOTS)?
+            .into_iter()
+            .collect();
+    let mut carried = 0;
+    for (k, v) in services {
+        if v.flags & svc_common::svc_flags::ADDR_MARKER == 0 {
+            let backends: Option<Vec<BackendId>> = (1..=v.count)
+                .map(|slot| {
+                    slots
+                        .get(&SlotKey {
+                            id: v.id,
+                            rev: v.rev,
+                            slot,
+                        })
+                        .copied()
+                })
+                .collect();
+            let Some(backends) = backends else {
+                continue;
+            };
+            for (sk, g) in crate::reconcile::slot_entries(v.id, v.rev, &backends) {
+                store
+                    .slots
+                    .insert(sk, g, 0)
+                    .map_err(|e| crate::store::map_err(map_names::SLOTS, e))?;
+            }
+        }
+        store
+            .services
+            .insert(k, v, 0)
+            .map_err(|e| crate::store::map_err(map_names::SERVICES, e))?;
+        carried += 1;
+    }
+    Ok(carried)
+}
+
+/// Every entry of the pinned hash `path` of an older layout of map `name`, keys `K` and
+/// values `V`; a pin of other key or value sizes is an error that names it.
+fn old_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
+    path: &Path,
+    name: &'static str,
+) -> Result<Vec<(K, V)>> {
+    let old = MapData::from_pin(path).map_err(|e| load_err(path.display(), e))?;
+    let info = old.info().map_err(|e| load_err(path.display(), e))?;
+    let (key, value) = (size_of::<K>() as u32, size_of::<V>() as u32);
+    if (info.key_size(), info.value_size()) != (key, value) {
+        return Err(Error::load(format!(
+            "{} has {}-byte keys and {}-byte values, not {key} and {value}",
+            path.display(),
+            info.key_size(),
+            info.value_size()
+        )));
+    }
+    sys::dump_hash(old.fd().as_fd())
+        .map_err(|e| Error::map_io(name, format!("reading {}: {e}", path.display()), &e))
+}
+
 /// The flows of the pinned `SVC_CT` of an older `layout` (pin `SVC_CT_v{layout}`), whose
 /// values are `V`; None without that pin. A pin of other key or value sizes is an error that
 /// names it.
