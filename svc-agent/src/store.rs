@@ -425,6 +425,11 @@ fn is_not_found(e: &MapError) -> bool {
         || matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOENT))
 }
 
+/// EEXIST on a BPF_NOEXIST insert: the key is there already.
+pub(crate) fn is_exists(e: &MapError) -> bool {
+    matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::EEXIST))
+}
+
 fn is_enomem(e: &MapError) -> bool {
     matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM))
 }

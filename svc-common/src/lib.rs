@@ -1398,7 +1398,8 @@ impl Reason {
 pub struct ServiceValue {
     /// Frontend id: names this frontend's slots, its reverse NAT entry and its affinity entries.
     pub id: u32,
-    /// Number of backend slots, 1..=count, under `(id, rev)`. 0 means "refuse".
+    /// Number of backend slots under `(id, rev)`, in `slot_groups(count)` entries of `SLOTS`
+    /// (`SlotKey::of_slot`). 0 means "refuse".
     pub count: u16,
     /// Generation of the slots; a new backend set is written under `rev + 1` before this entry
     /// switches to it, so a reader never mixes two sets.

@@ -186,17 +186,13 @@ impl Datapath {
                 "carried the flows of layout 2 over (assured ones to the assured table)"
             );
         }
-        // Not fatal: what is not carried, the first sync writes under new ids.
-        match carry_slots_v1(&mut store, dir) {
-            Ok(0) => {}
-            Ok(carried) => info!(
+        let carried = carry_slots_v1(&mut store, dir)?;
+        if carried > 0 {
+            info!(
                 map = map_names::SLOTS,
                 entries = carried,
                 "carried the frontends of the slots map of layout 1 over, eight slots an entry"
-            ),
-            Err(e) => {
-                tracing::warn!(error = %e, "the frontends of the slots map of layout 1 not carried over")
-            }
+            );
         }
         // Before any program of this object reads the filter: it may be new, or the
         // addresses may have been carried into a resized map. Bits are only added: the

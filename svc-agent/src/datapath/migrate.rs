@@ -173,36 +173,68 @@ pub(super) fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
 /// recovers every frontend whole and the sync writes nothing again, so ids stay (affinity
 /// choices, the per-Service counters, the reverse translation of sockets opened before),
 /// while the programs still attached keep reading the older pair until the new ones replace
-/// them. Only into empty maps (an agent restarted after a carry finds its own). A frontend
-/// whose slots are not all there is left out, as recovery would leave it: the sync writes it
-/// again. How many frontends and markers were carried.
+/// them. Done at every start while the older pins are there, never over an entry the new maps
+/// have (`BPF_NOEXIST`), so a start killed halfway through is finished by the next. An error
+/// (the frontends do not fit, a write refused) stops the agent: the first sync would otherwise
+/// retire, as leftovers, the shared entries (reverse NAT, names, backends) of the frontends
+/// not carried, which the programs still attached read. How many entries were carried.
 pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
-    use svc_common::{BackendId, ServiceKey, ServiceValue, SlotKey};
     let services_pin = dir.join(format!("{}_v2", map_names::SERVICES));
     let slots_pin = dir.join(format!("{}_v1", map_names::SLOTS));
     if !services_pin.exists() || !slots_pin.exists() {
         return Ok(0);
     }
-    let has = |r: Option<std::result::Result<(), aya::maps::MapError>>, name| {
-        r.transpose()
-            .map(|k| k.is_some())
-            .map_err(|e| crate::store::map_err(name, e))
-    };
-    if has(
-        store.services.keys().next().map(|r| r.map(drop)),
-        map_names::SERVICES,
-    )? || has(
-        store.slots.keys().next().map(|r| r.map(drop)),
-        map_names::SLOTS,
-    )? {
-        return Ok(0);
+    let (slots, services) = slots_v1_carried(
+        &old_hash(&services_pin, map_names::SERVICES)?,
+        &old_hash(&slots_pin, map_names::SLOTS)?,
+    );
+    for (name, need, room) in [
+        (map_names::SLOTS, slots.len(), store.capacity.slots),
+        (map_names::SERVICES, services.len(), store.capacity.services),
+    ] {
+        if need > room as usize {
+            return Err(Error::load(format!(
+                "carrying the frontends of {} over needs {need} entries of {name}, which holds                  {room}: raise its capacity (--max-slots counts slots, eight to an entry;                  --max-services)",
+                services_pin.display()
+            )));
+        }
     }
-    let services: Vec<(ServiceKey, ServiceValue)> = old_hash(&services_pin, map_names::SERVICES)?;
-    let slots: std::collections::HashMap<SlotKey, BackendId> =
-        old_hash(&slots_pin, map_names::SLOTS)?
-            .into_iter()
-            .collect();
+    const NOEXIST: u64 = 1;
     let mut carried = 0;
+    for (k, g) in &slots {
+        match store.slots.insert(k, g, NOEXIST) {
+            Ok(()) => carried += 1,
+            Err(e) if crate::store::is_exists(&e) => {}
+            Err(e) => return Err(crate::store::map_err(map_names::SLOTS, e)),
+        }
+    }
+    // After their slots, as a sync writes them.
+    for (k, v) in &services {
+        match store.services.insert(k, v, NOEXIST) {
+            Ok(()) => carried += 1,
+            Err(e) if crate::store::is_exists(&e) => {}
+            Err(e) => return Err(crate::store::map_err(map_names::SERVICES, e)),
+        }
+    }
+    Ok(carried)
+}
+
+/// Entries of a slots map of layout 2 and of a services map.
+type Carried = (
+    Vec<(svc_common::SlotKey, svc_common::SlotGroup)>,
+    Vec<(svc_common::ServiceKey, svc_common::ServiceValue)>,
+);
+
+/// What `carry_slots_v1` writes: the entries of layout 3's services map and layout 2's slots
+/// map that hold what `services` (layout 2) and `slots` (layout 1) hold. A frontend whose
+/// slots are not all there is left out (the sync writes it again, as recovery would have it).
+pub(super) fn slots_v1_carried(
+    services: &[(svc_common::ServiceKey, svc_common::ServiceValue)],
+    slots: &[(svc_common::SlotKey, svc_common::BackendId)],
+) -> Carried {
+    use svc_common::{BackendId, SlotKey};
+    let slots: std::collections::HashMap<SlotKey, BackendId> = slots.iter().copied().collect();
+    let (mut groups, mut masters) = (Vec::new(), Vec::new());
     for (k, v) in services {
         if v.flags & svc_common::svc_flags::ADDR_MARKER == 0 {
             let backends: Option<Vec<BackendId>> = (1..=v.count)
@@ -219,20 +251,11 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
             let Some(backends) = backends else {
                 continue;
             };
-            for (sk, g) in crate::reconcile::slot_entries(v.id, v.rev, &backends) {
-                store
-                    .slots
-                    .insert(sk, g, 0)
-                    .map_err(|e| crate::store::map_err(map_names::SLOTS, e))?;
-            }
+            groups.extend(crate::reconcile::slot_entries(v.id, v.rev, &backends));
         }
-        store
-            .services
-            .insert(k, v, 0)
-            .map_err(|e| crate::store::map_err(map_names::SERVICES, e))?;
-        carried += 1;
+        masters.push((*k, *v));
     }
-    Ok(carried)
+    (groups, masters)
 }
 
 /// Every entry of the pinned hash `path` of an older layout of map `name`, keys `K` and
@@ -340,4 +363,111 @@ pub(super) fn clone_map(m: &MapData) -> Result<MapData> {
         .try_clone_to_owned()
         .map_err(|e| Error::load(format!("duplicating a map descriptor: {e}")))?;
     MapData::from_fd(fd).map_err(|e| load_err("reopening a map", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use svc_common::{svc_flags, ServiceKey, ServiceValue, SlotGroup, SlotKey};
+
+    use super::slots_v1_carried;
+
+    fn key(last: u8, port: u16) -> ServiceKey {
+        let mut addr = [0u8; 16];
+        addr[15] = last;
+        ServiceKey {
+            addr,
+            port_be: port.to_be(),
+            proto: 6,
+            scope: 0,
+        }
+    }
+
+    /// A frontend's slots of layout 1 become its entries of eight under the same id and
+    /// generation; markers come as they are; a frontend missing a slot is left to the sync.
+    #[test]
+    fn slots_of_layout_1_are_carried_eight_to_an_entry() {
+        let marker = (
+            key(10, 0),
+            ServiceValue {
+                flags: svc_flags::ADDR_MARKER,
+                ..Default::default()
+            },
+        );
+        let whole = (
+            key(10, 80),
+            ServiceValue {
+                id: 7,
+                rev: 3,
+                count: 10,
+                ..Default::default()
+            },
+        );
+        let torn = (
+            key(11, 80),
+            ServiceValue {
+                id: 8,
+                rev: 1,
+                count: 2,
+                ..Default::default()
+            },
+        );
+        let mut slots: Vec<(SlotKey, u32)> = (1..=10)
+            .map(|slot| {
+                (
+                    SlotKey {
+                        id: 7,
+                        rev: 3,
+                        slot,
+                    },
+                    100 + u32::from(slot),
+                )
+            })
+            .collect();
+        // An older generation of 7 (retiring) and slot 1 of 8 alone.
+        slots.push((
+            SlotKey {
+                id: 7,
+                rev: 2,
+                slot: 1,
+            },
+            99,
+        ));
+        slots.push((
+            SlotKey {
+                id: 8,
+                rev: 1,
+                slot: 1,
+            },
+            200,
+        ));
+        let (groups, masters) = slots_v1_carried(&[marker, whole, torn], &slots);
+        let first = SlotGroup {
+            backends: [101, 102, 103, 104, 105, 106, 107, 108],
+        };
+        let second = SlotGroup {
+            backends: [109, 110, 0, 0, 0, 0, 0, 0],
+        };
+        assert_eq!(
+            groups,
+            vec![
+                (
+                    SlotKey {
+                        id: 7,
+                        rev: 3,
+                        slot: 1
+                    },
+                    first
+                ),
+                (
+                    SlotKey {
+                        id: 7,
+                        rev: 3,
+                        slot: 2
+                    },
+                    second
+                ),
+            ]
+        );
+        assert_eq!(masters, vec![marker, whole]);
+    }
 }
