@@ -478,6 +478,16 @@ fn restarted(p: &mut Programmed, store: &ModelStore) -> Programmed {
     )
 }
 
+/// A new agent's mirror of what `store` holds (nothing of its own retiring).
+fn recovered(store: &ModelStore) -> Programmed {
+    Programmed::recover(
+        &store.snapshot().unwrap(),
+        Capacity::default(),
+        Duration::from_secs(1),
+        Retiring::default(),
+    )
+}
+
 fn exact(store: &ModelStore, desired: &DesiredState) {
     let problems = crate::verify::check(&store.snapshot().unwrap(), desired);
     assert!(problems.is_empty(), "{problems:#?}");
@@ -751,12 +761,7 @@ fn recovery_adopts_pinned_state_and_cleans_leftovers_first() {
     };
     store.slots.insert(leftover, group(&[1]));
 
-    let mut p2 = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p2 = recovered(&store);
     store.log.clear();
     let t0 = Instant::now();
     let r = p2.apply_scoped(&mut store, &desired, Scope::All, t0);
@@ -805,12 +810,7 @@ fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
     );
     let dead_id = *store.rev_nat.keys().max().unwrap();
 
-    let mut p2 = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p2 = recovered(&store);
     settle(&mut p2, &mut store, &want);
     exact(&store, &want);
     let b_id = store.services[&service_key(&b)].id;
@@ -818,12 +818,7 @@ fn an_agent_killed_before_a_master_entry_leaves_nothing_behind() {
 }
 
 fn fresh_apply_count(store: &mut ModelStore, want: &DesiredState) {
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(store);
     p.apply(store, want);
 }
 
@@ -900,23 +895,13 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
         fresh_apply_count(&mut store, &after);
         store.crash_after = None;
         // The second agent: recovers, syncs once, waits out the grace period.
-        let mut p = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p = recovered(&store);
         let r = settle(&mut p, &mut store, &after);
         assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
         let problems = crate::verify::check(&store.snapshot().unwrap(), &after);
         assert!(problems.is_empty(), "kill at {kill_at}: {problems:#?}");
         // And a third agent finds nothing to do.
-        let mut p3 = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p3 = recovered(&store);
         let r = p3.apply(&mut store, &after);
         assert_eq!(
             r.ops,
@@ -1005,12 +990,7 @@ fn recovery_reads_slots_eight_to_an_entry() {
             g.backends[6] = g.backends[0];
         }
         store.unchecked = true;
-        let mut p = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p = recovered(&store);
         let pf = &p.frontends[&a];
         assert!(!pf.complete(), "{tear}");
         if tear == "middle entry missing" {
@@ -1040,12 +1020,7 @@ fn ids_are_made_durable_before_use_and_never_reused() {
     // Everything deleted, then a restart: the next id is above the durable mark.
     settle(&mut p, &mut store, &DesiredState::default());
     let hwm = store.meta.frontend_id_hwm;
-    let mut p2 = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p2 = recovered(&store);
     settle(&mut p2, &mut store, &state(&[(a, &["10.0.0.1:8080"])]));
     assert!(store.services[&service_key(&a)].id >= hwm);
 }
@@ -1247,12 +1222,7 @@ fn recovery_repairs_membership_entries() {
     store.unchecked = true;
     let problems = crate::verify::check(&store.snapshot().unwrap(), &want);
     assert_eq!(problems.len(), 2, "{problems:#?}");
-    let mut p2 = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p2 = recovered(&store);
     assert_eq!(p2.strays.matches.len(), 1);
     assert!(p2.ids.next_frontend > 4242, "a stray's id is spent");
     let r = settle(&mut p2, &mut store, &want);
@@ -1379,12 +1349,7 @@ fn scopes_are_separate_frontends_and_node_ports_use_the_wildcard_key() {
         .collect();
     assert_eq!(flagged.len(), 1);
     // A restarted agent reads scopes and flags back and has nothing to do.
-    let mut p2 = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p2 = recovered(&store);
     assert_eq!(p2.apply(&mut store, &want).ops, 0);
 }
 
@@ -1727,22 +1692,12 @@ fn a_crash_after_any_op_among_packet_datapath_entries_is_repaired() {
         store.crash_after = Some(store.ops + kill_at);
         fresh_apply_count(&mut store, &after);
         store.crash_after = None;
-        let mut p = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p = recovered(&store);
         let r = settle(&mut p, &mut store, &after);
         assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
         let problems = crate::verify::check(&store.snapshot().unwrap(), &after);
         assert!(problems.is_empty(), "kill at {kill_at}: {problems:#?}");
-        let mut p3 = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p3 = recovered(&store);
         assert_eq!(p3.apply(&mut store, &after).ops, 0, "kill at {kill_at}");
     }
 }
@@ -1822,12 +1777,7 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
 
     // A restart: the recovered agent keeps every id and rewrites nothing; a frontend it adds
     // joins the port's id as before.
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     store.log.clear();
     let r = settle(&mut p, &mut store, &s);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -1857,12 +1807,7 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
     exact(&store, &next);
     let other_id = affinity_id_of(&store, &other);
     assert!(![0, web, api_id, moved_id].contains(&other_id));
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     let again = fe("10.96.0.50", 80);
     affinity_frontend(&mut next, again, "ns/again", &["10.0.0.2:8080"]);
     settle(&mut p, &mut store, &next);
@@ -1906,12 +1851,7 @@ fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
     assert_eq!(p.check_flow_addrs(&mut store).kept, 1);
 
     // A restart meanwhile: the lingering address is adopted as it is.
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     settle(&mut p, &mut store, &empty);
     assert_eq!(store.node_addrs[&lb].flags, node_addr_flags::LINGER);
     assert_eq!(p.check_flow_addrs(&mut store).kept, 1);
@@ -1947,12 +1887,7 @@ fn flows_to_addresses_node_addrs_lacks_are_put_back() {
     );
     store.flows_to.extend([old_lb, node_ip]);
     store.unchecked = true;
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     let r = p.check_flow_addrs(&mut store);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_eq!(r.added, 1);
@@ -2091,12 +2026,7 @@ fn a_programmed_frontend_whose_external_mark_fails_is_retried() {
     store.unchecked = true;
     let key = addr16(node_ip.parse().unwrap());
     store.node_addrs.get_mut(&key).unwrap().flags = node_addr_flags::NODEPORT;
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     store.fail_node_addr_puts = true;
     let r = settle(&mut p, &mut store, &want);
     assert!(store.services.contains_key(&service_key(&f)));
@@ -2282,12 +2212,7 @@ fn long_port_names_never_share_an_affinity_id() {
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_ne!(affinity_id_of(&store, &a), affinity_id_of(&store, &b));
 
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     let r = settle(&mut p, &mut store, &t.state);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     assert_ne!(
@@ -2317,12 +2242,7 @@ fn a_stray_entry_with_the_highest_id_does_not_make_frontends_share_ids() {
         (b, &["10.0.0.2:8080"]),
         (c, &["10.0.0.3:8080"]),
     ]);
-    let mut p = Programmed::recover(
-        &store.snapshot().unwrap(),
-        Capacity::default(),
-        Duration::from_secs(1),
-        Retiring::default(),
-    );
+    let mut p = recovered(&store);
     let r = settle(&mut p, &mut store, &want);
     // Refusing a Service for want of ids is fine, with an error naming it; sharing is not.
     let id = |f: &Frontend| store.services.get(&service_key(f)).map(|v| v.id);
@@ -3091,12 +3011,7 @@ fn a_crash_after_any_op_among_maglev_tables_is_repaired() {
         let mut base = ModelStore::default();
         settle(&mut fresh(), &mut base, from);
         let run = |store: &ModelStore| {
-            let mut p = Programmed::recover(
-                &store.snapshot().unwrap(),
-                Capacity::default(),
-                Duration::from_secs(1),
-                Retiring::default(),
-            );
+            let mut p = recovered(store);
             p.maglev.settings = settings;
             p
         };
@@ -3573,12 +3488,7 @@ mod batched {
             None,
             &[backend("10.0.0.1:8080"), backend("10.0.0.2:8080")],
         );
-        let mut p = Programmed::recover(
-            &store.snapshot().unwrap(),
-            Capacity::default(),
-            Duration::from_secs(1),
-            Retiring::default(),
-        );
+        let mut p = recovered(&store);
         let r = p.apply(&mut store, &want);
         assert!(r.failed.contains_key("ns/lb"), "{:?}", r.failed);
         store.forget_readers();
@@ -3705,12 +3615,7 @@ mod batched {
             };
             fresh().apply(&mut store, &desired);
             store.crash_after = None;
-            let mut p = Programmed::recover(
-                &store.snapshot().unwrap(),
-                Capacity::default(),
-                Duration::from_secs(1),
-                Retiring::default(),
-            );
+            let mut p = recovered(&store);
             let r = settle(&mut p, &mut store, &desired);
             assert!(
                 r.errors.is_empty(),
