@@ -194,7 +194,9 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
     ] {
         if need > room as usize {
             return Err(Error::load(format!(
-                "carrying the frontends of {} over needs {need} entries of {name}, which holds                  {room}: raise its capacity (--max-slots counts slots, eight to an entry;                  --max-services)",
+                "carrying the frontends of {} over needs {need} entries of {name}, which holds \
+                 {room}: raise its capacity (--max-slots counts slots, eight to an entry; \
+                 --max-services)",
                 services_pin.display()
             )));
         }

@@ -13,8 +13,8 @@ use tracing::warn;
 /// Something a switch made unreachable, deleted once the grace period has passed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Retire {
-    /// The `count` slots of generation `rev` of frontend `id` (`slot_keys`), and its Maglev table (index
-    /// entry and region) if it had one.
+    /// The `count` slots of generation `rev` of frontend `id` (`slot_keys`), and its Maglev
+    /// table (index entry and region) if it had one.
     Slots {
         id: u32,
         rev: u16,
