@@ -982,7 +982,9 @@ impl Agent {
         let pause = match r {
             Ok((made, enomem)) => {
                 self.stats_made += made;
-                Duration::from_millis(if enomem || made == 0 { 200 } else { 2 })
+                // Not when the ids had no names left (Services deleted meanwhile): the
+                // slice then made nothing, and failed at nothing.
+                Duration::from_millis(if enomem { 200 } else { 2 })
             }
             Err(e) => {
                 self.metrics.report("making the per-Service counters", &e);

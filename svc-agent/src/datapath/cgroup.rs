@@ -225,6 +225,8 @@ impl Datapath {
         for path in std::mem::take(&mut self.obsolete) {
             match std::fs::remove_file(&path) {
                 Ok(()) => info!(pin = %path.display(), "removed a pin of another map layout"),
+                // One whose entries were carried over goes then (`carry_slots_v1`).
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => warn!("removing {}: {e}", path.display()),
             }
         }

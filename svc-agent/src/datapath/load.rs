@@ -26,8 +26,10 @@ use crate::sys;
 impl Datapath {
     /// Takes ownership of `dir`, adopts (or creates, or migrates) the maps, and starts the
     /// programs' verification on a thread (`Programs::verify`). Nothing is attached yet: see
-    /// [`Datapath::attach`]. On error nothing under `dir` has changed but for a directory
-    /// this call created. `kernel`: the fallbacks the programs are loaded with
+    /// [`Datapath::attach`]. On error the pins of the programs and maps already attached
+    /// are as they were (the programs keep serving what they served), but maps this call
+    /// created may stay pinned, some entries in them (a carry of an older layout that
+    /// failed); the next start adopts them. `kernel`: the fallbacks the programs are loaded with
     /// (`features::Report::fit`). `xdp` is `--xdp-mode`: the XDP program is loaded only if
     /// it asks for XDP.
     pub fn open(

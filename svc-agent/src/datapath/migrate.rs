@@ -173,11 +173,13 @@ pub(super) fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
 /// recovers every frontend whole and the sync writes nothing again, so ids stay (affinity
 /// choices, the per-Service counters, the reverse translation of sockets opened before),
 /// while the programs still attached keep reading the older pair until the new ones replace
-/// them. Done at every start while the older pins are there, never over an entry the new maps
-/// have (`BPF_NOEXIST`), so a start killed halfway through is finished by the next. An error
-/// (the frontends do not fit, a write refused) stops the agent: the first sync would otherwise
-/// retire, as leftovers, the shared entries (reverse NAT, names, backends) of the frontends
-/// not carried, which the programs still attached read. How many entries were carried.
+/// them. Never over an entry the new maps have (`BPF_NOEXIST`), so a start killed halfway
+/// through is finished by the next; once done, the older slots map's pin goes (the programs
+/// still attached hold the map itself), so a later start does not carry again what the first
+/// sync may have deleted since. An error (the frontends do not fit, a write refused) stops the
+/// agent: the first sync would otherwise retire, as leftovers, the shared entries (reverse
+/// NAT, names, backends) of the frontends not carried, which the programs still attached
+/// read. How many entries were carried.
 pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     let services_pin = dir.join(format!("{}_v2", map_names::SERVICES));
     let slots_pin = dir.join(format!("{}_v1", map_names::SLOTS));
@@ -202,12 +204,24 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
         }
     }
     const NOEXIST: u64 = 1;
+    let refused = |name: &'static str, e: aya::maps::MapError| match e {
+        aya::maps::MapError::SyscallError(ref s)
+            if s.io_error.raw_os_error() == Some(libc::E2BIG) =>
+        {
+            Error::load(format!(
+                "carrying the frontends of {} over: {name} is full; raise its capacity \
+                 (--max-slots counts slots, eight to an entry; --max-services)",
+                services_pin.display()
+            ))
+        }
+        e => crate::store::map_err(name, e),
+    };
     let mut carried = 0;
     for (k, g) in &slots {
         match store.slots.insert(k, g, NOEXIST) {
             Ok(()) => carried += 1,
             Err(e) if crate::store::is_exists(&e) => {}
-            Err(e) => return Err(crate::store::map_err(map_names::SLOTS, e)),
+            Err(e) => return Err(refused(map_names::SLOTS, e)),
         }
     }
     // After their slots, as a sync writes them.
@@ -215,9 +229,15 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
         match store.services.insert(k, v, NOEXIST) {
             Ok(()) => carried += 1,
             Err(e) if crate::store::is_exists(&e) => {}
-            Err(e) => return Err(crate::store::map_err(map_names::SERVICES, e)),
+            Err(e) => return Err(refused(map_names::SERVICES, e)),
         }
     }
+    std::fs::remove_file(&slots_pin).map_err(|e| {
+        Error::load(format!(
+            "removing {} once carried over: {e}",
+            slots_pin.display()
+        ))
+    })?;
     Ok(carried)
 }
 
