@@ -417,7 +417,7 @@ pub fn map_err(map: &'static str, e: MapError) -> Error {
 }
 
 /// `BPF_NOEXIST`: create, never replace.
-const BPF_NOEXIST: u64 = 1;
+pub(crate) const BPF_NOEXIST: u64 = 1;
 
 /// ENOENT on delete: already gone, which is what we wanted.
 fn is_not_found(e: &MapError) -> bool {

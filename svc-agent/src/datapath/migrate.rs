@@ -27,7 +27,7 @@ where
     let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd())
         .map_err(|e| Error::map_io(name, format!("reading the old map: {e}"), &e))?;
     let flags = if keep_newer {
-        1 /* BPF_NOEXIST */
+        crate::store::BPF_NOEXIST
     } else {
         0
     };
@@ -203,7 +203,6 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
             )));
         }
     }
-    const NOEXIST: u64 = 1;
     let refused = |name: &'static str, e: aya::maps::MapError| match e {
         aya::maps::MapError::SyscallError(ref s)
             if s.io_error.raw_os_error() == Some(libc::E2BIG) =>
@@ -218,7 +217,7 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
     };
     let mut carried = 0;
     for (k, g) in &slots {
-        match store.slots.insert(k, g, NOEXIST) {
+        match store.slots.insert(k, g, crate::store::BPF_NOEXIST) {
             Ok(()) => carried += 1,
             Err(e) if crate::store::is_exists(&e) => {}
             Err(e) => return Err(refused(map_names::SLOTS, e)),
@@ -226,7 +225,7 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
     }
     // After their slots, as a sync writes them.
     for (k, v) in &services {
-        match store.services.insert(k, v, NOEXIST) {
+        match store.services.insert(k, v, crate::store::BPF_NOEXIST) {
             Ok(()) => carried += 1,
             Err(e) if crate::store::is_exists(&e) => {}
             Err(e) => return Err(refused(map_names::SERVICES, e)),
@@ -312,27 +311,7 @@ fn old_ct<V: bytemuck::Pod>(
     if !path.exists() {
         return Ok(None);
     }
-    let old = MapData::from_pin(&path).map_err(|e| load_err(path.display(), e))?;
-    let info = old.info().map_err(|e| load_err(path.display(), e))?;
-    let (key, value) = (
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<V>() as u32,
-    );
-    if (info.key_size(), info.value_size()) != (key, value) {
-        return Err(Error::load(format!(
-            "{} has {}-byte keys and {}-byte values, not layout {layout}'s {key} and {value}",
-            path.display(),
-            info.key_size(),
-            info.value_size()
-        )));
-    }
-    sys::dump_hash(old.fd().as_fd()).map(Some).map_err(|e| {
-        Error::map_io(
-            map_names::CT,
-            format!("reading {}: {e}", path.display()),
-            &e,
-        )
-    })
+    old_hash(&path, map_names::CT).map(Some)
 }
 
 /// Stores the flows of an older layout's table: each entry into the table its flags say
@@ -360,11 +339,11 @@ fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue
             continue;
         }
         let first = if v.flags & svc_common::ct_flags::UNASSURED != 0 {
-            unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+            unassured.insert(k, v, crate::store::BPF_NOEXIST)
         } else {
-            match assured.insert(k, v, 1 /* BPF_NOEXIST */) {
+            match assured.insert(k, v, crate::store::BPF_NOEXIST) {
                 Err(e) if errno(&e) == Some(libc::E2BIG) => {
-                    unassured.insert(k, v, 1 /* BPF_NOEXIST */)
+                    unassured.insert(k, v, crate::store::BPF_NOEXIST)
                 }
                 other => other,
             }
