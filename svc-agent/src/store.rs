@@ -8,7 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError};
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
     BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue,
@@ -328,7 +328,7 @@ pub struct BpfStore {
     pub mon_stats: Option<MapData>,
     /// Per-Service counters (`SERVICE_STATS`): an entry per named frontend while
     /// `capacity.per_service`. None while the object does not declare it.
-    pub service_stats: Option<PerCpuHashMap<MapData, u32, ServiceStats>>,
+    pub service_stats: Option<HashMap<MapData, u32, ServiceStats>>,
     pub capacity: Capacity,
     /// Until when a write that fails with ENOMEM is not tried again: set when one failed all
     /// its tries, so memory that stays short (the pod at its limit) fails a sync's writes at
@@ -341,8 +341,8 @@ pub struct BpfStore {
     /// it began (`Store::apply` and its batches), which its comparison leaves out.
     pub dirty: Option<crate::reconcile::Dirty>,
     /// Named frontends whose per-Service counters are still to be made (`create_pending_stats`):
-    /// a bulk write leaves them here rather than allocating per-CPU memory one syscall each
-    /// on the way to `ready`, and a single write whose allocation failed puts its id here.
+    /// a bulk write leaves them here rather than making them one syscall each on the way to
+    /// `ready`, and a single write whose allocation failed puts its id here.
     pub stats_pending: Vec<u32>,
 }
 
@@ -545,8 +545,8 @@ impl BpfStore {
             Op::PutRevNat(k, v) => self.rev_nat.insert(k, v, 0),
             Op::PutName(k, v) => {
                 self.names.insert(k, v, 0)?;
-                // The counters are not the Service: a per-CPU entry the kernel cannot allocate
-                // yet (its pool grows in the background) is made later
+                // The counters are not the Service: an entry the kernel cannot allocate yet
+                // (ENOMEM: its caches refill in the background) is made later
                 // (`create_pending_stats`), and never fails or delays the Service's write.
                 if let Err(e) = self.create_service_stats(*k) {
                     tracing::debug!(frontend = k, error = %e, "per-Service counters made later");
@@ -630,9 +630,7 @@ impl BpfStore {
         else {
             return Ok(());
         };
-        let cpus = aya::util::nr_cpus().map_err(|(_, e)| MapError::IoError(e))?;
-        let zero = PerCpuValues::try_from(vec![ServiceStats::default(); cpus])?;
-        match m.insert(id, zero, BPF_NOEXIST) {
+        match m.insert(id, ServiceStats::default(), BPF_NOEXIST) {
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
                 Ok(())
             }
@@ -642,7 +640,7 @@ impl BpfStore {
 
     /// Makes the per-Service counters of up to `budget` frontends of `stats_pending` that
     /// still have a name (one removed since has none to make). Stops at ENOMEM (the kernel's
-    /// per-CPU pool grows in the background: the caller comes back later) and at any other
+    /// caches refill in the background: the caller comes back later) and at any other
     /// error, which it returns; what it did not make stays pending. Returns how many it made,
     /// and whether it stopped at ENOMEM.
     pub fn create_pending_stats(&mut self, budget: usize) -> Result<(usize, bool)> {
@@ -991,9 +989,10 @@ impl BpfStore {
                     _ => None,
                 });
                 let (n, r) = put_batch(self.names.map().fd().as_fd(), &k, &v, until);
-                // Not made here: each is a per-CPU allocation of its own (about 13 µs, and
-                // ENOMEM once a burst drains the kernel's per-CPU pool), 1.3 s of a cold
-                // start's critical path at 100,000 Services. Made right after, in slices.
+                // Not made here: one syscall each, off the way to `ready` (layout 1's per-CPU
+                // entries took about 13 µs each, ENOMEM once a burst drained the kernel's
+                // per-CPU pool: 1.3 s of a cold start at 100,000 Services). Made right after,
+                // in slices.
                 if self.service_stats.is_some() && self.capacity.per_service {
                     self.stats_pending.extend_from_slice(&k[..n]);
                 }

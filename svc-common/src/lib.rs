@@ -339,12 +339,13 @@ catalogue! {
     /// The event being written (svc-ebpf's monitor.rs), per CPU: built once, copied into each
     /// listening slot's ring.
     MON_EVENT = MapDef::kernel_only("SVC_MON_EVENT", MapKind::PerCpuArray);
-    /// Per-Service counters (`ServiceStats`), per CPU, keyed by frontend id: the agent
-    /// creates an entry (zeroed) with a frontend's name and deletes it with the name; the
-    /// programs only look entries up, so a frontend without one (`--per-service-metrics=false`)
-    /// is not counted. Allocated as written: with 64-byte values, about 64 bytes a CPU an
-    /// entry plus the hash's own (docs/design/metrics.md).
-    SERVICE_STATS = MapDef::new::<u32, ServiceStats>("SVC_SERVICE_STATS", 1, MapKind::PerCpuHash)
+    /// Per-Service counters (`ServiceStats`), keyed by frontend id: the agent creates an
+    /// entry (zeroed) with a frontend's name and deletes it with the name; the programs only
+    /// look entries up and add atomically, so a frontend without one
+    /// (`--per-service-metrics=false`) is not counted. Allocated as written, 128 bytes an
+    /// entry whatever the CPUs. Layout 2: one value shared by the CPUs (1 was a per-CPU hash,
+    /// 64 bytes a possible CPU an entry: docs/design/metrics.md).
+    SERVICE_STATS = MapDef::new::<u32, ServiceStats>("SVC_SERVICE_STATS", 2, MapKind::Hash)
         .sized(262_144)
         .no_prealloc();
     /// The devices XDP may redirect to (docs/design/xdp.md, "Another device"): those that
@@ -1045,10 +1046,11 @@ pub struct DevStatKey {
     pub reason: u32,
 }
 
-/// The value of `SERVICE_STATS`: one frontend's decisions on one CPU, one counter per reason
-/// of `Reason::SERVICE` (in its order), host order. Counted once per connect() or sendmsg()
-/// the socket hooks translate or refuse, and once per new flow the tc programs translate,
-/// refuse or drop; never per packet of a known flow. 64 bytes: a cache line.
+/// The value of `SERVICE_STATS`: one frontend's decisions on every CPU, one counter per
+/// reason of `Reason::SERVICE` (in its order), host order, added to atomically. Counted once
+/// per connect() or sendmsg() the socket hooks translate or refuse, and once per new flow the
+/// tc programs translate, refuse or drop; never per packet of a known flow. 64 bytes: a cache
+/// line.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]

@@ -75,7 +75,7 @@ pub struct Loaded {
     pub maglev_index: HashMap<MapData, SlotKey, MaglevIndex>,
     /// Per-Service counters, whose entries the agent creates with each frontend (`frontend`
     /// does here). None for an object without them (a benchmark's older object).
-    pub service_stats: Option<PerCpuHashMap<MapData, u32, svc_common::ServiceStats>>,
+    pub service_stats: Option<HashMap<MapData, u32, svc_common::ServiceStats>>,
     /// The devices XDP may redirect to (`SVC_XDP_DEVS`); empty as loaded. None for an object
     /// without it (a benchmark's older object).
     pub xdp_devs: Option<DevMapHash<MapData>>,
@@ -414,19 +414,8 @@ impl Dp {
                 .unwrap();
         }
         if let Some(m) = self.service_stats.as_mut() {
-            let cpus = aya::util::nr_cpus().expect("possible CPUs");
-            let zero = vec![svc_common::ServiceStats::default(); cpus];
-            // A per-CPU hash allocated as written may refuse for a moment (ENOMEM) while the
-            // kernel's per-CPU allocator grows: tried again as the agent tries, for longer
-            // (30 tries, about 2 s: the fixtures run beside whole test suites).
-            svc_agent::store::retry_enomem(30, || {
-                m.insert(
-                    f.id,
-                    aya::maps::PerCpuValues::try_from(zero.clone()).unwrap(),
-                    0,
-                )
-            })
-            .unwrap_or_else(|e| panic!("SVC_SERVICE_STATS [{}]: {e}", f.id));
+            m.insert(f.id, svc_common::ServiceStats::default(), 0)
+                .unwrap_or_else(|e| panic!("SVC_SERVICE_STATS [{}]: {e}", f.id));
         }
         let mut flags = f.flags;
         if f.affinity_s != 0 {
@@ -533,14 +522,13 @@ impl Dp {
             .collect()
     }
 
-    /// Frontend `id`'s per-Service counter of `reason`, summed over the CPUs.
+    /// Frontend `id`'s per-Service counter of `reason`.
     pub fn service_stat(&self, id: u32, reason: Reason) -> u64 {
         let slot = reason.service_slot() as usize;
         self.service_stats
             .as_ref()
             .and_then(|m| m.get(&id, 0).ok())
-            .map(|v| v.iter().map(|s| s.counts[slot]).sum())
-            .unwrap_or(0)
+            .map_or(0, |v| v.counts[slot])
     }
 
     /// A counter without a device (`dev_stat` of device 0).

@@ -5,6 +5,9 @@
 //! sock_addr programs have no test run (ENOTSUPP on kernel 6.18).
 #![no_std]
 #![no_main]
+// maps.rs counts per Service with an atomic add.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 // The packet datapath's helpers of the decision are unused here.
 #[allow(dead_code)]

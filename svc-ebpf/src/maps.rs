@@ -1,6 +1,8 @@
 //! Every pinned map of the datapath, in one place (the per-CPU working state, never pinned,
 //! is in scratch.rs). Types live in svc-common; names are pinned as is.
 
+use core::intrinsics::{atomic_xadd, AtomicOrdering};
+
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{
@@ -155,15 +157,15 @@ pub fn count(reason: Reason, ifindex: u32) {
     }
 }
 
-/// What the datapath decided per frontend id, per CPU (`svc_common::ServiceStats`). The
-/// agent creates and deletes the entries; the programs only look them up.
+/// What the datapath decided per frontend id (`svc_common::ServiceStats`). The agent
+/// creates and deletes the entries; the programs only look them up and add.
 #[btf_map]
-pub static SVC_SERVICE_STATS: PerCpuHashMap<
+pub static SVC_SERVICE_STATS: HashMap<
     u32,
     ServiceStats,
     { capacity::SERVICE_STATS as usize },
     NO_PREALLOC,
-> = PerCpuHashMap::new();
+> = HashMap::new();
 
 /// The devices the XDP program may redirect a packet to, keyed by ifindex: those the agent
 /// attached `xdp_ext` to in its mode, at the driver's hook only those that take redirected
@@ -192,8 +194,17 @@ fn count_slot(slot: u32, id: u32) {
         return;
     }
     if let Some(v) = SVC_SERVICE_STATS.get_ptr_mut(id) {
-        // SAFETY: per-CPU value, and a program runs to completion on one CPU.
-        unsafe { (*v).counts[slot as usize] += 1 };
+        // Atomically: one entry for every CPU, which costs 128 bytes where a per-CPU one cost
+        // 64 bytes a CPU; counted once per connection or new flow, not per packet, so the
+        // shared cache line is touched as often as a connection is made.
+        // SAFETY: the value lives while the program runs (the hash frees it after an RCU
+        // grace period), and the slot is in bounds (checked above).
+        unsafe {
+            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(
+                core::ptr::addr_of_mut!((*v).counts[slot as usize]),
+                1,
+            );
+        }
     }
 }
 

@@ -538,10 +538,9 @@ fn a_drift_check_beside_the_loop_puts_per_service_counters_right_and_nothing_els
     .unwrap_or_else(|e| panic!("no drift check beside the loop: {e:#}\n{}", agent.log()));
     let stats = store.service_stats.as_mut().unwrap();
     stats.remove(&id).unwrap();
-    let cpus = aya::util::nr_cpus().unwrap();
-    let zero =
-        aya::maps::PerCpuValues::try_from(vec![svc_common::ServiceStats::default(); cpus]).unwrap();
-    stats.insert(999_999, zero, 0).unwrap();
+    stats
+        .insert(999_999, svc_common::ServiceStats::default(), 0)
+        .unwrap();
     poll(Duration::from_secs(10), || {
         Ok((has(&store, id) && !has(&store, 999_999)).then_some(()))
     })
@@ -1249,7 +1248,7 @@ fn per_service_counters_count_each_service_and_start_at_zero_when_made_again() {
 }
 
 /// Issue 37: a first sync of many Services writes them in bulk and leaves their per-Service
-/// counters (a per-CPU allocation each, slow and failing with ENOMEM in bursts) to be made
+/// counters (one syscall each; layout 1's per-CPU ones were slow and failed in bursts) to be made
 /// right after, in slices: every Service gets its counters within seconds, each counted from
 /// zero, and the log says so once instead of a warning per Service whose allocation failed.
 #[test]
@@ -1292,6 +1291,75 @@ fn per_service_counters_of_a_bulk_first_sync_are_all_made_soon_after() {
         service_count(metrics, ("bulk", "s1499", "http"), "translated"),
         Some(0)
     );
+}
+
+/// Issue 37: an upgrade from the per-CPU counters (`SVC_SERVICE_STATS` of layout 1, 64 bytes
+/// a CPU an entry) to the shared ones (layout 2): the new agent makes its map beside the
+/// pinned one, swaps its programs in and removes the older pin; the Service answers all
+/// along, and its counter goes on in the new map, from zero (a counter reset, to Prometheus).
+/// Needs a svc-agent of layout 1 in `SVC_STATS_V1_AGENT_BIN` (skipped without it: CI builds
+/// no older agent; run by hand with one built from 5ce7165).
+#[test]
+fn per_service_counters_of_the_per_cpu_layout_give_way_in_place() {
+    let Some(old) = std::env::var_os("SVC_STATS_V1_AGENT_BIN") else {
+        eprintln!(
+            "skipped: set SVC_STATS_V1_AGENT_BIN to a svc-agent of SVC_SERVICE_STATS layout 1"
+        );
+        return;
+    };
+    let metrics = free_port();
+    let metrics_flag = format!("--metrics-bind-address={metrics}");
+    let web = ("demo", "web", "http");
+    let old = std::path::PathBuf::from(old);
+    let mut w = World::start_bin(Some(&old), 2, &[8080], &[&metrics_flag], |sb, m| {
+        m.apply_service(&web_service()).unwrap();
+        m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+    });
+    assert!(w
+        .bpffs
+        .entries()
+        .contains(&"SVC_SERVICE_STATS_v1".to_string()));
+    let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(service_count(metrics, web, "translated"), Some(3));
+
+    let loop_for = Duration::from_secs(8);
+    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    w.agent.kill().unwrap();
+    w.agent.set_bin(&w.sb.tools.agent.clone());
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(AGENT_READY_TIMEOUT).unwrap();
+    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    assert_eq!(report.failed, 0, "{report:?}");
+    assert!(
+        report.ok > 100,
+        "too few connections to mean anything: {report:?}"
+    );
+    let log = w.agent.log();
+    let pins = w.bpffs.entries();
+    assert!(
+        pins.contains(&"SVC_SERVICE_STATS_v2".to_string()),
+        "{pins:?}"
+    );
+    assert!(
+        !pins.contains(&"SVC_SERVICE_STATS_v1".to_string()),
+        "{pins:?}"
+    );
+    assert!(log.contains("removed a pin of another map layout"), "{log}");
+    // The loop's connections after the swap were counted in the new map: read what it holds
+    // now, then three more connections move it by three.
+    let before = poll(Duration::from_secs(10), || {
+        Ok(service_count(metrics, web, "translated"))
+    })
+    .unwrap_or_else(|e| panic!("no counter after the upgrade: {e:#}\n{log}"));
+    assert!(
+        before < report.ok as u64 + 3,
+        "{before} counted of {report:?}"
+    );
+    let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();
+    assert!(r.all_ok(), "{:?}", r.failures());
+    assert_eq!(service_count(metrics, web, "translated"), Some(before + 3));
 }
 
 /// Issue 36: `--per-service-metrics=false` leaves /metrics without per-Service series, and

@@ -3,7 +3,7 @@
 use std::os::fd::AsFd;
 use std::path::Path;
 
-use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData, PerCpuHashMap};
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, Map, MapData};
 use aya::programs::{CgroupSock, CgroupSockAddr, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use svc_common::{catalogue, map_names};
@@ -202,8 +202,8 @@ impl Datapath {
         store.sync_node_addr_bits(false)?;
         // Before the first sync, which counts on every named frontend having its counters
         // (and, with per-Service counting off, none having any).
-        // Not fatal: a burst of per-CPU allocations can fail for a moment (ENOMEM) until the
-        // kernel's per-CPU pool grows; the agent's periodic check creates what is missing.
+        // Not fatal: a burst of allocations can fail for a moment (ENOMEM) until the kernel's
+        // caches refill; the agent's periodic check creates what is missing.
         match store.sync_service_stats() {
             Ok((0, 0)) => {}
             Ok((created, deleted)) => info!(
@@ -684,7 +684,7 @@ fn build_store(
         mon_stats: take(map_names::MON_STATS).ok().and_then(map_data),
         service_stats: take(map_names::SERVICE_STATS)
             .ok()
-            .and_then(|m| PerCpuHashMap::try_from(m).ok()),
+            .and_then(|m| HashMap::try_from(m).ok()),
         capacity,
         enomem_until: None,
         stats_pending: Vec::new(),

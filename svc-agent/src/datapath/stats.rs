@@ -433,19 +433,9 @@ pub fn read_service_stats(dir: &Path) -> Result<Vec<ServiceCounts>> {
     let Ok(data) = MapData::from_pin(map_pin(dir, name)) else {
         return Ok(Vec::new());
     };
-    let stats: PerCpuHashMap<MapData, u32, ServiceStats> =
-        PerCpuHashMap::try_from(Map::PerCpuHashMap(data)).map_err(|e| load_err(name, e))?;
     let mut per_id: Vec<(u32, ServiceStats)> = Vec::new();
-    for entry in stats.iter() {
-        let (id, per_cpu) = entry.map_err(|e| load_err(name, e))?;
-        let mut sum = ServiceStats::default();
-        for cpu in per_cpu.iter() {
-            for (s, c) in sum.counts.iter_mut().zip(cpu.counts) {
-                *s = s.wrapping_add(c);
-            }
-        }
-        per_id.push((id, sum));
-    }
+    sys::for_each_hash::<u32, ServiceStats>(data.fd().as_fd(), |id, v| per_id.push((*id, *v)))
+        .map_err(|e| load_err(name, e))?;
     if per_id.is_empty() {
         return Ok(Vec::new());
     }
