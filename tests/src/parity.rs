@@ -389,6 +389,11 @@ impl Proxy {
     pub fn serve(&self, i: u8, ports: &[u16]) -> Result<Backend> {
         self.sb.backend(&format!("b{i}"), i, ports)
     }
+
+    /// `serve` with more `svc-probe serve` flags (`--threads N`).
+    pub fn serve_with(&self, i: u8, ports: &[u16], extra: &[&str]) -> Result<Backend> {
+        self.sb.backend_with(&format!("b{i}"), i, ports, extra)
+    }
 }
 
 /// Packets svc's XDP program decided, by reason (`xdp_new`, `xdp_ct_hit`, `xdp_reply`, the

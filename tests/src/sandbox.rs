@@ -352,12 +352,23 @@ impl Sandbox {
     /// Starts backend `i` named `name`, serving TCP and UDP on both of its addresses on every
     /// port.
     pub fn backend(&self, name: &str, i: u8, ports: &[u16]) -> Result<Backend> {
+        self.backend_with(name, i, ports, &[])
+    }
+
+    /// `backend` with more `svc-probe serve` flags (`--threads N`).
+    pub fn backend_with(
+        &self,
+        name: &str,
+        i: u8,
+        ports: &[u16],
+        extra: &[&str],
+    ) -> Result<Backend> {
         let mut listens = Vec::new();
         for &p in ports {
             listens.push(SocketAddr::new(IpAddr::V4(self.backend_v4(i)), p));
             listens.push(SocketAddr::new(IpAddr::V6(self.backend_v6(i)), p));
         }
-        Backend::start(&self.tools.probe, &self.server, name, &listens)
+        Backend::start_with(&self.tools.probe, &self.server, name, &listens, extra)
     }
 
     /// Backends `b1..=bn` at indexes 1..=n.
@@ -557,6 +568,7 @@ impl Sandbox {
     pub fn sweep_shards(
         &self,
         shards: &[std::path::PathBuf],
+        workers: u32,
         timeout_ms: u64,
         within: Duration,
     ) -> Result<SweepReport> {
@@ -570,6 +582,8 @@ impl Sandbox {
                     targets.display().to_string(),
                     "--timeout-ms".into(),
                     timeout_ms.to_string(),
+                    "--workers".into(),
+                    workers.to_string(),
                 ])
             })
             .collect::<Result<Vec<_>>>()?;

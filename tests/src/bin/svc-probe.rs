@@ -115,6 +115,9 @@ enum Cmd {
         targets: std::path::PathBuf,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// Threads probing at once, each taking the next target in turn.
+        #[arg(long, default_value_t = 1)]
+        workers: u32,
     },
     /// New TCP connections back to back for DURATION_MS; totals only.
     Loop {
@@ -234,7 +237,12 @@ fn main() -> Result<()> {
         Cmd::Sweep {
             targets,
             timeout_ms,
-        } => print_json(&sweep(&targets, Duration::from_millis(timeout_ms.max(1)))?),
+            workers,
+        } => print_json(&sweep(
+            &targets,
+            Duration::from_millis(timeout_ms.max(1)),
+            workers,
+        )?),
         Cmd::Loop {
             target,
             duration_ms,
@@ -753,25 +761,49 @@ fn udp_unconnected_stream(
     report
 }
 
-fn sweep(targets: &std::path::Path, timeout: Duration) -> Result<SweepReport> {
+fn sweep(targets: &std::path::Path, timeout: Duration, workers: u32) -> Result<SweepReport> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let text = std::fs::read_to_string(targets)
         .with_context(|| format!("reading {}", targets.display()))?;
+    let to: Vec<SocketAddr> = (text.lines())
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.trim().parse().with_context(|| format!("{l:?}")))
+        .collect::<Result<_>>()?;
     let start = Instant::now();
+    let next = AtomicUsize::new(0);
+    let parts: Vec<SweepReport> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..workers.max(1))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut part = SweepReport::default();
+                    while let Some(&to) = to.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let a = tcp_once(to, timeout, false);
+                        if a.ok {
+                            part.ok += 1;
+                        } else {
+                            part.failed += 1;
+                            if part.first_failures.len() < 10 {
+                                (part.first_failures)
+                                    .push(format!("{to}: {}", a.error.unwrap_or_default()));
+                            }
+                        }
+                    }
+                    part
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_default())
+            .collect()
+    });
     let mut report = SweepReport::default();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let to: SocketAddr = line.trim().parse().with_context(|| format!("{line:?}"))?;
-        let a = tcp_once(to, timeout, false);
-        if a.ok {
-            report.ok += 1;
-        } else {
-            report.failed += 1;
-            if report.first_failures.len() < 10 {
-                report
-                    .first_failures
-                    .push(format!("{to}: {}", a.error.unwrap_or_default()));
-            }
-        }
+    for part in parts {
+        report.ok += part.ok;
+        report.failed += part.failed;
+        report.first_failures.extend(part.first_failures);
     }
+    report.first_failures.truncate(10);
     report.elapsed_us = us(start);
     report.cgroup = own_cgroup();
     report.netns_ino = own_netns();

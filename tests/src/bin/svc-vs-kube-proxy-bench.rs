@@ -97,6 +97,15 @@ struct Args {
     /// resolution). One by default, as the earlier runs.
     #[arg(long, default_value_t = 1)]
     sweep_shards: u32,
+    /// Threads of each sweep process, probing at once (one target each at a time): the
+    /// sweep's length is the start measure's resolution, and one connection at a time
+    /// leaves the CPUs mostly waiting. One by default, as the earlier runs.
+    #[arg(long, default_value_t = 1)]
+    sweep_workers: u32,
+    /// Threads each backend answers a listening socket with (`svc-probe serve --threads`);
+    /// without it a connection gets a new thread of its own, as the earlier runs.
+    #[arg(long)]
+    backend_threads: Option<u32>,
     /// Quick: 1,000 Services, 3 rounds, 10 changes.
     #[arg(long)]
     quick: bool,
@@ -270,8 +279,13 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
             std::thread::sleep(Duration::from_millis(5));
         })
     });
+    let threads = t.args.backend_threads.map(|n| n.to_string());
+    let extra: Vec<&str> = match &threads {
+        Some(n) => vec!["--threads", n],
+        None => Vec::new(),
+    };
     let _backends: Vec<_> = (1..=OTHER)
-        .map(|k| proxy.serve(k, &[TARGET_PORT]))
+        .map(|k| proxy.serve_with(k, &[TARGET_PORT], &extra))
         .collect::<Result<_>>()?;
     let pid = match (proxy.agent(), proxy.kube_proxy()) {
         (Some(a), _) => a.pid(),
@@ -284,6 +298,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
         interrupt::check()?;
         let r = proxy.sb.sweep_shards(
             t.targets,
+            t.args.sweep_workers,
             1000,
             Duration::from_secs(30 + u64::from(t.n) / 10),
         )?;
