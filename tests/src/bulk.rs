@@ -91,6 +91,21 @@ pub fn ready_endpoint(ip: Ipv4Addr) -> Endpoint {
     }
 }
 
+/// `ready_endpoint` on node `node` (its `nodeName`), as the EndpointSlice controller writes
+/// every endpoint of a scheduled pod.
+pub fn ready_endpoint_on(ip: Ipv4Addr, node: Option<String>) -> Endpoint {
+    Endpoint {
+        node_name: node,
+        ..ready_endpoint(ip)
+    }
+}
+
+/// A cloud-style node name (`ip-10-1-2-3.ec2.internal`) of node `n`.
+pub fn node_name(n: u32) -> String {
+    let [_, a, b, c] = n.to_be_bytes();
+    format!("ip-10-{a}-{b}-{c}.ec2.internal")
+}
+
 async fn create_namespace(client: Client, namespace: &str) -> Result<Namespace> {
     let ns = Namespace {
         metadata: ObjectMeta {

@@ -67,6 +67,11 @@ struct Args {
     /// Ready endpoints per EndpointSlice.
     #[arg(long, default_value_t = 10)]
     endpoints: u32,
+    /// Nodes the endpoints run on (each endpoint's `nodeName`, cloud-style names, endpoint
+    /// after endpoint in turn), as in a real cluster; 0: no `nodeName`, as the runs before
+    /// 2026-12-07 had. The agent's own node is none of them.
+    #[arg(long, default_value_t = 1_000)]
+    nodes: u32,
     /// Sequential EndpointSlice changes timed for the change latency.
     #[arg(long, default_value_t = 1_000)]
     changes: u32,
@@ -123,17 +128,21 @@ fn changed_ip(c: u32) -> Ipv4Addr {
     Ipv4Addr::from(0x0ae0_0000 + c)
 }
 
-/// Service `i` and its slice as created.
-fn objects(i: u32, per_service: u32) -> (Service, EndpointSlice) {
-    (
-        bulk::service(NAMESPACE, i, PORT, TARGET_PORT),
-        bulk::slice(
-            NAMESPACE,
-            i,
-            (0..per_service).map(|k| endpoint_ip(i, k, per_service)),
-            TARGET_PORT,
-        ),
-    )
+/// Service `i` and its slice as created, its endpoints on `nodes` nodes in turn (none: 0).
+fn objects(i: u32, per_service: u32, nodes: u32) -> (Service, EndpointSlice) {
+    let mut slice = bulk::slice(
+        NAMESPACE,
+        i,
+        (0..per_service).map(|k| endpoint_ip(i, k, per_service)),
+        TARGET_PORT,
+    );
+    if nodes > 0 {
+        for (k, e) in slice.endpoints.iter_mut().enumerate() {
+            let n = (u64::from(i) * u64::from(per_service) + k as u64) % u64::from(nodes);
+            e.node_name = Some(bulk::node_name(n as u32));
+        }
+    }
+    (bulk::service(NAMESPACE, i, PORT, TARGET_PORT), slice)
 }
 
 fn frontend_key(i: u32) -> ServiceKey {
@@ -816,7 +825,7 @@ fn bench() -> Result<()> {
         interrupt::block_on(
             &rt,
             bulk::populate_via_etcd(&cp, client.clone(), NAMESPACE, args.services, |i| {
-                objects(i, args.endpoints)
+                objects(i, args.endpoints, args.nodes)
             }),
         )?
     } else {
@@ -827,7 +836,7 @@ fn bench() -> Result<()> {
                 NAMESPACE,
                 args.services,
                 args.concurrency,
-                |i| objects(i, args.endpoints),
+                |i| objects(i, args.endpoints, args.nodes),
             ),
         )?
     };
@@ -963,7 +972,8 @@ fn bench() -> Result<()> {
         let k = rng.below(args.endpoints) as usize;
         let new_ip = changed_ip(c);
         let mut s = slices[i as usize].clone();
-        s.endpoints[k] = bulk::ready_endpoint(new_ip);
+        let node = (args.nodes > 0).then(|| bulk::node_name(c % args.nodes));
+        s.endpoints[k] = bulk::ready_endpoint_on(new_ip, node);
         let name = s.metadata.name.clone().unwrap_or_default();
         let key = frontend_key(i);
         let want = backend_addr(new_ip);
@@ -1036,6 +1046,10 @@ fn bench() -> Result<()> {
     if std::env::var_os("SVC_BENCH_TIMELINE").is_some() {
         timeline(&agent.log(), spawned_at);
     }
+    // The restarted agent adopts the maps charged to this cgroup and builds its state again
+    // beside them: the cgroup's peak over the whole run may be the restart's.
+    let restart_memcg = memcg.usage()?;
+    let restart_hwm = memory(restart_pid)?.hwm_kib;
     let (restart_complete, _) = verify(&store, &args)?;
     let restart_changes = [
         format!("at ready: {}", changed(&before, &at_ready)),
@@ -1125,6 +1139,11 @@ fn bench() -> Result<()> {
             "| the agent's memory cgroup, as a pod's limit counts it: peak (of which kernel memory: the maps) | | {} ({} kernel) | |",
             mib_bytes(end_memcg.peak),
             mib_bytes(end_memcg.kernel)
+        ),
+        format!(
+            "| the same cgroup's peak over the run, the restart on the pins included (the restarted agent's peak VmHWM) | | {} ({}) | |",
+            mib_bytes(restart_memcg.peak),
+            mib(restart_hwm)
         ),
         format!(
             "| agent CPU time, cold start (user + system), median | | {:.2} s (min {:.2}, max {:.2}) | |",
