@@ -616,7 +616,7 @@ mod tests {
             .collect();
         assert_eq!(names.len(), 4);
         assert!(names.iter().all(|n| Arc::ptr_eq(n, names[0])), "{names:?}");
-        assert_eq!(&*names[0] as &str, node);
+        assert_eq!(&**names[0], node);
 
         for i in 0..3_000 {
             let _ = node_named(&format!("ip-10-0-{i}.gone.test"));
