@@ -349,8 +349,8 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
 
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 
-/// Calls `f` on every key of a hash map, one BPF_MAP_GET_NEXT_KEY a key: no values copied,
-/// where a batch of a per-CPU map's copies each value once per possible CPU. A key deleted
+/// Calls `f` on every key of a hash map, one BPF_MAP_GET_NEXT_KEY a key: no values copied.
+/// A key deleted
 /// under the walk restarts it from the first (the kernel's answer to a key it lacks), so a
 /// key may come more than once; the walk gives up (EAGAIN) after `limit` keys.
 pub fn for_each_key<K: bytemuck::Pod>(

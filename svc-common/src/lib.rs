@@ -2025,7 +2025,7 @@ mod tests {
     /// migration).
     #[test]
     fn pin_names_and_capacities_are_stable() {
-        let pins: [(&str, u32, u32); 17] = [
+        let pins: [(&str, u32, u32); 18] = [
             ("SVC_SERVICES", 3, 262_144),
             ("SVC_SLOTS", 2, 262_144),
             ("SVC_BACKENDS", 1, 1_048_576),
@@ -2043,6 +2043,7 @@ mod tests {
             ("SVC_DEV_STATS", 1, 4_096),
             ("SVC_NODE_ADDR_BITS", 1, NODE_ADDR_BIT_WORDS),
             ("SVC_CT_NEW", 1, 65_536),
+            ("SVC_SERVICE_STATS", 2, 262_144),
         ];
         for (name, version, entries) in pins {
             assert!(map_names::ALL.contains(&name), "{name} is pinned");

@@ -207,9 +207,12 @@ impl Loaded {
         let dev_stats = take(map_names::DEV_STATS).try_into().unwrap();
         let maglev = take(map_names::MAGLEV).try_into().unwrap();
         let maglev_index = take(map_names::MAGLEV_INDEX).try_into().unwrap();
-        let service_stats = ebpf
-            .take_map(map_names::SERVICE_STATS)
-            .and_then(|m| m.try_into().ok());
+        // An object of layout 1 (a per-CPU hash) would count nothing here: refused, not
+        // skipped.
+        let service_stats = ebpf.take_map(map_names::SERVICE_STATS).map(|m| {
+            m.try_into()
+                .expect("SVC_SERVICE_STATS of layout 2, a hash (an older object?)")
+        });
         let xdp_devs = ebpf
             .take_map(map_names::XDP_DEVS)
             .and_then(|m| m.try_into().ok());
@@ -414,8 +417,13 @@ impl Dp {
                 .unwrap();
         }
         if let Some(m) = self.service_stats.as_mut() {
-            m.insert(f.id, svc_common::ServiceStats::default(), 0)
-                .unwrap_or_else(|e| panic!("SVC_SERVICE_STATS [{}]: {e}", f.id));
+            // A hash allocated as written may refuse for a moment (ENOMEM) while the kernel's
+            // caches refill: tried again as the agent tries, for longer (30 tries, about 2 s:
+            // the fixtures run beside whole test suites).
+            svc_agent::store::retry_enomem(30, || {
+                m.insert(f.id, svc_common::ServiceStats::default(), 0)
+            })
+            .unwrap_or_else(|e| panic!("SVC_SERVICE_STATS [{}]: {e}", f.id));
         }
         let mut flags = f.flags;
         if f.affinity_s != 0 {

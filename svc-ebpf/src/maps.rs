@@ -195,10 +195,12 @@ fn count_slot(slot: u32, id: u32) {
     }
     if let Some(v) = SVC_SERVICE_STATS.get_ptr_mut(id) {
         // Atomically: one entry for every CPU, which costs 128 bytes where a per-CPU one cost
-        // 64 bytes a CPU; counted once per connection or new flow, not per packet, so the
-        // shared cache line is touched as often as a connection is made.
-        // SAFETY: the value lives while the program runs (the hash frees it after an RCU
-        // grace period), and the slot is in bounds (checked above).
+        // 64 bytes a CPU. The shared cache line is touched once per connect(), per new flow,
+        // and per sendmsg() of an unconnected UDP socket (a DNS client's every query).
+        // SAFETY: the element's memory stays valid while the program runs, and the slot is
+        // in bounds (checked above). The BPF allocator may hand a deleted element to a new
+        // entry at once: an add in flight for a frontend deleted meanwhile may count once
+        // in the entry made next, as with layout 1.
         unsafe {
             atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(
                 core::ptr::addr_of_mut!((*v).counts[slot as usize]),

@@ -1297,16 +1297,13 @@ fn per_service_counters_of_a_bulk_first_sync_are_all_made_soon_after() {
 /// a CPU an entry) to the shared ones (layout 2): the new agent makes its map beside the
 /// pinned one, swaps its programs in and removes the older pin; the Service answers all
 /// along, and its counter goes on in the new map, from zero (a counter reset, to Prometheus).
-/// Needs a svc-agent of layout 1 in `SVC_STATS_V1_AGENT_BIN` (skipped without it: CI builds
-/// no older agent; run by hand with one built from 5ce7165).
+/// Needs a svc-agent of layout 1 in `SVC_STATS_V1_AGENT_BIN`: CI builds no older agent, so
+/// it is ignored there; run by hand (`--ignored`) with one built from 5ce7165.
 #[test]
+#[ignore = "needs SVC_STATS_V1_AGENT_BIN, a svc-agent of SVC_SERVICE_STATS layout 1"]
 fn per_service_counters_of_the_per_cpu_layout_give_way_in_place() {
-    let Some(old) = std::env::var_os("SVC_STATS_V1_AGENT_BIN") else {
-        eprintln!(
-            "skipped: set SVC_STATS_V1_AGENT_BIN to a svc-agent of SVC_SERVICE_STATS layout 1"
-        );
-        return;
-    };
+    let old = std::env::var_os("SVC_STATS_V1_AGENT_BIN")
+        .expect("SVC_STATS_V1_AGENT_BIN: a svc-agent of SVC_SERVICE_STATS layout 1");
     let metrics = free_port();
     let metrics_flag = format!("--metrics-bind-address={metrics}");
     let web = ("demo", "web", "http");
@@ -1354,7 +1351,7 @@ fn per_service_counters_of_the_per_cpu_layout_give_way_in_place() {
     })
     .unwrap_or_else(|e| panic!("no counter after the upgrade: {e:#}\n{log}"));
     assert!(
-        before < report.ok as u64 + 3,
+        before > 0 && before < report.ok as u64 + 3,
         "{before} counted of {report:?}"
     );
     let r = w.sb.tcp(sa(VIP, 80), 3, &[]).unwrap();

@@ -396,7 +396,7 @@ mod tests {
     }
 }
 
-/// One Service port's counters (`SERVICE_STATS`), summed over the CPUs and over the
+/// One Service port's counters (`SERVICE_STATS`), summed over the
 /// frontends it has on this node (ClusterIPs, NodePort, external addresses): `counts` in the
 /// order of `Reason::SERVICE`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -461,7 +461,7 @@ pub fn read_service_stats(dir: &Path) -> Result<Vec<ServiceCounts>> {
     Ok(by_port(per_id, named))
 }
 
-/// The counts of `per_id` (frontend id, summed over CPUs) by Service port, sorted by
+/// The counts of `per_id` (by frontend id) by Service port, sorted by
 /// (namespace, Service, port); ids without a name are left out.
 fn by_port(
     per_id: Vec<(u32, svc_common::ServiceStats)>,

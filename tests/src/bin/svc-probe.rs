@@ -804,6 +804,14 @@ fn sweep(targets: &std::path::Path, timeout: Duration, workers: u32) -> Result<S
         report.first_failures.extend(part.first_failures);
     }
     report.first_failures.truncate(10);
+    // A worker that panicked took its counts with it: what it probed counts as failed.
+    let unaccounted = (to.len() as u64).saturating_sub(report.ok + report.failed);
+    if unaccounted > 0 {
+        report.failed += unaccounted;
+        (report.first_failures).push(format!(
+            "{unaccounted} targets unaccounted for: a worker panicked"
+        ));
+    }
     report.elapsed_us = us(start);
     report.cgroup = own_cgroup();
     report.netns_ino = own_netns();

@@ -302,7 +302,7 @@ fn turn(t: &mut Turn, kind: ProxyKind, round: u32) -> Result<Sample> {
             1000,
             Duration::from_secs(30 + u64::from(t.n) / 10),
         )?;
-        if r.failed == 0 {
+        if r.failed == 0 && r.ok == u64::from(t.n) {
             break (started.elapsed(), Duration::from_micros(r.elapsed_us));
         }
         if started.elapsed() > Duration::from_secs(t.args.give_up_s) {
