@@ -2,7 +2,8 @@
 //!
 //! A real etcd and kube-apiserver on loopback (the harness's `ControlPlane`) get 10,000
 //! Services of one TCP port, each with one EndpointSlice of 10 ready endpoints on made-up
-//! addresses. Then, in one run:
+//! addresses, each naming one of 1,000 nodes (`--nodes`), none of them the agent's. Then, in
+//! one run:
 //!
 //! 1. cold start: `svc-agent run --kubeconfig ...` (the release binary, as a process, on a test
 //!    cgroup and a private bpffs directory) from spawn to `svc-agent: ready`, which the agent
