@@ -219,8 +219,11 @@ pub(super) fn parse(
 }
 
 fn parse_ports(slice: &EndpointSlice, object: &str, errors: &mut Vec<Error>) -> Vec<SlicePort> {
-    let mut out: Vec<SlicePort> = Vec::new();
-    for port in slice.ports.as_deref().unwrap_or_default() {
+    let ports = slice.ports.as_deref().unwrap_or_default();
+    // Sized to the slice's ports: a vector grown from empty holds room for four, and the
+    // cache keeps one per slice (9 MiB more at 100,000 slices of one port).
+    let mut out: Vec<SlicePort> = Vec::with_capacity(ports.len());
+    for port in ports {
         let name = port.name.clone().unwrap_or_default();
         let protocol = match parse_protocol(port.protocol.as_deref()) {
             Ok(protocol) => protocol,
