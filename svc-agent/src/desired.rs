@@ -103,9 +103,8 @@ fn ip_range(ip: IpAddr) -> std::ops::RangeInclusive<Frontend> {
 }
 
 impl Desired {
-    pub fn from_full(mut state: DesiredState) -> Desired {
-        // Packed: assembled in Service order, the tree's nodes would be partly empty.
-        state.frontends = std::mem::take(&mut state.frontends).into_iter().collect();
+    pub fn from_full(state: DesiredState) -> Desired {
+        // Its frontends' tree comes packed (`translate::assemble_with` builds it in one go).
         Desired {
             state,
             by_owner: None,

@@ -48,15 +48,16 @@ pub(super) struct SlicePort {
     pub port: u16,
 }
 
-/// 48 bytes: a cache of a cluster's endpoints holds hundreds of thousands.
+/// 40 bytes: a cache of a cluster's endpoints holds hundreds of thousands.
 #[derive(Clone, Debug)]
 pub(super) struct EndpointInfo {
     pub ip: IpAddr,
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    /// Shared with every endpoint of the same node (`node_named`).
-    pub node_name: Option<Arc<str>>,
+    /// Shared with every endpoint of the same node (`node_named`); a `String` behind the
+    /// `Arc` keeps the field one pointer wide (8 bytes an endpoint less than an `Arc<str>`).
+    pub node_name: Option<Arc<String>>,
     /// Topology hints; most endpoints have none.
     pub hints: Option<Box<Hints>>,
 }
@@ -92,8 +93,13 @@ impl EndpointInfo {
         )
     }
 
+    /// The node it runs on (its `nodeName`).
+    pub fn node(&self) -> Option<&str> {
+        self.node_name.as_deref().map(String::as_str)
+    }
+
     pub fn is_local(&self, node: &NodeContext) -> bool {
-        match (node.node_name(), self.node_name.as_deref()) {
+        match (node.node_name(), self.node()) {
             (Some(here), Some(there)) => here == there,
             _ => false,
         }
@@ -105,7 +111,7 @@ impl EndpointInfo {
 /// a cloud's `ip-10-0-12-34.ec2.internal`, 46 MiB at 1,000,000 endpoints). Names no endpoint
 /// holds any more are dropped once the set has doubled since it was last pruned.
 struct NodeNames {
-    names: BTreeSet<Arc<str>>,
+    names: BTreeSet<Named>,
     prune_above: usize,
 }
 
@@ -114,17 +120,27 @@ static NODE_NAMES: Mutex<NodeNames> = Mutex::new(NodeNames {
     prune_above: 1024,
 });
 
+/// A name of `NodeNames`, ordered by its text, so the set is searched by `&str`.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Named(Arc<String>);
+
+impl std::borrow::Borrow<str> for Named {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 /// `name`, shared with every other endpoint on that node.
-fn node_named(name: &str) -> Arc<str> {
+fn node_named(name: &str) -> Arc<String> {
     // A panic elsewhere while holding the lock leaves the set as consistent as ever.
     let mut nodes = NODE_NAMES.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(n) = nodes.names.get(name) {
-        return n.clone();
+        return n.0.clone();
     }
-    let n: Arc<str> = Arc::from(name);
-    nodes.names.insert(n.clone());
+    let n = Arc::new(name.to_owned());
+    nodes.names.insert(Named(n.clone()));
     if nodes.names.len() > nodes.prune_above {
-        nodes.names.retain(|n| Arc::strong_count(n) > 1);
+        nodes.names.retain(|n| Arc::strong_count(&n.0) > 1);
         nodes.prune_above = (2 * nodes.names.len()).max(1024);
     }
     n
@@ -504,7 +520,7 @@ pub(super) fn judge(
         .iter()
         .map(|(a, e)| {
             let (used, why) = if local && !e.is_local(node) {
-                let there = e.node_name.as_deref().unwrap_or("no node named");
+                let there = e.node().unwrap_or("no node named");
                 (
                     false,
                     format!("on another node ({there}) under a Local traffic policy"),
@@ -614,12 +630,13 @@ mod tests {
         let a = parse(&slice("web-a", ["10.1.0.1", "10.1.0.2"]), None, &mut errors).unwrap();
         let b = parse(&slice("web-b", ["10.1.0.3", "10.1.0.4"]), None, &mut errors).unwrap();
         assert!(errors.is_empty(), "{errors:?}");
-        let names: Vec<&Arc<str>> = (a.endpoints.iter().chain(&b.endpoints))
+        let names: Vec<&Arc<String>> = (a.endpoints.iter().chain(&b.endpoints))
             .map(|e| e.node_name.as_ref().expect("a node"))
             .collect();
         assert_eq!(names.len(), 4);
         assert!(names.iter().all(|n| Arc::ptr_eq(n, names[0])), "{names:?}");
-        assert_eq!(&**names[0], node);
+        assert_eq!(names[0].as_str(), node);
+        assert_eq!(size_of::<EndpointInfo>(), 40);
 
         for i in 0..3_000 {
             let _ = node_named(&format!("ip-10-0-{i}.gone.test"));

@@ -548,6 +548,11 @@ pub fn assemble_with<'a>(
     }
 
     let mut state = DesiredState::default();
+    // Gathered, then made a tree in one go: a tree filled in Service order leaves its nodes
+    // partly empty (36 MiB at 100,000 frontends where packed takes 18), and packing it
+    // afterwards held both at once. A frontend gathered twice keeps the later, as inserting
+    // it twice did.
+    let mut frontends: Vec<(Frontend, DesiredFrontend)> = Vec::with_capacity(services.len());
     for svc in services {
         let slices = slices_by_service
             .get(&(svc.key.namespace(), svc.key.name()))
@@ -590,7 +595,7 @@ pub fn assemble_with<'a>(
                 if claim.kind == Kind::ClusterIP {
                     state.cluster_ips.insert(frontend.ip);
                 }
-                state.frontends.insert(frontend, d);
+                frontends.push((frontend, d));
             }
             at = end;
         }
@@ -615,6 +620,7 @@ pub fn assemble_with<'a>(
             );
         }
     }
+    state.frontends = frontends.into_iter().collect();
     Translated { state, errors }
 }
 
