@@ -434,7 +434,8 @@ fn is_enomem(e: &MapError) -> bool {
     matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOMEM))
 }
 
-fn is_full(e: &MapError) -> bool {
+/// E2BIG on an insert: the map holds max_entries.
+pub(crate) fn is_full(e: &MapError) -> bool {
     matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::E2BIG))
 }
 

@@ -26,29 +26,45 @@ where
 {
     let entries: Vec<(K, V)> = sys::dump_hash(old.fd().as_fd())
         .map_err(|e| Error::map_io(name, format!("reading the old map: {e}"), &e))?;
+    insert_all(name, new, &entries, keep_newer, || {
+        Error::load(format!(
+            "map {name}: its {} entries do not fit in the capacity asked for; give a larger \
+             one (see `svc-agent run --help`, the --max-* flags)",
+            entries.len()
+        ))
+    })?;
+    Ok(entries.len())
+}
+
+/// Writes `entries` into `new`; with `keep_newer` never over an entry it has
+/// (`BPF_NOEXIST`). `full`: the error when `new` has no room left (E2BIG). How many entries
+/// it wrote.
+fn insert_all<K, V>(
+    name: &'static str,
+    new: &mut HashMap<MapData, K, V>,
+    entries: &[(K, V)],
+    keep_newer: bool,
+    full: impl Fn() -> Error,
+) -> Result<usize>
+where
+    K: aya::Pod,
+    V: aya::Pod,
+{
     let flags = if keep_newer {
         crate::store::BPF_NOEXIST
     } else {
         0
     };
-    for (k, v) in &entries {
+    let mut written = 0;
+    for (k, v) in entries {
         match new.insert(k, v, flags) {
-            Ok(()) => {}
-            Err(aya::maps::MapError::SyscallError(e))
-                if keep_newer && e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::E2BIG) =>
-            {
-                return Err(Error::load(format!(
-                    "map {name}: its {} entries do not fit in the capacity asked for; give a \
-                     larger one (see `svc-agent run --help`, the --max-* flags)",
-                    entries.len()
-                )))
-            }
+            Ok(()) => written += 1,
+            Err(e) if keep_newer && crate::store::is_exists(&e) => {}
+            Err(e) if crate::store::is_full(&e) => return Err(full()),
             Err(e) => return Err(crate::store::map_err(name, e)),
         }
     }
-    Ok(entries.len())
+    Ok(written)
 }
 
 /// Copies a migrated map's entries into the new one.
@@ -203,34 +219,25 @@ pub(super) fn carry_slots_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> 
             )));
         }
     }
-    let refused = |name: &'static str, e: aya::maps::MapError| match e {
-        aya::maps::MapError::SyscallError(ref s)
-            if s.io_error.raw_os_error() == Some(libc::E2BIG) =>
-        {
+    let full = |name: &'static str| {
+        let pin = services_pin.display();
+        move || {
             Error::load(format!(
-                "carrying the frontends of {} over: {name} is full; raise its capacity \
-                 (--max-slots counts slots, eight to an entry; --max-services)",
-                services_pin.display()
+                "carrying the frontends of {pin} over: {name} is full; raise its capacity \
+                 (--max-slots counts slots, eight to an entry; --max-services)"
             ))
         }
-        e => crate::store::map_err(name, e),
     };
-    let mut carried = 0;
-    for (k, g) in &slots {
-        match store.slots.insert(k, g, crate::store::BPF_NOEXIST) {
-            Ok(()) => carried += 1,
-            Err(e) if crate::store::is_exists(&e) => {}
-            Err(e) => return Err(refused(map_names::SLOTS, e)),
-        }
-    }
+    let (slots_name, services_name) = (map_names::SLOTS, map_names::SERVICES);
+    let mut carried = insert_all(slots_name, &mut store.slots, &slots, true, full(slots_name))?;
     // After their slots, as a sync writes them.
-    for (k, v) in &services {
-        match store.services.insert(k, v, crate::store::BPF_NOEXIST) {
-            Ok(()) => carried += 1,
-            Err(e) if crate::store::is_exists(&e) => {}
-            Err(e) => return Err(refused(map_names::SERVICES, e)),
-        }
-    }
+    carried += insert_all(
+        services_name,
+        &mut store.services,
+        &services,
+        true,
+        full(services_name),
+    )?;
     std::fs::remove_file(&slots_pin).map_err(|e| {
         Error::load(format!(
             "removing {} once carried over: {e}",
@@ -330,10 +337,6 @@ fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue
     let mut unassured: HashMap<MapData, svc_common::CtKey, svc_common::CtValue> =
         HashMap::try_from(Map::LruHashMap(clone_map(ct_new)?))
             .map_err(|e| crate::store::map_err(map_names::CT_NEW, e))?;
-    let errno = |e: &aya::maps::MapError| match e {
-        aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error(),
-        _ => None,
-    };
     for (k, v) in entries {
         if assured.get(k, 0).is_ok() || unassured.get(k, 0).is_ok() {
             continue;
@@ -342,7 +345,7 @@ fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue
             unassured.insert(k, v, crate::store::BPF_NOEXIST)
         } else {
             match assured.insert(k, v, crate::store::BPF_NOEXIST) {
-                Err(e) if errno(&e) == Some(libc::E2BIG) => {
+                Err(e) if crate::store::is_full(&e) => {
                     unassured.insert(k, v, crate::store::BPF_NOEXIST)
                 }
                 other => other,
@@ -350,7 +353,7 @@ fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue
         };
         match first {
             Ok(()) => {}
-            Err(e) if errno(&e) == Some(libc::EEXIST) => {}
+            Err(e) if crate::store::is_exists(&e) => {}
             Err(e) => return Err(crate::store::map_err(map_names::CT, e)),
         }
     }
