@@ -156,10 +156,10 @@ pub fn check_with(
                 }
             }
             match backends.get(b) {
-                Some(be) if be.proto == fe.protocol.ipproto() => got.push(Backend {
-                    addr: SocketAddr::new(ip_from16(be.addr), u16::from_be(be.port_be)),
-                    local: be.flags & backend_flags::LOCAL != 0,
-                }),
+                Some(be) if be.proto == fe.protocol.ipproto() => got.push(Backend::new(
+                    SocketAddr::new(ip_from16(be.addr), u16::from_be(be.port_be)),
+                    be.flags & backend_flags::LOCAL != 0,
+                )),
                 Some(_) => problems.push(format!("{fe}: backend {b} has another protocol")),
                 None => problems.push(format!("{fe}: slot {slot} names missing backend {b}")),
             }
@@ -363,7 +363,7 @@ fn check_table(
     };
     let proto = fe.protocol.ipproto();
     let idents: Vec<crate::maglev::Identity> = (d.backends.iter())
-        .map(|b| crate::maglev::Identity::of(b.addr, proto))
+        .map(|b| crate::maglev::Identity::of(b.addr(), proto))
         .collect();
     let Ok(want) = crate::maglev::build(maglev.seed, &idents) else {
         return;

@@ -91,8 +91,8 @@ impl UnitPlan {
 
 pub fn backend_value(b: DesiredBackend, protocol: Protocol) -> Backend {
     Backend {
-        addr: super::addr16(b.addr.ip()),
-        port_be: b.addr.port().to_be(),
+        addr: b.addr16(),
+        port_be: b.port().to_be(),
         proto: protocol.ipproto(),
         flags: if b.local { backend_flags::LOCAL } else { 0 },
     }
@@ -272,7 +272,7 @@ fn plan_table(
         return None;
     };
     let idents: Vec<crate::maglev::Identity> = (d.backends.iter())
-        .map(|b| crate::maglev::Identity::of(b.addr, proto))
+        .map(|b| crate::maglev::Identity::of(b.addr(), proto))
         .collect();
     let table = crate::maglev::build(seed, &idents).ok()?;
     let t = TableRef {

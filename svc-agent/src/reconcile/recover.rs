@@ -102,7 +102,7 @@ impl Programmed {
             let sa = SocketAddr::new(ip_from16(b.addr), u16::from_be(b.port_be));
             let local = b.flags & svc_common::backend_flags::LOCAL != 0;
             p.backends
-                .add(*id, BackendKey::new(Backend { addr: sa, local }, proto));
+                .add(*id, BackendKey::new(Backend::new(sa, local), proto));
         }
         // Each slot a master entry reaches is taken out: what is left are leftovers.
         let mut slots: HashMap<SlotKey, SlotGroup> = snap.slots.iter().copied().collect();

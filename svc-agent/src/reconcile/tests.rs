@@ -1290,10 +1290,7 @@ fn cidr(c: &str) -> Cidr {
 }
 
 fn local(addr: &str) -> DesiredBackend {
-    DesiredBackend {
-        addr: addr.parse().unwrap(),
-        local: true,
-    }
+    DesiredBackend::new(addr.parse().unwrap(), true)
 }
 
 #[test]
@@ -1823,10 +1820,7 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
 fn external_frontend_addresses_go_in_first_and_linger_while_flows_go_to_them() {
     let mut store = ModelStore::default();
     let mut p = fresh();
-    let b = DesiredBackend {
-        addr: "10.0.0.1:8080".parse().unwrap(),
-        local: false,
-    };
+    let b = DesiredBackend::new("10.0.0.1:8080".parse().unwrap(), false);
     let mut want = DesiredState::default();
     let f = lb_frontend(&mut want, "198.51.100.1", 80, None, &[b]);
     // Two frontends on one address: it goes only with the last.
@@ -1910,10 +1904,7 @@ fn a_frontend_whose_address_cannot_enter_node_addrs_is_not_written() {
         },
         Duration::from_secs(1),
     );
-    let b = DesiredBackend {
-        addr: "10.0.0.1:8080".parse().unwrap(),
-        local: false,
-    };
+    let b = DesiredBackend::new("10.0.0.1:8080".parse().unwrap(), false);
     let mut want = state(&[(fe("10.96.0.10", 80), &["10.0.0.1:8080"])]);
     want.node.addrs.insert(
         "192.168.1.10".parse().unwrap(),
@@ -1966,10 +1957,7 @@ fn a_frontend_on_a_node_address_waits_for_its_external_mark() {
     );
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
-    let b = DesiredBackend {
-        addr: "10.0.0.1:8080".parse().unwrap(),
-        local: false,
-    };
+    let b = DesiredBackend::new("10.0.0.1:8080".parse().unwrap(), false);
     let f = lb_frontend(&mut want, node_ip, 443, None, &[b]);
     // The next put is the address's mark: it comes before the frontend's entries.
     store.fail_put_at = Some(store.puts);
@@ -2014,10 +2002,7 @@ fn a_programmed_frontend_whose_external_mark_fails_is_retried() {
             ifindex: 2,
         },
     );
-    let b = DesiredBackend {
-        addr: "10.0.0.1:8080".parse().unwrap(),
-        local: false,
-    };
+    let b = DesiredBackend::new("10.0.0.1:8080".parse().unwrap(), false);
     let f = lb_frontend(&mut want, node_ip, 443, None, &[b]);
     let r = settle(&mut p, &mut store, &want);
     assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -2084,10 +2069,7 @@ fn an_unwritable_address_one_service_leaves_as_another_takes_it_holds_the_newcom
         ..Capacity::default()
     };
     let mut p = Programmed::empty(cap, Duration::from_secs(1));
-    let b = DesiredBackend {
-        addr: "10.0.0.1:8080".parse().unwrap(),
-        local: false,
-    };
+    let b = DesiredBackend::new("10.0.0.1:8080".parse().unwrap(), false);
     let lb = |s: &mut DesiredState, owner: &str, port: u16| {
         let f = Frontend {
             scope: FeScope::External,
@@ -3439,7 +3421,7 @@ mod batched {
         desired.frontends[f]
             .backends
             .iter()
-            .map(|b| b.addr)
+            .map(|b| b.addr())
             .collect()
     }
 
@@ -3459,10 +3441,7 @@ mod batched {
                 },
             );
         };
-        let backend = |a: &str| DesiredBackend {
-            addr: a.parse().unwrap(),
-            local: false,
-        };
+        let backend = |a: &str| DesiredBackend::new(a.parse().unwrap(), false);
         let mut before = DesiredState::default();
         node(&mut before);
         lb_frontend(&mut before, node_ip, 443, None, &[backend("10.0.0.1:8080")]);
@@ -3651,7 +3630,7 @@ mod batched {
             ]
         });
         let bad = 750;
-        let refused = addr16(desired.frontends[&fes[bad]].backends[1].addr.ip());
+        let refused = addr16(desired.frontends[&fes[bad]].backends[1].addr().ip());
         let mut batched = ModelStore {
             refuse_backend: Some(refused),
             at_once,

@@ -205,7 +205,7 @@ mod tests {
         let backends = t.state.frontends[&fe]
             .backends
             .iter()
-            .map(|b| b.addr.ip().to_string())
+            .map(|b| b.ip().to_string())
             .collect();
         (backends, errors.iter().map(ToString::to_string).collect())
     }

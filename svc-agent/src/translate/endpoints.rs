@@ -480,10 +480,7 @@ pub(super) fn select(
         let endpoints: Vec<&EndpointInfo> = candidates.iter().map(|(_, e)| *e).collect();
         topology(&endpoints, node)
     };
-    let backend = |(a, e): &(SocketAddr, &EndpointInfo)| Backend {
-        addr: *a,
-        local: e.is_local(node),
-    };
+    let backend = |(a, e): &(SocketAddr, &EndpointInfo)| Backend::new(*a, e.is_local(node));
     let ready: Vec<Backend> = candidates
         .iter()
         .filter(|(_, e)| e.ready && fits_topology(e, topology, node))

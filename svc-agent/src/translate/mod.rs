@@ -742,7 +742,7 @@ pub fn intent(
             })
             .collect(),
         endpoints: verdicts,
-        backends: desired.backends.iter().map(|b| b.addr).collect(),
+        backends: desired.backends.iter().map(|b| b.addr()).collect(),
     })
 }
 
