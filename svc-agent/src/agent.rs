@@ -337,7 +337,7 @@ impl Agent {
         // the tree in key order; one that changed little (a manifest edit) need not pack it.
         // The first sync after a start, even one that wrote nothing (a restart on the pins),
         // leaves the largest transient memory behind (the lists, the assembly, the plan), to
-        // be given back: a restarted agent kept it all resident before.
+        // be given back, else a restart that writes nothing keeps it resident.
         let wrote_much = report.frontends_written * 4 >= self.programmed.frontends.len().max(1);
         if wrote_much {
             self.programmed.compact();

@@ -177,9 +177,9 @@ impl fmt::Display for Frontend {
 /// One backend of a frontend: 20 bytes where `(SocketAddr, bool)` takes 36; the desired state
 /// holds one per endpoint of each frontend, a million at 100,000 Services of 10.
 ///
-/// Ordered as `(SocketAddr, local)` is (IPv4 first, then address, port), with the fields
-/// compared in the order declared: the sorted order is the slot order in the maps, which an
-/// agent of another version must find unchanged at a restart.
+/// Ordered as `(SocketAddr, local)` is (IPv4 first, then address, port), the fields compared
+/// in the order declared: `DesiredFrontend::backends` is sorted, in the order the translation
+/// walks endpoints (by `SocketAddr`), and this order must agree with it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Backend {
     v6: bool,
@@ -260,7 +260,7 @@ impl From<SocketAddr> for Backend {
     }
 }
 
-/// "10.0.0.1:8080": a backend on another node.
+/// "10.0.0.1:8080": a backend on another node (an IPv6 address's `%scope` is dropped).
 impl std::str::FromStr for Backend {
     type Err = std::net::AddrParseError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -508,9 +508,8 @@ impl FromIterator<(Frontend, String)> for Served {
 mod tests {
     use super::*;
 
-    /// The slot order in the maps is the backends' sorted order: it must be the order the
-    /// earlier `(SocketAddr, bool)` representation had, or a restart after an upgrade would
-    /// find every generation out of order and write it again.
+    /// A frontend's backends are sorted by address (the translation walks endpoints by
+    /// `SocketAddr`): this order must be that one, as the earlier `(SocketAddr, bool)` was.
     #[test]
     fn backends_sort_and_read_back_as_socket_addresses_do() {
         let addrs = [
