@@ -615,7 +615,7 @@ impl Agent {
         let keep = |fe: &Frontend, pf: &ProgFrontend| -> Keep {
             let failing = |owner: &str| self.retry.contains(owner);
             let d = self.desired.state.frontends.get(fe);
-            if failing(pf.owner()) || d.is_some_and(|d| failing(&d.owner)) {
+            if failing(pf.owner()) || d.is_some_and(|d| failing(d.owner())) {
                 return Keep::Any;
             }
             match d {

@@ -71,7 +71,7 @@ impl OwnerIndex {
         let (mine, others): (Vec<Frontend>, Vec<Frontend>) = filed
             .as_slice()
             .iter()
-            .partition(|fe| state.frontends.get(fe).is_none_or(|d| d.owner == owner));
+            .partition(|fe| state.frontends.get(fe).is_none_or(|d| d.owner() == owner));
         for fe in others {
             self.add_hashed(h, fe);
         }
@@ -136,7 +136,7 @@ impl Desired {
         self.by_owner.get_or_insert_with(|| {
             let mut index = OwnerIndex::default();
             for (fe, d) in &state.frontends {
-                index.add(&d.owner, *fe);
+                index.add(d.owner(), *fe);
             }
             index
         })
@@ -152,7 +152,7 @@ impl Desired {
                     self.state
                         .frontends
                         .get(fe)
-                        .is_some_and(|d| d.owner == owner)
+                        .is_some_and(|d| d.owner() == owner)
                 })
                 .copied()
                 .collect(),
@@ -160,7 +160,7 @@ impl Desired {
                 .state
                 .frontends
                 .values()
-                .filter(|d| d.owner == owner)
+                .filter(|d| d.owner() == owner)
                 .map(|d| d.frontend)
                 .collect(),
         }
@@ -188,7 +188,7 @@ impl Desired {
             self.state.no_local_endpoints.remove(owner);
         }
         self.state.contested.retain(|_, claims| {
-            claims.retain(|d| !owners.contains(&d.owner));
+            claims.retain(|d| !owners.contains(d.owner()));
             !claims.is_empty()
         });
         for (fe, claims) in translated.contested {
@@ -200,16 +200,16 @@ impl Desired {
         for (fe, d) in translated.frontends {
             if let Some(holder) = self.state.frontends.get(&fe) {
                 errors.push(Error::Invalid {
-                    object: format!("Service {}", d.owner),
+                    object: format!("Service {}", d.owner()),
                     message: format!(
                         "frontend {fe} is already served by Service {}; skipped",
-                        holder.owner
+                        holder.owner()
                     ),
                 });
                 self.state.contested.entry(fe).or_default().push(d);
                 continue;
             }
-            self.index().add(&d.owner, fe);
+            self.index().add(d.owner(), fe);
             self.state.frontends.insert(fe, d);
             touched.insert(fe);
         }
@@ -227,7 +227,7 @@ impl Desired {
                 continue;
             };
             // A new conflict, as a full translation resolves it.
-            let ranked = claims.iter().map(|d| (d.owner.as_str(), d.created));
+            let ranked = claims.iter().map(|d| (d.owner(), d.created));
             let Some(first) = crate::translate::rightful(ranked, None) else {
                 continue;
             };
@@ -235,8 +235,8 @@ impl Desired {
             if !claims.is_empty() {
                 self.state.contested.insert(fe, claims);
             }
-            info!(frontend = %fe, service = %d.owner, "frontend given up by its holder; served by the Service that also claims it");
-            self.index().add(&d.owner, fe);
+            info!(frontend = %fe, service = %d.owner(), "frontend given up by its holder; served by the Service that also claims it");
+            self.index().add(d.owner(), fe);
             self.state.frontends.insert(fe, d);
         }
         let ips: BTreeSet<IpAddr> = touched.iter().map(|fe| fe.ip).collect();
@@ -266,7 +266,7 @@ mod tests {
         let frontend = Frontend::cluster(ip.parse().unwrap(), port, Protocol::Tcp);
         (
             frontend,
-            DesiredFrontend::cluster_ip(frontend, owner, owner, vec![]),
+            DesiredFrontend::cluster_ip(frontend, owner, vec![]),
         )
     }
 
@@ -401,7 +401,7 @@ mod tests {
             desired.state.cluster_ips,
             BTreeSet::from(["10.96.0.1".parse().unwrap()])
         );
-        assert_eq!(desired.state.frontends[&a2.0].owner, "ns/a");
+        assert_eq!(desired.state.frontends[&a2.0].owner(), "ns/a");
     }
 
     /// A Service as the Kubernetes source caches it.
@@ -432,20 +432,20 @@ mod tests {
             protocol: Protocol::Tcp,
             scope: Scope::External,
         };
-        assert_eq!(full.state.frontends[&ext].owner, "ns/old");
+        assert_eq!(full.state.frontends[&ext].owner(), "ns/old");
         let mut desired = Desired::from_full(full.state);
 
         // ns/old is deleted: only it is translated again.
         let owners = BTreeSet::from(["ns/old".to_string()]);
         let (touched, _) = desired.replace(&owners, assemble([], [], &node).state);
         assert!(touched.contains(&ext));
-        let holder = desired.state.frontends.get(&ext).map(|d| d.owner.as_str());
+        let holder = desired.state.frontends.get(&ext).map(|d| d.owner());
         assert_eq!(holder, Some("ns/new"), "203.0.113.10:80 served by nobody");
         let local = Frontend {
             scope: Scope::Cluster,
             ..ext
         };
-        assert_eq!(desired.state.frontends[&local].owner, "ns/new");
+        assert_eq!(desired.state.frontends[&local].owner(), "ns/new");
         assert!(touched.contains(&local));
     }
 
@@ -466,16 +466,17 @@ mod tests {
             scope: Scope::External,
         };
         let full = assemble([&holder, &young, &old], [], &node);
-        assert_eq!(full.state.frontends[&ext].owner, "ns/holder");
+        assert_eq!(full.state.frontends[&ext].owner(), "ns/holder");
         let mut desired = Desired::from_full(full.state);
 
         // ns/holder is deleted: only it is translated again.
         let owners = BTreeSet::from(["ns/holder".to_string()]);
         desired.replace(&owners, assemble([], [], &node).state);
         let full_sync = assemble([&young, &old], [], &node);
-        assert_eq!(full_sync.state.frontends[&ext].owner, "ns/z-old");
+        assert_eq!(full_sync.state.frontends[&ext].owner(), "ns/z-old");
         assert_eq!(
-            desired.state.frontends[&ext].owner, "ns/z-old",
+            desired.state.frontends[&ext].owner(),
+            "ns/z-old",
             "an incremental sync must give the frontend where a full sync would"
         );
     }

@@ -163,7 +163,7 @@ pub fn desired_of(services: &[GenService]) -> DesiredState {
             fe,
             DesiredFrontend {
                 affinity_timeout_s: s.affinity_s,
-                ..DesiredFrontend::cluster_ip(fe, &owner, &owner, backends)
+                ..DesiredFrontend::cluster_ip(fe, &owner, backends)
             },
         );
     }

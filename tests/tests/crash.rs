@@ -34,7 +34,6 @@ fn web_desired(backend: Ipv4Addr) -> (Frontend, DesiredFrontend) {
         fe,
         DesiredFrontend::cluster_ip(
             fe,
-            "demo/web",
             "demo/web:http",
             vec![SocketAddr::new(backend.into(), 8080).into()],
         ),

@@ -272,10 +272,7 @@ impl WithTable for ServiceValue {
     }
 }
 
-/// "namespace/name" of a frontend's "namespace/name:port" (names and namespaces hold no ':').
-pub fn owner_of(name: &str) -> &str {
-    name.split_once(':').map_or(name, |(owner, _)| owner)
-}
+pub use crate::model::owner_of;
 
 /// Entries in the maps the agent writes, counted as they are written and deleted, so a
 /// Service that does not fit is refused before its first write.

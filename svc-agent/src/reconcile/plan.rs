@@ -964,11 +964,7 @@ impl Programmed {
     fn units<'a>(&self, desired: &'a DesiredState, scope: Scope<'_>) -> Units<'a> {
         let mut units: Units<'a> = BTreeMap::new();
         let upsert = |units: &mut Units<'a>, d: &'a DesiredFrontend| {
-            units
-                .entry(Cow::Borrowed(d.owner.as_str()))
-                .or_default()
-                .0
-                .push(d);
+            units.entry(Cow::Borrowed(d.owner())).or_default().0.push(d);
         };
         let remove = |units: &mut Units<'a>, fe: &Frontend, cur: &ProgFrontend| {
             units

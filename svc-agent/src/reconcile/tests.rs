@@ -436,7 +436,6 @@ fn state(entries: &[(Frontend, &[&str])]) -> DesiredState {
             *f,
             DesiredFrontend {
                 frontend: *f,
-                owner: owner_for(f),
                 service: owner_for(f),
                 backends: b,
                 affinity_timeout_s: None,
@@ -654,12 +653,10 @@ fn a_service_is_written_completely_or_not_at_all() {
         (a2, &["10.0.0.4:8080"]),
     ]);
     for d in after.frontends.values_mut() {
-        d.owner = "default/web".into();
         d.service = format!("default/web:{}", d.frontend.port);
     }
     let mut before = before;
     for d in before.frontends.values_mut() {
-        d.owner = "default/web".into();
         d.service = "default/web:80".into();
     }
     for fail_at in 0..12 {
@@ -706,7 +703,6 @@ fn a_full_services_map_refuses_whole_services_and_keeps_their_markers() {
                 f,
                 DesiredFrontend {
                     frontend: f,
-                    owner: format!("default/{name}"),
                     service: format!("default/{name}:p{port}"),
                     backends: vec![format!("10.0.{i}.1:8080").parse().unwrap()],
                     affinity_timeout_s: None,
@@ -845,7 +841,6 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                 f,
                 DesiredFrontend {
                     frontend: f,
-                    owner: format!("ns/{ip}"),
                     service: format!("ns/{ip}:{port}"),
                     backends: b,
                     affinity_timeout_s: (*port == 443).then_some(60),
@@ -1078,7 +1073,6 @@ fn frontend(s: &mut DesiredState, f: Frontend, backends: &[&str], affinity_timeo
         f,
         DesiredFrontend {
             frontend: f,
-            owner: owner_for(&f),
             service: owner_for(&f),
             backends: b,
             affinity_timeout_s,
@@ -1277,8 +1271,7 @@ fn lb_frontend(
         scope: FeScope::External,
         ..fe(ip, port)
     };
-    let mut d =
-        DesiredFrontend::cluster_ip(f, "ns/lb", &format!("ns/lb:{port}"), backends.to_vec());
+    let mut d = DesiredFrontend::cluster_ip(f, &format!("ns/lb:{port}"), backends.to_vec());
     d.kind = Kind::LoadBalancer;
     d.source_ranges = ranges.map(|r| r.iter().map(|c| c.parse().unwrap()).collect());
     s.frontends.insert(f, d);
@@ -1315,7 +1308,7 @@ fn scopes_are_separate_frontends_and_node_ports_use_the_wildcard_key() {
             vec![local("10.0.1.1:8080"), "10.0.2.1:8080".parse().unwrap()],
         ),
     ] {
-        let mut d = DesiredFrontend::cluster_ip(f, "ns/np", "ns/np", backends);
+        let mut d = DesiredFrontend::cluster_ip(f, "ns/np", backends);
         d.kind = Kind::NodePort;
         d.external_local = f.scope == FeScope::External;
         want.frontends.insert(f, d);
@@ -1358,7 +1351,7 @@ fn a_backend_changing_locality_gets_a_new_entry_and_generation() {
     let mk = |b: DesiredBackend| {
         let mut s = DesiredState::default();
         s.frontends
-            .insert(a, DesiredFrontend::cluster_ip(a, "ns/a", "ns/a", vec![b]));
+            .insert(a, DesiredFrontend::cluster_ip(a, "ns/a", vec![b]));
         s.cluster_ips.insert(a.ip);
         s
     };
@@ -1659,7 +1652,7 @@ fn a_crash_after_any_op_among_packet_datapath_entries_is_repaired() {
         Protocol::Udp,
         FeScope::External,
     );
-    let mut d = DesiredFrontend::cluster_ip(np, "ns/np", "ns/np", vec![b1]);
+    let mut d = DesiredFrontend::cluster_ip(np, "ns/np", vec![b1]);
     d.kind = Kind::NodePort;
     d.external_local = true;
     after.frontends.insert(np, d);
@@ -1703,8 +1696,7 @@ fn a_crash_after_any_op_among_packet_datapath_entries_is_repaired() {
 fn affinity_frontend(s: &mut DesiredState, f: Frontend, service: &str, backends: &[&str]) {
     let mut b: Vec<DesiredBackend> = backends.iter().map(|b| b.parse().unwrap()).collect();
     b.sort();
-    let owner = owner_of(service).to_string();
-    let mut d = DesiredFrontend::cluster_ip(f, &owner, service, b);
+    let mut d = DesiredFrontend::cluster_ip(f, service, b);
     d.affinity_timeout_s = Some(60);
     if f.scope == FeScope::External {
         d.kind = Kind::LoadBalancer;
@@ -1797,7 +1789,7 @@ fn affinity_ids_are_per_service_port_stable_and_never_shared() {
 
     // web goes; another Service comes (after a restart, too): ids never seen before.
     let mut next = moved.clone();
-    next.frontends.retain(|_, d| d.owner != "ns/web");
+    next.frontends.retain(|_, d| d.owner() != "ns/web");
     let other = fe("10.96.0.40", 80);
     affinity_frontend(&mut next, other, "ns/other", &["10.0.0.2:8080"]);
     settle(&mut p, &mut store, &next);
@@ -2075,7 +2067,7 @@ fn an_unwritable_address_one_service_leaves_as_another_takes_it_holds_the_newcom
             scope: FeScope::External,
             ..fe("198.51.100.1", port)
         };
-        let mut d = DesiredFrontend::cluster_ip(f, owner, &format!("{owner}:{port}"), vec![b]);
+        let mut d = DesiredFrontend::cluster_ip(f, &format!("{owner}:{port}"), vec![b]);
         d.kind = Kind::LoadBalancer;
         s.frontends.insert(f, d);
         f
@@ -2154,8 +2146,8 @@ fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
         // "default/a" comes later and sorts first: it must not take the frontend over.
         let newcomer = manifest_service("default", "a");
         let t = crate::translate::translate_with(&[holder, newcomer], &[], &node, &p.served());
-        let owner = &t.state.frontends[&fe("10.96.0.10", 80)].owner;
-        assert_eq!(owner, &format!("default/{name}"), "{:?}", t.errors);
+        let owner = t.state.frontends[&fe("10.96.0.10", 80)].owner();
+        assert_eq!(owner, format!("default/{name}"), "{:?}", t.errors);
     }
 }
 
@@ -2851,7 +2843,7 @@ fn a_restarted_agent_adopts_the_tables_and_rewrites_none() {
         Protocol::Tcp,
         FeScope::External,
     );
-    let mut d = DesiredFrontend::cluster_ip(np, "ns/np", "ns/np", maglev_backends(5));
+    let mut d = DesiredFrontend::cluster_ip(np, "ns/np", maglev_backends(5));
     d.kind = Kind::NodePort;
     want.frontends.insert(np, d);
     let mut store = ModelStore::default();
@@ -3058,7 +3050,7 @@ fn np_and_lb(s: &mut DesiredState, backends: &[DesiredBackend]) -> (Frontend, Fr
         Protocol::Tcp,
         FeScope::External,
     );
-    let mut d = DesiredFrontend::cluster_ip(np, "ns/lb", "ns/lb:80", backends.to_vec());
+    let mut d = DesiredFrontend::cluster_ip(np, "ns/lb:80", backends.to_vec());
     d.kind = Kind::NodePort;
     s.frontends.insert(np, d);
     (np, lb)
@@ -3325,7 +3317,7 @@ fn table_memory_at_10000_lb_services_of_10() {
             FeScope::External,
         );
         for (f, kind) in [(lb, Kind::LoadBalancer), (np, Kind::NodePort)] {
-            let mut d = DesiredFrontend::cluster_ip(f, &service, &port_name, backends.clone());
+            let mut d = DesiredFrontend::cluster_ip(f, &port_name, backends.clone());
             d.kind = kind;
             want.frontends.insert(f, d);
         }
@@ -3549,7 +3541,7 @@ mod batched {
             .filter(|m| **m == svc_common::map_names::SLOTS)
             .count();
         let mut owners: Vec<(String, usize)> = (desired.frontends.values())
-            .map(|d| (d.owner.clone(), d.backends.len()))
+            .map(|d| (d.owner().to_string(), d.backends.len()))
             .collect();
         owners.sort();
         let chunk_slots: usize = owners[..chunk]

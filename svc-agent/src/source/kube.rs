@@ -1408,7 +1408,7 @@ mod tests {
             .frontends
             .values()
             .filter(|d| d.frontend.ip.to_string() == "203.0.113.10")
-            .map(|d| (d.frontend.to_string(), d.owner.clone()))
+            .map(|d| (d.frontend.to_string(), d.owner().to_string()))
             .collect();
         assert_eq!(owners.len(), 2, "{owners:?}");
         for (fe, owner) in &owners {

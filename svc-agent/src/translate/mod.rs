@@ -408,7 +408,7 @@ impl Holders for NoHolders {
 /// The previous desired state: who was to serve each frontend.
 impl Holders for DesiredState {
     fn holder(&self, fe: &Frontend) -> Option<&str> {
-        self.frontends.get(fe).map(|d| d.owner.as_str())
+        self.frontends.get(fe).map(|d| d.owner())
     }
 }
 
@@ -673,7 +673,7 @@ pub fn intent(
     let svc = parsed_services
         .iter()
         .map(|s| &s.0)
-        .find(|s| s.key.to_string() == desired.owner)?;
+        .find(|s| s.key.to_string() == desired.owner())?;
     let claim = claims(svc).into_iter().find(|c| c.frontend == *frontend)?;
     let family = Family::of(svc.cluster_ips[claim.cluster_ip]);
     let port = &svc.ports[claim.port];
@@ -827,7 +827,6 @@ impl BackendSets {
         };
         let mut d = DesiredFrontend {
             frontend: claim.frontend,
-            owner: svc.key.to_string(),
             service,
             backends: Vec::new(),
             affinity_timeout_s: svc.affinity_timeout_s,

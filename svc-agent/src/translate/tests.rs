@@ -1567,7 +1567,10 @@ spec: {{type: NodePort, clusterIP: 10.96.0.{}, ports: [{{port: 80, nodePort: 300
         ],
         &[],
     );
-    assert_eq!(frontend(&t, "0.0.0.0:30080/TCP (external)").owner, "a/old");
+    assert_eq!(
+        frontend(&t, "0.0.0.0:30080/TCP (external)").owner(),
+        "a/old"
+    );
     assert!(errors(&t)
         .iter()
         .all(|e| e.contains("a/young") && e.contains("a/old")));

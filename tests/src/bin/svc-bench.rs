@@ -79,7 +79,6 @@ fn frontend(ip: Ipv4Addr, port: u16, owner: &str, backends: Vec<SocketAddr>) -> 
     DesiredFrontend::cluster_ip(
         Frontend::cluster(IpAddr::V4(ip), port, Protocol::Tcp),
         owner,
-        owner,
         backends.into_iter().map(Into::into).collect(),
     )
 }
