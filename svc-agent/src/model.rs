@@ -357,7 +357,7 @@ pub struct DesiredFrontend {
     pub frontend: Frontend,
     /// "namespace/name:portname" (":portname" omitted for an unnamed port): names the object
     /// in listings and errors; its owner (`owner`) is the part before the ':'. Not kept apart:
-    /// a copy of the owner costs 56 bytes a frontend (a `String` and its allocation).
+    /// a copy of the owner costs 56 bytes a frontend at least (a `String` and its allocation).
     pub service: String,
     /// Usable backends, sorted and deduplicated. Empty means connections are refused (or, with
     /// `external_local`, dropped).

@@ -841,7 +841,7 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
                 f,
                 DesiredFrontend {
                     frontend: f,
-                    service: format!("ns/{ip}:{port}"),
+                    service: format!("ns/{}:{port}", ip.replace(':', "-")),
                     backends: b,
                     affinity_timeout_s: (*port == 443).then_some(60),
                     internal_local: false,
@@ -2126,7 +2126,12 @@ fn manifest_service(ns: &str, name: &str) -> k8s_openapi::api::core::v1::Service
 #[test]
 fn a_frontend_stays_with_its_holder_whatever_the_holders_name() {
     let node = crate::translate::NodeContext::default();
-    for name in ["web:v2".to_string(), "x".repeat(200)] {
+    for name in [
+        "web:v2".to_string(),
+        "x".repeat(200),
+        "web".into(),
+        "x".repeat(63),
+    ] {
         let holder = manifest_service("default", &name);
         let t = crate::translate::translate(std::slice::from_ref(&holder), &[], &node);
         let mut store = ModelStore::default();
