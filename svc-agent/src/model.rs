@@ -190,7 +190,6 @@ pub struct Backend {
     pub local: bool,
 }
 
-#[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<Backend>() == 20);
 
 impl Backend {

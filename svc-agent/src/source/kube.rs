@@ -513,6 +513,7 @@ impl Cache {
                         }
                     }
                     self.slices = packed(std::mem::take(&mut self.slices));
+                    self.slices_of = std::mem::take(&mut self.slices_of).into_iter().collect();
                     self.slices_listed = true;
                     info!(slices = self.slices.len(), "EndpointSlices listed");
                 }
