@@ -709,9 +709,9 @@ fn name_object(e: Error, object: &str) -> Error {
 }
 
 impl Programmed {
-    /// Packs the frontends' tree after a full sync or a recovery. Filled in key order, a
-    /// B-tree keeps its nodes about half full (at 100,000 Services, 14 MiB of empty slots);
-    /// in a map dump's order, about a third empty.
+    /// Packs the frontends' tree after a full sync or a recovery, and as a large sync grows
+    /// (`execute_plan`). Filled in key order, a B-tree keeps its nodes about half full (at
+    /// 100,000 Services, 14 MiB of empty slots); in a map dump's order, about a third empty.
     pub fn compact(&mut self) {
         self.frontends = std::mem::take(&mut self.frontends).into_iter().collect();
     }
