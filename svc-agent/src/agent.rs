@@ -170,9 +170,9 @@ impl Agent {
         let mut programmed =
             Programmed::recover(&snap, capacity, upkeep.grace, Retiring::default());
         drop(snap);
-        // Recovery fills the tree in the order the map dump gives, leaving its nodes partly
-        // empty; packed, it held 8 MiB less at 100,000 frontends, while the restart's peak
-        // (the first sync, the desired state beside this mirror) is still ahead.
+        // Recovery fills the tree in the order the map dump gives, leaving its nodes about a
+        // third empty (22.4 MiB of nodes at 100,000 frontends by heaptrack), and the restart's
+        // peak (the assembly and first sync, the desired state beside this mirror) is ahead.
         programmed.compact();
         crate::sys::release_free_memory();
         info!(
