@@ -3187,7 +3187,12 @@ fn localhost_node_ports_answer_the_nodes_own_sockets_only() {
 /// `SVC_NODE_CRASH_SEED` replays the kill delays.
 #[test]
 fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
+    // `KILLS` kills, and more until `DAMAGED` of them left the node's state mid-change, at
+    // most `MAX_KILLS`: whether a kill lands among the writes is chance, and eight kills gave
+    // only three such in one CI run (2026-12-07).
     const KILLS: u32 = 8;
+    const DAMAGED: u32 = 4;
+    const MAX_KILLS: u32 = 24;
     const PAUSE_MS: u64 = 150;
     const SECONDARY: &str = "10.77.0.50";
     const EXT: [&str; 2] = ["10.77.100.61", "10.77.100.62"];
@@ -3269,7 +3274,12 @@ fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
     assert_eq!(pinned(&t).0, want(&t, 0), "the first agent's state");
 
     let mut damaged = 0;
-    for k in 1..=KILLS {
+    let mut kills = 0;
+    for k in 1..=MAX_KILLS {
+        if k > KILLS && damaged >= DAMAGED {
+            break;
+        }
+        kills = k;
         // The agent that will be killed pauses after each write of the node's state.
         let fk = flags(k - 1);
         t.agent = None;
@@ -3353,11 +3363,11 @@ fn node_addresses_and_settings_are_exact_after_kills_while_they_change() {
             assert_eq!(a.backend, "pod1", "{what} after kill {k}: {a:?}");
         }
     }
-    eprintln!("{damaged} of {KILLS} kills left the node's state mid-change");
+    eprintln!("{damaged} of {kills} kills left the node's state mid-change");
     // Kills that only ever hit an agent at rest would prove nothing.
     assert!(
-        damaged >= KILLS / 2,
-        "only {damaged} kills left damage to repair"
+        damaged >= DAMAGED,
+        "only {damaged} of {kills} kills left damage to repair"
     );
 }
 
