@@ -192,16 +192,29 @@ pub struct Backend {
 
 const _: () = assert!(std::mem::size_of::<Backend>() == 20);
 
+/// An address as the maps hold it: IPv4 as `::ffff:a.b.c.d`.
+pub fn addr16(ip: IpAddr) -> [u8; 16] {
+    match ip {
+        IpAddr::V4(v4) => svc_common::v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// An address the maps hold: `::ffff:a.b.c.d` as IPv4.
+pub fn ip_from16(a: [u8; 16]) -> IpAddr {
+    let v6 = std::net::Ipv6Addr::from(a);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}
+
 impl Backend {
     /// Flow information and scope of an IPv6 address are not kept: an endpoint has none.
     pub fn new(addr: SocketAddr, local: bool) -> Backend {
-        let ip = match addr.ip() {
-            IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-            IpAddr::V6(v6) => v6.octets(),
-        };
         Backend {
             v6: addr.is_ipv6(),
-            ip,
+            ip: addr16(addr.ip()),
             port: addr.port(),
             local,
         }
@@ -212,11 +225,9 @@ impl Backend {
     }
 
     pub fn ip(&self) -> IpAddr {
-        if self.v6 {
-            IpAddr::V6(self.ip.into())
-        } else {
-            let [.., a, b, c, d] = self.ip;
-            IpAddr::V4([a, b, c, d].into())
+        match self.v6 {
+            true => IpAddr::V6(self.ip.into()),
+            false => ip_from16(self.ip),
         }
     }
 

@@ -33,11 +33,11 @@ mod show;
 mod tests;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use svc_common::{
-    is_v4_mapped, svc_flags, v4_mapped, AffinityMatchKey, BackendId, DatapathConfig, MaglevIndex,
+    is_v4_mapped, svc_flags, AffinityMatchKey, BackendId, DatapathConfig, MaglevIndex,
     NodeAddrValue, ServiceKey, ServiceName, ServiceValue, SlotGroup, SlotKey, SrcRangeKey,
     PROTO_ANY, SLOT_GROUP,
 };
@@ -516,20 +516,7 @@ pub enum Scope<'a> {
     Only(&'a BTreeSet<Frontend>),
 }
 
-pub fn addr16(ip: IpAddr) -> [u8; 16] {
-    match ip {
-        IpAddr::V4(v4) => v4_mapped(v4.octets()),
-        IpAddr::V6(v6) => v6.octets(),
-    }
-}
-
-pub fn ip_from16(a: [u8; 16]) -> IpAddr {
-    let v6 = Ipv6Addr::from(a);
-    match v6.to_ipv4_mapped() {
-        Some(v4) => IpAddr::V4(v4),
-        None => IpAddr::V6(v6),
-    }
-}
+pub use crate::model::{addr16, ip_from16};
 
 /// Whether any of `frontends` has its port in `c`'s SNAT range: the datapath's SNAT port
 /// search must then pass over live flows' FORWARD tuples
@@ -713,7 +700,7 @@ impl Programmed {
     /// (`execute_plan`). Filled in key order, a B-tree keeps its nodes about half full (at
     /// 100,000 Services, 14 MiB of empty slots); in a map dump's order, about a third empty.
     pub fn compact(&mut self) {
-        self.frontends = std::mem::take(&mut self.frontends).into_iter().collect();
+        self.frontends = crate::sys::packed(std::mem::take(&mut self.frontends));
     }
 
     pub fn empty(capacity: Capacity, grace: Duration) -> Programmed {

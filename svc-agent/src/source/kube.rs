@@ -230,12 +230,6 @@ struct CachedSlice {
     parsed: Option<ParsedSlice>,
 }
 
-/// The same tree with full nodes. Filled in key order, as a list arrives, a B-tree's nodes
-/// stay about half full; with the cache's large values that is a third of its memory.
-fn packed<K: Ord, V>(m: BTreeMap<K, V>) -> BTreeMap<K, V> {
-    m.into_iter().collect()
-}
-
 /// A resourceVersion, compared only for equality. The API server's are decimal numbers
 /// (etcd revisions), kept as one without an allocation; anything else is kept as it came.
 #[derive(Debug, PartialEq, Eq)]
@@ -466,7 +460,9 @@ impl Cache {
                     // What is left was not listed again: deleted while we were not watching.
                     changed.extend(std::mem::take(&mut self.services).into_keys());
                     changed.iter().for_each(|k| self.service_changed(k));
-                    // Collected from sorted entries: packed, as `packed` makes it.
+                    // Collected from sorted entries: packed, as `sys::packed` makes it. Filled
+                    // in key order, as a list arrives, a B-tree's nodes stay about half full;
+                    // with the cache's large values that is a third of its memory.
                     self.services = services.into_iter().collect();
                     changed.into_iter().for_each(|k| self.mark(k));
                     self.services_listed = true;
@@ -512,8 +508,8 @@ impl Cache {
                             self.put_slice(k, new);
                         }
                     }
-                    self.slices = packed(std::mem::take(&mut self.slices));
-                    self.slices_of = std::mem::take(&mut self.slices_of).into_iter().collect();
+                    self.slices = crate::sys::packed(std::mem::take(&mut self.slices));
+                    self.slices_of = crate::sys::packed(std::mem::take(&mut self.slices_of));
                     self.slices_listed = true;
                     info!(slices = self.slices.len(), "EndpointSlices listed");
                 }
