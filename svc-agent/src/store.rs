@@ -292,7 +292,13 @@ pub fn flow_destination(
 pub struct BpfStore {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, SlotKey, SlotGroup>,
-    pub backends: HashMap<MapData, BackendId, Backend>,
+    /// Backends at `backend_index` (`backend_at`).
+    pub backends: Array<MapData, Backend>,
+    /// A pinned `BACKENDS` of layout 1, which the programs still attached read, from the
+    /// start of an agent that found one until its programs are attached: every backend written
+    /// or deleted is written or deleted there too, so those programs find the backends of a
+    /// frontend the first sync changes (`carry_backends_v1`).
+    pub backends_v1: Option<HashMap<MapData, BackendId, svc_common::BackendV1>>,
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     pub names: HashMap<MapData, u32, ServiceName>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
@@ -448,6 +454,41 @@ pub fn dump<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
         .map_err(|e| Error::map_io(map, format!("reading every entry: {e}"), &e))
 }
 
+/// A write into `BpfStore::backends_v1` failed: the programs still attached may miss that
+/// backend until the new ones replace them (a retry of the frontend, then a refusal), which
+/// the agent's own maps do not; said, not returned.
+fn note_v1(r: Result<(), MapError>) {
+    match r {
+        Err(e) if !is_not_found(&e) => {
+            tracing::warn!(map = map_names::BACKENDS, error = %e,
+                "writing a backend into the map of layout 1 the programs still attached read")
+        }
+        _ => {}
+    }
+}
+
+/// Every backend in `BACKENDS`, by id: the entries with an id, at that id's index (one
+/// elsewhere is found by no lookup).
+pub fn dump_backends(m: &Array<MapData, Backend>) -> Result<Vec<(BackendId, Backend)>> {
+    let entries = m.len().max(1);
+    let mut out = Vec::new();
+    crate::sys::for_each_hash(m.map().fd().as_fd(), |i: &u32, v: &Backend| {
+        if v.id != 0 && svc_common::backend_index(v.id, entries) == *i {
+            out.push((v.id, *v));
+        }
+    })
+    .map_err(|e| Error::map_io(map_names::BACKENDS, format!("reading every entry: {e}"), &e))?;
+    Ok(out)
+}
+
+/// The index and value a put of backends writes into `BACKENDS` of `entries` entries.
+fn backend_put(op: &Op, entries: u32) -> Option<(u32, Backend)> {
+    match op {
+        Op::PutBackend(k, v) => Some((svc_common::backend_index(*k, entries), v.with_id(*k))),
+        _ => None,
+    }
+}
+
 /// Duplicates of the descriptors of the maps a drift check's digest covers, so that a thread
 /// reads them beside the loop that writes them (`reconcile::digest`).
 pub struct DigestReader {
@@ -456,6 +497,8 @@ pub struct DigestReader {
     /// (`Capacity::per_service`).
     stats: Option<(std::os::fd::OwnedFd, usize)>,
     per_service: bool,
+    /// `BACKENDS`' max_entries: an entry counts where its id's index is, as `dump_backends`.
+    backend_entries: u32,
 }
 
 /// What a drift check's thread read.
@@ -480,7 +523,11 @@ impl DigestReader {
                     d.service(hasher, k, v)
                 }),
                 1 => for_each_hash(fd, |k: &SlotKey, v: &SlotGroup| d.add(hasher, map, k, v)),
-                2 => for_each_hash(fd, |k: &BackendId, v: &Backend| d.backend(hasher, k, v)),
+                2 => for_each_hash(fd, |i: &u32, v: &Backend| {
+                    if v.id != 0 && svc_common::backend_index(v.id, self.backend_entries) == *i {
+                        d.backend(hasher, &v.id, v)
+                    }
+                }),
                 3 => for_each_hash(fd, |k: &u32, v: &RevNatValue| d.add(hasher, map, k, v)),
                 4 => for_each_hash(fd, |k: &u32, v: &ServiceName| {
                     d.name(hasher, k, v);
@@ -538,11 +585,22 @@ fn stats_out_of_line(mut named: Vec<u32>, mut have: Vec<u32>) -> (Vec<u32>, Vec<
 }
 
 impl BpfStore {
+    /// Where backend `id`'s entry is in `BACKENDS`.
+    fn backend_at(&self, id: BackendId) -> u32 {
+        svc_common::backend_index(id, self.backends.len().max(1))
+    }
+
     fn write(&mut self, op: &Op) -> Result<(), MapError> {
         match op {
             Op::PutService(k, v) => self.services.insert(k, v, 0),
             Op::PutSlot(k, v) => self.slots.insert(k, v, 0),
-            Op::PutBackend(k, v) => self.backends.insert(k, v, 0),
+            Op::PutBackend(k, v) => {
+                self.backends.set(self.backend_at(*k), v.with_id(*k), 0)?;
+                if let Some(old) = self.backends_v1.as_mut() {
+                    note_v1(old.insert(k, svc_common::BackendV1::of(v), 0));
+                }
+                Ok(())
+            }
             Op::PutRevNat(k, v) => self.rev_nat.insert(k, v, 0),
             Op::PutName(k, v) => {
                 self.names.insert(k, v, 0)?;
@@ -580,7 +638,18 @@ impl BpfStore {
             }
             Op::DelService(k) => self.services.remove(k),
             Op::DelSlot(k) => self.slots.remove(k),
-            Op::DelBackend(k) => self.backends.remove(k),
+            Op::DelBackend(k) => {
+                if let Some(old) = self.backends_v1.as_mut() {
+                    note_v1(old.remove(k));
+                }
+                // An entry is never deleted from an array: a free one holds id 0.
+                let i = self.backend_at(*k);
+                match self.backends.get(&i, 0) {
+                    Ok(b) if b.id == *k => self.backends.set(i, Backend::default(), 0),
+                    Ok(_) => Err(MapError::KeyNotFound),
+                    Err(e) => Err(e),
+                }
+            }
             Op::DelRevNat(k) => self.rev_nat.remove(k),
             Op::DelName(k) => {
                 let removed = self.names.remove(k);
@@ -831,6 +900,7 @@ impl BpfStore {
             fds,
             stats,
             per_service: self.capacity.per_service,
+            backend_entries: self.backends.len().max(1),
         })
     }
 
@@ -971,11 +1041,23 @@ impl BpfStore {
                 put_batch(self.slots.map().fd().as_fd(), &k, &v, until)
             }
             Op::PutBackend(..) => {
-                let (k, v) = unzip(run, |op| match op {
-                    Op::PutBackend(k, v) => Some((*k, *v)),
-                    _ => None,
-                });
-                put_batch(self.backends.map().fd().as_fd(), &k, &v, until)
+                let entries = self.backends.len();
+                let (k, v) = unzip(run, |op| backend_put(op, entries));
+                let (n, r) = put_batch(self.backends.map().fd().as_fd(), &k, &v, until);
+                if let Some(old) = &self.backends_v1 {
+                    let (ids, v1) = unzip(&run[..n], |op| match op {
+                        Op::PutBackend(k, v) => Some((*k, svc_common::BackendV1::of(v))),
+                        _ => None,
+                    });
+                    let (_, r) = crate::sys::update_batch(old.map().fd().as_fd(), &ids, &v1, 0);
+                    note_v1(r.map_err(|e| {
+                        MapError::SyscallError(aya::sys::SyscallError {
+                            call: "bpf_map_update_batch",
+                            io_error: e,
+                        })
+                    }));
+                }
+                (n, r)
             }
             Op::PutRevNat(..) => {
                 let (k, v) = unzip(run, |op| match op {
@@ -1081,17 +1163,16 @@ impl Store for BpfStore {
         let backends = first.len() > 1
             && first.iter().all(|op| matches!(op, Op::PutBackend(..)))
             && !then.is_empty()
-            && self.batch_writes;
+            && self.batch_writes
+            && self.backends_v1.is_none();
         let fd = backends
             .then(|| self.backends.map().fd().as_fd().try_clone_to_owned().ok())
             .flatten();
         let Some(fd) = fd else {
             return one_after_the_other(self, first, then);
         };
-        let (k, v) = unzip(first, |op| match op {
-            Op::PutBackend(k, v) => Some((*k, *v)),
-            _ => None,
-        });
+        let entries = self.backends.len();
+        let (k, v) = unzip(first, |op| backend_put(op, entries));
         let mut until = self.enomem_until;
         let beside = std::thread::scope(|scope| {
             let thread = std::thread::Builder::new()
@@ -1178,7 +1259,7 @@ impl Store for BpfStore {
         Ok(Snapshot {
             services: dump(map_names::SERVICES, &self.services)?,
             slots: dump(map_names::SLOTS, &self.slots)?,
-            backends: dump(map_names::BACKENDS, &self.backends)?,
+            backends: dump_backends(&self.backends)?,
             rev_nat: dump(map_names::REV_NAT, &self.rev_nat)?,
             names: dump(map_names::NAMES, &self.names)?,
             matches: dump(map_names::AFFINITY_MATCH, &self.affinity_match)?

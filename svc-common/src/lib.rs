@@ -236,10 +236,14 @@ catalogue! {
     SLOTS = MapDef::new::<SlotKey, SlotGroup>("SVC_SLOTS", 2, MapKind::Hash)
         .sized(262_144)
         .no_prealloc();
-    /// Backend id to backend (address, port, flags).
-    BACKENDS = MapDef::new::<BackendId, Backend>("SVC_BACKENDS", 1, MapKind::Hash)
-        .sized(1_048_576)
-        .no_prealloc();
+    /// Backends (address, port, protocol), each at index `backend_index(id, max_entries)`
+    /// with its id in the value (0: a free entry). Layout 2: an array, 24 bytes an entry
+    /// allocated in full (1 was a hash keyed by id: a 96-byte element and 16 bytes of bucket
+    /// array per entry of capacity, 100 MiB at 1,000,000 backends against 24 MiB now). The
+    /// agent hands an id out only where its index is free, so an id still names one backend
+    /// for ever and a stale one (a remembered choice) finds another id there: missing.
+    BACKENDS = MapDef::new::<u32, Backend>("SVC_BACKENDS", 2, MapKind::Array)
+        .sized(1_048_576);
     /// Frontend id to frontend: what a reply or getpeername() reports.
     REV_NAT = MapDef::new::<u32, RevNatValue>("SVC_REV_NAT", 1, MapKind::Hash)
         .sized(262_144)
@@ -1448,8 +1452,16 @@ impl SlotKey {
     }
 }
 
-/// A backend id (u32, host order), the key of `BACKENDS`; 0 is none.
+/// A backend id (u32, host order); 0 is none. Its entry of `BACKENDS` is at
+/// `backend_index`.
 pub type BackendId = u32;
+
+/// The index of backend `id`'s entry in `BACKENDS` of `entries` entries (its max_entries, at
+/// least 1): ids go round the array, and a backend's entry says which id it holds.
+#[inline(always)]
+pub const fn backend_index(id: BackendId, entries: u32) -> u32 {
+    id % entries
+}
 
 /// Slots an entry of `SLOTS` holds. Eight make a 32-byte value: the hash element is then 88
 /// bytes, which the kernel serves from a 96-byte size class (from Linux 6.1 its BPF allocator
@@ -1484,6 +1496,53 @@ pub struct Backend {
     pub proto: u8,
     /// Reserved for backend state (active, terminating, maintenance); 0 today.
     pub flags: u8,
+    /// The id whose entry this is in `BACKENDS` (host order); 0: a free entry. Elsewhere
+    /// (a decision's backend) the id it was read under.
+    pub id: BackendId,
+}
+
+/// `Backend` of layout 1 of `BACKENDS` (a hash keyed by id, so no id in the value): carried
+/// over, and written beside the array until the new programs are attached (`svc-agent`'s
+/// datapath).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendV1 {
+    /// Network byte order; IPv4 as `::ffff:a.b.c.d`.
+    pub addr: [u8; 16],
+    /// Network byte order.
+    pub port_be: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+impl BackendV1 {
+    pub const fn of(b: &Backend) -> BackendV1 {
+        BackendV1 {
+            addr: b.addr,
+            port_be: b.port_be,
+            proto: b.proto,
+            flags: b.flags,
+        }
+    }
+
+    /// This layout's entry of id `id`.
+    pub const fn with_id(&self, id: BackendId) -> Backend {
+        Backend {
+            addr: self.addr,
+            port_be: self.port_be,
+            proto: self.proto,
+            flags: self.flags,
+            id,
+        }
+    }
+}
+
+impl Backend {
+    /// This backend as the `BACKENDS` entry of id `id`.
+    pub const fn with_id(self, id: BackendId) -> Backend {
+        Backend { id, ..self }
+    }
 }
 
 /// Four entries of the Maglev tables (`MAGLEV`): each the 0-based slot number
@@ -1753,7 +1812,6 @@ pub struct LbTestIo {
     pub frontend_id: u32,
     pub backend_id: BackendId,
     pub backend: Backend,
-    pub _pad0: u32,
     /// Request and answer: the socket's state (`LB_TEST_SENDMSG`).
     pub sock: SockState,
 }
@@ -1811,6 +1869,7 @@ mod pod {
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtValue {}
     unsafe impl aya::Pod for CtValueV1 {}
+    unsafe impl aya::Pod for BackendV1 {}
     unsafe impl aya::Pod for DatapathConfig {}
     unsafe impl aya::Pod for DevStatKey {}
     unsafe impl aya::Pod for AffinityMatchKey {}
@@ -1948,7 +2007,7 @@ mod tests {
         assert_eq!(size_of::<SlotKey>(), 8);
         // 32: the element is then 88 bytes, in the kernel allocator's 96-byte class.
         assert_eq!(size_of::<SlotGroup>(), 32);
-        assert_eq!(size_of::<Backend>(), 20);
+        assert_eq!(size_of::<Backend>(), 24);
         assert_eq!(size_of::<RevNatValue>(), 20);
         assert_eq!(size_of::<SockRevKey>(), 32);
         assert_eq!(size_of::<SockRevValue>(), 24);
@@ -2028,7 +2087,7 @@ mod tests {
         let pins: [(&str, u32, u32); 18] = [
             ("SVC_SERVICES", 3, 262_144),
             ("SVC_SLOTS", 2, 262_144),
-            ("SVC_BACKENDS", 1, 1_048_576),
+            ("SVC_BACKENDS", 2, 1_048_576),
             ("SVC_REV_NAT", 1, 262_144),
             ("SVC_SOCK_REV", 1, 262_144),
             ("SVC_AFFINITY", 2, 262_144),
@@ -2102,4 +2161,6 @@ mod tests {
 pub mod kernel_globals {
     /// `bpf_set_retval` (Linux 5.18), the socket hooks' ECONNREFUSED.
     pub const SET_RETVAL: &str = "SVC_KERNEL_SET_RETVAL";
+    /// max_entries of `BACKENDS`, by which a backend id gives its index (`backend_index`).
+    pub const BACKENDS: &str = "SVC_KERNEL_BACKENDS";
 }

@@ -59,7 +59,7 @@ pub struct Loaded {
     pub ebpf: Ebpf,
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, SlotKey, svc_common::SlotGroup>,
-    pub backends: HashMap<MapData, BackendId, Backend>,
+    pub backends: aya::maps::Array<MapData, Backend>,
     pub matches: HashMap<MapData, AffinityMatchKey, u32>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub node_addrs: HashMap<MapData, [u8; 16], NodeAddrValue>,
@@ -118,6 +118,9 @@ impl Drop for Dp {
     }
 }
 
+/// max_entries of the object's maps but connection tracking and the fixed ones.
+const SMALL: u32 = 1024;
+
 /// The object, its programs not yet loaded: small maps (`ct` entries of connection tracking,
 /// 1,024 of the others), with the fallbacks of `kernel` as the agent sets them.
 pub fn load_object(ct: u32, kernel: Fit) -> Ebpf {
@@ -144,11 +147,13 @@ pub fn load_object(ct: u32, kernel: Fit) -> Ebpf {
             let n = if [map_names::CT, map_names::CT_NEW].contains(&name) {
                 ct
             } else {
-                1024
+                SMALL
             };
             loader.map_max_entries(name, n);
         }
     }
+    // As the agent sets it: the index of a backend id is the id modulo the map's size.
+    loader.override_global(svc_common::kernel_globals::BACKENDS, &SMALL, false);
     loader.load(&object()).expect("loading the object")
 }
 
@@ -386,8 +391,15 @@ impl Dp {
             port_be: s.port().to_be(),
             proto,
             flags,
+            id,
         };
-        self.backends.insert(id, b, 0).unwrap();
+        let at = svc_common::backend_index(id, SMALL);
+        let there = self.backends.get(&at, 0).unwrap().id;
+        assert!(
+            there == 0 || there == id,
+            "backend {id}: index {at} holds {there}"
+        );
+        self.backends.set(at, b, 0).unwrap();
     }
 
     /// A frontend's generation `rev` with its slots and match entries; for a cluster-scope

@@ -62,6 +62,9 @@ fn key(sa: &str, proto: u8) -> ServiceKey {
     }
 }
 
+/// max_entries of the test object's maps.
+const SMALL: u32 = 64;
+
 fn backend_value(sa: &str, proto: u8) -> Backend {
     let sa: SocketAddr = sa.parse().unwrap();
     Backend {
@@ -69,6 +72,7 @@ fn backend_value(sa: &str, proto: u8) -> Backend {
         port_be: sa.port().to_be(),
         proto,
         flags: 0,
+        id: 0,
     }
 }
 
@@ -77,7 +81,7 @@ struct Lb {
     ebpf: Ebpf,
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, svc_common::SlotGroup>,
-    backends: HashMap<MapData, BackendId, Backend>,
+    backends: aya::maps::Array<MapData, Backend>,
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     matches: HashMap<MapData, AffinityMatchKey, u32>,
     stats: Option<PerCpuHashMap<MapData, svc_common::DevStatKey, u64>>,
@@ -106,9 +110,10 @@ impl Lb {
                 && name != map_names::SOCK_STATE
                 && !svc_common::MON_RINGS.contains(&name)
             {
-                loader.map_max_entries(name, 64);
+                loader.map_max_entries(name, SMALL);
             }
         }
+        loader.override_global(svc_common::kernel_globals::BACKENDS, &SMALL, true);
         let mut ebpf = loader.load(&object()).expect("loading the test object");
         let prog: &mut SchedClassifier = ebpf
             .program_mut("lb_test")
@@ -138,8 +143,14 @@ impl Lb {
     }
 
     fn backend(&mut self, id: BackendId, sa: &str, proto: u8) {
+        let at = svc_common::backend_index(id, SMALL);
+        let there = self.backends.get(&at, 0).unwrap().id;
+        assert!(
+            there == 0 || there == id,
+            "backend {id}: index {at} holds {there}"
+        );
         self.backends
-            .insert(id, backend_value(sa, proto), 0)
+            .set(at, backend_value(sa, proto).with_id(id), 0)
             .unwrap();
     }
 
@@ -424,7 +435,52 @@ fn lookups_and_refusals() {
     assert_eq!(a.frontend_id, 1);
     assert_eq!(a.how, how::RANDOM);
     let want = format!("10.0.0.{}:8080", a.backend_id);
-    assert_eq!(a.backend, backend_value(&want, IPPROTO_TCP));
+    assert_eq!(
+        a.backend,
+        backend_value(&want, IPPROTO_TCP).with_id(a.backend_id)
+    );
+}
+
+/// A backend's entry is at its id modulo the array's size, and says which id it holds: a slot
+/// that names an id whose index another id has taken (an id the agent retired, its index
+/// handed on) finds no backend there, never the other one.
+#[test]
+fn an_entry_of_another_id_at_the_index_is_no_backend() {
+    let mut lb = world();
+    // Index 5: id 5 + SMALL.
+    lb.backend(5 + SMALL, "10.0.0.69:8080", IPPROTO_TCP);
+    for (vip, id, backends) in [
+        ("10.96.0.91:80", 9, &[5][..]),
+        ("10.96.0.92:80", 10, &[5, 11][..]),
+        ("10.96.0.93:80", 11, &[5 + SMALL][..]),
+    ] {
+        lb.frontend(Fe {
+            vip,
+            proto: IPPROTO_TCP,
+            id,
+            rev: 1,
+            backends,
+            affinity_s: None,
+            affinity_id: 0,
+        });
+    }
+    let a = lb.run(&connect("10.96.0.91:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_ne!(a.outcome, FOUND, "{a:?}");
+    let mut missing = 0;
+    for _ in 0..64 {
+        let a = lb.run(&connect("10.96.0.92:80", IPPROTO_TCP, T0, NETNS_A));
+        match a.outcome {
+            FOUND => assert_eq!(a.backend_id, 11, "{a:?}"),
+            _ => missing += 1,
+        }
+    }
+    assert!((1..64).contains(&missing), "{missing} of 64 missing");
+    let a = lb.run(&connect("10.96.0.93:80", IPPROTO_TCP, T0, NETNS_A));
+    assert_eq!((a.outcome, a.backend_id), (FOUND, 5 + SMALL), "{a:?}");
+    assert_eq!(
+        a.backend,
+        backend_value("10.0.0.69:8080", IPPROTO_TCP).with_id(5 + SMALL)
+    );
 }
 
 /// Slots are read eight to an entry: a frontend of 19 backends (entries of 8, 8 and 3) has

@@ -3,9 +3,9 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use svc_common::{
-    how, node_addr_flags, scope, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
-    BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice, SockState, MAGLEV_BLOCK,
-    NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
+    backend_index, how, node_addr_flags, scope, svc_flags, AffinityKey, AffinityMatchKey,
+    AffinityValue, Backend, BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice,
+    SockState, MAGLEV_BLOCK, NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
 };
 
 use crate::maps::{
@@ -112,16 +112,19 @@ pub fn lookup(key: &ServiceKey, out: &mut ServiceValue) -> Outcome {
     NOT_SERVICE
 }
 
-/// Copies backend `id` into `out`.
+/// Copies backend `id` into `out`; missing unless its entry holds that id (a free entry
+/// holds 0, a reused one a later id).
 #[inline(always)]
 fn backend(id: BackendId, out: &mut Backend) -> Outcome {
-    // SAFETY: copied out at once.
-    match unsafe { SVC_BACKENDS.get(id) } {
-        Some(b) => {
+    if id == 0 {
+        return Outcome::MissingEntry;
+    }
+    match SVC_BACKENDS.get(backend_index(id, crate::maps::backend_entries())) {
+        Some(b) if b.id == id => {
             *out = *b;
             FOUND
         }
-        None => Outcome::MissingEntry,
+        _ => Outcome::MissingEntry,
     }
 }
 
@@ -520,6 +523,7 @@ pub fn decide_with(
                     port_be: c.port_be,
                     proto: key.proto,
                     flags: 0,
+                    id: c.backend,
                 };
                 out.how = how::STICKY;
                 out.recorded = 1;

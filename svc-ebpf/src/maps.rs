@@ -11,7 +11,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use svc_common::{
-    capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey, CtValue,
+    capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtKey, CtValue,
     DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue, Reason,
     RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup, SlotKey,
     SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
@@ -34,9 +34,27 @@ pub static SVC_SERVICES: HashMap<
 pub static SVC_SLOTS: HashMap<SlotKey, SlotGroup, { capacity::SLOTS as usize }, NO_PREALLOC> =
     HashMap::new();
 
+/// Backends, each at `backend_index(id, max_entries)` (`backend_entries`).
 #[btf_map]
-pub static SVC_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }, NO_PREALLOC> =
-    HashMap::new();
+pub static SVC_BACKENDS: Array<Backend, { capacity::BACKENDS as usize }> = Array::new();
+
+/// max_entries of `SVC_BACKENDS` as the agent made it: a backend id's index is the id modulo
+/// it. Patched by the loader as kernel.rs' constants are (the agent's `--max-backends`); the
+/// object's default is the catalogue's.
+#[unsafe(no_mangle)]
+static SVC_KERNEL_BACKENDS: u32 = svc_common::capacity::BACKENDS;
+
+/// `SVC_BACKENDS`' entries, at least 1.
+#[inline(always)]
+pub fn backend_entries() -> u32 {
+    // SAFETY: a static of this object.
+    let n = unsafe { core::ptr::read_volatile(&SVC_KERNEL_BACKENDS) };
+    if n == 0 {
+        1
+    } else {
+        n
+    }
+}
 
 /// Frontend id to frontend: what a reply or getpeername() reports.
 #[btf_map]

@@ -579,11 +579,11 @@ fn pins_and_links_removed_under_the_agent_are_put_back() {
     assert!(sb.tcp(sa(VIP, 80), 3, &[]).unwrap().all_ok());
     // Unpinning the only reference to a link detaches it.
     std::fs::remove_file(bpffs.path().join("link_connect4")).unwrap();
-    std::fs::remove_file(bpffs.path().join("SVC_BACKENDS_v1")).unwrap();
+    std::fs::remove_file(bpffs.path().join("SVC_BACKENDS_v2")).unwrap();
     poll(Duration::from_secs(5), || {
         let r = sb.tcp(sa(VIP, 80), 3, &["--timeout-ms", "300"])?;
         let pinned = bpffs.path().join("link_connect4").exists()
-            && bpffs.path().join("SVC_BACKENDS_v1").exists();
+            && bpffs.path().join("SVC_BACKENDS_v2").exists();
         Ok((r.all_ok() && pinned).then_some(()))
     })
     .unwrap_or_else(|e| panic!("not put back: {e:#}\n{}", agent.log()));

@@ -222,6 +222,8 @@ impl Datapath {
                 "carrying over late flows of layout 2: {e}"
             );
         }
+        // The old programs are gone: the backends map of layout 1 is read no more.
+        self.store.backends_v1 = None;
         for path in std::mem::take(&mut self.obsolete) {
             match std::fs::remove_file(&path) {
                 Ok(()) => info!(pin = %path.display(), "removed a pin of another map layout"),

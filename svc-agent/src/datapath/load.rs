@@ -11,7 +11,9 @@ use tracing::info;
 
 use super::cgroup::{check_cgroup, check_other_svc};
 use super::lock::{lock_dir, own_dir};
-use super::migrate::{carry_ct_v1, carry_ct_v2, carry_slots_v1, clone_map, migrate};
+use super::migrate::{
+    carry_backends_v1, carry_ct_v1, carry_ct_v2, carry_slots_v1, clone_map, migrate,
+};
 use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
     staged_pin, Pinned,
@@ -60,6 +62,10 @@ impl Datapath {
         for (name, value) in &globals {
             loader.override_global(name, value, true);
         }
+        // The index of a backend id is the id modulo the map's size, which the programs must
+        // know as the agent does: the map is made (or migrated to) this size.
+        let backends = capacity.backends;
+        loader.override_global(svc_common::kernel_globals::BACKENDS, &backends, true);
         for (map, plan) in &plans {
             if matches!(plan, Pinned::Adopt) {
                 loader.map_pin_path(map.name, map_pin(dir, map.name));
@@ -186,6 +192,16 @@ impl Datapath {
                 map = map_names::CT,
                 entries = carried,
                 "carried the flows of layout 2 over (assured ones to the assured table)"
+            );
+        }
+        let (carried, collided) = carry_backends_v1(&mut store, dir)?;
+        if carried > 0 || collided > 0 {
+            info!(
+                map = map_names::BACKENDS,
+                entries = carried,
+                collided,
+                "carried the backends of layout 1 (a hash) over into the array; those whose \
+                 index another took are written again by the first sync"
             );
         }
         let carried = carry_slots_v1(&mut store, dir)?;
@@ -645,7 +661,9 @@ fn build_store(
     Ok(BpfStore {
         services: hash(take, map_names::SERVICES)?,
         slots: hash(take, map_names::SLOTS)?,
-        backends: hash(take, map_names::BACKENDS)?,
+        backends: Array::try_from(take(map_names::BACKENDS)?)
+            .map_err(|e| load_err(map_names::BACKENDS, e))?,
+        backends_v1: None,
         rev_nat: hash(take, map_names::REV_NAT)?,
         names: hash(take, map_names::NAMES)?,
         affinity: hash(take, map_names::AFFINITY)?,

@@ -77,7 +77,13 @@ pub(super) fn migrate(
     match name {
         map_names::SERVICES => copy_hash(name, old, &mut store.services, late),
         map_names::SLOTS => copy_hash(name, old, &mut store.slots, late),
-        map_names::BACKENDS => copy_hash(name, old, &mut store.backends, late),
+        map_names::BACKENDS => {
+            let old: aya::maps::Array<MapData, svc_common::Backend> =
+                aya::maps::Array::try_from(Map::Array(clone_map(old)?))
+                    .map_err(|e| crate::store::map_err(name, e))?;
+            let entries = crate::store::dump_backends(&old)?;
+            Ok(place_backends(&mut store.backends, &entries)?.0)
+        }
         map_names::REV_NAT => copy_hash(name, old, &mut store.rev_nat, late),
         map_names::NAMES => copy_hash(name, old, &mut store.names, late),
         map_names::AFFINITY => copy_hash(name, old, &mut store.affinity, late),
@@ -115,6 +121,68 @@ pub(super) fn migrate(
         // Counters (`DEV_STATS`) start again in a resized map.
         _ => Ok(0),
     }
+}
+
+/// Writes backends `entries` (id, value) into `BACKENDS`, each at its index unless another
+/// id's entry is there (`old` entries of a map of another size or layout can meet at one
+/// index). A backend left out leaves the slots that name it missing until the first sync
+/// writes their frontends again, as recovery finds them incomplete. (written, left out)
+pub(super) fn place_backends(
+    new: &mut aya::maps::Array<MapData, svc_common::Backend>,
+    entries: &[(svc_common::BackendId, svc_common::Backend)],
+) -> Result<(usize, usize)> {
+    let name = map_names::BACKENDS;
+    let n = new.len().max(1);
+    let (mut written, mut collided) = (0, 0);
+    for (id, b) in entries {
+        let i = svc_common::backend_index(*id, n);
+        let there = new.get(&i, 0).map_err(|e| crate::store::map_err(name, e))?;
+        if there.id == *id {
+            continue;
+        }
+        if there.id != 0 {
+            collided += 1;
+            continue;
+        }
+        new.set(i, b.with_id(*id), 0)
+            .map_err(|e| crate::store::map_err(name, e))?;
+        written += 1;
+    }
+    if collided > 0 {
+        tracing::warn!(
+            map = name,
+            collided,
+            "backends whose index another backend holds were left out; the first sync \
+             writes their frontends again"
+        );
+    }
+    Ok((written, collided))
+}
+
+/// Carries the backends of a pinned `SVC_BACKENDS` of layout 1 (a hash keyed by id) into
+/// this layout's array under the same ids, before the first sync, so the mirror recovers them
+/// and the frontends that name them whole. Until the new programs are attached, the store
+/// writes each backend into the old map too (`BpfStore::backends_v1`): the programs still
+/// attached read it, and a frontend the first sync changes names its new backends there as
+/// well. The old pin goes with the other layouts' pins once the new programs are attached; a
+/// start killed before then carries again, never over an entry the array has.
+/// (carried, left out)
+pub(super) fn carry_backends_v1(store: &mut BpfStore, dir: &Path) -> Result<(usize, usize)> {
+    let pin = dir.join(format!("{}_v1", map_names::BACKENDS));
+    if !pin.exists() {
+        return Ok((0, 0));
+    }
+    let old: Vec<(svc_common::BackendId, svc_common::BackendV1)> =
+        old_hash(&pin, map_names::BACKENDS)?;
+    let entries: Vec<(svc_common::BackendId, svc_common::Backend)> = (old.into_iter())
+        .filter(|(id, _)| *id != 0)
+        .map(|(id, b)| (id, b.with_id(id)))
+        .collect();
+    let placed = place_backends(&mut store.backends, &entries)?;
+    let old = MapData::from_pin(&pin).map_err(|e| load_err(pin.display(), e))?;
+    store.backends_v1 =
+        Some(HashMap::try_from(Map::HashMap(old)).map_err(|e| load_err(pin.display(), e))?);
+    Ok(placed)
 }
 
 /// Copies the tables of a resized `SVC_MAGLEV` where they were: only the regions the index

@@ -12,9 +12,13 @@ use super::{BackendKey, Seeded};
 /// entries sit in one vector, found through two tables of their 4-byte positions: three std
 /// maps keyed by id and by address (with the count apart) take about 118 MB at 1,000,000
 /// backends by their sizing, this about 48 MB.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Backends {
     entries: Vec<Slot>,
+    /// `BACKENDS`' max_entries, and which of its indexes (`backend_index`) these entries
+    /// take, a bit each: a new id goes only where the bit is clear.
+    map_entries: u32,
+    taken: Vec<u64>,
     /// Positions of removed entries, reused first.
     vacant: Vec<u32>,
     by_id: HashTable<u32>,
@@ -33,7 +37,52 @@ struct Slot {
     key: BackendKey,
 }
 
+impl Default for Backends {
+    fn default() -> Self {
+        Backends::new(svc_common::capacity::BACKENDS)
+    }
+}
+
 impl Backends {
+    /// No entries, for a `BACKENDS` of `map_entries` entries.
+    pub fn new(map_entries: u32) -> Backends {
+        Backends {
+            entries: Vec::new(),
+            map_entries: map_entries.max(1),
+            taken: Vec::new(),
+            vacant: Vec::new(),
+            by_id: HashTable::new(),
+            by_key: HashTable::new(),
+            hasher: Seeded::default(),
+        }
+    }
+
+    /// `BACKENDS`' max_entries, by which an id gives its index.
+    pub fn map_entries(&self) -> u32 {
+        self.map_entries
+    }
+
+    /// Whether an entry here holds index `index` of `BACKENDS`.
+    pub fn index_taken(&self, index: u32) -> bool {
+        let (word, bit) = (index as usize / 64, index % 64);
+        self.taken.get(word).is_some_and(|w| w & (1 << bit) != 0)
+    }
+
+    fn take_index(&mut self, id: BackendId, taken: bool) {
+        let i = svc_common::backend_index(id, self.map_entries);
+        let (word, bit) = (i as usize / 64, i % 64);
+        if word >= self.taken.len() {
+            self.taken
+                .resize((self.map_entries as usize).div_ceil(64).max(word + 1), 0);
+        }
+        if taken {
+            debug_assert!(!self.index_taken(i), "backend {id}: index {i} taken twice");
+            self.taken[word] |= 1 << bit;
+        } else {
+            self.taken[word] &= !(1 << bit);
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.by_id.len()
     }
@@ -51,6 +100,7 @@ impl Backends {
             by_id,
             by_key,
             hasher,
+            ..
         } = self;
         entries.reserve(n.saturating_sub(vacant.len()));
         by_id.reserve(n, |&i| hasher.hash_one(entries[i as usize].id));
@@ -97,6 +147,7 @@ impl Backends {
             return None;
         }
         let slot = Slot { id, refs: 0, key };
+        self.take_index(id, true);
         let i = match self.vacant.pop() {
             Some(i) => {
                 self.entries[i as usize] = slot;
@@ -149,6 +200,7 @@ impl Backends {
         }
         self.entries[i as usize].id = 0;
         self.vacant.push(i);
+        self.take_index(id, false);
         Some(key)
     }
 

@@ -257,7 +257,7 @@ impl Programmed {
             }
         }
         for (id, key) in self.backends.iter() {
-            let v = super::plan::backend_value(key.backend(), key.protocol);
+            let v = super::plan::backend_value(id, key.backend(), key.protocol);
             d.backend(hasher, &id, &v);
         }
         for (k, v) in &self.node_addrs {

@@ -412,7 +412,10 @@ impl Programmed {
         }
 
         for (id, sa, protocol) in &plan.new_backends {
-            w.op(&Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))?;
+            w.op(&Op::PutBackend(
+                *id,
+                plan::backend_value(*id, *sa, *protocol),
+            ))?;
             // Unreferenced until a master entry names it; retired at the end of the sync if
             // what would have used it fails.
             self.backends.insert(*id, BackendKey::new(*sa, *protocol));
@@ -818,7 +821,7 @@ impl Programmed {
 
         let new_backends = || members.iter().flat_map(|(_, u)| &u.new_backends);
         let backend_ops: Vec<Op> = new_backends()
-            .map(|(id, sa, protocol)| Op::PutBackend(*id, plan::backend_value(*sa, *protocol)))
+            .map(|(id, sa, protocol)| Op::PutBackend(*id, plan::backend_value(*id, *sa, *protocol)))
             .collect();
         // No master entry leads to the backends or to any of these yet: their order does not
         // matter to readers, and grouped by map they go in a few batches, the backends beside

@@ -707,7 +707,7 @@ impl Programmed {
         Programmed {
             frontends: BTreeMap::new(),
             markers: BTreeSet::new(),
-            backends: Backends::default(),
+            backends: Backends::new(capacity.backends),
             ids: Ids::default(),
             usage: Usage::default(),
             capacity,

@@ -79,7 +79,7 @@ impl UnitPlan {
             .chain(
                 self.new_backends
                     .iter()
-                    .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*b, *p))),
+                    .map(|(id, b, p)| Op::PutBackend(*id, backend_value(*id, *b, *p))),
             )
             .chain(self.prepare.iter().map(|(op, _)| op.clone()))
             .chain(self.add.iter().cloned())
@@ -89,12 +89,14 @@ impl UnitPlan {
     }
 }
 
-pub fn backend_value(b: DesiredBackend, protocol: Protocol) -> Backend {
+/// The `BACKENDS` entry of backend `id`.
+pub fn backend_value(id: BackendId, b: DesiredBackend, protocol: Protocol) -> Backend {
     Backend {
         addr: b.addr16(),
         port_be: b.port().to_be(),
         proto: protocol.ipproto(),
         flags: if b.local { backend_flags::LOCAL } else { 0 },
+        id,
     }
 }
 
@@ -168,6 +170,23 @@ fn take_id(next: &mut u32, kind: &str) -> Result<u32> {
     Ok(id)
 }
 
+/// The next backend id whose index of `BACKENDS` (`backend_index` of `entries`) `free` says
+/// is free: the ids in between are passed over, never handed out. None when no index is
+/// free (every one of `entries` ids tried).
+fn take_backend_id(
+    next: &mut u32,
+    entries: u32,
+    free: impl Fn(u32) -> bool,
+) -> Result<Option<BackendId>> {
+    for _ in 0..entries.max(1) {
+        let id = take_id(next, "backend")?;
+        if free(svc_common::backend_index(id, entries)) {
+            return Ok(Some(id));
+        }
+    }
+    Ok(None)
+}
+
 /// What the Services planned earlier in the same sync take: the ids they hand out and the
 /// backends they write, so a later Service neither takes those ids again nor writes a
 /// backend they write.
@@ -176,6 +195,8 @@ pub struct Planned {
     pub next_frontend: u32,
     pub next_backend: u32,
     pub backends: HashMap<BackendKey, BackendId>,
+    /// The `BACKENDS` indexes of `backends`' ids.
+    backend_indexes: HashSet<u32>,
     /// The generations of leftover slots (`Programmed::strays`), retiring by the time a
     /// Service is written.
     stray_gens: HashSet<(u32, u16)>,
@@ -193,6 +214,7 @@ impl Planned {
             next_frontend: p.ids.next_frontend,
             next_backend: p.ids.next_backend,
             backends: HashMap::default(),
+            backend_indexes: HashSet::default(),
             stray_gens: p.strays.slots.iter().map(|k| (k.id, k.rev)).collect(),
             hwm: (p.ids.frontend_hwm, p.ids.backend_hwm),
             regions: None,
@@ -308,6 +330,8 @@ pub fn plan_unit(
     let mut next_frontend = earlier.next_frontend;
     let mut next_backend = earlier.next_backend;
     let mut planned: HashMap<BackendKey, BackendId> = HashMap::default();
+    let mut planned_indexes: HashSet<u32> = HashSet::default();
+    let entries = p.backends.map_entries();
     let mut planned_ports: HashMap<(&str, Protocol), u32> = HashMap::default();
     // The Service's current tables, each with the backends of its generation's slots: a
     // frontend whose backends and seed match one shares its region rather than write
@@ -345,7 +369,19 @@ pub fn plan_unit(
             let id = match known.or_else(|| planned.get(&k).copied()) {
                 Some(id) => id,
                 None => {
-                    let id = take_id(&mut next_backend, "backend")?;
+                    let free = |i: u32| {
+                        !p.backends.index_taken(i)
+                            && !earlier.backend_indexes.contains(&i)
+                            && !planned_indexes.contains(&i)
+                    };
+                    let Some(id) = take_backend_id(&mut next_backend, entries, free)? else {
+                        return Err(Error::MapFull {
+                            map: svc_common::map_names::BACKENDS,
+                            capacity: entries,
+                            object: d.service.clone(),
+                        });
+                    };
+                    planned_indexes.insert(svc_common::backend_index(id, entries));
                     planned.insert(k, id);
                     plan.new_backends.push((id, *b, fe.protocol));
                     plan.max_backend_id = plan.max_backend_id.max(id);
@@ -625,6 +661,7 @@ pub fn plan_unit(
     earlier.next_frontend = next_frontend;
     earlier.next_backend = next_backend;
     earlier.backends.extend(planned);
+    earlier.backend_indexes.extend(planned_indexes);
     Ok(plan)
 }
 

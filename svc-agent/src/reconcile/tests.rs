@@ -70,6 +70,10 @@ struct ModelStore {
     /// SVC_MAGLEV (blocks written), of `maglev_cap` blocks (0: the default capacity's).
     maglev: StdHashMap<u32, MaglevBlock>,
     maglev_cap: u32,
+    /// BACKENDS' max_entries (0: the default capacity's), and the id at each index written:
+    /// an array, where a put at a taken index would overwrite another backend.
+    backend_entries: u32,
+    backend_at: StdHashMap<u32, BackendId>,
     maglev_index: StdHashMap<SlotKey, MaglevIndex>,
     /// The table each index entry named when it was written: what readers that find the
     /// entry read, which must not change under them.
@@ -286,6 +290,18 @@ impl Store for ModelStore {
             }
             Op::DelSlot(k) => self.slots.remove(&k).is_some(),
             Op::PutBackend(k, v) => {
+                let n = match self.backend_entries {
+                    0 => Capacity::default().backends,
+                    n => n,
+                };
+                let i = svc_common::backend_index(k, n);
+                if let Some(other) = self.backend_at.insert(i, k) {
+                    assert!(
+                        other == k || !self.backends.contains_key(&other),
+                        "backend {k} written over backend {other} at index {i}"
+                    );
+                }
+                assert_eq!(v.id, k, "a backend's entry holds its id");
                 self.backends.insert(k, v);
                 true
             }
@@ -934,7 +950,7 @@ fn drift_is_repaired_from_a_fresh_reading_of_the_maps() {
     store.services.remove(&marker_key(a.ip));
     store.backends.insert(
         999,
-        plan::backend_value("10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
+        plan::backend_value(999, "10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
     );
     store.unchecked = true;
     let retiring = std::mem::take(&mut p.retiring);
@@ -1223,6 +1239,76 @@ fn recovery_repairs_membership_entries() {
     assert!(r.errors.is_empty(), "{:?}", r.errors);
     exact(&store, &want);
     assert_eq!(p2.usage.matches, 3);
+}
+
+/// `BACKENDS` is an array: a backend's entry is at its id modulo the array's size. Ids go
+/// round it and one is handed out only where the index is free (the model store refuses a
+/// write over another backend's entry), also while old sets wait out their grace period
+/// beside new ones and after a restart; a set that finds no free index refuses its Service,
+/// naming the map, until the old sets are retired.
+#[test]
+fn backend_ids_go_round_the_array_and_never_take_a_taken_index() {
+    let cap = Capacity {
+        backends: 8,
+        ..Capacity::default()
+    };
+    let mut store = ModelStore {
+        backend_entries: 8,
+        ..ModelStore::default()
+    };
+    let mut p = Programmed::empty(cap, Duration::from_secs(1));
+    let a = fe("10.96.0.10", 80);
+    let set = |round: u32| {
+        let b: Vec<String> = (1..=2).map(|i| format!("10.0.{round}.{i}:80")).collect();
+        let b: Vec<&str> = b.iter().map(String::as_str).collect();
+        state(&[(a, &b)])
+    };
+    let mut highest = 0;
+    for round in 0..24u32 {
+        if round == 12 {
+            // A restart: the next ids avoid what the recovered mirror holds.
+            p = Programmed::recover(
+                &store.snapshot().unwrap(),
+                cap,
+                Duration::from_secs(1),
+                std::mem::take(&mut p.retiring),
+            );
+        }
+        let want = set(round);
+        let now = Instant::now();
+        let r = p.apply_scoped(&mut store, &want, Scope::All, now);
+        assert!(r.errors.is_empty(), "round {round}: {:?}", r.errors);
+        store.forget_readers();
+        // Every third round retires; the two before leave their old sets beside the new.
+        if round % 3 == 2 {
+            p.retire_due(&mut store, now + Duration::from_secs(3600));
+            exact(&store, &want);
+            assert_eq!(store.backends.len(), 2, "round {round}");
+        }
+        highest = highest.max(store.backends.keys().copied().max().unwrap_or(0));
+    }
+    assert!(highest > 3 * 8, "the ids went round the array: {highest}");
+
+    // Three sets held (one current, two retiring) and one more: the array is full.
+    let mut held = 0;
+    for round in 100..104u32 {
+        let r = p.apply_scoped(&mut store, &set(round), Scope::All, Instant::now());
+        store.forget_readers();
+        if !r.errors.is_empty() {
+            assert!(
+                r.errors[0].to_string().contains("SVC_BACKENDS"),
+                "{}",
+                r.errors[0]
+            );
+            break;
+        }
+        held += 1;
+    }
+    assert_eq!((held, store.backends.len()), (3, 8));
+    p.retire_due(&mut store, Instant::now() + Duration::from_secs(3600));
+    let r = settle(&mut p, &mut store, &set(104));
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    exact(&store, &set(104));
 }
 
 /// Membership entries count against their map's capacity: a Service that does not fit is
@@ -3887,7 +3973,7 @@ fn the_drift_digest_of_the_maps_is_the_mirrors_until_someone_else_writes() {
             Box::new(|s| {
                 s.backends.insert(
                     999_999,
-                    plan::backend_value("10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
+                    plan::backend_value(999_999, "10.9.9.9:1".parse().unwrap(), Protocol::Tcp),
                 );
             }),
         ),
