@@ -482,8 +482,9 @@ impl PacketArgs {
 }
 
 /// Map capacities (max_entries). Hash maps allocate entries as they are used; their bucket
-/// arrays (about 16 bytes per entry of capacity) and the LRU maps are allocated in full. A
-/// pinned map of another capacity is migrated into one of the new size at start.
+/// arrays (about 16 bytes per entry of capacity), the LRU maps and the arrays (backends,
+/// Maglev tables) are allocated in full. A pinned map of another capacity is migrated into
+/// one of the new size at start.
 #[derive(clap::Args)]
 struct CapacityArgs {
     /// Frontends plus ClusterIPs (also sizes the reverse-NAT and names maps).
@@ -498,7 +499,8 @@ struct CapacityArgs {
     /// which the programs check a remembered choice.
     #[arg(long, default_value_t = svc_common::capacity::AFFINITY_MATCH)]
     max_affinity_match: u32,
-    /// Distinct backends (address, port, protocol).
+    /// Distinct backends (address, port, protocol): an array, 24 bytes an entry allocated in
+    /// full, where a backend's entry is at its id modulo this size.
     #[arg(long, default_value_t = svc_common::capacity::BACKENDS)]
     max_backends: u32,
     /// sessionAffinity entries (client, frontend); LRU.

@@ -295,9 +295,11 @@ pub struct BpfStore {
     /// Backends at `backend_index` (`backend_at`).
     pub backends: Array<MapData, Backend>,
     /// A pinned `BACKENDS` of layout 1, which the programs still attached read, from the
-    /// start of an agent that found one until its programs are attached: every backend written
-    /// or deleted is written or deleted there too, so those programs find the backends of a
-    /// frontend the first sync changes (`carry_backends_v1`).
+    /// start of an agent that found one until its programs are attached: every backend the
+    /// agent writes or deletes is written or deleted there too, so those programs find the
+    /// backends of a frontend the first sync changes (`carry_backends_v1`). Not those the
+    /// carry left out, which the agent does not know (they stay there until the old map
+    /// goes), nor one whose write there failed (said in the log).
     pub backends_v1: Option<HashMap<MapData, BackendId, svc_common::BackendV1>>,
     pub rev_nat: HashMap<MapData, u32, RevNatValue>,
     pub names: HashMap<MapData, u32, ServiceName>,
@@ -590,12 +592,29 @@ impl BpfStore {
         svc_common::backend_index(id, self.backends.len().max(1))
     }
 
+    /// Backend `id` as the programs find it: None unless its entry holds that id.
+    pub fn backend(&self, id: BackendId) -> Option<Backend> {
+        let b = self.backends.get(&self.backend_at(id), 0).ok()?;
+        (id != 0 && b.id == id).then_some(b)
+    }
+
     fn write(&mut self, op: &Op) -> Result<(), MapError> {
         match op {
             Op::PutService(k, v) => self.services.insert(k, v, 0),
             Op::PutSlot(k, v) => self.slots.insert(k, v, 0),
             Op::PutBackend(k, v) => {
-                self.backends.set(self.backend_at(*k), v.with_id(*k), 0)?;
+                // Never over another backend's entry: the planner hands an id out only where
+                // its index is free, and this holds it to that (a batch of a first sync is
+                // not checked).
+                let i = self.backend_at(*k);
+                let there = self.backends.get(&i, 0)?.id;
+                if there != 0 && there != *k {
+                    return Err(MapError::SyscallError(aya::sys::SyscallError {
+                        call: "bpf_map_update_elem (SVC_BACKENDS: index taken by another id)",
+                        io_error: std::io::Error::from_raw_os_error(libc::EEXIST),
+                    }));
+                }
+                self.backends.set(i, v.with_id(*k), 0)?;
                 if let Some(old) = self.backends_v1.as_mut() {
                     note_v1(old.insert(k, svc_common::BackendV1::of(v), 0));
                 }
@@ -1152,9 +1171,10 @@ impl Store for BpfStore {
     }
 
     /// A run of backends (a first sync's: a million at 100,000 Services of 10) goes on a
-    /// thread of its own beside `then`: the kernel's hash inserts are most of such a sync,
-    /// and at that size the lists and the verifier's work are usually done by then, the
-    /// second CPU idle. Through a duplicate of the map's descriptor, as the rest needs the
+    /// thread of its own beside `then`: at that size the lists and the verifier's work are
+    /// usually done by then, the second CPU idle. (Measured when `BACKENDS` was a hash, whose
+    /// inserts were most of such a sync; an array's writes are copies, and the thread's gain
+    /// since is not measured.) Through a duplicate of the map's descriptor, as the rest needs the
     /// store itself. Where no thread can be made (the pod's pid limit), one after the other.
     fn apply_batches(&mut self, first: &[Op], then: &[Op]) -> [(usize, Result<()>); 2] {
         if let Some(d) = &mut self.dirty {

@@ -239,9 +239,10 @@ catalogue! {
     /// Backends (address, port, protocol), each at index `backend_index(id, max_entries)`
     /// with its id in the value (0: a free entry). Layout 2: an array, 24 bytes an entry
     /// allocated in full (1 was a hash keyed by id: a 96-byte element and 16 bytes of bucket
-    /// array per entry of capacity, 100 MiB at 1,000,000 backends against 24 MiB now). The
-    /// agent hands an id out only where its index is free, so an id still names one backend
-    /// for ever and a stale one (a remembered choice) finds another id there: missing.
+    /// array per entry of capacity, 100 MiB at 1,000,000 backends against 24 MiB now). Ids
+    /// are still never handed out twice; the agent hands one out only where its index is
+    /// free, and the programs take an entry only if it holds the id they look up, so an id
+    /// whose index a later id took is missing, as a deleted key was.
     BACKENDS = MapDef::new::<u32, Backend>("SVC_BACKENDS", 2, MapKind::Array)
         .sized(1_048_576);
     /// Frontend id to frontend: what a reply or getpeername() reports.

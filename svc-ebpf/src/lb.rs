@@ -119,12 +119,18 @@ fn backend(id: BackendId, out: &mut Backend) -> Outcome {
     if id == 0 {
         return Outcome::MissingEntry;
     }
+    // Copied before the id is checked: the check then holds for what was copied.
     match SVC_BACKENDS.get(backend_index(id, crate::maps::backend_entries())) {
-        Some(b) if b.id == id => {
+        Some(b) => {
             *out = *b;
-            FOUND
+            if out.id == id {
+                FOUND
+            } else {
+                *out = Backend::default();
+                Outcome::MissingEntry
+            }
         }
-        _ => Outcome::MissingEntry,
+        None => Outcome::MissingEntry,
     }
 }
 

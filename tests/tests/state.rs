@@ -341,6 +341,96 @@ fn a_full_map_refuses_whole_services_and_a_larger_one_takes_them_without_a_drop(
     agent.quiet();
 }
 
+/// The backends map is an array: a backend's entry is at its id modulo the map's size. Made
+/// smaller at start, two backends in use can meet at one index: the second is left out, its
+/// Service is found incomplete and written again under a new id, and both Services serve
+/// every backend. A size below the backends in use is refused, naming the flag.
+#[test]
+fn a_resized_backends_array_places_every_backend_again() {
+    let grace = ["--retire-grace-ms", "100"];
+    let mut w = World::start_with(
+        6,
+        &[8080],
+        &[&["--max-backends", "16"][..], &grace].concat(),
+        |sb, m| {
+            m.apply_service(&web_service()).unwrap();
+            m.apply_slice(&web_slice(sb, &[1, 2], &[])).unwrap();
+        },
+    );
+    let api_ip = [10, 96, 0, 30];
+    w.m.apply_service(
+        &Service::new("demo", "api", "10.96.0.30")
+            .port(ServicePort::tcp(80).name("http").target(8080)),
+    )
+    .unwrap();
+    let api_slice = |sb: &Sandbox, b: u8| {
+        let mut s = web_slice(sb, &[b], &[]);
+        s.service = "api".into();
+        s.name = "api-v4".into();
+        s
+    };
+    // One backend after another for the api Service, each retired before the next, so that
+    // its id climbs: web holds ids 1 and 2, the api's last one is 9.
+    let rounds = [3, 4, 5, 6, 3, 4, 5];
+    for b in rounds {
+        w.m.apply_slice(&api_slice(&w.sb, b)).unwrap();
+        let want = format!("b{b}");
+        poll(Duration::from_secs(5), || {
+            let r = w.sb.tcp(sa(api_ip, 80), 3, &[])?;
+            Ok((r.all_ok() && names(&r) == set(&[want.as_str()])).then_some(()))
+        })
+        .unwrap_or_else(|e| panic!("api not on {want}: {e:#}\n{}", w.agent.log()));
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    let ids = |w: &World| -> Vec<u32> {
+        let store = svc_agent::datapath::open_pinned(w.bpffs.path()).unwrap();
+        let mut ids: Vec<u32> = (svc_agent::store::dump_backends(&store.backends)
+            .unwrap()
+            .iter())
+        .map(|(id, _)| *id)
+        .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ids(&w), [1, 2, 9], "{}", w.agent.log());
+
+    // Eight entries: id 9 meets id 1 at index 1.
+    w.agent.kill().unwrap();
+    let mut agent = agent_with(
+        &w.sb,
+        w.bpffs.path(),
+        &w.m,
+        &[&["--max-backends", "8"][..], &grace].concat(),
+    );
+    let log = agent.log();
+    assert!(
+        log.contains("resized map in place") && log.contains("collided=1"),
+        "{log}"
+    );
+    poll(Duration::from_secs(5), || {
+        let web = w.sb.tcp(sa(VIP, 80), 10, &[])?;
+        let api = w.sb.tcp(sa(api_ip, 80), 3, &[])?;
+        let ok = web.all_ok() && names(&web) == set(&["b1", "b2"]);
+        Ok((ok && api.all_ok() && names(&api) == set(&["b5"])).then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("not every backend served: {e:#}\n{}", agent.log()));
+    let now = ids(&w);
+    assert_eq!(now.len(), 3, "{now:?}");
+    assert!(now.iter().all(|id| *id != 9), "{now:?}");
+    let info = svc_tests::sys::pinned_map_info(&svc_agent::datapath::map_pin(
+        w.bpffs.path(),
+        svc_common::map_names::BACKENDS,
+    ))
+    .unwrap();
+    assert_eq!(info["max_entries"], 8, "{info}");
+
+    // Fewer entries than backends in use: refused at start, the maps left as they are.
+    agent.kill().unwrap();
+    let log = refused(&w.sb, w.bpffs.path(), &w.m, &["--max-backends", "2"]);
+    assert!(log.contains("--max-backends"), "{log}");
+    assert_eq!(ids(&w), now);
+}
+
 /// Issue 6, item 7: a pinned map of another key or value size is refused with a message that
 /// names the map and says what to do, and nothing else is pinned or attached.
 #[test]

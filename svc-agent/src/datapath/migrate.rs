@@ -82,6 +82,13 @@ pub(super) fn migrate(
                 aya::maps::Array::try_from(Map::Array(clone_map(old)?))
                     .map_err(|e| crate::store::map_err(name, e))?;
             let entries = crate::store::dump_backends(&old)?;
+            if entries.len() > store.backends.len() as usize {
+                return Err(Error::load(format!(
+                    "map {name}: its {} backends do not fit in the capacity asked for; give a \
+                     larger one (--max-backends)",
+                    entries.len()
+                )));
+            }
             Ok(place_backends(&mut store.backends, &entries)?.0)
         }
         map_names::REV_NAT => copy_hash(name, old, &mut store.rev_nat, late),

@@ -68,6 +68,14 @@ impl Backends {
         self.taken.get(word).is_some_and(|w| w & (1 << bit) != 0)
     }
 
+    /// How many indexes from `index` on, within its word of the bitmap, these entries take
+    /// (0: `index` is free).
+    pub fn taken_run(&self, index: u32) -> u32 {
+        let (word, bit) = (index as usize / 64, index % 64);
+        let w = self.taken.get(word).map_or(0, |w| w >> bit);
+        (!w).trailing_zeros().min(64 - bit)
+    }
+
     fn take_index(&mut self, id: BackendId, taken: bool) {
         let i = svc_common::backend_index(id, self.map_entries);
         let (word, bit) = (i as usize / 64, i % 64);
@@ -301,6 +309,26 @@ mod tests {
         let mut all: Vec<_> = b.iter().map(|(id, k)| (id, *k)).collect();
         all.sort_by_key(|(id, _)| *id);
         assert_eq!(all, vec![(2, c), (3, a)]);
+    }
+
+    /// Each entry takes its id's index of `BACKENDS` (id modulo its size) while it is here;
+    /// runs of taken indexes are told a word of the bitmap at a time.
+    #[test]
+    fn entries_take_the_index_of_their_id() {
+        let mut b = Backends::new(100);
+        for id in [3, 4, 5, 163, 70] {
+            b.insert(id, key(&format!("10.0.0.{}:80", id % 250)));
+        }
+        let taken: Vec<u32> = (0..100).filter(|&i| b.index_taken(i)).collect();
+        assert_eq!(taken, [3, 4, 5, 63, 70]);
+        assert_eq!((b.taken_run(3), b.taken_run(5), b.taken_run(6)), (3, 1, 0));
+        // 63 ends the first word: the run stops there.
+        assert_eq!(b.taken_run(63), 1);
+        b.remove(4);
+        assert_eq!((b.index_taken(4), b.taken_run(3)), (false, 1));
+        b.remove(163);
+        assert!(!b.index_taken(63));
+        assert_eq!(b.taken_run(99), 0);
     }
 
     #[test]

@@ -170,17 +170,29 @@ fn take_id(next: &mut u32, kind: &str) -> Result<u32> {
     Ok(id)
 }
 
-/// The next backend id whose index of `BACKENDS` (`backend_index` of `entries`) `free` says
-/// is free: the ids in between are passed over, never handed out. None when no index is
-/// free (every one of `entries` ids tried).
+/// The next backend id whose index of `BACKENDS` (`backend_index`) neither the mirror's
+/// entries (`backends`) nor `planned` take: the ids in between are passed over, never handed
+/// out. None when every index was tried.
 fn take_backend_id(
     next: &mut u32,
-    entries: u32,
-    free: impl Fn(u32) -> bool,
+    backends: &super::Backends,
+    planned: impl Fn(u32) -> bool,
 ) -> Result<Option<BackendId>> {
-    for _ in 0..entries.max(1) {
+    let entries = backends.map_entries();
+    let mut tried = 0u32;
+    while tried < entries {
+        let i = svc_common::backend_index(*next, entries);
+        // The mirror's entries take runs of indexes (ids handed out in order), passed over a
+        // word of its bitmap at a time.
+        let run = backends.taken_run(i);
+        if run > 0 {
+            *next = next.saturating_add(run);
+            tried = tried.saturating_add(run);
+            continue;
+        }
         let id = take_id(next, "backend")?;
-        if free(svc_common::backend_index(id, entries)) {
+        tried += 1;
+        if !planned(i) {
             return Ok(Some(id));
         }
     }
@@ -369,17 +381,22 @@ pub fn plan_unit(
             let id = match known.or_else(|| planned.get(&k).copied()) {
                 Some(id) => id,
                 None => {
-                    let free = |i: u32| {
-                        !p.backends.index_taken(i)
-                            && !earlier.backend_indexes.contains(&i)
-                            && !planned_indexes.contains(&i)
+                    let full = || Error::MapFull {
+                        map: svc_common::map_names::BACKENDS,
+                        capacity: entries,
+                        object: d.service.clone(),
                     };
-                    let Some(id) = take_backend_id(&mut next_backend, entries, free)? else {
-                        return Err(Error::MapFull {
-                            map: svc_common::map_names::BACKENDS,
-                            capacity: entries,
-                            object: d.service.clone(),
-                        });
+                    // Every index taken: refused without a walk round the array.
+                    let held = p.backends.len() + earlier.backend_indexes.len();
+                    if held + planned_indexes.len() >= entries as usize {
+                        return Err(full());
+                    }
+                    let planned_here = |i: u32| {
+                        earlier.backend_indexes.contains(&i) || planned_indexes.contains(&i)
+                    };
+                    let Some(id) = take_backend_id(&mut next_backend, &p.backends, planned_here)?
+                    else {
+                        return Err(full());
                     };
                     planned_indexes.insert(svc_common::backend_index(id, entries));
                     planned.insert(k, id);

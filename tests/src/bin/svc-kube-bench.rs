@@ -192,8 +192,9 @@ fn serves(store: &BpfStore, key: &ServiceKey, want: &[u8; 16]) -> bool {
         store
             .slots
             .get(&k, 0)
-            .and_then(|g| store.backends.get(&g.backends[i], 0))
-            .is_ok_and(|b| b.addr == *want)
+            .ok()
+            .and_then(|g| store.backend(g.backends[i]))
+            .is_some_and(|b| b.addr == *want)
     })
 }
 
