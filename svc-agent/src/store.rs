@@ -472,15 +472,25 @@ fn note_v1(r: Result<(), MapError>) {
 /// Every backend in `BACKENDS`, by id: the entries with an id, at that id's index (one
 /// elsewhere is found by no lookup).
 pub fn dump_backends(m: &Array<MapData, Backend>) -> Result<Vec<(BackendId, Backend)>> {
-    let entries = m.len().max(1);
     let mut out = Vec::new();
-    crate::sys::for_each_hash(m.map().fd().as_fd(), |i: &u32, v: &Backend| {
-        if v.id != 0 && svc_common::backend_index(v.id, entries) == *i {
-            out.push((v.id, *v));
+    for_each_backend(m.map().fd().as_fd(), m.len(), |id, v| out.push((id, *v)))
+        .map_err(|e| Error::map_io(map_names::BACKENDS, format!("reading every entry: {e}"), &e))?;
+    Ok(out)
+}
+
+/// Calls `f` on every backend of the `BACKENDS` array `fd` of `entries` entries (those with an
+/// id, at that id's index), read through a mapping of the array.
+fn for_each_backend(
+    fd: BorrowedFd<'_>,
+    entries: u32,
+    mut f: impl FnMut(BackendId, &Backend),
+) -> std::io::Result<()> {
+    let n = entries.max(1);
+    crate::sys::for_each_mapped(fd, entries, |i, v: &Backend| {
+        if v.id != 0 && svc_common::backend_index(v.id, n) == i {
+            f(v.id, v);
         }
     })
-    .map_err(|e| Error::map_io(map_names::BACKENDS, format!("reading every entry: {e}"), &e))?;
-    Ok(out)
 }
 
 /// The index and value a put of backends writes into `BACKENDS` of `entries` entries.
@@ -525,11 +535,7 @@ impl DigestReader {
                     d.service(hasher, k, v)
                 }),
                 1 => for_each_hash(fd, |k: &SlotKey, v: &SlotGroup| d.add(hasher, map, k, v)),
-                2 => for_each_hash(fd, |i: &u32, v: &Backend| {
-                    if v.id != 0 && svc_common::backend_index(v.id, self.backend_entries) == *i {
-                        d.backend(hasher, &v.id, v)
-                    }
-                }),
+                2 => for_each_backend(fd, self.backend_entries, |id, v| d.backend(hasher, &id, v)),
                 3 => for_each_hash(fd, |k: &u32, v: &RevNatValue| d.add(hasher, map, k, v)),
                 4 => for_each_hash(fd, |k: &u32, v: &ServiceName| {
                     d.name(hasher, k, v);

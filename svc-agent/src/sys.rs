@@ -347,6 +347,49 @@ pub fn for_each_hash<K: bytemuck::Pod, V: bytemuck::Pod>(
     }
 }
 
+/// Calls `f` on every index and value of the array `map` of `entries` values `V`, created
+/// with `BPF_F_MMAPABLE`, through a read-only mapping of its values: no syscall per element
+/// (a batched read of a million 24-byte entries took 0.3 to 1 s). Values the kernel or the
+/// agent write meanwhile may be seen half written, as by any lookup racing an update.
+pub fn for_each_mapped<V: bytemuck::Pod>(
+    map: BorrowedFd<'_>,
+    entries: u32,
+    mut f: impl FnMut(u32, &V),
+) -> io::Result<()> {
+    // An array's values are `value_size` rounded up to 8 bytes apart: `V` must be that long.
+    assert!(
+        size_of::<V>().is_multiple_of(8),
+        "a mapped array's values are 8-byte aligned"
+    );
+    let len = entries as usize * size_of::<V>();
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: a shared read-only mapping of `len` bytes of the map's values, which the kernel
+    // keeps while mapped; unmapped below on every path.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            map.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    for i in 0..entries as usize {
+        // SAFETY: within the mapping; `V` is Pod, and an unaligned read copies it out.
+        let v: V = unsafe { std::ptr::read_unaligned((ptr as *const V).add(i)) };
+        f(i as u32, &v);
+    }
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { libc::munmap(ptr, len) };
+    Ok(())
+}
+
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 
 /// Calls `f` on every key of a hash map, one BPF_MAP_GET_NEXT_KEY a key: no values copied.

@@ -20,6 +20,9 @@ use svc_common::{
 /// Maps that only the agent writes allocate on demand: a node with few services pays for few.
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
+/// An array the agent maps into its memory to read it whole (`svc_common::BPF_F_MMAPABLE`).
+const MMAPABLE: usize = svc_common::BPF_F_MMAPABLE as usize;
+
 /// Frontends (slot-0 master entries) and ClusterIP address markers.
 #[btf_map]
 pub static SVC_SERVICES: HashMap<
@@ -36,7 +39,7 @@ pub static SVC_SLOTS: HashMap<SlotKey, SlotGroup, { capacity::SLOTS as usize }, 
 
 /// Backends, each at `backend_index(id, max_entries)` (`backend_entries`).
 #[btf_map]
-pub static SVC_BACKENDS: Array<Backend, { capacity::BACKENDS as usize }> = Array::new();
+pub static SVC_BACKENDS: Array<Backend, { capacity::BACKENDS as usize }, MMAPABLE> = Array::new();
 
 /// max_entries of `SVC_BACKENDS` as the agent made it: a backend id's index is the id modulo
 /// it. Patched by the loader as kernel.rs' constants are (the agent's `--max-backends`); the

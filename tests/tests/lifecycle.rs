@@ -410,25 +410,7 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
 
     // New connections back to back across the upgrade: the older programs answer until the
     // new ones replace them, and not one connection fails in between.
-    let loop_for = Duration::from_secs(12);
-    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
-    let started = Instant::now();
-    wait_until(started + Duration::from_millis(500));
-    w.agent.kill().unwrap();
-    w.agent.set_bin(&w.sb.tools.agent.clone());
-    w.agent.restart().unwrap();
-    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
-    let ready_at = started.elapsed();
-    assert!(
-        ready_at + Duration::from_millis(500) < loop_for,
-        "upgraded agent ready only after {ready_at:?}: the client loop did not cover it"
-    );
-    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
-    assert_eq!(report.failed, 0, "{report:?}");
-    assert!(
-        report.ok > 100,
-        "too few connections to mean anything: {report:?}"
-    );
+    upgrade_under_a_loop(&mut w, |_| {});
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(names(&r), chosen, "{:?}", r.backends());
@@ -447,6 +429,31 @@ fn an_agent_of_the_previous_map_layout_is_replaced_in_place() {
         assert!(!pins.contains(&old.to_string()), "{pins:?}");
     }
     assert!(log.contains("removed a pin of another map layout"), "{log}");
+}
+
+/// Replaces the running agent by this build's under a loop of new connections to the
+/// Service, doing `meanwhile` while no agent runs: not one connection may fail.
+fn upgrade_under_a_loop(w: &mut World, meanwhile: impl FnOnce(&World)) {
+    let loop_for = Duration::from_secs(12);
+    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
+    let started = Instant::now();
+    wait_until(started + Duration::from_millis(500));
+    w.agent.kill().unwrap();
+    meanwhile(w);
+    w.agent.set_bin(&w.sb.tools.agent.clone());
+    w.agent.restart().unwrap();
+    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
+    let ready_at = started.elapsed();
+    assert!(
+        ready_at + Duration::from_millis(500) < loop_for,
+        "upgraded agent ready only after {ready_at:?}: the client loop did not cover it"
+    );
+    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
+    assert_eq!(report.failed, 0, "{report:?}\n{}", w.agent.log());
+    assert!(
+        report.ok > 100,
+        "too few connections to mean anything: {report:?}"
+    );
 }
 
 /// An upgrade over `SVC_BACKENDS` of layout 1 (a hash keyed by id): the new agent carries the
@@ -472,26 +479,9 @@ fn an_agent_of_the_backends_hash_is_replaced_in_place() {
     let r = w.sb.tcp(sa(VIP, 80), 10, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
 
-    let loop_for = Duration::from_secs(12);
-    let client = w.sb.spawn_loop(sa(VIP, 80), loop_for).unwrap();
-    let started = Instant::now();
-    wait_until(started + Duration::from_millis(500));
-    w.agent.kill().unwrap();
-    w.m.apply_slice(&web_slice(&w.sb, &[4, 5, 6], &[])).unwrap();
-    w.agent.set_bin(&w.sb.tools.agent.clone());
-    w.agent.restart().unwrap();
-    w.agent.wait_ready(Duration::from_secs(30)).unwrap();
-    let ready_at = started.elapsed();
-    assert!(
-        ready_at + Duration::from_millis(500) < loop_for,
-        "upgraded agent ready only after {ready_at:?}: the client loop did not cover it"
-    );
-    let report = w.sb.finish_loop(client, Duration::from_secs(30)).unwrap();
-    assert_eq!(report.failed, 0, "{report:?}\n{}", w.agent.log());
-    assert!(
-        report.ok > 100,
-        "too few connections to mean anything: {report:?}"
-    );
+    upgrade_under_a_loop(&mut w, |w| {
+        w.m.apply_slice(&web_slice(&w.sb, &[4, 5, 6], &[])).unwrap();
+    });
     let r = w.sb.tcp(sa(VIP, 80), 20, &[]).unwrap();
     assert!(r.all_ok(), "{:?}", r.failures());
     assert_eq!(names(&r), set(&["b4", "b5", "b6"]), "{:?}", r.backends());
