@@ -610,8 +610,8 @@ impl BpfStore {
             Op::PutSlot(k, v) => self.slots.insert(k, v, 0),
             Op::PutBackend(k, v) => {
                 // Never over another backend's entry: the planner hands an id out only where
-                // its index is free, and this holds it to that (a batch of a first sync is
-                // not checked).
+                // its index is free, and this holds it to that (the batched puts of a chunk
+                // of Services, `put_run`, are not checked).
                 let i = self.backend_at(*k);
                 let there = self.backends.get(&i, 0)?.id;
                 if there != 0 && there != *k {
