@@ -493,11 +493,22 @@ fn restarted(p: &mut Programmed, store: &ModelStore) -> Programmed {
     )
 }
 
+/// The capacities of `store`'s maps: the default but for `backend_entries`.
+fn capacity_of(store: &ModelStore) -> Capacity {
+    match store.backend_entries {
+        0 => Capacity::default(),
+        n => Capacity {
+            backends: n,
+            ..Capacity::default()
+        },
+    }
+}
+
 /// A new agent's mirror of what `store` holds (nothing of its own retiring).
 fn recovered(store: &ModelStore) -> Programmed {
     Programmed::recover(
         &store.snapshot().unwrap(),
-        Capacity::default(),
+        capacity_of(store),
         Duration::from_secs(1),
         Retiring::default(),
     )
@@ -890,12 +901,24 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
         ("10.96.0.4", 8080, &["10.0.0.9:8080", "10.0.0.1:80"]),
         ("fd00::3", 80, &["[fd00::9]:80"]),
     ]);
-    let mut base = ModelStore::default();
-    settle(&mut fresh(), &mut base, &before);
+    // The default array, and one of 16 entries, where the ids past the recovered high-water
+    // mark go round it and meet the indexes in use.
+    for entries in [0, 16] {
+        crash_after_any_op(&before, &after, entries);
+    }
+}
+
+fn crash_after_any_op(before: &DesiredState, after: &DesiredState, backend_entries: u32) {
+    let mut base = ModelStore {
+        backend_entries,
+        ..ModelStore::default()
+    };
+    let mut p = Programmed::empty(capacity_of(&base), Duration::from_secs(1));
+    settle(&mut p, &mut base, before);
     let total = {
         let mut s = base.clone();
         let n0 = s.ops;
-        fresh_apply_count(&mut s, &after);
+        fresh_apply_count(&mut s, after);
         s.ops - n0
     };
     assert!(total > 10);
@@ -903,17 +926,17 @@ fn a_crash_after_any_op_is_repaired_by_the_next_agent() {
         // The first agent: adopted the maps, dies after `kill_at` ops of the change.
         let mut store = base.clone();
         store.crash_after = Some(store.ops + kill_at);
-        fresh_apply_count(&mut store, &after);
+        fresh_apply_count(&mut store, after);
         store.crash_after = None;
         // The second agent: recovers, syncs once, waits out the grace period.
         let mut p = recovered(&store);
-        let r = settle(&mut p, &mut store, &after);
+        let r = settle(&mut p, &mut store, after);
         assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
-        let problems = crate::verify::check(&store.snapshot().unwrap(), &after);
+        let problems = crate::verify::check(&store.snapshot().unwrap(), after);
         assert!(problems.is_empty(), "kill at {kill_at}: {problems:#?}");
         // And a third agent finds nothing to do.
         let mut p3 = recovered(&store);
-        let r = p3.apply(&mut store, &after);
+        let r = p3.apply(&mut store, after);
         assert_eq!(
             r.ops,
             0,
