@@ -297,11 +297,13 @@ catalogue! {
         .sized(16_384)
         .no_prealloc()
         .owned();
-    /// Connection tracking of the packet datapath's assured flows: two entries per flow (a
-    /// hash, allocated in full). Layout 3: a hash of assured flows (2 was an LRU of every
-    /// flow), beside CT_NEW.
-    CT = MapDef::new::<CtKey, CtValue>("SVC_CT", 3, MapKind::Hash)
+    /// Connection tracking of the packet datapath's assured flows: two entries per flow.
+    /// Layout 4: allocated as flows are assured, as the kernel's conntrack allocates its
+    /// entries (3 was the same hash allocated in full: 42 MiB at the default capacity on a
+    /// node without a flow; 2 was an LRU of every flow, before CT_NEW).
+    CT = MapDef::new::<CtKey, CtValue>("SVC_CT", 4, MapKind::Hash)
         .sized(262_144)
+        .no_prealloc()
         .carry_late();
     /// The packet datapath's settings (`DatapathConfig`).
     CONFIG = MapDef::new::<u32, DatapathConfig>("SVC_CONFIG", 1, MapKind::Array).owned();
@@ -2112,7 +2114,7 @@ mod tests {
             ("SVC_SOCK_STATE", 1, 0),
             ("SVC_NODE_ADDRS", 1, 65_536),
             ("SVC_SRC_RANGES", 1, 16_384),
-            ("SVC_CT", 3, 262_144),
+            ("SVC_CT", 4, 262_144),
             ("SVC_CONFIG", 1, 1),
             ("SVC_DEV_STATS", 1, 4_096),
             ("SVC_NODE_ADDR_BITS", 1, NODE_ADDR_BIT_WORDS),

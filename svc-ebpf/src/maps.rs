@@ -17,7 +17,7 @@ use svc_common::{
     SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
 };
 
-/// Maps that only the agent writes allocate on demand: a node with few services pays for few.
+/// Maps allocated on demand: a node with few services, or few flows (`SVC_CT`), pays for few.
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 /// An array the agent maps into its memory to read it whole (`svc_common::BPF_F_MMAPABLE`).
@@ -138,9 +138,11 @@ pub static SVC_SRC_RANGES: LpmTrie<[u8; 20], u32, { capacity::SRC_RANGES as usiz
 /// two entries per flow. Not an LRU: nothing evicts an assured flow for a new one, as
 /// conntrack never does; its entries go when the flow is dead (the sweep, gc.rs; a new flow
 /// stored over a dead one) or closed and taken over. A full table keeps a newly assured flow
-/// in `SVC_CT_NEW` (`Reason::CtAssuredFull`). Preallocated: no allocation on the datapath.
+/// in `SVC_CT_NEW` (`Reason::CtAssuredFull`), as does an element the kernel could not allocate:
+/// entries are allocated as flows are assured (from per-CPU caches the kernel refills), so a
+/// node pays for the flows it has, not for the capacity.
 #[btf_map]
-pub static SVC_CT: HashMap<CtKey, CtValue, { capacity::CT as usize }> = HashMap::new();
+pub static SVC_CT: HashMap<CtKey, CtValue, { capacity::CT as usize }, NO_PREALLOC> = HashMap::new();
 
 /// Connection tracking of flows not assured yet (handshakes in flight, UDP flows that are no
 /// stream yet, and a flood's spoofed SYNs): both entries of each, moved to `SVC_CT` when the

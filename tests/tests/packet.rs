@@ -4832,7 +4832,7 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     }
     let dir = t.bpffs.path().to_path_buf();
     v1.pin(dir.join("SVC_CT_v1")).expect("pinning layout 1");
-    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
     t.agent().restart().expect("restart");
@@ -4904,7 +4904,7 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
     }
     let dir = t.bpffs.path().to_path_buf();
     v2.pin(dir.join("SVC_CT_v2")).expect("pinning layout 2");
-    std::fs::remove_file(dir.join("SVC_CT_v3")).expect("removing layout 3's pin");
+    std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
     t.agent().restart().expect("restart");
@@ -4941,6 +4941,106 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
         Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
     })
     .expect("layout 2's pin removed once the programs switched");
+}
+
+/// This layout's pin of `SVC_CT` under `dir`.
+fn ct_pin(dir: &std::path::Path) -> std::path::PathBuf {
+    svc_agent::datapath::map_pin(dir, svc_common::map_names::CT)
+}
+
+/// An agent taking over from one whose assured table is of layout 3 (the same hash, allocated
+/// in full) carries its flows into a table allocated as flows come: a connection held open
+/// through a NodePort goes on, its entry is in the new assured table, and the table a node
+/// holds is one the kernel allocates entries of as used (`BPF_F_NO_PREALLOC`). Layout 3's map is
+/// made here from what the running datapath holds, pinned where such an agent left it, and
+/// the newer pin removed, as an upgrade from that agent finds them.
+#[test]
+fn flows_of_the_table_allocated_in_full_are_carried_into_one_allocated_as_used() {
+    use std::os::fd::AsFd;
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let np = sa(NODE1, 30081);
+    let c = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+    let client = c.local_addr().expect("the client's address");
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+
+    let dir = t.bpffs.path().to_path_buf();
+    let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> = {
+        let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+        let ct = store.ct.as_ref().expect("the assured table");
+        let info = ct.info().expect("its info");
+        assert_eq!(
+            info.map_flags() & svc_common::BPF_F_NO_PREALLOC,
+            svc_common::BPF_F_NO_PREALLOC,
+            "this layout's table is allocated as used"
+        );
+        svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT")
+    };
+    assert!(!assured.is_empty(), "the connection is assured");
+    let v3 = svc_agent::sys::map_create(
+        1, /* BPF_MAP_TYPE_HASH, preallocated */
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValue>() as u32,
+        1024,
+        0,
+        "SVC_CT",
+    )
+    .expect("a map of layout 3");
+    let v3 = aya::maps::MapData::from_fd(v3).expect("the map");
+    {
+        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
+                aya::maps::MapData::from_fd(v3.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
+            ))
+            .expect("the map");
+        for (k, v) in &assured {
+            m.insert(k, v, 0).expect("a flow of layout 3");
+        }
+    }
+    v3.pin(dir.join("SVC_CT_v3")).expect("pinning layout 3");
+    std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
+
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    assert!(
+        t.agent()
+            .log()
+            .contains("carried the flows of layout 3 over"),
+        "{}",
+        t.agent().log()
+    );
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let ct = store.ct.as_ref().expect("the assured table");
+    assert_eq!(
+        ct.info().expect("its info").map_flags() & svc_common::BPF_F_NO_PREALLOC,
+        svc_common::BPF_F_NO_PREALLOC
+    );
+    let now: Vec<(svc_common::CtKey, svc_common::CtValue)> =
+        svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT");
+    assert!(
+        now.iter().any(|(k, v)| k.dir == svc_common::ct_dir::FORWARD
+            && k.sport_be == client.port().to_be()
+            && v.flags & svc_common::ct_flags::UNASSURED == 0),
+        "the connection is in the new assured table: {now:?}"
+    );
+    let c = in_ns(&t.client, move || {
+        let a = exchange(&c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, "pod1");
+        c
+    });
+    drop(c);
+    poll(Duration::from_secs(10), || {
+        Ok((!dir.join("SVC_CT_v3").exists()).then_some(()))
+    })
+    .expect("layout 3's pin removed once the programs switched");
 }
 
 /// An upgrade from a real agent of the previous layout (one connection-tracking table,

@@ -9,7 +9,7 @@ use aya::maps::MapData;
 use svc_common::{catalogue, map_names};
 use tracing::{info, warn};
 
-use super::migrate::{carry_ct_v1, carry_ct_v2, migrate};
+use super::migrate::{carry_ct_of_layout, carry_ct_v1, migrate, CT_LAYOUTS_OF_THIS_VALUE};
 use super::pins::{link_pin, map_pin, staged_pin};
 use super::{io_err, load_err, Datapath, PROGRAMS};
 use crate::error::{Error, Result};
@@ -216,11 +216,13 @@ impl Datapath {
                 "carrying over late flows of layout 1: {e}"
             );
         }
-        if let Err(e) = carry_ct_v2(&mut self.store, &self.dir) {
-            warn!(
-                map = map_names::CT,
-                "carrying over late flows of layout 2: {e}"
-            );
+        for layout in CT_LAYOUTS_OF_THIS_VALUE {
+            if let Err(e) = carry_ct_of_layout(&mut self.store, &self.dir, layout) {
+                warn!(
+                    map = map_names::CT,
+                    "carrying over late flows of layout {layout}: {e}"
+                );
+            }
         }
         // The old programs are gone: the backends map of layout 1 is read no more.
         self.store.backends_v1 = None;

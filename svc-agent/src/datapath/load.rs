@@ -12,7 +12,8 @@ use tracing::info;
 use super::cgroup::{check_cgroup, check_other_svc};
 use super::lock::{lock_dir, own_dir};
 use super::migrate::{
-    carry_backends_v1, carry_ct_v1, carry_ct_v2, carry_slots_v1, clone_map, migrate,
+    carry_backends_v1, carry_ct_of_layout, carry_ct_v1, carry_slots_v1, clone_map, migrate,
+    CT_LAYOUTS_OF_THIS_VALUE,
 };
 use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
@@ -186,13 +187,15 @@ impl Datapath {
                  as before)"
             );
         }
-        let carried = carry_ct_v2(&mut store, dir)?;
-        if carried > 0 {
-            info!(
-                map = map_names::CT,
-                entries = carried,
-                "carried the flows of layout 2 over (assured ones to the assured table)"
-            );
+        for layout in CT_LAYOUTS_OF_THIS_VALUE {
+            let carried = carry_ct_of_layout(&mut store, dir, layout)?;
+            if carried > 0 {
+                info!(
+                    map = map_names::CT,
+                    entries = carried,
+                    "carried the flows of layout {layout} over (assured ones to the assured table)"
+                );
+            }
         }
         let (carried, collided) = carry_backends_v1(&mut store, dir)?;
         if carried > 0 || collided > 0 {

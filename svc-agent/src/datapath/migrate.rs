@@ -243,15 +243,19 @@ pub(super) fn carry_ct_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
     Ok(entries.len())
 }
 
-/// Carries the flows of a pinned `SVC_CT` of layout 2 (one LRU of every flow) into this
-/// layout's tables: unassured flows (`ct_flags::UNASSURED`) into `SVC_CT_NEW`, the others into
-/// `SVC_CT`, so an upgrade keeps every connection; before the new programs attach, and again
-/// after, as `carry_ct_v1`. How many entries were read.
-pub(super) fn carry_ct_v2(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+/// The older layouts of `SVC_CT` whose values are this layout's `CtValue`: 2 (one LRU of
+/// every flow) and 3 (the assured table allocated in full).
+pub(super) const CT_LAYOUTS_OF_THIS_VALUE: [u32; 2] = [2, 3];
+
+/// Carries the flows of a pinned `SVC_CT` of `layout` (one of `CT_LAYOUTS_OF_THIS_VALUE`) into
+/// this layout's tables: unassured flows (`ct_flags::UNASSURED`) into `SVC_CT_NEW`, the others
+/// into `SVC_CT`, so an upgrade keeps every connection; before the new programs attach, and
+/// again after, as `carry_ct_v1`. How many entries were read.
+pub(super) fn carry_ct_of_layout(store: &mut BpfStore, dir: &Path, layout: u32) -> Result<usize> {
     if store.ct.is_none() || store.ct_new.is_none() {
         return Ok(0);
     }
-    let Some(entries) = old_ct::<svc_common::CtValue>(dir, 2)? else {
+    let Some(entries) = old_ct::<svc_common::CtValue>(dir, layout)? else {
         return Ok(0);
     };
     carry_ct(store, &entries)?;
