@@ -21,6 +21,7 @@ use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource, ResourceExt};
 use tracing::{info, warn};
 
+use super::listed::{slice_event, ListedSlice};
 use super::{Batch, Event as SourceEvent, Tracker};
 use crate::error::{Error, Result};
 use crate::model::Frontend;
@@ -870,11 +871,14 @@ impl ApiServer {
         .await
         .map_err(|e| listing("Services", e))?;
         let slices = list_all(
-            &Api::<EndpointSlice>::all(self.client.clone()),
+            &Api::<ListedSlice>::all(self.client.clone()),
             &slice_selector(proxy_name),
         )
         .await
-        .map_err(|e| listing("EndpointSlices", e))?;
+        .map_err(|e| listing("EndpointSlices", e))?
+        .into_iter()
+        .map(EndpointSlice::from)
+        .collect();
         let node = Api::<Node>::all(self.client.clone())
             .get_opt(&opts.node_name)
             .await
@@ -960,12 +964,14 @@ impl ApiServer {
             failures.clone(),
             Update::Service,
         );
+        // Decoded only as far as the agent reads them (`ListedSlice`): a page of them is held
+        // until each is parsed.
         let slices = updates(
-            Api::<EndpointSlice>::all(self.client.clone()),
+            Api::<ListedSlice>::all(self.client.clone()),
             config().labels(&slice_selector(proxy_name)),
             "watch_endpointslices",
             failures.clone(),
-            Update::Slice,
+            |e| Update::Slice(slice_event(e)),
         );
         let nodes = updates(
             Api::<Node>::all(self.client),

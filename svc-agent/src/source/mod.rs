@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::translate::{Holders, ParsedService, ParsedSlice};
 
 pub mod kube;
+pub mod listed;
 pub mod manifest;
 pub mod manifest_tracker;
 pub mod node;

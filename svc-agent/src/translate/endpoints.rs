@@ -31,6 +31,7 @@ impl Family {
     }
 }
 
+#[derive(Debug)]
 pub(super) struct SliceInfo {
     pub key: ObjectKey,
     /// metadata.creationTimestamp: of two manifests defining one slice, the older serves.
@@ -42,6 +43,7 @@ pub(super) struct SliceInfo {
     pub endpoints: Vec<EndpointInfo>,
 }
 
+#[derive(Debug)]
 pub(super) struct SlicePort {
     pub name: String,
     pub protocol: Protocol,

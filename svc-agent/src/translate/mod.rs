@@ -213,6 +213,7 @@ fn invalid(object: &str, message: impl Into<String>) -> Error {
 pub struct ParsedService(ServiceInfo);
 
 /// An EndpointSlice reduced to what kube-proxy's rules read.
+#[derive(Debug)]
 pub struct ParsedSlice(SliceInfo);
 
 /// "namespace/name" of a parsed object, and its creationTimestamp.
