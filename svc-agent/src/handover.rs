@@ -186,7 +186,10 @@ fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, fwd: &CtValue
         } else {
             0
         };
-        let _ = ct.insert(key, v, BPF_EXIST);
+        // Replacing an entry of a table allocated as used (`SVC_CT`) allocates one: the
+        // kernel's caches may be empty for a moment.
+        let _ =
+            crate::store::retry_enomem(crate::store::ENOMEM_TRIES, || ct.insert(key, v, BPF_EXIST));
     }
 }
 

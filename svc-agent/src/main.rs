@@ -510,8 +510,9 @@ struct CapacityArgs {
     #[arg(long, default_value_t = svc_common::capacity::SOCK_REV)]
     max_sock_rev: u32,
     /// Connection tracking of the packet datapath's assured flows: two entries per flow; a
-    /// hash allocated in full (about 100 bytes an entry) that nothing evicts. The unassured
-    /// flows' table (an LRU a flood churns) is a quarter of it, at least 256 entries.
+    /// hash that nothing evicts, allocated as flows are assured (192 bytes an entry, and 16
+    /// bytes of buckets per entry of capacity). The unassured flows' table (an LRU a flood
+    /// churns, allocated in full) is a quarter of it, at least 256 entries.
     #[arg(long, default_value_t = svc_common::capacity::CT)]
     max_ct: u32,
     /// loadBalancerSourceRanges entries over all LoadBalancer frontends.

@@ -952,7 +952,7 @@ impl BpfStore {
 }
 
 /// How often, and how long apart at first, a write that failed with ENOMEM is tried again.
-const ENOMEM_TRIES: u32 = 12;
+pub(crate) const ENOMEM_TRIES: u32 = 12;
 const ENOMEM_PAUSE: Duration = Duration::from_micros(100);
 
 /// How long writes fail at once after one failed all its ENOMEM tries.

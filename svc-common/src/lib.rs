@@ -1194,8 +1194,9 @@ pub enum Reason {
     /// Socket: reverse entries deleted when their socket was released.
     SockRevReleased = 34,
     /// tc: a flow was assured while the assured connection-tracking table (`SVC_CT`,
-    /// `--max-ct`) was full; it stays in the unassured table, where a flood of new flows may
-    /// evict it. Counted under the device the flow came in on.
+    /// `--max-ct`) was full, or the kernel could not allocate its entry at that moment; it
+    /// stays in the unassured table, assured, where a flood of new flows may evict it.
+    /// Counted under the device the flow came in on.
     CtAssuredFull = 35,
     /// A new flow to a frontend marked `svc_flags::MAGLEV` found no table for its generation
     /// (or one outside the map): its backend was chosen at random (without a device, as

@@ -656,6 +656,46 @@ fn nodeport_flows_across_an_uninstall_killed_mid_handover() {
     .unwrap();
 }
 
+/// The way back from a node whose assured flows are in `SVC_CT` of layout 3 (a hash allocated
+/// in full, before 2026-12-07), uninstalled by this agent: it hands those flows over, every
+/// held connection and stream lives on. Before, it looked for this layout's pin alone and
+/// handed over none of them.
+#[test]
+fn nodeport_flows_across_an_uninstall_of_the_older_connection_table() {
+    way_back_from(Via::NodePort, Mode::Nftables, false, 0, None, true).unwrap();
+}
+
+/// Moves the entries of this layout's `SVC_CT` pin under `dir` into a map of layout 3 (the same
+/// hash, preallocated), pinned as `SVC_CT_v3`, and removes this layout's pin.
+fn as_ct_layout_3(dir: &std::path::Path) -> Result<()> {
+    use std::os::fd::AsFd;
+    let entries: Vec<(svc_common::CtKey, svc_common::CtValue)> = {
+        let store = svc_agent::datapath::open_pinned(dir)?;
+        let ct = store.ct.as_ref().context("no SVC_CT")?;
+        svc_agent::sys::dump_hash(ct.fd().as_fd())?
+    };
+    ensure!(!entries.is_empty(), "no assured flow to move");
+    let fd = svc_agent::sys::map_create(
+        1, /* BPF_MAP_TYPE_HASH, preallocated */
+        std::mem::size_of::<svc_common::CtKey>() as u32,
+        std::mem::size_of::<svc_common::CtValue>() as u32,
+        1024,
+        0,
+        "SVC_CT",
+    )?;
+    let v3 = aya::maps::MapData::from_fd(fd)?;
+    let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(aya::maps::MapData::from_fd(
+            v3.fd().as_fd().try_clone_to_owned()?,
+        )?))?;
+    for (k, v) in &entries {
+        m.insert(k, v, 0)?;
+    }
+    v3.pin(dir.join("SVC_CT_v3"))?;
+    std::fs::remove_file(svc_agent::datapath::map_pin(dir, svc_common::map_names::CT))?;
+    Ok(())
+}
+
 /// The same way back for flows to ExternalIPs (one per Service, routed to the node), to
 /// kube-proxy in iptables mode.
 #[test]
@@ -787,6 +827,20 @@ fn way_back(
     v6: bool,
     pause_ms: u64,
     kill_after: Option<Duration>,
+) -> Result<()> {
+    way_back_from(via, mode, v6, pause_ms, kill_after, false)
+}
+
+/// `way_back`; `ct_layout_3`: the assured flows are moved into a pin of `SVC_CT`'s layout 3 (a
+/// hash allocated in full) before the uninstall, as a node still run by such an agent holds
+/// them.
+fn way_back_from(
+    via: Via,
+    mode: Mode,
+    v6: bool,
+    pause_ms: u64,
+    kill_after: Option<Duration>,
+    ct_layout_3: bool,
 ) -> Result<()> {
     require_root();
     let mut firewall = HostFirewallGuard::new()?;
@@ -957,6 +1011,10 @@ fn way_back(
     log(t0, "kube-proxy started beside svc and synced");
     let status = agent.terminate(Duration::from_secs(10))?;
     ensure!(status.success(), "svc-agent exited with {status}");
+    if ct_layout_3 {
+        as_ct_layout_3(bpffs.path())?;
+        log(t0, "the assured flows moved into a pin of layout 3");
+    }
     let uninstall_began = Instant::now();
     // Every held connection and stream is a live flow: 4 + 4 TCP connections, 2 UDP streams.
     if let Some(after) = kill_after {
@@ -1054,7 +1112,11 @@ fn way_back(
             &hold_remote,
             4,
         ),
-        if pause_ms == 0 {
+        // With the flows moved into a pin of layout 3, the programs still attached read this
+        // layout's map, which the handover's marks do not reach: a datagram translated beside
+        // the new kernel entry is lost, as in a widened window (on a node of layout 3 the
+        // programs read the pin the marks go to).
+        if pause_ms == 0 && !ct_layout_3 {
             check_stream(
                 &format!("{via:?} UDP stream made under svc (local backend)"),
                 &stream_local,

@@ -57,7 +57,8 @@ where
     };
     let mut written = 0;
     for (k, v) in entries {
-        match new.insert(k, v, flags) {
+        // A map allocated as used (`SVC_CT`) may find the kernel's caches empty for a moment.
+        match crate::store::retry_enomem(crate::store::ENOMEM_TRIES, || new.insert(k, v, flags)) {
             Ok(()) => written += 1,
             Err(e) if keep_newer && crate::store::is_exists(&e) => {}
             Err(e) if crate::store::is_full(&e) => return Err(full()),
@@ -423,7 +424,10 @@ fn carry_ct(store: &BpfStore, entries: &[(svc_common::CtKey, svc_common::CtValue
         let first = if v.flags & svc_common::ct_flags::UNASSURED != 0 {
             unassured.insert(k, v, crate::store::BPF_NOEXIST)
         } else {
-            match assured.insert(k, v, crate::store::BPF_NOEXIST) {
+            // The assured table is allocated as used: the kernel's caches may be empty for a
+            // moment in a burst of writes.
+            let put = || assured.insert(k, v, crate::store::BPF_NOEXIST);
+            match crate::store::retry_enomem(crate::store::ENOMEM_TRIES, put) {
                 Err(e) if crate::store::is_full(&e) => {
                     unassured.insert(k, v, crate::store::BPF_NOEXIST)
                 }

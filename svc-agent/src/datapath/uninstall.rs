@@ -8,6 +8,7 @@ use aya::maps::{Array, Map, MapData};
 use svc_common::map_names;
 
 use super::lock::lock_dir;
+use super::migrate::CT_LAYOUTS_OF_THIS_VALUE;
 use super::pins::{link_pin, map_pin, other_versions, staged_pin};
 use super::tc::{tc_links_here, tc_pins};
 use super::{io_err, load_err, PROGRAMS};
@@ -86,7 +87,19 @@ pub fn uninstall(dir: &Path, cgroup: Option<&Path>) -> Result<Uninstalled> {
         // Both tables: an unassured flow (a handshake in flight, a UDP flow with one reply)
         // is handed over as conntrack would hold it, unassured.
         for name in [map_names::CT, map_names::CT_NEW] {
-            let path = map_pin(dir, name);
+            let mut path = map_pin(dir, name);
+            if name == map_names::CT && !path.exists() {
+                // An older agent's datapath whose table holds this layout's values (layout 3:
+                // allocated in full; 2: one table of every flow).
+                let older = CT_LAYOUTS_OF_THIS_VALUE
+                    .iter()
+                    .rev()
+                    .map(|v| dir.join(format!("{name}_v{v}")))
+                    .find(|p| p.exists());
+                if let Some(older) = older {
+                    path = older;
+                }
+            }
             if name == map_names::CT_NEW && !path.exists() {
                 // An older agent's datapath: one table of every flow.
                 continue;
