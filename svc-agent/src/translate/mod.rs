@@ -500,18 +500,22 @@ pub fn assemble_with<'a>(
     holders: &dyn Holders,
 ) -> Translated {
     let mut errors = Vec::new();
-    let mut slices_by_service: BTreeMap<(&str, &str), Vec<&SliceInfo>> = BTreeMap::new();
-    for ParsedSlice(slice) in slices {
-        slices_by_service
-            .entry((slice.key.namespace(), slice.service.as_str()))
-            .or_default()
-            .push(slice);
+    // Each Service's slices are a run of one vector sorted by (namespace, Service, name),
+    // found by binary search: a map of a vector per Service took about 10 MB at 100,000
+    // Services, at the moment the assembly holds the most. Name order makes the result
+    // independent of input order: errors come out in a stable order, and slices of one
+    // Service are merged in name order.
+    let mut slices: Vec<&SliceInfo> = slices.into_iter().map(|s| &s.0).collect();
+    fn service_of(s: &SliceInfo) -> (&str, &str) {
+        (s.key.namespace(), s.service.as_str())
     }
-    // Name order makes the result independent of input order: errors come out in a stable
-    // order, and slices of one Service are merged in name order.
-    for list in slices_by_service.values_mut() {
-        list.sort_by(|a, b| a.key.cmp(&b.key));
-    }
+    slices.sort_by(|a, b| (service_of(a), &a.key).cmp(&(service_of(b), &b.key)));
+    let slices_of = |svc: &ServiceInfo| {
+        let want = (svc.key.namespace(), svc.key.name());
+        let from = slices.partition_point(|s| service_of(s) < want);
+        let to = from + slices[from..].partition_point(|s| service_of(s) == want);
+        &slices[from..to]
+    };
     let mut services: Vec<&ServiceInfo> = services.into_iter().map(|s| &s.0).collect();
     services.sort_by(|a, b| a.key.cmp(&b.key));
 
@@ -560,10 +564,7 @@ pub fn assemble_with<'a>(
         .sum();
     let mut frontends: Vec<(Frontend, DesiredFrontend)> = Vec::with_capacity(ports);
     for svc in services {
-        let slices = slices_by_service
-            .get(&(svc.key.namespace(), svc.key.name()))
-            .map(Vec::as_slice)
-            .unwrap_or_default();
+        let slices = slices_of(svc);
         let claims = claims(svc);
         let mut at = 0;
         while at < claims.len() {
