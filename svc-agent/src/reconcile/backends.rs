@@ -9,9 +9,10 @@ use super::{BackendKey, Seeded};
 
 /// Every backend entry the agent knows to be in the maps: its id, its address and how many
 /// slots of current generations name it; and for each address, the id its new slots use. The
-/// entries sit in one vector, found through two tables of their 4-byte positions: three std
-/// maps keyed by id and by address (with the count apart) take about 118 MB at 1,000,000
-/// backends by their sizing, this about 48 MB.
+/// entries sit in one vector, found by id through their index in `BACKENDS` (one id an index)
+/// and by address through a table of their 4-byte positions: three std maps keyed by id and by
+/// address (with the count apart) take about 118 MB at 1,000,000 backends by their sizing, two
+/// tables of positions took 48 MB, this 44 MB.
 #[derive(Debug)]
 pub struct Backends {
     entries: Vec<Slot>,
@@ -21,7 +22,10 @@ pub struct Backends {
     taken: Vec<u64>,
     /// Positions of removed entries, reused first.
     vacant: Vec<u32>,
-    by_id: HashTable<u32>,
+    /// Per index of `BACKENDS`, the position of the entry there plus one (0: none): an index
+    /// holds one id at most, as the map does (`take_index`). 4 bytes an index, resident as
+    /// written, where a table by id took 10.5 MB at 1,000,000 backends.
+    at_index: Vec<u32>,
     /// One position per address: that of the id its new slots use. An address two entries
     /// have (a crash between writes) is here once (`choose_ids`).
     by_key: HashTable<u32>,
@@ -47,16 +51,11 @@ impl Backends {
     /// No entries, for a `BACKENDS` of `map_entries` entries.
     pub fn new(map_entries: u32) -> Backends {
         Backends {
-            // Room for as many entries as the map has, so that the vector never moves as a
-            // first sync fills it (a move holds the old and the new one at once: 44 MB at
-            // 1,000,000 backends, the cold start's peak). Pages the allocator has not handed out
-            // before are resident only once written, so an agent with few backends pays for
-            // few.
-            entries: Vec::with_capacity(map_entries.max(1) as usize),
+            entries: Vec::new(),
             map_entries: map_entries.max(1),
             taken: Vec::new(),
             vacant: Vec::new(),
-            by_id: HashTable::new(),
+            at_index: Vec::new(),
             by_key: HashTable::new(),
             hasher: Seeded::default(),
         }
@@ -97,11 +96,11 @@ impl Backends {
     }
 
     pub fn len(&self) -> usize {
-        self.by_id.len()
+        self.entries.len() - self.vacant.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
+        self.len() == 0
     }
 
     /// Room for `n` more entries, so that a table filled at once (a restart's) is allocated
@@ -110,21 +109,18 @@ impl Backends {
         let Backends {
             entries,
             vacant,
-            by_id,
             by_key,
             hasher,
             ..
         } = self;
         entries.reserve(n.saturating_sub(vacant.len()));
-        by_id.reserve(n, |&i| hasher.hash_one(entries[i as usize].id));
         by_key.reserve(n, |&i| hasher.hash_one(entries[i as usize].key));
     }
 
     fn position(&self, id: BackendId) -> Option<usize> {
-        let h = self.hasher.hash_one(id);
-        (self.by_id)
-            .find(h, |&i| self.entries[i as usize].id == id)
-            .map(|&i| i as usize)
+        let i = svc_common::backend_index(id, self.map_entries) as usize;
+        let at = self.at_index.get(i).copied().filter(|&p| p != 0)? as usize - 1;
+        (self.entries[at].id == id).then_some(at)
     }
 
     pub fn get(&self, id: BackendId) -> Option<&BackendKey> {
@@ -154,9 +150,15 @@ impl Backends {
     }
 
     /// Adds backend `id` at `key` without making it the id of `key` (`choose_ids` does, once
-    /// all are in); None if `id` is 0 or already known.
+    /// all are in); None if `id` is 0 or already known, or (never by the planner's choice of
+    /// ids, nor from the map, which holds one id an index) if another id holds its index.
     pub(super) fn add(&mut self, id: BackendId, key: BackendKey) -> Option<usize> {
         if id == 0 || self.contains(id) {
+            return None;
+        }
+        let index = svc_common::backend_index(id, self.map_entries);
+        if self.index_taken(index) {
+            debug_assert!(false, "backend {id}: index {index} taken by another id");
             return None;
         }
         let slot = Slot { id, refs: 0, key };
@@ -171,15 +173,11 @@ impl Backends {
                 (self.entries.len() - 1) as u32
             }
         };
-        let Backends {
-            entries,
-            by_id,
-            hasher,
-            ..
-        } = self;
-        by_id.insert_unique(hasher.hash_one(id), i, |&j| {
-            hasher.hash_one(entries[j as usize].id)
-        });
+        if self.at_index.is_empty() {
+            // Zeroed by the allocator (calloc), not written: pages untouched stay unallocated.
+            self.at_index = vec![0; self.map_entries as usize];
+        }
+        self.at_index[index as usize] = i + 1;
         Some(i as usize)
     }
 
@@ -205,9 +203,7 @@ impl Backends {
     pub fn remove(&mut self, id: BackendId) -> Option<BackendKey> {
         let i = self.position(id)? as u32;
         let key = self.entries[i as usize].key;
-        if let Ok(e) = (self.by_id).find_entry(self.hasher.hash_one(id), |&j| j == i) {
-            e.remove();
-        }
+        self.at_index[svc_common::backend_index(id, self.map_entries) as usize] = 0;
         if let Ok(e) = (self.by_key).find_entry(self.hasher.hash_one(key), |&j| j == i) {
             e.remove();
         }
