@@ -78,9 +78,10 @@ pub use crate::model::Cidr;
 /// `--watch-list`, has no pages). A large share of the API server's cost is per page at 500: at
 /// 100,000 Services of 10 endpoints, a restart's lists were done 5.0–5.8 s after spawn with
 /// pages of 5,000, against 9.1–9.4 s (docs/benchmarks.md). The price is one page of each kind
-/// held at once: about 40 MB of API objects for slices of 10 endpoints (the peak RSS at 10,000
-/// such Services went from 61 to 100 MiB), roughly ten times that for full ones; kube-proxy's
-/// first list, unpaged from the watch cache, holds every object at once.
+/// held at once: about 43 MB of slices of 10 endpoints decoded whole, many times that for a
+/// cluster's (`targetRef`s, `managedFields`), which is why slices are decoded only as far as
+/// the agent reads them (`listed::ListedSlice`); kube-proxy's first list, unpaged from the
+/// watch cache, holds every object at once.
 pub const LIST_PAGE: u32 = 5_000;
 
 /// kube-proxy's selection of Services (cmd/kube-proxy/app/server.go): those without a service

@@ -455,11 +455,12 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         &mut mib,
     ));
     let step = Step::start();
-    let slices: Vec<EndpointSlice> =
+    // Decoded as the agent's watchers decode them: only what it reads.
+    let slices: Vec<svc_agent::source::listed::ListedSlice> =
         rt.block_on(list_all(&Api::all(client.clone()), &slice_selector(None)))?;
     rows.push(step.row(
         &format!(
-            "list {} EndpointSlices through kube-rs (same)",
+            "list {} EndpointSlices through kube-rs (same; decoded in part, as `ListedSlice`)",
             slices.len()
         ),
         &mut mib,
@@ -479,7 +480,10 @@ fn breakdown(rt: &tokio::runtime::Runtime, client: &Client, tools: &Tools) -> Re
         .collect();
     let parsed_slices: Vec<_> = slices
         .iter()
-        .filter_map(|s| svc_agent::translate::parse_slice(s, &node, &mut errors))
+        .filter_map(|s| {
+            let s = EndpointSlice::from(s.clone());
+            svc_agent::translate::parse_slice(&s, &node, &mut errors)
+        })
         .collect();
     drop(services);
     drop(slices);
