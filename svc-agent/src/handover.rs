@@ -60,6 +60,9 @@ use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
 use crate::{netlink::Messages, sys};
 
 // linux/netfilter/nfnetlink_conntrack.h: what netlink-packet-netfilter does not name.
+/// Tries of a mark's write (`mark`).
+const MARK_TRIES: u32 = 3;
+
 const CTA_NAT_SRC: u16 = 6;
 const CTA_NAT_DST: u16 = 13;
 const CTA_NAT_V4_MINIP: u16 = 1;
@@ -187,9 +190,10 @@ fn mark(ct: &mut BpfHashMap<MapData, CtKey, CtValue>, key: &CtKey, fwd: &CtValue
             0
         };
         // Replacing an entry of a table allocated as used (`SVC_CT`) allocates one: the
-        // kernel's caches may be empty for a moment.
-        let _ =
-            crate::store::retry_enomem(crate::store::ENOMEM_TRIES, || ct.insert(key, v, BPF_EXIST));
+        // kernel's caches may be empty for a moment. Twice more at most (0.3 ms): a late mark
+        // holds the flow's packets, and under lasting memory pressure every flow of the
+        // handover would wait.
+        let _ = crate::store::retry_enomem(MARK_TRIES, || ct.insert(key, v, BPF_EXIST));
     }
 }
 
