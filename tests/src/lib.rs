@@ -19,6 +19,7 @@ pub mod manifest;
 pub mod memcg;
 pub mod netns;
 pub mod parity;
+pub mod pins;
 #[cfg(feature = "charts")]
 pub use svc_charts as plot;
 pub mod probe;

@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 use svc_common::node_addr_flags;
 use svc_tests::{
     netns::veth_pair,
-    require_root,
+    pins, require_root,
     sandbox::AGENT_READY_TIMEOUT,
     topology::{
         Nodes, CLIENT, CLIENT2, CLIENT6, NODE1, NODE1_6, NODE2, POD1, POD1_6, POD2, POD2_6,
@@ -4783,7 +4783,6 @@ fn a_spoofed_fragment_flood_leaves_fragmented_udp_working() {
 /// Without the carry the connection's next segment meets no flow, and the node resets it.
 #[test]
 fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
-    use std::os::fd::AsFd;
     let mut t = Topo::new();
     t.service("local", nodeport("local", 11, 30081));
     t.endpoints("local", &[LOCAL_POD]);
@@ -4799,23 +4798,9 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
 
     let entries = ct_entries(&t);
     assert!(!entries.is_empty());
-    let v1 = svc_agent::sys::map_create(
-        9, /* BPF_MAP_TYPE_LRU_HASH */
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValueV1>() as u32,
-        1024,
-        0,
-        "SVC_CT",
-    )
-    .expect("a map of layout 1");
-    let v1 = aya::maps::MapData::from_fd(v1).expect("the map");
-    {
-        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValueV1> =
-            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-                aya::maps::MapData::from_fd(v1.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
-            ))
-            .expect("the map");
-        for (k, v) in &entries {
+    let old: Vec<(svc_common::CtKey, svc_common::CtValueV1)> = entries
+        .iter()
+        .map(|(k, v)| {
             let old = svc_common::CtValueV1 {
                 nat_addr: v.nat_addr,
                 snat_addr: v.snat_addr,
@@ -4827,11 +4812,11 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
                 ifindex: v.ifindex,
                 last_seen_ns: v.last_seen_ns,
             };
-            m.insert(k, old, 0).expect("a flow of layout 1");
-        }
-    }
+            (*k, old)
+        })
+        .collect();
     let dir = t.bpffs.path().to_path_buf();
-    v1.pin(dir.join("SVC_CT_v1")).expect("pinning layout 1");
+    pins::pin_old_ct(&dir, 1, pins::LRU_HASH, &old).expect("layout 1's table");
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
@@ -4882,28 +4867,8 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
 
     let entries = ct_entries(&t);
     assert!(!entries.is_empty());
-    let v2 = svc_agent::sys::map_create(
-        9, /* BPF_MAP_TYPE_LRU_HASH */
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValue>() as u32,
-        1024,
-        0,
-        "SVC_CT",
-    )
-    .expect("a map of layout 2");
-    let v2 = aya::maps::MapData::from_fd(v2).expect("the map");
-    {
-        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
-            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(
-                aya::maps::MapData::from_fd(v2.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
-            ))
-            .expect("the map");
-        for (k, v) in &entries {
-            m.insert(k, v, 0).expect("a flow of layout 2");
-        }
-    }
     let dir = t.bpffs.path().to_path_buf();
-    v2.pin(dir.join("SVC_CT_v2")).expect("pinning layout 2");
+    pins::pin_old_ct(&dir, 2, pins::LRU_HASH, &entries).expect("layout 2's table");
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
@@ -4983,27 +4948,7 @@ fn flows_of_the_table_allocated_in_full_are_carried_into_one_allocated_as_used()
         svc_agent::sys::dump_hash(ct.fd().as_fd()).expect("reading SVC_CT")
     };
     assert!(!assured.is_empty(), "the connection is assured");
-    let v3 = svc_agent::sys::map_create(
-        1, /* BPF_MAP_TYPE_HASH, preallocated */
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValue>() as u32,
-        1024,
-        0,
-        "SVC_CT",
-    )
-    .expect("a map of layout 3");
-    let v3 = aya::maps::MapData::from_fd(v3).expect("the map");
-    {
-        let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
-            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(
-                aya::maps::MapData::from_fd(v3.fd().as_fd().try_clone_to_owned().unwrap()).unwrap(),
-            ))
-            .expect("the map");
-        for (k, v) in &assured {
-            m.insert(k, v, 0).expect("a flow of layout 3");
-        }
-    }
-    v3.pin(dir.join("SVC_CT_v3")).expect("pinning layout 3");
+    pins::pin_old_ct(&dir, 3, pins::HASH, &assured).expect("layout 3's table");
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
 
     t.agent().restart().expect("restart");

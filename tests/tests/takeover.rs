@@ -675,23 +675,7 @@ fn as_ct_layout_3(dir: &std::path::Path) -> Result<()> {
         svc_agent::sys::dump_hash(ct.fd().as_fd())?
     };
     ensure!(!entries.is_empty(), "no assured flow to move");
-    let fd = svc_agent::sys::map_create(
-        1, /* BPF_MAP_TYPE_HASH, preallocated */
-        std::mem::size_of::<svc_common::CtKey>() as u32,
-        std::mem::size_of::<svc_common::CtValue>() as u32,
-        1024,
-        0,
-        "SVC_CT",
-    )?;
-    let v3 = aya::maps::MapData::from_fd(fd)?;
-    let mut m: aya::maps::HashMap<_, svc_common::CtKey, svc_common::CtValue> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(aya::maps::MapData::from_fd(
-            v3.fd().as_fd().try_clone_to_owned()?,
-        )?))?;
-    for (k, v) in &entries {
-        m.insert(k, v, 0)?;
-    }
-    v3.pin(dir.join("SVC_CT_v3"))?;
+    svc_tests::pins::pin_old_ct(dir, 3, svc_tests::pins::HASH, &entries)?;
     std::fs::remove_file(svc_agent::datapath::map_pin(dir, svc_common::map_names::CT))?;
     Ok(())
 }
