@@ -4776,6 +4776,50 @@ fn a_spoofed_fragment_flood_leaves_fragmented_udp_working() {
     big(&t, "once the flood's flows are gone");
 }
 
+/// A NodePort Service of a local backend, a connection through it that exchanged once, and
+/// the agent stopped, its pins left: what an upgrade's carry of flows starts from.
+fn a_connection_held_through_a_stopped_agent() -> (Topo, TcpStream) {
+    let mut t = Topo::new();
+    t.service("local", nodeport("local", 11, 30081));
+    t.endpoints("local", &[LOCAL_POD]);
+    t.start_agent();
+    let np = sa(NODE1, 30081);
+    let c = in_ns(&t.client, move || {
+        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
+        exchange(&c).expect("its first exchange");
+        c
+    });
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+    (t, c)
+}
+
+/// Restarts the agent of `t` and checks that it carried the flows of `SVC_CT`'s `layout`.
+fn restarted_carrying_the_flows_of(t: &mut Topo, layout: u32) {
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    let said = format!("carried the flows of layout {layout} over");
+    assert!(t.agent().log().contains(&said), "{}", t.agent().log());
+}
+
+/// After an upgrade: connection `c` still exchanges with its backend, and the pin of
+/// `SVC_CT`'s older `layout` under `dir` is removed once the new programs are attached.
+fn goes_on_and_the_old_pin_goes(t: &Topo, c: TcpStream, dir: &std::path::Path, layout: u32) {
+    let c = in_ns(&t.client, move || {
+        let a = exchange(&c).expect("the connection after the upgrade");
+        assert_eq!(a.backend, "pod1");
+        c
+    });
+    drop(c);
+    let old = dir.join(format!("SVC_CT_v{layout}"));
+    poll(
+        Duration::from_secs(10),
+        || Ok((!old.exists()).then_some(())),
+    )
+    .unwrap_or_else(|e| panic!("layout {layout}'s pin removed once the programs switched: {e}"));
+}
+
 /// An agent taking over from one whose connection-tracking map is of layout 1 (before
 /// sequence tracking) carries its flows over: a connection held open through a NodePort goes
 /// on. Layout 1's map is made here from what the running datapath holds, pinned where such an
@@ -4820,27 +4864,8 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
-    t.agent().restart().expect("restart");
-    t.agent()
-        .wait_ready(AGENT_READY_TIMEOUT)
-        .expect("ready again");
-    assert!(
-        t.agent()
-            .log()
-            .contains("carried the flows of layout 1 over"),
-        "{}",
-        t.agent().log()
-    );
-    let c = in_ns(&t.client, move || {
-        let a = exchange(&c).expect("the connection after the upgrade");
-        assert_eq!(a.backend, "pod1");
-        c
-    });
-    drop(c);
-    poll(Duration::from_secs(10), || {
-        Ok((!dir.join("SVC_CT_v1").exists()).then_some(()))
-    })
-    .expect("layout 1's pin removed once the programs switched");
+    restarted_carrying_the_flows_of(&mut t, 1);
+    goes_on_and_the_old_pin_goes(&t, c, &dir, 1);
 }
 
 /// An agent taking over from one whose connection-tracking map is of layout 2 (one LRU of
@@ -4852,18 +4877,8 @@ fn flows_of_the_layout_before_sequence_tracking_are_carried_over() {
 #[test]
 fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
     use std::os::fd::AsFd;
-    let mut t = Topo::new();
-    t.service("local", nodeport("local", 11, 30081));
-    t.endpoints("local", &[LOCAL_POD]);
-    t.start_agent();
-    let np = sa(NODE1, 30081);
-    let c = in_ns(&t.client, move || {
-        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
-        exchange(&c).expect("its first exchange");
-        c
-    });
+    let (mut t, c) = a_connection_held_through_a_stopped_agent();
     let client = c.local_addr().expect("the client's address");
-    t.agent().terminate(Duration::from_secs(10)).expect("stop");
 
     let entries = ct_entries(&t);
     assert!(!entries.is_empty());
@@ -4872,17 +4887,7 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
     std::fs::remove_file(dir.join("SVC_CT_NEW_v1")).expect("removing the unassured table's pin");
 
-    t.agent().restart().expect("restart");
-    t.agent()
-        .wait_ready(AGENT_READY_TIMEOUT)
-        .expect("ready again");
-    assert!(
-        t.agent()
-            .log()
-            .contains("carried the flows of layout 2 over"),
-        "{}",
-        t.agent().log()
-    );
+    restarted_carrying_the_flows_of(&mut t, 2);
     // The connection's FORWARD entry, assured, in the assured table.
     let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
     let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> =
@@ -4896,16 +4901,7 @@ fn flows_of_the_layout_with_one_table_are_carried_into_the_assured_one() {
                 && v.flags & svc_common::ct_flags::UNASSURED == 0),
         "the connection is in the assured table: {assured:?}"
     );
-    let c = in_ns(&t.client, move || {
-        let a = exchange(&c).expect("the connection after the upgrade");
-        assert_eq!(a.backend, "pod1");
-        c
-    });
-    drop(c);
-    poll(Duration::from_secs(10), || {
-        Ok((!dir.join("SVC_CT_v2").exists()).then_some(()))
-    })
-    .expect("layout 2's pin removed once the programs switched");
+    goes_on_and_the_old_pin_goes(&t, c, &dir, 2);
 }
 
 /// This layout's pin of `SVC_CT` under `dir`.
@@ -4922,18 +4918,8 @@ fn ct_pin(dir: &std::path::Path) -> std::path::PathBuf {
 #[test]
 fn flows_of_the_table_allocated_in_full_are_carried_into_one_allocated_as_used() {
     use std::os::fd::AsFd;
-    let mut t = Topo::new();
-    t.service("local", nodeport("local", 11, 30081));
-    t.endpoints("local", &[LOCAL_POD]);
-    t.start_agent();
-    let np = sa(NODE1, 30081);
-    let c = in_ns(&t.client, move || {
-        let c = TcpStream::connect_timeout(&np, ANSWER).expect("a connection");
-        exchange(&c).expect("its first exchange");
-        c
-    });
+    let (mut t, c) = a_connection_held_through_a_stopped_agent();
     let client = c.local_addr().expect("the client's address");
-    t.agent().terminate(Duration::from_secs(10)).expect("stop");
 
     let dir = t.bpffs.path().to_path_buf();
     let assured: Vec<(svc_common::CtKey, svc_common::CtValue)> = {
@@ -4951,17 +4937,7 @@ fn flows_of_the_table_allocated_in_full_are_carried_into_one_allocated_as_used()
     pins::pin_old_ct(&dir, 3, pins::HASH, &assured).expect("layout 3's table");
     std::fs::remove_file(ct_pin(&dir)).expect("removing this layout's pin");
 
-    t.agent().restart().expect("restart");
-    t.agent()
-        .wait_ready(AGENT_READY_TIMEOUT)
-        .expect("ready again");
-    assert!(
-        t.agent()
-            .log()
-            .contains("carried the flows of layout 3 over"),
-        "{}",
-        t.agent().log()
-    );
+    restarted_carrying_the_flows_of(&mut t, 3);
     let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
     let ct = store.ct.as_ref().expect("the assured table");
     assert_eq!(
@@ -4976,16 +4952,7 @@ fn flows_of_the_table_allocated_in_full_are_carried_into_one_allocated_as_used()
             && v.flags & svc_common::ct_flags::UNASSURED == 0),
         "the connection is in the new assured table: {now:?}"
     );
-    let c = in_ns(&t.client, move || {
-        let a = exchange(&c).expect("the connection after the upgrade");
-        assert_eq!(a.backend, "pod1");
-        c
-    });
-    drop(c);
-    poll(Duration::from_secs(10), || {
-        Ok((!dir.join("SVC_CT_v3").exists()).then_some(()))
-    })
-    .expect("layout 3's pin removed once the programs switched");
+    goes_on_and_the_old_pin_goes(&t, c, &dir, 3);
 }
 
 /// An upgrade from a real agent of the previous layout (one connection-tracking table,
