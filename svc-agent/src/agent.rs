@@ -586,7 +586,7 @@ impl Agent {
                 .collect(),
             maglev: metrics::MaglevUsage {
                 table_bytes: self.programmed.maglev.table_bytes(),
-                capacity_bytes: u64::from(self.programmed.capacity.maglev) * 8,
+                capacity_bytes: u64::from(self.programmed.capacity.maglev_blocks()) * 8,
                 tables: self.programmed.maglev.live.len(),
                 none: self.programmed.maglev.roomless.len(),
             },

@@ -14,7 +14,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use serde::Serialize;
 use svc_common::{
     ct_dir, ct_flags, node_addr_flags, svc_flags, AffinityKey, AffinityValue, CtKey, CtValue,
-    DatapathConfig, MAGLEV_BLOCK,
+    DatapathConfig, MAGLEV_BLOCK, MAGLEV_PAGE,
 };
 
 use crate::error::Result;
@@ -631,7 +631,7 @@ fn maglev_choice(
 /// The pinned maps as a `Live`: the affinity map and both conntrack tables.
 pub struct PinnedLive {
     affinity: HashMap<AffinityKey, AffinityValue>,
-    maglev: Option<aya::maps::Array<MapData, svc_common::MaglevBlock>>,
+    maglev: Option<crate::store::MaglevPages>,
     maglev_index: Option<BpfHashMap<MapData, svc_common::SlotKey, svc_common::MaglevIndex>>,
     ct: Vec<(&'static str, BpfHashMap<MapData, CtKey, CtValue>)>,
     now_ns: u64,
@@ -664,8 +664,8 @@ impl PinnedLive {
         let maglev = store
             .maglev
             .as_ref()
-            .and_then(|a| reopen(aya::maps::IterableMap::map(a)))
-            .and_then(|m| aya::maps::Array::try_from(Map::Array(m)).ok());
+            .and_then(|h| reopen(aya::maps::IterableMap::map(h)))
+            .and_then(|m| BpfHashMap::try_from(Map::HashMap(m)).ok());
         let maglev_index = store
             .maglev_index
             .as_ref()
@@ -697,7 +697,9 @@ impl Live for PinnedLive {
     }
 
     fn maglev_entry(&self, pos: u32) -> Option<u16> {
-        let block = self.maglev.as_ref()?.get(&(pos / MAGLEV_BLOCK), 0).ok()?;
+        let block = pos / MAGLEV_BLOCK;
+        let page = self.maglev.as_ref()?.get(&(block / MAGLEV_PAGE), 0).ok()?;
+        let block = page.blocks.get((block % MAGLEV_PAGE) as usize)?;
         block.entries.get((pos % MAGLEV_BLOCK) as usize).copied()
     }
 

@@ -297,6 +297,19 @@ impl Regions {
         self.used.len()
     }
 
+    /// Whether no region in use has a block from `start` up to `start + len` (blocks beyond
+    /// the array count as free).
+    pub fn is_free(&self, start: u32, len: u32) -> bool {
+        let end = start.saturating_add(len).min(self.capacity);
+        if start >= end {
+            return true;
+        }
+        self.free
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(&f, &have)| f + have >= end)
+    }
+
     /// Whether `len` free blocks lie together somewhere.
     pub fn fits(&self, len: u32) -> bool {
         len > 0 && self.free.values().any(|&have| have >= len)
@@ -710,6 +723,25 @@ mod tests {
         assert!(r.free(a, 256) && r.free(b, 256) && r.free(c, 256));
         assert_eq!(r, Regions::new(1_000), "merged back into one region");
         assert_eq!(r.alloc(1_000), Some(0));
+    }
+
+    /// A stretch is free when no region in use has a block in it, wherever in it that block
+    /// is; blocks beyond the array are free.
+    #[test]
+    fn a_stretch_with_any_block_in_use_is_not_free() {
+        let mut r = Regions::new(1_000);
+        assert!(r.take(300, 10));
+        assert!(r.is_free(0, 300) && r.is_free(310, 690));
+        for (start, len) in [(0, 301), (299, 2), (305, 1), (309, 100), (200, 800)] {
+            assert!(!r.is_free(start, len), "{start}+{len}");
+        }
+        assert!(
+            r.is_free(990, 120),
+            "the last page, beyond the array in part"
+        );
+        assert!(r.is_free(1_000, 120) && r.is_free(u32::MAX - 5, 120));
+        assert!(r.free(300, 10));
+        assert!(r.is_free(0, 1_000));
     }
 
     /// Freeing what is free, or beyond the array, is refused and changes nothing.

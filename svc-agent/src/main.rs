@@ -518,11 +518,12 @@ struct CapacityArgs {
     /// loadBalancerSourceRanges entries over all LoadBalancer frontends.
     #[arg(long, default_value_t = svc_common::capacity::SRC_RANGES)]
     max_source_ranges: u32,
-    /// Maglev table entries over all external frontends (2 bytes each, allocated in full in
-    /// blocks of four; a table is 127 to 131,071 entries, about 100 per backend, and a changed
-    /// backend set needs room for the old and the new table during the grace period). 0: no
-    /// tables. The default, 32 MiB, holds 10,000 Services of 10 backends with one external
-    /// frontend each, with room to spare (docs/design/maglev.md).
+    /// Maglev table entries over all external frontends (2 bytes each, allocated as tables are
+    /// written, in pages of 480; a table is 127 to 131,071 entries, about 100 per backend, and
+    /// a changed backend set needs room for the old and the new table during the grace
+    /// period). 0: no tables. The default, 34 MiB when full and 1 MiB while no table is
+    /// written, holds 10,000 Services of 10 backends with one external frontend each, with
+    /// room to spare (docs/design/maglev.md).
     #[arg(long, default_value_t = DEFAULT_MAGLEV_ENTRIES)]
     max_maglev_entries: u32,
     /// Count connections and new flows per Service port in the kernel and export them
@@ -533,7 +534,7 @@ struct CapacityArgs {
     per_service_metrics: bool,
 }
 
-/// `--max-maglev-entries`' default: 2^24 entries, 32 MiB (docs/design/maglev.md, Memory).
+/// `--max-maglev-entries`' default: 2^24 entries (docs/design/maglev.md, Memory).
 const DEFAULT_MAGLEV_ENTRIES: u32 = 1 << 24;
 
 /// How external frontends (NodePort, externalIPs, LoadBalancer IPs) choose a backend for a new
@@ -610,10 +611,10 @@ impl CapacityArgs {
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,
             dev_stats: svc_common::capacity::DEV_STATS,
-            // An array has one element at least: 0 entries is one block no table uses.
+            // A map has one entry at least: 0 entries is one page no table uses.
             maglev: self
                 .max_maglev_entries
-                .div_ceil(svc_common::MAGLEV_BLOCK)
+                .div_ceil(svc_common::MAGLEV_BLOCK * svc_common::MAGLEV_PAGE)
                 .max(1),
             maglev_index: self.max_services,
             service_stats: self.max_services,

@@ -209,7 +209,7 @@ impl Recorded {
             kube_proxy: KubeProxy::new(&mut r),
             snat_ports: add(&mut r, "svc_snat_ports", "Ports in the SNAT port range: what svc_snat_ports_in_use_max runs up against"),
             maglev_table_bytes: add(&mut r, "svc_maglev_table_bytes", "Bytes of Maglev table entries the current frontend generations use (2 an entry)"),
-            maglev_capacity_bytes: add(&mut r, "svc_maglev_capacity_bytes", "Bytes SVC_MAGLEV holds (--max-maglev-entries, allocated in full)"),
+            maglev_capacity_bytes: add(&mut r, "svc_maglev_capacity_bytes", "Bytes of table entries SVC_MAGLEV has room for (--max-maglev-entries; allocated as tables are written)"),
             maglev_frontends: add(&mut r, "svc_maglev_frontends", "External frontends by Maglev table: maglev (has its table), none (wants one, found no room: random choice, tried again at each sync)"),
             rest_client: {
                 let m = crate::source::rest_client::RestClientMetrics::default();
@@ -634,7 +634,7 @@ pub struct Programmed {
 pub struct MaglevUsage {
     /// Entries of the current generations' tables, 2 bytes each.
     pub table_bytes: u64,
-    /// What `SVC_MAGLEV` holds (8 bytes a block of 4 entries).
+    /// What `SVC_MAGLEV` has room for (8 bytes a block of 4 entries).
     pub capacity_bytes: u64,
     /// External frontends with a table, and those that want one and found no room.
     pub tables: usize,

@@ -11,9 +11,9 @@ use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError};
 use svc_common::{
     ct_dir, ct_flags, ct_timeout, map_names, AffinityKey, AffinityMatchKey, AffinityValue, Backend,
-    BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue,
-    RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup, SlotKey,
-    SrcRangeKey,
+    BackendId, CtKey, CtValue, DatapathConfig, MaglevBlock, MaglevIndex, MaglevPage, MetaValue,
+    NodeAddrValue, RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup,
+    SlotKey, SrcRangeKey, MAGLEV_PAGE,
 };
 
 use crate::error::{Error, Result};
@@ -45,6 +45,9 @@ pub enum Op {
     /// A Maglev table (`SVC_MAGLEV`) from its first block on, into a region no index entry
     /// names yet: written before its index entry, never under readers.
     PutMaglev(u32, Vec<MaglevBlock>),
+    /// A page of `SVC_MAGLEV` none of whose blocks is in a region in use (`MaglevPage`): its
+    /// memory goes back to the kernel.
+    DelMaglevPage(u32),
     /// Where the table of a generation (`SlotKey` with slot 0) is (`SVC_MAGLEV_INDEX`).
     PutMaglevIndex(SlotKey, MaglevIndex),
     DelMaglevIndex(SlotKey),
@@ -63,7 +66,7 @@ impl Op {
             Op::PutRange(_) | Op::DelRange(_) => map_names::SRC_RANGES,
             Op::PutNodeAddr(..) | Op::DelNodeAddr(_) => map_names::NODE_ADDRS,
             Op::PutConfig(_) => map_names::CONFIG,
-            Op::PutMaglev(..) => map_names::MAGLEV,
+            Op::PutMaglev(..) | Op::DelMaglevPage(_) => map_names::MAGLEV,
             Op::PutMaglevIndex(..) | Op::DelMaglevIndex(_) => map_names::MAGLEV_INDEX,
         }
     }
@@ -126,11 +129,18 @@ capacity! {
     ct: CT,
     /// (device, reason) counters of the packet datapath.
     dev_stats: DEV_STATS,
-    /// Blocks of Maglev table entries, and the index of the tables.
+    /// Pages of Maglev table entries (`MaglevPage`), and the index of the tables.
     maglev: MAGLEV,
     maglev_index: MAGLEV_INDEX,
     /// Per-Service counters: one entry per frontend, as the names map.
     service_stats: SERVICE_STATS,
+}
+
+impl Capacity {
+    /// Blocks of Maglev table entries `SVC_MAGLEV` has room for: where tables may be placed.
+    pub fn maglev_blocks(&self) -> u32 {
+        self.maglev.saturating_mul(MAGLEV_PAGE)
+    }
 }
 
 /// Everything the programs read, as found in the maps, plus what names ids elsewhere.
@@ -153,6 +163,8 @@ pub struct Snapshot {
     /// The tables the index names, by first block, when read (`Store::read_tables`; the
     /// drift check does not read them: a table is never changed where it is).
     pub maglev_tables: Option<BTreeMap<u32, Vec<MaglevBlock>>>,
+    /// The pages `SVC_MAGLEV` has (`MaglevPage`), by number.
+    pub maglev_pages: Vec<u32>,
 }
 
 pub trait Store {
@@ -325,7 +337,11 @@ pub struct BpfStore {
     pub dev_stats: Option<MapData>,
     /// The Maglev tables and their index (docs/design/maglev.md). None while the object does
     /// not declare them.
-    pub maglev: Option<Array<MapData, MaglevBlock>>,
+    pub maglev: Option<MaglevPages>,
+    /// A pinned `MAGLEV` of layout 1 (an array of blocks), which the programs still attached
+    /// read, from the start of an agent that found one until its programs are attached: every
+    /// table the agent writes is written there too (`migrate::carry_maglev_v1`).
+    pub maglev_v1: Option<Array<MapData, MaglevBlock>>,
     pub maglev_index: Option<HashMap<MapData, SlotKey, MaglevIndex>>,
     /// `svc-agent monitor`'s rings (one a slot), slots, summary and counters
     /// (docs/design/monitor.md): held for their pins only; the monitors open them themselves.
@@ -454,6 +470,64 @@ pub fn dump<K: aya::Pod + bytemuck::Pod, V: aya::Pod + bytemuck::Pod>(
 ) -> Result<Vec<(K, V)>> {
     crate::sys::dump_hash(m.map().fd().as_fd())
         .map_err(|e| Error::map_io(map, format!("reading every entry: {e}"), &e))
+}
+
+/// `SVC_MAGLEV` (layout 2): `MaglevPage`s by page number.
+pub type MaglevPages = HashMap<MapData, u32, MaglevPage>;
+
+/// Writes `blocks` from block `start` on. Each page they touch is written whole, in one
+/// update the kernel swaps in for the old element: a page they cover in part is read first
+/// (zeroed if the map lacks it), so the tables it holds besides stay as they were.
+pub fn write_maglev_pages(
+    m: &mut MaglevPages,
+    start: u32,
+    blocks: &[MaglevBlock],
+) -> Result<(), MapError> {
+    let per = MAGLEV_PAGE as usize;
+    let mut at = 0;
+    while at < blocks.len() {
+        let block = start as usize + at;
+        let (page, from) = (block / per, block % per);
+        let n = (per - from).min(blocks.len() - at);
+        let mut v = if n == per {
+            MaglevPage::default()
+        } else {
+            match m.get(&(page as u32), 0) {
+                Ok(v) => v,
+                Err(e) if is_not_found(&e) => MaglevPage::default(),
+                Err(e) => return Err(e),
+            }
+        };
+        v.blocks[from..from + n].copy_from_slice(&blocks[at..at + n]);
+        retry_enomem(ENOMEM_TRIES, || m.insert(page as u32, v, 0))?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// `len` blocks from block `start` on; those of a page the map lacks are zeroed.
+pub fn read_maglev_pages(
+    m: &MaglevPages,
+    start: u32,
+    len: u32,
+) -> Result<Vec<MaglevBlock>, MapError> {
+    let per = MAGLEV_PAGE;
+    let mut out = Vec::with_capacity(len as usize);
+    let end = start.saturating_add(len);
+    let mut block = start;
+    while block < end {
+        let (page, from) = (block / per, block % per);
+        let n = (per - from).min(end - block);
+        match m.get(&page, 0) {
+            Ok(v) => out.extend_from_slice(&v.blocks[from as usize..(from + n) as usize]),
+            Err(e) if is_not_found(&e) => {
+                out.resize(out.len() + n as usize, MaglevBlock::default())
+            }
+            Err(e) => return Err(e),
+        }
+        block += n;
+    }
+    Ok(out)
 }
 
 /// A write into `BpfStore::backends_v1` failed: the programs still attached may miss that
@@ -683,22 +757,34 @@ impl BpfStore {
             }
             Op::DelMatch(k) => self.affinity_match.remove(k),
             Op::PutMaglev(start, blocks) => {
+                let end = start.saturating_add(blocks.len() as u32);
                 let Some(m) = self.maglev.as_mut() else {
                     return Err(MapError::OutOfBounds {
                         index: *start,
                         max_entries: 0,
                     });
                 };
-                if blocks.is_empty() {
-                    return Ok(());
+                if end > self.capacity.maglev_blocks() {
+                    return Err(MapError::OutOfBounds {
+                        index: end - 1,
+                        max_entries: self.capacity.maglev_blocks(),
+                    });
                 }
-                crate::sys::update_array(m.map().fd().as_fd(), *start, blocks).map_err(|e| {
-                    MapError::SyscallError(aya::sys::SyscallError {
-                        call: "bpf_map_update_batch",
-                        io_error: e,
-                    })
-                })
+                write_maglev_pages(m, *start, blocks)?;
+                if let Some(old) = self.maglev_v1.as_ref().filter(|_| !blocks.is_empty()) {
+                    if let Err(e) = crate::sys::update_array(old.map().fd().as_fd(), *start, blocks)
+                    {
+                        tracing::warn!(map = map_names::MAGLEV, error = %e,
+                            "writing a table into the array of layout 1 the programs still \
+                             attached read");
+                    }
+                }
+                Ok(())
             }
+            Op::DelMaglevPage(p) => match self.maglev.as_mut() {
+                Some(m) => m.remove(p),
+                None => Err(MapError::KeyNotFound),
+            },
             Op::PutMaglevIndex(k, v) => match self.maglev_index.as_mut() {
                 Some(m) => m.insert(k, v, 0),
                 None => Err(MapError::OutOfBounds {
@@ -1308,6 +1394,21 @@ impl Store for BpfStore {
                 None => Vec::new(),
             },
             maglev_tables: None,
+            maglev_pages: match &self.maglev {
+                Some(m) => {
+                    let mut pages = Vec::new();
+                    // A walk restarted by a delete repeats pages: at most twice the map.
+                    let limit = (self.capacity.maglev as usize).saturating_mul(2);
+                    crate::sys::for_each_key(m.map().fd().as_fd(), limit, |p: &u32| pages.push(*p))
+                        .map_err(|e| {
+                            Error::map_io(map_names::MAGLEV, format!("listing pages: {e}"), &e)
+                        })?;
+                    pages.sort_unstable();
+                    pages.dedup();
+                    pages
+                }
+                None => Vec::new(),
+            },
         })
     }
 
@@ -1315,10 +1416,8 @@ impl Store for BpfStore {
         let Some(m) = &self.maglev else {
             return Ok(Vec::new());
         };
-        let end = start.saturating_add(len).min(m.len());
-        (start..end)
-            .map(|i| m.get(&i, 0).map_err(|e| map_err(map_names::MAGLEV, e)))
-            .collect()
+        let len = len.min(self.capacity.maglev_blocks().saturating_sub(start));
+        read_maglev_pages(m, start, len).map_err(|e| map_err(map_names::MAGLEV, e))
     }
 }
 

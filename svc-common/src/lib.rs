@@ -321,9 +321,13 @@ catalogue! {
         .sized(ct_new_entries(CT.max_entries))
         .carry_late();
     /// Maglev tables of external frontends (docs/design/maglev.md), each at an offset the
-    /// agent allocates, four entries a block (an array element is 8 bytes at least). Small
-    /// until the agent writes tables; the design's default is 4,194,304 blocks (32 MiB).
-    MAGLEV = MapDef::new::<u32, MaglevBlock>("SVC_MAGLEV", 1, MapKind::Array).sized(1_024);
+    /// agent allocates, in pages of `MAGLEV_PAGE` blocks keyed by page number. Layout 2: a
+    /// hash allocated as pages are written (1 was an array of blocks allocated in full, 32 MiB
+    /// at the default 16,777,216 entries whether a table was written or not). Small until the
+    /// agent sizes it (`--max-maglev-entries`).
+    MAGLEV = MapDef::new::<u32, MaglevPage>("SVC_MAGLEV", 2, MapKind::Hash)
+        .sized(1_024)
+        .no_prealloc();
     /// Where the table of a frontend generation is (`SlotKey` with slot 0).
     MAGLEV_INDEX = MapDef::new::<SlotKey, MaglevIndex>("SVC_MAGLEV_INDEX", 1, MapKind::Hash)
         .sized(SERVICES.max_entries)
@@ -1563,7 +1567,7 @@ impl Backend {
     }
 }
 
-/// Four entries of the Maglev tables (`MAGLEV`): each the 0-based slot number
+/// Four entries of the Maglev tables (`MAGLEV`, in a `MaglevPage`): each the 0-based slot number
 /// (`SlotKey::of_slot`) of the generation its table belongs to, host order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1574,6 +1578,28 @@ pub struct MaglevBlock {
 
 /// Entries of one `MaglevBlock`.
 pub const MAGLEV_BLOCK: u32 = 4;
+
+/// `MAGLEV_PAGE` blocks of the Maglev tables (`MAGLEV`, layout 2): page `n` holds blocks
+/// `n * MAGLEV_PAGE` up to `(n + 1) * MAGLEV_PAGE - 1`; a table may begin or end in the middle
+/// of one, and share it with other tables.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MaglevPage {
+    pub blocks: [MaglevBlock; MAGLEV_PAGE as usize],
+}
+
+/// Blocks of one `MaglevPage`: 960 bytes, so a hash element (48 bytes of the kernel's header,
+/// the 8-byte key, and 8 of its allocator's) fills a 1,024-byte allocation exactly.
+pub const MAGLEV_PAGE: u32 = 120;
+
+impl Default for MaglevPage {
+    fn default() -> MaglevPage {
+        MaglevPage {
+            blocks: [MaglevBlock::default(); MAGLEV_PAGE as usize],
+        }
+    }
+}
 
 /// Where a frontend generation's Maglev table is (the value of `MAGLEV_INDEX`), host order.
 #[repr(C)]
@@ -1895,6 +1921,7 @@ mod pod {
     unsafe impl aya::Pod for SockState {}
     unsafe impl aya::Pod for LbTestIo {}
     unsafe impl aya::Pod for MaglevBlock {}
+    unsafe impl aya::Pod for MaglevPage {}
     unsafe impl aya::Pod for MaglevIndex {}
     unsafe impl aya::Pod for MonitorEvent {}
     unsafe impl aya::Pod for MonitorCtl {}
@@ -2048,6 +2075,7 @@ mod tests {
         assert_eq!(size_of::<SockState>(), 112);
         assert_eq!(size_of::<LbTestIo>(), 200);
         assert_eq!(size_of::<MaglevBlock>(), 8);
+        assert_eq!(size_of::<MaglevPage>(), 960);
         assert_eq!(size_of::<MaglevIndex>(), 16);
         assert_eq!(size_of::<ServiceStats>(), 64);
     }

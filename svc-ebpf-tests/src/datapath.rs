@@ -71,7 +71,7 @@ pub struct Loaded {
     pub ct_new: HashMap<MapData, CtKey, CtValue>,
     pub config: Array<MapData, DatapathConfig>,
     pub dev_stats: PerCpuHashMap<MapData, DevStatKey, u64>,
-    pub maglev: Array<MapData, MaglevBlock>,
+    pub maglev: svc_agent::store::MaglevPages,
     pub maglev_index: HashMap<MapData, SlotKey, MaglevIndex>,
     /// Per-Service counters, whose entries the agent creates with each frontend (`frontend`
     /// does here). None for an object without them (a benchmark's older object).
@@ -485,14 +485,22 @@ impl Dp {
     /// the agent writes one, the table before the one write that makes it used.
     pub fn maglev_table(&mut self, id: u32, rev: u16, offset: u32, entries: &[u16], seed: u64) {
         assert_eq!(offset % MAGLEV_BLOCK, 0);
-        for (i, chunk) in entries.chunks(MAGLEV_BLOCK as usize).enumerate() {
-            let mut b = MaglevBlock::default();
-            b.entries[..chunk.len()].copy_from_slice(chunk);
-            self.maglev
-                .set(offset / MAGLEV_BLOCK + i as u32, b, 0)
-                .unwrap();
-        }
+        self.maglev_entries(offset, entries);
         self.maglev_index(id, rev, offset, entries.len() as u32, seed);
+    }
+
+    /// Only the table: `entries` from entry `offset` on (a multiple of `MAGLEV_BLOCK`), in
+    /// the pages the agent writes it into.
+    pub fn maglev_entries(&mut self, offset: u32, entries: &[u16]) {
+        let blocks: Vec<MaglevBlock> = (entries.chunks(MAGLEV_BLOCK as usize))
+            .map(|chunk| {
+                let mut b = MaglevBlock::default();
+                b.entries[..chunk.len()].copy_from_slice(chunk);
+                b
+            })
+            .collect();
+        svc_agent::store::write_maglev_pages(&mut self.maglev, offset / MAGLEV_BLOCK, &blocks)
+            .unwrap();
     }
 
     /// Only the index entry of frontend generation `id`/`rev`.

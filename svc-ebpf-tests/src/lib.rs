@@ -39,7 +39,7 @@ pub mod prelude {
         scope, svc_flags, AffinityKey, AffinityMatchKey, AffinityValue, Backend, BackendId, CtKey,
         CtValue, DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, NodeAddrValue, Reason,
         ServiceKey, ServiceValue, SlotKey, AFFINITY_CLIENT_IP, IPPROTO_TCP, IPPROTO_UDP,
-        MAGLEV_BLOCK, PROTO_ANY,
+        MAGLEV_BLOCK, MAGLEV_PAGE, PROTO_ANY,
     };
 
     pub use crate::datapath::*;

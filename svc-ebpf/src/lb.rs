@@ -5,7 +5,8 @@ use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns};
 use svc_common::{
     backend_index, how, node_addr_flags, scope, svc_flags, AffinityKey, AffinityMatchKey,
     AffinityValue, Backend, BackendId, Reason, ServiceKey, ServiceValue, SlotKey, SockChoice,
-    SockState, MAGLEV_BLOCK, NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY, SOCK_CHOICES,
+    SockState, MAGLEV_BLOCK, MAGLEV_PAGE, NODEPORT_ADDR_V4, NODEPORT_ADDR_V6, PROTO_ANY,
+    SOCK_CHOICES,
 };
 
 use crate::maps::{
@@ -183,8 +184,14 @@ fn maglev_entry(svc: &ServiceValue, caller: &impl Caller) -> u32 {
         return NO_TABLE;
     }
     let pos = offset.wrapping_add(caller.flow_hash(seed) % size);
-    match SVC_MAGLEV.get(pos / MAGLEV_BLOCK) {
-        Some(b) => b.entries[(pos % MAGLEV_BLOCK) as usize] as u32,
+    let block = pos / MAGLEV_BLOCK;
+    // SAFETY: one entry is copied out; the agent replaces a page whole, the tables it
+    // holds besides the one it writes as they were.
+    match unsafe { SVC_MAGLEV.get(block / MAGLEV_PAGE) } {
+        Some(p) => match p.blocks.get(opaque((block % MAGLEV_PAGE) as usize)) {
+            Some(b) => b.entries[(pos % MAGLEV_BLOCK) as usize] as u32,
+            None => NO_TABLE,
+        },
         None => NO_TABLE,
     }
 }

@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use svc_common::{
     capacity, AffinityKey, AffinityMatchKey, AffinityValue, Backend, CtKey, CtValue,
-    DatapathConfig, DevStatKey, MaglevBlock, MaglevIndex, MetaValue, NodeAddrValue, Reason,
+    DatapathConfig, DevStatKey, MaglevIndex, MaglevPage, MetaValue, NodeAddrValue, Reason,
     RevNatValue, ServiceKey, ServiceName, ServiceStats, ServiceValue, SlotGroup, SlotKey,
     SockRevKey, SockRevValue, SockState, NODE_ADDR_BIT_WORDS, SERVICE_STAT_SLOTS,
 };
@@ -98,9 +98,10 @@ pub static SVC_NAMES: HashMap<u32, ServiceName, { capacity::NAMES as usize }, NO
 #[btf_map]
 pub static SVC_META: Array<MetaValue, 1> = Array::new();
 
-/// Maglev tables, four entries a block (docs/design/maglev.md).
+/// Maglev tables, four entries a block, `MAGLEV_PAGE` blocks a page (docs/design/maglev.md).
 #[btf_map]
-pub static SVC_MAGLEV: Array<MaglevBlock, { capacity::MAGLEV as usize }> = Array::new();
+pub static SVC_MAGLEV: HashMap<u32, MaglevPage, { capacity::MAGLEV as usize }, NO_PREALLOC> =
+    HashMap::new();
 
 /// Where each frontend generation's Maglev table is.
 #[btf_map]

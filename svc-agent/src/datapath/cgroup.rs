@@ -224,8 +224,10 @@ impl Datapath {
                 );
             }
         }
-        // The old programs are gone: the backends map of layout 1 is read no more.
+        // The old programs are gone: the backends map and the Maglev array of layout 1 are read
+        // no more.
         self.store.backends_v1 = None;
+        self.store.maglev_v1 = None;
         for path in std::mem::take(&mut self.obsolete) {
             match std::fs::remove_file(&path) {
                 Ok(()) => info!(pin = %path.display(), "removed a pin of another map layout"),

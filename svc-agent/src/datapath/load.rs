@@ -12,8 +12,8 @@ use tracing::info;
 use super::cgroup::{check_cgroup, check_other_svc};
 use super::lock::{lock_dir, own_dir};
 use super::migrate::{
-    carry_backends_v1, carry_ct_of_layout, carry_ct_v1, carry_slots_v1, clone_map, migrate,
-    CT_LAYOUTS_OF_THIS_VALUE,
+    carry_backends_v1, carry_ct_of_layout, carry_ct_v1, carry_maglev_v1, carry_slots_v1, clone_map,
+    migrate, CT_LAYOUTS_OF_THIS_VALUE,
 };
 use super::pins::{
     adopt_unversioned, create_own, inspect_pin, map_pin, max_entries, other_versions, pinned_maps,
@@ -205,6 +205,14 @@ impl Datapath {
                 collided,
                 "carried the backends of layout 1 (a hash) over into the array; those whose \
                  index another took are written again by the first sync"
+            );
+        }
+        let carried = carry_maglev_v1(&mut store, dir)?;
+        if carried > 0 {
+            info!(
+                map = map_names::MAGLEV,
+                blocks = carried,
+                "carried the Maglev tables of layout 1 (an array) over into pages"
             );
         }
         let carried = carry_slots_v1(&mut store, dir)?;
@@ -695,7 +703,8 @@ fn build_store(
         dev_stats: take(map_names::DEV_STATS).ok().and_then(map_data),
         maglev: take(map_names::MAGLEV)
             .ok()
-            .and_then(|m| Array::try_from(m).ok()),
+            .and_then(|m| HashMap::try_from(m).ok()),
+        maglev_v1: None,
         maglev_index: take(map_names::MAGLEV_INDEX)
             .ok()
             .and_then(|m| HashMap::try_from(m).ok()),

@@ -194,33 +194,69 @@ pub(super) fn carry_backends_v1(store: &mut BpfStore, dir: &Path) -> Result<(usi
 }
 
 /// Copies the tables of a resized `SVC_MAGLEV` where they were: only the regions the index
-/// names (the rest of the array is free space), read through the new index, which is
-/// carried beside it. A region beyond the new array is left out: its frontend falls back to
-/// the random choice until the first sync writes its table again (recovery finds the region
-/// outside the array). Blocks copied.
+/// names (the rest of the map is free space), read through the new index, which is
+/// carried beside it. A region beyond the new map's room is left out: its frontend falls
+/// back to the random choice until the first sync writes its table again (recovery finds the
+/// region outside the map). Blocks copied.
 fn copy_tables(store: &mut BpfStore, old: &MapData) -> Result<usize> {
     let name = map_names::MAGLEV;
+    let old: crate::store::MaglevPages = HashMap::try_from(Map::HashMap(clone_map(old)?))
+        .map_err(|e| crate::store::map_err(name, e))?;
+    copy_regions(store, |start, len| {
+        crate::store::read_maglev_pages(&old, start, len)
+    })
+}
+
+/// Carries the tables of a pinned `SVC_MAGLEV` of layout 1 (an array of blocks, allocated in
+/// full) into this layout's pages, where they were, before the first sync: the index, which
+/// both layouts share, names them. Until the new programs are attached, the store writes
+/// each new table into the old array too (`BpfStore::maglev_v1`), which the programs still
+/// attached read. The old pin goes with the other layouts' pins once the new programs are
+/// attached; a start killed before then carries again, the same tables to the same places.
+/// Blocks carried.
+pub(super) fn carry_maglev_v1(store: &mut BpfStore, dir: &Path) -> Result<usize> {
+    let pin = dir.join(format!("{}_v1", map_names::MAGLEV));
+    if store.maglev.is_none() || !pin.exists() {
+        return Ok(0);
+    }
+    let name = map_names::MAGLEV;
+    let data = MapData::from_pin(&pin).map_err(|e| load_err(pin.display(), e))?;
+    let old: aya::maps::Array<MapData, svc_common::MaglevBlock> =
+        aya::maps::Array::try_from(Map::Array(clone_map(&data)?))
+            .map_err(|e| crate::store::map_err(name, e))?;
+    let n = copy_regions(store, |start, len| {
+        let end = start.saturating_add(len).min(old.len());
+        (start..end).map(|i| old.get(&i, 0)).collect()
+    })?;
+    store.maglev_v1 =
+        Some(aya::maps::Array::try_from(Map::Array(data)).map_err(|e| load_err(pin.display(), e))?);
+    Ok(n)
+}
+
+/// Writes into `SVC_MAGLEV` every region the index names that fits in it, as `read` gives
+/// it (a table several frontends share is named by several index entries: copied once).
+/// Blocks copied.
+fn copy_regions(
+    store: &mut BpfStore,
+    read: impl Fn(u32, u32) -> std::result::Result<Vec<svc_common::MaglevBlock>, aya::maps::MapError>,
+) -> Result<usize> {
+    let name = map_names::MAGLEV;
+    let room = store.capacity.maglev_blocks();
     let (Some(new), Some(index)) = (store.maglev.as_mut(), store.maglev_index.as_ref()) else {
         return Ok(0);
     };
-    let old: aya::maps::Array<MapData, svc_common::MaglevBlock> =
-        aya::maps::Array::try_from(Map::Array(clone_map(old)?))
-            .map_err(|e| crate::store::map_err(name, e))?;
     let mut n = 0;
-    // A table several frontends share is named by several index entries: copied once.
     let mut copied = std::collections::HashSet::new();
     for (_, v) in crate::store::dump(map_names::MAGLEV_INDEX, index)? {
         let start = v.offset / svc_common::MAGLEV_BLOCK;
         let end = start.saturating_add(crate::maglev::blocks(v.size));
-        if end > new.len() || !copied.insert((start, end)) {
+        if end > room || !copied.insert((start, end)) {
             continue;
         }
-        for i in start..end.min(old.len()) {
-            let b = old.get(&i, 0).map_err(|e| crate::store::map_err(name, e))?;
-            new.set(i, b, 0)
-                .map_err(|e| crate::store::map_err(name, e))?;
-            n += 1;
-        }
+        let blocks = read(start, end - start).map_err(|e| crate::store::map_err(name, e))?;
+        crate::store::write_maglev_pages(new, start, &blocks)
+            .map_err(|e| crate::store::map_err(name, e))?;
+        n += blocks.len();
     }
     Ok(n)
 }

@@ -91,7 +91,8 @@ impl Dirty {
             | Op::PutRange(_)
             | Op::DelRange(_)
             | Op::PutConfig(_)
-            | Op::PutMaglev(..) => return,
+            | Op::PutMaglev(..)
+            | Op::DelMaglevPage(_) => return,
         };
         self.mark(map, key);
     }

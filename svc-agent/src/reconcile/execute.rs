@@ -281,6 +281,7 @@ impl Programmed {
                 self.retiring.push(now + self.grace, Retire::Backend(id));
             }
         }
+        self.drop_loose_pages(&mut w);
         report.ops = w.ops;
         report
     }
@@ -432,7 +433,7 @@ impl Programmed {
             };
             if !held {
                 for (_, t, _) in &plan.tables[..i] {
-                    self.maglev.regions.free(t.start, t.blocks());
+                    self.maglev.free(t.start, t.blocks());
                 }
                 return Err(Error::map(
                     svc_common::map_names::MAGLEV,
@@ -591,7 +592,7 @@ impl Programmed {
             if !self.maglev.live.contains_key(&(key.id, key.rev)) {
                 w.try_op(&Op::DelMaglevIndex(*key));
             }
-            self.maglev.regions.free(t.start, t.blocks());
+            self.maglev.free(t.start, t.blocks());
         }
     }
 

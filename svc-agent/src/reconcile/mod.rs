@@ -215,16 +215,33 @@ pub struct MaglevState {
     /// External frontends that want a table and found no room: programmed without one
     /// (random choice), tried again at each sync of them.
     pub roomless: BTreeSet<Frontend>,
+    /// Pages of `SVC_MAGLEV` that may hold no region in use any more (a region in them was
+    /// freed, or a restart found them): deleted if so by `Programmed::drop_loose_pages`.
+    pub loose: BTreeSet<u32>,
 }
 
 impl MaglevState {
     pub fn new(capacity: &Capacity) -> MaglevState {
         MaglevState {
             settings: crate::maglev::Settings::default(),
-            regions: crate::maglev::Regions::new(capacity.maglev),
+            regions: crate::maglev::Regions::new(capacity.maglev_blocks()),
             live: HashMap::default(),
             roomless: BTreeSet::new(),
+            loose: BTreeSet::new(),
         }
+    }
+
+    /// `Regions::free`, which leaves the pages of the region loose when its last holder
+    /// gives it back.
+    pub fn free(&mut self, start: u32, len: u32) -> bool {
+        if !self.regions.free(start, len) {
+            return false;
+        }
+        if self.regions.holders(start) == 0 {
+            let per = svc_common::MAGLEV_PAGE;
+            self.loose.extend(start / per..(start + len).div_ceil(per));
+        }
+        true
     }
 
     /// Bytes of table entries the current generations use (2 an entry), a table their

@@ -270,7 +270,7 @@ pub fn wants_table(p: &Programmed, d: &DesiredFrontend) -> bool {
     d.frontend.scope == crate::model::Scope::External
         && !d.backends.is_empty()
         && p.maglev.settings.external(d.lb_algorithm) == crate::maglev::Algorithm::Maglev
-        && p.capacity.maglev >= crate::maglev::blocks(crate::maglev::MIN_SIZE)
+        && p.capacity.maglev_blocks() >= crate::maglev::blocks(crate::maglev::MIN_SIZE)
 }
 
 /// Plans the table of `d`, whose slots hold `ids`, under the index entry of `key` (a

@@ -253,6 +253,8 @@ impl Programmed {
             p.strays.maglev.push((*k, t));
         }
         p.strays.maglev.sort_by_key(|(k, _)| *k);
+        // Pages a dead agent left with no table in use (it died before deleting them).
+        p.maglev.loose.extend(snap.maglev_pages.iter().copied());
 
         // Each Service port's affinity id, as its master entries carry it. Only frontends whose
         // name is known: a port is its name. Should two of a port's frontends disagree (no

@@ -267,7 +267,24 @@ impl Programmed {
                 }
             }
         }
+        report.deleted += self.drop_loose_pages(&mut w);
         report
+    }
+
+    /// Deletes each loose page of `SVC_MAGLEV` (`MaglevState::loose`) that holds no region in
+    /// use, so the kernel gets its memory back. One a write has taken a block of since is
+    /// kept; one whose delete fails is left for a restart to find. Pages deleted.
+    pub(super) fn drop_loose_pages<S: Store>(&mut self, w: &mut Writer<'_, S>) -> usize {
+        let per = svc_common::MAGLEV_PAGE;
+        let mut deleted = 0;
+        for p in std::mem::take(&mut self.maglev.loose) {
+            if self.maglev.regions.is_free(p.saturating_mul(per), per)
+                && w.try_op(&Op::DelMaglevPage(p))
+            {
+                deleted += 1;
+            }
+        }
+        deleted
     }
 
     /// Deletes index entry `key` unless a current generation's table is there, and frees
@@ -283,7 +300,7 @@ impl Programmed {
         {
             deleted += 1;
         }
-        if !self.maglev.regions.free(t.start, t.blocks()) {
+        if !self.maglev.free(t.start, t.blocks()) {
             warn!(
                 start = t.start,
                 blocks = t.blocks(),

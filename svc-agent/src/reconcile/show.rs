@@ -153,6 +153,7 @@ impl Display for Line<'_> {
                 u64::from(v.seed[0]) | u64::from(v.seed[1]) << 32
             ),
             Op::DelMaglevIndex(k) => write!(f, "delete {map} maglev {}/{}", k.id, k.rev),
+            Op::DelMaglevPage(p) => write!(f, "delete {map} page {p} (no table in it)"),
         }
     }
 }

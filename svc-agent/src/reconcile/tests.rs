@@ -252,7 +252,7 @@ impl Store for ModelStore {
         }
         if let Op::PutMaglev(start, blocks) = op {
             let cap = match self.maglev_cap {
-                0 => Capacity::default().maglev,
+                0 => Capacity::default().maglev_blocks(),
                 n => n,
             };
             if start + blocks.len() as u32 > cap {
@@ -345,6 +345,12 @@ impl Store for ModelStore {
                 }
                 true
             }
+            Op::DelMaglevPage(page) => {
+                let per = svc_common::MAGLEV_PAGE;
+                let before = self.maglev.len();
+                self.maglev.retain(|b, _| *b / per != page);
+                self.maglev.len() < before
+            }
             Op::PutMaglevIndex(k, v) => {
                 let table = self.table_at(&v);
                 if let Some(old) = self.maglev_index.insert(k, v) {
@@ -356,7 +362,15 @@ impl Store for ModelStore {
             Op::DelMaglevIndex(k) => match self.maglev_index.remove(&k) {
                 Some(old) => {
                     let t = self.index_tables.remove(&k).unwrap_or_default();
-                    self.held_tables.push((old, t));
+                    // A reader reaches an index entry only through a master entry of its
+                    // generation with the Maglev flag: held while one is current, or may
+                    // still be read.
+                    let reachable = (self.services.values())
+                        .chain(self.held.iter().map(|(_, v)| v))
+                        .any(|v| v.flags & svc_flags::MAGLEV != 0 && maglev_key(v.id, v.rev) == k);
+                    if reachable {
+                        self.held_tables.push((old, t));
+                    }
                     true
                 }
                 None => false,
@@ -406,6 +420,11 @@ impl Store for ModelStore {
                     .map(|v| (v.offset / svc_common::MAGLEV_BLOCK, self.table_at(v)))
                     .collect(),
             ),
+            maglev_pages: (self.maglev.keys())
+                .map(|b| b / svc_common::MAGLEV_PAGE)
+                .collect::<std::collections::BTreeSet<u32>>()
+                .into_iter()
+                .collect(),
         })
     }
 
@@ -2973,6 +2992,57 @@ fn a_restarted_agent_adopts_the_tables_and_rewrites_none() {
     assert_eq!(r.ops, 0, "{:?}", &store.log[store.log.len() - r.ops..]);
 }
 
+/// The pages of SVC_MAGLEV a table is in, as the store holds them.
+fn pages(store: &ModelStore) -> Vec<u32> {
+    store.snapshot().unwrap().maglev_pages
+}
+
+/// A page of SVC_MAGLEV goes back to the kernel once no table is in it: a table's pages when
+/// it is retired, but not a page it shares with a table still in use; and at a restart, a
+/// page a dead agent left without a table.
+#[test]
+fn pages_without_a_table_are_deleted() {
+    // Two tables of 63 blocks: the first in page 0, the second across pages 0 and 1.
+    let mut want = DesiredState::default();
+    let a = lb_frontend(&mut want, "198.51.100.1", 80, None, &maglev_backends(2));
+    let other: Vec<DesiredBackend> = maglev_backends(3)[1..].to_vec();
+    let b = lb_frontend(&mut want, "198.51.100.2", 80, None, &other);
+    let mut store = ModelStore::default();
+    let mut p = fresh();
+    settle(&mut p, &mut store, &want);
+    let (ta, tb) = (
+        p.frontends[&a].maglev.unwrap(),
+        p.frontends[&b].maglev.unwrap(),
+    );
+    assert_eq!((ta.start, tb.start, tb.blocks()), (0, 63, 63));
+    assert_eq!(pages(&store), vec![0, 1]);
+
+    // The second goes: page 1 was its alone, page 0 keeps the first.
+    let mut only_a = want.clone();
+    only_a.frontends.remove(&b);
+    settle(&mut p, &mut store, &only_a);
+    assert_eq!(pages(&store), vec![0]);
+    exact(&store, &only_a);
+    // The first goes too.
+    settle(&mut p, &mut store, &DesiredState::default());
+    assert_eq!(pages(&store), Vec::<u32>::new());
+    assert_eq!(p.maglev.regions.free_blocks(), p.maglev.regions.capacity());
+
+    // A dead agent's page with no table in it (killed before its delete), found at a restart
+    // and deleted by the first sync, which keeps the page of the table it writes.
+    settle(&mut p, &mut store, &only_a);
+    store.maglev.insert(
+        5 * svc_common::MAGLEV_PAGE + 7,
+        MaglevBlock { entries: [1; 4] },
+    );
+    assert_eq!(pages(&store), vec![0, 5]);
+    let mut again = recovered(&store);
+    let r = again.apply(&mut store, &only_a);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(pages(&store), vec![0]);
+    exact(&store, &only_a);
+}
+
 /// A frontend whose table finds no room is programmed without one (random choice), never
 /// refused, counted, and gets its table at a later sync once there is room.
 #[test]
@@ -2990,14 +3060,14 @@ fn a_frontend_without_room_for_its_table_is_served_and_tried_again() {
     // Other backends than a's: a table of its own (the same would share a's).
     let other: Vec<DesiredBackend> = maglev_backends(3)[1..].to_vec();
     lb_frontend(&mut want, "198.51.100.2", 80, None, &other);
-    // Room for one table of 2 backends (251 entries, 63 blocks).
+    // Room for one table of 2 backends (251 entries, 63 blocks) in one page of 120 blocks.
     let capacity = Capacity {
-        maglev: 64,
+        maglev: 1,
         ..Capacity::default()
     };
     let mut p = Programmed::empty(capacity, Duration::from_secs(1));
     let mut store = ModelStore {
-        maglev_cap: 64,
+        maglev_cap: svc_common::MAGLEV_PAGE,
         ..Default::default()
     };
     let r = settle(&mut p, &mut store, &want);
@@ -3438,7 +3508,7 @@ fn table_memory_at_10000_lb_services_of_10() {
     }
     // `--max-maglev-entries`' default, 16,777,216 entries; room for the other maps' entries.
     let capacity = Capacity {
-        maglev: 16_777_216 / svc_common::MAGLEV_BLOCK,
+        maglev: 16_777_216 / (svc_common::MAGLEV_BLOCK * svc_common::MAGLEV_PAGE),
         services: 1 << 16,
         slots: 1 << 18,
         backends: 1 << 18,
@@ -3465,7 +3535,7 @@ fn table_memory_at_10000_lb_services_of_10() {
     };
     let shared_bytes = bytes(&mut new.iter().copied());
     let own_bytes = bytes(&mut entries.iter().map(|(_, t, _)| t));
-    let capacity = u64::from(p.capacity.maglev) * 8;
+    let capacity = u64::from(p.capacity.maglev_blocks()) * 8;
     eprintln!(
         "10,000 Services x (NodePort + LB IP) x 10 backends: {} index entries, {} tables, \
          {:.1} MB shared against {:.1} MB one table per frontend; array {:.1} MB; \
