@@ -43,3 +43,32 @@ pub fn pin_old_ct<V: aya::Pod>(
         .with_context(|| format!("pinning layout {layout}"))?;
     Ok(())
 }
+
+/// `BPF_MAP_TYPE_ARRAY` (`SVC_MAGLEV` of layout 1).
+pub const ARRAY: u32 = 2;
+
+/// Pins at `dir/SVC_MAGLEV_v1` an array of `len` Maglev blocks holding `tables` (first block,
+/// blocks), as an agent of layout 1 left its Maglev tables.
+pub fn pin_old_maglev(
+    dir: &Path,
+    len: u32,
+    tables: &[(u32, Vec<svc_common::MaglevBlock>)],
+) -> Result<()> {
+    let fd = svc_agent::sys::map_create(
+        ARRAY,
+        4,
+        std::mem::size_of::<svc_common::MaglevBlock>() as u32,
+        len,
+        0,
+        "SVC_MAGLEV",
+    )
+    .context("an array of layout 1")?;
+    let map = aya::maps::MapData::from_fd(fd)?;
+    for (start, blocks) in tables {
+        svc_agent::sys::update_array(map.fd().as_fd(), *start, blocks)
+            .with_context(|| format!("a table at block {start} of layout 1"))?;
+    }
+    map.pin(dir.join("SVC_MAGLEV_v1"))
+        .context("pinning layout 1")?;
+    Ok(())
+}

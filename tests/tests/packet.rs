@@ -6411,6 +6411,175 @@ fn the_external_frontends_of_a_service_port_share_one_maglev_table() {
     })
     .unwrap_or_else(|e| panic!("the old table retired: {e}"));
     assert!(gone.values().any(|(o, _)| *o == eip4.0), "{gone:?}");
+    // The pages of SVC_MAGLEV are those of the tables in use (this family's and the other's):
+    // the old table's own went with it (bpftool prints them by field).
+    let in_use = |index: &BTreeMap<(u32, u16), (u64, u64)>| -> Vec<u32> {
+        let pages: std::collections::BTreeSet<u32> = (index.values())
+            .flat_map(|(o, n)| maglev_pages_of(*o as u32, *n as u32))
+            .collect();
+        pages.into_iter().collect()
+    };
+    let tables = in_use(&gone);
+    assert!(
+        maglev_pages_of(eip3.0 as u32, eip3.1 as u32)
+            .iter()
+            .any(|p| !tables.contains(p)),
+        "the old table had a page no table in use shares: {gone:?}"
+    );
+    poll(Duration::from_secs(10), || {
+        let pages = bpftool_maglev_pages(t.bpffs.path());
+        let index = bpftool_maglev_index(t.bpffs.path());
+        Ok((pages.keys().copied().collect::<Vec<u32>>() == in_use(&index)).then_some(()))
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "pages {:?} alone, not {:?}: {e}",
+            in_use(&bpftool_maglev_index(t.bpffs.path())),
+            bpftool_maglev_pages(t.bpffs.path()).keys()
+        )
+    });
+}
+
+/// The pages of `SVC_MAGLEV` a table of `size` entries at entry `offset` lies in.
+fn maglev_pages_of(offset: u32, size: u32) -> Vec<u32> {
+    let start = offset / svc_common::MAGLEV_BLOCK;
+    let end = start + svc_agent::maglev::blocks(size);
+    (start / svc_common::MAGLEV_PAGE..end.div_ceil(svc_common::MAGLEV_PAGE)).collect()
+}
+
+/// `bpftool -j map dump pinned SVC_MAGLEV`: each page by number, with its entries in order,
+/// as bpftool prints the BTF map (blocks of entries by field name).
+fn bpftool_maglev_pages(bpffs: &std::path::Path) -> BTreeMap<u32, Vec<u64>> {
+    let pin = svc_agent::datapath::map_pin(bpffs, svc_common::map_names::MAGLEV);
+    let out = std::process::Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&pin)
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool map dump {}: {out:?}",
+        pin.display()
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
+    (v.as_array().expect("a list of entries").iter())
+        .map(|e| {
+            let (k, v) = (&e["formatted"]["key"], &e["formatted"]["value"]);
+            let page = k
+                .as_u64()
+                .unwrap_or_else(|| panic!("no page number in {e}"));
+            let blocks = v["blocks"]
+                .as_array()
+                .unwrap_or_else(|| panic!("no field blocks in {e} (bpftool without BTF?)"));
+            let entries = (blocks.iter())
+                .flat_map(|b| b["entries"].as_array().expect("a block's entries").clone())
+                .map(|x| x.as_u64().expect("an entry"))
+                .collect();
+            (page as u32, entries)
+        })
+        .collect()
+}
+
+/// An agent taking over from one whose Maglev tables are in an array allocated in full
+/// (`SVC_MAGLEV` of layout 1) carries them into pages allocated as written, where they were:
+/// every flow to the external frontend gets the backend it got before, the new map is a hash
+/// allocated as used with pages only where the tables are, and the old pin goes once the new
+/// programs are attached. Layout 1's array is made here from the tables the running
+/// datapath holds, pinned where such an agent left it, and the newer pin removed, as an
+/// upgrade from that agent finds them. Without the carry the frontend has no table until
+/// its next change: its flows are spread at random.
+#[test]
+fn maglev_tables_of_the_array_are_carried_into_pages() {
+    use svc_agent::store::Store;
+    let mut t = Topo::new();
+    t.service(
+        "ms",
+        service(
+            "ms",
+            "NodePort",
+            41,
+            30141,
+            json!({"externalIPs": [EXTERNAL_IP]}),
+            json!({}),
+        ),
+    );
+    t.endpoints(
+        "ms",
+        &[
+            ("10.244.1.11", "fd00:244:1::11", "node-1"),
+            ("10.244.1.12", "fd00:244:1::12", "node-1"),
+            ("10.244.1.13", "fd00:244:1::13", "node-1"),
+        ],
+    );
+    t.start_agent();
+    // Flows of the test's own client range, hashed only.
+    let flows: Vec<([u8; 16], u16)> = (0..400u16)
+        .map(|i| {
+            (
+                svc_common::v4_mapped([192, 0, 2, (i % 50) as u8 + 1]),
+                40_000 + i,
+            )
+        })
+        .collect();
+    let before = poll(Duration::from_secs(20), || {
+        Ok(maglev_choices(t.bpffs.path(), EXTERNAL_IP, 80, &flows).filter(|(n, _)| *n == 3))
+    })
+    .unwrap_or_else(|e| panic!("a table of 3 backends: {e}"));
+    let spread: std::collections::BTreeSet<&SocketAddr> = before.1.iter().collect();
+    assert_eq!(spread.len(), 3, "every backend has flows: {spread:?}");
+    t.agent().terminate(Duration::from_secs(10)).expect("stop");
+
+    let dir = t.bpffs.path().to_path_buf();
+    let tables: BTreeMap<u32, Vec<svc_common::MaglevBlock>> = {
+        let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+        let snap = store.snapshot().expect("a snapshot");
+        (snap.maglev_index.iter())
+            .map(|(_, v)| {
+                let start = v.offset / svc_common::MAGLEV_BLOCK;
+                let len = svc_agent::maglev::blocks(v.size);
+                (start, store.read_maglev(start, len).expect("a table"))
+            })
+            .collect()
+    };
+    assert!(!tables.is_empty());
+    let old: Vec<(u32, Vec<svc_common::MaglevBlock>)> = tables.clone().into_iter().collect();
+    pins::pin_old_maglev(&dir, 4_096, &old).expect("layout 1's array");
+    let pin = svc_agent::datapath::map_pin(&dir, svc_common::map_names::MAGLEV);
+    std::fs::remove_file(&pin).expect("removing this layout's pin");
+
+    t.agent().restart().expect("restart");
+    t.agent()
+        .wait_ready(AGENT_READY_TIMEOUT)
+        .expect("ready again");
+    let said = "carried the Maglev tables of layout 1 (an array) over into pages";
+    assert!(t.agent().log().contains(said), "{}", t.agent().log());
+    let after = maglev_choices(&dir, EXTERNAL_IP, 80, &flows).expect("a table after the upgrade");
+    assert_eq!(after, before, "every flow keeps its backend");
+
+    let store = svc_agent::datapath::open_pinned(&dir).expect("the pinned maps");
+    let m = store.maglev.as_ref().expect("the Maglev map");
+    let info = aya::maps::IterableMap::map(m).info().expect("its info");
+    assert_eq!(
+        info.map_flags() & svc_common::BPF_F_NO_PREALLOC,
+        svc_common::BPF_F_NO_PREALLOC,
+        "allocated as written"
+    );
+    let want: std::collections::BTreeSet<u32> = (store.snapshot().expect("a snapshot"))
+        .maglev_index
+        .iter()
+        .flat_map(|(_, v)| maglev_pages_of(v.offset, v.size))
+        .collect();
+    let pages = bpftool_maglev_pages(&dir);
+    assert_eq!(
+        pages.keys().copied().collect::<Vec<u32>>(),
+        want.into_iter().collect::<Vec<u32>>()
+    );
+    let old = dir.join("SVC_MAGLEV_v1");
+    poll(
+        Duration::from_secs(10),
+        || Ok((!old.exists()).then_some(())),
+    )
+    .unwrap_or_else(|e| panic!("layout 1's pin removed once the programs switched: {e}"));
 }
 
 /// Two nodes, each with an agent of its own (its namespace, cgroup, pins), given the same
