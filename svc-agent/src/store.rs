@@ -477,7 +477,8 @@ pub type MaglevPages = HashMap<MapData, u32, MaglevPage>;
 
 /// Writes `blocks` from block `start` on. Each page they touch is written whole, in one
 /// update the kernel swaps in for the old element: a page they cover in part is read first
-/// (zeroed if the map lacks it), so the tables it holds besides stay as they were.
+/// (zeroed if the map lacks it), so the tables it holds besides stay as they were. Written
+/// again whole, it writes the same pages the same way (a retry after ENOMEM).
 pub fn write_maglev_pages(
     m: &mut MaglevPages,
     start: u32,
@@ -499,7 +500,7 @@ pub fn write_maglev_pages(
             }
         };
         v.blocks[from..from + n].copy_from_slice(&blocks[at..at + n]);
-        retry_enomem(ENOMEM_TRIES, || m.insert(page as u32, v, 0))?;
+        m.insert(page as u32, v, 0)?;
         at += n;
     }
     Ok(())

@@ -254,8 +254,10 @@ fn copy_regions(
             continue;
         }
         let blocks = read(start, end - start).map_err(|e| crate::store::map_err(name, e))?;
-        crate::store::write_maglev_pages(new, start, &blocks)
-            .map_err(|e| crate::store::map_err(name, e))?;
+        crate::store::retry_enomem(crate::store::ENOMEM_TRIES, || {
+            crate::store::write_maglev_pages(new, start, &blocks)
+        })
+        .map_err(|e| crate::store::map_err(name, e))?;
         n += blocks.len();
     }
     Ok(n)

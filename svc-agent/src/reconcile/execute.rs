@@ -213,7 +213,7 @@ impl Programmed {
                 }
                 Ok(()) => {
                     let plan = match plan {
-                        Some(plan) if as_planned => plan.map(|p| *p),
+                        Some(plan) if as_planned => *plan,
                         _ => {
                             let mut earlier = Planned::new(self);
                             plan::plan_unit(self, &mut earlier, &owner, &upserts, &gone)

@@ -776,8 +776,8 @@ pub struct ServicePlan {
     pub gone: Vec<Frontend>,
     /// What it writes, or why it cannot be programmed. None in an outline, whose Services are
     /// planned as they are written: an empty `UnitPlan` kept for each of them took 50 MB at
-    /// 100,000 Services.
-    pub plan: Option<Result<Box<UnitPlan>>>,
+    /// 100,000 Services. Boxed with its error, so an outline's entry is 80 bytes, not 136.
+    pub plan: Option<Box<Result<UnitPlan>>>,
 }
 
 impl ServicePlan {
@@ -801,7 +801,7 @@ impl Plan {
             && self
                 .services
                 .iter()
-                .all(|s| matches!(&s.plan, Some(Ok(u)) if u.is_empty()))
+                .all(|s| matches!(s.plan.as_deref(), Some(Ok(u)) if u.is_empty()))
             && self.new_markers.is_empty()
             && self.gone_markers.is_empty()
             && self.addrs_after.is_empty()
@@ -934,6 +934,8 @@ impl Programmed {
 
         plan.outline = outline && units.len() > OUTLINE_ABOVE;
         let mut earlier = Planned::new(self);
+        // Held through the sync that follows, at its peak: no room beyond the Services.
+        plan.services.reserve_exact(units.len());
         for (owner, (upserts, gone)) in units {
             if plan.outline {
                 // What a programmed unit's commit would change, from its frontends alone.
@@ -966,7 +968,7 @@ impl Programmed {
                 owner: owner.into_owned(),
                 upserts: upserts.iter().map(|d| d.frontend).collect(),
                 gone,
-                plan: Some(unit.map(Box::new)),
+                plan: Some(Box::new(unit)),
             });
         }
         for a in &plan.touched_addrs {

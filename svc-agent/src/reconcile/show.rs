@@ -300,7 +300,7 @@ impl Display for Plan {
             lines(f, node_addrs(&self.external_addrs).iter().map(Line))?;
         }
         for s in &self.services {
-            match &s.plan {
+            match s.plan.as_deref() {
                 None => writeln!(
                     f,
                     "service {}: {} frontends to write, {} to remove (its writes are planned \

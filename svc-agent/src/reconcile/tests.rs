@@ -2648,7 +2648,7 @@ mod plan_value {
         let plan = p.plan(&desired, Scope::All);
         assert_eq!(plan.services.len(), 1);
         assert_eq!(plan.new_markers, vec![a.ip]);
-        let unit = plan.services[0].plan.as_ref().unwrap().as_ref().unwrap();
+        let unit = plan.services[0].plan.as_deref().unwrap().as_ref().unwrap();
         assert_eq!((unit.new_backends.len(), unit.add.len()), (2, 1));
         assert_eq!(
             plan.to_string(),
@@ -2838,7 +2838,7 @@ fn maglev_tables_go_in_beside_the_old_and_switch_with_the_master_entry() {
     let plan = p.plan(&want, Scope::All);
     let ops = plan.services[0]
         .plan
-        .as_ref()
+        .as_deref()
         .unwrap()
         .as_ref()
         .unwrap()
@@ -3521,7 +3521,7 @@ fn table_memory_at_10000_lb_services_of_10() {
     let plan = p.plan(&want, Scope::All);
     let took = t0.elapsed();
     let units: Vec<&plan::UnitPlan> = (plan.services.iter())
-        .filter_map(|s| s.plan.as_ref()?.as_deref().ok())
+        .filter_map(|s| s.plan.as_deref()?.as_ref().ok())
         .collect();
     let entries: Vec<&(SlotKey, TableRef, plan::Region)> =
         units.iter().flat_map(|u| &u.tables).collect();
