@@ -6276,10 +6276,9 @@ fn maglev_choices(
     Some((v.count, choices))
 }
 
-/// `bpftool -j map dump pinned SVC_MAGLEV_INDEX`: each generation (id, rev) with the offset
-/// and size of its table, as bpftool prints the BTF map (field names, not raw bytes).
-fn bpftool_maglev_index(bpffs: &std::path::Path) -> BTreeMap<(u32, u16), (u64, u64)> {
-    let pin = svc_agent::datapath::map_pin(bpffs, svc_common::map_names::MAGLEV_INDEX);
+/// `bpftool -j map dump pinned` of `map`'s pin under `bpffs`: its entries.
+fn bpftool_dump(bpffs: &std::path::Path, map: &str) -> Vec<Value> {
+    let pin = svc_agent::datapath::map_pin(bpffs, map);
     let out = std::process::Command::new("bpftool")
         .args(["-j", "map", "dump", "pinned"])
         .arg(&pin)
@@ -6291,7 +6290,13 @@ fn bpftool_maglev_index(bpffs: &std::path::Path) -> BTreeMap<(u32, u16), (u64, u
         pin.display()
     );
     let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
-    (v.as_array().expect("a list of entries").iter())
+    v.as_array().expect("a list of entries").clone()
+}
+
+/// `bpftool -j map dump pinned SVC_MAGLEV_INDEX`: each generation (id, rev) with the offset
+/// and size of its table, as bpftool prints the BTF map (field names, not raw bytes).
+fn bpftool_maglev_index(bpffs: &std::path::Path) -> BTreeMap<(u32, u16), (u64, u64)> {
+    (bpftool_dump(bpffs, svc_common::map_names::MAGLEV_INDEX).iter())
         .map(|e| {
             // With BTF, bpftool -j prints the raw bytes and the fields under "formatted".
             let (k, v) = (&e["formatted"]["key"], &e["formatted"]["value"]);
@@ -6450,19 +6455,7 @@ fn maglev_pages_of(offset: u32, size: u32) -> Vec<u32> {
 /// `bpftool -j map dump pinned SVC_MAGLEV`: each page by number, with its entries in order,
 /// as bpftool prints the BTF map (blocks of entries by field name).
 fn bpftool_maglev_pages(bpffs: &std::path::Path) -> BTreeMap<u32, Vec<u64>> {
-    let pin = svc_agent::datapath::map_pin(bpffs, svc_common::map_names::MAGLEV);
-    let out = std::process::Command::new("bpftool")
-        .args(["-j", "map", "dump", "pinned"])
-        .arg(&pin)
-        .output()
-        .expect("bpftool");
-    assert!(
-        out.status.success(),
-        "bpftool map dump {}: {out:?}",
-        pin.display()
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
-    (v.as_array().expect("a list of entries").iter())
+    (bpftool_dump(bpffs, svc_common::map_names::MAGLEV).iter())
         .map(|e| {
             let (k, v) = (&e["formatted"]["key"], &e["formatted"]["value"]);
             let page = k
