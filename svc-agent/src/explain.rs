@@ -602,7 +602,7 @@ fn maglev_choice(
     ) % size;
     let Some(entry) = live.maglev_entry(offset.wrapping_add(h)) else {
         e.warnings.push(format!(
-            "entry {} of the Maglev array (the table's {h}) is not there, {random}",
+            "entry {} of the Maglev tables (the table's {h}) is not there, {random}",
             offset.wrapping_add(h)
         ));
         return;

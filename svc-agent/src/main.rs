@@ -482,8 +482,8 @@ impl PacketArgs {
 }
 
 /// Map capacities (max_entries). Hash maps allocate entries as they are used; their bucket
-/// arrays (about 16 bytes per entry of capacity), the LRU maps and the arrays (backends,
-/// Maglev tables) are allocated in full. A pinned map of another capacity is migrated into
+/// arrays (about 16 bytes per entry of capacity), the LRU maps and the backends array are
+/// allocated in full. A pinned map of another capacity is migrated into
 /// one of the new size at start.
 #[derive(clap::Args)]
 struct CapacityArgs {
@@ -521,7 +521,7 @@ struct CapacityArgs {
     /// Maglev table entries over all external frontends (2 bytes each, allocated as tables are
     /// written, in pages of 480; a table is 127 to 131,071 entries, about 100 per backend, and
     /// a changed backend set needs room for the old and the new table during the grace
-    /// period). 0: no tables. The default, 34 MiB when full and 1 MiB while no table is
+    /// period). 0: no tables. The default, 35 MiB when full and 1 MiB while no table is
     /// written, holds 10,000 Services of 10 backends with one external frontend each, with
     /// room to spare (docs/design/maglev.md).
     #[arg(long, default_value_t = DEFAULT_MAGLEV_ENTRIES)]
@@ -611,11 +611,12 @@ impl CapacityArgs {
             node_addrs: svc_common::capacity::NODE_ADDRS,
             ct: self.max_ct,
             dev_stats: svc_common::capacity::DEV_STATS,
-            // A map has one entry at least: 0 entries is one page no table uses.
+            // 0 entries: no room (a map of one page no table uses, `Capacity::of`). At most
+            // what keeps an offset in entries within a u32 (`MaglevIndex::offset`).
             maglev: self
                 .max_maglev_entries
                 .div_ceil(svc_common::MAGLEV_BLOCK * svc_common::MAGLEV_PAGE)
-                .max(1),
+                .min(u32::MAX / (svc_common::MAGLEV_BLOCK * svc_common::MAGLEV_PAGE)),
             maglev_index: self.max_services,
             service_stats: self.max_services,
             per_service: self.per_service_metrics,

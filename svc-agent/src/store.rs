@@ -101,6 +101,10 @@ macro_rules! capacity {
                 if map == map_names::SERVICE_STATS && !self.per_service {
                     return Some(1);
                 }
+                // No room for tables (`--max-maglev-entries 0`) is still a map of one page.
+                if map == map_names::MAGLEV && self.maglev == 0 {
+                    return Some(1);
+                }
                 $( if map == map_names::$map { return Some(self.$field); } )*
                 // Sized with the assured table, not on its own.
                 (map == map_names::CT_NEW).then(|| svc_common::capacity::ct_new(self.ct))
@@ -196,7 +200,7 @@ pub trait Store {
     /// timeouts and the SNAT range. None when this object has no connection-tracking map (a
     /// predecessor's programs may still have one).
     fn flow_destinations(&self, config: &DatapathConfig) -> Result<Option<FlowWalk>>;
-    /// `len` blocks of `SVC_MAGLEV` from `start` (fewer where the array ends).
+    /// `len` blocks of `SVC_MAGLEV` from `start` (fewer where its room ends).
     fn read_maglev(&self, start: u32, len: u32) -> Result<Vec<MaglevBlock>>;
 
     /// `snap` with the tables its index names (`Snapshot::maglev_tables`), for an exact

@@ -185,8 +185,10 @@ fn maglev_entry(svc: &ServiceValue, caller: &impl Caller) -> u32 {
     }
     let pos = offset.wrapping_add(caller.flow_hash(seed) % size);
     let block = pos / MAGLEV_BLOCK;
-    // SAFETY: one entry is copied out; the agent replaces a page whole, the tables it
-    // holds besides the one it writes as they were.
+    // SAFETY: one entry is copied out of an element the kernel keeps while this program
+    // runs. The agent replaces a page whole, the tables it holds besides the one it writes
+    // as they were; where the kernel reuses a freed element at once, the entry read may be
+    // another page's (docs/design/maglev.md), which the slot count bounds below.
     match unsafe { SVC_MAGLEV.get(block / MAGLEV_PAGE) } {
         Some(p) => match p.blocks.get(opaque((block % MAGLEV_PAGE) as usize)) {
             Some(b) => b.entries[(pos % MAGLEV_BLOCK) as usize] as u32,

@@ -2997,6 +2997,31 @@ fn pages(store: &ModelStore) -> Vec<u32> {
     store.snapshot().unwrap().maglev_pages
 }
 
+/// `--max-maglev-entries 0`: no room for tables, so no external frontend wants one (none
+/// counted as without room, none written), though the map is one page, as a map must have
+/// an entry.
+#[test]
+fn no_room_for_tables_writes_none_and_wants_none() {
+    let capacity = Capacity {
+        maglev: 0,
+        ..Capacity::default()
+    };
+    assert_eq!(capacity.of(svc_common::map_names::MAGLEV), Some(1));
+    assert_eq!(capacity.maglev_blocks(), 0);
+    let mut want = DesiredState::default();
+    let f = lb_frontend(&mut want, "198.51.100.1", 80, None, &maglev_backends(2));
+    let mut p = Programmed::empty(capacity, Duration::from_secs(1));
+    let mut store = ModelStore::default();
+    let r = settle(&mut p, &mut store, &want);
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert_eq!(
+        store.services[&service_key(&f)].flags & svc_flags::MAGLEV,
+        0
+    );
+    assert!(p.maglev.roomless.is_empty(), "{:?}", p.maglev.roomless);
+    assert!(store.maglev.is_empty() && store.maglev_index.is_empty());
+}
+
 /// A page of SVC_MAGLEV goes back to the kernel once no table is in it: a table's pages when
 /// it is retired, but not a page it shares with a table still in use; and at a restart, a
 /// page a dead agent left without a table.
