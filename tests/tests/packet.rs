@@ -6345,6 +6345,19 @@ fn external_pair(
     ])
 }
 
+/// Service "ms": a NodePort (30141) with the ExternalIP `EXTERNAL_IP`, port 80, whose external
+/// frontends get Maglev tables.
+fn maglev_service() -> Value {
+    service(
+        "ms",
+        "NodePort",
+        41,
+        30141,
+        json!({"externalIPs": [EXTERNAL_IP]}),
+        json!({}),
+    )
+}
+
 /// The external frontends of one Service port, its ExternalIP and its NodePort (one family),
 /// share one Maglev table: their index entries, as bpftool prints them, name the same offset.
 /// A new endpoint moves both to one new table together (each by its own master entry), and
@@ -6372,17 +6385,7 @@ fn the_external_frontends_of_a_service_port_share_one_maglev_table() {
             .collect();
         t.endpoints("ms", &refs);
     };
-    t.service(
-        "ms",
-        service(
-            "ms",
-            "NodePort",
-            41,
-            30141,
-            json!({"externalIPs": [EXTERNAL_IP]}),
-            json!({}),
-        ),
-    );
+    t.service("ms", maglev_service());
     endpoints(&t, 3);
     t.start_agent_with(&["--retire-grace-ms", "500"]);
     let shared = |count: u16| {
@@ -6485,17 +6488,7 @@ fn bpftool_maglev_pages(bpffs: &std::path::Path) -> BTreeMap<u32, Vec<u64>> {
 fn maglev_tables_of_the_array_are_carried_into_pages() {
     use svc_agent::store::Store;
     let mut t = Topo::new();
-    t.service(
-        "ms",
-        service(
-            "ms",
-            "NodePort",
-            41,
-            30141,
-            json!({"externalIPs": [EXTERNAL_IP]}),
-            json!({}),
-        ),
-    );
+    t.service("ms", maglev_service());
     t.endpoints(
         "ms",
         &[

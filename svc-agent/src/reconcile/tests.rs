@@ -2997,6 +2997,52 @@ fn pages(store: &ModelStore) -> Vec<u32> {
     store.snapshot().unwrap().maglev_pages
 }
 
+/// A kill between any two writes of the retirement that deletes a table (its slots, its
+/// index entry, the page it had alone) leaves no page behind once the next agent has synced:
+/// the pages are those of the table still in use, and the maps are exact.
+#[test]
+fn a_crash_after_any_op_of_a_table_retirement_leaves_no_page_behind() {
+    let mut want = DesiredState::default();
+    lb_frontend(&mut want, "198.51.100.1", 80, None, &maglev_backends(2));
+    let other: Vec<DesiredBackend> = maglev_backends(3)[1..].to_vec();
+    let b = lb_frontend(&mut want, "198.51.100.2", 80, None, &other);
+    let mut only_a = want.clone();
+    only_a.frontends.remove(&b);
+    // The store and the agent with the second table's retirement due.
+    let due = || {
+        let mut store = ModelStore::default();
+        let mut p = fresh();
+        settle(&mut p, &mut store, &want);
+        let now = Instant::now();
+        p.apply_scoped(&mut store, &only_a, Scope::All, now);
+        store.forget_readers();
+        (store, p, now + Duration::from_secs(3600))
+    };
+    let total = {
+        let (mut store, mut p, later) = due();
+        let n0 = store.ops;
+        p.retire_due(&mut store, later);
+        assert_eq!(
+            pages(&store),
+            vec![0],
+            "the second table's own page deleted"
+        );
+        store.ops - n0
+    };
+    assert!(total > 1, "{total}");
+    for kill_at in 0..=total {
+        let (mut store, mut p, later) = due();
+        store.crash_after = Some(store.ops + kill_at);
+        p.retire_due(&mut store, later);
+        store.crash_after = None;
+        let mut again = recovered(&store);
+        let r = settle(&mut again, &mut store, &only_a);
+        assert!(r.errors.is_empty(), "kill at {kill_at}: {:?}", r.errors);
+        assert_eq!(pages(&store), vec![0], "kill at {kill_at}");
+        exact(&store, &only_a);
+    }
+}
+
 /// `--max-maglev-entries 0`: no room for tables, so no external frontend wants one (none
 /// counted as without room, none written), though the map is one page, as a map must have
 /// an entry.
